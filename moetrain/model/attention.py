@@ -1,0 +1,48 @@
+"""Grouped-query attention with per-head QK-norm and RoPE, through PyTorch SDPA.
+
+Legend: B batch, T sequence, D model dim, H query heads, G key/value heads, Dh head dim.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moetrain.model.norm import RMSNorm
+from moetrain.model.rope import apply_rope
+
+
+class Attention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, qk_norm: bool, norm_eps: float):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.wq = nn.Linear(d_model, n_heads * head_dim, bias=False)
+        self.wk = nn.Linear(d_model, n_kv_heads * head_dim, bias=False)
+        self.wv = nn.Linear(d_model, n_kv_heads * head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * head_dim, d_model, bias=False)
+        # Per-head norm (one weight of size Dh shared by all heads), as Qwen3 does.
+        self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
+
+    def forward(
+        self,
+        x_BTD: torch.Tensor,
+        cos_TD: torch.Tensor,
+        sin_TD: torch.Tensor,
+        mask_BTT: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        q_BTHD = self.wq(x_BTD).view(B, T, self.n_heads, self.head_dim)
+        k_BTGD = self.wk(x_BTD).view(B, T, self.n_kv_heads, self.head_dim)
+        v_BTGD = self.wv(x_BTD).view(B, T, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q_BTHD, k_BTGD = self.q_norm(q_BTHD), self.k_norm(k_BTGD)
+        q_BHTD = apply_rope(q_BTHD.transpose(1, 2), cos_TD, sin_TD)
+        k_BGTD = apply_rope(k_BTGD.transpose(1, 2), cos_TD, sin_TD)
+        v_BGTD = v_BTGD.transpose(1, 2)
+        if mask_BTT is None:
+            o_BHTD = F.scaled_dot_product_attention(q_BHTD, k_BGTD, v_BGTD, is_causal=True, enable_gqa=True)
+        else:  # document masking: the mask already contains causality
+            o_BHTD = F.scaled_dot_product_attention(
+                q_BHTD, k_BGTD, v_BGTD, attn_mask=mask_BTT.unsqueeze(1), enable_gqa=True
+            )
+        return self.wo(o_BHTD.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))

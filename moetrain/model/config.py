@@ -1,0 +1,160 @@
+"""Model configuration: the transformer and its mixture-of-experts layers."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import torch
+
+from moetrain.config import Config
+from moetrain.errors import ConfigError
+
+# torch._grouped_mm needs every row stride to be a multiple of 16 bytes: 8 bf16 or 4 fp32 values.
+GROUPED_MM_ALIGN = 8
+
+
+class Gating(enum.StrEnum):
+    softmax = "softmax"
+    """Probabilities over all experts; the top-k are selected from them."""
+    sigmoid = "sigmoid"
+    """Independent per-expert scores in (0, 1) (DeepSeek-V3 style)."""
+
+
+class Routing(enum.StrEnum):
+    learned = "learned"
+    """Top-k of the router scores (plus the aux-free bias, when enabled)."""
+    random = "random"
+    """k distinct experts drawn uniformly per token, for system benchmarks: the router still runs
+    and its scores still weight the outputs, so the graph and FLOPs equal learned routing."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class MoEConfig(Config):
+    num_experts: int = 8
+    """Routed experts per MoE layer."""
+    top_k: int = 4
+    """Experts each token is sent to."""
+    expert_hidden: int = 128
+    """Hidden size of each routed SwiGLU expert."""
+    shared_hidden: int = 0
+    """Hidden size of the shared expert that every token also passes through; 0 = none."""
+    gating: Gating = Gating.softmax
+    """How router logits become scores."""
+    routing: Routing = Routing.learned
+    """How experts are selected."""
+    normalize_weights: bool = True
+    """Rescale the k selected scores to sum to 1."""
+    restore_weight_scale: bool = False
+    """Multiply the (normalized) weights by k, which keeps the output scale of a split dense MLP."""
+    lb_loss_weight: float = 0.01
+    """Weight of the Switch-style load-balancing loss; 0 disables it."""
+    z_loss_weight: float = 2e-4
+    """Weight of the router z-loss (mean squared logsumexp of the logits); 0 disables it."""
+    bias_update_rate: float = 0.0
+    """Auxiliary-loss-free balancing: after each optimizer step every expert's selection bias moves
+    by this amount towards uniform load (sign of the load error). 0 disables it."""
+
+    def validate(self) -> None:
+        for name in ("num_experts", "top_k", "expert_hidden"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"model.moe.{name}={getattr(self, name)} must be a positive integer.")
+        if self.top_k > self.num_experts:
+            raise ConfigError(
+                f"model.moe.top_k={self.top_k} is larger than model.moe.num_experts="
+                f"{self.num_experts}: a token cannot pick more experts than exist. Lower top_k or "
+                "raise num_experts."
+            )
+        if self.shared_hidden < 0:
+            raise ConfigError(f"model.moe.shared_hidden={self.shared_hidden} must be ≥ 0 (0 = no shared expert).")
+        if self.expert_hidden % GROUPED_MM_ALIGN:
+            raise ConfigError(
+                f"model.moe.expert_hidden={self.expert_hidden} must be a multiple of "
+                f"{GROUPED_MM_ALIGN} (the grouped GEMM needs 16-byte aligned rows)."
+            )
+        for name in ("lb_loss_weight", "z_loss_weight", "bias_update_rate"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"model.moe.{name}={getattr(self, name)} must be ≥ 0.")
+
+
+@dataclasses.dataclass(kw_only=True)
+class TransformerConfig(Config):
+    vocab_size: int = 8192
+    """Rows of the embedding and the LM head (pad it to a multiple of 128 for speed)."""
+    d_model: int = 128
+    """Width of the residual stream."""
+    n_layers: int = 4
+    """Transformer blocks in total (dense + MoE)."""
+    n_heads: int = 4
+    """Query heads."""
+    n_kv_heads: int = 2
+    """Key/value heads (grouped-query attention); must divide n_heads."""
+    head_dim: int | None = None
+    """Width of one head; None = d_model // n_heads."""
+    num_dense_layers: int = 1
+    """The first blocks use a dense SwiGLU MLP instead of an MoE layer."""
+    dense_hidden: int | None = None
+    """Hidden size of the dense MLP; None = top_k × expert_hidden + shared_hidden."""
+    qk_norm: bool = True
+    """Per-head RMSNorm on queries and keys."""
+    peri_norm: bool = False
+    """Also normalize each sublayer's output before the residual add (pre-norm otherwise)."""
+    norm_eps: float = 1e-6
+    rope_theta: float = 500_000.0
+    init_std: float = 0.02
+    """Std of the (truncated) normal initialization; output projections use
+    init_std / sqrt(2 × n_layers)."""
+    moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
+
+    @property
+    def resolved_dense_hidden(self) -> int:
+        if self.dense_hidden is not None:
+            return self.dense_hidden
+        return self.moe.top_k * self.moe.expert_hidden + self.moe.shared_hidden
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.n_layers - self.num_dense_layers
+
+    def validate(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"model.{name}={getattr(self, name)} must be a positive integer.")
+        if self.head_dim is None and self.d_model % self.n_heads:
+            raise ConfigError(
+                f"model.n_heads={self.n_heads} does not divide model.d_model={self.d_model}: "
+                "choose heads that divide the width, or set model.head_dim explicitly."
+            )
+        if self.head_dim is not None and (self.head_dim <= 0 or self.head_dim % 2):
+            raise ConfigError(f"model.head_dim={self.head_dim} must be a positive even integer (RoPE rotates pairs).")
+        if self.resolved_head_dim % 2:
+            raise ConfigError(f"head dim d_model/n_heads={self.resolved_head_dim} must be even (RoPE rotates pairs).")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                f"model.n_kv_heads={self.n_kv_heads} does not divide model.n_heads={self.n_heads}: "
+                "each key/value head serves a whole group of query heads."
+            )
+        if not 0 <= self.num_dense_layers <= self.n_layers:
+            raise ConfigError(
+                f"model.num_dense_layers={self.num_dense_layers} must lie in [0, model.n_layers="
+                f"{self.n_layers}]."
+            )
+        if self.d_model % GROUPED_MM_ALIGN:
+            raise ConfigError(
+                f"model.d_model={self.d_model} must be a multiple of {GROUPED_MM_ALIGN} (the grouped "
+                "GEMM needs 16-byte aligned rows)."
+            )
+        if self.dense_hidden is not None and self.dense_hidden <= 0:
+            raise ConfigError(f"model.dense_hidden={self.dense_hidden} must be positive (or null for the default).")
+
+    def build(self, device: str | None = None):
+        """Build the model. On device "meta" no memory is allocated; call `to_empty()` and
+        `init_weights()` to materialize it."""
+        from moetrain.model.transformer import Transformer
+
+        with torch.device(device or "cpu"):
+            return Transformer(self)

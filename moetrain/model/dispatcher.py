@@ -1,0 +1,53 @@
+"""Token dispatchers: the seam between routing and the experts.
+
+Legend: N tokens, K top-k, M = N·K assignments, D model dim, E experts (local to this rank).
+
+The MoE layer calls `dispatch → experts → combine` and never communicates itself. This file holds
+the local (single-device) dispatcher; expert parallelism (moetrain/parallel/) swaps in
+dispatchers that move the sorted rows to the ranks holding their experts with all-to-all and
+back, behind the same two methods.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class DispatchState(NamedTuple):
+    """What `combine` needs to undo `dispatch`."""
+
+    sort_idx_M: torch.Tensor
+    num_tokens: int
+
+
+class LocalTokenDispatcher:
+    """Permute token copies into expert order on one device; dropless, sync-free."""
+
+    num_local_experts: int
+
+    def __init__(self, num_experts: int):
+        self.num_local_experts = num_experts
+
+    def dispatch(
+        self, x_ND: torch.Tensor, topk_ids_NK: torch.Tensor, tokens_per_expert_E: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, DispatchState]:
+        """Returns the rows sorted by expert (M, D), the int32 end offset of each expert's rows
+        (E,), and the state for `combine`."""
+        num_tokens, top_k = topk_ids_NK.shape
+        # Stable sort keeps each expert's rows in token order: deterministic results.
+        sort_idx_M = topk_ids_NK.flatten().argsort(stable=True)
+        x_MD = x_ND.index_select(0, sort_idx_M // top_k)
+        offsets_E = tokens_per_expert_E.cumsum(0).to(torch.int32)
+        return x_MD, offsets_E, DispatchState(sort_idx_M, num_tokens)
+
+    def combine(self, y_MD: torch.Tensor, state: DispatchState) -> torch.Tensor:
+        """Undo the permutation: (M, D) in expert order -> (N, K, D) in token order."""
+        # sort_idx is a permutation: every row is overwritten, so no zero-fill is needed.
+        y_unsorted_MD = torch.empty_like(y_MD).index_copy(0, state.sort_idx_M, y_MD)
+        return y_unsorted_MD.view(state.num_tokens, -1, y_MD.shape[-1])
+
+    def dropped_tokens(self) -> torch.Tensor | None:
+        """Assignments dropped in the last dispatch; None for dropless dispatchers."""
+        return None

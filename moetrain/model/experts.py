@@ -1,0 +1,53 @@
+"""Routed experts: E SwiGLU MLPs stored as stacked tensors and run as grouped GEMMs.
+
+Legend: M token-expert assignments (sorted by expert), D model dim, F expert hidden, E experts.
+
+The input rows arrive sorted by expert with `offsets_E` (int32, on the device) marking where each
+expert's rows end. `torch._grouped_mm` multiplies each row block by its expert's weights in one
+kernel: no Python loop over experts, no host sync, dropless. The gate and up projections are one
+fused weight, so a layer is two grouped GEMMs forward.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class GroupedExperts(nn.Module):
+    def __init__(self, num_experts: int, d_model: int, hidden: int):
+        super().__init__()
+        self.num_experts, self.d_model, self.hidden = num_experts, d_model, hidden
+        # nn.Linear layout per expert (out, in): [gate; up] stacked on the out dim.
+        self.w_gate_up_E2FD = nn.Parameter(torch.empty(num_experts, 2 * hidden, d_model))
+        self.w_down_EDF = nn.Parameter(torch.empty(num_experts, d_model, hidden))
+
+    def forward(self, x_MD: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+        w_gate_up, w_down = self.w_gate_up_E2FD, self.w_down_EDF
+        if torch.is_autocast_enabled(x_MD.device.type):
+            # Autocast does not know _grouped_mm: cast explicitly (the CUDA fast path wants bf16).
+            dtype = torch.get_autocast_dtype(x_MD.device.type)
+            x_MD, w_gate_up, w_down = x_MD.to(dtype), w_gate_up.to(dtype), w_down.to(dtype)
+        h_M2F = grouped_mm(x_MD, w_gate_up.transpose(-2, -1), offsets_E)
+        gate_MF, up_MF = h_M2F.chunk(2, dim=-1)
+        return grouped_mm(F.silu(gate_MF) * up_MF, w_down.transpose(-2, -1), offsets_E)
+
+
+def grouped_mm(a_MK: torch.Tensor, b_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """Row-block-wise matmul: rows [offsets[e-1], offsets[e]) of `a` times `b[e]`."""
+    return _ContiguousGrad.apply(torch._grouped_mm(a_MK, b_EKN, offs=offsets_E))
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous.
+
+    _grouped_mm's backward rejects gradients with zero or odd strides (e.g. from `.sum()` or an
+    expand); downstream ops may produce such gradients.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()

@@ -1,0 +1,87 @@
+"""The router: scores every token against every expert and picks k of them.
+
+Legend: N tokens (batch × sequence), D model dim, E experts, K top-k.
+
+Routing statistics (the load-balancing and z losses) are taken over all N tokens the layer sees
+in one forward call: the global micro-batch on one device. Everything stays on the device: no
+`.item()`, `.tolist()` or `.cpu()`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moetrain.model.config import Gating, MoEConfig, Routing
+
+
+class RouterOutput(NamedTuple):
+    topk_ids_NK: torch.Tensor
+    """Selected experts per token (int64)."""
+    topk_weights_NK: torch.Tensor
+    """Their combine weights (fp32, differentiable through the router)."""
+    tokens_per_expert_E: torch.Tensor
+    """Assignments each expert received (int64, no grad)."""
+    lb_loss: torch.Tensor
+    """Switch-style load-balancing loss (scalar, fp32; 1.0 at perfect balance for softmax)."""
+    z_loss: torch.Tensor
+    """Router z-loss: mean over tokens of logsumexp(logits)² (scalar, fp32)."""
+
+
+class Router(nn.Module):
+    def __init__(self, d_model: int, cfg: MoEConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, d_model))
+        # Aux-loss-free balancing (DeepSeek-V3): a bias added to the scores for *selection only*,
+        # moved outside autograd after each optimizer step. Persistent: checkpoints carry it.
+        self.register_buffer("expert_bias_E", torch.zeros(cfg.num_experts, dtype=torch.float32))
+
+    def forward(self, x_ND: torch.Tensor) -> RouterOutput:
+        cfg = self.cfg
+        # fp32 logits: bf16 would round near-tied scores and make selection noisy.
+        logits_NE = F.linear(x_ND.float(), self.weight.float())
+        if cfg.gating == Gating.softmax:
+            scores_NE = logits_NE.softmax(dim=-1)
+        else:
+            scores_NE = logits_NE.sigmoid()
+
+        with torch.no_grad():
+            if cfg.routing == Routing.random:
+                # A uniformly random k-subset per token: top-k of iid uniform noise.
+                noise_NE = torch.rand(logits_NE.shape, device=logits_NE.device)
+                topk_ids_NK = noise_NE.topk(cfg.top_k, dim=-1).indices
+            else:
+                topk_ids_NK = (scores_NE + self.expert_bias_E).topk(cfg.top_k, dim=-1).indices
+            tokens_per_expert_E = torch.zeros(cfg.num_experts, dtype=torch.int64, device=x_ND.device)
+            tokens_per_expert_E.scatter_add_(0, topk_ids_NK.flatten(), torch.ones_like(topk_ids_NK.flatten()))
+
+        topk_weights_NK = scores_NE.gather(-1, topk_ids_NK)
+        if cfg.normalize_weights:
+            topk_weights_NK = topk_weights_NK / topk_weights_NK.sum(dim=-1, keepdim=True)
+        if cfg.restore_weight_scale:
+            topk_weights_NK = topk_weights_NK * cfg.top_k
+
+        lb_loss = load_balancing_loss(scores_NE, tokens_per_expert_E, cfg.top_k, cfg.gating)
+        z_loss = torch.logsumexp(logits_NE, dim=-1).square().mean()
+        return RouterOutput(topk_ids_NK, topk_weights_NK, tokens_per_expert_E, lb_loss, z_loss)
+
+
+def load_balancing_loss(
+    scores_NE: torch.Tensor, tokens_per_expert_E: torch.Tensor, top_k: int, gating: Gating
+) -> torch.Tensor:
+    """Switch-Transformer loss for top-k: E · Σ_e f_e · P_e.
+
+    f_e = share of the N·K assignments that went to expert e (no gradient);
+    P_e = mean router probability of expert e over the N tokens (the gradient path).
+    Sigmoid scores are first normalized per token so that P sums to 1, as for softmax.
+    """
+    num_tokens, num_experts = scores_NE.shape
+    if gating == Gating.sigmoid:
+        scores_NE = scores_NE / scores_NE.sum(dim=-1, keepdim=True)
+    f_E = tokens_per_expert_E.float() / (num_tokens * top_k)
+    p_E = scores_NE.mean(dim=0)
+    return num_experts * (f_E * p_E).sum()

@@ -1,0 +1,125 @@
+"""Named configurations shipped with the package, and resolution of PRESET_OR_YAML + overrides.
+
+`tiny` trains on a laptop CPU in minutes. `ref-*` reproduce the anchor's (Olmo-core 3) reference
+shapes, `sweep-8l-*` its capacity sweep (see shared/REFERENCE.md for the published figures).
+A YAML run file may start from a preset with a top-level `preset: NAME` key and override any
+section below it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from moetrain.config import apply_overrides, load_yaml, validate_tree
+from moetrain.errors import ConfigError
+from moetrain.model.config import MoEConfig, TransformerConfig
+from moetrain.train.config import RunConfig, TrainerConfig
+
+ANCHOR_VOCAB = 100_352  # 100,278 tokens padded to a multiple of 128
+
+
+def tiny() -> RunConfig:
+    """≈3.7M parameters, 8k vocabulary: softmax top-4 of 8 experts with normalized weights, no
+    shared expert, per-head QK-norm, pre-norm (maps onto HF Qwen3-MoE)."""
+    return RunConfig(
+        model=TransformerConfig(
+            vocab_size=8192, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, num_dense_layers=1,
+            moe=MoEConfig(num_experts=8, top_k=4, expert_hidden=128, shared_hidden=0,
+                          normalize_weights=True, restore_weight_scale=False,
+                          lb_loss_weight=0.01, z_loss_weight=1e-3),
+        ),
+    )
+
+
+def _anchor_model(*, layers: int, dense: int, d_model: int, heads: int, kv_heads: int,
+                  hidden: int, experts: int, lb: float) -> TransformerConfig:
+    """The anchor's production architecture: head_dim 128, QK-norm, one shared expert as wide as a
+    routed one, top-4 softmax with normalized weights × k, first `dense` blocks dense."""
+    return TransformerConfig(
+        vocab_size=ANCHOR_VOCAB, d_model=d_model, n_layers=layers, n_heads=heads,
+        n_kv_heads=kv_heads, head_dim=128, num_dense_layers=dense,
+        moe=MoEConfig(num_experts=experts, top_k=4, expert_hidden=hidden, shared_hidden=hidden,
+                      normalize_weights=True, restore_weight_scale=True,
+                      lb_loss_weight=lb, z_loss_weight=2e-4),
+    )
+
+
+def _big_run(model: TransformerConfig, *, seq_len: int, gpus: int, global_batch: int, lr: float) -> RunConfig:
+    """Batch sizes are global: one sequence per GPU per micro-batch at the reference GPU count."""
+    cfg = RunConfig(model=model)
+    cfg.data.seq_len = seq_len
+    cfg.optim.lr = lr
+    cfg.schedule.warmup_steps = 2000
+    cfg.train = TrainerConfig(steps=100_000, global_batch_size=global_batch, micro_batch_size=gpus,
+                              log_every=10, eval_every=1000, save_every=1000)
+    return cfg
+
+
+def _ref(layers, dense, d_model, heads, kv, hidden, experts, gpus, lb=0.01):
+    return lambda: _big_run(
+        _anchor_model(layers=layers, dense=dense, d_model=d_model, heads=heads, kv_heads=kv,
+                      hidden=hidden, experts=experts, lb=lb),
+        seq_len=8192, gpus=gpus, global_batch=max(256, gpus * 4), lr=4e-4,
+    )
+
+
+def _sweep(experts: int) -> Callable[[], RunConfig]:
+    return lambda: _big_run(
+        _anchor_model(layers=8, dense=1, d_model=4096, heads=32, kv_heads=8, hidden=4096,
+                      experts=experts, lb=0.01),
+        seq_len=4096, gpus=8, global_batch=64, lr=4e-4,
+    )
+
+
+PRESETS: dict[str, Callable[[], RunConfig]] = {
+    "tiny": tiny,
+    "ref-tiny-64e": _ref(16, 1, 2048, 16, 4, 2048, 64, gpus=16),
+    "ref-small-64e": _ref(32, 1, 2560, 24, 6, 2560, 64, gpus=128),
+    "ref-medium-128e": _ref(39, 2, 3072, 32, 8, 3072, 128, gpus=128, lb=0.005),
+    "ref-large-128e": _ref(47, 2, 4096, 40, 10, 4096, 128, gpus=512, lb=0.005),
+    "ref-ultra-128e": _ref(63, 2, 6144, 64, 32, 8192, 128, gpus=512, lb=0.005),
+    "ref-ultra-256e": _ref(63, 2, 6144, 64, 32, 8192, 256, gpus=512, lb=0.005),
+    **{f"sweep-8l-{e}": _sweep(e) for e in (8, 16, 32, 64, 128)},
+}
+
+
+def preset(name: str) -> RunConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"Unknown preset '{name}'. Presets: {', '.join(PRESETS)}; or pass a YAML file path.")
+    return PRESETS[name]()
+
+
+def resolve_config(spec: str, overrides: list[str] | None = None) -> RunConfig:
+    """PRESET_OR_YAML plus `key.sub=value` overrides -> a validated RunConfig."""
+    if spec in PRESETS:
+        cfg = preset(spec)
+    elif spec.endswith((".yaml", ".yml")) or Path(spec).exists():
+        cfg = _from_yaml(load_yaml(spec), spec)
+    else:
+        raise ConfigError(
+            f"'{spec}' is neither a preset ({', '.join(PRESETS)}) nor an existing YAML file."
+        )
+    cfg = apply_overrides(cfg, overrides or [])
+    validate_tree(cfg)
+    return cfg
+
+
+def _from_yaml(data: dict[str, Any], path: str) -> RunConfig:
+    base_name = data.pop("preset", None)
+    base = preset(base_name) if base_name is not None else RunConfig()
+    merged = _deep_merge(base.to_dict(), data)
+    try:
+        return RunConfig.from_dict(merged)
+    except ConfigError as e:
+        raise ConfigError(f"In '{path}': {e}") from None
+
+
+def _deep_merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out

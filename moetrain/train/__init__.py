@@ -1,0 +1,1 @@
+"""Training: run configuration, optimizer and schedule, the loop, checkpoints and metrics."""

@@ -1,0 +1,90 @@
+"""Step metrics: throughput, FLOPs/MFU, memory and real expert load, and where they are written.
+
+The metrics.jsonl contract (one JSON object per logged step; keys never renamed):
+  step, loss, lm_loss, lb_loss, z_loss, lr, grad_norm, tokens_per_sec, tokens_per_sec_per_device,
+  tflops_per_device, mfu, peak_mem_gib, expert_load_max_over_mean, dropped_token_frac,
+  unused_experts, and val_loss on evaluation steps.
+- loss: the optimized objective, lm_loss + Σ_layers (lb_weight·lb + z_weight·z).
+- lb_loss / z_loss: unweighted, averaged over MoE layers and micro-batches (lb = 1 is balanced).
+- tokens_per_sec: tokens of all ranks per second of wall time, averaged since the last log.
+- tflops_per_device: flops_per_token × tokens_per_sec_per_device (the anchor's formula);
+  mfu: that over the device's dense BF16 peak; null on CPU and unknown GPUs.
+- peak_mem_gib: torch.cuda.max_memory_allocated on GPU, the process's peak RSS on CPU.
+- expert_load_max_over_mean: worst MoE layer's max/mean tokens per expert over the step.
+- unused_experts: experts (summed over MoE layers) that received no token in the step.
+- dropped_token_frac: dropped / routed assignments (0 for dropless dispatch).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def routing_metrics(layer_stats: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Reduce per-MoE-layer step statistics to the logged scalars (one host sync)."""
+    if not layer_stats:
+        return {"lb_loss": 0.0, "z_loss": 0.0, "expert_load_max_over_mean": 1.0,
+                "dropped_token_frac": 0.0, "unused_experts": 0}
+    counts_LE = torch.stack([s["tokens_per_expert"] for s in layer_stats]).float()
+    lb = torch.stack([s["lb_loss"] for s in layer_stats]).mean()
+    z = torch.stack([s["z_loss"] for s in layer_stats]).mean()
+    dropped = torch.stack([s["dropped"] for s in layer_stats]).sum().float()
+    load_ratio = (counts_LE.max(dim=1).values / counts_LE.mean(dim=1).clamp(min=1e-9)).max()
+    unused = (counts_LE == 0).sum()
+    routed = counts_LE.sum() + dropped
+    values = torch.stack([lb, z, load_ratio, dropped / routed.clamp(min=1), unused.float()]).tolist()
+    return {
+        "lb_loss": values[0],
+        "z_loss": values[1],
+        "expert_load_max_over_mean": values[2],
+        "dropped_token_frac": values[3],
+        "unused_experts": int(values[4]),
+    }
+
+
+def peak_mem_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    # ru_maxrss is KiB on Linux, bytes on macOS.
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+class MetricsWriter:
+    """Appends records to RUN_DIR/metrics.jsonl and mirrors scalars to TensorBoard (RUN_DIR/tb)."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool):
+        self.path = run_dir / "metrics.jsonl"
+        self.tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # tensorboard is an optional dependency
+                print("note: tensorboard is not installed; skipping RUN_DIR/tb events", file=sys.stderr)
+            else:
+                self.tb = SummaryWriter(log_dir=str(run_dir / "tb"))
+
+    def write(self, record: dict[str, Any]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+        if self.tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.tb.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,56 @@
+"""AdamW with parameter groups, and the learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from moetrain.train.config import OptimConfig, ScheduleConfig, ScheduleKind
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices only: norms, biases and embeddings (1-D or nn.Embedding) get no decay."""
+    embedding_params = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim < 2 or id(p) in embedding_params else decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+    on_cuda = next(model.parameters()).is_cuda
+    return torch.optim.AdamW(
+        param_groups(model, cfg.weight_decay),
+        lr=cfg.lr,
+        betas=tuple(cfg.betas),
+        eps=cfg.eps,
+        # Fused on CUDA (one kernel for all parameters); foreach on CPU.
+        fused=True if on_cuda else None,
+    )
+
+
+def lr_at(step: int, total_steps: int, peak_lr: float, cfg: ScheduleConfig) -> float:
+    """Learning rate for optimizer step `step` (0-based)."""
+    min_lr = peak_lr * cfg.min_lr_ratio
+    if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
+        return peak_lr * (step + 1) / cfg.warmup_steps
+    if cfg.kind == ScheduleKind.constant:
+        return peak_lr
+    if cfg.kind == ScheduleKind.cosine:
+        span = max(1, total_steps - cfg.warmup_steps - 1)
+        progress = min(1.0, (step - cfg.warmup_steps) / span)
+        return min_lr + 0.5 * (peak_lr - min_lr) * (1 + math.cos(math.pi * progress))
+    # Warmup-stable-decay: linear decay over the last decay_fraction of the run.
+    decay_steps = max(1, round(total_steps * cfg.decay_fraction))
+    decay_start = total_steps - decay_steps
+    if step < decay_start:
+        return peak_lr
+    progress = min(1.0, (step - decay_start + 1) / decay_steps)
+    return peak_lr + (min_lr - peak_lr) * progress

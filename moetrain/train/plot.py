@@ -1,0 +1,44 @@
+"""RUN_DIR/loss.png: training and validation loss, and throughput, against steps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from moetrain.train.metrics import read_metrics
+
+
+def plot_run(run_dir: str | Path) -> Path | None:
+    """Draw the run's metrics.jsonl; returns the PNG path (None when matplotlib is missing)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    run_dir = Path(run_dir)
+    records = read_metrics(run_dir / "metrics.jsonl")
+    if not records:
+        return None
+    steps = [r["step"] for r in records]
+    fig, (ax_loss, ax_tput) = plt.subplots(1, 2, figsize=(11, 4))
+    ax_loss.plot(steps, [r["loss"] for r in records], label="train loss")
+    ax_loss.plot(steps, [r["lm_loss"] for r in records], label="train lm_loss", alpha=0.6)
+    val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+    if val:
+        ax_loss.plot(*zip(*val), "o-", label="val loss")
+    ax_loss.set_xlabel("step")
+    ax_loss.set_ylabel("loss (nats/token)")
+    ax_loss.set_title(run_dir.name)
+    ax_loss.grid(alpha=0.3)
+    ax_loss.legend()
+    ax_tput.plot(steps, [r["tokens_per_sec"] for r in records])
+    ax_tput.set_xlabel("step")
+    ax_tput.set_ylabel("tokens/s (all devices)")
+    ax_tput.set_ylim(bottom=0)
+    ax_tput.grid(alpha=0.3)
+    fig.tight_layout()
+    out = run_dir / "loss.png"
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

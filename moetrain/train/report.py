@@ -1,0 +1,29 @@
+"""`python -m moetrain.train.report RUN_DIR`: where a finished run's outputs are, in words."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def report(run_dir: Path) -> str:
+    summary_file = run_dir / "summary.json"
+    if not summary_file.is_file():
+        return f"{run_dir}: no summary.json (the run has not finished)."
+    s = json.loads(summary_file.read_text())
+    lines = [
+        f"run directory : {run_dir}",
+        f"checkpoint    : {s.get('checkpoint')}",
+        f"metrics       : {s.get('metrics')}",
+        f"loss plot     : {s.get('plot') or run_dir / 'loss.png'}",
+        f"tensorboard   : tensorboard --logdir {run_dir / 'tb'}",
+    ]
+    first, last = s.get("initial_val_loss"), s.get("final_val_loss")
+    if first and last:
+        lines.append(f"val loss      : {first:.3f} at step 0 -> {last:.3f} at step {s['steps']} ({last / first:.0%} of step 0)")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(report(Path(sys.argv[1])))

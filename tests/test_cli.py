@@ -1,0 +1,80 @@
+"""The command line: subcommands, JSON output lines, errors without tracebacks."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from moetrain.cli import SUBCOMMANDS, main
+
+
+def run(*args, check=True):
+    out = subprocess.run([sys.executable, "-m", "moetrain", *args], capture_output=True, text=True)
+    if check:
+        assert out.returncode == 0, out.stderr
+    return out
+
+
+def test_help_lists_every_subcommand(capsys):
+    assert main(["--help"]) == 0
+    text = capsys.readouterr().out
+    for name in SUBCOMMANDS:
+        assert name in text
+
+
+def test_config_prints_the_resolved_yaml(capsys):
+    assert main(["config", "tiny", "--steps", "7", "--optim.lr=1e-3"]) == 0
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    assert cfg["train"]["steps"] == 7 and cfg["optim"]["lr"] == 1e-3
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["config", "tiny", "--model.moe.top_k=99"], ["model.moe.top_k=99"]),
+        (["config", "tiny", "--optim.lrr=1"], ["optim.lrr"]),
+        (["config", "nope"], ["nope"]),
+        (["config", "tiny", "--bogus"], ["--bogus"]),
+        (["train", "tiny", "--data.sources=[/does/not/exist]", "--run-dir", "/tmp/moetrain-cli-test"], ["/does/not/exist", "prepare-data"]),
+        (["eval", "/does/not/exist", "--text", "x.txt"], ["/does/not/exist"]),
+    ],
+)
+def test_user_errors_exit_2_with_one_paragraph_and_no_traceback(args, words):
+    out = run(*args, check=False)
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
+    assert out.stderr.startswith("error: ")
+    for word in words:
+        assert word in out.stderr
+
+
+def test_debug_shows_the_traceback():
+    out = run("config", "tiny", "--model.moe.top_k=99", "--debug", check=False)
+    assert out.returncode != 0 and "Traceback" in out.stderr
+
+
+def test_train_eval_generate_end_to_end(real_text_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    common = ["--model.vocab_size=512", "--model.d_model=64", "--data.seq_len=64",
+              "--train.global_batch_size=4", "--train.micro_batch_size=4", "--train.eval_batches=1",
+              "--train.tensorboard=false", f"--data.sources=[{real_text_dir}]"]
+    out = run("train", "tiny", "--steps", "4", "--run-dir", str(run_dir), "--eval-every", "2", "--save-every", "2", *common)
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 4 and (run_dir / "loss.png").is_file()
+    text = tmp_path / "t.txt"
+    text.write_text("To be, or not to be, that is the question.\n")
+
+    ev = json.loads(run("eval", str(run_dir), "--text", str(text)).stdout.strip().splitlines()[-1])
+    assert set(ev) == {"loss", "perplexity", "tokens"} and ev["tokens"] > 5 and ev["loss"] > 0
+    ev2 = json.loads(run("eval", str(run_dir / "checkpoints" / "step-2"), "--text", str(text)).stdout.splitlines()[-1])
+    assert ev2["loss"] != ev["loss"]  # a step-N directory is a different checkpoint
+
+    g1 = json.loads(run("generate", str(run_dir), "--prompt", "To be", "--temperature", "0", "--max-new-tokens", "8", "--json").stdout)
+    g2 = json.loads(run("generate", str(run_dir), "--prompt", "To be", "--temperature", "0", "--max-new-tokens", "8", "--json").stdout)
+    assert g1 == g2 and len(g1["token_ids"]) <= 8
+
+    resumed = run("train", "tiny", "--steps", "6", "--run-dir", str(run_dir), "--resume", "--eval-every", "2", *common)
+    assert json.loads(resumed.stdout.strip().splitlines()[-1])["steps"] == 6
+    assert "resumed from" in resumed.stderr

@@ -1,0 +1,105 @@
+"""Typed configs: YAML, dotted overrides, presets, and errors that name the key."""
+
+import pytest
+
+from moetrain.config import apply_overrides, load_yaml
+from moetrain.errors import ConfigError
+from moetrain.model.config import Routing
+from moetrain.presets import PRESETS, resolve_config
+from moetrain.train.config import RunConfig
+
+
+def test_overrides_set_nested_typed_values():
+    cfg = resolve_config("tiny", ["optim.lr=1e-3", "model.moe.routing=random", "data.sources=[a, b]", "train.steps=7"])
+    assert cfg.optim.lr == 1e-3 and isinstance(cfg.optim.lr, float)
+    assert cfg.model.moe.routing == Routing.random
+    assert cfg.data.sources == ["a", "b"]
+    assert cfg.train.steps == 7
+
+
+def test_round_trip_through_yaml(tmp_path):
+    cfg = resolve_config("ref-small-64e", ["optim.lr=2e-4"])
+    path = tmp_path / "run.yaml"
+    path.write_text(cfg.to_yaml())
+    assert resolve_config(str(path)) == cfg
+
+
+def test_yaml_can_start_from_a_preset(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("preset: tiny\nmodel:\n  moe:\n    top_k: 2\ntrain:\n  steps: 5\n")
+    cfg = resolve_config(str(path))
+    assert cfg.model.moe.top_k == 2 and cfg.train.steps == 5
+    assert cfg.model.d_model == PRESETS["tiny"]().model.d_model
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("optim.lrr=1", ["optim.lrr", "Did you mean 'lr'"]),
+        ("model.moe.nope=1", ["model.moe.nope"]),
+        ("optim.lr=fast", ["optim.lr", "number", "fast"]),
+        ("train.steps=1.5", ["train.steps", "integer"]),
+        ("model.moe.routing=smart", ["model.moe.routing", "learned", "random"]),
+        ("train.compile=maybe", ["train.compile", "true or false"]),
+        ("optim.lr", ["has no value"]),
+        ("optim.lr.x=1", ["optim.lr", "not a section"]),
+    ],
+)
+def test_bad_overrides_name_the_key(override, words):
+    with pytest.raises(ConfigError) as e:
+        resolve_config("tiny", [override])
+    for word in words:
+        assert word in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("model.moe.top_k=9", ["model.moe.top_k=9", "num_experts=8"]),
+        ("model.n_heads=3", ["model.n_heads=3", "d_model=128"]),
+        ("model.n_kv_heads=3", ["model.n_kv_heads=3", "n_heads=4"]),
+        ("train.micro_batch_size=5", ["global_batch_size=32", "micro_batch_size=5"]),
+        ("train.steps=0", ["train.steps=0"]),
+        ("data.seq_len=-4", ["data.seq_len=-4"]),
+        ("model.d_model=-8", ["model.d_model=-8"]),
+        ("model.moe.expert_hidden=12", ["expert_hidden=12", "multiple of 8"]),
+        ("data.weights=[1.0, 2.0]", ["data.weights", "one weight per source"]),
+    ],
+)
+def test_invalid_values_fail_validation_with_the_field(override, words):
+    with pytest.raises(ConfigError) as e:
+        resolve_config("tiny", [override])
+    for word in words:
+        assert word in str(e.value)
+
+
+def test_yaml_syntax_error_names_file_and_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("model:\n  d_model: 64\n   n_layers: [2\n")
+    with pytest.raises(ConfigError) as e:
+        load_yaml(path)
+    assert "bad.yaml" in str(e.value) and "line" in str(e.value)
+
+
+def test_unknown_key_in_yaml_names_file_and_key(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  d_modle: 64\n")
+    with pytest.raises(ConfigError) as e:
+        resolve_config(str(path))
+    assert "run.yaml" in str(e.value) and "model.d_modle" in str(e.value) and "d_model" in str(e.value)
+
+
+def test_unknown_preset():
+    with pytest.raises(ConfigError, match="Unknown preset|neither a preset"):
+        resolve_config("huge")
+
+
+def test_grad_accum_follows_from_global_batches():
+    cfg = resolve_config("tiny", ["train.global_batch_size=64", "train.micro_batch_size=16"])
+    assert cfg.train.grad_accum_steps == 4
+
+
+def test_apply_overrides_returns_new_tree():
+    cfg = RunConfig()
+    new = apply_overrides(cfg, ["optim.lr=0.5"])
+    assert cfg.optim.lr != 0.5 and new.optim.lr == 0.5

@@ -1,0 +1,35 @@
+import pytest
+import torch
+
+from moetrain.model.config import MoEConfig, TransformerConfig
+from moetrain.train.config import ScheduleConfig
+from moetrain.train.optim import lr_at, param_groups
+
+
+def test_no_weight_decay_on_norms_embeddings_biases():
+    cfg = TransformerConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, moe=MoEConfig(num_experts=2, top_k=1, expert_hidden=8))
+    model = cfg.build()
+    model.lm_head.bias = torch.nn.Parameter(torch.zeros(32))  # a bias, to check it is excluded
+    decay, no_decay = param_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    no_decay_names = {names[id(p)] for p in no_decay["params"]}
+    decay_names = {names[id(p)] for p in decay["params"]}
+    assert "embed.weight" in no_decay_names and "lm_head.bias" in no_decay_names and "norm.weight" in no_decay_names
+    assert "lm_head.weight" in decay_names and "blocks.1.ffn.experts.w_down_EDF" in decay_names
+    assert not any("norm" in n for n in decay_names)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+
+
+@pytest.mark.parametrize("kind", ["cosine", "wsd", "constant"])
+def test_schedules_warm_up_and_end_where_configured(kind):
+    cfg = ScheduleConfig(kind=kind, warmup_steps=10, min_lr_ratio=0.1, decay_fraction=0.2)
+    lrs = [lr_at(s, 100, 1.0, cfg) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a <= b for a, b in zip(lrs[:10], lrs[1:10]))
+    if kind == "constant":
+        assert lrs[-1] == 1.0
+    else:
+        assert lrs[-1] == pytest.approx(0.1)
+        assert all(a >= b - 1e-12 for a, b in zip(lrs[10:], lrs[11:]))
+    if kind == "wsd":
+        assert lrs[79] == 1.0 and lrs[80] < 1.0

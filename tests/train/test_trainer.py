@@ -1,0 +1,129 @@
+"""The trainer on real text: learning, the metrics contract, exact resume, recompute, masking."""
+
+import json
+
+import pytest
+import torch
+
+from moetrain.errors import CheckpointError, ConfigError
+from moetrain.train import checkpoint as ckpt
+from moetrain.train.metrics import read_metrics
+from moetrain.train.trainer import Trainer, document_ids
+
+CONTRACT = {
+    "step", "loss", "lm_loss", "lb_loss", "z_loss", "lr", "grad_norm", "tokens_per_sec",
+    "tokens_per_sec_per_device", "tflops_per_device", "mfu", "peak_mem_gib",
+    "expert_load_max_over_mean", "dropped_token_frac", "unused_experts",
+}
+
+
+def test_loss_decreases_on_real_text_and_metrics_follow_the_contract(tiny_cfg, tmp_path):
+    cfg = tiny_cfg(tmp_path / "run", "train.steps=40", "train.eval_every=20", "train.plot=true", "train.tensorboard=true")
+    summary = Trainer(cfg, quiet=True).fit()
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, 41))
+    for r in records:
+        assert CONTRACT <= r.keys(), CONTRACT - r.keys()
+        assert r["mfu"] is None  # CPU
+        assert r["peak_mem_gib"] > 0 and r["tokens_per_sec"] > 0
+        assert r["tokens_per_sec_per_device"] == r["tokens_per_sec"]
+        assert r["dropped_token_frac"] == 0.0
+        assert r["expert_load_max_over_mean"] >= 1.0
+        assert r["loss"] > r["lm_loss"]  # the objective includes the weighted aux losses
+    assert [r["step"] for r in records if "val_loss" in r] == [20, 40]
+    first, last = records[0]["lm_loss"], records[-1]["lm_loss"]
+    assert last < first - 1.5, (first, last)
+    assert summary["final_val_loss"] < summary["initial_val_loss"] - 1.0
+    run = tmp_path / "run"
+    assert (run / "config.yaml").is_file() and (run / "loss.png").stat().st_size > 1000
+    assert any((run / "tb").iterdir())
+    assert (run / "checkpoints" / "step-40" / ckpt.COMPLETE).is_file()
+
+
+def _losses(path):
+    return {r["step"]: (r["loss"], r["lm_loss"], r["grad_norm"], r["lb_loss"], r["z_loss"]) for r in read_metrics(path)}
+
+
+@pytest.mark.parametrize("extra", [(), ("model.moe.routing=random", "model.moe.bias_update_rate=0.01")])
+def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(tiny_cfg, tmp_path, extra):
+    full = Trainer(tiny_cfg(tmp_path / "full", *extra), quiet=True)
+    full.fit()
+
+    part = Trainer(tiny_cfg(tmp_path / "part", *extra), quiet=True)
+    for _ in range(5):
+        part.train_step()
+    part.save()
+    del part
+    resumed = Trainer(tiny_cfg(tmp_path / "part", *extra), resume=True, quiet=True)
+    assert resumed.step == 5
+    resumed.fit()
+
+    a, b = _losses(tmp_path / "full" / "metrics.jsonl"), _losses(tmp_path / "part" / "metrics.jsonl")
+    assert all(a[s] == b[s] for s in range(6, 13)), [(a[s], b[s]) for s in range(6, 13) if a[s] != b[s]]
+    for (name, p), q in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(p, q), name
+
+
+def test_resume_without_checkpoint_starts_fresh_and_keep_last(tiny_cfg, tmp_path):
+    t = Trainer(tiny_cfg(tmp_path / "run", "train.save_every=2", "train.keep_last=2"), resume=True, quiet=True)
+    assert t.step == 0
+    t.fit()
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path / "run")] == [10, 12]
+
+
+def test_incomplete_checkpoints_are_ignored(tiny_cfg, tmp_path):
+    t = Trainer(tiny_cfg(tmp_path / "run"), quiet=True)
+    t.train_step()
+    t.save()
+    broken = tmp_path / "run" / "checkpoints" / "step-9"
+    broken.mkdir()
+    (broken / "trainer_state.json").write_text("{}")
+    assert ckpt.resolve_checkpoint(tmp_path / "run").name == "step-1"
+    with pytest.raises(CheckpointError, match="incomplete"):
+        ckpt.resolve_checkpoint(broken)
+
+
+def test_checkpoint_from_another_shape_is_a_clear_error(tiny_cfg, tmp_path):
+    t = Trainer(tiny_cfg(tmp_path / "run"), quiet=True)
+    t.save()
+    with pytest.raises(CheckpointError, match="different model shape"):
+        Trainer(tiny_cfg(tmp_path / "run", "model.moe.expert_hidden=48"), resume=True, quiet=True)
+
+
+def test_recompute_matches_plain_training_exactly(tiny_cfg, tmp_path):
+    plain = Trainer(tiny_cfg(tmp_path / "a", "train.steps=3"), quiet=True)
+    recomputed = Trainer(tiny_cfg(tmp_path / "b", "train.steps=3", "train.recompute=full"), quiet=True)
+    for _ in range(3):
+        x, y = plain.train_step(), recomputed.train_step()
+        assert torch.equal(x.lm_loss, y.lm_loss)
+        assert torch.equal(x.routing[0]["tokens_per_expert"], y.routing[0]["tokens_per_expert"])
+
+
+def test_gradient_accumulation_matches_one_big_micro_batch(tiny_cfg, tmp_path):
+    one = Trainer(tiny_cfg(tmp_path / "a", "train.micro_batch_size=8", "model.moe.lb_loss_weight=0", "model.moe.z_loss_weight=0"), quiet=True)
+    two = Trainer(tiny_cfg(tmp_path / "b", "train.micro_batch_size=4", "model.moe.lb_loss_weight=0", "model.moe.z_loss_weight=0"), quiet=True)
+    a, b = one.train_step(), two.train_step()
+    torch.testing.assert_close(a.lm_loss, b.lm_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(a.grad_norm, b.grad_norm, rtol=1e-4, atol=1e-6)
+
+
+def test_document_masking_trains_and_ids_follow_eos(tiny_cfg, tmp_path):
+    ids = document_ids(torch.tensor([[5, 0, 7, 8, 0, 9]]), eos_id=0)
+    assert ids.tolist() == [[0, 0, 1, 1, 1, 2]]
+    t = Trainer(tiny_cfg(tmp_path / "run", "data.document_masking=true", "train.steps=2"), quiet=True)
+    out = t.train_step()
+    assert torch.isfinite(out.lm_loss)
+
+
+def test_unwritable_run_dir_is_a_config_error(tiny_cfg, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match="not writable"):
+        Trainer(tiny_cfg(blocker / "run"), quiet=True)
+
+
+def test_summary_records_initial_and_final_val_loss(tiny_cfg, tmp_path):
+    summary = Trainer(tiny_cfg(tmp_path / "run", "train.steps=2"), quiet=True).fit()
+    saved = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert saved["initial_val_loss"] == summary["initial_val_loss"] > 0
+    assert saved["final_val_loss"] is not None
