@@ -52,7 +52,7 @@ class Config:
         return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
 
 
 def validate_tree(cfg: Config) -> None:

@@ -21,8 +21,9 @@ ANCHOR_VOCAB = 100_352  # 100,278 tokens padded to a multiple of 128
 
 def tiny() -> RunConfig:
     """≈3.7M parameters, 8k vocabulary: softmax top-4 of 8 experts with normalized weights, no
-    shared expert, per-head QK-norm, pre-norm (maps onto HF Qwen3-MoE)."""
-    return RunConfig(
+    shared expert, per-head QK-norm, pre-norm (maps onto HF Qwen3-MoE). Sized so that 300 steps
+    of 24 × 128 tokens take about 6 minutes on 2 CPU cores (docs/benchmarks.md)."""
+    cfg = RunConfig(
         model=TransformerConfig(
             vocab_size=8192, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, num_dense_layers=1,
             moe=MoEConfig(num_experts=8, top_k=4, expert_hidden=128, shared_hidden=0,
@@ -30,6 +31,10 @@ def tiny() -> RunConfig:
                           lb_loss_weight=0.01, z_loss_weight=1e-3),
         ),
     )
+    cfg.data.seq_len = 128
+    cfg.train.global_batch_size = cfg.train.micro_batch_size = 24
+    cfg.train.eval_batches = 4
+    return cfg
 
 
 def _anchor_model(*, layers: int, dense: int, d_model: int, heads: int, kv_heads: int,

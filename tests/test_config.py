@@ -58,7 +58,7 @@ def test_bad_overrides_name_the_key(override, words):
         ("model.moe.top_k=9", ["model.moe.top_k=9", "num_experts=8"]),
         ("model.n_heads=3", ["model.n_heads=3", "d_model=128"]),
         ("model.n_kv_heads=3", ["model.n_kv_heads=3", "n_heads=4"]),
-        ("train.micro_batch_size=5", ["global_batch_size=32", "micro_batch_size=5"]),
+        ("train.micro_batch_size=5", ["global_batch_size=24", "micro_batch_size=5"]),
         ("train.steps=0", ["train.steps=0"]),
         ("data.seq_len=-4", ["data.seq_len=-4"]),
         ("model.d_model=-8", ["model.d_model=-8"]),

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -126,7 +127,8 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             dcp.load(state, checkpoint_id=str(path))
-    except Exception as e:  # DCP raises a mix of RuntimeError/ValueError/KeyError for mismatches
+    # DCP reports mismatches as CheckpointException, a BaseException that wraps per-rank errors.
+    except (Exception, CheckpointException) as e:
         raise CheckpointError(
             f"Checkpoint '{path}' does not fit this model: {_first_line(e)}. It was saved from a "
             f"different model shape; check its config.yaml against the current model config."
@@ -174,9 +176,11 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _first_line(e: Exception) -> str:
+def _first_line(e: BaseException) -> str:
+    """The informative line of a (possibly multi-rank, traceback-laden) DCP error."""
     text = str(e).strip()
     for line in text.splitlines():
-        if "size mismatch" in line or "shape" in line.lower() or "Missing key" in line:
-            return line.strip()
+        low = line.lower()
+        if "mismatch" in low or "missing key" in low or "unexpected key" in low:
+            return line.strip().removeprefix("ValueError: ").removeprefix("RuntimeError: ")
     return text.splitlines()[0] if text else type(e).__name__

@@ -32,8 +32,8 @@ def test_loss_decreases_on_real_text_and_metrics_follow_the_contract(tiny_cfg, t
         assert r["loss"] > r["lm_loss"]  # the objective includes the weighted aux losses
     assert [r["step"] for r in records if "val_loss" in r] == [20, 40]
     first, last = records[0]["lm_loss"], records[-1]["lm_loss"]
-    assert last < first - 1.5, (first, last)
-    assert summary["final_val_loss"] < summary["initial_val_loss"] - 1.0
+    assert last < 0.85 * first, (first, last)
+    assert summary["final_val_loss"] < 0.9 * summary["initial_val_loss"], summary
     run = tmp_path / "run"
     assert (run / "config.yaml").is_file() and (run / "loss.png").stat().st_size > 1000
     assert any((run / "tb").iterdir())
@@ -86,8 +86,9 @@ def test_incomplete_checkpoints_are_ignored(tiny_cfg, tmp_path):
 def test_checkpoint_from_another_shape_is_a_clear_error(tiny_cfg, tmp_path):
     t = Trainer(tiny_cfg(tmp_path / "run"), quiet=True)
     t.save()
-    with pytest.raises(CheckpointError, match="different model shape"):
+    with pytest.raises(CheckpointError, match="different model shape") as e:
         Trainer(tiny_cfg(tmp_path / "run", "model.moe.expert_hidden=48"), resume=True, quiet=True)
+    assert "Traceback" not in str(e.value) and "mismatch" in str(e.value)
 
 
 def test_recompute_matches_plain_training_exactly(tiny_cfg, tmp_path):
