@@ -96,6 +96,8 @@ class TrainerConfig(Config):
     """Validation micro-batches per evaluation."""
     save_every: int = 100
     """Checkpoint every N steps (and at the end); 0 = only at the end."""
+    save_final: bool = True
+    """Checkpoint after the last step (turn off for benchmark runs)."""
     keep_last: int = 3
     """Checkpoints to keep; older ones are deleted. 0 keeps all."""
     recompute: Recompute = Recompute.none

@@ -190,7 +190,7 @@ class Trainer:
                     window_start, window_steps = time.perf_counter(), 0
                 else:
                     progress.update(self.step, None)
-                if (tc.save_every > 0 and self.step % tc.save_every == 0) or is_last:
+                if (tc.save_every > 0 and self.step % tc.save_every == 0) or (is_last and tc.save_final):
                     self.save()
         finally:
             progress.close()
