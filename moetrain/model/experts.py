@@ -34,7 +34,16 @@ class GroupedExperts(nn.Module):
 
 def grouped_mm(a_MK: torch.Tensor, b_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
     """Row-block-wise matmul: rows [offsets[e-1], offsets[e]) of `a` times `b[e]`."""
+    if a_MK.device.type == "cpu":
+        return _ContiguousGrad.apply(_grouped_mm_eager(a_MK, b_EKN, offsets_E))
     return _ContiguousGrad.apply(torch._grouped_mm(a_MK, b_EKN, offs=offsets_E))
+
+
+@torch.compiler.disable
+def _grouped_mm_eager(a_MK: torch.Tensor, b_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    # torch.compile's shape propagation for _grouped_mm accepts only bf16 (the CUDA kernel's
+    # rule), while the CPU kernel runs fp32: on CPU, compiled blocks call it eagerly.
+    return torch._grouped_mm(a_MK, b_EKN, offs=offsets_E)
 
 
 class _ContiguousGrad(torch.autograd.Function):

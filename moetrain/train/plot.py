@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from moetrain.train.metrics import read_metrics
@@ -25,6 +26,9 @@ def plot_run(run_dir: str | Path) -> Path | None:
     ax_loss.plot(steps, [r["loss"] for r in records], label="train loss")
     ax_loss.plot(steps, [r["lm_loss"] for r in records], label="train lm_loss", alpha=0.6)
     val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+    summary = run_dir / "summary.json"
+    if summary.is_file() and json.loads(summary.read_text()).get("initial_val_loss") is not None:
+        val.insert(0, (0, json.loads(summary.read_text())["initial_val_loss"]))
     if val:
         ax_loss.plot(*zip(*val), "o-", label="val loss")
     ax_loss.set_xlabel("step")
