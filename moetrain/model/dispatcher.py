@@ -30,6 +30,10 @@ class LocalTokenDispatcher:
     def __init__(self, num_experts: int):
         self.num_local_experts = num_experts
 
+    def reduce_counts(self, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        """Tokens per expert over the global micro-batch: this device's tokens are all of it."""
+        return tokens_per_expert_E
+
     def dispatch(
         self, x_ND: torch.Tensor, topk_ids_NK: torch.Tensor, tokens_per_expert_E: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, DispatchState]:

@@ -14,9 +14,11 @@ from torch import nn
 
 
 class GroupedExperts(nn.Module):
-    def __init__(self, num_experts: int, d_model: int, hidden: int):
+    def __init__(self, num_experts: int, d_model: int, hidden: int, expert_offset: int = 0):
         super().__init__()
         self.num_experts, self.d_model, self.hidden = num_experts, d_model, hidden
+        # Global index of the first expert held here (expert parallelism holds a slice).
+        self.expert_offset = expert_offset
         # nn.Linear layout per expert (out, in): [gate; up] stacked on the out dim.
         self.w_gate_up_E2FD = nn.Parameter(torch.empty(num_experts, 2 * hidden, d_model))
         self.w_down_EDF = nn.Parameter(torch.empty(num_experts, d_model, hidden))

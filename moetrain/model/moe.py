@@ -43,7 +43,7 @@ class MoE(nn.Module):
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(B * T, D)
-        route = self.router(x_ND)
+        route = self.router(x_ND, self.dispatcher.reduce_counts)
 
         x_MD, offsets_E, state = self.dispatcher.dispatch(x_ND, route.topk_ids_NK, route.tokens_per_expert_E)
         y_MD = self.experts(x_MD, offsets_E)
@@ -62,7 +62,7 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def _accumulate(self, route, dropped: torch.Tensor | None) -> None:
-        self.step_tokens_per_expert_E += route.tokens_per_expert_E
+        self.step_tokens_per_expert_E += route.global_tokens_per_expert_E
         self.step_lb_loss += route.lb_loss.detach()
         self.step_z_loss += route.z_loss.detach()
         self.step_calls += 1
@@ -72,7 +72,8 @@ class MoE(nn.Module):
     @torch.no_grad()
     def end_step(self) -> dict[str, torch.Tensor]:
         """Close an optimizer step: apply the aux-free bias update, return this step's routing
-        statistics (device tensors, averaged over micro-batches) and reset the accumulators."""
+        statistics (device tensors; token counts over the global batch, losses averaged over
+        micro-batches) and reset the accumulators."""
         counts_E = self.step_tokens_per_expert_E.clone()
         calls = self.step_calls.clamp(min=1)
         stats = {

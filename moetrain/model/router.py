@@ -2,13 +2,15 @@
 
 Legend: N tokens (batch × sequence), D model dim, E experts, K top-k.
 
-Routing statistics (the load-balancing and z losses) are taken over all N tokens the layer sees
-in one forward call: the global micro-batch on one device. Everything stays on the device: no
-`.item()`, `.tolist()` or `.cpu()`.
+Routing statistics are taken over the *global micro-batch*: the tokens per expert are summed over
+data-parallel ranks by `reduce_counts` (given by the dispatcher; the identity on one device), so
+the load-balancing loss and the aux-free bias do not depend on the parallel layout. Everything
+stays on the device: no `.item()`, `.tolist()` or `.cpu()`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -24,7 +26,9 @@ class RouterOutput(NamedTuple):
     topk_weights_NK: torch.Tensor
     """Their combine weights (fp32, differentiable through the router)."""
     tokens_per_expert_E: torch.Tensor
-    """Assignments each expert received (int64, no grad)."""
+    """Assignments each expert received from this rank's tokens (int64, no grad)."""
+    global_tokens_per_expert_E: torch.Tensor
+    """The same summed over the global micro-batch (all data-parallel ranks)."""
     lb_loss: torch.Tensor
     """Switch-style load-balancing loss (scalar, fp32; 1.0 at perfect balance for softmax)."""
     z_loss: torch.Tensor
@@ -40,7 +44,9 @@ class Router(nn.Module):
         # moved outside autograd after each optimizer step. Persistent: checkpoints carry it.
         self.register_buffer("expert_bias_E", torch.zeros(cfg.num_experts, dtype=torch.float32))
 
-    def forward(self, x_ND: torch.Tensor) -> RouterOutput:
+    def forward(
+        self, x_ND: torch.Tensor, reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ) -> RouterOutput:
         cfg = self.cfg
         # fp32 logits: bf16 would round near-tied scores and make selection noisy.
         logits_NE = F.linear(x_ND.float(), self.weight.float())
@@ -58,6 +64,7 @@ class Router(nn.Module):
                 topk_ids_NK = (scores_NE + self.expert_bias_E).topk(cfg.top_k, dim=-1).indices
             tokens_per_expert_E = torch.zeros(cfg.num_experts, dtype=torch.int64, device=x_ND.device)
             tokens_per_expert_E.scatter_add_(0, topk_ids_NK.flatten(), torch.ones_like(topk_ids_NK.flatten()))
+            global_counts_E = reduce_counts(tokens_per_expert_E) if reduce_counts else tokens_per_expert_E
 
         topk_weights_NK = scores_NE.gather(-1, topk_ids_NK)
         if cfg.normalize_weights:
@@ -65,23 +72,22 @@ class Router(nn.Module):
         if cfg.restore_weight_scale:
             topk_weights_NK = topk_weights_NK * cfg.top_k
 
-        lb_loss = load_balancing_loss(scores_NE, tokens_per_expert_E, cfg.top_k, cfg.gating)
+        lb_loss = load_balancing_loss(scores_NE, global_counts_E, cfg.gating)
         z_loss = torch.logsumexp(logits_NE, dim=-1).square().mean()
-        return RouterOutput(topk_ids_NK, topk_weights_NK, tokens_per_expert_E, lb_loss, z_loss)
+        return RouterOutput(topk_ids_NK, topk_weights_NK, tokens_per_expert_E, global_counts_E, lb_loss, z_loss)
 
 
-def load_balancing_loss(
-    scores_NE: torch.Tensor, tokens_per_expert_E: torch.Tensor, top_k: int, gating: Gating
-) -> torch.Tensor:
+def load_balancing_loss(scores_NE: torch.Tensor, tokens_per_expert_E: torch.Tensor, gating: Gating) -> torch.Tensor:
     """Switch-Transformer loss for top-k: E · Σ_e f_e · P_e.
 
-    f_e = share of the N·K assignments that went to expert e (no gradient);
-    P_e = mean router probability of expert e over the N tokens (the gradient path).
+    f_e = share of all assignments (N·K, over the global micro-batch) that went to expert e (no
+    gradient); P_e = mean router probability of expert e over this rank's N tokens (the gradient
+    path). Averaged over data-parallel ranks, as gradients are, this is the global-batch loss.
     Sigmoid scores are first normalized per token so that P sums to 1, as for softmax.
     """
-    num_tokens, num_experts = scores_NE.shape
+    num_experts = scores_NE.shape[-1]
     if gating == Gating.sigmoid:
         scores_NE = scores_NE / scores_NE.sum(dim=-1, keepdim=True)
-    f_E = tokens_per_expert_E.float() / (num_tokens * top_k)
+    f_E = tokens_per_expert_E.float() / tokens_per_expert_E.sum().clamp(min=1)
     p_E = scores_NE.mean(dim=0)
     return num_experts * (f_E * p_E).sum()

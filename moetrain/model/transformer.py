@@ -6,6 +6,7 @@ Legend: B batch, T sequence, D model dim, V vocabulary.
 from __future__ import annotations
 
 import math
+import zlib
 
 import torch
 from torch import nn
@@ -47,32 +48,45 @@ class Transformer(nn.Module):
         return [m for m in self.modules() if isinstance(m, MoE)]
 
     @torch.no_grad()
-    def init_weights(self, seed: int | None = None) -> None:
+    def init_weights(self, seed: int = 0) -> None:
         """Initialize every parameter and buffer (also after building on the meta device and
         `to_empty()`). Truncated normal(0, init_std) for inputs, init_std / sqrt(2·layers) for
         output projections (attention out, MLP/expert down) so the residual stream's variance
-        does not grow with depth; norms at 1; aux-free biases at 0."""
-        if seed is not None:
-            torch.manual_seed(seed)
+        does not grow with depth; norms at 1; aux-free biases at 0.
+
+        Each tensor — each expert of a stacked expert tensor — draws from its own generator seeded
+        by (seed, its name, expert index). So the values do not depend on which rank holds what:
+        a model split over experts, stages or shards starts exactly like the single-device one.
+        """
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * self.cfg.n_layers)
-
-        def normal_(w: torch.Tensor, s: float) -> None:
-            nn.init.trunc_normal_(w, mean=0.0, std=s, a=-3 * s, b=3 * s)
-
         for name, module in self.named_modules():
+            name = canonical_name(name)
             if isinstance(module, (RMSNorm, RotaryEmbedding)):
                 module.init_weights()
             elif isinstance(module, nn.Embedding):
-                normal_(module.weight, std)
+                _normal(module.weight, std, seed, f"{name}.weight")
             elif isinstance(module, nn.Linear):
                 is_output = name.endswith(("attn.wo", "w_down"))
-                normal_(module.weight, out_std if is_output else std)
+                _normal(module.weight, out_std if is_output else std, seed, f"{name}.weight")
             elif isinstance(module, GroupedExperts):
-                normal_(module.w_gate_up_E2FD, std)
-                normal_(module.w_down_EDF, out_std)
+                for i in range(module.num_experts):
+                    e = module.expert_offset + i
+                    _normal(module.w_gate_up_E2FD[i], std, seed, f"{name}.w_gate_up[{e}]")
+                    _normal(module.w_down_EDF[i], out_std, seed, f"{name}.w_down[{e}]")
             elif isinstance(module, MoE):
-                normal_(module.router.weight, std)
+                _normal(module.router.weight, std, seed, f"{name}.router.weight")
                 module.router.expert_bias_E.zero_()
                 for buf in module.buffers(recurse=False):
                     buf.zero_()
+
+
+def canonical_name(name: str) -> str:
+    """A module/parameter name without the wrappers' insertions (recompute, compile)."""
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
+def _normal(w: torch.Tensor, std: float, seed: int, key: str) -> None:
+    g = torch.Generator(device=w.device)
+    g.manual_seed((seed * 1_000_003 + zlib.crc32(key.encode())) % 2**63)
+    nn.init.trunc_normal_(w, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=g)

@@ -1,6 +1,3 @@
-"""Everything applied to the model from outside: activation recompute and compilation now;
-expert/data/pipeline parallelism are added here, in the fixed order of `parallelize`."""
-
-from moetrain.parallel.parallelize import parallelize
-
-__all__ = ["parallelize"]
+"""Everything applied to the model from outside: the layout (dims.py), process groups
+(distributed.py), expert parallelism (expert_parallel.py), data-parallel gradient reduction
+(data_parallel.py), and `parallelize` (parallelize.py), which applies them in a fixed order."""

@@ -1,12 +1,14 @@
-"""`parallelize`: wrap a built model for training, in one fixed, documented order.
+"""`parallelize`: prepare a model built on the meta device for training, in one fixed order.
 
-    1. activation recompute (per block)
-    2. torch.compile (per block)
+    1. expert parallel: each MoE layer keeps its rank's experts and gets an all-to-all dispatcher
+       (or, with ep = 1 and dp > 1, a dispatcher that only sums routing counts over dp)
+    2. activation recompute (per block)
+    3. torch.compile (per block)
+    4. data parallel: after `to_empty()` + `init_weights()`, the trainer attaches a
+       `GradReducer` (moetrain/parallel/data_parallel.py), which needs real gradient storage.
 
-(Pipeline split, expert parallelism and data parallelism/FSDP will slot in before and after
-these, in the order pipeline → expert parallel → recompute → compile → data parallel.)
-Applied to the blocks in place; the model's parameter names do not change, so checkpoints are
-interchangeable between wrapped and unwrapped models.
+(Pipeline splitting will come first, before 1.) Wrappers are applied in place; parameter names
+do not change, so checkpoints are interchangeable between wrapped and unwrapped models.
 """
 
 from __future__ import annotations
@@ -15,10 +17,13 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from moetrain.model.transformer import Transformer
+from moetrain.parallel.dims import ParallelState
+from moetrain.parallel.expert_parallel import apply_expert_parallel
 from moetrain.train.config import Recompute, TrainerConfig
 
 
-def parallelize(model: Transformer, cfg: TrainerConfig) -> Transformer:
+def parallelize(model: Transformer, state: ParallelState, cfg: TrainerConfig) -> Transformer:
+    apply_expert_parallel(model, state)
     if cfg.recompute == Recompute.full:
         apply_recompute(model)
     if cfg.compile:

@@ -2,8 +2,9 @@
 
 Layout: RUN_DIR/checkpoints/step-N/ holds
   - the DCP files: model parameters and buffers (the aux-free router biases among them) and the
-    AdamW moments, tensors only (loading executes no pickled code);
-  - trainer_state.json: step, data-loader position, RNG states (base64), written by rank 0;
+    AdamW moments, tensors only (loading executes no pickled code), experts one entry each so
+    that any expert-parallel layout can load them;
+  - trainer_state.json: step and data-loader position (rank 0); rng-rankR.json: each rank's RNG;
   - config.yaml (the run's resolved config) and tokenizer.json, so `eval`/`generate` need
     nothing else;
   - COMPLETE, written last.
@@ -24,18 +25,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from moetrain.errors import CheckpointError
+from moetrain.model.experts import GroupedExperts
+from moetrain.model.transformer import canonical_name
 
 COMPLETE = "COMPLETE"
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -89,17 +86,19 @@ def save_checkpoint(
     keep_last: int = 0,
     rank: int = 0,
 ) -> Path:
-    """Write step-N atomically; then delete all but the newest `keep_last` (0 = keep all)."""
+    """Write step-N atomically (every rank calls this); then keep the newest `keep_last`."""
     root = checkpoints_dir(run_dir)
     final = root / f"step-{step}"
     tmp = root / f".step-{step}.tmp"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True, exist_ok=True)
-    state = {"model": get_model_state_dict(model), "optim": _optim_tensors(model, optimizer)}
+    _barrier()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.save(state, checkpoint_id=str(tmp))
+        dcp.save(_dcp_state(model, optimizer), checkpoint_id=str(tmp))
+    (tmp / f"rng-rank{rank}.json").write_text(json.dumps(rng_state()))
+    _barrier()
     if rank == 0:
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state))
         for name, src in (extra_files or {}).items():
@@ -115,14 +114,16 @@ def save_checkpoint(
         if keep_last > 0:
             for _, old in list_checkpoints(run_dir)[:-keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
+    _barrier()
     return final
 
 
-def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """Load model (and optimizer) state in place; return the trainer state."""
-    state: dict[str, Any] = {"model": get_model_state_dict(model)}
-    if optimizer is not None:
-        state["optim"] = _optim_tensors(model, optimizer)
+def load_checkpoint(
+    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, rank: int = 0
+) -> dict[str, Any]:
+    """Load model (and optimizer) state in place, whatever layout saved it; restore this rank's
+    RNG state when the checkpoint has one for it; return the trainer state."""
+    state = _dcp_state(model, optimizer)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
@@ -133,22 +134,74 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
             f"Checkpoint '{path}' does not fit this model: {_first_line(e)}. It was saved from a "
             f"different model shape; check its config.yaml against the current model config."
         ) from None
-    set_model_state_dict(model, state["model"])
-    if optimizer is not None:
-        full = get_optimizer_state_dict(model, optimizer)
-        for fqn, tensors in state["optim"].items():
-            full["state"][fqn].update(tensors)
-        set_optimizer_state_dict(model, optimizer, full)
+    # DCP filled the tensors of `state` in place: they are the parameters and the AdamW moments.
+    rng_file = path / f"rng-rank{rank}.json"
+    if optimizer is not None and rng_file.is_file():
+        set_rng_state(json.loads(rng_file.read_text()))
     trainer_state_file = path / "trainer_state.json"
     return json.loads(trainer_state_file.read_text()) if trainer_state_file.is_file() else {}
 
 
-def _optim_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, torch.Tensor]]:
-    """The optimizer's per-parameter tensors keyed by parameter name. Hyperparameters are not
-    saved: they come from the config (the LR from the schedule), so a checkpoint holds tensors
-    only. A fresh optimizer gets zero state first, so shapes exist to load into."""
-    full = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=False))
-    return {fqn: {k: v for k, v in s.items() if isinstance(v, torch.Tensor)} for fqn, s in full["state"].items()}
+def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """What DCP saves and loads: views of the live tensors, so loading writes in place.
+
+    Stacked expert tensors are split into one entry per *global* expert index ("…w_down_EDF/5"):
+    a rank holding experts [a, b) writes and reads just those entries, so a checkpoint written
+    with one expert-parallel degree loads into any other. Replicated entries (dense parameters,
+    experts held by several ranks) are identical and DCP stores them once. Optimizer
+    hyperparameters are not saved (they come from the config, the LR from the schedule), so the
+    checkpoint holds tensors only.
+    """
+    offsets = _expert_offsets(model)
+    params = dict(model.named_parameters())
+    names = {id(p): canonical_name(n) for n, p in params.items()}
+    model_state: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        _put(model_state, canonical_name(name), tensor.detach(), offsets)
+    state: dict[str, Any] = {"model": model_state}
+    if optimizer is not None:
+        optim_state: dict[str, torch.Tensor] = {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p not in optimizer.state:  # a fresh optimizer: create zero moments to load into
+                    _init_adam_state(optimizer, p)
+                for key, value in optimizer.state[p].items():
+                    if isinstance(value, torch.Tensor):
+                        _put(optim_state, f"{names[id(p)]}.{key}", value, offsets, param_name=names[id(p)])
+        state["optim"] = optim_state
+    return state
+
+
+def _put(out: dict, key: str, tensor: torch.Tensor, offsets: dict[str, int], param_name: str | None = None) -> None:
+    base = param_name or key
+    if base in offsets and tensor.ndim == 3:
+        for i in range(tensor.shape[0]):
+            out[f"{key}/{offsets[base] + i}"] = tensor[i]
+    else:
+        out[key] = tensor
+
+
+def _expert_offsets(model: nn.Module) -> dict[str, int]:
+    offsets = {}
+    for name, module in model.named_modules():
+        if isinstance(module, GroupedExperts):
+            for pname, _ in module.named_parameters(recurse=False):
+                offsets[f"{canonical_name(name)}.{pname}"] = module.expert_offset
+    return offsets
+
+
+def _init_adam_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> None:
+    fused_or_capturable = any(g.get("fused") or g.get("capturable") for g in optimizer.param_groups)
+    optimizer.state[p] = {
+        "step": torch.zeros((), dtype=torch.float32, device=p.device if fused_or_capturable else "cpu"),
+        "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+    }
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
 
 
 def rng_state() -> dict[str, str]:

@@ -9,6 +9,7 @@ from moetrain.config import Config
 from moetrain.data.config import DataConfig
 from moetrain.errors import ConfigError
 from moetrain.model.config import TransformerConfig
+from moetrain.parallel.dims import ParallelConfig
 
 
 class ScheduleKind(enum.StrEnum):
@@ -138,3 +139,4 @@ class RunConfig(Config):
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     schedule: ScheduleConfig = dataclasses.field(default_factory=ScheduleConfig)
     train: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)

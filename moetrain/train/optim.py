@@ -54,3 +54,29 @@ def lr_at(step: int, total_steps: int, peak_lr: float, cfg: ScheduleConfig) -> f
         return peak_lr
     progress = min(1.0, (step - decay_start + 1) / decay_steps)
     return peak_lr + (min_lr - peak_lr) * progress
+
+
+def clip_grad_norm(
+    params: list[torch.Tensor], expert_params: list[torch.Tensor], max_norm: float, ep_group=None
+) -> torch.Tensor:
+    """Clip all gradients to a global L2 norm of `max_norm` (no clipping for inf); return the
+    norm before clipping, as a device tensor (no host sync).
+
+    With expert parallelism each rank holds only its experts' gradients: their squared norms are
+    summed over the expert-parallel group so that every rank sees the norm of the whole model.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    expert_grads = [p.grad for p in expert_params if p.grad is not None]
+    device = (grads or expert_grads)[0].device
+    zero = torch.zeros((), device=device)
+    dense_sq = torch.stack(torch._foreach_norm(grads)).square().sum() if grads else zero
+    expert_sq = torch.stack(torch._foreach_norm(expert_grads)).square().sum() if expert_grads else zero
+    if ep_group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(expert_sq, group=ep_group)
+    total = (dense_sq + expert_sq).sqrt()
+    if max_norm != math.inf:
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(grads + expert_grads, coef)
+    return total

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from moetrain.data.loader import TokenLoader, resolve_val_path, val_batches
@@ -27,11 +28,14 @@ from moetrain.data.tokens import open_source
 from moetrain.errors import ConfigError
 from moetrain.model.counting import count_params, flops_per_token, peak_flops
 from moetrain.model.transformer import Transformer
-from moetrain.parallel import parallelize
+from moetrain.parallel.data_parallel import GradReducer, expert_param_ids
+from moetrain.parallel.dims import ParallelDims, ParallelState
+from moetrain.parallel.distributed import init_distributed
+from moetrain.parallel.parallelize import parallelize
 from moetrain.train import checkpoint as ckpt
 from moetrain.train.config import Precision, RunConfig
 from moetrain.train.metrics import MetricsWriter, peak_mem_gib, read_metrics, routing_metrics
-from moetrain.train.optim import build_optimizer, lr_at
+from moetrain.train.optim import build_optimizer, clip_grad_norm, lr_at
 
 
 def resolve_device(name: str) -> torch.device:
@@ -68,11 +72,22 @@ class StepOutput:
 class Trainer:
     def __init__(self, cfg: RunConfig, *, resume: bool = False, quiet: bool = False):
         self.cfg = cfg
-        self.quiet = quiet
         tc = cfg.train
         self.device = resolve_device(tc.device)
+        rank, world = init_distributed(self.device.type)
+        if self.device.type == "cuda" and world > 1:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        dims = ParallelDims.from_config(cfg.parallel, world, cfg.model.moe.num_experts, cfg.model.num_moe_layers > 0)
+        if tc.micro_batch_size % dims.dp:
+            raise ConfigError(
+                f"train.micro_batch_size={tc.micro_batch_size} (sequences per micro-batch, summed over "
+                f"ranks) is not divisible by the {dims.dp} data-parallel ranks."
+            )
+        self.par = ParallelState.create(dims, self.device.type, rank)
+        self.quiet = quiet or not self.par.is_main
         self.run_dir = Path(tc.run_dir)
-        _ensure_writable(self.run_dir)
+        if self.par.is_main:
+            _ensure_writable(self.run_dir)
         self.amp_dtype = autocast_dtype(tc.precision, self.device)
         torch.manual_seed(tc.seed)
 
@@ -80,14 +95,21 @@ class Trainer:
         self.eos_id = train_source.eos_id
         self.tokenizer_file = train_source.tokenizer_path
         self.loader = TokenLoader(
-            cfg.data, micro_batch_size=tc.micro_batch_size, seed=tc.seed, vocab_size=cfg.model.vocab_size
+            cfg.data, micro_batch_size=tc.micro_batch_size, seed=tc.seed, vocab_size=cfg.model.vocab_size,
+            dp_rank=self.par.dp_rank, dp_size=dims.dp,
         )
         self.val_path = resolve_val_path(cfg.data)
 
+        # Build on the meta device, apply the layout, then allocate only what this rank holds.
         model = cfg.model.build(device="meta")
+        model = parallelize(model, self.par, tc)
         model.to_empty(device=self.device)
         model.init_weights(seed=tc.seed)
-        self.model: Transformer = parallelize(model, tc)
+        self.model: Transformer = model
+        self.reducer = GradReducer(model, self.par) if dims.dp > 1 else None
+        expert_ids = expert_param_ids(model)
+        self.expert_params = [p for p in model.parameters() if id(p) in expert_ids]
+        self.dense_params = [p for p in model.parameters() if id(p) not in expert_ids]
         self.optimizer = build_optimizer(self.model, cfg.optim)
         for moe in self.model.moe_layers():
             # Aux losses get the same 1/accum factor as the LM loss: mean over the global batch.
@@ -100,16 +122,19 @@ class Trainer:
         self.resumed_from: Path | None = None
         if resume:
             self._resume()
-        (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
-        if self.tokenizer_file is not None and self.tokenizer_file.is_file():
-            shutil.copyfile(self.tokenizer_file, self.run_dir / "tokenizer.json")
+        if self.par.is_main:
+            (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
+            if self.tokenizer_file is not None and self.tokenizer_file.is_file():
+                shutil.copyfile(self.tokenizer_file, self.run_dir / "tokenizer.json")
 
     # ---- one step ------------------------------------------------------------------------
     def train_step(self) -> StepOutput:
         tc = self.cfg.train
         self.model.train()
         lm_loss = torch.zeros((), device=self.device)
-        for _ in range(tc.grad_accum_steps):
+        for micro in range(tc.grad_accum_steps):
+            if self.reducer is not None:
+                self.reducer.prepare(sync=micro == tc.grad_accum_steps - 1)
             inputs_BT, targets_BT = self.loader.next_batch()
             inputs_BT = inputs_BT.to(self.device, non_blocking=True)
             targets_BT = targets_BT.to(self.device, non_blocking=True)
@@ -117,14 +142,18 @@ class Trainer:
             loss.backward()
             lm_loss += loss.detach()
 
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.reducer is not None:
+            self.reducer.finish()
         max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        grad_norm = clip_grad_norm(self.dense_params, self.expert_params, max_norm, self.par.ep_group)
         lr = lr_at(self.step, tc.steps, self.cfg.optim.lr, self.cfg.schedule)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.reducer is not None:
+            self.reducer.zero_grad()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
         routing = [moe.end_step() for moe in self.model.moe_layers()]
         self.step += 1
         return StepOutput(lm_loss, grad_norm, routing, lr)
@@ -150,6 +179,7 @@ class Trainer:
         batches = val_batches(
             self.val_path, seq_len=self.cfg.data.seq_len, micro_batch_size=tc.micro_batch_size,
             num_batches=tc.eval_batches, vocab_size=self.cfg.model.vocab_size,
+            dp_rank=self.par.dp_rank, dp_size=self.par.dims.dp,
         )
         self.model.eval()
         total, count = torch.zeros((), device=self.device), 0
@@ -159,12 +189,21 @@ class Trainer:
                 total += self._lm_loss(inputs_BT.to(self.device), targets_BT.to(self.device))
                 count += 1
         self.model.train()
-        return (total / max(count, 1)).item()
+        return self._dp_mean(total / max(count, 1)).item()
+
+    def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
+        """Mean of a per-rank scalar over the data-parallel ranks (every rank gets it)."""
+        if self.par.dp_group is None:
+            return value
+        value = value.clone()
+        dist.all_reduce(value, group=self.par.dp_group)
+        return value / self.par.dims.dp
 
     # ---- the loop ------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
         tc = self.cfg.train
-        writer = MetricsWriter(self.run_dir, tensorboard=tc.tensorboard)
+        main = self.par.is_main
+        writer = MetricsWriter(self.run_dir, tensorboard=tc.tensorboard) if main else None
         summary = self._read_summary()
         if "initial_val_loss" not in summary and tc.eval_every > 0:
             summary["initial_val_loss"] = self.evaluate()
@@ -185,7 +224,8 @@ class Trainer:
                     record = self._record(out, window_steps, elapsed)
                     if do_eval:
                         record["val_loss"] = last_val = self.evaluate()
-                    writer.write(record)
+                    if writer is not None:
+                        writer.write(record)
                     progress.update(self.step, record)
                     window_start, window_steps = time.perf_counter(), 0
                 else:
@@ -194,10 +234,12 @@ class Trainer:
                     self.save()
         finally:
             progress.close()
-            writer.close()
+            if writer is not None:
+                writer.close()
         summary.update(self._final_summary(last_val))
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-        if tc.plot:
+        if main:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        if tc.plot and main:
             from moetrain.train.plot import plot_run
 
             summary["plot"] = str(plot_run(self.run_dir))
@@ -205,11 +247,13 @@ class Trainer:
 
     def _record(self, out: StepOutput, steps: int, elapsed: float) -> dict[str, Any]:
         tokens_per_sec = self.tokens_per_step * steps / max(elapsed, 1e-9)
-        world = 1
-        per_device = tokens_per_sec / world
+        per_device = tokens_per_sec / self.par.dims.world_size
         tflops = self.flops_per_token * per_device / 1e12
-        routing = routing_metrics(out.routing)
-        lm_loss, grad_norm = torch.stack([out.lm_loss, out.grad_norm.float()]).tolist()
+        # Counts are global already; the losses are per rank (their mean is the global value).
+        routing = routing_metrics([
+            {**s, "lb_loss": self._dp_mean(s["lb_loss"]), "z_loss": self._dp_mean(s["z_loss"])} for s in out.routing
+        ])
+        lm_loss, grad_norm = torch.stack([self._dp_mean(out.lm_loss), out.grad_norm.float()]).tolist()
         moe = self.cfg.model.moe
         num_moe = self.cfg.model.num_moe_layers
         aux = num_moe * (moe.lb_loss_weight * routing["lb_loss"] + moe.z_loss_weight * routing["z_loss"])
@@ -233,16 +277,13 @@ class Trainer:
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def save(self) -> Path:
-        state = {
-            "step": self.step,
-            "loader": self.loader.state_dict(),
-            "rng": ckpt.rng_state(),
-        }
+        state = {"step": self.step, "loader": self.loader.state_dict()}
         extra = {"config.yaml": self.run_dir / "config.yaml"}
         if self.tokenizer_file is not None:
             extra["tokenizer.json"] = self.tokenizer_file
         return ckpt.save_checkpoint(
-            self.run_dir, self.step, self.model, self.optimizer, state, extra, keep_last=self.cfg.train.keep_last
+            self.run_dir, self.step, self.model, self.optimizer, state, extra,
+            keep_last=self.cfg.train.keep_last, rank=self.par.rank,
         )
 
     def _resume(self) -> None:
@@ -252,15 +293,15 @@ class Trainer:
                 print(f"--resume: no complete checkpoint in {self.run_dir}; starting from step 0", file=sys.stderr)
             return
         path = found[-1][1]
-        state = ckpt.load_checkpoint(path, self.model, self.optimizer)
+        state = ckpt.load_checkpoint(path, self.model, self.optimizer, rank=self.par.rank)
         self.step = state["step"]
         self.loader.load_state_dict(state["loader"])
-        ckpt.set_rng_state(state["rng"])
         self.resumed_from = path
-        # Records past the checkpoint will be produced again: drop them so the file stays a log.
-        metrics = self.run_dir / "metrics.jsonl"
-        kept = [r for r in read_metrics(metrics) if r["step"] <= self.step]
-        metrics.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        if self.par.is_main:
+            # Records past the checkpoint will be produced again: drop them so the file stays a log.
+            metrics = self.run_dir / "metrics.jsonl"
+            kept = [r for r in read_metrics(metrics) if r["step"] <= self.step]
+            metrics.write_text("".join(json.dumps(r) + "\n" for r in kept))
         if not self.quiet:
             print(f"resumed from {path} (step {self.step})", file=sys.stderr)
 

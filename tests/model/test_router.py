@@ -64,10 +64,10 @@ def test_load_balancing_loss_hand_computed():
     scores = torch.tensor([[0.75, 0.25], [0.5, 0.5]])
     counts = torch.tensor([2, 0])
     # f = [1, 0], P = [0.625, 0.375] -> E * sum f P = 2 * 0.625
-    assert load_balancing_loss(scores, counts, top_k=1, gating="softmax").item() == pytest.approx(1.25)
+    assert load_balancing_loss(scores, counts, gating="softmax").item() == pytest.approx(1.25)
     # Perfect balance gives 1.
     uniform = torch.full((4, 4), 0.25)
-    assert load_balancing_loss(uniform, torch.tensor([2, 2, 2, 2]), top_k=2, gating="softmax").item() == pytest.approx(1.0)
+    assert load_balancing_loss(uniform, torch.tensor([2, 2, 2, 2]), gating="softmax").item() == pytest.approx(1.0)
 
 
 def test_z_loss_hand_computed():

@@ -1,0 +1,107 @@
+"""Data-parallel gradient reduction for the resident-expert layout (the `ddp` stack).
+
+Dense parameters are replicated on every data-parallel rank: their gradients are summed over the
+dp group. Expert parameters live on the ranks of their expert-replica group (edp): their
+gradients already hold the contributions of every token of their expert-parallel group (the
+all-to-all's backward brought them), so they are summed over edp only. Both are then divided by
+dp, which makes the update that of the mean loss over the global batch.
+
+Each gradient is a view into a flat fp32 bucket (like DDP's gradient_as_bucket_view), so
+accumulation over micro-batches happens in place and a finished bucket is reduced as one
+message. During the last micro-batch's backward, a bucket's all-reduce starts as soon as all its
+gradients are final (post-accumulate-grad hooks), overlapping communication with the rest of the
+backward pass; `finish()` waits for them before the optimizer step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moetrain.model.experts import GroupedExperts
+from moetrain.parallel.dims import ParallelState
+
+
+@dataclasses.dataclass
+class _Bucket:
+    flat: torch.Tensor
+    params: list[nn.Parameter]
+    group: dist.ProcessGroup | None
+    pending: int = 0
+    work: dist.Work | None = None
+    launched: bool = False
+
+
+def expert_param_ids(model: nn.Module) -> set[int]:
+    return {id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
+
+
+class GradReducer:
+    def __init__(self, model: nn.Module, state: ParallelState, bucket_bytes: int = 25 * 2**20):
+        self.divisor = state.dims.dp
+        self.sync = False
+        expert_ids = expert_param_ids(model)
+        # Reverse registration order approximates the order in which backward finishes them.
+        params = [p for p in model.parameters() if p.requires_grad][::-1]
+        self.buckets: list[_Bucket] = []
+        for is_expert in (False, True):
+            group = state.edp_group if is_expert else state.dp_group
+            chosen = [p for p in params if (id(p) in expert_ids) == is_expert]
+            start = 0
+            while start < len(chosen):
+                size, end = 0, start
+                while end < len(chosen) and (end == start or size + chosen[end].numel() * 4 <= bucket_bytes):
+                    size += chosen[end].numel() * 4
+                    end += 1
+                self.buckets.append(self._make_bucket(chosen[start:end], group))
+                start = end
+
+    def _make_bucket(self, params: list[nn.Parameter], group) -> _Bucket:
+        device = params[0].device
+        flat = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=device)
+        bucket = _Bucket(flat, params, group)
+        offset = 0
+        for p in params:
+            p.grad = flat[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+            p.register_post_accumulate_grad_hook(lambda _p, b=bucket: self._on_grad_ready(b))
+        return bucket
+
+    def prepare(self, sync: bool) -> None:
+        """Call before each micro-batch's backward; `sync=True` for the last one of the step."""
+        self.sync = sync
+        if sync:
+            for b in self.buckets:
+                b.pending, b.work, b.launched = len(b.params), None, False
+
+    def _on_grad_ready(self, bucket: _Bucket) -> None:
+        if not self.sync:
+            return
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._launch(bucket)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        bucket.launched = True
+        if bucket.group is not None:
+            bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
+
+    def finish(self) -> None:
+        """Wait for every reduction (starting those whose parameters got no gradient) and turn
+        the sums into means over the data-parallel ranks."""
+        for b in self.buckets:
+            if not b.launched:
+                self._launch(b)
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+            b.flat.div_(self.divisor)
+        self.sync = False
+
+    def zero_grad(self) -> None:
+        """Zero the gradients in place (the buckets must stay the gradients' storage)."""
+        for b in self.buckets:
+            b.flat.zero_()

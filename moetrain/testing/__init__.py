@@ -1,0 +1,1 @@
+"""Helpers for tests: running a function on several CPU ranks over gloo."""

@@ -1,0 +1,71 @@
+"""`run_distributed(fn, world_size, *args)`: run `fn(*args)` on `world_size` spawned CPU processes
+joined by a gloo process group, and return each rank's result.
+
+Each rank gets a fresh interpreter (spawn), one torch thread, and a process-group timeout, so a
+hung collective fails the test instead of hanging CI; the parent kills every rank after
+`timeout_s` in any case.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue as queue_module
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
+        result = fn(*args)
+        queue.put((rank, True, result))
+    except BaseException:  # report everything, including CheckpointException
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float = 240.0) -> list[Any]:
+    """Results of `fn(*args)` per rank; raises with the failing rank's traceback."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors = []
+    try:
+        for _ in range(world_size):
+            try:
+                rank, ok, payload = queue.get(timeout=timeout_s)
+            except queue_module.Empty:
+                raise RuntimeError(f"distributed test timed out after {timeout_s} s (a hung collective?)") from None
+            (results.__setitem__(rank, payload) if ok else errors.append(f"rank {rank}:\n{payload}"))
+            if errors:
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 0.1)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise RuntimeError("distributed test failed on " + "\n".join(errors))
+    return [results[r] for r in range(world_size)]
