@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+
+import torch.distributed as dist
 from collections.abc import Callable
 
 from moetrain.errors import ConfigError, MoetrainError
@@ -114,7 +116,10 @@ def cmd_train(argv: list[str]) -> int:
 
     trainer = Trainer(cfg, resume=args.resume, quiet=args.quiet)
     summary = trainer.fit()
-    print(json.dumps(summary))
+    if trainer.par.is_main:
+        print(json.dumps(summary))
+    if dist.is_initialized():
+        dist.destroy_process_group()
     return 0
 
 

@@ -11,6 +11,8 @@ The metrics.jsonl contract (one JSON object per logged step; keys never renamed)
   mfu: that over the device's dense BF16 peak; null on CPU and unknown GPUs.
 - peak_mem_gib: torch.cuda.max_memory_allocated on GPU, the process's peak RSS on CPU.
 - expert_load_max_over_mean: worst MoE layer's max/mean tokens per expert over the step.
+- ep_load_max_over_mean (extra): the same per expert-parallel rank (the experts a rank holds
+  summed); 1.0 without expert parallelism.
 - unused_experts: experts (summed over MoE layers) that received no token in the step.
 - dropped_token_frac: dropped / routed assignments (0 for dropless dispatch).
 """
@@ -26,23 +28,27 @@ from typing import Any
 import torch
 
 
-def routing_metrics(layer_stats: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+def routing_metrics(layer_stats: list[dict[str, torch.Tensor]], ep: int = 1) -> dict[str, float]:
     """Reduce per-MoE-layer step statistics to the logged scalars (one host sync)."""
     if not layer_stats:
         return {"lb_loss": 0.0, "z_loss": 0.0, "expert_load_max_over_mean": 1.0,
-                "dropped_token_frac": 0.0, "unused_experts": 0}
+                "ep_load_max_over_mean": 1.0, "dropped_token_frac": 0.0, "unused_experts": 0}
     counts_LE = torch.stack([s["tokens_per_expert"] for s in layer_stats]).float()
     lb = torch.stack([s["lb_loss"] for s in layer_stats]).mean()
     z = torch.stack([s["z_loss"] for s in layer_stats]).mean()
     dropped = torch.stack([s["dropped"] for s in layer_stats]).sum().float()
     load_ratio = (counts_LE.max(dim=1).values / counts_LE.mean(dim=1).clamp(min=1e-9)).max()
+    # Experts are laid out contiguously over expert-parallel ranks: E/ep per rank.
+    per_rank_LR = counts_LE.view(counts_LE.shape[0], ep, -1).sum(dim=2)
+    rank_ratio = (per_rank_LR.max(dim=1).values / per_rank_LR.mean(dim=1).clamp(min=1e-9)).max()
     unused = (counts_LE == 0).sum()
     routed = counts_LE.sum() + dropped
-    values = torch.stack([lb, z, load_ratio, dropped / routed.clamp(min=1), unused.float()]).tolist()
+    values = torch.stack([lb, z, load_ratio, dropped / routed.clamp(min=1), unused.float(), rank_ratio]).tolist()
     return {
         "lb_loss": values[0],
         "z_loss": values[1],
         "expert_load_max_over_mean": values[2],
+        "ep_load_max_over_mean": values[5],
         "dropped_token_frac": values[3],
         "unused_experts": int(values[4]),
     }

@@ -252,7 +252,7 @@ class Trainer:
         # Counts are global already; the losses are per rank (their mean is the global value).
         routing = routing_metrics([
             {**s, "lb_loss": self._dp_mean(s["lb_loss"]), "z_loss": self._dp_mean(s["z_loss"])} for s in out.routing
-        ])
+        ], ep=self.par.dims.ep)
         lm_loss, grad_norm = torch.stack([self._dp_mean(out.lm_loss), out.grad_norm.float()]).tolist()
         moe = self.cfg.model.moe
         num_moe = self.cfg.model.num_moe_layers
@@ -271,6 +271,7 @@ class Trainer:
             "mfu": tflops * 1e12 / self.peak_flops if self.peak_flops else None,
             "peak_mem_gib": peak_mem_gib(self.device),
             "expert_load_max_over_mean": routing["expert_load_max_over_mean"],
+            "ep_load_max_over_mean": routing["ep_load_max_over_mean"],
             "dropped_token_frac": routing["dropped_token_frac"],
             "unused_experts": routing["unused_experts"],
         }
