@@ -10,9 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
 import torch.distributed as dist
-from collections.abc import Callable
 
 from moetrain.errors import ConfigError, MoetrainError
 
@@ -24,6 +25,7 @@ SUBCOMMANDS: dict[str, str] = {
     "eval": "loss and perplexity of a checkpoint on raw text files",
     "generate": "sample text from a checkpoint",
     "presets": "list the shipped presets",
+    "plot": "draw the loss curves of one or more run directories into one PNG",
 }
 
 # Everyday flags of `train`, and the config keys they set.
@@ -199,7 +201,22 @@ def cmd_generate(argv: list[str]) -> int:
     return 0
 
 
+def cmd_plot(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="moetrain plot", description="Compare the loss curves of runs.")
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    parser.add_argument("--out", default="loss-compare.png")
+    args = parser.parse_args(argv)
+    from moetrain.train.plot import plot_compare
+
+    for run_dir in args.run_dirs:
+        if not (Path(run_dir) / "metrics.jsonl").is_file():
+            raise ConfigError(f"'{run_dir}' has no metrics.jsonl: pass run directories written by moetrain train.")
+    print(json.dumps({"plot": str(plot_compare(args.run_dirs, args.out))}))
+    return 0
+
+
 _HANDLERS: dict[str, Callable[[list[str]], int]] = {
+    "plot": cmd_plot,
     "train": cmd_train,
     "config": cmd_config,
     "params": cmd_params,

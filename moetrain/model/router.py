@@ -48,8 +48,10 @@ class Router(nn.Module):
         self, x_ND: torch.Tensor, reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None = None
     ) -> RouterOutput:
         cfg = self.cfg
-        # fp32 logits: bf16 would round near-tied scores and make selection noisy.
-        logits_NE = F.linear(x_ND.float(), self.weight.float())
+        # fp32 logits: bf16 would round near-tied scores and make selection noisy. Autocast would
+        # run the linear in bf16 whatever its inputs, so it is switched off here.
+        with torch.autocast(x_ND.device.type, enabled=False):
+            logits_NE = F.linear(x_ND.float(), self.weight.float())
         if cfg.gating == Gating.softmax:
             scores_NE = logits_NE.softmax(dim=-1)
         else:

@@ -14,12 +14,21 @@ Ranks are laid out as (pp, edp, ep), ep fastest:
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from moetrain.config import Config
 from moetrain.errors import ConfigError
+
+
+class DispatcherKind(enum.StrEnum):
+    nosync = "nosync"
+    """Fixed-size buffers per destination rank: no device-to-host sync; dropless unless
+    parallel.capacity_factor is set (moetrain/parallel/nosync_dispatcher.py)."""
+    alltoall = "alltoall"
+    """Exact split sizes, read on the host once per layer: dropless, least memory."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -30,7 +39,22 @@ class ParallelConfig(Config):
     """Expert-parallel degree: experts are split over groups of ep ranks. Divides dp and the
     number of experts."""
 
+    dispatcher: DispatcherKind = DispatcherKind.nosync
+    """How tokens reach experts on other ranks (with ep > 1)."""
+    capacity_factor: float | None = None
+    """nosync only: rows per destination rank = ceil(f · assignments / ep); assignments beyond
+    are dropped (and counted in dropped_token_frac). None = dropless (buffers of ep × the
+    assignments: see docs/architecture.md for the memory cost)."""
+
     def validate(self) -> None:
+        if self.capacity_factor is not None:
+            if self.capacity_factor <= 0:
+                raise ConfigError(f"parallel.capacity_factor={self.capacity_factor} must be positive (or null for dropless).")
+            if self.dispatcher != DispatcherKind.nosync:
+                raise ConfigError(
+                    "parallel.capacity_factor applies to parallel.dispatcher=nosync only; the "
+                    f"{self.dispatcher} dispatcher is always dropless."
+                )
         if self.dp is not None and self.dp <= 0:
             raise ConfigError(f"parallel.dp={self.dp} must be a positive integer (or null for all ranks).")
         if self.ep <= 0:

@@ -19,7 +19,7 @@ import torch.distributed._functional_collectives as funcol
 from moetrain.model.dispatcher import LocalTokenDispatcher
 from moetrain.model.experts import GroupedExperts
 from moetrain.model.transformer import Transformer
-from moetrain.parallel.dims import ParallelState
+from moetrain.parallel.dims import DispatcherKind, ParallelConfig, ParallelState
 
 
 class DataParallelDispatcher(LocalTokenDispatcher):
@@ -107,9 +107,12 @@ def all_reduce_counts(counts_E: torch.Tensor, group: dist.ProcessGroup | None) -
     return counts_E
 
 
-def apply_expert_parallel(model: Transformer, state: ParallelState) -> None:
+def apply_expert_parallel(model: Transformer, state: ParallelState, cfg: ParallelConfig | None = None) -> None:
     """Give each MoE layer its rank's experts and a dispatcher that reaches the others. Run on the
     meta device, before materializing: only the local experts are ever allocated."""
+    from moetrain.parallel.nosync_dispatcher import NoSyncDispatcher  # it builds on this module
+
+    cfg = cfg or ParallelConfig()
     dims = state.dims
     for moe in model.moe_layers():
         E = moe.cfg.num_experts
@@ -118,6 +121,9 @@ def apply_expert_parallel(model: Transformer, state: ParallelState) -> None:
             old = moe.experts
             with torch.device(old.w_down_EDF.device):
                 moe.experts = GroupedExperts(L, old.d_model, old.hidden, expert_offset=state.ep_rank * L)
-            moe.dispatcher = AllToAllDispatcher(E, state.ep_group, state.dp_group)
+            if cfg.dispatcher == DispatcherKind.nosync:
+                moe.dispatcher = NoSyncDispatcher(E, state.ep_group, state.dp_group, cfg.capacity_factor)
+            else:
+                moe.dispatcher = AllToAllDispatcher(E, state.ep_group, state.dp_group)
         elif dims.dp > 1:
             moe.dispatcher = DataParallelDispatcher(E, state.dp_group)

@@ -1,6 +1,7 @@
 """`parallelize`: prepare a model built on the meta device for training, in one fixed order.
 
     1. expert parallel: each MoE layer keeps its rank's experts and gets an all-to-all dispatcher
+       (`parallel.dispatcher`: nosync, fixed buffers, or alltoall, exact splits)
        (or, with ep = 1 and dp > 1, a dispatcher that only sums routing counts over dp)
     2. activation recompute (per block)
     3. torch.compile (per block)
@@ -17,13 +18,13 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from moetrain.model.transformer import Transformer
-from moetrain.parallel.dims import ParallelState
+from moetrain.parallel.dims import ParallelConfig, ParallelState
 from moetrain.parallel.expert_parallel import apply_expert_parallel
 from moetrain.train.config import Recompute, TrainerConfig
 
 
-def parallelize(model: Transformer, state: ParallelState, cfg: TrainerConfig) -> Transformer:
-    apply_expert_parallel(model, state)
+def parallelize(model: Transformer, state: ParallelState, cfg: TrainerConfig, parallel: ParallelConfig) -> Transformer:
+    apply_expert_parallel(model, state, parallel)
     if cfg.recompute == Recompute.full:
         apply_recompute(model)
     if cfg.compile:

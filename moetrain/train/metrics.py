@@ -14,7 +14,7 @@ The metrics.jsonl contract (one JSON object per logged step; keys never renamed)
 - ep_load_max_over_mean (extra): the same per expert-parallel rank (the experts a rank holds
   summed); 1.0 without expert parallelism.
 - unused_experts: experts (summed over MoE layers) that received no token in the step.
-- dropped_token_frac: dropped / routed assignments (0 for dropless dispatch).
+- dropped_token_frac: dropped / all routed assignments, over the global batch (0 when dropless).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def routing_metrics(layer_stats: list[dict[str, torch.Tensor]], ep: int = 1) -> 
     per_rank_LR = counts_LE.view(counts_LE.shape[0], ep, -1).sum(dim=2)
     rank_ratio = (per_rank_LR.max(dim=1).values / per_rank_LR.mean(dim=1).clamp(min=1e-9)).max()
     unused = (counts_LE == 0).sum()
-    routed = counts_LE.sum() + dropped
+    routed = counts_LE.sum()  # every assignment the routers made, dropped ones included
     values = torch.stack([lb, z, load_ratio, dropped / routed.clamp(min=1), unused.float(), rank_ratio]).tolist()
     return {
         "lb_loss": values[0],

@@ -46,3 +46,31 @@ def plot_run(run_dir: str | Path) -> Path | None:
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+def plot_compare(run_dirs: list[str | Path], out: str | Path) -> Path:
+    """Loss curves (train lm_loss and val loss) of several runs in one PNG, to compare layouts
+    or settings. Needs matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for run_dir in map(Path, run_dirs):
+        records = read_metrics(run_dir / "metrics.jsonl")
+        if not records:
+            continue
+        line = ax.plot([r["step"] for r in records], [r["lm_loss"] for r in records], label=f"{run_dir.name} train", alpha=0.8)[0]
+        val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+        if val:
+            ax.plot(*zip(*val), "o--", color=line.get_color(), label=f"{run_dir.name} val")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out = Path(out)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

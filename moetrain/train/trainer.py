@@ -102,7 +102,7 @@ class Trainer:
 
         # Build on the meta device, apply the layout, then allocate only what this rank holds.
         model = cfg.model.build(device="meta")
-        model = parallelize(model, self.par, tc)
+        model = parallelize(model, self.par, tc, cfg.parallel)
         model.to_empty(device=self.device)
         model.init_weights(seed=tc.seed)
         self.model: Transformer = model
@@ -251,7 +251,8 @@ class Trainer:
         tflops = self.flops_per_token * per_device / 1e12
         # Counts are global already; the losses are per rank (their mean is the global value).
         routing = routing_metrics([
-            {**s, "lb_loss": self._dp_mean(s["lb_loss"]), "z_loss": self._dp_mean(s["z_loss"])} for s in out.routing
+            {**s, "lb_loss": self._dp_mean(s["lb_loss"]), "z_loss": self._dp_mean(s["z_loss"]),
+             "dropped": self._dp_mean(s["dropped"].float()) * self.par.dims.dp} for s in out.routing
         ], ep=self.par.dims.ep)
         lm_loss, grad_norm = torch.stack([self._dp_mean(out.lm_loss), out.grad_norm.float()]).tolist()
         moe = self.cfg.model.moe

@@ -91,15 +91,28 @@ def check(records, reference_records):
         assert got["expert_load_max_over_mean"] == pytest.approx(want["expert_load_max_over_mean"], rel=1e-6)
 
 
+A2A = "parallel.dispatcher=alltoall"
+CAPPED = ["parallel.ep=2", "parallel.capacity_factor=0.6"]
+
+
 @pytest.mark.parametrize("world, layouts", [
-    (2, [("dp2", ["parallel.ep=1"]), ("dp2ep2", ["parallel.ep=2"])]),
-    (4, [("dp4ep4", ["parallel.ep=4"]), ("dp4ep2", ["parallel.ep=2"])]),
+    (2, [("dp2", ["parallel.ep=1"]), ("dp2ep2", ["parallel.ep=2"]), ("dp2ep2-alltoall", ["parallel.ep=2", A2A]),
+         ("dp2ep2-capped", CAPPED)]),
+    (4, [("dp4ep4", ["parallel.ep=4"]), ("dp4ep2", ["parallel.ep=2"]), ("dp4ep4-alltoall", ["parallel.ep=4", A2A])]),
 ])
 def test_layouts_match_single_process(real_text_dir, reference, tmp_path, world, layouts):
+    """Both dispatchers (sync-free `nosync`, the default, and exact `alltoall`) reproduce the
+    single-process run when nothing is dropped; a capacity factor drops and says so."""
     ref_records, params_file = reference
     results = run_distributed(rank_layouts, world, real_text_dir, tmp_path, layouts, params_file)
-    for name, _ in layouts:
-        check(results[0][name][0], ref_records)
+    for name, extra in layouts:
+        records = results[0][name][0]
+        if extra is CAPPED:
+            assert all(r["dropped_token_frac"] > 0 for r in records), [r["dropped_token_frac"] for r in records]
+            assert all(r["lm_loss"] == r["lm_loss"] for r in records)  # finite, not NaN
+            continue
+        check(records, ref_records)
+        assert all(r["dropped_token_frac"] == 0 for r in records)
         for rank, per_rank in enumerate(results):
             assert per_rank[name][1][0] <= 1.0, (name, rank, per_rank[name][1])
 
