@@ -41,6 +41,9 @@ class ParallelConfig(Config):
 
     dispatcher: DispatcherKind = DispatcherKind.nosync
     """How tokens reach experts on other ranks (with ep > 1)."""
+    shard_optimizer: bool = False
+    """Distributed optimizer: fp32 master weights and AdamW moments sharded over the data-parallel
+    ranks (gradients reduce-scattered, parameters all-gathered): optimizer memory ÷ dp."""
     capacity_factor: float | None = None
     """nosync only: rows per destination rank = ceil(f · assignments / ep); assignments beyond
     are dropped (and counted in dropped_token_frac). None = dropless (buffers of ep × the

@@ -80,7 +80,7 @@ def save_checkpoint(
     run_dir: str | Path,
     step: int,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer,
     trainer_state: dict[str, Any],
     extra_files: dict[str, Path | str] | None = None,
     keep_last: int = 0,
@@ -96,7 +96,7 @@ def save_checkpoint(
     _barrier()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.save(_dcp_state(model, optimizer), checkpoint_id=str(tmp))
+        dcp.save(_dcp_state(model, optimizer.state_dict_tensors()), checkpoint_id=str(tmp))
     (tmp / f"rng-rank{rank}.json").write_text(json.dumps(rng_state()))
     _barrier()
     if rank == 0:
@@ -119,11 +119,12 @@ def save_checkpoint(
 
 
 def load_checkpoint(
-    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, rank: int = 0
+    path: Path, model: nn.Module, optimizer=None, rank: int = 0
 ) -> dict[str, Any]:
     """Load model (and optimizer) state in place, whatever layout saved it; restore this rank's
     RNG state when the checkpoint has one for it; return the trainer state."""
-    state = _dcp_state(model, optimizer)
+    optim_tensors = optimizer.state_dict_tensors() if optimizer is not None else None
+    state = _dcp_state(model, optim_tensors)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
@@ -134,7 +135,10 @@ def load_checkpoint(
             f"Checkpoint '{path}' does not fit this model: {_first_line(e)}. It was saved from a "
             f"different model shape; check its config.yaml against the current model config."
         ) from None
-    # DCP filled the tensors of `state` in place: they are the parameters and the AdamW moments.
+    # DCP filled the tensors of `state` in place: the parameters, and the optimizer's tensors
+    # (live ones for the replicated optimizer, gathered copies the sharded one takes its shard of).
+    if optimizer is not None:
+        optimizer.load_state_dict_tensors(optim_tensors)
     rng_file = path / f"rng-rank{rank}.json"
     if optimizer is not None and rng_file.is_file():
         set_rng_state(json.loads(rng_file.read_text()))
@@ -142,7 +146,7 @@ def load_checkpoint(
     return json.loads(trainer_state_file.read_text()) if trainer_state_file.is_file() else {}
 
 
-def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+def _dcp_state(model: nn.Module, optim_tensors: dict[str, dict[str, torch.Tensor]] | None) -> dict[str, Any]:
     """What DCP saves and loads: views of the live tensors, so loading writes in place.
 
     Stacked expert tensors are split into one entry per *global* expert index ("…w_down_EDF/5"):
@@ -153,21 +157,15 @@ def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dic
     checkpoint holds tensors only.
     """
     offsets = _expert_offsets(model)
-    params = dict(model.named_parameters())
-    names = {id(p): canonical_name(n) for n, p in params.items()}
     model_state: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
         _put(model_state, canonical_name(name), tensor.detach(), offsets)
     state: dict[str, Any] = {"model": model_state}
-    if optimizer is not None:
+    if optim_tensors is not None:
         optim_state: dict[str, torch.Tensor] = {}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p not in optimizer.state:  # a fresh optimizer: create zero moments to load into
-                    _init_adam_state(optimizer, p)
-                for key, value in optimizer.state[p].items():
-                    if isinstance(value, torch.Tensor):
-                        _put(optim_state, f"{names[id(p)]}.{key}", value, offsets, param_name=names[id(p)])
+        for name, tensors in optim_tensors.items():
+            for key, value in tensors.items():
+                _put(optim_state, f"{name}.{key}", value, offsets, param_name=name)
         state["optim"] = optim_state
     return state
 
@@ -188,15 +186,6 @@ def _expert_offsets(model: nn.Module) -> dict[str, int]:
             for pname, _ in module.named_parameters(recurse=False):
                 offsets[f"{canonical_name(name)}.{pname}"] = module.expert_offset
     return offsets
-
-
-def _init_adam_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> None:
-    fused_or_capturable = any(g.get("fused") or g.get("capturable") for g in optimizer.param_groups)
-    optimizer.state[p] = {
-        "step": torch.zeros((), dtype=torch.float32, device=p.device if fused_or_capturable else "cpu"),
-        "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
-    }
 
 
 def _barrier() -> None:

@@ -80,3 +80,71 @@ def clip_grad_norm(
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         torch._foreach_mul_(grads + expert_grads, coef)
     return total
+
+
+class ReplicatedAdamW:
+    """torch AdamW with full optimizer state on every rank, plus the data-parallel gradient
+    reduction (`GradReducer`, when dp > 1) and clipping: the same interface as the sharded
+    `moetrain.parallel.dist_optim.DistributedAdamW`, so the trainer drives either one."""
+
+    def __init__(self, model: nn.Module, state, cfg: OptimConfig):
+        from moetrain.parallel.data_parallel import GradReducer, expert_param_ids
+
+        self.model = model
+        self.reducer = GradReducer(model, state) if state.dims.dp > 1 else None
+        self.ep_group = state.ep_group
+        expert_ids = expert_param_ids(model)
+        self.expert_params = [p for p in model.parameters() if id(p) in expert_ids]
+        self.dense_params = [p for p in model.parameters() if id(p) not in expert_ids]
+        self.adamw = build_optimizer(model, cfg)
+
+    def prepare(self, sync: bool) -> None:
+        if self.reducer is not None:
+            self.reducer.prepare(sync)
+
+    def finish(self) -> None:
+        if self.reducer is not None:
+            self.reducer.finish()
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        return clip_grad_norm(self.dense_params, self.expert_params, max_norm, self.ep_group)
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.adamw.param_groups:
+            group["lr"] = lr
+
+    def step(self) -> None:
+        self.adamw.step()
+
+    def zero_grad(self) -> None:
+        if self.reducer is not None:
+            self.reducer.zero_grad()  # the reducer's buckets must stay the gradients' storage
+        else:
+            self.adamw.zero_grad(set_to_none=True)
+
+    def memory_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for s in self.adamw.state.values() for t in s.values() if isinstance(t, torch.Tensor))
+
+    def state_dict_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The live AdamW state per parameter (created as zeros for a fresh optimizer, so a
+        checkpoint can be loaded into it in place)."""
+        from moetrain.model.transformer import canonical_name
+
+        out = {}
+        fused = any(g.get("fused") for g in self.adamw.param_groups)
+        for name, p in self.model.named_parameters():
+            if p not in self.adamw.state or not self.adamw.state[p]:
+                self.adamw.state[p] = {
+                    "step": torch.zeros((), dtype=torch.float32, device=p.device if fused else "cpu"),
+                    "exp_avg": torch.zeros_like(p),
+                    "exp_avg_sq": torch.zeros_like(p),
+                }
+            out[canonical_name(name)] = self.adamw.state[p]
+        return out
+
+    def load_state_dict_tensors(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        live = self.state_dict_tensors()
+        for name, tensors in state.items():
+            for key, value in tensors.items():
+                if live[name][key] is not value:
+                    live[name][key].copy_(value)

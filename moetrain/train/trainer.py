@@ -28,14 +28,14 @@ from moetrain.data.tokens import open_source
 from moetrain.errors import ConfigError
 from moetrain.model.counting import count_params, flops_per_token, peak_flops
 from moetrain.model.transformer import Transformer
-from moetrain.parallel.data_parallel import GradReducer, expert_param_ids
+from moetrain.parallel.dist_optim import DistributedAdamW
 from moetrain.parallel.dims import ParallelDims, ParallelState
 from moetrain.parallel.distributed import init_distributed
 from moetrain.parallel.parallelize import parallelize
 from moetrain.train import checkpoint as ckpt
 from moetrain.train.config import Precision, RunConfig
 from moetrain.train.metrics import MetricsWriter, peak_mem_gib, read_metrics, routing_metrics
-from moetrain.train.optim import build_optimizer, clip_grad_norm, lr_at
+from moetrain.train.optim import ReplicatedAdamW, lr_at
 
 
 def resolve_device(name: str) -> torch.device:
@@ -106,11 +106,11 @@ class Trainer:
         model.to_empty(device=self.device)
         model.init_weights(seed=tc.seed)
         self.model: Transformer = model
-        self.reducer = GradReducer(model, self.par) if dims.dp > 1 else None
-        expert_ids = expert_param_ids(model)
-        self.expert_params = [p for p in model.parameters() if id(p) in expert_ids]
-        self.dense_params = [p for p in model.parameters() if id(p) not in expert_ids]
-        self.optimizer = build_optimizer(self.model, cfg.optim)
+        # The optimizer owns the data-parallel gradient reduction and clipping too.
+        if cfg.parallel.shard_optimizer:
+            self.optimizer = DistributedAdamW(model, self.par, cfg.optim)
+        else:
+            self.optimizer = ReplicatedAdamW(model, self.par, cfg.optim)
         for moe in self.model.moe_layers():
             # Aux losses get the same 1/accum factor as the LM loss: mean over the global batch.
             moe.aux_loss_scale = 1.0 / tc.grad_accum_steps
@@ -133,8 +133,7 @@ class Trainer:
         self.model.train()
         lm_loss = torch.zeros((), device=self.device)
         for micro in range(tc.grad_accum_steps):
-            if self.reducer is not None:
-                self.reducer.prepare(sync=micro == tc.grad_accum_steps - 1)
+            self.optimizer.prepare(sync=micro == tc.grad_accum_steps - 1)
             inputs_BT, targets_BT = self.loader.next_batch()
             inputs_BT = inputs_BT.to(self.device, non_blocking=True)
             targets_BT = targets_BT.to(self.device, non_blocking=True)
@@ -142,18 +141,13 @@ class Trainer:
             loss.backward()
             lm_loss += loss.detach()
 
-        if self.reducer is not None:
-            self.reducer.finish()
+        self.optimizer.finish()
         max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else math.inf
-        grad_norm = clip_grad_norm(self.dense_params, self.expert_params, max_norm, self.par.ep_group)
+        grad_norm = self.optimizer.clip_grad_norm(max_norm)
         lr = lr_at(self.step, tc.steps, self.cfg.optim.lr, self.cfg.schedule)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        self.optimizer.set_lr(lr)
         self.optimizer.step()
-        if self.reducer is not None:
-            self.reducer.zero_grad()
-        else:
-            self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()
         routing = [moe.end_step() for moe in self.model.moe_layers()]
         self.step += 1
         return StepOutput(lm_loss, grad_norm, routing, lr)

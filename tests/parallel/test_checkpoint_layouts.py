@@ -1,5 +1,6 @@
 """A checkpoint written by one layout loads into any other and training continues with the same
-losses (fp32, gloo): dp2·ep2 → dp4·ep4, dp4·ep2 and a single process."""
+losses (fp32, gloo): dp2·ep2 with the sharded optimizer → dp4·ep4 (replicated optimizer),
+dp4·ep2 (sharded) and a single process."""
 
 import shutil
 
@@ -37,7 +38,7 @@ def losses(run_dir):
 
 def test_checkpoint_written_at_one_layout_resumes_at_others(real_text_dir, tmp_path):
     source = tmp_path / "dp2ep2"
-    run_distributed(train_layouts, 2, real_text_dir, [(source, ["parallel.ep=2"])])
+    run_distributed(train_layouts, 2, real_text_dir, [(source, ["parallel.ep=2", "parallel.shard_optimizer=true"])])
     assert (source / "checkpoints" / "step-3" / "COMPLETE").is_file()
 
     targets = {name: tmp_path / name for name in ("dp4ep4", "dp4ep2", "single")}
@@ -45,7 +46,7 @@ def test_checkpoint_written_at_one_layout_resumes_at_others(real_text_dir, tmp_p
         shutil.copytree(source, target)
         shutil.rmtree(target / "checkpoints" / "step-6")  # resume from step 3
     starts = run_distributed(train_layouts, 4, real_text_dir, [
-        (targets["dp4ep4"], ["parallel.ep=4"]), (targets["dp4ep2"], ["parallel.ep=2"]),
+        (targets["dp4ep4"], ["parallel.ep=4"]), (targets["dp4ep2"], ["parallel.ep=2", "parallel.shard_optimizer=true"]),
     ])
     assert starts[0] == [3, 3]
     assert train(real_text_dir, targets["single"], 6, [], resume=True) == 3

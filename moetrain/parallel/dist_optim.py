@@ -1,0 +1,291 @@
+"""`DistributedAdamW`: AdamW whose state is sharded over the data-parallel ranks (ZeRO-1/2 style),
+for the resident-expert layout of data_parallel.py.
+
+Legend: N elements of a bucket's flat buffer (padded to a multiple of G), G ranks of the bucket's
+group (dp for dense parameters, edp for expert parameters), S = N / G elements of this rank's
+shard of the bucket.
+
+One optimizer step:
+ 1. backward: gradients accumulate into flat fp32 buckets, as in `GradReducer`; during the last
+    micro-batch's backward, each finished bucket is reduce-scattered over its group (async,
+    overlapped with the rest of the backward), so this rank receives the summed gradient of its
+    shard only;
+ 2. `finish()`: wait for the reduce-scatters, divide the shards by dp (mean over the global
+    batch, as `GradReducer` does);
+ 3. `clip_grad_norm()`: the global norm from the shards (one all-reduce), then scale the shards;
+ 4. `step()`: AdamW on this rank's shards — fp32 master weights, exp_avg and exp_avg_sq exist for
+    the shard only — then all-gather the updated shards into the flat parameter buffers. Every
+    parameter is a view into its bucket's buffer, so the all-gather writes the parameters in place
+    and every rank holds the full (replicated) parameters again.
+
+Memory: the optimizer state (12 bytes per element: master + two moments) is 1/dp of the dense
+parameters' and 1/edp of the local experts'. The local experts are 1/ep of all experts, so a rank
+holds 1/dp of the single-device optimizer state (plus at most G - 1 padding elements per bucket).
+What stays full size: the gradient buckets (they accumulate over micro-batches; a full ZeRO-2
+would reduce-scatter every micro-batch and keep only the shard) and the parameters (sharding
+those as well is ZeRO-3 / FSDP).
+
+After `finish()` the reduced gradient lives only in the shards: `p.grad` still holds this rank's
+local, unreduced sum (the bucket is the reduce-scatter's input), until `zero_grad()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moetrain.model.transformer import canonical_name
+from moetrain.parallel.data_parallel import GradReducer, _Bucket
+from moetrain.parallel.dims import ParallelState
+from moetrain.train.config import OptimConfig
+from moetrain.train.optim import param_groups
+
+# torch 2.13 renamed these two collectives (the old names warn); older supported versions have
+# only the old names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclasses.dataclass
+class _ShardedBucket(_Bucket):
+    """A `GradReducer` bucket (`flat` = the N gradients) plus the flat parameter buffer and this
+    rank's shard [lo, lo + S) of both."""
+
+    params_N: torch.Tensor | None = None
+    grad_S: torch.Tensor | None = None
+    offsets: list[int] = dataclasses.field(default_factory=list)
+    """Start of each parameter in the flat buffers."""
+    lo: int = 0
+
+    @property
+    def hi(self) -> int:
+        return self.lo + self.grad_S.numel()
+
+
+class _ShardedGradReducer(GradReducer):
+    """`GradReducer`'s bucketing and overlap, with reduce-scatter in place of all-reduce, padded
+    buckets, and parameters moved into flat buffers alongside their gradients."""
+
+    buckets: list[_ShardedBucket]
+
+    def _make_bucket(self, params: list[nn.Parameter], group) -> _ShardedBucket:
+        G = dist.get_world_size(group) if group is not None else 1
+        numel = sum(p.numel() for p in params)
+        N = math.ceil(numel / G) * G
+        S = N // G
+        device = params[0].device
+        if any(p.dtype != params[0].dtype for p in params):
+            raise ValueError("DistributedAdamW needs one parameter dtype per bucket; got a mix.")
+        # Padding stays zero in all buffers: zero gradient, zero moments, so zero update.
+        grads_N = torch.zeros(N, dtype=torch.float32, device=device)
+        params_N = torch.zeros(N, dtype=params[0].dtype, device=device)
+        lo = (dist.get_rank(group) if group is not None else 0) * S
+        # Alone in its group the shard is the whole bucket: no copy, no collective.
+        grad_S = grads_N[lo : lo + S] if G == 1 else torch.zeros(S, dtype=torch.float32, device=device)
+        bucket = _ShardedBucket(grads_N, params, group, params_N=params_N, grad_S=grad_S, lo=lo)
+        offset = 0
+        with torch.no_grad():
+            for p in params:
+                params_N[offset : offset + p.numel()].copy_(p.detach().flatten())
+                p.data = params_N[offset : offset + p.numel()].view_as(p)
+                p.grad = grads_N[offset : offset + p.numel()].view_as(p)
+                bucket.offsets.append(offset)
+                offset += p.numel()
+                p.register_post_accumulate_grad_hook(lambda _p, b=bucket: self._on_grad_ready(b))
+        return bucket
+
+    def _launch(self, bucket: _ShardedBucket) -> None:
+        bucket.launched = True
+        if bucket.group is not None:
+            bucket.work = _reduce_scatter(bucket.grad_S, bucket.flat, group=bucket.group, async_op=True)
+
+    def finish(self) -> None:
+        """Wait for every reduce-scatter (starting those whose parameters got no gradient) and
+        turn the shards' sums into means over the data-parallel ranks."""
+        for b in self.buckets:
+            if not b.launched:
+                self._launch(b)
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+            b.grad_S.div_(self.divisor)
+        self.sync = False
+
+
+class DistributedAdamW:
+    """torch.optim.AdamW's update (decoupled weight decay, bias corrections, eps after the square
+    root; weight decay per `param_groups`), with the state sharded over the data-parallel ranks.
+
+    Build it after the model is materialized and initialized: it moves every parameter into a flat
+    buffer (values kept) and attaches the gradient hooks. Per step: `prepare(sync)` before each
+    micro-batch's backward, `finish()`, `clip_grad_norm()`, `set_lr()`, `step()`, `zero_grad()`.
+    """
+
+    def __init__(self, model: nn.Module, state: ParallelState, cfg: OptimConfig, bucket_bytes: int = 25 * 2**20):
+        self.cfg = cfg
+        self.lr = cfg.lr
+        self.num_steps = 0
+        self.dp_group = state.dp_group
+        self._grads = _ShardedGradReducer(model, state, bucket_bytes)
+        self.buckets = self._grads.buckets
+        self.names = {id(p): canonical_name(n) for n, p in model.named_parameters()}
+        self.master_S = [b.params_N[b.lo : b.hi].to(torch.float32, copy=True) for b in self.buckets]
+        self.exp_avg_S = [torch.zeros_like(m) for m in self.master_S]
+        self.exp_avg_sq_S = [torch.zeros_like(m) for m in self.master_S]
+        decay_ids = {id(p) for p in param_groups(model, cfg.weight_decay)[0]["params"]}
+        # Views of the master shards where weight decay applies (one per parameter piece held
+        # here), so the decay is one foreach call.
+        self._decay_views = []
+        for b, master in zip(self.buckets, self.master_S):
+            for p, off in zip(b.params, b.offsets):
+                start, end = max(off, b.lo), min(off + p.numel(), b.hi)
+                if id(p) in decay_ids and start < end:
+                    self._decay_views.append(master[start - b.lo : end - b.lo])
+
+    # ---- gradients -------------------------------------------------------------------------------
+    def prepare(self, sync: bool) -> None:
+        """Call before each micro-batch's backward; `sync=True` for the last one of the step."""
+        self._grads.prepare(sync)
+
+    def finish(self) -> None:
+        """After the last backward: wait for the reduce-scatters, average over dp."""
+        self._grads.finish()
+
+    def zero_grad(self) -> None:
+        self._grads.zero_grad()
+
+    def grad_norm(self) -> torch.Tensor:
+        """Global L2 norm of the (reduced) gradient, as a device tensor (no host sync).
+
+        One all-reduce over dp counts every element once: a dense element sits in exactly one
+        dp rank's shard; an expert element in exactly one shard of its edp group, and the dp
+        group is the edp groups of all ep ranks, which hold different experts.
+        """
+        grads = [b.grad_S for b in self.buckets]
+        sq = torch.stack(torch._foreach_norm(grads)).square().sum()
+        if self.dp_group is not None:
+            dist.all_reduce(sq, group=self.dp_group)
+        return sq.sqrt()
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Scale the gradient shards to a global norm of at most `max_norm` (math.inf: no
+        clipping); return the norm before clipping (device tensor, no host sync)."""
+        total = self.grad_norm()
+        if max_norm != math.inf:
+            coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+            torch._foreach_mul_([b.grad_S for b in self.buckets], coef)
+        return total
+
+    # ---- the update ------------------------------------------------------------------------------
+    def set_lr(self, lr: float) -> None:
+        self.lr = lr
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """AdamW on this rank's shards, then all-gather the parameters."""
+        self.num_steps += 1
+        lr, wd, eps = self.lr, self.cfg.weight_decay, self.cfg.eps
+        beta1, beta2 = self.cfg.betas
+        grads = [b.grad_S for b in self.buckets]
+        # The same operations, in the same order and with the same Python-float scalars, as
+        # torch's single-tensor AdamW, so the update matches it to rounding.
+        if wd != 0 and self._decay_views:
+            torch._foreach_mul_(self._decay_views, 1 - lr * wd)
+        torch._foreach_lerp_(self.exp_avg_S, grads, 1 - beta1)
+        torch._foreach_mul_(self.exp_avg_sq_S, beta2)
+        torch._foreach_addcmul_(self.exp_avg_sq_S, grads, grads, value=1 - beta2)
+        step = float(self.num_steps)
+        bias_correction1 = 1 - beta1**step
+        bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+        denom = torch._foreach_sqrt(self.exp_avg_sq_S)
+        torch._foreach_div_(denom, bias_correction2_sqrt)
+        torch._foreach_add_(denom, eps)
+        torch._foreach_addcdiv_(self.master_S, self.exp_avg_S, denom, value=-lr / bias_correction1)
+        self._all_gather_params()
+
+    def _all_gather_params(self) -> None:
+        works = []
+        for b, master in zip(self.buckets, self.master_S):
+            if b.group is None:
+                b.params_N.copy_(master)
+            else:
+                # For fp32 parameters `.to` is a no-op: the input is the master shard itself,
+                # never a slice of the output buffer.
+                works.append(_all_gather(b.params_N, master.to(b.params_N.dtype), group=b.group, async_op=True))
+        for w in works:
+            w.wait()
+
+    @torch.no_grad()
+    def sync_master_from_params(self) -> None:
+        """Copy the parameters into the fp32 master shards: needed after the parameters were
+        written from outside (e.g. a checkpoint load), which `load_state_dict_tensors` does."""
+        for b, master in zip(self.buckets, self.master_S):
+            master.copy_(b.params_N[b.lo : b.hi])
+
+    # ---- state -----------------------------------------------------------------------------------
+    def memory_bytes(self) -> int:
+        """Bytes of optimizer state held by this rank: fp32 master shards and both moments."""
+        tensors = self.master_S + self.exp_avg_S + self.exp_avg_sq_S
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def state_dict_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Per-parameter FULL moments keyed by canonical parameter name, in the layout of
+        torch.optim.AdamW's state ("exp_avg", "exp_avg_sq" shaped like the parameter — for
+        experts, like this rank's slice — and a 0-d float32 "step" on the CPU), so checkpoints
+        stay layout-free.
+
+        Collective (every rank of the dp group must call it). Cost: each bucket's moments are
+        all-gathered over its group, so this briefly holds the unsharded moments (8 bytes per
+        parameter element) — the memory that sharding saves during training. Fine for
+        checkpoints of models whose unsharded moments fit next to the parameters; beyond that,
+        save the shards (DCP with per-shard offsets) instead.
+        """
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for b, exp_avg, exp_avg_sq in zip(self.buckets, self.exp_avg_S, self.exp_avg_sq_S):
+            full = {"exp_avg": self._gather(b, exp_avg), "exp_avg_sq": self._gather(b, exp_avg_sq)}
+            for p, off in zip(b.params, b.offsets):
+                entry = {key: full_N[off : off + p.numel()].view_as(p) for key, full_N in full.items()}
+                entry["step"] = torch.tensor(float(self.num_steps), dtype=torch.float32)
+                out[self.names[id(p)]] = entry
+        return out
+
+    def _gather(self, b: _ShardedBucket, shard_S: torch.Tensor) -> torch.Tensor:
+        if b.group is None:
+            return shard_S.clone()
+        full_N = shard_S.new_empty(b.flat.numel())
+        _all_gather(full_N, shard_S, group=b.group)
+        return full_N
+
+    @torch.no_grad()
+    def load_state_dict_tensors(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Take per-parameter full moments (as `state_dict_tensors` gives them) and keep this
+        rank's shards; then refresh the master shards from the parameters, so load the model's
+        parameters first. Needs no communication."""
+        steps = set()
+        for b, exp_avg, exp_avg_sq in zip(self.buckets, self.exp_avg_S, self.exp_avg_sq_S):
+            for p, off in zip(b.params, b.offsets):
+                name = self.names[id(p)]
+                if name not in state:
+                    raise ValueError(
+                        f"Optimizer state has no entry for parameter '{name}': was it saved from this model?"
+                    )
+                entry = state[name]
+                start, end = max(off, b.lo), min(off + p.numel(), b.hi)
+                for key, shard_S in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+                    full = entry[key]
+                    if full.shape != p.shape:
+                        raise ValueError(
+                            f"Optimizer state '{name}.{key}' has shape {tuple(full.shape)} but the parameter "
+                            f"has {tuple(p.shape)}: the checkpoint was saved from a different model shape."
+                        )
+                    if start < end:
+                        shard_S[start - b.lo : end - b.lo].copy_(full.reshape(-1)[start - off : end - off])
+                steps.add(int(entry["step"]))
+        if len(steps) > 1:
+            raise ValueError(f"Optimizer state holds different step counts {sorted(steps)}; expected one.")
+        self.num_steps = steps.pop() if steps else 0
+        self.sync_master_from_params()
