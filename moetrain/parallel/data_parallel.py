@@ -98,8 +98,12 @@ class GradReducer:
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()
-            b.flat.div_(self.divisor)
+            self._reduced(b).div_(self.divisor)
         self.sync = False
+
+    def _reduced(self, bucket: _Bucket) -> torch.Tensor:
+        """Where this rank's reduced gradient of the bucket lives (here: the whole bucket)."""
+        return bucket.flat
 
     def zero_grad(self) -> None:
         """Zero the gradients in place (the buckets must stay the gradients' storage)."""

@@ -103,17 +103,9 @@ class _ShardedGradReducer(GradReducer):
         if bucket.group is not None:
             bucket.work = _reduce_scatter(bucket.grad_S, bucket.flat, group=bucket.group, async_op=True)
 
-    def finish(self) -> None:
-        """Wait for every reduce-scatter (starting those whose parameters got no gradient) and
-        turn the shards' sums into means over the data-parallel ranks."""
-        for b in self.buckets:
-            if not b.launched:
-                self._launch(b)
-        for b in self.buckets:
-            if b.work is not None:
-                b.work.wait()
-            b.grad_S.div_(self.divisor)
-        self.sync = False
+    def _reduced(self, bucket: _ShardedBucket) -> torch.Tensor:
+        """The reduce-scatter leaves this rank's summed gradient in its shard only."""
+        return bucket.grad_S
 
 
 class DistributedAdamW:

@@ -122,6 +122,8 @@ class Trainer:
         self.resumed_from: Path | None = None
         if resume:
             self._resume()
+        else:
+            self._check_fresh_start()
         if self.par.is_main:
             (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
             if self.tokenizer_file is not None and self.tokenizer_file.is_file():
@@ -281,6 +283,18 @@ class Trainer:
             self.run_dir, self.step, self.model, self.optimizer, state, extra,
             keep_last=self.cfg.train.keep_last, rank=self.par.rank,
         )
+
+    def _check_fresh_start(self) -> None:
+        """A new run must not mix with an earlier run's records or checkpoints."""
+        found = ckpt.list_checkpoints(self.run_dir)
+        if found:
+            raise ConfigError(
+                f"Run directory '{self.run_dir}' already holds checkpoints (newest: step "
+                f"{found[-1][0]}). Pass --resume to continue that run, or choose another --run-dir."
+            )
+        if self.par.is_main:
+            for stale in ("metrics.jsonl", "summary.json"):
+                (self.run_dir / stale).unlink(missing_ok=True)
 
     def _resume(self) -> None:
         found = ckpt.list_checkpoints(self.run_dir)

@@ -138,3 +138,16 @@ def test_compiled_blocks_train_like_eager(tiny_cfg, tmp_path):
         torch.testing.assert_close(x.lm_loss, y.lm_loss, rtol=1e-4, atol=1e-4)
     # Compilation leaves parameter names alone: checkpoints interchange with eager models.
     assert list(eager.model.state_dict()) == list(compiled.model.state_dict())
+
+
+def test_fresh_run_in_a_used_run_dir(tiny_cfg, tmp_path):
+    first = Trainer(tiny_cfg(tmp_path / "run", "train.steps=2", "train.save_final=false"), quiet=True)
+    first.fit()
+    # No checkpoint: a new run starts a new metrics.jsonl instead of appending to the old one.
+    Trainer(tiny_cfg(tmp_path / "run", "train.steps=3", "train.save_final=false"), quiet=True).fit()
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3]
+    # With checkpoints: refuse, and say how to continue.
+    t = Trainer(tiny_cfg(tmp_path / "run2", "train.steps=1"), quiet=True)
+    t.fit()
+    with pytest.raises(ConfigError, match="--resume"):
+        Trainer(tiny_cfg(tmp_path / "run2", "train.steps=1"), quiet=True)
