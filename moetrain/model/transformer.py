@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -48,7 +49,7 @@ class Transformer(nn.Module):
         return [m for m in self.modules() if isinstance(m, MoE)]
 
     @torch.no_grad()
-    def init_weights(self, seed: int = 0) -> None:
+    def init_weights(self, seed: int = 0, fill: Fill | None = None) -> None:
         """Initialize every parameter and buffer (also after building on the meta device and
         `to_empty()`). Truncated normal(0, init_std) for inputs, init_std / sqrt(2·layers) for
         output projections (attention out, MLP/expert down) so the residual stream's variance
@@ -57,28 +58,56 @@ class Transformer(nn.Module):
         Each tensor — each expert of a stacked expert tensor — draws from its own generator seeded
         by (seed, its name, expert index). So the values do not depend on which rank holds what:
         a model split over experts, stages or shards starts exactly like the single-device one.
+
+        `fill(param, init)` applies `init` (which fills a full, plain tensor in place) to a
+        parameter; the default calls `init(param)`. A layout whose parameters are shards passes
+        one that runs `init` on a full temporary and keeps its shard
+        (moetrain/parallel/fsdp.py).
         """
+        fill = fill or _fill_in_place
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * self.cfg.n_layers)
         for name, module in self.named_modules():
             name = canonical_name(name)
-            if isinstance(module, (RMSNorm, RotaryEmbedding)):
+            if isinstance(module, RMSNorm):
+                fill(module.weight, nn.init.ones_)
+            elif isinstance(module, RotaryEmbedding):
                 module.init_weights()
             elif isinstance(module, nn.Embedding):
-                _normal(module.weight, std, seed, f"{name}.weight")
+                fill(module.weight, _normal_init(std, seed, f"{name}.weight"))
             elif isinstance(module, nn.Linear):
                 is_output = name.endswith(("attn.wo", "w_down"))
-                _normal(module.weight, out_std if is_output else std, seed, f"{name}.weight")
+                fill(module.weight, _normal_init(out_std if is_output else std, seed, f"{name}.weight"))
             elif isinstance(module, GroupedExperts):
-                for i in range(module.num_experts):
-                    e = module.expert_offset + i
-                    _normal(module.w_gate_up_E2FD[i], std, seed, f"{name}.w_gate_up[{e}]")
-                    _normal(module.w_down_EDF[i], out_std, seed, f"{name}.w_down[{e}]")
+                fill(module.w_gate_up_E2FD, _experts_init(module.expert_offset, std, seed, f"{name}.w_gate_up"))
+                fill(module.w_down_EDF, _experts_init(module.expert_offset, out_std, seed, f"{name}.w_down"))
             elif isinstance(module, MoE):
-                _normal(module.router.weight, std, seed, f"{name}.router.weight")
+                fill(module.router.weight, _normal_init(std, seed, f"{name}.router.weight"))
                 module.router.expert_bias_E.zero_()
                 for buf in module.buffers(recurse=False):
                     buf.zero_()
+
+
+Fill = Callable[[torch.Tensor, Callable[[torch.Tensor], None]], None]
+"""How `init_weights` applies an initializer to a parameter (see there)."""
+
+
+def _fill_in_place(param: torch.Tensor, init: Callable[[torch.Tensor], None]) -> None:
+    init(param)
+
+
+def _normal_init(std: float, seed: int, key: str) -> Callable[[torch.Tensor], None]:
+    return lambda w: _normal(w, std, seed, key)
+
+
+def _experts_init(expert_offset: int, std: float, seed: int, key: str) -> Callable[[torch.Tensor], None]:
+    """Each expert of a stacked (E, …) tensor from its own generator, keyed by global index."""
+
+    def init(w_E: torch.Tensor) -> None:
+        for i in range(w_E.shape[0]):
+            _normal(w_E[i], std, seed, f"{key}[{expert_offset + i}]")
+
+    return init
 
 
 def canonical_name(name: str) -> str:

@@ -23,6 +23,16 @@ from moetrain.config import Config
 from moetrain.errors import ConfigError
 
 
+class Stack(enum.StrEnum):
+    ddp = "ddp"
+    """Resident experts: dense parameters replicated, experts split over ep ranks (all-to-all),
+    gradients all-reduced by `GradReducer` (or reduce-scattered by the sharded optimizer)."""
+    fsdp = "fsdp"
+    """The FSDP2 baseline: `fully_shard` per block and on the root over dp; experts are sharded
+    like any weight and all-gathered with their block, so every rank computes all experts for its
+    tokens (no expert parallelism, no all-to-all). Parameters, gradients and AdamW state ÷ dp."""
+
+
 class DispatcherKind(enum.StrEnum):
     nosync = "nosync"
     """Fixed-size buffers per destination rank: no device-to-host sync; dropless unless
@@ -33,6 +43,9 @@ class DispatcherKind(enum.StrEnum):
 
 @dataclasses.dataclass(kw_only=True)
 class ParallelConfig(Config):
+    stack: Stack = Stack.ddp
+    """Which parallel stack trains the model: `ddp` (resident experts, expert parallelism) or
+    `fsdp` (the FSDP2 baseline, for comparing the stacks on the same model, data and batch)."""
     dp: int | None = None
     """Data-parallel degree; None = every rank (world size / pp)."""
     ep: int = 1
@@ -62,6 +75,17 @@ class ParallelConfig(Config):
             raise ConfigError(f"parallel.dp={self.dp} must be a positive integer (or null for all ranks).")
         if self.ep <= 0:
             raise ConfigError(f"parallel.ep={self.ep} must be a positive integer.")
+        if self.stack == Stack.fsdp:
+            if self.ep != 1:
+                raise ConfigError(
+                    f"parallel.stack=fsdp shards experts like any weight and has no expert parallelism: "
+                    f"set parallel.ep=1 (got parallel.ep={self.ep}), or use parallel.stack=ddp."
+                )
+            if self.shard_optimizer:
+                raise ConfigError(
+                    "parallel.shard_optimizer=true is the ddp stack's distributed optimizer; "
+                    "parallel.stack=fsdp shards the optimizer state already: drop one of the two."
+                )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,8 +5,11 @@
        (or, with ep = 1 and dp > 1, a dispatcher that only sums routing counts over dp)
     2. activation recompute (per block)
     3. torch.compile (per block)
-    4. data parallel: after `to_empty()` + `init_weights()`, the trainer attaches a
-       `GradReducer` (moetrain/parallel/data_parallel.py), which needs real gradient storage.
+    4. data parallel:
+       - `parallel.stack=ddp`: after `to_empty()` + `init_weights()`, the trainer attaches a
+         `GradReducer` (moetrain/parallel/data_parallel.py), which needs real gradient storage;
+       - `parallel.stack=fsdp`: `fully_shard` each block, then the root, on the dp mesh
+         (moetrain/parallel/fsdp.py); it wraps the recompute/compile wrappers of 2-3.
 
 (Pipeline splitting will come first, before 1.) Wrappers are applied in place; parameter names
 do not change, so checkpoints are interchangeable between wrapped and unwrapped models.
@@ -18,8 +21,9 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from moetrain.model.transformer import Transformer
-from moetrain.parallel.dims import ParallelConfig, ParallelState
+from moetrain.parallel.dims import ParallelConfig, ParallelState, Stack
 from moetrain.parallel.expert_parallel import apply_expert_parallel
+from moetrain.parallel.fsdp import apply_fsdp
 from moetrain.train.config import Recompute, TrainerConfig
 
 
@@ -29,6 +33,8 @@ def parallelize(model: Transformer, state: ParallelState, cfg: TrainerConfig, pa
         apply_recompute(model)
     if cfg.compile:
         apply_compile(model)
+    if parallel.stack == Stack.fsdp:
+        apply_fsdp(model, state)
     return model
 
 

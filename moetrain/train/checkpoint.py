@@ -33,6 +33,7 @@ from torch import nn
 from moetrain.errors import CheckpointError
 from moetrain.model.experts import GroupedExperts
 from moetrain.model.transformer import canonical_name
+from moetrain.parallel.fsdp import copy_shard, full_tensor, is_sharded, reshard
 
 COMPLETE = "COMPLETE"
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -96,7 +97,8 @@ def save_checkpoint(
     _barrier()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.save(_dcp_state(model, optimizer.state_dict_tensors()), checkpoint_id=str(tmp))
+        state, _ = _dcp_state(model, optimizer.state_dict_tensors())
+        dcp.save(state, checkpoint_id=str(tmp))
     (tmp / f"rng-rank{rank}.json").write_text(json.dumps(rng_state()))
     _barrier()
     if rank == 0:
@@ -124,7 +126,7 @@ def load_checkpoint(
     """Load model (and optimizer) state in place, whatever layout saved it; restore this rank's
     RNG state when the checkpoint has one for it; return the trainer state."""
     optim_tensors = optimizer.state_dict_tensors() if optimizer is not None else None
-    state = _dcp_state(model, optim_tensors)
+    state, sharded = _dcp_state(model, optim_tensors)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
@@ -135,8 +137,11 @@ def load_checkpoint(
             f"Checkpoint '{path}' does not fit this model: {_first_line(e)}. It was saved from a "
             f"different model shape; check its config.yaml against the current model config."
         ) from None
-    # DCP filled the tensors of `state` in place: the parameters, and the optimizer's tensors
-    # (live ones for the replicated optimizer, gathered copies the sharded one takes its shard of).
+    # DCP filled the tensors of `state` in place: the parameters (full temporaries for sharded
+    # ones, whose shard is copied back here), and the optimizer's tensors (live ones for the
+    # replicated optimizer, gathered copies the sharded ones take their shards of).
+    for live, full in sharded:
+        copy_shard(live, full)
     if optimizer is not None:
         optimizer.load_state_dict_tensors(optim_tensors)
     rng_file = path / f"rng-rank{rank}.json"
@@ -146,8 +151,12 @@ def load_checkpoint(
     return json.loads(trainer_state_file.read_text()) if trainer_state_file.is_file() else {}
 
 
-def _dcp_state(model: nn.Module, optim_tensors: dict[str, dict[str, torch.Tensor]] | None) -> dict[str, Any]:
-    """What DCP saves and loads: views of the live tensors, so loading writes in place.
+def _dcp_state(
+    model: nn.Module, optim_tensors: dict[str, dict[str, torch.Tensor]] | None
+) -> tuple[dict[str, Any], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """What DCP saves and loads: views of the live tensors, so loading writes in place; and the
+    (sharded parameter, full temporary) pairs standing in for FSDP's DTensor parameters, whose
+    shards must be copied back after a load. Collective under FSDP (`full_tensor` gathers).
 
     Stacked expert tensors are split into one entry per *global* expert index ("…w_down_EDF/5"):
     a rank holding experts [a, b) writes and reads just those entries, so a checkpoint written
@@ -156,10 +165,17 @@ def _dcp_state(model: nn.Module, optim_tensors: dict[str, dict[str, torch.Tensor
     hyperparameters are not saved (they come from the config, the LR from the schedule), so the
     checkpoint holds tensors only.
     """
+    reshard(model)  # FSDP's root keeps its parameters gathered after a no-grad forward (eval)
     offsets = _expert_offsets(model)
     model_state: dict[str, torch.Tensor] = {}
+    sharded: list[tuple[torch.Tensor, torch.Tensor]] = []
     for name, tensor in model.state_dict(keep_vars=True).items():
-        _put(model_state, canonical_name(name), tensor.detach(), offsets)
+        tensor = tensor.detach()
+        if is_sharded(tensor):
+            # Whole tensors, so the entries (and per-expert splits) are those of every layout.
+            sharded.append((tensor, full := full_tensor(tensor)))
+            tensor = full
+        _put(model_state, canonical_name(name), tensor, offsets)
     state: dict[str, Any] = {"model": model_state}
     if optim_tensors is not None:
         optim_state: dict[str, torch.Tensor] = {}
@@ -167,7 +183,7 @@ def _dcp_state(model: nn.Module, optim_tensors: dict[str, dict[str, torch.Tensor
             for key, value in tensors.items():
                 _put(optim_state, f"{name}.{key}", value, offsets, param_name=name)
         state["optim"] = optim_state
-    return state
+    return state, sharded
 
 
 def _put(out: dict, key: str, tensor: torch.Tensor, offsets: dict[str, int], param_name: str | None = None) -> None:

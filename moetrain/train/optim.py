@@ -148,3 +148,95 @@ class ReplicatedAdamW:
             for key, value in tensors.items():
                 if live[name][key] is not value:
                     live[name][key].copy_(value)
+
+
+class FSDPAdamW:
+    """torch AdamW over the FSDP stack's sharded (DTensor) parameters: each rank updates and
+    holds state for its shards only (optimizer memory ÷ dp). FSDP reduce-scatters the gradients
+    and averages them over dp during backward, so there is no reducer here. The interface is
+    `ReplicatedAdamW`'s, so the trainer drives either one."""
+
+    def __init__(self, model: nn.Module, state, cfg: OptimConfig):
+        self.model = model
+        self.adamw = build_optimizer(model, cfg)
+
+    def prepare(self, sync: bool) -> None:
+        """Gradient accumulation: FSDP keeps unsharded gradients and reduce-scatters them only in
+        the last micro-batch's backward."""
+        if hasattr(self.model, "set_requires_gradient_sync"):  # absent on one rank (not sharded)
+            self.model.set_requires_gradient_sync(sync)
+
+    def finish(self) -> None:
+        """Nothing to wait for: FSDP finishes its reduce-scatters at the end of backward."""
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Global norm over the gradient shards (clip_grad_norm_ reduces DTensor norms over the
+        mesh), as a plain device tensor; clip with the same coefficient as `clip_grad_norm`."""
+        from moetrain.parallel.fsdp import full_tensor
+
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        total = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return full_tensor(total)
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.adamw.param_groups:
+            group["lr"] = lr
+
+    def step(self) -> None:
+        self.adamw.step()
+
+    def zero_grad(self) -> None:
+        self.adamw.zero_grad(set_to_none=True)
+
+    def memory_bytes(self) -> int:
+        """Bytes of AdamW state this rank holds (its shards)."""
+        from moetrain.parallel.fsdp import is_sharded
+
+        tensors = [t.to_local() if is_sharded(t) else t for s in self.adamw.state.values() for t in s.values()
+                   if isinstance(t, torch.Tensor)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def state_dict_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Per-parameter FULL moments keyed by canonical name (the layout of the other
+        optimizers, so checkpoints stay layout-free). Collective: the shards are all-gathered
+        (briefly the unsharded moments, 8 bytes per parameter element)."""
+        from moetrain.model.transformer import canonical_name
+        from moetrain.parallel.fsdp import full_tensor, reshard
+
+        reshard(self.model)  # the parameters must be the sharded ones AdamW holds state for
+        out = {}
+        for name, p in self.model.named_parameters():
+            live = self._live_state(p)
+            out[canonical_name(name)] = {
+                "step": live["step"],
+                "exp_avg": full_tensor(live["exp_avg"]),
+                "exp_avg_sq": full_tensor(live["exp_avg_sq"]),
+            }
+        return out
+
+    @torch.no_grad()
+    def load_state_dict_tensors(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Take full per-parameter moments (as `state_dict_tensors` gives them) and keep this
+        rank's shards. No communication."""
+        from moetrain.model.transformer import canonical_name
+        from moetrain.parallel.fsdp import copy_shard, reshard
+
+        reshard(self.model)
+        for name, p in self.model.named_parameters():
+            entry = state[canonical_name(name)]
+            live = self._live_state(p)
+            for key, value in entry.items():
+                if live[key] is not value:
+                    copy_shard(live[key], value)
+
+    def _live_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        """AdamW's state of `p`, created as zeros for a fresh optimizer (so a checkpoint can be
+        loaded into it in place)."""
+        if p not in self.adamw.state or not self.adamw.state[p]:
+            fused = any(g.get("fused") for g in self.adamw.param_groups)
+            self.adamw.state[p] = {
+                "step": torch.zeros((), dtype=torch.float32, device=p.device if fused else "cpu"),
+                "exp_avg": torch.zeros_like(p),
+                "exp_avg_sq": torch.zeros_like(p),
+            }
+        return self.adamw.state[p]

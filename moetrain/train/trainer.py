@@ -29,13 +29,14 @@ from moetrain.errors import ConfigError
 from moetrain.model.counting import count_params, flops_per_token, peak_flops
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.dist_optim import DistributedAdamW
-from moetrain.parallel.dims import ParallelDims, ParallelState
+from moetrain.parallel.dims import ParallelDims, ParallelState, Stack
 from moetrain.parallel.distributed import init_distributed
+from moetrain.parallel.fsdp import init_full_then_shard, reshard
 from moetrain.parallel.parallelize import parallelize
 from moetrain.train import checkpoint as ckpt
 from moetrain.train.config import Precision, RunConfig
 from moetrain.train.metrics import MetricsWriter, peak_mem_gib, read_metrics, routing_metrics
-from moetrain.train.optim import ReplicatedAdamW, lr_at
+from moetrain.train.optim import FSDPAdamW, ReplicatedAdamW, lr_at
 
 
 def resolve_device(name: str) -> torch.device:
@@ -104,10 +105,14 @@ class Trainer:
         model = cfg.model.build(device="meta")
         model = parallelize(model, self.par, tc, cfg.parallel)
         model.to_empty(device=self.device)
-        model.init_weights(seed=tc.seed)
+        fsdp = cfg.parallel.stack == Stack.fsdp
+        # Under FSDP each parameter is a shard: initialized on a full temporary, shard kept.
+        model.init_weights(seed=tc.seed, fill=init_full_then_shard if fsdp else None)
         self.model: Transformer = model
         # The optimizer owns the data-parallel gradient reduction and clipping too.
-        if cfg.parallel.shard_optimizer:
+        if fsdp:
+            self.optimizer = FSDPAdamW(model, self.par, cfg.optim)
+        elif cfg.parallel.shard_optimizer:
             self.optimizer = DistributedAdamW(model, self.par, cfg.optim)
         else:
             self.optimizer = ReplicatedAdamW(model, self.par, cfg.optim)
@@ -185,6 +190,7 @@ class Trainer:
                 total += self._lm_loss(inputs_BT.to(self.device), targets_BT.to(self.device))
                 count += 1
         self.model.train()
+        reshard(self.model)  # FSDP: no gathered root parameters left between steps
         return self._dp_mean(total / max(count, 1)).item()
 
     def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """A checkpoint written by one layout loads into any other and training continues with the same
 losses (fp32, gloo): dp2·ep2 with the sharded optimizer → dp4·ep4 (replicated optimizer),
-dp4·ep2 (sharded) and a single process."""
+dp4·ep2 (sharded) and a single process; and across stacks: fsdp2 → ddp dp2·ep2 → fsdp2, fsdp2 →
+a single process."""
 
 import shutil
 
@@ -58,3 +59,53 @@ def test_checkpoint_written_at_one_layout_resumes_at_others(real_text_dir, tmp_p
         for step in (4, 5, 6):
             for key in ("lm_loss", "grad_norm", "lb_loss"):
                 assert got[step][key] == pytest.approx(want[step][key], rel=1e-5), (name, step, key)
+
+
+FSDP = "parallel.stack=fsdp"
+# Evaluation too: FSDP's root keeps its parameters gathered after a no-grad forward, and a save
+# follows it.
+EVERY_2 = ["train.save_every=2", "train.eval_every=2", "train.eval_batches=2"]
+
+
+def _fork(source, target, keep_through):
+    """Copy a run directory, keeping only its checkpoints up to step `keep_through`."""
+    shutil.copytree(source, target)
+    for step_dir in (target / "checkpoints").iterdir():
+        if int(step_dir.name.removeprefix("step-")) > keep_through:
+            shutil.rmtree(step_dir)
+
+
+def _ddp_then_fsdp(data_dir, ddp_dir, fsdp_dir):
+    """fsdp checkpoint → ddp (dp2·ep2) run; that run's checkpoint → fsdp run."""
+    import torch.distributed as dist
+
+    starts = [train(data_dir, ddp_dir, 6, ["parallel.ep=2", *EVERY_2], resume=True)]
+    dist.barrier()
+    if dist.get_rank() == 0:
+        _fork(ddp_dir, fsdp_dir, keep_through=4)
+    dist.barrier()
+    starts.append(train(data_dir, fsdp_dir, 6, [FSDP, *EVERY_2], resume=True))
+    return starts
+
+
+def test_checkpoints_cross_the_fsdp_and_ddp_stacks(real_text_dir, tmp_path):
+    """Checkpoint keys do not depend on the stack: an fsdp2 checkpoint resumes in the ddp stack
+    and in one process, and a ddp checkpoint resumes in the fsdp stack, with the same losses."""
+    source = tmp_path / "fsdp2"
+    run_distributed(train_layouts, 2, real_text_dir, [(source, [FSDP, *EVERY_2])])
+    assert (source / "checkpoints" / "step-2" / "COMPLETE").is_file()
+
+    ddp, back, single = tmp_path / "ddp", tmp_path / "fsdp-from-ddp", tmp_path / "single"
+    _fork(source, ddp, keep_through=2)
+    _fork(source, single, keep_through=2)
+    starts = run_distributed(_ddp_then_fsdp, 2, real_text_dir, ddp, back)
+    assert starts[0] == [2, 4]
+    assert train(real_text_dir, single, 6, EVERY_2, resume=True) == 2
+
+    want = losses(source)
+    for target, first in ((ddp, 3), (single, 3), (back, 5)):
+        got = losses(target)
+        assert sorted(got) == list(range(1, 7)), target.name
+        for step in range(first, 7):
+            for key in ("lm_loss", "grad_norm", "lb_loss") + (("val_loss",) if step % 2 == 0 else ()):
+                assert got[step][key] == pytest.approx(want[step][key], rel=1e-5), (target.name, step, key)

@@ -31,10 +31,12 @@ def layout_cfg(data_dir, run_dir, *extra):
 
 
 def train_and_report(data_dir, run_dir, extra, params_file=None):
-    """Train; return rank-0's per-step records and how far this rank's parameters are from the
-    single-process ones (expert slices compared by global expert index)."""
+    """Train; return rank-0's per-step records, how far this rank's parameters are from the
+    single-process ones (expert slices compared by global expert index; sharded FSDP parameters
+    gathered whole), and what this rank holds (parameter elements, optimizer bytes)."""
     from moetrain.model.experts import GroupedExperts
     from moetrain.model.transformer import canonical_name
+    from moetrain.parallel.fsdp import full_tensor, local_numel
     from moetrain.train.metrics import read_metrics
     from moetrain.train.trainer import Trainer
 
@@ -50,6 +52,7 @@ def train_and_report(data_dir, run_dir, extra, params_file=None):
         max_err, worst = 0.0, None
         for name, p in trainer.model.named_parameters():
             name = canonical_name(name)
+            p = full_tensor(p.detach())  # collective for DTensors: every rank walks the same names
             expected = ref[name]
             if name in offsets:
                 first, count = offsets[name]
@@ -60,7 +63,9 @@ def train_and_report(data_dir, run_dir, extra, params_file=None):
             err = ((p.detach() - expected).abs() / (1e-5 * (1 + expected.abs()))).max().item()
             if err > max_err:
                 max_err, worst = err, (name, (p.detach() - expected).abs().max().item())
-    return records, (max_err, worst) if params_file is not None else None
+    held = {"param_numel": local_numel(trainer.model), "param_tensors": len(list(trainer.model.parameters())),
+            "optim_bytes": trainer.optimizer.memory_bytes()}
+    return records, (max_err, worst) if params_file is not None else None, held
 
 
 def rank_layouts(data_dir, tmp, layouts, params_file):
@@ -96,6 +101,7 @@ def check(records, reference_records):
 
 
 A2A = "parallel.dispatcher=alltoall"
+FSDP = "parallel.stack=fsdp"
 SHARD = "parallel.shard_optimizer=true"
 CAPPED = ["parallel.ep=2", "parallel.capacity_factor=0.6"]
 
@@ -105,11 +111,14 @@ CAPPED = ["parallel.ep=2", "parallel.capacity_factor=0.6"]
          ("dp2ep2-capped", CAPPED), ("dp2-sharded", [SHARD])]),
     (4, [("dp4ep4", ["parallel.ep=4"]), ("dp4ep2", ["parallel.ep=2"]), ("dp4ep4-alltoall", ["parallel.ep=4", A2A]),
          ("dp4ep2-sharded", ["parallel.ep=2", SHARD])]),
+    (2, [("fsdp2", [FSDP]), ("fsdp2-recompute", [FSDP, "train.recompute=full"])]),
+    (4, [("fsdp4", [FSDP])]),
 ])
 def test_layouts_match_single_process(real_text_dir, reference, tmp_path, world, layouts):
-    """Both dispatchers (sync-free `nosync`, the default, and exact `alltoall`) and the sharded
-    optimizer reproduce the single-process run when nothing is dropped; a capacity factor drops
-    and says so."""
+    """Both dispatchers (sync-free `nosync`, the default, and exact `alltoall`), the sharded
+    optimizer and the FSDP2 stack (which holds 1/dp of the parameters and AdamW state per rank)
+    reproduce the single-process run when nothing is dropped; a capacity factor drops and says
+    so."""
     ref_records, params_file = reference
     results = run_distributed(rank_layouts, world, real_text_dir, tmp_path, layouts, params_file)
     for name, extra in layouts:
@@ -122,6 +131,15 @@ def test_layouts_match_single_process(real_text_dir, reference, tmp_path, world,
         assert all(r["dropped_token_frac"] == 0 for r in records)
         for rank, per_rank in enumerate(results):
             assert per_rank[name][1][0] <= 1.0, (name, rank, per_rank[name][1])
+        if FSDP in extra:
+            # Each rank holds ~1/dp of the parameters and of the AdamW moments (8 bytes/element,
+            # plus a 4-byte step count per tensor).
+            total = sum(p.numel() for p in torch.load(params_file, weights_only=True).values())
+            held = [per_rank[name][2] for per_rank in results]
+            assert sum(h["param_numel"] for h in held) == total, held
+            for h in held:
+                assert h["param_numel"] <= 1.1 * total / world, (h, total)
+                assert h["optim_bytes"] == 8 * h["param_numel"] + 4 * h["param_tensors"], (h, total)
 
 
 @pytest.mark.parametrize("cfg, world, experts, words", [
@@ -132,5 +150,16 @@ def test_layouts_match_single_process(real_text_dir, reference, tmp_path, world,
 def test_impossible_layouts_fail_before_any_work(cfg, world, experts, words):
     with pytest.raises(ConfigError) as e:
         ParallelDims.from_config(cfg, world, experts)
+    for word in words:
+        assert word in str(e.value)
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["parallel.stack=fsdp", "parallel.ep=2"], ["parallel.stack=fsdp", "parallel.ep=1", "parallel.ep=2"]),
+    (["parallel.stack=fsdp", "parallel.shard_optimizer=true"], ["parallel.shard_optimizer", "parallel.stack=fsdp"]),
+])
+def test_fsdp_stack_rejects_expert_parallelism_and_the_sharded_optimizer(overrides, words):
+    with pytest.raises(ConfigError) as e:
+        resolve_config("tiny", overrides)
     for word in words:
         assert word in str(e.value)

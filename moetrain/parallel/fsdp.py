@@ -1,0 +1,88 @@
+"""The FSDP2 baseline stack (`parallel.stack=fsdp`): `fully_shard` per block, then the root.
+
+Every parameter — experts included, stacked (E, …) tensors sharded on the expert dim like any
+weight — becomes a DTensor sharded (dim 0) over the data-parallel mesh. Per step:
+
+  forward:  each block all-gathers its parameters, runs, frees them again (reshard after forward);
+            every rank computes all experts for its own tokens: no expert parallelism, no
+            all-to-all; only the routing counts cross ranks (`DataParallelDispatcher`)
+  backward: each block all-gathers again, computes its gradients, reduce-scatters them; FSDP
+            divides by dp, so the shards hold the gradient of the mean loss over the global batch
+            (what `GradReducer` gives the ddp stack)
+  step:     AdamW on this rank's shards: parameters, gradients and moments ÷ dp per rank
+
+This is the design Olmo-core 3 replaced with resident experts; it is here so benchmarks compare
+the two stacks on the same model, data and batch.
+
+The model stays plain: `init_weights(fill=init_full_then_shard)` initializes each parameter on a
+full temporary and keeps this rank's shard, so values match every other layout; checkpoints
+gather full tensors (`full_tensor`) and load through full temporaries (`copy_shard`), so their
+keys are those of the ddp stack and any layout loads them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from moetrain.model.transformer import Transformer
+from moetrain.parallel.dims import ParallelState
+
+
+def apply_fsdp(model: Transformer, state: ParallelState) -> None:
+    """Shard each block, then the root (embedding, final norm, LM head), over the dp mesh. On the
+    meta device: nothing is allocated until `to_empty()`, and then only the shards."""
+    if state.dp_mesh is None:
+        return  # one rank: nothing to shard
+    for block in model.blocks.values():
+        fully_shard(block, mesh=state.dp_mesh)
+    fully_shard(model, mesh=state.dp_mesh)
+
+
+def reshard(model: nn.Module) -> None:
+    """Put FSDP's sharded parameters back in place. The root keeps its parameters gathered after a
+    forward without autograd (evaluation): until resharded, `model.parameters()` are plain full
+    tensors, not the DTensors the optimizer holds state for. No-op for other models."""
+    if isinstance(model, FSDPModule):
+        model.reshard()
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    return isinstance(t, DTensor)
+
+
+@torch.no_grad()
+def copy_shard(dst: torch.Tensor, full: torch.Tensor) -> None:
+    """Write the full tensor `full` into `dst`: all of it for a plain tensor, this rank's shard for
+    a DTensor (every rank holds the same `full`, so the shard is cut locally: no communication)."""
+    if not is_sharded(dst):
+        dst.copy_(full)
+        return
+    shard = distribute_tensor(full, dst.device_mesh, dst.placements, src_data_rank=None).to_local()
+    dst.to_local().copy_(shard)
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (collective for a DTensor: every rank of its mesh must call it)."""
+    return t.full_tensor() if is_sharded(t) else t
+
+
+@torch.no_grad()
+def init_full_then_shard(param: torch.Tensor, init: Callable[[torch.Tensor], None]) -> None:
+    """`Transformer.init_weights`'s `fill` for sharded parameters: run `init` on a full temporary
+    (one parameter at a time), keep this rank's shard. Plain tensors are filled in place."""
+    if not is_sharded(param):
+        init(param)
+        return
+    full = torch.empty(param.shape, dtype=param.dtype, device=param.to_local().device)
+    init(full)
+    copy_shard(param, full)
+
+
+def local_numel(module: nn.Module) -> int:
+    """Parameter elements this rank holds (its shards, under FSDP)."""
+    return sum((p.to_local() if is_sharded(p) else p).numel() for p in module.parameters())
