@@ -82,7 +82,20 @@ def clip_grad_norm(
     return total
 
 
-class ReplicatedAdamW:
+class _TorchAdamW:
+    """What the optimizers built on a torch AdamW (`self.adamw`) share."""
+
+    adamw: torch.optim.AdamW
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.adamw.param_groups:
+            group["lr"] = lr
+
+    def step(self) -> None:
+        self.adamw.step()
+
+
+class ReplicatedAdamW(_TorchAdamW):
     """torch AdamW with full optimizer state on every rank, plus the data-parallel gradient
     reduction (`GradReducer`, when dp > 1) and clipping: the same interface as the sharded
     `moetrain.parallel.dist_optim.DistributedAdamW`, so the trainer drives either one."""
@@ -108,13 +121,6 @@ class ReplicatedAdamW:
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         return clip_grad_norm(self.dense_params, self.expert_params, max_norm, self.ep_group)
-
-    def set_lr(self, lr: float) -> None:
-        for group in self.adamw.param_groups:
-            group["lr"] = lr
-
-    def step(self) -> None:
-        self.adamw.step()
 
     def zero_grad(self) -> None:
         if self.reducer is not None:
@@ -150,7 +156,7 @@ class ReplicatedAdamW:
                     live[name][key].copy_(value)
 
 
-class FSDPAdamW:
+class FSDPAdamW(_TorchAdamW):
     """torch AdamW over the FSDP stack's sharded (DTensor) parameters: each rank updates and
     holds state for its shards only (optimizer memory ÷ dp). FSDP reduce-scatters the gradients
     and averages them over dp during backward, so there is no reducer here. The interface is
@@ -177,13 +183,6 @@ class FSDPAdamW:
         params = [p for p in self.model.parameters() if p.grad is not None]
         total = torch.nn.utils.clip_grad_norm_(params, max_norm)
         return full_tensor(total)
-
-    def set_lr(self, lr: float) -> None:
-        for group in self.adamw.param_groups:
-            group["lr"] = lr
-
-    def step(self) -> None:
-        self.adamw.step()
 
     def zero_grad(self) -> None:
         self.adamw.zero_grad(set_to_none=True)
