@@ -28,7 +28,9 @@ data: $(DATA)/meta.json
 $(DATA)/meta.json: $(STAMP)
 	$(PY) -m moetrain prepare-data --default-corpus --out $(DATA)
 
+# Each `make train` starts a fresh run: the previous $(RUN) is replaced.
 train: data
+	rm -rf $(RUN)
 	$(PY) -m moetrain train tiny --run-dir $(RUN) --steps $(STEPS) --data.sources='[$(DATA)]'
 	@$(PY) -m moetrain.train.report $(RUN)
 
