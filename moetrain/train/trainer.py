@@ -251,12 +251,19 @@ class Trainer:
         tokens_per_sec = self.tokens_per_step * steps / max(elapsed, 1e-9)
         per_device = tokens_per_sec / self.par.dims.world_size
         tflops = self.flops_per_token * per_device / 1e12
-        # Counts are global already; the losses are per rank (their mean is the global value).
+        # Counts are global already; the LM loss and each layer's lb/z losses and drops are per
+        # rank: average them over dp in one collective (drops × dp is then the global count).
+        L = len(out.routing)
+        per_rank = torch.stack(
+            [out.lm_loss.float()]
+            + [s[key].float() for key in ("lb_loss", "z_loss", "dropped") for s in out.routing]
+        )
+        mean = self._dp_mean(per_rank)
         routing = routing_metrics([
-            {**s, "lb_loss": self._dp_mean(s["lb_loss"]), "z_loss": self._dp_mean(s["z_loss"]),
-             "dropped": self._dp_mean(s["dropped"].float()) * self.par.dims.dp} for s in out.routing
+            {**s, "lb_loss": mean[1 + i], "z_loss": mean[1 + L + i], "dropped": mean[1 + 2 * L + i] * self.par.dims.dp}
+            for i, s in enumerate(out.routing)
         ], ep=self.par.dims.ep)
-        lm_loss, grad_norm = torch.stack([self._dp_mean(out.lm_loss), out.grad_norm.float()]).tolist()
+        lm_loss, grad_norm = torch.stack([mean[0], out.grad_norm.float()]).tolist()
         moe = self.cfg.model.moe
         num_moe = self.cfg.model.num_moe_layers
         aux = num_moe * (moe.lb_loss_weight * routing["lb_loss"] + moe.z_loss_weight * routing["z_loss"])
@@ -330,13 +337,14 @@ class Trainer:
 
     def _final_summary(self, last_val: float | None) -> dict[str, Any]:
         counts = count_params(self.cfg.model)
+        found = ckpt.list_checkpoints(self.run_dir)
         return {
             "run_dir": str(self.run_dir),
             "steps": self.step,
             "final_val_loss": last_val,
             "total_params": counts.total,
             "active_params": counts.active,
-            "checkpoint": str(ckpt.list_checkpoints(self.run_dir)[-1][1]) if ckpt.list_checkpoints(self.run_dir) else None,
+            "checkpoint": str(found[-1][1]) if found else None,
             "metrics": str(self.run_dir / "metrics.jsonl"),
         }
 
