@@ -34,19 +34,26 @@ class Transformer(nn.Module):
 
     def forward(self, tokens_BT: torch.Tensor, doc_ids_BT: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, T, V). With `doc_ids_BT`, tokens attend only within their document."""
-        T = tokens_BT.shape[1]
-        cos_TD, sin_TD = self.rope.cos_sin(T)
-        mask_BTT = None
-        if doc_ids_BT is not None:
-            causal_TT = torch.ones(T, T, dtype=torch.bool, device=tokens_BT.device).tril()
-            mask_BTT = (doc_ids_BT.unsqueeze(2) == doc_ids_BT.unsqueeze(1)) & causal_TT
         x_BTD = self.embed(tokens_BT)
-        for block in self.blocks.values():
-            x_BTD = block(x_BTD, cos_TD, sin_TD, mask_BTT)
+        x_BTD = self.run_blocks(x_BTD, list(self.blocks), doc_ids_BT)
         return self.lm_head(self.norm(x_BTD))
+
+    def run_blocks(self, x_BTD: torch.Tensor, keys: list[str], doc_ids_BT: torch.Tensor | None = None) -> torch.Tensor:
+        """Apply the blocks named `keys` (layer indices, in order). A pipeline stage calls this
+        with its own blocks (moetrain/parallel/pipeline.py)."""
+        cos_TD, sin_TD, mask_BTT = attention_inputs(self.rope, x_BTD.shape[1], doc_ids_BT, x_BTD.device)
+        for key in keys:
+            x_BTD = self.blocks[key](x_BTD, cos_TD, sin_TD, mask_BTT)
+        return x_BTD
 
     def moe_layers(self) -> list[MoE]:
         return [m for m in self.modules() if isinstance(m, MoE)]
+
+    def moe_layer_indices(self) -> list[int]:
+        """Index among all the model's MoE layers of each of `moe_layers()` (a pipeline stage
+        holds only some of them)."""
+        return [int(canonical_name(name).split(".")[1]) - self.cfg.num_dense_layers
+                for name, m in self.named_modules() if isinstance(m, MoE)]
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0, fill: Fill | None = None) -> None:
@@ -86,6 +93,20 @@ class Transformer(nn.Module):
                 module.router.expert_bias_E.zero_()
                 for buf in module.buffers(recurse=False):
                     buf.zero_()
+
+
+def attention_inputs(
+    rope: RotaryEmbedding, T: int, doc_ids_BT: torch.Tensor | None, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """What every block's attention takes besides the hidden state: RoPE's cos/sin for T
+    positions, and the (B, T, T) mask when tokens attend only within their document (None:
+    plain causal attention)."""
+    cos_TD, sin_TD = rope.cos_sin(T)
+    mask_BTT = None
+    if doc_ids_BT is not None:
+        causal_TT = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+        mask_BTT = (doc_ids_BT.unsqueeze(2) == doc_ids_BT.unsqueeze(1)) & causal_TT
+    return cos_TD, sin_TD, mask_BTT
 
 
 Fill = Callable[[torch.Tensor, Callable[[torch.Tensor], None]], None]

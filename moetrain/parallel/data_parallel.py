@@ -8,9 +8,11 @@ dp, which makes the update that of the mean loss over the global batch.
 
 Each gradient is a view into a flat fp32 bucket (like DDP's gradient_as_bucket_view), so
 accumulation over micro-batches happens in place and a finished bucket is reduced as one
-message. During the last micro-batch's backward, a bucket's all-reduce starts as soon as all its
-gradients are final (post-accumulate-grad hooks), overlapping communication with the rest of the
-backward pass; `finish()` waits for them before the optimizer step.
+message. A bucket's all-reduce starts as soon as all its gradients are final — every parameter's
+post-accumulate-grad hook has fired once per micro-batch of the step — overlapping communication
+with the rest of the backward pass; `finish()` waits for them before the optimizer step. Counting
+hooks (rather than being told which backward is the last) also serves the pipeline schedules,
+which run all of a step's backward passes inside one call.
 """
 
 from __future__ import annotations
@@ -70,12 +72,13 @@ class GradReducer:
             p.register_post_accumulate_grad_hook(lambda _p, b=bucket: self._on_grad_ready(b))
         return bucket
 
-    def prepare(self, sync: bool) -> None:
-        """Call before each micro-batch's backward; `sync=True` for the last one of the step."""
+    def prepare(self, sync: bool, backward_passes: int = 1) -> None:
+        """Call before each micro-batch's backward, `sync=True` for the last one of the step; or
+        once before `backward_passes` backward passes that end the step (a pipeline step)."""
         self.sync = sync
         if sync:
             for b in self.buckets:
-                b.pending, b.work, b.launched = len(b.params), None, False
+                b.pending, b.work, b.launched = len(b.params) * backward_passes, None, False
 
     def _on_grad_ready(self, bucket: _Bucket) -> None:
         if not self.sync:

@@ -4,6 +4,8 @@ Ranks are laid out as (pp, edp, ep), ep fastest:
 
     rank = pp_index · dp + edp_index · ep + ep_index
 
+- pp groups of dp ranks each hold a different part of the layers (pipeline parallel); with
+  `pp_stages_per_rank` = v > 1 a rank holds v non-adjacent stages (stage s on pp rank s mod pp);
 - dp = world / pp ranks share one pipeline stage and split the batch (data parallel);
 - within them, groups of ep consecutive ranks split the experts (expert parallel): tokens travel
   between them with all-to-all, so consecutive ranks (one node) carry that traffic;
@@ -33,6 +35,16 @@ class Stack(enum.StrEnum):
     tokens (no expert parallelism, no all-to-all). Parameters, gradients and AdamW state ÷ dp."""
 
 
+class PipelineSchedule(enum.StrEnum):
+    gpipe = "gpipe"
+    """All forwards, then all backwards: activations of every micro-batch are held at once."""
+    onef1b = "1f1b"
+    """One forward, one backward in the steady state: at most pp micro-batches in flight."""
+    interleaved_1f1b = "interleaved-1f1b"
+    """1F1B over several stages per rank (parallel.pp_stages_per_rank ≥ 2): a smaller bubble
+    for more point-to-point messages."""
+
+
 class DispatcherKind(enum.StrEnum):
     nosync = "nosync"
     """Fixed-size buffers per destination rank: no device-to-host sync; dropless unless
@@ -51,6 +63,14 @@ class ParallelConfig(Config):
     ep: int = 1
     """Expert-parallel degree: experts are split over groups of ep ranks. Divides dp and the
     number of experts."""
+    pp: int = 1
+    """Pipeline-parallel degree: the layers are split into pp × pp_stages_per_rank stages. The
+    micro-batches of a step (train.global_batch_size / train.micro_batch_size, at least pp) are
+    the pipeline's micro-batches."""
+    pp_schedule: PipelineSchedule = PipelineSchedule.onef1b
+    """Pipeline schedule (torch.distributed.pipelining): gpipe, 1f1b or interleaved-1f1b."""
+    pp_stages_per_rank: int | None = None
+    """Stages per pipeline rank; None = 1 (gpipe, 1f1b) or 2 (interleaved-1f1b)."""
 
     dispatcher: DispatcherKind = DispatcherKind.nosync
     """How tokens reach experts on other ranks (with ep > 1)."""
@@ -75,6 +95,26 @@ class ParallelConfig(Config):
             raise ConfigError(f"parallel.dp={self.dp} must be a positive integer (or null for all ranks).")
         if self.ep <= 0:
             raise ConfigError(f"parallel.ep={self.ep} must be a positive integer.")
+        if self.pp <= 0:
+            raise ConfigError(f"parallel.pp={self.pp} must be a positive integer.")
+        v = self.stages_per_rank
+        if v <= 0:
+            raise ConfigError(f"parallel.pp_stages_per_rank={v} must be a positive integer.")
+        if self.pp_schedule == PipelineSchedule.interleaved_1f1b and v < 2:
+            raise ConfigError(
+                f"parallel.pp_schedule=interleaved-1f1b interleaves several stages per rank: set "
+                f"parallel.pp_stages_per_rank ≥ 2 (got {v}), or use parallel.pp_schedule=1f1b."
+            )
+        if v > 1 and self.pp == 1:
+            raise ConfigError(
+                f"parallel.pp_stages_per_rank={v} splits the pipeline further, but parallel.pp=1: "
+                "set parallel.pp ≥ 2 for pipeline parallelism."
+            )
+        if self.pp_schedule != PipelineSchedule.interleaved_1f1b and v != 1:
+            raise ConfigError(
+                f"parallel.pp_stages_per_rank={v} needs parallel.pp_schedule=interleaved-1f1b "
+                f"(parallel.pp_schedule={self.pp_schedule} runs one stage per rank)."
+            )
         if self.stack == Stack.fsdp:
             if self.ep != 1:
                 raise ConfigError(
@@ -86,6 +126,17 @@ class ParallelConfig(Config):
                     "parallel.shard_optimizer=true is the ddp stack's distributed optimizer; "
                     "parallel.stack=fsdp shards the optimizer state already: drop one of the two."
                 )
+            if self.pp != 1:
+                raise ConfigError(
+                    f"parallel.stack=fsdp is the data-parallel-only baseline: set parallel.pp=1 (got "
+                    f"parallel.pp={self.pp}), or use parallel.stack=ddp for pipeline parallelism."
+                )
+
+    @property
+    def stages_per_rank(self) -> int:
+        if self.pp_stages_per_rank is not None:
+            return self.pp_stages_per_rank
+        return 2 if self.pp_schedule == PipelineSchedule.interleaved_1f1b else 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,17 +145,55 @@ class ParallelDims:
     dp: int
     ep: int
     pp: int = 1
+    stages_per_rank: int = 1
 
     @classmethod
-    def from_config(cls, cfg: ParallelConfig, world_size: int, num_experts: int, has_moe: bool = True) -> ParallelDims:
-        """Check the layout against the world size and the model before any work is done."""
-        pp = 1
+    def from_config(
+        cls,
+        cfg: ParallelConfig,
+        world_size: int,
+        num_experts: int,
+        has_moe: bool = True,
+        *,
+        n_layers: int | None = None,
+        micro_batches: int | None = None,
+    ) -> ParallelDims:
+        """Check the layout against the world size and the model (and, with pipeline
+        parallelism, the number of layers and of micro-batches per step) before any work."""
+        pp = cfg.pp
+        if world_size % pp:
+            raise ConfigError(
+                f"parallel.pp={pp} does not divide the world size {world_size}: launch a multiple "
+                f"of {pp} processes or change parallel.pp."
+            )
         dp = cfg.dp if cfg.dp is not None else world_size // pp
         if pp * dp != world_size:
             raise ConfigError(
                 f"The layout pp={pp} × dp={dp} = {pp * dp} ranks does not match the world size "
                 f"{world_size}: set parallel.dp={world_size // pp} or launch {pp * dp} processes."
             )
+        v = cfg.stages_per_rank
+        if pp > 1 or v > 1:
+            stages = pp * v
+            if n_layers is not None and n_layers % stages:
+                raise ConfigError(
+                    f"model.n_layers={n_layers} cannot be split into parallel.pp={pp} × "
+                    f"parallel.pp_stages_per_rank={v} = {stages} equal pipeline stages: choose a "
+                    f"pp × stages-per-rank that divides {n_layers}."
+                )
+            if micro_batches is not None:
+                if micro_batches < pp:
+                    raise ConfigError(
+                        f"Pipeline parallelism needs at least parallel.pp={pp} micro-batches per step, "
+                        f"got train.global_batch_size / train.micro_batch_size = {micro_batches}: "
+                        f"lower train.micro_batch_size."
+                    )
+                if cfg.pp_schedule == PipelineSchedule.interleaved_1f1b and micro_batches % pp:
+                    raise ConfigError(
+                        f"parallel.pp_schedule=interleaved-1f1b needs a multiple of parallel.pp={pp} "
+                        f"micro-batches per step, got train.global_batch_size / "
+                        f"train.micro_batch_size = {micro_batches}."
+                    )
         if dp % cfg.ep:
             raise ConfigError(
                 f"parallel.ep={cfg.ep} does not divide parallel.dp={dp}: expert-parallel groups are "
@@ -115,7 +204,11 @@ class ParallelDims:
                 f"parallel.ep={cfg.ep} does not divide model.moe.num_experts={num_experts}: every "
                 "rank of an expert-parallel group must hold the same number of experts."
             )
-        return cls(world_size=world_size, dp=dp, ep=cfg.ep, pp=pp)
+        return cls(world_size=world_size, dp=dp, ep=cfg.ep, pp=pp, stages_per_rank=v)
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.stages_per_rank
 
     @property
     def edp(self) -> int:
@@ -160,6 +253,18 @@ class ParallelState:
     @property
     def dp_rank(self) -> int:
         return self.dp_mesh.get_local_rank() if self.dp_mesh is not None else 0
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup | None:
+        return self.mesh["pp"].get_group() if self.mesh is not None and self.dims.pp > 1 else None
+
+    @property
+    def pp_rank(self) -> int:
+        return self.mesh["pp"].get_local_rank() if self.mesh is not None else 0
+
+    @property
+    def world_group(self) -> dist.ProcessGroup | None:
+        return dist.group.WORLD if self.dims.world_size > 1 else None
 
     @property
     def ep_rank(self) -> int:

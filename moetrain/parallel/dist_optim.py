@@ -121,7 +121,8 @@ class DistributedAdamW:
         self.cfg = cfg
         self.lr = cfg.lr
         self.num_steps = 0
-        self.dp_group = state.dp_group
+        # The squared gradient norm sums over every rank: dp shards, and pipeline stages.
+        self.norm_group = state.world_group
         self._grads = _ShardedGradReducer(model, state, bucket_bytes)
         self.buckets = self._grads.buckets
         self.names = {id(p): canonical_name(n) for n, p in model.named_parameters()}
@@ -139,9 +140,10 @@ class DistributedAdamW:
                     self._decay_views.append(master[start - b.lo : end - b.lo])
 
     # ---- gradients -------------------------------------------------------------------------------
-    def prepare(self, sync: bool) -> None:
-        """Call before each micro-batch's backward; `sync=True` for the last one of the step."""
-        self._grads.prepare(sync)
+    def prepare(self, sync: bool, backward_passes: int = 1) -> None:
+        """Call before each micro-batch's backward, `sync=True` for the last one of the step; or
+        once before the `backward_passes` of a pipeline step (see `GradReducer.prepare`)."""
+        self._grads.prepare(sync, backward_passes)
 
     def finish(self) -> None:
         """After the last backward: wait for the reduce-scatters, average over dp."""
@@ -153,14 +155,15 @@ class DistributedAdamW:
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the (reduced) gradient, as a device tensor (no host sync).
 
-        One all-reduce over dp counts every element once: a dense element sits in exactly one
-        dp rank's shard; an expert element in exactly one shard of its edp group, and the dp
-        group is the edp groups of all ep ranks, which hold different experts.
+        One all-reduce over all ranks counts every element once: a dense element sits in exactly
+        one dp rank's shard; an expert element in exactly one shard of its edp group, and the dp
+        group is the edp groups of all ep ranks, which hold different experts; pipeline stages
+        hold different parameters.
         """
         grads = [b.grad_S for b in self.buckets]
         sq = torch.stack(torch._foreach_norm(grads)).square().sum()
-        if self.dp_group is not None:
-            dist.all_reduce(sq, group=self.dp_group)
+        if self.norm_group is not None:
+            dist.all_reduce(sq, group=self.norm_group)
         return sq.sqrt()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:

@@ -1,5 +1,8 @@
 """`parallelize`: prepare a model built on the meta device for training, in one fixed order.
 
+    0. pipeline parallel (pp > 1): keep only this rank's stages' blocks (and the embedding / LM
+       head where it holds the first / last stage); the stages themselves are views built after
+       initialization (moetrain/parallel/pipeline.py)
     1. expert parallel: each MoE layer keeps its rank's experts and gets an all-to-all dispatcher
        (`parallel.dispatcher`: nosync, fixed buffers, or alltoall, exact splits)
        (or, with ep = 1 and dp > 1, a dispatcher that only sums routing counts over dp)
@@ -11,7 +14,7 @@
        - `parallel.stack=fsdp`: `fully_shard` each block, then the root, on the dp mesh
          (moetrain/parallel/fsdp.py); it wraps the recompute/compile wrappers of 2-3.
 
-(Pipeline splitting will come first, before 1.) Wrappers are applied in place; parameter names
+Wrappers are applied in place; parameter names
 do not change, so checkpoints are interchangeable between wrapped and unwrapped models.
 """
 
@@ -24,10 +27,13 @@ from moetrain.model.transformer import Transformer
 from moetrain.parallel.dims import ParallelConfig, ParallelState, Stack
 from moetrain.parallel.expert_parallel import apply_expert_parallel
 from moetrain.parallel.fsdp import apply_fsdp
+from moetrain.parallel.pipeline import split_model
 from moetrain.train.config import Recompute, TrainerConfig
 
 
 def parallelize(model: Transformer, state: ParallelState, cfg: TrainerConfig, parallel: ParallelConfig) -> Transformer:
+    if state.dims.num_stages > 1:
+        split_model(model, state.dims, state.pp_rank)
     apply_expert_parallel(model, state, parallel)
     if cfg.recompute == Recompute.full:
         apply_recompute(model)

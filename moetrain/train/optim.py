@@ -57,13 +57,14 @@ def lr_at(step: int, total_steps: int, peak_lr: float, cfg: ScheduleConfig) -> f
 
 
 def clip_grad_norm(
-    params: list[torch.Tensor], expert_params: list[torch.Tensor], max_norm: float, ep_group=None
+    params: list[torch.Tensor], expert_params: list[torch.Tensor], max_norm: float, ep_group=None, pp_group=None
 ) -> torch.Tensor:
     """Clip all gradients to a global L2 norm of `max_norm` (no clipping for inf); return the
     norm before clipping, as a device tensor (no host sync).
 
     With expert parallelism each rank holds only its experts' gradients: their squared norms are
-    summed over the expert-parallel group so that every rank sees the norm of the whole model.
+    summed over the expert-parallel group; with pipeline parallelism, the stage totals over the
+    pipeline group; so that every rank sees the norm of the whole model.
     """
     grads = [p.grad for p in params if p.grad is not None]
     expert_grads = [p.grad for p in expert_params if p.grad is not None]
@@ -75,7 +76,12 @@ def clip_grad_norm(
         import torch.distributed as dist
 
         dist.all_reduce(expert_sq, group=ep_group)
-    total = (dense_sq + expert_sq).sqrt()
+    total_sq = dense_sq + expert_sq
+    if pp_group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(total_sq, group=pp_group)
+    total = total_sq.sqrt()
     if max_norm != math.inf:
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         torch._foreach_mul_(grads + expert_grads, coef)
@@ -106,21 +112,22 @@ class ReplicatedAdamW(_TorchAdamW):
         self.model = model
         self.reducer = GradReducer(model, state) if state.dims.dp > 1 else None
         self.ep_group = state.ep_group
+        self.pp_group = state.pp_group
         expert_ids = expert_param_ids(model)
         self.expert_params = [p for p in model.parameters() if id(p) in expert_ids]
         self.dense_params = [p for p in model.parameters() if id(p) not in expert_ids]
         self.adamw = build_optimizer(model, cfg)
 
-    def prepare(self, sync: bool) -> None:
+    def prepare(self, sync: bool, backward_passes: int = 1) -> None:
         if self.reducer is not None:
-            self.reducer.prepare(sync)
+            self.reducer.prepare(sync, backward_passes)
 
     def finish(self) -> None:
         if self.reducer is not None:
             self.reducer.finish()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        return clip_grad_norm(self.dense_params, self.expert_params, max_norm, self.ep_group)
+        return clip_grad_norm(self.dense_params, self.expert_params, max_norm, self.ep_group, self.pp_group)
 
     def zero_grad(self) -> None:
         if self.reducer is not None:
@@ -166,7 +173,7 @@ class FSDPAdamW(_TorchAdamW):
         self.model = model
         self.adamw = build_optimizer(model, cfg)
 
-    def prepare(self, sync: bool) -> None:
+    def prepare(self, sync: bool, backward_passes: int = 1) -> None:
         """Gradient accumulation: FSDP keeps unsharded gradients and reduce-scatters them only in
         the last micro-batch's backward."""
         if hasattr(self.model, "set_requires_gradient_sync"):  # absent on one rank (not sharded)

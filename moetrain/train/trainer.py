@@ -32,6 +32,7 @@ from moetrain.parallel.dist_optim import DistributedAdamW
 from moetrain.parallel.dims import ParallelDims, ParallelState, Stack
 from moetrain.parallel.distributed import init_distributed
 from moetrain.parallel.fsdp import init_full_then_shard, reshard
+from moetrain.parallel.pipeline import Pipeline, build_pipeline
 from moetrain.parallel.parallelize import parallelize
 from moetrain.train import checkpoint as ckpt
 from moetrain.train.config import Precision, RunConfig
@@ -78,7 +79,10 @@ class Trainer:
         rank, world = init_distributed(self.device.type)
         if self.device.type == "cuda" and world > 1:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        dims = ParallelDims.from_config(cfg.parallel, world, cfg.model.moe.num_experts, cfg.model.num_moe_layers > 0)
+        dims = ParallelDims.from_config(
+            cfg.parallel, world, cfg.model.moe.num_experts, cfg.model.num_moe_layers > 0,
+            n_layers=cfg.model.n_layers, micro_batches=tc.grad_accum_steps,
+        )
         if tc.micro_batch_size % dims.dp:
             raise ConfigError(
                 f"train.micro_batch_size={tc.micro_batch_size} (sequences per micro-batch, summed over "
@@ -119,6 +123,13 @@ class Trainer:
         for moe in self.model.moe_layers():
             # Aux losses get the same 1/accum factor as the LM loss: mean over the global batch.
             moe.aux_loss_scale = 1.0 / tc.grad_accum_steps
+        self.pipeline: Pipeline | None = None
+        if dims.num_stages > 1:
+            self.pipeline = build_pipeline(
+                model, self.par, cfg.parallel.pp_schedule, n_microbatches=tc.grad_accum_steps,
+                micro_batch_rows=tc.micro_batch_size // dims.dp, seq_len=cfg.data.seq_len,
+                device=self.device, amp_dtype=self.amp_dtype,
+            )
 
         self.tokens_per_step = tc.global_batch_size * cfg.data.seq_len
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
@@ -138,15 +149,10 @@ class Trainer:
     def train_step(self) -> StepOutput:
         tc = self.cfg.train
         self.model.train()
-        lm_loss = torch.zeros((), device=self.device)
-        for micro in range(tc.grad_accum_steps):
-            self.optimizer.prepare(sync=micro == tc.grad_accum_steps - 1)
-            inputs_BT, targets_BT = self.loader.next_batch()
-            inputs_BT = inputs_BT.to(self.device, non_blocking=True)
-            targets_BT = targets_BT.to(self.device, non_blocking=True)
-            loss = self._lm_loss(inputs_BT, targets_BT) / tc.grad_accum_steps
-            loss.backward()
-            lm_loss += loss.detach()
+        if self.pipeline is not None:
+            lm_loss = self._pipeline_forward_backward()
+        else:
+            lm_loss = self._forward_backward()
 
         self.optimizer.finish()
         max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else math.inf
@@ -158,6 +164,32 @@ class Trainer:
         routing = [moe.end_step() for moe in self.model.moe_layers()]
         self.step += 1
         return StepOutput(lm_loss, grad_norm, routing, lr)
+
+    def _forward_backward(self) -> torch.Tensor:
+        """The step's micro-batches one after the other; the summed (accumulated) LM loss."""
+        tc = self.cfg.train
+        lm_loss = torch.zeros((), device=self.device)
+        for micro in range(tc.grad_accum_steps):
+            self.optimizer.prepare(sync=micro == tc.grad_accum_steps - 1)
+            inputs_BT, targets_BT = self.loader.next_batch()
+            inputs_BT = inputs_BT.to(self.device, non_blocking=True)
+            targets_BT = targets_BT.to(self.device, non_blocking=True)
+            loss = self._lm_loss(inputs_BT, targets_BT) / tc.grad_accum_steps
+            loss.backward()
+            lm_loss += loss.detach()
+        return lm_loss
+
+    def _pipeline_forward_backward(self) -> torch.Tensor:
+        """The step's micro-batches through the pipeline schedule (one call runs every forward
+        and backward); the summed LM loss on the last stage's ranks, 0 on the others. Every rank
+        reads the same micro-batches (its dp rank's), so the loader state stays layout-free."""
+        n = self.cfg.train.grad_accum_steps
+        batches = [self.loader.next_batch() for _ in range(n)]
+        inputs_BT = torch.cat([b[0] for b in batches]).to(self.device, non_blocking=True)
+        targets_BT = torch.cat([b[1] for b in batches]).to(self.device, non_blocking=True)
+        doc_ids_BT = document_ids(inputs_BT, self.eos_id) if self.cfg.data.document_masking else None
+        self.optimizer.prepare(sync=True, backward_passes=n)
+        return self.pipeline.train_step(inputs_BT, targets_BT, doc_ids_BT)
 
     def _lm_loss(self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
         doc_ids_BT = document_ids(inputs_BT, self.eos_id) if self.cfg.data.document_masking else None
@@ -187,19 +219,25 @@ class Trainer:
         # Eval must not shift the training RNG stream (random routing draws from it).
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             for inputs_BT, targets_BT in batches:
-                total += self._lm_loss(inputs_BT.to(self.device), targets_BT.to(self.device))
+                inputs_BT, targets_BT = inputs_BT.to(self.device), targets_BT.to(self.device)
+                if self.pipeline is not None:
+                    doc_ids_BT = document_ids(inputs_BT, self.eos_id) if self.cfg.data.document_masking else None
+                    total += self.pipeline.eval_loss_sum(inputs_BT, targets_BT, doc_ids_BT)
+                else:
+                    total += self._lm_loss(inputs_BT, targets_BT)
                 count += 1
         self.model.train()
         reshard(self.model)  # FSDP: no gathered root parameters left between steps
-        return self._dp_mean(total / max(count, 1)).item()
+        return self._global_mean(total / max(count, 1)).item()
 
-    def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
-        """Mean of a per-rank scalar over the data-parallel ranks (every rank gets it)."""
-        if self.par.dp_group is None:
-            return value
-        value = value.clone()
-        dist.all_reduce(value, group=self.par.dp_group)
-        return value / self.par.dims.dp
+    def _global_mean(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-rank values held by one pipeline stage's dp ranks (zeros elsewhere) -> their mean
+        over dp, on every rank: one all-reduce over all ranks, divided by dp."""
+        if self.par.world_group is None:
+            return values
+        values = values.clone()
+        dist.all_reduce(values, group=self.par.world_group)
+        return values / self.par.dims.dp
 
     # ---- the loop ------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
@@ -251,17 +289,23 @@ class Trainer:
         tokens_per_sec = self.tokens_per_step * steps / max(elapsed, 1e-9)
         per_device = tokens_per_sec / self.par.dims.world_size
         tflops = self.flops_per_token * per_device / 1e12
-        # Counts are global already; the LM loss and each layer's lb/z losses and drops are per
-        # rank: average them over dp in one collective (drops × dp is then the global count).
-        L = len(out.routing)
-        per_rank = torch.stack(
-            [out.lm_loss.float()]
-            + [s[key].float() for key in ("lb_loss", "z_loss", "dropped") for s in out.routing]
-        )
-        mean = self._dp_mean(per_rank)
+        # One collective for every logged value. The LM loss (on the last pipeline stage) and each
+        # MoE layer's lb/z losses, drops and global expert counts (on the stage holding it) are
+        # placed at the layer's global index, zeros elsewhere; summed over all ranks and divided
+        # by dp, that is the mean over dp (drops × dp is then the global count; counts, equal
+        # on a stage's dp ranks, come back unchanged). float64 keeps large counts exact.
+        L, E = self.cfg.model.num_moe_layers, self.cfg.model.moe.num_experts
+        packed = torch.zeros(1 + L * (3 + E), dtype=torch.float64, device=self.device)
+        packed[0] = out.lm_loss
+        for i, s in zip(self.model.moe_layer_indices(), out.routing):
+            packed[1 + i], packed[1 + L + i], packed[1 + 2 * L + i] = s["lb_loss"], s["z_loss"], s["dropped"]
+            packed[1 + 3 * L + i * E : 1 + 3 * L + (i + 1) * E] = s["tokens_per_expert"]
+        mean = self._global_mean(packed)
+        counts_LE = mean[1 + 3 * L :].view(L, E).round().long()
         routing = routing_metrics([
-            {**s, "lb_loss": mean[1 + i], "z_loss": mean[1 + L + i], "dropped": mean[1 + 2 * L + i] * self.par.dims.dp}
-            for i, s in enumerate(out.routing)
+            {"lb_loss": mean[1 + i], "z_loss": mean[1 + L + i], "dropped": mean[1 + 2 * L + i] * self.par.dims.dp,
+             "tokens_per_expert": counts_LE[i]}
+            for i in range(L)
         ], ep=self.par.dims.ep)
         lm_loss, grad_norm = torch.stack([mean[0], out.grad_norm.float()]).tolist()
         moe = self.cfg.model.moe

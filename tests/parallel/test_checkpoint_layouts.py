@@ -1,7 +1,8 @@
 """A checkpoint written by one layout loads into any other and training continues with the same
 losses (fp32, gloo): dp2·ep2 with the sharded optimizer → dp4·ep4 (replicated optimizer),
 dp4·ep2 (sharded) and a single process; and across stacks: fsdp2 → ddp dp2·ep2 → fsdp2, fsdp2 →
-a single process."""
+a single process; and across pipeline layouts: dp4·ep4 → pp2·dp2·ep2 → pp2 interleaved and one
+process."""
 
 import shutil
 
@@ -104,6 +105,46 @@ def test_checkpoints_cross_the_fsdp_and_ddp_stacks(real_text_dir, tmp_path):
 
     want = losses(source)
     for target, first in ((ddp, 3), (single, 3), (back, 5)):
+        got = losses(target)
+        assert sorted(got) == list(range(1, 7)), target.name
+        for step in range(first, 7):
+            for key in ("lm_loss", "grad_norm", "lb_loss") + (("val_loss",) if step % 2 == 0 else ()):
+                assert got[step][key] == pytest.approx(want[step][key], rel=1e-5), (target.name, step, key)
+
+
+PP = "parallel.pp=2"
+
+
+def _dp4ep4_then_pipeline(data_dir, source, pp_dir):
+    """dp4·ep4 run (checkpoints at 2, 4, 6); its step-2 checkpoint → pp2·dp2·ep2 (sharded)."""
+    import torch.distributed as dist
+
+    train(data_dir, source, 6, ["parallel.ep=4", *EVERY_2], resume=True)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        _fork(source, pp_dir, keep_through=2)
+    dist.barrier()
+    return train(data_dir, pp_dir, 6, [PP, "parallel.ep=2", "parallel.shard_optimizer=true", *EVERY_2], resume=True)
+
+
+def test_checkpoints_cross_pipeline_layouts(real_text_dir, tmp_path):
+    """dp4·ep4 → pp2·dp2·ep2 → pp2 interleaved (two stages per rank) and → one process: each
+    resumes where the last left off, with the same training and validation losses (a pipeline
+    rank writes and reads only its stages' entries; evaluation runs through the stages)."""
+    source, pp_dir = tmp_path / "dp4ep4", tmp_path / "pp2dp2ep2"
+    starts = run_distributed(_dp4ep4_then_pipeline, 4, real_text_dir, source, pp_dir)
+    assert starts == [2, 2, 2, 2]
+    interleaved, single = tmp_path / "pp2-interleaved", tmp_path / "single"
+    _fork(pp_dir, interleaved, keep_through=4)
+    _fork(pp_dir, single, keep_through=4)
+    starts = run_distributed(train_layouts, 2, real_text_dir, [
+        (interleaved, [PP, "parallel.pp_schedule=interleaved-1f1b", *EVERY_2]),
+    ])
+    assert starts[0] == [4]
+    assert train(real_text_dir, single, 6, EVERY_2, resume=True) == 4
+
+    want = losses(source)
+    for target, first in ((pp_dir, 3), (interleaved, 5), (single, 5)):
         got = losses(target)
         assert sorted(got) == list(range(1, 7)), target.name
         for step in range(first, 7):

@@ -18,7 +18,7 @@ STEPS = 5
 def layout_cfg(data_dir, run_dir, *extra):
     return resolve_config("tiny", [
         f"data.sources=[{data_dir}]", f"train.run_dir={run_dir}", "model.vocab_size=512",
-        "model.d_model=64", "model.n_layers=3", "model.moe.expert_hidden=32", "data.seq_len=32",
+        "model.d_model=64", "model.n_layers=4", "model.moe.expert_hidden=32", "data.seq_len=32",
         "train.global_batch_size=8", "train.micro_batch_size=4", f"train.steps={STEPS}",
         "train.log_every=1", "train.eval_every=0", "train.save_every=0", "train.save_final=false",
         "train.tensorboard=false", "train.plot=false", "schedule.warmup_steps=2",
@@ -104,6 +104,7 @@ A2A = "parallel.dispatcher=alltoall"
 FSDP = "parallel.stack=fsdp"
 SHARD = "parallel.shard_optimizer=true"
 CAPPED = ["parallel.ep=2", "parallel.capacity_factor=0.6"]
+INTERLEAVED = "parallel.pp_schedule=interleaved-1f1b"  # 2 stages per rank: 4 stages of 1 block
 
 
 @pytest.mark.parametrize("world, layouts", [
@@ -113,12 +114,18 @@ CAPPED = ["parallel.ep=2", "parallel.capacity_factor=0.6"]
          ("dp4ep2-sharded", ["parallel.ep=2", SHARD])]),
     (2, [("fsdp2", [FSDP]), ("fsdp2-recompute", [FSDP, "train.recompute=full"])]),
     (4, [("fsdp4", [FSDP])]),
+    (2, [("pp2", ["parallel.pp=2"]), ("pp2-interleaved", ["parallel.pp=2", INTERLEAVED]),
+         ("pp2-gpipe-recompute", ["parallel.pp=2", "parallel.pp_schedule=gpipe", "train.recompute=full"])]),
+    (4, [("pp2dp2ep2", ["parallel.pp=2", "parallel.ep=2"]),
+         ("pp2dp2ep2-interleaved-alltoall-sharded", ["parallel.pp=2", "parallel.ep=2", INTERLEAVED, A2A, SHARD]),
+         ("pp2dp2", ["parallel.pp=2", "parallel.dp=2"])]),
 ])
 def test_layouts_match_single_process(real_text_dir, reference, tmp_path, world, layouts):
     """Both dispatchers (sync-free `nosync`, the default, and exact `alltoall`), the sharded
-    optimizer and the FSDP2 stack (which holds 1/dp of the parameters and AdamW state per rank)
-    reproduce the single-process run when nothing is dropped; a capacity factor drops and says
-    so."""
+    optimizer, the FSDP2 stack (which holds 1/dp of the parameters and AdamW state per rank) and
+    pipeline parallelism (1F1B, interleaved 1F1B with two stages per rank, GPipe with recompute;
+    alone and composed with dp and ep; the step's 2 micro-batches are the pipeline's) reproduce
+    the single-process run when nothing is dropped; a capacity factor drops and says so."""
     ref_records, params_file = reference
     results = run_distributed(rank_layouts, world, real_text_dir, tmp_path, layouts, params_file)
     for name, extra in layouts:
@@ -131,6 +138,11 @@ def test_layouts_match_single_process(real_text_dir, reference, tmp_path, world,
         assert all(r["dropped_token_frac"] == 0 for r in records)
         for rank, per_rank in enumerate(results):
             assert per_rank[name][1][0] <= 1.0, (name, rank, per_rank[name][1])
+        if any(e.startswith("parallel.pp=") for e in extra):
+            # Each pipeline rank holds about half of the parameters, none twice across stages.
+            total = sum(p.numel() for p in torch.load(params_file, weights_only=True).values())
+            held = [per_rank[name][2]["param_numel"] for per_rank in results]
+            assert all(h < 0.75 * total for h in held), (held, total)
         if FSDP in extra:
             # Each rank holds ~1/dp of the parameters and of the AdamW moments (8 bytes/element,
             # plus a 4-byte step count per tensor).
@@ -146,10 +158,21 @@ def test_layouts_match_single_process(real_text_dir, reference, tmp_path, world,
     (ParallelConfig(dp=3), 4, 8, ["pp=1 × dp=3", "world size 4"]),
     (ParallelConfig(ep=3), 6, 8, ["parallel.ep=3", "num_experts=8"]),
     (ParallelConfig(ep=4), 2, 8, ["parallel.ep=4", "parallel.dp=2"]),
+    (ParallelConfig(pp=3), 4, 8, ["parallel.pp=3", "world size 4"]),
+    (ParallelConfig(pp=2, dp=1), 4, 8, ["pp=2 × dp=1", "parallel.dp=2"]),
+    (ParallelConfig(pp=3), 3, 8, ["model.n_layers=4", "3 equal pipeline stages"]),
+    (ParallelConfig(pp=2, pp_schedule="interleaved-1f1b", pp_stages_per_rank=4), 2, 8,
+     ["model.n_layers=4", "pp_stages_per_rank=4", "8 equal"]),
+    (ParallelConfig(pp=4), 4, 8, ["at least parallel.pp=4 micro-batches", "= 2", "train.micro_batch_size"]),
+    (ParallelConfig(pp=2, pp_schedule="interleaved-1f1b"), 2, 8, []),
 ])
 def test_impossible_layouts_fail_before_any_work(cfg, world, experts, words):
+    cfg.validate()
+    if not words:  # a possible layout, for contrast
+        ParallelDims.from_config(cfg, world, experts, n_layers=4, micro_batches=2)
+        return
     with pytest.raises(ConfigError) as e:
-        ParallelDims.from_config(cfg, world, experts)
+        ParallelDims.from_config(cfg, world, experts, n_layers=4, micro_batches=2)
     for word in words:
         assert word in str(e.value)
 
@@ -157,6 +180,12 @@ def test_impossible_layouts_fail_before_any_work(cfg, world, experts, words):
 @pytest.mark.parametrize("overrides, words", [
     (["parallel.stack=fsdp", "parallel.ep=2"], ["parallel.stack=fsdp", "parallel.ep=1", "parallel.ep=2"]),
     (["parallel.stack=fsdp", "parallel.shard_optimizer=true"], ["parallel.shard_optimizer", "parallel.stack=fsdp"]),
+    (["parallel.stack=fsdp", "parallel.pp=2"], ["parallel.stack=fsdp", "parallel.pp=1", "parallel.stack=ddp"]),
+    (["parallel.pp=2", "parallel.pp_schedule=interleaved-1f1b", "parallel.pp_stages_per_rank=1"],
+     ["interleaved-1f1b", "pp_stages_per_rank ≥ 2", "got 1"]),
+    (["parallel.pp=2", "parallel.pp_stages_per_rank=2"], ["pp_stages_per_rank=2", "interleaved-1f1b"]),
+    (["parallel.pp_schedule=interleaved-1f1b"], ["parallel.pp=1", "parallel.pp ≥ 2"]),
+    (["parallel.pp_schedule=zigzag"], ["parallel.pp_schedule", "zigzag", "1f1b"]),
 ])
 def test_fsdp_stack_rejects_expert_parallelism_and_the_sharded_optimizer(overrides, words):
     with pytest.raises(ConfigError) as e:

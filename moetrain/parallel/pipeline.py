@@ -1,0 +1,215 @@
+"""Pipeline parallelism with torch.distributed.pipelining.
+
+Legend: S = pp × v pipeline stages, v stages per rank, n micro-batches per optimizer step,
+B sequences per micro-batch on this rank, T sequence length, D model dim, V vocabulary.
+
+The layers are cut into S stages of equal numbers of blocks; stage s runs on pipeline rank
+s mod pp (with v = 1, stage s on rank s; with v > 1 "looped": rank r holds stages r, r + pp, …,
+which is what the interleaved schedule expects). Stage 0 also holds the embedding, stage S-1 the
+final norm and LM head.
+
+The model stays one `Transformer` per rank: `split_model` deletes the blocks this rank does not
+hold (the others keep their layer-index names, so parameter names, initial values and checkpoint
+entries are those of the whole model) and the embedding/head where this rank holds neither end.
+The stages are `StageModule` views over it: each registers the shared submodules it runs, so the
+optimizer, the gradient reducer and checkpoints keep working on the one `Transformer`.
+
+One optimizer step = one `schedule.step()` over the step's n micro-batches (the trainer's
+gradient-accumulation micro-batches: train.global_batch_size / train.micro_batch_size). The loss
+of each is the micro-batch's mean cross-entropy / n and gradients are not rescaled
+(scale_grads=False): the same sum as the plain loop. Load-balancing / z losses ride on each MoE
+layer's output (`AttachAuxLoss`), so a stage's backward applies them; their routing statistics
+are accumulated per micro-batch as usual. So the loss and every gradient are those of the
+single-process run.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from moetrain.model.transformer import Transformer, attention_inputs
+from moetrain.parallel.dims import ParallelDims, ParallelState, PipelineSchedule
+
+
+def stage_layers(n_layers: int, num_stages: int) -> list[list[str]]:
+    """Block keys (layer indices) of each stage: equal, contiguous ranges."""
+    per = n_layers // num_stages
+    return [[str(i) for i in range(s * per, (s + 1) * per)] for s in range(num_stages)]
+
+
+def stages_of_rank(pp_rank: int, dims: ParallelDims) -> list[int]:
+    return [pp_rank + i * dims.pp for i in range(dims.stages_per_rank)]
+
+
+def split_model(model: Transformer, dims: ParallelDims, pp_rank: int) -> None:
+    """Keep only what pipeline rank `pp_rank`'s stages run (on a meta-device model, before
+    anything else)."""
+    stages = stages_of_rank(pp_rank, dims)
+    layout = stage_layers(model.cfg.n_layers, dims.num_stages)
+    keep = {key for s in stages for key in layout[s]}
+    for key in list(model.blocks.keys()):
+        if key not in keep:
+            del model.blocks[key]
+    if 0 not in stages:
+        model.embed = None
+    if dims.num_stages - 1 not in stages:
+        model.norm = None
+        model.lm_head = None
+
+
+class StageModule(nn.Module):
+    """One pipeline stage: a view over the blocks (and embedding / head) of a split model.
+
+    First stage: tokens (B, T) -> hidden (B, T, D); middle: hidden -> hidden; last: hidden ->
+    logits (B, T, V). Hidden states travel between stages in fp32 (the residual stream's dtype).
+
+    Document masking: only tokens travel into the first stage, so every stage gets the
+    micro-batches' document ids beforehand (`queue_doc_ids`, in micro-batch order; every
+    schedule runs a stage's forwards in micro-batch order) and takes one per forward.
+    """
+
+    def __init__(self, model: Transformer, keys: list[str], first: bool, last: bool, amp_dtype: torch.dtype | None):
+        super().__init__()
+        self.first, self.last = first, last
+        self.embed = model.embed if first else None
+        self.rope = model.rope
+        self.blocks = nn.ModuleList([model.blocks[k] for k in keys])
+        self.norm = model.norm if last else None
+        self.lm_head = model.lm_head if last else None
+        self.amp_dtype = amp_dtype
+        self._doc_ids: collections.deque[torch.Tensor] | None = None
+
+    def queue_doc_ids(self, doc_ids: list[torch.Tensor] | None) -> None:
+        self._doc_ids = collections.deque(doc_ids) if doc_ids is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        doc_ids_BT = self._doc_ids.popleft() if self._doc_ids else None
+        autocast = (torch.autocast(x.device.type, dtype=self.amp_dtype) if self.amp_dtype is not None
+                    else contextlib.nullcontext())
+        with autocast:
+            x_BTD = self.embed(x) if self.first else x
+            cos_TD, sin_TD, mask_BTT = attention_inputs(self.rope, x_BTD.shape[1], doc_ids_BT, x_BTD.device)
+            for block in self.blocks:
+                x_BTD = block(x_BTD, cos_TD, sin_TD, mask_BTT)
+            if self.last:
+                return self.lm_head(self.norm(x_BTD))
+        return x_BTD.float()
+
+
+@dataclass
+class Pipeline:
+    """This rank's stages and the schedule that drives them."""
+
+    stages: list[StageModule]
+    stage_ids: list[int]
+    schedule: object
+    state: ParallelState
+    n_microbatches: int
+    d_model: int
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def has_last(self) -> bool:
+        return self.state.dims.num_stages - 1 in self.stage_ids
+
+    def train_step(
+        self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor, doc_ids_BT: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Forward and backward of the step's n micro-batches (inputs of n·B rows, micro-batch
+        i = rows [i·B, (i+1)·B)); return the summed loss on the last stage's ranks, 0 elsewhere."""
+        n = self.n_microbatches
+        for stage in self.stages:
+            stage.queue_doc_ids(list(doc_ids_BT.chunk(n)) if doc_ids_BT is not None else None)
+        losses: list[torch.Tensor] = []
+        args = (inputs_BT,) if self.has_first else ()
+        kwargs = {"target": targets_BT, "losses": losses} if self.has_last else {}
+        if _STEP_TAKES_RETURN_OUTPUTS:
+            kwargs["return_outputs"] = False  # the loss is all we need; don't keep the logits
+        self.schedule.step(*args, **kwargs)
+        if not losses:
+            return torch.zeros((), device=inputs_BT.device)
+        return torch.stack([loss.detach() for loss in losses]).sum()
+
+    @torch.no_grad()
+    def eval_loss_sum(self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor, doc_ids_BT: torch.Tensor | None) -> torch.Tensor:
+        """Forward only, one micro-batch through the stages in order (point-to-point sends of
+        the (B, T, D) hidden state); the mean cross-entropy on the last stage's ranks, 0
+        elsewhere. Evaluation is rare: no overlap is attempted."""
+        dims = self.state.dims
+        group = self.state.pp_group
+        B, T = inputs_BT.shape
+        x = inputs_BT
+        for s in range(dims.num_stages):
+            owner = s % dims.pp
+            if owner != self.state.pp_rank:
+                continue
+            stage = self.stages[self.stage_ids.index(s)]
+            if s > 0:
+                x = torch.empty(B, T, self.d_model, dtype=torch.float32, device=inputs_BT.device)
+                dist.recv(x, src=dist.get_global_rank(group, (s - 1) % dims.pp), group=group)
+            stage.queue_doc_ids([doc_ids_BT] if doc_ids_BT is not None else None)
+            x = stage(x)
+            if s < dims.num_stages - 1:
+                dist.send(x.contiguous(), dst=dist.get_global_rank(group, (s + 1) % dims.pp), group=group)
+        if not self.has_last:
+            return torch.zeros((), device=inputs_BT.device)
+        return F.cross_entropy(x.float().flatten(0, 1), targets_BT.flatten())
+
+
+# torch ≥ 2.8 can skip keeping the last stage's outputs (the logits) after a step.
+_STEP_TAKES_RETURN_OUTPUTS = "return_outputs" in inspect.signature(Schedule1F1B.step).parameters
+
+
+def build_pipeline(
+    model: Transformer,
+    state: ParallelState,
+    schedule: PipelineSchedule,
+    n_microbatches: int,
+    micro_batch_rows: int,
+    seq_len: int,
+    device: torch.device,
+    amp_dtype: torch.dtype | None,
+) -> Pipeline:
+    """Stages over the (split, materialized, initialized) model and their schedule.
+
+    Stage input/output shapes are given to `PipelineStage` up front (the micro-batch shape is
+    fixed by the config): no shape-inference pass, which would run the MoE layers' collectives.
+    """
+    dims = state.dims
+    S = dims.num_stages
+    cfg = model.cfg
+    layout = stage_layers(cfg.n_layers, S)
+    stage_ids = stages_of_rank(state.pp_rank, dims)
+    B, T, D, V = micro_batch_rows, seq_len, cfg.d_model, cfg.vocab_size
+    # requires_grad marks what carries a gradient back to the previous stage.
+    hidden = torch.empty(B, T, D, dtype=torch.float32, device="meta", requires_grad=True)
+    modules, stages = [], []
+    for s in stage_ids:
+        first, last = s == 0, s == S - 1
+        module = StageModule(model, layout[s], first, last, amp_dtype)
+        inputs = torch.empty(B, T, dtype=torch.long, device="meta") if first else hidden
+        outputs = torch.empty(B, T, V, dtype=amp_dtype or torch.float32, device="meta", requires_grad=True) if last else hidden
+        stages.append(PipelineStage(module, s, S, device, input_args=inputs, output_args=outputs, group=state.pp_group))
+        modules.append(module)
+
+    def loss_fn(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten()) / n_microbatches
+
+    if schedule == PipelineSchedule.interleaved_1f1b:
+        sched = ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    else:
+        cls = ScheduleGPipe if schedule == PipelineSchedule.gpipe else Schedule1F1B
+        sched = cls(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    return Pipeline(modules, stage_ids, sched, state, n_microbatches, D)
