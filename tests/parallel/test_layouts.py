@@ -22,7 +22,7 @@ def layout_cfg(data_dir, run_dir, *extra):
         "train.global_batch_size=8", "train.micro_batch_size=4", f"train.steps={STEPS}",
         "train.log_every=1", "train.eval_every=0", "train.save_every=0", "train.save_final=false",
         "train.tensorboard=false", "train.plot=false", "schedule.warmup_steps=2",
-        "model.moe.bias_update_rate=0.001",
+        "model.moe.bias_update_rate=0.001", "train.device=cpu",  # gloo ranks, also on a GPU machine
         # Adam divides by sqrt(v) + eps: with eps = 1e-8, embedding rows whose gradient is near eps
         # turn fp32 reassociation noise (sums split over ranks) into ~1e-5 parameter differences
         # after a few steps. eps = 1e-6 keeps the comparison about the parallel machinery.
