@@ -7,6 +7,7 @@ process."""
 import shutil
 
 import pytest
+import torch
 
 from moetrain.testing.distributed import run_distributed
 from test_layouts import layout_cfg
@@ -142,6 +143,17 @@ def test_checkpoints_cross_pipeline_layouts(real_text_dir, tmp_path):
     ])
     assert starts[0] == [4]
     assert train(real_text_dir, single, 6, EVERY_2, resume=True) == 4
+
+    # The pipeline ranks' final checkpoint is a whole model: `eval`/`generate` load it in one
+    # process, equal to the single-process run's.
+    from moetrain.inference import load_for_inference
+
+    from_pp, _, _ = load_for_inference(interleaved)
+    from_single, _, _ = load_for_inference(single)
+    got, ref = from_pp.state_dict(), from_single.state_dict()
+    assert got.keys() == ref.keys()
+    for key in ref:
+        torch.testing.assert_close(got[key], ref[key], rtol=1e-4, atol=1e-5, msg=key)
 
     want = losses(source)
     for target, first in ((pp_dir, 3), (interleaved, 5), (single, 5)):
