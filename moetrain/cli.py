@@ -26,6 +26,7 @@ SUBCOMMANDS: dict[str, str] = {
     "generate": "sample text from a checkpoint",
     "presets": "list the shipped presets",
     "plot": "draw the loss curves of one or more run directories into one PNG",
+    "bench": "time training steps of a preset (tokens/s, TFLOP/s, MFU, memory, host syncs) as JSON lines",
 }
 
 # Everyday flags of `train`, and the config keys they set.
@@ -120,6 +121,42 @@ def cmd_train(argv: list[str]) -> int:
     summary = trainer.fit()
     if trainer.par.is_main:
         print(json.dumps(summary))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+def cmd_bench(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="moetrain bench",
+        description="Warm up, then time training steps of a preset on random token ids; one JSON line "
+        "per routing mode with tokens_per_sec_per_device, tflops_per_device, mfu, peak_mem_gib, "
+        "sync_free and the exact shape, batch, routing and precision.",
+        epilog="Any config key can be set with --section.key=value, e.g. --train.compile=true "
+        "--train.micro_batch_size=2.",
+    )
+    parser.add_argument("spec", metavar="PRESET_OR_YAML")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (and after each routing switch)")
+    parser.add_argument("--steps", type=int, default=15, help="timed steps per routing mode")
+    parser.add_argument("--routing", default="learned,random", help="comma-separated routing modes (default both)")
+    parser.add_argument("--no-sync-check", action="store_true", help="skip the extra step that counts host syncs")
+    parser.add_argument("--device", default=None, help="sets train.device (default: auto)")
+    parser.add_argument("--run-dir", default=None, help="where the trainer may write (default: a temporary directory)")
+    args, overrides = _split_overrides(parser, argv)
+    if args.warmup < 0 or args.steps <= 0:
+        raise ConfigError(f"--warmup={args.warmup} must be ≥ 0 and --steps={args.steps} positive.")
+    if args.device is not None:
+        overrides.append(f"train.device={args.device}")
+    from moetrain.bench import run_bench
+
+    records = run_bench(
+        args.spec, overrides, warmup=args.warmup, steps=args.steps,
+        routings=[r.strip() for r in args.routing.split(",") if r.strip()],
+        sync_check=not args.no_sync_check, run_dir=args.run_dir,
+    )
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        for record in records:
+            print(json.dumps(record), flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
@@ -224,4 +261,5 @@ _HANDLERS: dict[str, Callable[[list[str]], int]] = {
     "eval": cmd_eval,
     "generate": cmd_generate,
     "presets": cmd_presets,
+    "bench": cmd_bench,
 }

@@ -2,6 +2,10 @@
 
 `tiny` trains on a laptop CPU in minutes. `ref-*` reproduce the anchor's (Olmo-core 3) reference
 shapes, `sweep-8l-*` its capacity sweep (see shared/REFERENCE.md for the published figures).
+`bench-*` are the one-GPU benchmark shapes measured side by side with Olmo-core 3.0.0
+(docs/benchmarks.md): `bench-8e`, `bench-tiny64e-l6`, `bench-small32e` are its runner's shapes
+exactly; `bench-sweep-{8,16,32,64}` scale bench-8e's layout to d_model 2048 for an expert-count
+sweep at constant active parameters.
 A YAML run file may start from a preset with a top-level `preset: NAME` key and override any
 section below it.
 """
@@ -38,15 +42,15 @@ def tiny() -> RunConfig:
 
 
 def _anchor_model(*, layers: int, dense: int, d_model: int, heads: int, kv_heads: int,
-                  hidden: int, experts: int, lb: float) -> TransformerConfig:
+                  hidden: int, experts: int, lb: float, z: float = 2e-4, peri_norm: bool = False) -> TransformerConfig:
     """The anchor's production architecture: head_dim 128, QK-norm, one shared expert as wide as a
     routed one, top-4 softmax with normalized weights × k, first `dense` blocks dense."""
     return TransformerConfig(
         vocab_size=ANCHOR_VOCAB, d_model=d_model, n_layers=layers, n_heads=heads,
-        n_kv_heads=kv_heads, head_dim=128, num_dense_layers=dense,
+        n_kv_heads=kv_heads, head_dim=128, num_dense_layers=dense, peri_norm=peri_norm,
         moe=MoEConfig(num_experts=experts, top_k=4, expert_hidden=hidden, shared_hidden=hidden,
                       normalize_weights=True, restore_weight_scale=True,
-                      lb_loss_weight=lb, z_loss_weight=2e-4),
+                      lb_loss_weight=lb, z_loss_weight=z),
     )
 
 
@@ -77,6 +81,28 @@ def _sweep(experts: int) -> Callable[[], RunConfig]:
     )
 
 
+def _bench(model: TransformerConfig, *, micro_batch: int, accum: int = 1, lr: float) -> Callable[[], RunConfig]:
+    """One GPU, sequences of 8192 tokens, `micro_batch` sequences per micro-batch (the anchor
+    runner's), `accum` micro-batches per optimizer step; bf16 with fp32 master weights."""
+
+    def make() -> RunConfig:
+        cfg = RunConfig(model=model)
+        cfg.data.seq_len = 8192
+        cfg.optim.lr = lr
+        cfg.schedule.warmup_steps = 10
+        cfg.train = TrainerConfig(steps=1000, global_batch_size=micro_batch * accum, micro_batch_size=micro_batch,
+                                  log_every=10, eval_every=0, save_every=0)
+        return cfg
+
+    return make
+
+
+def _bench_8e_layout(experts: int, d_model: int, hidden: int) -> TransformerConfig:
+    """Olmo-core's moe_8l shape: 8 layers (the first dense), pre-norm, lb 0.015, z 1e-4."""
+    return _anchor_model(layers=8, dense=1, d_model=d_model, heads=d_model // 128, kv_heads=d_model // 512,
+                         hidden=hidden, experts=experts, lb=0.015, z=1e-4)
+
+
 PRESETS: dict[str, Callable[[], RunConfig]] = {
     "tiny": tiny,
     "ref-tiny-64e": _ref(16, 1, 2048, 16, 4, 2048, 64, gpus=16),
@@ -86,6 +112,13 @@ PRESETS: dict[str, Callable[[], RunConfig]] = {
     "ref-ultra-128e": _ref(63, 2, 6144, 64, 32, 8192, 128, gpus=512, lb=0.005),
     "ref-ultra-256e": _ref(63, 2, 6144, 64, 32, 8192, 256, gpus=512, lb=0.005),
     **{f"sweep-8l-{e}": _sweep(e) for e in (8, 16, 32, 64, 128)},
+    "bench-8e": _bench(_bench_8e_layout(8, 4096, 4096), micro_batch=1, lr=3e-4),
+    "bench-tiny64e-l6": _bench(_anchor_model(layers=6, dense=1, d_model=2048, heads=16, kv_heads=4, hidden=2048,
+                                             experts=64, lb=0.01, peri_norm=True), micro_batch=2, lr=1.8e-4),
+    "bench-small32e": _bench(_anchor_model(layers=16, dense=1, d_model=1024, heads=8, kv_heads=2, hidden=1024,
+                                           experts=32, lb=0.01, peri_norm=True), micro_batch=2, lr=1.8e-4),
+    **{f"bench-sweep-{e}": _bench(_bench_8e_layout(e, 2048, 1024), micro_batch=1, accum=8, lr=3e-4)
+       for e in (8, 16, 32, 64)},
 }
 
 

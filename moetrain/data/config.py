@@ -22,8 +22,16 @@ class DataConfig(Config):
     """Tokens per training sequence."""
     document_masking: bool = False
     """Attend only within a document (documents are separated by the EOS token)."""
+    synthetic: bool = False
+    """Uniformly random token ids instead of `sources` (for benchmarks: nothing to prepare, no
+    validation set). The losses mean nothing; throughput and memory do."""
 
     def validate(self) -> None:
+        if self.synthetic and self.document_masking:
+            raise ConfigError(
+                "data.document_masking=true needs real documents, but data.synthetic=true draws random "
+                "token ids: turn one of them off."
+            )
         if not self.sources:
             raise ConfigError("data.sources is empty: name at least one prepared data directory.")
         if self.weights is not None:

@@ -259,3 +259,42 @@ def _to_batch(
             )
     tokens_BT1 = torch.from_numpy(windows_BT1)
     return tokens_BT1[:, :-1].contiguous(), tokens_BT1[:, 1:].contiguous()
+
+
+SYNTHETIC_FORMAT = "moetrain-synthetic-v1"
+
+
+class SyntheticLoader:
+    """Uniformly random token ids (`data.synthetic=true`), with `TokenLoader`'s interface.
+
+    Global micro-batch i is drawn from a generator seeded by (seed, i) and each dp rank takes its
+    rows, so the stream does not depend on the layout and resumes exactly.
+    """
+
+    eos_id = None
+
+    def __init__(self, *, seq_len: int, micro_batch_size: int, seed: int, vocab_size: int,
+                 dp_rank: int = 0, dp_size: int = 1):
+        _check_batch(micro_batch_size, dp_rank, dp_size)
+        self.seq_len, self.micro_batch_size, self.seed, self.vocab_size = seq_len, micro_batch_size, seed, vocab_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self._sample_index = 0
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self._sample_index)
+        tokens_BT1 = torch.randint(0, self.vocab_size, (self.micro_batch_size, self.seq_len + 1), generator=g)
+        self._sample_index += self.micro_batch_size
+        rows = self.micro_batch_size // self.dp_size
+        mine = tokens_BT1[self.dp_rank * rows : (self.dp_rank + 1) * rows]
+        return mine[:, :-1].contiguous(), mine[:, 1:].contiguous()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"format": SYNTHETIC_FORMAT, "sample_index": self._sample_index, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict) or state.get("format") != SYNTHETIC_FORMAT or state.get("seed") != self.seed:
+            raise DataError(
+                "This checkpoint's data position is not that of a data.synthetic=true run with the same "
+                "seed: resume it with the data settings it was trained with."
+            )
+        self._sample_index = state["sample_index"]

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from moetrain.data.loader import TokenLoader, resolve_val_path, val_batches
+from moetrain.data.loader import SyntheticLoader, TokenLoader, resolve_val_path, val_batches
 from moetrain.data.tokens import open_source
 from moetrain.errors import ConfigError
 from moetrain.model.counting import count_params, flops_per_token, peak_flops
@@ -96,14 +96,21 @@ class Trainer:
         self.amp_dtype = autocast_dtype(tc.precision, self.device)
         torch.manual_seed(tc.seed)
 
-        train_source = open_source(cfg.data.sources[0])
-        self.eos_id = train_source.eos_id
-        self.tokenizer_file = train_source.tokenizer_path
-        self.loader = TokenLoader(
-            cfg.data, micro_batch_size=tc.micro_batch_size, seed=tc.seed, vocab_size=cfg.model.vocab_size,
-            dp_rank=self.par.dp_rank, dp_size=dims.dp,
-        )
-        self.val_path = resolve_val_path(cfg.data)
+        if cfg.data.synthetic:
+            self.eos_id, self.tokenizer_file, self.val_path = None, None, None
+            self.loader = SyntheticLoader(
+                seq_len=cfg.data.seq_len, micro_batch_size=tc.micro_batch_size, seed=tc.seed,
+                vocab_size=cfg.model.vocab_size, dp_rank=self.par.dp_rank, dp_size=dims.dp,
+            )
+        else:
+            train_source = open_source(cfg.data.sources[0])
+            self.eos_id = train_source.eos_id
+            self.tokenizer_file = train_source.tokenizer_path
+            self.loader = TokenLoader(
+                cfg.data, micro_batch_size=tc.micro_batch_size, seed=tc.seed, vocab_size=cfg.model.vocab_size,
+                dp_rank=self.par.dp_rank, dp_size=dims.dp,
+            )
+            self.val_path = resolve_val_path(cfg.data)
 
         # Build on the meta device, apply the layout, then allocate only what this rank holds.
         model = cfg.model.build(device="meta")

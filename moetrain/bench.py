@@ -1,0 +1,151 @@
+"""`moetrain bench`: how fast a preset trains, how much memory it takes, and whether its step
+waits on the host — one JSON line per configuration (routing mode).
+
+Per configuration: `warmup` training steps (compilation, allocator growth), then `steps` timed
+steps (device synchronized at both ends of the window; tokens/s = tokens per step × steps /
+seconds), then one more step with CUDA's sync debug mode on ("warn"), which counts every
+device-to-host synchronization the step makes. The steps are the trainer's own `train_step`
+(forward and backward of every micro-batch, gradient clipping, AdamW) on random token ids
+(`data.synthetic=true`), so nothing needs preparing. The routing mode is switched in place
+between configurations (the model, its optimizer state and compiled code are kept; a warm-up
+follows each switch).
+
+FLOPs and MFU follow the anchor's formula (moetrain/model/counting.py): 6 × active
+non-embedding parameters + 12 × layers × heads × head_dim × sequence length per token, over the
+device's dense BF16 peak.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moetrain.errors import ConfigError
+from moetrain.model.config import Routing
+from moetrain.model.counting import count_params
+from moetrain.presets import resolve_config
+from moetrain.train.metrics import peak_mem_gib
+
+BENCH_OVERRIDES = [
+    "data.synthetic=true", "train.eval_every=0", "train.save_every=0", "train.save_final=false",
+    "train.plot=false", "train.tensorboard=false",
+]
+
+
+def run_bench(
+    spec: str,
+    overrides: list[str],
+    *,
+    warmup: int = 5,
+    steps: int = 15,
+    routings: list[str] | None = None,
+    sync_check: bool = True,
+    run_dir: str | None = None,
+    progress: bool = True,
+) -> list[dict[str, Any]]:
+    from moetrain.train.trainer import Trainer
+
+    routings = routings or [Routing.learned.value, Routing.random.value]
+    known = [r.value for r in Routing]
+    for r in routings:
+        if r not in known:  # before any work
+            raise ConfigError(f"--routing: unknown routing mode '{r}'; choose from {', '.join(known)}.")
+    run_dir = run_dir or tempfile.mkdtemp(prefix="moetrain-bench-")
+    cfg = resolve_config(spec, overrides + BENCH_OVERRIDES + [f"train.run_dir={run_dir}", f"model.moe.routing={routings[0]}"])
+    trainer = Trainer(cfg, quiet=True)
+    say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress and trainer.par.is_main else (lambda msg: None)
+    records = []
+    for routing in routings:
+        trainer.cfg.model.moe.routing = Routing(routing)  # every router reads this config object
+        say(f"bench {spec} ({routing} routing): {warmup} warm-up steps")
+        for _ in range(warmup):
+            trainer.train_step()
+        _synchronize(trainer.device)
+        if trainer.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(trainer.device)
+        say(f"bench {spec} ({routing} routing): {steps} timed steps")
+        start = time.perf_counter()
+        for _ in range(steps):
+            out = trainer.train_step()
+        _synchronize(trainer.device)
+        elapsed = time.perf_counter() - start
+        syncs = _count_host_syncs(trainer) if sync_check and trainer.device.type == "cuda" else None
+        records.append(_record(trainer, spec, routing, steps, elapsed, out.lm_loss, syncs))
+    return records
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _count_host_syncs(trainer) -> int:
+    """Run one training step with CUDA's sync debug mode on "warn" and count its warnings
+    (every stream/device synchronization, `.item()`, blocking device-to-host copy)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            trainer.train_step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def _record(trainer, spec: str, routing: str, steps: int, elapsed: float, lm_loss: torch.Tensor,
+            syncs: int | None) -> dict[str, Any]:
+    cfg, world = trainer.cfg, trainer.par.dims.world_size
+    m, tc = cfg.model, cfg.train
+    tokens_per_sec = trainer.tokens_per_step * steps / elapsed
+    per_device = tokens_per_sec / world
+    tflops = trainer.flops_per_token * per_device / 1e12
+    counts = count_params(m)
+    return {
+        "preset": spec,
+        "routing": routing,
+        "tokens_per_sec": tokens_per_sec,
+        "tokens_per_sec_per_device": per_device,
+        "tflops_per_device": tflops,
+        "mfu": tflops * 1e12 / trainer.peak_flops if trainer.peak_flops else None,
+        "peak_mem_gib": peak_mem_gib(trainer.device),
+        "sync_free": None if syncs is None else syncs == 0,
+        "host_syncs_per_step": syncs,
+        "step_time_s": elapsed / steps,
+        "timed_steps": steps,
+        "loss": lm_loss.item(),
+        "shape": {
+            "d_model": m.d_model, "n_layers": m.n_layers, "num_dense_layers": m.num_dense_layers,
+            "n_heads": m.n_heads, "n_kv_heads": m.n_kv_heads, "head_dim": m.resolved_head_dim,
+            "num_experts": m.moe.num_experts, "top_k": m.moe.top_k, "expert_hidden": m.moe.expert_hidden,
+            "shared_hidden": m.moe.shared_hidden, "dense_hidden": m.resolved_dense_hidden,
+            "vocab_size": m.vocab_size, "peri_norm": m.peri_norm,
+            "total_params": counts.total, "active_params": counts.active,
+        },
+        "batch": {
+            "seq_len": cfg.data.seq_len, "micro_batch_size": tc.micro_batch_size,
+            "grad_accum_steps": tc.grad_accum_steps, "tokens_per_step": trainer.tokens_per_step,
+        },
+        "precision": _precision(trainer),
+        "flops_per_token": trainer.flops_per_token,
+        "compile": tc.compile,
+        "recompute": str(tc.recompute),
+        "layout": {"world": world, "dp": trainer.par.dims.dp, "ep": trainer.par.dims.ep,
+                   "pp": trainer.par.dims.pp, "stack": str(cfg.parallel.stack)},
+        "device": torch.cuda.get_device_name(trainer.device) if trainer.device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+    }
+
+
+def _precision(trainer) -> str:
+    if trainer.amp_dtype is None:
+        return "fp32"
+    return f"{str(trainer.amp_dtype).removeprefix('torch.')} autocast, fp32 master weights, gradients and AdamW state"
+
