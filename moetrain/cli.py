@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -41,6 +42,10 @@ TRAIN_FLAGS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Expandable segments: the CUDA caching allocator grows segments instead of keeping many
+    # fixed-size ones, so varying expert-batch shapes fragment less (read at the first CUDA
+    # allocation; a user's own setting wins).
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     if debug:
