@@ -78,3 +78,26 @@ def test_train_eval_generate_end_to_end(real_text_dir, tmp_path):
     resumed = run("train", "tiny", "--steps", "6", "--run-dir", str(run_dir), "--resume", "--eval-every", "2", *common)
     assert json.loads(resumed.stdout.strip().splitlines()[-1])["steps"] == 6
     assert "resumed from" in resumed.stderr
+
+
+def test_bench_prints_one_json_line_per_routing_mode(capsys, tmp_path):
+    """On CPU (no sync check there): the contract keys, the shape and batch it ran."""
+    assert main(["bench", "tiny", "--device", "cpu", "--warmup", "1", "--steps", "1", "--run-dir", str(tmp_path),
+                 "--model.d_model=64", "--model.vocab_size=512", "--data.seq_len=32"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["routing"] for r in records] == ["learned", "random"]
+    for r in records:
+        for key in ("tokens_per_sec_per_device", "tflops_per_device", "mfu", "peak_mem_gib", "sync_free",
+                    "shape", "batch", "precision"):
+            assert key in r, key
+        assert r["tokens_per_sec_per_device"] > 0 and r["tflops_per_device"] > 0
+        assert r["mfu"] is None and r["sync_free"] is None  # CPU: no peak FLOPs, no CUDA syncs
+        assert r["shape"]["d_model"] == 64 and r["shape"]["num_experts"] == 8
+        assert r["batch"] == {"seq_len": 32, "micro_batch_size": 24, "grad_accum_steps": 1, "tokens_per_step": 768}
+        assert r["precision"] == "fp32"
+
+
+def test_bench_rejects_an_unknown_routing_mode(capsys):
+    assert main(["bench", "tiny", "--routing", "learned,roundrobin"]) == 2
+    err = capsys.readouterr().err
+    assert "roundrobin" in err and "learned, random" in err and "Traceback" not in err
