@@ -6,7 +6,9 @@ steps (device synchronized at both ends of the window; tokens/s = tokens per ste
 seconds), then one more step with CUDA's sync debug mode on ("warn"), which counts every
 device-to-host synchronization the step makes. The steps are the trainer's own `train_step`
 (forward and backward of every micro-batch, gradient clipping, AdamW) on random token ids
-(`data.synthetic=true`), so nothing needs preparing. The routing mode is switched in place
+(`data.synthetic=true`), so nothing needs preparing. With `--train.profile=true`,
+`train.profile_steps` more steps per configuration are recorded by torch.profiler (and a CUDA
+memory snapshot) into RUN_DIR/profile-ROUTING, named in the JSON line as `profile_dir`. The routing mode is switched in place
 between configurations (the model, its optimizer state and compiled code are kept; a warm-up
 follows each switch).
 
@@ -76,7 +78,17 @@ def run_bench(
         _synchronize(trainer.device)
         elapsed = time.perf_counter() - start
         syncs = _count_host_syncs(trainer) if sync_check and trainer.device.type == "cuda" else None
-        records.append(_record(trainer, spec, routing, steps, elapsed, out.lm_loss, syncs))
+        record = _record(trainer, spec, routing, steps, elapsed, out.lm_loss, syncs)
+        if cfg.train.profile:  # after the timed window: the profiler's overhead stays out of it
+            profile_dir = trainer.run_dir / f"profile-{routing}"
+            say(f"bench {spec} ({routing} routing): {cfg.train.profile_steps} profiled steps -> {profile_dir}")
+            profiler = trainer.profiler(profile_dir, wait=0)
+            for _ in range(cfg.train.profile_steps):
+                trainer.train_step()
+                profiler.step()
+            profiler.close()
+            record["profile_dir"] = str(profile_dir)
+        records.append(record)
     return records
 
 

@@ -108,6 +108,13 @@ class TrainerConfig(Config):
     """Also write TensorBoard events to RUN_DIR/tb (when the tensorboard package is installed)."""
     plot: bool = True
     """Write RUN_DIR/loss.png at the end (when matplotlib is installed)."""
+    profile: bool = False
+    """Record a window of steps with torch.profiler (and, on CUDA, a memory snapshot) into
+    RUN_DIR/profile (moetrain/train/profiling.py)."""
+    profile_wait: int = 5
+    """Steps before the profiled window (compilation and warm-up stay outside it)."""
+    profile_steps: int = 3
+    """Steps in the profiled window."""
 
     @property
     def grad_accum_steps(self) -> int:
@@ -117,9 +124,11 @@ class TrainerConfig(Config):
         for name in ("steps", "global_batch_size", "micro_batch_size", "log_every", "eval_batches"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"train.{name}={getattr(self, name)} must be a positive integer.")
-        for name in ("eval_every", "save_every", "keep_last"):
+        for name in ("eval_every", "save_every", "keep_last", "profile_wait"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name}={getattr(self, name)} must be ≥ 0.")
+        if self.profile_steps <= 0:
+            raise ConfigError(f"train.profile_steps={self.profile_steps} must be a positive integer.")
         if self.global_batch_size % self.micro_batch_size:
             raise ConfigError(
                 f"train.global_batch_size={self.global_batch_size} is not a multiple of "

@@ -38,6 +38,7 @@ from moetrain.train import checkpoint as ckpt
 from moetrain.train.config import Precision, RunConfig
 from moetrain.train.metrics import MetricsWriter, peak_mem_gib, read_metrics, routing_metrics
 from moetrain.train.optim import FSDPAdamW, ReplicatedAdamW, lr_at
+from moetrain.train.profiling import StepProfiler
 
 
 def resolve_device(name: str) -> torch.device:
@@ -255,11 +256,14 @@ class Trainer:
         if "initial_val_loss" not in summary and tc.eval_every > 0:
             summary["initial_val_loss"] = self.evaluate()
         progress = _Progress(start=self.step, total=tc.steps, quiet=self.quiet)
+        profiler = self.profiler(self.run_dir / "profile") if tc.profile else None
         window_start, window_steps = time.perf_counter(), 0
         last_val = None
         try:
             while self.step < tc.steps:
                 out = self.train_step()
+                if profiler is not None:
+                    profiler.step()
                 window_steps += 1
                 is_last = self.step == tc.steps
                 do_eval = tc.eval_every > 0 and (self.step % tc.eval_every == 0 or is_last)
@@ -280,6 +284,8 @@ class Trainer:
                 if (tc.save_every > 0 and self.step % tc.save_every == 0) or (is_last and tc.save_final):
                     self.save()
         finally:
+            if profiler is not None:
+                profiler.close()
             progress.close()
             if writer is not None:
                 writer.close()
@@ -291,6 +297,15 @@ class Trainer:
 
             summary["plot"] = str(plot_run(self.run_dir))
         return summary
+
+    def profiler(self, out_dir: Path, wait: int | None = None) -> StepProfiler:
+        """A profiler over `train.profile_steps` steps after `wait` (default train.profile_wait);
+        with several ranks each writes its own rank-R subdirectory."""
+        tc = self.cfg.train
+        if self.par.dims.world_size > 1:
+            out_dir = out_dir / f"rank{self.par.rank}"
+        return StepProfiler(out_dir, tc.profile_wait if wait is None else wait, tc.profile_steps, self.device,
+                            quiet=self.quiet)
 
     def _record(self, out: StepOutput, steps: int, elapsed: float) -> dict[str, Any]:
         tokens_per_sec = self.tokens_per_step * steps / max(elapsed, 1e-9)

@@ -151,3 +151,16 @@ def test_fresh_run_in_a_used_run_dir(tiny_cfg, tmp_path):
     t.fit()
     with pytest.raises(ConfigError, match="--resume"):
         Trainer(tiny_cfg(tmp_path / "run2", "train.steps=1"), quiet=True)
+
+
+def test_profile_switch_records_a_window_of_steps(tiny_cfg, tmp_path):
+    """train.profile=true: steps 3-4 (after 2) are traced; the op table names real kernels."""
+    cfg = tiny_cfg(tmp_path / "run", "train.steps=5", "train.profile=true", "train.profile_wait=2",
+                   "train.profile_steps=2", "train.eval_every=0")
+    Trainer(cfg, quiet=True).fit()
+    out = tmp_path / "run" / "profile"
+    trace = json.loads((out / "trace.json").read_text())
+    steps = {e["name"] for e in trace["traceEvents"] if e.get("name", "").startswith("ProfilerStep")}
+    assert steps == {"ProfilerStep#2", "ProfilerStep#3"}, steps  # the profiler counts from 0
+    table = (out / "ops.txt").read_text()
+    assert "aten::mm" in table and "2 training steps after 2" in table
