@@ -6,7 +6,7 @@
     1. expert parallel: each MoE layer keeps its rank's experts and gets an all-to-all dispatcher
        (`parallel.dispatcher`: nosync, fixed buffers, or alltoall, exact splits)
        (or, with ep = 1 and dp > 1, a dispatcher that only sums routing counts over dp)
-    2. activation recompute (per block)
+    2. activation recompute (per block, every `train.recompute_every`-th; full or selective)
     3. torch.compile (per block)
     4. data parallel:
        - `parallel.stack=ddp`: after `to_empty()` + `init_weights()`, the trainer attaches a
@@ -20,8 +20,11 @@ do not change, so checkpoints are interchangeable between wrapped and unwrapped 
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.dims import ParallelConfig, ParallelState, Stack
@@ -35,8 +38,8 @@ def parallelize(model: Transformer, state: ParallelState, cfg: TrainerConfig, pa
     if state.dims.num_stages > 1:
         split_model(model, state.dims, state.pp_rank)
     apply_expert_parallel(model, state, parallel)
-    if cfg.recompute == Recompute.full:
-        apply_recompute(model)
+    if cfg.recompute != Recompute.none:
+        apply_recompute(model, selective=cfg.recompute == Recompute.selective, every=cfg.recompute_every)
     if cfg.compile:
         apply_compile(model)
     if parallel.stack == Stack.fsdp:
@@ -44,11 +47,41 @@ def parallelize(model: Transformer, state: ParallelState, cfg: TrainerConfig, pa
     return model
 
 
-def apply_recompute(model: Transformer) -> None:
-    """Keep only each block's input during forward; recompute the block in backward. Non-reentrant
-    checkpointing restores the RNG state, so random routing picks the same experts twice."""
+def apply_recompute(model: Transformer, selective: bool = False, every: int = 1) -> None:
+    """Full: keep only each block's input during forward; recompute the block in backward.
+    Selective: also keep the outputs of the ops in `SAVED_OPS` (matrix products, attention,
+    collectives), so backward recomputes only the cheap element-wise ops between them.
+    Non-reentrant checkpointing restores the RNG state, so random routing picks the same experts
+    twice. Blocks are named by layer index: with `every` = N only blocks 0, N, 2N, … recompute."""
+    kwargs = {"context_fn": partial(create_selective_checkpoint_contexts, _save_matmuls_and_comms)} if selective else {}
     for name, block in list(model.blocks.items()):
-        model.blocks[name] = checkpoint_wrapper(block, preserve_rng_state=True)
+        if int(name) % every == 0:
+            model.blocks[name] = checkpoint_wrapper(block, preserve_rng_state=True, **kwargs)
+
+
+def _saved_ops() -> set:
+    aten, ops = torch.ops.aten, set()
+    names = [
+        "mm", "addmm", "bmm", "_grouped_mm", "_scaled_mm", "_scaled_grouped_mm",
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    ]
+    for name in names:
+        if hasattr(aten, name):  # some exist only in newer torch versions
+            ops.add(getattr(aten, name).default)
+    c10d = torch.ops._c10d_functional
+    for name in ("all_to_all_single", "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "wait_tensor"):
+        ops.add(getattr(c10d, name).default)
+    return ops
+
+
+SAVED_OPS = _saved_ops()
+"""Ops whose outputs selective recompute keeps: recomputing them would redo the FLOPs that
+dominate a step (or repeat a collective)."""
+
+
+def _save_matmuls_and_comms(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def apply_compile(model: Transformer) -> None:

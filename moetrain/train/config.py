@@ -35,6 +35,10 @@ class Recompute(enum.StrEnum):
     full = "full"
     """Per-layer activation recompute: keep only each block's input, recompute the block
     during backward."""
+    selective = "selective"
+    """Keep what is expensive to recompute — the outputs of matrix products (linear layers,
+    grouped expert GEMMs, attention) and of communication — and recompute the cheap element-wise
+    work (norms, RoPE, the SwiGLU activation, routing scores, permutations) during backward."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -102,6 +106,9 @@ class TrainerConfig(Config):
     keep_last: int = 3
     """Checkpoints to keep; older ones are deleted. 0 keeps all."""
     recompute: Recompute = Recompute.none
+    recompute_every: int = 1
+    """With recompute: only every Nth block (blocks 0, N, 2N, …) recomputes; the others keep
+    their activations (less recompute, more memory)."""
     compile: bool = False
     """torch.compile each block."""
     tensorboard: bool = True
@@ -121,7 +128,7 @@ class TrainerConfig(Config):
         return self.global_batch_size // self.micro_batch_size
 
     def validate(self) -> None:
-        for name in ("steps", "global_batch_size", "micro_batch_size", "log_every", "eval_batches"):
+        for name in ("steps", "global_batch_size", "micro_batch_size", "log_every", "eval_batches", "recompute_every"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"train.{name}={getattr(self, name)} must be a positive integer.")
         for name in ("eval_every", "save_every", "keep_last", "profile_wait"):

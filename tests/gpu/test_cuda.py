@@ -52,8 +52,8 @@ def test_tiny_trains_on_cuda(real_text_dir, tmp_path):
     assert records[-1]["mfu"] is not None and records[-1]["peak_mem_gib"] > 0
 
 
-@pytest.mark.parametrize("compile", [False, True])
-def test_training_step_is_sync_free(tmp_path, compile):
+@pytest.mark.parametrize("compile, recompute", [(False, "none"), (True, "none"), (True, "selective")])
+def test_training_step_is_sync_free(tmp_path, compile, recompute):
     """A whole training step (forward and backward of two micro-batches, clipping, AdamW, the
     aux-free bias update) makes no device-to-host synchronization: CUDA's sync debug mode in
     "error" raises on any (logging reads values only every train.log_every steps, outside)."""
@@ -62,7 +62,7 @@ def test_training_step_is_sync_free(tmp_path, compile):
 
     cfg = resolve_config("tiny", [
         "data.synthetic=true", f"train.run_dir={tmp_path}", "train.device=cuda", "train.micro_batch_size=12",
-        "model.moe.bias_update_rate=0.001", f"train.compile={str(compile).lower()}",
+        "model.moe.bias_update_rate=0.001", f"train.compile={str(compile).lower()}", f"train.recompute={recompute}",
         "train.tensorboard=false", "train.plot=false",
     ])
     trainer = Trainer(cfg, quiet=True)
@@ -89,3 +89,19 @@ def test_bench_reports_a_sync_free_step(capsys):
     for r in records:
         assert r["sync_free"] is True and r["host_syncs_per_step"] == 0, r
         assert r["tokens_per_sec_per_device"] > 0 and r["mfu"] > 0 and r["peak_mem_gib"] > 0
+
+
+def test_bench_profile_writes_a_trace_and_a_memory_snapshot(tmp_path, capsys):
+    import json
+    import pickle
+
+    from moetrain.cli import main
+
+    assert main(["bench", "tiny", "--device", "cuda", "--warmup", "1", "--steps", "1", "--routing", "learned",
+                 "--run-dir", str(tmp_path), "--train.profile=true", "--train.profile_steps=2"]) == 0
+    record = json.loads(capsys.readouterr().out.splitlines()[0])
+    out = tmp_path / "profile-learned"
+    assert record["profile_dir"] == str(out)
+    assert "grouped_mm" in (out / "ops.txt").read_text()
+    snapshot = pickle.loads((out / "memory_snapshot.pickle").read_bytes())
+    assert snapshot["segments"] and snapshot["device_traces"][0]

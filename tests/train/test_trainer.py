@@ -91,12 +91,28 @@ def test_checkpoint_from_another_shape_is_a_clear_error(tiny_cfg, tmp_path):
     assert "Traceback" not in str(e.value) and "mismatch" in str(e.value)
 
 
-def test_recompute_matches_plain_training_exactly(tiny_cfg, tmp_path):
-    plain = Trainer(tiny_cfg(tmp_path / "a", "train.steps=3"), quiet=True)
-    recomputed = Trainer(tiny_cfg(tmp_path / "b", "train.steps=3", "train.recompute=full"), quiet=True)
-    for _ in range(3):
-        x, y = plain.train_step(), recomputed.train_step()
+@pytest.mark.parametrize("mode", [
+    ["train.recompute=full"], ["train.recompute=selective"], ["train.recompute=full", "train.recompute_every=2"],
+    ["train.recompute=selective", "model.moe.routing=random"], ["train.recompute=full", "model.moe.routing=random"],
+])
+def test_recompute_matches_plain_training_exactly(tiny_cfg, tmp_path, mode):
+    """Full, selective and every-other-block recompute give the same losses, routing and
+    gradients as keeping every activation (random routing too: the RNG state is restored)."""
+    extra = [m for m in mode if m.startswith("model.")]
+    plain = Trainer(tiny_cfg(tmp_path / "a", "train.steps=3", *extra), quiet=True)
+    recomputed = Trainer(tiny_cfg(tmp_path / "b", "train.steps=3", *mode), quiet=True)
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    wrapped = [isinstance(b, CheckpointWrapper) for b in recomputed.model.blocks.values()]
+    assert wrapped == ([True, False, True] if "train.recompute_every=2" in mode else [True] * 3)
+    # One run after the other from the same RNG state (random routing draws from the global RNG).
+    torch.manual_seed(1)
+    want = [plain.train_step() for _ in range(3)]
+    torch.manual_seed(1)
+    got = [recomputed.train_step() for _ in range(3)]
+    for x, y in zip(want, got):
         assert torch.equal(x.lm_loss, y.lm_loss)
+        assert torch.equal(x.grad_norm, y.grad_norm)
         assert torch.equal(x.routing[0]["tokens_per_expert"], y.routing[0]["tokens_per_expert"])
 
 
