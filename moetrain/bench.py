@@ -158,7 +158,9 @@ def _record(trainer, spec: str, routing: str, steps: int, elapsed: float, lm_los
 
 
 def _precision(trainer) -> str:
-    if trainer.amp_dtype is None:
-        return "fp32"
-    return f"{str(trainer.amp_dtype).removeprefix('torch.')} autocast, fp32 master weights, gradients and AdamW state"
+    base = "fp32" if trainer.amp_dtype is None else (
+        f"{str(trainer.amp_dtype).removeprefix('torch.')} autocast, fp32 master weights, gradients and AdamW state")
+    if trainer.cfg.train.fp8 != "none":
+        base += f"; {trainer.cfg.train.fp8} fp8 (e4m3) expert and block-linear GEMMs"
+    return base
 

@@ -30,6 +30,14 @@ class Precision(enum.StrEnum):
     """bf16 autocast for matmuls; parameters, gradients and AdamW state stay fp32."""
 
 
+class Fp8(enum.StrEnum):
+    none = "none"
+    rowwise = "rowwise"
+    """Expert grouped GEMMs and the attention / shared-expert / dense-MLP linears in float8_e4m3
+    with one power-of-two scale per row (moetrain/model/fp8.py); the router, embedding and LM
+    head stay in bf16. Needs a GPU of compute capability ≥ 8.9 (Hopper: H100, H200), or CPU."""
+
+
 class Recompute(enum.StrEnum):
     none = "none"
     full = "full"
@@ -105,6 +113,8 @@ class TrainerConfig(Config):
     """Checkpoint after the last step (turn off for benchmark runs)."""
     keep_last: int = 3
     """Checkpoints to keep; older ones are deleted. 0 keeps all."""
+    fp8: Fp8 = Fp8.none
+    """FP8 matrix products (see Fp8)."""
     recompute: Recompute = Recompute.none
     recompute_every: int = 1
     """With recompute: only every Nth block (blocks 0, N, 2N, …) recomputes; the others keep

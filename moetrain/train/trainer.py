@@ -95,6 +95,12 @@ class Trainer:
         if self.par.is_main:
             _ensure_writable(self.run_dir)
         self.amp_dtype = autocast_dtype(tc.precision, self.device)
+        if tc.fp8 != "none" and self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
+            raise ConfigError(
+                f"train.fp8={tc.fp8} needs FP8 tensor cores (compute capability ≥ 8.9: Ada, Hopper or newer); "
+                f"{torch.cuda.get_device_name(self.device)} has {torch.cuda.get_device_capability(self.device)}. "
+                "Use train.fp8=none."
+            )
         torch.manual_seed(tc.seed)
 
         if cfg.data.synthetic:

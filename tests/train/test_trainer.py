@@ -180,3 +180,35 @@ def test_profile_switch_records_a_window_of_steps(tiny_cfg, tmp_path):
     assert steps == {"ProfilerStep#2", "ProfilerStep#3"}, steps  # the profiler counts from 0
     table = (out / "ops.txt").read_text()
     assert "aten::mm" in table and "2 training steps after 2" in table
+
+
+def test_fp8_rowwise_trains_close_to_full_precision(tiny_cfg, tmp_path):
+    """train.fp8=rowwise on CPU (native FP8 linears, emulated FP8 grouped GEMMs): the same
+    parameters (names, initial values), losses within FP8's error of the fp32 run, and its
+    checkpoint loads into a model without FP8."""
+    from moetrain.model.fp8 import Fp8Linear
+
+    dims = ["model.d_model=64", "model.moe.expert_hidden=32"]
+    plain = Trainer(tiny_cfg(tmp_path / "a", "train.steps=4", *dims), quiet=True)
+    fp8 = Trainer(tiny_cfg(tmp_path / "b", "train.steps=4", "train.fp8=rowwise", "train.save_every=4", *dims), quiet=True)
+    linears = [m for m in fp8.model.modules() if isinstance(m, Fp8Linear)]
+    assert len(linears) == 3 * 4 + 3  # 3 blocks × (q, k, v, o) + the dense block's MLP
+    assert fp8.model.lm_head.__class__ is torch.nn.Linear
+    assert all(m.fp8 for m in fp8.model.modules() if hasattr(m, "w_down_EDF"))
+    for (n, p), (m, q) in zip(plain.model.named_parameters(), fp8.model.named_parameters()):
+        assert n == m and torch.equal(p, q)
+    fp8.fit()
+    plain.fit()
+    a = read_metrics(tmp_path / "a" / "metrics.jsonl")
+    b = read_metrics(tmp_path / "b" / "metrics.jsonl")
+    for x, y in zip(a, b):
+        assert y["lm_loss"] == pytest.approx(x["lm_loss"], rel=0.01), (x["step"], x["lm_loss"], y["lm_loss"])
+    assert b[-1]["lm_loss"] < b[0]["lm_loss"]
+    resumed = Trainer(tiny_cfg(tmp_path / "b", "train.steps=5", *dims), resume=True, quiet=True)
+    assert resumed.step == 4
+
+
+def test_fp8_refuses_dims_the_kernels_cannot_take(tiny_cfg, tmp_path):
+    with pytest.raises(ConfigError) as e:
+        Trainer(tiny_cfg(tmp_path / "run", "train.fp8=rowwise", "model.moe.expert_hidden=40"), quiet=True)
+    assert "divisible by 16" in str(e.value) and "40" in str(e.value)

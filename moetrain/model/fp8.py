@@ -1,0 +1,165 @@
+"""FP8 matrix products for training, and MXFP8 quantization.
+
+Legend: M rows (tokens, or expert assignments sorted by expert), K the reduction dim, N output
+features, E experts.
+
+**Row-wise recipe** (`train.fp8=rowwise`; Hopper's scaled FP8 GEMMs). Each operand of a GEMM is
+cast to float8_e4m3fn with one fp32 scale per row *along the reduction dim*:
+
+    scale = 2^ceil(log2(amax / 448)),   q = round_e4m3(x / scale),   x ≈ q · scale
+
+(the power of two makes the scaling exact and keeps |x / scale| ≤ 448, e4m3's largest finite
+value: nothing saturates). The products accumulate in fp32 inside the kernel and come out in
+bf16. Forward y = x·Wᵀ scales x per token and W per output feature; the input gradient
+dx = dy·W scales dy per token and W per input feature; the weight gradient dW = dyᵀ·x scales
+both per feature over the tokens (linear layers). For the grouped expert GEMMs the weight
+gradient stays a bf16 grouped GEMM: its reduction runs over each expert's variable-length token
+block, and row padding left by the sync-free dispatcher (uninitialized rows past the last
+offset) must not enter any scale — scales along the token dim would mix them in.
+Per-row scales confine such rows to themselves everywhere else.
+
+On CUDA the products are `torch._scaled_mm` / `torch._scaled_grouped_mm`; on CPU `_scaled_mm`
+runs natively and the grouped product is emulated exactly (dequantize, fp32 grouped GEMM), so
+the recipe's numerics are testable without a GPU.
+
+**MXFP8** (the OCP microscaling format Blackwell's tensor cores take): blocks of 32 consecutive
+elements along the reduction dim share one power-of-two scale stored as float8_e8m0fnu, chosen
+like the row-wise one (2^ceil(log2(amax / 448)), so no element saturates). `quantize_mxfp8` is
+the quantizer; its numerics are tested against an independent float64 reference.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = torch.finfo(E4M3).max  # 448
+MX_BLOCK = 32
+
+
+def _pow2_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The smallest power of two s with amax / s ≤ 448 (fp32); 1 for all-zero slices."""
+    amax = amax.float()
+    scale = torch.exp2(torch.ceil(torch.log2(amax / E4M3_MAX)))
+    return torch.where(amax > 0, scale, torch.ones_like(scale))
+
+
+def quantize_rowwise(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale): q = e4m3(x / scale) with one fp32 scale per slice along `dim` (kept as a
+    size-1 dim), x ≈ q.float() · scale."""
+    scale = _pow2_scale(x.abs().amax(dim=dim, keepdim=True))
+    q = (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return q, scale
+
+
+def quantize_mxfp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP8 along the last dim (a multiple of 32): (q e4m3 of x's shape, scales e8m0 of shape
+    (…, K / 32)); x ≈ q.float() · scale repeated over each block."""
+    if x.shape[-1] % MX_BLOCK:
+        raise ValueError(f"MXFP8 needs the last dim to be a multiple of {MX_BLOCK}, got {x.shape[-1]}")
+    blocks = x.float().unflatten(-1, (-1, MX_BLOCK))
+    scale = _pow2_scale(blocks.abs().amax(dim=-1, keepdim=True))
+    q = (blocks / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).flatten(-2)
+    return q, scale.squeeze(-1).to(torch.float8_e8m0fnu)
+
+
+def dequantize_mxfp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (q.float().unflatten(-1, (-1, MX_BLOCK)) * scale.float().unsqueeze(-1)).flatten(-2)
+
+
+def _column_major(t: torch.Tensor) -> torch.Tensor:
+    """The same values with the last two dims stored column-major (what the FP8 kernels want
+    for their second operand)."""
+    return t.transpose(-2, -1).contiguous().transpose(-2, -1)
+
+
+def _scaled_mm(a_MK, b_KN, scale_M1, scale_1N) -> torch.Tensor:
+    return torch._scaled_mm(a_MK, b_KN, scale_M1, scale_1N, out_dtype=torch.bfloat16)
+
+
+def _scaled_grouped_mm(a_MK, b_EKN, scale_M, scale_EN, offsets_E) -> torch.Tensor:
+    """Row block e of a (rows offsets[e-1]..offsets[e]) times b[e], with row-wise scales; bf16."""
+    if a_MK.is_cuda:
+        return torch._scaled_grouped_mm(a_MK, b_EKN, scale_M, scale_EN, offs=offsets_E, out_dtype=torch.bfloat16)
+    return _emulated_scaled_grouped_mm(a_MK, b_EKN, scale_M, scale_EN, offsets_E)
+
+
+@torch.compiler.disable
+def _emulated_scaled_grouped_mm(a_MK, b_EKN, scale_M, scale_EN, offsets_E) -> torch.Tensor:
+    """CPU: the same products from the dequantized operands (exact in fp32), rounded to bf16."""
+    a = a_MK.float() * scale_M.unsqueeze(-1)
+    b = b_EKN.float() * scale_EN.unsqueeze(-2)
+    return torch._grouped_mm(a, b, offs=offsets_E).to(torch.bfloat16)
+
+
+@torch.compiler.disable
+def _cpu_grouped_mm(a, b, offsets_E) -> torch.Tensor:
+    return torch._grouped_mm(a, b, offs=offsets_E)
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """y (M, N) = x (M, K) · w (N, K)ᵀ with all three GEMMs in row-wise FP8."""
+
+    @staticmethod
+    def forward(ctx, x_MK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
+        xq, xs = quantize_rowwise(x_MK, -1)
+        wq, ws = quantize_rowwise(w_NK, -1)
+        ctx.save_for_backward(x_MK, w_NK)
+        return _scaled_mm(xq, wq.t(), xs, ws.t())
+
+    @staticmethod
+    def backward(ctx, dy_MN: torch.Tensor):
+        x_MK, w_NK = ctx.saved_tensors
+        dy_MN = dy_MN.contiguous()
+        dyq, dys = quantize_rowwise(dy_MN, -1)  # per token, over N
+        wq, ws = quantize_rowwise(w_NK, 0)  # per input feature, over N
+        dx = _scaled_mm(dyq, _column_major(wq), dys, ws)
+        dytq, dyts = quantize_rowwise(dy_MN.t(), -1)  # per output feature, over tokens
+        xq, xs = quantize_rowwise(x_MK, 0)  # per input feature, over tokens
+        dw = _scaled_mm(dytq.contiguous(), _column_major(xq), dyts, xs)
+        return dx.to(x_MK.dtype), dw.to(w_NK.dtype)
+
+
+class _Fp8GroupedMM(torch.autograd.Function):
+    """y (M, N): row block e of x (M, K) times w[e] (N, K)ᵀ; forward and input gradient in
+    row-wise FP8, weight gradient a bf16 grouped GEMM (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x_MK: torch.Tensor, w_ENK: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+        xq, xs = quantize_rowwise(x_MK, -1)
+        wq, ws = quantize_rowwise(w_ENK, -1)
+        ctx.save_for_backward(x_MK, w_ENK, offsets_E)
+        return _scaled_grouped_mm(xq, wq.transpose(-2, -1), xs.squeeze(-1), ws.squeeze(-1), offsets_E)
+
+    @staticmethod
+    def backward(ctx, dy_MN: torch.Tensor):
+        x_MK, w_ENK, offsets_E = ctx.saved_tensors
+        dy_MN = dy_MN.contiguous()
+        dyq, dys = quantize_rowwise(dy_MN, -1)
+        wq, ws = quantize_rowwise(w_ENK, -2)  # per expert and input feature, over N
+        dx = _scaled_grouped_mm(dyq, _column_major(wq), dys.squeeze(-1), ws.squeeze(-2), offsets_E)
+        if dy_MN.is_cuda:
+            dw = torch._grouped_mm(dy_MN.t().to(torch.bfloat16), x_MK.to(torch.bfloat16), offs=offsets_E)
+        else:
+            dw = _cpu_grouped_mm(dy_MN.t().float(), x_MK.float(), offsets_E)
+        return dx.to(x_MK.dtype), dw.to(w_ENK.dtype), None
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x (…, K) · weight (N, K)ᵀ in row-wise FP8; bf16 out."""
+    return _Fp8Linear.apply(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
+
+
+def fp8_grouped_mm(x_MK: torch.Tensor, w_ENK: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    return _Fp8GroupedMM.apply(x_MK, w_ENK, offsets_E)
+
+
+class Fp8Linear(nn.Linear):
+    """nn.Linear (no bias) whose products run in row-wise FP8. The parameter is the same
+    fp32 `weight`: checkpoints and optimizers do not see a difference."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight)
+
+
