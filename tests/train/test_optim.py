@@ -33,3 +33,35 @@ def test_schedules_warm_up_and_end_where_configured(kind):
         assert all(a >= b - 1e-12 for a, b in zip(lrs[10:], lrs[11:]))
     if kind == "wsd":
         assert lrs[79] == 1.0 and lrs[80] < 1.0
+
+
+def test_clipping_folded_into_the_fused_adamw_kernel_matches_scaling_the_gradients():
+    """With fused AdamW (CUDA's default) the clip factor goes to the kernel as its gradient
+    divisor instead of a separate pass over the gradients: the same update."""
+    import copy
+
+    from moetrain.parallel.dims import ParallelDims, ParallelState
+    from moetrain.train.config import OptimConfig
+    from moetrain.train.optim import ReplicatedAdamW, param_groups
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8))
+    state = ParallelState(ParallelDims(world_size=1, dp=1, ep=1))
+    results = []
+    for fused in (False, True):
+        m = copy.deepcopy(model)
+        cfg = OptimConfig(lr=1e-2)
+        opt = ReplicatedAdamW(m, state, cfg)
+        if fused:  # what build_optimizer picks on CUDA
+            opt.adamw = torch.optim.AdamW(param_groups(m, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas),
+                                          eps=cfg.eps, fused=True)
+            opt.fused = True
+        for step in range(3):
+            m(torch.randn(4, 16, generator=torch.Generator().manual_seed(step))).square().sum().backward()
+            norm = opt.clip_grad_norm(0.1)  # far below the gradient norm: clipping is active
+            assert norm > 1.0
+            opt.step()
+            opt.zero_grad()
+        results.append([p.detach().clone() for p in m.parameters()])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
