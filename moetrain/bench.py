@@ -8,7 +8,9 @@ device-to-host synchronization the step makes. The steps are the trainer's own `
 (forward and backward of every micro-batch, gradient clipping, AdamW) on random token ids
 (`data.synthetic=true`), so nothing needs preparing. With `--train.profile=true`,
 `train.profile_steps` more steps per configuration are recorded by torch.profiler (and a CUDA
-memory snapshot) into RUN_DIR/profile-ROUTING, named in the JSON line as `profile_dir`. The routing mode is switched in place
+memory snapshot) into RUN_DIR/profile-ROUTING, named in the JSON line as `profile_dir`.
+`--forward-backward-only` times the micro-batches' forward and backward passes without clipping
+and the optimizer step (the JSON line's `timed` says which). The routing mode is switched in place
 between configurations (the model, its optimizer state and compiled code are kept; a warm-up
 follows each switch).
 
@@ -50,6 +52,7 @@ def run_bench(
     sync_check: bool = True,
     run_dir: str | None = None,
     progress: bool = True,
+    forward_backward_only: bool = False,
 ) -> list[dict[str, Any]]:
     from moetrain.train.trainer import Trainer
 
@@ -62,23 +65,25 @@ def run_bench(
     cfg = resolve_config(spec, overrides + BENCH_OVERRIDES + [f"train.run_dir={run_dir}", f"model.moe.routing={routings[0]}"])
     trainer = Trainer(cfg, quiet=True)
     say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress and trainer.par.is_main else (lambda msg: None)
+    step = _forward_backward_step(trainer) if forward_backward_only else trainer.train_step
     records = []
     for routing in routings:
         trainer.cfg.model.moe.routing = Routing(routing)  # every router reads this config object
         say(f"bench {spec} ({routing} routing): {warmup} warm-up steps")
         for _ in range(warmup):
-            trainer.train_step()
+            step()
         _synchronize(trainer.device)
         if trainer.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(trainer.device)
         say(f"bench {spec} ({routing} routing): {steps} timed steps")
         start = time.perf_counter()
         for _ in range(steps):
-            out = trainer.train_step()
+            out = step()
         _synchronize(trainer.device)
         elapsed = time.perf_counter() - start
-        syncs = _count_host_syncs(trainer) if sync_check and trainer.device.type == "cuda" else None
+        syncs = _count_host_syncs(step) if sync_check and trainer.device.type == "cuda" else None
         record = _record(trainer, spec, routing, steps, elapsed, out.lm_loss, syncs)
+        record["timed"] = "forward+backward" if forward_backward_only else "training step"
         if cfg.train.profile:  # after the timed window: the profiler's overhead stays out of it
             profile_dir = trainer.run_dir / f"profile-{routing}"
             say(f"bench {spec} ({routing} routing): {cfg.train.profile_steps} profiled steps -> {profile_dir}")
@@ -99,14 +104,38 @@ def _synchronize(device: torch.device) -> None:
         dist.barrier()
 
 
-def _count_host_syncs(trainer) -> int:
+class _FwdBwdOutput:
+    def __init__(self, lm_loss: torch.Tensor):
+        self.lm_loss = lm_loss
+
+
+def _forward_backward_step(trainer):
+    """The forward and backward passes of a step's micro-batches (with their data-parallel
+    gradient reduction, if any) alone: no clipping, no optimizer step. Gradients are dropped
+    after each step; routing statistics are reset (and the aux-free bias moved) as at a step's
+    end."""
+
+    def step():
+        trainer.model.train()
+        lm_loss = (trainer._pipeline_forward_backward() if trainer.pipeline is not None
+                   else trainer._forward_backward())
+        trainer.optimizer.finish()
+        trainer.optimizer.zero_grad()
+        for moe in trainer.model.moe_layers():
+            moe.end_step()
+        return _FwdBwdOutput(lm_loss)
+
+    return step
+
+
+def _count_host_syncs(step) -> int:
     """Run one training step with CUDA's sync debug mode on "warn" and count its warnings
     (every stream/device synchronization, `.item()`, blocking device-to-host copy)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            trainer.train_step()
+            step()
         finally:
             torch.cuda.set_sync_debug_mode(0)
     # Only the per-sync warning counts (not the one-time "prototype feature" notice).

@@ -145,6 +145,8 @@ def cmd_bench(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=15, help="timed steps per routing mode")
     parser.add_argument("--routing", default="learned,random", help="comma-separated routing modes (default both)")
     parser.add_argument("--no-sync-check", action="store_true", help="skip the extra step that counts host syncs")
+    parser.add_argument("--forward-backward-only", action="store_true",
+                        help="time the micro-batches' forward and backward alone (no clipping, no optimizer step)")
     parser.add_argument("--device", default=None, help="sets train.device (default: auto)")
     parser.add_argument("--run-dir", default=None, help="where the trainer may write (default: a temporary directory)")
     args, overrides = _split_overrides(parser, argv)
@@ -157,7 +159,7 @@ def cmd_bench(argv: list[str]) -> int:
     records = run_bench(
         args.spec, overrides, warmup=args.warmup, steps=args.steps,
         routings=[r.strip() for r in args.routing.split(",") if r.strip()],
-        sync_check=not args.no_sync_check, run_dir=args.run_dir,
+        sync_check=not args.no_sync_check, run_dir=args.run_dir, forward_backward_only=args.forward_backward_only,
     )
     if not dist.is_initialized() or dist.get_rank() == 0:
         for record in records:

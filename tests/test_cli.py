@@ -94,7 +94,16 @@ def test_bench_prints_one_json_line_per_routing_mode(capsys, tmp_path):
         assert r["mfu"] is None and r["sync_free"] is None  # CPU: no peak FLOPs, no CUDA syncs
         assert r["shape"]["d_model"] == 64 and r["shape"]["num_experts"] == 8
         assert r["batch"] == {"seq_len": 32, "micro_batch_size": 24, "grad_accum_steps": 1, "tokens_per_step": 768}
-        assert r["precision"] == "fp32"
+        assert r["precision"] == "fp32" and r["timed"] == "training step"
+
+
+def test_bench_can_time_forward_and_backward_alone(capsys, tmp_path):
+    assert main(["bench", "tiny", "--device", "cpu", "--warmup", "0", "--steps", "1", "--routing", "random",
+                 "--forward-backward-only", "--run-dir", str(tmp_path), "--model.d_model=64",
+                 "--model.vocab_size=512", "--data.seq_len=32", "--train.micro_batch_size=12"]) == 0
+    (record,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert record["timed"] == "forward+backward" and record["routing"] == "random"
+    assert record["batch"]["grad_accum_steps"] == 2 and record["loss"] > 0
 
 
 def test_bench_rejects_an_unknown_routing_mode(capsys):

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# FP8 (train.fp8=rowwise) on one GPU: the kernels against the CPU emulation and a sync-free step
+# (tests/gpu), bench-8e throughput and memory FP8 vs BF16, and FP8 vs BF16 loss curves over 250
+# steps on the embedded corpus (needs data/default: carry it). Usage: bash benchmarks/fp8.sh
+set -u
+OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+timeout 150 python -m pytest -q -p no:cacheprovider tests/gpu -k fp8 2>&1 | tail -3
+for f in none rowwise; do
+  timeout 150 python -m moetrain bench bench-8e --device cuda --warmup 5 --steps 15 --routing learned --train.fp8=$f \
+      2>"$OUT/b8e-fp8-$f.err" | tee -a "$OUT/fp8.jsonl" \
+    | python -c "import json,sys; [print('8e fp8=$f', round(r['tokens_per_sec_per_device']), round(100*r['mfu'],1), round(r['peak_mem_gib'],1), r['host_syncs_per_step']) for r in map(json.loads, sys.stdin)]"
+  grep -i "error" "$OUT/b8e-fp8-$f.err" | head -3
+done
+# Loss curves: bench-small32e's architecture on real text (8k vocabulary), 250 steps of 8 × 2048 tokens.
+for f in none rowwise; do
+  timeout 200 python -m moetrain train bench-small32e --device cuda --data.sources='[data/default]' --model.vocab_size=8192 \
+      --data.seq_len=2048 --train.global_batch_size=8 --train.micro_batch_size=8 --steps 250 --eval-every 50 \
+      --train.save_final=false --schedule.warmup_steps=25 --train.fp8=$f --run-dir "$OUT/curve-$f" 2>&1 | tail -1
+done
+python -m moetrain plot "$OUT/curve-none" "$OUT/curve-rowwise" --out "$OUT/fp8-vs-bf16.png"
