@@ -13,7 +13,9 @@ import contextlib
 import json
 import math
 import shutil
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -263,6 +265,7 @@ class Trainer:
             summary["initial_val_loss"] = self.evaluate()
         progress = _Progress(start=self.step, total=tc.steps, quiet=self.quiet)
         profiler = self.profiler(self.run_dir / "profile") if tc.profile else None
+        stop = GracefulStop(self.par, quiet=not self.par.is_main)  # said even under --quiet
         window_start, window_steps = time.perf_counter(), 0
         last_val = None
         try:
@@ -287,9 +290,18 @@ class Trainer:
                     window_start, window_steps = time.perf_counter(), 0
                 else:
                     progress.update(self.step, None)
-                if (tc.save_every > 0 and self.step % tc.save_every == 0) or (is_last and tc.save_final):
+                saved = (tc.save_every > 0 and self.step % tc.save_every == 0) or (is_last and tc.save_final)
+                if saved:
                     self.save()
+                if not is_last and stop.requested():
+                    path = self.save() if not saved else ckpt.checkpoints_dir(self.run_dir) / f"step-{self.step}"
+                    if self.par.is_main:
+                        print(f"stopped by {stop.signal_name} after step {self.step}; checkpoint {path}; "
+                              "continue with --resume", file=sys.stderr, flush=True)
+                    summary["stopped_at_step"] = self.step
+                    break
         finally:
+            stop.restore()
             if profiler is not None:
                 profiler.close()
             progress.close()
@@ -383,9 +395,14 @@ class Trainer:
 
     def _resume(self) -> None:
         found = ckpt.list_checkpoints(self.run_dir)
+        partial = sorted(ckpt.checkpoints_dir(self.run_dir).glob(".step-*.tmp"))
+        if partial and not self.quiet:
+            print(f"--resume: ignoring {len(partial)} incomplete checkpoint(s) (interrupted while writing): "
+                  f"{', '.join(p.name for p in partial)}", file=sys.stderr)
         if not found:
             if not self.quiet:
                 print(f"--resume: no complete checkpoint in {self.run_dir}; starting from step 0", file=sys.stderr)
+            self._check_fresh_start()  # the records of the lost steps go too
             return
         path = found[-1][1]
         state = ckpt.load_checkpoint(path, self.model, self.optimizer, rank=self.par.rank)
@@ -419,6 +436,64 @@ class Trainer:
             "checkpoint": str(found[-1][1]) if found else None,
             "metrics": str(self.run_dir / "metrics.jsonl"),
         }
+
+
+class GracefulStop:
+    """SIGTERM (what schedulers and torchrun send) or Ctrl-C: finish the current step, save a
+    checkpoint, return normally. A second Ctrl-C interrupts at once.
+
+    Ranks must stop after the same step: each step they agree through a MAX all-reduce of a CPU
+    flag over a gloo group (a few microseconds; no device involved, so no host sync on GPU)."""
+
+    def __init__(self, par: ParallelState, quiet: bool = False):
+        self.flag = 0
+        self.signal_name = ""
+        self.quiet = quiet
+        self.group = None
+        if par.dims.world_size > 1:
+            default_is_gloo = dist.get_backend() == "gloo"
+            self.group = None if default_is_gloo else _gloo_group()
+            self.collective = True
+        else:
+            self.collective = False
+        self.previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self.previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.flag and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.flag = 1
+        self.signal_name = signal.Signals(signum).name
+        if not self.quiet:
+            print(f"{self.signal_name}: stopping after this step and saving a checkpoint "
+                  "(Ctrl-C again to abort at once)", file=sys.stderr, flush=True)
+
+    def requested(self) -> bool:
+        if not self.collective:
+            return bool(self.flag)
+        flag = torch.tensor([self.flag], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if flag.item() and not self.signal_name:
+            self.signal_name = "a signal on another rank"
+        return bool(flag.item())
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        self.previous = {}
+
+
+_GLOO_GROUP = None
+
+
+def _gloo_group():
+    """One CPU (gloo) process group over all ranks, created once (collectively)."""
+    global _GLOO_GROUP
+    if _GLOO_GROUP is None:
+        _GLOO_GROUP = dist.new_group(backend="gloo")
+    return _GLOO_GROUP
 
 
 def _ensure_writable(run_dir: Path) -> None:

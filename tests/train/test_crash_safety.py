@@ -1,0 +1,135 @@
+"""Nothing completed is lost: a run killed with SIGKILL at random moments (one of them while a
+checkpoint is being written) and resumed each time ends bit for bit where an uninterrupted run
+ends; SIGTERM stops after the current step with a checkpoint and exit code 0."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from moetrain.train.metrics import read_metrics
+from conftest import tiny_overrides
+
+STEPS = 14
+
+
+def overrides(data_dir, run_dir, *extra):
+    return [f"--{o}" for o in tiny_overrides(
+        data_dir, run_dir, f"train.steps={STEPS}", "train.save_every=2", "train.eval_every=0", "train.keep_last=2",
+        *extra,
+    )]
+
+
+def start(data_dir, run_dir, resume=False, world=1):
+    cmd = [sys.executable, "-m", "moetrain", "train", "tiny", *overrides(data_dir, run_dir), "--quiet"]
+    if resume:
+        cmd.append("--resume")
+    if world > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+               "-m", "moetrain", *cmd[3:]]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+
+
+def wait_for(predicate, proc, timeout=120.0):
+    """Poll until `predicate()` or the process ends; True if the predicate held."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        if proc.poll() is not None:
+            return predicate()
+        time.sleep(0.002)
+    raise TimeoutError("the training process made no progress")
+
+
+def kill(proc):
+    os.killpg(proc.pid, signal.SIGKILL)  # the whole group: torchrun's workers too
+    proc.wait()
+
+
+def saving(run_dir):
+    ckpts = run_dir / "checkpoints"
+    return ckpts.is_dir() and any(p.name.endswith(".tmp") for p in ckpts.iterdir())
+
+
+def logged(run_dir):
+    return len(read_metrics(run_dir / "metrics.jsonl"))
+
+
+def run_with_kills(data_dir, run_dir, kills, seed, world=1):
+    rng = random.Random(seed)
+    done = 0
+    while True:
+        proc = start(data_dir, run_dir, resume=done > 0, world=world)
+        if done == kills:
+            out, err = proc.communicate(timeout=300)
+            assert proc.returncode == 0, err[-3000:]
+            return
+        if done == 0:
+            hit = wait_for(lambda: saving(run_dir), proc)  # inside a checkpoint write
+        else:
+            target = logged(run_dir) + rng.randint(1, 3)
+            hit = wait_for(lambda: logged(run_dir) >= target, proc)
+            time.sleep(rng.uniform(0, 0.08))  # somewhere inside the next step (or its save)
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            assert proc.returncode == 0, err[-3000:]
+            pytest.fail(f"the run finished before kill {done + 1} could land (hit={hit})")
+        kill(proc)
+        done += 1
+
+
+def final_state(run_dir):
+    from moetrain.inference import load_for_inference
+
+    model, _, _ = load_for_inference(run_dir)
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("world, kills", [(1, 6), (2, 3)])
+def test_sigkill_at_random_moments_then_resume_is_bit_exact(real_text_dir, tmp_path, world, kills):
+    reference, killed = tmp_path / "reference", tmp_path / "killed"
+    proc = start(real_text_dir, reference, world=world)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+
+    run_with_kills(real_text_dir, killed, kills=kills, seed=world, world=world)
+
+    want, got = read_metrics(reference / "metrics.jsonl"), read_metrics(killed / "metrics.jsonl")
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    for a, b in zip(want, got):
+        for key in ("loss", "lm_loss", "grad_norm", "lb_loss", "z_loss", "lr", "expert_load_max_over_mean"):
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])
+    ref_state, state = final_state(reference), final_state(killed)
+    for key, value in ref_state.items():
+        assert torch.equal(value, state[key]), key
+    # No partial checkpoint is left visible, and retention kept the newest two.
+    names = sorted(p.name for p in (killed / "checkpoints").iterdir())
+    assert names == [f"step-{STEPS - 2}", f"step-{STEPS}"], names
+
+
+def test_sigterm_saves_and_exits_cleanly_then_resume_finishes(real_text_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start(real_text_dir, run_dir)
+    wait_for(lambda: logged(run_dir) >= 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    stopped = summary["stopped_at_step"]
+    assert 3 <= stopped < STEPS
+    assert f"stopped by SIGTERM after step {stopped}" in err and "--resume" in err
+    assert (run_dir / "checkpoints" / f"step-{stopped}" / "COMPLETE").is_file()
+
+    proc = start(real_text_dir, run_dir, resume=True)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == list(range(1, STEPS + 1))
