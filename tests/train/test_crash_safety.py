@@ -116,11 +116,29 @@ def test_sigkill_at_random_moments_then_resume_is_bit_exact(real_text_dir, tmp_p
     assert names == [f"step-{STEPS - 2}", f"step-{STEPS}"], names
 
 
-def test_sigterm_saves_and_exits_cleanly_then_resume_finishes(real_text_dir, tmp_path):
+def children(pid):
+    """Direct child processes of `pid` (torchrun's workers), from /proc."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(entry))
+    return kids
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_sigterm_saves_and_exits_cleanly_then_resume_finishes(real_text_dir, tmp_path, world):
+    """One process, or two ranks under torchrun each sent SIGTERM (as a cluster scheduler does):
+    the step finishes, every rank saves, the exit code is 0, and --resume finishes the run."""
     run_dir = tmp_path / "run"
-    proc = start(real_text_dir, run_dir)
+    proc = start(real_text_dir, run_dir, world=world)
     wait_for(lambda: logged(run_dir) >= 3, proc)
-    proc.send_signal(signal.SIGTERM)
+    for pid in (children(proc.pid) if world > 1 else [proc.pid]):
+        os.kill(pid, signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-3000:]
     summary = json.loads(out.strip().splitlines()[-1])
@@ -129,7 +147,7 @@ def test_sigterm_saves_and_exits_cleanly_then_resume_finishes(real_text_dir, tmp
     assert f"stopped by SIGTERM after step {stopped}" in err and "--resume" in err
     assert (run_dir / "checkpoints" / f"step-{stopped}" / "COMPLETE").is_file()
 
-    proc = start(real_text_dir, run_dir, resume=True)
+    proc = start(real_text_dir, run_dir, resume=True, world=world)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
     assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == list(range(1, STEPS + 1))
