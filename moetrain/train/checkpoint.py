@@ -95,20 +95,33 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True, exist_ok=True)
     _barrier()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        state, _ = _dcp_state(model, optimizer.state_dict_tensors())
-        dcp.save(state, checkpoint_id=str(tmp))
-    (tmp / f"rng-rank{rank}.json").write_text(json.dumps(rng_state()))
-    _barrier()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            state, _ = _dcp_state(model, optimizer.state_dict_tensors())
+            dcp.save(state, checkpoint_id=str(tmp))
+        (tmp / f"rng-rank{rank}.json").write_text(json.dumps(rng_state()))
+        _barrier()
+        if rank == 0:
+            (tmp / "trainer_state.json").write_text(json.dumps(trainer_state))
+            for name, src in (extra_files or {}).items():
+                src = Path(src)
+                if src.is_file():
+                    shutil.copyfile(src, tmp / name)
+            (tmp / COMPLETE).write_text(f"step {step}\n")
+            _fsync_dir(tmp)
+    except (OSError, CheckpointException) as e:
+        # Disk full, quota, a vanished mount: drop the partial write; earlier checkpoints are
+        # untouched (nothing is replaced before the write is complete).
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        previous = list_checkpoints(run_dir)
+        kept = f"the newest complete checkpoint, {previous[-1][1]}, is intact" if previous else "no earlier checkpoint exists"
+        raise CheckpointError(
+            f"Writing checkpoint step-{step} in '{root}' failed ({_first_line(e)}); {kept}. Free space "
+            "(or fix the directory) and continue with --resume."
+        ) from None
     if rank == 0:
-        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state))
-        for name, src in (extra_files or {}).items():
-            src = Path(src)
-            if src.is_file():
-                shutil.copyfile(src, tmp / name)
-        (tmp / COMPLETE).write_text(f"step {step}\n")
-        _fsync_dir(tmp)
         if final.exists():  # a re-save of the same step (e.g. after a resume): replace it
             shutil.rmtree(final)
         os.replace(tmp, final)

@@ -1,0 +1,127 @@
+"""Every bad input the reliability contract lists (issue 5) exits 2 with one paragraph that names
+the file, field or value — and no traceback — and loses nothing."""
+
+import errno
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from moetrain.cli import main
+from conftest import tiny_overrides
+
+
+def fails(capsys, args, *words):
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err, err
+    for word in words:
+        assert word in err, (word, err)
+    return err
+
+
+def train_args(data_dir, run_dir, *extra):
+    return ["train", "tiny", *[f"--{o}" for o in tiny_overrides(data_dir, run_dir, "train.steps=2", *extra)], "--quiet"]
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["--model.moe.bogus=1"], ["model.moe.bogus"]),
+    (["--train.steps=many"], ["train.steps", "many"]),
+    (["--train.steps=0"], ["train.steps=0"]),
+    (["--model.d_model=-8"], ["model.d_model"]),
+    (["--model.moe.top_k=9"], ["top_k=9", "num_experts=8"]),
+    (["--model.n_heads=3"], ["d_model", "n_heads=3"]),
+    (["--model.n_kv_heads=3"], ["n_heads=4", "n_kv_heads=3"]),
+    (["--parallel.pp=2"], ["parallel.pp=2", "world size 1"]),
+    (["--parallel.ep=3"], ["parallel.ep=3"]),
+])
+def test_config_mistakes(capsys, tmp_path, overrides, words):
+    fails(capsys, ["train", "tiny", "--run-dir", str(tmp_path / "run"), *overrides], *words)
+
+
+def test_yaml_syntax_error_names_file_and_line(capsys, tmp_path):
+    bad = tmp_path / "run.yaml"
+    bad.write_text("preset: tiny\nmodel:\n  d_model: [128\n")
+    fails(capsys, ["config", str(bad)], str(bad), "line")
+
+
+def test_missing_data_path(capsys, tmp_path):
+    fails(capsys, ["train", "tiny", "--data.sources=[/nowhere/data]", "--run-dir", str(tmp_path)], "/nowhere/data", "prepare-data")
+
+
+def copy_data(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_empty_and_truncated_token_files(capsys, real_text_dir, tmp_path):
+    truncated = copy_data(real_text_dir, tmp_path / "truncated")
+    data = (truncated / "train.bin").read_bytes()
+    (truncated / "train.bin").write_bytes(data[: len(data) // 2 + 1])
+    fails(capsys, train_args(truncated, tmp_path / "a"), "train.bin", "truncated")
+    empty = copy_data(real_text_dir, tmp_path / "empty")
+    (empty / "train.bin").write_bytes(b"")
+    fails(capsys, train_args(empty, tmp_path / "b"), "train.bin")
+
+
+def test_token_ids_beyond_the_vocabulary(capsys, real_text_dir, tmp_path):
+    fails(capsys, train_args(real_text_dir, tmp_path / "run", "model.vocab_size=100"), "vocab", "100")
+
+
+def test_sources_with_different_tokenizers(capsys, real_text_dir, tmp_path):
+    other = copy_data(real_text_dir, tmp_path / "other")
+    tok = json.loads((other / "tokenizer.json").read_text())
+    tok["model"]["vocab"]["zzzz-extra"] = 10**6  # another vocabulary
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    meta = json.loads((other / "meta.json").read_text())
+    meta["tokenizer_sha256"] = "0" * 64
+    (other / "meta.json").write_text(json.dumps(meta))
+    fails(capsys, train_args(real_text_dir, tmp_path / "run", f"data.sources=[{real_text_dir}, {other}]"),
+          "tokenized differently", "--tokenizer")
+
+
+def test_checkpoint_of_another_shape_and_no_complete_checkpoint(capsys, real_text_dir, tmp_path):
+    run = tmp_path / "run"
+    assert main(train_args(real_text_dir, run)) == 0
+    capsys.readouterr()
+    fails(capsys, [*train_args(real_text_dir, run, "model.moe.expert_hidden=48"), "--resume"], "does not fit", "config.yaml")
+    empty = tmp_path / "nothing"
+    empty.mkdir()
+    fails(capsys, ["eval", str(empty), "--text", "x.txt"], str(empty), "no complete checkpoint")
+    partial = run / "checkpoints" / "step-9"
+    partial.mkdir()
+    fails(capsys, ["eval", str(partial), "--text", "x.txt"], "incomplete checkpoint")
+
+
+def test_unwritable_run_directory(capsys, real_text_dir, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    fails(capsys, train_args(real_text_dir, blocker / "run"), str(blocker / "run"), "--run-dir")
+
+
+def test_disk_full_while_saving_keeps_the_previous_checkpoint(real_text_dir, tmp_path, monkeypatch):
+    from moetrain.errors import CheckpointError
+    from moetrain.presets import resolve_config
+    from moetrain.train import checkpoint as ckpt
+    from moetrain.train.trainer import Trainer
+
+    run = tmp_path / "run"
+    trainer = Trainer(resolve_config("tiny", tiny_overrides(real_text_dir, run, "train.steps=4", "train.save_every=2")), quiet=True)
+    for _ in range(2):
+        trainer.train_step()
+    first = trainer.save()
+    before = {p.name: p.read_bytes() for p in first.iterdir()}
+    trainer.train_step()
+    trainer.train_step()
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ckpt.dcp, "save", full_disk)
+    with pytest.raises(CheckpointError) as e:
+        trainer.save()
+    assert "No space left" in str(e.value) and "step-2" in str(e.value)
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-2"]  # no partial left behind
+    assert {p.name: p.read_bytes() for p in first.iterdir()} == before
+    assert ckpt.list_checkpoints(run)[-1][1] == first
