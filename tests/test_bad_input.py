@@ -125,3 +125,25 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(real_text_dir, tmp
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-2"]  # no partial left behind
     assert {p.name: p.read_bytes() for p in first.iterdir()} == before
     assert ckpt.list_checkpoints(run)[-1][1] == first
+
+
+class _Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))  # would create a file when unpickled
+
+
+def test_a_tampered_checkpoint_cannot_run_code_when_loaded(capsys, real_text_dir, tmp_path):
+    """DCP's index is a pickle: a planted payload is refused, nothing runs, and the error says so."""
+    import pickle
+
+    run = tmp_path / "run"
+    assert main(train_args(real_text_dir, run)) == 0
+    capsys.readouterr()
+    marker = tmp_path / "pwned"
+    step = run / "checkpoints" / "step-2"
+    (step / ".metadata").write_bytes(pickle.dumps(_Payload(str(marker))))
+    fails(capsys, ["eval", str(run), "--text", str(real_text_dir / "meta.json")], "refused", ".metadata")
+    assert not marker.exists()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import pickle
 import re
 import shutil
 import warnings
@@ -143,9 +144,15 @@ def load_checkpoint(
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            dcp.load(state, checkpoint_id=str(path))
+            dcp.load(state, storage_reader=SafeFileSystemReader(str(path)))
     # DCP reports mismatches as CheckpointException, a BaseException that wraps per-rank errors.
     except (Exception, CheckpointException) as e:
+        if "a checkpoint index never holds" in _all_text(e):
+            raise CheckpointError(
+                f"Checkpoint '{path}' was refused: its index (.metadata) names code to run "
+                f"({_all_text(e).split('checkpoint metadata names ')[1].split(',')[0]}), which a checkpoint "
+                "never needs. The file was tampered with or is not a moetrain checkpoint; nothing was executed."
+            ) from None
         raise CheckpointError(
             f"Checkpoint '{path}' does not fit this model: {_first_line(e)}. It was saved from a "
             f"different model shape; check its config.yaml against the current model config."
@@ -162,6 +169,55 @@ def load_checkpoint(
         set_rng_state(json.loads(rng_file.read_text()))
     trainer_state_file = path / "trainer_state.json"
     return json.loads(trainer_state_file.read_text()) if trainer_state_file.is_file() else {}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP writes its index (`.metadata`) with pickle, and loading a pickle can run any code it
+    names. This unpickler resolves only the classes such an index holds — DCP's metadata
+    records, torch.Size, dtypes, memory-format/layout helpers, paths — and refuses the rest, so a
+    tampered checkpoint cannot execute code when it is loaded."""
+
+    _MODULES = {"torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
+                "torch.distributed.checkpoint.planner"}
+    _NAMES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+              ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "Path"),
+              ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"), ("builtins", "set"),
+              ("builtins", "frozenset"), ("builtins", "slice")}
+
+    def find_class(self, module: str, name: str):
+        if module in self._MODULES and not name.startswith("__"):
+            return super().find_class(module, name)
+        if (module, name) in self._NAMES:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format, torch.layout)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"checkpoint metadata names {module}.{name}, which a checkpoint index never holds")
+
+
+class _SafePickle:
+    """Stands in for the `pickle` module inside DCP's filesystem reader while it reads metadata."""
+
+    def __getattr__(self, name):
+        return getattr(pickle, name)
+
+    @staticmethod
+    def load(file, **kwargs):
+        return _MetadataUnpickler(file).load()
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """`dcp.FileSystemReader` whose metadata is read with `_MetadataUnpickler` (tensor data is
+    read by DCP with torch.load(weights_only=True) already)."""
+
+    def read_metadata(self, *args, **kwargs):
+        import torch.distributed.checkpoint.filesystem as fs_module
+
+        real = fs_module.pickle
+        fs_module.pickle = _SafePickle()
+        try:
+            return super().read_metadata(*args, **kwargs)
+        finally:
+            fs_module.pickle = real
 
 
 def _dcp_state(
@@ -245,6 +301,18 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _all_text(e: BaseException) -> str:
+    """The message of an exception and of what it wraps (DCP wraps per-rank failures)."""
+    parts = [str(e)]
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict):
+        parts += [repr(v) for v in failures.values()]
+    cause = e.__cause__ or e.__context__
+    if cause is not None and cause is not e:
+        parts.append(str(cause))
+    return " ".join(parts)
 
 
 def _first_line(e: BaseException) -> str:
