@@ -70,7 +70,7 @@ class MoE(nn.Module):
             self.step_dropped += dropped
 
     @torch.no_grad()
-    def end_step(self) -> dict[str, torch.Tensor]:
+    def end_step(self, skip: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Close an optimizer step: apply the aux-free bias update, return this step's routing
         statistics (device tensors; token counts over the global batch, losses averaged over
         micro-batches) and reset the accumulators."""
@@ -83,13 +83,15 @@ class MoE(nn.Module):
             "dropped": self.step_dropped.clone(),
         }
         if self.cfg.bias_update_rate > 0:
-            update_expert_bias(self.router.expert_bias_E, counts_E, self.cfg.bias_update_rate)
+            # A skipped step (see moetrain/train/guard.py) moves no state: rate × 0.
+            rate = self.cfg.bias_update_rate if skip is None else self.cfg.bias_update_rate * (~skip).float()
+            update_expert_bias(self.router.expert_bias_E, counts_E, rate)
         for buf in (self.step_tokens_per_expert_E, self.step_lb_loss, self.step_z_loss, self.step_dropped, self.step_calls):
             buf.zero_()
         return stats
 
 
-def update_expert_bias(bias_E: torch.Tensor, tokens_per_expert_E: torch.Tensor, rate: float) -> None:
+def update_expert_bias(bias_E: torch.Tensor, tokens_per_expert_E: torch.Tensor, rate: float | torch.Tensor) -> None:
     """Aux-loss-free balancing: raise the bias of under-loaded experts, lower it for over-loaded
     ones, by `rate` each (the sign of the load error), in place and outside autograd."""
     load_E = tokens_per_expert_E.float()

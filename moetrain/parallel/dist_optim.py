@@ -180,8 +180,11 @@ class DistributedAdamW:
         self.lr = lr
 
     @torch.no_grad()
-    def step(self) -> None:
-        """AdamW on this rank's shards, then all-gather the parameters."""
+    def step(self, skip: torch.Tensor | None = None) -> None:
+        """AdamW on this rank's shards, then all-gather the parameters. `skip` (a device bool,
+        equal on all ranks): no update; read on the host (one sync per step)."""
+        if skip is not None and bool(skip):
+            return
         self.num_steps += 1
         lr, wd, eps = self.lr, self.cfg.weight_decay, self.cfg.eps
         beta1, beta2 = self.cfg.betas

@@ -125,6 +125,13 @@ class TrainerConfig(Config):
     """Also write TensorBoard events to RUN_DIR/tb (when the tensorboard package is installed)."""
     plot: bool = True
     """Write RUN_DIR/loss.png at the end (when matplotlib is installed)."""
+    skip_spike_sigma: float = 6.0
+    """Skip an update whose loss or gradient norm exceeds the mean of the last `skip_window`
+    accepted steps by this many standard deviations (0: only non-finite values are skipped)."""
+    skip_window: int = 128
+    """Accepted steps the spike statistics cover (detection starts after half of them)."""
+    max_consecutive_skips: int = 10
+    """Stop with an error after this many skipped updates in a row (0: never)."""
     profile: bool = False
     """Record a window of steps with torch.profiler (and, on CUDA, a memory snapshot) into
     RUN_DIR/profile (moetrain/train/profiling.py)."""
@@ -138,10 +145,10 @@ class TrainerConfig(Config):
         return self.global_batch_size // self.micro_batch_size
 
     def validate(self) -> None:
-        for name in ("steps", "global_batch_size", "micro_batch_size", "log_every", "eval_batches", "recompute_every"):
+        for name in ("steps", "global_batch_size", "micro_batch_size", "log_every", "eval_batches", "recompute_every", "skip_window"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"train.{name}={getattr(self, name)} must be a positive integer.")
-        for name in ("eval_every", "save_every", "keep_last", "profile_wait"):
+        for name in ("eval_every", "save_every", "keep_last", "profile_wait", "skip_spike_sigma", "max_consecutive_skips"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name}={getattr(self, name)} must be ≥ 0.")
         if self.profile_steps <= 0:

@@ -109,7 +109,11 @@ class _TorchAdamW:
         for group in self.adamw.param_groups:
             group["lr"] = lr
 
-    def step(self) -> None:
+    def step(self, skip: torch.Tensor | None = None) -> None:
+        """`skip` (device bool): leave parameters and state untouched. Read on the host here
+        (one sync); `ReplicatedAdamW` on CUDA avoids that."""
+        if skip is not None and bool(skip):
+            return
         self.adamw.step()
 
 
@@ -154,9 +158,16 @@ class ReplicatedAdamW(_TorchAdamW):
                 torch._foreach_mul_(grads, coef)
         return total
 
-    def step(self) -> None:
-        self.adamw.step()
-        self.adamw.grad_scale = None  # consumed
+    def step(self, skip: torch.Tensor | None = None) -> None:
+        """`skip` (device bool): leave parameters and AdamW state untouched. With the fused
+        kernel (CUDA) it is the kernel's `found_inf` — decided on the device, no host sync;
+        the foreach path (CPU) reads it on the host."""
+        if self.fused:
+            self.adamw.found_inf = skip.float() if skip is not None else None
+            self.adamw.step()
+        elif skip is None or not bool(skip):
+            self.adamw.step()
+        self.adamw.grad_scale = self.adamw.found_inf = None  # consumed
 
     def zero_grad(self) -> None:
         if self.reducer is not None:

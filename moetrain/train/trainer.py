@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from moetrain.data.loader import SyntheticLoader, TokenLoader, resolve_val_path, val_batches
 from moetrain.data.tokens import open_source
-from moetrain.errors import ConfigError
+from moetrain.errors import CheckpointError, ConfigError
 from moetrain.model.counting import count_params, flops_per_token, peak_flops
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.dist_optim import DistributedAdamW
@@ -40,6 +40,7 @@ from moetrain.train import checkpoint as ckpt
 from moetrain.train.config import Precision, RunConfig
 from moetrain.train.metrics import MetricsWriter, peak_mem_gib, read_metrics, routing_metrics
 from moetrain.train.optim import FSDPAdamW, ReplicatedAdamW, lr_at
+from moetrain.train.guard import StepGuard
 from moetrain.train.profiling import StepProfiler
 
 
@@ -147,6 +148,7 @@ class Trainer:
                 device=self.device, amp_dtype=self.amp_dtype,
             )
 
+        self.guard = StepGuard(tc.skip_window, tc.skip_spike_sigma, tc.max_consecutive_skips, self.device)
         self.tokens_per_step = tc.global_batch_size * cfg.data.seq_len
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
         self.peak_flops = peak_flops(torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None)
@@ -173,13 +175,22 @@ class Trainer:
         self.optimizer.finish()
         max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else math.inf
         grad_norm = self.optimizer.clip_grad_norm(max_norm)
+        # The skip decision must be the same on every rank: the gradient norm is global already,
+        # the loss is made global (mean over dp; pipeline: from the last stage) by one all-reduce.
+        skip = self.guard.check(self._global_mean(lm_loss.float().reshape(1))[0], grad_norm)
         lr = lr_at(self.step, tc.steps, self.cfg.optim.lr, self.cfg.schedule)
         self.optimizer.set_lr(lr)
-        self.optimizer.step()
+        self.optimizer.step(skip)
         self.optimizer.zero_grad()
-        routing = [moe.end_step() for moe in self.model.moe_layers()]
+        routing = [moe.end_step(skip) for moe in self.model.moe_layers()]
         self.step += 1
+        if self.device.type == "cpu":  # no device to wait for: check every step
+            self.guard.raise_if_stuck(int(self.guard.consecutive), self.step, self._last_checkpoint())
         return StepOutput(lm_loss, grad_norm, routing, lr)
+
+    def _last_checkpoint(self) -> str | None:
+        found = ckpt.list_checkpoints(self.run_dir)
+        return str(found[-1][1]) if found else None
 
     def _forward_backward(self) -> torch.Tensor:
         """The step's micro-batches one after the other; the summed (accumulated) LM loss."""
@@ -347,7 +358,10 @@ class Trainer:
              "tokens_per_expert": counts_LE[i]}
             for i in range(L)
         ], ep=self.par.dims.ep)
-        lm_loss, grad_norm = torch.stack([mean[0], out.grad_norm.float()]).tolist()
+        lm_loss, grad_norm, skipped, consecutive = torch.stack([
+            mean[0], out.grad_norm.double(), self.guard.skipped_total.double(), self.guard.consecutive.double(),
+        ]).tolist()
+        self.guard.raise_if_stuck(int(consecutive), self.step, self._last_checkpoint())
         moe = self.cfg.model.moe
         num_moe = self.cfg.model.num_moe_layers
         aux = num_moe * (moe.lb_loss_weight * routing["lb_loss"] + moe.z_loss_weight * routing["z_loss"])
@@ -368,11 +382,13 @@ class Trainer:
             "ep_load_max_over_mean": routing["ep_load_max_over_mean"],
             "dropped_token_frac": routing["dropped_token_frac"],
             "unused_experts": routing["unused_experts"],
+            "skipped_steps": int(skipped),
         }
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def save(self) -> Path:
-        state = {"step": self.step, "loader": self.loader.state_dict()}
+        self._check_finite()
+        state = {"step": self.step, "loader": self.loader.state_dict(), "guard": self.guard.state_dict()}
         extra = {"config.yaml": self.run_dir / "config.yaml"}
         if self.tokenizer_file is not None:
             extra["tokenizer.json"] = self.tokenizer_file
@@ -380,6 +396,19 @@ class Trainer:
             self.run_dir, self.step, self.model, self.optimizer, state, extra,
             keep_last=self.cfg.train.keep_last, rank=self.par.rank,
         )
+
+    def _check_finite(self) -> None:
+        """Never write a checkpoint holding NaN or inf (one host read, at save time only)."""
+        params = [p.detach() for p in self.model.parameters()]
+        bad = torch.stack([(~torch.isfinite(p)).any() for p in params]).any() if params else torch.tensor(False)
+        if self.par.world_group is not None:
+            bad = bad.to(torch.int32)
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.par.world_group)
+        if bool(bad):
+            raise CheckpointError(
+                f"Refusing to save step {self.step}: the parameters hold NaN or inf. The last good checkpoint "
+                f"({self._last_checkpoint() or 'none yet'}) is kept; lower optim.lr or check the data, then --resume."
+            )
 
     def _check_fresh_start(self) -> None:
         """A new run must not mix with an earlier run's records or checkpoints."""
@@ -408,6 +437,8 @@ class Trainer:
         state = ckpt.load_checkpoint(path, self.model, self.optimizer, rank=self.par.rank)
         self.step = state["step"]
         self.loader.load_state_dict(state["loader"])
+        if "guard" in state:
+            self.guard.load_state_dict(state["guard"])
         self.resumed_from = path
         if self.par.is_main:
             # Records past the checkpoint will be produced again: drop them so the file stays a log.

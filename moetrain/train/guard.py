@@ -1,0 +1,77 @@
+"""Guarded steps: an update whose loss or gradient norm is not finite, or spikes far above its
+recent history, is skipped (Olmo-core's skip-step idea), and the run stops after too many in a
+row — all decided on the device, so the guard adds no host sync to a step.
+
+Per step, with L the LM loss and G the global gradient norm (device scalars):
+
+    skip = not finite(L) or not finite(G)
+           or (history ≥ window / 2 and (L > mean_L + σ·std_L or G > mean_G + σ·std_G))
+
+over the last `train.skip_window` *accepted* steps (σ = `train.skip_spike_sigma`; 0 turns spike
+detection off). The optimizer receives `skip` and leaves parameters and AdamW state untouched
+when it is set (the fused CUDA kernel takes it as its `found_inf`). Skipped steps are counted;
+the consecutive count is read on the host only on logging steps, or one step late through a
+non-blocking copy, never by waiting for the device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moetrain.errors import MoetrainError
+
+
+class TooManySkippedSteps(MoetrainError):
+    """Raised when `train.max_consecutive_skips` updates in a row were skipped."""
+
+
+class StepGuard:
+    def __init__(self, window: int, sigma: float, max_consecutive: int, device: torch.device):
+        self.window, self.sigma, self.max_consecutive = window, sigma, max_consecutive
+        self.history_W2 = torch.zeros(window, 2, dtype=torch.float32, device=device)
+        self.count = torch.zeros((), dtype=torch.int64, device=device)  # accepted steps seen
+        self.skipped_total = torch.zeros((), dtype=torch.int64, device=device)
+        self.consecutive = torch.zeros((), dtype=torch.int64, device=device)
+        self._positions_W = torch.arange(window, device=device)
+
+    @torch.no_grad()
+    def check(self, lm_loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+        """The device bool `skip` for this step; records the values of an accepted step."""
+        values_2 = torch.stack([lm_loss.detach().float(), grad_norm.detach().float()])
+        skip = ~torch.isfinite(values_2).all()
+        if self.sigma > 0:
+            filled = self.count.clamp(max=self.window)
+            valid_W1 = (self._positions_W < filled).unsqueeze(1)
+            n = filled.clamp(min=1).float()
+            mean_2 = (self.history_W2 * valid_W1).sum(0) / n
+            var_2 = (((self.history_W2 - mean_2) ** 2) * valid_W1).sum(0) / n
+            spike = (values_2 > mean_2 + self.sigma * var_2.sqrt()).any() & (filled >= max(self.window // 2, 2))
+            skip = skip | spike
+        accepted = (~skip).long()
+        slot = (self.count % self.window).reshape(1)
+        # An accepted step's values enter the window (a skipped one leaves it as it was).
+        row_12 = torch.where(skip, self.history_W2.index_select(0, slot).squeeze(0), values_2).unsqueeze(0)
+        self.history_W2.index_copy_(0, slot, row_12)
+        self.count += accepted
+        self.skipped_total += 1 - accepted
+        self.consecutive = (self.consecutive + 1) * (1 - accepted)
+        return skip
+
+    def raise_if_stuck(self, consecutive: int, step: int, last_checkpoint: str | None) -> None:
+        if self.max_consecutive > 0 and consecutive >= self.max_consecutive:
+            kept = f"the last good checkpoint is {last_checkpoint}" if last_checkpoint else "no checkpoint was written yet"
+            raise TooManySkippedSteps(
+                f"{consecutive} optimizer steps in a row were skipped (non-finite or spiking loss / gradient "
+                f"norm) up to step {step}: training stopped; {kept}. Lower optim.lr, raise "
+                "train.skip_spike_sigma or check the data, then continue with --resume."
+            )
+
+    def state_dict(self) -> dict:
+        """Plain JSON types (read on the host: at checkpoint time only)."""
+        return {"history": self.history_W2.tolist(), "count": int(self.count), "skipped_total": int(self.skipped_total),
+                "consecutive": int(self.consecutive)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.history_W2.copy_(torch.tensor(state["history"], dtype=torch.float32))
+        for name in ("count", "skipped_total", "consecutive"):
+            getattr(self, name).fill_(state[name])

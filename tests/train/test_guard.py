@@ -1,0 +1,102 @@
+"""Guarded steps: non-finite or spiking updates are skipped without changing any state, counted,
+and too many in a row stop the run; a checkpoint never holds NaN or inf."""
+
+import math
+
+import pytest
+import torch
+
+from moetrain.errors import CheckpointError
+from moetrain.train.guard import StepGuard, TooManySkippedSteps
+from moetrain.train.metrics import read_metrics
+from moetrain.train.trainer import Trainer
+
+
+def test_guard_skips_non_finite_and_spikes_and_keeps_its_window_clean():
+    guard = StepGuard(window=8, sigma=3.0, max_consecutive=3, device=torch.device("cpu"))
+    t = lambda v: torch.tensor(float(v))  # noqa: E731
+    losses, norms = [2.0, 2.2, 2.1, 1.9], [1.0, 1.2, 0.9, 1.1]
+    decisions = [bool(guard.check(t(a), t(b))) for a, b in zip(losses, norms)]
+    assert decisions == [False] * 4  # history still too short for spike detection (< window / 2)
+    assert not guard.check(t(2.05), t(1.0))
+    history = guard.history_W2.clone()
+    assert guard.check(t(50.0), t(1.0))  # loss spike
+    assert guard.check(t(2.0), t(80.0))  # gradient-norm spike
+    assert guard.check(t(math.nan), t(1.0))
+    assert guard.check(t(2.0), t(math.inf))
+    assert torch.equal(guard.history_W2, history)  # skipped values never enter the window
+    assert int(guard.skipped_total) == 4 and int(guard.consecutive) == 4 and int(guard.count) == 5
+    with pytest.raises(TooManySkippedSteps, match="4 optimizer steps in a row"):
+        guard.raise_if_stuck(int(guard.consecutive), 10, None)
+    assert not guard.check(t(2.02), t(1.01))
+    assert int(guard.consecutive) == 0 and int(guard.count) == 6
+    # Its state survives a checkpoint round trip exactly.
+    other = StepGuard(window=8, sigma=3.0, max_consecutive=3, device=torch.device("cpu"))
+    other.load_state_dict(guard.state_dict())
+    assert torch.equal(other.history_W2, guard.history_W2) and int(other.count) == 6
+
+
+def poison(trainer, calls):
+    """Make the LM loss NaN on the given micro-batch calls (0-based)."""
+    real, seen = trainer._lm_loss, [0]
+
+    def lm_loss(*args):
+        loss = real(*args)
+        seen[0] += 1
+        return loss * math.nan if seen[0] - 1 in calls else loss
+
+    trainer._lm_loss = lm_loss
+
+
+def snapshot(trainer):
+    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    moments = {n: {k: v.clone() for k, v in s.items()} for n, s in trainer.optimizer.state_dict_tensors().items()}
+    biases = [m.router.expert_bias_E.clone() for m in trainer.model.moe_layers()]
+    return params, moments, biases
+
+
+def test_a_nan_step_changes_nothing_and_training_goes_on(tiny_cfg, tmp_path):
+    trainer = Trainer(tiny_cfg(tmp_path / "run", "train.steps=5", "model.moe.bias_update_rate=0.01",
+                               "train.eval_every=0"), quiet=True)
+    trainer.train_step()
+    before = snapshot(trainer)
+    poison(trainer, calls={0})  # the first micro-batch of the next step
+    out = trainer.train_step()
+    assert not math.isfinite(out.lm_loss.item())
+    after = snapshot(trainer)
+    for a, b in zip(before[0].values(), after[0].values()):
+        assert torch.equal(a, b)
+    for name in before[1]:
+        for key in before[1][name]:
+            assert torch.equal(before[1][name][key], after[1][name][key]), (name, key)
+    for a, b in zip(before[2], after[2]):
+        assert torch.equal(a, b)  # the aux-free bias did not move either
+    assert int(trainer.guard.skipped_total) == 1
+    trainer.fit()  # the remaining steps are normal
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["skipped_steps"] for r in records] == [1, 1, 1]
+    assert all(math.isfinite(r["lm_loss"]) for r in records)
+
+
+def test_too_many_skips_in_a_row_stop_with_the_last_good_checkpoint(tiny_cfg, tmp_path):
+    trainer = Trainer(tiny_cfg(tmp_path / "run", "train.steps=8", "train.save_every=2", "train.eval_every=0",
+                               "train.max_consecutive_skips=3"), quiet=True)
+    poison(trainer, calls=set(range(6, 100)))  # two micro-batches per step: steps 4, 5, 6, … are NaN
+    with pytest.raises(TooManySkippedSteps) as e:
+        trainer.fit()
+    message = str(e.value)
+    assert "3 optimizer steps in a row were skipped" in message and "up to step 6" in message
+    assert "step-4" in message  # saved after the skipped step 4: its parameters are step 3's, finite
+
+
+def test_no_checkpoint_with_nan_parameters(tiny_cfg, tmp_path):
+    trainer = Trainer(tiny_cfg(tmp_path / "run", "train.steps=4"), quiet=True)
+    trainer.train_step()
+    good = trainer.save()
+    with torch.no_grad():
+        next(trainer.model.parameters())[0] = math.nan
+    with pytest.raises(CheckpointError, match="NaN or inf"):
+        trainer.save()
+    from moetrain.train import checkpoint as ckpt
+
+    assert ckpt.list_checkpoints(tmp_path / "run")[-1][1] == good
