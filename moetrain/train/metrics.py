@@ -15,6 +15,8 @@ The metrics.jsonl contract (one JSON object per logged step; keys never renamed)
   summed); 1.0 without expert parallelism.
 - unused_experts: experts (summed over MoE layers) that received no token in the step.
 - dropped_token_frac: dropped / all routed assignments, over the global batch (0 when dropless).
+- skipped_steps (extra): updates skipped so far by the step guard (non-finite or spiking loss or
+  gradient norm; moetrain/train/guard.py).
 """
 
 from __future__ import annotations
