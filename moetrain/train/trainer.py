@@ -33,7 +33,7 @@ from moetrain.model.transformer import Transformer
 from moetrain.parallel.dist_optim import DistributedAdamW
 from moetrain.parallel.dims import ParallelDims, ParallelState, Stack
 from moetrain.parallel.distributed import init_distributed
-from moetrain.parallel.fsdp import init_full_then_shard, reshard
+from moetrain.parallel.fsdp import init_full_then_shard, is_sharded, reshard
 from moetrain.parallel.pipeline import Pipeline, build_pipeline
 from moetrain.parallel.parallelize import parallelize
 from moetrain.train import checkpoint as ckpt
@@ -399,7 +399,8 @@ class Trainer:
 
     def _check_finite(self) -> None:
         """Never write a checkpoint holding NaN or inf (one host read, at save time only)."""
-        params = [p.detach() for p in self.model.parameters()]
+        # This rank's values (its shards under FSDP); the all-reduce covers the rest.
+        params = [p.detach().to_local() if is_sharded(p) else p.detach() for p in self.model.parameters()]
         bad = torch.stack([(~torch.isfinite(p)).any() for p in params]).any() if params else torch.tensor(False)
         if self.par.world_group is not None:
             bad = bad.to(torch.int32)
