@@ -30,3 +30,18 @@ def init_distributed(device_type: str, timeout_s: float = 600.0) -> tuple[int, i
         timeout=datetime.timedelta(seconds=timeout_s),
     )
     return dist.get_rank(), dist.get_world_size()
+
+
+_CPU_GROUP = None
+
+
+def cpu_group() -> dist.ProcessGroup | None:
+    """A process group over all ranks that moves CPU tensors: None (the default group) when that
+    is gloo already, else a gloo group created once (collectively: every rank must call this the
+    first time). For host-side agreement and background checkpoint writes."""
+    global _CPU_GROUP
+    if dist.get_backend() == "gloo":
+        return None
+    if _CPU_GROUP is None:
+        _CPU_GROUP = dist.new_group(backend="gloo")
+    return _CPU_GROUP

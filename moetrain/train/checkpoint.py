@@ -36,6 +36,9 @@ from moetrain.model.experts import GroupedExperts
 from moetrain.model.transformer import canonical_name
 from moetrain.parallel.fsdp import copy_shard, full_tensor, is_sharded, reshard
 
+# DCP's note for single-process saves, also from async_save's background thread.
+warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+
 COMPLETE = "COMPLETE"
 STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -87,8 +90,16 @@ def save_checkpoint(
     extra_files: dict[str, Path | str] | None = None,
     keep_last: int = 0,
     rank: int = 0,
-) -> Path:
-    """Write step-N atomically (every rank calls this); then keep the newest `keep_last`."""
+    async_write: bool = False,
+    process_group=None,
+) -> Path | PendingCheckpoint:
+    """Write step-N atomically (every rank calls this); then keep the newest `keep_last`.
+
+    With `async_write` the tensors are staged (copied to host memory) now and written by a
+    background thread (`dcp.async_save`, over `process_group`, a CPU-capable group); the returned
+    `PendingCheckpoint` completes the checkpoint — COMPLETE marker, rename, retention — when
+    `finish()` is called, so it becomes visible only once every file is written, exactly as a
+    synchronous save. Training may continue meanwhile."""
     root = checkpoints_dir(run_dir)
     final = root / f"step-{step}"
     tmp = root / f".step-{step}.tmp"
@@ -96,42 +107,73 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True, exist_ok=True)
     _barrier()
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            state, _ = _dcp_state(model, optimizer.state_dict_tensors())
-            dcp.save(state, checkpoint_id=str(tmp))
-        (tmp / f"rng-rank{rank}.json").write_text(json.dumps(rng_state()))
-        _barrier()
-        if rank == 0:
-            (tmp / "trainer_state.json").write_text(json.dumps(trainer_state))
-            for name, src in (extra_files or {}).items():
-                src = Path(src)
-                if src.is_file():
-                    shutil.copyfile(src, tmp / name)
-            (tmp / COMPLETE).write_text(f"step {step}\n")
-            _fsync_dir(tmp)
-    except (OSError, CheckpointException) as e:
+
+    def failed(e: BaseException) -> CheckpointError:
         # Disk full, quota, a vanished mount: drop the partial write; earlier checkpoints are
         # untouched (nothing is replaced before the write is complete).
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         previous = list_checkpoints(run_dir)
         kept = f"the newest complete checkpoint, {previous[-1][1]}, is intact" if previous else "no earlier checkpoint exists"
-        raise CheckpointError(
+        return CheckpointError(
             f"Writing checkpoint step-{step} in '{root}' failed ({_first_line(e)}); {kept}. Free space "
             "(or fix the directory) and continue with --resume."
-        ) from None
-    if rank == 0:
-        if final.exists():  # a re-save of the same step (e.g. after a resume): replace it
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-        if keep_last > 0:
-            for _, old in list_checkpoints(run_dir)[:-keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
-    _barrier()
-    return final
+        )
+
+    def complete() -> Path:
+        try:
+            _barrier()
+            if rank == 0:
+                (tmp / "trainer_state.json").write_text(json.dumps(trainer_state))
+                for name, src in (extra_files or {}).items():
+                    src = Path(src)
+                    if src.is_file():
+                        shutil.copyfile(src, tmp / name)
+                (tmp / COMPLETE).write_text(f"step {step}\n")
+                _fsync_dir(tmp)
+        except (OSError, CheckpointException) as e:
+            raise failed(e) from None
+        if rank == 0:
+            if final.exists():  # a re-save of the same step (e.g. after a resume): replace it
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _fsync_dir(root)
+            if keep_last > 0:
+                for _, old in list_checkpoints(run_dir)[:-keep_last]:
+                    shutil.rmtree(old, ignore_errors=True)
+        _barrier()
+        return final
+
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            state, _ = _dcp_state(model, optimizer.state_dict_tensors())
+            if async_write:
+                future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=process_group)
+            else:
+                dcp.save(state, checkpoint_id=str(tmp))
+        (tmp / f"rng-rank{rank}.json").write_text(json.dumps(rng_state()))  # the state at save time
+    except (OSError, CheckpointException) as e:
+        raise failed(e) from None
+    if async_write:
+        return PendingCheckpoint(step, future, complete, failed)
+    return complete()
+
+
+class PendingCheckpoint:
+    """A checkpoint whose tensors are being written in the background (`save_checkpoint` with
+    `async_write`). `finish()` waits for the write and completes it; until then it is invisible
+    to `--resume` (a crash leaves only the ignored temporary directory)."""
+
+    def __init__(self, step: int, future, complete, failed):
+        self.step, self._future, self._complete, self._failed = step, future, complete, failed
+
+    def finish(self) -> Path:
+        try:
+            self._future.result()
+        except (Exception, CheckpointException) as e:
+            raise self._failed(e) from None
+        return self._complete()
 
 
 def load_checkpoint(

@@ -111,6 +111,10 @@ class TrainerConfig(Config):
     """Checkpoint every N steps (and at the end); 0 = only at the end."""
     save_final: bool = True
     """Checkpoint after the last step (turn off for benchmark runs)."""
+    async_checkpoint: bool = False
+    """Write checkpoints in the background (torch.distributed.checkpoint async_save): the
+    tensors are copied to host memory at the save step and training goes on; the checkpoint
+    appears, complete, when the write has finished (checked at the next save and at the end)."""
     keep_last: int = 3
     """Checkpoints to keep; older ones are deleted. 0 keeps all."""
     fp8: Fp8 = Fp8.none

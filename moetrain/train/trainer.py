@@ -32,7 +32,7 @@ from moetrain.model.counting import count_params, flops_per_token, peak_flops
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.dist_optim import DistributedAdamW
 from moetrain.parallel.dims import ParallelDims, ParallelState, Stack
-from moetrain.parallel.distributed import init_distributed
+from moetrain.parallel.distributed import cpu_group, init_distributed
 from moetrain.parallel.fsdp import init_full_then_shard, is_sharded, reshard
 from moetrain.parallel.pipeline import Pipeline, build_pipeline
 from moetrain.parallel.parallelize import parallelize
@@ -148,6 +148,7 @@ class Trainer:
                 device=self.device, amp_dtype=self.amp_dtype,
             )
 
+        self._pending_checkpoint: ckpt.PendingCheckpoint | None = None
         self.guard = StepGuard(tc.skip_window, tc.skip_spike_sigma, tc.max_consecutive_skips, self.device)
         self.tokens_per_step = tc.global_batch_size * cfg.data.seq_len
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
@@ -306,6 +307,7 @@ class Trainer:
                     self.save()
                 if not is_last and stop.requested():
                     path = self.save() if not saved else ckpt.checkpoints_dir(self.run_dir) / f"step-{self.step}"
+                    self.finish_checkpoint()
                     if self.par.is_main:
                         print(f"stopped by {stop.signal_name} after step {self.step}; checkpoint {path}; "
                               "continue with --resume", file=sys.stderr, flush=True)
@@ -318,6 +320,7 @@ class Trainer:
             progress.close()
             if writer is not None:
                 writer.close()
+        self.finish_checkpoint()
         summary.update(self._final_summary(last_val))
         if main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -387,15 +390,31 @@ class Trainer:
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def save(self) -> Path:
+        """Checkpoint this step. With train.async_checkpoint the tensors are staged now and
+        written in the background; the checkpoint appears (complete) at the next save or at the
+        end of `fit` — `finish_checkpoint()`. Returns where it is (or will be)."""
+        self.finish_checkpoint()  # one write at a time
         self._check_finite()
         state = {"step": self.step, "loader": self.loader.state_dict(), "guard": self.guard.state_dict()}
         extra = {"config.yaml": self.run_dir / "config.yaml"}
         if self.tokenizer_file is not None:
             extra["tokenizer.json"] = self.tokenizer_file
-        return ckpt.save_checkpoint(
+        tc = self.cfg.train
+        result = ckpt.save_checkpoint(
             self.run_dir, self.step, self.model, self.optimizer, state, extra,
-            keep_last=self.cfg.train.keep_last, rank=self.par.rank,
+            keep_last=tc.keep_last, rank=self.par.rank, async_write=tc.async_checkpoint,
+            process_group=cpu_group() if self.par.dims.world_size > 1 else None,
         )
+        if isinstance(result, ckpt.PendingCheckpoint):
+            self._pending_checkpoint = result
+            return ckpt.checkpoints_dir(self.run_dir) / f"step-{result.step}"
+        return result
+
+    def finish_checkpoint(self) -> None:
+        """Wait for a background checkpoint write and complete it (no-op without one)."""
+        pending, self._pending_checkpoint = self._pending_checkpoint, None
+        if pending is not None:
+            pending.finish()
 
     def _check_finite(self) -> None:
         """Never write a checkpoint holding NaN or inf (one host read, at save time only)."""
@@ -482,12 +501,9 @@ class GracefulStop:
         self.signal_name = ""
         self.quiet = quiet
         self.group = None
-        if par.dims.world_size > 1:
-            default_is_gloo = dist.get_backend() == "gloo"
-            self.group = None if default_is_gloo else _gloo_group()
-            self.collective = True
-        else:
-            self.collective = False
+        self.collective = par.dims.world_size > 1
+        if self.collective:
+            self.group = cpu_group()
         self.previous = {}
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -515,17 +531,6 @@ class GracefulStop:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
         self.previous = {}
-
-
-_GLOO_GROUP = None
-
-
-def _gloo_group():
-    """One CPU (gloo) process group over all ranks, created once (collectively)."""
-    global _GLOO_GROUP
-    if _GLOO_GROUP is None:
-        _GLOO_GROUP = dist.new_group(backend="gloo")
-    return _GLOO_GROUP
 
 
 def _ensure_writable(run_dir: Path) -> None:

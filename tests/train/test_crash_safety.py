@@ -26,8 +26,8 @@ def overrides(data_dir, run_dir, *extra):
     )]
 
 
-def start(data_dir, run_dir, resume=False, world=1):
-    cmd = [sys.executable, "-m", "moetrain", "train", "tiny", *overrides(data_dir, run_dir), "--quiet"]
+def start(data_dir, run_dir, resume=False, world=1, extra=()):
+    cmd = [sys.executable, "-m", "moetrain", "train", "tiny", *overrides(data_dir, run_dir, *extra), "--quiet"]
     if resume:
         cmd.append("--resume")
     if world > 1:
@@ -64,11 +64,11 @@ def logged(run_dir):
     return len(read_metrics(run_dir / "metrics.jsonl"))
 
 
-def run_with_kills(data_dir, run_dir, kills, seed, world=1):
+def run_with_kills(data_dir, run_dir, kills, seed, world=1, extra=()):
     rng = random.Random(seed)
     done = 0
     while True:
-        proc = start(data_dir, run_dir, resume=done > 0, world=world)
+        proc = start(data_dir, run_dir, resume=done > 0, world=world, extra=extra)
         if done == kills:
             out, err = proc.communicate(timeout=300)
             assert proc.returncode == 0, err[-3000:]
@@ -94,14 +94,15 @@ def final_state(run_dir):
     return model.state_dict()
 
 
-@pytest.mark.parametrize("world, kills", [(1, 6), (2, 3)])
-def test_sigkill_at_random_moments_then_resume_is_bit_exact(real_text_dir, tmp_path, world, kills):
+@pytest.mark.parametrize("world, kills, extra", [(1, 6, ()), (2, 3, ()), (1, 4, ("train.async_checkpoint=true",))])
+def test_sigkill_at_random_moments_then_resume_is_bit_exact(real_text_dir, tmp_path, world, kills, extra):
+    """Synchronous checkpoints in one process and with two ranks; background (async) writes."""
     reference, killed = tmp_path / "reference", tmp_path / "killed"
     proc = start(real_text_dir, reference, world=world)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
 
-    run_with_kills(real_text_dir, killed, kills=kills, seed=world, world=world)
+    run_with_kills(real_text_dir, killed, kills=kills, seed=world + len(extra), world=world, extra=extra)
 
     want, got = read_metrics(reference / "metrics.jsonl"), read_metrics(killed / "metrics.jsonl")
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))

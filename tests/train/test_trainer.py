@@ -212,3 +212,27 @@ def test_fp8_refuses_dims_the_kernels_cannot_take(tiny_cfg, tmp_path):
     with pytest.raises(ConfigError) as e:
         Trainer(tiny_cfg(tmp_path / "run", "train.fp8=rowwise", "model.moe.expert_hidden=40"), quiet=True)
     assert "divisible by 16" in str(e.value) and "40" in str(e.value)
+
+
+def test_async_checkpoint_holds_its_steps_values_and_appears_only_when_complete(tiny_cfg, tmp_path):
+    """train.async_checkpoint: the save stages the tensors and returns; training goes on and
+    changes them; the checkpoint becomes visible at finish_checkpoint() with the values of the
+    step it was taken at, and resuming from it reproduces the uninterrupted run."""
+    full = Trainer(tiny_cfg(tmp_path / "full"), quiet=True)
+    full.fit()
+    part = Trainer(tiny_cfg(tmp_path / "part", "train.async_checkpoint=true"), quiet=True)
+    for _ in range(5):
+        part.train_step()
+    where = part.save()
+    assert where.name == "step-5" and not where.exists()  # not visible before it is complete
+    part.train_step()
+    part.train_step()
+    part.finish_checkpoint()
+    assert (where / ckpt.COMPLETE).is_file()
+    del part
+    resumed = Trainer(tiny_cfg(tmp_path / "part", "train.async_checkpoint=true"), resume=True, quiet=True)
+    assert resumed.step == 5
+    resumed.fit()  # saves at 6 and 12 in the background; fit completes them
+    a, b = _losses(tmp_path / "full" / "metrics.jsonl"), _losses(tmp_path / "part" / "metrics.jsonl")
+    assert all(a[s] == b[s] for s in range(6, 13))
+    assert [c.name for _, c in ckpt.list_checkpoints(tmp_path / "part")][-1] == "step-12"
