@@ -68,6 +68,32 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        if debug or not _lost_a_peer(e):
+            raise
+        rank = os.environ.get("RANK", "0")
+        print(
+            f"error: rank {rank}: a collective failed because another rank is gone ({_first_line(e)}). The "
+            "launcher's log names the rank that failed first. Completed checkpoints are intact: continue with "
+            "--resume (under torchrun, --max-restarts=N with --resume restarts and resumes by itself).",
+            file=sys.stderr,
+        )
+        return 1
+
+
+_LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited",
+              "NCCL communicator was aborted", "Socket Timeout")
+
+
+def _lost_a_peer(e: BaseException) -> bool:
+    """A communication error that means another rank died (gloo/NCCL wording)."""
+    text = str(e)
+    return isinstance(e, dist.DistNetworkError) or any(s in text for s in _LOST_PEER)
+
+
+def _first_line(e: BaseException) -> str:
+    line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return line[:300]
 
 
 def _usage() -> str:
