@@ -16,6 +16,8 @@ non-blocking copy, never by waiting for the device.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from moetrain.errors import MoetrainError
@@ -57,9 +59,11 @@ class StepGuard:
         self.consecutive = (self.consecutive + 1) * (1 - accepted)
         return skip
 
-    def raise_if_stuck(self, consecutive: int, step: int, last_checkpoint: str | None) -> None:
+    def raise_if_stuck(self, consecutive: int, step: int, last_checkpoint: Callable[[], str | None] = lambda: None) -> None:
+        """Stop the run after too many skips in a row; `last_checkpoint` is asked only then."""
         if self.max_consecutive > 0 and consecutive >= self.max_consecutive:
-            kept = f"the last good checkpoint is {last_checkpoint}" if last_checkpoint else "no checkpoint was written yet"
+            path = last_checkpoint()
+            kept = f"the last good checkpoint is {path}" if path else "no checkpoint was written yet"
             raise TooManySkippedSteps(
                 f"{consecutive} optimizer steps in a row were skipped (non-finite or spiking loss / gradient "
                 f"norm) up to step {step}: training stopped; {kept}. Lower optim.lr, raise "

@@ -186,7 +186,7 @@ class Trainer:
         routing = [moe.end_step(skip) for moe in self.model.moe_layers()]
         self.step += 1
         if self.device.type == "cpu":  # no device to wait for: check every step
-            self.guard.raise_if_stuck(int(self.guard.consecutive), self.step, self._last_checkpoint())
+            self.guard.raise_if_stuck(int(self.guard.consecutive), self.step, self._last_checkpoint)
         return StepOutput(lm_loss, grad_norm, routing, lr)
 
     def _last_checkpoint(self) -> str | None:
@@ -364,7 +364,7 @@ class Trainer:
         lm_loss, grad_norm, skipped, consecutive = torch.stack([
             mean[0], out.grad_norm.double(), self.guard.skipped_total.double(), self.guard.consecutive.double(),
         ]).tolist()
-        self.guard.raise_if_stuck(int(consecutive), self.step, self._last_checkpoint())
+        self.guard.raise_if_stuck(int(consecutive), self.step, self._last_checkpoint)
         moe = self.cfg.model.moe
         num_moe = self.cfg.model.num_moe_layers
         aux = num_moe * (moe.lb_loss_weight * routing["lb_loss"] + moe.z_loss_weight * routing["z_loss"])

@@ -27,7 +27,7 @@ def test_guard_skips_non_finite_and_spikes_and_keeps_its_window_clean():
     assert torch.equal(guard.history_W2, history)  # skipped values never enter the window
     assert int(guard.skipped_total) == 4 and int(guard.consecutive) == 4 and int(guard.count) == 5
     with pytest.raises(TooManySkippedSteps, match="4 optimizer steps in a row"):
-        guard.raise_if_stuck(int(guard.consecutive), 10, None)
+        guard.raise_if_stuck(int(guard.consecutive), 10)
     assert not guard.check(t(2.02), t(1.01))
     assert int(guard.consecutive) == 0 and int(guard.count) == 6
     # Its state survives a checkpoint round trip exactly.
