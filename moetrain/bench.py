@@ -10,7 +10,9 @@ device-to-host synchronization the step makes. The steps are the trainer's own `
 `train.profile_steps` more steps per configuration are recorded by torch.profiler (and a CUDA
 memory snapshot) into RUN_DIR/profile-ROUTING, named in the JSON line as `profile_dir`.
 `--forward-backward-only` times the micro-batches' forward and backward passes without clipping
-and the optimizer step (the JSON line's `timed` says which). The routing mode is switched in place
+and the optimizer step; `--also-forward-backward` times both windows, one JSON line each (the
+line's `timed` says which). Each line also carries the last timed step's routing balance:
+expert_load_max_over_mean, ep_load_max_over_mean and dropped_token_frac (as in metrics.jsonl). The routing mode is switched in place
 between configurations (the model, its optimizer state and compiled code are kept; a warm-up
 follows each switch).
 
@@ -53,6 +55,7 @@ def run_bench(
     run_dir: str | None = None,
     progress: bool = True,
     forward_backward_only: bool = False,
+    also_forward_backward: bool = False,
 ) -> list[dict[str, Any]]:
     from moetrain.train.trainer import Trainer
 
@@ -65,35 +68,43 @@ def run_bench(
     cfg = resolve_config(spec, overrides + BENCH_OVERRIDES + [f"train.run_dir={run_dir}", f"model.moe.routing={routings[0]}"])
     trainer = Trainer(cfg, quiet=True)
     say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress and trainer.par.is_main else (lambda msg: None)
-    step = _forward_backward_step(trainer) if forward_backward_only else trainer.train_step
+    windows = ([("forward+backward", _forward_backward_step(trainer))] if forward_backward_only else
+               [("training step", trainer.train_step)])
+    if also_forward_backward and not forward_backward_only:
+        windows.append(("forward+backward", _forward_backward_step(trainer)))
     records = []
     for routing in routings:
         trainer.cfg.model.moe.routing = Routing(routing)  # every router reads this config object
-        say(f"bench {spec} ({routing} routing): {warmup} warm-up steps")
-        for _ in range(warmup):
-            step()
-        _synchronize(trainer.device)
-        if trainer.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(trainer.device)
-        say(f"bench {spec} ({routing} routing): {steps} timed steps")
-        start = time.perf_counter()
-        for _ in range(steps):
-            out = step()
-        _synchronize(trainer.device)
-        elapsed = time.perf_counter() - start
-        syncs = _count_host_syncs(step) if sync_check and trainer.device.type == "cuda" else None
-        record = _record(trainer, spec, routing, steps, elapsed, out.lm_loss, syncs)
-        record["timed"] = "forward+backward" if forward_backward_only else "training step"
-        if cfg.train.profile:  # after the timed window: the profiler's overhead stays out of it
-            profile_dir = trainer.run_dir / f"profile-{routing}"
-            say(f"bench {spec} ({routing} routing): {cfg.train.profile_steps} profiled steps -> {profile_dir}")
-            profiler = trainer.profiler(profile_dir, wait=0)
-            for _ in range(cfg.train.profile_steps):
-                trainer.train_step()
-                profiler.step()
-            profiler.close()
-            record["profile_dir"] = str(profile_dir)
-        records.append(record)
+        for i, (timed, step) in enumerate(windows):
+            # The first window warms up after the routing switch; a second one reuses the
+            # compiled code and needs one step to settle (allocator, gradient buckets).
+            n_warm = warmup if i == 0 else min(warmup, 1)
+            say(f"bench {spec} ({routing} routing, {timed}): {n_warm} warm-up steps")
+            for _ in range(n_warm):
+                step()
+            _synchronize(trainer.device)
+            if trainer.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(trainer.device)
+            say(f"bench {spec} ({routing} routing, {timed}): {steps} timed steps")
+            start = time.perf_counter()
+            for _ in range(steps):
+                out = step()
+            _synchronize(trainer.device)
+            elapsed = time.perf_counter() - start
+            balance = trainer._record(out, steps, elapsed)  # one collective: loss and routing over all ranks
+            syncs = _count_host_syncs(step) if sync_check and trainer.device.type == "cuda" else None
+            record = _record(trainer, spec, routing, steps, elapsed, balance, syncs)
+            record["timed"] = timed
+            if cfg.train.profile and i == 0:  # after the timed window: the profiler's overhead stays out of it
+                profile_dir = trainer.run_dir / f"profile-{routing}"
+                say(f"bench {spec} ({routing} routing): {cfg.train.profile_steps} profiled steps -> {profile_dir}")
+                profiler = trainer.profiler(profile_dir, wait=0)
+                for _ in range(cfg.train.profile_steps):
+                    trainer.train_step()
+                    profiler.step()
+                profiler.close()
+                record["profile_dir"] = str(profile_dir)
+            records.append(record)
     return records
 
 
@@ -105,8 +116,11 @@ def _synchronize(device: torch.device) -> None:
 
 
 class _FwdBwdOutput:
-    def __init__(self, lm_loss: torch.Tensor):
+    def __init__(self, lm_loss: torch.Tensor, routing: list[dict[str, torch.Tensor]]):
         self.lm_loss = lm_loss
+        self.routing = routing
+        self.grad_norm = torch.zeros((), device=lm_loss.device)
+        self.lr = 0.0
 
 
 def _forward_backward_step(trainer):
@@ -121,9 +135,8 @@ def _forward_backward_step(trainer):
                    else trainer._forward_backward())
         trainer.optimizer.finish()
         trainer.optimizer.zero_grad()
-        for moe in trainer.model.moe_layers():
-            moe.end_step()
-        return _FwdBwdOutput(lm_loss)
+        routing = [moe.end_step() for moe in trainer.model.moe_layers()]
+        return _FwdBwdOutput(lm_loss, routing)
 
     return step
 
@@ -142,7 +155,7 @@ def _count_host_syncs(step) -> int:
     return sum("called a synchronizing CUDA operation" in str(w.message) for w in caught)
 
 
-def _record(trainer, spec: str, routing: str, steps: int, elapsed: float, lm_loss: torch.Tensor,
+def _record(trainer, spec: str, routing: str, steps: int, elapsed: float, balance: dict[str, Any],
             syncs: int | None) -> dict[str, Any]:
     cfg, world = trainer.cfg, trainer.par.dims.world_size
     m, tc = cfg.model, cfg.train
@@ -162,7 +175,10 @@ def _record(trainer, spec: str, routing: str, steps: int, elapsed: float, lm_los
         "host_syncs_per_step": syncs,
         "step_time_s": elapsed / steps,
         "timed_steps": steps,
-        "loss": lm_loss.item(),
+        "loss": balance["lm_loss"],
+        "expert_load_max_over_mean": balance["expert_load_max_over_mean"],
+        "ep_load_max_over_mean": balance["ep_load_max_over_mean"],
+        "dropped_token_frac": balance["dropped_token_frac"],
         "shape": {
             "d_model": m.d_model, "n_layers": m.n_layers, "num_dense_layers": m.num_dense_layers,
             "n_heads": m.n_heads, "n_kv_heads": m.n_kv_heads, "head_dim": m.resolved_head_dim,

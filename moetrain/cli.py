@@ -173,6 +173,8 @@ def cmd_bench(argv: list[str]) -> int:
     parser.add_argument("--no-sync-check", action="store_true", help="skip the extra step that counts host syncs")
     parser.add_argument("--forward-backward-only", action="store_true",
                         help="time the micro-batches' forward and backward alone (no clipping, no optimizer step)")
+    parser.add_argument("--also-forward-backward", action="store_true",
+                        help="after the training-step window, time forward+backward alone too (one more JSON line)")
     parser.add_argument("--device", default=None, help="sets train.device (default: auto)")
     parser.add_argument("--run-dir", default=None, help="where the trainer may write (default: a temporary directory)")
     args, overrides = _split_overrides(parser, argv)
@@ -186,6 +188,7 @@ def cmd_bench(argv: list[str]) -> int:
         args.spec, overrides, warmup=args.warmup, steps=args.steps,
         routings=[r.strip() for r in args.routing.split(",") if r.strip()],
         sync_check=not args.no_sync_check, run_dir=args.run_dir, forward_backward_only=args.forward_backward_only,
+        also_forward_backward=args.also_forward_backward,
     )
     if not dist.is_initialized() or dist.get_rank() == 0:
         for record in records:

@@ -106,6 +106,18 @@ def test_bench_can_time_forward_and_backward_alone(capsys, tmp_path):
     assert record["batch"]["grad_accum_steps"] == 2 and record["loss"] > 0
 
 
+def test_bench_times_both_windows_and_reports_routing_balance(capsys, tmp_path):
+    assert main(["bench", "tiny", "--device", "cpu", "--warmup", "1", "--steps", "1", "--routing", "learned",
+                 "--also-forward-backward", "--run-dir", str(tmp_path), "--model.d_model=64",
+                 "--model.vocab_size=512", "--data.seq_len=32", "--train.micro_batch_size=12"]) == 0
+    step, fwd_bwd = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert (step["timed"], fwd_bwd["timed"]) == ("training step", "forward+backward")
+    for r in (step, fwd_bwd):
+        # Single process, dropless: nothing dropped, one expert-parallel rank, some imbalance.
+        assert r["dropped_token_frac"] == 0.0 and r["ep_load_max_over_mean"] == 1.0
+        assert r["expert_load_max_over_mean"] >= 1.0 and r["loss"] > 0
+
+
 def test_bench_rejects_an_unknown_routing_mode(capsys):
     assert main(["bench", "tiny", "--routing", "learned,roundrobin"]) == 2
     err = capsys.readouterr().err
