@@ -51,11 +51,15 @@ stacks)
   # One shape, one batch (micro-batch S sequences per GPU), all layouts; learned and random routing.
   S=${STACK_SHAPE:-bench-tiny64e-l6}; MB=${MB:-2}
   B=("$S" --warmup 4 --steps 10 --train.global_batch_size=$((MB*N)) --train.micro_batch_size=$((MB*N)) ${SX:-})
-  bench "st-ddp-ep$N-nosync" $N "${B[@]}" --parallel.ep=$N
-  bench "st-ddp-ep$N-alltoall" $N "${B[@]}" --parallel.ep=$N --parallel.dispatcher=alltoall
-  bench "st-ddp-ep$N-nosync-cf1.25" $N "${B[@]}" --parallel.ep=$N --parallel.capacity_factor=1.25
-  bench "st-ddp-ep1" $N "${B[@]}"
-  bench "st-fsdp$N" $N "${B[@]}" --parallel.stack=fsdp
+  for L in ${STACK_LAYOUTS:-nosync alltoall fsdp ep1 cf1.25}; do
+    case $L in
+      nosync)   bench "st-ddp-ep$N-nosync" $N "${B[@]}" --parallel.ep=$N ;;
+      alltoall) bench "st-ddp-ep$N-alltoall" $N "${B[@]}" --parallel.ep=$N --parallel.dispatcher=alltoall ;;
+      cf1.25)   bench "st-ddp-ep$N-nosync-cf1.25" $N "${B[@]}" --parallel.ep=$N --parallel.capacity_factor=1.25 ;;
+      ep1)      bench "st-ddp-ep1" $N "${B[@]}" ;;
+      fsdp)     bench "st-fsdp$N" $N "${B[@]}" --parallel.stack=fsdp ;;
+    esac
+  done
   ;;
 pp)
   # pp=N 1F1B with 8 micro-batches of 2 sequences beside dp=N on the same global batch.
