@@ -76,8 +76,6 @@ scale)
     bench "sc-sweep-8l-$E-ep$N" $N sweep-8l-$E --warmup 3 --steps 8 --routing random --parallel.ep=$N \
         --train.global_batch_size=$N --train.micro_batch_size=$N ${SCX:-}
   done
-  bench "sc-sweep-8l-$((8/N))x-one-gpu" 1 sweep-8l-8 --warmup 3 --steps 8 --routing random --model.moe.num_experts=$((8/N)) \
-      --train.global_batch_size=1 --train.micro_batch_size=1 ${SCX:-}
   bench "sc-sweep-8l-8-one-gpu" 1 sweep-8l-8 --warmup 3 --steps 8 --routing random \
       --train.global_batch_size=1 --train.micro_batch_size=1 ${SCX:-}
   ;;

@@ -18,9 +18,15 @@ block, and row padding left by the sync-free dispatcher (uninitialized rows past
 offset) must not enter any scale — scales along the token dim would mix them in.
 Per-row scales confine such rows to themselves everywhere else.
 
-On CUDA the products are `torch._scaled_mm` / `torch._scaled_grouped_mm`; on CPU `_scaled_mm`
-runs natively and the grouped product is emulated exactly (dequantize, fp32 grouped GEMM), so
-the recipe's numerics are testable without a GPU.
+On CUDA the products are `torch._scaled_mm` / `torch._scaled_grouped_mm`; on CPU both are
+emulated exactly (dequantize, fp32 GEMM, round to bf16; torch 2.11's CPU `_scaled_mm` takes
+per-tensor scales only), so the recipe's numerics are testable without a GPU.
+
+Under `torch.compile` the FP8 products run as eager islands (`torch.compiler.disable`): compiled
+into a block's graph on torch 2.11 (H200, 2026-11-29), the backward's grouped GEMM ended in a
+device-side assert — with the bf16 weight gradient written three ways (this one, contiguous
+operands, torch's own xᵀ·dy form) — while the same functions run correctly eager. The
+quantization kernels therefore stay unfused (docs/benchmarks.md has what that costs).
 
 **MXFP8** (the OCP microscaling format Blackwell's tensor cores take): blocks of 32 consecutive
 elements along the reduction dim share one power-of-two scale stored as float8_e8m0fnu, chosen
@@ -75,7 +81,9 @@ def _column_major(t: torch.Tensor) -> torch.Tensor:
 
 
 def _scaled_mm(a_MK, b_KN, scale_M1, scale_1N) -> torch.Tensor:
-    return torch._scaled_mm(a_MK, b_KN, scale_M1, scale_1N, out_dtype=torch.bfloat16)
+    if a_MK.is_cuda:
+        return torch._scaled_mm(a_MK, b_KN, scale_M1, scale_1N, out_dtype=torch.bfloat16)
+    return ((a_MK.float() * scale_M1) @ (b_KN.float() * scale_1N)).to(torch.bfloat16)
 
 
 def _scaled_grouped_mm(a_MK, b_EKN, scale_M, scale_EN, offsets_E) -> torch.Tensor:
@@ -146,11 +154,13 @@ class _Fp8GroupedMM(torch.autograd.Function):
         return dx.to(x_MK.dtype), dw.to(w_ENK.dtype), None
 
 
+@torch.compiler.disable  # see the module docstring
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x (…, K) · weight (N, K)ᵀ in row-wise FP8; bf16 out."""
     return _Fp8Linear.apply(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
 
 
+@torch.compiler.disable  # see the module docstring
 def fp8_grouped_mm(x_MK: torch.Tensor, w_ENK: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
     return _Fp8GroupedMM.apply(x_MK, w_ENK, offsets_E)
 
