@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from moetrain.errors import ConfigError, MoetrainError
+from moetrain.parallel.distributed import shutdown, unresponsive_ranks
 
 SUBCOMMANDS: dict[str, str] = {
     "train": "train a model from a preset or YAML file (+ --key=value overrides)",
@@ -72,10 +74,20 @@ def main(argv: list[str] | None = None) -> int:
         if debug or not _lost_a_peer(e):
             raise
         rank = os.environ.get("RANK", "0")
+        # A few seconds watching whose heartbeat stopped. The launcher may already be sending
+        # SIGTERM to the survivors (torchrun does once a worker died): we are exiting anyway.
+        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            gone = unresponsive_ranks()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        who = (f"rank {gone[0]} is gone" if gone and len(gone) == 1 else
+               f"ranks {', '.join(map(str, gone))} are gone" if gone else "another rank is gone")
         print(
-            f"error: rank {rank}: a collective failed because another rank is gone ({_first_line(e)}). The "
-            "launcher's log names the rank that failed first. Completed checkpoints are intact: continue with "
-            "--resume (under torchrun, --max-restarts=N with --resume restarts and resumes by itself).",
+            f"error: rank {rank}: a collective failed because {who} ({_first_line(e)}). "
+            + ("" if gone else "The launcher's log names the rank that failed first. ")
+            + "Completed checkpoints are intact: continue with --resume (under torchrun, "
+            "--max-restarts=N with --resume restarts and resumes by itself).",
             file=sys.stderr,
         )
         return 1
@@ -152,8 +164,7 @@ def cmd_train(argv: list[str]) -> int:
     summary = trainer.fit()
     if trainer.par.is_main:
         print(json.dumps(summary))
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    shutdown()
     return 0
 
 
@@ -193,8 +204,7 @@ def cmd_bench(argv: list[str]) -> int:
     if not dist.is_initialized() or dist.get_rank() == 0:
         for record in records:
             print(json.dumps(record), flush=True)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    shutdown()
     return 0
 
 

@@ -117,10 +117,12 @@ class DistributedAdamW:
     micro-batch's backward, `finish()`, `clip_grad_norm()`, `set_lr()`, `step()`, `zero_grad()`.
     """
 
-    def __init__(self, model: nn.Module, state: ParallelState, cfg: OptimConfig, bucket_bytes: int = 25 * 2**20):
+    def __init__(self, model: nn.Module, state: ParallelState, cfg: OptimConfig, bucket_bytes: int = 25 * 2**20,
+                 fused: bool | None = None):
         self.cfg = cfg
         self.lr = cfg.lr
         self.num_steps = 0
+        """Completed updates (the bias corrections' step), on the host: the foreach path."""
         # The squared gradient norm sums over every rank: dp shards, and pipeline stages.
         self.norm_group = state.world_group
         self._grads = _ShardedGradReducer(model, state, bucket_bytes)
@@ -130,15 +132,26 @@ class DistributedAdamW:
         self.exp_avg_S = [torch.zeros_like(m) for m in self.master_S]
         self.exp_avg_sq_S = [torch.zeros_like(m) for m in self.master_S]
         decay_ids = {id(p) for p in param_groups(model, cfg.weight_decay)[0]["params"]}
-        # Views of the master shards where weight decay applies (one per parameter piece held
-        # here), so the decay is one foreach call.
+        # The pieces of the shards that belong to one parameter each: (bucket, start, end, decay)
+        # with start/end relative to the shard. Views of the master shards where weight decay
+        # applies make the foreach path's decay one call; the fused path runs one kernel over the
+        # decayed pieces and one over the rest.
+        self._pieces: list[tuple[int, int, int, bool]] = []
         self._decay_views = []
-        for b, master in zip(self.buckets, self.master_S):
+        for i, (b, master) in enumerate(zip(self.buckets, self.master_S)):
             for p, off in zip(b.params, b.offsets):
                 start, end = max(off, b.lo), min(off + p.numel(), b.hi)
-                if id(p) in decay_ids and start < end:
-                    self._decay_views.append(master[start - b.lo : end - b.lo])
-
+                if start < end:
+                    self._pieces.append((i, start - b.lo, end - b.lo, id(p) in decay_ids))
+                    if id(p) in decay_ids:
+                        self._decay_views.append(master[start - b.lo : end - b.lo])
+        # Fused (torch's fused AdamW kernel on the shard pieces; the default on CUDA): the skip
+        # decision and the clipping factor stay on the device (no host sync), and the step count
+        # is a device tensor.
+        device = self.master_S[0].device if self.master_S else torch.device("cpu")
+        self.fused = device.type == "cuda" if fused is None else fused
+        self._step_t = torch.zeros((), dtype=torch.float32, device=device)
+        self._grad_scale: torch.Tensor | None = None
     # ---- gradients -------------------------------------------------------------------------------
     def prepare(self, sync: bool, backward_passes: int = 1) -> None:
         """Call before each micro-batch's backward, `sync=True` for the last one of the step; or
@@ -172,7 +185,10 @@ class DistributedAdamW:
         total = self.grad_norm()
         if max_norm != math.inf:
             coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-            torch._foreach_mul_([b.grad_S for b in self.buckets], coef)
+            if self.fused:  # the kernel divides by it: one pass over the gradients less
+                self._grad_scale = coef.reciprocal()
+            else:
+                torch._foreach_mul_([b.grad_S for b in self.buckets], coef)
         return total
 
     # ---- the update ------------------------------------------------------------------------------
@@ -182,10 +198,15 @@ class DistributedAdamW:
     @torch.no_grad()
     def step(self, skip: torch.Tensor | None = None) -> None:
         """AdamW on this rank's shards, then all-gather the parameters. `skip` (a device bool,
-        equal on all ranks): no update; read on the host (one sync per step)."""
+        equal on all ranks): no update. The fused path hands it to the kernel as `found_inf`
+        (decided on the device); the foreach path reads it on the host (one sync per step)."""
+        if self.fused:
+            self._fused_step(skip)
+            return
         if skip is not None and bool(skip):
             return
         self.num_steps += 1
+        self._step_t += 1
         lr, wd, eps = self.lr, self.cfg.weight_decay, self.cfg.eps
         beta1, beta2 = self.cfg.betas
         grads = [b.grad_S for b in self.buckets]
@@ -203,6 +224,29 @@ class DistributedAdamW:
         torch._foreach_div_(denom, bias_correction2_sqrt)
         torch._foreach_add_(denom, eps)
         torch._foreach_addcdiv_(self.master_S, self.exp_avg_S, denom, value=-lr / bias_correction1)
+        self._all_gather_params()
+
+    def _fused_step(self, skip: torch.Tensor | None) -> None:
+        """torch._fused_adamw_ over the shard pieces, decayed and not; a skipped step leaves
+        master shards, moments and the step count untouched, and the all-gather then rewrites
+        the parameters with their unchanged values."""
+        found_inf = skip.float() if skip is not None else None
+        self._step_t += 1
+        beta1, beta2 = self.cfg.betas
+        for decay in (True, False):
+            pieces = [(i, lo, hi) for i, lo, hi, d in self._pieces if d == decay]
+            if not pieces:
+                continue
+            views = [[t[i][lo:hi] for i, lo, hi in pieces]
+                     for t in (self.master_S, [b.grad_S for b in self.buckets], self.exp_avg_S, self.exp_avg_sq_S)]
+            torch._fused_adamw_(
+                *views, [], [self._step_t] * len(pieces), lr=self.lr, beta1=beta1, beta2=beta2,
+                weight_decay=self.cfg.weight_decay if decay else 0.0, eps=self.cfg.eps, amsgrad=False,
+                maximize=False, grad_scale=self._grad_scale, found_inf=found_inf,
+            )
+        if found_inf is not None:
+            self._step_t -= found_inf
+        self._grad_scale = None
         self._all_gather_params()
 
     def _all_gather_params(self) -> None:
@@ -243,11 +287,12 @@ class DistributedAdamW:
         save the shards (DCP with per-shard offsets) instead.
         """
         out: dict[str, dict[str, torch.Tensor]] = {}
+        step = self._step_t.detach().to("cpu", copy=True)  # one read for all parameters
         for b, exp_avg, exp_avg_sq in zip(self.buckets, self.exp_avg_S, self.exp_avg_sq_S):
             full = {"exp_avg": self._gather(b, exp_avg), "exp_avg_sq": self._gather(b, exp_avg_sq)}
             for p, off in zip(b.params, b.offsets):
                 entry = {key: full_N[off : off + p.numel()].view_as(p) for key, full_N in full.items()}
-                entry["step"] = torch.tensor(float(self.num_steps), dtype=torch.float32)
+                entry["step"] = step.clone()
                 out[self.names[id(p)]] = entry
         return out
 
@@ -286,4 +331,5 @@ class DistributedAdamW:
         if len(steps) > 1:
             raise ValueError(f"Optimizer state holds different step counts {sorted(steps)}; expected one.")
         self.num_steps = steps.pop() if steps else 0
+        self._step_t.fill_(self.num_steps)
         self.sync_master_from_params()

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from moetrain.parallel.distributed import shutdown
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -38,8 +40,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
     except BaseException:  # report everything, including CheckpointException
         queue.put((rank, False, traceback.format_exc()))
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        shutdown()
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float = 240.0) -> list[Any]:

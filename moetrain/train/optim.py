@@ -104,17 +104,36 @@ class _TorchAdamW:
     """What the optimizers built on a torch AdamW (`self.adamw`) share."""
 
     adamw: torch.optim.AdamW
+    fused: bool = False
+    """torch's fused AdamW kernel (CUDA): the clipping factor and the skip decision go into the
+    kernel as device tensors (`grad_scale`, `found_inf`)."""
 
     def set_lr(self, lr: float) -> None:
         for group in self.adamw.param_groups:
             group["lr"] = lr
 
-    def step(self, skip: torch.Tensor | None = None) -> None:
-        """`skip` (device bool): leave parameters and state untouched. Read on the host here
-        (one sync); `ReplicatedAdamW` on CUDA avoids that."""
-        if skip is not None and bool(skip):
+    def _clip(self, grads: list[torch.Tensor], total: torch.Tensor, max_norm: float) -> None:
+        """Bring the gradients to a norm of at most `max_norm`. Fused: not applied to the
+        gradients but handed to the kernel as its gradient divisor (`grad_scale`), saving one
+        read and write of every gradient; otherwise the gradients are scaled in place."""
+        if max_norm == math.inf:
             return
-        self.adamw.step()
+        coef = clip_coefficient(total, max_norm)
+        if self.fused:
+            self.adamw.grad_scale = coef.reciprocal()
+        else:
+            torch._foreach_mul_(grads, coef)
+
+    def step(self, skip: torch.Tensor | None = None) -> None:
+        """`skip` (device bool): leave parameters and AdamW state untouched. With the fused
+        kernel it is the kernel's `found_inf` — decided on the device, no host sync; the foreach
+        path (CPU) reads it on the host."""
+        if self.fused:
+            self.adamw.found_inf = skip.float() if skip is not None else None
+            self.adamw.step()
+        elif skip is None or not bool(skip):
+            self.adamw.step()
+        self.adamw.grad_scale = self.adamw.found_inf = None  # consumed
 
 
 class ReplicatedAdamW(_TorchAdamW):
@@ -144,30 +163,10 @@ class ReplicatedAdamW(_TorchAdamW):
             self.reducer.finish()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """The global gradient norm before clipping (device tensor). With the fused AdamW kernel
-        (CUDA) the clipping factor is not applied to the gradients here but handed to the
-        kernel as its gradient divisor (`grad_scale`), saving one read and write of every
-        gradient; otherwise the gradients are scaled in place."""
+        """The global gradient norm before clipping (device tensor); clips (see `_clip`)."""
         total = global_grad_norm(self.dense_params, self.expert_params, self.ep_group, self.pp_group)
-        if max_norm != math.inf:
-            coef = clip_coefficient(total, max_norm)
-            if self.fused:
-                self.adamw.grad_scale = coef.reciprocal()
-            else:
-                grads = [p.grad for p in self.dense_params + self.expert_params if p.grad is not None]
-                torch._foreach_mul_(grads, coef)
+        self._clip([p.grad for p in self.dense_params + self.expert_params if p.grad is not None], total, max_norm)
         return total
-
-    def step(self, skip: torch.Tensor | None = None) -> None:
-        """`skip` (device bool): leave parameters and AdamW state untouched. With the fused
-        kernel (CUDA) it is the kernel's `found_inf` — decided on the device, no host sync;
-        the foreach path (CPU) reads it on the host."""
-        if self.fused:
-            self.adamw.found_inf = skip.float() if skip is not None else None
-            self.adamw.step()
-        elif skip is None or not bool(skip):
-            self.adamw.step()
-        self.adamw.grad_scale = self.adamw.found_inf = None  # consumed
 
     def zero_grad(self) -> None:
         if self.reducer is not None:
@@ -212,6 +211,7 @@ class FSDPAdamW(_TorchAdamW):
     def __init__(self, model: nn.Module, state, cfg: OptimConfig):
         self.model = model
         self.adamw = build_optimizer(model, cfg)
+        self.fused = any(g.get("fused") for g in self.adamw.param_groups)
 
     def prepare(self, sync: bool, backward_passes: int = 1) -> None:
         """Gradient accumulation: FSDP keeps unsharded gradients and reduce-scatters them only in
@@ -223,13 +223,17 @@ class FSDPAdamW(_TorchAdamW):
         """Nothing to wait for: FSDP finishes its reduce-scatters at the end of backward."""
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Global norm over the gradient shards (clip_grad_norm_ reduces DTensor norms over the
+        """Global norm over the gradient shards (get_total_norm reduces DTensor norms over the
         mesh), as a plain device tensor; clip with the same coefficient as `clip_grad_norm`."""
         from moetrain.parallel.fsdp import full_tensor
 
         params = [p for p in self.model.parameters() if p.grad is not None]
-        total = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        return full_tensor(total)
+        total = full_tensor(torch.nn.utils.get_total_norm([p.grad for p in params], 2.0))
+        if self.fused or max_norm == math.inf:
+            self._clip([p.grad for p in params], total, max_norm)
+        else:  # DTensor gradients: torch's own helper scales them
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
 
     def zero_grad(self) -> None:
         self.adamw.zero_grad(set_to_none=True)

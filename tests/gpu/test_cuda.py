@@ -52,18 +52,23 @@ def test_tiny_trains_on_cuda(real_text_dir, tmp_path):
     assert records[-1]["mfu"] is not None and records[-1]["peak_mem_gib"] > 0
 
 
-@pytest.mark.parametrize("compile, recompute", [(False, "none"), (True, "none"), (True, "selective")])
-def test_training_step_is_sync_free(tmp_path, compile, recompute):
-    """A whole training step (forward and backward of two micro-batches, clipping, AdamW, the
-    aux-free bias update) makes no device-to-host synchronization: CUDA's sync debug mode in
-    "error" raises on any (logging reads values only every train.log_every steps, outside)."""
+@pytest.mark.parametrize("compile, recompute, optimizer", [
+    (False, "none", "parallel.shard_optimizer=false"), (True, "none", "parallel.shard_optimizer=false"),
+    (True, "selective", "parallel.shard_optimizer=false"),
+    (False, "none", "parallel.shard_optimizer=true"), (False, "none", "parallel.stack=fsdp"),
+])
+def test_training_step_is_sync_free(tmp_path, compile, recompute, optimizer):
+    """A whole training step (forward and backward of two micro-batches, clipping, the step
+    guard, AdamW, the aux-free bias update) makes no device-to-host synchronization: CUDA's sync
+    debug mode in "error" raises on any (logging reads values only every train.log_every steps,
+    outside). For the replicated, the sharded (DistributedAdamW) and the FSDP optimizers."""
     from moetrain.presets import resolve_config
     from moetrain.train.trainer import Trainer
 
     cfg = resolve_config("tiny", [
         "data.synthetic=true", f"train.run_dir={tmp_path}", "train.device=cuda", "train.micro_batch_size=12",
         "model.moe.bias_update_rate=0.001", f"train.compile={str(compile).lower()}", f"train.recompute={recompute}",
-        "train.tensorboard=false", "train.plot=false",
+        "train.tensorboard=false", "train.plot=false", optimizer,
     ])
     trainer = Trainer(cfg, quiet=True)
     for _ in range(2):  # compile and allocate outside the checked step

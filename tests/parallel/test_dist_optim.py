@@ -274,3 +274,61 @@ def test_sharded_adamw_matches_reference_layouts(single_process, world, eps):
         print(f"dp{world} ep{ep}: memory_bytes per rank {[r[ep]['memory_bytes'] for r in results]}, "
               f"unsharded in this layout {results[0][ep]['unsharded_layout_bytes']}, "
               f"single-device {full_state_bytes}; param_err {[r[ep]['param_err'] for r in results]}")
+
+
+def _fused_vs_foreach(world: int, ep: int) -> dict:
+    """Train the foreach path (the CPU default) and the fused kernel path side by side, then one
+    non-finite step that both must skip — the fused one without reading `skip` on the host."""
+    from unittest import mock
+
+    from moetrain.parallel.dist_optim import DistributedAdamW
+
+    state = make_state(ep, world)
+    runs = {}
+    for fused in (False, True):
+        model = build_model(state)
+        opt = DistributedAdamW(model, state, OPTIM, fused=fused)
+        norms = train(model, opt, state, STEPS)
+        # A step whose gradient is NaN on one rank: the global norm is NaN everywhere.
+        for micro in range(MICRO):
+            opt.prepare(sync=micro == MICRO - 1)
+            inputs_BT, targets_BT = micro_batch(STEPS, micro, state)
+            (F.cross_entropy(model(inputs_BT).flatten(0, 1), targets_BT.flatten()) / MICRO).backward()
+        opt.finish()
+        if state.dp_rank == 0:
+            opt.buckets[0].grad_S[0] = float("nan")
+        norm = opt.clip_grad_norm(OPTIM.grad_clip)
+        skip = ~torch.isfinite(norm)
+        before = [t.clone() for t in opt.master_S + opt.exp_avg_S + opt.exp_avg_sq_S]
+        params_before = [p.detach().clone() for p in model.parameters()]
+        no_host_read = mock.patch.object(torch.Tensor, "__bool__", side_effect=AssertionError("host read")) \
+            if fused else contextlib.nullcontext()
+        with no_host_read:
+            opt.step(skip)
+        opt.zero_grad()
+        for moe in model.moe_layers():
+            moe.end_step()
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, opt.master_S + opt.exp_avg_S + opt.exp_avg_sq_S))
+        unchanged &= all(torch.equal(a, p.detach()) for a, p in zip(params_before, model.parameters()))
+        step_after_skip = float(opt.state_dict_tensors()["lm_head.weight"]["step"])
+        train(model, opt, state, 1, first_step=STEPS + 1)  # training goes on
+        runs[fused] = {"norms": norms, "skip": bool(skip), "unchanged": unchanged, "step": step_after_skip,
+                       "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return {
+        "norm_rel": max(abs(a - b) / b for a, b in zip(runs[True]["norms"], runs[False]["norms"])),
+        "param_err": max_abs_diff(runs[True]["params"], runs[False]["params"]),
+        **{f"{k}_{fused}": runs[fused][k] for fused in (False, True) for k in ("skip", "unchanged", "step")},
+    }
+
+
+def test_fused_sharded_adamw_matches_the_foreach_path_and_skips_on_the_device():
+    """The fused kernel path (CUDA's default; torch's CPU kernel here) gives the foreach path's
+    update to rounding, folds clipping into the kernel, and skips a non-finite step with the
+    decision left on the device: parameters, master shards, moments and step count unchanged."""
+    from moetrain.testing.distributed import run_distributed
+
+    for r in run_distributed(_fused_vs_foreach, 2, 2, 2):
+        assert r["norm_rel"] <= 1e-6 and r["param_err"] <= 2e-6, r
+        for fused in (False, True):
+            assert r[f"skip_{fused}"] and r[f"unchanged_{fused}"], r
+            assert r[f"step_{fused}"] == STEPS, r

@@ -61,7 +61,13 @@ def saving(run_dir):
 
 
 def logged(run_dir):
-    return len(read_metrics(run_dir / "metrics.jsonl"))
+    """Steps in metrics.jsonl; 0 while there is none (a resume with no complete checkpoint
+    deletes the stale one before it starts over)."""
+    path = run_dir / "metrics.jsonl"
+    try:
+        return len(read_metrics(path))
+    except FileNotFoundError:
+        return 0
 
 
 def run_with_kills(data_dir, run_dir, kills, seed, world=1, extra=()):
@@ -175,11 +181,44 @@ def test_a_killed_rank_makes_the_other_fail_fast_and_resume_is_bit_exact(real_te
         kill(proc)
         pytest.fail("the surviving rank hung after its peer died")
     assert proc.returncode != 0 and time.monotonic() - started < 60
-    assert "error: rank 0: a collective failed because another rank is gone" in err
+    assert "error: rank 0: a collective failed because rank 1 is gone" in err, err[-3000:]
 
     proc = start(real_text_dir, run, resume=True, world=2)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
+    want, got = read_metrics(reference / "metrics.jsonl"), read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    for a, b in zip(want, got):
+        assert (a["lm_loss"], a["grad_norm"]) == (b["lm_loss"], b["grad_norm"]), a["step"]
+
+
+def test_a_rank_killed_under_torchrun_max_restarts_resumes_bit_exact(real_text_dir, tmp_path):
+    """torchrun --max-restarts=1 with --resume: one of two ranks is SIGKILLed mid-run; the other
+    fails fast naming it, torchrun restarts both, they resume from the last checkpoint and the run
+    ends exactly where an uninterrupted one does."""
+    reference, run = tmp_path / "reference", tmp_path / "run"
+    proc = start(real_text_dir, reference, world=2)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+           "--monitor-interval=0.2", "-m", "moetrain", "train", "tiny", *overrides(real_text_dir, run), "--quiet",
+           "--resume"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    wait_for(lambda: (run / "checkpoints" / "step-4" / "COMPLETE").is_file() and logged(run) >= 5, proc)
+    workers = children(proc.pid)
+    assert len(workers) == 2, workers
+    os.kill(workers[1], signal.SIGKILL)
+    started = time.monotonic()
+    try:
+        _, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        kill(proc)
+        pytest.fail("the restarted run did not finish")
+    assert proc.returncode == 0, err[-5000:]
+    assert time.monotonic() - started < 150  # no collective timeout was waited out
+    assert "error: rank 0: a collective failed because rank 1 is gone" in err, err[-3000:]
     want, got = read_metrics(reference / "metrics.jsonl"), read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     for a, b in zip(want, got):

@@ -100,3 +100,56 @@ def test_no_checkpoint_with_nan_parameters(tiny_cfg, tmp_path):
     from moetrain.train import checkpoint as ckpt
 
     assert ckpt.list_checkpoints(tmp_path / "run")[-1][1] == good
+
+
+def _fsdp_fused(data_dir, run_dir):
+    """Rank function: the FSDP stack with torch's fused AdamW (CUDA's default; its CPU kernel
+    here) against the foreach path, then a NaN step skipped without a host read."""
+    from unittest import mock
+
+    from conftest import tiny_overrides
+    from moetrain.presets import resolve_config
+    from moetrain.train.optim import param_groups
+
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    out = {}
+    for fused in (False, True):
+        cfg = resolve_config("tiny", tiny_overrides(data_dir, f"{run_dir}-{fused}", "parallel.stack=fsdp",
+                                                    "train.device=cpu", "optim.grad_clip=0.05"))
+        trainer = Trainer(cfg, quiet=True)
+        if fused:
+            o = cfg.optim
+            trainer.optimizer.adamw = torch.optim.AdamW(param_groups(trainer.model, o.weight_decay), lr=o.lr,
+                                                        betas=tuple(o.betas), eps=o.eps, fused=True)
+            trainer.optimizer.fused = True
+        norms = [float(trainer.train_step().grad_norm) for _ in range(3)]
+        out[f"params_{fused}"] = [local(p.detach()).numpy().copy() for p in trainer.model.parameters()]
+        out[f"norms_{fused}"] = norms
+    before = snapshot(trainer)
+    poison(trainer, calls={0})
+    real_step = trainer.optimizer.step
+
+    def step_without_host_reads(skip=None):
+        with mock.patch.object(torch.Tensor, "__bool__", side_effect=AssertionError("host read")):
+            real_step(skip)
+
+    trainer.optimizer.step = step_without_host_reads
+    trainer.train_step()
+    after = snapshot(trainer)
+    out["unchanged"] = all(torch.equal(local(a), local(b)) for a, b in zip(before[0].values(), after[0].values())) and all(
+        torch.equal(local(before[1][n][k]), local(after[1][n][k])) for n in before[1] for k in before[1][n])
+    out["skipped"] = int(trainer.guard.skipped_total)
+    return out
+
+
+def test_fsdp_with_fused_adamw_clips_in_the_kernel_and_skips_on_the_device(real_text_dir, tmp_path):
+    from moetrain.testing.distributed import run_distributed
+
+    for r in run_distributed(_fsdp_fused, 2, str(real_text_dir), str(tmp_path / "run")):
+        assert min(r["norms_False"]) > 0.05  # clipping was active
+        assert r["norms_True"] == pytest.approx(r["norms_False"], rel=1e-5)
+        for a, b in zip(r["params_True"], r["params_False"]):
+            torch.testing.assert_close(torch.from_numpy(a), torch.from_numpy(b), rtol=1e-5, atol=1e-6)
+        assert r["unchanged"] and r["skipped"] == 1
