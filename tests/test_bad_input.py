@@ -5,7 +5,6 @@ import errno
 import json
 import shutil
 
-import numpy as np
 import pytest
 
 from moetrain.cli import main
@@ -35,6 +34,7 @@ def train_args(data_dir, run_dir, *extra):
     (["--model.n_kv_heads=3"], ["n_heads=4", "n_kv_heads=3"]),
     (["--parallel.pp=2"], ["parallel.pp=2", "world size 1"]),
     (["--parallel.ep=3"], ["parallel.ep=3"]),
+    (["--parallel.peer_timeout_s=0"], ["parallel.peer_timeout_s=0", "seconds"]),
 ])
 def test_config_mistakes(capsys, tmp_path, overrides, words):
     fails(capsys, ["train", "tiny", "--run-dir", str(tmp_path / "run"), *overrides], *words)

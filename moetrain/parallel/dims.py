@@ -77,12 +77,21 @@ class ParallelConfig(Config):
     shard_optimizer: bool = False
     """Distributed optimizer: fp32 master weights and AdamW moments sharded over the data-parallel
     ranks (gradients reduce-scattered, parameters all-gathered): optimizer memory ÷ dp."""
+    timeout_s: float = 600.0
+    """Collective timeout: a collective that has not completed after this long fails."""
+    peer_timeout_s: float = 120.0
+    """A rank whose heartbeat (one tick a second from a background thread) stands still this long
+    is declared dead or hung: the rank watching it (ranks watch their successor in a ring) stops
+    the run with an error naming it, instead of waiting out a collective timeout."""
     capacity_factor: float | None = None
     """nosync only: rows per destination rank = ceil(f · assignments / ep); assignments beyond
     are dropped (and counted in dropped_token_frac). None = dropless (buffers of ep × the
     assignments: see docs/architecture.md for the memory cost)."""
 
     def validate(self) -> None:
+        for name in ("timeout_s", "peer_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"parallel.{name}={getattr(self, name)} must be a positive number of seconds.")
         if self.capacity_factor is not None:
             if self.capacity_factor <= 0:
                 raise ConfigError(f"parallel.capacity_factor={self.capacity_factor} must be positive (or null for dropless).")

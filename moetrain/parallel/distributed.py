@@ -3,9 +3,16 @@ MASTER_PORT, LOCAL_RANK): NCCL on GPUs, gloo on CPU. A plain `python -m moetrain
 torchrun) runs as a world of one without any process group.
 
 Every rank also keeps a heartbeat in the rendezvous store (a counter it increments once a second
-from a background thread), so that when a collective fails because a peer is gone the survivors
-can name it: `unresponsive_ranks()` watches the counters for a few seconds and returns the ranks
-whose counter stood still. Under torchrun the store is the launcher's, which outlives the workers.
+from a background thread). Two uses:
+- when a collective fails because a peer is gone (gloo reports it at once), the survivors name
+  it: `unresponsive_ranks()` watches the counters for a few seconds and returns the ranks whose
+  counter stood still;
+- a dead or hung peer that makes no collective fail (NCCL may just wait; a rank stuck in a
+  kernel or a deadlock): each rank's thread also watches its successor in a ring (rank r watches
+  r + 1 mod world, so the store sees O(world) reads a second) and, when that counter has stood
+  still for `peer_timeout_s`, prints an error naming it and ends the process (exit code 1); the
+  launcher then stops the others. A rank that finishes normally marks itself done first.
+Under torchrun the store is the launcher's, which outlives the workers.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_distributed(device_type: str, timeout_s: float = 600.0) -> tuple[int, int]:
+def init_distributed(device_type: str, timeout_s: float = 600.0, peer_timeout_s: float = 120.0) -> tuple[int, int]:
     """(rank, world size); initializes the default process group when there are several ranks
     and none exists yet. On CUDA each rank takes GPU LOCAL_RANK."""
     if dist.is_initialized():
@@ -33,12 +40,38 @@ def init_distributed(device_type: str, timeout_s: float = 600.0) -> tuple[int, i
         return 0, 1
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(
-        backend="nccl" if device_type == "cuda" else "gloo",
-        timeout=datetime.timedelta(seconds=timeout_s),
+        backend="nccl" if device_type == "cuda" else "gloo", timeout=timeout, store=_rendezvous_store(world, timeout),
+        rank=int(os.environ["RANK"]), world_size=world,
     )
-    _start_heartbeat()
+    _start_heartbeat(peer_timeout_s)
     return dist.get_rank(), dist.get_world_size()
+
+
+def _rendezvous_store(world: int, timeout: datetime.timedelta) -> dist.Store:
+    """The store the ranks meet in: MASTER_ADDR:MASTER_PORT (torchrun's own store, or rank 0's),
+    under a prefix per torchrun restart attempt.
+
+    We build it instead of letting `init_process_group` read env:// because after a
+    `torchrun --max-restarts` restart the env:// path often failed to connect the new ranks
+    (torch 2.13, gloo: "connectFullMesh failed … Connection refused", in 3 of 6 and 1 of 3
+    restarts of a 20-line script, once a hang), while this store with our own attempt prefix
+    restarted 12 of 12 times (2 ranks, this CPU machine, 2026-11-29); torch issue #167288
+    reports the same refusal with NCCL."""
+    missing = [k for k in ("RANK", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        from moetrain.errors import ConfigError
+
+        raise ConfigError(
+            f"WORLD_SIZE={world} is set but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: "
+            "start several ranks with torchrun (it sets RANK, MASTER_ADDR and MASTER_PORT), or unset WORLD_SIZE."
+        )
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    rank = int(os.environ["RANK"])
+    base = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]), world,
+                         is_master=rank == 0 and not agent_store, timeout=timeout)
+    return dist.PrefixStore(f"/moetrain/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", base)
 
 
 HEARTBEAT_S = 1.0
@@ -49,7 +82,13 @@ def _heartbeat_key(rank: int) -> str:
     return f"moetrain/heartbeat/{rank}"
 
 
-def _start_heartbeat() -> None:
+def _done_key(rank: int) -> str:
+    return f"moetrain/done/{rank}"
+
+
+def _start_heartbeat(peer_timeout_s: float | None = None) -> None:
+    """Tick this rank's counter every HEARTBEAT_S; with `peer_timeout_s`, also watch the next
+    rank's counter and end the process if it stands still that long."""
     global _HEARTBEAT
     stop_heartbeat()
     try:
@@ -57,18 +96,39 @@ def _start_heartbeat() -> None:
     except Exception:  # a private torch helper: without it, failures just name no rank
         return
     stop = threading.Event()
-    key = _heartbeat_key(dist.get_rank())
+    me, world = dist.get_rank(), dist.get_world_size()
+    key, peer = _heartbeat_key(me), (me + 1) % world
+    watch = peer_timeout_s is not None and world > 1
 
     def beat() -> None:
+        last_value, last_change = None, time.monotonic()
         while not stop.wait(HEARTBEAT_S):
             try:
                 store.add(key, 1)
+                if not watch:
+                    continue
+                value = store.add(_heartbeat_key(peer), 0)  # add 0: read without blocking
+                now = time.monotonic()
+                if value != last_value:
+                    last_value, last_change = value, now
+                elif now - last_change > peer_timeout_s and not store.add(_done_key(peer), 0) and not stop.is_set():
+                    _peer_lost(me, peer, now - last_change)
             except Exception:  # the store is gone (shutdown or the launcher died): stop quietly
                 return
 
     store.add(key, 1)
     threading.Thread(target=beat, name="moetrain-heartbeat", daemon=True).start()
     _HEARTBEAT = (store, stop)
+
+
+def _peer_lost(me: int, peer: int, silent_s: float) -> None:
+    message = (
+        f"error: rank {me}: rank {peer} has shown no sign of life for {silent_s:.0f} s (dead or hung; "
+        "parallel.peer_timeout_s); stopping this rank. Completed checkpoints are intact: continue with "
+        "--resume (under torchrun, --max-restarts=N with --resume restarts and resumes by itself).\n"
+    )
+    os.write(2, message.encode())
+    os._exit(1)  # from this thread: the main one may be stuck in a collective
 
 
 def unresponsive_ranks(watch_s: float = 3 * HEARTBEAT_S) -> list[int] | None:
@@ -88,16 +148,23 @@ def unresponsive_ranks(watch_s: float = 3 * HEARTBEAT_S) -> list[int] | None:
     return [r for r in others if after[r] == before[r]]
 
 
-def stop_heartbeat() -> None:
+def stop_heartbeat(done: bool = False) -> None:
+    """Stop ticking; `done`: first tell the rank watching this one that it finished normally."""
     global _HEARTBEAT
     if _HEARTBEAT is not None:
-        _HEARTBEAT[1].set()
+        store, stop = _HEARTBEAT
+        stop.set()
         _HEARTBEAT = None
+        if done:
+            try:
+                store.add(_done_key(dist.get_rank()), 1)
+            except Exception:
+                pass
 
 
 def shutdown() -> None:
-    """Stop the heartbeat and destroy the default process group (if any)."""
-    stop_heartbeat()
+    """Mark this rank done, stop the heartbeat, destroy the default process group (if any)."""
+    stop_heartbeat(done=True)
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -80,7 +80,7 @@ class Trainer:
         self.cfg = cfg
         tc = cfg.train
         self.device = resolve_device(tc.device)
-        rank, world = init_distributed(self.device.type)
+        rank, world = init_distributed(self.device.type, cfg.parallel.timeout_s, cfg.parallel.peer_timeout_s)
         if self.device.type == "cuda" and world > 1:
             self.device = torch.device("cuda", torch.cuda.current_device())
         dims = ParallelDims.from_config(

@@ -2,8 +2,6 @@
 within 1e-5 relative, parameters after the steps within 1e-5 (relative or absolute)
 (fp32, gloo, CPU ranks)."""
 
-import json
-
 import pytest
 import torch
 

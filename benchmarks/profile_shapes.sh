@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Where the step's time goes, per shape: `moetrain bench` with the profiler on for 2 steps after
+# the timed window; the op table (sorted by device time) of each lands in $OUT/ops-PRESET.txt.
+# Usage: PRESETS="bench-tiny64e-l6 bench-small32e" bash benchmarks/profile_shapes.sh
+set -u
+OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+for p in ${PRESETS:-bench-tiny64e-l6 bench-small32e bench-sweep-8 bench-sweep-64}; do
+  timeout ${BT:-200} python -m moetrain bench "$p" --device cuda --warmup 3 --steps 5 --routing ${ROUTING:-learned} \
+      --train.profile=true --train.profile_steps=2 --run-dir "/tmp/prof-$p" ${EXTRA:-} 2>"/tmp/prof-$p.err" \
+    | python -c "import json,sys; [print('$p', r['routing'], round(r['tokens_per_sec_per_device']), round(100*r['mfu'],1), round(r['peak_mem_gib'],1)) for r in map(json.loads, sys.stdin)]"
+  grep -m3 -i "error" "/tmp/prof-$p.err"
+  cp "/tmp/prof-$p/profile-${ROUTING:-learned}/ops.txt" "$OUT/ops-$p.txt" 2>/dev/null && head -25 "$OUT/ops-$p.txt" | cut -c1-160
+done
