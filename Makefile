@@ -7,6 +7,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.moetrain-installed
+HF_STAMP := $(VENV)/.moetrain-hf-installed
 DATA ?= data/default
 RUN ?= runs/tiny
 STEPS ?= 300
@@ -34,7 +35,12 @@ train: data
 	$(PY) -m moetrain train tiny --run-dir $(RUN) --steps $(STEPS) --data.sources='[$(DATA)]'
 	@$(PY) -m moetrain.train.report $(RUN)
 
-test: $(STAMP)
+# The tests also cover the Hugging Face export: the optional `hf` extra (transformers).
+$(HF_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e ".[hf]"
+	@touch $(HF_STAMP)
+
+test: $(HF_STAMP)
 	$(PY) -m pytest -q
 
 clean:

@@ -30,6 +30,8 @@ SUBCOMMANDS: dict[str, str] = {
     "presets": "list the shipped presets",
     "plot": "draw the loss curves of one or more run directories into one PNG",
     "bench": "time training steps of a preset (tokens/s, TFLOP/s, MFU, memory, host syncs) as JSON lines",
+    "export-hf": "write a checkpoint as a Hugging Face model directory (safetensors, config, tokenizer)",
+    "import-hf": "turn a Hugging Face Qwen3-MoE directory into a moetrain checkpoint (train --train.init_from=…)",
 }
 
 # Everyday flags of `train`, and the config keys they set.
@@ -284,6 +286,38 @@ def cmd_generate(argv: list[str]) -> int:
     return 0
 
 
+def cmd_export_hf(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="moetrain export-hf",
+        description="Write a checkpoint as a directory that transformers loads offline with a native "
+        "architecture (Qwen3-MoE): model.safetensors, config.json, tokenizer files. Models that no "
+        "native class represents exactly are refused, naming the feature.",
+    )
+    parser.add_argument("checkpoint", help="a run directory (newest checkpoint) or a step-N directory")
+    parser.add_argument("out_dir")
+    args = parser.parse_args(argv)
+    from moetrain.hf import export_hf
+
+    print(json.dumps(export_hf(args.checkpoint, args.out_dir)))
+    return 0
+
+
+def cmd_import_hf(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="moetrain import-hf",
+        description="Read a Hugging Face Qwen3-MoE directory (config.json, safetensors, tokenizer.json) into "
+        "OUT_DIR: config.yaml, tokenizer.json and a weights-only checkpoint. Continue training it with "
+        "`moetrain train OUT_DIR/config.yaml --train.init_from=OUT_DIR --data.sources=… --run-dir NEW`.",
+    )
+    parser.add_argument("hf_dir")
+    parser.add_argument("out_dir")
+    args = parser.parse_args(argv)
+    from moetrain.hf import import_hf
+
+    print(json.dumps(import_hf(args.hf_dir, args.out_dir)))
+    return 0
+
+
 def cmd_plot(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="moetrain plot", description="Compare the loss curves of runs.")
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
@@ -308,4 +342,6 @@ _HANDLERS: dict[str, Callable[[list[str]], int]] = {
     "generate": cmd_generate,
     "presets": cmd_presets,
     "bench": cmd_bench,
+    "export-hf": cmd_export_hf,
+    "import-hf": cmd_import_hf,
 }

@@ -117,6 +117,10 @@ class TrainerConfig(Config):
     appears, complete, when the write has finished (checked at the next save and at the end)."""
     keep_last: int = 3
     """Checkpoints to keep; older ones are deleted. 0 keeps all."""
+    init_from: str | None = None
+    """Start from the model weights of this checkpoint (a run directory, a step-N directory, or
+    what `moetrain import-hf` wrote), with a fresh optimizer at step 0. Not used when --resume
+    finds a checkpoint of this run (that continues the run itself)."""
     fp8: Fp8 = Fp8.none
     """FP8 matrix products (see Fp8)."""
     recompute: Recompute = Recompute.none

@@ -431,7 +431,8 @@ class Trainer:
             )
 
     def _check_fresh_start(self) -> None:
-        """A new run must not mix with an earlier run's records or checkpoints."""
+        """A new run must not mix with an earlier run's records or checkpoints. With
+        train.init_from it starts from that checkpoint's model weights."""
         found = ckpt.list_checkpoints(self.run_dir)
         if found:
             raise ConfigError(
@@ -441,6 +442,13 @@ class Trainer:
         if self.par.is_main:
             for stale in ("metrics.jsonl", "summary.json"):
                 (self.run_dir / stale).unlink(missing_ok=True)
+        if self.cfg.train.init_from:
+            path = ckpt.resolve_checkpoint(self.cfg.train.init_from)
+            ckpt.load_checkpoint(path, self.model, optimizer=None, rank=self.par.rank)
+            if hasattr(self.optimizer, "sync_master_from_params"):  # the sharded optimizer's fp32 copies
+                self.optimizer.sync_master_from_params()
+            if not self.quiet:
+                print(f"initialized the model from {path} (train.init_from)", file=sys.stderr)
 
     def _resume(self) -> None:
         found = ckpt.list_checkpoints(self.run_dir)

@@ -1,0 +1,122 @@
+"""`moetrain export-hf`: transformers loads the export offline with its native Qwen3-MoE class
+and computes the same logits and the same greedy continuation as moetrain; a variant no native
+class represents is refused naming the feature. Skipped where the `hf` extra is absent."""
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from moetrain.cli import main  # noqa: E402
+from moetrain.inference import load_for_inference  # noqa: E402
+from conftest import tiny_overrides  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def trained(real_text_dir, tmp_path_factory):
+    """`tiny` (its own shape: 8 experts top-4, 8k vocabulary) after a few steps on real text."""
+    run = tmp_path_factory.mktemp("hf") / "run"
+    overrides = [o for o in tiny_overrides(real_text_dir, run, "train.steps=4", "train.eval_every=0")
+                 if not o.startswith(("model.", "data.seq_len"))]
+    assert main(["train", "tiny", *[f"--{o}" for o in overrides], "--quiet"]) == 0
+    return run
+
+
+def test_export_loads_natively_with_the_same_logits_tokens_and_greedy_text(trained, tmp_path, capsys):
+    out = tmp_path / "hf"
+    capsys.readouterr()
+    assert main(["export-hf", str(trained), str(out)]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["architecture"] == "Qwen3MoeForCausalLM"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, local_files_only=True).eval()
+    assert type(hf).__name__ == "Qwen3MoeForCausalLM"  # native: no remote code
+    tok = transformers.AutoTokenizer.from_pretrained(out, local_files_only=True)
+    model, cfg, ours = load_for_inference(trained)
+    assert summary["parameters"] == sum(p.numel() for p in model.parameters())
+
+    ids = torch.randint(0, cfg.model.vocab_size, (4, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (model(ids).float() - hf(ids).logits.float()).abs().max().item()
+    assert diff <= 1e-4, diff
+
+    prompt = "To be, or not to be: that is the question"
+    assert tok(prompt)["input_ids"] == ours.encode(prompt).ids
+    assert main(["generate", str(trained), "--prompt", prompt, "--temperature", "0", "--max-new-tokens", "32",
+                 "--json"]) == 0
+    want = json.loads(capsys.readouterr().out)["token_ids"]
+    prompt_ids = torch.tensor([ours.encode(prompt).ids])
+    got = hf.generate(prompt_ids, do_sample=False, max_new_tokens=32, attention_mask=torch.ones_like(prompt_ids))
+    got = got[0, prompt_ids.shape[1]:].tolist()
+    eos = ours.token_to_id("<|endoftext|>")
+    assert (got[: got.index(eos)] if eos in got else got) == want
+
+
+@pytest.mark.parametrize("override, feature", [
+    ("model.moe.shared_hidden=32", "shared expert"),
+    ("model.moe.gating=sigmoid", "gating=sigmoid"),
+    ("model.peri_norm=true", "peri_norm"),
+])
+def test_a_variant_without_a_native_class_is_refused_naming_the_feature(real_text_dir, tmp_path, capsys,
+                                                                       override, feature):
+    run = tmp_path / "run"
+    assert main(["train", "tiny", *[f"--{o}" for o in tiny_overrides(real_text_dir, run, "train.steps=1",
+                                                                      "train.eval_every=0", override)], "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["export-hf", str(run), str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and feature in err and "Traceback" not in err, err
+    assert not (tmp_path / "hf").exists()
+
+
+def test_import_round_trips_exactly_and_training_continues_from_it(trained, real_text_dir, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    from moetrain.presets import resolve_config
+    from moetrain.train.trainer import Trainer
+
+    hf, imported, again = tmp_path / "hf", tmp_path / "imported", tmp_path / "hf-again"
+    assert main(["export-hf", str(trained), str(hf)]) == 0
+    assert main(["import-hf", str(hf), str(imported)]) == 0
+    assert main(["export-hf", str(imported), str(again)]) == 0
+    a, b = load_file(hf / "model.safetensors"), load_file(again / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    original, cfg0, _ = load_for_inference(trained)
+    model, _, _ = load_for_inference(imported)
+    want = original.state_dict()
+    assert all(torch.equal(t, want[n]) for n, t in model.state_dict().items())
+
+    # transformers 5.x layout (fused expert tensors) imports to the same model.
+    fused_dir = tmp_path / "hf-fused"
+    fused_dir.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        (fused_dir / name).write_bytes((hf / name).read_bytes())
+    tensors, E = dict(a), cfg0.model.moe.num_experts
+    for layer in range(cfg0.model.num_dense_layers, cfg0.model.n_layers):
+        p = f"model.layers.{layer}.mlp.experts"
+        gate_up = [torch.cat([tensors.pop(f"{p}.{e}.gate_proj.weight"), tensors.pop(f"{p}.{e}.up_proj.weight")]) for e in range(E)]
+        tensors[f"{p}.gate_up_proj"] = torch.stack(gate_up)
+        tensors[f"{p}.down_proj"] = torch.stack([tensors.pop(f"{p}.{e}.down_proj.weight") for e in range(E)])
+    save_file(tensors, str(fused_dir / "model.safetensors"))
+    assert main(["import-hf", str(fused_dir), str(tmp_path / "imported-fused")]) == 0
+    model2, _, _ = load_for_inference(tmp_path / "imported-fused")
+    assert all(torch.equal(t, want[n]) for n, t in model2.state_dict().items())
+
+    # Continue training the import: a fresh run whose model starts as the imported one.
+    cfg = resolve_config(str(imported / "config.yaml"), [
+        f"data.sources=[{real_text_dir}]", f"train.run_dir={tmp_path / 'continued'}", f"train.init_from={imported}",
+        "train.steps=2", "train.eval_every=0", "train.tensorboard=false", "train.plot=false", "train.device=cpu",
+    ])
+    trainer = Trainer(cfg, quiet=True)
+    assert all(torch.equal(t, want[n]) for n, t in trainer.model.state_dict().items())
+    summary = trainer.fit()
+    assert summary["steps"] == 2
+
+
+def test_import_refuses_another_architecture(tmp_path, capsys):
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "model_type 'llama'" in err and "qwen3_moe" in err and "Traceback" not in err
