@@ -286,36 +286,38 @@ def cmd_generate(argv: list[str]) -> int:
     return 0
 
 
-def cmd_export_hf(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="moetrain export-hf",
-        description="Write a checkpoint as a directory that transformers loads offline with a native "
-        "architecture (Qwen3-MoE): model.safetensors, config.json, tokenizer files. Models that no "
-        "native class represents exactly are refused, naming the feature.",
-    )
-    parser.add_argument("checkpoint", help="a run directory (newest checkpoint) or a step-N directory")
+def _convert(argv: list[str], prog: str, description: str, source: str, source_help: str, convert) -> int:
+    """`moetrain export-hf` / `import-hf`: SOURCE OUT_DIR in, one JSON line out."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument(source, help=source_help)
     parser.add_argument("out_dir")
     args = parser.parse_args(argv)
+    print(json.dumps(convert(getattr(args, source), args.out_dir)))
+    return 0
+
+
+def cmd_export_hf(argv: list[str]) -> int:
     from moetrain.hf import export_hf
 
-    print(json.dumps(export_hf(args.checkpoint, args.out_dir)))
-    return 0
+    return _convert(
+        argv, "moetrain export-hf",
+        "Write a checkpoint as a directory that transformers loads offline with a native architecture "
+        "(Qwen3-MoE): model.safetensors, config.json, tokenizer files. Models that no native class "
+        "represents exactly are refused, naming the feature.",
+        "checkpoint", "a run directory (newest checkpoint) or a step-N directory", export_hf,
+    )
 
 
 def cmd_import_hf(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="moetrain import-hf",
-        description="Read a Hugging Face Qwen3-MoE directory (config.json, safetensors, tokenizer.json) into "
-        "OUT_DIR: config.yaml, tokenizer.json and a weights-only checkpoint. Continue training it with "
-        "`moetrain train OUT_DIR/config.yaml --train.init_from=OUT_DIR --data.sources=… --run-dir NEW`.",
-    )
-    parser.add_argument("hf_dir")
-    parser.add_argument("out_dir")
-    args = parser.parse_args(argv)
     from moetrain.hf import import_hf
 
-    print(json.dumps(import_hf(args.hf_dir, args.out_dir)))
-    return 0
+    return _convert(
+        argv, "moetrain import-hf",
+        "Read a Hugging Face Qwen3-MoE directory (config.json, safetensors, tokenizer.json) into OUT_DIR: "
+        "config.yaml, tokenizer.json and a weights-only checkpoint. Continue training it with `moetrain "
+        "train OUT_DIR/config.yaml --train.init_from=OUT_DIR --data.sources=… --run-dir NEW`.",
+        "hf_dir", "a Hugging Face model directory", import_hf,
+    )
 
 
 def cmd_plot(argv: list[str]) -> int:

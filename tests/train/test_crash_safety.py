@@ -93,6 +93,30 @@ def run_with_kills(data_dir, run_dir, kills, seed, world=1, extra=()):
         done += 1
 
 
+def kill_rank_1_after_step_4(proc, run_dir, timeout, hung):
+    """Once step-4 is checkpointed and step 5 logged, SIGKILL the second torchrun worker; wait for
+    the launcher to end. Returns (its stderr, seconds from the kill to the end)."""
+    wait_for(lambda: (run_dir / "checkpoints" / "step-4" / "COMPLETE").is_file() and logged(run_dir) >= 5, proc)
+    workers = children(proc.pid)
+    assert len(workers) == 2, workers
+    os.kill(workers[1], signal.SIGKILL)
+    started = time.monotonic()
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill(proc)
+        pytest.fail(hung)
+    return err, time.monotonic() - started
+
+
+def assert_same_steps(reference, run):
+    """Every step logged once, with the uninterrupted run's loss and gradient norm bit for bit."""
+    want, got = read_metrics(reference / "metrics.jsonl"), read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    for a, b in zip(want, got):
+        assert (a["lm_loss"], a["grad_norm"]) == (b["lm_loss"], b["grad_norm"]), a["step"]
+
+
 def final_state(run_dir):
     from moetrain.inference import load_for_inference
 
@@ -170,26 +194,14 @@ def test_a_killed_rank_makes_the_other_fail_fast_and_resume_is_bit_exact(real_te
     assert proc.returncode == 0, err[-3000:]
 
     proc = start(real_text_dir, run, world=2)
-    wait_for(lambda: (run / "checkpoints" / "step-4" / "COMPLETE").is_file() and logged(run) >= 5, proc)
-    workers = children(proc.pid)
-    assert len(workers) == 2, workers
-    os.kill(workers[1], signal.SIGKILL)
-    started = time.monotonic()
-    try:
-        _, err = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        kill(proc)
-        pytest.fail("the surviving rank hung after its peer died")
-    assert proc.returncode != 0 and time.monotonic() - started < 60
+    err, seconds = kill_rank_1_after_step_4(proc, run, timeout=120, hung="the surviving rank hung after its peer died")
+    assert proc.returncode != 0 and seconds < 60
     assert "error: rank 0: a collective failed because rank 1 is gone" in err, err[-3000:]
 
     proc = start(real_text_dir, run, resume=True, world=2)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
-    want, got = read_metrics(reference / "metrics.jsonl"), read_metrics(run / "metrics.jsonl")
-    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
-    for a, b in zip(want, got):
-        assert (a["lm_loss"], a["grad_norm"]) == (b["lm_loss"], b["grad_norm"]), a["step"]
+    assert_same_steps(reference, run)
 
 
 def test_a_rank_killed_under_torchrun_max_restarts_resumes_bit_exact(real_text_dir, tmp_path):
@@ -206,20 +218,8 @@ def test_a_rank_killed_under_torchrun_max_restarts_resumes_bit_exact(real_text_d
            "--resume"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
-    wait_for(lambda: (run / "checkpoints" / "step-4" / "COMPLETE").is_file() and logged(run) >= 5, proc)
-    workers = children(proc.pid)
-    assert len(workers) == 2, workers
-    os.kill(workers[1], signal.SIGKILL)
-    started = time.monotonic()
-    try:
-        _, err = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        kill(proc)
-        pytest.fail("the restarted run did not finish")
+    err, seconds = kill_rank_1_after_step_4(proc, run, timeout=300, hung="the restarted run did not finish")
     assert proc.returncode == 0, err[-5000:]
-    assert time.monotonic() - started < 150  # no collective timeout was waited out
+    assert seconds < 150  # no collective timeout was waited out
     assert "error: rank 0: a collective failed because rank 1 is gone" in err, err[-3000:]
-    want, got = read_metrics(reference / "metrics.jsonl"), read_metrics(run / "metrics.jsonl")
-    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
-    for a, b in zip(want, got):
-        assert (a["lm_loss"], a["grad_norm"]) == (b["lm_loss"], b["grad_norm"]), a["step"]
+    assert_same_steps(reference, run)
