@@ -132,8 +132,9 @@ def _peer_lost(me: int, peer: int, silent_s: float) -> None:
 
 
 def unresponsive_ranks(watch_s: float = 3 * HEARTBEAT_S) -> list[int] | None:
-    """The other ranks whose heartbeat did not advance within `watch_s` seconds (dead or hung),
-    or None when that cannot be told (no process group, or the store is unreachable)."""
+    """The other ranks whose heartbeat did not advance within `watch_s` seconds (dead or hung;
+    ranks that finished normally are not named), or None when that cannot be told (no process
+    group, or the store is unreachable)."""
     if _HEARTBEAT is None or not dist.is_initialized():
         return None
     store = _HEARTBEAT[0]
@@ -143,9 +144,10 @@ def unresponsive_ranks(watch_s: float = 3 * HEARTBEAT_S) -> list[int] | None:
         before = {r: store.add(_heartbeat_key(r), 0) for r in others}  # add 0: read without blocking
         time.sleep(watch_s)
         after = {r: store.add(_heartbeat_key(r), 0) for r in others}
+        finished = {r for r in others if store.add(_done_key(r), 0)}  # ended normally: not gone
     except Exception:
         return None
-    return [r for r in others if after[r] == before[r]]
+    return [r for r in others if after[r] == before[r] and r not in finished]
 
 
 def stop_heartbeat(done: bool = False) -> None:
