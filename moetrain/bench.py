@@ -12,9 +12,9 @@ memory snapshot) into RUN_DIR/profile-ROUTING, named in the JSON line as `profil
 `--forward-backward-only` times the micro-batches' forward and backward passes without clipping
 and the optimizer step; `--also-forward-backward` times both windows, one JSON line each (the
 line's `timed` says which). Each line also carries the last timed step's routing balance:
-expert_load_max_over_mean, ep_load_max_over_mean and dropped_token_frac (as in metrics.jsonl). The routing mode is switched in place
-between configurations (the model, its optimizer state and compiled code are kept; a warm-up
-follows each switch).
+expert_load_max_over_mean, ep_load_max_over_mean and dropped_token_frac (as in metrics.jsonl).
+The routing mode is switched in place between configurations (the model, its optimizer state
+and compiled code are kept; a warm-up follows each switch).
 
 FLOPs and MFU follow the anchor's formula (moetrain/model/counting.py): 6 × active
 non-embedding parameters + 12 × layers × heads × head_dim × sequence length per token, over the

@@ -42,7 +42,7 @@ from moetrain.model.transformer import canonical_name
 from moetrain.parallel.data_parallel import GradReducer, _Bucket
 from moetrain.parallel.dims import ParallelState
 from moetrain.train.config import OptimConfig
-from moetrain.train.optim import param_groups
+from moetrain.train.optim import clip_coefficient, param_groups
 
 # torch 2.13 renamed these two collectives (the old names warn); older supported versions have
 # only the old names.
@@ -152,6 +152,7 @@ class DistributedAdamW:
         self.fused = device.type == "cuda" if fused is None else fused
         self._step_t = torch.zeros((), dtype=torch.float32, device=device)
         self._grad_scale: torch.Tensor | None = None
+
     # ---- gradients -------------------------------------------------------------------------------
     def prepare(self, sync: bool, backward_passes: int = 1) -> None:
         """Call before each micro-batch's backward, `sync=True` for the last one of the step; or
@@ -184,7 +185,7 @@ class DistributedAdamW:
         clipping); return the norm before clipping (device tensor, no host sync)."""
         total = self.grad_norm()
         if max_norm != math.inf:
-            coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+            coef = clip_coefficient(total, max_norm)
             if self.fused:  # the kernel divides by it: one pass over the gradients less
                 self._grad_scale = coef.reciprocal()
             else:
