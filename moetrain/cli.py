@@ -32,6 +32,7 @@ SUBCOMMANDS: dict[str, str] = {
     "bench": "time training steps of a preset (tokens/s, TFLOP/s, MFU, memory, host syncs) as JSON lines",
     "export-hf": "write a checkpoint as a Hugging Face model directory (safetensors, config, tokenizer)",
     "import-hf": "turn a Hugging Face Qwen3-MoE directory into a moetrain checkpoint (train --train.init_from=…)",
+    "plan": "predict per-GPU memory, communication, step time and MFU of a preset on N GPUs; suggest layouts",
 }
 
 # Everyday flags of `train`, and the config keys they set.
@@ -210,6 +211,48 @@ def cmd_bench(argv: list[str]) -> int:
     return 0
 
 
+def cmd_plan(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="moetrain plan",
+        description="Per-GPU parameters, gradients, optimizer state, activations (with and without "
+        "recompute), communication per step, step time and MFU of a preset on N GPUs, from the config "
+        "alone; then layouts that fit, fastest first. Ends with one JSON line (peak_mem_gib_per_device, "
+        "fits, step_time_s, mfu, …). Assumptions: moetrain/plan.py.",
+        epilog="Set the layout with config keys: --parallel.ep=8 --parallel.pp=8 --train.recompute=full "
+        "--parallel.shard_optimizer=true …",
+    )
+    parser.add_argument("spec", metavar="PRESET_OR_YAML")
+    parser.add_argument("--gpus", type=int, required=True, help="number of GPUs (world size)")
+    parser.add_argument("--gpu", default="h200", help="h100, h200, b200 or b300 (default h200)")
+    parser.add_argument("--micro-batch", type=int, default=None,
+                        help="sequences per GPU per micro-batch (sets train.micro_batch_size = this × dp)")
+    parser.add_argument("--no-suggest", action="store_true", help="skip the search for layouts that fit")
+    args, overrides = _split_overrides(parser, argv)
+    from moetrain.plan import plan, report, suggest, to_json
+    from moetrain.presets import resolve_config
+
+    cfg = resolve_config(args.spec, overrides)
+    if args.micro_batch is not None:
+        if args.micro_batch <= 0:
+            raise ConfigError(f"--micro-batch={args.micro_batch} must be a positive number of sequences.")
+        pp = cfg.parallel.pp
+        if args.gpus % pp:
+            raise ConfigError(f"parallel.pp={pp} does not divide --gpus={args.gpus}.")
+        dp = cfg.parallel.dp or args.gpus // pp
+        cfg = resolve_config(args.spec, overrides + [f"train.micro_batch_size={args.micro_batch * dp}"])
+    result = plan(cfg, args.gpus, args.gpu)
+    suggestions = [] if args.no_suggest else suggest(cfg, args.gpus, args.gpu)
+    print(report(result))
+    if not args.no_suggest:
+        print("layouts that fit (ddp stack, sharded optimizer), fastest first:" if suggestions else
+              f"no layout of the ddp stack fits {args.gpus} × {args.gpu}: add GPUs or shrink the model.")
+        for s in suggestions:
+            print(f"  {s.layout.describe():70s} peak {s.peak_mem_gib_per_device:6.1f} GiB, "
+                  f"step {s.step_time_s:.3f} s, MFU {100 * s.mfu:.1f}%")
+    print(json.dumps(to_json(result, args.spec, args.gpus, args.gpu, suggestions)))
+    return 0
+
+
 def cmd_config(argv: list[str]) -> int:
     parser = _config_parser("config", "Print the resolved config as YAML.", train_flags=True)
     args, overrides = _split_overrides(parser, argv)
@@ -346,4 +389,5 @@ _HANDLERS: dict[str, Callable[[list[str]], int]] = {
     "bench": cmd_bench,
     "export-hf": cmd_export_hf,
     "import-hf": cmd_import_hf,
+    "plan": cmd_plan,
 }

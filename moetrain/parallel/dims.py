@@ -184,11 +184,11 @@ class ParallelDims:
         v = cfg.stages_per_rank
         if pp > 1 or v > 1:
             stages = pp * v
-            if n_layers is not None and n_layers % stages:
+            if n_layers is not None and n_layers < stages:
                 raise ConfigError(
-                    f"model.n_layers={n_layers} cannot be split into parallel.pp={pp} × "
-                    f"parallel.pp_stages_per_rank={v} = {stages} equal pipeline stages: choose a "
-                    f"pp × stages-per-rank that divides {n_layers}."
+                    f"model.n_layers={n_layers} cannot fill parallel.pp={pp} × "
+                    f"parallel.pp_stages_per_rank={v} = {stages} pipeline stages (each needs a block): "
+                    f"choose pp × stages-per-rank ≤ {n_layers}."
                 )
             if micro_batches is not None:
                 if micro_batches < pp:

@@ -3,7 +3,8 @@
 Legend: S = pp × v pipeline stages, v stages per rank, n micro-batches per optimizer step,
 B sequences per micro-batch on this rank, T sequence length, D model dim, V vocabulary.
 
-The layers are cut into S stages of equal numbers of blocks; stage s runs on pipeline rank
+The layers are cut into S stages of equal numbers of blocks (the first stages one more when S
+does not divide the layers); stage s runs on pipeline rank
 s mod pp (with v = 1, stage s on rank s; with v > 1 "looped": rank r holds stages r, r + pp, …,
 which is what the interleaved schedule expects). Stage 0 also holds the embedding, stage S-1 the
 final norm and LM head.
@@ -41,9 +42,13 @@ from moetrain.parallel.dims import ParallelDims, ParallelState, PipelineSchedule
 
 
 def stage_layers(n_layers: int, num_stages: int) -> list[list[str]]:
-    """Block keys (layer indices) of each stage: equal, contiguous ranges."""
-    per = n_layers // num_stages
-    return [[str(i) for i in range(s * per, (s + 1) * per)] for s in range(num_stages)]
+    """Block keys (layer indices) of each stage: contiguous ranges, as equal as the numbers allow;
+    when they do not divide, the first n_layers mod S stages take one block more (the last
+    stage, which also runs the LM head and the loss, is never the longer one)."""
+    per, extra = divmod(n_layers, num_stages)
+    sizes = [per + (s < extra) for s in range(num_stages)]
+    starts = [sum(sizes[:s]) for s in range(num_stages)]
+    return [[str(i) for i in range(starts[s], starts[s] + sizes[s])] for s in range(num_stages)]
 
 
 def stages_of_rank(pp_rank: int, dims: ParallelDims) -> list[int]:

@@ -14,6 +14,9 @@ from moetrain.presets import resolve_config
 
 def test_layers_are_cut_into_equal_contiguous_stages_placed_round_robin():
     assert stage_layers(8, 4) == [["0", "1"], ["2", "3"], ["4", "5"], ["6", "7"]]
+    # uneven: the first stages take the extra blocks (63 blocks on 8 stages: 8 × 7 + 7)
+    assert stage_layers(5, 3) == [["0", "1"], ["2", "3"], ["4"]]
+    assert [len(s) for s in stage_layers(63, 8)] == [8] * 7 + [7]
     looped = ParallelDims(world_size=2, dp=1, ep=1, pp=2, stages_per_rank=2)
     assert [stages_of_rank(r, looped) for r in range(2)] == [[0, 2], [1, 3]]
     plain = ParallelDims(world_size=4, dp=1, ep=1, pp=4)
@@ -35,7 +38,7 @@ def split(cfg, dims, pp_rank):
     return model
 
 
-@pytest.mark.parametrize("pp, v", [(2, 1), (2, 2), (4, 1)])
+@pytest.mark.parametrize("pp, v", [(2, 1), (2, 2), (4, 1), (3, 1)])
 def test_stages_in_order_are_the_whole_model(pp, v):
     """Split over pp ranks with v stages each: every parameter lives on exactly one rank with its
     whole-model name and initial value; stage 0 → … → S-1 gives the whole model's logits (with

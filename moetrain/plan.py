@@ -1,0 +1,513 @@
+"""`moetrain plan`: per-GPU memory, communication and step time of a run on N GPUs, from the
+config alone (no model is built, so the trillion-parameter presets plan instantly).
+
+Legend: P parameters, t tokens per rank per micro-batch (rows × seq_len), m micro-batches per
+optimizer step, D d_model, E experts, K top-k, H expert hidden, Hs shared hidden, Hd dense
+hidden, V vocabulary, hq/hkv query/key-value heads of hd dims, ep/dp/pp/v the layout
+(moetrain/parallel/dims.py), edp = dp / ep.
+
+Memory per GPU (the peak of torch's allocated bytes; what `moetrain bench` reports), for the
+pipeline rank that needs most:
+- weights: fp32, 4 B × local parameters (experts ÷ ep; a pipeline rank holds its stages' blocks,
+  the first also the embedding, the last the final norm and LM head; the FSDP stack ÷ dp);
+- gradients: fp32, 4 B × local parameters (the FSDP stack ÷ dp);
+- optimizer: AdamW's two fp32 moments, 8 B × local parameters; the sharded optimizer keeps
+  12 B (master + moments) per element of its shard (÷ dp dense, ÷ edp experts); FSDP ÷ dp;
+- activations: what autograd keeps for backward, per block and token (`_block_bytes`), for the
+  micro-batches a rank holds at once (1 without a pipeline; 1F1B: pp − rank, interleaved ×
+  (1 + (pp − 1)/(pp·v)), GPipe: all m), plus the LM head's logits and the loss's fp32 copies
+  (t × V × 10 B) on the last stage, plus autocast's bf16 weight copies of blocks that do not
+  recompute (2 B × their parameters; kept from forward to backward);
+- the peak is the larger of "weights + optimizer + everything saved at the start of backward
+  (and the gradients, when they are kept across micro-batches or in reducer buckets)" and
+  "weights + optimizer + gradients + the optimizer step's work space".
+The activation terms are an account of the saved tensors of the compiled bf16 step (eager adds
+the norms' and SwiGLU's fp32 intermediates: `compile=false`); they were checked against the peaks
+measured on one H200 (docs/benchmarks.md, "The planner against measured peaks").
+
+Step time: GEMM and attention FLOPs (the MFU formula's, moetrain/model/counting.py) at a
+fraction `gemm_eff` of the GPU's dense BF16 peak (FP8 GEMMs: 2× peak), plus memory-bound work
+at `hbm_eff` of HBM bandwidth (AdamW: 28 B per local parameter; the per-micro-batch fp32→bf16
+weight casts, gradient casts and accumulation: 20 B per local parameter; element-wise kernels:
+`ew_passes` passes over the saved activations), plus communication that is not overlapped:
+expert all-to-all (all of it), the pipeline's bubble and sends, data-parallel reductions beyond
+what the last micro-batch's backward hides, and the sharded optimizer's all-gather. Links: NVLink
+within a node of `gpus_per_node`, the node's network (per GPU) across nodes, at `link_eff` of
+their unidirectional bandwidth. The constants are assumptions, stated in `GPUS` and
+`Assumptions`, calibrated on one H200 (bench-8e's profile); treat step time and MFU as ±25%.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from moetrain.errors import ConfigError
+from moetrain.model.config import TransformerConfig
+from moetrain.model.counting import count_params, flops_per_token
+from moetrain.parallel.dims import DispatcherKind, ParallelDims, PipelineSchedule, Stack
+from moetrain.train.config import Fp8, Recompute, RunConfig
+
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class GPU:
+    name: str
+    memory_gib: float
+    """What torch can allocate: the device's memory as nvidia-smi reports it, less ~1.5 GiB of
+    CUDA context and NCCL buffers (not counted in torch's allocated bytes)."""
+    bf16_flops: float
+    """Dense BF16 tensor-core peak, FLOP/s (MFU's denominator; FP8 GEMMs run at twice this)."""
+    hbm_bytes_s: float
+    nvlink_bytes_s: float
+    """Per GPU, one direction."""
+    network_bytes_s: float
+    """Per GPU, one direction, across nodes (one NIC per GPU)."""
+    gpus_per_node: int = 8
+
+
+GPUS: dict[str, GPU] = {
+    # H100 SXM 80 GB: NVLink 4 (900 GB/s both directions), ConnectX-7 400 Gb/s per GPU.
+    "h100": GPU("H100 SXM", 78.0, 989.4e12, 3.35e12, 450e9, 50e9),
+    # H200 SXM 141 GB (nvidia-smi: 143,771 MiB): as H100, more and faster memory.
+    "h200": GPU("H200 SXM", 139.0, 989.4e12, 4.8e12, 450e9, 50e9),
+    # B200 180 GB: NVLink 5 (1.8 TB/s both directions), ConnectX-7 400 Gb/s per GPU.
+    "b200": GPU("B200", 177.0, 2250e12, 8.0e12, 900e9, 50e9),
+    # B300 288 GB (275 GiB usable, as Olmo-core reports it): ConnectX-8 800 Gb/s per GPU.
+    "b300": GPU("B300", 275.0, 2250e12, 8.0e12, 900e9, 100e9),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Assumptions:
+    gemm_eff: float = 0.72
+    """GEMM + attention FLOP/s as a fraction of the dense peak (H200, bench-8e's profile: its
+    GEMMs and attention ran at 72% of peak)."""
+    hbm_eff: float = 0.6
+    """Achieved fraction of HBM bandwidth for memory-bound kernels (fused AdamW on H200: 128 GB
+    in 44.6 ms = 60% of 4.8 TB/s)."""
+    ew_passes: float = 4.5
+    """Element-wise traffic as passes over each micro-batch's saved block activations (norms,
+    RoPE, SwiGLU, routing, permutations; bench-8e's profile: 58.6 ms per step of such kernels,
+    19 ms of them the weight casts), plus one pass over the logits and the loss's copies."""
+    link_eff: float = 0.33
+    """Achieved fraction of a link's one-way bandwidth by NCCL collectives (two H200s over
+    NVLink: ~145 GB/s for the all-reduce and the all-to-alls of docs/benchmarks.md's runs)."""
+    fsdp_overlap: float = 0.66
+    """Fraction of the compute time that hides FSDP's all-gathers and reduce-scatters (measured
+    on two H200s: tiny64e-l6's FSDP step was 63 ms over one GPU's for 185 ms of transfers).
+    The ddp stack's reductions and all-to-alls count as not hidden (measured: dp2 cost
+    bench-small32e the full time of its all-reduce)."""
+    recompute_cost: tuple[float, float] = (0.28, 0.47)
+    """Extra step time of selective and full recompute over no recompute, as a fraction of the
+    recomputed blocks' compute (bench-8e on one H200: 0.337 → 0.430 and 0.495 s per step)."""
+    fp8_gemm_speedup: float = 1.45
+    """Row-wise FP8 GEMMs over BF16 ones (bench-8e's profile: 193 → 133 ms per step)."""
+    fp8_quant_passes: float = 33.0
+    """moetrain's unfused row-wise quantization as passes over block activations + weights
+    (bench-8e's profile: ~245 ms per step of abs/div/clamp/cast kernels)."""
+    workspace_gib: float = 1.0
+    """Allocator and kernel work space on top of the accounted tensors."""
+
+
+@dataclasses.dataclass
+class Layout:
+    stack: str
+    dp: int
+    ep: int
+    pp: int
+    stages_per_rank: int
+    schedule: str
+    shard_optimizer: bool
+    dispatcher: str
+    capacity_factor: float | None
+    recompute: str
+    recompute_every: int
+    micro_batches: int
+    rows_per_micro_batch: int
+    """Sequences per rank per micro-batch."""
+
+    def describe(self) -> str:
+        parts = [f"dp{self.dp}"]
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
+        if self.pp > 1:
+            parts.append(f"pp{self.pp}" + (f"×v{self.stages_per_rank}" if self.stages_per_rank > 1 else ""))
+        text = "·".join(parts) + f" {self.stack}"
+        if self.ep > 1:
+            text += f" {self.dispatcher}" + (f"(cf {self.capacity_factor:g})" if self.capacity_factor else "")
+        if self.shard_optimizer:
+            text += " sharded-optimizer"
+        if self.recompute != "none":
+            text += f" recompute={self.recompute}" + (f"/every {self.recompute_every}" if self.recompute_every > 1 else "")
+        return text + f", {self.rows_per_micro_batch} seq × {self.micro_batches} micro-batches per rank"
+
+
+@dataclasses.dataclass
+class Plan:
+    layout: Layout
+    gpu: GPU
+    params_per_device: int
+    memory_gib: dict[str, float]
+    peak_mem_gib_per_device: float
+    fits: bool
+    comm_gb_per_step: dict[str, float]
+    time_s: dict[str, float]
+    step_time_s: float
+    mfu: float
+    tokens_per_sec_per_device: float
+    activations_without_recompute_gib: float
+    activations_full_recompute_gib: float
+    peak_gib_per_pipeline_rank: list[float]
+    params_per_pipeline_rank: list[int]
+
+
+def _block_bytes(m: TransformerConfig, moe_block: bool, recompute: str, expert_rows: float, compiled: bool, fp32: bool) -> float:
+    """Bytes autograd keeps per token for one block's backward (expert_rows: rows through the
+    experts per token: K, or more with the sync-free dispatcher's padded buffers)."""
+    a = 4 if fp32 else 2  # matmul inputs/outputs (autocast bf16)
+    r = 4  # the residual stream is fp32
+    D, hd, hq, hkv = m.d_model, m.resolved_head_dim, m.n_heads, m.n_kv_heads
+    if recompute == "full":
+        return r * D  # the block's input
+    q_k_v = a * (hq + 2 * hkv) * hd
+    attn_out = a * hq * hd + 4 * hq  # SDPA output + log-sum-exp
+    if recompute == "selective":  # block input + every matmul / attention output
+        attn = r * D + q_k_v + attn_out + a * D
+        if moe_block:
+            moe = m.moe
+            ffn = a * m.moe.num_experts + a * (2 * moe.shared_hidden + D * (moe.shared_hidden > 0))
+            ffn += expert_rows * a * (2 * moe.expert_hidden + D)
+        else:
+            ffn = a * (2 * m.resolved_dense_hidden + D)
+        return attn + ffn
+    attn = r * D + a * D + q_k_v + a * (hq + hkv) * hd + attn_out  # norm in, qkv in, q/k before norm, sdpa
+    if moe_block:
+        moe = m.moe
+        ffn = r * D + a * D + 4 * moe.num_experts  # norm input, router/shared input, router probs
+        ffn += expert_rows * a * (D + 2 * moe.expert_hidden + moe.expert_hidden + D)  # permuted in, gate/up, act, down out
+        ffn += a * 3 * moe.shared_hidden
+        hidden_for_eager = expert_rows * moe.expert_hidden + moe.shared_hidden
+    else:
+        Hd = m.resolved_dense_hidden
+        ffn = r * D + a * D + a * 3 * Hd
+        hidden_for_eager = Hd
+    eager = 0 if compiled else 4 * 2 * D + 4 * (hq + hkv) * hd + a * hidden_for_eager  # fp32 norm outputs, qk-norm, silu(gate)
+    return attn + ffn + eager
+
+
+def _counts(m: TransformerConfig) -> dict[str, int]:
+    """Parameter groups: per dense block, per MoE block (dense part, experts), outside."""
+    c = count_params(m)
+    D, moe = m.d_model, m.moe
+    hd = m.resolved_head_dim
+    attn = D * m.n_heads * hd * 2 + D * m.n_kv_heads * hd * 2 + (2 * hd if m.qk_norm else 0)
+    norms = D * (4 if m.peri_norm else 2)
+    experts = moe.num_experts * 3 * D * moe.expert_hidden
+    out = dict(
+        dense_block=attn + norms + 3 * D * m.resolved_dense_hidden,
+        moe_dense=attn + norms + moe.num_experts * D + 3 * D * moe.shared_hidden,
+        moe_experts=experts,
+        embedding=m.vocab_size * D,
+        head=m.vocab_size * D + D,
+    )
+    assert out["embedding"] + out["head"] + m.num_dense_layers * out["dense_block"] + \
+        m.num_moe_layers * (out["moe_dense"] + out["moe_experts"]) == c.total
+    return out
+
+
+def layout_of(cfg: RunConfig, gpus: int) -> Layout:
+    p, tc = cfg.parallel, cfg.train
+    dims = ParallelDims.from_config(p, gpus, cfg.model.moe.num_experts, cfg.model.num_moe_layers > 0,
+                                    n_layers=cfg.model.n_layers, micro_batches=tc.grad_accum_steps)
+    if tc.micro_batch_size % dims.dp:
+        raise ConfigError(
+            f"train.micro_batch_size={tc.micro_batch_size} (sequences per micro-batch, summed over the "
+            f"data-parallel ranks) is not a multiple of dp={dims.dp}: use --micro-batch to give each GPU "
+            "a whole number of sequences."
+        )
+    schedule = p.pp_schedule.value if dims.pp > 1 else "none"
+    return Layout(
+        stack=p.stack.value, dp=dims.dp, ep=dims.ep, pp=dims.pp, stages_per_rank=dims.stages_per_rank,
+        schedule=schedule, shard_optimizer=p.shard_optimizer, dispatcher=p.dispatcher.value,
+        capacity_factor=p.capacity_factor, recompute=tc.recompute.value, recompute_every=tc.recompute_every,
+        micro_batches=tc.grad_accum_steps, rows_per_micro_batch=tc.micro_batch_size // dims.dp,
+    )
+
+
+def plan(cfg: RunConfig, gpus: int, gpu: str, assume: Assumptions = Assumptions()) -> Plan:
+    if gpu not in GPUS:
+        raise ConfigError(f"--gpu={gpu!r} is not one the planner knows: choose one of {', '.join(GPUS)}.")
+    if gpus <= 0:
+        raise ConfigError(f"--gpus={gpus} must be a positive number of GPUs.")
+    spec, m, L = GPUS[gpu], cfg.model, layout_of(cfg, gpus)
+    moe = m.moe
+    fp32 = cfg.train.precision.value == "fp32"
+    # the exact all-to-all dispatcher reads split sizes on the host: a graph break inside the
+    # compiled block, which then keeps eager-sized activations (measured: 80.5 GiB vs 80.1 nosync)
+    compiled = cfg.train.compile and not (cfg.parallel.ep > 1 and cfg.parallel.dispatcher == DispatcherKind.alltoall)
+    groups = _counts(m)
+    S = L.pp * L.stages_per_rank
+    layers_per_stage = _stage_sizes(m.n_layers, S)
+    t = L.rows_per_micro_batch * cfg.data.seq_len  # tokens per rank per micro-batch
+    fsdp = L.stack == Stack.fsdp.value
+    ep_eff = 1 if fsdp else L.ep
+    if L.ep > 1 and L.dispatcher == DispatcherKind.nosync.value:
+        expert_rows = moe.top_k * (L.capacity_factor if L.capacity_factor else L.ep)
+    else:
+        expert_rows = moe.top_k
+
+    # --- per pipeline rank: parameters and activations; keep the rank with the largest peak
+    best, peaks, params = None, [], []
+    for r in range(L.pp):
+        stages = [r + i * L.pp for i in range(L.stages_per_rank)]
+        layer_ids = [i for s in stages for i in range(sum(layers_per_stage[:s]), sum(layers_per_stage[: s + 1]))]
+        dense_local = expert_local = 0
+        act_per_token = act_none = act_full = 0.0
+        cast_bytes = 0.0
+        for i in layer_ids:
+            is_moe = i >= m.num_dense_layers and moe.num_experts > 0
+            dense = groups["moe_dense"] if is_moe else groups["dense_block"]
+            experts = groups["moe_experts"] / ep_eff if is_moe else 0
+            dense_local += dense
+            expert_local += experts
+            recomputes = L.recompute != "none" and i % L.recompute_every == 0
+            mode = L.recompute if recomputes else "none"
+            act_per_token += _block_bytes(m, is_moe, mode, expert_rows, compiled, fp32)
+            act_none += _block_bytes(m, is_moe, "none", expert_rows, compiled, fp32)
+            act_full += _block_bytes(m, is_moe, "full", expert_rows, compiled, fp32)
+            if not recomputes and not fp32:
+                cast_bytes += 2 * (dense + experts)
+        first, last = 0 in stages, S - 1 in stages
+        if first:
+            dense_local += groups["embedding"]
+        if last:
+            dense_local += groups["head"]
+        local = dense_local + expert_local
+        if L.pp == 1:
+            in_flight = 1.0
+        elif L.schedule == PipelineSchedule.gpipe.value:
+            in_flight = L.micro_batches
+        else:
+            in_flight = min(L.micro_batches, L.pp - r)
+            if L.stages_per_rank > 1:
+                in_flight = min(L.micro_batches * L.stages_per_rank, L.pp * (1 + (L.pp - 1) / (L.pp * L.stages_per_rank)))
+        # activations: saved tensors of the micro-batches in flight; with recompute, backward
+        # rebuilds one block's full activations at a time
+        activations = in_flight * t * act_per_token
+        if L.recompute != "none" and layer_ids:
+            activations += t * act_none / len(layer_ids)
+        logits = t * m.vocab_size * 10 if last else 0  # bf16 logits, fp32 copy, fp32 log-softmax
+        head_grad = 4 * groups["head"] / (L.dp if fsdp else 1) if last else 0
+        casts = cast_bytes * (1 if L.pp == 1 else 1)  # one set of copies per block, reused by micro-batches in flight
+        if fsdp:
+            shard = L.dp
+            weights = 4 * local / shard + 2 * 4 * max(groups["moe_dense"] + groups["moe_experts"], groups["dense_block"])
+            grads = 4 * local / shard
+            optimizer = 8 * local / shard
+        else:
+            weights = 4 * local
+            grads = 4 * local
+            if L.shard_optimizer:
+                optimizer = 12 * (dense_local / L.dp + expert_local / max(1, L.dp // L.ep))
+            else:
+                optimizer = 8 * local
+        # gradients are present during backward when they persist: reducer buckets (dp > 1 on
+        # the ddp stack), accumulation over micro-batches, or a pipeline (micro-batches overlap)
+        persistent = (not fsdp and L.dp > 1) or L.micro_batches > 1
+        start_of_backward = activations + logits + head_grad + casts + (grads if persistent else 0)
+        end_of_backward = grads
+        peak = weights + optimizer + max(start_of_backward, end_of_backward) + assume.workspace_gib * GIB
+        row = dict(rank=r, blocks_none=t * act_none, logits_bytes=logits, local=local, dense_local=dense_local, expert_local=expert_local, weights=weights,
+                   grads=grads, optimizer=optimizer, activations=activations + logits + casts, peak=peak,
+                   act_none=in_flight * t * act_none + logits, act_full=in_flight * t * act_full + logits,
+                   layers=len(layer_ids), first=first, last=last)
+        peaks.append(peak / GIB)
+        params.append(int(local / (L.dp if fsdp else 1)))
+        if best is None or peak > best["peak"]:
+            best = row
+    assert best is not None
+
+    # --- communication per rank per step (bytes sent)
+    ring = lambda n: (n - 1) / n if n > 1 else 0.0  # noqa: E731
+    node = spec.gpus_per_node
+    net = lambda span: spec.nvlink_bytes_s if span <= node else spec.network_bytes_s  # noqa: E731
+    moe_layers = sum(1 for i in range(m.n_layers) if i >= m.num_dense_layers) * best["layers"] / max(1, m.n_layers)
+    comm, comm_t = {}, {}
+    if not fsdp and L.ep > 1:
+        a2a = 4 * L.micro_batches * moe_layers * t * expert_rows * m.d_model * 2 * ring(L.ep)
+        comm["expert_all_to_all"] = a2a
+        comm_t["expert_all_to_all"] = a2a / (net(L.ep) * assume.link_eff)
+    dense_b, expert_b = 4 * best["dense_local"], 4 * best["expert_local"]
+    if fsdp:
+        ag = 2 * L.micro_batches * 4 * best["local"] * ring(L.dp)  # forward and backward all-gathers
+        rs = 4 * best["local"] * ring(L.dp)
+        comm["fsdp_all_gather"], comm["fsdp_reduce_scatter"] = ag, rs
+        comm_t["fsdp"] = (ag + rs) / (net(L.dp) * assume.link_eff)
+    elif L.dp > 1:
+        edp = L.dp // L.ep
+        if L.shard_optimizer:
+            red = dense_b * ring(L.dp) + expert_b * ring(edp)  # reduce-scatter
+            gather = dense_b * ring(L.dp) + expert_b * ring(edp)  # all-gather of updated parameters
+            comm["dp_reduce_scatter"], comm["optimizer_all_gather"] = red, gather
+        else:
+            red = 2 * (dense_b * ring(L.dp) + expert_b * ring(edp))
+            gather = 0.0
+            comm["dp_all_reduce"] = red
+        comm_t["dp_reduction"] = red / (net(L.dp) * assume.link_eff)
+        comm_t["optimizer_all_gather"] = gather / (net(L.dp) * assume.link_eff)
+    if L.pp > 1:
+        sends = 2 * L.micro_batches * L.stages_per_rank * t * m.d_model * 4
+        comm["pipeline_send_recv"] = sends
+        comm_t["pipeline_send_recv"] = sends / (net(L.dp * L.pp) * assume.link_eff)
+
+    # --- compute time per rank per step
+    fpt = flops_per_token(m, cfg.data.seq_len)
+    stage_share = best["layers"] / m.n_layers if L.pp > 1 else 1.0
+    model_flops = fpt * t * L.micro_batches * stage_share
+    fp8 = cfg.train.fp8 != Fp8.none
+    gemm_rate = spec.bf16_flops * assume.gemm_eff * (assume.fp8_gemm_speedup if fp8 else 1.0)
+    t_gemm = model_flops / gemm_rate
+    hbm = spec.hbm_bytes_s * assume.hbm_eff
+    t_optimizer = 28 * (best["local"] / (L.dp if fsdp else 1)) / hbm
+    if L.shard_optimizer and not fsdp:
+        t_optimizer = 28 * (best["dense_local"] / L.dp + best["expert_local"] / max(1, L.dp // L.ep)) / hbm
+    # per micro-batch: fp32→bf16 weight casts and bf16→fp32 gradient casts (12 B per local
+    # parameter), and from the second micro-batch on, accumulation into .grad (12 B)
+    local_params = best["local"] / (L.dp if fsdp else 1)
+    t_casts = 0.0 if fp32 else local_params * (12 * L.micro_batches + 12 * (L.micro_batches - 1)) / hbm
+    t_elementwise = L.micro_batches * (assume.ew_passes * best["blocks_none"] + best["logits_bytes"]) / hbm
+    t_fp8 = 0.0
+    if fp8:
+        t_fp8 = assume.fp8_quant_passes * L.micro_batches * (best["blocks_none"] + 4 * local_params) / hbm
+    t_recompute = 0.0
+    if L.recompute != "none":
+        share = math.ceil(m.n_layers / L.recompute_every) / m.n_layers
+        cost = assume.recompute_cost[0 if L.recompute == "selective" else 1]
+        t_recompute = cost * share * (t_gemm + t_casts + t_elementwise + t_fp8)
+    compute = t_gemm + t_casts + t_elementwise + t_fp8 + t_recompute
+    per_mb = compute / L.micro_batches
+    t_bubble = (L.pp - 1) / L.stages_per_rank * per_mb if L.pp > 1 else 0.0
+    t_dp = comm_t.get("dp_reduction", 0.0) + comm_t.get("optimizer_all_gather", 0.0)
+    t_fsdp = max(0.0, comm_t.get("fsdp", 0.0) - compute * assume.fsdp_overlap)
+    t_a2a = comm_t.get("expert_all_to_all", 0.0)
+    t_pp = comm_t.get("pipeline_send_recv", 0.0)
+    step = compute + t_optimizer + t_bubble + t_dp + t_fsdp + t_a2a + t_pp
+    tokens_per_device = t * L.micro_batches * (1.0 if L.pp == 1 else 1.0 / L.pp)
+    mfu = fpt * tokens_per_device / step / spec.bf16_flops
+    peak_gib = best["peak"] / GIB
+    memory = {k: round(best[k] / GIB, 2) for k in ("weights", "grads", "optimizer", "activations")}
+    memory["workspace"] = assume.workspace_gib
+    return Plan(
+        layout=L, gpu=spec, params_per_device=int(best["local"] / (L.dp if fsdp else 1)), memory_gib=memory,
+        peak_mem_gib_per_device=round(peak_gib, 2), fits=peak_gib <= spec.memory_gib,
+        comm_gb_per_step={k: round(v / 1e9, 3) for k, v in comm.items()},
+        time_s={"gemm_and_attention": t_gemm, "weight_casts": t_casts, "element_wise": t_elementwise,
+                "fp8_quantization": t_fp8, "recompute": t_recompute,
+                "optimizer": t_optimizer, "pipeline_bubble": t_bubble, "expert_all_to_all": t_a2a,
+                "dp_reductions": t_dp, "fsdp_exposed": t_fsdp, "pipeline_sends": t_pp},
+        step_time_s=step, mfu=mfu, tokens_per_sec_per_device=tokens_per_device / step,
+        activations_without_recompute_gib=best["act_none"] / GIB,
+        activations_full_recompute_gib=best["act_full"] / GIB,
+        peak_gib_per_pipeline_rank=[round(x, 2) for x in peaks], params_per_pipeline_rank=params,
+    )
+
+
+def _stage_sizes(n_layers: int, stages: int) -> list[int]:
+    from moetrain.parallel.pipeline import stage_layers
+
+    return [len(s) for s in stage_layers(n_layers, stages)]
+
+
+def with_layout(cfg: RunConfig, gpus: int, *, pp: int, ep: int, recompute: str, shard_optimizer: bool,
+                rows: int, dispatcher: str | None = None) -> RunConfig | None:
+    """A copy of `cfg` with another layout (rows = sequences per GPU per micro-batch), or None
+    when the batch cannot be split that way."""
+    if gpus % pp:
+        return None
+    dp = gpus // pp
+    micro = rows * dp
+    if cfg.train.global_batch_size % micro or cfg.train.global_batch_size // micro < pp:
+        return None
+    out = dataclasses.replace(cfg, parallel=dataclasses.replace(
+        cfg.parallel, pp=pp, ep=ep, dp=None, shard_optimizer=shard_optimizer and dp > 1,
+        dispatcher=DispatcherKind(dispatcher) if dispatcher else cfg.parallel.dispatcher,
+        pp_schedule=PipelineSchedule.onef1b, pp_stages_per_rank=None, stack=Stack.ddp),
+        train=dataclasses.replace(cfg.train, micro_batch_size=micro, recompute=Recompute(recompute), recompute_every=1))
+    return out
+
+
+def suggest(cfg: RunConfig, gpus: int, gpu: str, limit: int = 5) -> list[Plan]:
+    """Layouts of the ddp stack that fit the GPU, fastest first: pp (dividing the GPUs, at most
+    one block per stage), ep (dividing dp and the experts, at most one node's worth unless the
+    experts need more), recompute none/selective/full, the sharded optimizer, and 1 or 2
+    sequences per GPU per micro-batch; the configured dispatcher and, for ep > 2, the exact
+    all-to-all one (the dropless sync-free dispatcher's buffers grow with ep)."""
+    m = cfg.model
+    out = []
+    for pp in (1, 2, 4, 8, 16, 32):
+        if pp > m.n_layers or gpus % pp:
+            continue
+        dp = gpus // pp
+        eps = [e for e in (1, 2, 4, 8, 16, 32, 64) if dp % e == 0 and m.moe.num_experts % e == 0]
+        for ep in eps:
+            for recompute in ("none", "selective", "full"):
+                dispatchers = {cfg.parallel.dispatcher.value}
+                if ep > 2 and cfg.parallel.capacity_factor is None:
+                    dispatchers.add(DispatcherKind.alltoall.value)
+                for rows, dispatcher in [(r, d) for r in (1, 2) for d in sorted(dispatchers)]:
+                    candidate = with_layout(cfg, gpus, pp=pp, ep=ep, recompute=recompute, shard_optimizer=True,
+                                            rows=rows, dispatcher=dispatcher)
+                    if candidate is None:
+                        continue
+                    try:
+                        p = plan(candidate, gpus, gpu)
+                    except ConfigError:
+                        continue
+                    if p.fits:
+                        out.append(p)
+    out.sort(key=lambda p: -p.tokens_per_sec_per_device)
+    return out[:limit]
+
+
+def report(p: Plan) -> str:
+    """The human-readable per-GPU table that `moetrain plan` prints before its JSON line."""
+    L, g = p.layout, p.gpu
+    lines = [
+        f"layout: {L.describe()} on {g.name} ({g.memory_gib:g} GiB usable)",
+        f"parameters per GPU: {p.params_per_device / 1e9:.3f}B",
+        "memory per GPU (GiB, the pipeline rank that needs most):",
+        f"  weights (fp32)      {p.memory_gib['weights']:8.2f}",
+        f"  gradients (fp32)    {p.memory_gib['grads']:8.2f}",
+        f"  optimizer state     {p.memory_gib['optimizer']:8.2f}",
+        f"  activations         {p.memory_gib['activations']:8.2f}   (this layout; none: "
+        f"{p.activations_without_recompute_gib:.2f}, full recompute: {p.activations_full_recompute_gib:.2f})",
+        f"  peak                {p.peak_mem_gib_per_device:8.2f}   -> {'fits' if p.fits else 'does NOT fit'}",
+    ]
+    if len(p.peak_gib_per_pipeline_rank) > 1:
+        lines.append("  peak per pipeline rank: " + ", ".join(f"{x:.1f}" for x in p.peak_gib_per_pipeline_rank))
+    lines.append("communication per GPU per step (GB sent):")
+    lines += [f"  {k:22s} {v:10.3f}" for k, v in p.comm_gb_per_step.items()] or ["  none (one GPU)"]
+    lines.append("step time (s), by part:")
+    lines += [f"  {k:22s} {v:10.4f}" for k, v in p.time_s.items() if v > 0]
+    lines.append(f"  step                   {p.step_time_s:10.4f}   tokens/s per GPU {p.tokens_per_sec_per_device:,.0f}, "
+                 f"MFU {100 * p.mfu:.1f}%")
+    return "\n".join(lines)
+
+
+def to_json(p: Plan, preset: str, gpus: int, gpu: str, suggestions: list[Plan]) -> dict:
+    L = p.layout
+    return {
+        "preset": preset, "gpus": gpus, "gpu": gpu, "layout": L.describe(), "dp": L.dp, "ep": L.ep, "pp": L.pp,
+        "stages_per_rank": L.stages_per_rank, "stack": L.stack, "recompute": L.recompute,
+        "micro_batches": L.micro_batches, "sequences_per_micro_batch_per_gpu": L.rows_per_micro_batch,
+        "params_per_device": p.params_per_device, "memory_gib": p.memory_gib,
+        "activations_without_recompute_gib": round(p.activations_without_recompute_gib, 2),
+        "activations_full_recompute_gib": round(p.activations_full_recompute_gib, 2),
+        "peak_mem_gib_per_device": p.peak_mem_gib_per_device, "capacity_gib": p.gpu.memory_gib, "fits": p.fits,
+        "comm_gb_per_step": p.comm_gb_per_step, "step_time_s": round(p.step_time_s, 4), "mfu": round(p.mfu, 4),
+        "tokens_per_sec_per_device": round(p.tokens_per_sec_per_device, 1),
+        "suggested": [{"layout": s.layout.describe(), "peak_mem_gib_per_device": s.peak_mem_gib_per_device,
+                       "step_time_s": round(s.step_time_s, 4), "mfu": round(s.mfu, 4)} for s in suggestions],
+    }

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# ref-small-64e on $NODES nodes of 8 × H200 — Olmo-core ran it on 128 GPUs
+# Check the layout first: bash scripts/launch/ref-small-64e.sh plan   (moetrain plan: per-GPU memory, fits, step time)
+# Train (on every node; see common.sh):  NODE_RANK=… MASTER_ADDR=… bash scripts/launch/ref-small-64e.sh [--key=value …]
+NODES=${NODES:-16}
+GPU=h200
+PRESET=ref-small-64e
+PP=8 EP=8 ROWS=1 RECOMPUTE=none DISPATCHER=alltoall
+set -eu
+source "$(dirname "$0")/common.sh"
