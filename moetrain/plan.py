@@ -300,7 +300,7 @@ def plan(cfg: RunConfig, gpus: int, gpu: str, assume: Assumptions = Assumptions(
             activations += t * act_none / len(layer_ids)
         logits = t * m.vocab_size * 10 if last else 0  # bf16 logits, fp32 copy, fp32 log-softmax
         head_grad = 4 * groups["head"] / (L.dp if fsdp else 1) if last else 0
-        casts = cast_bytes * (1 if L.pp == 1 else 1)  # one set of copies per block, reused by micro-batches in flight
+        casts = cast_bytes  # one bf16 copy per block that keeps activations
         if fsdp:
             shard = L.dp
             weights = 4 * local / shard + 2 * 4 * max(groups["moe_dense"] + groups["moe_experts"], groups["dense_block"])
