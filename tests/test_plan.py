@@ -43,6 +43,11 @@ MEASURED = [
     ("bench-small32e", 1, ["train.global_batch_size=8", "train.micro_batch_size=2"], 67.0),
     ("bench-small32e", 2, ["train.global_batch_size=16", "train.micro_batch_size=4"], 67.0),
     ("bench-small32e", 2, ["train.global_batch_size=16", "train.micro_batch_size=2", "parallel.pp=2"], 34.2),
+    # "The planner against measured peaks": predicted first, then measured (out of sample)
+    ("bench-8e", 1, ["train.recompute=selective", "train.micro_batch_size=2", "train.global_batch_size=2"], 90.8),
+    ("bench-tiny64e-l6", 1, ["train.recompute=full"], 71.48),
+    ("bench-small32e", 1, ["train.micro_batch_size=1", "train.global_batch_size=4"], 48.68),
+    ("bench-sweep-32", 1, ["train.recompute=selective", "train.recompute_every=2"], 45.98),
 ]
 
 
