@@ -25,8 +25,8 @@ per-tensor scales only), so the recipe's numerics are testable without a GPU.
 Under `torch.compile` the FP8 products run as eager islands (`torch.compiler.disable`): compiled
 into a block's graph on torch 2.11 (H200, 2026-11-29), the backward's grouped GEMM ended in a
 device-side assert — with the bf16 weight gradient written three ways (this one, contiguous
-operands, torch's own xᵀ·dy form) — while the same functions run correctly eager. The
-quantization kernels therefore stay unfused (docs/benchmarks.md has what that costs).
+operands, torch's own xᵀ·dy form) — while the same functions run correctly eager. Inside the
+islands the quantization itself is compiled on its own (`_quantize`), which fuses its passes.
 
 **MXFP8** (the OCP microscaling format Blackwell's tensor cores take): blocks of 32 consecutive
 elements along the reduction dim share one power-of-two scale stored as float8_e8m0fnu, chosen
@@ -57,6 +57,35 @@ def quantize_rowwise(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Ten
     scale = _pow2_scale(x.abs().amax(dim=dim, keepdim=True))
     q = (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
     return q, scale
+
+
+def _quantize_last(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_rowwise(x, -1)
+
+
+def _quantize_first(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_rowwise(x, 0)
+
+
+def _quantize_middle(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_rowwise(x, -2)
+
+
+_EAGER = {-1: _quantize_last, 0: _quantize_first, -2: _quantize_middle}
+_COMPILED: dict[int, object] = {}
+
+
+def _quantize(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rowwise` for the GEMMs. On CUDA compiled: eager it is ~6 full passes (abs, amax,
+    fp32 copy, divide, clamp, cast); Inductor fuses them into a reduction and one pointwise pass.
+    One compiled function per dim (dynamic shapes), so the dtypes and ranks that reach each stay
+    within Dynamo's recompile limit. A compiled function runs inside the eager islands below."""
+    if not x.is_cuda:
+        return quantize_rowwise(x, dim)
+    fn = _COMPILED.get(dim)
+    if fn is None:
+        fn = _COMPILED[dim] = torch.compile(_EAGER[dim], dynamic=True)
+    return fn(x)
 
 
 def quantize_mxfp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,8 +140,8 @@ class _Fp8Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_MK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
-        xq, xs = quantize_rowwise(x_MK, -1)
-        wq, ws = quantize_rowwise(w_NK, -1)
+        xq, xs = _quantize(x_MK, -1)
+        wq, ws = _quantize(w_NK, -1)
         ctx.save_for_backward(x_MK, w_NK)
         return _scaled_mm(xq, wq.t(), xs, ws.t())
 
@@ -120,11 +149,11 @@ class _Fp8Linear(torch.autograd.Function):
     def backward(ctx, dy_MN: torch.Tensor):
         x_MK, w_NK = ctx.saved_tensors
         dy_MN = dy_MN.contiguous()
-        dyq, dys = quantize_rowwise(dy_MN, -1)  # per token, over N
-        wq, ws = quantize_rowwise(w_NK, 0)  # per input feature, over N
+        dyq, dys = _quantize(dy_MN, -1)  # per token, over N
+        wq, ws = _quantize(w_NK, 0)  # per input feature, over N
         dx = _scaled_mm(dyq, _column_major(wq), dys, ws)
-        dytq, dyts = quantize_rowwise(dy_MN.t(), -1)  # per output feature, over tokens
-        xq, xs = quantize_rowwise(x_MK, 0)  # per input feature, over tokens
+        dytq, dyts = _quantize(dy_MN.t(), -1)  # per output feature, over tokens
+        xq, xs = _quantize(x_MK, 0)  # per input feature, over tokens
         dw = _scaled_mm(dytq.contiguous(), _column_major(xq), dyts, xs)
         return dx.to(x_MK.dtype), dw.to(w_NK.dtype)
 
@@ -135,8 +164,8 @@ class _Fp8GroupedMM(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_MK: torch.Tensor, w_ENK: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-        xq, xs = quantize_rowwise(x_MK, -1)
-        wq, ws = quantize_rowwise(w_ENK, -1)
+        xq, xs = _quantize(x_MK, -1)
+        wq, ws = _quantize(w_ENK, -1)
         ctx.save_for_backward(x_MK, w_ENK, offsets_E)
         return _scaled_grouped_mm(xq, wq.transpose(-2, -1), xs.squeeze(-1), ws.squeeze(-1), offsets_E)
 
@@ -144,8 +173,8 @@ class _Fp8GroupedMM(torch.autograd.Function):
     def backward(ctx, dy_MN: torch.Tensor):
         x_MK, w_ENK, offsets_E = ctx.saved_tensors
         dy_MN = dy_MN.contiguous()
-        dyq, dys = quantize_rowwise(dy_MN, -1)
-        wq, ws = quantize_rowwise(w_ENK, -2)  # per expert and input feature, over N
+        dyq, dys = _quantize(dy_MN, -1)
+        wq, ws = _quantize(w_ENK, -2)  # per expert and input feature, over N
         dx = _scaled_grouped_mm(dyq, _column_major(wq), dys.squeeze(-1), ws.squeeze(-2), offsets_E)
         if dy_MN.is_cuda:
             dw = torch._grouped_mm(dy_MN.t().to(torch.bfloat16), x_MK.to(torch.bfloat16), offs=offsets_E)

@@ -134,3 +134,18 @@ def test_mxfp8_quantizer_matches_an_elementwise_reference():
 def test_mxfp8_needs_whole_blocks():
     with pytest.raises(ValueError, match="multiple of 32"):
         quantize_mxfp8(torch.randn(4, 48))
+
+
+def test_compiled_quantizer_equals_the_eager_one():
+    """What the GEMMs use on CUDA (`_quantize`: the row-wise quantizer compiled, one function per
+    dim, dynamic shapes) is bit-identical to the eager reference; here compiled for the CPU."""
+    from moetrain.model.fp8 import _EAGER
+
+    torch.manual_seed(0)
+    x = torch.randn(48, 96, dtype=torch.bfloat16)
+    x[5] = 0  # an all-zero row: scale 1
+    cases = [(-1, x), (0, torch.randn(96, 40).t() * 3), (-2, torch.randn(3, 16, 24, dtype=torch.bfloat16))]
+    for dim, x in cases:
+        compiled = torch.compile(_EAGER[dim], dynamic=True)
+        (q, s), (q_ref, s_ref) = compiled(x), quantize_rowwise(x, dim)
+        assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), dim
