@@ -7,7 +7,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.moetrain-installed
-HF_STAMP := $(VENV)/.moetrain-hf-installed
+TEST_STAMP := $(VENV)/.moetrain-test-extras-installed
 DATA ?= data/default
 RUN ?= runs/tiny
 STEPS ?= 300
@@ -35,12 +35,13 @@ train: data
 	$(PY) -m moetrain train tiny --run-dir $(RUN) --steps $(STEPS) --data.sources='[$(DATA)]'
 	@$(PY) -m moetrain.train.report $(RUN)
 
-# The tests also cover the Hugging Face export: the optional `hf` extra (transformers).
-$(HF_STAMP): $(STAMP)
-	$(PY) -m pip install --quiet -e ".[hf]"
-	@touch $(HF_STAMP)
+# The tests also cover the Hugging Face export and the Weights & Biases sink: the optional `hf`
+# (transformers) and `wandb` extras.
+$(TEST_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e ".[hf,wandb]"
+	@touch $(TEST_STAMP)
 
-test: $(HF_STAMP)
+test: $(TEST_STAMP)
 	$(PY) -m pytest -q
 
 clean:

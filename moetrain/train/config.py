@@ -131,6 +131,14 @@ class TrainerConfig(Config):
     """torch.compile each block."""
     tensorboard: bool = True
     """Also write TensorBoard events to RUN_DIR/tb (when the tensorboard package is installed)."""
+    wandb: bool = False
+    """Also log the metrics to Weights & Biases (needs pip install 'moetrain[wandb]'); wandb's own
+    environment applies: WANDB_MODE=offline or disabled, WANDB_API_KEY, WANDB_ENTITY, WANDB_DIR
+    (default: RUN_DIR). Rank 0 logs; --resume continues the same W&B run."""
+    wandb_project: str = "moetrain"
+    """The W&B project of the run."""
+    wandb_name: str | None = None
+    """The W&B run name; default: the run directory's name."""
     plot: bool = True
     """Write RUN_DIR/loss.png at the end (when matplotlib is installed)."""
     skip_spike_sigma: float = 6.0

@@ -25,9 +25,12 @@ import json
 import resource
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from moetrain.train.wandb_sink import WandbSink
 
 
 def routing_metrics(layer_stats: list[dict[str, torch.Tensor]], ep: int = 1) -> dict[str, float]:
@@ -65,10 +68,12 @@ def peak_mem_gib(device: torch.device) -> float:
 
 
 class MetricsWriter:
-    """Appends records to RUN_DIR/metrics.jsonl and mirrors scalars to TensorBoard (RUN_DIR/tb)."""
+    """Appends records to RUN_DIR/metrics.jsonl and mirrors scalars to TensorBoard (RUN_DIR/tb)
+    and, given a sink, to Weights & Biases (moetrain/train/wandb_sink.py)."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool):
+    def __init__(self, run_dir: Path, tensorboard: bool, wandb: WandbSink | None = None):
         self.path = run_dir / "metrics.jsonl"
+        self.wandb = wandb
         self.tb = None
         if tensorboard:
             try:
@@ -82,14 +87,22 @@ class MetricsWriter:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()
+        scalars = {
+            key: value for key, value in record.items()
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)
+        }
         if self.tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self.tb.add_scalar(key, value, record["step"])
+            for key, value in scalars.items():
+                self.tb.add_scalar(key, value, record["step"])
+        if self.wandb is not None:
+            self.wandb.log(scalars, record["step"])
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Flush and close the sinks; `failed`: the run ended with an error (W&B marks it so)."""
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.close(failed)
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

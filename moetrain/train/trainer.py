@@ -42,6 +42,7 @@ from moetrain.train.metrics import MetricsWriter, peak_mem_gib, read_metrics, ro
 from moetrain.train.optim import FSDPAdamW, ReplicatedAdamW, lr_at
 from moetrain.train.guard import StepGuard
 from moetrain.train.profiling import StepProfiler
+from moetrain.train.wandb_sink import WandbSink, require_wandb
 
 
 def resolve_device(name: str) -> torch.device:
@@ -79,6 +80,8 @@ class Trainer:
     def __init__(self, cfg: RunConfig, *, resume: bool = False, quiet: bool = False):
         self.cfg = cfg
         tc = cfg.train
+        if tc.wandb:
+            require_wandb()
         self.device = resolve_device(tc.device)
         rank, world = init_distributed(self.device.type, cfg.parallel.timeout_s, cfg.parallel.peer_timeout_s)
         if self.device.type == "cuda" and world > 1:
@@ -271,7 +274,13 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         tc = self.cfg.train
         main = self.par.is_main
-        writer = MetricsWriter(self.run_dir, tensorboard=tc.tensorboard) if main else None
+        writer = None
+        if main:
+            sink = None
+            if tc.wandb:
+                sink = WandbSink(self.run_dir, self.cfg.to_dict(), project=tc.wandb_project, name=tc.wandb_name,
+                                 resumed=self.resumed_from is not None)
+            writer = MetricsWriter(self.run_dir, tensorboard=tc.tensorboard, wandb=sink)
         summary = self._read_summary()
         if "initial_val_loss" not in summary and tc.eval_every > 0:
             summary["initial_val_loss"] = self.evaluate()
@@ -280,6 +289,7 @@ class Trainer:
         stop = GracefulStop(self.par, quiet=not self.par.is_main)  # said even under --quiet
         window_start, window_steps = time.perf_counter(), 0
         last_val = None
+        completed = False
         try:
             while self.step < tc.steps:
                 out = self.train_step()
@@ -313,13 +323,14 @@ class Trainer:
                               "continue with --resume", file=sys.stderr, flush=True)
                     summary["stopped_at_step"] = self.step
                     break
+            completed = True
         finally:
             stop.restore()
             if profiler is not None:
                 profiler.close()
             progress.close()
             if writer is not None:
-                writer.close()
+                writer.close(failed=not completed)
         self.finish_checkpoint()
         summary.update(self._final_summary(last_val))
         if main:
@@ -440,7 +451,7 @@ class Trainer:
                 f"{found[-1][0]}). Pass --resume to continue that run, or choose another --run-dir."
             )
         if self.par.is_main:
-            for stale in ("metrics.jsonl", "summary.json"):
+            for stale in ("metrics.jsonl", "summary.json", "wandb_id.txt"):
                 (self.run_dir / stale).unlink(missing_ok=True)
         if self.cfg.train.init_from:
             path = ckpt.resolve_checkpoint(self.cfg.train.init_from)

@@ -1,0 +1,70 @@
+"""Weights & Biases as an optional metrics sink: train.wandb=true (`pip install 'moetrain[wandb]'`).
+
+Rank 0's MetricsWriter logs every numeric scalar of each metrics.jsonl record at the record's step,
+with the resolved run configuration as the W&B run config. wandb reads its own environment as usual:
+WANDB_MODE (offline, disabled), WANDB_API_KEY, WANDB_ENTITY, WANDB_DIR (default here: RUN_DIR, so
+the wandb/ folder sits beside metrics.jsonl). The W&B run id is kept in RUN_DIR/wandb_id.txt: a
+run continued with --resume continues the same W&B run. The steps between the checkpoint it
+resumes from and the interruption are logged again; W&B ignores a step below one it has seen,
+so those keep their first values.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+from moetrain.errors import ConfigError
+
+ID_FILE = "wandb_id.txt"
+
+
+def require_wandb() -> None:
+    """Raise ConfigError when train.wandb=true cannot be honoured: wandb is not importable."""
+    try:
+        import wandb  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(
+            f"train.wandb=true but the wandb package cannot be imported ({e}). Install the optional "
+            "extra with pip install 'moetrain[wandb]', or set train.wandb=false."
+        ) from None
+
+
+def run_id(run_dir: Path, resumed: bool) -> str:
+    """The W&B run id of this run directory: the stored one when resuming, a new one otherwise."""
+    path = run_dir / ID_FILE
+    if resumed and path.is_file() and path.read_text().strip():
+        return path.read_text().strip()
+    new = secrets.token_hex(4)  # W&B ids: short, lowercase, alphanumeric
+    path.write_text(new + "\n")
+    return new
+
+
+class WandbSink:
+    """One W&B run that receives the logged records; `close` finishes it."""
+
+    def __init__(self, run_dir: Path, config: dict[str, Any], *, project: str, name: str | None, resumed: bool):
+        import wandb
+
+        try:
+            self.run = wandb.init(
+                project=project,
+                name=name or run_dir.resolve().name,
+                id=run_id(run_dir, resumed),
+                resume="allow" if resumed else None,
+                config=config,
+                dir=None if os.environ.get("WANDB_DIR") else str(run_dir),
+            )
+        except wandb.errors.Error as e:
+            raise ConfigError(
+                f"train.wandb=true but W&B could not start a run ({e}). Log in (wandb login, or set "
+                "WANDB_API_KEY), log offline with WANDB_MODE=offline, or set train.wandb=false."
+            ) from None
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        self.run.log(scalars, step=step)
+
+    def close(self, failed: bool = False) -> None:
+        self.run.finish(exit_code=1 if failed else 0)
