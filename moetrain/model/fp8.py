@@ -63,28 +63,46 @@ def _quantize_last(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_rowwise(x, -1)
 
 
-def _quantize_first(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return quantize_rowwise(x, 0)
+def _quantize_last_contiguous(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    q, scale = quantize_rowwise(x, -1)  # x a transposed view: q row-major again
+    return q.contiguous(), scale
 
 
-def _quantize_middle(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return quantize_rowwise(x, -2)
+def _quantize_first_column_major(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    q, scale = quantize_rowwise(x, 0)
+    return _column_major(q), scale
 
 
-_EAGER = {-1: _quantize_last, 0: _quantize_first, -2: _quantize_middle}
-_COMPILED: dict[int, object] = {}
+def _quantize_middle_column_major(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    q, scale = quantize_rowwise(x, -2)
+    return _column_major(q), scale
 
 
-def _quantize(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_rowwise` for the GEMMs. On CUDA compiled: eager it is ~6 full passes (abs, amax,
-    fp32 copy, divide, clamp, cast); Inductor fuses them into a reduction and one pointwise pass.
-    One compiled function per dim (dynamic shapes), so the dtypes and ranks that reach each stay
-    within Dynamo's recompile limit. A compiled function runs inside the eager islands below."""
+# (dim, layout of q) -> quantizer; layouts: None as computed, "row" row-major, "col" column-major
+# (what the FP8 kernels take as second operand). Inside one compiled function the layout change
+# fuses into the cast instead of being a separate strided copy.
+_EAGER = {(-1, None): _quantize_last, (-1, "row"): _quantize_last_contiguous,
+          (0, "col"): _quantize_first_column_major, (-2, "col"): _quantize_middle_column_major}
+_COMPILED: dict[tuple[int, str | None], object] = {}
+
+
+def _quantize(x: torch.Tensor, dim: int, layout: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rowwise` for the GEMMs, q in the given layout. On CUDA compiled: eager it is ~6
+    full passes (abs, amax, fp32 copy, divide, clamp, cast) plus a copy for the layout; Inductor
+    fuses them into a reduction and one pointwise pass. One compiled function per (dim, layout)
+    (dynamic shapes); a compiled function runs inside the eager islands below."""
+    key = (dim, layout)
     if not x.is_cuda:
-        return quantize_rowwise(x, dim)
-    fn = _COMPILED.get(dim)
+        return _EAGER[key](x)
+    fn = _COMPILED.get(key)
     if fn is None:
-        fn = _COMPILED[dim] = torch.compile(_EAGER[dim], dynamic=True)
+        # Each call site brings its own dtype, rank and strides (weights fp32 3-D, activations
+        # bf16, transposed gradients): more variants than Dynamo's default limit of 8 per
+        # function, past which it would fall back to eager (seen on bench-8e).
+        import torch._dynamo.config as dynamo_config
+
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
+        fn = _COMPILED[key] = torch.compile(_EAGER[key], dynamic=True)
     return fn(x)
 
 
@@ -150,11 +168,11 @@ class _Fp8Linear(torch.autograd.Function):
         x_MK, w_NK = ctx.saved_tensors
         dy_MN = dy_MN.contiguous()
         dyq, dys = _quantize(dy_MN, -1)  # per token, over N
-        wq, ws = _quantize(w_NK, 0)  # per input feature, over N
-        dx = _scaled_mm(dyq, _column_major(wq), dys, ws)
-        dytq, dyts = _quantize(dy_MN.t(), -1)  # per output feature, over tokens
-        xq, xs = _quantize(x_MK, 0)  # per input feature, over tokens
-        dw = _scaled_mm(dytq.contiguous(), _column_major(xq), dyts, xs)
+        wq, ws = _quantize(w_NK, 0, "col")  # per input feature, over N
+        dx = _scaled_mm(dyq, wq, dys, ws)
+        dytq, dyts = _quantize(dy_MN.t(), -1, "row")  # per output feature, over tokens
+        xq, xs = _quantize(x_MK, 0, "col")  # per input feature, over tokens
+        dw = _scaled_mm(dytq, xq, dyts, xs)
         return dx.to(x_MK.dtype), dw.to(w_NK.dtype)
 
 
@@ -174,8 +192,8 @@ class _Fp8GroupedMM(torch.autograd.Function):
         x_MK, w_ENK, offsets_E = ctx.saved_tensors
         dy_MN = dy_MN.contiguous()
         dyq, dys = _quantize(dy_MN, -1)
-        wq, ws = _quantize(w_ENK, -2)  # per expert and input feature, over N
-        dx = _scaled_grouped_mm(dyq, _column_major(wq), dys.squeeze(-1), ws.squeeze(-2), offsets_E)
+        wq, ws = _quantize(w_ENK, -2, "col")  # per expert and input feature, over N
+        dx = _scaled_grouped_mm(dyq, wq, dys.squeeze(-1), ws.squeeze(-2), offsets_E)
         if dy_MN.is_cuda:
             dw = torch._grouped_mm(dy_MN.t().to(torch.bfloat16), x_MK.to(torch.bfloat16), offs=offsets_E)
         else:

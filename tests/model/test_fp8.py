@@ -144,8 +144,13 @@ def test_compiled_quantizer_equals_the_eager_one():
     torch.manual_seed(0)
     x = torch.randn(48, 96, dtype=torch.bfloat16)
     x[5] = 0  # an all-zero row: scale 1
-    cases = [(-1, x), (0, torch.randn(96, 40).t() * 3), (-2, torch.randn(3, 16, 24, dtype=torch.bfloat16))]
-    for dim, x in cases:
-        compiled = torch.compile(_EAGER[dim], dynamic=True)
-        (q, s), (q_ref, s_ref) = compiled(x), quantize_rowwise(x, dim)
-        assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), dim
+    cases = [((-1, None), x), ((-1, "row"), torch.randn(96, 40).t() * 3), ((0, "col"), x),
+             ((-2, "col"), torch.randn(3, 16, 24, dtype=torch.bfloat16))]
+    for key, x in cases:
+        compiled = torch.compile(_EAGER[key], dynamic=True)
+        (q, s), (q_ref, s_ref) = compiled(x), quantize_rowwise(x, key[0])
+        assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), key
+        if key[1] == "row":
+            assert q.is_contiguous()
+        if key[1] == "col":
+            assert q.transpose(-2, -1).is_contiguous()
