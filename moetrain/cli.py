@@ -240,16 +240,17 @@ def cmd_plan(argv: list[str]) -> int:
             raise ConfigError(f"parallel.pp={pp} does not divide --gpus={args.gpus}.")
         dp = cfg.parallel.dp or args.gpus // pp
         cfg = resolve_config(args.spec, overrides + [f"train.micro_batch_size={args.micro_batch * dp}"])
-    result = plan(cfg, args.gpus, args.gpu)
-    suggestions = [] if args.no_suggest else suggest(cfg, args.gpus, args.gpu)
+    gpu = args.gpu.lower()
+    result = plan(cfg, args.gpus, gpu)
+    suggestions = [] if args.no_suggest else suggest(cfg, args.gpus, gpu)
     print(report(result))
     if not args.no_suggest:
         print("layouts that fit (ddp stack, sharded optimizer), fastest first:" if suggestions else
-              f"no layout of the ddp stack fits {args.gpus} × {args.gpu}: add GPUs or shrink the model.")
+              f"no layout of the ddp stack fits {args.gpus} × {gpu}: add GPUs or shrink the model.")
         for s in suggestions:
             print(f"  {s.layout.describe():70s} peak {s.peak_mem_gib_per_device:6.1f} GiB, "
                   f"step {s.step_time_s:.3f} s, MFU {100 * s.mfu:.1f}%")
-    print(json.dumps(to_json(result, args.spec, args.gpus, args.gpu, suggestions)))
+    print(json.dumps(to_json(result, args.spec, args.gpus, gpu, suggestions)))
     return 0
 
 
