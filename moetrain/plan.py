@@ -367,7 +367,8 @@ def plan(cfg: RunConfig, gpus: int, gpu: str, assume: Assumptions = Assumptions(
     stage_share = best["layers"] / m.n_layers if L.pp > 1 else 1.0
     model_flops = fpt * t * L.micro_batches * stage_share
     fp8 = cfg.train.fp8 != Fp8.none
-    gemm_rate = spec.bf16_flops * assume.gemm_eff * (assume.fp8_gemm_speedup if fp8 else 1.0)
+    # mxfp8 computes its products from dequantized operands (bf16 rate; moetrain/model/fp8.py)
+    gemm_rate = spec.bf16_flops * assume.gemm_eff * (assume.fp8_gemm_speedup if cfg.train.fp8 == Fp8.rowwise else 1.0)
     t_gemm = model_flops / gemm_rate
     hbm = spec.hbm_bytes_s * assume.hbm_eff
     t_optimizer = 28 * (best["local"] / (L.dp if fsdp else 1)) / hbm

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetrain.model.fp8 import fp8_grouped_mm
+from moetrain.model.fp8 import fp8_grouped_mm, mxfp8_grouped_mm
 
 
 class GroupedExperts(nn.Module):
@@ -24,16 +24,17 @@ class GroupedExperts(nn.Module):
         # nn.Linear layout per expert (out, in): [gate; up] stacked on the out dim.
         self.w_gate_up_E2FD = nn.Parameter(torch.empty(num_experts, 2 * hidden, d_model))
         self.w_down_EDF = nn.Parameter(torch.empty(num_experts, d_model, hidden))
-        self.fp8 = False
-        """Row-wise FP8 grouped GEMMs (moetrain/model/fp8.py), set by `train.fp8=rowwise`."""
+        self.fp8: str | None = None
+        """FP8 grouped GEMMs (moetrain/model/fp8.py): "rowwise" or "mxfp8", set by `train.fp8`."""
 
     def forward(self, x_MD: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
         w_gate_up, w_down = self.w_gate_up_E2FD, self.w_down_EDF
         if self.fp8:
             # Weights are quantized from their fp32 values; the outputs are bf16.
-            h_M2F = fp8_grouped_mm(x_MD, w_gate_up, offsets_E)
+            product = mxfp8_grouped_mm if self.fp8 == "mxfp8" else fp8_grouped_mm
+            h_M2F = product(x_MD, w_gate_up, offsets_E)
             gate_MF, up_MF = h_M2F.chunk(2, dim=-1)
-            return fp8_grouped_mm(F.silu(gate_MF) * up_MF, w_down, offsets_E)
+            return product(F.silu(gate_MF) * up_MF, w_down, offsets_E)
         if torch.is_autocast_enabled(x_MD.device.type):
             # Autocast does not know _grouped_mm: cast explicitly (the CUDA fast path wants bf16).
             dtype = torch.get_autocast_dtype(x_MD.device.type)

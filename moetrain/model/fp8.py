@@ -32,6 +32,13 @@ islands the quantization itself is compiled on its own (`_quantize`), which fuse
 elements along the reduction dim share one power-of-two scale stored as float8_e8m0fnu, chosen
 like the row-wise one (2^ceil(log2(amax / 448)), so no element saturates). `quantize_mxfp8` is
 the quantizer; its numerics are tested against an independent float64 reference.
+`train.fp8=mxfp8` trains with it: the forward and input-gradient products of the same GEMMs as
+the row-wise recipe take MXFP8 operands (blocks along each product's reduction dim), the weight
+gradients stay bf16. The products are computed from the dequantized operands — exact in bf16,
+since e4m3 × a power of two needs 4 significant bits — with fp32 accumulation: the arithmetic of
+Blackwell's MX tensor-core GEMMs up to summation order, on any device. Blackwell's MX kernels
+themselves are not called (no Blackwell GPU was available to validate them), so this recipe
+gives MXFP8's numerics (loss curves, stability) but not its speed.
 """
 
 from __future__ import annotations
@@ -212,11 +219,74 @@ def fp8_grouped_mm(x_MK: torch.Tensor, w_ENK: torch.Tensor, offsets_E: torch.Ten
     return _Fp8GroupedMM.apply(x_MK, w_ENK, offsets_E)
 
 
+def _mx(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """x through MXFP8 (blocks of 32 along `dim`) and back: fp32 on CPU, bf16 on CUDA (exact)."""
+    q, scale = quantize_mxfp8(x.movedim(dim, -1))
+    return dequantize_mxfp8(q, scale).to(torch.bfloat16 if x.is_cuda else torch.float32).movedim(-1, dim)
+
+
+class _MxLinear(torch.autograd.Function):
+    """y = x·wᵀ and dx = dy·w from MXFP8 operands; dw = dyᵀ·x in bf16 (fp32 on CPU)."""
+
+    @staticmethod
+    def forward(ctx, x_MK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x_MK, w_NK)
+        return (_mx(x_MK, -1) @ _mx(w_NK, -1).t()).to(torch.bfloat16)
+
+    @staticmethod
+    def backward(ctx, dy_MN: torch.Tensor):
+        x_MK, w_NK = ctx.saved_tensors
+        dx = _mx(dy_MN, -1) @ _mx(w_NK, 0)
+        dt = torch.bfloat16 if dy_MN.is_cuda else torch.float32
+        dw = dy_MN.t().to(dt) @ x_MK.to(dt)
+        return dx.to(x_MK.dtype), dw.to(w_NK.dtype)
+
+
+class _MxGroupedMM(torch.autograd.Function):
+    """Row block e of x times w[e]ᵀ and its input gradient from MXFP8 operands (blocks along each
+    row's reduction dim, so padding rows stay to themselves); the weight gradient in bf16."""
+
+    @staticmethod
+    def forward(ctx, x_MK: torch.Tensor, w_ENK: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x_MK, w_ENK, offsets_E)
+        return _grouped(_mx(x_MK, -1), _mx(w_ENK, -1).transpose(-2, -1), offsets_E).to(torch.bfloat16)
+
+    @staticmethod
+    def backward(ctx, dy_MN: torch.Tensor):
+        x_MK, w_ENK, offsets_E = ctx.saved_tensors
+        dx = _grouped(_mx(dy_MN, -1), _mx(w_ENK, -2), offsets_E)
+        dt = torch.bfloat16 if dy_MN.is_cuda else torch.float32
+        dw = _grouped(dy_MN.t().to(dt), x_MK.to(dt), offsets_E)
+        return dx.to(x_MK.dtype), dw.to(w_ENK.dtype), None
+
+
+def _grouped(a, b, offsets_E) -> torch.Tensor:
+    return torch._grouped_mm(a, b, offs=offsets_E) if a.is_cuda else _cpu_grouped_mm(a, b, offsets_E)
+
+
+@torch.compiler.disable  # eager islands, as the row-wise recipe
+def mxfp8_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x (…, K) · weight (N, K)ᵀ with MXFP8 operands (emulated products, see the module docstring)."""
+    return _MxLinear.apply(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
+
+
+@torch.compiler.disable
+def mxfp8_grouped_mm(x_MK: torch.Tensor, w_ENK: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    return _MxGroupedMM.apply(x_MK, w_ENK, offsets_E)
+
+
 class Fp8Linear(nn.Linear):
     """nn.Linear (no bias) whose products run in row-wise FP8. The parameter is the same
     fp32 `weight`: checkpoints and optimizers do not see a difference."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_linear(x, self.weight)
+
+
+class MxFp8Linear(nn.Linear):
+    """nn.Linear (no bias) with MXFP8 operands (`train.fp8=mxfp8`); the same fp32 `weight`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return mxfp8_linear(x, self.weight)
 
 

@@ -6,7 +6,7 @@
     1. expert parallel: each MoE layer keeps its rank's experts and gets an all-to-all dispatcher
        (`parallel.dispatcher`: nosync, fixed buffers, or alltoall, exact splits)
        (or, with ep = 1 and dp > 1, a dispatcher that only sums routing counts over dp)
-    1b. FP8 (`train.fp8=rowwise`): the experts' grouped GEMMs and the attention / shared-expert /
+    1b. FP8 (`train.fp8=rowwise|mxfp8`): the experts' grouped GEMMs and the attention / shared-expert /
         dense-MLP linears switch to row-wise FP8 products (same parameters)
     2. activation recompute (per block, every `train.recompute_every`-th; full or selective)
     3. torch.compile (per block)
@@ -32,7 +32,7 @@ from torch import nn
 
 from moetrain.errors import ConfigError
 from moetrain.model.experts import GroupedExperts
-from moetrain.model.fp8 import Fp8Linear
+from moetrain.model.fp8 import Fp8Linear, MxFp8Linear
 from moetrain.model.transformer import Transformer, canonical_name
 from moetrain.parallel.dims import ParallelConfig, ParallelState, Stack
 from moetrain.parallel.expert_parallel import apply_expert_parallel
@@ -45,8 +45,8 @@ def parallelize(model: Transformer, state: ParallelState, cfg: TrainerConfig, pa
     if state.dims.num_stages > 1:
         split_model(model, state.dims, state.pp_rank)
     apply_expert_parallel(model, state, parallel)
-    if cfg.fp8 == Fp8.rowwise:
-        apply_fp8(model)
+    if cfg.fp8 != Fp8.none:
+        apply_fp8(model, cfg.fp8.value)
     if cfg.recompute != Recompute.none:
         apply_recompute(model, selective=cfg.recompute == Recompute.selective, every=cfg.recompute_every)
     if cfg.compile:
@@ -56,24 +56,27 @@ def parallelize(model: Transformer, state: ParallelState, cfg: TrainerConfig, pa
     return model
 
 
-def apply_fp8(model: Transformer) -> None:
-    """Row-wise FP8 for every expert grouped GEMM and every linear layer inside the blocks except
-    the router (a tiny product whose fp32 logits decide routing). Linear layers become
-    `Fp8Linear` in place (the class changes, the fp32 parameter stays), so names, initialization
-    and checkpoints are unchanged. The kernels need every GEMM dim divisible by 16."""
+def apply_fp8(model: Transformer, recipe: str = "rowwise") -> None:
+    """FP8 (`recipe`: "rowwise" or "mxfp8") for every expert grouped GEMM and every linear layer
+    inside the blocks except the router (a tiny product whose fp32 logits decide routing). Linear
+    layers become `Fp8Linear` / `MxFp8Linear` in place (the class changes, the fp32 parameter
+    stays), so names, initialization and checkpoints are unchanged. Row-wise kernels need every
+    GEMM dim divisible by 16; MXFP8 blocks need multiples of 32."""
+    align = 32 if recipe == "mxfp8" else 16
+    linear_class = MxFp8Linear if recipe == "mxfp8" else Fp8Linear
     for name, module in model.named_modules():
         if isinstance(module, GroupedExperts):
             for dim in (module.d_model, module.hidden):
-                if dim % 16:
-                    raise ConfigError(f"train.fp8=rowwise needs dims divisible by 16; {canonical_name(name)} has {dim}.")
-            module.fp8 = True
+                if dim % align:
+                    raise ConfigError(f"train.fp8={recipe} needs dims divisible by {align}; {canonical_name(name)} has {dim}.")
+            module.fp8 = recipe
         elif isinstance(module, nn.Linear) and ".blocks." in f".{name}" and type(module) is nn.Linear:
-            if module.in_features % 16 or module.out_features % 16:
+            if module.in_features % align or module.out_features % align:
                 raise ConfigError(
-                    f"train.fp8=rowwise needs dims divisible by 16; {canonical_name(name)} is "
+                    f"train.fp8={recipe} needs dims divisible by {align}; {canonical_name(name)} is "
                     f"{module.in_features} → {module.out_features}."
                 )
-            module.__class__ = Fp8Linear
+            module.__class__ = linear_class
 
 
 def apply_recompute(model: Transformer, selective: bool = False, every: int = 1) -> None:

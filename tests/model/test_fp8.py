@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from moetrain.model.fp8 import (
-    E4M3_MAX, MX_BLOCK, dequantize_mxfp8, fp8_grouped_mm, fp8_linear, quantize_mxfp8, quantize_rowwise,
+    E4M3_MAX, MX_BLOCK, dequantize_mxfp8, fp8_grouped_mm, fp8_linear, mxfp8_grouped_mm, mxfp8_linear, quantize_mxfp8,
+    quantize_rowwise,
 )
 
 
@@ -154,3 +155,44 @@ def test_compiled_quantizer_equals_the_eager_one():
             assert q.is_contiguous()
         if key[1] == "col":
             assert q.transpose(-2, -1).is_contiguous()
+
+
+def _mx_ref(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """MXFP8 round trip along `dim` in float64, from the quantizer tested above."""
+    q, scale = quantize_mxfp8(x.movedim(dim, -1))
+    return dequantize_mxfp8(q, scale).double().movedim(-1, dim)
+
+
+def test_mxfp8_linear_products_use_blocks_along_each_reduction_dim():
+    """train.fp8=mxfp8: y = x·wᵀ and dx = dy·w equal float64 products of the MXFP8 round trips
+    (blocks along K for the forward, along N for the input gradient) up to the bf16 output; the
+    weight gradient is the unquantized dyᵀ·x."""
+    torch.manual_seed(1)
+    x = torch.randn(64, 96, requires_grad=True)
+    w = (torch.randn(128, 96) * 0.05).requires_grad_()
+    dy = torch.randn(64, 128).bfloat16().float()  # what reaches backward through y's bf16
+    y = mxfp8_linear(x, w)
+    y.float().backward(dy)
+    assert y.dtype == torch.bfloat16
+    assert rel(y, _mx_ref(x.detach(), -1) @ _mx_ref(w.detach(), -1).T) < 4e-3  # bf16 rounding only
+    assert rel(x.grad, _mx_ref(dy, -1) @ _mx_ref(w.detach(), 0)) < 4e-3
+    assert rel(w.grad, dy.double().T @ x.detach().double()) < 1e-5
+    assert rel(y, x.detach() @ w.detach().T) < 0.06  # and FP8-close to the exact product
+
+
+def test_mxfp8_grouped_mm_matches_per_expert_products():
+    torch.manual_seed(2)
+    offsets = torch.tensor([32, 32, 96], dtype=torch.int32)  # the second expert gets no rows
+    x = torch.randn(96, 64, requires_grad=True)
+    w = (torch.randn(3, 32, 64) * 0.1).requires_grad_()
+    dy = torch.randn(96, 32).bfloat16().float()
+    y = mxfp8_grouped_mm(x, w, offsets)
+    y.float().backward(dy)
+    bounds = [(0, 32, 0), (32, 96, 2)]
+    for lo, hi, e in bounds:
+        want = _mx_ref(x.detach()[lo:hi], -1) @ _mx_ref(w.detach()[e], -1).T
+        assert rel(y[lo:hi], want) < 4e-3
+        want_dx = _mx_ref(dy[lo:hi], -1) @ _mx_ref(w.detach()[e], 0)
+        assert rel(x.grad[lo:hi], want_dx) < 4e-3
+        assert rel(w.grad[e], dy[lo:hi].double().T @ x.detach()[lo:hi].double()) < 1e-5
+    assert torch.all(w.grad[1] == 0)

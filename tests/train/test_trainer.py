@@ -182,19 +182,20 @@ def test_profile_switch_records_a_window_of_steps(tiny_cfg, tmp_path):
     assert "aten::mm" in table and "2 training steps after 2" in table
 
 
-def test_fp8_rowwise_trains_close_to_full_precision(tiny_cfg, tmp_path):
-    """train.fp8=rowwise on CPU (native FP8 linears, emulated FP8 grouped GEMMs): the same
-    parameters (names, initial values), losses within FP8's error of the fp32 run, and its
-    checkpoint loads into a model without FP8."""
-    from moetrain.model.fp8 import Fp8Linear
+@pytest.mark.parametrize("recipe", ["rowwise", "mxfp8"])
+def test_fp8_trains_close_to_full_precision(tiny_cfg, tmp_path, recipe):
+    """train.fp8=rowwise|mxfp8 on CPU (row-wise: native FP8 linears, emulated FP8 grouped GEMMs;
+    MXFP8: emulated products): the same parameters (names, initial values), losses within FP8's
+    error of the fp32 run, and its checkpoint loads into a model without FP8."""
+    from moetrain.model.fp8 import Fp8Linear, MxFp8Linear
 
     dims = ["model.d_model=64", "model.moe.expert_hidden=32"]
     plain = Trainer(tiny_cfg(tmp_path / "a", "train.steps=4", *dims), quiet=True)
-    fp8 = Trainer(tiny_cfg(tmp_path / "b", "train.steps=4", "train.fp8=rowwise", "train.save_every=4", *dims), quiet=True)
-    linears = [m for m in fp8.model.modules() if isinstance(m, Fp8Linear)]
+    fp8 = Trainer(tiny_cfg(tmp_path / "b", "train.steps=4", f"train.fp8={recipe}", "train.save_every=4", *dims), quiet=True)
+    linears = [m for m in fp8.model.modules() if isinstance(m, MxFp8Linear if recipe == "mxfp8" else Fp8Linear)]
     assert len(linears) == 3 * 4 + 3  # 3 blocks × (q, k, v, o) + the dense block's MLP
     assert fp8.model.lm_head.__class__ is torch.nn.Linear
-    assert all(m.fp8 for m in fp8.model.modules() if hasattr(m, "w_down_EDF"))
+    assert all(m.fp8 == recipe for m in fp8.model.modules() if hasattr(m, "w_down_EDF"))
     for (n, p), (m, q) in zip(plain.model.named_parameters(), fp8.model.named_parameters()):
         assert n == m and torch.equal(p, q)
     fp8.fit()
@@ -208,10 +209,11 @@ def test_fp8_rowwise_trains_close_to_full_precision(tiny_cfg, tmp_path):
     assert resumed.step == 4
 
 
-def test_fp8_refuses_dims_the_kernels_cannot_take(tiny_cfg, tmp_path):
+@pytest.mark.parametrize("recipe, hidden, align", [("rowwise", 40, 16), ("mxfp8", 48, 32)])
+def test_fp8_refuses_dims_the_kernels_cannot_take(tiny_cfg, tmp_path, recipe, hidden, align):
     with pytest.raises(ConfigError) as e:
-        Trainer(tiny_cfg(tmp_path / "run", "train.fp8=rowwise", "model.moe.expert_hidden=40"), quiet=True)
-    assert "divisible by 16" in str(e.value) and "40" in str(e.value)
+        Trainer(tiny_cfg(tmp_path / "run", f"train.fp8={recipe}", f"model.moe.expert_hidden={hidden}"), quiet=True)
+    assert f"train.fp8={recipe}" in str(e.value) and f"divisible by {align}" in str(e.value) and str(hidden) in str(e.value)
 
 
 def test_async_checkpoint_holds_its_steps_values_and_appears_only_when_complete(tiny_cfg, tmp_path):
