@@ -108,6 +108,18 @@ def run_bench(
     return records
 
 
+def _peak_mem_per_rank(device: torch.device) -> list[float]:
+    """Every rank's peak (GiB, rank order): ranks differ (pipeline stages, expert loads), and the
+    largest is the one that must fit. One all-gather; on one process just this one."""
+    mine = peak_mem_gib(device)
+    if not dist.is_initialized():
+        return [round(mine, 3)]
+    t = torch.tensor([mine], dtype=torch.float64, device=device)
+    out = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return [round(x.item(), 3) for x in out]
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -160,6 +172,7 @@ def _record(trainer, spec: str, routing: str, steps: int, elapsed: float, balanc
     cfg, world = trainer.cfg, trainer.par.dims.world_size
     m, tc = cfg.model, cfg.train
     tokens_per_sec = trainer.tokens_per_step * steps / elapsed
+    peaks = _peak_mem_per_rank(trainer.device)
     per_device = tokens_per_sec / world
     tflops = trainer.flops_per_token * per_device / 1e12
     counts = count_params(m)
@@ -170,7 +183,8 @@ def _record(trainer, spec: str, routing: str, steps: int, elapsed: float, balanc
         "tokens_per_sec_per_device": per_device,
         "tflops_per_device": tflops,
         "mfu": tflops * 1e12 / trainer.peak_flops if trainer.peak_flops else None,
-        "peak_mem_gib": peak_mem_gib(trainer.device),
+        "peak_mem_gib": max(peaks),
+        "peak_mem_gib_per_rank": peaks,
         "sync_free": None if syncs is None else syncs == 0,
         "host_syncs_per_step": syncs,
         "step_time_s": elapsed / steps,

@@ -95,6 +95,7 @@ def test_bench_prints_one_json_line_per_routing_mode(capsys, tmp_path):
         assert r["shape"]["d_model"] == 64 and r["shape"]["num_experts"] == 8
         assert r["batch"] == {"seq_len": 32, "micro_batch_size": 24, "grad_accum_steps": 1, "tokens_per_step": 768}
         assert r["precision"] == "fp32" and r["timed"] == "training step"
+        assert r["peak_mem_gib_per_rank"] == [r["peak_mem_gib"]]  # one process
 
 
 def test_bench_can_time_forward_and_backward_alone(capsys, tmp_path):
@@ -122,3 +123,23 @@ def test_bench_rejects_an_unknown_routing_mode(capsys):
     assert main(["bench", "tiny", "--routing", "learned,roundrobin"]) == 2
     err = capsys.readouterr().err
     assert "roundrobin" in err and "learned, random" in err and "Traceback" not in err
+
+
+def _bench_on_rank(run_dir: str):
+    from moetrain.bench import run_bench
+
+    return run_bench("tiny", ["train.device=cpu", "model.d_model=64", "model.vocab_size=512", "data.seq_len=32",
+                              "parallel.ep=2"], warmup=0, steps=1, routings=["random"], sync_check=False,
+                     run_dir=run_dir)
+
+
+def test_bench_under_two_ranks_reports_every_ranks_peak(tmp_path):
+    """dp2·ep2 on two gloo ranks: both ranks' records list both peaks, and peak_mem_gib is the
+    largest (the one that must fit)."""
+    from moetrain.testing.distributed import run_distributed
+
+    results = run_distributed(_bench_on_rank, 2, str(tmp_path))
+    (a,), (b,) = results
+    assert a["peak_mem_gib_per_rank"] == b["peak_mem_gib_per_rank"] and len(a["peak_mem_gib_per_rank"]) == 2
+    assert a["peak_mem_gib"] == max(a["peak_mem_gib_per_rank"]) > 0
+    assert a["layout"]["ep"] == 2 == b["layout"]["ep"]
