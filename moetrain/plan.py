@@ -482,7 +482,7 @@ def report(p: Plan) -> str:
         f"  weights (fp32)      {p.memory_gib['weights']:8.2f}",
         f"  gradients (fp32)    {p.memory_gib['grads']:8.2f}",
         f"  optimizer state     {p.memory_gib['optimizer']:8.2f}",
-        f"  activations         {p.memory_gib['activations']:8.2f}   (this layout; none: "
+        f"  activations         {p.memory_gib['activations']:8.2f}   (this layout, with the logits and bf16 weight copies; none: "
         f"{p.activations_without_recompute_gib:.2f}, full recompute: {p.activations_full_recompute_gib:.2f})",
         f"  peak                {p.peak_mem_gib_per_device:8.2f}   -> {'fits' if p.fits else 'does NOT fit'}",
     ]
