@@ -26,15 +26,20 @@ the norms' and SwiGLU's fp32 intermediates: `compile=false`); they were checked 
 measured on one H200 (docs/benchmarks.md, "The planner against measured peaks").
 
 Step time: GEMM and attention FLOPs (the MFU formula's, moetrain/model/counting.py) at a
-fraction `gemm_eff` of the GPU's dense BF16 peak (FP8 GEMMs: 2× peak), plus memory-bound work
-at `hbm_eff` of HBM bandwidth (AdamW: 28 B per local parameter; the per-micro-batch fp32→bf16
-weight casts, gradient casts and accumulation: 20 B per local parameter; element-wise kernels:
-`ew_passes` passes over the saved activations), plus communication that is not overlapped:
-expert all-to-all (all of it), the pipeline's bubble and sends, data-parallel reductions beyond
-what the last micro-batch's backward hides, and the sharded optimizer's all-gather. Links: NVLink
-within a node of `gpus_per_node`, the node's network (per GPU) across nodes, at `link_eff` of
-their unidirectional bandwidth. The constants are assumptions, stated in `GPUS` and
-`Assumptions`, calibrated on one H200 (bench-8e's profile); treat step time and MFU as ±25%.
+fraction `gemm_eff` of the GPU's dense BF16 peak (row-wise FP8: `fp8_gemm_speedup` faster, plus
+its quantization passes; mxfp8's emulated products at the BF16 rate), plus memory-bound work at
+`hbm_eff` of HBM bandwidth (AdamW: 28 B per local parameter; per micro-batch the fp32→bf16
+weight casts and the gradient casts, 12 B per local parameter, and from the second micro-batch
+the accumulation into .grad, 12 B; element-wise kernels: `ew_passes` passes over each
+micro-batch's saved block activations and one over the logits), the measured cost of recompute
+(`recompute_cost`), and communication: expert all-to-all, the ddp stack's data-parallel
+reductions and the sharded optimizer's all-gather count in full (measured: not hidden), FSDP's
+transfers beyond what `fsdp_overlap` of the compute hides, the pipeline's bubble
+((pp − 1)/v micro-batches' compute) and sends. Links: NVLink within a node of `gpus_per_node`,
+the node's network (per GPU) across nodes, at `link_eff` of their one-way bandwidth. The
+constants are assumptions, stated in `GPUS` and `Assumptions` with what each was calibrated on
+(one and two H200s); treat step time and MFU as ±25% (docs/benchmarks.md compares them with 24
+measured runs).
 """
 
 from __future__ import annotations
