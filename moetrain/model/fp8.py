@@ -201,10 +201,8 @@ class _Fp8GroupedMM(torch.autograd.Function):
         dyq, dys = _quantize(dy_MN, -1)
         wq, ws = _quantize(w_ENK, -2, "col")  # per expert and input feature, over N
         dx = _scaled_grouped_mm(dyq, wq, dys.squeeze(-1), ws.squeeze(-2), offsets_E)
-        if dy_MN.is_cuda:
-            dw = torch._grouped_mm(dy_MN.t().to(torch.bfloat16), x_MK.to(torch.bfloat16), offs=offsets_E)
-        else:
-            dw = _cpu_grouped_mm(dy_MN.t().float(), x_MK.float(), offsets_E)
+        dt = torch.bfloat16 if dy_MN.is_cuda else torch.float32
+        dw = _grouped(dy_MN.t().to(dt), x_MK.to(dt), offsets_E)
         return dx.to(x_MK.dtype), dw.to(w_ENK.dtype), None
 
 
