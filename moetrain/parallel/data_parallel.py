@@ -3,8 +3,11 @@
 Dense parameters are replicated on every data-parallel rank: their gradients are summed over the
 dp group. Expert parameters live on the ranks of their expert-replica group (edp): their
 gradients already hold the contributions of every token of their expert-parallel group (the
-all-to-all's backward brought them), so they are summed over edp only. Both are then divided by
-dp, which makes the update that of the mean loss over the global batch.
+all-to-all's backward brought them), so they are summed over edp only. The 1/dp that turns these
+sums into the gradient of the mean loss over the global batch is not a pass over the gradients:
+the caller scales each backward's loss by `loss_scale` = 1/dp (the trainer folds it into the LM
+and aux losses' 1/micro-batches factor), so the sums are the means. Measured on two H200s
+(sweep-8l-8, dp2·ep2): dividing the buckets after the reduction cost 6.5 ms per step.
 
 Each gradient is a view into a flat fp32 bucket (like DDP's gradient_as_bucket_view), so
 accumulation over micro-batches happens in place and a finished bucket is reduced as one
@@ -43,7 +46,8 @@ def expert_param_ids(model: nn.Module) -> set[int]:
 
 class GradReducer:
     def __init__(self, model: nn.Module, state: ParallelState, bucket_bytes: int = 25 * 2**20):
-        self.divisor = state.dims.dp
+        self.loss_scale = 1.0 / state.dims.dp
+        """Scale every backward's loss by this: the reduced sums are then the global means."""
         self.sync = False
         expert_ids = expert_param_ids(model)
         # Reverse registration order approximates the order in which backward finishes them.
@@ -93,20 +97,15 @@ class GradReducer:
             bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
 
     def finish(self) -> None:
-        """Wait for every reduction (starting those whose parameters got no gradient) and turn
-        the sums into means over the data-parallel ranks."""
+        """Wait for every reduction (starting those whose parameters got no gradient). With the
+        losses scaled by `loss_scale`, the reduced gradients are the means over the global batch."""
         for b in self.buckets:
             if not b.launched:
                 self._launch(b)
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()
-            self._reduced(b).div_(self.divisor)
         self.sync = False
-
-    def _reduced(self, bucket: _Bucket) -> torch.Tensor:
-        """Where this rank's reduced gradient of the bucket lives (here: the whole bucket)."""
-        return bucket.flat
 
     def zero_grad(self) -> None:
         """Zero the gradients in place (the buckets must stay the gradients' storage)."""

@@ -10,8 +10,8 @@ One optimizer step:
     micro-batch's backward, each finished bucket is reduce-scattered over its group (async,
     overlapped with the rest of the backward), so this rank receives the summed gradient of its
     shard only;
- 2. `finish()`: wait for the reduce-scatters, divide the shards by dp (mean over the global
-    batch, as `GradReducer` does);
+ 2. `finish()`: wait for the reduce-scatters; the losses were scaled by `loss_scale` = 1/dp, so
+    the summed shards are the means over the global batch (as with `GradReducer`);
  3. `clip_grad_norm()`: the global norm from the shards (one all-reduce), then scale the shards;
  4. `step()`: AdamW on this rank's shards — fp32 master weights, exp_avg and exp_avg_sq exist for
     the shard only — then all-gather the updated shards into the flat parameter buffers. Every
@@ -103,10 +103,6 @@ class _ShardedGradReducer(GradReducer):
         if bucket.group is not None:
             bucket.work = _reduce_scatter(bucket.grad_S, bucket.flat, group=bucket.group, async_op=True)
 
-    def _reduced(self, bucket: _ShardedBucket) -> torch.Tensor:
-        """The reduce-scatter leaves this rank's summed gradient in its shard only."""
-        return bucket.grad_S
-
 
 class DistributedAdamW:
     """torch.optim.AdamW's update (decoupled weight decay, bias corrections, eps after the square
@@ -127,6 +123,8 @@ class DistributedAdamW:
         self.norm_group = state.world_group
         self._grads = _ShardedGradReducer(model, state, bucket_bytes)
         self.buckets = self._grads.buckets
+        self.loss_scale = self._grads.loss_scale
+        """Scale every backward's loss by this (1/dp): the reduced shards are then the means."""
         self.names = {id(p): canonical_name(n) for n, p in model.named_parameters()}
         self.master_S = [b.params_N[b.lo : b.hi].to(torch.float32, copy=True) for b in self.buckets]
         self.exp_avg_S = [torch.zeros_like(m) for m in self.master_S]
@@ -160,7 +158,8 @@ class DistributedAdamW:
         self._grads.prepare(sync, backward_passes)
 
     def finish(self) -> None:
-        """After the last backward: wait for the reduce-scatters, average over dp."""
+        """After the last backward: wait for the reduce-scatters (the shards then hold the mean
+        gradient, the losses having been scaled by `loss_scale`)."""
         self._grads.finish()
 
     def zero_grad(self) -> None:

@@ -17,8 +17,9 @@ optimizer, the gradient reducer and checkpoints keep working on the one `Transfo
 
 One optimizer step = one `schedule.step()` over the step's n micro-batches (the trainer's
 gradient-accumulation micro-batches: train.global_batch_size / train.micro_batch_size). The loss
-of each is the micro-batch's mean cross-entropy / n and gradients are not rescaled
-(scale_grads=False): the same sum as the plain loop. Load-balancing / z losses ride on each MoE
+of each is the micro-batch's mean cross-entropy / n (× the optimizer's `loss_scale`, 1/dp, for
+the backward only) and gradients are not rescaled (scale_grads=False): the same sum as the plain
+loop. Load-balancing / z losses ride on each MoE
 layer's output (`AttachAuxLoss`), so a stage's backward applies them; their routing statistics
 are accumulated per micro-batch as usual. So the loss and every gradient are those of the
 single-process run.
@@ -120,6 +121,8 @@ class Pipeline:
     state: ParallelState
     n_microbatches: int
     d_model: int
+    losses: list[torch.Tensor]
+    """The step's micro-batch losses (mean cross-entropy / n), filled by the schedule's loss_fn."""
 
     @property
     def has_first(self) -> bool:
@@ -137,15 +140,15 @@ class Pipeline:
         n = self.n_microbatches
         for stage in self.stages:
             stage.queue_doc_ids(list(doc_ids_BT.chunk(n)) if doc_ids_BT is not None else None)
-        losses: list[torch.Tensor] = []
+        self.losses.clear()
         args = (inputs_BT,) if self.has_first else ()
-        kwargs = {"target": targets_BT, "losses": losses} if self.has_last else {}
+        kwargs = {"target": targets_BT} if self.has_last else {}
         if _STEP_TAKES_RETURN_OUTPUTS:
             kwargs["return_outputs"] = False  # the loss is all we need; don't keep the logits
         self.schedule.step(*args, **kwargs)
-        if not losses:
+        if not self.losses:
             return torch.zeros((), device=inputs_BT.device)
-        return torch.stack([loss.detach() for loss in losses]).sum()
+        return torch.stack(self.losses).sum()
 
     @torch.no_grad()
     def eval_loss_sum(self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor, doc_ids_BT: torch.Tensor | None) -> torch.Tensor:
@@ -186,6 +189,7 @@ def build_pipeline(
     seq_len: int,
     device: torch.device,
     amp_dtype: torch.dtype | None,
+    loss_scale: float = 1.0,
 ) -> Pipeline:
     """Stages over the (split, materialized, initialized) model and their schedule.
 
@@ -209,12 +213,18 @@ def build_pipeline(
         stages.append(PipelineStage(module, s, S, device, input_args=inputs, output_args=outputs, group=state.pp_group))
         modules.append(module)
 
+    # The schedule backpropagates loss_fn's value, scaled for the gradient reduction; the
+    # unscaled micro-batch losses are kept for the caller (`Pipeline.train_step`).
+    unscaled: list[torch.Tensor] = []
+
     def loss_fn(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten()) / n_microbatches
+        loss = F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten()) / n_microbatches
+        unscaled.append(loss.detach())
+        return loss * loss_scale
 
     if schedule == PipelineSchedule.interleaved_1f1b:
         sched = ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
     else:
         cls = ScheduleGPipe if schedule == PipelineSchedule.gpipe else Schedule1F1B
         sched = cls(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=False)
-    return Pipeline(modules, stage_ids, sched, state, n_microbatches, D)
+    return Pipeline(modules, stage_ids, sched, state, n_microbatches, D, unscaled)

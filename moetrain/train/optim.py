@@ -146,6 +146,8 @@ class ReplicatedAdamW(_TorchAdamW):
 
         self.model = model
         self.reducer = GradReducer(model, state) if state.dims.dp > 1 else None
+        self.loss_scale = self.reducer.loss_scale if self.reducer is not None else 1.0
+        """Scale every backward's loss by this (1/dp): the reduced sums are then the means."""
         self.ep_group = state.ep_group
         self.pp_group = state.pp_group
         expert_ids = expert_param_ids(model)
@@ -207,6 +209,9 @@ class FSDPAdamW(_TorchAdamW):
     holds state for its shards only (optimizer memory ÷ dp). FSDP reduce-scatters the gradients
     and averages them over dp during backward, so there is no reducer here. The interface is
     `ReplicatedAdamW`'s, so the trainer drives either one."""
+
+    loss_scale = 1.0
+    """FSDP averages the gradients over dp itself: the losses need no extra scale."""
 
     def __init__(self, model: nn.Module, state, cfg: OptimConfig):
         self.model = model

@@ -140,13 +140,17 @@ class Trainer:
             self.optimizer = DistributedAdamW(model, self.par, cfg.optim)
         else:
             self.optimizer = ReplicatedAdamW(model, self.par, cfg.optim)
+        # Every backward's loss is scaled by 1/micro-batches × the optimizer's `loss_scale` (1/dp
+        # where the gradient reduction sums): the reduced gradient is then the mean over the
+        # global batch with no pass over the gradients. Aux losses get the same factor.
+        self.backward_scale = self.optimizer.loss_scale / tc.grad_accum_steps
         for moe in self.model.moe_layers():
-            # Aux losses get the same 1/accum factor as the LM loss: mean over the global batch.
-            moe.aux_loss_scale = 1.0 / tc.grad_accum_steps
+            moe.aux_loss_scale = self.backward_scale
         self.pipeline: Pipeline | None = None
         if dims.num_stages > 1:
             self.pipeline = build_pipeline(
                 model, self.par, cfg.parallel.pp_schedule, n_microbatches=tc.grad_accum_steps,
+                loss_scale=self.optimizer.loss_scale,
                 micro_batch_rows=tc.micro_batch_size // dims.dp, seq_len=cfg.data.seq_len,
                 device=self.device, amp_dtype=self.amp_dtype,
             )
@@ -205,9 +209,9 @@ class Trainer:
             inputs_BT, targets_BT = self.loader.next_batch()
             inputs_BT = inputs_BT.to(self.device, non_blocking=True)
             targets_BT = targets_BT.to(self.device, non_blocking=True)
-            loss = self._lm_loss(inputs_BT, targets_BT) / tc.grad_accum_steps
-            loss.backward()
-            lm_loss += loss.detach()
+            loss = self._lm_loss(inputs_BT, targets_BT)
+            (loss * self.backward_scale).backward()
+            lm_loss += loss.detach() / tc.grad_accum_steps
         return lm_loss
 
     def _pipeline_forward_backward(self) -> torch.Tensor:

@@ -42,8 +42,8 @@ def build_model(state):
     apply_expert_parallel(model, state)
     model.to_empty(device="cpu")
     model.init_weights(seed=0)
-    for moe in model.moe_layers():
-        moe.aux_loss_scale = 1.0 / MICRO
+    for moe in model.moe_layers():  # as the trainer sets it: the LM loss's factor
+        moe.aux_loss_scale = 1.0 / MICRO / state.dims.dp
     return model
 
 
@@ -55,6 +55,7 @@ class ReferenceOptimizer:
         from moetrain.train.optim import build_optimizer
 
         self.reducer = GradReducer(model, state) if state.dims.dp > 1 else None
+        self.loss_scale = self.reducer.loss_scale if self.reducer is not None else 1.0
         expert_ids = expert_param_ids(model)
         self.expert = [p for p in model.parameters() if id(p) in expert_ids]
         self.dense = [p for p in model.parameters() if id(p) not in expert_ids]
@@ -105,7 +106,7 @@ def train(model, opt, state, steps, first_step=0):
             opt.prepare(sync=micro == MICRO - 1)
             inputs_BT, targets_BT = micro_batch(step, micro, state)
             logits_BTV = model(inputs_BT)
-            (F.cross_entropy(logits_BTV.flatten(0, 1), targets_BT.flatten()) / MICRO).backward()
+            (F.cross_entropy(logits_BTV.flatten(0, 1), targets_BT.flatten()) / MICRO * opt.loss_scale).backward()
         if hasattr(opt, "buckets"):  # the reduce-scatters started during backward, not in finish()
             assert all(b.launched for b in opt.buckets)
         opt.finish()
@@ -293,7 +294,7 @@ def _fused_vs_foreach(world: int, ep: int) -> dict:
         for micro in range(MICRO):
             opt.prepare(sync=micro == MICRO - 1)
             inputs_BT, targets_BT = micro_batch(STEPS, micro, state)
-            (F.cross_entropy(model(inputs_BT).flatten(0, 1), targets_BT.flatten()) / MICRO).backward()
+            (F.cross_entropy(model(inputs_BT).flatten(0, 1), targets_BT.flatten()) / MICRO * opt.loss_scale).backward()
         opt.finish()
         if state.dp_rank == 0:
             opt.buckets[0].grad_S[0] = float("nan")
