@@ -69,7 +69,7 @@ class AllToAllDispatcher:
         R, L = self.ep, self.num_local_experts
         num_tokens, top_k = topk_ids_NK.shape
         sort_idx_M = topk_ids_NK.flatten().argsort(stable=True)
-        x_MD = x_ND.index_select(0, sort_idx_M // top_k)
+        x_MD = wire_dtype(x_ND.index_select(0, sort_idx_M // top_k))
 
         send_counts_RL = tokens_per_expert_E.view(R, L).contiguous()
         recv_counts_RL = torch.empty_like(send_counts_RL)
@@ -96,6 +96,18 @@ class AllToAllDispatcher:
 
     def dropped_tokens(self) -> torch.Tensor | None:
         return None
+
+
+def wire_dtype(x: torch.Tensor) -> torch.Tensor:
+    """Rows as they cross the all-to-all: in the autocast dtype (bf16) when autocast is on. The
+    experts cast their input to that dtype anyway, so the values are the same, at half the bytes
+    of the fp32 residual stream; the backward casts the gradient rows back to fp32 before they
+    are summed per token (the gather's backward), so no precision is lost there either. Measured
+    on two H200s (sweep-8l-8, dp2·ep2): the dispatch direction had been sending fp32."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return x.to(torch.get_autocast_dtype(device_type))
+    return x
 
 
 def all_reduce_counts(counts_E: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from moetrain.parallel.expert_parallel import all_reduce_counts
+from moetrain.parallel.expert_parallel import all_reduce_counts, wire_dtype
 
 
 class NoSyncState(NamedTuple):
@@ -145,7 +145,7 @@ class NoSyncDispatcher:
         src_S = order_M[(start_R[slot_r_S] + slot_c_S).clamp(max=M - 1)]
         send_expert_S = torch.where(filled_S, expert_M[src_S] % L, L)
         # Zeros, not a copy of some token: see the module docstring on garbage gradients.
-        x_send_SD = torch.where(filled_S.unsqueeze(-1), x_ND.index_select(0, src_S // top_k), 0)
+        x_send_SD = wire_dtype(torch.where(filled_S.unsqueeze(-1), x_ND.index_select(0, src_S // top_k), 0))
 
         # 2. Equal splits: every shape is known without looking at the routing.
         splits = [C] * R

@@ -292,6 +292,39 @@ def check_no_host_sync(rank, group):
     return out
 
 
+def check_wire_dtype(rank, group):
+    """Under autocast the rows cross the all-to-all in bf16 (the experts' input dtype), both
+    dispatchers; the gradient reaching the fp32 input is fp32 and equals the local dispatcher's
+    path (cast after the gather) to fp32 rounding."""
+    import torch.distributed._functional_collectives as funcol
+
+    from moetrain.parallel.expert_parallel import AllToAllDispatcher
+    from moetrain.parallel.nosync_dispatcher import NoSyncDispatcher
+
+    x_BTD, _ = inputs(rank)
+    x_ND = x_BTD.view(B * T, D).clone().requires_grad_()
+    ids_NK = torch.rand(B * T, E, generator=torch.Generator().manual_seed(rank)).topk(K).indices
+    counts_E = torch.bincount(ids_NK.flatten(), minlength=E)
+    real = funcol.all_to_all_single_autograd
+    out = {}
+    for name, disp in (("alltoall", AllToAllDispatcher(E, group, group)), ("nosync", NoSyncDispatcher(E, group, group))):
+        seen = []
+
+        def spy(t, *args, **kwargs):
+            seen.append(t.dtype)
+            return real(t, *args, **kwargs)
+
+        with mock.patch.object(funcol, "all_to_all_single_autograd", spy), torch.autocast("cpu", dtype=torch.bfloat16):
+            x_local, offsets, state = disp.dispatch(x_ND, ids_NK, counts_E)
+            y_NKD = disp.combine(x_local, state)
+        (grad,) = torch.autograd.grad(y_NKD.float().sum(), [x_ND])
+        out[name] = {"wire": sorted({str(d) for d in seen}), "x_local": str(x_local.dtype), "grad": str(grad.dtype),
+                     # every kept row comes back as itself (bf16-rounded): each token's grad is K
+                     "grad_is_k": bool((grad == K).all()),
+                     "y_err": (y_NKD.float() - x_ND.detach().to(torch.bfloat16).float().unsqueeze(1)).abs().max().item()}
+    return out
+
+
 def rank_checks(world):
     import torch.distributed as dist
     from moetrain.parallel.nosync_dispatcher import NoSyncDispatcher
@@ -304,6 +337,7 @@ def rank_checks(world):
         "all_to_rank0": compare_dropless(rank, group, all_to_rank0_E),
         "capacity": check_capacity(rank, group, 1.0),
         "sync": check_no_host_sync(rank, group),
+        "wire": check_wire_dtype(rank, group),
     }
     errors = []
     for kwargs in (dict(num_experts=E + 1), dict(num_experts=E, capacity_factor=0.0)):
@@ -364,3 +398,12 @@ def test_bad_arguments_are_rejected_with_a_message(world_results):
     _, results = world_results
     uneven, zero = results[0]["errors"]
     assert "9 experts" in uneven and "capacity_factor=0.0" in zero
+
+
+def test_rows_cross_the_all_to_all_in_the_autocast_dtype(world_results):
+    _, results = world_results
+    for r in results:
+        for name, w in r["wire"].items():
+            assert w["wire"] == ["torch.bfloat16"], (name, w)
+            assert w["x_local"] == "torch.bfloat16" and w["grad"] == "torch.float32", (name, w)
+            assert w["grad_is_k"] and w["y_err"] == 0.0, (name, w)
