@@ -258,10 +258,15 @@ def plan(cfg: RunConfig, gpus: int, gpu: str, assume: Assumptions = Assumptions(
     t = L.rows_per_micro_batch * cfg.data.seq_len  # tokens per rank per micro-batch
     fsdp = L.stack == Stack.fsdp.value
     ep_eff = 1 if fsdp else L.ep
+    # expert_rows: rows per token through the experts (their activations); wire_rows: rows per
+    # token on the all-to-all. nosync pads both to its buffers; symm pads the receive layout
+    # (ep·K rows per token, most of them skipped by the GEMMs but allocated) and moves exact rows.
     if L.ep > 1 and L.dispatcher == DispatcherKind.nosync.value:
-        expert_rows = moe.top_k * (L.capacity_factor if L.capacity_factor else L.ep)
+        expert_rows = wire_rows = moe.top_k * (L.capacity_factor if L.capacity_factor else L.ep)
+    elif L.ep > 1 and L.dispatcher == DispatcherKind.symm.value:
+        expert_rows, wire_rows = moe.top_k * L.ep, moe.top_k
     else:
-        expert_rows = moe.top_k
+        expert_rows = wire_rows = moe.top_k
 
     # --- per pipeline rank: parameters and activations; keep the rank with the largest peak
     best, peaks, params = None, [], []
@@ -341,7 +346,7 @@ def plan(cfg: RunConfig, gpus: int, gpu: str, assume: Assumptions = Assumptions(
     moe_layers = sum(1 for i in range(m.n_layers) if i >= m.num_dense_layers) * best["layers"] / max(1, m.n_layers)
     comm, comm_t = {}, {}
     if not fsdp and L.ep > 1:
-        a2a = 4 * L.micro_batches * moe_layers * t * expert_rows * m.d_model * 2 * ring(L.ep)
+        a2a = 4 * L.micro_batches * moe_layers * t * wire_rows * m.d_model * 2 * ring(L.ep)
         comm["expert_all_to_all"] = a2a
         comm_t["expert_all_to_all"] = a2a / (net(L.ep) * assume.link_eff)
     dense_b, expert_b = 4 * best["dense_local"], 4 * best["expert_local"]

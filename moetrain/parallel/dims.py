@@ -51,6 +51,9 @@ class DispatcherKind(enum.StrEnum):
     parallel.capacity_factor is set (moetrain/parallel/nosync_dispatcher.py)."""
     alltoall = "alltoall"
     """Exact split sizes, read on the host once per layer: dropless, least memory."""
+    symm = "symm"
+    """Exact rows, split sizes exchanged on the GPUs (NVSHMEM symmetric memory): dropless, no
+    host sync, only routed rows cross NVLink (moetrain/parallel/symm_dispatcher.py)."""
 
 
 @dataclasses.dataclass(kw_only=True)

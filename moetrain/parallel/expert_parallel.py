@@ -122,7 +122,8 @@ def all_reduce_counts(counts_E: torch.Tensor, group: dist.ProcessGroup | None) -
 def apply_expert_parallel(model: Transformer, state: ParallelState, cfg: ParallelConfig | None = None) -> None:
     """Give each MoE layer its rank's experts and a dispatcher that reaches the others. Run on the
     meta device, before materializing: only the local experts are ever allocated."""
-    from moetrain.parallel.nosync_dispatcher import NoSyncDispatcher  # it builds on this module
+    from moetrain.parallel.nosync_dispatcher import NoSyncDispatcher  # they build on this module
+    from moetrain.parallel.symm_dispatcher import SymmMemDispatcher
 
     cfg = cfg or ParallelConfig()
     dims = state.dims
@@ -135,6 +136,9 @@ def apply_expert_parallel(model: Transformer, state: ParallelState, cfg: Paralle
                 moe.experts = GroupedExperts(L, old.d_model, old.hidden, expert_offset=state.ep_rank * L)
             if cfg.dispatcher == DispatcherKind.nosync:
                 moe.dispatcher = NoSyncDispatcher(E, state.ep_group, state.dp_group, cfg.capacity_factor)
+            elif cfg.dispatcher == DispatcherKind.symm:
+                SymmMemDispatcher.check_available(torch.device(state.mesh.device_type))
+                moe.dispatcher = SymmMemDispatcher(E, state.ep_group, state.dp_group)
             else:
                 moe.dispatcher = AllToAllDispatcher(E, state.ep_group, state.dp_group)
         elif dims.dp > 1:

@@ -1,5 +1,6 @@
 """`run_distributed(fn, world_size, *args)`: run `fn(*args)` on `world_size` spawned CPU processes
-joined by a gloo process group, and return each rank's result.
+joined by a gloo process group (or, with backend="nccl", one GPU each), and return each rank's
+result.
 
 Each rank gets a fresh interpreter (spawn), one torch thread, and a process-group timeout, so a
 hung collective fails the test instead of hanging CI; the parent kills every rank after
@@ -29,12 +30,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue, backend: str = "gloo") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
+        if backend == "nccl":  # one GPU per rank
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
         result = fn(*args)
         queue.put((rank, True, result))
     except BaseException:  # report everything, including CheckpointException
@@ -43,12 +46,13 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
         shutdown()
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float = 240.0) -> list[Any]:
-    """Results of `fn(*args)` per rank; raises with the failing rank's traceback."""
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float = 240.0, backend: str = "gloo") -> list[Any]:
+    """Results of `fn(*args)` per rank; raises with the failing rank's traceback. `backend="nccl"`
+    puts rank r on GPU r."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, backend)) for r in range(world_size)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}

@@ -407,3 +407,99 @@ def test_rows_cross_the_all_to_all_in_the_autocast_dtype(world_results):
             assert w["wire"] == ["torch.bfloat16"], (name, w)
             assert w["x_local"] == "torch.bfloat16" and w["grad"] == "torch.float32", (name, w)
             assert w["grad_is_k"] and w["y_err"] == 0.0, (name, w)
+
+
+# --- the symmetric-memory dispatcher (its gloo emulation of the transport) ----------------------
+
+def symm_checks(world):
+    """SymmMemDispatcher against the exact dispatcher: outputs and every gradient, learned and
+    skewed routing (a rank receiving everything), padding poisoned; the group ends and zeroed rows
+    of its receive layout; no host sync outside the transport (the emulated transport itself
+    reads split sizes on the host, as the NVSHMEM kernels do on the device)."""
+    import torch.distributed as dist
+
+    from moetrain.parallel.expert_parallel import AllToAllDispatcher
+    from moetrain.parallel.symm_dispatcher import SymmMemDispatcher
+
+    rank, group = dist.get_rank(), dist.group.WORLD
+    all_to_rank0_E = torch.zeros(E)
+    all_to_rank0_E[:2] = 10.0
+    out = {}
+    for name, bias in (("learned", None), ("all_to_rank0", all_to_rank0_E)):
+        x_BTD, grad_BTD = inputs(rank)
+        results = []
+        for moe in (build_moe(AllToAllDispatcher(E, group, group), rank, bias_E=bias),
+                    build_moe(SymmMemDispatcher(E, group, group), rank, poison=True, bias_E=bias)):
+            x = x_BTD.clone().requires_grad_()
+            y = moe(x)
+            (y * grad_BTD).sum().backward()
+            experts = local_experts(moe)
+            results.append((y.detach(), x.grad, moe.router.weight.grad, experts.w_gate_up_E2FD.grad, experts.w_down_EDF.grad))
+        out[name] = {n: max_diff(a, b) for n, a, b in zip(["y", "x_grad", "router_grad", "w_gate_up_grad", "w_down_grad"], *results)}
+        out[name]["finite"] = all(bool(torch.isfinite(t).all()) for t in results[1] if t is not None)
+
+    # The layout itself: each local expert's rows (from every source, in source order) sit
+    # inside its group; everything else is zero.
+    disp = SymmMemDispatcher(E, group, group)
+    x_ND = torch.arange(B * T, dtype=torch.float32).repeat_interleave(D).view(B * T, D) + 1000 * rank + 1
+    ids_NK = torch.rand(B * T, E, generator=torch.Generator().manual_seed(rank)).topk(K).indices
+    counts_E = torch.bincount(ids_NK.flatten(), minlength=E)
+    x_SD, offsets_L, state = disp.dispatch(x_ND, ids_NK, counts_E)
+    exact = AllToAllDispatcher(E, group, group)
+    x_exact, offsets_exact, _ = exact.dispatch(x_ND, ids_NK, counts_E)
+    out["layout"] = {
+        "rows": x_SD.shape[0], "want_rows": disp.layout_rows(B * T, K),
+        "same_rows": bool(torch.equal(x_SD[: int(offsets_L[-1])], x_exact)),
+        "same_offsets": bool(torch.equal(offsets_L, offsets_exact)),
+        "tail_zero": bool((x_SD[int(offsets_L[-1]):] == 0).all()),
+    }
+    with forbid_host_sync(), mock.patch("moetrain.parallel.symm_dispatcher._emulated_dispatch", _quiet(disp, "d")), \
+            mock.patch("moetrain.parallel.symm_dispatcher._emulated_combine", _quiet(disp, "c")):
+        x = x_ND.clone().requires_grad_()
+        x_SD, offsets_L, state = disp.dispatch(x, ids_NK, counts_E)
+        disp.combine(x_SD * 2.0, state).sum().backward()
+    out["grad_is_2k"] = bool((x.grad == 2.0 * K).all())
+    return out
+
+
+def _quiet(disp, which):
+    """The emulated transport, run with the host-sync detector paused (the NVSHMEM transport
+    exchanges split sizes on the device)."""
+    from moetrain.parallel import symm_dispatcher as sd
+
+    real = {"d": sd._emulated_dispatch, "c": sd._emulated_combine}[which]
+
+    def call(*args):
+        with contextlib.ExitStack() as stack:
+            for name, method in _REAL_METHODS.items():
+                stack.enter_context(mock.patch.object(torch.Tensor, name, method))
+            return real(*args)
+    return call
+
+
+_REAL_METHODS = {name: getattr(torch.Tensor, name) for name in
+                 ["item", "tolist", "cpu", "cuda", "numpy", "__bool__", "__int__", "__float__", "__index__", "to"]}
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
+def symm_results(request):
+    world = request.param
+    return world, run_distributed(symm_checks, world, world)
+
+
+def test_symm_dispatcher_matches_the_exact_dispatcher(symm_results):
+    _, results = symm_results
+    for r in results:
+        for name in ("learned", "all_to_rank0"):
+            diffs = r[name]
+            assert diffs["finite"], (name, diffs)
+            for key in ("y", "x_grad", "router_grad", "w_gate_up_grad", "w_down_grad"):
+                assert diffs[key] < TOL, (name, key, diffs)
+
+
+def test_symm_dispatcher_layout_and_no_host_sync(symm_results):
+    _, results = symm_results
+    for r in results:
+        lay = r["layout"]
+        assert lay["rows"] == lay["want_rows"] and lay["same_rows"] and lay["same_offsets"] and lay["tail_zero"], lay
+        assert r["grad_is_2k"]
