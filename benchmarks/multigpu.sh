@@ -4,7 +4,8 @@
 #   stacks  — `moetrain bench` of one shape: ddp (expert parallel, nosync and alltoall
 #             dispatchers; replicated experts) and the FSDP baseline, same batch;
 #   pp      — pipeline pp=N beside pure data parallel on bench-small32e;
-#   scale   — sweep-8l-E with ep=N (random routing, seq 4096) beside one GPU.
+#   scale   — sweep-8l-E with ep=N (random routing, seq 4096, the preset's 8 sequences per GPU
+#             per step in micro-batches of one) beside one GPU, profiled: exposed NCCL per step.
 # Usage: PARTS="correct stacks" bash benchmarks/multigpu.sh   (carry "data" for `correct`)
 # NVLink multicast stays off (the device tool's KINDS.md says why).
 set -u
@@ -51,10 +52,11 @@ stacks)
   # One shape, one batch (micro-batch S sequences per GPU), all layouts; learned and random routing.
   S=${STACK_SHAPE:-bench-tiny64e-l6}; MB=${MB:-2}
   B=("$S" --warmup 4 --steps 10 --train.global_batch_size=$((MB*N)) --train.micro_batch_size=$((MB*N)) ${SX:-})
-  for L in ${STACK_LAYOUTS:-nosync alltoall fsdp ep1 cf1.25}; do
+  for L in ${STACK_LAYOUTS:-nosync alltoall symm fsdp ep1 cf1.25}; do
     case $L in
       nosync)   bench "st-ddp-ep$N-nosync" $N "${B[@]}" --parallel.ep=$N ;;
       alltoall) bench "st-ddp-ep$N-alltoall" $N "${B[@]}" --parallel.ep=$N --parallel.dispatcher=alltoall ;;
+      symm)     bench "st-ddp-ep$N-symm" $N "${B[@]}" --parallel.ep=$N --parallel.dispatcher=symm ;;
       cf1.25)   bench "st-ddp-ep$N-nosync-cf1.25" $N "${B[@]}" --parallel.ep=$N --parallel.capacity_factor=1.25 ;;
       ep1)      bench "st-ddp-ep1" $N "${B[@]}" ;;
       fsdp)     bench "st-fsdp$N" $N "${B[@]}" --parallel.stack=fsdp ;;
@@ -69,15 +71,19 @@ pp)
   bench "pp-dp$N" $N "${P[@]}" --train.micro_batch_size=$((2*N))
   ;;
 scale)
-  # The capacity sweep's shape (d_model 4096, 8 layers, seq 4096), random routing, one sequence
-  # per GPU per step; experts per GPU = E / N.
+  # The capacity sweep's shape (d_model 4096, 8 layers, seq 4096), random routing, the preset's
+  # per-GPU batch: 8 sequences per GPU per step, one per micro-batch; experts per GPU = E / N.
+  # One profiled step each: benchmarks/trace_overlap.py splits it into compute, exposed NCCL, idle.
   SCX=${SCX:---train.compile=true}
+  P=(--warmup 2 --steps 5 --routing random --train.profile=true --train.profile_steps=1 ${SCX:-})
   for E in ${SCALE_E:-8 16}; do
-    bench "sc-sweep-8l-$E-ep$N" $N sweep-8l-$E --warmup 3 --steps 8 --routing random --parallel.ep=$N \
-        --train.global_batch_size=$N --train.micro_batch_size=$N ${SCX:-}
+    bench "sc-sweep-8l-$E-ep$N" $N sweep-8l-$E "${P[@]}" --parallel.ep=$N --train.global_batch_size=$((8*N)) \
+        --train.micro_batch_size=$N --run-dir "/tmp/sc-sweep-8l-$E-ep$N"
+    python benchmarks/trace_overlap.py /tmp/sc-sweep-8l-$E-ep$N/profile-random/rank0/trace.json --steps 1
   done
-  bench "sc-sweep-8l-8-one-gpu" 1 sweep-8l-8 --warmup 3 --steps 8 --routing random \
-      --train.global_batch_size=1 --train.micro_batch_size=1 ${SCX:-}
+  bench "sc-sweep-8l-8-one-gpu" 1 sweep-8l-8 "${P[@]}" --train.global_batch_size=8 --train.micro_batch_size=1 \
+      --run-dir /tmp/sc-sweep-8l-8-one-gpu
+  python benchmarks/trace_overlap.py /tmp/sc-sweep-8l-8-one-gpu/profile-random/trace.json --steps 1
   ;;
 esac
 done

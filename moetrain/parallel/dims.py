@@ -77,6 +77,11 @@ class ParallelConfig(Config):
 
     dispatcher: DispatcherKind = DispatcherKind.nosync
     """How tokens reach experts on other ranks (with ep > 1)."""
+    compile_overlap: bool = False
+    """With train.compile: let Inductor move the collectives inside each compiled block (the
+    expert all-to-alls) ahead of independent compute, so they overlap it. Measured +1.7%
+    tokens/s on two H200s (sweep-8l-8, dp2·ep2, nosync; docs/benchmarks.md); off by default
+    until measured on more layouts."""
     shard_optimizer: bool = False
     """Distributed optimizer: fp32 master weights and AdamW moments sharded over the data-parallel
     ranks (gradients reduce-scattered, parameters all-gathered): optimizer memory ÷ dp."""

@@ -49,8 +49,11 @@ def parallelize(model: Transformer, state: ParallelState, cfg: TrainerConfig, pa
         apply_fp8(model, cfg.fp8.value)
     if cfg.recompute != Recompute.none:
         apply_recompute(model, selective=cfg.recompute == Recompute.selective, every=cfg.recompute_every)
+    if parallel.compile_overlap and not cfg.compile:
+        raise ConfigError("parallel.compile_overlap=true reorders collectives inside compiled blocks: "
+                          "it needs train.compile=true.")
     if cfg.compile:
-        apply_compile(model)
+        apply_compile(model, overlap=parallel.compile_overlap)
     if parallel.stack == Stack.fsdp:
         apply_fsdp(model, state)
     return model
@@ -116,9 +119,23 @@ def _save_matmuls_and_comms(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_compile(model: Transformer) -> None:
+OVERLAP_PASSES = [
+    "reorder_communication_preserving_peak_memory", "sink_waits_iterative", "reorder_communication_preserving_peak_memory",
+]
+"""Inductor's reordering passes for compute/communication overlap (the order its config file
+recommends): start each collective as early as its inputs allow, wait for it as late as its
+users allow, without raising the block's peak memory."""
+
+
+def apply_compile(model: Transformer, overlap: bool = False) -> None:
     """Compile each block separately: blocks share one graph, so compile time does not grow with
-    depth. dynamic=False: shapes are fixed by the batch config."""
+    depth. dynamic=False: shapes are fixed by the batch config. `overlap`: Inductor's
+    compute/communication reordering (a process-wide Inductor setting)."""
+    if overlap:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.reorder_for_compute_comm_overlap = True
+        inductor_config.reorder_for_compute_comm_overlap_passes = list(OVERLAP_PASSES)
     for block in model.blocks.values():
         block.compile(dynamic=False)
 

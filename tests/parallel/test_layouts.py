@@ -99,6 +99,7 @@ def check(records, reference_records):
 
 
 A2A = "parallel.dispatcher=alltoall"
+SYMM = "parallel.dispatcher=symm"  # on gloo: the emulated transport (symm_dispatcher.py)
 FSDP = "parallel.stack=fsdp"
 SHARD = "parallel.shard_optimizer=true"
 CAPPED = ["parallel.ep=2", "parallel.capacity_factor=0.6"]
@@ -107,9 +108,9 @@ INTERLEAVED = "parallel.pp_schedule=interleaved-1f1b"  # 2 stages per rank: 4 st
 
 @pytest.mark.parametrize("world, layouts", [
     (2, [("dp2", ["parallel.ep=1"]), ("dp2ep2", ["parallel.ep=2"]), ("dp2ep2-alltoall", ["parallel.ep=2", A2A]),
-         ("dp2ep2-capped", CAPPED), ("dp2-sharded", [SHARD])]),
+         ("dp2ep2-capped", CAPPED), ("dp2-sharded", [SHARD]), ("dp2ep2-symm", ["parallel.ep=2", SYMM])]),
     (4, [("dp4ep4", ["parallel.ep=4"]), ("dp4ep2", ["parallel.ep=2"]), ("dp4ep4-alltoall", ["parallel.ep=4", A2A]),
-         ("dp4ep2-sharded", ["parallel.ep=2", SHARD])]),
+         ("dp4ep2-sharded", ["parallel.ep=2", SHARD]), ("dp4ep2-symm", ["parallel.ep=2", SYMM])]),
     (2, [("fsdp2", [FSDP]), ("fsdp2-recompute", [FSDP, "train.recompute=full"])]),
     (4, [("fsdp4", [FSDP])]),
     (2, [("pp2", ["parallel.pp=2"]), ("pp2-interleaved", ["parallel.pp=2", INTERLEAVED]),
@@ -119,7 +120,7 @@ INTERLEAVED = "parallel.pp_schedule=interleaved-1f1b"  # 2 stages per rank: 4 st
          ("pp2dp2", ["parallel.pp=2", "parallel.dp=2"])]),
 ])
 def test_layouts_match_single_process(real_text_dir, reference, tmp_path, world, layouts):
-    """Both dispatchers (sync-free `nosync`, the default, and exact `alltoall`), the sharded
+    """The dispatchers (sync-free `nosync`, the default, exact `alltoall`, and `symm`), the sharded
     optimizer, the FSDP2 stack (which holds 1/dp of the parameters and AdamW state per rank) and
     pipeline parallelism (1F1B, interleaved 1F1B with two stages per rank, GPipe with recompute;
     alone and composed with dp and ep; the step's 2 micro-batches are the pipeline's) reproduce

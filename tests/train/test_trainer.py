@@ -238,3 +238,21 @@ def test_async_checkpoint_holds_its_steps_values_and_appears_only_when_complete(
     a, b = _losses(tmp_path / "full" / "metrics.jsonl"), _losses(tmp_path / "part" / "metrics.jsonl")
     assert all(a[s] == b[s] for s in range(6, 13))
     assert [c.name for _, c in ckpt.list_checkpoints(tmp_path / "part")][-1] == "step-12"
+
+
+def test_compile_overlap_switch(tiny_cfg, tmp_path, monkeypatch):
+    """parallel.compile_overlap turns on Inductor's reordering passes (names it knows) and needs
+    train.compile."""
+    import torch._inductor.comms as comms
+    import torch._inductor.config as inductor_config
+
+    from moetrain.parallel.parallelize import OVERLAP_PASSES
+
+    monkeypatch.setattr(inductor_config, "reorder_for_compute_comm_overlap", False)
+    monkeypatch.setattr(inductor_config, "reorder_for_compute_comm_overlap_passes", [])
+    with pytest.raises(ConfigError, match="train.compile=true"):
+        Trainer(tiny_cfg(tmp_path / "a", "parallel.compile_overlap=true"), quiet=True)
+    Trainer(tiny_cfg(tmp_path / "b", "parallel.compile_overlap=true", "train.compile=true"), quiet=True)
+    assert inductor_config.reorder_for_compute_comm_overlap
+    assert inductor_config.reorder_for_compute_comm_overlap_passes == OVERLAP_PASSES
+    assert all(hasattr(comms, name) for name in OVERLAP_PASSES)
