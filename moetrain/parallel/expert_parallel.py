@@ -43,7 +43,45 @@ class AllToAllState(NamedTuple):
     recv_splits: list[int]
 
 
-class AllToAllDispatcher:
+class ExpertParallelDispatcher:
+    """What the dispatchers that split experts over an expert-parallel group share: the group,
+    the local expert count, the routing counts' reduction over dp, and (for the exact ones)
+    sorting assignments by global expert and undoing it."""
+
+    def __init__(self, num_experts: int, ep_group: dist.ProcessGroup, dp_group: dist.ProcessGroup | None):
+        self.num_experts = num_experts
+        self.ep_group = ep_group
+        self.dp_group = dp_group
+        self.ep = dist.get_world_size(ep_group)
+        if num_experts % self.ep:
+            raise ValueError(
+                f"{num_experts} experts cannot be split evenly over {self.ep} expert-parallel ranks: "
+                "choose an expert-parallel degree that divides the number of experts."
+            )
+        self.num_local_experts = num_experts // self.ep
+
+    def reduce_counts(self, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        return all_reduce_counts(tokens_per_expert_E, self.dp_group)
+
+    def dropped_tokens(self) -> torch.Tensor | None:
+        return None
+
+    @staticmethod
+    def sort_by_expert(x_ND: torch.Tensor, topk_ids_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's assignments ordered by global expert (so rows for rank r's experts are
+        contiguous, expert by expert), in the wire dtype; and the order, for `unsort`."""
+        top_k = topk_ids_NK.shape[1]
+        sort_idx_M = topk_ids_NK.flatten().argsort(stable=True)
+        return sort_idx_M, wire_dtype(x_ND.index_select(0, sort_idx_M // top_k))
+
+    @staticmethod
+    def unsort(y_MD: torch.Tensor, sort_idx_M: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """Rows in expert order → (N, K, D) in token order."""
+        y_unsorted_MD = torch.empty_like(y_MD).index_copy(0, sort_idx_M, y_MD)
+        return y_unsorted_MD.view(num_tokens, -1, y_MD.shape[-1])
+
+
+class AllToAllDispatcher(ExpertParallelDispatcher):
     """Exact all-to-all with host-synchronized split sizes (the reference dispatcher): dropless,
     and each rank receives exactly the rows routed to its experts.
 
@@ -53,23 +91,12 @@ class AllToAllDispatcher:
     4. combine reverses 3 and 1.
     """
 
-    def __init__(self, num_experts: int, ep_group: dist.ProcessGroup, dp_group: dist.ProcessGroup | None):
-        self.num_experts = num_experts
-        self.ep_group = ep_group
-        self.dp_group = dp_group
-        self.ep = dist.get_world_size(ep_group)
-        self.num_local_experts = num_experts // self.ep
-
-    def reduce_counts(self, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-        return all_reduce_counts(tokens_per_expert_E, self.dp_group)
-
     def dispatch(
         self, x_ND: torch.Tensor, topk_ids_NK: torch.Tensor, tokens_per_expert_E: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, AllToAllState]:
         R, L = self.ep, self.num_local_experts
-        num_tokens, top_k = topk_ids_NK.shape
-        sort_idx_M = topk_ids_NK.flatten().argsort(stable=True)
-        x_MD = wire_dtype(x_ND.index_select(0, sort_idx_M // top_k))
+        num_tokens = topk_ids_NK.shape[0]
+        sort_idx_M, x_MD = self.sort_by_expert(x_ND, topk_ids_NK)
 
         send_counts_RL = tokens_per_expert_E.view(R, L).contiguous()
         recv_counts_RL = torch.empty_like(send_counts_RL)
@@ -91,11 +118,7 @@ class AllToAllDispatcher:
     def combine(self, y_local_MD: torch.Tensor, state: AllToAllState) -> torch.Tensor:
         y_recv_MD = torch.empty_like(y_local_MD).index_copy(0, state.regroup_idx, y_local_MD)
         y_MD = funcol.all_to_all_single_autograd(y_recv_MD, state.send_splits, state.recv_splits, group=self.ep_group)
-        y_unsorted_MD = torch.empty_like(y_MD).index_copy(0, state.sort_idx_M, y_MD)
-        return y_unsorted_MD.view(state.num_tokens, -1, y_MD.shape[-1])
-
-    def dropped_tokens(self) -> torch.Tensor | None:
-        return None
+        return self.unsort(y_MD, state.sort_idx_M, state.num_tokens)
 
 
 def wire_dtype(x: torch.Tensor) -> torch.Tensor:

@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from moetrain.parallel.expert_parallel import all_reduce_counts, wire_dtype
+from moetrain.parallel.expert_parallel import ExpertParallelDispatcher, wire_dtype
 
 
 class NoSyncState(NamedTuple):
@@ -66,7 +66,7 @@ class NoSyncState(NamedTuple):
     num_tokens: int
 
 
-class NoSyncDispatcher:
+class NoSyncDispatcher(ExpertParallelDispatcher):
     """Expert-parallel dispatch with fixed-size buffers and equal all-to-all splits: no
     device-to-host synchronization. Dropless by default; with `capacity_factor` it holds about
     `capacity_factor` × the balanced load and drops the overflow (see the module docstring)."""
@@ -78,21 +78,12 @@ class NoSyncDispatcher:
         dp_group: dist.ProcessGroup | None,
         capacity_factor: float | None = None,
     ):
-        self.num_experts = num_experts
-        self.ep_group = ep_group
-        self.dp_group = dp_group
-        self.ep = dist.get_world_size(ep_group)
-        if num_experts % self.ep:
-            raise ValueError(
-                f"{num_experts} experts cannot be split evenly over {self.ep} expert-parallel ranks: "
-                "choose an expert-parallel degree that divides the number of experts."
-            )
+        super().__init__(num_experts, ep_group, dp_group)
         if capacity_factor is not None and not capacity_factor > 0:
             raise ValueError(
                 f"capacity_factor={capacity_factor} must be > 0 (1.0 = room for a perfectly balanced "
                 "load), or None for the dropless buffer."
             )
-        self.num_local_experts = num_experts // self.ep
         self.capacity_factor = capacity_factor
         self._dropped: torch.Tensor | None = None
 
@@ -109,9 +100,6 @@ class NoSyncDispatcher:
         rows the grouped experts get. ep·N·K when dropless, against N·K for the exact
         dispatcher."""
         return self.ep * self.capacity(num_tokens, top_k)
-
-    def reduce_counts(self, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-        return all_reduce_counts(tokens_per_expert_E, self.dp_group)
 
     def dispatch(
         self, x_ND: torch.Tensor, topk_ids_NK: torch.Tensor, tokens_per_expert_E: torch.Tensor

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from moetrain.errors import ConfigError
-from moetrain.parallel.expert_parallel import all_reduce_counts, wire_dtype
+from moetrain.parallel.expert_parallel import ExpertParallelDispatcher
 
 
 class SymmState(NamedTuple):
@@ -224,21 +224,12 @@ symm_combine.register_autograd(_combine_backward, setup_context=_combine_setup)
 
 # --- the dispatcher ---------------------------------------------------------------------------
 
-class SymmMemDispatcher:
+class SymmMemDispatcher(ExpertParallelDispatcher):
     """Dropless expert-parallel dispatch over NVSHMEM symmetric memory: exact rows, device-side
     split sizes, no host sync (see the module docstring)."""
 
     def __init__(self, num_experts: int, ep_group: dist.ProcessGroup, dp_group: dist.ProcessGroup | None):
-        self.num_experts = num_experts
-        self.ep_group = ep_group
-        self.dp_group = dp_group
-        self.ep = dist.get_world_size(ep_group)
-        if num_experts % self.ep:
-            raise ValueError(
-                f"{num_experts} experts cannot be split evenly over {self.ep} expert-parallel ranks: "
-                "choose an expert-parallel degree that divides the number of experts."
-            )
-        self.num_local_experts = num_experts // self.ep
+        super().__init__(num_experts, ep_group, dp_group)
         self.group_name = ep_group.group_name
 
     @staticmethod
@@ -258,16 +249,12 @@ class SymmMemDispatcher:
         """S: rows of the receive layout (and of the experts' activations)."""
         return self.ep * num_tokens * top_k + self.num_local_experts
 
-    def reduce_counts(self, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-        return all_reduce_counts(tokens_per_expert_E, self.dp_group)
-
     def dispatch(
         self, x_ND: torch.Tensor, topk_ids_NK: torch.Tensor, tokens_per_expert_E: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, SymmState]:
         R, L = self.ep, self.num_local_experts
         num_tokens, top_k = topk_ids_NK.shape
-        sort_idx_M = topk_ids_NK.flatten().argsort(stable=True)
-        x_MD = wire_dtype(x_ND.index_select(0, sort_idx_M // top_k))
+        sort_idx_M, x_MD = self.sort_by_expert(x_ND, topk_ids_NK)
         counts_E = tokens_per_expert_E.to(torch.int64)
         x_SD, table_2C = symm_dispatch(x_MD, counts_E, self.group_name, self.layout_rows(num_tokens, top_k))
         # Group ends: expert e ends where expert e+1's first chunk starts (padding rows, zeroed,
@@ -280,8 +267,4 @@ class SymmMemDispatcher:
     def combine(self, y_SD: torch.Tensor, state: SymmState) -> torch.Tensor:
         M = state.sort_idx_M.numel()
         y_MD = symm_combine(y_SD.contiguous(), state.table_2C, state.counts_E, self.group_name, M)
-        y_unsorted_MD = torch.empty_like(y_MD).index_copy(0, state.sort_idx_M, y_MD)
-        return y_unsorted_MD.view(state.num_tokens, -1, y_MD.shape[-1])
-
-    def dropped_tokens(self) -> torch.Tensor | None:
-        return None
+        return self.unsort(y_MD, state.sort_idx_M, state.num_tokens)
