@@ -183,15 +183,17 @@ def inputs(rank):
     return torch.randn(B, T, D, generator=g), torch.randn(B, T, D, generator=g)
 
 
-def compare_dropless(rank, group, bias_E):
-    """Forward and backward of the full layer with both dispatchers (train mode: aux losses)."""
+def compare_dropless(rank, group, bias_E, dispatcher_cls=None):
+    """Forward and backward of the full layer with the exact dispatcher and `dispatcher_cls`
+    (default NoSyncDispatcher), in train mode (aux losses)."""
     from moetrain.parallel.expert_parallel import AllToAllDispatcher
     from moetrain.parallel.nosync_dispatcher import NoSyncDispatcher
 
+    dispatcher_cls = dispatcher_cls or NoSyncDispatcher
     x_BTD, grad_BTD = inputs(rank)
     results = []
     for moe in (build_moe(AllToAllDispatcher(E, group, group), rank, bias_E=bias_E),
-                build_moe(NoSyncDispatcher(E, group, group), rank, poison=True, bias_E=bias_E)):
+                build_moe(dispatcher_cls(E, group, group), rank, poison=True, bias_E=bias_E)):
         x = x_BTD.clone().requires_grad_()
         y = moe(x)
         (y * grad_BTD).sum().backward()
@@ -338,6 +340,7 @@ def rank_checks(world):
         "capacity": check_capacity(rank, group, 1.0),
         "sync": check_no_host_sync(rank, group),
         "wire": check_wire_dtype(rank, group),
+        "symm": symm_checks(world),
     }
     errors = []
     for kwargs in (dict(num_experts=E + 1), dict(num_experts=E, capacity_factor=0.0)):
@@ -424,19 +427,8 @@ def symm_checks(world):
     rank, group = dist.get_rank(), dist.group.WORLD
     all_to_rank0_E = torch.zeros(E)
     all_to_rank0_E[:2] = 10.0
-    out = {}
-    for name, bias in (("learned", None), ("all_to_rank0", all_to_rank0_E)):
-        x_BTD, grad_BTD = inputs(rank)
-        results = []
-        for moe in (build_moe(AllToAllDispatcher(E, group, group), rank, bias_E=bias),
-                    build_moe(SymmMemDispatcher(E, group, group), rank, poison=True, bias_E=bias)):
-            x = x_BTD.clone().requires_grad_()
-            y = moe(x)
-            (y * grad_BTD).sum().backward()
-            experts = local_experts(moe)
-            results.append((y.detach(), x.grad, moe.router.weight.grad, experts.w_gate_up_E2FD.grad, experts.w_down_EDF.grad))
-        out[name] = {n: max_diff(a, b) for n, a, b in zip(["y", "x_grad", "router_grad", "w_gate_up_grad", "w_down_grad"], *results)}
-        out[name]["finite"] = all(bool(torch.isfinite(t).all()) for t in results[1] if t is not None)
+    out = {name: compare_dropless(rank, group, bias, SymmMemDispatcher)
+           for name, bias in (("learned", None), ("all_to_rank0", all_to_rank0_E))}
 
     # The layout itself: each local expert's rows (from every source, in source order) sit
     # inside its group; everything else is zero.
@@ -481,15 +473,9 @@ _REAL_METHODS = {name: getattr(torch.Tensor, name) for name in
                  ["item", "tolist", "cpu", "cuda", "numpy", "__bool__", "__int__", "__float__", "__index__", "to"]}
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
-def symm_results(request):
-    world = request.param
-    return world, run_distributed(symm_checks, world, world)
-
-
-def test_symm_dispatcher_matches_the_exact_dispatcher(symm_results):
-    _, results = symm_results
-    for r in results:
+def test_symm_dispatcher_matches_the_exact_dispatcher(world_results):
+    _, results = world_results
+    for r in (r["symm"] for r in results):
         for name in ("learned", "all_to_rank0"):
             diffs = r[name]
             assert diffs["finite"], (name, diffs)
@@ -497,9 +483,9 @@ def test_symm_dispatcher_matches_the_exact_dispatcher(symm_results):
                 assert diffs[key] < TOL, (name, key, diffs)
 
 
-def test_symm_dispatcher_layout_and_no_host_sync(symm_results):
-    _, results = symm_results
-    for r in results:
+def test_symm_dispatcher_layout_and_no_host_sync(world_results):
+    _, results = world_results
+    for r in (r["symm"] for r in results):
         lay = r["layout"]
         assert lay["rows"] == lay["want_rows"] and lay["same_rows"] and lay["same_offsets"] and lay["tail_zero"], lay
         assert r["grad_is_2k"]
