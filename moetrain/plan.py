@@ -99,6 +99,10 @@ class Assumptions:
     link_eff: float = 0.33
     """Achieved fraction of a link's one-way bandwidth by NCCL collectives (two H200s over
     NVLink: ~145 GB/s for the all-reduce and the all-to-alls of docs/benchmarks.md's runs)."""
+    symm_link_eff: float = 0.083
+    """The same for NVSHMEM's all-to-all-v kernels (`parallel.dispatcher=symm`): two H200s,
+    sweep-8l-8 at ep2, 15.0 GB of routed rows per step took ~400 ms of transport kernels
+    (docs/benchmarks.md, call 4): ~38 GB/s, a quarter of NCCL's rate."""
     fsdp_overlap: float = 0.66
     """Fraction of the compute time that hides FSDP's all-gathers and reduce-scatters (measured
     on two H200s: tiny64e-l6's FSDP step was 63 ms over one GPU's for 185 ms of transfers).
@@ -348,7 +352,8 @@ def plan(cfg: RunConfig, gpus: int, gpu: str, assume: Assumptions = Assumptions(
     if not fsdp and L.ep > 1:
         a2a = 4 * L.micro_batches * moe_layers * t * wire_rows * m.d_model * 2 * ring(L.ep)
         comm["expert_all_to_all"] = a2a
-        comm_t["expert_all_to_all"] = a2a / (net(L.ep) * assume.link_eff)
+        eff = assume.symm_link_eff if L.dispatcher == DispatcherKind.symm.value else assume.link_eff
+        comm_t["expert_all_to_all"] = a2a / (net(L.ep) * eff)
     dense_b, expert_b = 4 * best["dense_local"], 4 * best["expert_local"]
     if fsdp:
         ag = 2 * L.micro_batches * 4 * best["local"] * ring(L.dp)  # forward and backward all-gathers
