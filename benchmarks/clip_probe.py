@@ -18,7 +18,7 @@ import torch
 
 from moetrain.model.transformer import Transformer
 from moetrain.presets import preset
-from moetrain.train.optim import clip_coefficient
+from moetrain.optim.clip import clip_coefficient
 
 
 def main() -> None:

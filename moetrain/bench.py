@@ -13,8 +13,9 @@ memory snapshot) into RUN_DIR/profile-ROUTING, named in the JSON line as `profil
 and the optimizer step; `--also-forward-backward` times both windows, one JSON line each (the
 line's `timed` says which). Each line also carries the last timed step's routing balance:
 expert_load_max_over_mean, ep_load_max_over_mean and dropped_token_frac (as in metrics.jsonl).
-The routing mode is switched in place between configurations (the model, its optimizer state
-and compiled code are kept; a warm-up follows each switch).
+The routing mode is switched in place between configurations (`TrainEngine.set_routing`: the
+model, its optimizer state and compiled code are kept; a warm-up follows each switch).
+Everything here goes through the trainer's and the engine's public methods.
 
 FLOPs and MFU follow the anchor's formula (moetrain/model/counting.py): 6 × active
 non-embedding parameters + 12 × layers × heads × head_dim × sequence length per token, over the
@@ -36,7 +37,9 @@ from moetrain.errors import ConfigError
 from moetrain.model.config import Routing
 from moetrain.model.counting import count_params
 from moetrain.presets import resolve_config
+from moetrain.train.engine import StepOutput
 from moetrain.train.metrics import peak_mem_gib
+from moetrain.train.trainer import Trainer
 
 BENCH_OVERRIDES = [
     "data.synthetic=true", "train.eval_every=0", "train.save_every=0", "train.save_final=false",
@@ -57,8 +60,6 @@ def run_bench(
     forward_backward_only: bool = False,
     also_forward_backward: bool = False,
 ) -> list[dict[str, Any]]:
-    from moetrain.train.trainer import Trainer
-
     routings = routings or [Routing.learned.value, Routing.random.value]
     known = [r.value for r in Routing]
     for r in routings:
@@ -74,7 +75,7 @@ def run_bench(
         windows.append(("forward+backward", _forward_backward_step(trainer)))
     records = []
     for routing in routings:
-        trainer.cfg.model.moe.routing = Routing(routing)  # every router reads this config object
+        trainer.engine.set_routing(routing)
         for i, (timed, step) in enumerate(windows):
             # The first window warms up after the routing switch; a second one reuses the
             # compiled code and needs one step to settle (allocator, gradient buckets).
@@ -91,7 +92,8 @@ def run_bench(
                 out = step()
             _synchronize(trainer.device)
             elapsed = time.perf_counter() - start
-            balance = trainer._record(out, steps, elapsed)  # one collective: loss and routing over all ranks
+            # One collective: loss and routing balance over all ranks.
+            balance = trainer.engine.metrics(out, step=trainer.step, steps=steps, seconds=elapsed)
             syncs = _count_host_syncs(step) if sync_check and trainer.device.type == "cuda" else None
             record = _record(trainer, spec, routing, steps, elapsed, balance, syncs)
             record["timed"] = timed
@@ -127,28 +129,14 @@ def _synchronize(device: torch.device) -> None:
         dist.barrier()
 
 
-class _FwdBwdOutput:
-    def __init__(self, lm_loss: torch.Tensor, routing: list[dict[str, torch.Tensor]]):
-        self.lm_loss = lm_loss
-        self.routing = routing
-        self.grad_norm = torch.zeros((), device=lm_loss.device)
-        self.lr = 0.0
-
-
-def _forward_backward_step(trainer):
+def _forward_backward_step(trainer: Trainer):
     """The forward and backward passes of a step's micro-batches (with their data-parallel
     gradient reduction, if any) alone: no clipping, no optimizer step. Gradients are dropped
-    after each step; routing statistics are reset (and the aux-free bias moved) as at a step's
-    end."""
+    after each step and the routing statistics reset (`TrainEngine.drop_step`)."""
 
-    def step():
-        trainer.model.train()
-        lm_loss = (trainer._pipeline_forward_backward() if trainer.pipeline is not None
-                   else trainer._forward_backward())
-        trainer.optimizer.finish()
-        trainer.optimizer.zero_grad()
-        routing = [moe.end_step() for moe in trainer.model.moe_layers()]
-        return _FwdBwdOutput(lm_loss, routing)
+    def step() -> StepOutput:
+        engine = trainer.engine
+        return engine.drop_step(engine.forward_backward(trainer.next_batches()))
 
     return step
 
@@ -167,14 +155,14 @@ def _count_host_syncs(step) -> int:
     return sum("called a synchronizing CUDA operation" in str(w.message) for w in caught)
 
 
-def _record(trainer, spec: str, routing: str, steps: int, elapsed: float, balance: dict[str, Any],
+def _record(trainer: Trainer, spec: str, routing: str, steps: int, elapsed: float, balance: dict[str, Any],
             syncs: int | None) -> dict[str, Any]:
-    cfg, world = trainer.cfg, trainer.par.dims.world_size
+    cfg, world, engine = trainer.cfg, trainer.par.dims.world_size, trainer.engine
     m, tc = cfg.model, cfg.train
-    tokens_per_sec = trainer.tokens_per_step * steps / elapsed
+    tokens_per_sec = engine.tokens_per_step * steps / elapsed
     peaks = _peak_mem_per_rank(trainer.device)
     per_device = tokens_per_sec / world
-    tflops = trainer.flops_per_token * per_device / 1e12
+    tflops = engine.flops_per_token * per_device / 1e12
     counts = count_params(m)
     return {
         "preset": spec,
@@ -182,7 +170,7 @@ def _record(trainer, spec: str, routing: str, steps: int, elapsed: float, balanc
         "tokens_per_sec": tokens_per_sec,
         "tokens_per_sec_per_device": per_device,
         "tflops_per_device": tflops,
-        "mfu": tflops * 1e12 / trainer.peak_flops if trainer.peak_flops else None,
+        "mfu": tflops * 1e12 / engine.peak_flops if engine.peak_flops else None,
         "peak_mem_gib": max(peaks),
         "peak_mem_gib_per_rank": peaks,
         "sync_free": None if syncs is None else syncs == 0,
@@ -203,10 +191,10 @@ def _record(trainer, spec: str, routing: str, steps: int, elapsed: float, balanc
         },
         "batch": {
             "seq_len": cfg.data.seq_len, "micro_batch_size": tc.micro_batch_size,
-            "grad_accum_steps": tc.grad_accum_steps, "tokens_per_step": trainer.tokens_per_step,
+            "grad_accum_steps": tc.grad_accum_steps, "tokens_per_step": engine.tokens_per_step,
         },
         "precision": _precision(trainer),
-        "flops_per_token": trainer.flops_per_token,
+        "flops_per_token": engine.flops_per_token,
         "compile": tc.compile,
         "recompute": str(tc.recompute),
         "layout": {"world": world, "dp": trainer.par.dims.dp, "ep": trainer.par.dims.ep,
@@ -216,9 +204,10 @@ def _record(trainer, spec: str, routing: str, steps: int, elapsed: float, balanc
     }
 
 
-def _precision(trainer) -> str:
-    base = "fp32" if trainer.amp_dtype is None else (
-        f"{str(trainer.amp_dtype).removeprefix('torch.')} autocast, fp32 master weights, gradients and AdamW state")
+def _precision(trainer: Trainer) -> str:
+    amp_dtype = trainer.engine.amp_dtype
+    base = "fp32" if amp_dtype is None else (
+        f"{str(amp_dtype).removeprefix('torch.')} autocast, fp32 master weights, gradients and AdamW state")
     if trainer.cfg.train.fp8 != "none":
         base += f"; {trainer.cfg.train.fp8} fp8 (e4m3) expert and block-linear GEMMs"
     return base

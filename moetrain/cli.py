@@ -17,8 +17,17 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from moetrain.bench import run_bench
+from moetrain.data.prepare import main as prepare_main
 from moetrain.errors import ConfigError, MoetrainError
+from moetrain.hf import export_hf, import_hf
+from moetrain.inference import generate, load_for_inference, text_loss
+from moetrain.model.counting import count_params, flops_per_token
 from moetrain.parallel.distributed import shutdown, unresponsive_ranks
+from moetrain.plan import plan, report, suggest, to_json
+from moetrain.presets import PRESETS, resolve_config
+from moetrain.train.plot import plot_compare
+from moetrain.train.trainer import Trainer
 
 SUBCOMMANDS: dict[str, str] = {
     "train": "train a model from a preset or YAML file (+ --key=value overrides)",
@@ -147,7 +156,6 @@ def _config_parser(prog: str, description: str, train_flags: bool) -> argparse.A
 
 
 def _resolve(args: argparse.Namespace, overrides: list[str]):
-    from moetrain.presets import resolve_config
 
     flag_overrides = []
     for flag, (key, _) in TRAIN_FLAGS.items():
@@ -161,7 +169,6 @@ def cmd_train(argv: list[str]) -> int:
     parser = _config_parser("train", "Train a model.", train_flags=True)
     args, overrides = _split_overrides(parser, argv)
     cfg = _resolve(args, overrides)
-    from moetrain.train.trainer import Trainer
 
     trainer = Trainer(cfg, resume=args.resume, quiet=args.quiet)
     summary = trainer.fit()
@@ -196,7 +203,6 @@ def cmd_bench(argv: list[str]) -> int:
         raise ConfigError(f"--warmup={args.warmup} must be ≥ 0 and --steps={args.steps} positive.")
     if args.device is not None:
         overrides.append(f"train.device={args.device}")
-    from moetrain.bench import run_bench
 
     records = run_bench(
         args.spec, overrides, warmup=args.warmup, steps=args.steps,
@@ -228,10 +234,8 @@ def cmd_plan(argv: list[str]) -> int:
                         help="sequences per GPU per micro-batch (sets train.micro_batch_size = this × dp)")
     parser.add_argument("--no-suggest", action="store_true", help="skip the search for layouts that fit")
     args, overrides = _split_overrides(parser, argv)
-    from moetrain.plan import plan, report, suggest, to_json
-    from moetrain.presets import resolve_config
 
-    cfg = resolve_config(args.spec, overrides)
+    cfg = resolve_config(args.spec, overrides, validate=args.micro_batch is None)
     if args.micro_batch is not None:
         if args.micro_batch <= 0:
             raise ConfigError(f"--micro-batch={args.micro_batch} must be a positive number of sequences.")
@@ -265,7 +269,6 @@ def cmd_params(argv: list[str]) -> int:
     parser = _config_parser("params", "Parameter and FLOP counts.", train_flags=False)
     args, overrides = _split_overrides(parser, argv)
     cfg = _resolve(args, overrides)
-    from moetrain.model.counting import count_params, flops_per_token
 
     counts = count_params(cfg.model)
     print(json.dumps({
@@ -279,8 +282,6 @@ def cmd_params(argv: list[str]) -> int:
 
 
 def cmd_presets(argv: list[str]) -> int:
-    from moetrain.model.counting import count_params
-    from moetrain.presets import PRESETS
 
     for name, make in PRESETS.items():
         counts = count_params(make().model)
@@ -289,7 +290,6 @@ def cmd_presets(argv: list[str]) -> int:
 
 
 def cmd_prepare_data(argv: list[str]) -> int:
-    from moetrain.data.prepare import main as prepare_main
 
     return prepare_main(argv)
 
@@ -300,7 +300,6 @@ def cmd_eval(argv: list[str]) -> int:
     parser.add_argument("--text", nargs="+", required=True, metavar="FILE", help="text files (each one document)")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
-    from moetrain.inference import load_for_inference, text_loss
 
     model, cfg, tokenizer = load_for_inference(args.checkpoint, args.device)
     print(json.dumps(text_loss(model, cfg, tokenizer, args.text)))
@@ -319,7 +318,6 @@ def cmd_generate(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.max_new_tokens < 0 or args.temperature < 0:
         raise ConfigError("--max-new-tokens and --temperature must be ≥ 0.")
-    from moetrain.inference import generate, load_for_inference
 
     model, cfg, tokenizer = load_for_inference(args.checkpoint, args.device)
     text, ids = generate(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.seed)
@@ -341,7 +339,6 @@ def _convert(argv: list[str], prog: str, description: str, source: str, source_h
 
 
 def cmd_export_hf(argv: list[str]) -> int:
-    from moetrain.hf import export_hf
 
     return _convert(
         argv, "moetrain export-hf",
@@ -353,7 +350,6 @@ def cmd_export_hf(argv: list[str]) -> int:
 
 
 def cmd_import_hf(argv: list[str]) -> int:
-    from moetrain.hf import import_hf
 
     return _convert(
         argv, "moetrain import-hf",
@@ -369,7 +365,6 @@ def cmd_plot(argv: list[str]) -> int:
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     parser.add_argument("--out", default="loss-compare.png")
     args = parser.parse_args(argv)
-    from moetrain.train.plot import plot_compare
 
     for run_dir in args.run_dirs:
         if not (Path(run_dir) / "metrics.jsonl").is_file():

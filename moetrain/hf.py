@@ -23,7 +23,10 @@ from pathlib import Path
 import torch
 
 from moetrain.errors import ConfigError
-from moetrain.model.config import Gating, Routing, TransformerConfig
+from moetrain.inference import load_for_inference
+from moetrain.model.config import Gating, MoEConfig, Routing, TransformerConfig
+from moetrain.train import checkpoint as ckpt
+from moetrain.train.config import RunConfig
 
 EXPORTED_BY = "moetrain export-hf"
 
@@ -129,8 +132,6 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path) -> dict:
     """Write the HF directory; returns a summary (architecture, tensors, parameters, paths)."""
     from safetensors.torch import save_file
 
-    from moetrain.inference import load_for_inference
-
     model, cfg, tokenizer = load_for_inference(checkpoint)
     bias_nonzero = any(bool(moe.router.expert_bias_E.abs().max() > 0) for moe in model.moe_layers())
     problems = unsupported_features(cfg.model, bias_nonzero)
@@ -159,13 +160,6 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path) -> dict:
             "parameters": sum(t.numel() for t in tensors.values())}
 
 
-class _NoOptimizerState:
-    """Stands in for an optimizer when writing a weights-only checkpoint (import-hf)."""
-
-    def state_dict_tensors(self) -> dict:
-        return {}
-
-
 def _read_hf_tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -185,8 +179,6 @@ def _read_hf_tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
 def model_config_from_hf(hf: dict, source: str) -> TransformerConfig:
     """The moetrain model a Qwen3-MoE config.json describes; refuses what moetrain cannot run
     exactly, naming the field."""
-    from moetrain.model.config import MoEConfig
-
     if hf.get("model_type") != "qwen3_moe":
         raise ConfigError(f"{source}: model_type '{hf.get('model_type')}' is not supported; import-hf reads "
                           "qwen3_moe (Qwen3-MoE) models.")
@@ -230,9 +222,6 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> dict:
     """A Qwen3-MoE directory (config.json + safetensors, per-expert or fused expert tensors) →
     a moetrain run directory holding config.yaml, tokenizer.json and a weights-only checkpoint
     `checkpoints/step-0`, which `generate`, `eval`, `export-hf` and `train --train.init_from=…` read."""
-    from moetrain.train import checkpoint as ckpt
-    from moetrain.train.config import RunConfig
-
     hf_dir, out = Path(hf_dir), Path(out_dir)
     config_file = hf_dir / "config.json"
     if not config_file.is_file():
@@ -287,7 +276,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> dict:
     extra = {"config.yaml": out / "config.yaml"}
     if (hf_dir / "tokenizer.json").is_file():
         extra["tokenizer.json"] = hf_dir / "tokenizer.json"
-    path = ckpt.save_checkpoint(out, 0, model, _NoOptimizerState(), {"step": 0, "imported_from": str(hf_dir)},
-                                extra_files=extra)
+    path = ckpt.save_checkpoint(out, 0, {"model": ckpt.model_state_dict(model)},
+                                {"step": 0, "imported_from": str(hf_dir)}, extra_files=extra)
     return {"architecture": "Qwen3MoeForCausalLM", "checkpoint": str(path), "config": str(out / "config.yaml"),
             "tensors": len(expected), "parameters": sum(p.numel() for p in model.parameters())}

@@ -30,7 +30,7 @@ def load_for_inference(checkpoint: str | Path, device: str = "cpu") -> tuple[Tra
     model = cfg.model.build(device="meta")
     model.to_empty(device=device)
     model.init_weights()  # buffers that are not saved (RoPE tables) need their values
-    ckpt.load_checkpoint(path, model, optimizer=None)
+    ckpt.load_model(path, model)
     model.eval()
     tokenizer_file = path / "tokenizer.json"
     if not tokenizer_file.is_file():

@@ -1,5 +1,12 @@
-"""`moetrain plan`: per-GPU memory, communication and step time of a run on N GPUs, from the
-config alone (no model is built, so the trillion-parameter presets plan instantly).
+"""`moetrain plan`: per-GPU memory, communication and step time of a run on N GPUs, without a GPU.
+
+The run is checked and laid out by the trainer's own code (`RunConfig.build_dims`), and its
+parameter groups are counted on a meta-device build of the model (nothing is allocated, so the
+trillion-parameter presets plan instantly). Then three typed steps, each a function:
+
+    memory_per_rank   → [RankMemory]      parameters, gradients, optimizer state, activations, peak
+    communication     → Communication     bytes sent per step and their time, by collective
+    step_time         → StepTime          compute, memory-bound work, exposed communication
 
 Legend: P parameters, t tokens per rank per micro-batch (rows × seq_len), m micro-batches per
 optimizer step, D d_model, E experts, K top-k, H expert hidden, Hs shared hidden, Hd dense
@@ -47,11 +54,16 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import functools
+import json
+
 from moetrain.errors import ConfigError
-from moetrain.model.config import TransformerConfig
-from moetrain.model.counting import count_params, flops_per_token
-from moetrain.parallel.dims import DispatcherKind, ParallelDims, PipelineSchedule, Stack
-from moetrain.train.config import Fp8, Recompute, RunConfig
+from moetrain.model.config import Fp8, TransformerConfig
+from moetrain.model.counting import flops_per_token
+from moetrain.model.experts import GroupedExperts
+from moetrain.parallel.config import DispatcherKind, PipelineSchedule, Recompute, Stack
+from moetrain.parallel.pipeline import stage_layers
+from moetrain.train.config import RunConfig
 
 GIB = 2**30
 
@@ -206,36 +218,48 @@ def _block_bytes(m: TransformerConfig, moe_block: bool, recompute: str, expert_r
     return attn + ffn + eager
 
 
-def _counts(m: TransformerConfig) -> dict[str, int]:
-    """Parameter groups: per dense block, per MoE block (dense part, experts), outside."""
-    c = count_params(m)
-    D, moe = m.d_model, m.moe
-    hd = m.resolved_head_dim
-    attn = D * m.n_heads * hd * 2 + D * m.n_kv_heads * hd * 2 + (2 * hd if m.qk_norm else 0)
-    norms = D * (4 if m.peri_norm else 2)
-    experts = moe.num_experts * 3 * D * moe.expert_hidden
-    out = dict(
-        dense_block=attn + norms + 3 * D * m.resolved_dense_hidden,
-        moe_dense=attn + norms + moe.num_experts * D + 3 * D * moe.shared_hidden,
-        moe_experts=experts,
-        embedding=m.vocab_size * D,
-        head=m.vocab_size * D + D,
-    )
-    assert out["embedding"] + out["head"] + m.num_dense_layers * out["dense_block"] + \
-        m.num_moe_layers * (out["moe_dense"] + out["moe_experts"]) == c.total
-    return out
+@dataclasses.dataclass(frozen=True)
+class ParamGroups:
+    """Parameters per kind of module, counted on a meta-device build of the model."""
+
+    embedding: int
+    head: int
+    """The final norm and the LM head."""
+    dense_block: int
+    """One dense block (attention, norms, dense MLP)."""
+    moe_dense: int
+    """The non-expert part of one MoE block (attention, norms, router, shared expert)."""
+    moe_experts: int
+    """The routed experts of one MoE block, all of them."""
+
+    @classmethod
+    def of(cls, m: TransformerConfig) -> ParamGroups:
+        return _param_groups(json.dumps(m.to_dict(), sort_keys=True))
+
+
+@functools.lru_cache(maxsize=64)
+def _param_groups(model_json: str) -> ParamGroups:
+    """Cached per model config: `suggest` plans hundreds of layouts of one model."""
+    model = TransformerConfig.from_dict(json.loads(model_json)).build(device="meta")
+
+    def numel(module) -> int:
+        return sum(p.numel() for p in module.parameters())
+
+    dense_block = moe_dense = moe_experts = 0
+    for block in model.blocks.values():
+        experts = sum(numel(m) for m in block.modules() if isinstance(m, GroupedExperts))
+        if experts:
+            moe_dense, moe_experts = numel(block) - experts, experts
+        else:
+            dense_block = numel(block)
+    return ParamGroups(embedding=numel(model.embed), head=numel(model.norm) + numel(model.lm_head),
+                       dense_block=dense_block, moe_dense=moe_dense, moe_experts=moe_experts)
 
 
 def layout_of(cfg: RunConfig, gpus: int) -> Layout:
+    """The layout `cfg` asks for on `gpus` GPUs, checked as the trainer checks it."""
+    dims = cfg.build_dims(gpus)
     p, tc = cfg.parallel, cfg.train
-    dims = ParallelDims.from_config(p, gpus, cfg.model.moe.num_experts, cfg.model.num_moe_layers > 0,
-                                    n_layers=cfg.model.n_layers, micro_batches=tc.grad_accum_steps)
-    if tc.micro_batch_size % dims.dp:
-        raise ConfigError(
-            f"train.micro_batch_size={tc.micro_batch_size} (sequences per micro-batch, summed over the "
-            f"data-parallel ranks) is not a multiple of dp={dims.dp}: use --micro-batch to give each GPU "
-            "a whole number of sequences."
-        )
     schedule = p.pp_schedule.value if dims.pp > 1 else "none"
     return Layout(
         stack=p.stack.value, dp=dims.dp, ep=dims.ep, pp=dims.pp, stages_per_rank=dims.stages_per_rank,
@@ -245,35 +269,106 @@ def layout_of(cfg: RunConfig, gpus: int) -> Layout:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class RankMemory:
+    """One pipeline rank's parameters and memory (bytes)."""
+
+    rank: int
+    layers: int
+    first: bool
+    last: bool
+    local: float
+    """Parameters held before FSDP sharding (its experts ÷ ep)."""
+    dense_local: float
+    expert_local: float
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    """Saved activations of this layout, with the logits and the bf16 weight copies."""
+    peak: float
+    blocks_none: float
+    """Saved block activations of one micro-batch without recompute."""
+    logits_bytes: float
+    act_none: float
+    """Activations of the micro-batches in flight without recompute (with the logits)."""
+    act_full: float
+    """The same with full recompute."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Communication:
+    bytes: dict[str, float]
+    """Bytes sent per step by this rank, per collective."""
+    seconds: dict[str, float]
+    """Their transfer time at the links' achieved rates."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    parts: dict[str, float]
+    """Seconds per step, by part (the `time_s` of `Plan`)."""
+    step: float
+    mfu: float
+    tokens_per_device: float
+    """Tokens one GPU processes per step (÷ pp: a pipeline's ranks share the step's tokens)."""
+
+
 def plan(cfg: RunConfig, gpus: int, gpu: str, assume: Assumptions = Assumptions()) -> Plan:
+    """Memory, communication and step time of `cfg` on `gpus` GPUs of kind `gpu`."""
     if gpu not in GPUS:
         raise ConfigError(f"--gpu={gpu!r} is not one the planner knows: choose one of {', '.join(GPUS)}.")
     if gpus <= 0:
         raise ConfigError(f"--gpus={gpus} must be a positive number of GPUs.")
-    spec, m, L = GPUS[gpu], cfg.model, layout_of(cfg, gpus)
-    moe = m.moe
+    spec, L = GPUS[gpu], layout_of(cfg, gpus)
+    ranks = memory_per_rank(cfg, L, ParamGroups.of(cfg.model), assume)
+    busiest = max(ranks, key=lambda r: r.peak)  # the first of equal peaks
+    comm = communication(cfg, L, busiest, spec, assume)
+    time = step_time(cfg, L, busiest, comm, spec, assume)
+    fsdp = L.stack == Stack.fsdp.value
+    peak_gib = busiest.peak / GIB
+    memory = {k: round(getattr(busiest, k) / GIB, 2) for k in ("weights", "grads", "optimizer", "activations")}
+    memory["workspace"] = assume.workspace_gib
+    return Plan(
+        layout=L, gpu=spec, params_per_device=int(busiest.local / (L.dp if fsdp else 1)), memory_gib=memory,
+        peak_mem_gib_per_device=round(peak_gib, 2), fits=peak_gib <= spec.memory_gib,
+        comm_gb_per_step={k: round(v / 1e9, 3) for k, v in comm.bytes.items()},
+        time_s=time.parts, step_time_s=time.step, mfu=time.mfu,
+        tokens_per_sec_per_device=time.tokens_per_device / time.step,
+        activations_without_recompute_gib=busiest.act_none / GIB,
+        activations_full_recompute_gib=busiest.act_full / GIB,
+        peak_gib_per_pipeline_rank=[round(r.peak / GIB, 2) for r in ranks],
+        params_per_pipeline_rank=[int(r.local / (L.dp if fsdp else 1)) for r in ranks],
+    )
+
+
+def _rows_per_token(cfg: RunConfig, L: Layout) -> tuple[float, float]:
+    """(expert_rows, wire_rows): rows per token through the experts (their activations) and on
+    the all-to-all. nosync pads both to its buffers; symm pads the receive layout (ep·K rows per
+    token, most of them skipped by the GEMMs but allocated) and moves exact rows."""
+    k = cfg.model.moe.top_k
+    if L.ep > 1 and L.dispatcher == DispatcherKind.nosync.value:
+        rows = k * (L.capacity_factor if L.capacity_factor else L.ep)
+        return rows, rows
+    if L.ep > 1 and L.dispatcher == DispatcherKind.symm.value:
+        return k * L.ep, k
+    return k, k
+
+
+def memory_per_rank(cfg: RunConfig, L: Layout, groups: ParamGroups, assume: Assumptions) -> list[RankMemory]:
+    """Parameters and memory of each pipeline rank (one entry without a pipeline)."""
+    m = cfg.model
     fp32 = cfg.train.precision.value == "fp32"
     # the exact all-to-all dispatcher reads split sizes on the host: a graph break inside the
     # compiled block, which then keeps eager-sized activations (measured: 80.5 GiB vs 80.1 nosync)
     compiled = cfg.train.compile and not (cfg.parallel.ep > 1 and cfg.parallel.dispatcher == DispatcherKind.alltoall)
-    groups = _counts(m)
     S = L.pp * L.stages_per_rank
-    layers_per_stage = _stage_sizes(m.n_layers, S)
+    layers_per_stage = [len(s) for s in stage_layers(m.n_layers, S)]
     t = L.rows_per_micro_batch * cfg.data.seq_len  # tokens per rank per micro-batch
     fsdp = L.stack == Stack.fsdp.value
     ep_eff = 1 if fsdp else L.ep
-    # expert_rows: rows per token through the experts (their activations); wire_rows: rows per
-    # token on the all-to-all. nosync pads both to its buffers; symm pads the receive layout
-    # (ep·K rows per token, most of them skipped by the GEMMs but allocated) and moves exact rows.
-    if L.ep > 1 and L.dispatcher == DispatcherKind.nosync.value:
-        expert_rows = wire_rows = moe.top_k * (L.capacity_factor if L.capacity_factor else L.ep)
-    elif L.ep > 1 and L.dispatcher == DispatcherKind.symm.value:
-        expert_rows, wire_rows = moe.top_k * L.ep, moe.top_k
-    else:
-        expert_rows = wire_rows = moe.top_k
-
-    # --- per pipeline rank: parameters and activations; keep the rank with the largest peak
-    best, peaks, params = None, [], []
+    expert_rows, _ = _rows_per_token(cfg, L)
+    out = []
     for r in range(L.pp):
         stages = [r + i * L.pp for i in range(L.stages_per_rank)]
         layer_ids = [i for s in stages for i in range(sum(layers_per_stage[:s]), sum(layers_per_stage[: s + 1]))]
@@ -281,9 +376,9 @@ def plan(cfg: RunConfig, gpus: int, gpu: str, assume: Assumptions = Assumptions(
         act_per_token = act_none = act_full = 0.0
         cast_bytes = 0.0
         for i in layer_ids:
-            is_moe = i >= m.num_dense_layers and moe.num_experts > 0
-            dense = groups["moe_dense"] if is_moe else groups["dense_block"]
-            experts = groups["moe_experts"] / ep_eff if is_moe else 0
+            is_moe = i >= m.num_dense_layers and m.moe.num_experts > 0
+            dense = groups.moe_dense if is_moe else groups.dense_block
+            experts = groups.moe_experts / ep_eff if is_moe else 0
             dense_local += dense
             expert_local += experts
             recomputes = L.recompute != "none" and i % L.recompute_every == 0
@@ -295,9 +390,9 @@ def plan(cfg: RunConfig, gpus: int, gpu: str, assume: Assumptions = Assumptions(
                 cast_bytes += 2 * (dense + experts)
         first, last = 0 in stages, S - 1 in stages
         if first:
-            dense_local += groups["embedding"]
+            dense_local += groups.embedding
         if last:
-            dense_local += groups["head"]
+            dense_local += groups.head
         local = dense_local + expert_local
         if L.pp == 1:
             in_flight = 1.0
@@ -313,11 +408,11 @@ def plan(cfg: RunConfig, gpus: int, gpu: str, assume: Assumptions = Assumptions(
         if L.recompute != "none" and layer_ids:
             activations += t * act_none / len(layer_ids)
         logits = t * m.vocab_size * 10 if last else 0  # bf16 logits, fp32 copy, fp32 log-softmax
-        head_grad = 4 * groups["head"] / (L.dp if fsdp else 1) if last else 0
+        head_grad = 4 * groups.head / (L.dp if fsdp else 1) if last else 0
         casts = cast_bytes  # one bf16 copy per block that keeps activations
         if fsdp:
             shard = L.dp
-            weights = 4 * local / shard + 2 * 4 * max(groups["moe_dense"] + groups["moe_experts"], groups["dense_block"])
+            weights = 4 * local / shard + 2 * 4 * max(groups.moe_dense + groups.moe_experts, groups.dense_block)
             grads = 4 * local / shard
             optimizer = 8 * local / shard
         else:
@@ -333,31 +428,39 @@ def plan(cfg: RunConfig, gpus: int, gpu: str, assume: Assumptions = Assumptions(
         start_of_backward = activations + logits + head_grad + casts + (grads if persistent else 0)
         end_of_backward = grads
         peak = weights + optimizer + max(start_of_backward, end_of_backward) + assume.workspace_gib * GIB
-        row = dict(rank=r, blocks_none=t * act_none, logits_bytes=logits, local=local, dense_local=dense_local, expert_local=expert_local, weights=weights,
-                   grads=grads, optimizer=optimizer, activations=activations + logits + casts, peak=peak,
-                   act_none=in_flight * t * act_none + logits, act_full=in_flight * t * act_full + logits,
-                   layers=len(layer_ids), first=first, last=last)
-        peaks.append(peak / GIB)
-        params.append(int(local / (L.dp if fsdp else 1)))
-        if best is None or peak > best["peak"]:
-            best = row
-    assert best is not None
+        out.append(RankMemory(
+            rank=r, layers=len(layer_ids), first=first, last=last, local=local, dense_local=dense_local,
+            expert_local=expert_local, weights=weights, grads=grads, optimizer=optimizer,
+            activations=activations + logits + casts, peak=peak, blocks_none=t * act_none, logits_bytes=logits,
+            act_none=in_flight * t * act_none + logits, act_full=in_flight * t * act_full + logits,
+        ))
+    return out
 
-    # --- communication per rank per step (bytes sent)
-    ring = lambda n: (n - 1) / n if n > 1 else 0.0  # noqa: E731
-    node = spec.gpus_per_node
-    net = lambda span: spec.nvlink_bytes_s if span <= node else spec.network_bytes_s  # noqa: E731
-    moe_layers = sum(1 for i in range(m.n_layers) if i >= m.num_dense_layers) * best["layers"] / max(1, m.n_layers)
+
+def communication(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume: Assumptions) -> Communication:
+    """Bytes each collective of a step sends from `rank`, and their time."""
+    m = cfg.model
+    t = L.rows_per_micro_batch * cfg.data.seq_len
+    fsdp = L.stack == Stack.fsdp.value
+    _, wire_rows = _rows_per_token(cfg, L)
+
+    def ring(n: int) -> float:
+        return (n - 1) / n if n > 1 else 0.0
+
+    def net(span: int) -> float:
+        return spec.nvlink_bytes_s if span <= spec.gpus_per_node else spec.network_bytes_s
+
+    moe_layers = sum(1 for i in range(m.n_layers) if i >= m.num_dense_layers) * rank.layers / max(1, m.n_layers)
     comm, comm_t = {}, {}
     if not fsdp and L.ep > 1:
         a2a = 4 * L.micro_batches * moe_layers * t * wire_rows * m.d_model * 2 * ring(L.ep)
         comm["expert_all_to_all"] = a2a
         eff = assume.symm_link_eff if L.dispatcher == DispatcherKind.symm.value else assume.link_eff
         comm_t["expert_all_to_all"] = a2a / (net(L.ep) * eff)
-    dense_b, expert_b = 4 * best["dense_local"], 4 * best["expert_local"]
+    dense_b, expert_b = 4 * rank.dense_local, 4 * rank.expert_local
     if fsdp:
-        ag = 2 * L.micro_batches * 4 * best["local"] * ring(L.dp)  # forward and backward all-gathers
-        rs = 4 * best["local"] * ring(L.dp)
+        ag = 2 * L.micro_batches * 4 * rank.local * ring(L.dp)  # forward and backward all-gathers
+        rs = 4 * rank.local * ring(L.dp)
         comm["fsdp_all_gather"], comm["fsdp_reduce_scatter"] = ag, rs
         comm_t["fsdp"] = (ag + rs) / (net(L.dp) * assume.link_eff)
     elif L.dp > 1:
@@ -376,64 +479,56 @@ def plan(cfg: RunConfig, gpus: int, gpu: str, assume: Assumptions = Assumptions(
         sends = 2 * L.micro_batches * L.stages_per_rank * t * m.d_model * 4
         comm["pipeline_send_recv"] = sends
         comm_t["pipeline_send_recv"] = sends / (net(L.dp * L.pp) * assume.link_eff)
+    return Communication(comm, comm_t)
 
-    # --- compute time per rank per step
+
+def step_time(cfg: RunConfig, L: Layout, rank: RankMemory, comm: Communication, spec: GPU,
+              assume: Assumptions) -> StepTime:
+    """One step of `rank`: compute and memory-bound work, then the communication that is not
+    hidden, the pipeline bubble; MFU and tokens per GPU."""
+    m = cfg.model
+    t = L.rows_per_micro_batch * cfg.data.seq_len
+    fsdp = L.stack == Stack.fsdp.value
+    fp32 = cfg.train.precision.value == "fp32"
     fpt = flops_per_token(m, cfg.data.seq_len)
-    stage_share = best["layers"] / m.n_layers if L.pp > 1 else 1.0
+    stage_share = rank.layers / m.n_layers if L.pp > 1 else 1.0
     model_flops = fpt * t * L.micro_batches * stage_share
     fp8 = cfg.train.fp8 != Fp8.none
     # mxfp8 computes its products from dequantized operands (bf16 rate; moetrain/model/fp8.py)
     gemm_rate = spec.bf16_flops * assume.gemm_eff * (assume.fp8_gemm_speedup if cfg.train.fp8 == Fp8.rowwise else 1.0)
     t_gemm = model_flops / gemm_rate
     hbm = spec.hbm_bytes_s * assume.hbm_eff
-    t_optimizer = 28 * (best["local"] / (L.dp if fsdp else 1)) / hbm
+    t_optimizer = 28 * (rank.local / (L.dp if fsdp else 1)) / hbm
     if L.shard_optimizer and not fsdp:
-        t_optimizer = 28 * (best["dense_local"] / L.dp + best["expert_local"] / max(1, L.dp // L.ep)) / hbm
+        t_optimizer = 28 * (rank.dense_local / L.dp + rank.expert_local / max(1, L.dp // L.ep)) / hbm
     # per micro-batch: fp32→bf16 weight casts and bf16→fp32 gradient casts (12 B per local
     # parameter), and from the second micro-batch on, accumulation into .grad (12 B)
-    local_params = best["local"] / (L.dp if fsdp else 1)
+    local_params = rank.local / (L.dp if fsdp else 1)
     t_casts = 0.0 if fp32 else local_params * (12 * L.micro_batches + 12 * (L.micro_batches - 1)) / hbm
-    t_elementwise = L.micro_batches * (assume.ew_passes * best["blocks_none"] + best["logits_bytes"]) / hbm
+    t_elementwise = L.micro_batches * (assume.ew_passes * rank.blocks_none + rank.logits_bytes) / hbm
     t_fp8 = 0.0
     if fp8:
-        t_fp8 = assume.fp8_quant_passes * L.micro_batches * (best["blocks_none"] + 4 * local_params) / hbm
+        t_fp8 = assume.fp8_quant_passes * L.micro_batches * (rank.blocks_none + 4 * local_params) / hbm
     t_recompute = 0.0
-    if L.recompute != "none":
+    if L.recompute != Recompute.none.value:
         share = math.ceil(m.n_layers / L.recompute_every) / m.n_layers
-        cost = assume.recompute_cost[0 if L.recompute == "selective" else 1]
+        cost = assume.recompute_cost[0 if L.recompute == Recompute.selective.value else 1]
         t_recompute = cost * share * (t_gemm + t_casts + t_elementwise + t_fp8)
     compute = t_gemm + t_casts + t_elementwise + t_fp8 + t_recompute
     per_mb = compute / L.micro_batches
     t_bubble = (L.pp - 1) / L.stages_per_rank * per_mb if L.pp > 1 else 0.0
-    t_dp = comm_t.get("dp_reduction", 0.0) + comm_t.get("optimizer_all_gather", 0.0)
-    t_fsdp = max(0.0, comm_t.get("fsdp", 0.0) - compute * assume.fsdp_overlap)
-    t_a2a = comm_t.get("expert_all_to_all", 0.0)
-    t_pp = comm_t.get("pipeline_send_recv", 0.0)
+    seconds = comm.seconds
+    t_dp = seconds.get("dp_reduction", 0.0) + seconds.get("optimizer_all_gather", 0.0)
+    t_fsdp = max(0.0, seconds.get("fsdp", 0.0) - compute * assume.fsdp_overlap)
+    t_a2a = seconds.get("expert_all_to_all", 0.0)
+    t_pp = seconds.get("pipeline_send_recv", 0.0)
     step = compute + t_optimizer + t_bubble + t_dp + t_fsdp + t_a2a + t_pp
     tokens_per_device = t * L.micro_batches * (1.0 if L.pp == 1 else 1.0 / L.pp)
-    mfu = fpt * tokens_per_device / step / spec.bf16_flops
-    peak_gib = best["peak"] / GIB
-    memory = {k: round(best[k] / GIB, 2) for k in ("weights", "grads", "optimizer", "activations")}
-    memory["workspace"] = assume.workspace_gib
-    return Plan(
-        layout=L, gpu=spec, params_per_device=int(best["local"] / (L.dp if fsdp else 1)), memory_gib=memory,
-        peak_mem_gib_per_device=round(peak_gib, 2), fits=peak_gib <= spec.memory_gib,
-        comm_gb_per_step={k: round(v / 1e9, 3) for k, v in comm.items()},
-        time_s={"gemm_and_attention": t_gemm, "weight_casts": t_casts, "element_wise": t_elementwise,
-                "fp8_quantization": t_fp8, "recompute": t_recompute,
-                "optimizer": t_optimizer, "pipeline_bubble": t_bubble, "expert_all_to_all": t_a2a,
-                "dp_reductions": t_dp, "fsdp_exposed": t_fsdp, "pipeline_sends": t_pp},
-        step_time_s=step, mfu=mfu, tokens_per_sec_per_device=tokens_per_device / step,
-        activations_without_recompute_gib=best["act_none"] / GIB,
-        activations_full_recompute_gib=best["act_full"] / GIB,
-        peak_gib_per_pipeline_rank=[round(x, 2) for x in peaks], params_per_pipeline_rank=params,
-    )
-
-
-def _stage_sizes(n_layers: int, stages: int) -> list[int]:
-    from moetrain.parallel.pipeline import stage_layers
-
-    return [len(s) for s in stage_layers(n_layers, stages)]
+    parts = {"gemm_and_attention": t_gemm, "weight_casts": t_casts, "element_wise": t_elementwise,
+             "fp8_quantization": t_fp8, "recompute": t_recompute, "optimizer": t_optimizer,
+             "pipeline_bubble": t_bubble, "expert_all_to_all": t_a2a, "dp_reductions": t_dp,
+             "fsdp_exposed": t_fsdp, "pipeline_sends": t_pp}
+    return StepTime(parts, step, fpt * tokens_per_device / step / spec.bf16_flops, tokens_per_device)
 
 
 def with_layout(cfg: RunConfig, gpus: int, *, pp: int, ep: int, recompute: str, shard_optimizer: bool,

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from moetrain.config import apply_overrides, load_yaml, validate_tree
+from moetrain.config import apply_overrides, load_yaml
 from moetrain.errors import ConfigError
 from moetrain.model.config import MoEConfig, TransformerConfig
 from moetrain.train.config import RunConfig, TrainerConfig
@@ -129,8 +129,9 @@ def preset(name: str) -> RunConfig:
     return PRESETS[name]()
 
 
-def resolve_config(spec: str, overrides: list[str] | None = None) -> RunConfig:
-    """PRESET_OR_YAML plus `key.sub=value` overrides -> a validated RunConfig."""
+def resolve_config(spec: str, overrides: list[str] | None = None, *, validate: bool = True) -> RunConfig:
+    """PRESET_OR_YAML plus `key.sub=value` overrides -> a RunConfig, validated (`RunConfig.validate`)
+    unless `validate` is false (for a caller that changes it further first)."""
     if spec in PRESETS:
         cfg = preset(spec)
     elif spec.endswith((".yaml", ".yml")) or Path(spec).exists():
@@ -140,7 +141,8 @@ def resolve_config(spec: str, overrides: list[str] | None = None) -> RunConfig:
             f"'{spec}' is neither a preset ({', '.join(PRESETS)}) nor an existing YAML file."
         )
     cfg = apply_overrides(cfg, overrides or [])
-    validate_tree(cfg)
+    if validate:
+        cfg.validate()
     return cfg
 
 

@@ -32,7 +32,8 @@ def train_args(data_dir, run_dir, *extra):
     (["--model.moe.top_k=9"], ["top_k=9", "num_experts=8"]),
     (["--model.n_heads=3"], ["d_model", "n_heads=3"]),
     (["--model.n_kv_heads=3"], ["n_heads=4", "n_kv_heads=3"]),
-    (["--parallel.pp=2"], ["parallel.pp=2", "world size 1"]),
+    (["--parallel.pp=2"], ["parallel.pp=2", "micro-batches"]),
+    (["--parallel.pp=2", "--train.micro_batch_size=2"], ["parallel.pp=2", "world size 1"]),
     (["--parallel.ep=3"], ["parallel.ep=3"]),
     (["--parallel.peer_timeout_s=0"], ["parallel.peer_timeout_s=0", "seconds"]),
 ])

@@ -109,7 +109,7 @@ def test_import_round_trips_exactly_and_training_continues_from_it(trained, real
         "train.steps=2", "train.eval_every=0", "train.tensorboard=false", "train.plot=false", "train.device=cpu",
     ])
     trainer = Trainer(cfg, quiet=True)
-    assert all(torch.equal(t, want[n]) for n, t in trainer.model.state_dict().items())
+    assert all(torch.equal(t, want[n]) for n, t in trainer.engine.model.state_dict().items())
     summary = trainer.fit()
     assert summary["steps"] == 2
 

@@ -62,7 +62,7 @@ def test_predicted_peak_is_within_10_percent_of_the_measured_one(preset, gpus, o
 def test_parameters_per_gpu_match_the_real_split(pp, ep, n_layers):
     """The planner's per-GPU parameters are those the pipeline split and the expert split leave
     on the busiest rank (uneven stages included)."""
-    from moetrain.parallel.data_parallel import expert_param_ids
+    from moetrain.optim.grad_reducer import expert_param_ids
     from moetrain.parallel.dims import ParallelDims
     from moetrain.parallel.pipeline import split_model
 
@@ -146,3 +146,17 @@ def test_step_time_of_the_two_gpu_expert_parallel_runs(dispatcher, measured_s):
     cfg = resolve_config("sweep-8l-8", ["parallel.ep=2", f"parallel.dispatcher={dispatcher}",
                                         "train.global_batch_size=16", "train.micro_batch_size=2"])
     assert plan(cfg, 2, "h200").step_time_s == pytest.approx(measured_s, rel=0.10)
+
+
+@pytest.mark.parametrize("preset_name", sorted(__import__("moetrain.presets", fromlist=["PRESETS"]).PRESETS))
+def test_parameter_groups_come_from_the_meta_model_and_add_up(preset_name):
+    """The planner counts parameters on a meta-device build of the model (nothing allocated),
+    and its groups add up to the model's parameter count."""
+    from moetrain.model.counting import count_params
+    from moetrain.plan import ParamGroups
+
+    m = resolve_config(preset_name).model
+    g = ParamGroups.of(m)
+    total = g.embedding + g.head + m.num_dense_layers * g.dense_block + m.num_moe_layers * (g.moe_dense + g.moe_experts)
+    assert total == count_params(m).total == sum(p.numel() for p in m.build(device="meta").parameters())
+    assert g.moe_experts == m.moe.num_experts * 3 * m.d_model * m.moe.expert_hidden

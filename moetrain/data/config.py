@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from moetrain.config import Config
+from moetrain.data.loader import SyntheticLoader, TokenLoader, resolve_val_path
 from moetrain.errors import ConfigError
 
 
@@ -46,3 +47,19 @@ class DataConfig(Config):
                 )
         if self.seq_len <= 0:
             raise ConfigError(f"data.seq_len={self.seq_len} must be a positive integer.")
+
+    def build(
+        self, *, micro_batch_size: int, seed: int, vocab_size: int, dp_rank: int = 0, dp_size: int = 1
+    ) -> TokenLoader | SyntheticLoader:
+        """The training loader of data-parallel rank `dp_rank` of `dp_size`: each global
+        micro-batch of `micro_batch_size` sequences, this rank's rows of it."""
+        if self.synthetic:
+            return SyntheticLoader(seq_len=self.seq_len, micro_batch_size=micro_batch_size, seed=seed,
+                                   vocab_size=vocab_size, dp_rank=dp_rank, dp_size=dp_size)
+        return TokenLoader(self, micro_batch_size=micro_batch_size, seed=seed, vocab_size=vocab_size,
+                           dp_rank=dp_rank, dp_size=dp_size)
+
+    def val_path(self) -> str | None:
+        """Where validation tokens come from (None: no validation): `val`, else the first
+        source's val split when it has one; never with synthetic data."""
+        return None if self.synthetic else resolve_val_path(self)

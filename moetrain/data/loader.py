@@ -25,14 +25,17 @@ import copy
 import hashlib
 import os
 from collections.abc import Iterator
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from moetrain.data.config import DataConfig
-from moetrain.data.tokens import TokenFile, check_vocab, open_source
+from moetrain.data.tokens import META_FILE, TokenFile, check_vocab, open_source, read_meta
 from moetrain.errors import ConfigError, DataError
+
+if TYPE_CHECKING:
+    from moetrain.data.config import DataConfig
 
 BLOCK = 1024
 """Samples whose sources are drawn together from one RNG: a block is generated once, and any
@@ -90,6 +93,11 @@ class TokenLoader:
     def eos_id(self) -> int:
         """The id that ends every document (the same in all sources)."""
         return self.files[0].eos_id
+
+    @property
+    def tokenizer_path(self) -> Path | None:
+        """The tokenizer.json the data was made with (the first source's; all share it)."""
+        return self.files[0].tokenizer_path
 
     @property
     def sample_index(self) -> int:
@@ -202,8 +210,6 @@ def resolve_val_path(cfg: DataConfig) -> str | None:
     split, else None (no validation)."""
     if cfg.val is not None:
         return cfg.val
-    from moetrain.data.tokens import META_FILE, read_meta
-
     first = cfg.sources[0] if cfg.sources else None
     if first is None or not os.path.isfile(os.path.join(first, META_FILE)):
         return None
@@ -272,6 +278,7 @@ class SyntheticLoader:
     """
 
     eos_id = None
+    tokenizer_path = None
 
     def __init__(self, *, seq_len: int, micro_batch_size: int, seed: int, vocab_size: int,
                  dp_rank: int = 0, dp_size: int = 1):

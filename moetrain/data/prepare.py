@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from moetrain.data.corpus import default_corpus_documents
 from moetrain.data.tokens import EOS_TOKEN, FORMAT, META_FILE, dtype_for_vocab, write_meta
-from moetrain.errors import ConfigError, DataError
+from moetrain.errors import ConfigError, DataError, MoetrainError
 
 TEXT_SUFFIXES = (".txt", ".rst", ".md")
 JSONL_SUFFIX = ".jsonl"
@@ -397,8 +397,6 @@ def _load_external_tokenizer(path: Path):
 
 
 if __name__ == "__main__":
-    from moetrain.errors import MoetrainError
-
     try:
         sys.exit(main(sys.argv[1:]))
     except MoetrainError as e:

@@ -29,6 +29,26 @@ class Routing(enum.StrEnum):
     and its scores still weight the outputs, so the graph and FLOPs equal learned routing."""
 
 
+class Fp8(enum.StrEnum):
+    """FP8 recipe of the matrix products (set as `train.fp8`; moetrain/model/fp8.py)."""
+
+    none = "none"
+    rowwise = "rowwise"
+    """Expert grouped GEMMs and the attention / shared-expert / dense-MLP linears in float8_e4m3
+    with one power-of-two scale per row (moetrain/model/fp8.py); the router, embedding and LM
+    head stay in bf16. Needs a GPU of compute capability ≥ 8.9 (Hopper: H100, H200), or CPU."""
+    mxfp8 = "mxfp8"
+    """The same GEMMs with MXFP8 operands (blocks of 32 with a shared power-of-two scale, the
+    format of Blackwell's tensor cores) for forward and input gradients. Products are computed
+    from the dequantized operands on any device: MXFP8's numerics, not yet its speed
+    (moetrain/model/fp8.py). Dims must be multiples of 32."""
+
+    @property
+    def align(self) -> int:
+        """Every GEMM dimension must be a multiple of this (row-wise kernels: 16; MX blocks: 32)."""
+        return 32 if self == Fp8.mxfp8 else 16
+
+
 @dataclasses.dataclass(kw_only=True)
 class MoEConfig(Config):
     num_experts: int = 8

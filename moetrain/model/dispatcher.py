@@ -2,17 +2,49 @@
 
 Legend: N tokens, K top-k, M = N·K assignments, D model dim, E experts (local to this rank).
 
-The MoE layer calls `dispatch → experts → combine` and never communicates itself. This file holds
-the local (single-device) dispatcher; expert parallelism (moetrain/parallel/) swaps in
-dispatchers that move the sorted rows to the ranks holding their experts with all-to-all and
-back, behind the same two methods.
+The MoE layer calls `dispatch → experts → combine` and never communicates itself. This file
+declares what a dispatcher is (`TokenDispatcher`) and holds the local (single-device) one; the
+parallel layouts (moetrain/parallel/dispatchers.py, nosync_dispatcher.py, symm_dispatcher.py)
+swap in dispatchers that move the sorted rows to the ranks holding their experts with
+all-to-all and back, behind the same methods.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
+
+
+@runtime_checkable
+class TokenDispatcher(Protocol):
+    """Moves token copies to their experts and the experts' outputs back (the MoE layer's only
+    view of where experts live)."""
+
+    num_local_experts: int
+    """Experts whose rows `dispatch` returns (all of them on one device; E / ep with expert
+    parallelism)."""
+
+    def reduce_counts(self, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens per expert -> the global micro-batch's (summed over data-parallel
+        ranks), for the load-balancing loss and the aux-free bias. No gradient."""
+        ...
+
+    def dispatch(
+        self, x_ND: torch.Tensor, topk_ids_NK: torch.Tensor, tokens_per_expert_E: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """Rows for this rank's experts sorted by local expert (rows past the last offset, if
+        any, are padding the experts skip), the int32 end offset of each local expert's rows, and
+        the state `combine` needs."""
+        ...
+
+    def combine(self, y_MD: torch.Tensor, state: Any) -> torch.Tensor:
+        """The experts' output rows -> (N, K, D) in token order (zeros for dropped assignments)."""
+        ...
+
+    def dropped_tokens(self) -> torch.Tensor | None:
+        """Assignments dropped in the last dispatch (device scalar); None for dropless ones."""
+        ...
 
 
 class DispatchState(NamedTuple):
@@ -23,7 +55,8 @@ class DispatchState(NamedTuple):
 
 
 class LocalTokenDispatcher:
-    """Permute token copies into expert order on one device; dropless, sync-free."""
+    """The `TokenDispatcher` of one device: permute token copies into expert order; dropless,
+    sync-free."""
 
     num_local_experts: int
 

@@ -23,10 +23,10 @@ emulated exactly (dequantize, fp32 GEMM, round to bf16; torch 2.11's CPU `_scale
 per-tensor scales only), so the recipe's numerics are testable without a GPU.
 
 Under `torch.compile` the FP8 products run as eager islands (`torch.compiler.disable`): compiled
-into a block's graph on torch 2.11 (H200, 2026-11-29), the backward's grouped GEMM ended in a
-device-side assert — with the bf16 weight gradient written three ways (this one, contiguous
-operands, torch's own xᵀ·dy form) — while the same functions run correctly eager. Inside the
-islands the quantization itself is compiled on its own (`_quantize`), which fuses its passes.
+into a block's graph, the backward's grouped GEMM fails with a device-side assert on torch 2.11
+while the same functions run correctly eager (docs/benchmarks.md, "FP8", records the attempts).
+Inside the islands the quantization itself is compiled on its own (`_quantize`), which fuses its
+passes.
 
 **MXFP8** (the OCP microscaling format Blackwell's tensor cores take): blocks of 32 consecutive
 elements along the reduction dim share one power-of-two scale stored as float8_e8m0fnu, chosen

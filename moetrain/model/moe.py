@@ -8,7 +8,8 @@ to the layer's output with `AttachAuxLoss`, whose backward feeds them gradient 1
 So they work unchanged under gradient accumulation and pipeline parallelism, where a stage only
 returns activations. The trainer sets `aux_loss_scale` to the same factor as the LM loss (1 / the
 number of micro-batches). Detached copies are accumulated on the device for logging and for the
-aux-free bias update, read only at `end_step()`.
+aux-free bias update: `update_bias()` (called by an optimizer step post-hook, so it moves at
+optimizer time) and `end_step()` (returns the step's statistics and resets them).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 from moetrain.model.config import MoEConfig
-from moetrain.model.dispatcher import LocalTokenDispatcher
+from moetrain.model.dispatcher import LocalTokenDispatcher, TokenDispatcher
 from moetrain.model.experts import GroupedExperts
 from moetrain.model.mlp import SwiGLU
 from moetrain.model.router import Router
@@ -30,7 +31,7 @@ class MoE(nn.Module):
         self.router = Router(d_model, cfg)
         self.experts = GroupedExperts(cfg.num_experts, d_model, cfg.expert_hidden)
         self.shared_expert = SwiGLU(d_model, cfg.shared_hidden) if cfg.shared_hidden > 0 else None
-        self.dispatcher = LocalTokenDispatcher(cfg.num_experts)
+        self.dispatcher: TokenDispatcher = LocalTokenDispatcher(cfg.num_experts)
         self.aux_loss_scale = 1.0
         # Per-optimizer-step accumulators (not checkpointed: they are reset at every step end).
         E = cfg.num_experts
@@ -70,10 +71,19 @@ class MoE(nn.Module):
             self.step_dropped += dropped
 
     @torch.no_grad()
-    def end_step(self, skip: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """Close an optimizer step: apply the aux-free bias update, return this step's routing
-        statistics (device tensors; token counts over the global batch, losses averaged over
-        micro-batches) and reset the accumulators."""
+    def update_bias(self, skip: torch.Tensor | None = None) -> None:
+        """Aux-loss-free balancing after an optimizer step: move the router's selection bias
+        towards uniform load by the step's global token counts. A skipped step (`skip` true; see
+        moetrain/train/guard.py) moves nothing: rate × 0. No-op when bias_update_rate is 0."""
+        if self.cfg.bias_update_rate > 0:
+            rate = self.cfg.bias_update_rate if skip is None else self.cfg.bias_update_rate * (~skip).float()
+            update_expert_bias(self.router.expert_bias_E, self.step_tokens_per_expert_E, rate)
+
+    @torch.no_grad()
+    def end_step(self) -> dict[str, torch.Tensor]:
+        """Close an optimizer step: return this step's routing statistics (device tensors; token
+        counts over the global batch, losses averaged over micro-batches) and reset the
+        accumulators."""
         counts_E = self.step_tokens_per_expert_E.clone()
         calls = self.step_calls.clamp(min=1)
         stats = {
@@ -82,10 +92,6 @@ class MoE(nn.Module):
             "z_loss": self.step_z_loss / calls,
             "dropped": self.step_dropped.clone(),
         }
-        if self.cfg.bias_update_rate > 0:
-            # A skipped step (see moetrain/train/guard.py) moves no state: rate × 0.
-            rate = self.cfg.bias_update_rate if skip is None else self.cfg.bias_update_rate * (~skip).float()
-            update_expert_bias(self.router.expert_bias_E, counts_E, rate)
         for buf in (self.step_tokens_per_expert_E, self.step_lb_loss, self.step_z_loss, self.step_dropped, self.step_calls):
             buf.zero_()
         return stats

@@ -43,6 +43,8 @@ class Router(nn.Module):
         # Aux-loss-free balancing (DeepSeek-V3): a bias added to the scores for *selection only*,
         # moved outside autograd after each optimizer step. Persistent: checkpoints carry it.
         self.register_buffer("expert_bias_E", torch.zeros(cfg.num_experts, dtype=torch.float32))
+        self.routing = Routing(cfg.routing)
+        """How experts are selected (model.moe.routing); `Transformer.set_routing` switches it."""
 
     def forward(
         self, x_ND: torch.Tensor, reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -58,7 +60,7 @@ class Router(nn.Module):
             scores_NE = logits_NE.sigmoid()
 
         with torch.no_grad():
-            if cfg.routing == Routing.random:
+            if self.routing == Routing.random:
                 # A uniformly random k-subset per token: top-k of iid uniform noise.
                 noise_NE = torch.rand(logits_NE.shape, device=logits_NE.device)
                 topk_ids_NK = noise_NE.topk(cfg.top_k, dim=-1).indices

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from moetrain.model.block import Block
-from moetrain.model.config import TransformerConfig
+from moetrain.model.config import Routing, TransformerConfig
 from moetrain.model.experts import GroupedExperts
 from moetrain.model.moe import MoE
 from moetrain.model.norm import RMSNorm
@@ -48,6 +48,13 @@ class Transformer(nn.Module):
 
     def moe_layers(self) -> list[MoE]:
         return [m for m in self.modules() if isinstance(m, MoE)]
+
+    def set_routing(self, routing: Routing | str) -> None:
+        """Switch every router to `routing` (learned or random), e.g. between benchmark windows;
+        the parameters and the aux-free biases are kept."""
+        routing = Routing(routing)
+        for moe in self.moe_layers():
+            moe.router.routing = routing
 
     def moe_layer_indices(self) -> list[int]:
         """Index among all the model's MoE layers of each of `moe_layers()` (a pipeline stage

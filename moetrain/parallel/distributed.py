@@ -25,6 +25,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from moetrain.errors import ConfigError
+
 
 def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
@@ -53,16 +55,12 @@ def _rendezvous_store(world: int, timeout: datetime.timedelta) -> dist.Store:
     """The store the ranks meet in: MASTER_ADDR:MASTER_PORT (torchrun's own store, or rank 0's),
     under a prefix per torchrun restart attempt.
 
-    We build it instead of letting `init_process_group` read env:// because after a
-    `torchrun --max-restarts` restart the env:// path often failed to connect the new ranks
-    (torch 2.13, gloo: "connectFullMesh failed … Connection refused", in 3 of 6 and 1 of 3
-    restarts of a 20-line script, once a hang), while this store with our own attempt prefix
-    restarted 12 of 12 times (2 ranks, this CPU machine, 2026-11-29); torch issue #167288
-    reports the same refusal with NCCL."""
+    We build it instead of letting `init_process_group` read env://: after a `torchrun
+    --max-restarts` restart, ranks joining through env:// can fail to connect ("connectFullMesh
+    failed … Connection refused"; torch issue #167288), while a store with our own per-attempt
+    prefix reconnects them (measured: docs/reliability.md, docs/benchmarks.md)."""
     missing = [k for k in ("RANK", "MASTER_PORT") if k not in os.environ]
     if missing:
-        from moetrain.errors import ConfigError
-
         raise ConfigError(
             f"WORLD_SIZE={world} is set but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: "
             "start several ranks with torchrun (it sets RANK, MASTER_ADDR and MASTER_PORT), or unset WORLD_SIZE."

@@ -1,153 +1,29 @@
 """Expert parallelism: experts stay resident on their ranks and tokens travel to them.
 
-Legend: N tokens on this rank, K top-k, M = N·K assignments, D model dim, E experts in all,
-L = E / ep experts on this rank, R = ep ranks of the expert-parallel group.
+Legend: E experts in all, L = E / ep experts on this rank.
 
 `apply_expert_parallel` gives every MoE layer of a (meta-device) model the slice of experts its
-rank holds and a dispatcher that moves tokens with all-to-all. The model code is unchanged: the
-MoE layer still calls dispatch → experts → combine.
+rank holds and a dispatcher that moves tokens with all-to-all (moetrain/parallel/dispatchers.py,
+nosync_dispatcher.py, symm_dispatcher.py). The model code is unchanged: the MoE layer still calls
+dispatch → experts → combine.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
-import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 
-from moetrain.model.dispatcher import LocalTokenDispatcher
 from moetrain.model.experts import GroupedExperts
 from moetrain.model.transformer import Transformer
-from moetrain.parallel.dims import DispatcherKind, ParallelConfig, ParallelState
-
-
-class DataParallelDispatcher(LocalTokenDispatcher):
-    """Every rank holds every expert (ep = 1); only the routing counts cross ranks, so that the
-    load-balancing loss and the aux-free bias see the global micro-batch."""
-
-    def __init__(self, num_experts: int, dp_group: dist.ProcessGroup | None):
-        super().__init__(num_experts)
-        self.dp_group = dp_group
-
-    def reduce_counts(self, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-        return all_reduce_counts(tokens_per_expert_E, self.dp_group)
-
-
-class AllToAllState(NamedTuple):
-    sort_idx_M: torch.Tensor
-    num_tokens: int
-    regroup_idx: torch.Tensor
-    """Received rows (source-rank-major) -> local-expert-major order."""
-    send_splits: list[int]
-    recv_splits: list[int]
-
-
-class ExpertParallelDispatcher:
-    """What the dispatchers that split experts over an expert-parallel group share: the group,
-    the local expert count, the routing counts' reduction over dp, and (for the exact ones)
-    sorting assignments by global expert and undoing it."""
-
-    def __init__(self, num_experts: int, ep_group: dist.ProcessGroup, dp_group: dist.ProcessGroup | None):
-        self.num_experts = num_experts
-        self.ep_group = ep_group
-        self.dp_group = dp_group
-        self.ep = dist.get_world_size(ep_group)
-        if num_experts % self.ep:
-            raise ValueError(
-                f"{num_experts} experts cannot be split evenly over {self.ep} expert-parallel ranks: "
-                "choose an expert-parallel degree that divides the number of experts."
-            )
-        self.num_local_experts = num_experts // self.ep
-
-    def reduce_counts(self, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-        return all_reduce_counts(tokens_per_expert_E, self.dp_group)
-
-    def dropped_tokens(self) -> torch.Tensor | None:
-        return None
-
-    @staticmethod
-    def sort_by_expert(x_ND: torch.Tensor, topk_ids_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's assignments ordered by global expert (so rows for rank r's experts are
-        contiguous, expert by expert), in the wire dtype; and the order, for `unsort`."""
-        top_k = topk_ids_NK.shape[1]
-        sort_idx_M = topk_ids_NK.flatten().argsort(stable=True)
-        return sort_idx_M, wire_dtype(x_ND.index_select(0, sort_idx_M // top_k))
-
-    @staticmethod
-    def unsort(y_MD: torch.Tensor, sort_idx_M: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        """Rows in expert order → (N, K, D) in token order."""
-        y_unsorted_MD = torch.empty_like(y_MD).index_copy(0, sort_idx_M, y_MD)
-        return y_unsorted_MD.view(num_tokens, -1, y_MD.shape[-1])
-
-
-class AllToAllDispatcher(ExpertParallelDispatcher):
-    """Exact all-to-all with host-synchronized split sizes (the reference dispatcher): dropless,
-    and each rank receives exactly the rows routed to its experts.
-
-    1. sort this rank's assignments by global expert: rows for rank r's experts are contiguous;
-    2. exchange the per-expert counts (all-to-all), read the split sizes on the host (one sync);
-    3. all-to-all the rows; regroup what arrived (source-major) into local-expert-major order;
-    4. combine reverses 3 and 1.
-    """
-
-    def dispatch(
-        self, x_ND: torch.Tensor, topk_ids_NK: torch.Tensor, tokens_per_expert_E: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, AllToAllState]:
-        R, L = self.ep, self.num_local_experts
-        num_tokens = topk_ids_NK.shape[0]
-        sort_idx_M, x_MD = self.sort_by_expert(x_ND, topk_ids_NK)
-
-        send_counts_RL = tokens_per_expert_E.view(R, L).contiguous()
-        recv_counts_RL = torch.empty_like(send_counts_RL)
-        dist.all_to_all_single(recv_counts_RL, send_counts_RL, group=self.ep_group)
-        splits = torch.stack([send_counts_RL.sum(1), recv_counts_RL.sum(1)]).tolist()  # the host sync
-        send_splits, recv_splits = splits
-        num_recv = sum(recv_splits)
-
-        x_recv_MD = funcol.all_to_all_single_autograd(x_MD, recv_splits, send_splits, group=self.ep_group)
-
-        local_expert_of_row = torch.arange(L, device=x_ND.device).repeat(R).repeat_interleave(
-            recv_counts_RL.flatten(), output_size=num_recv
-        )
-        regroup_idx = local_expert_of_row.argsort(stable=True)
-        x_local_MD = x_recv_MD.index_select(0, regroup_idx)
-        offsets_L = recv_counts_RL.sum(0).cumsum(0).to(torch.int32)
-        return x_local_MD, offsets_L, AllToAllState(sort_idx_M, num_tokens, regroup_idx, send_splits, recv_splits)
-
-    def combine(self, y_local_MD: torch.Tensor, state: AllToAllState) -> torch.Tensor:
-        y_recv_MD = torch.empty_like(y_local_MD).index_copy(0, state.regroup_idx, y_local_MD)
-        y_MD = funcol.all_to_all_single_autograd(y_recv_MD, state.send_splits, state.recv_splits, group=self.ep_group)
-        return self.unsort(y_MD, state.sort_idx_M, state.num_tokens)
-
-
-def wire_dtype(x: torch.Tensor) -> torch.Tensor:
-    """Rows as they cross the all-to-all: in the autocast dtype (bf16) when autocast is on. The
-    experts cast their input to that dtype anyway, so the values are the same, at half the bytes
-    of the fp32 residual stream; the backward casts the gradient rows back to fp32 before they
-    are summed per token (the gather's backward), so no precision is lost there either. Measured
-    on two H200s (sweep-8l-8, dp2·ep2): the dispatch direction had been sending fp32."""
-    device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
-        return x.to(torch.get_autocast_dtype(device_type))
-    return x
-
-
-def all_reduce_counts(counts_E: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Sum integer counts over `group` (no gradient; async on the device's stream)."""
-    if group is None:
-        return counts_E
-    counts_E = counts_E.clone()
-    dist.all_reduce(counts_E, group=group)
-    return counts_E
+from moetrain.parallel.config import DispatcherKind, ParallelConfig
+from moetrain.parallel.dims import ParallelState
+from moetrain.parallel.dispatchers import AllToAllDispatcher, DataParallelDispatcher
+from moetrain.parallel.nosync_dispatcher import NoSyncDispatcher
+from moetrain.parallel.symm_dispatcher import SymmMemDispatcher
 
 
 def apply_expert_parallel(model: Transformer, state: ParallelState, cfg: ParallelConfig | None = None) -> None:
     """Give each MoE layer its rank's experts and a dispatcher that reaches the others. Run on the
     meta device, before materializing: only the local experts are ever allocated."""
-    from moetrain.parallel.nosync_dispatcher import NoSyncDispatcher  # they build on this module
-    from moetrain.parallel.symm_dispatcher import SymmMemDispatcher
-
     cfg = cfg or ParallelConfig()
     dims = state.dims
     for moe in model.moe_layers():
@@ -160,7 +36,6 @@ def apply_expert_parallel(model: Transformer, state: ParallelState, cfg: Paralle
             if cfg.dispatcher == DispatcherKind.nosync:
                 moe.dispatcher = NoSyncDispatcher(E, state.ep_group, state.dp_group, cfg.capacity_factor)
             elif cfg.dispatcher == DispatcherKind.symm:
-                SymmMemDispatcher.check_available(torch.device(state.mesh.device_type))
                 moe.dispatcher = SymmMemDispatcher(E, state.ep_group, state.dp_group)
             else:
                 moe.dispatcher = AllToAllDispatcher(E, state.ep_group, state.dp_group)

@@ -4,7 +4,7 @@ Legend: N tokens on this rank, K top-k, M = N·K assignments (row n·K + k: toke
 dim, E experts in all, R = ep ranks of the expert-parallel group, L = E / R experts on this rank,
 C buffer rows per destination rank (the capacity), S = R·C buffer rows sent and received.
 
-`AllToAllDispatcher` (expert_parallel.py) sends each peer exactly the rows routed to it, so its
+`AllToAllDispatcher` (dispatchers.py) sends each peer exactly the rows routed to it, so its
 split sizes are data and are read on the host once per layer: the CPU waits for the router, and
 the step cannot be captured in a CUDA graph. Here every rank sends every peer C rows whatever the
 routing, so every shape follows from N, K, E, R and the capacity factor and the all-to-alls use
@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from moetrain.parallel.expert_parallel import ExpertParallelDispatcher, wire_dtype
+from moetrain.parallel.dispatchers import ExpertParallelDispatcher, wire_dtype
 
 
 class NoSyncState(NamedTuple):
@@ -79,11 +79,7 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
         capacity_factor: float | None = None,
     ):
         super().__init__(num_experts, ep_group, dp_group)
-        if capacity_factor is not None and not capacity_factor > 0:
-            raise ValueError(
-                f"capacity_factor={capacity_factor} must be > 0 (1.0 = room for a perfectly balanced "
-                "load), or None for the dropless buffer."
-            )
+        assert capacity_factor is None or capacity_factor > 0, capacity_factor  # ParallelConfig.validate
         self.capacity_factor = capacity_factor
         self._dropped: torch.Tensor | None = None
 

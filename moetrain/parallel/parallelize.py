@@ -11,13 +11,15 @@
     2. activation recompute (per block, every `train.recompute_every`-th; full or selective)
     3. torch.compile (per block)
     4. data parallel:
-       - `parallel.stack=ddp`: after `to_empty()` + `init_weights()`, the trainer attaches a
-         `GradReducer` (moetrain/parallel/data_parallel.py), which needs real gradient storage;
+       - `parallel.stack=ddp`: after `to_empty()` + `init_weights()`, the optimizer attaches its
+         gradient reduction (`GradReducer`, moetrain/optim/grad_reducer.py), which needs real
+         gradient storage;
        - `parallel.stack=fsdp`: `fully_shard` each block, then the root, on the dp mesh
          (moetrain/parallel/fsdp.py); it wraps the recompute/compile wrappers of 2-3.
 
-Wrappers are applied in place; parameter names
-do not change, so checkpoints are interchangeable between wrapped and unwrapped models.
+Wrappers are applied in place; parameter names do not change, so checkpoints are interchangeable
+between wrapped and unwrapped models. The settings were checked by `RunConfig.validate`
+(moetrain/train/config.py) before the model was built: nothing here refuses a configuration.
 """
 
 from __future__ import annotations
@@ -25,60 +27,64 @@ from __future__ import annotations
 from functools import partial
 
 import torch
+from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from torch import nn
-
-from moetrain.errors import ConfigError
+from moetrain.model.config import Fp8
 from moetrain.model.experts import GroupedExperts
 from moetrain.model.fp8 import Fp8Linear, MxFp8Linear
 from moetrain.model.transformer import Transformer, canonical_name
-from moetrain.parallel.dims import ParallelConfig, ParallelState, Stack
+from moetrain.parallel.config import ParallelConfig, Recompute, Stack
+from moetrain.parallel.dims import ParallelState
 from moetrain.parallel.expert_parallel import apply_expert_parallel
 from moetrain.parallel.fsdp import apply_fsdp
 from moetrain.parallel.pipeline import split_model
-from moetrain.train.config import Fp8, Recompute, TrainerConfig
 
 
-def parallelize(model: Transformer, state: ParallelState, cfg: TrainerConfig, parallel: ParallelConfig) -> Transformer:
+def parallelize(
+    model: Transformer,
+    state: ParallelState,
+    parallel: ParallelConfig,
+    *,
+    fp8: Fp8 = Fp8.none,
+    recompute: Recompute = Recompute.none,
+    recompute_every: int = 1,
+    compile: bool = False,
+) -> Transformer:
+    """Apply the layout `parallel` (on `state`'s process groups) and the execution settings
+    (`train.fp8`, `train.recompute`, `train.recompute_every`, `train.compile`) to a meta-device
+    model, in the order of the module docstring."""
     if state.dims.num_stages > 1:
         split_model(model, state.dims, state.pp_rank)
     apply_expert_parallel(model, state, parallel)
-    if cfg.fp8 != Fp8.none:
-        apply_fp8(model, cfg.fp8.value)
-    if cfg.recompute != Recompute.none:
-        apply_recompute(model, selective=cfg.recompute == Recompute.selective, every=cfg.recompute_every)
-    if parallel.compile_overlap and not cfg.compile:
-        raise ConfigError("parallel.compile_overlap=true reorders collectives inside compiled blocks: "
-                          "it needs train.compile=true.")
-    if cfg.compile:
+    if fp8 != Fp8.none:
+        apply_fp8(model, fp8)
+    if recompute != Recompute.none:
+        apply_recompute(model, selective=recompute == Recompute.selective, every=recompute_every)
+    if compile:
         apply_compile(model, overlap=parallel.compile_overlap)
     if parallel.stack == Stack.fsdp:
         apply_fsdp(model, state)
     return model
 
 
-def apply_fp8(model: Transformer, recipe: str = "rowwise") -> None:
-    """FP8 (`recipe`: "rowwise" or "mxfp8") for every expert grouped GEMM and every linear layer
+def apply_fp8(model: Transformer, recipe: Fp8 = Fp8.rowwise) -> None:
+    """FP8 (`recipe`: rowwise or mxfp8) for every expert grouped GEMM and every linear layer
     inside the blocks except the router (a tiny product whose fp32 logits decide routing). Linear
     layers become `Fp8Linear` / `MxFp8Linear` in place (the class changes, the fp32 parameter
-    stays), so names, initialization and checkpoints are unchanged. Row-wise kernels need every
-    GEMM dim divisible by 16; MXFP8 blocks need multiples of 32."""
-    align = 32 if recipe == "mxfp8" else 16
-    linear_class = MxFp8Linear if recipe == "mxfp8" else Fp8Linear
+    stays), so names, initialization and checkpoints are unchanged. Every GEMM dim must be a
+    multiple of `recipe.align` (`RunConfig.validate` checks it from the config)."""
+    recipe = Fp8(recipe)
+    linear_class = MxFp8Linear if recipe == Fp8.mxfp8 else Fp8Linear
     for name, module in model.named_modules():
         if isinstance(module, GroupedExperts):
-            for dim in (module.d_model, module.hidden):
-                if dim % align:
-                    raise ConfigError(f"train.fp8={recipe} needs dims divisible by {align}; {canonical_name(name)} has {dim}.")
-            module.fp8 = recipe
+            assert module.d_model % recipe.align == 0 and module.hidden % recipe.align == 0, canonical_name(name)
+            module.fp8 = recipe.value
         elif isinstance(module, nn.Linear) and ".blocks." in f".{name}" and type(module) is nn.Linear:
-            if module.in_features % align or module.out_features % align:
-                raise ConfigError(
-                    f"train.fp8={recipe} needs dims divisible by {align}; {canonical_name(name)} is "
-                    f"{module.in_features} → {module.out_features}."
-                )
+            assert module.in_features % recipe.align == 0 and module.out_features % recipe.align == 0, (
+                canonical_name(name)
+            )
             module.__class__ = linear_class
 
 

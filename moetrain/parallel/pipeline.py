@@ -39,7 +39,8 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from moetrain.model.transformer import Transformer, attention_inputs
-from moetrain.parallel.dims import ParallelDims, ParallelState, PipelineSchedule
+from moetrain.parallel.config import PipelineSchedule
+from moetrain.parallel.dims import ParallelDims, ParallelState
 
 
 def stage_layers(n_layers: int, num_stages: int) -> list[list[str]]:

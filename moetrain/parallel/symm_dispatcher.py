@@ -44,8 +44,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from moetrain.errors import ConfigError
-from moetrain.parallel.expert_parallel import ExpertParallelDispatcher
+from moetrain.parallel.dispatchers import ExpertParallelDispatcher
 
 
 class SymmState(NamedTuple):
@@ -231,19 +230,6 @@ class SymmMemDispatcher(ExpertParallelDispatcher):
     def __init__(self, num_experts: int, ep_group: dist.ProcessGroup, dp_group: dist.ProcessGroup | None):
         super().__init__(num_experts, ep_group, dp_group)
         self.group_name = ep_group.group_name
-
-    @staticmethod
-    def check_available(device: torch.device) -> None:
-        """A clear error where NVSHMEM is missing (CUDA only; CPU uses the emulation)."""
-        if device.type != "cuda":
-            return
-        import torch.distributed._symmetric_memory as symm_mem
-
-        if not symm_mem.is_nvshmem_available():
-            raise ConfigError(
-                "parallel.dispatcher=symm needs NVSHMEM (the nvidia-nvshmem package of a CUDA build of "
-                "torch), which this machine lacks: use parallel.dispatcher=nosync or alltoall."
-            )
 
     def layout_rows(self, num_tokens: int, top_k: int) -> int:
         """S: rows of the receive layout (and of the experts' activations)."""

@@ -84,8 +84,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
 def save_checkpoint(
     run_dir: str | Path,
     step: int,
-    model: nn.Module,
-    optimizer,
+    state: dict[str, Any],
     trainer_state: dict[str, Any],
     extra_files: dict[str, Path | str] | None = None,
     keep_last: int = 0,
@@ -94,6 +93,8 @@ def save_checkpoint(
     process_group=None,
 ) -> Path | PendingCheckpoint:
     """Write step-N atomically (every rank calls this); then keep the newest `keep_last`.
+`state` is what DCP writes (`TrainEngine.state_dict()`, or `{"model": model_state_dict(m)}`
+for weights only); `trainer_state` goes to trainer_state.json (rank 0).
 
     With `async_write` the tensors are staged (copied to host memory) now and written by a
     background thread (`dcp.async_save`, over `process_group`, a CPU-capable group); the returned
@@ -147,7 +148,6 @@ def save_checkpoint(
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            state, _ = _dcp_state(model, optimizer.state_dict_tensors())
             if async_write:
                 future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=process_group)
             else:
@@ -176,13 +176,11 @@ class PendingCheckpoint:
         return self._complete()
 
 
-def load_checkpoint(
-    path: Path, model: nn.Module, optimizer=None, rank: int = 0
-) -> dict[str, Any]:
-    """Load model (and optimizer) state in place, whatever layout saved it; restore this rank's
-    RNG state when the checkpoint has one for it; return the trainer state."""
-    optim_tensors = optimizer.state_dict_tensors() if optimizer is not None else None
-    state, sharded = _dcp_state(model, optim_tensors)
+def load_checkpoint(path: Path, state: dict[str, Any], rank: int = 0, restore_rng: bool = False) -> dict[str, Any]:
+    """Fill `state` (a template such as `TrainEngine.state_dict()` gives) in place from the
+    checkpoint at `path`, whatever layout saved it; with `restore_rng`, this rank's RNG state as
+    saved (when the checkpoint has one for it); return the trainer state. The caller writes the
+    filled tensors back (`TrainEngine.load_state_dict`, `load_model_state_dict`)."""
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
@@ -199,18 +197,18 @@ def load_checkpoint(
             f"Checkpoint '{path}' does not fit this model: {_first_line(e)}. It was saved from a "
             f"different model shape; check its config.yaml against the current model config."
         ) from None
-    # DCP filled the tensors of `state` in place: the parameters (full temporaries for sharded
-    # ones, whose shard is copied back here), and the optimizer's tensors (live ones for the
-    # replicated optimizer, gathered copies the sharded ones take their shards of).
-    for live, full in sharded:
-        copy_shard(live, full)
-    if optimizer is not None:
-        optimizer.load_state_dict_tensors(optim_tensors)
     rng_file = path / f"rng-rank{rank}.json"
-    if optimizer is not None and rng_file.is_file():
+    if restore_rng and rng_file.is_file():
         set_rng_state(json.loads(rng_file.read_text()))
     trainer_state_file = path / "trainer_state.json"
     return json.loads(trainer_state_file.read_text()) if trainer_state_file.is_file() else {}
+
+
+def load_model(path: Path, model: nn.Module) -> None:
+    """Load only the model's weights (and persistent buffers) from a checkpoint, in place."""
+    state = {"model": model_state_dict(model)}
+    load_checkpoint(path, state)
+    load_model_state_dict(model, state["model"])
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -262,51 +260,99 @@ class SafeFileSystemReader(dcp.FileSystemReader):
             fs_module.pickle = real
 
 
-def _dcp_state(
-    model: nn.Module, optim_tensors: dict[str, dict[str, torch.Tensor]] | None
-) -> tuple[dict[str, Any], list[tuple[torch.Tensor, torch.Tensor]]]:
-    """What DCP saves and loads: views of the live tensors, so loading writes in place; and the
-    (sharded parameter, full temporary) pairs standing in for FSDP's DTensor parameters, whose
-    shards must be copied back after a load. Collective under FSDP (`full_tensor` gathers).
+# ---- the layout-free entries ------------------------------------------------------------------
+# Stacked expert tensors are split into one entry per *global* expert index ("…w_down_EDF/5"): a
+# rank holding experts [a, b) writes and reads just those entries, so a checkpoint written with
+# one expert-parallel degree loads into any other. Replicated entries (dense parameters, experts
+# held by several ranks) are identical and DCP stores them once. Optimizer hyperparameters are
+# not saved (they come from the config, the LR from the schedule): tensors only.
 
-    Stacked expert tensors are split into one entry per *global* expert index ("…w_down_EDF/5"):
-    a rank holding experts [a, b) writes and reads just those entries, so a checkpoint written
-    with one expert-parallel degree loads into any other. Replicated entries (dense parameters,
-    experts held by several ranks) are identical and DCP stores them once. Optimizer
-    hyperparameters are not saved (they come from the config, the LR from the schedule), so the
-    checkpoint holds tensors only.
-    """
+
+def model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters and persistent buffers by canonical name, experts split per global
+    index: views of the live tensors, or full temporaries for FSDP's sharded ones (whole tensors,
+    so the entries are those of every layout). Collective under FSDP (the shards are gathered)."""
     reshard(model)  # FSDP's root keeps its parameters gathered after a no-grad forward (eval)
     offsets = _expert_offsets(model)
-    model_state: dict[str, torch.Tensor] = {}
-    sharded: list[tuple[torch.Tensor, torch.Tensor]] = []
+    out: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
-        tensor = tensor.detach()
-        if is_sharded(tensor):
-            # Whole tensors, so the entries (and per-expert splits) are those of every layout.
-            sharded.append((tensor, full := full_tensor(tensor)))
-            tensor = full
-        _put(model_state, canonical_name(name), tensor, offsets)
-    state: dict[str, Any] = {"model": model_state}
-    if optim_tensors is not None:
-        optim_state: dict[str, torch.Tensor] = {}
-        for name, tensors in optim_tensors.items():
-            for key, value in tensors.items():
-                _put(optim_state, f"{name}.{key}", value, offsets, param_name=name)
-        state["optim"] = optim_state
-    return state, sharded
+        tensor = full_tensor(tensor.detach())
+        _put(out, canonical_name(name), tensor, offsets.get(canonical_name(name)))
+    return out
 
 
-def _put(out: dict, key: str, tensor: torch.Tensor, offsets: dict[str, int], param_name: str | None = None) -> None:
-    base = param_name or key
-    if base in offsets and tensor.ndim == 3:
+@torch.no_grad()
+def load_model_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Write entries as `model_state_dict` gives them into the model (this rank's shard of each
+    sharded parameter; nothing for entries that are the live tensors already). No communication."""
+    reshard(model)
+    offsets = _expert_offsets(model)
+    for name, live in model.state_dict(keep_vars=True).items():
+        name = canonical_name(name)
+        value = _take(state, name, live, offsets.get(name))
+        if value is not None:
+            copy_shard(live.detach(), value)
+
+
+def optimizer_state_dict(model: nn.Module, tensors: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """An optimizer's `state_dict_tensors()` as flat entries "NAME.KEY", experts split per
+    global index like the model's."""
+    offsets = _expert_offsets(model)
+    out: dict[str, torch.Tensor] = {}
+    for name, entry in tensors.items():
+        for key, value in entry.items():
+            _put(out, f"{name}.{key}", value, offsets.get(name))
+    return out
+
+
+def optimizer_tensors(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """The inverse of `optimizer_state_dict`: per parameter name, its tensors as the optimizers'
+    `load_state_dict_tensors` take them (split experts stacked again)."""
+    offsets = _expert_offsets(model)
+    keys_of: dict[str, set[str]] = {}
+    for flat in state:
+        name, key = flat.split("/")[0].rsplit(".", 1)
+        keys_of.setdefault(name, set()).add(key)
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for name, p in model.named_parameters():
+        name = canonical_name(name)
+        num_local = p.shape[0] if name in offsets else 1
+        out[name] = {key: _join(state, f"{name}.{key}", offsets.get(name), num_local) for key in sorted(keys_of.get(name, ()))}
+    return out
+
+
+def _put(out: dict, key: str, tensor: torch.Tensor, expert_offset: int | None) -> None:
+    if expert_offset is not None and tensor.ndim == 3:
         for i in range(tensor.shape[0]):
-            out[f"{key}/{offsets[base] + i}"] = tensor[i]
+            out[f"{key}/{expert_offset + i}"] = tensor[i]
     else:
         out[key] = tensor
 
 
+def _join(state: dict, key: str, expert_offset: int | None, num_local: int) -> torch.Tensor:
+    if key in state:
+        return state[key]
+    return torch.stack([state[f"{key}/{expert_offset + i}"] for i in range(num_local)])
+
+
+def _take(state: dict, key: str, live: torch.Tensor, expert_offset: int | None) -> torch.Tensor | None:
+    """The value for `live` from `state`, or None when the entries are `live`'s own memory."""
+    if key in state:
+        value = state[key]
+        return None if value is live or (not is_sharded(live) and _same_memory(value, live)) else value
+    parts = [state[f"{key}/{expert_offset + i}"] for i in range(live.shape[0])]
+    if not is_sharded(live) and all(_same_memory(part, live[i]) for i, part in enumerate(parts)):
+        return None
+    return torch.stack(parts)
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.device == b.device and a.data_ptr() == b.data_ptr() and a.shape == b.shape
+            and a.stride() == b.stride() and a.dtype == b.dtype)
+
+
 def _expert_offsets(model: nn.Module) -> dict[str, int]:
+    """Canonical parameter name → global index of its first expert, for stacked expert tensors."""
     offsets = {}
     for name, module in model.named_modules():
         if isinstance(module, GroupedExperts):

@@ -1,25 +1,27 @@
-"""The run configuration: model + data + optimizer + schedule + trainer settings."""
+"""The run configuration: model + data + optimizer + schedule + trainer + parallel settings, and
+`RunConfig.validate`, the one place for every rule that relates two sections (or a section and
+the world size or the device).
+
+Each section's own rules are its `validate()` (next to its fields); `RunConfig.validate` runs
+them all first. The trainer, `bench` and the planner call `RunConfig.validate` and then the
+sections' builders (`ParallelConfig.build`, `OptimConfig.build`, `DataConfig.build`,
+`TransformerConfig.build`): nothing else checks a run.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import enum
 
-from moetrain.config import Config
+import torch
+
+from moetrain.config import Config, validate_tree
 from moetrain.data.config import DataConfig
 from moetrain.errors import ConfigError
-from moetrain.model.config import TransformerConfig
-from moetrain.parallel.dims import ParallelConfig
-
-
-class ScheduleKind(enum.StrEnum):
-    cosine = "cosine"
-    """Linear warmup, then cosine decay to min_lr_ratio × lr at the last step."""
-    wsd = "wsd"
-    """Warmup-stable-decay: linear warmup, constant, then linear decay over the last
-    decay_fraction of the steps to min_lr_ratio × lr."""
-    constant = "constant"
-    """Linear warmup, then constant."""
+from moetrain.model.config import Fp8, TransformerConfig
+from moetrain.optim.config import OptimConfig, ScheduleConfig
+from moetrain.parallel.config import DispatcherKind, ParallelConfig, PipelineSchedule, Recompute
+from moetrain.parallel.dims import ParallelDims
 
 
 class Precision(enum.StrEnum):
@@ -28,68 +30,6 @@ class Precision(enum.StrEnum):
     fp32 = "fp32"
     bf16 = "bf16"
     """bf16 autocast for matmuls; parameters, gradients and AdamW state stay fp32."""
-
-
-class Fp8(enum.StrEnum):
-    none = "none"
-    rowwise = "rowwise"
-    """Expert grouped GEMMs and the attention / shared-expert / dense-MLP linears in float8_e4m3
-    with one power-of-two scale per row (moetrain/model/fp8.py); the router, embedding and LM
-    head stay in bf16. Needs a GPU of compute capability ≥ 8.9 (Hopper: H100, H200), or CPU."""
-    mxfp8 = "mxfp8"
-    """The same GEMMs with MXFP8 operands (blocks of 32 with a shared power-of-two scale, the
-    format of Blackwell's tensor cores) for forward and input gradients. Products are computed
-    from the dequantized operands on any device: MXFP8's numerics, not yet its speed
-    (moetrain/model/fp8.py). Dims must be multiples of 32."""
-
-
-class Recompute(enum.StrEnum):
-    none = "none"
-    full = "full"
-    """Per-layer activation recompute: keep only each block's input, recompute the block
-    during backward."""
-    selective = "selective"
-    """Keep what is expensive to recompute — the outputs of matrix products (linear layers,
-    grouped expert GEMMs, attention) and of communication — and recompute the cheap element-wise
-    work (norms, RoPE, the SwiGLU activation, routing scores, permutations) during backward."""
-
-
-@dataclasses.dataclass(kw_only=True)
-class OptimConfig(Config):
-    lr: float = 3e-3
-    """Peak learning rate."""
-    betas: list[float] = dataclasses.field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    """Decoupled weight decay on matrices; never on norms, embeddings or biases."""
-    grad_clip: float = 1.0
-    """Clip the global gradient norm to this value; 0 disables clipping."""
-
-    def validate(self) -> None:
-        if self.lr <= 0:
-            raise ConfigError(f"optim.lr={self.lr} must be positive.")
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise ConfigError(f"optim.betas={self.betas} must be two numbers in [0, 1).")
-        if self.weight_decay < 0 or self.grad_clip < 0 or self.eps <= 0:
-            raise ConfigError("optim.weight_decay and optim.grad_clip must be ≥ 0 and optim.eps > 0.")
-
-
-@dataclasses.dataclass(kw_only=True)
-class ScheduleConfig(Config):
-    kind: ScheduleKind = ScheduleKind.cosine
-    warmup_steps: int = 30
-    min_lr_ratio: float = 0.1
-    """Final learning rate as a fraction of the peak."""
-    decay_fraction: float = 0.2
-    """wsd only: the share of steps spent decaying."""
-
-    def validate(self) -> None:
-        if self.warmup_steps < 0:
-            raise ConfigError(f"schedule.warmup_steps={self.warmup_steps} must be ≥ 0.")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError(f"schedule.min_lr_ratio={self.min_lr_ratio} must lie in [0, 1].")
-        if not 0 < self.decay_fraction <= 1:
-            raise ConfigError(f"schedule.decay_fraction={self.decay_fraction} must lie in (0, 1].")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -194,3 +134,97 @@ class RunConfig(Config):
     schedule: ScheduleConfig = dataclasses.field(default_factory=ScheduleConfig)
     train: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+
+    def validate(self, world_size: int | None = None, device: torch.device | None = None) -> None:
+        """Every section's rules, then the rules across sections; with `world_size`, those of
+        the layout on that many ranks; with `device`, what the device must support. Raises
+        `ConfigError` naming the fields."""
+        for f in dataclasses.fields(self):
+            validate_tree(getattr(self, f.name))
+        m, tc, p = self.model, self.train, self.parallel
+        has_moe = m.num_moe_layers > 0
+        if has_moe and m.moe.num_experts % p.ep:
+            raise ConfigError(
+                f"parallel.ep={p.ep} does not divide model.moe.num_experts={m.moe.num_experts}: every "
+                "rank of an expert-parallel group must hold the same number of experts."
+            )
+        if p.pp > 1 or p.stages_per_rank > 1:
+            stages = p.pp * p.stages_per_rank
+            if m.n_layers < stages:
+                raise ConfigError(
+                    f"model.n_layers={m.n_layers} cannot fill parallel.pp={p.pp} × "
+                    f"parallel.pp_stages_per_rank={p.stages_per_rank} = {stages} pipeline stages (each needs a "
+                    f"block): choose pp × stages-per-rank ≤ {m.n_layers}."
+                )
+            micro_batches = tc.grad_accum_steps
+            if micro_batches < p.pp:
+                raise ConfigError(
+                    f"Pipeline parallelism needs at least parallel.pp={p.pp} micro-batches per step, "
+                    f"got train.global_batch_size / train.micro_batch_size = {micro_batches}: "
+                    f"lower train.micro_batch_size."
+                )
+            if p.pp_schedule == PipelineSchedule.interleaved_1f1b and micro_batches % p.pp:
+                raise ConfigError(
+                    f"parallel.pp_schedule=interleaved-1f1b needs a multiple of parallel.pp={p.pp} "
+                    f"micro-batches per step, got train.global_batch_size / "
+                    f"train.micro_batch_size = {micro_batches}."
+                )
+        if p.compile_overlap and not tc.compile:
+            raise ConfigError(
+                "parallel.compile_overlap=true reorders collectives inside compiled blocks: "
+                "it needs train.compile=true."
+            )
+        if tc.fp8 != Fp8.none:
+            for key, dim in _gemm_dims(m):
+                if dim % tc.fp8.align:
+                    raise ConfigError(
+                        f"train.fp8={tc.fp8} needs every matrix-product dimension divisible by "
+                        f"{tc.fp8.align}; {key}={dim} is not: change it, or use train.fp8=none."
+                    )
+        if world_size is not None:
+            dims = p.build(world_size)
+            if tc.micro_batch_size % dims.dp:
+                raise ConfigError(
+                    f"train.micro_batch_size={tc.micro_batch_size} (sequences per micro-batch, summed over "
+                    f"ranks) is not divisible by the {dims.dp} data-parallel ranks."
+                )
+        if device is not None:
+            self._validate_device(device)
+
+    def _validate_device(self, device: torch.device) -> None:
+        """What the device (resolved from train.device: moetrain/train/runtime.py) must support."""
+        fp8 = self.train.fp8
+        if fp8 != Fp8.none and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+            raise ConfigError(
+                f"train.fp8={fp8} needs FP8 tensor cores (compute capability ≥ 8.9: Ada, Hopper or newer); "
+                f"{torch.cuda.get_device_name(device)} has {torch.cuda.get_device_capability(device)}. "
+                "Use train.fp8=none."
+            )
+        if self.parallel.dispatcher == DispatcherKind.symm and self.parallel.ep > 1 and device.type == "cuda":
+            import torch.distributed._symmetric_memory as symm_mem
+
+            if not symm_mem.is_nvshmem_available():
+                raise ConfigError(
+                    "parallel.dispatcher=symm needs NVSHMEM (the nvidia-nvshmem package of a CUDA build of "
+                    "torch), which this machine lacks: use parallel.dispatcher=nosync or alltoall."
+                )
+
+    def build_dims(self, world_size: int) -> ParallelDims:
+        """`validate(world_size)`, then the layout: what the trainer and the planner start from."""
+        self.validate(world_size)
+        return self.parallel.build(world_size)
+
+
+def _gemm_dims(m: TransformerConfig) -> list[tuple[str, int]]:
+    """The config fields that set a dimension of a matrix product inside the blocks (what FP8
+    quantizes: attention, dense MLP, shared and routed experts; not the router)."""
+    hd = m.resolved_head_dim
+    dims = [("model.d_model", m.d_model), ("model.n_heads × head_dim", m.n_heads * hd),
+            ("model.n_kv_heads × head_dim", m.n_kv_heads * hd)]
+    if m.num_moe_layers > 0:
+        dims.append(("model.moe.expert_hidden", m.moe.expert_hidden))
+        if m.moe.shared_hidden > 0:
+            dims.append(("model.moe.shared_hidden", m.moe.shared_hidden))
+    if m.num_dense_layers > 0:
+        dims.append(("model.dense_hidden", m.resolved_dense_hidden))
+    return dims

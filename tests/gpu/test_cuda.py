@@ -61,7 +61,7 @@ def test_training_step_is_sync_free(tmp_path, compile, recompute, optimizer):
     """A whole training step (forward and backward of two micro-batches, clipping, the step
     guard, AdamW, the aux-free bias update) makes no device-to-host synchronization: CUDA's sync
     debug mode in "error" raises on any (logging reads values only every train.log_every steps,
-    outside). For the replicated, the sharded (DistributedAdamW) and the FSDP optimizers."""
+    outside). For the replicated, the sharded (ShardedAdamW) and the FSDP optimizers."""
     from moetrain.presets import resolve_config
     from moetrain.train.trainer import Trainer
 

@@ -1,4 +1,4 @@
-"""`DistributedAdamW` (sharded AdamW state) reproduces GradReducer + torch AdamW + clip_grad_norm
+"""`ShardedAdamW` (sharded AdamW state) reproduces GradReducer + torch AdamW + clip_grad_norm
 in the same layout (within 1e-6 absolute) and the single-process run (within 1e-5, relative or
 absolute, as in test_layouts.py); it holds 1/dp of the optimizer state; its full-moment state
 dict matches torch AdamW's and round-trips exactly. (fp32, gloo, CPU ranks.)
@@ -7,6 +7,7 @@ One spawn per world size; each rank runs its layouts' checks and returns plain n
 """
 
 import contextlib
+import dataclasses
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from moetrain.model.config import MoEConfig, TransformerConfig
-from moetrain.train.config import OptimConfig
+from moetrain.optim.config import OptimConfig
 
 STEPS, MICRO = 3, 2
 ROWS, SEQ = 4, 16
@@ -28,10 +29,11 @@ OPTIM = OptimConfig(lr=1e-2, weight_decay=0.1, grad_clip=0.5)
 def make_state(ep: int, world: int):
     import torch.distributed as dist
 
-    from moetrain.parallel.dims import ParallelConfig, ParallelDims, ParallelState
+    from moetrain.parallel.config import ParallelConfig
+    from moetrain.parallel.dims import ParallelState
 
     rank = dist.get_rank() if world > 1 else 0
-    dims = ParallelDims.from_config(ParallelConfig(ep=ep), world, MODEL.moe.num_experts)
+    dims = ParallelConfig(ep=ep).build(world)
     return ParallelState.create(dims, "cpu", rank)
 
 
@@ -48,18 +50,18 @@ def build_model(state):
 
 
 class ReferenceOptimizer:
-    """Today's stack behind DistributedAdamW's interface: GradReducer + torch AdamW + clip."""
+    """Today's stack behind ShardedAdamW's interface: GradReducer + torch AdamW + clip."""
 
     def __init__(self, model, state, cfg):
-        from moetrain.parallel.data_parallel import GradReducer, expert_param_ids
-        from moetrain.train.optim import build_optimizer
+        from moetrain.optim.grad_reducer import GradReducer, expert_param_ids
+        from moetrain.optim.base import build_adamw
 
         self.reducer = GradReducer(model, state) if state.dims.dp > 1 else None
         self.loss_scale = self.reducer.loss_scale if self.reducer is not None else 1.0
         expert_ids = expert_param_ids(model)
         self.expert = [p for p in model.parameters() if id(p) in expert_ids]
         self.dense = [p for p in model.parameters() if id(p) not in expert_ids]
-        self.optimizer = build_optimizer(model, cfg)
+        self.optimizer = build_adamw(model, cfg)
         self.ep_group = state.ep_group
 
     def prepare(self, sync):
@@ -71,7 +73,7 @@ class ReferenceOptimizer:
             self.reducer.finish()
 
     def clip_grad_norm(self, max_norm):
-        from moetrain.train.optim import clip_grad_norm
+        from moetrain.optim.clip import clip_grad_norm
 
         return clip_grad_norm(self.dense, self.expert, max_norm, self.ep_group)
 
@@ -138,7 +140,7 @@ def max_abs_diff(a: dict, b: dict) -> float:
 def check_layout(ep: int, world: int) -> dict:
     """Everything one layout checks on one rank; plain Python and numpy results."""
     from moetrain.model.transformer import canonical_name
-    from moetrain.parallel.dist_optim import DistributedAdamW
+    from moetrain.optim.sharded import ShardedAdamW
 
     state = make_state(ep, world)
     ref_model = build_model(state)
@@ -146,7 +148,7 @@ def check_layout(ep: int, world: int) -> dict:
     ref_norms = train(ref_model, ref_opt, state, STEPS)
 
     model = build_model(state)
-    opt = DistributedAdamW(model, state, OPTIM)
+    opt = ShardedAdamW(model, state, OPTIM)
     norms = train(model, opt, state, STEPS)
     param_err = max_abs_diff({n: p.detach() for n, p in model.named_parameters()},
                              {n: p.detach() for n, p in ref_model.named_parameters()})
@@ -163,7 +165,7 @@ def check_layout(ep: int, world: int) -> dict:
     # Round trip: a fresh model + optimizer loading the parameters, then the moments, continues
     # bit-for-bit like the original.
     model2 = build_model(state)
-    opt2 = DistributedAdamW(model2, state, OPTIM)
+    opt2 = ShardedAdamW(model2, state, OPTIM)
     model2.load_state_dict(model.state_dict())
     opt2.load_state_dict_tensors(moments)
     moments2 = opt2.state_dict_tensors()
@@ -225,13 +227,13 @@ def total_numel() -> int:
 
 def test_single_process_matches_torch_adamw(single_process):
     """dp = 1: no collectives, every shard is a whole bucket."""
-    from moetrain.parallel.dist_optim import DistributedAdamW
+    from moetrain.optim.sharded import ShardedAdamW
 
     ref_params, ref_norms = single_process
     with one_thread():
         state = make_state(1, 1)
         model = build_model(state)
-        opt = DistributedAdamW(model, state, OPTIM)
+        opt = ShardedAdamW(model, state, OPTIM)
         norms = train(model, opt, state, STEPS)
     assert norms == pytest.approx(ref_norms, rel=1e-6)
     assert max(ref_norms) > OPTIM.grad_clip, "clipping should be active in this test"
@@ -282,13 +284,13 @@ def _fused_vs_foreach(world: int, ep: int) -> dict:
     non-finite step that both must skip — the fused one without reading `skip` on the host."""
     from unittest import mock
 
-    from moetrain.parallel.dist_optim import DistributedAdamW
+    from moetrain.optim.sharded import ShardedAdamW
 
     state = make_state(ep, world)
     runs = {}
     for fused in (False, True):
         model = build_model(state)
-        opt = DistributedAdamW(model, state, OPTIM, fused=fused)
+        opt = ShardedAdamW(model, state, dataclasses.replace(OPTIM, fused=fused))
         norms = train(model, opt, state, STEPS)
         # A step whose gradient is NaN on one rank: the global norm is NaN everywhere.
         for micro in range(MICRO):

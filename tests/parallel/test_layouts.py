@@ -5,7 +5,6 @@ within 1e-5 relative, parameters after the steps within 1e-5 (relative or absolu
 import pytest
 import torch
 
-from moetrain.parallel.dims import ParallelConfig, ParallelDims
 from moetrain.errors import ConfigError
 from moetrain.presets import resolve_config
 from moetrain.testing.distributed import run_distributed
@@ -45,10 +44,10 @@ def train_and_report(data_dir, run_dir, extra, params_file=None):
     if params_file is not None:
         ref = torch.load(params_file, weights_only=True)
         offsets = {f"{canonical_name(n)}.{pn}": (m.expert_offset, m.num_experts)
-                   for n, m in trainer.model.named_modules() if isinstance(m, GroupedExperts)
+                   for n, m in trainer.engine.model.named_modules() if isinstance(m, GroupedExperts)
                    for pn, _ in m.named_parameters(recurse=False)}
         max_err, worst = 0.0, None
-        for name, p in trainer.model.named_parameters():
+        for name, p in trainer.engine.model.named_parameters():
             name = canonical_name(name)
             p = full_tensor(p.detach())  # collective for DTensors: every rank walks the same names
             expected = ref[name]
@@ -61,8 +60,8 @@ def train_and_report(data_dir, run_dir, extra, params_file=None):
             err = ((p.detach() - expected).abs() / (1e-5 * (1 + expected.abs()))).max().item()
             if err > max_err:
                 max_err, worst = err, (name, (p.detach() - expected).abs().max().item())
-    held = {"param_numel": local_numel(trainer.model), "param_tensors": len(list(trainer.model.parameters())),
-            "optim_bytes": trainer.optimizer.memory_bytes()}
+    held = {"param_numel": local_numel(trainer.engine.model), "param_tensors": len(list(trainer.engine.model.parameters())),
+            "optim_bytes": trainer.engine.optimizer.memory_bytes()}
     return records, (max_err, worst) if params_file is not None else None, held
 
 
@@ -85,7 +84,7 @@ def reference(real_text_dir, tmp_path_factory):
     trainer = Trainer(layout_cfg(real_text_dir, tmp / "run"), quiet=True)
     trainer.fit()
     params_file = tmp / "params.pt"
-    torch.save({canonical_name(n): p.detach().clone() for n, p in trainer.model.named_parameters()}, params_file)
+    torch.save({canonical_name(n): p.detach().clone() for n, p in trainer.engine.model.named_parameters()}, params_file)
     from moetrain.train.metrics import read_metrics
     return read_metrics(tmp / "run" / "metrics.jsonl"), params_file
 
@@ -153,24 +152,30 @@ def test_layouts_match_single_process(real_text_dir, reference, tmp_path, world,
                 assert h["optim_bytes"] == 8 * h["param_numel"] + 4 * h["param_tensors"], (h, total)
 
 
-@pytest.mark.parametrize("cfg, world, experts, words", [
-    (ParallelConfig(dp=3), 4, 8, ["pp=1 × dp=3", "world size 4"]),
-    (ParallelConfig(ep=3), 6, 8, ["parallel.ep=3", "num_experts=8"]),
-    (ParallelConfig(ep=4), 2, 8, ["parallel.ep=4", "parallel.dp=2"]),
-    (ParallelConfig(pp=3), 4, 8, ["parallel.pp=3", "world size 4"]),
-    (ParallelConfig(pp=2, dp=1), 4, 8, ["pp=2 × dp=1", "parallel.dp=2"]),
-    (ParallelConfig(pp=2, pp_schedule="interleaved-1f1b", pp_stages_per_rank=4), 2, 8,
+@pytest.mark.parametrize("parallel, world, words", [
+    (["parallel.dp=3"], 4, ["pp=1 × dp=3", "world size 4"]),
+    (["parallel.ep=3"], 6, ["parallel.ep=3", "num_experts=8"]),
+    (["parallel.ep=4"], 2, ["parallel.ep=4", "parallel.dp=2"]),
+    (["parallel.pp=3", "train.micro_batch_size=2"], 4, ["parallel.pp=3", "world size 4"]),
+    (["parallel.pp=2", "parallel.dp=1"], 4, ["pp=2 × dp=1", "parallel.dp=2"]),
+    (["parallel.pp=2", "parallel.pp_schedule=interleaved-1f1b", "parallel.pp_stages_per_rank=4"], 2,
      ["model.n_layers=4", "pp_stages_per_rank=4", "8 pipeline stages"]),
-    (ParallelConfig(pp=4), 4, 8, ["at least parallel.pp=4 micro-batches", "= 2", "train.micro_batch_size"]),
-    (ParallelConfig(pp=2, pp_schedule="interleaved-1f1b"), 2, 8, []),
+    (["parallel.pp=4"], 4, ["at least parallel.pp=4 micro-batches", "= 2", "train.micro_batch_size"]),
+    (["train.micro_batch_size=6", "train.global_batch_size=12"], 4, ["train.micro_batch_size=6", "4 data-parallel"]),
+    (["parallel.pp=2", "parallel.pp_schedule=interleaved-1f1b"], 2, []),
 ])
-def test_impossible_layouts_fail_before_any_work(cfg, world, experts, words):
-    cfg.validate()
+def test_impossible_layouts_fail_before_any_work(parallel, world, words):
+    """`RunConfig.validate(world_size)` (what the trainer and the planner call) refuses layouts
+    that cannot run, naming the fields; the rules that need no world size fire already when the
+    config is resolved."""
+    overrides = ["model.n_layers=4", "train.global_batch_size=8", "train.micro_batch_size=4", *parallel]
     if not words:  # a possible layout, for contrast
-        ParallelDims.from_config(cfg, world, experts, n_layers=4, micro_batches=2)
+        cfg = resolve_config("tiny", overrides)
+        dims = cfg.build_dims(world)
+        assert (dims.world_size, dims.pp, dims.stages_per_rank) == (world, 2, 2)
         return
     with pytest.raises(ConfigError) as e:
-        ParallelDims.from_config(cfg, world, experts, n_layers=4, micro_batches=2)
+        resolve_config("tiny", overrides).validate(world_size=world)
     for word in words:
         assert word in str(e.value)
 

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from moetrain.model.transformer import canonical_name
-from moetrain.parallel.dims import ParallelConfig, ParallelDims
+from moetrain.parallel.config import ParallelConfig
+from moetrain.parallel.dims import ParallelDims
 from moetrain.parallel.pipeline import StageModule, split_model, stage_layers, stages_of_rank
 from moetrain.presets import resolve_config
 

@@ -38,20 +38,20 @@ def test_guard_skips_non_finite_and_spikes_and_keeps_its_window_clean():
 
 def poison(trainer, calls):
     """Make the LM loss NaN on the given micro-batch calls (0-based)."""
-    real, seen = trainer._lm_loss, [0]
+    real, seen = trainer.engine.lm_loss, [0]
 
     def lm_loss(*args):
         loss = real(*args)
         seen[0] += 1
         return loss * math.nan if seen[0] - 1 in calls else loss
 
-    trainer._lm_loss = lm_loss
+    trainer.engine.lm_loss = lm_loss
 
 
 def snapshot(trainer):
-    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    moments = {n: {k: v.clone() for k, v in s.items()} for n, s in trainer.optimizer.state_dict_tensors().items()}
-    biases = [m.router.expert_bias_E.clone() for m in trainer.model.moe_layers()]
+    params = {n: p.detach().clone() for n, p in trainer.engine.model.named_parameters()}
+    moments = {n: {k: v.clone() for k, v in s.items()} for n, s in trainer.engine.optimizer.state_dict_tensors().items()}
+    biases = [m.router.expert_bias_E.clone() for m in trainer.engine.model.moe_layers()]
     return params, moments, biases
 
 
@@ -71,7 +71,7 @@ def test_a_nan_step_changes_nothing_and_training_goes_on(tiny_cfg, tmp_path):
             assert torch.equal(before[1][name][key], after[1][name][key]), (name, key)
     for a, b in zip(before[2], after[2]):
         assert torch.equal(a, b)  # the aux-free bias did not move either
-    assert int(trainer.guard.skipped_total) == 1
+    assert int(trainer.engine.guard.skipped_total) == 1
     trainer.fit()  # the remaining steps are normal
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["skipped_steps"] for r in records] == [1, 1, 1]
@@ -94,7 +94,7 @@ def test_no_checkpoint_with_nan_parameters(tiny_cfg, tmp_path):
     trainer.train_step()
     good = trainer.save()
     with torch.no_grad():
-        next(trainer.model.parameters())[0] = math.nan
+        next(trainer.engine.model.parameters())[0] = math.nan
     with pytest.raises(CheckpointError, match="NaN or inf"):
         trainer.save()
     from moetrain.train import checkpoint as ckpt
@@ -109,7 +109,6 @@ def _fsdp_fused(data_dir, run_dir):
 
     from conftest import tiny_overrides
     from moetrain.presets import resolve_config
-    from moetrain.train.optim import param_groups
 
     def local(t):
         return t.to_local() if hasattr(t, "to_local") else t
@@ -117,30 +116,26 @@ def _fsdp_fused(data_dir, run_dir):
     out = {}
     for fused in (False, True):
         cfg = resolve_config("tiny", tiny_overrides(data_dir, f"{run_dir}-{fused}", "parallel.stack=fsdp",
-                                                    "train.device=cpu", "optim.grad_clip=0.05"))
+                                                    "train.device=cpu", "optim.grad_clip=0.05", f"optim.fused={fused}"))
         trainer = Trainer(cfg, quiet=True)
-        if fused:
-            o = cfg.optim
-            trainer.optimizer.adamw = torch.optim.AdamW(param_groups(trainer.model, o.weight_decay), lr=o.lr,
-                                                        betas=tuple(o.betas), eps=o.eps, fused=True)
-            trainer.optimizer.fused = True
+        assert trainer.engine.optimizer.fused == fused
         norms = [float(trainer.train_step().grad_norm) for _ in range(3)]
-        out[f"params_{fused}"] = [local(p.detach()).numpy().copy() for p in trainer.model.parameters()]
+        out[f"params_{fused}"] = [local(p.detach()).numpy().copy() for p in trainer.engine.model.parameters()]
         out[f"norms_{fused}"] = norms
     before = snapshot(trainer)
     poison(trainer, calls={0})
-    real_step = trainer.optimizer.step
+    real_step = trainer.engine.optimizer.step
 
     def step_without_host_reads(skip=None):
         with mock.patch.object(torch.Tensor, "__bool__", side_effect=AssertionError("host read")):
             real_step(skip)
 
-    trainer.optimizer.step = step_without_host_reads
+    trainer.engine.optimizer.step = step_without_host_reads
     trainer.train_step()
     after = snapshot(trainer)
     out["unchanged"] = all(torch.equal(local(a), local(b)) for a, b in zip(before[0].values(), after[0].values())) and all(
         torch.equal(local(before[1][n][k]), local(after[1][n][k])) for n in before[1] for k in before[1][n])
-    out["skipped"] = int(trainer.guard.skipped_total)
+    out["skipped"] = int(trainer.engine.guard.skipped_total)
     return out
 
 

@@ -2,8 +2,9 @@ import pytest
 import torch
 
 from moetrain.model.config import MoEConfig, TransformerConfig
-from moetrain.train.config import ScheduleConfig
-from moetrain.train.optim import lr_at, param_groups
+from moetrain.optim.config import ScheduleConfig
+from moetrain.optim.base import param_groups
+from moetrain.optim.schedule import lr_at
 
 
 def test_no_weight_decay_on_norms_embeddings_biases():
@@ -41,8 +42,9 @@ def test_clipping_folded_into_the_fused_adamw_kernel_matches_scaling_the_gradien
     import copy
 
     from moetrain.parallel.dims import ParallelDims, ParallelState
-    from moetrain.train.config import OptimConfig
-    from moetrain.train.optim import ReplicatedAdamW, param_groups
+    from moetrain.optim.config import OptimConfig
+    from moetrain.optim.base import param_groups
+    from moetrain.optim.replicated import ReplicatedAdamW
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8))
@@ -50,12 +52,8 @@ def test_clipping_folded_into_the_fused_adamw_kernel_matches_scaling_the_gradien
     results = []
     for fused in (False, True):
         m = copy.deepcopy(model)
-        cfg = OptimConfig(lr=1e-2)
-        opt = ReplicatedAdamW(m, state, cfg)
-        if fused:  # what build_optimizer picks on CUDA
-            opt.adamw = torch.optim.AdamW(param_groups(m, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas),
-                                          eps=cfg.eps, fused=True)
-            opt.fused = True
+        opt = ReplicatedAdamW(m, state, OptimConfig(lr=1e-2, fused=fused))  # fused: CUDA's default
+        assert opt.fused == fused
         for step in range(3):
             m(torch.randn(4, 16, generator=torch.Generator().manual_seed(step))).square().sum().backward()
             norm = opt.clip_grad_norm(0.1)  # far below the gradient norm: clipping is active

@@ -8,7 +8,8 @@ import torch
 from moetrain.errors import CheckpointError, ConfigError
 from moetrain.train import checkpoint as ckpt
 from moetrain.train.metrics import read_metrics
-from moetrain.train.trainer import Trainer, document_ids
+from moetrain.train.engine import document_ids
+from moetrain.train.trainer import Trainer
 
 CONTRACT = {
     "step", "loss", "lm_loss", "lb_loss", "z_loss", "lr", "grad_norm", "tokens_per_sec",
@@ -60,7 +61,7 @@ def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(tiny_cfg, tmp_path,
 
     a, b = _losses(tmp_path / "full" / "metrics.jsonl"), _losses(tmp_path / "part" / "metrics.jsonl")
     assert all(a[s] == b[s] for s in range(6, 13)), [(a[s], b[s]) for s in range(6, 13) if a[s] != b[s]]
-    for (name, p), q in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
+    for (name, p), q in zip(full.engine.model.state_dict().items(), resumed.engine.model.state_dict().values()):
         assert torch.equal(p, q), name
 
 
@@ -103,7 +104,7 @@ def test_recompute_matches_plain_training_exactly(tiny_cfg, tmp_path, mode):
     recomputed = Trainer(tiny_cfg(tmp_path / "b", "train.steps=3", *mode), quiet=True)
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-    wrapped = [isinstance(b, CheckpointWrapper) for b in recomputed.model.blocks.values()]
+    wrapped = [isinstance(b, CheckpointWrapper) for b in recomputed.engine.model.blocks.values()]
     assert wrapped == ([True, False, True] if "train.recompute_every=2" in mode else [True] * 3)
     # One run after the other from the same RNG state (random routing draws from the global RNG).
     torch.manual_seed(1)
@@ -153,7 +154,7 @@ def test_compiled_blocks_train_like_eager(tiny_cfg, tmp_path):
         x, y = eager.train_step(), compiled.train_step()
         torch.testing.assert_close(x.lm_loss, y.lm_loss, rtol=1e-4, atol=1e-4)
     # Compilation leaves parameter names alone: checkpoints interchange with eager models.
-    assert list(eager.model.state_dict()) == list(compiled.model.state_dict())
+    assert list(eager.engine.model.state_dict()) == list(compiled.engine.model.state_dict())
 
 
 def test_fresh_run_in_a_used_run_dir(tiny_cfg, tmp_path):
@@ -192,11 +193,11 @@ def test_fp8_trains_close_to_full_precision(tiny_cfg, tmp_path, recipe):
     dims = ["model.d_model=64", "model.moe.expert_hidden=32"]
     plain = Trainer(tiny_cfg(tmp_path / "a", "train.steps=4", *dims), quiet=True)
     fp8 = Trainer(tiny_cfg(tmp_path / "b", "train.steps=4", f"train.fp8={recipe}", "train.save_every=4", *dims), quiet=True)
-    linears = [m for m in fp8.model.modules() if isinstance(m, MxFp8Linear if recipe == "mxfp8" else Fp8Linear)]
+    linears = [m for m in fp8.engine.model.modules() if isinstance(m, MxFp8Linear if recipe == "mxfp8" else Fp8Linear)]
     assert len(linears) == 3 * 4 + 3  # 3 blocks × (q, k, v, o) + the dense block's MLP
-    assert fp8.model.lm_head.__class__ is torch.nn.Linear
-    assert all(m.fp8 == recipe for m in fp8.model.modules() if hasattr(m, "w_down_EDF"))
-    for (n, p), (m, q) in zip(plain.model.named_parameters(), fp8.model.named_parameters()):
+    assert fp8.engine.model.lm_head.__class__ is torch.nn.Linear
+    assert all(m.fp8 == recipe for m in fp8.engine.model.modules() if hasattr(m, "w_down_EDF"))
+    for (n, p), (m, q) in zip(plain.engine.model.named_parameters(), fp8.engine.model.named_parameters()):
         assert n == m and torch.equal(p, q)
     fp8.fit()
     plain.fit()

@@ -1,5 +1,5 @@
-"""`DistributedAdamW`: AdamW whose state is sharded over the data-parallel ranks (ZeRO-1/2 style),
-for the resident-expert layout of data_parallel.py.
+"""`ShardedAdamW` (`parallel.shard_optimizer=true`): AdamW whose state is sharded over the
+data-parallel ranks (ZeRO-1/2 style), for the ddp stack's resident-expert layout.
 
 Legend: N elements of a bucket's flat buffer (padded to a multiple of G), G ranks of the bucket's
 group (dp for dense parameters, edp for expert parameters), S = N / G elements of this rank's
@@ -33,16 +33,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from moetrain.model.transformer import canonical_name
-from moetrain.parallel.data_parallel import GradReducer, _Bucket
+from moetrain.optim.base import StepHooks, param_groups, use_fused
+from moetrain.optim.clip import clip_coefficient
+from moetrain.optim.grad_reducer import Bucket, GradReducer
 from moetrain.parallel.dims import ParallelState
-from moetrain.train.config import OptimConfig
-from moetrain.train.optim import clip_coefficient, param_groups
+
+if TYPE_CHECKING:
+    from moetrain.optim.config import OptimConfig
 
 # torch 2.13 renamed these two collectives (the old names warn); older supported versions have
 # only the old names.
@@ -51,7 +55,7 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 @dataclasses.dataclass
-class _ShardedBucket(_Bucket):
+class _ShardedBucket(Bucket):
     """A `GradReducer` bucket (`flat` = the N gradients) plus the flat parameter buffer and this
     rank's shard [lo, lo + S) of both."""
 
@@ -79,7 +83,7 @@ class _ShardedGradReducer(GradReducer):
         S = N // G
         device = params[0].device
         if any(p.dtype != params[0].dtype for p in params):
-            raise ValueError("DistributedAdamW needs one parameter dtype per bucket; got a mix.")
+            raise ValueError("ShardedAdamW needs one parameter dtype per bucket; got a mix.")
         # Padding stays zero in all buffers: zero gradient, zero moments, so zero update.
         grads_N = torch.zeros(N, dtype=torch.float32, device=device)
         params_N = torch.zeros(N, dtype=params[0].dtype, device=device)
@@ -104,7 +108,7 @@ class _ShardedGradReducer(GradReducer):
             bucket.work = _reduce_scatter(bucket.grad_S, bucket.flat, group=bucket.group, async_op=True)
 
 
-class DistributedAdamW:
+class ShardedAdamW(StepHooks):
     """torch.optim.AdamW's update (decoupled weight decay, bias corrections, eps after the square
     root; weight decay per `param_groups`), with the state sharded over the data-parallel ranks.
 
@@ -113,8 +117,7 @@ class DistributedAdamW:
     micro-batch's backward, `finish()`, `clip_grad_norm()`, `set_lr()`, `step()`, `zero_grad()`.
     """
 
-    def __init__(self, model: nn.Module, state: ParallelState, cfg: OptimConfig, bucket_bytes: int = 25 * 2**20,
-                 fused: bool | None = None):
+    def __init__(self, model: nn.Module, state: ParallelState, cfg: OptimConfig, bucket_bytes: int = 25 * 2**20):
         self.cfg = cfg
         self.lr = cfg.lr
         self.num_steps = 0
@@ -147,7 +150,7 @@ class DistributedAdamW:
         # decision and the clipping factor stay on the device (no host sync), and the step count
         # is a device tensor.
         device = self.master_S[0].device if self.master_S else torch.device("cpu")
-        self.fused = device.type == "cuda" if fused is None else fused
+        self.fused = use_fused(cfg, device)
         self._step_t = torch.zeros((), dtype=torch.float32, device=device)
         self._grad_scale: torch.Tensor | None = None
 
@@ -196,7 +199,7 @@ class DistributedAdamW:
         self.lr = lr
 
     @torch.no_grad()
-    def step(self, skip: torch.Tensor | None = None) -> None:
+    def _update(self, skip: torch.Tensor | None) -> None:
         """AdamW on this rank's shards, then all-gather the parameters. `skip` (a device bool,
         equal on all ranks): no update. The fused path hands it to the kernel as `found_inf`
         (decided on the device); the foreach path reads it on the host (one sync per step)."""
@@ -262,9 +265,9 @@ class DistributedAdamW:
             w.wait()
 
     @torch.no_grad()
-    def sync_master_from_params(self) -> None:
+    def params_loaded(self) -> None:
         """Copy the parameters into the fp32 master shards: needed after the parameters were
-        written from outside (e.g. a checkpoint load), which `load_state_dict_tensors` does."""
+        written from outside (a checkpoint load; `load_state_dict_tensors` calls it too)."""
         for b, master in zip(self.buckets, self.master_S):
             master.copy_(b.params_N[b.lo : b.hi])
 
@@ -332,4 +335,4 @@ class DistributedAdamW:
             raise ValueError(f"Optimizer state holds different step counts {sorted(steps)}; expected one.")
         self.num_steps = steps.pop() if steps else 0
         self._step_t.fill_(self.num_steps)
-        self.sync_master_from_params()
+        self.params_loaded()

@@ -1,13 +1,14 @@
-"""Data-parallel gradient reduction for the resident-expert layout (the `ddp` stack).
+"""`GradReducer`: data-parallel gradient reduction for the resident-expert layout (the `ddp` stack),
+used by the replicated and (as reduce-scatter) the sharded optimizer.
 
 Dense parameters are replicated on every data-parallel rank: their gradients are summed over the
 dp group. Expert parameters live on the ranks of their expert-replica group (edp): their
 gradients already hold the contributions of every token of their expert-parallel group (the
 all-to-all's backward brought them), so they are summed over edp only. The 1/dp that turns these
 sums into the gradient of the mean loss over the global batch is not a pass over the gradients:
-the caller scales each backward's loss by `loss_scale` = 1/dp (the trainer folds it into the LM
-and aux losses' 1/micro-batches factor), so the sums are the means. Measured on two H200s
-(sweep-8l-8, dp2·ep2): dividing the buckets after the reduction cost 6.5 ms per step.
+the caller scales each backward's loss by `loss_scale` = 1/dp (the engine folds it into the LM
+and aux losses' 1/micro-batches factor), so the sums are the means: a division pass would read
+and write every gradient once more.
 
 Each gradient is a view into a flat fp32 bucket (like DDP's gradient_as_bucket_view), so
 accumulation over micro-batches happens in place and a finished bucket is reduced as one
@@ -31,7 +32,7 @@ from moetrain.parallel.dims import ParallelState
 
 
 @dataclasses.dataclass
-class _Bucket:
+class Bucket:
     flat: torch.Tensor
     params: list[nn.Parameter]
     group: dist.ProcessGroup | None
@@ -52,7 +53,7 @@ class GradReducer:
         expert_ids = expert_param_ids(model)
         # Reverse registration order approximates the order in which backward finishes them.
         params = [p for p in model.parameters() if p.requires_grad][::-1]
-        self.buckets: list[_Bucket] = []
+        self.buckets: list[Bucket] = []
         for is_expert in (False, True):
             group = state.edp_group if is_expert else state.dp_group
             chosen = [p for p in params if (id(p) in expert_ids) == is_expert]
@@ -65,10 +66,10 @@ class GradReducer:
                 self.buckets.append(self._make_bucket(chosen[start:end], group))
                 start = end
 
-    def _make_bucket(self, params: list[nn.Parameter], group) -> _Bucket:
+    def _make_bucket(self, params: list[nn.Parameter], group) -> Bucket:
         device = params[0].device
         flat = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=device)
-        bucket = _Bucket(flat, params, group)
+        bucket = Bucket(flat, params, group)
         offset = 0
         for p in params:
             p.grad = flat[offset : offset + p.numel()].view_as(p)
@@ -84,14 +85,14 @@ class GradReducer:
             for b in self.buckets:
                 b.pending, b.work, b.launched = len(b.params) * backward_passes, None, False
 
-    def _on_grad_ready(self, bucket: _Bucket) -> None:
+    def _on_grad_ready(self, bucket: Bucket) -> None:
         if not self.sync:
             return
         bucket.pending -= 1
         if bucket.pending == 0:
             self._launch(bucket)
 
-    def _launch(self, bucket: _Bucket) -> None:
+    def _launch(self, bucket: Bucket) -> None:
         bucket.launched = True
         if bucket.group is not None:
             bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)

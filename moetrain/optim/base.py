@@ -1,0 +1,182 @@
+"""The optimizer interface every layout's optimizer implements, and what the AdamW-based ones share.
+
+Per optimizer step the engine (moetrain/train/engine.py) calls, in this order:
+
+    prepare(sync) before each micro-batch's backward (sync=True for the last one), or once with
+        backward_passes=n before a pipeline step's n backward passes
+    finish()               wait for the data-parallel gradient reduction
+    clip_grad_norm(max)    the global gradient norm (device tensor), clipped to `max`
+    set_lr(lr); step(skip) the update (skip: a device bool, the step guard's decision), then the
+                           step post-hooks (the aux-free router bias)
+    zero_grad()
+
+Nothing in that sequence reads a device value on the host where the fused kernels run (CUDA).
+Checkpoints see every optimizer through `state_dict_tensors` / `load_state_dict_tensors`: AdamW's
+moments per parameter, keyed by canonical parameter name, whatever the layout.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from moetrain.optim.clip import clip_coefficient
+
+if TYPE_CHECKING:
+    from moetrain.optim.config import OptimConfig
+
+StepHook = Callable[[torch.Tensor | None], None]
+"""Called after every `step(skip)` with the same `skip`."""
+
+
+@runtime_checkable
+class Optimizer(Protocol):
+    """What the engine, checkpoints and benchmarks use of an optimizer (moetrain/optim/*.py)."""
+
+    loss_scale: float
+    """Scale every backward's loss by this (1/dp where the gradient reduction sums): the reduced
+    gradients are then the means over the global batch, with no pass over them."""
+
+    def prepare(self, sync: bool, backward_passes: int = 1) -> None:
+        """Before a micro-batch's backward; `sync`: the last of the step (reduce now)."""
+        ...
+
+    def finish(self) -> None:
+        """After the step's last backward: wait until the reduced gradients are in place."""
+        ...
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """The global L2 norm of the gradient before clipping (device tensor, no host sync);
+        clips to `max_norm` (math.inf: no clipping)."""
+        ...
+
+    def set_lr(self, lr: float) -> None: ...
+
+    def step(self, skip: torch.Tensor | None = None) -> None:
+        """The update; `skip` (device bool, equal on all ranks): leave parameters and state
+        untouched. Then the step post-hooks, with the same `skip`."""
+        ...
+
+    def zero_grad(self) -> None: ...
+
+    def register_step_post_hook(self, hook: StepHook) -> None:
+        """Run `hook(skip)` after every step (state updated at optimizer time: the router bias)."""
+        ...
+
+    def memory_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds."""
+        ...
+
+    def state_dict_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Per parameter (canonical name): "exp_avg", "exp_avg_sq" shaped like the parameter
+        this rank holds, and a 0-d float32 "step"."""
+        ...
+
+    def load_state_dict_tensors(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Take state as `state_dict_tensors` gives it (load the model's parameters first)."""
+        ...
+
+    def params_loaded(self) -> None:
+        """The parameters were written from outside (a checkpoint's weights): refresh any copy
+        of them the optimizer keeps."""
+        ...
+
+
+class StepHooks:
+    """`register_step_post_hook`, and `step(skip)` = `_update(skip)` followed by the hooks."""
+
+    def register_step_post_hook(self, hook: StepHook) -> None:
+        self.__dict__.setdefault("_step_post_hooks", []).append(hook)
+
+    def step(self, skip: torch.Tensor | None = None) -> None:
+        self._update(skip)
+        for hook in self.__dict__.get("_step_post_hooks", ()):
+            hook(skip)
+
+    def _update(self, skip: torch.Tensor | None) -> None:
+        raise NotImplementedError
+
+    def params_loaded(self) -> None:
+        """Nothing to refresh: the parameters are the only copy."""
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices only: norms, biases and embeddings (1-D or nn.Embedding) get no decay."""
+    embedding_params = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim < 2 or id(p) in embedding_params else decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def use_fused(cfg: OptimConfig, device: torch.device) -> bool:
+    """optim.fused, or by default: fused on CUDA."""
+    return cfg.fused if cfg.fused is not None else device.type == "cuda"
+
+
+def build_adamw(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+    """torch AdamW over `model`'s parameter groups: fused (one kernel for all parameters) where
+    `use_fused`, else torch's default implementation for the device."""
+    fused = use_fused(cfg, next(model.parameters()).device)
+    return torch.optim.AdamW(
+        param_groups(model, cfg.weight_decay),
+        lr=cfg.lr,
+        betas=tuple(cfg.betas),
+        eps=cfg.eps,
+        fused=True if fused else None,
+    )
+
+
+class TorchAdamW(StepHooks):
+    """What the optimizers built on a torch AdamW (`self.adamw`) share."""
+
+    adamw: torch.optim.AdamW
+    fused: bool = False
+    """torch's fused AdamW kernel: the clipping factor and the skip decision go into the kernel
+    as device tensors (`grad_scale`, `found_inf`)."""
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.adamw.param_groups:
+            group["lr"] = lr
+
+    def _clip(self, grads: list[torch.Tensor], total: torch.Tensor, max_norm: float) -> None:
+        """Bring the gradients to a norm of at most `max_norm`. Fused: not applied to the
+        gradients but handed to the kernel as its gradient divisor (`grad_scale`), saving one
+        read and write of every gradient; otherwise the gradients are scaled in place."""
+        if max_norm == math.inf:
+            return
+        coef = clip_coefficient(total, max_norm)
+        if self.fused:
+            self.adamw.grad_scale = coef.reciprocal()
+        else:
+            torch._foreach_mul_(grads, coef)
+
+    def _update(self, skip: torch.Tensor | None) -> None:
+        """Fused: `skip` is the kernel's `found_inf`, decided on the device (no host sync); the
+        other paths (CPU) read it on the host."""
+        if self.fused:
+            self.adamw.found_inf = skip.float() if skip is not None else None
+            self.adamw.step()
+        elif skip is None or not bool(skip):
+            self.adamw.step()
+        self.adamw.grad_scale = self.adamw.found_inf = None  # consumed
+
+    def _live_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        """AdamW's state of `p`, created as zeros for a fresh optimizer (so a checkpoint can be
+        loaded into it in place)."""
+        if p not in self.adamw.state or not self.adamw.state[p]:
+            self.adamw.state[p] = {
+                "step": torch.zeros((), dtype=torch.float32, device=p.device if self.fused else "cpu"),
+                "exp_avg": torch.zeros_like(p),
+                "exp_avg_sq": torch.zeros_like(p),
+            }
+        return self.adamw.state[p]

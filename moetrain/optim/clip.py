@@ -1,0 +1,51 @@
+"""The global gradient norm over every rank's gradients, and clipping to it, without a host sync."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+
+def global_grad_norm(
+    params: list[torch.Tensor], expert_params: list[torch.Tensor], ep_group=None, pp_group=None
+) -> torch.Tensor:
+    """The L2 norm of all gradients of the model, as a device tensor (no host sync).
+
+    With expert parallelism each rank holds only its experts' gradients: their squared norms are
+    summed over the expert-parallel group; with pipeline parallelism, the stage totals over the
+    pipeline group; so that every rank sees the norm of the whole model.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    expert_grads = [p.grad for p in expert_params if p.grad is not None]
+    device = (grads or expert_grads)[0].device
+    dense_sq = torch.stack(torch._foreach_norm(grads)).square().sum() if grads else torch.zeros((), device=device)
+    expert_sq = (
+        torch.stack(torch._foreach_norm(expert_grads)).square().sum()
+        if expert_grads
+        else torch.zeros((), device=device)
+    )
+    if ep_group is not None:
+        dist.all_reduce(expert_sq, group=ep_group)
+    total_sq = dense_sq + expert_sq
+    if pp_group is not None:
+        dist.all_reduce(total_sq, group=pp_group)
+    return total_sq.sqrt()
+
+
+def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """The factor that brings a gradient of norm `total_norm` to at most `max_norm` (≤ 1)."""
+    return (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+
+
+def clip_grad_norm(
+    params: list[torch.Tensor], expert_params: list[torch.Tensor], max_norm: float, ep_group=None, pp_group=None
+) -> torch.Tensor:
+    """Clip all gradients to a global L2 norm of `max_norm` (no clipping for inf); return the
+    norm before clipping, as a device tensor (no host sync)."""
+    total = global_grad_norm(params, expert_params, ep_group, pp_group)
+    if max_norm != math.inf:
+        grads = [p.grad for p in params + expert_params if p.grad is not None]
+        torch._foreach_mul_(grads, clip_coefficient(total, max_norm))
+    return total

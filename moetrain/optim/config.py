@@ -1,0 +1,85 @@
+"""Configuration of the optimizer (`optim.*`) and of the learning-rate schedule (`schedule.*`).
+
+`OptimConfig.build` picks the optimizer the parallel layout needs (moetrain/optim/__init__.py
+lists them) and builds it over a materialized, initialized model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import TYPE_CHECKING
+
+from moetrain.config import Config
+from moetrain.errors import ConfigError
+from moetrain.optim.fsdp import FSDPAdamW
+from moetrain.optim.replicated import ReplicatedAdamW
+from moetrain.optim.sharded import ShardedAdamW
+from moetrain.parallel.config import ParallelConfig, Stack
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from moetrain.optim.base import Optimizer
+    from moetrain.parallel.dims import ParallelState
+
+
+class ScheduleKind(enum.StrEnum):
+    cosine = "cosine"
+    """Linear warmup, then cosine decay to min_lr_ratio × lr at the last step."""
+    wsd = "wsd"
+    """Warmup-stable-decay: linear warmup, constant, then linear decay over the last
+    decay_fraction of the steps to min_lr_ratio × lr."""
+    constant = "constant"
+    """Linear warmup, then constant."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class OptimConfig(Config):
+    lr: float = 3e-3
+    """Peak learning rate."""
+    betas: list[float] = dataclasses.field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    """Decoupled weight decay on matrices; never on norms, embeddings or biases."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    fused: bool | None = None
+    """torch's fused AdamW kernel: the clipping factor and the skip decision go into the kernel as
+    device tensors (no extra pass, no host sync). None = on CUDA (the foreach kernels on CPU)."""
+
+    def validate(self) -> None:
+        if self.lr <= 0:
+            raise ConfigError(f"optim.lr={self.lr} must be positive.")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"optim.betas={self.betas} must be two numbers in [0, 1).")
+        if self.weight_decay < 0 or self.grad_clip < 0 or self.eps <= 0:
+            raise ConfigError("optim.weight_decay and optim.grad_clip must be ≥ 0 and optim.eps > 0.")
+
+    def build(self, model: nn.Module, state: ParallelState, parallel: ParallelConfig) -> Optimizer:
+        """The optimizer of this layout, over `model` (materialized and initialized): FSDP's
+        sharded AdamW on the fsdp stack, the sharded optimizer with parallel.shard_optimizer,
+        else AdamW with replicated state. Each owns the data-parallel gradient reduction."""
+        if parallel.stack == Stack.fsdp:
+            return FSDPAdamW(model, state, self)
+        if parallel.shard_optimizer:
+            return ShardedAdamW(model, state, self)
+        return ReplicatedAdamW(model, state, self)
+
+
+@dataclasses.dataclass(kw_only=True)
+class ScheduleConfig(Config):
+    kind: ScheduleKind = ScheduleKind.cosine
+    warmup_steps: int = 30
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak."""
+    decay_fraction: float = 0.2
+    """wsd only: the share of steps spent decaying."""
+
+    def validate(self) -> None:
+        if self.warmup_steps < 0:
+            raise ConfigError(f"schedule.warmup_steps={self.warmup_steps} must be ≥ 0.")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"schedule.min_lr_ratio={self.min_lr_ratio} must lie in [0, 1].")
+        if not 0 < self.decay_fraction <= 1:
+            raise ConfigError(f"schedule.decay_fraction={self.decay_fraction} must lie in (0, 1].")

@@ -1,0 +1,179 @@
+"""Configuration of the parallel layout (`parallel.*`) and of activation recompute, and the
+builder of the layout: `ParallelConfig.build(world_size)` -> `ParallelDims`.
+
+Rules that involve only this section (and the world size) live here; rules that relate it to
+the model, the batch or the device live in `RunConfig.validate` (moetrain/train/config.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from moetrain.config import Config
+from moetrain.errors import ConfigError
+from moetrain.parallel.dims import ParallelDims
+
+
+class Recompute(enum.StrEnum):
+    none = "none"
+    full = "full"
+    """Per-layer activation recompute: keep only each block's input, recompute the block
+    during backward."""
+    selective = "selective"
+    """Keep what is expensive to recompute — the outputs of matrix products (linear layers,
+    grouped expert GEMMs, attention) and of communication — and recompute the cheap element-wise
+    work (norms, RoPE, the SwiGLU activation, routing scores, permutations) during backward."""
+
+
+class Stack(enum.StrEnum):
+    ddp = "ddp"
+    """Resident experts: dense parameters replicated, experts split over ep ranks (all-to-all),
+    gradients all-reduced by `GradReducer` (or reduce-scattered by the sharded optimizer)."""
+    fsdp = "fsdp"
+    """The FSDP2 baseline: `fully_shard` per block and on the root over dp; experts are sharded
+    like any weight and all-gathered with their block, so every rank computes all experts for its
+    tokens (no expert parallelism, no all-to-all). Parameters, gradients and AdamW state ÷ dp."""
+
+
+class PipelineSchedule(enum.StrEnum):
+    gpipe = "gpipe"
+    """All forwards, then all backwards: activations of every micro-batch are held at once."""
+    onef1b = "1f1b"
+    """One forward, one backward in the steady state: at most pp micro-batches in flight."""
+    interleaved_1f1b = "interleaved-1f1b"
+    """1F1B over several stages per rank (parallel.pp_stages_per_rank ≥ 2): a smaller bubble
+    for more point-to-point messages."""
+
+
+class DispatcherKind(enum.StrEnum):
+    nosync = "nosync"
+    """Fixed-size buffers per destination rank: no device-to-host sync; dropless unless
+    parallel.capacity_factor is set (moetrain/parallel/nosync_dispatcher.py)."""
+    alltoall = "alltoall"
+    """Exact split sizes, read on the host once per layer: dropless, least memory."""
+    symm = "symm"
+    """Exact rows, split sizes exchanged on the GPUs (NVSHMEM symmetric memory): dropless, no
+    host sync, only routed rows cross NVLink (moetrain/parallel/symm_dispatcher.py)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class ParallelConfig(Config):
+    stack: Stack = Stack.ddp
+    """Which parallel stack trains the model: `ddp` (resident experts, expert parallelism) or
+    `fsdp` (the FSDP2 baseline, for comparing the stacks on the same model, data and batch)."""
+    dp: int | None = None
+    """Data-parallel degree; None = every rank (world size / pp)."""
+    ep: int = 1
+    """Expert-parallel degree: experts are split over groups of ep ranks. Divides dp and the
+    number of experts."""
+    pp: int = 1
+    """Pipeline-parallel degree: the layers are split into pp × pp_stages_per_rank stages. The
+    micro-batches of a step (train.global_batch_size / train.micro_batch_size, at least pp) are
+    the pipeline's micro-batches."""
+    pp_schedule: PipelineSchedule = PipelineSchedule.onef1b
+    """Pipeline schedule (torch.distributed.pipelining): gpipe, 1f1b or interleaved-1f1b."""
+    pp_stages_per_rank: int | None = None
+    """Stages per pipeline rank; None = 1 (gpipe, 1f1b) or 2 (interleaved-1f1b)."""
+
+    dispatcher: DispatcherKind = DispatcherKind.nosync
+    """How tokens reach experts on other ranks (with ep > 1)."""
+    compile_overlap: bool = False
+    """With train.compile: let Inductor move the collectives inside each compiled block (the
+    expert all-to-alls) ahead of independent compute, so they overlap it. Off by default: it has
+    been measured on one layout only (docs/benchmarks.md, two H200s)."""
+    shard_optimizer: bool = False
+    """Distributed optimizer: fp32 master weights and AdamW moments sharded over the data-parallel
+    ranks (gradients reduce-scattered, parameters all-gathered): optimizer memory ÷ dp."""
+    timeout_s: float = 600.0
+    """Collective timeout: a collective that has not completed after this long fails."""
+    peer_timeout_s: float = 120.0
+    """A rank whose heartbeat (one tick a second from a background thread) stands still this long
+    is declared dead or hung: the rank watching it (ranks watch their successor in a ring) stops
+    the run with an error naming it, instead of waiting out a collective timeout."""
+    capacity_factor: float | None = None
+    """nosync only: rows per destination rank = ceil(f · assignments / ep); assignments beyond
+    are dropped (and counted in dropped_token_frac). None = dropless (buffers of ep × the
+    assignments: see docs/architecture.md for the memory cost)."""
+
+    def validate(self) -> None:
+        for name in ("timeout_s", "peer_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"parallel.{name}={getattr(self, name)} must be a positive number of seconds.")
+        if self.capacity_factor is not None:
+            if self.capacity_factor <= 0:
+                raise ConfigError(f"parallel.capacity_factor={self.capacity_factor} must be positive (or null for dropless).")
+            if self.dispatcher != DispatcherKind.nosync:
+                raise ConfigError(
+                    "parallel.capacity_factor applies to parallel.dispatcher=nosync only; the "
+                    f"{self.dispatcher} dispatcher is always dropless."
+                )
+        if self.dp is not None and self.dp <= 0:
+            raise ConfigError(f"parallel.dp={self.dp} must be a positive integer (or null for all ranks).")
+        if self.ep <= 0:
+            raise ConfigError(f"parallel.ep={self.ep} must be a positive integer.")
+        if self.pp <= 0:
+            raise ConfigError(f"parallel.pp={self.pp} must be a positive integer.")
+        v = self.stages_per_rank
+        if v <= 0:
+            raise ConfigError(f"parallel.pp_stages_per_rank={v} must be a positive integer.")
+        if self.pp_schedule == PipelineSchedule.interleaved_1f1b and v < 2:
+            raise ConfigError(
+                f"parallel.pp_schedule=interleaved-1f1b interleaves several stages per rank: set "
+                f"parallel.pp_stages_per_rank ≥ 2 (got {v}), or use parallel.pp_schedule=1f1b."
+            )
+        if v > 1 and self.pp == 1:
+            raise ConfigError(
+                f"parallel.pp_stages_per_rank={v} splits the pipeline further, but parallel.pp=1: "
+                "set parallel.pp ≥ 2 for pipeline parallelism."
+            )
+        if self.pp_schedule != PipelineSchedule.interleaved_1f1b and v != 1:
+            raise ConfigError(
+                f"parallel.pp_stages_per_rank={v} needs parallel.pp_schedule=interleaved-1f1b "
+                f"(parallel.pp_schedule={self.pp_schedule} runs one stage per rank)."
+            )
+        if self.stack == Stack.fsdp:
+            if self.ep != 1:
+                raise ConfigError(
+                    f"parallel.stack=fsdp shards experts like any weight and has no expert parallelism: "
+                    f"set parallel.ep=1 (got parallel.ep={self.ep}), or use parallel.stack=ddp."
+                )
+            if self.shard_optimizer:
+                raise ConfigError(
+                    "parallel.shard_optimizer=true is the ddp stack's distributed optimizer; "
+                    "parallel.stack=fsdp shards the optimizer state already: drop one of the two."
+                )
+            if self.pp != 1:
+                raise ConfigError(
+                    f"parallel.stack=fsdp is the data-parallel-only baseline: set parallel.pp=1 (got "
+                    f"parallel.pp={self.pp}), or use parallel.stack=ddp for pipeline parallelism."
+                )
+
+    def build(self, world_size: int) -> ParallelDims:
+        """The layout on `world_size` ranks: pp divides the world, dp fills the rest (or is
+        given and must fit), ep divides dp. Rules that also involve the model or the batch are
+        `RunConfig.validate`'s."""
+        pp = self.pp
+        if world_size % pp:
+            raise ConfigError(
+                f"parallel.pp={pp} does not divide the world size {world_size}: launch a multiple "
+                f"of {pp} processes or change parallel.pp."
+            )
+        dp = self.dp if self.dp is not None else world_size // pp
+        if pp * dp != world_size:
+            raise ConfigError(
+                f"The layout pp={pp} × dp={dp} = {pp * dp} ranks does not match the world size "
+                f"{world_size}: set parallel.dp={world_size // pp} or launch {pp * dp} processes."
+            )
+        if dp % self.ep:
+            raise ConfigError(
+                f"parallel.ep={self.ep} does not divide parallel.dp={dp}: expert-parallel groups are "
+                "made of data-parallel ranks."
+            )
+        return ParallelDims(world_size=world_size, dp=dp, ep=self.ep, pp=pp, stages_per_rank=self.stages_per_rank)
+
+    @property
+    def stages_per_rank(self) -> int:
+        if self.pp_stages_per_rank is not None:
+            return self.pp_stages_per_rank
+        return 2 if self.pp_schedule == PipelineSchedule.interleaved_1f1b else 1

@@ -1,0 +1,301 @@
+"""What hangs off the training loop: each a `Callback` the `Trainer` calls at the start of `fit`,
+after every step, and at the end (also when the run fails).
+
+    StepProfiling    torch.profiler over train.profile_steps steps (train.profile)
+    SkipLimit        stop the run after train.max_consecutive_skips skipped updates in a row
+    MetricsLogger    metrics.jsonl / TensorBoard / W&B records, validation loss, the console
+    Checkpointing    a checkpoint every train.save_every steps and at the end
+    GracefulStop     SIGTERM or Ctrl-C: finish the step, save, stop
+
+They run in that order after each step. Each reads the trainer's public state (`step`, `engine`,
+`cfg`, `run`) and nothing else.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from moetrain.data.loader import val_batches
+from moetrain.errors import CheckpointError
+from moetrain.parallel.distributed import cpu_group
+from moetrain.train import checkpoint as ckpt
+from moetrain.train.config import RunConfig
+from moetrain.train.engine import StepOutput, TrainEngine
+from moetrain.train.metrics import MetricsWriter
+from moetrain.train.profiling import StepProfiler
+from moetrain.train.wandb_sink import WandbSink
+
+if TYPE_CHECKING:
+    from moetrain.train.trainer import Trainer
+
+
+class Callback:
+    def on_fit_start(self, trainer: Trainer) -> None:
+        """Before the first step of `fit`."""
+
+    def on_step_end(self, trainer: Trainer, out: StepOutput) -> None:
+        """After each optimizer step (`trainer.step` counts it already)."""
+
+    def on_fit_end(self, trainer: Trainer, completed: bool) -> None:
+        """After the last step, or when the run failed (`completed` false): release what
+        `on_fit_start` took."""
+
+
+def is_log_step(cfg: RunConfig, step: int) -> bool:
+    """Steps that write a record (and synchronize the device): every train.log_every, the
+    first, the last, and every evaluation step."""
+    tc = cfg.train
+    return step % tc.log_every == 0 or step == 1 or step == tc.steps or is_eval_step(cfg, step)
+
+
+def is_eval_step(cfg: RunConfig, step: int) -> bool:
+    tc = cfg.train
+    return tc.eval_every > 0 and (step % tc.eval_every == 0 or step == tc.steps)
+
+
+class Evaluator:
+    """The validation loss: `train.eval_batches` fixed micro-batches of the validation tokens
+    (data.val, or the first source's val split), every rank its rows of each."""
+
+    def __init__(self, cfg: RunConfig, dp_rank: int, dp_size: int):
+        self.cfg, self.dp_rank, self.dp_size = cfg, dp_rank, dp_size
+        self.path = cfg.data.val_path()
+
+    def __call__(self, engine: TrainEngine) -> float | None:
+        """Mean validation loss over all data-parallel ranks (a collective); None without
+        validation data."""
+        if self.path is None:
+            return None
+        tc = self.cfg.train
+        batches = val_batches(
+            self.path, seq_len=self.cfg.data.seq_len, micro_batch_size=tc.micro_batch_size,
+            num_batches=tc.eval_batches, vocab_size=self.cfg.model.vocab_size,
+            dp_rank=self.dp_rank, dp_size=self.dp_size,
+        )
+        return engine.eval_loss(batches)
+
+
+class StepProfiling(Callback):
+    """torch.profiler (and a CUDA memory snapshot) over a window of steps (moetrain/train/profiling.py)."""
+
+    def __init__(self, out_dir: Path):
+        self.out_dir = out_dir
+        self.profiler: StepProfiler | None = None
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        self.profiler = trainer.profiler(self.out_dir)
+
+    def on_step_end(self, trainer: Trainer, out: StepOutput) -> None:
+        self.profiler.step()
+
+    def on_fit_end(self, trainer: Trainer, completed: bool) -> None:
+        if self.profiler is not None:
+            self.profiler.close()
+
+
+class SkipLimit(Callback):
+    """Ends the run (`TooManySkippedSteps`) after train.max_consecutive_skips skipped updates in
+    a row. The count is a device value: read every step on CPU, on logging steps on GPU (the
+    device is synchronized there anyway), so the check adds no host sync to a step."""
+
+    def on_step_end(self, trainer: Trainer, out: StepOutput) -> None:
+        if trainer.device.type == "cpu" or is_log_step(trainer.cfg, trainer.step):
+            guard = trainer.engine.guard
+            guard.raise_if_stuck(int(guard.consecutive), trainer.step, trainer.run.last_checkpoint)
+
+
+class MetricsLogger(Callback):
+    """On logging steps (`is_log_step`): one record of the steps since the last one (rates over
+    that window of wall time), with the validation loss on evaluation steps, to metrics.jsonl,
+    TensorBoard and W&B (rank 0), and a console line or progress bar."""
+
+    def __init__(self, evaluator: Evaluator):
+        self.evaluator = evaluator
+        self.last_val: float | None = None
+        """The last validation loss of this `fit` (None before the first)."""
+        self.writer: MetricsWriter | None = None
+        self.progress: Progress | None = None
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        tc = trainer.cfg.train
+        if trainer.par.is_main:
+            sink = None
+            if tc.wandb:
+                sink = WandbSink(trainer.run.path, trainer.cfg.to_dict(), project=tc.wandb_project,
+                                 name=tc.wandb_name, resumed=trainer.resumed_from is not None)
+            self.writer = MetricsWriter(trainer.run.path, tensorboard=tc.tensorboard, wandb=sink)
+        self.progress = Progress(start=trainer.step, total=tc.steps, quiet=trainer.quiet)
+        self._restart_window()
+
+    def on_step_end(self, trainer: Trainer, out: StepOutput) -> None:
+        self.window_steps += 1
+        step = trainer.step
+        if not is_log_step(trainer.cfg, step):
+            self.progress.update(step, None)
+            return
+        if trainer.device.type == "cuda":
+            torch.cuda.synchronize(trainer.device)
+        seconds = time.perf_counter() - self.window_start
+        record = trainer.engine.metrics(out, step=step, steps=self.window_steps, seconds=seconds)
+        if is_eval_step(trainer.cfg, step):
+            record["val_loss"] = self.last_val = self.evaluator(trainer.engine)
+        if self.writer is not None:
+            self.writer.write(record)
+        self.progress.update(step, record)
+        self._restart_window()  # evaluation and logging stay out of the next window's rate
+
+    def on_fit_end(self, trainer: Trainer, completed: bool) -> None:
+        if self.progress is not None:
+            self.progress.close()
+        if self.writer is not None:
+            self.writer.close(failed=not completed)
+
+    def _restart_window(self) -> None:
+        self.window_start, self.window_steps = time.perf_counter(), 0
+
+
+class Checkpointing(Callback):
+    """Checkpoints every train.save_every steps and after the last (train.save_final); with
+    train.async_checkpoint written in the background, completed at the next save or at the end
+    of `fit`. Never writes parameters holding NaN or inf."""
+
+    def __init__(self) -> None:
+        self._pending: ckpt.PendingCheckpoint | None = None
+        self.last_saved_step: int | None = None
+
+    def on_step_end(self, trainer: Trainer, out: StepOutput) -> None:
+        tc = trainer.cfg.train
+        step = trainer.step
+        if (tc.save_every > 0 and step % tc.save_every == 0) or (step == tc.steps and tc.save_final):
+            self.save(trainer)
+
+    def save(self, trainer: Trainer) -> Path:
+        """Checkpoint `trainer.step` (every rank); returns where it is (or, written in the
+        background, will be)."""
+        self.finish()  # one write at a time
+        if not trainer.engine.parameters_finite():
+            raise CheckpointError(
+                f"Refusing to save step {trainer.step}: the parameters hold NaN or inf. The last good checkpoint "
+                f"({trainer.run.last_checkpoint() or 'none yet'}) is kept; lower optim.lr or check the data, "
+                "then --resume."
+            )
+        tc = trainer.cfg.train
+        state = {"step": trainer.step, "loader": trainer.loader.state_dict(), "guard": trainer.engine.guard.state_dict()}
+        extra = {"config.yaml": trainer.run.config_file}
+        if trainer.loader.tokenizer_path is not None:
+            extra["tokenizer.json"] = trainer.loader.tokenizer_path
+        result = ckpt.save_checkpoint(
+            trainer.run.path, trainer.step, trainer.engine.state_dict(), state, extra,
+            keep_last=tc.keep_last, rank=trainer.par.rank, async_write=tc.async_checkpoint,
+            process_group=cpu_group() if trainer.par.dims.world_size > 1 else None,
+        )
+        self.last_saved_step = trainer.step
+        if isinstance(result, ckpt.PendingCheckpoint):
+            self._pending = result
+            return ckpt.checkpoints_dir(trainer.run.path) / f"step-{result.step}"
+        return result
+
+    def finish(self) -> None:
+        """Wait for a background checkpoint write and complete it (no-op without one)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.finish()
+
+
+class GracefulStop(Callback):
+    """SIGTERM (what schedulers and torchrun send) or Ctrl-C: finish the current step, save a
+    checkpoint, return normally. A second Ctrl-C interrupts at once.
+
+    Ranks must stop after the same step: each step they agree through a MAX all-reduce of a CPU
+    flag over a gloo group (a few microseconds; no device involved, so no host sync on GPU)."""
+
+    def __init__(self, checkpointing: Checkpointing):
+        self.checkpointing = checkpointing
+        self.flag = 0
+        self.signal_name = ""
+        self.previous: dict = {}
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        self.quiet = not trainer.par.is_main  # said even under --quiet
+        self.collective = trainer.par.dims.world_size > 1
+        self.group = cpu_group() if self.collective else None
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self.previous[sig] = signal.signal(sig, self._handle)
+
+    def on_step_end(self, trainer: Trainer, out: StepOutput) -> None:
+        if trainer.step == trainer.cfg.train.steps or not self.requested():
+            return
+        if self.checkpointing.last_saved_step == trainer.step:
+            path = ckpt.checkpoints_dir(trainer.run.path) / f"step-{trainer.step}"
+        else:
+            path = self.checkpointing.save(trainer)
+        self.checkpointing.finish()
+        if trainer.par.is_main:
+            print(f"stopped by {self.signal_name} after step {trainer.step}; checkpoint {path}; "
+                  "continue with --resume", file=sys.stderr, flush=True)
+        trainer.stop(stopped_at_step=trainer.step)
+
+    def on_fit_end(self, trainer: Trainer, completed: bool) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        self.previous = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.flag and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.flag = 1
+        self.signal_name = signal.Signals(signum).name
+        if not self.quiet:
+            print(f"{self.signal_name}: stopping after this step and saving a checkpoint "
+                  "(Ctrl-C again to abort at once)", file=sys.stderr, flush=True)
+
+    def requested(self) -> bool:
+        """Whether any rank got the signal (collective)."""
+        if not self.collective:
+            return bool(self.flag)
+        flag = torch.tensor([self.flag], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if flag.item() and not self.signal_name:
+            self.signal_name = "a signal on another rank"
+        return bool(flag.item())
+
+
+class Progress:
+    """A tqdm bar on a terminal; a plain line per logged step otherwise (CI logs, pipes)."""
+
+    def __init__(self, start: int, total: int, quiet: bool):
+        self.quiet = quiet
+        self.bar = None
+        if not quiet and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
+        self.last = start
+
+    def update(self, step: int, record: dict[str, Any] | None) -> None:
+        if self.bar is not None:
+            self.bar.update(step - self.last)
+            if record is not None:
+                self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_sec']:.0f}")
+        elif record is not None and not self.quiet:
+            val = f" val_loss {record['val_loss']:.4f}" if record.get("val_loss") is not None else ""
+            print(
+                f"step {step:>6}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
+                f"{record['tokens_per_sec']:,.0f} tok/s{val}",
+                file=sys.stderr,
+                flush=True,
+            )
+        self.last = step
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -1,0 +1,165 @@
+"""The shape of the codebase: packages import each other in one direction only (no cycle), and the
+two seams are declared interfaces that every implementation follows to the signature."""
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "moetrain"
+
+LAYERS = {
+    "moetrain.errors": 0,
+    "moetrain.config": 1,
+    "moetrain.model": 2, "moetrain.data": 2,
+    "moetrain.parallel": 3,
+    "moetrain.optim": 4,
+    "moetrain.train": 5,
+    "moetrain.testing": 6,
+}
+"""Each package (or top-level module) may import only from lower layers, and from its own
+package. Top-level modules not listed (cli, bench, plan, hf, inference, presets) are
+applications: they may import anything, and nothing below them imports them."""
+
+
+def _node(module: str) -> str:
+    """moetrain.train.engine -> moetrain.train; a top-level module is its own node."""
+    return ".".join(module.split(".")[:2])
+
+
+def _imports(path: Path) -> set[str]:
+    """Every moetrain module `path` imports, at module level or inside functions."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("moetrain")}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("moetrain"):
+            assert node.level == 0, f"{path}: use absolute imports"
+            if node.module == "moetrain":  # from moetrain import cli
+                found |= {f"moetrain.{a.name}" for a in node.names}
+            else:
+                found.add(node.module)
+    return found
+
+
+def package_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT)
+        src = _node("moetrain." + ".".join(rel.with_suffix("").parts))
+        for target in _imports(path):
+            dst = _node(target)
+            if dst != src and dst != "moetrain":
+                graph.setdefault(src, set()).add(dst)
+        graph.setdefault(src, set())
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of `graph` (as a path that returns to its start), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        path.append(n)
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == 1:
+                return path[path.index(m):] + [m]
+            if m not in state and (cycle := visit(m)):
+                return cycle
+        state[n] = 2
+        path.pop()
+        return None
+
+    for n in sorted(graph):
+        if n not in state and (cycle := visit(n)):
+            return cycle
+    return None
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_no_import_cycle_between_packages():
+    graph = package_graph()
+    assert {"moetrain.model", "moetrain.parallel", "moetrain.optim", "moetrain.train"} <= set(graph)
+    cycle = find_cycle(graph)
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_packages_import_downwards_only():
+    bad = []
+    for src, targets in package_graph().items():
+        for dst in targets:
+            if src in LAYERS and (dst not in LAYERS or LAYERS[dst] >= LAYERS[src]) and dst != src:
+                bad.append(f"{src} imports {dst}")
+    assert not bad, bad
+
+
+def _public_methods(cls) -> dict[str, inspect.Signature]:
+    return {name: inspect.signature(getattr(cls, name)) for name in dir(cls)
+            if not name.startswith("_") and callable(getattr(cls, name, None))}
+
+
+def _protocol_members(protocol) -> tuple[dict[str, inspect.Signature], set[str]]:
+    methods = {name: inspect.signature(getattr(protocol, name)) for name in protocol.__dict__
+               if not name.startswith("_") and callable(protocol.__dict__[name])}
+    attributes = set(getattr(protocol, "__annotations__", {}))
+    return methods, attributes
+
+
+def _check_implements(cls, protocol):
+    methods, attributes = _protocol_members(protocol)
+    assert methods, protocol
+    have = _public_methods(cls)
+    for name, want in methods.items():
+        assert name in have, f"{cls.__name__} lacks {protocol.__name__}.{name}"
+        got = have[name]
+        # Names may carry an implementation's shapes (y_local_SD); arity, kinds and defaults match.
+        assert len(got.parameters) == len(want.parameters), (cls.__name__, name, str(got), str(want))
+        for p, q in zip(got.parameters.values(), want.parameters.values()):
+            assert p.default == q.default and p.kind == q.kind, (cls.__name__, name, str(got), str(want))
+    return attributes
+
+
+def test_every_optimizer_implements_the_optimizer_protocol():
+    from moetrain.optim.base import Optimizer
+    from moetrain.optim.fsdp import FSDPAdamW
+    from moetrain.optim.replicated import ReplicatedAdamW
+    from moetrain.optim.sharded import ShardedAdamW
+
+    for cls in (ReplicatedAdamW, ShardedAdamW, FSDPAdamW):
+        assert _check_implements(cls, Optimizer) == {"loss_scale"}
+
+
+def test_every_dispatcher_implements_the_token_dispatcher_protocol():
+    from moetrain.model.dispatcher import LocalTokenDispatcher, TokenDispatcher
+    from moetrain.parallel.dispatchers import AllToAllDispatcher, DataParallelDispatcher
+    from moetrain.parallel.nosync_dispatcher import NoSyncDispatcher
+    from moetrain.parallel.symm_dispatcher import SymmMemDispatcher
+
+    for cls in (LocalTokenDispatcher, DataParallelDispatcher, AllToAllDispatcher, NoSyncDispatcher, SymmMemDispatcher):
+        assert _check_implements(cls, TokenDispatcher) == {"num_local_experts"}
+    assert isinstance(LocalTokenDispatcher(4), TokenDispatcher)
+
+
+@pytest.mark.parametrize("protocol_path", ["moetrain.optim.base:Optimizer", "moetrain.model.dispatcher:TokenDispatcher"])
+def test_a_class_missing_a_method_is_caught(protocol_path):
+    """The signature check above can fail: a class without one of the methods, or with a
+    different signature, is reported."""
+    import importlib
+
+    module, name = protocol_path.split(":")
+    protocol = getattr(importlib.import_module(module), name)
+    methods, _ = _protocol_members(protocol)
+    first = sorted(methods)[0]
+    missing = type("Missing", (), {m: protocol.__dict__[m] for m in methods if m != first})
+    with pytest.raises(AssertionError, match=f"lacks {name}.{first}"):
+        _check_implements(missing, protocol)
+    wrong = type("Wrong", (), {m: (lambda self, a, b, c: None) for m in methods})
+    with pytest.raises(AssertionError):
+        _check_implements(wrong, protocol)
