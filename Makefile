@@ -12,7 +12,7 @@ DATA ?= data/default
 RUN ?= runs/tiny
 STEPS ?= 300
 
-.PHONY: install data train test clean
+.PHONY: install data train test lint format clean
 
 install: $(STAMP)
 
@@ -41,8 +41,18 @@ $(TEST_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet -e ".[hf,wandb]"
 	@touch $(TEST_STAMP)
 
-test: $(TEST_STAMP)
+# Lint and format check first (seconds), then the suite.
+test: $(TEST_STAMP) lint
 	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+# Rewrite the tree in the house format (what `make lint` checks).
+format: $(STAMP)
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
 
 clean:
 	rm -rf $(RUN) $(DATA)

@@ -17,8 +17,8 @@ import json
 import torch
 
 from moetrain.model.transformer import Transformer
-from moetrain.presets import preset
 from moetrain.optim.clip import clip_coefficient
+from moetrain.presets import preset
 
 
 def main() -> None:
@@ -44,8 +44,12 @@ def main() -> None:
         opt.step()
         opt.grad_scale = None
 
-    out = {"preset": args.preset, "params": sum(p.numel() for p in params), "device": torch.cuda.get_device_name(),
-           "torch": torch.__version__}
+    out = {
+        "preset": args.preset,
+        "params": sum(p.numel() for p in params),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+    }
     for name, folded in (("separate", False), ("folded", True), ("separate_again", False), ("folded_again", True)):
         for _ in range(3):
             step(folded)

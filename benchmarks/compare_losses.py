@@ -31,18 +31,32 @@ def main() -> int:
         got = losses(run)
         common = sorted(set(ref) & set(got))
         if not common or set(got) != set(ref):
-            print(json.dumps({"run": run, "error": f"steps differ: reference {sorted(ref)[:3]}…, run {sorted(got)[:3]}…"}))
+            print(
+                json.dumps({"run": run, "error": f"steps differ: reference {sorted(ref)[:3]}…, run {sorted(got)[:3]}…"})
+            )
             ok = False
             continue
         abs_d = [abs(got[s] - ref[s]) for s in common]
         rel_d = [d / abs(ref[s]) for d, s in zip(abs_d, common)]
         within = max(rel_d) <= args.rtol
         ok &= within
-        print(json.dumps({
-            "run": Path(run).name, "reference": Path(args.reference).name, "steps": len(common),
-            "first_loss": got[common[0]], "last_loss": got[common[-1]], "ref_last_loss": ref[common[-1]],
-            "max_abs_diff": max(abs_d), "max_rel_diff": max(rel_d), "rtol": args.rtol, "within_tol": within,
-        }), flush=True)
+        print(
+            json.dumps(
+                {
+                    "run": Path(run).name,
+                    "reference": Path(args.reference).name,
+                    "steps": len(common),
+                    "first_loss": got[common[0]],
+                    "last_loss": got[common[-1]],
+                    "ref_last_loss": ref[common[-1]],
+                    "max_abs_diff": max(abs_d),
+                    "max_rel_diff": max(rel_d),
+                    "rtol": args.rtol,
+                    "within_tol": within,
+                }
+            ),
+            flush=True,
+        )
     return 0 if ok else 1
 
 

@@ -30,38 +30,87 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "data" / "default"
-SMALL = ["model.d_model=64", "model.n_layers=3", "model.moe.expert_hidden=32", "data.seq_len=64",
-         "train.global_batch_size=8", "train.micro_batch_size=4"]
+SMALL = [
+    "model.d_model=64",
+    "model.n_layers=3",
+    "model.moe.expert_hidden=32",
+    "data.seq_len=64",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=4",
+]
 
 # name: (ranks, overrides)
 CASES: dict[str, tuple[int, list[str]]] = {
     "tiny": (1, []),
     "small-accum-selective": (1, SMALL + ["train.recompute=selective"]),
-    "small-sigmoid-bias-random": (1, SMALL + ["model.moe.gating=sigmoid", "model.moe.bias_update_rate=0.001",
-                                              "model.moe.routing=random", "model.moe.shared_hidden=32"]),
+    "small-sigmoid-bias-random": (
+        1,
+        SMALL
+        + [
+            "model.moe.gating=sigmoid",
+            "model.moe.bias_update_rate=0.001",
+            "model.moe.routing=random",
+            "model.moe.shared_hidden=32",
+        ],
+    ),
     "small-docmask-full": (1, SMALL + ["data.document_masking=true", "train.recompute=full", "schedule.kind=wsd"]),
     "dp2-ep2-nosync": (2, SMALL + ["parallel.ep=2"]),
-    "dp2-ep2-alltoall-sharded": (2, SMALL + ["parallel.ep=2", "parallel.dispatcher=alltoall",
-                                             "parallel.shard_optimizer=true"]),
+    "dp2-ep2-alltoall-sharded": (
+        2,
+        SMALL + ["parallel.ep=2", "parallel.dispatcher=alltoall", "parallel.shard_optimizer=true"],
+    ),
     "dp2-fsdp": (2, SMALL + ["parallel.stack=fsdp"]),
     "pp2-1f1b": (2, SMALL + ["parallel.pp=2"]),
-    "pp2-dp2-ep2-interleaved-sharded": (4, SMALL + ["parallel.pp=2", "parallel.ep=2", "parallel.shard_optimizer=true",
-                                                    "parallel.pp_schedule=interleaved-1f1b", "model.n_layers=4"]),
+    "pp2-dp2-ep2-interleaved-sharded": (
+        4,
+        SMALL
+        + [
+            "parallel.pp=2",
+            "parallel.ep=2",
+            "parallel.shard_optimizer=true",
+            "parallel.pp_schedule=interleaved-1f1b",
+            "model.n_layers=4",
+        ],
+    ),
 }
 
 
 def run_case(name: str, steps: int, work: Path) -> dict:
     ranks, overrides = CASES[name]
     run_dir = work / name
-    args = ["train", "tiny", "--run-dir", str(run_dir), "--steps", str(steps), "--seed", "0", "--quiet",
-            f"--data.sources=[{DATA}]", "--train.device=cpu", "--train.precision=fp32", "--train.log_every=1",
-            "--train.eval_every=0", "--train.save_every=0", "--train.plot=false", "--train.tensorboard=false",
-            *[f"--{o}" for o in overrides]]
+    args = [
+        "train",
+        "tiny",
+        "--run-dir",
+        str(run_dir),
+        "--steps",
+        str(steps),
+        "--seed",
+        "0",
+        "--quiet",
+        f"--data.sources=[{DATA}]",
+        "--train.device=cpu",
+        "--train.precision=fp32",
+        "--train.log_every=1",
+        "--train.eval_every=0",
+        "--train.save_every=0",
+        "--train.plot=false",
+        "--train.tensorboard=false",
+        *[f"--{o}" for o in overrides],
+    ]
     if ranks == 1:
         cmd = [sys.executable, "-m", "moetrain", *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", "--standalone",
-               "-m", "moetrain", *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={ranks}",
+            "--standalone",
+            "-m",
+            "moetrain",
+            *args,
+        ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if done.returncode != 0:
@@ -76,9 +125,16 @@ def run_case(name: str, steps: int, work: Path) -> dict:
         t = flat[key].contiguous()
         digest.update(key.encode())
         digest.update(t.numpy().tobytes() if t.ndim else t.reshape(1).numpy().tobytes())
-    return {"case": name, "ranks": ranks, "steps": steps, "lm_loss": [r["lm_loss"] for r in records],
-            "grad_norm": [r["grad_norm"] for r in records], "tensors": len(flat), "sha256": digest.hexdigest(),
-            "torch": torch.__version__}
+    return {
+        "case": name,
+        "ranks": ranks,
+        "steps": steps,
+        "lm_loss": [r["lm_loss"] for r in records],
+        "grad_norm": [r["grad_norm"] for r in records],
+        "tensors": len(flat),
+        "sha256": digest.hexdigest(),
+        "torch": torch.__version__,
+    }
 
 
 def _flatten(state, prefix: str = "") -> dict[str, torch.Tensor]:

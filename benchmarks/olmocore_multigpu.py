@@ -37,7 +37,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 ANCHOR_DIR = Path(os.environ.get("OLMO_ANCHOR_DIR", Path(__file__).resolve().parent.parent / ".anchor"))
 SETUP_HINT = (
@@ -64,7 +64,7 @@ def load_anchor():
 
 
 # Filled in by the patches below; read when a RESULT line is finalised.
-STATE: Dict[str, Any] = {"train_module": None, "batch_seed": None, "smoke_path_calls": {}}
+STATE: dict[str, Any] = {"train_module": None, "batch_seed": None, "smoke_path_calls": {}}
 
 
 def _rank_world():
@@ -75,7 +75,7 @@ def _rank_world():
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def _ep_layout(model_parts) -> Dict[str, Any]:
+def _ep_layout(model_parts) -> dict[str, Any]:
     """What each routed block on this rank actually holds after parallelisation."""
     blocks = []
     for m in model_parts:
@@ -83,13 +83,15 @@ def _ep_layout(model_parts) -> Dict[str, Any]:
             re_mod = getattr(mod, "routed_experts", None)
             if re_mod is None or not hasattr(mod, "ep_enabled") or not hasattr(re_mod, "w_up_gate"):
                 continue
-            blocks.append(dict(
-                ep_enabled=bool(mod.ep_enabled),
-                ep_path=str(mod.ep.path),
-                ep_world_size=int(mod.ep_world_size),
-                num_local_routed_experts=int(mod.num_local_routed_experts),
-                w_up_gate_local_experts=int(re_mod.w_up_gate.shape[0]),
-            ))
+            blocks.append(
+                dict(
+                    ep_enabled=bool(mod.ep_enabled),
+                    ep_path=str(mod.ep.path),
+                    ep_world_size=int(mod.ep_world_size),
+                    num_local_routed_experts=int(mod.num_local_routed_experts),
+                    w_up_gate_local_experts=int(re_mod.w_up_gate.shape[0]),
+                )
+            )
     first = blocks[0] if blocks else {}
     consistent = all(b == first for b in blocks)
     return dict(n_routed_blocks=len(blocks), layout_same_in_all_blocks=consistent, **first)
@@ -98,8 +100,9 @@ def _ep_layout(model_parts) -> Dict[str, Any]:
 # ----------------------------------------------------------------------------------------------
 # Patches
 # ----------------------------------------------------------------------------------------------
-def patch_anchor(anchor, ep: int, rank_seed_offset: int, smoke_style: str, original_config: str,
-                 ep_path: str = "sync_1d"):
+def patch_anchor(
+    anchor, ep: int, rank_seed_offset: int, smoke_style: str, original_config: str, ep_path: str = "sync_1d"
+):
     import torch
 
     # 1) EP through Olmo-core's own train-module config.
@@ -157,8 +160,10 @@ def patch_anchor(anchor, ep: int, rank_seed_offset: int, smoke_style: str, origi
         torch.Generator = real_generator  # restore at once: only the batch generator is touched
         caller = sys._getframe(1).f_code
         if caller.co_name != "main" or Path(caller.co_filename).name != "bench_olmocore.py":
-            builtins.print(f"[olmocore-multigpu] WARNING: batch generator not seeded by rank "
-                           f"(first Generator came from {caller.co_filename}:{caller.co_name})")
+            builtins.print(
+                f"[olmocore-multigpu] WARNING: batch generator not seeded by rank "
+                f"(first Generator came from {caller.co_filename}:{caller.co_name})"
+            )
             return real_generator(*a, **k)
         return _OffsetSeed(real_generator(*a, **k))
 
@@ -229,9 +234,9 @@ def install_cpu_ep_shims():
     ep1d.requires_host_side_split_sizes = lambda: True
     calls = STATE["smoke_path_calls"]
     for name in ("_combined_forward_ep_1d", "_combined_forward_no_ep"):
-        fn = getattr(ddp_block, name)
+        fn, label = getattr(ddp_block, name), name.lstrip("_")
 
-        def counted(*a, _fn=fn, _name=name.lstrip("_"), **k):
+        def counted(*a, _fn=fn, _name=label, **k):
             calls[_name] = calls.get(_name, 0) + 1
             return _fn(*a, **k)
 
@@ -241,10 +246,10 @@ def install_cpu_ep_shims():
 # ----------------------------------------------------------------------------------------------
 # RESULT lines: gather over ranks, rank 0 prints/appends
 # ----------------------------------------------------------------------------------------------
-ARGS: Dict[str, Any] = {}
+ARGS: dict[str, Any] = {}
 
 
-def _append(rec: Dict[str, Any]):
+def _append(rec: dict[str, Any]):
     line = json.dumps(rec, sort_keys=False)
     builtins.print("RESULT " + line, flush=True)
     if ARGS.get("out"):
@@ -255,7 +260,7 @@ def _append(rec: Dict[str, Any]):
 def _anchor_print(*args, **kwargs):
     if not (args and isinstance(args[0], str) and args[0].startswith("RESULT ")):
         return builtins.print(*args, **kwargs)
-    rec = json.loads(args[0][len("RESULT "):])
+    rec = json.loads(args[0][len("RESULT ") :])
     rank, world = _rank_world()
     rec.update(world_size=world, ep=ARGS["ep"], runner="benchmarks/olmocore_multigpu.py")
     if "error" in rec:
@@ -267,7 +272,7 @@ def _anchor_print(*args, **kwargs):
     return finalize_result(rec, rank, world)
 
 
-def finalize_result(rec: Dict[str, Any], rank: int, world: int):
+def finalize_result(rec: dict[str, Any], rank: int, world: int):
     import torch.distributed as dist
 
     tm = STATE["train_module"]
@@ -286,7 +291,7 @@ def finalize_result(rec: Dict[str, Any], rank: int, world: int):
         layout=_ep_layout(parts),
         smoke_path_calls=dict(STATE["smoke_path_calls"]) or None,
     )
-    gathered: List[Optional[Dict[str, Any]]] = [None] * world
+    gathered: list[dict[str, Any] | None] = [None] * world
     if world > 1:
         dist.all_gather_object(gathered, mine)
     else:
@@ -306,7 +311,8 @@ def finalize_result(rec: Dict[str, Any], rank: int, world: int):
     lay = g[0]["layout"]
     tm_ep = getattr(tm, "_ep_config", None)
     rec.update(
-        stack=rec["stack"] + (f" + EP{ARGS['ep']} ({lay.get('ep_path')})" if ARGS["ep"] > 1 else " + DP, experts replicated"),
+        stack=rec["stack"]
+        + (f" + EP{ARGS['ep']} ({lay.get('ep_path')})" if ARGS["ep"] > 1 else " + DP, experts replicated"),
         ep_dp=world // ARGS["ep"],
         ep_config=(f"TransformerExpertParallelConfig(degree={tm_ep.degree})" if tm_ep is not None else None),
         block_ep_path=lay.get("ep_path"),
@@ -343,18 +349,28 @@ def finalize_result(rec: Dict[str, Any], rank: int, world: int):
 # ----------------------------------------------------------------------------------------------
 def main() -> int:
     ap = argparse.ArgumentParser(add_help=False)
-    ap.add_argument("--ep", type=int, default=1,
-                    help="expert-parallel degree (1 = experts replicated, plain data parallel; "
-                         "-1 = all ranks)")
-    ap.add_argument("--ep-path", default="sync_1d",
-                    help="block ExpertParallelPath when --ep > 1. sync_1d (default) = synchronised "
-                         "NCCL all-to-all, no symmetric memory. rowwise_nvshmem (Olmo-core's "
-                         "production no-sync path, moe_8l_ddp.py's 'auto' for EP > 1) is opt-in and "
-                         "untested here: it needs NVSHMEM-backed torch symmetric memory")
+    ap.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel degree (1 = experts replicated, plain data parallel; -1 = all ranks)",
+    )
+    ap.add_argument(
+        "--ep-path",
+        default="sync_1d",
+        help="block ExpertParallelPath when --ep > 1. sync_1d (default) = synchronised "
+        "NCCL all-to-all, no symmetric memory. rowwise_nvshmem (Olmo-core's "
+        "production no-sync path, moe_8l_ddp.py's 'auto' for EP > 1) is opt-in and "
+        "untested here: it needs NVSHMEM-backed torch symmetric memory",
+    )
     ap.add_argument("--out", default=None, help="append JSON lines here (rank 0)")
-    ap.add_argument("--smoke-style", choices=["match", "anchor"], default="match",
-                    help="with --cpu-smoke: 'match' gives the toy shape the attention/norm style of "
-                         "--config (ddp-8e -> moe_8l style); 'anchor' keeps the anchor's toy shape")
+    ap.add_argument(
+        "--smoke-style",
+        choices=["match", "anchor"],
+        default="match",
+        help="with --cpu-smoke: 'match' gives the toy shape the attention/norm style of "
+        "--config (ddp-8e -> moe_8l style); 'anchor' keeps the anchor's toy shape",
+    )
     ap.add_argument("--config", default="ddp-tiny64e-l6")
     ap.add_argument("-h", "--help", action="store_true")
     ours, rest = ap.parse_known_args()
@@ -374,13 +390,20 @@ def main() -> int:
     ARGS.update(ep=ep, out=ours.out)
 
     anchor = load_anchor()
-    patch_anchor(anchor, ep=ep, rank_seed_offset=1000 * rank, smoke_style=ours.smoke_style,
-                 original_config=ours.config, ep_path=ours.ep_path)
+    patch_anchor(
+        anchor,
+        ep=ep,
+        rank_seed_offset=1000 * rank,
+        smoke_style=ours.smoke_style,
+        original_config=ours.config,
+        ep_path=ours.ep_path,
+    )
     # The anchor parses sys.argv itself; --out is ours (rank 0 writes the gathered line).
     sys.argv = [str(ANCHOR_DIR / "bench_olmocore.py"), "--config", ours.config, *rest]
     if rank == 0:
-        builtins.print(f"[olmocore-multigpu] world_size={world} ep={ep} anchor={ANCHOR_DIR} "
-                       f"args={sys.argv[1:]}", flush=True)
+        builtins.print(
+            f"[olmocore-multigpu] world_size={world} ep={ep} anchor={ANCHOR_DIR} args={sys.argv[1:]}", flush=True
+        )
     return anchor.main()
 
 

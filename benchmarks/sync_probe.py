@@ -16,10 +16,17 @@ from moetrain.presets import resolve_config
 from moetrain.train.trainer import Trainer
 
 overrides = sys.argv[1:]
-cfg = resolve_config("tiny", [
-    "train.device=cuda", "train.run_dir=/tmp/sync-probe", "train.tensorboard=false", "train.plot=false",
-    "data.synthetic=true", *overrides,
-])
+cfg = resolve_config(
+    "tiny",
+    [
+        "train.device=cuda",
+        "train.run_dir=/tmp/sync-probe",
+        "train.tensorboard=false",
+        "train.plot=false",
+        "data.synthetic=true",
+        *overrides,
+    ],
+)
 trainer = Trainer(cfg, quiet=True)
 for _ in range(2):
     trainer.train_step()

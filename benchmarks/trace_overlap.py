@@ -83,8 +83,11 @@ def analyse(trace_path: Path, steps: int) -> dict:
     kinds = {}
     for k, v in sorted(per_kind.items()):
         u = union(v["busy"])
-        kinds[k] = {"kernels_per_step": v["kernels"] / steps, "ms": round(length(u) * ms, 2),
-                    "exposed_ms": round(length(minus(u, compute)) * ms, 2)}
+        kinds[k] = {
+            "kernels_per_step": v["kernels"] / steps,
+            "ms": round(length(u) * ms, 2),
+            "exposed_ms": round(length(minus(u, compute)) * ms, 2),
+        }
     return {
         "trace": str(trace_path),
         "steps": steps,
@@ -108,10 +111,15 @@ def main() -> None:
         if args.json:
             print(json.dumps(r))
             continue
-        print(f"{path}: per step span {r['span_ms']} ms = compute {r['compute_ms']} + exposed NCCL "
-              f"{r['exposed_nccl_ms']} + idle {r['idle_ms']} (NCCL busy {r['nccl_ms']} ms)")
+        print(
+            f"{path}: per step span {r['span_ms']} ms = compute {r['compute_ms']} + exposed NCCL "
+            f"{r['exposed_nccl_ms']} + idle {r['idle_ms']} (NCCL busy {r['nccl_ms']} ms)"
+        )
         for k, v in r["collectives"].items():
-            print(f"  {k:14} {v['kernels_per_step']:6.1f} kernels/step  busy {v['ms']:8.2f} ms  exposed {v['exposed_ms']:8.2f} ms")
+            print(
+                f"  {k:14} {v['kernels_per_step']:6.1f} kernels/step  busy {v['ms']:8.2f} ms  "
+                f"exposed {v['exposed_ms']:8.2f} ms"
+            )
 
 
 if __name__ == "__main__":

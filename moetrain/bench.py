@@ -42,8 +42,12 @@ from moetrain.train.metrics import peak_mem_gib
 from moetrain.train.trainer import Trainer
 
 BENCH_OVERRIDES = [
-    "data.synthetic=true", "train.eval_every=0", "train.save_every=0", "train.save_final=false",
-    "train.plot=false", "train.tensorboard=false",
+    "data.synthetic=true",
+    "train.eval_every=0",
+    "train.save_every=0",
+    "train.save_final=false",
+    "train.plot=false",
+    "train.tensorboard=false",
 ]
 
 
@@ -66,11 +70,20 @@ def run_bench(
         if r not in known:  # before any work
             raise ConfigError(f"--routing: unknown routing mode '{r}'; choose from {', '.join(known)}.")
     run_dir = run_dir or tempfile.mkdtemp(prefix="moetrain-bench-")
-    cfg = resolve_config(spec, overrides + BENCH_OVERRIDES + [f"train.run_dir={run_dir}", f"model.moe.routing={routings[0]}"])
+    cfg = resolve_config(
+        spec, overrides + BENCH_OVERRIDES + [f"train.run_dir={run_dir}", f"model.moe.routing={routings[0]}"]
+    )
     trainer = Trainer(cfg, quiet=True)
-    say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress and trainer.par.is_main else (lambda msg: None)
-    windows = ([("forward+backward", _forward_backward_step(trainer))] if forward_backward_only else
-               [("training step", trainer.train_step)])
+    say = (
+        (lambda msg: print(msg, file=sys.stderr, flush=True))
+        if progress and trainer.par.is_main
+        else (lambda msg: None)
+    )
+    windows = (
+        [("forward+backward", _forward_backward_step(trainer))]
+        if forward_backward_only
+        else [("training step", trainer.train_step)]
+    )
     if also_forward_backward and not forward_backward_only:
         windows.append(("forward+backward", _forward_backward_step(trainer)))
     records = []
@@ -155,8 +168,9 @@ def _count_host_syncs(step) -> int:
     return sum("called a synchronizing CUDA operation" in str(w.message) for w in caught)
 
 
-def _record(trainer: Trainer, spec: str, routing: str, steps: int, elapsed: float, balance: dict[str, Any],
-            syncs: int | None) -> dict[str, Any]:
+def _record(
+    trainer: Trainer, spec: str, routing: str, steps: int, elapsed: float, balance: dict[str, Any], syncs: int | None
+) -> dict[str, Any]:
     cfg, world, engine = trainer.cfg, trainer.par.dims.world_size, trainer.engine
     m, tc = cfg.model, cfg.train
     tokens_per_sec = engine.tokens_per_step * steps / elapsed
@@ -182,23 +196,39 @@ def _record(trainer: Trainer, spec: str, routing: str, steps: int, elapsed: floa
         "ep_load_max_over_mean": balance["ep_load_max_over_mean"],
         "dropped_token_frac": balance["dropped_token_frac"],
         "shape": {
-            "d_model": m.d_model, "n_layers": m.n_layers, "num_dense_layers": m.num_dense_layers,
-            "n_heads": m.n_heads, "n_kv_heads": m.n_kv_heads, "head_dim": m.resolved_head_dim,
-            "num_experts": m.moe.num_experts, "top_k": m.moe.top_k, "expert_hidden": m.moe.expert_hidden,
-            "shared_hidden": m.moe.shared_hidden, "dense_hidden": m.resolved_dense_hidden,
-            "vocab_size": m.vocab_size, "peri_norm": m.peri_norm,
-            "total_params": counts.total, "active_params": counts.active,
+            "d_model": m.d_model,
+            "n_layers": m.n_layers,
+            "num_dense_layers": m.num_dense_layers,
+            "n_heads": m.n_heads,
+            "n_kv_heads": m.n_kv_heads,
+            "head_dim": m.resolved_head_dim,
+            "num_experts": m.moe.num_experts,
+            "top_k": m.moe.top_k,
+            "expert_hidden": m.moe.expert_hidden,
+            "shared_hidden": m.moe.shared_hidden,
+            "dense_hidden": m.resolved_dense_hidden,
+            "vocab_size": m.vocab_size,
+            "peri_norm": m.peri_norm,
+            "total_params": counts.total,
+            "active_params": counts.active,
         },
         "batch": {
-            "seq_len": cfg.data.seq_len, "micro_batch_size": tc.micro_batch_size,
-            "grad_accum_steps": tc.grad_accum_steps, "tokens_per_step": engine.tokens_per_step,
+            "seq_len": cfg.data.seq_len,
+            "micro_batch_size": tc.micro_batch_size,
+            "grad_accum_steps": tc.grad_accum_steps,
+            "tokens_per_step": engine.tokens_per_step,
         },
         "precision": _precision(trainer),
         "flops_per_token": engine.flops_per_token,
         "compile": tc.compile,
         "recompute": str(tc.recompute),
-        "layout": {"world": world, "dp": trainer.par.dims.dp, "ep": trainer.par.dims.ep,
-                   "pp": trainer.par.dims.pp, "stack": str(cfg.parallel.stack)},
+        "layout": {
+            "world": world,
+            "dp": trainer.par.dims.dp,
+            "ep": trainer.par.dims.ep,
+            "pp": trainer.par.dims.pp,
+            "stack": str(cfg.parallel.stack),
+        },
         "device": torch.cuda.get_device_name(trainer.device) if trainer.device.type == "cuda" else "cpu",
         "torch": torch.__version__,
     }
@@ -206,9 +236,11 @@ def _record(trainer: Trainer, spec: str, routing: str, steps: int, elapsed: floa
 
 def _precision(trainer: Trainer) -> str:
     amp_dtype = trainer.engine.amp_dtype
-    base = "fp32" if amp_dtype is None else (
-        f"{str(amp_dtype).removeprefix('torch.')} autocast, fp32 master weights, gradients and AdamW state")
+    base = (
+        "fp32"
+        if amp_dtype is None
+        else (f"{str(amp_dtype).removeprefix('torch.')} autocast, fp32 master weights, gradients and AdamW state")
+    )
     if trainer.cfg.train.fp8 != "none":
         base += f"; {trainer.cfg.train.fp8} fp8 (e4m3) expert and block-linear GEMMs"
     return base
-

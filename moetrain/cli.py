@@ -93,8 +93,13 @@ def main(argv: list[str] | None = None) -> int:
             gone = unresponsive_ranks()
         finally:
             signal.signal(signal.SIGTERM, previous)
-        who = (f"rank {gone[0]} is gone" if gone and len(gone) == 1 else
-               f"ranks {', '.join(map(str, gone))} are gone" if gone else "another rank is gone")
+        who = (
+            f"rank {gone[0]} is gone"
+            if gone and len(gone) == 1
+            else f"ranks {', '.join(map(str, gone))} are gone"
+            if gone
+            else "another rank is gone"
+        )
         print(
             f"error: rank {rank}: a collective failed because {who} ({_first_line(e)}). "
             + ("" if gone else "The launcher's log names the rank that failed first. ")
@@ -105,8 +110,14 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-_LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited",
-              "NCCL communicator was aborted", "Socket Timeout")
+_LOST_PEER = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "remote process exited",
+    "NCCL communicator was aborted",
+    "Socket Timeout",
+)
 
 
 def _lost_a_peer(e: BaseException) -> bool:
@@ -149,9 +160,13 @@ def _config_parser(prog: str, description: str, train_flags: bool) -> argparse.A
     if train_flags:
         for flag, (key, tp) in TRAIN_FLAGS.items():
             parser.add_argument(flag, type=tp, help=f"sets {key}")
-        parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in the run directory")
+        parser.add_argument(
+            "--resume", action="store_true", help="continue from the newest complete checkpoint in the run directory"
+        )
         parser.add_argument("--quiet", action="store_true", help="no progress output")
-    parser.epilog = "Any config key can be set with --section.key=value, e.g. --optim.lr=1e-3 --model.moe.routing=random."
+    parser.epilog = (
+        "Any config key can be set with --section.key=value, e.g. --optim.lr=1e-3 --model.moe.routing=random."
+    )
     return parser
 
 
@@ -192,10 +207,16 @@ def cmd_bench(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=15, help="timed steps per routing mode")
     parser.add_argument("--routing", default="learned,random", help="comma-separated routing modes (default both)")
     parser.add_argument("--no-sync-check", action="store_true", help="skip the extra step that counts host syncs")
-    parser.add_argument("--forward-backward-only", action="store_true",
-                        help="time the micro-batches' forward and backward alone (no clipping, no optimizer step)")
-    parser.add_argument("--also-forward-backward", action="store_true",
-                        help="after the training-step window, time forward+backward alone too (one more JSON line)")
+    parser.add_argument(
+        "--forward-backward-only",
+        action="store_true",
+        help="time the micro-batches' forward and backward alone (no clipping, no optimizer step)",
+    )
+    parser.add_argument(
+        "--also-forward-backward",
+        action="store_true",
+        help="after the training-step window, time forward+backward alone too (one more JSON line)",
+    )
     parser.add_argument("--device", default=None, help="sets train.device (default: auto)")
     parser.add_argument("--run-dir", default=None, help="where the trainer may write (default: a temporary directory)")
     args, overrides = _split_overrides(parser, argv)
@@ -205,9 +226,14 @@ def cmd_bench(argv: list[str]) -> int:
         overrides.append(f"train.device={args.device}")
 
     records = run_bench(
-        args.spec, overrides, warmup=args.warmup, steps=args.steps,
+        args.spec,
+        overrides,
+        warmup=args.warmup,
+        steps=args.steps,
         routings=[r.strip() for r in args.routing.split(",") if r.strip()],
-        sync_check=not args.no_sync_check, run_dir=args.run_dir, forward_backward_only=args.forward_backward_only,
+        sync_check=not args.no_sync_check,
+        run_dir=args.run_dir,
+        forward_backward_only=args.forward_backward_only,
         also_forward_backward=args.also_forward_backward,
     )
     if not dist.is_initialized() or dist.get_rank() == 0:
@@ -230,8 +256,12 @@ def cmd_plan(argv: list[str]) -> int:
     parser.add_argument("spec", metavar="PRESET_OR_YAML")
     parser.add_argument("--gpus", type=int, required=True, help="number of GPUs (world size)")
     parser.add_argument("--gpu", default="h200", help="h100, h200, b200 or b300 (default h200)")
-    parser.add_argument("--micro-batch", type=int, default=None,
-                        help="sequences per GPU per micro-batch (sets train.micro_batch_size = this × dp)")
+    parser.add_argument(
+        "--micro-batch",
+        type=int,
+        default=None,
+        help="sequences per GPU per micro-batch (sets train.micro_batch_size = this × dp)",
+    )
     parser.add_argument("--no-suggest", action="store_true", help="skip the search for layouts that fit")
     args, overrides = _split_overrides(parser, argv)
 
@@ -249,11 +279,16 @@ def cmd_plan(argv: list[str]) -> int:
     suggestions = [] if args.no_suggest else suggest(cfg, args.gpus, gpu)
     print(report(result))
     if not args.no_suggest:
-        print("layouts that fit (ddp stack, sharded optimizer), fastest first:" if suggestions else
-              f"no layout of the ddp stack fits {args.gpus} × {gpu}: add GPUs or shrink the model.")
+        print(
+            "layouts that fit (ddp stack, sharded optimizer), fastest first:"
+            if suggestions
+            else f"no layout of the ddp stack fits {args.gpus} × {gpu}: add GPUs or shrink the model."
+        )
         for s in suggestions:
-            print(f"  {s.layout.describe():70s} peak {s.peak_mem_gib_per_device:6.1f} GiB, "
-                  f"step {s.step_time_s:.3f} s, MFU {100 * s.mfu:.1f}%")
+            print(
+                f"  {s.layout.describe():70s} peak {s.peak_mem_gib_per_device:6.1f} GiB, "
+                f"step {s.step_time_s:.3f} s, MFU {100 * s.mfu:.1f}%"
+            )
     print(json.dumps(to_json(result, args.spec, args.gpus, gpu, suggestions)))
     return 0
 
@@ -271,13 +306,17 @@ def cmd_params(argv: list[str]) -> int:
     cfg = _resolve(args, overrides)
 
     counts = count_params(cfg.model)
-    print(json.dumps({
-        "preset": args.spec,
-        "total_params": counts.total,
-        "active_params": counts.active,
-        "flops_per_token": flops_per_token(cfg.model, cfg.data.seq_len),
-        "seq_len": cfg.data.seq_len,
-    }))
+    print(
+        json.dumps(
+            {
+                "preset": args.spec,
+                "total_params": counts.total,
+                "active_params": counts.active,
+                "flops_per_token": flops_per_token(cfg.model, cfg.data.seq_len),
+                "seq_len": cfg.data.seq_len,
+            }
+        )
+    )
     return 0
 
 
@@ -341,22 +380,28 @@ def _convert(argv: list[str], prog: str, description: str, source: str, source_h
 def cmd_export_hf(argv: list[str]) -> int:
 
     return _convert(
-        argv, "moetrain export-hf",
+        argv,
+        "moetrain export-hf",
         "Write a checkpoint as a directory that transformers loads offline with a native architecture "
         "(Qwen3-MoE): model.safetensors, config.json, tokenizer files. Models that no native class "
         "represents exactly are refused, naming the feature.",
-        "checkpoint", "a run directory (newest checkpoint) or a step-N directory", export_hf,
+        "checkpoint",
+        "a run directory (newest checkpoint) or a step-N directory",
+        export_hf,
     )
 
 
 def cmd_import_hf(argv: list[str]) -> int:
 
     return _convert(
-        argv, "moetrain import-hf",
+        argv,
+        "moetrain import-hf",
         "Read a Hugging Face Qwen3-MoE directory (config.json, safetensors, tokenizer.json) into OUT_DIR: "
         "config.yaml, tokenizer.json and a weights-only checkpoint. Continue training it with `moetrain "
         "train OUT_DIR/config.yaml --train.init_from=OUT_DIR --data.sources=… --run-dir NEW`.",
-        "hf_dir", "a Hugging Face model directory", import_hf,
+        "hf_dir",
+        "a Hugging Face model directory",
+        import_hf,
     )
 
 

@@ -34,8 +34,7 @@ class Config:
     def from_dict(cls, data: dict[str, Any], prefix: str = "") -> Self:
         if not isinstance(data, dict):
             raise ConfigError(
-                f"'{prefix or '<root>'}' must be a mapping of keys to values, got "
-                f"{type(data).__name__} {data!r}."
+                f"'{prefix or '<root>'}' must be a mapping of keys to values, got {type(data).__name__} {data!r}."
             )
         hints = typing.get_type_hints(cls)
         fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
@@ -71,8 +70,7 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
         item = item.removeprefix("--")
         if "=" not in item:
             raise ConfigError(
-                f"Override '{item}' has no value: write it as --{item}=VALUE (for example "
-                "--optim.lr=3e-4)."
+                f"Override '{item}' has no value: write it as --{item}=VALUE (for example --optim.lr=3e-4)."
             )
         dotted, raw = item.split("=", 1)
         try:
@@ -168,8 +166,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 return _coerce(value, arg, key)
             except ConfigError as e:
                 errors.append(str(e))
-        raise errors[0] if len(errors) == 1 else ConfigError(
-            f"Config key '{key}' got {value!r}, expected {' or '.join(_type_name(a) for a in args)}."
+        raise (
+            errors[0]
+            if len(errors) == 1
+            else ConfigError(f"Config key '{key}' got {value!r}, expected {' or '.join(_type_name(a) for a in args)}.")
         )
     if origin in (list, tuple):
         if isinstance(value, tuple):
@@ -193,9 +193,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         try:
             return tp(value)
         except ValueError:
-            raise ConfigError(
-                f"Config key '{key}' got {value!r}, expected {_type_name(tp)}."
-            ) from None
+            raise ConfigError(f"Config key '{key}' got {value!r}, expected {_type_name(tp)}.") from None
     if tp is bool:
         if isinstance(value, bool):
             return value

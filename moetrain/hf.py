@@ -138,7 +138,8 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path) -> dict:
     if problems:
         raise ConfigError(
             "This model has no exact native transformers architecture, so it is not exported: "
-            + "; ".join(problems) + ". Supported: Qwen3-MoE (softmax top-k with normalized weights, no shared "
+            + "; ".join(problems)
+            + ". Supported: Qwen3-MoE (softmax top-k with normalized weights, no shared "
             "expert, QK-norm, pre-norm), e.g. the `tiny` preset."
         )
     out = Path(out_dir)
@@ -148,16 +149,24 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path) -> dict:
     eos_token = "<|endoftext|>" if tokenizer.token_to_id("<|endoftext|>") is not None else None
     eos_id = tokenizer.token_to_id(eos_token) if eos_token else None
     (out / "config.json").write_text(json.dumps(hf_config(cfg.model, eos_id), indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": eos_id, "eos_token_id": eos_id, "do_sample": False}, indent=2) + "\n")
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": eos_id, "eos_token_id": eos_id, "do_sample": False}, indent=2) + "\n"
+    )
     tokenizer.save(str(out / "tokenizer.json"))
-    tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.data.seq_len,
-               "clean_up_tokenization_spaces": False}
+    tok_cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": cfg.data.seq_len,
+        "clean_up_tokenization_spaces": False,
+    }
     if eos_token:
         tok_cfg.update(eos_token=eos_token, bos_token=eos_token, pad_token=eos_token)
     (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
-    return {"architecture": "Qwen3MoeForCausalLM", "out_dir": str(out), "tensors": len(tensors),
-            "parameters": sum(t.numel() for t in tensors.values())}
+    return {
+        "architecture": "Qwen3MoeForCausalLM",
+        "out_dir": str(out),
+        "tensors": len(tensors),
+        "parameters": sum(t.numel() for t in tensors.values()),
+    }
 
 
 def _read_hf_tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
@@ -180,12 +189,16 @@ def model_config_from_hf(hf: dict, source: str) -> TransformerConfig:
     """The moetrain model a Qwen3-MoE config.json describes; refuses what moetrain cannot run
     exactly, naming the field."""
     if hf.get("model_type") != "qwen3_moe":
-        raise ConfigError(f"{source}: model_type '{hf.get('model_type')}' is not supported; import-hf reads "
-                          "qwen3_moe (Qwen3-MoE) models.")
+        raise ConfigError(
+            f"{source}: model_type '{hf.get('model_type')}' is not supported; import-hf reads "
+            "qwen3_moe (Qwen3-MoE) models."
+        )
     layers = hf["num_hidden_layers"]
     dense = sorted(hf.get("mlp_only_layers") or [])
-    rope = hf.get("rope_parameters") or {"rope_theta": hf.get("rope_theta", 10000.0),
-                                         "rope_type": (hf.get("rope_scaling") or {}).get("rope_type", "default")}
+    rope = hf.get("rope_parameters") or {
+        "rope_theta": hf.get("rope_theta", 10000.0),
+        "rope_type": (hf.get("rope_scaling") or {}).get("rope_type", "default"),
+    }
     problems = []
     if dense != list(range(len(dense))):
         problems.append(f"mlp_only_layers={dense} (moetrain's dense blocks come first)")
@@ -207,13 +220,28 @@ def model_config_from_hf(hf: dict, source: str) -> TransformerConfig:
         raise ConfigError(f"{source}: this Qwen3-MoE variant cannot be reproduced exactly: {'; '.join(problems)}.")
     experts = hf.get("num_experts") or hf.get("num_local_experts")
     return TransformerConfig(
-        vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=layers, n_heads=hf["num_attention_heads"],
-        n_kv_heads=hf["num_key_value_heads"], head_dim=hf.get("head_dim"), num_dense_layers=len(dense),
-        dense_hidden=hf["intermediate_size"], qk_norm=True, peri_norm=False, norm_eps=hf["rms_norm_eps"],
+        vocab_size=hf["vocab_size"],
+        d_model=hf["hidden_size"],
+        n_layers=layers,
+        n_heads=hf["num_attention_heads"],
+        n_kv_heads=hf["num_key_value_heads"],
+        head_dim=hf.get("head_dim"),
+        num_dense_layers=len(dense),
+        dense_hidden=hf["intermediate_size"],
+        qk_norm=True,
+        peri_norm=False,
+        norm_eps=hf["rms_norm_eps"],
         rope_theta=float(rope["rope_theta"]),
-        moe=MoEConfig(num_experts=experts, top_k=hf["num_experts_per_tok"], expert_hidden=hf["moe_intermediate_size"],
-                      shared_hidden=0, gating=Gating.softmax, normalize_weights=True, restore_weight_scale=False,
-                      lb_loss_weight=hf.get("router_aux_loss_coef", 0.001)),
+        moe=MoEConfig(
+            num_experts=experts,
+            top_k=hf["num_experts_per_tok"],
+            expert_hidden=hf["moe_intermediate_size"],
+            shared_hidden=0,
+            gating=Gating.softmax,
+            normalize_weights=True,
+            restore_weight_scale=False,
+            lb_loss_weight=hf.get("router_aux_loss_coef", 0.001),
+        ),
     )
 
 
@@ -264,8 +292,11 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> dict:
                 ffn.experts.w_down_EDF.copy_(pair[1])
             else:
                 for e in range(ffn.experts.num_experts):
-                    ffn.experts.w_gate_up_E2FD[e].copy_(torch.cat([take(f"{p}.mlp.experts.{e}.gate_proj.weight"),
-                                                                   take(f"{p}.mlp.experts.{e}.up_proj.weight")]))
+                    ffn.experts.w_gate_up_E2FD[e].copy_(
+                        torch.cat(
+                            [take(f"{p}.mlp.experts.{e}.gate_proj.weight"), take(f"{p}.mlp.experts.{e}.up_proj.weight")]
+                        )
+                    )
                     ffn.experts.w_down_EDF[e].copy_(take(f"{p}.mlp.experts.{e}.down_proj.weight"))
         else:
             ffn.w_gate.weight.copy_(take(f"{p}.mlp.gate_proj.weight"))
@@ -276,7 +307,13 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> dict:
     extra = {"config.yaml": out / "config.yaml"}
     if (hf_dir / "tokenizer.json").is_file():
         extra["tokenizer.json"] = hf_dir / "tokenizer.json"
-    path = ckpt.save_checkpoint(out, 0, {"model": ckpt.model_state_dict(model)},
-                                {"step": 0, "imported_from": str(hf_dir)}, extra_files=extra)
-    return {"architecture": "Qwen3MoeForCausalLM", "checkpoint": str(path), "config": str(out / "config.yaml"),
-            "tensors": len(expected), "parameters": sum(p.numel() for p in model.parameters())}
+    path = ckpt.save_checkpoint(
+        out, 0, {"model": ckpt.model_state_dict(model)}, {"step": 0, "imported_from": str(hf_dir)}, extra_files=extra
+    )
+    return {
+        "architecture": "Qwen3MoeForCausalLM",
+        "checkpoint": str(path),
+        "config": str(out / "config.yaml"),
+        "tensors": len(expected),
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }

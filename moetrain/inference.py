@@ -18,7 +18,7 @@ from moetrain.train import checkpoint as ckpt
 from moetrain.train.config import RunConfig
 
 
-def load_for_inference(checkpoint: str | Path, device: str = "cpu") -> tuple[Transformer, RunConfig, "object"]:
+def load_for_inference(checkpoint: str | Path, device: str = "cpu") -> tuple[Transformer, RunConfig, object]:
     """(model in eval mode, its run config, its HF tokenizer) from a run or step-N directory."""
     from tokenizers import Tokenizer
 

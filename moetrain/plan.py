@@ -52,10 +52,9 @@ measured runs).
 from __future__ import annotations
 
 import dataclasses
-import math
-
 import functools
 import json
+import math
 
 from moetrain.errors import ConfigError
 from moetrain.model.config import Fp8, TransformerConfig
@@ -161,7 +160,9 @@ class Layout:
         if self.shard_optimizer:
             text += " sharded-optimizer"
         if self.recompute != "none":
-            text += f" recompute={self.recompute}" + (f"/every {self.recompute_every}" if self.recompute_every > 1 else "")
+            text += f" recompute={self.recompute}" + (
+                f"/every {self.recompute_every}" if self.recompute_every > 1 else ""
+            )
         return text + f", {self.rows_per_micro_batch} seq × {self.micro_batches} micro-batches per rank"
 
 
@@ -184,7 +185,9 @@ class Plan:
     params_per_pipeline_rank: list[int]
 
 
-def _block_bytes(m: TransformerConfig, moe_block: bool, recompute: str, expert_rows: float, compiled: bool, fp32: bool) -> float:
+def _block_bytes(
+    m: TransformerConfig, moe_block: bool, recompute: str, expert_rows: float, compiled: bool, fp32: bool
+) -> float:
     """Bytes autograd keeps per token for one block's backward (expert_rows: rows through the
     experts per token: K, or more with the sync-free dispatcher's padded buffers)."""
     a = 4 if fp32 else 2  # matmul inputs/outputs (autocast bf16)
@@ -207,14 +210,18 @@ def _block_bytes(m: TransformerConfig, moe_block: bool, recompute: str, expert_r
     if moe_block:
         moe = m.moe
         ffn = r * D + a * D + 4 * moe.num_experts  # norm input, router/shared input, router probs
-        ffn += expert_rows * a * (D + 2 * moe.expert_hidden + moe.expert_hidden + D)  # permuted in, gate/up, act, down out
+        ffn += (
+            expert_rows * a * (D + 2 * moe.expert_hidden + moe.expert_hidden + D)
+        )  # permuted in, gate/up, act, down out
         ffn += a * 3 * moe.shared_hidden
         hidden_for_eager = expert_rows * moe.expert_hidden + moe.shared_hidden
     else:
         Hd = m.resolved_dense_hidden
         ffn = r * D + a * D + a * 3 * Hd
         hidden_for_eager = Hd
-    eager = 0 if compiled else 4 * 2 * D + 4 * (hq + hkv) * hd + a * hidden_for_eager  # fp32 norm outputs, qk-norm, silu(gate)
+    eager = (
+        0 if compiled else 4 * 2 * D + 4 * (hq + hkv) * hd + a * hidden_for_eager
+    )  # fp32 norm outputs, qk-norm, silu(gate)
     return attn + ffn + eager
 
 
@@ -252,8 +259,13 @@ def _param_groups(model_json: str) -> ParamGroups:
             moe_dense, moe_experts = numel(block) - experts, experts
         else:
             dense_block = numel(block)
-    return ParamGroups(embedding=numel(model.embed), head=numel(model.norm) + numel(model.lm_head),
-                       dense_block=dense_block, moe_dense=moe_dense, moe_experts=moe_experts)
+    return ParamGroups(
+        embedding=numel(model.embed),
+        head=numel(model.norm) + numel(model.lm_head),
+        dense_block=dense_block,
+        moe_dense=moe_dense,
+        moe_experts=moe_experts,
+    )
 
 
 def layout_of(cfg: RunConfig, gpus: int) -> Layout:
@@ -262,10 +274,19 @@ def layout_of(cfg: RunConfig, gpus: int) -> Layout:
     p, tc = cfg.parallel, cfg.train
     schedule = p.pp_schedule.value if dims.pp > 1 else "none"
     return Layout(
-        stack=p.stack.value, dp=dims.dp, ep=dims.ep, pp=dims.pp, stages_per_rank=dims.stages_per_rank,
-        schedule=schedule, shard_optimizer=p.shard_optimizer, dispatcher=p.dispatcher.value,
-        capacity_factor=p.capacity_factor, recompute=tc.recompute.value, recompute_every=tc.recompute_every,
-        micro_batches=tc.grad_accum_steps, rows_per_micro_batch=tc.micro_batch_size // dims.dp,
+        stack=p.stack.value,
+        dp=dims.dp,
+        ep=dims.ep,
+        pp=dims.pp,
+        stages_per_rank=dims.stages_per_rank,
+        schedule=schedule,
+        shard_optimizer=p.shard_optimizer,
+        dispatcher=p.dispatcher.value,
+        capacity_factor=p.capacity_factor,
+        recompute=tc.recompute.value,
+        recompute_every=tc.recompute_every,
+        micro_batches=tc.grad_accum_steps,
+        rows_per_micro_batch=tc.micro_batch_size // dims.dp,
     )
 
 
@@ -330,10 +351,16 @@ def plan(cfg: RunConfig, gpus: int, gpu: str, assume: Assumptions = Assumptions(
     memory = {k: round(getattr(busiest, k) / GIB, 2) for k in ("weights", "grads", "optimizer", "activations")}
     memory["workspace"] = assume.workspace_gib
     return Plan(
-        layout=L, gpu=spec, params_per_device=int(busiest.local / (L.dp if fsdp else 1)), memory_gib=memory,
-        peak_mem_gib_per_device=round(peak_gib, 2), fits=peak_gib <= spec.memory_gib,
+        layout=L,
+        gpu=spec,
+        params_per_device=int(busiest.local / (L.dp if fsdp else 1)),
+        memory_gib=memory,
+        peak_mem_gib_per_device=round(peak_gib, 2),
+        fits=peak_gib <= spec.memory_gib,
         comm_gb_per_step={k: round(v / 1e9, 3) for k, v in comm.bytes.items()},
-        time_s=time.parts, step_time_s=time.step, mfu=time.mfu,
+        time_s=time.parts,
+        step_time_s=time.step,
+        mfu=time.mfu,
         tokens_per_sec_per_device=time.tokens_per_device / time.step,
         activations_without_recompute_gib=busiest.act_none / GIB,
         activations_full_recompute_gib=busiest.act_full / GIB,
@@ -401,7 +428,9 @@ def memory_per_rank(cfg: RunConfig, L: Layout, groups: ParamGroups, assume: Assu
         else:
             in_flight = min(L.micro_batches, L.pp - r)
             if L.stages_per_rank > 1:
-                in_flight = min(L.micro_batches * L.stages_per_rank, L.pp * (1 + (L.pp - 1) / (L.pp * L.stages_per_rank)))
+                in_flight = min(
+                    L.micro_batches * L.stages_per_rank, L.pp * (1 + (L.pp - 1) / (L.pp * L.stages_per_rank))
+                )
         # activations: saved tensors of the micro-batches in flight; with recompute, backward
         # rebuilds one block's full activations at a time
         activations = in_flight * t * act_per_token
@@ -428,12 +457,26 @@ def memory_per_rank(cfg: RunConfig, L: Layout, groups: ParamGroups, assume: Assu
         start_of_backward = activations + logits + head_grad + casts + (grads if persistent else 0)
         end_of_backward = grads
         peak = weights + optimizer + max(start_of_backward, end_of_backward) + assume.workspace_gib * GIB
-        out.append(RankMemory(
-            rank=r, layers=len(layer_ids), first=first, last=last, local=local, dense_local=dense_local,
-            expert_local=expert_local, weights=weights, grads=grads, optimizer=optimizer,
-            activations=activations + logits + casts, peak=peak, blocks_none=t * act_none, logits_bytes=logits,
-            act_none=in_flight * t * act_none + logits, act_full=in_flight * t * act_full + logits,
-        ))
+        out.append(
+            RankMemory(
+                rank=r,
+                layers=len(layer_ids),
+                first=first,
+                last=last,
+                local=local,
+                dense_local=dense_local,
+                expert_local=expert_local,
+                weights=weights,
+                grads=grads,
+                optimizer=optimizer,
+                activations=activations + logits + casts,
+                peak=peak,
+                blocks_none=t * act_none,
+                logits_bytes=logits,
+                act_none=in_flight * t * act_none + logits,
+                act_full=in_flight * t * act_full + logits,
+            )
+        )
     return out
 
 
@@ -482,8 +525,9 @@ def communication(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume
     return Communication(comm, comm_t)
 
 
-def step_time(cfg: RunConfig, L: Layout, rank: RankMemory, comm: Communication, spec: GPU,
-              assume: Assumptions) -> StepTime:
+def step_time(
+    cfg: RunConfig, L: Layout, rank: RankMemory, comm: Communication, spec: GPU, assume: Assumptions
+) -> StepTime:
     """One step of `rank`: compute and memory-bound work, then the communication that is not
     hidden, the pipeline bubble; MFU and tokens per GPU."""
     m = cfg.model
@@ -524,15 +568,33 @@ def step_time(cfg: RunConfig, L: Layout, rank: RankMemory, comm: Communication, 
     t_pp = seconds.get("pipeline_send_recv", 0.0)
     step = compute + t_optimizer + t_bubble + t_dp + t_fsdp + t_a2a + t_pp
     tokens_per_device = t * L.micro_batches * (1.0 if L.pp == 1 else 1.0 / L.pp)
-    parts = {"gemm_and_attention": t_gemm, "weight_casts": t_casts, "element_wise": t_elementwise,
-             "fp8_quantization": t_fp8, "recompute": t_recompute, "optimizer": t_optimizer,
-             "pipeline_bubble": t_bubble, "expert_all_to_all": t_a2a, "dp_reductions": t_dp,
-             "fsdp_exposed": t_fsdp, "pipeline_sends": t_pp}
+    parts = {
+        "gemm_and_attention": t_gemm,
+        "weight_casts": t_casts,
+        "element_wise": t_elementwise,
+        "fp8_quantization": t_fp8,
+        "recompute": t_recompute,
+        "optimizer": t_optimizer,
+        "pipeline_bubble": t_bubble,
+        "expert_all_to_all": t_a2a,
+        "dp_reductions": t_dp,
+        "fsdp_exposed": t_fsdp,
+        "pipeline_sends": t_pp,
+    }
     return StepTime(parts, step, fpt * tokens_per_device / step / spec.bf16_flops, tokens_per_device)
 
 
-def with_layout(cfg: RunConfig, gpus: int, *, pp: int, ep: int, recompute: str, shard_optimizer: bool,
-                rows: int, dispatcher: str | None = None) -> RunConfig | None:
+def with_layout(
+    cfg: RunConfig,
+    gpus: int,
+    *,
+    pp: int,
+    ep: int,
+    recompute: str,
+    shard_optimizer: bool,
+    rows: int,
+    dispatcher: str | None = None,
+) -> RunConfig | None:
     """A copy of `cfg` with another layout (rows = sequences per GPU per micro-batch), or None
     when the batch cannot be split that way."""
     if gpus % pp:
@@ -541,11 +603,21 @@ def with_layout(cfg: RunConfig, gpus: int, *, pp: int, ep: int, recompute: str, 
     micro = rows * dp
     if cfg.train.global_batch_size % micro or cfg.train.global_batch_size // micro < pp:
         return None
-    out = dataclasses.replace(cfg, parallel=dataclasses.replace(
-        cfg.parallel, pp=pp, ep=ep, dp=None, shard_optimizer=shard_optimizer and dp > 1,
-        dispatcher=DispatcherKind(dispatcher) if dispatcher else cfg.parallel.dispatcher,
-        pp_schedule=PipelineSchedule.onef1b, pp_stages_per_rank=None, stack=Stack.ddp),
-        train=dataclasses.replace(cfg.train, micro_batch_size=micro, recompute=Recompute(recompute), recompute_every=1))
+    out = dataclasses.replace(
+        cfg,
+        parallel=dataclasses.replace(
+            cfg.parallel,
+            pp=pp,
+            ep=ep,
+            dp=None,
+            shard_optimizer=shard_optimizer and dp > 1,
+            dispatcher=DispatcherKind(dispatcher) if dispatcher else cfg.parallel.dispatcher,
+            pp_schedule=PipelineSchedule.onef1b,
+            pp_stages_per_rank=None,
+            stack=Stack.ddp,
+        ),
+        train=dataclasses.replace(cfg.train, micro_batch_size=micro, recompute=Recompute(recompute), recompute_every=1),
+    )
     return out
 
 
@@ -568,8 +640,16 @@ def suggest(cfg: RunConfig, gpus: int, gpu: str, limit: int = 5) -> list[Plan]:
                 if ep > 2 and cfg.parallel.capacity_factor is None:
                     dispatchers.add(DispatcherKind.alltoall.value)
                 for rows, dispatcher in [(r, d) for r in (1, 2) for d in sorted(dispatchers)]:
-                    candidate = with_layout(cfg, gpus, pp=pp, ep=ep, recompute=recompute, shard_optimizer=True,
-                                            rows=rows, dispatcher=dispatcher)
+                    candidate = with_layout(
+                        cfg,
+                        gpus,
+                        pp=pp,
+                        ep=ep,
+                        recompute=recompute,
+                        shard_optimizer=True,
+                        rows=rows,
+                        dispatcher=dispatcher,
+                    )
                     if candidate is None:
                         continue
                     try:
@@ -592,8 +672,9 @@ def report(p: Plan) -> str:
         f"  weights (fp32)      {p.memory_gib['weights']:8.2f}",
         f"  gradients (fp32)    {p.memory_gib['grads']:8.2f}",
         f"  optimizer state     {p.memory_gib['optimizer']:8.2f}",
-        f"  activations         {p.memory_gib['activations']:8.2f}   (this layout, with the logits and bf16 weight copies; none: "
-        f"{p.activations_without_recompute_gib:.2f}, full recompute: {p.activations_full_recompute_gib:.2f})",
+        f"  activations         {p.memory_gib['activations']:8.2f}   (this layout, with the logits and bf16 "
+        f"weight copies; none: {p.activations_without_recompute_gib:.2f}, full recompute: "
+        f"{p.activations_full_recompute_gib:.2f})",
         f"  peak                {p.peak_mem_gib_per_device:8.2f}   -> {'fits' if p.fits else 'does NOT fit'}",
     ]
     if len(p.peak_gib_per_pipeline_rank) > 1:
@@ -602,23 +683,46 @@ def report(p: Plan) -> str:
     lines += [f"  {k:22s} {v:10.3f}" for k, v in p.comm_gb_per_step.items()] or ["  none (one GPU)"]
     lines.append("step time (s), by part:")
     lines += [f"  {k:22s} {v:10.4f}" for k, v in p.time_s.items() if v > 0]
-    lines.append(f"  step                   {p.step_time_s:10.4f}   tokens/s per GPU {p.tokens_per_sec_per_device:,.0f}, "
-                 f"MFU {100 * p.mfu:.1f}%")
+    lines.append(
+        f"  step                   {p.step_time_s:10.4f}   tokens/s per GPU {p.tokens_per_sec_per_device:,.0f}, "
+        f"MFU {100 * p.mfu:.1f}%"
+    )
     return "\n".join(lines)
 
 
 def to_json(p: Plan, preset: str, gpus: int, gpu: str, suggestions: list[Plan]) -> dict:
     L = p.layout
     return {
-        "preset": preset, "gpus": gpus, "gpu": gpu, "layout": L.describe(), "dp": L.dp, "ep": L.ep, "pp": L.pp,
-        "stages_per_rank": L.stages_per_rank, "stack": L.stack, "recompute": L.recompute,
-        "micro_batches": L.micro_batches, "sequences_per_micro_batch_per_gpu": L.rows_per_micro_batch,
-        "params_per_device": p.params_per_device, "memory_gib": p.memory_gib,
+        "preset": preset,
+        "gpus": gpus,
+        "gpu": gpu,
+        "layout": L.describe(),
+        "dp": L.dp,
+        "ep": L.ep,
+        "pp": L.pp,
+        "stages_per_rank": L.stages_per_rank,
+        "stack": L.stack,
+        "recompute": L.recompute,
+        "micro_batches": L.micro_batches,
+        "sequences_per_micro_batch_per_gpu": L.rows_per_micro_batch,
+        "params_per_device": p.params_per_device,
+        "memory_gib": p.memory_gib,
         "activations_without_recompute_gib": round(p.activations_without_recompute_gib, 2),
         "activations_full_recompute_gib": round(p.activations_full_recompute_gib, 2),
-        "peak_mem_gib_per_device": p.peak_mem_gib_per_device, "capacity_gib": p.gpu.memory_gib, "fits": p.fits,
-        "comm_gb_per_step": p.comm_gb_per_step, "step_time_s": round(p.step_time_s, 4), "mfu": round(p.mfu, 4),
+        "peak_mem_gib_per_device": p.peak_mem_gib_per_device,
+        "capacity_gib": p.gpu.memory_gib,
+        "fits": p.fits,
+        "comm_gb_per_step": p.comm_gb_per_step,
+        "step_time_s": round(p.step_time_s, 4),
+        "mfu": round(p.mfu, 4),
         "tokens_per_sec_per_device": round(p.tokens_per_sec_per_device, 1),
-        "suggested": [{"layout": s.layout.describe(), "peak_mem_gib_per_device": s.peak_mem_gib_per_device,
-                       "step_time_s": round(s.step_time_s, 4), "mfu": round(s.mfu, 4)} for s in suggestions],
+        "suggested": [
+            {
+                "layout": s.layout.describe(),
+                "peak_mem_gib_per_device": s.peak_mem_gib_per_device,
+                "step_time_s": round(s.step_time_s, 4),
+                "mfu": round(s.mfu, 4),
+            }
+            for s in suggestions
+        ],
     }

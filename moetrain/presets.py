@@ -12,8 +12,9 @@ section below it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from moetrain.config import apply_overrides, load_yaml
 from moetrain.errors import ConfigError
@@ -29,10 +30,22 @@ def tiny() -> RunConfig:
     of 24 × 128 tokens take about 6 minutes on 2 CPU cores (docs/benchmarks.md)."""
     cfg = RunConfig(
         model=TransformerConfig(
-            vocab_size=8192, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, num_dense_layers=1,
-            moe=MoEConfig(num_experts=8, top_k=4, expert_hidden=128, shared_hidden=0,
-                          normalize_weights=True, restore_weight_scale=False,
-                          lb_loss_weight=0.01, z_loss_weight=1e-3),
+            vocab_size=8192,
+            d_model=128,
+            n_layers=4,
+            n_heads=4,
+            n_kv_heads=2,
+            num_dense_layers=1,
+            moe=MoEConfig(
+                num_experts=8,
+                top_k=4,
+                expert_hidden=128,
+                shared_hidden=0,
+                normalize_weights=True,
+                restore_weight_scale=False,
+                lb_loss_weight=0.01,
+                z_loss_weight=1e-3,
+            ),
         ),
     )
     cfg.data.seq_len = 128
@@ -41,16 +54,40 @@ def tiny() -> RunConfig:
     return cfg
 
 
-def _anchor_model(*, layers: int, dense: int, d_model: int, heads: int, kv_heads: int,
-                  hidden: int, experts: int, lb: float, z: float = 2e-4, peri_norm: bool = False) -> TransformerConfig:
+def _anchor_model(
+    *,
+    layers: int,
+    dense: int,
+    d_model: int,
+    heads: int,
+    kv_heads: int,
+    hidden: int,
+    experts: int,
+    lb: float,
+    z: float = 2e-4,
+    peri_norm: bool = False,
+) -> TransformerConfig:
     """The anchor's production architecture: head_dim 128, QK-norm, one shared expert as wide as a
     routed one, top-4 softmax with normalized weights × k, first `dense` blocks dense."""
     return TransformerConfig(
-        vocab_size=ANCHOR_VOCAB, d_model=d_model, n_layers=layers, n_heads=heads,
-        n_kv_heads=kv_heads, head_dim=128, num_dense_layers=dense, peri_norm=peri_norm,
-        moe=MoEConfig(num_experts=experts, top_k=4, expert_hidden=hidden, shared_hidden=hidden,
-                      normalize_weights=True, restore_weight_scale=True,
-                      lb_loss_weight=lb, z_loss_weight=z),
+        vocab_size=ANCHOR_VOCAB,
+        d_model=d_model,
+        n_layers=layers,
+        n_heads=heads,
+        n_kv_heads=kv_heads,
+        head_dim=128,
+        num_dense_layers=dense,
+        peri_norm=peri_norm,
+        moe=MoEConfig(
+            num_experts=experts,
+            top_k=4,
+            expert_hidden=hidden,
+            shared_hidden=hidden,
+            normalize_weights=True,
+            restore_weight_scale=True,
+            lb_loss_weight=lb,
+            z_loss_weight=z,
+        ),
     )
 
 
@@ -60,24 +97,36 @@ def _big_run(model: TransformerConfig, *, seq_len: int, gpus: int, global_batch:
     cfg.data.seq_len = seq_len
     cfg.optim.lr = lr
     cfg.schedule.warmup_steps = 2000
-    cfg.train = TrainerConfig(steps=100_000, global_batch_size=global_batch, micro_batch_size=gpus,
-                              log_every=10, eval_every=1000, save_every=1000)
+    cfg.train = TrainerConfig(
+        steps=100_000,
+        global_batch_size=global_batch,
+        micro_batch_size=gpus,
+        log_every=10,
+        eval_every=1000,
+        save_every=1000,
+    )
     return cfg
 
 
 def _ref(layers, dense, d_model, heads, kv, hidden, experts, gpus, lb=0.01):
     return lambda: _big_run(
-        _anchor_model(layers=layers, dense=dense, d_model=d_model, heads=heads, kv_heads=kv,
-                      hidden=hidden, experts=experts, lb=lb),
-        seq_len=8192, gpus=gpus, global_batch=max(256, gpus * 4), lr=4e-4,
+        _anchor_model(
+            layers=layers, dense=dense, d_model=d_model, heads=heads, kv_heads=kv, hidden=hidden, experts=experts, lb=lb
+        ),
+        seq_len=8192,
+        gpus=gpus,
+        global_batch=max(256, gpus * 4),
+        lr=4e-4,
     )
 
 
 def _sweep(experts: int) -> Callable[[], RunConfig]:
     return lambda: _big_run(
-        _anchor_model(layers=8, dense=1, d_model=4096, heads=32, kv_heads=8, hidden=4096,
-                      experts=experts, lb=0.01),
-        seq_len=4096, gpus=8, global_batch=64, lr=4e-4,
+        _anchor_model(layers=8, dense=1, d_model=4096, heads=32, kv_heads=8, hidden=4096, experts=experts, lb=0.01),
+        seq_len=4096,
+        gpus=8,
+        global_batch=64,
+        lr=4e-4,
     )
 
 
@@ -91,8 +140,15 @@ def _bench(model: TransformerConfig, *, micro_batch: int, accum: int = 1, lr: fl
         cfg.data.seq_len = 8192
         cfg.optim.lr = lr
         cfg.schedule.warmup_steps = 10
-        cfg.train = TrainerConfig(steps=1000, global_batch_size=micro_batch * accum, micro_batch_size=micro_batch,
-                                  log_every=10, eval_every=0, save_every=0, compile=True)
+        cfg.train = TrainerConfig(
+            steps=1000,
+            global_batch_size=micro_batch * accum,
+            micro_batch_size=micro_batch,
+            log_every=10,
+            eval_every=0,
+            save_every=0,
+            compile=True,
+        )
         return cfg
 
     return make
@@ -100,8 +156,17 @@ def _bench(model: TransformerConfig, *, micro_batch: int, accum: int = 1, lr: fl
 
 def _bench_8e_layout(experts: int, d_model: int, hidden: int) -> TransformerConfig:
     """Olmo-core's moe_8l shape: 8 layers (the first dense), pre-norm, lb 0.015, z 1e-4."""
-    return _anchor_model(layers=8, dense=1, d_model=d_model, heads=d_model // 128, kv_heads=d_model // 512,
-                         hidden=hidden, experts=experts, lb=0.015, z=1e-4)
+    return _anchor_model(
+        layers=8,
+        dense=1,
+        d_model=d_model,
+        heads=d_model // 128,
+        kv_heads=d_model // 512,
+        hidden=hidden,
+        experts=experts,
+        lb=0.015,
+        z=1e-4,
+    )
 
 
 PRESETS: dict[str, Callable[[], RunConfig]] = {
@@ -114,12 +179,24 @@ PRESETS: dict[str, Callable[[], RunConfig]] = {
     "ref-ultra-256e": _ref(63, 2, 6144, 64, 32, 8192, 256, gpus=512, lb=0.005),
     **{f"sweep-8l-{e}": _sweep(e) for e in (8, 16, 32, 64, 128)},
     "bench-8e": _bench(_bench_8e_layout(8, 4096, 4096), micro_batch=1, lr=3e-4),
-    "bench-tiny64e-l6": _bench(_anchor_model(layers=6, dense=1, d_model=2048, heads=16, kv_heads=4, hidden=2048,
-                                             experts=64, lb=0.01, peri_norm=True), micro_batch=2, lr=1.8e-4),
-    "bench-small32e": _bench(_anchor_model(layers=16, dense=1, d_model=1024, heads=8, kv_heads=2, hidden=1024,
-                                           experts=32, lb=0.01, peri_norm=True), micro_batch=2, lr=1.8e-4),
-    **{f"bench-sweep-{e}": _bench(_bench_8e_layout(e, 2048, 1024), micro_batch=1, accum=8, lr=3e-4)
-       for e in (8, 16, 32, 64)},
+    "bench-tiny64e-l6": _bench(
+        _anchor_model(
+            layers=6, dense=1, d_model=2048, heads=16, kv_heads=4, hidden=2048, experts=64, lb=0.01, peri_norm=True
+        ),
+        micro_batch=2,
+        lr=1.8e-4,
+    ),
+    "bench-small32e": _bench(
+        _anchor_model(
+            layers=16, dense=1, d_model=1024, heads=8, kv_heads=2, hidden=1024, experts=32, lb=0.01, peri_norm=True
+        ),
+        micro_batch=2,
+        lr=1.8e-4,
+    ),
+    **{
+        f"bench-sweep-{e}": _bench(_bench_8e_layout(e, 2048, 1024), micro_batch=1, accum=8, lr=3e-4)
+        for e in (8, 16, 32, 64)
+    },
 }
 
 
@@ -137,9 +214,7 @@ def resolve_config(spec: str, overrides: list[str] | None = None, *, validate: b
     elif spec.endswith((".yaml", ".yml")) or Path(spec).exists():
         cfg = _from_yaml(load_yaml(spec), spec)
     else:
-        raise ConfigError(
-            f"'{spec}' is neither a preset ({', '.join(PRESETS)}) nor an existing YAML file."
-        )
+        raise ConfigError(f"'{spec}' is neither a preset ({', '.join(PRESETS)}) nor an existing YAML file.")
     cfg = apply_overrides(cfg, overrides or [])
     if validate:
         cfg.validate()

@@ -49,9 +49,22 @@ def tiny_cfg(real_text_dir):
 
 def tiny_overrides(data_dir, run_dir, *extra: str) -> list[str]:
     return [
-        f"data.sources=[{data_dir}]", f"train.run_dir={run_dir}", "model.vocab_size=512",
-        "model.d_model=64", "model.n_layers=3", "model.moe.expert_hidden=32", "data.seq_len=64",
-        "train.global_batch_size=8", "train.micro_batch_size=4", "train.steps=12",
-        "train.log_every=1", "train.eval_every=6", "train.eval_batches=2", "train.save_every=6",
-        "train.tensorboard=false", "train.plot=false", "schedule.warmup_steps=3", *extra,
+        f"data.sources=[{data_dir}]",
+        f"train.run_dir={run_dir}",
+        "model.vocab_size=512",
+        "model.d_model=64",
+        "model.n_layers=3",
+        "model.moe.expert_hidden=32",
+        "data.seq_len=64",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=4",
+        "train.steps=12",
+        "train.log_every=1",
+        "train.eval_every=6",
+        "train.eval_batches=2",
+        "train.save_every=6",
+        "train.tensorboard=false",
+        "train.plot=false",
+        "schedule.warmup_steps=3",
+        *extra,
     ]

@@ -6,9 +6,9 @@ import json
 import shutil
 
 import pytest
+from conftest import tiny_overrides
 
 from moetrain.cli import main
-from conftest import tiny_overrides
 
 
 def fails(capsys, args, *words):
@@ -24,19 +24,22 @@ def train_args(data_dir, run_dir, *extra):
     return ["train", "tiny", *[f"--{o}" for o in tiny_overrides(data_dir, run_dir, "train.steps=2", *extra)], "--quiet"]
 
 
-@pytest.mark.parametrize("overrides, words", [
-    (["--model.moe.bogus=1"], ["model.moe.bogus"]),
-    (["--train.steps=many"], ["train.steps", "many"]),
-    (["--train.steps=0"], ["train.steps=0"]),
-    (["--model.d_model=-8"], ["model.d_model"]),
-    (["--model.moe.top_k=9"], ["top_k=9", "num_experts=8"]),
-    (["--model.n_heads=3"], ["d_model", "n_heads=3"]),
-    (["--model.n_kv_heads=3"], ["n_heads=4", "n_kv_heads=3"]),
-    (["--parallel.pp=2"], ["parallel.pp=2", "micro-batches"]),
-    (["--parallel.pp=2", "--train.micro_batch_size=2"], ["parallel.pp=2", "world size 1"]),
-    (["--parallel.ep=3"], ["parallel.ep=3"]),
-    (["--parallel.peer_timeout_s=0"], ["parallel.peer_timeout_s=0", "seconds"]),
-])
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (["--model.moe.bogus=1"], ["model.moe.bogus"]),
+        (["--train.steps=many"], ["train.steps", "many"]),
+        (["--train.steps=0"], ["train.steps=0"]),
+        (["--model.d_model=-8"], ["model.d_model"]),
+        (["--model.moe.top_k=9"], ["top_k=9", "num_experts=8"]),
+        (["--model.n_heads=3"], ["d_model", "n_heads=3"]),
+        (["--model.n_kv_heads=3"], ["n_heads=4", "n_kv_heads=3"]),
+        (["--parallel.pp=2"], ["parallel.pp=2", "micro-batches"]),
+        (["--parallel.pp=2", "--train.micro_batch_size=2"], ["parallel.pp=2", "world size 1"]),
+        (["--parallel.ep=3"], ["parallel.ep=3"]),
+        (["--parallel.peer_timeout_s=0"], ["parallel.peer_timeout_s=0", "seconds"]),
+    ],
+)
 def test_config_mistakes(capsys, tmp_path, overrides, words):
     fails(capsys, ["train", "tiny", "--run-dir", str(tmp_path / "run"), *overrides], *words)
 
@@ -48,7 +51,12 @@ def test_yaml_syntax_error_names_file_and_line(capsys, tmp_path):
 
 
 def test_missing_data_path(capsys, tmp_path):
-    fails(capsys, ["train", "tiny", "--data.sources=[/nowhere/data]", "--run-dir", str(tmp_path)], "/nowhere/data", "prepare-data")
+    fails(
+        capsys,
+        ["train", "tiny", "--data.sources=[/nowhere/data]", "--run-dir", str(tmp_path)],
+        "/nowhere/data",
+        "prepare-data",
+    )
 
 
 def copy_data(src, dst):
@@ -78,15 +86,24 @@ def test_sources_with_different_tokenizers(capsys, real_text_dir, tmp_path):
     meta = json.loads((other / "meta.json").read_text())
     meta["tokenizer_sha256"] = "0" * 64
     (other / "meta.json").write_text(json.dumps(meta))
-    fails(capsys, train_args(real_text_dir, tmp_path / "run", f"data.sources=[{real_text_dir}, {other}]"),
-          "tokenized differently", "--tokenizer")
+    fails(
+        capsys,
+        train_args(real_text_dir, tmp_path / "run", f"data.sources=[{real_text_dir}, {other}]"),
+        "tokenized differently",
+        "--tokenizer",
+    )
 
 
 def test_checkpoint_of_another_shape_and_no_complete_checkpoint(capsys, real_text_dir, tmp_path):
     run = tmp_path / "run"
     assert main(train_args(real_text_dir, run)) == 0
     capsys.readouterr()
-    fails(capsys, [*train_args(real_text_dir, run, "model.moe.expert_hidden=48"), "--resume"], "does not fit", "config.yaml")
+    fails(
+        capsys,
+        [*train_args(real_text_dir, run, "model.moe.expert_hidden=48"), "--resume"],
+        "does not fit",
+        "config.yaml",
+    )
     empty = tmp_path / "nothing"
     empty.mkdir()
     fails(capsys, ["eval", str(empty), "--text", "x.txt"], str(empty), "no complete checkpoint")
@@ -108,7 +125,9 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(real_text_dir, tmp
     from moetrain.train.trainer import Trainer
 
     run = tmp_path / "run"
-    trainer = Trainer(resolve_config("tiny", tiny_overrides(real_text_dir, run, "train.steps=4", "train.save_every=2")), quiet=True)
+    trainer = Trainer(
+        resolve_config("tiny", tiny_overrides(real_text_dir, run, "train.steps=4", "train.save_every=2")), quiet=True
+    )
     for _ in range(2):
         trainer.train_step()
     first = trainer.save()

@@ -37,7 +37,10 @@ def test_config_prints_the_resolved_yaml(capsys):
         (["config", "tiny", "--optim.lrr=1"], ["optim.lrr"]),
         (["config", "nope"], ["nope"]),
         (["config", "tiny", "--bogus"], ["--bogus"]),
-        (["train", "tiny", "--data.sources=[/does/not/exist]", "--run-dir", "/tmp/moetrain-cli-test"], ["/does/not/exist", "prepare-data"]),
+        (
+            ["train", "tiny", "--data.sources=[/does/not/exist]", "--run-dir", "/tmp/moetrain-cli-test"],
+            ["/does/not/exist", "prepare-data"],
+        ),
         (["eval", "/does/not/exist", "--text", "x.txt"], ["/does/not/exist"]),
     ],
 )
@@ -57,10 +60,19 @@ def test_debug_shows_the_traceback():
 
 def test_train_eval_generate_end_to_end(real_text_dir, tmp_path):
     run_dir = tmp_path / "run"
-    common = ["--model.vocab_size=512", "--model.d_model=64", "--data.seq_len=64",
-              "--train.global_batch_size=4", "--train.micro_batch_size=4", "--train.eval_batches=1",
-              "--train.tensorboard=false", f"--data.sources=[{real_text_dir}]"]
-    out = run("train", "tiny", "--steps", "4", "--run-dir", str(run_dir), "--eval-every", "2", "--save-every", "2", *common)
+    common = [
+        "--model.vocab_size=512",
+        "--model.d_model=64",
+        "--data.seq_len=64",
+        "--train.global_batch_size=4",
+        "--train.micro_batch_size=4",
+        "--train.eval_batches=1",
+        "--train.tensorboard=false",
+        f"--data.sources=[{real_text_dir}]",
+    ]
+    out = run(
+        "train", "tiny", "--steps", "4", "--run-dir", str(run_dir), "--eval-every", "2", "--save-every", "2", *common
+    )
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 4 and (run_dir / "loss.png").is_file()
     text = tmp_path / "t.txt"
@@ -71,8 +83,16 @@ def test_train_eval_generate_end_to_end(real_text_dir, tmp_path):
     ev2 = json.loads(run("eval", str(run_dir / "checkpoints" / "step-2"), "--text", str(text)).stdout.splitlines()[-1])
     assert ev2["loss"] != ev["loss"]  # a step-N directory is a different checkpoint
 
-    g1 = json.loads(run("generate", str(run_dir), "--prompt", "To be", "--temperature", "0", "--max-new-tokens", "8", "--json").stdout)
-    g2 = json.loads(run("generate", str(run_dir), "--prompt", "To be", "--temperature", "0", "--max-new-tokens", "8", "--json").stdout)
+    g1 = json.loads(
+        run(
+            "generate", str(run_dir), "--prompt", "To be", "--temperature", "0", "--max-new-tokens", "8", "--json"
+        ).stdout
+    )
+    g2 = json.loads(
+        run(
+            "generate", str(run_dir), "--prompt", "To be", "--temperature", "0", "--max-new-tokens", "8", "--json"
+        ).stdout
+    )
     assert g1 == g2 and len(g1["token_ids"]) <= 8
 
     resumed = run("train", "tiny", "--steps", "6", "--run-dir", str(run_dir), "--resume", "--eval-every", "2", *common)
@@ -82,13 +102,39 @@ def test_train_eval_generate_end_to_end(real_text_dir, tmp_path):
 
 def test_bench_prints_one_json_line_per_routing_mode(capsys, tmp_path):
     """On CPU (no sync check there): the contract keys, the shape and batch it ran."""
-    assert main(["bench", "tiny", "--device", "cpu", "--warmup", "1", "--steps", "1", "--run-dir", str(tmp_path),
-                 "--model.d_model=64", "--model.vocab_size=512", "--data.seq_len=32"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "tiny",
+                "--device",
+                "cpu",
+                "--warmup",
+                "1",
+                "--steps",
+                "1",
+                "--run-dir",
+                str(tmp_path),
+                "--model.d_model=64",
+                "--model.vocab_size=512",
+                "--data.seq_len=32",
+            ]
+        )
+        == 0
+    )
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["routing"] for r in records] == ["learned", "random"]
     for r in records:
-        for key in ("tokens_per_sec_per_device", "tflops_per_device", "mfu", "peak_mem_gib", "sync_free",
-                    "shape", "batch", "precision"):
+        for key in (
+            "tokens_per_sec_per_device",
+            "tflops_per_device",
+            "mfu",
+            "peak_mem_gib",
+            "sync_free",
+            "shape",
+            "batch",
+            "precision",
+        ):
             assert key in r, key
         assert r["tokens_per_sec_per_device"] > 0 and r["tflops_per_device"] > 0
         assert r["mfu"] is None and r["sync_free"] is None  # CPU: no peak FLOPs, no CUDA syncs
@@ -99,18 +145,60 @@ def test_bench_prints_one_json_line_per_routing_mode(capsys, tmp_path):
 
 
 def test_bench_can_time_forward_and_backward_alone(capsys, tmp_path):
-    assert main(["bench", "tiny", "--device", "cpu", "--warmup", "0", "--steps", "1", "--routing", "random",
-                 "--forward-backward-only", "--run-dir", str(tmp_path), "--model.d_model=64",
-                 "--model.vocab_size=512", "--data.seq_len=32", "--train.micro_batch_size=12"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "tiny",
+                "--device",
+                "cpu",
+                "--warmup",
+                "0",
+                "--steps",
+                "1",
+                "--routing",
+                "random",
+                "--forward-backward-only",
+                "--run-dir",
+                str(tmp_path),
+                "--model.d_model=64",
+                "--model.vocab_size=512",
+                "--data.seq_len=32",
+                "--train.micro_batch_size=12",
+            ]
+        )
+        == 0
+    )
     (record,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert record["timed"] == "forward+backward" and record["routing"] == "random"
     assert record["batch"]["grad_accum_steps"] == 2 and record["loss"] > 0
 
 
 def test_bench_times_both_windows_and_reports_routing_balance(capsys, tmp_path):
-    assert main(["bench", "tiny", "--device", "cpu", "--warmup", "1", "--steps", "1", "--routing", "learned",
-                 "--also-forward-backward", "--run-dir", str(tmp_path), "--model.d_model=64",
-                 "--model.vocab_size=512", "--data.seq_len=32", "--train.micro_batch_size=12"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "tiny",
+                "--device",
+                "cpu",
+                "--warmup",
+                "1",
+                "--steps",
+                "1",
+                "--routing",
+                "learned",
+                "--also-forward-backward",
+                "--run-dir",
+                str(tmp_path),
+                "--model.d_model=64",
+                "--model.vocab_size=512",
+                "--data.seq_len=32",
+                "--train.micro_batch_size=12",
+            ]
+        )
+        == 0
+    )
     step, fwd_bwd = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert (step["timed"], fwd_bwd["timed"]) == ("training step", "forward+backward")
     for r in (step, fwd_bwd):
@@ -128,9 +216,15 @@ def test_bench_rejects_an_unknown_routing_mode(capsys):
 def _bench_on_rank(run_dir: str):
     from moetrain.bench import run_bench
 
-    return run_bench("tiny", ["train.device=cpu", "model.d_model=64", "model.vocab_size=512", "data.seq_len=32",
-                              "parallel.ep=2"], warmup=0, steps=1, routings=["random"], sync_check=False,
-                     run_dir=run_dir)
+    return run_bench(
+        "tiny",
+        ["train.device=cpu", "model.d_model=64", "model.vocab_size=512", "data.seq_len=32", "parallel.ep=2"],
+        warmup=0,
+        steps=1,
+        routings=["random"],
+        sync_check=False,
+        run_dir=run_dir,
+    )
 
 
 def test_bench_under_two_ranks_reports_every_ranks_peak(tmp_path):

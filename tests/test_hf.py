@@ -9,17 +9,21 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from conftest import tiny_overrides  # noqa: E402
+
 from moetrain.cli import main  # noqa: E402
 from moetrain.inference import load_for_inference  # noqa: E402
-from conftest import tiny_overrides  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def trained(real_text_dir, tmp_path_factory):
     """`tiny` (its own shape: 8 experts top-4, 8k vocabulary) after a few steps on real text."""
     run = tmp_path_factory.mktemp("hf") / "run"
-    overrides = [o for o in tiny_overrides(real_text_dir, run, "train.steps=4", "train.eval_every=0")
-                 if not o.startswith(("model.", "data.seq_len"))]
+    overrides = [
+        o
+        for o in tiny_overrides(real_text_dir, run, "train.steps=4", "train.eval_every=0")
+        if not o.startswith(("model.", "data.seq_len"))
+    ]
     assert main(["train", "tiny", *[f"--{o}" for o in overrides], "--quiet"]) == 0
     return run
 
@@ -43,26 +47,44 @@ def test_export_loads_natively_with_the_same_logits_tokens_and_greedy_text(train
 
     prompt = "To be, or not to be: that is the question"
     assert tok(prompt)["input_ids"] == ours.encode(prompt).ids
-    assert main(["generate", str(trained), "--prompt", prompt, "--temperature", "0", "--max-new-tokens", "32",
-                 "--json"]) == 0
+    assert (
+        main(["generate", str(trained), "--prompt", prompt, "--temperature", "0", "--max-new-tokens", "32", "--json"])
+        == 0
+    )
     want = json.loads(capsys.readouterr().out)["token_ids"]
     prompt_ids = torch.tensor([ours.encode(prompt).ids])
     got = hf.generate(prompt_ids, do_sample=False, max_new_tokens=32, attention_mask=torch.ones_like(prompt_ids))
-    got = got[0, prompt_ids.shape[1]:].tolist()
+    got = got[0, prompt_ids.shape[1] :].tolist()
     eos = ours.token_to_id("<|endoftext|>")
     assert (got[: got.index(eos)] if eos in got else got) == want
 
 
-@pytest.mark.parametrize("override, feature", [
-    ("model.moe.shared_hidden=32", "shared expert"),
-    ("model.moe.gating=sigmoid", "gating=sigmoid"),
-    ("model.peri_norm=true", "peri_norm"),
-])
-def test_a_variant_without_a_native_class_is_refused_naming_the_feature(real_text_dir, tmp_path, capsys,
-                                                                       override, feature):
+@pytest.mark.parametrize(
+    "override, feature",
+    [
+        ("model.moe.shared_hidden=32", "shared expert"),
+        ("model.moe.gating=sigmoid", "gating=sigmoid"),
+        ("model.peri_norm=true", "peri_norm"),
+    ],
+)
+def test_a_variant_without_a_native_class_is_refused_naming_the_feature(
+    real_text_dir, tmp_path, capsys, override, feature
+):
     run = tmp_path / "run"
-    assert main(["train", "tiny", *[f"--{o}" for o in tiny_overrides(real_text_dir, run, "train.steps=1",
-                                                                      "train.eval_every=0", override)], "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "tiny",
+                *[
+                    f"--{o}"
+                    for o in tiny_overrides(real_text_dir, run, "train.steps=1", "train.eval_every=0", override)
+                ],
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     assert main(["export-hf", str(run), str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err
@@ -95,7 +117,10 @@ def test_import_round_trips_exactly_and_training_continues_from_it(trained, real
     tensors, E = dict(a), cfg0.model.moe.num_experts
     for layer in range(cfg0.model.num_dense_layers, cfg0.model.n_layers):
         p = f"model.layers.{layer}.mlp.experts"
-        gate_up = [torch.cat([tensors.pop(f"{p}.{e}.gate_proj.weight"), tensors.pop(f"{p}.{e}.up_proj.weight")]) for e in range(E)]
+        gate_up = [
+            torch.cat([tensors.pop(f"{p}.{e}.gate_proj.weight"), tensors.pop(f"{p}.{e}.up_proj.weight")])
+            for e in range(E)
+        ]
         tensors[f"{p}.gate_up_proj"] = torch.stack(gate_up)
         tensors[f"{p}.down_proj"] = torch.stack([tensors.pop(f"{p}.{e}.down_proj.weight") for e in range(E)])
     save_file(tensors, str(fused_dir / "model.safetensors"))
@@ -104,10 +129,19 @@ def test_import_round_trips_exactly_and_training_continues_from_it(trained, real
     assert all(torch.equal(t, want[n]) for n, t in model2.state_dict().items())
 
     # Continue training the import: a fresh run whose model starts as the imported one.
-    cfg = resolve_config(str(imported / "config.yaml"), [
-        f"data.sources=[{real_text_dir}]", f"train.run_dir={tmp_path / 'continued'}", f"train.init_from={imported}",
-        "train.steps=2", "train.eval_every=0", "train.tensorboard=false", "train.plot=false", "train.device=cpu",
-    ])
+    cfg = resolve_config(
+        str(imported / "config.yaml"),
+        [
+            f"data.sources=[{real_text_dir}]",
+            f"train.run_dir={tmp_path / 'continued'}",
+            f"train.init_from={imported}",
+            "train.steps=2",
+            "train.eval_every=0",
+            "train.tensorboard=false",
+            "train.plot=false",
+            "train.device=cpu",
+        ],
+    )
     trainer = Trainer(cfg, quiet=True)
     assert all(torch.equal(t, want[n]) for n, t in trainer.engine.model.state_dict().items())
     summary = trainer.fit()

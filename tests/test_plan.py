@@ -34,12 +34,26 @@ MEASURED = [
     ("bench-sweep-64", 1, [], 72.1),
     # "Two H200s over NCCL: the multi-GPU runs of issue 7"
     ("bench-tiny64e-l6", 2, ["train.global_batch_size=4", "train.micro_batch_size=4", "parallel.ep=2"], 80.1),
-    ("bench-tiny64e-l6", 2, ["train.global_batch_size=4", "train.micro_batch_size=4", "parallel.ep=2",
-                             "parallel.dispatcher=alltoall"], 80.5),
+    (
+        "bench-tiny64e-l6",
+        2,
+        ["train.global_batch_size=4", "train.micro_batch_size=4", "parallel.ep=2", "parallel.dispatcher=alltoall"],
+        80.5,
+    ),
     ("bench-tiny64e-l6", 2, ["train.global_batch_size=4", "train.micro_batch_size=4", "parallel.stack=fsdp"], 67.3),
     ("sweep-8l-8", 1, ["train.global_batch_size=1", "train.micro_batch_size=1", "train.compile=true"], 71.8),
-    ("sweep-8l-8", 2, ["train.global_batch_size=2", "train.micro_batch_size=2", "train.compile=true", "parallel.ep=2"], 68.8),
-    ("sweep-8l-16", 2, ["train.global_batch_size=2", "train.micro_batch_size=2", "train.compile=true", "parallel.ep=2"], 92.4),
+    (
+        "sweep-8l-8",
+        2,
+        ["train.global_batch_size=2", "train.micro_batch_size=2", "train.compile=true", "parallel.ep=2"],
+        68.8,
+    ),
+    (
+        "sweep-8l-16",
+        2,
+        ["train.global_batch_size=2", "train.micro_batch_size=2", "train.compile=true", "parallel.ep=2"],
+        92.4,
+    ),
     ("bench-small32e", 1, ["train.global_batch_size=8", "train.micro_batch_size=2"], 67.0),
     ("bench-small32e", 2, ["train.global_batch_size=16", "train.micro_batch_size=4"], 67.0),
     ("bench-small32e", 2, ["train.global_batch_size=16", "train.micro_batch_size=2", "parallel.pp=2"], 34.2),
@@ -66,8 +80,13 @@ def test_parameters_per_gpu_match_the_real_split(pp, ep, n_layers):
     from moetrain.parallel.dims import ParallelDims
     from moetrain.parallel.pipeline import split_model
 
-    overrides = [f"model.n_layers={n_layers}", f"parallel.pp={pp}", f"parallel.ep={ep}",
-                 "train.global_batch_size=24", f"train.micro_batch_size={2 * ep}"]
+    overrides = [
+        f"model.n_layers={n_layers}",
+        f"parallel.pp={pp}",
+        f"parallel.ep={ep}",
+        "train.global_batch_size=24",
+        f"train.micro_batch_size={2 * ep}",
+    ]
     cfg = resolve_config("tiny", overrides)
     gpus = pp * 2 * ep
     dims = ParallelDims(world_size=gpus, dp=2 * ep, ep=ep, pp=pp)
@@ -97,19 +116,31 @@ def test_plan_cli_prints_a_table_and_ends_with_one_json_line(capsys):
     out = capsys.readouterr().out.strip().splitlines()
     assert any("optimizer state" in line for line in out) and any("layouts that fit" in line for line in out)
     record = json.loads(out[-1])
-    for key in ("peak_mem_gib_per_device", "fits", "step_time_s", "mfu", "params_per_device", "comm_gb_per_step",
-                "activations_without_recompute_gib", "activations_full_recompute_gib", "suggested"):
+    for key in (
+        "peak_mem_gib_per_device",
+        "fits",
+        "step_time_s",
+        "mfu",
+        "params_per_device",
+        "comm_gb_per_step",
+        "activations_without_recompute_gib",
+        "activations_full_recompute_gib",
+        "suggested",
+    ):
         assert key in record, key
     assert record["fits"] is True and 0 < record["mfu"] < 1 and record["suggested"]
     assert main(["plan", "bench-8e", "--gpus", "1", "--gpu", "h100", "--no-suggest"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["fits"] is False  # 84 GiB > 80
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["plan", "tiny", "--gpus", "2", "--gpu", "a100"], ["--gpu='a100'", "h200"]),
-    (["plan", "tiny", "--gpus", "4", "--parallel.ep=3"], ["parallel.ep=3"]),
-    (["plan", "tiny", "--gpus", "4", "--parallel.pp=2", "--micro-batch", "0"], ["--micro-batch=0"]),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["plan", "tiny", "--gpus", "2", "--gpu", "a100"], ["--gpu='a100'", "h200"]),
+        (["plan", "tiny", "--gpus", "4", "--parallel.ep=3"], ["parallel.ep=3"]),
+        (["plan", "tiny", "--gpus", "4", "--parallel.pp=2", "--micro-batch", "0"], ["--micro-batch=0"]),
+    ],
+)
 def test_plan_cli_names_bad_input(capsys, argv, words):
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -129,7 +160,9 @@ def test_every_reference_preset_has_a_launch_script():
 def test_launch_script_layout_fits_by_the_planner(script):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env["PATH"]
-    out = subprocess.run(["bash", str(script), "plan", "--no-suggest"], capture_output=True, text=True, env=env, cwd=ROOT)
+    out = subprocess.run(
+        ["bash", str(script), "plan", "--no-suggest"], capture_output=True, text=True, env=env, cwd=ROOT
+    )
     assert out.returncode == 0, out.stderr
     record = json.loads(out.stdout.strip().splitlines()[-1])
     text = script.read_text()
@@ -143,8 +176,15 @@ def test_step_time_of_the_two_gpu_expert_parallel_runs(dispatcher, measured_s):
     """sweep-8l-8 at dp2·ep2, 8 sequences of 4096 per GPU per step, measured on two H200s
     (docs/benchmarks.md, call 4). nosync's prediction uses constants from earlier runs; symm's
     transport rate (`symm_link_eff`) was read off this run, so its row checks the arithmetic."""
-    cfg = resolve_config("sweep-8l-8", ["parallel.ep=2", f"parallel.dispatcher={dispatcher}",
-                                        "train.global_batch_size=16", "train.micro_batch_size=2"])
+    cfg = resolve_config(
+        "sweep-8l-8",
+        [
+            "parallel.ep=2",
+            f"parallel.dispatcher={dispatcher}",
+            "train.global_batch_size=16",
+            "train.micro_batch_size=2",
+        ],
+    )
     assert plan(cfg, 2, "h200").step_time_s == pytest.approx(measured_s, rel=0.10)
 
 

@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[1] / "moetrain"
 LAYERS = {
     "moetrain.errors": 0,
     "moetrain.config": 1,
-    "moetrain.model": 2, "moetrain.data": 2,
+    "moetrain.model": 2,
+    "moetrain.data": 2,
     "moetrain.parallel": 3,
     "moetrain.optim": 4,
     "moetrain.train": 5,
@@ -66,7 +67,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(n)
         for m in sorted(graph.get(n, ())):
             if state.get(m) == 1:
-                return path[path.index(m):] + [m]
+                return path[path.index(m) :] + [m]
             if m not in state and (cycle := visit(m)):
                 return cycle
         state[n] = 2
@@ -101,13 +102,19 @@ def test_packages_import_downwards_only():
 
 
 def _public_methods(cls) -> dict[str, inspect.Signature]:
-    return {name: inspect.signature(getattr(cls, name)) for name in dir(cls)
-            if not name.startswith("_") and callable(getattr(cls, name, None))}
+    return {
+        name: inspect.signature(getattr(cls, name))
+        for name in dir(cls)
+        if not name.startswith("_") and callable(getattr(cls, name, None))
+    }
 
 
 def _protocol_members(protocol) -> tuple[dict[str, inspect.Signature], set[str]]:
-    methods = {name: inspect.signature(getattr(protocol, name)) for name in protocol.__dict__
-               if not name.startswith("_") and callable(protocol.__dict__[name])}
+    methods = {
+        name: inspect.signature(getattr(protocol, name))
+        for name in protocol.__dict__
+        if not name.startswith("_") and callable(protocol.__dict__[name])
+    }
     attributes = set(getattr(protocol, "__annotations__", {}))
     return methods, attributes
 
@@ -147,7 +154,9 @@ def test_every_dispatcher_implements_the_token_dispatcher_protocol():
     assert isinstance(LocalTokenDispatcher(4), TokenDispatcher)
 
 
-@pytest.mark.parametrize("protocol_path", ["moetrain.optim.base:Optimizer", "moetrain.model.dispatcher:TokenDispatcher"])
+@pytest.mark.parametrize(
+    "protocol_path", ["moetrain.optim.base:Optimizer", "moetrain.model.dispatcher:TokenDispatcher"]
+)
 def test_a_class_missing_a_method_is_caught(protocol_path):
     """The signature check above can fail: a class without one of the methods, or with a
     different signature, is reported."""

@@ -17,15 +17,20 @@ def test_exposed_and_idle_time(tmp_path):
     # compute, 50 exposed; all-to-all 260–300 fully exposed; idle 100–150 is covered by NCCL,
     # 250–260 is idle. Two steps in the window.
     events = [
-        kernel("gemm", 0, 100, 7), kernel("elementwise", 150, 100, 7),
+        kernel("gemm", 0, 100, 7),
+        kernel("elementwise", 150, 100, 7),
         kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 80, 100, 20),
         kernel("ncclDevKernel_SendRecv", 260, 40, 21),
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 500},
     ]
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks/trace_overlap.py"), str(path), "--steps", "2", "--json"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/trace_overlap.py"), str(path), "--steps", "2", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     r = json.loads(out)
     ms = 1e-3 / 2
     assert r["span_ms"] == round(300 * ms, 2)
@@ -40,5 +45,7 @@ def test_exposed_and_idle_time(tmp_path):
 def test_trace_without_kernels_is_a_clear_error(tmp_path):
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": []}))
-    res = subprocess.run([sys.executable, str(ROOT / "benchmarks/trace_overlap.py"), str(path)], capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/trace_overlap.py"), str(path)], capture_output=True, text=True
+    )
     assert res.returncode != 0 and "no GPU kernels" in res.stderr and "Traceback" not in res.stderr

@@ -42,9 +42,7 @@ class DataConfig(Config):
                     f"{len(self.sources)}: give one weight per source."
                 )
             if any(w < 0 for w in self.weights) or sum(self.weights) <= 0:
-                raise ConfigError(
-                    f"data.weights={self.weights} must be non-negative with a positive sum."
-                )
+                raise ConfigError(f"data.weights={self.weights} must be non-negative with a positive sum.")
         if self.seq_len <= 0:
             raise ConfigError(f"data.seq_len={self.seq_len} must be a positive integer.")
 
@@ -54,10 +52,17 @@ class DataConfig(Config):
         """The training loader of data-parallel rank `dp_rank` of `dp_size`: each global
         micro-batch of `micro_batch_size` sequences, this rank's rows of it."""
         if self.synthetic:
-            return SyntheticLoader(seq_len=self.seq_len, micro_batch_size=micro_batch_size, seed=seed,
-                                   vocab_size=vocab_size, dp_rank=dp_rank, dp_size=dp_size)
-        return TokenLoader(self, micro_batch_size=micro_batch_size, seed=seed, vocab_size=vocab_size,
-                           dp_rank=dp_rank, dp_size=dp_size)
+            return SyntheticLoader(
+                seq_len=self.seq_len,
+                micro_batch_size=micro_batch_size,
+                seed=seed,
+                vocab_size=vocab_size,
+                dp_rank=dp_rank,
+                dp_size=dp_size,
+            )
+        return TokenLoader(
+            self, micro_batch_size=micro_batch_size, seed=seed, vocab_size=vocab_size, dp_rank=dp_rank, dp_size=dp_size
+        )
 
     def val_path(self) -> str | None:
         """Where validation tokens come from (None: no validation): `val`, else the first

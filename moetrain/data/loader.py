@@ -67,9 +67,7 @@ class TokenLoader:
         self.micro_batch_size = micro_batch_size
         self.seed, self.dp_rank, self.dp_size = seed, dp_rank, dp_size
         self.vocab_size = vocab_size
-        self.files: list[TokenFile] = [
-            open_source(p, "train", seq_len=cfg.seq_len) for p in cfg.sources
-        ]
+        self.files: list[TokenFile] = [open_source(p, "train", seq_len=cfg.seq_len) for p in cfg.sources]
         _check_same_tokenizer(self.files)
         if vocab_size is not None:
             for tf in self.files:
@@ -280,8 +278,9 @@ class SyntheticLoader:
     eos_id = None
     tokenizer_path = None
 
-    def __init__(self, *, seq_len: int, micro_batch_size: int, seed: int, vocab_size: int,
-                 dp_rank: int = 0, dp_size: int = 1):
+    def __init__(
+        self, *, seq_len: int, micro_batch_size: int, seed: int, vocab_size: int, dp_rank: int = 0, dp_size: int = 1
+    ):
         _check_batch(micro_batch_size, dp_rank, dp_size)
         self.seq_len, self.micro_batch_size, self.seed, self.vocab_size = seq_len, micro_batch_size, seed, vocab_size
         self.dp_rank, self.dp_size = dp_rank, dp_size

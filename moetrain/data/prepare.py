@@ -53,28 +53,40 @@ def main(argv: list[str]) -> int:
         prog="moetrain prepare-data",
         description="Tokenize text files into train.bin / val.bin / meta.json / tokenizer.json.",
     )
-    parser.add_argument("inputs", nargs="*", metavar="INPUT",
-                        help="text files (.txt .rst .md), .jsonl files or directories")
+    parser.add_argument(
+        "inputs", nargs="*", metavar="INPUT", help="text files (.txt .rst .md), .jsonl files or directories"
+    )
     parser.add_argument("--out", required=True, metavar="DIR", help="output directory")
-    parser.add_argument("--tokenizer", metavar="FILE",
-                        help="an existing Hugging Face tokenizers file (default: train a BPE)")
-    parser.add_argument("--vocab-size", type=int, default=8192,
-                        help="vocabulary size of the trained BPE (default 8192)")
-    parser.add_argument("--val-frac", type=float, default=0.02,
-                        help="fraction of documents held out for validation (default 0.02)")
+    parser.add_argument(
+        "--tokenizer", metavar="FILE", help="an existing Hugging Face tokenizers file (default: train a BPE)"
+    )
+    parser.add_argument(
+        "--vocab-size", type=int, default=8192, help="vocabulary size of the trained BPE (default 8192)"
+    )
+    parser.add_argument(
+        "--val-frac", type=float, default=0.02, help="fraction of documents held out for validation (default 0.02)"
+    )
     parser.add_argument("--text-key", default="text", help="text field of .jsonl records")
     parser.add_argument("--seed", type=int, default=0, help="seed of the train/val split")
-    parser.add_argument("--default-corpus", action="store_true",
-                        help="add the embedded corpus (Shakespeare, KJV Bible, Python docs)")
-    parser.add_argument("--eos-token", metavar="NAME",
-                        help=f"end-of-document token of --tokenizer (default {EOS_TOKEN})")
+    parser.add_argument(
+        "--default-corpus", action="store_true", help="add the embedded corpus (Shakespeare, KJV Bible, Python docs)"
+    )
+    parser.add_argument(
+        "--eos-token", metavar="NAME", help=f"end-of-document token of --tokenizer (default {EOS_TOKEN})"
+    )
     args = parser.parse_args(argv)
 
     start = time.perf_counter()
     meta = prepare_data(
-        args.inputs, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
-        val_frac=args.val_frac, text_key=args.text_key, seed=args.seed,
-        default_corpus=args.default_corpus, eos_token=args.eos_token,
+        args.inputs,
+        args.out,
+        tokenizer=args.tokenizer,
+        vocab_size=args.vocab_size,
+        val_frac=args.val_frac,
+        text_key=args.text_key,
+        seed=args.seed,
+        default_corpus=args.default_corpus,
+        eos_token=args.eos_token,
     )
     splits = meta["splits"]
     summary = {
@@ -126,11 +138,13 @@ def prepare_data(
     split = _plan_split(documents(), seed=seed, val_frac=val_frac)
 
     if tokenizer is None:
+
         def train_texts() -> Iterator[list[str]]:
             for batch in _batches(documents(), batch_docs, batch_bytes):
                 texts = [text for pos, name, text in batch if not split.is_val(pos, name)]
                 if texts:
                     yield texts
+
         tok = train_bpe(train_texts(), vocab_size=vocab_size, progress=progress)
         eos_token = EOS_TOKEN
     else:
@@ -151,8 +165,13 @@ def prepare_data(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     counts = _write_splits(
-        tok, _batches(documents(), batch_docs, batch_bytes), split, out,
-        dtype=dtype, eos_id=eos_id, progress=progress,
+        tok,
+        _batches(documents(), batch_docs, batch_bytes),
+        split,
+        out,
+        dtype=dtype,
+        eos_id=eos_id,
+        progress=progress,
     )
     meta = {
         "format": FORMAT,
@@ -313,8 +332,14 @@ def _write_splits(tok, batches, split: _Split, out: Path, *, dtype, eos_id: int,
     names = {"train": "train.bin", "val": "val.bin", "tokenizer": "tokenizer.json"}
     partial = {s: out / f".{f}.partial" for s, f in names.items()}
     counts = {s: {"file": names[s], "num_tokens": 0, "num_documents": 0} for s in ("train", "val")}
-    bar = tqdm(total=split.num_documents, unit="doc", desc="tokenizing", file=sys.stderr,
-               disable=not progress, dynamic_ncols=True)
+    bar = tqdm(
+        total=split.num_documents,
+        unit="doc",
+        desc="tokenizing",
+        file=sys.stderr,
+        disable=not progress,
+        dynamic_ncols=True,
+    )
     num_bytes = 0
     try:
         tok.save(str(partial["tokenizer"]))

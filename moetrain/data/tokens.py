@@ -93,9 +93,7 @@ class TokenFile:
         return {"num_tokens": self.num_tokens, "vocab_size": self.vocab_size, "hash": h.hexdigest()}
 
 
-def open_source(
-    path: str | os.PathLike, split: str = "train", *, seq_len: int | None = None
-) -> TokenFile:
+def open_source(path: str | os.PathLike, split: str = "train", *, seq_len: int | None = None) -> TokenFile:
     """Open token data: a prepared directory (its `split`'s file) or a .bin file inside one
     (its metadata is the split of the directory's meta.json whose file name matches; `split` is
     then ignored). With `seq_len`, also require at least `seq_len + 1` tokens (one window)."""
@@ -163,9 +161,7 @@ def load_tokenizer(path: str | os.PathLike):
     try:
         tok = Tokenizer.from_file(str(path))
     except Exception as e:  # the Rust library raises a plain Exception
-        raise DataError(
-            f"'{path}' is not a valid Hugging Face tokenizers file ({e}). Re-run prepare-data."
-        ) from None
+        raise DataError(f"'{path}' is not a valid Hugging Face tokenizers file ({e}). Re-run prepare-data.") from None
     tok.encode_special_tokens = True  # not stored in tokenizer.json
     return tok
 

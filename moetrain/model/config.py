@@ -160,8 +160,7 @@ class TransformerConfig(Config):
             )
         if not 0 <= self.num_dense_layers <= self.n_layers:
             raise ConfigError(
-                f"model.num_dense_layers={self.num_dense_layers} must lie in [0, model.n_layers="
-                f"{self.n_layers}]."
+                f"model.num_dense_layers={self.num_dense_layers} must lie in [0, model.n_layers={self.n_layers}]."
             )
         if self.d_model % GROUPED_MM_ALIGN:
             raise ConfigError(

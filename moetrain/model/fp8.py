@@ -88,8 +88,12 @@ def _quantize_middle_column_major(x: torch.Tensor) -> tuple[torch.Tensor, torch.
 # (dim, layout of q) -> quantizer; layouts: None as computed, "row" row-major, "col" column-major
 # (what the FP8 kernels take as second operand). Inside one compiled function the layout change
 # fuses into the cast instead of being a separate strided copy.
-_EAGER = {(-1, None): _quantize_last, (-1, "row"): _quantize_last_contiguous,
-          (0, "col"): _quantize_first_column_major, (-2, "col"): _quantize_middle_column_major}
+_EAGER = {
+    (-1, None): _quantize_last,
+    (-1, "row"): _quantize_last_contiguous,
+    (0, "col"): _quantize_first_column_major,
+    (-2, "col"): _quantize_middle_column_major,
+}
 _COMPILED: dict[tuple[int, str | None], object] = {}
 
 
@@ -286,5 +290,3 @@ class MxFp8Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return mxfp8_linear(x, self.weight)
-
-

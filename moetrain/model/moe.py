@@ -92,7 +92,13 @@ class MoE(nn.Module):
             "z_loss": self.step_z_loss / calls,
             "dropped": self.step_dropped.clone(),
         }
-        for buf in (self.step_tokens_per_expert_E, self.step_lb_loss, self.step_z_loss, self.step_dropped, self.step_calls):
+        for buf in (
+            self.step_tokens_per_expert_E,
+            self.step_lb_loss,
+            self.step_z_loss,
+            self.step_dropped,
+            self.step_calls,
+        ):
             buf.zero_()
         return stats
 

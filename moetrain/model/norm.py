@@ -15,6 +15,4 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # fp32 statistics: in bf16 the mean of squares loses too many bits on wide rows.
-        return nn.functional.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(
-            x.dtype
-        )
+        return nn.functional.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)

@@ -59,8 +59,11 @@ class Transformer(nn.Module):
     def moe_layer_indices(self) -> list[int]:
         """Index among all the model's MoE layers of each of `moe_layers()` (a pipeline stage
         holds only some of them)."""
-        return [int(canonical_name(name).split(".")[1]) - self.cfg.num_dense_layers
-                for name, m in self.named_modules() if isinstance(m, MoE)]
+        return [
+            int(canonical_name(name).split(".")[1]) - self.cfg.num_dense_layers
+            for name, m in self.named_modules()
+            if isinstance(m, MoE)
+        ]
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0, fill: Fill | None = None) -> None:

@@ -240,12 +240,23 @@ class ShardedAdamW(StepHooks):
             pieces = [(i, lo, hi) for i, lo, hi, d in self._pieces if d == decay]
             if not pieces:
                 continue
-            views = [[t[i][lo:hi] for i, lo, hi in pieces]
-                     for t in (self.master_S, [b.grad_S for b in self.buckets], self.exp_avg_S, self.exp_avg_sq_S)]
+            views = [
+                [t[i][lo:hi] for i, lo, hi in pieces]
+                for t in (self.master_S, [b.grad_S for b in self.buckets], self.exp_avg_S, self.exp_avg_sq_S)
+            ]
             torch._fused_adamw_(
-                *views, [], [self._step_t] * len(pieces), lr=self.lr, beta1=beta1, beta2=beta2,
-                weight_decay=self.cfg.weight_decay if decay else 0.0, eps=self.cfg.eps, amsgrad=False,
-                maximize=False, grad_scale=self._grad_scale, found_inf=found_inf,
+                *views,
+                [],
+                [self._step_t] * len(pieces),
+                lr=self.lr,
+                beta1=beta1,
+                beta2=beta2,
+                weight_decay=self.cfg.weight_decay if decay else 0.0,
+                eps=self.cfg.eps,
+                amsgrad=False,
+                maximize=False,
+                grad_scale=self._grad_scale,
+                found_inf=found_inf,
             )
         if found_inf is not None:
             self._step_t -= found_inf

@@ -102,7 +102,9 @@ class ParallelConfig(Config):
                 raise ConfigError(f"parallel.{name}={getattr(self, name)} must be a positive number of seconds.")
         if self.capacity_factor is not None:
             if self.capacity_factor <= 0:
-                raise ConfigError(f"parallel.capacity_factor={self.capacity_factor} must be positive (or null for dropless).")
+                raise ConfigError(
+                    f"parallel.capacity_factor={self.capacity_factor} must be positive (or null for dropless)."
+                )
             if self.dispatcher != DispatcherKind.nosync:
                 raise ConfigError(
                     "parallel.capacity_factor applies to parallel.dispatcher=nosync only; the "

@@ -105,8 +105,10 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
 
         x_recv_MD = funcol.all_to_all_single_autograd(x_MD, recv_splits, send_splits, group=self.ep_group)
 
-        local_expert_of_row = torch.arange(L, device=x_ND.device).repeat(R).repeat_interleave(
-            recv_counts_RL.flatten(), output_size=num_recv
+        local_expert_of_row = (
+            torch.arange(L, device=x_ND.device)
+            .repeat(R)
+            .repeat_interleave(recv_counts_RL.flatten(), output_size=num_recv)
         )
         regroup_idx = local_expert_of_row.argsort(stable=True)
         x_local_MD = x_recv_MD.index_select(0, regroup_idx)

@@ -44,8 +44,11 @@ def init_distributed(device_type: str, timeout_s: float = 600.0, peer_timeout_s:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(
-        backend="nccl" if device_type == "cuda" else "gloo", timeout=timeout, store=_rendezvous_store(world, timeout),
-        rank=int(os.environ["RANK"]), world_size=world,
+        backend="nccl" if device_type == "cuda" else "gloo",
+        timeout=timeout,
+        store=_rendezvous_store(world, timeout),
+        rank=int(os.environ["RANK"]),
+        world_size=world,
     )
     _start_heartbeat(peer_timeout_s)
     return dist.get_rank(), dist.get_world_size()
@@ -67,8 +70,13 @@ def _rendezvous_store(world: int, timeout: datetime.timedelta) -> dist.Store:
         )
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     rank = int(os.environ["RANK"])
-    base = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]), world,
-                         is_master=rank == 0 and not agent_store, timeout=timeout)
+    base = dist.TCPStore(
+        os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=rank == 0 and not agent_store,
+        timeout=timeout,
+    )
     return dist.PrefixStore(f"/moetrain/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", base)
 
 

@@ -82,8 +82,8 @@ def apply_fp8(model: Transformer, recipe: Fp8 = Fp8.rowwise) -> None:
             assert module.d_model % recipe.align == 0 and module.hidden % recipe.align == 0, canonical_name(name)
             module.fp8 = recipe.value
         elif isinstance(module, nn.Linear) and ".blocks." in f".{name}" and type(module) is nn.Linear:
-            assert module.in_features % recipe.align == 0 and module.out_features % recipe.align == 0, (
-                canonical_name(name)
+            assert module.in_features % recipe.align == 0 and module.out_features % recipe.align == 0, canonical_name(
+                name
             )
             module.__class__ = linear_class
 
@@ -103,9 +103,16 @@ def apply_recompute(model: Transformer, selective: bool = False, every: int = 1)
 def _saved_ops() -> set:
     aten, ops = torch.ops.aten, set()
     names = [
-        "mm", "addmm", "bmm", "_grouped_mm", "_scaled_mm", "_scaled_grouped_mm",
-        "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+        "mm",
+        "addmm",
+        "bmm",
+        "_grouped_mm",
+        "_scaled_mm",
+        "_scaled_grouped_mm",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
     ]
     for name in names:
         if hasattr(aten, name):  # some exist only in newer torch versions
@@ -126,7 +133,9 @@ def _save_matmuls_and_comms(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 
 OVERLAP_PASSES = [
-    "reorder_communication_preserving_peak_memory", "sink_waits_iterative", "reorder_communication_preserving_peak_memory",
+    "reorder_communication_preserving_peak_memory",
+    "sink_waits_iterative",
+    "reorder_communication_preserving_peak_memory",
 ]
 """Inductor's reordering passes for compute/communication overlap (the order its config file
 recommends): start each collective as early as its inputs allow, wait for it as late as its
@@ -144,4 +153,3 @@ def apply_compile(model: Transformer, overlap: bool = False) -> None:
         inductor_config.reorder_for_compute_comm_overlap_passes = list(OVERLAP_PASSES)
     for block in model.blocks.values():
         block.compile(dynamic=False)
-

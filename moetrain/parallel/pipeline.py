@@ -100,8 +100,11 @@ class StageModule(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         doc_ids_BT = self._doc_ids.popleft() if self._doc_ids else None
-        autocast = (torch.autocast(x.device.type, dtype=self.amp_dtype) if self.amp_dtype is not None
-                    else contextlib.nullcontext())
+        autocast = (
+            torch.autocast(x.device.type, dtype=self.amp_dtype)
+            if self.amp_dtype is not None
+            else contextlib.nullcontext()
+        )
         with autocast:
             x_BTD = self.embed(x) if self.first else x
             cos_TD, sin_TD, mask_BTT = attention_inputs(self.rope, x_BTD.shape[1], doc_ids_BT, x_BTD.device)
@@ -152,7 +155,9 @@ class Pipeline:
         return torch.stack(self.losses).sum()
 
     @torch.no_grad()
-    def eval_loss_sum(self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor, doc_ids_BT: torch.Tensor | None) -> torch.Tensor:
+    def eval_loss_sum(
+        self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor, doc_ids_BT: torch.Tensor | None
+    ) -> torch.Tensor:
         """Forward only, one micro-batch through the stages in order (point-to-point sends of
         the (B, T, D) hidden state); the mean cross-entropy on the last stage's ranks, 0
         elsewhere. Evaluation is rare: no overlap is attempted."""
@@ -210,7 +215,11 @@ def build_pipeline(
         first, last = s == 0, s == S - 1
         module = StageModule(model, layout[s], first, last, amp_dtype)
         inputs = torch.empty(B, T, dtype=torch.long, device="meta") if first else hidden
-        outputs = torch.empty(B, T, V, dtype=amp_dtype or torch.float32, device="meta", requires_grad=True) if last else hidden
+        outputs = (
+            torch.empty(B, T, V, dtype=amp_dtype or torch.float32, device="meta", requires_grad=True)
+            if last
+            else hidden
+        )
         stages.append(PipelineStage(module, s, S, device, input_args=inputs, output_args=outputs, group=state.pp_group))
         modules.append(module)
 

@@ -58,6 +58,7 @@ class SymmState(NamedTuple):
 
 # --- the transport: two custom ops (opaque to torch.compile, fixed output shapes) ---------------
 
+
 def _group(name: str) -> dist.ProcessGroup:
     return dist.distributed_c10d._resolve_process_group(name)
 
@@ -86,7 +87,8 @@ class _Buffers:
             if hasattr(symm_mem, "enable_symm_mem_for_group"):
                 symm_mem.enable_symm_mem_for_group(group_name)
         b = {
-            "M": M, "S": S,
+            "M": M,
+            "S": S,
             "rows": symm_mem.empty(M, D, dtype=dtype, device=device),
             "layout": symm_mem.empty(S, D, dtype=dtype, device=device),
             "splits": symm_mem.empty(E, dtype=torch.int64, device=device),
@@ -128,7 +130,7 @@ def _emulated_dispatch(x_MD, counts_E, group, S):
     for e in range(L):
         for r in range(R):
             n, a, b = int(recv_RL[r, e]), int(src_start_RL[r, e]), int(starts_C[e * R + r])
-            out[b:b + n] = x_recv[a:a + n]
+            out[b : b + n] = x_recv[a : a + n]
     return out, torch.stack([splits_C, starts_C])
 
 
@@ -142,16 +144,19 @@ def _emulated_combine(y_SD, table_2C, counts_E, group, M):
     for r in range(R):
         for e in range(L):
             s, n = int(starts_C[e * R + r]), int(recv_RL[r, e])
-            parts.append(y_SD[s:s + n])
+            parts.append(y_SD[s : s + n])
     send_back = torch.cat(parts) if parts else y_SD[:0]
     out = torch.empty(M, y_SD.shape[1], dtype=y_SD.dtype)
-    dist.all_to_all_single(out, send_back.contiguous(), counts_E.view(R, L).sum(1).tolist(),
-                           recv_RL.sum(1).tolist(), group=group)
+    dist.all_to_all_single(
+        out, send_back.contiguous(), counts_E.view(R, L).sum(1).tolist(), recv_RL.sum(1).tolist(), group=group
+    )
     return out
 
 
 @torch.library.custom_op("moetrain::symm_dispatch", mutates_args=())
-def symm_dispatch(x_MD: torch.Tensor, counts_E: torch.Tensor, group_name: str, S: int) -> tuple[torch.Tensor, torch.Tensor]:
+def symm_dispatch(
+    x_MD: torch.Tensor, counts_E: torch.Tensor, group_name: str, S: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Sorted rows (rank-major, expert within) → receive layout (S, D), expert-major, rows outside
     every chunk zeroed; and the (2, R·L) chunk table (splits, offsets)."""
     group = _group(group_name)
@@ -174,7 +179,9 @@ def _(x_MD, counts_E, group_name, S):
 
 
 @torch.library.custom_op("moetrain::symm_combine", mutates_args=())
-def symm_combine(y_SD: torch.Tensor, table_2C: torch.Tensor, counts_E: torch.Tensor, group_name: str, M: int) -> torch.Tensor:
+def symm_combine(
+    y_SD: torch.Tensor, table_2C: torch.Tensor, counts_E: torch.Tensor, group_name: str, M: int
+) -> torch.Tensor:
     """Receive layout (S, D) → each row back to its source rank and sorted position (M, D)."""
     group = _group(group_name)
     if y_SD.device.type != "cuda":
@@ -222,6 +229,7 @@ symm_combine.register_autograd(_combine_backward, setup_context=_combine_setup)
 
 
 # --- the dispatcher ---------------------------------------------------------------------------
+
 
 class SymmMemDispatcher(ExpertParallelDispatcher):
     """Dropless expert-parallel dispatch over NVSHMEM symmetric memory: exact rows, device-side

@@ -31,8 +31,9 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue, backend: str = "gloo") -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(1)
     try:
         if backend == "nccl":  # one GPU per rank
@@ -46,13 +47,17 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
         shutdown()
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float = 240.0, backend: str = "gloo") -> list[Any]:
+def run_distributed(
+    fn: Callable, world_size: int, *args: Any, timeout_s: float = 240.0, backend: str = "gloo"
+) -> list[Any]:
     """Results of `fn(*args)` per rank; raises with the failing rank's traceback. `backend="nccl"`
     puts rank r on GPU r."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, backend)) for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, backend)) for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}

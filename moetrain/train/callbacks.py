@@ -76,9 +76,13 @@ class Evaluator:
             return None
         tc = self.cfg.train
         batches = val_batches(
-            self.path, seq_len=self.cfg.data.seq_len, micro_batch_size=tc.micro_batch_size,
-            num_batches=tc.eval_batches, vocab_size=self.cfg.model.vocab_size,
-            dp_rank=self.dp_rank, dp_size=self.dp_size,
+            self.path,
+            seq_len=self.cfg.data.seq_len,
+            micro_batch_size=tc.micro_batch_size,
+            num_batches=tc.eval_batches,
+            vocab_size=self.cfg.model.vocab_size,
+            dp_rank=self.dp_rank,
+            dp_size=self.dp_size,
         )
         return engine.eval_loss(batches)
 
@@ -129,8 +133,13 @@ class MetricsLogger(Callback):
         if trainer.par.is_main:
             sink = None
             if tc.wandb:
-                sink = WandbSink(trainer.run.path, trainer.cfg.to_dict(), project=tc.wandb_project,
-                                 name=tc.wandb_name, resumed=trainer.resumed_from is not None)
+                sink = WandbSink(
+                    trainer.run.path,
+                    trainer.cfg.to_dict(),
+                    project=tc.wandb_project,
+                    name=tc.wandb_name,
+                    resumed=trainer.resumed_from is not None,
+                )
             self.writer = MetricsWriter(trainer.run.path, tensorboard=tc.tensorboard, wandb=sink)
         self.progress = Progress(start=trainer.step, total=tc.steps, quiet=trainer.quiet)
         self._restart_window()
@@ -188,13 +197,23 @@ class Checkpointing(Callback):
                 "then --resume."
             )
         tc = trainer.cfg.train
-        state = {"step": trainer.step, "loader": trainer.loader.state_dict(), "guard": trainer.engine.guard.state_dict()}
+        state = {
+            "step": trainer.step,
+            "loader": trainer.loader.state_dict(),
+            "guard": trainer.engine.guard.state_dict(),
+        }
         extra = {"config.yaml": trainer.run.config_file}
         if trainer.loader.tokenizer_path is not None:
             extra["tokenizer.json"] = trainer.loader.tokenizer_path
         result = ckpt.save_checkpoint(
-            trainer.run.path, trainer.step, trainer.engine.state_dict(), state, extra,
-            keep_last=tc.keep_last, rank=trainer.par.rank, async_write=tc.async_checkpoint,
+            trainer.run.path,
+            trainer.step,
+            trainer.engine.state_dict(),
+            state,
+            extra,
+            keep_last=tc.keep_last,
+            rank=trainer.par.rank,
+            async_write=tc.async_checkpoint,
             process_group=cpu_group() if trainer.par.dims.world_size > 1 else None,
         )
         self.last_saved_step = trainer.step
@@ -240,8 +259,11 @@ class GracefulStop(Callback):
             path = self.checkpointing.save(trainer)
         self.checkpointing.finish()
         if trainer.par.is_main:
-            print(f"stopped by {self.signal_name} after step {trainer.step}; checkpoint {path}; "
-                  "continue with --resume", file=sys.stderr, flush=True)
+            print(
+                f"stopped by {self.signal_name} after step {trainer.step}; checkpoint {path}; continue with --resume",
+                file=sys.stderr,
+                flush=True,
+            )
         trainer.stop(stopped_at_step=trainer.step)
 
     def on_fit_end(self, trainer: Trainer, completed: bool) -> None:
@@ -255,8 +277,11 @@ class GracefulStop(Callback):
         self.flag = 1
         self.signal_name = signal.Signals(signum).name
         if not self.quiet:
-            print(f"{self.signal_name}: stopping after this step and saving a checkpoint "
-                  "(Ctrl-C again to abort at once)", file=sys.stderr, flush=True)
+            print(
+                f"{self.signal_name}: stopping after this step and saving a checkpoint (Ctrl-C again to abort at once)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def requested(self) -> bool:
         """Whether any rank got the signal (collective)."""

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from moetrain.errors import CheckpointError
 from moetrain.model.experts import GroupedExperts
@@ -64,7 +64,9 @@ def resolve_checkpoint(path: str | Path) -> Path:
     """A step-N directory, or a run directory (-> its newest complete checkpoint)."""
     path = Path(path)
     if not path.exists():
-        raise CheckpointError(f"Checkpoint path '{path}' does not exist: pass a run directory or its checkpoints/step-N.")
+        raise CheckpointError(
+            f"Checkpoint path '{path}' does not exist: pass a run directory or its checkpoints/step-N."
+        )
     if (path / COMPLETE).is_file():
         return path
     if STEP_DIR.match(path.name):
@@ -93,14 +95,14 @@ def save_checkpoint(
     process_group=None,
 ) -> Path | PendingCheckpoint:
     """Write step-N atomically (every rank calls this); then keep the newest `keep_last`.
-`state` is what DCP writes (`TrainEngine.state_dict()`, or `{"model": model_state_dict(m)}`
-for weights only); `trainer_state` goes to trainer_state.json (rank 0).
+    `state` is what DCP writes (`TrainEngine.state_dict()`, or `{"model": model_state_dict(m)}`
+    for weights only); `trainer_state` goes to trainer_state.json (rank 0).
 
-    With `async_write` the tensors are staged (copied to host memory) now and written by a
-    background thread (`dcp.async_save`, over `process_group`, a CPU-capable group); the returned
-    `PendingCheckpoint` completes the checkpoint — COMPLETE marker, rename, retention — when
-    `finish()` is called, so it becomes visible only once every file is written, exactly as a
-    synchronous save. Training may continue meanwhile."""
+        With `async_write` the tensors are staged (copied to host memory) now and written by a
+        background thread (`dcp.async_save`, over `process_group`, a CPU-capable group); the returned
+        `PendingCheckpoint` completes the checkpoint — COMPLETE marker, rename, retention — when
+        `finish()` is called, so it becomes visible only once every file is written, exactly as a
+        synchronous save. Training may continue meanwhile."""
     root = checkpoints_dir(run_dir)
     final = root / f"step-{step}"
     tmp = root / f".step-{step}.tmp"
@@ -115,7 +117,11 @@ for weights only); `trainer_state` goes to trainer_state.json (rank 0).
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         previous = list_checkpoints(run_dir)
-        kept = f"the newest complete checkpoint, {previous[-1][1]}, is intact" if previous else "no earlier checkpoint exists"
+        kept = (
+            f"the newest complete checkpoint, {previous[-1][1]}, is intact"
+            if previous
+            else "no earlier checkpoint exists"
+        )
         return CheckpointError(
             f"Writing checkpoint step-{step} in '{root}' failed ({_first_line(e)}); {kept}. Free space "
             "(or fix the directory) and continue with --resume."
@@ -217,19 +223,33 @@ class _MetadataUnpickler(pickle.Unpickler):
     records, torch.Size, dtypes, memory-format/layout helpers, paths — and refuses the rest, so a
     tampered checkpoint cannot execute code when it is loaded."""
 
-    _MODULES = {"torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
-                "torch.distributed.checkpoint.planner"}
-    _NAMES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-              ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "Path"),
-              ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"), ("builtins", "set"),
-              ("builtins", "frozenset"), ("builtins", "slice")}
+    _MODULES = {
+        "torch.distributed.checkpoint.metadata",
+        "torch.distributed.checkpoint.filesystem",
+        "torch.distributed.checkpoint.planner",
+    }
+    _NAMES = {
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("collections", "OrderedDict"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "Path"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PureWindowsPath"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+        ("builtins", "slice"),
+    }
 
     def find_class(self, module: str, name: str):
         if module in self._MODULES and not name.startswith("__"):
             return super().find_class(module, name)
         if (module, name) in self._NAMES:
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format, torch.layout)):
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.memory_format, torch.layout)
+        ):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"checkpoint metadata names {module}.{name}, which a checkpoint index never holds")
 
@@ -317,7 +337,9 @@ def optimizer_tensors(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[
     for name, p in model.named_parameters():
         name = canonical_name(name)
         num_local = p.shape[0] if name in offsets else 1
-        out[name] = {key: _join(state, f"{name}.{key}", offsets.get(name), num_local) for key in sorted(keys_of.get(name, ()))}
+        out[name] = {
+            key: _join(state, f"{name}.{key}", offsets.get(name), num_local) for key in sorted(keys_of.get(name, ()))
+        }
     return out
 
 
@@ -347,8 +369,13 @@ def _take(state: dict, key: str, live: torch.Tensor, expert_offset: int | None) 
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.device == b.device and a.data_ptr() == b.data_ptr() and a.shape == b.shape
-            and a.stride() == b.stride() and a.dtype == b.dtype)
+    return (
+        a.device == b.device
+        and a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+    )
 
 
 def _expert_offsets(model: nn.Module) -> dict[str, int]:

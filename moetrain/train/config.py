@@ -106,10 +106,25 @@ class TrainerConfig(Config):
         return self.global_batch_size // self.micro_batch_size
 
     def validate(self) -> None:
-        for name in ("steps", "global_batch_size", "micro_batch_size", "log_every", "eval_batches", "recompute_every", "skip_window"):
+        for name in (
+            "steps",
+            "global_batch_size",
+            "micro_batch_size",
+            "log_every",
+            "eval_batches",
+            "recompute_every",
+            "skip_window",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"train.{name}={getattr(self, name)} must be a positive integer.")
-        for name in ("eval_every", "save_every", "keep_last", "profile_wait", "skip_spike_sigma", "max_consecutive_skips"):
+        for name in (
+            "eval_every",
+            "save_every",
+            "keep_last",
+            "profile_wait",
+            "skip_spike_sigma",
+            "max_consecutive_skips",
+        ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name}={getattr(self, name)} must be ≥ 0.")
         if self.profile_steps <= 0:
@@ -219,8 +234,11 @@ def _gemm_dims(m: TransformerConfig) -> list[tuple[str, int]]:
     """The config fields that set a dimension of a matrix product inside the blocks (what FP8
     quantizes: attention, dense MLP, shared and routed experts; not the router)."""
     hd = m.resolved_head_dim
-    dims = [("model.d_model", m.d_model), ("model.n_heads × head_dim", m.n_heads * hd),
-            ("model.n_kv_heads × head_dim", m.n_kv_heads * hd)]
+    dims = [
+        ("model.d_model", m.d_model),
+        ("model.n_heads × head_dim", m.n_heads * hd),
+        ("model.n_kv_heads × head_dim", m.n_kv_heads * hd),
+    ]
     if m.num_moe_layers > 0:
         dims.append(("model.moe.expert_hidden", m.moe.expert_hidden))
         if m.moe.shared_hidden > 0:

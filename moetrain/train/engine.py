@@ -87,8 +87,15 @@ class TrainEngine:
 
         # Build on the meta device, apply the layout, then allocate only what this rank holds.
         model = cfg.model.build(device="meta")
-        model = parallelize(model, par, cfg.parallel, fp8=tc.fp8, recompute=tc.recompute,
-                            recompute_every=tc.recompute_every, compile=tc.compile)
+        model = parallelize(
+            model,
+            par,
+            cfg.parallel,
+            fp8=tc.fp8,
+            recompute=tc.recompute,
+            recompute_every=tc.recompute_every,
+            compile=tc.compile,
+        )
         model.to_empty(device=device)
         # Under FSDP each parameter is a shard: initialized on a full temporary, shard kept.
         model.init_weights(seed=tc.seed, fill=init_full_then_shard if cfg.parallel.stack == Stack.fsdp else None)
@@ -105,9 +112,15 @@ class TrainEngine:
         self.pipeline: Pipeline | None = None
         if par.dims.num_stages > 1:
             self.pipeline = build_pipeline(
-                model, par, cfg.parallel.pp_schedule, n_microbatches=tc.grad_accum_steps,
-                loss_scale=self.optimizer.loss_scale, micro_batch_rows=tc.micro_batch_size // par.dims.dp,
-                seq_len=cfg.data.seq_len, device=device, amp_dtype=self.amp_dtype,
+                model,
+                par,
+                cfg.parallel.pp_schedule,
+                n_microbatches=tc.grad_accum_steps,
+                loss_scale=self.optimizer.loss_scale,
+                micro_batch_rows=tc.micro_batch_size // par.dims.dp,
+                seq_len=cfg.data.seq_len,
+                device=device,
+                amp_dtype=self.amp_dtype,
             )
         self.guard = StepGuard(tc.skip_window, tc.skip_spike_sigma, tc.max_consecutive_skips, device)
         self.tokens_per_step = tc.global_batch_size * cfg.data.seq_len
@@ -125,7 +138,9 @@ class TrainEngine:
         this rank's rows of each); afterwards the gradients are reduced over the data-parallel
         ranks. Returns the mean LM loss over the micro-batches (device scalar)."""
         self.model.train()
-        lm_loss = self._pipeline_forward_backward(batches) if self.pipeline is not None else self._micro_batches(batches)
+        lm_loss = (
+            self._pipeline_forward_backward(batches) if self.pipeline is not None else self._micro_batches(batches)
+        )
         self.optimizer.finish()
         return lm_loss
 
@@ -249,14 +264,25 @@ class TrainEngine:
         mean = self.global_mean(packed)
         counts_LE = mean[1 + 3 * L :].view(L, E).round().long()
         dp = self.par.dims.dp
-        routing = routing_metrics([
-            {"lb_loss": mean[1 + i], "z_loss": mean[1 + L + i], "dropped": mean[1 + 2 * L + i] * dp,
-             "tokens_per_expert": counts_LE[i]}
-            for i in range(L)
-        ], ep=self.par.dims.ep)
-        lm_loss, grad_norm, skipped = torch.stack([
-            mean[0], out.grad_norm.double(), self.guard.skipped_total.double(),
-        ]).tolist()
+        routing = routing_metrics(
+            [
+                {
+                    "lb_loss": mean[1 + i],
+                    "z_loss": mean[1 + L + i],
+                    "dropped": mean[1 + 2 * L + i] * dp,
+                    "tokens_per_expert": counts_LE[i],
+                }
+                for i in range(L)
+            ],
+            ep=self.par.dims.ep,
+        )
+        lm_loss, grad_norm, skipped = torch.stack(
+            [
+                mean[0],
+                out.grad_norm.double(),
+                self.guard.skipped_total.double(),
+            ]
+        ).tolist()
         moe = self.cfg.model.moe
         aux = L * (moe.lb_loss_weight * routing["lb_loss"] + moe.z_loss_weight * routing["z_loss"])
         return {

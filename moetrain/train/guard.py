@@ -59,7 +59,9 @@ class StepGuard:
         self.consecutive = (self.consecutive + 1) * (1 - accepted)
         return skip
 
-    def raise_if_stuck(self, consecutive: int, step: int, last_checkpoint: Callable[[], str | None] = lambda: None) -> None:
+    def raise_if_stuck(
+        self, consecutive: int, step: int, last_checkpoint: Callable[[], str | None] = lambda: None
+    ) -> None:
         """Stop the run after too many skips in a row; `last_checkpoint` is asked only then."""
         if self.max_consecutive > 0 and consecutive >= self.max_consecutive:
             path = last_checkpoint()
@@ -72,8 +74,12 @@ class StepGuard:
 
     def state_dict(self) -> dict:
         """Plain JSON types (read on the host: at checkpoint time only)."""
-        return {"history": self.history_W2.tolist(), "count": int(self.count), "skipped_total": int(self.skipped_total),
-                "consecutive": int(self.consecutive)}
+        return {
+            "history": self.history_W2.tolist(),
+            "count": int(self.count),
+            "skipped_total": int(self.skipped_total),
+            "consecutive": int(self.consecutive),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.history_W2.copy_(torch.tensor(state["history"], dtype=torch.float32))

@@ -36,8 +36,14 @@ if TYPE_CHECKING:
 def routing_metrics(layer_stats: list[dict[str, torch.Tensor]], ep: int = 1) -> dict[str, float]:
     """Reduce per-MoE-layer step statistics to the logged scalars (one host sync)."""
     if not layer_stats:
-        return {"lb_loss": 0.0, "z_loss": 0.0, "expert_load_max_over_mean": 1.0,
-                "ep_load_max_over_mean": 1.0, "dropped_token_frac": 0.0, "unused_experts": 0}
+        return {
+            "lb_loss": 0.0,
+            "z_loss": 0.0,
+            "expert_load_max_over_mean": 1.0,
+            "ep_load_max_over_mean": 1.0,
+            "dropped_token_frac": 0.0,
+            "unused_experts": 0,
+        }
     counts_LE = torch.stack([s["tokens_per_expert"] for s in layer_stats]).float()
     lb = torch.stack([s["lb_loss"] for s in layer_stats]).mean()
     z = torch.stack([s["z_loss"] for s in layer_stats]).mean()
@@ -88,7 +94,8 @@ class MetricsWriter:
             f.write(json.dumps(record) + "\n")
             f.flush()
         scalars = {
-            key: value for key, value in record.items()
+            key: value
+            for key, value in record.items()
             if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)
         }
         if self.tb is not None:

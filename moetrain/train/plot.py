@@ -61,7 +61,9 @@ def plot_compare(run_dirs: list[str | Path], out: str | Path) -> Path:
         records = read_metrics(run_dir / "metrics.jsonl")
         if not records:
             continue
-        line = ax.plot([r["step"] for r in records], [r["lm_loss"] for r in records], label=f"{run_dir.name} train", alpha=0.8)[0]
+        line = ax.plot(
+            [r["step"] for r in records], [r["lm_loss"] for r in records], label=f"{run_dir.name} train", alpha=0.8
+        )[0]
         val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
         if val:
             ax.plot(*zip(*val), "o--", color=line.get_color(), label=f"{run_dir.name} val")

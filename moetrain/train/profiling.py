@@ -60,7 +60,9 @@ class StepProfiler:
             torch.cuda.memory._dump_snapshot(str(self.out_dir / "memory_snapshot.pickle"))
             torch.cuda.memory._record_memory_history(enabled=None)
         if not self.quiet:
-            print(f"profile of steps {self.wait + 1}-{self.wait + self.steps} written to {self.out_dir}", file=sys.stderr)
+            print(
+                f"profile of steps {self.wait + 1}-{self.wait + self.steps} written to {self.out_dir}", file=sys.stderr
+            )
 
     def _start_memory(self) -> None:
         if self.cuda:

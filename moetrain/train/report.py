@@ -21,7 +21,9 @@ def report(run_dir: Path) -> str:
     ]
     first, last = s.get("initial_val_loss"), s.get("final_val_loss")
     if first and last:
-        lines.append(f"val loss      : {first:.3f} at step 0 -> {last:.3f} at step {s['steps']} ({last / first:.0%} of step 0)")
+        lines.append(
+            f"val loss      : {first:.3f} at step 0 -> {last:.3f} at step {s['steps']} ({last / first:.0%} of step 0)"
+        )
     return "\n".join(lines)
 
 

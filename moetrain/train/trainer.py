@@ -55,8 +55,13 @@ class Trainer:
         self.quiet = quiet or not self.par.is_main
         self.run = RunDir(tc.run_dir, main=self.par.is_main)
         torch.manual_seed(tc.seed)
-        self.loader = cfg.data.build(micro_batch_size=tc.micro_batch_size, seed=tc.seed,
-                                     vocab_size=cfg.model.vocab_size, dp_rank=self.par.dp_rank, dp_size=self.par.dims.dp)
+        self.loader = cfg.data.build(
+            micro_batch_size=tc.micro_batch_size,
+            seed=tc.seed,
+            vocab_size=cfg.model.vocab_size,
+            dp_rank=self.par.dp_rank,
+            dp_size=self.par.dims.dp,
+        )
         self.engine = TrainEngine(cfg, self.par, self.device, eos_id=self.loader.eos_id)
         self.evaluator = Evaluator(cfg, self.par.dp_rank, self.par.dims.dp)
         self.checkpointing = Checkpointing()
@@ -91,7 +96,10 @@ class Trainer:
         logger = MetricsLogger(self.evaluator)
         callbacks: list[Callback] = [
             *([StepProfiling(self.run.path / "profile")] if tc.profile else []),
-            SkipLimit(), logger, self.checkpointing, GracefulStop(self.checkpointing),
+            SkipLimit(),
+            logger,
+            self.checkpointing,
+            GracefulStop(self.checkpointing),
         ]
         self._stopping = False
         completed = False
@@ -143,8 +151,11 @@ class Trainer:
         found = self.run.checkpoints()
         partial = self.run.partial_checkpoints()
         if partial and not self.quiet:
-            print(f"--resume: ignoring {len(partial)} incomplete checkpoint(s) (interrupted while writing): "
-                  f"{', '.join(p.name for p in partial)}", file=sys.stderr)
+            print(
+                f"--resume: ignoring {len(partial)} incomplete checkpoint(s) (interrupted while writing): "
+                f"{', '.join(p.name for p in partial)}",
+                file=sys.stderr,
+            )
         if not found:
             if not self.quiet:
                 print(f"--resume: no complete checkpoint in {self.run.path}; starting from step 0", file=sys.stderr)
@@ -170,8 +181,9 @@ class Trainer:
         tc = self.cfg.train
         if self.par.dims.world_size > 1:
             out_dir = out_dir / f"rank{self.par.rank}"
-        return StepProfiler(out_dir, tc.profile_wait if wait is None else wait, tc.profile_steps, self.device,
-                            quiet=self.quiet)
+        return StepProfiler(
+            out_dir, tc.profile_wait if wait is None else wait, tc.profile_steps, self.device, quiet=self.quiet
+        )
 
     def _final_summary(self, last_val: float | None) -> dict[str, Any]:
         counts = count_params(self.cfg.model)

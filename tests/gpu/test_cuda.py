@@ -41,22 +41,36 @@ def test_tiny_trains_on_cuda(real_text_dir, tmp_path):
     from moetrain.train.metrics import read_metrics
     from moetrain.train.trainer import Trainer
 
-    cfg = resolve_config("tiny", [
-        f"data.sources=[{real_text_dir}]", f"train.run_dir={tmp_path}", "model.vocab_size=512",
-        "train.steps=40", "train.device=cuda", "train.eval_every=20", "train.log_every=10",
-        "train.tensorboard=false", "train.plot=false",
-    ])
+    cfg = resolve_config(
+        "tiny",
+        [
+            f"data.sources=[{real_text_dir}]",
+            f"train.run_dir={tmp_path}",
+            "model.vocab_size=512",
+            "train.steps=40",
+            "train.device=cuda",
+            "train.eval_every=20",
+            "train.log_every=10",
+            "train.tensorboard=false",
+            "train.plot=false",
+        ],
+    )
     Trainer(cfg, quiet=True).fit()
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert records[-1]["lm_loss"] < 0.85 * records[0]["lm_loss"]
     assert records[-1]["mfu"] is not None and records[-1]["peak_mem_gib"] > 0
 
 
-@pytest.mark.parametrize("compile, recompute, optimizer", [
-    (False, "none", "parallel.shard_optimizer=false"), (True, "none", "parallel.shard_optimizer=false"),
-    (True, "selective", "parallel.shard_optimizer=false"),
-    (False, "none", "parallel.shard_optimizer=true"), (False, "none", "parallel.stack=fsdp"),
-])
+@pytest.mark.parametrize(
+    "compile, recompute, optimizer",
+    [
+        (False, "none", "parallel.shard_optimizer=false"),
+        (True, "none", "parallel.shard_optimizer=false"),
+        (True, "selective", "parallel.shard_optimizer=false"),
+        (False, "none", "parallel.shard_optimizer=true"),
+        (False, "none", "parallel.stack=fsdp"),
+    ],
+)
 def test_training_step_is_sync_free(tmp_path, compile, recompute, optimizer):
     """A whole training step (forward and backward of two micro-batches, clipping, the step
     guard, AdamW, the aux-free bias update) makes no device-to-host synchronization: CUDA's sync
@@ -65,11 +79,21 @@ def test_training_step_is_sync_free(tmp_path, compile, recompute, optimizer):
     from moetrain.presets import resolve_config
     from moetrain.train.trainer import Trainer
 
-    cfg = resolve_config("tiny", [
-        "data.synthetic=true", f"train.run_dir={tmp_path}", "train.device=cuda", "train.micro_batch_size=12",
-        "model.moe.bias_update_rate=0.001", f"train.compile={str(compile).lower()}", f"train.recompute={recompute}",
-        "train.tensorboard=false", "train.plot=false", optimizer,
-    ])
+    cfg = resolve_config(
+        "tiny",
+        [
+            "data.synthetic=true",
+            f"train.run_dir={tmp_path}",
+            "train.device=cuda",
+            "train.micro_batch_size=12",
+            "model.moe.bias_update_rate=0.001",
+            f"train.compile={str(compile).lower()}",
+            f"train.recompute={recompute}",
+            "train.tensorboard=false",
+            "train.plot=false",
+            optimizer,
+        ],
+    )
     trainer = Trainer(cfg, quiet=True)
     for _ in range(2):  # compile and allocate outside the checked step
         trainer.train_step()
@@ -85,8 +109,7 @@ def test_training_step_is_sync_free(tmp_path, compile, recompute, optimizer):
 def test_bench_reports_a_sync_free_step(capsys):
     from moetrain.cli import main
 
-    assert main(["bench", "tiny", "--device", "cuda", "--warmup", "1", "--steps", "2",
-                 "--model.vocab_size=512"]) == 0
+    assert main(["bench", "tiny", "--device", "cuda", "--warmup", "1", "--steps", "2", "--model.vocab_size=512"]) == 0
     import json
 
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
@@ -102,8 +125,27 @@ def test_bench_profile_writes_a_trace_and_a_memory_snapshot(tmp_path, capsys):
 
     from moetrain.cli import main
 
-    assert main(["bench", "tiny", "--device", "cuda", "--warmup", "1", "--steps", "1", "--routing", "learned",
-                 "--run-dir", str(tmp_path), "--train.profile=true", "--train.profile_steps=2"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "tiny",
+                "--device",
+                "cuda",
+                "--warmup",
+                "1",
+                "--steps",
+                "1",
+                "--routing",
+                "learned",
+                "--run-dir",
+                str(tmp_path),
+                "--train.profile=true",
+                "--train.profile_steps=2",
+            ]
+        )
+        == 0
+    )
     record = json.loads(capsys.readouterr().out.splitlines()[0])
     out = tmp_path / "profile-learned"
     assert record["profile_dir"] == str(out)
@@ -151,11 +193,20 @@ def test_fp8_training_step_is_sync_free_and_learns(real_text_dir, tmp_path):
     from moetrain.train.trainer import Trainer
 
     def losses(fp8):
-        cfg = resolve_config("tiny", [
-            f"data.sources=[{real_text_dir}]", f"train.run_dir={tmp_path / fp8}", "model.vocab_size=512",
-            "train.device=cuda", f"train.fp8={fp8}", "train.tensorboard=false", "train.plot=false",
-            "train.compile=true", "train.seed=0",
-        ])
+        cfg = resolve_config(
+            "tiny",
+            [
+                f"data.sources=[{real_text_dir}]",
+                f"train.run_dir={tmp_path / fp8}",
+                "model.vocab_size=512",
+                "train.device=cuda",
+                f"train.fp8={fp8}",
+                "train.tensorboard=false",
+                "train.plot=false",
+                "train.compile=true",
+                "train.seed=0",
+            ],
+        )
         trainer = Trainer(cfg, quiet=True)
         out = [trainer.train_step().lm_loss.item() for _ in range(40)]
         torch.cuda.synchronize()

@@ -33,8 +33,8 @@ def _two_layers(dispatcher_cls, rank, device, skew):
         L = disp.num_local_experts
         local = GroupedExperts(L, D, F, expert_offset=rank * L)
         with torch.no_grad():
-            local.w_gate_up_E2FD.copy_(moe.experts.w_gate_up_E2FD[rank * L:(rank + 1) * L])
-            local.w_down_EDF.copy_(moe.experts.w_down_EDF[rank * L:(rank + 1) * L])
+            local.w_gate_up_E2FD.copy_(moe.experts.w_gate_up_E2FD[rank * L : (rank + 1) * L])
+            local.w_down_EDF.copy_(moe.experts.w_down_EDF[rank * L : (rank + 1) * L])
         moe.experts, moe.dispatcher = local, disp
         layers.append(moe.to(device))
     return layers
@@ -49,8 +49,11 @@ def compare_on_gpus():
 
     rank, group = dist.get_rank(), dist.group.WORLD
     device = torch.device("cuda", rank)
-    kinds = {"alltoall": lambda: AllToAllDispatcher(E, group, group), "nosync": lambda: NoSyncDispatcher(E, group, group),
-             "symm": lambda: SymmMemDispatcher(E, group, group)}
+    kinds = {
+        "alltoall": lambda: AllToAllDispatcher(E, group, group),
+        "nosync": lambda: NoSyncDispatcher(E, group, group),
+        "symm": lambda: SymmMemDispatcher(E, group, group),
+    }
     out = {}
     for skew in (False, True):
         g = torch.Generator().manual_seed(10 + rank)
@@ -62,10 +65,18 @@ def compare_on_gpus():
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 y = layers[1](layers[0](x))
             (y.float() * grad).sum().backward()
-            res[name] = [y.detach().float(), x.grad] + [p.grad.float() for m in layers for p in m.parameters() if p.grad is not None]
+            res[name] = [y.detach().float(), x.grad] + [
+                p.grad.float() for m in layers for p in m.parameters() if p.grad is not None
+            ]
         for name in ("nosync", "symm"):
-            diffs = [((a - b).abs().max() / b.abs().max().clamp(min=1e-12)).item() for a, b in zip(res[name], res["alltoall"])]
-            out[f"{name}{'-skew' if skew else ''}"] = {"max_rel": max(diffs), "finite": all(bool(torch.isfinite(t).all()) for t in res[name])}
+            diffs = [
+                ((a - b).abs().max() / b.abs().max().clamp(min=1e-12)).item()
+                for a, b in zip(res[name], res["alltoall"])
+            ]
+            out[f"{name}{'-skew' if skew else ''}"] = {
+                "max_rel": max(diffs),
+                "finite": all(bool(torch.isfinite(t).all()) for t in res[name]),
+            }
     return out
 
 

@@ -40,7 +40,9 @@ def test_sweep_keeps_active_params_while_total_grows():
 
 
 def test_params_command_prints_one_json_line():
-    out = subprocess.run([sys.executable, "-m", "moetrain", "params", "ref-tiny-64e"], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "moetrain", "params", "ref-tiny-64e"], capture_output=True, text=True, check=True
+    )
     record = json.loads(out.stdout.strip().splitlines()[-1])
     assert record["total_params"] == count_params(preset("ref-tiny-64e").model).total
     assert record["active_params"] == count_params(preset("ref-tiny-64e").model).active

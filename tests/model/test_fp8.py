@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from moetrain.model.fp8 import (
-    E4M3_MAX, MX_BLOCK, dequantize_mxfp8, fp8_grouped_mm, fp8_linear, mxfp8_grouped_mm, mxfp8_linear, quantize_mxfp8,
+    E4M3_MAX,
+    MX_BLOCK,
+    dequantize_mxfp8,
+    fp8_grouped_mm,
+    fp8_linear,
+    mxfp8_grouped_mm,
+    mxfp8_linear,
+    quantize_mxfp8,
     quantize_rowwise,
 )
 
@@ -119,14 +126,14 @@ def test_mxfp8_quantizer_matches_an_elementwise_reference():
     codes, values = _e4m3_table()
     for r in range(3):
         for blk in range(4):
-            block = x[r, blk * MX_BLOCK:(blk + 1) * MX_BLOCK].double().tolist()
+            block = x[r, blk * MX_BLOCK : (blk + 1) * MX_BLOCK].double().tolist()
             amax = max(abs(v) for v in block)
             # the smallest power of two s with amax / s <= 448 (1 for an all-zero block)
             exp = 0 if amax == 0 else math.ceil(math.log2(amax / 448))
             if amax and amax / 2.0**exp > 448:
                 exp += 1
             assert scale[r, blk].float().item() == 2.0**exp, (r, blk)
-            got = q[r, blk * MX_BLOCK:(blk + 1) * MX_BLOCK].double().tolist()
+            got = q[r, blk * MX_BLOCK : (blk + 1) * MX_BLOCK].double().tolist()
             want = [_round_e4m3(v / 2.0**exp, codes, values) for v in block]
             assert got == want, (r, blk)
     assert rel(dequantize_mxfp8(q, scale)[0], x[0]) < 0.04
@@ -145,8 +152,12 @@ def test_compiled_quantizer_equals_the_eager_one():
     torch.manual_seed(0)
     x = torch.randn(48, 96, dtype=torch.bfloat16)
     x[5] = 0  # an all-zero row: scale 1
-    cases = [((-1, None), x), ((-1, "row"), torch.randn(96, 40).t() * 3), ((0, "col"), x),
-             ((-2, "col"), torch.randn(3, 16, 24, dtype=torch.bfloat16))]
+    cases = [
+        ((-1, None), x),
+        ((-1, "row"), torch.randn(96, 40).t() * 3),
+        ((0, "col"), x),
+        ((-2, "col"), torch.randn(3, 16, 24, dtype=torch.bfloat16)),
+    ]
     for key, x in cases:
         compiled = torch.compile(_EAGER[key], dynamic=True)
         (q, s), (q_ref, s_ref) = compiled(x), quantize_rowwise(x, key[0])

@@ -13,8 +13,15 @@ MODEL_DIR = Path(__file__).resolve().parents[2] / "moetrain" / "model"
 
 
 def small_cfg(**kw) -> TransformerConfig:
-    base = dict(vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, num_dense_layers=1,
-                moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=16))
+    base = dict(
+        vocab_size=64,
+        d_model=32,
+        n_layers=3,
+        n_heads=4,
+        n_kv_heads=2,
+        num_dense_layers=1,
+        moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=16),
+    )
     base.update(kw)
     return TransformerConfig(**base)
 
@@ -46,7 +53,7 @@ def test_meta_construction_allocates_nothing_and_init_is_deterministic():
     meta = cfg.build(device="meta")
     assert all(p.is_meta for p in meta.parameters())
     a, b, c = build(cfg, seed=1), build(cfg, seed=1), build(cfg, seed=2)
-    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
         assert torch.equal(pa, pb), name
         assert torch.isfinite(pa).all(), name
     assert not torch.equal(a.embed.weight, c.embed.weight)

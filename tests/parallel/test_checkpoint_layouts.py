@@ -8,9 +8,9 @@ import shutil
 
 import pytest
 import torch
+from test_layouts import layout_cfg
 
 from moetrain.testing.distributed import run_distributed
-from test_layouts import layout_cfg
 
 
 def train(data_dir, run_dir, steps, extra, resume=False):
@@ -48,9 +48,15 @@ def test_checkpoint_written_at_one_layout_resumes_at_others(real_text_dir, tmp_p
     for target in targets.values():
         shutil.copytree(source, target)
         shutil.rmtree(target / "checkpoints" / "step-6")  # resume from step 3
-    starts = run_distributed(train_layouts, 4, real_text_dir, [
-        (targets["dp4ep4"], ["parallel.ep=4"]), (targets["dp4ep2"], ["parallel.ep=2", "parallel.shard_optimizer=true"]),
-    ])
+    starts = run_distributed(
+        train_layouts,
+        4,
+        real_text_dir,
+        [
+            (targets["dp4ep4"], ["parallel.ep=4"]),
+            (targets["dp4ep2"], ["parallel.ep=2", "parallel.shard_optimizer=true"]),
+        ],
+    )
     assert starts[0] == [3, 3]
     assert train(real_text_dir, targets["single"], 6, [], resume=True) == 3
 
@@ -144,9 +150,14 @@ def test_checkpoints_cross_pipeline_layouts(real_text_dir, tmp_path):
     interleaved, single = tmp_path / "pp2-interleaved", tmp_path / "single"
     _fork(pp_dir, interleaved, keep_through=4)
     _fork(pp_dir, single, keep_through=4)
-    starts = run_distributed(train_layouts, 2, real_text_dir, [
-        (interleaved, [PP, "parallel.pp_schedule=interleaved-1f1b", *EVERY_2]),
-    ])
+    starts = run_distributed(
+        train_layouts,
+        2,
+        real_text_dir,
+        [
+            (interleaved, [PP, "parallel.pp_schedule=interleaved-1f1b", *EVERY_2]),
+        ],
+    )
     assert starts[0] == [4]
     assert train(real_text_dir, single, 6, EVERY_2, resume=True) == 4
 

@@ -20,8 +20,14 @@ from moetrain.optim.config import OptimConfig
 STEPS, MICRO = 3, 2
 ROWS, SEQ = 4, 16
 """Sequences per global micro-batch (divisible by every dp here) and their length."""
-MODEL = TransformerConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2,
-                          moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=16))
+MODEL = TransformerConfig(
+    vocab_size=64,
+    d_model=32,
+    n_layers=3,
+    n_heads=4,
+    n_kv_heads=2,
+    moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=16),
+)
 # grad_clip is below the gradient norms of these steps: clipping is active.
 OPTIM = OptimConfig(lr=1e-2, weight_decay=0.1, grad_clip=0.5)
 
@@ -53,8 +59,8 @@ class ReferenceOptimizer:
     """Today's stack behind ShardedAdamW's interface: GradReducer + torch AdamW + clip."""
 
     def __init__(self, model, state, cfg):
-        from moetrain.optim.grad_reducer import GradReducer, expert_param_ids
         from moetrain.optim.base import build_adamw
+        from moetrain.optim.grad_reducer import GradReducer, expert_param_ids
 
         self.reducer = GradReducer(model, state) if state.dims.dp > 1 else None
         self.loss_scale = self.reducer.loss_scale if self.reducer is not None else 1.0
@@ -96,7 +102,7 @@ def micro_batch(step, micro, state):
     g = torch.Generator().manual_seed(1000 * step + micro)
     tokens = torch.randint(0, MODEL.vocab_size, (ROWS, SEQ + 1), generator=g)
     rows = ROWS // state.dims.dp
-    mine = tokens[state.dp_rank * rows:(state.dp_rank + 1) * rows]
+    mine = tokens[state.dp_rank * rows : (state.dp_rank + 1) * rows]
     return mine[:, :-1], mine[:, 1:]
 
 
@@ -126,10 +132,16 @@ def named_params(model):
     from moetrain.model.experts import GroupedExperts
     from moetrain.model.transformer import canonical_name
 
-    firsts = {f"{canonical_name(n)}.{pn}": m.expert_offset for n, m in model.named_modules()
-              if isinstance(m, GroupedExperts) for pn, _ in m.named_parameters(recurse=False)}
-    return {canonical_name(n): (p.detach().numpy().copy(), firsts.get(canonical_name(n)))
-            for n, p in model.named_parameters()}
+    firsts = {
+        f"{canonical_name(n)}.{pn}": m.expert_offset
+        for n, m in model.named_modules()
+        if isinstance(m, GroupedExperts)
+        for pn, _ in m.named_parameters(recurse=False)
+    }
+    return {
+        canonical_name(n): (p.detach().numpy().copy(), firsts.get(canonical_name(n)))
+        for n, p in model.named_parameters()
+    }
 
 
 def max_abs_diff(a: dict, b: dict) -> float:
@@ -150,8 +162,9 @@ def check_layout(ep: int, world: int) -> dict:
     model = build_model(state)
     opt = ShardedAdamW(model, state, OPTIM)
     norms = train(model, opt, state, STEPS)
-    param_err = max_abs_diff({n: p.detach() for n, p in model.named_parameters()},
-                             {n: p.detach() for n, p in ref_model.named_parameters()})
+    param_err = max_abs_diff(
+        {n: p.detach() for n, p in model.named_parameters()}, {n: p.detach() for n, p in ref_model.named_parameters()}
+    )
     after = named_params(model)
 
     # The full moments gathered from the shards are torch AdamW's moments.
@@ -159,7 +172,9 @@ def check_layout(ep: int, world: int) -> dict:
     ref_moments = {canonical_name(n): ref_opt.optimizer.state[p] for n, p in ref_model.named_parameters()}
     moment_err = max(  # relative to each tensor's largest entry
         float((moments[n][k] - ref[k]).abs().max() / ref[k].abs().max().clamp(min=1e-30))
-        for n, ref in ref_moments.items() for k in ("exp_avg", "exp_avg_sq"))
+        for n, ref in ref_moments.items()
+        for k in ("exp_avg", "exp_avg_sq")
+    )
     assert all(int(moments[n]["step"]) == int(ref_moments[n]["step"]) for n in ref_moments)
 
     # Round trip: a fresh model + optimizer loading the parameters, then the moments, continues
@@ -169,17 +184,20 @@ def check_layout(ep: int, world: int) -> dict:
     model2.load_state_dict(model.state_dict())
     opt2.load_state_dict_tensors(moments)
     moments2 = opt2.state_dict_tensors()
-    roundtrip_moment_err = max(float((moments2[n][k] - moments[n][k]).abs().max())
-                               for n in moments for k in ("exp_avg", "exp_avg_sq", "step"))
+    roundtrip_moment_err = max(
+        float((moments2[n][k] - moments[n][k]).abs().max()) for n in moments for k in ("exp_avg", "exp_avg_sq", "step")
+    )
     train(model, opt, state, 1, first_step=STEPS)
     train(model2, opt2, state, 1, first_step=STEPS)
-    roundtrip_param_err = max_abs_diff({n: p.detach() for n, p in model.named_parameters()},
-                                       {n: p.detach() for n, p in model2.named_parameters()})
+    roundtrip_param_err = max_abs_diff(
+        {n: p.detach() for n, p in model.named_parameters()}, {n: p.detach() for n, p in model2.named_parameters()}
+    )
 
     local_numel = sum(p.numel() for p in model.parameters())
     return {
         "param_err": param_err,
-        "norms": norms, "ref_norms": ref_norms,
+        "norms": norms,
+        "ref_norms": ref_norms,
         "moment_err": moment_err,
         "roundtrip_moment_err": roundtrip_moment_err,
         "roundtrip_param_err": roundtrip_param_err,
@@ -270,13 +288,15 @@ def test_sharded_adamw_matches_reference_layouts(single_process, world, eps):
             for name, (got, first) in r["params"].items():
                 want = ref_params[name]
                 if first is not None:
-                    want = want[first:first + got.shape[0]]
+                    want = want[first : first + got.shape[0]]
                 err = np.max(np.abs(got - want) / (1e-5 * (1 + np.abs(want))))
                 assert err <= 1.0, (where, name, float(np.max(np.abs(got - want))))
     for ep in eps:  # the measured figures, for the record (pytest -s shows them)
-        print(f"dp{world} ep{ep}: memory_bytes per rank {[r[ep]['memory_bytes'] for r in results]}, "
-              f"unsharded in this layout {results[0][ep]['unsharded_layout_bytes']}, "
-              f"single-device {full_state_bytes}; param_err {[r[ep]['param_err'] for r in results]}")
+        print(
+            f"dp{world} ep{ep}: memory_bytes per rank {[r[ep]['memory_bytes'] for r in results]}, "
+            f"unsharded in this layout {results[0][ep]['unsharded_layout_bytes']}, "
+            f"single-device {full_state_bytes}; param_err {[r[ep]['param_err'] for r in results]}"
+        )
 
 
 def _fused_vs_foreach(world: int, ep: int) -> dict:
@@ -304,8 +324,11 @@ def _fused_vs_foreach(world: int, ep: int) -> dict:
         skip = ~torch.isfinite(norm)
         before = [t.clone() for t in opt.master_S + opt.exp_avg_S + opt.exp_avg_sq_S]
         params_before = [p.detach().clone() for p in model.parameters()]
-        no_host_read = mock.patch.object(torch.Tensor, "__bool__", side_effect=AssertionError("host read")) \
-            if fused else contextlib.nullcontext()
+        no_host_read = (
+            mock.patch.object(torch.Tensor, "__bool__", side_effect=AssertionError("host read"))
+            if fused
+            else contextlib.nullcontext()
+        )
         with no_host_read:
             opt.step(skip)
         opt.zero_grad()
@@ -315,8 +338,13 @@ def _fused_vs_foreach(world: int, ep: int) -> dict:
         unchanged &= all(torch.equal(a, p.detach()) for a, p in zip(params_before, model.parameters()))
         step_after_skip = float(opt.state_dict_tensors()["lm_head.weight"]["step"])
         train(model, opt, state, 1, first_step=STEPS + 1)  # training goes on
-        runs[fused] = {"norms": norms, "skip": bool(skip), "unchanged": unchanged, "step": step_after_skip,
-                       "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+        runs[fused] = {
+            "norms": norms,
+            "skip": bool(skip),
+            "unchanged": unchanged,
+            "step": step_after_skip,
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        }
     return {
         "norm_rel": max(abs(a - b) / b for a, b in zip(runs[True]["norms"], runs[False]["norms"])),
         "param_err": max_abs_diff(runs[True]["params"], runs[False]["params"]),

@@ -55,9 +55,13 @@ def test_a_hung_peer_stops_the_run_with_its_rank_named(tmp_path):
     script = tmp_path / "hung.py"
     script.write_text(HUNG_PEER)
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(script)], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode != 0 and "unreachable" not in proc.stdout
     assert "error: rank 0: rank 1 has shown no sign of life for" in proc.stderr, proc.stderr[-3000:]
     assert time.monotonic() - started < 60

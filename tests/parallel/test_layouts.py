@@ -13,18 +13,35 @@ STEPS = 5
 
 
 def layout_cfg(data_dir, run_dir, *extra):
-    return resolve_config("tiny", [
-        f"data.sources=[{data_dir}]", f"train.run_dir={run_dir}", "model.vocab_size=512",
-        "model.d_model=64", "model.n_layers=4", "model.moe.expert_hidden=32", "data.seq_len=32",
-        "train.global_batch_size=8", "train.micro_batch_size=4", f"train.steps={STEPS}",
-        "train.log_every=1", "train.eval_every=0", "train.save_every=0", "train.save_final=false",
-        "train.tensorboard=false", "train.plot=false", "schedule.warmup_steps=2",
-        "model.moe.bias_update_rate=0.001", "train.device=cpu",  # gloo ranks, also on a GPU machine
-        # Adam divides by sqrt(v) + eps: with eps = 1e-8, embedding rows whose gradient is near eps
-        # turn fp32 reassociation noise (sums split over ranks) into ~1e-5 parameter differences
-        # after a few steps. eps = 1e-6 keeps the comparison about the parallel machinery.
-        "optim.eps=1e-6", *extra,
-    ])
+    return resolve_config(
+        "tiny",
+        [
+            f"data.sources=[{data_dir}]",
+            f"train.run_dir={run_dir}",
+            "model.vocab_size=512",
+            "model.d_model=64",
+            "model.n_layers=4",
+            "model.moe.expert_hidden=32",
+            "data.seq_len=32",
+            "train.global_batch_size=8",
+            "train.micro_batch_size=4",
+            f"train.steps={STEPS}",
+            "train.log_every=1",
+            "train.eval_every=0",
+            "train.save_every=0",
+            "train.save_final=false",
+            "train.tensorboard=false",
+            "train.plot=false",
+            "schedule.warmup_steps=2",
+            "model.moe.bias_update_rate=0.001",
+            "train.device=cpu",  # gloo ranks, also on a GPU machine
+            # Adam divides by sqrt(v) + eps: with eps = 1e-8, embedding rows whose gradient is near eps
+            # turn fp32 reassociation noise (sums split over ranks) into ~1e-5 parameter differences
+            # after a few steps. eps = 1e-6 keeps the comparison about the parallel machinery.
+            "optim.eps=1e-6",
+            *extra,
+        ],
+    )
 
 
 def train_and_report(data_dir, run_dir, extra, params_file=None):
@@ -43,9 +60,12 @@ def train_and_report(data_dir, run_dir, extra, params_file=None):
     max_err = None
     if params_file is not None:
         ref = torch.load(params_file, weights_only=True)
-        offsets = {f"{canonical_name(n)}.{pn}": (m.expert_offset, m.num_experts)
-                   for n, m in trainer.engine.model.named_modules() if isinstance(m, GroupedExperts)
-                   for pn, _ in m.named_parameters(recurse=False)}
+        offsets = {
+            f"{canonical_name(n)}.{pn}": (m.expert_offset, m.num_experts)
+            for n, m in trainer.engine.model.named_modules()
+            if isinstance(m, GroupedExperts)
+            for pn, _ in m.named_parameters(recurse=False)
+        }
         max_err, worst = 0.0, None
         for name, p in trainer.engine.model.named_parameters():
             name = canonical_name(name)
@@ -53,20 +73,24 @@ def train_and_report(data_dir, run_dir, extra, params_file=None):
             expected = ref[name]
             if name in offsets:
                 first, count = offsets[name]
-                expected = expected[first:first + count]
+                expected = expected[first : first + count]
             # In units of 1e-5·(1 + |expected|): ≤ 1 means within 1e-5, relative or absolute. (Adam
             # divides by sqrt(v) + eps: for elements whose gradient is near eps, fp32 reassociation
             # across layouts moves the update by up to ~1e-5 absolute over a few steps.)
             err = ((p.detach() - expected).abs() / (1e-5 * (1 + expected.abs()))).max().item()
             if err > max_err:
                 max_err, worst = err, (name, (p.detach() - expected).abs().max().item())
-    held = {"param_numel": local_numel(trainer.engine.model), "param_tensors": len(list(trainer.engine.model.parameters())),
-            "optim_bytes": trainer.engine.optimizer.memory_bytes()}
+    held = {
+        "param_numel": local_numel(trainer.engine.model),
+        "param_tensors": len(list(trainer.engine.model.parameters())),
+        "optim_bytes": trainer.engine.optimizer.memory_bytes(),
+    }
     return records, (max_err, worst) if params_file is not None else None, held
 
 
 def rank_layouts(data_dir, tmp, layouts, params_file):
     import torch.distributed as dist
+
     out = {}
     for name, extra in layouts:
         run_dir = tmp / name
@@ -78,14 +102,15 @@ def rank_layouts(data_dir, tmp, layouts, params_file):
 @pytest.fixture(scope="module")
 def reference(real_text_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("single")
-    from moetrain.train.trainer import Trainer
     from moetrain.model.transformer import canonical_name
+    from moetrain.train.trainer import Trainer
 
     trainer = Trainer(layout_cfg(real_text_dir, tmp / "run"), quiet=True)
     trainer.fit()
     params_file = tmp / "params.pt"
     torch.save({canonical_name(n): p.detach().clone() for n, p in trainer.engine.model.named_parameters()}, params_file)
     from moetrain.train.metrics import read_metrics
+
     return read_metrics(tmp / "run" / "metrics.jsonl"), params_file
 
 
@@ -105,19 +130,50 @@ CAPPED = ["parallel.ep=2", "parallel.capacity_factor=0.6"]
 INTERLEAVED = "parallel.pp_schedule=interleaved-1f1b"  # 2 stages per rank: 4 stages of 1 block
 
 
-@pytest.mark.parametrize("world, layouts", [
-    (2, [("dp2", ["parallel.ep=1"]), ("dp2ep2", ["parallel.ep=2"]), ("dp2ep2-alltoall", ["parallel.ep=2", A2A]),
-         ("dp2ep2-capped", CAPPED), ("dp2-sharded", [SHARD]), ("dp2ep2-symm", ["parallel.ep=2", SYMM])]),
-    (4, [("dp4ep4", ["parallel.ep=4"]), ("dp4ep2", ["parallel.ep=2"]), ("dp4ep4-alltoall", ["parallel.ep=4", A2A]),
-         ("dp4ep2-sharded", ["parallel.ep=2", SHARD]), ("dp4ep2-symm", ["parallel.ep=2", SYMM])]),
-    (2, [("fsdp2", [FSDP]), ("fsdp2-recompute", [FSDP, "train.recompute=full"])]),
-    (4, [("fsdp4", [FSDP])]),
-    (2, [("pp2", ["parallel.pp=2"]), ("pp2-interleaved", ["parallel.pp=2", INTERLEAVED]),
-         ("pp2-gpipe-recompute", ["parallel.pp=2", "parallel.pp_schedule=gpipe", "train.recompute=full"])]),
-    (4, [("pp2dp2ep2", ["parallel.pp=2", "parallel.ep=2"]),
-         ("pp2dp2ep2-interleaved-alltoall-sharded", ["parallel.pp=2", "parallel.ep=2", INTERLEAVED, A2A, SHARD]),
-         ("pp2dp2", ["parallel.pp=2", "parallel.dp=2"])]),
-])
+@pytest.mark.parametrize(
+    "world, layouts",
+    [
+        (
+            2,
+            [
+                ("dp2", ["parallel.ep=1"]),
+                ("dp2ep2", ["parallel.ep=2"]),
+                ("dp2ep2-alltoall", ["parallel.ep=2", A2A]),
+                ("dp2ep2-capped", CAPPED),
+                ("dp2-sharded", [SHARD]),
+                ("dp2ep2-symm", ["parallel.ep=2", SYMM]),
+            ],
+        ),
+        (
+            4,
+            [
+                ("dp4ep4", ["parallel.ep=4"]),
+                ("dp4ep2", ["parallel.ep=2"]),
+                ("dp4ep4-alltoall", ["parallel.ep=4", A2A]),
+                ("dp4ep2-sharded", ["parallel.ep=2", SHARD]),
+                ("dp4ep2-symm", ["parallel.ep=2", SYMM]),
+            ],
+        ),
+        (2, [("fsdp2", [FSDP]), ("fsdp2-recompute", [FSDP, "train.recompute=full"])]),
+        (4, [("fsdp4", [FSDP])]),
+        (
+            2,
+            [
+                ("pp2", ["parallel.pp=2"]),
+                ("pp2-interleaved", ["parallel.pp=2", INTERLEAVED]),
+                ("pp2-gpipe-recompute", ["parallel.pp=2", "parallel.pp_schedule=gpipe", "train.recompute=full"]),
+            ],
+        ),
+        (
+            4,
+            [
+                ("pp2dp2ep2", ["parallel.pp=2", "parallel.ep=2"]),
+                ("pp2dp2ep2-interleaved-alltoall-sharded", ["parallel.pp=2", "parallel.ep=2", INTERLEAVED, A2A, SHARD]),
+                ("pp2dp2", ["parallel.pp=2", "parallel.dp=2"]),
+            ],
+        ),
+    ],
+)
 def test_layouts_match_single_process(real_text_dir, reference, tmp_path, world, layouts):
     """The dispatchers (sync-free `nosync`, the default, exact `alltoall`, and `symm`), the sharded
     optimizer, the FSDP2 stack (which holds 1/dp of the parameters and AdamW state per rank) and
@@ -152,18 +208,28 @@ def test_layouts_match_single_process(real_text_dir, reference, tmp_path, world,
                 assert h["optim_bytes"] == 8 * h["param_numel"] + 4 * h["param_tensors"], (h, total)
 
 
-@pytest.mark.parametrize("parallel, world, words", [
-    (["parallel.dp=3"], 4, ["pp=1 × dp=3", "world size 4"]),
-    (["parallel.ep=3"], 6, ["parallel.ep=3", "num_experts=8"]),
-    (["parallel.ep=4"], 2, ["parallel.ep=4", "parallel.dp=2"]),
-    (["parallel.pp=3", "train.micro_batch_size=2"], 4, ["parallel.pp=3", "world size 4"]),
-    (["parallel.pp=2", "parallel.dp=1"], 4, ["pp=2 × dp=1", "parallel.dp=2"]),
-    (["parallel.pp=2", "parallel.pp_schedule=interleaved-1f1b", "parallel.pp_stages_per_rank=4"], 2,
-     ["model.n_layers=4", "pp_stages_per_rank=4", "8 pipeline stages"]),
-    (["parallel.pp=4"], 4, ["at least parallel.pp=4 micro-batches", "= 2", "train.micro_batch_size"]),
-    (["train.micro_batch_size=6", "train.global_batch_size=12"], 4, ["train.micro_batch_size=6", "4 data-parallel"]),
-    (["parallel.pp=2", "parallel.pp_schedule=interleaved-1f1b"], 2, []),
-])
+@pytest.mark.parametrize(
+    "parallel, world, words",
+    [
+        (["parallel.dp=3"], 4, ["pp=1 × dp=3", "world size 4"]),
+        (["parallel.ep=3"], 6, ["parallel.ep=3", "num_experts=8"]),
+        (["parallel.ep=4"], 2, ["parallel.ep=4", "parallel.dp=2"]),
+        (["parallel.pp=3", "train.micro_batch_size=2"], 4, ["parallel.pp=3", "world size 4"]),
+        (["parallel.pp=2", "parallel.dp=1"], 4, ["pp=2 × dp=1", "parallel.dp=2"]),
+        (
+            ["parallel.pp=2", "parallel.pp_schedule=interleaved-1f1b", "parallel.pp_stages_per_rank=4"],
+            2,
+            ["model.n_layers=4", "pp_stages_per_rank=4", "8 pipeline stages"],
+        ),
+        (["parallel.pp=4"], 4, ["at least parallel.pp=4 micro-batches", "= 2", "train.micro_batch_size"]),
+        (
+            ["train.micro_batch_size=6", "train.global_batch_size=12"],
+            4,
+            ["train.micro_batch_size=6", "4 data-parallel"],
+        ),
+        (["parallel.pp=2", "parallel.pp_schedule=interleaved-1f1b"], 2, []),
+    ],
+)
 def test_impossible_layouts_fail_before_any_work(parallel, world, words):
     """`RunConfig.validate(world_size)` (what the trainer and the planner call) refuses layouts
     that cannot run, naming the fields; the rules that need no world size fire already when the
@@ -180,16 +246,21 @@ def test_impossible_layouts_fail_before_any_work(parallel, world, words):
         assert word in str(e.value)
 
 
-@pytest.mark.parametrize("overrides, words", [
-    (["parallel.stack=fsdp", "parallel.ep=2"], ["parallel.stack=fsdp", "parallel.ep=1", "parallel.ep=2"]),
-    (["parallel.stack=fsdp", "parallel.shard_optimizer=true"], ["parallel.shard_optimizer", "parallel.stack=fsdp"]),
-    (["parallel.stack=fsdp", "parallel.pp=2"], ["parallel.stack=fsdp", "parallel.pp=1", "parallel.stack=ddp"]),
-    (["parallel.pp=2", "parallel.pp_schedule=interleaved-1f1b", "parallel.pp_stages_per_rank=1"],
-     ["interleaved-1f1b", "pp_stages_per_rank ≥ 2", "got 1"]),
-    (["parallel.pp=2", "parallel.pp_stages_per_rank=2"], ["pp_stages_per_rank=2", "interleaved-1f1b"]),
-    (["parallel.pp_schedule=interleaved-1f1b"], ["parallel.pp=1", "parallel.pp ≥ 2"]),
-    (["parallel.pp_schedule=zigzag"], ["parallel.pp_schedule", "zigzag", "1f1b"]),
-])
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (["parallel.stack=fsdp", "parallel.ep=2"], ["parallel.stack=fsdp", "parallel.ep=1", "parallel.ep=2"]),
+        (["parallel.stack=fsdp", "parallel.shard_optimizer=true"], ["parallel.shard_optimizer", "parallel.stack=fsdp"]),
+        (["parallel.stack=fsdp", "parallel.pp=2"], ["parallel.stack=fsdp", "parallel.pp=1", "parallel.stack=ddp"]),
+        (
+            ["parallel.pp=2", "parallel.pp_schedule=interleaved-1f1b", "parallel.pp_stages_per_rank=1"],
+            ["interleaved-1f1b", "pp_stages_per_rank ≥ 2", "got 1"],
+        ),
+        (["parallel.pp=2", "parallel.pp_stages_per_rank=2"], ["pp_stages_per_rank=2", "interleaved-1f1b"]),
+        (["parallel.pp_schedule=interleaved-1f1b"], ["parallel.pp=1", "parallel.pp ≥ 2"]),
+        (["parallel.pp_schedule=zigzag"], ["parallel.pp_schedule", "zigzag", "1f1b"]),
+    ],
+)
 def test_fsdp_stack_rejects_expert_parallelism_and_the_sharded_optimizer(overrides, words):
     with pytest.raises(ConfigError) as e:
         resolve_config("tiny", overrides)

@@ -23,6 +23,7 @@ TOL = 1e-6
 
 # --- the host-sync detector -------------------------------------------------------------------
 
+
 class HostSyncError(RuntimeError):
     pass
 
@@ -30,9 +31,16 @@ class HostSyncError(RuntimeError):
 aten = torch.ops.aten
 # Ops that read device data on the host, or whose output size is data (CUDA must sync to size it).
 _SYNC_OPS = {
-    aten._local_scalar_dense.default, aten.item.default, aten.nonzero.default, aten.argwhere.default,
-    aten.masked_select.default, aten.bincount.default, aten._unique2.default, aten.unique_dim.default,
-    aten.unique_consecutive.default, aten.is_nonzero.default,
+    aten._local_scalar_dense.default,
+    aten.item.default,
+    aten.nonzero.default,
+    aten.argwhere.default,
+    aten.masked_select.default,
+    aten.bincount.default,
+    aten._unique2.default,
+    aten.unique_dim.default,
+    aten.unique_consecutive.default,
+    aten.is_nonzero.default,
 }
 _BOOL_INDEX_OPS = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
 
@@ -54,6 +62,7 @@ class _SyncOpDetector(TorchDispatchMode):
 def _raiser(name):
     def method(*args, **kwargs):
         raise HostSyncError(f"Tensor.{name} reads device data on the host")
+
     return method
 
 
@@ -62,6 +71,7 @@ def _to_without_device(original):
         if "device" in kwargs or any(isinstance(a, (str, torch.device)) for a in args):
             raise HostSyncError("Tensor.to(device) copies across devices")
         return original(self, *args, **kwargs)
+
     return to
 
 
@@ -90,14 +100,39 @@ class _ItemInBackward(torch.autograd.Function):
         return grad
 
 
-@pytest.mark.parametrize("sync", [
-    lambda t: t.item(), lambda t: t.tolist(), lambda t: t.cpu(), lambda t: bool(t.sum()),
-    lambda t: int(t.sum()), lambda t: t.to("cpu"), lambda t: t[t > 0], lambda t: torch.nonzero(t),
-    lambda t: t.long().abs().repeat_interleave(2 * torch.ones(4, dtype=torch.long)), lambda t: torch.unique(t),
-    lambda t: torch.bincount(t.long().abs()), lambda t: range(10)[t.long()[0]],
-    lambda t: _ItemInBackward.apply(t.requires_grad_()).sum().backward(),
-], ids=["item", "tolist", "cpu", "bool", "int", "to_cpu", "bool_index", "nonzero", "repeat_interleave",
-        "unique", "bincount", "index", "item_in_backward"])
+@pytest.mark.parametrize(
+    "sync",
+    [
+        lambda t: t.item(),
+        lambda t: t.tolist(),
+        lambda t: t.cpu(),
+        lambda t: bool(t.sum()),
+        lambda t: int(t.sum()),
+        lambda t: t.to("cpu"),
+        lambda t: t[t > 0],
+        lambda t: torch.nonzero(t),
+        lambda t: t.long().abs().repeat_interleave(2 * torch.ones(4, dtype=torch.long)),
+        lambda t: torch.unique(t),
+        lambda t: torch.bincount(t.long().abs()),
+        lambda t: range(10)[t.long()[0]],
+        lambda t: _ItemInBackward.apply(t.requires_grad_()).sum().backward(),
+    ],
+    ids=[
+        "item",
+        "tolist",
+        "cpu",
+        "bool",
+        "int",
+        "to_cpu",
+        "bool_index",
+        "nonzero",
+        "repeat_interleave",
+        "unique",
+        "bincount",
+        "index",
+        "item_in_backward",
+    ],
+)
 def test_the_detector_catches_host_syncs(sync):
     t = torch.tensor([1.0, -2.0, 3.0, 0.5])
     with pytest.raises(HostSyncError), forbid_host_sync():
@@ -114,6 +149,7 @@ def test_the_detector_lets_sync_free_code_run():
 
 
 # --- the distributed checks ---------------------------------------------------------------------
+
 
 class _NaNGradOnPadding(torch.autograd.Function):
     @staticmethod
@@ -161,8 +197,8 @@ def build_moe(dispatcher, rank, poison=False, bias_E=None):
     full = moe.experts
     local = GroupedExperts(L, D, F, expert_offset=rank * L)
     with torch.no_grad():
-        local.w_gate_up_E2FD.copy_(full.w_gate_up_E2FD[rank * L:(rank + 1) * L])
-        local.w_down_EDF.copy_(full.w_down_EDF[rank * L:(rank + 1) * L])
+        local.w_gate_up_E2FD.copy_(full.w_gate_up_E2FD[rank * L : (rank + 1) * L])
+        local.w_down_EDF.copy_(full.w_down_EDF[rank * L : (rank + 1) * L])
     moe.experts = PoisonPadding(local) if poison else local
     moe.dispatcher = dispatcher
     return moe
@@ -192,14 +228,17 @@ def compare_dropless(rank, group, bias_E, dispatcher_cls=None):
     dispatcher_cls = dispatcher_cls or NoSyncDispatcher
     x_BTD, grad_BTD = inputs(rank)
     results = []
-    for moe in (build_moe(AllToAllDispatcher(E, group, group), rank, bias_E=bias_E),
-                build_moe(dispatcher_cls(E, group, group), rank, poison=True, bias_E=bias_E)):
+    for moe in (
+        build_moe(AllToAllDispatcher(E, group, group), rank, bias_E=bias_E),
+        build_moe(dispatcher_cls(E, group, group), rank, poison=True, bias_E=bias_E),
+    ):
         x = x_BTD.clone().requires_grad_()
         y = moe(x)
         (y * grad_BTD).sum().backward()
         experts = local_experts(moe)
-        results.append((y.detach(), x.grad, moe.router.weight.grad, experts.w_gate_up_E2FD.grad,
-                        experts.w_down_EDF.grad, moe))
+        results.append(
+            (y.detach(), x.grad, moe.router.weight.grad, experts.w_gate_up_E2FD.grad, experts.w_down_EDF.grad, moe)
+        )
     ref, new = results
     names = ["y", "x_grad", "router_grad", "w_gate_up_grad", "w_down_grad"]
     out = {name: max_diff(a, b) for name, a, b in zip(names, ref, new)}
@@ -256,9 +295,14 @@ def check_capacity(rank, group, capacity_factor):
     cap(x_BTD)
     layer_dropped = cap.end_step()["dropped"].item()
     return {
-        "C": C, "rows": rows, "buffer_rows": cap.dispatcher.buffer_rows(B * T, K),
-        "dropped": dropped.item(), "dropped_dtype": str(dropped.dtype), "dropped_dim": dropped.dim(),
-        "layer_dropped": layer_dropped, "want_dropped": want_dropped,
+        "C": C,
+        "rows": rows,
+        "buffer_rows": cap.dispatcher.buffer_rows(B * T, K),
+        "dropped": dropped.item(),
+        "dropped_dtype": str(dropped.dtype),
+        "dropped_dim": dropped.dim(),
+        "layer_dropped": layer_dropped,
+        "want_dropped": want_dropped,
         "kept_diff": (y_cap - y_exact)[keep_NK].abs().max().item(),
         "dropped_max": y_cap[~keep_NK].abs().max().item() if (~keep_NK).any() else 0.0,
         "grad_diffs": [max_diff(a, b) for a, b in zip(*grads)],
@@ -278,8 +322,10 @@ def check_no_host_sync(rank, group):
     ids_NK = torch.rand(B * T, E, generator=torch.Generator().manual_seed(rank)).topk(K).indices
     counts_E = torch.bincount(ids_NK.flatten(), minlength=E)
     out = {}
-    for name, disp in (("dropless", NoSyncDispatcher(E, group, group)),
-                       ("capacity", NoSyncDispatcher(E, group, group, capacity_factor=0.5))):
+    for name, disp in (
+        ("dropless", NoSyncDispatcher(E, group, group)),
+        ("capacity", NoSyncDispatcher(E, group, group, capacity_factor=0.5)),
+    ):
         with forbid_host_sync():
             x_local, offsets, state = disp.dispatch(x_ND, ids_NK, counts_E)
             y_NKD = disp.combine(x_local * 2.0, state)
@@ -309,27 +355,33 @@ def check_wire_dtype(rank, group):
     counts_E = torch.bincount(ids_NK.flatten(), minlength=E)
     real = funcol.all_to_all_single_autograd
     out = {}
-    for name, disp in (("alltoall", AllToAllDispatcher(E, group, group)), ("nosync", NoSyncDispatcher(E, group, group))):
+    for name, disp in (
+        ("alltoall", AllToAllDispatcher(E, group, group)),
+        ("nosync", NoSyncDispatcher(E, group, group)),
+    ):
         seen = []
 
-        def spy(t, *args, **kwargs):
-            seen.append(t.dtype)
+        def spy(t, *args, _seen=seen, **kwargs):
+            _seen.append(t.dtype)
             return real(t, *args, **kwargs)
 
         with mock.patch.object(funcol, "all_to_all_single_autograd", spy), torch.autocast("cpu", dtype=torch.bfloat16):
             x_local, offsets, state = disp.dispatch(x_ND, ids_NK, counts_E)
             y_NKD = disp.combine(x_local, state)
         (grad,) = torch.autograd.grad(y_NKD.float().sum(), [x_ND])
-        out[name] = {"wire": sorted({str(d) for d in seen}), "x_local": str(x_local.dtype), "grad": str(grad.dtype),
-                     # every kept row comes back as itself (bf16-rounded): each token's grad is K
-                     "grad_is_k": bool((grad == K).all()),
-                     "y_err": (y_NKD.float() - x_ND.detach().to(torch.bfloat16).float().unsqueeze(1)).abs().max().item()}
+        out[name] = {
+            "wire": sorted({str(d) for d in seen}),
+            "x_local": str(x_local.dtype),
+            "grad": str(grad.dtype),
+            # every kept row comes back as itself (bf16-rounded): each token's grad is K
+            "grad_is_k": bool((grad == K).all()),
+            "y_err": (y_NKD.float() - x_ND.detach().to(torch.bfloat16).float().unsqueeze(1)).abs().max().item(),
+        }
     return out
 
 
 def rank_checks(world):
     import torch.distributed as dist
-    from moetrain.parallel.nosync_dispatcher import NoSyncDispatcher
 
     rank, group = dist.get_rank(), dist.group.WORLD
     all_to_rank0_E = torch.zeros(E)
@@ -390,11 +442,14 @@ def test_no_host_sync_in_dispatch_combine_or_backward(world_results):
         assert r["sync"]["exact_trips"]
 
 
-@pytest.mark.parametrize("overrides, words", [
-    (["parallel.ep=3"], ["parallel.ep=3", "model.moe.num_experts=8"]),
-    (["parallel.capacity_factor=0.0"], ["parallel.capacity_factor=0.0", "positive"]),
-    (["parallel.capacity_factor=1.25", "parallel.dispatcher=alltoall"], ["nosync only", "dropless"]),
-])
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (["parallel.ep=3"], ["parallel.ep=3", "model.moe.num_experts=8"]),
+        (["parallel.capacity_factor=0.0"], ["parallel.capacity_factor=0.0", "positive"]),
+        (["parallel.capacity_factor=1.25", "parallel.dispatcher=alltoall"], ["nosync only", "dropless"]),
+    ],
+)
 def test_bad_dispatcher_settings_are_refused_by_the_config(overrides, words):
     from moetrain.errors import ConfigError
     from moetrain.presets import resolve_config
@@ -416,6 +471,7 @@ def test_rows_cross_the_all_to_all_in_the_autocast_dtype(world_results):
 
 # --- the symmetric-memory dispatcher (its gloo emulation of the transport) ----------------------
 
+
 def symm_checks(world):
     """SymmMemDispatcher against the exact dispatcher: outputs and every gradient, learned and
     skewed routing (a rank receiving everything), padding poisoned; the group ends and zeroed rows
@@ -429,8 +485,10 @@ def symm_checks(world):
     rank, group = dist.get_rank(), dist.group.WORLD
     all_to_rank0_E = torch.zeros(E)
     all_to_rank0_E[:2] = 10.0
-    out = {name: compare_dropless(rank, group, bias, SymmMemDispatcher)
-           for name, bias in (("learned", None), ("all_to_rank0", all_to_rank0_E))}
+    out = {
+        name: compare_dropless(rank, group, bias, SymmMemDispatcher)
+        for name, bias in (("learned", None), ("all_to_rank0", all_to_rank0_E))
+    }
 
     # The layout itself: each local expert's rows (from every source, in source order) sit
     # inside its group; everything else is zero.
@@ -442,13 +500,17 @@ def symm_checks(world):
     exact = AllToAllDispatcher(E, group, group)
     x_exact, offsets_exact, _ = exact.dispatch(x_ND, ids_NK, counts_E)
     out["layout"] = {
-        "rows": x_SD.shape[0], "want_rows": disp.layout_rows(B * T, K),
+        "rows": x_SD.shape[0],
+        "want_rows": disp.layout_rows(B * T, K),
         "same_rows": bool(torch.equal(x_SD[: int(offsets_L[-1])], x_exact)),
         "same_offsets": bool(torch.equal(offsets_L, offsets_exact)),
-        "tail_zero": bool((x_SD[int(offsets_L[-1]):] == 0).all()),
+        "tail_zero": bool((x_SD[int(offsets_L[-1]) :] == 0).all()),
     }
-    with forbid_host_sync(), mock.patch("moetrain.parallel.symm_dispatcher._emulated_dispatch", _quiet(disp, "d")), \
-            mock.patch("moetrain.parallel.symm_dispatcher._emulated_combine", _quiet(disp, "c")):
+    with (
+        forbid_host_sync(),
+        mock.patch("moetrain.parallel.symm_dispatcher._emulated_dispatch", _quiet(disp, "d")),
+        mock.patch("moetrain.parallel.symm_dispatcher._emulated_combine", _quiet(disp, "c")),
+    ):
         x = x_ND.clone().requires_grad_()
         x_SD, offsets_L, state = disp.dispatch(x, ids_NK, counts_E)
         disp.combine(x_SD * 2.0, state).sum().backward()
@@ -468,11 +530,14 @@ def _quiet(disp, which):
             for name, method in _REAL_METHODS.items():
                 stack.enter_context(mock.patch.object(torch.Tensor, name, method))
             return real(*args)
+
     return call
 
 
-_REAL_METHODS = {name: getattr(torch.Tensor, name) for name in
-                 ["item", "tolist", "cpu", "cuda", "numpy", "__bool__", "__int__", "__float__", "__index__", "to"]}
+_REAL_METHODS = {
+    name: getattr(torch.Tensor, name)
+    for name in ["item", "tolist", "cpu", "cuda", "numpy", "__bool__", "__int__", "__float__", "__index__", "to"]
+}
 
 
 def test_symm_dispatcher_matches_the_exact_dispatcher(world_results):

@@ -25,10 +25,19 @@ def test_layers_are_cut_into_equal_contiguous_stages_placed_round_robin():
 
 
 def model_cfg():
-    return resolve_config("tiny", [
-        "model.vocab_size=256", "model.d_model=32", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2",
-        "model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.expert_hidden=16",
-    ]).model
+    return resolve_config(
+        "tiny",
+        [
+            "model.vocab_size=256",
+            "model.d_model=32",
+            "model.n_layers=4",
+            "model.n_heads=4",
+            "model.n_kv_heads=2",
+            "model.moe.num_experts=4",
+            "model.moe.top_k=2",
+            "model.moe.expert_hidden=16",
+        ],
+    ).model
 
 
 def split(cfg, dims, pp_rank):

@@ -12,18 +12,26 @@ import time
 
 import pytest
 import torch
+from conftest import tiny_overrides
 
 from moetrain.train.metrics import read_metrics
-from conftest import tiny_overrides
 
 STEPS = 14
 
 
 def overrides(data_dir, run_dir, *extra):
-    return [f"--{o}" for o in tiny_overrides(
-        data_dir, run_dir, f"train.steps={STEPS}", "train.save_every=2", "train.eval_every=0", "train.keep_last=2",
-        *extra,
-    )]
+    return [
+        f"--{o}"
+        for o in tiny_overrides(
+            data_dir,
+            run_dir,
+            f"train.steps={STEPS}",
+            "train.save_every=2",
+            "train.eval_every=0",
+            "train.keep_last=2",
+            *extra,
+        )
+    ]
 
 
 def start(data_dir, run_dir, resume=False, world=1, extra=()):
@@ -31,11 +39,20 @@ def start(data_dir, run_dir, resume=False, world=1, extra=()):
     if resume:
         cmd.append("--resume")
     if world > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-               "-m", "moetrain", *cmd[3:]]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={world}",
+            "-m",
+            "moetrain",
+            *cmd[3:],
+        ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
 
 
 def wait_for(predicate, proc, timeout=120.0):
@@ -83,7 +100,7 @@ def run_with_kills(data_dir, run_dir, kills, seed, world=1, extra=()):
             hit = wait_for(lambda: saving(run_dir), proc)  # inside a checkpoint write
         else:
             target = logged(run_dir) + rng.randint(1, 3)
-            hit = wait_for(lambda: logged(run_dir) >= target, proc)
+            hit = wait_for(lambda target=target: logged(run_dir) >= target, proc)
             time.sleep(rng.uniform(0, 0.08))  # somewhere inside the next step (or its save)
         if proc.poll() is not None:
             out, err = proc.communicate()
@@ -168,7 +185,7 @@ def test_sigterm_saves_and_exits_cleanly_then_resume_finishes(real_text_dir, tmp
     run_dir = tmp_path / "run"
     proc = start(real_text_dir, run_dir, world=world)
     wait_for(lambda: logged(run_dir) >= 3, proc)
-    for pid in (children(proc.pid) if world > 1 else [proc.pid]):
+    for pid in children(proc.pid) if world > 1 else [proc.pid]:
         os.kill(pid, signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-3000:]
@@ -213,11 +230,30 @@ def test_a_rank_killed_under_torchrun_max_restarts_resumes_bit_exact(real_text_d
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
-           "--monitor-interval=0.2", "-m", "moetrain", "train", "tiny", *overrides(real_text_dir, run), "--quiet",
-           "--resume"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "--max-restarts=1",
+        "--monitor-interval=0.2",
+        "-m",
+        "moetrain",
+        "train",
+        "tiny",
+        *overrides(real_text_dir, run),
+        "--quiet",
+        "--resume",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        start_new_session=True,
+    )
     err, seconds = kill_rank_1_after_step_4(proc, run, timeout=300, hung="the restarted run did not finish")
     assert proc.returncode == 0, err[-5000:]
     assert seconds < 150  # no collective timeout was waited out

@@ -23,8 +23,12 @@ def one_process() -> ParallelState:
 
 
 def batches(cfg, step: int):
-    loader = SyntheticLoader(seq_len=cfg.data.seq_len, micro_batch_size=cfg.train.micro_batch_size, seed=step,
-                             vocab_size=cfg.model.vocab_size)
+    loader = SyntheticLoader(
+        seq_len=cfg.data.seq_len,
+        micro_batch_size=cfg.train.micro_batch_size,
+        seed=step,
+        vocab_size=cfg.model.vocab_size,
+    )
     return [loader.next_batch() for _ in range(cfg.train.grad_accum_steps)]
 
 

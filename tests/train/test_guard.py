@@ -50,14 +50,17 @@ def poison(trainer, calls):
 
 def snapshot(trainer):
     params = {n: p.detach().clone() for n, p in trainer.engine.model.named_parameters()}
-    moments = {n: {k: v.clone() for k, v in s.items()} for n, s in trainer.engine.optimizer.state_dict_tensors().items()}
+    moments = {
+        n: {k: v.clone() for k, v in s.items()} for n, s in trainer.engine.optimizer.state_dict_tensors().items()
+    }
     biases = [m.router.expert_bias_E.clone() for m in trainer.engine.model.moe_layers()]
     return params, moments, biases
 
 
 def test_a_nan_step_changes_nothing_and_training_goes_on(tiny_cfg, tmp_path):
-    trainer = Trainer(tiny_cfg(tmp_path / "run", "train.steps=5", "model.moe.bias_update_rate=0.01",
-                               "train.eval_every=0"), quiet=True)
+    trainer = Trainer(
+        tiny_cfg(tmp_path / "run", "train.steps=5", "model.moe.bias_update_rate=0.01", "train.eval_every=0"), quiet=True
+    )
     trainer.train_step()
     before = snapshot(trainer)
     poison(trainer, calls={0})  # the first micro-batch of the next step
@@ -79,8 +82,16 @@ def test_a_nan_step_changes_nothing_and_training_goes_on(tiny_cfg, tmp_path):
 
 
 def test_too_many_skips_in_a_row_stop_with_the_last_good_checkpoint(tiny_cfg, tmp_path):
-    trainer = Trainer(tiny_cfg(tmp_path / "run", "train.steps=8", "train.save_every=2", "train.eval_every=0",
-                               "train.max_consecutive_skips=3"), quiet=True)
+    trainer = Trainer(
+        tiny_cfg(
+            tmp_path / "run",
+            "train.steps=8",
+            "train.save_every=2",
+            "train.eval_every=0",
+            "train.max_consecutive_skips=3",
+        ),
+        quiet=True,
+    )
     poison(trainer, calls=set(range(6, 100)))  # two micro-batches per step: steps 4, 5, 6, … are NaN
     with pytest.raises(TooManySkippedSteps) as e:
         trainer.fit()
@@ -108,6 +119,7 @@ def _fsdp_fused(data_dir, run_dir):
     from unittest import mock
 
     from conftest import tiny_overrides
+
     from moetrain.presets import resolve_config
 
     def local(t):
@@ -115,8 +127,17 @@ def _fsdp_fused(data_dir, run_dir):
 
     out = {}
     for fused in (False, True):
-        cfg = resolve_config("tiny", tiny_overrides(data_dir, f"{run_dir}-{fused}", "parallel.stack=fsdp",
-                                                    "train.device=cpu", "optim.grad_clip=0.05", f"optim.fused={fused}"))
+        cfg = resolve_config(
+            "tiny",
+            tiny_overrides(
+                data_dir,
+                f"{run_dir}-{fused}",
+                "parallel.stack=fsdp",
+                "train.device=cpu",
+                "optim.grad_clip=0.05",
+                f"optim.fused={fused}",
+            ),
+        )
         trainer = Trainer(cfg, quiet=True)
         assert trainer.engine.optimizer.fused == fused
         norms = [float(trainer.train_step().grad_norm) for _ in range(3)]
@@ -133,8 +154,9 @@ def _fsdp_fused(data_dir, run_dir):
     trainer.engine.optimizer.step = step_without_host_reads
     trainer.train_step()
     after = snapshot(trainer)
-    out["unchanged"] = all(torch.equal(local(a), local(b)) for a, b in zip(before[0].values(), after[0].values())) and all(
-        torch.equal(local(before[1][n][k]), local(after[1][n][k])) for n in before[1] for k in before[1][n])
+    out["unchanged"] = all(
+        torch.equal(local(a), local(b)) for a, b in zip(before[0].values(), after[0].values())
+    ) and all(torch.equal(local(before[1][n][k]), local(after[1][n][k])) for n in before[1] for k in before[1][n])
     out["skipped"] = int(trainer.engine.guard.skipped_total)
     return out
 

@@ -2,13 +2,20 @@ import pytest
 import torch
 
 from moetrain.model.config import MoEConfig, TransformerConfig
-from moetrain.optim.config import ScheduleConfig
 from moetrain.optim.base import param_groups
+from moetrain.optim.config import ScheduleConfig
 from moetrain.optim.schedule import lr_at
 
 
 def test_no_weight_decay_on_norms_embeddings_biases():
-    cfg = TransformerConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, moe=MoEConfig(num_experts=2, top_k=1, expert_hidden=8))
+    cfg = TransformerConfig(
+        vocab_size=32,
+        d_model=16,
+        n_layers=2,
+        n_heads=2,
+        n_kv_heads=1,
+        moe=MoEConfig(num_experts=2, top_k=1, expert_hidden=8),
+    )
     model = cfg.build()
     model.lm_head.bias = torch.nn.Parameter(torch.zeros(32))  # a bias, to check it is excluded
     decay, no_decay = param_groups(model, 0.1)
@@ -41,10 +48,9 @@ def test_clipping_folded_into_the_fused_adamw_kernel_matches_scaling_the_gradien
     divisor instead of a separate pass over the gradients: the same update."""
     import copy
 
-    from moetrain.parallel.dims import ParallelDims, ParallelState
     from moetrain.optim.config import OptimConfig
-    from moetrain.optim.base import param_groups
     from moetrain.optim.replicated import ReplicatedAdamW
+    from moetrain.parallel.dims import ParallelDims, ParallelState
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8))

@@ -7,19 +7,33 @@ import torch
 
 from moetrain.errors import CheckpointError, ConfigError
 from moetrain.train import checkpoint as ckpt
-from moetrain.train.metrics import read_metrics
 from moetrain.train.engine import document_ids
+from moetrain.train.metrics import read_metrics
 from moetrain.train.trainer import Trainer
 
 CONTRACT = {
-    "step", "loss", "lm_loss", "lb_loss", "z_loss", "lr", "grad_norm", "tokens_per_sec",
-    "tokens_per_sec_per_device", "tflops_per_device", "mfu", "peak_mem_gib",
-    "expert_load_max_over_mean", "dropped_token_frac", "unused_experts",
+    "step",
+    "loss",
+    "lm_loss",
+    "lb_loss",
+    "z_loss",
+    "lr",
+    "grad_norm",
+    "tokens_per_sec",
+    "tokens_per_sec_per_device",
+    "tflops_per_device",
+    "mfu",
+    "peak_mem_gib",
+    "expert_load_max_over_mean",
+    "dropped_token_frac",
+    "unused_experts",
 }
 
 
 def test_loss_decreases_on_real_text_and_metrics_follow_the_contract(tiny_cfg, tmp_path):
-    cfg = tiny_cfg(tmp_path / "run", "train.steps=40", "train.eval_every=20", "train.plot=true", "train.tensorboard=true")
+    cfg = tiny_cfg(
+        tmp_path / "run", "train.steps=40", "train.eval_every=20", "train.plot=true", "train.tensorboard=true"
+    )
     summary = Trainer(cfg, quiet=True).fit()
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, 41))
@@ -92,10 +106,16 @@ def test_checkpoint_from_another_shape_is_a_clear_error(tiny_cfg, tmp_path):
     assert "Traceback" not in str(e.value) and "mismatch" in str(e.value)
 
 
-@pytest.mark.parametrize("mode", [
-    ["train.recompute=full"], ["train.recompute=selective"], ["train.recompute=full", "train.recompute_every=2"],
-    ["train.recompute=selective", "model.moe.routing=random"], ["train.recompute=full", "model.moe.routing=random"],
-])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        ["train.recompute=full"],
+        ["train.recompute=selective"],
+        ["train.recompute=full", "train.recompute_every=2"],
+        ["train.recompute=selective", "model.moe.routing=random"],
+        ["train.recompute=full", "model.moe.routing=random"],
+    ],
+)
 def test_recompute_matches_plain_training_exactly(tiny_cfg, tmp_path, mode):
     """Full, selective and every-other-block recompute give the same losses, routing and
     gradients as keeping every activation (random routing too: the RNG state is restored)."""
@@ -118,8 +138,14 @@ def test_recompute_matches_plain_training_exactly(tiny_cfg, tmp_path, mode):
 
 
 def test_gradient_accumulation_matches_one_big_micro_batch(tiny_cfg, tmp_path):
-    one = Trainer(tiny_cfg(tmp_path / "a", "train.micro_batch_size=8", "model.moe.lb_loss_weight=0", "model.moe.z_loss_weight=0"), quiet=True)
-    two = Trainer(tiny_cfg(tmp_path / "b", "train.micro_batch_size=4", "model.moe.lb_loss_weight=0", "model.moe.z_loss_weight=0"), quiet=True)
+    one = Trainer(
+        tiny_cfg(tmp_path / "a", "train.micro_batch_size=8", "model.moe.lb_loss_weight=0", "model.moe.z_loss_weight=0"),
+        quiet=True,
+    )
+    two = Trainer(
+        tiny_cfg(tmp_path / "b", "train.micro_batch_size=4", "model.moe.lb_loss_weight=0", "model.moe.z_loss_weight=0"),
+        quiet=True,
+    )
     a, b = one.train_step(), two.train_step()
     torch.testing.assert_close(a.lm_loss, b.lm_loss, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(a.grad_norm, b.grad_norm, rtol=1e-4, atol=1e-6)
@@ -172,8 +198,14 @@ def test_fresh_run_in_a_used_run_dir(tiny_cfg, tmp_path):
 
 def test_profile_switch_records_a_window_of_steps(tiny_cfg, tmp_path):
     """train.profile=true: steps 3-4 (after 2) are traced; the op table names real kernels."""
-    cfg = tiny_cfg(tmp_path / "run", "train.steps=5", "train.profile=true", "train.profile_wait=2",
-                   "train.profile_steps=2", "train.eval_every=0")
+    cfg = tiny_cfg(
+        tmp_path / "run",
+        "train.steps=5",
+        "train.profile=true",
+        "train.profile_wait=2",
+        "train.profile_steps=2",
+        "train.eval_every=0",
+    )
     Trainer(cfg, quiet=True).fit()
     out = tmp_path / "run" / "profile"
     trace = json.loads((out / "trace.json").read_text())
@@ -192,7 +224,9 @@ def test_fp8_trains_close_to_full_precision(tiny_cfg, tmp_path, recipe):
 
     dims = ["model.d_model=64", "model.moe.expert_hidden=32"]
     plain = Trainer(tiny_cfg(tmp_path / "a", "train.steps=4", *dims), quiet=True)
-    fp8 = Trainer(tiny_cfg(tmp_path / "b", "train.steps=4", f"train.fp8={recipe}", "train.save_every=4", *dims), quiet=True)
+    fp8 = Trainer(
+        tiny_cfg(tmp_path / "b", "train.steps=4", f"train.fp8={recipe}", "train.save_every=4", *dims), quiet=True
+    )
     linears = [m for m in fp8.engine.model.modules() if isinstance(m, MxFp8Linear if recipe == "mxfp8" else Fp8Linear)]
     assert len(linears) == 3 * 4 + 3  # 3 blocks × (q, k, v, o) + the dense block's MLP
     assert fp8.engine.model.lm_head.__class__ is torch.nn.Linear
@@ -214,7 +248,11 @@ def test_fp8_trains_close_to_full_precision(tiny_cfg, tmp_path, recipe):
 def test_fp8_refuses_dims_the_kernels_cannot_take(tiny_cfg, tmp_path, recipe, hidden, align):
     with pytest.raises(ConfigError) as e:
         Trainer(tiny_cfg(tmp_path / "run", f"train.fp8={recipe}", f"model.moe.expert_hidden={hidden}"), quiet=True)
-    assert f"train.fp8={recipe}" in str(e.value) and f"divisible by {align}" in str(e.value) and str(hidden) in str(e.value)
+    assert (
+        f"train.fp8={recipe}" in str(e.value)
+        and f"divisible by {align}" in str(e.value)
+        and str(hidden) in str(e.value)
+    )
 
 
 def test_async_checkpoint_holds_its_steps_values_and_appears_only_when_complete(tiny_cfg, tmp_path):
