@@ -56,7 +56,7 @@ def build_model(state):
 
 
 class ReferenceOptimizer:
-    """Today's stack behind ShardedAdamW's interface: GradReducer + torch AdamW + clip."""
+    """The replicated stack behind ShardedAdamW's interface: GradReducer + torch AdamW + clip."""
 
     def __init__(self, model, state, cfg):
         from moetrain.optim.base import build_adamw
