@@ -100,28 +100,15 @@ def test_train_eval_generate_end_to_end(real_text_dir, tmp_path):
     assert "resumed from" in resumed.stderr
 
 
+def bench(tmp_path, *args: str) -> int:
+    """`moetrain bench` of a narrow `tiny` on CPU; its exit code."""
+    small = ["--model.d_model=64", "--model.vocab_size=512", "--data.seq_len=32"]
+    return main(["bench", "tiny", "--device", "cpu", "--run-dir", str(tmp_path), *small, *args])
+
+
 def test_bench_prints_one_json_line_per_routing_mode(capsys, tmp_path):
     """On CPU (no sync check there): the contract keys, the shape and batch it ran."""
-    assert (
-        main(
-            [
-                "bench",
-                "tiny",
-                "--device",
-                "cpu",
-                "--warmup",
-                "1",
-                "--steps",
-                "1",
-                "--run-dir",
-                str(tmp_path),
-                "--model.d_model=64",
-                "--model.vocab_size=512",
-                "--data.seq_len=32",
-            ]
-        )
-        == 0
-    )
+    assert bench(tmp_path, "--warmup", "1", "--steps", "1") == 0
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["routing"] for r in records] == ["learned", "random"]
     for r in records:
@@ -146,26 +133,16 @@ def test_bench_prints_one_json_line_per_routing_mode(capsys, tmp_path):
 
 def test_bench_can_time_forward_and_backward_alone(capsys, tmp_path):
     assert (
-        main(
-            [
-                "bench",
-                "tiny",
-                "--device",
-                "cpu",
-                "--warmup",
-                "0",
-                "--steps",
-                "1",
-                "--routing",
-                "random",
-                "--forward-backward-only",
-                "--run-dir",
-                str(tmp_path),
-                "--model.d_model=64",
-                "--model.vocab_size=512",
-                "--data.seq_len=32",
-                "--train.micro_batch_size=12",
-            ]
+        bench(
+            tmp_path,
+            "--warmup",
+            "0",
+            "--steps",
+            "1",
+            "--routing",
+            "random",
+            "--forward-backward-only",
+            "--train.micro_batch_size=12",
         )
         == 0
     )
@@ -176,26 +153,16 @@ def test_bench_can_time_forward_and_backward_alone(capsys, tmp_path):
 
 def test_bench_times_both_windows_and_reports_routing_balance(capsys, tmp_path):
     assert (
-        main(
-            [
-                "bench",
-                "tiny",
-                "--device",
-                "cpu",
-                "--warmup",
-                "1",
-                "--steps",
-                "1",
-                "--routing",
-                "learned",
-                "--also-forward-backward",
-                "--run-dir",
-                str(tmp_path),
-                "--model.d_model=64",
-                "--model.vocab_size=512",
-                "--data.seq_len=32",
-                "--train.micro_batch_size=12",
-            ]
+        bench(
+            tmp_path,
+            "--warmup",
+            "1",
+            "--steps",
+            "1",
+            "--routing",
+            "learned",
+            "--also-forward-backward",
+            "--train.micro_batch_size=12",
         )
         == 0
     )

@@ -36,6 +36,7 @@ from moetrain.train.callbacks import (
 )
 from moetrain.train.config import RunConfig
 from moetrain.train.engine import Batch, StepOutput, TrainEngine
+from moetrain.train.plot import plot_run
 from moetrain.train.profiling import StepProfiler
 from moetrain.train.run_dir import RunDir
 from moetrain.train.runtime import setup_runtime
@@ -118,8 +119,6 @@ class Trainer:
         self.summary.update(self._final_summary(logger.last_val))
         self.run.write_summary(self.summary)
         if tc.plot and self.par.is_main:
-            from moetrain.train.plot import plot_run  # matplotlib: an optional dependency
-
             self.summary["plot"] = str(plot_run(self.run.path))
         return self.summary
 
