@@ -111,7 +111,7 @@ def run_bench(
             record = _record(trainer, spec, routing, steps, elapsed, balance, syncs)
             record["timed"] = timed
             if cfg.train.profile and i == 0:  # after the timed window: the profiler's overhead stays out of it
-                profile_dir = trainer.run_dir / f"profile-{routing}"
+                profile_dir = trainer.run.path / f"profile-{routing}"
                 say(f"bench {spec} ({routing} routing): {cfg.train.profile_steps} profiled steps -> {profile_dir}")
                 profiler = trainer.profiler(profile_dir, wait=0)
                 for _ in range(cfg.train.profile_steps):

@@ -174,6 +174,28 @@ def test_bench_times_both_windows_and_reports_routing_balance(capsys, tmp_path):
         assert r["expert_load_max_over_mean"] >= 1.0 and r["loss"] > 0
 
 
+def test_bench_profiles_after_the_timed_window(capsys, tmp_path):
+    """--train.profile=true: a profiler window per routing mode in RUN_DIR/profile-ROUTING,
+    named in the JSON line (on CUDA also a memory snapshot: tests/gpu/test_cuda.py)."""
+    assert (
+        bench(
+            tmp_path,
+            "--warmup",
+            "1",
+            "--steps",
+            "1",
+            "--routing",
+            "learned",
+            "--train.profile=true",
+            "--train.profile_steps=1",
+        )
+        == 0
+    )
+    (record,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert record["profile_dir"] == str(tmp_path / "profile-learned")
+    assert "aten::" in (tmp_path / "profile-learned" / "ops.txt").read_text()
+
+
 def test_bench_rejects_an_unknown_routing_mode(capsys):
     assert main(["bench", "tiny", "--routing", "learned,roundrobin"]) == 2
     err = capsys.readouterr().err
