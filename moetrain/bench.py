@@ -24,10 +24,13 @@ device's dense BF16 peak.
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import tempfile
 import time
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -221,6 +224,7 @@ def _record(
         "precision": _precision(trainer),
         "flops_per_token": engine.flops_per_token,
         "compile": tc.compile,
+        "loss_chunk_tokens": trainer.engine.loss_chunk_tokens,
         "recompute": str(tc.recompute),
         "layout": {
             "world": world,
@@ -231,7 +235,35 @@ def _record(
         },
         "device": torch.cuda.get_device_name(trainer.device) if trainer.device.type == "cuda" else "cpu",
         "torch": torch.__version__,
+        "commit": code_version(),
     }
+
+
+def code_version() -> str:
+    """The commit a figure was measured with: $MOETRAIN_COMMIT when set (for a copy of the tree
+    whose git history is not its own, e.g. on a lent GPU machine), else the checkout's HEAD (short
+    hash, "-dirty" when tracked files differ from it), else "unknown"."""
+    if os.environ.get("MOETRAIN_COMMIT"):
+        return os.environ["MOETRAIN_COMMIT"]
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return f"{head}-dirty" if dirty else head or "unknown"
 
 
 def _precision(trainer: Trainer) -> str:

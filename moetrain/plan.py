@@ -22,8 +22,11 @@ pipeline rank that needs most:
   12 B (master + moments) per element of its shard (÷ dp dense, ÷ edp experts); FSDP ÷ dp;
 - activations: what autograd keeps for backward, per block and token (`_block_bytes`), for the
   micro-batches a rank holds at once (1 without a pipeline; 1F1B: pp − rank, interleaved ×
-  (1 + (pp − 1)/(pp·v)), GPipe: all m), plus the LM head's logits and the loss's fp32 copies
-  (t × V × 10 B) on the last stage, plus autocast's bf16 weight copies of blocks that do not
+  (1 + (pp − 1)/(pp·v)), GPipe: all m), plus on the last stage the loss's logits — one chunk's
+  bf16 logits and their gradient (c × V × 4 B, c = train.loss_chunk_tokens) with the hidden
+  states' fp32 gradient (t × D × 4 B) held for backward; with the plain path (chunks off, or a
+  pipeline) all of them, bf16, their fp32 copy and log-softmax (t × V × 10 B) —, plus autocast's
+  bf16 weight copies of blocks that do not
   recompute (2 B × their parameters; kept from forward to backward);
 - the peak is the larger of "weights + optimizer + everything saved at the start of backward
   (and the gradients, when they are kept across micro-batches or in reducer buckets)" and
@@ -311,6 +314,9 @@ class RankMemory:
     blocks_none: float
     """Saved block activations of one micro-batch without recompute."""
     logits_bytes: float
+    """The loss's logits and what it holds for backward (module docstring)."""
+    loss_traffic: float
+    """Bytes the loss's element-wise kernels read and write per micro-batch."""
     act_none: float
     """Activations of the micro-batches in flight without recompute (with the logits)."""
     act_full: float
@@ -395,6 +401,7 @@ def memory_per_rank(cfg: RunConfig, L: Layout, groups: ParamGroups, assume: Assu
     fsdp = L.stack == Stack.fsdp.value
     ep_eff = 1 if fsdp else L.ep
     expert_rows, _ = _rows_per_token(cfg, L)
+    chunk = cfg.train.resolved_loss_chunk_tokens("cuda") if L.pp == 1 else 0  # pipelines: the plain path
     out = []
     for r in range(L.pp):
         stages = [r + i * L.pp for i in range(L.stages_per_rank)]
@@ -436,7 +443,12 @@ def memory_per_rank(cfg: RunConfig, L: Layout, groups: ParamGroups, assume: Assu
         activations = in_flight * t * act_per_token
         if L.recompute != "none" and layer_ids:
             activations += t * act_none / len(layer_ids)
-        logits = t * m.vocab_size * 10 if last else 0  # bf16 logits, fp32 copy, fp32 log-softmax
+        logits = loss_traffic = 0.0
+        if last and chunk:  # one chunk's bf16 logits + gradient; the hidden states' fp32 gradient
+            logits = min(chunk, t) * m.vocab_size * 4 + t * m.d_model * 4
+            loss_traffic = t * m.vocab_size * 6  # the fused kernels: read the logits twice, write the gradient
+        elif last:  # bf16 logits, fp32 copy, fp32 log-softmax
+            logits = loss_traffic = t * m.vocab_size * 10
         head_grad = 4 * groups.head / (L.dp if fsdp else 1) if last else 0
         casts = cast_bytes  # one bf16 copy per block that keeps activations
         if fsdp:
@@ -473,6 +485,7 @@ def memory_per_rank(cfg: RunConfig, L: Layout, groups: ParamGroups, assume: Assu
                 peak=peak,
                 blocks_none=t * act_none,
                 logits_bytes=logits,
+                loss_traffic=loss_traffic,
                 act_none=in_flight * t * act_none + logits,
                 act_full=in_flight * t * act_full + logits,
             )
@@ -549,7 +562,7 @@ def step_time(
     # parameter), and from the second micro-batch on, accumulation into .grad (12 B)
     local_params = rank.local / (L.dp if fsdp else 1)
     t_casts = 0.0 if fp32 else local_params * (12 * L.micro_batches + 12 * (L.micro_batches - 1)) / hbm
-    t_elementwise = L.micro_batches * (assume.ew_passes * rank.blocks_none + rank.logits_bytes) / hbm
+    t_elementwise = L.micro_batches * (assume.ew_passes * rank.blocks_none + rank.loss_traffic) / hbm
     t_fp8 = 0.0
     if fp8:
         t_fp8 = assume.fp8_quant_passes * L.micro_batches * (rank.blocks_none + 4 * local_params) / hbm

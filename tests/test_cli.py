@@ -129,6 +129,7 @@ def test_bench_prints_one_json_line_per_routing_mode(capsys, tmp_path):
         assert r["batch"] == {"seq_len": 32, "micro_batch_size": 24, "grad_accum_steps": 1, "tokens_per_step": 768}
         assert r["precision"] == "fp32" and r["timed"] == "training step"
         assert r["peak_mem_gib_per_rank"] == [r["peak_mem_gib"]]  # one process
+        assert r["commit"] and r["commit"] != "unknown"  # this checkout's HEAD
 
 
 def test_bench_can_time_forward_and_backward_alone(capsys, tmp_path):
@@ -226,3 +227,17 @@ def test_bench_under_two_ranks_reports_every_ranks_peak(tmp_path):
     assert a["peak_mem_gib_per_rank"] == b["peak_mem_gib_per_rank"] and len(a["peak_mem_gib_per_rank"]) == 2
     assert a["peak_mem_gib"] == max(a["peak_mem_gib_per_rank"]) > 0
     assert a["layout"]["ep"] == 2 == b["layout"]["ep"]
+
+
+def test_code_version_names_the_commit_or_says_unknown(monkeypatch, tmp_path):
+    import subprocess
+
+    from moetrain import bench as bench_module
+
+    head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert bench_module.code_version().removesuffix("-dirty") == head
+    monkeypatch.setenv("MOETRAIN_COMMIT", "abc1234")
+    assert bench_module.code_version() == "abc1234"
+    monkeypatch.delenv("MOETRAIN_COMMIT")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no git to be found
+    assert bench_module.code_version() == "unknown"

@@ -15,6 +15,7 @@ from torch import nn
 from moetrain.model.block import Block
 from moetrain.model.config import Routing, TransformerConfig
 from moetrain.model.experts import GroupedExperts
+from moetrain.model.loss import lm_loss
 from moetrain.model.moe import MoE
 from moetrain.model.norm import RMSNorm
 from moetrain.model.rope import RotaryEmbedding
@@ -32,10 +33,21 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
-    def forward(self, tokens_BT: torch.Tensor, doc_ids_BT: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (B, T, V). With `doc_ids_BT`, tokens attend only within their document."""
+    def forward(
+        self,
+        tokens_BT: torch.Tensor,
+        doc_ids_BT: torch.Tensor | None = None,
+        targets_BT: torch.Tensor | None = None,
+        loss_chunk_tokens: int = 0,
+    ) -> torch.Tensor:
+        """Logits (B, T, V); with `targets_BT`, the mean next-token cross-entropy instead (fp32
+        scalar), computed `loss_chunk_tokens` tokens at a time when > 0 so that the logits of
+        the whole batch never exist (moetrain/model/loss.py). With `doc_ids_BT`, tokens attend
+        only within their document."""
         x_BTD = self.embed(tokens_BT)
         x_BTD = self.run_blocks(x_BTD, list(self.blocks), doc_ids_BT)
+        if targets_BT is not None:
+            return lm_loss(self.lm_head, self.norm(x_BTD), targets_BT, loss_chunk_tokens)
         return self.lm_head(self.norm(x_BTD))
 
     def run_blocks(self, x_BTD: torch.Tensor, keys: list[str], doc_ids_BT: torch.Tensor | None = None) -> torch.Tensor:

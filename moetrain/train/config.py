@@ -32,6 +32,10 @@ class Precision(enum.StrEnum):
     """bf16 autocast for matmuls; parameters, gradients and AdamW state stay fp32."""
 
 
+DEFAULT_LOSS_CHUNK_TOKENS = 4096
+"""`train.loss_chunk_tokens` on CUDA when not set."""
+
+
 @dataclasses.dataclass(kw_only=True)
 class TrainerConfig(Config):
     steps: int = 300
@@ -74,6 +78,10 @@ class TrainerConfig(Config):
     their activations (less recompute, more memory)."""
     compile: bool = False
     """torch.compile each block."""
+    loss_chunk_tokens: int | None = None
+    """The LM loss over chunks of this many tokens, so that only one chunk's logits exist at a
+    time (moetrain/model/loss.py); 0 = the plain path (logits of the whole micro-batch). None =
+    4096 on CUDA, 0 on CPU. Pipeline stages use the plain path."""
     tensorboard: bool = True
     """Also write TensorBoard events to RUN_DIR/tb (when the tensorboard package is installed)."""
     wandb: bool = False
@@ -100,6 +108,12 @@ class TrainerConfig(Config):
     """Steps before the profiled window (compilation and warm-up stay outside it)."""
     profile_steps: int = 3
     """Steps in the profiled window."""
+
+    def resolved_loss_chunk_tokens(self, device_type: str) -> int:
+        """train.loss_chunk_tokens on this device (its default when None)."""
+        if self.loss_chunk_tokens is not None:
+            return self.loss_chunk_tokens
+        return DEFAULT_LOSS_CHUNK_TOKENS if device_type == "cuda" else 0
 
     @property
     def grad_accum_steps(self) -> int:
@@ -129,6 +143,11 @@ class TrainerConfig(Config):
                 raise ConfigError(f"train.{name}={getattr(self, name)} must be ≥ 0.")
         if self.profile_steps <= 0:
             raise ConfigError(f"train.profile_steps={self.profile_steps} must be a positive integer.")
+        if self.loss_chunk_tokens is not None and self.loss_chunk_tokens < 0:
+            raise ConfigError(
+                f"train.loss_chunk_tokens={self.loss_chunk_tokens} must be ≥ 0 (0: no chunks), or null for "
+                "the device's default."
+            )
         if self.global_batch_size % self.micro_batch_size:
             raise ConfigError(
                 f"train.global_batch_size={self.global_batch_size} is not a multiple of "

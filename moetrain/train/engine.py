@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from moetrain.model.counting import flops_per_token, peak_flops
 from moetrain.model.transformer import Transformer
@@ -84,6 +83,7 @@ class TrainEngine:
         self.eos_id = eos_id
         tc = cfg.train
         self.amp_dtype = autocast_dtype(tc.precision, device)
+        self.loss_chunk_tokens = tc.resolved_loss_chunk_tokens(device.type)
 
         # Build on the meta device, apply the layout, then allocate only what this rank holds.
         model = cfg.model.build(device="meta")
@@ -192,10 +192,10 @@ class TrainEngine:
         return self.pipeline.train_step(inputs_BT, targets_BT, self._document_ids(inputs_BT))
 
     def lm_loss(self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy of one micro-batch (no pipeline), fp32."""
+        """Mean next-token cross-entropy of one micro-batch (no pipeline), fp32; over chunks of
+        train.loss_chunk_tokens tokens (moetrain/model/loss.py)."""
         with self._autocast():
-            logits_BTV = self.model(inputs_BT, self._document_ids(inputs_BT))
-        return F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten())
+            return self.model(inputs_BT, self._document_ids(inputs_BT), targets_BT, self.loss_chunk_tokens)
 
     def _document_ids(self, inputs_BT: torch.Tensor) -> torch.Tensor | None:
         return document_ids(inputs_BT, self.eos_id) if self.cfg.data.document_masking else None

@@ -127,6 +127,7 @@ SYMM = "parallel.dispatcher=symm"  # on gloo: the emulated transport (symm_dispa
 FSDP = "parallel.stack=fsdp"
 SHARD = "parallel.shard_optimizer=true"
 CAPPED = ["parallel.ep=2", "parallel.capacity_factor=0.6"]
+CHUNKED_LOSS = "train.loss_chunk_tokens=48"  # 64 tokens per rank per micro-batch: 48 + 16
 INTERLEAVED = "parallel.pp_schedule=interleaved-1f1b"  # 2 stages per rank: 4 stages of 1 block
 
 
@@ -142,6 +143,7 @@ INTERLEAVED = "parallel.pp_schedule=interleaved-1f1b"  # 2 stages per rank: 4 st
                 ("dp2ep2-capped", CAPPED),
                 ("dp2-sharded", [SHARD]),
                 ("dp2ep2-symm", ["parallel.ep=2", SYMM]),
+                ("dp2ep2-chunked-loss", ["parallel.ep=2", CHUNKED_LOSS]),
             ],
         ),
         (
@@ -154,7 +156,14 @@ INTERLEAVED = "parallel.pp_schedule=interleaved-1f1b"  # 2 stages per rank: 4 st
                 ("dp4ep2-symm", ["parallel.ep=2", SYMM]),
             ],
         ),
-        (2, [("fsdp2", [FSDP]), ("fsdp2-recompute", [FSDP, "train.recompute=full"])]),
+        (
+            2,
+            [
+                ("fsdp2", [FSDP]),
+                ("fsdp2-recompute", [FSDP, "train.recompute=full"]),
+                ("fsdp2-chunked-loss", [FSDP, CHUNKED_LOSS]),
+            ],
+        ),
         (4, [("fsdp4", [FSDP])]),
         (
             2,

@@ -1,0 +1,105 @@
+"""The language-model loss: the LM head's matrix product and the cross-entropy, over chunks of tokens.
+
+Legend: N tokens, D model dim, V vocabulary, C tokens per chunk.
+
+Computed the plain way (`lm_head(h)` then `cross_entropy(logits.float())`), a step holds the
+logits of all N tokens several times over: the bf16 product, its fp32 copy, the fp32
+log-softmax autograd saves, and in backward the fp32 gradient and its bf16 cast — about 10 bytes
+per token and vocabulary entry (N·V·10 B: 7.7 GiB at 8192 tokens and a 100k vocabulary). Here the
+tokens go through in chunks of C: per chunk the logits (C × V, in the matmul dtype), their
+log-sum-exp, the loss, and at once the gradient of the mean loss with respect to the chunk's
+logits, which is multiplied back into the gradients of the hidden states and of the head's
+weight. Only one chunk's logits exist at a time; the gradients (N × D and V × D) are computed in
+the forward pass and held until backward, which just scales them by the incoming gradient (the
+loss is the graph's last node, so that gradient is the loss scale). The matrix products are the
+plain path's, one chunk at a time; on CUDA the element-wise work of a chunk (upcast, log-sum-exp,
+softmax minus the one-hot target, scale, downcast) is one compiled function, two kernels.
+
+The numbers are the plain path's up to summation order: the logits in the matmul dtype, the
+softmax and the loss in fp32, the gradients of the logits cast to the matmul dtype before their
+products; the head's weight gradient is summed over chunks in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def linear_cross_entropy(
+    h_ND: torch.Tensor, weight_VD: torch.Tensor, targets_N: torch.Tensor, chunk_tokens: int
+) -> torch.Tensor:
+    """Mean cross-entropy of `h_ND @ weight_VDᵀ` against `targets_N` (fp32 scalar), computed
+    `chunk_tokens` tokens at a time (module docstring). Under autocast the products run in its
+    dtype, as `nn.Linear` would."""
+    device_type = h_ND.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else h_ND.dtype
+    # Inside an autograd Function's forward grad mode is off: decide here what needs a gradient.
+    grads = (torch.is_grad_enabled() and h_ND.requires_grad, torch.is_grad_enabled() and weight_VD.requires_grad)
+    with torch.autocast(device_type, enabled=False):
+        return _ChunkedLinearCrossEntropy.apply(h_ND, weight_VD, targets_N, chunk_tokens, dtype, grads)
+
+
+def _chunk_loss_and_grad(logits_CV: torch.Tensor, targets_C: torch.Tensor, scale: float):
+    """Summed cross-entropy of the chunk (fp32) and `scale` × its gradient with respect to the
+    logits, in the logits' dtype: softmax(logits) − one_hot(target)."""
+    x_CV = logits_CV.float()
+    lse_C = torch.logsumexp(x_CV, dim=-1)
+    loss = (lse_C - x_CV.gather(1, targets_C.unsqueeze(1)).squeeze(1)).sum()
+    p_CV = torch.exp(x_CV - lse_C.unsqueeze(1))
+    p_CV = p_CV.scatter_add(1, targets_C.unsqueeze(1), torch.full_like(lse_C, -1.0).unsqueeze(1))
+    return loss, (p_CV * scale).to(logits_CV.dtype)
+
+
+_compiled_chunk_loss_and_grad = None
+
+
+def _chunk_fn(device_type: str):
+    """The compiled element-wise part on CUDA (fused passes); plain eager elsewhere."""
+    global _compiled_chunk_loss_and_grad
+    if device_type != "cuda":
+        return _chunk_loss_and_grad
+    if _compiled_chunk_loss_and_grad is None:
+        _compiled_chunk_loss_and_grad = torch.compile(_chunk_loss_and_grad, dynamic=False)
+    return _compiled_chunk_loss_and_grad
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h_ND, weight_VD, targets_N, chunk_tokens: int, dtype: torch.dtype, grads: tuple[bool, bool]):
+        N = h_ND.shape[0]
+        w_VD = weight_VD.to(dtype)
+        grad_h_ND = torch.empty_like(h_ND) if grads[0] else None
+        grad_w_VD = torch.zeros_like(weight_VD, dtype=torch.float32) if grads[1] else None
+        chunk = chunk_tokens if chunk_tokens > 0 else N
+        fn = _chunk_fn(h_ND.device.type)
+        loss = torch.zeros((), dtype=torch.float32, device=h_ND.device)
+        for start in range(0, N, chunk):
+            h_CD = h_ND[start : start + chunk].to(dtype)
+            logits_CV = h_CD @ w_VD.t()
+            chunk_loss, grad_CV = fn(logits_CV, targets_N[start : start + chunk], 1.0 / N)
+            loss += chunk_loss
+            if grad_h_ND is not None:
+                grad_h_ND[start : start + chunk] = grad_CV @ w_VD
+            if grad_w_VD is not None:
+                grad_w_VD += grad_CV.t() @ h_CD
+            del logits_CV, grad_CV
+        ctx.save_for_backward(grad_h_ND, grad_w_VD)
+        ctx.weight_dtype = weight_VD.dtype
+        return loss / N
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h_ND, grad_w_VD = ctx.saved_tensors
+        grad_h = grad_h_ND * grad_out if grad_h_ND is not None else None
+        grad_w = (grad_w_VD * grad_out).to(ctx.weight_dtype) if grad_w_VD is not None else None
+        return grad_h, grad_w, None, None, None, None
+
+
+def lm_loss(head: nn.Linear, h_BTD: torch.Tensor, targets_BT: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+    """The LM loss of final hidden states (after the last norm) through `head`: chunked when
+    `chunk_tokens` > 0, else the plain `cross_entropy(head(h).float())`."""
+    if chunk_tokens > 0:
+        return linear_cross_entropy(h_BTD.flatten(0, 1), head.weight, targets_BT.flatten(), chunk_tokens)
+    logits_BTV = head(h_BTD)
+    return nn.functional.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten())
