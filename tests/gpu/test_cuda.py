@@ -221,3 +221,30 @@ def test_fp8_training_step_is_sync_free_and_learns(real_text_dir, tmp_path):
     assert fp8[-1] < 0.85 * fp8[0]
     # the same data order and initialization: FP8 tracks BF16 within a few percent
     assert abs(fp8[-1] - bf16[-1]) < 0.05 * bf16[-1], (fp8[-1], bf16[-1])
+
+
+def test_chunked_loss_matches_the_plain_one_on_cuda():
+    """The compiled element-wise part of the chunked loss (moetrain/model/loss.py) on the GPU,
+    under bf16 autocast: the plain head + cross-entropy's loss and gradients to bf16 rounding."""
+    import torch.nn.functional as F
+
+    from moetrain.model.loss import linear_cross_entropy
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(3000, 256, device="cuda", generator=g)
+    w = torch.randn(5000, 256, device="cuda", generator=g) * 0.05
+    t = torch.randint(0, 5000, (3000,), device="cuda", generator=g)
+    out = []
+    for fn in (
+        lambda a, b: F.cross_entropy(F.linear(a, b).float(), t),
+        lambda a, b: linear_cross_entropy(a, b, t, 1024),
+    ):
+        a, b = h.clone().requires_grad_(), w.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = fn(a, b)
+        loss.backward()
+        out.append((loss.detach(), a.grad, b.grad))
+    (l0, gh0, gw0), (l1, gh1, gw1) = out
+    torch.testing.assert_close(l1, l0, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(gh1, gh0, rtol=2e-2, atol=1e-5)
+    torch.testing.assert_close(gw1, gw0, rtol=2e-2, atol=1e-5)
