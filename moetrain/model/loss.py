@@ -77,13 +77,18 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, N, chunk):
             h_CD = h_ND[start : start + chunk].to(dtype)
             logits_CV = h_CD @ w_VD.t()
-            chunk_loss, grad_CV = fn(logits_CV, targets_N[start : start + chunk], 1.0 / N)
+            targets_C = targets_N[start : start + chunk]
+            if grad_h_ND is None and grad_w_VD is None:  # no gradient wanted (evaluation)
+                x_CV = logits_CV.float()
+                loss += (torch.logsumexp(x_CV, dim=-1) - x_CV.gather(1, targets_C.unsqueeze(1)).squeeze(1)).sum()
+                continue
+            chunk_loss, grad_CV = fn(logits_CV, targets_C, 1.0 / N)
             loss += chunk_loss
             if grad_h_ND is not None:
                 grad_h_ND[start : start + chunk] = grad_CV @ w_VD
             if grad_w_VD is not None:
                 grad_w_VD += grad_CV.t() @ h_CD
-            del logits_CV, grad_CV
+            del logits_CV, grad_CV  # one chunk's logits at a time
         ctx.save_for_backward(grad_h_ND, grad_w_VD)
         ctx.weight_dtype = weight_VD.dtype
         return loss / N
