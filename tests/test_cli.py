@@ -136,14 +136,7 @@ def test_bench_can_time_forward_and_backward_alone(capsys, tmp_path):
     assert (
         bench(
             tmp_path,
-            "--warmup",
-            "0",
-            "--steps",
-            "1",
-            "--routing",
-            "random",
-            "--forward-backward-only",
-            "--train.micro_batch_size=12",
+            *"--warmup 0 --steps 1 --routing random --forward-backward-only --train.micro_batch_size=12".split(),
         )
         == 0
     )
@@ -156,14 +149,7 @@ def test_bench_times_both_windows_and_reports_routing_balance(capsys, tmp_path):
     assert (
         bench(
             tmp_path,
-            "--warmup",
-            "1",
-            "--steps",
-            "1",
-            "--routing",
-            "learned",
-            "--also-forward-backward",
-            "--train.micro_batch_size=12",
+            *"--warmup 1 --steps 1 --routing learned --also-forward-backward --train.micro_batch_size=12".split(),
         )
         == 0
     )
@@ -179,17 +165,7 @@ def test_bench_profiles_after_the_timed_window(capsys, tmp_path):
     """--train.profile=true: a profiler window per routing mode in RUN_DIR/profile-ROUTING,
     named in the JSON line (on CUDA also a memory snapshot: tests/gpu/test_cuda.py)."""
     assert (
-        bench(
-            tmp_path,
-            "--warmup",
-            "1",
-            "--steps",
-            "1",
-            "--routing",
-            "learned",
-            "--train.profile=true",
-            "--train.profile_steps=1",
-        )
+        bench(tmp_path, *"--warmup 1 --steps 1 --routing learned --train.profile=true --train.profile_steps=1".split())
         == 0
     )
     (record,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
