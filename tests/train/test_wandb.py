@@ -49,6 +49,20 @@ def wandb_records(run_file: Path) -> list:
     return records
 
 
+def finished_records(run_file: Path, timeout_s: float = 60.0) -> list:
+    """`wandb_records` once the run's exit record is on disk: `finish()` returns before wandb's
+    background service has always written the whole transaction log (seen once on a busy
+    2-core machine: a resumed run's file read without its run record)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = wandb_records(run_file)
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.2)
+
+
 def history(records) -> dict[int, dict[str, float]]:
     """step -> the values logged at that step (wandb's own `_…` keys left out)."""
     out = {}
@@ -70,7 +84,7 @@ def test_metrics_reach_wandb_offline(tiny_cfg, tmp_path, offline_wandb):
     (run_file,) = offline_run_files(offline_wandb)
     run_id = (run_dir / "wandb_id.txt").read_text().strip()
     assert run_file.name == f"run-{run_id}.wandb"
-    records = wandb_records(run_file)
+    records = finished_records(run_file)
     (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     assert (run.project, run.display_name, run.run_id) == ("moetrain", "run", run_id)
     config = {i.key: json.loads(i.value_json) for i in run.config.update}
@@ -98,9 +112,10 @@ def test_resume_continues_the_wandb_run(tiny_cfg, tmp_path, offline_wandb):
 
     first, second = offline_run_files(offline_wandb)
     assert first.name == second.name == f"run-{first_id}.wandb"
-    (run,) = [r.run for r in wandb_records(second) if r.WhichOneof("record_type") == "run"]
+    records = finished_records(second)
+    (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     assert run.display_name == "mine"
-    assert sorted(history(wandb_records(second))) == [3, 4]
+    assert sorted(history(records)) == [3, 4]
 
 
 def test_wandb_files_default_to_the_run_directory(tmp_path, offline_wandb, monkeypatch):
@@ -111,7 +126,7 @@ def test_wandb_files_default_to_the_run_directory(tmp_path, offline_wandb, monke
     sink.log({"loss": 2.5}, step=1)
     sink.close(failed=True)
     (run_file,) = offline_run_files(tmp_path)
-    records = wandb_records(run_file)
+    records = finished_records(run_file)
     assert history(records) == {1: {"loss": 2.5}}
     (exit_record,) = [r.exit for r in records if r.WhichOneof("record_type") == "exit"]
     assert exit_record.exit_code == 1
