@@ -174,20 +174,15 @@ def _count_host_syncs(step) -> int:
 def _record(
     trainer: Trainer, spec: str, routing: str, steps: int, elapsed: float, balance: dict[str, Any], syncs: int | None
 ) -> dict[str, Any]:
+    """`balance` is `TrainEngine.metrics` of the timed window: its rates are the line's."""
     cfg, world, engine = trainer.cfg, trainer.par.dims.world_size, trainer.engine
     m, tc = cfg.model, cfg.train
-    tokens_per_sec = engine.tokens_per_step * steps / elapsed
     peaks = _peak_mem_per_rank(trainer.device)
-    per_device = tokens_per_sec / world
-    tflops = engine.flops_per_token * per_device / 1e12
     counts = count_params(m)
     return {
         "preset": spec,
         "routing": routing,
-        "tokens_per_sec": tokens_per_sec,
-        "tokens_per_sec_per_device": per_device,
-        "tflops_per_device": tflops,
-        "mfu": tflops * 1e12 / engine.peak_flops if engine.peak_flops else None,
+        **{k: balance[k] for k in ("tokens_per_sec", "tokens_per_sec_per_device", "tflops_per_device", "mfu")},
         "peak_mem_gib": max(peaks),
         "peak_mem_gib_per_rank": peaks,
         "sync_free": None if syncs is None else syncs == 0,

@@ -17,6 +17,7 @@ moments per parameter, keyed by canonical parameter name, whatever the layout.
 
 from __future__ import annotations
 
+import abc
 import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -86,8 +87,9 @@ class Optimizer(Protocol):
         ...
 
 
-class StepHooks:
-    """`register_step_post_hook`, and `step(skip)` = `_update(skip)` followed by the hooks."""
+class StepHooks(abc.ABC):
+    """`register_step_post_hook`, and `step(skip)` = `_update(skip)` followed by the hooks;
+    each optimizer implements `_update`."""
 
     def register_step_post_hook(self, hook: StepHook) -> None:
         self.__dict__.setdefault("_step_post_hooks", []).append(hook)
@@ -97,11 +99,9 @@ class StepHooks:
         for hook in self.__dict__.get("_step_post_hooks", ()):
             hook(skip)
 
+    @abc.abstractmethod
     def _update(self, skip: torch.Tensor | None) -> None:
-        raise NotImplementedError
-
-    def params_loaded(self) -> None:
-        """Nothing to refresh: the parameters are the only copy."""
+        """The update itself (`skip`: as for `step`)."""
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -143,6 +143,9 @@ class TorchAdamW(StepHooks):
     fused: bool = False
     """torch's fused AdamW kernel: the clipping factor and the skip decision go into the kernel
     as device tensors (`grad_scale`, `found_inf`)."""
+
+    def params_loaded(self) -> None:
+        """Nothing to refresh: the parameters are the only copy (AdamW keeps only moments)."""
 
     def set_lr(self, lr: float) -> None:
         for group in self.adamw.param_groups:

@@ -243,9 +243,10 @@ class RunConfig(Config):
                     "torch), which this machine lacks: use parallel.dispatcher=nosync or alltoall."
                 )
 
-    def build_dims(self, world_size: int) -> ParallelDims:
-        """`validate(world_size)`, then the layout: what the trainer and the planner start from."""
-        self.validate(world_size)
+    def build_dims(self, world_size: int, device: torch.device | None = None) -> ParallelDims:
+        """`validate(world_size, device)`, then the layout: what the trainer and the planner
+        start from."""
+        self.validate(world_size, device)
         return self.parallel.build(world_size)
 
 

@@ -2,9 +2,9 @@
 
 `setup_runtime(cfg)` is the first thing a run does (before any data or model exists):
 
-    device (train.device) → checks of what the device must support → the default process group
-    (torchrun's environment; none for one process) → the layout on that many ranks
-    (`RunConfig.build_dims`, which validates the run) → this rank's process groups
+    device (train.device) → the default process group (torchrun's environment; none for one
+    process) → the layout on that many ranks (`RunConfig.build_dims`, which validates the run
+    for this world size and device) → this rank's process groups
 """
 
 from __future__ import annotations
@@ -38,9 +38,8 @@ def setup_runtime(cfg: RunConfig) -> Runtime:
     """Validate `cfg` for this device and world size and join the process group (see the
     module docstring). Each rank calls it; under torchrun each takes GPU LOCAL_RANK."""
     device = resolve_device(cfg.train.device)
-    cfg.validate(device=device)
     rank, world = init_distributed(device.type, cfg.parallel.timeout_s, cfg.parallel.peer_timeout_s)
     if device.type == "cuda" and world > 1:
         device = torch.device("cuda", torch.cuda.current_device())
-    dims = cfg.build_dims(world)
+    dims = cfg.build_dims(world, device)
     return Runtime(device, ParallelState.create(dims, device.type, rank))

@@ -5,8 +5,8 @@ that do not; through the model's forward too."""
 import pytest
 import torch
 import torch.nn.functional as F
+from test_transformer import small_cfg
 
-from moetrain.model.config import MoEConfig, TransformerConfig
 from moetrain.model.loss import linear_cross_entropy, lm_loss
 
 
@@ -57,14 +57,7 @@ def test_without_grad_only_the_loss_is_computed():
 
 
 def test_the_models_loss_is_the_same_chunked_or_not():
-    cfg = TransformerConfig(
-        vocab_size=64,
-        d_model=32,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=16),
-    )
+    cfg = small_cfg(n_layers=2, num_dense_layers=1)
     model = cfg.build()
     model.init_weights(seed=0)
     tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(2))
