@@ -86,10 +86,26 @@ class Optimizer(Protocol):
         of them the optimizer keeps."""
         ...
 
+    def master_weights(self) -> dict[str, torch.Tensor]:
+        """Canonical name → fp32 master of each parameter the model holds in lower precision
+        (optim.bf16_weights), as temporaries; what a checkpoint saves for them. {} otherwise."""
+        ...
+
+    def load_master_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Set the fp32 masters `master_weights` names (and so the parameters computed from them)."""
+        ...
+
 
 class StepHooks(abc.ABC):
-    """`register_step_post_hook`, and `step(skip)` = `_update(skip)` followed by the hooks;
-    each optimizer implements `_update`."""
+    """What every optimizer shares: `register_step_post_hook`, and `step(skip)` = `_update(skip)`
+    followed by the hooks (each optimizer implements `_update`); no fp32 masters apart from the
+    parameters unless an optimizer says otherwise."""
+
+    def master_weights(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_master_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        assert not weights, "this optimizer keeps no master weights"
 
     def register_step_post_hook(self, hook: StepHook) -> None:
         self.__dict__.setdefault("_step_post_hooks", []).append(hook)
@@ -104,12 +120,13 @@ class StepHooks(abc.ABC):
         """The update itself (`skip`: as for `step`)."""
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices only: norms, biases and embeddings (1-D or nn.Embedding) get no decay."""
+def param_groups(model: nn.Module, weight_decay: float, exclude: set[int] = frozenset()) -> list[dict]:
+    """Decay matrices only: norms, biases and embeddings (1-D or nn.Embedding) get no decay.
+    Parameters whose id is in `exclude` are left out (another optimizer updates them)."""
     embedding_params = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     decay, no_decay = [], []
     for p in model.parameters():
-        if not p.requires_grad:
+        if not p.requires_grad or id(p) in exclude:
             continue
         (no_decay if p.ndim < 2 or id(p) in embedding_params else decay).append(p)
     return [
@@ -123,12 +140,12 @@ def use_fused(cfg: OptimConfig, device: torch.device) -> bool:
     return cfg.fused if cfg.fused is not None else device.type == "cuda"
 
 
-def build_adamw(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    """torch AdamW over `model`'s parameter groups: fused (one kernel for all parameters) where
-    `use_fused`, else torch's default implementation for the device."""
+def build_adamw(model: nn.Module, cfg: OptimConfig, exclude: set[int] = frozenset()) -> torch.optim.AdamW:
+    """torch AdamW over `model`'s parameter groups (less `exclude`, as in `param_groups`): fused
+    (one kernel for all parameters) where `use_fused`, else torch's default for the device."""
     fused = use_fused(cfg, next(model.parameters()).device)
     return torch.optim.AdamW(
-        param_groups(model, cfg.weight_decay),
+        param_groups(model, cfg.weight_decay, exclude),
         lr=cfg.lr,
         betas=tuple(cfg.betas),
         eps=cfg.eps,

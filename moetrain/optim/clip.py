@@ -9,16 +9,15 @@ import torch.distributed as dist
 
 
 def global_grad_norm(
-    params: list[torch.Tensor], expert_params: list[torch.Tensor], ep_group=None, pp_group=None
+    grads: list[torch.Tensor], expert_grads: list[torch.Tensor], ep_group=None, pp_group=None
 ) -> torch.Tensor:
-    """The L2 norm of all gradients of the model, as a device tensor (no host sync).
+    """The L2 norm of all gradients of the model (`grads` of dense parameters, `expert_grads` of
+    expert ones: this rank's gradient tensors), as a device tensor (no host sync).
 
     With expert parallelism each rank holds only its experts' gradients: their squared norms are
     summed over the expert-parallel group; with pipeline parallelism, the stage totals over the
     pipeline group; so that every rank sees the norm of the whole model.
     """
-    grads = [p.grad for p in params if p.grad is not None]
-    expert_grads = [p.grad for p in expert_params if p.grad is not None]
     device = (grads or expert_grads)[0].device
     dense_sq = torch.stack(torch._foreach_norm(grads)).square().sum() if grads else torch.zeros((), device=device)
     expert_sq = (
@@ -44,7 +43,12 @@ def clip_grad_norm(
 ) -> torch.Tensor:
     """Clip all gradients to a global L2 norm of `max_norm` (no clipping for inf); return the
     norm before clipping, as a device tensor (no host sync)."""
-    total = global_grad_norm(params, expert_params, ep_group, pp_group)
+    total = global_grad_norm(
+        [p.grad for p in params if p.grad is not None],
+        [p.grad for p in expert_params if p.grad is not None],
+        ep_group,
+        pp_group,
+    )
     if max_norm != math.inf:
         grads = [p.grad for p in params + expert_params if p.grad is not None]
         torch._foreach_mul_(grads, clip_coefficient(total, max_norm))

@@ -47,6 +47,12 @@ class OptimConfig(Config):
     fused: bool | None = None
     """torch's fused AdamW kernel: the clipping factor and the skip decision go into the kernel as
     device tensors (no extra pass, no host sync). None = on CUDA (the foreach kernels on CPU)."""
+    bf16_weights: bool = False
+    """Store the matrices (attention, MLPs, experts, LM head) in bf16, their exact fp32 masters
+    split into that bf16 value and a 16-bit remainder held by the optimizer
+    (moetrain/optim/split_master.py): no weight casts in forward, backward or recompute, and no
+    cast copies kept for backward, at the same 16 bytes per parameter. Needs bf16 precision and
+    the replicated optimizer (parallel.stack=ddp without parallel.shard_optimizer)."""
 
     def validate(self) -> None:
         if self.lr <= 0:

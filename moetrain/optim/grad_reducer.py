@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moetrain.model.experts import GroupedExperts
+from moetrain.optim.split_master import SplitMaster
 from moetrain.parallel.dims import ParallelState
 
 
@@ -39,6 +40,8 @@ class Bucket:
     pending: int = 0
     work: dist.Work | None = None
     launched: bool = False
+    split: bool = False
+    """A stretch of `SplitMaster.grad` (the bf16 parameters' fp32 gradients)."""
 
 
 def expert_param_ids(model: nn.Module) -> set[int]:
@@ -46,35 +49,57 @@ def expert_param_ids(model: nn.Module) -> set[int]:
 
 
 class GradReducer:
-    def __init__(self, model: nn.Module, state: ParallelState, bucket_bytes: int = 25 * 2**20):
+    def __init__(
+        self,
+        model: nn.Module,
+        state: ParallelState,
+        bucket_bytes: int = 25 * 2**20,
+        split: SplitMaster | None = None,
+    ):
+        """`split`: the bf16 parameters' fp32 gradients live in `split.grad` (their buckets are
+        slices of it, in its order, which is this reducer's); build it before the reducer, so its
+        accumulation hook runs before the reducer's counting hook."""
         self.loss_scale = 1.0 / state.dims.dp
         """Scale every backward's loss by this: the reduced sums are then the global means."""
         self.sync = False
         expert_ids = expert_param_ids(model)
+        split_grads = split.grad_views() if split is not None else {}
         # Reverse registration order approximates the order in which backward finishes them.
         params = [p for p in model.parameters() if p.requires_grad][::-1]
         self.buckets: list[Bucket] = []
-        for is_expert in (False, True):
+        for is_expert, is_split in ((False, True), (False, False), (True, True), (True, False)):
             group = state.edp_group if is_expert else state.dp_group
-            chosen = [p for p in params if (id(p) in expert_ids) == is_expert]
+            chosen = [p for p in params if (id(p) in expert_ids) == is_expert and (id(p) in split_grads) == is_split]
             start = 0
             while start < len(chosen):
                 size, end = 0, start
                 while end < len(chosen) and (end == start or size + chosen[end].numel() * 4 <= bucket_bytes):
                     size += chosen[end].numel() * 4
                     end += 1
-                self.buckets.append(self._make_bucket(chosen[start:end], group))
+                views = [split_grads[id(p)] for p in chosen[start:end]] if is_split else None
+                self.buckets.append(self._make_bucket(chosen[start:end], group, views))
                 start = end
 
-    def _make_bucket(self, params: list[nn.Parameter], group) -> Bucket:
-        device = params[0].device
-        flat = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=device)
+    def _make_bucket(self, params: list[nn.Parameter], group, split_views: list[torch.Tensor] | None) -> Bucket:
+        """A bucket over `params`; with `split_views` (their fp32 gradients, adjacent in one flat
+        buffer) the bucket is that stretch of the buffer, else a new flat buffer that becomes the
+        parameters' `.grad` storage."""
+        if split_views is not None:
+            first, last = split_views[0], split_views[-1]
+            base = first.view(-1)
+            numel = sum(v.numel() for v in split_views)
+            assert last.data_ptr() + last.numel() * 4 == base.data_ptr() + numel * 4, "split gradients not adjacent"
+            flat = torch.as_strided(base, (numel,), (1,))
+        else:
+            flat = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=params[0].device)
         bucket = Bucket(flat, params, group)
         offset = 0
         for p in params:
-            p.grad = flat[offset : offset + p.numel()].view_as(p)
+            if split_views is None:
+                p.grad = flat[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
             p.register_post_accumulate_grad_hook(lambda _p, b=bucket: self._on_grad_ready(b))
+        bucket.split = split_views is not None
         return bucket
 
     def prepare(self, sync: bool, backward_passes: int = 1) -> None:
@@ -109,6 +134,8 @@ class GradReducer:
         self.sync = False
 
     def zero_grad(self) -> None:
-        """Zero the gradients in place (the buckets must stay the gradients' storage)."""
+        """Zero the gradients in place (the buckets must stay the gradients' storage); the split
+        parameters' buckets are left alone (`SplitMaster.zero_grad`: their next backward copies)."""
         for b in self.buckets:
-            b.flat.zero_()
+            if not b.split:
+                b.flat.zero_()

@@ -1,17 +1,22 @@
 """`ReplicatedAdamW`: torch AdamW with the full optimizer state on every rank, the ddp stack's
-data-parallel gradient reduction (`GradReducer`, when dp > 1) and global-norm clipping."""
+data-parallel gradient reduction (`GradReducer`, when dp > 1) and global-norm clipping. With
+optim.bf16_weights the matrices are bf16 and their fp32 masters, gradients and moments live in a
+`SplitMaster` (moetrain/optim/split_master.py); torch AdamW keeps the rest (norms, embedding,
+routers)."""
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from moetrain.model.transformer import canonical_name
-from moetrain.optim.base import TorchAdamW, build_adamw
-from moetrain.optim.clip import global_grad_norm
+from moetrain.optim.base import TorchAdamW, build_adamw, use_fused
+from moetrain.optim.clip import clip_coefficient, global_grad_norm
 from moetrain.optim.grad_reducer import GradReducer, expert_param_ids
+from moetrain.optim.split_master import SplitMaster, is_split_candidate
 from moetrain.parallel.dims import ParallelState
 
 if TYPE_CHECKING:
@@ -23,38 +28,84 @@ class ReplicatedAdamW(TorchAdamW):
 
     def __init__(self, model: nn.Module, state: ParallelState, cfg: OptimConfig):
         self.model = model
-        self.reducer = GradReducer(model, state) if state.dims.dp > 1 else None
+        self.cfg = cfg
+        split_ids = is_split_candidate(model) if cfg.bf16_weights else set()
+        device = next(model.parameters()).device
+        self.split = (
+            SplitMaster(
+                model,
+                split_ids,
+                weight_decay=cfg.weight_decay,
+                fused=use_fused(cfg, device) and device.type == "cuda",  # the Triton kernel
+            )
+            if split_ids
+            else None
+        )
+        self.reducer = GradReducer(model, state, split=self.split) if state.dims.dp > 1 else None
         self.loss_scale = self.reducer.loss_scale if self.reducer is not None else 1.0
         self.ep_group = state.ep_group
         self.pp_group = state.pp_group
         expert_ids = expert_param_ids(model)
-        self.expert_params = [p for p in model.parameters() if id(p) in expert_ids]
-        self.dense_params = [p for p in model.parameters() if id(p) not in expert_ids]
-        self.adamw = build_adamw(model, cfg)
+        rest = [p for p in model.parameters() if id(p) not in split_ids]
+        self.expert_params = [p for p in rest if id(p) in expert_ids]
+        self.dense_params = [p for p in rest if id(p) not in expert_ids]
+        self.adamw = build_adamw(model, cfg, exclude=split_ids)
         self.fused = any(g.get("fused") for g in self.adamw.param_groups)
+        self._split_coef: torch.Tensor | None = None
 
     def prepare(self, sync: bool, backward_passes: int = 1) -> None:
         if self.reducer is not None:
             self.reducer.prepare(sync, backward_passes)
 
     def finish(self) -> None:
+        if self.split is not None:
+            self.split.finish()  # before the reduction of buckets no backward completed
         if self.reducer is not None:
             self.reducer.finish()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """The global gradient norm before clipping (device tensor); clips (see `_clip`)."""
-        total = global_grad_norm(self.dense_params, self.expert_params, self.ep_group, self.pp_group)
+        """The global gradient norm before clipping (device tensor); clips (see `_clip`; the
+        split parameters' update takes the factor as its gradient multiplier)."""
+        grads = [p.grad for p in self.dense_params if p.grad is not None]
+        expert_grads = [p.grad for p in self.expert_params if p.grad is not None]
+        if self.split is not None:
+            grads += [self.split.dense_grad] if self.split.dense_grad.numel() else []
+            expert_grads += [self.split.expert_grad] if self.split.expert_grad.numel() else []
+        total = global_grad_norm(grads, expert_grads, self.ep_group, self.pp_group)
         self._clip([p.grad for p in self.dense_params + self.expert_params if p.grad is not None], total, max_norm)
+        if self.split is not None:
+            self._split_coef = clip_coefficient(total, max_norm) if max_norm != math.inf else None
         return total
 
+    def _update(self, skip: torch.Tensor | None) -> None:
+        super()._update(skip)
+        if self.split is not None:
+            group = self.adamw.param_groups[0]
+            self.split.update(group["lr"], tuple(self.cfg.betas), self.cfg.eps, self._split_coef, skip)
+            self._split_coef = None
+
     def zero_grad(self) -> None:
+        if self.split is not None:
+            self.split.zero_grad()
         if self.reducer is not None:
             self.reducer.zero_grad()  # the reducer's buckets must stay the gradients' storage
         else:
             self.adamw.zero_grad(set_to_none=True)
 
+    def master_weights(self) -> dict[str, torch.Tensor]:
+        """The bf16 parameters' fp32 masters by canonical name (temporaries); {} without
+        optim.bf16_weights."""
+        if self.split is None:
+            return {}
+        return {canonical_name(n): t for n, t in self.split.master_weights().items()}
+
+    def load_master_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        if self.split is not None:
+            by_canonical = {canonical_name(n): n for n in self.split.names}
+            self.split.load_master_weights({by_canonical[k]: v for k, v in weights.items()})
+
     def memory_bytes(self) -> int:
-        return sum(
+        return (self.split.memory_bytes() if self.split is not None else 0) + sum(
             t.numel() * t.element_size()
             for s in self.adamw.state.values()
             for t in s.values()
@@ -64,7 +115,11 @@ class ReplicatedAdamW(TorchAdamW):
     def state_dict_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
         """The live AdamW state per parameter (created as zeros for a fresh optimizer, so a
         checkpoint can be loaded into it in place)."""
-        return {canonical_name(name): self._live_state(p) for name, p in self.model.named_parameters()}
+        split = self.split.state_tensors() if self.split is not None else {}
+        return {
+            canonical_name(name): split[name] if name in split else self._live_state(p)
+            for name, p in self.model.named_parameters()
+        }
 
     def load_state_dict_tensors(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
         live = self.state_dict_tensors()

@@ -76,7 +76,8 @@ class _ShardedGradReducer(GradReducer):
 
     buckets: list[_ShardedBucket]
 
-    def _make_bucket(self, params: list[nn.Parameter], group) -> _ShardedBucket:
+    def _make_bucket(self, params: list[nn.Parameter], group, split_views=None) -> _ShardedBucket:
+        assert split_views is None, "optim.bf16_weights is refused with parallel.shard_optimizer"
         G = dist.get_world_size(group) if group is not None else 1
         numel = sum(p.numel() for p in params)
         N = math.ceil(numel / G) * G

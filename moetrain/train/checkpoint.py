@@ -210,9 +210,11 @@ def load_checkpoint(path: Path, state: dict[str, Any], rank: int = 0, restore_rn
     return json.loads(trainer_state_file.read_text()) if trainer_state_file.is_file() else {}
 
 
-def load_model(path: Path, model: nn.Module) -> None:
-    """Load only the model's weights (and persistent buffers) from a checkpoint, in place."""
-    state = {"model": model_state_dict(model)}
+def load_model(path: Path, model: nn.Module, masters: dict[str, torch.Tensor] | None = None) -> None:
+    """Load only the model's weights (and persistent buffers) from a checkpoint, in place;
+    `masters` (canonical name → fp32 tensor, as `Optimizer.master_weights` gives them) are filled
+    with their entries too, for the caller to hand back to the optimizer."""
+    state = {"model": model_state_dict(model, masters)}
     load_checkpoint(path, state)
     load_model_state_dict(model, state["model"])
 
@@ -288,16 +290,20 @@ class SafeFileSystemReader(dcp.FileSystemReader):
 # not saved (they come from the config, the LR from the schedule): tensors only.
 
 
-def model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+def model_state_dict(model: nn.Module, masters: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The model's parameters and persistent buffers by canonical name, experts split per global
     index: views of the live tensors, or full temporaries for FSDP's sharded ones (whole tensors,
-    so the entries are those of every layout). Collective under FSDP (the shards are gathered)."""
+    so the entries are those of every layout). Collective under FSDP (the shards are gathered).
+    `masters` (canonical name → fp32 tensor) stand in for the live bf16 parameters of
+    optim.bf16_weights, so that checkpoints always hold fp32 weights; DCP loads into them in place."""
     reshard(model)  # FSDP's root keeps its parameters gathered after a no-grad forward (eval)
     offsets = _expert_offsets(model)
+    masters = masters or {}
     out: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
-        tensor = full_tensor(tensor.detach())
-        _put(out, canonical_name(name), tensor, offsets.get(canonical_name(name)))
+        name = canonical_name(name)
+        tensor = masters[name] if name in masters else full_tensor(tensor.detach())
+        _put(out, name, tensor, offsets.get(name))
     return out
 
 
@@ -312,6 +318,16 @@ def load_model_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> N
         value = _take(state, name, live, offsets.get(name))
         if value is not None:
             copy_shard(live.detach(), value)
+
+
+def model_entries(model: nn.Module, state: dict[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
+    """The model entries `names` (canonical parameter names) of `state`, experts joined back into
+    this rank's stacked tensors."""
+    offsets = _expert_offsets(model)
+    live = {canonical_name(n): p for n, p in model.named_parameters()}
+    return {
+        name: _join(state, name, offsets.get(name), live[name].shape[0] if name in offsets else 0) for name in names
+    }
 
 
 def optimizer_state_dict(model: nn.Module, tensors: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -20,7 +20,7 @@ from moetrain.data.config import DataConfig
 from moetrain.errors import ConfigError
 from moetrain.model.config import Fp8, TransformerConfig
 from moetrain.optim.config import OptimConfig, ScheduleConfig
-from moetrain.parallel.config import DispatcherKind, ParallelConfig, PipelineSchedule, Recompute
+from moetrain.parallel.config import DispatcherKind, ParallelConfig, PipelineSchedule, Recompute, Stack
 from moetrain.parallel.dims import ParallelDims
 
 
@@ -215,6 +215,18 @@ class RunConfig(Config):
                         f"train.fp8={tc.fp8} needs every matrix-product dimension divisible by "
                         f"{tc.fp8.align}; {key}={dim} is not: change it, or use train.fp8=none."
                     )
+        if self.optim.bf16_weights:
+            if p.stack != Stack.ddp or p.shard_optimizer:
+                raise ConfigError(
+                    "optim.bf16_weights=true works with the replicated optimizer only (parallel.stack=ddp, "
+                    f"parallel.shard_optimizer=false); got parallel.stack={p.stack}, "
+                    f"parallel.shard_optimizer={str(p.shard_optimizer).lower()}. Set optim.bf16_weights=false."
+                )
+            if tc.precision == Precision.fp32:
+                raise ConfigError(
+                    "optim.bf16_weights=true computes in bf16, but train.precision=fp32: set train.precision=bf16 "
+                    "(or auto on CUDA), or optim.bf16_weights=false."
+                )
         if world_size is not None:
             dims = p.build(world_size)
             if tc.micro_batch_size % dims.dp:
@@ -227,6 +239,11 @@ class RunConfig(Config):
 
     def _validate_device(self, device: torch.device) -> None:
         """What the device (resolved from train.device: moetrain/train/runtime.py) must support."""
+        if self.optim.bf16_weights and self.train.precision == Precision.auto and device.type != "cuda":
+            raise ConfigError(
+                f"optim.bf16_weights=true computes in bf16, but train.precision=auto means fp32 on {device.type}: "
+                "set train.precision=bf16, or optim.bf16_weights=false."
+            )
         fp8 = self.train.fp8
         if fp8 != Fp8.none and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
             raise ConfigError(

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from moetrain.model.counting import flops_per_token, peak_flops
-from moetrain.model.transformer import Transformer
+from moetrain.model.transformer import Transformer, canonical_name
 from moetrain.optim.base import Optimizer
 from moetrain.optim.schedule import lr_at
 from moetrain.parallel.config import Stack
@@ -311,8 +311,9 @@ class TrainEngine:
         checkpoint format (moetrain/train/checkpoint.py): views of the live tensors where this
         rank holds them whole, full temporaries for FSDP's shards. What DCP saves, and the
         template it loads into. Collective under FSDP and the sharded optimizer (gathers)."""
+        # With optim.bf16_weights the matrices' entries are their fp32 masters (temporaries).
         return {
-            "model": ckpt.model_state_dict(self.model),
+            "model": ckpt.model_state_dict(self.model, self.optimizer.master_weights()),
             "optim": ckpt.optimizer_state_dict(self.model, self.optimizer.state_dict_tensors()),
         }
 
@@ -320,13 +321,23 @@ class TrainEngine:
         """Write `state` (as `state_dict()` gives it, e.g. filled by DCP) into the model, then
         the optimizer. No communication."""
         ckpt.load_model_state_dict(self.model, state["model"])
+        self._load_masters(state["model"])
         self.optimizer.load_state_dict_tensors(ckpt.optimizer_tensors(self.model, state["optim"]))
 
     def load_model_weights(self, path) -> None:
         """Only the model's weights from the checkpoint at `path` (train.init_from); the
         optimizer refreshes its copies of them."""
-        ckpt.load_model(path, self.model)
+        masters = self.optimizer.master_weights()
+        ckpt.load_model(path, self.model, masters)
+        self.optimizer.load_master_weights(masters)
         self.optimizer.params_loaded()
+
+    def _load_masters(self, model_state: dict[str, torch.Tensor]) -> None:
+        """optim.bf16_weights: the fp32 masters of the bf16 parameters (which got the entries
+        rounded) from the model entries."""
+        names = [canonical_name(n) for n, p in self.model.named_parameters() if p.dtype != torch.float32]
+        if names:
+            self.optimizer.load_master_weights(ckpt.model_entries(self.model, model_state, names))
 
     def parameters_finite(self) -> bool:
         """Whether every parameter of every rank is finite (a collective and one host read)."""

@@ -1,0 +1,246 @@
+"""`SplitMaster`: bf16 compute weights whose fp32 master copy costs no more memory than fp32 weights.
+
+Legend: P the split parameters' elements, flattened (dense first, then experts).
+
+With `optim.bf16_weights` the matrices that the forward and backward multiply with (attention and
+MLP projections, experts, LM head) are stored as bf16 tensors, so no forward, backward or
+recompute casts them and no cast copy lives from forward to backward. Their fp32 master is kept
+exactly, in the same 4 bytes per element that an fp32 weight takes:
+
+    x (fp32 bits, as int32)  =  hi · 2¹⁶ + lo      hi: the bf16 parameter the model computes with
+                                                    lo: a signed 16-bit remainder (the optimizer's)
+
+hi is x rounded to the nearest bf16 (ties away from zero, where torch's cast rounds ties to even:
+the two differ only when the low 16 bits are exactly 0x8000) and lo = x − hi · 2¹⁶ lies in
+[−2¹⁵, 2¹⁵): `join(hi, lo)` gives x back bit for bit. So memory per element is hi 2 + lo 2 +
+fp32 gradient 4 + AdamW's two fp32 moments 8 = 16 bytes, as with fp32 weights, and without the
+2 bytes per element of bf16 copies that autocast makes of every weight and keeps for backward.
+
+The AdamW update runs on (hi, lo) directly: on CUDA one Triton kernel over all P elements
+(moetrain/optim/adamw_split_kernel.py) reads hi, lo, gradient and moments and writes them back
+(the bytes of torch's fused fp32 AdamW), with the clipping factor and the step guard's skip
+decision as device tensors (no host sync); elsewhere `adamw_split_reference`, the same
+arithmetic in torch ops.
+
+Gradients: autograd gives a bf16 parameter a bf16 gradient (the weight-gradient GEMM's output,
+which autocast casts to fp32 today). A post-accumulate-grad hook moves it into the fp32 buffer
+`grad` (P elements, one view per parameter): copied at the first backward of a step, added at
+the later ones (gradient accumulation in fp32), and the bf16 gradient is dropped at once.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from moetrain.model.experts import GroupedExperts
+from moetrain.model.router import Router
+
+
+def split_fp32(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 `x` → (hi bf16, lo int16) with `join(hi, lo)` equal to `x` bit for bit (module docstring)."""
+    bits = x.detach().contiguous().view(torch.int32)
+    hi_bits = (bits + 0x8000) >> 16  # rounds the magnitude half up: sign-magnitude bits
+    lo = (bits - hi_bits * 65536).to(torch.int16)
+    return hi_bits.to(torch.int16).view(torch.bfloat16), lo
+
+
+def join(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """The fp32 values that `split_fp32` split into `hi` (bf16) and `lo` (int16)."""
+    return (hi.contiguous().view(torch.int16).to(torch.int32) * 65536 + lo.to(torch.int32)).view(torch.float32)
+
+
+def is_split_candidate(model: nn.Module) -> set[int]:
+    """ids of the parameters `optim.bf16_weights` stores in bf16: every matrix the model multiplies
+    with. The embedding table (a lookup that starts the fp32 residual stream), the routers (their
+    logits are computed in fp32) and the 1-D norm weights stay fp32."""
+    keep_fp32 = {
+        id(p) for m in model.modules() if isinstance(m, nn.Embedding | Router) for p in m.parameters(recurse=False)
+    }
+    return {id(p) for p in model.parameters() if p.requires_grad and p.ndim >= 2 and id(p) not in keep_fp32}
+
+
+def adamw_split_reference(
+    hi: torch.Tensor,
+    lo: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: float,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    grad_coef: torch.Tensor | None,
+) -> None:
+    """One AdamW step (decoupled weight decay, bias-corrected; torch.optim.AdamW's formula) of the
+    fp32 master `join(hi, lo)`, written back into `hi` and `lo`; `step` counts this update (1 =
+    first); `grad_coef` multiplies the gradient (the clipping factor)."""
+    p = join(hi, lo)
+    g = grad if grad_coef is None else grad * grad_coef
+    p.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(g, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2**step)).add_(eps)
+    p.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1**step))
+    new_hi, new_lo = split_fp32(p)
+    hi.copy_(new_hi)
+    lo.copy_(new_lo)
+
+
+class SplitMaster:
+    """The split parameters of one rank (`is_split_candidate`), their fp32 gradient buffer and
+    AdamW state, as flat buffers in one order: dense parameters, then experts, each in reverse
+    registration order (the order in which backward finishes them, and `GradReducer`'s)."""
+
+    def __init__(self, model: nn.Module, ids: set[int], *, weight_decay: float, fused: bool):
+        expert_ids = {id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
+        named = [(n, p) for n, p in model.named_parameters() if id(p) in ids][::-1]
+        named = [x for x in named if id(x[1]) not in expert_ids] + [x for x in named if id(x[1]) in expert_ids]
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.dense_numel = sum(p.numel() for p in self.params if id(p) not in expert_ids)
+        self.weight_decay, self.fused = weight_decay, fused
+        numel = sum(p.numel() for p in self.params)
+        device = self.params[0].device
+        # hi and lo first, each parameter's fp32 storage freed as it is split: the transient is
+        # one parameter, not a second copy of the model.
+        self.hi = torch.empty(numel, dtype=torch.bfloat16, device=device)
+        self.lo = torch.empty(numel, dtype=torch.int16, device=device)
+        self.offsets: list[int] = []
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            hi, lo = split_fp32(p.data)
+            self.hi[offset : offset + n].copy_(hi.flatten())
+            self.lo[offset : offset + n].copy_(lo.flatten())
+            p.data = self.hi[offset : offset + n].view(p.shape)
+            self.offsets.append(offset)
+            offset += n
+        self.grad = torch.zeros(numel, dtype=torch.float32, device=device)
+        self.exp_avg = torch.zeros_like(self.grad)
+        self.exp_avg_sq = torch.zeros_like(self.grad)
+        self.step = torch.zeros((), dtype=torch.float32, device=device)
+        """Updates made (shared by every split parameter: they are always updated together)."""
+        self._written: set[int] = set()
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._accumulate)
+
+    def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter `i`'s part of one of the flat buffers, shaped like the parameter."""
+        p = self.params[i]
+        return flat[self.offsets[i] : self.offsets[i] + p.numel()].view(p.shape)
+
+    def grad_views(self) -> dict[int, torch.Tensor]:
+        """id(parameter) → its fp32 gradient (a view of `grad`)."""
+        return {id(p): self.view(self.grad, i) for i, p in enumerate(self.params)}
+
+    @property
+    def dense_grad(self) -> torch.Tensor:
+        return self.grad[: self.dense_numel]
+
+    @property
+    def expert_grad(self) -> torch.Tensor:
+        return self.grad[self.dense_numel :]
+
+    # ---- gradients --------------------------------------------------------------------------------
+    def _accumulate(self, p: nn.Parameter) -> None:
+        """Post-accumulate-grad hook: the bf16 gradient into the fp32 buffer, then dropped."""
+        i = self._index[id(p)]
+        target = self.view(self.grad, i)
+        if id(p) in self._written:
+            target.add_(p.grad)
+        else:
+            target.copy_(p.grad)
+            self._written.add(id(p))
+        p.grad = None
+
+    def finish(self) -> None:
+        """After the step's last backward: zero the gradients of parameters no backward reached
+        (their buffers still hold an earlier step's)."""
+        for i, p in enumerate(self.params):
+            if id(p) not in self._written:
+                self.view(self.grad, i).zero_()
+                self._written.add(id(p))
+
+    def zero_grad(self) -> None:
+        """The next backward copies instead of adding: no pass over the buffer."""
+        self._written.clear()
+
+    # ---- the update -------------------------------------------------------------------------------
+    def update(self, lr: float, betas: tuple[float, float], eps: float, grad_coef: torch.Tensor | None, skip) -> None:
+        """One AdamW step of every split parameter; `skip` (device bool or None): no change.
+        On CUDA (fused) one kernel, reading `skip`, `grad_coef` and the step count on the device."""
+        beta1, beta2 = betas
+        if self.fused:
+            from moetrain.optim.adamw_split_kernel import adamw_split
+
+            not_skipped = (~skip).float() if skip is not None else None
+            self.step.add_(not_skipped if not_skipped is not None else 1.0)
+            adamw_split(
+                self.hi,
+                self.lo,
+                self.grad,
+                self.exp_avg,
+                self.exp_avg_sq,
+                self.step,
+                lr=lr,
+                beta1=beta1,
+                beta2=beta2,
+                eps=eps,
+                weight_decay=self.weight_decay,
+                grad_coef=grad_coef,
+                skip=skip,
+            )
+            return
+        if skip is not None and bool(skip):
+            return
+        self.step += 1
+        adamw_split_reference(
+            self.hi,
+            self.lo,
+            self.grad,
+            self.exp_avg,
+            self.exp_avg_sq,
+            step=float(self.step),
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            eps=eps,
+            weight_decay=self.weight_decay,
+            grad_coef=grad_coef,
+        )
+
+    # ---- state ------------------------------------------------------------------------------------
+    def state_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Parameter name (as `model.named_parameters` gives it) → its AdamW state, as views."""
+        return {
+            name: {
+                "step": self.step,
+                "exp_avg": self.view(self.exp_avg, i),
+                "exp_avg_sq": self.view(self.exp_avg_sq, i),
+            }
+            for i, name in enumerate(self.names)
+        }
+
+    def master_weights(self) -> dict[str, torch.Tensor]:
+        """Parameter name → its fp32 master (a temporary: `join` of hi and lo)."""
+        return {name: join(self.view(self.hi, i), self.view(self.lo, i)) for i, name in enumerate(self.names)}
+
+    def load_master_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Set the fp32 masters (and so the bf16 parameters) of the parameters named in `weights`."""
+        index = {name: i for i, name in enumerate(self.names)}
+        for name, value in weights.items():
+            i = index[name]
+            hi, lo = split_fp32(value.to(device=self.hi.device, dtype=torch.float32))
+            self.view(self.hi, i).copy_(hi)
+            self.view(self.lo, i).copy_(lo)
+
+    def memory_bytes(self) -> int:
+        """lo and the two moments (hi is the parameter, `grad` the gradient)."""
+        return sum(t.numel() * t.element_size() for t in (self.lo, self.exp_avg, self.exp_avg_sq))

@@ -1,0 +1,270 @@
+"""optim.bf16_weights: bf16 parameters whose fp32 masters are split into the bf16 value and a 16-bit
+remainder (moetrain/optim/split_master.py). The split is exact, the update is torch AdamW's, the
+Triton kernel is the reference's, and a run computes what the fp32-weights bf16 run computes, in
+one process, on dp2·ep2 ranks and across a checkpoint."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import tiny_overrides
+
+from moetrain.data.loader import SyntheticLoader
+from moetrain.errors import ConfigError
+from moetrain.optim.split_master import adamw_split_reference, join, split_fp32
+from moetrain.parallel.dims import ParallelDims, ParallelState
+from moetrain.testing.distributed import run_distributed
+from moetrain.train.engine import TrainEngine
+
+
+def batches(cfg, step: int):
+    loader = SyntheticLoader(
+        seq_len=cfg.data.seq_len,
+        micro_batch_size=cfg.train.micro_batch_size,
+        seed=step,
+        vocab_size=cfg.model.vocab_size,
+    )
+    return [loader.next_batch() for _ in range(cfg.train.grad_accum_steps)]
+
+
+SPECIAL = [0.0, -0.0, 1.0, -1.0, 3.3e38, -3.3e38, 1e-45, -1e-40, float("inf"), -float("inf")]
+
+
+def values(n=200_000, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.logspace(-30, 30, n)
+    return torch.cat([x, torch.tensor(SPECIAL)])
+
+
+def test_split_then_join_gives_the_fp32_bits_back():
+    x = values()
+    hi, lo = split_fp32(x)
+    assert hi.dtype == torch.bfloat16 and lo.dtype == torch.int16
+    assert torch.equal(join(hi, lo).view(torch.int32), x.view(torch.int32))
+
+
+def test_the_bf16_half_is_the_nearest_bf16_ties_away_from_zero():
+    x = values()
+    x[:4] = torch.tensor([1.0 + 2**-8, 1.0 + 3 * 2**-8, -(1.0 + 2**-8), 2.0 - 2**-9])  # exact ties
+    hi, _ = split_fp32(x)
+    cast = x.to(torch.bfloat16)
+    tie = (x.view(torch.int32) & 0xFFFF) == 0x8000
+    same = hi.view(torch.int16) == cast.view(torch.int16)
+    assert bool(same[~tie].all()), "off ties the bf16 half is torch's round-to-nearest cast"
+    # On ties: away from zero (torch: to even), so the magnitude is the larger neighbour.
+    assert bool((hi[tie].float().abs() >= x[tie].abs()).all()) and int(tie.sum()) >= 4
+    assert hi[0].item() == 1.0 + 2**-7 and hi[2].item() == -(1.0 + 2**-7)
+
+
+ADAMW_INPUTS = """
+def adamw_inputs(n=4096, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    p, grad = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    m, v = torch.randn(n, generator=g) * 0.1, torch.rand(n, generator=g) * 0.01
+    return p, grad, m, v
+HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+"""
+
+
+def adamw_inputs(n=4096, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    p, grad = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    m, v = torch.randn(n, generator=g) * 0.1, torch.rand(n, generator=g) * 0.01
+    return p, grad, m, v
+
+
+HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+
+
+def test_reference_update_is_torch_adamw_on_the_master_bit_for_bit():
+    p, grad, m, v = adamw_inputs()
+    hi, lo = split_fp32(p)
+    coef = torch.tensor(0.37)
+    adamw_split_reference(hi, lo, grad, mm := m.clone(), vv := v.clone(), step=3.0, grad_coef=coef, **HYPER)
+    ref = p.clone().requires_grad_()
+    opt = torch.optim.AdamW([ref], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False)
+    opt.state[ref] = {"step": torch.tensor(2.0), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
+    ref.grad = grad * coef
+    opt.step()
+    assert torch.equal(join(hi, lo), ref.detach())
+    assert torch.equal(mm, opt.state[ref]["exp_avg"]) and torch.equal(vv, opt.state[ref]["exp_avg_sq"])
+
+
+KERNEL_CHECK = (
+    r"""
+import torch
+from moetrain.optim.adamw_split_kernel import adamw_split
+from moetrain.optim.split_master import adamw_split_reference, join, split_fp32
+"""
+    + ADAMW_INPUTS
+    + r"""
+p, grad, m, v = adamw_inputs(n=5000)  # not a multiple of the block: the tail is masked
+for coef, skip in ((torch.tensor(0.5), torch.tensor(False)), (None, None), (None, torch.tensor(True))):
+    hi, lo = split_fp32(p)
+    ref = [hi.clone(), lo.clone(), grad, m.clone(), v.clone()]
+    if skip is None or not bool(skip):
+        adamw_split_reference(*ref, step=3.0, grad_coef=coef, **HYPER)
+    out = [hi.clone(), lo.clone(), grad, m.clone(), v.clone()]
+    adamw_split(*out, torch.tensor(3.0), grad_coef=coef, skip=skip, **HYPER)
+    a, b = join(ref[0], ref[1]), join(out[0], out[1])
+    # exp2/log2 bias corrections in the kernel against Python's pow: a few fp32 ulps at most.
+    torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(out[3], ref[3], rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(out[4], ref[4], rtol=1e-6, atol=1e-8)
+    if skip is not None and bool(skip):
+        assert torch.equal(out[0], hi) and torch.equal(out[1], lo) and torch.equal(out[3], m)
+print("ok")
+"""
+)
+
+
+def test_triton_kernel_matches_the_reference_in_the_interpreter():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+@pytest.fixture
+def bf16_cfg(tiny_cfg, tmp_path):
+    def make(bf16_weights: bool, *extra):
+        return tiny_cfg(
+            tmp_path / "run",
+            "train.device=cpu",
+            "train.precision=bf16",
+            f"optim.bf16_weights={str(bf16_weights).lower()}",
+            "model.moe.bias_update_rate=0.01",
+            *extra,
+        )
+
+    return make
+
+
+def one_process() -> ParallelState:
+    return ParallelState(ParallelDims(world_size=1, dp=1, ep=1))
+
+
+def run_steps(engine, cfg, steps, start=0):
+    return [
+        (out.lm_loss.item(), out.grad_norm.item())
+        for out in (engine.train_step(batches(cfg, s), s) for s in range(start, start + steps))
+    ]
+
+
+def test_a_run_with_bf16_weights_computes_what_autocast_computes(bf16_cfg):
+    """Same steps, same losses and norms up to bf16 tie rounding and summation order; the
+    matrices are bf16 parameters with no gradient left on them, the rest stays fp32."""
+    results, engines = {}, {}
+    for flag in (False, True):
+        cfg = bf16_cfg(flag)
+        torch.manual_seed(0)
+        engines[flag] = TrainEngine(cfg, one_process(), torch.device("cpu"))
+        results[flag] = run_steps(engines[flag], cfg, 8)
+    for (la, na), (lb, nb) in zip(results[False], results[True]):
+        assert abs(la - lb) <= 1e-4 * la and abs(na - nb) <= 2e-3 * na
+    split = engines[True]
+    dtypes = {n: p.dtype for n, p in split.model.named_parameters()}
+    assert dtypes["lm_head.weight"] == dtypes["blocks.1.ffn.experts.w_gate_up_E2FD"] == torch.bfloat16
+    assert dtypes["embed.weight"] == dtypes["norm.weight"] == dtypes["blocks.1.ffn.router.weight"] == torch.float32
+    assert all(p.grad is None for p in split.model.parameters() if p.dtype == torch.bfloat16)
+    # The masters moved away from their bf16 values (updates smaller than a bf16 ulp are kept).
+    master = split.optimizer.master_weights()["lm_head.weight"]
+    assert not torch.equal(master, split.model.lm_head.weight.float())
+    # Optimizer state: the remainder (2 B) and two moments (8 B) per split element, as fp32 AdamW's 8 B + 4 B weights.
+    numel = sum(p.numel() for p in split.model.parameters() if p.dtype == torch.bfloat16)
+    rest = [p.numel() for p in split.model.parameters() if p.dtype == torch.float32]
+    assert split.optimizer.memory_bytes() == numel * 10 + sum(rest) * 8 + len(rest) * 4  # + torch's "step"s
+
+
+def test_checkpoint_state_is_fp32_and_resumes_bit_for_bit(bf16_cfg):
+    cfg = bf16_cfg(True)
+    torch.manual_seed(0)
+    a = TrainEngine(cfg, one_process(), torch.device("cpu"))
+    run_steps(a, cfg, 3)
+    state = {section: {k: v.clone() for k, v in t.items()} for section, t in a.state_dict().items()}
+    assert all(v.dtype == torch.float32 for k, v in state["model"].items()), "checkpoints hold fp32 weights"
+    assert torch.equal(state["model"]["lm_head.weight"], a.optimizer.master_weights()["lm_head.weight"])
+    b = TrainEngine(cfg, one_process(), torch.device("cpu"))
+    b.load_state_dict(state)
+    assert run_steps(a, cfg, 3, start=3) == run_steps(b, cfg, 3, start=3)
+    for (n, p), q in zip(a.model.named_parameters(), b.model.parameters()):
+        assert torch.equal(p, q), n
+    # The same checkpoint into a run without bf16 weights: its fp32 weights are the masters.
+    c_cfg = bf16_cfg(False)
+    c = TrainEngine(c_cfg, one_process(), torch.device("cpu"))
+    c.load_state_dict({section: {k: v.clone() for k, v in t.items()} for section, t in state.items()})
+    assert torch.equal(c.model.lm_head.weight.detach(), state["model"]["lm_head.weight"])
+
+
+def _dp2_ep2_grads(cfg_args):
+    import torch.distributed as dist
+
+    from moetrain.presets import resolve_config
+    from moetrain.train.runtime import setup_runtime
+
+    data_dir, run_dir, flag = cfg_args
+    cfg = resolve_config(
+        "tiny",
+        tiny_overrides(
+            data_dir,
+            run_dir,
+            "train.device=cpu",
+            "train.precision=bf16",
+            f"optim.bf16_weights={flag}",
+            "parallel.ep=2",
+            "optim.grad_clip=0",
+        ),
+    )
+    runtime = setup_runtime(cfg)
+    torch.manual_seed(0)
+    engine = TrainEngine(cfg, runtime.par, runtime.device)
+    rank = dist.get_rank()
+    rows = [(x[rank * 2 : rank * 2 + 2], y[rank * 2 : rank * 2 + 2]) for x, y in batches(cfg, 0)]
+    engine.forward_backward(rows)
+    opt = engine.optimizer
+    views = opt.split.grad_views() if opt.split is not None else {}
+    # numpy: tensors would cross the result queue as shared memory that dies with the worker
+    grads = {n: (views[id(p)] if id(p) in views else p.grad).numpy().copy() for n, p in engine.model.named_parameters()}
+    engine.optim_step(torch.zeros(()), 0)
+    losses = [engine.train_step(
+        [(x[rank * 2 : rank * 2 + 2], y[rank * 2 : rank * 2 + 2]) for x, y in batches(cfg, s)], s
+    ).lm_loss.item() for s in (1, 2)]  # fmt: skip
+    return grads, losses
+
+
+def test_dp2_ep2_reduces_the_split_gradients_like_the_fp32_ones(real_text_dir, tmp_path):
+    """Two gloo ranks, dp2·ep2: after the first backward every gradient (reduced over dp; the
+    experts' over their edp group) equals the fp32-weights run's, then the losses follow it."""
+    out = {
+        flag: run_distributed(_dp2_ep2_grads, 2, (real_text_dir, tmp_path / flag, flag)) for flag in ("false", "true")
+    }
+    for rank in range(2):
+        (ga, la), (gb, lb) = out["false"][rank], out["true"][rank]
+        for name, a in ga.items():
+            a, b = torch.from_numpy(a), torch.from_numpy(gb[name])
+            # bf16 products: a tie rounded the other way moves gradients by up to ~1% of their largest
+            torch.testing.assert_close(b, a, rtol=0, atol=2e-2 * float(a.abs().max()) + 1e-12, msg=name)
+        for x, y in zip(la, lb):
+            assert abs(x - y) <= 5e-5 * x
+
+
+@pytest.mark.parametrize(
+    "extra, field",
+    [
+        (["parallel.stack=fsdp"], "parallel.stack=fsdp"),
+        (["parallel.shard_optimizer=true"], "parallel.shard_optimizer=true"),
+        (["train.precision=fp32"], "train.precision=fp32"),
+    ],
+)
+def test_bf16_weights_refuses_what_it_cannot_do(tiny_cfg, tmp_path, extra, field):
+    with pytest.raises(ConfigError, match="optim.bf16_weights") as err:
+        tiny_cfg(tmp_path, "optim.bf16_weights=true", *extra)
+    assert field in str(err.value)
+
+
+def test_bf16_weights_with_auto_precision_on_cpu_is_refused(tiny_cfg, tmp_path):
+    cfg = tiny_cfg(tmp_path, "optim.bf16_weights=true", "train.precision=auto")
+    with pytest.raises(ConfigError, match="train.precision=auto means fp32 on cpu"):
+        cfg.validate(device=torch.device("cpu"))
