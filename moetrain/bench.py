@@ -256,11 +256,12 @@ def code_version() -> str:
 
 def _precision(trainer: Trainer) -> str:
     amp_dtype = trainer.engine.amp_dtype
-    base = (
-        "fp32"
-        if amp_dtype is None
-        else (f"{str(amp_dtype).removeprefix('torch.')} autocast, fp32 master weights, gradients and AdamW state")
-    )
+    if amp_dtype is None:
+        base = "fp32"
+    elif trainer.cfg.optim.bf16_weights:
+        base = "bf16 weights (matrices) with split fp32 masters, fp32 gradients and AdamW state"
+    else:
+        base = f"{str(amp_dtype).removeprefix('torch.')} autocast, fp32 master weights, gradients and AdamW state"
     if trainer.cfg.train.fp8 != "none":
         base += f"; {trainer.cfg.train.fp8} fp8 (e4m3) expert and block-linear GEMMs"
     return base
