@@ -2,10 +2,11 @@
 
 Per element it reads the bf16 weight (`hi`), its 16-bit remainder (`lo`), the fp32 gradient and
 the two fp32 moments, and writes all but the gradient back: 16 bytes read, 12 written, the same
-as torch's fused fp32 AdamW, over one flat buffer in one launch. The step count, the clipping
-factor and the skip decision are read from device memory, so the host never waits. The arithmetic
-is `adamw_split_reference`'s; tests/optim/test_split_master.py compares the two (on CPU through
-Triton's interpreter, TRITON_INTERPRET=1).
+as torch's fused fp32 AdamW; one launch per parameter. The bias corrections (from the step
+count), the clipping factor and the skip decision are read from device memory, so the host never
+waits. The arithmetic is `adamw_split_reference`'s, with IEEE-rounded square root and division;
+tests/optim/test_split_master.py compares the two (on CPU through Triton's interpreter,
+TRITON_INTERPRET=1), tests/gpu/test_cuda.py on the GPU.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def _adamw_split_kernel(
     grad_ptr,
     m_ptr,
     v_ptr,
-    step_ptr,
+    corr_ptr,
     coef_ptr,
     skip_ptr,
     n,
@@ -41,7 +42,8 @@ def _adamw_split_kernel(
     mask = offs < n
     if HAS_SKIP:
         mask = mask & (tl.load(skip_ptr) == 0)
-    step = tl.load(step_ptr)
+    step_size = tl.load(corr_ptr)  # lr / (1 − β₁ᵗ)
+    bias2_sqrt = tl.load(corr_ptr + 1)  # √(1 − β₂ᵗ)
     hi = tl.load(hi_ptr + offs, mask=mask, other=0).to(tl.int32)
     lo = tl.load(lo_ptr + offs, mask=mask, other=0).to(tl.int32)
     p = (hi * 65536 + lo).to(tl.float32, bitcast=True)
@@ -53,10 +55,8 @@ def _adamw_split_kernel(
     p = p * (1.0 - lr * decay)
     m = m + (1.0 - beta1) * (g - m)
     v = v * beta2 + (1.0 - beta2) * g * g
-    bias1 = 1.0 - tl.exp2(step * tl.log2(beta1))
-    bias2 = 1.0 - tl.exp2(step * tl.log2(beta2))
-    denom = tl.sqrt(v) / tl.sqrt(bias2) + eps
-    p = p - (lr / bias1) * (m / denom)
+    denom = tl.div_rn(tl.sqrt_rn(v), bias2_sqrt) + eps
+    p = p - step_size * tl.div_rn(m, denom)
     bits = p.to(tl.int32, bitcast=True)
     new_hi = (bits + 0x8000) >> 16
     new_lo = bits - new_hi * 65536
@@ -66,13 +66,20 @@ def _adamw_split_kernel(
     tl.store(v_ptr + offs, v, mask=mask)
 
 
+def bias_corrections(step: torch.Tensor, lr: float, beta1: float, beta2: float) -> torch.Tensor:
+    """[lr / (1 − β₁ᵗ), √(1 − β₂ᵗ)] for step count t (0-d device tensor) as a device tensor: the
+    kernel's `corrections`, computed once per optimizer step."""
+    t = step.double()
+    return torch.stack([lr / (1 - beta1**t), (1 - beta2**t).sqrt()]).float()
+
+
 def adamw_split(
     hi: torch.Tensor,
     lo: torch.Tensor,
     grad: torch.Tensor,
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
-    step: torch.Tensor,
+    corrections: torch.Tensor,
     *,
     lr: float,
     beta1: float,
@@ -82,8 +89,8 @@ def adamw_split(
     grad_coef: torch.Tensor | None,
     skip: torch.Tensor | None,
 ) -> None:
-    """`adamw_split_reference` on flat contiguous buffers; `step` (0-d fp32, device) already
-    counts this update; `skip` (device bool): leave everything as it is."""
+    """`adamw_split_reference` on flat contiguous buffers; `corrections` from `bias_corrections`
+    of the step count that includes this update; `skip` (device bool): leave everything as it is."""
     n = hi.numel()
     assert all(t.is_contiguous() and t.numel() == n for t in (hi, lo, grad, exp_avg, exp_avg_sq))
     _adamw_split_kernel[(triton.cdiv(n, BLOCK),)](
@@ -92,9 +99,9 @@ def adamw_split(
         grad,
         exp_avg,
         exp_avg_sq,
-        step,
-        grad_coef if grad_coef is not None else step,
-        skip if skip is not None else step,
+        corrections,
+        grad_coef if grad_coef is not None else corrections,
+        skip if skip is not None else corrections,
         n,
         lr,
         beta1,

@@ -37,6 +37,7 @@ class ReplicatedAdamW(TorchAdamW):
                 split_ids,
                 weight_decay=cfg.weight_decay,
                 fused=use_fused(cfg, device) and device.type == "cuda",  # the Triton kernel
+                persistent_grads=state.dims.dp > 1,  # GradReducer's buckets
             )
             if split_ids
             else None
@@ -69,8 +70,8 @@ class ReplicatedAdamW(TorchAdamW):
         grads = [p.grad for p in self.dense_params if p.grad is not None]
         expert_grads = [p.grad for p in self.expert_params if p.grad is not None]
         if self.split is not None:
-            grads += [self.split.dense_grad] if self.split.dense_grad.numel() else []
-            expert_grads += [self.split.expert_grad] if self.split.expert_grad.numel() else []
+            grads += self.split.dense_grads
+            expert_grads += self.split.expert_grads
         total = global_grad_norm(grads, expert_grads, self.ep_group, self.pp_group)
         self._clip([p.grad for p in self.dense_params + self.expert_params if p.grad is not None], total, max_norm)
         if self.split is not None:

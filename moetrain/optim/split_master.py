@@ -93,17 +93,21 @@ def adamw_split_reference(
 
 
 class SplitMaster:
-    """The split parameters of one rank (`is_split_candidate`), their fp32 gradient buffer and
-    AdamW state, as flat buffers in one order: dense parameters, then experts, each in reverse
-    registration order (the order in which backward finishes them, and `GradReducer`'s)."""
+    """The split parameters of one rank (`is_split_candidate`) and their AdamW state, in one
+    order: dense parameters, then experts, each in reverse registration order (the order in which
+    backward finishes them, and `GradReducer`'s). hi, lo and the moments are flat buffers (one
+    view per parameter); each fp32 gradient is allocated by the step's first backward that
+    reaches its parameter and dropped by `zero_grad`, as torch does for `.grad`, so it does not
+    exist during the forward pass — unless `persistent_grads` (a `GradReducer` buckets them: one
+    flat buffer, kept)."""
 
-    def __init__(self, model: nn.Module, ids: set[int], *, weight_decay: float, fused: bool):
+    def __init__(self, model: nn.Module, ids: set[int], *, weight_decay: float, fused: bool, persistent_grads: bool):
         expert_ids = {id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
         named = [(n, p) for n, p in model.named_parameters() if id(p) in ids][::-1]
         named = [x for x in named if id(x[1]) not in expert_ids] + [x for x in named if id(x[1]) in expert_ids]
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
-        self.dense_numel = sum(p.numel() for p in self.params if id(p) not in expert_ids)
+        self.num_dense = sum(1 for p in self.params if id(p) not in expert_ids)
         self.weight_decay, self.fused = weight_decay, fused
         numel = sum(p.numel() for p in self.params)
         device = self.params[0].device
@@ -121,11 +125,16 @@ class SplitMaster:
             p.data = self.hi[offset : offset + n].view(p.shape)
             self.offsets.append(offset)
             offset += n
-        self.grad = torch.zeros(numel, dtype=torch.float32, device=device)
-        self.exp_avg = torch.zeros_like(self.grad)
-        self.exp_avg_sq = torch.zeros_like(self.grad)
+        self.exp_avg = torch.zeros(numel, dtype=torch.float32, device=device)
+        self.exp_avg_sq = torch.zeros_like(self.exp_avg)
         self.step = torch.zeros((), dtype=torch.float32, device=device)
         """Updates made (shared by every split parameter: they are always updated together)."""
+        self.persistent_grads = persistent_grads
+        self._flat_grad = torch.zeros_like(self.exp_avg) if persistent_grads else None
+        self.grads: list[torch.Tensor | None] = [
+            self.view(self._flat_grad, i) if persistent_grads else None for i in range(len(self.params))
+        ]
+        """Per parameter: its fp32 gradient (None before the step's first backward reaches it)."""
         self._written: set[int] = set()
         self._index = {id(p): i for i, p in enumerate(self.params)}
         for p in self.params:
@@ -137,84 +146,87 @@ class SplitMaster:
         return flat[self.offsets[i] : self.offsets[i] + p.numel()].view(p.shape)
 
     def grad_views(self) -> dict[int, torch.Tensor]:
-        """id(parameter) → its fp32 gradient (a view of `grad`)."""
-        return {id(p): self.view(self.grad, i) for i, p in enumerate(self.params)}
+        """id(parameter) → its fp32 gradient, a view of the one flat buffer (`persistent_grads`)."""
+        assert self.persistent_grads
+        return {id(p): g for p, g in zip(self.params, self.grads)}
 
     @property
-    def dense_grad(self) -> torch.Tensor:
-        return self.grad[: self.dense_numel]
+    def dense_grads(self) -> list[torch.Tensor]:
+        return [g for g in self.grads[: self.num_dense] if g is not None]
 
     @property
-    def expert_grad(self) -> torch.Tensor:
-        return self.grad[self.dense_numel :]
+    def expert_grads(self) -> list[torch.Tensor]:
+        return [g for g in self.grads[self.num_dense :] if g is not None]
 
     # ---- gradients --------------------------------------------------------------------------------
     def _accumulate(self, p: nn.Parameter) -> None:
-        """Post-accumulate-grad hook: the bf16 gradient into the fp32 buffer, then dropped."""
+        """Post-accumulate-grad hook: the bf16 gradient into the fp32 one, then dropped."""
         i = self._index[id(p)]
-        target = self.view(self.grad, i)
         if id(p) in self._written:
-            target.add_(p.grad)
+            self.grads[i].add_(p.grad)
+        elif self.persistent_grads:
+            self.grads[i].copy_(p.grad)
         else:
-            target.copy_(p.grad)
-            self._written.add(id(p))
+            self.grads[i] = p.grad.float()
+        self._written.add(id(p))
         p.grad = None
 
     def finish(self) -> None:
-        """After the step's last backward: zero the gradients of parameters no backward reached
-        (their buffers still hold an earlier step's)."""
+        """After the step's last backward: zero gradients for parameters no backward reached
+        (a kept buffer still holds an earlier step's)."""
         for i, p in enumerate(self.params):
             if id(p) not in self._written:
-                self.view(self.grad, i).zero_()
+                if self.persistent_grads:
+                    self.grads[i].zero_()
+                else:
+                    self.grads[i] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
                 self._written.add(id(p))
 
     def zero_grad(self) -> None:
-        """The next backward copies instead of adding: no pass over the buffer."""
+        """Drop the gradients (a kept buffer is not zeroed: the next backward copies into it)."""
         self._written.clear()
+        if not self.persistent_grads:
+            self.grads = [None] * len(self.params)
 
     # ---- the update -------------------------------------------------------------------------------
     def update(self, lr: float, betas: tuple[float, float], eps: float, grad_coef: torch.Tensor | None, skip) -> None:
-        """One AdamW step of every split parameter; `skip` (device bool or None): no change.
-        On CUDA (fused) one kernel, reading `skip`, `grad_coef` and the step count on the device."""
+        """One AdamW step of every split parameter (after `finish`); `skip` (device bool or
+        None): no change. On CUDA (fused) one Triton kernel per parameter, reading `skip`,
+        `grad_coef` and the step count on the device (no host sync)."""
         beta1, beta2 = betas
+        hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=self.weight_decay)
         if self.fused:
-            from moetrain.optim.adamw_split_kernel import adamw_split
+            from moetrain.optim.adamw_split_kernel import adamw_split, bias_corrections
 
-            not_skipped = (~skip).float() if skip is not None else None
-            self.step.add_(not_skipped if not_skipped is not None else 1.0)
-            adamw_split(
-                self.hi,
-                self.lo,
-                self.grad,
-                self.exp_avg,
-                self.exp_avg_sq,
-                self.step,
-                lr=lr,
-                beta1=beta1,
-                beta2=beta2,
-                eps=eps,
-                weight_decay=self.weight_decay,
-                grad_coef=grad_coef,
-                skip=skip,
-            )
+            self.step.add_((~skip).float() if skip is not None else 1.0)
+            corrections = bias_corrections(self.step, lr, beta1, beta2)
+            for i, g in enumerate(self.grads):
+                adamw_split(
+                    self.view(self.hi, i).view(-1),
+                    self.view(self.lo, i).view(-1),
+                    g.view(-1),
+                    self.view(self.exp_avg, i).view(-1),
+                    self.view(self.exp_avg_sq, i).view(-1),
+                    corrections,
+                    grad_coef=grad_coef,
+                    skip=skip,
+                    **hyper,
+                )
             return
         if skip is not None and bool(skip):
             return
         self.step += 1
-        adamw_split_reference(
-            self.hi,
-            self.lo,
-            self.grad,
-            self.exp_avg,
-            self.exp_avg_sq,
-            step=float(self.step),
-            lr=lr,
-            beta1=beta1,
-            beta2=beta2,
-            eps=eps,
-            weight_decay=self.weight_decay,
-            grad_coef=grad_coef,
-        )
+        for i, g in enumerate(self.grads):
+            adamw_split_reference(
+                self.view(self.hi, i),
+                self.view(self.lo, i),
+                g,
+                self.view(self.exp_avg, i),
+                self.view(self.exp_avg_sq, i),
+                step=float(self.step),
+                grad_coef=grad_coef,
+                **hyper,
+            )
 
     # ---- state ------------------------------------------------------------------------------------
     def state_tensors(self) -> dict[str, dict[str, torch.Tensor]]:

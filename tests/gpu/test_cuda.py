@@ -255,7 +255,7 @@ def test_chunked_loss_matches_the_plain_one_on_cuda():
 def test_split_adamw_kernel_matches_the_reference_on_cuda():
     """The Triton AdamW of optim.bf16_weights against the torch reference on the GPU, including
     the far end of a buffer longer than 2³¹ elements (64-bit offsets)."""
-    from moetrain.optim.adamw_split_kernel import adamw_split
+    from moetrain.optim.adamw_split_kernel import adamw_split, bias_corrections
     from moetrain.optim.split_master import adamw_split_reference, join, split_fp32
 
     hyper = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
@@ -277,7 +277,7 @@ def test_split_adamw_kernel_matches_the_reference_on_cuda():
             grad,
             m,
             v,
-            torch.tensor(3.0, device="cuda"),
+            bias_corrections(torch.tensor(3.0, device="cuda"), 1e-3, 0.9, 0.95),
             grad_coef=coef,
             skip=torch.tensor(False, device="cuda"),
             **hyper,

@@ -95,7 +95,7 @@ def test_reference_update_is_torch_adamw_on_the_master_bit_for_bit():
 KERNEL_CHECK = (
     r"""
 import torch
-from moetrain.optim.adamw_split_kernel import adamw_split
+from moetrain.optim.adamw_split_kernel import adamw_split, bias_corrections
 from moetrain.optim.split_master import adamw_split_reference, join, split_fp32
 """
     + ADAMW_INPUTS
@@ -107,7 +107,7 @@ for coef, skip in ((torch.tensor(0.5), torch.tensor(False)), (None, None), (None
     if skip is None or not bool(skip):
         adamw_split_reference(*ref, step=3.0, grad_coef=coef, **HYPER)
     out = [hi.clone(), lo.clone(), grad, m.clone(), v.clone()]
-    adamw_split(*out, torch.tensor(3.0), grad_coef=coef, skip=skip, **HYPER)
+    adamw_split(*out, bias_corrections(torch.tensor(3.0), 1e-3, 0.9, 0.95), grad_coef=coef, skip=skip, **HYPER)
     a, b = join(ref[0], ref[1]), join(out[0], out[1])
     # exp2/log2 bias corrections in the kernel against Python's pow: a few fp32 ulps at most.
     torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-8)
