@@ -1,8 +1,8 @@
 """The AdamW step of `SplitMaster` (moetrain/optim/split_master.py) as one Triton kernel.
 
 Per element it reads the bf16 weight (`hi`), its 16-bit remainder (`lo`), the fp32 gradient and
-the two fp32 moments, and writes all but the gradient back: 16 bytes read, 12 written, the same
-as torch's fused fp32 AdamW; one launch per parameter. The bias corrections (from the step
+the two fp32 moments, and writes all but the gradient back: 16 bytes read (14 with a bf16
+gradient), 12 written, as torch's fused fp32 AdamW; one launch per parameter. The bias corrections (from the step
 count), the clipping factor and the skip decision are read from device memory, so the host never
 waits. The arithmetic is `adamw_split_reference`'s, with IEEE-rounded square root and division;
 tests/optim/test_split_master.py compares the two (on CPU through Triton's interpreter,
@@ -47,7 +47,7 @@ def _adamw_split_kernel(
     hi = tl.load(hi_ptr + offs, mask=mask, other=0).to(tl.int32)
     lo = tl.load(lo_ptr + offs, mask=mask, other=0).to(tl.int32)
     p = (hi * 65536 + lo).to(tl.float32, bitcast=True)
-    g = tl.load(grad_ptr + offs, mask=mask, other=0.0)
+    g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # fp32 or bf16
     if HAS_COEF:
         g = g * tl.load(coef_ptr)
     m = tl.load(m_ptr + offs, mask=mask, other=0.0)

@@ -19,18 +19,25 @@ def global_grad_norm(
     pipeline group; so that every rank sees the norm of the whole model.
     """
     device = (grads or expert_grads)[0].device
-    dense_sq = torch.stack(torch._foreach_norm(grads)).square().sum() if grads else torch.zeros((), device=device)
-    expert_sq = (
-        torch.stack(torch._foreach_norm(expert_grads)).square().sum()
-        if expert_grads
-        else torch.zeros((), device=device)
-    )
+    dense_sq, expert_sq = _sum_sq(grads, device), _sum_sq(expert_grads, device)
     if ep_group is not None:
         dist.all_reduce(expert_sq, group=ep_group)
     total_sq = dense_sq + expert_sq
     if pp_group is not None:
         dist.all_reduce(total_sq, group=pp_group)
     return total_sq.sqrt()
+
+
+def _sum_sq(grads: list[torch.Tensor], device) -> torch.Tensor:
+    """Σ‖g‖² in fp32; norms of lower-precision gradients (optim.bf16_weights) computed in fp32."""
+    total = torch.zeros((), device=device)
+    fp32 = [g for g in grads if g.dtype == torch.float32]
+    low = [g for g in grads if g.dtype != torch.float32]
+    if fp32:
+        total = torch.stack(torch._foreach_norm(fp32)).square().sum()
+    if low:
+        total = total + torch.stack(torch._foreach_norm(low, 2, dtype=torch.float32)).square().sum()
+    return total
 
 
 def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:

@@ -23,9 +23,11 @@ decision as device tensors (no host sync); elsewhere `adamw_split_reference`, th
 arithmetic in torch ops.
 
 Gradients: autograd gives a bf16 parameter a bf16 gradient (the weight-gradient GEMM's output,
-which autocast casts to fp32 today). A post-accumulate-grad hook moves it into the fp32 buffer
-`grad` (P elements, one view per parameter): copied at the first backward of a step, added at
-the later ones (gradient accumulation in fp32), and the bf16 gradient is dropped at once.
+which autocast would cast to fp32). A post-accumulate-grad hook takes it off the parameter: after
+the step's first backward the bf16 gradient itself is kept (its fp32 value is exact, so there is
+no cast pass, and it takes 2 bytes per element instead of 4); a second backward sums the two in
+fp32 and later ones add to that (gradient accumulation in fp32); the update reads either dtype.
+Where a `GradReducer` buckets the gradients (dp > 1) they are copied into its fp32 buffer.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ def adamw_split_reference(
     fp32 master `join(hi, lo)`, written back into `hi` and `lo`; `step` counts this update (1 =
     first); `grad_coef` multiplies the gradient (the clipping factor)."""
     p = join(hi, lo)
-    g = grad if grad_coef is None else grad * grad_coef
+    g = grad.float() if grad_coef is None else grad.float() * grad_coef
     p.mul_(1 - lr * weight_decay)
     exp_avg.lerp_(g, 1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
@@ -134,7 +136,8 @@ class SplitMaster:
         self.grads: list[torch.Tensor | None] = [
             self.view(self._flat_grad, i) if persistent_grads else None for i in range(len(self.params))
         ]
-        """Per parameter: its fp32 gradient (None before the step's first backward reaches it)."""
+        """Per parameter: its gradient (None before the step's first backward reaches it; bf16
+        after one backward, fp32 after more; fp32 views of one buffer with `persistent_grads`)."""
         self._written: set[int] = set()
         self._index = {id(p): i for i, p in enumerate(self.params)}
         for p in self.params:
@@ -160,14 +163,19 @@ class SplitMaster:
 
     # ---- gradients --------------------------------------------------------------------------------
     def _accumulate(self, p: nn.Parameter) -> None:
-        """Post-accumulate-grad hook: the bf16 gradient into the fp32 one, then dropped."""
+        """Post-accumulate-grad hook: take the bf16 gradient. The first backward of a step keeps
+        it as it is (its fp32 value is exact: no cast pass, half the bytes); a second one sums
+        both in fp32, and later ones add to that. Into a kept fp32 buffer it is copied."""
         i = self._index[id(p)]
-        if id(p) in self._written:
-            self.grads[i].add_(p.grad)
-        elif self.persistent_grads:
-            self.grads[i].copy_(p.grad)
+        if id(p) not in self._written:
+            if self.persistent_grads:
+                self.grads[i].copy_(p.grad)
+            else:
+                self.grads[i] = p.grad
+        elif self.grads[i].dtype != torch.float32:
+            self.grads[i] = self.grads[i].float().add_(p.grad)
         else:
-            self.grads[i] = p.grad.float()
+            self.grads[i].add_(p.grad)
         self._written.add(id(p))
         p.grad = None
 

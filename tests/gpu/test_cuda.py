@@ -283,7 +283,8 @@ def test_split_adamw_kernel_matches_the_reference_on_cuda():
             **hyper,
         )
         torch.testing.assert_close(join(hi[end], lo[end]), join(ref[0], ref[1]), rtol=1e-6, atol=1e-8)
-        torch.testing.assert_close(m[end], ref[3], rtol=1e-6, atol=1e-8)
+        # m ← m + (1 − β₁)(g − m) cancels: a few ulps of the inputs (|g| ~ 1) with the GPU's FMAs.
+        torch.testing.assert_close(m[end], ref[3], rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(v[end], ref[4], rtol=1e-6, atol=1e-8)
         del hi, lo, grad, m, v, ref
         torch.cuda.empty_cache()

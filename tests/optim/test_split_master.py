@@ -101,7 +101,10 @@ from moetrain.optim.split_master import adamw_split_reference, join, split_fp32
     + ADAMW_INPUTS
     + r"""
 p, grad, m, v = adamw_inputs(n=5000)  # not a multiple of the block: the tail is masked
-for coef, skip in ((torch.tensor(0.5), torch.tensor(False)), (None, None), (None, torch.tensor(True))):
+cases = ((torch.tensor(0.5), torch.tensor(False), torch.float32), (None, None, torch.float32),
+         (None, torch.tensor(True), torch.float32), (torch.tensor(0.5), None, torch.bfloat16))
+for coef, skip, grad_dtype in cases:
+    grad = grad.to(grad_dtype)
     hi, lo = split_fp32(p)
     ref = [hi.clone(), lo.clone(), grad, m.clone(), v.clone()]
     if skip is None or not bool(skip):
@@ -153,17 +156,19 @@ def run_steps(engine, cfg, steps, start=0):
     ]
 
 
-def test_a_run_with_bf16_weights_computes_what_autocast_computes(bf16_cfg):
-    """Same steps, same losses and norms up to bf16 tie rounding and summation order; the
-    matrices are bf16 parameters with no gradient left on them, the rest stays fp32."""
+@pytest.mark.parametrize("micro_batch", [8, 4])
+def test_a_run_with_bf16_weights_computes_what_autocast_computes(bf16_cfg, micro_batch):
+    """Same steps, same losses and norms up to bf16 tie rounding and summation order, with one
+    backward per step (the bf16 gradients are kept) and two (summed in fp32); the matrices are
+    bf16 parameters with no gradient left on them, the rest stays fp32."""
     results, engines = {}, {}
     for flag in (False, True):
-        cfg = bf16_cfg(flag)
+        cfg = bf16_cfg(flag, f"train.micro_batch_size={micro_batch}")
         torch.manual_seed(0)
         engines[flag] = TrainEngine(cfg, one_process(), torch.device("cpu"))
         results[flag] = run_steps(engines[flag], cfg, 8)
     for (la, na), (lb, nb) in zip(results[False], results[True]):
-        assert abs(la - lb) <= 1e-4 * la and abs(na - nb) <= 2e-3 * na
+        assert abs(la - lb) <= 1e-4 * la and abs(na - nb) <= 1e-2 * na  # bf16 rounding drifts apart
     split = engines[True]
     dtypes = {n: p.dtype for n, p in split.model.named_parameters()}
     assert dtypes["lm_head.weight"] == dtypes["blocks.1.ffn.experts.w_gate_up_E2FD"] == torch.bfloat16
