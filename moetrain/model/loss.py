@@ -17,7 +17,8 @@ softmax minus the one-hot target, scale, downcast) is one compiled function, two
 
 The numbers are the plain path's up to summation order: the logits in the matmul dtype, the
 softmax and the loss in fp32, the gradients of the logits cast to the matmul dtype before their
-products; the head's weight gradient is summed over chunks in fp32.
+products; the head's weight gradient is summed over chunks in fp32 (on CUDA by the GEMM itself,
+which accumulates into the fp32 buffer: `_accumulate_fp32`).
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         N = h_ND.shape[0]
         w_VD = weight_VD.to(dtype)
         grad_h_ND = torch.empty_like(h_ND) if grads[0] else None
-        grad_w_VD = torch.zeros_like(weight_VD, dtype=torch.float32) if grads[1] else None
+        grad_w_VD = None  # fp32, made by the first chunk
         chunk = chunk_tokens if chunk_tokens > 0 else N
         fn = _chunk_fn(h_ND.device.type)
         loss = torch.zeros((), dtype=torch.float32, device=h_ND.device)
@@ -78,7 +79,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             h_CD = h_ND[start : start + chunk].to(dtype)
             logits_CV = h_CD @ w_VD.t()
             targets_C = targets_N[start : start + chunk]
-            if grad_h_ND is None and grad_w_VD is None:  # no gradient wanted (evaluation)
+            if not any(grads):  # no gradient wanted (evaluation)
                 x_CV = logits_CV.float()
                 loss += (torch.logsumexp(x_CV, dim=-1) - x_CV.gather(1, targets_C.unsqueeze(1)).squeeze(1)).sum()
                 continue
@@ -86,8 +87,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             loss += chunk_loss
             if grad_h_ND is not None:
                 grad_h_ND[start : start + chunk] = grad_CV @ w_VD
-            if grad_w_VD is not None:
-                grad_w_VD += grad_CV.t() @ h_CD
+            if grads[1]:
+                grad_w_VD = _accumulate_fp32(grad_w_VD, grad_CV.t(), h_CD)
             del logits_CV, grad_CV  # one chunk's logits at a time
         ctx.save_for_backward(grad_h_ND, grad_w_VD)
         ctx.weight_dtype = weight_VD.dtype
@@ -97,8 +98,30 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_out):
         grad_h_ND, grad_w_VD = ctx.saved_tensors
         grad_h = grad_h_ND * grad_out if grad_h_ND is not None else None
-        grad_w = (grad_w_VD * grad_out).to(ctx.weight_dtype) if grad_w_VD is not None else None
+        grad_w = None
+        if grad_w_VD is not None:  # one pass: scaled and written in the weight's dtype
+            grad_w = torch.mul(grad_w_VD, grad_out, out=torch.empty_like(grad_w_VD, dtype=ctx.weight_dtype))
         return grad_h, grad_w, None, None, None, None
+
+
+def _fp32_out(h_ND: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether the products can write fp32 straight from `dtype` inputs (CUDA's mm/addmm with
+    out_dtype; torch has no CPU kernel for them)."""
+    return h_ND.is_cuda and dtype != torch.float32
+
+
+def _accumulate_fp32(grad_w_VD: torch.Tensor | None, a_VC: torch.Tensor, b_CD: torch.Tensor) -> torch.Tensor:
+    """grad_w + a @ b in fp32 (a @ b for the first chunk: `grad_w` None), in place after the
+    first. On CUDA with low-precision inputs the GEMM writes and accumulates fp32 itself (no
+    product in the input dtype, no separate add pass); elsewhere the product plus an fp32 add."""
+    if _fp32_out(a_VC, a_VC.dtype):
+        if grad_w_VD is None:
+            return torch.mm(a_VC, b_CD, out_dtype=torch.float32)
+        return torch.addmm(grad_w_VD, a_VC, b_CD, out_dtype=torch.float32, out=grad_w_VD)
+    if grad_w_VD is None:
+        grad_w_VD = torch.zeros(a_VC.shape[0], b_CD.shape[1], dtype=torch.float32, device=a_VC.device)
+    grad_w_VD += a_VC @ b_CD
+    return grad_w_VD
 
 
 def lm_loss(head: nn.Linear, h_BTD: torch.Tensor, targets_BT: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
