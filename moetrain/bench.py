@@ -258,7 +258,7 @@ def _precision(trainer: Trainer) -> str:
     amp_dtype = trainer.engine.amp_dtype
     if amp_dtype is None:
         base = "fp32"
-    elif trainer.cfg.optim.bf16_weights:
+    elif trainer.engine.bf16_weights:
         base = "bf16 weights (matrices) with split fp32 masters, fp32 gradients and AdamW state"
     else:
         base = f"{str(amp_dtype).removeprefix('torch.')} autocast, fp32 master weights, gradients and AdamW state"

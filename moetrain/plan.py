@@ -27,7 +27,9 @@ pipeline rank that needs most:
   states' fp32 gradient (t × D × 4 B) held for backward; with the plain path (chunks off, or a
   pipeline) all of them, bf16, their fp32 copy and log-softmax (t × V × 10 B) —, plus autocast's
   bf16 weight copies of blocks that do not
-  recompute (2 B × their parameters; kept from forward to backward);
+  recompute (2 B × their parameters; kept from forward to backward) — none with optim.bf16_weights
+  (CUDA's default with the replicated optimizer: bf16 weights + 16-bit remainders, 4 B as fp32
+  weights take; gradients bf16, 2 B, until a second micro-batch or a reducer bucket makes them fp32);
 - the peak is the larger of "weights + optimizer + everything saved at the start of backward
   (and the gradients, when they are kept across micro-batches or in reducer buckets)" and
   "weights + optimizer + gradients + the optimizer step's work space".
@@ -40,7 +42,8 @@ fraction `gemm_eff` of the GPU's dense BF16 peak (row-wise FP8: `fp8_gemm_speedu
 its quantization passes; mxfp8's emulated products at the BF16 rate), plus memory-bound work at
 `hbm_eff` of HBM bandwidth (AdamW: 28 B per local parameter; per micro-batch the fp32→bf16
 weight casts and the gradient casts, 12 B per local parameter, and from the second micro-batch
-the accumulation into .grad, 12 B; element-wise kernels: `ew_passes` passes over each
+the accumulation into .grad, 12 B; with optim.bf16_weights no weight casts, and gradients: 0 B
+for the first micro-batch (6 B into a reducer bucket), 8 B for the second, 10 B for later ones; element-wise kernels: `ew_passes` passes over each
 micro-batch's saved block activations and one over the logits), the measured cost of recompute
 (`recompute_cost`), and communication: expert all-to-all, the ddp stack's data-parallel
 reductions and the sharded optimizer's all-gather count in full (measured: not hidden), FSDP's
@@ -58,6 +61,8 @@ import dataclasses
 import functools
 import json
 import math
+
+import torch
 
 from moetrain.errors import ConfigError
 from moetrain.model.config import Fp8, TransformerConfig
@@ -402,6 +407,7 @@ def memory_per_rank(cfg: RunConfig, L: Layout, groups: ParamGroups, assume: Assu
     ep_eff = 1 if fsdp else L.ep
     expert_rows, _ = _rows_per_token(cfg, L)
     chunk = cfg.train.resolved_loss_chunk_tokens("cuda") if L.pp == 1 else 0  # pipelines: the plain path
+    bf16_weights = uses_bf16_weights(cfg)
     out = []
     for r in range(L.pp):
         stages = [r + i * L.pp for i in range(L.stages_per_rank)]
@@ -420,7 +426,7 @@ def memory_per_rank(cfg: RunConfig, L: Layout, groups: ParamGroups, assume: Assu
             act_per_token += _block_bytes(m, is_moe, mode, expert_rows, compiled, fp32)
             act_none += _block_bytes(m, is_moe, "none", expert_rows, compiled, fp32)
             act_full += _block_bytes(m, is_moe, "full", expert_rows, compiled, fp32)
-            if not recomputes and not fp32:
+            if not recomputes and not fp32 and not bf16_weights:
                 cast_bytes += 2 * (dense + experts)
         first, last = 0 in stages, S - 1 in stages
         if first:
@@ -457,8 +463,9 @@ def memory_per_rank(cfg: RunConfig, L: Layout, groups: ParamGroups, assume: Assu
             grads = 4 * local / shard
             optimizer = 8 * local / shard
         else:
-            weights = 4 * local
-            grads = 4 * local
+            weights = 4 * local  # fp32, or bf16 + the 16-bit remainder (optim.bf16_weights)
+            # bf16_weights: one backward's bf16 gradients are kept as they are (2 B)
+            grads = 2 * local if bf16_weights and L.dp == 1 and L.micro_batches == 1 else 4 * local
             if L.shard_optimizer:
                 optimizer = 12 * (dense_local / L.dp + expert_local / max(1, L.dp // L.ep))
             else:
@@ -491,6 +498,12 @@ def memory_per_rank(cfg: RunConfig, L: Layout, groups: ParamGroups, assume: Assu
             )
         )
     return out
+
+
+def uses_bf16_weights(cfg: RunConfig) -> bool:
+    """Whether a GPU run of `cfg` trains with optim.bf16_weights (set, or CUDA's default)."""
+    amp = None if cfg.train.precision.value == "fp32" else torch.bfloat16
+    return cfg.optim.resolved_bf16_weights(cfg.parallel, amp, "cuda")
 
 
 def communication(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume: Assumptions) -> Communication:
@@ -562,6 +575,10 @@ def step_time(
     # parameter), and from the second micro-batch on, accumulation into .grad (12 B)
     local_params = rank.local / (L.dp if fsdp else 1)
     t_casts = 0.0 if fp32 else local_params * (12 * L.micro_batches + 12 * (L.micro_batches - 1)) / hbm
+    if uses_bf16_weights(cfg):
+        first = 6 if L.dp > 1 else 0  # copied into the reducer's fp32 bucket, else kept as it is
+        later = (8 + 10 * (L.micro_batches - 2)) if L.micro_batches > 1 else 0
+        t_casts = local_params * (first + later) / hbm
     t_elementwise = L.micro_batches * (assume.ew_passes * rank.blocks_none + rank.loss_traffic) / hbm
     t_fp8 = 0.0
     if fp8:

@@ -10,6 +10,8 @@ import dataclasses
 import enum
 from typing import TYPE_CHECKING
 
+import torch
+
 from moetrain.config import Config
 from moetrain.errors import ConfigError
 from moetrain.optim.fsdp import FSDPAdamW
@@ -47,12 +49,13 @@ class OptimConfig(Config):
     fused: bool | None = None
     """torch's fused AdamW kernel: the clipping factor and the skip decision go into the kernel as
     device tensors (no extra pass, no host sync). None = on CUDA (the foreach kernels on CPU)."""
-    bf16_weights: bool = False
+    bf16_weights: bool | None = None
     """Store the matrices (attention, MLPs, experts, LM head) in bf16, their exact fp32 masters
     split into that bf16 value and a 16-bit remainder held by the optimizer
     (moetrain/optim/split_master.py): no weight casts in forward, backward or recompute, and no
     cast copies kept for backward, at the same 16 bytes per parameter. Needs bf16 precision and
-    the replicated optimizer (parallel.stack=ddp without parallel.shard_optimizer)."""
+    the replicated optimizer (parallel.stack=ddp without parallel.shard_optimizer). None = on
+    where it applies: bf16 compute on CUDA with the replicated optimizer (`resolved_bf16_weights`)."""
 
     def validate(self) -> None:
         if self.lr <= 0:
@@ -62,15 +65,26 @@ class OptimConfig(Config):
         if self.weight_decay < 0 or self.grad_clip < 0 or self.eps <= 0:
             raise ConfigError("optim.weight_decay and optim.grad_clip must be ≥ 0 and optim.eps > 0.")
 
-    def build(self, model: nn.Module, state: ParallelState, parallel: ParallelConfig) -> Optimizer:
+    def resolved_bf16_weights(self, parallel: ParallelConfig, amp_dtype: torch.dtype | None, device) -> bool:
+        """optim.bf16_weights, or by default: on for bf16 compute (`amp_dtype`) on CUDA with the
+        replicated optimizer (RunConfig.validate refuses an explicit true elsewhere)."""
+        if self.bf16_weights is not None:
+            return self.bf16_weights
+        replicated = parallel.stack == Stack.ddp and not parallel.shard_optimizer
+        return replicated and amp_dtype == torch.bfloat16 and torch.device(device).type == "cuda"
+
+    def build(
+        self, model: nn.Module, state: ParallelState, parallel: ParallelConfig, *, bf16_weights: bool = False
+    ) -> Optimizer:
         """The optimizer of this layout, over `model` (materialized and initialized): FSDP's
         sharded AdamW on the fsdp stack, the sharded optimizer with parallel.shard_optimizer,
-        else AdamW with replicated state. Each owns the data-parallel gradient reduction."""
+        else AdamW with replicated state (with `bf16_weights`: over bf16 matrices whose fp32
+        masters it keeps). Each owns the data-parallel gradient reduction."""
         if parallel.stack == Stack.fsdp:
             return FSDPAdamW(model, state, self)
         if parallel.shard_optimizer:
             return ShardedAdamW(model, state, self)
-        return ReplicatedAdamW(model, state, self)
+        return ReplicatedAdamW(model, state, self, bf16_weights=bf16_weights)
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -26,10 +26,10 @@ if TYPE_CHECKING:
 class ReplicatedAdamW(TorchAdamW):
     """The `Optimizer` (moetrain/optim/base.py) of the ddp stack without parallel.shard_optimizer."""
 
-    def __init__(self, model: nn.Module, state: ParallelState, cfg: OptimConfig):
+    def __init__(self, model: nn.Module, state: ParallelState, cfg: OptimConfig, *, bf16_weights: bool = False):
         self.model = model
         self.cfg = cfg
-        split_ids = is_split_candidate(model) if cfg.bf16_weights else set()
+        split_ids = is_split_candidate(model) if bf16_weights else set()
         device = next(model.parameters()).device
         self.split = (
             SplitMaster(

@@ -101,7 +101,9 @@ class TrainEngine:
         model.init_weights(seed=tc.seed, fill=init_full_then_shard if cfg.parallel.stack == Stack.fsdp else None)
         self.model: Transformer = model
         # The optimizer owns the data-parallel gradient reduction and clipping too.
-        self.optimizer: Optimizer = cfg.optim.build(model, par, cfg.parallel)
+        self.bf16_weights = cfg.optim.resolved_bf16_weights(cfg.parallel, self.amp_dtype, device)
+        """bf16 matrices with fp32 masters split in the optimizer (moetrain/optim/split_master.py)."""
+        self.optimizer: Optimizer = cfg.optim.build(model, par, cfg.parallel, bf16_weights=self.bf16_weights)
         self.optimizer.register_step_post_hook(self._update_router_biases)
         # Every backward's loss is scaled by 1/micro-batches × the optimizer's `loss_scale` (1/dp
         # where the gradient reduction sums): the reduced gradient is then the mean over the

@@ -69,8 +69,8 @@ def test_tiny_trains_on_cuda(real_text_dir, tmp_path):
         (True, "selective", "parallel.shard_optimizer=false"),
         (False, "none", "parallel.shard_optimizer=true"),
         (False, "none", "parallel.stack=fsdp"),
-        (False, "none", "optim.bf16_weights=true"),
-        (True, "selective", "optim.bf16_weights=true"),
+        (False, "none", "optim.bf16_weights=false"),  # CUDA's default is true
+        (True, "selective", "optim.bf16_weights=false"),
     ],
 )
 def test_training_step_is_sync_free(tmp_path, compile, recompute, optimizer):
