@@ -44,8 +44,8 @@ its quantization passes; mxfp8's emulated products at the BF16 rate), plus memor
 weight casts and the gradient casts, 12 B per local parameter, and from the second micro-batch
 the accumulation into .grad, 12 B; with optim.bf16_weights no weight casts, and gradients: 0 B
 for the first micro-batch (6 B into a reducer bucket), 8 B for the second, 10 B for later ones;
-element-wise kernels: `ew_passes` passes over each micro-batch's saved block activations and one over the logits), the measured cost of recompute
-(`recompute_cost`), and communication: expert all-to-all, the ddp stack's data-parallel
+element-wise kernels: `ew_passes` passes over each micro-batch's saved block activations and
+one over the logits), the measured cost of recompute (`recompute_cost`), and communication: expert all-to-all, the ddp stack's data-parallel
 reductions and the sharded optimizer's all-gather count in full (measured: not hidden), FSDP's
 transfers beyond what `fsdp_overlap` of the compute hides, the pipeline's bubble
 ((pp − 1)/v micro-batches' compute) and sends. Links: NVLink within a node of `gpus_per_node`,
