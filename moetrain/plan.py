@@ -44,16 +44,15 @@ its quantization passes; mxfp8's emulated products at the BF16 rate), plus memor
 weight casts and the gradient casts, 12 B per local parameter, and from the second micro-batch
 the accumulation into .grad, 12 B; with optim.bf16_weights no weight casts, and gradients: 0 B
 for the first micro-batch (6 B into a reducer bucket), 8 B for the second, 10 B for later ones;
-element-wise kernels: `ew_passes` passes over each micro-batch's saved block activations and
-one over the logits), the measured cost of recompute (`recompute_cost`), and communication: expert all-to-all, the ddp stack's data-parallel
-reductions and the sharded optimizer's all-gather count in full (measured: not hidden), FSDP's
-transfers beyond what `fsdp_overlap` of the compute hides, the pipeline's bubble
-((pp − 1)/v micro-batches' compute) and sends. Links: NVLink within a node of `gpus_per_node`,
-the node's network (per GPU) across nodes, at `link_eff` of their one-way bandwidth. The
-constants are assumptions, stated in `GPUS` and `Assumptions` with what each was calibrated on
-(one and two H200s); treat step time and MFU as ±25% (docs/benchmarks.md compares them with 24
-measured runs).
-"""
+element-wise kernels: `ew_passes` passes over each micro-batch's saved block activations and one
+over the logits), the measured cost of recompute (`recompute_cost`), and communication: expert
+all-to-all, the ddp stack's data-parallel reductions and the sharded optimizer's all-gather
+count in full (measured: not hidden), FSDP's transfers beyond what `fsdp_overlap` of the compute
+hides, the pipeline's bubble ((pp − 1)/v micro-batches' compute) and sends. Links: NVLink within
+a node of `gpus_per_node`, the node's network (per GPU) across nodes, at `link_eff` of their
+one-way bandwidth. The constants are assumptions, stated in `GPUS` and `Assumptions` with what
+each was calibrated on (one and two H200s); treat step time and MFU as ±25% (docs/benchmarks.md
+compares them with 24 measured runs). """
 
 from __future__ import annotations
 
