@@ -59,7 +59,14 @@ def _losses(path):
     return {r["step"]: (r["loss"], r["lm_loss"], r["grad_norm"], r["lb_loss"], r["z_loss"]) for r in read_metrics(path)}
 
 
-@pytest.mark.parametrize("extra", [(), ("model.moe.routing=random", "model.moe.bias_update_rate=0.01")])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        (),
+        ("model.moe.routing=random", "model.moe.bias_update_rate=0.01"),
+        ("train.precision=bf16", "optim.bf16_weights=true"),  # fp32 masters through DCP and back
+    ],
+)
 def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(tiny_cfg, tmp_path, extra):
     full = Trainer(tiny_cfg(tmp_path / "full", *extra), quiet=True)
     full.fit()
