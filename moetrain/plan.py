@@ -19,7 +19,8 @@ pipeline rank that needs most:
   the first also the embedding, the last the final norm and LM head; the FSDP stack ÷ dp);
 - gradients: fp32, 4 B × local parameters (the FSDP stack ÷ dp);
 - optimizer: AdamW's two fp32 moments, 8 B × local parameters; the sharded optimizer keeps
-  12 B (master + moments) per element of its shard (÷ dp dense, ÷ edp experts); FSDP ÷ dp;
+  12 B (master + moments) per element of its shard (÷ dp dense, ÷ edp experts), with
+  optim.bf16_weights 10 B (remainder + moments; the weights then 2 B, whole); FSDP ÷ dp;
 - activations: what autograd keeps for backward, per block and token (`_block_bytes`), for the
   micro-batches a rank holds at once (1 without a pipeline; 1F1B: pp − rank, interleaved ×
   (1 + (pp − 1)/(pp·v)), GPipe: all m), plus on the last stage the loss's logits — one chunk's
@@ -52,7 +53,7 @@ hides, the pipeline's bubble ((pp − 1)/v micro-batches' compute) and sends. Li
 a node of `gpus_per_node`, the node's network (per GPU) across nodes, at `link_eff` of their
 one-way bandwidth. The constants are assumptions, stated in `GPUS` and `Assumptions` with what
 each was calibrated on (one and two H200s); treat step time and MFU as ±25% (docs/benchmarks.md
-compares them with 24 measured runs). """
+compares them with 24 measured runs)."""
 
 from __future__ import annotations
 
@@ -466,7 +467,11 @@ def memory_per_rank(cfg: RunConfig, L: Layout, groups: ParamGroups, assume: Assu
             # bf16_weights: one backward's bf16 gradients are kept as they are (2 B)
             grads = 2 * local if bf16_weights and L.dp == 1 and L.micro_batches == 1 else 4 * local
             if L.shard_optimizer:
-                optimizer = 12 * (dense_local / L.dp + expert_local / max(1, L.dp // L.ep))
+                shard = dense_local / L.dp + expert_local / max(1, L.dp // L.ep)
+                if bf16_weights:  # bf16 weights whole; remainders (2 B) and moments (8 B) sharded
+                    weights, optimizer = 2 * local, 10 * shard
+                else:  # fp32 weights whole; fp32 master (4 B) and moments (8 B) sharded
+                    optimizer = 12 * shard
             else:
                 optimizer = 8 * local
         # gradients are present during backward when they persist: reducer buckets (dp > 1 on

@@ -54,8 +54,9 @@ class OptimConfig(Config):
     split into that bf16 value and a 16-bit remainder held by the optimizer
     (moetrain/optim/split_master.py): no weight casts in forward, backward or recompute, and no
     cast copies kept for backward, at the same 16 bytes per parameter. Needs bf16 precision and
-    the replicated optimizer (parallel.stack=ddp without parallel.shard_optimizer). None = on
-    where it applies: bf16 compute on CUDA with the replicated optimizer (`resolved_bf16_weights`)."""
+    the ddp stack; with parallel.shard_optimizer the remainders are sharded with the moments (the
+    bf16 weights stay whole). None = on for bf16 compute on CUDA with the replicated optimizer
+    (`resolved_bf16_weights`; the sharded one has not been measured on GPUs yet)."""
 
     def validate(self) -> None:
         if self.lr <= 0:
@@ -67,7 +68,7 @@ class OptimConfig(Config):
 
     def resolved_bf16_weights(self, parallel: ParallelConfig, amp_dtype: torch.dtype | None, device) -> bool:
         """optim.bf16_weights, or by default: on for bf16 compute (`amp_dtype`) on CUDA with the
-        replicated optimizer (RunConfig.validate refuses an explicit true elsewhere)."""
+        replicated optimizer (RunConfig.validate refuses an explicit true on the fsdp stack)."""
         if self.bf16_weights is not None:
             return self.bf16_weights
         replicated = parallel.stack == Stack.ddp and not parallel.shard_optimizer
@@ -83,7 +84,7 @@ class OptimConfig(Config):
         if parallel.stack == Stack.fsdp:
             return FSDPAdamW(model, state, self)
         if parallel.shard_optimizer:
-            return ShardedAdamW(model, state, self)
+            return ShardedAdamW(model, state, self, bf16_weights=bf16_weights)
         return ReplicatedAdamW(model, state, self, bf16_weights=bf16_weights)
 
 

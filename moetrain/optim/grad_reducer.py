@@ -55,35 +55,39 @@ class GradReducer:
         state: ParallelState,
         bucket_bytes: int = 25 * 2**20,
         split: SplitMaster | None = None,
+        split_ids: set[int] = frozenset(),
     ):
         """`split`: the bf16 parameters' fp32 gradients live in `split.grad` (their buckets are
         slices of it, in its order, which is this reducer's); build it before the reducer, so its
-        accumulation hook runs before the reducer's counting hook."""
+        accumulation hook runs before the reducer's counting hook. `split_ids`: the ids of bf16
+        parameters whose buckets a subclass makes itself (`ShardedAdamW`'s); either way each
+        bucket holds only split or only fp32 parameters."""
         self.loss_scale = 1.0 / state.dims.dp
         """Scale every backward's loss by this: the reduced sums are then the global means."""
         self.sync = False
         expert_ids = expert_param_ids(model)
-        split_grads = split.grad_views() if split is not None else {}
+        self._split_grads = split.grad_views() if split is not None else {}
+        split_ids = set(split_ids) | set(self._split_grads)
         # Reverse registration order approximates the order in which backward finishes them.
         params = [p for p in model.parameters() if p.requires_grad][::-1]
         self.buckets: list[Bucket] = []
         for is_expert, is_split in ((False, True), (False, False), (True, True), (True, False)):
             group = state.edp_group if is_expert else state.dp_group
-            chosen = [p for p in params if (id(p) in expert_ids) == is_expert and (id(p) in split_grads) == is_split]
+            chosen = [p for p in params if (id(p) in expert_ids) == is_expert and (id(p) in split_ids) == is_split]
             start = 0
             while start < len(chosen):
                 size, end = 0, start
                 while end < len(chosen) and (end == start or size + chosen[end].numel() * 4 <= bucket_bytes):
                     size += chosen[end].numel() * 4
                     end += 1
-                views = [split_grads[id(p)] for p in chosen[start:end]] if is_split else None
-                self.buckets.append(self._make_bucket(chosen[start:end], group, views))
+                self.buckets.append(self._make_bucket(chosen[start:end], group, is_split))
                 start = end
 
-    def _make_bucket(self, params: list[nn.Parameter], group, split_views: list[torch.Tensor] | None) -> Bucket:
-        """A bucket over `params`; with `split_views` (their fp32 gradients, adjacent in one flat
-        buffer) the bucket is that stretch of the buffer, else a new flat buffer that becomes the
-        parameters' `.grad` storage."""
+    def _make_bucket(self, params: list[nn.Parameter], group, is_split: bool) -> Bucket:
+        """A bucket over `params`; split ones (bf16: their fp32 gradients adjacent in
+        `SplitMaster`'s buffer) make the bucket that stretch of the buffer, else a new flat
+        buffer becomes the parameters' `.grad` storage."""
+        split_views = [self._split_grads[id(p)] for p in params] if is_split else None
         if split_views is not None:
             first, last = split_views[0], split_views[-1]
             base = first.view(-1)

@@ -43,6 +43,7 @@ from moetrain.model.transformer import canonical_name
 from moetrain.optim.base import StepHooks, param_groups, use_fused
 from moetrain.optim.clip import clip_coefficient
 from moetrain.optim.grad_reducer import Bucket, GradReducer
+from moetrain.optim.split_master import adamw_split_reference, is_split_candidate, join, split_fp32
 from moetrain.parallel.dims import ParallelState
 
 if TYPE_CHECKING:
@@ -61,6 +62,8 @@ class _ShardedBucket(Bucket):
 
     params_N: torch.Tensor | None = None
     grad_S: torch.Tensor | None = None
+    lo_S: torch.Tensor | None = None
+    """Split buckets: the int16 remainders of this rank's shard (the bf16 parameters are `params_N`)."""
     offsets: list[int] = dataclasses.field(default_factory=list)
     """Start of each parameter in the flat buffers."""
     lo: int = 0
@@ -72,12 +75,18 @@ class _ShardedBucket(Bucket):
 
 class _ShardedGradReducer(GradReducer):
     """`GradReducer`'s bucketing and overlap, with reduce-scatter in place of all-reduce, padded
-    buckets, and parameters moved into flat buffers alongside their gradients."""
+    buckets, and parameters moved into flat buffers alongside their gradients. Split buckets
+    (optim.bf16_weights) hold bf16 parameters: their fp32 gradients are filled by a hook (copied
+    at a step's first backward, added later), and the 16-bit remainders of this rank's shard are
+    kept in `lo_S` (moetrain/optim/split_master.py)."""
 
     buckets: list[_ShardedBucket]
 
-    def _make_bucket(self, params: list[nn.Parameter], group, split_views=None) -> _ShardedBucket:
-        assert split_views is None, "optim.bf16_weights is refused with parallel.shard_optimizer"
+    def __init__(self, *args, **kwargs):
+        self._written: set[int] = set()
+        super().__init__(*args, **kwargs)
+
+    def _make_bucket(self, params: list[nn.Parameter], group, is_split: bool) -> _ShardedBucket:
         G = dist.get_world_size(group) if group is not None else 1
         numel = sum(p.numel() for p in params)
         N = math.ceil(numel / G) * G
@@ -87,21 +96,56 @@ class _ShardedGradReducer(GradReducer):
             raise ValueError("ShardedAdamW needs one parameter dtype per bucket; got a mix.")
         # Padding stays zero in all buffers: zero gradient, zero moments, so zero update.
         grads_N = torch.zeros(N, dtype=torch.float32, device=device)
-        params_N = torch.zeros(N, dtype=params[0].dtype, device=device)
+        params_N = torch.zeros(N, dtype=torch.bfloat16 if is_split else params[0].dtype, device=device)
+        lo_N = torch.zeros(N, dtype=torch.int16, device=device) if is_split else None
         lo = (dist.get_rank(group) if group is not None else 0) * S
         # Alone in its group the shard is the whole bucket: no copy, no collective.
         grad_S = grads_N[lo : lo + S] if G == 1 else torch.zeros(S, dtype=torch.float32, device=device)
-        bucket = _ShardedBucket(grads_N, params, group, params_N=params_N, grad_S=grad_S, lo=lo)
+        bucket = _ShardedBucket(grads_N, params, group, params_N=params_N, grad_S=grad_S, lo=lo, split=is_split)
         offset = 0
         with torch.no_grad():
             for p in params:
-                params_N[offset : offset + p.numel()].copy_(p.detach().flatten())
-                p.data = params_N[offset : offset + p.numel()].view_as(p)
-                p.grad = grads_N[offset : offset + p.numel()].view_as(p)
+                n = p.numel()
+                if is_split:
+                    hi_part, lo_part = split_fp32(p.detach().flatten())
+                    params_N[offset : offset + n].copy_(hi_part)
+                    lo_N[offset : offset + n].copy_(lo_part)
+                    p.data = params_N[offset : offset + n].view(p.shape)
+                    grad = grads_N[offset : offset + n].view(p.shape)
+                    p.register_post_accumulate_grad_hook(lambda q, g=grad: self._accumulate(q, g))
+                else:
+                    params_N[offset : offset + n].copy_(p.detach().flatten())
+                    p.data = params_N[offset : offset + n].view_as(p)
+                    p.grad = grads_N[offset : offset + n].view_as(p)
                 bucket.offsets.append(offset)
-                offset += p.numel()
+                offset += n
                 p.register_post_accumulate_grad_hook(lambda _p, b=bucket: self._on_grad_ready(b))
+        if is_split:
+            bucket.lo_S = lo_N[lo : lo + S].clone()
         return bucket
+
+    def _accumulate(self, p: nn.Parameter, grad: torch.Tensor) -> None:
+        """A split parameter's bf16 gradient into its fp32 bucket view, then dropped."""
+        if id(p) in self._written:
+            grad.add_(p.grad)
+        else:
+            grad.copy_(p.grad)
+            self._written.add(id(p))
+        p.grad = None
+
+    def finish(self) -> None:
+        """Zero the split gradients no backward reached this step (their views still hold an
+        earlier step's), then wait for the reduce-scatters."""
+        for b in self.buckets:
+            if b.split:
+                for p, off in zip(b.params, b.offsets):
+                    if id(p) not in self._written:
+                        b.flat[off : off + p.numel()].zero_()
+        super().finish()
+
+    def zero_grad(self) -> None:
+        super().zero_grad()  # fp32 buckets zeroed; split ones are copied into at the next backward
+        self._written.clear()
 
     def _launch(self, bucket: _ShardedBucket) -> None:
         bucket.launched = True
@@ -118,21 +162,36 @@ class ShardedAdamW(StepHooks):
     micro-batch's backward, `finish()`, `clip_grad_norm()`, `set_lr()`, `step()`, `zero_grad()`.
     """
 
-    def __init__(self, model: nn.Module, state: ParallelState, cfg: OptimConfig, bucket_bytes: int = 25 * 2**20):
+    def __init__(
+        self,
+        model: nn.Module,
+        state: ParallelState,
+        cfg: OptimConfig,
+        bucket_bytes: int = 25 * 2**20,
+        *,
+        bf16_weights: bool = False,
+    ):
         self.cfg = cfg
         self.lr = cfg.lr
         self.num_steps = 0
         """Completed updates (the bias corrections' step), on the host: the foreach path."""
         # The squared gradient norm sums over every rank: dp shards, and pipeline stages.
         self.norm_group = state.world_group
-        self._grads = _ShardedGradReducer(model, state, bucket_bytes)
+        split_ids = is_split_candidate(model) if bf16_weights else set()
+        self._grads = _ShardedGradReducer(model, state, bucket_bytes, split_ids=split_ids)
         self.buckets = self._grads.buckets
         self.loss_scale = self._grads.loss_scale
         """Scale every backward's loss by this (1/dp): the reduced shards are then the means."""
         self.names = {id(p): canonical_name(n) for n, p in model.named_parameters()}
-        self.master_S = [b.params_N[b.lo : b.hi].to(torch.float32, copy=True) for b in self.buckets]
-        self.exp_avg_S = [torch.zeros_like(m) for m in self.master_S]
-        self.exp_avg_sq_S = [torch.zeros_like(m) for m in self.master_S]
+        # fp32 buckets: an fp32 master shard; split buckets: the bf16 shard of `params_N` and `lo_S`.
+        self.master_S = [
+            None if b.split else b.params_N[b.lo : b.hi].to(torch.float32, copy=True) for b in self.buckets
+        ]
+        self.exp_avg_S = [torch.zeros_like(b.grad_S) for b in self.buckets]
+        self.exp_avg_sq_S = [torch.zeros_like(b.grad_S) for b in self.buckets]
+        self._split = [i for i, b in enumerate(self.buckets) if b.split]
+        self._fp32 = [i for i, b in enumerate(self.buckets) if not b.split]
+        self._grad_coef: torch.Tensor | None = None
         decay_ids = {id(p) for p in param_groups(model, cfg.weight_decay)[0]["params"]}
         # The pieces of the shards that belong to one parameter each: (bucket, start, end, decay)
         # with start/end relative to the shard. Views of the master shards where weight decay
@@ -141,6 +200,8 @@ class ShardedAdamW(StepHooks):
         self._pieces: list[tuple[int, int, int, bool]] = []
         self._decay_views = []
         for i, (b, master) in enumerate(zip(self.buckets, self.master_S)):
+            if b.split:
+                continue
             for p, off in zip(b.params, b.offsets):
                 start, end = max(off, b.lo), min(off + p.numel(), b.hi)
                 if start < end:
@@ -150,7 +211,7 @@ class ShardedAdamW(StepHooks):
         # Fused (torch's fused AdamW kernel on the shard pieces; the default on CUDA): the skip
         # decision and the clipping factor stay on the device (no host sync), and the step count
         # is a device tensor.
-        device = self.master_S[0].device if self.master_S else torch.device("cpu")
+        device = self.buckets[0].grad_S.device if self.buckets else torch.device("cpu")
         self.fused = use_fused(cfg, device)
         self._step_t = torch.zeros((), dtype=torch.float32, device=device)
         self._grad_scale: torch.Tensor | None = None
@@ -191,6 +252,7 @@ class ShardedAdamW(StepHooks):
             coef = clip_coefficient(total, max_norm)
             if self.fused:  # the kernel divides by it: one pass over the gradients less
                 self._grad_scale = coef.reciprocal()
+                self._grad_coef = coef  # the split buckets' kernel multiplies by it
             else:
                 torch._foreach_mul_([b.grad_S for b in self.buckets], coef)
         return total
@@ -213,21 +275,32 @@ class ShardedAdamW(StepHooks):
         self._step_t += 1
         lr, wd, eps = self.lr, self.cfg.weight_decay, self.cfg.eps
         beta1, beta2 = self.cfg.betas
-        grads = [b.grad_S for b in self.buckets]
-        # The same operations, in the same order and with the same Python-float scalars, as
-        # torch's single-tensor AdamW, so the update matches it to rounding.
-        if wd != 0 and self._decay_views:
-            torch._foreach_mul_(self._decay_views, 1 - lr * wd)
-        torch._foreach_lerp_(self.exp_avg_S, grads, 1 - beta1)
-        torch._foreach_mul_(self.exp_avg_sq_S, beta2)
-        torch._foreach_addcmul_(self.exp_avg_sq_S, grads, grads, value=1 - beta2)
         step = float(self.num_steps)
-        bias_correction1 = 1 - beta1**step
-        bias_correction2_sqrt = (1 - beta2**step) ** 0.5
-        denom = torch._foreach_sqrt(self.exp_avg_sq_S)
-        torch._foreach_div_(denom, bias_correction2_sqrt)
-        torch._foreach_add_(denom, eps)
-        torch._foreach_addcdiv_(self.master_S, self.exp_avg_S, denom, value=-lr / bias_correction1)
+        if self._fp32:
+            grads = [self.buckets[i].grad_S for i in self._fp32]
+            exp_avg = [self.exp_avg_S[i] for i in self._fp32]
+            exp_avg_sq = [self.exp_avg_sq_S[i] for i in self._fp32]
+            # The same operations, in the same order and with the same Python-float scalars, as
+            # torch's single-tensor AdamW, so the update matches it to rounding.
+            if wd != 0 and self._decay_views:
+                torch._foreach_mul_(self._decay_views, 1 - lr * wd)
+            torch._foreach_lerp_(exp_avg, grads, 1 - beta1)
+            torch._foreach_mul_(exp_avg_sq, beta2)
+            torch._foreach_addcmul_(exp_avg_sq, grads, grads, value=1 - beta2)
+            bias_correction1 = 1 - beta1**step
+            bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+            denom = torch._foreach_sqrt(exp_avg_sq)
+            torch._foreach_div_(denom, bias_correction2_sqrt)
+            torch._foreach_add_(denom, eps)
+            torch._foreach_addcdiv_(
+                [self.master_S[i] for i in self._fp32], exp_avg, denom, value=-lr / bias_correction1
+            )
+        for i in self._split:  # every split parameter is a matrix: weight decay applies
+            b = self.buckets[i]
+            adamw_split_reference(
+                b.params_N[b.lo : b.hi], b.lo_S, b.grad_S, self.exp_avg_S[i], self.exp_avg_sq_S[i],
+                step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd, grad_coef=None,
+            )  # fmt: skip
         self._all_gather_params()
 
     def _fused_step(self, skip: torch.Tensor | None) -> None:
@@ -259,15 +332,29 @@ class ShardedAdamW(StepHooks):
                 grad_scale=self._grad_scale,
                 found_inf=found_inf,
             )
+        if self._split:
+            from moetrain.optim.adamw_split_kernel import adamw_split, bias_corrections
+
+            corrections = bias_corrections(self._step_t, self.lr, beta1, beta2)
+            for i in self._split:
+                b = self.buckets[i]
+                adamw_split(
+                    b.params_N[b.lo : b.hi], b.lo_S, b.grad_S, self.exp_avg_S[i], self.exp_avg_sq_S[i], corrections,
+                    lr=self.lr, beta1=beta1, beta2=beta2, eps=self.cfg.eps, weight_decay=self.cfg.weight_decay,
+                    grad_coef=self._grad_coef, skip=skip,
+                )  # fmt: skip
         if found_inf is not None:
             self._step_t -= found_inf
-        self._grad_scale = None
+        self._grad_scale = self._grad_coef = None
         self._all_gather_params()
 
     def _all_gather_params(self) -> None:
         works = []
         for b, master in zip(self.buckets, self.master_S):
-            if b.group is None:
+            if b.split:  # the update wrote the bf16 shard in place; half the bytes of fp32
+                if b.group is not None:
+                    works.append(_all_gather(b.params_N, b.params_N[b.lo : b.hi].clone(), group=b.group, async_op=True))
+            elif b.group is None:
                 b.params_N.copy_(master)
             else:
                 # For fp32 parameters `.to` is a no-op: the input is the master shard itself,
@@ -281,13 +368,48 @@ class ShardedAdamW(StepHooks):
         """Copy the parameters into the fp32 master shards: needed after the parameters were
         written from outside (a checkpoint load; `load_state_dict_tensors` calls it too)."""
         for b, master in zip(self.buckets, self.master_S):
-            master.copy_(b.params_N[b.lo : b.hi])
+            if not b.split:  # split masters are written by `load_master_weights`
+                master.copy_(b.params_N[b.lo : b.hi])
 
     # ---- state -----------------------------------------------------------------------------------
     def memory_bytes(self) -> int:
-        """Bytes of optimizer state held by this rank: fp32 master shards and both moments."""
-        tensors = self.master_S + self.exp_avg_S + self.exp_avg_sq_S
+        """Bytes of optimizer state held by this rank: fp32 master shards (or the remainders of
+        split ones) and both moments."""
+        tensors = [m for m in self.master_S if m is not None] + self.exp_avg_S + self.exp_avg_sq_S
+        tensors += [b.lo_S for b in self.buckets if b.split]
         return sum(t.numel() * t.element_size() for t in tensors)
+
+    def master_weights(self) -> dict[str, torch.Tensor]:
+        """The split parameters' fp32 masters by canonical name (full temporaries). Collective:
+        each split bucket's remainders are all-gathered over its group (2 bytes per element)."""
+        out = {}
+        for b in self.buckets:
+            if not b.split:
+                continue
+            # int16 travels as bf16 (the same bits; gloo has no int16)
+            lo_N = self._gather(b, b.lo_S.view(torch.bfloat16)).view(torch.int16)
+            for p, off in zip(b.params, b.offsets):
+                n = p.numel()
+                out[self.names[id(p)]] = join(b.params_N[off : off + n], lo_N[off : off + n]).view(p.shape)
+        return out
+
+    @torch.no_grad()
+    def load_master_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Set the split parameters' fp32 masters (full tensors): the bf16 parameters whole, the
+        remainders of this rank's shard. No communication."""
+        for b in self.buckets:
+            if not b.split:
+                continue
+            for p, off in zip(b.params, b.offsets):
+                name = self.names[id(p)]
+                if name not in weights:
+                    continue
+                n = p.numel()
+                hi_part, lo_part = split_fp32(weights[name].to(device=b.params_N.device, dtype=torch.float32).flatten())
+                b.params_N[off : off + n].copy_(hi_part)
+                start, end = max(off, b.lo), min(off + n, b.hi)
+                if start < end:
+                    b.lo_S[start - b.lo : end - b.lo].copy_(lo_part[start - off : end - off])
 
     def state_dict_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
         """Per-parameter FULL moments keyed by canonical parameter name, in the layout of

@@ -216,11 +216,11 @@ class RunConfig(Config):
                         f"{tc.fp8.align}; {key}={dim} is not: change it, or use train.fp8=none."
                     )
         if self.optim.bf16_weights:
-            if p.stack != Stack.ddp or p.shard_optimizer:
+            if p.stack != Stack.ddp:
                 raise ConfigError(
-                    "optim.bf16_weights=true works with the replicated optimizer only (parallel.stack=ddp, "
-                    f"parallel.shard_optimizer=false); got parallel.stack={p.stack}, "
-                    f"parallel.shard_optimizer={str(p.shard_optimizer).lower()}. Set optim.bf16_weights=false."
+                    f"optim.bf16_weights=true works on the ddp stack only; got parallel.stack={p.stack}. Set "
+                    "optim.bf16_weights=false, or parallel.stack=ddp (with parallel.shard_optimizer=true to shard "
+                    "the optimizer state)."
                 )
             if tc.precision == Precision.fp32:
                 raise ConfigError(
