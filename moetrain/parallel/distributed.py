@@ -32,11 +32,63 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+DEFAULT_PORT = 29500
+
+# Launchers that start every rank themselves, without torchrun: (world size, rank, local rank).
+_LAUNCHERS = {
+    "srun (SLURM)": ("SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID"),
+    "mpirun (Open MPI)": ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"),
+    "mpirun (MPICH / Intel MPI)": ("PMI_SIZE", "PMI_RANK", "MPI_LOCALRANKID"),
+}
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a SLURM node list ("gpu-[003-007,010],cpu1" → "gpu-003")."""
+    first = nodelist.split(",")[0]
+    if "[" not in first:  # a plain host name
+        return first
+    prefix, ranges = first.split("[", 1)  # a bracketed range: its first number, padding kept
+    return prefix + ranges.split("-")[0].rstrip("]")
+
+
+def adopt_launcher_env(env: dict[str, str] | None = None) -> None:
+    """Ranks started by srun or mpirun without torchrun: without this they would each run as a
+    world of one, N independent runs into one run directory. Derive RANK, WORLD_SIZE and
+    LOCAL_RANK from the launcher's variables, MASTER_ADDR (SLURM: the node list's first host) and
+    MASTER_PORT (29500 + the SLURM job id mod 1000, or 29500), into `env` (os.environ); or refuse
+    with the torchrun line when rank 0's address cannot be known. No-op under torchrun or alone."""
+    env = os.environ if env is None else env
+    if "WORLD_SIZE" in env or "RANK" in env:
+        return  # torchrun (or a user) set the torch variables: they win
+    for launcher, (size_key, rank_key, local_key) in _LAUNCHERS.items():
+        if int(env.get(size_key, "1") or "1") <= 1 or rank_key not in env:
+            continue
+        world, rank = env[size_key], env[rank_key]
+        addr = env.get("MASTER_ADDR")
+        if addr is None and env.get("SLURM_JOB_NODELIST"):
+            addr = first_slurm_host(env["SLURM_JOB_NODELIST"])
+        if addr is None:
+            raise ConfigError(
+                f"Started by {launcher} as rank {rank} of {world}, but rank 0's address is unknown: export "
+                f"MASTER_ADDR=<rank 0's host> (and MASTER_PORT, default {DEFAULT_PORT}) to every rank, or start "
+                "one torchrun per node: torchrun --nnodes=<nodes> --nproc-per-node=<GPUs per node> "
+                "--rdzv-backend=c10d --rdzv-endpoint=<first host>:29500 -m moetrain train ..."
+            )
+        job = env.get("SLURM_JOB_ID", "")
+        port = env.get("MASTER_PORT") or str(DEFAULT_PORT + (int(job) % 1000 if job.isdigit() else 0))
+        env.update(
+            RANK=rank, WORLD_SIZE=world, LOCAL_RANK=env.get(local_key, "0"), MASTER_ADDR=addr, MASTER_PORT=port
+        )
+        return
+
+
 def init_distributed(device_type: str, timeout_s: float = 600.0, peer_timeout_s: float = 120.0) -> tuple[int, int]:
     """(rank, world size); initializes the default process group when there are several ranks
-    and none exists yet. On CUDA each rank takes GPU LOCAL_RANK."""
+    and none exists yet (torchrun's variables, or srun's / mpirun's: `adopt_launcher_env`). On
+    CUDA each rank takes GPU LOCAL_RANK."""
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
+    adopt_launcher_env()
     world = world_size_from_env()
     if world == 1:
         return 0, 1

@@ -1,0 +1,79 @@
+"""Ranks started by srun or mpirun without torchrun join one world (moetrain/parallel/distributed.py,
+`adopt_launcher_env`) instead of running as N independent single-process runs, or are refused with
+the torchrun line."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from moetrain.errors import ConfigError
+from moetrain.parallel.distributed import adopt_launcher_env, first_slurm_host
+from moetrain.testing.distributed import free_port
+
+
+@pytest.mark.parametrize(
+    "nodelist, host",
+    [("gpu-[003-007,010],cpu1", "gpu-003"), ("node7", "node7"), ("a,b", "a"), ("x[07]", "x07"), ("p-[1,3]", "p-1")],
+)
+def test_first_host_of_a_slurm_node_list(nodelist, host):
+    assert first_slurm_host(nodelist) == host
+
+
+def test_srun_variables_become_torch_ones():
+    env = {"SLURM_NTASKS": "16", "SLURM_PROCID": "9", "SLURM_LOCALID": "1", "SLURM_JOB_NODELIST": "gpu-[03-04]"}
+    env["SLURM_JOB_ID"] = "123456"
+    adopt_launcher_env(env)
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == ("9", "16", "1")
+    assert env["MASTER_ADDR"] == "gpu-03" and env["MASTER_PORT"] == str(29500 + 456)
+
+
+def test_open_mpi_without_an_address_is_refused_with_the_torchrun_line():
+    env = {"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "2"}
+    with pytest.raises(ConfigError, match="mpirun") as err:
+        adopt_launcher_env(env)
+    assert "MASTER_ADDR" in str(err.value) and "torchrun --nnodes" in str(err.value)
+    env["MASTER_ADDR"] = "10.0.0.1"
+    adopt_launcher_env(env)
+    assert (env["RANK"], env["WORLD_SIZE"], env["MASTER_PORT"]) == ("2", "4", "29500")
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"RANK": "0", "WORLD_SIZE": "2", "SLURM_NTASKS": "8", "SLURM_PROCID": "5"},  # torchrun under srun
+        {"SLURM_NTASKS": "1", "SLURM_PROCID": "0"},  # one task: a world of one
+        {},
+    ],
+)
+def test_torchrun_and_single_tasks_are_left_alone(env):
+    before = dict(env)
+    adopt_launcher_env(env)
+    assert env == before
+
+
+def test_two_srun_tasks_form_one_world(tmp_path):
+    """Two processes with srun's variables only (no RANK or WORLD_SIZE) run one dp2·ep2 bench:
+    both ranks' peaks are in the record."""
+    port = free_port()
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    cmd = [sys.executable, "-m", "moetrain", "bench", "tiny", "--device", "cpu", "--warmup", "1", "--steps", "1"]
+    cmd += ["--routing", "learned", "--parallel.ep=2", "--train.micro_batch_size=4", "--train.global_batch_size=4"]
+    procs = []
+    for rank in range(2):
+        env = base | {
+            "SLURM_NTASKS": "2",
+            "SLURM_PROCID": str(rank),
+            "SLURM_LOCALID": str(rank),
+            "SLURM_JOB_NODELIST": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        procs.append(
+            subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+    records = [json.loads(line) for out, _ in outs for line in out.splitlines() if line.startswith("{")]
+    assert records and all(len(r["peak_mem_gib_per_rank"]) == 2 and r["layout"]["ep"] == 2 for r in records)
