@@ -76,9 +76,7 @@ def adopt_launcher_env(env: dict[str, str] | None = None) -> None:
             )
         job = env.get("SLURM_JOB_ID", "")
         port = env.get("MASTER_PORT") or str(DEFAULT_PORT + (int(job) % 1000 if job.isdigit() else 0))
-        env.update(
-            RANK=rank, WORLD_SIZE=world, LOCAL_RANK=env.get(local_key, "0"), MASTER_ADDR=addr, MASTER_PORT=port
-        )
+        env.update(RANK=rank, WORLD_SIZE=world, LOCAL_RANK=env.get(local_key, "0"), MASTER_ADDR=addr, MASTER_PORT=port)
         return
 
 
