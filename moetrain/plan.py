@@ -426,7 +426,8 @@ def memory_per_rank(cfg: RunConfig, L: Layout, groups: ParamGroups, assume: Assu
             act_per_token += _block_bytes(m, is_moe, mode, expert_rows, compiled, fp32)
             act_none += _block_bytes(m, is_moe, "none", expert_rows, compiled, fp32)
             act_full += _block_bytes(m, is_moe, "full", expert_rows, compiled, fp32)
-            if not recomputes and not fp32 and not bf16_weights:
+            # no copies: bf16 weights, or FSDP's bf16 all-gather (freed after forward, gathered again)
+            if not recomputes and not fp32 and not bf16_weights and not fsdp:
                 cast_bytes += 2 * (dense + experts)
         first, last = 0 in stages, S - 1 in stages
         if first:
@@ -459,7 +460,8 @@ def memory_per_rank(cfg: RunConfig, L: Layout, groups: ParamGroups, assume: Assu
         casts = cast_bytes  # one bf16 copy per block that keeps activations
         if fsdp:
             shard = L.dp
-            weights = 4 * local / shard + 2 * 4 * max(groups.moe_dense + groups.moe_experts, groups.dense_block)
+            gathered = 4 if fp32 else 2  # two blocks' parameters gathered at once, in the compute dtype
+            weights = 4 * local / shard + 2 * gathered * max(groups.moe_dense + groups.moe_experts, groups.dense_block)
             grads = 4 * local / shard
             optimizer = 8 * local / shard
         else:
@@ -532,7 +534,8 @@ def communication(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume
         comm_t["expert_all_to_all"] = a2a / (net(L.ep) * eff)
     dense_b, expert_b = 4 * rank.dense_local, 4 * rank.expert_local
     if fsdp:
-        ag = 2 * L.micro_batches * 4 * rank.local * ring(L.dp)  # forward and backward all-gathers
+        gathered = 4 if cfg.train.precision.value == "fp32" else 2  # bf16 all-gathers under bf16 compute
+        ag = 2 * L.micro_batches * gathered * rank.local * ring(L.dp)  # forward and backward all-gathers
         rs = 4 * rank.local * ring(L.dp)
         comm["fsdp_all_gather"], comm["fsdp_reduce_scatter"] = ag, rs
         comm_t["fsdp"] = (ag + rs) / (net(L.dp) * assume.link_eff)

@@ -44,7 +44,9 @@ MEASURED = [
         ["train.global_batch_size=4", "train.micro_batch_size=4", "parallel.ep=2", "parallel.dispatcher=alltoall"],
         80.5,
     ),
-    ("bench-tiny64e-l6", 2, ["train.global_batch_size=4", "train.micro_batch_size=4", "parallel.stack=fsdp"], 67.3),
+    # (The fsdp row, 67.3 GiB on two H200s, was measured before the fsdp stack all-gathered bf16
+    # parameters with a MixedPrecisionPolicy: the planner now predicts 57.4 for it, without autocast's
+    # weight copies; it is to be measured again when two GPUs are lent.)
     ("sweep-8l-8", 1, ["train.global_batch_size=1", "train.micro_batch_size=1", "train.compile=true"], 71.8),
     (
         "sweep-8l-8",

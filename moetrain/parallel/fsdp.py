@@ -3,7 +3,8 @@
 Every parameter — experts included, stacked (E, …) tensors sharded on the expert dim like any
 weight — becomes a DTensor sharded (dim 0) over the data-parallel mesh. Per step:
 
-  forward:  each block all-gathers its parameters, runs, frees them again (reshard after forward);
+  forward:  each block all-gathers its parameters (in bf16 under bf16 compute), runs, frees them
+            again (reshard after forward);
             every rank computes all experts for its own tokens: no expert parallelism, no
             all-to-all; only the routing counts cross ranks (`DataParallelDispatcher`)
   backward: each block all-gathers again, computes its gradients, reduce-scatters them; FSDP
@@ -26,20 +27,29 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.dims import ParallelState
 
 
-def apply_fsdp(model: Transformer, state: ParallelState) -> None:
+def apply_fsdp(model: Transformer, state: ParallelState, param_dtype: torch.dtype | None = None) -> None:
     """Shard each block, then the root (embedding, final norm, LM head), over the dp mesh. On the
-    meta device: nothing is allocated until `to_empty()`, and then only the shards."""
+    meta device: nothing is allocated until `to_empty()`, and then only the shards.
+
+    `param_dtype` (bf16 compute: the autocast dtype): the blocks' parameters are all-gathered in
+    that dtype — half the bytes of fp32, and autocast then finds them cast already — and their
+    gradients reduce-scattered in fp32 into the fp32 shards (`MixedPrecisionPolicy`). The blocks'
+    inputs are not cast (the residual stream stays fp32) and the root keeps fp32 (embedding and
+    head as on the ddp stack)."""
     if state.dp_mesh is None:
         return  # one rank: nothing to shard
+    policy = MixedPrecisionPolicy()
+    if param_dtype is not None and param_dtype != torch.float32:
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     for block in model.blocks.values():
-        fully_shard(block, mesh=state.dp_mesh)
+        fully_shard(block, mesh=state.dp_mesh, mp_policy=policy)
     fully_shard(model, mesh=state.dp_mesh)
 
 

@@ -51,10 +51,12 @@ def parallelize(
     recompute: Recompute = Recompute.none,
     recompute_every: int = 1,
     compile: bool = False,
+    param_dtype: torch.dtype | None = None,
 ) -> Transformer:
     """Apply the layout `parallel` (on `state`'s process groups) and the execution settings
     (`train.fp8`, `train.recompute`, `train.recompute_every`, `train.compile`) to a meta-device
-    model, in the order of the module docstring."""
+    model, in the order of the module docstring. `param_dtype`: the compute dtype (bf16 under
+    autocast), in which the fsdp stack all-gathers the blocks' parameters."""
     if state.dims.num_stages > 1:
         split_model(model, state.dims, state.pp_rank)
     apply_expert_parallel(model, state, parallel)
@@ -65,7 +67,7 @@ def parallelize(
     if compile:
         apply_compile(model, overlap=parallel.compile_overlap)
     if parallel.stack == Stack.fsdp:
-        apply_fsdp(model, state)
+        apply_fsdp(model, state, param_dtype)
     return model
 
 

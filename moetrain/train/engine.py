@@ -95,6 +95,7 @@ class TrainEngine:
             recompute=tc.recompute,
             recompute_every=tc.recompute_every,
             compile=tc.compile,
+            param_dtype=self.amp_dtype,
         )
         model.to_empty(device=device)
         # Under FSDP each parameter is a shard: initialized on a full temporary, shard kept.
