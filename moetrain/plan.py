@@ -20,7 +20,8 @@ pipeline rank that needs most:
 - gradients: fp32, 4 B × local parameters (the FSDP stack ÷ dp);
 - optimizer: AdamW's two fp32 moments, 8 B × local parameters; the sharded optimizer keeps
   12 B (master + moments) per element of its shard (÷ dp dense, ÷ edp experts), with
-  optim.bf16_weights 10 B (remainder + moments; the weights then 2 B, whole); FSDP ÷ dp;
+  optim.bf16_weights 10 B (remainder + moments; the weights then 2 B, whole); FSDP ÷ dp; with
+  optim.moments_dtype=bf16 the moments take 4 B instead of 8 everywhere;
 - activations: what autograd keeps for backward, per block and token (`_block_bytes`), for the
   micro-batches a rank holds at once (1 without a pipeline; 1F1B: pp − rank, interleaved ×
   (1 + (pp − 1)/(pp·v)), GPipe: all m), plus on the last stage the loss's logits — one chunk's
@@ -458,24 +459,25 @@ def memory_per_rank(cfg: RunConfig, L: Layout, groups: ParamGroups, assume: Assu
             logits = loss_traffic = t * m.vocab_size * 10
         head_grad = 4 * groups.head / (L.dp if fsdp else 1) if last else 0
         casts = cast_bytes  # one bf16 copy per block that keeps activations
+        moments = 4 if cfg.optim.moments_dtype.value == "bf16" else 8  # AdamW's two moments per element
         if fsdp:
             shard = L.dp
             gathered = 4 if fp32 else 2  # two blocks' parameters gathered at once, in the compute dtype
             weights = 4 * local / shard + 2 * gathered * max(groups.moe_dense + groups.moe_experts, groups.dense_block)
             grads = 4 * local / shard
-            optimizer = 8 * local / shard
+            optimizer = moments * local / shard
         else:
             weights = 4 * local  # fp32, or bf16 + the 16-bit remainder (optim.bf16_weights)
             # bf16_weights: one backward's bf16 gradients are kept as they are (2 B)
             grads = 2 * local if bf16_weights and L.dp == 1 and L.micro_batches == 1 else 4 * local
             if L.shard_optimizer:
                 shard = dense_local / L.dp + expert_local / max(1, L.dp // L.ep)
-                if bf16_weights:  # bf16 weights whole; remainders (2 B) and moments (8 B) sharded
-                    weights, optimizer = 2 * local, 10 * shard
-                else:  # fp32 weights whole; fp32 master (4 B) and moments (8 B) sharded
-                    optimizer = 12 * shard
+                if bf16_weights:  # bf16 weights whole; remainders (2 B) and moments sharded
+                    weights, optimizer = 2 * local, (2 + moments) * shard
+                else:  # fp32 weights whole; fp32 master (4 B) and moments sharded
+                    optimizer = (4 + moments) * shard
             else:
-                optimizer = 8 * local
+                optimizer = moments * local
         # gradients are present during backward when they persist: reducer buckets (dp > 1 on
         # the ddp stack), accumulation over micro-batches, or a pipeline (micro-batches overlap)
         persistent = (not fsdp and L.dp > 1) or L.micro_batches > 1
@@ -575,9 +577,10 @@ def step_time(
     gemm_rate = spec.bf16_flops * assume.gemm_eff * (assume.fp8_gemm_speedup if cfg.train.fp8 == Fp8.rowwise else 1.0)
     t_gemm = model_flops / gemm_rate
     hbm = spec.hbm_bytes_s * assume.hbm_eff
-    t_optimizer = 28 * (rank.local / (L.dp if fsdp else 1)) / hbm
+    adamw_bytes = 20 if cfg.optim.moments_dtype.value == "bf16" else 28  # bf16 moments: 8 B less
+    t_optimizer = adamw_bytes * (rank.local / (L.dp if fsdp else 1)) / hbm
     if L.shard_optimizer and not fsdp:
-        t_optimizer = 28 * (rank.dense_local / L.dp + rank.expert_local / max(1, L.dp // L.ep)) / hbm
+        t_optimizer = adamw_bytes * (rank.dense_local / L.dp + rank.expert_local / max(1, L.dp // L.ep)) / hbm
     # per micro-batch: fp32→bf16 weight casts and bf16→fp32 gradient casts (12 B per local
     # parameter), and from the second micro-batch on, accumulation into .grad (12 B)
     local_params = rank.local / (L.dp if fsdp else 1)

@@ -240,3 +240,21 @@ def test_parameter_groups_come_from_the_meta_model_and_add_up(preset_name):
     total = g.embedding + g.head + m.num_dense_layers * g.dense_block + m.num_moe_layers * (g.moe_dense + g.moe_experts)
     assert total == count_params(m).total == sum(p.numel() for p in m.build(device="meta").parameters())
     assert g.moe_experts == m.moe.num_experts * 3 * m.d_model * m.moe.expert_hidden
+
+
+@pytest.mark.parametrize(
+    "overrides, ratio",
+    [
+        ([], 4 / 8),  # replicated: the two moments, 8 → 4 B
+        (["parallel.shard_optimizer=true"], 8 / 12),  # fp32 master + moments: 12 → 8 B per shard element
+        (["parallel.shard_optimizer=true", "optim.bf16_weights=true"], 6 / 10),  # remainder + moments
+        (["parallel.stack=fsdp"], 4 / 8),
+    ],
+)
+def test_bf16_moments_shrink_the_optimizer_state_by_their_bytes(overrides, ratio):
+    def optimizer_gib(moments):
+        sizes = ["train.micro_batch_size=4", "train.global_batch_size=4"]
+        cfg = resolve_config("bench-tiny64e-l6", [*sizes, *overrides, f"optim.moments_dtype={moments}"])
+        return plan(cfg, 4, "h200").memory_gib["optimizer"]
+
+    assert optimizer_gib("bf16") == pytest.approx(ratio * optimizer_gib("fp32"), rel=1e-3)

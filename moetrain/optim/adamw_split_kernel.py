@@ -1,4 +1,5 @@
-"""The AdamW step of `SplitMaster` (moetrain/optim/split_master.py) as one Triton kernel.
+"""The AdamW step of `SplitMaster` (moetrain/optim/split_master.py) and of `MomentsAdamW`
+(moetrain/optim/adamw.py) as one Triton kernel.
 
 Per element it reads the bf16 weight (`hi`), its 16-bit remainder (`lo`), the fp32 gradient and
 the two fp32 moments, and writes all but the gradient back: 16 bytes read (14 with a bf16
@@ -19,8 +20,15 @@ BLOCK = 2048
 
 
 @triton.jit
-def _adamw_split_kernel(
-    hi_ptr,
+def _bf16_bits(x):
+    """fp32 → the int16 bits of the nearest bf16, ties to even (torch's cast; finite values)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int16)
+
+
+@triton.jit
+def _adamw_kernel(
+    p_ptr,
     lo_ptr,
     grad_ptr,
     m_ptr,
@@ -34,6 +42,8 @@ def _adamw_split_kernel(
     beta2,
     eps,
     decay,
+    SPLIT: tl.constexpr,
+    LOW_MOMENTS: tl.constexpr,
     HAS_COEF: tl.constexpr,
     HAS_SKIP: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -44,26 +54,40 @@ def _adamw_split_kernel(
         mask = mask & (tl.load(skip_ptr) == 0)
     step_size = tl.load(corr_ptr)  # lr / (1 − β₁ᵗ)
     bias2_sqrt = tl.load(corr_ptr + 1)  # √(1 − β₂ᵗ)
-    hi = tl.load(hi_ptr + offs, mask=mask, other=0).to(tl.int32)
-    lo = tl.load(lo_ptr + offs, mask=mask, other=0).to(tl.int32)
-    p = (hi * 65536 + lo).to(tl.float32, bitcast=True)
+    if SPLIT:  # p_ptr: the bf16 halves as int16
+        hi = tl.load(p_ptr + offs, mask=mask, other=0).to(tl.int32)
+        lo = tl.load(lo_ptr + offs, mask=mask, other=0).to(tl.int32)
+        p = (hi * 65536 + lo).to(tl.float32, bitcast=True)
+    else:  # p_ptr: fp32 parameters
+        p = tl.load(p_ptr + offs, mask=mask, other=0.0)
     g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # fp32 or bf16
     if HAS_COEF:
         g = g * tl.load(coef_ptr)
-    m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-    v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+    if LOW_MOMENTS:  # bf16 moments, as int16 bits: exact in fp32
+        m = (tl.load(m_ptr + offs, mask=mask, other=0).to(tl.int32) * 65536).to(tl.float32, bitcast=True)
+        v = (tl.load(v_ptr + offs, mask=mask, other=0).to(tl.int32) * 65536).to(tl.float32, bitcast=True)
+    else:
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
     p = p * (1.0 - lr * decay)
     m = m + (1.0 - beta1) * (g - m)
     v = v * beta2 + (1.0 - beta2) * g * g
     denom = tl.div_rn(tl.sqrt_rn(v), bias2_sqrt) + eps
     p = p - step_size * tl.div_rn(m, denom)
-    bits = p.to(tl.int32, bitcast=True)
-    new_hi = (bits + 0x8000) >> 16
-    new_lo = bits - new_hi * 65536
-    tl.store(hi_ptr + offs, new_hi.to(tl.int16), mask=mask)
-    tl.store(lo_ptr + offs, new_lo.to(tl.int16), mask=mask)
-    tl.store(m_ptr + offs, m, mask=mask)
-    tl.store(v_ptr + offs, v, mask=mask)
+    if SPLIT:
+        bits = p.to(tl.int32, bitcast=True)
+        new_hi = (bits + 0x8000) >> 16
+        new_lo = bits - new_hi * 65536
+        tl.store(p_ptr + offs, new_hi.to(tl.int16), mask=mask)
+        tl.store(lo_ptr + offs, new_lo.to(tl.int16), mask=mask)
+    else:
+        tl.store(p_ptr + offs, p, mask=mask)
+    if LOW_MOMENTS:
+        tl.store(m_ptr + offs, _bf16_bits(m), mask=mask)
+        tl.store(v_ptr + offs, _bf16_bits(v), mask=mask)
+    else:
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
 
 
 def bias_corrections(step: torch.Tensor, lr: float, beta1: float, beta2: float) -> torch.Tensor:
@@ -73,9 +97,14 @@ def bias_corrections(step: torch.Tensor, lr: float, beta1: float, beta2: float) 
     return torch.stack([lr / (1 - beta1**t), (1 - beta2**t).sqrt()]).float()
 
 
-def adamw_split(
-    hi: torch.Tensor,
-    lo: torch.Tensor,
+def adamw_split(hi: torch.Tensor, lo: torch.Tensor, *args, **kwargs) -> None:
+    """`adamw_update` of split masters (hi bf16, lo int16)."""
+    adamw_update(hi, lo, *args, **kwargs)
+
+
+def adamw_update(
+    param: torch.Tensor,
+    lo: torch.Tensor | None,
     grad: torch.Tensor,
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
@@ -89,16 +118,21 @@ def adamw_split(
     grad_coef: torch.Tensor | None,
     skip: torch.Tensor | None,
 ) -> None:
-    """`adamw_split_reference` on flat contiguous buffers; `corrections` from `bias_corrections`
-    of the step count that includes this update; `skip` (device bool): leave everything as it is."""
-    n = hi.numel()
-    assert all(t.is_contiguous() and t.numel() == n for t in (hi, lo, grad, exp_avg, exp_avg_sq))
-    _adamw_split_kernel[(triton.cdiv(n, BLOCK),)](
-        hi.view(torch.int16),
-        lo,
+    """`adamw_reference` on flat contiguous buffers: an fp32 `param` (lo None) or split masters
+    (param: the bf16 halves, `lo` the remainders); moments fp32 or bf16; `corrections` from
+    `bias_corrections` of the step count that includes this update; `skip` (device bool): leave
+    everything as it is."""
+    n = param.numel()
+    tensors = (param, grad, exp_avg, exp_avg_sq) + ((lo,) if lo is not None else ())
+    assert all(t.is_contiguous() and t.numel() == n for t in tensors)
+    low = exp_avg.dtype != torch.float32
+    assert exp_avg.dtype in (torch.float32, torch.bfloat16) and exp_avg_sq.dtype == exp_avg.dtype
+    _adamw_kernel[(triton.cdiv(n, BLOCK),)](
+        param.view(torch.int16) if lo is not None else param,
+        lo if lo is not None else param,
         grad,
-        exp_avg,
-        exp_avg_sq,
+        exp_avg.view(torch.int16) if low else exp_avg,
+        exp_avg_sq.view(torch.int16) if low else exp_avg_sq,
         corrections,
         grad_coef if grad_coef is not None else corrections,
         skip if skip is not None else corrections,
@@ -108,6 +142,8 @@ def adamw_split(
         beta2,
         eps,
         weight_decay,
+        SPLIT=lo is not None,
+        LOW_MOMENTS=low,
         HAS_COEF=grad_coef is not None,
         HAS_SKIP=skip is not None,
         BLOCK=BLOCK,

@@ -142,8 +142,21 @@ def use_fused(cfg: OptimConfig, device: torch.device) -> bool:
 
 def build_adamw(model: nn.Module, cfg: OptimConfig, exclude: set[int] = frozenset()) -> torch.optim.AdamW:
     """torch AdamW over `model`'s parameter groups (less `exclude`, as in `param_groups`): fused
-    (one kernel for all parameters) where `use_fused`, else torch's default for the device."""
-    fused = use_fused(cfg, next(model.parameters()).device)
+    (one kernel for all parameters) where `use_fused`, else torch's default for the device. With
+    optim.moments_dtype=bf16 our `MomentsAdamW` in its place (same interface)."""
+    device = next(model.parameters()).device
+    fused = use_fused(cfg, device)
+    if cfg.moments_dtype.dtype != torch.float32:
+        from moetrain.optim.adamw import MomentsAdamW
+
+        return MomentsAdamW(
+            param_groups(model, cfg.weight_decay, exclude),
+            lr=cfg.lr,
+            betas=tuple(cfg.betas),
+            eps=cfg.eps,
+            moments_dtype=cfg.moments_dtype.dtype,
+            fused=fused and device.type == "cuda",  # the Triton kernel
+        )
     return torch.optim.AdamW(
         param_groups(model, cfg.weight_decay, exclude),
         lr=cfg.lr,

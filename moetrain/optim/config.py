@@ -36,6 +36,16 @@ class ScheduleKind(enum.StrEnum):
     """Linear warmup, then constant."""
 
 
+class MomentsDtype(enum.StrEnum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    """AdamW's moments in bf16: 4 bytes per parameter instead of 8 (moetrain/optim/adamw.py)."""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self == MomentsDtype.bf16 else torch.float32
+
+
 @dataclasses.dataclass(kw_only=True)
 class OptimConfig(Config):
     lr: float = 3e-3
@@ -49,6 +59,10 @@ class OptimConfig(Config):
     fused: bool | None = None
     """torch's fused AdamW kernel: the clipping factor and the skip decision go into the kernel as
     device tensors (no extra pass, no host sync). None = on CUDA (the foreach kernels on CPU)."""
+    moments_dtype: MomentsDtype = MomentsDtype.fp32
+    """AdamW's two moments in this dtype. bf16: half the optimizer state, updated in fp32 and
+    rounded to nearest each step, for every optimizer (our AdamW kernel, moetrain/optim/adamw.py,
+    instead of torch's)."""
     bf16_weights: bool | None = None
     """Store the matrices (attention, MLPs, experts, LM head) in bf16, their exact fp32 masters
     split into that bf16 value and a 16-bit remainder held by the optimizer

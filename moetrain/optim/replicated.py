@@ -38,6 +38,7 @@ class ReplicatedAdamW(TorchAdamW):
                 weight_decay=cfg.weight_decay,
                 fused=use_fused(cfg, device) and device.type == "cuda",  # the Triton kernel
                 persistent_grads=state.dims.dp > 1,  # GradReducer's buckets
+                moments_dtype=cfg.moments_dtype.dtype,
             )
             if split_ids
             else None

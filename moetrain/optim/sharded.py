@@ -43,7 +43,7 @@ from moetrain.model.transformer import canonical_name
 from moetrain.optim.base import StepHooks, param_groups, use_fused
 from moetrain.optim.clip import clip_coefficient
 from moetrain.optim.grad_reducer import Bucket, GradReducer
-from moetrain.optim.split_master import adamw_split_reference, is_split_candidate, join, split_fp32
+from moetrain.optim.split_master import adamw_reference, adamw_split_reference, is_split_candidate, join, split_fp32
 from moetrain.parallel.dims import ParallelState
 
 if TYPE_CHECKING:
@@ -187,8 +187,10 @@ class ShardedAdamW(StepHooks):
         self.master_S = [
             None if b.split else b.params_N[b.lo : b.hi].to(torch.float32, copy=True) for b in self.buckets
         ]
-        self.exp_avg_S = [torch.zeros_like(b.grad_S) for b in self.buckets]
-        self.exp_avg_sq_S = [torch.zeros_like(b.grad_S) for b in self.buckets]
+        moments = cfg.moments_dtype.dtype  # bf16 (optim.moments_dtype): our update for every bucket
+        self._low_moments = moments != torch.float32
+        self.exp_avg_S = [torch.zeros_like(b.grad_S, dtype=moments) for b in self.buckets]
+        self.exp_avg_sq_S = [torch.zeros_like(b.grad_S, dtype=moments) for b in self.buckets]
         self._split = [i for i, b in enumerate(self.buckets) if b.split]
         self._fp32 = [i for i, b in enumerate(self.buckets) if not b.split]
         self._grad_coef: torch.Tensor | None = None
@@ -276,7 +278,15 @@ class ShardedAdamW(StepHooks):
         lr, wd, eps = self.lr, self.cfg.weight_decay, self.cfg.eps
         beta1, beta2 = self.cfg.betas
         step = float(self.num_steps)
-        if self._fp32:
+        if self._fp32 and self._low_moments:
+            for i, lo, hi, decay in self._pieces:
+                adamw_reference(
+                    self.master_S[i][lo:hi], None, self.buckets[i].grad_S[lo:hi],
+                    self.exp_avg_S[i][lo:hi], self.exp_avg_sq_S[i][lo:hi],
+                    step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                    weight_decay=wd if decay else 0.0, grad_coef=None,
+                )  # fmt: skip
+        elif self._fp32:
             grads = [self.buckets[i].grad_S for i in self._fp32]
             exp_avg = [self.exp_avg_S[i] for i in self._fp32]
             exp_avg_sq = [self.exp_avg_sq_S[i] for i in self._fp32]
@@ -312,7 +322,7 @@ class ShardedAdamW(StepHooks):
         beta1, beta2 = self.cfg.betas
         for decay in (True, False):
             pieces = [(i, lo, hi) for i, lo, hi, d in self._pieces if d == decay]
-            if not pieces:
+            if not pieces or self._low_moments:
                 continue
             views = [
                 [t[i][lo:hi] for i, lo, hi in pieces]
@@ -332,10 +342,17 @@ class ShardedAdamW(StepHooks):
                 grad_scale=self._grad_scale,
                 found_inf=found_inf,
             )
-        if self._split:
-            from moetrain.optim.adamw_split_kernel import adamw_split, bias_corrections
+        if self._split or self._low_moments:
+            from moetrain.optim.adamw_split_kernel import adamw_split, adamw_update, bias_corrections
 
             corrections = bias_corrections(self._step_t, self.lr, beta1, beta2)
+            for i, lo, hi, decay in self._pieces if self._low_moments else ():
+                adamw_update(
+                    self.master_S[i][lo:hi], None, self.buckets[i].grad_S[lo:hi],
+                    self.exp_avg_S[i][lo:hi], self.exp_avg_sq_S[i][lo:hi], corrections,
+                    lr=self.lr, beta1=beta1, beta2=beta2, eps=self.cfg.eps,
+                    weight_decay=self.cfg.weight_decay if decay else 0.0, grad_coef=self._grad_coef, skip=skip,
+                )  # fmt: skip
             for i in self._split:
                 b = self.buckets[i]
                 adamw_split(

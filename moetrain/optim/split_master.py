@@ -64,9 +64,9 @@ def is_split_candidate(model: nn.Module) -> set[int]:
     return {id(p) for p in model.parameters() if p.requires_grad and p.ndim >= 2 and id(p) not in keep_fp32}
 
 
-def adamw_split_reference(
-    hi: torch.Tensor,
-    lo: torch.Tensor,
+def adamw_reference(
+    param: torch.Tensor,
+    lo: torch.Tensor | None,
     grad: torch.Tensor,
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
@@ -79,19 +79,31 @@ def adamw_split_reference(
     weight_decay: float,
     grad_coef: torch.Tensor | None,
 ) -> None:
-    """One AdamW step (decoupled weight decay, bias-corrected; torch.optim.AdamW's formula) of the
-    fp32 master `join(hi, lo)`, written back into `hi` and `lo`; `step` counts this update (1 =
-    first); `grad_coef` multiplies the gradient (the clipping factor)."""
-    p = join(hi, lo)
+    """One AdamW step (decoupled weight decay, bias-corrected; torch.optim.AdamW's formula, its
+    operations in its order) of an fp32 parameter in place, or with `lo` of the split master
+    `join(param, lo)` (param: the bf16 half), written back into both halves. `step` counts this
+    update (1 = first); `grad_coef` multiplies the gradient (the clipping factor). Moments of a
+    lower precision (optim.moments_dtype=bf16) are updated in fp32 and rounded to nearest."""
+    p = join(param, lo) if lo is not None else param
     g = grad.float() if grad_coef is None else grad.float() * grad_coef
+    m, v = exp_avg.float(), exp_avg_sq.float()  # the moments themselves when they are fp32
     p.mul_(1 - lr * weight_decay)
-    exp_avg.lerp_(g, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2**step)).add_(eps)
-    p.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1**step))
-    new_hi, new_lo = split_fp32(p)
-    hi.copy_(new_hi)
-    lo.copy_(new_lo)
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    denom = (v.sqrt() / math.sqrt(1 - beta2**step)).add_(eps)
+    p.addcdiv_(m, denom, value=-lr / (1 - beta1**step))
+    if m is not exp_avg:
+        exp_avg.copy_(m)
+        exp_avg_sq.copy_(v)
+    if lo is not None:
+        new_hi, new_lo = split_fp32(p)
+        param.copy_(new_hi)
+        lo.copy_(new_lo)
+
+
+def adamw_split_reference(hi: torch.Tensor, lo: torch.Tensor, *args, **kwargs) -> None:
+    """`adamw_reference` of the split master (hi, lo)."""
+    adamw_reference(hi, lo, *args, **kwargs)
 
 
 class SplitMaster:
@@ -103,7 +115,16 @@ class SplitMaster:
     exist during the forward pass — unless `persistent_grads` (a `GradReducer` buckets them: one
     flat buffer, kept)."""
 
-    def __init__(self, model: nn.Module, ids: set[int], *, weight_decay: float, fused: bool, persistent_grads: bool):
+    def __init__(
+        self,
+        model: nn.Module,
+        ids: set[int],
+        *,
+        weight_decay: float,
+        fused: bool,
+        persistent_grads: bool,
+        moments_dtype: torch.dtype = torch.float32,
+    ):
         expert_ids = {id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
         named = [(n, p) for n, p in model.named_parameters() if id(p) in ids][::-1]
         named = [x for x in named if id(x[1]) not in expert_ids] + [x for x in named if id(x[1]) in expert_ids]
@@ -127,12 +148,12 @@ class SplitMaster:
             p.data = self.hi[offset : offset + n].view(p.shape)
             self.offsets.append(offset)
             offset += n
-        self.exp_avg = torch.zeros(numel, dtype=torch.float32, device=device)
+        self.exp_avg = torch.zeros(numel, dtype=moments_dtype, device=device)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
         self.step = torch.zeros((), dtype=torch.float32, device=device)
         """Updates made (shared by every split parameter: they are always updated together)."""
         self.persistent_grads = persistent_grads
-        self._flat_grad = torch.zeros_like(self.exp_avg) if persistent_grads else None
+        self._flat_grad = torch.zeros(numel, dtype=torch.float32, device=device) if persistent_grads else None
         self.grads: list[torch.Tensor | None] = [
             self.view(self._flat_grad, i) if persistent_grads else None for i in range(len(self.params))
         ]
