@@ -1,30 +1,19 @@
 """optim.moments_dtype=bf16: AdamW's moments in bf16 (moetrain/optim/adamw.py), for the replicated,
 the sharded and the FSDP optimizer; fp32 arithmetic in each step, moments rounded to nearest."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 from conftest import tiny_overrides
 
-from moetrain.data.loader import SyntheticLoader
 from moetrain.optim.split_master import adamw_reference
 from moetrain.testing.distributed import run_distributed
+from moetrain.testing.steps import ADAMW_HYPER, adamw_inputs, run_in_triton_interpreter, synthetic_batches
 
-HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
-
-
-def inputs(n=3000, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    p, grad = torch.randn(n, generator=g), torch.randn(n, generator=g)
-    m, v = (torch.randn(n, generator=g) * 0.1).bfloat16(), (torch.rand(n, generator=g) * 0.01).bfloat16()
-    return p, grad, m, v
+HYPER = ADAMW_HYPER
 
 
 def test_bf16_moments_are_the_fp32_update_rounded_to_nearest():
-    p, grad, m, v = inputs()
+    p, grad, m, v = adamw_inputs(3000, seed=0, moments_dtype=torch.bfloat16)
     ref_p, ref_m, ref_v = p.clone(), m.float(), v.float()
     adamw_reference(ref_p, None, grad, ref_m, ref_v, step=4.0, grad_coef=None, **HYPER)  # fp32 moments
     adamw_reference(p, None, grad, m, v, step=4.0, grad_coef=None, **HYPER)
@@ -36,11 +25,8 @@ KERNEL_CHECK = r"""
 import torch
 from moetrain.optim.adamw_split_kernel import adamw_update, bias_corrections
 from moetrain.optim.split_master import adamw_reference
-g = torch.Generator().manual_seed(0)
-n = 5000
-p, grad = torch.randn(n, generator=g), torch.randn(n, generator=g)
-m, v = (torch.randn(n, generator=g) * 0.1).bfloat16(), (torch.rand(n, generator=g) * 0.01).bfloat16()
-hyper = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+from moetrain.testing.steps import ADAMW_HYPER as hyper, adamw_inputs
+p, grad, m, v = adamw_inputs(5000, seed=0, moments_dtype=torch.bfloat16)
 ref = [p.clone(), grad, m.clone(), v.clone()]
 adamw_reference(ref[0], None, ref[1], ref[2], ref[3], step=4.0, grad_coef=torch.tensor(0.5), **hyper)
 out = [p.clone(), grad, m.clone(), v.clone()]
@@ -57,8 +43,7 @@ print("ok")
 
 def test_kernel_with_bf16_moments_matches_the_reference_in_the_interpreter():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    result = run_in_triton_interpreter(KERNEL_CHECK)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
 
 
@@ -118,12 +103,7 @@ def _layout_losses(args):
     engine = TrainEngine(cfg, runtime.par, runtime.device)
     rank, losses = dist.get_rank(), []
     for step in range(4):
-        loader = SyntheticLoader(
-            seq_len=cfg.data.seq_len, micro_batch_size=cfg.train.micro_batch_size, seed=step, vocab_size=512
-        )
-        batches = [loader.next_batch() for _ in range(cfg.train.grad_accum_steps)]
-        rows = [(x[rank * 2 : rank * 2 + 2], y[rank * 2 : rank * 2 + 2]) for x, y in batches]
-        losses.append(engine.train_step(rows, step).lm_loss.item())
+        losses.append(engine.train_step(synthetic_batches(cfg, step, rank), step).lm_loss.item())
     return losses
 
 

@@ -3,30 +3,18 @@ remainder (moetrain/optim/split_master.py). The split is exact, the update is to
 Triton kernel is the reference's, and a run computes what the fp32-weights bf16 run computes, in
 one process, on dp2·ep2 ranks and across a checkpoint."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 from conftest import tiny_overrides
 
-from moetrain.data.loader import SyntheticLoader
 from moetrain.errors import ConfigError
 from moetrain.optim.split_master import adamw_split_reference, join, split_fp32
 from moetrain.parallel.dims import ParallelDims, ParallelState
 from moetrain.testing.distributed import run_distributed
+from moetrain.testing.steps import ADAMW_HYPER, adamw_inputs, run_in_triton_interpreter, synthetic_batches
 from moetrain.train.engine import TrainEngine
 
-
-def batches(cfg, step: int):
-    loader = SyntheticLoader(
-        seq_len=cfg.data.seq_len,
-        micro_batch_size=cfg.train.micro_batch_size,
-        seed=step,
-        vocab_size=cfg.model.vocab_size,
-    )
-    return [loader.next_batch() for _ in range(cfg.train.grad_accum_steps)]
+batches = synthetic_batches
 
 
 SPECIAL = [0.0, -0.0, 1.0, -1.0, 3.3e38, -3.3e38, 1e-45, -1e-40, float("inf"), -float("inf")]
@@ -58,24 +46,7 @@ def test_the_bf16_half_is_the_nearest_bf16_ties_away_from_zero():
     assert hi[0].item() == 1.0 + 2**-7 and hi[2].item() == -(1.0 + 2**-7)
 
 
-ADAMW_INPUTS = """
-def adamw_inputs(n=4096, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    p, grad = torch.randn(n, generator=g), torch.randn(n, generator=g)
-    m, v = torch.randn(n, generator=g) * 0.1, torch.rand(n, generator=g) * 0.01
-    return p, grad, m, v
-HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
-"""
-
-
-def adamw_inputs(n=4096, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    p, grad = torch.randn(n, generator=g), torch.randn(n, generator=g)
-    m, v = torch.randn(n, generator=g) * 0.1, torch.rand(n, generator=g) * 0.01
-    return p, grad, m, v
-
-
-HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+HYPER = ADAMW_HYPER
 
 
 def test_reference_update_is_torch_adamw_on_the_master_bit_for_bit():
@@ -92,14 +63,11 @@ def test_reference_update_is_torch_adamw_on_the_master_bit_for_bit():
     assert torch.equal(mm, opt.state[ref]["exp_avg"]) and torch.equal(vv, opt.state[ref]["exp_avg_sq"])
 
 
-KERNEL_CHECK = (
-    r"""
+KERNEL_CHECK = r"""
 import torch
 from moetrain.optim.adamw_split_kernel import adamw_split, bias_corrections
 from moetrain.optim.split_master import adamw_split_reference, join, split_fp32
-"""
-    + ADAMW_INPUTS
-    + r"""
+from moetrain.testing.steps import ADAMW_HYPER as HYPER, adamw_inputs
 p, grad, m, v = adamw_inputs(n=5000)  # not a multiple of the block: the tail is masked
 cases = ((torch.tensor(0.5), torch.tensor(False), torch.float32), (None, None, torch.float32),
          (None, torch.tensor(True), torch.float32), (torch.tensor(0.5), None, torch.bfloat16))
@@ -112,7 +80,7 @@ for coef, skip, grad_dtype in cases:
     out = [hi.clone(), lo.clone(), grad, m.clone(), v.clone()]
     adamw_split(*out, bias_corrections(torch.tensor(3.0), 1e-3, 0.9, 0.95), grad_coef=coef, skip=skip, **HYPER)
     a, b = join(ref[0], ref[1]), join(out[0], out[1])
-    # exp2/log2 bias corrections in the kernel against Python's pow: a few fp32 ulps at most.
+    # fp32 bias corrections on the device against Python's double pow: a few fp32 ulps at most.
     torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-8)
     torch.testing.assert_close(out[3], ref[3], rtol=1e-6, atol=1e-8)
     torch.testing.assert_close(out[4], ref[4], rtol=1e-6, atol=1e-8)
@@ -120,13 +88,11 @@ for coef, skip, grad_dtype in cases:
         assert torch.equal(out[0], hi) and torch.equal(out[1], lo) and torch.equal(out[3], m)
 print("ok")
 """
-)
 
 
 def test_triton_kernel_matches_the_reference_in_the_interpreter():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    result = run_in_triton_interpreter(KERNEL_CHECK)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
 
 
@@ -226,16 +192,13 @@ def _dp2_ep2_grads(cfg_args):
     torch.manual_seed(0)
     engine = TrainEngine(cfg, runtime.par, runtime.device)
     rank = dist.get_rank()
-    rows = [(x[rank * 2 : rank * 2 + 2], y[rank * 2 : rank * 2 + 2]) for x, y in batches(cfg, 0)]
-    engine.forward_backward(rows)
+    engine.forward_backward(synthetic_batches(cfg, 0, rank))
     opt = engine.optimizer
     views = opt.split.grad_views() if opt.split is not None else {}
     # numpy: tensors would cross the result queue as shared memory that dies with the worker
     grads = {n: (views[id(p)] if id(p) in views else p.grad).numpy().copy() for n, p in engine.model.named_parameters()}
     engine.optim_step(torch.zeros(()), 0)
-    losses = [engine.train_step(
-        [(x[rank * 2 : rank * 2 + 2], y[rank * 2 : rank * 2 + 2]) for x, y in batches(cfg, s)], s
-    ).lm_loss.item() for s in (1, 2)]  # fmt: skip
+    losses = [engine.train_step(synthetic_batches(cfg, s, rank), s).lm_loss.item() for s in (1, 2)]
     return grads, losses
 
 
@@ -325,7 +288,7 @@ def _sharded_beside_replicated(args):
     (cfg, sharded), (_, replicated) = engine(True), engine(False)
 
     def rows(step):
-        return [(x[rank * 2 : rank * 2 + 2], y[rank * 2 : rank * 2 + 2]) for x, y in batches(cfg, step)]
+        return synthetic_batches(cfg, step, rank)
 
     losses = {"sharded": [], "replicated": []}
     for step in range(4):

@@ -5,8 +5,8 @@ trains as the ddp stack does (two gloo ranks, CPU)."""
 import torch
 from conftest import tiny_overrides
 
-from moetrain.data.loader import SyntheticLoader
 from moetrain.testing.distributed import run_distributed
+from moetrain.testing.steps import synthetic_batches
 
 
 def _run(args):
@@ -39,17 +39,7 @@ def _run(args):
     rank = dist.get_rank()
     losses = []
     for step in range(4):
-        loader = SyntheticLoader(
-            seq_len=cfg.data.seq_len,
-            micro_batch_size=cfg.train.micro_batch_size,
-            seed=step,
-            vocab_size=cfg.model.vocab_size,
-        )
-        rows = [
-            (x[rank * 2 : rank * 2 + 2], y[rank * 2 : rank * 2 + 2])
-            for x, y in (loader.next_batch() for _ in range(cfg.train.grad_accum_steps))
-        ]
-        losses.append(engine.train_step(rows, step).lm_loss.item())
+        losses.append(engine.train_step(synthetic_batches(cfg, step, rank), step).lm_loss.item())
     shard_dtypes = {str(p.dtype) for p in engine.model.parameters()}
     return losses, {k: str(v) for k, v in seen.items()}, shard_dtypes
 

@@ -4,9 +4,9 @@ round-trips bit for bit, routing switches by a method, and a step can close with
 import pytest
 import torch
 
-from moetrain.data.loader import SyntheticLoader
 from moetrain.model.config import Routing
 from moetrain.parallel.dims import ParallelDims, ParallelState
+from moetrain.testing.steps import synthetic_batches
 from moetrain.train.engine import TrainEngine
 
 
@@ -14,14 +14,7 @@ def one_process() -> ParallelState:
     return ParallelState(ParallelDims(world_size=1, dp=1, ep=1))
 
 
-def batches(cfg, step: int):
-    loader = SyntheticLoader(
-        seq_len=cfg.data.seq_len,
-        micro_batch_size=cfg.train.micro_batch_size,
-        seed=step,
-        vocab_size=cfg.model.vocab_size,
-    )
-    return [loader.next_batch() for _ in range(cfg.train.grad_accum_steps)]
+batches = synthetic_batches
 
 
 @pytest.fixture
