@@ -127,3 +127,22 @@ def test_every_optimizer_takes_bf16_moments(real_text_dir, tmp_path, extra, exac
         assert got == ref, (got, ref)
     else:
         assert all(abs(a - b) <= 1e-5 * b for a, b in zip(got, ref)), (got, ref)
+
+
+def test_a_bf16_moment_checkpoint_resumes_with_fp32_moments(tiny_cfg, tmp_path):
+    """DCP converts the saved moments into the resuming run's dtype (both ways)."""
+    from moetrain.train.trainer import Trainer
+
+    run = tmp_path / "run"
+    first = Trainer(tiny_cfg(run, "optim.moments_dtype=bf16", "train.eval_every=0"), quiet=True)
+    for _ in range(3):
+        first.train_step()
+    first.save()
+    saved = {n: s["exp_avg_sq"].clone() for n, s in first.engine.optimizer.state_dict_tensors().items()}
+    resumed = Trainer(tiny_cfg(run, "optim.moments_dtype=fp32", "train.eval_every=0"), resume=True, quiet=True)
+    loaded = resumed.engine.optimizer.state_dict_tensors()
+    assert resumed.step == 3
+    for name, value in saved.items():
+        assert loaded[name]["exp_avg_sq"].dtype == torch.float32
+        assert torch.equal(loaded[name]["exp_avg_sq"], value.float()), name
+    resumed.fit()
