@@ -192,6 +192,10 @@ class Plan:
     activations_full_recompute_gib: float
     peak_gib_per_pipeline_rank: list[float]
     params_per_pipeline_rank: list[int]
+    save_peak_gib_per_device: float
+    """Allocated during a checkpoint save (or the template a load fills): the training state, the
+    gradient buckets that persist, and the unsharded temporaries the save makes (`save_temporaries`)."""
+    fits_while_saving: bool
 
 
 def _block_bytes(
@@ -354,7 +358,8 @@ def plan(cfg: RunConfig, gpus: int, gpu: str, assume: Assumptions = Assumptions(
     if gpus <= 0:
         raise ConfigError(f"--gpus={gpus} must be a positive number of GPUs.")
     spec, L = GPUS[gpu], layout_of(cfg, gpus)
-    ranks = memory_per_rank(cfg, L, ParamGroups.of(cfg.model), assume)
+    groups = ParamGroups.of(cfg.model)
+    ranks = memory_per_rank(cfg, L, groups, assume)
     busiest = max(ranks, key=lambda r: r.peak)  # the first of equal peaks
     comm = communication(cfg, L, busiest, spec, assume)
     time = step_time(cfg, L, busiest, comm, spec, assume)
@@ -362,6 +367,13 @@ def plan(cfg: RunConfig, gpus: int, gpu: str, assume: Assumptions = Assumptions(
     peak_gib = busiest.peak / GIB
     memory = {k: round(getattr(busiest, k) / GIB, 2) for k in ("weights", "grads", "optimizer", "activations")}
     memory["workspace"] = assume.workspace_gib
+    # At a save the step is over: activations are freed, gradients only where buckets keep them.
+    kept_grads = (not fsdp and L.dp > 1) or L.micro_batches > 1
+
+    def save_bytes(r: RankMemory) -> float:
+        return r.weights + r.optimizer + (r.grads if kept_grads else 0) + save_temporaries(cfg, L, r, groups)
+
+    save_gib = max(save_bytes(r) for r in ranks) / GIB + assume.workspace_gib
     return Plan(
         layout=L,
         gpu=spec,
@@ -378,7 +390,25 @@ def plan(cfg: RunConfig, gpus: int, gpu: str, assume: Assumptions = Assumptions(
         activations_full_recompute_gib=busiest.act_full / GIB,
         peak_gib_per_pipeline_rank=[round(r.peak / GIB, 2) for r in ranks],
         params_per_pipeline_rank=[int(r.local / (L.dp if fsdp else 1)) for r in ranks],
+        save_peak_gib_per_device=round(save_gib, 2),
+        fits_while_saving=save_gib <= spec.memory_gib,
     )
+
+
+def save_temporaries(cfg: RunConfig, L: Layout, rank: RankMemory, groups: ParamGroups | None = None) -> float:
+    """Bytes of temporaries on `rank` while a checkpoint is saved or its load template exists
+    (moetrain/train/engine.py `state_dict`): FSDP gathers every parameter (fp32) and both moments
+    whole; the sharded optimizer gathers the moments of all its buckets whole; with
+    optim.bf16_weights the fp32 masters are joined into temporaries (4 B per parameter). The
+    replicated optimizer's fp32 weights and moments are saved as views (no copy)."""
+    moments = 4 if cfg.optim.moments_dtype.value == "bf16" else 8
+    if L.stack == Stack.fsdp.value:
+        return (4 + moments) * rank.local
+    extra = moments * rank.local if L.shard_optimizer else 0.0
+    if uses_bf16_weights(cfg):  # the matrices' masters: all but the embedding (and the small norms, routers)
+        groups = groups or ParamGroups.of(cfg.model)
+        extra += 4 * (rank.local - (groups.embedding if rank.first else 0))
+    return extra
 
 
 def _rows_per_token(cfg: RunConfig, L: Layout) -> tuple[float, float]:
@@ -716,6 +746,8 @@ def report(p: Plan) -> str:
         f"weight copies; none: {p.activations_without_recompute_gib:.2f}, full recompute: "
         f"{p.activations_full_recompute_gib:.2f})",
         f"  peak                {p.peak_mem_gib_per_device:8.2f}   -> {'fits' if p.fits else 'does NOT fit'}",
+        f"  while saving        {p.save_peak_gib_per_device:8.2f}   -> "
+        f"{'fits' if p.fits_while_saving else 'does NOT fit'} (state + the checkpoint's unsharded temporaries)",
     ]
     if len(p.peak_gib_per_pipeline_rank) > 1:
         lines.append("  peak per pipeline rank: " + ", ".join(f"{x:.1f}" for x in p.peak_gib_per_pipeline_rank))
@@ -752,6 +784,8 @@ def to_json(p: Plan, preset: str, gpus: int, gpu: str, suggestions: list[Plan]) 
         "peak_mem_gib_per_device": p.peak_mem_gib_per_device,
         "capacity_gib": p.gpu.memory_gib,
         "fits": p.fits,
+        "save_peak_gib_per_device": p.save_peak_gib_per_device,
+        "fits_while_saving": p.fits_while_saving,
         "comm_gb_per_step": p.comm_gb_per_step,
         "step_time_s": round(p.step_time_s, 4),
         "mfu": round(p.mfu, 4),

@@ -207,6 +207,9 @@ def test_launch_script_layout_fits_by_the_planner(script):
     nodes = int(text.split("NODES=${NODES:-")[1].split("}")[0])
     assert record["gpus"] == 8 * nodes and record["preset"] == script.stem
     assert record["fits"], record
+    # Saving a checkpoint adds the unsharded temporaries (issue 16, part 3: ref-ultra-128e does
+    # not fit while saving yet); the planner reports it for every layout.
+    assert record["save_peak_gib_per_device"] > 0 and isinstance(record["fits_while_saving"], bool)
 
 
 @pytest.mark.parametrize("dispatcher, measured_s", [("nosync", 1.5264), ("symm", 1.7815)])
@@ -258,3 +261,76 @@ def test_bf16_moments_shrink_the_optimizer_state_by_their_bytes(overrides, ratio
         return plan(cfg, 4, "h200").memory_gib["optimizer"]
 
     assert optimizer_gib("bf16") == pytest.approx(ratio * optimizer_gib("fp32"), rel=1e-3)
+
+
+def _save_temporaries_bytes(args):
+    """The bytes of the checkpoint template (`TrainEngine.state_dict`) that are not the live
+    tensors' storage: what a save allocates on this rank."""
+    import torch.distributed as dist
+
+    from moetrain.testing.steps import synthetic_batches
+    from moetrain.train.engine import TrainEngine
+    from moetrain.train.runtime import setup_runtime
+
+    (overrides,) = args
+    cfg = resolve_config("tiny", overrides)
+    runtime = setup_runtime(cfg)
+    engine = TrainEngine(cfg, runtime.par, runtime.device)
+    rank = dist.get_rank()
+    engine.train_step(synthetic_batches(cfg, 0, rank), 0)  # torch AdamW makes its state at the first step
+
+    def ptr(t):
+        return (t.to_local() if hasattr(t, "to_local") else t).untyped_storage().data_ptr()
+
+    opt = engine.optimizer
+    live = {ptr(t) for t in [*engine.model.parameters(), *engine.model.buffers()]}
+    for attr in ("exp_avg_S", "exp_avg_sq_S"):
+        live |= {ptr(t) for t in getattr(opt, attr, [])}
+    if getattr(opt, "adamw", None) is not None:
+        live |= {ptr(t) for s in opt.adamw.state.values() for t in s.values()}
+    if getattr(opt, "split", None) is not None:
+        live |= {ptr(t) for t in (opt.split.exp_avg, opt.split.exp_avg_sq)}
+    seen, total = set(), 0
+    for section in engine.state_dict().values():
+        for t in section.values():
+            t = t.to_local() if hasattr(t, "to_local") else t
+            p = ptr(t)
+            if p not in live and p not in seen and t.numel() > 1:  # 0-d "step" copies aside
+                seen.add(p)
+                total += t.untyped_storage().nbytes()
+    params = sum(p.numel() for p in engine.model.parameters())
+    return total, params
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["parallel.shard_optimizer=true"],
+        ["parallel.shard_optimizer=true", "optim.moments_dtype=bf16"],
+        ["parallel.shard_optimizer=true", "train.precision=bf16", "optim.bf16_weights=true"],
+        ["train.precision=bf16", "optim.bf16_weights=true"],
+        ["parallel.stack=fsdp"],
+        ["optim.bf16_weights=false"],  # the planner plans for CUDA, where the default is true
+    ],
+)
+def test_the_planners_save_temporaries_are_what_a_save_allocates(tmp_path, extra):
+    """Two gloo ranks build the checkpoint template; the bytes it allocates beyond the live
+    tensors equal the planner's `save_temporaries` for the same run (within 2%)."""
+    from moetrain.plan import Assumptions, ParamGroups, layout_of, memory_per_rank, save_temporaries
+    from moetrain.testing.distributed import run_distributed
+
+    overrides = [
+        "train.device=cpu",
+        "data.synthetic=true",
+        f"train.run_dir={tmp_path}",
+        "train.global_batch_size=4",
+        "train.micro_batch_size=4",
+        *extra,
+    ]
+    (measured, params), _ = run_distributed(_save_temporaries_bytes, 2, (overrides,))
+    cfg = resolve_config("tiny", overrides)
+    layout = layout_of(cfg, 2)
+    (rank,) = memory_per_rank(cfg, layout, ParamGroups.of(cfg.model), Assumptions())
+    assert rank.local == params or layout.stack == "fsdp"
+    predicted = save_temporaries(cfg, layout, rank)
+    assert measured == pytest.approx(predicted, rel=0.02, abs=1024), (measured, predicted)
