@@ -68,9 +68,11 @@ class MomentsAdamW:
             self.step_t.add_(1 - self.found_inf if self.found_inf is not None else 1.0)
         else:
             self.step_t += 1
+        corrections: dict[float, torch.Tensor] = {}  # per learning rate: once per step, not per group
         for group in self.param_groups:
             hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=self.eps, weight_decay=group["weight_decay"])
-            corrections = bias_corrections(self.step_t, group["lr"], beta1, beta2) if self.fused else None
+            if self.fused and group["lr"] not in corrections:
+                corrections[group["lr"]] = bias_corrections(self.step_t, group["lr"], beta1, beta2)
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -78,7 +80,7 @@ class MomentsAdamW:
                 tensors = [_local(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
                 if self.fused:
                     param, grad, m, v = (t.view(-1) for t in tensors)
-                    adamw_update(param, None, grad, m, v, corrections, grad_coef=coef, skip=skip, **hyper)
+                    adamw_update(param, None, grad, m, v, corrections[group["lr"]], grad_coef=coef, skip=skip, **hyper)
                 else:
                     param, grad, m, v = tensors
                     adamw_reference(param, None, grad, m, v, step=float(self.step_t), grad_coef=coef, **hyper)
