@@ -15,6 +15,8 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
+from moetrain.model.permute import inverse_permutation, permute, unpermute_combine
+
 
 @runtime_checkable
 class TokenDispatcher(Protocol):
@@ -38,8 +40,9 @@ class TokenDispatcher(Protocol):
         the state `combine` needs."""
         ...
 
-    def combine(self, y_MD: torch.Tensor, state: Any) -> torch.Tensor:
-        """The experts' output rows -> (N, K, D) in token order (zeros for dropped assignments)."""
+    def combine(self, y_MD: torch.Tensor, state: Any, topk_weights_NK: torch.Tensor) -> torch.Tensor:
+        """The experts' output rows back to their tokens, weighted by `topk_weights_NK` and
+        summed over the k copies: (N, D) in y's dtype (dropped assignments add nothing)."""
         ...
 
     def dropped_tokens(self) -> torch.Tensor | None:
@@ -48,10 +51,10 @@ class TokenDispatcher(Protocol):
 
 
 class DispatchState(NamedTuple):
-    """What `combine` needs to undo `dispatch`."""
+    """What `combine` needs to undo `dispatch` (moetrain/model/permute.py)."""
 
     sort_idx_M: torch.Tensor
-    num_tokens: int
+    inv_NK: torch.Tensor
 
 
 class LocalTokenDispatcher:
@@ -72,19 +75,21 @@ class LocalTokenDispatcher:
     ) -> tuple[torch.Tensor, torch.Tensor, DispatchState]:
         """Returns the rows sorted by expert (M, D), the int32 end offset of each expert's rows
         (E,), and the state for `combine`."""
-        num_tokens, top_k = topk_ids_NK.shape
-        # Stable sort keeps each expert's rows in token order: deterministic results.
-        sort_idx_M = topk_ids_NK.flatten().argsort(stable=True)
-        x_MD = x_ND.index_select(0, sort_idx_M // top_k)
+        sort_idx_M, inv_NK = sort_by_expert(topk_ids_NK)
         offsets_E = tokens_per_expert_E.cumsum(0).to(torch.int32)
-        return x_MD, offsets_E, DispatchState(sort_idx_M, num_tokens)
+        return permute(x_ND, sort_idx_M, inv_NK), offsets_E, DispatchState(sort_idx_M, inv_NK)
 
-    def combine(self, y_MD: torch.Tensor, state: DispatchState) -> torch.Tensor:
-        """Undo the permutation: (M, D) in expert order -> (N, K, D) in token order."""
-        # sort_idx is a permutation: every row is overwritten, so no zero-fill is needed.
-        y_unsorted_MD = torch.empty_like(y_MD).index_copy(0, state.sort_idx_M, y_MD)
-        return y_unsorted_MD.view(state.num_tokens, -1, y_MD.shape[-1])
+    def combine(self, y_MD: torch.Tensor, state: DispatchState, topk_weights_NK: torch.Tensor) -> torch.Tensor:
+        """Undo the permutation and weight the copies: (M, D) in expert order -> (N, D)."""
+        return unpermute_combine(y_MD, topk_weights_NK, state.sort_idx_M, state.inv_NK)
 
     def dropped_tokens(self) -> torch.Tensor | None:
         """Assignments dropped in the last dispatch; None for dropless dispatchers."""
         return None
+
+
+def sort_by_expert(topk_ids_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The order of the assignments by expert (a stable sort keeps each expert's rows in token
+    order: deterministic results) and its inverse, shaped (N, K)."""
+    sort_idx_M = topk_ids_NK.flatten().argsort(stable=True)
+    return sort_idx_M, inverse_permutation(sort_idx_M).view(topk_ids_NK.shape)

@@ -48,8 +48,7 @@ class MoE(nn.Module):
 
         x_MD, offsets_E, state = self.dispatcher.dispatch(x_ND, route.topk_ids_NK, route.tokens_per_expert_E)
         y_MD = self.experts(x_MD, offsets_E)
-        y_NKD = self.dispatcher.combine(y_MD, state)
-        y_ND = (y_NKD * route.topk_weights_NK.unsqueeze(-1).to(y_NKD.dtype)).sum(dim=1)
+        y_ND = self.dispatcher.combine(y_MD, state, route.topk_weights_NK)
         if self.shared_expert is not None:
             y_ND = y_ND + self.shared_expert(x_ND)
 

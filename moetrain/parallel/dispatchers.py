@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from moetrain.model.dispatcher import LocalTokenDispatcher
+from moetrain.model.dispatcher import DispatchState, LocalTokenDispatcher, sort_by_expert
+from moetrain.model.permute import permute, unpermute_combine
 
 
 class DataParallelDispatcher(LocalTokenDispatcher):
@@ -37,8 +38,8 @@ class DataParallelDispatcher(LocalTokenDispatcher):
 
 
 class AllToAllState(NamedTuple):
-    sort_idx_M: torch.Tensor
-    num_tokens: int
+    order: DispatchState
+    """This rank's assignments in global expert order (`sort_by_expert`)."""
     regroup_idx: torch.Tensor
     """Received rows (source-rank-major) -> local-expert-major order."""
     send_splits: list[int]
@@ -65,18 +66,16 @@ class ExpertParallelDispatcher:
         return None
 
     @staticmethod
-    def sort_by_expert(x_ND: torch.Tensor, topk_ids_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def sort_by_expert(x_ND: torch.Tensor, topk_ids_NK: torch.Tensor) -> tuple[DispatchState, torch.Tensor]:
         """This rank's assignments ordered by global expert (so rows for rank r's experts are
         contiguous, expert by expert), in the wire dtype; and the order, for `unsort`."""
-        top_k = topk_ids_NK.shape[1]
-        sort_idx_M = topk_ids_NK.flatten().argsort(stable=True)
-        return sort_idx_M, wire_dtype(x_ND.index_select(0, sort_idx_M // top_k))
+        sort_idx_M, inv_NK = sort_by_expert(topk_ids_NK)
+        return DispatchState(sort_idx_M, inv_NK), permute(wire_dtype(x_ND), sort_idx_M, inv_NK)
 
     @staticmethod
-    def unsort(y_MD: torch.Tensor, sort_idx_M: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        """Rows in expert order → (N, K, D) in token order."""
-        y_unsorted_MD = torch.empty_like(y_MD).index_copy(0, sort_idx_M, y_MD)
-        return y_unsorted_MD.view(num_tokens, -1, y_MD.shape[-1])
+    def unsort(y_MD: torch.Tensor, order: DispatchState, topk_weights_NK: torch.Tensor) -> torch.Tensor:
+        """Rows in expert order → each token's weighted sum over its copies (N, D)."""
+        return unpermute_combine(y_MD, topk_weights_NK, order.sort_idx_M, order.inv_NK)
 
 
 class AllToAllDispatcher(ExpertParallelDispatcher):
@@ -93,8 +92,7 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         self, x_ND: torch.Tensor, topk_ids_NK: torch.Tensor, tokens_per_expert_E: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, AllToAllState]:
         R, L = self.ep, self.num_local_experts
-        num_tokens = topk_ids_NK.shape[0]
-        sort_idx_M, x_MD = self.sort_by_expert(x_ND, topk_ids_NK)
+        order, x_MD = self.sort_by_expert(x_ND, topk_ids_NK)
 
         send_counts_RL = tokens_per_expert_E.view(R, L).contiguous()
         recv_counts_RL = torch.empty_like(send_counts_RL)
@@ -113,12 +111,12 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         regroup_idx = local_expert_of_row.argsort(stable=True)
         x_local_MD = x_recv_MD.index_select(0, regroup_idx)
         offsets_L = recv_counts_RL.sum(0).cumsum(0).to(torch.int32)
-        return x_local_MD, offsets_L, AllToAllState(sort_idx_M, num_tokens, regroup_idx, send_splits, recv_splits)
+        return x_local_MD, offsets_L, AllToAllState(order, regroup_idx, send_splits, recv_splits)
 
-    def combine(self, y_local_MD: torch.Tensor, state: AllToAllState) -> torch.Tensor:
+    def combine(self, y_local_MD: torch.Tensor, state: AllToAllState, topk_weights_NK: torch.Tensor) -> torch.Tensor:
         y_recv_MD = torch.empty_like(y_local_MD).index_copy(0, state.regroup_idx, y_local_MD)
         y_MD = funcol.all_to_all_single_autograd(y_recv_MD, state.send_splits, state.recv_splits, group=self.ep_group)
-        return self.unsort(y_MD, state.sort_idx_M, state.num_tokens)
+        return self.unsort(y_MD, state.order, topk_weights_NK)
 
 
 def wire_dtype(x: torch.Tensor) -> torch.Tensor:

@@ -144,15 +144,16 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
         offsets_L = rows_per_expert[:L].cumsum(0).to(torch.int32)
         return x_local_SD, offsets_L, NoSyncState(slot_M, keep_M, regroup_idx_S, num_tokens)
 
-    def combine(self, y_local_SD: torch.Tensor, state: NoSyncState) -> torch.Tensor:
-        """(S, D) in local-expert order -> (N, K, D) in token order; zeros for dropped
-        assignments. Padding rows of `y_local_SD` may hold anything."""
+    def combine(self, y_local_SD: torch.Tensor, state: NoSyncState, topk_weights_NK: torch.Tensor) -> torch.Tensor:
+        """(S, D) in local-expert order -> each token's weighted sum over its copies (N, D);
+        dropped assignments add nothing. Padding rows of `y_local_SD` may hold anything."""
         splits = [y_local_SD.shape[0] // self.ep] * self.ep
         # regroup_idx is a permutation of S: every row is overwritten, so no zero-fill is needed.
         y_recv_SD = torch.empty_like(y_local_SD).index_copy(0, state.regroup_idx_S, y_local_SD)
         y_back_SD = funcol.all_to_all_single_autograd(y_recv_SD, splits, splits, group=self.ep_group)
         y_MD = torch.where(state.keep_M.unsqueeze(-1), y_back_SD.index_select(0, state.slot_M), 0)
-        return y_MD.view(state.num_tokens, -1, y_MD.shape[-1])
+        y_NKD = y_MD.view(state.num_tokens, -1, y_MD.shape[-1])
+        return (y_NKD * topk_weights_NK.unsqueeze(-1).to(y_NKD.dtype)).sum(dim=1)
 
     def dropped_tokens(self) -> torch.Tensor | None:
         """Assignments dropped in the last dispatch (device int64 scalar); None when dropless."""

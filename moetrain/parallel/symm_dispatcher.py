@@ -44,12 +44,13 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from moetrain.model.dispatcher import DispatchState
 from moetrain.parallel.dispatchers import ExpertParallelDispatcher
 
 
 class SymmState(NamedTuple):
-    sort_idx_M: torch.Tensor
-    num_tokens: int
+    order: DispatchState
+    """This rank's assignments in global expert order."""
     counts_E: torch.Tensor
     table_2C: torch.Tensor
     """Split and offset (rows) of each (local expert, source rank) chunk of the receive layout,
@@ -248,7 +249,7 @@ class SymmMemDispatcher(ExpertParallelDispatcher):
     ) -> tuple[torch.Tensor, torch.Tensor, SymmState]:
         R, L = self.ep, self.num_local_experts
         num_tokens, top_k = topk_ids_NK.shape
-        sort_idx_M, x_MD = self.sort_by_expert(x_ND, topk_ids_NK)
+        order, x_MD = self.sort_by_expert(x_ND, topk_ids_NK)
         counts_E = tokens_per_expert_E.to(torch.int64)
         x_SD, table_2C = symm_dispatch(x_MD, counts_E, self.group_name, self.layout_rows(num_tokens, top_k))
         # Group ends: expert e ends where expert e+1's first chunk starts (padding rows, zeroed,
@@ -256,9 +257,9 @@ class SymmMemDispatcher(ExpertParallelDispatcher):
         starts_C, splits_C = table_2C[1], table_2C[0]
         last = starts_C[-1:] + splits_C[-1:]
         offsets_L = torch.cat([starts_C.view(L, R)[1:, 0], last]).to(torch.int32)
-        return x_SD, offsets_L, SymmState(sort_idx_M, num_tokens, counts_E, table_2C)
+        return x_SD, offsets_L, SymmState(order, counts_E, table_2C)
 
-    def combine(self, y_SD: torch.Tensor, state: SymmState) -> torch.Tensor:
-        M = state.sort_idx_M.numel()
+    def combine(self, y_SD: torch.Tensor, state: SymmState, topk_weights_NK: torch.Tensor) -> torch.Tensor:
+        M = state.order.sort_idx_M.numel()
         y_MD = symm_combine(y_SD.contiguous(), state.table_2C, state.counts_E, self.group_name, M)
-        return self.unsort(y_MD, state.sort_idx_M, state.num_tokens)
+        return self.unsort(y_MD, state.order, topk_weights_NK)

@@ -318,3 +318,27 @@ def test_bf16_weights_train_like_fp32_weights_on_cuda(real_text_dir, tmp_path):
         Trainer(cfg, quiet=True).fit()
         losses[flag] = read_metrics(run_dir / "metrics.jsonl")[-1]["lm_loss"]
     assert abs(losses["true"] - losses["false"]) <= 0.01 * losses["false"], losses
+
+
+
+def test_fused_permutation_compiled_on_cuda_matches_the_plain_formulation():
+    """moetrain/model/permute.py compiled on the GPU with bf16 expert rows (as in a block)
+    against the plain index_select / index_copy / multiply / sum formulation run eagerly; and
+    deterministic (gathers, no atomics): two runs give the same bits."""
+    from tests.model.test_permute import fused, plain, routed
+
+    ids, x, w, grad = (t.cuda() for t in routed(4, skew=True))
+
+    def f(x_MD):
+        return torch.tanh(x_MD.to(torch.bfloat16))
+
+    def run(fn):
+        x_, w_ = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fn(x_, ids, w_, f)
+        return (y, *torch.autograd.grad(y, [x_, w_], grad.to(y.dtype)))
+
+    compiled = torch.compile(fused)
+    got, again, want = run(compiled), run(compiled), run(plain)
+    for a, b, c in zip(got, again, want):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a.float(), c.float(), rtol=1.6e-2, atol=1e-2)

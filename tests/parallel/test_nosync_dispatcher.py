@@ -272,7 +272,9 @@ def check_capacity(rank, group, capacity_factor):
     exact = build_moe(AllToAllDispatcher(E, group, group), rank, bias_E=bias_E)
     x_BTD, _ = inputs(rank)
     x_ND = x_BTD.view(B * T, D).clone().requires_grad_()
-    grad_NKD = torch.randn(B * T, K, D, generator=torch.Generator().manual_seed(7 + rank))
+    gen = torch.Generator().manual_seed(7 + rank)
+    grad_ND = torch.randn(B * T, D, generator=gen)
+    w_NK = torch.rand(B * T, K, generator=gen) + 0.5
 
     route = cap.router(x_ND, cap.dispatcher.reduce_counts)
     C = cap.dispatcher.capacity(B * T, K)
@@ -283,11 +285,15 @@ def check_capacity(rank, group, capacity_factor):
         x_local, offsets, state = moe.dispatcher.dispatch(x_ND, route.topk_ids_NK, route.tokens_per_expert_E)
         if moe is cap:
             rows, dropped = x_local.shape[0], moe.dispatcher.dropped_tokens()
-        y_NKD = moe.dispatcher.combine(moe.experts(x_local, offsets), state)
-        target = y_NKD if mask is None else y_NKD * mask.unsqueeze(-1)
+        y_local = moe.experts(x_local, offsets)
+        # The exact dispatcher with the dropped copies' weights at 0 is what capacity must give.
+        y_ND = moe.dispatcher.combine(y_local, state, w_NK if mask is None else w_NK * mask)
+        if moe is cap:
+            # Weight 1 on the dropped copies only: they must add nothing.
+            dropped_max = moe.dispatcher.combine(y_local, state, (~keep_NK).float()).abs().max().item()
         experts = local_experts(moe)
-        grads.append(torch.autograd.grad((target * grad_NKD).sum(), [x_ND, experts.w_gate_up_E2FD, experts.w_down_EDF]))
-        ys.append(y_NKD.detach())
+        grads.append(torch.autograd.grad((y_ND * grad_ND).sum(), [x_ND, experts.w_gate_up_E2FD, experts.w_down_EDF]))
+        ys.append(y_ND.detach())
     y_cap, y_exact = ys
 
     # The layer's statistics carry the same count to the trainer.
@@ -303,8 +309,8 @@ def check_capacity(rank, group, capacity_factor):
         "dropped_dim": dropped.dim(),
         "layer_dropped": layer_dropped,
         "want_dropped": want_dropped,
-        "kept_diff": (y_cap - y_exact)[keep_NK].abs().max().item(),
-        "dropped_max": y_cap[~keep_NK].abs().max().item() if (~keep_NK).any() else 0.0,
+        "kept_diff": (y_cap - y_exact).abs().max().item(),
+        "dropped_max": dropped_max,
         "grad_diffs": [max_diff(a, b) for a, b in zip(*grads)],
     }
 
@@ -328,9 +334,9 @@ def check_no_host_sync(rank, group):
     ):
         with forbid_host_sync():
             x_local, offsets, state = disp.dispatch(x_ND, ids_NK, counts_E)
-            y_NKD = disp.combine(x_local * 2.0, state)
-            (y_NKD * 3.0).sum().backward()
-        out[name] = tuple(y_NKD.shape)
+            y_ND = disp.combine(x_local * 2.0, state, torch.ones(B * T, K))
+            (y_ND * 3.0).sum().backward()
+        out[name] = tuple(y_ND.shape)
     try:
         with forbid_host_sync():
             AllToAllDispatcher(E, group, group).dispatch(x_ND, ids_NK, counts_E)
@@ -367,15 +373,16 @@ def check_wire_dtype(rank, group):
 
         with mock.patch.object(funcol, "all_to_all_single_autograd", spy), torch.autocast("cpu", dtype=torch.bfloat16):
             x_local, offsets, state = disp.dispatch(x_ND, ids_NK, counts_E)
-            y_NKD = disp.combine(x_local, state)
-        (grad,) = torch.autograd.grad(y_NKD.float().sum(), [x_ND])
+            y_ND = disp.combine(x_local, state, torch.ones(B * T, K))
+        (grad,) = torch.autograd.grad(y_ND.float().sum(), [x_ND])
         out[name] = {
             "wire": sorted({str(d) for d in seen}),
             "x_local": str(x_local.dtype),
             "grad": str(grad.dtype),
             # every kept row comes back as itself (bf16-rounded): each token's grad is K
             "grad_is_k": bool((grad == K).all()),
-            "y_err": (y_NKD.float() - x_ND.detach().to(torch.bfloat16).float().unsqueeze(1)).abs().max().item(),
+            # weights 1: each token is the sum of its K copies, K × its bf16 value (exact)
+            "y_err": (y_ND.float() - K * x_ND.detach().to(torch.bfloat16).float()).abs().max().item(),
         }
     return out
 
@@ -438,7 +445,7 @@ def test_capacity_drops_exactly_the_overflow(world_results):
 def test_no_host_sync_in_dispatch_combine_or_backward(world_results):
     world, results = world_results
     for r in results:
-        assert r["sync"]["dropless"] == r["sync"]["capacity"] == (B * T, K, D)
+        assert r["sync"]["dropless"] == r["sync"]["capacity"] == (B * T, D)
         assert r["sync"]["exact_trips"]
 
 
@@ -513,7 +520,7 @@ def symm_checks(world):
     ):
         x = x_ND.clone().requires_grad_()
         x_SD, offsets_L, state = disp.dispatch(x, ids_NK, counts_E)
-        disp.combine(x_SD * 2.0, state).sum().backward()
+        disp.combine(x_SD * 2.0, state, torch.ones(B * T, K)).sum().backward()
     out["grad_is_2k"] = bool((x.grad == 2.0 * K).all())
     return out
 

@@ -1,0 +1,83 @@
+"""Token copies into expert order and back, with the top-k weighting fused into the way back.
+
+Legend: N tokens, K top-k, M = N·K assignments (token copies), D model dim.
+
+`sort_idx_M` (a stable argsort of the flat expert ids) orders the copies by expert: copy m is
+flat assignment sort_idx[m], of token sort_idx[m] // K. Its inverse `inv_M` (inv[sort_idx[m]]
+= m) says where assignment n·K + k sits. Both directions are gathers, forward and backward:
+every output row is read from its sources by index and written once.
+
+- `permute`:            x_MD[m] = x_ND[sort_idx[m] // K];
+  backward              grad_x[n] = Σ_k grad_MD[inv[n, k]], the k in expert order;
+- `unpermute_combine`:  y_ND[n] = Σ_k w[n, k] · y_MD[inv[n, k]];
+  backward              grad_y_MD[m] = w_flat[sort_idx[m]] · grad_y[sort_idx[m] // K],
+                        grad_w[n, k] = ⟨y_MD[inv[n, k]], grad_y[n]⟩.
+
+Autograd's own backward of a row gather is a scatter-add (`index_add`, atomic on CUDA, in the
+rows' dtype) into a zero-filled buffer, and the combine written as un-permute, multiply and sum
+writes an (N, K, D) copy of the experts' output and keeps it for backward. Here, inside a
+compiled block, Inductor fuses each gather with the sum or product beside it into one kernel:
+no (N, K, D) tensor is written in forward, no zero fill and no atomics in backward (so the
+result does not depend on the order atomics land), and the saved tensor is the experts' output
+itself. The sums over k run in the order `index_add` adds in on the CPU (ascending m), so the
+fp32 CPU numerics are those of the plain autograd formulation, bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def inverse_permutation(sort_idx_M: torch.Tensor) -> torch.Tensor:
+    """inv with inv[sort_idx[m]] = m (a scatter of M indices; no sort)."""
+    arange_M = torch.arange(sort_idx_M.numel(), device=sort_idx_M.device, dtype=sort_idx_M.dtype)
+    return torch.empty_like(sort_idx_M).scatter_(0, sort_idx_M, arange_M)
+
+
+class _Permute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_ND: torch.Tensor, token_idx_M: torch.Tensor, inv_NK: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inv_NK)
+        return x_ND.index_select(0, token_idx_M)
+
+    @staticmethod
+    def backward(ctx, grad_MD: torch.Tensor):
+        (inv_NK,) = ctx.saved_tensors
+        N, K = inv_NK.shape
+        # Ascending positions: each token's copies in expert order, as index_add would add them.
+        inv_sorted_NK = inv_NK.sort(dim=1).values
+        grad_x_ND = grad_MD.index_select(0, inv_sorted_NK.flatten()).view(N, K, -1).sum(1)
+        return grad_x_ND, None, None
+
+
+class _UnpermuteCombine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y_MD: torch.Tensor, w_NK: torch.Tensor, sort_idx_M: torch.Tensor, inv_NK: torch.Tensor):
+        N, K = inv_NK.shape
+        ctx.save_for_backward(y_MD, w_NK, sort_idx_M, inv_NK)
+        y_NKD = y_MD.index_select(0, inv_NK.flatten()).view(N, K, -1)
+        return (y_NKD * w_NK.unsqueeze(-1).to(y_MD.dtype)).sum(1)
+
+    @staticmethod
+    def backward(ctx, grad_ND: torch.Tensor):
+        y_MD, w_NK, sort_idx_M, inv_NK = ctx.saved_tensors
+        N, K = inv_NK.shape
+        grad_NKD = grad_ND.unsqueeze(1) * w_NK.unsqueeze(-1).to(y_MD.dtype)
+        grad_y_MD = grad_NKD.view(N * K, -1).index_select(0, sort_idx_M)
+        y_NKD = y_MD.index_select(0, inv_NK.flatten()).view(N, K, -1)
+        # In fp32 whatever y's dtype (no-ops on fp32): the router's gradient is not rounded to bf16.
+        grad_w_NK = (grad_ND.unsqueeze(1).float() * y_NKD.float()).sum(-1).to(w_NK.dtype)
+        return grad_y_MD, grad_w_NK, None, None
+
+
+def permute(x_ND: torch.Tensor, sort_idx_M: torch.Tensor, inv_NK: torch.Tensor) -> torch.Tensor:
+    """Token rows -> their copies in expert order (M, D)."""
+    return _Permute.apply(x_ND, sort_idx_M // inv_NK.shape[1], inv_NK)
+
+
+def unpermute_combine(
+    y_MD: torch.Tensor, topk_weights_NK: torch.Tensor, sort_idx_M: torch.Tensor, inv_NK: torch.Tensor
+) -> torch.Tensor:
+    """The experts' output rows in expert order -> each token's weighted sum over its k copies
+    (N, D), in y's dtype."""
+    return _UnpermuteCombine.apply(y_MD, topk_weights_NK, sort_idx_M, inv_NK)
