@@ -325,9 +325,11 @@ def test_fused_permutation_compiled_on_cuda_matches_the_plain_formulation():
     """moetrain/model/permute.py compiled on the GPU with bf16 expert rows (as in a block)
     against the plain index_select / index_copy / multiply / sum formulation run eagerly; and
     deterministic (gathers, no atomics): two runs give the same bits."""
-    from tests.model.test_permute import fused, plain, routed
+    from moetrain.testing.steps import fused_permute_combine as fused
+    from moetrain.testing.steps import plain_permute_combine as plain
+    from moetrain.testing.steps import routed_case
 
-    ids, x, w, grad = (t.cuda() for t in routed(4, skew=True))
+    ids, x, w, grad = (t.cuda() for t in routed_case(4, skew=True))
 
     def f(x_MD):
         return torch.tanh(x_MD.to(torch.bfloat16))

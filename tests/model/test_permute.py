@@ -5,36 +5,15 @@ over k."""
 import pytest
 import torch
 
-from moetrain.model.dispatcher import sort_by_expert
-from moetrain.model.permute import inverse_permutation, permute, unpermute_combine
+from moetrain.model.permute import inverse_permutation
+from moetrain.testing.steps import fused_permute_combine, plain_permute_combine, routed_case
 
-N, K, D, E = 96, 4, 24, 16
-
-
-def routed(seed: int, skew: bool = False):
-    g = torch.Generator().manual_seed(seed)
-    scores = torch.rand(N, E, generator=g)
-    if skew:  # most tokens pick experts 0..K-1: long runs of one expert, empty experts
-        scores[: 3 * N // 4, :K] += 2.0
-    ids = scores.topk(K, dim=-1).indices
-    x = torch.randn(N, D, generator=g) * torch.logspace(-2, 2, N).unsqueeze(1)
-    w = torch.rand(N, K, generator=g)
-    grad = torch.randn(N, D, generator=g)
-    return ids, x, w, grad
+N, K, D = 96, 4, 24
+plain, fused = plain_permute_combine, fused_permute_combine
 
 
-def plain(x, ids, w, f):
-    """The formulation before: autograd's own backward of every op."""
-    sort_idx = ids.flatten().argsort(stable=True)
-    x_MD = x.index_select(0, sort_idx // K)
-    y_MD = f(x_MD)
-    y_NKD = torch.empty_like(y_MD).index_copy(0, sort_idx, y_MD).view(N, K, -1)
-    return (y_NKD * w.unsqueeze(-1).to(y_NKD.dtype)).sum(1)
-
-
-def fused(x, ids, w, f):
-    sort_idx, inv = sort_by_expert(ids)
-    return unpermute_combine(f(permute(x, sort_idx, inv)), w, sort_idx, inv)
+def routed(seed, skew=False):
+    return routed_case(seed, N, K, D, skew=skew)
 
 
 def expert_stand_in(x_MD):
