@@ -186,13 +186,18 @@ class SplitMaster:
     def _accumulate(self, p: nn.Parameter) -> None:
         """Post-accumulate-grad hook: take the bf16 gradient. The first backward of a step keeps
         it as it is (its fp32 value is exact: no cast pass, half the bytes); a second one sums
-        both in fp32, and later ones add to that. Into a kept fp32 buffer it is copied."""
+        both in fp32, and later ones add to that (on CUDA one Triton pass each,
+        `accumulate_grad`). Into a kept fp32 buffer it is copied."""
         i = self._index[id(p)]
         if id(p) not in self._written:
             if self.persistent_grads:
                 self.grads[i].copy_(p.grad)
             else:
                 self.grads[i] = p.grad
+        elif self.fused and p.grad.is_contiguous() and self.grads[i].is_contiguous():
+            from moetrain.optim.adamw_split_kernel import accumulate_grad
+
+            self.grads[i] = accumulate_grad(self.grads[i], p.grad)
         elif self.grads[i].dtype != torch.float32:
             self.grads[i] = self.grads[i].float().add_(p.grad)
         else:

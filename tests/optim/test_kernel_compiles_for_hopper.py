@@ -1,6 +1,7 @@
-"""The AdamW Triton kernel (moetrain/optim/adamw_split_kernel.py) compiles ahead of time for Hopper
-(sm_90: PTX, then a cubin through the ptxas Triton ships) in every specialization the optimizers
-launch, here on a machine without a GPU; its numerics are checked in the interpreter
+"""The Triton kernels of moetrain/optim/adamw_split_kernel.py (AdamW, gradient accumulation)
+compile ahead of time for Hopper (sm_90: PTX, then a cubin through the ptxas Triton ships) in
+every specialization the optimizers launch, here on a machine without a GPU; their numerics are
+checked in the interpreter
 (tests/optim/test_split_master.py, test_moments_bf16.py) and on the GPU (tests/gpu/test_cuda.py)."""
 
 import pytest
@@ -42,4 +43,17 @@ def test_adamw_kernel_compiles_for_sm90(split, low_moments, grad, coef, skip):
         fn=_adamw_kernel, signature=signature, constexprs={(names.index(k),): v for k, v in values.items()}
     )
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    assert ".target sm_90" in kernel.asm["ptx"] and len(kernel.asm["cubin"]) > 1000
+
+
+@pytest.mark.parametrize("acc", ["*bf16", "*fp32"])
+def test_gradient_accumulation_kernel_compiles_for_sm90(acc):
+    """The second backward's (bf16 + bf16 → new fp32) and the later ones' (fp32 += bf16)."""
+    from triton.backends.compiler import GPUTarget
+
+    from moetrain.optim.adamw_split_kernel import ACC_BLOCK, _accumulate_kernel
+
+    signature = {"acc_ptr": acc, "grad_ptr": "*bf16", "out_ptr": "*fp32", "n": "i64", "BLOCK": "constexpr"}
+    source = triton.compiler.ASTSource(fn=_accumulate_kernel, signature=signature, constexprs={(4,): ACC_BLOCK})
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
     assert ".target sm_90" in kernel.asm["ptx"] and len(kernel.asm["cubin"]) > 1000

@@ -96,6 +96,34 @@ def test_triton_kernel_matches_the_reference_in_the_interpreter():
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
 
 
+ACCUMULATE_CHECK = """
+import torch
+from moetrain.optim.adamw_split_kernel import ACC_BLOCK, accumulate_grad
+g = torch.Generator().manual_seed(0)
+for n in (1, ACC_BLOCK - 1, ACC_BLOCK * 3 + 17):
+    scale = torch.logspace(-30, 30, n)
+    first = (torch.randn(n, generator=g) * scale).to(torch.bfloat16)
+    grads = [(torch.randn(n, generator=g) * scale).to(torch.bfloat16) for _ in range(3)]
+    want = first.float() + grads[0]
+    got = accumulate_grad(first, grads[0])
+    assert got.dtype == torch.float32 and torch.equal(got, want) and got.data_ptr() != first.data_ptr()
+    for grad in grads[1:]:
+        want.add_(grad)
+        ptr = got.data_ptr()
+        got = accumulate_grad(got, grad)
+        assert got.data_ptr() == ptr and torch.equal(got, want)  # in place, same bits as add_
+print("ok")
+"""
+
+
+def test_gradient_accumulation_kernel_is_torchs_add_bit_for_bit_in_the_interpreter():
+    """The step's second backward sums onto the first one's bf16 gradient into a new fp32
+    tensor, later ones add in place: the bits of torch's mixed-dtype add (block edges included)."""
+    pytest.importorskip("triton")
+    result = run_in_triton_interpreter(ACCUMULATE_CHECK)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
 @pytest.fixture
 def bf16_cfg(tiny_cfg, tmp_path):
     def make(bf16_weights: bool, *extra):
