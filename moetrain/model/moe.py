@@ -33,6 +33,10 @@ class MoE(nn.Module):
         self.shared_expert = SwiGLU(d_model, cfg.shared_hidden) if cfg.shared_hidden > 0 else None
         self.dispatcher: TokenDispatcher = LocalTokenDispatcher(cfg.num_experts)
         self.aux_loss_scale = 1.0
+        self.recomputed = False
+        """Set by `apply_recompute` (moetrain/parallel/parallelize.py) when the block around this
+        layer recomputes its forward in backward; the statistics are then counted only outside
+        backward."""
         # Per-optimizer-step accumulators (not checkpointed: they are reset at every step end).
         E = cfg.num_experts
         self.register_buffer("step_tokens_per_expert_E", torch.zeros(E, dtype=torch.int64), persistent=False)
@@ -56,7 +60,8 @@ class MoE(nn.Module):
         if self.training and aux_loss.requires_grad:
             y_ND = AttachAuxLoss.apply(y_ND, aux_loss, self.aux_loss_scale)
         # Activation recompute runs this forward again inside backward: count the statistics once.
-        if self.training and torch._C._current_graph_task_id() == -1:
+        # Asked only where it can happen: the question is a graph break under torch.compile.
+        if self.training and (not self.recomputed or torch._C._current_graph_task_id() == -1):
             self._accumulate(route, self.dispatcher.dropped_tokens())
         return y_ND.view(B, T, D)
 

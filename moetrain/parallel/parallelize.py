@@ -34,6 +34,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from moetrain.model.config import Fp8
 from moetrain.model.experts import GroupedExperts
 from moetrain.model.fp8 import Fp8Linear, MxFp8Linear
+from moetrain.model.moe import MoE
 from moetrain.model.transformer import Transformer, canonical_name
 from moetrain.parallel.config import ParallelConfig, Recompute, Stack
 from moetrain.parallel.dims import ParallelState
@@ -99,6 +100,9 @@ def apply_recompute(model: Transformer, selective: bool = False, every: int = 1)
     kwargs = {"context_fn": partial(create_selective_checkpoint_contexts, _save_matmuls_and_comms)} if selective else {}
     for name, block in list(model.blocks.items()):
         if int(name) % every == 0:
+            for module in block.modules():
+                if isinstance(module, MoE):
+                    module.recomputed = True
             model.blocks[name] = checkpoint_wrapper(block, preserve_rng_state=True, **kwargs)
 
 

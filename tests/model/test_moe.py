@@ -130,9 +130,35 @@ def test_recompute_counts_statistics_once_and_keeps_gradients():
     plain = {n: p.grad.clone() for n, p in moe.named_parameters()}
     plain_counts = moe.end_step()["tokens_per_expert"]
     moe.zero_grad()
+    moe.recomputed = True  # as apply_recompute marks the layers of the blocks it wraps
     torch.manual_seed(5)
     checkpoint(moe, x, use_reentrant=False).square().sum().backward()
     recomputed_counts = moe.end_step()["tokens_per_expert"]
     assert torch.equal(plain_counts, recomputed_counts)
     for n, p in moe.named_parameters():
         torch.testing.assert_close(p.grad, plain[n], msg=n)
+
+
+def test_apply_recompute_marks_its_moe_layers_and_others_have_no_graph_break_for_it():
+    """Without recompute the layer does not ask autograd whether it runs inside backward (a
+    graph break under torch.compile, which splits each MoE block into two graphs); with it,
+    apply_recompute marks the layers so that the statistics are still counted once."""
+    import torch._dynamo
+
+    from moetrain.model.transformer import Transformer
+    from moetrain.parallel.parallelize import apply_recompute
+    from moetrain.presets import PRESETS
+
+    model = Transformer(PRESETS["tiny"]().model)
+    apply_recompute(model, every=2)
+    marks = {int(name): block.ffn.recomputed for name, block in model.blocks.items() if isinstance(block.ffn, MoE)}
+    assert len(marks) >= 2 and all(marks[i] == (i % 2 == 0) for i in marks), marks
+
+    moe = make_moe()
+    moe.train()
+    reasons = [r.reason for r in torch._dynamo.explain(moe)(torch.randn(1, 8, 16)).break_reasons]
+    assert not any("non-Tensor" in r for r in reasons), reasons
+    moe.recomputed = True
+    torch._dynamo.reset()
+    reasons = [r.reason for r in torch._dynamo.explain(moe)(torch.randn(1, 8, 16)).break_reasons]
+    assert any("non-Tensor" in r for r in reasons), reasons  # the check this test relies on
