@@ -7,12 +7,15 @@ OUT_DIR (RUN_DIR/profile for `train`):
   - trace.json: the chrome trace (open in https://ui.perfetto.dev or chrome://tracing): every
     operator and kernel on a timeline, CPU and GPU;
   - ops.txt: the operators sorted by total device time (CPU time on CPU), self and total;
+  - kinds.json (CUDA only): device milliseconds per step by kind of kernel (dense GEMM, grouped
+    GEMM, attention, AdamW, everything else; `kernel_kinds`), the table docs/benchmarks.md keeps;
   - memory_snapshot.pickle (CUDA only): every allocation of the window with its stack, for
     https://pytorch.org/memory_viz (what is alive at the peak, and who allocated it).
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -71,7 +74,37 @@ class StepProfiler:
     def _write_trace(self, prof) -> None:
         prof.export_chrome_trace(str(self.out_dir / "trace.json"))
         sort_by = "self_device_time_total" if self.cuda else "self_cpu_time_total"
-        table = prof.key_averages().table(sort_by=sort_by, row_limit=40, max_name_column_width=60)
+        averages = prof.key_averages()
+        table = averages.table(sort_by=sort_by, row_limit=80, max_name_column_width=60)
         (self.out_dir / "ops.txt").write_text(
             f"torch.profiler, {self.steps} training steps after {self.wait}; sorted by {sort_by}\n{table}\n"
         )
+        if self.cuda:
+            kinds = {"steps": self.steps, "ms_per_step": kernel_kinds(averages, self.steps)}
+            (self.out_dir / "kinds.json").write_text(json.dumps(kinds) + "\n")
+
+
+KERNEL_KINDS = (
+    ("attention", ("sdpa", "flash", "fmha", "attention")),
+    ("AdamW", ("adamw", "adam")),
+    ("grouped GEMM", ("groupproblemshape", "grouped")),
+    ("dense GEMM", ("nvjet", "gemm", "xmma", "cutlass", "cublas")),
+)
+"""Kernel-name fragments (lower case) of each kind, tried in this order: grouped GEMMs before
+dense ones, whose fragments their CUTLASS names also hold (`GroupProblemShape` marks torch's
+grouped kernels; FP8 `_scaled_mm` runs as nvjet, `_scaled_grouped_mm` as CUTLASS grouped)."""
+
+
+def kernel_kinds(averages, steps: int) -> dict[str, float]:
+    """Device milliseconds per step of every kernel kind in `KERNEL_KINDS`, "everything else"
+    and "total", from the profiler's averaged device events (the kernels themselves, not the
+    operators that launched them, so nothing is counted twice)."""
+    out = dict.fromkeys([kind for kind, _ in KERNEL_KINDS] + ["everything else"], 0.0)
+    for event in averages:
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = event.key.lower()
+        kind = next((k for k, parts in KERNEL_KINDS if any(p in name for p in parts)), "everything else")
+        out[kind] += event.self_device_time_total / 1000 / steps
+    out["total"] = sum(out.values())
+    return {k: round(v, 2) for k, v in out.items()}

@@ -152,6 +152,8 @@ def test_bench_profile_writes_a_trace_and_a_memory_snapshot(tmp_path, capsys):
     out = tmp_path / "profile-learned"
     assert record["profile_dir"] == str(out)
     assert "grouped_mm" in (out / "ops.txt").read_text()
+    kinds = json.loads((out / "kinds.json").read_text())["ms_per_step"]
+    assert kinds["grouped GEMM"] > 0 and kinds["dense GEMM"] > 0 and kinds["attention"] > 0, kinds
     snapshot = pickle.loads((out / "memory_snapshot.pickle").read_bytes())
     assert snapshot["segments"] and snapshot["device_traces"][0]
 

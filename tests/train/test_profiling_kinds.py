@@ -1,0 +1,41 @@
+"""The profile's table by kernel kind (moetrain/train/profiling.py, `kernel_kinds`), on kernel
+names as the H200 profiles of docs/benchmarks.md show them."""
+
+from types import SimpleNamespace
+
+import torch
+
+from moetrain.train.profiling import kernel_kinds
+
+CUDA, CPU = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+
+def event(name, us, device=CUDA):
+    return SimpleNamespace(key=name, self_device_time_total=us, device_type=device)
+
+
+def test_kernels_are_sorted_into_kinds_once_each():
+    events = [
+        event("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", 4000),  # dense bf16 GEMM
+        event("nvjet_sm90_qqtst_128x128_128x6_1x1_h_bz_coopA_algo2", 1000),  # FP8 _scaled_mm
+        event(
+            "void cutlass::device_kernel<at::cuda::detail::enable_3x_kernel_for_sm9x<cutlass::gemm::"
+            "kernel::GemmUniversal<cutlass::gemm::GroupProblemShape<cute::tuple<int, int, int> >",
+            3000,
+        ),
+        event("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_3", 2000),
+        event("_adamw_kernel", 1500),
+        event("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>", 500),
+        event("triton_poi_fused__to_copy_index_select_mul_unsqueeze_view_3", 600),
+        event("triton_red_fused__to_copy_abs_amax_ceil_clamp_div_exp2_gt_0", 400),
+        event("aten::mm", 4000, CPU),  # the operator row: not a kernel, not counted again
+    ]
+    kinds = kernel_kinds(events, steps=2)
+    assert kinds == {
+        "attention": 1.0,
+        "AdamW": 1.0,
+        "grouped GEMM": 1.5,
+        "dense GEMM": 2.5,
+        "everything else": 0.5,
+        "total": 6.5,
+    }
