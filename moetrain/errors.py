@@ -5,6 +5,11 @@ command line prints its message as one paragraph and exits non-zero, without a t
 (unless `--debug`). Everything else is a bug and keeps its traceback.
 """
 
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
 
 class MoetrainError(Exception):
     """A mistake the user can fix. The message names the file/field/value and the fix."""
@@ -20,3 +25,38 @@ class DataError(MoetrainError):
 
 class CheckpointError(MoetrainError):
     """A checkpoint that is missing, incomplete or does not match the model."""
+
+
+class MissingDependency(MoetrainError):
+    """An optional package the command needs is not installed (`require`)."""
+
+
+EXTRAS = {
+    "safetensors": "hf",
+    "transformers": "hf",
+    "matplotlib": "viz",
+    "tensorboard": "viz",
+    "wandb": "wandb",
+}
+"""Optional packages → the pyproject extra that installs them."""
+
+
+def install_hint(package: str) -> str:
+    extra = EXTRAS[package]
+    return (
+        f"pip install 'moetrain[{extra}]' (in a checkout: .venv/bin/pip install -e '.[{extra}]', or "
+        "`source .venv/bin/activate` first)"
+    )
+
+
+def require(module: str, purpose: str) -> ModuleType:
+    """Import `module` (dotted; its top-level package must be in `EXTRAS`) or raise
+    MissingDependency naming what needs it and the install line."""
+    package = module.split(".")[0]
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise MissingDependency(
+            f"{purpose} needs the optional package '{package}', which cannot be imported here ({e}). "
+            f"Install it with {install_hint(package)}."
+        ) from None

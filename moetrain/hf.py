@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from moetrain.errors import ConfigError
+from moetrain.errors import ConfigError, require
 from moetrain.inference import load_for_inference
 from moetrain.model.config import Gating, MoEConfig, Routing, TransformerConfig
 from moetrain.train import checkpoint as ckpt
@@ -130,7 +130,7 @@ def hf_state_dict(model) -> dict[str, torch.Tensor]:
 
 def export_hf(checkpoint: str | Path, out_dir: str | Path) -> dict:
     """Write the HF directory; returns a summary (architecture, tensors, parameters, paths)."""
-    from safetensors.torch import save_file
+    save_file = require("safetensors.torch", "export-hf (it writes safetensors)").save_file
 
     model, cfg, tokenizer = load_for_inference(checkpoint)
     bias_nonzero = any(bool(moe.router.expert_bias_E.abs().max() > 0) for moe in model.moe_layers())
@@ -170,7 +170,7 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path) -> dict:
 
 
 def _read_hf_tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+    load_file = require("safetensors.torch", "import-hf (it reads safetensors)").load_file
 
     index = hf_dir / "model.safetensors.index.json"
     if index.is_file():
@@ -250,6 +250,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> dict:
     """A Qwen3-MoE directory (config.json + safetensors, per-expert or fused expert tensors) →
     a moetrain run directory holding config.yaml, tokenizer.json and a weights-only checkpoint
     `checkpoints/step-0`, which `generate`, `eval`, `export-hf` and `train --train.init_from=…` read."""
+    require("safetensors.torch", "import-hf (it reads safetensors)")  # before any work
     hf_dir, out = Path(hf_dir), Path(out_dir)
     config_file = hf_dir / "config.json"
     if not config_file.is_file():

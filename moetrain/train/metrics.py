@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from moetrain.errors import install_hint
+
 if TYPE_CHECKING:
     from moetrain.train.wandb_sink import WandbSink
 
@@ -85,7 +87,11 @@ class MetricsWriter:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:  # tensorboard is an optional dependency
-                print("note: tensorboard is not installed; skipping RUN_DIR/tb events", file=sys.stderr)
+                print(
+                    f"note: tensorboard is not installed; skipping RUN_DIR/tb events ({install_hint('tensorboard')}, "
+                    "or set train.tensorboard=false)",
+                    file=sys.stderr,
+                )
             else:
                 self.tb = SummaryWriter(log_dir=str(run_dir / "tb"))
 

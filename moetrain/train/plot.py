@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
+from moetrain.errors import install_hint, require
 from moetrain.train.metrics import read_metrics
 
 
 def plot_run(run_dir: str | Path) -> Path | None:
-    """Draw the run's metrics.jsonl; returns the PNG path (None when matplotlib is missing)."""
+    """Draw the run's metrics.jsonl; returns the PNG path (None, with a note on stderr, when
+    matplotlib is missing: the run itself is not at fault)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        print(f"note: matplotlib is not installed, so no loss.png; {install_hint('matplotlib')}", file=sys.stderr)
         return None
     run_dir = Path(run_dir)
     records = read_metrics(run_dir / "metrics.jsonl")
@@ -51,8 +55,7 @@ def plot_run(run_dir: str | Path) -> Path | None:
 def plot_compare(run_dirs: list[str | Path], out: str | Path) -> Path:
     """Loss curves (train lm_loss and val loss) of several runs in one PNG, to compare layouts
     or settings. Needs matplotlib."""
-    import matplotlib
-
+    matplotlib = require("matplotlib", "moetrain plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -16,7 +16,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from moetrain.errors import ConfigError
+from moetrain.errors import ConfigError, install_hint
 
 ID_FILE = "wandb_id.txt"
 
@@ -28,7 +28,7 @@ def require_wandb() -> None:
     except ImportError as e:
         raise ConfigError(
             f"train.wandb=true but the wandb package cannot be imported ({e}). Install the optional "
-            "extra with pip install 'moetrain[wandb]', or set train.wandb=false."
+            f"extra with {install_hint('wandb')}, or set train.wandb=false."
         ) from None
 
 
