@@ -4,6 +4,17 @@
 # Multi-node: run the script on every node with NODE_RANK (0…NODES-1), MASTER_ADDR (node 0's
 # address) and MASTER_PORT set; under SLURM, SLURM_NODEID and the first host of
 # SLURM_JOB_NODELIST fill them in (README, "Run on a cluster").
+# The checkout's virtualenv (`make train` / `make install` made it) when it exists, so the
+# script works without `source .venv/bin/activate`; PYTHON=… overrides it.
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+if [ -z "${PYTHON:-}" ]; then
+  if [ -x "$ROOT/.venv/bin/python" ]; then PYTHON=$ROOT/.venv/bin/python; else PYTHON=python3; fi
+fi
+if ! "$PYTHON" -c "import moetrain, torch" 2>/dev/null; then
+  echo "error: $PYTHON cannot import moetrain and torch. Run \`make install\` in $ROOT (it creates .venv)," \
+       "or set PYTHON to an interpreter that has them." >&2
+  exit 2
+fi
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 GPUS=$((NODES * GPUS_PER_NODE))
 DP=$((GPUS / PP))
@@ -12,12 +23,12 @@ LAYOUT=(--parallel.pp="$PP" --parallel.ep="$EP" --parallel.dispatcher="$DISPATCH
         --train.micro_batch_size=$((DP * ROWS)))
 if [ "${1:-}" = plan ]; then
   shift
-  exec python -m moetrain plan "$PRESET" --gpus "$GPUS" --gpu "$GPU" "${LAYOUT[@]}" "$@"
+  exec "$PYTHON" -m moetrain plan "$PRESET" --gpus "$GPUS" --gpu "$GPU" "${LAYOUT[@]}" "$@"
 fi
 if [ -n "${SLURM_JOB_NODELIST:-}" ] && [ -z "${MASTER_ADDR:-}" ]; then
   MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 fi
-exec torchrun --nnodes="$NODES" --nproc-per-node="$GPUS_PER_NODE" \
+exec "$PYTHON" -m torch.distributed.run --nnodes="$NODES" --nproc-per-node="$GPUS_PER_NODE" \
   --node-rank="${NODE_RANK:-${SLURM_NODEID:-0}}" \
   --master-addr="${MASTER_ADDR:-localhost}" --master-port="${MASTER_PORT:-29500}" \
   -m moetrain train "$PRESET" "${LAYOUT[@]}" --run-dir "${RUN_DIR:-runs/$PRESET}" --resume "$@"

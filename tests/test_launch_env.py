@@ -1,0 +1,38 @@
+"""The launch scripts run as the README writes them, from a shell whose PATH has no virtualenv
+on it (issue 17, "the first hour"): they find the checkout's .venv themselves, and say what to
+do when no interpreter with moetrain and torch is there."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+SCRIPT = ROOT / "scripts" / "launch" / "ref-tiny-64e.sh"
+
+
+def run(env_extra):
+    env = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp"), **env_extra}
+    return subprocess.run(
+        ["bash", str(SCRIPT), "plan", "--no-suggest"], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.skipif(not (ROOT / ".venv" / "bin" / "python").exists(), reason="no .venv in this checkout")
+def test_launch_script_uses_the_checkouts_venv_without_activation():
+    out = run({})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1])["preset"] == "ref-tiny-64e"
+
+
+def test_launch_script_without_a_usable_python_says_what_to_do():
+    out = run({"PYTHON": "/bin/false"})
+    assert out.returncode == 2 and "make install" in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_launch_script_honours_python_override():
+    out = run({"PYTHON": sys.executable})
+    assert out.returncode == 0, out.stderr[-2000:]
