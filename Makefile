@@ -41,9 +41,10 @@ $(TEST_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet -e ".[hf,wandb]"
 	@touch $(TEST_STAMP)
 
-# Lint and format check first (seconds), then the suite.
+# Lint and format check first (seconds), then the suite: one line per test file as it goes,
+# the slowest tests at the end.
 test: $(TEST_STAMP) lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest --durations=10
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
