@@ -8,6 +8,7 @@ unless --debug is given.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import signal
@@ -15,8 +16,10 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
+from moetrain import __version__
 from moetrain.bench import run_bench
 from moetrain.data.prepare import main as prepare_main
 from moetrain.errors import ConfigError, MoetrainError
@@ -66,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         argv.remove("--debug")
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(_usage())
+        return 0
+    if argv[0] in ("--version", "-V", "version"):
+        print(f"moetrain {__version__} (torch {torch.__version__})")
         return 0
     command, rest = argv[0], argv[1:]
     handler = _HANDLERS.get(command)
@@ -140,17 +146,30 @@ def _usage() -> str:
 
 
 def _split_overrides(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    """Known flags go to argparse; `--section.key=value` strings become config overrides."""
+    """Known flags go to argparse; `--section.key=value` and `--section.key value` become config
+    overrides; an unknown flag is refused with the nearest known one."""
     args, unknown = parser.parse_known_args(argv)
-    overrides = []
-    for item in unknown:
+    overrides, i = [], 0
+    while i < len(unknown):
+        item = unknown[i]
         if item.startswith("--") and "." in item.split("=", 1)[0]:
+            if "=" not in item and i + 1 < len(unknown) and not unknown[i + 1].startswith("--"):
+                item, i = f"{item}={unknown[i + 1]}", i + 1  # --optim.lr 3e-4
             overrides.append(item[2:])
+        elif item.startswith("-"):
+            flags = [f for action in parser._actions for f in action.option_strings]
+            close = difflib.get_close_matches(item.split("=", 1)[0], flags, n=1)
+            hint = f" Did you mean {close[0]}?" if close else ""
+            raise ConfigError(
+                f"Unknown option '{item}' for 'moetrain {parser.prog.split()[-1]}'.{hint} Config keys are set as "
+                "--section.key=value or --section.key value (for example --optim.lr=1e-3); see --help."
+            )
         else:
             raise ConfigError(
-                f"Unknown argument '{item}' for 'moetrain {parser.prog.split()[-1]}'. Config keys "
-                "are set as --section.key=value (for example --optim.lr=1e-3); see --help."
+                f"Unexpected argument '{item}' for 'moetrain {parser.prog.split()[-1]}'. Config keys "
+                "are set as --section.key=value or --section.key value (for example --optim.lr 1e-3); see --help."
             )
+        i += 1
     return args, overrides
 
 

@@ -37,6 +37,7 @@ def test_config_prints_the_resolved_yaml(capsys):
         (["config", "tiny", "--optim.lrr=1"], ["optim.lrr"]),
         (["config", "nope"], ["nope"]),
         (["config", "tiny", "--bogus"], ["--bogus"]),
+        (["train", "tiny", "--stpes", "3"], ["--stpes", "Did you mean --steps?"]),
         (
             ["train", "tiny", "--data.sources=[/does/not/exist]", "--run-dir", "/tmp/moetrain-cli-test"],
             ["/does/not/exist", "prepare-data"],
@@ -51,6 +52,23 @@ def test_user_errors_exit_2_with_one_paragraph_and_no_traceback(args, words):
     assert out.stderr.startswith("error: ")
     for word in words:
         assert word in out.stderr
+
+
+def test_config_keys_take_a_value_after_a_space_too(capsys):
+    """--optim.lr 3e-4 as torchtitan and most command lines accept, beside --optim.lr=3e-4; a
+    list too."""
+    assert (
+        main(["config", "tiny", "--optim.lr", "3e-4", "--optim.weight_decay", "0.5", "--data.sources", "[a, b]"]) == 0
+    )
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    assert cfg["optim"]["lr"] == 3e-4 and cfg["optim"]["weight_decay"] == 0.5 and cfg["data"]["sources"] == ["a", "b"]
+
+
+def test_version(capsys):
+    import moetrain
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith(f"moetrain {moetrain.__version__} (torch ")
 
 
 def test_debug_shows_the_traceback():
