@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from moetrain import __version__
 from moetrain.bench import run_bench
+from moetrain.config import keys_reference
 from moetrain.data.prepare import main as prepare_main
 from moetrain.errors import ConfigError, MoetrainError
 from moetrain.hf import export_hf, import_hf
@@ -29,6 +30,7 @@ from moetrain.model.counting import count_params, flops_per_token
 from moetrain.parallel.distributed import shutdown, unresponsive_ranks
 from moetrain.plan import plan, report, suggest, to_json
 from moetrain.presets import PRESETS, resolve_config
+from moetrain.train.config import RunConfig
 from moetrain.train.plot import plot_compare
 from moetrain.train.trainer import Trainer
 
@@ -314,6 +316,11 @@ def cmd_plan(argv: list[str]) -> int:
 
 def cmd_config(argv: list[str]) -> int:
     parser = _config_parser("config", "Print the resolved config as YAML.", train_flags=True)
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog += (
+        "\n\nEvery config key (--key=value or --key value; the defaults are the dataclasses', "
+        "presets set their own):\n" + keys_reference(RunConfig)
+    )
     args, overrides = _split_overrides(parser, argv)
     print(_resolve(args, overrides).to_yaml(), end="")
     return 0

@@ -9,11 +9,15 @@ with the dotted key in the message; `apply_overrides` applies `--a.b.c=value` st
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
 import enum
+import inspect
+import textwrap
 import types
 import typing
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Self
 
@@ -52,6 +56,87 @@ class Config:
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class FieldInfo:
+    """One leaf key of a config tree (`walk_fields`)."""
+
+    dotted: str
+    type: Any
+    default: Any
+    """The dataclass default (`dataclasses.MISSING` when there is none); presets may set others."""
+    doc: str
+
+
+def walk_fields(cls: type[Config], prefix: str = "") -> Iterator[FieldInfo]:
+    """Every leaf key of the config class `cls`, dotted, depth first in declaration order, with
+    its type, default and docstring (the string literal after the field in the class body)."""
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        tp = hints[f.name]
+        if isinstance(tp, type) and issubclass(tp, Config):
+            yield from walk_fields(tp, f"{prefix}{f.name}.")
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = dataclasses.MISSING
+        yield FieldInfo(f"{prefix}{f.name}", tp, default, docs.get(f.name, ""))
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Field name → its attribute docstring, read from the source of `cls` and its bases."""
+    out: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        except (OSError, TypeError, SyntaxError):  # no source (e.g. a frozen install)
+            continue
+        for stmt, after in zip(body, body[1:]):
+            if (
+                isinstance(stmt, ast.AnnAssign)
+                and isinstance(stmt.target, ast.Name)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
+                out[stmt.target.id] = inspect.cleandoc(after.value.value)
+    return out
+
+
+def type_name(tp: Any) -> str:
+    """A field's type as the help shows it: `int`, `float or null`, `list[str]`, `one of a|b`."""
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return "one of " + "|".join(str(m.value) for m in tp)
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        names = [type_name(a) for a in args if a is not type(None)]
+        return " or ".join(names) + (" or null" if type(None) in args else "")
+    if args:
+        return f"{getattr(typing.get_origin(tp), '__name__', str(tp))}[{', '.join(type_name(a) for a in args)}]"
+    return getattr(tp, "__name__", str(tp))
+
+
+def keys_reference(cls: type[Config], width: int = 100) -> str:
+    """Every key of `cls` for a --help text: dotted name, type and default, then the docstring."""
+    lines = []
+    for info in walk_fields(cls):
+        default = ""
+        if info.default is not dataclasses.MISSING:
+            shown = yaml.safe_dump(_plain(info.default), default_flow_style=True).strip()
+            default = f" = {shown.removesuffix('...').strip()}"
+        lines.append(f"  {info.dotted}  ({type_name(info.type)}){default}")
+        for line in textwrap.wrap(" ".join(info.doc.split()) or "(undocumented)", width - 6):
+            lines.append(f"      {line}")
+    return "\n".join(lines)
 
 
 def validate_tree(cfg: Config) -> None:

@@ -120,7 +120,9 @@ class TransformerConfig(Config):
     peri_norm: bool = False
     """Also normalize each sublayer's output before the residual add (pre-norm otherwise)."""
     norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm."""
     rope_theta: float = 500_000.0
+    """RoPE base: the rotation of pair i advances by theta^(-2i/head_dim) per position."""
     init_std: float = 0.02
     """Std of the (truncated) normal initialization; output projections use
     init_std / sqrt(2 × n_layers)."""

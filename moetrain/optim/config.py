@@ -51,7 +51,9 @@ class OptimConfig(Config):
     lr: float = 3e-3
     """Peak learning rate."""
     betas: list[float] = dataclasses.field(default_factory=lambda: [0.9, 0.95])
+    """AdamW's decay rates of the first and second moments."""
     eps: float = 1e-8
+    """AdamW's epsilon, added to the square root of the second moment."""
     weight_decay: float = 0.1
     """Decoupled weight decay on matrices; never on norms, embeddings or biases."""
     grad_clip: float = 1.0
@@ -105,7 +107,10 @@ class OptimConfig(Config):
 @dataclasses.dataclass(kw_only=True)
 class ScheduleConfig(Config):
     kind: ScheduleKind = ScheduleKind.cosine
+    """Shape of the learning rate after warm-up: cosine decay to min_lr_ratio, wsd (constant,
+    then a linear decay over decay_fraction of the steps), or constant."""
     warmup_steps: int = 30
+    """Steps of linear warm-up from 0 to the peak learning rate."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of the peak."""
     decay_fraction: float = 0.2

@@ -46,10 +46,14 @@ class TrainerConfig(Config):
     """Sequences per forward/backward, summed over data-parallel ranks; gradient accumulation
     steps = global_batch_size / micro_batch_size."""
     seed: int = 0
+    """Seed of the initialization, the data order and random routing."""
     device: str = "auto"
     """cpu, cuda, cuda:N or auto (cuda when available)."""
     precision: Precision = Precision.auto
+    """fp32, bf16 (autocast, or bf16 weights with optim.bf16_weights) or auto (bf16 on CUDA,
+    fp32 on CPU)."""
     run_dir: str = "runs/default"
+    """Where config.yaml, metrics.jsonl, checkpoints/ and the plots go (--run-dir)."""
     log_every: int = 10
     """Write metrics.jsonl (and sync the device) every N steps; the first and last steps always."""
     eval_every: int = 100
@@ -73,6 +77,8 @@ class TrainerConfig(Config):
     fp8: Fp8 = Fp8.none
     """FP8 matrix products (see Fp8)."""
     recompute: Recompute = Recompute.none
+    """Activation recompute: none, full (keep only each block's input) or selective (also keep
+    the matrix products' and collectives' outputs)."""
     recompute_every: int = 1
     """With recompute: only every Nth block (blocks 0, N, 2N, …) recomputes; the others keep
     their activations (less recompute, more memory)."""
