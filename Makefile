@@ -35,10 +35,11 @@ train: data
 	$(PY) -m moetrain train tiny --run-dir $(RUN) --steps $(STEPS) --data.sources='[$(DATA)]'
 	@$(PY) -m moetrain.train.report $(RUN)
 
-# The tests also cover the Hugging Face export and the Weights & Biases sink: the optional `hf`
-# (transformers) and `wandb` extras.
+# The tests also cover the Hugging Face export, the Weights & Biases sink and the parquet /
+# datasets inputs of prepare-data: the optional `hf` (transformers), `wandb` and `data` (pyarrow)
+# extras.
 $(TEST_STAMP): $(STAMP)
-	$(PY) -m pip install --quiet -e ".[hf,wandb]"
+	$(PY) -m pip install --quiet -e ".[hf,wandb,data]"
 	@touch $(TEST_STAMP)
 
 # Lint and format check first (seconds), then the suite: one line per test file as it goes,

@@ -37,6 +37,7 @@ EXTRAS = {
     "matplotlib": "viz",
     "tensorboard": "viz",
     "wandb": "wandb",
+    "pyarrow": "data",
 }
 """Optional packages → the pyproject extra that installs them."""
 

@@ -81,3 +81,12 @@ def test_require_names_the_purpose_and_every_optional_package_has_an_extra(monke
     ]
     for package, extra in EXTRAS.items():
         assert any(dep.startswith(package) for dep in extras[extra]), (package, extra)
+
+
+def test_data_extra_missing_pyarrow(monkeypatch, tmp_path, capsys):
+    (tmp_path / "d.parquet").write_bytes(b"PAR1")  # never opened: the import fails first
+    hide(monkeypatch, "pyarrow")
+    assert main(["prepare-data", str(tmp_path / "d.parquet"), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    one_paragraph(err, "data")
+    assert "d.parquet" in err

@@ -2,23 +2,33 @@
 
     moetrain prepare-data INPUT... --out DIR [--tokenizer tokenizer.json] [--vocab-size 8192]
                           [--val-frac 0.02] [--text-key text] [--seed 0] [--default-corpus]
+                          [--eos-id N] [--workers N]
 
-Inputs are .txt/.rst/.md files (one document each), .jsonl files (one document per line, in
-field --text-key) and directories (walked for those extensions); --default-corpus adds the
-embedded corpus (`moetrain.data.corpus`). The result is the format `moetrain.data.tokens` reads.
+Inputs are .txt/.rst/.md files and UTF-8 text files without an extension (one document each),
+.jsonl files (one document per line, in field --text-key), .parquet files (one document per
+row, column --text-key), Hugging Face `datasets` directories written by `save_to_disk` (one
+document per row; a DatasetDict's splits one after the other), already-tokenized .npy files
+(1-D uint16/uint32 ids, documents separated by the EOS id: copied as they are, not
+re-tokenized; they need --tokenizer, the tokenizer that made them) and directories (walked for
+all of these); --default-corpus adds the embedded corpus (`moetrain.data.corpus`). The result is
+the format `moetrain.data.tokens` reads. Parquet and datasets directories need pyarrow
+(`pip install 'moetrain[data]'`).
 
 Everything streams, so memory stays flat however large the input: we pass over the documents
 three times, holding at most one batch of them at once:
 1. split: decide which whole documents are held out for validation (a stable hash of the seed
    and the document name), and count them for the progress bar;
 2. tokenizer: unless --tokenizer is given, train a byte-level BPE on the training documents;
-3. tokenize: `encode_batch` (Rust, all cores) one batch at a time, appending ids + EOS to
-   train.bin / val.bin under temporary names, renamed only when everything succeeded.
+3. tokenize: `encode_batch` (Rust, all cores) one batch at a time — in --workers processes, each
+   batch's result taken in input order, so the files are byte-identical whatever the count —
+   appending ids + EOS to train.bin / val.bin under temporary names, renamed only when
+   everything succeeded.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import hashlib
 import json
@@ -34,10 +44,15 @@ from tqdm import tqdm
 
 from moetrain.data.corpus import default_corpus_documents
 from moetrain.data.tokens import EOS_TOKEN, FORMAT, META_FILE, dtype_for_vocab, write_meta
-from moetrain.errors import ConfigError, DataError, MoetrainError
+from moetrain.errors import ConfigError, DataError, MoetrainError, require
 
 TEXT_SUFFIXES = (".txt", ".rst", ".md")
 JSONL_SUFFIX = ".jsonl"
+PARQUET_SUFFIX = ".parquet"
+NPY_SUFFIX = ".npy"
+ARROW_SUFFIX = ".arrow"
+"""The record-batch stream files of a `datasets.save_to_disk` directory."""
+READ_SUFFIXES = (*TEXT_SUFFIXES, JSONL_SUFFIX, PARQUET_SUFFIX, NPY_SUFFIX, ARROW_SUFFIX)
 SNIFF_BYTES = 8192
 """Bytes read from a file without an extension to decide whether it is UTF-8 text."""
 BATCH_DOCS = 256
@@ -46,7 +61,9 @@ BATCH_BYTES = 4 << 20
 """...or this many bytes of text, whichever comes first, so long documents keep memory bounded."""
 DEFAULT_CORPUS = "default-corpus"
 
-Document = tuple[str, str]  # (name, text); the name decides the split, so keep it stable
+Document = tuple[str, "str | np.ndarray"]
+"""(name, text) — or (name, token ids) from a .npy input; the name decides the split, so keep
+it stable."""
 
 
 def main(argv: list[str]) -> int:
@@ -56,7 +73,11 @@ def main(argv: list[str]) -> int:
         description="Tokenize text files into train.bin / val.bin / meta.json / tokenizer.json.",
     )
     parser.add_argument(
-        "inputs", nargs="*", metavar="INPUT", help="text files (.txt .rst .md), .jsonl files or directories"
+        "inputs",
+        nargs="*",
+        metavar="INPUT",
+        help="text files (.txt .rst .md or no extension), .jsonl, .parquet, datasets directories "
+        "(save_to_disk), tokenized .npy files, or directories holding them",
     )
     parser.add_argument("--out", required=True, metavar="DIR", help="output directory")
     parser.add_argument(
@@ -68,7 +89,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--val-frac", type=float, default=0.02, help="fraction of documents held out for validation (default 0.02)"
     )
-    parser.add_argument("--text-key", default="text", help="text field of .jsonl records")
+    parser.add_argument("--text-key", default="text", help="text field of .jsonl records, column of .parquet/datasets")
     parser.add_argument("--seed", type=int, default=0, help="seed of the train/val split")
     parser.add_argument(
         "--default-corpus", action="store_true", help="add the embedded corpus (Shakespeare, KJV Bible, Python docs)"
@@ -76,6 +97,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--eos-token", metavar="NAME", help=f"end-of-document token of --tokenizer (default {EOS_TOKEN})"
     )
+    parser.add_argument(
+        "--eos-id", type=int, metavar="N", help="the id that ends documents in .npy inputs (default: the tokenizer's)"
+    )
+    parser.add_argument("--workers", type=int, default=1, metavar="N", help="tokenizer processes (default 1)")
     args = parser.parse_args(argv)
 
     start = time.perf_counter()
@@ -89,6 +114,8 @@ def main(argv: list[str]) -> int:
         seed=args.seed,
         default_corpus=args.default_corpus,
         eos_token=args.eos_token,
+        eos_id=args.eos_id,
+        workers=args.workers,
     )
     splits = meta["splits"]
     summary = {
@@ -115,6 +142,8 @@ def prepare_data(
     seed: int = 0,
     default_corpus: bool = False,
     eos_token: str | None = None,
+    eos_id: int | None = None,
+    workers: int = 1,
     progress: bool = True,
     batch_docs: int = BATCH_DOCS,
     batch_bytes: int = BATCH_BYTES,
@@ -122,6 +151,8 @@ def prepare_data(
     """Tokenize `inputs` into the directory `out` and return its metadata (meta.json)."""
     if not 0.0 <= val_frac < 1.0:
         raise ConfigError(f"--val-frac={val_frac} must be in [0, 1), for example 0.02.")
+    if not 1 <= workers <= 256:
+        raise ConfigError(f"--workers={workers} must be between 1 and 256 (processes that tokenize).")
     if tokenizer is None and not 257 <= vocab_size <= 2**32:
         raise ConfigError(
             f"--vocab-size={vocab_size} must be at least 257 (the 256 byte tokens plus "
@@ -140,12 +171,27 @@ def prepare_data(
     if skipped and progress:
         print(f"prepare-data: skipped {len(skipped)} file(s) it does not read: {shown}", file=sys.stderr)
 
+    has_tokens = any(path.suffix == NPY_SUFFIX for path, _ in files)
+    if has_tokens and tokenizer is None:
+        raise ConfigError(
+            "The .npy inputs are already tokenized: pass --tokenizer FILE, the tokenizer.json that "
+            "made them (its vocabulary sizes the model; its EOS id, or --eos-id, separates documents)."
+        )
+    if eos_id is not None and tokenizer is None:
+        raise ConfigError(
+            f"--eos-id={eos_id} names an id of an existing tokenizer: pass it with --tokenizer FILE "
+            "(a trained BPE ends documents with its own <|endoftext|>)."
+        )
+    tok = _load_external_tokenizer(Path(tokenizer)) if tokenizer is not None else None
+    if tok is not None:
+        eos_id = _resolve_eos(tok, tokenizer, eos_token, eos_id)
+
     def documents() -> Iterator[Document]:
-        return iter_documents(files, text_key=text_key, default_corpus=default_corpus)
+        return iter_documents(files, text_key=text_key, default_corpus=default_corpus, eos_id=eos_id)
 
     split = _plan_split(documents(), seed=seed, val_frac=val_frac)
 
-    if tokenizer is None:
+    if tok is None:
 
         def train_texts() -> Iterator[list[str]]:
             for batch in _batches(documents(), batch_docs, batch_bytes):
@@ -154,16 +200,7 @@ def prepare_data(
                     yield texts
 
         tok = train_bpe(train_texts(), vocab_size=vocab_size, progress=progress)
-        eos_token = EOS_TOKEN
-    else:
-        tok = _load_external_tokenizer(Path(tokenizer))
-        eos_token = eos_token or EOS_TOKEN
-    eos_id = tok.token_to_id(eos_token)
-    if eos_id is None:
-        raise DataError(
-            f"Tokenizer '{tokenizer}' has no token {eos_token!r} to end documents with. Name its "
-            "end-of-document token with --eos-token NAME (for example --eos-token '</s>')."
-        )
+        eos_id = tok.token_to_id(EOS_TOKEN)
     # A document that contains the text "<|endoftext|>" must not produce a real EOS id; the
     # flag lives on this in-memory tokenizer only (tokenizer.json does not store it).
     tok.encode_special_tokens = True
@@ -180,6 +217,7 @@ def prepare_data(
         dtype=dtype,
         eos_id=eos_id,
         progress=progress,
+        workers=workers,
     )
     meta = {
         "format": FORMAT,
@@ -209,6 +247,12 @@ def collect_files(inputs: Iterable[str | os.PathLike], skipped: list[str] | None
             root_name = path.resolve().name
             for dirpath, dirnames, filenames in os.walk(path):
                 dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+                arrow = _dataset_files(Path(dirpath))
+                if arrow is not None:  # a save_to_disk directory: its files in the dataset's order
+                    prefix = f"{root_name}/{Path(dirpath).relative_to(path).as_posix()}".removesuffix("/.")
+                    files += [(file, f"{prefix}/{file.name}") for file in arrow]
+                    dirnames[:] = [] if (Path(dirpath) / "state.json").is_file() else dirnames
+                    continue
                 for name in sorted(filenames):
                     file = Path(dirpath) / name
                     if name.startswith("."):
@@ -236,13 +280,24 @@ def collect_files(inputs: Iterable[str | os.PathLike], skipped: list[str] | None
 
 
 def iter_documents(
-    files: Iterable[tuple[Path, str]], *, text_key: str = "text", default_corpus: bool = False
+    files: Iterable[tuple[Path, str]],
+    *,
+    text_key: str = "text",
+    default_corpus: bool = False,
+    eos_id: int | None = None,
 ) -> Iterator[Document]:
-    """Stream `(name, text)` documents from `collect_files` output (then the default corpus).
-    A .jsonl file is read line by line; empty documents are skipped."""
+    """Stream `(name, text)` documents from `collect_files` output (then the default corpus),
+    and `(name, ids)` from .npy token files (split at `eos_id`). A .jsonl file is read line by
+    line, a .parquet file or a datasets .arrow file batch by batch; empty text documents are
+    skipped (an empty token document is kept: its EOS is an input token)."""
     for path, name in files:
         if path.suffix == JSONL_SUFFIX:
             yield from _jsonl_documents(path, name, text_key)
+        elif path.suffix in (PARQUET_SUFFIX, ARROW_SUFFIX):
+            yield from _table_documents(path, name, text_key)
+        elif path.suffix == NPY_SUFFIX:
+            assert eos_id is not None, "prepare_data resolves the EOS id before reading .npy inputs"
+            yield from _token_documents(path, name, eos_id)
         else:
             try:
                 # newline="" keeps "\r\n" as it is: the tokens reproduce the file exactly.
@@ -342,10 +397,11 @@ def _batches(documents: Iterator[Document], max_docs: int, max_bytes: int):
         yield batch
 
 
-def _write_splits(tok, batches, split: _Split, out: Path, *, dtype, eos_id: int, progress: bool):
-    """Encode each batch and append its documents' ids + EOS to train.bin / val.bin, written
-    under temporary names and renamed (with tokenizer.json) only once all went well. Returns
-    the `splits` entry of meta.json."""
+def _write_splits(tok, batches, split: _Split, out: Path, *, dtype, eos_id: int, progress: bool, workers: int = 1):
+    """Encode each batch (in `workers` processes, results in input order) and append its
+    documents' ids + EOS to train.bin / val.bin, written under temporary names and renamed (with
+    tokenizer.json) only once all went well. Token documents (.npy) are copied as they are,
+    after a check that every id is in the vocabulary. Returns the `splits` entry of meta.json."""
     names = {"train": "train.bin", "val": "val.bin", "tokenizer": "tokenizer.json"}
     partial = {s: out / f".{f}.partial" for s, f in names.items()}
     counts = {s: {"file": names[s], "num_tokens": 0, "num_documents": 0} for s in ("train", "val")}
@@ -358,14 +414,36 @@ def _write_splits(tok, batches, split: _Split, out: Path, *, dtype, eos_id: int,
         dynamic_ncols=True,
     )
     num_bytes = 0
+    vocab_size = tok.get_vocab_size()
+    pool = None
     try:
         tok.save(str(partial["tokenizer"]))
+        if workers > 1:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            # spawn: a forked child would inherit the tokenizers library's thread pool state. An
+            # executor, not a Pool: a worker that dies raises BrokenProcessPool here, not a hang.
+            pool = ProcessPoolExecutor(
+                workers,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_worker_init,
+                initargs=(tok.to_str(), tok.encode_special_tokens),
+            )
+            encoded = _in_order(pool, batches, depth=2 * workers)
+        else:
+            encoded = (_encode_batch(tok, batch) for batch in batches)
         with open(partial["train"], "wb") as f_train, open(partial["val"], "wb") as f_val:
             files = {"train": f_train, "val": f_val}
-            for batch in batches:
-                ids_per_doc = _encode(tok, [text for _, _, text in batch])
+            for batch, ids_per_doc in encoded:
                 pieces: dict[str, list[np.ndarray]] = {"train": [], "val": []}
-                for (pos, name, _), ids in zip(batch, ids_per_doc, strict=True):
+                for (pos, name, is_text, _), ids in zip(batch, ids_per_doc, strict=True):
+                    if not is_text and ids.shape[0] and int(ids.max()) >= vocab_size:
+                        bad = int(np.flatnonzero(np.asarray(ids) >= vocab_size)[0])
+                        raise DataError(
+                            f"{name}: token {bad + 1} of the document is id {int(ids[bad])}, outside the "
+                            f"tokenizer's vocabulary (0..{vocab_size - 1}). Pass the --tokenizer that made the file."
+                        )
                     s = "val" if split.is_val(pos, name) else "train"
                     pieces[s] += [np.asarray(ids, dtype=dtype), np.array([eos_id], dtype=dtype)]
                     counts[s]["num_documents"] += 1
@@ -374,7 +452,7 @@ def _write_splits(tok, batches, split: _Split, out: Path, *, dtype, eos_id: int,
                         ids_N = np.concatenate(arrays)
                         ids_N.tofile(files[s])
                         counts[s]["num_tokens"] += int(ids_N.shape[0])
-                num_bytes += sum(len(text.encode("utf-8")) for _, _, text in batch)
+                num_bytes += sum(nbytes for _, _, _, nbytes in batch)
                 bar.set_postfix_str(f"{num_bytes / 1e6:.1f} MB", refresh=False)
                 bar.update(len(batch))
     except BaseException:
@@ -383,6 +461,8 @@ def _write_splits(tok, batches, split: _Split, out: Path, *, dtype, eos_id: int,
         raise
     finally:
         bar.close()
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
     # Renaming is the commit. Drop the old meta.json first: a crash between the renames then
     # leaves a directory that reads as incomplete, not stale metadata beside new files.
     (out / META_FILE).unlink(missing_ok=True)
@@ -391,9 +471,28 @@ def _write_splits(tok, batches, split: _Split, out: Path, *, dtype, eos_id: int,
     return counts
 
 
+def _dataset_files(directory: Path) -> list[Path] | None:
+    """The .arrow files of a `datasets` `save_to_disk` directory in the dataset's row order
+    (state.json's `_data_files`), [] for a DatasetDict's root (its splits are subdirectories,
+    walked next); None for any other directory."""
+    state = directory / "state.json"
+    if state.is_file() and (directory / "dataset_info.json").is_file():
+        try:
+            names = [entry["filename"] for entry in json.loads(state.read_text())["_data_files"]]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise DataError(f"'{state}' is not a datasets state file ({e}): re-save the dataset.") from None
+        missing = [n for n in names if not (directory / n).is_file()]
+        if missing:
+            raise DataError(f"datasets directory '{directory}' lacks {', '.join(missing)} (listed in state.json).")
+        return [directory / n for n in names]
+    if (directory / "dataset_dict.json").is_file():
+        return []
+    return None
+
+
 def _unreadable(path: Path) -> str | None:
     """None when prepare-data reads `path`, else why not."""
-    if path.suffix in TEXT_SUFFIXES or path.suffix == JSONL_SUFFIX:
+    if path.suffix in READ_SUFFIXES:
         return None
     if path.suffix:
         return f"extension {path.suffix} is not read"
@@ -409,10 +508,61 @@ def _unreadable(path: Path) -> str | None:
     return None
 
 
-def _encode(tok, texts: list[str]) -> list[list[int]]:
-    """Token ids of each text, encoded in parallel by the Rust library (no special tokens)."""
+def _encode(tok, docs: list) -> list:
+    """Token ids of each text document, encoded in parallel by the Rust library (no special
+    tokens); token documents (arrays) pass through."""
+    texts = [d for d in docs if isinstance(d, str)]
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # _fast skips offsets
-    return [e.ids for e in encode(texts, add_special_tokens=False)]
+    encoded = iter([e.ids for e in encode(texts, add_special_tokens=False)] if texts else [])
+    return [next(encoded) if isinstance(d, str) else d for d in docs]
+
+
+def _encode_batch(tok, batch: list[tuple[int, str, Any]]):
+    """A batch of (position, name, document) → ([(position, name, is_text, bytes)], ids per
+    document): what the writer needs, without the texts (which a worker need not send back)."""
+    docs = [d for _, _, d in batch]
+    info = [
+        (pos, name, isinstance(d, str), len(d.encode("utf-8")) if isinstance(d, str) else d.nbytes)
+        for pos, name, d in batch
+    ]
+    return info, _encode(tok, docs)
+
+
+def _in_order(pool, batches, depth: int):
+    """The workers' results in input order, at most `depth` batches in flight (mapping over the
+    whole input would read it all ahead into the task queue)."""
+    from concurrent.futures.process import BrokenProcessPool
+
+    pending: collections.deque = collections.deque()
+    try:
+        for batch in batches:
+            pending.append(pool.submit(_worker_encode, batch))
+            if len(pending) >= depth:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    except BrokenProcessPool as e:
+        raise ConfigError(
+            f"prepare-data --workers: a tokenizer process died ({e}). Called from an interactive "
+            "session or a script without `if __name__ == '__main__':`, spawned workers cannot start: "
+            "use workers=1 there (the moetrain command works with any count)."
+        ) from None
+
+
+_WORKER_TOKENIZER = None
+
+
+def _worker_init(tokenizer_json: str, encode_special_tokens: bool) -> None:
+    global _WORKER_TOKENIZER
+    os.environ["RAYON_NUM_THREADS"] = "1"  # one thread per worker process: --workers sets the parallelism
+    from tokenizers import Tokenizer
+
+    _WORKER_TOKENIZER = Tokenizer.from_str(tokenizer_json)
+    _WORKER_TOKENIZER.encode_special_tokens = encode_special_tokens
+
+
+def _worker_encode(batch):
+    return _encode_batch(_WORKER_TOKENIZER, batch)
 
 
 def _jsonl_documents(path: Path, name: str, text_key: str) -> Iterator[Document]:
@@ -436,6 +586,82 @@ def _jsonl_documents(path: Path, name: str, text_key: str) -> Iterator[Document]
                 )
             if text:
                 yield f"{name}:{line_number}", text
+
+
+def _table_documents(path: Path, name: str, text_key: str) -> Iterator[Document]:
+    """Rows of a .parquet file or of a datasets .arrow stream, column `text_key`, a record batch
+    at a time; documents named file:row (from 1)."""
+    pa = require("pyarrow", f"prepare-data reading '{path}'")
+    try:
+        if path.suffix == PARQUET_SUFFIX:
+            pq = require("pyarrow.parquet", f"prepare-data reading '{path}'")
+            table = pq.ParquetFile(path)
+            columns = table.schema_arrow.names
+            batches = table.iter_batches(batch_size=1024, columns=[text_key]) if text_key in columns else None
+        else:
+            reader = pa.ipc.open_stream(pa.memory_map(str(path)))
+            columns = reader.schema.names
+            batches = reader if text_key in columns else None
+    except pa.ArrowException as e:
+        raise DataError(f"Input '{path}' cannot be read as {path.suffix[1:]} ({e}).") from None
+    if batches is None:
+        raise DataError(
+            f"Input '{path}' has no column {text_key!r} (columns: {', '.join(columns)}). Name the "
+            "column holding the text with --text-key."
+        )
+    row = 0
+    for batch in batches:
+        for text in batch.column(text_key).to_pylist():
+            row += 1
+            if text is None:
+                continue
+            if not isinstance(text, str):
+                raise DataError(
+                    f"{path}, row {row}: column {text_key!r} holds {type(text).__name__}, not text. "
+                    "Name the text column with --text-key."
+                )
+            if text:
+                yield f"{name}:{row}", text
+
+
+def _token_documents(path: Path, name: str, eos_id: int) -> Iterator[Document]:
+    """An already-tokenized 1-D .npy file as documents ending at each `eos_id` (the EOS itself
+    not included: the writer appends it back); tokens after the last EOS make a last document.
+    Named file:index (from 1)."""
+    try:
+        ids = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError) as e:
+        raise DataError(f"Input '{path}' is not a .npy token file ({e}).") from None
+    if ids.ndim != 1 or ids.dtype not in (np.uint16, np.uint32):
+        raise DataError(
+            f"Input '{path}' holds {ids.dtype} ids of shape {tuple(ids.shape)}: prepare-data reads 1-D "
+            "uint16 or uint32 token files (documents separated by the EOS id). Convert it, e.g. "
+            "np.save(path, ids.astype(np.uint32).ravel())."
+        )
+    ends = np.flatnonzero(ids == eos_id)
+    start = 0
+    for k, end in enumerate(ends, start=1):
+        yield f"{name}:{k}", ids[start:end]
+        start = int(end) + 1
+    if start < ids.shape[0]:
+        yield f"{name}:{len(ends) + 1}", ids[start:]
+
+
+def _resolve_eos(tok, tokenizer, eos_token: str | None, eos_id: int | None) -> int:
+    """The id that ends documents: --eos-id, else the id of --eos-token (default <|endoftext|>)."""
+    vocab = tok.get_vocab_size()
+    if eos_id is not None:
+        if not 0 <= eos_id < vocab:
+            raise ConfigError(f"--eos-id={eos_id} is not an id of '{tokenizer}' (its vocabulary: 0..{vocab - 1}).")
+        return eos_id
+    eos_token = eos_token or EOS_TOKEN
+    found = tok.token_to_id(eos_token)
+    if found is None:
+        raise DataError(
+            f"Tokenizer '{tokenizer}' has no token {eos_token!r} to end documents with. Name its "
+            "end-of-document token with --eos-token NAME (for example --eos-token '</s>'), or its id with --eos-id."
+        )
+    return found
 
 
 def _load_external_tokenizer(path: Path):

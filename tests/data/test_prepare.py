@@ -9,7 +9,7 @@ import pytest
 from moetrain.data import corpus, prepare
 from moetrain.data.prepare import collect_files, iter_documents, main, prepare_data, val_score
 from moetrain.data.tokens import load_tokenizer, open_source
-from moetrain.errors import DataError
+from moetrain.errors import ConfigError, DataError
 
 TRICKY = [
     "Hello, world!\n",
@@ -269,3 +269,133 @@ def test_extensionless_utf8_text_is_read_and_skipped_files_are_named(tmp_path, c
     (only_skipped / "table.csv").write_text("x\n")
     with pytest.raises(DataError, match=r"no input documents.*Skipped 1 file\(s\): .*table.csv \(extension .csv"):
         prepare_data([only_skipped], tmp_path / "out2", vocab_size=300)
+
+
+# ---- inputs clusters already hold: tokenized .npy, parquet, datasets directories; workers ----
+
+
+def _tokenizer_file(tmp_path):
+    """A tokenizer.json from a small prepared directory (what made the .npy files)."""
+    src = tmp_path / "tok-src"
+    _prepare([_write_docs(tmp_path, [f"some words number {i} " * 30 for i in range(20)], "tokdocs")], src)
+    return src / "tokenizer.json"
+
+
+def _split_docs(tf):
+    return [tuple(d) for d in _documents(tf)]
+
+
+def test_npy_tokens_are_copied_not_retokenized_each_token_once(tmp_path):
+    tokenizer = _tokenizer_file(tmp_path)
+    tok = load_tokenizer(tokenizer)
+    eos, vocab = tok.token_to_id("<|endoftext|>"), tok.get_vocab_size()
+    rng = np.random.default_rng(0)
+
+    def ids(n):  # any id but the EOS
+        x = rng.integers(0, vocab - 1, size=n)
+        return (x + (x >= eos)).astype(np.uint16)
+
+    docs = [ids(n) for n in (5, 0, 17, 3, 40, 1, 9, 12)]
+    stream = np.concatenate([np.append(d, np.uint16(eos)) for d in docs] + [np.array([7, 8, 9], np.uint16)])
+    np.save(tmp_path / "shard.npy", stream)  # ends without an EOS: the tail is a last document
+    meta = _prepare([tmp_path / "shard.npy"], tmp_path / "out", tokenizer=tokenizer, val_frac=0.3, seed=1)
+    train, val = open_source(tmp_path / "out", "train"), open_source(tmp_path / "out", "val")
+    got = _split_docs(train) + _split_docs(val)
+    want = [tuple(int(i) for i in d) for d in docs] + [(7, 8, 9)]
+    assert sorted(got) == sorted(want) and len(_split_docs(val)) >= 1
+    # every input token once, plus the EOS appended to the unterminated last document
+    assert train.tokens_N.shape[0] + val.tokens_N.shape[0] == stream.shape[0] + 1
+    assert meta["eos_id"] == eos
+
+
+def test_npy_with_its_own_eos_id_uint32_and_text_beside_it(tmp_path):
+    tokenizer = _tokenizer_file(tmp_path)
+    sep = 5  # the shard's own separator id, not the tokenizer's EOS
+    np.save(tmp_path / "a.npy", np.array([1, 2, sep, 3, 4, 4, sep], dtype=np.uint32))
+    (tmp_path / "t.txt").write_text("some words number 3")
+    _prepare([tmp_path / "a.npy", tmp_path / "t.txt"], tmp_path / "out", tokenizer=tokenizer, eos_id=sep, val_frac=0.0)
+    train = open_source(tmp_path / "out", "train")
+    docs = _split_docs(train)
+    assert docs[:2] == [(1, 2), (3, 4, 4)] and train.eos_id == sep and len(docs) == 3
+
+
+def test_npy_mistakes_are_named(tmp_path):
+    np.save(tmp_path / "a.npy", np.array([1, 2, 3], dtype=np.uint16))
+    with pytest.raises(ConfigError, match="already tokenized: pass --tokenizer"):
+        _prepare([tmp_path / "a.npy"], tmp_path / "out")
+    tokenizer = _tokenizer_file(tmp_path)
+    np.save(tmp_path / "f.npy", np.array([1.0, 2.0]))
+    with pytest.raises(DataError, match=r"f.npy' holds float64 ids.*uint16 or uint32"):
+        _prepare([tmp_path / "f.npy"], tmp_path / "o1", tokenizer=tokenizer)
+    np.save(tmp_path / "big.npy", np.array([1, 60000], dtype=np.uint16))
+    with pytest.raises(DataError, match=r"big.npy:1: token 2 of the document is id 60000, outside"):
+        _prepare([tmp_path / "big.npy"], tmp_path / "o2", tokenizer=tokenizer, val_frac=0.0)
+    with pytest.raises(ConfigError, match="--eos-id=3 names an id of an existing tokenizer"):
+        _prepare([_write_docs(tmp_path, ["some text"], "plain")], tmp_path / "o4", eos_id=3)
+    with pytest.raises(ConfigError, match="--eos-id=99999"):
+        _prepare([tmp_path / "a.npy"], tmp_path / "o3", tokenizer=tokenizer, eos_id=99999)
+
+
+def test_parquet_rows_are_documents(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    texts = [f"row {i}: " + "words " * (i + 1) for i in range(30)]
+    pq.write_table(pa.table({"body": texts, "id": list(range(30))}), tmp_path / "d.parquet", row_group_size=7)
+    (tmp_path / "d.txt").write_text(texts[0])  # the same text as a file: a reference tokenization
+    meta = _prepare([tmp_path / "d.parquet"], tmp_path / "out", text_key="body", val_frac=0.0)
+    assert meta["splits"]["train"]["num_documents"] == 30
+    tok = load_tokenizer(tmp_path / "out" / "tokenizer.json")
+    docs = _documents(open_source(tmp_path / "out", "train"))
+    assert [tok.decode(d) for d in docs] == texts
+    with pytest.raises(DataError, match=r"no column 'text' \(columns: body, id\)"):
+        _prepare([tmp_path / "d.parquet"], tmp_path / "o2")
+
+
+def _save_to_disk(directory, texts, shards=2):
+    """What datasets' `Dataset.save_to_disk` writes: record-batch streams, state.json listing
+    them in order, dataset_info.json."""
+    import pyarrow as pa
+
+    directory.mkdir(parents=True)
+    names = []
+    for k in range(shards):
+        name = f"data-{k:05d}-of-{shards:05d}.arrow"
+        part = texts[k * len(texts) // shards : (k + 1) * len(texts) // shards]
+        table = pa.table({"text": part, "n": list(range(len(part)))})
+        with pa.OSFile(str(directory / name), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table, max_chunksize=3)
+        names.append(name)
+    (directory / "state.json").write_text(json.dumps({"_data_files": [{"filename": n} for n in names], "_split": None}))
+    (directory / "dataset_info.json").write_text(json.dumps({"features": {"text": {"dtype": "string"}}}))
+
+
+def test_datasets_directories_single_and_dict(tmp_path):
+    pytest.importorskip("pyarrow")
+    texts = [f"document {i} " * (i % 5 + 1) for i in range(12)]
+    _save_to_disk(tmp_path / "ds", texts)
+    meta = _prepare([tmp_path / "ds"], tmp_path / "out", val_frac=0.0)
+    assert meta["splits"]["train"]["num_documents"] == 12
+    tok = load_tokenizer(tmp_path / "out" / "tokenizer.json")
+    assert [tok.decode(d) for d in _documents(open_source(tmp_path / "out", "train"))] == texts
+    # A DatasetDict: dataset_dict.json at the root, one save_to_disk directory per split.
+    root = tmp_path / "dd"
+    _save_to_disk(root / "train", texts[:8])
+    _save_to_disk(root / "validation", texts[8:])
+    (root / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "validation"]}))
+    meta = _prepare([root], tmp_path / "out2", val_frac=0.0)
+    assert meta["splits"]["train"]["num_documents"] == 12
+
+
+def test_workers_write_byte_identical_files(tmp_path, capsys):
+    texts = [f"text number {i} with some words " * (i % 7 + 1) for i in range(300)]
+    d = _write_docs(tmp_path, texts)
+    outs = []
+    for workers in (1, 4):
+        out = tmp_path / f"w{workers}"
+        prepare_data([str(d)], out, vocab_size=300, workers=workers, batch_docs=16, progress=True)
+        outs.append(out)
+    assert "tokenizing" in capsys.readouterr().err  # the progress bar
+    for name in ("train.bin", "val.bin", "tokenizer.json", "meta.json"):
+        assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes(), name
+    with pytest.raises(ConfigError, match="--workers=0"):
+        prepare_data([str(d)], tmp_path / "w0", vocab_size=300, workers=0)
