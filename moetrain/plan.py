@@ -34,7 +34,10 @@ pipeline rank that needs most:
   weights take; gradients bf16, 2 B, until a second micro-batch or a reducer bucket makes them fp32);
 - the peak is the larger of "weights + optimizer + everything saved at the start of backward
   (and the gradients, when they are kept across micro-batches or in reducer buckets)" and
-  "weights + optimizer + gradients + the optimizer step's work space".
+  "weights + optimizer + gradients + the optimizer step's work space";
+- while a checkpoint is saved or loaded: weights + optimizer + the gradient buckets that persist
+  + what the save or load allocates on the device (`save_temporaries`, `load_temporaries`: each
+  rank writes and reads only its own parts, so nothing but a split master's one-block join).
 The activation terms are an account of the saved tensors of the compiled bf16 step (eager adds
 the norms' and SwiGLU's fp32 intermediates: `compile=false`); they were checked against the peaks
 measured on one H200 (docs/benchmarks.md, "The planner against measured peaks").
@@ -69,11 +72,15 @@ from moetrain.errors import ConfigError
 from moetrain.model.config import Fp8, TransformerConfig
 from moetrain.model.counting import flops_per_token
 from moetrain.model.experts import GroupedExperts
+from moetrain.optim.split_master import is_split_candidate
 from moetrain.parallel.config import DispatcherKind, PipelineSchedule, Recompute, Stack
 from moetrain.parallel.pipeline import stage_layers
 from moetrain.train.config import RunConfig
+from moetrain.train.dcp_shards import PIECE
 
 GIB = 2**30
+_BUCKET_BYTES = 25 * 2**20
+"""The gradient buckets' size (`GradReducer`'s default)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +158,9 @@ class Layout:
     shard_optimizer: bool
     dispatcher: str
     capacity_factor: float | None
+    """nosync: rows through each rank's experts ÷ the balanced load; None = padded (ep×)."""
+    spill_factor: float
+    """nosync: spill rows per pair on the wire beyond the capacity, ÷ the balanced share."""
     recompute: str
     recompute_every: int
     micro_batches: int
@@ -165,7 +175,10 @@ class Layout:
             parts.append(f"pp{self.pp}" + (f"×v{self.stages_per_rank}" if self.stages_per_rank > 1 else ""))
         text = "·".join(parts) + f" {self.stack}"
         if self.ep > 1:
-            text += f" {self.dispatcher}" + (f"(cf {self.capacity_factor:g})" if self.capacity_factor else "")
+            text += f" {self.dispatcher}"
+            if self.dispatcher == DispatcherKind.nosync.value:
+                cf, sf = self.capacity_factor, self.spill_factor
+                text += f"(cf {cf:g}" + (f" + spill {sf:g})" if sf else ")") if cf else "(padded)"
         if self.shard_optimizer:
             text += " sharded-optimizer"
         if self.recompute != "none":
@@ -193,16 +206,20 @@ class Plan:
     peak_gib_per_pipeline_rank: list[float]
     params_per_pipeline_rank: list[int]
     save_peak_gib_per_device: float
-    """Allocated during a checkpoint save (or the template a load fills): the training state, the
-    gradient buckets that persist, and the unsharded temporaries the save makes (`save_temporaries`)."""
+    """Allocated during a checkpoint save: the training state, the gradient buckets that persist,
+    and the temporaries the save makes on the device (`save_temporaries`)."""
     fits_while_saving: bool
+    load_peak_gib_per_device: float
+    """Allocated while a checkpoint is loaded (a resume): the training state, the gradient
+    buckets the optimizer allocates up front, and the load's temporaries (`load_temporaries`)."""
+    fits_while_loading: bool
 
 
 def _block_bytes(
     m: TransformerConfig, moe_block: bool, recompute: str, expert_rows: float, compiled: bool, fp32: bool
 ) -> float:
     """Bytes autograd keeps per token for one block's backward (expert_rows: rows through the
-    experts per token: K, or more with the sync-free dispatcher's padded buffers)."""
+    experts per token: K, or more with the sync-free dispatcher's fixed buffers: `_rows_per_token`)."""
     a = 4 if fp32 else 2  # matmul inputs/outputs (autocast bf16)
     r = 4  # the residual stream is fp32
     D, hd, hq, hkv = m.d_model, m.resolved_head_dim, m.n_heads, m.n_kv_heads
@@ -296,6 +313,7 @@ def layout_of(cfg: RunConfig, gpus: int) -> Layout:
         shard_optimizer=p.shard_optimizer,
         dispatcher=p.dispatcher.value,
         capacity_factor=p.capacity_factor,
+        spill_factor=p.spill_factor,
         recompute=tc.recompute.value,
         recompute_every=tc.recompute_every,
         micro_batches=tc.grad_accum_steps,
@@ -367,13 +385,9 @@ def plan(cfg: RunConfig, gpus: int, gpu: str, assume: Assumptions = Assumptions(
     peak_gib = busiest.peak / GIB
     memory = {k: round(getattr(busiest, k) / GIB, 2) for k in ("weights", "grads", "optimizer", "activations")}
     memory["workspace"] = assume.workspace_gib
-    # At a save the step is over: activations are freed, gradients only where buckets keep them.
-    kept_grads = (not fsdp and L.dp > 1) or L.micro_batches > 1
-
-    def save_bytes(r: RankMemory) -> float:
-        return r.weights + r.optimizer + (r.grads if kept_grads else 0) + save_temporaries(cfg, L, r, groups)
-
-    save_gib = max(save_bytes(r) for r in ranks) / GIB + assume.workspace_gib
+    save_gib = max(checkpoint_state_bytes(L, r) + save_temporaries(cfg, L, r) for r in ranks) / GIB
+    load_gib = max(checkpoint_state_bytes(L, r) + load_temporaries(cfg, L, r) for r in ranks) / GIB
+    save_gib, load_gib = save_gib + assume.workspace_gib, load_gib + assume.workspace_gib
     return Plan(
         layout=L,
         gpu=spec,
@@ -392,33 +406,90 @@ def plan(cfg: RunConfig, gpus: int, gpu: str, assume: Assumptions = Assumptions(
         params_per_pipeline_rank=[int(r.local / (L.dp if fsdp else 1)) for r in ranks],
         save_peak_gib_per_device=round(save_gib, 2),
         fits_while_saving=save_gib <= spec.memory_gib,
+        load_peak_gib_per_device=round(load_gib, 2),
+        fits_while_loading=load_gib <= spec.memory_gib,
     )
 
 
-def save_temporaries(cfg: RunConfig, L: Layout, rank: RankMemory, groups: ParamGroups | None = None) -> float:
-    """Bytes of temporaries on `rank` while a checkpoint is saved or its load template exists
-    (moetrain/train/engine.py `state_dict`): FSDP gathers every parameter (fp32) and both moments
-    whole; the sharded optimizer gathers the moments of all its buckets whole; with
-    optim.bf16_weights the fp32 masters are joined into temporaries (4 B per parameter). The
-    replicated optimizer's fp32 weights and moments are saved as views (no copy)."""
-    moments = 4 if cfg.optim.moments_dtype.value == "bf16" else 8
-    if L.stack == Stack.fsdp.value:
-        return (4 + moments) * rank.local
-    extra = moments * rank.local if L.shard_optimizer else 0.0
-    if uses_bf16_weights(cfg):  # the matrices' masters: all but the embedding (and the small norms, routers)
-        groups = groups or ParamGroups.of(cfg.model)
-        extra += 4 * (rank.local - (groups.embedding if rank.first else 0))
-    return extra
+def checkpoint_state_bytes(L: Layout, rank: RankMemory) -> float:
+    """What `rank` holds between steps, when checkpoints are saved and loaded: weights (FSDP's
+    shards only: no block is gathered), optimizer state, and the gradient buckets that persist
+    (the ddp stack's reducer at dp > 1 and the sharded optimizer's; other gradients are freed by
+    `zero_grad` and not yet allocated at a load). Activations are freed."""
+    fsdp = L.stack == Stack.fsdp.value
+    weights = 4 * rank.local / L.dp if fsdp else rank.weights
+    buckets = not fsdp and (L.dp > 1 or L.shard_optimizer)
+    return weights + rank.optimizer + (rank.grads if buckets else 0)
+
+
+def save_temporaries(cfg: RunConfig, L: Layout, rank: RankMemory) -> float:
+    """Device bytes a checkpoint save allocates on `rank` beyond its state. Each rank writes only
+    the entries and ranges it holds, from views of the live tensors, one item at a time to host
+    memory (moetrain/train/dcp_shards.py; the finiteness check before it reduces each parameter
+    to its min and max): nothing is gathered, whatever the stack or the optimizer. Only with
+    optim.bf16_weights is there a temporary: each split fp32 master block as it is joined, at most
+    the largest split entry (4 B per element), `PIECE` elements at a time (int32 intermediates,
+    16 B each)."""
+    if not uses_bf16_weights(cfg):
+        return 0.0
+    return 4.0 * EntrySizes.of(cfg.model).largest_split_entry(rank) + 16.0 * PIECE
+
+
+def load_temporaries(cfg: RunConfig, L: Layout, rank: RankMemory) -> float:
+    """Device bytes a checkpoint load allocates on `rank` beyond its state. DCP reads each stored
+    chunk into host memory and copies it into views of the live tensors: nothing, except with
+    optim.bf16_weights one read's fp32 temporary of a split master (at most the largest split
+    entry) split into its halves `PIECE` elements at a time (20 B each), and then, with the sharded
+    optimizer, one bucket shard's bf16 weights copied for their all-gather (2 B per element)."""
+    if not uses_bf16_weights(cfg):
+        return 0.0
+    split = 4.0 * EntrySizes.of(cfg.model).largest_split_entry(rank) + 20.0 * PIECE
+    # a bucket holds at most _BUCKET_BYTES of fp32 gradients; its shard is 1/edp of it or less
+    shard = 2.0 * min(_BUCKET_BYTES / 4, rank.local) / max(1, L.dp // L.ep) if L.shard_optimizer else 0.0
+    return max(split, shard)
+
+
+@dataclasses.dataclass(frozen=True)
+class EntrySizes:
+    """The largest checkpoint entries optim.bf16_weights splits (elements), counted on a
+    meta-device model: what bounds a checkpoint's temporaries."""
+
+    split_block_entry: int
+    """In a block (one expert's matrix for stacked experts)."""
+    split_head: int
+    """The LM head's."""
+
+    @classmethod
+    def of(cls, m: TransformerConfig) -> EntrySizes:
+        return _entry_sizes(json.dumps(m.to_dict(), sort_keys=True))
+
+    def largest_split_entry(self, rank: RankMemory) -> int:
+        return max(self.split_block_entry, self.split_head if rank.last else 0)
+
+
+@functools.lru_cache(maxsize=64)
+def _entry_sizes(model_json: str) -> EntrySizes:
+    model = TransformerConfig.from_dict(json.loads(model_json)).build(device="meta")
+    experts = {id(p) for mod in model.modules() if isinstance(mod, GroupedExperts) for p in mod.parameters()}
+    split = is_split_candidate(model)
+    blocks = [
+        p.numel() // p.shape[0] if id(p) in experts else p.numel() for p in model.blocks.parameters() if id(p) in split
+    ]
+    head = [p.numel() for p in model.lm_head.parameters() if id(p) in split]
+    return EntrySizes(split_block_entry=max(blocks, default=0), split_head=max(head, default=0))
 
 
 def _rows_per_token(cfg: RunConfig, L: Layout) -> tuple[float, float]:
     """(expert_rows, wire_rows): rows per token through the experts (their activations) and on
-    the all-to-all. nosync pads both to its buffers; symm pads the receive layout (ep·K rows per
-    token, most of them skipped by the GEMMs but allocated) and moves exact rows."""
+    the all-to-all. nosync (moetrain/parallel/nosync_dispatcher.py) gives the experts
+    capacity_factor × K rows and moves (capacity_factor + spill_factor) × K, both at most ep × K
+    (the padded mode, capacity_factor=None, is ep × K for both); symm pads the receive layout
+    (ep·K rows per token, most of them skipped by the GEMMs but allocated) and moves exact rows."""
     k = cfg.model.moe.top_k
     if L.ep > 1 and L.dispatcher == DispatcherKind.nosync.value:
-        rows = k * (L.capacity_factor if L.capacity_factor else L.ep)
-        return rows, rows
+        if L.capacity_factor is None:
+            return k * L.ep, k * L.ep
+        return k * min(L.capacity_factor, L.ep), k * min(L.capacity_factor + L.spill_factor, L.ep)
     if L.ep > 1 and L.dispatcher == DispatcherKind.symm.value:
         return k * L.ep, k
     return k, k
@@ -696,7 +767,7 @@ def suggest(cfg: RunConfig, gpus: int, gpu: str, limit: int = 5) -> list[Plan]:
     one block per stage), ep (dividing dp and the experts, at most one node's worth unless the
     experts need more), recompute none/selective/full, the sharded optimizer, and 1 or 2
     sequences per GPU per micro-batch; the configured dispatcher and, for ep > 2, the exact
-    all-to-all one (the dropless sync-free dispatcher's buffers grow with ep)."""
+    all-to-all one when the configured one is nosync's padded mode (its buffers grow with ep)."""
     m = cfg.model
     out = []
     for pp in (1, 2, 4, 8, 16, 32):
@@ -747,7 +818,9 @@ def report(p: Plan) -> str:
         f"{p.activations_full_recompute_gib:.2f})",
         f"  peak                {p.peak_mem_gib_per_device:8.2f}   -> {'fits' if p.fits else 'does NOT fit'}",
         f"  while saving        {p.save_peak_gib_per_device:8.2f}   -> "
-        f"{'fits' if p.fits_while_saving else 'does NOT fit'} (state + the checkpoint's unsharded temporaries)",
+        f"{'fits' if p.fits_while_saving else 'does NOT fit'} (state + gradient buckets + the save's temporaries)",
+        f"  while loading       {p.load_peak_gib_per_device:8.2f}   -> "
+        f"{'fits' if p.fits_while_loading else 'does NOT fit'} (state + gradient buckets + the load's temporaries)",
     ]
     if len(p.peak_gib_per_pipeline_rank) > 1:
         lines.append("  peak per pipeline rank: " + ", ".join(f"{x:.1f}" for x in p.peak_gib_per_pipeline_rank))
@@ -786,6 +859,8 @@ def to_json(p: Plan, preset: str, gpus: int, gpu: str, suggestions: list[Plan]) 
         "fits": p.fits,
         "save_peak_gib_per_device": p.save_peak_gib_per_device,
         "fits_while_saving": p.fits_while_saving,
+        "load_peak_gib_per_device": p.load_peak_gib_per_device,
+        "fits_while_loading": p.fits_while_loading,
         "comm_gb_per_step": p.comm_gb_per_step,
         "step_time_s": round(p.step_time_s, 4),
         "mfu": round(p.mfu, 4),

@@ -11,13 +11,16 @@ Per optimizer step the engine (moetrain/train/engine.py) calls, in this order:
     zero_grad()
 
 Nothing in that sequence reads a device value on the host where the fused kernels run (CUDA).
-Checkpoints see every optimizer through `state_dict_tensors` / `load_state_dict_tensors`: AdamW's
-moments per parameter, keyed by canonical parameter name, whatever the layout.
+Checkpoints see every optimizer through `checkpoint_tensors` / `checkpoint_masters` (AdamW's
+moments and the fp32 masters per parameter, keyed by canonical parameter name, as the part this
+rank holds: DCP saves from and loads into them in place) and `checkpoint_loaded`;
+`state_dict_tensors` / `load_state_dict_tensors` give and take the same state whole, in memory.
 """
 
 from __future__ import annotations
 
 import abc
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -32,6 +35,44 @@ if TYPE_CHECKING:
 
 StepHook = Callable[[torch.Tensor | None], None]
 """Called after every `step(skip)` with the same `skip`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatShard:
+    """Elements [start, start + n) in row-major order of a checkpoint entry of `shape`: the part
+    of it this rank holds, as live 1-D tensors of n elements that a checkpoint saves from and loads
+    into in place (moetrain/train/dcp_shards.py) — `values`, or, for an fp32 master that
+    optim.bf16_weights splits (moetrain/optim/split_master.py), its `hi` (the bf16 weight) and `lo`
+    (the int16 remainder) halves. n may be 0: the rank holds none of the entry."""
+
+    shape: tuple[int, ...]
+    start: int
+    values: torch.Tensor | None = None
+    hi: torch.Tensor | None = None
+    lo: torch.Tensor | None = None
+
+    def __post_init__(self):
+        parts = [t for t in (self.values, self.hi, self.lo) if t is not None]
+        assert (self.values is None) == (self.hi is not None) == (self.lo is not None), "values, or hi and lo"
+        assert all(t.ndim == 1 and t.numel() == parts[0].numel() for t in parts), [t.shape for t in parts]
+        assert 0 <= self.start and self.start + parts[0].numel() <= math.prod(self.shape), (self.start, self.shape)
+
+    @property
+    def numel(self) -> int:
+        return (self.values if self.values is not None else self.hi).numel()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The entry's dtype: the values', or fp32 for a split master."""
+        return self.values.dtype if self.values is not None else torch.float32
+
+    def window(self, begin: int, end: int, shape: tuple[int, ...]) -> FlatShard:
+        """Elements [begin, end) of the entry, intersected with this shard, as a shard of an entry
+        of `shape` (end − begin elements): one expert's matrix of a stacked expert tensor."""
+        a, b = max(begin, self.start), min(end, self.start + self.numel)
+        cut = slice(a - self.start, max(a, b) - self.start)
+        parts = {k: getattr(self, k)[cut] for k in ("values", "hi", "lo") if getattr(self, k) is not None}
+        return FlatShard(tuple(shape), a - begin if a < b else 0, **parts)
 
 
 @runtime_checkable
@@ -74,11 +115,32 @@ class Optimizer(Protocol):
 
     def state_dict_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
         """Per parameter (canonical name): "exp_avg", "exp_avg_sq" shaped like the parameter
-        this rank holds, and a 0-d float32 "step"."""
+        this rank holds, and a 0-d float32 "step" — whole: the sharded optimizers gather them
+        (collective; a model-sized temporary), so this is for tests and tools, not checkpoints."""
         ...
 
     def load_state_dict_tensors(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
         """Take state as `state_dict_tensors` gives it (load the model's parameters first)."""
+        ...
+
+    def checkpoint_tensors(self) -> dict[str, dict[str, torch.Tensor | FlatShard]]:
+        """`state_dict_tensors`' entries as the part of them this rank holds, with no copy and
+        no communication: the live tensors where it holds a parameter's state whole, `FlatShard`s
+        of the ranges it holds (the sharded optimizer), the live 0-d "step". A checkpoint saves
+        from them and loads into them in place; then `checkpoint_loaded`."""
+        ...
+
+    def checkpoint_masters(self) -> dict[str, FlatShard]:
+        """Canonical name → this rank's part (possibly empty) of the fp32 master of every
+        parameter the model holds in lower precision (optim.bf16_weights), as a split `FlatShard`
+        over the live halves: what a checkpoint saves in the parameter's place and loads into in
+        place. {} without such parameters."""
+        ...
+
+    def checkpoint_loaded(self) -> None:
+        """A checkpoint was loaded into `checkpoint_tensors()` and `checkpoint_masters()` (or
+        into the model's weights and the masters only): take the step count and refresh what is
+        derived from the weights. Collective for the sharded optimizer."""
         ...
 
     def params_loaded(self) -> None:
@@ -106,6 +168,9 @@ class StepHooks(abc.ABC):
 
     def load_master_weights(self, weights: dict[str, torch.Tensor]) -> None:
         assert not weights, "this optimizer keeps no master weights"
+
+    def checkpoint_masters(self) -> dict[str, FlatShard]:
+        return {}
 
     def register_step_post_hook(self, hook: StepHook) -> None:
         self.__dict__.setdefault("_step_post_hooks", []).append(hook)
@@ -176,6 +241,10 @@ class TorchAdamW(StepHooks):
 
     def params_loaded(self) -> None:
         """Nothing to refresh: the parameters are the only copy (AdamW keeps only moments)."""
+
+    def checkpoint_loaded(self) -> None:
+        """Nothing to do: the checkpoint was loaded into the live parameters and AdamW state,
+        step counts included."""
 
     def set_lr(self, lr: float) -> None:
         for group in self.adamw.param_groups:

@@ -63,10 +63,17 @@ class FSDPAdamW(TorchAdamW):
         ]
         return sum(t.numel() * t.element_size() for t in tensors)
 
+    def checkpoint_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The live AdamW state per parameter: DTensors sharded like the parameters (a
+        checkpoint saves and loads each rank's shard of them). No copy, no communication."""
+        reshard(self.model)  # the parameters must be the sharded ones AdamW holds state for
+        return {canonical_name(name): self._live_state(p) for name, p in self.model.named_parameters()}
+
     def state_dict_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
         """Per-parameter FULL moments keyed by canonical name (the layout of the other
-        optimizers, so checkpoints stay layout-free). Collective: the shards are all-gathered
-        (briefly the unsharded moments, 8 bytes per parameter element)."""
+        optimizers), in memory, for tests and tools (checkpoints use `checkpoint_tensors`).
+        Collective: the shards are all-gathered (briefly the unsharded moments, 8 bytes per
+        parameter element)."""
         reshard(self.model)  # the parameters must be the sharded ones AdamW holds state for
         out = {}
         for name, p in self.model.named_parameters():

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from moetrain.model.transformer import canonical_name
-from moetrain.optim.base import TorchAdamW, build_adamw, use_fused
+from moetrain.optim.base import FlatShard, TorchAdamW, build_adamw, use_fused
 from moetrain.optim.clip import clip_coefficient, global_grad_norm
 from moetrain.optim.grad_reducer import GradReducer, expert_param_ids
 from moetrain.optim.split_master import SplitMaster, is_split_candidate
@@ -100,6 +100,23 @@ class ReplicatedAdamW(TorchAdamW):
         if self.split is None:
             return {}
         return {canonical_name(n): t for n, t in self.split.master_weights().items()}
+
+    def checkpoint_masters(self) -> dict[str, FlatShard]:
+        """The bf16 parameters' fp32 masters as split shards over the whole of their live
+        halves (every rank holds them whole): a checkpoint joins them block by block as it writes
+        and splits what it reads straight into them."""
+        if self.split is None:
+            return {}
+        s = self.split
+        out = {}
+        for name, p, off in zip(s.names, s.params, s.offsets):
+            n = p.numel()
+            out[canonical_name(name)] = FlatShard(tuple(p.shape), 0, hi=s.hi[off : off + n], lo=s.lo[off : off + n])
+        return out
+
+    def checkpoint_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The live AdamW state per parameter (`state_dict_tensors`: views, nothing gathered)."""
+        return self.state_dict_tensors()
 
     def load_master_weights(self, weights: dict[str, torch.Tensor]) -> None:
         if self.split is not None:

@@ -27,6 +27,11 @@ those as well is ZeRO-3 / FSDP).
 
 After `finish()` the reduced gradient lives only in the shards: `p.grad` still holds this rank's
 local, unreduced sum (the bucket is the reduce-scatter's input), until `zero_grad()`.
+
+Checkpoints: each rank saves and loads only its shards (`checkpoint_tensors`,
+`checkpoint_masters`): a parameter's piece [a, b) of a bucket shard is a `FlatShard` of its
+entry, which DCP stores as the few rectangular blocks that flat range is made of; no moment and
+no master is ever gathered.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moetrain.model.transformer import canonical_name
-from moetrain.optim.base import StepHooks, param_groups, use_fused
+from moetrain.optim.base import FlatShard, StepHooks, param_groups, use_fused
 from moetrain.optim.clip import clip_coefficient
 from moetrain.optim.grad_reducer import Bucket, GradReducer
 from moetrain.optim.split_master import adamw_reference, adamw_split_reference, is_split_candidate, join, split_fp32
@@ -428,17 +433,62 @@ class ShardedAdamW(StepHooks):
                 if start < end:
                     b.lo_S[start - b.lo : end - b.lo].copy_(lo_part[start - off : end - off])
 
+    def checkpoint_tensors(self) -> dict[str, dict[str, torch.Tensor | FlatShard]]:
+        """Per parameter, the pieces of its moments in this rank's bucket shards ("exp_avg",
+        "exp_avg_sq": `FlatShard`s over `exp_avg_S` / `exp_avg_sq_S`, absent where the shard
+        holds none of the parameter) and the live step count "step" (one 0-d tensor shared by
+        all). No copy, no communication."""
+        out: dict[str, dict[str, torch.Tensor | FlatShard]] = {}
+        for b, exp_avg, exp_avg_sq in zip(self.buckets, self.exp_avg_S, self.exp_avg_sq_S):
+            for p, off in zip(b.params, b.offsets):
+                entry: dict[str, torch.Tensor | FlatShard] = {"step": self._step_t}
+                start, end = max(off, b.lo), min(off + p.numel(), b.hi)
+                if start < end:
+                    for key, shard_S in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+                        entry[key] = FlatShard(tuple(p.shape), start - off, values=shard_S[start - b.lo : end - b.lo])
+                out[self.names[id(p)]] = entry
+        return out
+
+    def checkpoint_masters(self) -> dict[str, FlatShard]:
+        """The split parameters' fp32 masters as the pieces this rank's shards hold: the bf16
+        weights (`params_N`, whole on every rank) and the remainders (`lo_S`) of that range.
+        Parameters the shard does not reach get an empty shard."""
+        out = {}
+        for b in self.buckets:
+            if not b.split:
+                continue
+            for p, off in zip(b.params, b.offsets):
+                start, end = max(off, b.lo), min(off + p.numel(), b.hi)
+                if start < end:
+                    shard = FlatShard(
+                        tuple(p.shape), start - off, hi=b.params_N[start:end], lo=b.lo_S[start - b.lo : end - b.lo]
+                    )
+                else:
+                    shard = FlatShard(tuple(p.shape), 0, hi=b.params_N[:0], lo=b.lo_S[:0])
+                out[self.names[id(p)]] = shard
+        return out
+
+    @torch.no_grad()
+    def checkpoint_loaded(self) -> None:
+        """After a load into `checkpoint_tensors()` / `checkpoint_masters()` (or the weights
+        alone): the step count from the loaded "step", the fp32 master shards from the loaded
+        weights, and each split bucket's bf16 weights all-gathered from the ranks that loaded
+        their ranges (collective over the bucket's group; one bucket shard in flight at a time)."""
+        self.num_steps = int(self._step_t.item())
+        self.params_loaded()
+        for b in self.buckets:
+            if b.split and b.group is not None:
+                _all_gather(b.params_N, b.params_N[b.lo : b.hi].clone(), group=b.group)
+
     def state_dict_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
         """Per-parameter FULL moments keyed by canonical parameter name, in the layout of
         torch.optim.AdamW's state ("exp_avg", "exp_avg_sq" shaped like the parameter — for
-        experts, like this rank's slice — and a 0-d float32 "step" on the CPU), so checkpoints
-        stay layout-free.
+        experts, like this rank's slice — and a 0-d float32 "step" on the CPU): the in-memory
+        view of the whole state, for tests and tools (checkpoints use `checkpoint_tensors`).
 
         Collective (every rank of the dp group must call it). Cost: each bucket's moments are
         all-gathered over its group, so this briefly holds the unsharded moments (8 bytes per
-        parameter element) — the memory that sharding saves during training. Fine for
-        checkpoints of models whose unsharded moments fit next to the parameters; beyond that,
-        save the shards (DCP with per-shard offsets) instead.
+        parameter element) — the memory that sharding saves during training.
         """
         out: dict[str, dict[str, torch.Tensor]] = {}
         step = self._step_t.detach().to("cpu", copy=True)  # one read for all parameters

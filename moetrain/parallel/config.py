@@ -14,6 +14,14 @@ from moetrain.config import Config
 from moetrain.errors import ConfigError
 from moetrain.parallel.dims import ParallelDims
 
+DEFAULT_CAPACITY_FACTOR: float | None = None
+"""parallel.capacity_factor's default: the padded mode, dropless whatever the routing. The
+bounded mode (e.g. 1.25: a slack of 0.25 over the balanced load, the capacity factor of
+Olmo-core's reference MoE runs, so the experts' rows are 1.25 × the exact dispatcher's) drops
+what finds no room, so it is opt-in until a bounded design is also dropless (issue 16, part 1)."""
+DEFAULT_SPILL_FACTOR = 0.125
+"""parallel.spill_factor's default: a small spill, 1/8 of a pair's balanced share, on the wire."""
+
 
 class Recompute(enum.StrEnum):
     none = "none"
@@ -48,8 +56,10 @@ class PipelineSchedule(enum.StrEnum):
 
 class DispatcherKind(enum.StrEnum):
     nosync = "nosync"
-    """Fixed-size buffers per destination rank: no device-to-host sync; dropless unless
-    parallel.capacity_factor is set (moetrain/parallel/nosync_dispatcher.py)."""
+    """Fixed-size buffers: no device-to-host sync. By default padded (dropless, ep × the exact
+    exchange's rows); with parallel.capacity_factor=f each rank's experts get f × the balanced
+    load, shared by all sources, and what finds no room is dropped and counted
+    (moetrain/parallel/nosync_dispatcher.py)."""
     alltoall = "alltoall"
     """Exact split sizes, read on the host once per layer: dropless, least memory."""
     symm = "symm"
@@ -91,25 +101,38 @@ class ParallelConfig(Config):
     """A rank whose heartbeat (one tick a second from a background thread) stands still this long
     is declared dead or hung: the rank watching it (ranks watch their successor in a ring) stops
     the run with an error naming it, instead of waiting out a collective timeout."""
-    capacity_factor: float | None = None
-    """nosync only: rows per destination rank = ceil(f · assignments / ep); assignments beyond
-    are dropped (and counted in dropped_token_frac). None = dropless (buffers of ep × the
-    assignments: see docs/architecture.md for the memory cost)."""
+    capacity_factor: float | None = DEFAULT_CAPACITY_FACTOR
+    """nosync only: the rows each rank's experts get, as a multiple of the balanced load (its
+    share of the assignments of the EP group): f · assignments, C = ceil(f · assignments / ep)
+    guaranteed to each source and the rest shared by the sources' spill rows. Assignments that
+    find no room are dropped (zero output) and counted in dropped_token_frac. null (the
+    default) = the padded mode: dropless whatever the routing, at ep × the memory and bytes of
+    the exact exchange (docs/architecture.md, "Dispatcher memory")."""
+    spill_factor: float = DEFAULT_SPILL_FACTOR
+    """nosync only: spill rows per (source, destination) pair beyond C, as a multiple of the
+    balanced share (ceil(s · assignments / ep)); they carry a pair's overflow into the rows other
+    sources leave unused at that destination. Bytes on the wire: (capacity_factor + s) × the
+    exact exchange's. 0 = no spill: each pair's block holds C rows."""
 
     def validate(self) -> None:
         for name in ("timeout_s", "peer_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"parallel.{name}={getattr(self, name)} must be a positive number of seconds.")
-        if self.capacity_factor is not None:
-            if self.capacity_factor <= 0:
-                raise ConfigError(
-                    f"parallel.capacity_factor={self.capacity_factor} must be positive (or null for dropless)."
-                )
-            if self.dispatcher != DispatcherKind.nosync:
-                raise ConfigError(
-                    "parallel.capacity_factor applies to parallel.dispatcher=nosync only; the "
-                    f"{self.dispatcher} dispatcher is always dropless."
-                )
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            raise ConfigError(
+                f"parallel.capacity_factor={self.capacity_factor} must be positive (or null for the "
+                "padded, dropless mode)."
+            )
+        if self.spill_factor < 0:
+            raise ConfigError(f"parallel.spill_factor={self.spill_factor} must be ≥ 0 (0: no spill rows).")
+        if self.dispatcher != DispatcherKind.nosync:
+            for name, default in (("capacity_factor", DEFAULT_CAPACITY_FACTOR), ("spill_factor", DEFAULT_SPILL_FACTOR)):
+                if getattr(self, name) != default:
+                    raise ConfigError(
+                        f"parallel.{name}={_text(getattr(self, name))} applies to parallel.dispatcher=nosync only; the "
+                        f"{self.dispatcher} dispatcher is always dropless: drop the setting or use "
+                        "parallel.dispatcher=nosync."
+                    )
         if self.dp is not None and self.dp <= 0:
             raise ConfigError(f"parallel.dp={self.dp} must be a positive integer (or null for all ranks).")
         if self.ep <= 0:
@@ -179,3 +202,8 @@ class ParallelConfig(Config):
         if self.pp_stages_per_rank is not None:
             return self.pp_stages_per_rank
         return 2 if self.pp_schedule == PipelineSchedule.interleaved_1f1b else 1
+
+
+def _text(value: float | None) -> str:
+    """A setting as it is written on the command line."""
+    return "null" if value is None else f"{value:g}"

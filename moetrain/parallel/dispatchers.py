@@ -124,10 +124,15 @@ def wire_dtype(x: torch.Tensor) -> torch.Tensor:
     experts cast their input to that dtype anyway, so the values are the same, at half the bytes
     of the fp32 residual stream; the backward casts the gradient rows back to fp32 before they
     are summed per token (the gather's backward), so no precision is lost there either."""
+    return x.to(wire_dtype_of(x))
+
+
+def wire_dtype_of(x: torch.Tensor) -> torch.dtype:
+    """The dtype `wire_dtype` gives `x`."""
     device_type = x.device.type
     if torch.is_autocast_enabled(device_type):
-        return x.to(torch.get_autocast_dtype(device_type))
-    return x
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
 
 
 def all_reduce_counts(counts_E: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

@@ -34,7 +34,9 @@ def apply_expert_parallel(model: Transformer, state: ParallelState, cfg: Paralle
             with torch.device(old.w_down_EDF.device):
                 moe.experts = GroupedExperts(L, old.d_model, old.hidden, expert_offset=state.ep_rank * L)
             if cfg.dispatcher == DispatcherKind.nosync:
-                moe.dispatcher = NoSyncDispatcher(E, state.ep_group, state.dp_group, cfg.capacity_factor)
+                moe.dispatcher = NoSyncDispatcher(
+                    E, state.ep_group, state.dp_group, cfg.capacity_factor, cfg.spill_factor
+                )
             elif cfg.dispatcher == DispatcherKind.symm:
                 moe.dispatcher = SymmMemDispatcher(E, state.ep_group, state.dp_group)
             else:

@@ -16,19 +16,21 @@ This is the design Olmo-core 3 replaced with resident experts; it is here so ben
 the two stacks on the same model, data and batch.
 
 The model stays plain: `init_weights(fill=init_full_then_shard)` initializes each parameter on a
-full temporary and keeps this rank's shard, so values match every other layout; checkpoints
-gather full tensors (`full_tensor`) and load through full temporaries (`copy_shard`), so their
-keys are those of the ddp stack and any layout loads them.
+full temporary and keeps this rank's shard, so values match every other layout. Checkpoints save
+and load each rank's rows of every parameter and moment (`local_flat_range`: a dim-0 shard is one
+flat range of the whole tensor) under the ddp stack's entry names and shapes, so any layout loads
+them; the in-memory `TrainEngine.state_dict()` gathers full tensors (`full_tensor`) instead.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.dims import ParallelState
@@ -74,6 +76,17 @@ def copy_shard(dst: torch.Tensor, full: torch.Tensor) -> None:
         return
     shard = distribute_tensor(full, dst.device_mesh, dst.placements, src_data_rank=None).to_local()
     dst.to_local().copy_(shard)
+
+
+def local_flat_range(t: DTensor) -> tuple[int, torch.Tensor]:
+    """(first element, this rank's shard flattened: a view) of a DTensor sharded on dim 0 over
+    one mesh dim (FSDP's placement): the local rows are one range of the whole tensor's
+    row-major order. No communication."""
+    assert tuple(t.placements) == (Shard(0),), t.placements
+    (chunk,) = t.__create_chunk_list__()  # the local shard's offsets, as DCP computes them
+    local = t.to_local()
+    assert local.is_contiguous()
+    return chunk.offsets[0] * math.prod(t.shape[1:]) if t.ndim else 0, local.view(-1)
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

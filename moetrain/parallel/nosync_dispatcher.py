@@ -1,45 +1,65 @@
-"""A sync-free expert-parallel dispatcher: fixed-size all-to-all buffers, no host round trip.
+"""A sync-free expert-parallel dispatcher: fixed-size all-to-all buffers near the exact exchange's
+size, no host round trip.
 
 Legend: N tokens on this rank, K top-k, M = N·K assignments (row n·K + k: token order), D model
 dim, E experts in all, R = ep ranks of the expert-parallel group, L = E / R experts on this rank,
-C buffer rows per destination rank (the capacity), S = R·C buffer rows sent and received.
+C = ceil(capacity_factor · M / R) and P = ceil(spill_factor · M / R) rows, W = C + P rows per
+(source, destination) pair of the exchange, X the R × R routing counts (X[s, d]: assignments of
+rank s to rank d's experts).
 
-`AllToAllDispatcher` (dispatchers.py) sends each peer exactly the rows routed to it, so its
-split sizes are data and are read on the host once per layer: the CPU waits for the router, and
-the step cannot be captured in a CUDA graph. Here every rank sends every peer C rows whatever the
-routing, so every shape follows from N, K, E, R and the capacity factor and the all-to-alls use
-equal splits:
+`AllToAllDispatcher` (dispatchers.py) sends each peer exactly the rows routed to it, so its split
+sizes are data and are read on the host once per layer: the CPU waits for the router, and the
+step cannot be captured in a CUDA graph. Here the all-to-all has equal splits, fixed by N, K, R
+and two factors, so nothing waits on the host. One MoE layer:
 
-1. dispatch: order this rank's assignments by destination rank (stable, so token order within a
-   destination). The first C of each destination fill its buffer; the rest are dropped; the
-   unused rows are zeros. Beside each row travels one integer: its local expert, or L (padding).
-2. The receiver sorts what arrived by that integer (stable; padding sorts last). The grouped GEMM
-   sees the rows the exact dispatcher would give it, in the same order, followed by padding rows
-   past the last offset, which it skips: they are not computed, and their output rows (and their
-   input gradient rows in backward) may hold anything (uninitialized memory on CPU; zeros or
-   leftovers with CUDA's kernels). Rows past the last offset are never read.
-3. combine undoes 2, sends the same fixed-size buffers back, and gathers each kept assignment's
-   row; a dropped assignment gets exact zeros.
+1. counts: an all-gather of R integers gives every rank all of X, on the device.
+2. rank s fills its block for each destination d with its first assignments to d (token order):
+   the first C always, up to P more ("spill" rows) where d has room for them. Room is pooled at
+   the destination: d's experts take R·C rows, the C of every source's block plus the spill
+   rows of the sources in rank order, as long as the rows other sources leave unused
+   (Σ_r max(0, C − X[r, d])) last. Every rank computes the same answer from X, so the sender
+   knows which of its rows will be kept and sends zeros in place of the others.
+3. beside each row travels an int64 key (local expert, source rank, rank among that source's
+   assignments to d), or padding. d sorts its R·W received keys and keeps the first R·C rows: the
+   kept rows, grouped by local expert, source-major, token order within (the exact dispatcher's
+   order), then padding, past the last offset, where the grouped GEMM skips it: not computed,
+   its output rows (and input-gradient rows in backward) may hold anything (uninitialized memory
+   on CPU; zeros or leftovers with CUDA's kernels), never read.
+4. combine undoes 3, sends the buffers back, and weights and sums each token's kept copies.
 
-That garbage never reaches a result: combine only gathers rows of kept assignments and fills
-dropped ones with `where` (not a product, which would turn NaN garbage into NaN), and in backward
-the `where` that zero-fills padding rows in dispatch also drops their gradient before it reaches
-`x` (a padding row copied from some token would hand that token the garbage).
+A second spill exchange of P rows per pair would move the same bytes as one exchange of C + P
+rows per pair, one latency later; the pooling at the destination is what keeps the experts' rows
+at R·C.
 
-Buffer size and memory (per MoE layer and rank):
-- dropless (`capacity_factor=None`, the default): C = N·K, because one destination may receive
-  all of this rank's assignments. Each direction then moves S = ep·N·K rows of D values: send
-  and receive buffers of ep·N·K × D each, and the experts' activations are allocated for all S
-  rows, against N·K × D for the exact dispatcher: ep times the memory and all-to-all bytes (GEMM
-  FLOPs do not grow: padding rows are skipped). The price of no sync; affordable for small ep.
-- `capacity_factor=f`: C = min(ceil(f·N·K / ep), N·K), so S ≈ f·N·K rows, f times the exact
-  dispatcher's size under perfect balance. Capacity is per destination *rank* (the buffer),
-  not per expert. Assignments beyond C for one destination are dropped, last tokens of the
-  micro-batch first (GShard/Switch-style drop by position, deterministic). A dropped
-  assignment's output is zero: its token keeps its other experts' outputs and the shared
-  expert's, and the top-k weights are *not* renormalized over the kept experts (the token's
-  routed output just loses that term, as in the Switch Transformer). `dropped_tokens()` counts
-  them on the device.
+Dropping. An assignment is dropped when its pair's block is full (X[s, d] > W) or its
+destination is (the rows beyond C that reach d exceed the rows other sources leave unused). Its
+output is zero: the token keeps its other experts' outputs and the shared expert's, and the
+top-k weights are not renormalized (the Switch Transformer's convention). `dropped_tokens()`
+counts them on the device; the trainer logs `dropped_token_frac`. Everything routed to one rank
+d is the extreme: X[s, d] = M for every s and every other block is empty, so d gets R·C rows
+(≈ capacity_factor · M: C from each source) and the other R·(M − C) assignments are dropped, a
+fraction 1 − capacity_factor / R of them (84% at ep 8 with capacity_factor 1.25); the other ranks'
+experts compute nothing. `capacity_factor=None` is the padded mode, dropless whatever the
+routing: C = M (one destination may receive all of a rank's assignments), at R × the memory and
+bytes of the exact dispatcher.
+
+Memory per MoE layer and rank under balanced routing (every X[s, d] = M / R), in rows of D: the
+exact dispatcher's experts get M rows and its all-to-alls move M each way; here the experts get
+R·C ≈ capacity_factor · M rows and the all-to-alls move R·W ≈ (capacity_factor + spill_factor)
+· M. The exchange's buffers are transient (one layer's at a time); what is kept for backward is
+the experts' R·C rows and, as in the exact dispatcher, the M output rows combine weights.
+With capacity_factor 1.25 and the default spill 0.125: 1.25 × the exact dispatcher's
+activations, 1.375 × its bytes; measured on CPU (tests/parallel/test_nosync_capacity.py) the
+whole dispatch allocates 1.02 × the exact dispatcher's peak bytes and keeps 1.14 × its bytes
+for backward, at ep 2, 4 and 8.
+
+The garbage of padding rows never reaches a result: combine gathers only kept assignments' rows
+and zero-fills dropped ones by mask (not a product, which would turn NaN garbage into NaN), and
+in backward the mask that zero-fills unsent rows in dispatch also drops their gradient before it
+reaches `x` (such a row copied from some token would hand that token the garbage). Numerics: the
+buffer is destination-major, token order within, in every mode, so each token's copies reach
+its gradient in the same order and, whenever nothing is dropped, the results are the padded
+mode's bit for bit (on CPU).
 """
 
 from __future__ import annotations
@@ -51,64 +71,80 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from moetrain.parallel.dispatchers import ExpertParallelDispatcher, wire_dtype
+from moetrain.model.permute import inverse_permutation
+from moetrain.parallel.config import DEFAULT_CAPACITY_FACTOR, DEFAULT_SPILL_FACTOR
+from moetrain.parallel.dispatchers import ExpertParallelDispatcher, wire_dtype_of
 
 
 class NoSyncState(NamedTuple):
     """What `combine` needs to undo `dispatch`."""
 
-    slot_M: torch.Tensor
-    """Send-buffer row of each assignment (token order); 0 for dropped ones (see keep_M)."""
-    keep_M: torch.Tensor
-    """Whether each assignment found room in its destination's buffer."""
-    regroup_idx_S: torch.Tensor
-    """Received rows (source-major) -> local-expert-major order, padding last."""
-    num_tokens: int
+    slot_NK: torch.Tensor
+    """Send-buffer row of each assignment; 0 for dropped ones (see keep_NK)."""
+    keep_NK: torch.Tensor
+    """Whether each assignment was sent and kept by its destination."""
+    src_S: torch.Tensor
+    """The assignment each send-buffer row holds (any, where the row is empty: see filled_S)."""
+    filled_S: torch.Tensor
+    regroup_idx_C: torch.Tensor
+    """The R·C received rows the experts get (source-major buffer rows), in local-expert-major
+    order, padding last."""
 
 
 class NoSyncDispatcher(ExpertParallelDispatcher):
     """Expert-parallel dispatch with fixed-size buffers and equal all-to-all splits: no
-    device-to-host synchronization. Dropless by default; with `capacity_factor` it holds about
-    `capacity_factor` × the balanced load and drops the overflow (see the module docstring)."""
+    device-to-host synchronization. Each rank's experts get about `capacity_factor` × the
+    balanced load, shared by all sources; each pair's block holds `spill_factor` × the balanced
+    share more; what finds no room is dropped and counted. `capacity_factor=None`: padded for
+    the worst case, dropless (see the module docstring)."""
 
     def __init__(
         self,
         num_experts: int,
         ep_group: dist.ProcessGroup,
         dp_group: dist.ProcessGroup | None,
-        capacity_factor: float | None = None,
+        capacity_factor: float | None = DEFAULT_CAPACITY_FACTOR,
+        spill_factor: float = DEFAULT_SPILL_FACTOR,
     ):
         super().__init__(num_experts, ep_group, dp_group)
-        assert capacity_factor is None or capacity_factor > 0, capacity_factor  # ParallelConfig.validate
+        # ParallelConfig.validate
+        assert capacity_factor is None or capacity_factor > 0, capacity_factor
+        assert spill_factor >= 0, spill_factor
         self.capacity_factor = capacity_factor
+        self.spill_factor = spill_factor
+        self.ep_rank = dist.get_rank(ep_group)
         self._dropped: torch.Tensor | None = None
 
     def capacity(self, num_tokens: int, top_k: int) -> int:
-        """C: buffer rows for each destination rank."""
-        num_assignments = num_tokens * top_k
+        """C: each source's guaranteed rows at a destination; R·C rows reach the experts."""
+        M = num_tokens * top_k
         if self.capacity_factor is None:
-            return num_assignments  # all of them may go to one peer
+            return M  # all of them may go to one peer
         # More than all of this rank's assignments can never be needed.
-        return min(math.ceil(self.capacity_factor * num_assignments / self.ep), num_assignments)
+        return min(_ceil(self.capacity_factor * M / self.ep), M)
+
+    def block_rows(self, num_tokens: int, top_k: int) -> int:
+        """W = C + P: rows of each (source, destination) block of the exchange."""
+        M, C = num_tokens * top_k, self.capacity(num_tokens, top_k)
+        return min(C + _ceil(self.spill_factor * M / self.ep), M)
 
     def buffer_rows(self, num_tokens: int, top_k: int) -> int:
-        """S = ep·C: rows of D values this rank sends (and receives) in each all-to-all, and the
-        rows the grouped experts get. ep·N·K when dropless, against N·K for the exact
-        dispatcher."""
+        """R·C: the rows the grouped experts get. R·N·K in the padded mode, against N·K for the
+        exact dispatcher."""
         return self.ep * self.capacity(num_tokens, top_k)
 
     def dispatch(
         self, x_ND: torch.Tensor, topk_ids_NK: torch.Tensor, tokens_per_expert_E: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, NoSyncState]:
-        """Returns the received rows sorted by local expert, padding last (S, D), the int32 end
+        """Returns the received rows sorted by local expert, padding last (R·C, D), the int32 end
         offset of each local expert's rows (L,), and the state for `combine`."""
         R, L = self.ep, self.num_local_experts
         num_tokens, top_k = topk_ids_NK.shape
-        M, C = num_tokens * top_k, self.capacity(num_tokens, top_k)
-        S, device = R * C, x_ND.device
+        M, C, W = num_tokens * top_k, self.capacity(num_tokens, top_k), self.block_rows(num_tokens, top_k)
+        device = x_ND.device
 
-        # 1. Each assignment's row in its destination's buffer: its rank among the assignments to
-        #    that destination, in token order.
+        # 1. Each assignment's rank among this rank's assignments to its destination (token
+        #    order), and how many of them its destination keeps.
         expert_M = topk_ids_NK.flatten()
         dest_M = expert_M // L
         send_counts_R = tokens_per_expert_E.view(R, L).sum(1)
@@ -116,45 +152,138 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
         order_M = dest_M.argsort(stable=True)  # destination-major, token order within each
         rank_in_dest_M = torch.arange(M, device=device) - start_R[dest_M[order_M]]
         pos_M = torch.empty_like(rank_in_dest_M).index_copy_(0, order_M, rank_in_dest_M)
-        keep_M = pos_M < C
-        slot_M = torch.where(keep_M, dest_M * C + pos_M, 0)
+        kept_R = send_counts_R.clamp(max=C) + self._spill_kept(send_counts_R, C, W)
+        keep_NK = (pos_M < kept_R[dest_M]).view(num_tokens, top_k)
+        slot_NK = torch.where(keep_NK, (dest_M * W + pos_M).view(num_tokens, top_k), 0)
         if self.capacity_factor is not None:
-            self._dropped = (send_counts_R - C).clamp(min=0).sum()
+            self._dropped = M - keep_NK.sum()
 
-        # The same map read from the buffer's side, as a gather (no duplicate writes): slot (r, c)
-        # holds the c-th assignment to r, if there is one.
-        slot_r_S = torch.arange(S, device=device) // C
-        slot_c_S = torch.arange(S, device=device) % C
-        filled_S = slot_c_S < send_counts_R[slot_r_S]
-        src_S = order_M[(start_R[slot_r_S] + slot_c_S).clamp(max=M - 1)]
-        send_expert_S = torch.where(filled_S, expert_M[src_S] % L, L)
-        # Zeros, not a copy of some token: see the module docstring on garbage gradients.
-        x_send_SD = wire_dtype(torch.where(filled_S.unsqueeze(-1), x_ND.index_select(0, src_S // top_k), 0))
+        # The same map read from the buffer's side, as a gather (no duplicate writes): row (d, c)
+        # holds the c-th assignment to d, if d keeps it; beside it travels its key.
+        c_W = torch.arange(W, device=device)
+        filled_RW = c_W < kept_R.unsqueeze(1)
+        src_RW = order_M[(start_R.unsqueeze(1) + c_W).clamp_(max=M - 1)]
+        key_RW = expert_M[src_RW].remainder_(L).mul_(R * M).add_(self.ep_rank * M + c_W)
+        key_S = key_RW.masked_fill_(~filled_RW, L * R * M).flatten()  # padding: L·R·M
+        src_S, filled_S = src_RW.flatten(), filled_RW.flatten()
+        # Each token's copies in buffer order (destination, then k): backward sums them so.
+        by_slot_NK, sort_NK = slot_NK.sort(dim=1)
+        x_send_SD = _SendRows.apply(
+            x_ND, src_S // top_k, filled_S, by_slot_NK, keep_NK.gather(1, sort_NK), wire_dtype_of(x_ND)
+        )
 
         # 2. Equal splits: every shape is known without looking at the routing.
-        splits = [C] * R
-        recv_expert_S = funcol.all_to_all_single(send_expert_S, splits, splits, group=self.ep_group)
+        splits = [W] * R
+        key_recv_S = funcol.all_to_all_single(key_S, splits, splits, group=self.ep_group)
         x_recv_SD = funcol.all_to_all_single_autograd(x_send_SD, splits, splits, group=self.ep_group)
-        # Stable: within an expert, source-major then token order, as the exact dispatcher has it.
-        regroup_idx_S = recv_expert_S.argsort(stable=True)
-        x_local_SD = x_recv_SD.index_select(0, regroup_idx_S)
-        # A scatter, not bincount: bincount's output size is data (a sync).
+        # Keys are unique but for padding, which sorts last: the first R·C are every kept row
+        # (the senders keep at most that many), by local expert, then source, then token.
+        order_S = key_recv_S.argsort(stable=True)
+        regroup_idx_C = order_S[: R * C]
+        x_local_CD = _Regroup.apply(x_recv_SD, regroup_idx_C, inverse_permutation(order_S))
+        # A scatter, not bincount: bincount's output size is data (a sync). Padding counts as L.
+        expert_S = key_recv_S // (R * M)
         rows_per_expert = torch.zeros(L + 1, dtype=torch.int64, device=device)
-        rows_per_expert.scatter_add_(0, recv_expert_S, torch.ones_like(recv_expert_S))
+        rows_per_expert.scatter_add_(0, expert_S, torch.ones_like(expert_S))
         offsets_L = rows_per_expert[:L].cumsum(0).to(torch.int32)
-        return x_local_SD, offsets_L, NoSyncState(slot_M, keep_M, regroup_idx_S, num_tokens)
+        return x_local_CD, offsets_L, NoSyncState(slot_NK, keep_NK, src_S, filled_S, regroup_idx_C)
 
-    def combine(self, y_local_SD: torch.Tensor, state: NoSyncState, topk_weights_NK: torch.Tensor) -> torch.Tensor:
-        """(S, D) in local-expert order -> each token's weighted sum over its copies (N, D);
-        dropped assignments add nothing. Padding rows of `y_local_SD` may hold anything."""
-        splits = [y_local_SD.shape[0] // self.ep] * self.ep
-        # regroup_idx is a permutation of S: every row is overwritten, so no zero-fill is needed.
-        y_recv_SD = torch.empty_like(y_local_SD).index_copy(0, state.regroup_idx_S, y_local_SD)
+    def _spill_kept(self, send_counts_R: torch.Tensor, C: int, W: int) -> torch.Tensor:
+        """How many of this rank's rows beyond C each destination keeps: its rows in [C, W),
+        after those of lower ranks, while the rows other sources leave unused last."""
+        if W == C:
+            return torch.zeros_like(send_counts_R)
+        R = self.ep
+        X_RR = funcol.all_gather_single(send_counts_R, 0, group=self.ep_group).view(R, R)
+        unused_D = R * C - X_RR.clamp(max=C).sum(0)
+        extra_RR = X_RR.clamp(max=W) - X_RR.clamp(max=C)
+        before_D = (extra_RR.cumsum(0) - extra_RR)[self.ep_rank]
+        return torch.minimum(extra_RR[self.ep_rank], (unused_D - before_D).clamp(min=0))
+
+    def combine(self, y_local_CD: torch.Tensor, state: NoSyncState, topk_weights_NK: torch.Tensor) -> torch.Tensor:
+        """(R·C, D) in local-expert order -> each token's weighted sum over its copies (N, D);
+        dropped assignments add nothing. Padding rows of `y_local_CD` may hold anything."""
+        S = state.src_S.numel()
+        splits = [S // self.ep] * self.ep
+        # Rows not kept (padding) stay uninitialized: they are never read.
+        y_recv_SD = y_local_CD.new_empty(S, y_local_CD.shape[1])
+        y_recv_SD.index_copy_(0, state.regroup_idx_C, y_local_CD)
         y_back_SD = funcol.all_to_all_single_autograd(y_recv_SD, splits, splits, group=self.ep_group)
-        y_MD = torch.where(state.keep_M.unsqueeze(-1), y_back_SD.index_select(0, state.slot_M), 0)
-        y_NKD = y_MD.view(state.num_tokens, -1, y_MD.shape[-1])
-        return (y_NKD * topk_weights_NK.unsqueeze(-1).to(y_NKD.dtype)).sum(dim=1)
+        return _CombineRows.apply(y_back_SD, topk_weights_NK, state.slot_NK, state.keep_NK, state.src_S, state.filled_S)
 
     def dropped_tokens(self) -> torch.Tensor | None:
-        """Assignments dropped in the last dispatch (device int64 scalar); None when dropless."""
+        """Assignments dropped in the last dispatch (device int64 scalar); None in the padded
+        mode, which never drops."""
         return self._dropped
+
+
+# --- the gathers, both ways (as moetrain/model/permute.py: no scatter-add, no zero fill) -------
+
+
+class _SendRows(torch.autograd.Function):
+    """Send-buffer rows: x_SD[j] = x_ND[token_S[j]] in the wire dtype, zero where not filled.
+    Backward: each token's gradient is the sum of its kept copies' rows (`slot_NK`, in buffer
+    order), cast to x's dtype before the sum."""
+
+    @staticmethod
+    def forward(ctx, x_ND, token_S, filled_S, slot_NK, keep_NK, dtype):
+        ctx.save_for_backward(slot_NK, keep_NK)
+        ctx.x_dtype = x_ND.dtype
+        # Zeros, not a copy of some token (module docstring); cast first: half the bytes gathered.
+        return x_ND.to(dtype).index_select(0, token_S).masked_fill_(~filled_S.unsqueeze(-1), 0)
+
+    @staticmethod
+    def backward(ctx, grad_SD):
+        slot_NK, keep_NK = ctx.saved_tensors
+        N, K = slot_NK.shape
+        grad_NKD = grad_SD.index_select(0, slot_NK.flatten()).view(N, K, -1).to(ctx.x_dtype)
+        # By mask: a dropped copy's row (row 0) may be anything, NaN included.
+        return grad_NKD.masked_fill_(~keep_NK.unsqueeze(-1), 0).sum(1), None, None, None, None, None
+
+
+class _Regroup(torch.autograd.Function):
+    """The experts' rows: received rows `idx_C` (a prefix of the permutation whose inverse is
+    `inv_S`). Backward: the rows' gradients back in place, zero on the rows left out."""
+
+    @staticmethod
+    def forward(ctx, x_SD, idx_C, inv_S):
+        ctx.save_for_backward(inv_S)
+        return x_SD.index_select(0, idx_C)
+
+    @staticmethod
+    def backward(ctx, grad_CD):
+        (inv_S,) = ctx.saved_tensors
+        kept = grad_CD.shape[0]
+        grad_SD = grad_CD.index_select(0, inv_S.clamp(max=kept - 1))
+        return grad_SD.masked_fill_((inv_S >= kept).unsqueeze(-1), 0), None, None
+
+
+class _CombineRows(torch.autograd.Function):
+    """y_ND[n] = Σ_k w[n, k] · y_SD[slot[n, k]], dropped copies adding nothing. Backward:
+    grad_y_SD[j] = w · grad_y at the assignment row j holds (zero for empty rows), and
+    grad_w = ⟨y_SD[slot], grad_y⟩ in fp32 (the router's gradient is not rounded to bf16)."""
+
+    @staticmethod
+    def forward(ctx, y_SD, w_NK, slot_NK, keep_NK, src_S, filled_S):
+        N, K = slot_NK.shape
+        # By mask: the row of a dropped copy (row 0) may be anything, NaN included.
+        y_NKD = y_SD.index_select(0, slot_NK.flatten()).view(N, K, -1).masked_fill_(~keep_NK.unsqueeze(-1), 0)
+        ctx.save_for_backward(y_NKD, w_NK, src_S, filled_S)
+        return (y_NKD * w_NK.unsqueeze(-1).to(y_NKD.dtype)).sum(1)
+
+    @staticmethod
+    def backward(ctx, grad_ND):
+        y_NKD, w_NK, src_S, filled_S = ctx.saved_tensors
+        N, K, D = y_NKD.shape
+        grad_y_SD = grad_w_NK = None
+        if ctx.needs_input_grad[0]:
+            grad_NKD = grad_ND.unsqueeze(1) * w_NK.unsqueeze(-1).to(y_NKD.dtype)
+            grad_y_SD = grad_NKD.view(N * K, D).index_select(0, src_S).masked_fill_(~filled_S.unsqueeze(-1), 0)
+        if ctx.needs_input_grad[1]:
+            grad_w_NK = (grad_ND.unsqueeze(1).float() * y_NKD.float()).sum(-1).to(w_NK.dtype)
+        return grad_y_SD, grad_w_NK, None, None, None, None
+
+
+def _ceil(x: float) -> int:
+    """ceil, forgiving float noise (1.1 · 30 / 3 is 11.000000000000002)."""
+    return math.ceil(round(x, 9))

@@ -5,8 +5,9 @@ R = ep ranks, L = E / R experts on this rank, S = R·M + L rows of the receive l
 this rank can be sent, plus one padding row per expert).
 
 The exact `AllToAllDispatcher` moves only the routed rows but reads the split sizes on the host
-(a sync per MoE layer); `NoSyncDispatcher` needs no sync but moves fixed worst-case buffers (R×
-the bytes when dropless). This one needs neither: the transport is NVSHMEM's all-to-all-v over
+(a sync per MoE layer); `NoSyncDispatcher` needs no sync but moves fixed-size buffers (1.25× the
+bytes by default, dropping what overflows its capacity; R× in its padded, dropless mode). This one
+needs neither, dropless: the transport is NVSHMEM's all-to-all-v over
 symmetric memory (`torch.ops.symm_mem.all_to_all_vdev_2d` and its inverse `..._2d_offset`),
 whose kernels exchange the split sizes between GPUs and write each row straight into its
 expert's slot on the destination GPU. Only routed rows cross NVLink, and nothing waits on the host.

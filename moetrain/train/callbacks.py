@@ -208,7 +208,7 @@ class Checkpointing(Callback):
         result = ckpt.save_checkpoint(
             trainer.run.path,
             trainer.step,
-            trainer.engine.state_dict(),
+            trainer.engine.checkpoint_state(),
             state,
             extra,
             keep_last=tc.keep_last,

@@ -1,9 +1,12 @@
 """Checkpoints with torch.distributed.checkpoint (DCP).
 
 Layout: RUN_DIR/checkpoints/step-N/ holds
-  - the DCP files: model parameters and buffers (the aux-free router biases among them) and the
-    AdamW moments, tensors only (loading executes no pickled code), experts one entry each so
-    that any expert-parallel layout can load them;
+  - the DCP files: model parameters and buffers (the aux-free router biases among them; fp32
+    masters in place of bf16 weights) and the AdamW moments, tensors only (loading executes no
+    pickled code), experts one entry each so that any expert-parallel layout can load them. Each
+    entry has its global shape whatever the layout; each rank writes and reads only the part it
+    holds (`checkpoint_entries`: views of live tensors, `FlatShard` ranges of sharded state,
+    stored as rectangular blocks by moetrain/train/dcp_shards.py), so nothing is gathered;
   - trainer_state.json: step and data-loader position (rank 0); rng-rankR.json: each rank's RNG;
   - config.yaml (the run's resolved config) and tokenizer.json, so `eval`/`generate` need
     nothing else;
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import os
 import pickle
 import re
@@ -34,7 +38,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from moetrain.errors import CheckpointError
 from moetrain.model.experts import GroupedExperts
 from moetrain.model.transformer import canonical_name
-from moetrain.parallel.fsdp import copy_shard, full_tensor, is_sharded, reshard
+from moetrain.optim.base import FlatShard
+from moetrain.parallel.fsdp import copy_shard, full_tensor, is_sharded, local_flat_range, reshard
+from moetrain.train.dcp_shards import CpuStager, ShardLoadPlanner, ShardSavePlanner, ShardWriter
 
 # DCP's note for single-process saves, also from async_save's background thread.
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
@@ -95,11 +101,13 @@ def save_checkpoint(
     process_group=None,
 ) -> Path | PendingCheckpoint:
     """Write step-N atomically (every rank calls this); then keep the newest `keep_last`.
-    `state` is what DCP writes (`TrainEngine.state_dict()`, or `{"model": model_state_dict(m)}`
-    for weights only); `trainer_state` goes to trainer_state.json (rank 0).
+    `state` is what DCP writes (`TrainEngine.checkpoint_state()`, or `{"model":
+    model_state_dict(m)}` for weights only): tensors and `FlatShard`s, each rank's own part;
+    `trainer_state` goes to trainer_state.json (rank 0).
 
-        With `async_write` the tensors are staged (copied to host memory) now and written by a
-        background thread (`dcp.async_save`, over `process_group`, a CPU-capable group); the returned
+        DCP coordinates over `process_group` (a CPU-capable group: the ranks' plans then travel
+        in host memory). With `async_write` the tensors are staged (copied to host memory) now and
+        written by a background thread (`dcp.async_save`); the returned
         `PendingCheckpoint` completes the checkpoint — COMPLETE marker, rename, retention — when
         `finish()` is called, so it becomes visible only once every file is written, exactly as a
         synchronous save. Training may continue meanwhile."""
@@ -155,9 +163,17 @@ def save_checkpoint(
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             if async_write:
-                future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=process_group)
+                future = dcp.async_save(
+                    state,
+                    checkpoint_id=str(tmp),
+                    process_group=process_group,
+                    planner=ShardSavePlanner(),
+                    async_stager=CpuStager(),
+                )
             else:
-                dcp.save(state, checkpoint_id=str(tmp))
+                dcp.save(
+                    state, storage_writer=ShardWriter(str(tmp)), planner=ShardSavePlanner(), process_group=process_group
+                )
         (tmp / f"rng-rank{rank}.json").write_text(json.dumps(rng_state()))  # the state at save time
     except (OSError, CheckpointException) as e:
         raise failed(e) from None
@@ -182,15 +198,24 @@ class PendingCheckpoint:
         return self._complete()
 
 
-def load_checkpoint(path: Path, state: dict[str, Any], rank: int = 0, restore_rng: bool = False) -> dict[str, Any]:
-    """Fill `state` (a template such as `TrainEngine.state_dict()` gives) in place from the
-    checkpoint at `path`, whatever layout saved it; with `restore_rng`, this rank's RNG state as
-    saved (when the checkpoint has one for it); return the trainer state. The caller writes the
-    filled tensors back (`TrainEngine.load_state_dict`, `load_model_state_dict`)."""
+def load_checkpoint(
+    path: Path, state: dict[str, Any], rank: int = 0, restore_rng: bool = False, process_group=None
+) -> dict[str, Any]:
+    """Fill `state` (entries as `TrainEngine.checkpoint_state()` gives them: this rank's part,
+    filled in place; or a template of whole tensors) from the checkpoint at `path`, whatever
+    layout saved it; with `restore_rng`, this rank's RNG state as saved (when the checkpoint has
+    one for it); return the trainer state. DCP coordinates over `process_group` (as for
+    `save_checkpoint`). The caller finishes the load (`TrainEngine.checkpoint_loaded`,
+    `load_model_state_dict`)."""
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            dcp.load(state, storage_reader=SafeFileSystemReader(str(path)))
+            dcp.load(
+                state,
+                storage_reader=SafeFileSystemReader(str(path)),
+                planner=ShardLoadPlanner(),
+                process_group=process_group,
+            )
     # DCP reports mismatches as CheckpointException, a BaseException that wraps per-rank errors.
     except (Exception, CheckpointException) as e:
         if "a checkpoint index never holds" in _all_text(e):
@@ -290,10 +315,47 @@ class SafeFileSystemReader(dcp.FileSystemReader):
 # not saved (they come from the config, the LR from the schedule): tensors only.
 
 
+def checkpoint_entries(
+    model: nn.Module,
+    masters: dict[str, FlatShard],
+    optim_tensors: dict[str, dict[str, torch.Tensor | FlatShard]] | None = None,
+) -> dict[str, dict[str, torch.Tensor | FlatShard]]:
+    """{"model": …} (and {"optim": …} given an optimizer's `checkpoint_tensors()`): the entries of
+    `model_state_dict` / `optimizer_state_dict`, names and global shapes alike, as the part of
+    each this rank holds — views of the live tensors it holds whole, `FlatShard`s of FSDP's
+    shards (the local rows), of the sharded optimizer's ranges and of the split fp32 masters
+    (`masters`, `Optimizer.checkpoint_masters`, standing in for the bf16 parameters). DCP saves
+    from them and loads into them in place. No copy, no communication."""
+    reshard(model)  # FSDP's root keeps its parameters gathered after a no-grad forward (eval)
+    offsets = _expert_offsets(model)
+    out: dict[str, dict[str, torch.Tensor | FlatShard]] = {"model": {}}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        name = canonical_name(name)
+        assert name in masters or tensor.dtype == torch.float32 or not tensor.is_floating_point(), (
+            f"{name} is {tensor.dtype}: its fp32 master must come from the optimizer"
+        )
+        _put(out["model"], name, masters[name] if name in masters else _local(tensor.detach()), offsets.get(name))
+    if optim_tensors is not None:
+        out["optim"] = {}
+        for name, entry in optim_tensors.items():
+            for key, value in entry.items():
+                _put(out["optim"], f"{name}.{key}", _local(value), offsets.get(name))
+    return out
+
+
+def _local(t: torch.Tensor | FlatShard) -> torch.Tensor | FlatShard:
+    """A DTensor (FSDP's dim-0 shard) as the `FlatShard` of its local rows; anything else as is."""
+    if isinstance(t, FlatShard) or not is_sharded(t):
+        return t
+    start, values = local_flat_range(t)
+    return FlatShard(tuple(t.shape), start, values=values)
+
+
 def model_state_dict(model: nn.Module, masters: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The model's parameters and persistent buffers by canonical name, experts split per global
-    index: views of the live tensors, or full temporaries for FSDP's sharded ones (whole tensors,
-    so the entries are those of every layout). Collective under FSDP (the shards are gathered).
+    index, whole: views of the live tensors, or full temporaries for FSDP's sharded ones.
+    Collective under FSDP (the shards are gathered): for one process (inference, HF import) and
+    the in-memory `TrainEngine.state_dict()`; training checkpoints use `checkpoint_entries`.
     `masters` (canonical name → fp32 tensor) stand in for the live bf16 parameters of
     optim.bf16_weights, so that checkpoints always hold fp32 weights; DCP loads into them in place."""
     reshard(model)  # FSDP's root keeps its parameters gathered after a no-grad forward (eval)
@@ -359,8 +421,17 @@ def optimizer_tensors(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[
     return out
 
 
-def _put(out: dict, key: str, tensor: torch.Tensor, expert_offset: int | None) -> None:
-    if expert_offset is not None and tensor.ndim == 3:
+def _put(out: dict, key: str, tensor: torch.Tensor | FlatShard, expert_offset: int | None) -> None:
+    if isinstance(tensor, FlatShard):  # one range of the (stacked) tensor: the experts it reaches
+        if expert_offset is not None and len(tensor.shape) == 3:
+            shape, per = tensor.shape[1:], math.prod(tensor.shape[1:])
+            for i in range(tensor.shape[0]):
+                part = tensor.window(i * per, (i + 1) * per, shape)
+                if part.numel:
+                    out[f"{key}/{expert_offset + i}"] = part
+        elif tensor.numel:
+            out[key] = tensor
+    elif expert_offset is not None and tensor.ndim == 3:
         for i in range(tensor.shape[0]):
             out[f"{key}/{expert_offset + i}"] = tensor[i]
     else:
@@ -449,8 +520,9 @@ def _all_text(e: BaseException) -> str:
 def _first_line(e: BaseException) -> str:
     """The informative line of a (possibly multi-rank, traceback-laden) DCP error."""
     text = str(e).strip()
-    for line in text.splitlines():
-        low = line.lower()
-        if "mismatch" in low or "missing key" in low or "unexpected key" in low:
-            return line.strip().removeprefix("ValueError: ").removeprefix("RuntimeError: ")
-    return text.splitlines()[0] if text else type(e).__name__
+    lines = [line.strip() for line in text.splitlines()]
+    telling = [line for line in lines if any(k in line.lower() for k in ("mismatch", "missing key", "unexpected key"))]
+    raised = [line for line in telling if re.match(r"^\w+(Error|Exception): ", line)]  # not a traceback's source line
+    for line in raised + telling:
+        return line.removeprefix("ValueError: ").removeprefix("RuntimeError: ")
+    return lines[0] if text else type(e).__name__

@@ -36,6 +36,7 @@ from moetrain.optim.base import Optimizer
 from moetrain.optim.schedule import lr_at
 from moetrain.parallel.config import Stack
 from moetrain.parallel.dims import ParallelState
+from moetrain.parallel.distributed import cpu_group
 from moetrain.parallel.fsdp import init_full_then_shard, is_sharded, reshard
 from moetrain.parallel.parallelize import parallelize
 from moetrain.parallel.pipeline import Pipeline, build_pipeline
@@ -309,11 +310,26 @@ class TrainEngine:
         }
 
     # ---- state -------------------------------------------------------------------------------------
+    def checkpoint_state(self) -> dict[str, dict]:
+        """{"model": …, "optim": …}: the checkpoint's entries (moetrain/train/checkpoint.py) as
+        the part of each this rank holds — views of live tensors and `FlatShard`s of its shards
+        and of the split fp32 masters. What DCP saves, and what it loads into in place (then
+        `checkpoint_loaded`). No copy, no communication."""
+        return ckpt.checkpoint_entries(
+            self.model, self.optimizer.checkpoint_masters(), self.optimizer.checkpoint_tensors()
+        )
+
+    def checkpoint_loaded(self) -> None:
+        """A checkpoint was loaded into `checkpoint_state()`'s entries: the optimizer takes its
+        step count and refreshes what derives from the weights (collective under the sharded
+        optimizer)."""
+        self.optimizer.checkpoint_loaded()
+
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
-        """{"model": …, "optim": …}: the model's and the optimizer's tensors in the layout-free
-        checkpoint format (moetrain/train/checkpoint.py): views of the live tensors where this
-        rank holds them whole, full temporaries for FSDP's shards. What DCP saves, and the
-        template it loads into. Collective under FSDP and the sharded optimizer (gathers)."""
+        """{"model": …, "optim": …}: the same entries as `checkpoint_state`, whole, in memory
+        (for tests and tools): views of the live tensors where this rank holds them whole, full
+        temporaries for FSDP's and the sharded optimizer's shards and the split masters.
+        Collective under FSDP and the sharded optimizer (gathers)."""
         # With optim.bf16_weights the matrices' entries are their fp32 masters (temporaries).
         return {
             "model": ckpt.model_state_dict(self.model, self.optimizer.master_weights()),
@@ -328,12 +344,12 @@ class TrainEngine:
         self.optimizer.load_state_dict_tensors(ckpt.optimizer_tensors(self.model, state["optim"]))
 
     def load_model_weights(self, path) -> None:
-        """Only the model's weights from the checkpoint at `path` (train.init_from); the
-        optimizer refreshes its copies of them."""
-        masters = self.optimizer.master_weights()
-        ckpt.load_model(path, self.model, masters)
-        self.optimizer.load_master_weights(masters)
-        self.optimizer.params_loaded()
+        """Only the model's weights from the checkpoint at `path` (train.init_from), each rank
+        reading its part; the optimizer refreshes its copies of them (moments stay fresh)."""
+        group = cpu_group() if self.par.dims.world_size > 1 else None
+        entries = ckpt.checkpoint_entries(self.model, self.optimizer.checkpoint_masters())
+        ckpt.load_checkpoint(path, entries, process_group=group)
+        self.optimizer.checkpoint_loaded()
 
     def _load_masters(self, model_state: dict[str, torch.Tensor]) -> None:
         """optim.bf16_weights: the fp32 masters of the bf16 parameters (which got the entries
@@ -346,7 +362,10 @@ class TrainEngine:
         """Whether every parameter of every rank is finite (a collective and one host read)."""
         # This rank's values (its shards under FSDP); the all-reduce covers the rest.
         params = [p.detach().to_local() if is_sharded(p) else p.detach() for p in self.model.parameters()]
-        bad = torch.stack([(~torch.isfinite(p)).any() for p in params]).any() if params else torch.tensor(False)
+        # min and max of each: NaN and ±inf reach them, and unlike isfinite (abs, ==, !=, a bool
+        # tensor each) no temporary of the parameter's size is made before a checkpoint save
+        extremes = [torch.stack(torch.aminmax(p)).float() for p in params if p.numel()]
+        bad = ~torch.isfinite(torch.cat(extremes)).all() if extremes else torch.tensor(False)
         if self.par.world_group is not None:
             bad = bad.to(torch.int32)
             dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.par.world_group)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from moetrain.model.counting import count_params
+from moetrain.parallel.distributed import cpu_group
 from moetrain.train import checkpoint as ckpt
 from moetrain.train.callbacks import (
     Callback,
@@ -161,9 +162,11 @@ class Trainer:
             self._start_fresh()  # the records of the lost steps go too
             return
         path = found[-1][1]
-        state = self.engine.state_dict()
-        trainer_state = ckpt.load_checkpoint(path, state, rank=self.par.rank, restore_rng=True)
-        self.engine.load_state_dict(state)
+        group = cpu_group() if self.par.dims.world_size > 1 else None
+        trainer_state = ckpt.load_checkpoint(
+            path, self.engine.checkpoint_state(), rank=self.par.rank, restore_rng=True, process_group=group
+        )
+        self.engine.checkpoint_loaded()
         self.step = trainer_state["step"]
         self.loader.load_state_dict(trainer_state["loader"])
         if "guard" in trainer_state:

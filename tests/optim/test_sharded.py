@@ -44,10 +44,13 @@ def make_state(ep: int, world: int):
 
 
 def build_model(state):
+    from moetrain.parallel.config import ParallelConfig
     from moetrain.parallel.expert_parallel import apply_expert_parallel
 
     model = MODEL.build(device="meta")
-    apply_expert_parallel(model, state)
+    # nosync padded: the default's capacity would drop some of these 16-token micro-batches'
+    # assignments, and the layouts are compared with the single process.
+    apply_expert_parallel(model, state, ParallelConfig(ep=state.dims.ep, capacity_factor=None))
     model.to_empty(device="cpu")
     model.init_weights(seed=0)
     for moe in model.moe_layers():  # as the trainer sets it: the LM loss's factor

@@ -2,12 +2,15 @@
 losses (fp32, gloo): dp2·ep2 with the sharded optimizer → dp4·ep4 (replicated optimizer),
 dp4·ep2 (sharded) and a single process; and across stacks: fsdp2 → ddp dp2·ep2 → fsdp2, fsdp2 →
 a single process; and across pipeline layouts: dp4·ep4 → pp2·dp2·ep2 → pp2 interleaved and one
-process."""
+process. Each rank writes and reads only its own parts of the entries; a dp4·ep2 sharded run with
+bf16 weights loads bit for bit into replicated, sharded, fsdp, pipeline and one-process layouts,
+with fp32 weights or bf16 ones."""
 
 import shutil
 
 import pytest
 import torch
+from conftest import tiny_overrides
 from test_layouts import layout_cfg
 
 from moetrain.testing.distributed import run_distributed
@@ -173,3 +176,85 @@ def test_checkpoints_cross_pipeline_layouts(real_text_dir, tmp_path):
         torch.testing.assert_close(got[key], ref[key], rtol=1e-4, atol=1e-5, msg=key)
 
     assert_continues(source, [(pp_dir, 3), (interleaved, 5), (single, 5)])
+
+
+BF16_SHARDED = ["parallel.shard_optimizer=true", "train.precision=bf16", "optim.bf16_weights=true"]
+# Loaded from a dp4·ep2 sharded run with bf16 weights, on the same four ranks.
+RESHARD_TARGETS = {
+    "dp4 replicated, fp32 weights": [],
+    "dp4·ep4 sharded, fp32 weights": ["parallel.ep=4", "parallel.shard_optimizer=true"],
+    "fsdp4": [FSDP],
+    "pp2·dp2·ep2 sharded, bf16 weights": [PP, "parallel.ep=2", *BF16_SHARDED],
+}
+
+
+def _whole_state(engine) -> dict:
+    """Every entry this rank holds, whole (the in-memory `state_dict`, which gathers), as
+    (dtype, shape, bytes)."""
+    return {f"{s}/{k}": _bits(v) for s, entries in engine.state_dict().items() for k, v in entries.items()}
+
+
+def _bits(t: torch.Tensor) -> tuple[str, tuple[int, ...], bytes]:
+    return str(t.dtype), tuple(t.shape), t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _save_sharded_then_load_everywhere(data_dir, run_dir):
+    import torch.distributed as dist
+
+    from moetrain.presets import resolve_config
+    from moetrain.testing.steps import synthetic_batches
+    from moetrain.train import checkpoint as ckpt
+    from moetrain.train.engine import TrainEngine
+    from moetrain.train.runtime import setup_runtime
+
+    def engine(*extra):
+        cfg = resolve_config("tiny", tiny_overrides(data_dir, run_dir, "train.device=cpu", *extra))
+        return cfg, TrainEngine(cfg, setup_runtime(cfg).par, torch.device("cpu"))
+
+    rank = dist.get_rank()
+    cfg, source = engine("parallel.ep=2", *BF16_SHARDED)
+    for step in range(2):
+        source.train_step(synthetic_batches(cfg, step, rank, rows=1), step)
+    path = ckpt.save_checkpoint(run_dir, 2, source.checkpoint_state(), {"step": 2}, rank=rank)
+    out = {"source": _whole_state(source)}
+    for name, extra in RESHARD_TARGETS.items():
+        _, target = engine(*extra)
+        ckpt.load_checkpoint(path, target.checkpoint_state())
+        target.checkpoint_loaded()
+        out[name] = _whole_state(target)
+    return out
+
+
+def test_a_sharded_bf16_weights_checkpoint_loads_bit_for_bit_into_every_layout(real_text_dir, tmp_path):
+    """dp4·ep2, sharded optimizer, bf16 weights: each rank saves its ranges of the fp32 masters
+    (joined from the bf16 weights and its remainders) and of the moments. The stored entries are
+    what the run holds, gathered; and dp4 with fp32 weights, dp4·ep4 sharded, fsdp4, pp2·dp2·ep2
+    with bf16 weights and one process with bf16 weights each load exactly those values."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from moetrain.parallel.dims import ParallelDims, ParallelState
+    from moetrain.presets import resolve_config
+    from moetrain.train import checkpoint as ckpt
+    from moetrain.train.engine import TrainEngine
+
+    run_dir = tmp_path / "run"
+    results = run_distributed(_save_sharded_then_load_everywhere, 4, real_text_dir, run_dir)
+    path = ckpt.resolve_checkpoint(run_dir)
+    dcp_to_torch_save(str(path), str(tmp_path / "saved.pt"))
+    saved = {
+        f"{s}/{k}": _bits(v) for s, entries in torch.load(tmp_path / "saved.pt").items() for k, v in entries.items()
+    }
+
+    cfg = resolve_config("tiny", tiny_overrides(real_text_dir, tmp_path / "one", "train.device=cpu", *BF16_SHARDED[1:]))
+    one = TrainEngine(cfg, ParallelState(ParallelDims(world_size=1, dp=1, ep=1)), torch.device("cpu"))
+    ckpt.load_checkpoint(path, one.checkpoint_state())
+    one.checkpoint_loaded()
+    layouts = {name: [by_rank[name] for by_rank in results] for name in ["source", *RESHARD_TARGETS]}
+    layouts["one process, bf16 weights"] = [_whole_state(one)]
+    for name, ranks in layouts.items():
+        held = {}
+        for entries in ranks:
+            held.update(entries)
+        assert held.keys() == saved.keys(), (name, sorted(held.keys() ^ saved.keys())[:5])
+        for key, value in held.items():
+            assert value == saved[key], (name, key)

@@ -12,7 +12,16 @@ from moetrain.testing.distributed import run_distributed
 STEPS = 5
 
 
+# The layouts are compared with the single process, so nosync runs in its padded mode, which never
+# drops: these 64-token micro-batches put up to 1.3 × the mean load on one rank, past the default
+# capacity (1.25 ×). DEFAULT runs the default and checks the steps before its first drop (the
+# default against the exact dispatcher: tests/parallel/test_nosync_capacity.py).
+PADDED = "parallel.capacity_factor=null"
+
+
 def layout_cfg(data_dir, run_dir, *extra):
+    if not any(e.startswith(("parallel.dispatcher=", "parallel.capacity_factor=")) for e in extra):
+        extra = (*extra, PADDED)
     return resolve_config(
         "tiny",
         [
@@ -127,6 +136,7 @@ SYMM = "parallel.dispatcher=symm"  # on gloo: the emulated transport (symm_dispa
 FSDP = "parallel.stack=fsdp"
 SHARD = "parallel.shard_optimizer=true"
 CAPPED = ["parallel.ep=2", "parallel.capacity_factor=0.6"]
+DEFAULT = ["parallel.ep=2", "parallel.capacity_factor=1.25"]  # the default, named: not padded
 CHUNKED_LOSS = "train.loss_chunk_tokens=48"  # 64 tokens per rank per micro-batch: 48 + 16
 INTERLEAVED = "parallel.pp_schedule=interleaved-1f1b"  # 2 stages per rank: 4 stages of 1 block
 
@@ -141,6 +151,7 @@ INTERLEAVED = "parallel.pp_schedule=interleaved-1f1b"  # 2 stages per rank: 4 st
                 ("dp2ep2", ["parallel.ep=2"]),
                 ("dp2ep2-alltoall", ["parallel.ep=2", A2A]),
                 ("dp2ep2-capped", CAPPED),
+                ("dp2ep2-default", DEFAULT),
                 ("dp2-sharded", [SHARD]),
                 ("dp2ep2-symm", ["parallel.ep=2", SYMM]),
                 ("dp2ep2-chunked-loss", ["parallel.ep=2", CHUNKED_LOSS]),
@@ -184,11 +195,12 @@ INTERLEAVED = "parallel.pp_schedule=interleaved-1f1b"  # 2 stages per rank: 4 st
     ],
 )
 def test_layouts_match_single_process(real_text_dir, reference, tmp_path, world, layouts):
-    """The dispatchers (sync-free `nosync`, the default, exact `alltoall`, and `symm`), the sharded
+    """The dispatchers (sync-free `nosync` padded, exact `alltoall`, and `symm`), the sharded
     optimizer, the FSDP2 stack (which holds 1/dp of the parameters and AdamW state per rank) and
     pipeline parallelism (1F1B, interleaved 1F1B with two stages per rank, GPipe with recompute;
     alone and composed with dp and ep; the step's 2 micro-batches are the pipeline's) reproduce
-    the single-process run when nothing is dropped; a capacity factor drops and says so."""
+    the single-process run when nothing is dropped; a capacity factor drops and says so; the
+    default nosync reproduces it up to its first step with a drop."""
     ref_records, params_file = reference
     results = run_distributed(rank_layouts, world, real_text_dir, tmp_path, layouts, params_file)
     for name, extra in layouts:
@@ -196,6 +208,14 @@ def test_layouts_match_single_process(real_text_dir, reference, tmp_path, world,
         if extra is CAPPED:
             assert all(r["dropped_token_frac"] > 0 for r in records), [r["dropped_token_frac"] for r in records]
             assert all(r["lm_loss"] == r["lm_loss"] for r in records)  # finite, not NaN
+            continue
+        if extra is DEFAULT:
+            drops = [r["dropped_token_frac"] for r in records]
+            first = next((i for i, d in enumerate(drops) if d > 0), len(drops))
+            assert first >= 1 and all(r["lm_loss"] == r["lm_loss"] for r in records), drops
+            for got, want in zip(records[:first], ref_records[:first]):
+                for key in ("lm_loss", "loss", "grad_norm", "lb_loss", "z_loss"):
+                    assert got[key] == pytest.approx(want[key], rel=1e-5), (got["step"], key, drops)
             continue
         check(records, ref_records)
         assert all(r["dropped_token_frac"] == 0 for r in records)

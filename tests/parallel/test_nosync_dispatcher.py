@@ -1,7 +1,9 @@
-"""NoSyncDispatcher against the exact AllToAllDispatcher on gloo ranks (ep = world): dropless it
-gives the same outputs and gradients; with a capacity it drops exactly the expected assignments
-and nothing else; it never synchronizes with the host. The grouped experts' padding rows are
-poisoned with NaN (forward and backward), the worst garbage a grouped GEMM may leave there.
+"""NoSyncDispatcher against the exact AllToAllDispatcher on gloo ranks (ep = world): in its padded
+mode (capacity_factor=None) it gives the same outputs and gradients whatever the routing; with a
+capacity and no spill rows it drops exactly the expected assignments and nothing else; in every
+mode it never synchronizes with the host. The grouped experts' padding rows are poisoned with NaN
+(forward and backward), the worst garbage a grouped GEMM may leave there. The default (capacity
+with spill rows) at ep 2, 4 and 8: tests/parallel/test_nosync_capacity.py.
 
 Legend: N tokens per rank, K top-k, D model dim, E experts, L experts per rank, R ranks."""
 
@@ -12,81 +14,16 @@ from unittest import mock
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from moetrain.testing.distributed import run_distributed
+from moetrain.testing.host_sync import HostSyncError, forbid_host_sync
 
 D, E, K, F = 32, 8, 2, 16
 B, T = 2, 16
 TOL = 1e-6
 
 
-# --- the host-sync detector -------------------------------------------------------------------
-
-
-class HostSyncError(RuntimeError):
-    pass
-
-
-aten = torch.ops.aten
-# Ops that read device data on the host, or whose output size is data (CUDA must sync to size it).
-_SYNC_OPS = {
-    aten._local_scalar_dense.default,
-    aten.item.default,
-    aten.nonzero.default,
-    aten.argwhere.default,
-    aten.masked_select.default,
-    aten.bincount.default,
-    aten._unique2.default,
-    aten.unique_dim.default,
-    aten.unique_consecutive.default,
-    aten.is_nonzero.default,
-}
-_BOOL_INDEX_OPS = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
-
-
-class _SyncOpDetector(TorchDispatchMode):
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _SYNC_OPS:
-            raise HostSyncError(f"{func} synchronizes with the host")
-        if func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
-            raise HostSyncError("repeat_interleave without output_size synchronizes with the host")
-        if func in _BOOL_INDEX_OPS and any(
-            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or [])
-        ):
-            raise HostSyncError(f"{func} with a boolean mask has a data-dependent size")
-        return func(*args, **kwargs)
-
-
-def _raiser(name):
-    def method(*args, **kwargs):
-        raise HostSyncError(f"Tensor.{name} reads device data on the host")
-
-    return method
-
-
-def _to_without_device(original):
-    def to(self, *args, **kwargs):
-        if "device" in kwargs or any(isinstance(a, (str, torch.device)) for a in args):
-            raise HostSyncError("Tensor.to(device) copies across devices")
-        return original(self, *args, **kwargs)
-
-    return to
-
-
-@contextlib.contextmanager
-def forbid_host_sync():
-    """Raise HostSyncError on anything that would stall the host on a device: on CPU the calls
-    are harmless, so catch them by name (Python methods) and by op (the dispatcher, which also
-    sees backward)."""
-    names = ["item", "tolist", "cpu", "cuda", "numpy", "__bool__", "__int__", "__float__", "__index__"]
-    with contextlib.ExitStack() as stack:
-        for name in names:
-            stack.enter_context(mock.patch.object(torch.Tensor, name, _raiser(name)))
-        stack.enter_context(mock.patch.object(torch.Tensor, "to", _to_without_device(torch.Tensor.to)))
-        stack.enter_context(_SyncOpDetector())
-        yield
+# --- the host-sync detector (moetrain/testing/host_sync.py) -----------------------------------
 
 
 class _ItemInBackward(torch.autograd.Function):
@@ -221,11 +158,14 @@ def inputs(rank):
 
 def compare_dropless(rank, group, bias_E, dispatcher_cls=None):
     """Forward and backward of the full layer with the exact dispatcher and `dispatcher_cls`
-    (default NoSyncDispatcher), in train mode (aux losses)."""
+    (default NoSyncDispatcher in its padded mode), in train mode (aux losses)."""
     from moetrain.parallel.dispatchers import AllToAllDispatcher
     from moetrain.parallel.nosync_dispatcher import NoSyncDispatcher
 
-    dispatcher_cls = dispatcher_cls or NoSyncDispatcher
+    def padded(*args):
+        return NoSyncDispatcher(*args, capacity_factor=None)
+
+    dispatcher_cls = dispatcher_cls or padded
     x_BTD, grad_BTD = inputs(rank)
     results = []
     for moe in (
@@ -261,14 +201,15 @@ def expected_drops(topk_ids_NK, L, C):
 
 
 def check_capacity(rank, group, capacity_factor):
-    """Skewed routing (expert 0 always chosen) with a capacity: drops match the expectation, kept
-    outputs and all gradients match the exact dispatcher's with the dropped terms masked out."""
+    """Skewed routing (expert 0 always chosen) with a capacity and no spill rows: drops match the
+    expectation, kept outputs and all gradients match the exact dispatcher's with the dropped
+    terms masked out."""
     from moetrain.parallel.dispatchers import AllToAllDispatcher
     from moetrain.parallel.nosync_dispatcher import NoSyncDispatcher
 
     bias_E = torch.zeros(E)
     bias_E[0] = 1.0
-    cap = build_moe(NoSyncDispatcher(E, group, group, capacity_factor), rank, poison=True, bias_E=bias_E)
+    cap = build_moe(NoSyncDispatcher(E, group, group, capacity_factor, 0.0), rank, poison=True, bias_E=bias_E)
     exact = build_moe(AllToAllDispatcher(E, group, group), rank, bias_E=bias_E)
     x_BTD, _ = inputs(rank)
     x_ND = x_BTD.view(B * T, D).clone().requires_grad_()
@@ -329,8 +270,9 @@ def check_no_host_sync(rank, group):
     counts_E = torch.bincount(ids_NK.flatten(), minlength=E)
     out = {}
     for name, disp in (
-        ("dropless", NoSyncDispatcher(E, group, group)),
-        ("capacity", NoSyncDispatcher(E, group, group, capacity_factor=0.5)),
+        ("padded", NoSyncDispatcher(E, group, group, capacity_factor=None)),
+        ("default", NoSyncDispatcher(E, group, group)),
+        ("capacity", NoSyncDispatcher(E, group, group, capacity_factor=0.5, spill_factor=0.0)),
     ):
         with forbid_host_sync():
             x_local, offsets, state = disp.dispatch(x_ND, ids_NK, counts_E)
@@ -363,7 +305,7 @@ def check_wire_dtype(rank, group):
     out = {}
     for name, disp in (
         ("alltoall", AllToAllDispatcher(E, group, group)),
-        ("nosync", NoSyncDispatcher(E, group, group)),
+        ("nosync", NoSyncDispatcher(E, group, group, capacity_factor=None)),
     ):
         seen = []
 
@@ -410,7 +352,7 @@ def world_results(request):
     return world, run_distributed(rank_checks, world, world)
 
 
-def test_dropless_matches_the_exact_dispatcher(world_results):
+def test_padded_mode_matches_the_exact_dispatcher(world_results):
     world, results = world_results
     N = B * T
     for rank, r in enumerate(results):
@@ -427,7 +369,7 @@ def test_dropless_matches_the_exact_dispatcher(world_results):
     assert sum(r["learned"]["padding_rows"] for r in results) > 0
 
 
-def test_capacity_drops_exactly_the_overflow(world_results):
+def test_capacity_without_spill_drops_exactly_the_overflow(world_results):
     world, results = world_results
     N = B * T
     assert sum(r["capacity"]["want_dropped"] for r in results) > 0
@@ -445,7 +387,7 @@ def test_capacity_drops_exactly_the_overflow(world_results):
 def test_no_host_sync_in_dispatch_combine_or_backward(world_results):
     world, results = world_results
     for r in results:
-        assert r["sync"]["dropless"] == r["sync"]["capacity"] == (B * T, D)
+        assert r["sync"]["padded"] == r["sync"]["default"] == r["sync"]["capacity"] == (B * T, D)
         assert r["sync"]["exact_trips"]
 
 
@@ -454,7 +396,12 @@ def test_no_host_sync_in_dispatch_combine_or_backward(world_results):
     [
         (["parallel.ep=3"], ["parallel.ep=3", "model.moe.num_experts=8"]),
         (["parallel.capacity_factor=0.0"], ["parallel.capacity_factor=0.0", "positive"]),
-        (["parallel.capacity_factor=1.25", "parallel.dispatcher=alltoall"], ["nosync only", "dropless"]),
+        (
+            ["parallel.capacity_factor=1.5", "parallel.dispatcher=alltoall"],
+            ["capacity_factor=1.5", "nosync only", "dropless"],
+        ),
+        (["parallel.spill_factor=-0.5"], ["parallel.spill_factor=-0.5", "≥ 0"]),
+        (["parallel.spill_factor=0.5", "parallel.dispatcher=symm"], ["parallel.spill_factor=0.5", "nosync only"]),
     ],
 )
 def test_bad_dispatcher_settings_are_refused_by_the_config(overrides, words):
