@@ -79,3 +79,18 @@ def run_distributed(
     if errors:
         raise RuntimeError("distributed test failed on " + "\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+class NaNGradOnPadding(torch.autograd.Function):
+    """Identity on rows; backward writes NaN into the gradient of the rows marked `pad` (a
+    dispatcher's padding rows), so a padding row that leaks into a result shows."""
+
+    @staticmethod
+    def forward(ctx, x, pad):
+        ctx.save_for_backward(pad)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (pad,) = ctx.saved_tensors
+        return grad.masked_fill(pad, float("nan")), None

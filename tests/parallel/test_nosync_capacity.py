@@ -19,7 +19,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from moetrain.testing.distributed import run_distributed
+from moetrain.testing.distributed import NaNGradOnPadding, run_distributed
 
 E, K, F = 16, 2, 16
 N = 64
@@ -100,18 +100,6 @@ def reference_keep(ids_by_rank, R, C, W):
 # --- the experts, with their padding rows poisoned ------------------------------------------------
 
 
-class _NaNGradOnPadding(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, pad):
-        ctx.save_for_backward(pad)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (pad,) = ctx.saved_tensors
-        return grad.masked_fill(pad, float("nan")), None
-
-
 def local_experts(rank, R, poison):
     """This rank's slice of one seeded set of E experts; `poison`: rows past the last offset are
     NaN in the output and in the input's gradient (the worst a grouped GEMM may leave there)."""
@@ -129,7 +117,7 @@ def local_experts(rank, R, poison):
         if not poison:
             return local(x_SD, offsets_L)
         pad_S1 = (torch.arange(x_SD.shape[0]) >= offsets_L[-1]).unsqueeze(-1)
-        return local(_NaNGradOnPadding.apply(x_SD, pad_S1), offsets_L).masked_fill(pad_S1, float("nan"))
+        return local(NaNGradOnPadding.apply(x_SD, pad_S1), offsets_L).masked_fill(pad_S1, float("nan"))
 
     return local, forward
 

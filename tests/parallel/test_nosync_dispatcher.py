@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from moetrain.testing.distributed import run_distributed
+from moetrain.testing.distributed import NaNGradOnPadding, run_distributed
 from moetrain.testing.host_sync import HostSyncError, forbid_host_sync
 
 D, E, K, F = 32, 8, 2, 16
@@ -88,18 +88,6 @@ def test_the_detector_lets_sync_free_code_run():
 # --- the distributed checks ---------------------------------------------------------------------
 
 
-class _NaNGradOnPadding(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, pad):
-        ctx.save_for_backward(pad)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (pad,) = ctx.saved_tensors
-        return grad.masked_fill(pad, float("nan")), None
-
-
 class PoisonPadding(nn.Module):
     """Grouped experts whose rows past the last offset are NaN in the output and in the input's
     gradient."""
@@ -112,7 +100,7 @@ class PoisonPadding(nn.Module):
     def forward(self, x_SD, offsets_L):
         pad_S1 = (torch.arange(x_SD.shape[0]) >= offsets_L[-1]).unsqueeze(-1)
         self.padding_rows += int(pad_S1.sum())
-        y_SD = self.inner(_NaNGradOnPadding.apply(x_SD, pad_S1), offsets_L)
+        y_SD = self.inner(NaNGradOnPadding.apply(x_SD, pad_S1), offsets_L)
         return y_SD.masked_fill(pad_S1, float("nan"))
 
 
