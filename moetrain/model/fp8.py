@@ -25,8 +25,9 @@ per-tensor scales only), so the recipe's numerics are testable without a GPU.
 Under `torch.compile` the FP8 products run as eager islands (`torch.compiler.disable`): compiled
 into a block's graph, the backward's grouped GEMM fails with a device-side assert on torch 2.11
 while the same functions run correctly eager (docs/benchmarks.md, "FP8", records the attempts).
-Inside the islands the quantization itself is compiled on its own (`_quantize`), which fuses its
-passes.
+Inside the islands the quantizers are two Triton kernels (moetrain/model/fp8_kernels.py: along
+the contiguous dim, and along the other one with a transposed write), each reading its operand
+once, with `quantize_rowwise`'s bits.
 
 **MXFP8** (the OCP microscaling format Blackwell's tensor cores take): blocks of 32 consecutive
 elements along the reduction dim share one power-of-two scale stored as float8_e8m0fnu, chosen
@@ -52,9 +53,12 @@ MX_BLOCK = 32
 
 
 def _pow2_scale(amax: torch.Tensor) -> torch.Tensor:
-    """The smallest power of two s with amax / s ≤ 448 (fp32); 1 for all-zero slices."""
+    """The smallest power of two s with amax / s ≤ 448 (fp32); 1 for all-zero slices. Taken from
+    the binary exponent of amax / 448 (v = m·2^e with m in [0.5, 1): ceil(log2 v) is e, or e − 1
+    when m is exactly 0.5), so no rounding of a logarithm can pick the power below."""
     amax = amax.float()
-    scale = torch.exp2(torch.ceil(torch.log2(amax / E4M3_MAX)))
+    mantissa, exponent = torch.frexp(amax / E4M3_MAX)
+    scale = torch.ldexp(torch.ones_like(amax), exponent - (mantissa == 0.5).to(exponent.dtype))
     return torch.where(amax > 0, scale, torch.ones_like(scale))
 
 
@@ -85,36 +89,32 @@ def _quantize_middle_column_major(x: torch.Tensor) -> tuple[torch.Tensor, torch.
     return _column_major(q), scale
 
 
-# (dim, layout of q) -> quantizer; layouts: None as computed, "row" row-major, "col" column-major
-# (what the FP8 kernels take as second operand). Inside one compiled function the layout change
-# fuses into the cast instead of being a separate strided copy.
+# (dim, layout of q) -> quantizer off CUDA; layouts: None as computed, "row" row-major, "col"
+# column-major (what the FP8 kernels take as second operand).
 _EAGER = {
     (-1, None): _quantize_last,
     (-1, "row"): _quantize_last_contiguous,
     (0, "col"): _quantize_first_column_major,
     (-2, "col"): _quantize_middle_column_major,
 }
-_COMPILED: dict[tuple[int, str | None], object] = {}
 
 
 def _quantize(x: torch.Tensor, dim: int, layout: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_rowwise` for the GEMMs, q in the given layout. On CUDA compiled: eager it is ~6
-    full passes (abs, amax, fp32 copy, divide, clamp, cast) plus a copy for the layout; Inductor
-    fuses them into a reduction and one pointwise pass. One compiled function per (dim, layout)
-    (dynamic shapes); a compiled function runs inside the eager islands below."""
-    key = (dim, layout)
+    """`quantize_rowwise` for the GEMMs, q in the given layout. On CUDA the two Triton kernels of
+    moetrain/model/fp8_kernels.py (one read of x from memory each; the same bits), elsewhere the
+    plain formulation above."""
     if not x.is_cuda:
-        return _EAGER[key](x)
-    fn = _COMPILED.get(key)
-    if fn is None:
-        # Each call site brings its own dtype, rank and strides (weights fp32 3-D, activations
-        # bf16, transposed gradients): more variants than Dynamo's default limit of 8 per
-        # function, past which it would fall back to eager (seen on bench-8e).
-        import torch._dynamo.config as dynamo_config
+        return _EAGER[(dim, layout)](x)
+    from moetrain.model.fp8_kernels import quantize_cols_transposed, quantize_rows
 
-        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
-        fn = _COMPILED[key] = torch.compile(_EAGER[key], dynamic=True)
-    return fn(x)
+    if (dim, layout) == (-1, None):
+        return quantize_rows(x)
+    if (dim, layout) == (-1, "row"):  # x a transposed view (dyᵀ): quantize dy's columns
+        q, scale = quantize_cols_transposed(x.transpose(-2, -1))
+        return q, scale.unsqueeze(-1)
+    # (0 or −2, "col"): per column over the rows, q column-major = the transposed kernel's output
+    q, scale = quantize_cols_transposed(x)
+    return q.transpose(-2, -1), scale.unsqueeze(-2)
 
 
 def quantize_mxfp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,16 +138,23 @@ def _column_major(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(-2, -1).contiguous().transpose(-2, -1)
 
 
+FAST_ACCUM = False
+"""Hopper's fast FP8 accumulation in the CUDA products (no periodic promotion of the tensor
+cores' partial sums to fp32). Off: measured in docs/benchmarks.md before any change."""
+
+
 def _scaled_mm(a_MK, b_KN, scale_M1, scale_1N) -> torch.Tensor:
     if a_MK.is_cuda:
-        return torch._scaled_mm(a_MK, b_KN, scale_M1, scale_1N, out_dtype=torch.bfloat16)
+        return torch._scaled_mm(a_MK, b_KN, scale_M1, scale_1N, out_dtype=torch.bfloat16, use_fast_accum=FAST_ACCUM)
     return ((a_MK.float() * scale_M1) @ (b_KN.float() * scale_1N)).to(torch.bfloat16)
 
 
 def _scaled_grouped_mm(a_MK, b_EKN, scale_M, scale_EN, offsets_E) -> torch.Tensor:
     """Row block e of a (rows offsets[e-1]..offsets[e]) times b[e], with row-wise scales; bf16."""
     if a_MK.is_cuda:
-        return torch._scaled_grouped_mm(a_MK, b_EKN, scale_M, scale_EN, offs=offsets_E, out_dtype=torch.bfloat16)
+        return torch._scaled_grouped_mm(
+            a_MK, b_EKN, scale_M, scale_EN, offs=offsets_E, out_dtype=torch.bfloat16, use_fast_accum=FAST_ACCUM
+        )
     return _emulated_scaled_grouped_mm(a_MK, b_EKN, scale_M, scale_EN, offsets_E)
 
 

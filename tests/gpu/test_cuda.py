@@ -190,6 +190,24 @@ def test_fp8_kernels_match_the_cpu_emulation():
         assert rel(g, v) < (2e-2 if i == 2 else 5e-3), i  # the weight gradient: bf16 on CUDA, fp32 on CPU
 
 
+def test_fp8_quantizer_kernels_give_the_cpu_bits():
+    """The Triton quantizers (moetrain/model/fp8_kernels.py) on the GPU give quantize_rowwise's
+    bytes and scales on the CPU, in every (dim, layout) the FP8 products ask for."""
+    from moetrain.model.fp8 import _quantize
+
+    torch.manual_seed(0)
+    x = (torch.randn(300, 1536) * torch.logspace(-8, 3, 300).unsqueeze(1)).bfloat16()
+    x[7] = 0
+    w = torch.randn(4, 384, 256) * torch.logspace(-4, 1, 256)
+    cases = [(x, -1, None), (x.t(), -1, "row"), (x, 0, "col"), (w, -1, None), (w, -2, "col"), (w.bfloat16(), -2, "col")]
+    for t, dim, layout in cases:
+        q_gpu, s_gpu = _quantize(t.cuda(), dim, layout)
+        q_cpu, s_cpu = _quantize(t, dim, layout)
+        assert q_gpu.shape == q_cpu.shape and q_gpu.stride() == q_cpu.stride(), (dim, layout)
+        assert torch.equal(q_gpu.cpu().view(torch.uint8), q_cpu.view(torch.uint8)), (dim, layout)
+        assert torch.equal(s_gpu.cpu(), s_cpu), (dim, layout)
+
+
 def test_fp8_training_step_is_sync_free_and_learns(real_text_dir, tmp_path):
     """Row-wise FP8 (compiled blocks, FP8 products as eager islands) learns real text about as
     BF16 does, and its step makes no host sync."""

@@ -1,0 +1,140 @@
+"""The row-wise FP8 quantizers of moetrain/model/fp8.py as two Triton kernels (CUDA).
+
+Legend: R rows, C columns (the last, contiguous dim), B a leading batch dim (experts).
+
+Every operand of the row-wise recipe is quantized along one dim, in one of two shapes:
+- `quantize_rows`: along the contiguous last dim (activations per token, weights per output
+  feature): one program per row, a pass for the amax and a pass for the cast (the second read
+  hits the cache), q written in the input's layout: 2 + 1 bytes per bf16 element.
+- `quantize_cols_transposed`: along dim −2 of a (B, R, C) tensor, q written transposed as
+  (B, C, R) row-major: what the FP8 GEMMs take as their second operand (column-major) or as a
+  transposed first one. One program per (b, block of columns), tiles read coalesced along C
+  and written coalesced along R.
+
+Inductor's compiled version of the plain formulation (`fp8._quantize_eager`, what these replace)
+spent ~47 ms of bench-8e's 293 ms step in quantization; these read each element once from
+memory (docs/benchmarks.md has the before/after).
+
+Numerics are `fp8.quantize_rowwise`'s bit for bit: the scale is 2^ceil(log2(amax / 448)) taken
+from amax / 448's fp32 bits (exact, no log2 approximation), the division by the scale is a
+multiplication by its exact reciprocal, and the cast to e4m3 rounds to nearest even after the
+clamp. tests/model/test_fp8_kernels.py compares both in Triton's interpreter on CPU, and
+tests/gpu/test_cuda.py on the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+E4M3_MAX = 448.0
+ROW_BLOCK = 1024
+TILE_R, TILE_C = 64, 64
+
+
+@triton.jit
+def _pow2_scale_and_inverse(amax):
+    """(2^ceil(log2(amax / 448)), its reciprocal) from the fp32 bits of amax / 448; (1, 1) for 0.
+    Exact for amax / 448 in fp32's normal range (every finite bf16 activation or weight)."""
+    v = tl.div_rn(amax, 448.0)
+    bits = v.to(tl.int32, bitcast=True)
+    exponent = ((bits >> 23) & 0xFF) - 127
+    exponent = exponent + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    exponent = tl.where(amax > 0, exponent, 0)
+    scale = ((exponent + 127) << 23).to(tl.float32, bitcast=True)
+    inverse = ((127 - exponent) << 23).to(tl.float32, bitcast=True)
+    return scale, inverse
+
+
+@triton.jit
+def _to_e4m3(x, inverse):
+    """e4m3(clamp(x · inverse, ±448)), rounded to nearest even in fp32 bits before the cast, so the
+    cast itself is exact (the interpreter's cast rounds ties differently from the GPU's)."""
+    v = tl.clamp(x * inverse, -448.0, 448.0)
+    a = tl.abs(v)
+    bits = a.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)  # 3 mantissa bits
+    subnormal = (a + 16384.0) - 16384.0  # below 2⁻⁶: multiples of 2⁻⁹, fp32's spacing at 2¹⁴
+    r = tl.where(a >= 0.015625, normal, subnormal)
+    sign = v.to(tl.int32, bitcast=True) & -0x80000000
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True).to(tl.float8e4nv)
+
+
+@triton.jit
+def _rows_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, C: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row, q_row = x_ptr + row * stride_x, q_ptr + row * stride_q
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, C, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_row + cols, mask=cols < C, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale, inverse = _pow2_scale_and_inverse(tl.max(amax, axis=0))
+    tl.store(scale_ptr + row, scale)
+    for start in range(0, C, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_row + cols, mask=cols < C, other=0.0).to(tl.float32)
+        q = _to_e4m3(x, inverse)
+        tl.store(q_row + cols, q, mask=cols < C)
+
+
+@triton.jit
+def _cols_transposed_kernel(
+    x_ptr, q_ptr, scale_ptr, stride_xb, stride_xr, R: tl.constexpr, C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr
+):
+    b = tl.program_id(1).to(tl.int64)
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = cols < C
+    x_b = x_ptr + b * stride_xb
+    amax = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for start in range(0, R, BLOCK_R):
+        rows = start + tl.arange(0, BLOCK_R)
+        mask = (rows[:, None] < R) & col_ok[None, :]
+        x = tl.load(x_b + rows[:, None].to(tl.int64) * stride_xr + cols[None, :], mask=mask, other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=0))
+    scale, inverse = _pow2_scale_and_inverse(amax)
+    tl.store(scale_ptr + b * C + cols, scale, mask=col_ok)
+    q_b = q_ptr + b * C * R
+    for start in range(0, R, BLOCK_R):
+        rows = start + tl.arange(0, BLOCK_R)
+        mask = (rows[:, None] < R) & col_ok[None, :]
+        x = tl.load(x_b + rows[:, None].to(tl.int64) * stride_xr + cols[None, :], mask=mask, other=0.0)
+        q = _to_e4m3(x.to(tl.float32), inverse[None, :])
+        out = q_b + cols[:, None].to(tl.int64) * R + rows[None, :]
+        tl.store(out, tl.trans(q), mask=tl.trans(mask))
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (…, C) with a contiguous last dim → (q e4m3 of x's shape, row-major; scale fp32 (…, 1))."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    x_RC = x.reshape(-1, x.shape[-1])  # a view for every tensor the GEMMs pass (rows evenly strided)
+    q_RC = torch.empty(x_RC.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale_R = torch.empty(x_RC.shape[0], dtype=torch.float32, device=x.device)
+    if x_RC.numel():
+        block = min(ROW_BLOCK, triton.next_power_of_2(x_RC.shape[1]))
+        _rows_kernel[(x_RC.shape[0],)](
+            x_RC, q_RC, scale_R, x_RC.stride(0), q_RC.stride(0), C=x_RC.shape[1], BLOCK=block, num_warps=4
+        )
+    return q_RC.view(x.shape), scale_R.view(*x.shape[:-1], 1)
+
+
+def quantize_cols_transposed(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (R, C) or (B, R, C), contiguous last dim → (q e4m3 (…, C, R) row-major, scale fp32 (…, C)):
+    each column quantized over its R rows, written transposed."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    x_BRC = x if x.dim() == 3 else x.unsqueeze(0)
+    B, R, C = x_BRC.shape
+    q_BCR = torch.empty((B, C, R), dtype=torch.float8_e4m3fn, device=x.device)
+    scale_BC = torch.empty((B, C), dtype=torch.float32, device=x.device)
+    if x_BRC.numel():
+        grid = (triton.cdiv(C, TILE_C), B)
+        _cols_transposed_kernel[grid](
+            x_BRC, q_BCR, scale_BC, x_BRC.stride(0), x_BRC.stride(1), R=R, C=C, BLOCK_R=TILE_R, BLOCK_C=TILE_C,
+            num_warps=4,
+        )
+    if x.dim() == 2:
+        return q_BCR[0], scale_BC[0]
+    return q_BCR, scale_BC

@@ -1,0 +1,74 @@
+"""The Triton FP8 quantizers (moetrain/model/fp8_kernels.py): in Triton's interpreter on CPU they
+give `quantize_rowwise`'s bytes and scales (ties, negative zeros, all-zero rows, amax just above a
+power of two); they compile for Hopper ahead of time. tests/gpu/test_cuda.py checks them on the GPU."""
+
+import pytest
+import torch
+
+from moetrain.model.fp8 import _pow2_scale
+from moetrain.testing.steps import run_in_triton_interpreter
+
+triton = pytest.importorskip("triton")
+
+KERNEL_CHECK = """
+import torch
+from moetrain.model.fp8 import quantize_rowwise
+from moetrain.model.fp8_kernels import quantize_cols_transposed, quantize_rows
+
+def same(a, b):
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+torch.manual_seed(0)
+for dtype in (torch.bfloat16, torch.float32):
+    x = (torch.randn(41, 1100) * torch.logspace(-12, 3, 41).unsqueeze(1)).to(dtype)
+    x[3] = 0
+    x[4, :7] = -0.0
+    x[5, 0] = 448 * 2.0**-3 * (1 + 2.0**-7)  # amax / 448 just above a power of two
+    x[6] = torch.arange(1100) * 2.0**-9  # many exact ties between e4m3 neighbours
+    q, s = quantize_rows(x)
+    q_ref, s_ref = quantize_rowwise(x, -1)
+    assert same(q, q_ref) and torch.equal(s, s_ref), dtype
+    w = (torch.randn(3, 150, 130) * torch.logspace(-5, 2, 130)).to(dtype)
+    q, s = quantize_cols_transposed(w)
+    q_ref, s_ref = quantize_rowwise(w, -2)
+    assert same(q, q_ref.transpose(-2, -1).contiguous()) and torch.equal(s, s_ref.squeeze(-2)), dtype
+    q, s = quantize_cols_transposed(x.t())  # a transposed view: made contiguous first
+    q_ref, s_ref = quantize_rowwise(x.t(), 0)
+    assert same(q, q_ref.t().contiguous()) and torch.equal(s, s_ref.squeeze(0)), dtype
+print("ok")
+"""
+
+
+def test_quantizer_kernels_give_the_reference_bits_in_the_interpreter():
+    result = run_in_triton_interpreter(KERNEL_CHECK)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+def test_pow2_scale_is_the_smallest_power_of_two_that_fits():
+    """2^ceil(log2(amax / 448)) from the binary exponent: exact where a rounded log2 is not."""
+    amax = torch.tensor([448.0, 448 * (1 + 2.0**-23), 448 * 2.0**-20 * (1 + 2.0**-23), 1e-30, 0.0, 3e38])
+    scale = _pow2_scale(amax)
+    assert torch.all((amax / scale <= 448) & (amax / scale > 224) | (amax == 0))
+    assert scale[0] == 1 and scale[1] == 2 and scale[4] == 1
+
+
+@pytest.mark.parametrize("kernel", ["rows", "cols"])
+@pytest.mark.parametrize("dtype", ["*bf16", "*fp32"])
+def test_quantizer_kernels_compile_for_sm90(kernel, dtype):
+    from triton.backends.compiler import GPUTarget
+
+    from moetrain.model.fp8_kernels import ROW_BLOCK, TILE_C, TILE_R, _cols_transposed_kernel, _rows_kernel
+
+    if kernel == "rows":
+        fn, signature = _rows_kernel, {"x_ptr": dtype, "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "stride_x": "i64",
+                                        "stride_q": "i64", "C": "constexpr", "BLOCK": "constexpr"}
+        values = {"C": 4096, "BLOCK": ROW_BLOCK}
+    else:
+        fn, signature = _cols_transposed_kernel, {"x_ptr": dtype, "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
+                                                   "stride_xb": "i64", "stride_xr": "i64", "R": "constexpr",
+                                                   "C": "constexpr", "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"}
+        values = {"R": 32768, "C": 4096, "BLOCK_R": TILE_R, "BLOCK_C": TILE_C}
+    names = list(signature)
+    source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in values.items()})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    assert ".target sm_90" in compiled.asm["ptx"] and len(compiled.asm["cubin"]) > 1000
