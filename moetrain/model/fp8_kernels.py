@@ -1,19 +1,21 @@
-"""The row-wise FP8 quantizers of moetrain/model/fp8.py as two Triton kernels (CUDA).
+"""The row-wise FP8 quantizers of moetrain/model/fp8.py as Triton kernels (CUDA).
 
 Legend: R rows, C columns (the last, contiguous dim), B a leading batch dim (experts).
 
 Every operand of the row-wise recipe is quantized along one dim, in one of two shapes:
 - `quantize_rows`: along the contiguous last dim (activations per token, weights per output
-  feature): one program per row, a pass for the amax and a pass for the cast (the second read
-  hits the cache), q written in the input's layout: 2 + 1 bytes per bf16 element.
+  feature): one program per row, which holds a row of up to 8192 elements in registers, so x is
+  read once and q written once: 2 + 1 bytes per bf16 element.
 - `quantize_cols_transposed`: along dim −2 of a (B, R, C) tensor, q written transposed as
   (B, C, R) row-major: what the FP8 GEMMs take as their second operand (column-major) or as a
-  transposed first one. One program per (b, block of columns), tiles read coalesced along C
-  and written coalesced along R.
+  transposed first one. A column's scale needs all its R rows, and R is long (32k tokens), so
+  two kernels keep the GPU full: column maxima over chunks of rows, folded by atomic max; then
+  tiles cast with their columns' scales and written transposed (reads coalesced along C, writes
+  along R): 2 + 2 + 1 bytes per bf16 element.
 
-Inductor's compiled version of the plain formulation (`fp8._quantize_eager`, what these replace)
-spent ~47 ms of bench-8e's 293 ms step in quantization; these read each element once from
-memory (docs/benchmarks.md has the before/after).
+Measured on bench-8e (docs/benchmarks.md): Inductor's compiled plain formulation spent ~47 ms of
+a 293 ms step in quantization; one program per column block (a first version of the transposed
+kernel) left most of the GPU idle at R = 32k and spent 54 ms in that kernel alone.
 
 Numerics are `fp8.quantize_rowwise`'s bit for bit: the scale is 2^ceil(log2(amax / 448)) taken
 from amax / 448's fp32 bits (exact, no log2 approximation), the division by the scale is a
@@ -29,8 +31,9 @@ import triton
 import triton.language as tl
 
 E4M3_MAX = 448.0
-ROW_BLOCK = 1024
-TILE_R, TILE_C = 64, 64
+ROW_BLOCK = 8192  # rows up to this long are read once, kept in registers
+TILE_R, TILE_C = 128, 64  # the cast-and-transpose tiles
+AMAX_CHUNK_R, AMAX_TILE_R, AMAX_TILE_C = 256, 32, 128  # the column-amax programs
 
 
 @triton.jit
@@ -65,44 +68,63 @@ def _to_e4m3(x, inverse):
 def _rows_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, C: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row, q_row = x_ptr + row * stride_x, q_ptr + row * stride_q
-    amax = tl.zeros((BLOCK,), dtype=tl.float32)
-    for start in range(0, C, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
+    if C <= BLOCK:  # the whole row in registers: one read
+        cols = tl.arange(0, BLOCK)
         x = tl.load(x_row + cols, mask=cols < C, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    scale, inverse = _pow2_scale_and_inverse(tl.max(amax, axis=0))
-    tl.store(scale_ptr + row, scale)
-    for start in range(0, C, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        x = tl.load(x_row + cols, mask=cols < C, other=0.0).to(tl.float32)
-        q = _to_e4m3(x, inverse)
-        tl.store(q_row + cols, q, mask=cols < C)
+        scale, inverse = _pow2_scale_and_inverse(tl.max(tl.abs(x), axis=0))
+        tl.store(scale_ptr + row, scale)
+        tl.store(q_row + cols, _to_e4m3(x, inverse), mask=cols < C)
+    else:  # a pass for the amax, a pass for the cast (its reads hit the cache)
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, C, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(x_row + cols, mask=cols < C, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale, inverse = _pow2_scale_and_inverse(tl.max(amax, axis=0))
+        tl.store(scale_ptr + row, scale)
+        for start in range(0, C, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(x_row + cols, mask=cols < C, other=0.0).to(tl.float32)
+            tl.store(q_row + cols, _to_e4m3(x, inverse), mask=cols < C)
+
+
+@triton.jit
+def _col_amax_kernel(
+    x_ptr, amax_ptr, stride_xb, stride_xr, R: tl.constexpr, C: tl.constexpr, CHUNK_R: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr
+):
+    """Column maxima of |x| over one chunk of rows, folded into amax (B, C) by atomic max."""
+    b = tl.program_id(2).to(tl.int64)
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    first = tl.program_id(1) * CHUNK_R
+    x_b = x_ptr + b * stride_xb
+    amax = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for start in range(0, CHUNK_R, BLOCK_R):
+        rows = first + start + tl.arange(0, BLOCK_R)
+        mask = (rows[:, None] < R) & (cols[None, :] < C)
+        x = tl.load(x_b + rows[:, None].to(tl.int64) * stride_xr + cols[None, :], mask=mask, other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=0))
+    tl.atomic_max(amax_ptr + b * C + cols, amax, mask=cols < C)
 
 
 @triton.jit
 def _cols_transposed_kernel(
-    x_ptr, q_ptr, scale_ptr, stride_xb, stride_xr, R: tl.constexpr, C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr
+    x_ptr, amax_ptr, q_ptr, scale_ptr, stride_xb, stride_xr, R: tl.constexpr, C: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr
 ):
-    b = tl.program_id(1).to(tl.int64)
+    """One (rows × columns) tile cast with its columns' scales and written transposed."""
+    b = tl.program_id(2).to(tl.int64)
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     col_ok = cols < C
-    x_b = x_ptr + b * stride_xb
-    amax = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    for start in range(0, R, BLOCK_R):
-        rows = start + tl.arange(0, BLOCK_R)
-        mask = (rows[:, None] < R) & col_ok[None, :]
-        x = tl.load(x_b + rows[:, None].to(tl.int64) * stride_xr + cols[None, :], mask=mask, other=0.0)
-        amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=0))
-    scale, inverse = _pow2_scale_and_inverse(amax)
-    tl.store(scale_ptr + b * C + cols, scale, mask=col_ok)
-    q_b = q_ptr + b * C * R
-    for start in range(0, R, BLOCK_R):
-        rows = start + tl.arange(0, BLOCK_R)
-        mask = (rows[:, None] < R) & col_ok[None, :]
-        x = tl.load(x_b + rows[:, None].to(tl.int64) * stride_xr + cols[None, :], mask=mask, other=0.0)
-        q = _to_e4m3(x.to(tl.float32), inverse[None, :])
-        out = q_b + cols[:, None].to(tl.int64) * R + rows[None, :]
-        tl.store(out, tl.trans(q), mask=tl.trans(mask))
+    scale, inverse = _pow2_scale_and_inverse(tl.load(amax_ptr + b * C + cols, mask=col_ok, other=0.0))
+    if tl.program_id(1) == 0:
+        tl.store(scale_ptr + b * C + cols, scale, mask=col_ok)
+    mask = (rows[:, None] < R) & col_ok[None, :]
+    x = tl.load(x_ptr + b * stride_xb + rows[:, None].to(tl.int64) * stride_xr + cols[None, :], mask=mask, other=0.0)
+    q = _to_e4m3(x.to(tl.float32), inverse[None, :])
+    out = q_ptr + b * C * R + cols[:, None].to(tl.int64) * R + rows[None, :]
+    tl.store(out, tl.trans(q), mask=tl.trans(mask))
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,7 +137,8 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x_RC.numel():
         block = min(ROW_BLOCK, triton.next_power_of_2(x_RC.shape[1]))
         _rows_kernel[(x_RC.shape[0],)](
-            x_RC, q_RC, scale_R, x_RC.stride(0), q_RC.stride(0), C=x_RC.shape[1], BLOCK=block, num_warps=4
+            x_RC, q_RC, scale_R, x_RC.stride(0), q_RC.stride(0), C=x_RC.shape[1], BLOCK=block,
+            num_warps=8 if block >= 4096 else 4,
         )
     return q_RC.view(x.shape), scale_R.view(*x.shape[:-1], 1)
 
@@ -130,10 +153,15 @@ def quantize_cols_transposed(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     q_BCR = torch.empty((B, C, R), dtype=torch.float8_e4m3fn, device=x.device)
     scale_BC = torch.empty((B, C), dtype=torch.float32, device=x.device)
     if x_BRC.numel():
-        grid = (triton.cdiv(C, TILE_C), B)
-        _cols_transposed_kernel[grid](
-            x_BRC, q_BCR, scale_BC, x_BRC.stride(0), x_BRC.stride(1), R=R, C=C, BLOCK_R=TILE_R, BLOCK_C=TILE_C,
-            num_warps=4,
+        amax_BC = torch.zeros((B, C), dtype=torch.float32, device=x.device)
+        chunks = triton.cdiv(R, AMAX_CHUNK_R)
+        _col_amax_kernel[(triton.cdiv(C, AMAX_TILE_C), chunks, B)](
+            x_BRC, amax_BC, x_BRC.stride(0), x_BRC.stride(1), R=R, C=C, CHUNK_R=AMAX_CHUNK_R,
+            BLOCK_R=AMAX_TILE_R, BLOCK_C=AMAX_TILE_C, num_warps=4,
+        )
+        _cols_transposed_kernel[(triton.cdiv(C, TILE_C), triton.cdiv(R, TILE_R), B)](
+            x_BRC, amax_BC, q_BCR, scale_BC, x_BRC.stride(0), x_BRC.stride(1), R=R, C=C, BLOCK_R=TILE_R,
+            BLOCK_C=TILE_C, num_warps=4,
         )
     if x.dim() == 2:
         return q_BCR[0], scale_BC[0]

@@ -35,6 +35,14 @@ for dtype in (torch.bfloat16, torch.float32):
     q, s = quantize_cols_transposed(x.t())  # a transposed view: made contiguous first
     q_ref, s_ref = quantize_rowwise(x.t(), 0)
     assert same(q, q_ref.t().contiguous()) and torch.equal(s, s_ref.squeeze(0)), dtype
+long = (torch.randn(3, 9000) * 3).bfloat16()  # past ROW_BLOCK: the two-pass path
+q, s = quantize_rows(long)
+q_ref, s_ref = quantize_rowwise(long, -1)
+assert same(q, q_ref) and torch.equal(s, s_ref)
+tall = torch.randn(700, 70) * torch.logspace(-3, 3, 700).unsqueeze(1)  # several row chunks per column
+q, s = quantize_cols_transposed(tall)
+q_ref, s_ref = quantize_rowwise(tall, 0)
+assert same(q, q_ref.t().contiguous()) and torch.equal(s, s_ref.squeeze(0))
 print("ok")
 """
 
@@ -52,23 +60,30 @@ def test_pow2_scale_is_the_smallest_power_of_two_that_fits():
     assert scale[0] == 1 and scale[1] == 2 and scale[4] == 1
 
 
-@pytest.mark.parametrize("kernel", ["rows", "cols"])
+@pytest.mark.parametrize("kernel", ["rows", "rows_long", "col_amax", "cols"])
 @pytest.mark.parametrize("dtype", ["*bf16", "*fp32"])
 def test_quantizer_kernels_compile_for_sm90(kernel, dtype):
     from triton.backends.compiler import GPUTarget
 
-    from moetrain.model.fp8_kernels import ROW_BLOCK, TILE_C, TILE_R, _cols_transposed_kernel, _rows_kernel
+    from moetrain.model import fp8_kernels as k
 
-    if kernel == "rows":
-        fn, signature = _rows_kernel, {"x_ptr": dtype, "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "stride_x": "i64",
-                                        "stride_q": "i64", "C": "constexpr", "BLOCK": "constexpr"}
-        values = {"C": 4096, "BLOCK": ROW_BLOCK}
+    strides = {"stride_xb": "i64", "stride_xr": "i64", "R": "constexpr", "C": "constexpr"}
+    if kernel.startswith("rows"):
+        fn = k._rows_kernel
+        signature = {"x_ptr": dtype, "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "stride_x": "i64", "stride_q": "i64",
+                     "C": "constexpr", "BLOCK": "constexpr"}
+        values = {"C": 4096 if kernel == "rows" else 50000, "BLOCK": k.ROW_BLOCK}
+    elif kernel == "col_amax":
+        fn = k._col_amax_kernel
+        signature = {"x_ptr": dtype, "amax_ptr": "*fp32", **strides, "CHUNK_R": "constexpr", "BLOCK_R": "constexpr",
+                     "BLOCK_C": "constexpr"}
+        values = {"R": 32768, "C": 4096, "CHUNK_R": k.AMAX_CHUNK_R, "BLOCK_R": k.AMAX_TILE_R, "BLOCK_C": k.AMAX_TILE_C}
     else:
-        fn, signature = _cols_transposed_kernel, {"x_ptr": dtype, "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
-                                                   "stride_xb": "i64", "stride_xr": "i64", "R": "constexpr",
-                                                   "C": "constexpr", "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"}
-        values = {"R": 32768, "C": 4096, "BLOCK_R": TILE_R, "BLOCK_C": TILE_C}
+        fn = k._cols_transposed_kernel
+        signature = {"x_ptr": dtype, "amax_ptr": "*fp32", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", **strides,
+                     "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"}
+        values = {"R": 32768, "C": 4096, "BLOCK_R": k.TILE_R, "BLOCK_C": k.TILE_C}
     names = list(signature)
-    source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in values.items()})
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs={(names.index(n),): v for n, v in values.items()})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
     assert ".target sm_90" in compiled.asm["ptx"] and len(compiled.asm["cubin"]) > 1000
