@@ -29,16 +29,18 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x_MD: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
         w_gate_up, w_down = self.w_gate_up_E2FD, self.w_down_EDF
+        autocast = torch.is_autocast_enabled(x_MD.device.type)
+        if autocast:  # autocast does not know _grouped_mm: cast the rows explicitly
+            x_MD = x_MD.to(torch.get_autocast_dtype(x_MD.device.type))
         if self.fp8:
-            # Weights are quantized from their fp32 values; the outputs are bf16.
+            # Weights are quantized from their stored values (bf16 or fp32); the outputs are bf16.
             product = mxfp8_grouped_mm if self.fp8 == "mxfp8" else fp8_grouped_mm
             h_M2F = product(x_MD, w_gate_up, offsets_E)
             gate_MF, up_MF = h_M2F.chunk(2, dim=-1)
             return product(F.silu(gate_MF) * up_MF, w_down, offsets_E)
-        if torch.is_autocast_enabled(x_MD.device.type):
-            # Autocast does not know _grouped_mm: cast explicitly (the CUDA fast path wants bf16).
+        if autocast:  # the CUDA fast path wants bf16 weights too
             dtype = torch.get_autocast_dtype(x_MD.device.type)
-            x_MD, w_gate_up, w_down = x_MD.to(dtype), w_gate_up.to(dtype), w_down.to(dtype)
+            w_gate_up, w_down = w_gate_up.to(dtype), w_down.to(dtype)
         h_M2F = grouped_mm(x_MD, w_gate_up.transpose(-2, -1), offsets_E)
         gate_MF, up_MF = h_M2F.chunk(2, dim=-1)
         return grouped_mm(F.silu(gate_MF) * up_MF, w_down.transpose(-2, -1), offsets_E)

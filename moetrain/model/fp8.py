@@ -99,10 +99,13 @@ _EAGER = {
 }
 
 
-def _quantize(x: torch.Tensor, dim: int, layout: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_rowwise` for the GEMMs, q in the given layout. On CUDA the two Triton kernels of
-    moetrain/model/fp8_kernels.py (one read of x from memory each; the same bits), elsewhere the
-    plain formulation above."""
+def _quantize(
+    x: torch.Tensor, dim: int, layout: str | None = None, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rowwise` for the GEMMs, q in the given layout. On CUDA the Triton kernels of
+    moetrain/model/fp8_kernels.py (the same bits; `amax`: the column maxima of x when a row
+    quantization already took them, for the column-wise layouts), elsewhere the plain
+    formulation above."""
     if not x.is_cuda:
         return _EAGER[(dim, layout)](x)
     from moetrain.model.fp8_kernels import quantize_cols_transposed, quantize_rows
@@ -110,11 +113,21 @@ def _quantize(x: torch.Tensor, dim: int, layout: str | None = None) -> tuple[tor
     if (dim, layout) == (-1, None):
         return quantize_rows(x)
     if (dim, layout) == (-1, "row"):  # x a transposed view (dyᵀ): quantize dy's columns
-        q, scale = quantize_cols_transposed(x.transpose(-2, -1))
+        q, scale = quantize_cols_transposed(x.transpose(-2, -1), amax)
         return q, scale.unsqueeze(-1)
     # (0 or −2, "col"): per column over the rows, q column-major = the transposed kernel's output
-    q, scale = quantize_cols_transposed(x)
+    q, scale = quantize_cols_transposed(x, amax)
     return q.transpose(-2, -1), scale.unsqueeze(-2)
+
+
+def _quantize_rows_keeping_column_amax(x: torch.Tensor):
+    """(q, scale) of `_quantize(x, -1)` and, on CUDA, x's column maxima (taken in the same pass)
+    for a later column-wise quantization of x; None elsewhere."""
+    if not x.is_cuda:
+        return (*_quantize_last(x), None)
+    from moetrain.model.fp8_kernels import quantize_rows
+
+    return quantize_rows(x, col_amax=True)
 
 
 def quantize_mxfp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,22 +151,24 @@ def _column_major(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(-2, -1).contiguous().transpose(-2, -1)
 
 
-FAST_ACCUM = False
-"""Hopper's fast FP8 accumulation in the CUDA products (no periodic promotion of the tensor
-cores' partial sums to fp32). Off: measured in docs/benchmarks.md before any change."""
+FAST_ACCUM_FORWARD, FAST_ACCUM_BACKWARD = True, False
+"""Hopper's fast FP8 accumulation (the tensor cores' partial sums not promoted to fp32 along the
+reduction) in the CUDA products of forward, and of backward, whose reductions run over 8k+
+tokens for the weight gradient. Forward only, as torchao's float8 training does by default;
+measured in docs/benchmarks.md (throughput and the 250-step loss curve)."""
 
 
-def _scaled_mm(a_MK, b_KN, scale_M1, scale_1N) -> torch.Tensor:
+def _scaled_mm(a_MK, b_KN, scale_M1, scale_1N, fast: bool = False) -> torch.Tensor:
     if a_MK.is_cuda:
-        return torch._scaled_mm(a_MK, b_KN, scale_M1, scale_1N, out_dtype=torch.bfloat16, use_fast_accum=FAST_ACCUM)
+        return torch._scaled_mm(a_MK, b_KN, scale_M1, scale_1N, out_dtype=torch.bfloat16, use_fast_accum=fast)
     return ((a_MK.float() * scale_M1) @ (b_KN.float() * scale_1N)).to(torch.bfloat16)
 
 
-def _scaled_grouped_mm(a_MK, b_EKN, scale_M, scale_EN, offsets_E) -> torch.Tensor:
+def _scaled_grouped_mm(a_MK, b_EKN, scale_M, scale_EN, offsets_E, fast: bool = False) -> torch.Tensor:
     """Row block e of a (rows offsets[e-1]..offsets[e]) times b[e], with row-wise scales; bf16."""
     if a_MK.is_cuda:
         return torch._scaled_grouped_mm(
-            a_MK, b_EKN, scale_M, scale_EN, offs=offsets_E, out_dtype=torch.bfloat16, use_fast_accum=FAST_ACCUM
+            a_MK, b_EKN, scale_M, scale_EN, offs=offsets_E, out_dtype=torch.bfloat16, use_fast_accum=fast
         )
     return _emulated_scaled_grouped_mm(a_MK, b_EKN, scale_M, scale_EN, offsets_E)
 
@@ -176,21 +191,23 @@ class _Fp8Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_MK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
-        xq, xs = _quantize(x_MK, -1)
-        wq, ws = _quantize(w_NK, -1)
-        ctx.save_for_backward(x_MK, w_NK)
-        return _scaled_mm(xq, wq.t(), xs, ws.t())
+        # The column maxima of x and w, taken while quantizing their rows, spare backward's
+        # column-wise quantizations a pass over each.
+        xq, xs, x_amax = _quantize_rows_keeping_column_amax(x_MK)
+        wq, ws, w_amax = _quantize_rows_keeping_column_amax(w_NK)
+        ctx.save_for_backward(x_MK, w_NK, x_amax, w_amax)
+        return _scaled_mm(xq, wq.t(), xs, ws.t(), FAST_ACCUM_FORWARD)
 
     @staticmethod
     def backward(ctx, dy_MN: torch.Tensor):
-        x_MK, w_NK = ctx.saved_tensors
+        x_MK, w_NK, x_amax, w_amax = ctx.saved_tensors
         dy_MN = dy_MN.contiguous()
-        dyq, dys = _quantize(dy_MN, -1)  # per token, over N
-        wq, ws = _quantize(w_NK, 0, "col")  # per input feature, over N
-        dx = _scaled_mm(dyq, wq, dys, ws)
-        dytq, dyts = _quantize(dy_MN.t(), -1, "row")  # per output feature, over tokens
-        xq, xs = _quantize(x_MK, 0, "col")  # per input feature, over tokens
-        dw = _scaled_mm(dytq, xq, dyts, xs)
+        dyq, dys, dy_amax = _quantize_rows_keeping_column_amax(dy_MN)  # per token, over N
+        wq, ws = _quantize(w_NK, 0, "col", w_amax)  # per input feature, over N
+        dx = _scaled_mm(dyq, wq, dys, ws, FAST_ACCUM_BACKWARD)
+        dytq, dyts = _quantize(dy_MN.t(), -1, "row", dy_amax)  # per output feature, over tokens
+        xq, xs = _quantize(x_MK, 0, "col", x_amax)  # per input feature, over tokens
+        dw = _scaled_mm(dytq, xq, dyts, xs, FAST_ACCUM_BACKWARD)
         return dx.to(x_MK.dtype), dw.to(w_NK.dtype)
 
 
@@ -201,17 +218,19 @@ class _Fp8GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MK: torch.Tensor, w_ENK: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
         xq, xs = _quantize(x_MK, -1)
-        wq, ws = _quantize(w_ENK, -1)
-        ctx.save_for_backward(x_MK, w_ENK, offsets_E)
-        return _scaled_grouped_mm(xq, wq.transpose(-2, -1), xs.squeeze(-1), ws.squeeze(-1), offsets_E)
+        wq, ws, w_amax = _quantize_rows_keeping_column_amax(w_ENK)  # (E, K) maxima for backward
+        ctx.save_for_backward(x_MK, w_ENK, offsets_E, w_amax)
+        return _scaled_grouped_mm(
+            xq, wq.transpose(-2, -1), xs.squeeze(-1), ws.squeeze(-1), offsets_E, FAST_ACCUM_FORWARD
+        )
 
     @staticmethod
     def backward(ctx, dy_MN: torch.Tensor):
-        x_MK, w_ENK, offsets_E = ctx.saved_tensors
+        x_MK, w_ENK, offsets_E, w_amax = ctx.saved_tensors
         dy_MN = dy_MN.contiguous()
         dyq, dys = _quantize(dy_MN, -1)
-        wq, ws = _quantize(w_ENK, -2, "col")  # per expert and input feature, over N
-        dx = _scaled_grouped_mm(dyq, wq, dys.squeeze(-1), ws.squeeze(-2), offsets_E)
+        wq, ws = _quantize(w_ENK, -2, "col", w_amax)  # per expert and input feature, over N
+        dx = _scaled_grouped_mm(dyq, wq, dys.squeeze(-1), ws.squeeze(-2), offsets_E, FAST_ACCUM_BACKWARD)
         dt = torch.bfloat16 if dy_MN.is_cuda else torch.float32
         dw = _grouped(dy_MN.t().to(dt), x_MK.to(dt), offsets_E)
         return dx.to(x_MK.dtype), dw.to(w_ENK.dtype), None
@@ -284,16 +303,25 @@ def mxfp8_grouped_mm(x_MK: torch.Tensor, w_ENK: torch.Tensor, offsets_E: torch.T
     return _MxGroupedMM.apply(x_MK, w_ENK, offsets_E)
 
 
+def _autocast(x: torch.Tensor) -> torch.Tensor:
+    """x in autocast's dtype where autocast is on, as F.linear would take it: the FP8 products
+    quantize (and keep for backward) bf16 activations, not the fp32 norm outputs; outside the
+    FP8 island, so the cast fuses into the producing kernel of a compiled block."""
+    if torch.is_autocast_enabled(x.device.type):
+        return x.to(torch.get_autocast_dtype(x.device.type))
+    return x
+
+
 class Fp8Linear(nn.Linear):
     """nn.Linear (no bias) whose products run in row-wise FP8. The parameter is the same
     fp32 `weight`: checkpoints and optimizers do not see a difference."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight)
+        return fp8_linear(_autocast(x), self.weight)
 
 
 class MxFp8Linear(nn.Linear):
     """nn.Linear (no bias) with MXFP8 operands (`train.fp8=mxfp8`); the same fp32 `weight`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return mxfp8_linear(x, self.weight)
+        return mxfp8_linear(_autocast(x), self.weight)
