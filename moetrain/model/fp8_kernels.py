@@ -4,9 +4,8 @@ Legend: R rows, C columns (the last, contiguous dim), B a leading batch dim (exp
 
 Every operand of the row-wise recipe is quantized along one dim, in one of two shapes:
 - `quantize_rows`: along the contiguous last dim (activations per token, weights per output
-  feature): each program holds a tile of whole rows (up to 8192 elements each) in registers, so x
-  is read once and q written once: 2 + 1 bytes per bf16 element; it can also fold the tile's
-  column maxima into a (C,) buffer for a later column-wise quantization of the same operand.
+  feature): one program per row, which holds a row of up to 8192 elements in registers, so x is
+  read once and q written once: 2 + 1 bytes per bf16 element.
 - `quantize_cols_transposed`: along dim −2 of a (B, R, C) tensor, q written transposed as
   (B, C, R) row-major: what the FP8 GEMMs take as their second operand (column-major) or as a
   transposed first one. A column's scale needs all its R rows, and R is long (32k tokens), so
@@ -33,9 +32,9 @@ import triton.language as tl
 
 E4M3_MAX = 448.0
 ROW_BLOCK = 8192  # rows up to this long are read once, kept in registers
-TILE_ELEMENTS = 16384  # elements per row-quantizer program (ROWS = this / the row's block)
 TILE_R, TILE_C = 128, 64  # the cast-and-transpose tiles
 AMAX_CHUNK_R, AMAX_TILE_R, AMAX_TILE_C = 256, 32, 128  # the column-amax programs
+AMAX_ROWS = 16  # rows per program when the row quantizer also takes column maxima
 
 
 @triton.jit
@@ -71,37 +70,39 @@ def _rows_kernel(
     x_ptr, q_ptr, scale_ptr, amax_ptr, stride_x, stride_q, R, C: tl.constexpr, BLOCK: tl.constexpr,
     ROWS: tl.constexpr, COL_AMAX: tl.constexpr
 ):
-    """A tile of ROWS rows of batch b (R rows each) per program. With COL_AMAX (whole rows in the
-    tile) the program also folds the tile's |x| per column into amax (B, C) by atomic max: the
-    column maxima that the transposed quantization of the same operand needs later, without
-    reading it again."""
+    """ROWS rows of batch b (R rows each) per program. With COL_AMAX (whole rows in registers) the
+    program also folds its rows' |x| into amax (B, C) by atomic max: the column maxima that the
+    transposed quantization of the same operand needs later, without reading it again."""
     b = tl.program_id(1)
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    row_ok = rows < R
-    rows64 = (b * R + rows).to(tl.int64)
+    first = tl.program_id(0) * ROWS
     if C <= BLOCK:  # whole rows in registers: one read
         cols = tl.arange(0, BLOCK)
-        mask = row_ok[:, None] & (cols[None, :] < C)
-        x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        scale, inverse = _pow2_scale_and_inverse(tl.max(tl.abs(x), axis=1))
-        tl.store(scale_ptr + rows64, scale, mask=row_ok)
-        tl.store(q_ptr + rows64[:, None] * stride_q + cols[None, :], _to_e4m3(x, inverse[:, None]), mask=mask)
+        col_max = tl.zeros((BLOCK,), dtype=tl.float32)
+        for i in range(ROWS):
+            r = first + i
+            ok = r < R
+            row = (b * R + r).to(tl.int64)
+            x = tl.load(x_ptr + row * stride_x + cols, mask=(cols < C) & ok, other=0.0).to(tl.float32)
+            scale, inverse = _pow2_scale_and_inverse(tl.max(tl.abs(x), axis=0))
+            tl.store(scale_ptr + row, scale, mask=ok)
+            tl.store(q_ptr + row * stride_q + cols, _to_e4m3(x, inverse), mask=(cols < C) & ok)
+            if COL_AMAX:
+                col_max = tl.maximum(col_max, tl.abs(x))
         if COL_AMAX:
-            tl.atomic_max(amax_ptr + b * C + cols, tl.max(tl.abs(x), axis=0), mask=cols < C)
-    else:  # a pass for the amax, a pass for the cast (its reads hit the cache)
-        amax = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
+            tl.atomic_max(amax_ptr + b * C + cols, col_max, mask=cols < C)
+    else:  # a pass for the amax, a pass for the cast (its reads hit the cache); one row
+        row = (b * R + first).to(tl.int64)
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
         for start in range(0, C, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            mask = row_ok[:, None] & (cols[None, :] < C)
-            x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + row * stride_x + cols, mask=cols < C, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale, inverse = _pow2_scale_and_inverse(tl.max(amax, axis=1))
-        tl.store(scale_ptr + rows64, scale, mask=row_ok)
+        scale, inverse = _pow2_scale_and_inverse(tl.max(amax, axis=0))
+        tl.store(scale_ptr + row, scale)
         for start in range(0, C, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            mask = row_ok[:, None] & (cols[None, :] < C)
-            x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            tl.store(q_ptr + rows64[:, None] * stride_q + cols[None, :], _to_e4m3(x, inverse[:, None]), mask=mask)
+            x = tl.load(x_ptr + row * stride_x + cols, mask=cols < C, other=0.0).to(tl.float32)
+            tl.store(q_ptr + row * stride_q + cols, _to_e4m3(x, inverse), mask=cols < C)
 
 
 @triton.jit
@@ -159,10 +160,10 @@ def quantize_rows(x: torch.Tensor, col_amax: bool = False):
     fused = col_amax and C <= block
     amax_BC = torch.zeros((B, C), dtype=torch.float32, device=x.device) if fused else scale_R
     if x_RC.numel():
-        rows = max(1, TILE_ELEMENTS // block)  # a tile of 16k elements: many loads in flight
+        rows = AMAX_ROWS if fused else 1
         _rows_kernel[(triton.cdiv(R, rows), B)](
             x_RC, q_RC, scale_R, amax_BC, x_RC.stride(0), q_RC.stride(0), R, C=C, BLOCK=block, ROWS=rows,
-            COL_AMAX=fused, num_warps=8,
+            COL_AMAX=fused, num_warps=8 if block >= 4096 else 4,
         )
     q, scale = q_RC.view(x.shape), scale_R.view(*x.shape[:-1], 1)
     if not col_amax:

@@ -39,7 +39,7 @@ long = (torch.randn(3, 9000) * 3).bfloat16()  # past ROW_BLOCK: the two-pass pat
 q, s, amax = quantize_rows(long, col_amax=True)
 q_ref, s_ref = quantize_rowwise(long, -1)
 assert same(q, q_ref) and torch.equal(s, s_ref) and torch.equal(amax, long.float().abs().amax(0))
-# rows that also take column maxima (tiles of several rows, a partial last one), 2-D and per expert
+# rows that also take column maxima (16 rows a program, a partial last one), 2-D and per expert
 for x in ((torch.randn(37, 96) * torch.logspace(-3, 3, 37).unsqueeze(1)).bfloat16(), torch.randn(3, 21, 40)):
     q, s, amax = quantize_rows(x, col_amax=True)
     q_ref, s_ref = quantize_rowwise(x, -1)
@@ -82,8 +82,8 @@ def test_quantizer_kernels_compile_for_sm90(kernel, dtype):
                      "stride_q": "i64", "R": "i32", "C": "constexpr", "BLOCK": "constexpr", "ROWS": "constexpr",
                      "COL_AMAX": "constexpr"}
         short = kernel == "rows"
-        values = {"C": 4096 if short else 50000, "BLOCK": 4096 if short else k.ROW_BLOCK,
-                  "ROWS": k.TILE_ELEMENTS // 4096 if short else 2, "COL_AMAX": short}
+        values = {"C": 4096 if short else 50000, "BLOCK": k.ROW_BLOCK, "ROWS": k.AMAX_ROWS if short else 1,
+                  "COL_AMAX": short}
     elif kernel == "col_amax":
         fn = k._col_amax_kernel
         signature = {"x_ptr": dtype, "amax_ptr": "*fp32", **strides, "CHUNK_R": "constexpr", "BLOCK_R": "constexpr",
