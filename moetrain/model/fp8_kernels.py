@@ -5,7 +5,9 @@ Legend: R rows, C columns (the last, contiguous dim), B a leading batch dim (exp
 Every operand of the row-wise recipe is quantized along one dim, in one of two shapes:
 - `quantize_rows`: along the contiguous last dim (activations per token, weights per output
   feature): one program per row, which holds a row of up to 8192 elements in registers, so x is
-  read once and q written once: 2 + 1 bytes per bf16 element.
+  read once and q written once: 2 + 1 bytes per bf16 element. Asked for the column maxima too
+  (for a later column-wise quantization of the same operand), a program takes 16 rows in turn
+  and folds their |x| into a (C,) buffer by one atomic max per column.
 - `quantize_cols_transposed`: along dim −2 of a (B, R, C) tensor, q written transposed as
   (B, C, R) row-major: what the FP8 GEMMs take as their second operand (column-major) or as a
   transposed first one. A column's scale needs all its R rows, and R is long (32k tokens), so
@@ -15,7 +17,8 @@ Every operand of the row-wise recipe is quantized along one dim, in one of two s
 
 Measured on bench-8e (docs/benchmarks.md): Inductor's compiled plain formulation spent ~47 ms of
 a 293 ms step in quantization; one program per column block (a first version of the transposed
-kernel) left most of the GPU idle at R = 32k and spent 54 ms in that kernel alone.
+kernel) left most of the GPU idle at R = 32k and spent 54 ms in that kernel alone; row tiles of
+16k elements per program (instead of one row, or 16 in a loop) ran at half the speed.
 
 Numerics are `fp8.quantize_rowwise`'s bit for bit: the scale is 2^ceil(log2(amax / 448)) taken
 from amax / 448's fp32 bits (exact, no log2 approximation), the division by the scale is a
