@@ -99,13 +99,9 @@ _EAGER = {
 }
 
 
-def _quantize(
-    x: torch.Tensor, dim: int, layout: str | None = None, amax: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize(x: torch.Tensor, dim: int, layout: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_rowwise` for the GEMMs, q in the given layout. On CUDA the Triton kernels of
-    moetrain/model/fp8_kernels.py (the same bits; `amax`: the column maxima of x when a row
-    quantization already took them, for the column-wise layouts), elsewhere the plain
-    formulation above."""
+    moetrain/model/fp8_kernels.py (the same bits), elsewhere the plain formulation above."""
     if not x.is_cuda:
         return _EAGER[(dim, layout)](x)
     from moetrain.model.fp8_kernels import quantize_cols_transposed, quantize_rows
@@ -113,21 +109,11 @@ def _quantize(
     if (dim, layout) == (-1, None):
         return quantize_rows(x)
     if (dim, layout) == (-1, "row"):  # x a transposed view (dyᵀ): quantize dy's columns
-        q, scale = quantize_cols_transposed(x.transpose(-2, -1), amax)
+        q, scale = quantize_cols_transposed(x.transpose(-2, -1))
         return q, scale.unsqueeze(-1)
     # (0 or −2, "col"): per column over the rows, q column-major = the transposed kernel's output
-    q, scale = quantize_cols_transposed(x, amax)
+    q, scale = quantize_cols_transposed(x)
     return q.transpose(-2, -1), scale.unsqueeze(-2)
-
-
-def _quantize_rows_keeping_column_amax(x: torch.Tensor):
-    """(q, scale) of `_quantize(x, -1)` and, on CUDA, x's column maxima (taken in the same pass)
-    for a later column-wise quantization of x; None elsewhere."""
-    if not x.is_cuda:
-        return (*_quantize_last(x), None)
-    from moetrain.model.fp8_kernels import quantize_rows
-
-    return quantize_rows(x, col_amax=True)
 
 
 def quantize_mxfp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,22 +177,20 @@ class _Fp8Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_MK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
-        # The column maxima of x and w, taken while quantizing their rows, spare backward's
-        # column-wise quantizations a pass over each.
-        xq, xs, x_amax = _quantize_rows_keeping_column_amax(x_MK)
-        wq, ws, w_amax = _quantize_rows_keeping_column_amax(w_NK)
-        ctx.save_for_backward(x_MK, w_NK, x_amax, w_amax)
+        xq, xs = _quantize(x_MK, -1)
+        wq, ws = _quantize(w_NK, -1)
+        ctx.save_for_backward(x_MK, w_NK)
         return _scaled_mm(xq, wq.t(), xs, ws.t(), FAST_ACCUM_FORWARD)
 
     @staticmethod
     def backward(ctx, dy_MN: torch.Tensor):
-        x_MK, w_NK, x_amax, w_amax = ctx.saved_tensors
+        x_MK, w_NK = ctx.saved_tensors
         dy_MN = dy_MN.contiguous()
-        dyq, dys, dy_amax = _quantize_rows_keeping_column_amax(dy_MN)  # per token, over N
-        wq, ws = _quantize(w_NK, 0, "col", w_amax)  # per input feature, over N
+        dyq, dys = _quantize(dy_MN, -1)  # per token, over N
+        wq, ws = _quantize(w_NK, 0, "col")  # per input feature, over N
         dx = _scaled_mm(dyq, wq, dys, ws, FAST_ACCUM_BACKWARD)
-        dytq, dyts = _quantize(dy_MN.t(), -1, "row", dy_amax)  # per output feature, over tokens
-        xq, xs = _quantize(x_MK, 0, "col", x_amax)  # per input feature, over tokens
+        dytq, dyts = _quantize(dy_MN.t(), -1, "row")  # per output feature, over tokens
+        xq, xs = _quantize(x_MK, 0, "col")  # per input feature, over tokens
         dw = _scaled_mm(dytq, xq, dyts, xs, FAST_ACCUM_BACKWARD)
         return dx.to(x_MK.dtype), dw.to(w_NK.dtype)
 
@@ -218,18 +202,18 @@ class _Fp8GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MK: torch.Tensor, w_ENK: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
         xq, xs = _quantize(x_MK, -1)
-        wq, ws, w_amax = _quantize_rows_keeping_column_amax(w_ENK)  # (E, K) maxima for backward
-        ctx.save_for_backward(x_MK, w_ENK, offsets_E, w_amax)
+        wq, ws = _quantize(w_ENK, -1)
+        ctx.save_for_backward(x_MK, w_ENK, offsets_E)
         return _scaled_grouped_mm(
             xq, wq.transpose(-2, -1), xs.squeeze(-1), ws.squeeze(-1), offsets_E, FAST_ACCUM_FORWARD
         )
 
     @staticmethod
     def backward(ctx, dy_MN: torch.Tensor):
-        x_MK, w_ENK, offsets_E, w_amax = ctx.saved_tensors
+        x_MK, w_ENK, offsets_E = ctx.saved_tensors
         dy_MN = dy_MN.contiguous()
         dyq, dys = _quantize(dy_MN, -1)
-        wq, ws = _quantize(w_ENK, -2, "col", w_amax)  # per expert and input feature, over N
+        wq, ws = _quantize(w_ENK, -2, "col")  # per expert and input feature, over N
         dx = _scaled_grouped_mm(dyq, wq, dys.squeeze(-1), ws.squeeze(-2), offsets_E, FAST_ACCUM_BACKWARD)
         dt = torch.bfloat16 if dy_MN.is_cuda else torch.float32
         dw = _grouped(dy_MN.t().to(dt), x_MK.to(dt), offsets_E)

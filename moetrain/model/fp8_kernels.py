@@ -5,9 +5,7 @@ Legend: R rows, C columns (the last, contiguous dim), B a leading batch dim (exp
 Every operand of the row-wise recipe is quantized along one dim, in one of two shapes:
 - `quantize_rows`: along the contiguous last dim (activations per token, weights per output
   feature): one program per row, which holds a row of up to 8192 elements in registers, so x is
-  read once and q written once: 2 + 1 bytes per bf16 element. Asked for the column maxima too
-  (for a later column-wise quantization of the same operand), a program takes 16 rows in turn
-  and folds their |x| into a (C,) buffer by one atomic max per column.
+  read once and q written once: 2 + 1 bytes per bf16 element.
 - `quantize_cols_transposed`: along dim −2 of a (B, R, C) tensor, q written transposed as
   (B, C, R) row-major: what the FP8 GEMMs take as their second operand (column-major) or as a
   transposed first one. A column's scale needs all its R rows, and R is long (32k tokens), so
@@ -17,8 +15,10 @@ Every operand of the row-wise recipe is quantized along one dim, in one of two s
 
 Measured on bench-8e (docs/benchmarks.md): Inductor's compiled plain formulation spent ~47 ms of
 a 293 ms step in quantization; one program per column block (a first version of the transposed
-kernel) left most of the GPU idle at R = 32k and spent 54 ms in that kernel alone; row tiles of
-16k elements per program (instead of one row, or 16 in a loop) ran at half the speed.
+kernel) left most of the GPU idle at R = 32k and spent 54 ms in that kernel alone. Taking the
+column maxima inside the row quantizer (16 rows a program, one atomic per column) to spare the
+column-wise pass its amax read ran at ~1.5 TB/s against ~3.8 for rows alone plus ~2.7 for the
+separate maxima, so the passes stay separate.
 
 Numerics are `fp8.quantize_rowwise`'s bit for bit: the scale is 2^ceil(log2(amax / 448)) taken
 from amax / 448's fp32 bits (exact, no log2 approximation), the division by the scale is a
@@ -35,9 +35,10 @@ import triton.language as tl
 
 E4M3_MAX = 448.0
 ROW_BLOCK = 8192  # rows up to this long are read once, kept in registers
-TILE_R, TILE_C = 128, 64  # the cast-and-transpose tiles
-AMAX_CHUNK_R, AMAX_TILE_R, AMAX_TILE_C = 256, 32, 128  # the column-amax programs
-AMAX_ROWS = 16  # rows per program when the row quantizer also takes column maxima
+# Launch configurations: the fastest of benchmarks/fp8_quant_probe.py's on bench-8e's shapes
+# (docs/benchmarks.md): rows ~3.8-4.1 TB/s with 4 warps, column maxima ~2.7, cast-and-transpose ~3.7.
+TILE_R, TILE_C = 64, 128  # the cast-and-transpose tiles
+AMAX_CHUNK_R, AMAX_TILE_R, AMAX_TILE_C = 256, 64, 128  # the column-amax programs
 
 
 @triton.jit
@@ -69,43 +70,27 @@ def _to_e4m3(x, inverse):
 
 
 @triton.jit
-def _rows_kernel(
-    x_ptr, q_ptr, scale_ptr, amax_ptr, stride_x, stride_q, R, C: tl.constexpr, BLOCK: tl.constexpr,
-    ROWS: tl.constexpr, COL_AMAX: tl.constexpr
-):
-    """ROWS rows of batch b (R rows each) per program. With COL_AMAX (whole rows in registers) the
-    program also folds its rows' |x| into amax (B, C) by atomic max: the column maxima that the
-    transposed quantization of the same operand needs later, without reading it again."""
-    b = tl.program_id(1)
-    first = tl.program_id(0) * ROWS
-    if C <= BLOCK:  # whole rows in registers: one read
+def _rows_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, C: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row, q_row = x_ptr + row * stride_x, q_ptr + row * stride_q
+    if C <= BLOCK:  # the whole row in registers: one read
         cols = tl.arange(0, BLOCK)
-        col_max = tl.zeros((BLOCK,), dtype=tl.float32)
-        for i in range(ROWS):
-            r = first + i
-            ok = r < R
-            row = (b * R + r).to(tl.int64)
-            x = tl.load(x_ptr + row * stride_x + cols, mask=(cols < C) & ok, other=0.0).to(tl.float32)
-            scale, inverse = _pow2_scale_and_inverse(tl.max(tl.abs(x), axis=0))
-            tl.store(scale_ptr + row, scale, mask=ok)
-            tl.store(q_ptr + row * stride_q + cols, _to_e4m3(x, inverse), mask=(cols < C) & ok)
-            if COL_AMAX:
-                col_max = tl.maximum(col_max, tl.abs(x))
-        if COL_AMAX:
-            tl.atomic_max(amax_ptr + b * C + cols, col_max, mask=cols < C)
-    else:  # a pass for the amax, a pass for the cast (its reads hit the cache); one row
-        row = (b * R + first).to(tl.int64)
+        x = tl.load(x_row + cols, mask=cols < C, other=0.0).to(tl.float32)
+        scale, inverse = _pow2_scale_and_inverse(tl.max(tl.abs(x), axis=0))
+        tl.store(scale_ptr + row, scale)
+        tl.store(q_row + cols, _to_e4m3(x, inverse), mask=cols < C)
+    else:  # a pass for the amax, a pass for the cast (its reads hit the cache)
         amax = tl.zeros((BLOCK,), dtype=tl.float32)
         for start in range(0, C, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            x = tl.load(x_ptr + row * stride_x + cols, mask=cols < C, other=0.0).to(tl.float32)
+            x = tl.load(x_row + cols, mask=cols < C, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
         scale, inverse = _pow2_scale_and_inverse(tl.max(amax, axis=0))
         tl.store(scale_ptr + row, scale)
         for start in range(0, C, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            x = tl.load(x_ptr + row * stride_x + cols, mask=cols < C, other=0.0).to(tl.float32)
-            tl.store(q_ptr + row * stride_q + cols, _to_e4m3(x, inverse), mask=cols < C)
+            x = tl.load(x_row + cols, mask=cols < C, other=0.0).to(tl.float32)
+            tl.store(q_row + cols, _to_e4m3(x, inverse), mask=cols < C)
 
 
 @triton.jit
@@ -147,51 +132,36 @@ def _cols_transposed_kernel(
     tl.store(out, tl.trans(q), mask=tl.trans(mask))
 
 
-def quantize_rows(x: torch.Tensor, col_amax: bool = False):
-    """x (…, C) → (q e4m3 of x's shape, row-major; scale fp32 (…, 1); and with `col_amax` the
-    maxima of |x| per column: (C,) for 2-D x, (B, C) per leading index for 3-D x — the input of
-    `quantize_cols_transposed(x, amax=…)`, so the transposed pass reads x once)."""
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (…, C) with a contiguous last dim → (q e4m3 of x's shape, row-major; scale fp32 (…, 1))."""
     if x.stride(-1) != 1:
         x = x.contiguous()
-    C = x.shape[-1]
-    B = x.shape[0] if x.dim() == 3 else 1
-    x_RC = x.reshape(-1, C)  # a view for every tensor the GEMMs pass (rows evenly strided)
-    R = x_RC.shape[0] // B if B else 0
+    x_RC = x.reshape(-1, x.shape[-1])  # a view for every tensor the GEMMs pass (rows evenly strided)
     q_RC = torch.empty(x_RC.shape, dtype=torch.float8_e4m3fn, device=x.device)
     scale_R = torch.empty(x_RC.shape[0], dtype=torch.float32, device=x.device)
-    block = min(ROW_BLOCK, triton.next_power_of_2(max(C, 1)))
-    fused = col_amax and C <= block
-    amax_BC = torch.zeros((B, C), dtype=torch.float32, device=x.device) if fused else scale_R
     if x_RC.numel():
-        rows = AMAX_ROWS if fused else 1
-        _rows_kernel[(triton.cdiv(R, rows), B)](
-            x_RC, q_RC, scale_R, amax_BC, x_RC.stride(0), q_RC.stride(0), R, C=C, BLOCK=block, ROWS=rows,
-            COL_AMAX=fused, num_warps=8 if block >= 4096 else 4,
+        block = min(ROW_BLOCK, triton.next_power_of_2(x_RC.shape[1]))
+        _rows_kernel[(x_RC.shape[0],)](
+            x_RC, q_RC, scale_R, x_RC.stride(0), q_RC.stride(0), C=x_RC.shape[1], BLOCK=block, num_warps=4
         )
-    q, scale = q_RC.view(x.shape), scale_R.view(*x.shape[:-1], 1)
-    if not col_amax:
-        return q, scale
-    if not fused:  # rows too long to hold: the column maxima by their own kernel
-        return q, scale, _column_amax(x)
-    return q, scale, amax_BC if x.dim() == 3 else amax_BC[0]
+    return q_RC.view(x.shape), scale_R.view(*x.shape[:-1], 1)
 
 
-def _column_amax(x: torch.Tensor) -> torch.Tensor:
-    x_BRC = x if x.dim() == 3 else x.unsqueeze(0)
+def _column_amax(x_BRC: torch.Tensor) -> torch.Tensor:
+    """max |x| per (b, column) over the rows: (B, C) fp32."""
     B, R, C = x_BRC.shape
-    amax_BC = torch.zeros((B, C), dtype=torch.float32, device=x.device)
+    amax_BC = torch.zeros((B, C), dtype=torch.float32, device=x_BRC.device)
     if x_BRC.numel():
         _col_amax_kernel[(triton.cdiv(C, AMAX_TILE_C), triton.cdiv(R, AMAX_CHUNK_R), B)](
             x_BRC, amax_BC, x_BRC.stride(0), x_BRC.stride(1), R=R, C=C, CHUNK_R=AMAX_CHUNK_R,
             BLOCK_R=AMAX_TILE_R, BLOCK_C=AMAX_TILE_C, num_warps=4,
         )
-    return amax_BC if x.dim() == 3 else amax_BC[0]
+    return amax_BC
 
 
-def quantize_cols_transposed(x: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_cols_transposed(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x (R, C) or (B, R, C), contiguous last dim → (q e4m3 (…, C, R) row-major, scale fp32 (…, C)):
-    each column quantized over its R rows, written transposed. `amax`: x's column maxima if
-    already known (from `quantize_rows(x, col_amax=True)`), else computed here."""
+    each column quantized over its R rows, written transposed."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     x_BRC = x if x.dim() == 3 else x.unsqueeze(0)
@@ -199,7 +169,7 @@ def quantize_cols_transposed(x: torch.Tensor, amax: torch.Tensor | None = None) 
     q_BCR = torch.empty((B, C, R), dtype=torch.float8_e4m3fn, device=x.device)
     scale_BC = torch.empty((B, C), dtype=torch.float32, device=x.device)
     if x_BRC.numel():
-        amax_BC = (_column_amax(x) if amax is None else amax).reshape(B, C)
+        amax_BC = _column_amax(x_BRC)
         _cols_transposed_kernel[(triton.cdiv(C, TILE_C), triton.cdiv(R, TILE_R), B)](
             x_BRC, amax_BC, q_BCR, scale_BC, x_BRC.stride(0), x_BRC.stride(1), R=R, C=C, BLOCK_R=TILE_R,
             BLOCK_C=TILE_C, num_warps=4,

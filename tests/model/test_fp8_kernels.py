@@ -36,17 +36,9 @@ for dtype in (torch.bfloat16, torch.float32):
     q_ref, s_ref = quantize_rowwise(x.t(), 0)
     assert same(q, q_ref.t().contiguous()) and torch.equal(s, s_ref.squeeze(0)), dtype
 long = (torch.randn(3, 9000) * 3).bfloat16()  # past ROW_BLOCK: the two-pass path
-q, s, amax = quantize_rows(long, col_amax=True)
+q, s = quantize_rows(long)
 q_ref, s_ref = quantize_rowwise(long, -1)
-assert same(q, q_ref) and torch.equal(s, s_ref) and torch.equal(amax, long.float().abs().amax(0))
-# rows that also take column maxima (16 rows a program, a partial last one), 2-D and per expert
-for x in ((torch.randn(37, 96) * torch.logspace(-3, 3, 37).unsqueeze(1)).bfloat16(), torch.randn(3, 21, 40)):
-    q, s, amax = quantize_rows(x, col_amax=True)
-    q_ref, s_ref = quantize_rowwise(x, -1)
-    assert same(q, q_ref) and torch.equal(s, s_ref) and torch.equal(amax, x.float().abs().amax(-2))
-    q_t, s_t = quantize_cols_transposed(x, amax)
-    q_ref, s_ref = quantize_rowwise(x, -2)
-    assert same(q_t, q_ref.transpose(-2, -1).contiguous()) and torch.equal(s_t, s_ref.squeeze(-2))
+assert same(q, q_ref) and torch.equal(s, s_ref)
 tall = torch.randn(700, 70) * torch.logspace(-3, 3, 700).unsqueeze(1)  # several row chunks per column
 q, s = quantize_cols_transposed(tall)
 q_ref, s_ref = quantize_rowwise(tall, 0)
@@ -78,12 +70,9 @@ def test_quantizer_kernels_compile_for_sm90(kernel, dtype):
     strides = {"stride_xb": "i64", "stride_xr": "i64", "R": "constexpr", "C": "constexpr"}
     if kernel.startswith("rows"):
         fn = k._rows_kernel
-        signature = {"x_ptr": dtype, "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "amax_ptr": "*fp32", "stride_x": "i64",
-                     "stride_q": "i64", "R": "i32", "C": "constexpr", "BLOCK": "constexpr", "ROWS": "constexpr",
-                     "COL_AMAX": "constexpr"}
-        short = kernel == "rows"
-        values = {"C": 4096 if short else 50000, "BLOCK": k.ROW_BLOCK, "ROWS": k.AMAX_ROWS if short else 1,
-                  "COL_AMAX": short}
+        signature = {"x_ptr": dtype, "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "stride_x": "i64", "stride_q": "i64",
+                     "C": "constexpr", "BLOCK": "constexpr"}
+        values = {"C": 4096 if kernel == "rows" else 50000, "BLOCK": 4096 if kernel == "rows" else k.ROW_BLOCK}
     elif kernel == "col_amax":
         fn = k._col_amax_kernel
         signature = {"x_ptr": dtype, "amax_ptr": "*fp32", **strides, "CHUNK_R": "constexpr", "BLOCK_R": "constexpr",
