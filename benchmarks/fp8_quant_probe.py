@@ -27,8 +27,18 @@ def timed(fn, reps=20):
 
 
 def report(kernel, config, shape, seconds, nbytes):
-    print(json.dumps({"kernel": kernel, "config": config, "shape": shape, "us": round(seconds * 1e6, 1),
-                      "GBps": round(nbytes / seconds / 1e9)}), flush=True)
+    print(
+        json.dumps(
+            {
+                "kernel": kernel,
+                "config": config,
+                "shape": shape,
+                "us": round(seconds * 1e6, 1),
+                "GBps": round(nbytes / seconds / 1e9),
+            }
+        ),
+        flush=True,
+    )
 
 
 def main():
@@ -40,38 +50,64 @@ def main():
         q = torch.empty(x_RC.shape, dtype=torch.float8_e4m3fn, device="cuda")
         scale = torch.empty(x_RC.shape[0], dtype=torch.float32, device="cuda")
         amax = torch.zeros((B, C), dtype=torch.float32, device="cuda")
+        x_BRC = x if x.dim() == 3 else x.unsqueeze(0)
         n = x.numel()
-        for rows, warps, col_amax in itertools.product((1, 2, 4, 8, 16), (4, 8), (False, True)):
-            if rows == 1 and col_amax:
-                continue
+        for warps in (4, 8):
 
-            def run(rows=rows, warps=warps, col_amax=col_amax):
-                k._rows_kernel[(triton.cdiv(R, rows), B)](
-                    x_RC, q, scale, amax, x_RC.stride(0), q.stride(0), R, C=C, BLOCK=C, ROWS=rows,
-                    COL_AMAX=col_amax, num_warps=warps,
+            def run(warps=warps, x_RC=x_RC, q=q, scale=scale, C=C):
+                k._rows_kernel[(x_RC.shape[0],)](
+                    x_RC, q, scale, x_RC.stride(0), q.stride(0), C=C, BLOCK=C, num_warps=warps
                 )
 
-            report("rows", {"rows": rows, "warps": warps, "col_amax": col_amax}, shape, timed(run), 3 * n)
-        x_BRC = x if x.dim() == 3 else x.unsqueeze(0)
+            report("rows", {"warps": warps}, shape, timed(run), 3 * n)
         for chunk, tile_r, tile_c, warps in itertools.product((256, 512, 1024), (32, 64), (128, 256), (4, 8)):
             if tile_r > chunk:
                 continue
 
-            def run(chunk=chunk, tile_r=tile_r, tile_c=tile_c, warps=warps):
+            def run(chunk=chunk, tile_r=tile_r, tile_c=tile_c, warps=warps, x_BRC=x_BRC, amax=amax, R=R, C=C, B=B):
                 k._col_amax_kernel[(triton.cdiv(C, tile_c), triton.cdiv(R, chunk), B)](
-                    x_BRC, amax, x_BRC.stride(0), x_BRC.stride(1), R=R, C=C, CHUNK_R=chunk, BLOCK_R=tile_r,
-                    BLOCK_C=tile_c, num_warps=warps,
+                    x_BRC,
+                    amax,
+                    x_BRC.stride(0),
+                    x_BRC.stride(1),
+                    R=R,
+                    C=C,
+                    CHUNK_R=chunk,
+                    BLOCK_R=tile_r,
+                    BLOCK_C=tile_c,
+                    num_warps=warps,
                 )
 
-            report("col_amax", {"chunk": chunk, "tile_r": tile_r, "tile_c": tile_c, "warps": warps}, shape, timed(run), 2 * n)
+            config = {"chunk": chunk, "tile_r": tile_r, "tile_c": tile_c, "warps": warps}
+            report("col_amax", config, shape, timed(run), 2 * n)
         q_BCR = torch.empty((B, C, R), dtype=torch.float8_e4m3fn, device="cuda")
         scale_BC = torch.empty((B, C), dtype=torch.float32, device="cuda")
         for tile_r, tile_c, warps in itertools.product((64, 128, 256), (32, 64, 128), (4, 8)):
 
-            def run(tile_r=tile_r, tile_c=tile_c, warps=warps):
+            def run(
+                tile_r=tile_r,
+                tile_c=tile_c,
+                warps=warps,
+                x_BRC=x_BRC,
+                amax=amax,
+                q_BCR=q_BCR,
+                s_BC=scale_BC,
+                R=R,
+                C=C,
+                B=B,
+            ):
                 k._cols_transposed_kernel[(triton.cdiv(C, tile_c), triton.cdiv(R, tile_r), B)](
-                    x_BRC, amax, q_BCR, scale_BC, x_BRC.stride(0), x_BRC.stride(1), R=R, C=C, BLOCK_R=tile_r,
-                    BLOCK_C=tile_c, num_warps=warps,
+                    x_BRC,
+                    amax,
+                    q_BCR,
+                    s_BC,
+                    x_BRC.stride(0),
+                    x_BRC.stride(1),
+                    R=R,
+                    C=C,
+                    BLOCK_R=tile_r,
+                    BLOCK_C=tile_c,
+                    num_warps=warps,
                 )
 
             report("transpose", {"tile_r": tile_r, "tile_c": tile_c, "warps": warps}, shape, timed(run), 3 * n)

@@ -95,8 +95,15 @@ def _rows_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, C: tl.constexpr, B
 
 @triton.jit
 def _col_amax_kernel(
-    x_ptr, amax_ptr, stride_xb, stride_xr, R: tl.constexpr, C: tl.constexpr, CHUNK_R: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr
+    x_ptr,
+    amax_ptr,
+    stride_xb,
+    stride_xr,
+    R: tl.constexpr,
+    C: tl.constexpr,
+    CHUNK_R: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
     """Column maxima of |x| over one chunk of rows, folded into amax (B, C) by atomic max."""
     b = tl.program_id(2).to(tl.int64)
@@ -114,8 +121,16 @@ def _col_amax_kernel(
 
 @triton.jit
 def _cols_transposed_kernel(
-    x_ptr, amax_ptr, q_ptr, scale_ptr, stride_xb, stride_xr, R: tl.constexpr, C: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr
+    x_ptr,
+    amax_ptr,
+    q_ptr,
+    scale_ptr,
+    stride_xb,
+    stride_xr,
+    R: tl.constexpr,
+    C: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
     """One (rows × columns) tile cast with its columns' scales and written transposed."""
     b = tl.program_id(2).to(tl.int64)
@@ -153,8 +168,16 @@ def _column_amax(x_BRC: torch.Tensor) -> torch.Tensor:
     amax_BC = torch.zeros((B, C), dtype=torch.float32, device=x_BRC.device)
     if x_BRC.numel():
         _col_amax_kernel[(triton.cdiv(C, AMAX_TILE_C), triton.cdiv(R, AMAX_CHUNK_R), B)](
-            x_BRC, amax_BC, x_BRC.stride(0), x_BRC.stride(1), R=R, C=C, CHUNK_R=AMAX_CHUNK_R,
-            BLOCK_R=AMAX_TILE_R, BLOCK_C=AMAX_TILE_C, num_warps=4,
+            x_BRC,
+            amax_BC,
+            x_BRC.stride(0),
+            x_BRC.stride(1),
+            R=R,
+            C=C,
+            CHUNK_R=AMAX_CHUNK_R,
+            BLOCK_R=AMAX_TILE_R,
+            BLOCK_C=AMAX_TILE_C,
+            num_warps=4,
         )
     return amax_BC
 
@@ -171,8 +194,17 @@ def quantize_cols_transposed(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     if x_BRC.numel():
         amax_BC = _column_amax(x_BRC)
         _cols_transposed_kernel[(triton.cdiv(C, TILE_C), triton.cdiv(R, TILE_R), B)](
-            x_BRC, amax_BC, q_BCR, scale_BC, x_BRC.stride(0), x_BRC.stride(1), R=R, C=C, BLOCK_R=TILE_R,
-            BLOCK_C=TILE_C, num_warps=4,
+            x_BRC,
+            amax_BC,
+            q_BCR,
+            scale_BC,
+            x_BRC.stride(0),
+            x_BRC.stride(1),
+            R=R,
+            C=C,
+            BLOCK_R=TILE_R,
+            BLOCK_C=TILE_C,
+            num_warps=4,
         )
     if x.dim() == 2:
         return q_BCR[0], scale_BC[0]

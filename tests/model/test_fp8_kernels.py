@@ -70,20 +70,42 @@ def test_quantizer_kernels_compile_for_sm90(kernel, dtype):
     strides = {"stride_xb": "i64", "stride_xr": "i64", "R": "constexpr", "C": "constexpr"}
     if kernel.startswith("rows"):
         fn = k._rows_kernel
-        signature = {"x_ptr": dtype, "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "stride_x": "i64", "stride_q": "i64",
-                     "C": "constexpr", "BLOCK": "constexpr"}
+        signature = {
+            "x_ptr": dtype,
+            "q_ptr": "*fp8e4nv",
+            "scale_ptr": "*fp32",
+            "stride_x": "i64",
+            "stride_q": "i64",
+            "C": "constexpr",
+            "BLOCK": "constexpr",
+        }
         values = {"C": 4096 if kernel == "rows" else 50000, "BLOCK": 4096 if kernel == "rows" else k.ROW_BLOCK}
     elif kernel == "col_amax":
         fn = k._col_amax_kernel
-        signature = {"x_ptr": dtype, "amax_ptr": "*fp32", **strides, "CHUNK_R": "constexpr", "BLOCK_R": "constexpr",
-                     "BLOCK_C": "constexpr"}
+        signature = {
+            "x_ptr": dtype,
+            "amax_ptr": "*fp32",
+            **strides,
+            "CHUNK_R": "constexpr",
+            "BLOCK_R": "constexpr",
+            "BLOCK_C": "constexpr",
+        }
         values = {"R": 32768, "C": 4096, "CHUNK_R": k.AMAX_CHUNK_R, "BLOCK_R": k.AMAX_TILE_R, "BLOCK_C": k.AMAX_TILE_C}
     else:
         fn = k._cols_transposed_kernel
-        signature = {"x_ptr": dtype, "amax_ptr": "*fp32", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", **strides,
-                     "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"}
+        signature = {
+            "x_ptr": dtype,
+            "amax_ptr": "*fp32",
+            "q_ptr": "*fp8e4nv",
+            "scale_ptr": "*fp32",
+            **strides,
+            "BLOCK_R": "constexpr",
+            "BLOCK_C": "constexpr",
+        }
         values = {"R": 32768, "C": 4096, "BLOCK_R": k.TILE_R, "BLOCK_C": k.TILE_C}
     names = list(signature)
-    source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs={(names.index(n),): v for n, v in values.items()})
+    source = triton.compiler.ASTSource(
+        fn=fn, signature=signature, constexprs={(names.index(n),): v for n, v in values.items()}
+    )
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
     assert ".target sm_90" in compiled.asm["ptx"] and len(compiled.asm["cubin"]) > 1000
