@@ -23,15 +23,18 @@ from moetrain import __version__
 from moetrain.bench import run_bench
 from moetrain.config import keys_reference
 from moetrain.data.prepare import main as prepare_main
+from moetrain.destinations import check_file, check_overwrite
 from moetrain.errors import ConfigError, MoetrainError
-from moetrain.hf import export_hf, import_hf
+from moetrain.hf import export_hf, export_replaces, import_hf, import_replaces
 from moetrain.inference import generate, load_for_inference, text_loss
+from moetrain.memory_advice import advice, plan_gpu
 from moetrain.model.counting import count_params, flops_per_token
 from moetrain.parallel.distributed import shutdown, unresponsive_ranks
 from moetrain.plan import plan, report, suggest, to_json
-from moetrain.presets import PRESETS, resolve_config
+from moetrain.presets import PRESETS, resolve_config, run_name
 from moetrain.train.config import RunConfig
-from moetrain.train.plot import plot_compare
+from moetrain.train.oom import OutOfMemory
+from moetrain.train.plot import is_image_name, plot_compare
 from moetrain.train.trainer import Trainer
 
 SUBCOMMANDS: dict[str, str] = {
@@ -45,7 +48,7 @@ SUBCOMMANDS: dict[str, str] = {
     "plot": "draw the loss curves of one or more run directories into one PNG",
     "bench": "time training steps of a preset (tokens/s, TFLOP/s, MFU, memory, host syncs) as JSON lines",
     "export-hf": "write a checkpoint as a Hugging Face model directory (safetensors, config, tokenizer)",
-    "import-hf": "turn a Hugging Face Qwen3-MoE directory into a moetrain checkpoint (train --train.init_from=…)",
+    "import-hf": "turn a Hugging Face Qwen3-MoE or GLM-4-MoE directory into a moetrain checkpoint (--train.init_from)",
     "plan": "predict per-GPU memory, communication, step time and MFU of a preset on N GPUs; suggest layouts",
 }
 
@@ -57,6 +60,10 @@ TRAIN_FLAGS = {
     "--save-every": ("train.save_every", int),
     "--eval-every": ("train.eval_every", int),
     "--device": ("train.device", str),
+}
+TRAIN_FLAG_HELP = {
+    "--run-dir": "sets train.run_dir; default runs/NAME, NAME the preset's or the YAML file's, or when that holds an "
+    "earlier run the next number: runs/NAME-2, runs/NAME-3, … (printed at start-up)",
 }
 
 
@@ -180,11 +187,14 @@ def _config_parser(prog: str, description: str, train_flags: bool) -> argparse.A
     parser.add_argument("spec", metavar="PRESET_OR_YAML", help="a preset name (moetrain presets) or a YAML run file")
     if train_flags:
         for flag, (key, tp) in TRAIN_FLAGS.items():
-            parser.add_argument(flag, type=tp, help=f"sets {key}")
+            parser.add_argument(flag, type=tp, help=TRAIN_FLAG_HELP.get(flag, f"sets {key}"))
         parser.add_argument(
-            "--resume", action="store_true", help="continue from the newest complete checkpoint in the run directory"
+            "--resume",
+            action="store_true",
+            help="continue from the newest complete checkpoint in the run directory (without --run-dir: the "
+            "newest of runs/NAME, runs/NAME-2, … that holds a run)",
         )
-        parser.add_argument("--quiet", action="store_true", help="no progress output")
+        parser.add_argument("--quiet", action="store_true", help="no start-up header, no progress output")
     parser.epilog = (
         "Any config key can be set with --section.key=value, e.g. --optim.lr=1e-3 --model.moe.routing=random."
     )
@@ -206,8 +216,12 @@ def cmd_train(argv: list[str]) -> int:
     args, overrides = _split_overrides(parser, argv)
     cfg = _resolve(args, overrides)
 
-    trainer = Trainer(cfg, resume=args.resume, quiet=args.quiet)
-    summary = trainer.fit()
+    trainer = Trainer(cfg, resume=args.resume, quiet=args.quiet, name=run_name(args.spec))
+    try:
+        summary = trainer.fit()
+    except OutOfMemory as e:
+        e.advice = advice(trainer.cfg, trainer.par.dims.world_size, plan_gpu(e.device_name, e.capacity))
+        raise
     if trainer.par.is_main:
         print(json.dumps(summary))
     shutdown()
@@ -393,27 +407,58 @@ def cmd_generate(argv: list[str]) -> int:
     return 0
 
 
-def _convert(argv: list[str], prog: str, description: str, source: str, source_help: str, convert) -> int:
-    """`moetrain export-hf` / `import-hf`: SOURCE OUT_DIR in, one JSON line out."""
+def _convert(
+    argv: list[str],
+    prog: str,
+    description: str,
+    source: str,
+    source_help: str,
+    convert,
+    replaces: Callable[[str], list[str]],
+    add_options=None,
+) -> int:
+    """`moetrain export-hf` / `import-hf`: SOURCE OUT_DIR (and `add_options`' flags, passed to
+    `convert` by name) in, one JSON line out. Files of OUT_DIR that `replaces` names are
+    replaced only with --force."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument(source, help=source_help)
     parser.add_argument("out_dir")
+    parser.add_argument("--force", action="store_true", help="replace what an earlier run wrote into OUT_DIR")
+    if add_options is not None:
+        add_options(parser)
     args = parser.parse_args(argv)
-    print(json.dumps(convert(getattr(args, source), args.out_dir)))
+    # Under torchrun only rank 0 looks: the other ranks would see its files appear.
+    if not args.force and os.environ.get("RANK", "0") == "0":
+        check_overwrite(args.out_dir, replaces(args.out_dir), "OUT_DIR", prog)
+    options = {k: v for k, v in vars(args).items() if k not in (source, "out_dir", "force")}
+    print(json.dumps(convert(getattr(args, source), args.out_dir, **options)))
     return 0
 
 
 def cmd_export_hf(argv: list[str]) -> int:
+    def options(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--dtype", default="bfloat16", help="weight dtype: bfloat16 (default) or float32")
+        parser.add_argument(
+            "--max-shard-size", default="5GB", help="shard the weights past this size (5GB, 500MiB, bytes)"
+        )
+        parser.add_argument(
+            "--max-position-embeddings", type=int, default=None, help="default: the trained data.seq_len"
+        )
 
+    # Under torchrun each rank writes every WORLD_SIZE-th shard (no process group is needed).
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     return _convert(
         argv,
         "moetrain export-hf",
         "Write a checkpoint as a directory that transformers loads offline with a native architecture "
-        "(Qwen3-MoE): model.safetensors, config.json, tokenizer files. Models that no native class "
-        "represents exactly are refused, naming the feature.",
+        "(Qwen3-MoE for softmax gating, GLM-4-MoE for sigmoid gating): safetensors weights (sharded with an "
+        "index past --max-shard-size), config.json, tokenizer files. Models that no native class represents "
+        "exactly are refused, naming the feature and the variant that exports.",
         "checkpoint",
         "a run directory (newest checkpoint) or a step-N directory",
-        export_hf,
+        lambda checkpoint, out_dir, **kw: export_hf(checkpoint, out_dir, rank=rank, world_size=world, **kw),
+        export_replaces,
+        options,
     )
 
 
@@ -422,25 +467,37 @@ def cmd_import_hf(argv: list[str]) -> int:
     return _convert(
         argv,
         "moetrain import-hf",
-        "Read a Hugging Face Qwen3-MoE directory (config.json, safetensors, tokenizer.json) into OUT_DIR: "
+        "Read a Hugging Face Qwen3-MoE or GLM-4-MoE directory (config.json, safetensors, tokenizer.json) into "
+        "OUT_DIR: "
         "config.yaml, tokenizer.json and a weights-only checkpoint. Continue training it with `moetrain "
         "train OUT_DIR/config.yaml --train.init_from=OUT_DIR --data.sources=… --run-dir NEW`.",
         "hf_dir",
         "a Hugging Face model directory",
         import_hf,
+        import_replaces,
     )
 
 
 def cmd_plot(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="moetrain plot", description="Compare the loss curves of runs.")
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
-    parser.add_argument("--out", default="loss-compare.png")
+    parser.add_argument("--out", default=None, help="the PNG to write (default: FIRST_RUN_DIR/loss-compare.png)")
+    parser.add_argument("--force", action="store_true", help="replace --out even when it is not an image")
     args = parser.parse_args(argv)
 
     for run_dir in args.run_dirs:
         if not (Path(run_dir) / "metrics.jsonl").is_file():
             raise ConfigError(f"'{run_dir}' has no metrics.jsonl: pass run directories written by moetrain train.")
-    print(json.dumps({"plot": str(plot_compare(args.run_dirs, args.out))}))
+    out = args.out or Path(args.run_dirs[0]) / "loss-compare.png"
+    check_file(
+        out,
+        "The plot",
+        "Pass --out a PNG file name you can write",
+        replaceable=is_image_name,
+        kind="an image",
+        force=args.force,
+    )
+    print(json.dumps({"plot": str(plot_compare(args.run_dirs, out))}))
     return 0
 
 

@@ -3,8 +3,10 @@
 Every config is a `kw_only` dataclass deriving from `Config`. A config tree is read from a plain
 dict (a YAML file, a preset) by `Config.from_dict`, which rejects unknown keys and wrong types
 with the dotted key in the message; `apply_overrides` applies `--a.b.c=value` strings to a tree;
-`to_dict`/`to_yaml` write it back. Each config may define `validate()` for cross-field rules;
-`validate_tree` calls them all, depth first.
+`to_dict`/`to_yaml` write it back. Every numeric field declares its domain next to it
+(`positive`, `non_negative`, `in_range`: a `Domain` in the field's metadata; a float field
+without one must still be finite); `validate_tree` checks every field against its domain and
+then calls each config's `validate()` (the cross-field rules), depth first.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import dataclasses
 import difflib
 import enum
 import inspect
+import math
 import textwrap
 import types
 import typing
@@ -32,6 +35,16 @@ class Config:
 
     def validate(self) -> None:
         """Cross-field checks; raise `ConfigError` naming the field. Default: nothing."""
+
+    def check_domains(self, prefix: str = "") -> None:
+        """Every leaf field of this config (not of its sub-configs) against its type and its
+        declared `Domain`; raise `ConfigError` naming the dotted key, the value and the domain."""
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            tp = hints[f.name]
+            if isinstance(tp, type) and issubclass(tp, Config):
+                continue
+            _check_value(getattr(self, f.name), tp, f.metadata.get("domain"), f"{prefix}{f.name}")
 
     # ---- reading -------------------------------------------------------------------------
     @classmethod
@@ -58,6 +71,143 @@ class Config:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
 
 
+# ---- domains -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Domain:
+    """The values a numeric field (or each item of a list of numbers) may take: finite, between
+    `lo` and `hi` (each closed or open), checked by `validate_tree`. `None` passes when the
+    field's type allows it."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    finite: bool = True
+    """Refuse nan and ±inf (a float field without a declared domain refuses them too)."""
+    unit: str = ""
+    """What the number counts, for the message: "seconds", "steps"…"""
+    interval: bool = False
+    """Describe the domain as an interval ("in [0, 1)") rather than a bound."""
+
+    def admits(self, value: float) -> bool:
+        if isinstance(value, float) and (math.isnan(value) or (self.finite and math.isinf(value))):
+            return False
+        if self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo):
+            return False
+        return self.hi is None or (value < self.hi if self.hi_open else value <= self.hi)
+
+    def describe(self, integer: bool) -> str:
+        """The domain as the messages and the --help show it: "a positive integer, at most 10^9"."""
+        kind = "integer" if integer else "number"
+        kind += f" of {self.unit}" if self.unit else ""
+        finite = "" if integer or not self.finite else "finite "
+        if self.lo is not None and self.hi is not None and self.interval:
+            left, right = "(" if self.lo_open else "[", ")" if self.hi_open else "]"
+            text = f"{finite}{kind} in {left}{_num(self.lo)}, {_num(self.hi)}{right}"
+        elif self.lo == 0 and self.lo_open:
+            text = f"{finite}positive {kind}"
+        elif self.lo is not None:
+            text = f"{finite}{kind} {'>' if self.lo_open else '≥'} {_num(self.lo)}"
+        else:
+            text = f"{finite}{kind}"
+        if self.hi is not None and not self.interval:
+            text += f", {'below' if self.hi_open else 'at most'} {_num(self.hi)}"
+        return ("an " if text[0] in "aeiou" else "a ") + text
+
+
+def positive(default: Any = dataclasses.MISSING, *, at_most: float | None = None, unit: str = "", **field: Any) -> Any:
+    """A dataclass field whose value must be > 0 (and ≤ `at_most`)."""
+    return _domain_field(default, Domain(lo=0, lo_open=True, hi=at_most, unit=unit), field)
+
+
+def non_negative(
+    default: Any = dataclasses.MISSING, *, at_most: float | None = None, unit: str = "", **field: Any
+) -> Any:
+    """A dataclass field whose value must be ≥ 0 (and ≤ `at_most`)."""
+    return _domain_field(default, Domain(lo=0, hi=at_most, unit=unit), field)
+
+
+def in_range(
+    default: Any = dataclasses.MISSING,
+    *,
+    lo: float,
+    hi: float,
+    lo_open: bool = False,
+    hi_open: bool = False,
+    **field: Any,
+) -> Any:
+    """A dataclass field whose value must lie between `lo` and `hi` (closed unless `*_open`)."""
+    return _domain_field(default, Domain(lo=lo, hi=hi, lo_open=lo_open, hi_open=hi_open, interval=True), field)
+
+
+def _domain_field(default: Any, domain: Domain, field: dict[str, Any]) -> Any:
+    return dataclasses.field(default=default, metadata={"domain": domain}, **field)
+
+
+def field_domain(cls: type[Config], dotted: str) -> Domain | None:
+    """The declared domain of the leaf key `dotted` of `cls` (None: none declared)."""
+    *sections, name = dotted.split(".")
+    for section in sections:
+        cls = typing.get_type_hints(cls)[section]
+    return {f.name: f for f in dataclasses.fields(cls)}[name].metadata.get("domain")
+
+
+def _num(x: float) -> str:
+    if isinstance(x, int) or float(x).is_integer():
+        x = int(x)
+        if x >= 10**5 and str(x).rstrip("0") == "1":
+            return f"10^{len(str(x)) - 1}"
+        if x >= 2**16 and x & (x - 1) == 0:
+            return f"2^{x.bit_length() - 1}"
+        return str(x)
+    return f"{x:g}"
+
+
+def numeric_type(tp: Any) -> tuple[type | None, bool, bool]:
+    """(int or float or None, whether None is allowed, whether it is a list of them) of an annotation."""
+    args = typing.get_args(tp)
+    nullable = False
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        nullable = type(None) in args
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) != 1:
+            return None, nullable, False
+        tp = rest[0]
+        args = typing.get_args(tp)
+    if typing.get_origin(tp) in (list, tuple) and len(args) == 1 and args[0] in (int, float):
+        return args[0], nullable, True
+    return (tp if tp in (int, float) else None), nullable, False
+
+
+def _check_value(value: Any, tp: Any, domain: Domain | None, key: str) -> None:
+    kind, nullable, is_list = numeric_type(tp)
+    if kind is None or (value is None and nullable):
+        return
+    items = list(value) if is_list and isinstance(value, (list, tuple)) else [value]
+    if is_list and not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{key}={value!r} must be a list of numbers. Write it as [a, b].")
+    domain = domain or Domain()
+    for item in items:
+        is_int = isinstance(item, int) and not isinstance(item, bool)
+        ok_type = is_int if kind is int else (is_int or isinstance(item, float))
+        if not (ok_type and domain.admits(item)):
+            what = domain.describe(kind is int)
+            if is_list:
+                raise ConfigError(f"{key}={_shown(value)} must hold only values that are each {what}.")
+            null = " (or null)" if nullable else ""
+            raise ConfigError(f"{key}={_shown(value)} must be {what}{null}.")
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_shown(v) for v in value) + "]"
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"{float(value):g}" if value.bit_length() < 1024 else f"<an integer of {value.bit_length()} bits>"
+    return str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else repr(value)
+
+
 @dataclasses.dataclass(frozen=True)
 class FieldInfo:
     """One leaf key of a config tree (`walk_fields`)."""
@@ -67,6 +217,8 @@ class FieldInfo:
     default: Any
     """The dataclass default (`dataclasses.MISSING` when there is none); presets may set others."""
     doc: str
+    domain: Domain | None = None
+    """The field's declared `Domain` (None: none; a float must still be finite)."""
 
 
 def walk_fields(cls: type[Config], prefix: str = "") -> Iterator[FieldInfo]:
@@ -87,7 +239,7 @@ def walk_fields(cls: type[Config], prefix: str = "") -> Iterator[FieldInfo]:
             default = f.default_factory()
         else:
             default = dataclasses.MISSING
-        yield FieldInfo(f"{prefix}{f.name}", tp, default, docs.get(f.name, ""))
+        yield FieldInfo(f"{prefix}{f.name}", tp, default, docs.get(f.name, ""), f.metadata.get("domain"))
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -126,25 +278,32 @@ def type_name(tp: Any) -> str:
 
 
 def keys_reference(cls: type[Config], width: int = 100) -> str:
-    """Every key of `cls` for a --help text: dotted name, type and default, then the docstring."""
+    """Every key of `cls` for a --help text: dotted name, type, default and domain, then the docstring."""
     lines = []
     for info in walk_fields(cls):
         default = ""
         if info.default is not dataclasses.MISSING:
             shown = yaml.safe_dump(_plain(info.default), default_flow_style=True).strip()
             default = f" = {shown.removesuffix('...').strip()}"
-        lines.append(f"  {info.dotted}  ({type_name(info.type)}){default}")
+        kind, _, is_list = numeric_type(info.type)
+        domain = ""
+        if info.domain is not None and kind is not None:
+            domain = f"; {'each ' if is_list else ''}{info.domain.describe(kind is int)}"
+        lines.append(f"  {info.dotted}  ({type_name(info.type)}){default}{domain}")
         for line in textwrap.wrap(" ".join(info.doc.split()) or "(undocumented)", width - 6):
             lines.append(f"      {line}")
     return "\n".join(lines)
 
 
-def validate_tree(cfg: Config) -> None:
-    """Run `validate()` on every config in the tree, children first."""
+def validate_tree(cfg: Config, prefix: str = "") -> None:
+    """Check every field of the tree against its type and domain (`Config.check_domains`), then
+    run `validate()` on every config in it, children first. `prefix` is the tree's dotted key
+    ("model." for the model section) that the messages name."""
+    cfg.check_domains(prefix)
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         if isinstance(value, Config):
-            validate_tree(value)
+            validate_tree(value, f"{prefix}{f.name}.")
     cfg.validate()
 
 
@@ -160,7 +319,7 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
         dotted, raw = item.split("=", 1)
         try:
             value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError:
+        except (yaml.YAMLError, ValueError):  # ValueError: an integer too long for int()
             value = raw
         _set_dotted(data, dotted, value, type(cfg))
     return type(cfg).from_dict(data)
@@ -250,7 +409,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             try:
                 return _coerce(value, arg, key)
             except ConfigError as e:
-                errors.append(str(e))
+                errors.append(e)
         raise (
             errors[0]
             if len(errors) == 1
@@ -291,7 +450,12 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         raise ConfigError(f"Config key '{key}' must be an integer, got {value!r}.")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            try:
+                return float(value)
+            except OverflowError:  # an int past 1.8e308
+                raise ConfigError(
+                    f"Config key '{key}' got an integer too large for a number: {_shown(value)}."
+                ) from None
         if isinstance(value, str):  # YAML reads "1e-3" (no dot) as a string
             try:
                 return float(value)

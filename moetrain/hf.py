@@ -1,308 +1,433 @@
-"""Hugging Face interoperability: `moetrain export-hf CHECKPOINT OUT_DIR`.
+"""Hugging Face interoperability: `moetrain export-hf CHECKPOINT OUT_DIR` and `import-hf`.
 
 A moetrain checkpoint becomes a directory that `transformers` loads offline with a *native*
-architecture (no remote code): `model.safetensors` (fp32), `config.json`, `tokenizer.json` and
-`tokenizer_config.json`. Only models that a native class represents exactly are exported; any
-other feature is refused with a message naming it.
+architecture (no remote code): safetensors weights, `config.json`, `generation_config.json`,
+`tokenizer.json` and `tokenizer_config.json`. Only models that a native class represents exactly
+are exported; any other feature is refused with a message naming it and the variant that exports.
 
-Qwen3-MoE (`Qwen3MoeForCausalLM`) represents: pre-norm blocks with RMSNorm, GQA attention with
-per-head RMSNorm on queries and keys and rotate-half RoPE, no biases; a softmax router over all
-experts whose top-k probabilities are renormalized to sum to 1 (`norm_topk_prob`), SwiGLU
-experts, no shared expert; the first blocks dense (`mlp_only_layers`, hidden `intermediate_size`);
-an untied LM head. The `tiny` preset is such a model.
+Which class, field by field (moetrain/hf_arch.py is the code; both checked against transformers
+5.x's modeling files, and tested to equal logits):
+
+| moetrain                       | Qwen3MoeForCausalLM (softmax)   | Glm4MoeForCausalLM (sigmoid)              |
+|--------------------------------|---------------------------------|-------------------------------------------|
+| moe.gating                     | softmax                         | sigmoid                                   |
+| aux-free bias (expert_bias_E)  | must be 0                       | e_score_correction_bias (kept fp32)       |
+| moe.normalize_weights          | norm_topk_prob                  | norm_topk_prob                            |
+| moe.restore_weight_scale (× k) | must be false                   | routed_scaling_factor = k (false: 1.0)    |
+| moe.shared_hidden              | must be 0                       | n_shared_experts = shared / expert_hidden |
+| moe.num_experts                | num_experts                     | n_routed_experts (≥ 2)                    |
+| moe.top_k, moe.expert_hidden   | num_experts_per_tok, moe_intermediate_size | the same                       |
+| (group-limited routing)        | —                               | n_group = topk_group = 1: none            |
+| num_dense_layers (first d)     | mlp_only_layers = [0 … d-1]     | first_k_dense_replace = d                 |
+| dense MLP hidden               | intermediate_size               | intermediate_size                         |
+| qk_norm (per head, before RoPE)| must be true                    | use_qk_norm                               |
+| n_heads, n_kv_heads, head_dim  | the same names (GQA)            | the same names (GQA)                      |
+| RoPE (rotate-half, whole head) | rope_theta, rope_type default   | the same, partial_rotary_factor = 1.0     |
+| norm_eps (every RMSNorm)       | rms_norm_eps                    | rms_norm_eps                              |
+| peri_norm                      | refused                         | refused                                   |
+| untied LM head, no biases      | tie_word_embeddings = false     | the same, attention_bias = false          |
+| (multi-token prediction)       | —                               | num_nextn_predict_layers = 0              |
+| data.seq_len                   | max_position_embeddings (or --max-position-embeddings) | the same   |
+
+The selection rule is bit-level the same in both: top-k of (scores + bias), weights the chosen
+scores, normalized, then × k. Softmax gating with a shared expert, × k or a non-zero aux-free
+bias — the `ref-*`, `sweep-*` and `bench-*` presets — has no exact native class (Qwen2-MoE and
+Qwen3-Next gate the shared expert with a sigmoid, Hunyuan-MoE normalizes QK after RoPE, Ernie-4.5-MoE
+has no QK-norm, DeepSeek-V2 uses latent attention): it is refused, naming `model.moe.gating=sigmoid`,
+with which the same architecture exports as GLM-4-MoE. Peri-norm has no exact native class (AFMoE
+gates its attention output, Kolibri1 has no dense first blocks or routed scale): refused too.
 
 Weights are written in the Hub's per-expert layout (`mlp.experts.{e}.gate_proj.weight`, …), which
-transformers 4.x loads as is and 5.x converts into its fused expert tensors on load.
+transformers 5.x converts into its fused expert tensors on load (tested with 5.24); in
+`--dtype` (bfloat16 by default) except GLM-4-MoE's router weight and selection bias, kept fp32 as
+transformers keeps them. Past `--max-shard-size` (5GB) the weights are sharded with an index.
+
+Memory: the export never builds the model. It reads the checkpoint's config and DCP index, plans
+the files, and fills each shard from the DCP files a group of entries at a time (at most
+min(shard size, 1 GiB) of fp32 entries), appending each converted tensor to the file as it
+comes: peak ≈ one read group plus one tensor, whatever the model's size. Under torchrun each
+rank writes every N-th shard (rank 0 also the index, config and tokenizer files): the directory is
+complete when every rank has finished.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from moetrain.errors import ConfigError, require
-from moetrain.inference import load_for_inference
-from moetrain.model.config import Gating, MoEConfig, Routing, TransformerConfig
+from moetrain.config import load_yaml
+from moetrain.destinations import check_directory, check_free_space, existing_entries
+from moetrain.errors import CheckpointError, ConfigError, require
+from moetrain.hf_arch import (
+    Architecture,
+    HfTensor,
+    architecture_for,
+    hf_config,
+    model_config_from_hf,
+    refusal,
+    tensor_plan,
+    unsupported_features,
+)
+from moetrain.hf_shards import (
+    INDEX,
+    SHARD_NAME,
+    ShardWriter,
+    index_json,
+    parse_size,
+    remove_stale,
+    shard_names,
+    split_into_shards,
+)
+from moetrain.model.counting import count_params
 from moetrain.train import checkpoint as ckpt
 from moetrain.train.config import RunConfig
 
 EXPORTED_BY = "moetrain export-hf"
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+READ_BYTES = 1 << 30
+"""At most this many bytes of checkpoint entries are read at once (and at most one shard's)."""
+EXPORT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", INDEX)
+"""What an export writes besides its safetensors files (`export_replaces`)."""
+IMPORT_FILES = ("config.yaml", "tokenizer.json")
+"""What an import writes besides its checkpoint."""
+PICKLED_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+"""Weight files that are pickles, which import-hf never opens (loading a pickle can run code)."""
 
 
-def unsupported_features(model_cfg: TransformerConfig, expert_bias_nonzero: bool) -> list[str]:
-    """The features of this model that Qwen3-MoE cannot represent (empty: it exports)."""
-    m, moe = model_cfg, model_cfg.moe
-    problems = []
-    if m.num_moe_layers == 0:
-        problems.append("no MoE layer (a dense model: export it as a dense architecture instead)")
-    if moe.shared_hidden > 0:
-        problems.append(f"a shared expert (model.moe.shared_hidden={moe.shared_hidden}; Qwen3-MoE has none)")
-    if moe.gating != Gating.softmax:
-        problems.append(f"model.moe.gating={moe.gating} (Qwen3-MoE's router is a softmax)")
-    if not moe.normalize_weights:
-        problems.append("model.moe.normalize_weights=false (the export sets norm_topk_prob=true)")
-    if moe.restore_weight_scale:
-        problems.append("model.moe.restore_weight_scale=true (routing weights × k)")
-    if moe.routing != Routing.learned:
-        problems.append(f"model.moe.routing={moe.routing} (only the learned router is a model)")
-    if expert_bias_nonzero:
-        problems.append("aux-loss-free expert biases that are not zero (they change which experts are chosen)")
-    if m.peri_norm:
-        problems.append("model.peri_norm=true (sublayer outputs normalized before the residual add)")
-    if not m.qk_norm:
-        problems.append("model.qk_norm=false (Qwen3-MoE always normalizes queries and keys)")
-    return problems
+SAFETENSORS_ONLY = (
+    "Convert them where you trust them, e.g. `AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(NEW_DIR)` "
+    "with transformers (which writes safetensors), then import NEW_DIR."
+)
 
 
-def hf_config(model_cfg: TransformerConfig, eos_id: int | None) -> dict:
-    m, moe = model_cfg, model_cfg.moe
+def export_replaces(out_dir: str | Path) -> list[str]:
+    """The files of `out_dir` an export would replace or remove (an earlier export's)."""
+    return existing_entries(out_dir, EXPORT_FILES, lambda n: n.endswith(".safetensors") or bool(SHARD_NAME.match(n)))
+
+
+def import_replaces(out_dir: str | Path) -> list[str]:
+    """The files of `out_dir` an import would replace (its checkpoints are refused anyway)."""
+    return existing_entries(out_dir, IMPORT_FILES)
+
+
+def export_hf(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    *,
+    dtype: str = "bfloat16",
+    max_shard_size: str | int = "5GB",
+    max_position_embeddings: int | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+) -> dict:
+    """Write the HF directory (this rank's shards of it); returns a summary (architecture,
+    dtype, files, tensors, parameters, bytes)."""
+    safe_open = require("safetensors", "export-hf (it writes and checks safetensors)").safe_open  # before any work
+    check_directory(out_dir, "Output directory", "Pass an OUT_DIR you can write")
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype={dtype!r} is not one of {', '.join(DTYPES)}.")
+    max_bytes = parse_size(max_shard_size)
+    path = ckpt.resolve_checkpoint(checkpoint)
+    cfg, tokenizer = _run_config(path), _tokenizer(path)
+    positions = max_position_embeddings if max_position_embeddings is not None else cfg.data.seq_len
+    if positions <= 0:
+        raise ConfigError(f"--max-position-embeddings={positions} must be positive (default: data.seq_len).")
+    m = cfg.model
+    source = CheckpointEntries(path, m)
+
+    bias_nonzero = False
+    if architecture_for(m) == Architecture.qwen3_moe and m.num_moe_layers:
+        biases = source.read([f"blocks.{i}.ffn.router.expert_bias_E" for i in range(m.num_dense_layers, m.n_layers)])
+        bias_nonzero = any(bool(b.abs().max() > 0) for b in biases.values())
+    problems = unsupported_features(m, bias_nonzero)
+    if problems:
+        raise ConfigError(refusal(m, problems))
+
+    plan = tensor_plan(m)
+    out_dtype = DTYPES[dtype]
+    specs = [(t.name, torch.float32 if t.keep_fp32 else out_dtype, source.hf_shape(t)) for t in plan]
+    shards = split_into_shards(specs, max_bytes)
+    names = shard_names(len(shards))
+    parameters = sum(math.prod(spec[2]) for t, spec in zip(plan, specs) if t.parameter)
+    by_name = {t.name: t for t in plan}
+
+    out = Path(out_dir)
+    shard_bytes = [sum(s[1].itemsize * math.prod(s[2]) for s in shard) for shard in shards]
+    check_free_space(
+        out,
+        sum(shard_bytes[rank::world_size]),  # this rank's shards
+        "Output directory",
+        f"the export's {'shards' if len(shards) > 1 else 'weights'} in {dtype}"
+        + (f" (rank {rank}'s share)" if world_size > 1 else ""),
+        "Free space or pass an OUT_DIR on another filesystem",
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        remove_stale(out, names)
+    for i in range(rank, len(shards), world_size):
+        _write_shard(out / names[i], [by_name[s[0]] for s in shards[i]], shards[i], source, max_bytes)
+        with safe_open(str(out / names[i]), framework="pt") as f:  # the library reads back what we wrote
+            assert len(f.keys()) == len(shards[i]), names[i]
+    if rank == 0:
+        if len(shards) > 1:
+            (out / INDEX).write_text(json.dumps(index_json(shards, names, parameters), indent=2) + "\n")
+        _write_metadata(out, cfg, tokenizer, positions, dtype)
     return {
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "model_type": "qwen3_moe",
-        "vocab_size": m.vocab_size,
-        "hidden_size": m.d_model,
-        "num_hidden_layers": m.n_layers,
-        "num_attention_heads": m.n_heads,
-        "num_key_value_heads": m.n_kv_heads,
-        "head_dim": m.resolved_head_dim,
-        "hidden_act": "silu",
-        "intermediate_size": m.resolved_dense_hidden,
-        "mlp_only_layers": list(range(m.num_dense_layers)),
-        "decoder_sparse_step": 1,
-        "moe_intermediate_size": moe.expert_hidden,
-        "num_experts": moe.num_experts,
-        "num_local_experts": moe.num_experts,
-        "num_experts_per_tok": moe.top_k,
-        "norm_topk_prob": True,
-        "rms_norm_eps": m.norm_eps,
-        "rope_theta": m.rope_theta,  # transformers 4.x
-        "rope_parameters": {"rope_theta": m.rope_theta, "rope_type": "default"},  # 5.x
-        "max_position_embeddings": 32768,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "use_sliding_window": False,
-        "tie_word_embeddings": False,
-        "router_aux_loss_coef": moe.lb_loss_weight,
-        "output_router_logits": False,
-        "bos_token_id": eos_id,
-        "eos_token_id": eos_id,
-        "torch_dtype": "float32",
-        "use_cache": True,
+        "architecture": architecture_for(m).value,
+        "out_dir": str(out),
+        "dtype": dtype,
+        "files": names,
+        "tensors": len(plan),
+        "parameters": parameters,
+        "bytes": sum(s[1].itemsize * math.prod(s[2]) for s in specs),
+        "max_position_embeddings": positions,
     }
 
 
-def hf_state_dict(model) -> dict[str, torch.Tensor]:
-    """moetrain parameter names → Qwen3-MoE's (Hub layout), fp32, contiguous."""
-    out: dict[str, torch.Tensor] = {}
+def _write_shard(path: Path, tensors: list[HfTensor], specs, source: CheckpointEntries, max_bytes: int) -> None:
+    """One file: its entries read in groups of at most min(max_bytes, READ_BYTES), each tensor
+    converted and appended as soon as its group is in memory."""
+    writer = ShardWriter(path, specs, {"format": "pt", "exported_by": EXPORTED_BY})
+    budget = min(max_bytes, READ_BYTES)
+    group: list[int] = []  # indices into `tensors` whose entries are read together
 
-    def put(name: str, t: torch.Tensor) -> None:
-        out[name] = t.detach().to(torch.float32).contiguous().clone()
+    def flush() -> None:
+        entries = source.read(list(dict.fromkeys(tensors[j].entry for j in group if tensors[j].entry)))
+        for j in group:
+            t, (name, dtype, shape) = tensors[j], specs[j]
+            if not t.entry:  # zero-width (GLM-4-MoE's shared expert where there is none)
+                value = torch.empty(shape, dtype=dtype)
+            else:
+                value = entries[t.entry]
+                value = value[t.rows[0] : t.rows[1]] if t.rows else value
+            writer.write(name, value.to(dtype))
+        group.clear()
 
-    put("model.embed_tokens.weight", model.embed.weight)
-    put("model.norm.weight", model.norm.weight)
-    put("lm_head.weight", model.lm_head.weight)
-    for i, block in enumerate(model.blocks.values()):
-        p = f"model.layers.{i}"
-        a = block.attn
-        put(f"{p}.input_layernorm.weight", block.attn_norm.weight)
-        put(f"{p}.post_attention_layernorm.weight", block.ffn_norm.weight)
-        for ours, theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
-            put(f"{p}.self_attn.{theirs}.weight", getattr(a, ours).weight)
-        put(f"{p}.self_attn.q_norm.weight", a.q_norm.weight)
-        put(f"{p}.self_attn.k_norm.weight", a.k_norm.weight)
-        ffn = block.ffn
-        if hasattr(ffn, "experts"):
-            put(f"{p}.mlp.gate.weight", ffn.router.weight)
-            w_gate_up, w_down = ffn.experts.w_gate_up_E2FD, ffn.experts.w_down_EDF
-            hidden = w_gate_up.shape[1] // 2
-            for e in range(w_gate_up.shape[0]):
-                put(f"{p}.mlp.experts.{e}.gate_proj.weight", w_gate_up[e, :hidden])
-                put(f"{p}.mlp.experts.{e}.up_proj.weight", w_gate_up[e, hidden:])
-                put(f"{p}.mlp.experts.{e}.down_proj.weight", w_down[e])
-        else:
-            put(f"{p}.mlp.gate_proj.weight", ffn.w_gate.weight)
-            put(f"{p}.mlp.up_proj.weight", ffn.w_up.weight)
-            put(f"{p}.mlp.down_proj.weight", ffn.w_down.weight)
-    return out
+    size, last_entry = 0, None
+    for j, t in enumerate(tensors):
+        n = source.entry_bytes(t.entry) if t.entry and t.entry != last_entry else 0
+        # Tensors of one entry (an expert's gate and up halves) are read together.
+        if group and n and size + n > budget:
+            flush()
+            size = 0
+        group.append(j)
+        size += n
+        last_entry = t.entry
+    if group:
+        flush()
+    writer.close()
 
 
-def export_hf(checkpoint: str | Path, out_dir: str | Path) -> dict:
-    """Write the HF directory; returns a summary (architecture, tensors, parameters, paths)."""
-    save_file = require("safetensors.torch", "export-hf (it writes safetensors)").save_file
+class CheckpointEntries:
+    """Named model entries of a DCP checkpoint, read a few at a time (no model is built): their
+    shapes from the index, their values through DCP (which reads each stored chunk once and
+    copies it into place, whichever layout wrote it)."""
 
-    model, cfg, tokenizer = load_for_inference(checkpoint)
-    bias_nonzero = any(bool(moe.router.expert_bias_E.abs().max() > 0) for moe in model.moe_layers())
-    problems = unsupported_features(cfg.model, bias_nonzero)
-    if problems:
-        raise ConfigError(
-            "This model has no exact native transformers architecture, so it is not exported: "
-            + "; ".join(problems)
-            + ". Supported: Qwen3-MoE (softmax top-k with normalized weights, no shared "
-            "expert, QK-norm, pre-norm), e.g. the `tiny` preset."
-        )
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = hf_state_dict(model)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt", "exported_by": EXPORTED_BY})
+    def __init__(self, path: Path, m):
+        self.path = path
+        self.reader = _CachedReader(str(path))
+        try:
+            stored = self.reader.read_metadata().state_dict_metadata
+        except Exception as e:  # noqa: BLE001 (any unreadable index is the same user error)
+            raise CheckpointError(f"Checkpoint '{path}' has no readable DCP index (.metadata): {e}.") from None
+        self.meta: dict[str, TensorStorageMetadata] = {}
+        for name, want in _entry_shapes(m).items():
+            md = stored.get(f"model.{name}")
+            if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != want:
+                found = f"shape {tuple(md.size)}" if isinstance(md, TensorStorageMetadata) else "nothing"
+                raise CheckpointError(
+                    f"Checkpoint '{path}' does not match its config.yaml: entry model.{name} should have shape "
+                    f"{want} but holds {found}. Export the checkpoint directory that was written with this config."
+                )
+            self.meta[name] = md
+
+    def hf_shape(self, t: HfTensor) -> tuple[int, ...]:
+        if not t.entry:
+            return t.empty_shape
+        shape = tuple(self.meta[t.entry].size)
+        return (t.rows[1] - t.rows[0], *shape[1:]) if t.rows else shape
+
+    def entry_bytes(self, name: str) -> int:
+        md = self.meta[name]
+        return math.prod(md.size) * md.properties.dtype.itemsize
+
+    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        if not names:
+            return {}
+        state = {
+            "model": {n: torch.empty(tuple(self.meta[n].size), dtype=self.meta[n].properties.dtype) for n in names}
+        }
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+                dcp.load(state, storage_reader=self.reader, planner=DefaultLoadPlanner(), no_dist=True)
+        except (Exception, CheckpointException) as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise CheckpointError(f"Reading checkpoint '{self.path}' failed: {first}.") from None
+        return state["model"]
+
+
+class _CachedReader(ckpt.SafeFileSystemReader):
+    """The checkpoint's DCP reader, reading its index once for all the groups of an export."""
+
+    _metadata = None
+
+    def read_metadata(self, *args, **kwargs):
+        if self._metadata is None:
+            self._metadata = super().read_metadata(*args, **kwargs)
+        return self._metadata
+
+
+def _entry_shapes(m) -> dict[str, tuple[int, ...]]:
+    """The checkpoint entries this model config has, with their shapes (built on the meta device:
+    no memory)."""
+    model = m.build(device="meta")
+    return {name: tuple(t.shape) for name, t in ckpt.model_state_dict(model).items()}
+
+
+def _run_config(path: Path) -> RunConfig:
+    config_file = path / "config.yaml"
+    if not config_file.is_file():
+        raise CheckpointError(f"Checkpoint '{path}' has no config.yaml; it was not written by moetrain train.")
+    return RunConfig.from_dict(load_yaml(config_file))
+
+
+def _tokenizer(path: Path):
+    from tokenizers import Tokenizer
+
+    tokenizer_file = path / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise CheckpointError(f"Checkpoint '{path}' has no tokenizer.json to export with the model.")
+    return Tokenizer.from_file(str(tokenizer_file))
+
+
+def _write_metadata(out: Path, cfg: RunConfig, tokenizer, positions: int, dtype: str) -> None:
+    """config.json, generation_config.json and the tokenizer files."""
     eos_token = "<|endoftext|>" if tokenizer.token_to_id("<|endoftext|>") is not None else None
     eos_id = tokenizer.token_to_id(eos_token) if eos_token else None
-    (out / "config.json").write_text(json.dumps(hf_config(cfg.model, eos_id), indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(hf_config(cfg.model, eos_id, positions, dtype), indent=2) + "\n")
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": eos_id, "eos_token_id": eos_id, "do_sample": False}, indent=2) + "\n"
     )
     tokenizer.save(str(out / "tokenizer.json"))
     tok_cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "model_max_length": cfg.data.seq_len,
+        "model_max_length": positions,
         "clean_up_tokenization_spaces": False,
     }
     if eos_token:
         tok_cfg.update(eos_token=eos_token, bos_token=eos_token, pad_token=eos_token)
     (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
-    return {
-        "architecture": "Qwen3MoeForCausalLM",
-        "out_dir": str(out),
-        "tensors": len(tensors),
-        "parameters": sum(t.numel() for t in tensors.values()),
-    }
 
 
-def _read_hf_tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
-    load_file = require("safetensors.torch", "import-hf (it reads safetensors)").load_file
-
-    index = hf_dir / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (hf_dir / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise ConfigError(f"'{hf_dir}' has no model.safetensors (or its index): pass a Hugging Face model directory.")
-    tensors: dict[str, torch.Tensor] = {}
-    for name in files:
-        tensors.update(load_file(str(hf_dir / name)))
-    return tensors
+# ---- import ------------------------------------------------------------------------------------
 
 
-def model_config_from_hf(hf: dict, source: str) -> TransformerConfig:
-    """The moetrain model a Qwen3-MoE config.json describes; refuses what moetrain cannot run
-    exactly, naming the field."""
-    if hf.get("model_type") != "qwen3_moe":
-        raise ConfigError(
-            f"{source}: model_type '{hf.get('model_type')}' is not supported; import-hf reads "
-            "qwen3_moe (Qwen3-MoE) models."
-        )
-    layers = hf["num_hidden_layers"]
-    dense = sorted(hf.get("mlp_only_layers") or [])
-    rope = hf.get("rope_parameters") or {
-        "rope_theta": hf.get("rope_theta", 10000.0),
-        "rope_type": (hf.get("rope_scaling") or {}).get("rope_type", "default"),
-    }
-    problems = []
-    if dense != list(range(len(dense))):
-        problems.append(f"mlp_only_layers={dense} (moetrain's dense blocks come first)")
-    if hf.get("decoder_sparse_step", 1) != 1:
-        problems.append(f"decoder_sparse_step={hf['decoder_sparse_step']}")
-    if hf.get("use_sliding_window"):
-        problems.append("use_sliding_window=true")
-    if hf.get("attention_bias"):
-        problems.append("attention_bias=true")
-    if hf.get("tie_word_embeddings"):
-        problems.append("tie_word_embeddings=true")
-    if hf.get("hidden_act", "silu") != "silu":
-        problems.append(f"hidden_act={hf['hidden_act']}")
-    if rope.get("rope_type", "default") != "default":
-        problems.append(f"rope_type={rope.get('rope_type')} (only plain RoPE)")
-    if not hf.get("norm_topk_prob", False):
-        problems.append("norm_topk_prob=false (moetrain exports and imports normalized top-k weights)")
-    if problems:
-        raise ConfigError(f"{source}: this Qwen3-MoE variant cannot be reproduced exactly: {'; '.join(problems)}.")
-    experts = hf.get("num_experts") or hf.get("num_local_experts")
-    return TransformerConfig(
-        vocab_size=hf["vocab_size"],
-        d_model=hf["hidden_size"],
-        n_layers=layers,
-        n_heads=hf["num_attention_heads"],
-        n_kv_heads=hf["num_key_value_heads"],
-        head_dim=hf.get("head_dim"),
-        num_dense_layers=len(dense),
-        dense_hidden=hf["intermediate_size"],
-        qk_norm=True,
-        peri_norm=False,
-        norm_eps=hf["rms_norm_eps"],
-        rope_theta=float(rope["rope_theta"]),
-        moe=MoEConfig(
-            num_experts=experts,
-            top_k=hf["num_experts_per_tok"],
-            expert_hidden=hf["moe_intermediate_size"],
-            shared_hidden=0,
-            gating=Gating.softmax,
-            normalize_weights=True,
-            restore_weight_scale=False,
-            lb_loss_weight=hf.get("router_aux_loss_coef", 0.001),
-        ),
-    )
+class HfTensors:
+    """The tensors of a Hugging Face directory (one file or an index), read one at a time from
+    safetensors files only: a pickled weight file (pytorch_model.bin, …) can run code when it is
+    loaded, so it is refused unopened, and so is an index naming anything but safetensors."""
+
+    def __init__(self, hf_dir: Path):
+        safe_open = require("safetensors", "import-hf (it reads safetensors)").safe_open
+        index = hf_dir / INDEX
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                files = sorted(set(weight_map.values()))
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise ConfigError(f"'{index}' is not a safetensors index ({type(e).__name__}: {e}).") from None
+            others = [f for f in files if not str(f).endswith(".safetensors")]
+            if others:
+                raise ConfigError(
+                    f"'{index}' lists {', '.join(map(str, others[:3]))}, which is not a safetensors file: "
+                    f"import-hf reads only safetensors. {SAFETENSORS_ONLY}"
+                )
+        elif (hf_dir / "model.safetensors").is_file():
+            files = ["model.safetensors"]
+        else:
+            pickles = sorted(p.name for p in hf_dir.iterdir() if p.is_file() and p.name.endswith(PICKLED_WEIGHTS))
+            if pickles:
+                raise ConfigError(
+                    f"'{hf_dir}' holds its weights as {', '.join(pickles[:3])}: pickles, which can run code when "
+                    f"they are loaded, and import-hf reads only safetensors. {SAFETENSORS_ONLY}"
+                )
+            raise ConfigError(
+                f"'{hf_dir}' has no model.safetensors (or its index): pass a Hugging Face model directory."
+            )
+        self.dir, self.files = hf_dir, {}
+        for f in files:
+            if Path(f).is_absolute() or ".." in Path(f).parts or not (hf_dir / f).is_file():
+                raise ConfigError(f"'{hf_dir}': the weight file '{f}' is missing (or outside the directory).")
+            try:
+                self.files[f] = safe_open(str(hf_dir / f), framework="pt")
+            except Exception as e:  # noqa: BLE001 (safetensors raises its own error types)
+                raise ConfigError(
+                    f"'{hf_dir / f}' is not a readable safetensors file ({type(e).__name__}: {e}); nothing in it was "
+                    "run. Re-download it, or convert the weights to safetensors."
+                ) from None
+        self.where = {name: f for f, handle in self.files.items() for name in handle.keys()}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def take(self, name: str, index: int | None = None) -> torch.Tensor:
+        """The tensor `name` in fp32 (only row `index` of it, when given)."""
+        if name not in self.where:
+            raise ConfigError(f"{self.dir}: tensor '{name}' is missing (is this the model its config.json describes?).")
+        handle = self.files[self.where[name]]
+        value = handle.get_tensor(name) if index is None else handle.get_slice(name)[index : index + 1][0]
+        return value.to(torch.float32)
 
 
 @torch.no_grad()
 def import_hf(hf_dir: str | Path, out_dir: str | Path) -> dict:
-    """A Qwen3-MoE directory (config.json + safetensors, per-expert or fused expert tensors) →
-    a moetrain run directory holding config.yaml, tokenizer.json and a weights-only checkpoint
-    `checkpoints/step-0`, which `generate`, `eval`, `export-hf` and `train --train.init_from=…` read."""
+    """A Qwen3-MoE or GLM-4-MoE directory (config.json + safetensors, one file or sharded,
+    per-expert or fused expert tensors) → a moetrain run directory holding config.yaml,
+    tokenizer.json and a weights-only checkpoint `checkpoints/step-0`, which `generate`, `eval`,
+    `export-hf` and `train --train.init_from=…` read."""
     require("safetensors.torch", "import-hf (it reads safetensors)")  # before any work
     hf_dir, out = Path(hf_dir), Path(out_dir)
     config_file = hf_dir / "config.json"
     if not config_file.is_file():
         raise ConfigError(f"'{hf_dir}' has no config.json: pass a Hugging Face model directory.")
+    check_directory(out, "Output directory", "Pass an OUT_DIR you can write")
     if ckpt.list_checkpoints(out):
         raise ConfigError(f"'{out}' already holds checkpoints: choose an empty directory for the import.")
     cfg = RunConfig(model=model_config_from_hf(json.loads(config_file.read_text()), str(config_file)))
+    params = count_params(cfg.model).total
+    check_free_space(
+        out,
+        ckpt.estimated_bytes(params),
+        "Output directory",
+        f"the imported checkpoint ({params / 1e6:,.1f}M parameters × 4 bytes, fp32)",
+        "Free space or pass an OUT_DIR on another filesystem",
+    )
+    tensors = HfTensors(hf_dir)
     model = cfg.model.build(device="cpu")
-    model.init_weights()
-    tensors = _read_hf_tensors(hf_dir)
-    expected = hf_state_dict(model)  # names (Hub layout) and shapes moetrain expects
+    model.init_weights()  # buffers that are not in the HF files (RoPE tables; a softmax model's biases)
+    state = ckpt.model_state_dict(model)  # views of the model's tensors, experts split
 
-    def take(name: str) -> torch.Tensor:
-        if name not in tensors:
-            raise ConfigError(f"{hf_dir}: tensor '{name}' is missing (is this the model its config.json describes?).")
-        return tensors[name].to(torch.float32)
-
-    def fused(layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """transformers 5.x saves experts fused: gate_up_proj (E, 2F, D), down_proj (E, D, F)."""
-        gu, dn = f"model.layers.{layer}.mlp.experts.gate_up_proj", f"model.layers.{layer}.mlp.experts.down_proj"
-        return (take(gu), take(dn)) if gu in tensors else None
-
-    model.embed.weight.copy_(take("model.embed_tokens.weight"))
-    model.norm.weight.copy_(take("model.norm.weight"))
-    model.lm_head.weight.copy_(take("lm_head.weight"))
-    for i, block in enumerate(model.blocks.values()):
-        p, a = f"model.layers.{i}", block.attn
-        block.attn_norm.weight.copy_(take(f"{p}.input_layernorm.weight"))
-        block.ffn_norm.weight.copy_(take(f"{p}.post_attention_layernorm.weight"))
-        for ours, theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
-            getattr(a, ours).weight.copy_(take(f"{p}.self_attn.{theirs}.weight"))
-        a.q_norm.weight.copy_(take(f"{p}.self_attn.q_norm.weight"))
-        a.k_norm.weight.copy_(take(f"{p}.self_attn.k_norm.weight"))
-        ffn = block.ffn
-        if hasattr(ffn, "experts"):
-            ffn.router.weight.copy_(take(f"{p}.mlp.gate.weight"))
-            pair = fused(i)
-            if pair is not None:
-                ffn.experts.w_gate_up_E2FD.copy_(pair[0])
-                ffn.experts.w_down_EDF.copy_(pair[1])
-            else:
-                for e in range(ffn.experts.num_experts):
-                    ffn.experts.w_gate_up_E2FD[e].copy_(
-                        torch.cat(
-                            [take(f"{p}.mlp.experts.{e}.gate_proj.weight"), take(f"{p}.mlp.experts.{e}.up_proj.weight")]
-                        )
-                    )
-                    ffn.experts.w_down_EDF[e].copy_(take(f"{p}.mlp.experts.{e}.down_proj.weight"))
-        else:
-            ffn.w_gate.weight.copy_(take(f"{p}.mlp.gate_proj.weight"))
-            ffn.w_up.weight.copy_(take(f"{p}.mlp.up_proj.weight"))
-            ffn.w_down.weight.copy_(take(f"{p}.mlp.down_proj.weight"))
+    plan = tensor_plan(cfg.model)
+    for t in plan:
+        if not t.entry:
+            continue
+        target = state[t.entry][t.rows[0] : t.rows[1]] if t.rows else state[t.entry]
+        value = _hf_value(tensors, t, cfg.model.moe.expert_hidden)
+        if tuple(value.shape) != tuple(target.shape):
+            raise ConfigError(
+                f"{hf_dir}: tensor '{t.name}' has shape {tuple(value.shape)}, but its config.json describes "
+                f"{tuple(target.shape)}."
+            )
+        target.copy_(value)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(cfg.to_yaml())
     extra = {"config.yaml": out / "config.yaml"}
@@ -312,9 +437,21 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> dict:
         out, 0, {"model": ckpt.model_state_dict(model)}, {"step": 0, "imported_from": str(hf_dir)}, extra_files=extra
     )
     return {
-        "architecture": "Qwen3MoeForCausalLM",
+        "architecture": architecture_for(cfg.model).value,
         "checkpoint": str(path),
         "config": str(out / "config.yaml"),
-        "tensors": len(expected),
+        "tensors": len(plan),
         "parameters": sum(p.numel() for p in model.parameters()),
     }
+
+
+def _hf_value(tensors: HfTensors, t: HfTensor, hidden: int) -> torch.Tensor:
+    """`t` from the directory: by its Hub name, or from transformers 5.x's fused expert tensors
+    (gate_up_proj (E, 2F, D) with gate first, down_proj (E, D, F)), one expert at a time."""
+    if t.name in tensors or ".mlp.experts." not in t.name:
+        return tensors.take(t.name)
+    prefix, expert, proj, _ = t.name.rsplit(".", 3)  # model.layers.{i}.mlp.experts, e, *_proj, weight
+    if proj == "down_proj":
+        return tensors.take(f"{prefix}.down_proj", int(expert))
+    gate_up = tensors.take(f"{prefix}.gate_up_proj", int(expert))
+    return gate_up[:hidden] if proj == "gate_proj" else gate_up[hidden:]

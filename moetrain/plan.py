@@ -17,7 +17,10 @@ Memory per GPU (the peak of torch's allocated bytes; what `moetrain bench` repor
 pipeline rank that needs most:
 - weights: fp32, 4 B × local parameters (experts ÷ ep; a pipeline rank holds its stages' blocks,
   the first also the embedding, the last the final norm and LM head; the FSDP stack ÷ dp);
-- gradients: fp32, 4 B × local parameters (the FSDP stack ÷ dp);
+- gradients: fp32, 4 B × local parameters (the FSDP stack ÷ dp; with several micro-batches it
+  also keeps the unsharded gradients between them, 4 B × the local parameters before sharding);
+  with optim.grad_dtype=bf16 2 B on the ddp stack (its buckets, or the gradients made per step at
+  dp = 1) and 2 B for FSDP's unsharded ones (its shards stay fp32);
 - optimizer: AdamW's two fp32 moments, 8 B × local parameters; the sharded optimizer keeps
   12 B (master + moments) per element of its shard (÷ dp dense, ÷ edp experts), with
   optim.bf16_weights 10 B (remainder + moments; the weights then 2 B, whole); FSDP ÷ dp; with
@@ -45,10 +48,13 @@ measured on one H200 (docs/benchmarks.md, "The planner against measured peaks").
 Step time: GEMM and attention FLOPs (the MFU formula's, moetrain/model/counting.py) at a
 fraction `gemm_eff` of the GPU's dense BF16 peak (row-wise FP8: `fp8_gemm_speedup` faster, plus
 its quantization passes; mxfp8's emulated products at the BF16 rate), plus memory-bound work at
-`hbm_eff` of HBM bandwidth (AdamW: 28 B per local parameter; per micro-batch the fp32→bf16
-weight casts and the gradient casts, 12 B per local parameter, and from the second micro-batch
-the accumulation into .grad, 12 B; with optim.bf16_weights no weight casts, and gradients: 0 B
-for the first micro-batch (6 B into a reducer bucket), 8 B for the second, 10 B for later ones;
+`hbm_eff` of HBM bandwidth (AdamW: 28 B per local parameter, 26 B reading bf16 gradients; per
+micro-batch the fp32→bf16 weight casts and the gradient casts, 12 B per local parameter, and from
+the second micro-batch the accumulation into .grad, 12 B; with optim.bf16_weights no weight
+casts, and gradients: 0 B for the first micro-batch (6 B into a reducer bucket), 8 B for the
+second, 10 B for later ones; with optim.grad_dtype=bf16 on the ddp stack the fp32 gradient's
+rounding into the store, 6 B, then 8 B per later micro-batch (bf16 weights: 0 B, 4 B into a
+bucket, then 6 B);
 element-wise kernels: `ew_passes` passes over each micro-batch's saved block activations and one
 over the logits), the measured cost of recompute (`recompute_cost`), and communication: expert
 all-to-all, the ddp stack's data-parallel reductions and the sharded optimizer's all-gather
@@ -444,8 +450,10 @@ def load_temporaries(cfg: RunConfig, L: Layout, rank: RankMemory) -> float:
     if not uses_bf16_weights(cfg):
         return 0.0
     split = 4.0 * EntrySizes.of(cfg.model).largest_split_entry(rank) + 20.0 * PIECE
-    # a bucket holds at most _BUCKET_BYTES of fp32 gradients; its shard is 1/edp of it or less
-    shard = 2.0 * min(_BUCKET_BYTES / 4, rank.local) / max(1, L.dp // L.ep) if L.shard_optimizer else 0.0
+    # a bucket holds at most _BUCKET_BYTES of gradients (fp32, or bf16: optim.grad_dtype); its shard
+    # is 1/edp of it or less
+    grad_elem = 2 if cfg.optim.grad_dtype.value == "bf16" else 4
+    shard = 2.0 * min(_BUCKET_BYTES / grad_elem, rank.local) / max(1, L.dp // L.ep) if L.shard_optimizer else 0.0
     return max(split, shard)
 
 
@@ -561,16 +569,22 @@ def memory_per_rank(cfg: RunConfig, L: Layout, groups: ParamGroups, assume: Assu
         head_grad = 4 * groups.head / (L.dp if fsdp else 1) if last else 0
         casts = cast_bytes  # one bf16 copy per block that keeps activations
         moments = 4 if cfg.optim.moments_dtype.value == "bf16" else 8  # AdamW's two moments per element
+        grad_elem = 2 if cfg.optim.grad_dtype.value == "bf16" else 4  # optim.grad_dtype
+        accumulated = 0.0  # FSDP's unsharded gradients, kept between micro-batches
         if fsdp:
             shard = L.dp
             gathered = 4 if fp32 else 2  # two blocks' parameters gathered at once, in the compute dtype
             weights = 4 * local / shard + 2 * gathered * max(groups.moe_dense + groups.moe_experts, groups.dense_block)
-            grads = 4 * local / shard
+            # FSDP casts the reduced shards back to the parameters' fp32; one rank: FSDPAdamW's own
+            grads = 4 * local / shard if shard > 1 else grad_elem * local
+            if L.micro_batches > 1 and L.dp > 1:
+                accumulated = grad_elem * local
             optimizer = moments * local / shard
         else:
             weights = 4 * local  # fp32, or bf16 + the 16-bit remainder (optim.bf16_weights)
             # bf16_weights: one backward's bf16 gradients are kept as they are (2 B)
-            grads = 2 * local if bf16_weights and L.dp == 1 and L.micro_batches == 1 else 4 * local
+            bf16_kept = bf16_weights and L.dp == 1 and L.micro_batches == 1
+            grads = 2 * local if bf16_kept or grad_elem == 2 else 4 * local
             if L.shard_optimizer:
                 shard = dense_local / L.dp + expert_local / max(1, L.dp // L.ep)
                 if bf16_weights:  # bf16 weights whole; remainders (2 B) and moments sharded
@@ -582,7 +596,7 @@ def memory_per_rank(cfg: RunConfig, L: Layout, groups: ParamGroups, assume: Assu
         # gradients are present during backward when they persist: reducer buckets (dp > 1 on
         # the ddp stack), accumulation over micro-batches, or a pipeline (micro-batches overlap)
         persistent = (not fsdp and L.dp > 1) or L.micro_batches > 1
-        start_of_backward = activations + logits + head_grad + casts + (grads if persistent else 0)
+        start_of_backward = activations + logits + head_grad + casts + max(grads if persistent else 0, accumulated)
         end_of_backward = grads
         peak = weights + optimizer + max(start_of_backward, end_of_backward) + assume.workspace_gib * GIB
         out.append(
@@ -636,20 +650,22 @@ def communication(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume
         eff = assume.symm_link_eff if L.dispatcher == DispatcherKind.symm.value else assume.link_eff
         comm_t["expert_all_to_all"] = a2a / (net(L.ep) * eff)
     dense_b, expert_b = 4 * rank.dense_local, 4 * rank.expert_local
+    grad_elem = 2 if cfg.optim.grad_dtype.value == "bf16" else 4  # the reductions' dtype (optim.grad_dtype)
     if fsdp:
         gathered = 4 if cfg.train.precision.value == "fp32" else 2  # bf16 all-gathers under bf16 compute
         ag = 2 * L.micro_batches * gathered * rank.local * ring(L.dp)  # forward and backward all-gathers
-        rs = 4 * rank.local * ring(L.dp)
+        rs = grad_elem * rank.local * ring(L.dp)
         comm["fsdp_all_gather"], comm["fsdp_reduce_scatter"] = ag, rs
         comm_t["fsdp"] = (ag + rs) / (net(L.dp) * assume.link_eff)
     elif L.dp > 1:
         edp = L.dp // L.ep
+        dense_g, expert_g = grad_elem * rank.dense_local, grad_elem * rank.expert_local
         if L.shard_optimizer:
-            red = dense_b * ring(L.dp) + expert_b * ring(edp)  # reduce-scatter
+            red = dense_g * ring(L.dp) + expert_g * ring(edp)  # reduce-scatter
             gather = dense_b * ring(L.dp) + expert_b * ring(edp)  # all-gather of updated parameters
             comm["dp_reduce_scatter"], comm["optimizer_all_gather"] = red, gather
         else:
-            red = 2 * (dense_b * ring(L.dp) + expert_b * ring(edp))
+            red = 2 * (dense_g * ring(L.dp) + expert_g * ring(edp))
             gather = 0.0
             comm["dp_all_reduce"] = red
         comm_t["dp_reduction"] = red / (net(L.dp) * assume.link_eff)
@@ -679,6 +695,9 @@ def step_time(
     t_gemm = model_flops / gemm_rate
     hbm = spec.hbm_bytes_s * assume.hbm_eff
     adamw_bytes = 20 if cfg.optim.moments_dtype.value == "bf16" else 28  # bf16 moments: 8 B less
+    low_grads = cfg.optim.grad_dtype.value == "bf16"
+    if low_grads and not fsdp:  # reads bf16 gradients: 2 B less (FSDP's shards stay fp32)
+        adamw_bytes -= 2
     t_optimizer = adamw_bytes * (rank.local / (L.dp if fsdp else 1)) / hbm
     if L.shard_optimizer and not fsdp:
         t_optimizer = adamw_bytes * (rank.dense_local / L.dp + rank.expert_local / max(1, L.dp // L.ep)) / hbm
@@ -689,7 +708,12 @@ def step_time(
     if uses_bf16_weights(cfg):
         first = 6 if L.dp > 1 else 0  # copied into the reducer's fp32 bucket, else kept as it is
         later = (8 + 10 * (L.micro_batches - 2)) if L.micro_batches > 1 else 0
+        if low_grads:  # bf16 into a bf16 bucket (4 B) or kept; bf16 += bf16 (6 B)
+            first, later = (4 if L.dp > 1 else 0), 6 * (L.micro_batches - 1)
         t_casts = local_params * (first + later) / hbm
+    elif low_grads and not fsdp:  # the fp32 gradient rounded into the store (6 B), then bf16 += fp32 (8 B)
+        weight_casts = 0 if fp32 else 12 * L.micro_batches
+        t_casts = local_params * (weight_casts + 6 + 8 * (L.micro_batches - 1)) / hbm
     t_elementwise = L.micro_batches * (assume.ew_passes * rank.blocks_none + rank.loss_traffic) / hbm
     t_fp8 = 0.0
     if fp8:
@@ -811,7 +835,7 @@ def report(p: Plan) -> str:
         f"parameters per GPU: {p.params_per_device / 1e9:.3f}B",
         "memory per GPU (GiB, the pipeline rank that needs most):",
         f"  weights (fp32)      {p.memory_gib['weights']:8.2f}",
-        f"  gradients (fp32)    {p.memory_gib['grads']:8.2f}",
+        f"  gradients           {p.memory_gib['grads']:8.2f}",
         f"  optimizer state     {p.memory_gib['optimizer']:8.2f}",
         f"  activations         {p.memory_gib['activations']:8.2f}   (this layout, with the logits and bf16 "
         f"weight copies; none: {p.activations_without_recompute_gib:.2f}, full recompute: "

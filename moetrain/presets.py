@@ -50,7 +50,7 @@ def tiny() -> RunConfig:
     )
     cfg.data.seq_len = 128
     cfg.train.global_batch_size = cfg.train.micro_batch_size = 24
-    cfg.train.eval_batches = 4
+    cfg.train.eval_tokens = 96 * 128  # 96 sequences: 4 micro-batches of 24, the set it evaluated before
     return cfg
 
 
@@ -103,6 +103,7 @@ def _big_run(model: TransformerConfig, *, seq_len: int, gpus: int, global_batch:
         micro_batch_size=gpus,
         log_every=10,
         eval_every=1000,
+        eval_tokens=8 * gpus * seq_len,  # 8 sequences per GPU at the reference GPU count
         save_every=1000,
     )
     return cfg
@@ -146,6 +147,7 @@ def _bench(model: TransformerConfig, *, micro_batch: int, accum: int = 1, lr: fl
             micro_batch_size=micro_batch,
             log_every=10,
             eval_every=0,
+            eval_tokens=8 * micro_batch * cfg.data.seq_len,  # 8 micro-batches, when evaluation is turned on
             save_every=0,
             compile=True,
         )
@@ -219,6 +221,16 @@ def resolve_config(spec: str, overrides: list[str] | None = None, *, validate: b
     if validate:
         cfg.validate()
     return cfg
+
+
+def run_name(spec: str) -> str:
+    """What a run of PRESET_OR_YAML is called (its default run directory is runs/NAME): the
+    preset's name, or the YAML file's without the suffix — for a config.yaml (a run's, or what
+    import-hf wrote), its directory's name."""
+    if spec in PRESETS:
+        return spec
+    path = Path(spec).resolve()
+    return path.parent.name if path.stem == "config" and path.parent.name else path.stem
 
 
 def _from_yaml(data: dict[str, Any], path: str) -> RunConfig:

@@ -61,7 +61,7 @@ def tiny_overrides(data_dir, run_dir, *extra: str) -> list[str]:
         "train.steps=12",
         "train.log_every=1",
         "train.eval_every=6",
-        "train.eval_batches=2",
+        "train.eval_tokens=512",  # 8 sequences of 64
         "train.save_every=6",
         "train.tensorboard=false",
         "train.plot=false",

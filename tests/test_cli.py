@@ -84,7 +84,7 @@ def test_train_eval_generate_end_to_end(real_text_dir, tmp_path):
         "--data.seq_len=64",
         "--train.global_batch_size=4",
         "--train.micro_batch_size=4",
-        "--train.eval_batches=1",
+        "--train.eval_tokens=256",
         "--train.tensorboard=false",
         f"--data.sources=[{real_text_dir}]",
     ]

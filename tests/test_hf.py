@@ -1,6 +1,7 @@
-"""`moetrain export-hf`: transformers loads the export offline with its native Qwen3-MoE class
-and computes the same logits and the same greedy continuation as moetrain; a variant no native
-class represents is refused naming the feature. Skipped where the `hf` extra is absent."""
+"""`moetrain export-hf` of softmax models: transformers loads the export offline with its native
+Qwen3-MoE class and computes the same logits and the same greedy continuation as moetrain; a
+variant no native class represents is refused naming the feature (tests/test_hf_glm.py: sigmoid
+gating, GLM-4-MoE, sharding, memory, the ref-* presets). Skipped where the `hf` extra is absent."""
 
 import json
 
@@ -31,7 +32,7 @@ def trained(real_text_dir, tmp_path_factory):
 def test_export_loads_natively_with_the_same_logits_tokens_and_greedy_text(trained, tmp_path, capsys):
     out = tmp_path / "hf"
     capsys.readouterr()
-    assert main(["export-hf", str(trained), str(out)]) == 0
+    assert main(["export-hf", str(trained), str(out), "--dtype", "float32"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["architecture"] == "Qwen3MoeForCausalLM"
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, local_files_only=True).eval()
@@ -63,7 +64,8 @@ def test_export_loads_natively_with_the_same_logits_tokens_and_greedy_text(train
     "override, feature",
     [
         ("model.moe.shared_hidden=32", "shared expert"),
-        ("model.moe.gating=sigmoid", "gating=sigmoid"),
+        ("model.moe.restore_weight_scale=true", "restore_weight_scale=true"),
+        ("model.qk_norm=false", "qk_norm=false"),
         ("model.peri_norm=true", "peri_norm"),
     ],
 )
@@ -99,9 +101,9 @@ def test_import_round_trips_exactly_and_training_continues_from_it(trained, real
     from moetrain.train.trainer import Trainer
 
     hf, imported, again = tmp_path / "hf", tmp_path / "imported", tmp_path / "hf-again"
-    assert main(["export-hf", str(trained), str(hf)]) == 0
+    assert main(["export-hf", str(trained), str(hf), "--dtype", "float32"]) == 0
     assert main(["import-hf", str(hf), str(imported)]) == 0
-    assert main(["export-hf", str(imported), str(again)]) == 0
+    assert main(["export-hf", str(imported), str(again), "--dtype", "float32"]) == 0
     a, b = load_file(hf / "model.safetensors"), load_file(again / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     original, cfg0, _ = load_for_inference(trained)

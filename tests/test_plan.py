@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from moetrain.cli import main
-from moetrain.plan import plan
+from moetrain.plan import GIB, plan
 from moetrain.presets import resolve_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -267,6 +267,39 @@ def test_bf16_moments_shrink_the_optimizer_state_by_their_bytes(overrides, ratio
         return plan(cfg, 4, "h200").memory_gib["optimizer"]
 
     assert optimizer_gib("bf16") == pytest.approx(ratio * optimizer_gib("fp32"), rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],  # replicated, dp4: the reducer's buckets
+        ["parallel.shard_optimizer=true"],
+        ["parallel.shard_optimizer=true", "optim.bf16_weights=true"],
+        ["parallel.stack=fsdp", "train.global_batch_size=8"],  # two micro-batches: FSDP's unsharded gradients
+    ],
+)
+def test_bf16_gradients_halve_the_gradient_bytes_and_their_reduction(overrides):
+    """optim.grad_dtype=bf16: the ddp stack's gradients (persistent at dp4: in the peak) take 2 B
+    instead of 4 and so do the data-parallel reductions; FSDP keeps its fp32 shards, and its
+    unsharded gradients between micro-batches (4 B × the local parameters) take 2 B."""
+
+    def planned(grad_dtype):
+        sizes = ["train.micro_batch_size=4", "train.global_batch_size=4"]
+        cfg = resolve_config("bench-tiny64e-l6", [*sizes, *overrides, f"optim.grad_dtype={grad_dtype}"])
+        return plan(cfg, 4, "h200")
+
+    fp32, bf16 = planned("fp32"), planned("bf16")
+    if "parallel.stack=fsdp" in overrides:
+        assert bf16.memory_gib["grads"] == fp32.memory_gib["grads"]
+        unsharded = fp32.params_per_device * 4  # FSDP holds 1/dp of them, dp = 4
+        saved = 2 * unsharded / GIB
+    else:
+        assert bf16.memory_gib["grads"] == pytest.approx(0.5 * fp32.memory_gib["grads"], abs=0.01)
+        saved = fp32.memory_gib["grads"] - bf16.memory_gib["grads"]
+    assert fp32.peak_mem_gib_per_device - bf16.peak_mem_gib_per_device == pytest.approx(saved, abs=0.02)
+    reductions = ("dp_all_reduce", "dp_reduce_scatter", "fsdp_reduce_scatter")
+    for key in (k for k in reductions if k in fp32.comm_gb_per_step):
+        assert bf16.comm_gb_per_step[key] == pytest.approx(0.5 * fp32.comm_gb_per_step[key], rel=1e-3)
 
 
 def _peak_bytes(fn) -> int:

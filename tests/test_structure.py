@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[1] / "moetrain"
 LAYERS = {
     "moetrain.errors": 0,
     "moetrain.config": 1,
+    "moetrain.destinations": 1,
     "moetrain.model": 2,
     "moetrain.data": 2,
     "moetrain.parallel": 3,

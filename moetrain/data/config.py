@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from moetrain.config import Config
+from moetrain.config import Config, non_negative, positive
 from moetrain.data.loader import SyntheticLoader, TokenLoader, resolve_val_path
 from moetrain.errors import ConfigError
 
@@ -14,12 +14,12 @@ class DataConfig(Config):
     sources: list[str] = dataclasses.field(default_factory=lambda: ["data/default"])
     """Training token sources: directories written by `moetrain prepare-data` (their train.bin is
     read) or .bin token files inside such a directory (described by its meta.json)."""
-    weights: list[float] | None = None
+    weights: list[float] | None = non_negative(None, at_most=10**15)
     """Mixture weights, one per source (normalized). None: proportional to each source's size."""
     val: str | None = None
     """Validation tokens (a prepared directory or a .bin). None: the first source directory's
     val.bin when it exists, else no validation."""
-    seq_len: int = 256
+    seq_len: int = positive(256, at_most=2**27)
     """Tokens per training sequence."""
     document_masking: bool = False
     """Attend only within a document (documents are separated by the EOS token)."""

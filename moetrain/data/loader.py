@@ -171,34 +171,51 @@ def val_batches(
     path: str | os.PathLike,
     *,
     seq_len: int,
+    num_sequences: int,
     micro_batch_size: int,
-    num_batches: int,
     dp_rank: int = 0,
     dp_size: int = 1,
     vocab_size: int | None = None,
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Validation batches: the first `num_batches * micro_batch_size` windows of the val split
-    of `path`, in file order, each rank taking its rows of every global micro-batch.
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
+    """The validation set: the first `num_sequences` windows of the val split of `path` (all of
+    them when it holds fewer), in file order, the same set whatever the batch or the layout.
 
-    With fewer windows than asked for, as many full global batches as the file holds; with
-    fewer than one, a single batch that wraps around the file. Opens and checks the file now,
-    reads it lazily.
+    Yields `(inputs_BT, targets_BT, rows)` for this rank: `rows` of its B rows count (B, or 0 for
+    a stand-in row). Every rank gets the same B in each batch (an expert-parallel exchange needs
+    equal token counts) and the same number of batches (so do FSDP's gathers):
+    - global micro-batches of M = `micro_batch_size` windows, rank r taking rows [r·B, (r+1)·B);
+    - of the R < M windows left, dp·⌊R/dp⌋ in one batch of ⌊R/dp⌋ rows per rank;
+    - the last R mod dp windows one per rank, the ranks past them computing a stand-in row
+      (window 0) that does not count.
+    Opens and checks the file now, reads it lazily.
     """
     _check_batch(micro_batch_size, dp_rank, dp_size)
-    if num_batches < 1:
-        raise ConfigError(f"The number of validation batches must be >= 1, got {num_batches}.")
+    if num_sequences < 1:
+        raise ConfigError(f"The number of validation sequences must be >= 1, got {num_sequences}.")
     tf = open_source(path, "val", seq_len=seq_len)
     if vocab_size is not None:
         check_vocab(tf, vocab_size)
-    n = tf.num_windows(seq_len)
-    num_batches = max(1, min(num_batches, n // micro_batch_size))
+    num_sequences = min(num_sequences, tf.num_windows(seq_len))
     rows = micro_batch_size // dp_size
+    full, left = divmod(num_sequences, micro_batch_size)
+    # (first window of rank 0, rows per rank) of each batch.
+    plan = [(b * micro_batch_size, rows) for b in range(full)]
+    if left >= dp_size:
+        plan.append((full * micro_batch_size, left // dp_size))
+    stragglers = left % dp_size
 
-    def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for b in range(num_batches):
-            first = b * micro_batch_size + dp_rank * rows
-            windows = [tf.window(j % n, seq_len) for j in range(first, first + rows)]
-            yield _to_batch(windows, [tf] * rows, vocab_size)
+    def batch(first: int, num_rows: int, counted: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        windows = [tf.window(j, seq_len) for j in range(first, first + num_rows)]
+        return (*_to_batch(windows, [tf] * num_rows, vocab_size), counted)
+
+    def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
+        for first, num_rows in plan:
+            yield batch(first + dp_rank * num_rows, num_rows, num_rows)
+        if stragglers:
+            if dp_rank < stragglers:
+                yield batch(num_sequences - stragglers + dp_rank, 1, 1)
+            else:
+                yield batch(0, 1, 0)
 
     return batches()
 

@@ -2,7 +2,7 @@
 
     moetrain prepare-data INPUT... --out DIR [--tokenizer tokenizer.json] [--vocab-size 8192]
                           [--val-frac 0.02] [--text-key text] [--seed 0] [--default-corpus]
-                          [--eos-id N] [--workers N]
+                          [--eos-id N] [--workers N] [--force]
 
 Inputs are .txt/.rst/.md files and UTF-8 text files without an extension (one document each),
 .jsonl files (one document per line, in field --text-key), .parquet files (one document per
@@ -44,6 +44,7 @@ from tqdm import tqdm
 
 from moetrain.data.corpus import default_corpus_documents
 from moetrain.data.tokens import EOS_TOKEN, FORMAT, META_FILE, dtype_for_vocab, write_meta
+from moetrain.destinations import check_directory, check_overwrite, existing_entries
 from moetrain.errors import ConfigError, DataError, MoetrainError, require
 
 TEXT_SUFFIXES = (".txt", ".rst", ".md")
@@ -60,6 +61,8 @@ BATCH_DOCS = 256
 BATCH_BYTES = 4 << 20
 """...or this many bytes of text, whichever comes first, so long documents keep memory bounded."""
 DEFAULT_CORPUS = "default-corpus"
+OUTPUT_FILES = ("train.bin", "val.bin", META_FILE, "tokenizer.json")
+"""What a run writes into --out (replaced there only with --force)."""
 
 Document = tuple[str, "str | np.ndarray"]
 """(name, text) — or (name, token ids) from a .npy input; the name decides the split, so keep
@@ -101,7 +104,10 @@ def main(argv: list[str]) -> int:
         "--eos-id", type=int, metavar="N", help="the id that ends documents in .npy inputs (default: the tokenizer's)"
     )
     parser.add_argument("--workers", type=int, default=1, metavar="N", help="tokenizer processes (default 1)")
+    parser.add_argument("--force", action="store_true", help="replace the token files already in --out")
     args = parser.parse_args(argv)
+    if not args.force:
+        check_overwrite(args.out, existing_entries(args.out, OUTPUT_FILES), "--out", "prepare-data")
 
     start = time.perf_counter()
     meta = prepare_data(
@@ -149,6 +155,7 @@ def prepare_data(
     batch_bytes: int = BATCH_BYTES,
 ) -> dict[str, Any]:
     """Tokenize `inputs` into the directory `out` and return its metadata (meta.json)."""
+    check_directory(out, "Output directory", "Pass --out a directory you can write")
     if not 0.0 <= val_frac < 1.0:
         raise ConfigError(f"--val-frac={val_frac} must be in [0, 1), for example 0.02.")
     if not 1 <= workers <= 256:

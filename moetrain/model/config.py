@@ -7,11 +7,16 @@ import enum
 
 import torch
 
-from moetrain.config import Config
+from moetrain.config import Config, non_negative, positive
 from moetrain.errors import ConfigError
 
 # torch._grouped_mm needs every row stride to be a multiple of 16 bytes: 8 bf16 or 4 fp32 values.
 GROUPED_MM_ALIGN = 8
+MAX_WIDTH = 2**24
+"""The widest model dimension (d_model, hidden sizes) a config may ask for: 1000 × a
+trillion-parameter model's, far past any that can be allocated."""
+MAX_LAYERS = 10**5
+"""The most transformer blocks a config may ask for."""
 
 
 class Gating(enum.StrEnum):
@@ -51,13 +56,13 @@ class Fp8(enum.StrEnum):
 
 @dataclasses.dataclass(kw_only=True)
 class MoEConfig(Config):
-    num_experts: int = 8
+    num_experts: int = positive(8, at_most=2**20)
     """Routed experts per MoE layer."""
-    top_k: int = 4
+    top_k: int = positive(4, at_most=2**20)
     """Experts each token is sent to."""
-    expert_hidden: int = 128
+    expert_hidden: int = positive(128, at_most=MAX_WIDTH)
     """Hidden size of each routed SwiGLU expert."""
-    shared_hidden: int = 0
+    shared_hidden: int = non_negative(0, at_most=MAX_WIDTH)
     """Hidden size of the shared expert that every token also passes through; 0 = none."""
     gating: Gating = Gating.softmax
     """How router logits become scores."""
@@ -67,11 +72,11 @@ class MoEConfig(Config):
     """Rescale the k selected scores to sum to 1."""
     restore_weight_scale: bool = False
     """Multiply the (normalized) weights by k, which keeps the output scale of a split dense MLP."""
-    lb_loss_weight: float = 0.01
+    lb_loss_weight: float = non_negative(0.01)
     """Weight of the Switch-style load-balancing loss; 0 disables it."""
-    z_loss_weight: float = 2e-4
+    z_loss_weight: float = non_negative(2e-4)
     """Weight of the router z-loss (mean squared logsumexp of the logits); 0 disables it."""
-    bias_update_rate: float = 0.0
+    bias_update_rate: float = non_negative(0.0)
     """Auxiliary-loss-free balancing: after each optimizer step every expert's selection bias moves
     by this amount towards uniform load (sign of the load error). 0 disables it."""
 
@@ -99,31 +104,31 @@ class MoEConfig(Config):
 
 @dataclasses.dataclass(kw_only=True)
 class TransformerConfig(Config):
-    vocab_size: int = 8192
+    vocab_size: int = positive(8192, at_most=2**32)
     """Rows of the embedding and the LM head (pad it to a multiple of 128 for speed)."""
-    d_model: int = 128
+    d_model: int = positive(128, at_most=MAX_WIDTH)
     """Width of the residual stream."""
-    n_layers: int = 4
+    n_layers: int = positive(4, at_most=MAX_LAYERS)
     """Transformer blocks in total (dense + MoE)."""
-    n_heads: int = 4
+    n_heads: int = positive(4, at_most=2**16)
     """Query heads."""
-    n_kv_heads: int = 2
+    n_kv_heads: int = positive(2, at_most=2**16)
     """Key/value heads (grouped-query attention); must divide n_heads."""
-    head_dim: int | None = None
+    head_dim: int | None = positive(None, at_most=2**16)
     """Width of one head; None = d_model // n_heads."""
-    num_dense_layers: int = 1
+    num_dense_layers: int = non_negative(1, at_most=MAX_LAYERS)
     """The first blocks use a dense SwiGLU MLP instead of an MoE layer."""
-    dense_hidden: int | None = None
+    dense_hidden: int | None = positive(None, at_most=MAX_WIDTH)
     """Hidden size of the dense MLP; None = top_k × expert_hidden + shared_hidden."""
     qk_norm: bool = True
     """Per-head RMSNorm on queries and keys."""
     peri_norm: bool = False
     """Also normalize each sublayer's output before the residual add (pre-norm otherwise)."""
-    norm_eps: float = 1e-6
+    norm_eps: float = positive(1e-6)
     """Epsilon of every RMSNorm."""
-    rope_theta: float = 500_000.0
+    rope_theta: float = positive(500_000.0)
     """RoPE base: the rotation of pair i advances by theta^(-2i/head_dim) per position."""
-    init_std: float = 0.02
+    init_std: float = positive(0.02)
     """Std of the (truncated) normal initialization; output projections use
     init_std / sqrt(2 × n_layers)."""
     moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)

@@ -6,6 +6,7 @@
   weights sharded over the data-parallel ranks; gradients reduce-scattered
 - `FSDPAdamW` (fsdp.py, `parallel.stack=fsdp`): torch AdamW over FSDP's sharded parameters
 
-`OptimConfig.build` (config.py) picks the one the layout needs. Clipping (clip.py) and the
-learning-rate schedule (schedule.py) are shared.
+`OptimConfig.build` (config.py) picks the one the layout needs. Clipping (clip.py), the
+learning-rate schedule (schedule.py) and the store of bf16 gradients (grad_store.py,
+optim.grad_dtype=bf16) are shared.
 """

@@ -12,9 +12,16 @@ It stands in for `torch.optim.AdamW` where the optimizers use one (`build_adamw`
 "exp_avg_sq"), the fused kernel's `grad_scale` (a divisor) and `found_inf` attributes, `step()` and
 `zero_grad()`. Sharded (DTensor) parameters of the fsdp stack are updated through their local
 shards.
+
+With optim.grad_dtype=bf16 the gradients are not the parameters' `.grad` (an fp32 parameter's
+`.grad` is fp32) but bf16 tensors a `GradStore` keeps (moetrain/optim/grad_store.py), which
+`grad_of` looks up; each is read and converted to fp32 inside the update, and the clipping factor
+comes as `grad_coef`, multiplied in fp32 there, so the stored gradients are never rounded again.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -35,6 +42,7 @@ class MomentsAdamW:
         eps: float,
         moments_dtype: torch.dtype,
         fused: bool,
+        grad_of: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
     ):
         self.param_groups = [
             {"params": list(g["params"]), "weight_decay": g["weight_decay"], "lr": lr, "fused": fused} for g in groups
@@ -52,15 +60,22 @@ class MomentsAdamW:
             }
             for p in params
         }
+        self.grad_of = grad_of or (lambda p: p.grad)
+        """A parameter's gradient (None: not updated): `.grad`, or where a `GradStore` keeps it."""
         self.grad_scale: torch.Tensor | None = None
         """Fused path: the gradients are divided by it (the clipping factor's reciprocal)."""
+        self.grad_coef: torch.Tensor | None = None
+        """The gradients are multiplied by it (the clipping factor), in place of `grad_scale`:
+        gradients stored in bf16, which scaling in place would round again."""
         self.found_inf: torch.Tensor | None = None
         """Fused path: nonzero = skip this update (decided on the device)."""
 
     @torch.no_grad()
     def step(self) -> None:
         beta1, beta2 = self.betas
-        coef = self.grad_scale.reciprocal() if self.grad_scale is not None else None
+        coef = self.grad_coef
+        if coef is None and self.grad_scale is not None:
+            coef = self.grad_scale.reciprocal()
         if self.fused:
             from moetrain.optim.adamw_split_kernel import adamw_update, bias_corrections
 
@@ -74,10 +89,11 @@ class MomentsAdamW:
             if self.fused and group["lr"] not in corrections:
                 corrections[group["lr"]] = bias_corrections(self.step_t, group["lr"], beta1, beta2)
             for p in group["params"]:
-                if p.grad is None:
+                grad = self.grad_of(p)
+                if grad is None:
                     continue
                 state = self.state[p]
-                tensors = [_local(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
+                tensors = [_local(t) for t in (p, grad, state["exp_avg"], state["exp_avg_sq"])]
                 if self.fused:
                     param, grad, m, v = (t.view(-1) for t in tensors)
                     adamw_update(param, None, grad, m, v, corrections[group["lr"]], grad_coef=coef, skip=skip, **hyper)

@@ -113,6 +113,11 @@ class Optimizer(Protocol):
         """Bytes of optimizer state this rank holds."""
         ...
 
+    def grad_bytes(self) -> int:
+        """Bytes of the gradients this rank holds now for the update (buckets, shards, `.grad`s;
+        with optim.grad_dtype=bf16 half of fp32's)."""
+        ...
+
     def state_dict_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
         """Per parameter (canonical name): "exp_avg", "exp_avg_sq" shaped like the parameter
         this rank holds, and a 0-d float32 "step" — whole: the sharded optimizers gather them
@@ -205,13 +210,16 @@ def use_fused(cfg: OptimConfig, device: torch.device) -> bool:
     return cfg.fused if cfg.fused is not None else device.type == "cuda"
 
 
-def build_adamw(model: nn.Module, cfg: OptimConfig, exclude: set[int] = frozenset()) -> torch.optim.AdamW:
+def build_adamw(
+    model: nn.Module, cfg: OptimConfig, exclude: set[int] = frozenset(), grad_of: Callable | None = None
+) -> torch.optim.AdamW:
     """torch AdamW over `model`'s parameter groups (less `exclude`, as in `param_groups`): fused
     (one kernel for all parameters) where `use_fused`, else torch's default for the device. With
-    optim.moments_dtype=bf16 our `MomentsAdamW` in its place (same interface)."""
+    optim.moments_dtype=bf16, or gradients kept off `.grad` (`grad_of`: a parameter's gradient,
+    optim.grad_dtype=bf16), our `MomentsAdamW` in its place (same interface)."""
     device = next(model.parameters()).device
     fused = use_fused(cfg, device)
-    if cfg.moments_dtype.dtype != torch.float32:
+    if cfg.moments_dtype.dtype != torch.float32 or grad_of is not None:
         from moetrain.optim.adamw import MomentsAdamW
 
         return MomentsAdamW(
@@ -221,6 +229,7 @@ def build_adamw(model: nn.Module, cfg: OptimConfig, exclude: set[int] = frozense
             eps=cfg.eps,
             moments_dtype=cfg.moments_dtype.dtype,
             fused=fused and device.type == "cuda",  # the Triton kernel
+            grad_of=grad_of,
         )
     return torch.optim.AdamW(
         param_groups(model, cfg.weight_decay, exclude),
@@ -238,6 +247,10 @@ class TorchAdamW(StepHooks):
     fused: bool = False
     """torch's fused AdamW kernel: the clipping factor and the skip decision go into the kernel
     as device tensors (`grad_scale`, `found_inf`)."""
+    low_grads: bool = False
+    """Gradients stored in bf16 (optim.grad_dtype; `adamw` is a `MomentsAdamW`): the clipping
+    factor goes into the update as `grad_coef`, multiplied in fp32, not into the stored
+    gradients, which scaling in place would round a second time."""
 
     def params_loaded(self) -> None:
         """Nothing to refresh: the parameters are the only copy (AdamW keeps only moments)."""
@@ -253,11 +266,14 @@ class TorchAdamW(StepHooks):
     def _clip(self, grads: list[torch.Tensor], total: torch.Tensor, max_norm: float) -> None:
         """Bring the gradients to a norm of at most `max_norm`. Fused: not applied to the
         gradients but handed to the kernel as its gradient divisor (`grad_scale`), saving one
-        read and write of every gradient; otherwise the gradients are scaled in place."""
+        read and write of every gradient; bf16 gradients (`low_grads`): handed to the update as
+        its multiplier; otherwise the gradients are scaled in place."""
         if max_norm == math.inf:
             return
         coef = clip_coefficient(total, max_norm)
-        if self.fused:
+        if self.low_grads:
+            self.adamw.grad_coef = coef
+        elif self.fused:
             self.adamw.grad_scale = coef.reciprocal()
         else:
             torch._foreach_mul_(grads, coef)
@@ -271,6 +287,8 @@ class TorchAdamW(StepHooks):
         elif skip is None or not bool(skip):
             self.adamw.step()
         self.adamw.grad_scale = self.adamw.found_inf = None  # consumed
+        if self.low_grads:
+            self.adamw.grad_coef = None
 
     def _live_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         """AdamW's state of `p`, created as zeros for a fresh optimizer (so a checkpoint can be

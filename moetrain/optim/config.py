@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moetrain.config import Config
+from moetrain.config import Config, in_range, non_negative, positive
 from moetrain.errors import ConfigError
 from moetrain.optim.fsdp import FSDPAdamW
 from moetrain.optim.replicated import ReplicatedAdamW
@@ -46,17 +46,30 @@ class MomentsDtype(enum.StrEnum):
         return torch.bfloat16 if self == MomentsDtype.bf16 else torch.float32
 
 
+class GradDtype(enum.StrEnum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    """The gradients the optimizer keeps between micro-batches and reduces across data-parallel
+    ranks in bf16: 2 bytes per element instead of 4. Each micro-batch's gradient is added in fp32
+    and rounded to nearest bf16 once (moetrain/optim/grad_store.py), the reduction sums in bf16,
+    and the AdamW update and the clipping norm read the bf16 values in fp32."""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self == GradDtype.bf16 else torch.float32
+
+
 @dataclasses.dataclass(kw_only=True)
 class OptimConfig(Config):
-    lr: float = 3e-3
+    lr: float = positive(3e-3)
     """Peak learning rate."""
-    betas: list[float] = dataclasses.field(default_factory=lambda: [0.9, 0.95])
+    betas: list[float] = in_range(lo=0, hi=1, hi_open=True, default_factory=lambda: [0.9, 0.95])
     """AdamW's decay rates of the first and second moments."""
-    eps: float = 1e-8
+    eps: float = positive(1e-8)
     """AdamW's epsilon, added to the square root of the second moment."""
-    weight_decay: float = 0.1
+    weight_decay: float = non_negative(0.1)
     """Decoupled weight decay on matrices; never on norms, embeddings or biases."""
-    grad_clip: float = 1.0
+    grad_clip: float = non_negative(1.0)
     """Clip the global gradient norm to this value; 0 disables clipping."""
     fused: bool | None = None
     """torch's fused AdamW kernel: the clipping factor and the skip decision go into the kernel as
@@ -65,6 +78,15 @@ class OptimConfig(Config):
     """AdamW's two moments in this dtype. bf16: half the optimizer state, updated in fp32 and
     rounded to nearest each step, for every optimizer (our AdamW kernel, moetrain/optim/adamw.py,
     instead of torch's)."""
+    grad_dtype: GradDtype = GradDtype.fp32
+    """The gradients kept between micro-batches and reduced over the data-parallel ranks in this
+    dtype, for every optimizer. bf16: 2 bytes per element instead of 4 (the ddp stack's buckets,
+    the sharded optimizer's and their shards, or at dp = 1 the step's gradients; on the fsdp stack
+    its unsharded gradients between micro-batches and its reduce-scatter, while the reduced shards
+    it hands AdamW stay fp32). Each micro-batch's gradient is added in fp32 and rounded to nearest
+    once, the reduction sums in bf16, and the clipping norm and the AdamW update (our
+    `MomentsAdamW` on the ddp stack) compute in fp32 from the bf16 values. Any compute precision:
+    under fp32 compute each fp32 gradient is rounded as it is stored."""
     bf16_weights: bool | None = None
     """Store the matrices (attention, MLPs, experts, LM head) in bf16, their exact fp32 masters
     split into that bf16 value and a 16-bit remainder held by the optimizer
@@ -109,11 +131,11 @@ class ScheduleConfig(Config):
     kind: ScheduleKind = ScheduleKind.cosine
     """Shape of the learning rate after warm-up: cosine decay to min_lr_ratio, wsd (constant,
     then a linear decay over decay_fraction of the steps), or constant."""
-    warmup_steps: int = 30
+    warmup_steps: int = non_negative(30, at_most=10**9)
     """Steps of linear warm-up from 0 to the peak learning rate."""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = in_range(0.1, lo=0, hi=1)
     """Final learning rate as a fraction of the peak."""
-    decay_fraction: float = 0.2
+    decay_fraction: float = in_range(0.2, lo=0, hi=1, lo_open=True)
     """wsd only: the share of steps spent decaying."""
 
     def validate(self) -> None:

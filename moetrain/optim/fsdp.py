@@ -1,4 +1,10 @@
-"""`FSDPAdamW`: torch AdamW over the FSDP stack's sharded (DTensor) parameters."""
+"""`FSDPAdamW`: torch AdamW over the FSDP stack's sharded (DTensor) parameters.
+
+optim.grad_dtype=bf16 is FSDP's reduce dtype (moetrain/parallel/fsdp.py, `apply_fsdp`): the
+unsharded gradients it accumulates between micro-batches and its reduce-scatter are bf16, the
+reduced shards it hands over are fp32, so torch AdamW updates them as it does without the switch.
+On one rank FSDP shards nothing and reduces nothing: the bf16 gradients are then kept here, in a
+`GradStore` (moetrain/optim/grad_store.py), as the replicated optimizer keeps them at dp = 1."""
 
 from __future__ import annotations
 
@@ -10,6 +16,8 @@ from torch import nn
 
 from moetrain.model.transformer import canonical_name
 from moetrain.optim.base import TorchAdamW, build_adamw
+from moetrain.optim.clip import global_grad_norm
+from moetrain.optim.grad_store import GradStore
 from moetrain.parallel.dims import ParallelState
 from moetrain.parallel.fsdp import copy_shard, full_tensor, is_sharded, reshard
 
@@ -27,7 +35,15 @@ class FSDPAdamW(TorchAdamW):
 
     def __init__(self, model: nn.Module, state: ParallelState, cfg: OptimConfig):
         self.model = model
-        self.adamw = build_adamw(model, cfg)
+        self.grads: GradStore | None = None
+        """One rank with optim.grad_dtype=bf16: the bf16 gradients (else FSDP's, on `.grad`)."""
+        if cfg.grad_dtype.dtype != torch.float32 and state.dp_mesh is None:
+            self.grads = GradStore(cfg.grad_dtype.dtype)
+            for p in model.parameters():
+                if p.requires_grad:
+                    self.grads.add(p)
+        self.low_grads = self.grads is not None
+        self.adamw = build_adamw(model, cfg, grad_of=self.grads.grad if self.low_grads else None)
         self.fused = any(g.get("fused") for g in self.adamw.param_groups)
 
     def prepare(self, sync: bool, backward_passes: int = 1) -> None:
@@ -41,7 +57,13 @@ class FSDPAdamW(TorchAdamW):
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Global norm over the gradient shards (get_total_norm reduces DTensor norms over the
-        mesh), as a plain device tensor; clip with the same coefficient as `clip_grad_norm`."""
+        mesh), as a plain device tensor; clip with the same coefficient as `clip_grad_norm`. One
+        rank's bf16 gradients: their norm in fp32, the factor handed to the update."""
+        if self.grads is not None:
+            grads = [g for p in self.model.parameters() if (g := self.grads.grad(p)) is not None]
+            total = global_grad_norm(grads, [])
+            self._clip(grads, total, max_norm)
+            return total
         params = [p for p in self.model.parameters() if p.grad is not None]
         total = full_tensor(torch.nn.utils.get_total_norm([p.grad for p in params], 2.0))
         if self.fused or max_norm == math.inf:
@@ -52,6 +74,18 @@ class FSDPAdamW(TorchAdamW):
 
     def zero_grad(self) -> None:
         self.adamw.zero_grad(set_to_none=True)
+        if self.grads is not None:
+            self.grads.zero_grad()
+
+    def grad_bytes(self) -> int:
+        """This rank's gradient shards (fp32: FSDP casts the reduced bf16 shards back), or one
+        rank's bf16 gradients. FSDP's unsharded gradients exist only inside backward and between
+        micro-batches (bf16 with optim.grad_dtype=bf16) and are not counted."""
+        if self.grads is not None:
+            return self.grads.nbytes()
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        local = [g.to_local() if is_sharded(g) else g for g in grads]
+        return sum(g.numel() * g.element_size() for g in local)
 
     def memory_bytes(self) -> int:
         """Bytes of AdamW state this rank holds (its shards)."""

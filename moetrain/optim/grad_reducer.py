@@ -17,6 +17,13 @@ post-accumulate-grad hook has fired once per micro-batch of the step — overlap
 with the rest of the backward pass; `finish()` waits for them before the optimizer step. Counting
 hooks (rather than being told which backward is the last) also serves the pipeline schedules,
 which run all of a step's backward passes inside one call.
+
+With optim.grad_dtype=bf16 the buckets are bf16. An fp32 parameter's `.grad` cannot be a bf16
+view, so `store` (moetrain/optim/grad_store.py) takes each micro-batch's gradient off `.grad` and
+adds it into the bucket in fp32, rounding once. The all-reduce then sums in bf16: each of the
+collective's dp − 1 additions of an element (gloo's and NCCL's alike) is computed in fp32 and
+rounded to bf16, in an order the collective's algorithm chooses; with dp = 2 that is the one
+rounded sum round(a + b), the same on both ranks.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moetrain.model.experts import GroupedExperts
+from moetrain.optim.grad_store import GradStore
 from moetrain.optim.split_master import SplitMaster
 from moetrain.parallel.dims import ParallelState
 
@@ -41,7 +49,10 @@ class Bucket:
     work: dist.Work | None = None
     launched: bool = False
     split: bool = False
-    """A stretch of `SplitMaster.grad` (the bf16 parameters' fp32 gradients)."""
+    """A stretch of `SplitMaster.grad` (the bf16 parameters' gradients)."""
+    hooked: bool = False
+    """Filled by `GradReducer.store`'s hook, not by autograd through `.grad` views (its
+    parameters' dtype is not the gradients'): `zero_grad` leaves it alone."""
 
 
 def expert_param_ids(model: nn.Module) -> set[int]:
@@ -56,15 +67,21 @@ class GradReducer:
         bucket_bytes: int = 25 * 2**20,
         split: SplitMaster | None = None,
         split_ids: set[int] = frozenset(),
+        grad_dtype: torch.dtype = torch.float32,
     ):
-        """`split`: the bf16 parameters' fp32 gradients live in `split.grad` (their buckets are
+        """`split`: the bf16 parameters' gradients live in `split.grad` (their buckets are
         slices of it, in its order, which is this reducer's); build it before the reducer, so its
         accumulation hook runs before the reducer's counting hook. `split_ids`: the ids of bf16
         parameters whose buckets a subclass makes itself (`ShardedAdamW`'s); either way each
-        bucket holds only split or only fp32 parameters."""
+        bucket holds only split or only fp32 parameters. `grad_dtype`: the buckets' dtype
+        (optim.grad_dtype)."""
         self.loss_scale = 1.0 / state.dims.dp
         """Scale every backward's loss by this: the reduced sums are then the global means."""
         self.sync = False
+        self.grad_dtype = grad_dtype
+        self.store = GradStore(grad_dtype)
+        """The gradients of the hooked buckets' parameters (views of the buckets)."""
+        elem = grad_dtype.itemsize
         expert_ids = expert_param_ids(model)
         self._split_grads = split.grad_views() if split is not None else {}
         split_ids = set(split_ids) | set(self._split_grads)
@@ -77,34 +94,44 @@ class GradReducer:
             start = 0
             while start < len(chosen):
                 size, end = 0, start
-                while end < len(chosen) and (end == start or size + chosen[end].numel() * 4 <= bucket_bytes):
-                    size += chosen[end].numel() * 4
+                while end < len(chosen) and (end == start or size + chosen[end].numel() * elem <= bucket_bytes):
+                    size += chosen[end].numel() * elem
                     end += 1
                 self.buckets.append(self._make_bucket(chosen[start:end], group, is_split))
                 start = end
 
     def _make_bucket(self, params: list[nn.Parameter], group, is_split: bool) -> Bucket:
-        """A bucket over `params`; split ones (bf16: their fp32 gradients adjacent in
-        `SplitMaster`'s buffer) make the bucket that stretch of the buffer, else a new flat
-        buffer becomes the parameters' `.grad` storage."""
+        """A bucket over `params`; split ones (bf16: their gradients adjacent in `SplitMaster`'s
+        buffer) make the bucket that stretch of the buffer, else a new flat buffer becomes the
+        parameters' `.grad` storage (or, in another dtype than theirs, `store`'s)."""
         split_views = [self._split_grads[id(p)] for p in params] if is_split else None
         if split_views is not None:
             first, last = split_views[0], split_views[-1]
             base = first.view(-1)
-            numel = sum(v.numel() for v in split_views)
-            assert last.data_ptr() + last.numel() * 4 == base.data_ptr() + numel * 4, "split gradients not adjacent"
+            numel, elem = sum(v.numel() for v in split_views), base.element_size()
+            end = base.data_ptr() + numel * elem
+            assert last.data_ptr() + last.numel() * elem == end, "split gradients not adjacent"
             flat = torch.as_strided(base, (numel,), (1,))
         else:
-            flat = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=params[0].device)
+            flat = torch.zeros(sum(p.numel() for p in params), dtype=self.grad_dtype, device=params[0].device)
         bucket = Bucket(flat, params, group)
         offset = 0
         for p in params:
             if split_views is None:
-                p.grad = flat[offset : offset + p.numel()].view_as(p)
+                view = flat[offset : offset + p.numel()].view_as(p)
+                if p.dtype == flat.dtype:
+                    p.grad = view
+                else:  # before the counting hook: the bucket is complete when that one fires
+                    self.store.add(p, view)
+                    bucket.hooked = True
             offset += p.numel()
             p.register_post_accumulate_grad_hook(lambda _p, b=bucket: self._on_grad_ready(b))
         bucket.split = split_views is not None
         return bucket
+
+    def grad(self, p: nn.Parameter) -> torch.Tensor | None:
+        """`p`'s gradient (the reduced one after `finish`): its `.grad`, or its view in `store`."""
+        return p.grad if id(p) not in self.store.views else self.store.grad(p)
 
     def prepare(self, sync: bool, backward_passes: int = 1) -> None:
         """Call before each micro-batch's backward, `sync=True` for the last one of the step; or
@@ -129,6 +156,7 @@ class GradReducer:
     def finish(self) -> None:
         """Wait for every reduction (starting those whose parameters got no gradient). With the
         losses scaled by `loss_scale`, the reduced gradients are the means over the global batch."""
+        self.store.finish()  # zero the hooked gradients no backward reached, before they are sent
         for b in self.buckets:
             if not b.launched:
                 self._launch(b)
@@ -139,7 +167,9 @@ class GradReducer:
 
     def zero_grad(self) -> None:
         """Zero the gradients in place (the buckets must stay the gradients' storage); the split
-        parameters' buckets are left alone (`SplitMaster.zero_grad`: their next backward copies)."""
+        parameters' and the hooked buckets are left alone (their next backward copies into them:
+        `SplitMaster.zero_grad`, `GradStore.zero_grad`)."""
+        self.store.zero_grad()
         for b in self.buckets:
-            if not b.split:
+            if not b.split and not b.hooked:
                 b.flat.zero_()

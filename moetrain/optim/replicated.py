@@ -2,7 +2,10 @@
 data-parallel gradient reduction (`GradReducer`, when dp > 1) and global-norm clipping. With
 optim.bf16_weights the matrices are bf16 and their fp32 masters, gradients and moments live in a
 `SplitMaster` (moetrain/optim/split_master.py); torch AdamW keeps the rest (norms, embedding,
-routers)."""
+routers). With optim.grad_dtype=bf16 the gradients are bf16 off the parameters' `.grad`: in the
+reducer's bf16 buckets (dp > 1) or, at dp = 1, in a `GradStore` (moetrain/optim/grad_store.py)
+that allocates them as backward reaches each parameter; `MomentsAdamW` (moetrain/optim/adamw.py)
+reads them in fp32 in torch AdamW's place."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from moetrain.model.transformer import canonical_name
 from moetrain.optim.base import FlatShard, TorchAdamW, build_adamw, use_fused
 from moetrain.optim.clip import clip_coefficient, global_grad_norm
 from moetrain.optim.grad_reducer import GradReducer, expert_param_ids
+from moetrain.optim.grad_store import GradStore
 from moetrain.optim.split_master import SplitMaster, is_split_candidate
 from moetrain.parallel.dims import ParallelState
 
@@ -31,6 +35,7 @@ class ReplicatedAdamW(TorchAdamW):
         self.cfg = cfg
         split_ids = is_split_candidate(model) if bf16_weights else set()
         device = next(model.parameters()).device
+        grad_dtype = cfg.grad_dtype.dtype
         self.split = (
             SplitMaster(
                 model,
@@ -39,11 +44,22 @@ class ReplicatedAdamW(TorchAdamW):
                 fused=use_fused(cfg, device) and device.type == "cuda",  # the Triton kernel
                 persistent_grads=state.dims.dp > 1,  # GradReducer's buckets
                 moments_dtype=cfg.moments_dtype.dtype,
+                grad_dtype=grad_dtype,
             )
             if split_ids
             else None
         )
-        self.reducer = GradReducer(model, state, split=self.split) if state.dims.dp > 1 else None
+        self.reducer = GradReducer(model, state, split=self.split, grad_dtype=grad_dtype) if state.dims.dp > 1 else None
+        self.low_grads = grad_dtype != torch.float32
+        self.grads: GradStore | None = None
+        """Where the bf16 gradients are (optim.grad_dtype): the reducer's store of bucket views at
+        dp > 1, else one that allocates them as backward reaches each parameter; None: `.grad`."""
+        if self.low_grads:
+            self.grads = self.reducer.store if self.reducer is not None else GradStore(grad_dtype)
+            if self.reducer is None:
+                for p in model.parameters():
+                    if p.requires_grad and id(p) not in split_ids:
+                        self.grads.add(p)
         self.loss_scale = self.reducer.loss_scale if self.reducer is not None else 1.0
         self.ep_group = state.ep_group
         self.pp_group = state.pp_group
@@ -51,7 +67,7 @@ class ReplicatedAdamW(TorchAdamW):
         rest = [p for p in model.parameters() if id(p) not in split_ids]
         self.expert_params = [p for p in rest if id(p) in expert_ids]
         self.dense_params = [p for p in rest if id(p) not in expert_ids]
-        self.adamw = build_adamw(model, cfg, exclude=split_ids)
+        self.adamw = build_adamw(model, cfg, exclude=split_ids, grad_of=self._grad_of if self.low_grads else None)
         self.fused = any(g.get("fused") for g in self.adamw.param_groups)
         self._split_coef: torch.Tensor | None = None
 
@@ -68,16 +84,24 @@ class ReplicatedAdamW(TorchAdamW):
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """The global gradient norm before clipping (device tensor); clips (see `_clip`; the
         split parameters' update takes the factor as its gradient multiplier)."""
-        grads = [p.grad for p in self.dense_params if p.grad is not None]
-        expert_grads = [p.grad for p in self.expert_params if p.grad is not None]
+        grads, expert_grads = self._grads(self.dense_params), self._grads(self.expert_params)
         if self.split is not None:
             grads += self.split.dense_grads
             expert_grads += self.split.expert_grads
-        total = global_grad_norm(grads, expert_grads, self.ep_group, self.pp_group)
-        self._clip([p.grad for p in self.dense_params + self.expert_params if p.grad is not None], total, max_norm)
+        total = global_grad_norm(grads, expert_grads, self.ep_group, self.pp_group)  # fp32 norms of bf16 too
+        self._clip(self._grads(self.dense_params + self.expert_params), total, max_norm)
         if self.split is not None:
             self._split_coef = clip_coefficient(total, max_norm) if max_norm != math.inf else None
         return total
+
+    def _grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
+        """`p`'s gradient: its bf16 one in `grads`, else `.grad`."""
+        grad = self.grads.grad(p) if self.grads is not None else None
+        return grad if grad is not None else p.grad
+
+    def _grads(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The gradients of those of `params` that have one."""
+        return [g for g in map(self._grad_of, params) if g is not None]
 
     def _update(self, skip: torch.Tensor | None) -> None:
         super()._update(skip)
@@ -93,6 +117,8 @@ class ReplicatedAdamW(TorchAdamW):
             self.reducer.zero_grad()  # the reducer's buckets must stay the gradients' storage
         else:
             self.adamw.zero_grad(set_to_none=True)
+            if self.grads is not None:
+                self.grads.zero_grad()
 
     def master_weights(self) -> dict[str, torch.Tensor]:
         """The bf16 parameters' fp32 masters by canonical name (temporaries); {} without
@@ -122,6 +148,17 @@ class ReplicatedAdamW(TorchAdamW):
         if self.split is not None:
             by_canonical = {canonical_name(n): n for n in self.split.names}
             self.split.load_master_weights({by_canonical[k]: v for k, v in weights.items()})
+
+    def grad_bytes(self) -> int:
+        """The reducer's buckets (split ones are `SplitMaster`'s gradients), or the gradients
+        allocated this step, and the split parameters' gradients."""
+        if self.reducer is not None:
+            tensors = [b.flat for b in self.reducer.buckets if not b.split]
+        else:
+            tensors = self._grads(self.dense_params + self.expert_params)
+        if self.split is not None:
+            tensors += self.split.dense_grads + self.split.expert_grads
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def memory_bytes(self) -> int:
         return (self.split.memory_bytes() if self.split is not None else 0) + sum(

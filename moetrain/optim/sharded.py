@@ -25,6 +25,13 @@ What stays full size: the gradient buckets (they accumulate over micro-batches; 
 would reduce-scatter every micro-batch and keep only the shard) and the parameters (sharding
 those as well is ZeRO-3 / FSDP).
 
+With optim.grad_dtype=bf16 the buckets and shards are bf16 (half the gradient bytes): each
+micro-batch's gradient is added into the bucket in fp32 and rounded once by a hook
+(moetrain/optim/grad_store.py), the reduce-scatter sums in bf16 (with dp = 2 one rounded sum,
+round(a + b), as `GradReducer`'s all-reduce gives the replicated optimizer), the norm is computed
+in fp32 and the clipping factor multiplies the gradient inside the update, in fp32, as the
+replicated optimizer's does: with clipping off the two step bit for bit alike.
+
 After `finish()` the reduced gradient lives only in the shards: `p.grad` still holds this rank's
 local, unreduced sum (the bucket is the reduce-scatter's input), until `zero_grad()`.
 
@@ -81,15 +88,12 @@ class _ShardedBucket(Bucket):
 class _ShardedGradReducer(GradReducer):
     """`GradReducer`'s bucketing and overlap, with reduce-scatter in place of all-reduce, padded
     buckets, and parameters moved into flat buffers alongside their gradients. Split buckets
-    (optim.bf16_weights) hold bf16 parameters: their fp32 gradients are filled by a hook (copied
-    at a step's first backward, added later), and the 16-bit remainders of this rank's shard are
-    kept in `lo_S` (moetrain/optim/split_master.py)."""
+    (optim.bf16_weights) hold bf16 parameters: their gradients are filled by `store`'s hook
+    (copied at a step's first backward, added later), and the 16-bit remainders of this rank's
+    shard are kept in `lo_S` (moetrain/optim/split_master.py). With optim.grad_dtype=bf16 every
+    bucket's gradients are bf16 and filled by that hook."""
 
     buckets: list[_ShardedBucket]
-
-    def __init__(self, *args, **kwargs):
-        self._written: set[int] = set()
-        super().__init__(*args, **kwargs)
 
     def _make_bucket(self, params: list[nn.Parameter], group, is_split: bool) -> _ShardedBucket:
         G = dist.get_world_size(group) if group is not None else 1
@@ -100,12 +104,12 @@ class _ShardedGradReducer(GradReducer):
         if any(p.dtype != params[0].dtype for p in params):
             raise ValueError("ShardedAdamW needs one parameter dtype per bucket; got a mix.")
         # Padding stays zero in all buffers: zero gradient, zero moments, so zero update.
-        grads_N = torch.zeros(N, dtype=torch.float32, device=device)
+        grads_N = torch.zeros(N, dtype=self.grad_dtype, device=device)
         params_N = torch.zeros(N, dtype=torch.bfloat16 if is_split else params[0].dtype, device=device)
         lo_N = torch.zeros(N, dtype=torch.int16, device=device) if is_split else None
         lo = (dist.get_rank(group) if group is not None else 0) * S
         # Alone in its group the shard is the whole bucket: no copy, no collective.
-        grad_S = grads_N[lo : lo + S] if G == 1 else torch.zeros(S, dtype=torch.float32, device=device)
+        grad_S = grads_N[lo : lo + S] if G == 1 else torch.zeros(S, dtype=self.grad_dtype, device=device)
         bucket = _ShardedBucket(grads_N, params, group, params_N=params_N, grad_S=grad_S, lo=lo, split=is_split)
         offset = 0
         with torch.no_grad():
@@ -116,41 +120,21 @@ class _ShardedGradReducer(GradReducer):
                     params_N[offset : offset + n].copy_(hi_part)
                     lo_N[offset : offset + n].copy_(lo_part)
                     p.data = params_N[offset : offset + n].view(p.shape)
-                    grad = grads_N[offset : offset + n].view(p.shape)
-                    p.register_post_accumulate_grad_hook(lambda q, g=grad: self._accumulate(q, g))
                 else:
                     params_N[offset : offset + n].copy_(p.detach().flatten())
                     p.data = params_N[offset : offset + n].view_as(p)
-                    p.grad = grads_N[offset : offset + n].view_as(p)
+                grad = grads_N[offset : offset + n].view(p.shape)
+                if is_split or p.dtype != grads_N.dtype:  # before the counting hook
+                    self.store.add(p, grad)
+                    bucket.hooked = True
+                else:
+                    p.grad = grad
                 bucket.offsets.append(offset)
                 offset += n
                 p.register_post_accumulate_grad_hook(lambda _p, b=bucket: self._on_grad_ready(b))
         if is_split:
             bucket.lo_S = lo_N[lo : lo + S].clone()
         return bucket
-
-    def _accumulate(self, p: nn.Parameter, grad: torch.Tensor) -> None:
-        """A split parameter's bf16 gradient into its fp32 bucket view, then dropped."""
-        if id(p) in self._written:
-            grad.add_(p.grad)
-        else:
-            grad.copy_(p.grad)
-            self._written.add(id(p))
-        p.grad = None
-
-    def finish(self) -> None:
-        """Zero the split gradients no backward reached this step (their views still hold an
-        earlier step's), then wait for the reduce-scatters."""
-        for b in self.buckets:
-            if b.split:
-                for p, off in zip(b.params, b.offsets):
-                    if id(p) not in self._written:
-                        b.flat[off : off + p.numel()].zero_()
-        super().finish()
-
-    def zero_grad(self) -> None:
-        super().zero_grad()  # fp32 buckets zeroed; split ones are copied into at the next backward
-        self._written.clear()
 
     def _launch(self, bucket: _ShardedBucket) -> None:
         bucket.launched = True
@@ -183,7 +167,8 @@ class ShardedAdamW(StepHooks):
         # The squared gradient norm sums over every rank: dp shards, and pipeline stages.
         self.norm_group = state.world_group
         split_ids = is_split_candidate(model) if bf16_weights else set()
-        self._grads = _ShardedGradReducer(model, state, bucket_bytes, split_ids=split_ids)
+        grad_dtype = cfg.grad_dtype.dtype
+        self._grads = _ShardedGradReducer(model, state, bucket_bytes, split_ids=split_ids, grad_dtype=grad_dtype)
         self.buckets = self._grads.buckets
         self.loss_scale = self._grads.loss_scale
         """Scale every backward's loss by this (1/dp): the reduced shards are then the means."""
@@ -192,8 +177,13 @@ class ShardedAdamW(StepHooks):
         self.master_S = [
             None if b.split else b.params_N[b.lo : b.hi].to(torch.float32, copy=True) for b in self.buckets
         ]
-        moments = cfg.moments_dtype.dtype  # bf16 (optim.moments_dtype): our update for every bucket
-        self._low_moments = moments != torch.float32
+        moments = cfg.moments_dtype.dtype
+        self._low_grads = grad_dtype != torch.float32
+        """bf16 gradient shards (optim.grad_dtype): the clipping factor goes into the update
+        (`_grad_coef`) instead of scaling them in place, which would round them a second time."""
+        self._own_update = moments != torch.float32 or self._low_grads
+        """bf16 moments or gradients: our update (`adamw_reference`, the Triton kernel on CUDA) for
+        the fp32 buckets too, in place of torch's AdamW kernels, which take neither."""
         self.exp_avg_S = [torch.zeros_like(b.grad_S, dtype=moments) for b in self.buckets]
         self.exp_avg_sq_S = [torch.zeros_like(b.grad_S, dtype=moments) for b in self.buckets]
         self._split = [i for i, b in enumerate(self.buckets) if b.split]
@@ -246,7 +236,10 @@ class ShardedAdamW(StepHooks):
         hold different parameters.
         """
         grads = [b.grad_S for b in self.buckets]
-        sq = torch.stack(torch._foreach_norm(grads)).square().sum()
+        if self._low_grads:  # the norms of bf16 shards computed in fp32
+            sq = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
+        else:
+            sq = torch.stack(torch._foreach_norm(grads)).square().sum()
         if self.norm_group is not None:
             dist.all_reduce(sq, group=self.norm_group)
         return sq.sqrt()
@@ -257,7 +250,9 @@ class ShardedAdamW(StepHooks):
         total = self.grad_norm()
         if max_norm != math.inf:
             coef = clip_coefficient(total, max_norm)
-            if self.fused:  # the kernel divides by it: one pass over the gradients less
+            if self._low_grads:
+                self._grad_coef = coef
+            elif self.fused:  # the kernel divides by it: one pass over the gradients less
                 self._grad_scale = coef.reciprocal()
                 self._grad_coef = coef  # the split buckets' kernel multiplies by it
             else:
@@ -277,19 +272,20 @@ class ShardedAdamW(StepHooks):
             self._fused_step(skip)
             return
         if skip is not None and bool(skip):
+            self._grad_coef = None
             return
         self.num_steps += 1
         self._step_t += 1
         lr, wd, eps = self.lr, self.cfg.weight_decay, self.cfg.eps
         beta1, beta2 = self.cfg.betas
         step = float(self.num_steps)
-        if self._fp32 and self._low_moments:
+        if self._fp32 and self._own_update:
             for i, lo, hi, decay in self._pieces:
                 adamw_reference(
                     self.master_S[i][lo:hi], None, self.buckets[i].grad_S[lo:hi],
                     self.exp_avg_S[i][lo:hi], self.exp_avg_sq_S[i][lo:hi],
                     step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                    weight_decay=wd if decay else 0.0, grad_coef=None,
+                    weight_decay=wd if decay else 0.0, grad_coef=self._grad_coef,
                 )  # fmt: skip
         elif self._fp32:
             grads = [self.buckets[i].grad_S for i in self._fp32]
@@ -314,8 +310,9 @@ class ShardedAdamW(StepHooks):
             b = self.buckets[i]
             adamw_split_reference(
                 b.params_N[b.lo : b.hi], b.lo_S, b.grad_S, self.exp_avg_S[i], self.exp_avg_sq_S[i],
-                step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd, grad_coef=None,
+                step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd, grad_coef=self._grad_coef,
             )  # fmt: skip
+        self._grad_coef = None
         self._all_gather_params()
 
     def _fused_step(self, skip: torch.Tensor | None) -> None:
@@ -327,7 +324,7 @@ class ShardedAdamW(StepHooks):
         beta1, beta2 = self.cfg.betas
         for decay in (True, False):
             pieces = [(i, lo, hi) for i, lo, hi, d in self._pieces if d == decay]
-            if not pieces or self._low_moments:
+            if not pieces or self._own_update:
                 continue
             views = [
                 [t[i][lo:hi] for i, lo, hi in pieces]
@@ -347,11 +344,11 @@ class ShardedAdamW(StepHooks):
                 grad_scale=self._grad_scale,
                 found_inf=found_inf,
             )
-        if self._split or self._low_moments:
+        if self._split or self._own_update:
             from moetrain.optim.adamw_split_kernel import adamw_split, adamw_update, bias_corrections
 
             corrections = bias_corrections(self._step_t, self.lr, beta1, beta2)
-            for i, lo, hi, decay in self._pieces if self._low_moments else ():
+            for i, lo, hi, decay in self._pieces if self._own_update else ():
                 adamw_update(
                     self.master_S[i][lo:hi], None, self.buckets[i].grad_S[lo:hi],
                     self.exp_avg_S[i][lo:hi], self.exp_avg_sq_S[i][lo:hi], corrections,
@@ -394,6 +391,14 @@ class ShardedAdamW(StepHooks):
                 master.copy_(b.params_N[b.lo : b.hi])
 
     # ---- state -----------------------------------------------------------------------------------
+    def grad_bytes(self) -> int:
+        """Bytes of gradient storage this rank holds: the buckets and the reduce-scatter's
+        output shards (where they are not part of the bucket)."""
+        tensors = [b.flat for b in self.buckets]
+        # alone in its group (G = 1) a bucket's shard is a view of it
+        tensors += [b.grad_S for b in self.buckets if b.group is not None and dist.get_world_size(b.group) > 1]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def memory_bytes(self) -> int:
         """Bytes of optimizer state held by this rank: fp32 master shards (or the remainders of
         split ones) and both moments."""

@@ -27,7 +27,9 @@ which autocast would cast to fp32). A post-accumulate-grad hook takes it off the
 the step's first backward the bf16 gradient itself is kept (its fp32 value is exact, so there is
 no cast pass, and it takes 2 bytes per element instead of 4); a second backward sums the two in
 fp32 and later ones add to that (gradient accumulation in fp32); the update reads either dtype.
-Where a `GradReducer` buckets the gradients (dp > 1) they are copied into its fp32 buffer.
+Where a `GradReducer` buckets the gradients (dp > 1) they are copied into its fp32 buffer. With
+optim.grad_dtype=bf16 they stay bf16 throughout: later backwards add into the bf16 gradient in
+place (computed in fp32, rounded once: moetrain/optim/grad_store.py), and the kept buffer is bf16.
 """
 
 from __future__ import annotations
@@ -124,6 +126,7 @@ class SplitMaster:
         fused: bool,
         persistent_grads: bool,
         moments_dtype: torch.dtype = torch.float32,
+        grad_dtype: torch.dtype = torch.float32,
     ):
         expert_ids = {id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
         named = [(n, p) for n, p in model.named_parameters() if id(p) in ids][::-1]
@@ -153,12 +156,15 @@ class SplitMaster:
         self.step = torch.zeros((), dtype=torch.float32, device=device)
         """Updates made (shared by every split parameter: they are always updated together)."""
         self.persistent_grads = persistent_grads
-        self._flat_grad = torch.zeros(numel, dtype=torch.float32, device=device) if persistent_grads else None
+        self.grad_dtype = grad_dtype
+        """Of the accumulated and the kept gradients (optim.grad_dtype)."""
+        self._flat_grad = torch.zeros(numel, dtype=grad_dtype, device=device) if persistent_grads else None
         self.grads: list[torch.Tensor | None] = [
             self.view(self._flat_grad, i) if persistent_grads else None for i in range(len(self.params))
         ]
         """Per parameter: its gradient (None before the step's first backward reaches it; bf16
-        after one backward, fp32 after more; fp32 views of one buffer with `persistent_grads`)."""
+        after one backward, `grad_dtype` after more; views of one `grad_dtype` buffer with
+        `persistent_grads`)."""
         self._written: set[int] = set()
         self._index = {id(p): i for i, p in enumerate(self.params)}
         for p in self.params:
@@ -170,7 +176,7 @@ class SplitMaster:
         return flat[self.offsets[i] : self.offsets[i] + p.numel()].view(p.shape)
 
     def grad_views(self) -> dict[int, torch.Tensor]:
-        """id(parameter) → its fp32 gradient, a view of the one flat buffer (`persistent_grads`)."""
+        """id(parameter) → its gradient, a view of the one flat buffer (`persistent_grads`)."""
         assert self.persistent_grads
         return {id(p): g for p, g in zip(self.params, self.grads)}
 
@@ -187,13 +193,16 @@ class SplitMaster:
         """Post-accumulate-grad hook: take the bf16 gradient. The first backward of a step keeps
         it as it is (its fp32 value is exact: no cast pass, half the bytes); a second one sums
         both in fp32, and later ones add to that (on CUDA one Triton pass each,
-        `accumulate_grad`). Into a kept fp32 buffer it is copied."""
+        `accumulate_grad`). Into a kept buffer it is copied. bf16 `grad_dtype`: later ones are
+        added into the bf16 gradient in place (in fp32, rounded once)."""
         i = self._index[id(p)]
         if id(p) not in self._written:
             if self.persistent_grads:
                 self.grads[i].copy_(p.grad)
             else:
                 self.grads[i] = p.grad
+        elif self.grad_dtype != torch.float32:
+            self.grads[i].add_(p.grad)
         elif self.fused and p.grad.is_contiguous() and self.grads[i].is_contiguous():
             from moetrain.optim.adamw_split_kernel import accumulate_grad
 
@@ -213,7 +222,7 @@ class SplitMaster:
                 if self.persistent_grads:
                     self.grads[i].zero_()
                 else:
-                    self.grads[i] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                    self.grads[i] = torch.zeros(p.shape, dtype=self.grad_dtype, device=p.device)
                 self._written.add(id(p))
 
     def zero_grad(self) -> None:

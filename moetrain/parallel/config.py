@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from moetrain.config import Config
+from moetrain.config import Config, non_negative, positive
 from moetrain.errors import ConfigError
 from moetrain.parallel.dims import ParallelDims
 
@@ -21,6 +21,11 @@ Olmo-core's reference MoE runs, so the experts' rows are 1.25 × the exact dispa
 what finds no room, so it is opt-in until a bounded design is also dropless (issue 16, part 1)."""
 DEFAULT_SPILL_FACTOR = 0.125
 """parallel.spill_factor's default: a small spill, 1/8 of a pair's balanced share, on the wire."""
+MAX_ROW_FACTOR = 1024
+"""The largest parallel.capacity_factor / spill_factor: past ep (the padded mode's rows) more
+rows buy nothing, and no expert-parallel group is this large."""
+MAX_DEGREE = 2**20
+"""The largest parallel degree (dp, ep, pp, stages per rank) a config may ask for."""
 
 
 class Recompute(enum.StrEnum):
@@ -72,18 +77,18 @@ class ParallelConfig(Config):
     stack: Stack = Stack.ddp
     """Which parallel stack trains the model: `ddp` (resident experts, expert parallelism) or
     `fsdp` (the FSDP2 baseline, for comparing the stacks on the same model, data and batch)."""
-    dp: int | None = None
+    dp: int | None = positive(None, at_most=MAX_DEGREE)
     """Data-parallel degree; None = every rank (world size / pp)."""
-    ep: int = 1
+    ep: int = positive(1, at_most=MAX_DEGREE)
     """Expert-parallel degree: experts are split over groups of ep ranks. Divides dp and the
     number of experts."""
-    pp: int = 1
+    pp: int = positive(1, at_most=MAX_DEGREE)
     """Pipeline-parallel degree: the layers are split into pp × pp_stages_per_rank stages. The
     micro-batches of a step (train.global_batch_size / train.micro_batch_size, at least pp) are
     the pipeline's micro-batches."""
     pp_schedule: PipelineSchedule = PipelineSchedule.onef1b
     """Pipeline schedule (torch.distributed.pipelining): gpipe, 1f1b or interleaved-1f1b."""
-    pp_stages_per_rank: int | None = None
+    pp_stages_per_rank: int | None = positive(None, at_most=MAX_DEGREE)
     """Stages per pipeline rank; None = 1 (gpipe, 1f1b) or 2 (interleaved-1f1b)."""
 
     dispatcher: DispatcherKind = DispatcherKind.nosync
@@ -95,20 +100,20 @@ class ParallelConfig(Config):
     shard_optimizer: bool = False
     """Distributed optimizer: fp32 master weights and AdamW moments sharded over the data-parallel
     ranks (gradients reduce-scattered, parameters all-gathered): optimizer memory ÷ dp."""
-    timeout_s: float = 600.0
+    timeout_s: float = positive(600.0, at_most=10**9, unit="seconds")
     """Collective timeout: a collective that has not completed after this long fails."""
-    peer_timeout_s: float = 120.0
+    peer_timeout_s: float = positive(120.0, at_most=10**9, unit="seconds")
     """A rank whose heartbeat (one tick a second from a background thread) stands still this long
     is declared dead or hung: the rank watching it (ranks watch their successor in a ring) stops
     the run with an error naming it, instead of waiting out a collective timeout."""
-    capacity_factor: float | None = DEFAULT_CAPACITY_FACTOR
+    capacity_factor: float | None = positive(DEFAULT_CAPACITY_FACTOR, at_most=MAX_ROW_FACTOR)
     """nosync only: the rows each rank's experts get, as a multiple of the balanced load (its
     share of the assignments of the EP group): f · assignments, C = ceil(f · assignments / ep)
     guaranteed to each source and the rest shared by the sources' spill rows. Assignments that
     find no room are dropped (zero output) and counted in dropped_token_frac. null (the
     default) = the padded mode: dropless whatever the routing, at ep × the memory and bytes of
     the exact exchange (docs/architecture.md, "Dispatcher memory")."""
-    spill_factor: float = DEFAULT_SPILL_FACTOR
+    spill_factor: float = non_negative(DEFAULT_SPILL_FACTOR, at_most=MAX_ROW_FACTOR)
     """nosync only: spill rows per (source, destination) pair beyond C, as a multiple of the
     balanced share (ceil(s · assignments / ep)); they carry a pair's overflow into the rows other
     sources leave unused at that destination. Bytes on the wire: (capacity_factor + s) × the

@@ -36,7 +36,12 @@ from moetrain.model.transformer import Transformer
 from moetrain.parallel.dims import ParallelState
 
 
-def apply_fsdp(model: Transformer, state: ParallelState, param_dtype: torch.dtype | None = None) -> None:
+def apply_fsdp(
+    model: Transformer,
+    state: ParallelState,
+    param_dtype: torch.dtype | None = None,
+    grad_dtype: torch.dtype = torch.float32,
+) -> None:
     """Shard each block, then the root (embedding, final norm, LM head), over the dp mesh. On the
     meta device: nothing is allocated until `to_empty()`, and then only the shards.
 
@@ -44,15 +49,28 @@ def apply_fsdp(model: Transformer, state: ParallelState, param_dtype: torch.dtyp
     that dtype — half the bytes of fp32, and autocast then finds them cast already — and their
     gradients reduce-scattered in fp32 into the fp32 shards (`MixedPrecisionPolicy`). The blocks'
     inputs are not cast (the residual stream stays fp32) and the root keeps fp32 (embedding and
-    head as on the ddp stack)."""
+    head as on the ddp stack).
+
+    `grad_dtype` bf16 (optim.grad_dtype, any compute dtype, the root too): FSDP's reduce dtype.
+    Between micro-batches (no gradient sync) it keeps each parameter's unsharded gradient in bf16,
+    the first backward's rounded and every later fp32 (or bf16) gradient added in fp32 and
+    rounded once (`FSDPParam.accumulate_unsharded_grad_if_needed`: `bf16 += g`); it reduce-scatters
+    in bf16 (ReduceOp.AVG: a sum in bf16, each addition rounded, divided by dp); and it casts the
+    reduced shard back to the parameters' fp32 for the optimizer, so the sharded gradient (4 B ÷ dp
+    per element) stays fp32. On one rank (no mesh) nothing is sharded: `FSDPAdamW` keeps the bf16
+    gradients itself."""
     if state.dp_mesh is None:
         return  # one rank: nothing to shard
-    policy = MixedPrecisionPolicy()
+    policy = root_policy = MixedPrecisionPolicy()
     if param_dtype is not None and param_dtype != torch.float32:
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    if grad_dtype != torch.float32:
+        param_dtype = policy.param_dtype
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=grad_dtype, cast_forward_inputs=False)
+        root_policy = MixedPrecisionPolicy(reduce_dtype=grad_dtype)
     for block in model.blocks.values():
         fully_shard(block, mesh=state.dp_mesh, mp_policy=policy)
-    fully_shard(model, mesh=state.dp_mesh)
+    fully_shard(model, mesh=state.dp_mesh, mp_policy=root_policy)
 
 
 def reshard(model: nn.Module) -> None:

@@ -53,11 +53,13 @@ def parallelize(
     recompute_every: int = 1,
     compile: bool = False,
     param_dtype: torch.dtype | None = None,
+    grad_dtype: torch.dtype = torch.float32,
 ) -> Transformer:
     """Apply the layout `parallel` (on `state`'s process groups) and the execution settings
     (`train.fp8`, `train.recompute`, `train.recompute_every`, `train.compile`) to a meta-device
     model, in the order of the module docstring. `param_dtype`: the compute dtype (bf16 under
-    autocast), in which the fsdp stack all-gathers the blocks' parameters."""
+    autocast), in which the fsdp stack all-gathers the blocks' parameters; `grad_dtype`
+    (optim.grad_dtype): the dtype in which it accumulates and reduce-scatters their gradients."""
     if state.dims.num_stages > 1:
         split_model(model, state.dims, state.pp_rank)
     apply_expert_parallel(model, state, parallel)
@@ -68,7 +70,7 @@ def parallelize(
     if compile:
         apply_compile(model, overlap=parallel.compile_overlap)
     if parallel.stack == Stack.fsdp:
-        apply_fsdp(model, state, param_dtype)
+        apply_fsdp(model, state, param_dtype, grad_dtype)
     return model
 
 

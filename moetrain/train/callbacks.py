@@ -4,6 +4,7 @@ after every step, and at the end (also when the run fails).
     StepProfiling    torch.profiler over train.profile_steps steps (train.profile)
     SkipLimit        stop the run after train.max_consecutive_skips skipped updates in a row
     MetricsLogger    metrics.jsonl / TensorBoard / W&B records, validation loss, the console
+                     line (moetrain/train/console.py)
     Checkpointing    a checkpoint every train.save_every steps and at the end
     GracefulStop     SIGTERM or Ctrl-C: finish the step, save, stop
 
@@ -18,7 +19,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,7 @@ from moetrain.errors import CheckpointError
 from moetrain.parallel.distributed import cpu_group
 from moetrain.train import checkpoint as ckpt
 from moetrain.train.config import RunConfig
+from moetrain.train.console import Progress
 from moetrain.train.engine import StepOutput, TrainEngine
 from moetrain.train.metrics import MetricsWriter
 from moetrain.train.profiling import StepProfiler
@@ -62,15 +64,17 @@ def is_eval_step(cfg: RunConfig, step: int) -> bool:
 
 
 class Evaluator:
-    """The validation loss: `train.eval_batches` fixed micro-batches of the validation tokens
-    (data.val, or the first source's val split), every rank its rows of each."""
+    """The validation loss: the first train.eval_tokens tokens of the validation data (data.val,
+    or the first source's val split) as whole sequences of data.seq_len, per token. The same
+    sequences whatever train.micro_batch_size and the dp, ep or pp layout, so curves compare
+    across runs; batched by the training micro-batch (`val_batches`)."""
 
     def __init__(self, cfg: RunConfig, dp_rank: int, dp_size: int):
         self.cfg, self.dp_rank, self.dp_size = cfg, dp_rank, dp_size
         self.path = cfg.data.val_path()
 
     def __call__(self, engine: TrainEngine) -> float | None:
-        """Mean validation loss over all data-parallel ranks (a collective); None without
+        """Mean validation loss per token over all ranks (a collective); None without
         validation data."""
         if self.path is None:
             return None
@@ -78,8 +82,8 @@ class Evaluator:
         batches = val_batches(
             self.path,
             seq_len=self.cfg.data.seq_len,
+            num_sequences=tc.eval_sequences(self.cfg.data.seq_len),
             micro_batch_size=tc.micro_batch_size,
-            num_batches=tc.eval_batches,
             vocab_size=self.cfg.model.vocab_size,
             dp_rank=self.dp_rank,
             dp_size=self.dp_size,
@@ -141,7 +145,9 @@ class MetricsLogger(Callback):
                     resumed=trainer.resumed_from is not None,
                 )
             self.writer = MetricsWriter(trainer.run.path, tensorboard=tc.tensorboard, wandb=sink)
-        self.progress = Progress(start=trainer.step, total=tc.steps, quiet=trainer.quiet)
+        self.progress = Progress(
+            start=trainer.step, total=tc.steps, quiet=trainer.quiet, device_type=trainer.device.type
+        )
         self._restart_window()
 
     def on_step_end(self, trainer: Trainer, out: StepOutput) -> None:
@@ -158,7 +164,7 @@ class MetricsLogger(Callback):
             record["val_loss"] = self.last_val = self.evaluator(trainer.engine)
         if self.writer is not None:
             self.writer.write(record)
-        self.progress.update(step, record)
+        self.progress.update(step, record, (seconds, self.window_steps))
         self._restart_window()  # evaluation and logging stay out of the next window's rate
 
     def on_fit_end(self, trainer: Trainer, completed: bool) -> None:
@@ -292,35 +298,3 @@ class GracefulStop(Callback):
         if flag.item() and not self.signal_name:
             self.signal_name = "a signal on another rank"
         return bool(flag.item())
-
-
-class Progress:
-    """A tqdm bar on a terminal; a plain line per logged step otherwise (CI logs, pipes)."""
-
-    def __init__(self, start: int, total: int, quiet: bool):
-        self.quiet = quiet
-        self.bar = None
-        if not quiet and sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
-        self.last = start
-
-    def update(self, step: int, record: dict[str, Any] | None) -> None:
-        if self.bar is not None:
-            self.bar.update(step - self.last)
-            if record is not None:
-                self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_sec']:.0f}")
-        elif record is not None and not self.quiet:
-            val = f" val_loss {record['val_loss']:.4f}" if record.get("val_loss") is not None else ""
-            print(
-                f"step {step:>6}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
-                f"{record['tokens_per_sec']:,.0f} tok/s{val}",
-                file=sys.stderr,
-                flush=True,
-            )
-        self.last = step
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()

@@ -13,7 +13,9 @@ Layout: RUN_DIR/checkpoints/step-N/ holds
   - COMPLETE, written last.
 A checkpoint is written under a temporary name and renamed when complete, so a crash never leaves
 a directory that looks finished. Every command taking CHECKPOINT accepts a run directory (its
-newest complete checkpoint) or a step-N directory.
+newest complete checkpoint) or a step-N directory. Before anything is loaded, the checkpoint's
+index and files are checked (moetrain/train/checkpoint_index.py): a damaged checkpoint is named as
+such, with the file, and a model of another shape with the first tensor that differs.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import base64
 import json
 import math
 import os
-import pickle
 import re
 import shutil
 import warnings
@@ -40,6 +41,12 @@ from moetrain.model.experts import GroupedExperts
 from moetrain.model.transformer import canonical_name
 from moetrain.optim.base import FlatShard
 from moetrain.parallel.fsdp import copy_shard, full_tensor, is_sharded, local_flat_range, reshard
+from moetrain.train.checkpoint_index import (  # noqa: F401 (SafeFileSystemReader: ckpt.SafeFileSystemReader)
+    SafeFileSystemReader,
+    diagnose,
+    first_mismatch,
+    read_index,
+)
 from moetrain.train.dcp_shards import CpuStager, ShardLoadPlanner, ShardSavePlanner, ShardWriter
 
 # DCP's note for single-process saves, also from async_save's background thread.
@@ -67,26 +74,57 @@ def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A step-N directory, or a run directory (-> its newest complete checkpoint)."""
+    """A step-N directory, or a run directory (-> its newest complete checkpoint), checked
+    intact (`diagnose`): a damaged one is refused naming the damage (and the newest intact
+    checkpoint before it, if any)."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(
             f"Checkpoint path '{path}' does not exist: pass a run directory or its checkpoints/step-N."
         )
     if (path / COMPLETE).is_file():
-        return path
-    if STEP_DIR.match(path.name):
+        found = path
+    elif STEP_DIR.match(path.name):
         raise CheckpointError(
             f"'{path}' is an incomplete checkpoint (no {COMPLETE} marker: the run was interrupted "
             "while writing it). Use an earlier step or the run directory."
         )
-    found = list_checkpoints(path)
-    if not found:
-        raise CheckpointError(
-            f"'{path}' holds no complete checkpoint (looked for {checkpoints_dir(path)}/step-N/"
-            f"{COMPLETE}). Train with --save-every N, or point at a step-N directory."
-        )
-    return found[-1][1]
+    else:
+        complete = list_checkpoints(path)
+        if not complete:
+            raise CheckpointError(
+                f"'{path}' holds no complete checkpoint (looked for {checkpoints_dir(path)}/step-N/"
+                f"{COMPLETE}). Train with --save-every N, or point at a step-N directory."
+            )
+        found = complete[-1][1]
+    damage = diagnose(found)
+    if damage is not None:
+        raise CheckpointError(damaged(found, damage))
+    return found
+
+
+def damaged(path: Path, damage: str) -> str:
+    """The message for a checkpoint `diagnose` found damaged, with the newest intact one
+    before it."""
+    m = STEP_DIR.match(path.name)
+    earlier = [p for s, p in list_checkpoints(path.parent.parent) if m and s < int(m.group(1))]
+    intact = next((p for p in reversed(earlier) if diagnose(p) is None), None)
+    instead = (
+        f"the newest intact checkpoint before it is {intact}: pass that one"
+        if intact
+        else "no intact checkpoint precedes it"
+    )
+    return (
+        f"Checkpoint '{path}' is damaged: {damage}. {instead[0].upper()}{instead[1:]} (`moetrain train … --resume` "
+        "falls back to it by itself), or restore the files from a copy."
+    )
+
+
+def estimated_bytes(num_params: int, optimizer_bytes_per_param: int = 0) -> int:
+    """About what a checkpoint of `num_params` parameters takes on disk: fp32 weights (4 B per
+    parameter) and the optimizer state saved with them (AdamW's two moments: 8 B, or 4 B in
+    bf16), plus 1% and 1 MiB for DCP's per-entry headers, the index and the small files."""
+    return int(num_params * (4 + optimizer_bytes_per_param) * 1.01) + (1 << 20)
 
 
 def save_checkpoint(
@@ -207,6 +245,7 @@ def load_checkpoint(
     one for it); return the trainer state. DCP coordinates over `process_group` (as for
     `save_checkpoint`). The caller finishes the load (`TrainEngine.checkpoint_loaded`,
     `load_model_state_dict`)."""
+    check_loadable(path, state)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
@@ -216,23 +255,35 @@ def load_checkpoint(
                 planner=ShardLoadPlanner(),
                 process_group=process_group,
             )
-    # DCP reports mismatches as CheckpointException, a BaseException that wraps per-rank errors.
+    # DCP reports failures as CheckpointException, a BaseException that wraps per-rank errors.
     except (Exception, CheckpointException) as e:
-        if "a checkpoint index never holds" in _all_text(e):
-            raise CheckpointError(
-                f"Checkpoint '{path}' was refused: its index (.metadata) names code to run "
-                f"({_all_text(e).split('checkpoint metadata names ')[1].split(',')[0]}), which a checkpoint "
-                "never needs. The file was tampered with or is not a moetrain checkpoint; nothing was executed."
-            ) from None
+        damage = diagnose(path)  # a file that went missing since: say which
+        if damage is not None:
+            raise CheckpointError(damaged(path, damage)) from None
         raise CheckpointError(
-            f"Checkpoint '{path}' does not fit this model: {_first_line(e)}. It was saved from a "
-            f"different model shape; check its config.yaml against the current model config."
+            f"Checkpoint '{path}' could not be read: {_first_line(e)}. Its index and files look intact; if the "
+            "problem stays, load an earlier checkpoint."
         ) from None
     rng_file = path / f"rng-rank{rank}.json"
     if restore_rng and rng_file.is_file():
         set_rng_state(json.loads(rng_file.read_text()))
     trainer_state_file = path / "trainer_state.json"
     return json.loads(trainer_state_file.read_text()) if trainer_state_file.is_file() else {}
+
+
+def check_loadable(path: Path, state: dict[str, Any]) -> None:
+    """Refuse, before reading any tensor, a damaged checkpoint (`diagnose`) or one that lacks an
+    entry of `state` or holds it with another shape (the first such entry, both shapes)."""
+    metadata, damage = read_index(path)
+    damage = damage or diagnose(path)
+    if damage is not None:
+        raise CheckpointError(damaged(path, damage))
+    mismatch = first_mismatch(metadata, state)
+    if mismatch is not None:
+        raise CheckpointError(
+            f"Checkpoint '{path}' does not fit this model: {mismatch}; check its config.yaml against the current "
+            "model config."
+        )
 
 
 def load_model(path: Path, model: nn.Module, masters: dict[str, torch.Tensor] | None = None) -> None:
@@ -242,69 +293,6 @@ def load_model(path: Path, model: nn.Module, masters: dict[str, torch.Tensor] | 
     state = {"model": model_state_dict(model, masters)}
     load_checkpoint(path, state)
     load_model_state_dict(model, state["model"])
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP writes its index (`.metadata`) with pickle, and loading a pickle can run any code it
-    names. This unpickler resolves only the classes such an index holds — DCP's metadata
-    records, torch.Size, dtypes, memory-format/layout helpers, paths — and refuses the rest, so a
-    tampered checkpoint cannot execute code when it is loaded."""
-
-    _MODULES = {
-        "torch.distributed.checkpoint.metadata",
-        "torch.distributed.checkpoint.filesystem",
-        "torch.distributed.checkpoint.planner",
-    }
-    _NAMES = {
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),
-        ("collections", "OrderedDict"),
-        ("pathlib", "PosixPath"),
-        ("pathlib", "PurePosixPath"),
-        ("pathlib", "Path"),
-        ("pathlib", "WindowsPath"),
-        ("pathlib", "PureWindowsPath"),
-        ("builtins", "set"),
-        ("builtins", "frozenset"),
-        ("builtins", "slice"),
-    }
-
-    def find_class(self, module: str, name: str):
-        if module in self._MODULES and not name.startswith("__"):
-            return super().find_class(module, name)
-        if (module, name) in self._NAMES:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(
-            getattr(torch, name, None), (torch.dtype, torch.memory_format, torch.layout)
-        ):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"checkpoint metadata names {module}.{name}, which a checkpoint index never holds")
-
-
-class _SafePickle:
-    """Stands in for the `pickle` module inside DCP's filesystem reader while it reads metadata."""
-
-    def __getattr__(self, name):
-        return getattr(pickle, name)
-
-    @staticmethod
-    def load(file, **kwargs):
-        return _MetadataUnpickler(file).load()
-
-
-class SafeFileSystemReader(dcp.FileSystemReader):
-    """`dcp.FileSystemReader` whose metadata is read with `_MetadataUnpickler` (tensor data is
-    read by DCP with torch.load(weights_only=True) already)."""
-
-    def read_metadata(self, *args, **kwargs):
-        import torch.distributed.checkpoint.filesystem as fs_module
-
-        real = fs_module.pickle
-        fs_module.pickle = _SafePickle()
-        try:
-            return super().read_metadata(*args, **kwargs)
-        finally:
-            fs_module.pickle = real
 
 
 # ---- the layout-free entries ------------------------------------------------------------------
@@ -503,18 +491,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _all_text(e: BaseException) -> str:
-    """The message of an exception and of what it wraps (DCP wraps per-rank failures)."""
-    parts = [str(e)]
-    failures = getattr(e, "failures", None)
-    if isinstance(failures, dict):
-        parts += [repr(v) for v in failures.values()]
-    cause = e.__cause__ or e.__context__
-    if cause is not None and cause is not e:
-        parts.append(str(cause))
-    return " ".join(parts)
 
 
 def _first_line(e: BaseException) -> str:

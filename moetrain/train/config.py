@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import sys
+from typing import Any
 
 import torch
 
-from moetrain.config import Config, validate_tree
+from moetrain.config import Config, non_negative, positive, validate_tree
 from moetrain.data.config import DataConfig
 from moetrain.errors import ConfigError
-from moetrain.model.config import Fp8, TransformerConfig
+from moetrain.model.config import MAX_LAYERS, Fp8, TransformerConfig
 from moetrain.optim.config import OptimConfig, ScheduleConfig
 from moetrain.parallel.config import DispatcherKind, ParallelConfig, PipelineSchedule, Recompute, Stack
 from moetrain.parallel.dims import ParallelDims
@@ -32,35 +34,47 @@ class Precision(enum.StrEnum):
     """bf16 autocast for matmuls; parameters, gradients and AdamW state stay fp32."""
 
 
+MAX_STEPS = 10**9
+"""The most steps (and step intervals) a run may ask for: 10^4 × a trillion-parameter run's."""
+MAX_BATCH = 10**8
+"""The most sequences a (micro-)batch may hold: 10^4 × the largest preset's."""
+
 DEFAULT_LOSS_CHUNK_TOKENS = 4096
 """`train.loss_chunk_tokens` on CUDA when not set."""
 
 
 @dataclasses.dataclass(kw_only=True)
 class TrainerConfig(Config):
-    steps: int = 300
+    steps: int = positive(300, at_most=MAX_STEPS)
     """Optimizer steps."""
-    global_batch_size: int = 32
+    global_batch_size: int = positive(32, at_most=MAX_BATCH)
     """Sequences per optimizer step, summed over data-parallel ranks."""
-    micro_batch_size: int = 32
+    micro_batch_size: int = positive(32, at_most=MAX_BATCH)
     """Sequences per forward/backward, summed over data-parallel ranks; gradient accumulation
     steps = global_batch_size / micro_batch_size."""
-    seed: int = 0
+    seed: int = non_negative(0, at_most=2**62)
     """Seed of the initialization, the data order and random routing."""
     device: str = "auto"
     """cpu, cuda, cuda:N or auto (cuda when available)."""
     precision: Precision = Precision.auto
     """fp32, bf16 (autocast, or bf16 weights with optim.bf16_weights) or auto (bf16 on CUDA,
     fp32 on CPU)."""
-    run_dir: str = "runs/default"
-    """Where config.yaml, metrics.jsonl, checkpoints/ and the plots go (--run-dir)."""
-    log_every: int = 10
+    run_dir: str | None = None
+    """Where config.yaml, metrics.jsonl, checkpoints/ and the plots go (--run-dir). None: runs/NAME,
+    NAME being the preset's or the YAML file's (of a config.yaml, its directory's); when that
+    holds a run already, the next number (runs/NAME-2, runs/NAME-3, …: one past the newest), and
+    with --resume the newest of them (moetrain/train/run_dir.py). The start-up header prints the
+    one chosen; the run's config.yaml records it."""
+    log_every: int = positive(10, at_most=MAX_STEPS)
     """Write metrics.jsonl (and sync the device) every N steps; the first and last steps always."""
-    eval_every: int = 100
+    eval_every: int = non_negative(100, at_most=MAX_STEPS)
     """Validation loss every N steps (and at the end); 0 = never."""
-    eval_batches: int = 8
-    """Validation micro-batches per evaluation."""
-    save_every: int = 100
+    eval_tokens: int = positive(65_536, at_most=10**12)
+    """Validation tokens per evaluation: the first eval_tokens // data.seq_len sequences of the
+    validation data (at least one; all of it when it holds fewer), the loss averaged per token.
+    The same set whatever train.micro_batch_size and the layout, so validation curves compare
+    across runs. (Replaces train.eval_batches, a count of micro-batches.)"""
+    save_every: int = non_negative(100, at_most=MAX_STEPS)
     """Checkpoint every N steps (and at the end); 0 = only at the end."""
     save_final: bool = True
     """Checkpoint after the last step (turn off for benchmark runs)."""
@@ -68,7 +82,7 @@ class TrainerConfig(Config):
     """Write checkpoints in the background (torch.distributed.checkpoint async_save): the
     tensors are copied to host memory at the save step and training goes on; the checkpoint
     appears, complete, when the write has finished (checked at the next save and at the end)."""
-    keep_last: int = 3
+    keep_last: int = non_negative(3, at_most=MAX_STEPS)
     """Checkpoints to keep; older ones are deleted. 0 keeps all."""
     init_from: str | None = None
     """Start from the model weights of this checkpoint (a run directory, a step-N directory, or
@@ -79,12 +93,12 @@ class TrainerConfig(Config):
     recompute: Recompute = Recompute.none
     """Activation recompute: none, full (keep only each block's input) or selective (also keep
     the matrix products' and collectives' outputs)."""
-    recompute_every: int = 1
+    recompute_every: int = positive(1, at_most=MAX_LAYERS)
     """With recompute: only every Nth block (blocks 0, N, 2N, …) recomputes; the others keep
     their activations (less recompute, more memory)."""
     compile: bool = False
     """torch.compile each block."""
-    loss_chunk_tokens: int | None = None
+    loss_chunk_tokens: int | None = non_negative(None, at_most=2**31)
     """The LM loss over chunks of this many tokens, so that only one chunk's logits exist at a
     time (moetrain/model/loss.py); 0 = the plain path (logits of the whole micro-batch). None =
     4096 on CUDA, 0 on CPU. Pipeline stages use the plain path."""
@@ -100,26 +114,43 @@ class TrainerConfig(Config):
     """The W&B run name; default: the run directory's name."""
     plot: bool = True
     """Write RUN_DIR/loss.png at the end (when matplotlib is installed)."""
-    skip_spike_sigma: float = 6.0
+    skip_spike_sigma: float = non_negative(6.0)
     """Skip an update whose loss or gradient norm exceeds the mean of the last `skip_window`
     accepted steps by this many standard deviations (0: only non-finite values are skipped)."""
-    skip_window: int = 128
+    skip_window: int = positive(128, at_most=10**6)
     """Accepted steps the spike statistics cover (detection starts after half of them)."""
-    max_consecutive_skips: int = 10
+    max_consecutive_skips: int = non_negative(10, at_most=MAX_STEPS)
     """Stop with an error after this many skipped updates in a row (0: never)."""
     profile: bool = False
     """Record a window of steps with torch.profiler (and, on CUDA, a memory snapshot) into
     RUN_DIR/profile (moetrain/train/profiling.py)."""
-    profile_wait: int = 5
+    profile_wait: int = non_negative(5, at_most=MAX_STEPS)
     """Steps before the profiled window (compilation and warm-up stay outside it)."""
-    profile_steps: int = 3
+    profile_steps: int = positive(3, at_most=10**4)
     """Steps in the profiled window."""
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], prefix: str = "") -> TrainerConfig:
+        """`Config.from_dict`, reading the config.yaml of runs made before train.eval_tokens:
+        their train.eval_batches is dropped with a note."""
+        if isinstance(data, dict) and "eval_batches" in data:
+            data = {k: v for k, v in data.items() if k != "eval_batches"}
+            print(
+                f"note: {prefix}eval_batches is no longer a key (an earlier version's config); ignored: "
+                f"validation reads {prefix}eval_tokens tokens, whatever the micro-batch size.",
+                file=sys.stderr,
+            )
+        return super().from_dict(data, prefix)
 
     def resolved_loss_chunk_tokens(self, device_type: str) -> int:
         """train.loss_chunk_tokens on this device (its default when None)."""
         if self.loss_chunk_tokens is not None:
             return self.loss_chunk_tokens
         return DEFAULT_LOSS_CHUNK_TOKENS if device_type == "cuda" else 0
+
+    def eval_sequences(self, seq_len: int) -> int:
+        """Validation sequences per evaluation (train.eval_tokens in whole sequences, ≥ 1)."""
+        return max(1, self.eval_tokens // seq_len)
 
     @property
     def grad_accum_steps(self) -> int:
@@ -131,7 +162,7 @@ class TrainerConfig(Config):
             "global_batch_size",
             "micro_batch_size",
             "log_every",
-            "eval_batches",
+            "eval_tokens",
             "recompute_every",
             "skip_window",
         ):
@@ -180,7 +211,7 @@ class RunConfig(Config):
         the layout on that many ranks; with `device`, what the device must support. Raises
         `ConfigError` naming the fields."""
         for f in dataclasses.fields(self):
-            validate_tree(getattr(self, f.name))
+            validate_tree(getattr(self, f.name), f"{f.name}.")
         m, tc, p = self.model, self.train, self.parallel
         has_moe = m.num_moe_layers > 0
         if has_moe and m.moe.num_experts % p.ep:

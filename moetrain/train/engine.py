@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,6 +98,7 @@ class TrainEngine:
             recompute_every=tc.recompute_every,
             compile=tc.compile,
             param_dtype=self.amp_dtype,
+            grad_dtype=cfg.optim.grad_dtype.dtype,
         )
         model.to_empty(device=device)
         # Under FSDP each parameter is a shard: initialized on a full temporary, shard kept.
@@ -219,23 +221,32 @@ class TrainEngine:
 
     # ---- evaluation --------------------------------------------------------------------------------
     @torch.no_grad()
-    def eval_loss(self, batches) -> float:
-        """Mean LM loss over `batches` (this rank's rows of each validation micro-batch), over
-        all data-parallel ranks; one host read. The training RNG stream is left untouched."""
+    def eval_loss(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor, int]]) -> float:
+        """Mean LM loss per token over `batches` (`val_batches`: this rank's rows of each
+        validation batch, and how many of them count) on all ranks; every sequence has
+        data.seq_len tokens, so a batch's mean counts by its rows. One all-reduce, one host
+        read. The training RNG stream is left untouched."""
         self.model.eval()
-        total, count = torch.zeros((), device=self.device), 0
+        # float64 sums: the result then barely depends on how the sequences were batched.
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)  # (Σ rows × mean loss, Σ rows)
+        counts = self.pipeline is None or self.pipeline.has_last  # the ranks that hold the loss
         # Eval must not shift the training RNG stream (random routing draws from it).
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            for inputs_BT, targets_BT in batches:
+            for inputs_BT, targets_BT, rows in batches:
                 inputs_BT, targets_BT = inputs_BT.to(self.device), targets_BT.to(self.device)
                 if self.pipeline is not None:
-                    total += self.pipeline.eval_loss_sum(inputs_BT, targets_BT, self._document_ids(inputs_BT))
+                    loss = self.pipeline.eval_loss_sum(inputs_BT, targets_BT, self._document_ids(inputs_BT))
                 else:
-                    total += self.lm_loss(inputs_BT, targets_BT)
-                count += 1
+                    loss = self.lm_loss(inputs_BT, targets_BT)
+                if rows and counts:  # a stand-in row (rows 0) only keeps the collectives in step
+                    total[0] += loss.double() * rows
+                    total[1] += rows
         self.model.train()
         reshard(self.model)  # FSDP: no gathered root parameters left between steps
-        return self.global_mean(total / max(count, 1)).item()
+        if self.par.world_group is not None:
+            dist.all_reduce(total, group=self.par.world_group)
+        loss_sum, num_rows = total.tolist()
+        return loss_sum / max(num_rows, 1)
 
     def global_mean(self, values: torch.Tensor) -> torch.Tensor:
         """Per-rank values held by one pipeline stage's dp ranks (zeros elsewhere) -> their mean

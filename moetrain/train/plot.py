@@ -9,6 +9,13 @@ from pathlib import Path
 from moetrain.errors import install_hint, require
 from moetrain.train.metrics import read_metrics
 
+IMAGE_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg", ".webp", ".eps", ".tif", ".tiff")
+"""What `plot_compare` writes in the format its name says (any other name gets a PNG)."""
+
+
+def is_image_name(path: str | Path) -> bool:
+    return Path(path).suffix.lower() in IMAGE_SUFFIXES
+
 
 def plot_run(run_dir: str | Path) -> Path | None:
     """Draw the run's metrics.jsonl; returns the PNG path (None, with a note on stderr, when
@@ -53,8 +60,8 @@ def plot_run(run_dir: str | Path) -> Path | None:
 
 
 def plot_compare(run_dirs: list[str | Path], out: str | Path) -> Path:
-    """Loss curves (train lm_loss and val loss) of several runs in one PNG, to compare layouts
-    or settings. Needs matplotlib."""
+    """Loss curves (train lm_loss and val loss) of several runs in one PNG (or the image format
+    `out`'s suffix names), to compare layouts or settings. Needs matplotlib."""
     matplotlib = require("matplotlib", "moetrain plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -76,6 +83,7 @@ def plot_compare(run_dirs: list[str | Path], out: str | Path) -> Path:
     ax.legend()
     fig.tight_layout()
     out = Path(out)
-    fig.savefig(out, dpi=100)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100, format=out.suffix[1:].lower() if is_image_name(out) else "png")
     plt.close(fig)
     return out

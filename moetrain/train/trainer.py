@@ -12,20 +12,26 @@ loop, and nothing else:
                                                        checkpoint, graceful stop
 
 Nothing in a step copies from the device to the host: losses, gradient norms and routing
-statistics stay device tensors, read only on logging steps (every `train.log_every`).
+statistics stay device tensors, read only on logging steps (every `train.log_every`). A step that
+runs out of device memory ends the run with one paragraph (moetrain/train/oom.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from moetrain.errors import CheckpointError
 from moetrain.model.counting import count_params
 from moetrain.parallel.distributed import cpu_group
 from moetrain.train import checkpoint as ckpt
+from moetrain.train import console, oom
 from moetrain.train.callbacks import (
     Callback,
     Checkpointing,
@@ -39,23 +45,29 @@ from moetrain.train.config import RunConfig
 from moetrain.train.engine import Batch, StepOutput, TrainEngine
 from moetrain.train.plot import plot_run
 from moetrain.train.profiling import StepProfiler
-from moetrain.train.run_dir import RunDir
+from moetrain.train.run_dir import RunDir, default_run_dir
 from moetrain.train.runtime import setup_runtime
 from moetrain.train.wandb_sink import require_wandb
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, *, resume: bool = False, quiet: bool = False):
+    def __init__(self, cfg: RunConfig, *, resume: bool = False, quiet: bool = False, name: str = "run"):
         """Build the run on this rank (every rank of a torchrun launch does the same); with
-        `resume`, continue from the run directory's newest complete checkpoint."""
-        self.cfg = cfg
-        tc = cfg.train
-        if tc.wandb:
+        `resume`, continue from the run directory's newest complete checkpoint. Without
+        train.run_dir the run directory is `default_run_dir(name, resume)` (`moetrain train`
+        passes the preset's or YAML file's name); `self.cfg` holds the one chosen."""
+        if cfg.train.wandb:
             require_wandb()
         runtime = setup_runtime(cfg)
         self.device, self.par = runtime.device, runtime.par
         self.quiet = quiet or not self.par.is_main
-        self.run = RunDir(tc.run_dir, main=self.par.is_main)
+        note = ""
+        if cfg.train.run_dir is None:
+            run_dir, note = self._default_run_dir(name, resume)
+            cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, run_dir=str(run_dir)))
+        self.cfg = cfg
+        tc = cfg.train
+        self.run = RunDir(tc.run_dir, main=self.par.is_main, **_checkpoint_need(cfg))
         torch.manual_seed(tc.seed)
         self.loader = cfg.data.build(
             micro_batch_size=tc.micro_batch_size,
@@ -72,11 +84,20 @@ class Trainer:
         self.resumed_from: Path | None = None
         self.summary: dict[str, Any] = {}
         self._stopping = False
+        self._notes: list[str] = []
+        self.finished_at: int | None = None
+        """With `resume`: the step of a checkpoint at or past train.steps (nothing left to do)."""
         if resume:
             self._resume()
         else:
             self._start_fresh()
-        self.run.write_config(cfg.to_yaml(), self.loader.tokenizer_path)
+        if self.finished_at is None:  # a finished run stays exactly as it was
+            self.run.create()
+            self.run.write_config(cfg.to_yaml(), self.loader.tokenizer_path)
+        # Once nothing can refuse the run any more: a user mistake stays one paragraph.
+        if not self.quiet:
+            lines = [console.header(cfg, self.par.dims, self.device, self.run.path, note), *self._notes]
+            print("\n".join(lines), file=sys.stderr, flush=True)
 
     # ---- the loop ------------------------------------------------------------------------------
     def next_batches(self) -> list[Batch]:
@@ -90,8 +111,11 @@ class Trainer:
         return out
 
     def fit(self) -> dict[str, Any]:
-        """Train to train.steps (or until stopped); write and return the run's summary."""
+        """Train to train.steps (or until stopped); write and return the run's summary. A
+        resumed run that had finished already changes nothing and returns its summary."""
         tc = self.cfg.train
+        if self.finished_at is not None:
+            return self._already_finished()
         self.summary = self.run.read_summary() if self.resumed_from is not None else {}
         if "initial_val_loss" not in self.summary and tc.eval_every > 0:
             self.summary["initial_val_loss"] = self.evaluator(self.engine)
@@ -105,11 +129,18 @@ class Trainer:
         ]
         self._stopping = False
         completed = False
+        first_step = self.step
         try:
             for callback in callbacks:
                 callback.on_fit_start(self)
             while self.step < tc.steps and not self._stopping:
-                out = self.train_step()
+                out_of_memory = None
+                try:
+                    out = self.train_step()
+                except torch.OutOfMemoryError as e:
+                    out_of_memory = self._out_of_memory(e, first=self.step == first_step)
+                if out_of_memory is not None:  # raised here: the step's frames (and memory) are gone
+                    raise out_of_memory
                 for callback in callbacks:
                     callback.on_step_end(self, out)
             completed = True
@@ -144,28 +175,50 @@ class Trainer:
         if self.cfg.train.init_from:
             path = ckpt.resolve_checkpoint(self.cfg.train.init_from)
             self.engine.load_model_weights(path)
-            if not self.quiet:
-                print(f"initialized the model from {path} (train.init_from)", file=sys.stderr)
+            self._notes.append(f"initialized the model from {path} (train.init_from)")
 
     def _resume(self) -> None:
+        """From the newest intact complete checkpoint: damaged ones (`ckpt.diagnose`) are
+        skipped, said and moved aside (so that retention never keeps them over good ones); with
+        none complete, a fresh start; with all damaged, a refusal."""
         found = self.run.checkpoints()
         partial = self.run.partial_checkpoints()
-        if partial and not self.quiet:
-            print(
+        if partial:
+            self._notes.append(
                 f"--resume: ignoring {len(partial)} incomplete checkpoint(s) (interrupted while writing): "
-                f"{', '.join(p.name for p in partial)}",
-                file=sys.stderr,
+                f"{', '.join(p.name for p in partial)}"
             )
         if not found:
-            if not self.quiet:
-                print(f"--resume: no complete checkpoint in {self.run.path}; starting from step 0", file=sys.stderr)
+            self._notes.append(f"--resume: no complete checkpoint in {self.run.path}; starting from step 0")
             self._start_fresh()  # the records of the lost steps go too
             return
-        path = found[-1][1]
+        path, damaged = None, []
+        for _, candidate in reversed(found):
+            damage = ckpt.diagnose(candidate)
+            if damage is None:
+                path = candidate
+                break
+            damaged.append((candidate, damage))
+        if path is None:
+            raise CheckpointError(
+                f"--resume: every checkpoint in {ckpt.checkpoints_dir(self.run.path)} is damaged: "
+                + "; ".join(f"{p.name}: {d}" for p, d in damaged)
+                + ". Restore the files from a copy, or start a new run with another --run-dir."
+            )
+        for candidate, damage in damaged:
+            aside = self.run.move_aside(candidate)
+            self._notes.append(
+                f"--resume: skipped {candidate.name}, which is damaged ({damage})"
+                + (f"; moved to {aside.name}" if aside else "")
+            )
+        state = self.engine.checkpoint_state()
+        saved_step = json.loads((path / "trainer_state.json").read_text())["step"]
+        if saved_step >= self.cfg.train.steps:
+            ckpt.check_loadable(path, state)  # the same model, or refused as any resume is
+            self.finished_at, self.resumed_from = saved_step, path
+            return
         group = cpu_group() if self.par.dims.world_size > 1 else None
-        trainer_state = ckpt.load_checkpoint(
-            path, self.engine.checkpoint_state(), rank=self.par.rank, restore_rng=True, process_group=group
-        )
+        trainer_state = ckpt.load_checkpoint(path, state, rank=self.par.rank, restore_rng=True, process_group=group)
         self.engine.checkpoint_loaded()
         self.step = trainer_state["step"]
         self.loader.load_state_dict(trainer_state["loader"])
@@ -173,10 +226,49 @@ class Trainer:
             self.engine.guard.load_state_dict(trainer_state["guard"])
         self.resumed_from = path
         self.run.keep_records_up_to(self.step)
-        if not self.quiet:
-            print(f"resumed from {path} (step {self.step})", file=sys.stderr)
+        self._notes.append(f"resumed from {path} (step {self.step})")
+
+    def _already_finished(self) -> dict[str, Any]:
+        """The summary of a run whose checkpoint is at train.steps already, as it was (written
+        only when the run was stopped before it could write one)."""
+        self.summary, changed = self.run.read_summary(), "nothing changed"
+        if not self.summary:
+            self.step = self.finished_at
+            self.summary = self._final_summary(self.run.last_val_loss(self.finished_at))
+            self.run.write_summary(self.summary)
+            changed = "wrote its missing summary.json"
+        if self.par.is_main:
+            print(
+                f"--resume: {self.run.path} already finished at step {self.finished_at} (train.steps="
+                f"{self.cfg.train.steps}; checkpoint {self.resumed_from}): nothing to do, {changed}. "
+                "Raise --steps to train further.",
+                file=sys.stderr,
+                flush=True,
+            )
+        return self.summary
+
+    def _out_of_memory(self, error: torch.OutOfMemoryError, first: bool) -> oom.OutOfMemory:
+        """The run's end after a step ran out of device memory (see moetrain/train/oom.py)."""
+        self.checkpointing.finish()  # a background write holds an earlier step: complete it
+        peak, capacity, name = oom.device_memory(self.device)
+        return oom.OutOfMemory(
+            step=self.step + 1,
+            first=first,
+            peak=peak,
+            capacity=capacity,
+            device_name=name,
+            last_checkpoint=self.run.last_checkpoint(),
+            error=error,
+        )
 
     # ---- the rest ------------------------------------------------------------------------------
+    def _default_run_dir(self, name: str, resume: bool) -> tuple[Path, str]:
+        """Rank 0 picks it (before any rank creates it), the others take its answer."""
+        choice = [default_run_dir(name, resume) if self.par.is_main else None]
+        if self.par.dims.world_size > 1:
+            dist.broadcast_object_list(choice, src=0, group=cpu_group())
+        return choice[0]
+
     def profiler(self, out_dir: Path, wait: int | None = None) -> StepProfiler:
         """A profiler over `train.profile_steps` steps after `wait` (default train.profile_wait);
         with several ranks each writes its own rank-R subdirectory."""
@@ -198,3 +290,17 @@ class Trainer:
             "checkpoint": self.run.last_checkpoint(),
             "metrics": str(self.run.metrics_file),
         }
+
+
+def _checkpoint_need(cfg: RunConfig) -> dict[str, Any]:
+    """`RunDir`'s free-space check: one checkpoint of this run, when it writes any."""
+    tc = cfg.train
+    if tc.save_every <= 0 and not tc.save_final:
+        return {}
+    params = count_params(cfg.model).total
+    optimizer = 2 * cfg.optim.moments_dtype.dtype.itemsize
+    return {
+        "checkpoint_bytes": ckpt.estimated_bytes(params, optimizer),
+        "checkpoint_detail": f"a checkpoint of this run ({params / 1e6:,.1f}M parameters × {4 + optimizer} bytes: "
+        "fp32 weights and AdamW's two moments)",
+    }

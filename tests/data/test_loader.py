@@ -147,24 +147,43 @@ def test_missing_source_directory(tmp_path):
         _loader([str(tmp_path / "missing")])
 
 
+def _windows(batches):
+    """The val windows a rank's batches count (window index from the first token), and the
+    row count of each batch."""
+    batches = list(batches)
+    counted = [int(x[r, 0]) // T - 50_000 // T for x, _, rows in batches for r in range(rows)]
+    return counted, [x.shape[0] for x, _, _ in batches]
+
+
 def test_val_batches_are_sequential_and_dp_independent(tmp_path):
     src = _source(tmp_path, "a", 0, 5, val_windows=10)
-    batches = list(val_batches(src, seq_len=T, micro_batch_size=4, num_batches=2))
-    starts = [int(x[r, 0]) - 50_000 for x, _ in batches for r in range(4)]
-    assert starts == [k * T for k in range(8)]
+    batches = list(val_batches(src, seq_len=T, num_sequences=8, micro_batch_size=4))
+    assert _windows(batches) == (list(range(8)), [4, 4])
     halves = [
-        list(val_batches(src, seq_len=T, micro_batch_size=4, num_batches=2, dp_rank=r, dp_size=2)) for r in range(2)
+        list(val_batches(src, seq_len=T, num_sequences=8, micro_batch_size=4, dp_rank=r, dp_size=2)) for r in range(2)
     ]
     for b in range(2):
         assert torch.equal(torch.cat([halves[0][b][0], halves[1][b][0]]), batches[b][0])
 
 
+@pytest.mark.parametrize("num, m, dp", [(7, 4, 2), (9, 4, 4), (3, 8, 4), (10, 6, 2), (5, 2, 1)])
+def test_val_batches_count_the_same_sequences_in_equal_shapes_on_every_rank(tmp_path, num, m, dp):
+    """Whatever the micro-batch and dp: windows 0 … num-1, each counted once; in each batch all
+    ranks have the same rows (an expert-parallel exchange needs it), stand-ins counting 0."""
+    src = _source(tmp_path, "a", 0, 5, val_windows=10)
+    ranks = [
+        _windows(val_batches(src, seq_len=T, num_sequences=num, micro_batch_size=m, dp_rank=r, dp_size=dp))
+        for r in range(dp)
+    ]
+    assert sorted(w for counted, _ in ranks for w in counted) == list(range(num))
+    assert all(shapes == ranks[0][1] for _, shapes in ranks)
+
+
 def test_val_batches_use_what_there_is(tmp_path):
     src = _source(tmp_path, "a", 0, 5, val_windows=10)
-    assert len(list(val_batches(src, seq_len=T, micro_batch_size=4, num_batches=99))) == 2
-    small = _source(tmp_path, "b", 0, 5, val_windows=3)  # fewer windows than one batch
-    ((x, _),) = list(val_batches(small, seq_len=T, micro_batch_size=4, num_batches=5))
-    assert [int(v) - 50_000 for v in x[:, 0]] == [0, 8, 16, 0]  # wraps around
+    assert _windows(val_batches(src, seq_len=T, num_sequences=99, micro_batch_size=4)) == (list(range(10)), [4, 4, 2])
+    small = _source(tmp_path, "b", 0, 5, val_windows=3)  # fewer windows than one batch: no repeats
+    assert _windows(val_batches(small, seq_len=T, num_sequences=5, micro_batch_size=4)) == ([0, 1, 2], [3])
 
 
 def test_resolve_val_path(tmp_path):

@@ -377,3 +377,39 @@ def test_fused_permutation_compiled_on_cuda_is_within_bf16_rounding_of_float64()
     assert ((gx.double() - want_gx).abs() <= K * ulp * (gb.abs() * wb.sum(1, keepdim=True))).all()
     want_gw = (xb * gb).sum(1, keepdim=True).expand(-1, K)  # summed in fp32, not rounded to bf16
     assert ((gw.double() - want_gw).abs() <= 1e-5 * (xb * gb).abs().sum(1, keepdim=True)).all()
+
+
+def test_an_over_large_micro_batch_stops_with_one_paragraph_naming_the_plans_layout(tmp_path, capsys):
+    """bench-8e with a micro-batch `moetrain plan` predicts at over 1.5× the device's memory,
+    one step: exit 2 with one paragraph (the step, the peak, the capacity, the plan's layout that
+    fits), no traceback, no partial checkpoint. The paragraph goes into docs/reliability.md."""
+    from moetrain.cli import main
+    from moetrain.plan import plan
+    from moetrain.presets import resolve_config
+
+    overrides = [
+        "data.synthetic=true",
+        f"train.run_dir={tmp_path / 'run'}",
+        "train.device=cuda",
+        "train.compile=false",
+        "train.steps=1",
+        "train.eval_every=0",
+        "train.save_every=1",
+        "train.tensorboard=false",
+        "train.plot=false",
+    ]
+    capacity_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    rows = 2
+    while True:
+        batch = [f"train.micro_batch_size={rows}", f"train.global_batch_size={rows}"]
+        if plan(resolve_config("bench-8e", overrides + batch), 1, "h200").peak_mem_gib_per_device > 1.5 * capacity_gib:
+            break
+        rows *= 2
+    assert main(["train", "bench-8e", *[f"--{o}" for o in overrides + batch], "--quiet"]) == 2
+    err = capsys.readouterr().err
+    print(err)  # the message recorded in docs/reliability.md
+    assert err.startswith("error: Out of memory on ") and "Traceback" not in err and err.count("\n") == 1, err
+    for words in ("in step 1 (the first step", "GiB of the device's", "moetrain plan", "--train.micro_batch_size="):
+        assert words in err, (words, err)
+    assert "no checkpoint was written yet" in err
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())

@@ -75,7 +75,7 @@ def test_checkpoint_written_at_one_layout_resumes_at_others(real_text_dir, tmp_p
 FSDP = "parallel.stack=fsdp"
 # Evaluation too: FSDP's root keeps its parameters gathered after a no-grad forward, and a save
 # follows it.
-EVERY_2 = ["train.save_every=2", "train.eval_every=2", "train.eval_batches=2"]
+EVERY_2 = ["train.save_every=2", "train.eval_every=2", "train.eval_tokens=256"]  # 8 sequences of 32
 
 
 def _fork(source, target, keep_through):

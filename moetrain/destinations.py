@@ -1,0 +1,101 @@
+"""Where a command writes, checked before it writes anything.
+
+Every command that writes — train's run directory, prepare-data's --out, export-hf's and
+import-hf's OUT_DIR, plot's --out — checks its destination first, so that one it cannot use is
+one paragraph naming the path and the fix instead of a traceback half-way through the work:
+
+    check_directory    a file where the directory (or one above it) belongs; no permission to
+                       create it or write in it
+    check_overwrite    a directory that already holds files the command would replace
+                       (the command's --force replaces them)
+    check_free_space   less free disk than the command is about to write, where that is known
+                       beforehand (a checkpoint: its parameter count × bytes per parameter)
+    check_file         the same for a single output file (plot --out)
+
+Nothing here creates anything: a command refused here leaves no directory behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+from moetrain.errors import ConfigError
+
+
+def nearest_existing(path: Path) -> Path:
+    """`path`, or the closest directory above it that exists (absolute)."""
+    path = Path(os.path.abspath(path))
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_directory(path: str | Path, what: str, fix: str) -> None:
+    """Refuse a directory that cannot be created or written: a file at `path` or above it, or no
+    write permission in the closest existing directory. `what` names it ("Run directory"),
+    `fix` says what to do ("pass --run-dir …")."""
+    path = Path(path)
+    existing = nearest_existing(path)
+    if not existing.is_dir():
+        where = "it is a file" if existing == Path(os.path.abspath(path)) else f"'{existing}' is a file"
+        raise ConfigError(f"{what} '{path}' is not writable: {where}, not a directory. {fix}.")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        inside = "" if existing == Path(os.path.abspath(path)) else f" (to create it in '{existing}')"
+        raise ConfigError(f"{what} '{path}' is not writable: no permission to write there{inside}. {fix}.")
+
+
+def check_overwrite(path: str | Path, replaced: list[str], what: str, command: str) -> None:
+    """Refuse to replace `replaced` (names inside `path`, those that exist) without --force."""
+    if not replaced:
+        return
+    shown = ", ".join(replaced[:4]) + (f" and {len(replaced) - 4} more" if len(replaced) > 4 else "")
+    raise ConfigError(
+        f"{what} '{path}' is not empty: it holds {shown}, which {command} would replace. Pass --force to "
+        "replace them, or choose a new or empty directory."
+    )
+
+
+def existing_entries(path: str | Path, names: Iterable[str], matches=lambda name: False) -> list[str]:
+    """The entries of directory `path` among `names` or for which `matches(name)` is true."""
+    path, names = Path(path), set(names)
+    if not path.is_dir():
+        return []
+    return sorted(p.name for p in path.iterdir() if p.name in names or matches(p.name))
+
+
+def check_free_space(path: str | Path, need_bytes: int, what: str, detail: str, fix: str) -> None:
+    """Refuse when the filesystem of `path` has less than `need_bytes` free; `detail` says what
+    needs them ("a checkpoint of 1.2B parameters × 12 bytes")."""
+    free = shutil.disk_usage(nearest_existing(Path(path))).free
+    if free < need_bytes:
+        raise ConfigError(
+            f"{what} '{path}' is on a filesystem with {format_bytes(free)} free, but {detail} takes about "
+            f"{format_bytes(need_bytes)}. {fix}."
+        )
+
+
+def check_file(
+    path: str | Path, what: str, fix: str, *, replaceable=lambda path: True, kind: str = "", force: bool = False
+) -> None:
+    """An output file: not a directory, its directory writable (`check_directory`), and an
+    existing file replaced only when `replaceable(path)` (it is `kind`, the command's kind of
+    output) or with --force."""
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{what} '{path}' is a directory: pass a file name. {fix}.")
+    check_directory(path.parent, f"The directory of {what[0].lower()}{what[1:]}", fix)
+    if path.is_file() and not force and not replaceable(path):
+        raise ConfigError(
+            f"{what} '{path}' exists and is not {kind or 'what this command writes'}: pass --force to replace it, "
+            "or choose another file name."
+        )
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} bytes"

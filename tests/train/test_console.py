@@ -1,0 +1,106 @@
+"""What a run prints: the start-up header and the step line (moetrain/train/console.py)."""
+
+import pytest
+
+from moetrain.parallel.dims import ParallelDims
+from moetrain.presets import resolve_config
+from moetrain.train.console import Progress, StepTimer, describe_layout, describe_precision, format_duration
+from moetrain.train.trainer import Trainer
+
+RECORD = {"loss": 5.4321, "lr": 3e-4, "tokens_per_sec": 12345.6, "mfu": None, "peak_mem_gib": 0.456}
+
+
+@pytest.mark.parametrize(
+    "seconds, text",
+    [(0, "0s"), (45.4, "45s"), (59.6, "1m00s"), (725, "12m05s"), (3599.6, "1h00m"), (3720, "1h02m"), (97200, "27h00m")],
+)
+def test_durations_read_like_1h02m(seconds, text):
+    assert format_duration(seconds) == text
+
+
+def test_step_time_leaves_the_first_window_out_once_another_is_measured():
+    timer = StepTimer(windows=2)
+    assert timer.seconds_per_step() is None
+    timer.add(10.0, 1)  # the first step: compilation, warm-up
+    assert timer.seconds_per_step() == 10.0
+    timer.add(9.0, 9)
+    assert timer.seconds_per_step() == 1.0
+    timer.add(6.0, 3)
+    timer.add(4.0, 2)  # only the last two windows
+    assert timer.seconds_per_step() == 2.0
+
+
+def _lines(capsys) -> list[str]:
+    return [line for line in capsys.readouterr().err.splitlines() if line.startswith("step ")]
+
+
+def test_cpu_line_has_step_loss_rate_ms_rss_and_eta_but_no_mfu(capsys):
+    progress = Progress(start=0, total=300, quiet=False, device_type="cpu")
+    progress.update(1, RECORD, (5.0, 1))
+    progress.update(5, None)  # not a logged step: nothing printed
+    progress.update(10, {**RECORD, "val_loss": 5.6789}, (9.0, 9))
+    progress.update(300, RECORD, (290.0, 290))
+    first, tenth, last = _lines(capsys)
+    assert first == "step   1/300  loss 5.4321  lr 3.00e-04  12,346 tok/s  5000 ms/step  rss 0.46 GiB  ETA 24m55s"
+    # 1 s/step (the first step left out) × 290 steps left
+    assert tenth.endswith("1000 ms/step  rss 0.46 GiB  ETA 4m50s  val_loss 5.6789")
+    assert "MFU" not in first + tenth + last
+    assert last.startswith("step 300/300") and "ETA" not in last  # nothing left
+
+
+def test_gpu_line_has_mfu_and_allocator_peak(capsys):
+    progress = Progress(start=100, total=4010, quiet=False, device_type="cuda")
+    progress.update(110, {**RECORD, "mfu": 0.4123, "peak_mem_gib": 61.27}, (0.5, 10))
+    (line,) = _lines(capsys)
+    assert "50.0 ms/step  MFU 41.2%  mem 61.27 GiB  ETA 3m15s" in line
+
+
+def test_quiet_prints_nothing(capsys):
+    Progress(start=0, total=10, quiet=True).update(1, RECORD, (1.0, 1))
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize(
+    "overrides, world, dims, text",
+    [
+        ([], 1, ParallelDims(1, 1, 1), "1 rank = pp 1 × dp 1; ep 1; ddp stack"),
+        (
+            ["parallel.pp=2", "parallel.ep=2", "parallel.shard_optimizer=true", "train.micro_batch_size=12"],
+            4,
+            ParallelDims(4, 2, 2, 2),
+            "4 ranks = pp 2 (1f1b) × dp 2; ep 2 (nosync dispatcher); ddp stack, sharded optimizer",
+        ),
+        (["parallel.stack=fsdp"], 8, ParallelDims(8, 8, 1), "8 ranks = pp 1 × fsdp 8; ep 1; fsdp stack"),
+    ],
+)
+def test_layout_names_every_degree(overrides, world, dims, text):
+    cfg = resolve_config("tiny", overrides)
+    assert cfg.parallel.build(world) == dims
+    assert describe_layout(cfg, dims) == text
+
+
+def test_precision_names_autocast_bf16_weights_and_fp8():
+    import torch
+
+    cpu = torch.device("cpu")
+    assert describe_precision(resolve_config("tiny"), cpu) == "fp32"
+    bf16 = resolve_config("tiny", ["train.precision=bf16", "train.fp8=rowwise"])
+    assert describe_precision(bf16, cpu) == "bf16 autocast (fp32 weights), fp8 rowwise matrix products"
+    weights = resolve_config("tiny", ["train.precision=bf16", "optim.bf16_weights=true"])
+    assert describe_precision(weights, cpu) == "bf16 weights (fp32 masters in the optimizer)"
+
+
+def test_a_run_prints_the_header_once_then_a_line_per_logged_step(tiny_cfg, tmp_path, capsys):
+    Trainer(tiny_cfg(tmp_path / "run", "train.steps=3", "train.eval_every=0"), quiet=False).fit()
+    err = capsys.readouterr().err
+    assert err.count("run dir   : ") == 1
+    assert f"run dir   : {tmp_path / 'run'}\n" in err
+    assert "layout    : 1 rank = pp 1 × dp 1; ep 1; ddp stack\n" in err
+    assert "device    : cpu; precision fp32\n" in err
+    lines = [line for line in err.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == ["1/3", "2/3", "3/3"]
+    for line in lines:
+        for field in ("loss ", " tok/s", " ms/step", "rss "):
+            assert field in line, (field, line)
+        assert "MFU" not in line  # CPU
+    assert "ETA " in lines[0] and "ETA " not in lines[-1]
