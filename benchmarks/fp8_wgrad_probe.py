@@ -72,7 +72,7 @@ def probe(name: str, E: int, M: int, D: int, F: int) -> None:
         row = {"shape": name, "gemm": gemm, "E": E, "M": M, "N": n_out, "K": k_in, "bf16_ms": round(bf16_ms, 3)}
         for fast in (False, True):
 
-            def f8(fast=fast):
+            def f8(fast=fast, aq=aq, bq=bq, sa=sa, sb=sb):
                 return torch._scaled_grouped_mm(
                     aq, bq, sa, sb, offs=poffs, out_dtype=torch.bfloat16, use_fast_accum=fast
                 )
