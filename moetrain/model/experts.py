@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetrain.model.fp8 import fp8_grouped_mm, mxfp8_grouped_mm
+from moetrain.model.fp8 import fp8_grouped_mm, fp8_swiglu_grouped_mm, mxfp8_grouped_mm
 
 
 class GroupedExperts(nn.Module):
@@ -34,10 +34,12 @@ class GroupedExperts(nn.Module):
             x_MD = x_MD.to(torch.get_autocast_dtype(x_MD.device.type))
         if self.fp8:
             # Weights are quantized from their stored values (bf16 or fp32); the outputs are bf16.
-            product = mxfp8_grouped_mm if self.fp8 == "mxfp8" else fp8_grouped_mm
-            h_M2F = product(x_MD, w_gate_up, offsets_E)
-            gate_MF, up_MF = h_M2F.chunk(2, dim=-1)
-            return product(F.silu(gate_MF) * up_MF, w_down, offsets_E)
+            if self.fp8 == "mxfp8":
+                h_M2F = mxfp8_grouped_mm(x_MD, w_gate_up, offsets_E)
+                gate_MF, up_MF = h_M2F.chunk(2, dim=-1)
+                return mxfp8_grouped_mm(F.silu(gate_MF) * up_MF, w_down, offsets_E)
+            # SwiGLU and the down projection as one function: only h is kept for backward.
+            return fp8_swiglu_grouped_mm(fp8_grouped_mm(x_MD, w_gate_up, offsets_E), w_down, offsets_E)
         if autocast:  # the CUDA fast path wants bf16 weights too
             dtype = torch.get_autocast_dtype(x_MD.device.type)
             w_gate_up, w_down = w_gate_up.to(dtype), w_down.to(dtype)

@@ -45,6 +45,7 @@ gives MXFP8's numerics (loss curves, stability) but not its speed.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 E4M3 = torch.float8_e4m3fn
@@ -176,23 +177,32 @@ class _Fp8Linear(torch.autograd.Function):
     """y (M, N) = x (M, K) · w (N, K)ᵀ with all three GEMMs in row-wise FP8."""
 
     @staticmethod
-    def forward(ctx, x_MK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x_MK: torch.Tensor, w_NK: torch.Tensor, weight_grad: bool) -> torch.Tensor:
         xq, xs = _quantize(x_MK, -1)
         wq, ws = _quantize(w_NK, -1)
-        ctx.save_for_backward(x_MK, w_NK)
-        return _scaled_mm(xq, wq.t(), xs, ws.t(), FAST_ACCUM_FORWARD)
+        y = _scaled_mm(xq, wq.t(), xs, ws.t(), FAST_ACCUM_FORWARD)
+        if weight_grad:
+            # The weight gradient's operand, kept quantized (1 byte an element instead of x's 2):
+            # per input feature over the tokens, as the backward's dW = dyᵀ·x takes it.
+            xtq, xts = _quantize(x_MK, 0, "col")
+            ctx.save_for_backward(xtq, xts, w_NK)
+        else:
+            ctx.save_for_backward(None, None, w_NK)
+        ctx.x_dtype = x_MK.dtype
+        return y
 
     @staticmethod
     def backward(ctx, dy_MN: torch.Tensor):
-        x_MK, w_NK = ctx.saved_tensors
+        xtq, xts, w_NK = ctx.saved_tensors
         dy_MN = dy_MN.contiguous()
         dyq, dys = _quantize(dy_MN, -1)  # per token, over N
         wq, ws = _quantize(w_NK, 0, "col")  # per input feature, over N
         dx = _scaled_mm(dyq, wq, dys, ws, FAST_ACCUM_BACKWARD)
-        dytq, dyts = _quantize(dy_MN.t(), -1, "row")  # per output feature, over tokens
-        xq, xs = _quantize(x_MK, 0, "col")  # per input feature, over tokens
-        dw = _scaled_mm(dytq, xq, dyts, xs, FAST_ACCUM_BACKWARD)
-        return dx.to(x_MK.dtype), dw.to(w_NK.dtype)
+        dw = None
+        if xtq is not None:
+            dytq, dyts = _quantize(dy_MN.t(), -1, "row")  # per output feature, over tokens
+            dw = _scaled_mm(dytq, xtq, dyts, xts, FAST_ACCUM_BACKWARD).to(w_NK.dtype)
+        return dx.to(ctx.x_dtype), dw, None
 
 
 class _Fp8GroupedMM(torch.autograd.Function):
@@ -220,15 +230,79 @@ class _Fp8GroupedMM(torch.autograd.Function):
         return dx.to(x_MK.dtype), dw.to(w_ENK.dtype), None
 
 
+def _swiglu(h_M2F: torch.Tensor) -> torch.Tensor:
+    gate_MF, up_MF = h_M2F.chunk(2, dim=-1)
+    return F.silu(gate_MF) * up_MF
+
+
+def _swiglu_quantize(h_M2F: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_quantize(silu(gate) · up, -1)`; on CUDA one kernel that reads h and writes only q."""
+    if h_M2F.is_cuda:
+        from moetrain.model.fp8_kernels import swiglu_quantize_rows
+
+        return swiglu_quantize_rows(h_M2F)
+    return _quantize(_swiglu(h_M2F), -1)
+
+
+def _swiglu_backward(da_MF: torch.Tensor, h_M2F: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the gradient of h = [gate | up], a = silu(gate) · up recomputed) from a's gradient. On CUDA
+    one kernel; elsewhere autograd's own formulas on the recomputed product (the bits of the
+    unfused SwiGLU's backward)."""
+    if h_M2F.is_cuda:
+        from moetrain.model.fp8_kernels import swiglu_backward
+
+        return swiglu_backward(da_MF, h_M2F)
+    with torch.enable_grad():
+        h = h_M2F.detach().requires_grad_()
+        a_MF = _swiglu(h)
+        (dh_M2F,) = torch.autograd.grad(a_MF, h, da_MF)
+    return dh_M2F, a_MF.detach()
+
+
+class _Fp8SwiGLUGroupedMM(torch.autograd.Function):
+    """y (M, N): row block e of a = silu(gate) · up times w[e] (N, F)ᵀ, from h = [gate | up]
+    (M, 2F) — an expert layer's second half as one function, so that only h is kept for backward
+    (a is recomputed there, in the kernel that computes h's gradient) and a's FP8 operand comes
+    straight from h (`_swiglu_quantize`). Products as `_Fp8GroupedMM`'s."""
+
+    @staticmethod
+    def forward(ctx, h_M2F: torch.Tensor, w_ENF: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+        aq, as_ = _swiglu_quantize(h_M2F)
+        wq, ws = _quantize(w_ENF, -1)
+        ctx.save_for_backward(h_M2F, w_ENF, offsets_E)
+        return _scaled_grouped_mm(
+            aq, wq.transpose(-2, -1), as_.squeeze(-1), ws.squeeze(-1), offsets_E, FAST_ACCUM_FORWARD
+        )
+
+    @staticmethod
+    def backward(ctx, dy_MN: torch.Tensor):
+        h_M2F, w_ENF, offsets_E = ctx.saved_tensors
+        dy_MN = dy_MN.contiguous()
+        dyq, dys = _quantize(dy_MN, -1)
+        wq, ws = _quantize(w_ENF, -2, "col")
+        da = _scaled_grouped_mm(dyq, wq, dys.squeeze(-1), ws.squeeze(-2), offsets_E, FAST_ACCUM_BACKWARD)
+        dh_M2F, a_MF = _swiglu_backward(da.to(h_M2F.dtype), h_M2F)
+        dt = torch.bfloat16 if dy_MN.is_cuda else torch.float32
+        dw = _grouped(dy_MN.t().to(dt), a_MF.to(dt), offsets_E)
+        return dh_M2F, dw.to(w_ENF.dtype), None
+
+
 @torch.compiler.disable  # see the module docstring
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x (…, K) · weight (N, K)ᵀ in row-wise FP8; bf16 out."""
-    return _Fp8Linear.apply(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
+    weight_grad = torch.is_grad_enabled() and weight.requires_grad  # not in evaluation
+    return _Fp8Linear.apply(x.reshape(-1, x.shape[-1]), weight, weight_grad).view(*x.shape[:-1], weight.shape[0])
 
 
 @torch.compiler.disable  # see the module docstring
 def fp8_grouped_mm(x_MK: torch.Tensor, w_ENK: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
     return _Fp8GroupedMM.apply(x_MK, w_ENK, offsets_E)
+
+
+@torch.compiler.disable  # see the module docstring
+def fp8_swiglu_grouped_mm(h_M2F: torch.Tensor, w_ENF: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """`fp8_grouped_mm(silu(gate) · up, w, offsets)` for h = [gate | up], keeping only h."""
+    return _Fp8SwiGLUGroupedMM.apply(h_M2F, w_ENF, offsets_E)
 
 
 def _mx(x: torch.Tensor, dim: int) -> torch.Tensor:

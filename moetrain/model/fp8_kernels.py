@@ -147,6 +147,96 @@ def _cols_transposed_kernel(
     tl.store(out, tl.trans(q), mask=tl.trans(mask))
 
 
+@triton.jit
+def _swiglu(g, u):
+    """SwiGLU's product in fp32, rounded to bf16 once (as a compiled block computes it), to nearest
+    even in the fp32 bits (the interpreter's own cast truncates)."""
+    bits = (g / (1.0 + tl.exp(-g)) * u).to(tl.int32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -0x10000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _swiglu_rows_kernel(h_ptr, q_ptr, scale_ptr, stride_h, stride_q, F: tl.constexpr, BLOCK: tl.constexpr):
+    """One row of a = silu(gate) · up from h = [gate | up] (2F), quantized along its F elements:
+    h read once, a never written (the producer of the FP8 operand is its quantizer)."""
+    row = tl.program_id(0).to(tl.int64)
+    h_row, q_row = h_ptr + row * stride_h, q_ptr + row * stride_q
+    if F <= BLOCK:
+        cols = tl.arange(0, BLOCK)
+        g = tl.load(h_row + cols, mask=cols < F, other=0.0).to(tl.float32)
+        u = tl.load(h_row + F + cols, mask=cols < F, other=0.0).to(tl.float32)
+        a = _swiglu(g, u)
+        scale, inverse = _pow2_scale_and_inverse(tl.max(tl.abs(a), axis=0))
+        tl.store(scale_ptr + row, scale)
+        tl.store(q_row + cols, _to_e4m3(a, inverse), mask=cols < F)
+    else:
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, F, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            g = tl.load(h_row + cols, mask=cols < F, other=0.0).to(tl.float32)
+            u = tl.load(h_row + F + cols, mask=cols < F, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(_swiglu(g, u)))
+        scale, inverse = _pow2_scale_and_inverse(tl.max(amax, axis=0))
+        tl.store(scale_ptr + row, scale)
+        for start in range(0, F, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            g = tl.load(h_row + cols, mask=cols < F, other=0.0).to(tl.float32)
+            u = tl.load(h_row + F + cols, mask=cols < F, other=0.0).to(tl.float32)
+            tl.store(q_row + cols, _to_e4m3(_swiglu(g, u), inverse), mask=cols < F)
+
+
+@triton.jit
+def _swiglu_backward_kernel(da_ptr, h_ptr, dh_ptr, a_ptr, stride_da, stride_h, F: tl.constexpr, BLOCK: tl.constexpr):
+    """For one block of a row: dh = [d gate | d up] from da and h = [gate | up], and a = silu(gate)
+    · up again (for the weight gradient), in one pass: reads da, gate, up; writes both halves of dh
+    and a."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < F
+    h_row, da_row = h_ptr + row * stride_h, da_ptr + row * stride_da
+    g = tl.load(h_row + cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(h_row + F + cols, mask=ok, other=0.0).to(tl.float32)
+    da = tl.load(da_row + cols, mask=ok, other=0.0).to(tl.float32)
+    sig = 1.0 / (1.0 + tl.exp(-g))
+    silu = g * sig
+    dh_row, a_row = dh_ptr + row * stride_h, a_ptr + row * stride_da
+    tl.store(dh_row + cols, (da * u * sig * (1.0 + g * (1.0 - sig))).to(dh_ptr.dtype.element_ty), mask=ok)
+    tl.store(dh_row + F + cols, (da * silu).to(dh_ptr.dtype.element_ty), mask=ok)
+    tl.store(a_row + cols, (silu * u).to(a_ptr.dtype.element_ty), mask=ok)
+
+
+def swiglu_quantize_rows(h_M2F: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """h = [gate | up] (M, 2F), contiguous rows → (q e4m3 (M, F), scale fp32 (M, 1)) of
+    a = silu(gate) · up (bf16-rounded), each row quantized along F."""
+    if h_M2F.stride(-1) != 1:
+        h_M2F = h_M2F.contiguous()
+    M, F = h_M2F.shape[0], h_M2F.shape[1] // 2
+    q_MF = torch.empty((M, F), dtype=torch.float8_e4m3fn, device=h_M2F.device)
+    scale_M = torch.empty(M, dtype=torch.float32, device=h_M2F.device)
+    if q_MF.numel():
+        block = min(ROW_BLOCK // 2, triton.next_power_of_2(F))  # gate and up in registers
+        _swiglu_rows_kernel[(M,)](h_M2F, q_MF, scale_M, h_M2F.stride(0), F, F=F, BLOCK=block, num_warps=4)
+    return q_MF, scale_M.view(M, 1)
+
+
+SWIGLU_BACKWARD_BLOCK = 1024
+
+
+def swiglu_backward(da_MF: torch.Tensor, h_M2F: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dh (M, 2F) in h's dtype, a = silu(gate) · up (M, F) in da's dtype) from the gradient da of
+    a and h = [gate | up], computed in fp32 from the loaded values."""
+    da_MF, h_M2F = da_MF.contiguous(), h_M2F.contiguous()
+    M, F = da_MF.shape
+    dh_M2F = torch.empty_like(h_M2F)
+    a_MF = torch.empty_like(da_MF)
+    if da_MF.numel():
+        grid = (M, triton.cdiv(F, SWIGLU_BACKWARD_BLOCK))  # rows on the axis without a 65535 limit
+        _swiglu_backward_kernel[grid](
+            da_MF, h_M2F, dh_M2F, a_MF, F, 2 * F, F=F, BLOCK=SWIGLU_BACKWARD_BLOCK, num_warps=4
+        )
+    return dh_M2F, a_MF
+
+
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x (…, C) with a contiguous last dim → (q e4m3 of x's shape, row-major; scale fp32 (…, 1))."""
     if x.stride(-1) != 1:

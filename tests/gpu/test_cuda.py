@@ -190,6 +190,28 @@ def test_fp8_kernels_match_the_cpu_emulation():
         assert rel(g, v) < (2e-2 if i == 2 else 5e-3), i  # the weight gradient: bf16 on CUDA, fp32 on CPU
 
 
+def test_fp8_swiglu_down_on_cuda_matches_the_cpu_emulation():
+    """The fused SwiGLU + down projection on the GPU (the SwiGLU-and-quantize kernel, the backward
+    kernel that recomputes silu(gate) · up) against the CPU path from the same bf16 inputs."""
+    from moetrain.model.fp8 import fp8_swiglu_grouped_mm
+
+    torch.manual_seed(0)
+    offsets = torch.tensor([100, 300, 300, 480], dtype=torch.int32)
+    h = torch.randn(512, 2 * 192).bfloat16()
+    w = (torch.randn(4, 128, 192) * 0.05).bfloat16()
+    dy = torch.randn(512, 128).bfloat16()
+    dy[480:] = 0
+
+    def run(device):
+        hg, wg = h.to(device).requires_grad_(), w.to(device).requires_grad_()
+        y = fp8_swiglu_grouped_mm(hg, wg, offsets.to(device))
+        y.backward(dy.to(device))
+        return y.float().cpu()[:480], hg.grad.float().cpu()[:480], wg.grad.float().cpu()
+
+    for i, (got, want) in enumerate(zip(run("cuda"), run("cpu"))):
+        assert ((got - want).norm() / want.norm()).item() < 1e-2, i
+
+
 def test_fp8_quantizer_kernels_give_the_cpu_bits():
     """The Triton quantizers (moetrain/model/fp8_kernels.py) on the GPU give quantize_rowwise's
     bytes and scales on the CPU, in every (dim, layout) the FP8 products ask for."""

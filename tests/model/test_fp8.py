@@ -13,6 +13,7 @@ from moetrain.model.fp8 import (
     dequantize_mxfp8,
     fp8_grouped_mm,
     fp8_linear,
+    fp8_swiglu_grouped_mm,
     mxfp8_grouped_mm,
     mxfp8_linear,
     quantize_mxfp8,
@@ -102,6 +103,60 @@ def test_fp8_grouped_mm_forward_and_gradients_ignore_padding_rows():
     assert rel(xg.grad[:60], want_dx) < 0.06
     assert rel(wg.grad, want_dw) < 1e-5  # the weight gradient is not quantized (fp32 on CPU)
     assert torch.all(wg.grad[2] == 0)  # the empty expert
+
+
+def test_fp8_swiglu_down_is_swiglu_then_the_grouped_product_bit_for_bit():
+    """The fused SwiGLU + down projection (one function, keeping only h = [gate | up]) gives the
+    unfused composition's output and gradients bit for bit on CPU, padding rows included (NaN
+    there stays there)."""
+    torch.manual_seed(3)
+    E, F, N, M = 4, 48, 32, 72
+    offsets = torch.tensor([10, 30, 30, 60], dtype=torch.int32)
+    h = torch.randn(M, 2 * F)
+    h[60:] = float("nan")
+    w = torch.randn(E, N, F) * 0.05
+    dy = torch.randn(M, N).to(torch.bfloat16)
+
+    def run(fused):
+        hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
+        if fused:
+            y = fp8_swiglu_grouped_mm(hg, wg, offsets)
+        else:
+            gate, up = hg.chunk(2, dim=-1)
+            y = fp8_grouped_mm(torch.nn.functional.silu(gate) * up, wg, offsets)
+        y.backward(dy)
+        return y, hg.grad, wg.grad
+
+    for got, want in zip(run(True), run(False)):
+        assert torch.equal(got[:60], want[:60]) and got.dtype == want.dtype
+    assert torch.isfinite(run(True)[2]).all()
+
+
+def test_fp8_products_keep_only_what_backward_needs():
+    """Kept for backward: the expert layer's h = [gate | up] but not silu(gate) · up (recomputed);
+    the FP8 linear's input as its e4m3 weight-gradient operand (1 byte an element, not 4 or 2),
+    and nothing of it when no weight gradient is asked for."""
+    from moetrain.model.experts import GroupedExperts
+
+    E, D, F, M = 4, 64, 96, 80
+    experts = GroupedExperts(E, D, F)
+    experts.fp8 = "rowwise"
+    torch.nn.init.normal_(experts.w_gate_up_E2FD, std=0.1)
+    torch.nn.init.normal_(experts.w_down_EDF, std=0.1)
+    offsets = torch.tensor([20, 40, 60, 80], dtype=torch.int32)
+
+    def kept(fn, *args):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            fn(*args)
+        return [(tuple(t.shape), t.dtype) for t in saved]
+
+    shapes = [shape for shape, _ in kept(experts, torch.randn(M, D, requires_grad=True), offsets)]
+    assert (M, 2 * F) in shapes and (M, F) not in shapes, shapes
+    x, w = torch.randn(M, D, requires_grad=True), torch.randn(32, D, requires_grad=True)
+    saved = kept(fp8_linear, x, w)
+    assert ((M, D), torch.float8_e4m3fn) in saved and ((M, D), torch.float32) not in saved, saved
+    assert ((M, D), torch.float8_e4m3fn) not in kept(fp8_linear, x, w.detach())
 
 
 def _e4m3_table():

@@ -52,6 +52,48 @@ def test_quantizer_kernels_give_the_reference_bits_in_the_interpreter():
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
 
 
+SWIGLU_CHECK = """
+import torch
+import torch.nn.functional as F
+from moetrain.model.fp8 import quantize_rowwise
+from moetrain.model.fp8_kernels import swiglu_backward, swiglu_quantize_rows
+
+torch.manual_seed(0)
+for M, Fh in ((37, 96), (5, 4100)):  # one row in registers; past the block: two passes
+    h = (torch.randn(M, 2 * Fh) * torch.logspace(-3, 1, M).unsqueeze(1)).bfloat16()
+    h[2] = 0
+    g, u = h.float().chunk(2, dim=-1)
+    a_ref = (F.silu(g) * u).bfloat16()  # fp32 product, rounded to bf16 once
+    q, s = swiglu_quantize_rows(h)
+    q_ref, s_ref = quantize_rowwise(a_ref, -1)
+    assert q.shape == (M, Fh) and s.shape == (M, 1)
+    assert torch.equal(s, s_ref), (M, Fh)
+    same = q.view(torch.uint8) == q_ref.view(torch.uint8)
+    # exp's last fp32 bit may differ from torch's; then a's bf16 rounding, and one e4m3 step
+    assert same.float().mean() > 0.999, same.float().mean()
+    deq, deq_ref = q.float() * s, q_ref.float() * s_ref
+    assert ((deq - deq_ref).abs() <= deq_ref.abs() * 2.0**-3 + 1e-30)[~same].all()
+    da = torch.randn(M, Fh).bfloat16()
+    dh, a = swiglu_backward(da, h)
+    hh = h.float().requires_grad_()
+    gg, uu = hh.chunk(2, dim=-1)
+    a32 = F.silu(gg) * uu
+    (dh32,) = torch.autograd.grad(a32, hh, da.float())
+    assert dh.dtype == torch.bfloat16 and a.dtype == torch.bfloat16 and dh.shape == h.shape
+    for got, want in ((dh, dh32), (a, a32.detach())):
+        assert ((got.float() - want).abs() <= want.abs() * 2.0**-7 + 1e-30).all()  # the cast may truncate
+print("ok")
+"""
+
+
+def test_swiglu_kernels_give_the_fp32_formulation_in_the_interpreter():
+    """The fused SwiGLU-and-quantize kernel gives quantize_rowwise of bf16(silu(gate) · up) (up to
+    one e4m3 step where exp's last bit rounds a differently), and the backward kernel autograd's
+    fp32 gradient of [gate | up] and the recomputed product, each to bf16 rounding."""
+    result = run_in_triton_interpreter(SWIGLU_CHECK)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
 def test_pow2_scale_is_the_smallest_power_of_two_that_fits():
     """2^ceil(log2(amax / 448)) from the binary exponent: exact where a rounded log2 is not."""
     amax = torch.tensor([448.0, 448 * (1 + 2.0**-23), 448 * 2.0**-20 * (1 + 2.0**-23), 1e-30, 0.0, 3e38])
@@ -60,7 +102,7 @@ def test_pow2_scale_is_the_smallest_power_of_two_that_fits():
     assert scale[0] == 1 and scale[1] == 2 and scale[4] == 1
 
 
-@pytest.mark.parametrize("kernel", ["rows", "rows_long", "col_amax", "cols"])
+@pytest.mark.parametrize("kernel", ["rows", "rows_long", "col_amax", "cols", "swiglu_rows", "swiglu_backward"])
 @pytest.mark.parametrize("dtype", ["*bf16", "*fp32"])
 def test_quantizer_kernels_compile_for_sm90(kernel, dtype):
     from triton.backends.compiler import GPUTarget
@@ -80,6 +122,31 @@ def test_quantizer_kernels_compile_for_sm90(kernel, dtype):
             "BLOCK": "constexpr",
         }
         values = {"C": 4096 if kernel == "rows" else 50000, "BLOCK": 4096 if kernel == "rows" else k.ROW_BLOCK}
+    elif kernel == "swiglu_rows":
+        fn = k._swiglu_rows_kernel
+        signature = {
+            "h_ptr": dtype,
+            "q_ptr": "*fp8e4nv",
+            "scale_ptr": "*fp32",
+            "stride_h": "i64",
+            "stride_q": "i64",
+            "F": "constexpr",
+            "BLOCK": "constexpr",
+        }
+        values = {"F": 4096, "BLOCK": 4096}
+    elif kernel == "swiglu_backward":
+        fn = k._swiglu_backward_kernel
+        signature = {
+            "da_ptr": dtype,
+            "h_ptr": dtype,
+            "dh_ptr": dtype,
+            "a_ptr": dtype,
+            "stride_da": "i64",
+            "stride_h": "i64",
+            "F": "constexpr",
+            "BLOCK": "constexpr",
+        }
+        values = {"F": 4096, "BLOCK": k.SWIGLU_BACKWARD_BLOCK}
     elif kernel == "col_amax":
         fn = k._col_amax_kernel
         signature = {
