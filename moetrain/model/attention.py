@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moetrain.model.fp8 import fp8_shared_input
 from moetrain.model.norm import RMSNorm
 from moetrain.model.rope import apply_rope
 
@@ -31,6 +32,7 @@ class Attention(nn.Module):
         mask_BTT: torch.Tensor | None = None,
     ) -> torch.Tensor:
         B, T, _ = x_BTD.shape
+        x_BTD = fp8_shared_input(x_BTD, self.wq)
         q_BTHD = self.wq(x_BTD).view(B, T, self.n_heads, self.head_dim)
         k_BTGD = self.wk(x_BTD).view(B, T, self.n_kv_heads, self.head_dim)
         v_BTGD = self.wv(x_BTD).view(B, T, self.n_kv_heads, self.head_dim)
