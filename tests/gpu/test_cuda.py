@@ -193,7 +193,7 @@ def test_fp8_kernels_match_the_cpu_emulation():
 def test_fp8_swiglu_down_on_cuda_matches_the_cpu_emulation():
     """The fused SwiGLU + down projection on the GPU (the SwiGLU-and-quantize kernel, the backward
     kernel that recomputes silu(gate) · up) against the CPU path from the same bf16 inputs."""
-    from moetrain.model.fp8 import fp8_swiglu_grouped_mm
+    from moetrain.model.fp8 import fp8_grouped_mm, fp8_swiglu_grouped_mm
 
     torch.manual_seed(0)
     offsets = torch.tensor([100, 300, 300, 480], dtype=torch.int32)
@@ -208,8 +208,17 @@ def test_fp8_swiglu_down_on_cuda_matches_the_cpu_emulation():
         y.backward(dy.to(device))
         return y.float().cpu()[:480], hg.grad.float().cpu()[:480], wg.grad.float().cpu()
 
-    for i, (got, want) in enumerate(zip(run("cuda", torch.bfloat16), run("cpu", torch.float32))):
-        assert ((got - want).norm() / want.norm()).item() < 1e-2, i
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    got, want = run("cuda", torch.bfloat16), run("cpu", torch.float32)
+    # The kernel quantizes silu(gate) · up rounded to bf16 once; e4m3 rounding turns that rounding
+    # into ~1.6% of y against the unrounded fp32 product, so y is compared with the CPU product of
+    # the same rounded operand. The gradients against the fp32 CPU path.
+    gate, up = h.float().chunk(2, dim=-1)
+    a = (torch.nn.functional.silu(gate) * up).bfloat16().float()
+    assert rel(got[0], fp8_grouped_mm(a, w.float(), offsets)[:480].float()) < 5e-3
+    assert rel(got[1], want[1]) < 1e-2 and rel(got[2], want[2]) < 1e-2
 
 
 def test_fp8_quantizer_kernels_give_the_cpu_bits():
