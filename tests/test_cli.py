@@ -30,23 +30,40 @@ def test_config_prints_the_resolved_yaml(capsys):
     assert cfg["train"]["steps"] == 7 and cfg["optim"]["lr"] == 1e-3
 
 
-@pytest.mark.parametrize(
-    "args, words",
-    [
-        (["config", "tiny", "--model.moe.top_k=99"], ["model.moe.top_k=99"]),
-        (["config", "tiny", "--optim.lrr=1"], ["optim.lrr"]),
-        (["config", "nope"], ["nope"]),
-        (["config", "tiny", "--bogus"], ["--bogus"]),
-        (["train", "tiny", "--stpes", "3"], ["--stpes", "Did you mean --steps?"]),
-        (
-            ["train", "tiny", "--data.sources=[/does/not/exist]", "--run-dir", "/tmp/moetrain-cli-test"],
-            ["/does/not/exist", "prepare-data"],
-        ),
-        (["eval", "/does/not/exist", "--text", "x.txt"], ["/does/not/exist"]),
-    ],
-)
-def test_user_errors_exit_2_with_one_paragraph_and_no_traceback(args, words):
-    out = run(*args, check=False)
+USER_ERRORS = [
+    (["config", "tiny", "--model.moe.top_k=99"], ["model.moe.top_k=99"]),
+    (["config", "tiny", "--optim.lrr=1"], ["optim.lrr"]),
+    (["config", "nope"], ["nope"]),
+    (["config", "tiny", "--bogus"], ["--bogus"]),
+    (["train", "tiny", "--stpes", "3"], ["--stpes", "Did you mean --steps?"]),
+    (
+        ["train", "tiny", "--data.sources=[/does/not/exist]", "--run-dir", "/tmp/moetrain-cli-test"],
+        ["/does/not/exist", "prepare-data"],
+    ),
+    (["eval", "/does/not/exist", "--text", "x.txt"], ["/does/not/exist"]),
+]
+
+
+DEBUG = ["config", "tiny", "--model.moe.top_k=99", "--debug"]
+
+
+@pytest.fixture(scope="module")
+def user_error_runs():
+    """{argv: CompletedProcess} of every USER_ERRORS command line and of DEBUG, as subprocesses
+    started side by side (each is an interpreter start on one core)."""
+    argvs = [args for args, _ in USER_ERRORS] + [DEBUG]
+    pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen([sys.executable, "-m", "moetrain", *args], **pipes) for args in argvs]
+    done = {}
+    for args, proc in zip(argvs, procs):
+        stdout, stderr = proc.communicate(timeout=300)
+        done[tuple(args)] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    return done
+
+
+@pytest.mark.parametrize("args, words", USER_ERRORS)
+def test_user_errors_exit_2_with_one_paragraph_and_no_traceback(user_error_runs, args, words):
+    out = user_error_runs[tuple(args)]
     assert out.returncode == 2
     assert "Traceback" not in out.stderr
     assert out.stderr.startswith("error: ")
@@ -71,12 +88,12 @@ def test_version(capsys):
     assert capsys.readouterr().out.startswith(f"moetrain {moetrain.__version__} (torch ")
 
 
-def test_debug_shows_the_traceback():
-    out = run("config", "tiny", "--model.moe.top_k=99", "--debug", check=False)
+def test_debug_shows_the_traceback(user_error_runs):
+    out = user_error_runs[tuple(DEBUG)]
     assert out.returncode != 0 and "Traceback" in out.stderr
 
 
-def test_train_eval_generate_end_to_end(real_text_dir, tmp_path):
+def test_train_eval_generate_end_to_end(real_text_dir, tmp_path, capsys):
     run_dir = tmp_path / "run"
     common = [
         "--model.vocab_size=512",
@@ -98,7 +115,9 @@ def test_train_eval_generate_end_to_end(real_text_dir, tmp_path):
 
     ev = json.loads(run("eval", str(run_dir), "--text", str(text)).stdout.strip().splitlines()[-1])
     assert set(ev) == {"loss", "perplexity", "tokens"} and ev["tokens"] > 5 and ev["loss"] > 0
-    ev2 = json.loads(run("eval", str(run_dir / "checkpoints" / "step-2"), "--text", str(text)).stdout.splitlines()[-1])
+    # In process (the same code path as the subprocess above, without another interpreter start)
+    assert main(["eval", str(run_dir / "checkpoints" / "step-2"), "--text", str(text)]) == 0
+    ev2 = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert ev2["loss"] != ev["loss"]  # a step-N directory is a different checkpoint
 
     g1 = json.loads(
@@ -106,11 +125,9 @@ def test_train_eval_generate_end_to_end(real_text_dir, tmp_path):
             "generate", str(run_dir), "--prompt", "To be", "--temperature", "0", "--max-new-tokens", "8", "--json"
         ).stdout
     )
-    g2 = json.loads(
-        run(
-            "generate", str(run_dir), "--prompt", "To be", "--temperature", "0", "--max-new-tokens", "8", "--json"
-        ).stdout
-    )
+    greedy = ["--prompt", "To be", "--temperature", "0", "--max-new-tokens", "8", "--json"]
+    assert main(["generate", str(run_dir), *greedy]) == 0
+    g2 = json.loads(capsys.readouterr().out)  # in process: greedy output equal across processes too
     assert g1 == g2 and len(g1["token_ids"]) <= 8
 
     resumed = run("train", "tiny", "--steps", "6", "--run-dir", str(run_dir), "--resume", "--eval-every", "2", *common)

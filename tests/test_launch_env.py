@@ -14,16 +14,36 @@ ROOT = Path(__file__).parents[1]
 SCRIPT = ROOT / "scripts" / "launch" / "ref-tiny-64e.sh"
 
 
-def run(env_extra):
+def start(env_extra):
     env = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp"), **env_extra}
-    return subprocess.run(
-        ["bash", str(SCRIPT), "plan", "--no-suggest"], env=env, capture_output=True, text=True, timeout=120
+    return subprocess.Popen(
+        ["bash", str(SCRIPT), "plan", "--no-suggest"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
+def finish(proc):
+    stdout, stderr = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def run(env_extra):
+    return finish(start(env_extra))
+
+
+@pytest.fixture(scope="module")
+def plans():
+    """The two runs that start an interpreter, side by side (one core each): {name: result}."""
+    procs = {"venv": start({}), "override": start({"PYTHON": sys.executable})}
+    return {name: finish(proc) for name, proc in procs.items()}
+
+
 @pytest.mark.skipif(not (ROOT / ".venv" / "bin" / "python").exists(), reason="no .venv in this checkout")
-def test_launch_script_uses_the_checkouts_venv_without_activation():
-    out = run({})
+def test_launch_script_uses_the_checkouts_venv_without_activation(plans):
+    out = plans["venv"]
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1])["preset"] == "ref-tiny-64e"
 
@@ -33,6 +53,6 @@ def test_launch_script_without_a_usable_python_says_what_to_do():
     assert out.returncode == 2 and "make install" in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
-def test_launch_script_honours_python_override():
-    out = run({"PYTHON": sys.executable})
+def test_launch_script_honours_python_override(plans):
+    out = plans["override"]
     assert out.returncode == 0, out.stderr[-2000:]

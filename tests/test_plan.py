@@ -196,15 +196,32 @@ def test_every_reference_preset_has_a_launch_script():
     assert sorted(p.stem for p in LAUNCH) == sorted(n for n in PRESETS if n.startswith("ref-"))
 
 
-@pytest.mark.parametrize("script", LAUNCH, ids=lambda p: p.stem)
-def test_launch_script_layout_fits_by_the_planner(script):
+@pytest.fixture(scope="module")
+def launch_plans():
+    """{script: (returncode, stdout, stderr)} of `bash SCRIPT plan --no-suggest` for every launch
+    script, run side by side (each is one interpreter start on one core)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env["PATH"]
-    out = subprocess.run(
-        ["bash", str(script), "plan", "--no-suggest"], capture_output=True, text=True, env=env, cwd=ROOT
-    )
-    assert out.returncode == 0, out.stderr
-    record = json.loads(out.stdout.strip().splitlines()[-1])
+    procs = {
+        script: subprocess.Popen(
+            ["bash", str(script), "plan", "--no-suggest"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=ROOT,
+        )
+        for script in LAUNCH
+    }
+    outputs = {script: proc.communicate(timeout=300) for script, proc in procs.items()}
+    return {script: (procs[script].returncode, *outputs[script]) for script in LAUNCH}
+
+
+@pytest.mark.parametrize("script", LAUNCH, ids=lambda p: p.stem)
+def test_launch_script_layout_fits_by_the_planner(launch_plans, script):
+    returncode, stdout, stderr = launch_plans[script]
+    assert returncode == 0, stderr
+    record = json.loads(stdout.strip().splitlines()[-1])
     text = script.read_text()
     nodes = int(text.split("NODES=${NODES:-")[1].split("}")[0])
     assert record["gpus"] == 8 * nodes and record["preset"] == script.stem

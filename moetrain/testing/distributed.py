@@ -81,6 +81,13 @@ def run_distributed(
     return [results[r] for r in range(world_size)]
 
 
+def call_each(fn: Callable, arg_sets: list[tuple]) -> list[Any]:
+    """`[fn(*args) for args in arg_sets]`, in order, on this rank: several runs in one spawned
+    group (`run_distributed(call_each, world, fn, [(a,), (b,)])`), which saves a group's start-up
+    (a fresh interpreter and torch per rank) per run."""
+    return [fn(*args) for args in arg_sets]
+
+
 class NaNGradOnPadding(torch.autograd.Function):
     """Identity on rows; backward writes NaN into the gradient of the rows marked `pad` (a
     dispatcher's padding rows), so a padding row that leaks into a result shows."""

@@ -9,7 +9,7 @@ from conftest import tiny_overrides
 from torch import nn
 
 from moetrain.optim.grad_store import GradStore
-from moetrain.testing.distributed import run_distributed
+from moetrain.testing.distributed import call_each, run_distributed
 from moetrain.testing.steps import synthetic_batches
 
 
@@ -151,13 +151,24 @@ LAYOUTS = {
 }
 
 
+@pytest.fixture(scope="module")
+def dp2_storage(real_text_dir, tmp_path_factory):
+    """{layout: rank 0's `_storage`} for the two-rank layouts, all in one spawned group of two."""
+    tmp = tmp_path_factory.mktemp("grad-storage")
+    names = [name for name in LAYOUTS if "dp2" in name]
+    runs = [((real_text_dir, tmp / name, LAYOUTS[name]),) for name in names]
+    return dict(zip(names, run_distributed(call_each, 2, _storage, runs)[0]))
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_every_optimizer_keeps_half_the_gradient_bytes(real_text_dir, tmp_path, layout):
+def test_every_optimizer_keeps_half_the_gradient_bytes(request, real_text_dir, tmp_path, layout):
     """Two micro-batches a step. The ddp stack's optimizers: the gradient storage (buckets, or
     the gradients made per step at dp = 1) is bf16 and half the bytes. FSDP: what it keeps
     between micro-batches is bf16; the shards it hands the optimizer stay fp32 (its cast back)."""
-    args = (real_text_dir, tmp_path, LAYOUTS[layout])
-    result = run_distributed(_storage, 2, args)[0] if "dp2" in layout else _storage(args)
+    if "dp2" in layout:
+        result = request.getfixturevalue("dp2_storage")[layout]
+    else:
+        result = _storage((real_text_dir, tmp_path, LAYOUTS[layout]))
     fp32, bf16 = result["fp32"], result["bf16"]
     if layout == "fsdp-dp2":
         assert fp32["between"] == {"torch.float32"} and bf16["between"] == {"torch.bfloat16"}
@@ -194,9 +205,9 @@ def test_sharded_steps_as_the_replicated_optimizer_with_bf16_gradients(real_text
     round(a + b) whether all-reduced or reduce-scattered), the same fp32 update per element, so
     losses and parameters are bit for bit the replicated optimizer's."""
     extra = ["parallel.ep=2", "optim.grad_clip=0", *weights]
-    ref = run_distributed(_layout_losses, 2, (real_text_dir, tmp_path / "ref", extra))[0]
     sharded = [*extra, "parallel.shard_optimizer=true"]
-    got = run_distributed(_layout_losses, 2, (real_text_dir, tmp_path / "got", sharded))[0]
+    runs = [((real_text_dir, tmp_path / "ref", extra),), ((real_text_dir, tmp_path / "got", sharded),)]
+    ref, got = run_distributed(call_each, 2, _layout_losses, runs)[0]  # one group, both runs
     assert got[0] == ref[0], (got[0], ref[0])
     assert all((got[2][n] == ref[2][n]).all() for n in ref[2])
 
@@ -208,9 +219,9 @@ def test_with_clipping_only_the_norms_summation_order_differs(real_text_dir, tmp
     norms of bf16 tensors are summed in another order than fp32 ones'; fp32 gradients ≤ 3e-7).
     The first loss is equal (nothing updated yet); the later ones within 1e-6 (measured 8e-8)."""
     extra = ["parallel.ep=2", "optim.grad_clip=0.05"]
-    ref = run_distributed(_layout_losses, 2, (real_text_dir, tmp_path / "ref", extra))[0]
     sharded = [*extra, "parallel.shard_optimizer=true"]
-    got = run_distributed(_layout_losses, 2, (real_text_dir, tmp_path / "got", sharded))[0]
+    runs = [((real_text_dir, tmp_path / "ref", extra),), ((real_text_dir, tmp_path / "got", sharded),)]
+    ref, got = run_distributed(call_each, 2, _layout_losses, runs)[0]  # one group, both runs
     assert all(n > 0.05 for n in ref[1]), ref[1]  # clipping active
     for a, b in zip(got[1], ref[1]):
         assert abs(a - b) <= 5e-6 * b, (got[1], ref[1])
@@ -228,13 +239,24 @@ def _fsdp_losses(args):
     return [engine.train_step(batches, step).lm_loss.item() for step in range(20)]
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_fsdp_with_bf16_gradients_trains_like_fp32(real_text_dir, tmp_path, precision):
+PRECISIONS = ["fp32", "bf16"]
+
+
+@pytest.fixture(scope="module")
+def fsdp_losses(real_text_dir, tmp_path_factory):
+    """{(precision, grad_dtype): rank 0's losses}: the four runs in one spawned group of two."""
+    tmp = tmp_path_factory.mktemp("fsdp-grad-dtype")
+    keys = [(precision, grad_dtype) for precision in PRECISIONS for grad_dtype in ("fp32", "bf16")]
+    extras = {"fp32": [], "bf16": ["optim.grad_dtype=bf16"]}
+    runs = [((real_text_dir, tmp / f"{p}-{g}", [f"train.precision={p}", *extras[g]]),) for p, g in keys]
+    return dict(zip(keys, run_distributed(call_each, 2, _fsdp_losses, runs)[0]))
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_fsdp_with_bf16_gradients_trains_like_fp32(fsdp_losses, precision):
     """Two gloo ranks, 20 steps on one batch of random tokens: FSDP with the bf16 reduce dtype
     against its own fp32-gradient run, under fp32 and under bf16 compute."""
-    extra = [f"train.precision={precision}"]
-    fp32 = run_distributed(_fsdp_losses, 2, (real_text_dir, tmp_path / "fp32", extra))[0]
-    bf16 = run_distributed(_fsdp_losses, 2, (real_text_dir, tmp_path / "bf16", [*extra, "optim.grad_dtype=bf16"]))[0]
+    fp32, bf16 = fsdp_losses[precision, "fp32"], fsdp_losses[precision, "bf16"]
     assert bf16[-1] < bf16[0] - 0.1, bf16  # it trains
     for a, b in zip(bf16, fp32):
         assert abs(a - b) <= 5e-4 * b, (bf16, fp32)  # measured ≤ 1.3e-4

@@ -6,7 +6,7 @@ import torch
 from conftest import tiny_overrides
 
 from moetrain.optim.split_master import adamw_reference
-from moetrain.testing.distributed import run_distributed
+from moetrain.testing.distributed import call_each, run_distributed
 from moetrain.testing.steps import ADAMW_HYPER, adamw_inputs, run_in_triton_interpreter, synthetic_batches
 
 HYPER = ADAMW_HYPER
@@ -121,8 +121,8 @@ def test_every_optimizer_takes_bf16_moments(real_text_dir, tmp_path, extra, exac
     arithmetic, bit for bit; FSDP (its own reduction order): within 1e-5."""
     ep = ["parallel.ep=2"] if "parallel.ep=2" in extra else []
     weights = [x for x in extra if "bf16" in x]
-    ref = run_distributed(_layout_losses, 2, (real_text_dir, tmp_path / "ref", ep + weights))[0]
-    got = run_distributed(_layout_losses, 2, (real_text_dir, tmp_path / "got", extra))[0]
+    runs = [((real_text_dir, tmp_path / "ref", ep + weights),), ((real_text_dir, tmp_path / "got", extra),)]
+    ref, got = run_distributed(call_each, 2, _layout_losses, runs)[0]  # one group, both runs
     if exact is not False:
         assert got == ref, (got, ref)
     else:

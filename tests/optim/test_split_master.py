@@ -10,7 +10,7 @@ from conftest import tiny_overrides
 from moetrain.errors import ConfigError
 from moetrain.optim.split_master import adamw_split_reference, join, split_fp32
 from moetrain.parallel.dims import ParallelDims, ParallelState
-from moetrain.testing.distributed import run_distributed
+from moetrain.testing.distributed import call_each, run_distributed
 from moetrain.testing.steps import ADAMW_HYPER, adamw_inputs, run_in_triton_interpreter, synthetic_batches
 from moetrain.train.engine import TrainEngine
 
@@ -233,9 +233,9 @@ def _dp2_ep2_grads(cfg_args):
 def test_dp2_ep2_reduces_the_split_gradients_like_the_fp32_ones(real_text_dir, tmp_path):
     """Two gloo ranks, dp2·ep2: after the first backward every gradient (reduced over dp; the
     experts' over their edp group) equals the fp32-weights run's, then the losses follow it."""
-    out = {
-        flag: run_distributed(_dp2_ep2_grads, 2, (real_text_dir, tmp_path / flag, flag)) for flag in ("false", "true")
-    }
+    flags = ("false", "true")
+    per_rank = run_distributed(call_each, 2, _dp2_ep2_grads, [((real_text_dir, tmp_path / f, f),) for f in flags])
+    out = {flag: [per_rank[rank][i] for rank in range(2)] for i, flag in enumerate(flags)}  # one group, both runs
     for rank in range(2):
         (ga, la), (gb, lb) = out["false"][rank], out["true"][rank]
         for name, a in ga.items():
@@ -284,9 +284,9 @@ def _pp2_losses(args):
 def test_pp2_with_bf16_weights_follows_the_fp32_weights_run(real_text_dir, tmp_path):
     """Two pipeline stages on gloo (1F1B over two micro-batches): each stage's split parameters
     take their gradients from the schedule's backward passes; the losses follow the fp32-weights run."""
-    out = {
-        flag: run_distributed(_pp2_losses, 2, (real_text_dir, tmp_path / flag, flag))[1] for flag in ("false", "true")
-    }
+    flags = ("false", "true")
+    last_stage = run_distributed(call_each, 2, _pp2_losses, [((real_text_dir, tmp_path / f, f),) for f in flags])[1]
+    out = dict(zip(flags, last_stage))  # one group, both runs
     assert all(abs(a - b) <= 1e-4 * a for a, b in zip(out["false"], out["true"])), out
     assert out["true"][-1] < out["true"][0]
 

@@ -99,18 +99,30 @@ def _ddp_then_fsdp(data_dir, ddp_dir, fsdp_dir):
     return starts
 
 
+def _fsdp_then_ddp_then_fsdp(data_dir, source, ddp_dir, fsdp_dir, single_dir):
+    """The fsdp2 source run; its step-2 checkpoint forked for the ddp run and the single process;
+    then `_ddp_then_fsdp` (one spawned group for all three runs)."""
+    import torch.distributed as dist
+
+    source_start = train_layouts(data_dir, [(source, [FSDP, *EVERY_2])])
+    complete = (source / "checkpoints" / "step-2" / "COMPLETE").is_file()
+    if dist.get_rank() == 0:
+        _fork(source, ddp_dir, keep_through=2)
+        _fork(source, single_dir, keep_through=2)
+    dist.barrier()
+    return source_start, complete, _ddp_then_fsdp(data_dir, ddp_dir, fsdp_dir)
+
+
 def test_checkpoints_cross_the_fsdp_and_ddp_stacks(real_text_dir, tmp_path):
     """Checkpoint keys do not depend on the stack: an fsdp2 checkpoint resumes in the ddp stack
     and in one process, and a ddp checkpoint resumes in the fsdp stack, with the same losses."""
     source = tmp_path / "fsdp2"
-    run_distributed(train_layouts, 2, real_text_dir, [(source, [FSDP, *EVERY_2])])
-    assert (source / "checkpoints" / "step-2" / "COMPLETE").is_file()
-
     ddp, back, single = tmp_path / "ddp", tmp_path / "fsdp-from-ddp", tmp_path / "single"
-    _fork(source, ddp, keep_through=2)
-    _fork(source, single, keep_through=2)
-    starts = run_distributed(_ddp_then_fsdp, 2, real_text_dir, ddp, back)
-    assert starts[0] == [2, 4]
+    source_start, complete, starts = run_distributed(
+        _fsdp_then_ddp_then_fsdp, 2, real_text_dir, source, ddp, back, single
+    )[0]
+    assert source_start == [0] and complete  # the source run was fresh and its step-2 checkpoint is whole
+    assert starts == [2, 4]
     assert train(real_text_dir, single, 6, EVERY_2, resume=True) == 2
 
     assert_continues(source, [(ddp, 3), (single, 3), (back, 5)])

@@ -5,7 +5,7 @@ trains as the ddp stack does (two gloo ranks, CPU)."""
 import torch
 from conftest import tiny_overrides
 
-from moetrain.testing.distributed import run_distributed
+from moetrain.testing.distributed import call_each, run_distributed
 from moetrain.testing.steps import synthetic_batches
 
 
@@ -45,9 +45,9 @@ def _run(args):
 
 
 def test_fsdp_gathers_bf16_and_trains_like_ddp(real_text_dir, tmp_path):
-    fsdp = run_distributed(_run, 2, (real_text_dir, tmp_path / "fsdp", "fsdp"))
-    ddp = run_distributed(_run, 2, (real_text_dir, tmp_path / "ddp", "ddp"))
-    (losses, seen, shard_dtypes), (ddp_losses, ddp_seen, _) = fsdp[0], ddp[0]
+    runs = [((real_text_dir, tmp_path / stack, stack),) for stack in ("fsdp", "ddp")]
+    fsdp, ddp = run_distributed(call_each, 2, _run, runs)[0]  # one group, both runs
+    (losses, seen, shard_dtypes), (ddp_losses, ddp_seen, _) = fsdp, ddp
     assert seen == {"wq": "torch.bfloat16", "embed": "torch.float32"}, seen  # gathered bf16; root fp32
     assert ddp_seen == {"wq": "torch.float32", "embed": "torch.float32"}
     assert shard_dtypes == {"torch.float32"}  # the shards (masters) and their optimizer stay fp32

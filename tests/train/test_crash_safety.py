@@ -134,6 +134,36 @@ def assert_same_steps(reference, run):
         assert (a["lm_loss"], a["grad_norm"]) == (b["lm_loss"], b["grad_norm"]), a["step"]
 
 
+@pytest.fixture(scope="module")
+def reference(real_text_dir, tmp_path_factory):
+    """Factory: `reference(world)` starts (once per module) the uninterrupted run at `world`
+    ranks and returns a function that waits for it and gives its run directory. The tests that
+    compare against it share it (read only; the async-checkpoint case's reference is the plain
+    run too: background writes change nothing in what is computed). One process leaves a core
+    free, so a test may start it, then run its own processes beside it."""
+    runs = {}
+
+    def get(world):
+        if world not in runs:
+            run_dir = tmp_path_factory.mktemp(f"reference-world{world}") / "reference"
+            runs[world] = [start(real_text_dir, run_dir, world=world), run_dir, None]
+
+        def wait():
+            entry = runs[world]
+            if entry[2] is None:
+                _, err = entry[0].communicate(timeout=300)
+                entry[2] = (entry[0].returncode, err[-3000:])
+            assert entry[2][0] == 0, entry[2][1]
+            return entry[1]
+
+        return wait
+
+    yield get
+    for proc, _, _ in runs.values():
+        if proc.poll() is None:
+            kill(proc)
+
+
 def final_state(run_dir):
     from moetrain.inference import load_for_inference
 
@@ -142,14 +172,14 @@ def final_state(run_dir):
 
 
 @pytest.mark.parametrize("world, kills, extra", [(1, 6, ()), (2, 3, ()), (1, 4, ("train.async_checkpoint=true",))])
-def test_sigkill_at_random_moments_then_resume_is_bit_exact(real_text_dir, tmp_path, world, kills, extra):
+def test_sigkill_at_random_moments_then_resume_is_bit_exact(real_text_dir, reference, tmp_path, world, kills, extra):
     """Synchronous checkpoints in one process and with two ranks; background (async) writes."""
-    reference, killed = tmp_path / "reference", tmp_path / "killed"
-    proc = start(real_text_dir, reference, world=world)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-3000:]
+    wait_for_reference, killed = reference(world), tmp_path / "killed"
+    if world > 1:  # two ranks already take both cores; one process runs beside the kills
+        wait_for_reference()
 
     run_with_kills(real_text_dir, killed, kills=kills, seed=world + len(extra), world=world, extra=extra)
+    reference = wait_for_reference()
 
     want, got = read_metrics(reference / "metrics.jsonl"), read_metrics(killed / "metrics.jsonl")
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
@@ -201,14 +231,11 @@ def test_sigterm_saves_and_exits_cleanly_then_resume_finishes(real_text_dir, tmp
     assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == list(range(1, STEPS + 1))
 
 
-def test_a_killed_rank_makes_the_other_fail_fast_and_resume_is_bit_exact(real_text_dir, tmp_path):
+def test_a_killed_rank_makes_the_other_fail_fast_and_resume_is_bit_exact(real_text_dir, reference, tmp_path):
     """One of two torchrun ranks is SIGKILLed mid-run: the other fails at once with one line
     (its peer is gone) instead of waiting out a collective timeout; `--resume` then continues
     from the last checkpoint and ends exactly where an uninterrupted run ends."""
-    reference, run = tmp_path / "reference", tmp_path / "run"
-    proc = start(real_text_dir, reference, world=2)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-3000:]
+    reference, run = reference(2)(), tmp_path / "run"
 
     proc = start(real_text_dir, run, world=2)
     err, seconds = kill_rank_1_after_step_4(proc, run, timeout=120, hung="the surviving rank hung after its peer died")
@@ -221,14 +248,11 @@ def test_a_killed_rank_makes_the_other_fail_fast_and_resume_is_bit_exact(real_te
     assert_same_steps(reference, run)
 
 
-def test_a_rank_killed_under_torchrun_max_restarts_resumes_bit_exact(real_text_dir, tmp_path):
+def test_a_rank_killed_under_torchrun_max_restarts_resumes_bit_exact(real_text_dir, reference, tmp_path):
     """torchrun --max-restarts=1 with --resume: one of two ranks is SIGKILLed mid-run; the other
     fails fast naming it, torchrun restarts both, they resume from the last checkpoint and the run
     ends exactly where an uninterrupted one does."""
-    reference, run = tmp_path / "reference", tmp_path / "run"
-    proc = start(real_text_dir, reference, world=2)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-3000:]
+    reference, run = reference(2)(), tmp_path / "run"
 
     cmd = [
         sys.executable,
