@@ -80,6 +80,7 @@ from moetrain.model.counting import flops_per_token
 from moetrain.model.experts import GroupedExperts
 from moetrain.optim.split_master import is_split_candidate
 from moetrain.parallel.config import DispatcherKind, PipelineSchedule, Recompute, Stack
+from moetrain.parallel.nosync_dispatcher import block_rows, capacity_rows
 from moetrain.parallel.pipeline import stage_layers
 from moetrain.train.config import RunConfig
 from moetrain.train.dcp_shards import PIECE
@@ -167,6 +168,8 @@ class Layout:
     """nosync: rows through each rank's experts ÷ the balanced load; None = padded (ep×)."""
     spill_factor: float
     """nosync: spill rows per pair on the wire beyond the capacity, ÷ the balanced share."""
+    capacity_min_rows: int
+    """nosync: the fewest rows a rank's experts get (parallel.capacity_min_rows)."""
     recompute: str
     recompute_every: int
     micro_batches: int
@@ -320,6 +323,7 @@ def layout_of(cfg: RunConfig, gpus: int) -> Layout:
         dispatcher=p.dispatcher.value,
         capacity_factor=p.capacity_factor,
         spill_factor=p.spill_factor,
+        capacity_min_rows=p.capacity_min_rows,
         recompute=tc.recompute.value,
         recompute_every=tc.recompute_every,
         micro_batches=tc.grad_accum_steps,
@@ -491,13 +495,16 @@ def _rows_per_token(cfg: RunConfig, L: Layout) -> tuple[float, float]:
     """(expert_rows, wire_rows): rows per token through the experts (their activations) and on
     the all-to-all. nosync (moetrain/parallel/nosync_dispatcher.py) gives the experts
     capacity_factor × K rows and moves (capacity_factor + spill_factor) × K, both at most ep × K
-    (the padded mode, capacity_factor=None, is ep × K for both); symm pads the receive layout
+    (the padded mode, capacity_factor=None, is ep × K for both; so is a micro-batch small enough
+    for parallel.capacity_min_rows to take every row); symm pads the receive layout
     (ep·K rows per token, most of them skipped by the GEMMs but allocated) and moves exact rows."""
     k = cfg.model.moe.top_k
     if L.ep > 1 and L.dispatcher == DispatcherKind.nosync.value:
-        if L.capacity_factor is None:
-            return k * L.ep, k * L.ep
-        return k * min(L.capacity_factor, L.ep), k * min(L.capacity_factor + L.spill_factor, L.ep)
+        tokens = L.rows_per_micro_batch * cfg.data.seq_len  # per rank and micro-batch
+        M = tokens * k
+        rows = capacity_rows(M, L.ep, L.capacity_factor, L.capacity_min_rows)
+        wire = block_rows(M, L.ep, L.capacity_factor, L.spill_factor, L.capacity_min_rows)
+        return L.ep * rows / tokens, L.ep * wire / tokens
     if L.ep > 1 and L.dispatcher == DispatcherKind.symm.value:
         return k * L.ep, k
     return k, k

@@ -39,6 +39,7 @@ ACCEPTED: dict[str, tuple[str, ...]] = {
     "train.max_consecutive_skips": ("0",),
     "train.profile_wait": ("0",),
     "parallel.spill_factor": ("0",),
+    "parallel.capacity_min_rows": ("0",),  # no floor
     "train.skip_spike_sigma": ("0", *HUGE),
     "train.seed": ("0", str(10**18)),
     # Huge but finite coefficients are numerically absurd, not dangerous: nothing is sized by

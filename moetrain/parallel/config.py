@@ -14,11 +14,18 @@ from moetrain.config import Config, non_negative, positive
 from moetrain.errors import ConfigError
 from moetrain.parallel.dims import ParallelDims
 
-DEFAULT_CAPACITY_FACTOR: float | None = None
-"""parallel.capacity_factor's default: the padded mode, dropless whatever the routing. The
-bounded mode (e.g. 1.25: a slack of 0.25 over the balanced load, the capacity factor of
-Olmo-core's reference MoE runs, so the experts' rows are 1.25 × the exact dispatcher's) drops
-what finds no room, so it is opt-in until a bounded design is also dropless (issue 16, part 1)."""
+DEFAULT_CAPACITY_FACTOR: float | None = 1.25
+"""parallel.capacity_factor's default: each rank's experts get 1.25 × the balanced load (a slack
+of 0.25, the capacity factor of Olmo-core's reference MoE runs), whatever ep, with counted drops
+beyond it; None is the padded mode (dropless whatever the routing, ep × the exact exchange)."""
+DEFAULT_CAPACITY_MIN_ROWS = 1024
+"""parallel.capacity_min_rows's default: each rank's experts get at least 1024 rows per MoE layer
+(R·C ≥ 1024). Few tokens route unevenly: a rank's balanced load of M assignments fluctuates by
+about √M under random routing (the 0.25 slack covers 4√M only from M = 256 on), and a young
+model's learned routing skews further (up to 1.4 × the mean on the numerics fingerprint's
+2-rank runs, M = 512). So below M ≈ 820 (1.25 M < 1024) the floor gives room, and every row
+where 1024 / R ≥ M: the padded mode's layout and numerics, at sizes where its buffers cost
+little. At GPU scale (M in the tens of thousands: 8192 tokens × top-4) it is inactive, at any ep."""
 DEFAULT_SPILL_FACTOR = 0.125
 """parallel.spill_factor's default: a small spill, 1/8 of a pair's balanced share, on the wire."""
 MAX_ROW_FACTOR = 1024
@@ -61,10 +68,10 @@ class PipelineSchedule(enum.StrEnum):
 
 class DispatcherKind(enum.StrEnum):
     nosync = "nosync"
-    """Fixed-size buffers: no device-to-host sync. By default padded (dropless, ep × the exact
-    exchange's rows); with parallel.capacity_factor=f each rank's experts get f × the balanced
-    load, shared by all sources, and what finds no room is dropped and counted
-    (moetrain/parallel/nosync_dispatcher.py)."""
+    """Fixed-size buffers: no device-to-host sync. Each rank's experts get
+    parallel.capacity_factor (1.25) × the balanced load, shared by all sources, and what finds no
+    room is dropped and counted; capacity_factor=null pads for the worst case (dropless, ep × the
+    exact exchange's rows) (moetrain/parallel/nosync_dispatcher.py)."""
     alltoall = "alltoall"
     """Exact split sizes, read on the host once per layer: dropless, least memory."""
     symm = "symm"
@@ -109,10 +116,15 @@ class ParallelConfig(Config):
     capacity_factor: float | None = positive(DEFAULT_CAPACITY_FACTOR, at_most=MAX_ROW_FACTOR)
     """nosync only: the rows each rank's experts get, as a multiple of the balanced load (its
     share of the assignments of the EP group): f · assignments, C = ceil(f · assignments / ep)
-    guaranteed to each source and the rest shared by the sources' spill rows. Assignments that
-    find no room are dropped (zero output) and counted in dropped_token_frac. null (the
-    default) = the padded mode: dropless whatever the routing, at ep × the memory and bytes of
-    the exact exchange (docs/architecture.md, "Dispatcher memory")."""
+    guaranteed to each source (R·C at least parallel.capacity_min_rows) and the rest shared by the
+    sources' spill rows. Assignments that find no room are dropped (zero output) and counted in
+    dropped_token_frac. null = the padded mode: dropless whatever the routing, at ep × the
+    memory and bytes of the exact exchange (docs/architecture.md, "Dispatcher memory")."""
+    capacity_min_rows: int = non_negative(DEFAULT_CAPACITY_MIN_ROWS, at_most=2**40)
+    """nosync only: the fewest rows a rank's experts get per MoE layer (C ≥ min_rows / ep per
+    source, never more than all M of a source's assignments), whatever capacity_factor gives.
+    The default keeps small micro-batches, whose routing fluctuates by more than the slack,
+    dropless; 0 = no floor."""
     spill_factor: float = non_negative(DEFAULT_SPILL_FACTOR, at_most=MAX_ROW_FACTOR)
     """nosync only: spill rows per (source, destination) pair beyond C, as a multiple of the
     balanced share (ceil(s · assignments / ep)); they carry a pair's overflow into the rows other
@@ -131,8 +143,14 @@ class ParallelConfig(Config):
         if self.spill_factor < 0:
             raise ConfigError(f"parallel.spill_factor={self.spill_factor} must be ≥ 0 (0: no spill rows).")
         if self.dispatcher != DispatcherKind.nosync:
-            for name, default in (("capacity_factor", DEFAULT_CAPACITY_FACTOR), ("spill_factor", DEFAULT_SPILL_FACTOR)):
-                if getattr(self, name) != default:
+            defaults = (
+                ("capacity_factor", DEFAULT_CAPACITY_FACTOR),
+                ("spill_factor", DEFAULT_SPILL_FACTOR),
+                ("capacity_min_rows", DEFAULT_CAPACITY_MIN_ROWS),
+            )
+            for name, default in defaults:
+                # null capacity (the old default, in configs saved before 1.25 was) means exact too
+                if getattr(self, name) != default and not (name == "capacity_factor" and self.capacity_factor is None):
                     raise ConfigError(
                         f"parallel.{name}={_text(getattr(self, name))} applies to parallel.dispatcher=nosync only; the "
                         f"{self.dispatcher} dispatcher is always dropless: drop the setting or use "

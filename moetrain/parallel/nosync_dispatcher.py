@@ -41,7 +41,11 @@ d is the extreme: X[s, d] = M for every s and every other block is empty, so d g
 fraction 1 − capacity_factor / R of them (84% at ep 8 with capacity_factor 1.25); the other ranks'
 experts compute nothing. `capacity_factor=None` is the padded mode, dropless whatever the
 routing: C = M (one destination may receive all of a rank's assignments), at R × the memory and
-bytes of the exact dispatcher.
+bytes of the exact dispatcher. R·C is at least `min_rows` (parallel.capacity_min_rows, 1024
+by default): few tokens route more unevenly than the slack allows (a rank's load of M fluctuates
+by about √M under random routing; early learned routing skews further), so small micro-batches
+get room, up to every row (C = M: the padded mode's layout and numerics); at GPU scale (M in the
+tens of thousands) the floor is inactive.
 
 Memory per MoE layer and rank under balanced routing (every X[s, d] = M / R), in rows of D: the
 exact dispatcher's experts get M rows and its all-to-alls move M each way; here the experts get
@@ -76,6 +80,24 @@ from moetrain.parallel.config import DEFAULT_CAPACITY_FACTOR, DEFAULT_SPILL_FACT
 from moetrain.parallel.dispatchers import ExpertParallelDispatcher, wire_dtype_of
 
 
+def capacity_rows(assignments: int, ep: int, capacity_factor: float | None, min_rows: int = 0) -> int:
+    """C for a source with M = `assignments`: ceil(capacity_factor · M / ep), at least
+    ceil(min_rows / ep) (so a rank's experts get ep·C ≥ min_rows rows), at most M (more than all
+    of a rank's assignments can never be needed); M in the padded mode (capacity_factor None:
+    all of them may go to one peer). C = M is the padded mode's layout, whatever the factor:
+    nothing is ever dropped."""
+    if capacity_factor is None:
+        return assignments
+    return min(max(_ceil(capacity_factor * assignments / ep), _ceil(min_rows / ep)), assignments)
+
+
+def block_rows(assignments: int, ep: int, capacity_factor: float | None, spill_factor: float, min_rows: int = 0) -> int:
+    """W = C + P, P = ceil(spill_factor · M / ep) spill rows: the rows of each (source,
+    destination) block of the exchange, at most M."""
+    C = capacity_rows(assignments, ep, capacity_factor, min_rows)
+    return min(C + _ceil(spill_factor * assignments / ep), assignments)
+
+
 class NoSyncState(NamedTuple):
     """What `combine` needs to undo `dispatch`."""
 
@@ -105,28 +127,26 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
         dp_group: dist.ProcessGroup | None,
         capacity_factor: float | None = DEFAULT_CAPACITY_FACTOR,
         spill_factor: float = DEFAULT_SPILL_FACTOR,
+        min_rows: int = 0,
     ):
         super().__init__(num_experts, ep_group, dp_group)
         # ParallelConfig.validate
         assert capacity_factor is None or capacity_factor > 0, capacity_factor
-        assert spill_factor >= 0, spill_factor
+        assert spill_factor >= 0 and min_rows >= 0, (spill_factor, min_rows)
         self.capacity_factor = capacity_factor
         self.spill_factor = spill_factor
+        self.min_rows = min_rows
+        """The fewest rows R·C the experts get (parallel.capacity_min_rows; 0 here unless given)."""
         self.ep_rank = dist.get_rank(ep_group)
         self._dropped: torch.Tensor | None = None
 
     def capacity(self, num_tokens: int, top_k: int) -> int:
         """C: each source's guaranteed rows at a destination; R·C rows reach the experts."""
-        M = num_tokens * top_k
-        if self.capacity_factor is None:
-            return M  # all of them may go to one peer
-        # More than all of this rank's assignments can never be needed.
-        return min(_ceil(self.capacity_factor * M / self.ep), M)
+        return capacity_rows(num_tokens * top_k, self.ep, self.capacity_factor, self.min_rows)
 
     def block_rows(self, num_tokens: int, top_k: int) -> int:
         """W = C + P: rows of each (source, destination) block of the exchange."""
-        M, C = num_tokens * top_k, self.capacity(num_tokens, top_k)
-        return min(C + _ceil(self.spill_factor * M / self.ep), M)
+        return block_rows(num_tokens * top_k, self.ep, self.capacity_factor, self.spill_factor, self.min_rows)
 
     def buffer_rows(self, num_tokens: int, top_k: int) -> int:
         """R·C: the rows the grouped experts get. R·N·K in the padded mode, against N·K for the
