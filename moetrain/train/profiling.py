@@ -103,6 +103,10 @@ def kernel_kinds(averages, steps: int) -> dict[str, float]:
     for event in averages:
         if event.device_type != torch.autograd.DeviceType.CUDA:
             continue
+        # Ranges on the GPU timeline (ProfilerStep#N, Inductor's "## Call CompiledFxGraph …"),
+        # not kernels: their time is the kernels' inside them (torch's own totals skip them too).
+        if getattr(event, "is_user_annotation", False) or event.key.startswith(("## ", "ProfilerStep")):
+            continue
         name = event.key.lower()
         kind = next((k for k, parts in KERNEL_KINDS if any(p in name for p in parts)), "everything else")
         out[kind] += event.self_device_time_total / 1000 / steps

@@ -10,8 +10,8 @@ from moetrain.train.profiling import kernel_kinds
 CUDA, CPU = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
 
 
-def event(name, us, device=CUDA):
-    return SimpleNamespace(key=name, self_device_time_total=us, device_type=device)
+def event(name, us, device=CUDA, annotation=False):
+    return SimpleNamespace(key=name, self_device_time_total=us, device_type=device, is_user_annotation=annotation)
 
 
 def test_kernels_are_sorted_into_kinds_once_each():
@@ -29,6 +29,10 @@ def test_kernels_are_sorted_into_kinds_once_each():
         event("triton_poi_fused__to_copy_index_select_mul_unsqueeze_view_3", 600),
         event("triton_red_fused__to_copy_abs_amax_ceil_clamp_div_exp2_gt_0", 400),
         event("aten::mm", 4000, CPU),  # the operator row: not a kernel, not counted again
+        # ranges on the GPU timeline, not kernels: the step, and a compiled graph's annotation
+        event("ProfilerStep*", 40000, annotation=True),
+        event("## Call CompiledFxGraph fcpkgtneh6eaxkv7gh62kryavhiaco74k ##", 7000, annotation=True),
+        event("## Call CompiledFxGraph figdqw2p4talmqa7kscgvmj4za52haqa5 ##", 6000),  # flagged or not
     ]
     kinds = kernel_kinds(events, steps=2)
     assert kinds == {
