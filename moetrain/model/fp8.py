@@ -205,26 +205,35 @@ class _Fp8Linear(torch.autograd.Function):
         return dx.to(ctx.x_dtype), dw, None
 
 
+def _grouped_product(xq_MK, xs_M1, w_ENK, offsets_E) -> torch.Tensor:
+    """Row block e of the quantized x times w[e]ᵀ (w quantized per output feature); bf16."""
+    wq, ws = _quantize(w_ENK, -1)
+    return _scaled_grouped_mm(
+        xq_MK, wq.transpose(-2, -1), xs_M1.squeeze(-1), ws.squeeze(-1), offsets_E, FAST_ACCUM_FORWARD
+    )
+
+
+def _grouped_input_grad(dy_MN, w_ENK, offsets_E) -> torch.Tensor:
+    """dx = dy · w[e] per row block: dy per token, w per expert and input feature, over N; bf16."""
+    dyq, dys = _quantize(dy_MN, -1)
+    wq, ws = _quantize(w_ENK, -2, "col")
+    return _scaled_grouped_mm(dyq, wq, dys.squeeze(-1), ws.squeeze(-2), offsets_E, FAST_ACCUM_BACKWARD)
+
+
 class _Fp8GroupedMM(torch.autograd.Function):
     """y (M, N): row block e of x (M, K) times w[e] (N, K)ᵀ; forward and input gradient in
     row-wise FP8, weight gradient a bf16 grouped GEMM (see the module docstring)."""
 
     @staticmethod
     def forward(ctx, x_MK: torch.Tensor, w_ENK: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-        xq, xs = _quantize(x_MK, -1)
-        wq, ws = _quantize(w_ENK, -1)
         ctx.save_for_backward(x_MK, w_ENK, offsets_E)
-        return _scaled_grouped_mm(
-            xq, wq.transpose(-2, -1), xs.squeeze(-1), ws.squeeze(-1), offsets_E, FAST_ACCUM_FORWARD
-        )
+        return _grouped_product(*_quantize(x_MK, -1), w_ENK, offsets_E)
 
     @staticmethod
     def backward(ctx, dy_MN: torch.Tensor):
         x_MK, w_ENK, offsets_E = ctx.saved_tensors
         dy_MN = dy_MN.contiguous()
-        dyq, dys = _quantize(dy_MN, -1)
-        wq, ws = _quantize(w_ENK, -2, "col")  # per expert and input feature, over N
-        dx = _scaled_grouped_mm(dyq, wq, dys.squeeze(-1), ws.squeeze(-2), offsets_E, FAST_ACCUM_BACKWARD)
+        dx = _grouped_input_grad(dy_MN, w_ENK, offsets_E)
         dt = torch.bfloat16 if dy_MN.is_cuda else torch.float32
         dw = _grouped(dy_MN.t().to(dt), x_MK.to(dt), offsets_E)
         return dx.to(x_MK.dtype), dw.to(w_ENK.dtype), None
@@ -267,20 +276,14 @@ class _Fp8SwiGLUGroupedMM(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h_M2F: torch.Tensor, w_ENF: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-        aq, as_ = _swiglu_quantize(h_M2F)
-        wq, ws = _quantize(w_ENF, -1)
         ctx.save_for_backward(h_M2F, w_ENF, offsets_E)
-        return _scaled_grouped_mm(
-            aq, wq.transpose(-2, -1), as_.squeeze(-1), ws.squeeze(-1), offsets_E, FAST_ACCUM_FORWARD
-        )
+        return _grouped_product(*_swiglu_quantize(h_M2F), w_ENF, offsets_E)
 
     @staticmethod
     def backward(ctx, dy_MN: torch.Tensor):
         h_M2F, w_ENF, offsets_E = ctx.saved_tensors
         dy_MN = dy_MN.contiguous()
-        dyq, dys = _quantize(dy_MN, -1)
-        wq, ws = _quantize(w_ENF, -2, "col")
-        da = _scaled_grouped_mm(dyq, wq, dys.squeeze(-1), ws.squeeze(-2), offsets_E, FAST_ACCUM_BACKWARD)
+        da = _grouped_input_grad(dy_MN, w_ENF, offsets_E)
         dh_M2F, a_MF = _swiglu_backward(da.to(h_M2F.dtype), h_M2F)
         dt = torch.bfloat16 if dy_MN.is_cuda else torch.float32
         dw = _grouped(dy_MN.t().to(dt), a_MF.to(dt), offsets_E)
