@@ -3,7 +3,7 @@ built and nothing can refuse it any more, so a user mistake stays one paragraph)
 per logged step, or a progress bar on a terminal.
 
     run dir   : runs/tiny-2 (runs/tiny holds an earlier run)
-    layout    : 4 ranks = pp 2 × dp 2; ep 2 (nosync dispatcher); ddp stack
+    layout    : 4 ranks = pp 2 × dp 2; ep 2 (nosync dispatcher, capacity 1.25); ddp stack
     device    : cpu; precision fp32
     step  10/300  loss 8.2803  lr 3.00e-04  2,612 tok/s  1176 ms/step  rss 0.61 GiB  ETA 5m41s
 
@@ -11,7 +11,8 @@ The step line: the record's loss, lr and tokens/s (metrics.jsonl), the window's 
 step, MFU where the record has one (known GPUs), peak memory (`peak_mem_gib`: the CUDA
 allocator's peak on GPU, "mem"; the process's peak RSS on CPU, "rss"; rank 0's own), and the
 time left for the remaining steps at the recent step time (`StepTimer`; evaluation and
-checkpoints not included), then val_loss on evaluation steps.
+checkpoints not included), then val_loss on evaluation steps, and the share of expert
+assignments the sync-free dispatcher dropped (`dropped_token_frac`) on any step that dropped some.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 
 from moetrain.model.config import Fp8
-from moetrain.parallel.config import Stack
+from moetrain.parallel.config import DispatcherKind, Stack
 from moetrain.parallel.dims import ParallelDims
 from moetrain.train.config import RunConfig
 from moetrain.train.engine import autocast_dtype
@@ -75,6 +76,8 @@ def step_fields(record: dict[str, Any], ms_per_step: float | None, eta_s: float 
         fields.append(f"ETA {format_duration(eta_s)}")
     if record.get("val_loss") is not None:
         fields.append(f"val_loss {record['val_loss']:.4f}")
+    if record.get("dropped_token_frac"):  # never silent: the sync-free dispatcher's capacity overflowed
+        fields.append(f"dropped {100 * record['dropped_token_frac']:.2f}% of expert assignments")
     return "  ".join(fields)
 
 
@@ -128,14 +131,19 @@ class Progress:
 
 
 def describe_layout(cfg: RunConfig, dims: ParallelDims) -> str:
-    """`4 ranks = pp 2 × dp 2; ep 2 (nosync dispatcher); ddp stack, sharded optimizer`."""
+    """`4 ranks = pp 2 × dp 2; ep 2 (nosync dispatcher, capacity 1.25); ddp stack, sharded optimizer`."""
     p = cfg.parallel
     ranks = f"{dims.world_size} rank" + ("s" if dims.world_size > 1 else "")
     pp = f"pp {dims.pp}"
     if dims.pp > 1:
         pp += f" ({p.pp_schedule}" + (f", {dims.stages_per_rank} stages per rank)" if dims.stages_per_rank > 1 else ")")
     dp = f"{'fsdp' if p.stack == Stack.fsdp else 'dp'} {dims.dp}"
-    ep = f"ep {dims.ep}" + (f" ({p.dispatcher} dispatcher)" if dims.ep > 1 else "")
+    ep = f"ep {dims.ep}"
+    if dims.ep > 1:
+        capacity = ""
+        if p.dispatcher == DispatcherKind.nosync:
+            capacity = ", padded" if p.capacity_factor is None else f", capacity {p.capacity_factor:g}"
+        ep += f" ({p.dispatcher} dispatcher{capacity})"
     stack = f"{p.stack} stack" + (", sharded optimizer" if p.shard_optimizer else "")
     return f"{ranks} = {pp} × {dp}; {ep}; {stack}"
 

@@ -55,6 +55,14 @@ def test_gpu_line_has_mfu_and_allocator_peak(capsys):
     assert "50.0 ms/step  MFU 41.2%  mem 61.27 GiB  ETA 3m15s" in line
 
 
+def test_a_step_that_dropped_assignments_says_so(capsys):
+    progress = Progress(start=0, total=10, quiet=False)
+    progress.update(1, {**RECORD, "dropped_token_frac": 0.0}, (1.0, 1))
+    progress.update(2, {**RECORD, "dropped_token_frac": 0.0123}, (1.0, 1))
+    first, second = _lines(capsys)
+    assert "dropped" not in first and second.endswith("dropped 1.23% of expert assignments")
+
+
 def test_quiet_prints_nothing(capsys):
     Progress(start=0, total=10, quiet=True).update(1, RECORD, (1.0, 1))
     assert capsys.readouterr().err == ""
@@ -68,9 +76,21 @@ def test_quiet_prints_nothing(capsys):
             ["parallel.pp=2", "parallel.ep=2", "parallel.shard_optimizer=true", "train.micro_batch_size=12"],
             4,
             ParallelDims(4, 2, 2, 2),
-            "4 ranks = pp 2 (1f1b) × dp 2; ep 2 (nosync dispatcher); ddp stack, sharded optimizer",
+            "4 ranks = pp 2 (1f1b) × dp 2; ep 2 (nosync dispatcher, capacity 1.25); ddp stack, sharded optimizer",
         ),
         (["parallel.stack=fsdp"], 8, ParallelDims(8, 8, 1), "8 ranks = pp 1 × fsdp 8; ep 1; fsdp stack"),
+        (
+            ["parallel.ep=2", "parallel.capacity_factor=null"],
+            2,
+            ParallelDims(2, 2, 2),
+            "2 ranks = pp 1 × dp 2; ep 2 (nosync dispatcher, padded); ddp stack",
+        ),
+        (
+            ["parallel.ep=2", "parallel.dispatcher=alltoall"],
+            2,
+            ParallelDims(2, 2, 2),
+            "2 ranks = pp 1 × dp 2; ep 2 (alltoall dispatcher); ddp stack",
+        ),
     ],
 )
 def test_layout_names_every_degree(overrides, world, dims, text):
