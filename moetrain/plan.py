@@ -150,6 +150,11 @@ class Assumptions:
     fp8_quant_passes: float = 10.0
     """moetrain's row-wise quantization as passes over block activations + weights (bench-8e on
     one H200 with the compiled quantizers, commit 697d104: FP8 step 344 ms, BF16 331 ms)."""
+    overlap_slowdown: float = 0.2
+    """With parallel.overlap_chunks: how much an all-to-all running under compute slows that
+    compute, as a fraction of its duration (NCCL's kernels hold SMs and HBM bandwidth for the
+    transfer). Not measured here (no multi-GPU machine yet): DeepSeek-V3 reports 20 of an H800's
+    132 SMs keep its NVLink and InfiniBand transfers fed (15%); 0.2 allows more."""
     workspace_gib: float = 1.0
     """Allocator and kernel work space on top of the accounted tensors."""
 
@@ -170,6 +175,8 @@ class Layout:
     """nosync: spill rows per pair on the wire beyond the capacity, ÷ the balanced share."""
     capacity_min_rows: int
     """nosync: the fewest rows a rank's experts get (parallel.capacity_min_rows)."""
+    overlap_chunks: int
+    """nosync: parallel.overlap_chunks (0: the all-to-alls are exposed)."""
     recompute: str
     recompute_every: int
     micro_batches: int
@@ -188,6 +195,8 @@ class Layout:
             if self.dispatcher == DispatcherKind.nosync.value:
                 cf, sf = self.capacity_factor, self.spill_factor
                 text += f"(cf {cf:g}" + (f" + spill {sf:g})" if sf else ")") if cf else "(padded)"
+                if self.overlap_chunks:
+                    text += f" overlap×{self.overlap_chunks}"
         if self.shard_optimizer:
             text += " sharded-optimizer"
         if self.recompute != "none":
@@ -324,6 +333,7 @@ def layout_of(cfg: RunConfig, gpus: int) -> Layout:
         capacity_factor=p.capacity_factor,
         spill_factor=p.spill_factor,
         capacity_min_rows=p.capacity_min_rows,
+        overlap_chunks=p.overlap_chunks if p.dispatcher == DispatcherKind.nosync else 0,
         recompute=tc.recompute.value,
         recompute_every=tc.recompute_every,
         micro_batches=tc.grad_accum_steps,
@@ -649,7 +659,7 @@ def communication(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume
     def net(span: int) -> float:
         return spec.nvlink_bytes_s if span <= spec.gpus_per_node else spec.network_bytes_s
 
-    moe_layers = sum(1 for i in range(m.n_layers) if i >= m.num_dense_layers) * rank.layers / max(1, m.n_layers)
+    moe_layers = _moe_layers(m, rank)
     comm, comm_t = {}, {}
     if not fsdp and L.ep > 1:
         a2a = 4 * L.micro_batches * moe_layers * t * wire_rows * m.d_model * 2 * ring(L.ep)
@@ -737,6 +747,8 @@ def step_time(
     t_dp = seconds.get("dp_reduction", 0.0) + seconds.get("optimizer_all_gather", 0.0)
     t_fsdp = max(0.0, seconds.get("fsdp", 0.0) - compute * assume.fsdp_overlap)
     t_a2a = seconds.get("expert_all_to_all", 0.0)
+    if L.overlap_chunks and t_a2a:
+        t_a2a = _pipelined_exchange_time(cfg, L, rank, t_a2a, t, gemm_rate, assume)
     t_pp = seconds.get("pipeline_send_recv", 0.0)
     step = compute + t_optimizer + t_bubble + t_dp + t_fsdp + t_a2a + t_pp
     tokens_per_device = t * L.micro_batches * (1.0 if L.pp == 1 else 1.0 / L.pp)
@@ -754,6 +766,34 @@ def step_time(
         "pipeline_sends": t_pp,
     }
     return StepTime(parts, step, fpt * tokens_per_device / step / spec.bf16_flops, tokens_per_device)
+
+
+def _pipelined_exchange_time(
+    cfg: RunConfig, L: Layout, rank: RankMemory, t_a2a: float, t: int, gemm_rate: float, assume: Assumptions
+) -> float:
+    """The expert all-to-all's cost with parallel.overlap_chunks = n (NoSyncDispatcher.pipelined),
+    from its full time `t_a2a`. Per MoE layer and micro-batch, A is one direction's time (a
+    quarter of the layer's: dispatch and return, forward and backward), a = A / n a chunk's,
+    s and e the shared expert's and the experts' GEMM time (forward; backward 2×). One pass
+    exposes the first transfer (a, less what the shared expert covers in forward; in backward
+    the first return has nothing under it), and what the communication stream cannot fit under
+    the compute: max(a + max(0, a − s), 2A − s − e). The rest runs under compute, which it slows
+    by `overlap_slowdown` of its duration."""
+    m = cfg.model
+    moe = m.moe
+    A = t_a2a / (4 * L.micro_batches * _moe_layers(m, rank))
+    a = A / L.overlap_chunks
+    s_f = 6 * m.d_model * moe.shared_hidden * t / gemm_rate
+    e_f = 6 * m.d_model * moe.expert_hidden * moe.top_k * t / gemm_rate
+    exposed = sum(max(a + max(0.0, a - s), 2 * A - s - e) for s, e in ((s_f, e_f), (2 * s_f, 2 * e_f)))
+    exposed = min(exposed, 4 * A)
+    per_layer = exposed + assume.overlap_slowdown * (4 * A - exposed)
+    return t_a2a * per_layer / (4 * A)
+
+
+def _moe_layers(m: TransformerConfig, rank: RankMemory) -> float:
+    """MoE layers of `rank`: its share of the model's (the dense ones come first)."""
+    return sum(1 for i in range(m.n_layers) if i >= m.num_dense_layers) * rank.layers / max(1, m.n_layers)
 
 
 def with_layout(

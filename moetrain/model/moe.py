@@ -50,11 +50,16 @@ class MoE(nn.Module):
         x_ND = x_BTD.reshape(B * T, D)
         route = self.router(x_ND, self.dispatcher.reduce_counts)
 
-        x_MD, offsets_E, state = self.dispatcher.dispatch(x_ND, route.topk_ids_NK, route.tokens_per_expert_E)
-        y_MD = self.experts(x_MD, offsets_E)
-        y_ND = self.dispatcher.combine(y_MD, state, route.topk_weights_NK)
-        if self.shared_expert is not None:
-            y_ND = y_ND + self.shared_expert(x_ND)
+        if getattr(self.dispatcher, "overlap_chunks", 0):  # the exchange overlaps compute (NoSyncDispatcher)
+            y_ND = self.dispatcher.pipelined(
+                x_ND, route.topk_ids_NK, route.topk_weights_NK, self.experts, self.shared_expert
+            )
+        else:
+            x_MD, offsets_E, state = self.dispatcher.dispatch(x_ND, route.topk_ids_NK, route.tokens_per_expert_E)
+            y_MD = self.experts(x_MD, offsets_E)
+            y_ND = self.dispatcher.combine(y_MD, state, route.topk_weights_NK)
+            if self.shared_expert is not None:
+                y_ND = y_ND + self.shared_expert(x_ND)
 
         aux_loss = self.cfg.lb_loss_weight * route.lb_loss + self.cfg.z_loss_weight * route.z_loss
         if self.training and aux_loss.requires_grad:

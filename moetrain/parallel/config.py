@@ -131,6 +131,14 @@ class ParallelConfig(Config):
     sources leave unused at that destination. Bytes on the wire: (capacity_factor + s) × the
     exact exchange's. 0 = no spill: each pair's block holds C rows."""
 
+    overlap_chunks: int = non_negative(0, at_most=64)
+    """nosync only: 0 = each MoE layer's all-to-alls wait for their data and are waited for (the
+    step pays them in full); n ≥ 1 = they run asynchronously beside compute, the layer's tokens
+    split into n chunks: chunk i + 1 travels while chunk i's experts compute, and chunk 1 while
+    the shared expert does; backward mirrors it (NoSyncDispatcher.pipelined). Each chunk has its
+    own capacity (from its own assignments). n = 1 is the unsplit exchange's numbers bit for bit;
+    with n > 1 the expert weight gradients sum in another order."""
+
     def validate(self) -> None:
         for name in ("timeout_s", "peer_timeout_s"):
             if getattr(self, name) <= 0:
@@ -147,10 +155,17 @@ class ParallelConfig(Config):
                 ("capacity_factor", DEFAULT_CAPACITY_FACTOR),
                 ("spill_factor", DEFAULT_SPILL_FACTOR),
                 ("capacity_min_rows", DEFAULT_CAPACITY_MIN_ROWS),
+                ("overlap_chunks", 0),
             )
             for name, default in defaults:
                 # null capacity (the old default, in configs saved before 1.25 was) means exact too
                 if getattr(self, name) != default and not (name == "capacity_factor" and self.capacity_factor is None):
+                    if name == "overlap_chunks":
+                        raise ConfigError(
+                            f"parallel.overlap_chunks={self.overlap_chunks} pipelines the nosync dispatcher's "
+                            f"all-to-alls; the {self.dispatcher} dispatcher does not overlap them: drop the "
+                            "setting or use parallel.dispatcher=nosync."
+                        )
                     raise ConfigError(
                         f"parallel.{name}={_text(getattr(self, name))} applies to parallel.dispatcher=nosync only; the "
                         f"{self.dispatcher} dispatcher is always dropless: drop the setting or use "

@@ -35,7 +35,13 @@ def apply_expert_parallel(model: Transformer, state: ParallelState, cfg: Paralle
                 moe.experts = GroupedExperts(L, old.d_model, old.hidden, expert_offset=state.ep_rank * L)
             if cfg.dispatcher == DispatcherKind.nosync:
                 moe.dispatcher = NoSyncDispatcher(
-                    E, state.ep_group, state.dp_group, cfg.capacity_factor, cfg.spill_factor, cfg.capacity_min_rows
+                    E,
+                    state.ep_group,
+                    state.dp_group,
+                    cfg.capacity_factor,
+                    cfg.spill_factor,
+                    cfg.capacity_min_rows,
+                    cfg.overlap_chunks,
                 )
             elif cfg.dispatcher == DispatcherKind.symm:
                 moe.dispatcher = SymmMemDispatcher(E, state.ep_group, state.dp_group)

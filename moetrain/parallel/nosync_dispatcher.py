@@ -69,6 +69,7 @@ mode's bit for bit (on CPU).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -76,6 +77,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from moetrain.model.permute import inverse_permutation
+from moetrain.parallel.async_exchange import Exchange
 from moetrain.parallel.config import DEFAULT_CAPACITY_FACTOR, DEFAULT_SPILL_FACTOR
 from moetrain.parallel.dispatchers import ExpertParallelDispatcher, wire_dtype_of
 
@@ -113,6 +115,16 @@ class NoSyncState(NamedTuple):
     order, padding last."""
 
 
+class _Plan(NamedTuple):
+    """One exchange's routing, before any row moves."""
+
+    state: NoSyncState
+    """regroup_idx_C is filled in on arrival (`_receive`)."""
+    key_S: torch.Tensor
+    """The key beside each send-buffer row (module docstring, 3)."""
+    dropped: torch.Tensor | None
+
+
 class NoSyncDispatcher(ExpertParallelDispatcher):
     """Expert-parallel dispatch with fixed-size buffers and equal all-to-all splits: no
     device-to-host synchronization. Each rank's experts get about `capacity_factor` × the
@@ -128,6 +140,7 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
         capacity_factor: float | None = DEFAULT_CAPACITY_FACTOR,
         spill_factor: float = DEFAULT_SPILL_FACTOR,
         min_rows: int = 0,
+        overlap_chunks: int = 0,
     ):
         super().__init__(num_experts, ep_group, dp_group)
         # ParallelConfig.validate
@@ -137,6 +150,9 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
         self.spill_factor = spill_factor
         self.min_rows = min_rows
         """The fewest rows R·C the experts get (parallel.capacity_min_rows; 0 here unless given)."""
+        self.overlap_chunks = overlap_chunks
+        """parallel.overlap_chunks: 0 = the MoE layer calls dispatch and combine (all-to-alls
+        exposed); n ≥ 1 = it calls `pipelined`, with n chunks."""
         self.ep_rank = dist.get_rank(ep_group)
         self._dropped: torch.Tensor | None = None
 
@@ -160,23 +176,43 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
         offset of each local expert's rows (L,), and the state for `combine`."""
         R, L = self.ep, self.num_local_experts
         num_tokens, top_k = topk_ids_NK.shape
-        M, C, W = num_tokens * top_k, self.capacity(num_tokens, top_k), self.block_rows(num_tokens, top_k)
-        device = x_ND.device
+        C, W = self.capacity(num_tokens, top_k), self.block_rows(num_tokens, top_k)
+        send_counts_R = tokens_per_expert_E.view(R, L).sum(1)
+        X_RR = self._all_counts(send_counts_R.unsqueeze(0))[:, 0] if W > C else None
+        plan = self._plan(topk_ids_NK, send_counts_R, X_RR, C, W)
+        if self.capacity_factor is not None:
+            self._dropped = plan.dropped
 
-        # 1. Each assignment's rank among this rank's assignments to its destination (token
-        #    order), and how many of them its destination keeps.
+        # 2. Equal splits: every shape is known without looking at the routing.
+        splits = [W] * R
+        key_recv_S = funcol.all_to_all_single(plan.key_S, splits, splits, group=self.ep_group)
+        x_recv_SD = funcol.all_to_all_single_autograd(self._send_rows(x_ND, plan), splits, splits, group=self.ep_group)
+        return self._receive(x_recv_SD, key_recv_S, plan, C, num_tokens * top_k)
+
+    def _all_counts(self, send_counts_nR: torch.Tensor) -> torch.Tensor:
+        """X of each of n exchanges, (R, n, R): X[s, i, d] is source s's count for destination d
+        in exchange i (one all-gather for all of them)."""
+        n, R = send_counts_nR.shape
+        return funcol.all_gather_single(send_counts_nR.flatten(), 0, group=self.ep_group).view(R, n, R)
+
+    def _plan(
+        self, topk_ids_NK: torch.Tensor, send_counts_R: torch.Tensor, X_RR: torch.Tensor | None, C: int, W: int
+    ) -> _Plan:
+        """1. Each assignment's rank among this rank's assignments to its destination (token
+        order), how many of them its destination keeps, and the send buffer's map."""
+        R, L = self.ep, self.num_local_experts
+        num_tokens, top_k = topk_ids_NK.shape
+        M = num_tokens * top_k
+        device = topk_ids_NK.device
         expert_M = topk_ids_NK.flatten()
         dest_M = expert_M // L
-        send_counts_R = tokens_per_expert_E.view(R, L).sum(1)
         start_R = send_counts_R.cumsum(0) - send_counts_R
         order_M = dest_M.argsort(stable=True)  # destination-major, token order within each
         rank_in_dest_M = torch.arange(M, device=device) - start_R[dest_M[order_M]]
         pos_M = torch.empty_like(rank_in_dest_M).index_copy_(0, order_M, rank_in_dest_M)
-        kept_R = send_counts_R.clamp(max=C) + self._spill_kept(send_counts_R, C, W)
+        kept_R = send_counts_R.clamp(max=C) + self._spill_kept(X_RR, C, W)
         keep_NK = (pos_M < kept_R[dest_M]).view(num_tokens, top_k)
         slot_NK = torch.where(keep_NK, (dest_M * W + pos_M).view(num_tokens, top_k), 0)
-        if self.capacity_factor is not None:
-            self._dropped = M - keep_NK.sum()
 
         # The same map read from the buffer's side, as a gather (no duplicate writes): row (d, c)
         # holds the c-th assignment to d, if d keeps it; beside it travels its key.
@@ -185,17 +221,25 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
         src_RW = order_M[(start_R.unsqueeze(1) + c_W).clamp_(max=M - 1)]
         key_RW = expert_M[src_RW].remainder_(L).mul_(R * M).add_(self.ep_rank * M + c_W)
         key_S = key_RW.masked_fill_(~filled_RW, L * R * M).flatten()  # padding: L·R·M
-        src_S, filled_S = src_RW.flatten(), filled_RW.flatten()
-        # Each token's copies in buffer order (destination, then k): backward sums them so.
-        by_slot_NK, sort_NK = slot_NK.sort(dim=1)
-        x_send_SD = _SendRows.apply(
-            x_ND, src_S // top_k, filled_S, by_slot_NK, keep_NK.gather(1, sort_NK), wire_dtype_of(x_ND)
+        dropped = M - keep_NK.sum() if self.capacity_factor is not None else None
+        return _Plan(NoSyncState(slot_NK, keep_NK, src_RW.flatten(), filled_RW.flatten(), None), key_S, dropped)
+
+    @staticmethod
+    def _send_rows(x_ND: torch.Tensor, plan: _Plan) -> torch.Tensor:
+        """The send buffer (R·W, D) in the wire dtype; each token's copies in buffer order
+        (destination, then k), the order backward sums them in."""
+        st = plan.state
+        top_k = st.slot_NK.shape[1]
+        by_slot_NK, sort_NK = st.slot_NK.sort(dim=1)
+        return _SendRows.apply(
+            x_ND, st.src_S // top_k, st.filled_S, by_slot_NK, st.keep_NK.gather(1, sort_NK), wire_dtype_of(x_ND)
         )
 
-        # 2. Equal splits: every shape is known without looking at the routing.
-        splits = [W] * R
-        key_recv_S = funcol.all_to_all_single(key_S, splits, splits, group=self.ep_group)
-        x_recv_SD = funcol.all_to_all_single_autograd(x_send_SD, splits, splits, group=self.ep_group)
+    def _receive(
+        self, x_recv_SD: torch.Tensor, key_recv_S: torch.Tensor, plan: _Plan, C: int, M: int
+    ) -> tuple[torch.Tensor, torch.Tensor, NoSyncState]:
+        """3. The received rows the experts get, by local expert, their offsets, and the state."""
+        R, L = self.ep, self.num_local_experts
         # Keys are unique but for padding, which sorts last: the first R·C are every kept row
         # (the senders keep at most that many), by local expert, then source, then token.
         order_S = key_recv_S.argsort(stable=True)
@@ -203,18 +247,18 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
         x_local_CD = _Regroup.apply(x_recv_SD, regroup_idx_C, inverse_permutation(order_S))
         # A scatter, not bincount: bincount's output size is data (a sync). Padding counts as L.
         expert_S = key_recv_S // (R * M)
-        rows_per_expert = torch.zeros(L + 1, dtype=torch.int64, device=device)
+        rows_per_expert = torch.zeros(L + 1, dtype=torch.int64, device=x_recv_SD.device)
         rows_per_expert.scatter_add_(0, expert_S, torch.ones_like(expert_S))
         offsets_L = rows_per_expert[:L].cumsum(0).to(torch.int32)
-        return x_local_CD, offsets_L, NoSyncState(slot_NK, keep_NK, src_S, filled_S, regroup_idx_C)
+        return x_local_CD, offsets_L, plan.state._replace(regroup_idx_C=regroup_idx_C)
 
-    def _spill_kept(self, send_counts_R: torch.Tensor, C: int, W: int) -> torch.Tensor:
+    def _spill_kept(self, X_RR: torch.Tensor | None, C: int, W: int) -> torch.Tensor:
         """How many of this rank's rows beyond C each destination keeps: its rows in [C, W),
-        after those of lower ranks, while the rows other sources leave unused last."""
-        if W == C:
-            return torch.zeros_like(send_counts_R)
+        after those of lower ranks, while the rows other sources leave unused last. `X_RR`: the
+        group's counts (None when there are no spill rows, W = C)."""
+        if X_RR is None:
+            return 0
         R = self.ep
-        X_RR = funcol.all_gather_single(send_counts_R, 0, group=self.ep_group).view(R, R)
         unused_D = R * C - X_RR.clamp(max=C).sum(0)
         extra_RR = X_RR.clamp(max=W) - X_RR.clamp(max=C)
         before_D = (extra_RR.cumsum(0) - extra_RR)[self.ep_rank]
@@ -223,18 +267,92 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
     def combine(self, y_local_CD: torch.Tensor, state: NoSyncState, topk_weights_NK: torch.Tensor) -> torch.Tensor:
         """(R·C, D) in local-expert order -> each token's weighted sum over its copies (N, D);
         dropped assignments add nothing. Padding rows of `y_local_CD` may hold anything."""
-        S = state.src_S.numel()
-        splits = [S // self.ep] * self.ep
-        # Rows not kept (padding) stay uninitialized: they are never read.
-        y_recv_SD = y_local_CD.new_empty(S, y_local_CD.shape[1])
-        y_recv_SD.index_copy_(0, state.regroup_idx_C, y_local_CD)
-        y_back_SD = funcol.all_to_all_single_autograd(y_recv_SD, splits, splits, group=self.ep_group)
+        splits = [state.src_S.numel() // self.ep] * self.ep
+        y_back_SD = funcol.all_to_all_single_autograd(
+            _returned_rows(y_local_CD, state), splits, splits, group=self.ep_group
+        )
         return _CombineRows.apply(y_back_SD, topk_weights_NK, state.slot_NK, state.keep_NK, state.src_S, state.filled_S)
+
+    @torch.compiler.disable  # a `Work` handle cannot be traced (moetrain/parallel/async_exchange.py)
+    def pipelined(
+        self,
+        x_ND: torch.Tensor,
+        topk_ids_NK: torch.Tensor,
+        topk_weights_NK: torch.Tensor,
+        experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        shared: Callable[[torch.Tensor], torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """dispatch → experts → combine (+ the shared expert) with the all-to-alls overlapping
+        compute (parallel.overlap_chunks = n): the tokens split into n chunks, each an exchange
+        of its own (its own C and W, from its own M), all routed before any row moves.
+
+        Forward, on the communication stream: the counts (one all-gather), the keys (one
+        all-to-all), chunk 1's rows … chunk n's, then each chunk's way back as soon as its experts
+        are done. The compute stream meanwhile runs the shared expert (while chunk 1 travels),
+        then chunk i's experts while chunk i + 1 travels (and chunk i − 1 goes back). Exposed:
+        chunk 1's dispatch beyond the shared expert, the last chunk's return.
+        Backward mirrors it (autograd runs a layer's nodes latest-created first): the last
+        chunk's gradient goes back first; chunk i's expert backward overlaps chunk i − 1's
+        return and chunk i + 1's dispatch gradient; the shared expert's backward overlaps the
+        first chunk's. Exposed: the first return of the gradient, what the shared expert does
+        not cover of the last.
+
+        Numerics: with n = 1 the results are `dispatch`/`combine`'s bit for bit (on CPU); with
+        n > 1 every row is computed as there, but the expert weight gradients sum over chunks
+        in another order, and capacity is per chunk (so drops may differ under skew)."""
+        R, L = self.ep, self.num_local_experts
+        num_tokens, top_k = topk_ids_NK.shape
+        n = max(1, min(self.overlap_chunks, num_tokens))
+        xs, ids = x_ND.tensor_split(n), topk_ids_NK.tensor_split(n)
+        ws = topk_weights_NK.tensor_split(n)
+        sizes = [i.shape[0] for i in ids]
+        Cs = [self.capacity(t, top_k) for t in sizes]
+        Ws = [self.block_rows(t, top_k) for t in sizes]
+        dest = [i.flatten() // L for i in ids]
+        counts_nR = torch.stack(
+            [torch.zeros(R, dtype=torch.int64, device=x_ND.device).scatter_add_(0, d, torch.ones_like(d)) for d in dest]
+        )
+        X = self._all_counts(counts_nR) if any(W > C for C, W in zip(Cs, Ws)) else None
+        plans = [self._plan(ids[i], counts_nR[i], None if X is None else X[:, i], Cs[i], Ws[i]) for i in range(n)]
+        if self.capacity_factor is not None:
+            self._dropped = sum(p.dropped for p in plans)
+
+        # One exchange of every chunk's keys (destination-major: (R, ΣW)), then the rows.
+        keys_RW = torch.cat([p.key_S.view(R, -1) for p in plans], 1)
+        keys_recv_RW = torch.empty_like(keys_RW)
+        keys_work = dist.all_to_all_single(keys_recv_RW, keys_RW, group=self.ep_group, async_op=True)
+        there = [Exchange(self.ep_group) for _ in range(n)]
+        sent = [there[i].start(self._send_rows(xs[i], plans[i])) for i in range(n)]
+        shared_ND = shared(x_ND) if shared is not None else None
+        keys_work.wait()
+        keys_recv = [k.flatten() for k in keys_recv_RW.split(Ws, 1)]
+
+        back = [Exchange(self.ep_group) for _ in range(n)]
+        returned, states = [], []
+        for i in range(n):
+            x_local_CD, offsets_L, state = self._receive(
+                there[i].finish(sent[i]), keys_recv[i], plans[i], Cs[i], sizes[i] * top_k
+            )
+            returned.append(back[i].start(_returned_rows(experts(x_local_CD, offsets_L), state)))
+            states.append(state)
+        ys = []
+        for i, st in enumerate(states):
+            y_back_SD = back[i].finish(returned[i])
+            ys.append(_CombineRows.apply(y_back_SD, ws[i], st.slot_NK, st.keep_NK, st.src_S, st.filled_S))
+        y_ND = ys[0] if n == 1 else torch.cat(ys)
+        return y_ND if shared_ND is None else y_ND + shared_ND
 
     def dropped_tokens(self) -> torch.Tensor | None:
         """Assignments dropped in the last dispatch (device int64 scalar); None in the padded
         mode, which never drops."""
         return self._dropped
+
+
+def _returned_rows(y_local_CD: torch.Tensor, state: NoSyncState) -> torch.Tensor:
+    """The experts' rows back in the received buffer's places (R·W, D), for the return trip.
+    Rows not kept (padding) stay uninitialized: they are never read."""
+    y_recv_SD = y_local_CD.new_empty(state.src_S.numel(), y_local_CD.shape[1])
+    return y_recv_SD.index_copy_(0, state.regroup_idx_C, y_local_CD)
 
 
 # --- the gathers, both ways (as moetrain/model/permute.py: no scatter-add, no zero fill) -------

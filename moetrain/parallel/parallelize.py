@@ -161,3 +161,9 @@ def apply_compile(model: Transformer, overlap: bool = False) -> None:
         inductor_config.reorder_for_compute_comm_overlap_passes = list(OVERLAP_PASSES)
     for block in model.blocks.values():
         block.compile(dynamic=False)
+        moe = getattr(block, "ffn", None)
+        if getattr(getattr(moe, "dispatcher", None), "overlap_chunks", 0):
+            # the pipelined exchange runs eagerly: its experts and shared expert compile alone
+            moe.experts.compile(dynamic=False)
+            if moe.shared_expert is not None:
+                moe.shared_expert.compile(dynamic=False)

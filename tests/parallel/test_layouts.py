@@ -151,6 +151,7 @@ LAYOUT_GROUPS = [
             ("dp2-sharded", [SHARD]),
             ("dp2ep2-symm", ["parallel.ep=2", SYMM]),
             ("dp2ep2-chunked-loss", ["parallel.ep=2", CHUNKED_LOSS]),
+            ("dp2ep2-overlap2", ["parallel.ep=2", "parallel.overlap_chunks=2"]),
         ],
     ),
     (
@@ -161,6 +162,7 @@ LAYOUT_GROUPS = [
             ("dp4ep4-alltoall", ["parallel.ep=4", A2A]),
             ("dp4ep2-sharded", ["parallel.ep=2", SHARD]),
             ("dp4ep2-symm", ["parallel.ep=2", SYMM]),
+            ("dp4ep4-overlap3-recompute", ["parallel.ep=4", "parallel.overlap_chunks=3", "train.recompute=full"]),
         ],
     ),
     (
@@ -186,6 +188,10 @@ LAYOUT_GROUPS = [
             ("pp2dp2ep2", ["parallel.pp=2", "parallel.ep=2"]),
             ("pp2dp2ep2-interleaved-alltoall-sharded", ["parallel.pp=2", "parallel.ep=2", INTERLEAVED, A2A, SHARD]),
             ("pp2dp2", ["parallel.pp=2", "parallel.dp=2"]),
+            (
+                "pp2dp2ep2-overlap2-selective",
+                ["parallel.pp=2", "parallel.ep=2", "parallel.overlap_chunks=2", "train.recompute=selective"],
+            ),
         ],
     ),
 ]

@@ -1,0 +1,290 @@
+"""The pipelined exchange (parallel.overlap_chunks, NoSyncDispatcher.pipelined) against the plain
+dispatch → experts → combine (+ shared expert) on gloo ranks at ep 2, 4 and 8 (ep = world).
+
+- n = 1 chunk: outputs and every gradient are the plain path's bit for bit;
+- n = 2, 3 (3 splits 64 tokens unevenly): within fp32 reassociation of the plain path (the
+  expert weight gradients sum over chunks), under balanced, skewed and all-to-one routing in the
+  padded mode (dropless); in the bounded mode, under all-to-one routing, each chunk drops
+  exactly its own M − C;
+- the schedule: the order in which exchanges start and finish, forward and backward, around the
+  experts and the shared expert, is the overlapping one the docstring promises;
+- no host synchronization, and the dispatch's peak allocation stays that of the plain path.
+
+Legend as tests/parallel/test_nosync_capacity.py, whose routing and experts these reuse."""
+
+import pytest
+import torch
+from test_nosync_capacity import (
+    BOUNDED,
+    D,
+    E,
+    K,
+    N,
+    Allocations,
+    case_counts,
+    local_experts,
+    relative_diff,
+    routing_ids,
+)
+
+from moetrain.testing.distributed import run_distributed
+
+TOL = 1e-6
+CHUNKS = (2, 3)
+
+
+def make_shared():
+    from moetrain.model.mlp import SwiGLU
+
+    torch.manual_seed(1)
+    shared = SwiGLU(D, 16)
+    with torch.no_grad():
+        for p in shared.parameters():
+            p.normal_(0, 0.3)
+    return shared
+
+
+def run(disp, chunks, x0_ND, ids_NK, w0_NK, grad_ND, rank, R, poison=True):
+    """One forward and backward of the layer's exchange: plain (`chunks` 0) or pipelined."""
+    local, forward = local_experts(rank, R, poison)
+    shared = make_shared()
+    x, w = x0_ND.clone().requires_grad_(), w0_NK.clone().requires_grad_()
+    disp.overlap_chunks = chunks
+    if chunks:
+        y = disp.pipelined(x, ids_NK, w, forward, shared)
+    else:
+        x_local, offsets, state = disp.dispatch(x, ids_NK, torch.bincount(ids_NK.flatten(), minlength=E))
+        y = disp.combine(forward(x_local, offsets), state, w) + shared(x)
+    (y * grad_ND).sum().backward()
+    grads = [y.detach(), x.grad, w.grad, local.w_gate_up_E2FD.grad, local.w_down_EDF.grad]
+    grads += [p.grad for p in shared.parameters()]
+    dropped = disp.dropped_tokens()
+    return grads, None if dropped is None else int(dropped)
+
+
+def inputs(case, rank, R, C, W):
+    ids_NK = routing_ids(case_counts(case, rank, R, C, W), rank)
+    g = torch.Generator().manual_seed(70 + rank)
+    return ids_NK, torch.randn(N, D, generator=g), torch.rand(N, K, generator=g) + 0.5, torch.randn(N, D, generator=g)
+
+
+def compare(rank, R, group):
+    from moetrain.parallel.nosync_dispatcher import NoSyncDispatcher
+
+    out = {}
+    probe = NoSyncDispatcher(E, group, group, BOUNDED)
+    C, W = probe.capacity(N, K), probe.block_rows(N, K)
+    for case, factor in (("balanced", BOUNDED), ("skewed", BOUNDED), ("all_to_one", None)):
+        ids_NK, x0, w0, g = inputs(case, rank, R, C, W)
+        ref, _ = run(NoSyncDispatcher(E, group, group, factor), 0, x0, ids_NK, w0, g, rank, R)
+        one, _ = run(NoSyncDispatcher(E, group, group, factor), 1, x0, ids_NK, w0, g, rank, R)
+        out[case] = {"bits_n1": [torch.equal(a, b) for a, b in zip(one, ref)]}
+        # Chunks route unevenly where the whole does not (a chunk's share of a skewed pair varies),
+        # so the bounded mode may drop in a chunk what it keeps whole: compare the padded mode.
+        padded, _ = run(NoSyncDispatcher(E, group, group, None), 0, x0, ids_NK, w0, g, rank, R)
+        for n in CHUNKS:
+            got, dropped = run(NoSyncDispatcher(E, group, group, None), n, x0, ids_NK, w0, g, rank, R)
+            out[case][n] = {
+                "diff": max(relative_diff(a, b) for a, b in zip(got, padded)),
+                "finite": all(bool(torch.isfinite(t).all()) for t in got),
+                "dropped": dropped,
+            }
+    # The bounded mode under all-to-one routing: each chunk's sources keep their C rows at rank 0.
+    ids_NK, x0, w0, g = inputs("all_to_one", rank, R, C, W)
+    for n in CHUNKS:
+        disp = NoSyncDispatcher(E, group, group, BOUNDED)
+        got, dropped = run(disp, n, x0, ids_NK, w0, g, rank, R)
+        sizes = [len(c) for c in torch.arange(N).tensor_split(n)]
+        want = sum(t * K - disp.capacity(t, K) for t in sizes)
+        out[f"bounded_all_to_one_{n}"] = {
+            "dropped": dropped,
+            "want": want,
+            "finite": all(torch.isfinite(t).all() for t in got),
+        }
+    return out
+
+
+# --- the schedule -----------------------------------------------------------------------------------
+
+
+class Mark(torch.autograd.Function):
+    """Identity; logs `name` when forward runs and `name` + " grad" when backward does."""
+
+    @staticmethod
+    def forward(ctx, x, log, name):
+        ctx.log, ctx.name = log, name
+        log.append(name)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.log.append(ctx.name + " grad")
+        return grad, None, None
+
+
+def schedule(rank, R, group):
+    """The pipelined layer with 2 chunks, every exchange's start and wait logged (by start order:
+    there 0, there 1, back 0, back 1 in forward; their gradients' in backward) beside the experts'
+    and the shared expert's forward and backward."""
+    from unittest import mock
+
+    import moetrain.parallel.async_exchange as ax
+    from moetrain.parallel.nosync_dispatcher import NoSyncDispatcher
+
+    log, issued = [], []
+    real = ax._exchange
+
+    class Logged:
+        def __init__(self, work, i):
+            self.work, self.i = work, i
+
+        def wait(self):
+            self.work.wait()
+            log.append(f"wait {self.i}")
+
+    def exchange(x, group):
+        out, work = real(x, group)
+        issued.append(len(issued))
+        log.append(f"start {issued[-1]}")
+        return out, Logged(work, issued[-1])
+
+    local, forward = local_experts(rank, R, poison=True)
+    calls = []
+
+    def experts(x_SD, offsets_L):
+        i = len(calls)
+        calls.append(i)
+        # logged on entry in forward; in backward, "grad" marks the experts' backward finished
+        return Mark.apply(forward(Mark.apply(x_SD, log, f"experts {i}"), offsets_L), log, f"experts {i} out")
+
+    shared = make_shared()
+
+    def shared_fn(x):
+        return Mark.apply(shared(Mark.apply(x, log, "shared")), log, "shared out")
+
+    disp = NoSyncDispatcher(E, group, group, BOUNDED, overlap_chunks=2)
+    ids_NK, x0, w0, g = inputs("balanced", rank, R, disp.capacity(N, K), disp.block_rows(N, K))
+    x = x0.requires_grad_()
+    with mock.patch.object(ax, "_exchange", exchange):
+        y = disp.pipelined(x, ids_NK, w0, experts, shared_fn)
+        log.append("backward")
+        (y * g).sum().backward()
+    return log
+
+
+def no_sync_and_memory(rank, R, group):
+    from moetrain.model.experts import GroupedExperts
+    from moetrain.parallel.nosync_dispatcher import NoSyncDispatcher
+    from moetrain.testing.host_sync import forbid_host_sync
+
+    disp = NoSyncDispatcher(E, group, group, BOUNDED)
+    ids_NK, x0, w0, g = inputs("skewed", rank, R, disp.capacity(N, K), disp.block_rows(N, K))
+    _, forward = local_experts(rank, R, poison=False)
+    x = x0.clone().requires_grad_()
+    disp.overlap_chunks = 2
+    with forbid_host_sync():
+        (disp.pipelined(x, ids_NK, w0, forward, None) * g).sum().backward()
+        disp.dropped_tokens() + 0
+
+    # Peak bytes allocated by a whole exchange, forward and backward (experts frozen: their
+    # weight gradients are no dispatch memory), plain against pipelined.
+    L = E // R
+    torch.manual_seed(0)
+    experts = GroupedExperts(L, 256, 16).requires_grad_(False)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0, 0.1)
+    ids_NK = routing_ids([N * K // R] * R, rank)
+    peaks = {}
+    for chunks in (0, 2, 4):
+        disp.overlap_chunks = chunks
+        x = torch.randn(N, 256, requires_grad=True)
+        w = torch.rand(N, K, requires_grad=True)
+
+        def step():
+            if chunks:
+                return disp.pipelined(x, ids_NK, w, experts, None)
+            x_local, offsets, state = disp.dispatch(x, ids_NK, torch.bincount(ids_NK.flatten(), minlength=E))
+            return disp.combine(experts(x_local, offsets), state, w)
+
+        step().sum().backward()  # warm-up
+        x.grad = w.grad = None
+        mode = Allocations()
+        with mode:
+            step().sum().backward()
+        peaks[chunks] = mode.peak
+    return peaks
+
+
+def rank_checks(world):
+    import torch.distributed as dist
+
+    rank, group = dist.get_rank(), dist.group.WORLD
+    return {
+        "compare": compare(rank, world, group),
+        "schedule": schedule(rank, world, group),
+        "memory": no_sync_and_memory(rank, world, group),
+    }
+
+
+@pytest.fixture(scope="module", params=[2, 4, 8], ids=["ep2", "ep4", "ep8"])
+def world_results(request):
+    world = request.param
+    return world, run_distributed(rank_checks, world, world)
+
+
+def test_one_chunk_is_the_plain_exchange_bit_for_bit(world_results):
+    _, results = world_results
+    for rank, r in enumerate(results):
+        for case in ("balanced", "skewed", "all_to_one"):
+            assert all(r["compare"][case]["bits_n1"]), (rank, case, r["compare"][case]["bits_n1"])
+
+
+def test_chunks_match_the_plain_exchange(world_results):
+    """Outputs, input, weight and expert gradients within fp32 reassociation, in the padded
+    (dropless) mode: per chunk the bounded mode's drops are the chunk's own (next test)."""
+    _, results = world_results
+    for rank, r in enumerate(results):
+        for case in ("balanced", "skewed", "all_to_one"):
+            for n in CHUNKS:
+                got = r["compare"][case][n]
+                assert got["finite"] and got["diff"] <= TOL, (rank, case, n, got)
+                assert got["dropped"] is None, (rank, case, n, got)
+
+
+def test_all_to_one_drops_each_chunks_overflow(world_results):
+    world, results = world_results
+    for rank, r in enumerate(results):
+        for n in CHUNKS:
+            got = r["compare"][f"bounded_all_to_one_{n}"]
+            assert got["dropped"] == got["want"] > 0 and got["finite"], (world, rank, n, got)
+
+
+def test_the_exchanges_overlap_compute_forward_and_backward(world_results):
+    """Forward: both chunks start before the shared expert computes; chunk 1 travels while chunk
+    0's experts compute, chunk 0 returns while chunk 1's do. Backward (latest-created first):
+    chunk 1's gradient returns first and is waited for before its experts' backward, which runs
+    while chunk 0's return gradient travels; chunk 0's experts' backward runs while chunk 1's
+    dispatch gradient travels; the shared expert's backward runs while chunk 0's travels."""
+    _, results = world_results
+    for rank, r in enumerate(results):
+        log = r["schedule"]
+        at = {name: i for i, name in enumerate(log)}
+        fwd, bwd = log[: at["backward"]], log[at["backward"] :]
+        assert fwd.index("start 0") < fwd.index("start 1") < fwd.index("shared") < fwd.index("wait 0"), log
+        assert fwd.index("wait 0") < fwd.index("experts 0") < fwd.index("start 2") < fwd.index("wait 1"), log
+        assert fwd.index("wait 1") < fwd.index("experts 1") < fwd.index("start 3") < fwd.index("wait 2"), log
+        # backward exchanges: 4 = back 1's gradient, 5 = back 0's, 6 = there 1's, 7 = there 0's
+        pos = {name: i for i, name in enumerate(bwd)}
+        assert pos["start 4"] < pos["start 5"] < pos["wait 4"] < pos["experts 1 out grad"], bwd
+        assert pos["experts 1 grad"] < pos["wait 5"], bwd  # chunk 1's expert backward under back 0's
+        assert pos["start 6"] < pos["experts 0 out grad"] and pos["experts 0 grad"] < pos["wait 6"], bwd
+        assert pos["start 7"] < pos["shared out grad"] and pos["shared grad"] < pos["wait 7"], bwd
+
+
+def test_no_host_sync_and_no_more_memory_than_the_plain_exchange(world_results):
+    _, results = world_results
+    for rank, r in enumerate(results):
+        peaks = r["memory"]
+        for chunks in (2, 4):
+            assert peaks[chunks] <= 1.05 * peaks[0], (rank, peaks)
