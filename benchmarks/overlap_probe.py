@@ -16,7 +16,7 @@ expert alone), alone and while a side stream runs NCCL all-to-alls of the layer'
 back: how much continuous NCCL traffic slows the compute (an upper bound: HBM-to-HBM copies
 move far more bytes per second than an NVLink transfer does).
 
-Usage: python benchmarks/overlap_probe.py [--tokens 16384] [--iters 20] [--out DIR]
+Usage: python benchmarks/overlap_probe.py [--tokens 16384] [--iters 20] [--bf16-weights] [--out DIR]
 Prints one JSON line per measurement. `--device cpu` (gloo, small shapes: `--tokens 256
 --d-model 64 --hidden 64`) checks the script and the numerics only: no timing there means much.
 """
@@ -41,10 +41,10 @@ from moetrain.model.mlp import SwiGLU  # noqa: E402
 from moetrain.parallel.nosync_dispatcher import NoSyncDispatcher  # noqa: E402
 
 
-def layer(D, E, H, Hs, device="cuda", seed=0):
+def layer(D, E, H, Hs, device="cuda", seed=0, dtype=torch.float32):
     torch.manual_seed(seed)
-    experts = GroupedExperts(E, D, H).to(device)
-    shared = SwiGLU(D, Hs).to(device)
+    experts = GroupedExperts(E, D, H).to(device, dtype)
+    shared = SwiGLU(D, Hs).to(device, dtype)
     with torch.no_grad():
         for p in [*experts.parameters(), *shared.parameters()]:
             p.normal_(0, 0.02)
@@ -132,6 +132,9 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp")))
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument(
+        "--bf16-weights", action="store_true", help="bf16 parameters, as optim.bf16_weights trains (CUDA's default)"
+    )
     args = ap.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29577")
@@ -142,12 +145,28 @@ def main() -> None:
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
     group = dist.group.WORLD
-    commit = os.environ.get("MOETRAIN_COMMIT", "unknown")
     N, D, E, H, K = args.tokens, args.d_model, args.experts, args.hidden, args.top_k
-    experts, shared = layer(D, E, H, H)
+    experts, shared = layer(D, E, H, H, dtype=torch.bfloat16 if args.bf16_weights else torch.float32)
     x, ids, w, g = inputs(N, D, E, K, "cuda")
-    disp = NoSyncDispatcher(E, group, None, 1.25, 0.125, 1024)
-    base = {"commit": commit, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "tokens": N}
+    for chunking, factor in (("experts", 1.25), ("tokens", None)):
+        # bounded capacity: chunks by experts (n divides the 16 local experts); the padded mode
+        # (with one rank the same buffers: C = M) chunks by tokens
+        disp = NoSyncDispatcher(E, group, None, factor, 0.125 if factor else 0.0, 1024)
+        probe_chunks(args, disp, experts, shared, x, ids, w, g, N, chunking)
+    interference(args, experts, shared, x, N, D, E, K, group)
+    dist.destroy_process_group()
+
+
+def probe_chunks(args, disp, experts, shared, x, ids, w, g, N, chunking):
+    commit = os.environ.get("MOETRAIN_COMMIT", "unknown")
+    base = {
+        "commit": commit,
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "tokens": N,
+        "bf16_weights": args.bf16_weights,
+        "chunking": chunking,
+    }
 
     checks = {0: {}, **compare(disp, experts, shared, x, ids, w, g)}
     for chunks, check in checks.items():
@@ -163,6 +182,8 @@ def main() -> None:
             torch.cuda.synchronize()
         prof.export_chrome_trace(str(trace))
         t = analyse(trace, 1)
+        events = json.loads(trace.read_text()).get("traceEvents", [])
+        memcpy_ms = sum(float(ev["dur"]) for ev in events if ev.get("cat") == "gpu_memcpy" and "dur" in ev) / 1e3
         trace.unlink()
         hidden = 1 - t["exposed_nccl_ms"] / t["nccl_ms"] if t["nccl_ms"] else 0.0
         print(
@@ -176,13 +197,18 @@ def main() -> None:
                     "exposed_nccl_ms": t["exposed_nccl_ms"],
                     "nccl_under_compute": round(hidden, 3),
                     "compute_ms": t["compute_ms"],
+                    "memcpy_ms": round(memcpy_ms, 3),  # a 1-rank group's exchange may be a copy, not a kernel
                     **check,
                 }
             ),
             flush=True,
         )
 
-    # Interference: the compute alone, then beside back-to-back NCCL all-to-alls on a side stream.
+
+def interference(args, experts, shared, x, N, D, E, K, group):
+    """The compute alone, then beside back-to-back NCCL all-to-alls on a side stream."""
+    commit = os.environ.get("MOETRAIN_COMMIT", "unknown")
+    base = {"commit": commit, "gpu": torch.cuda.get_device_name(), "tokens": N, "bf16_weights": args.bf16_weights}
     rows = torch.randn(int(1.375 * N * K), D, device="cuda", dtype=torch.bfloat16)
     recv = torch.empty_like(rows)
     x_local = torch.randn(int(1.25 * N * K), D, device="cuda")
@@ -233,7 +259,6 @@ def main() -> None:
         ),
         flush=True,
     )
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -740,7 +740,20 @@ def step_time(
         share = math.ceil(m.n_layers / L.recompute_every) / m.n_layers
         cost = assume.recompute_cost[0 if L.recompute == Recompute.selective.value else 1]
         t_recompute = cost * share * (t_gemm + t_casts + t_elementwise + t_fp8)
-    compute = t_gemm + t_casts + t_elementwise + t_fp8 + t_recompute
+    # parallel.overlap_chunks = n (NoSyncDispatcher.pipelined). Chunks by experts (n divides the
+    # local experts, bounded capacity): the groups' weight gradients are copied into one tensor,
+    # one pass per micro-batch (bf16: 4 B, fp32: 8 B). Chunks by tokens: each chunk's expert
+    # weight gradient is a whole tensor that autograd sums (n − 1 sums: bf16 6 B, fp32 12 B);
+    # fp32 weights are also cast to bf16 once per chunk, and their gradients back (12 B).
+    t_chunks = 0.0
+    if L.overlap_chunks > 1 and L.ep > 1:
+        bf16_grads = not fp32 and uses_bf16_weights(cfg)
+        if (m.moe.num_experts // L.ep) % L.overlap_chunks == 0 and L.capacity_factor is not None:
+            t_chunks = L.micro_batches * (4 if bf16_grads else 8) * rank.expert_local / hbm
+        else:
+            per_sum = 6 if bf16_grads else 12 if fp32 else 24
+            t_chunks = (L.overlap_chunks - 1) * L.micro_batches * per_sum * rank.expert_local / hbm
+    compute = t_gemm + t_casts + t_elementwise + t_fp8 + t_recompute + t_chunks
     per_mb = compute / L.micro_batches
     t_bubble = (L.pp - 1) / L.stages_per_rank * per_mb if L.pp > 1 else 0.0
     seconds = comm.seconds
@@ -758,6 +771,7 @@ def step_time(
         "element_wise": t_elementwise,
         "fp8_quantization": t_fp8,
         "recompute": t_recompute,
+        "overlap_chunk_grads": t_chunks,
         "optimizer": t_optimizer,
         "pipeline_bubble": t_bubble,
         "expert_all_to_all": t_a2a,

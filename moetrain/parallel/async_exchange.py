@@ -36,25 +36,28 @@ class Exchange:
         self.work: dist.Work | None = None
         self.grad_work: dist.Work | None = None
 
-    def start(self, x_SD: torch.Tensor) -> torch.Tensor:
-        """Enqueue the exchange of `x_SD`; the returned buffer is valid after `finish`."""
-        return _Start.apply(x_SD, self)
+    def start(self, x_SD: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Enqueue the exchange of `x_SD`; the returned buffer (`out`, if given: a buffer of x's
+        shape, e.g. a slice of a larger one) is valid after `finish`."""
+        return _Start.apply(x_SD, self, out)
 
     def finish(self, recv_SD: torch.Tensor) -> torch.Tensor:
         """Wait for the exchange; the buffer `start` returned, now valid."""
         return _Finish.apply(recv_SD, self)
 
 
-def _exchange(x_SD: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, dist.Work]:
-    out = torch.empty_like(x_SD)
+def _exchange(
+    x_SD: torch.Tensor, group: dist.ProcessGroup, out: torch.Tensor | None = None
+) -> tuple[torch.Tensor, dist.Work]:
+    out = torch.empty_like(x_SD) if out is None else out
     return out, dist.all_to_all_single(out, x_SD.contiguous(), group=group, async_op=True)
 
 
 class _Start(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_SD, exchange):
+    def forward(ctx, x_SD, exchange, out):
         ctx.exchange = exchange
-        out, exchange.work = _exchange(x_SD, exchange.group)
+        out, exchange.work = _exchange(x_SD, exchange.group, out)
         return out
 
     @staticmethod
@@ -62,7 +65,7 @@ class _Start(torch.autograd.Function):
         exchange = ctx.exchange
         exchange.grad_work.wait()  # `grad_SD` is the buffer _Finish.backward's exchange fills
         exchange.grad_work = None
-        return grad_SD, None
+        return grad_SD, None, None
 
 
 class _Finish(torch.autograd.Function):

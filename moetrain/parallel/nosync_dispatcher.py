@@ -76,6 +76,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from moetrain.model.experts import ExpertGroup, GroupGrads
 from moetrain.model.permute import inverse_permutation
 from moetrain.parallel.async_exchange import Exchange
 from moetrain.parallel.config import DEFAULT_CAPACITY_FACTOR, DEFAULT_SPILL_FACTOR
@@ -196,10 +197,18 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
         return funcol.all_gather_single(send_counts_nR.flatten(), 0, group=self.ep_group).view(R, n, R)
 
     def _plan(
-        self, topk_ids_NK: torch.Tensor, send_counts_R: torch.Tensor, X_RR: torch.Tensor | None, C: int, W: int
+        self,
+        topk_ids_NK: torch.Tensor,
+        send_counts_R: torch.Tensor,
+        X_RR: torch.Tensor | None,
+        C: int,
+        W: int,
+        group: tuple[torch.Tensor, int, int] | None = None,
     ) -> _Plan:
         """1. Each assignment's rank among this rank's assignments to its destination (token
-        order), how many of them its destination keeps, and the send buffer's map."""
+        order), how many of them its destination keeps, and the send buffer's map. `group`:
+        (member_M, first, count): only the assignments to each rank's local experts
+        [first, first + count) take part (member_M marks them; the rest are not sent)."""
         R, L = self.ep, self.num_local_experts
         num_tokens, top_k = topk_ids_NK.shape
         M = num_tokens * top_k
@@ -207,21 +216,29 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
         expert_M = topk_ids_NK.flatten()
         dest_M = expert_M // L
         start_R = send_counts_R.cumsum(0) - send_counts_R
+        kept_R = send_counts_R.clamp(max=C) + self._spill_kept(X_RR, C, W)
+        first, count = 0, L
+        if group is not None:  # the others go to destination R, which keeps nothing, after all real ones
+            member_M, first, count = group
+            dest_M = torch.where(member_M, dest_M, R)
+            start_R = torch.cat([start_R, send_counts_R.sum().unsqueeze(0)])
+            kept_R = torch.cat([kept_R, kept_R.new_zeros(1)])
         order_M = dest_M.argsort(stable=True)  # destination-major, token order within each
         rank_in_dest_M = torch.arange(M, device=device) - start_R[dest_M[order_M]]
         pos_M = torch.empty_like(rank_in_dest_M).index_copy_(0, order_M, rank_in_dest_M)
-        kept_R = send_counts_R.clamp(max=C) + self._spill_kept(X_RR, C, W)
         keep_NK = (pos_M < kept_R[dest_M]).view(num_tokens, top_k)
         slot_NK = torch.where(keep_NK, (dest_M * W + pos_M).view(num_tokens, top_k), 0)
 
         # The same map read from the buffer's side, as a gather (no duplicate writes): row (d, c)
         # holds the c-th assignment to d, if d keeps it; beside it travels its key.
         c_W = torch.arange(W, device=device)
-        filled_RW = c_W < kept_R.unsqueeze(1)
-        src_RW = order_M[(start_R.unsqueeze(1) + c_W).clamp_(max=M - 1)]
-        key_RW = expert_M[src_RW].remainder_(L).mul_(R * M).add_(self.ep_rank * M + c_W)
-        key_S = key_RW.masked_fill_(~filled_RW, L * R * M).flatten()  # padding: L·R·M
-        dropped = M - keep_NK.sum() if self.capacity_factor is not None else None
+        filled_RW = c_W < kept_R[:R].unsqueeze(1)
+        src_RW = order_M[(start_R[:R].unsqueeze(1) + c_W).clamp_(max=M - 1)]
+        key_RW = expert_M[src_RW].remainder_(L).sub_(first).mul_(R * M).add_(self.ep_rank * M + c_W)
+        key_S = key_RW.masked_fill_(~filled_RW, count * R * M).flatten()  # padding: count·R·M
+        dropped = None
+        if self.capacity_factor is not None:
+            dropped = (M if group is None else send_counts_R.sum()) - keep_NK.sum()
         return _Plan(NoSyncState(slot_NK, keep_NK, src_RW.flatten(), filled_RW.flatten(), None), key_S, dropped)
 
     @staticmethod
@@ -236,10 +253,11 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
         )
 
     def _receive(
-        self, x_recv_SD: torch.Tensor, key_recv_S: torch.Tensor, plan: _Plan, C: int, M: int
+        self, x_recv_SD: torch.Tensor, key_recv_S: torch.Tensor, plan: _Plan, C: int, M: int, experts: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, NoSyncState]:
-        """3. The received rows the experts get, by local expert, their offsets, and the state."""
-        R, L = self.ep, self.num_local_experts
+        """3. The received rows the experts get, by local expert, their offsets, and the state.
+        `experts`: how many local experts the keys name (all L, or a group's)."""
+        R, L = self.ep, experts or self.num_local_experts
         # Keys are unique but for padding, which sorts last: the first R·C are every kept row
         # (the senders keep at most that many), by local expert, then source, then token.
         order_S = key_recv_S.argsort(stable=True)
@@ -279,12 +297,20 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
         x_ND: torch.Tensor,
         topk_ids_NK: torch.Tensor,
         topk_weights_NK: torch.Tensor,
-        experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        experts: Callable[..., torch.Tensor],
         shared: Callable[[torch.Tensor], torch.Tensor] | None,
     ) -> torch.Tensor:
         """dispatch → experts → combine (+ the shared expert) with the all-to-alls overlapping
-        compute (parallel.overlap_chunks = n): the tokens split into n chunks, each an exchange
-        of its own (its own C and W, from its own M), all routed before any row moves.
+        compute (parallel.overlap_chunks = n): the layer's exchange split into n, each an
+        exchange of its own, all routed before any row moves. The split (`chunking`):
+        - by experts, when n divides L and capacity is bounded: chunk i carries every token's
+          copies for each rank's local experts [i·L/n, (i+1)·L/n), with 1/n of the capacity and
+          spill rows. Each expert runs once, on all its rows: its weight gradient is one GEMM
+          (`GroupGrads` puts the groups' slices together);
+        - else by tokens: chunk i is the i-th n-th of the tokens with its own C and W. Every
+          expert runs n times, so its weight gradient is n GEMMs that autograd sums (and fp32
+          weights are cast n times): cheap while the local experts are few (L < n).
+        `experts(x, offsets, group)` is GroupedExperts' signature (group None: all experts).
 
         Forward, on the communication stream: the counts (one all-gather), the keys (one
         all-to-all), chunk 1's rows … chunk n's, then each chunk's way back as soon as its experts
@@ -298,22 +324,43 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
         not cover of the last.
 
         Numerics: with n = 1 the results are `dispatch`/`combine`'s bit for bit (on CPU); with
-        n > 1 every row is computed as there, but the expert weight gradients sum over chunks
-        in another order, and capacity is per chunk (so drops may differ under skew)."""
+        n > 1 each row is computed as there, but sums run in another order (token chunks: the
+        expert weight gradients over chunks; expert chunks: a token's copies over chunks), and
+        capacity is per chunk (so drops may differ under skew)."""
         R, L = self.ep, self.num_local_experts
         num_tokens, top_k = topk_ids_NK.shape
         n = max(1, min(self.overlap_chunks, num_tokens))
-        xs, ids = x_ND.tensor_split(n), topk_ids_NK.tensor_split(n)
-        ws = topk_weights_NK.tensor_split(n)
-        sizes = [i.shape[0] for i in ids]
-        Cs = [self.capacity(t, top_k) for t in sizes]
-        Ws = [self.block_rows(t, top_k) for t in sizes]
-        dest = [i.flatten() // L for i in ids]
+        by_experts = n > 1 and L % n == 0 and self.capacity_factor is not None
+        if by_experts:
+            G = L // n
+            local_M = topk_ids_NK.flatten().remainder(L)
+            members = [(local_M // G == i) for i in range(n)]
+            xs, ids, ws = [x_ND] * n, [topk_ids_NK] * n, [topk_weights_NK] * n
+            dest = [torch.where(m, topk_ids_NK.flatten() // L, R) for m in members]
+            M = num_tokens * top_k  # 1/n of the capacity and spill rows, the cap at all M
+            Cs = [capacity_rows(M, R, self.capacity_factor / n, self.min_rows / n)] * n
+            Ws = [block_rows(M, R, self.capacity_factor / n, self.spill_factor / n, self.min_rows / n)] * n
+            groups = [(members[i], i * G, G) for i in range(n)]
+            grads = GroupGrads(n)
+            expert_groups = [ExpertGroup(i * G, (i + 1) * G, grads) for i in range(n)]
+        else:
+            xs, ids = x_ND.tensor_split(n), topk_ids_NK.tensor_split(n)
+            ws = topk_weights_NK.tensor_split(n)
+            sizes = [i.shape[0] for i in ids]
+            Cs = [self.capacity(t, top_k) for t in sizes]
+            Ws = [self.block_rows(t, top_k) for t in sizes]
+            dest = [i.flatten() // L for i in ids]
+            groups = expert_groups = [None] * n
         counts_nR = torch.stack(
-            [torch.zeros(R, dtype=torch.int64, device=x_ND.device).scatter_add_(0, d, torch.ones_like(d)) for d in dest]
-        )
+            [
+                torch.zeros(R + 1, dtype=torch.int64, device=x_ND.device).scatter_add_(0, d, torch.ones_like(d))
+                for d in dest
+            ]
+        )[:, :R]
         X = self._all_counts(counts_nR) if any(W > C for C, W in zip(Cs, Ws)) else None
-        plans = [self._plan(ids[i], counts_nR[i], None if X is None else X[:, i], Cs[i], Ws[i]) for i in range(n)]
+        plans = [
+            self._plan(ids[i], counts_nR[i], None if X is None else X[:, i], Cs[i], Ws[i], groups[i]) for i in range(n)
+        ]
         if self.capacity_factor is not None:
             self._dropped = sum(p.dropped for p in plans)
 
@@ -329,23 +376,66 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
 
         back = [Exchange(self.ep_group) for _ in range(n)]
         returned, states = [], []
+        # Chunks by experts return into one buffer, which one combine reads (see below).
+        joined = x_ND.new_empty(R * sum(Ws), x_ND.shape[1], dtype=wire_dtype_of(x_ND)) if by_experts else None
+        row = 0
         for i in range(n):
-            x_local_CD, offsets_L, state = self._receive(
-                there[i].finish(sent[i]), keys_recv[i], plans[i], Cs[i], sizes[i] * top_k
+            M_i = ids[i].numel()
+            experts_i = expert_groups[i].hi - expert_groups[i].lo if by_experts else None
+            x_local_CD, offsets, state = self._receive(
+                there[i].finish(sent[i]), keys_recv[i], plans[i], Cs[i], M_i, experts_i
             )
-            returned.append(back[i].start(_returned_rows(experts(x_local_CD, offsets_L), state)))
+            y_local_CD = experts(x_local_CD, offsets, expert_groups[i])
+            into = None if joined is None else joined[row : row + R * Ws[i]]
+            returned.append(back[i].start(_returned_rows(y_local_CD, state), into))
             states.append(state)
-        ys = []
-        for i, st in enumerate(states):
-            y_back_SD = back[i].finish(returned[i])
-            ys.append(_CombineRows.apply(y_back_SD, ws[i], st.slot_NK, st.keep_NK, st.src_S, st.filled_S))
-        y_ND = ys[0] if n == 1 else torch.cat(ys)
+            row += R * Ws[i]
+        y_back = [back[i].finish(returned[i]) for i in range(n)]
+        if by_experts:
+            # Each token's copies are spread over the chunks: one combine over all of them (it keeps
+            # one (N, K, D) gather for backward, as `combine` does, not one per chunk).
+            y_SD = _Join.apply(joined, *y_back)
+            y_ND = _CombineRows.apply(y_SD, topk_weights_NK, *_joined(states, Ws, R))
+        else:
+            ys = [
+                _CombineRows.apply(y_back[i], ws[i], st.slot_NK, st.keep_NK, st.src_S, st.filled_S)
+                for i, st in enumerate(states)
+            ]
+            y_ND = ys[0] if n == 1 else torch.cat(ys)
         return y_ND if shared_ND is None else y_ND + shared_ND
 
     def dropped_tokens(self) -> torch.Tensor | None:
         """Assignments dropped in the last dispatch (device int64 scalar); None in the padded
         mode, which never drops."""
         return self._dropped
+
+
+class _Join(torch.autograd.Function):
+    """`whole`, whose consecutive slices the `parts` are (views written by their exchanges), as
+    one tensor to autograd: no copy; backward hands each part its slice of the gradient."""
+
+    @staticmethod
+    def forward(ctx, whole, *parts):
+        ctx.sizes = [p.shape[0] for p in parts]
+        return whole.view_as(whole)
+
+    @staticmethod
+    def backward(ctx, grad_SD):
+        return None, *grad_SD.split(ctx.sizes)
+
+
+def _joined(states: list[NoSyncState], Ws: list[int], R: int) -> tuple[torch.Tensor, ...]:
+    """Chunks by experts, their returned buffers concatenated: each assignment's row in the
+    whole (it is kept by one chunk at most), whether it is kept, and each row's assignment and
+    whether it is filled (slot_NK, keep_NK, src_S, filled_S of `_CombineRows`)."""
+    slot_NK = torch.zeros_like(states[0].slot_NK)
+    keep_NK = torch.zeros_like(states[0].keep_NK)
+    offset = 0
+    for st, W in zip(states, Ws):
+        slot_NK = torch.where(st.keep_NK, st.slot_NK + offset, slot_NK)
+        keep_NK = keep_NK | st.keep_NK
+        offset += R * W
+    return slot_NK, keep_NK, torch.cat([st.src_S for st in states]), torch.cat([st.filled_S for st in states])
 
 
 def _returned_rows(y_local_CD: torch.Tensor, state: NoSyncState) -> torch.Tensor:

@@ -16,11 +16,11 @@ import pytest
 import torch
 from test_nosync_capacity import (
     BOUNDED,
+    Allocations,
     D,
     E,
     K,
     N,
-    Allocations,
     case_counts,
     local_experts,
     relative_diff,
@@ -44,9 +44,24 @@ def make_shared():
     return shared
 
 
+def grouped(local, poison):
+    """`local`'s forward with GroupedExperts' signature (x, offsets, group); `poison`: rows past
+    the last offset are NaN in the output and in the input's gradient."""
+    from moetrain.testing.distributed import NaNGradOnPadding
+
+    def forward(x_SD, offsets, group=None):
+        if not poison:
+            return local(x_SD, offsets, group)
+        pad_S1 = (torch.arange(x_SD.shape[0]) >= offsets[-1]).unsqueeze(-1)
+        return local(NaNGradOnPadding.apply(x_SD, pad_S1), offsets, group).masked_fill(pad_S1, float("nan"))
+
+    return forward
+
+
 def run(disp, chunks, x0_ND, ids_NK, w0_NK, grad_ND, rank, R, poison=True):
     """One forward and backward of the layer's exchange: plain (`chunks` 0) or pipelined."""
-    local, forward = local_experts(rank, R, poison)
+    local, _ = local_experts(rank, R, poison)
+    forward = grouped(local, poison)
     shared = make_shared()
     x, w = x0_ND.clone().requires_grad_(), w0_NK.clone().requires_grad_()
     disp.overlap_chunks = chunks
@@ -68,6 +83,11 @@ def inputs(case, rank, R, C, W):
     return ids_NK, torch.randn(N, D, generator=g), torch.rand(N, K, generator=g) + 0.5, torch.randn(N, D, generator=g)
 
 
+ROOMY = 10**6
+"""capacity_min_rows that gives every chunk every row (C = M): nothing is dropped, whatever the
+routing, in either way of chunking."""
+
+
 def compare(rank, R, group):
     from moetrain.parallel.nosync_dispatcher import NoSyncDispatcher
 
@@ -79,29 +99,72 @@ def compare(rank, R, group):
         ref, _ = run(NoSyncDispatcher(E, group, group, factor), 0, x0, ids_NK, w0, g, rank, R)
         one, _ = run(NoSyncDispatcher(E, group, group, factor), 1, x0, ids_NK, w0, g, rank, R)
         out[case] = {"bits_n1": [torch.equal(a, b) for a, b in zip(one, ref)]}
-        # Chunks route unevenly where the whole does not (a chunk's share of a skewed pair varies),
-        # so the bounded mode may drop in a chunk what it keeps whole: compare the padded mode.
+        # Chunks route unevenly where the whole does not, so a bounded capacity may drop in a
+        # chunk what it keeps whole: compare with room for every row. The padded mode chunks by
+        # tokens; bounded with room by experts where n divides the local experts.
         padded, _ = run(NoSyncDispatcher(E, group, group, None), 0, x0, ids_NK, w0, g, rank, R)
         for n in CHUNKS:
-            got, dropped = run(NoSyncDispatcher(E, group, group, None), n, x0, ids_NK, w0, g, rank, R)
-            out[case][n] = {
-                "diff": max(relative_diff(a, b) for a, b in zip(got, padded)),
-                "finite": all(bool(torch.isfinite(t).all()) for t in got),
-                "dropped": dropped,
-            }
-    # The bounded mode under all-to-one routing: each chunk's sources keep their C rows at rank 0.
+            for mode, disp in (
+                ("tokens", NoSyncDispatcher(E, group, group, None)),
+                ("experts", NoSyncDispatcher(E, group, group, BOUNDED, min_rows=ROOMY)),
+            ):
+                got, dropped = run(disp, n, x0, ids_NK, w0, g, rank, R)
+                out[case][(mode, n)] = {
+                    "diff": max(relative_diff(a, b) for a, b in zip(got, padded)),
+                    "finite": all(bool(torch.isfinite(t).all()) for t in got),
+                    "dropped": dropped,
+                    "by_experts": mode == "experts" and (E // R) % n == 0,
+                }
+    # The bounded mode under all-to-one routing drops each chunk's overflow, by the rule.
     ids_NK, x0, w0, g = inputs("all_to_one", rank, R, C, W)
+    ids_by_rank = [None] * R
+    import torch.distributed as dist
+
+    dist.all_gather_object(ids_by_rank, ids_NK)
     for n in CHUNKS:
         disp = NoSyncDispatcher(E, group, group, BOUNDED)
         got, dropped = run(disp, n, x0, ids_NK, w0, g, rank, R)
-        sizes = [len(c) for c in torch.arange(N).tensor_split(n)]
-        want = sum(t * K - disp.capacity(t, K) for t in sizes)
         out[f"bounded_all_to_one_{n}"] = {
             "dropped": dropped,
-            "want": want,
-            "finite": all(torch.isfinite(t).all() for t in got),
+            "want": expected_drops(ids_by_rank, rank, R, n),
+            "finite": all(bool(torch.isfinite(t).all()) for t in got),
         }
     return out
+
+
+def expected_drops(ids_by_rank, rank, R, n):
+    """What `rank` drops with n chunks by the rule (test_nosync_capacity.reference_keep's, per
+    chunk): by experts when n divides L (chunk i: every token's copies for local experts
+    [i·L/n, (i+1)·L/n), 1/n of the capacity and spill rows), else by tokens (chunk i: the i-th
+    n-th of the tokens, its own capacity)."""
+    from moetrain.parallel.nosync_dispatcher import block_rows, capacity_rows
+
+    L, M = E // R, N * K
+    chunks = []  # per chunk: (per source rank, the chunk's expert ids), C, W
+    if L % n == 0:
+        G = L // n
+        C, W = capacity_rows(M, R, BOUNDED / n), block_rows(M, R, BOUNDED / n, 0.125 / n)
+        for i in range(n):
+            chunks.append(([[e for e in ids.flatten().tolist() if (e % L) // G == i] for ids in ids_by_rank], C, W))
+    else:
+        for part in torch.arange(N).tensor_split(n):
+            M_i = len(part) * K
+            C, W = capacity_rows(M_i, R, BOUNDED), block_rows(M_i, R, BOUNDED, 0.125)
+            chunks.append(([ids[part].flatten().tolist() for ids in ids_by_rank], C, W))
+    total = 0
+    for by_rank, C, W in chunks:
+        X = [[0] * R for _ in range(R)]
+        for s, experts in enumerate(by_rank):
+            for e in experts:
+                X[s][e // L] += 1
+        for d in range(R):
+            unused = sum(max(0, C - X[s][d]) for s in range(R))
+            for s in range(R):
+                take = min(min(X[s][d], W) - min(X[s][d], C), unused)
+                unused -= take
+                if s == rank:
+                    total += X[s][d] - min(X[s][d], C) - take
+    return total
 
 
 # --- the schedule -----------------------------------------------------------------------------------
@@ -122,10 +185,11 @@ class Mark(torch.autograd.Function):
         return grad, None, None
 
 
-def schedule(rank, R, group):
+def schedule(rank, R, group, factor):
     """The pipelined layer with 2 chunks, every exchange's start and wait logged (by start order:
     there 0, there 1, back 0, back 1 in forward; their gradients' in backward) beside the experts'
-    and the shared expert's forward and backward."""
+    and the shared expert's forward and backward. `factor`: the bounded capacity (chunks by
+    experts) or None (the padded mode: chunks by tokens)."""
     from unittest import mock
 
     import moetrain.parallel.async_exchange as ax
@@ -142,27 +206,28 @@ def schedule(rank, R, group):
             self.work.wait()
             log.append(f"wait {self.i}")
 
-    def exchange(x, group):
-        out, work = real(x, group)
+    def exchange(x, group, out=None):
+        out, work = real(x, group, out)
         issued.append(len(issued))
         log.append(f"start {issued[-1]}")
         return out, Logged(work, issued[-1])
 
-    local, forward = local_experts(rank, R, poison=True)
+    local, _ = local_experts(rank, R, poison=True)
+    forward = grouped(local, poison=True)
     calls = []
 
-    def experts(x_SD, offsets_L):
+    def experts(x_SD, offsets, group):
         i = len(calls)
         calls.append(i)
         # logged on entry in forward; in backward, "grad" marks the experts' backward finished
-        return Mark.apply(forward(Mark.apply(x_SD, log, f"experts {i}"), offsets_L), log, f"experts {i} out")
+        return Mark.apply(forward(Mark.apply(x_SD, log, f"experts {i}"), offsets, group), log, f"experts {i} out")
 
     shared = make_shared()
 
     def shared_fn(x):
         return Mark.apply(shared(Mark.apply(x, log, "shared")), log, "shared out")
 
-    disp = NoSyncDispatcher(E, group, group, BOUNDED, overlap_chunks=2)
+    disp = NoSyncDispatcher(E, group, group, factor, min_rows=ROOMY, overlap_chunks=2)
     ids_NK, x0, w0, g = inputs("balanced", rank, R, disp.capacity(N, K), disp.block_rows(N, K))
     x = x0.requires_grad_()
     with mock.patch.object(ax, "_exchange", exchange):
@@ -179,7 +244,8 @@ def no_sync_and_memory(rank, R, group):
 
     disp = NoSyncDispatcher(E, group, group, BOUNDED)
     ids_NK, x0, w0, g = inputs("skewed", rank, R, disp.capacity(N, K), disp.block_rows(N, K))
-    _, forward = local_experts(rank, R, poison=False)
+    local, _ = local_experts(rank, R, poison=False)
+    forward = grouped(local, poison=False)
     x = x0.clone().requires_grad_()
     disp.overlap_chunks = 2
     with forbid_host_sync():
@@ -201,7 +267,7 @@ def no_sync_and_memory(rank, R, group):
         x = torch.randn(N, 256, requires_grad=True)
         w = torch.rand(N, K, requires_grad=True)
 
-        def step():
+        def step(chunks=chunks, x=x, w=w):
             if chunks:
                 return disp.pipelined(x, ids_NK, w, experts, None)
             x_local, offsets, state = disp.dispatch(x, ids_NK, torch.bincount(ids_NK.flatten(), minlength=E))
@@ -222,7 +288,7 @@ def rank_checks(world):
     rank, group = dist.get_rank(), dist.group.WORLD
     return {
         "compare": compare(rank, world, group),
-        "schedule": schedule(rank, world, group),
+        "schedule": {mode: schedule(rank, world, group, f) for mode, f in (("experts", BOUNDED), ("tokens", None))},
         "memory": no_sync_and_memory(rank, world, group),
     }
 
@@ -241,15 +307,19 @@ def test_one_chunk_is_the_plain_exchange_bit_for_bit(world_results):
 
 
 def test_chunks_match_the_plain_exchange(world_results):
-    """Outputs, input, weight and expert gradients within fp32 reassociation, in the padded
-    (dropless) mode: per chunk the bounded mode's drops are the chunk's own (next test)."""
-    _, results = world_results
+    """Outputs, input, weight and expert gradients within fp32 reassociation of the plain
+    exchange, chunked by tokens (the padded mode) and by experts (bounded, with room for every
+    row), where nothing may be dropped."""
+    world, results = world_results
     for rank, r in enumerate(results):
         for case in ("balanced", "skewed", "all_to_one"):
             for n in CHUNKS:
-                got = r["compare"][case][n]
-                assert got["finite"] and got["diff"] <= TOL, (rank, case, n, got)
-                assert got["dropped"] is None, (rank, case, n, got)
+                for mode in ("tokens", "experts"):
+                    got = r["compare"][case][(mode, n)]
+                    assert got["finite"] and got["diff"] <= TOL, (rank, case, mode, n, got)
+                    assert got["dropped"] in (None, 0), (rank, case, mode, n, got)
+    # chunks by experts were exercised (2 chunks divide the 8, 4 or 2 local experts)
+    assert results[0]["compare"]["balanced"][("experts", 2)]["by_experts"]
 
 
 def test_all_to_one_drops_each_chunks_overflow(world_results):
@@ -268,18 +338,21 @@ def test_the_exchanges_overlap_compute_forward_and_backward(world_results):
     dispatch gradient travels; the shared expert's backward runs while chunk 0's travels."""
     _, results = world_results
     for rank, r in enumerate(results):
-        log = r["schedule"]
-        at = {name: i for i, name in enumerate(log)}
-        fwd, bwd = log[: at["backward"]], log[at["backward"] :]
-        assert fwd.index("start 0") < fwd.index("start 1") < fwd.index("shared") < fwd.index("wait 0"), log
-        assert fwd.index("wait 0") < fwd.index("experts 0") < fwd.index("start 2") < fwd.index("wait 1"), log
-        assert fwd.index("wait 1") < fwd.index("experts 1") < fwd.index("start 3") < fwd.index("wait 2"), log
-        # backward exchanges: 4 = back 1's gradient, 5 = back 0's, 6 = there 1's, 7 = there 0's
-        pos = {name: i for i, name in enumerate(bwd)}
-        assert pos["start 4"] < pos["start 5"] < pos["wait 4"] < pos["experts 1 out grad"], bwd
-        assert pos["experts 1 grad"] < pos["wait 5"], bwd  # chunk 1's expert backward under back 0's
-        assert pos["start 6"] < pos["experts 0 out grad"] and pos["experts 0 grad"] < pos["wait 6"], bwd
-        assert pos["start 7"] < pos["shared out grad"] and pos["shared grad"] < pos["wait 7"], bwd
+        for mode, log in r["schedule"].items():
+            check_schedule(log, (rank, mode))
+
+
+def check_schedule(log, where):
+    fwd, bwd = log[: log.index("backward")], log[log.index("backward") :]
+    assert fwd.index("start 0") < fwd.index("start 1") < fwd.index("shared") < fwd.index("wait 0"), (where, log)
+    assert fwd.index("wait 0") < fwd.index("experts 0") < fwd.index("start 2") < fwd.index("wait 1"), (where, log)
+    assert fwd.index("wait 1") < fwd.index("experts 1") < fwd.index("start 3") < fwd.index("wait 2"), (where, log)
+    # backward exchanges: 4 = back 1's gradient, 5 = back 0's, 6 = there 1's, 7 = there 0's
+    pos = {name: i for i, name in enumerate(bwd)}
+    assert pos["start 4"] < pos["start 5"] < pos["wait 4"] < pos["experts 1 out grad"], (where, bwd)
+    assert pos["experts 1 grad"] < pos["wait 5"], (where, bwd)  # chunk 1's expert backward under back 0's
+    assert pos["start 6"] < pos["experts 0 out grad"] and pos["experts 0 grad"] < pos["wait 6"], (where, bwd)
+    assert pos["start 7"] < pos["shared out grad"] and pos["shared grad"] < pos["wait 7"], (where, bwd)
 
 
 def test_no_host_sync_and_no_more_memory_than_the_plain_exchange(world_results):
