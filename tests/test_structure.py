@@ -1,5 +1,6 @@
-"""The shape of the codebase: packages import each other in one direction only (no cycle), and the
-two seams are declared interfaces that every implementation follows to the signature."""
+"""The shape of the codebase: packages import each other in one direction only (no cycle), the
+two seams are declared interfaces that every implementation follows to the signature, and the
+functional collectives called exist in the lowest torch pyproject allows."""
 
 import ast
 import inspect
@@ -173,3 +174,30 @@ def test_a_class_missing_a_method_is_caught(protocol_path):
     wrong = type("Wrong", (), {m: (lambda self, a, b, c: None) for m in methods})
     with pytest.raises(AssertionError):
         _check_implements(wrong, protocol)
+
+
+# The functional collectives moetrain may call: those of torch 2.10 (pyproject's lowest torch),
+# which still stand in 2.14. Newer names (all_gather_single came after 2.11) work on this
+# machine's torch and fail on the GPU machine's: a name outside this list needs a check there.
+FUNCOL_SINCE_2_10 = {
+    "all_gather_tensor",
+    "all_gather_tensor_autograd",
+    "all_reduce",
+    "all_to_all_single",
+    "all_to_all_single_autograd",
+    "reduce_scatter_tensor",
+    "reduce_scatter_tensor_autograd",
+    "wait_tensor",
+}
+
+
+def test_functional_collectives_exist_in_the_lowest_supported_torch():
+    import re
+
+    used = {}
+    for path in ROOT.rglob("*.py"):
+        for name in re.findall(r"\bfuncol\.([a-z_]+)\(", path.read_text()):
+            used.setdefault(name, path.relative_to(ROOT))
+    assert used, "no functional collectives found: the pattern is stale"
+    unknown = {n: str(p) for n, p in used.items() if n not in FUNCOL_SINCE_2_10}
+    assert not unknown, f"functional collectives newer than torch 2.10: {unknown}"

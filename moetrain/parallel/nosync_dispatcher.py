@@ -194,7 +194,8 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
         """X of each of n exchanges, (R, n, R): X[s, i, d] is source s's count for destination d
         in exchange i (one all-gather for all of them)."""
         n, R = send_counts_nR.shape
-        return funcol.all_gather_single(send_counts_nR.flatten(), 0, group=self.ep_group).view(R, n, R)
+        # all_gather_tensor, not all_gather_single: the latter is newer than torch 2.11
+        return funcol.all_gather_tensor(send_counts_nR.flatten(), 0, group=self.ep_group).view(R, n, R)
 
     def _plan(
         self,
