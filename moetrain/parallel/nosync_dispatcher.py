@@ -195,7 +195,8 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
         in exchange i (one all-gather for all of them)."""
         n, R = send_counts_nR.shape
         # all_gather_tensor, not all_gather_single: the latter is newer than torch 2.11
-        return funcol.all_gather_tensor(send_counts_nR.flatten(), 0, group=self.ep_group).view(R, n, R)
+        counts = send_counts_nR.flatten().contiguous()  # (torch 2.11's all_gather_tensor asserts it)
+        return funcol.all_gather_tensor(counts, 0, group=self.ep_group).view(R, n, R)
 
     def _plan(
         self,
