@@ -78,6 +78,7 @@ def inputs(N, D, E, K, device):
 
 def compare(disp, experts, shared, x, ids, w, g):
     """{chunks: the check against overlap_chunks 0} for 1, 2 and 4 chunks."""
+    zero(experts, shared)  # the parameters' gradients accumulate: each run starts from none
     ref = step(disp, 0, experts, shared, x, ids, w, g)
     out = {}
     for chunks in (1, 2, 4):
