@@ -83,6 +83,11 @@ from moetrain.parallel.config import DEFAULT_CAPACITY_FACTOR, DEFAULT_SPILL_FACT
 from moetrain.parallel.dispatchers import ExpertParallelDispatcher, wire_dtype_of
 
 
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+"""all_gather_single where torch has it (2.13 deprecates all_gather_tensor), all_gather_tensor on
+older ones (torch 2.11, the GPU machine's, has no all_gather_single)."""
+
+
 def capacity_rows(assignments: int, ep: int, capacity_factor: float | None, min_rows: int = 0) -> int:
     """C for a source with M = `assignments`: ceil(capacity_factor · M / ep), at least
     ceil(min_rows / ep) (so a rank's experts get ep·C ≥ min_rows rows), at most M (more than all
@@ -194,9 +199,8 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
         """X of each of n exchanges, (R, n, R): X[s, i, d] is source s's count for destination d
         in exchange i (one all-gather for all of them)."""
         n, R = send_counts_nR.shape
-        # all_gather_tensor, not all_gather_single: the latter is newer than torch 2.11
         counts = send_counts_nR.flatten().contiguous()  # (torch 2.11's all_gather_tensor asserts it)
-        return funcol.all_gather_tensor(counts, 0, group=self.ep_group).view(R, n, R)
+        return _all_gather(counts, 0, group=self.ep_group).view(R, n, R)
 
     def _plan(
         self,
