@@ -82,7 +82,6 @@ from moetrain.parallel.async_exchange import Exchange
 from moetrain.parallel.config import DEFAULT_CAPACITY_FACTOR, DEFAULT_SPILL_FACTOR
 from moetrain.parallel.dispatchers import ExpertParallelDispatcher, wire_dtype_of
 
-
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 """all_gather_single where torch has it (2.13 deprecates all_gather_tensor), all_gather_tensor on
 older ones (torch 2.11, the GPU machine's, has no all_gather_single)."""
