@@ -133,6 +133,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp")))
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--kernels", type=int, default=0, help="print the profiled run's top N kernels")
     ap.add_argument(
         "--bf16-weights", action="store_true", help="bf16 parameters, as optim.bf16_weights trains (CUDA's default)"
     )
@@ -182,6 +183,11 @@ def probe_chunks(args, disp, experts, shared, x, ids, w, g, N, chunking):
             run()
             torch.cuda.synchronize()
         prof.export_chrome_trace(str(trace))
+        if args.kernels:  # where the device time goes, by kernel
+            table = prof.key_averages().table(
+                sort_by="cuda_time_total", row_limit=args.kernels, max_name_column_width=70
+            )
+            print(f"# {chunking} chunks={chunks}\n{table}", flush=True)
         t = analyse(trace, 1)
         events = json.loads(trace.read_text()).get("traceEvents", [])
         memcpy_ms = sum(float(ev["dur"]) for ev in events if ev.get("cat") == "gpu_memcpy" and "dur" in ev) / 1e3
