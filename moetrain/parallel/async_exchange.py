@@ -22,6 +22,8 @@ consumer lets go; nothing is kept for backward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -29,12 +31,15 @@ import torch.distributed as dist
 class Exchange:
     """One all-to-all of one buffer, forward and backward (a fresh one per use)."""
 
-    __slots__ = ("group", "work", "grad_work")
+    __slots__ = ("group", "work", "grad_work", "grad_into")
 
-    def __init__(self, group: dist.ProcessGroup):
+    def __init__(self, group: dist.ProcessGroup, grad_into: Callable[[], torch.Tensor] | None = None):
         self.group = group
         self.work: dist.Work | None = None
         self.grad_work: dist.Work | None = None
+        self.grad_into = grad_into
+        """Where backward's exchange writes the gradient (called when backward gets there: a
+        slice of a larger buffer, say); None: a buffer of its own."""
 
     def start(self, x_SD: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Enqueue the exchange of `x_SD`; the returned buffer (`out`, if given: a buffer of x's
@@ -79,5 +84,6 @@ class _Finish(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_SD):
         exchange = ctx.exchange
-        out, exchange.grad_work = _exchange(grad_SD, exchange.group)
+        into = exchange.grad_into() if exchange.grad_into is not None else None
+        out, exchange.grad_work = _exchange(grad_SD, exchange.group, into)
         return out, None

@@ -68,6 +68,7 @@ mode's bit for bit (on CPU).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import NamedTuple
@@ -373,8 +374,18 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
         keys_RW = torch.cat([p.key_S.view(R, -1) for p in plans], 1)
         keys_recv_RW = torch.empty_like(keys_RW)
         keys_work = dist.all_to_all_single(keys_recv_RW, keys_RW, group=self.ep_group, async_op=True)
-        there = [Exchange(self.ep_group) for _ in range(n)]
-        sent = [there[i].start(self._send_rows(xs[i], plans[i])) for i in range(n)]
+        if by_experts:
+            # One send buffer for all chunks, sent in slices (the chunks' rows are every token's
+            # copies: one gather, and in backward one sum per token, not one per chunk); the
+            # slices' gradients arrive in one buffer, which is the whole's gradient.
+            joined_state = _joined([p.state for p in plans], Ws, R)
+            send_SD = self._send_rows(x_ND, _Plan(NoSyncState(*joined_state, None), None, None))
+            grads = _JoinedGrad(send_SD, [R * W for W in Ws])
+            there = [Exchange(self.ep_group, functools.partial(grads.part, i)) for i in range(n)]
+            sent = [there[i].start(part) for i, part in enumerate(_Split.apply(send_SD, grads))]
+        else:
+            there = [Exchange(self.ep_group) for _ in range(n)]
+            sent = [there[i].start(self._send_rows(xs[i], plans[i])) for i in range(n)]
         shared_ND = shared(x_ND) if shared is not None else None
         keys_work.wait()
         keys_recv = [k.flatten() for k in keys_recv_RW.split(Ws, 1)]
@@ -400,7 +411,7 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
             # Each token's copies are spread over the chunks: one combine over all of them (it keeps
             # one (N, K, D) gather for backward, as `combine` does, not one per chunk).
             y_SD = _Join.apply(joined, *y_back)
-            y_ND = _CombineRows.apply(y_SD, topk_weights_NK, *_joined(states, Ws, R))
+            y_ND = _CombineRows.apply(y_SD, topk_weights_NK, *joined_state)
         else:
             ys = [
                 _CombineRows.apply(y_back[i], ws[i], st.slot_NK, st.keep_NK, st.src_S, st.filled_S)
@@ -413,6 +424,45 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
         """Assignments dropped in the last dispatch (device int64 scalar); None in the padded
         mode, which never drops."""
         return self._dropped
+
+
+class _JoinedGrad:
+    """The gradient of a buffer sent in consecutive slices, written by the slices' exchanges in
+    backward: `part(i)` is slice i of one buffer, allocated when the first is asked for."""
+
+    def __init__(self, like: torch.Tensor, sizes: list[int]):
+        self.shape, self.dtype, self.device = like.shape, like.dtype, like.device
+        self.sizes = sizes
+        self.whole: torch.Tensor | None = None
+
+    def part(self, i: int) -> torch.Tensor:
+        if self.whole is None:
+            self.whole = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        start = sum(self.sizes[:i])
+        return self.whole[start : start + self.sizes[i]]
+
+
+class _Split(torch.autograd.Function):
+    """`whole` as its consecutive slices (views); backward: the slices' gradients, when they
+    are `grads`' parts (written there by their exchanges), are its buffer: no copy."""
+
+    @staticmethod
+    def forward(ctx, whole, grads):
+        ctx.grads = grads
+        return tuple(whole.split(grads.sizes))
+
+    @staticmethod
+    def backward(ctx, *parts):
+        whole, ctx.grads.whole = ctx.grads.whole, None
+        sizes, start, in_place = ctx.grads.sizes, 0, whole is not None
+        for part, size in zip(parts, sizes):
+            in_place = in_place and part is not None and part.data_ptr() == whole[start:].data_ptr()
+            start += size
+        if in_place:
+            return whole, None
+        some = next(p for p in parts if p is not None)  # autograd calls backward with one at least
+        filled = [p if p is not None else some.new_zeros(size, *some.shape[1:]) for p, size in zip(parts, sizes)]
+        return torch.cat(filled), None
 
 
 class _Join(torch.autograd.Function):

@@ -275,10 +275,19 @@ def no_sync_and_memory(rank, R, group):
 
         step().sum().backward()  # warm-up
         x.grad = w.grad = None
-        mode = Allocations()
-        with mode:
+        mode, saved = Allocations(), {}
+
+        def pack(t, mode=mode, saved=saved):
+            s = t.untyped_storage()
+            if id(s) in mode.alive:  # allocated in the window (not the input or the weights)
+                saved[id(s)] = s.nbytes()
+            return t
+
+        with mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             step().sum().backward()
         peaks[chunks] = mode.peak
+        peaks[f"saved {chunks}"] = sum(saved.values())
+    peaks["buffer"] = R * disp.block_rows(N, K) * 256 * 4  # one exchange's rows, fp32
     return peaks
 
 
@@ -355,9 +364,15 @@ def check_schedule(log, where):
     assert pos["start 7"] < pos["shared out grad"] and pos["shared grad"] < pos["wait 7"], (where, bwd)
 
 
-def test_no_host_sync_and_no_more_memory_than_the_plain_exchange(world_results):
-    _, results = world_results
+def test_no_host_sync_and_the_plain_exchanges_memory(world_results):
+    """What is kept for backward is the plain exchange's (within 5%: the chunks' integer maps),
+    whatever n. The peak grows by the buffer an exchange in flight writes while compute runs
+    (the return buffer in forward, the dispatch gradient's in backward: R·W rows of D) and by
+    up to one more with gloo's timing (its thread lets go of a collective's buffers when the
+    collective completes), not with n."""
+    world, results = world_results
     for rank, r in enumerate(results):
-        peaks = r["memory"]
+        peaks, buffer = r["memory"], r["memory"]["buffer"]
         for chunks in (2, 4):
-            assert peaks[chunks] <= 1.05 * peaks[0], (rank, peaks)
+            assert peaks[f"saved {chunks}"] <= 1.05 * peaks["saved 0"], (rank, chunks, peaks)
+            assert peaks[chunks] <= peaks[0] + 2 * buffer, (rank, chunks, peaks)
