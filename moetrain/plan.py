@@ -155,6 +155,13 @@ class Assumptions:
     compute, as a fraction of its duration (NCCL's kernels hold SMs and HBM bandwidth for the
     transfer). Not measured here (no multi-GPU machine yet): DeepSeek-V3 reports 20 of an H800's
     132 SMs keep its NVLink and InfiniBand transfers fed (15%); 0.2 allows more."""
+    chunk_bytes: tuple[float, float] = (11.8, 6.7)
+    """With parallel.overlap_chunks: the device time the pipelined exchange adds, as bytes of HBM
+    traffic per local expert parameter and micro-batch: chunks by experts (whatever n: the
+    groups' gradients copied into one, per-chunk routing), and by tokens per chunk beyond the
+    first (autograd sums each chunk's whole weight gradient). Measured on one H200 with
+    benchmarks/overlap_probe.py (16 experts of 4096 × 4096, 16,384 tokens, bf16 weights: kernel
+    time +3.3 ms by experts at n = 2 and 4; +0.7 and +5.6 ms by tokens at n = 2 and 4)."""
     workspace_gib: float = 1.0
     """Allocator and kernel work space on top of the accounted tensors."""
 
@@ -740,19 +747,16 @@ def step_time(
         share = math.ceil(m.n_layers / L.recompute_every) / m.n_layers
         cost = assume.recompute_cost[0 if L.recompute == Recompute.selective.value else 1]
         t_recompute = cost * share * (t_gemm + t_casts + t_elementwise + t_fp8)
-    # parallel.overlap_chunks = n (NoSyncDispatcher.pipelined). Chunks by experts (n divides the
-    # local experts, bounded capacity): the groups' weight gradients are copied into one tensor,
-    # one pass per micro-batch (bf16: 4 B, fp32: 8 B). Chunks by tokens: each chunk's expert
-    # weight gradient is a whole tensor that autograd sums (n − 1 sums: bf16 6 B, fp32 12 B);
-    # fp32 weights are also cast to bf16 once per chunk, and their gradients back (12 B).
+    # parallel.overlap_chunks = n (NoSyncDispatcher.pipelined): the device time the chunks add,
+    # per expert parameter and micro-batch (`Assumptions.chunk_bytes`); fp32 weights chunked by
+    # tokens are also cast once per chunk and their gradients back (12 B more per extra chunk).
     t_chunks = 0.0
     if L.overlap_chunks > 1 and L.ep > 1:
-        bf16_grads = not fp32 and uses_bf16_weights(cfg)
-        if (m.moe.num_experts // L.ep) % L.overlap_chunks == 0 and L.capacity_factor is not None:
-            t_chunks = L.micro_batches * (4 if bf16_grads else 8) * rank.expert_local / hbm
-        else:
-            per_sum = 6 if bf16_grads else 12 if fp32 else 24
-            t_chunks = (L.overlap_chunks - 1) * L.micro_batches * per_sum * rank.expert_local / hbm
+        by_experts = (m.moe.num_experts // L.ep) % L.overlap_chunks == 0 and L.capacity_factor is not None
+        per_param = assume.chunk_bytes[0] if by_experts else assume.chunk_bytes[1] * (L.overlap_chunks - 1)
+        if not by_experts and not uses_bf16_weights(cfg) and not fp32:
+            per_param += 12 * (L.overlap_chunks - 1)
+        t_chunks = L.micro_batches * per_param * rank.expert_local / hbm
     compute = t_gemm + t_casts + t_elementwise + t_fp8 + t_recompute + t_chunks
     per_mb = compute / L.micro_batches
     t_bubble = (L.pp - 1) / L.stages_per_rank * per_mb if L.pp > 1 else 0.0
