@@ -34,7 +34,9 @@ pipeline rank that needs most:
   bf16 weight copies of blocks that do not
   recompute (2 B × their parameters; kept from forward to backward) — none with optim.bf16_weights
   (CUDA's default with the replicated optimizer: bf16 weights + 16-bit remainders, 4 B as fp32
-  weights take; gradients bf16, 2 B, until a second micro-batch or a reducer bucket makes them fp32);
+  weights take; gradients bf16, 2 B, until a second micro-batch or a reducer bucket makes them fp32)
+  —, plus with parallel.overlap_chunks one exchange's buffer (the pipelined exchange writes it
+  while compute runs);
 - the peak is the larger of "weights + optimizer + everything saved at the start of backward
   (and the gradients, when they are kept across micro-batches or in reducer buckets)" and
   "weights + optimizer + gradients + the optimizer step's work space";
@@ -58,8 +60,10 @@ bucket, then 6 B);
 element-wise kernels: `ew_passes` passes over each micro-batch's saved block activations and one
 over the logits), the measured cost of recompute (`recompute_cost`), and communication: expert
 all-to-all, the ddp stack's data-parallel reductions and the sharded optimizer's all-gather
-count in full (measured: not hidden), FSDP's transfers beyond what `fsdp_overlap` of the compute
-hides, the pipeline's bubble ((pp − 1)/v micro-batches' compute) and sends. Links: NVLink within
+count in full (measured: not hidden) — the all-to-all less what parallel.overlap_chunks hides
+(`_pipelined_exchange_time`: an assumed `overlap_slowdown`, no multi-GPU measurement yet) plus
+the chunks' own device time (`chunk_bytes`, measured on one H200) —, FSDP's transfers beyond
+what `fsdp_overlap` of the compute hides, the pipeline's bubble ((pp − 1)/v micro-batches' compute) and sends. Links: NVLink within
 a node of `gpus_per_node`, the node's network (per GPU) across nodes, at `link_eff` of their
 one-way bandwidth. The constants are assumptions, stated in `GPUS` and `Assumptions` with what
 each was calibrated on (one and two H200s); treat step time and MFU as ±25% (docs/benchmarks.md
@@ -539,7 +543,7 @@ def memory_per_rank(cfg: RunConfig, L: Layout, groups: ParamGroups, assume: Assu
     t = L.rows_per_micro_batch * cfg.data.seq_len  # tokens per rank per micro-batch
     fsdp = L.stack == Stack.fsdp.value
     ep_eff = 1 if fsdp else L.ep
-    expert_rows, _ = _rows_per_token(cfg, L)
+    expert_rows, wire_rows = _rows_per_token(cfg, L)
     chunk = cfg.train.resolved_loss_chunk_tokens("cuda") if L.pp == 1 else 0  # pipelines: the plain path
     bf16_weights = uses_bf16_weights(cfg)
     out = []
@@ -582,6 +586,9 @@ def memory_per_rank(cfg: RunConfig, L: Layout, groups: ParamGroups, assume: Assu
         # activations: saved tensors of the micro-batches in flight; with recompute, backward
         # rebuilds one block's full activations at a time
         activations = in_flight * t * act_per_token
+        if L.overlap_chunks and L.ep > 1 and any(i >= m.num_dense_layers for i in layer_ids):
+            # the buffer an exchange in flight writes while compute runs (the pipelined exchange)
+            activations += t * wire_rows * m.d_model * (4 if fp32 else 2)
         if L.recompute != "none" and layer_ids:
             activations += t * act_none / len(layer_ids)
         logits = loss_traffic = 0.0

@@ -455,3 +455,32 @@ def test_checkpoint_save_and_load_allocate_one_entry_not_the_model(tmp_path):
         if "bf16_weights=true" in " ".join(CHECKPOINT_RUNS[name]):  # the join of the largest block happens
             largest = 4 * EntrySizes.of(cfg.model).largest_split_entry(rank)
             assert max(by_run[name]["save"] for by_run in results) >= largest, (name, results)
+
+
+def test_overlap_hides_the_all_to_all_by_the_stated_model_and_charges_its_chunks():
+    """parallel.overlap_chunks on sweep-8l at ep8: the all-to-all's charge is what the model of
+    `_pipelined_exchange_time` leaves (exposed first transfers + overlap_slowdown of the rest),
+    n = 1 costs the experts nothing more, chunks by experts (n divides the 16 local experts of
+    sweep-8l-128) and by tokens (the single local expert of sweep-8l-8) are charged their
+    measured device time, and one exchange buffer joins the activations."""
+    from moetrain.plan import Assumptions
+
+    def p(preset, n):
+        cfg = resolve_config(preset, ["parallel.ep=8", f"parallel.overlap_chunks={n}"])
+        return plan(cfg, 8, "h200")
+
+    for preset in ("sweep-8l-8", "sweep-8l-128"):
+        base, one, four = p(preset, 0), p(preset, 1), p(preset, 4)
+        full = base.time_s["expert_all_to_all"]
+        # never less than the slowdown alone on all of it, never more than exposing all of it
+        floor = Assumptions().overlap_slowdown * full
+        assert floor < four.time_s["expert_all_to_all"] < one.time_s["expert_all_to_all"] < full
+        assert one.time_s["overlap_chunk_grads"] == 0 < four.time_s["overlap_chunk_grads"]
+        assert four.memory_gib["activations"] > base.memory_gib["activations"]
+        assert "overlap×4" in four.layout.describe()
+    # by experts: chunk_bytes[0] per expert parameter and micro-batch, whatever n
+    e128 = [p("sweep-8l-128", n).time_s["overlap_chunk_grads"] for n in (2, 4)]
+    assert e128[0] == pytest.approx(e128[1])
+    # by tokens: per chunk beyond the first
+    e8 = [p("sweep-8l-8", n).time_s["overlap_chunk_grads"] for n in (2, 4)]
+    assert e8[1] == pytest.approx(3 * e8[0])
