@@ -64,10 +64,10 @@ count in full (measured: not hidden) — the all-to-all less what parallel.overl
 (`_pipelined_exchange_time`: an assumed `overlap_slowdown`, no multi-GPU measurement yet) plus
 the chunks' own device time (`chunk_bytes`, measured on one H200) —, FSDP's transfers beyond
 what `fsdp_overlap` of the compute hides, the pipeline's bubble ((pp − 1)/v micro-batches'
-compute) and sends. Links: NVLink within a node of `gpus_per_node`, the node's network (per GPU) across nodes, at `link_eff` of their
-one-way bandwidth. The constants are assumptions, stated in `GPUS` and `Assumptions` with what
-each was calibrated on (one and two H200s); treat step time and MFU as ±25% (docs/benchmarks.md
-compares them with 24 measured runs)."""
+compute) and sends. Links: NVLink within a node of `gpus_per_node`, the node's network (per GPU)
+across nodes, at `link_eff` of their one-way bandwidth. The constants are assumptions, stated in
+`GPUS` and `Assumptions` with what each was calibrated on (one and two H200s); treat step time
+and MFU as ±25% (docs/benchmarks.md compares them with 24 measured runs)."""
 
 from __future__ import annotations
 
