@@ -831,15 +831,19 @@ def with_layout(
     shard_optimizer: bool,
     rows: int,
     dispatcher: str | None = None,
+    overlap: int | None = None,
 ) -> RunConfig | None:
-    """A copy of `cfg` with another layout (rows = sequences per GPU per micro-batch), or None
-    when the batch cannot be split that way."""
+    """A copy of `cfg` with another layout (rows = sequences per GPU per micro-batch; `overlap`:
+    parallel.overlap_chunks, the configured one if None, 0 for other dispatchers than nosync),
+    or None when the batch cannot be split that way."""
     if gpus % pp:
         return None
     dp = gpus // pp
     micro = rows * dp
     if cfg.train.global_batch_size % micro or cfg.train.global_batch_size // micro < pp:
         return None
+    kind = DispatcherKind(dispatcher) if dispatcher else cfg.parallel.dispatcher
+    overlap = cfg.parallel.overlap_chunks if overlap is None else overlap
     out = dataclasses.replace(
         cfg,
         parallel=dataclasses.replace(
@@ -848,7 +852,8 @@ def with_layout(
             ep=ep,
             dp=None,
             shard_optimizer=shard_optimizer and dp > 1,
-            dispatcher=DispatcherKind(dispatcher) if dispatcher else cfg.parallel.dispatcher,
+            dispatcher=kind,
+            overlap_chunks=overlap if kind == DispatcherKind.nosync and ep > 1 else 0,
             pp_schedule=PipelineSchedule.onef1b,
             pp_stages_per_rank=None,
             stack=Stack.ddp,
@@ -863,7 +868,9 @@ def suggest(cfg: RunConfig, gpus: int, gpu: str, limit: int = 5) -> list[Plan]:
     one block per stage), ep (dividing dp and the experts, at most one node's worth unless the
     experts need more), recompute none/selective/full, the sharded optimizer, and 1 or 2
     sequences per GPU per micro-batch; the configured dispatcher and, for ep > 2, the exact
-    all-to-all one when the configured one is nosync's padded mode (its buffers grow with ep)."""
+    all-to-all one when the configured one is nosync's padded mode (its buffers grow with ep);
+    with nosync at ep > 1 the configured parallel.overlap_chunks and 1 (the shared expert under
+    the dispatch: no chunks, no cost of theirs)."""
     m = cfg.model
     out = []
     for pp in (1, 2, 4, 8, 16, 32):
@@ -876,7 +883,12 @@ def suggest(cfg: RunConfig, gpus: int, gpu: str, limit: int = 5) -> list[Plan]:
                 dispatchers = {cfg.parallel.dispatcher.value}
                 if ep > 2 and cfg.parallel.capacity_factor is None:
                     dispatchers.add(DispatcherKind.alltoall.value)
-                for rows, dispatcher in [(r, d) for r in (1, 2) for d in sorted(dispatchers)]:
+                overlaps = sorted({cfg.parallel.overlap_chunks, 1}) if ep > 1 else [0]
+                for rows, dispatcher, overlap in [
+                    (r, d, o) for r in (1, 2) for d in sorted(dispatchers) for o in overlaps
+                ]:
+                    if overlap and dispatcher != DispatcherKind.nosync.value:
+                        continue
                     candidate = with_layout(
                         cfg,
                         gpus,
@@ -886,6 +898,7 @@ def suggest(cfg: RunConfig, gpus: int, gpu: str, limit: int = 5) -> list[Plan]:
                         shard_optimizer=True,
                         rows=rows,
                         dispatcher=dispatcher,
+                        overlap=overlap,
                     )
                     if candidate is None:
                         continue
