@@ -376,3 +376,32 @@ def test_no_host_sync_and_the_plain_exchanges_memory(world_results):
         for chunks in (2, 4):
             assert peaks[f"saved {chunks}"] <= 1.05 * peaks["saved 0"], (rank, chunks, peaks)
             assert peaks[chunks] <= peaks[0] + 2 * buffer, (rank, chunks, peaks)
+
+
+# --- a training run with the pipelined exchange inside compiled blocks ------------------------------
+
+
+def compiled_and_eager(data_dir, tmp):
+    """dp2·ep2, 2 chunks, 2 steps: eager blocks, and compiled blocks (the pipelined exchange
+    runs eagerly between their graphs, its experts compiled on their own)."""
+    import torch.distributed as dist
+    from test_layouts import layout_cfg
+
+    from moetrain.train.metrics import read_metrics
+    from moetrain.train.trainer import Trainer
+
+    out = {}
+    for name, extra in (("eager", []), ("compiled", ["train.compile=true"])):
+        run_dir = tmp / name
+        cfg = layout_cfg(data_dir, run_dir, "parallel.ep=2", "parallel.overlap_chunks=2", "train.steps=2", *extra)
+        trainer = Trainer(cfg, quiet=True)
+        trainer.fit()
+        out[name] = [r["lm_loss"] for r in read_metrics(run_dir / "metrics.jsonl")] if trainer.par.is_main else None
+        dist.barrier()
+    return out
+
+
+def test_compiled_blocks_around_the_pipelined_exchange_train_like_eager(real_text_dir, tmp_path):
+    got = run_distributed(compiled_and_eager, 2, real_text_dir, tmp_path, timeout_s=600)[0]
+    assert len(got["eager"]) == len(got["compiled"]) == 2
+    assert got["compiled"] == pytest.approx(got["eager"], rel=1e-4)
