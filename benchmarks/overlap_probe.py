@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trace_overlap import analyse  # noqa: E402
+from wgrad_probe import timed as cuda_ms  # noqa: E402
 
 from moetrain.model.experts import GroupedExperts  # noqa: E402
 from moetrain.model.mlp import SwiGLU  # noqa: E402
@@ -108,18 +109,7 @@ def zero(experts, shared):
 
 
 def timed(fn, warmup, iters):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return cuda_ms(fn, reps=iters, warmup=warmup)
 
 
 def main() -> None:

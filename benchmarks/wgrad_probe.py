@@ -20,9 +20,11 @@ import statistics
 import torch
 
 
-def timed(fn, reps: int = 20) -> float:
-    for _ in range(5):
+def timed(fn, reps: int = 20, warmup: int = 5) -> float:
+    """Median CUDA-event milliseconds of `fn` over `reps` calls, after `warmup`."""
+    for _ in range(warmup):
         fn()
+    torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
