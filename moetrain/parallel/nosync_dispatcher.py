@@ -392,8 +392,9 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
 
         back = [Exchange(self.ep_group) for _ in range(n)]
         returned, states = [], []
-        # Chunks by experts return into one buffer, which one combine reads (see below).
-        joined = x_ND.new_empty(R * sum(Ws), x_ND.shape[1], dtype=wire_dtype_of(x_ND)) if by_experts else None
+        # Chunks by experts return into one buffer, which one combine reads (see below), in the
+        # experts' output dtype (FP8 experts give bf16 whatever the input's).
+        joined = None
         row = 0
         for i in range(n):
             M_i = ids[i].numel()
@@ -402,6 +403,8 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
                 there[i].finish(sent[i]), keys_recv[i], plans[i], Cs[i], M_i, experts_i
             )
             y_local_CD = experts(x_local_CD, offsets, expert_groups[i])
+            if by_experts and joined is None:
+                joined = y_local_CD.new_empty(R * sum(Ws), y_local_CD.shape[1])
             into = None if joined is None else joined[row : row + R * Ws[i]]
             returned.append(back[i].start(_returned_rows(y_local_CD, state), into))
             states.append(state)

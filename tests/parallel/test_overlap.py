@@ -382,8 +382,9 @@ def test_no_host_sync_and_the_plain_exchanges_memory(world_results):
 
 
 def compiled_and_eager(data_dir, tmp):
-    """dp2·ep2, 2 chunks, 2 steps: eager blocks, and compiled blocks (the pipelined exchange
-    runs eagerly between their graphs, its experts compiled on their own)."""
+    """dp2·ep2, 2 chunks by experts, 2 steps: eager blocks; compiled blocks (the pipelined
+    exchange runs eagerly between their graphs, its experts compiled on their own); FP8 row-wise
+    (each chunk's experts quantize their group's slices of the weights)."""
     import torch.distributed as dist
     from test_layouts import layout_cfg
 
@@ -391,7 +392,7 @@ def compiled_and_eager(data_dir, tmp):
     from moetrain.train.trainer import Trainer
 
     out = {}
-    for name, extra in (("eager", []), ("compiled", ["train.compile=true"])):
+    for name, extra in (("eager", []), ("compiled", ["train.compile=true"]), ("fp8", ["train.fp8=rowwise"])):
         run_dir = tmp / name
         cfg = layout_cfg(data_dir, run_dir, "parallel.ep=2", "parallel.overlap_chunks=2", "train.steps=2", *extra)
         trainer = Trainer(cfg, quiet=True)
@@ -401,7 +402,8 @@ def compiled_and_eager(data_dir, tmp):
     return out
 
 
-def test_compiled_blocks_around_the_pipelined_exchange_train_like_eager(real_text_dir, tmp_path):
+def test_compiled_and_fp8_blocks_around_the_pipelined_exchange_train_like_eager(real_text_dir, tmp_path):
     got = run_distributed(compiled_and_eager, 2, real_text_dir, tmp_path, timeout_s=600)[0]
-    assert len(got["eager"]) == len(got["compiled"]) == 2
+    assert len(got["eager"]) == len(got["compiled"]) == len(got["fp8"]) == 2
     assert got["compiled"] == pytest.approx(got["eager"], rel=1e-4)
+    assert got["fp8"] == pytest.approx(got["eager"], rel=0.01)  # FP8's error (tests/train/test_trainer.py)
