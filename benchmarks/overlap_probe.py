@@ -125,6 +125,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--kernels", type=int, default=0, help="print the profiled run's top N kernels")
     ap.add_argument(
+        "--capacity", type=float, default=1.25, help="the bounded dispatcher's capacity factor (spill: a tenth of it)"
+    )
+    ap.add_argument(
         "--bf16-weights", action="store_true", help="bf16 parameters, as optim.bf16_weights trains (CUDA's default)"
     )
     args = ap.parse_args()
@@ -140,10 +143,12 @@ def main() -> None:
     N, D, E, H, K = args.tokens, args.d_model, args.experts, args.hidden, args.top_k
     experts, shared = layer(D, E, H, H, dtype=torch.bfloat16 if args.bf16_weights else torch.float32)
     x, ids, w, g = inputs(N, D, E, K, "cuda")
-    for chunking, factor in (("experts", 1.25), ("tokens", None)):
+    for chunking, factor in (("experts", args.capacity), ("tokens", None)):
         # bounded capacity: chunks by experts (n divides the 16 local experts); the padded mode
-        # (with one rank the same buffers: C = M) chunks by tokens
-        disp = NoSyncDispatcher(E, group, None, factor, 0.125 if factor else 0.0, 1024)
+        # (with one rank the same buffers: C = M) chunks by tokens. With one rank the plain
+        # exchange's C and W are capped at M (all of a rank's rows) from capacity 1 on, while each
+        # chunk's 1/n share is not: capacity < 1 compares equal buffers (and drops alike).
+        disp = NoSyncDispatcher(E, group, None, factor, args.capacity / 10 if factor else 0.0, 1024)
         probe_chunks(args, disp, experts, shared, x, ids, w, g, N, chunking)
     interference(args, experts, shared, x, N, D, E, K, group)
     dist.destroy_process_group()
@@ -158,6 +163,7 @@ def probe_chunks(args, disp, experts, shared, x, ids, w, g, N, chunking):
         "tokens": N,
         "bf16_weights": args.bf16_weights,
         "chunking": chunking,
+        "capacity": disp.capacity_factor,
     }
 
     checks = {0: {}, **compare(disp, experts, shared, x, ids, w, g)}
