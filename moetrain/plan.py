@@ -159,13 +159,15 @@ class Assumptions:
     compute, as a fraction of its duration (NCCL's kernels hold SMs and HBM bandwidth for the
     transfer). Not measured here (no multi-GPU machine yet): DeepSeek-V3 reports 20 of an H800's
     132 SMs keep its NVLink and InfiniBand transfers fed (15%); 0.2 allows more."""
-    chunk_bytes: tuple[float, float] = (11.8, 6.7)
-    """With parallel.overlap_chunks: the device time the pipelined exchange adds, as bytes of HBM
-    traffic per local expert parameter and micro-batch: chunks by experts (whatever n: the
-    groups' gradients copied into one, per-chunk routing), and by tokens per chunk beyond the
-    first (autograd sums each chunk's whole weight gradient). Measured on one H200 with
-    benchmarks/overlap_probe.py (16 experts of 4096 × 4096, 16,384 tokens, bf16 weights: kernel
-    time +3.3 ms by experts at n = 2 and 4; +0.7 and +5.6 ms by tokens at n = 2 and 4)."""
+    chunk_bytes: tuple[float, float] = (4.1, 7.1)
+    """With parallel.overlap_chunks: the device time the chunks add to the pipelined exchange, as
+    bytes of HBM traffic per local expert parameter and micro-batch: chunks by experts (whatever
+    n: the groups' gradients copied into one, plus each chunk's routing), and by tokens per chunk
+    beyond the first (autograd sums each chunk's whole weight gradient; smaller GEMMs). Measured
+    on one H200 with benchmarks/overlap_probe.py (16 experts of 4096 × 4096, 16,384 tokens, bf16
+    weights), kernel time against n = 1 (the same asynchronous exchange): by experts +0.9 and
+    +1.15 ms at n = 2 and 4 (capacity 0.7, where one rank's buffers compare equal); by tokens
+    +1.1 and +6.0 ms. The host's own work per chunk (eager launches) is not modeled."""
     workspace_gib: float = 1.0
     """Allocator and kernel work space on top of the accounted tensors."""
 
