@@ -329,10 +329,11 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
         first chunk's. Exposed: the first return of the gradient, what the shared expert does
         not cover of the last.
 
-        Numerics: with n = 1 the results are `dispatch`/`combine`'s bit for bit (on CPU); with
-        n > 1 each row is computed as there, but sums run in another order (token chunks: the
-        expert weight gradients over chunks; expert chunks: a token's copies over chunks), and
-        capacity is per chunk (so drops may differ under skew)."""
+        Numerics: with n = 1 the results are `dispatch`/`combine`'s bit for bit (on CPU). By
+        experts every row and every sum is computed as there (one send gather, one combine, each
+        expert's weight gradient one GEMM; measured bit for bit on CPU, within 5e-8 on an H200);
+        by tokens the expert weight gradients sum over the chunks. Capacity is per chunk, so
+        drops may differ under skew."""
         R, L = self.ep, self.num_local_experts
         num_tokens, top_k = topk_ids_NK.shape
         n = max(1, min(self.overlap_chunks, num_tokens))
@@ -347,8 +348,8 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
             Cs = [capacity_rows(M, R, self.capacity_factor / n, self.min_rows / n)] * n
             Ws = [block_rows(M, R, self.capacity_factor / n, self.spill_factor / n, self.min_rows / n)] * n
             groups = [(members[i], i * G, G) for i in range(n)]
-            grads = GroupGrads(n)
-            expert_groups = [ExpertGroup(i * G, (i + 1) * G, grads) for i in range(n)]
+            weight_grads = GroupGrads(n)
+            expert_groups = [ExpertGroup(i * G, (i + 1) * G, weight_grads) for i in range(n)]
         else:
             xs, ids = x_ND.tensor_split(n), topk_ids_NK.tensor_split(n)
             ws = topk_weights_NK.tensor_split(n)
@@ -380,9 +381,9 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
             # slices' gradients arrive in one buffer, which is the whole's gradient.
             joined_state = _joined([p.state for p in plans], Ws, R)
             send_SD = self._send_rows(x_ND, _Plan(NoSyncState(*joined_state, None), None, None))
-            grads = _JoinedGrad(send_SD, [R * W for W in Ws])
-            there = [Exchange(self.ep_group, functools.partial(grads.part, i)) for i in range(n)]
-            sent = [there[i].start(part) for i, part in enumerate(_Split.apply(send_SD, grads))]
+            send_grads = _JoinedGrad(send_SD, [R * W for W in Ws])
+            there = [Exchange(self.ep_group, functools.partial(send_grads.part, i)) for i in range(n)]
+            sent = [there[i].start(part) for i, part in enumerate(_Split.apply(send_SD, send_grads))]
         else:
             there = [Exchange(self.ep_group) for _ in range(n)]
             sent = [there[i].start(self._send_rows(xs[i], plans[i])) for i in range(n)]
