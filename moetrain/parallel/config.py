@@ -135,9 +135,10 @@ class ParallelConfig(Config):
     """nosync only: 0 = each MoE layer's all-to-alls wait for their data and are waited for (the
     step pays them in full); n ≥ 1 = they run asynchronously beside compute, the layer's tokens
     split into n chunks: chunk i + 1 travels while chunk i's experts compute, and chunk 1 while
-    the shared expert does; backward mirrors it (NoSyncDispatcher.pipelined). Each chunk has its
-    own capacity (from its own assignments). n = 1 is the unsplit exchange's numbers bit for bit;
-    with n > 1 the expert weight gradients sum in another order."""
+    the shared expert does; backward mirrors it (NoSyncDispatcher.pipelined). The split is by
+    experts where n divides each rank's experts (the unsplit exchange's numbers; 1/n of the
+    capacity per chunk), else by tokens (each chunk its own capacity; the expert weight gradients
+    sum over chunks). n = 1 is the unsplit exchange's numbers bit for bit."""
 
     def validate(self) -> None:
         for name in ("timeout_s", "peer_timeout_s"):

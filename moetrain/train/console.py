@@ -143,6 +143,8 @@ def describe_layout(cfg: RunConfig, dims: ParallelDims) -> str:
         capacity = ""
         if p.dispatcher == DispatcherKind.nosync:
             capacity = ", padded" if p.capacity_factor is None else f", capacity {p.capacity_factor:g}"
+            if p.overlap_chunks:
+                capacity += f", overlapped in {p.overlap_chunks} chunk" + ("s" if p.overlap_chunks > 1 else "")
         ep += f" ({p.dispatcher} dispatcher{capacity})"
     stack = f"{p.stack} stack" + (", sharded optimizer" if p.shard_optimizer else "")
     return f"{ranks} = {pp} × {dp}; {ep}; {stack}"

@@ -86,6 +86,12 @@ def test_quiet_prints_nothing(capsys):
             "2 ranks = pp 1 × dp 2; ep 2 (nosync dispatcher, padded); ddp stack",
         ),
         (
+            ["parallel.ep=2", "parallel.overlap_chunks=2"],
+            2,
+            ParallelDims(2, 2, 2),
+            "2 ranks = pp 1 × dp 2; ep 2 (nosync dispatcher, capacity 1.25, overlapped in 2 chunks); ddp stack",
+        ),
+        (
             ["parallel.ep=2", "parallel.dispatcher=alltoall"],
             2,
             ParallelDims(2, 2, 2),
