@@ -113,11 +113,11 @@ def local_experts(rank, R, poison):
         local.w_gate_up_E2FD.copy_(full.w_gate_up_E2FD.normal_(0, 0.3)[rank * L : (rank + 1) * L])
         local.w_down_EDF.copy_(full.w_down_EDF.normal_(0, 0.3)[rank * L : (rank + 1) * L])
 
-    def forward(x_SD, offsets_L):
+    def forward(x_SD, offsets_L, group=None):  # group: GroupedExperts' (the pipelined exchange's)
         if not poison:
-            return local(x_SD, offsets_L)
+            return local(x_SD, offsets_L, group)
         pad_S1 = (torch.arange(x_SD.shape[0]) >= offsets_L[-1]).unsqueeze(-1)
-        return local(NaNGradOnPadding.apply(x_SD, pad_S1), offsets_L).masked_fill(pad_S1, float("nan"))
+        return local(NaNGradOnPadding.apply(x_SD, pad_S1), offsets_L, group).masked_fill(pad_S1, float("nan"))
 
     return local, forward
 

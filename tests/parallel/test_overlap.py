@@ -23,6 +23,7 @@ from test_nosync_capacity import (
     N,
     case_counts,
     local_experts,
+    reference_keep,
     relative_diff,
     routing_ids,
 )
@@ -44,24 +45,9 @@ def make_shared():
     return shared
 
 
-def grouped(local, poison):
-    """`local`'s forward with GroupedExperts' signature (x, offsets, group); `poison`: rows past
-    the last offset are NaN in the output and in the input's gradient."""
-    from moetrain.testing.distributed import NaNGradOnPadding
-
-    def forward(x_SD, offsets, group=None):
-        if not poison:
-            return local(x_SD, offsets, group)
-        pad_S1 = (torch.arange(x_SD.shape[0]) >= offsets[-1]).unsqueeze(-1)
-        return local(NaNGradOnPadding.apply(x_SD, pad_S1), offsets, group).masked_fill(pad_S1, float("nan"))
-
-    return forward
-
-
 def run(disp, chunks, x0_ND, ids_NK, w0_NK, grad_ND, rank, R, poison=True):
     """One forward and backward of the layer's exchange: plain (`chunks` 0) or pipelined."""
-    local, _ = local_experts(rank, R, poison)
-    forward = grouped(local, poison)
+    local, forward = local_experts(rank, R, poison)
     shared = make_shared()
     x, w = x0_ND.clone().requires_grad_(), w0_NK.clone().requires_grad_()
     disp.overlap_chunks = chunks
@@ -89,7 +75,7 @@ routing, in either way of chunking."""
 
 
 def compare(rank, R, group):
-    from moetrain.parallel.nosync_dispatcher import NoSyncDispatcher
+    from moetrain.parallel.nosync_dispatcher import NoSyncDispatcher, chunks_by_experts
 
     out = {}
     probe = NoSyncDispatcher(E, group, group, BOUNDED)
@@ -113,7 +99,7 @@ def compare(rank, R, group):
                     "diff": max(relative_diff(a, b) for a, b in zip(got, padded)),
                     "finite": all(bool(torch.isfinite(t).all()) for t in got),
                     "dropped": dropped,
-                    "by_experts": mode == "experts" and (E // R) % n == 0,
+                    "by_experts": chunks_by_experts(n, E // R, disp.capacity_factor),
                 }
     # The bounded mode under all-to-one routing drops each chunk's overflow, by the rule.
     ids_NK, x0, w0, g = inputs("all_to_one", rank, R, C, W)
@@ -133,10 +119,11 @@ def compare(rank, R, group):
 
 
 def expected_drops(ids_by_rank, rank, R, n):
-    """What `rank` drops with n chunks by the rule (test_nosync_capacity.reference_keep's, per
-    chunk): by experts when n divides L (chunk i: every token's copies for local experts
+    """What `rank` drops with n chunks: test_nosync_capacity.reference_keep's rule per chunk. By
+    experts when n divides L (chunk i: every token's copies for local experts
     [i·L/n, (i+1)·L/n), 1/n of the capacity and spill rows), else by tokens (chunk i: the i-th
-    n-th of the tokens, its own capacity)."""
+    n-th of the tokens, its own capacity). A chunk's assignments go to the rule one per row, in
+    token order."""
     from moetrain.parallel.nosync_dispatcher import block_rows, capacity_rows
 
     L, M = E // R, N * K
@@ -145,26 +132,15 @@ def expected_drops(ids_by_rank, rank, R, n):
         G = L // n
         C, W = capacity_rows(M, R, BOUNDED / n), block_rows(M, R, BOUNDED / n, 0.125 / n)
         for i in range(n):
-            chunks.append(([[e for e in ids.flatten().tolist() if (e % L) // G == i] for ids in ids_by_rank], C, W))
+            chunks.append(([ids.flatten()[(ids.flatten() % L) // G == i] for ids in ids_by_rank], C, W))
     else:
         for part in torch.arange(N).tensor_split(n):
             M_i = len(part) * K
             C, W = capacity_rows(M_i, R, BOUNDED), block_rows(M_i, R, BOUNDED, 0.125)
-            chunks.append(([ids[part].flatten().tolist() for ids in ids_by_rank], C, W))
-    total = 0
-    for by_rank, C, W in chunks:
-        X = [[0] * R for _ in range(R)]
-        for s, experts in enumerate(by_rank):
-            for e in experts:
-                X[s][e // L] += 1
-        for d in range(R):
-            unused = sum(max(0, C - X[s][d]) for s in range(R))
-            for s in range(R):
-                take = min(min(X[s][d], W) - min(X[s][d], C), unused)
-                unused -= take
-                if s == rank:
-                    total += X[s][d] - min(X[s][d], C) - take
-    return total
+            chunks.append(([ids[part].flatten() for ids in ids_by_rank], C, W))
+    return sum(
+        int((~reference_keep([e.view(-1, 1) for e in by_rank], R, C, W)[rank]).sum()) for by_rank, C, W in chunks
+    )
 
 
 # --- the schedule -----------------------------------------------------------------------------------
@@ -212,8 +188,7 @@ def schedule(rank, R, group, factor):
         log.append(f"start {issued[-1]}")
         return out, Logged(work, issued[-1])
 
-    local, _ = local_experts(rank, R, poison=True)
-    forward = grouped(local, poison=True)
+    _, forward = local_experts(rank, R, poison=True)
     calls = []
 
     def experts(x_SD, offsets, group):
@@ -244,8 +219,7 @@ def no_sync_and_memory(rank, R, group):
 
     disp = NoSyncDispatcher(E, group, group, BOUNDED)
     ids_NK, x0, w0, g = inputs("skewed", rank, R, disp.capacity(N, K), disp.block_rows(N, K))
-    local, _ = local_experts(rank, R, poison=False)
-    forward = grouped(local, poison=False)
+    _, forward = local_experts(rank, R, poison=False)
     x = x0.clone().requires_grad_()
     disp.overlap_chunks = 2
     with forbid_host_sync():
