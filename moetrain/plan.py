@@ -84,7 +84,7 @@ from moetrain.model.counting import flops_per_token
 from moetrain.model.experts import GroupedExperts
 from moetrain.optim.split_master import is_split_candidate
 from moetrain.parallel.config import DispatcherKind, PipelineSchedule, Recompute, Stack
-from moetrain.parallel.nosync_dispatcher import block_rows, capacity_rows
+from moetrain.parallel.nosync_dispatcher import block_rows, capacity_rows, chunks_by_experts
 from moetrain.parallel.pipeline import stage_layers
 from moetrain.train.config import RunConfig
 from moetrain.train.dcp_shards import PIECE
@@ -761,7 +761,7 @@ def step_time(
     # tokens are also cast once per chunk and their gradients back (12 B more per extra chunk).
     t_chunks = 0.0
     if L.overlap_chunks > 1 and L.ep > 1:
-        by_experts = (m.moe.num_experts // L.ep) % L.overlap_chunks == 0 and L.capacity_factor is not None
+        by_experts = chunks_by_experts(L.overlap_chunks, m.moe.num_experts // L.ep, L.capacity_factor)
         per_param = assume.chunk_bytes[0] if by_experts else assume.chunk_bytes[1] * (L.overlap_chunks - 1)
         if not by_experts and not uses_bf16_weights(cfg) and not fp32:
             per_param += 12 * (L.overlap_chunks - 1)

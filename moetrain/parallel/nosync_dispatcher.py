@@ -106,6 +106,13 @@ def block_rows(assignments: int, ep: int, capacity_factor: float | None, spill_f
     return min(C + _ceil(spill_factor * assignments / ep), assignments)
 
 
+def chunks_by_experts(chunks: int, local_experts: int, capacity_factor: float | None) -> bool:
+    """Whether the pipelined exchange (parallel.overlap_chunks = `chunks`) splits by experts:
+    n > 1 dividing a rank's experts, capacity bounded (the padded mode's n chunks by experts
+    would need n × its buffers). Otherwise it splits by tokens. The planner asks the same."""
+    return chunks > 1 and local_experts % chunks == 0 and capacity_factor is not None
+
+
 class NoSyncState(NamedTuple):
     """What `combine` needs to undo `dispatch`."""
 
@@ -337,7 +344,7 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
         R, L = self.ep, self.num_local_experts
         num_tokens, top_k = topk_ids_NK.shape
         n = max(1, min(self.overlap_chunks, num_tokens))
-        by_experts = n > 1 and L % n == 0 and self.capacity_factor is not None
+        by_experts = chunks_by_experts(n, L, self.capacity_factor)
         if by_experts:
             G = L // n
             local_M = topk_ids_NK.flatten().remainder(L)
