@@ -10,7 +10,13 @@ the caller scales each backward's loss by `loss_scale` = 1/dp (the engine folds 
 and aux losses' 1/micro-batches factor), so the sums are the means: a division pass would read
 and write every gradient once more.
 
-Each gradient is a view into a flat fp32 bucket (like DDP's gradient_as_bucket_view), so
+Only gradients that have something to be summed with are bucketed. With edp = 1 (dp = ep: each
+expert lives on one rank of its data-parallel group) the experts' gradients are final as backward
+makes them: they stay where autograd puts them, as at dp = 1 (`unreduced`) — no bucket to zero,
+no copy into it, no accumulation pass at the step's first backward (at dp8·ep8 that is most of a
+rank's parameters).
+
+Each bucketed gradient is a view into a flat fp32 bucket (like DDP's gradient_as_bucket_view), so
 accumulation over micro-batches happens in place and a finished bucket is reduced as one
 message. A bucket's all-reduce starts as soon as all its gradients are final — every parameter's
 post-accumulate-grad hook has fired once per micro-batch of the step — overlapping communication
@@ -59,7 +65,20 @@ def expert_param_ids(model: nn.Module) -> set[int]:
     return {id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
 
 
+def reduced_param_ids(model: nn.Module, state: ParallelState) -> set[int]:
+    """ids of the trainable parameters whose gradients a `GradReducer` sums over a group: all at
+    dp > 1, except the experts' when edp = 1 (nothing to sum them with); none at dp = 1."""
+    if state.dims.dp == 1:
+        return set()
+    skip = expert_param_ids(model) if state.edp_group is None else set()
+    return {id(p) for p in model.parameters() if p.requires_grad and id(p) not in skip}
+
+
 class GradReducer:
+    bucket_every_parameter = False
+    """Bucket also the parameters alone in their group (`unreduced`): a subclass that keeps every
+    parameter in its buckets (`ShardedAdamW`'s flat buffers) sets it."""
+
     def __init__(
         self,
         model: nn.Module,
@@ -87,10 +106,25 @@ class GradReducer:
         split_ids = set(split_ids) | set(self._split_grads)
         # Reverse registration order approximates the order in which backward finishes them.
         params = [p for p in model.parameters() if p.requires_grad][::-1]
+        if self.bucket_every_parameter:
+            reduced = {id(p) for p in params}
+        else:
+            reduced = reduced_param_ids(model, state)
+        self.unreduced = [p for p in params if id(p) not in reduced]
+        """Parameters whose gradients need no sum (experts at edp = 1): left where backward puts
+        them — `.grad`, `split`'s own, or (another dtype) allocated by `store` — as at dp = 1."""
+        split_params = {id(p) for p in split.params} if split is not None else set()
+        for p in self.unreduced:
+            if id(p) not in split_params and p.dtype != grad_dtype:
+                self.store.add(p)
         self.buckets: list[Bucket] = []
         for is_expert, is_split in ((False, True), (False, False), (True, True), (True, False)):
             group = state.edp_group if is_expert else state.dp_group
-            chosen = [p for p in params if (id(p) in expert_ids) == is_expert and (id(p) in split_ids) == is_split]
+            chosen = [
+                p
+                for p in params
+                if id(p) in reduced and (id(p) in expert_ids) == is_expert and (id(p) in split_ids) == is_split
+            ]
             start = 0
             while start < len(chosen):
                 size, end = 0, start
@@ -173,3 +207,5 @@ class GradReducer:
         for b in self.buckets:
             if not b.split and not b.hooked:
                 b.flat.zero_()
+        for p in self.unreduced:
+            p.grad = None

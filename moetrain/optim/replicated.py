@@ -18,7 +18,7 @@ from torch import nn
 from moetrain.model.transformer import canonical_name
 from moetrain.optim.base import FlatShard, TorchAdamW, build_adamw, use_fused
 from moetrain.optim.clip import clip_coefficient, global_grad_norm
-from moetrain.optim.grad_reducer import GradReducer, expert_param_ids
+from moetrain.optim.grad_reducer import GradReducer, expert_param_ids, reduced_param_ids
 from moetrain.optim.grad_store import GradStore
 from moetrain.optim.split_master import SplitMaster, is_split_candidate
 from moetrain.parallel.dims import ParallelState
@@ -42,7 +42,7 @@ class ReplicatedAdamW(TorchAdamW):
                 split_ids,
                 weight_decay=cfg.weight_decay,
                 fused=use_fused(cfg, device) and device.type == "cuda",  # the Triton kernel
-                persistent_grads=state.dims.dp > 1,  # GradReducer's buckets
+                persistent=reduced_param_ids(model, state),  # GradReducer's buckets
                 moments_dtype=cfg.moments_dtype.dtype,
                 grad_dtype=grad_dtype,
             )
@@ -153,7 +153,9 @@ class ReplicatedAdamW(TorchAdamW):
         """The reducer's buckets (split ones are `SplitMaster`'s gradients), or the gradients
         allocated this step, and the split parameters' gradients."""
         if self.reducer is not None:
+            split = {id(p) for p in self.split.params} if self.split is not None else set()
             tensors = [b.flat for b in self.reducer.buckets if not b.split]
+            tensors += self._grads([p for p in self.reducer.unreduced if id(p) not in split])
         else:
             tensors = self._grads(self.dense_params + self.expert_params)
         if self.split is not None:

@@ -94,6 +94,7 @@ class _ShardedGradReducer(GradReducer):
     bucket's gradients are bf16 and filled by that hook."""
 
     buckets: list[_ShardedBucket]
+    bucket_every_parameter = True  # the parameters live in the buckets' flat buffers
 
     def _make_bucket(self, params: list[nn.Parameter], group, is_split: bool) -> _ShardedBucket:
         G = dist.get_world_size(group) if group is not None else 1

@@ -27,7 +27,8 @@ which autocast would cast to fp32). A post-accumulate-grad hook takes it off the
 the step's first backward the bf16 gradient itself is kept (its fp32 value is exact, so there is
 no cast pass, and it takes 2 bytes per element instead of 4); a second backward sums the two in
 fp32 and later ones add to that (gradient accumulation in fp32); the update reads either dtype.
-Where a `GradReducer` buckets the gradients (dp > 1) they are copied into its fp32 buffer. With
+Where a `GradReducer` buckets the gradients (dp > 1; not the experts' at edp = 1, which need no
+sum) they are copied into its fp32 buffer. With
 optim.grad_dtype=bf16 they stay bf16 throughout: later backwards add into the bf16 gradient in
 place (computed in fp32, rounded once: moetrain/optim/grad_store.py), and the kept buffer is bf16.
 """
@@ -112,10 +113,10 @@ class SplitMaster:
     """The split parameters of one rank (`is_split_candidate`) and their AdamW state, in one
     order: dense parameters, then experts, each in reverse registration order (the order in which
     backward finishes them, and `GradReducer`'s). hi, lo and the moments are flat buffers (one
-    view per parameter); each fp32 gradient is allocated by the step's first backward that
-    reaches its parameter and dropped by `zero_grad`, as torch does for `.grad`, so it does not
-    exist during the forward pass — unless `persistent_grads` (a `GradReducer` buckets them: one
-    flat buffer, kept)."""
+    view per parameter); each gradient is allocated by the step's first backward that reaches its
+    parameter and dropped by `zero_grad`, as torch does for `.grad`, so it does not exist during
+    the forward pass — except those of the parameters in `persistent` (a `GradReducer` buckets
+    them: one flat buffer, kept)."""
 
     def __init__(
         self,
@@ -124,7 +125,7 @@ class SplitMaster:
         *,
         weight_decay: float,
         fused: bool,
-        persistent_grads: bool,
+        persistent: set[int] = frozenset(),
         moments_dtype: torch.dtype = torch.float32,
         grad_dtype: torch.dtype = torch.float32,
     ):
@@ -155,16 +156,19 @@ class SplitMaster:
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
         self.step = torch.zeros((), dtype=torch.float32, device=device)
         """Updates made (shared by every split parameter: they are always updated together)."""
-        self.persistent_grads = persistent_grads
         self.grad_dtype = grad_dtype
         """Of the accumulated and the kept gradients (optim.grad_dtype)."""
-        self._flat_grad = torch.zeros(numel, dtype=grad_dtype, device=device) if persistent_grads else None
-        self.grads: list[torch.Tensor | None] = [
-            self.view(self._flat_grad, i) if persistent_grads else None for i in range(len(self.params))
-        ]
+        self.persistent = [id(p) in persistent for p in self.params]
+        """Per parameter: whether its gradient is kept, a view of one flat buffer (in this order)."""
+        kept = sum(p.numel() for p, keep in zip(self.params, self.persistent) if keep)
+        flat_grad = torch.zeros(kept, dtype=grad_dtype, device=device) if kept else None
+        self.grads: list[torch.Tensor | None] = []
         """Per parameter: its gradient (None before the step's first backward reaches it; bf16
-        after one backward, `grad_dtype` after more; views of one `grad_dtype` buffer with
-        `persistent_grads`)."""
+        after one backward, `grad_dtype` after more; a view of the flat buffer if `persistent`)."""
+        offset = 0
+        for p, keep in zip(self.params, self.persistent):
+            self.grads.append(flat_grad[offset : offset + p.numel()].view(p.shape) if keep else None)
+            offset += p.numel() if keep else 0
         self._written: set[int] = set()
         self._index = {id(p): i for i, p in enumerate(self.params)}
         for p in self.params:
@@ -176,9 +180,12 @@ class SplitMaster:
         return flat[self.offsets[i] : self.offsets[i] + p.numel()].view(p.shape)
 
     def grad_views(self) -> dict[int, torch.Tensor]:
-        """id(parameter) → its gradient, a view of the one flat buffer (`persistent_grads`)."""
-        assert self.persistent_grads
-        return {id(p): g for p, g in zip(self.params, self.grads)}
+        """id(parameter) → its gradient, a view of the one flat buffer, of the `persistent` ones."""
+        return {id(p): g for p, g, keep in zip(self.params, self.grads, self.persistent) if keep}
+
+    def grad_of(self, p: nn.Parameter) -> torch.Tensor | None:
+        """`p`'s gradient of this step (None before a backward reached it, unless kept)."""
+        return self.grads[self._index[id(p)]]
 
     @property
     def dense_grads(self) -> list[torch.Tensor]:
@@ -197,7 +204,7 @@ class SplitMaster:
         added into the bf16 gradient in place (in fp32, rounded once)."""
         i = self._index[id(p)]
         if id(p) not in self._written:
-            if self.persistent_grads:
+            if self.persistent[i]:
                 self.grads[i].copy_(p.grad)
             else:
                 self.grads[i] = p.grad
@@ -219,7 +226,7 @@ class SplitMaster:
         (a kept buffer still holds an earlier step's)."""
         for i, p in enumerate(self.params):
             if id(p) not in self._written:
-                if self.persistent_grads:
+                if self.persistent[i]:
                     self.grads[i].zero_()
                 else:
                     self.grads[i] = torch.zeros(p.shape, dtype=self.grad_dtype, device=p.device)
@@ -228,8 +235,7 @@ class SplitMaster:
     def zero_grad(self) -> None:
         """Drop the gradients (a kept buffer is not zeroed: the next backward copies into it)."""
         self._written.clear()
-        if not self.persistent_grads:
-            self.grads = [None] * len(self.params)
+        self.grads = [g if keep else None for g, keep in zip(self.grads, self.persistent)]
 
     # ---- the update -------------------------------------------------------------------------------
     def update(self, lr: float, betas: tuple[float, float], eps: float, grad_coef: torch.Tensor | None, skip) -> None:

@@ -222,9 +222,12 @@ def _dp2_ep2_grads(cfg_args):
     rank = dist.get_rank()
     engine.forward_backward(synthetic_batches(cfg, 0, rank))
     opt = engine.optimizer
-    views = opt.split.grad_views() if opt.split is not None else {}
+    split = {id(p) for p in opt.split.params} if opt.split is not None else set()
     # numpy: tensors would cross the result queue as shared memory that dies with the worker
-    grads = {n: (views[id(p)] if id(p) in views else p.grad).numpy().copy() for n, p in engine.model.named_parameters()}
+    grads = {
+        n: (opt.split.grad_of(p) if id(p) in split else p.grad).numpy().copy()
+        for n, p in engine.model.named_parameters()
+    }
     engine.optim_step(torch.zeros(()), 0)
     losses = [engine.train_step(synthetic_batches(cfg, s, rank), s).lm_loss.item() for s in (1, 2)]
     return grads, losses
