@@ -29,7 +29,13 @@ def global_grad_norm(
 
 
 def _sum_sq(grads: list[torch.Tensor], device) -> torch.Tensor:
-    """Σ‖g‖² in fp32; norms of lower-precision gradients (optim.bf16_weights) computed in fp32."""
+    """Σ‖g‖² in fp32; norms of lower-precision gradients (optim.bf16_weights) computed in fp32. On
+    CUDA one Triton pass over plain contiguous tensors (`sum_squares`: at the bandwidth, where
+    `_foreach_norm` reads bf16 under half of it); elsewhere, and for DTensors, `_foreach_norm`."""
+    if grads and all(type(g) is torch.Tensor and g.is_cuda and g.is_contiguous() for g in grads):
+        from moetrain.optim.adamw_split_kernel import sum_squares
+
+        return sum_squares(grads)
     total = torch.zeros((), device=device)
     fp32 = [g for g in grads if g.dtype == torch.float32]
     low = [g for g in grads if g.dtype != torch.float32]

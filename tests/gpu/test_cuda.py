@@ -341,6 +341,29 @@ def test_split_adamw_kernel_matches_the_reference_on_cuda():
         torch.cuda.empty_cache()
 
 
+def test_clipping_norm_kernel_matches_float64_on_cuda():
+    """`sum_squares` (the clipping norm's pass on CUDA) against float64, over bf16 and fp32
+    gradients including one past 2³¹ elements (64-bit offsets), the same bits on a second call,
+    and `global_grad_norm` through it against torch's `_foreach_norm`."""
+    from moetrain.optim.adamw_split_kernel import sum_squares
+    from moetrain.optim.clip import global_grad_norm
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ts = [
+        torch.randn(n, device="cuda", generator=g).to(dt) for n, dt in ((4097, torch.bfloat16), (10**6, torch.float32))
+    ]
+    big = torch.ones(2**31 + 5, device="cuda", dtype=torch.bfloat16)
+    big[-5:] = 3.0
+    got = sum_squares([*ts, big])
+    want = sum(float(t.double().pow(2).sum()) for t in ts) + (2**31) + 5 * 9.0
+    assert abs(float(got) - want) <= 1e-5 * want, (float(got), want)
+    assert torch.equal(sum_squares([*ts, big]), got)
+    del big
+    norm = global_grad_norm(ts[:1], ts[1:])
+    ref = torch.stack(torch._foreach_norm(ts, 2, dtype=torch.float32)).square().sum().sqrt()
+    torch.testing.assert_close(norm, ref, rtol=1e-6, atol=0)
+
+
 def test_bf16_weights_train_like_fp32_weights_on_cuda(real_text_dir, tmp_path):
     """tiny on real text, 60 steps, bf16 weights with split masters beside fp32 weights under
     autocast: the final losses agree within 1%."""

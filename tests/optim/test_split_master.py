@@ -349,3 +349,26 @@ def test_sharded_optimizer_with_bf16_weights_matches_the_replicated_one(real_tex
         assert losses["sharded"] == losses["replicated"] and worst == 0.0, (losses, worst)
         # remainders + moments sharded over dp2 (experts: over edp = 1): less than the replicated state
         assert sharded_bytes < 0.8 * replicated_bytes, (sharded_bytes, replicated_bytes)
+
+
+SUM_SQUARES_CHECK = """
+import torch
+from moetrain.optim.adamw_split_kernel import SQ_BLOCK, sum_squares
+g = torch.Generator().manual_seed(0)
+sizes = [(1, torch.bfloat16), (SQ_BLOCK - 1, torch.float32), (SQ_BLOCK * 3 + 17, torch.bfloat16), (0, torch.float32)]
+ts = [(torch.randn(n, generator=g) * 10.0 ** float(i - 2)).to(dt) for i, (n, dt) in enumerate(sizes)]
+got = sum_squares(ts)
+want = sum(t.double().pow(2).sum() for t in ts)
+assert got.dtype == torch.float32 and got.dim() == 0
+assert abs(float(got) - float(want)) <= 1e-6 * float(want), (float(got), float(want))
+assert torch.equal(sum_squares(ts), got)  # partials summed in a fixed order: the same bits again
+print("ok")
+"""
+
+
+def test_sum_of_squares_kernel_matches_float64_in_the_interpreter():
+    """The clipping norm's pass on CUDA (`clip._sum_sq`): Σ‖g‖² over bf16 and fp32 tensors of
+    any size (block edges, one element, none), within fp32 rounding of the float64 sum."""
+    pytest.importorskip("triton")
+    result = run_in_triton_interpreter(SUM_SQUARES_CHECK)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
