@@ -14,7 +14,7 @@ and prints its achieved bandwidth (bytes read plus written over the time) or FLO
 - grad_copy / grad_add_bf16 / accumulate_fp32: a gradient copied into a bucket, added in place
   in bf16 (optim.grad_dtype=bf16), and added into an fp32 sum (`accumulate_grad`);
 - group_join: `GroupGrads`' copy of n groups' slices into one gradient;
-- grad_norm: `_foreach_norm` over bf16 gradients in fp32 (the clipping norm);
+- grad_norm: the clipping norm's pass, `_foreach_norm` in fp32 against moetrain's `sum_squares`;
 - grouped_mm: one expert layer's six grouped GEMMs (forward gate/up and down, and backward's
   input and weight gradients of both) at a fixed number of rows per rank, as the experts a rank
   holds grow; TFLOP/s against the rows each expert gets.
@@ -38,7 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from wgrad_probe import timed  # noqa: E402
 
-from moetrain.optim.adamw_split_kernel import accumulate_grad, adamw_split, bias_corrections  # noqa: E402
+from moetrain.optim.adamw_split_kernel import (  # noqa: E402
+    accumulate_grad,
+    adamw_split,
+    bias_corrections,
+    sum_squares,
+)
 from moetrain.optim.split_master import split_fp32  # noqa: E402
 
 ROWS = []
@@ -80,6 +85,10 @@ def passes(n: int, reps: int) -> None:
     # the clipping norm over bf16 gradients, in fp32, as tensors of ~50M elements
     parts = list(g.split(50_331_648))
     record("pass", "grad_norm (_foreach_norm bf16 -> fp32)", timed(partial(_norm, parts), reps), bytes_moved=2 * n)
+    parts32 = list(acc32.split(50_331_648))
+    record("pass", "grad_norm (_foreach_norm fp32)", timed(partial(_norm, parts32), reps), bytes_moved=4 * n)
+    record("pass", "grad_norm (sum_squares bf16)", timed(partial(sum_squares, parts), reps), bytes_moved=2 * n)
+    record("pass", "grad_norm (sum_squares fp32)", timed(partial(sum_squares, parts32), reps), bytes_moved=4 * n)
 
 
 def _norm(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -166,13 +175,22 @@ def grouped(reps: int) -> None:
         dy = torch.randn(M, D, device=dev, dtype=bf16)
         h = torch.randn(M, 2 * F, device=dev, dtype=bf16)
         a = torch.randn(M, F, device=dev, dtype=bf16)
+        gen = torch.Generator().manual_seed(0)
         for E in experts:
             w1 = torch.randn(E, D, 2 * F, device=dev, dtype=bf16) * D**-0.5
             w2 = torch.randn(E, F, D, device=dev, dtype=bf16) * F**-0.5
-            offs = torch.arange(1, E + 1, device=dev, dtype=torch.int32) * (M // E)
             flops = 3 * 2 * M * D * 3 * F  # forward 2·M·D·3F, backward twice that
-            ms = timed(partial(_expert_layer, x, dy, h, a, w1, w2, offs), reps)
-            record("grouped_mm", f"{label} E={E}", ms, flops=flops, rows_per_expert=M // E, D=D, F=F)
+            # equal groups, then the group sizes of uniformly random routing (a multinomial draw
+            # of the M rows over E experts): uneven sizes leave partial tiles in every group
+            sizes = {
+                "equal": torch.full((E,), M // E),
+                "random": torch.multinomial(torch.ones(E), M, replacement=True, generator=gen).bincount(minlength=E),
+            }
+            for kind, size in sizes.items():
+                offs = size.cumsum(0).to(device=dev, dtype=torch.int32)
+                ms = timed(partial(_expert_layer, x, dy, h, a, w1, w2, offs), reps)
+                name = f"{label} E={E} {kind} groups"
+                record("grouped_mm", name, ms, flops=flops, rows_per_expert=M // E, D=D, F=F, max_rows=int(size.max()))
 
 
 def main() -> None:

@@ -128,8 +128,10 @@ class Assumptions:
     """GEMM + attention FLOP/s as a fraction of the dense peak (H200, bench-8e's profile: its
     GEMMs and attention ran at 72% of peak)."""
     hbm_eff: float = 0.6
-    """Achieved fraction of HBM bandwidth for memory-bound kernels (fused AdamW on H200: 128 GB
-    in 44.6 ms = 60% of 4.8 TB/s)."""
+    """Achieved fraction of HBM bandwidth for the other memory-bound kernels: the element-wise
+    passes over activations (`ew_passes`, calibrated with it on bench-8e's profile) and autocast's
+    weight casts (first set from torch's fused AdamW on H200: 128 GB in 44.6 ms = 60% of 4.8 TB/s;
+    the optimizer and the gradients' passes now have their own measured rates below)."""
     ew_passes: float = 4.5
     """Element-wise traffic as passes over each micro-batch's saved block activations (norms,
     RoPE, SwiGLU, routing, permutations; bench-8e's profile: 58.6 ms per step of such kernels,
@@ -168,6 +170,34 @@ class Assumptions:
     weights), kernel time against n = 1 (the same asynchronous exchange): by experts +0.9 and
     +1.15 ms at n = 2 and 4 (capacity 0.7, where one rank's buffers compare equal); by tokens
     +1.1 and +6.0 ms. The host's own work per chunk (eager launches) is not modeled."""
+    param_pass_eff: float = 0.86
+    """Achieved fraction of HBM bandwidth for moetrain's passes over every local parameter: the
+    Triton AdamW kernel (split masters, or bf16 moments) and the gradients' copies, in-place adds
+    and fp32 accumulation. Measured on one H200 with benchmarks/step_bytes_probe.py (call 1 of
+    2026-12-02, commit 67167f2): AdamW 4.12–4.17 TB/s in all four moment and gradient dtypes,
+    copy 4.18, bf16 add 4.31, fp32 += bf16 4.11 (0.86–0.90 of 4.8 TB/s)."""
+    torch_adamw_eff: float = 0.69
+    """The same for torch's fused AdamW over fp32 parameters, fp32 moments (the embedding, norms
+    and routers with bf16 weights; everything without): 3.33 TB/s in the same call."""
+    norm_eff: float = 0.7
+    """The same for the clipping norm's pass over the gradients (on CUDA `sum_squares`,
+    moetrain/optim/adamw_split_kernel.py): 3.39 TB/s over bf16 gradients, 3.94 over fp32 (call 2
+    of 2026-12-02; torch's `_foreach_norm`, used before, 2.06 and 3.13)."""
+    group_tile_rows: float = 64.0
+    """Rows of work each expert's group adds to its grouped GEMMs beyond its own: the last,
+    partial tile of its rows. Measured with step_bytes_probe.py (call 2 of 2026-12-02) under
+    uniformly random routing at sweep-8l's per-rank shape (D = F = 4096, 65,536 rows): 653.8
+    TFLOP/s with one local expert, 645.5 with 16 (4,096 rows each), i.e. 56 rows per group; half a
+    128-row tile is 64. Smaller experts lose more than this counts: bench-sweep's D 2048, F 1024
+    fell 618.7 → 473.8 TFLOP/s from 8 to 64 experts (4,096 → 512 rows each), ~190 rows per group."""
+    dp_tail: bool = True
+    """The ddp stack's data-parallel reductions run under the rest of the last backward
+    (`GradReducer` starts each bucket's as soon as its gradients are final); only the buckets
+    backward finishes last — the embedding's, on the first pipeline rank — and whatever the
+    backward cannot cover are exposed. Measured on two H200s (sweep-8l-8 at dp2·ep2, fp32
+    buckets, docs/benchmarks.md "Where the ep2 step's time goes"): 10.7 and 13.6 ms of 32.1 and
+    33.2 ms of all-reduce exposed, against 11.1 ms for the embedding's 1.64 GB at `link_eff`.
+    False: every reduction counted in full (as the planner did before)."""
     workspace_gib: float = 1.0
     """Allocator and kernel work space on top of the accounted tensors."""
 
@@ -366,6 +396,8 @@ class RankMemory:
     """Parameters held before FSDP sharding (its experts ÷ ep)."""
     dense_local: float
     expert_local: float
+    embedding_local: float
+    """The embedding table's parameters (first pipeline rank), in `dense_local`."""
     weights: float
     grads: float
     optimizer: float
@@ -641,6 +673,7 @@ def memory_per_rank(cfg: RunConfig, L: Layout, groups: ParamGroups, assume: Assu
                 local=local,
                 dense_local=dense_local,
                 expert_local=expert_local,
+                embedding_local=groups.embedding if first else 0,
                 weights=weights,
                 grads=grads,
                 optimizer=optimizer,
@@ -726,24 +759,55 @@ def step_time(
     # mxfp8 computes its products from dequantized operands (bf16 rate; moetrain/model/fp8.py)
     gemm_rate = spec.bf16_flops * assume.gemm_eff * (assume.fp8_gemm_speedup if cfg.train.fp8 == Fp8.rowwise else 1.0)
     t_gemm = model_flops / gemm_rate
+    # each local expert's rows end in a partial tile of its grouped GEMMs (`group_tile_rows`)
+    local_experts = m.moe.num_experts / (1 if fsdp else L.ep)
+    expert_flops = 18 * m.moe.top_k * m.d_model * m.moe.expert_hidden * t * _moe_layers(m, rank) * L.micro_batches
+    t_tiles = expert_flops * local_experts * assume.group_tile_rows / (t * m.moe.top_k) / gemm_rate if t else 0.0
     hbm = spec.hbm_bytes_s * assume.hbm_eff
-    adamw_bytes = 20 if cfg.optim.moments_dtype.value == "bf16" else 28  # bf16 moments: 8 B less
+    passes = spec.hbm_bytes_s * assume.param_pass_eff
+    bf16_weights = uses_bf16_weights(cfg)
+    low_moments = cfg.optim.moments_dtype.value == "bf16"
     low_grads = cfg.optim.grad_dtype.value == "bf16"
-    if low_grads and not fsdp:  # reads bf16 gradients: 2 B less (FSDP's shards stay fp32)
-        adamw_bytes -= 2
-    t_optimizer = adamw_bytes * (rank.local / (L.dp if fsdp else 1)) / hbm
-    if L.shard_optimizer and not fsdp:
-        t_optimizer = adamw_bytes * (rank.dense_local / L.dp + rank.expert_local / max(1, L.dp // L.ep)) / hbm
-    # per micro-batch: fp32→bf16 weight casts and bf16→fp32 gradient casts (12 B per local
-    # parameter), and from the second micro-batch on, accumulation into .grad (12 B)
+    edp = max(1, L.dp // L.ep)
+    # The optimizer step over the elements this rank updates: AdamW's bytes per element (fp32
+    # moments 28 B, bf16 moments 20 B; 2 B less reading bf16 gradients, not FSDP's fp32 shards),
+    # the split masters and every bf16-moment update by moetrain's Triton kernel, the rest by
+    # torch's fused AdamW, each at its measured rate; then the clipping norm reads each gradient.
+    adamw_bytes = (20 if low_moments else 28) - (2 if low_grads and not fsdp else 0)
+    if fsdp:
+        updated, embedding = rank.local / L.dp, rank.embedding_local / L.dp
+    elif L.shard_optimizer:
+        updated = rank.dense_local / L.dp + rank.expert_local / edp
+        embedding = rank.embedding_local / L.dp
+    else:
+        updated, embedding = rank.local, rank.embedding_local
+    by_torch = 0.0 if low_moments else (embedding if bf16_weights else updated)  # fp32 AdamW, fp32 moments
+    torch_rate = spec.hbm_bytes_s * assume.torch_adamw_eff
+    t_optimizer = adamw_bytes * ((updated - by_torch) / passes + by_torch / torch_rate)
+    one_kept = bf16_weights and L.micro_batches == 1 and not fsdp  # one backward's bf16 gradient, as it is
+    norm_elem = 2 if (low_grads and not fsdp) or one_kept else 4
+    t_optimizer += norm_elem * updated / (spec.hbm_bytes_s * assume.norm_eff)
+    # Per micro-batch: autocast's fp32→bf16 weight casts and the bf16→fp32 gradient casts (12 B
+    # per local parameter), and from the second micro-batch on accumulation into .grad (12 B).
     local_params = rank.local / (L.dp if fsdp else 1)
     t_casts = 0.0 if fp32 else local_params * (12 * L.micro_batches + 12 * (L.micro_batches - 1)) / hbm
-    if uses_bf16_weights(cfg):
-        first = 6 if L.dp > 1 else 0  # copied into the reducer's fp32 bucket, else kept as it is
-        later = (8 + 10 * (L.micro_batches - 2)) if L.micro_batches > 1 else 0
-        if low_grads:  # bf16 into a bf16 bucket (4 B) or kept; bf16 += bf16 (6 B)
-            first, later = (4 if L.dp > 1 else 0), 6 * (L.micro_batches - 1)
-        t_casts = local_params * (first + later) / hbm
+    if bf16_weights:
+        # What a step's gradients cost beyond the GEMMs that make them (moetrain/optim/split_master.py,
+        # grad_reducer.py): a bucketed gradient (dense ones at dp > 1; experts' at edp > 1 or under
+        # the sharded optimizer) is copied into its bucket at the first backward — bf16 into fp32
+        # 6 B, into a bf16 bucket (optim.grad_dtype=bf16) 4 B — and later backwards add into it
+        # (fp32 += bf16 10 B; bf16 += bf16 6 B); an unbucketed one is kept as backward made it
+        # (0 B), the second backward sums the two into fp32 (8 B), later ones add (10 B); bf16: 6 B.
+        bucketed = (rank.dense_local if L.dp > 1 else 0.0) + (
+            rank.expert_local if edp > 1 or (L.shard_optimizer and L.dp > 1) else 0.0
+        )
+        kept = local_params - bucketed
+        later = L.micro_batches - 1
+        if low_grads:
+            t_bytes = bucketed * 4 + local_params * 6 * later
+        else:
+            t_bytes = bucketed * (6 + 10 * later) + kept * ((8 + 10 * (later - 1)) if later else 0)
+        t_casts = t_bytes / passes
     elif low_grads and not fsdp:  # the fp32 gradient rounded into the store (6 B), then bf16 += fp32 (8 B)
         weight_casts = 0 if fp32 else 12 * L.micro_batches
         t_casts = local_params * (weight_casts + 6 + 8 * (L.micro_batches - 1)) / hbm
@@ -755,7 +819,7 @@ def step_time(
     if L.recompute != Recompute.none.value:
         share = math.ceil(m.n_layers / L.recompute_every) / m.n_layers
         cost = assume.recompute_cost[0 if L.recompute == Recompute.selective.value else 1]
-        t_recompute = cost * share * (t_gemm + t_casts + t_elementwise + t_fp8)
+        t_recompute = cost * share * (t_gemm + t_tiles + t_casts + t_elementwise + t_fp8)
     # parallel.overlap_chunks = n (NoSyncDispatcher.pipelined): the device time the chunks add,
     # per expert parameter and micro-batch (`Assumptions.chunk_bytes`); fp32 weights chunked by
     # tokens are also cast once per chunk and their gradients back (12 B more per extra chunk).
@@ -766,11 +830,12 @@ def step_time(
         if not by_experts and not uses_bf16_weights(cfg) and not fp32:
             per_param += 12 * (L.overlap_chunks - 1)
         t_chunks = L.micro_batches * per_param * rank.expert_local / hbm
-    compute = t_gemm + t_casts + t_elementwise + t_fp8 + t_recompute + t_chunks
+    compute = t_gemm + t_tiles + t_casts + t_elementwise + t_fp8 + t_recompute + t_chunks
     per_mb = compute / L.micro_batches
     t_bubble = (L.pp - 1) / L.stages_per_rank * per_mb if L.pp > 1 else 0.0
     seconds = comm.seconds
-    t_dp = seconds.get("dp_reduction", 0.0) + seconds.get("optimizer_all_gather", 0.0)
+    t_dp = _exposed_dp_reduction(cfg, L, rank, seconds.get("dp_reduction", 0.0), compute, assume)
+    t_dp += seconds.get("optimizer_all_gather", 0.0)
     t_fsdp = max(0.0, seconds.get("fsdp", 0.0) - compute * assume.fsdp_overlap)
     t_a2a = seconds.get("expert_all_to_all", 0.0)
     if L.overlap_chunks and t_a2a:
@@ -780,6 +845,7 @@ def step_time(
     tokens_per_device = t * L.micro_batches * (1.0 if L.pp == 1 else 1.0 / L.pp)
     parts = {
         "gemm_and_attention": t_gemm,
+        "expert_gemm_tiles": t_tiles,
         "weight_casts": t_casts,
         "element_wise": t_elementwise,
         "fp8_quantization": t_fp8,
@@ -793,6 +859,29 @@ def step_time(
         "pipeline_sends": t_pp,
     }
     return StepTime(parts, step, fpt * tokens_per_device / step / spec.bf16_flops, tokens_per_device)
+
+
+def _exposed_dp_reduction(
+    cfg: RunConfig, L: Layout, rank: RankMemory, t_red: float, compute: float, assume: Assumptions
+) -> float:
+    """What the ddp stack's data-parallel reduction (all-reduce, or the sharded optimizer's
+    reduce-scatter) of `t_red` seconds adds to the step (`Assumptions.dp_tail`): each bucket's
+    starts as soon as the last backward has finished its gradients, so only the buckets finished
+    last are exposed — the embedding's on the first pipeline rank, else one bucket — and whatever
+    of the rest the last backward (two-thirds of a micro-batch's compute) cannot cover."""
+    if not assume.dp_tail or not t_red or L.stack == Stack.fsdp.value:
+        return t_red
+    grad_elem = 2 if cfg.optim.grad_dtype.value == "bf16" else 4
+    edp = max(1, L.dp // L.ep)
+
+    def ring(n: int) -> float:
+        return (n - 1) / n if n > 1 else 0.0
+
+    tail_params = rank.embedding_local if rank.first else min(_BUCKET_BYTES / grad_elem, rank.dense_local)
+    sent = rank.dense_local * ring(L.dp) + rank.expert_local * ring(edp)
+    tail = t_red * tail_params * ring(L.dp) / sent if sent else 0.0
+    backward = 2 / 3 * compute / L.micro_batches
+    return tail + max(0.0, t_red - tail - backward)
 
 
 def _pipelined_exchange_time(
