@@ -49,23 +49,32 @@ measured on one H200 (docs/benchmarks.md, "The planner against measured peaks").
 
 Step time: GEMM and attention FLOPs (the MFU formula's, moetrain/model/counting.py) at a
 fraction `gemm_eff` of the GPU's dense BF16 peak (row-wise FP8: `fp8_gemm_speedup` faster, plus
-its quantization passes; mxfp8's emulated products at the BF16 rate), plus memory-bound work at
-`hbm_eff` of HBM bandwidth (AdamW: 28 B per local parameter, 26 B reading bf16 gradients; per
-micro-batch the fp32→bf16 weight casts and the gradient casts, 12 B per local parameter, and from
-the second micro-batch the accumulation into .grad, 12 B; with optim.bf16_weights no weight
-casts, and gradients: 0 B for the first micro-batch (6 B into a reducer bucket), 8 B for the
-second, 10 B for later ones; with optim.grad_dtype=bf16 on the ddp stack the fp32 gradient's
-rounding into the store, 6 B, then 8 B per later micro-batch (bf16 weights: 0 B, 4 B into a
-bucket, then 6 B);
-element-wise kernels: `ew_passes` passes over each micro-batch's saved block activations and one
-over the logits), the measured cost of recompute (`recompute_cost`), and communication: expert
-all-to-all, the ddp stack's data-parallel reductions and the sharded optimizer's all-gather
-count in full (measured: not hidden) — the all-to-all less what parallel.overlap_chunks hides
-(`_pipelined_exchange_time`: an assumed `overlap_slowdown`, no multi-GPU measurement yet) plus
-the chunks' own device time (`chunk_bytes`, measured on one H200) —, FSDP's transfers beyond
-what `fsdp_overlap` of the compute hides, the pipeline's bubble ((pp − 1)/v micro-batches'
-compute) and sends. Links: NVLink within a node of `gpus_per_node`, the node's network (per GPU)
-across nodes, at `link_eff` of their one-way bandwidth. The constants are assumptions, stated in
+its quantization passes; mxfp8's emulated products at the BF16 rate), plus each local expert's
+partial last tile in its grouped GEMMs (`group_tile_rows` rows of work per expert and GEMM); the
+passes over every local parameter at their measured rates (`param_pass_eff`, `torch_adamw_eff`,
+`norm_eff`): the optimizer (AdamW: 28 B per element it updates, 20 B with bf16 moments, 2 B less
+reading bf16 gradients; moetrain's Triton kernel for split masters and bf16 moments, torch's fused
+AdamW for the rest), the clipping norm (one read of each gradient) and the gradients' copies and
+accumulation (without optim.bf16_weights: per micro-batch the fp32→bf16 weight casts and the
+gradient casts, 12 B per local parameter, and from the second micro-batch accumulation into
+.grad, 12 B, at `hbm_eff`; with it, per gradient a `GradReducer` buckets — dense ones at dp > 1,
+experts' at edp > 1 or under the sharded optimizer — a copy into the bucket at the first backward,
+6 B into fp32 and 4 B into bf16 (optim.grad_dtype=bf16), then 10 B or 6 B per later backward; an
+unbucketed one is kept as backward made it, then 8 B for the second backward and 10 B for later
+ones, or 6 B in bf16); element-wise kernels at `hbm_eff` (`ew_passes` passes over each
+micro-batch's saved block activations and one over the logits); the measured cost of recompute
+(`recompute_cost`); and communication: the expert all-to-all and the sharded optimizer's
+all-gather count in full (measured: not hidden) — the all-to-all less what
+parallel.overlap_chunks hides (`_pipelined_exchange_time`: an assumed `overlap_slowdown`, no
+multi-GPU measurement yet) plus the chunks' own device time (`chunk_bytes`, measured on one
+H200) —; the ddp stack's data-parallel reductions only for the buckets backward finishes last
+(`dp_tail`: the embedding's, measured on two H200s) and what the last backward cannot cover;
+FSDP's transfers beyond what `fsdp_overlap` of the compute hides, the pipeline's bubble ((pp −
+1)/v micro-batches' compute) and sends. Host time is not modeled: the step is taken to be device
+time (compiled blocks keep the host ahead; the pipelined exchange's eager per-chunk work is
+measured per layer on one H200 in docs/benchmarks.md). Links: NVLink within a node of
+`gpus_per_node`, the node's network (per GPU) across nodes, at `link_eff` of their one-way
+bandwidth. The constants are assumptions, stated in
 `GPUS` and `Assumptions` with what each was calibrated on (one and two H200s); treat step time
 and MFU as ±25% (docs/benchmarks.md compares them with 24 measured runs)."""
 
@@ -146,8 +155,10 @@ class Assumptions:
     fsdp_overlap: float = 0.66
     """Fraction of the compute time that hides FSDP's all-gathers and reduce-scatters (measured
     on two H200s: tiny64e-l6's FSDP step was 63 ms over one GPU's for 185 ms of transfers).
-    The ddp stack's reductions and all-to-alls count as not hidden (measured: dp2 cost
-    bench-small32e the full time of its all-reduce)."""
+    The ddp stack's all-to-alls count as not hidden unless pipelined (parallel.overlap_chunks);
+    its data-parallel reductions by `dp_tail`. (An early two-GPU run, before the trace tool, read
+    bench-small32e's dp2 step as paying its whole all-reduce; the profiled runs of sweep-8l-8
+    showed two-thirds of it under the backward, the embedding's buckets exposed.)"""
     recompute_cost: tuple[float, float] = (0.28, 0.47)
     """Extra step time of selective and full recompute over no recompute, as a fraction of the
     recomputed blocks' compute (bench-8e on one H200: 0.337 → 0.430 and 0.495 s per step)."""
