@@ -101,21 +101,44 @@ def main() -> None:
             assert start_side.elapsed_time(end_side) > ms, "the copy ended before the compute"
             beside.append(ms)
         with_copy = statistics.median(beside)
+        # The same with the GEMMs told to leave `sms` SMs alone (torch's experimental SM carveout,
+        # which async tensor parallelism sets for its transfers): alone, then beside the copy.
+        torch._C._set_sm_carveout_experimental(sms)
+        try:
+            compute()
+            carved = statistics.median(events_ms(compute) for _ in range(args.reps))
+            carved_beside = []
+            for _ in range(args.reps):
+                torch.cuda.synchronize()
+                with torch.cuda.stream(side):
+                    long_hog()
+                carved_beside.append(events_ms(compute))
+                torch.cuda.synchronize()
+        finally:
+            torch._C._set_sm_carveout_experimental(None)
+        carved_with_copy = statistics.median(carved_beside)
         row = {
             "sms": sms,
             "copy_tb_s_alone": round(2 * src.numel() * 2 / one / 1e9, 3),
             "compute_ms_alone": round(alone, 3),
             "compute_ms_beside": round(with_copy, 3),
             "slowdown": round((with_copy - alone) / with_copy, 3),
+            "carveout_ms_alone": round(carved, 3),
+            "carveout_ms_beside": round(carved_with_copy, 3),
+            "carveout_slowdown": round((carved_with_copy - alone) / carved_with_copy, 3),
         }
         rows.append(row)
         print(json.dumps(row), flush=True)
         del src, dst
-    print(f"\n{'SMs':>4} {'copy TB/s':>10} {'alone ms':>9} {'beside ms':>10} {'slowdown':>9}")
+    print(
+        f"\n{'SMs':>4} {'copy TB/s':>10} {'alone ms':>9} {'beside ms':>10} {'slowdown':>9}"
+        "  carveout alone, beside, slowdown"
+    )
     for r in rows:
         print(
             f"{r['sms']:>4} {r['copy_tb_s_alone']:>10} {r['compute_ms_alone']:>9} "
-            f"{r['compute_ms_beside']:>10} {r['slowdown']:>9}"
+            f"{r['compute_ms_beside']:>10} {r['slowdown']:>9}  {r['carveout_ms_alone']:>9} "
+            f"{r['carveout_ms_beside']:>9} {r['carveout_slowdown']:>9}"
         )
 
 

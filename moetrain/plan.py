@@ -167,11 +167,16 @@ class Assumptions:
     fp8_quant_passes: float = 10.0
     """moetrain's row-wise quantization as passes over block activations + weights (bench-8e on
     one H200 with the compiled quantizers, commit 697d104: FP8 step 344 ms, BF16 331 ms)."""
-    overlap_slowdown: float = 0.2
+    overlap_slowdown: float = 0.23
     """With parallel.overlap_chunks: how much an all-to-all running under compute slows that
     compute, as a fraction of its duration (NCCL's kernels hold SMs and HBM bandwidth for the
-    transfer). Not measured here (no multi-GPU machine yet): DeepSeek-V3 reports 20 of an H800's
-    132 SMs keep its NVLink and InfiniBand transfers fed (15%); 0.2 allows more."""
+    transfer). No multi-GPU measurement yet; one-GPU proxies (docs/benchmarks.md): an MoE layer's
+    compute beside back-to-back NCCL all-to-alls of a 1-rank group (NCCL's own kernels, moving
+    device copies at ~3.7 TB/s of HBM, far above an NVLink transfer's): 53.0 → 69.1 ms, 0.23 of
+    the window (session 24, call 7); beside a Triton copy kernel on 8–32 CTAs
+    (benchmarks/interference_probe.py, session 25): 0.35–0.36, whatever its SMs and copy rate —
+    that kernel's co-scheduling with the GEMMs, not NCCL's. DeepSeek-V3 keeps its transfers fed
+    with 20 of an H800's 132 SMs (15%)."""
     chunk_bytes: tuple[float, float] = (4.1, 7.1)
     """With parallel.overlap_chunks: the device time the chunks add to the pipelined exchange, as
     bytes of HBM traffic per local expert parameter and micro-batch: chunks by experts (whatever

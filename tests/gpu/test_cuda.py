@@ -474,6 +474,7 @@ def test_nosync_exchanges_run_through_nccl():
     copies, but every collective, stream wait and kernel is the real one): with capacity 0.5 and
     spill 0.25 the spill rows' counts all-gather runs; the pipelined exchange (by experts and by
     tokens) gives the plain path's outputs and gradients, within bf16 rounding."""
+    import gc
     import os
 
     import torch.distributed as dist
@@ -482,6 +483,11 @@ def test_nosync_exchanges_run_through_nccl():
     from moetrain.parallel.nosync_dispatcher import NoSyncDispatcher
     from moetrain.testing.distributed import free_port
 
+    # NCCL allocates with cudaMallocAsync, outside torch's cache: after the tests before this one
+    # (the out-of-memory one fills the device) the cache must give its memory back, or NCCL's
+    # first allocation fails ("Failed to CUDA calloc async", seen in a full tests/gpu run).
+    gc.collect()
+    torch.cuda.empty_cache()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(free_port())
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
