@@ -674,10 +674,18 @@ def memory_per_rank(cfg: RunConfig, L: Layout, groups: ParamGroups, assume: Assu
                     optimizer = (4 + moments) * shard
             else:
                 optimizer = moments * local
-        # gradients are present during backward when they persist: reducer buckets (dp > 1 on
-        # the ddp stack), accumulation over micro-batches, or a pipeline (micro-batches overlap)
-        persistent = (not fsdp and L.dp > 1) or L.micro_batches > 1
-        start_of_backward = activations + logits + head_grad + casts + max(grads if persistent else 0, accumulated)
+        # gradients are present during backward when they persist: accumulation over micro-batches
+        # or a pipeline (micro-batches overlap), else reducer buckets (dp > 1 on the ddp stack:
+        # the dense ones, and the experts' unless each lives alone in its group, edp = 1)
+        if L.micro_batches > 1:
+            kept_grads = grads
+        elif not fsdp and L.dp > 1:
+            edp = max(1, L.dp // L.ep)
+            bucketed = dense_local + (expert_local if edp > 1 or L.shard_optimizer else 0)
+            kept_grads = grads * bucketed / local
+        else:
+            kept_grads = 0
+        start_of_backward = activations + logits + head_grad + casts + max(kept_grads, accumulated)
         end_of_backward = grads
         peak = weights + optimizer + max(start_of_backward, end_of_backward) + assume.workspace_gib * GIB
         out.append(
