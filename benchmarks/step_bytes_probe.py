@@ -6,12 +6,12 @@ optimizer step, the gradient norm, the gradients' copies and accumulation — an
 whose rows per expert shrink. This probe times each of those kernels, as moetrain calls them,
 and prints its achieved bandwidth (bytes read plus written over the time) or FLOP rate:
 
-- copy: a device-to-device copy (the bandwidth ceiling);
+- copy: a device-to-device copy (the bandwidth ceiling, and a gradient copied into its bucket);
 - adamw_split: the bf16-weight AdamW kernel (moetrain/optim/adamw_split_kernel.py) over split
   masters, fp32 or bf16 moments, fp32 or bf16 gradients, with a clipping factor and skip flag;
   over one flat buffer and over per-parameter tensors as `SplitMaster.update` calls it;
 - torch_adamw_fused: torch's fused AdamW over fp32 parameters (the embedding and the rest);
-- grad_copy / grad_add_bf16 / accumulate_fp32: a gradient copied into a bucket, added in place
+- grad_add_bf16 / accumulate_fp32: a gradient added in place
   in bf16 (optim.grad_dtype=bf16), and added into an fp32 sum (`accumulate_grad`);
 - group_join: `GroupGrads`' copy of n groups' slices into one gradient;
 - grad_norm: the clipping norm's pass, `_foreach_norm` in fp32 against moetrain's `sum_squares`;
@@ -66,7 +66,12 @@ def passes(n: int, reps: int) -> None:
     dev, bf16, fp32 = "cuda", torch.bfloat16, torch.float32
     g = torch.randn(n, device=dev, dtype=bf16)
     acc = torch.randn(n, device=dev, dtype=bf16)
-    record("pass", "copy bf16 (grad into a bucket)", timed(partial(acc.copy_, g), reps), bytes_moved=4 * n)
+    record(
+        "pass",
+        "copy bf16 (the ceiling; a gradient into its bucket)",
+        timed(partial(acc.copy_, g), reps),
+        bytes_moved=4 * n,
+    )
     record("pass", "grad_add_bf16 (acc += g, bf16)", timed(partial(acc.add_, g), reps), bytes_moved=6 * n)
     acc32 = torch.randn(n, device=dev, dtype=fp32)
     record(
@@ -204,10 +209,6 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     print(json.dumps({"torch": torch.__version__, "device": torch.cuda.get_device_name()}), flush=True)
-    src = torch.randn(int(args.elements), device="cuda", dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    record("pass", "copy bf16 (the ceiling)", timed(partial(dst.copy_, src), args.reps), bytes_moved=4 * src.numel())
-    del src, dst
     passes(int(args.elements), args.reps)
     torch.cuda.empty_cache()
     optimizer(int(args.elements), args.reps)

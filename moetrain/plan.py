@@ -242,6 +242,20 @@ class Layout:
     rows_per_micro_batch: int
     """Sequences per rank per micro-batch."""
 
+    @property
+    def edp(self) -> int:
+        """Ranks holding the same experts (dp / ep)."""
+        return max(1, self.dp // self.ep)
+
+    def bucketed(self, dense: float, experts: float) -> float:
+        """Of `dense` and `experts` parameters, those whose gradients the ddp stack keeps in
+        buckets (moetrain/optim/grad_reducer.py): none at dp = 1; the dense ones at dp > 1, the
+        experts' too unless each lives alone in its group (edp = 1) — the sharded optimizer
+        buckets every parameter."""
+        if self.stack == Stack.fsdp.value or self.dp == 1:
+            return 0.0
+        return dense + (experts if self.edp > 1 or self.shard_optimizer else 0.0)
+
     def describe(self) -> str:
         parts = [f"dp{self.dp}"]
         if self.ep > 1:
@@ -528,7 +542,7 @@ def load_temporaries(cfg: RunConfig, L: Layout, rank: RankMemory) -> float:
     # a bucket holds at most _BUCKET_BYTES of gradients (fp32, or bf16: optim.grad_dtype); its shard
     # is 1/edp of it or less
     grad_elem = 2 if cfg.optim.grad_dtype.value == "bf16" else 4
-    shard = 2.0 * min(_BUCKET_BYTES / grad_elem, rank.local) / max(1, L.dp // L.ep) if L.shard_optimizer else 0.0
+    shard = 2.0 * min(_BUCKET_BYTES / grad_elem, rank.local) / L.edp if L.shard_optimizer else 0.0
     return max(split, shard)
 
 
@@ -667,7 +681,7 @@ def memory_per_rank(cfg: RunConfig, L: Layout, groups: ParamGroups, assume: Assu
             bf16_kept = bf16_weights and L.dp == 1 and L.micro_batches == 1
             grads = 2 * local if bf16_kept or grad_elem == 2 else 4 * local
             if L.shard_optimizer:
-                shard = dense_local / L.dp + expert_local / max(1, L.dp // L.ep)
+                shard = dense_local / L.dp + expert_local / L.edp
                 if bf16_weights:  # bf16 weights whole; remainders (2 B) and moments sharded
                     weights, optimizer = 2 * local, (2 + moments) * shard
                 else:  # fp32 weights whole; fp32 master (4 B) and moments sharded
@@ -677,14 +691,7 @@ def memory_per_rank(cfg: RunConfig, L: Layout, groups: ParamGroups, assume: Assu
         # gradients are present during backward when they persist: accumulation over micro-batches
         # or a pipeline (micro-batches overlap), else reducer buckets (dp > 1 on the ddp stack:
         # the dense ones, and the experts' unless each lives alone in its group, edp = 1)
-        if L.micro_batches > 1:
-            kept_grads = grads
-        elif not fsdp and L.dp > 1:
-            edp = max(1, L.dp // L.ep)
-            bucketed = dense_local + (expert_local if edp > 1 or L.shard_optimizer else 0)
-            kept_grads = grads * bucketed / local
-        else:
-            kept_grads = 0
+        kept_grads = grads if L.micro_batches > 1 else grads * L.bucketed(dense_local, expert_local) / local
         start_of_backward = activations + logits + head_grad + casts + max(kept_grads, accumulated)
         end_of_backward = grads
         peak = weights + optimizer + max(start_of_backward, end_of_backward) + assume.workspace_gib * GIB
@@ -719,6 +726,11 @@ def uses_bf16_weights(cfg: RunConfig) -> bool:
     return cfg.optim.resolved_bf16_weights(cfg.parallel, amp, "cuda")
 
 
+def _ring(n: int) -> float:
+    """A ring collective's bytes per rank over n ranks, as a fraction of the buffer (each way)."""
+    return (n - 1) / n if n > 1 else 0.0
+
+
 def communication(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume: Assumptions) -> Communication:
     """Bytes each collective of a step sends from `rank`, and their time."""
     m = cfg.model
@@ -726,16 +738,13 @@ def communication(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume
     fsdp = L.stack == Stack.fsdp.value
     _, wire_rows = _rows_per_token(cfg, L)
 
-    def ring(n: int) -> float:
-        return (n - 1) / n if n > 1 else 0.0
-
     def net(span: int) -> float:
         return spec.nvlink_bytes_s if span <= spec.gpus_per_node else spec.network_bytes_s
 
     moe_layers = _moe_layers(m, rank)
     comm, comm_t = {}, {}
     if not fsdp and L.ep > 1:
-        a2a = 4 * L.micro_batches * moe_layers * t * wire_rows * m.d_model * 2 * ring(L.ep)
+        a2a = 4 * L.micro_batches * moe_layers * t * wire_rows * m.d_model * 2 * _ring(L.ep)
         comm["expert_all_to_all"] = a2a
         eff = assume.symm_link_eff if L.dispatcher == DispatcherKind.symm.value else assume.link_eff
         comm_t["expert_all_to_all"] = a2a / (net(L.ep) * eff)
@@ -743,19 +752,19 @@ def communication(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume
     grad_elem = 2 if cfg.optim.grad_dtype.value == "bf16" else 4  # the reductions' dtype (optim.grad_dtype)
     if fsdp:
         gathered = 4 if cfg.train.precision.value == "fp32" else 2  # bf16 all-gathers under bf16 compute
-        ag = 2 * L.micro_batches * gathered * rank.local * ring(L.dp)  # forward and backward all-gathers
-        rs = grad_elem * rank.local * ring(L.dp)
+        ag = 2 * L.micro_batches * gathered * rank.local * _ring(L.dp)  # forward and backward all-gathers
+        rs = grad_elem * rank.local * _ring(L.dp)
         comm["fsdp_all_gather"], comm["fsdp_reduce_scatter"] = ag, rs
         comm_t["fsdp"] = (ag + rs) / (net(L.dp) * assume.link_eff)
     elif L.dp > 1:
-        edp = L.dp // L.ep
+        edp = L.edp
         dense_g, expert_g = grad_elem * rank.dense_local, grad_elem * rank.expert_local
         if L.shard_optimizer:
-            red = dense_g * ring(L.dp) + expert_g * ring(edp)  # reduce-scatter
-            gather = dense_b * ring(L.dp) + expert_b * ring(edp)  # all-gather of updated parameters
+            red = dense_g * _ring(L.dp) + expert_g * _ring(edp)  # reduce-scatter
+            gather = dense_b * _ring(L.dp) + expert_b * _ring(edp)  # all-gather of updated parameters
             comm["dp_reduce_scatter"], comm["optimizer_all_gather"] = red, gather
         else:
-            red = 2 * (dense_g * ring(L.dp) + expert_g * ring(edp))
+            red = 2 * (dense_g * _ring(L.dp) + expert_g * _ring(edp))
             gather = 0.0
             comm["dp_all_reduce"] = red
         comm_t["dp_reduction"] = red / (net(L.dp) * assume.link_eff)
@@ -792,7 +801,6 @@ def step_time(
     bf16_weights = uses_bf16_weights(cfg)
     low_moments = cfg.optim.moments_dtype.value == "bf16"
     low_grads = cfg.optim.grad_dtype.value == "bf16"
-    edp = max(1, L.dp // L.ep)
     # The optimizer step over the elements this rank updates: AdamW's bytes per element (fp32
     # moments 28 B, bf16 moments 20 B; 2 B less reading bf16 gradients, not FSDP's fp32 shards),
     # the split masters and every bf16-moment update by moetrain's Triton kernel, the rest by
@@ -801,7 +809,7 @@ def step_time(
     if fsdp:
         updated, embedding = rank.local / L.dp, rank.embedding_local / L.dp
     elif L.shard_optimizer:
-        updated = rank.dense_local / L.dp + rank.expert_local / edp
+        updated = rank.dense_local / L.dp + rank.expert_local / L.edp
         embedding = rank.embedding_local / L.dp
     else:
         updated, embedding = rank.local, rank.embedding_local
@@ -822,9 +830,7 @@ def step_time(
         # 6 B, into a bf16 bucket (optim.grad_dtype=bf16) 4 B — and later backwards add into it
         # (fp32 += bf16 10 B; bf16 += bf16 6 B); an unbucketed one is kept as backward made it
         # (0 B), the second backward sums the two into fp32 (8 B), later ones add (10 B); bf16: 6 B.
-        bucketed = (rank.dense_local if L.dp > 1 else 0.0) + (
-            rank.expert_local if edp > 1 or (L.shard_optimizer and L.dp > 1) else 0.0
-        )
+        bucketed = L.bucketed(rank.dense_local, rank.expert_local)
         kept = local_params - bucketed
         later = L.micro_batches - 1
         if low_grads:
@@ -896,14 +902,9 @@ def _exposed_dp_reduction(
     if not assume.dp_tail or not t_red or L.stack == Stack.fsdp.value:
         return t_red
     grad_elem = 2 if cfg.optim.grad_dtype.value == "bf16" else 4
-    edp = max(1, L.dp // L.ep)
-
-    def ring(n: int) -> float:
-        return (n - 1) / n if n > 1 else 0.0
-
     tail_params = rank.embedding_local if rank.first else min(_BUCKET_BYTES / grad_elem, rank.dense_local)
-    sent = rank.dense_local * ring(L.dp) + rank.expert_local * ring(edp)
-    tail = t_red * tail_params * ring(L.dp) / sent if sent else 0.0
+    sent = rank.dense_local * _ring(L.dp) + rank.expert_local * _ring(L.edp)
+    tail = t_red * tail_params * _ring(L.dp) / sent if sent else 0.0
     backward = 2 / 3 * compute / L.micro_batches
     return tail + max(0.0, t_red - tail - backward)
 
