@@ -50,6 +50,10 @@ class FlatShard:
     values: torch.Tensor | None = None
     hi: torch.Tensor | None = None
     lo: torch.Tensor | None = None
+    replicated: bool = False
+    """Every rank that holds the parameter holds this same range (the replicated optimizer's whole
+    masters), so one of them writes it to a checkpoint; False: the ranks of its group hold
+    disjoint ranges (sharded state), each writing its own."""
 
     def __post_init__(self):
         parts = [t for t in (self.values, self.hi, self.lo) if t is not None]
@@ -72,7 +76,7 @@ class FlatShard:
         a, b = max(begin, self.start), min(end, self.start + self.numel)
         cut = slice(a - self.start, max(a, b) - self.start)
         parts = {k: getattr(self, k)[cut] for k in ("values", "hi", "lo") if getattr(self, k) is not None}
-        return FlatShard(tuple(shape), a - begin if a < b else 0, **parts)
+        return FlatShard(tuple(shape), a - begin if a < b else 0, **parts, replicated=self.replicated)
 
 
 @runtime_checkable

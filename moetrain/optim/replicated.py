@@ -137,7 +137,9 @@ class ReplicatedAdamW(TorchAdamW):
         out = {}
         for name, p, off in zip(s.names, s.params, s.offsets):
             n = p.numel()
-            out[canonical_name(name)] = FlatShard(tuple(p.shape), 0, hi=s.hi[off : off + n], lo=s.lo[off : off + n])
+            out[canonical_name(name)] = FlatShard(
+                tuple(p.shape), 0, hi=s.hi[off : off + n], lo=s.lo[off : off + n], replicated=True
+            )
         return out
 
     def checkpoint_tensors(self) -> dict[str, dict[str, torch.Tensor]]:

@@ -40,6 +40,18 @@ class ParallelDims:
         """Size of an expert-replica group: ranks holding the same experts."""
         return self.dp // self.ep
 
+    def dp_ranks(self, rank: int) -> tuple[int, ...]:
+        """The global ranks of `rank`'s data-parallel group: its pipeline stage's ranks, which
+        hold the same dense parameters."""
+        first = rank // self.dp * self.dp
+        return tuple(range(first, first + self.dp))
+
+    def edp_ranks(self, rank: int) -> tuple[int, ...]:
+        """The global ranks of `rank`'s expert-replica group: those holding the same experts."""
+        first = rank // self.dp * self.dp
+        ep_index = (rank - first) % self.ep
+        return tuple(first + e * self.ep + ep_index for e in range(self.edp))
+
     def build_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
         """The 3-D mesh (pp, edp, ep) and its flattened (edp, ep) sub-mesh "dp". Needs an
         initialized process group of `world_size` ranks."""
@@ -55,13 +67,18 @@ class ParallelState:
     mesh: DeviceMesh | None = None
     dp_mesh: DeviceMesh | None = None
     rank: int = 0
+    rehearsed: bool = False
+    """This process is the one real rank of a rehearsal (moetrain/parallel/rehearsal.py): its
+    peers are stand-ins inside the process groups, so it also does rank 0's host-side work (the
+    run directory, completing checkpoints) and writes, for every peer, the checkpoint entries it
+    holds that the peer would write (`ShardRole`, moetrain/train/checkpoint.py)."""
 
     @classmethod
-    def create(cls, dims: ParallelDims, device_type: str, rank: int) -> ParallelState:
+    def create(cls, dims: ParallelDims, device_type: str, rank: int, rehearsed: bool = False) -> ParallelState:
         if dims.world_size == 1:
             return cls(dims, rank=rank)
         mesh, dp_mesh = dims.build_mesh(device_type)
-        return cls(dims, mesh, dp_mesh, rank)
+        return cls(dims, mesh, dp_mesh, rank, rehearsed)
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
@@ -97,4 +114,5 @@ class ParallelState:
 
     @property
     def is_main(self) -> bool:
-        return self.rank == 0
+        """The process that does the run's host-side bookkeeping: rank 0, or a rehearsal's rank."""
+        return self.rank == 0 or self.rehearsed

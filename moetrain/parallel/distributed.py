@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 
 from moetrain.errors import ConfigError
+from moetrain.parallel import rehearsal as rehearsals
+from moetrain.parallel.rehearsal import Rehearsal
 
 
 def world_size_from_env() -> int:
@@ -80,12 +82,23 @@ def adopt_launcher_env(env: dict[str, str] | None = None) -> None:
         return
 
 
-def init_distributed(device_type: str, timeout_s: float = 600.0, peer_timeout_s: float = 120.0) -> tuple[int, int]:
+def init_distributed(
+    device_type: str, timeout_s: float = 600.0, peer_timeout_s: float = 120.0, rehearsal: Rehearsal | None = None
+) -> tuple[int, int]:
     """(rank, world size); initializes the default process group when there are several ranks
     and none exists yet (torchrun's variables, or srun's / mpirun's: `adopt_launcher_env`). On
-    CUDA each rank takes GPU LOCAL_RANK."""
+    CUDA each rank takes GPU LOCAL_RANK. With `rehearsal`, this process alone is that rank of
+    that world, its peers stood in for (moetrain/parallel/rehearsal.py), on the current device."""
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
+    if rehearsal is not None:
+        if world_size_from_env() > 1:
+            raise ConfigError(
+                f"--rehearse runs one rank alone, but this process is one of WORLD_SIZE={world_size_from_env()} "
+                "(torchrun): start it as a plain process."
+            )
+        rehearsals.init(rehearsal)
+        return rehearsal.rank, rehearsal.world
     adopt_launcher_env()
     world = world_size_from_env()
     if world == 1:
@@ -233,9 +246,10 @@ _CPU_GROUP = None
 def cpu_group() -> dist.ProcessGroup | None:
     """A process group over all ranks that moves CPU tensors: None (the default group) when that
     is gloo already, else a gloo group created once (collectively: every rank must call this the
-    first time). For host-side agreement and background checkpoint writes."""
+    first time). For host-side agreement and background checkpoint writes. A rehearsal's default
+    group moves CPU tensors too."""
     global _CPU_GROUP
-    if dist.get_backend() == "gloo":
+    if dist.get_backend() in ("gloo", rehearsals.BACKEND):
         return None
     if _CPU_GROUP is None:
         _CPU_GROUP = dist.new_group(backend="gloo")

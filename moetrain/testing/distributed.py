@@ -30,15 +30,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue, backend: str = "gloo") -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
-    )
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue, backend: str | None = "gloo") -> None:
+    if backend is not None:
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_RANK=str(rank),
+        )
     torch.set_num_threads(1)
     try:
         if backend == "nccl":  # one GPU per rank
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
+        if backend is not None:
+            dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
         result = fn(*args)
         queue.put((rank, True, result))
     except BaseException:  # report everything, including CheckpointException
@@ -48,10 +54,10 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
 
 
 def run_distributed(
-    fn: Callable, world_size: int, *args: Any, timeout_s: float = 240.0, backend: str = "gloo"
+    fn: Callable, world_size: int, *args: Any, timeout_s: float = 240.0, backend: str | None = "gloo"
 ) -> list[Any]:
     """Results of `fn(*args)` per rank; raises with the failing rank's traceback. `backend="nccl"`
-    puts rank r on GPU r."""
+    puts rank r on GPU r; `backend=None` starts the processes without a process group."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -79,6 +85,12 @@ def run_distributed(
     if errors:
         raise RuntimeError("distributed test failed on " + "\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+def run_alone(fn: Callable, *args: Any, timeout_s: float = 240.0) -> Any:
+    """`fn(*args)` in one fresh spawned process with no process group (e.g. a rehearsal, which
+    makes its own)."""
+    return run_distributed(fn, 1, *args, timeout_s=timeout_s, backend=None)[0]
 
 
 def call_each(fn: Callable, arg_sets: list[tuple]) -> list[Any]:

@@ -218,7 +218,7 @@ class Checkpointing(Callback):
             state,
             extra,
             keep_last=tc.keep_last,
-            rank=trainer.par.rank,
+            role=ckpt.ShardRole.of(trainer.par),
             async_write=tc.async_checkpoint,
             process_group=cpu_group() if trainer.par.dims.world_size > 1 else None,
         )

@@ -21,9 +21,12 @@ such, with the file, and a model of another shape with the first tensor that dif
 from __future__ import annotations
 
 import base64
+import dataclasses
+import heapq
 import json
 import math
 import os
+import pickle
 import re
 import shutil
 import warnings
@@ -35,17 +38,22 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from moetrain.errors import CheckpointError
 from moetrain.model.experts import GroupedExperts
 from moetrain.model.transformer import canonical_name
 from moetrain.optim.base import FlatShard
+from moetrain.parallel.dims import ParallelState
 from moetrain.parallel.fsdp import copy_shard, full_tensor, is_sharded, local_flat_range, reshard
+from moetrain.parallel.rehearsal import Rehearsal
 from moetrain.train.checkpoint_index import (  # noqa: F401 (SafeFileSystemReader: ckpt.SafeFileSystemReader)
+    INDEX,
     SafeFileSystemReader,
     diagnose,
     first_mismatch,
     read_index,
+    read_rank_index,
 )
 from moetrain.train.dcp_shards import CpuStager, ShardLoadPlanner, ShardSavePlanner, ShardWriter
 
@@ -127,6 +135,87 @@ def estimated_bytes(num_params: int, optimizer_bytes_per_param: int = 0) -> int:
     return int(num_params * (4 + optimizer_bytes_per_param) * 1.01) + (1 << 20)
 
 
+@dataclasses.dataclass(frozen=True)
+class ShardRole:
+    """What one process writes of a checkpoint, and whether it completes it.
+
+    A checkpoint is written without DCP's coordination: each rank writes the entries it holds
+    and owns into its own file and index (`__R_0.distcp`, `__R.metadata`), then the main process
+    merges the indexes into the checkpoint's `.metadata`. No rank sends its plan to another, so
+    nothing about the write depends on what the other ranks hold.
+
+    Ownership: an entry only this rank holds (a sharded range) is its own; an entry held whole by
+    several ranks — dense ones by the ranks of a pipeline stage (`dense_replicas`), experts by
+    their expert-replica group (`expert_replicas`) — is written by one of them, the same one
+    whichever of them decides: the entries of each group are dealt out largest first to the
+    member with the fewest bytes so far (`owners`). Every member holds the same such entries, so
+    each computes the same answer alone."""
+
+    rank: int = 0
+    world: int = 1
+    main: bool = True
+    """Completes the checkpoint (merges the indexes, writes trainer_state.json, COMPLETE): rank 0,
+    or a rehearsal's one process."""
+    dense_replicas: tuple[int, ...] = (0,)
+    """The global ranks holding this rank's dense entries whole."""
+    expert_replicas: tuple[int, ...] = (0,)
+    """The global ranks holding this rank's (plain) expert entries whole."""
+    writes_for: tuple[int, ...] = (0,)
+    """The ranks whose files this process writes: its own; in a rehearsal every rank's, each with
+    the entries this process holds that the rank owns (what a peer would write of them)."""
+    rehearsal: Rehearsal | None = None
+    """A rehearsal's checkpoint holds only the entries its one rank holds: the merge does not ask
+    for every tensor whole, and trainer_state.json records the rehearsal, so that only the same
+    rehearsal loads it (`load_checkpoint`)."""
+
+    @classmethod
+    def of(cls, par: ParallelState) -> ShardRole:
+        dims, rank = par.dims, par.rank
+        return cls(
+            rank=rank,
+            world=dims.world_size,
+            main=par.is_main,
+            dense_replicas=dims.dp_ranks(rank),
+            expert_replicas=dims.edp_ranks(rank),
+            writes_for=tuple(range(dims.world_size)) if par.rehearsed else (rank,),
+            rehearsal=Rehearsal(dims.world_size, rank) if par.rehearsed else None,
+        )
+
+    @classmethod
+    def alone(cls) -> ShardRole:
+        """For callers that know no layout (tools, tests): this rank (of torch.distributed's
+        default group, if any) writes everything it holds; replicas are then stored once by the
+        merge, which keeps the first copy of identical chunks."""
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        return cls(rank, world, rank == 0, (rank,), (rank,), (rank,))
+
+    def owners(self, state: dict[str, dict[str, Any]]) -> dict[tuple[str, str], int]:
+        """(section, name) → the global rank that writes the entry."""
+        out: dict[tuple[str, str], int] = {}
+        by_group: dict[tuple[int, ...], list[tuple[int, str, tuple[str, str]]]] = {}
+        for section, entries in state.items():
+            for name, value in entries.items():
+                if isinstance(value, FlatShard) and not value.replicated:
+                    out[(section, name)] = self.rank  # a sharded range: this rank's alone
+                    continue
+                group = self.expert_replicas if "/" in name else self.dense_replicas
+                by_group.setdefault(group, []).append((_nbytes(value), f"{section}.{name}", (section, name)))
+        for group, items in by_group.items():
+            loads = [(0, i) for i in range(len(group))]  # a heap of (bytes dealt, member)
+            for nbytes, _, key in sorted(items, key=lambda item: (-item[0], item[1])):
+                dealt, member = heapq.heappop(loads)
+                out[key] = group[member]
+                heapq.heappush(loads, (dealt + max(nbytes, 1), member))
+        return out
+
+
+def _nbytes(value: torch.Tensor | FlatShard) -> int:
+    if isinstance(value, FlatShard):
+        return value.numel * value.dtype.itemsize
+    return value.numel() * value.element_size()
+
+
 def save_checkpoint(
     run_dir: str | Path,
     step: int,
@@ -134,33 +223,37 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     extra_files: dict[str, Path | str] | None = None,
     keep_last: int = 0,
-    rank: int = 0,
+    role: ShardRole | None = None,
     async_write: bool = False,
     process_group=None,
 ) -> Path | PendingCheckpoint:
     """Write step-N atomically (every rank calls this); then keep the newest `keep_last`.
     `state` is what DCP writes (`TrainEngine.checkpoint_state()`, or `{"model":
     model_state_dict(m)}` for weights only): tensors and `FlatShard`s, each rank's own part;
-    `trainer_state` goes to trainer_state.json (rank 0).
+    `trainer_state` goes to trainer_state.json (the main process). `role` says which entries this
+    process writes (`ShardRole`; default `ShardRole.alone()`).
 
-        DCP coordinates over `process_group` (a CPU-capable group: the ranks' plans then travel
-        in host memory). With `async_write` the tensors are staged (copied to host memory) now and
-        written by a background thread (`dcp.async_save`); the returned
-        `PendingCheckpoint` completes the checkpoint — COMPLETE marker, rename, retention — when
-        `finish()` is called, so it becomes visible only once every file is written, exactly as a
-        synchronous save. Training may continue meanwhile."""
+    Each rank writes its files with DCP alone (no plan crosses ranks); then the ranks agree over
+    `process_group` (a CPU-capable group; None: the default one, if any) that every write
+    succeeded — one all-reduce of a flag — and the main process merges the ranks' indexes. With
+    `async_write` the tensors are staged (copied to host memory) now and written by a background
+    thread (`dcp.async_save`); the returned `PendingCheckpoint` completes the checkpoint — the
+    agreement, the merged index, COMPLETE marker, rename, retention — when `finish()` is called,
+    so it becomes visible only once every file is written, exactly as a synchronous save.
+    Training may continue meanwhile."""
+    role = role or ShardRole.alone()
     root = checkpoints_dir(run_dir)
     final = root / f"step-{step}"
     tmp = root / f".step-{step}.tmp"
-    if rank == 0:
+    if role.main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True, exist_ok=True)
-    _barrier()
+    _barrier(process_group)
 
-    def failed(e: BaseException) -> CheckpointError:
+    def failed(e: BaseException | None) -> CheckpointError:
         # Disk full, quota, a vanished mount: drop the partial write; earlier checkpoints are
         # untouched (nothing is replaced before the write is complete).
-        if rank == 0:
+        if role.main:
             shutil.rmtree(tmp, ignore_errors=True)
         previous = list_checkpoints(run_dir)
         kept = (
@@ -168,16 +261,19 @@ def save_checkpoint(
             if previous
             else "no earlier checkpoint exists"
         )
+        why = _first_line(e) if e is not None else "another rank could not write its part"
         return CheckpointError(
-            f"Writing checkpoint step-{step} in '{root}' failed ({_first_line(e)}); {kept}. Free space "
+            f"Writing checkpoint step-{step} in '{root}' failed ({why}); {kept}. Free space "
             "(or fix the directory) and continue with --resume."
         )
 
-    def complete() -> Path:
+    def complete(error: BaseException | None) -> Path:
+        if _any_rank(error is not None, process_group):
+            raise failed(error)
         try:
-            _barrier()
-            if rank == 0:
-                (tmp / "trainer_state.json").write_text(json.dumps(trainer_state))
+            if role.main:
+                merge_rank_indexes(tmp, role.world, whole=role.rehearsal is None)
+                (tmp / "trainer_state.json").write_text(json.dumps(recorded_state))
                 for name, src in (extra_files or {}).items():
                     src = Path(src)
                     if src.is_file():
@@ -186,7 +282,7 @@ def save_checkpoint(
                 _fsync_dir(tmp)
         except (OSError, CheckpointException) as e:
             raise failed(e) from None
-        if rank == 0:
+        if role.main:
             if final.exists():  # a re-save of the same step (e.g. after a resume): replace it
                 shutil.rmtree(final)
             os.replace(tmp, final)
@@ -194,30 +290,43 @@ def save_checkpoint(
             if keep_last > 0:
                 for _, old in list_checkpoints(run_dir)[:-keep_last]:
                     shutil.rmtree(old, ignore_errors=True)
-        _barrier()
+        _barrier(process_group)
         return final
 
+    owners = role.owners(state)
+    recorded_state = dict(trainer_state)
+    if role.rehearsal is not None:
+        recorded_state["rehearsal"] = dataclasses.asdict(role.rehearsal)
+
+    def part(rank: int) -> dict[str, dict[str, Any]]:
+        return {
+            section: {name: v for name, v in entries.items() if owners[(section, name)] == rank}
+            for section, entries in state.items()
+        }
+
+    error: BaseException | None = None
+    future = None
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            if async_write:
-                future = dcp.async_save(
-                    state,
-                    checkpoint_id=str(tmp),
-                    process_group=process_group,
-                    planner=ShardSavePlanner(),
-                    async_stager=CpuStager(),
-                )
-            else:
-                dcp.save(
-                    state, storage_writer=ShardWriter(str(tmp)), planner=ShardSavePlanner(), process_group=process_group
-                )
-        (tmp / f"rng-rank{rank}.json").write_text(json.dumps(rng_state()))  # the state at save time
+            for rank in role.writes_for:
+                writer = ShardWriter(str(tmp), rank=rank)
+                if async_write and rank == role.rank:
+                    future = dcp.async_save(
+                        part(rank),
+                        storage_writer=writer,
+                        planner=ShardSavePlanner(),
+                        async_stager=CpuStager(),
+                        no_dist=True,
+                    )
+                else:
+                    dcp.save(part(rank), storage_writer=writer, planner=ShardSavePlanner(), no_dist=True)
+        (tmp / f"rng-rank{role.rank}.json").write_text(json.dumps(rng_state()))  # the state at save time
     except (OSError, CheckpointException) as e:
-        raise failed(e) from None
-    if async_write:
-        return PendingCheckpoint(step, future, complete, failed)
-    return complete()
+        error = e
+    if future is not None and error is None:
+        return PendingCheckpoint(step, future, complete)
+    return complete(error)
 
 
 class PendingCheckpoint:
@@ -225,36 +334,84 @@ class PendingCheckpoint:
     `async_write`). `finish()` waits for the write and completes it; until then it is invisible
     to `--resume` (a crash leaves only the ignored temporary directory)."""
 
-    def __init__(self, step: int, future, complete, failed):
-        self.step, self._future, self._complete, self._failed = step, future, complete, failed
+    def __init__(self, step: int, future, complete):
+        self.step, self._future, self._complete = step, future, complete
 
     def finish(self) -> Path:
+        error = None
         try:
             self._future.result()
         except (Exception, CheckpointException) as e:
-            raise self._failed(e) from None
-        return self._complete()
+            error = e
+        return self._complete(error)
+
+
+def merge_rank_indexes(step_dir: Path, world: int, whole: bool = True) -> None:
+    """Merge the ranks' indexes (`__R.metadata`, R < `world`) into the checkpoint's `.metadata`
+    and remove them. Identical chunks (entries written by more than one rank) are kept once;
+    with `whole` every tensor must then be covered exactly by its chunks, or the write is refused
+    as incomplete (an entry nobody wrote)."""
+    entries: dict[str, Any] = {}
+    storage: dict = {}
+    planner_data: dict = {}
+    first = None
+    seen: dict[str, set] = {}
+    for rank in range(world):
+        path = step_dir / f"__{rank}{INDEX}"
+        if not path.is_file():
+            raise CheckpointError(f"rank {rank} wrote no index ({path} is missing)")
+        with path.open("rb") as f:
+            md = read_rank_index(f)
+        first = first or md
+        for fqn, meta in md.state_dict_metadata.items():
+            if not isinstance(meta, TensorStorageMetadata):
+                entries.setdefault(fqn, meta)
+                continue
+            if fqn not in entries:
+                entries[fqn] = TensorStorageMetadata(properties=meta.properties, size=meta.size, chunks=[])
+                seen[fqn] = set()
+            for chunk in meta.chunks:
+                key = (tuple(chunk.offsets), tuple(chunk.sizes))
+                if key not in seen[fqn]:
+                    seen[fqn].add(key)
+                    entries[fqn].chunks.append(chunk)
+        for index, info in md.storage_data.items():
+            storage.setdefault(index, info)
+        planner_data.update(md.planner_data or {})
+    for fqn, meta in entries.items():
+        if whole and isinstance(meta, TensorStorageMetadata):
+            held = sum(math.prod(c.sizes) for c in meta.chunks)
+            if held != math.prod(meta.size):
+                raise CheckpointError(
+                    f"entry {fqn} was stored incompletely ({held} of {math.prod(meta.size)} elements): no rank wrote "
+                    "the rest"
+                )
+    merged = dataclasses.replace(first, state_dict_metadata=entries, storage_data=storage, planner_data=planner_data)
+    tmp = step_dir / f"{INDEX}.tmp"
+    with tmp.open("wb") as f:
+        pickle.dump(merged, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, step_dir / INDEX)
+    for rank in range(world):
+        (step_dir / f"__{rank}{INDEX}").unlink()
 
 
 def load_checkpoint(
-    path: Path, state: dict[str, Any], rank: int = 0, restore_rng: bool = False, process_group=None
+    path: Path, state: dict[str, Any], rank: int = 0, restore_rng: bool = False, rehearsal: Rehearsal | None = None
 ) -> dict[str, Any]:
     """Fill `state` (entries as `TrainEngine.checkpoint_state()` gives them: this rank's part,
     filled in place; or a template of whole tensors) from the checkpoint at `path`, whatever
     layout saved it; with `restore_rng`, this rank's RNG state as saved (when the checkpoint has
-    one for it); return the trainer state. DCP coordinates over `process_group` (as for
-    `save_checkpoint`). The caller finishes the load (`TrainEngine.checkpoint_loaded`,
+    one for it); return the trainer state. Each rank plans and reads its own part from the index
+    alone (DCP without coordination: no communication). A rehearsal's checkpoint loads only into
+    the same `rehearsal`. The caller finishes the load (`TrainEngine.checkpoint_loaded`,
     `load_model_state_dict`)."""
-    check_loadable(path, state)
+    check_loadable(path, state, rehearsal)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            dcp.load(
-                state,
-                storage_reader=SafeFileSystemReader(str(path)),
-                planner=ShardLoadPlanner(),
-                process_group=process_group,
-            )
+            dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=ShardLoadPlanner(), no_dist=True)
     # DCP reports failures as CheckpointException, a BaseException that wraps per-rank errors.
     except (Exception, CheckpointException) as e:
         damage = diagnose(path)  # a file that went missing since: say which
@@ -271,13 +428,21 @@ def load_checkpoint(
     return json.loads(trainer_state_file.read_text()) if trainer_state_file.is_file() else {}
 
 
-def check_loadable(path: Path, state: dict[str, Any]) -> None:
-    """Refuse, before reading any tensor, a damaged checkpoint (`diagnose`) or one that lacks an
-    entry of `state` or holds it with another shape (the first such entry, both shapes)."""
+def check_loadable(path: Path, state: dict[str, Any], rehearsal: Rehearsal | None = None) -> None:
+    """Refuse, before reading any tensor, a damaged checkpoint (`diagnose`), a rehearsal's
+    checkpoint for anything but the same rehearsal, or one that lacks an entry of `state` or
+    holds it with another shape (the first such entry, both shapes)."""
     metadata, damage = read_index(path)
     damage = damage or diagnose(path)
     if damage is not None:
         raise CheckpointError(damaged(path, damage))
+    written_by = json.loads((path / "trainer_state.json").read_text()).get("rehearsal")
+    if written_by is not None and written_by != (dataclasses.asdict(rehearsal) if rehearsal else None):
+        raise CheckpointError(
+            f"Checkpoint '{path}' was written by a rehearsal of rank {written_by['rank']} of {written_by['world']} "
+            "(--rehearse): it holds only that rank's entries, so only the same rehearsal (--rehearse "
+            f"{written_by['world']} --rank {written_by['rank']}) can load it."
+        )
     mismatch = first_mismatch(metadata, state)
     if mismatch is not None:
         raise CheckpointError(
@@ -463,9 +628,18 @@ def _expert_offsets(model: nn.Module) -> dict[str, int]:
     return offsets
 
 
-def _barrier() -> None:
+def _barrier(group=None) -> None:
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
+
+
+def _any_rank(flag: bool, group=None) -> bool:
+    """Whether `flag` holds on any rank (an all-reduce of one CPU integer; alone: `flag`)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    t = torch.tensor([int(flag)], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item())
 
 
 def rng_state() -> dict[str, str]:

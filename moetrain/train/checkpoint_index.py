@@ -82,6 +82,11 @@ class _SafePickle:
         return _MetadataUnpickler(file).load()
 
 
+def read_rank_index(file) -> Metadata:
+    """One rank's index (`__R.metadata`, an open binary file), read with `_MetadataUnpickler`."""
+    return _MetadataUnpickler(file).load()
+
+
 class SafeFileSystemReader(dcp.FileSystemReader):
     """`dcp.FileSystemReader` whose metadata is read with `_MetadataUnpickler` (tensor data is
     read by DCP with torch.load(weights_only=True) already)."""

@@ -164,12 +164,30 @@ def describe_precision(cfg: RunConfig, device: torch.device) -> str:
     return text
 
 
-def header(cfg: RunConfig, dims: ParallelDims, device: torch.device, run_dir: Path, note: str = "") -> str:
-    """The start-up lines (module docstring); `note` says why the run directory is that one."""
-    return "\n".join(
-        [
-            f"run dir   : {run_dir}" + (f" ({note})" if note else ""),
-            f"layout    : {describe_layout(cfg, dims)}",
-            f"device    : {device}; precision {describe_precision(cfg, device)}",
-        ]
+def header(
+    cfg: RunConfig,
+    dims: ParallelDims,
+    device: torch.device,
+    run_dir: Path,
+    note: str = "",
+    rehearsed_rank: int | None = None,
+) -> str:
+    """The start-up lines (module docstring); `note` says why the run directory is that one;
+    `rehearsed_rank`: this process is that rank of a rehearsal (`rehearsal_notice`)."""
+    lines = [
+        f"run dir   : {run_dir}" + (f" ({note})" if note else ""),
+        f"layout    : {describe_layout(cfg, dims)}",
+        f"device    : {device}; precision {describe_precision(cfg, device)}",
+    ]
+    if rehearsed_rank is not None:
+        lines.append(f"REHEARSAL : {rehearsal_notice(dims, rehearsed_rank)}")
+    return "\n".join(lines)
+
+
+def rehearsal_notice(dims: ParallelDims, rank: int) -> str:
+    """What a rehearsal is and is not, in one line (the console header's and bench's)."""
+    return (
+        f"rank {rank} of {dims.world_size} runs alone on this device; its {dims.world_size - 1} peers are stand-ins "
+        "(moetrain/parallel/rehearsal.py): compute, memory and this rank's checkpoint files are real, "
+        "communication is NOT measured"
     )

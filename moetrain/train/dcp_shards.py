@@ -23,11 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import pickle
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.filesystem import _StoragePrefix
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     MetadataIndex,
@@ -180,10 +183,23 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
 
 
 class ShardWriter(FileSystemWriter):
-    """DCP's file writer (one file per rank), except for the split masters joined on the CPU: each
-    such block goes to a file of its own. DCP's writer keeps every tensor it writes until its file
+    """DCP's file writer for the files of one rank, `rank`, written without coordination: its
+    data file(s) `__R_0.distcp` and its own index `__R.metadata` (what DCP's coordinator would
+    have merged; `merge_rank_indexes` in moetrain/train/checkpoint.py does). Split masters
+    joined on the CPU go to a file each: DCP's writer keeps every tensor it writes until its file
     is complete; views of the live state cost nothing there, and from a GPU the kept copies are
     host memory anyway, but joined CPU blocks would add up to the rank's share of the masters."""
+
+    def __init__(self, path: str, rank: int):
+        super().__init__(path)
+        self.shard_rank = rank
+
+    def prepare_local_plan(self, plan):
+        self.fs.mkdir(self.path)
+        return dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{self.shard_rank}_"))
+
+    def prepare_global_plan(self, plans):
+        return plans  # each keeps its rank's file prefix
 
     def write_data(self, plan, planner):
         shards = planner.shards if isinstance(planner, ShardSavePlanner) else {}
@@ -201,6 +217,19 @@ class ShardWriter(FileSystemWriter):
         done: Future = Future()
         done.set_result(results)
         return done
+
+    def finish(self, metadata, results) -> None:
+        """This rank's index: the plan's metadata and where each item went."""
+        storage = {}
+        for rank_results in results:
+            storage.update({r.index: r.storage_data for r in rank_results})
+        metadata = dataclasses.replace(metadata, storage_data=storage, storage_meta=self.storage_meta())
+        path = os.path.join(str(self.path), f"__{self.shard_rank}.metadata")
+        with open(path + ".tmp", "wb") as f:
+            pickle.dump(metadata, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + ".tmp", path)
 
 
 class ShardLoadPlanner(DefaultLoadPlanner):
@@ -271,7 +300,7 @@ def _to_cpu(value):
             return dataclasses.replace(value, values=value.values.to("cpu", copy=True))
         out = torch.empty(value.numel, dtype=torch.float32)
         join_into(out, value.hi, value.lo)
-        return FlatShard(value.shape, value.start, values=out)
+        return FlatShard(value.shape, value.start, values=out, replicated=value.replicated)
     if isinstance(value, torch.Tensor):
         return value.detach().to("cpu", copy=True)
     return value

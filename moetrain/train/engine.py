@@ -37,7 +37,6 @@ from moetrain.optim.base import Optimizer
 from moetrain.optim.schedule import lr_at
 from moetrain.parallel.config import Stack
 from moetrain.parallel.dims import ParallelState
-from moetrain.parallel.distributed import cpu_group
 from moetrain.parallel.fsdp import init_full_then_shard, is_sharded, reshard
 from moetrain.parallel.parallelize import parallelize
 from moetrain.parallel.pipeline import Pipeline, build_pipeline
@@ -357,9 +356,8 @@ class TrainEngine:
     def load_model_weights(self, path) -> None:
         """Only the model's weights from the checkpoint at `path` (train.init_from), each rank
         reading its part; the optimizer refreshes its copies of them (moments stay fresh)."""
-        group = cpu_group() if self.par.dims.world_size > 1 else None
         entries = ckpt.checkpoint_entries(self.model, self.optimizer.checkpoint_masters())
-        ckpt.load_checkpoint(path, entries, process_group=group)
+        ckpt.load_checkpoint(path, entries)
         self.optimizer.checkpoint_loaded()
 
     def _load_masters(self, model_state: dict[str, torch.Tensor]) -> None:

@@ -16,6 +16,7 @@ import torch
 from moetrain.errors import ConfigError
 from moetrain.parallel.dims import ParallelState
 from moetrain.parallel.distributed import init_distributed
+from moetrain.parallel.rehearsal import Rehearsal
 from moetrain.train.config import RunConfig
 
 
@@ -34,12 +35,13 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def setup_runtime(cfg: RunConfig) -> Runtime:
+def setup_runtime(cfg: RunConfig, rehearsal: Rehearsal | None = None) -> Runtime:
     """Validate `cfg` for this device and world size and join the process group (see the
-    module docstring). Each rank calls it; under torchrun each takes GPU LOCAL_RANK."""
+    module docstring). Each rank calls it; under torchrun each takes GPU LOCAL_RANK. With
+    `rehearsal` this process is that one rank of that world (moetrain/parallel/rehearsal.py)."""
     device = resolve_device(cfg.train.device)
-    rank, world = init_distributed(device.type, cfg.parallel.timeout_s, cfg.parallel.peer_timeout_s)
+    rank, world = init_distributed(device.type, cfg.parallel.timeout_s, cfg.parallel.peer_timeout_s, rehearsal)
     if device.type == "cuda" and world > 1:
         device = torch.device("cuda", torch.cuda.current_device())
     dims = cfg.build_dims(world, device)
-    return Runtime(device, ParallelState.create(dims, device.type, rank))
+    return Runtime(device, ParallelState.create(dims, device.type, rank, rehearsed=rehearsal is not None))

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from moetrain.errors import CheckpointError
 from moetrain.model.counting import count_params
 from moetrain.parallel.distributed import cpu_group
+from moetrain.parallel.rehearsal import Rehearsal
 from moetrain.train import checkpoint as ckpt
 from moetrain.train import console, oom
 from moetrain.train.callbacks import (
@@ -51,14 +52,23 @@ from moetrain.train.wandb_sink import require_wandb
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, *, resume: bool = False, quiet: bool = False, name: str = "run"):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        *,
+        resume: bool = False,
+        quiet: bool = False,
+        name: str = "run",
+        rehearsal: Rehearsal | None = None,
+    ):
         """Build the run on this rank (every rank of a torchrun launch does the same); with
         `resume`, continue from the run directory's newest complete checkpoint. Without
         train.run_dir the run directory is `default_run_dir(name, resume)` (`moetrain train`
-        passes the preset's or YAML file's name); `self.cfg` holds the one chosen."""
+        passes the preset's or YAML file's name); `self.cfg` holds the one chosen. With
+        `rehearsal`, this process is that one rank of that world (moetrain/parallel/rehearsal.py)."""
         if cfg.train.wandb:
             require_wandb()
-        runtime = setup_runtime(cfg)
+        runtime = setup_runtime(cfg, rehearsal)
         self.device, self.par = runtime.device, runtime.par
         self.quiet = quiet or not self.par.is_main
         note = ""
@@ -96,7 +106,8 @@ class Trainer:
             self.run.write_config(cfg.to_yaml(), self.loader.tokenizer_path)
         # Once nothing can refuse the run any more: a user mistake stays one paragraph.
         if not self.quiet:
-            lines = [console.header(cfg, self.par.dims, self.device, self.run.path, note), *self._notes]
+            rehearsed = self.par.rank if self.par.rehearsed else None
+            lines = [console.header(cfg, self.par.dims, self.device, self.run.path, note, rehearsed), *self._notes]
             print("\n".join(lines), file=sys.stderr, flush=True)
 
     # ---- the loop ------------------------------------------------------------------------------
@@ -214,11 +225,12 @@ class Trainer:
         state = self.engine.checkpoint_state()
         saved_step = json.loads((path / "trainer_state.json").read_text())["step"]
         if saved_step >= self.cfg.train.steps:
-            ckpt.check_loadable(path, state)  # the same model, or refused as any resume is
+            ckpt.check_loadable(path, state, ckpt.ShardRole.of(self.par).rehearsal)  # refused as any resume is
             self.finished_at, self.resumed_from = saved_step, path
             return
-        group = cpu_group() if self.par.dims.world_size > 1 else None
-        trainer_state = ckpt.load_checkpoint(path, state, rank=self.par.rank, restore_rng=True, process_group=group)
+        trainer_state = ckpt.load_checkpoint(
+            path, state, rank=self.par.rank, restore_rng=True, rehearsal=ckpt.ShardRole.of(self.par).rehearsal
+        )
         self.engine.checkpoint_loaded()
         self.step = trainer_state["step"]
         self.loader.load_state_dict(trainer_state["loader"])
@@ -265,7 +277,7 @@ class Trainer:
     def _default_run_dir(self, name: str, resume: bool) -> tuple[Path, str]:
         """Rank 0 picks it (before any rank creates it), the others take its answer."""
         choice = [default_run_dir(name, resume) if self.par.is_main else None]
-        if self.par.dims.world_size > 1:
+        if self.par.dims.world_size > 1 and not self.par.rehearsed:
             dist.broadcast_object_list(choice, src=0, group=cpu_group())
         return choice[0]
 

@@ -227,7 +227,7 @@ def _save_sharded_then_load_everywhere(data_dir, run_dir):
     cfg, source = engine("parallel.ep=2", *BF16_SHARDED)
     for step in range(2):
         source.train_step(synthetic_batches(cfg, step, rank, rows=1), step)
-    path = ckpt.save_checkpoint(run_dir, 2, source.checkpoint_state(), {"step": 2}, rank=rank)
+    path = ckpt.save_checkpoint(run_dir, 2, source.checkpoint_state(), {"step": 2})
     out = {"source": _whole_state(source)}
     for name, extra in RESHARD_TARGETS.items():
         _, target = engine(*extra)
