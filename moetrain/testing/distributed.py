@@ -30,7 +30,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue, backend: str | None = "gloo") -> None:
+def _worker(
+    rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue, backend: str | None = "gloo"
+) -> None:
     if backend is not None:
         os.environ.update(
             MASTER_ADDR="127.0.0.1",

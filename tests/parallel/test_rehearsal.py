@@ -54,9 +54,7 @@ def rank_fingerprint(data_dir, run_dir, extra, rehearse_rank=None):
             return ("tensor", tuple(value.shape), str(value.dtype))
         return ("shard", value.shape, value.start, value.numel, str(value.dtype), value.replicated)
 
-    shards = {
-        name: {key: described(v) for key, v in entry.items()} for name, entry in opt.checkpoint_tensors().items()
-    }
+    shards = {name: {key: described(v) for key, v in entry.items()} for name, entry in opt.checkpoint_tensors().items()}
     masters = {name: described(v) for name, v in opt.checkpoint_masters().items()}
     path = trainer.save()
     if dist.is_initialized() and not trainer.par.rehearsed:
