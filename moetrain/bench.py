@@ -36,10 +36,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moetrain import rehearse as rehearse_mod
 from moetrain.errors import ConfigError
 from moetrain.model.config import Routing
 from moetrain.model.counting import count_params
+from moetrain.parallel.rehearsal import LEDGER, is_rehearsal
 from moetrain.presets import resolve_config
+from moetrain.train.console import rehearsal_notice
 from moetrain.train.engine import StepOutput
 from moetrain.train.metrics import peak_mem_gib
 from moetrain.train.trainer import Trainer
@@ -66,7 +69,13 @@ def run_bench(
     progress: bool = True,
     forward_backward_only: bool = False,
     also_forward_backward: bool = False,
+    rehearse: int | None = None,
+    rank: int | None = None,
+    checkpoint: bool = True,
 ) -> list[dict[str, Any]]:
+    """`rehearse`: run rank `rank` (default: the one the planner says needs most memory) of a
+    `rehearse`-rank layout alone (moetrain/rehearse.py); each line then has a `rehearsal` entry,
+    and with `checkpoint` this rank's checkpoint shard is saved and loaded back once at the end."""
     routings = routings or [Routing.learned.value, Routing.random.value]
     known = [r.value for r in Routing]
     for r in routings:
@@ -76,12 +85,16 @@ def run_bench(
     cfg = resolve_config(
         spec, overrides + BENCH_OVERRIDES + [f"train.run_dir={run_dir}", f"model.moe.routing={routings[0]}"]
     )
-    trainer = Trainer(cfg, quiet=True)
+    rehearsal = None if rehearse is None else rehearse_mod.resolve(cfg, rehearse, rank)
+    trainer = Trainer(cfg, quiet=True, rehearsal=rehearsal)
     say = (
         (lambda msg: print(msg, file=sys.stderr, flush=True))
         if progress and trainer.par.is_main
         else (lambda msg: None)
     )
+    if rehearsal is not None:
+        say(f"bench {spec}: REHEARSAL: {rehearsal_notice(trainer.par.dims, rehearsal.rank)}")
+        LEDGER.timing = True
     windows = (
         [("forward+backward", _forward_backward_step(trainer))]
         if forward_backward_only
@@ -103,34 +116,68 @@ def run_bench(
             if trainer.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(trainer.device)
             say(f"bench {spec} ({routing} routing, {timed}): {steps} timed steps")
+            LEDGER.reset()
             start = time.perf_counter()
             for _ in range(steps):
                 out = step()
             _synchronize(trainer.device)
             elapsed = time.perf_counter() - start
+            stand_in_s = LEDGER.seconds() / steps if rehearsal is not None else 0.0
+            collectives = LEDGER.summary(steps)
             # One collective: loss and routing balance over all ranks.
             balance = trainer.engine.metrics(out, step=trainer.step, steps=steps, seconds=elapsed)
             syncs = _count_host_syncs(step) if sync_check and trainer.device.type == "cuda" else None
             record = _record(trainer, spec, routing, steps, elapsed, balance, syncs)
             record["timed"] = timed
-            if cfg.train.profile and i == 0:  # after the timed window: the profiler's overhead stays out of it
+            kinds = None
+            # after the timed window: the profiler's overhead stays out of it; a rehearsal's
+            # kinds of kernel come from a short profile of their own
+            if (cfg.train.profile or rehearsal is not None) and i == 0:
                 profile_dir = trainer.run.path / f"profile-{routing}"
                 say(f"bench {spec} ({routing} routing): {cfg.train.profile_steps} profiled steps -> {profile_dir}")
-                profiler = trainer.profiler(profile_dir, wait=0)
+                profiler = trainer.profiler(profile_dir, wait=0, kinds_only=not cfg.train.profile)
                 for _ in range(cfg.train.profile_steps):
                     trainer.train_step()
                     profiler.step()
                 profiler.close()
                 record["profile_dir"] = str(profile_dir)
+                kinds = profiler.kinds and profiler.kinds["ms_per_step"]
+            if rehearsal is not None:
+                LEDGER.reset()  # the ledger's counts are the timed window's
+                record["rehearsal"] = dict(
+                    step_s=elapsed / steps,
+                    stand_in_s=stand_in_s,
+                    training_gib=record["peak_mem_gib"],
+                    kinds=kinds,
+                    collectives=collectives,
+                )
             records.append(record)
+    if rehearsal is not None:
+        saved = None
+        if checkpoint:
+            say(f"bench {spec}: REHEARSAL: saving this rank's checkpoint shard and loading it back")
+            saved = rehearse_mod.checkpoint_peaks(trainer)
+        for record in records:
+            r = record["rehearsal"]
+            record["rehearsal"] = rehearse_mod.record(
+                trainer,
+                step_s=r["step_s"],
+                stand_in_s=r["stand_in_s"],
+                training_gib=r["training_gib"],
+                kinds=r["kinds"],
+                checkpoint=saved,
+                collectives=r["collectives"],
+            )
+        LEDGER.timing = False
     return records
 
 
 def _peak_mem_per_rank(device: torch.device) -> list[float]:
     """Every rank's peak (GiB, rank order): ranks differ (pipeline stages, expert loads), and the
-    largest is the one that must fit. One all-gather; on one process just this one."""
+    largest is the one that must fit. One all-gather; on one process (or in a rehearsal, whose
+    peers hold nothing) just this one."""
     mine = peak_mem_gib(device)
-    if not dist.is_initialized():
+    if not dist.is_initialized() or is_rehearsal():
         return [round(mine, 3)]
     t = torch.tensor([mine], dtype=torch.float64, device=device)
     out = [torch.zeros_like(t) for _ in range(dist.get_world_size())]

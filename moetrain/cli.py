@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moetrain import __version__
+from moetrain import __version__, rehearse
 from moetrain.bench import run_bench
 from moetrain.config import keys_reference
 from moetrain.data.prepare import main as prepare_main
@@ -27,7 +27,7 @@ from moetrain.destinations import check_file, check_overwrite
 from moetrain.errors import ConfigError, MoetrainError
 from moetrain.hf import export_hf, export_replaces, import_hf, import_replaces
 from moetrain.inference import generate, load_for_inference, text_loss
-from moetrain.memory_advice import advice, plan_gpu
+from moetrain.memory_advice import advice, layout_flags, plan_gpu
 from moetrain.model.counting import count_params, flops_per_token
 from moetrain.parallel.distributed import shutdown, unresponsive_ranks
 from moetrain.plan import plan, report, suggest, to_json
@@ -195,10 +195,33 @@ def _config_parser(prog: str, description: str, train_flags: bool) -> argparse.A
             "newest of runs/NAME, runs/NAME-2, … that holds a run)",
         )
         parser.add_argument("--quiet", action="store_true", help="no start-up header, no progress output")
+        _rehearsal_flags(parser, "train the steps (default --steps 4), then save and load back this rank's checkpoint")
     parser.epilog = (
         "Any config key can be set with --section.key=value, e.g. --optim.lr=1e-3 --model.moe.routing=random."
     )
     return parser
+
+
+def _rehearsal_flags(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--rehearse",
+        type=int,
+        metavar="N",
+        default=None,
+        help=f"rehearse one rank of an N-rank run alone on this device, its peers stood in for: {what}; "
+        "communication is not measured (docs/architecture.md, 'Rehearsal')",
+    )
+    parser.add_argument(
+        "--rank",
+        type=int,
+        default=None,
+        help="with --rehearse: the rank to run (default: the one `moetrain plan` says needs most memory)",
+    )
+
+
+def _check_rehearsal_flags(args: argparse.Namespace) -> None:
+    if args.rank is not None and args.rehearse is None:
+        raise ConfigError(f"--rank={args.rank} names a rank to rehearse: add --rehearse N (the run's world size).")
 
 
 def _resolve(args: argparse.Namespace, overrides: list[str]):
@@ -214,14 +237,24 @@ def _resolve(args: argparse.Namespace, overrides: list[str]):
 def cmd_train(argv: list[str]) -> int:
     parser = _config_parser("train", "Train a model.", train_flags=True)
     args, overrides = _split_overrides(parser, argv)
+    _check_rehearsal_flags(args)
+    rehearsal = None
+    if args.rehearse is not None:
+        if args.steps is None:
+            args.steps = 4
+        overrides.append("train.save_final=false")  # the rehearsal saves and loads back itself
+        rehearsal = rehearse.resolve(_resolve(args, overrides), args.rehearse, args.rank)
     cfg = _resolve(args, overrides)
 
-    trainer = Trainer(cfg, resume=args.resume, quiet=args.quiet, name=run_name(args.spec))
+    trainer = Trainer(cfg, resume=args.resume, quiet=args.quiet, name=run_name(args.spec), rehearsal=rehearsal)
     try:
         summary = trainer.fit()
     except OutOfMemory as e:
         e.advice = advice(trainer.cfg, trainer.par.dims.world_size, plan_gpu(e.device_name, e.capacity))
         raise
+    if rehearsal is not None:
+        summary["rehearsal"] = rehearse.train_record(trainer)
+        summary["checkpoint"] = summary["rehearsal"]["checkpoint"]["checkpoint"]
     if trainer.par.is_main:
         print(json.dumps(summary))
     shutdown()
@@ -254,7 +287,16 @@ def cmd_bench(argv: list[str]) -> int:
     )
     parser.add_argument("--device", default=None, help="sets train.device (default: auto)")
     parser.add_argument("--run-dir", default=None, help="where the trainer may write (default: a temporary directory)")
+    _rehearsal_flags(
+        parser,
+        "its step time without the stand-ins, device time by kernel kind, peak memory while training, saving and "
+        "loading its checkpoint shard, and tokens/s projected with the planner's communication model",
+    )
+    parser.add_argument(
+        "--no-checkpoint", action="store_true", help="with --rehearse: skip saving and loading the rank's checkpoint"
+    )
     args, overrides = _split_overrides(parser, argv)
+    _check_rehearsal_flags(args)
     if args.warmup < 0 or args.steps <= 0:
         raise ConfigError(f"--warmup={args.warmup} must be ≥ 0 and --steps={args.steps} positive.")
     if args.device is not None:
@@ -270,6 +312,9 @@ def cmd_bench(argv: list[str]) -> int:
         run_dir=args.run_dir,
         forward_backward_only=args.forward_backward_only,
         also_forward_backward=args.also_forward_backward,
+        rehearse=args.rehearse,
+        rank=args.rank,
+        checkpoint=not args.no_checkpoint,
     )
     if not dist.is_initialized() or dist.get_rank() == 0:
         for record in records:
@@ -324,7 +369,24 @@ def cmd_plan(argv: list[str]) -> int:
                 f"  {s.layout.describe():70s} peak {s.peak_mem_gib_per_device:6.1f} GiB, "
                 f"step {s.step_time_s:.3f} s, MFU {100 * s.mfu:.1f}%"
             )
-    print(json.dumps(to_json(result, args.spec, args.gpus, gpu, suggestions)))
+    given = [f"--{o}" for o in overrides] + (
+        [f"--train.micro_batch_size={cfg.train.micro_batch_size}"] if args.micro_batch is not None else []
+    )
+    command = rehearse.command(args.spec, args.gpus, result.busiest_rank, given)
+    print(
+        "measure one rank of this layout on one GPU (its compute, memory and checkpoint shard; communication "
+        f"modelled):\n  {command}"
+    )
+    if suggestions:
+        best = suggestions[0]
+        changed = layout_flags(cfg, best.layout)
+        keys = {f.split("=")[0] for f in changed}
+        flags = [g for g in given if g.split("=")[0] not in keys] + changed
+        best_command = rehearse.command(args.spec, args.gpus, best.busiest_rank, flags)
+        print(f"the same for the fastest layout that fits:\n  {best_command}")
+    out = to_json(result, args.spec, args.gpus, gpu, suggestions)
+    out["rehearse_command"] = command
+    print(json.dumps(out))
     return 0
 
 

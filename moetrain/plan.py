@@ -304,6 +304,36 @@ class Plan:
     """Allocated while a checkpoint is loaded (a resume): the training state, the gradient
     buckets the optimizer allocates up front, and the load's temporaries (`load_temporaries`)."""
     fits_while_loading: bool
+    busiest_rank: int
+    """A global rank of the pipeline rank that needs most memory (its stage's first dp rank: the
+    ranks of a stage hold alike): the one `moetrain bench --rehearse` runs by default."""
+
+    @property
+    def compute_s(self) -> float:
+        """The step's parts one rank's own kernels make (`COMPUTE_PARTS`): what a rehearsal
+        measures."""
+        return sum(self.time_s[k] for k in COMPUTE_PARTS)
+
+    @property
+    def peers_s(self) -> dict[str, float]:
+        """The parts that need the other ranks (`PEER_PARTS`): what a rehearsal cannot measure."""
+        return {k: self.time_s[k] for k in PEER_PARTS}
+
+
+COMPUTE_PARTS = (
+    "gemm_and_attention",
+    "expert_gemm_tiles",
+    "weight_casts",
+    "element_wise",
+    "fp8_quantization",
+    "recompute",
+    "overlap_chunk_grads",
+    "optimizer",
+)
+PEER_PARTS = ("pipeline_bubble", "expert_all_to_all", "dp_reductions", "fsdp_exposed", "pipeline_sends")
+"""`StepTime.parts` split into what a rank computes alone and what its peers add: communication
+as exposed (after the overlap the model grants; `Assumptions.link_eff`, `overlap_slowdown`,
+`dp_tail`, `fsdp_overlap`) and the pipeline's bubble."""
 
 
 def _block_bytes(
@@ -503,6 +533,7 @@ def plan(cfg: RunConfig, gpus: int, gpu: str, assume: Assumptions = Assumptions(
         fits_while_saving=save_gib <= spec.memory_gib,
         load_peak_gib_per_device=round(load_gib, 2),
         fits_while_loading=load_gib <= spec.memory_gib,
+        busiest_rank=busiest.rank * L.dp,
     )
 
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from collections import defaultdict
 
 import torch
@@ -75,6 +76,10 @@ class Ledger:
     bytes: dict[tuple[str, int], int] = dataclasses.field(default_factory=lambda: defaultdict(int))
     log: list[tuple[str, int, tuple]] | None = None
     """With a list here: every call in order, (collective, group size, (shape, dtype) of each input)."""
+    timing: bool = False
+    """Time each call's own work (device events on CUDA, the host clock on CPU): `seconds()`."""
+    _events: list = dataclasses.field(default_factory=list)
+    _host_s: float = 0.0
 
     def add(self, op: str, size: int, tensors) -> None:
         self.calls[(op, size)] += 1
@@ -85,6 +90,30 @@ class Ledger:
     def reset(self) -> None:
         self.calls.clear()
         self.bytes.clear()
+        self._events.clear()
+        self._host_s = 0.0
+
+    def seconds(self) -> float:
+        """The stand-ins' own time since `reset()` (with `timing`): what the copies and scales
+        that replace the transfers took, to be taken out of a step's time. Synchronizes."""
+        if self._events:
+            self._events[-1][1].synchronize()
+        return self._host_s + sum(start.elapsed_time(end) for start, end in self._events) / 1000
+
+    @contextlib.contextmanager
+    def timed(self, device: torch.device | None):
+        if not self.timing:
+            yield
+        elif device is not None and device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self._host_s += time.perf_counter() - t0
 
     def summary(self, steps: int = 1) -> dict[str, dict[str, float]]:
         """Per step: {"OP over G ranks": {"calls": …, "bytes": …}}."""
@@ -121,8 +150,9 @@ def _stand_in(op: str, size: int, tensors):
     global _DEPTH
     LEDGER.add(op, size, tensors)
     _DEPTH += 1
+    device = tensors[0].device if tensors else None
     try:
-        with torch.profiler.record_function(f"rehearsal:{op}"), torch.no_grad():
+        with torch.profiler.record_function(f"rehearsal:{op}"), torch.no_grad(), LEDGER.timed(device):
             yield
     finally:
         _DEPTH -= 1

@@ -281,15 +281,15 @@ class Trainer:
             dist.broadcast_object_list(choice, src=0, group=cpu_group())
         return choice[0]
 
-    def profiler(self, out_dir: Path, wait: int | None = None) -> StepProfiler:
+    def profiler(self, out_dir: Path, wait: int | None = None, kinds_only: bool = False) -> StepProfiler:
         """A profiler over `train.profile_steps` steps after `wait` (default train.profile_wait);
-        with several ranks each writes its own rank-R subdirectory."""
+        with several ranks each writes its own rank-R subdirectory. `kinds_only`: kinds.json
+        alone (`StepProfiler`)."""
         tc = self.cfg.train
         if self.par.dims.world_size > 1:
             out_dir = out_dir / f"rank{self.par.rank}"
-        return StepProfiler(
-            out_dir, tc.profile_wait if wait is None else wait, tc.profile_steps, self.device, quiet=self.quiet
-        )
+        wait = tc.profile_wait if wait is None else wait
+        return StepProfiler(out_dir, wait, tc.profile_steps, self.device, quiet=self.quiet, kinds_only=kinds_only)
 
     def _final_summary(self, last_val: float | None) -> dict[str, Any]:
         counts = count_params(self.cfg.model)

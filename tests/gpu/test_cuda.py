@@ -529,3 +529,46 @@ def test_nosync_exchanges_run_through_nccl():
                     assert (a - b).abs().max() <= 1e-2 * b.abs().max(), (chunks, factor, (a - b).abs().max())
     finally:
         dist.destroy_process_group()
+
+
+def _rehearse_on_cuda(run_dir, overrides, rank):
+    from moetrain.bench import run_bench
+
+    records = run_bench(
+        "tiny",
+        ["train.device=cuda", "model.vocab_size=512", *overrides],
+        warmup=2,
+        steps=3,
+        routings=["random"],
+        run_dir=str(run_dir),
+        rehearse=4,
+        rank=rank,
+        progress=False,
+    )
+    return records[0]
+
+
+@pytest.mark.parametrize(
+    "overrides,rank",
+    [
+        (["parallel.ep=2", "train.compile=true"], 3),
+        (["parallel.ep=2", "parallel.overlap_chunks=2"], 1),
+        (["parallel.pp=2", "parallel.ep=2", "parallel.shard_optimizer=true", "train.micro_batch_size=12"], 2),
+        (["parallel.stack=fsdp"], 1),
+    ],
+)
+def test_a_rehearsed_rank_runs_on_one_gpu_with_its_stand_ins_measured_apart(tmp_path, overrides, rank):
+    """A rehearsal on CUDA (compiled blocks, the pipelined exchange, a pipeline with the sharded
+    optimizer, FSDP): its step has no host sync, its stand-ins' own kernels are timed and taken
+    out of the kinds, and its checkpoint shard is saved and loaded back with their peaks."""
+    from moetrain.testing.distributed import run_alone
+
+    record = run_alone(_rehearse_on_cuda, tmp_path, overrides, rank)
+    r = record["rehearsal"]
+    assert (r["world"], r["rank"]) == (4, rank) and "NOT measured" in r["communication"]
+    assert record["sync_free"] is True, record["host_syncs_per_step"]
+    assert 0 < r["stand_in_s"] < r["step_s_with_stand_ins"] and r["compute_s"] > 0
+    kinds = r["kinds_ms_per_step"]
+    assert kinds["stand-in transfers (excluded)"] > 0 and kinds["total"] > 0, kinds
+    assert r["peak_gib"]["saving"] > 0 and r["peak_gib"]["loading"] > 0
+    assert r["planner"]["rank"] in range(4) and r["projected"]["tokens_per_sec_per_device"] > 0
