@@ -141,7 +141,10 @@ def run_bench(
                     profiler.step()
                 profiler.close()
                 record["profile_dir"] = str(profile_dir)
-                kinds = profiler.kinds and profiler.kinds["ms_per_step"]
+                kinds = profiler.kinds and {
+                    **profiler.kinds["ms_per_step"],
+                    "everything else, top kernels": profiler.kinds["everything_else_top_ms"],
+                }
             if rehearsal is not None:
                 LEDGER.reset()  # the ledger's counts are the timed window's
                 record["rehearsal"] = dict(

@@ -30,7 +30,9 @@ holds and route as it routes:
                         answer exists; moetrain's checkpoints do not coordinate: ShardRole)
 
 So a rehearsed rank runs the real rank's kernels on the real shapes with the real allocations;
-only the transfers are missing. Their device work (a copy, a scale) runs on the current stream
+only the transfers are missing. The stand-ins write through `.data`, as a real group writes
+memory behind autograd's back: no version counter moves (an asynchronous exchange's buffer is a
+view autograd watches). Their device work (a copy, a scale) runs on the current stream
 inside a `rehearsal:OP` profiler range, and the `Ledger` counts each collective's calls and the
 bytes it would send, per group size. Communication time is not measured by a rehearsal: what a
 report projects from it uses the planner's model (moetrain/plan.py), labelled so.
@@ -217,7 +219,7 @@ class StandInGroup(dist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         with _stand_in("all_reduce", self._size, tensors):
             for t in tensors:
-                self._reduce_identical(t.detach(), opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+                self._reduce_identical(t.data, opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         return _done(tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
@@ -231,8 +233,8 @@ class StandInGroup(dist.ProcessGroup):
         return self.allreduce(tensors, opts)
 
     def _scatter_reduced(self, out: torch.Tensor, full: torch.Tensor, op) -> None:
-        out.detach().view(-1).copy_(full.detach().reshape(self._size, -1)[self._rank])
-        self._reduce_identical(out.detach(), op)
+        out.data.view(-1).copy_(full.data.reshape(self._size, -1)[self._rank])
+        self._reduce_identical(out.data, op)
 
     def _reduce_scatter_base(self, out, inp, opts=None):
         with _stand_in("reduce_scatter", self._size, [inp]):
@@ -252,13 +254,13 @@ class StandInGroup(dist.ProcessGroup):
     def reduce_scatter(self, outputs, input_lists, opts=None):
         with _stand_in("reduce_scatter", self._size, [t for inputs in input_lists for t in inputs]):
             for out, inputs in zip(outputs, input_lists):
-                out.detach().copy_(inputs[self._rank])
-                self._reduce_identical(out.detach(), opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+                out.data.copy_(inputs[self._rank])
+                self._reduce_identical(out.data, opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         return _done(outputs)
 
     # ---- gathers ---------------------------------------------------------------------------------
     def _replicate(self, out: torch.Tensor, inp: torch.Tensor) -> None:
-        out, inp = out.detach(), inp.detach()
+        out, inp = out.data, inp.data
         if out.is_contiguous():
             out.view(self._size, -1).copy_(inp.reshape(1, -1).expand(self._size, -1))
         else:
@@ -284,7 +286,7 @@ class StandInGroup(dist.ProcessGroup):
         with _stand_in("all_gather", self._size, inputs):
             for outs, inp in zip(output_lists, inputs):
                 for out in outs:
-                    out.detach().copy_(inp.detach())
+                    out.data.copy_(inp.data)
         return _done(output_lists)
 
     def allgather_coalesced(self, output_lists, inputs, opts=None):
@@ -305,7 +307,7 @@ class StandInGroup(dist.ProcessGroup):
             )
         with _stand_in("scatter", self._size, outputs):
             for out, inputs in zip(outputs, input_lists):
-                out.detach().copy_(inputs[self._rank])
+                out.data.copy_(inputs[self._rank])
         return _done(outputs)
 
     # ---- exchanges -------------------------------------------------------------------------------
@@ -316,7 +318,7 @@ class StandInGroup(dist.ProcessGroup):
                 f"{list(in_splits)}: symmetric peers send back what this rank sends"
             )
         with _stand_in("all_to_all", self._size, [inp]):
-            out.detach().copy_(inp.detach())
+            out.data.copy_(inp.data)
         return _done(out)
 
     all_to_all_single = alltoall_base
@@ -324,7 +326,7 @@ class StandInGroup(dist.ProcessGroup):
     def alltoall(self, outputs, inputs, opts=None):
         with _stand_in("all_to_all", self._size, inputs):
             for out, inp in zip(outputs, inputs):
-                out.detach().copy_(inp.detach())
+                out.data.copy_(inp.data)
         return _done(outputs)
 
     def broadcast(self, tensors, opts=None):
@@ -344,7 +346,7 @@ class StandInGroup(dist.ProcessGroup):
     def recv(self, tensors, src: int, tag: int = 0):
         with _stand_in("recv", self._size, tensors):
             for t in tensors:
-                t = t.detach()
+                t = t.data
                 if t.is_floating_point():
                     t.normal_(generator=self._generator(t.device))
                 else:

@@ -96,7 +96,11 @@ class StepProfiler:
             )
         if self.cuda:
             stand_ins = stand_in_kernels(prof.events())
-            self.kinds = {"steps": self.steps, "ms_per_step": kernel_kinds(averages, self.steps, stand_ins)}
+            self.kinds = {
+                "steps": self.steps,
+                "ms_per_step": kernel_kinds(averages, self.steps, stand_ins),
+                "everything_else_top_ms": top_kernels(averages, self.steps, "everything else", stand_ins),
+            }
             (self.out_dir / "kinds.json").write_text(json.dumps(self.kinds) + "\n")
 
 
@@ -141,6 +145,20 @@ def stand_in_kernels(events) -> dict[str, float]:
         if event.device_type == torch.autograd.DeviceType.CPU and event.name.startswith("rehearsal:"):
             walk(event)
     return out
+
+
+def top_kernels(averages, steps: int, kind: str, stand_ins: dict[str, float] | None = None, n: int = 15):
+    """The `n` kernels of `kind` that take most device time: {name (120 characters): ms per step}."""
+    times: dict[str, float] = {}
+    for event in averages:
+        if event.device_type != torch.autograd.DeviceType.CUDA or getattr(event, "is_user_annotation", False):
+            continue
+        if event.key.startswith(("## ", "ProfilerStep")) or kind_of(event.key) != kind:
+            continue
+        us = event.self_device_time_total - (stand_ins or {}).get(event.key, 0.0)
+        times[event.key[:120]] = times.get(event.key[:120], 0.0) + us / 1000 / steps
+    top = sorted(times.items(), key=lambda item: -item[1])[:n]
+    return {name: round(ms, 2) for name, ms in top}
 
 
 def kernel_kinds(averages, steps: int, stand_ins: dict[str, float] | None = None) -> dict[str, float]:
