@@ -56,7 +56,7 @@ def command(spec: str, world: int, rank: int, flags: list[str]) -> str:
 def checkpoint_peaks(trainer: Trainer) -> dict[str, Any]:
     """Save this rank's checkpoint shard now and load it back into the live state, as a resume
     does: each one's peak device memory (GiB; None on CPU, where the peak resident memory cannot
-    be reset), seconds and the bytes written."""
+    be reset) and peak host memory (`host_peak`), seconds and the bytes written."""
     device = trainer.device
     cuda = device.type == "cuda"
 
@@ -73,19 +73,23 @@ def checkpoint_peaks(trainer: Trainer) -> dict[str, Any]:
         return round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
 
     t0 = start()
+    host_reset()
     path = trainer.save()
     trainer.finish_checkpoint()
-    save_s, saving = time.perf_counter() - t0, peak()
+    save_s, saving, host_saving = time.perf_counter() - t0, peak(), host_peak()
     written = sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
     own = sum(f.stat().st_size for f in Path(path).glob(f"__{trainer.par.rank}_*.distcp"))
     t0 = start()
+    host_reset()
     role = ckpt.ShardRole.of(trainer.par)
     ckpt.load_checkpoint(path, trainer.engine.checkpoint_state(), rank=trainer.par.rank, rehearsal=role.rehearsal)
     trainer.engine.checkpoint_loaded()
-    load_s, loading = time.perf_counter() - t0, peak()
+    load_s, loading, host_loading = time.perf_counter() - t0, peak(), host_peak()
     return {
         "saving_gib": saving,
         "loading_gib": loading,
+        "host_saving_gib": host_saving,
+        "host_loading_gib": host_loading,
         "save_s": round(save_s, 2),
         "load_s": round(load_s, 2),
         "checkpoint": str(path),
@@ -93,6 +97,26 @@ def checkpoint_peaks(trainer: Trainer) -> dict[str, Any]:
         "checkpoint_bytes": written,
         "note": "shard_bytes: this rank's own files; checkpoint_bytes also counts what it wrote for its stand-in peers",
     }
+
+
+def host_reset() -> None:
+    """Restart the process's peak resident memory count (Linux: /proc/self/clear_refs; elsewhere
+    nothing, and `host_peak` is None)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def host_peak() -> float | None:
+    """The process's peak resident host memory since `host_reset` (GiB; None where unknown)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 2**20, 3)
+    except OSError:
+        pass
+    return None
 
 
 def planner_gpu(device: torch.device) -> str | None:

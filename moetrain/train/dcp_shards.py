@@ -172,6 +172,27 @@ class ShardSavePlanner(DefaultSavePlanner):
         return _own_storage(data) if isinstance(data, torch.Tensor) else data
 
 
+def _item_bytes(item: WriteItem) -> int:
+    if item.tensor_data is None:
+        return 0
+    return math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
+
+
+def _by_size(items: list[WriteItem], limit: int) -> list[list[WriteItem]]:
+    """`items` in order, cut into runs of at most `limit` tensor bytes (an item larger than that
+    alone); always at least one run, so a rank's first file exists even when it owns nothing."""
+    groups: list[list[WriteItem]] = [[]]
+    size = 0
+    for item in items:
+        nbytes = _item_bytes(item)
+        if groups[-1] and size + nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(item)
+        size += nbytes
+    return groups
+
+
 def _own_storage(t: torch.Tensor) -> torch.Tensor:
     """A contiguous CPU view into a larger storage (a block of a bucket) as a tensor over just its
     own bytes, aliasing them: DCP's writer would clone it instead, and keeps what it writes until
@@ -182,13 +203,18 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
     return alias.view(t.dtype).view(t.shape)
 
 
+FILE_BYTES = 1 << 30
+"""The most tensor bytes in one data file of a rank (an entry larger than this has a file of its
+own). DCP's writer keeps the host copy of every tensor it writes until that tensor's file is
+complete, so a rank's host memory while saving is about one file's worth, not its whole shard."""
+
+
 class ShardWriter(FileSystemWriter):
     """DCP's file writer for the files of one rank, `rank`, written without coordination: its
-    data file(s) `__R_0.distcp` and its own index `__R.metadata` (what DCP's coordinator would
-    have merged; `merge_rank_indexes` in moetrain/train/checkpoint.py does). Split masters
-    joined on the CPU go to a file each: DCP's writer keeps every tensor it writes until its file
-    is complete; views of the live state cost nothing there, and from a GPU the kept copies are
-    host memory anyway, but joined CPU blocks would add up to the rank's share of the masters."""
+    data files `__R_0.distcp`, `__R_pN_0.distcp`, … (at most `FILE_BYTES` of tensors each; a
+    split master joined on the CPU, `__R_mN_0.distcp`, one per entry) and its own index
+    `__R.metadata` (what DCP's coordinator would have merged; `merge_rank_indexes` in
+    moetrain/train/checkpoint.py does)."""
 
     def __init__(self, path: str, rank: int):
         super().__init__(path)
@@ -208,12 +234,15 @@ class ShardWriter(FileSystemWriter):
             entry = shards.get(item.index.fqn)
             return entry is not None and entry.shard.values is None and entry.shard.hi.device.type == "cpu"
 
-        own_file = [item for item in plan.items if joined_on_cpu(item)]
-        rest = [item for item in plan.items if not joined_on_cpu(item)]
-        results = super().write_data(dataclasses.replace(plan, items=rest), planner).wait()
-        for n, item in enumerate(own_file):
-            prefix = dataclasses.replace(plan.storage_data, prefix=f"{plan.storage_data.prefix}m{n}_")
-            results += super().write_data(dataclasses.replace(plan, items=[item], storage_data=prefix), planner).wait()
+        base = plan.storage_data.prefix
+        rest = _by_size([item for item in plan.items if not joined_on_cpu(item)], FILE_BYTES)
+        joined = [[item] for item in plan.items if joined_on_cpu(item)]
+        prefixes = [base if n == 0 else f"{base}p{n}_" for n in range(len(rest))]
+        prefixes += [f"{base}m{n}_" for n in range(len(joined))]
+        results = []
+        for prefix, items in zip(prefixes, [*rest, *joined]):
+            part = dataclasses.replace(plan, items=items, storage_data=_StoragePrefix(prefix))
+            results += super().write_data(part, planner).wait()
         done: Future = Future()
         done.set_result(results)
         return done

@@ -97,3 +97,40 @@ def test_a_shard_of_another_shape_or_a_missing_entry_is_a_clear_error(tmp_path):
     assert "mismatch" in str(e.value) and "Traceback" not in str(e.value)
     with pytest.raises(CheckpointError, match="(?i)missing key"):
         ckpt.load_checkpoint(path, {"model": {"v": FlatShard((6, 5), 0, values=torch.zeros(30))}})
+
+
+def test_a_rank_writes_files_of_at_most_file_bytes_so_its_host_copies_stay_one_file_worth(tmp_path, monkeypatch):
+    """DCP keeps the host copy of every tensor it writes until that tensor's file is complete:
+    a rank's entries go to files of at most `FILE_BYTES` (a larger entry alone; a split master
+    joined on the CPU a file each), and load back bit for bit."""
+    monkeypatch.setattr(dcp_shards, "FILE_BYTES", 400)
+    entries = {f"t{i}": torch.randn(n) for i, n in enumerate([30, 40, 50, 200, 10, 10])}  # fp32: 4 bytes each
+    w = torch.randn(6, 5)
+    hi, lo = split_fp32(w.flatten())
+    state = {k: v.clone() for k, v in entries.items()} | {"w": FlatShard((6, 5), 0, hi=hi, lo=lo)}
+    path = _save(tmp_path / "a", {"model": state})
+    files = sorted(p.name for p in path.glob("*.distcp"))
+    assert files == ["__0_0.distcp", "__0_m0_0.distcp", "__0_p1_0.distcp", "__0_p2_0.distcp", "__0_p3_0.distcp"]
+    by_file = {}
+    for fqn, (name, nbytes) in _stored(path).items():
+        by_file.setdefault(name, []).append((fqn, nbytes))
+    assert sorted(by_file) == files
+    for name, items in by_file.items():
+        assert len(items) == 1 or sum(n for _, n in items) <= 400, (name, items)
+    assert by_file["__0_p2_0.distcp"] == [("model.t3", 800)] and by_file["__0_m0_0.distcp"] == [("model.w", 120)]
+    back = {k: torch.zeros_like(v) for k, v in entries.items()} | {"w": torch.zeros(6, 5)}
+    ckpt.load_checkpoint(path, {"model": back})
+    assert all(torch.equal(back[k], v) for k, v in entries.items()) and torch.equal(back["w"], w)
+
+
+def _stored(path) -> dict[str, tuple[str, int]]:
+    """fqn → (data file, tensor bytes) from the merged index."""
+    import pickle
+
+    metadata = pickle.loads((path / ".metadata").read_bytes())
+    out = {}
+    for index, where in metadata.storage_data.items():
+        md = metadata.state_dict_metadata[index.fqn]
+        nbytes = math.prod(md.size) * md.properties.dtype.itemsize
+        out[index.fqn] = (where.relative_path, nbytes)
+    return out
