@@ -8,7 +8,8 @@
 #
 # A row is PRESET|FLAGS (flags joined by commas, e.g. "sweep-8l-8|--parallel.ep=8,--optim.grad_dtype=bf16").
 # CKPT (default: /tmp/moetrain-rehearse; /dev/shm on a machine whose disk is small) is where each row's
-# checkpoint is written; it is removed after the row.
+# checkpoint is written; it is removed after the row (its profile's kinds.json and, with
+# --train.profile=true, ops.txt are kept as $OUT/rowN-*).
 set -u
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -29,6 +30,7 @@ for row in $ROWS; do
   rc=${PIPESTATUS[0]}
   echo "   rc $rc after $(( $(date +%s) - start )) s; last lines of $err:" >&2
   tail -n 4 "$err" | cut -c1-300 >&2
+  for f in "$CKPT"/run/profile-*/{kinds.json,ops.txt}; do [ -f "$f" ] && cp "$f" "$OUT/row$n-${f##*/}"; done
   rm -rf "$CKPT"
 done
 python benchmarks/rehearse_table.py "$OUT/rehearse.jsonl"

@@ -147,7 +147,7 @@ def stand_in_kernels(events) -> dict[str, float]:
     return out
 
 
-def top_kernels(averages, steps: int, kind: str, stand_ins: dict[str, float] | None = None, n: int = 15):
+def top_kernels(averages, steps: int, kind: str, stand_ins: dict[str, float] | None = None, n: int = 30):
     """The `n` kernels of `kind` that take most device time: {name (120 characters): ms per step}."""
     times: dict[str, float] = {}
     for event in averages:
