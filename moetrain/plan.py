@@ -540,12 +540,17 @@ def plan(cfg: RunConfig, gpus: int, gpu: str, assume: Assumptions = Assumptions(
 def checkpoint_state_bytes(L: Layout, rank: RankMemory) -> float:
     """What `rank` holds between steps, when checkpoints are saved and loaded: weights (FSDP's
     shards only: no block is gathered), optimizer state, and the gradient buckets that persist
-    (the ddp stack's reducer at dp > 1 and the sharded optimizer's; other gradients are freed by
-    `zero_grad` and not yet allocated at a load). Activations are freed."""
+    (the ddp stack's reducer's — dense gradients at dp > 1, the experts' at edp > 1 — and the
+    sharded optimizer's; other gradients are freed by `zero_grad` and not yet allocated at a
+    load). Activations are freed."""
     fsdp = L.stack == Stack.fsdp.value
     weights = 4 * rank.local / L.dp if fsdp else rank.weights
-    buckets = not fsdp and (L.dp > 1 or L.shard_optimizer)
-    return weights + rank.optimizer + (rank.grads if buckets else 0)
+    if fsdp or not rank.local:
+        return weights + rank.optimizer
+    # the buckets hold the dense gradients at dp > 1 and the experts' at edp > 1 (`bucketed`);
+    # the sharded optimizer buckets every gradient, even at dp = 1
+    bucketed = rank.local if L.shard_optimizer else L.bucketed(rank.dense_local, rank.expert_local)
+    return weights + rank.optimizer + rank.grads * bucketed / rank.local
 
 
 def save_temporaries(cfg: RunConfig, L: Layout, rank: RankMemory) -> float:
