@@ -30,7 +30,7 @@ for row in $ROWS; do
   rc=${PIPESTATUS[0]}
   echo "   rc $rc after $(( $(date +%s) - start )) s; last lines of $err:" >&2
   tail -n 4 "$err" | cut -c1-300 >&2
-  for f in "$CKPT"/run/profile-*/{kinds.json,ops.txt}; do [ -f "$f" ] && cp "$f" "$OUT/row$n-${f##*/}"; done
+  find "$CKPT" \( -name kinds.json -o -name ops.txt \) -exec sh -c 'cp "$1" "$2-${1##*/}"' _ {} "$OUT/row$n" \;
   rm -rf "$CKPT"
 done
 python benchmarks/rehearse_table.py "$OUT/rehearse.jsonl"

@@ -56,3 +56,29 @@ def test_launch_script_without_a_usable_python_says_what_to_do():
 def test_launch_script_honours_python_override(plans):
     out = plans["override"]
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_launch_script_rehearse_mode_runs_bench_rehearse_with_the_scripts_layout(tmp_path):
+    """`bash ref-*.sh rehearse …` becomes `moetrain bench PRESET --rehearse GPUS LAYOUT… …`: the
+    world is the script's NODES × 8, the layout flags are the ones `plan` and torchrun get, and
+    the caller's flags come last (so they win). A stand-in interpreter records its arguments."""
+    fake = tmp_path / "python"
+    record = tmp_path / "argv.json"
+    fake.write_text(
+        "#!/bin/sh\n"
+        '[ "$1" = -c ] && exit 0\n'
+        f'{sys.executable} -c "import json, sys; json.dump(sys.argv[1:], open(\'{record}\', \'w\'))" "$@"\n'
+    )
+    fake.chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp"), "PYTHON": str(fake), "NODES": "4"}
+    out = subprocess.run(
+        ["bash", str(SCRIPT), "rehearse", "--device", "cuda", "--model.n_layers=4"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    argv = json.loads(record.read_text())
+    assert argv[:5] == ["-m", "moetrain", "bench", "ref-tiny-64e", "--rehearse"] and argv[5] == "32"
+    layout = argv[6:-3]
+    assert "--parallel.pp=2" in layout and "--parallel.ep=8" in layout
+    assert "--parallel.shard_optimizer=true" in layout and "--train.micro_batch_size=32" in layout
+    assert argv[-3:] == ["--device", "cuda", "--model.n_layers=4"]

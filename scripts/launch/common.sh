@@ -1,6 +1,7 @@
 # Shared by the ref-*.sh launch scripts: builds the layout flags from the variables the script
-# set (NODES, GPU, PRESET, PP, EP, ROWS, RECOMPUTE, DISPATCHER), then either checks the layout
-# with `moetrain plan` (first argument "plan") or starts this node's 8 ranks under torchrun.
+# set (NODES, GPU, PRESET, PP, EP, ROWS, RECOMPUTE, DISPATCHER), then checks the layout with
+# `moetrain plan` (first argument "plan"), rehearses its busiest rank on this one GPU (first
+# argument "rehearse") or starts this node's 8 ranks under torchrun.
 # Multi-node: run the script on every node with NODE_RANK (0…NODES-1), MASTER_ADDR (node 0's
 # address) and MASTER_PORT set; under SLURM, SLURM_NODEID and the first host of
 # SLURM_JOB_NODELIST fill them in (README, "Run on a cluster").
@@ -24,6 +25,12 @@ LAYOUT=(--parallel.pp="$PP" --parallel.ep="$EP" --parallel.dispatcher="$DISPATCH
 if [ "${1:-}" = plan ]; then
   shift
   exec "$PYTHON" -m moetrain plan "$PRESET" --gpus "$GPUS" --gpu "$GPU" "${LAYOUT[@]}" "$@"
+fi
+# "rehearse": one rank of this layout alone on this machine's GPU, its peers stood in for
+# (moetrain bench --rehearse; communication not measured; docs/architecture.md, "Rehearsal").
+if [ "${1:-}" = rehearse ]; then
+  shift
+  exec "$PYTHON" -m moetrain bench "$PRESET" --rehearse "$GPUS" "${LAYOUT[@]}" "$@"
 fi
 if [ -n "${SLURM_JOB_NODELIST:-}" ] && [ -z "${MASTER_ADDR:-}" ]; then
   MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)

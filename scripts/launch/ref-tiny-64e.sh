@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # ref-tiny-64e on $NODES nodes of 8 × H200 — Olmo-core ran it on 16 GPUs
 # Check the layout first: bash scripts/launch/ref-tiny-64e.sh plan   (moetrain plan: per-GPU memory, fits, step time)
+# Rehearse its busiest rank on this machine's one GPU: bash scripts/launch/ref-tiny-64e.sh rehearse --device cuda   (communication not measured)
 # Train (on every node; see common.sh):  NODE_RANK=… MASTER_ADDR=… bash scripts/launch/ref-tiny-64e.sh [--key=value …]
 NODES=${NODES:-2}
 GPU=h200

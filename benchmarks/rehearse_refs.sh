@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The busiest rank of each scripts/launch/ref-*.sh layout, rehearsed on this one GPU
+# (`bash scripts/launch/NAME.sh rehearse`): one JSON line per layout in $OUT/rehearse.jsonl, each
+# row's stderr, kinds.json and ops.txt beside it, and the table (benchmarks/rehearse_table.py).
+#
+#   REFS="ref-tiny-64e ref-large-128e:16" bash benchmarks/rehearse_refs.sh
+#
+# NAME:L rehearses the layout with the model cut to L blocks (--model.n_layers=L), for the layouts
+# whose busiest rank does not fit this GPU whole. CKPT (default /tmp/moetrain-rehearse) holds each
+# row's run directory and checkpoint until the row ends; WARMUP, STEPS, PROFILE_STEPS as below.
+set -u
+OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+CKPT=${CKPT:-/tmp/moetrain-rehearse}
+for ref in $REFS; do
+  name=${ref%%:*}; layers=${ref#*:}; [ "$layers" = "$ref" ] && layers=""
+  err="$OUT/$name${layers:+-l$layers}.err"
+  rm -rf "$CKPT"; mkdir -p "$CKPT"
+  echo "== $name${layers:+ with $layers blocks}" >&2
+  start=$(date +%s)
+  timeout ${ROW_TIMEOUT:-540} bash "scripts/launch/$name.sh" rehearse --device cuda --warmup ${WARMUP:-1} \
+      --steps ${STEPS:-3} --routing ${ROUTING:-random} --run-dir "$CKPT/run" \
+      --train.profile_steps=${PROFILE_STEPS:-1} ${layers:+--model.n_layers=$layers} \
+      2>"$err" | tee -a "$OUT/rehearse.jsonl" >/dev/null
+  rc=${PIPESTATUS[0]}
+  echo "   rc $rc after $(( $(date +%s) - start )) s; last lines of $err:" >&2
+  tail -n 4 "$err" | cut -c1-300 >&2
+  find "$CKPT" \( -name kinds.json -o -name ops.txt \) -exec sh -c 'cp "$1" "$2-${1##*/}"' _ {} "${err%.err}" \;
+  rm -rf "$CKPT"
+done
+python benchmarks/rehearse_table.py "$OUT/rehearse.jsonl"
