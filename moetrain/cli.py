@@ -30,6 +30,7 @@ from moetrain.inference import generate, load_for_inference, text_loss
 from moetrain.memory_advice import advice, layout_flags, plan_gpu
 from moetrain.model.counting import count_params, flops_per_token
 from moetrain.parallel.distributed import shutdown, unresponsive_ranks
+from moetrain.parallel.rehearsal import is_rehearsal
 from moetrain.plan import plan, report, suggest, to_json
 from moetrain.presets import PRESETS, resolve_config, run_name
 from moetrain.train.config import RunConfig
@@ -297,6 +298,8 @@ def cmd_bench(argv: list[str]) -> int:
     )
     args, overrides = _split_overrides(parser, argv)
     _check_rehearsal_flags(args)
+    if args.no_checkpoint and args.rehearse is None:
+        raise ConfigError("--no-checkpoint skips a rehearsal's checkpoint: add --rehearse N (a plain bench saves none).")
     if args.warmup < 0 or args.steps <= 0:
         raise ConfigError(f"--warmup={args.warmup} must be ≥ 0 and --steps={args.steps} positive.")
     if args.device is not None:
@@ -316,7 +319,7 @@ def cmd_bench(argv: list[str]) -> int:
         rank=args.rank,
         checkpoint=not args.no_checkpoint,
     )
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if not dist.is_initialized() or dist.get_rank() == 0 or is_rehearsal():  # a rehearsal's one process reports
         for record in records:
             print(json.dumps(record), flush=True)
     shutdown()
@@ -385,6 +388,7 @@ def cmd_plan(argv: list[str]) -> int:
         best_command = rehearse.command(args.spec, args.gpus, best.busiest_rank, flags)
         print(f"the same for the fastest layout that fits:\n  {best_command}")
     out = to_json(result, args.spec, args.gpus, gpu, suggestions)
+    out["busiest_rank"] = result.busiest_rank
     out["rehearse_command"] = command
     print(json.dumps(out))
     return 0

@@ -233,7 +233,7 @@ def test_launch_script_layout_fits_by_the_planner(launch_plans, script):
 @pytest.mark.parametrize("dispatcher, measured_s", [("nosync", 1.5264), ("symm", 1.7815)])
 def test_step_time_of_the_two_gpu_expert_parallel_runs(dispatcher, measured_s):
     """sweep-8l-8 at dp2·ep2, 8 sequences of 4096 per GPU per step, measured on two H200s
-    (docs/benchmarks.md, call 4; nosync in its padded mode then). nosync's prediction uses
+    (docs/benchmarks.md, call 4: compiled blocks; nosync in its padded mode then). nosync's prediction uses
     constants from earlier runs; symm's transport rate (`symm_link_eff`) was read off this run,
     so its row checks the arithmetic."""
     cfg = resolve_config(
@@ -241,6 +241,7 @@ def test_step_time_of_the_two_gpu_expert_parallel_runs(dispatcher, measured_s):
         [
             "parallel.ep=2",
             f"parallel.dispatcher={dispatcher}",
+            "train.compile=true",
             *([PADDED] if dispatcher == "nosync" else []),
             "train.global_batch_size=16",
             "train.micro_batch_size=2",
