@@ -299,7 +299,7 @@ def cmd_bench(argv: list[str]) -> int:
     args, overrides = _split_overrides(parser, argv)
     _check_rehearsal_flags(args)
     if args.no_checkpoint and args.rehearse is None:
-        raise ConfigError("--no-checkpoint skips a rehearsal's checkpoint: add --rehearse N (a plain bench saves none).")
+        raise ConfigError("--no-checkpoint skips a rehearsal's checkpoint: add --rehearse N (plain bench saves none).")
     if args.warmup < 0 or args.steps <= 0:
         raise ConfigError(f"--warmup={args.warmup} must be ≥ 0 and --steps={args.steps} positive.")
     if args.device is not None:
