@@ -67,13 +67,16 @@ def test_launch_script_rehearse_mode_runs_bench_rehearse_with_the_scripts_layout
     fake.write_text(
         "#!/bin/sh\n"
         '[ "$1" = -c ] && exit 0\n'
-        f'{sys.executable} -c "import json, sys; json.dump(sys.argv[1:], open(\'{record}\', \'w\'))" "$@"\n'
+        f"{sys.executable} -c \"import json, sys; json.dump(sys.argv[1:], open('{record}', 'w'))\" \"$@\"\n"
     )
     fake.chmod(0o755)
     env = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp"), "PYTHON": str(fake), "NODES": "4"}
     out = subprocess.run(
         ["bash", str(SCRIPT), "rehearse", "--device", "cuda", "--model.n_layers=4"],
-        env=env, capture_output=True, text=True, timeout=60,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert out.returncode == 0, out.stderr
     argv = json.loads(record.read_text())

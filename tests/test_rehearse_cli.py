@@ -22,6 +22,7 @@ SMALL = ["--model.d_model=64", "--model.vocab_size=512", "--data.seq_len=32"]
 BENCH = ["--device", "cpu", "--routing", "learned", "--warmup", "1", "--steps", "1", "--train.profile_steps=1", *SMALL]
 PP2 = ["--parallel.pp=2", "--train.micro_batch_size=12"]  # two micro-batches per step: pp=2 needs ≥ 2
 
+
 def start(*args: str) -> subprocess.Popen:
     """`python -m moetrain ARGS` started in the background, one thread (they run side by side)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
