@@ -203,3 +203,14 @@ def test_plan_names_the_rehearse_command_of_its_busiest_rank(capsys, layout):
     command = out["rehearse_command"]
     assert command.startswith(f"moetrain bench sweep-8l-8 --rehearse 8 --rank {busiest} "), command
     assert "--device cuda" in command and command.split()[-len(layout) :] == layout
+
+
+def test_a_rehearsal_under_torchrun_is_refused(capsys, monkeypatch, tmp_path):
+    """A rehearsal is one process: started as one of torchrun's WORLD_SIZE ranks it stops with
+    one paragraph saying to start it plainly, before any process group exists."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert main(["bench", "tiny", "--rehearse", "4", *BENCH, "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "--rehearse" in err and "WORLD_SIZE=2" in err and "plain process" in err and "Traceback" not in err, err
+    assert not dist.is_initialized()
