@@ -109,6 +109,36 @@ def test_predicted_peak_is_within_10_percent_of_the_measured_one(preset, gpus, o
     assert abs(predicted - measured) <= 0.10 * measured, (predicted, measured)
 
 
+# Rehearsed, communication not measured: rank 0 of sweep-8l-{8,32,64,128} at dp8·ep8 alone on
+# one H200 (`moetrain bench PRESET --rehearse 8 --parallel.ep=8 …`, its peers stood in for),
+# 2026-12-02, tree of commit 1e7e5da, `ROWS=… WORLD=8 WARMUP=2 STEPS=4 bash benchmarks/rehearse.sh`
+# (docs/benchmarks.md, "Rehearsed"): the peak while training, while saving this rank's checkpoint
+# shard and while loading it back, GiB. "S": the capacity sweep's switches (TARGET_RUN below).
+REHEARSED_PEAKS = [
+    ("sweep-8l-8", [], 47.7, 31.8, 31.8),
+    ("sweep-8l-32", [], 63.5, 43.6, 43.7),
+    ("sweep-8l-64", [], 84.5, 59.4, 59.4),
+    ("sweep-8l-128", [], 126.6, 90.9, 91.0),
+    ("sweep-8l-8", "S", 64.1, 20.6, 20.7),
+    ("sweep-8l-32", "S", 74.8, 28.5, 28.6),
+    ("sweep-8l-64", "S", 88.0, 39.0, 39.1),
+    ("sweep-8l-128", "S", 114.3, 60.0, 60.1),
+]
+
+
+@pytest.mark.parametrize("preset, switches, training, saving, loading", REHEARSED_PEAKS)
+def test_rehearsed_peaks_of_the_eight_gpu_sweep_are_within_10_percent(preset, switches, training, saving, loading):
+    overrides = ["parallel.ep=8", *(TARGET_RUN if switches == "S" else [])]
+    p = plan(resolve_config(preset, overrides), 8, "h200")
+    assert p.busiest_rank == 0  # the rank rehearsed
+    for predicted, measured in (
+        (p.peak_mem_gib_per_device, training),
+        (p.save_peak_gib_per_device, saving),
+        (p.load_peak_gib_per_device, loading),
+    ):
+        assert abs(predicted - measured) <= 0.10 * measured, (predicted, measured)
+
+
 @pytest.mark.parametrize("pp, ep, n_layers", [(1, 1, 4), (2, 2, 5), (3, 2, 4)])
 def test_parameters_per_gpu_match_the_real_split(pp, ep, n_layers):
     """The planner's per-GPU parameters are those the pipeline split and the expert split leave
