@@ -145,6 +145,22 @@ class Assumptions:
     """Element-wise traffic as passes over each micro-batch's saved block activations (norms,
     RoPE, SwiGLU, routing, permutations; bench-8e's profile: 58.6 ms per step of such kernels,
     19 ms of them the weight casts), plus one pass over the logits and the loss's copies."""
+    eager_ew_factor: float = 2.45
+    """Element-wise kernels of eager blocks (train.compile=false; the exact all-to-all's graph
+    break) take this many times the compiled passes' time: unfused, with fp32 intermediates.
+    Measured on one H200 twice: bench-8e with compile=false, 0.388 s a step against 0.331 planned
+    without it (2.43); the rehearsed rank 0 of sweep-8l-8 at dp8·ep8, eager, its non-GEMM
+    kernels beyond the dispatcher's (2.46; docs/benchmarks.md, "Rehearsed"). With the pipelined
+    exchange (parallel.overlap_chunks) the experts' share of the element-wise work runs eagerly
+    even in compiled blocks (`NoSyncDispatcher.pipelined` runs them outside the graph)."""
+    nosync_passes: float = 34.0
+    """The sync-free dispatcher at ep > 1 (parallel.dispatcher=nosync): its index and mask
+    kernels — the gathers into and out of the wire buffers, masking of the rows no token
+    filled, the regroup by local expert, forward and backward — as passes over the routed rows
+    it moves per MoE layer and micro-batch (wire rows × d_model × 2 B), at `hbm_eff`. They run
+    eagerly in compiled blocks too. Measured in the profile of the rehearsed rank 0 of
+    sweep-8l-8 at dp8·ep8 on one H200 (masked_fill, gather, index_copy kernels): 123.6 ms a step
+    eager, 127.3 compiled, 122.0 at sweep-8l-128 (constant in the experts)."""
     link_eff: float = 0.33
     """Achieved fraction of a link's one-way bandwidth by NCCL collectives (two H200s over
     NVLink: ~145 GB/s for the all-reduce and the all-to-alls of docs/benchmarks.md's runs)."""
@@ -466,6 +482,14 @@ class RankMemory:
     peak: float
     blocks_none: float
     """Saved block activations of one micro-batch without recompute."""
+    experts_none: float
+    """The experts' share of `blocks_none` (their routed rows' tensors)."""
+    moe_layers: int
+    """MoE blocks this rank holds."""
+    recv_buffers: float
+    """The pipeline's receive buffers: torch.distributed.pipelining allocates one fp32 (rows,
+    seq, d_model) activation buffer per micro-batch for each stage that is not the first, up
+    front, and keeps them between steps (they persist when checkpoints are saved)."""
     logits_bytes: float
     """The loss's logits and what it holds for backward (module docstring)."""
     loss_traffic: float
@@ -546,11 +570,11 @@ def checkpoint_state_bytes(L: Layout, rank: RankMemory) -> float:
     fsdp = L.stack == Stack.fsdp.value
     weights = 4 * rank.local / L.dp if fsdp else rank.weights
     if fsdp or not rank.local:
-        return weights + rank.optimizer
+        return weights + rank.optimizer + rank.recv_buffers
     # the buckets hold the dense gradients at dp > 1 and the experts' at edp > 1 (`bucketed`);
     # the sharded optimizer buckets every gradient, even at dp = 1
     bucketed = rank.local if L.shard_optimizer else L.bucketed(rank.dense_local, rank.expert_local)
-    return weights + rank.optimizer + rank.grads * bucketed / rank.local
+    return weights + rank.optimizer + rank.recv_buffers + rank.grads * bucketed / rank.local
 
 
 def save_temporaries(cfg: RunConfig, L: Layout, rank: RankMemory) -> float:
@@ -651,7 +675,8 @@ def memory_per_rank(cfg: RunConfig, L: Layout, groups: ParamGroups, assume: Assu
         stages = [r + i * L.pp for i in range(L.stages_per_rank)]
         layer_ids = [i for s in stages for i in range(sum(layers_per_stage[:s]), sum(layers_per_stage[: s + 1]))]
         dense_local = expert_local = 0
-        act_per_token = act_none = act_full = 0.0
+        act_per_token = act_none = act_full = experts_none = 0.0
+        moe_layers = 0
         cast_bytes = 0.0
         for i in layer_ids:
             is_moe = i >= m.num_dense_layers and m.moe.num_experts > 0
@@ -664,6 +689,11 @@ def memory_per_rank(cfg: RunConfig, L: Layout, groups: ParamGroups, assume: Assu
             act_per_token += _block_bytes(m, is_moe, mode, expert_rows, compiled, fp32)
             act_none += _block_bytes(m, is_moe, "none", expert_rows, compiled, fp32)
             act_full += _block_bytes(m, is_moe, "full", expert_rows, compiled, fp32)
+            if is_moe:
+                moe_layers += 1
+                experts_none += _block_bytes(m, True, "none", expert_rows, compiled, fp32) - _block_bytes(
+                    m, True, "none", 0, compiled, fp32
+                )
             # no copies: bf16 weights, or FSDP's bf16 all-gather (freed after forward, gathered again)
             if not recomputes and not fp32 and not bf16_weights and not fsdp:
                 cast_bytes += 2 * (dense + experts)
@@ -730,7 +760,9 @@ def memory_per_rank(cfg: RunConfig, L: Layout, groups: ParamGroups, assume: Assu
         kept_grads = grads if L.micro_batches > 1 else grads * L.bucketed(dense_local, expert_local) / local
         start_of_backward = activations + logits + head_grad + casts + max(kept_grads, accumulated)
         end_of_backward = grads
-        peak = weights + optimizer + max(start_of_backward, end_of_backward) + assume.workspace_gib * GIB
+        receiving = sum(1 for s in stages if s > 0)  # stages fed by a previous one
+        recv_buffers = receiving * L.micro_batches * t * m.d_model * 4 if L.pp > 1 else 0.0
+        peak = weights + optimizer + recv_buffers + max(start_of_backward, end_of_backward) + assume.workspace_gib * GIB
         out.append(
             RankMemory(
                 rank=r,
@@ -747,6 +779,9 @@ def memory_per_rank(cfg: RunConfig, L: Layout, groups: ParamGroups, assume: Assu
                 activations=activations + logits + casts,
                 peak=peak,
                 blocks_none=t * act_none,
+                experts_none=t * experts_none,
+                moe_layers=moe_layers,
+                recv_buffers=recv_buffers,
                 logits_bytes=logits,
                 loss_traffic=loss_traffic,
                 act_none=in_flight * t * act_none + logits,
@@ -877,7 +912,17 @@ def step_time(
     elif low_grads and not fsdp:  # the fp32 gradient rounded into the store (6 B), then bf16 += fp32 (8 B)
         weight_casts = 0 if fp32 else 12 * L.micro_batches
         t_casts = local_params * (weight_casts + 6 + 8 * (L.micro_batches - 1)) / hbm
-    t_elementwise = L.micro_batches * (assume.ew_passes * rank.blocks_none + rank.loss_traffic) / hbm
+    # element-wise passes over the saved activations (eager blocks: `eager_ew_factor` times
+    # theirs; with the pipelined exchange the experts' share runs eagerly in compiled blocks too),
+    # the loss's, and the sync-free dispatcher's index and mask kernels at ep > 1
+    compiled = cfg.train.compile and not (L.ep > 1 and L.dispatcher == DispatcherKind.alltoall.value)
+    eager_bytes = rank.blocks_none if not compiled else (rank.experts_none if L.overlap_chunks and L.ep > 1 else 0)
+    block_passes = assume.ew_passes * (rank.blocks_none + (assume.eager_ew_factor - 1) * eager_bytes)
+    t_elementwise = L.micro_batches * (block_passes + rank.loss_traffic) / hbm
+    if L.ep > 1 and L.dispatcher == DispatcherKind.nosync.value:
+        _, wire_rows = _rows_per_token(cfg, L)
+        wire = t * wire_rows * m.d_model * 2 * rank.moe_layers
+        t_elementwise += L.micro_batches * assume.nosync_passes * wire / hbm
     t_fp8 = 0.0
     if fp8:
         t_fp8 = assume.fp8_quant_passes * L.micro_batches * (rank.blocks_none + 4 * local_params) / hbm
