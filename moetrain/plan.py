@@ -167,7 +167,7 @@ class Assumptions:
     symm_link_eff: float = 0.083
     """The same for NVSHMEM's all-to-all-v kernels (`parallel.dispatcher=symm`): two H200s,
     sweep-8l-8 at ep2, 15.0 GB of routed rows per step took ~400 ms of transport kernels
-    (docs/benchmarks.md, call 4): ~38 GB/s, a quarter of NCCL's rate."""
+    (docs/benchmarks.md, the two-H200 runs): ~38 GB/s, a quarter of NCCL's rate."""
     fsdp_overlap: float = 0.66
     """Fraction of the compute time that hides FSDP's all-gathers and reduce-scatters (measured
     on two H200s: tiny64e-l6's FSDP step was 63 ms over one GPU's for 185 ms of transfers).
@@ -182,15 +182,15 @@ class Assumptions:
     """Row-wise FP8 GEMMs over BF16 ones (bench-8e's profile: 193 → 133 ms per step)."""
     fp8_quant_passes: float = 10.0
     """moetrain's row-wise quantization as passes over block activations + weights (bench-8e on
-    one H200 with the compiled quantizers, commit 697d104: FP8 step 344 ms, BF16 331 ms)."""
+    one H200 with the compiled quantizers: FP8 step 344 ms, BF16 331 ms)."""
     overlap_slowdown: float = 0.23
     """With parallel.overlap_chunks: how much an all-to-all running under compute slows that
     compute, as a fraction of its duration (NCCL's kernels hold SMs and HBM bandwidth for the
     transfer). No multi-GPU measurement yet; one-GPU proxies (docs/benchmarks.md): an MoE layer's
     compute beside back-to-back NCCL all-to-alls of a 1-rank group (NCCL's own kernels, moving
     device copies at ~3.7 TB/s of HBM, far above an NVLink transfer's): 53.0 → 69.1 ms, 0.23 of
-    the window (session 24, call 7); beside a Triton copy kernel on 8–32 CTAs
-    (benchmarks/interference_probe.py, session 25): 0.35–0.36, whatever its SMs and copy rate —
+    the window (benchmarks/overlap_probe.py); beside a Triton copy kernel on 8–32 CTAs
+    (benchmarks/interference_probe.py): 0.35–0.36, whatever its SMs and copy rate —
     that kernel's co-scheduling with the GEMMs, not NCCL's. DeepSeek-V3 keeps its transfers fed
     with 20 of an H800's 132 SMs (15%)."""
     chunk_bytes: tuple[float, float] = (4.1, 7.1)
@@ -205,19 +205,19 @@ class Assumptions:
     param_pass_eff: float = 0.86
     """Achieved fraction of HBM bandwidth for moetrain's passes over every local parameter: the
     Triton AdamW kernel (split masters, or bf16 moments) and the gradients' copies, in-place adds
-    and fp32 accumulation. Measured on one H200 with benchmarks/step_bytes_probe.py (call 1 of
-    2026-12-02, commit 67167f2): AdamW 4.12–4.17 TB/s in all four moment and gradient dtypes,
+    and fp32 accumulation. Measured on one H200 with benchmarks/step_bytes_probe.py
+    (docs/benchmarks.md): AdamW 4.12–4.17 TB/s in all four moment and gradient dtypes,
     copy 4.18, bf16 add 4.31, fp32 += bf16 4.11 (0.86–0.90 of 4.8 TB/s)."""
     torch_adamw_eff: float = 0.69
     """The same for torch's fused AdamW over fp32 parameters, fp32 moments (the embedding, norms
     and routers with bf16 weights; everything without): 3.33 TB/s in the same call."""
     norm_eff: float = 0.7
     """The same for the clipping norm's pass over the gradients (on CUDA `sum_squares`,
-    moetrain/optim/adamw_split_kernel.py): 3.39 TB/s over bf16 gradients, 3.94 over fp32 (call 2
-    of 2026-12-02; torch's `_foreach_norm`, used before, 2.06 and 3.13)."""
+    moetrain/optim/adamw_split_kernel.py): 3.39 TB/s over bf16 gradients, 3.94 over fp32
+    (benchmarks/step_bytes_probe.py; torch's `_foreach_norm`: 2.06 and 3.13)."""
     group_tile_rows: float = 64.0
     """Rows of work each expert's group adds to its grouped GEMMs beyond its own: the last,
-    partial tile of its rows. Measured with step_bytes_probe.py (call 2 of 2026-12-02) under
+    partial tile of its rows. Measured with step_bytes_probe.py under
     uniformly random routing at sweep-8l's per-rank shape (D = F = 4096, 65,536 rows): 653.8
     TFLOP/s with one local expert, 645.5 with 16 (4,096 rows each), i.e. 56 rows per group; half a
     128-row tile is 64. Smaller experts lose more than this counts: bench-sweep's D 2048, F 1024

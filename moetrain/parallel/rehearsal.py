@@ -214,7 +214,10 @@ class StandInGroup(dist.ProcessGroup):
         elif kind == dist.ReduceOp.BXOR and n % 2 == 0:
             t.zero_()
         elif kind not in _IDEMPOTENT + (dist.ReduceOp.SUM, dist.ReduceOp.PRODUCT, dist.ReduceOp.BXOR):
-            raise NotImplementedError(f"the rehearsal's stand-in group has no all-reduce {kind}")
+            raise RuntimeError(
+                f"a rehearsal's stand-in group reduces identical copies by SUM, PRODUCT, AVG, MIN, MAX, BAND, BOR "
+                f"or BXOR; {kind} has no symmetric answer (rehearsal: moetrain/parallel/rehearsal.py)"
+            )
 
     def allreduce(self, tensors, opts=None):
         with _stand_in("all_reduce", self._size, tensors):
