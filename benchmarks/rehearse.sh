@@ -15,22 +15,14 @@ OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 WORLD=${WORLD:-8}
 CKPT=${CKPT:-/tmp/moetrain-rehearse}
+source "$(dirname "$0")/rehearse_row.sh"
 n=0
 for row in $ROWS; do
   n=$((n + 1))
   preset=${row%%|*}; flags=${row#*|}; [ "$flags" = "$row" ] && flags=""
   flags=${flags//,/ }
-  err="$OUT/row$n.err"
-  rm -rf "$CKPT"; mkdir -p "$CKPT"
   echo "== row $n: $preset $flags" >&2
-  start=$(date +%s)
-  timeout ${ROW_TIMEOUT:-420} python -m moetrain bench "$preset" --rehearse "$WORLD" ${RANK:+--rank $RANK} --device cuda \
-      --warmup ${WARMUP:-2} --steps ${STEPS:-5} --routing ${ROUTING:-random} --run-dir "$CKPT/run" $flags \
-      2>"$err" | tee -a "$OUT/rehearse.jsonl" >/dev/null
-  rc=${PIPESTATUS[0]}
-  echo "   rc $rc after $(( $(date +%s) - start )) s; last lines of $err:" >&2
-  tail -n 4 "$err" | cut -c1-300 >&2
-  find "$CKPT" \( -name kinds.json -o -name ops.txt \) -exec sh -c 'cp "$1" "$2-${1##*/}"' _ {} "$OUT/row$n" \;
-  rm -rf "$CKPT"
+  rehearse_row "row$n" python -m moetrain bench "$preset" --rehearse "$WORLD" ${RANK:+--rank $RANK} --device cuda \
+      --warmup ${WARMUP:-2} --steps ${STEPS:-5} --routing ${ROUTING:-random} --run-dir "$CKPT/run" $flags
 done
 python benchmarks/rehearse_table.py "$OUT/rehearse.jsonl"

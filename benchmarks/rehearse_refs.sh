@@ -12,20 +12,13 @@ set -u
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 CKPT=${CKPT:-/tmp/moetrain-rehearse}
+source "$(dirname "$0")/rehearse_row.sh"
+ROW_TIMEOUT=${ROW_TIMEOUT:-540}
 for ref in $REFS; do
   name=${ref%%:*}; layers=${ref#*:}; [ "$layers" = "$ref" ] && layers=""
-  err="$OUT/$name${layers:+-l$layers}.err"
-  rm -rf "$CKPT"; mkdir -p "$CKPT"
   echo "== $name${layers:+ with $layers blocks}" >&2
-  start=$(date +%s)
-  timeout ${ROW_TIMEOUT:-540} bash "scripts/launch/$name.sh" rehearse --device cuda --warmup ${WARMUP:-1} \
+  rehearse_row "$name${layers:+-l$layers}" bash "scripts/launch/$name.sh" rehearse --device cuda --warmup ${WARMUP:-1} \
       --steps ${STEPS:-3} --routing ${ROUTING:-random} --run-dir "$CKPT/run" \
-      --train.profile_steps=${PROFILE_STEPS:-1} ${layers:+--model.n_layers=$layers} \
-      2>"$err" | tee -a "$OUT/rehearse.jsonl" >/dev/null
-  rc=${PIPESTATUS[0]}
-  echo "   rc $rc after $(( $(date +%s) - start )) s; last lines of $err:" >&2
-  tail -n 4 "$err" | cut -c1-300 >&2
-  find "$CKPT" \( -name kinds.json -o -name ops.txt \) -exec sh -c 'cp "$1" "$2-${1##*/}"' _ {} "${err%.err}" \;
-  rm -rf "$CKPT"
+      --train.profile_steps=${PROFILE_STEPS:-1} ${layers:+--model.n_layers=$layers}
 done
 python benchmarks/rehearse_table.py "$OUT/rehearse.jsonl"
