@@ -41,8 +41,9 @@ pipeline rank that needs most:
   (and the gradients, when they are kept across micro-batches or in reducer buckets)" and
   "weights + optimizer + gradients + the optimizer step's work space";
 - while a checkpoint is saved or loaded: weights + optimizer + the gradient buckets that persist
-  + what the save or load allocates on the device (`save_temporaries`, `load_temporaries`: each
-  rank writes and reads only its own parts, so nothing but a split master's one-block join).
+  + a pipeline's receive buffers + what the save or load allocates on the device
+  (`save_temporaries`, `load_temporaries`: each rank writes and reads only its own parts, so
+  nothing but a split master's one-block join).
 The activation terms are an account of the saved tensors of the compiled bf16 step (eager adds
 the norms' and SwiGLU's fp32 intermediates: `compile=false`); they were checked against the peaks
 measured on one H200 (docs/benchmarks.md, "The planner against measured peaks").
@@ -62,7 +63,9 @@ experts' at edp > 1 or under the sharded optimizer — a copy into the bucket at
 6 B into fp32 and 4 B into bf16 (optim.grad_dtype=bf16), then 10 B or 6 B per later backward; an
 unbucketed one is kept as backward made it, then 8 B for the second backward and 10 B for later
 ones, or 6 B in bf16); element-wise kernels at `hbm_eff` (`ew_passes` passes over each
-micro-batch's saved block activations and one over the logits); the measured cost of recompute
+micro-batch's saved block activations and one over the logits; eager blocks `eager_ew_factor`
+times that; the sync-free dispatcher's index and mask kernels at ep > 1, `nosync_passes` over
+its routed rows); the measured cost of recompute
 (`recompute_cost`); and communication: the expert all-to-all and the sharded optimizer's
 all-gather count in full (measured: not hidden) — the all-to-all less what
 parallel.overlap_chunks hides (`_pipelined_exchange_time`: an assumed `overlap_slowdown`, no
@@ -655,13 +658,18 @@ def _rows_per_token(cfg: RunConfig, L: Layout) -> tuple[float, float]:
     return k, k
 
 
+def compiled_blocks(cfg: RunConfig) -> bool:
+    """Whether the blocks run compiled: train.compile, unless the exact all-to-all dispatcher
+    reads split sizes on the host — a graph break inside the block, which then keeps
+    eager-sized activations (measured: 80.5 GiB vs 80.1 nosync) and runs eager kernels."""
+    return cfg.train.compile and not (cfg.parallel.ep > 1 and cfg.parallel.dispatcher == DispatcherKind.alltoall)
+
+
 def memory_per_rank(cfg: RunConfig, L: Layout, groups: ParamGroups, assume: Assumptions) -> list[RankMemory]:
     """Parameters and memory of each pipeline rank (one entry without a pipeline)."""
     m = cfg.model
     fp32 = cfg.train.precision.value == "fp32"
-    # the exact all-to-all dispatcher reads split sizes on the host: a graph break inside the
-    # compiled block, which then keeps eager-sized activations (measured: 80.5 GiB vs 80.1 nosync)
-    compiled = cfg.train.compile and not (cfg.parallel.ep > 1 and cfg.parallel.dispatcher == DispatcherKind.alltoall)
+    compiled = compiled_blocks(cfg)
     S = L.pp * L.stages_per_rank
     layers_per_stage = [len(s) for s in stage_layers(m.n_layers, S)]
     t = L.rows_per_micro_batch * cfg.data.seq_len  # tokens per rank per micro-batch
@@ -915,8 +923,10 @@ def step_time(
     # element-wise passes over the saved activations (eager blocks: `eager_ew_factor` times
     # theirs; with the pipelined exchange the experts' share runs eagerly in compiled blocks too),
     # the loss's, and the sync-free dispatcher's index and mask kernels at ep > 1
-    compiled = cfg.train.compile and not (L.ep > 1 and L.dispatcher == DispatcherKind.alltoall.value)
-    eager_bytes = rank.blocks_none if not compiled else (rank.experts_none if L.overlap_chunks and L.ep > 1 else 0)
+    if not compiled_blocks(cfg):
+        eager_bytes = rank.blocks_none
+    else:
+        eager_bytes = rank.experts_none if L.overlap_chunks and L.ep > 1 else 0.0
     block_passes = assume.ew_passes * (rank.blocks_none + (assume.eager_ew_factor - 1) * eager_bytes)
     t_elementwise = L.micro_batches * (block_passes + rank.loss_traffic) / hbm
     if L.ep > 1 and L.dispatcher == DispatcherKind.nosync.value:
