@@ -179,8 +179,10 @@ class Assumptions:
     bench-small32e's dp2 step as paying its whole all-reduce; the profiled runs of sweep-8l-8
     showed two-thirds of it under the backward, the embedding's buckets exposed.)"""
     recompute_cost: tuple[float, float] = (0.28, 0.47)
-    """Extra step time of selective and full recompute over no recompute, as a fraction of the
-    recomputed blocks' compute (bench-8e on one H200: 0.337 → 0.430 and 0.495 s per step)."""
+    """Extra step time of selective recompute of compiled blocks and of full recompute over no
+    recompute, as a fraction of the recomputed blocks' compute (bench-8e on one H200: 0.337 →
+    0.430 and 0.495 s per step). Selective recompute of eager blocks is counted pass by pass
+    instead (`step_time`)."""
     fp8_gemm_speedup: float = 1.45
     """Row-wise FP8 GEMMs over BF16 ones (bench-8e's profile: 193 → 133 ms per step)."""
     fp8_quant_passes: float = 10.0
@@ -314,6 +316,8 @@ class Plan:
     activations_without_recompute_gib: float
     activations_full_recompute_gib: float
     peak_gib_per_pipeline_rank: list[float]
+    save_peak_gib_per_pipeline_rank: list[float]
+    load_peak_gib_per_pipeline_rank: list[float]
     params_per_pipeline_rank: list[int]
     save_peak_gib_per_device: float
     """Allocated during a checkpoint save: the training state, the gradient buckets that persist,
@@ -356,10 +360,18 @@ as exposed (after the overlap the model grants; `Assumptions.link_eff`, `overlap
 
 
 def _block_bytes(
-    m: TransformerConfig, moe_block: bool, recompute: str, expert_rows: float, compiled: bool, fp32: bool
+    m: TransformerConfig,
+    moe_block: bool,
+    recompute: str,
+    expert_rows: float,
+    compiled: bool,
+    fp32: bool,
+    exchanged_rows: float = 0.0,
 ) -> float:
     """Bytes autograd keeps per token for one block's backward (expert_rows: rows through the
-    experts per token: K, or more with the sync-free dispatcher's fixed buffers: `_rows_per_token`)."""
+    experts per token: K, or more with the sync-free dispatcher's fixed buffers: `_rows_per_token`;
+    exchanged_rows: rows per token each direction of the expert all-to-all returns, which
+    selective recompute keeps as collective outputs)."""
     a = 4 if fp32 else 2  # matmul inputs/outputs (autocast bf16)
     r = 4  # the residual stream is fp32
     D, hd, hq, hkv = m.d_model, m.resolved_head_dim, m.n_heads, m.n_kv_heads
@@ -371,8 +383,10 @@ def _block_bytes(
         attn = r * D + q_k_v + attn_out + a * D
         if moe_block:
             moe = m.moe
-            ffn = a * m.moe.num_experts + a * (2 * moe.shared_hidden + D * (moe.shared_hidden > 0))
-            ffn += expert_rows * a * (2 * moe.expert_hidden + D)
+            # fp32 router logits, the shared expert's and the experts' matmul outputs, and the
+            # rows both all-to-alls return
+            ffn = 4 * m.moe.num_experts + a * (2 * moe.shared_hidden + D * (moe.shared_hidden > 0))
+            ffn += expert_rows * a * (2 * moe.expert_hidden + D) + 2 * exchanged_rows * a * D
         else:
             ffn = a * (2 * m.resolved_dense_hidden + D)
         return attn + ffn
@@ -490,9 +504,10 @@ class RankMemory:
     moe_layers: int
     """MoE blocks this rank holds."""
     recv_buffers: float
-    """The pipeline's receive buffers: torch.distributed.pipelining allocates one fp32 (rows,
-    seq, d_model) activation buffer per micro-batch for each stage that is not the first, up
-    front, and keeps them between steps (they persist when checkpoints are saved)."""
+    """The pipeline's receive buffers: torch.distributed.pipelining allocates, up front and for
+    each micro-batch, one fp32 (rows, seq, d_model) activation buffer for each stage that is not
+    the first and one output-gradient buffer for each stage that is not the last, and keeps them
+    between steps (they persist when checkpoints are saved)."""
     logits_bytes: float
     """The loss's logits and what it holds for backward (module docstring)."""
     loss_traffic: float
@@ -537,9 +552,10 @@ def plan(cfg: RunConfig, gpus: int, gpu: str, assume: Assumptions = Assumptions(
     peak_gib = busiest.peak / GIB
     memory = {k: round(getattr(busiest, k) / GIB, 2) for k in ("weights", "grads", "optimizer", "activations")}
     memory["workspace"] = assume.workspace_gib
-    save_gib = max(checkpoint_state_bytes(L, r) + save_temporaries(cfg, L, r) for r in ranks) / GIB
-    load_gib = max(checkpoint_state_bytes(L, r) + load_temporaries(cfg, L, r) for r in ranks) / GIB
-    save_gib, load_gib = save_gib + assume.workspace_gib, load_gib + assume.workspace_gib
+    ws = assume.workspace_gib
+    saves = [(checkpoint_state_bytes(L, r) + save_temporaries(cfg, L, r)) / GIB + ws for r in ranks]
+    loads = [(checkpoint_state_bytes(L, r) + load_temporaries(cfg, L, r)) / GIB + ws for r in ranks]
+    save_gib, load_gib = max(saves), max(loads)
     return Plan(
         layout=L,
         gpu=spec,
@@ -555,6 +571,8 @@ def plan(cfg: RunConfig, gpus: int, gpu: str, assume: Assumptions = Assumptions(
         activations_without_recompute_gib=busiest.act_none / GIB,
         activations_full_recompute_gib=busiest.act_full / GIB,
         peak_gib_per_pipeline_rank=[round(r.peak / GIB, 2) for r in ranks],
+        save_peak_gib_per_pipeline_rank=[round(x, 2) for x in saves],
+        load_peak_gib_per_pipeline_rank=[round(x, 2) for x in loads],
         params_per_pipeline_rank=[int(r.local / (L.dp if fsdp else 1)) for r in ranks],
         save_peak_gib_per_device=round(save_gib, 2),
         fits_while_saving=save_gib <= spec.memory_gib,
@@ -676,6 +694,10 @@ def memory_per_rank(cfg: RunConfig, L: Layout, groups: ParamGroups, assume: Assu
     fsdp = L.stack == Stack.fsdp.value
     ep_eff = 1 if fsdp else L.ep
     expert_rows, wire_rows = _rows_per_token(cfg, L)
+    # selective recompute keeps what the functional all-to-alls return (alltoall, nosync without
+    # the pipelined exchange, whose transfers are not functional collectives)
+    functional_exchange = L.dispatcher in (DispatcherKind.alltoall.value, DispatcherKind.nosync.value)
+    exchanged = wire_rows if ep_eff > 1 and functional_exchange and not L.overlap_chunks else 0.0
     chunk = cfg.train.resolved_loss_chunk_tokens("cuda") if L.pp == 1 else 0  # pipelines: the plain path
     bf16_weights = uses_bf16_weights(cfg)
     out = []
@@ -694,7 +716,7 @@ def memory_per_rank(cfg: RunConfig, L: Layout, groups: ParamGroups, assume: Assu
             expert_local += experts
             recomputes = L.recompute != "none" and i % L.recompute_every == 0
             mode = L.recompute if recomputes else "none"
-            act_per_token += _block_bytes(m, is_moe, mode, expert_rows, compiled, fp32)
+            act_per_token += _block_bytes(m, is_moe, mode, expert_rows, compiled, fp32, exchanged)
             act_none += _block_bytes(m, is_moe, "none", expert_rows, compiled, fp32)
             act_full += _block_bytes(m, is_moe, "full", expert_rows, compiled, fp32)
             if is_moe:
@@ -724,6 +746,10 @@ def memory_per_rank(cfg: RunConfig, L: Layout, groups: ParamGroups, assume: Assu
         # activations: saved tensors of the micro-batches in flight; with recompute, backward
         # rebuilds one block's full activations at a time
         activations = in_flight * t * act_per_token
+        # the schedule keeps each stage's fp32 output until its backward (the last stage's output
+        # is the logits, counted below)
+        feeding = sum(1 for s in stages if s < S - 1) / len(stages)
+        activations += in_flight * feeding * t * m.d_model * 4 if L.pp > 1 else 0.0
         if L.overlap_chunks and L.ep > 1 and any(i >= m.num_dense_layers for i in layer_ids):
             # the buffer an exchange in flight writes while compute runs (the pipelined exchange)
             activations += t * wire_rows * m.d_model * (4 if fp32 else 2)
@@ -736,7 +762,9 @@ def memory_per_rank(cfg: RunConfig, L: Layout, groups: ParamGroups, assume: Assu
         elif last:  # bf16 logits, fp32 copy, fp32 log-softmax
             logits = loss_traffic = t * m.vocab_size * 10
         head_grad = 4 * groups.head / (L.dp if fsdp else 1) if last else 0
-        casts = cast_bytes  # one bf16 copy per block that keeps activations
+        # one bf16 copy of each weight per micro-batch in flight: each micro-batch's forward casts
+        # its own, and its saved tensors keep it until that micro-batch's backward
+        casts = cast_bytes * in_flight
         moments = 4 if cfg.optim.moments_dtype.value == "bf16" else 8  # AdamW's two moments per element
         grad_elem = 2 if cfg.optim.grad_dtype.value == "bf16" else 4  # optim.grad_dtype
         accumulated = 0.0  # FSDP's unsharded gradients, kept between micro-batches
@@ -768,8 +796,10 @@ def memory_per_rank(cfg: RunConfig, L: Layout, groups: ParamGroups, assume: Assu
         kept_grads = grads if L.micro_batches > 1 else grads * L.bucketed(dense_local, expert_local) / local
         start_of_backward = activations + logits + head_grad + casts + max(kept_grads, accumulated)
         end_of_backward = grads
-        receiving = sum(1 for s in stages if s > 0)  # stages fed by a previous one
-        recv_buffers = receiving * L.micro_batches * t * m.d_model * 4 if L.pp > 1 else 0.0
+        # fp32 (t, D) buffers, one per micro-batch: activations for each stage fed by a previous
+        # one, output gradients for each stage that feeds a next one
+        links = sum(1 for s in stages if s > 0) + sum(1 for s in stages if s < S - 1)
+        recv_buffers = links * L.micro_batches * t * m.d_model * 4 if L.pp > 1 else 0.0
         peak = weights + optimizer + recv_buffers + max(start_of_backward, end_of_backward) + assume.workspace_gib * GIB
         out.append(
             RankMemory(
@@ -939,8 +969,13 @@ def step_time(
     t_recompute = 0.0
     if L.recompute != Recompute.none.value:
         share = math.ceil(m.n_layers / L.recompute_every) / m.n_layers
-        cost = assume.recompute_cost[0 if L.recompute == Recompute.selective.value else 1]
-        t_recompute = cost * share * (t_gemm + t_tiles + t_casts + t_elementwise + t_fp8)
+        if L.recompute == Recompute.selective.value and not compiled_blocks(cfg):
+            # eager blocks keep every matmul's output: backward re-runs the forward's element-wise
+            # kernels (a third of their passes) and its weight casts (half of those bytes)
+            t_recompute = share * (t_casts / 2 + t_elementwise / 3)
+        else:
+            cost = assume.recompute_cost[0 if L.recompute == Recompute.selective.value else 1]
+            t_recompute = cost * share * (t_gemm + t_tiles + t_casts + t_elementwise + t_fp8)
     # parallel.overlap_chunks = n (NoSyncDispatcher.pipelined): the device time the chunks add,
     # per expert parameter and micro-batch (`Assumptions.chunk_bytes`); fp32 weights chunked by
     # tokens are also cast once per chunk and their gradients back (12 B more per extra chunk).

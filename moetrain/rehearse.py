@@ -161,6 +161,7 @@ def record(
         out["planner"] = out["projected"] = None
         return out
     p = plan(cfg, dims.world_size, gpu)
+    pp_rank = trainer.par.pp_rank  # memory: this rank's pipeline rank; time: the busiest one's
     tokens = trainer.engine.tokens_per_step / dims.world_size  # this GPU's share of a step
     peers = {k: round(v, 4) for k, v in p.peers_s.items() if v}
     projected_s = compute_s + sum(peers.values())
@@ -168,16 +169,17 @@ def record(
         "gpu": gpu,
         "rank": p.busiest_rank,
         "compute_s": round(p.compute_s, 4),
-        "peak_gib": p.peak_mem_gib_per_device,
-        "save_peak_gib": p.save_peak_gib_per_device,
-        "load_peak_gib": p.load_peak_gib_per_device,
+        "pipeline_rank": pp_rank,
+        "peak_gib": p.peak_gib_per_pipeline_rank[pp_rank],
+        "save_peak_gib": p.save_peak_gib_per_pipeline_rank[pp_rank],
+        "load_peak_gib": p.load_peak_gib_per_pipeline_rank[pp_rank],
         "tokens_per_sec_per_device": round(p.tokens_per_sec_per_device, 1),
     }
     measured = {"compute": compute_s, "peak": training_gib}
-    planned = {"compute": p.compute_s, "peak": p.peak_mem_gib_per_device}
+    planned = {"compute": p.compute_s, "peak": out["planner"]["peak_gib"]}
     if checkpoint is not None and checkpoint["saving_gib"] is not None:
         measured |= {"save_peak": checkpoint["saving_gib"], "load_peak": checkpoint["loading_gib"]}
-        planned |= {"save_peak": p.save_peak_gib_per_device, "load_peak": p.load_peak_gib_per_device}
+        planned |= {"save_peak": out["planner"]["save_peak_gib"], "load_peak": out["planner"]["load_peak_gib"]}
     out["measured_over_planned"] = {k: round(measured[k] / planned[k], 3) for k in measured if planned[k]}
     assume, spec = Assumptions(), GPUS[gpu]
     out["projected"] = {

@@ -6,6 +6,6 @@
 NODES=${NODES:-64}
 GPU=b300
 PRESET=ref-ultra-256e
-PP=16 EP=32 ROWS=1 RECOMPUTE=selective DISPATCHER=alltoall
+PP=16 EP=32 ROWS=1 RECOMPUTE=full DISPATCHER=alltoall
 set -eu
 source "$(dirname "$0")/common.sh"
