@@ -160,10 +160,12 @@ class Assumptions:
     """The sync-free dispatcher at ep > 1 (parallel.dispatcher=nosync): its index and mask
     kernels — the gathers into and out of the wire buffers, masking of the rows no token
     filled, the regroup by local expert, forward and backward — as passes over the routed rows
-    it moves per MoE layer and micro-batch (wire rows × d_model × 2 B), at `hbm_eff`. They run
-    eagerly in compiled blocks too. Measured in the profile of the rehearsed rank 0 of
-    sweep-8l-8 at dp8·ep8 on one H200 (masked_fill, gather, index_copy kernels): 123.6 ms a step
-    eager, 127.3 compiled, 122.0 at sweep-8l-128 (constant in the experts)."""
+    it moves per MoE layer and micro-batch (wire rows × d_model × 2 B), at `hbm_eff`, where they
+    run eagerly: in eager blocks, and with the pipelined exchange (parallel.overlap_chunks, which
+    compile leaves out). Measured in the profile of the rehearsed rank 0 of sweep-8l-8 at
+    dp8·ep8 on one H200 (masked_fill, gather, index_copy kernels): 123.6 ms a step eager, 127.3
+    compiled with the pipelined exchange, 122.0 at sweep-8l-128 (constant in the experts).
+    Compiled blocks without it fuse them into their Triton kernels (not counted)."""
     link_eff: float = 0.33
     """Achieved fraction of a link's one-way bandwidth by NCCL collectives (two H200s over
     NVLink: ~145 GB/s for the all-reduce and the all-to-alls of docs/benchmarks.md's runs)."""
@@ -952,14 +954,16 @@ def step_time(
         t_casts = local_params * (weight_casts + 6 + 8 * (L.micro_batches - 1)) / hbm
     # element-wise passes over the saved activations (eager blocks: `eager_ew_factor` times
     # theirs; with the pipelined exchange the experts' share runs eagerly in compiled blocks too),
-    # the loss's, and the sync-free dispatcher's index and mask kernels at ep > 1
+    # the loss's, and the sync-free dispatcher's index and mask kernels at ep > 1 where they run
+    # eagerly (eager blocks, or the pipelined exchange; compiled blocks fuse them)
     if not compiled_blocks(cfg):
         eager_bytes = rank.blocks_none
     else:
         eager_bytes = rank.experts_none if L.overlap_chunks and L.ep > 1 else 0.0
     block_passes = assume.ew_passes * (rank.blocks_none + (assume.eager_ew_factor - 1) * eager_bytes)
     t_elementwise = L.micro_batches * (block_passes + rank.loss_traffic) / hbm
-    if L.ep > 1 and L.dispatcher == DispatcherKind.nosync.value:
+    eager_dispatch = not compiled_blocks(cfg) or L.overlap_chunks > 0
+    if L.ep > 1 and L.dispatcher == DispatcherKind.nosync.value and eager_dispatch:
         _, wire_rows = _rows_per_token(cfg, L)
         wire = t * wire_rows * m.d_model * 2 * rank.moe_layers
         t_elementwise += L.micro_batches * assume.nosync_passes * wire / hbm

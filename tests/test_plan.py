@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from moetrain.cli import main
-from moetrain.plan import GIB, plan
+from moetrain.plan import GIB, Assumptions, ParamGroups, layout_of, memory_per_rank, plan
 from moetrain.presets import resolve_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -626,3 +626,71 @@ REHEARSED_COMPUTE_S = [
 def test_rehearsed_compute_of_the_eight_gpu_sweep_is_within_10_percent(preset, switches, measured):
     p = plan(resolve_config(preset, ["parallel.ep=8", *(TARGET_RUN if switches == "S" else [])]), 8, "h200")
     assert abs(p.compute_s - measured) <= 0.10 * measured, (p.compute_s, measured)
+
+
+def _ref_layout(pp: int, ep: int, recompute: str, micro_batch: int, *extra: str) -> list[str]:
+    """A scripts/launch/ref-*.sh layout (common.sh's flags)."""
+    return [
+        f"parallel.pp={pp}",
+        f"parallel.ep={ep}",
+        "parallel.dispatcher=alltoall",
+        "parallel.shard_optimizer=true",
+        f"train.recompute={recompute}",
+        f"train.micro_batch_size={micro_batch}",
+        *extra,
+    ]
+
+
+BF16W = "optim.bf16_weights=true"
+# The busiest rank of each reference layout rehearsed on one H200 (docs/benchmarks.md,
+# "Rehearsed"): preset, GPUs, flags, the rank, then compute s and the training, save and load
+# peaks in GiB (None: not recorded). The launch layouts as they are (bf16 weights), and as they were
+# (fp32 weights: each micro-batch in flight keeps its own bf16 weight copies).
+REHEARSED_REFS = [
+    ("ref-tiny-64e", 16, _ref_layout(2, 8, "none", 16, BF16W), 0, 3.643, 64.9, 16.2, 16.2),
+    ("ref-small-64e", 128, _ref_layout(8, 8, "none", 16, BF16W), 0, 2.723, 70.9, 12.0, 12.0),
+    ("ref-medium-128e", 128, _ref_layout(8, 8, "none", 16, BF16W), 16, 4.858, 118.9, 35.5, 35.7),
+    ("ref-large-128e", 512, _ref_layout(16, 8, "none", 32, BF16W, "model.n_layers=24"), 32, 5.923, 126.5, 31.7, 31.8),
+    ("ref-tiny-64e", 16, _ref_layout(2, 8, "none", 16), 0, 3.57, 71.5, 19.3, None),
+    ("ref-small-64e", 128, _ref_layout(8, 8, "none", 16), 0, 2.68, 83.2, 13.7, None),
+    ("ref-large-128e", 512, _ref_layout(16, 8, "none", 32, "model.n_layers=16"), 64, 3.047, 95.0, 25.9, 25.9),
+    ("ref-ultra-128e", 512, _ref_layout(8, 8, "full", 64, "model.n_layers=8"), 448, 6.717, 50.4, 35.6, 35.6),
+    ("ref-ultra-256e", 512, _ref_layout(16, 32, "selective", 32, "model.n_layers=16"), 64, 7.688, 100.9, 49.0, 49.0),
+    # compiled blocks, the sync-free dispatcher, fp32 weights
+    ("ref-small-64e", 128, _ref_layout(8, 8, "none", 16, "parallel.dispatcher=nosync", "train.compile=true"), 0,
+     2.028, 69.1, 13.7, 13.7),
+]
+
+
+@pytest.mark.parametrize("preset, gpus, flags, rank, compute, training, saving, loading", REHEARSED_REFS)
+def test_rehearsed_reference_layouts_are_within_10_percent(preset, gpus, flags, rank, compute, training, saving, loading):
+    """The planner's compute, and the rehearsed rank's pipeline rank's training, save and load
+    peaks, within 10% of the rehearsal; the rank rehearsed is the one the planner names busiest."""
+    p = plan(resolve_config(preset, flags), gpus, "h200")
+    assert p.busiest_rank == rank
+    stage = rank // p.layout.dp
+    for predicted, measured in (
+        (p.compute_s, compute),
+        (p.peak_gib_per_pipeline_rank[stage], training),
+        (p.save_peak_gib_per_pipeline_rank[stage], saving),
+        (p.load_peak_gib_per_pipeline_rank[stage], loading),
+    ):
+        if measured is not None:
+            assert abs(predicted - measured) <= 0.10 * measured, (predicted, measured)
+
+
+def test_a_pipeline_stage_keeps_one_bf16_weight_copy_per_micro_batch_in_flight():
+    """Without optim.bf16_weights each micro-batch's forward casts the weights and its saved
+    tensors keep the copy: compiled nosync blocks too (ref-small-64e's stage 0, 8 micro-batches in
+    flight, rehearsed: 69.1 GiB)."""
+    flags = _ref_layout(8, 8, "none", 16, "parallel.dispatcher=nosync", "train.compile=true")
+    assert abs(plan(resolve_config("ref-small-64e", flags), 128, "h200").peak_gib_per_pipeline_rank[0] - 69.1) <= 6.91
+
+    def stage0(*extra):
+        cfg = resolve_config("ref-small-64e", [*flags, *extra])
+        return memory_per_rank(cfg, layout_of(cfg, 128), ParamGroups.of(cfg.model), Assumptions())[0]
+
+    fp32_weights, bf16_weights = stage0(), stage0(BF16W)
+    copies = fp32_weights.activations - bf16_weights.activations
+    blocks = fp32_weights.local - fp32_weights.embedding_local  # the embedding is not cast
+    assert copies == pytest.approx(8 * 2 * blocks)
