@@ -651,19 +651,31 @@ REHEARSED_REFS = [
     ("ref-small-64e", 128, _ref_layout(8, 8, "none", 16, BF16W), 0, 2.723, 70.9, 12.0, 12.0),
     ("ref-medium-128e", 128, _ref_layout(8, 8, "none", 16, BF16W), 16, 4.858, 118.9, 35.5, 35.7),
     ("ref-large-128e", 512, _ref_layout(16, 8, "none", 32, BF16W, "model.n_layers=24"), 32, 5.923, 126.5, 31.7, 31.8),
+    ("ref-ultra-128e", 512, _ref_layout(8, 8, "full", 64, BF16W, "model.n_layers=24"), 448, 15.263, 78.8, 67.6, 68.0),
+    ("ref-ultra-256e", 512, _ref_layout(16, 32, "full", 32, BF16W, "model.n_layers=32"), 32, 17.572, 77.8, 64.1, 64.5),
     ("ref-tiny-64e", 16, _ref_layout(2, 8, "none", 16), 0, 3.57, 71.5, 19.3, None),
     ("ref-small-64e", 128, _ref_layout(8, 8, "none", 16), 0, 2.68, 83.2, 13.7, None),
     ("ref-large-128e", 512, _ref_layout(16, 8, "none", 32, "model.n_layers=16"), 64, 3.047, 95.0, 25.9, 25.9),
     ("ref-ultra-128e", 512, _ref_layout(8, 8, "full", 64, "model.n_layers=8"), 448, 6.717, 50.4, 35.6, 35.6),
     ("ref-ultra-256e", 512, _ref_layout(16, 32, "selective", 32, "model.n_layers=16"), 64, 7.688, 100.9, 49.0, 49.0),
     # compiled blocks, the sync-free dispatcher, fp32 weights
-    ("ref-small-64e", 128, _ref_layout(8, 8, "none", 16, "parallel.dispatcher=nosync", "train.compile=true"), 0,
-     2.028, 69.1, 13.7, 13.7),
+    (
+        "ref-small-64e",
+        128,
+        _ref_layout(8, 8, "none", 16, "parallel.dispatcher=nosync", "train.compile=true"),
+        0,
+        2.028,
+        69.1,
+        13.7,
+        13.7,
+    ),
 ]
 
 
 @pytest.mark.parametrize("preset, gpus, flags, rank, compute, training, saving, loading", REHEARSED_REFS)
-def test_rehearsed_reference_layouts_are_within_10_percent(preset, gpus, flags, rank, compute, training, saving, loading):
+def test_rehearsed_reference_layouts_are_within_10_percent(
+    preset, gpus, flags, rank, compute, training, saving, loading
+):
     """The planner's compute, and the rehearsed rank's pipeline rank's training, save and load
     peaks, within 10% of the rehearsal; the rank rehearsed is the one the planner names busiest."""
     p = plan(resolve_config(preset, flags), gpus, "h200")
