@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cuda_timing import timed as cuda_ms  # noqa: E402
 from trace_overlap import analyse  # noqa: E402
-from wgrad_probe import timed as cuda_ms  # noqa: E402
 
 from moetrain.model.experts import GroupedExperts  # noqa: E402
 from moetrain.model.mlp import SwiGLU  # noqa: E402

@@ -19,7 +19,7 @@ and prints its achieved bandwidth (bytes read plus written over the time) or FLO
   input and weight gradients of both) at a fixed number of rows per rank, as the experts a rank
   holds grow; TFLOP/s against the rows each expert gets.
 
-Timings: CUDA events, median of `--reps` after warm-ups (`wgrad_probe.timed`), on random data.
+Timings: CUDA events, median of `--reps` after warm-ups (`cuda_timing.timed`), on random data.
 
     python benchmarks/step_bytes_probe.py [--elements 1e9] [--out DIR]     (CUDA only)
 """
@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from wgrad_probe import timed  # noqa: E402
+from cuda_timing import timed  # noqa: E402
 
 from moetrain.optim.adamw_split_kernel import (  # noqa: E402
     accumulate_grad,

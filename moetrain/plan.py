@@ -793,7 +793,7 @@ def memory_per_rank(cfg: RunConfig, L: Layout, groups: ParamGroups, assume: Assu
                 # the reduce-scatters' output shards, in the gradient dtype (a view of the bucket
                 # where the group has one rank)
                 reduced = (dense_local / L.dp if L.dp > 1 else 0) + (expert_local / L.edp if L.edp > 1 else 0)
-                optimizer += grad_elem * reduced
+                grads += grad_elem * reduced
             else:
                 optimizer = moments * local
         # gradients are present during backward when they persist: accumulation over micro-batches

@@ -1,6 +1,6 @@
 """Can a weight-gradient GEMM accumulate straight into an fp32 buffer on this GPU, and what does it
-cost against today's bf16 GEMM + cast + add? (Issue 15: "weight gradients accumulated in fp32
-once per step", Megatron's gradient-accumulation fusion.)
+cost against today's bf16 GEMM + cast + add? (Weight gradients accumulated in fp32 once per step:
+Megatron's gradient-accumulation fusion.)
 
 For a dense weight (out × in) and a stacked expert weight (E × out × in), per micro-batch:
   today:  dW_bf16 = dyᵀ·x (bf16 out), then .grad_fp32 += dW_bf16.float()   (autocast's cast + accumulate)
@@ -9,31 +9,19 @@ For a dense weight (out × in) and a stacked expert weight (E × out × in), per
 Prints one JSON line per probe: whether it ran, its max error against an fp64 reference, and
 milliseconds per call (CUDA events, median of 20 after 5 warm-ups).
 
-    python benchmarks/wgrad_probe.py            (CUDA only)
+    python benchmarks/probes/wgrad_probe.py            (CUDA only)
 """
 
 from __future__ import annotations
 
 import json
-import statistics
+import sys
+from pathlib import Path
 
 import torch
 
-
-def timed(fn, reps: int = 20, warmup: int = 5) -> float:
-    """Median CUDA-event milliseconds of `fn` over `reps` calls, after `warmup`."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cuda_timing import timed  # noqa: E402
 
 
 def report(name: str, fn, check=None) -> None:

@@ -4,15 +4,19 @@ expert and feature over that expert's tokens, every token block padded to a mult
 
 Times the GEMMs alone (CUDA events, median of 20 after 5 warm-up runs) on the expert shapes of
 bench-8e and bench-sweep-64, and checks the FP8 product against the dequantized fp32 one.
-Run on a GPU: `python benchmarks/fp8_wgrad_probe.py`; one JSON line per (shape, GEMM).
+Run on a GPU: `python benchmarks/probes/fp8_wgrad_probe.py`; one JSON line per (shape, GEMM).
 """
 
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import torch
-from wgrad_probe import timed as _median_ms  # CUDA events, median of 20 after 5 warm-up runs
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cuda_timing import timed as _median_ms  # noqa: E402  (CUDA events, median of 20 after 5 warm-ups)
 
 E4M3 = torch.float8_e4m3fn
 

@@ -1,4 +1,4 @@
-"""Gradient clipping folded into fused AdamW vs applied to the gradients first (issue 4).
+"""Gradient clipping folded into fused AdamW vs applied to the gradients first.
 
 Builds fp32 parameters and gradients with bench-8e's tensor shapes (4.58B parameters; ~73 GB of
 parameters, gradients and AdamW state) on one GPU and times, per optimizer step:
@@ -6,7 +6,7 @@ parameters, gradients and AdamW state) on one GPU and times, per optimizer step:
              gradient once more);
   folded   — the fused AdamW kernel with grad_scale = 1 / coef (what ReplicatedAdamW does on CUDA).
 Both include the global gradient norm (torch._foreach_norm). Prints one JSON line.
-Usage: python benchmarks/clip_probe.py [--steps 10]
+Usage: python benchmarks/probes/clip_probe.py [--steps 10]
 """
 
 from __future__ import annotations

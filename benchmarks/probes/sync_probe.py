@@ -4,7 +4,7 @@ Runs two `tiny` steps (compilation, allocation), then one under CUDA's sync debu
 with anomaly mode on (NaN checks off: they read values on the host themselves), so a sync in
 backward is reported with the forward traceback of the node that made it.
 
-Usage (on a GPU machine): python benchmarks/sync_probe.py [key=value …], e.g. train.compile=true
+Usage (on a GPU machine): python benchmarks/probes/sync_probe.py [key=value …], e.g. train.compile=true
 """
 
 import sys

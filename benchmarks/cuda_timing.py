@@ -1,0 +1,23 @@
+"""CUDA-event timing shared by the GPU probes under benchmarks/."""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+
+def timed(fn, reps: int = 20, warmup: int = 5) -> float:
+    """Median CUDA-event milliseconds of `fn` over `reps` calls, after `warmup`."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
