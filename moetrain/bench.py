@@ -17,7 +17,7 @@ The routing mode is switched in place between configurations (`TrainEngine.set_r
 model, its optimizer state and compiled code are kept; a warm-up follows each switch).
 Everything here goes through the trainer's and the engine's public methods.
 
-FLOPs and MFU follow the anchor's formula (moetrain/model/counting.py): 6 × active
+FLOPs and MFU follow Olmo-core's formula (moetrain/model/counting.py): 6 × active
 non-embedding parameters + 12 × layers × heads × head_dim × sequence length per token, over the
 device's dense BF16 peak.
 """

@@ -1,6 +1,6 @@
 """Named configurations shipped with the package, and resolution of PRESET_OR_YAML + overrides.
 
-`tiny` trains on a laptop CPU in minutes. `ref-*` reproduce the anchor's (Olmo-core 3) reference
+`tiny` trains on a laptop CPU in minutes. `ref-*` reproduce Olmo-core 3's reference
 shapes, `sweep-8l-*` its capacity sweep (see shared/REFERENCE.md for the published figures).
 `bench-*` are the one-GPU benchmark shapes measured side by side with Olmo-core 3.0.0
 (docs/benchmarks.md): `bench-8e`, `bench-tiny64e-l6`, `bench-small32e` are its runner's shapes
@@ -21,7 +21,7 @@ from moetrain.errors import ConfigError
 from moetrain.model.config import MoEConfig, TransformerConfig
 from moetrain.train.config import RunConfig, TrainerConfig
 
-ANCHOR_VOCAB = 100_352  # 100,278 tokens padded to a multiple of 128
+OLMO_CORE_VOCAB = 100_352  # Olmo-core's tokenizer: 100,278 tokens padded to a multiple of 128
 
 
 def tiny() -> RunConfig:
@@ -54,7 +54,7 @@ def tiny() -> RunConfig:
     return cfg
 
 
-def _anchor_model(
+def _olmo_core_model(
     *,
     layers: int,
     dense: int,
@@ -67,10 +67,10 @@ def _anchor_model(
     z: float = 2e-4,
     peri_norm: bool = False,
 ) -> TransformerConfig:
-    """The anchor's production architecture: head_dim 128, QK-norm, one shared expert as wide as a
+    """Olmo-core 3's production architecture: head_dim 128, QK-norm, one shared expert as wide as a
     routed one, top-4 softmax with normalized weights × k, first `dense` blocks dense."""
     return TransformerConfig(
-        vocab_size=ANCHOR_VOCAB,
+        vocab_size=OLMO_CORE_VOCAB,
         d_model=d_model,
         n_layers=layers,
         n_heads=heads,
@@ -111,7 +111,7 @@ def _big_run(model: TransformerConfig, *, seq_len: int, gpus: int, global_batch:
 
 def _ref(layers, dense, d_model, heads, kv, hidden, experts, gpus, lb=0.01):
     return lambda: _big_run(
-        _anchor_model(
+        _olmo_core_model(
             layers=layers, dense=dense, d_model=d_model, heads=heads, kv_heads=kv, hidden=hidden, experts=experts, lb=lb
         ),
         seq_len=8192,
@@ -123,7 +123,7 @@ def _ref(layers, dense, d_model, heads, kv, hidden, experts, gpus, lb=0.01):
 
 def _sweep(experts: int) -> Callable[[], RunConfig]:
     return lambda: _big_run(
-        _anchor_model(layers=8, dense=1, d_model=4096, heads=32, kv_heads=8, hidden=4096, experts=experts, lb=0.01),
+        _olmo_core_model(layers=8, dense=1, d_model=4096, heads=32, kv_heads=8, hidden=4096, experts=experts, lb=0.01),
         seq_len=4096,
         gpus=8,
         global_batch=64,
@@ -132,8 +132,8 @@ def _sweep(experts: int) -> Callable[[], RunConfig]:
 
 
 def _bench(model: TransformerConfig, *, micro_batch: int, accum: int = 1, lr: float) -> Callable[[], RunConfig]:
-    """One GPU, sequences of 8192 tokens, `micro_batch` sequences per micro-batch (the anchor
-    runner's), `accum` micro-batches per optimizer step; bf16 with fp32 master weights; blocks
+    """One GPU, sequences of 8192 tokens, `micro_batch` sequences per micro-batch (Olmo-core's
+    benchmark runner's), `accum` micro-batches per optimizer step; bf16 with fp32 master weights; blocks
     compiled (measured +18% tokens/s on bench-8e, +24% on bench-tiny64e-l6: docs/benchmarks.md)."""
 
     def make() -> RunConfig:
@@ -158,7 +158,7 @@ def _bench(model: TransformerConfig, *, micro_batch: int, accum: int = 1, lr: fl
 
 def _bench_8e_layout(experts: int, d_model: int, hidden: int) -> TransformerConfig:
     """Olmo-core's moe_8l shape: 8 layers (the first dense), pre-norm, lb 0.015, z 1e-4."""
-    return _anchor_model(
+    return _olmo_core_model(
         layers=8,
         dense=1,
         d_model=d_model,
@@ -182,14 +182,14 @@ PRESETS: dict[str, Callable[[], RunConfig]] = {
     **{f"sweep-8l-{e}": _sweep(e) for e in (8, 16, 32, 64, 128)},
     "bench-8e": _bench(_bench_8e_layout(8, 4096, 4096), micro_batch=1, lr=3e-4),
     "bench-tiny64e-l6": _bench(
-        _anchor_model(
+        _olmo_core_model(
             layers=6, dense=1, d_model=2048, heads=16, kv_heads=4, hidden=2048, experts=64, lb=0.01, peri_norm=True
         ),
         micro_batch=2,
         lr=1.8e-4,
     ),
     "bench-small32e": _bench(
-        _anchor_model(
+        _olmo_core_model(
             layers=16, dense=1, d_model=1024, heads=8, kv_heads=2, hidden=1024, experts=32, lb=0.01, peri_norm=True
         ),
         micro_batch=2,

@@ -1,6 +1,6 @@
 """A transformer block: attention and an FFN (dense SwiGLU or MoE), each around a residual.
 
-Pre-norm: x + f(norm(x)). Peri-norm (`peri_norm=True`, as the anchor's Tiny/Small references):
+Pre-norm: x + f(norm(x)). Peri-norm (`peri_norm=True`, as Olmo-core's Tiny/Small references):
 x + norm_out(f(norm_in(x))), which bounds what each sublayer adds to the residual stream.
 """
 

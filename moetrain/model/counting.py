@@ -1,11 +1,11 @@
 """Parameter and FLOP counts, computed from the config alone (no model is built, so the
 trillion-parameter presets count instantly).
 
-FLOPs follow the anchor's (Olmo-core's) formula so figures compare directly:
+FLOPs follow Olmo-core's formula so figures compare directly:
     flops_per_token = 6 × active non-embedding parameters      (LM head included)
                     + 12 × layers × heads × head_dim × seq_len  (attention scores and values)
 The attention term counts the full T×T score matrix; a causal-aware count halves it
-(`causal_halved=True`). MFU is always reported with the full (anchor's) count.
+(`causal_halved=True`). MFU is always reported with the full (Olmo-core's) count.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def count_params(cfg: TransformerConfig) -> ParamCounts:
 
 
 def flops_per_token(cfg: TransformerConfig, seq_len: int, causal_halved: bool = False) -> int:
-    """Training FLOPs (forward + backward) per token, the anchor's formula."""
+    """Training FLOPs (forward + backward) per token, Olmo-core's formula."""
     counts = count_params(cfg)
     attention = 12 * cfg.n_layers * cfg.n_heads * cfg.resolved_head_dim * seq_len
     if causal_halved:

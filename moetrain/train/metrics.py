@@ -7,7 +7,7 @@ The metrics.jsonl contract (one JSON object per logged step; keys never renamed)
 - loss: the optimized objective, lm_loss + Σ_layers (lb_weight·lb + z_weight·z).
 - lb_loss / z_loss: unweighted, averaged over MoE layers and micro-batches (lb = 1 is balanced).
 - tokens_per_sec: tokens of all ranks per second of wall time, averaged since the last log.
-- tflops_per_device: flops_per_token × tokens_per_sec_per_device (the anchor's formula);
+- tflops_per_device: flops_per_token × tokens_per_sec_per_device (Olmo-core's formula);
   mfu: that over the device's dense BF16 peak; null on CPU and unknown GPUs.
 - peak_mem_gib: torch.cuda.max_memory_allocated on GPU, the process's peak RSS on CPU.
 - expert_load_max_over_mean: worst MoE layer's max/mean tokens per expert over the step.

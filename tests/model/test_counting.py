@@ -9,7 +9,7 @@ import pytest
 from moetrain.model.counting import count_params, peak_flops
 from moetrain.presets import preset
 
-# (total, active) from the anchor's reference table (shared/REFERENCE.md) and its capacity sweep.
+# (total, active) from Olmo-core's reference table (shared/REFERENCE.md) and its capacity sweep.
 REFERENCE = {
     "ref-tiny-64e": (12.91e9, 1.59e9),
     "ref-small-64e": (40.86e9, 4.29e9),
