@@ -13,12 +13,11 @@ Every operand of the row-wise recipe is quantized along one dim, in one of two s
   tiles cast with their columns' scales and written transposed (reads coalesced along C, writes
   along R): 2 + 2 + 1 bytes per bf16 element.
 
-Measured on bench-8e (docs/benchmarks.md): Inductor's compiled plain formulation spent ~47 ms of
-a 293 ms step in quantization; one program per column block (a first version of the transposed
-kernel) left most of the GPU idle at R = 32k and spent 54 ms in that kernel alone. Taking the
-column maxima inside the row quantizer (16 rows a program, one atomic per column) to spare the
-column-wise pass its amax read ran at ~1.5 TB/s against ~3.8 for rows alone plus ~2.7 for the
-separate maxima, so the passes stay separate.
+Why this shape (benchmarks/probes/fp8_quant_probe.py, bench-8e's operands on one H200): one
+program per column block leaves most of the GPU idle at R = 32k, and taking the column maxima
+inside the row quantizer runs at ~1.5 TB/s against ~3.8 for rows alone plus ~2.7 for separate
+maxima, so the passes stay separate. (Inductor's compiled plain formulation spends ~47 ms of
+bench-8e's 293 ms step in quantization.)
 
 Numerics are `fp8.quantize_rowwise`'s bit for bit: the scale is 2^ceil(log2(amax / 448)) taken
 from amax / 448's fp32 bits (exact, no log2 approximation), the division by the scale is a
