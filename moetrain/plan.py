@@ -79,7 +79,8 @@ measured per layer on one H200 in docs/benchmarks.md). Links: NVLink within a no
 `gpus_per_node`, the node's network (per GPU) across nodes, at `link_eff` of their one-way
 bandwidth. The constants are assumptions, stated in
 `GPUS` and `Assumptions` with what each was calibrated on (one and two H200s); treat step time
-and MFU as ±25% (docs/benchmarks.md compares them with 24 measured runs)."""
+and MFU as ±25% (docs/benchmarks.md, "The planner against measured peaks" and "One-GPU
+tokens/s", compares them with measured runs)."""
 
 from __future__ import annotations
 
@@ -136,107 +137,82 @@ GPUS: dict[str, GPU] = {
 
 @dataclasses.dataclass(frozen=True)
 class Assumptions:
+    """The time and memory model's constants. Each one's measurement, with its figures, date,
+    machine, commit and command: docs/benchmarks.md, "The planner's calibration"."""
+
     gemm_eff: float = 0.72
-    """GEMM + attention FLOP/s as a fraction of the dense peak (H200, bench-8e's profile: its
-    GEMMs and attention ran at 72% of peak)."""
+    """GEMM + attention FLOP/s as a fraction of the dense BF16 peak. Measured: bench-8e's profile
+    on one H200."""
     hbm_eff: float = 0.6
-    """Achieved fraction of HBM bandwidth for the other memory-bound kernels: the element-wise
-    passes over activations (`ew_passes`, calibrated with it on bench-8e's profile) and autocast's
-    weight casts (first set from torch's fused AdamW on H200: 128 GB in 44.6 ms = 60% of 4.8 TB/s;
-    the optimizer and the gradients' passes now have their own measured rates below)."""
+    """Achieved fraction of HBM bandwidth for the memory-bound kernels counted as passes: the
+    element-wise work (`ew_passes`, calibrated with it) and autocast's weight casts. Measured:
+    torch's fused AdamW on one H200."""
     ew_passes: float = 4.5
     """Element-wise traffic as passes over each micro-batch's saved block activations (norms,
-    RoPE, SwiGLU, routing, permutations; bench-8e's profile: 58.6 ms per step of such kernels,
-    19 ms of them the weight casts), plus one pass over the logits and the loss's copies."""
+    RoPE, SwiGLU, routing, permutations), plus one pass over the logits and the loss's copies.
+    Measured: bench-8e's profile on one H200."""
     eager_ew_factor: float = 2.45
-    """Element-wise kernels of eager blocks (train.compile=false; the exact all-to-all's graph
-    break) take this many times the compiled passes' time: unfused, with fp32 intermediates.
-    Measured on one H200 twice: bench-8e with compile=false, 0.388 s a step against 0.331 planned
-    without it (2.43); the rehearsed rank 0 of sweep-8l-8 at dp8·ep8, eager, its non-GEMM
-    kernels beyond the dispatcher's (2.46; docs/benchmarks.md, "Rehearsed"). With the pipelined
-    exchange (parallel.overlap_chunks) the experts' share of the element-wise work runs eagerly
-    even in compiled blocks (`NoSyncDispatcher.pipelined` runs them outside the graph)."""
+    """How many times longer the element-wise kernels of eager blocks take than the compiled passes
+    (unfused, fp32 intermediates): train.compile=false, or the exact all-to-all's graph break;
+    with the pipelined exchange (parallel.overlap_chunks) the experts' share runs eagerly in
+    compiled blocks too. Measured: bench-8e eager, and the rehearsed rank 0 of sweep-8l-8 at
+    dp8·ep8, on one H200."""
     nosync_passes: float = 34.0
-    """The sync-free dispatcher at ep > 1 (parallel.dispatcher=nosync): its index and mask
-    kernels — the gathers into and out of the wire buffers, masking of the rows no token
-    filled, the regroup by local expert, forward and backward — as passes over the routed rows
-    it moves per MoE layer and micro-batch (wire rows × d_model × 2 B), at `hbm_eff`, where they
-    run eagerly: in eager blocks, and with the pipelined exchange (parallel.overlap_chunks, which
-    compile leaves out). Measured in the profile of the rehearsed rank 0 of sweep-8l-8 at
-    dp8·ep8 on one H200 (masked_fill, gather, index_copy kernels): 123.6 ms a step eager, 127.3
-    compiled with the pipelined exchange, 122.0 at sweep-8l-128 (constant in the experts).
-    Compiled blocks without it fuse them into their Triton kernels (not counted)."""
+    """The sync-free dispatcher's index and mask kernels at ep > 1 (the gathers into and out of the
+    wire buffers, masking of the rows no token filled, the regroup by local expert, forward and
+    backward) as passes over the routed rows it moves per MoE layer and micro-batch (wire rows ×
+    d_model × 2 B) at `hbm_eff`, where they run eagerly: in eager blocks and with the pipelined
+    exchange, which compile leaves out (compiled blocks without it fuse them; not counted).
+    Measured: the profiled rehearsal of rank 0 of sweep-8l-8 and -128 at dp8·ep8 on one H200
+   ."""
     link_eff: float = 0.33
-    """Achieved fraction of a link's one-way bandwidth by NCCL collectives (two H200s over
-    NVLink: ~145 GB/s for the all-reduce and the all-to-alls of docs/benchmarks.md's runs)."""
+    """Achieved fraction of a link's one-way bandwidth by NCCL's collectives. Measured: two H200s
+    over NVLink."""
     symm_link_eff: float = 0.083
-    """The same for NVSHMEM's all-to-all-v kernels (`parallel.dispatcher=symm`): two H200s,
-    sweep-8l-8 at ep2, 15.0 GB of routed rows per step took ~400 ms of transport kernels
-    (docs/benchmarks.md, the two-H200 runs): ~38 GB/s, a quarter of NCCL's rate."""
+    """The same for NVSHMEM's all-to-all-v kernels (`parallel.dispatcher=symm`). Measured:
+    sweep-8l-8 at ep2 on two H200s."""
     fsdp_overlap: float = 0.66
-    """Fraction of the compute time that hides FSDP's all-gathers and reduce-scatters (measured
-    on two H200s: tiny64e-l6's FSDP step was 63 ms over one GPU's for 185 ms of transfers).
-    The ddp stack's all-to-alls count as not hidden unless pipelined (parallel.overlap_chunks);
-    its data-parallel reductions by `dp_tail`. (An early two-GPU run, before the trace tool, read
-    bench-small32e's dp2 step as paying its whole all-reduce; the profiled runs of sweep-8l-8
-    showed two-thirds of it under the backward, the embedding's buckets exposed.)"""
+    """Fraction of the compute time that hides FSDP's all-gathers and reduce-scatters (the ddp
+    stack's all-to-alls count as exposed unless pipelined, its data-parallel reductions by
+    `dp_tail`). Measured: bench-tiny64e-l6's FSDP step on two H200s."""
     recompute_cost: tuple[float, float] = (0.28, 0.47)
-    """Extra step time of selective recompute of compiled blocks and of full recompute over no
-    recompute, as a fraction of the recomputed blocks' compute (bench-8e on one H200: 0.337 →
-    0.430 and 0.495 s per step). Selective recompute of eager blocks is counted pass by pass
-    instead (`step_time`)."""
+    """Extra step time of selective recompute of compiled blocks and of full recompute, as a
+    fraction of the recomputed blocks' compute (selective recompute of eager blocks is counted
+    pass by pass in `step_time`). Measured: bench-8e on one H200."""
     fp8_gemm_speedup: float = 1.45
-    """Row-wise FP8 GEMMs over BF16 ones (bench-8e's profile: 193 → 133 ms per step)."""
+    """Row-wise FP8 GEMMs over BF16 ones. Measured: bench-8e's profile on one H200."""
     fp8_quant_passes: float = 10.0
-    """moetrain's row-wise quantization as passes over block activations + weights (bench-8e on
-    one H200 with the compiled quantizers: FP8 step 344 ms, BF16 331 ms)."""
+    """moetrain's row-wise quantization as passes over block activations and weights. Measured:
+    bench-8e with the compiled quantizers on one H200."""
     overlap_slowdown: float = 0.23
     """With parallel.overlap_chunks: how much an all-to-all running under compute slows that
-    compute, as a fraction of its duration (NCCL's kernels hold SMs and HBM bandwidth for the
-    transfer). No multi-GPU measurement yet; one-GPU proxies (docs/benchmarks.md): an MoE layer's
-    compute beside back-to-back NCCL all-to-alls of a 1-rank group (NCCL's own kernels, moving
-    device copies at ~3.7 TB/s of HBM, far above an NVLink transfer's): 53.0 → 69.1 ms, 0.23 of
-    the window (benchmarks/overlap_probe.py); beside a Triton copy kernel on 8–32 CTAs
-    (benchmarks/interference_probe.py): 0.35–0.36, whatever its SMs and copy rate —
-    that kernel's co-scheduling with the GEMMs, not NCCL's. DeepSeek-V3 keeps its transfers fed
-    with 20 of an H800's 132 SMs (15%)."""
+    compute, as a fraction of its duration (NCCL's kernels hold SMs and HBM bandwidth). Not
+    measured on two or more GPUs; the value is a one-GPU proxy: an MoE layer's compute beside
+    NCCL all-to-alls of a 1-rank group, benchmarks/overlap_probe.py."""
     chunk_bytes: tuple[float, float] = (4.1, 7.1)
-    """With parallel.overlap_chunks: the device time the chunks add to the pipelined exchange, as
-    bytes of HBM traffic per local expert parameter and micro-batch: chunks by experts (whatever
-    n: the groups' gradients copied into one, plus each chunk's routing), and by tokens per chunk
-    beyond the first (autograd sums each chunk's whole weight gradient; smaller GEMMs). Measured
-    on one H200 with benchmarks/overlap_probe.py (16 experts of 4096 × 4096, 16,384 tokens, bf16
-    weights), kernel time against n = 1 (the same asynchronous exchange): by experts +0.9 and
-    +1.15 ms at n = 2 and 4 (capacity 0.7, where one rank's buffers compare equal); by tokens
-    +1.1 and +6.0 ms. The host's own work per chunk (eager launches) is not modeled."""
+    """With parallel.overlap_chunks: the device time the chunks add, as bytes of HBM traffic per
+    local expert parameter and micro-batch, for chunks by experts and (per chunk beyond the
+    first) by tokens; the host's launches are not modelled. Measured:
+    benchmarks/overlap_probe.py on one H200."""
     param_pass_eff: float = 0.86
     """Achieved fraction of HBM bandwidth for moetrain's passes over every local parameter: the
-    Triton AdamW kernel (split masters, or bf16 moments) and the gradients' copies, in-place adds
-    and fp32 accumulation. Measured on one H200 with benchmarks/step_bytes_probe.py
-    (docs/benchmarks.md): AdamW 4.12–4.17 TB/s in all four moment and gradient dtypes,
-    copy 4.18, bf16 add 4.31, fp32 += bf16 4.11 (0.86–0.90 of 4.8 TB/s)."""
+    Triton AdamW kernel and the gradients' copies, adds and fp32 accumulation. Measured:
+    benchmarks/step_bytes_probe.py on one H200."""
     torch_adamw_eff: float = 0.69
-    """The same for torch's fused AdamW over fp32 parameters, fp32 moments (the embedding, norms
-    and routers with bf16 weights; everything without): 3.33 TB/s in the same call."""
+    """The same for torch's fused AdamW over fp32 parameters and moments (the embedding, norms and
+    routers with bf16 weights; everything without). Measured: the same probe."""
     norm_eff: float = 0.7
-    """The same for the clipping norm's pass over the gradients (on CUDA `sum_squares`,
-    moetrain/optim/adamw_split_kernel.py): 3.39 TB/s over bf16 gradients, 3.94 over fp32
-    (benchmarks/step_bytes_probe.py; torch's `_foreach_norm`: 2.06 and 3.13)."""
+    """The same for the clipping norm's pass over the gradients (`sum_squares` on CUDA). Measured:
+    the same probe."""
     group_tile_rows: float = 64.0
-    """Rows of work each expert's group adds to its grouped GEMMs beyond its own: the last,
-    partial tile of its rows. Measured with step_bytes_probe.py under
-    uniformly random routing at sweep-8l's per-rank shape (D = F = 4096, 65,536 rows): 653.8
-    TFLOP/s with one local expert, 645.5 with 16 (4,096 rows each), i.e. 56 rows per group; half a
-    128-row tile is 64. Smaller experts lose more than this counts: bench-sweep's D 2048, F 1024
-    fell 618.7 → 473.8 TFLOP/s from 8 to 64 experts (4,096 → 512 rows each), ~190 rows per group."""
+    """Rows of work each expert's group adds to its grouped GEMMs beyond its own: the last, partial
+    tile of its rows, half a 128-row tile (smaller experts lose more than this counts).
+    Measured: benchmarks/step_bytes_probe.py at sweep-8l's per-rank shape on one H200."""
     dp_tail: bool = True
-    """The ddp stack's data-parallel reductions run under the rest of the last backward
-    (`GradReducer` starts each bucket's as soon as its gradients are final); only the buckets
-    backward finishes last — the embedding's, on the first pipeline rank — and whatever the
-    backward cannot cover are exposed. Measured on two H200s (sweep-8l-8 at dp2·ep2, fp32
-    buckets, docs/benchmarks.md "Where the ep2 step's time goes"): 10.7 and 13.6 ms of 32.1 and
-    33.2 ms of all-reduce exposed, against 11.1 ms for the embedding's 1.64 GB at `link_eff`.
-    False: every reduction counted in full (as the planner did before)."""
+    """The ddp stack's data-parallel reductions run under the rest of the last backward; only the
+    buckets backward finishes last (the embedding's, on the first pipeline rank) and what the
+    backward cannot cover are exposed. False: every reduction counted in full. Measured:
+    traced sweep-8l-8 at dp2·ep2 on two H200s."""
     workspace_gib: float = 1.0
     """Allocator and kernel work space on top of the accounted tensors."""
 

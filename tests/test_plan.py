@@ -25,12 +25,12 @@ FP32_WEIGHTS = "optim.bf16_weights=false"
 # ... and the ep2 nosync rows with its padded buffers (ep × the rows), before the capacity default.
 PADDED = "parallel.capacity_factor=null"
 MEASURED = [
-    # "Side by side with Olmo-core 3.0.0" and "Activation recompute on bench-8e"
+    # "The planner against measured peaks" and "Activation recompute on bench-8e"
     ("bench-8e", 1, [], 84.7),
     ("bench-8e", 1, ["train.recompute=selective"], 71.4),
     ("bench-8e", 1, ["train.recompute=full"], 69.3),
-    ("bench-8e", 1, ["train.compile=false"], 91.6),  # "Compiling the blocks"
-    ("bench-8e", 1, ["train.fp8=rowwise"], 81.2),  # "FP8 (row-wise) against BF16"
+    ("bench-8e", 1, ["train.compile=false"], 91.6),  # "Compiled blocks"
+    ("bench-8e", 1, ["train.fp8=rowwise"], 81.2),  # "The planner against measured peaks"
     ("bench-tiny64e-l6", 1, [], 91.7),
     ("bench-small32e", 1, [], 60.2),
     # "Expert count at constant active parameters" (8 micro-batches per step)
@@ -38,7 +38,7 @@ MEASURED = [
     ("bench-sweep-16", 1, [], 36.6),
     ("bench-sweep-32", 1, [], 48.4),
     ("bench-sweep-64", 1, [], 72.1),
-    # "Two H200s over NCCL: the multi-GPU runs of issue 7" (nosync was the padded mode then: PADDED)
+    # "Scaling and the pipeline" (nosync in its padded mode then: PADDED)
     # (Two rows, bench-tiny64e-l6 at dp2·ep2 with one micro-batch, 80.1 GiB padded nosync and 80.5
     # alltoall, were measured when the experts' gradients at edp = 1 sat in persistent reducer
     # buckets. Since c67d6f0 they are made during backward, as at dp = 1, and the planner predicts
@@ -71,7 +71,7 @@ MEASURED = [
 
 
 # The same shapes with the chunked loss (train.loss_chunk_tokens: 4096 on CUDA by default),
-# docs/benchmarks.md "Issue 15, first steps"; predicted before they were measured.
+# docs/benchmarks.md "The chunked LM loss"; predicted before they were measured.
 MEASURED_CHUNKED_LOSS = [
     ("bench-8e", 1, [], 80.30),
     ("bench-tiny64e-l6", 1, [], 77.31),
@@ -88,7 +88,7 @@ def test_predicted_peak_with_the_chunked_loss_is_within_10_percent(preset, gpus,
 
 
 # optim.bf16_weights (CUDA's default), chunked loss, one H200, commit 940d069 (docs/benchmarks.md,
-# "Issue 15: bf16 weights with split fp32 masters").
+# "bf16 weights with split fp32 masters").
 MEASURED_BF16_WEIGHTS = [
     ("bench-8e", 1, [], 72.54),
     ("bench-tiny64e-l6", 1, [], 69.08),
@@ -253,7 +253,7 @@ def test_launch_script_layout_fits_by_the_planner(launch_plans, script):
     nodes = int(text.split("NODES=${NODES:-")[1].split("}")[0])
     assert record["gpus"] == 8 * nodes and record["preset"] == script.stem
     assert record["fits"], record
-    # Checkpoints never gather (issue 16, part 3): every layout also fits while a checkpoint is
+    # Checkpoints never gather: every layout also fits while a checkpoint is
     # saved or loaded, and needs no more for it than for a training step.
     assert record["fits_while_saving"] and record["fits_while_loading"], record
     for key in ("save_peak_gib_per_device", "load_peak_gib_per_device"):
@@ -263,9 +263,9 @@ def test_launch_script_layout_fits_by_the_planner(launch_plans, script):
 @pytest.mark.parametrize("dispatcher, measured_s", [("nosync", 1.5264), ("symm", 1.7815)])
 def test_step_time_of_the_two_gpu_expert_parallel_runs(dispatcher, measured_s):
     """sweep-8l-8 at dp2·ep2, 8 sequences of 4096 per GPU per step, measured on two H200s
-    (docs/benchmarks.md, call 4: compiled blocks; nosync in its padded mode then). nosync's prediction uses
-    constants from earlier runs; symm's transport rate (`symm_link_eff`) was read off this run,
-    so its row checks the arithmetic."""
+    (docs/benchmarks.md, "At the preset's batch": compiled blocks; nosync in its padded mode
+    then). nosync's prediction uses constants from other runs; symm's transport rate
+    (`symm_link_eff`) was read off this run, so its row checks the arithmetic."""
     cfg = resolve_config(
         "sweep-8l-8",
         [
@@ -514,16 +514,16 @@ def test_overlap_hides_the_all_to_all_by_the_stated_model_and_charges_its_chunks
     assert e8[1] == pytest.approx(3 * e8[0])
 
 
-# Training-step throughput measured with `moetrain bench --device cuda` on one H200 (docs/benchmarks.md:
-# issue 16 session 25 call 2 for bench-8e; issue 15 session 23 for the others): the planner's step
-# time, with its per-parameter passes at their measured rates, lands within 10%.
+# Training-step throughput measured with `moetrain bench --device cuda` on one H200 (docs/benchmarks.md,
+# "One-GPU tokens/s"): the planner's step time, with its per-parameter passes at their measured
+# rates, lands within 10%.
 MEASURED_TOKENS_PER_S = [
-    ("bench-8e", [], 27748),  # session 25, call 2
-    ("bench-tiny64e-l6", [], 91385),  # session 23, call 5
-    ("bench-small32e", [], 111882),  # session 23, call 4
-    ("bench-sweep-8", [], 108659),  # session 23, call 3 (random routing)
+    ("bench-8e", [], 27748),
+    ("bench-tiny64e-l6", [], 91385),
+    ("bench-small32e", [], 111882),
+    ("bench-sweep-8", [], 108659),  # random routing
     ("bench-sweep-64", [], 95392),
-    ("bench-sweep-8", ["optim.grad_dtype=bf16"], 109103),  # session 23, call 4
+    ("bench-sweep-8", ["optim.grad_dtype=bf16"], 109103),
     ("bench-sweep-64", ["optim.grad_dtype=bf16"], 97507),
 ]
 
@@ -582,9 +582,9 @@ def test_experts_alone_in_their_group_cost_no_bucket_copy():
     assert p4.time_s["weight_casts"] == pytest.approx(4 * (dense + experts4) / rate)
 
 
-# Issue 16's target on paper: sweep-8l-{8,32,64,128} on 8 H200s at ep8, the default dispatcher, no
-# recompute, with bf16 gradients and moments, 4 sequences per micro-batch, compiled blocks and the
-# pipelined exchange in 4 chunks (the table in docs/benchmarks.md, "Issue 16, session 25").
+# The capacity sweep's switches S: sweep-8l-{8,32,64,128} on 8 H200s at ep8, the default dispatcher,
+# no recompute, bf16 gradients and moments, 4 sequences per micro-batch, compiled blocks and the
+# pipelined exchange in 4 chunks (docs/benchmarks.md, "Rehearsed").
 TARGET_RUN = [
     "optim.grad_dtype=bf16",
     "optim.moments_dtype=bf16",
@@ -597,7 +597,7 @@ TARGET_RUN = [
 def test_the_capacity_sweep_on_eight_gpus_fits_and_loses_at_most_5_percent():
     """Every shape fits and 8 → 128 experts lose at most 5% of the tokens per GPU, by the
     planner whose compute part is within 10% of the rehearsed ranks (the test below). The other
-    half of issue 16's target, ≥ 90% of one GPU's best, does not hold by it (74% at 8 experts:
+    half of the target, ≥ 90% of one GPU's best, does not hold by it (74% at 8 experts:
     the sync-free dispatcher's index and mask kernels and the pipelined experts' eager work,
     measured by the rehearsal; docs/benchmarks.md, "Rehearsed")."""
     rates = {}

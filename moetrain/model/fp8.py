@@ -24,7 +24,7 @@ per-tensor scales only), so the recipe's numerics are testable without a GPU.
 
 Under `torch.compile` the FP8 products run as eager islands (`torch.compiler.disable`): compiled
 into a block's graph, the backward's grouped GEMM fails with a device-side assert on torch 2.11
-while the same functions run correctly eager (docs/benchmarks.md, "FP8", records the attempts).
+while the same functions run correctly eager (docs/benchmarks.md, "FP8").
 Inside the islands the quantizers are two Triton kernels (moetrain/model/fp8_kernels.py: along
 the contiguous dim, and along the other one with a transposed write), each reading its operand
 once, with `quantize_rowwise`'s bits.

@@ -103,7 +103,7 @@ class ParallelConfig(Config):
     compile_overlap: bool = False
     """With train.compile: let Inductor move the collectives inside each compiled block (the
     expert all-to-alls) ahead of independent compute, so they overlap it. Off by default: it has
-    been measured on one layout only (docs/benchmarks.md, two H200s)."""
+    been measured on one layout only (docs/benchmarks.md, "At the preset's batch")."""
     shard_optimizer: bool = False
     """Distributed optimizer: fp32 master weights and AdamW moments sharded over the data-parallel
     ranks (gradients reduce-scattered, parameters all-gathered): optimizer memory ÷ dp."""
