@@ -1,4 +1,4 @@
-"""Compare the per-step training losses of runs against a reference run (issue 7, part 1).
+"""Compare the per-step training losses of runs against a reference run.
 
 Usage: python benchmarks/compare_losses.py REF_RUN_DIR RUN_DIR... [--rtol 0.02]
 Prints one JSON line per run: steps compared, max |Δ lm_loss| and max relative Δ against the

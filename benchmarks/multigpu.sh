@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 7 on one host with N GPUs (N=2 on nvidia-h200-x2; any N that divides the shapes):
+# The multi-GPU checks on one host with N GPUs (N=2 on nvidia-h200-x2; any N that divides the shapes):
 #   correct — NCCL layouts beside one GPU, 20 steps on real text (benchmarks/compare_losses.py);
 #   stacks  — `moetrain bench` of one shape: ddp (expert parallel, nosync and alltoall
 #             dispatchers; replicated experts) and the FSDP baseline, same batch;

@@ -1,5 +1,5 @@
 """The rates the planner charges for a step's per-parameter passes and its grouped GEMMs, measured
-on one GPU (issue 16: the expert sweep at ep 8 on paper).
+on one GPU.
 
 What grows with the experts a rank holds is memory-bound work over every local parameter — the
 optimizer step, the gradient norm, the gradients' copies and accumulation — and grouped GEMMs
