@@ -41,10 +41,8 @@ class DataConfig(Config):
                     f"data.weights has {len(self.weights)} entries but data.sources has "
                     f"{len(self.sources)}: give one weight per source."
                 )
-            if any(w < 0 for w in self.weights) or sum(self.weights) <= 0:
-                raise ConfigError(f"data.weights={self.weights} must be non-negative with a positive sum.")
-        if self.seq_len <= 0:
-            raise ConfigError(f"data.seq_len={self.seq_len} must be a positive integer.")
+            if sum(self.weights) <= 0:
+                raise ConfigError(f"data.weights={self.weights} must have a positive sum.")
 
     def build(
         self, *, micro_batch_size: int, seed: int, vocab_size: int, dp_rank: int = 0, dp_size: int = 1

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from moetrain.config import validate_tree
 from moetrain.data.tokens import META_FILE, TokenFile, check_vocab, open_source, read_meta
 from moetrain.errors import ConfigError, DataError
 
@@ -59,7 +60,7 @@ class TokenLoader:
         dp_size: int = 1,
         vocab_size: int | None = None,
     ):
-        cfg.validate()
+        validate_tree(cfg, "data.")  # built outside a RunConfig too: its domains, then its rules
         _check_batch(micro_batch_size, dp_rank, dp_size)
         if seed < 0:
             raise ConfigError(f"The data seed must be a non-negative integer, got {seed}.")

@@ -81,25 +81,17 @@ class MoEConfig(Config):
     by this amount towards uniform load (sign of the load error). 0 disables it."""
 
     def validate(self) -> None:
-        for name in ("num_experts", "top_k", "expert_hidden"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"model.moe.{name}={getattr(self, name)} must be a positive integer.")
         if self.top_k > self.num_experts:
             raise ConfigError(
                 f"model.moe.top_k={self.top_k} is larger than model.moe.num_experts="
                 f"{self.num_experts}: a token cannot pick more experts than exist. Lower top_k or "
                 "raise num_experts."
             )
-        if self.shared_hidden < 0:
-            raise ConfigError(f"model.moe.shared_hidden={self.shared_hidden} must be ≥ 0 (0 = no shared expert).")
         if self.expert_hidden % GROUPED_MM_ALIGN:
             raise ConfigError(
                 f"model.moe.expert_hidden={self.expert_hidden} must be a multiple of "
                 f"{GROUPED_MM_ALIGN} (the grouped GEMM needs 16-byte aligned rows)."
             )
-        for name in ("lb_loss_weight", "z_loss_weight", "bias_update_rate"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"model.moe.{name}={getattr(self, name)} must be ≥ 0.")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -148,16 +140,13 @@ class TransformerConfig(Config):
         return self.n_layers - self.num_dense_layers
 
     def validate(self) -> None:
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"model.{name}={getattr(self, name)} must be a positive integer.")
         if self.head_dim is None and self.d_model % self.n_heads:
             raise ConfigError(
                 f"model.n_heads={self.n_heads} does not divide model.d_model={self.d_model}: "
                 "choose heads that divide the width, or set model.head_dim explicitly."
             )
-        if self.head_dim is not None and (self.head_dim <= 0 or self.head_dim % 2):
-            raise ConfigError(f"model.head_dim={self.head_dim} must be a positive even integer (RoPE rotates pairs).")
+        if self.head_dim is not None and self.head_dim % 2:
+            raise ConfigError(f"model.head_dim={self.head_dim} must be even (RoPE rotates pairs).")
         if self.resolved_head_dim % 2:
             raise ConfigError(f"head dim d_model/n_heads={self.resolved_head_dim} must be even (RoPE rotates pairs).")
         if self.n_heads % self.n_kv_heads:
@@ -165,17 +154,15 @@ class TransformerConfig(Config):
                 f"model.n_kv_heads={self.n_kv_heads} does not divide model.n_heads={self.n_heads}: "
                 "each key/value head serves a whole group of query heads."
             )
-        if not 0 <= self.num_dense_layers <= self.n_layers:
+        if self.num_dense_layers > self.n_layers:
             raise ConfigError(
-                f"model.num_dense_layers={self.num_dense_layers} must lie in [0, model.n_layers={self.n_layers}]."
+                f"model.num_dense_layers={self.num_dense_layers} must be at most model.n_layers={self.n_layers}."
             )
         if self.d_model % GROUPED_MM_ALIGN:
             raise ConfigError(
                 f"model.d_model={self.d_model} must be a multiple of {GROUPED_MM_ALIGN} (the grouped "
                 "GEMM needs 16-byte aligned rows)."
             )
-        if self.dense_hidden is not None and self.dense_hidden <= 0:
-            raise ConfigError(f"model.dense_hidden={self.dense_hidden} must be positive (or null for the default).")
 
     def build(self, device: str | None = None):
         """Build the model. On device "meta" no memory is allocated; call `to_empty()` and

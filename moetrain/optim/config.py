@@ -99,12 +99,8 @@ class OptimConfig(Config):
     compute; docs/benchmarks.md), so it stays opt-in there; the launch layouts turn it on."""
 
     def validate(self) -> None:
-        if self.lr <= 0:
-            raise ConfigError(f"optim.lr={self.lr} must be positive.")
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise ConfigError(f"optim.betas={self.betas} must be two numbers in [0, 1).")
-        if self.weight_decay < 0 or self.grad_clip < 0 or self.eps <= 0:
-            raise ConfigError("optim.weight_decay and optim.grad_clip must be ≥ 0 and optim.eps > 0.")
+        if len(self.betas) != 2:
+            raise ConfigError(f"optim.betas={self.betas} must be two numbers (β1, β2), each in [0, 1).")
 
     def resolved_bf16_weights(self, parallel: ParallelConfig, amp_dtype: torch.dtype | None, device) -> bool:
         """optim.bf16_weights, or by default: on for bf16 compute (`amp_dtype`) on CUDA with the
@@ -139,11 +135,3 @@ class ScheduleConfig(Config):
     """Final learning rate as a fraction of the peak."""
     decay_fraction: float = in_range(0.2, lo=0, hi=1, lo_open=True)
     """wsd only: the share of steps spent decaying."""
-
-    def validate(self) -> None:
-        if self.warmup_steps < 0:
-            raise ConfigError(f"schedule.warmup_steps={self.warmup_steps} must be ≥ 0.")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError(f"schedule.min_lr_ratio={self.min_lr_ratio} must lie in [0, 1].")
-        if not 0 < self.decay_fraction <= 1:
-            raise ConfigError(f"schedule.decay_fraction={self.decay_fraction} must lie in (0, 1].")

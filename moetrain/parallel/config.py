@@ -141,16 +141,6 @@ class ParallelConfig(Config):
     sum over chunks). n = 1 is the unsplit exchange's numbers bit for bit."""
 
     def validate(self) -> None:
-        for name in ("timeout_s", "peer_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"parallel.{name}={getattr(self, name)} must be a positive number of seconds.")
-        if self.capacity_factor is not None and self.capacity_factor <= 0:
-            raise ConfigError(
-                f"parallel.capacity_factor={self.capacity_factor} must be positive (or null for the "
-                "padded, dropless mode)."
-            )
-        if self.spill_factor < 0:
-            raise ConfigError(f"parallel.spill_factor={self.spill_factor} must be ≥ 0 (0: no spill rows).")
         if self.dispatcher != DispatcherKind.nosync:
             defaults = (
                 ("capacity_factor", DEFAULT_CAPACITY_FACTOR),

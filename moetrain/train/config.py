@@ -157,34 +157,6 @@ class TrainerConfig(Config):
         return self.global_batch_size // self.micro_batch_size
 
     def validate(self) -> None:
-        for name in (
-            "steps",
-            "global_batch_size",
-            "micro_batch_size",
-            "log_every",
-            "eval_tokens",
-            "recompute_every",
-            "skip_window",
-        ):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"train.{name}={getattr(self, name)} must be a positive integer.")
-        for name in (
-            "eval_every",
-            "save_every",
-            "keep_last",
-            "profile_wait",
-            "skip_spike_sigma",
-            "max_consecutive_skips",
-        ):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"train.{name}={getattr(self, name)} must be ≥ 0.")
-        if self.profile_steps <= 0:
-            raise ConfigError(f"train.profile_steps={self.profile_steps} must be a positive integer.")
-        if self.loss_chunk_tokens is not None and self.loss_chunk_tokens < 0:
-            raise ConfigError(
-                f"train.loss_chunk_tokens={self.loss_chunk_tokens} must be ≥ 0 (0: no chunks), or null for "
-                "the device's default."
-            )
         if self.global_batch_size % self.micro_batch_size:
             raise ConfigError(
                 f"train.global_batch_size={self.global_batch_size} is not a multiple of "

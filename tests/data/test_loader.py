@@ -222,3 +222,10 @@ def test_synthetic_tokens_are_layout_free_and_resume_exactly():
 def test_synthetic_data_refuses_document_masking():
     with pytest.raises(ConfigError, match="document_masking"):
         DataConfig(synthetic=True, document_masking=True).validate()
+
+
+@pytest.mark.parametrize("field, value", [("seq_len", 0), ("weights", [-1.0])])
+def test_a_loader_built_outside_a_run_config_checks_the_fields_domains(tmp_path, field, value):
+    cfg = DataConfig(sources=[str(_source(tmp_path, "a", 0, 9))], **{field: value})
+    with pytest.raises(ConfigError, match=f"data.{field}="):
+        TokenLoader(cfg, micro_batch_size=2, seed=0)
