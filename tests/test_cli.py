@@ -252,3 +252,17 @@ def test_code_version_names_the_commit_or_says_unknown(monkeypatch, tmp_path):
     monkeypatch.delenv("MOETRAIN_COMMIT")
     monkeypatch.setenv("PATH", str(tmp_path))  # no git to be found
     assert bench_module.code_version() == "unknown"
+
+
+def test_config_help_marks_the_experimental_switches(capsys):
+    """Emulated or once-measured switches say so where a user reads the keys."""
+    with pytest.raises(SystemExit):
+        main(["config", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for key, words in (
+        ("train.fp8", "mxfp8, experimental"),
+        ("parallel.dispatcher", "symm, experimental"),
+        ("parallel.compile_overlap", "Experimental."),
+    ):
+        entry = text.split(f"{key} ", 1)[1].split(" = ", 1)[1][:400]
+        assert words in entry, (key, entry)

@@ -43,7 +43,7 @@ class Fp8(enum.StrEnum):
     with one power-of-two scale per row (moetrain/model/fp8.py); the router, embedding and LM
     head stay in bf16. Needs a GPU of compute capability ≥ 8.9 (Hopper: H100, H200), or CPU."""
     mxfp8 = "mxfp8"
-    """The same GEMMs with MXFP8 operands (blocks of 32 with a shared power-of-two scale, the
+    """Experimental. The same GEMMs with MXFP8 operands (blocks of 32 with a shared power-of-two scale, the
     format of Blackwell's tensor cores) for forward and input gradients. Products are computed
     from the dequantized operands on any device: MXFP8's numerics, not yet its speed
     (moetrain/model/fp8.py). Dims must be multiples of 32."""

@@ -75,8 +75,8 @@ class DispatcherKind(enum.StrEnum):
     alltoall = "alltoall"
     """Exact split sizes, read on the host once per layer: dropless, least memory."""
     symm = "symm"
-    """Exact rows, split sizes exchanged on the GPUs (NVSHMEM symmetric memory): dropless, no
-    host sync, only routed rows cross NVLink (moetrain/parallel/symm_dispatcher.py)."""
+    """Experimental. Exact rows, split sizes exchanged on the GPUs (NVSHMEM symmetric memory):
+    dropless, no host sync, only routed rows cross NVLink (moetrain/parallel/symm_dispatcher.py)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -99,11 +99,13 @@ class ParallelConfig(Config):
     """Stages per pipeline rank; None = 1 (gpipe, 1f1b) or 2 (interleaved-1f1b)."""
 
     dispatcher: DispatcherKind = DispatcherKind.nosync
-    """How tokens reach experts on other ranks (with ep > 1)."""
+    """How tokens reach experts on other ranks (with ep > 1): nosync, alltoall, or symm,
+    experimental: NVSHMEM builds only, slower than nosync in the one layout measured
+    (docs/benchmarks.md, "At the preset's batch")."""
     compile_overlap: bool = False
-    """With train.compile: let Inductor move the collectives inside each compiled block (the
-    expert all-to-alls) ahead of independent compute, so they overlap it. Off by default: it has
-    been measured on one layout only (docs/benchmarks.md, "At the preset's batch")."""
+    """Experimental. With train.compile: let Inductor move the collectives inside each compiled
+    block (the expert all-to-alls) ahead of independent compute, so they overlap it. Off by
+    default: measured on one layout only (docs/benchmarks.md, "At the preset's batch")."""
     shard_optimizer: bool = False
     """Distributed optimizer: fp32 master weights and AdamW moments sharded over the data-parallel
     ranks (gradients reduce-scattered, parameters all-gathered): optimizer memory ÷ dp."""

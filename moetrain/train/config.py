@@ -89,7 +89,8 @@ class TrainerConfig(Config):
     what `moetrain import-hf` wrote), with a fresh optimizer at step 0. Not used when --resume
     finds a checkpoint of this run (that continues the run itself)."""
     fp8: Fp8 = Fp8.none
-    """FP8 matrix products (see Fp8)."""
+    """FP8 matrix products: rowwise (Hopper's scaled FP8 kernels), or mxfp8, experimental: MXFP8's
+    numerics with emulated products, for loss-curve studies, not speed (see Fp8)."""
     recompute: Recompute = Recompute.none
     """Activation recompute: none, full (keep only each block's input) or selective (also keep
     the matrix products' and collectives' outputs)."""
