@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 from conftest import tiny_overrides  # noqa: E402
 
 from moetrain.cli import main  # noqa: E402
-from moetrain.hf_arch import refusal, unsupported_features  # noqa: E402
+from moetrain.hf.arch import refusal, unsupported_features  # noqa: E402
 from moetrain.inference import load_for_inference  # noqa: E402
 from moetrain.model.config import Gating  # noqa: E402
 from moetrain.presets import PRESETS, preset, resolve_config  # noqa: E402

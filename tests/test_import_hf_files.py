@@ -8,7 +8,7 @@ import pickle
 import pytest
 
 from moetrain.cli import main
-from moetrain.hf_arch import hf_config
+from moetrain.hf.arch import hf_config
 from moetrain.presets import resolve_config
 
 pytest.importorskip("safetensors")

@@ -5,7 +5,7 @@ architecture (no remote code): safetensors weights, `config.json`, `generation_c
 `tokenizer.json` and `tokenizer_config.json`. Only models that a native class represents exactly
 are exported; any other feature is refused with a message naming it and the variant that exports.
 
-Which class, field by field (moetrain/hf_arch.py is the code; both checked against transformers
+Which class, field by field (moetrain/hf/arch.py is the code; both checked against transformers
 5.x's modeling files, and tested to equal logits):
 
 | moetrain                       | Qwen3MoeForCausalLM (softmax)   | Glm4MoeForCausalLM (sigmoid)              |
@@ -66,7 +66,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from moetrain.config import load_yaml
 from moetrain.destinations import check_directory, check_free_space, existing_entries
 from moetrain.errors import CheckpointError, ConfigError, require
-from moetrain.hf_arch import (
+from moetrain.hf.arch import (
     Architecture,
     HfTensor,
     architecture_for,
@@ -76,7 +76,7 @@ from moetrain.hf_arch import (
     tensor_plan,
     unsupported_features,
 )
-from moetrain.hf_shards import (
+from moetrain.hf.shards import (
     INDEX,
     SHARD_NAME,
     ShardWriter,

@@ -1,7 +1,7 @@
 """The native transformers classes moetrain models leave (and enter) as: which of our
 configurations each one represents exactly, its config.json, and its tensor names.
 
-moetrain/hf.py's docstring holds the mapping table; this file is its code. Two classes:
+moetrain/hf/convert.py's docstring holds the mapping table; this file is its code. Two classes:
 `Qwen3MoeForCausalLM` for softmax gating and `Glm4MoeForCausalLM` for sigmoid gating. Every
 feature outside the table is refused by `unsupported_features`, naming it and what exports.
 """
