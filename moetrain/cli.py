@@ -332,7 +332,7 @@ def cmd_plan(argv: list[str]) -> int:
         description="Per-GPU parameters, gradients, optimizer state, activations (with and without "
         "recompute), communication per step, step time and MFU of a preset on N GPUs, from the config "
         "alone; then layouts that fit, fastest first. Ends with one JSON line (peak_mem_gib_per_device, "
-        "fits, step_time_s, mfu, …). Assumptions: moetrain/plan.py.",
+        "fits, step_time_s, mfu, …). Assumptions: moetrain/plan/calibration.py.",
         epilog="Set the layout with config keys: --parallel.ep=8 --parallel.pp=8 --train.recompute=full "
         "--parallel.shard_optimizer=true …",
     )

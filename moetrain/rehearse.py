@@ -7,7 +7,7 @@ the stand-ins' own copies (`compute_s`), its device time by kernel kind with the
 (a short profile), the peak memory while training, while saving this rank's checkpoint shard
 and while loading it back, and what each collective would move (the stand-ins' ledger). Not
 measured: any transfer, any wait for a peer, the pipeline's bubble. Those come from the
-planner's model (moetrain/plan.py: `PEER_PARTS`, at its named constants), and the projected
+planner's model (moetrain/plan/time.py: `PEER_PARTS`, at its named constants), and the projected
 tokens/s per GPU = measured compute + that model, labelled so. A rehearsed figure is never a
 multi-GPU measurement.
 """

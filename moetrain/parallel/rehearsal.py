@@ -35,7 +35,7 @@ memory behind autograd's back: no version counter moves (an asynchronous exchang
 view autograd watches). Their device work (a copy, a scale) runs on the current stream
 inside a `rehearsal:OP` profiler range, and the `Ledger` counts each collective's calls and the
 bytes it would send, per group size. Communication time is not measured by a rehearsal: what a
-report projects from it uses the planner's model (moetrain/plan.py), labelled so.
+report projects from it uses the planner's model (moetrain/plan/), labelled so.
 
 Host-side duties of rank 0 (the run directory, completing a checkpoint) fall to the rehearsed
 process (`ParallelState.rehearsed`), and a checkpoint's peer files are written by it with the

@@ -21,7 +21,7 @@ GPUS=$((NODES * GPUS_PER_NODE))
 DP=$((GPUS / PP))
 # bf16 weights with their 16-bit remainders (optim.bf16_weights, exact fp32 masters): without
 # them every micro-batch in flight in the pipeline keeps its own bf16 copy of the stage's weights
-# until its backward (moetrain/plan.py counts them; the rehearsals measured them).
+# until its backward (moetrain/plan/memory.py counts them; the rehearsals measured them).
 LAYOUT=(--parallel.pp="$PP" --parallel.ep="$EP" --parallel.dispatcher="$DISPATCHER"
         --parallel.shard_optimizer=true --optim.bf16_weights=true --train.recompute="$RECOMPUTE"
         --train.micro_batch_size=$((DP * ROWS)))

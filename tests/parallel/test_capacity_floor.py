@@ -71,7 +71,7 @@ def test_the_trainers_dispatcher_takes_the_configs_floor():
 def test_the_planner_counts_the_floor():
     """At scale the experts get 1.25 × K rows per token and the wire carries 1.375 × K; a tiny
     micro-batch gets the padded mode's ep × K."""
-    from moetrain.plan import _rows_per_token, layout_of
+    from moetrain.plan import layout_of, rows_per_token
     from moetrain.presets import resolve_config
 
     small = ["train.micro_batch_size=2", "train.global_batch_size=2", "data.seq_len=32"]  # 32 tokens a rank
@@ -79,5 +79,5 @@ def test_the_planner_counts_the_floor():
         cfg = resolve_config(spec, [f"parallel.ep={ep}", *extra], validate=False)
         layout = layout_of(cfg, 8 if ep == 8 else 2)
         k = cfg.model.moe.top_k
-        expert_rows, wire_rows = _rows_per_token(cfg, layout)
+        expert_rows, wire_rows = rows_per_token(cfg, layout)
         assert expert_rows == pytest.approx(want[0] * k, rel=1e-3) and wire_rows == pytest.approx(want[1] * k, rel=1e-3)

@@ -1,0 +1,103 @@
+"""`plan`: memory, communication and step time of a config on N GPUs of a kind (`Plan`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from moetrain.errors import ConfigError
+from moetrain.parallel.config import Stack
+from moetrain.plan.calibration import Assumptions
+from moetrain.plan.hardware import GIB, GPU, GPUS
+from moetrain.plan.layout import Layout, ParamGroups, layout_of
+from moetrain.plan.memory import checkpoint_state_bytes, load_temporaries, memory_per_rank, save_temporaries
+from moetrain.plan.time import COMPUTE_PARTS, PEER_PARTS, communication, step_time
+from moetrain.train.config import RunConfig
+
+
+@dataclasses.dataclass
+class Plan:
+    layout: Layout
+    gpu: GPU
+    params_per_device: int
+    memory_gib: dict[str, float]
+    peak_mem_gib_per_device: float
+    fits: bool
+    comm_gb_per_step: dict[str, float]
+    time_s: dict[str, float]
+    step_time_s: float
+    mfu: float
+    tokens_per_sec_per_device: float
+    activations_without_recompute_gib: float
+    activations_full_recompute_gib: float
+    peak_gib_per_pipeline_rank: list[float]
+    save_peak_gib_per_pipeline_rank: list[float]
+    load_peak_gib_per_pipeline_rank: list[float]
+    params_per_pipeline_rank: list[int]
+    save_peak_gib_per_device: float
+    """Allocated during a checkpoint save: the training state, the gradient buckets that persist,
+    and the temporaries the save makes on the device (`save_temporaries`)."""
+    fits_while_saving: bool
+    load_peak_gib_per_device: float
+    """Allocated while a checkpoint is loaded (a resume): the training state, the gradient
+    buckets the optimizer allocates up front, and the load's temporaries (`load_temporaries`)."""
+    fits_while_loading: bool
+    busiest_rank: int
+    """A global rank of the pipeline rank that needs most memory (its stage's first dp rank: the
+    ranks of a stage hold alike): the one `moetrain bench --rehearse` runs by default."""
+
+    @property
+    def compute_s(self) -> float:
+        """The step's parts one rank's own kernels make (`COMPUTE_PARTS`): what a rehearsal
+        measures."""
+        return sum(self.time_s[k] for k in COMPUTE_PARTS)
+
+    @property
+    def peers_s(self) -> dict[str, float]:
+        """The parts that need the other ranks (`PEER_PARTS`): what a rehearsal cannot measure."""
+        return {k: self.time_s[k] for k in PEER_PARTS}
+
+
+def plan(cfg: RunConfig, gpus: int, gpu: str, assume: Assumptions = Assumptions()) -> Plan:
+    """Memory, communication and step time of `cfg` on `gpus` GPUs of kind `gpu`."""
+    if gpu not in GPUS:
+        raise ConfigError(f"--gpu={gpu!r} is not one the planner knows: choose one of {', '.join(GPUS)}.")
+    if gpus <= 0:
+        raise ConfigError(f"--gpus={gpus} must be a positive number of GPUs.")
+    spec, L = GPUS[gpu], layout_of(cfg, gpus)
+    groups = ParamGroups.of(cfg.model)
+    ranks = memory_per_rank(cfg, L, groups, assume)
+    busiest = max(ranks, key=lambda r: r.peak)  # the first of equal peaks
+    comm = communication(cfg, L, busiest, spec, assume)
+    time = step_time(cfg, L, busiest, comm, spec, assume)
+    fsdp = L.stack == Stack.fsdp.value
+    peak_gib = busiest.peak / GIB
+    memory = {k: round(getattr(busiest, k) / GIB, 2) for k in ("weights", "grads", "optimizer", "activations")}
+    memory["workspace"] = assume.workspace_gib
+    ws = assume.workspace_gib
+    saves = [(checkpoint_state_bytes(L, r) + save_temporaries(cfg, L, r)) / GIB + ws for r in ranks]
+    loads = [(checkpoint_state_bytes(L, r) + load_temporaries(cfg, L, r)) / GIB + ws for r in ranks]
+    save_gib, load_gib = max(saves), max(loads)
+    return Plan(
+        layout=L,
+        gpu=spec,
+        params_per_device=int(busiest.local / (L.dp if fsdp else 1)),
+        memory_gib=memory,
+        peak_mem_gib_per_device=round(peak_gib, 2),
+        fits=peak_gib <= spec.memory_gib,
+        comm_gb_per_step={k: round(v / 1e9, 3) for k, v in comm.bytes.items()},
+        time_s=time.parts,
+        step_time_s=time.step,
+        mfu=time.mfu,
+        tokens_per_sec_per_device=time.tokens_per_device / time.step,
+        activations_without_recompute_gib=busiest.act_none / GIB,
+        activations_full_recompute_gib=busiest.act_full / GIB,
+        peak_gib_per_pipeline_rank=[round(r.peak / GIB, 2) for r in ranks],
+        save_peak_gib_per_pipeline_rank=[round(x, 2) for x in saves],
+        load_peak_gib_per_pipeline_rank=[round(x, 2) for x in loads],
+        params_per_pipeline_rank=[int(r.local / (L.dp if fsdp else 1)) for r in ranks],
+        save_peak_gib_per_device=round(save_gib, 2),
+        fits_while_saving=save_gib <= spec.memory_gib,
+        load_peak_gib_per_device=round(load_gib, 2),
+        fits_while_loading=load_gib <= spec.memory_gib,
+        busiest_rank=busiest.rank * L.dp,
+    )

@@ -1,0 +1,181 @@
+"""A run's layout as the planner sees it (`Layout`, `layout_of`) and what follows from the config alone:
+parameters per kind of module, rows per token through the experts and on the wire, compiled blocks,
+bf16 weights."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+
+import torch
+
+from moetrain.model.config import TransformerConfig
+from moetrain.model.experts import GroupedExperts
+from moetrain.parallel.config import DispatcherKind, Stack
+from moetrain.parallel.nosync_dispatcher import block_rows, capacity_rows
+from moetrain.train.config import RunConfig
+
+BUCKET_BYTES = 25 * 2**20
+"""The gradient buckets' size (`GradReducer`'s default)."""
+
+
+@dataclasses.dataclass
+class Layout:
+    stack: str
+    dp: int
+    ep: int
+    pp: int
+    stages_per_rank: int
+    schedule: str
+    shard_optimizer: bool
+    dispatcher: str
+    capacity_factor: float | None
+    """nosync: rows through each rank's experts ÷ the balanced load; None = padded (ep×)."""
+    spill_factor: float
+    """nosync: spill rows per pair on the wire beyond the capacity, ÷ the balanced share."""
+    capacity_min_rows: int
+    """nosync: the fewest rows a rank's experts get (parallel.capacity_min_rows)."""
+    overlap_chunks: int
+    """nosync: parallel.overlap_chunks (0: the all-to-alls are exposed)."""
+    recompute: str
+    recompute_every: int
+    micro_batches: int
+    rows_per_micro_batch: int
+    """Sequences per rank per micro-batch."""
+
+    @property
+    def edp(self) -> int:
+        """Ranks holding the same experts (dp / ep)."""
+        return max(1, self.dp // self.ep)
+
+    def bucketed(self, dense: float, experts: float) -> float:
+        """Of `dense` and `experts` parameters, those whose gradients the ddp stack keeps in
+        buckets (moetrain/optim/grad_reducer.py): none at dp = 1; the dense ones at dp > 1, the
+        experts' too unless each lives alone in its group (edp = 1) — the sharded optimizer
+        buckets every parameter."""
+        if self.stack == Stack.fsdp.value or self.dp == 1:
+            return 0.0
+        return dense + (experts if self.edp > 1 or self.shard_optimizer else 0.0)
+
+    def describe(self) -> str:
+        parts = [f"dp{self.dp}"]
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
+        if self.pp > 1:
+            parts.append(f"pp{self.pp}" + (f"×v{self.stages_per_rank}" if self.stages_per_rank > 1 else ""))
+        text = "·".join(parts) + f" {self.stack}"
+        if self.ep > 1:
+            text += f" {self.dispatcher}"
+            if self.dispatcher == DispatcherKind.nosync.value:
+                cf, sf = self.capacity_factor, self.spill_factor
+                text += f"(cf {cf:g}" + (f" + spill {sf:g})" if sf else ")") if cf else "(padded)"
+                if self.overlap_chunks:
+                    text += f" overlap×{self.overlap_chunks}"
+        if self.shard_optimizer:
+            text += " sharded-optimizer"
+        if self.recompute != "none":
+            text += f" recompute={self.recompute}" + (
+                f"/every {self.recompute_every}" if self.recompute_every > 1 else ""
+            )
+        return text + f", {self.rows_per_micro_batch} seq × {self.micro_batches} micro-batches per rank"
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamGroups:
+    """Parameters per kind of module, counted on a meta-device build of the model."""
+
+    embedding: int
+    head: int
+    """The final norm and the LM head."""
+    dense_block: int
+    """One dense block (attention, norms, dense MLP)."""
+    moe_dense: int
+    """The non-expert part of one MoE block (attention, norms, router, shared expert)."""
+    moe_experts: int
+    """The routed experts of one MoE block, all of them."""
+
+    @classmethod
+    def of(cls, m: TransformerConfig) -> ParamGroups:
+        return _param_groups(json.dumps(m.to_dict(), sort_keys=True))
+
+
+@functools.lru_cache(maxsize=64)
+def _param_groups(model_json: str) -> ParamGroups:
+    """Cached per model config: `suggest` plans hundreds of layouts of one model."""
+    model = TransformerConfig.from_dict(json.loads(model_json)).build(device="meta")
+
+    def numel(module) -> int:
+        return sum(p.numel() for p in module.parameters())
+
+    dense_block = moe_dense = moe_experts = 0
+    for block in model.blocks.values():
+        experts = sum(numel(m) for m in block.modules() if isinstance(m, GroupedExperts))
+        if experts:
+            moe_dense, moe_experts = numel(block) - experts, experts
+        else:
+            dense_block = numel(block)
+    return ParamGroups(
+        embedding=numel(model.embed),
+        head=numel(model.norm) + numel(model.lm_head),
+        dense_block=dense_block,
+        moe_dense=moe_dense,
+        moe_experts=moe_experts,
+    )
+
+
+def layout_of(cfg: RunConfig, gpus: int) -> Layout:
+    """The layout `cfg` asks for on `gpus` GPUs, checked as the trainer checks it."""
+    dims = cfg.build_dims(gpus)
+    p, tc = cfg.parallel, cfg.train
+    schedule = p.pp_schedule.value if dims.pp > 1 else "none"
+    return Layout(
+        stack=p.stack.value,
+        dp=dims.dp,
+        ep=dims.ep,
+        pp=dims.pp,
+        stages_per_rank=dims.stages_per_rank,
+        schedule=schedule,
+        shard_optimizer=p.shard_optimizer,
+        dispatcher=p.dispatcher.value,
+        capacity_factor=p.capacity_factor,
+        spill_factor=p.spill_factor,
+        capacity_min_rows=p.capacity_min_rows,
+        overlap_chunks=p.overlap_chunks if p.dispatcher == DispatcherKind.nosync else 0,
+        recompute=tc.recompute.value,
+        recompute_every=tc.recompute_every,
+        micro_batches=tc.grad_accum_steps,
+        rows_per_micro_batch=tc.micro_batch_size // dims.dp,
+    )
+
+
+def rows_per_token(cfg: RunConfig, L: Layout) -> tuple[float, float]:
+    """(expert_rows, wire_rows): rows per token through the experts (their activations) and on
+    the all-to-all. nosync (moetrain/parallel/nosync_dispatcher.py) gives the experts
+    capacity_factor × K rows and moves (capacity_factor + spill_factor) × K, both at most ep × K
+    (the padded mode, capacity_factor=None, is ep × K for both; so is a micro-batch small enough
+    for parallel.capacity_min_rows to take every row); symm pads the receive layout
+    (ep·K rows per token, most of them skipped by the GEMMs but allocated) and moves exact rows."""
+    k = cfg.model.moe.top_k
+    if L.ep > 1 and L.dispatcher == DispatcherKind.nosync.value:
+        tokens = L.rows_per_micro_batch * cfg.data.seq_len  # per rank and micro-batch
+        M = tokens * k
+        rows = capacity_rows(M, L.ep, L.capacity_factor, L.capacity_min_rows)
+        wire = block_rows(M, L.ep, L.capacity_factor, L.spill_factor, L.capacity_min_rows)
+        return L.ep * rows / tokens, L.ep * wire / tokens
+    if L.ep > 1 and L.dispatcher == DispatcherKind.symm.value:
+        return k * L.ep, k
+    return k, k
+
+
+def compiled_blocks(cfg: RunConfig) -> bool:
+    """Whether the blocks run compiled: train.compile, unless the exact all-to-all dispatcher
+    reads split sizes on the host — a graph break inside the block, which then keeps
+    eager-sized activations (measured: 80.5 GiB vs 80.1 nosync) and runs eager kernels."""
+    return cfg.train.compile and not (cfg.parallel.ep > 1 and cfg.parallel.dispatcher == DispatcherKind.alltoall)
+
+
+def uses_bf16_weights(cfg: RunConfig) -> bool:
+    """Whether a GPU run of `cfg` trains with optim.bf16_weights (set, or CUDA's default)."""
+    amp = None if cfg.train.precision.value == "fp32" else torch.bfloat16
+    return cfg.optim.resolved_bf16_weights(cfg.parallel, amp, "cuda")

@@ -1,0 +1,281 @@
+"""Step time by part (`step_time`) and the bytes each collective moves (`communication`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from moetrain.model.config import Fp8, TransformerConfig
+from moetrain.model.counting import flops_per_token
+from moetrain.parallel.config import DispatcherKind, Recompute, Stack
+from moetrain.parallel.nosync_dispatcher import chunks_by_experts
+from moetrain.plan.calibration import Assumptions
+from moetrain.plan.hardware import GPU
+from moetrain.plan.layout import BUCKET_BYTES, Layout, compiled_blocks, rows_per_token, uses_bf16_weights
+from moetrain.plan.memory import RankMemory
+from moetrain.train.config import RunConfig
+
+COMPUTE_PARTS = (
+    "gemm_and_attention",
+    "expert_gemm_tiles",
+    "weight_casts",
+    "element_wise",
+    "fp8_quantization",
+    "recompute",
+    "overlap_chunk_grads",
+    "optimizer",
+)
+
+
+PEER_PARTS = ("pipeline_bubble", "expert_all_to_all", "dp_reductions", "fsdp_exposed", "pipeline_sends")
+"""`StepTime.parts` split into what a rank computes alone and what its peers add: communication
+as exposed (after the overlap the model grants; `Assumptions.link_eff`, `overlap_slowdown`,
+`dp_tail`, `fsdp_overlap`) and the pipeline's bubble."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Communication:
+    bytes: dict[str, float]
+    """Bytes sent per step by this rank, per collective."""
+    seconds: dict[str, float]
+    """Their transfer time at the links' achieved rates."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    parts: dict[str, float]
+    """Seconds per step, by part (the `time_s` of `Plan`)."""
+    step: float
+    mfu: float
+    tokens_per_device: float
+    """Tokens one GPU processes per step (÷ pp: a pipeline's ranks share the step's tokens)."""
+
+
+def _ring(n: int) -> float:
+    """A ring collective's bytes per rank over n ranks, as a fraction of the buffer (each way)."""
+    return (n - 1) / n if n > 1 else 0.0
+
+
+def communication(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume: Assumptions) -> Communication:
+    """Bytes each collective of a step sends from `rank`, and their time."""
+    m = cfg.model
+    t = L.rows_per_micro_batch * cfg.data.seq_len
+    fsdp = L.stack == Stack.fsdp.value
+    _, wire_rows = rows_per_token(cfg, L)
+
+    def net(span: int) -> float:
+        return spec.nvlink_bytes_s if span <= spec.gpus_per_node else spec.network_bytes_s
+
+    moe_layers = _moe_layers(m, rank)
+    comm, comm_t = {}, {}
+    if not fsdp and L.ep > 1:
+        a2a = 4 * L.micro_batches * moe_layers * t * wire_rows * m.d_model * 2 * _ring(L.ep)
+        comm["expert_all_to_all"] = a2a
+        eff = assume.symm_link_eff if L.dispatcher == DispatcherKind.symm.value else assume.link_eff
+        comm_t["expert_all_to_all"] = a2a / (net(L.ep) * eff)
+    dense_b, expert_b = 4 * rank.dense_local, 4 * rank.expert_local
+    grad_elem = 2 if cfg.optim.grad_dtype.value == "bf16" else 4  # the reductions' dtype (optim.grad_dtype)
+    if fsdp:
+        gathered = 4 if cfg.train.precision.value == "fp32" else 2  # bf16 all-gathers under bf16 compute
+        ag = 2 * L.micro_batches * gathered * rank.local * _ring(L.dp)  # forward and backward all-gathers
+        rs = grad_elem * rank.local * _ring(L.dp)
+        comm["fsdp_all_gather"], comm["fsdp_reduce_scatter"] = ag, rs
+        comm_t["fsdp"] = (ag + rs) / (net(L.dp) * assume.link_eff)
+    elif L.dp > 1:
+        edp = L.edp
+        dense_g, expert_g = grad_elem * rank.dense_local, grad_elem * rank.expert_local
+        if L.shard_optimizer:
+            red = dense_g * _ring(L.dp) + expert_g * _ring(edp)  # reduce-scatter
+            gather = dense_b * _ring(L.dp) + expert_b * _ring(edp)  # all-gather of updated parameters
+            comm["dp_reduce_scatter"], comm["optimizer_all_gather"] = red, gather
+        else:
+            red = 2 * (dense_g * _ring(L.dp) + expert_g * _ring(edp))
+            gather = 0.0
+            comm["dp_all_reduce"] = red
+        comm_t["dp_reduction"] = red / (net(L.dp) * assume.link_eff)
+        comm_t["optimizer_all_gather"] = gather / (net(L.dp) * assume.link_eff)
+    if L.pp > 1:
+        sends = 2 * L.micro_batches * L.stages_per_rank * t * m.d_model * 4
+        comm["pipeline_send_recv"] = sends
+        comm_t["pipeline_send_recv"] = sends / (net(L.dp * L.pp) * assume.link_eff)
+    return Communication(comm, comm_t)
+
+
+def step_time(
+    cfg: RunConfig, L: Layout, rank: RankMemory, comm: Communication, spec: GPU, assume: Assumptions
+) -> StepTime:
+    """One step of `rank`: compute and memory-bound work, then the communication that is not
+    hidden, the pipeline bubble; MFU and tokens per GPU."""
+    m = cfg.model
+    t = L.rows_per_micro_batch * cfg.data.seq_len
+    fsdp = L.stack == Stack.fsdp.value
+    fp32 = cfg.train.precision.value == "fp32"
+    fpt = flops_per_token(m, cfg.data.seq_len)
+    stage_share = rank.layers / m.n_layers if L.pp > 1 else 1.0
+    model_flops = fpt * t * L.micro_batches * stage_share
+    fp8 = cfg.train.fp8 != Fp8.none
+    # mxfp8 computes its products from dequantized operands (bf16 rate; moetrain/model/fp8.py)
+    gemm_rate = spec.bf16_flops * assume.gemm_eff * (assume.fp8_gemm_speedup if cfg.train.fp8 == Fp8.rowwise else 1.0)
+    t_gemm = model_flops / gemm_rate
+    # each local expert's rows end in a partial tile of its grouped GEMMs (`group_tile_rows`)
+    local_experts = m.moe.num_experts / (1 if fsdp else L.ep)
+    expert_flops = 18 * m.moe.top_k * m.d_model * m.moe.expert_hidden * t * _moe_layers(m, rank) * L.micro_batches
+    t_tiles = expert_flops * local_experts * assume.group_tile_rows / (t * m.moe.top_k) / gemm_rate if t else 0.0
+    hbm = spec.hbm_bytes_s * assume.hbm_eff
+    passes = spec.hbm_bytes_s * assume.param_pass_eff
+    bf16_weights = uses_bf16_weights(cfg)
+    low_moments = cfg.optim.moments_dtype.value == "bf16"
+    low_grads = cfg.optim.grad_dtype.value == "bf16"
+    # The optimizer step over the elements this rank updates: AdamW's bytes per element (fp32
+    # moments 28 B, bf16 moments 20 B; 2 B less reading bf16 gradients, not FSDP's fp32 shards),
+    # the split masters and every bf16-moment update by moetrain's Triton kernel, the rest by
+    # torch's fused AdamW, each at its measured rate; then the clipping norm reads each gradient.
+    adamw_bytes = (20 if low_moments else 28) - (2 if low_grads and not fsdp else 0)
+    if fsdp:
+        updated, embedding = rank.local / L.dp, rank.embedding_local / L.dp
+    elif L.shard_optimizer:
+        updated = rank.dense_local / L.dp + rank.expert_local / L.edp
+        embedding = rank.embedding_local / L.dp
+    else:
+        updated, embedding = rank.local, rank.embedding_local
+    by_torch = 0.0 if low_moments else (embedding if bf16_weights else updated)  # fp32 AdamW, fp32 moments
+    torch_rate = spec.hbm_bytes_s * assume.torch_adamw_eff
+    t_optimizer = adamw_bytes * ((updated - by_torch) / passes + by_torch / torch_rate)
+    one_kept = bf16_weights and L.micro_batches == 1 and not fsdp  # one backward's bf16 gradient, as it is
+    norm_elem = 2 if (low_grads and not fsdp) or one_kept else 4
+    t_optimizer += norm_elem * updated / (spec.hbm_bytes_s * assume.norm_eff)
+    # Per micro-batch: autocast's fp32→bf16 weight casts and the bf16→fp32 gradient casts (12 B
+    # per local parameter), and from the second micro-batch on accumulation into .grad (12 B).
+    local_params = rank.local / (L.dp if fsdp else 1)
+    t_casts = 0.0 if fp32 else local_params * (12 * L.micro_batches + 12 * (L.micro_batches - 1)) / hbm
+    if bf16_weights:
+        # What a step's gradients cost beyond the GEMMs that make them (moetrain/optim/split_master.py,
+        # grad_reducer.py): a bucketed gradient (dense ones at dp > 1; experts' at edp > 1 or under
+        # the sharded optimizer) is copied into its bucket at the first backward — bf16 into fp32
+        # 6 B, into a bf16 bucket (optim.grad_dtype=bf16) 4 B — and later backwards add into it
+        # (fp32 += bf16 10 B; bf16 += bf16 6 B); an unbucketed one is kept as backward made it
+        # (0 B), the second backward sums the two into fp32 (8 B), later ones add (10 B); bf16: 6 B.
+        bucketed = L.bucketed(rank.dense_local, rank.expert_local)
+        kept = local_params - bucketed
+        later = L.micro_batches - 1
+        if low_grads:
+            t_bytes = bucketed * 4 + local_params * 6 * later
+        else:
+            t_bytes = bucketed * (6 + 10 * later) + kept * ((8 + 10 * (later - 1)) if later else 0)
+        t_casts = t_bytes / passes
+    elif low_grads and not fsdp:  # the fp32 gradient rounded into the store (6 B), then bf16 += fp32 (8 B)
+        weight_casts = 0 if fp32 else 12 * L.micro_batches
+        t_casts = local_params * (weight_casts + 6 + 8 * (L.micro_batches - 1)) / hbm
+    # element-wise passes over the saved activations (eager blocks: `eager_ew_factor` times
+    # theirs; with the pipelined exchange the experts' share runs eagerly in compiled blocks too),
+    # the loss's, and the sync-free dispatcher's index and mask kernels at ep > 1 where they run
+    # eagerly (eager blocks, or the pipelined exchange; compiled blocks fuse them)
+    if not compiled_blocks(cfg):
+        eager_bytes = rank.blocks_none
+    else:
+        eager_bytes = rank.experts_none if L.overlap_chunks and L.ep > 1 else 0.0
+    block_passes = assume.ew_passes * (rank.blocks_none + (assume.eager_ew_factor - 1) * eager_bytes)
+    t_elementwise = L.micro_batches * (block_passes + rank.loss_traffic) / hbm
+    eager_dispatch = not compiled_blocks(cfg) or L.overlap_chunks > 0
+    if L.ep > 1 and L.dispatcher == DispatcherKind.nosync.value and eager_dispatch:
+        _, wire_rows = rows_per_token(cfg, L)
+        wire = t * wire_rows * m.d_model * 2 * rank.moe_layers
+        t_elementwise += L.micro_batches * assume.nosync_passes * wire / hbm
+    t_fp8 = 0.0
+    if fp8:
+        t_fp8 = assume.fp8_quant_passes * L.micro_batches * (rank.blocks_none + 4 * local_params) / hbm
+    t_recompute = 0.0
+    if L.recompute != Recompute.none.value:
+        share = math.ceil(m.n_layers / L.recompute_every) / m.n_layers
+        if L.recompute == Recompute.selective.value and not compiled_blocks(cfg):
+            # eager blocks keep every matmul's output: backward re-runs the forward's element-wise
+            # kernels (a third of their passes) and its weight casts (half of those bytes)
+            t_recompute = share * (t_casts / 2 + t_elementwise / 3)
+        else:
+            cost = assume.recompute_cost[0 if L.recompute == Recompute.selective.value else 1]
+            t_recompute = cost * share * (t_gemm + t_tiles + t_casts + t_elementwise + t_fp8)
+    # parallel.overlap_chunks = n (NoSyncDispatcher.pipelined): the device time the chunks add,
+    # per expert parameter and micro-batch (`Assumptions.chunk_bytes`); fp32 weights chunked by
+    # tokens are also cast once per chunk and their gradients back (12 B more per extra chunk).
+    t_chunks = 0.0
+    if L.overlap_chunks > 1 and L.ep > 1:
+        by_experts = chunks_by_experts(L.overlap_chunks, m.moe.num_experts // L.ep, L.capacity_factor)
+        per_param = assume.chunk_bytes[0] if by_experts else assume.chunk_bytes[1] * (L.overlap_chunks - 1)
+        if not by_experts and not uses_bf16_weights(cfg) and not fp32:
+            per_param += 12 * (L.overlap_chunks - 1)
+        t_chunks = L.micro_batches * per_param * rank.expert_local / hbm
+    compute = t_gemm + t_tiles + t_casts + t_elementwise + t_fp8 + t_recompute + t_chunks
+    per_mb = compute / L.micro_batches
+    t_bubble = (L.pp - 1) / L.stages_per_rank * per_mb if L.pp > 1 else 0.0
+    seconds = comm.seconds
+    t_dp = _exposed_dp_reduction(cfg, L, rank, seconds.get("dp_reduction", 0.0), compute, assume)
+    t_dp += seconds.get("optimizer_all_gather", 0.0)
+    t_fsdp = max(0.0, seconds.get("fsdp", 0.0) - compute * assume.fsdp_overlap)
+    t_a2a = seconds.get("expert_all_to_all", 0.0)
+    if L.overlap_chunks and t_a2a:
+        t_a2a = _pipelined_exchange_time(cfg, L, rank, t_a2a, t, gemm_rate, assume)
+    t_pp = seconds.get("pipeline_send_recv", 0.0)
+    step = compute + t_optimizer + t_bubble + t_dp + t_fsdp + t_a2a + t_pp
+    tokens_per_device = t * L.micro_batches * (1.0 if L.pp == 1 else 1.0 / L.pp)
+    parts = {
+        "gemm_and_attention": t_gemm,
+        "expert_gemm_tiles": t_tiles,
+        "weight_casts": t_casts,
+        "element_wise": t_elementwise,
+        "fp8_quantization": t_fp8,
+        "recompute": t_recompute,
+        "overlap_chunk_grads": t_chunks,
+        "optimizer": t_optimizer,
+        "pipeline_bubble": t_bubble,
+        "expert_all_to_all": t_a2a,
+        "dp_reductions": t_dp,
+        "fsdp_exposed": t_fsdp,
+        "pipeline_sends": t_pp,
+    }
+    return StepTime(parts, step, fpt * tokens_per_device / step / spec.bf16_flops, tokens_per_device)
+
+
+def _exposed_dp_reduction(
+    cfg: RunConfig, L: Layout, rank: RankMemory, t_red: float, compute: float, assume: Assumptions
+) -> float:
+    """What the ddp stack's data-parallel reduction (all-reduce, or the sharded optimizer's
+    reduce-scatter) of `t_red` seconds adds to the step (`Assumptions.dp_tail`): each bucket's
+    starts as soon as the last backward has finished its gradients, so only the buckets finished
+    last are exposed — the embedding's on the first pipeline rank, else one bucket — and whatever
+    of the rest the last backward (two-thirds of a micro-batch's compute) cannot cover."""
+    if not assume.dp_tail or not t_red or L.stack == Stack.fsdp.value:
+        return t_red
+    grad_elem = 2 if cfg.optim.grad_dtype.value == "bf16" else 4
+    tail_params = rank.embedding_local if rank.first else min(BUCKET_BYTES / grad_elem, rank.dense_local)
+    sent = rank.dense_local * _ring(L.dp) + rank.expert_local * _ring(L.edp)
+    tail = t_red * tail_params * _ring(L.dp) / sent if sent else 0.0
+    backward = 2 / 3 * compute / L.micro_batches
+    return tail + max(0.0, t_red - tail - backward)
+
+
+def _pipelined_exchange_time(
+    cfg: RunConfig, L: Layout, rank: RankMemory, t_a2a: float, t: int, gemm_rate: float, assume: Assumptions
+) -> float:
+    """The expert all-to-all's cost with parallel.overlap_chunks = n (NoSyncDispatcher.pipelined),
+    from its full time `t_a2a`. Per MoE layer and micro-batch, A is one direction's time (a
+    quarter of the layer's: dispatch and return, forward and backward), a = A / n a chunk's,
+    s and e the shared expert's and the experts' GEMM time (forward; backward 2×). One pass
+    exposes the first transfer (a, less what the shared expert covers in forward; in backward
+    the first return has nothing under it), and what the communication stream cannot fit under
+    the compute: max(a + max(0, a − s), 2A − s − e). The rest runs under compute, which it slows
+    by `overlap_slowdown` of its duration."""
+    m = cfg.model
+    moe = m.moe
+    A = t_a2a / (4 * L.micro_batches * _moe_layers(m, rank))
+    a = A / L.overlap_chunks
+    s_f = 6 * m.d_model * moe.shared_hidden * t / gemm_rate
+    e_f = 6 * m.d_model * moe.expert_hidden * moe.top_k * t / gemm_rate
+    exposed = sum(max(a + max(0.0, a - s), 2 * A - s - e) for s, e in ((s_f, e_f), (2 * s_f, 2 * e_f)))
+    exposed = min(exposed, 4 * A)
+    per_layer = exposed + assume.overlap_slowdown * (4 * A - exposed)
+    return t_a2a * per_layer / (4 * A)
+
+
+def _moe_layers(m: TransformerConfig, rank: RankMemory) -> float:
+    """MoE layers of `rank`: its share of the model's (the dense ones come first)."""
+    return sum(1 for i in range(m.n_layers) if i >= m.num_dense_layers) * rank.layers / max(1, m.n_layers)
