@@ -185,128 +185,195 @@ def _entry_sizes(model_json: str) -> EntrySizes:
     return EntrySizes(split_block_entry=max(blocks, default=0), split_head=max(head, default=0))
 
 
+@dataclasses.dataclass
+class _Blocks:
+    """What one pipeline rank's blocks hold and save (`_rank_blocks`): parameters, and saved
+    bytes per token of one micro-batch (this layout's, without recompute, with full recompute, and
+    the experts' share), the bf16 weight copies of one micro-batch."""
+
+    layer_ids: list[int]
+    dense_local: float = 0.0
+    expert_local: float = 0.0
+    act_per_token: float = 0.0
+    act_none: float = 0.0
+    act_full: float = 0.0
+    experts_none: float = 0.0
+    moe_layers: int = 0
+    cast_bytes: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Model:
+    """The per-run facts every pipeline rank's memory reads."""
+
+    fp32: bool
+    compiled: bool
+    fsdp: bool
+    ep_eff: int
+    expert_rows: float
+    wire_rows: float
+    exchanged: float
+    bf16_weights: bool
+
+    @classmethod
+    def of(cls, cfg: RunConfig, L: Layout) -> _Model:
+        fsdp = L.stack == Stack.fsdp.value
+        ep_eff = 1 if fsdp else L.ep
+        expert_rows, wire_rows = rows_per_token(cfg, L)
+        # selective recompute keeps what the functional all-to-alls return (alltoall, nosync
+        # without the pipelined exchange, whose transfers are not functional collectives)
+        functional_exchange = L.dispatcher in (DispatcherKind.alltoall.value, DispatcherKind.nosync.value)
+        exchanged = wire_rows if ep_eff > 1 and functional_exchange and not L.overlap_chunks else 0.0
+        return cls(
+            fp32=cfg.train.precision.value == "fp32",
+            compiled=compiled_blocks(cfg),
+            fsdp=fsdp,
+            ep_eff=ep_eff,
+            expert_rows=expert_rows,
+            wire_rows=wire_rows,
+            exchanged=exchanged,
+            bf16_weights=uses_bf16_weights(cfg),
+        )
+
+
+def _rank_blocks(m: TransformerConfig, L: Layout, groups: ParamGroups, x: _Model, layer_ids: list[int]) -> _Blocks:
+    b = _Blocks(layer_ids)
+    for i in layer_ids:
+        is_moe = i >= m.num_dense_layers and m.moe.num_experts > 0
+        dense = groups.moe_dense if is_moe else groups.dense_block
+        experts = groups.moe_experts / x.ep_eff if is_moe else 0
+        b.dense_local += dense
+        b.expert_local += experts
+        recomputes = L.recompute != "none" and i % L.recompute_every == 0
+        mode = L.recompute if recomputes else "none"
+        b.act_per_token += _block_bytes(m, is_moe, mode, x.expert_rows, x.compiled, x.fp32, x.exchanged)
+        b.act_none += _block_bytes(m, is_moe, "none", x.expert_rows, x.compiled, x.fp32)
+        b.act_full += _block_bytes(m, is_moe, "full", x.expert_rows, x.compiled, x.fp32)
+        if is_moe:
+            b.moe_layers += 1
+            b.experts_none += _block_bytes(m, True, "none", x.expert_rows, x.compiled, x.fp32) - _block_bytes(
+                m, True, "none", 0, x.compiled, x.fp32
+            )
+        # no copies: bf16 weights, or FSDP's bf16 all-gather (freed after forward, gathered again)
+        if not recomputes and not x.fp32 and not x.bf16_weights and not x.fsdp:
+            b.cast_bytes += 2 * (dense + experts)
+    return b
+
+
+def _in_flight(L: Layout, r: int) -> float:
+    """Micro-batches whose activations pipeline rank r holds at the start of its first backward."""
+    if L.pp == 1:
+        return 1.0
+    if L.schedule == PipelineSchedule.gpipe.value:
+        return L.micro_batches
+    in_flight = min(L.micro_batches, L.pp - r)
+    if L.stages_per_rank > 1:
+        in_flight = min(L.micro_batches * L.stages_per_rank, L.pp * (1 + (L.pp - 1) / (L.pp * L.stages_per_rank)))
+    return in_flight
+
+
+def _saved_activations(
+    m: TransformerConfig, L: Layout, x: _Model, b: _Blocks, in_flight: float, stages: list[int], t: int
+) -> float:
+    """Saved tensors of the micro-batches in flight; with recompute, backward rebuilds one
+    block's full activations at a time."""
+    S = L.pp * L.stages_per_rank
+    activations = in_flight * t * b.act_per_token
+    # the schedule keeps each stage's fp32 output until its backward (the last stage's output
+    # is the logits, counted apart)
+    feeding = sum(1 for s in stages if s < S - 1) / len(stages)
+    activations += in_flight * feeding * t * m.d_model * 4 if L.pp > 1 else 0.0
+    if L.overlap_chunks and L.ep > 1 and any(i >= m.num_dense_layers for i in b.layer_ids):
+        # the buffer an exchange in flight writes while compute runs (the pipelined exchange)
+        activations += t * x.wire_rows * m.d_model * (4 if x.fp32 else 2)
+    if L.recompute != "none" and b.layer_ids:
+        activations += t * b.act_none / len(b.layer_ids)
+    return activations
+
+
+def _loss_bytes(m: TransformerConfig, t: int, chunk: int) -> tuple[float, float]:
+    """(held, traffic) of the last stage's loss per micro-batch: what it holds for backward and
+    what its element-wise kernels read and write."""
+    if chunk:  # one chunk's bf16 logits + gradient; the hidden states' fp32 gradient
+        # the fused kernels: read the logits twice, write the gradient
+        return min(chunk, t) * m.vocab_size * 4 + t * m.d_model * 4, t * m.vocab_size * 6
+    return t * m.vocab_size * 10, t * m.vocab_size * 10  # bf16 logits, fp32 copy, fp32 log-softmax
+
+
+def _state(
+    cfg: RunConfig, L: Layout, groups: ParamGroups, x: _Model, b: _Blocks, local: float, dense_local: float
+) -> tuple[float, float, float, float]:
+    """(weights, grads, optimizer, accumulated) of one pipeline rank: its stack's and optimizer's
+    layout of the parameters, gradients and AdamW state; accumulated: FSDP's unsharded gradients
+    kept between micro-batches."""
+    moments = 4 if cfg.optim.moments_dtype.value == "bf16" else 8  # AdamW's two moments per element
+    grad_elem = 2 if cfg.optim.grad_dtype.value == "bf16" else 4  # optim.grad_dtype
+    expert_local = b.expert_local
+    if x.fsdp:
+        shard = L.dp
+        gathered = 4 if x.fp32 else 2  # two blocks' parameters gathered at once, in the compute dtype
+        weights = 4 * local / shard + 2 * gathered * max(groups.moe_dense + groups.moe_experts, groups.dense_block)
+        # FSDP casts the reduced shards back to the parameters' fp32; one rank: FSDPAdamW's own
+        grads = 4 * local / shard if shard > 1 else grad_elem * local
+        accumulated = grad_elem * local if L.micro_batches > 1 and L.dp > 1 else 0.0
+        return weights, grads, moments * local / shard, accumulated
+    weights = 4 * local  # fp32, or bf16 + the 16-bit remainder (optim.bf16_weights)
+    # bf16_weights: one backward's bf16 gradients are kept as they are (2 B)
+    bf16_kept = x.bf16_weights and L.dp == 1 and L.micro_batches == 1
+    grads = 2 * local if bf16_kept or grad_elem == 2 else 4 * local
+    if not L.shard_optimizer:
+        return weights, grads, moments * local, 0.0
+    shard = dense_local / L.dp + expert_local / L.edp
+    if x.bf16_weights:  # bf16 weights whole; remainders (2 B) and moments sharded
+        weights, optimizer = 2 * local, (2 + moments) * shard
+    else:  # fp32 weights whole; fp32 master (4 B) and moments sharded
+        optimizer = (4 + moments) * shard
+    # the reduce-scatters' output shards, in the gradient dtype (a view of the bucket where the
+    # group has one rank)
+    reduced = (dense_local / L.dp if L.dp > 1 else 0) + (expert_local / L.edp if L.edp > 1 else 0)
+    return weights, grads + grad_elem * reduced, optimizer, 0.0
+
+
+def _recv_buffers(L: Layout, stages: list[int], t: int, d_model: int) -> float:
+    """fp32 (t, D) buffers, one per micro-batch: activations for each stage fed by a previous one,
+    output gradients for each stage that feeds a next one."""
+    if L.pp == 1:
+        return 0.0
+    S = L.pp * L.stages_per_rank
+    links = sum(1 for s in stages if s > 0) + sum(1 for s in stages if s < S - 1)
+    return links * L.micro_batches * t * d_model * 4
+
+
 def memory_per_rank(cfg: RunConfig, L: Layout, groups: ParamGroups, assume: Assumptions) -> list[RankMemory]:
     """Parameters and memory of each pipeline rank (one entry without a pipeline)."""
-    m = cfg.model
-    fp32 = cfg.train.precision.value == "fp32"
-    compiled = compiled_blocks(cfg)
+    m, x = cfg.model, _Model.of(cfg, L)
     S = L.pp * L.stages_per_rank
     layers_per_stage = [len(s) for s in stage_layers(m.n_layers, S)]
     t = L.rows_per_micro_batch * cfg.data.seq_len  # tokens per rank per micro-batch
-    fsdp = L.stack == Stack.fsdp.value
-    ep_eff = 1 if fsdp else L.ep
-    expert_rows, wire_rows = rows_per_token(cfg, L)
-    # selective recompute keeps what the functional all-to-alls return (alltoall, nosync without
-    # the pipelined exchange, whose transfers are not functional collectives)
-    functional_exchange = L.dispatcher in (DispatcherKind.alltoall.value, DispatcherKind.nosync.value)
-    exchanged = wire_rows if ep_eff > 1 and functional_exchange and not L.overlap_chunks else 0.0
     chunk = cfg.train.resolved_loss_chunk_tokens("cuda") if L.pp == 1 else 0  # pipelines: the plain path
-    bf16_weights = uses_bf16_weights(cfg)
     out = []
     for r in range(L.pp):
         stages = [r + i * L.pp for i in range(L.stages_per_rank)]
         layer_ids = [i for s in stages for i in range(sum(layers_per_stage[:s]), sum(layers_per_stage[: s + 1]))]
-        dense_local = expert_local = 0
-        act_per_token = act_none = act_full = experts_none = 0.0
-        moe_layers = 0
-        cast_bytes = 0.0
-        for i in layer_ids:
-            is_moe = i >= m.num_dense_layers and m.moe.num_experts > 0
-            dense = groups.moe_dense if is_moe else groups.dense_block
-            experts = groups.moe_experts / ep_eff if is_moe else 0
-            dense_local += dense
-            expert_local += experts
-            recomputes = L.recompute != "none" and i % L.recompute_every == 0
-            mode = L.recompute if recomputes else "none"
-            act_per_token += _block_bytes(m, is_moe, mode, expert_rows, compiled, fp32, exchanged)
-            act_none += _block_bytes(m, is_moe, "none", expert_rows, compiled, fp32)
-            act_full += _block_bytes(m, is_moe, "full", expert_rows, compiled, fp32)
-            if is_moe:
-                moe_layers += 1
-                experts_none += _block_bytes(m, True, "none", expert_rows, compiled, fp32) - _block_bytes(
-                    m, True, "none", 0, compiled, fp32
-                )
-            # no copies: bf16 weights, or FSDP's bf16 all-gather (freed after forward, gathered again)
-            if not recomputes and not fp32 and not bf16_weights and not fsdp:
-                cast_bytes += 2 * (dense + experts)
+        b = _rank_blocks(m, L, groups, x, layer_ids)
         first, last = 0 in stages, S - 1 in stages
-        if first:
-            dense_local += groups.embedding
-        if last:
-            dense_local += groups.head
-        local = dense_local + expert_local
-        if L.pp == 1:
-            in_flight = 1.0
-        elif L.schedule == PipelineSchedule.gpipe.value:
-            in_flight = L.micro_batches
-        else:
-            in_flight = min(L.micro_batches, L.pp - r)
-            if L.stages_per_rank > 1:
-                in_flight = min(
-                    L.micro_batches * L.stages_per_rank, L.pp * (1 + (L.pp - 1) / (L.pp * L.stages_per_rank))
-                )
-        # activations: saved tensors of the micro-batches in flight; with recompute, backward
-        # rebuilds one block's full activations at a time
-        activations = in_flight * t * act_per_token
-        # the schedule keeps each stage's fp32 output until its backward (the last stage's output
-        # is the logits, counted below)
-        feeding = sum(1 for s in stages if s < S - 1) / len(stages)
-        activations += in_flight * feeding * t * m.d_model * 4 if L.pp > 1 else 0.0
-        if L.overlap_chunks and L.ep > 1 and any(i >= m.num_dense_layers for i in layer_ids):
-            # the buffer an exchange in flight writes while compute runs (the pipelined exchange)
-            activations += t * wire_rows * m.d_model * (4 if fp32 else 2)
-        if L.recompute != "none" and layer_ids:
-            activations += t * act_none / len(layer_ids)
-        logits = loss_traffic = 0.0
-        if last and chunk:  # one chunk's bf16 logits + gradient; the hidden states' fp32 gradient
-            logits = min(chunk, t) * m.vocab_size * 4 + t * m.d_model * 4
-            loss_traffic = t * m.vocab_size * 6  # the fused kernels: read the logits twice, write the gradient
-        elif last:  # bf16 logits, fp32 copy, fp32 log-softmax
-            logits = loss_traffic = t * m.vocab_size * 10
-        head_grad = 4 * groups.head / (L.dp if fsdp else 1) if last else 0
+        dense_local = b.dense_local + (groups.embedding if first else 0) + (groups.head if last else 0)
+        local = dense_local + b.expert_local
+        in_flight = _in_flight(L, r)
+        activations = _saved_activations(m, L, x, b, in_flight, stages, t)
+        logits, loss_traffic = _loss_bytes(m, t, chunk) if last else (0.0, 0.0)
+        head_grad = 4 * groups.head / (L.dp if x.fsdp else 1) if last else 0
         # one bf16 copy of each weight per micro-batch in flight: each micro-batch's forward casts
         # its own, and its saved tensors keep it until that micro-batch's backward
-        casts = cast_bytes * in_flight
-        moments = 4 if cfg.optim.moments_dtype.value == "bf16" else 8  # AdamW's two moments per element
-        grad_elem = 2 if cfg.optim.grad_dtype.value == "bf16" else 4  # optim.grad_dtype
-        accumulated = 0.0  # FSDP's unsharded gradients, kept between micro-batches
-        if fsdp:
-            shard = L.dp
-            gathered = 4 if fp32 else 2  # two blocks' parameters gathered at once, in the compute dtype
-            weights = 4 * local / shard + 2 * gathered * max(groups.moe_dense + groups.moe_experts, groups.dense_block)
-            # FSDP casts the reduced shards back to the parameters' fp32; one rank: FSDPAdamW's own
-            grads = 4 * local / shard if shard > 1 else grad_elem * local
-            if L.micro_batches > 1 and L.dp > 1:
-                accumulated = grad_elem * local
-            optimizer = moments * local / shard
-        else:
-            weights = 4 * local  # fp32, or bf16 + the 16-bit remainder (optim.bf16_weights)
-            # bf16_weights: one backward's bf16 gradients are kept as they are (2 B)
-            bf16_kept = bf16_weights and L.dp == 1 and L.micro_batches == 1
-            grads = 2 * local if bf16_kept or grad_elem == 2 else 4 * local
-            if L.shard_optimizer:
-                shard = dense_local / L.dp + expert_local / L.edp
-                if bf16_weights:  # bf16 weights whole; remainders (2 B) and moments sharded
-                    weights, optimizer = 2 * local, (2 + moments) * shard
-                else:  # fp32 weights whole; fp32 master (4 B) and moments sharded
-                    optimizer = (4 + moments) * shard
-                # the reduce-scatters' output shards, in the gradient dtype (a view of the bucket
-                # where the group has one rank)
-                reduced = (dense_local / L.dp if L.dp > 1 else 0) + (expert_local / L.edp if L.edp > 1 else 0)
-                grads += grad_elem * reduced
-            else:
-                optimizer = moments * local
+        casts = b.cast_bytes * in_flight
+        weights, grads, optimizer, accumulated = _state(cfg, L, groups, x, b, local, dense_local)
         # gradients are present during backward when they persist: accumulation over micro-batches
         # or a pipeline (micro-batches overlap), else reducer buckets (dp > 1 on the ddp stack:
         # the dense ones, and the experts' unless each lives alone in its group, edp = 1)
-        kept_grads = grads if L.micro_batches > 1 else grads * L.bucketed(dense_local, expert_local) / local
+        kept_grads = grads if L.micro_batches > 1 else grads * L.bucketed(dense_local, b.expert_local) / local
         start_of_backward = activations + logits + head_grad + casts + max(kept_grads, accumulated)
-        end_of_backward = grads
-        # fp32 (t, D) buffers, one per micro-batch: activations for each stage fed by a previous
-        # one, output gradients for each stage that feeds a next one
-        links = sum(1 for s in stages if s > 0) + sum(1 for s in stages if s < S - 1)
-        recv_buffers = links * L.micro_batches * t * m.d_model * 4 if L.pp > 1 else 0.0
-        peak = weights + optimizer + recv_buffers + max(start_of_backward, end_of_backward) + assume.workspace_gib * GIB
+        recv_buffers = _recv_buffers(L, stages, t, m.d_model)
+        peak = weights + optimizer + recv_buffers + max(start_of_backward, grads) + assume.workspace_gib * GIB
         out.append(
             RankMemory(
                 rank=r,
@@ -315,21 +382,21 @@ def memory_per_rank(cfg: RunConfig, L: Layout, groups: ParamGroups, assume: Assu
                 last=last,
                 local=local,
                 dense_local=dense_local,
-                expert_local=expert_local,
+                expert_local=b.expert_local,
                 embedding_local=groups.embedding if first else 0,
                 weights=weights,
                 grads=grads,
                 optimizer=optimizer,
                 activations=activations + logits + casts,
                 peak=peak,
-                blocks_none=t * act_none,
-                experts_none=t * experts_none,
-                moe_layers=moe_layers,
+                blocks_none=t * b.act_none,
+                experts_none=t * b.experts_none,
+                moe_layers=b.moe_layers,
                 recv_buffers=recv_buffers,
                 logits_bytes=logits,
                 loss_traffic=loss_traffic,
-                act_none=in_flight * t * act_none + logits,
-                act_full=in_flight * t * act_full + logits,
+                act_none=in_flight * t * b.act_none + logits,
+                act_full=in_flight * t * b.act_full + logits,
             )
         )
     return out
