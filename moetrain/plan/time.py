@@ -101,35 +101,34 @@ def communication(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume
     return Communication(comm, comm_t)
 
 
-def step_time(
-    cfg: RunConfig, L: Layout, rank: RankMemory, comm: Communication, spec: GPU, assume: Assumptions
-) -> StepTime:
-    """One step of `rank`: compute and memory-bound work, then the communication that is not
-    hidden, the pipeline bubble; MFU and tokens per GPU."""
+def _gemm_time(
+    cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume: Assumptions
+) -> tuple[float, float, float]:
+    """(GEMM and attention, the grouped GEMMs' partial tiles, the GEMM rate in FLOP/s)."""
     m = cfg.model
     t = L.rows_per_micro_batch * cfg.data.seq_len
-    fsdp = L.stack == Stack.fsdp.value
-    fp32 = cfg.train.precision.value == "fp32"
-    fpt = flops_per_token(m, cfg.data.seq_len)
     stage_share = rank.layers / m.n_layers if L.pp > 1 else 1.0
-    model_flops = fpt * t * L.micro_batches * stage_share
-    fp8 = cfg.train.fp8 != Fp8.none
+    model_flops = flops_per_token(m, cfg.data.seq_len) * t * L.micro_batches * stage_share
     # mxfp8 computes its products from dequantized operands (bf16 rate; moetrain/model/fp8.py)
     gemm_rate = spec.bf16_flops * assume.gemm_eff * (assume.fp8_gemm_speedup if cfg.train.fp8 == Fp8.rowwise else 1.0)
     t_gemm = model_flops / gemm_rate
     # each local expert's rows end in a partial tile of its grouped GEMMs (`group_tile_rows`)
-    local_experts = m.moe.num_experts / (1 if fsdp else L.ep)
+    local_experts = m.moe.num_experts / (1 if L.stack == Stack.fsdp.value else L.ep)
     expert_flops = 18 * m.moe.top_k * m.d_model * m.moe.expert_hidden * t * _moe_layers(m, rank) * L.micro_batches
     t_tiles = expert_flops * local_experts * assume.group_tile_rows / (t * m.moe.top_k) / gemm_rate if t else 0.0
-    hbm = spec.hbm_bytes_s * assume.hbm_eff
-    passes = spec.hbm_bytes_s * assume.param_pass_eff
+    return t_gemm, t_tiles, gemm_rate
+
+
+def _optimizer_time(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume: Assumptions) -> float:
+    """The optimizer step over the elements this rank updates: AdamW's bytes per element (fp32
+    moments 28 B, bf16 moments 20 B; 2 B less reading bf16 gradients, not FSDP's fp32 shards),
+    the split masters and every bf16-moment update by moetrain's Triton kernel, the rest by
+    torch's fused AdamW, each at its measured rate; then the clipping norm reads each gradient."""
+    fsdp = L.stack == Stack.fsdp.value
     bf16_weights = uses_bf16_weights(cfg)
     low_moments = cfg.optim.moments_dtype.value == "bf16"
     low_grads = cfg.optim.grad_dtype.value == "bf16"
-    # The optimizer step over the elements this rank updates: AdamW's bytes per element (fp32
-    # moments 28 B, bf16 moments 20 B; 2 B less reading bf16 gradients, not FSDP's fp32 shards),
-    # the split masters and every bf16-moment update by moetrain's Triton kernel, the rest by
-    # torch's fused AdamW, each at its measured rate; then the clipping norm reads each gradient.
+    passes = spec.hbm_bytes_s * assume.param_pass_eff
     adamw_bytes = (20 if low_moments else 28) - (2 if low_grads and not fsdp else 0)
     if fsdp:
         updated, embedding = rank.local / L.dp, rank.embedding_local / L.dp
@@ -143,12 +142,20 @@ def step_time(
     t_optimizer = adamw_bytes * ((updated - by_torch) / passes + by_torch / torch_rate)
     one_kept = bf16_weights and L.micro_batches == 1 and not fsdp  # one backward's bf16 gradient, as it is
     norm_elem = 2 if (low_grads and not fsdp) or one_kept else 4
-    t_optimizer += norm_elem * updated / (spec.hbm_bytes_s * assume.norm_eff)
+    return t_optimizer + norm_elem * updated / (spec.hbm_bytes_s * assume.norm_eff)
+
+
+def _cast_time(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume: Assumptions) -> float:
+    """The weights' casts and the gradients' copies and accumulation over the micro-batches."""
+    fsdp = L.stack == Stack.fsdp.value
+    fp32 = cfg.train.precision.value == "fp32"
+    low_grads = cfg.optim.grad_dtype.value == "bf16"
+    hbm = spec.hbm_bytes_s * assume.hbm_eff
     # Per micro-batch: autocast's fp32→bf16 weight casts and the bf16→fp32 gradient casts (12 B
     # per local parameter), and from the second micro-batch on accumulation into .grad (12 B).
     local_params = rank.local / (L.dp if fsdp else 1)
     t_casts = 0.0 if fp32 else local_params * (12 * L.micro_batches + 12 * (L.micro_batches - 1)) / hbm
-    if bf16_weights:
+    if uses_bf16_weights(cfg):
         # What a step's gradients cost beyond the GEMMs that make them (moetrain/optim/split_master.py,
         # grad_reducer.py): a bucketed gradient (dense ones at dp > 1; experts' at edp > 1 or under
         # the sharded optimizer) is copied into its bucket at the first backward — bf16 into fp32
@@ -162,14 +169,19 @@ def step_time(
             t_bytes = bucketed * 4 + local_params * 6 * later
         else:
             t_bytes = bucketed * (6 + 10 * later) + kept * ((8 + 10 * (later - 1)) if later else 0)
-        t_casts = t_bytes / passes
+        t_casts = t_bytes / (spec.hbm_bytes_s * assume.param_pass_eff)
     elif low_grads and not fsdp:  # the fp32 gradient rounded into the store (6 B), then bf16 += fp32 (8 B)
         weight_casts = 0 if fp32 else 12 * L.micro_batches
         t_casts = local_params * (weight_casts + 6 + 8 * (L.micro_batches - 1)) / hbm
-    # element-wise passes over the saved activations (eager blocks: `eager_ew_factor` times
-    # theirs; with the pipelined exchange the experts' share runs eagerly in compiled blocks too),
-    # the loss's, and the sync-free dispatcher's index and mask kernels at ep > 1 where they run
-    # eagerly (eager blocks, or the pipelined exchange; compiled blocks fuse them)
+    return t_casts
+
+
+def _elementwise_time(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume: Assumptions) -> float:
+    """Element-wise passes over the saved activations (eager blocks: `eager_ew_factor` times
+    theirs; with the pipelined exchange the experts' share runs eagerly in compiled blocks too),
+    the loss's, and the sync-free dispatcher's index and mask kernels at ep > 1 where they run
+    eagerly (eager blocks, or the pipelined exchange; compiled blocks fuse them)."""
+    hbm = spec.hbm_bytes_s * assume.hbm_eff
     if not compiled_blocks(cfg):
         eager_bytes = rank.blocks_none
     else:
@@ -179,31 +191,64 @@ def step_time(
     eager_dispatch = not compiled_blocks(cfg) or L.overlap_chunks > 0
     if L.ep > 1 and L.dispatcher == DispatcherKind.nosync.value and eager_dispatch:
         _, wire_rows = rows_per_token(cfg, L)
-        wire = t * wire_rows * m.d_model * 2 * rank.moe_layers
+        wire = L.rows_per_micro_batch * cfg.data.seq_len * wire_rows * cfg.model.d_model * 2 * rank.moe_layers
         t_elementwise += L.micro_batches * assume.nosync_passes * wire / hbm
+    return t_elementwise
+
+
+def _recompute_time(
+    cfg: RunConfig, L: Layout, assume: Assumptions, t_casts: float, t_elementwise: float, t_all: float
+) -> float:
+    """Recompute's extra time; `t_all`: the recomputed blocks' compute without it."""
+    if L.recompute == Recompute.none.value:
+        return 0.0
+    m = cfg.model
+    share = math.ceil(m.n_layers / L.recompute_every) / m.n_layers
+    if L.recompute == Recompute.selective.value and not compiled_blocks(cfg):
+        # eager blocks keep every matmul's output: backward re-runs the forward's element-wise
+        # kernels (a third of their passes) and its weight casts (half of those bytes)
+        return share * (t_casts / 2 + t_elementwise / 3)
+    cost = assume.recompute_cost[0 if L.recompute == Recompute.selective.value else 1]
+    return cost * share * t_all
+
+
+def _chunk_time(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume: Assumptions) -> float:
+    """parallel.overlap_chunks = n (NoSyncDispatcher.pipelined): the device time the chunks add,
+    per expert parameter and micro-batch (`Assumptions.chunk_bytes`); fp32 weights chunked by
+    tokens are also cast once per chunk and their gradients back (12 B more per extra chunk)."""
+    if not (L.overlap_chunks > 1 and L.ep > 1):
+        return 0.0
+    fp32 = cfg.train.precision.value == "fp32"
+    by_experts = chunks_by_experts(L.overlap_chunks, cfg.model.moe.num_experts // L.ep, L.capacity_factor)
+    per_param = assume.chunk_bytes[0] if by_experts else assume.chunk_bytes[1] * (L.overlap_chunks - 1)
+    if not by_experts and not uses_bf16_weights(cfg) and not fp32:
+        per_param += 12 * (L.overlap_chunks - 1)
+    return L.micro_batches * per_param * rank.expert_local / (spec.hbm_bytes_s * assume.hbm_eff)
+
+
+def step_time(
+    cfg: RunConfig, L: Layout, rank: RankMemory, comm: Communication, spec: GPU, assume: Assumptions
+) -> StepTime:
+    """One step of `rank`: compute and memory-bound work, then the communication that is not
+    hidden, the pipeline bubble; MFU and tokens per GPU."""
+    t = L.rows_per_micro_batch * cfg.data.seq_len
+    t_gemm, t_tiles, gemm_rate = _gemm_time(cfg, L, rank, spec, assume)
+    t_optimizer = _optimizer_time(cfg, L, rank, spec, assume)
+    t_casts = _cast_time(cfg, L, rank, spec, assume)
+    t_elementwise = _elementwise_time(cfg, L, rank, spec, assume)
     t_fp8 = 0.0
-    if fp8:
-        t_fp8 = assume.fp8_quant_passes * L.micro_batches * (rank.blocks_none + 4 * local_params) / hbm
-    t_recompute = 0.0
-    if L.recompute != Recompute.none.value:
-        share = math.ceil(m.n_layers / L.recompute_every) / m.n_layers
-        if L.recompute == Recompute.selective.value and not compiled_blocks(cfg):
-            # eager blocks keep every matmul's output: backward re-runs the forward's element-wise
-            # kernels (a third of their passes) and its weight casts (half of those bytes)
-            t_recompute = share * (t_casts / 2 + t_elementwise / 3)
-        else:
-            cost = assume.recompute_cost[0 if L.recompute == Recompute.selective.value else 1]
-            t_recompute = cost * share * (t_gemm + t_tiles + t_casts + t_elementwise + t_fp8)
-    # parallel.overlap_chunks = n (NoSyncDispatcher.pipelined): the device time the chunks add,
-    # per expert parameter and micro-batch (`Assumptions.chunk_bytes`); fp32 weights chunked by
-    # tokens are also cast once per chunk and their gradients back (12 B more per extra chunk).
-    t_chunks = 0.0
-    if L.overlap_chunks > 1 and L.ep > 1:
-        by_experts = chunks_by_experts(L.overlap_chunks, m.moe.num_experts // L.ep, L.capacity_factor)
-        per_param = assume.chunk_bytes[0] if by_experts else assume.chunk_bytes[1] * (L.overlap_chunks - 1)
-        if not by_experts and not uses_bf16_weights(cfg) and not fp32:
-            per_param += 12 * (L.overlap_chunks - 1)
-        t_chunks = L.micro_batches * per_param * rank.expert_local / hbm
+    if cfg.train.fp8 != Fp8.none:
+        local_params = rank.local / (L.dp if L.stack == Stack.fsdp.value else 1)
+        t_fp8 = (
+            assume.fp8_quant_passes
+            * L.micro_batches
+            * (rank.blocks_none + 4 * local_params)
+            / (spec.hbm_bytes_s * assume.hbm_eff)
+        )
+    t_recompute = _recompute_time(
+        cfg, L, assume, t_casts, t_elementwise, t_gemm + t_tiles + t_casts + t_elementwise + t_fp8
+    )
+    t_chunks = _chunk_time(cfg, L, rank, spec, assume)
     compute = t_gemm + t_tiles + t_casts + t_elementwise + t_fp8 + t_recompute + t_chunks
     per_mb = compute / L.micro_batches
     t_bubble = (L.pp - 1) / L.stages_per_rank * per_mb if L.pp > 1 else 0.0
@@ -232,6 +277,7 @@ def step_time(
         "fsdp_exposed": t_fsdp,
         "pipeline_sends": t_pp,
     }
+    fpt = flops_per_token(cfg.model, cfg.data.seq_len)
     return StepTime(parts, step, fpt * tokens_per_device / step / spec.bf16_flops, tokens_per_device)
 
 
