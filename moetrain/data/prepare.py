@@ -155,39 +155,12 @@ def prepare_data(
     batch_bytes: int = BATCH_BYTES,
 ) -> dict[str, Any]:
     """Tokenize `inputs` into the directory `out` and return its metadata (meta.json)."""
-    check_directory(out, "Output directory", "Pass --out a directory you can write")
-    if not 0.0 <= val_frac < 1.0:
-        raise ConfigError(f"--val-frac={val_frac} must be in [0, 1), for example 0.02.")
-    if not 1 <= workers <= 256:
-        raise ConfigError(f"--workers={workers} must be between 1 and 256 (processes that tokenize).")
-    if tokenizer is None and not 257 <= vocab_size <= 2**32:
-        raise ConfigError(
-            f"--vocab-size={vocab_size} must be at least 257 (the 256 byte tokens plus "
-            "<|endoftext|>); 8192 suits small models, 32768-131072 large ones."
-        )
-    skipped: list[str] = []
-    files = collect_files(inputs, skipped)
-    shown = "; ".join(skipped[:10]) + (f"; and {len(skipped) - 10} more" if len(skipped) > 10 else "")
-    if not files and not default_corpus:
-        raise DataError(
-            "prepare-data got no input documents: name text files (.txt .rst .md, or UTF-8 text "
-            "without an extension), .jsonl files or directories holding them, or pass "
-            "--default-corpus for the embedded corpus."
-            + (f" Skipped {len(skipped)} file(s): {shown}." if skipped else "")
-        )
-    if skipped and progress:
-        print(f"prepare-data: skipped {len(skipped)} file(s) it does not read: {shown}", file=sys.stderr)
-
-    has_tokens = any(path.suffix == NPY_SUFFIX for path, _ in files)
-    if has_tokens and tokenizer is None:
+    _check_arguments(out, val_frac=val_frac, workers=workers, tokenizer=tokenizer, vocab_size=vocab_size, eos_id=eos_id)
+    files = _input_files(inputs, default_corpus=default_corpus, progress=progress)
+    if tokenizer is None and any(path.suffix == NPY_SUFFIX for path, _ in files):
         raise ConfigError(
             "The .npy inputs are already tokenized: pass --tokenizer FILE, the tokenizer.json that "
             "made them (its vocabulary sizes the model; its EOS id, or --eos-id, separates documents)."
-        )
-    if eos_id is not None and tokenizer is None:
-        raise ConfigError(
-            f"--eos-id={eos_id} names an id of an existing tokenizer: pass it with --tokenizer FILE "
-            "(a trained BPE ends documents with its own <|endoftext|>)."
         )
     tok = _load_external_tokenizer(Path(tokenizer)) if tokenizer is not None else None
     if tok is not None:
@@ -239,6 +212,50 @@ def prepare_data(
     }
     write_meta(out, meta)
     return meta
+
+
+def _check_arguments(
+    out: str | os.PathLike,
+    *,
+    val_frac: float,
+    workers: int,
+    tokenizer: str | os.PathLike | None,
+    vocab_size: int,
+    eos_id: int | None,
+) -> None:
+    """`prepare_data`'s arguments, before any work."""
+    check_directory(out, "Output directory", "Pass --out a directory you can write")
+    if not 0.0 <= val_frac < 1.0:
+        raise ConfigError(f"--val-frac={val_frac} must be in [0, 1), for example 0.02.")
+    if not 1 <= workers <= 256:
+        raise ConfigError(f"--workers={workers} must be between 1 and 256 (processes that tokenize).")
+    if tokenizer is None and not 257 <= vocab_size <= 2**32:
+        raise ConfigError(
+            f"--vocab-size={vocab_size} must be at least 257 (the 256 byte tokens plus "
+            "<|endoftext|>); 8192 suits small models, 32768-131072 large ones."
+        )
+    if eos_id is not None and tokenizer is None:
+        raise ConfigError(
+            f"--eos-id={eos_id} names an id of an existing tokenizer: pass it with --tokenizer FILE "
+            "(a trained BPE ends documents with its own <|endoftext|>)."
+        )
+
+
+def _input_files(inputs: Sequence[str | os.PathLike], *, default_corpus: bool, progress: bool) -> list:
+    """The files of `inputs` prepare-data reads (`collect_files`); what it skips is said once."""
+    skipped: list[str] = []
+    files = collect_files(inputs, skipped)
+    shown = "; ".join(skipped[:10]) + (f"; and {len(skipped) - 10} more" if len(skipped) > 10 else "")
+    if not files and not default_corpus:
+        raise DataError(
+            "prepare-data got no input documents: name text files (.txt .rst .md, or UTF-8 text "
+            "without an extension), .jsonl files or directories holding them, or pass "
+            "--default-corpus for the embedded corpus."
+            + (f" Skipped {len(skipped)} file(s): {shown}." if skipped else "")
+        )
+    if skipped and progress:
+        print(f"prepare-data: skipped {len(skipped)} file(s) it does not read: {shown}", file=sys.stderr)
+    return files
 
 
 def collect_files(inputs: Iterable[str | os.PathLike], skipped: list[str] | None = None) -> list[tuple[Path, str]]:
