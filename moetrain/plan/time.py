@@ -102,13 +102,13 @@ def communication(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume
 
 
 def _gemm_time(
-    cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume: Assumptions
+    cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume: Assumptions, fpt: float
 ) -> tuple[float, float, float]:
     """(GEMM and attention, the grouped GEMMs' partial tiles, the GEMM rate in FLOP/s)."""
     m = cfg.model
     t = L.rows_per_micro_batch * cfg.data.seq_len
     stage_share = rank.layers / m.n_layers if L.pp > 1 else 1.0
-    model_flops = flops_per_token(m, cfg.data.seq_len) * t * L.micro_batches * stage_share
+    model_flops = fpt * t * L.micro_batches * stage_share
     # mxfp8 computes its products from dequantized operands (bf16 rate; moetrain/model/fp8.py)
     gemm_rate = spec.bf16_flops * assume.gemm_eff * (assume.fp8_gemm_speedup if cfg.train.fp8 == Fp8.rowwise else 1.0)
     t_gemm = model_flops / gemm_rate
@@ -232,7 +232,8 @@ def step_time(
     """One step of `rank`: compute and memory-bound work, then the communication that is not
     hidden, the pipeline bubble; MFU and tokens per GPU."""
     t = L.rows_per_micro_batch * cfg.data.seq_len
-    t_gemm, t_tiles, gemm_rate = _gemm_time(cfg, L, rank, spec, assume)
+    fpt = flops_per_token(cfg.model, cfg.data.seq_len)  # FLOPs per token (the MFU formula's)
+    t_gemm, t_tiles, gemm_rate = _gemm_time(cfg, L, rank, spec, assume, fpt)
     t_optimizer = _optimizer_time(cfg, L, rank, spec, assume)
     t_casts = _cast_time(cfg, L, rank, spec, assume)
     t_elementwise = _elementwise_time(cfg, L, rank, spec, assume)
@@ -277,7 +278,6 @@ def step_time(
         "fsdp_exposed": t_fsdp,
         "pipeline_sends": t_pp,
     }
-    fpt = flops_per_token(cfg.model, cfg.data.seq_len)
     return StepTime(parts, step, fpt * tokens_per_device / step / spec.bf16_flops, tokens_per_device)
 
 
