@@ -652,7 +652,7 @@ REHEARSED_REFS = [
     ("ref-medium-128e", 128, _ref_layout(8, 8, "none", 16, BF16W), 16, 4.858, 118.9, 35.5, 35.7),
     ("ref-large-128e", 512, _ref_layout(16, 8, "none", 32, BF16W, "model.n_layers=24"), 32, 5.923, 126.5, 31.7, 31.8),
     ("ref-ultra-128e", 512, _ref_layout(8, 8, "full", 64, BF16W, "model.n_layers=24"), 448, 15.263, 78.8, 67.6, 68.0),
-    ("ref-ultra-256e", 512, _ref_layout(16, 32, "full", 32, BF16W, "model.n_layers=32"), 32, 17.572, 77.8, 64.1, 64.5),
+    ("ref-ultra-256e", 512, _ref_layout(16, 32, "full", 32, BF16W), 32, 35.169, 123.0, 103.7, 104.1),
     ("ref-tiny-64e", 16, _ref_layout(2, 8, "none", 16), 0, 3.57, 71.5, 19.3, None),
     ("ref-small-64e", 128, _ref_layout(8, 8, "none", 16), 0, 2.68, 83.2, 13.7, None),
     ("ref-large-128e", 512, _ref_layout(16, 8, "none", 32, "model.n_layers=16"), 64, 3.047, 95.0, 25.9, 25.9),
