@@ -55,6 +55,10 @@ CASES: dict[str, tuple[int, list[str]]] = {
     ),
     "small-docmask-full": (1, SMALL + ["data.document_masking=true", "train.recompute=full", "schedule.kind=wsd"]),
     "dp2-ep2-nosync": (2, SMALL + ["parallel.ep=2"]),
+    "dp2-ep2-overlap2-selective": (
+        2,
+        SMALL + ["parallel.ep=2", "parallel.overlap_chunks=2", "train.recompute=selective"],
+    ),
     "dp2-ep2-alltoall-sharded": (
         2,
         SMALL + ["parallel.ep=2", "parallel.dispatcher=alltoall", "parallel.shard_optimizer=true"],

@@ -1,4 +1,4 @@
-"""The pipelined expert exchange (parallel.overlap_chunks) on one GPU, through NCCL.
+"""The overlapped expert exchange (parallel.overlap_chunks) on one GPU, through NCCL.
 
 One process, a 1-rank NCCL group: the all-to-alls are NCCL kernels copying within the GPU (no
 link), but the streams, the waits and the GEMMs are the real ones. One MoE layer at the shape of
@@ -8,7 +8,7 @@ expert of 4096; 4 sequences of 4096 tokens), bf16 autocast, fp32 parameters, eag
 For overlap_chunks 0 (dispatch/combine), 1, 2 and 4:
 - fwd+bwd ms per layer (CUDA events, median of --iters after --warmup);
 - outputs and gradients against overlap_chunks 0: bit for bit (1 chunk) or the max relative
-  difference (more chunks: the expert weight gradients sum in another order);
+  difference (chunks by experts: the same sums, in kernels tiled for other row counts);
 - a profiled iteration: NCCL busy time, the part of it no compute kernel covers (exposed), and
   the share of NCCL time under compute (benchmarks/trace_overlap.py's interval arithmetic).
 Then the interference proxy: the same layer's fwd+bwd without exchange (the experts and shared
@@ -29,6 +29,7 @@ import os
 import statistics
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,18 @@ from trace_overlap import analyse  # noqa: E402
 from moetrain.model.experts import GroupedExperts  # noqa: E402
 from moetrain.model.mlp import SwiGLU  # noqa: E402
 from moetrain.parallel.nosync_dispatcher import NoSyncDispatcher  # noqa: E402
+from moetrain.parallel.overlapped_dispatcher import OverlappedDispatcher  # noqa: E402
+
+CHUNKS = (0, 1, 2, 4)
+
+
+def dispatchers(E, group, capacity, spill, min_rows):
+    """{chunks: the plain sync-free dispatcher (0) or the overlapped one with that many chunks}."""
+    sizes = (capacity, spill, min_rows)
+    return {
+        n: OverlappedDispatcher(E, group, None, *sizes, chunks=n) if n else NoSyncDispatcher(E, group, None, *sizes)
+        for n in CHUNKS
+    }
 
 
 def layer(D, E, H, Hs, device="cuda", seed=0, dtype=torch.float32):
@@ -52,19 +65,15 @@ def layer(D, E, H, Hs, device="cuda", seed=0, dtype=torch.float32):
     return experts, shared
 
 
-def step(disp, chunks, experts, shared, x, ids, w, g):
+def step(disp, experts, shared, x, ids, w, g):
     """One forward and backward of the exchange + experts + shared expert; the outputs."""
     x = x.detach().requires_grad_()
     w = w.detach().requires_grad_()
+    counts = torch.zeros(disp.num_experts, dtype=torch.int64, device=x.device)
+    counts.scatter_add_(0, ids.flatten(), torch.ones_like(ids.flatten()))
+    route = SimpleNamespace(topk_ids_NK=ids, topk_weights_NK=w, tokens_per_expert_E=counts)
     with torch.autocast(x.device.type, torch.bfloat16):
-        disp.overlap_chunks = chunks
-        if chunks:
-            y = disp.pipelined(x, ids, w, experts, shared)
-        else:
-            counts = torch.zeros(disp.num_experts, dtype=torch.int64, device=x.device)
-            counts.scatter_add_(0, ids.flatten(), torch.ones_like(ids.flatten()))
-            x_local, offsets, state = disp.dispatch(x, ids, counts)
-            y = disp.combine(experts(x_local, offsets), state, w) + shared(x)
+        y = disp.expert_step(x, route, experts, shared)
     (y.float() * g).sum().backward()
     return [y.detach(), x.grad, w.grad, *[p.grad for p in experts.parameters()], *[p.grad for p in shared.parameters()]]
 
@@ -77,14 +86,14 @@ def inputs(N, D, E, K, device):
     return x, ids, w, torch.randn(N, D, device=device, generator=gen)
 
 
-def compare(disp, experts, shared, x, ids, w, g):
+def compare(disps, experts, shared, x, ids, w, g):
     """{chunks: the check against overlap_chunks 0} for 1, 2 and 4 chunks."""
     zero(experts, shared)  # the parameters' gradients accumulate: each run starts from none
-    ref = step(disp, 0, experts, shared, x, ids, w, g)
+    ref = step(disps[0], experts, shared, x, ids, w, g)
     out = {}
-    for chunks in (1, 2, 4):
+    for chunks in CHUNKS[1:]:
         zero(experts, shared)
-        got = step(disp, chunks, experts, shared, x, ids, w, g)
+        got = step(disps[chunks], experts, shared, x, ids, w, g)
         if chunks == 1:
             out[chunks] = {"bit_for_bit": all(torch.equal(a, b) for a, b in zip(got, ref))}
         else:
@@ -97,8 +106,8 @@ def dry_run(args) -> None:
     N, D, E, H, K = args.tokens, args.d_model, args.experts, args.hidden, args.top_k
     experts, shared = layer(D, E, H, H, "cpu")
     x, ids, w, g = inputs(N, D, E, K, "cpu")
-    disp = NoSyncDispatcher(E, dist.group.WORLD, None, 1.25, 0.125, 1024)
-    for chunks, check in compare(disp, experts, shared, x, ids, w, g).items():
+    disps = dispatchers(E, dist.group.WORLD, 1.25, 0.125, 1024)
+    for chunks, check in compare(disps, experts, shared, x, ids, w, g).items():
         print(json.dumps({"probe": "dry-run", "device": "cpu", "overlap_chunks": chunks, **check}), flush=True)
     dist.destroy_process_group()
 
@@ -143,18 +152,16 @@ def main() -> None:
     N, D, E, H, K = args.tokens, args.d_model, args.experts, args.hidden, args.top_k
     experts, shared = layer(D, E, H, H, dtype=torch.bfloat16 if args.bf16_weights else torch.float32)
     x, ids, w, g = inputs(N, D, E, K, "cuda")
-    for chunking, factor in (("experts", args.capacity), ("tokens", None)):
-        # bounded capacity: chunks by experts (n divides the 16 local experts); the padded mode
-        # (with one rank the same buffers: C = M) chunks by tokens. With one rank the plain
-        # exchange's C and W are capped at M (all of a rank's rows) from capacity 1 on, while each
-        # chunk's 1/n share is not: capacity < 1 compares equal buffers (and drops alike).
-        disp = NoSyncDispatcher(E, group, None, factor, args.capacity / 10 if factor else 0.0, 1024)
-        probe_chunks(args, disp, experts, shared, x, ids, w, g, N, chunking)
+    # Chunks by experts (n divides the 16 local experts). With one rank the plain exchange's C and
+    # W are capped at M (all of a rank's rows) from capacity 1 on, while each chunk's 1/n share
+    # is not: capacity < 1 compares equal buffers (and drops alike).
+    disps = dispatchers(E, group, args.capacity, args.capacity / 10, 1024)
+    probe_chunks(args, disps, experts, shared, x, ids, w, g, N)
     interference(args, experts, shared, x, N, D, E, K, group)
     dist.destroy_process_group()
 
 
-def probe_chunks(args, disp, experts, shared, x, ids, w, g, N, chunking):
+def probe_chunks(args, disps, experts, shared, x, ids, w, g, N):
     commit = os.environ.get("MOETRAIN_COMMIT", "unknown")
     base = {
         "commit": commit,
@@ -162,16 +169,16 @@ def probe_chunks(args, disp, experts, shared, x, ids, w, g, N, chunking):
         "torch": torch.__version__,
         "tokens": N,
         "bf16_weights": args.bf16_weights,
-        "chunking": chunking,
-        "capacity": disp.capacity_factor,
+        "chunking": "experts",
+        "capacity": disps[0].capacity_factor,
     }
 
-    checks = {0: {}, **compare(disp, experts, shared, x, ids, w, g)}
+    checks = {0: {}, **compare(disps, experts, shared, x, ids, w, g)}
     for chunks, check in checks.items():
 
         def run(chunks=chunks):
             zero(experts, shared)
-            step(disp, chunks, experts, shared, x, ids, w, g)
+            step(disps[chunks], experts, shared, x, ids, w, g)
 
         ms = timed(run, args.warmup, args.iters)
         trace = args.out / f"overlap-trace-{chunks}.json"
@@ -183,7 +190,7 @@ def probe_chunks(args, disp, experts, shared, x, ids, w, g, N, chunking):
             table = prof.key_averages().table(
                 sort_by="cuda_time_total", row_limit=args.kernels, max_name_column_width=70
             )
-            print(f"# {chunking} chunks={chunks}\n{table}", flush=True)
+            print(f"# chunks={chunks}\n{table}", flush=True)
         t = analyse(trace, 1)
         events = json.loads(trace.read_text()).get("traceEvents", [])
         memcpy_ms = sum(float(ev["dur"]) for ev in events if ev.get("cat") == "gpu_memcpy" and "dur" in ev) / 1e3

@@ -1,8 +1,8 @@
 """The model: a plain-PyTorch decoder-only transformer with mixture-of-experts FFNs.
 
-Read it top to bottom: norm → rope → attention → mlp → router → experts → dispatcher → moe →
+Read it top to bottom: norm → rope → attention → mlp → router → experts → token_dispatcher → moe →
 block → transformer. Nothing here imports torch.distributed: parallelism is applied from
-outside (moetrain/parallel/), through the token dispatcher seam in `dispatcher.py`.
+outside (moetrain/parallel/), through the token dispatcher seam in `token_dispatcher.py`.
 """
 
 from moetrain.model.config import Gating, MoEConfig, Routing, TransformerConfig

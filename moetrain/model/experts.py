@@ -27,12 +27,13 @@ class GroupedExperts(nn.Module):
         self.fp8: str | None = None
         """FP8 grouped GEMMs (moetrain/model/fp8.py): "rowwise" or "mxfp8", set by `train.fp8`."""
 
-    def forward(self, x_MD: torch.Tensor, offsets_E: torch.Tensor, group: "ExpertGroup | None" = None) -> torch.Tensor:
-        """`group`: run experts [group.lo, group.hi) only (offsets_E then has one entry per expert
-        of the group); their weight gradients are gathered by `group.grads` (`ExpertGroup`)."""
-        w_gate_up, w_down = self.w_gate_up_E2FD, self.w_down_EDF
-        if group is not None:
-            w_gate_up, w_down = _GroupWeights.apply(w_gate_up, w_down, group)
+    def forward(
+        self, x_MD: torch.Tensor, offsets_E: torch.Tensor, weights: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """`weights`: the (gate_up, down) weights of the experts `offsets_E` names when they are
+        some of this module's (a slice of each; the overlapped exchange runs a group of experts
+        at a time: moetrain/parallel/overlapped_dispatcher.py); by default all of them."""
+        w_gate_up, w_down = weights if weights is not None else (self.w_gate_up_E2FD, self.w_down_EDF)
         autocast = torch.is_autocast_enabled(x_MD.device.type)
         if autocast:  # autocast does not know _grouped_mm: cast the rows explicitly
             x_MD = x_MD.to(torch.get_autocast_dtype(x_MD.device.type))
@@ -50,52 +51,6 @@ class GroupedExperts(nn.Module):
         h_M2F = grouped_mm(x_MD, w_gate_up.transpose(-2, -1), offsets_E)
         gate_MF, up_MF = h_M2F.chunk(2, dim=-1)
         return grouped_mm(F.silu(gate_MF) * up_MF, w_down.transpose(-2, -1), offsets_E)
-
-
-class GroupGrads:
-    """The weight gradients of n expert groups of one layer (each a slice of the experts'
-    weights), put together into one gradient per weight tensor. Autograd would give each group's
-    slice its own full-size gradient (zeros elsewhere) and sum the n of them: n passes over the
-    layer's expert weights. Here each group's backward copies its slice into one buffer, and the
-    last of the n hands the whole buffer to autograd (the others give no gradient): one pass."""
-
-    def __init__(self, groups: int):
-        self.groups = groups
-        self.seen = 0
-        self.bufs: list[torch.Tensor] | None = None
-
-
-class ExpertGroup:
-    """Experts [lo, hi) of a GroupedExperts, and the gradients of the layer's groups."""
-
-    __slots__ = ("lo", "hi", "grads")
-
-    def __init__(self, lo: int, hi: int, grads: GroupGrads):
-        self.lo, self.hi, self.grads = lo, hi, grads
-
-
-class _GroupWeights(torch.autograd.Function):
-    """The group's slices of the expert weights (views); backward: see `GroupGrads`."""
-
-    @staticmethod
-    def forward(ctx, w_gate_up, w_down, group):
-        ctx.group = group
-        ctx.shapes = (w_gate_up.shape, w_down.shape)
-        return w_gate_up[group.lo : group.hi], w_down[group.lo : group.hi]
-
-    @staticmethod
-    def backward(ctx, grad_gate_up, grad_down):
-        group, grads = ctx.group, ctx.group.grads
-        if grads.bufs is None:
-            like = (grad_gate_up, grad_down)
-            grads.bufs = [g.new_empty(shape) for g, shape in zip(like, ctx.shapes)]
-        for buf, g in zip(grads.bufs, (grad_gate_up, grad_down)):
-            buf[group.lo : group.hi].copy_(g)
-        grads.seen += 1
-        if grads.seen < grads.groups:
-            return None, None, None
-        bufs, grads.bufs, grads.seen = grads.bufs, None, 0
-        return bufs[0], bufs[1], None
 
 
 def grouped_mm(a_MK: torch.Tensor, b_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:

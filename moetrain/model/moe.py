@@ -14,14 +14,16 @@ optimizer time) and `end_step()` (returns the step's statistics and resets them)
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from moetrain.model.config import MoEConfig
-from moetrain.model.dispatcher import LocalTokenDispatcher, TokenDispatcher
 from moetrain.model.experts import GroupedExperts
 from moetrain.model.mlp import SwiGLU
 from moetrain.model.router import Router
+from moetrain.model.token_dispatcher import LocalTokenDispatcher, TokenDispatcher
 
 
 class MoE(nn.Module):
@@ -33,10 +35,10 @@ class MoE(nn.Module):
         self.shared_expert = SwiGLU(d_model, cfg.shared_hidden) if cfg.shared_hidden > 0 else None
         self.dispatcher: TokenDispatcher = LocalTokenDispatcher(cfg.num_experts)
         self.aux_loss_scale = 1.0
-        self.recomputed = False
-        """Set by `apply_recompute` (moetrain/parallel/parallelize.py) when the block around this
-        layer recomputes its forward in backward; the statistics are then counted only outside
-        backward."""
+        self.recomputing: Callable[[], bool] = _never
+        """Whether this forward is a recompute inside backward: set by `apply_recompute`
+        (moetrain/parallel/parallelize.py) when the block around this layer recomputes its
+        forward in backward, so that the statistics are counted once."""
         # Per-optimizer-step accumulators (not checkpointed: they are reset at every step end).
         E = cfg.num_experts
         self.register_buffer("step_tokens_per_expert_E", torch.zeros(E, dtype=torch.int64), persistent=False)
@@ -50,23 +52,13 @@ class MoE(nn.Module):
         x_ND = x_BTD.reshape(B * T, D)
         route = self.router(x_ND, self.dispatcher.reduce_counts)
 
-        if getattr(self.dispatcher, "overlap_chunks", 0):  # the exchange overlaps compute (NoSyncDispatcher)
-            y_ND = self.dispatcher.pipelined(
-                x_ND, route.topk_ids_NK, route.topk_weights_NK, self.experts, self.shared_expert
-            )
-        else:
-            x_MD, offsets_E, state = self.dispatcher.dispatch(x_ND, route.topk_ids_NK, route.tokens_per_expert_E)
-            y_MD = self.experts(x_MD, offsets_E)
-            y_ND = self.dispatcher.combine(y_MD, state, route.topk_weights_NK)
-            if self.shared_expert is not None:
-                y_ND = y_ND + self.shared_expert(x_ND)
+        y_ND = self.dispatcher.expert_step(x_ND, route, self.experts, self.shared_expert)
 
         aux_loss = self.cfg.lb_loss_weight * route.lb_loss + self.cfg.z_loss_weight * route.z_loss
         if self.training and aux_loss.requires_grad:
             y_ND = AttachAuxLoss.apply(y_ND, aux_loss, self.aux_loss_scale)
         # Activation recompute runs this forward again inside backward: count the statistics once.
-        # Asked only where it can happen: the question is a graph break under torch.compile.
-        if self.training and (not self.recomputed or torch._C._current_graph_task_id() == -1):
+        if self.training and not self.recomputing():
             self._accumulate(route, self.dispatcher.dropped_tokens())
         return y_ND.view(B, T, D)
 
@@ -110,6 +102,10 @@ class MoE(nn.Module):
         ):
             buf.zero_()
         return stats
+
+
+def _never() -> bool:
+    return False
 
 
 def update_expert_bias(bias_E: torch.Tensor, tokens_per_expert_E: torch.Tensor, rate: float | torch.Tensor) -> None:

@@ -135,12 +135,35 @@ class ParallelConfig(Config):
 
     overlap_chunks: int = non_negative(0, at_most=64)
     """nosync only: 0 = each MoE layer's all-to-alls wait for their data and are waited for (the
-    step pays them in full); n ≥ 1 = they run asynchronously beside compute, the layer's tokens
-    split into n chunks: chunk i + 1 travels while chunk i's experts compute, and chunk 1 while
-    the shared expert does; backward mirrors it (NoSyncDispatcher.pipelined). The split is by
-    experts where n divides each rank's experts (the unsplit exchange's numbers; 1/n of the
-    capacity per chunk), else by tokens (each chunk its own capacity; the expert weight gradients
-    sum over chunks). n = 1 is the unsplit exchange's numbers bit for bit."""
+    step pays them in full); n ≥ 1 = they run asynchronously beside compute, the layer's exchange
+    split by experts into n (moetrain/parallel/overlapped_dispatcher.py): chunk i + 1 travels
+    while chunk i's experts compute, and chunk 1 while the shared expert does; backward mirrors
+    it. n must divide each rank's experts (model.moe.num_experts / ep) and, for n > 1, capacity
+    be bounded; the results are the unsplit exchange's bit for bit (1/n of the capacity per
+    chunk, so under skew a chunk may drop what the whole would keep)."""
+
+    def overlap_problem(self, num_experts: int) -> str | None:
+        """Why overlap_chunks cannot split the exchange of `num_experts` experts over ep ranks
+        (None: it can, or there is no exchange)."""
+        n = self.overlap_chunks
+        if n <= 1 or self.ep <= 1 or self.dispatcher != DispatcherKind.nosync:
+            return None
+        local = num_experts // self.ep
+        if local % n:
+            fits = [d for d in range(2, local + 1) if local % d == 0]
+            return (
+                f"parallel.overlap_chunks={n} splits each MoE layer's exchange by experts, so it must divide "
+                f"the {local} experts each rank holds (model.moe.num_experts={num_experts} / parallel.ep={self.ep}): "
+                f"use parallel.overlap_chunks=1 (one exchange beside the shared expert)"
+                + (f" or one of {', '.join(map(str, fits))}." if fits else ".")
+            )
+        if self.capacity_factor is None:
+            return (
+                f"parallel.overlap_chunks={n} needs a bounded capacity: the padded mode "
+                "(parallel.capacity_factor=null) would need n × its buffers. Set parallel.capacity_factor "
+                f"(default {DEFAULT_CAPACITY_FACTOR}), or parallel.overlap_chunks=1."
+            )
+        return None
 
     def validate(self) -> None:
         if self.dispatcher != DispatcherKind.nosync:

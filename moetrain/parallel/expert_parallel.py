@@ -3,9 +3,9 @@
 Legend: E experts in all, L = E / ep experts on this rank.
 
 `apply_expert_parallel` gives every MoE layer of a (meta-device) model the slice of experts its
-rank holds and a dispatcher that moves tokens with all-to-all (moetrain/parallel/dispatchers.py,
-nosync_dispatcher.py, symm_dispatcher.py). The model code is unchanged: the MoE layer still calls
-dispatch → experts → combine.
+rank holds and a dispatcher that moves tokens with all-to-all (moetrain/parallel/exact_dispatchers.py,
+nosync_dispatcher.py, overlapped_dispatcher.py, symm_dispatcher.py). The model code is unchanged:
+the MoE layer still asks its dispatcher for the expert step.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from moetrain.model.experts import GroupedExperts
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.config import DispatcherKind, ParallelConfig
 from moetrain.parallel.dims import ParallelState
-from moetrain.parallel.dispatchers import AllToAllDispatcher, DataParallelDispatcher
+from moetrain.parallel.exact_dispatchers import AllToAllDispatcher, DataParallelDispatcher
 from moetrain.parallel.nosync_dispatcher import NoSyncDispatcher
+from moetrain.parallel.overlapped_dispatcher import OverlappedDispatcher
 from moetrain.parallel.symm_dispatcher import SymmMemDispatcher
 
 
@@ -34,15 +35,11 @@ def apply_expert_parallel(model: Transformer, state: ParallelState, cfg: Paralle
             with torch.device(old.w_down_EDF.device):
                 moe.experts = GroupedExperts(L, old.d_model, old.hidden, expert_offset=state.ep_rank * L)
             if cfg.dispatcher == DispatcherKind.nosync:
-                moe.dispatcher = NoSyncDispatcher(
-                    E,
-                    state.ep_group,
-                    state.dp_group,
-                    cfg.capacity_factor,
-                    cfg.spill_factor,
-                    cfg.capacity_min_rows,
-                    cfg.overlap_chunks,
-                )
+                sizes = (cfg.capacity_factor, cfg.spill_factor, cfg.capacity_min_rows)
+                if cfg.overlap_chunks:
+                    moe.dispatcher = OverlappedDispatcher(E, state.ep_group, state.dp_group, *sizes, cfg.overlap_chunks)
+                else:
+                    moe.dispatcher = NoSyncDispatcher(E, state.ep_group, state.dp_group, *sizes)
             elif cfg.dispatcher == DispatcherKind.symm:
                 moe.dispatcher = SymmMemDispatcher(E, state.ep_group, state.dp_group)
             else:

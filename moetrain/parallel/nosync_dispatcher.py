@@ -7,7 +7,7 @@ C = ceil(capacity_factor · M / R) and P = ceil(spill_factor · M / R) rows, W =
 (source, destination) pair of the exchange, X the R × R routing counts (X[s, d]: assignments of
 rank s to rank d's experts).
 
-`AllToAllDispatcher` (dispatchers.py) sends each peer exactly the rows routed to it, so its split
+`AllToAllDispatcher` (exact_dispatchers.py) sends each peer exactly the rows routed to it, so its split
 sizes are data and are read on the host once per layer: the CPU waits for the router, and the
 step cannot be captured in a CUDA graph. Here the all-to-all has equal splits, fixed by N, K, R
 and two factors, so nothing waits on the host. One MoE layer:
@@ -68,20 +68,16 @@ mode's bit for bit (on CPU).
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from moetrain.model.experts import ExpertGroup, GroupGrads
 from moetrain.model.permute import inverse_permutation
-from moetrain.parallel.async_exchange import Exchange
 from moetrain.parallel.config import DEFAULT_CAPACITY_FACTOR, DEFAULT_SPILL_FACTOR
-from moetrain.parallel.dispatchers import ExpertParallelDispatcher, wire_dtype_of
+from moetrain.parallel.exact_dispatchers import ExpertParallelDispatcher, wire_dtype_of
 
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 """all_gather_single where torch has it (2.13 deprecates all_gather_tensor), all_gather_tensor on
@@ -104,13 +100,6 @@ def block_rows(assignments: int, ep: int, capacity_factor: float | None, spill_f
     destination) block of the exchange, at most M."""
     C = capacity_rows(assignments, ep, capacity_factor, min_rows)
     return min(C + _ceil(spill_factor * assignments / ep), assignments)
-
-
-def chunks_by_experts(chunks: int, local_experts: int, capacity_factor: float | None) -> bool:
-    """Whether the pipelined exchange (parallel.overlap_chunks = `chunks`) splits by experts:
-    n > 1 dividing a rank's experts, capacity bounded (the padded mode's n chunks by experts
-    would need n × its buffers). Otherwise it splits by tokens. The planner asks the same."""
-    return chunks > 1 and local_experts % chunks == 0 and capacity_factor is not None
 
 
 class NoSyncState(NamedTuple):
@@ -153,7 +142,6 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
         capacity_factor: float | None = DEFAULT_CAPACITY_FACTOR,
         spill_factor: float = DEFAULT_SPILL_FACTOR,
         min_rows: int = 0,
-        overlap_chunks: int = 0,
     ):
         super().__init__(num_experts, ep_group, dp_group)
         # ParallelConfig.validate
@@ -163,9 +151,6 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
         self.spill_factor = spill_factor
         self.min_rows = min_rows
         """The fewest rows R·C the experts get (parallel.capacity_min_rows; 0 here unless given)."""
-        self.overlap_chunks = overlap_chunks
-        """parallel.overlap_chunks: 0 = the MoE layer calls dispatch and combine (all-to-alls
-        exposed); n ≥ 1 = it calls `pipelined`, with n chunks."""
         self.ep_rank = dist.get_rank(ep_group)
         self._dropped: torch.Tensor | None = None
 
@@ -304,204 +289,10 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
         )
         return _CombineRows.apply(y_back_SD, topk_weights_NK, state.slot_NK, state.keep_NK, state.src_S, state.filled_S)
 
-    @torch.compiler.disable  # a `Work` handle cannot be traced (moetrain/parallel/async_exchange.py)
-    def pipelined(
-        self,
-        x_ND: torch.Tensor,
-        topk_ids_NK: torch.Tensor,
-        topk_weights_NK: torch.Tensor,
-        experts: Callable[..., torch.Tensor],
-        shared: Callable[[torch.Tensor], torch.Tensor] | None,
-    ) -> torch.Tensor:
-        """dispatch → experts → combine (+ the shared expert) with the all-to-alls overlapping
-        compute (parallel.overlap_chunks = n): the layer's exchange split into n, each an
-        exchange of its own, all routed before any row moves. The split (`chunking`):
-        - by experts, when n divides L and capacity is bounded: chunk i carries every token's
-          copies for each rank's local experts [i·L/n, (i+1)·L/n), with 1/n of the capacity and
-          spill rows. Each expert runs once, on all its rows: its weight gradient is one GEMM
-          (`GroupGrads` puts the groups' slices together);
-        - else by tokens: chunk i is the i-th n-th of the tokens with its own C and W. Every
-          expert runs n times, so its weight gradient is n GEMMs that autograd sums (and fp32
-          weights are cast n times): cheap while the local experts are few (L < n).
-        `experts(x, offsets, group)` is GroupedExperts' signature (group None: all experts).
-
-        Forward, on the communication stream: the counts (one all-gather), the keys (one
-        all-to-all), chunk 1's rows … chunk n's, then each chunk's way back as soon as its experts
-        are done. The compute stream meanwhile runs the shared expert (while chunk 1 travels),
-        then chunk i's experts while chunk i + 1 travels (and chunk i − 1 goes back). Exposed:
-        chunk 1's dispatch beyond the shared expert, the last chunk's return.
-        Backward mirrors it (autograd runs a layer's nodes latest-created first): the last
-        chunk's gradient goes back first; chunk i's expert backward overlaps chunk i − 1's
-        return and chunk i + 1's dispatch gradient; the shared expert's backward overlaps the
-        first chunk's. Exposed: the first return of the gradient, what the shared expert does
-        not cover of the last.
-
-        Numerics: with n = 1 the results are `dispatch`/`combine`'s bit for bit (on CPU). By
-        experts every row and every sum is computed as there (one send gather, one combine, each
-        expert's weight gradient one GEMM; measured bit for bit on CPU, within 5e-8 on an H200);
-        by tokens the expert weight gradients sum over the chunks. Capacity is per chunk, so
-        drops may differ under skew."""
-        R, L = self.ep, self.num_local_experts
-        num_tokens, top_k = topk_ids_NK.shape
-        n = max(1, min(self.overlap_chunks, num_tokens))
-        by_experts = chunks_by_experts(n, L, self.capacity_factor)
-        if by_experts:
-            G = L // n
-            local_M = topk_ids_NK.flatten().remainder(L)
-            members = [(local_M // G == i) for i in range(n)]
-            xs, ids, ws = [x_ND] * n, [topk_ids_NK] * n, [topk_weights_NK] * n
-            dest = [torch.where(m, topk_ids_NK.flatten() // L, R) for m in members]
-            M = num_tokens * top_k  # 1/n of the capacity and spill rows, the cap at all M
-            Cs = [capacity_rows(M, R, self.capacity_factor / n, self.min_rows / n)] * n
-            Ws = [block_rows(M, R, self.capacity_factor / n, self.spill_factor / n, self.min_rows / n)] * n
-            groups = [(members[i], i * G, G) for i in range(n)]
-            weight_grads = GroupGrads(n)
-            expert_groups = [ExpertGroup(i * G, (i + 1) * G, weight_grads) for i in range(n)]
-        else:
-            xs, ids = x_ND.tensor_split(n), topk_ids_NK.tensor_split(n)
-            ws = topk_weights_NK.tensor_split(n)
-            sizes = [i.shape[0] for i in ids]
-            Cs = [self.capacity(t, top_k) for t in sizes]
-            Ws = [self.block_rows(t, top_k) for t in sizes]
-            dest = [i.flatten() // L for i in ids]
-            groups = expert_groups = [None] * n
-        counts_nR = torch.stack(
-            [
-                torch.zeros(R + 1, dtype=torch.int64, device=x_ND.device).scatter_add_(0, d, torch.ones_like(d))
-                for d in dest
-            ]
-        )[:, :R]
-        X = self._all_counts(counts_nR) if any(W > C for C, W in zip(Cs, Ws)) else None
-        plans = [
-            self._plan(ids[i], counts_nR[i], None if X is None else X[:, i], Cs[i], Ws[i], groups[i]) for i in range(n)
-        ]
-        if self.capacity_factor is not None:
-            self._dropped = sum(p.dropped for p in plans)
-
-        # One exchange of every chunk's keys (destination-major: (R, ΣW)), then the rows.
-        keys_RW = torch.cat([p.key_S.view(R, -1) for p in plans], 1)
-        keys_recv_RW = torch.empty_like(keys_RW)
-        keys_work = dist.all_to_all_single(keys_recv_RW, keys_RW, group=self.ep_group, async_op=True)
-        if by_experts:
-            # One send buffer for all chunks, sent in slices (the chunks' rows are every token's
-            # copies: one gather, and in backward one sum per token, not one per chunk); the
-            # slices' gradients arrive in one buffer, which is the whole's gradient.
-            joined_state = _joined([p.state for p in plans], Ws, R)
-            send_SD = self._send_rows(x_ND, _Plan(NoSyncState(*joined_state, None), None, None))
-            send_grads = _JoinedGrad(send_SD, [R * W for W in Ws])
-            there = [Exchange(self.ep_group, functools.partial(send_grads.part, i)) for i in range(n)]
-            sent = [there[i].start(part) for i, part in enumerate(_Split.apply(send_SD, send_grads))]
-        else:
-            there = [Exchange(self.ep_group) for _ in range(n)]
-            sent = [there[i].start(self._send_rows(xs[i], plans[i])) for i in range(n)]
-        shared_ND = shared(x_ND) if shared is not None else None
-        keys_work.wait()
-        keys_recv = [k.flatten() for k in keys_recv_RW.split(Ws, 1)]
-
-        back = [Exchange(self.ep_group) for _ in range(n)]
-        returned, states = [], []
-        # Chunks by experts return into one buffer, which one combine reads (see below), in the
-        # experts' output dtype (FP8 experts give bf16 whatever the input's).
-        joined = None
-        row = 0
-        for i in range(n):
-            M_i = ids[i].numel()
-            experts_i = expert_groups[i].hi - expert_groups[i].lo if by_experts else None
-            x_local_CD, offsets, state = self._receive(
-                there[i].finish(sent[i]), keys_recv[i], plans[i], Cs[i], M_i, experts_i
-            )
-            y_local_CD = experts(x_local_CD, offsets, expert_groups[i])
-            if by_experts and joined is None:
-                joined = y_local_CD.new_empty(R * sum(Ws), y_local_CD.shape[1])
-            into = None if joined is None else joined[row : row + R * Ws[i]]
-            returned.append(back[i].start(_returned_rows(y_local_CD, state), into))
-            states.append(state)
-            row += R * Ws[i]
-        y_back = [back[i].finish(returned[i]) for i in range(n)]
-        if by_experts:
-            # Each token's copies are spread over the chunks: one combine over all of them (it keeps
-            # one (N, K, D) gather for backward, as `combine` does, not one per chunk).
-            y_SD = _Join.apply(joined, *y_back)
-            y_ND = _CombineRows.apply(y_SD, topk_weights_NK, *joined_state)
-        else:
-            ys = [
-                _CombineRows.apply(y_back[i], ws[i], st.slot_NK, st.keep_NK, st.src_S, st.filled_S)
-                for i, st in enumerate(states)
-            ]
-            y_ND = ys[0] if n == 1 else torch.cat(ys)
-        return y_ND if shared_ND is None else y_ND + shared_ND
-
     def dropped_tokens(self) -> torch.Tensor | None:
         """Assignments dropped in the last dispatch (device int64 scalar); None in the padded
         mode, which never drops."""
         return self._dropped
-
-
-class _JoinedGrad:
-    """The gradient of a buffer sent in consecutive slices, written by the slices' exchanges in
-    backward: `part(i)` is slice i of one buffer, allocated when the first is asked for."""
-
-    def __init__(self, like: torch.Tensor, sizes: list[int]):
-        self.shape, self.dtype, self.device = like.shape, like.dtype, like.device
-        self.sizes = sizes
-        self.whole: torch.Tensor | None = None
-
-    def part(self, i: int) -> torch.Tensor:
-        if self.whole is None:
-            self.whole = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        start = sum(self.sizes[:i])
-        return self.whole[start : start + self.sizes[i]]
-
-
-class _Split(torch.autograd.Function):
-    """`whole` as its consecutive slices (views); backward: the slices' gradients, when they
-    are `grads`' parts (written there by their exchanges), are its buffer: no copy."""
-
-    @staticmethod
-    def forward(ctx, whole, grads):
-        ctx.grads = grads
-        return tuple(whole.split(grads.sizes))
-
-    @staticmethod
-    def backward(ctx, *parts):
-        whole, ctx.grads.whole = ctx.grads.whole, None
-        sizes, start, in_place = ctx.grads.sizes, 0, whole is not None
-        for part, size in zip(parts, sizes):
-            in_place = in_place and part is not None and part.data_ptr() == whole[start:].data_ptr()
-            start += size
-        if in_place:
-            return whole, None
-        some = next(p for p in parts if p is not None)  # autograd calls backward with one at least
-        filled = [p if p is not None else some.new_zeros(size, *some.shape[1:]) for p, size in zip(parts, sizes)]
-        return torch.cat(filled), None
-
-
-class _Join(torch.autograd.Function):
-    """`whole`, whose consecutive slices the `parts` are (views written by their exchanges), as
-    one tensor to autograd: no copy; backward hands each part its slice of the gradient."""
-
-    @staticmethod
-    def forward(ctx, whole, *parts):
-        ctx.sizes = [p.shape[0] for p in parts]
-        return whole.view_as(whole)
-
-    @staticmethod
-    def backward(ctx, grad_SD):
-        return None, *grad_SD.split(ctx.sizes)
-
-
-def _joined(states: list[NoSyncState], Ws: list[int], R: int) -> tuple[torch.Tensor, ...]:
-    """Chunks by experts, their returned buffers concatenated: each assignment's row in the
-    whole (it is kept by one chunk at most), whether it is kept, and each row's assignment and
-    whether it is filled (slot_NK, keep_NK, src_S, filled_S of `_CombineRows`)."""
-    slot_NK = torch.zeros_like(states[0].slot_NK)
-    keep_NK = torch.zeros_like(states[0].keep_NK)
-    offset = 0
-    for st, W in zip(states, Ws):
-        slot_NK = torch.where(st.keep_NK, st.slot_NK + offset, slot_NK)
-        keep_NK = keep_NK | st.keep_NK
-        offset += R * W
-    return slot_NK, keep_NK, torch.cat([st.src_S for st in states]), torch.cat([st.filled_S for st in states])
 
 
 def _returned_rows(y_local_CD: torch.Tensor, state: NoSyncState) -> torch.Tensor:

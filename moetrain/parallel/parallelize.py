@@ -40,6 +40,7 @@ from moetrain.parallel.config import ParallelConfig, Recompute, Stack
 from moetrain.parallel.dims import ParallelState
 from moetrain.parallel.expert_parallel import apply_expert_parallel
 from moetrain.parallel.fsdp import apply_fsdp
+from moetrain.parallel.overlapped_dispatcher import OverlappedDispatcher
 from moetrain.parallel.pipeline import split_model
 
 
@@ -104,8 +105,16 @@ def apply_recompute(model: Transformer, selective: bool = False, every: int = 1)
         if int(name) % every == 0:
             for module in block.modules():
                 if isinstance(module, MoE):
-                    module.recomputed = True
+                    module.recomputing = inside_backward
             model.blocks[name] = checkpoint_wrapper(block, preserve_rng_state=True, **kwargs)
+
+
+def inside_backward() -> bool:
+    """Whether autograd is running a backward pass on this thread: a recomputing checkpoint
+    re-runs its block's forward there. torch.utils.checkpoint asks the same private question (no
+    public API answers it); under torch.compile asking it is a graph break, so only the layers of
+    recomputed blocks ask."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _saved_ops() -> set:
@@ -162,8 +171,8 @@ def apply_compile(model: Transformer, overlap: bool = False) -> None:
     for block in model.blocks.values():
         block.compile(dynamic=False)
         moe = getattr(block, "ffn", None)
-        if getattr(getattr(moe, "dispatcher", None), "overlap_chunks", 0):
-            # the pipelined exchange runs eagerly: its experts and shared expert compile alone
+        if isinstance(getattr(moe, "dispatcher", None), OverlappedDispatcher):
+            # the overlapped exchange runs eagerly: its experts and shared expert compile alone
             moe.experts.compile(dynamic=False)
             if moe.shared_expert is not None:
                 moe.shared_expert.compile(dynamic=False)

@@ -45,8 +45,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from moetrain.model.dispatcher import DispatchState
-from moetrain.parallel.dispatchers import ExpertParallelDispatcher
+from moetrain.model.token_dispatcher import DispatchState
+from moetrain.parallel.exact_dispatchers import ExpertParallelDispatcher
 
 
 class SymmState(NamedTuple):

@@ -35,7 +35,7 @@ pipeline rank that needs most:
   recompute (2 B × their parameters; kept from forward to backward) — none with optim.bf16_weights
   (CUDA's default with the replicated optimizer: bf16 weights + 16-bit remainders, 4 B as fp32
   weights take; gradients bf16, 2 B, until a second micro-batch or a reducer bucket makes them fp32)
-  —, plus with parallel.overlap_chunks one exchange's buffer (the pipelined exchange writes it
+  —, plus with parallel.overlap_chunks one exchange's buffer (the overlapped exchange writes it
   while compute runs);
 - the peak is the larger of "weights + optimizer + everything saved at the start of backward
   (and the gradients, when they are kept across micro-batches or in reducer buckets)" and
@@ -68,13 +68,13 @@ times that; the sync-free dispatcher's index and mask kernels at ep > 1, `nosync
 its routed rows); the measured cost of recompute
 (`recompute_cost`); and communication: the expert all-to-all and the sharded optimizer's
 all-gather count in full (measured: not hidden) — the all-to-all less what
-parallel.overlap_chunks hides (`_pipelined_exchange_time`: an assumed `overlap_slowdown`, no
+parallel.overlap_chunks hides (`_overlapped_exchange_time`: an assumed `overlap_slowdown`, no
 multi-GPU measurement yet) plus the chunks' own device time (`chunk_bytes`, measured on one
 H200) —; the ddp stack's data-parallel reductions only for the buckets backward finishes last
 (`dp_tail`: the embedding's, measured on two H200s) and what the last backward cannot cover;
 FSDP's transfers beyond what `fsdp_overlap` of the compute hides, the pipeline's bubble ((pp −
 1)/v micro-batches' compute) and sends. Host time is not modeled: the step is taken to be device
-time (compiled blocks keep the host ahead; the pipelined exchange's eager per-chunk work is
+time (compiled blocks keep the host ahead; the overlapped exchange's eager per-chunk work is
 measured per layer on one H200 in docs/benchmarks.md). Links: NVLink within a node of
 `gpus_per_node`, the node's network (per GPU) across nodes, at `link_eff` of their one-way
 bandwidth. The constants are assumptions, stated in

@@ -24,14 +24,14 @@ class Assumptions:
     eager_ew_factor: float = 2.45
     """How many times longer the element-wise kernels of eager blocks take than the compiled passes
     (unfused, fp32 intermediates): train.compile=false, or the exact all-to-all's graph break;
-    with the pipelined exchange (parallel.overlap_chunks) the experts' share runs eagerly in
+    with the overlapped exchange (parallel.overlap_chunks) the experts' share runs eagerly in
     compiled blocks too. Measured: bench-8e eager, and the rehearsed rank 0 of sweep-8l-8 at
     dp8·ep8, on one H200."""
     nosync_passes: float = 34.0
     """The sync-free dispatcher's index and mask kernels at ep > 1 (the gathers into and out of the
     wire buffers, masking of the rows no token filled, the regroup by local expert, forward and
     backward) as passes over the routed rows it moves per MoE layer and micro-batch (wire rows ×
-    d_model × 2 B) at `hbm_eff`, where they run eagerly: in eager blocks and with the pipelined
+    d_model × 2 B) at `hbm_eff`, where they run eagerly: in eager blocks and with the overlapped
     exchange, which compile leaves out (compiled blocks without it fuse them; not counted).
     Measured: the profiled rehearsal of rank 0 of sweep-8l-8 and -128 at dp8·ep8 on one H200
    ."""
@@ -43,7 +43,7 @@ class Assumptions:
     sweep-8l-8 at ep2 on two H200s."""
     fsdp_overlap: float = 0.66
     """Fraction of the compute time that hides FSDP's all-gathers and reduce-scatters (the ddp
-    stack's all-to-alls count as exposed unless pipelined, its data-parallel reductions by
+    stack's all-to-alls count as exposed unless overlapped, its data-parallel reductions by
     `dp_tail`). Measured: bench-tiny64e-l6's FSDP step on two H200s."""
     recompute_cost: tuple[float, float] = (0.28, 0.47)
     """Extra step time of selective recompute of compiled blocks and of full recompute, as a
@@ -59,10 +59,9 @@ class Assumptions:
     compute, as a fraction of its duration (NCCL's kernels hold SMs and HBM bandwidth). Not
     measured on two or more GPUs; the value is a one-GPU proxy: an MoE layer's compute beside
     NCCL all-to-alls of a 1-rank group, benchmarks/overlap_probe.py."""
-    chunk_bytes: tuple[float, float] = (4.1, 7.1)
-    """With parallel.overlap_chunks: the device time the chunks add, as bytes of HBM traffic per
-    local expert parameter and micro-batch, for chunks by experts and (per chunk beyond the
-    first) by tokens; the host's launches are not modelled. Measured:
+    chunk_bytes: float = 4.1
+    """With parallel.overlap_chunks > 1: the device time the chunks add, as bytes of HBM traffic
+    per local expert parameter and micro-batch; the host's launches are not modelled. Measured:
     benchmarks/overlap_probe.py on one H200."""
     param_pass_eff: float = 0.86
     """Achieved fraction of HBM bandwidth for moetrain's passes over every local parameter: the

@@ -221,7 +221,7 @@ class _Model:
         ep_eff = 1 if fsdp else L.ep
         expert_rows, wire_rows = rows_per_token(cfg, L)
         # selective recompute keeps what the functional all-to-alls return (alltoall, nosync
-        # without the pipelined exchange, whose transfers are not functional collectives)
+        # without the overlapped exchange, whose transfers are not functional collectives)
         functional_exchange = L.dispatcher in (DispatcherKind.alltoall.value, DispatcherKind.nosync.value)
         exchanged = wire_rows if ep_eff > 1 and functional_exchange and not L.overlap_chunks else 0.0
         return cls(
@@ -284,7 +284,7 @@ def _saved_activations(
     feeding = sum(1 for s in stages if s < S - 1) / len(stages)
     activations += in_flight * feeding * t * m.d_model * 4 if L.pp > 1 else 0.0
     if L.overlap_chunks and L.ep > 1 and any(i >= m.num_dense_layers for i in b.layer_ids):
-        # the buffer an exchange in flight writes while compute runs (the pipelined exchange)
+        # the buffer an exchange in flight writes while compute runs (the overlapped exchange)
         activations += t * x.wire_rows * m.d_model * (4 if x.fp32 else 2)
     if L.recompute != "none" and b.layer_ids:
         activations += t * b.act_none / len(b.layer_ids)

@@ -24,7 +24,7 @@ def with_layout(
 ) -> RunConfig | None:
     """A copy of `cfg` with another layout (rows = sequences per GPU per micro-batch; `overlap`:
     parallel.overlap_chunks, the configured one if None, 0 for other dispatchers than nosync),
-    or None when the batch cannot be split that way."""
+    or None when the batch cannot be split that way or the chunks cannot split the experts."""
     if gpus % pp:
         return None
     dp = gpus // pp
@@ -49,6 +49,8 @@ def with_layout(
         ),
         train=dataclasses.replace(cfg.train, micro_batch_size=micro, recompute=Recompute(recompute), recompute_every=1),
     )
+    if out.parallel.overlap_problem(cfg.model.moe.num_experts):
+        return None
     return out
 
 

@@ -8,7 +8,6 @@ import math
 from moetrain.model.config import Fp8, TransformerConfig
 from moetrain.model.counting import flops_per_token
 from moetrain.parallel.config import DispatcherKind, Recompute, Stack
-from moetrain.parallel.nosync_dispatcher import chunks_by_experts
 from moetrain.plan.calibration import Assumptions
 from moetrain.plan.hardware import GPU
 from moetrain.plan.layout import BUCKET_BYTES, Layout, compiled_blocks, rows_per_token, uses_bf16_weights
@@ -178,9 +177,9 @@ def _cast_time(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume: A
 
 def _elementwise_time(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume: Assumptions) -> float:
     """Element-wise passes over the saved activations (eager blocks: `eager_ew_factor` times
-    theirs; with the pipelined exchange the experts' share runs eagerly in compiled blocks too),
+    theirs; with the overlapped exchange the experts' share runs eagerly in compiled blocks too),
     the loss's, and the sync-free dispatcher's index and mask kernels at ep > 1 where they run
-    eagerly (eager blocks, or the pipelined exchange; compiled blocks fuse them)."""
+    eagerly (eager blocks, or the overlapped exchange; compiled blocks fuse them)."""
     hbm = spec.hbm_bytes_s * assume.hbm_eff
     if not compiled_blocks(cfg):
         eager_bytes = rank.blocks_none
@@ -213,17 +212,11 @@ def _recompute_time(
 
 
 def _chunk_time(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume: Assumptions) -> float:
-    """parallel.overlap_chunks = n (NoSyncDispatcher.pipelined): the device time the chunks add,
-    per expert parameter and micro-batch (`Assumptions.chunk_bytes`); fp32 weights chunked by
-    tokens are also cast once per chunk and their gradients back (12 B more per extra chunk)."""
+    """parallel.overlap_chunks = n > 1 (moetrain/parallel/overlapped_dispatcher.py): the device
+    time the chunks add, per expert parameter and micro-batch (`Assumptions.chunk_bytes`)."""
     if not (L.overlap_chunks > 1 and L.ep > 1):
         return 0.0
-    fp32 = cfg.train.precision.value == "fp32"
-    by_experts = chunks_by_experts(L.overlap_chunks, cfg.model.moe.num_experts // L.ep, L.capacity_factor)
-    per_param = assume.chunk_bytes[0] if by_experts else assume.chunk_bytes[1] * (L.overlap_chunks - 1)
-    if not by_experts and not uses_bf16_weights(cfg) and not fp32:
-        per_param += 12 * (L.overlap_chunks - 1)
-    return L.micro_batches * per_param * rank.expert_local / (spec.hbm_bytes_s * assume.hbm_eff)
+    return L.micro_batches * assume.chunk_bytes * rank.expert_local / (spec.hbm_bytes_s * assume.hbm_eff)
 
 
 def step_time(
@@ -259,7 +252,7 @@ def step_time(
     t_fsdp = max(0.0, seconds.get("fsdp", 0.0) - compute * assume.fsdp_overlap)
     t_a2a = seconds.get("expert_all_to_all", 0.0)
     if L.overlap_chunks and t_a2a:
-        t_a2a = _pipelined_exchange_time(cfg, L, rank, t_a2a, t, gemm_rate, assume)
+        t_a2a = _overlapped_exchange_time(cfg, L, rank, t_a2a, t, gemm_rate, assume)
     t_pp = seconds.get("pipeline_send_recv", 0.0)
     step = compute + t_optimizer + t_bubble + t_dp + t_fsdp + t_a2a + t_pp
     tokens_per_device = t * L.micro_batches * (1.0 if L.pp == 1 else 1.0 / L.pp)
@@ -299,10 +292,10 @@ def _exposed_dp_reduction(
     return tail + max(0.0, t_red - tail - backward)
 
 
-def _pipelined_exchange_time(
+def _overlapped_exchange_time(
     cfg: RunConfig, L: Layout, rank: RankMemory, t_a2a: float, t: int, gemm_rate: float, assume: Assumptions
 ) -> float:
-    """The expert all-to-all's cost with parallel.overlap_chunks = n (NoSyncDispatcher.pipelined),
+    """The expert all-to-all's cost with parallel.overlap_chunks = n (moetrain/parallel/overlapped_dispatcher.py),
     from its full time `t_a2a`. Per MoE layer and micro-batch, A is one direction's time (a
     quarter of the layer's: dispatch and return, forward and backward), a = A / n a chunk's,
     s and e the shared expert's and the experts' GEMM time (forward; backward 2×). One pass

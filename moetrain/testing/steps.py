@@ -71,8 +71,8 @@ def plain_permute_combine(x_ND, ids_NK, w_NK, experts):
 
 def fused_permute_combine(x_ND, ids_NK, w_NK, experts):
     """The same through moetrain/model/permute.py."""
-    from moetrain.model.dispatcher import sort_by_expert
     from moetrain.model.permute import permute, unpermute_combine
+    from moetrain.model.token_dispatcher import sort_by_expert
 
     sort_idx, inv = sort_by_expert(ids_NK)
     return unpermute_combine(experts(permute(x_ND, sort_idx, inv)), w_NK, sort_idx, inv)

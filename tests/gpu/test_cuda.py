@@ -1,5 +1,7 @@
 """CUDA checks (skipped without a GPU): bf16 grouped GEMM numerics, and a training run."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -306,8 +308,9 @@ def test_chunked_loss_matches_the_plain_one_on_cuda():
 def test_split_adamw_kernel_matches_the_reference_on_cuda():
     """The Triton AdamW of optim.bf16_weights against the torch reference on the GPU, including
     the far end of a buffer longer than 2³¹ elements (64-bit offsets)."""
-    from moetrain.optim.adamw_split_kernel import adamw_split, bias_corrections
-    from moetrain.optim.split_master import adamw_split_reference, join, split_fp32
+    from moetrain.optim.adamw import adamw_reference
+    from moetrain.optim.split_master import join, split_fp32
+    from moetrain.optim.triton_kernels import adamw_triton, bias_corrections
 
     hyper = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
     for n, tail in ((5000, 5000), (2**31 + 3000, 8192)):
@@ -321,8 +324,8 @@ def test_split_adamw_kernel_matches_the_reference_on_cuda():
         end = slice(n - tail, n)
         ref = [hi[end].clone(), lo[end].clone(), grad[end].clone(), m[end].clone(), v[end].clone()]
         coef = torch.tensor(0.5, device="cuda")
-        adamw_split_reference(*ref, step=3.0, grad_coef=coef, **hyper)
-        adamw_split(
+        adamw_reference([ref[0]], [ref[2]], [ref[3]], [ref[4]], [ref[1]], step=3.0, grad_coef=coef, **hyper)
+        adamw_triton(
             hi,
             lo,
             grad,
@@ -345,8 +348,8 @@ def test_clipping_norm_kernel_matches_float64_on_cuda():
     """`sum_squares` (the clipping norm's pass on CUDA) against float64, over bf16 and fp32
     gradients including one past 2³¹ elements (64-bit offsets), the same bits on a second call,
     and `global_grad_norm` through it against torch's `_foreach_norm`."""
-    from moetrain.optim.adamw_split_kernel import sum_squares
     from moetrain.optim.clip import global_grad_norm
+    from moetrain.optim.triton_kernels import sum_squares
 
     g = torch.Generator(device="cuda").manual_seed(0)
     ts = [
@@ -472,8 +475,8 @@ def test_an_over_large_micro_batch_stops_with_one_paragraph_naming_the_plans_lay
 def test_nosync_exchanges_run_through_nccl():
     """The sync-free dispatcher on this GPU's torch and NCCL (a 1-rank group: the exchanges are
     copies, but every collective, stream wait and kernel is the real one): with capacity 0.5 and
-    spill 0.25 the spill rows' counts all-gather runs; the pipelined exchange (by experts and by
-    tokens) gives the plain path's outputs and gradients, within bf16 rounding."""
+    spill 0.25 the spill rows' counts all-gather runs; the overlapped exchange (1 chunk, and 2 by
+    experts) gives the plain path's outputs and gradients, within the kernels' rounding."""
     import gc
     import os
 
@@ -481,6 +484,7 @@ def test_nosync_exchanges_run_through_nccl():
 
     from moetrain.model.experts import GroupedExperts
     from moetrain.parallel.nosync_dispatcher import NoSyncDispatcher
+    from moetrain.parallel.overlapped_dispatcher import OverlappedDispatcher
     from moetrain.testing.distributed import free_port
 
     # NCCL allocates with cudaMallocAsync, outside torch's cache: after the tests before this one
@@ -503,17 +507,18 @@ def test_nosync_exchanges_run_through_nccl():
         w0 = torch.rand(N, K, device="cuda")
 
         def run(factor, spill, chunks):
-            disp = NoSyncDispatcher(E, dist.group.WORLD, None, factor, spill, 0, overlap_chunks=chunks)
+            group = dist.group.WORLD
+            if chunks:
+                disp = OverlappedDispatcher(E, group, None, factor, spill, 0, chunks=chunks)
+            else:
+                disp = NoSyncDispatcher(E, group, None, factor, spill, 0)
             for p in experts.parameters():
                 p.grad = None
             x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+            counts = torch.bincount(ids.flatten(), minlength=E)
+            route = SimpleNamespace(topk_ids_NK=ids, topk_weights_NK=w, tokens_per_expert_E=counts)
             with torch.autocast("cuda", torch.bfloat16):
-                if chunks:
-                    y = disp.pipelined(x, ids, w, experts, None)
-                else:
-                    counts = torch.bincount(ids.flatten(), minlength=E)
-                    x_local, offsets, state = disp.dispatch(x, ids, counts)
-                    y = disp.combine(experts(x_local, offsets), state, w)
+                y = disp.expert_step(x, route, experts, None)
             y.float().square().sum().backward()
             torch.cuda.synchronize()
             return [y.detach(), x.grad, w.grad, *[p.grad for p in experts.parameters()]], disp.dropped_tokens()
@@ -522,11 +527,10 @@ def test_nosync_exchanges_run_through_nccl():
         assert 0 < int(dropped) < N * K
         assert all(torch.isfinite(t).all() for t in capped)
         plain, _ = run(1.25, 0.125, 0)
-        for chunks in (1, 2):
-            for factor in (1.25, None):  # by experts (2 divide 8), by tokens (the padded mode)
-                got, _ = run(factor, 0.125 if factor else 0.0, chunks)
-                for a, b in zip(got, plain):  # bf16 products: token chunks sum weight gradients apart
-                    assert (a - b).abs().max() <= 1e-2 * b.abs().max(), (chunks, factor, (a - b).abs().max())
+        for chunks in (1, 2):  # 2 chunks by experts (2 divide 8)
+            got, _ = run(1.25, 0.125, chunks)
+            for a, b in zip(got, plain):
+                assert (a - b).abs().max() <= 1e-2 * b.abs().max(), (chunks, (a - b).abs().max())
     finally:
         dist.destroy_process_group()
 
@@ -558,7 +562,7 @@ def _rehearse_on_cuda(run_dir, overrides, rank):
     ],
 )
 def test_a_rehearsed_rank_runs_on_one_gpu_with_its_stand_ins_measured_apart(tmp_path, overrides, rank):
-    """A rehearsal on CUDA (compiled blocks, the pipelined exchange, a pipeline with the sharded
+    """A rehearsal on CUDA (compiled blocks, the overlapped exchange, a pipeline with the sharded
     optimizer, FSDP): its step has no host sync, its stand-ins' own kernels are timed and taken
     out of the kinds, and its checkpoint shard is saved and loaded back with their peaks."""
     from moetrain.testing.distributed import run_alone

@@ -45,7 +45,7 @@ def _two_layers(dispatcher_cls, rank, device, skew):
 def compare_on_gpus():
     import torch.distributed as dist
 
-    from moetrain.parallel.dispatchers import AllToAllDispatcher
+    from moetrain.parallel.exact_dispatchers import AllToAllDispatcher
     from moetrain.parallel.nosync_dispatcher import NoSyncDispatcher
     from moetrain.parallel.symm_dispatcher import SymmMemDispatcher
 

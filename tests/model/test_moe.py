@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from moetrain.model.config import MoEConfig
 from moetrain.model.mlp import SwiGLU
 from moetrain.model.moe import MoE
+from moetrain.parallel.parallelize import inside_backward
 
 
 def make_moe(d=16, hidden=8, experts=6, top_k=3, shared=0, **kw) -> MoE:
@@ -130,7 +131,7 @@ def test_recompute_counts_statistics_once_and_keeps_gradients():
     plain = {n: p.grad.clone() for n, p in moe.named_parameters()}
     plain_counts = moe.end_step()["tokens_per_expert"]
     moe.zero_grad()
-    moe.recomputed = True  # as apply_recompute marks the layers of the blocks it wraps
+    moe.recomputing = inside_backward  # as apply_recompute marks the layers of the blocks it wraps
     torch.manual_seed(5)
     checkpoint(moe, x, use_reentrant=False).square().sum().backward()
     recomputed_counts = moe.end_step()["tokens_per_expert"]
@@ -151,14 +152,18 @@ def test_apply_recompute_marks_its_moe_layers_and_others_have_no_graph_break_for
 
     model = Transformer(PRESETS["tiny"]().model)
     apply_recompute(model, every=2)
-    marks = {int(name): block.ffn.recomputed for name, block in model.blocks.items() if isinstance(block.ffn, MoE)}
+    marks = {
+        int(name): block.ffn.recomputing is inside_backward
+        for name, block in model.blocks.items()
+        if isinstance(block.ffn, MoE)
+    }
     assert len(marks) >= 2 and all(marks[i] == (i % 2 == 0) for i in marks), marks
 
     moe = make_moe()
     moe.train()
     reasons = [r.reason for r in torch._dynamo.explain(moe)(torch.randn(1, 8, 16)).break_reasons]
     assert not any("non-Tensor" in r for r in reasons), reasons
-    moe.recomputed = True
+    moe.recomputing = inside_backward
     torch._dynamo.reset()
     reasons = [r.reason for r in torch._dynamo.explain(moe)(torch.randn(1, 8, 16)).break_reasons]
     assert any("non-Tensor" in r for r in reasons), reasons  # the check this test relies on

@@ -162,7 +162,7 @@ LAYOUT_GROUPS = [
             ("dp4ep4-alltoall", ["parallel.ep=4", A2A]),
             ("dp4ep2-sharded", ["parallel.ep=2", SHARD]),
             ("dp4ep2-symm", ["parallel.ep=2", SYMM]),
-            ("dp4ep4-overlap3-recompute", ["parallel.ep=4", "parallel.overlap_chunks=3", "train.recompute=full"]),
+            ("dp4ep4-overlap2-recompute", ["parallel.ep=4", "parallel.overlap_chunks=2", "train.recompute=full"]),
         ],
     ),
     (

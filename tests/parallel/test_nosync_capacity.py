@@ -113,12 +113,14 @@ def local_experts(rank, R, poison):
         local.w_gate_up_E2FD.copy_(full.w_gate_up_E2FD.normal_(0, 0.3)[rank * L : (rank + 1) * L])
         local.w_down_EDF.copy_(full.w_down_EDF.normal_(0, 0.3)[rank * L : (rank + 1) * L])
 
-    def forward(x_SD, offsets_L, group=None):  # group: GroupedExperts' (the pipelined exchange's)
+    def forward(x_SD, offsets_L, weights=None):  # weights: GroupedExperts' (an expert group's)
         if not poison:
-            return local(x_SD, offsets_L, group)
+            return local(x_SD, offsets_L, weights)
         pad_S1 = (torch.arange(x_SD.shape[0]) >= offsets_L[-1]).unsqueeze(-1)
-        return local(NaNGradOnPadding.apply(x_SD, pad_S1), offsets_L, group).masked_fill(pad_S1, float("nan"))
+        return local(NaNGradOnPadding.apply(x_SD, pad_S1), offsets_L, weights).masked_fill(pad_S1, float("nan"))
 
+    # the overlapped exchange slices the experts' weights for its groups (OverlappedDispatcher)
+    forward.w_gate_up_E2FD, forward.w_down_EDF = local.w_gate_up_E2FD, local.w_down_EDF
     return local, forward
 
 
@@ -144,7 +146,7 @@ def compare_case(case, rank, R, group):
     """The default dispatcher, the padded mode and the exact dispatcher on one routing case."""
     import torch.distributed as dist
 
-    from moetrain.parallel.dispatchers import AllToAllDispatcher
+    from moetrain.parallel.exact_dispatchers import AllToAllDispatcher
     from moetrain.parallel.nosync_dispatcher import NoSyncDispatcher
 
     default = NoSyncDispatcher(E, group, group, BOUNDED)
@@ -311,7 +313,7 @@ def measure_memory(rank, R, group):
     memory): peak and total bytes allocated by dispatch → experts → combine and its backward,
     the bytes kept for backward, and the experts' rows, for the three dispatchers."""
     from moetrain.model.experts import GroupedExperts
-    from moetrain.parallel.dispatchers import AllToAllDispatcher
+    from moetrain.parallel.exact_dispatchers import AllToAllDispatcher
     from moetrain.parallel.nosync_dispatcher import NoSyncDispatcher
 
     L, M = E // R, N * K

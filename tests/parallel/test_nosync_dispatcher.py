@@ -147,7 +147,7 @@ def inputs(rank):
 def compare_dropless(rank, group, bias_E, dispatcher_cls=None):
     """Forward and backward of the full layer with the exact dispatcher and `dispatcher_cls`
     (default NoSyncDispatcher in its padded mode), in train mode (aux losses)."""
-    from moetrain.parallel.dispatchers import AllToAllDispatcher
+    from moetrain.parallel.exact_dispatchers import AllToAllDispatcher
     from moetrain.parallel.nosync_dispatcher import NoSyncDispatcher
 
     def padded(*args):
@@ -192,7 +192,7 @@ def check_capacity(rank, group, capacity_factor):
     """Skewed routing (expert 0 always chosen) with a capacity and no spill rows: drops match the
     expectation, kept outputs and all gradients match the exact dispatcher's with the dropped
     terms masked out."""
-    from moetrain.parallel.dispatchers import AllToAllDispatcher
+    from moetrain.parallel.exact_dispatchers import AllToAllDispatcher
     from moetrain.parallel.nosync_dispatcher import NoSyncDispatcher
 
     bias_E = torch.zeros(E)
@@ -248,7 +248,7 @@ def check_no_host_sync(rank, group):
     """dispatch, combine and their backward run under the detector (the experts, outside the
     dispatcher's scope, are a stand-in); the exact dispatcher, which reads split sizes on the host,
     trips it."""
-    from moetrain.parallel.dispatchers import AllToAllDispatcher
+    from moetrain.parallel.exact_dispatchers import AllToAllDispatcher
     from moetrain.parallel.nosync_dispatcher import NoSyncDispatcher
 
     x_BTD, _ = inputs(rank)
@@ -282,7 +282,7 @@ def check_wire_dtype(rank, group):
     path (cast after the gather) to fp32 rounding."""
     import torch.distributed._functional_collectives as funcol
 
-    from moetrain.parallel.dispatchers import AllToAllDispatcher
+    from moetrain.parallel.exact_dispatchers import AllToAllDispatcher
     from moetrain.parallel.nosync_dispatcher import NoSyncDispatcher
 
     x_BTD, _ = inputs(rank)
@@ -421,7 +421,7 @@ def symm_checks(world):
     reads split sizes on the host, as the NVSHMEM kernels do on the device)."""
     import torch.distributed as dist
 
-    from moetrain.parallel.dispatchers import AllToAllDispatcher
+    from moetrain.parallel.exact_dispatchers import AllToAllDispatcher
     from moetrain.parallel.symm_dispatcher import SymmMemDispatcher
 
     rank, group = dist.get_rank(), dist.group.WORLD

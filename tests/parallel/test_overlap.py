@@ -1,16 +1,18 @@
-"""The pipelined exchange (parallel.overlap_chunks, NoSyncDispatcher.pipelined) against the plain
-dispatch → experts → combine (+ shared expert) on gloo ranks at ep 2, 4 and 8 (ep = world).
+"""The overlapped exchange (parallel.overlap_chunks, moetrain/parallel/overlapped_dispatcher.py)
+against the plain dispatch → experts → combine (+ shared expert) on gloo ranks at ep 2, 4 and 8
+(ep = world; 8, 4 and 2 local experts).
 
-- n = 1 chunk: outputs and every gradient are the plain path's bit for bit;
-- n = 2, 3 (3 splits 64 tokens unevenly): within fp32 reassociation of the plain path (the
-  expert weight gradients sum over chunks), under balanced, skewed and all-to-one routing in the
-  padded mode (dropless); in the bounded mode, under all-to-one routing, each chunk drops
-  exactly its own M − C;
+- n = 1 chunk, and n = 2 and n = L chunks by experts with room for every row: outputs and every
+  gradient are the plain path's bit for bit, under balanced, skewed and all-to-one routing;
+- in the bounded mode, under all-to-one routing, each chunk drops exactly its own overflow;
 - the schedule: the order in which exchanges start and finish, forward and backward, around the
   experts and the shared expert, is the overlapping one the docstring promises;
-- no host synchronization, and the dispatch's peak allocation stays that of the plain path.
+- no host synchronization, and the dispatch's peak allocation stays that of the plain path;
+- chunks that cannot split a rank's experts, or the padded mode's, are refused by the config.
 
 Legend as tests/parallel/test_nosync_capacity.py, whose routing and experts these reuse."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,14 +26,15 @@ from test_nosync_capacity import (
     case_counts,
     local_experts,
     reference_keep,
-    relative_diff,
     routing_ids,
 )
 
 from moetrain.testing.distributed import run_distributed
 
-TOL = 1e-6
-CHUNKS = (2, 3)
+
+def chunk_counts(R):
+    """The chunk counts by experts that split the L = E / R local experts: 2 and L."""
+    return sorted({2, E // R})
 
 
 def make_shared():
@@ -45,17 +48,29 @@ def make_shared():
     return shared
 
 
-def run(disp, chunks, x0_ND, ids_NK, w0_NK, grad_ND, rank, R, poison=True):
-    """One forward and backward of the layer's exchange: plain (`chunks` 0) or pipelined."""
+def route_of(ids_NK, w_NK):
+    """What `expert_step` reads of the router's output."""
+    return SimpleNamespace(
+        topk_ids_NK=ids_NK, topk_weights_NK=w_NK, tokens_per_expert_E=torch.bincount(ids_NK.flatten(), minlength=E)
+    )
+
+
+def dispatcher(group, chunks, factor, **kw):
+    """The plain sync-free dispatcher (`chunks` 0) or the overlapped one."""
+    from moetrain.parallel.nosync_dispatcher import NoSyncDispatcher
+    from moetrain.parallel.overlapped_dispatcher import OverlappedDispatcher
+
+    if chunks:
+        return OverlappedDispatcher(E, group, group, factor, chunks=chunks, **kw)
+    return NoSyncDispatcher(E, group, group, factor, **kw)
+
+
+def run(disp, x0_ND, ids_NK, w0_NK, grad_ND, rank, R, poison=True):
+    """One forward and backward of the layer's expert step."""
     local, forward = local_experts(rank, R, poison)
     shared = make_shared()
     x, w = x0_ND.clone().requires_grad_(), w0_NK.clone().requires_grad_()
-    disp.overlap_chunks = chunks
-    if chunks:
-        y = disp.pipelined(x, ids_NK, w, forward, shared)
-    else:
-        x_local, offsets, state = disp.dispatch(x, ids_NK, torch.bincount(ids_NK.flatten(), minlength=E))
-        y = disp.combine(forward(x_local, offsets), state, w) + shared(x)
+    y = disp.expert_step(x, route_of(ids_NK, w), forward, shared)
     (y * grad_ND).sum().backward()
     grads = [y.detach(), x.grad, w.grad, local.w_gate_up_E2FD.grad, local.w_down_EDF.grad]
     grads += [p.grad for p in shared.parameters()]
@@ -75,41 +90,28 @@ routing, in either way of chunking."""
 
 
 def compare(rank, R, group):
-    from moetrain.parallel.nosync_dispatcher import NoSyncDispatcher, chunks_by_experts
-
     out = {}
-    probe = NoSyncDispatcher(E, group, group, BOUNDED)
+    probe = dispatcher(group, 0, BOUNDED)
     C, W = probe.capacity(N, K), probe.block_rows(N, K)
     for case, factor in (("balanced", BOUNDED), ("skewed", BOUNDED), ("all_to_one", None)):
         ids_NK, x0, w0, g = inputs(case, rank, R, C, W)
-        ref, _ = run(NoSyncDispatcher(E, group, group, factor), 0, x0, ids_NK, w0, g, rank, R)
-        one, _ = run(NoSyncDispatcher(E, group, group, factor), 1, x0, ids_NK, w0, g, rank, R)
+        ref, _ = run(dispatcher(group, 0, factor), x0, ids_NK, w0, g, rank, R)
+        one, _ = run(dispatcher(group, 1, factor), x0, ids_NK, w0, g, rank, R)
         out[case] = {"bits_n1": [torch.equal(a, b) for a, b in zip(one, ref)]}
         # Chunks route unevenly where the whole does not, so a bounded capacity may drop in a
-        # chunk what it keeps whole: compare with room for every row. The padded mode chunks by
-        # tokens; bounded with room by experts where n divides the local experts.
-        padded, _ = run(NoSyncDispatcher(E, group, group, None), 0, x0, ids_NK, w0, g, rank, R)
-        for n in CHUNKS:
-            for mode, disp in (
-                ("tokens", NoSyncDispatcher(E, group, group, None)),
-                ("experts", NoSyncDispatcher(E, group, group, BOUNDED, min_rows=ROOMY)),
-            ):
-                got, dropped = run(disp, n, x0, ids_NK, w0, g, rank, R)
-                out[case][(mode, n)] = {
-                    "diff": max(relative_diff(a, b) for a, b in zip(got, padded)),
-                    "finite": all(bool(torch.isfinite(t).all()) for t in got),
-                    "dropped": dropped,
-                    "by_experts": chunks_by_experts(n, E // R, disp.capacity_factor),
-                }
+        # chunk what it keeps whole: compare with room for every row.
+        roomy, _ = run(dispatcher(group, 0, BOUNDED, min_rows=ROOMY), x0, ids_NK, w0, g, rank, R)
+        for n in chunk_counts(R):
+            got, dropped = run(dispatcher(group, n, BOUNDED, min_rows=ROOMY), x0, ids_NK, w0, g, rank, R)
+            out[case][n] = {"bits": [torch.equal(a, b) for a, b in zip(got, roomy)], "dropped": dropped}
     # The bounded mode under all-to-one routing drops each chunk's overflow, by the rule.
     ids_NK, x0, w0, g = inputs("all_to_one", rank, R, C, W)
     ids_by_rank = [None] * R
     import torch.distributed as dist
 
     dist.all_gather_object(ids_by_rank, ids_NK)
-    for n in CHUNKS:
-        disp = NoSyncDispatcher(E, group, group, BOUNDED)
-        got, dropped = run(disp, n, x0, ids_NK, w0, g, rank, R)
+    for n in chunk_counts(R):
+        got, dropped = run(dispatcher(group, n, BOUNDED), x0, ids_NK, w0, g, rank, R)
         out[f"bounded_all_to_one_{n}"] = {
             "dropped": dropped,
             "want": expected_drops(ids_by_rank, rank, R, n),
@@ -119,28 +121,16 @@ def compare(rank, R, group):
 
 
 def expected_drops(ids_by_rank, rank, R, n):
-    """What `rank` drops with n chunks: test_nosync_capacity.reference_keep's rule per chunk. By
-    experts when n divides L (chunk i: every token's copies for local experts
-    [i·L/n, (i+1)·L/n), 1/n of the capacity and spill rows), else by tokens (chunk i: the i-th
-    n-th of the tokens, its own capacity). A chunk's assignments go to the rule one per row, in
-    token order."""
+    """What `rank` drops with n chunks: test_nosync_capacity.reference_keep's rule per chunk
+    (chunk i: every token's copies for local experts [i·L/n, (i+1)·L/n), 1/n of the capacity and
+    spill rows). A chunk's assignments go to the rule one per row, in token order."""
     from moetrain.parallel.nosync_dispatcher import block_rows, capacity_rows
 
     L, M = E // R, N * K
-    chunks = []  # per chunk: (per source rank, the chunk's expert ids), C, W
-    if L % n == 0:
-        G = L // n
-        C, W = capacity_rows(M, R, BOUNDED / n), block_rows(M, R, BOUNDED / n, 0.125 / n)
-        for i in range(n):
-            chunks.append(([ids.flatten()[(ids.flatten() % L) // G == i] for ids in ids_by_rank], C, W))
-    else:
-        for part in torch.arange(N).tensor_split(n):
-            M_i = len(part) * K
-            C, W = capacity_rows(M_i, R, BOUNDED), block_rows(M_i, R, BOUNDED, 0.125)
-            chunks.append(([ids[part].flatten() for ids in ids_by_rank], C, W))
-    return sum(
-        int((~reference_keep([e.view(-1, 1) for e in by_rank], R, C, W)[rank]).sum()) for by_rank, C, W in chunks
-    )
+    G = L // n
+    C, W = capacity_rows(M, R, BOUNDED / n), block_rows(M, R, BOUNDED / n, 0.125 / n)
+    chunks = [[ids.flatten()[(ids.flatten() % L) // G == i] for ids in ids_by_rank] for i in range(n)]
+    return sum(int((~reference_keep([e.view(-1, 1) for e in by_rank], R, C, W)[rank]).sum()) for by_rank in chunks)
 
 
 # --- the schedule -----------------------------------------------------------------------------------
@@ -161,18 +151,16 @@ class Mark(torch.autograd.Function):
         return grad, None, None
 
 
-def schedule(rank, R, group, factor):
-    """The pipelined layer with 2 chunks, every exchange's start and wait logged (by start order:
+def schedule(rank, R, group):
+    """The overlapped layer with 2 chunks, every exchange's start and wait logged (by start order:
     there 0, there 1, back 0, back 1 in forward; their gradients' in backward) beside the experts'
-    and the shared expert's forward and backward. `factor`: the bounded capacity (chunks by
-    experts) or None (the padded mode: chunks by tokens)."""
+    and the shared expert's forward and backward."""
     from unittest import mock
 
-    import moetrain.parallel.async_exchange as ax
-    from moetrain.parallel.nosync_dispatcher import NoSyncDispatcher
+    import moetrain.parallel.overlapped_dispatcher as od
 
     log, issued = [], []
-    real = ax._exchange
+    real = od._exchange
 
     class Logged:
         def __init__(self, work, i):
@@ -191,22 +179,23 @@ def schedule(rank, R, group, factor):
     _, forward = local_experts(rank, R, poison=True)
     calls = []
 
-    def experts(x_SD, offsets, group):
+    def experts(x_SD, offsets, weights=None):
         i = len(calls)
         calls.append(i)
         # logged on entry in forward; in backward, "grad" marks the experts' backward finished
-        return Mark.apply(forward(Mark.apply(x_SD, log, f"experts {i}"), offsets, group), log, f"experts {i} out")
+        return Mark.apply(forward(Mark.apply(x_SD, log, f"experts {i}"), offsets, weights), log, f"experts {i} out")
 
+    experts.w_gate_up_E2FD, experts.w_down_EDF = forward.w_gate_up_E2FD, forward.w_down_EDF
     shared = make_shared()
 
     def shared_fn(x):
         return Mark.apply(shared(Mark.apply(x, log, "shared")), log, "shared out")
 
-    disp = NoSyncDispatcher(E, group, group, factor, min_rows=ROOMY, overlap_chunks=2)
+    disp = dispatcher(group, 2, BOUNDED, min_rows=ROOMY)
     ids_NK, x0, w0, g = inputs("balanced", rank, R, disp.capacity(N, K), disp.block_rows(N, K))
     x = x0.requires_grad_()
-    with mock.patch.object(ax, "_exchange", exchange):
-        y = disp.pipelined(x, ids_NK, w0, experts, shared_fn)
+    with mock.patch.object(od, "_exchange", exchange):
+        y = disp.expert_step(x, route_of(ids_NK, w0), experts, shared_fn)
         log.append("backward")
         (y * g).sum().backward()
     return log
@@ -214,20 +203,18 @@ def schedule(rank, R, group, factor):
 
 def no_sync_and_memory(rank, R, group):
     from moetrain.model.experts import GroupedExperts
-    from moetrain.parallel.nosync_dispatcher import NoSyncDispatcher
     from moetrain.testing.host_sync import forbid_host_sync
 
-    disp = NoSyncDispatcher(E, group, group, BOUNDED)
+    disp = dispatcher(group, 2, BOUNDED)
     ids_NK, x0, w0, g = inputs("skewed", rank, R, disp.capacity(N, K), disp.block_rows(N, K))
     _, forward = local_experts(rank, R, poison=False)
-    x = x0.clone().requires_grad_()
-    disp.overlap_chunks = 2
+    x, route = x0.clone().requires_grad_(), route_of(ids_NK, w0)  # the router's counts: not the dispatcher's
     with forbid_host_sync():
-        (disp.pipelined(x, ids_NK, w0, forward, None) * g).sum().backward()
+        (disp.expert_step(x, route, forward, None) * g).sum().backward()
         disp.dropped_tokens() + 0
 
     # Peak bytes allocated by a whole exchange, forward and backward (experts frozen: their
-    # weight gradients are no dispatch memory), plain against pipelined.
+    # weight gradients are no dispatch memory), plain against overlapped.
     L = E // R
     torch.manual_seed(0)
     experts = GroupedExperts(L, 256, 16).requires_grad_(False)
@@ -236,16 +223,13 @@ def no_sync_and_memory(rank, R, group):
             p.normal_(0, 0.1)
     ids_NK = routing_ids([N * K // R] * R, rank)
     peaks = {}
-    for chunks in (0, 2, 4):
-        disp.overlap_chunks = chunks
+    for chunks in (0, *chunk_counts(R)):
+        disp = dispatcher(group, chunks, BOUNDED)
         x = torch.randn(N, 256, requires_grad=True)
         w = torch.rand(N, K, requires_grad=True)
 
-        def step(chunks=chunks, x=x, w=w):
-            if chunks:
-                return disp.pipelined(x, ids_NK, w, experts, None)
-            x_local, offsets, state = disp.dispatch(x, ids_NK, torch.bincount(ids_NK.flatten(), minlength=E))
-            return disp.combine(experts(x_local, offsets), state, w)
+        def step(disp=disp, x=x, w=w):
+            return disp.expert_step(x, route_of(ids_NK, w), experts, None)
 
         step().sum().backward()  # warm-up
         x.grad = w.grad = None
@@ -271,7 +255,7 @@ def rank_checks(world):
     rank, group = dist.get_rank(), dist.group.WORLD
     return {
         "compare": compare(rank, world, group),
-        "schedule": {mode: schedule(rank, world, group, f) for mode, f in (("experts", BOUNDED), ("tokens", None))},
+        "schedule": schedule(rank, world, group),
         "memory": no_sync_and_memory(rank, world, group),
     }
 
@@ -289,26 +273,21 @@ def test_one_chunk_is_the_plain_exchange_bit_for_bit(world_results):
             assert all(r["compare"][case]["bits_n1"]), (rank, case, r["compare"][case]["bits_n1"])
 
 
-def test_chunks_match_the_plain_exchange(world_results):
-    """Outputs, input, weight and expert gradients within fp32 reassociation of the plain
-    exchange, chunked by tokens (the padded mode) and by experts (bounded, with room for every
-    row), where nothing may be dropped."""
+def test_chunks_by_experts_are_the_plain_exchange_bit_for_bit(world_results):
+    """Outputs, input, weight and expert gradients the plain exchange's bit for bit with room for
+    every row (nothing may be dropped), for 2 chunks and one per local expert."""
     world, results = world_results
     for rank, r in enumerate(results):
         for case in ("balanced", "skewed", "all_to_one"):
-            for n in CHUNKS:
-                for mode in ("tokens", "experts"):
-                    got = r["compare"][case][(mode, n)]
-                    assert got["finite"] and got["diff"] <= TOL, (rank, case, mode, n, got)
-                    assert got["dropped"] in (None, 0), (rank, case, mode, n, got)
-    # chunks by experts were exercised (2 chunks divide the 8, 4 or 2 local experts)
-    assert results[0]["compare"]["balanced"][("experts", 2)]["by_experts"]
+            for n in chunk_counts(world):
+                got = r["compare"][case][n]
+                assert all(got["bits"]) and got["dropped"] == 0, (rank, case, n, got)
 
 
 def test_all_to_one_drops_each_chunks_overflow(world_results):
     world, results = world_results
     for rank, r in enumerate(results):
-        for n in CHUNKS:
+        for n in chunk_counts(world):
             got = r["compare"][f"bounded_all_to_one_{n}"]
             assert got["dropped"] == got["want"] > 0 and got["finite"], (world, rank, n, got)
 
@@ -321,8 +300,7 @@ def test_the_exchanges_overlap_compute_forward_and_backward(world_results):
     dispatch gradient travels; the shared expert's backward runs while chunk 0's travels."""
     _, results = world_results
     for rank, r in enumerate(results):
-        for mode, log in r["schedule"].items():
-            check_schedule(log, (rank, mode))
+        check_schedule(r["schedule"], rank)
 
 
 def check_schedule(log, where):
@@ -347,12 +325,31 @@ def test_no_host_sync_and_the_plain_exchanges_memory(world_results):
     world, results = world_results
     for rank, r in enumerate(results):
         peaks, buffer = r["memory"], r["memory"]["buffer"]
-        for chunks in (2, 4):
+        for chunks in chunk_counts(world):
             assert peaks[f"saved {chunks}"] <= 1.05 * peaks["saved 0"], (rank, chunks, peaks)
             assert peaks[chunks] <= peaks[0] + 2 * buffer, (rank, chunks, peaks)
 
 
-# --- a training run with the pipelined exchange inside compiled blocks ------------------------------
+@pytest.mark.parametrize(
+    "flags, needs",
+    [
+        (["parallel.ep=2", "parallel.overlap_chunks=3"], "must divide the 4 experts each rank holds"),
+        (["parallel.ep=8", "parallel.overlap_chunks=2"], "use parallel.overlap_chunks=1"),
+        (["parallel.ep=2", "parallel.overlap_chunks=2", "parallel.capacity_factor=null"], "bounded capacity"),
+    ],
+)
+def test_chunks_that_cannot_split_the_experts_are_refused(flags, needs):
+    """tiny's 8 experts: 3 chunks cannot split 4 local experts, 2 cannot split 1, and the padded
+    mode has no capacity to split; one chunk always can."""
+    from moetrain.errors import ConfigError
+    from moetrain.presets import resolve_config
+
+    with pytest.raises(ConfigError, match=needs):
+        resolve_config("tiny", flags)
+    resolve_config("tiny", [f for f in flags if "overlap_chunks" not in f] + ["parallel.overlap_chunks=1"])
+
+
+# --- a training run with the overlapped exchange inside compiled blocks ------------------------------
 
 
 def compiled_and_eager(data_dir, tmp):

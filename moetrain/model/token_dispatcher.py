@@ -2,20 +2,27 @@
 
 Legend: N tokens, K top-k, M = N·K assignments, D model dim, E experts (local to this rank).
 
-The MoE layer calls `dispatch → experts → combine` and never communicates itself. This file
-declares what a dispatcher is (`TokenDispatcher`) and holds the local (single-device) one; the
-parallel layouts (moetrain/parallel/dispatchers.py, nosync_dispatcher.py, symm_dispatcher.py)
-swap in dispatchers that move the sorted rows to the ranks holding their experts with
-all-to-all and back, behind the same methods.
+The MoE layer asks its dispatcher for the expert step (`expert_step`: dispatch → experts →
+combine, plus the shared expert) and never communicates itself. This file declares what a
+dispatcher is (`TokenDispatcher`, the interface) and holds the local (single-device) one; the
+parallel layouts swap in implementations (moetrain/parallel/exact_dispatchers.py,
+nosync_dispatcher.py, symm_dispatcher.py) that move the sorted rows to the ranks holding their
+experts with all-to-all and back, behind the same methods, and one that overrides the step
+itself to overlap its all-to-alls with compute (moetrain/parallel/overlapped_dispatcher.py).
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
 from moetrain.model.permute import inverse_permutation, permute, unpermute_combine
+
+if TYPE_CHECKING:
+    from moetrain.model.experts import GroupedExperts
+    from moetrain.model.router import RouterOutput
 
 
 @runtime_checkable
@@ -49,6 +56,20 @@ class TokenDispatcher(Protocol):
         """Assignments dropped in the last dispatch (device scalar); None for dropless ones."""
         ...
 
+    def expert_step(
+        self,
+        x_ND: torch.Tensor,
+        route: RouterOutput,
+        experts: GroupedExperts,
+        shared: Callable[[torch.Tensor], torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """The MoE layer's output before its auxiliary losses: dispatch → experts → combine,
+        plus the shared expert's output where the layer has one. A dispatcher that overlaps its
+        exchange with compute overrides this, with the same results."""
+        x_MD, offsets_E, state = self.dispatch(x_ND, route.topk_ids_NK, route.tokens_per_expert_E)
+        y_ND = self.combine(experts(x_MD, offsets_E), state, route.topk_weights_NK)
+        return y_ND if shared is None else y_ND + shared(x_ND)
+
 
 class DispatchState(NamedTuple):
     """What `combine` needs to undo `dispatch` (moetrain/model/permute.py)."""
@@ -57,7 +78,7 @@ class DispatchState(NamedTuple):
     inv_NK: torch.Tensor
 
 
-class LocalTokenDispatcher:
+class LocalTokenDispatcher(TokenDispatcher):
     """The `TokenDispatcher` of one device: permute token copies into expert order; dropless,
     sync-free."""
 

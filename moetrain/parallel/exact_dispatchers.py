@@ -3,14 +3,15 @@
 Legend: N tokens on this rank, K top-k, M = N·K assignments, D model dim, E experts in all,
 L = E / ep experts on this rank, R = ep ranks of the expert-parallel group.
 
-Every dispatcher here is a `TokenDispatcher` (moetrain/model/dispatcher.py): the MoE layer calls
-dispatch → experts → combine and never communicates itself.
+Every dispatcher here implements `TokenDispatcher` (moetrain/model/token_dispatcher.py, the
+interface): the MoE layer asks for its expert step (dispatch → experts → combine) and never
+communicates itself.
 - `DataParallelDispatcher`: ep = 1, dp > 1; every rank holds every expert, only the routing
   counts are summed over dp;
 - `ExpertParallelDispatcher`: the base of the dispatchers that split experts over ep ranks;
 - `AllToAllDispatcher`: exact split sizes read on the host (`parallel.dispatcher=alltoall`);
-- `NoSyncDispatcher` (nosync_dispatcher.py) and `SymmMemDispatcher` (symm_dispatcher.py) build on
-  the base here.
+- `NoSyncDispatcher` (nosync_dispatcher.py), `OverlappedDispatcher` (overlapped_dispatcher.py) and
+  `SymmMemDispatcher` (symm_dispatcher.py) build on the base here.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from moetrain.model.dispatcher import DispatchState, LocalTokenDispatcher, sort_by_expert
 from moetrain.model.permute import permute, unpermute_combine
+from moetrain.model.token_dispatcher import DispatchState, LocalTokenDispatcher, TokenDispatcher, sort_by_expert
 
 
 class DataParallelDispatcher(LocalTokenDispatcher):
@@ -46,7 +47,7 @@ class AllToAllState(NamedTuple):
     recv_splits: list[int]
 
 
-class ExpertParallelDispatcher:
+class ExpertParallelDispatcher(TokenDispatcher):
     """What the dispatchers that split experts over an expert-parallel group share: the group,
     the local expert count, the routing counts' reduction over dp, and (for the exact ones)
     sorting assignments by global expert and undoing it."""
