@@ -7,9 +7,10 @@ whose rows per expert shrink. This probe times each of those kernels, as moetrai
 and prints its achieved bandwidth (bytes read plus written over the time) or FLOP rate:
 
 - copy: a device-to-device copy (the bandwidth ceiling, and a gradient copied into its bucket);
-- adamw_split: the bf16-weight AdamW kernel (moetrain/optim/adamw_split_kernel.py) over split
-  masters, fp32 or bf16 moments, fp32 or bf16 gradients, with a clipping factor and skip flag;
-  over one flat buffer and over per-parameter tensors as `SplitMaster.update` calls it;
+- adamw_split: the Triton AdamW kernel (`adamw_triton`, moetrain/optim/triton_kernels.py) over
+  split masters, fp32 or bf16 moments, fp32 or bf16 gradients, with a clipping factor and skip
+  flag; over one flat buffer and over per-parameter tensors as `adamw_update` runs it on a
+  `SplitMaster`'s;
 - torch_adamw_fused: torch's fused AdamW over fp32 parameters (the embedding and the rest);
 - grad_add_bf16 / accumulate_fp32: a gradient added in place
   in bf16 (optim.grad_dtype=bf16), and added into an fp32 sum (`accumulate_grad`);
@@ -38,13 +39,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cuda_timing import timed  # noqa: E402
 
-from moetrain.optim.adamw_split_kernel import (  # noqa: E402
+from moetrain.optim.split_master import split_fp32  # noqa: E402
+from moetrain.optim.triton_kernels import (  # noqa: E402
     accumulate_grad,
-    adamw_split,
+    adamw_triton,
     bias_corrections,
     sum_squares,
 )
-from moetrain.optim.split_master import split_fp32  # noqa: E402
 
 ROWS = []
 
@@ -117,7 +118,7 @@ def optimizer(n: int, reps: int) -> None:
         grad_coef=torch.full((), 0.5, device=dev),
         skip=torch.zeros((), dtype=torch.bool, device=dev),
     )
-    # as SplitMaster.update calls it: one launch per parameter (sweep-8l-128's expert tensors
+    # as adamw_update runs it on SplitMaster's parameters: one launch per parameter (sweep-8l-128's expert tensors
     # are 16 × 8192 × 4096 and 16 × 4096 × 4096 elements)
     size = 16 * 4096 * 4096
     for m_dtype in (fp32, bf16):
@@ -130,11 +131,11 @@ def optimizer(n: int, reps: int) -> None:
             record(
                 "optimizer",
                 name + " (flat)",
-                timed(partial(adamw_split, hi, lo, g, m, v, corr, **hyper), reps),
+                timed(partial(adamw_triton, hi, lo, g, m, v, corr, **hyper), reps),
                 bytes_moved=moved,
             )
             calls = [
-                partial(adamw_split, *(t[i : i + size] for t in (hi, lo, g, m, v)), corr, **hyper)
+                partial(adamw_triton, *(t[i : i + size] for t in (hi, lo, g, m, v)), corr, **hyper)
                 for i in range(0, n - size + 1, size)
             ]
             record(

@@ -142,7 +142,18 @@ def test_every_optimizer_implements_the_optimizer_protocol():
     from moetrain.optim.sharded import ShardedAdamW
 
     for cls in (ReplicatedAdamW, ShardedAdamW, FSDPAdamW):
-        assert _check_implements(cls, Optimizer) == {"loss_scale"}
+        assert _check_implements(cls, Optimizer) == {"reduction"}
+
+
+def test_every_gradient_reduction_implements_the_grad_reduction_protocol():
+    """What the optimizers hold as their `reduction`."""
+    from moetrain.optim.fsdp import FSDPReduction
+    from moetrain.optim.grad_reducer import GradReducer, GradReduction, NoReduction
+    from moetrain.optim.sharded import _ShardedGradReducer
+
+    for cls in (GradReducer, _ShardedGradReducer, NoReduction, FSDPReduction):
+        assert _check_implements(cls, GradReduction) == {"loss_scale"}
+    assert isinstance(NoReduction(), GradReduction)
 
 
 def test_every_dispatcher_implements_the_token_dispatcher_protocol():
@@ -159,7 +170,12 @@ def test_every_dispatcher_implements_the_token_dispatcher_protocol():
 
 
 @pytest.mark.parametrize(
-    "protocol_path", ["moetrain.optim.base:Optimizer", "moetrain.model.token_dispatcher:TokenDispatcher"]
+    "protocol_path",
+    [
+        "moetrain.optim.base:Optimizer",
+        "moetrain.optim.grad_reducer:GradReduction",
+        "moetrain.model.token_dispatcher:TokenDispatcher",
+    ],
 )
 def test_a_class_missing_a_method_is_caught(protocol_path):
     """The signature check above can fail: a class without one of the methods, or with a

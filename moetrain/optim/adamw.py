@@ -1,31 +1,161 @@
-"""`MomentsAdamW`: AdamW whose two moments are kept in a lower precision (optim.moments_dtype=bf16).
+"""The AdamW update every moetrain optimizer runs where it does not run torch.optim.AdamW, with two
+backends; and `MomentsAdamW`, which runs it in torch.optim.AdamW's place.
 
-torch's AdamW keeps its state in the parameters' dtype. With bf16 moments the state is 4 bytes per
-parameter instead of 8; each step reads them, updates in fp32 (the same formula and operation
-order as torch's, `adamw_reference`) and rounds them back to nearest, as DeepSeek-V3 trains its
-AdamW moments. On CUDA the update is one Triton kernel per parameter
-(moetrain/optim/adamw_split_kernel.py), reading the clipping divisor, the skip decision and the
-step count from device memory; elsewhere the torch reference.
+`adamw_update` makes one AdamW step (decoupled weight decay, bias-corrected, eps after the square
+root) of `AdamWGroup`s: parameters fp32, or split masters (the bf16 half and the int16 remainder,
+moetrain/optim/split_master.py); gradients fp32 or bf16; moments fp32 or bf16 (optim.moments_dtype).
+Its two backends:
 
-It stands in for `torch.optim.AdamW` where the optimizers use one (`build_adamw`): the same
-`param_groups` (with "lr", "weight_decay"), `state` per parameter ("step", "exp_avg",
-"exp_avg_sq"), the fused kernel's `grad_scale` (a divisor) and `found_inf` attributes, `step()` and
-`zero_grad()`. Sharded (DTensor) parameters of the fsdp stack are updated through their local
-shards.
+- torch (`adamw_reference`): torch.optim.AdamW's single-tensor update, its operations in its order
+  with its Python-float scalars, as foreach ops over the group, in fp32 on every dtype above. The
+  step count and the skip decision are read on the host. Off CUDA (or with optim.fused=false).
+- device (`fused`): nothing read on the host. Groups of fp32 parameters, gradients and moments go
+  to torch's fused AdamW kernel (`torch._fused_adamw_`, the kernel of torch.optim.AdamW(fused=True),
+  so the bits of the optimizers that run torch's AdamW); the others to our Triton kernel
+  (moetrain/optim/triton_kernels.py, `adamw_triton`), which reads the bias corrections, the
+  clipping factor and the skip decision from device memory.
 
-With optim.grad_dtype=bf16 the gradients are not the parameters' `.grad` (an fp32 parameter's
-`.grad` is fp32) but bf16 tensors a `GradStore` keeps (moetrain/optim/grad_store.py), which
-`grad_of` looks up; each is read and converted to fp32 inside the update, and the clipping factor
-comes as `grad_coef`, multiplied in fp32 there, so the stored gradients are never rounded again.
+`MomentsAdamW` stands in for `torch.optim.AdamW` where the replicated and the FSDP optimizer need
+a dtype torch's AdamW does not take (`build_adamw`): bf16 moments (4 bytes per parameter instead of
+8, rounded to nearest after each fp32 update, as DeepSeek-V3 trains its AdamW moments), or bf16
+gradients kept off `.grad` (optim.grad_dtype=bf16: a parameter's `.grad` is in its own dtype),
+which `grad_of` looks up and the update reads in fp32. It has torch's `param_groups` (with "lr",
+"weight_decay") and `state` per parameter ("step", "exp_avg", "exp_avg_sq"); its `step` takes the
+clipping factor and the skip decision as arguments. Sharded (DTensor) parameters of the fsdp stack
+are updated through their local shards.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
 
-from moetrain.optim.split_master import adamw_reference
+from moetrain.optim.split_master import join, split_fp32
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamWGroup:
+    """Tensors updated with one weight decay: per element of the lists a parameter, its gradient
+    and its two moments, each of the parameter's number of elements. `los`: the parameters are
+    split masters, `params` their bf16 halves and `los` the int16 remainders. Each list holds one
+    dtype."""
+
+    params: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    exp_avgs: list[torch.Tensor]
+    exp_avg_sqs: list[torch.Tensor]
+    weight_decay: float
+    los: list[torch.Tensor] | None = None
+
+    @property
+    def fp32(self) -> bool:
+        """fp32 parameters, gradients and moments: what torch's fused AdamW kernel takes."""
+        tensors = (self.params, self.grads, self.exp_avgs)
+        return self.los is None and all(t[0].dtype == torch.float32 for t in tensors)
+
+
+def adamw_reference(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    los: list[torch.Tensor] | None = None,
+    *,
+    step: float,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    grad_coef: torch.Tensor | None,
+) -> None:
+    """One AdamW step of the tensors in place, in torch ops: torch.optim.AdamW's single-tensor
+    update (its formula, its operations in its order, its Python-float scalars), as foreach ops.
+    With `los` the parameters are split masters: the step runs on their fp32 values
+    (`join(param, lo)`) and is written back into both halves. `step` counts this update (1 =
+    first); `grad_coef` multiplies the gradients (the clipping factor). Gradients and moments of a
+    lower precision are computed with in fp32; the moments are rounded back to nearest."""
+    masters = [join(p, lo) for p, lo in zip(params, los)] if los is not None else params
+    grads = [g.float() for g in grads]  # the gradients themselves when they are fp32
+    if grad_coef is not None:
+        grads = [g * grad_coef for g in grads]
+    m = [t.float() for t in exp_avgs]  # the moments themselves when they are fp32
+    v = [t.float() for t in exp_avg_sqs]
+    if weight_decay != 0:
+        torch._foreach_mul_(masters, 1 - lr * weight_decay)
+    torch._foreach_lerp_(m, grads, 1 - beta1)
+    torch._foreach_mul_(v, beta2)
+    torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
+    bias_correction1 = 1 - beta1**step
+    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+    denom = torch._foreach_sqrt(v)
+    torch._foreach_div_(denom, bias_correction2_sqrt)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(masters, m, denom, value=-lr / bias_correction1)
+    for low, high in ((exp_avgs, m), (exp_avg_sqs, v)):
+        for t, t32 in zip(low, high):
+            if t32 is not t:
+                t.copy_(t32)
+    for p, lo, master in zip(params, los or (), masters):
+        new_hi, new_lo = split_fp32(master)
+        p.copy_(new_hi)
+        lo.copy_(new_lo)
+
+
+def adamw_update(
+    groups: list[AdamWGroup],
+    step: torch.Tensor,
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    grad_coef: torch.Tensor | None,
+    skip: torch.Tensor | None,
+    fused: bool,
+) -> None:
+    """One AdamW step of every tensor of `groups`, counted in `step` (a 0-d fp32 tensor on the
+    tensors' device, shared by all of them). `grad_coef`: multiplies the gradients (the clipping
+    factor; None: 1). `skip` (a device bool): leave parameters, moments and `step` as they are.
+    `fused`: on the device, with no host read (module docstring); else `adamw_reference`."""
+    beta1, beta2 = betas
+    groups = [g for g in groups if g.params]
+    if not fused:
+        if skip is not None and bool(skip):
+            return
+        step += 1
+        for g in groups:
+            adamw_reference(
+                g.params, g.grads, g.exp_avgs, g.exp_avg_sqs, g.los,
+                step=float(step), lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=g.weight_decay,
+                grad_coef=grad_coef,
+            )  # fmt: skip
+        return
+    step.add_((~skip).float() if skip is not None else 1.0)
+    hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps)
+    torch_groups = [g for g in groups if g.fp32]
+    if torch_groups:
+        grad_scale = grad_coef.reciprocal() if grad_coef is not None else None  # torch's kernel divides by it
+        found_inf = skip.float() if skip is not None else None
+        for g in torch_groups:
+            torch._fused_adamw_(
+                g.params, g.grads, g.exp_avgs, g.exp_avg_sqs, [], [step] * len(g.params),
+                weight_decay=g.weight_decay, amsgrad=False, maximize=False, grad_scale=grad_scale,
+                found_inf=found_inf, **hyper,
+            )  # fmt: skip
+    triton_groups = [g for g in groups if not g.fp32]
+    if triton_groups:
+        from moetrain.optim.triton_kernels import adamw_triton, bias_corrections
+
+        corrections = bias_corrections(step, lr, beta1, beta2)
+        for g in triton_groups:
+            for i, (p, grad, m, v) in enumerate(zip(g.params, g.grads, g.exp_avgs, g.exp_avg_sqs)):
+                lo = g.los[i].view(-1) if g.los is not None else None
+                adamw_triton(
+                    p.view(-1), lo, grad.view(-1), m.view(-1), v.view(-1), corrections,
+                    weight_decay=g.weight_decay, grad_coef=grad_coef, skip=skip, **hyper,
+                )  # fmt: skip
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -62,44 +192,28 @@ class MomentsAdamW:
         }
         self.grad_of = grad_of or (lambda p: p.grad)
         """A parameter's gradient (None: not updated): `.grad`, or where a `GradStore` keeps it."""
-        self.grad_scale: torch.Tensor | None = None
-        """Fused path: the gradients are divided by it (the clipping factor's reciprocal)."""
-        self.grad_coef: torch.Tensor | None = None
-        """The gradients are multiplied by it (the clipping factor), in place of `grad_scale`:
-        gradients stored in bf16, which scaling in place would round again."""
-        self.found_inf: torch.Tensor | None = None
-        """Fused path: nonzero = skip this update (decided on the device)."""
 
     @torch.no_grad()
-    def step(self) -> None:
-        beta1, beta2 = self.betas
-        coef = self.grad_coef
-        if coef is None and self.grad_scale is not None:
-            coef = self.grad_scale.reciprocal()
-        if self.fused:
-            from moetrain.optim.adamw_split_kernel import adamw_update, bias_corrections
-
-            skip = self.found_inf != 0 if self.found_inf is not None else None
-            self.step_t.add_(1 - self.found_inf if self.found_inf is not None else 1.0)
-        else:
-            self.step_t += 1
-        corrections: dict[float, torch.Tensor] = {}  # per learning rate: once per step, not per group
+    def step(self, grad_coef: torch.Tensor | None = None, skip: torch.Tensor | None = None) -> None:
+        """`adamw_update` of every parameter that has a gradient (on the device when `fused`):
+        `grad_coef` multiplies the gradients (the clipping factor), `skip` (a device bool) leaves
+        everything as it is."""
+        (lr,) = {g["lr"] for g in self.param_groups}  # one learning rate: `set_lr` sets every group's
+        groups = []
         for group in self.param_groups:
-            hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=self.eps, weight_decay=group["weight_decay"])
-            if self.fused and group["lr"] not in corrections:
-                corrections[group["lr"]] = bias_corrections(self.step_t, group["lr"], beta1, beta2)
-            for p in group["params"]:
-                grad = self.grad_of(p)
-                if grad is None:
-                    continue
-                state = self.state[p]
-                tensors = [_local(t) for t in (p, grad, state["exp_avg"], state["exp_avg_sq"])]
-                if self.fused:
-                    param, grad, m, v = (t.view(-1) for t in tensors)
-                    adamw_update(param, None, grad, m, v, corrections[group["lr"]], grad_coef=coef, skip=skip, **hyper)
-                else:
-                    param, grad, m, v = tensors
-                    adamw_reference(param, None, grad, m, v, step=float(self.step_t), grad_coef=coef, **hyper)
+            params = [p for p in group["params"] if self.grad_of(p) is not None]
+            groups.append(
+                AdamWGroup(
+                    [_local(p) for p in params],
+                    [_local(self.grad_of(p)) for p in params],
+                    [_local(self.state[p]["exp_avg"]) for p in params],
+                    [_local(self.state[p]["exp_avg_sq"]) for p in params],
+                    weight_decay=group["weight_decay"],
+                )
+            )
+        adamw_update(
+            groups, self.step_t, lr=lr, betas=self.betas, eps=self.eps, grad_coef=grad_coef, skip=skip, fused=self.fused
+        )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for group in self.param_groups:

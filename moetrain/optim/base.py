@@ -2,19 +2,23 @@
 
 Per optimizer step the engine (moetrain/train/engine.py) calls, in this order:
 
-    prepare(sync) before each micro-batch's backward (sync=True for the last one), or once with
-        backward_passes=n before a pipeline step's n backward passes
-    finish()               wait for the data-parallel gradient reduction
-    clip_grad_norm(max)    the global gradient norm (device tensor), clipped to `max`
-    set_lr(lr); step(skip) the update (skip: a device bool, the step guard's decision), then the
-                           step post-hooks (the aux-free router bias)
+    reduction.prepare(sync)  before each micro-batch's backward (sync=True for the last one), or
+                             once with backward_passes=n before a pipeline step's n backward passes
+    reduction.finish()       wait for the data-parallel gradient reduction
+    clip_grad_norm(max)      the global gradient norm (device tensor), clipped to `max`
+    set_lr(lr); step(skip)   the update (skip: a device bool, the step guard's decision), then the
+                             step post-hooks (the aux-free router bias)
     zero_grad()
 
-Nothing in that sequence reads a device value on the host where the fused kernels run (CUDA).
+`reduction` is the optimizer's gradient reduction (`GradReduction`, moetrain/optim/grad_reducer.py),
+which scales the losses (`loss_scale`) and reduces the gradients the optimizer then reads. Nothing
+in that sequence reads a device value on the host where the fused kernels run (CUDA).
 Checkpoints see every optimizer through `checkpoint_tensors` / `checkpoint_masters` (AdamW's
 moments and the fp32 masters per parameter, keyed by canonical parameter name, as the part this
 rank holds: DCP saves from and loads into them in place) and `checkpoint_loaded`;
 `state_dict_tensors` / `load_state_dict_tensors` give and take the same state whole, in memory.
+Each optimizer also has `memory_bytes()` and `grad_bytes()`, the bytes of the optimizer state
+and of the gradients this rank holds: measurements for tests, which the loop does not use.
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from moetrain.optim.adamw import MomentsAdamW
 from moetrain.optim.clip import clip_coefficient
+from moetrain.optim.grad_reducer import GradReduction
 
 if TYPE_CHECKING:
     from moetrain.optim.config import OptimConfig
@@ -81,19 +87,10 @@ class FlatShard:
 
 @runtime_checkable
 class Optimizer(Protocol):
-    """What the engine, checkpoints and benchmarks use of an optimizer (moetrain/optim/*.py)."""
+    """What the engine and checkpoints use of an optimizer (moetrain/optim/*.py)."""
 
-    loss_scale: float
-    """Scale every backward's loss by this (1/dp where the gradient reduction sums): the reduced
-    gradients are then the means over the global batch, with no pass over them."""
-
-    def prepare(self, sync: bool, backward_passes: int = 1) -> None:
-        """Before a micro-batch's backward; `sync`: the last of the step (reduce now)."""
-        ...
-
-    def finish(self) -> None:
-        """After the step's last backward: wait until the reduced gradients are in place."""
-        ...
+    reduction: GradReduction
+    """The data-parallel reduction of the gradients this optimizer updates with."""
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """The global L2 norm of the gradient before clipping (device tensor, no host sync);
@@ -111,15 +108,6 @@ class Optimizer(Protocol):
 
     def register_step_post_hook(self, hook: StepHook) -> None:
         """Run `hook(skip)` after every step (state updated at optimizer time: the router bias)."""
-        ...
-
-    def memory_bytes(self) -> int:
-        """Bytes of optimizer state this rank holds."""
-        ...
-
-    def grad_bytes(self) -> int:
-        """Bytes of the gradients this rank holds now for the update (buckets, shards, `.grad`s;
-        with optim.grad_dtype=bf16 half of fp32's)."""
         ...
 
     def state_dict_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -150,11 +138,6 @@ class Optimizer(Protocol):
         """A checkpoint was loaded into `checkpoint_tensors()` and `checkpoint_masters()` (or
         into the model's weights and the masters only): take the step count and refresh what is
         derived from the weights. Collective for the sharded optimizer."""
-        ...
-
-    def params_loaded(self) -> None:
-        """The parameters were written from outside (a checkpoint's weights): refresh any copy
-        of them the optimizer keeps."""
         ...
 
     def master_weights(self) -> dict[str, torch.Tensor]:
@@ -224,8 +207,6 @@ def build_adamw(
     device = next(model.parameters()).device
     fused = use_fused(cfg, device)
     if cfg.moments_dtype.dtype != torch.float32 or grad_of is not None:
-        from moetrain.optim.adamw import MomentsAdamW
-
         return MomentsAdamW(
             param_groups(model, cfg.weight_decay, exclude),
             lr=cfg.lr,
@@ -245,19 +226,19 @@ def build_adamw(
 
 
 class TorchAdamW(StepHooks):
-    """What the optimizers built on a torch AdamW (`self.adamw`) share."""
+    """What the optimizers built on a torch AdamW (`self.adamw`, or its stand-in `MomentsAdamW`)
+    share."""
 
-    adamw: torch.optim.AdamW
+    adamw: torch.optim.AdamW | MomentsAdamW
     fused: bool = False
-    """torch's fused AdamW kernel: the clipping factor and the skip decision go into the kernel
-    as device tensors (`grad_scale`, `found_inf`)."""
+    """The update runs on the device (torch's fused AdamW kernel, or `MomentsAdamW`'s kernels):
+    the clipping factor and the skip decision go into it as device tensors."""
     low_grads: bool = False
     """Gradients stored in bf16 (optim.grad_dtype; `adamw` is a `MomentsAdamW`): the clipping
-    factor goes into the update as `grad_coef`, multiplied in fp32, not into the stored
-    gradients, which scaling in place would round a second time."""
-
-    def params_loaded(self) -> None:
-        """Nothing to refresh: the parameters are the only copy (AdamW keeps only moments)."""
+    factor goes into the update, multiplied in fp32, not into the stored gradients, which scaling
+    in place would round a second time."""
+    _clip_coef: torch.Tensor | None = None
+    """The clipping factor `_clip` left for this step's update (fused, or bf16 gradients)."""
 
     def checkpoint_loaded(self) -> None:
         """Nothing to do: the checkpoint was loaded into the live parameters and AdamW state,
@@ -267,32 +248,38 @@ class TorchAdamW(StepHooks):
         for group in self.adamw.param_groups:
             group["lr"] = lr
 
-    def _clip(self, grads: list[torch.Tensor], total: torch.Tensor, max_norm: float) -> None:
-        """Bring the gradients to a norm of at most `max_norm`. Fused: not applied to the
-        gradients but handed to the kernel as its gradient divisor (`grad_scale`), saving one
-        read and write of every gradient; bf16 gradients (`low_grads`): handed to the update as
-        its multiplier; otherwise the gradients are scaled in place."""
+    def _clip(self, grads: list[torch.Tensor], total: torch.Tensor, max_norm: float) -> torch.Tensor | None:
+        """Bring the gradients to a norm of at most `max_norm`; return the factor (None: no
+        clipping). Fused, or bf16 gradients (`low_grads`): not applied to the gradients but
+        handed to the update (saving one read and write of every gradient, or a rounding);
+        otherwise the gradients are scaled in place."""
         if max_norm == math.inf:
-            return
+            return None
         coef = clip_coefficient(total, max_norm)
-        if self.low_grads:
-            self.adamw.grad_coef = coef
-        elif self.fused:
-            self.adamw.grad_scale = coef.reciprocal()
+        if self.fused or self.low_grads:
+            self._clip_coef = coef
         else:
             torch._foreach_mul_(grads, coef)
+        return coef
 
     def _update(self, skip: torch.Tensor | None) -> None:
-        """Fused: `skip` is the kernel's `found_inf`, decided on the device (no host sync); the
-        other paths (CPU) read it on the host."""
-        if self.fused:
+        """Fused: `skip` and the clipping factor go into the kernels on the device (no host
+        sync); the other paths (CPU) read `skip` on the host."""
+        coef, self._clip_coef = self._clip_coef, None
+        if isinstance(self.adamw, MomentsAdamW):
+            self.adamw.step(grad_coef=coef, skip=skip)
+        elif self.fused:
+            # torch.optim.AdamW.step takes the clipping factor and the skip decision only as the
+            # attributes torch.amp.GradScaler sets on an optimizer before its step: `grad_scale`
+            # (the kernel divides the gradients by it) and `found_inf` (nonzero: no update, step
+            # counts unchanged), read on the device by the fused kernel. Set here for this step
+            # alone; nowhere else are they set.
+            self.adamw.grad_scale = coef.reciprocal() if coef is not None else None
             self.adamw.found_inf = skip.float() if skip is not None else None
             self.adamw.step()
+            del self.adamw.grad_scale, self.adamw.found_inf
         elif skip is None or not bool(skip):
             self.adamw.step()
-        self.adamw.grad_scale = self.adamw.found_inf = None  # consumed
-        if self.low_grads:
-            self.adamw.grad_coef = None
 
     def _live_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         """AdamW's state of `p`, created as zeros for a fresh optimizer (so a checkpoint can be

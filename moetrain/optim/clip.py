@@ -33,7 +33,7 @@ def _sum_sq(grads: list[torch.Tensor], device) -> torch.Tensor:
     CUDA one Triton pass over plain contiguous tensors (`sum_squares`: at the bandwidth, where
     `_foreach_norm` reads bf16 under half of it); elsewhere, and for DTensors, `_foreach_norm`."""
     if grads and all(type(g) is torch.Tensor and g.is_cuda and g.is_contiguous() for g in grads):
-        from moetrain.optim.adamw_split_kernel import sum_squares
+        from moetrain.optim.triton_kernels import sum_squares
 
         return sum_squares(grads)
     total = torch.zeros((), device=device)

@@ -25,16 +25,34 @@ if TYPE_CHECKING:
     from moetrain.optim.config import OptimConfig
 
 
-class FSDPAdamW(TorchAdamW):
-    """Each rank updates and holds state for its shards only (optimizer memory ÷ dp). FSDP
-    reduce-scatters the gradients and averages them over dp during backward, so there is no
-    reducer here. The `Optimizer` (moetrain/optim/base.py) of `parallel.stack=fsdp`."""
+class FSDPReduction:
+    """FSDP's own gradient reduction, as a `GradReduction` (moetrain/optim/grad_reducer.py): it
+    reduce-scatters the gradients and averages them over dp during backward."""
 
     loss_scale = 1.0
     """FSDP averages the gradients over dp itself: the losses need no extra scale."""
 
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def prepare(self, sync: bool, backward_passes: int = 1) -> None:
+        """Gradient accumulation: FSDP keeps unsharded gradients and reduce-scatters them only in
+        the last micro-batch's backward."""
+        if hasattr(self.model, "set_requires_gradient_sync"):  # absent on one rank (not sharded)
+            self.model.set_requires_gradient_sync(sync)
+
+    def finish(self) -> None:
+        """Nothing to wait for: FSDP finishes its reduce-scatters at the end of backward."""
+
+
+class FSDPAdamW(TorchAdamW):
+    """Each rank updates and holds state for its shards only (optimizer memory ÷ dp); FSDP
+    reduces the gradients (`FSDPReduction`). The `Optimizer` (moetrain/optim/base.py) of
+    `parallel.stack=fsdp`."""
+
     def __init__(self, model: nn.Module, state: ParallelState, cfg: OptimConfig):
         self.model = model
+        self.reduction = FSDPReduction(model)
         self.grads: GradStore | None = None
         """One rank with optim.grad_dtype=bf16: the bf16 gradients (else FSDP's, on `.grad`)."""
         if cfg.grad_dtype.dtype != torch.float32 and state.dp_mesh is None:
@@ -45,15 +63,6 @@ class FSDPAdamW(TorchAdamW):
         self.low_grads = self.grads is not None
         self.adamw = build_adamw(model, cfg, grad_of=self.grads.grad if self.low_grads else None)
         self.fused = any(g.get("fused") for g in self.adamw.param_groups)
-
-    def prepare(self, sync: bool, backward_passes: int = 1) -> None:
-        """Gradient accumulation: FSDP keeps unsharded gradients and reduce-scatters them only in
-        the last micro-batch's backward."""
-        if hasattr(self.model, "set_requires_gradient_sync"):  # absent on one rank (not sharded)
-            self.model.set_requires_gradient_sync(sync)
-
-    def finish(self) -> None:
-        """Nothing to wait for: FSDP finishes its reduce-scatters at the end of backward."""
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Global norm over the gradient shards (get_total_norm reduces DTensor norms over the

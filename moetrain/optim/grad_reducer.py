@@ -1,5 +1,12 @@
-"""`GradReducer`: data-parallel gradient reduction for the resident-expert layout (the `ddp` stack),
-used by the replicated and (as reduce-scatter) the sharded optimizer.
+"""`GradReduction`, what the engine's backward passes need of the data-parallel gradient reduction;
+`GradReducer`, the reduction of the resident-expert layout (the `ddp` stack), used by the
+replicated and (as reduce-scatter) the sharded optimizer; `NoReduction` for one data-parallel rank.
+
+Each optimizer builds the reduction its gradients need and holds it as its `reduction` (the
+reduction and the optimizer share the gradients' storage: buckets, shards, `GradStore`s). Per
+optimizer step the engine calls `prepare(sync)` before each micro-batch's backward (sync=True for
+the last one), or once with backward_passes=n before a pipeline step's n backward passes, and
+`finish()` after the last backward: the gradients are then complete, and reduced.
 
 Dense parameters are replicated on every data-parallel rank: their gradients are summed over the
 dp group. Expert parameters live on the ranks of their expert-replica group (edp): their
@@ -35,6 +42,7 @@ rounded sum round(a + b), the same on both ranks.
 from __future__ import annotations
 
 import dataclasses
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -44,6 +52,43 @@ from moetrain.model.experts import GroupedExperts
 from moetrain.optim.grad_store import GradStore
 from moetrain.optim.split_master import SplitMaster
 from moetrain.parallel.dims import ParallelState
+
+
+@runtime_checkable
+class GradReduction(Protocol):
+    """The data-parallel gradient reduction of an optimizer's gradients (the optimizer's
+    `reduction`): GradReducer (ddp stack), the sharded optimizer's reduce-scatter (sharded.py),
+    FSDP's own (fsdp.py), or `NoReduction`."""
+
+    loss_scale: float
+    """Scale every backward's loss by this (1/dp where the reduction sums): the reduced gradients
+    are then the means over the global batch, with no pass over them."""
+
+    def prepare(self, sync: bool, backward_passes: int = 1) -> None:
+        """Before a micro-batch's backward; `sync`: the last of the step (reduce now). Or once
+        before `backward_passes` backward passes that end the step (a pipeline step)."""
+        ...
+
+    def finish(self) -> None:
+        """After the step's last backward: wait until the reduced gradients are in place."""
+        ...
+
+
+class NoReduction:
+    """One data-parallel rank: nothing to reduce. `finish` completes the split parameters'
+    gradients (`SplitMaster.finish`), as `GradReducer.finish` does."""
+
+    loss_scale = 1.0
+
+    def __init__(self, split: SplitMaster | None = None):
+        self.split = split
+
+    def prepare(self, sync: bool, backward_passes: int = 1) -> None:
+        """Nothing to prepare: no reduction to start."""
+
+    def finish(self) -> None:
+        if self.split is not None:
+            self.split.finish()
 
 
 @dataclasses.dataclass
@@ -96,6 +141,7 @@ class GradReducer:
         (optim.grad_dtype)."""
         self.loss_scale = 1.0 / state.dims.dp
         """Scale every backward's loss by this: the reduced sums are then the global means."""
+        self.split = split
         self.sync = False
         self.grad_dtype = grad_dtype
         self.store = GradStore(grad_dtype)
@@ -190,7 +236,11 @@ class GradReducer:
     def finish(self) -> None:
         """Wait for every reduction (starting those whose parameters got no gradient). With the
         losses scaled by `loss_scale`, the reduced gradients are the means over the global batch."""
-        self.store.finish()  # zero the hooked gradients no backward reached, before they are sent
+        # Zero the gradients no backward reached, before they are sent: the split parameters'
+        # (`SplitMaster.finish`), then the hooked ones.
+        if self.split is not None:
+            self.split.finish()
+        self.store.finish()
         for b in self.buckets:
             if not b.launched:
                 self._launch(b)

@@ -1,24 +1,25 @@
 """`ReplicatedAdamW`: torch AdamW with the full optimizer state on every rank, the ddp stack's
-data-parallel gradient reduction (`GradReducer`, when dp > 1) and global-norm clipping. With
-optim.bf16_weights the matrices are bf16 and their fp32 masters, gradients and moments live in a
-`SplitMaster` (moetrain/optim/split_master.py); torch AdamW keeps the rest (norms, embedding,
-routers). With optim.grad_dtype=bf16 the gradients are bf16 off the parameters' `.grad`: in the
-reducer's bf16 buckets (dp > 1) or, at dp = 1, in a `GradStore` (moetrain/optim/grad_store.py)
-that allocates them as backward reaches each parameter; `MomentsAdamW` (moetrain/optim/adamw.py)
-reads them in fp32 in torch AdamW's place."""
+data-parallel gradient reduction (`GradReducer` when dp > 1, else `NoReduction`) and global-norm
+clipping. With optim.bf16_weights the matrices are bf16 and their fp32 masters, gradients and
+moments live in a `SplitMaster` (moetrain/optim/split_master.py), updated by `adamw_update`
+(moetrain/optim/adamw.py); torch AdamW keeps the rest (norms, embedding, routers). With
+optim.grad_dtype=bf16 the gradients are bf16 off the parameters' `.grad`: in the reducer's bf16
+buckets (dp > 1) or, at dp = 1, in a `GradStore` (moetrain/optim/grad_store.py) that allocates
+them as backward reaches each parameter; `MomentsAdamW` (moetrain/optim/adamw.py) reads them in
+fp32 in torch AdamW's place."""
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from moetrain.model.transformer import canonical_name
+from moetrain.optim.adamw import AdamWGroup, adamw_update
 from moetrain.optim.base import FlatShard, TorchAdamW, build_adamw, use_fused
-from moetrain.optim.clip import clip_coefficient, global_grad_norm
-from moetrain.optim.grad_reducer import GradReducer, expert_param_ids, reduced_param_ids
+from moetrain.optim.clip import global_grad_norm
+from moetrain.optim.grad_reducer import GradReducer, GradReduction, NoReduction, expert_param_ids, reduced_param_ids
 from moetrain.optim.grad_store import GradStore
 from moetrain.optim.split_master import SplitMaster, is_split_candidate
 from moetrain.parallel.dims import ParallelState
@@ -50,6 +51,7 @@ class ReplicatedAdamW(TorchAdamW):
             else None
         )
         self.reducer = GradReducer(model, state, split=self.split, grad_dtype=grad_dtype) if state.dims.dp > 1 else None
+        self.reduction: GradReduction = self.reducer if self.reducer is not None else NoReduction(self.split)
         self.low_grads = grad_dtype != torch.float32
         self.grads: GradStore | None = None
         """Where the bf16 gradients are (optim.grad_dtype): the reducer's store of bucket views at
@@ -60,7 +62,6 @@ class ReplicatedAdamW(TorchAdamW):
                 for p in model.parameters():
                     if p.requires_grad and id(p) not in split_ids:
                         self.grads.add(p)
-        self.loss_scale = self.reducer.loss_scale if self.reducer is not None else 1.0
         self.ep_group = state.ep_group
         self.pp_group = state.pp_group
         expert_ids = expert_param_ids(model)
@@ -71,16 +72,6 @@ class ReplicatedAdamW(TorchAdamW):
         self.fused = any(g.get("fused") for g in self.adamw.param_groups)
         self._split_coef: torch.Tensor | None = None
 
-    def prepare(self, sync: bool, backward_passes: int = 1) -> None:
-        if self.reducer is not None:
-            self.reducer.prepare(sync, backward_passes)
-
-    def finish(self) -> None:
-        if self.split is not None:
-            self.split.finish()  # before the reduction of buckets no backward completed
-        if self.reducer is not None:
-            self.reducer.finish()
-
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """The global gradient norm before clipping (device tensor); clips (see `_clip`; the
         split parameters' update takes the factor as its gradient multiplier)."""
@@ -89,9 +80,7 @@ class ReplicatedAdamW(TorchAdamW):
             grads += self.split.dense_grads
             expert_grads += self.split.expert_grads
         total = global_grad_norm(grads, expert_grads, self.ep_group, self.pp_group)  # fp32 norms of bf16 too
-        self._clip(self._grads(self.dense_params + self.expert_params), total, max_norm)
-        if self.split is not None:
-            self._split_coef = clip_coefficient(total, max_norm) if max_norm != math.inf else None
+        self._split_coef = self._clip(self._grads(self.dense_params + self.expert_params), total, max_norm)
         return total
 
     def _grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
@@ -105,10 +94,14 @@ class ReplicatedAdamW(TorchAdamW):
 
     def _update(self, skip: torch.Tensor | None) -> None:
         super()._update(skip)
+        coef, self._split_coef = self._split_coef, None
         if self.split is not None:
-            group = self.adamw.param_groups[0]
-            self.split.update(group["lr"], tuple(self.cfg.betas), self.cfg.eps, self._split_coef, skip)
-            self._split_coef = None
+            s = self.split
+            group = AdamWGroup(
+                s.views(s.hi), list(s.grads), s.views(s.exp_avg), s.views(s.exp_avg_sq), s.weight_decay, s.views(s.lo)
+            )
+            lr, betas, eps = self.adamw.param_groups[0]["lr"], tuple(self.cfg.betas), self.cfg.eps
+            adamw_update([group], s.step, lr=lr, betas=betas, eps=eps, grad_coef=coef, skip=skip, fused=s.fused)
 
     def zero_grad(self) -> None:
         if self.split is not None:

@@ -10,13 +10,15 @@ One optimizer step:
     micro-batch's backward, each finished bucket is reduce-scattered over its group (async,
     overlapped with the rest of the backward), so this rank receives the summed gradient of its
     shard only;
- 2. `finish()`: wait for the reduce-scatters; the losses were scaled by `loss_scale` = 1/dp, so
-    the summed shards are the means over the global batch (as with `GradReducer`);
- 3. `clip_grad_norm()`: the global norm from the shards (one all-reduce), then scale the shards;
- 4. `step()`: AdamW on this rank's shards — fp32 master weights, exp_avg and exp_avg_sq exist for
-    the shard only — then all-gather the updated shards into the flat parameter buffers. Every
-    parameter is a view into its bucket's buffer, so the all-gather writes the parameters in place
-    and every rank holds the full (replicated) parameters again.
+ 2. `reduction.finish()`: wait for the reduce-scatters; the losses were scaled by `loss_scale` =
+    1/dp, so the summed shards are the means over the global batch (as with `GradReducer`);
+ 3. `clip_grad_norm()`: the global norm from the shards (one all-reduce), then scale the shards
+    (or hand the factor to the update);
+ 4. `step()`: AdamW (`adamw_update`, moetrain/optim/adamw.py) on this rank's shards — fp32 master
+    weights, exp_avg and exp_avg_sq exist for the shard only — then all-gather the updated shards
+    into the flat parameter buffers. Every parameter is a view into its bucket's buffer, so the
+    all-gather writes the parameters in place and every rank holds the full (replicated)
+    parameters again.
 
 Memory: the optimizer state (12 bytes per element: master + two moments) is 1/dp of the dense
 parameters' and 1/edp of the local experts'. The local experts are 1/ep of all experts, so a rank
@@ -52,10 +54,11 @@ import torch.distributed as dist
 from torch import nn
 
 from moetrain.model.transformer import canonical_name
+from moetrain.optim.adamw import AdamWGroup, adamw_update
 from moetrain.optim.base import FlatShard, StepHooks, param_groups, use_fused
 from moetrain.optim.clip import clip_coefficient
 from moetrain.optim.grad_reducer import Bucket, GradReducer
-from moetrain.optim.split_master import adamw_reference, adamw_split_reference, is_split_candidate, join, split_fp32
+from moetrain.optim.split_master import is_split_candidate, join, split_fp32
 from moetrain.parallel.dims import ParallelState
 
 if TYPE_CHECKING:
@@ -148,8 +151,9 @@ class ShardedAdamW(StepHooks):
     root; weight decay per `param_groups`), with the state sharded over the data-parallel ranks.
 
     Build it after the model is materialized and initialized: it moves every parameter into a flat
-    buffer (values kept) and attaches the gradient hooks. Per step: `prepare(sync)` before each
-    micro-batch's backward, `finish()`, `clip_grad_norm()`, `set_lr()`, `step()`, `zero_grad()`.
+    buffer (values kept) and attaches the gradient hooks. Per step: `reduction.prepare(sync)`
+    before each micro-batch's backward, `reduction.finish()`, `clip_grad_norm()`, `set_lr()`,
+    `step()`, `zero_grad()`.
     """
 
     def __init__(
@@ -163,16 +167,14 @@ class ShardedAdamW(StepHooks):
     ):
         self.cfg = cfg
         self.lr = cfg.lr
-        self.num_steps = 0
-        """Completed updates (the bias corrections' step), on the host: the foreach path."""
         # The squared gradient norm sums over every rank: dp shards, and pipeline stages.
         self.norm_group = state.world_group
         split_ids = is_split_candidate(model) if bf16_weights else set()
         grad_dtype = cfg.grad_dtype.dtype
         self._grads = _ShardedGradReducer(model, state, bucket_bytes, split_ids=split_ids, grad_dtype=grad_dtype)
+        self.reduction = self._grads
+        """The reduce-scatter into the shards; its `loss_scale` (1/dp) makes the reduced shards the means."""
         self.buckets = self._grads.buckets
-        self.loss_scale = self._grads.loss_scale
-        """Scale every backward's loss by this (1/dp): the reduced shards are then the means."""
         self.names = {id(p): canonical_name(n) for n, p in model.named_parameters()}
         # fp32 buckets: an fp32 master shard; split buckets: the bf16 shard of `params_N` and `lo_S`.
         self.master_S = [
@@ -182,49 +184,55 @@ class ShardedAdamW(StepHooks):
         self._low_grads = grad_dtype != torch.float32
         """bf16 gradient shards (optim.grad_dtype): the clipping factor goes into the update
         (`_grad_coef`) instead of scaling them in place, which would round them a second time."""
-        self._own_update = moments != torch.float32 or self._low_grads
-        """bf16 moments or gradients: our update (`adamw_reference`, the Triton kernel on CUDA) for
-        the fp32 buckets too, in place of torch's AdamW kernels, which take neither."""
         self.exp_avg_S = [torch.zeros_like(b.grad_S, dtype=moments) for b in self.buckets]
         self.exp_avg_sq_S = [torch.zeros_like(b.grad_S, dtype=moments) for b in self.buckets]
-        self._split = [i for i, b in enumerate(self.buckets) if b.split]
-        self._fp32 = [i for i, b in enumerate(self.buckets) if not b.split]
         self._grad_coef: torch.Tensor | None = None
-        decay_ids = {id(p) for p in param_groups(model, cfg.weight_decay)[0]["params"]}
-        # The pieces of the shards that belong to one parameter each: (bucket, start, end, decay)
-        # with start/end relative to the shard. Views of the master shards where weight decay
-        # applies make the foreach path's decay one call; the fused path runs one kernel over the
-        # decayed pieces and one over the rest.
-        self._pieces: list[tuple[int, int, int, bool]] = []
-        self._decay_views = []
-        for i, (b, master) in enumerate(zip(self.buckets, self.master_S)):
+        """The clipping factor `clip_grad_norm` left for the update (fused, or bf16 gradients)."""
+        self._groups = self._adamw_groups(param_groups(model, cfg.weight_decay)[0]["params"])
+        # Fused (the default on CUDA): the update runs on the device, the skip decision and the
+        # clipping factor stay there (no host sync).
+        device = self.buckets[0].grad_S.device if self.buckets else torch.device("cpu")
+        self.fused = use_fused(cfg, device)
+        self._step_t = torch.zeros((), dtype=torch.float32, device=device)
+        """Updates made: the step count of every parameter's state."""
+
+    def _adamw_groups(self, decayed: list[nn.Parameter]) -> list[AdamWGroup]:
+        """This rank's shards as `adamw_update`'s groups, views of the live buffers: the pieces of
+        the fp32 buckets' shards that belong to one parameter each, those that weight decay
+        applies to (`decayed`) and the others; then the split buckets' shards (every split
+        parameter is a matrix: weight decay applies)."""
+        decay_ids = {id(p) for p in decayed}
+        # weight decay or not → (bucket, the parameter's slice of the bucket's shard)
+        pieces: dict[bool, list[tuple[int, slice]]] = {True: [], False: []}
+        for i, b in enumerate(self.buckets):
             if b.split:
                 continue
             for p, off in zip(b.params, b.offsets):
                 start, end = max(off, b.lo), min(off + p.numel(), b.hi)
                 if start < end:
-                    self._pieces.append((i, start - b.lo, end - b.lo, id(p) in decay_ids))
-                    if id(p) in decay_ids:
-                        self._decay_views.append(master[start - b.lo : end - b.lo])
-        # Fused (torch's fused AdamW kernel on the shard pieces; the default on CUDA): the skip
-        # decision and the clipping factor stay on the device (no host sync), and the step count
-        # is a device tensor.
-        device = self.buckets[0].grad_S.device if self.buckets else torch.device("cpu")
-        self.fused = use_fused(cfg, device)
-        self._step_t = torch.zeros((), dtype=torch.float32, device=device)
-        self._grad_scale: torch.Tensor | None = None
+                    pieces[id(p) in decay_ids].append((i, slice(start - b.lo, end - b.lo)))
+        shards = (self.master_S, [b.grad_S for b in self.buckets], self.exp_avg_S, self.exp_avg_sq_S)
+        groups = [
+            AdamWGroup(
+                *([t[i][cut] for i, cut in pieces[decay]] for t in shards),
+                weight_decay=self.cfg.weight_decay if decay else 0.0,
+            )
+            for decay in (True, False)
+        ]
+        split = [i for i, b in enumerate(self.buckets) if b.split]
+        groups.append(
+            AdamWGroup(
+                [self.buckets[i].params_N[self.buckets[i].lo : self.buckets[i].hi] for i in split],
+                [self.buckets[i].grad_S for i in split],
+                [self.exp_avg_S[i] for i in split],
+                [self.exp_avg_sq_S[i] for i in split],
+                weight_decay=self.cfg.weight_decay,
+                los=[self.buckets[i].lo_S for i in split],
+            )
+        )
+        return groups
 
     # ---- gradients -------------------------------------------------------------------------------
-    def prepare(self, sync: bool, backward_passes: int = 1) -> None:
-        """Call before each micro-batch's backward, `sync=True` for the last one of the step; or
-        once before the `backward_passes` of a pipeline step (see `GradReducer.prepare`)."""
-        self._grads.prepare(sync, backward_passes)
-
-    def finish(self) -> None:
-        """After the last backward: wait for the reduce-scatters (the shards then hold the mean
-        gradient, the losses having been scaled by `loss_scale`)."""
-        self._grads.finish()
-
     def zero_grad(self) -> None:
         self._grads.zero_grad()
 
@@ -246,16 +254,15 @@ class ShardedAdamW(StepHooks):
         return sq.sqrt()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Scale the gradient shards to a global norm of at most `max_norm` (math.inf: no
-        clipping); return the norm before clipping (device tensor, no host sync)."""
+        """Bring the gradient shards to a global norm of at most `max_norm` (math.inf: no
+        clipping); return the norm before clipping (device tensor, no host sync). Fused, or bf16
+        shards: the factor goes into the update (one pass over the gradients less, or no second
+        rounding); else the shards are scaled in place."""
         total = self.grad_norm()
         if max_norm != math.inf:
             coef = clip_coefficient(total, max_norm)
-            if self._low_grads:
+            if self._low_grads or self.fused:
                 self._grad_coef = coef
-            elif self.fused:  # the kernel divides by it: one pass over the gradients less
-                self._grad_scale = coef.reciprocal()
-                self._grad_coef = coef  # the split buckets' kernel multiplies by it
             else:
                 torch._foreach_mul_([b.grad_S for b in self.buckets], coef)
         return total
@@ -266,106 +273,15 @@ class ShardedAdamW(StepHooks):
 
     @torch.no_grad()
     def _update(self, skip: torch.Tensor | None) -> None:
-        """AdamW on this rank's shards, then all-gather the parameters. `skip` (a device bool,
-        equal on all ranks): no update. The fused path hands it to the kernel as `found_inf`
-        (decided on the device); the foreach path reads it on the host (one sync per step)."""
-        if self.fused:
-            self._fused_step(skip)
-            return
-        if skip is not None and bool(skip):
-            self._grad_coef = None
-            return
-        self.num_steps += 1
-        self._step_t += 1
-        lr, wd, eps = self.lr, self.cfg.weight_decay, self.cfg.eps
-        beta1, beta2 = self.cfg.betas
-        step = float(self.num_steps)
-        if self._fp32 and self._own_update:
-            for i, lo, hi, decay in self._pieces:
-                adamw_reference(
-                    self.master_S[i][lo:hi], None, self.buckets[i].grad_S[lo:hi],
-                    self.exp_avg_S[i][lo:hi], self.exp_avg_sq_S[i][lo:hi],
-                    step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                    weight_decay=wd if decay else 0.0, grad_coef=self._grad_coef,
-                )  # fmt: skip
-        elif self._fp32:
-            grads = [self.buckets[i].grad_S for i in self._fp32]
-            exp_avg = [self.exp_avg_S[i] for i in self._fp32]
-            exp_avg_sq = [self.exp_avg_sq_S[i] for i in self._fp32]
-            # The same operations, in the same order and with the same Python-float scalars, as
-            # torch's single-tensor AdamW, so the update matches it to rounding.
-            if wd != 0 and self._decay_views:
-                torch._foreach_mul_(self._decay_views, 1 - lr * wd)
-            torch._foreach_lerp_(exp_avg, grads, 1 - beta1)
-            torch._foreach_mul_(exp_avg_sq, beta2)
-            torch._foreach_addcmul_(exp_avg_sq, grads, grads, value=1 - beta2)
-            bias_correction1 = 1 - beta1**step
-            bias_correction2_sqrt = (1 - beta2**step) ** 0.5
-            denom = torch._foreach_sqrt(exp_avg_sq)
-            torch._foreach_div_(denom, bias_correction2_sqrt)
-            torch._foreach_add_(denom, eps)
-            torch._foreach_addcdiv_(
-                [self.master_S[i] for i in self._fp32], exp_avg, denom, value=-lr / bias_correction1
-            )
-        for i in self._split:  # every split parameter is a matrix: weight decay applies
-            b = self.buckets[i]
-            adamw_split_reference(
-                b.params_N[b.lo : b.hi], b.lo_S, b.grad_S, self.exp_avg_S[i], self.exp_avg_sq_S[i],
-                step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd, grad_coef=self._grad_coef,
-            )  # fmt: skip
-        self._grad_coef = None
-        self._all_gather_params()
-
-    def _fused_step(self, skip: torch.Tensor | None) -> None:
-        """torch._fused_adamw_ over the shard pieces, decayed and not; a skipped step leaves
-        master shards, moments and the step count untouched, and the all-gather then rewrites
-        the parameters with their unchanged values."""
-        found_inf = skip.float() if skip is not None else None
-        self._step_t += 1
-        beta1, beta2 = self.cfg.betas
-        for decay in (True, False):
-            pieces = [(i, lo, hi) for i, lo, hi, d in self._pieces if d == decay]
-            if not pieces or self._own_update:
-                continue
-            views = [
-                [t[i][lo:hi] for i, lo, hi in pieces]
-                for t in (self.master_S, [b.grad_S for b in self.buckets], self.exp_avg_S, self.exp_avg_sq_S)
-            ]
-            torch._fused_adamw_(
-                *views,
-                [],
-                [self._step_t] * len(pieces),
-                lr=self.lr,
-                beta1=beta1,
-                beta2=beta2,
-                weight_decay=self.cfg.weight_decay if decay else 0.0,
-                eps=self.cfg.eps,
-                amsgrad=False,
-                maximize=False,
-                grad_scale=self._grad_scale,
-                found_inf=found_inf,
-            )
-        if self._split or self._own_update:
-            from moetrain.optim.adamw_split_kernel import adamw_split, adamw_update, bias_corrections
-
-            corrections = bias_corrections(self._step_t, self.lr, beta1, beta2)
-            for i, lo, hi, decay in self._pieces if self._own_update else ():
-                adamw_update(
-                    self.master_S[i][lo:hi], None, self.buckets[i].grad_S[lo:hi],
-                    self.exp_avg_S[i][lo:hi], self.exp_avg_sq_S[i][lo:hi], corrections,
-                    lr=self.lr, beta1=beta1, beta2=beta2, eps=self.cfg.eps,
-                    weight_decay=self.cfg.weight_decay if decay else 0.0, grad_coef=self._grad_coef, skip=skip,
-                )  # fmt: skip
-            for i in self._split:
-                b = self.buckets[i]
-                adamw_split(
-                    b.params_N[b.lo : b.hi], b.lo_S, b.grad_S, self.exp_avg_S[i], self.exp_avg_sq_S[i], corrections,
-                    lr=self.lr, beta1=beta1, beta2=beta2, eps=self.cfg.eps, weight_decay=self.cfg.weight_decay,
-                    grad_coef=self._grad_coef, skip=skip,
-                )  # fmt: skip
-        if found_inf is not None:
-            self._step_t -= found_inf
-        self._grad_scale = self._grad_coef = None
+        """AdamW on this rank's shards (`adamw_update`), then all-gather the parameters. `skip`
+        (a device bool, equal on all ranks): no update, and the all-gather writes the parameters
+        with their unchanged values. Fused, it is decided on the device; otherwise read on the
+        host (one sync per step)."""
+        coef, self._grad_coef = self._grad_coef, None
+        adamw_update(
+            self._groups, self._step_t, lr=self.lr, betas=tuple(self.cfg.betas), eps=self.cfg.eps,
+            grad_coef=coef, skip=skip, fused=self.fused,
+        )  # fmt: skip
         self._all_gather_params()
 
     def _all_gather_params(self) -> None:
@@ -384,9 +300,9 @@ class ShardedAdamW(StepHooks):
             w.wait()
 
     @torch.no_grad()
-    def params_loaded(self) -> None:
+    def _params_loaded(self) -> None:
         """Copy the parameters into the fp32 master shards: needed after the parameters were
-        written from outside (a checkpoint load; `load_state_dict_tensors` calls it too)."""
+        written from outside (a checkpoint load: `checkpoint_loaded`, `load_state_dict_tensors`)."""
         for b, master in zip(self.buckets, self.master_S):
             if not b.split:  # split masters are written by `load_master_weights`
                 master.copy_(b.params_N[b.lo : b.hi])
@@ -480,8 +396,7 @@ class ShardedAdamW(StepHooks):
         alone): the step count from the loaded "step", the fp32 master shards from the loaded
         weights, and each split bucket's bf16 weights all-gathered from the ranks that loaded
         their ranges (collective over the bucket's group; one bucket shard in flight at a time)."""
-        self.num_steps = int(self._step_t.item())
-        self.params_loaded()
+        self._params_loaded()
         for b in self.buckets:
             if b.split and b.group is not None:
                 _all_gather(b.params_N, b.params_N[b.lo : b.hi].clone(), group=b.group)
@@ -540,6 +455,5 @@ class ShardedAdamW(StepHooks):
                 steps.add(int(entry["step"]))
         if len(steps) > 1:
             raise ValueError(f"Optimizer state holds different step counts {sorted(steps)}; expected one.")
-        self.num_steps = steps.pop() if steps else 0
-        self._step_t.fill_(self.num_steps)
-        self.params_loaded()
+        self._step_t.fill_(steps.pop() if steps else 0)
+        self._params_loaded()

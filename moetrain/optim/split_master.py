@@ -16,11 +16,11 @@ the two differ only when the low 16 bits are exactly 0x8000) and lo = x − hi �
 fp32 gradient 4 + AdamW's two fp32 moments 8 = 16 bytes, as with fp32 weights, and without the
 2 bytes per element of bf16 copies that autocast makes of every weight and keeps for backward.
 
-The AdamW update runs on (hi, lo) directly: on CUDA one Triton kernel over all P elements
-(moetrain/optim/adamw_split_kernel.py) reads hi, lo, gradient and moments and writes them back
-(the bytes of torch's fused fp32 AdamW), with the clipping factor and the step guard's skip
-decision as device tensors (no host sync); elsewhere `adamw_split_reference`, the same
-arithmetic in torch ops.
+The AdamW update (`adamw_update`, moetrain/optim/adamw.py, handed these tensors by the optimizer)
+runs on (hi, lo) directly: on CUDA one Triton kernel per parameter (moetrain/optim/triton_kernels.py)
+reads hi, lo, gradient and moments and writes them back (the bytes of torch's fused fp32 AdamW),
+with the clipping factor and the step guard's skip decision as device tensors (no host sync);
+elsewhere `adamw_reference`, the same arithmetic in torch ops on the joined fp32 values.
 
 Gradients: autograd gives a bf16 parameter a bf16 gradient (the weight-gradient GEMM's output,
 which autocast would cast to fp32). A post-accumulate-grad hook takes it off the parameter: after
@@ -34,8 +34,6 @@ place (computed in fp32, rounded once: moetrain/optim/grad_store.py), and the ke
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import nn
@@ -65,48 +63,6 @@ def is_split_candidate(model: nn.Module) -> set[int]:
         id(p) for m in model.modules() if isinstance(m, nn.Embedding | Router) for p in m.parameters(recurse=False)
     }
     return {id(p) for p in model.parameters() if p.requires_grad and p.ndim >= 2 and id(p) not in keep_fp32}
-
-
-def adamw_reference(
-    param: torch.Tensor,
-    lo: torch.Tensor | None,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    *,
-    step: float,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    grad_coef: torch.Tensor | None,
-) -> None:
-    """One AdamW step (decoupled weight decay, bias-corrected; torch.optim.AdamW's formula, its
-    operations in its order) of an fp32 parameter in place, or with `lo` of the split master
-    `join(param, lo)` (param: the bf16 half), written back into both halves. `step` counts this
-    update (1 = first); `grad_coef` multiplies the gradient (the clipping factor). Moments of a
-    lower precision (optim.moments_dtype=bf16) are updated in fp32 and rounded to nearest."""
-    p = join(param, lo) if lo is not None else param
-    g = grad.float() if grad_coef is None else grad.float() * grad_coef
-    m, v = exp_avg.float(), exp_avg_sq.float()  # the moments themselves when they are fp32
-    p.mul_(1 - lr * weight_decay)
-    m.lerp_(g, 1 - beta1)
-    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    denom = (v.sqrt() / math.sqrt(1 - beta2**step)).add_(eps)
-    p.addcdiv_(m, denom, value=-lr / (1 - beta1**step))
-    if m is not exp_avg:
-        exp_avg.copy_(m)
-        exp_avg_sq.copy_(v)
-    if lo is not None:
-        new_hi, new_lo = split_fp32(p)
-        param.copy_(new_hi)
-        lo.copy_(new_lo)
-
-
-def adamw_split_reference(hi: torch.Tensor, lo: torch.Tensor, *args, **kwargs) -> None:
-    """`adamw_reference` of the split master (hi, lo)."""
-    adamw_reference(hi, lo, *args, **kwargs)
 
 
 class SplitMaster:
@@ -179,6 +135,11 @@ class SplitMaster:
         p = self.params[i]
         return flat[self.offsets[i] : self.offsets[i] + p.numel()].view(p.shape)
 
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Every parameter's part of one of the flat buffers (`view`), in order: the update's
+        tensors (hi, lo and the moments; `grads` are the gradients)."""
+        return [self.view(flat, i) for i in range(len(self.params))]
+
     def grad_views(self) -> dict[int, torch.Tensor]:
         """id(parameter) → its gradient, a view of the one flat buffer, of the `persistent` ones."""
         return {id(p): g for p, g, keep in zip(self.params, self.grads, self.persistent) if keep}
@@ -211,7 +172,7 @@ class SplitMaster:
         elif self.grad_dtype != torch.float32:
             self.grads[i].add_(p.grad)
         elif self.fused and p.grad.is_contiguous() and self.grads[i].is_contiguous():
-            from moetrain.optim.adamw_split_kernel import accumulate_grad
+            from moetrain.optim.triton_kernels import accumulate_grad
 
             self.grads[i] = accumulate_grad(self.grads[i], p.grad)
         elif self.grads[i].dtype != torch.float32:
@@ -236,46 +197,6 @@ class SplitMaster:
         """Drop the gradients (a kept buffer is not zeroed: the next backward copies into it)."""
         self._written.clear()
         self.grads = [g if keep else None for g, keep in zip(self.grads, self.persistent)]
-
-    # ---- the update -------------------------------------------------------------------------------
-    def update(self, lr: float, betas: tuple[float, float], eps: float, grad_coef: torch.Tensor | None, skip) -> None:
-        """One AdamW step of every split parameter (after `finish`); `skip` (device bool or
-        None): no change. On CUDA (fused) one Triton kernel per parameter, reading `skip`,
-        `grad_coef` and the step count on the device (no host sync)."""
-        beta1, beta2 = betas
-        hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=self.weight_decay)
-        if self.fused:
-            from moetrain.optim.adamw_split_kernel import adamw_split, bias_corrections
-
-            self.step.add_((~skip).float() if skip is not None else 1.0)
-            corrections = bias_corrections(self.step, lr, beta1, beta2)
-            for i, g in enumerate(self.grads):
-                adamw_split(
-                    self.view(self.hi, i).view(-1),
-                    self.view(self.lo, i).view(-1),
-                    g.view(-1),
-                    self.view(self.exp_avg, i).view(-1),
-                    self.view(self.exp_avg_sq, i).view(-1),
-                    corrections,
-                    grad_coef=grad_coef,
-                    skip=skip,
-                    **hyper,
-                )
-            return
-        if skip is not None and bool(skip):
-            return
-        self.step += 1
-        for i, g in enumerate(self.grads):
-            adamw_split_reference(
-                self.view(self.hi, i),
-                self.view(self.lo, i),
-                g,
-                self.view(self.exp_avg, i),
-                self.view(self.exp_avg_sq, i),
-                step=float(self.step),
-                grad_coef=grad_coef,
-                **hyper,
-            )
 
     # ---- state ------------------------------------------------------------------------------------
     def state_tensors(self) -> dict[str, dict[str, torch.Tensor]]:

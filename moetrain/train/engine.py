@@ -108,10 +108,10 @@ class TrainEngine:
         """bf16 matrices with fp32 masters split in the optimizer (moetrain/optim/split_master.py)."""
         self.optimizer: Optimizer = cfg.optim.build(model, par, cfg.parallel, bf16_weights=self.bf16_weights)
         self.optimizer.register_step_post_hook(self._update_router_biases)
-        # Every backward's loss is scaled by 1/micro-batches × the optimizer's `loss_scale` (1/dp
-        # where the gradient reduction sums): the reduced gradient is then the mean over the
-        # global batch with no pass over the gradients. Aux losses get the same factor.
-        self.backward_scale = self.optimizer.loss_scale / tc.grad_accum_steps
+        # Every backward's loss is scaled by 1/micro-batches × the gradient reduction's `loss_scale`
+        # (1/dp where it sums): the reduced gradient is then the mean over the global batch with no
+        # pass over the gradients. Aux losses get the same factor.
+        self.backward_scale = self.optimizer.reduction.loss_scale / tc.grad_accum_steps
         for moe in self.model.moe_layers():
             moe.aux_loss_scale = self.backward_scale
         self.pipeline: Pipeline | None = None
@@ -121,7 +121,7 @@ class TrainEngine:
                 par,
                 cfg.parallel.pp_schedule,
                 n_microbatches=tc.grad_accum_steps,
-                loss_scale=self.optimizer.loss_scale,
+                loss_scale=self.optimizer.reduction.loss_scale,
                 micro_batch_rows=tc.micro_batch_size // par.dims.dp,
                 seq_len=cfg.data.seq_len,
                 device=device,
@@ -146,7 +146,7 @@ class TrainEngine:
         lm_loss = (
             self._pipeline_forward_backward(batches) if self.pipeline is not None else self._micro_batches(batches)
         )
-        self.optimizer.finish()
+        self.optimizer.reduction.finish()
         return lm_loss
 
     def optim_step(self, lm_loss: torch.Tensor, step: int) -> StepOutput:
@@ -179,7 +179,7 @@ class TrainEngine:
         n = len(batches)
         lm_loss = torch.zeros((), device=self.device)
         for micro, (inputs_BT, targets_BT) in enumerate(batches):
-            self.optimizer.prepare(sync=micro == n - 1)
+            self.optimizer.reduction.prepare(sync=micro == n - 1)
             inputs_BT = inputs_BT.to(self.device, non_blocking=True)
             targets_BT = targets_BT.to(self.device, non_blocking=True)
             loss = self.lm_loss(inputs_BT, targets_BT)
@@ -193,7 +193,7 @@ class TrainEngine:
         reads the same micro-batches (its dp rank's), so the loader state stays layout-free."""
         inputs_BT = torch.cat([b[0] for b in batches]).to(self.device, non_blocking=True)
         targets_BT = torch.cat([b[1] for b in batches]).to(self.device, non_blocking=True)
-        self.optimizer.prepare(sync=True, backward_passes=len(batches))
+        self.optimizer.reduction.prepare(sync=True, backward_passes=len(batches))
         return self.pipeline.train_step(inputs_BT, targets_BT, self._document_ids(inputs_BT))
 
     def lm_loss(self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The Triton kernels of moetrain/optim/adamw_split_kernel.py (AdamW, gradient accumulation)
+"""The Triton kernels of moetrain/optim/triton_kernels.py (AdamW, gradient accumulation)
 compile ahead of time for Hopper (sm_90: PTX, then a cubin through the ptxas Triton ships) in
 every specialization the optimizers launch, here on a machine without a GPU; their numerics are
 checked in the interpreter
@@ -22,7 +22,7 @@ triton = pytest.importorskip("triton")
 def test_adamw_kernel_compiles_for_sm90(split, low_moments, grad, coef, skip):
     from triton.backends.compiler import GPUTarget
 
-    from moetrain.optim.adamw_split_kernel import BLOCK, _adamw_kernel
+    from moetrain.optim.triton_kernels import BLOCK, _adamw_kernel
 
     signature = {
         "p_ptr": "*i16" if split else "*fp32",
@@ -51,7 +51,7 @@ def test_gradient_accumulation_kernel_compiles_for_sm90(acc):
     """The second backward's (bf16 + bf16 → new fp32) and the later ones' (fp32 += bf16)."""
     from triton.backends.compiler import GPUTarget
 
-    from moetrain.optim.adamw_split_kernel import ACC_BLOCK, _accumulate_kernel
+    from moetrain.optim.triton_kernels import ACC_BLOCK, _accumulate_kernel
 
     signature = {"acc_ptr": acc, "grad_ptr": "*bf16", "out_ptr": "*fp32", "n": "i64", "BLOCK": "constexpr"}
     source = triton.compiler.ASTSource(fn=_accumulate_kernel, signature=signature, constexprs={(4,): ACC_BLOCK})

@@ -5,7 +5,7 @@ import pytest
 import torch
 from conftest import tiny_overrides
 
-from moetrain.optim.split_master import adamw_reference
+from moetrain.optim.adamw import adamw_reference
 from moetrain.testing.distributed import call_each, run_distributed
 from moetrain.testing.steps import ADAMW_HYPER, adamw_inputs, run_in_triton_interpreter, synthetic_batches
 
@@ -15,22 +15,22 @@ HYPER = ADAMW_HYPER
 def test_bf16_moments_are_the_fp32_update_rounded_to_nearest():
     p, grad, m, v = adamw_inputs(3000, seed=0, moments_dtype=torch.bfloat16)
     ref_p, ref_m, ref_v = p.clone(), m.float(), v.float()
-    adamw_reference(ref_p, None, grad, ref_m, ref_v, step=4.0, grad_coef=None, **HYPER)  # fp32 moments
-    adamw_reference(p, None, grad, m, v, step=4.0, grad_coef=None, **HYPER)
+    adamw_reference([ref_p], [grad], [ref_m], [ref_v], step=4.0, grad_coef=None, **HYPER)  # fp32 moments
+    adamw_reference([p], [grad], [m], [v], step=4.0, grad_coef=None, **HYPER)
     assert torch.equal(p, ref_p), "the parameter update uses the fp32 moments before rounding"
     assert torch.equal(m, ref_m.bfloat16()) and torch.equal(v, ref_v.bfloat16())
 
 
 KERNEL_CHECK = r"""
 import torch
-from moetrain.optim.adamw_split_kernel import adamw_update, bias_corrections
-from moetrain.optim.split_master import adamw_reference
+from moetrain.optim.adamw import adamw_reference
+from moetrain.optim.triton_kernels import adamw_triton, bias_corrections
 from moetrain.testing.steps import ADAMW_HYPER as hyper, adamw_inputs
 p, grad, m, v = adamw_inputs(5000, seed=0, moments_dtype=torch.bfloat16)
 ref = [p.clone(), grad, m.clone(), v.clone()]
-adamw_reference(ref[0], None, ref[1], ref[2], ref[3], step=4.0, grad_coef=torch.tensor(0.5), **hyper)
+adamw_reference(*([t] for t in ref), step=4.0, grad_coef=torch.tensor(0.5), **hyper)
 out = [p.clone(), grad, m.clone(), v.clone()]
-adamw_update(out[0], None, out[1], out[2], out[3], bias_corrections(torch.tensor(4.0), 1e-3, 0.9, 0.95),
+adamw_triton(out[0], None, out[1], out[2], out[3], bias_corrections(torch.tensor(4.0), 1e-3, 0.9, 0.95),
              grad_coef=torch.tensor(0.5), skip=None, **hyper)
 torch.testing.assert_close(out[0], ref[0], rtol=1e-6, atol=1e-8)
 # bf16 moments: equal, or one bf16 step apart where the fp32 values straddle a rounding boundary

@@ -63,23 +63,15 @@ class ReferenceOptimizer:
 
     def __init__(self, model, state, cfg):
         from moetrain.optim.base import build_adamw
-        from moetrain.optim.grad_reducer import GradReducer, expert_param_ids
+        from moetrain.optim.grad_reducer import GradReducer, NoReduction, expert_param_ids
 
         self.reducer = GradReducer(model, state) if state.dims.dp > 1 else None
-        self.loss_scale = self.reducer.loss_scale if self.reducer is not None else 1.0
+        self.reduction = self.reducer if self.reducer is not None else NoReduction()
         expert_ids = expert_param_ids(model)
         self.expert = [p for p in model.parameters() if id(p) in expert_ids]
         self.dense = [p for p in model.parameters() if id(p) not in expert_ids]
         self.optimizer = build_adamw(model, cfg)
         self.ep_group = state.ep_group
-
-    def prepare(self, sync):
-        if self.reducer is not None:
-            self.reducer.prepare(sync)
-
-    def finish(self):
-        if self.reducer is not None:
-            self.reducer.finish()
 
     def clip_grad_norm(self, max_norm):
         from moetrain.optim.clip import clip_grad_norm
@@ -114,13 +106,14 @@ def train(model, opt, state, steps, first_step=0):
     norms = []
     for step in range(first_step, first_step + steps):
         for micro in range(MICRO):
-            opt.prepare(sync=micro == MICRO - 1)
+            opt.reduction.prepare(sync=micro == MICRO - 1)
             inputs_BT, targets_BT = micro_batch(step, micro, state)
             logits_BTV = model(inputs_BT)
-            (F.cross_entropy(logits_BTV.flatten(0, 1), targets_BT.flatten()) / MICRO * opt.loss_scale).backward()
+            loss = F.cross_entropy(logits_BTV.flatten(0, 1), targets_BT.flatten())
+            (loss / MICRO * opt.reduction.loss_scale).backward()
         if hasattr(opt, "buckets"):  # the reduce-scatters started during backward, not in finish()
             assert all(b.launched for b in opt.buckets)
-        opt.finish()
+        opt.reduction.finish()
         norms.append(opt.clip_grad_norm(OPTIM.grad_clip).item())
         opt.set_lr(OPTIM.lr * (step + 1) / (first_step + steps))
         opt.step()
@@ -317,10 +310,11 @@ def _fused_vs_foreach(world: int, ep: int) -> dict:
         norms = train(model, opt, state, STEPS)
         # A step whose gradient is NaN on one rank: the global norm is NaN everywhere.
         for micro in range(MICRO):
-            opt.prepare(sync=micro == MICRO - 1)
+            opt.reduction.prepare(sync=micro == MICRO - 1)
             inputs_BT, targets_BT = micro_batch(STEPS, micro, state)
-            (F.cross_entropy(model(inputs_BT).flatten(0, 1), targets_BT.flatten()) / MICRO * opt.loss_scale).backward()
-        opt.finish()
+            loss = F.cross_entropy(model(inputs_BT).flatten(0, 1), targets_BT.flatten())
+            (loss / MICRO * opt.reduction.loss_scale).backward()
+        opt.reduction.finish()
         if state.dp_rank == 0:
             opt.buckets[0].grad_S[0] = float("nan")
         norm = opt.clip_grad_norm(OPTIM.grad_clip)

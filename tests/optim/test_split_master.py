@@ -8,7 +8,8 @@ import torch
 from conftest import tiny_overrides
 
 from moetrain.errors import ConfigError
-from moetrain.optim.split_master import adamw_split_reference, join, split_fp32
+from moetrain.optim.adamw import adamw_reference
+from moetrain.optim.split_master import join, split_fp32
 from moetrain.parallel.dims import ParallelDims, ParallelState
 from moetrain.testing.distributed import call_each, run_distributed
 from moetrain.testing.steps import ADAMW_HYPER, adamw_inputs, run_in_triton_interpreter, synthetic_batches
@@ -53,7 +54,7 @@ def test_reference_update_is_torch_adamw_on_the_master_bit_for_bit():
     p, grad, m, v = adamw_inputs()
     hi, lo = split_fp32(p)
     coef = torch.tensor(0.37)
-    adamw_split_reference(hi, lo, grad, mm := m.clone(), vv := v.clone(), step=3.0, grad_coef=coef, **HYPER)
+    adamw_reference([hi], [grad], [mm := m.clone()], [vv := v.clone()], [lo], step=3.0, grad_coef=coef, **HYPER)
     ref = p.clone().requires_grad_()
     opt = torch.optim.AdamW([ref], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False)
     opt.state[ref] = {"step": torch.tensor(2.0), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
@@ -65,8 +66,9 @@ def test_reference_update_is_torch_adamw_on_the_master_bit_for_bit():
 
 KERNEL_CHECK = r"""
 import torch
-from moetrain.optim.adamw_split_kernel import adamw_split, bias_corrections
-from moetrain.optim.split_master import adamw_split_reference, join, split_fp32
+from moetrain.optim.adamw import adamw_reference
+from moetrain.optim.split_master import join, split_fp32
+from moetrain.optim.triton_kernels import adamw_triton, bias_corrections
 from moetrain.testing.steps import ADAMW_HYPER as HYPER, adamw_inputs
 p, grad, m, v = adamw_inputs(n=5000)  # not a multiple of the block: the tail is masked
 cases = ((torch.tensor(0.5), torch.tensor(False), torch.float32), (None, None, torch.float32),
@@ -76,9 +78,9 @@ for coef, skip, grad_dtype in cases:
     hi, lo = split_fp32(p)
     ref = [hi.clone(), lo.clone(), grad, m.clone(), v.clone()]
     if skip is None or not bool(skip):
-        adamw_split_reference(*ref, step=3.0, grad_coef=coef, **HYPER)
+        adamw_reference([ref[0]], [ref[2]], [ref[3]], [ref[4]], [ref[1]], step=3.0, grad_coef=coef, **HYPER)
     out = [hi.clone(), lo.clone(), grad, m.clone(), v.clone()]
-    adamw_split(*out, bias_corrections(torch.tensor(3.0), 1e-3, 0.9, 0.95), grad_coef=coef, skip=skip, **HYPER)
+    adamw_triton(*out, bias_corrections(torch.tensor(3.0), 1e-3, 0.9, 0.95), grad_coef=coef, skip=skip, **HYPER)
     a, b = join(ref[0], ref[1]), join(out[0], out[1])
     # fp32 bias corrections on the device against Python's double pow: a few fp32 ulps at most.
     torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-8)
@@ -98,7 +100,7 @@ def test_triton_kernel_matches_the_reference_in_the_interpreter():
 
 ACCUMULATE_CHECK = """
 import torch
-from moetrain.optim.adamw_split_kernel import ACC_BLOCK, accumulate_grad
+from moetrain.optim.triton_kernels import ACC_BLOCK, accumulate_grad
 g = torch.Generator().manual_seed(0)
 for n in (1, ACC_BLOCK - 1, ACC_BLOCK * 3 + 17):
     scale = torch.logspace(-30, 30, n)
@@ -353,7 +355,7 @@ def test_sharded_optimizer_with_bf16_weights_matches_the_replicated_one(real_tex
 
 SUM_SQUARES_CHECK = """
 import torch
-from moetrain.optim.adamw_split_kernel import SQ_BLOCK, sum_squares
+from moetrain.optim.triton_kernels import SQ_BLOCK, sum_squares
 g = torch.Generator().manual_seed(0)
 sizes = [(1, torch.bfloat16), (SQ_BLOCK - 1, torch.float32), (SQ_BLOCK * 3 + 17, torch.bfloat16), (0, torch.float32)]
 ts = [(torch.randn(n, generator=g) * 10.0 ** float(i - 2)).to(dt) for i, (n, dt) in enumerate(sizes)]

@@ -1,13 +1,15 @@
-"""The AdamW step of `SplitMaster` (moetrain/optim/split_master.py) and of `MomentsAdamW`
-(moetrain/optim/adamw.py) as one Triton kernel; and `SplitMaster`'s gradient accumulation over
-micro-batches.
+"""The optimizer's Triton kernels (CUDA): the AdamW update (`adamw_triton`, the Triton backend of
+`adamw_update` in moetrain/optim/adamw.py), the accumulation of gradients over micro-batches
+(`accumulate_grad`, `SplitMaster`'s) and the sum of squares of the clipping norm (`sum_squares`).
 
-Per element it reads the bf16 weight (`hi`), its 16-bit remainder (`lo`), the fp32 gradient and
-the two fp32 moments, and writes all but the gradient back: 16 bytes read (14 with a bf16
-gradient), 12 written, as torch's fused fp32 AdamW; one launch per parameter. The bias corrections (from the step
-count), the clipping factor and the skip decision are read from device memory, so the host never
-waits. The arithmetic is `adamw_split_reference`'s, with IEEE-rounded square root and division;
-tests/optim/test_split_master.py compares the two (on CPU through Triton's interpreter,
+The AdamW kernel: per element it reads the parameter (fp32, or the bf16 half `hi` and the 16-bit
+remainder `lo` of a split master, moetrain/optim/split_master.py), the gradient (fp32 or bf16) and
+the two moments (fp32 or bf16), and writes all but the gradient back: for a split master with fp32
+moments 16 bytes read (14 with a bf16 gradient), 12 written, as torch's fused fp32 AdamW; one
+launch per tensor. The bias corrections (from the step count), the clipping factor and the skip
+decision are read from device memory, so the host never waits. The arithmetic is
+`adamw_reference`'s, with IEEE-rounded square root and division; tests/optim/test_split_master.py
+and tests/optim/test_moments_bf16.py compare the two (on CPU through Triton's interpreter,
 TRITON_INTERPRET=1), tests/gpu/test_cuda.py on the GPU.
 """
 
@@ -98,12 +100,7 @@ def bias_corrections(step: torch.Tensor, lr: float, beta1: float, beta2: float) 
     return torch.stack([lr / (1 - beta1**t), (1 - beta2**t).sqrt()]).float()
 
 
-def adamw_split(hi: torch.Tensor, lo: torch.Tensor, *args, **kwargs) -> None:
-    """`adamw_update` of split masters (hi bf16, lo int16)."""
-    adamw_update(hi, lo, *args, **kwargs)
-
-
-def adamw_update(
+def adamw_triton(
     param: torch.Tensor,
     lo: torch.Tensor | None,
     grad: torch.Tensor,
@@ -119,10 +116,10 @@ def adamw_update(
     grad_coef: torch.Tensor | None,
     skip: torch.Tensor | None,
 ) -> None:
-    """`adamw_reference` on flat contiguous buffers: an fp32 `param` (lo None) or split masters
-    (param: the bf16 halves, `lo` the remainders); moments fp32 or bf16; `corrections` from
-    `bias_corrections` of the step count that includes this update; `skip` (device bool): leave
-    everything as it is."""
+    """`adamw_reference` of one tensor, on flat contiguous buffers: an fp32 `param` (lo None) or
+    split masters (param: the bf16 halves, `lo` the remainders); moments fp32 or bf16;
+    `corrections` from `bias_corrections` of the step count that includes this update;
+    `grad_coef` multiplies the gradient; `skip` (device bool): leave everything as it is."""
     n = param.numel()
     tensors = (param, grad, exp_avg, exp_avg_sq) + ((lo,) if lo is not None else ())
     assert all(t.is_contiguous() and t.numel() == n for t in tensors)
@@ -151,6 +148,9 @@ def adamw_update(
     )
 
 
+ACC_BLOCK = 4096
+
+
 @triton.jit
 def _accumulate_kernel(acc_ptr, grad_ptr, out_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -171,9 +171,6 @@ def accumulate_grad(acc: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     n = acc.numel()
     _accumulate_kernel[(triton.cdiv(n, ACC_BLOCK),)](acc, grad, out, n, BLOCK=ACC_BLOCK, num_warps=8)
     return out
-
-
-ACC_BLOCK = 4096
 
 
 SQ_BLOCK = 8192
