@@ -17,7 +17,7 @@ optimizer, the gradient reducer and checkpoints keep working on the one `Transfo
 
 One optimizer step = one `schedule.step()` over the step's n micro-batches (the trainer's
 gradient-accumulation micro-batches: train.global_batch_size / train.micro_batch_size). The loss
-of each is the micro-batch's mean cross-entropy / n (× the optimizer's `loss_scale`, 1/dp, for
+of each is the micro-batch's mean cross-entropy / n (× the gradient reduction's `loss_scale`, 1/dp, for
 the backward only) and gradients are not rescaled (scale_grads=False): the same sum as the plain
 loop. Load-balancing / z losses ride on each MoE
 layer's output (`AttachAuxLoss`), so a stage's backward applies them; their routing statistics
