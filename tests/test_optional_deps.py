@@ -55,10 +55,9 @@ def test_viz_extra_missing_matplotlib(monkeypatch, tmp_path, capsys):
 
 def test_viz_extra_missing_tensorboard_is_a_note(monkeypatch, tmp_path, capsys):
     hide(monkeypatch, "tensorboard", "torch.utils.tensorboard")
-    from moetrain.train.metrics import MetricsWriter
+    from moetrain.train.metrics import TensorBoardSink
 
-    writer = MetricsWriter(tmp_path, tensorboard=True)
-    assert writer.tb is None
+    assert TensorBoardSink.open(tmp_path) is None
     err = capsys.readouterr().err
     assert "pip install 'moetrain[viz]'" in err and "train.tensorboard=false" in err
 

@@ -1,10 +1,12 @@
 """What hangs off the training loop: each a `Callback` the `Trainer` calls at the start of `fit`,
-after every step, and at the end (also when the run fails).
+after every step, and at the end (also when the run fails). `callbacks_from_config` builds the
+list the `Trainer` runs (`Trainer.callbacks`):
 
     StepProfiling    torch.profiler over train.profile_steps steps (train.profile)
     SkipLimit        stop the run after train.max_consecutive_skips skipped updates in a row
-    MetricsLogger    metrics.jsonl / TensorBoard / W&B records, validation loss, the console
-                     line (moetrain/train/console.py)
+    MetricsLogger    the records and the validation loss, handed to each sink of
+                     `metrics_sinks`: metrics.jsonl, TensorBoard, W&B, the console line
+                     (moetrain/train/metrics.py, wandb_sink.py, console.py)
     Checkpointing    a checkpoint every train.save_every steps and at the end
     GracefulStop     SIGTERM or Ctrl-C: finish the step, save, stop
 
@@ -29,9 +31,9 @@ from moetrain.errors import CheckpointError
 from moetrain.parallel.distributed import cpu_group
 from moetrain.train import checkpoint as ckpt
 from moetrain.train.config import RunConfig
-from moetrain.train.console import Progress
+from moetrain.train.console import ConsoleSink
 from moetrain.train.engine import StepOutput, TrainEngine
-from moetrain.train.metrics import MetricsWriter
+from moetrain.train.metrics import JsonlSink, MetricsSink, TensorBoardSink
 from moetrain.train.profiling import StepProfiler
 from moetrain.train.wandb_sink import WandbSink
 
@@ -105,8 +107,9 @@ class StepProfiling(Callback):
         self.profiler.step()
 
     def on_fit_end(self, trainer: Trainer, completed: bool) -> None:
-        if self.profiler is not None:
-            self.profiler.close()
+        profiler, self.profiler = self.profiler, None
+        if profiler is not None:
+            profiler.close()
 
 
 class SkipLimit(Callback):
@@ -122,39 +125,26 @@ class SkipLimit(Callback):
 
 class MetricsLogger(Callback):
     """On logging steps (`is_log_step`): one record of the steps since the last one (rates over
-    that window of wall time), with the validation loss on evaluation steps, to metrics.jsonl,
-    TensorBoard and W&B (rank 0), and a console line or progress bar."""
+    that window of wall time), with the validation loss on evaluation steps, handed to each sink
+    of `metrics_sinks` in order."""
 
     def __init__(self, evaluator: Evaluator):
         self.evaluator = evaluator
         self.last_val: float | None = None
         """The last validation loss of this `fit` (None before the first)."""
-        self.writer: MetricsWriter | None = None
-        self.progress: Progress | None = None
+        self.sinks: list[MetricsSink] = []
 
     def on_fit_start(self, trainer: Trainer) -> None:
-        tc = trainer.cfg.train
-        if trainer.par.is_main:
-            sink = None
-            if tc.wandb:
-                sink = WandbSink(
-                    trainer.run.path,
-                    trainer.cfg.to_dict(),
-                    project=tc.wandb_project,
-                    name=tc.wandb_name,
-                    resumed=trainer.resumed_from is not None,
-                )
-            self.writer = MetricsWriter(trainer.run.path, tensorboard=tc.tensorboard, wandb=sink)
-        self.progress = Progress(
-            start=trainer.step, total=tc.steps, quiet=trainer.quiet, device_type=trainer.device.type
-        )
+        self.last_val = None
+        self.sinks = metrics_sinks(trainer)
         self._restart_window()
 
     def on_step_end(self, trainer: Trainer, out: StepOutput) -> None:
         self.window_steps += 1
         step = trainer.step
         if not is_log_step(trainer.cfg, step):
-            self.progress.update(step, None)
+            for sink in self.sinks:
+                sink.step_done(step)
             return
         if trainer.device.type == "cuda":
             torch.cuda.synchronize(trainer.device)
@@ -162,19 +152,40 @@ class MetricsLogger(Callback):
         record = trainer.engine.metrics(out, step=step, steps=self.window_steps, seconds=seconds)
         if is_eval_step(trainer.cfg, step):
             record["val_loss"] = self.last_val = self.evaluator(trainer.engine)
-        if self.writer is not None:
-            self.writer.write(record)
-        self.progress.update(step, record, (seconds, self.window_steps))
+        for sink in self.sinks:
+            sink.write(record, (seconds, self.window_steps))
         self._restart_window()  # evaluation and logging stay out of the next window's rate
 
     def on_fit_end(self, trainer: Trainer, completed: bool) -> None:
-        if self.progress is not None:
-            self.progress.close()
-        if self.writer is not None:
-            self.writer.close(failed=not completed)
+        sinks, self.sinks = self.sinks, []
+        for sink in reversed(sinks):
+            sink.close(failed=not completed)
 
     def _restart_window(self) -> None:
         self.window_start, self.window_steps = time.perf_counter(), 0
+
+
+def metrics_sinks(trainer: Trainer) -> list[MetricsSink]:
+    """Where the records go, in order: on rank 0 metrics.jsonl, TensorBoard (train.tensorboard)
+    and W&B (train.wandb), then the console unless the trainer is quiet (other ranks are)."""
+    tc = trainer.cfg.train
+    sinks: list[MetricsSink] = []
+    if trainer.par.is_main:
+        wandb = None
+        if tc.wandb:
+            wandb = WandbSink(
+                trainer.run.path,
+                trainer.cfg.to_dict(),
+                project=tc.wandb_project,
+                name=tc.wandb_name,
+                resumed=trainer.resumed_from is not None,
+            )
+        sinks.append(JsonlSink(trainer.run.metrics_file))
+        tensorboard = TensorBoardSink.open(trainer.run.path) if tc.tensorboard else None
+        sinks += [sink for sink in (tensorboard, wandb) if sink is not None]
+    if not trainer.quiet:
+        sinks.append(ConsoleSink(start=trainer.step, total=tc.steps, device_type=trainer.device.type))
+    return sinks
 
 
 class Checkpointing(Callback):
@@ -249,6 +260,7 @@ class GracefulStop(Callback):
         self.previous: dict = {}
 
     def on_fit_start(self, trainer: Trainer) -> None:
+        self.flag, self.signal_name = 0, ""
         self.quiet = not trainer.par.is_main  # said even under --quiet
         self.collective = trainer.par.dims.world_size > 1
         self.group = cpu_group() if self.collective else None
@@ -298,3 +310,18 @@ class GracefulStop(Callback):
         if flag.item() and not self.signal_name:
             self.signal_name = "a signal on another rank"
         return bool(flag.item())
+
+
+def callbacks_from_config(
+    cfg: RunConfig, run_dir: Path, evaluator: Evaluator, checkpointing: Checkpointing
+) -> list[Callback]:
+    """The loop's callbacks for `cfg`, in the order they run (module docstring): profiling with
+    train.profile (into `run_dir`/profile), then the skip limit, the metrics logger (validation
+    by `evaluator`), `checkpointing` and the graceful stop (which saves through it)."""
+    return [
+        *([StepProfiling(run_dir / "profile")] if cfg.train.profile else []),
+        SkipLimit(),
+        MetricsLogger(evaluator),
+        checkpointing,
+        GracefulStop(checkpointing),
+    ]

@@ -29,6 +29,7 @@ from moetrain.parallel.config import DispatcherKind, Stack
 from moetrain.parallel.dims import ParallelDims
 from moetrain.train.config import RunConfig
 from moetrain.train.engine import autocast_dtype
+from moetrain.train.metrics import MetricsSink
 
 
 def format_duration(seconds: float) -> str:
@@ -128,6 +129,23 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+class ConsoleSink(MetricsSink):
+    """The logged records on the console (rank 0, not under --quiet): a `Progress` that starts
+    after step `start` of `total`."""
+
+    def __init__(self, start: int, total: int, device_type: str = "cpu"):
+        self.progress = Progress(start=start, total=total, quiet=False, device_type=device_type)
+
+    def step_done(self, step: int) -> None:
+        self.progress.update(step, None)
+
+    def write(self, record: dict[str, Any], window: tuple[float, int]) -> None:
+        self.progress.update(record["step"], record, window)
+
+    def close(self, failed: bool = False) -> None:
+        self.progress.close()
 
 
 def describe_layout(cfg: RunConfig, dims: ParallelDims) -> str:

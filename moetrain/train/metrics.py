@@ -1,4 +1,5 @@
-"""Step metrics: throughput, FLOPs/MFU, memory and real expert load, and where they are written.
+"""Step metrics: throughput, FLOPs/MFU, memory and real expert load, and the sinks they are written to
+(metrics.jsonl, TensorBoard; W&B in moetrain/train/wandb_sink.py, the console in console.py).
 
 The metrics.jsonl contract (one JSON object per logged step; keys never renamed):
   step, loss, lm_loss, lb_loss, z_loss, lr, grad_norm, tokens_per_sec, tokens_per_sec_per_device,
@@ -25,14 +26,11 @@ import json
 import resource
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from moetrain.errors import install_hint
-
-if TYPE_CHECKING:
-    from moetrain.train.wandb_sink import WandbSink
 
 
 def routing_metrics(layer_stats: list[dict[str, torch.Tensor]], ep: int = 1) -> dict[str, float]:
@@ -75,47 +73,68 @@ def peak_mem_gib(device: torch.device) -> float:
     return rss / (2**30 if sys.platform == "darwin" else 2**20)
 
 
-class MetricsWriter:
-    """Appends records to RUN_DIR/metrics.jsonl and mirrors scalars to TensorBoard (RUN_DIR/tb)
-    and, given a sink, to Weights & Biases (moetrain/train/wandb_sink.py)."""
+class MetricsSink:
+    """One place the logged records go. Rank 0's `MetricsLogger` (moetrain/train/callbacks.py)
+    hands each record to every sink of its list, in order, and closes them in reverse order."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool, wandb: WandbSink | None = None):
-        self.path = run_dir / "metrics.jsonl"
-        self.wandb = wandb
-        self.tb = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:  # tensorboard is an optional dependency
-                print(
-                    f"note: tensorboard is not installed; skipping RUN_DIR/tb events ({install_hint('tensorboard')}, "
-                    "or set train.tensorboard=false)",
-                    file=sys.stderr,
-                )
-            else:
-                self.tb = SummaryWriter(log_dir=str(run_dir / "tb"))
+    def step_done(self, step: int) -> None:
+        """After a step that wrote no record."""
 
-    def write(self, record: dict[str, Any]) -> None:
+    def write(self, record: dict[str, Any], window: tuple[float, int]) -> None:
+        """One record; `window`: the (seconds, steps) its rates cover."""
+
+    def close(self, failed: bool = False) -> None:
+        """At the end of `fit`; `failed`: the run ended with an error."""
+
+
+def scalars(record: dict[str, Any]) -> dict[str, float]:
+    """A record's numeric values but its step (what TensorBoard and W&B plot against it)."""
+    return {
+        key: value
+        for key, value in record.items()
+        if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)
+    }
+
+
+class JsonlSink(MetricsSink):
+    """Appends each record to `path` (RUN_DIR/metrics.jsonl) as one JSON line."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def write(self, record: dict[str, Any], window: tuple[float, int]) -> None:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()
-        scalars = {
-            key: value
-            for key, value in record.items()
-            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)
-        }
-        if self.tb is not None:
-            for key, value in scalars.items():
-                self.tb.add_scalar(key, value, record["step"])
-        if self.wandb is not None:
-            self.wandb.log(scalars, record["step"])
+
+
+class TensorBoardSink(MetricsSink):
+    """Each record's `scalars` as TensorBoard events in RUN_DIR/tb (train.tensorboard)."""
+
+    def __init__(self, writer: Any):
+        self.tb = writer
+
+    @classmethod
+    def open(cls, run_dir: Path) -> TensorBoardSink | None:
+        """The sink writing to `run_dir`/tb; None, with a note, without the tensorboard package
+        (an optional dependency)."""
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            print(
+                f"note: tensorboard is not installed; skipping RUN_DIR/tb events ({install_hint('tensorboard')}, "
+                "or set train.tensorboard=false)",
+                file=sys.stderr,
+            )
+            return None
+        return cls(SummaryWriter(log_dir=str(run_dir / "tb")))
+
+    def write(self, record: dict[str, Any], window: tuple[float, int]) -> None:
+        for key, value in scalars(record).items():
+            self.tb.add_scalar(key, value, record["step"])
 
     def close(self, failed: bool = False) -> None:
-        """Flush and close the sinks; `failed`: the run ended with an error (W&B marks it so)."""
-        if self.tb is not None:
-            self.tb.close()
-        if self.wandb is not None:
-            self.wandb.close(failed)
+        self.tb.close()
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -1,8 +1,9 @@
 """The training loop.
 
 `Trainer(cfg)` builds a run — runtime (device, process group, layout), data loader, `TrainEngine`
-(model, optimizer, pipeline), run directory — and starts it fresh or resumes it. `fit()` is the
-loop, and nothing else:
+(model, optimizer, pipeline), run directory, the loop's callbacks (`self.callbacks`, the list
+`callbacks_from_config` builds from the config: moetrain/train/callbacks.py) — and starts it fresh
+or resumes it. `fit()` is the loop, and nothing else:
 
     while step < train.steps:
         batches = the step's micro-batches from the loader
@@ -33,15 +34,7 @@ from moetrain.parallel.distributed import cpu_group
 from moetrain.parallel.rehearsal import Rehearsal
 from moetrain.train import checkpoint as ckpt
 from moetrain.train import console, oom
-from moetrain.train.callbacks import (
-    Callback,
-    Checkpointing,
-    Evaluator,
-    GracefulStop,
-    MetricsLogger,
-    SkipLimit,
-    StepProfiling,
-)
+from moetrain.train.callbacks import Callback, Checkpointing, Evaluator, MetricsLogger, callbacks_from_config
 from moetrain.train.config import RunConfig
 from moetrain.train.engine import Batch, StepOutput, TrainEngine
 from moetrain.train.plot import plot_run
@@ -89,6 +82,8 @@ class Trainer:
         self.engine = TrainEngine(cfg, self.par, self.device, eos_id=self.loader.eos_id)
         self.evaluator = Evaluator(cfg, self.par.dp_rank, self.par.dims.dp)
         self.checkpointing = Checkpointing()
+        self.callbacks: list[Callback] = callbacks_from_config(cfg, self.run.path, self.evaluator, self.checkpointing)
+        """What `fit` calls at its start, after each step (in this order) and at its end."""
         self.step = 0
         """Optimizer steps done."""
         self.resumed_from: Path | None = None
@@ -130,14 +125,7 @@ class Trainer:
         self.summary = self.run.read_summary() if self.resumed_from is not None else {}
         if "initial_val_loss" not in self.summary and tc.eval_every > 0:
             self.summary["initial_val_loss"] = self.evaluator(self.engine)
-        logger = MetricsLogger(self.evaluator)
-        callbacks: list[Callback] = [
-            *([StepProfiling(self.run.path / "profile")] if tc.profile else []),
-            SkipLimit(),
-            logger,
-            self.checkpointing,
-            GracefulStop(self.checkpointing),
-        ]
+        callbacks = list(self.callbacks)
         self._stopping = False
         completed = False
         first_step = self.step
@@ -159,7 +147,8 @@ class Trainer:
             for callback in reversed(callbacks):
                 callback.on_fit_end(self, completed)
         self.checkpointing.finish()
-        self.summary.update(self._final_summary(logger.last_val))
+        last_val = next((c.last_val for c in callbacks if isinstance(c, MetricsLogger)), None)
+        self.summary.update(self._final_summary(last_val))
         self.run.write_summary(self.summary)
         if tc.plot and self.par.is_main:
             self.summary["plot"] = str(plot_run(self.run.path))

@@ -1,6 +1,6 @@
 """Weights & Biases as an optional metrics sink: train.wandb=true (`pip install 'moetrain[wandb]'`).
 
-Rank 0's MetricsWriter logs every numeric scalar of each metrics.jsonl record at the record's step,
+Rank 0's `WandbSink` logs every numeric scalar of each metrics.jsonl record at the record's step,
 with the resolved run configuration as the W&B run config. wandb reads its own environment as usual:
 WANDB_MODE (offline, disabled), WANDB_API_KEY, WANDB_ENTITY, WANDB_DIR (default here: RUN_DIR, so
 the wandb/ folder sits beside metrics.jsonl). The W&B run id is kept in RUN_DIR/wandb_id.txt: a
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from moetrain.errors import ConfigError, install_hint
+from moetrain.train.metrics import MetricsSink, scalars
 
 ID_FILE = "wandb_id.txt"
 
@@ -42,8 +43,8 @@ def run_id(run_dir: Path, resumed: bool) -> str:
     return new
 
 
-class WandbSink:
-    """One W&B run that receives the logged records; `close` finishes it."""
+class WandbSink(MetricsSink):
+    """One W&B run that receives the logged records' `scalars`; `close` finishes it."""
 
     def __init__(self, run_dir: Path, config: dict[str, Any], *, project: str, name: str | None, resumed: bool):
         import wandb
@@ -63,8 +64,8 @@ class WandbSink:
                 "WANDB_API_KEY), log offline with WANDB_MODE=offline, or set train.wandb=false."
             ) from None
 
-    def log(self, scalars: dict[str, float], step: int) -> None:
-        self.run.log(scalars, step=step)
+    def write(self, record: dict[str, Any], window: tuple[float, int]) -> None:
+        self.run.log(scalars(record), step=record["step"])
 
     def close(self, failed: bool = False) -> None:
         self.run.finish(exit_code=1 if failed else 0)

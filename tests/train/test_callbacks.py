@@ -1,5 +1,6 @@
-"""The loop's pieces one at a time (moetrain/train/callbacks.py): the logging and evaluation
-schedule, the evaluator, checkpointing, the graceful stop."""
+"""The loop's pieces one at a time (moetrain/train/callbacks.py): the list the config builds, the
+logging and evaluation schedule, the evaluator, the metrics sinks, checkpointing, the graceful
+stop."""
 
 import os
 import signal
@@ -9,8 +10,19 @@ import torch
 
 from moetrain.errors import CheckpointError
 from moetrain.parallel.dims import ParallelDims, ParallelState
-from moetrain.train.callbacks import Checkpointing, Evaluator, GracefulStop, is_eval_step, is_log_step
+from moetrain.train.callbacks import (
+    Callback,
+    Checkpointing,
+    Evaluator,
+    GracefulStop,
+    MetricsLogger,
+    is_eval_step,
+    is_log_step,
+    metrics_sinks,
+)
+from moetrain.train.console import ConsoleSink
 from moetrain.train.engine import TrainEngine
+from moetrain.train.metrics import JsonlSink, MetricsSink, TensorBoardSink, read_metrics
 from moetrain.train.trainer import Trainer
 
 
@@ -64,3 +76,75 @@ def test_graceful_stop_saves_once_and_stops_the_loop(tiny_cfg, tmp_path):
     assert [s for s, _ in trainer.run.checkpoints()] == [2]
     assert trainer.summary["stopped_at_step"] == 2
     assert signal.getsignal(signal.SIGTERM) == before  # handlers restored
+
+
+def test_the_loop_runs_the_callbacks_the_config_builds_in_order(tiny_cfg, tmp_path):
+    trainer = Trainer(tiny_cfg(tmp_path / "run", "train.steps=3", "train.profile=true"), quiet=True)
+    names = [type(c).__name__ for c in trainer.callbacks]
+    assert names == ["StepProfiling", "SkipLimit", "MetricsLogger", "Checkpointing", "GracefulStop"]
+    assert trainer.callbacks[3] is trainer.checkpointing
+    plain = Trainer(tiny_cfg(tmp_path / "plain", "train.steps=3"), quiet=True)
+    assert [type(c).__name__ for c in plain.callbacks] == names[1:]
+
+    seen = []
+
+    class Record(Callback):
+        def on_fit_start(self, trainer):
+            seen.append("start")
+
+        def on_step_end(self, trainer, out):
+            seen.append(trainer.step)
+
+        def on_fit_end(self, trainer, completed):
+            seen.append(("end", completed))
+
+    plain.callbacks.append(Record())
+    plain.fit()
+    assert seen == ["start", 1, 2, 3, ("end", True)]
+
+
+def test_the_metrics_sinks_follow_the_config_and_get_every_record_in_order(tiny_cfg, tmp_path):
+    cfg = tiny_cfg(tmp_path / "run", "train.steps=4", "train.log_every=2", "train.tensorboard=true")
+    trainer = Trainer(cfg, quiet=False)
+    for quiet, kinds in ((False, [JsonlSink, TensorBoardSink, ConsoleSink]), (True, [JsonlSink, TensorBoardSink])):
+        trainer.quiet = quiet
+        sinks = metrics_sinks(trainer)
+        assert [type(s) for s in sinks] == kinds
+        for sink in sinks:
+            sink.close()
+
+    calls = []
+
+    class Spy(MetricsSink):
+        def __init__(self, name):
+            self.name = name
+
+        def step_done(self, step):
+            calls.append((self.name, "step", step))
+
+        def write(self, record, window):
+            calls.append((self.name, "write", record["step"], window[1]))
+
+        def close(self, failed=False):
+            calls.append((self.name, "close", failed))
+
+    logger = next(c for c in trainer.callbacks if isinstance(c, MetricsLogger))
+    logger.on_fit_start(trainer)
+    for sink in logger.sinks:
+        sink.close()
+    logger.sinks = [Spy("a"), Spy("b")]
+    for _ in range(3):
+        out = trainer.train_step()
+        logger.on_step_end(trainer, out)
+    logger.on_fit_end(trainer, completed=False)
+    assert calls == [
+        ("a", "write", 1, 1),
+        ("b", "write", 1, 1),
+        ("a", "write", 2, 1),
+        ("b", "write", 2, 1),
+        ("a", "step", 3),
+        ("b", "step", 3),
+        ("b", "close", True),
+        ("a", "close", True),
+    ]
+    assert logger.sinks == [] and not read_metrics(trainer.run.metrics_file)

@@ -123,7 +123,7 @@ def test_wandb_files_default_to_the_run_directory(tmp_path, offline_wandb, monke
 
     monkeypatch.delenv("WANDB_DIR")
     sink = WandbSink(tmp_path, {"train": {"steps": 1}}, project="p", name=None, resumed=False)
-    sink.log({"loss": 2.5}, step=1)
+    sink.write({"step": 1, "loss": 2.5, "mfu": None}, (1.0, 1))
     sink.close(failed=True)
     (run_file,) = offline_run_files(tmp_path)
     records = finished_records(run_file)
