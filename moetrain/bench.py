@@ -76,32 +76,18 @@ def run_bench(
     """`rehearse`: run rank `rank` (default: the one the planner says needs most memory) of a
     `rehearse`-rank layout alone (moetrain/rehearse.py); each line then has a `rehearsal` entry,
     and with `checkpoint` this rank's checkpoint shard is saved and loaded back once at the end."""
-    routings = routings or [Routing.learned.value, Routing.random.value]
-    known = [r.value for r in Routing]
-    for r in routings:
-        if r not in known:  # before any work
-            raise ConfigError(f"--routing: unknown routing mode '{r}'; choose from {', '.join(known)}.")
+    routings = _check_routings(routings)
     run_dir = run_dir or tempfile.mkdtemp(prefix="moetrain-bench-")
     cfg = resolve_config(
         spec, overrides + BENCH_OVERRIDES + [f"train.run_dir={run_dir}", f"model.moe.routing={routings[0]}"]
     )
     rehearsal = None if rehearse is None else rehearse_mod.resolve(cfg, rehearse, rank)
     trainer = Trainer(cfg, quiet=True, rehearsal=rehearsal)
-    say = (
-        (lambda msg: print(msg, file=sys.stderr, flush=True))
-        if progress and trainer.par.is_main
-        else (lambda msg: None)
-    )
+    say = _say if progress and trainer.par.is_main else _say_nothing
     if rehearsal is not None:
         say(f"bench {spec}: REHEARSAL: {rehearsal_notice(trainer.par.dims, rehearsal.rank)}")
         LEDGER.timing = True
-    windows = (
-        [("forward+backward", _forward_backward_step(trainer))]
-        if forward_backward_only
-        else [("training step", trainer.train_step)]
-    )
-    if also_forward_backward and not forward_backward_only:
-        windows.append(("forward+backward", _forward_backward_step(trainer)))
+    windows = _windows(trainer, forward_backward_only, also_forward_backward)
     records = []
     for routing in routings:
         trainer.engine.set_routing(routing)
@@ -109,70 +95,126 @@ def run_bench(
             # The first window warms up after the routing switch; a second one reuses the
             # compiled code and needs one step to settle (allocator, gradient buckets).
             n_warm = warmup if i == 0 else min(warmup, 1)
-            say(f"bench {spec} ({routing} routing, {timed}): {n_warm} warm-up steps")
-            for _ in range(n_warm):
-                step()
-            _synchronize(trainer.device)
-            if trainer.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(trainer.device)
-            say(f"bench {spec} ({routing} routing, {timed}): {steps} timed steps")
-            LEDGER.reset()
-            start = time.perf_counter()
-            for _ in range(steps):
-                out = step()
-            _synchronize(trainer.device)
-            elapsed = time.perf_counter() - start
-            stand_in_s = LEDGER.seconds() / steps if rehearsal is not None else 0.0
-            collectives = LEDGER.summary(steps)
-            # One collective: loss and routing balance over all ranks.
-            balance = trainer.engine.metrics(out, step=trainer.step, steps=steps, seconds=elapsed)
-            syncs = _count_host_syncs(step) if sync_check and trainer.device.type == "cuda" else None
-            record = _record(trainer, spec, routing, steps, elapsed, balance, syncs)
-            record["timed"] = timed
+            record, timing = _time_window(trainer, spec, routing, timed, step, n_warm, steps, sync_check, say)
             kinds = None
             # after the timed window: the profiler's overhead stays out of it; a rehearsal's
             # kinds of kernel come from a short profile of their own
             if (cfg.train.profile or rehearsal is not None) and i == 0:
-                profile_dir = trainer.run.path / f"profile-{routing}"
-                say(f"bench {spec} ({routing} routing): {cfg.train.profile_steps} profiled steps -> {profile_dir}")
-                profiler = trainer.profiler(profile_dir, wait=0, kinds_only=not cfg.train.profile)
-                for _ in range(cfg.train.profile_steps):
-                    trainer.train_step()
-                    profiler.step()
-                profiler.close()
-                record["profile_dir"] = str(profile_dir)
-                kinds = profiler.kinds and {
-                    **profiler.kinds["ms_per_step"],
-                    "everything else, top kernels": profiler.kinds["everything_else_top_ms"],
-                }
+                record["profile_dir"], kinds = _profile(trainer, f"bench {spec} ({routing} routing)", routing, say)
             if rehearsal is not None:
                 LEDGER.reset()  # the ledger's counts are the timed window's
                 record["rehearsal"] = dict(
-                    step_s=elapsed / steps,
-                    stand_in_s=stand_in_s,
+                    step_s=timing["step_s"],
+                    stand_in_s=timing["stand_in_s"],
                     training_gib=record["peak_mem_gib"],
                     kinds=kinds,
-                    collectives=collectives,
+                    collectives=timing["collectives"],
                 )
             records.append(record)
     if rehearsal is not None:
-        saved = None
-        if checkpoint:
-            say(f"bench {spec}: REHEARSAL: saving this rank's checkpoint shard and loading it back")
-            saved = rehearse_mod.checkpoint_peaks(trainer)
-        for record in records:
-            r = record["rehearsal"]
-            record["rehearsal"] = rehearse_mod.record(
-                trainer,
-                step_s=r["step_s"],
-                stand_in_s=r["stand_in_s"],
-                training_gib=r["training_gib"],
-                kinds=r["kinds"],
-                checkpoint=saved,
-                collectives=r["collectives"],
-            )
-        LEDGER.timing = False
+        _finish_rehearsal(trainer, spec, records, checkpoint, say)
     return records
+
+
+def _check_routings(routings: list[str] | None) -> list[str]:
+    """The routing modes to bench (default: learned, then random); an unknown one is refused
+    before any work."""
+    routings = routings or [Routing.learned.value, Routing.random.value]
+    known = [r.value for r in Routing]
+    for r in routings:
+        if r not in known:
+            raise ConfigError(f"--routing: unknown routing mode '{r}'; choose from {', '.join(known)}.")
+    return routings
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _say_nothing(msg: str) -> None:
+    pass
+
+
+def _windows(trainer: Trainer, forward_backward_only: bool, also_forward_backward: bool) -> list[tuple[str, Any]]:
+    """The timed windows of each configuration: (the line's `timed`, the step it repeats)."""
+    if forward_backward_only:
+        return [("forward+backward", _forward_backward_step(trainer))]
+    windows = [("training step", trainer.train_step)]
+    if also_forward_backward:
+        windows.append(("forward+backward", _forward_backward_step(trainer)))
+    return windows
+
+
+def _time_window(
+    trainer: Trainer, spec: str, routing: str, timed: str, step, n_warm: int, steps: int, sync_check: bool, say
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`n_warm` warm-up calls of `step`, then `steps` timed ones (and, with `sync_check` on GPU,
+    one counting its host syncs): the window's JSON line, and what a rehearsal's entry takes of
+    the window (step_s, stand_in_s: the stand-ins' share of it, collectives)."""
+    label = f"bench {spec} ({routing} routing, {timed})"
+    say(f"{label}: {n_warm} warm-up steps")
+    for _ in range(n_warm):
+        step()
+    _synchronize(trainer.device)
+    if trainer.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(trainer.device)
+    say(f"{label}: {steps} timed steps")
+    LEDGER.reset()
+    start = time.perf_counter()
+    for _ in range(steps):
+        out = step()
+    _synchronize(trainer.device)
+    elapsed = time.perf_counter() - start
+    timing = dict(
+        step_s=elapsed / steps,
+        stand_in_s=LEDGER.seconds() / steps if trainer.par.rehearsed else 0.0,
+        collectives=LEDGER.summary(steps),
+    )
+    # One collective: loss and routing balance over all ranks.
+    balance = trainer.engine.metrics(out, step=trainer.step, steps=steps, seconds=elapsed)
+    syncs = _count_host_syncs(step) if sync_check and trainer.device.type == "cuda" else None
+    record = _record(trainer, spec, routing, steps, elapsed, balance, syncs)
+    record["timed"] = timed
+    return record, timing
+
+
+def _profile(trainer: Trainer, label: str, routing: str, say) -> tuple[str, dict[str, Any] | None]:
+    """train.profile_steps more training steps under the profiler, into RUN_DIR/profile-ROUTING
+    (kinds.json alone without train.profile): that directory and the kinds of kernel per step."""
+    cfg = trainer.cfg
+    profile_dir = trainer.run.path / f"profile-{routing}"
+    say(f"{label}: {cfg.train.profile_steps} profiled steps -> {profile_dir}")
+    profiler = trainer.profiler(profile_dir, wait=0, kinds_only=not cfg.train.profile)
+    for _ in range(cfg.train.profile_steps):
+        trainer.train_step()
+        profiler.step()
+    profiler.close()
+    kinds = profiler.kinds and {
+        **profiler.kinds["ms_per_step"],
+        "everything else, top kernels": profiler.kinds["everything_else_top_ms"],
+    }
+    return str(profile_dir), kinds
+
+
+def _finish_rehearsal(trainer: Trainer, spec: str, records: list[dict[str, Any]], checkpoint: bool, say) -> None:
+    """With `checkpoint`, save this rank's checkpoint shard and load it back once; then each
+    line's `rehearsal` entry becomes the rank's record (`rehearse.record`)."""
+    saved = None
+    if checkpoint:
+        say(f"bench {spec}: REHEARSAL: saving this rank's checkpoint shard and loading it back")
+        saved = rehearse_mod.checkpoint_peaks(trainer)
+    for record in records:
+        r = record["rehearsal"]
+        record["rehearsal"] = rehearse_mod.record(
+            trainer,
+            step_s=r["step_s"],
+            stand_in_s=r["stand_in_s"],
+            training_gib=r["training_gib"],
+            kinds=r["kinds"],
+            checkpoint=saved,
+            collectives=r["collectives"],
+        )
+    LEDGER.timing = False
 
 
 def _peak_mem_per_rank(device: torch.device) -> list[float]:

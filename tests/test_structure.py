@@ -222,10 +222,7 @@ def test_functional_collectives_exist_in_the_lowest_supported_torch():
 
 
 MAX_FUNCTION_LINES = 80
-LONGER_FOR_NOW = {
-    "moetrain/bench.py:run_bench": 116,
-    "moetrain/train/checkpoint.py:save_checkpoint": 111,
-}
+LONGER_FOR_NOW = {}
 """Functions still over the limit, at most this long: the list only shrinks."""
 
 

@@ -242,20 +242,124 @@ def save_checkpoint(
     so it becomes visible only once every file is written, exactly as a synchronous save.
     Training may continue meanwhile."""
     role = role or ShardRole.alone()
-    root = checkpoints_dir(run_dir)
-    final = root / f"step-{step}"
-    tmp = root / f".step-{step}.tmp"
-    if role.main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True, exist_ok=True)
-    _barrier(process_group)
+    recorded_state = dict(trainer_state)
+    if role.rehearsal is not None:
+        recorded_state["rehearsal"] = dataclasses.asdict(role.rehearsal)
+    write = _CheckpointWrite(run_dir, step, role, process_group, recorded_state, extra_files or {}, keep_last)
+    write.start()
+    future, error = write.write_tensors(state, async_write)
+    if future is not None and error is None:
+        return PendingCheckpoint(step, future, write.complete)
+    return write.complete(error)
 
-    def failed(e: BaseException | None) -> CheckpointError:
+
+@dataclasses.dataclass
+class _CheckpointWrite:
+    """One `save_checkpoint` on this rank: everything is written into the temporary directory
+    `tmp` (`write_tensors`, then `complete`: the merged index, trainer_state.json, the extra
+    files, COMPLETE), which then replaces `final` in one rename."""
+
+    run_dir: str | Path
+    step: int
+    role: ShardRole
+    process_group: Any
+    recorded_state: dict[str, Any]
+    """trainer_state.json's contents."""
+    extra_files: dict[str, Path | str]
+    keep_last: int
+
+    def __post_init__(self) -> None:
+        self.root = checkpoints_dir(self.run_dir)
+        self.final = self.root / f"step-{self.step}"
+        self.tmp = self.root / f".step-{self.step}.tmp"
+
+    def start(self) -> None:
+        """A fresh, empty temporary directory (the main process makes it; every rank waits)."""
+        if self.role.main:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.tmp.mkdir(parents=True, exist_ok=True)
+        _barrier(self.process_group)
+
+    def write_tensors(self, state: dict[str, Any], async_write: bool) -> tuple[Any, BaseException | None]:
+        """The DCP files of every rank this process writes for (`ShardRole.writes_for`), each
+        with the entries that rank owns, and this rank's RNG state. With `async_write` this rank's
+        own files are written in the background: their future. The write's error, if any."""
+        role = self.role
+        owners = role.owners(state)
+
+        def part(rank: int) -> dict[str, dict[str, Any]]:
+            return {
+                section: {name: v for name, v in entries.items() if owners[(section, name)] == rank}
+                for section, entries in state.items()
+            }
+
+        future = None
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+                for rank in role.writes_for:
+                    writer = ShardWriter(str(self.tmp), rank=rank)
+                    if async_write and rank == role.rank:
+                        future = dcp.async_save(
+                            part(rank),
+                            storage_writer=writer,
+                            planner=ShardSavePlanner(),
+                            async_stager=CpuStager(),
+                            no_dist=True,
+                        )
+                    else:
+                        dcp.save(part(rank), storage_writer=writer, planner=ShardSavePlanner(), no_dist=True)
+            (self.tmp / f"rng-rank{role.rank}.json").write_text(json.dumps(rng_state()))  # the state at save time
+        except (OSError, CheckpointException) as e:
+            return future, e
+        return future, None
+
+    def complete(self, error: BaseException | None) -> Path:
+        """After the tensors are written (`error`: this rank's write failed): the ranks agree that
+        every write succeeded, the main process completes the directory and renames it to
+        step-N, then keeps the newest train.keep_last. Every rank calls it."""
+        if _any_rank(error is not None, self.process_group):
+            raise self.failed(error)
+        try:
+            if self.role.main:
+                self._write_small_files()
+        except (OSError, CheckpointException) as e:
+            raise self.failed(e) from None
+        if self.role.main:
+            self._publish()
+        _barrier(self.process_group)
+        return self.final
+
+    def _write_small_files(self) -> None:
+        """The merged index, trainer_state.json, the extra files, then COMPLETE; synced to disk."""
+        tmp = self.tmp
+        merge_rank_indexes(tmp, self.role.world, whole=self.role.rehearsal is None)
+        (tmp / "trainer_state.json").write_text(json.dumps(self.recorded_state))
+        for name, src in self.extra_files.items():
+            src = Path(src)
+            if src.is_file():
+                shutil.copyfile(src, tmp / name)
+        (tmp / COMPLETE).write_text(f"step {self.step}\n")
+        _fsync_dir(tmp)
+
+    def _publish(self) -> None:
+        """The complete temporary directory becomes step-N; older checkpoints past keep_last go."""
+        if self.final.exists():  # a re-save of the same step (e.g. after a resume): replace it
+            shutil.rmtree(self.final)
+        os.replace(self.tmp, self.final)
+        _fsync_dir(self.root)
+        if self.keep_last > 0:
+            for _, old in list_checkpoints(self.run_dir)[: -self.keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def failed(self, e: BaseException | None) -> CheckpointError:
+        """The error for a failed write (`e`: this rank's; None: another rank's), once the
+        partial write is dropped."""
         # Disk full, quota, a vanished mount: drop the partial write; earlier checkpoints are
         # untouched (nothing is replaced before the write is complete).
-        if role.main:
-            shutil.rmtree(tmp, ignore_errors=True)
-        previous = list_checkpoints(run_dir)
+        if self.role.main:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        previous = list_checkpoints(self.run_dir)
         kept = (
             f"the newest complete checkpoint, {previous[-1][1]}, is intact"
             if previous
@@ -263,70 +367,9 @@ def save_checkpoint(
         )
         why = _first_line(e) if e is not None else "another rank could not write its part"
         return CheckpointError(
-            f"Writing checkpoint step-{step} in '{root}' failed ({why}); {kept}. Free space "
+            f"Writing checkpoint step-{self.step} in '{self.root}' failed ({why}); {kept}. Free space "
             "(or fix the directory) and continue with --resume."
         )
-
-    def complete(error: BaseException | None) -> Path:
-        if _any_rank(error is not None, process_group):
-            raise failed(error)
-        try:
-            if role.main:
-                merge_rank_indexes(tmp, role.world, whole=role.rehearsal is None)
-                (tmp / "trainer_state.json").write_text(json.dumps(recorded_state))
-                for name, src in (extra_files or {}).items():
-                    src = Path(src)
-                    if src.is_file():
-                        shutil.copyfile(src, tmp / name)
-                (tmp / COMPLETE).write_text(f"step {step}\n")
-                _fsync_dir(tmp)
-        except (OSError, CheckpointException) as e:
-            raise failed(e) from None
-        if role.main:
-            if final.exists():  # a re-save of the same step (e.g. after a resume): replace it
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            _fsync_dir(root)
-            if keep_last > 0:
-                for _, old in list_checkpoints(run_dir)[:-keep_last]:
-                    shutil.rmtree(old, ignore_errors=True)
-        _barrier(process_group)
-        return final
-
-    owners = role.owners(state)
-    recorded_state = dict(trainer_state)
-    if role.rehearsal is not None:
-        recorded_state["rehearsal"] = dataclasses.asdict(role.rehearsal)
-
-    def part(rank: int) -> dict[str, dict[str, Any]]:
-        return {
-            section: {name: v for name, v in entries.items() if owners[(section, name)] == rank}
-            for section, entries in state.items()
-        }
-
-    error: BaseException | None = None
-    future = None
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            for rank in role.writes_for:
-                writer = ShardWriter(str(tmp), rank=rank)
-                if async_write and rank == role.rank:
-                    future = dcp.async_save(
-                        part(rank),
-                        storage_writer=writer,
-                        planner=ShardSavePlanner(),
-                        async_stager=CpuStager(),
-                        no_dist=True,
-                    )
-                else:
-                    dcp.save(part(rank), storage_writer=writer, planner=ShardSavePlanner(), no_dist=True)
-        (tmp / f"rng-rank{role.rank}.json").write_text(json.dumps(rng_state()))  # the state at save time
-    except (OSError, CheckpointException) as e:
-        error = e
-    if future is not None and error is None:
-        return PendingCheckpoint(step, future, complete)
-    return complete(error)
 
 
 class PendingCheckpoint:
