@@ -222,8 +222,6 @@ def test_functional_collectives_exist_in_the_lowest_supported_torch():
 
 
 MAX_FUNCTION_LINES = 80
-LONGER_FOR_NOW = {}
-"""Functions still over the limit, at most this long: the list only shrinks."""
 
 
 def _function_lengths() -> dict[str, int]:
@@ -244,7 +242,5 @@ def _function_lengths() -> dict[str, int]:
 
 def test_no_function_is_longer_than_80_lines():
     lengths = _function_lengths()
-    over = {k: n for k, n in lengths.items() if n > MAX_FUNCTION_LINES and n > LONGER_FOR_NOW.get(k, 0)}
+    over = {k: n for k, n in lengths.items() if n > MAX_FUNCTION_LINES}
     assert not over, f"functions over {MAX_FUNCTION_LINES} lines (split them): {over}"
-    stale = {k: n for k, n in LONGER_FOR_NOW.items() if lengths.get(k, 0) <= MAX_FUNCTION_LINES}
-    assert not stale, f"now within {MAX_FUNCTION_LINES} lines, take them off LONGER_FOR_NOW: {stale}"
