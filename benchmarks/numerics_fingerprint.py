@@ -1,5 +1,5 @@
 """Bit-for-bit numerics fingerprint of short CPU training runs, for refactors that must not change
-numerics (docs/benchmarks.md, "Numerics fingerprint").
+numerics (docs/measurements.md, "Numerics fingerprint").
 
 Each case trains for `--steps` optimizer steps (fixed seed, fp32 on CPU, metrics every step) in a
 fresh run directory, one process or several under torchrun (gloo), then prints one JSON line: the

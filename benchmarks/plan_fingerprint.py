@@ -1,5 +1,5 @@
 """`moetrain plan`'s output over a fixed set of presets and layouts, for refactors of the planner
-that must not change a number (docs/benchmarks.md, "Refactor numerics check of the planner").
+that must not change a number (docs/measurements.md, "Refactor numerics check of the planner").
 
 Each case is planned on H200s; the JSON holds every field `moetrain plan` prints (its JSON line),
 the time by part and the per-pipeline-rank peaks and parameters, plus `suggest`'s layouts for

@@ -263,7 +263,7 @@ def test_launch_script_layout_fits_by_the_planner(launch_plans, script):
 @pytest.mark.parametrize("dispatcher, measured_s", [("nosync", 1.5264), ("symm", 1.7815)])
 def test_step_time_of_the_two_gpu_expert_parallel_runs(dispatcher, measured_s):
     """sweep-8l-8 at dp2·ep2, 8 sequences of 4096 per GPU per step, measured on two H200s
-    (docs/benchmarks.md, "At the preset's batch": compiled blocks; nosync in its padded mode
+    (docs/measurements.md, "At the preset's batch": compiled blocks; nosync in its padded mode
     then). nosync's prediction uses constants from other runs; symm's transport rate
     (`symm_link_eff`) was read off this run, so its row checks the arithmetic."""
     cfg = resolve_config(
@@ -522,7 +522,7 @@ def test_the_planner_suggests_only_chunks_that_split_a_ranks_experts():
         assert layout.overlap_chunks == 1 or (8 // layout.ep) % layout.overlap_chunks == 0, layout.describe()
 
 
-# Training-step throughput measured with `moetrain bench --device cuda` on one H200 (docs/benchmarks.md,
+# Training-step throughput measured with `moetrain bench --device cuda` on one H200 (docs/measurements.md,
 # "One-GPU tokens/s"): the planner's step time, with its per-parameter passes at their measured
 # rates, lands within 10%.
 MEASURED_TOKENS_PER_S = [
@@ -559,7 +559,7 @@ def test_the_one_gpu_expert_sweep_loses_what_was_measured(grads, measured_drop):
 
 def test_the_dp_reduction_exposes_the_embeddings_buckets():
     """sweep-8l-8 at dp2·ep2 on two H200s (fp32 buckets, the padded nosync then): 32.1–33.2 ms
-    of all-reduce per step, of which 10.7–13.6 ms were exposed (docs/benchmarks.md, "Where the ep2
+    of all-reduce per step, of which 10.7–13.6 ms were exposed (docs/measurements.md, "Where the ep2
     step's time goes"); the rest ran under the last backward. The planner exposes the embedding's
     reduction (plus what the backward cannot cover); counted in full without `dp_tail`."""
     from moetrain.plan import Assumptions

@@ -35,7 +35,7 @@ import triton.language as tl
 E4M3_MAX = 448.0
 ROW_BLOCK = 8192  # rows up to this long are read once, kept in registers
 # Launch configurations: the fastest of benchmarks/probes/fp8_quant_probe.py's on bench-8e's shapes
-# (docs/benchmarks.md): rows ~3.8-4.1 TB/s with 4 warps, column maxima ~2.7, cast-and-transpose ~3.7.
+# (docs/measurements.md): rows ~3.8-4.1 TB/s with 4 warps, column maxima ~2.7, cast-and-transpose ~3.7.
 TILE_R, TILE_C = 64, 128  # the cast-and-transpose tiles
 AMAX_CHUNK_R, AMAX_TILE_R, AMAX_TILE_C = 256, 64, 128  # the column-amax programs
 

@@ -101,11 +101,11 @@ class ParallelConfig(Config):
     dispatcher: DispatcherKind = DispatcherKind.nosync
     """How tokens reach experts on other ranks (with ep > 1): nosync, alltoall, or symm,
     experimental: NVSHMEM builds only, slower than nosync in the one layout measured
-    (docs/benchmarks.md, "At the preset's batch")."""
+    (docs/measurements.md, "At the preset's batch")."""
     compile_overlap: bool = False
     """Experimental. With train.compile: let Inductor move the collectives inside each compiled
     block (the expert all-to-alls) ahead of independent compute, so they overlap it. Off by
-    default: measured on one layout only (docs/benchmarks.md, "At the preset's batch")."""
+    default: measured on one layout only (docs/measurements.md, "At the preset's batch")."""
     shard_optimizer: bool = False
     """Distributed optimizer: fp32 master weights and AdamW moments sharded over the data-parallel
     ranks (gradients reduce-scattered, parameters all-gathered): optimizer memory ÷ dp."""

@@ -46,7 +46,7 @@ pipeline rank that needs most:
   nothing but a split master's one-block join).
 The activation terms are an account of the saved tensors of the compiled bf16 step (eager adds
 the norms' and SwiGLU's fp32 intermediates: `compile=false`); they were checked against the peaks
-measured on one H200 (docs/benchmarks.md, "The planner against measured peaks").
+measured on one H200 (docs/measurements.md, "The planner against measured peaks").
 
 Step time: GEMM and attention FLOPs (the MFU formula's, moetrain/model/counting.py) at a
 fraction `gemm_eff` of the GPU's dense BF16 peak (row-wise FP8: `fp8_gemm_speedup` faster, plus
@@ -75,11 +75,11 @@ H200) —; the ddp stack's data-parallel reductions only for the buckets backwar
 FSDP's transfers beyond what `fsdp_overlap` of the compute hides, the pipeline's bubble ((pp −
 1)/v micro-batches' compute) and sends. Host time is not modeled: the step is taken to be device
 time (compiled blocks keep the host ahead; the overlapped exchange's eager per-chunk work is
-measured per layer on one H200 in docs/benchmarks.md). Links: NVLink within a node of
+measured per layer on one H200 in docs/measurements.md). Links: NVLink within a node of
 `gpus_per_node`, the node's network (per GPU) across nodes, at `link_eff` of their one-way
 bandwidth. The constants are assumptions, stated in
 `GPUS` and `Assumptions` with what each was calibrated on (one and two H200s); treat step time
-and MFU as ±25% (docs/benchmarks.md, "The planner against measured peaks" and "One-GPU
+and MFU as ±25% (docs/measurements.md, "The planner against measured peaks" and "One-GPU
 tokens/s", compares them with measured runs)."""
 
 from moetrain.plan.calibration import Assumptions
