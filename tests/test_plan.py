@@ -609,7 +609,7 @@ def test_the_capacity_sweep_on_eight_gpus_fits_and_loses_at_most_5_percent():
     """Every shape fits and 8 → 128 experts lose at most 5% of the tokens per GPU, by the
     planner whose compute part is within 10% of the rehearsed ranks (the test below). The other
     half of the target, ≥ 90% of one GPU's best, does not hold by it (74% at 8 experts:
-    the sync-free dispatcher's index and mask kernels and the pipelined experts' eager work,
+    the sync-free dispatcher's index and mask kernels and the overlapped exchange's eager expert work,
     measured by the rehearsal; docs/benchmarks.md, "Rehearsed")."""
     rates = {}
     for e in (8, 32, 64, 128):

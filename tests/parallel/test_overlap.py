@@ -353,7 +353,7 @@ def test_chunks_that_cannot_split_the_experts_are_refused(flags, needs):
 
 
 def compiled_and_eager(data_dir, tmp):
-    """dp2·ep2, 2 chunks by experts, 2 steps: eager blocks; compiled blocks (the pipelined
+    """dp2·ep2, 2 chunks by experts, 2 steps: eager blocks; compiled blocks (the overlapped
     exchange runs eagerly between their graphs, its experts compiled on their own); FP8 row-wise
     (each chunk's experts quantize their group's slices of the weights)."""
     import torch.distributed as dist
