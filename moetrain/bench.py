@@ -316,6 +316,7 @@ def _record(
         "layout": {
             "world": world,
             "dp": trainer.par.dims.dp,
+            "cp": trainer.par.dims.cp,
             "ep": trainer.par.dims.ep,
             "pp": trainer.par.dims.pp,
             "stack": str(cfg.parallel.stack),

@@ -1,5 +1,5 @@
 """The shape of the codebase: packages import each other in one direction only (no cycle), the
-two seams are declared interfaces that every implementation follows to the signature, and the
+seams are declared interfaces that every implementation follows to the signature, and the
 functional collectives called exist in the lowest torch pyproject allows."""
 
 import ast
@@ -169,9 +169,20 @@ def test_every_dispatcher_implements_the_token_dispatcher_protocol():
     assert isinstance(LocalTokenDispatcher(4), TokenDispatcher)
 
 
+def test_every_sequence_layout_implements_the_sequence_layout_protocol():
+    from moetrain.model.sequence_layout import SequenceLayout, WholeSequence
+    from moetrain.parallel.context_parallel import ContextShard
+
+    for cls in (WholeSequence, ContextShard):
+        assert _check_implements(cls, SequenceLayout) == set()
+    assert isinstance(WholeSequence(), SequenceLayout)
+    assert isinstance(ContextShard(2, 0, None), SequenceLayout)
+
+
 @pytest.mark.parametrize(
     "protocol_path",
     [
+        "moetrain.model.sequence_layout:SequenceLayout",
         "moetrain.optim.base:Optimizer",
         "moetrain.optim.grad_reducer:GradReduction",
         "moetrain.model.token_dispatcher:TokenDispatcher",

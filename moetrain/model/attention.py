@@ -4,12 +4,12 @@ Legend: B batch, T sequence, D model dim, H query heads, G key/value heads, Dh h
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moetrain.model.fp8 import fp8_shared_input
 from moetrain.model.norm import RMSNorm
 from moetrain.model.rope import apply_rope
+from moetrain.model.sequence_layout import SequenceLayout, WholeSequence
 
 
 class Attention(nn.Module):
@@ -23,13 +23,16 @@ class Attention(nn.Module):
         # Per-head norm (one weight of size Dh shared by all heads), as Qwen3 does.
         self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
+        self.sequence: SequenceLayout = WholeSequence()
+        """Where the sequence's positions live: x holds this rank's, `attend` sees them all
+        (moetrain/model/sequence_layout.py; context parallelism sets another)."""
 
     def forward(
         self,
         x_BTD: torch.Tensor,
         cos_TD: torch.Tensor,
         sin_TD: torch.Tensor,
-        mask_BTT: torch.Tensor | None = None,
+        masks: object = None,
     ) -> torch.Tensor:
         B, T, _ = x_BTD.shape
         x_BTD = fp8_shared_input(x_BTD, self.wq)
@@ -41,10 +44,5 @@ class Attention(nn.Module):
         q_BHTD = apply_rope(q_BTHD.transpose(1, 2), cos_TD, sin_TD)
         k_BGTD = apply_rope(k_BTGD.transpose(1, 2), cos_TD, sin_TD)
         v_BGTD = v_BTGD.transpose(1, 2)
-        if mask_BTT is None:
-            o_BHTD = F.scaled_dot_product_attention(q_BHTD, k_BGTD, v_BGTD, is_causal=True, enable_gqa=True)
-        else:  # document masking: the mask already contains causality
-            o_BHTD = F.scaled_dot_product_attention(
-                q_BHTD, k_BGTD, v_BGTD, attn_mask=mask_BTT.unsqueeze(1), enable_gqa=True
-            )
+        o_BHTD = self.sequence.attend(q_BHTD, k_BGTD, v_BGTD, masks)
         return self.wo(o_BHTD.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))

@@ -30,9 +30,15 @@ class Block(nn.Module):
         self.ffn_out_norm = RMSNorm(D, cfg.norm_eps) if cfg.peri_norm else None
 
     def forward(
-        self, x_BTD: torch.Tensor, cos_TD: torch.Tensor, sin_TD: torch.Tensor, mask_BTT: torch.Tensor | None = None
+        self,
+        x_BTD: torch.Tensor,
+        cos_TD: torch.Tensor,
+        sin_TD: torch.Tensor,
+        masks: object = None,
     ) -> torch.Tensor:
-        h_BTD = self.attn(self.attn_norm(x_BTD), cos_TD, sin_TD, mask_BTT)
+        """`masks`: the document masks of the model's `SequenceLayout.attention_inputs` (None:
+        plain causal attention)."""
+        h_BTD = self.attn(self.attn_norm(x_BTD), cos_TD, sin_TD, masks)
         if self.attn_out_norm is not None:
             h_BTD = self.attn_out_norm(h_BTD)
         x_BTD = x_BTD + h_BTD

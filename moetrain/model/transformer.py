@@ -19,6 +19,7 @@ from moetrain.model.loss import lm_loss
 from moetrain.model.moe import MoE
 from moetrain.model.norm import RMSNorm
 from moetrain.model.rope import RotaryEmbedding
+from moetrain.model.sequence_layout import SequenceLayout, WholeSequence
 
 
 class Transformer(nn.Module):
@@ -32,6 +33,11 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.sequence: SequenceLayout = WholeSequence()
+        """Where the sequence's positions live (moetrain/model/sequence_layout.py): the tokens,
+        targets and hidden states given to `forward` are this rank's positions of each sequence
+        (`sequence.shard`), the document ids the whole sequences'. Context parallelism sets the
+        same layout here and in every attention layer (`set_sequence_layout`)."""
 
     def forward(
         self,
@@ -53,10 +59,16 @@ class Transformer(nn.Module):
     def run_blocks(self, x_BTD: torch.Tensor, keys: list[str], doc_ids_BT: torch.Tensor | None = None) -> torch.Tensor:
         """Apply the blocks named `keys` (layer indices, in order). A pipeline stage calls this
         with its own blocks (moetrain/parallel/pipeline.py)."""
-        cos_TD, sin_TD, mask_BTT = attention_inputs(self.rope, x_BTD.shape[1], doc_ids_BT, x_BTD.device)
+        cos_TD, sin_TD, masks = self.sequence.attention_inputs(self.rope, x_BTD.shape[1], doc_ids_BT, x_BTD.device)
         for key in keys:
-            x_BTD = self.blocks[key](x_BTD, cos_TD, sin_TD, mask_BTT)
+            x_BTD = self.blocks[key](x_BTD, cos_TD, sin_TD, masks)
         return x_BTD
+
+    def set_sequence_layout(self, sequence: SequenceLayout) -> None:
+        """Use `sequence` here and in every attention layer."""
+        self.sequence = sequence
+        for block in self.blocks.values():
+            block.attn.sequence = sequence
 
     def moe_layers(self) -> list[MoE]:
         return [m for m in self.modules() if isinstance(m, MoE)]
@@ -115,20 +127,6 @@ class Transformer(nn.Module):
                 module.router.expert_bias_E.zero_()
                 for buf in module.buffers(recurse=False):
                     buf.zero_()
-
-
-def attention_inputs(
-    rope: RotaryEmbedding, T: int, doc_ids_BT: torch.Tensor | None, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """What every block's attention takes besides the hidden state: RoPE's cos/sin for T
-    positions, and the (B, T, T) mask when tokens attend only within their document (None:
-    plain causal attention)."""
-    cos_TD, sin_TD = rope.cos_sin(T)
-    mask_BTT = None
-    if doc_ids_BT is not None:
-        causal_TT = torch.ones(T, T, dtype=torch.bool, device=device).tril()
-        mask_BTT = (doc_ids_BT.unsqueeze(2) == doc_ids_BT.unsqueeze(1)) & causal_TT
-    return cos_TD, sin_TD, mask_BTT
 
 
 Fill = Callable[[torch.Tensor, Callable[[torch.Tensor], None]], None]

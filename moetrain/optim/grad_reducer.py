@@ -112,8 +112,8 @@ def expert_param_ids(model: nn.Module) -> set[int]:
 
 def reduced_param_ids(model: nn.Module, state: ParallelState) -> set[int]:
     """ids of the trainable parameters whose gradients a `GradReducer` sums over a group: all at
-    dp > 1, except the experts' when edp = 1 (nothing to sum them with); none at dp = 1."""
-    if state.dims.dp == 1:
+    dp·cp > 1, except the experts' when edp = 1 (nothing to sum them with); none at dp·cp = 1."""
+    if state.dims.replicas == 1:
         return set()
     skip = expert_param_ids(model) if state.edp_group is None else set()
     return {id(p) for p in model.parameters() if p.requires_grad and id(p) not in skip}
@@ -139,7 +139,7 @@ class GradReducer:
         parameters whose buckets a subclass makes itself (`ShardedAdamW`'s); either way each
         bucket holds only split or only fp32 parameters. `grad_dtype`: the buckets' dtype
         (optim.grad_dtype)."""
-        self.loss_scale = 1.0 / state.dims.dp
+        self.loss_scale = 1.0 / state.dims.replicas
         """Scale every backward's loss by this: the reduced sums are then the global means."""
         self.split = split
         self.sync = False

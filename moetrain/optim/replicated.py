@@ -50,7 +50,9 @@ class ReplicatedAdamW(TorchAdamW):
             if split_ids
             else None
         )
-        self.reducer = GradReducer(model, state, split=self.split, grad_dtype=grad_dtype) if state.dims.dp > 1 else None
+        self.reducer = (
+            GradReducer(model, state, split=self.split, grad_dtype=grad_dtype) if state.dims.replicas > 1 else None
+        )
         self.reduction: GradReduction = self.reducer if self.reducer is not None else NoReduction(self.split)
         self.low_grads = grad_dtype != torch.float32
         self.grads: GradStore | None = None

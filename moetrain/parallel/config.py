@@ -85,10 +85,17 @@ class ParallelConfig(Config):
     """Which parallel stack trains the model: `ddp` (resident experts, expert parallelism) or
     `fsdp` (the FSDP2 baseline, for comparing the stacks on the same model, data and batch)."""
     dp: int | None = positive(None, at_most=MAX_DEGREE)
-    """Data-parallel degree; None = every rank (world size / pp)."""
+    """Data-parallel degree (how many slices the batch is split into); None = every rank left
+    (world size / (pp · cp))."""
+    cp: int = positive(1, at_most=MAX_DEGREE)
+    """Context-parallel degree: each sequence is split over cp consecutive ranks (2 · cp chunks,
+    rank i holding chunks i and 2·cp − 1 − i so that causal attention costs every rank the same),
+    which all-gather the keys and values of each attention layer
+    (moetrain/parallel/context_parallel.py). Activations per rank ÷ cp, for long sequences.
+    Divides nothing else: world size = pp · dp · cp; data.seq_len must be a multiple of 2 · cp."""
     ep: int = positive(1, at_most=MAX_DEGREE)
-    """Expert-parallel degree: experts are split over groups of ep ranks. Divides dp and the
-    number of experts."""
+    """Expert-parallel degree: experts are split over groups of ep ranks. Divides dp · cp (the
+    ranks of one pipeline stage) and the number of experts."""
     pp: int = positive(1, at_most=MAX_DEGREE)
     """Pipeline-parallel degree: the layers are split into pp × pp_stages_per_rank stages. The
     micro-batches of a step (train.global_batch_size / train.micro_batch_size, at least pp) are
@@ -191,6 +198,8 @@ class ParallelConfig(Config):
             raise ConfigError(f"parallel.dp={self.dp} must be a positive integer (or null for all ranks).")
         if self.ep <= 0:
             raise ConfigError(f"parallel.ep={self.ep} must be a positive integer.")
+        if self.cp <= 0:
+            raise ConfigError(f"parallel.cp={self.cp} must be a positive integer.")
         if self.pp <= 0:
             raise ConfigError(f"parallel.pp={self.pp} must be a positive integer.")
         v = self.stages_per_rank
@@ -229,27 +238,36 @@ class ParallelConfig(Config):
                 )
 
     def build(self, world_size: int) -> ParallelDims:
-        """The layout on `world_size` ranks: pp divides the world, dp fills the rest (or is
-        given and must fit), ep divides dp. Rules that also involve the model or the batch are
-        `RunConfig.validate`'s."""
-        pp = self.pp
+        """The layout on `world_size` ranks: pp · cp divides the world, dp fills the rest (or is
+        given and must fit), ep divides dp · cp. Rules that also involve the model or the batch
+        are `RunConfig.validate`'s."""
+        pp, cp = self.pp, self.cp
         if world_size % pp:
             raise ConfigError(
                 f"parallel.pp={pp} does not divide the world size {world_size}: launch a multiple "
                 f"of {pp} processes or change parallel.pp."
             )
-        dp = self.dp if self.dp is not None else world_size // pp
-        if pp * dp != world_size:
+        if world_size % (pp * cp):
             raise ConfigError(
-                f"The layout pp={pp} × dp={dp} = {pp * dp} ranks does not match the world size "
-                f"{world_size}: set parallel.dp={world_size // pp} or launch {pp * dp} processes."
+                f"parallel.pp={pp} × parallel.cp={cp} = {pp * cp} does not divide the world size {world_size}: "
+                f"launch a multiple of {pp * cp} processes or change parallel.cp."
             )
-        if dp % self.ep:
+        dp = self.dp if self.dp is not None else world_size // (pp * cp)
+        if pp * dp * cp != world_size:
+            shape = f"pp={pp} × dp={dp}" + (f" × cp={cp}" if cp > 1 else "")
             raise ConfigError(
-                f"parallel.ep={self.ep} does not divide parallel.dp={dp}: expert-parallel groups are "
-                "made of data-parallel ranks."
+                f"The layout {shape} = {pp * dp * cp} ranks does not match the world size "
+                f"{world_size}: set parallel.dp={world_size // (pp * cp)} or launch {pp * dp * cp} processes."
             )
-        return ParallelDims(world_size=world_size, dp=dp, ep=self.ep, pp=pp, stages_per_rank=self.stages_per_rank)
+        if (dp * cp) % self.ep:
+            where = f"parallel.dp={dp}" if cp == 1 else f"parallel.dp={dp} × parallel.cp={cp} = {dp * cp}"
+            raise ConfigError(
+                f"parallel.ep={self.ep} does not divide {where}: expert-parallel groups are "
+                "made of the ranks of one pipeline stage."
+            )
+        return ParallelDims(
+            world_size=world_size, dp=dp, ep=self.ep, pp=pp, stages_per_rank=self.stages_per_rank, cp=cp
+        )
 
     @property
     def stages_per_rank(self) -> int:

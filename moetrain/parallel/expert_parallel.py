@@ -44,5 +44,5 @@ def apply_expert_parallel(model: Transformer, state: ParallelState, cfg: Paralle
                 moe.dispatcher = SymmMemDispatcher(E, state.ep_group, state.dp_group)
             else:
                 moe.dispatcher = AllToAllDispatcher(E, state.ep_group, state.dp_group)
-        elif dims.dp > 1:
+        elif dims.replicas > 1:
             moe.dispatcher = DataParallelDispatcher(E, state.dp_group)

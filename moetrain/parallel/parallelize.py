@@ -3,6 +3,8 @@
     0. pipeline parallel (pp > 1): keep only this rank's stages' blocks (and the embedding / LM
        head where it holds the first / last stage); the stages themselves are views built after
        initialization (moetrain/parallel/pipeline.py)
+    0b. context parallel (cp > 1): the model's sequence layout is this rank's `ContextShard`
+       (moetrain/parallel/context_parallel.py); the engine shards each micro-batch with it
     1. expert parallel: each MoE layer keeps its rank's experts and gets an all-to-all dispatcher
        (`parallel.dispatcher`: nosync, fixed buffers, or alltoall, exact splits)
        (or, with ep = 1 and dp > 1, a dispatcher that only sums routing counts over dp)
@@ -37,6 +39,7 @@ from moetrain.model.fp8 import Fp8Linear, MxFp8Linear
 from moetrain.model.moe import MoE
 from moetrain.model.transformer import Transformer, canonical_name
 from moetrain.parallel.config import ParallelConfig, Recompute, Stack
+from moetrain.parallel.context_parallel import ContextShard
 from moetrain.parallel.dims import ParallelState
 from moetrain.parallel.expert_parallel import apply_expert_parallel
 from moetrain.parallel.fsdp import apply_fsdp
@@ -63,6 +66,8 @@ def parallelize(
     (optim.grad_dtype): the dtype in which it accumulates and reduce-scatters their gradients."""
     if state.dims.num_stages > 1:
         split_model(model, state.dims, state.pp_rank)
+    if state.dims.cp > 1:
+        model.set_sequence_layout(ContextShard(state.dims.cp, state.cp_rank, state.cp_group))
     apply_expert_parallel(model, state, parallel)
     if fp8 != Fp8.none:
         apply_fp8(model, fp8)

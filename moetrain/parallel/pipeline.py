@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from moetrain.model.transformer import Transformer, attention_inputs
+from moetrain.model.transformer import Transformer
 from moetrain.parallel.config import PipelineSchedule
 from moetrain.parallel.dims import ParallelDims, ParallelState
 
@@ -89,6 +89,7 @@ class StageModule(nn.Module):
         self.first, self.last = first, last
         self.embed = model.embed if first else None
         self.rope = model.rope
+        self.sequence = model.sequence
         self.blocks = nn.ModuleList([model.blocks[k] for k in keys])
         self.norm = model.norm if last else None
         self.lm_head = model.lm_head if last else None
@@ -107,9 +108,9 @@ class StageModule(nn.Module):
         )
         with autocast:
             x_BTD = self.embed(x) if self.first else x
-            cos_TD, sin_TD, mask_BTT = attention_inputs(self.rope, x_BTD.shape[1], doc_ids_BT, x_BTD.device)
+            cos_TD, sin_TD, masks = self.sequence.attention_inputs(self.rope, x_BTD.shape[1], doc_ids_BT, x_BTD.device)
             for block in self.blocks:
-                x_BTD = block(x_BTD, cos_TD, sin_TD, mask_BTT)
+                x_BTD = block(x_BTD, cos_TD, sin_TD, masks)
             if self.last:
                 return self.lm_head(self.norm(x_BTD))
         return x_BTD.float()

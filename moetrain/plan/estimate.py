@@ -80,7 +80,7 @@ def plan(cfg: RunConfig, gpus: int, gpu: str, assume: Assumptions = Assumptions(
     return Plan(
         layout=L,
         gpu=spec,
-        params_per_device=int(busiest.local / (L.dp if fsdp else 1)),
+        params_per_device=int(busiest.local / (L.replicas if fsdp else 1)),
         memory_gib=memory,
         peak_mem_gib_per_device=round(peak_gib, 2),
         fits=peak_gib <= spec.memory_gib,
@@ -94,10 +94,10 @@ def plan(cfg: RunConfig, gpus: int, gpu: str, assume: Assumptions = Assumptions(
         peak_gib_per_pipeline_rank=[round(r.peak / GIB, 2) for r in ranks],
         save_peak_gib_per_pipeline_rank=[round(x, 2) for x in saves],
         load_peak_gib_per_pipeline_rank=[round(x, 2) for x in loads],
-        params_per_pipeline_rank=[int(r.local / (L.dp if fsdp else 1)) for r in ranks],
+        params_per_pipeline_rank=[int(r.local / (L.replicas if fsdp else 1)) for r in ranks],
         save_peak_gib_per_device=round(save_gib, 2),
         fits_while_saving=save_gib <= spec.memory_gib,
         load_peak_gib_per_device=round(load_gib, 2),
         fits_while_loading=load_gib <= spec.memory_gib,
-        busiest_rank=busiest.rank * L.dp,
+        busiest_rank=busiest.rank * L.replicas,
     )

@@ -42,24 +42,35 @@ class Layout:
     recompute_every: int
     micro_batches: int
     rows_per_micro_batch: int
-    """Sequences per rank per micro-batch."""
+    """Sequences per rank per micro-batch (whole ones: a context-parallel rank holds 1/cp of each)."""
+    cp: int = 1
+    """Context-parallel degree: each sequence split over cp ranks."""
+
+    @property
+    def replicas(self) -> int:
+        """Ranks of one pipeline stage (dp · cp): they hold the same dense parameters."""
+        return self.dp * self.cp
 
     @property
     def edp(self) -> int:
-        """Ranks holding the same experts (dp / ep)."""
-        return max(1, self.dp // self.ep)
+        """Ranks holding the same experts (dp · cp / ep)."""
+        return max(1, self.replicas // self.ep)
+
+    def tokens(self, seq_len: int) -> int:
+        """Tokens per rank per micro-batch (t): its rows' positions, 1/cp of each sequence."""
+        return self.rows_per_micro_batch * seq_len // self.cp
 
     def bucketed(self, dense: float, experts: float) -> float:
         """Of `dense` and `experts` parameters, those whose gradients the ddp stack keeps in
-        buckets (moetrain/optim/grad_reducer.py): none at dp = 1; the dense ones at dp > 1, the
-        experts' too unless each lives alone in its group (edp = 1) — the sharded optimizer
+        buckets (moetrain/optim/grad_reducer.py): none at dp·cp = 1; the dense ones at dp·cp > 1,
+        the experts' too unless each lives alone in its group (edp = 1) — the sharded optimizer
         buckets every parameter."""
-        if self.stack == Stack.fsdp.value or self.dp == 1:
+        if self.stack == Stack.fsdp.value or self.replicas == 1:
             return 0.0
         return dense + (experts if self.edp > 1 or self.shard_optimizer else 0.0)
 
     def describe(self) -> str:
-        parts = [f"dp{self.dp}"]
+        parts = [f"dp{self.dp}"] + ([f"cp{self.cp}"] if self.cp > 1 else [])
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
         if self.pp > 1:
@@ -146,6 +157,7 @@ def layout_of(cfg: RunConfig, gpus: int) -> Layout:
         recompute_every=tc.recompute_every,
         micro_batches=tc.grad_accum_steps,
         rows_per_micro_batch=tc.micro_batch_size // dims.dp,
+        cp=dims.cp,
     )
 
 
@@ -158,7 +170,7 @@ def rows_per_token(cfg: RunConfig, L: Layout) -> tuple[float, float]:
     (ep·K rows per token, most of them skipped by the GEMMs but allocated) and moves exact rows."""
     k = cfg.model.moe.top_k
     if L.ep > 1 and L.dispatcher == DispatcherKind.nosync.value:
-        tokens = L.rows_per_micro_batch * cfg.data.seq_len  # per rank and micro-batch
+        tokens = L.tokens(cfg.data.seq_len)  # per rank and micro-batch
         M = tokens * k
         rows = capacity_rows(M, L.ep, L.capacity_factor, L.capacity_min_rows)
         wire = block_rows(M, L.ep, L.capacity_factor, L.spill_factor, L.capacity_min_rows)

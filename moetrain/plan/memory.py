@@ -27,17 +27,19 @@ def _block_bytes(
     compiled: bool,
     fp32: bool,
     exchanged_rows: float = 0.0,
+    cp: int = 1,
 ) -> float:
     """Bytes autograd keeps per token for one block's backward (expert_rows: rows through the
     experts per token: K, or more with the sync-free dispatcher's fixed buffers: `rows_per_token`;
     exchanged_rows: rows per token each direction of the expert all-to-all returns, which
-    selective recompute keeps as collective outputs)."""
+    selective recompute keeps as collective outputs; cp: context parallelism, whose attention
+    keeps the whole sequence's gathered keys and values, cp × this rank's, instead of its own)."""
     a = 4 if fp32 else 2  # matmul inputs/outputs (autocast bf16)
     r = 4  # the residual stream is fp32
     D, hd, hq, hkv = m.d_model, m.resolved_head_dim, m.n_heads, m.n_kv_heads
     if recompute == "full":
         return r * D  # the block's input
-    q_k_v = a * (hq + 2 * hkv) * hd
+    q_k_v = a * (hq + 2 * cp * hkv) * hd
     attn_out = a * hq * hd + 4 * hq  # SDPA output + log-sum-exp
     if recompute == "selective":  # block input + every matmul / attention output
         attn = r * D + q_k_v + attn_out + a * D
@@ -117,7 +119,7 @@ def checkpoint_state_bytes(L: Layout, rank: RankMemory) -> float:
     sharded optimizer's; other gradients are freed by `zero_grad` and not yet allocated at a
     load). Activations are freed."""
     fsdp = L.stack == Stack.fsdp.value
-    weights = 4 * rank.local / L.dp if fsdp else rank.weights
+    weights = 4 * rank.local / L.replicas if fsdp else rank.weights
     if fsdp or not rank.local:
         return weights + rank.optimizer + rank.recv_buffers
     # the buckets hold the dense gradients at dp > 1 and the experts' at edp > 1 (`bucketed`);
@@ -214,6 +216,7 @@ class _Model:
     wire_rows: float
     exchanged: float
     bf16_weights: bool
+    cp: int
 
     @classmethod
     def of(cls, cfg: RunConfig, L: Layout) -> _Model:
@@ -233,6 +236,7 @@ class _Model:
             wire_rows=wire_rows,
             exchanged=exchanged,
             bf16_weights=uses_bf16_weights(cfg),
+            cp=L.cp,
         )
 
 
@@ -246,9 +250,9 @@ def _rank_blocks(m: TransformerConfig, L: Layout, groups: ParamGroups, x: _Model
         b.expert_local += experts
         recomputes = L.recompute != "none" and i % L.recompute_every == 0
         mode = L.recompute if recomputes else "none"
-        b.act_per_token += _block_bytes(m, is_moe, mode, x.expert_rows, x.compiled, x.fp32, x.exchanged)
-        b.act_none += _block_bytes(m, is_moe, "none", x.expert_rows, x.compiled, x.fp32)
-        b.act_full += _block_bytes(m, is_moe, "full", x.expert_rows, x.compiled, x.fp32)
+        b.act_per_token += _block_bytes(m, is_moe, mode, x.expert_rows, x.compiled, x.fp32, x.exchanged, x.cp)
+        b.act_none += _block_bytes(m, is_moe, "none", x.expert_rows, x.compiled, x.fp32, cp=x.cp)
+        b.act_full += _block_bytes(m, is_moe, "full", x.expert_rows, x.compiled, x.fp32, cp=x.cp)
         if is_moe:
             b.moe_layers += 1
             b.experts_none += _block_bytes(m, True, "none", x.expert_rows, x.compiled, x.fp32) - _block_bytes(
@@ -310,27 +314,27 @@ def _state(
     grad_elem = 2 if cfg.optim.grad_dtype.value == "bf16" else 4  # optim.grad_dtype
     expert_local = b.expert_local
     if x.fsdp:
-        shard = L.dp
+        shard = L.replicas
         gathered = 4 if x.fp32 else 2  # two blocks' parameters gathered at once, in the compute dtype
         weights = 4 * local / shard + 2 * gathered * max(groups.moe_dense + groups.moe_experts, groups.dense_block)
         # FSDP casts the reduced shards back to the parameters' fp32; one rank: FSDPAdamW's own
         grads = 4 * local / shard if shard > 1 else grad_elem * local
-        accumulated = grad_elem * local if L.micro_batches > 1 and L.dp > 1 else 0.0
+        accumulated = grad_elem * local if L.micro_batches > 1 and L.replicas > 1 else 0.0
         return weights, grads, moments * local / shard, accumulated
     weights = 4 * local  # fp32, or bf16 + the 16-bit remainder (optim.bf16_weights)
     # bf16_weights: one backward's bf16 gradients are kept as they are (2 B)
-    bf16_kept = x.bf16_weights and L.dp == 1 and L.micro_batches == 1
+    bf16_kept = x.bf16_weights and L.replicas == 1 and L.micro_batches == 1
     grads = 2 * local if bf16_kept or grad_elem == 2 else 4 * local
     if not L.shard_optimizer:
         return weights, grads, moments * local, 0.0
-    shard = dense_local / L.dp + expert_local / L.edp
+    shard = dense_local / L.replicas + expert_local / L.edp
     if x.bf16_weights:  # bf16 weights whole; remainders (2 B) and moments sharded
         weights, optimizer = 2 * local, (2 + moments) * shard
     else:  # fp32 weights whole; fp32 master (4 B) and moments sharded
         optimizer = (4 + moments) * shard
     # the reduce-scatters' output shards, in the gradient dtype (a view of the bucket where the
     # group has one rank)
-    reduced = (dense_local / L.dp if L.dp > 1 else 0) + (expert_local / L.edp if L.edp > 1 else 0)
+    reduced = (dense_local / L.replicas if L.replicas > 1 else 0) + (expert_local / L.edp if L.edp > 1 else 0)
     return weights, grads + grad_elem * reduced, optimizer, 0.0
 
 
@@ -349,7 +353,7 @@ def memory_per_rank(cfg: RunConfig, L: Layout, groups: ParamGroups, assume: Assu
     m, x = cfg.model, _Model.of(cfg, L)
     S = L.pp * L.stages_per_rank
     layers_per_stage = [len(s) for s in stage_layers(m.n_layers, S)]
-    t = L.rows_per_micro_batch * cfg.data.seq_len  # tokens per rank per micro-batch
+    t = L.tokens(cfg.data.seq_len)  # tokens per rank per micro-batch
     chunk = cfg.train.resolved_loss_chunk_tokens("cuda") if L.pp == 1 else 0  # pipelines: the plain path
     out = []
     for r in range(L.pp):
@@ -362,7 +366,7 @@ def memory_per_rank(cfg: RunConfig, L: Layout, groups: ParamGroups, assume: Assu
         in_flight = _in_flight(L, r)
         activations = _saved_activations(m, L, x, b, in_flight, stages, t)
         logits, loss_traffic = _loss_bytes(m, t, chunk) if last else (0.0, 0.0)
-        head_grad = 4 * groups.head / (L.dp if x.fsdp else 1) if last else 0
+        head_grad = 4 * groups.head / (L.replicas if x.fsdp else 1) if last else 0
         # one bf16 copy of each weight per micro-batch in flight: each micro-batch's forward casts
         # its own, and its saved tensors keep it until that micro-batch's backward
         casts = b.cast_bytes * in_flight

@@ -45,6 +45,7 @@ def to_json(p: Plan, preset: str, gpus: int, gpu: str, suggestions: list[Plan]) 
         "gpu": gpu,
         "layout": L.describe(),
         "dp": L.dp,
+        "cp": L.cp,
         "ep": L.ep,
         "pp": L.pp,
         "stages_per_rank": L.stages_per_rank,

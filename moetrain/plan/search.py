@@ -7,7 +7,11 @@ import dataclasses
 from moetrain.errors import ConfigError
 from moetrain.parallel.config import DispatcherKind, PipelineSchedule, Recompute, Stack
 from moetrain.plan.estimate import Plan, plan
+from moetrain.plan.hardware import GPUS
 from moetrain.train.config import RunConfig
+
+LONG_SEQUENCE = 16_384
+"""Sequences at least this long are where `suggest` also tries context parallelism."""
 
 
 def with_layout(
@@ -21,13 +25,15 @@ def with_layout(
     rows: int,
     dispatcher: str | None = None,
     overlap: int | None = None,
+    cp: int = 1,
 ) -> RunConfig | None:
-    """A copy of `cfg` with another layout (rows = sequences per GPU per micro-batch; `overlap`:
-    parallel.overlap_chunks, the configured one if None, 0 for other dispatchers than nosync),
-    or None when the batch cannot be split that way or the chunks cannot split the experts."""
-    if gpus % pp:
+    """A copy of `cfg` with another layout (rows = sequences per data-parallel rank per
+    micro-batch, each split over `cp` GPUs; `overlap`: parallel.overlap_chunks, the configured
+    one if None, 0 for other dispatchers than nosync), or None when the batch or the sequence
+    cannot be split that way or the chunks cannot split the experts."""
+    if gpus % (pp * cp) or cfg.data.seq_len % (2 * cp):
         return None
-    dp = gpus // pp
+    dp = gpus // (pp * cp)
     micro = rows * dp
     if cfg.train.global_batch_size % micro or cfg.train.global_batch_size // micro < pp:
         return None
@@ -39,8 +45,9 @@ def with_layout(
             cfg.parallel,
             pp=pp,
             ep=ep,
+            cp=cp,
             dp=None,
-            shard_optimizer=shard_optimizer and dp > 1,
+            shard_optimizer=shard_optimizer and dp * cp > 1,
             dispatcher=kind,
             overlap_chunks=overlap if kind == DispatcherKind.nosync and ep > 1 else 0,
             pp_schedule=PipelineSchedule.onef1b,
@@ -54,50 +61,70 @@ def with_layout(
     return out
 
 
+def _context_degrees(cfg: RunConfig, gpus: int, gpu: str) -> list[int]:
+    """cp degrees `suggest` tries: 1, and for sequences of at least `LONG_SEQUENCE` tokens every
+    power of two up to one node that splits the sequence into 2·cp chunks (the key/value
+    exchange stays on NVLink)."""
+    if cfg.data.seq_len < LONG_SEQUENCE:
+        return [1]
+    node = GPUS[gpu].gpus_per_node if gpu in GPUS else 8
+    return [c for c in (1, 2, 4, 8, 16) if c <= min(node, gpus) and gpus % c == 0 and cfg.data.seq_len % (2 * c) == 0]
+
+
 def suggest(cfg: RunConfig, gpus: int, gpu: str, limit: int = 5) -> list[Plan]:
     """Layouts of the ddp stack that fit the GPU, fastest first: pp (dividing the GPUs, at most
-    one block per stage), ep (dividing dp and the experts, at most one node's worth unless the
-    experts need more), recompute none/selective/full, the sharded optimizer, and 1 or 2
-    sequences per GPU per micro-batch; the configured dispatcher and, for ep > 2, the exact
-    all-to-all one when the configured one is nosync's padded mode (its buffers grow with ep);
-    with nosync at ep > 1 the configured parallel.overlap_chunks and 1 (the shared expert under
-    the dispatch: no chunks, no cost of theirs)."""
-    m = cfg.model
+    one block per stage), cp for long sequences (`_context_degrees`; one sequence per
+    data-parallel rank and micro-batch), ep (dividing dp · cp and the experts, at most one
+    node's worth unless the experts need more), recompute none/selective/full, the sharded
+    optimizer, and 1 or 2 sequences per GPU per micro-batch; the configured dispatcher and, for
+    ep > 2, the exact all-to-all one when the configured one is nosync's padded mode (its
+    buffers grow with ep); with nosync at ep > 1 the configured parallel.overlap_chunks and 1
+    (the shared expert under the dispatch: no chunks, no cost of theirs)."""
     out = []
     for pp in (1, 2, 4, 8, 16, 32):
-        if pp > m.n_layers or gpus % pp:
+        if pp > cfg.model.n_layers or gpus % pp:
             continue
-        dp = gpus // pp
-        eps = [e for e in (1, 2, 4, 8, 16, 32, 64) if dp % e == 0 and m.moe.num_experts % e == 0]
-        for ep in eps:
-            for recompute in ("none", "selective", "full"):
-                dispatchers = {cfg.parallel.dispatcher.value}
-                if ep > 2 and cfg.parallel.capacity_factor is None:
-                    dispatchers.add(DispatcherKind.alltoall.value)
-                overlaps = sorted({cfg.parallel.overlap_chunks, 1}) if ep > 1 else [0]
-                for rows, dispatcher, overlap in [
-                    (r, d, o) for r in (1, 2) for d in sorted(dispatchers) for o in overlaps
-                ]:
-                    if overlap and dispatcher != DispatcherKind.nosync.value:
-                        continue
-                    candidate = with_layout(
-                        cfg,
-                        gpus,
-                        pp=pp,
-                        ep=ep,
-                        recompute=recompute,
-                        shard_optimizer=True,
-                        rows=rows,
-                        dispatcher=dispatcher,
-                        overlap=overlap,
-                    )
-                    if candidate is None:
-                        continue
-                    try:
-                        p = plan(candidate, gpus, gpu)
-                    except ConfigError:
-                        continue
-                    if p.fits:
-                        out.append(p)
+        for cp in _context_degrees(cfg, gpus // pp, gpu):
+            out += _fitting(cfg, gpus, gpu, pp, cp)
     out.sort(key=lambda p: -p.tokens_per_sec_per_device)
     return out[:limit]
+
+
+def _fitting(cfg: RunConfig, gpus: int, gpu: str, pp: int, cp: int) -> list[Plan]:
+    """The plans of `suggest`'s candidates at pipeline degree `pp` and context degree `cp` that fit."""
+    m = cfg.model
+    replicas = gpus // pp
+    eps = [e for e in (1, 2, 4, 8, 16, 32, 64) if replicas % e == 0 and m.moe.num_experts % e == 0]
+    out = []
+    for ep, recompute in [(e, r) for e in eps for r in ("none", "selective", "full")]:
+        dispatchers = {cfg.parallel.dispatcher.value}
+        if ep > 2 and cfg.parallel.capacity_factor is None:
+            dispatchers.add(DispatcherKind.alltoall.value)
+        overlaps = sorted({cfg.parallel.overlap_chunks, 1}) if ep > 1 else [0]
+        rows_options = (1, 2) if cp == 1 else (1,)
+        for rows, dispatcher, overlap in [
+            (r, d, o) for r in rows_options for d in sorted(dispatchers) for o in overlaps
+        ]:
+            if overlap and dispatcher != DispatcherKind.nosync.value:
+                continue
+            candidate = with_layout(
+                cfg,
+                gpus,
+                pp=pp,
+                ep=ep,
+                recompute=recompute,
+                shard_optimizer=True,
+                rows=rows,
+                dispatcher=dispatcher,
+                overlap=overlap,
+                cp=cp,
+            )
+            if candidate is None:
+                continue
+            try:
+                p = plan(candidate, gpus, gpu)
+            except ConfigError:
+                continue
+            if p.fits:
+                out.append(p)
+    return out

@@ -26,7 +26,14 @@ COMPUTE_PARTS = (
 )
 
 
-PEER_PARTS = ("pipeline_bubble", "expert_all_to_all", "dp_reductions", "fsdp_exposed", "pipeline_sends")
+PEER_PARTS = (
+    "pipeline_bubble",
+    "expert_all_to_all",
+    "dp_reductions",
+    "fsdp_exposed",
+    "pipeline_sends",
+    "context_exchange",
+)
 """`StepTime.parts` split into what a rank computes alone and what its peers add: communication
 as exposed (after the overlap the model grants; `Assumptions.link_eff`, `overlap_slowdown`,
 `dp_tail`, `fsdp_overlap`) and the pipeline's bubble."""
@@ -58,7 +65,7 @@ def _ring(n: int) -> float:
 def communication(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume: Assumptions) -> Communication:
     """Bytes each collective of a step sends from `rank`, and their time."""
     m = cfg.model
-    t = L.rows_per_micro_batch * cfg.data.seq_len
+    t = L.tokens(cfg.data.seq_len)
     fsdp = L.stack == Stack.fsdp.value
     _, wire_rows = rows_per_token(cfg, L)
 
@@ -76,28 +83,45 @@ def communication(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume
     grad_elem = 2 if cfg.optim.grad_dtype.value == "bf16" else 4  # the reductions' dtype (optim.grad_dtype)
     if fsdp:
         gathered = 4 if cfg.train.precision.value == "fp32" else 2  # bf16 all-gathers under bf16 compute
-        ag = 2 * L.micro_batches * gathered * rank.local * _ring(L.dp)  # forward and backward all-gathers
-        rs = grad_elem * rank.local * _ring(L.dp)
+        ag = 2 * L.micro_batches * gathered * rank.local * _ring(L.replicas)  # forward and backward all-gathers
+        rs = grad_elem * rank.local * _ring(L.replicas)
         comm["fsdp_all_gather"], comm["fsdp_reduce_scatter"] = ag, rs
-        comm_t["fsdp"] = (ag + rs) / (net(L.dp) * assume.link_eff)
-    elif L.dp > 1:
+        comm_t["fsdp"] = (ag + rs) / (net(L.replicas) * assume.link_eff)
+    elif L.replicas > 1:
         edp = L.edp
         dense_g, expert_g = grad_elem * rank.dense_local, grad_elem * rank.expert_local
         if L.shard_optimizer:
-            red = dense_g * _ring(L.dp) + expert_g * _ring(edp)  # reduce-scatter
-            gather = dense_b * _ring(L.dp) + expert_b * _ring(edp)  # all-gather of updated parameters
+            red = dense_g * _ring(L.replicas) + expert_g * _ring(edp)  # reduce-scatter
+            gather = dense_b * _ring(L.replicas) + expert_b * _ring(edp)  # all-gather of updated parameters
             comm["dp_reduce_scatter"], comm["optimizer_all_gather"] = red, gather
         else:
-            red = 2 * (dense_g * _ring(L.dp) + expert_g * _ring(edp))
+            red = 2 * (dense_g * _ring(L.replicas) + expert_g * _ring(edp))
             gather = 0.0
             comm["dp_all_reduce"] = red
-        comm_t["dp_reduction"] = red / (net(L.dp) * assume.link_eff)
-        comm_t["optimizer_all_gather"] = gather / (net(L.dp) * assume.link_eff)
+        comm_t["dp_reduction"] = red / (net(L.replicas) * assume.link_eff)
+        comm_t["optimizer_all_gather"] = gather / (net(L.replicas) * assume.link_eff)
+    if L.cp > 1:
+        comm["context_all_gather"] = _context_bytes(cfg, L, rank, t)
+        comm_t["context_exchange"] = comm["context_all_gather"] / (net(L.cp) * assume.link_eff)
     if L.pp > 1:
         sends = 2 * L.micro_batches * L.stages_per_rank * t * m.d_model * 4
         comm["pipeline_send_recv"] = sends
-        comm_t["pipeline_send_recv"] = sends / (net(L.dp * L.pp) * assume.link_eff)
+        comm_t["pipeline_send_recv"] = sends / (net(L.replicas * L.pp) * assume.link_eff)
     return Communication(comm, comm_t)
+
+
+def _context_bytes(cfg: RunConfig, L: Layout, rank: RankMemory, t: int) -> float:
+    """Context parallelism's key/value exchange (moetrain/parallel/context_parallel.py): per
+    attention layer and micro-batch, forward all-gathers this rank's keys and values (2 · hkv ·
+    hd elements per token) and backward reduce-scatters their gradients — (cp − 1) shards sent
+    each — and a fully recomputed layer gathers again."""
+    m = cfg.model
+    a = 4 if cfg.train.precision.value == "fp32" else 2
+    shard = t * 2 * m.n_kv_heads * m.resolved_head_dim * a
+    passes = 2.0
+    if L.recompute == Recompute.full.value:
+        passes += math.ceil(m.n_layers / L.recompute_every) / m.n_layers
+    return L.micro_batches * rank.layers * passes * shard * (L.cp - 1)
 
 
 def _gemm_time(
@@ -105,7 +129,7 @@ def _gemm_time(
 ) -> tuple[float, float, float]:
     """(GEMM and attention, the grouped GEMMs' partial tiles, the GEMM rate in FLOP/s)."""
     m = cfg.model
-    t = L.rows_per_micro_batch * cfg.data.seq_len
+    t = L.tokens(cfg.data.seq_len)
     stage_share = rank.layers / m.n_layers if L.pp > 1 else 1.0
     model_flops = fpt * t * L.micro_batches * stage_share
     # mxfp8 computes its products from dequantized operands (bf16 rate; moetrain/model/fp8.py)
@@ -130,10 +154,10 @@ def _optimizer_time(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assu
     passes = spec.hbm_bytes_s * assume.param_pass_eff
     adamw_bytes = (20 if low_moments else 28) - (2 if low_grads and not fsdp else 0)
     if fsdp:
-        updated, embedding = rank.local / L.dp, rank.embedding_local / L.dp
+        updated, embedding = rank.local / L.replicas, rank.embedding_local / L.replicas
     elif L.shard_optimizer:
-        updated = rank.dense_local / L.dp + rank.expert_local / L.edp
-        embedding = rank.embedding_local / L.dp
+        updated = rank.dense_local / L.replicas + rank.expert_local / L.edp
+        embedding = rank.embedding_local / L.replicas
     else:
         updated, embedding = rank.local, rank.embedding_local
     by_torch = 0.0 if low_moments else (embedding if bf16_weights else updated)  # fp32 AdamW, fp32 moments
@@ -152,7 +176,7 @@ def _cast_time(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume: A
     hbm = spec.hbm_bytes_s * assume.hbm_eff
     # Per micro-batch: autocast's fp32→bf16 weight casts and the bf16→fp32 gradient casts (12 B
     # per local parameter), and from the second micro-batch on accumulation into .grad (12 B).
-    local_params = rank.local / (L.dp if fsdp else 1)
+    local_params = rank.local / (L.replicas if fsdp else 1)
     t_casts = 0.0 if fp32 else local_params * (12 * L.micro_batches + 12 * (L.micro_batches - 1)) / hbm
     if uses_bf16_weights(cfg):
         # What a step's gradients cost beyond the GEMMs that make them (moetrain/optim/split_master.py,
@@ -190,7 +214,7 @@ def _elementwise_time(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, as
     eager_dispatch = not compiled_blocks(cfg) or L.overlap_chunks > 0
     if L.ep > 1 and L.dispatcher == DispatcherKind.nosync.value and eager_dispatch:
         _, wire_rows = rows_per_token(cfg, L)
-        wire = L.rows_per_micro_batch * cfg.data.seq_len * wire_rows * cfg.model.d_model * 2 * rank.moe_layers
+        wire = L.tokens(cfg.data.seq_len) * wire_rows * cfg.model.d_model * 2 * rank.moe_layers
         t_elementwise += L.micro_batches * assume.nosync_passes * wire / hbm
     return t_elementwise
 
@@ -224,7 +248,7 @@ def step_time(
 ) -> StepTime:
     """One step of `rank`: compute and memory-bound work, then the communication that is not
     hidden, the pipeline bubble; MFU and tokens per GPU."""
-    t = L.rows_per_micro_batch * cfg.data.seq_len
+    t = L.tokens(cfg.data.seq_len)
     fpt = flops_per_token(cfg.model, cfg.data.seq_len)  # FLOPs per token (the MFU formula's)
     t_gemm, t_tiles, gemm_rate = _gemm_time(cfg, L, rank, spec, assume, fpt)
     t_optimizer = _optimizer_time(cfg, L, rank, spec, assume)
@@ -232,7 +256,7 @@ def step_time(
     t_elementwise = _elementwise_time(cfg, L, rank, spec, assume)
     t_fp8 = 0.0
     if cfg.train.fp8 != Fp8.none:
-        local_params = rank.local / (L.dp if L.stack == Stack.fsdp.value else 1)
+        local_params = rank.local / (L.replicas if L.stack == Stack.fsdp.value else 1)
         t_fp8 = (
             assume.fp8_quant_passes
             * L.micro_batches
@@ -254,7 +278,8 @@ def step_time(
     if L.overlap_chunks and t_a2a:
         t_a2a = _overlapped_exchange_time(cfg, L, rank, t_a2a, t, gemm_rate, assume)
     t_pp = seconds.get("pipeline_send_recv", 0.0)
-    step = compute + t_optimizer + t_bubble + t_dp + t_fsdp + t_a2a + t_pp
+    t_cp = seconds.get("context_exchange", 0.0)  # not overlapped: each layer waits for its keys
+    step = compute + t_optimizer + t_bubble + t_dp + t_fsdp + t_a2a + t_pp + t_cp
     tokens_per_device = t * L.micro_batches * (1.0 if L.pp == 1 else 1.0 / L.pp)
     parts = {
         "gemm_and_attention": t_gemm,
@@ -270,6 +295,7 @@ def step_time(
         "dp_reductions": t_dp,
         "fsdp_exposed": t_fsdp,
         "pipeline_sends": t_pp,
+        "context_exchange": t_cp,
     }
     return StepTime(parts, step, fpt * tokens_per_device / step / spec.bf16_flops, tokens_per_device)
 
@@ -286,8 +312,8 @@ def _exposed_dp_reduction(
         return t_red
     grad_elem = 2 if cfg.optim.grad_dtype.value == "bf16" else 4
     tail_params = rank.embedding_local if rank.first else min(BUCKET_BYTES / grad_elem, rank.dense_local)
-    sent = rank.dense_local * _ring(L.dp) + rank.expert_local * _ring(L.edp)
-    tail = t_red * tail_params * _ring(L.dp) / sent if sent else 0.0
+    sent = rank.dense_local * _ring(L.replicas) + rank.expert_local * _ring(L.edp)
+    tail = t_red * tail_params * _ring(L.replicas) / sent if sent else 0.0
     backward = 2 / 3 * compute / L.micro_batches
     return tail + max(0.0, t_red - tail - backward)
 

@@ -215,6 +215,7 @@ class RunConfig(Config):
                     f"micro-batches per step, got train.global_batch_size / "
                     f"train.micro_batch_size = {micro_batches}."
                 )
+        _check_context_split(self.data.seq_len, p.cp)
         if p.compile_overlap and not tc.compile:
             raise ConfigError(
                 "parallel.compile_overlap=true reorders collectives inside compiled blocks: "
@@ -277,6 +278,19 @@ class RunConfig(Config):
         start from."""
         self.validate(world_size, device)
         return self.parallel.build(world_size)
+
+
+def _check_context_split(seq_len: int, cp: int) -> None:
+    """parallel.cp cuts each sequence into 2·cp equal chunks (moetrain/parallel/context_parallel.py)."""
+    if cp == 1 or seq_len % (2 * cp) == 0:
+        return
+    fits = [str(c) for c in range(2, seq_len // 2 + 1) if seq_len % (2 * c) == 0][:4]
+    hint = f", or use parallel.cp={', '.join(fits[:-1])} or {fits[-1]}" if len(fits) > 1 else ""
+    hint = f", or use parallel.cp={fits[0]}" if len(fits) == 1 else hint
+    raise ConfigError(
+        f"parallel.cp={cp} cuts each sequence into 2 × cp = {2 * cp} equal chunks, so data.seq_len must be "
+        f"a multiple of {2 * cp}; data.seq_len={seq_len} is not: change data.seq_len{hint}."
+    )
 
 
 def _gemm_dims(m: TransformerConfig) -> list[tuple[str, int]]:

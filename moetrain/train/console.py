@@ -155,7 +155,7 @@ def describe_layout(cfg: RunConfig, dims: ParallelDims) -> str:
     pp = f"pp {dims.pp}"
     if dims.pp > 1:
         pp += f" ({p.pp_schedule}" + (f", {dims.stages_per_rank} stages per rank)" if dims.stages_per_rank > 1 else ")")
-    dp = f"{'fsdp' if p.stack == Stack.fsdp else 'dp'} {dims.dp}"
+    dp = f"{'fsdp' if p.stack == Stack.fsdp else 'dp'} {dims.dp}" + (f" × cp {dims.cp}" if dims.cp > 1 else "")
     ep = f"ep {dims.ep}"
     if dims.ep > 1:
         capacity = ""

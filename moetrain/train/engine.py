@@ -123,7 +123,7 @@ class TrainEngine:
                 n_microbatches=tc.grad_accum_steps,
                 loss_scale=self.optimizer.reduction.loss_scale,
                 micro_batch_rows=tc.micro_batch_size // par.dims.dp,
-                seq_len=cfg.data.seq_len,
+                seq_len=cfg.data.seq_len // par.dims.cp,
                 device=device,
                 amp_dtype=self.amp_dtype,
             )
@@ -194,13 +194,21 @@ class TrainEngine:
         inputs_BT = torch.cat([b[0] for b in batches]).to(self.device, non_blocking=True)
         targets_BT = torch.cat([b[1] for b in batches]).to(self.device, non_blocking=True)
         self.optimizer.reduction.prepare(sync=True, backward_passes=len(batches))
-        return self.pipeline.train_step(inputs_BT, targets_BT, self._document_ids(inputs_BT))
+        doc_ids_BT = self._document_ids(inputs_BT)
+        return self.pipeline.train_step(self._shard(inputs_BT), self._shard(targets_BT), doc_ids_BT)
 
     def lm_loss(self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy of one micro-batch (no pipeline), fp32; over chunks of
-        train.loss_chunk_tokens tokens (moetrain/model/loss.py)."""
+        train.loss_chunk_tokens tokens (moetrain/model/loss.py). Under context parallelism,
+        of this rank's positions of the whole sequences given (every cp rank holds the same
+        number, so the mean over the stage's ranks is the batch's)."""
+        doc_ids_BT = self._document_ids(inputs_BT)
         with self._autocast():
-            return self.model(inputs_BT, self._document_ids(inputs_BT), targets_BT, self.loss_chunk_tokens)
+            return self.model(self._shard(inputs_BT), doc_ids_BT, self._shard(targets_BT), self.loss_chunk_tokens)
+
+    def _shard(self, x_BT: torch.Tensor) -> torch.Tensor:
+        """This rank's positions of whole sequences (all of them without context parallelism)."""
+        return self.model.sequence.shard(x_BT)
 
     def _document_ids(self, inputs_BT: torch.Tensor) -> torch.Tensor | None:
         return document_ids(inputs_BT, self.eos_id) if self.cfg.data.document_masking else None
@@ -223,8 +231,8 @@ class TrainEngine:
     def eval_loss(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor, int]]) -> float:
         """Mean LM loss per token over `batches` (`val_batches`: this rank's rows of each
         validation batch, and how many of them count) on all ranks; every sequence has
-        data.seq_len tokens, so a batch's mean counts by its rows. One all-reduce, one host
-        read. The training RNG stream is left untouched."""
+        data.seq_len tokens (each cp rank the same share), so a batch's mean counts by its rows.
+        One all-reduce, one host read. The training RNG stream is left untouched."""
         self.model.eval()
         # float64 sums: the result then barely depends on how the sequences were batched.
         total = torch.zeros(2, dtype=torch.float64, device=self.device)  # (Σ rows × mean loss, Σ rows)
@@ -234,7 +242,8 @@ class TrainEngine:
             for inputs_BT, targets_BT, rows in batches:
                 inputs_BT, targets_BT = inputs_BT.to(self.device), targets_BT.to(self.device)
                 if self.pipeline is not None:
-                    loss = self.pipeline.eval_loss_sum(inputs_BT, targets_BT, self._document_ids(inputs_BT))
+                    doc_ids_BT = self._document_ids(inputs_BT)
+                    loss = self.pipeline.eval_loss_sum(self._shard(inputs_BT), self._shard(targets_BT), doc_ids_BT)
                 else:
                     loss = self.lm_loss(inputs_BT, targets_BT)
                 if rows and counts:  # a stand-in row (rows 0) only keeps the collectives in step
@@ -248,13 +257,13 @@ class TrainEngine:
         return loss_sum / max(num_rows, 1)
 
     def global_mean(self, values: torch.Tensor) -> torch.Tensor:
-        """Per-rank values held by one pipeline stage's dp ranks (zeros elsewhere) -> their mean
-        over dp, on every rank: one all-reduce over all ranks, divided by dp."""
+        """Per-rank values held by one pipeline stage's dp·cp ranks (zeros elsewhere) -> their
+        mean over them, on every rank: one all-reduce over all ranks, divided by dp·cp."""
         if self.par.world_group is None:
             return values
         values = values.clone()
         dist.all_reduce(values, group=self.par.world_group)
-        return values / self.par.dims.dp
+        return values / self.par.dims.replicas
 
     # ---- metrics -----------------------------------------------------------------------------------
     def metrics(self, out: StepOutput, *, step: int, steps: int, seconds: float) -> dict[str, Any]:
@@ -267,8 +276,8 @@ class TrainEngine:
         # One collective for every logged value. The LM loss (on the last pipeline stage) and each
         # MoE layer's lb/z losses, drops and global expert counts (on the stage holding it) are
         # placed at the layer's global index, zeros elsewhere; summed over all ranks and divided
-        # by dp, that is the mean over dp (drops × dp is then the global count; counts, equal
-        # on a stage's dp ranks, come back unchanged). float64 keeps large counts exact.
+        # by dp·cp, that is the mean over a stage's ranks (drops × dp·cp is then the global count;
+        # counts, equal on a stage's ranks, come back unchanged). float64 keeps large counts exact.
         L, E = self.cfg.model.num_moe_layers, self.cfg.model.moe.num_experts
         packed = torch.zeros(1 + L * (3 + E), dtype=torch.float64, device=self.device)
         packed[0] = out.lm_loss
@@ -277,7 +286,7 @@ class TrainEngine:
             packed[1 + 3 * L + i * E : 1 + 3 * L + (i + 1) * E] = s["tokens_per_expert"]
         mean = self.global_mean(packed)
         counts_LE = mean[1 + 3 * L :].view(L, E).round().long()
-        dp = self.par.dims.dp
+        dp = self.par.dims.replicas
         routing = routing_metrics(
             [
                 {

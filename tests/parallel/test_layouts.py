@@ -152,6 +152,8 @@ LAYOUT_GROUPS = [
             ("dp2ep2-symm", ["parallel.ep=2", SYMM]),
             ("dp2ep2-chunked-loss", ["parallel.ep=2", CHUNKED_LOSS]),
             ("dp2ep2-overlap2", ["parallel.ep=2", "parallel.overlap_chunks=2"]),
+            ("cp2", ["parallel.cp=2"]),
+            ("cp2ep2-sharded", ["parallel.cp=2", "parallel.ep=2", SHARD]),
         ],
     ),
     (
@@ -163,6 +165,8 @@ LAYOUT_GROUPS = [
             ("dp4ep2-sharded", ["parallel.ep=2", SHARD]),
             ("dp4ep2-symm", ["parallel.ep=2", SYMM]),
             ("dp4ep4-overlap2-recompute", ["parallel.ep=4", "parallel.overlap_chunks=2", "train.recompute=full"]),
+            ("cp2dp2ep4-alltoall", ["parallel.cp=2", "parallel.ep=4", A2A]),
+            ("cp2dp2ep2-recompute", ["parallel.cp=2", "parallel.ep=2", "train.recompute=full"]),
         ],
     ),
     (
@@ -171,9 +175,10 @@ LAYOUT_GROUPS = [
             ("fsdp2", [FSDP]),
             ("fsdp2-recompute", [FSDP, "train.recompute=full"]),
             ("fsdp2-chunked-loss", [FSDP, CHUNKED_LOSS]),
+            ("fsdp-cp2", [FSDP, "parallel.cp=2"]),
         ],
     ),
-    (4, [("fsdp4", [FSDP])]),
+    (4, [("fsdp4", [FSDP]), ("fsdp2-cp2", [FSDP, "parallel.cp=2"])]),
     (
         2,
         [
@@ -188,6 +193,7 @@ LAYOUT_GROUPS = [
             ("pp2dp2ep2", ["parallel.pp=2", "parallel.ep=2"]),
             ("pp2dp2ep2-interleaved-alltoall-sharded", ["parallel.pp=2", "parallel.ep=2", INTERLEAVED, A2A, SHARD]),
             ("pp2dp2", ["parallel.pp=2", "parallel.dp=2"]),
+            ("pp2cp2-interleaved", ["parallel.pp=2", "parallel.cp=2", INTERLEAVED]),
             (
                 "pp2dp2ep2-overlap2-selective",
                 ["parallel.pp=2", "parallel.ep=2", "parallel.overlap_chunks=2", "train.recompute=selective"],
