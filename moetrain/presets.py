@@ -171,6 +171,22 @@ def _bench_8e_layout(experts: int, d_model: int, hidden: int) -> TransformerConf
     )
 
 
+def _long(model: TransformerConfig, *, seq_len: int, gpus: int, cp: int, global_batch: int, lr: float):
+    """A long-context stage: sequences of `seq_len` tokens, each split over `cp` GPUs of one node
+    (context parallelism), one sequence per data-parallel rank and micro-batch."""
+
+    def make() -> RunConfig:
+        cfg = _big_run(model, seq_len=seq_len, gpus=gpus // cp, global_batch=global_batch, lr=lr)
+        cfg.parallel.cp = cp
+        cfg.schedule.warmup_steps = 200
+        cfg.train.steps = 5000
+        cfg.train.eval_tokens = 4 * seq_len
+        cfg.train.compile = True
+        return cfg
+
+    return make
+
+
 PRESETS: dict[str, Callable[[], RunConfig]] = {
     "tiny": tiny,
     "ref-tiny-64e": _ref(16, 1, 2048, 16, 4, 2048, 64, gpus=16),
@@ -199,6 +215,16 @@ PRESETS: dict[str, Callable[[], RunConfig]] = {
         f"bench-sweep-{e}": _bench(_bench_8e_layout(e, 2048, 1024), micro_batch=1, accum=8, lr=3e-4)
         for e in (8, 16, 32, 64)
     },
+    "long-small32e-64k": _long(
+        _olmo_core_model(
+            layers=16, dense=1, d_model=1024, heads=8, kv_heads=2, hidden=1024, experts=32, lb=0.01, peri_norm=True
+        ),
+        seq_len=65_536,
+        gpus=8,
+        cp=4,
+        global_batch=8,
+        lr=1e-4,
+    ),
 }
 
 

@@ -717,3 +717,60 @@ def test_a_pipeline_stage_keeps_one_bf16_weight_copy_per_micro_batch_in_flight()
     copies = fp32_weights.activations - bf16_weights.activations
     blocks = fp32_weights.local - fp32_weights.embedding_local  # the embedding is not cast
     assert copies == pytest.approx(8 * 2 * blocks)
+
+
+LONG = "long-small32e-64k"
+
+
+def test_the_long_context_preset_is_planned_at_full_size_under_cp():
+    """long-small32e-64k on 8 H200s: dp2·cp4 fits; at 131,072 tokens it fits only with cp (a
+    whole sequence per GPU does not)."""
+    p = plan(resolve_config(LONG), 8, "h200")
+    assert (p.layout.dp, p.layout.cp, p.layout.tokens(65_536)) == (2, 4, 16_384)
+    assert p.fits and "dp2·cp4" in p.layout.describe()
+    assert p.time_s["context_exchange"] > 0
+    assert plan(resolve_config(LONG, ["data.seq_len=131072"]), 8, "h200").fits
+    whole = ["data.seq_len=131072", "parallel.cp=1", "train.micro_batch_size=8"]
+    assert not plan(resolve_config(LONG, whole), 8, "h200").fits
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_context_parallelism_divides_the_activations_and_keeps_the_gathered_keys(cp):
+    """Per rank, cp splits each sequence's tokens; each attention layer keeps the whole
+    sequence's keys and values (cp × its own, bf16) instead of its own."""
+    whole = resolve_config(LONG, ["parallel.cp=1", "train.micro_batch_size=8"])
+    split = resolve_config(LONG, [f"parallel.cp={cp}", f"train.micro_batch_size={8 // cp}"])
+    m = whole.model
+    mem = {}
+    for name, cfg in (("whole", whole), ("split", split)):
+        L = layout_of(cfg, 8)
+        mem[name] = (L, memory_per_rank(cfg, L, ParamGroups.of(m), Assumptions())[0])
+    (L1, r1), (Lc, rc) = mem["whole"], mem["split"]
+    t = Lc.tokens(65_536)
+    assert t * cp == L1.tokens(65_536) == 65_536
+    gathered = m.n_layers * t * 2 * 2 * m.n_kv_heads * m.resolved_head_dim * (cp - 1)
+    assert rc.blocks_none == pytest.approx(r1.blocks_none / cp + gathered, rel=1e-12)
+
+
+def test_the_context_exchange_is_one_gather_and_one_reduce_scatter_per_layer():
+    """(cp − 1) shards of this rank's bf16 keys and values sent per collective, per attention
+    layer and micro-batch; a fully recomputed layer gathers again; time at NVLink's rate."""
+    for recompute, passes in (("none", 2), ("full", 3)):
+        cfg = resolve_config(LONG, [f"train.recompute={recompute}"])
+        p = plan(cfg, 8, "h200")
+        m, L = cfg.model, p.layout
+        shard = L.tokens(cfg.data.seq_len) * 2 * m.n_kv_heads * m.resolved_head_dim * 2
+        sent = L.micro_batches * m.n_layers * passes * shard * (L.cp - 1)
+        assert p.comm_gb_per_step["context_all_gather"] == pytest.approx(sent / 1e9, abs=1e-3)
+        assert p.time_s["context_exchange"] == pytest.approx(sent / (p.gpu.nvlink_bytes_s * Assumptions().link_eff))
+
+
+def test_the_planner_suggests_cp_for_long_sequences_only():
+    from moetrain.plan import suggest
+
+    long = suggest(resolve_config(LONG, ["data.seq_len=131072"]), 8, "h200", limit=50)
+    assert long[0].layout.cp > 1  # a whole 131,072-token sequence per GPU fits only with recompute
+    assert {s.layout.cp for s in long} >= {2, 4, 8}
+    assert all(s.layout.recompute != "none" for s in long if s.layout.cp == 1 and s.layout.pp == 1)
+    short = suggest(resolve_config("bench-small32e", ["train.global_batch_size=16"]), 8, "h200", limit=50)
+    assert short and all(s.layout.cp == 1 for s in short)

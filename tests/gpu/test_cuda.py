@@ -559,11 +559,14 @@ def _rehearse_on_cuda(run_dir, overrides, rank):
         (["parallel.ep=2", "parallel.overlap_chunks=2"], 1),
         (["parallel.pp=2", "parallel.ep=2", "parallel.shard_optimizer=true", "train.micro_batch_size=12"], 2),
         (["parallel.stack=fsdp"], 1),
+        (["parallel.cp=2", "parallel.ep=2", "train.compile=true"], 1),
+        (["parallel.cp=4", "data.document_masking=true"], 2),
     ],
 )
 def test_a_rehearsed_rank_runs_on_one_gpu_with_its_stand_ins_measured_apart(tmp_path, overrides, rank):
     """A rehearsal on CUDA (compiled blocks, the overlapped exchange, a pipeline with the sharded
-    optimizer, FSDP): its step has no host sync, its stand-ins' own kernels are timed and taken
+    optimizer, FSDP, context parallelism compiled and document-masked): its step has no host
+    sync, its stand-ins' own kernels are timed and taken
     out of the kinds, and its checkpoint shard is saved and loaded back with their peaks."""
     from moetrain.testing.distributed import run_alone
 
@@ -576,3 +579,49 @@ def test_a_rehearsed_rank_runs_on_one_gpu_with_its_stand_ins_measured_apart(tmp_
     assert kinds["stand-in transfers (excluded)"] > 0 and kinds["total"] > 0, kinds
     assert r["peak_gib"]["saving"] > 0 and r["peak_gib"]["loading"] > 0
     assert r["planner"]["rank"] in range(4) and r["projected"]["tokens_per_sec_per_device"] > 0
+
+
+@pytest.mark.parametrize("docs", [False, True], ids=["causal", "documents"])
+def test_context_parallel_attention_on_cuda_matches_whole_sequence_sdpa(docs):
+    """Each rank of cp = 4, given the whole sequence's keys and values (what its all-gather
+    returns), attends through CUDA's kernels (flash for the lower-right causal blocks; the masked
+    kernel with documents) in bf16 with grouped-query heads: its rows of the output and of the
+    queries' gradient are the whole-sequence SDPA's, to bf16 rounding."""
+    import torch.nn.functional as F
+
+    from moetrain.model.rope import RotaryEmbedding
+    from moetrain.parallel.context_parallel import ContextShard
+
+    cp, B, H, G, T, Dh = 4, 2, 8, 2, 1024, 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(B, H, T, Dh, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(B, G, T, Dh, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    w = torch.randn(B, H, T, Dh, device="cuda", dtype=torch.bfloat16, generator=g)
+    doc_ids_BT = (torch.rand(B, T, device="cuda", generator=g) < 0.01).long().cumsum(1) if docs else None
+    q_whole = q.clone().requires_grad_()
+    if docs:
+        keep = (doc_ids_BT[:, :, None] == doc_ids_BT[:, None, :]) & torch.ones(
+            T, T, dtype=torch.bool, device="cuda"
+        ).tril()
+        out = F.scaled_dot_product_attention(q_whole, k, v, attn_mask=keep.unsqueeze(1), enable_gqa=True)
+    else:
+        out = F.scaled_dot_product_attention(q_whole, k, v, is_causal=True, enable_gqa=True)
+    (out.float() * w.float()).sum().backward()
+    rope = RotaryEmbedding(Dh, 10_000.0).cuda()
+    rope.init_weights()
+    for rank in range(cp):
+        shard = ContextShard(cp, rank, None)
+        shard.gather_kv = lambda k_local, v_local: (k, v)  # the whole sequence's, as the gather returns
+
+        def mine(x_BHTD, shard=shard):
+            return shard.shard(x_BHTD.transpose(1, 2)).transpose(1, 2)
+
+        q_local = mine(q).clone().requires_grad_()
+        _, _, masks = shard.attention_inputs(rope, T // cp, doc_ids_BT, torch.device("cuda"))
+        out_local = shard.attend(q_local, mine(k), mine(v), masks)
+        (out_local.float() * mine(w).float()).sum().backward()
+        scale = out.float().abs().mean()
+        assert (out_local.float() - mine(out).float()).abs().max() < 0.05 * scale * 10, rank
+        assert (out_local.float() - mine(out).float()).abs().mean() < 0.01 * scale, rank
+        grad_scale = q_whole.grad.float().abs().mean()
+        assert (q_local.grad.float() - mine(q_whole.grad).float()).abs().mean() < 0.02 * grad_scale, rank

@@ -254,3 +254,62 @@ def test_impossible_cp_layouts_are_refused(overrides, world, words):
         )
     for word in words:
         assert word in str(e.value)
+
+
+def long_preset_overrides(data_dir, run_dir, *extra):
+    """long-small32e-64k (dp2·cp4 on 8 ranks, 4 micro-batches of one sequence per dp rank) at a
+    size 2 CPU cores train in seconds: 512-token sequences (8 chunks of 64), a small model."""
+    return [
+        f"data.sources=[{data_dir}]",
+        f"train.run_dir={run_dir}",
+        "data.seq_len=512",
+        "model.vocab_size=512",
+        "model.d_model=64",
+        "model.n_layers=3",
+        "model.n_heads=4",
+        "model.n_kv_heads=2",
+        "model.head_dim=16",
+        "model.moe.num_experts=8",
+        "model.moe.expert_hidden=32",
+        "model.moe.shared_hidden=32",
+        "train.steps=4",
+        "train.log_every=1",
+        "train.eval_every=0",
+        "train.save_every=0",
+        "train.save_final=false",
+        "train.tensorboard=false",
+        "train.plot=false",
+        "train.compile=false",
+        "train.device=cpu",
+        "schedule.warmup_steps=2",
+        *extra,
+    ]
+
+
+def train_long_preset(data_dir, run_dir, *extra):
+    import torch.distributed as dist
+
+    from moetrain.train.metrics import read_metrics
+    from moetrain.train.trainer import Trainer
+
+    cfg = resolve_config("long-small32e-64k", long_preset_overrides(data_dir, run_dir, *extra))
+    trainer = Trainer(cfg, quiet=True)
+    trainer.fit()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    dims = trainer.par.dims
+    return (dims.dp, dims.cp), read_metrics(run_dir / "metrics.jsonl") if rank == 0 else None
+
+
+def test_the_long_context_preset_trains_under_cp_at_a_reduced_size(short_docs_dir, tmp_path):
+    """The preset's own layout (dp2·cp4, launched on 8 ranks) trains, as the single process
+    does, on real text."""
+    (layout, records), *_ = run_distributed(train_long_preset, 8, short_docs_dir, tmp_path / "cp")
+    assert layout == (2, 4)
+    one = ["parallel.cp=1", "train.micro_batch_size=2"]
+    (single_layout, want), *_ = run_distributed(train_long_preset, 1, short_docs_dir, tmp_path / "single", *one)
+    assert single_layout == (1, 1)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for got, ref in zip(records, want):
+        for key in ("lm_loss", "grad_norm", "lb_loss"):
+            assert got[key] == pytest.approx(ref[key], rel=1e-5), (got["step"], key)
+    assert records[-1]["lm_loss"] < records[0]["lm_loss"]

@@ -1,11 +1,12 @@
 """A rehearsed rank (moetrain/parallel/rehearsal.py: one process, its peers stand-ins) is the real
-rank: rank r of dp2·ep2, of pp2·dp2·ep2 interleaved with the sharded optimizer, and of the fsdp
-stack (dp4), rehearsed alone, against rank r of a real 4-process gloo run of the same layout —
-the same operators with the same output shapes and dtypes from the trainer's construction through
-two training steps (every allocation and kernel: parameters, optimizer shards, gradient buckets,
-the dispatcher's buffers), the same collectives with the same payloads (the buckets'
-reductions, the all-to-alls' send buffers), the same parameter and optimizer-shard shapes, and
-the same checkpoint shard file (its entries, their places and sizes)."""
+rank: rank r of dp2·ep2, of pp2·dp2·ep2 interleaved with the sharded optimizer, of the fsdp
+stack (dp4) and of cp2·dp2·ep2 (context parallel, document-masked), rehearsed alone, against
+rank r of a real 4-process gloo run of the same layout — the same operators with the same output
+shapes and dtypes from the trainer's construction through two training steps (every allocation
+and kernel: parameters, optimizer shards, gradient buckets, the dispatcher's buffers), the same
+collectives with the same payloads (the buckets' reductions, the all-to-alls' send buffers), the
+same parameter and optimizer-shard shapes, and the same checkpoint shard file (its entries, their
+places and sizes)."""
 
 import json
 
@@ -22,6 +23,7 @@ LAYOUTS = {
         2,
     ),
     "fsdp4": (["parallel.stack=fsdp"], 1),
+    "cp2·dp2·ep2, document masking": (["parallel.cp=2", "parallel.ep=2", "data.document_masking=true"], 1),
 }
 
 
