@@ -14,9 +14,11 @@ runs unchanged on the t local positions; RoPE takes each position's own angles.
 Exchange. Each attention layer all-gathers its keys and values (after QK-norm and RoPE, stacked:
 one collective) over the cp group in forward; autograd's backward of the gather reduce-scatters
 their gradients (a sum: every rank's queries contributed to every owner's keys). Each rank then
-attends each of its two query chunks to the key prefix that chunk can see, with SDPA: causality
-aligned to the lower right of the (L, (c + 1)·L) score block (`causal_lower_right`, which SDPA's
-flash kernel runs on CUDA), or, with document masking, the boolean mask of those rows.
+attends each of its two query chunks to the key prefix that chunk can see (`prefix_attention`):
+causality aligned to the lower right of the (L, (c + 1)·L) score block — FlashAttention-2 on
+CUDA in bf16, SDPA with `causal_lower_right` elsewhere — or, with document masking, SDPA with the
+boolean mask of those rows (a dense (L, (c + 1)·L) mask per chunk: long document-masked
+sequences pay its memory and the masked kernel's speed).
 
 Why not torch's `context_parallel` (torch.distributed.tensor.experimental): its SDPA path (ring
 attention) takes no attention mask, so no document masking; it runs only the CUDA flash,
@@ -54,12 +56,6 @@ class ContextShard:
         self.cp, self.rank, self.group = cp, rank, group
         self.chunks = (rank, 2 * cp - 1 - rank)
         """The global indices of the two chunks this rank holds, in local order."""
-        # Natural order of the gathered chunks: rank r's first chunk is chunk r, its second chunk
-        # 2·cp − 1 − r. Flat index r·2 + half of (cp, 2, L, …) -> chunk order.
-        order = [0] * (2 * cp)
-        for r in range(cp):
-            order[r], order[2 * cp - 1 - r] = 2 * r, 2 * r + 1
-        self._order = order
 
     def shard(self, x_BT: torch.Tensor) -> torch.Tensor:
         """This rank's positions of `x_BT` (B, T, …): its two chunks along dim 1, concatenated."""
@@ -97,14 +93,18 @@ class ContextShard:
         return cos_tD, sin_tD, (masks[0], masks[1])
 
     def gather_kv(self, k_BGtD: torch.Tensor, v_BGtD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole sequence's keys and values (B, G, T, Dh each) in position order, from every
-        rank's local ones: one all-gather (autograd: the backward reduce-scatters)."""
+        """The whole sequence's keys and values (B, G, T, Dh each, contiguous) in position
+        order, from every rank's local ones: one all-gather (autograd: the backward
+        reduce-scatters)."""
         B, G, t, Dh = k_BGtD.shape
         L = t // 2
         kv_t2BGD = torch.stack([k_BGtD, v_BGtD]).permute(3, 0, 1, 2, 4).contiguous()
         gathered = _all_gather(kv_t2BGD, 0, self.group)  # (cp · t, 2, B, G, Dh), rank-major
-        kv_T2BGD = gathered.view(2 * self.cp, L, 2, B, G, Dh)[self._order].flatten(0, 1)
-        kv_2BGTD = kv_T2BGD.permute(1, 2, 3, 0, 4)
+        # Rank r sent chunks r and 2·cp − 1 − r: the first halves in rank order, then the second
+        # halves in reverse rank order, are the chunks in position order.
+        halves = gathered.view(self.cp, 2, L, 2, B, G, Dh)
+        kv_T2BGD = torch.cat([halves[:, 0], halves[:, 1].flip(0)]).flatten(0, 1)
+        kv_2BGTD = kv_T2BGD.permute(1, 2, 3, 0, 4).contiguous()
         return kv_2BGTD[0], kv_2BGTD[1]
 
     def attend(self, q_BHtD: torch.Tensor, k_BGtD: torch.Tensor, v_BGtD: torch.Tensor, masks: Masks) -> torch.Tensor:
@@ -115,7 +115,23 @@ class ContextShard:
         for j, (c, mask_BLS) in enumerate(zip(self.chunks, masks)):
             S = (c + 1) * L
             q_BHLD = q_BHtD[:, :, j * L : (j + 1) * L]
-            k_BGSD, v_BGSD = k_BGTD[:, :, :S], v_BGTD[:, :, :S]
-            bias = causal_lower_right(L, S) if mask_BLS is None else mask_BLS.unsqueeze(1)
-            outs.append(F.scaled_dot_product_attention(q_BHLD, k_BGSD, v_BGSD, attn_mask=bias, enable_gqa=True))
+            outs.append(prefix_attention(q_BHLD, k_BGTD[:, :, :S], v_BGTD[:, :, :S], mask_BLS))
         return torch.cat(outs, dim=2)
+
+
+def prefix_attention(
+    q_BHLD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor, mask_BLS: torch.Tensor | None
+) -> torch.Tensor:
+    """Attention of L queries, the last L positions of an S-position prefix, over that prefix:
+    causal aligned to the lower right of the (L, S) scores, or `mask_BLS` (document masking,
+    which contains causality). bf16/fp16 on CUDA runs FlashAttention-2 directly, whose causal
+    flag means the lower-right alignment for L < S, on contiguous keys and values; elsewhere
+    SDPA with `causal_lower_right`."""
+    if mask_BLS is not None:
+        return F.scaled_dot_product_attention(q_BHLD, k_BGSD, v_BGSD, attn_mask=mask_BLS.unsqueeze(1), enable_gqa=True)
+    Dh = q_BHLD.shape[-1]
+    if q_BHLD.is_cuda and q_BHLD.dtype in (torch.bfloat16, torch.float16) and Dh % 8 == 0 and Dh <= 256:
+        flash = torch.ops.aten._scaled_dot_product_flash_attention
+        return flash(q_BHLD, k_BGSD.contiguous(), v_BGSD.contiguous(), 0.0, is_causal=True)[0]
+    L, S = q_BHLD.shape[2], k_BGSD.shape[2]
+    return F.scaled_dot_product_attention(q_BHLD, k_BGSD, v_BGSD, attn_mask=causal_lower_right(L, S), enable_gqa=True)

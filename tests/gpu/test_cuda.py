@@ -560,12 +560,12 @@ def _rehearse_on_cuda(run_dir, overrides, rank):
         (["parallel.pp=2", "parallel.ep=2", "parallel.shard_optimizer=true", "train.micro_batch_size=12"], 2),
         (["parallel.stack=fsdp"], 1),
         (["parallel.cp=2", "parallel.ep=2", "train.compile=true"], 1),
-        (["parallel.cp=4", "data.document_masking=true"], 2),
+        (["parallel.cp=4", "parallel.ep=2"], 2),
     ],
 )
 def test_a_rehearsed_rank_runs_on_one_gpu_with_its_stand_ins_measured_apart(tmp_path, overrides, rank):
     """A rehearsal on CUDA (compiled blocks, the overlapped exchange, a pipeline with the sharded
-    optimizer, FSDP, context parallelism compiled and document-masked): its step has no host
+    optimizer, FSDP, context parallelism compiled and eager): its step has no host
     sync, its stand-ins' own kernels are timed and taken
     out of the kinds, and its checkpoint shard is saved and loaded back with their peaks."""
     from moetrain.testing.distributed import run_alone
