@@ -736,8 +736,8 @@ def test_the_long_context_preset_is_planned_at_full_size_under_cp():
 
 @pytest.mark.parametrize("cp", [2, 4, 8])
 def test_context_parallelism_divides_the_activations_and_keeps_the_gathered_keys(cp):
-    """Per rank, cp splits each sequence's tokens; each attention layer keeps the whole
-    sequence's keys and values (cp × its own, bf16) instead of its own."""
+    """Per rank, cp splits each sequence's tokens; each attention layer keeps its two chunks'
+    key prefixes ((cp + 1) × its own keys and values, bf16) instead of its own."""
     whole = resolve_config(LONG, ["parallel.cp=1", "train.micro_batch_size=8"])
     split = resolve_config(LONG, [f"parallel.cp={cp}", f"train.micro_batch_size={8 // cp}"])
     m = whole.model
@@ -748,7 +748,7 @@ def test_context_parallelism_divides_the_activations_and_keeps_the_gathered_keys
     (L1, r1), (Lc, rc) = mem["whole"], mem["split"]
     t = Lc.tokens(65_536)
     assert t * cp == L1.tokens(65_536) == 65_536
-    gathered = m.n_layers * t * 2 * 2 * m.n_kv_heads * m.resolved_head_dim * (cp - 1)
+    gathered = m.n_layers * t * 2 * 2 * m.n_kv_heads * m.resolved_head_dim * cp
     assert rc.blocks_none == pytest.approx(r1.blocks_none / cp + gathered, rel=1e-12)
 
 
@@ -774,3 +774,18 @@ def test_the_planner_suggests_cp_for_long_sequences_only():
     assert all(s.layout.recompute != "none" for s in long if s.layout.cp == 1 and s.layout.pp == 1)
     short = suggest(resolve_config("bench-small32e", ["train.global_batch_size=16"]), 8, "h200", limit=50)
     assert short and all(s.layout.cp == 1 for s in short)
+
+
+# One cp rank of long-small32e-64k rehearsed on one H200 (docs/benchmarks.md, "Context
+# parallelism: one cp rank of long-small32e-64k"): (overrides, compute s, peak GiB).
+REHEARSED_CP = [
+    ([], 2.003, 48.8),
+    (["data.seq_len=131072"], 6.902, 68.4),
+]
+
+
+@pytest.mark.parametrize("overrides, compute_s, peak_gib", REHEARSED_CP)
+def test_rehearsed_cp_ranks_are_within_10_percent(overrides, compute_s, peak_gib):
+    p = plan(resolve_config(LONG, overrides), 8, "h200")
+    assert p.compute_s == pytest.approx(compute_s, rel=0.10)
+    assert p.peak_mem_gib_per_device == pytest.approx(peak_gib, rel=0.10)

@@ -44,10 +44,11 @@ def count_params(cfg: TransformerConfig) -> ParamCounts:
     return ParamCounts(total=total, active=active, embedding=embedding)
 
 
-def flops_per_token(cfg: TransformerConfig, seq_len: int, causal_halved: bool = False) -> int:
-    """Training FLOPs (forward + backward) per token, Olmo-core's formula."""
+def flops_per_token(cfg: TransformerConfig, seq_len: int, causal_halved: bool = False, attention: bool = True) -> int:
+    """Training FLOPs (forward + backward) per token, Olmo-core's formula (`attention=False`:
+    without its attention term)."""
     counts = count_params(cfg)
-    attention = 12 * cfg.n_layers * cfg.n_heads * cfg.resolved_head_dim * seq_len
+    attention = 12 * cfg.n_layers * cfg.n_heads * cfg.resolved_head_dim * seq_len if attention else 0
     if causal_halved:
         attention //= 2
     return 6 * (counts.active - counts.embedding) + attention

@@ -45,6 +45,12 @@ class Assumptions:
     """Fraction of the compute time that hides FSDP's all-gathers and reduce-scatters (the ddp
     stack's all-to-alls count as exposed unless overlapped, its data-parallel reductions by
     `dp_tail`). Measured: bench-tiny64e-l6's FSDP step on two H200s."""
+    cp_attention_eff: float = 0.275
+    """Under context parallelism: each chunk's attention over its key prefix (FlashAttention-2,
+    lower-right causal, moetrain/parallel/context_parallel.py), forward and backward, as a
+    fraction of the dense BF16 peak for its causal FLOPs (half the MFU formula's attention term).
+    Measured: the profiled rehearsals of long-small32e-64k's cp ranks at 65,536 and 131,072
+    tokens on one H200."""
     recompute_cost: tuple[float, float] = (0.28, 0.47)
     """Extra step time of selective recompute of compiled blocks and of full recompute, as a
     fraction of the recomputed blocks' compute (selective recompute of eager blocks is counted

@@ -33,13 +33,15 @@ def _block_bytes(
     experts per token: K, or more with the sync-free dispatcher's fixed buffers: `rows_per_token`;
     exchanged_rows: rows per token each direction of the expert all-to-all returns, which
     selective recompute keeps as collective outputs; cp: context parallelism, whose attention
-    keeps the whole sequence's gathered keys and values, cp × this rank's, instead of its own)."""
+    keeps, instead of its own keys and values, each of its two chunks' contiguous key prefix:
+    (cp + 1) × this rank's)."""
     a = 4 if fp32 else 2  # matmul inputs/outputs (autocast bf16)
     r = 4  # the residual stream is fp32
     D, hd, hq, hkv = m.d_model, m.resolved_head_dim, m.n_heads, m.n_kv_heads
     if recompute == "full":
         return r * D  # the block's input
-    q_k_v = a * (hq + 2 * cp * hkv) * hd
+    kv_copies = cp + 1 if cp > 1 else 1
+    q_k_v = a * (hq + 2 * kv_copies * hkv) * hd
     attn_out = a * hq * hd + 4 * hq  # SDPA output + log-sum-exp
     if recompute == "selective":  # block input + every matmul / attention output
         attn = r * D + q_k_v + attn_out + a * D

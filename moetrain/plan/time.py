@@ -127,14 +127,20 @@ def _context_bytes(cfg: RunConfig, L: Layout, rank: RankMemory, t: int) -> float
 def _gemm_time(
     cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume: Assumptions, fpt: float
 ) -> tuple[float, float, float]:
-    """(GEMM and attention, the grouped GEMMs' partial tiles, the GEMM rate in FLOP/s)."""
+    """(GEMM and attention, the grouped GEMMs' partial tiles, the GEMM rate in FLOP/s). Under
+    context parallelism the attention runs at its own measured rate (`cp_attention_eff`)."""
     m = cfg.model
     t = L.tokens(cfg.data.seq_len)
     stage_share = rank.layers / m.n_layers if L.pp > 1 else 1.0
-    model_flops = fpt * t * L.micro_batches * stage_share
+    tokens = t * L.micro_batches * stage_share
     # mxfp8 computes its products from dequantized operands (bf16 rate; moetrain/model/fp8.py)
     gemm_rate = spec.bf16_flops * assume.gemm_eff * (assume.fp8_gemm_speedup if cfg.train.fp8 == Fp8.rowwise else 1.0)
-    t_gemm = model_flops / gemm_rate
+    if L.cp > 1:
+        attention = fpt - flops_per_token(m, cfg.data.seq_len, attention=False)
+        t_attention = attention / 2 * tokens / (spec.bf16_flops * assume.cp_attention_eff)
+        t_gemm = (fpt - attention) * tokens / gemm_rate + t_attention
+    else:
+        t_gemm = fpt * tokens / gemm_rate
     # each local expert's rows end in a partial tile of its grouped GEMMs (`group_tile_rows`)
     local_experts = m.moe.num_experts / (1 if L.stack == Stack.fsdp.value else L.ep)
     expert_flops = 18 * m.moe.top_k * m.d_model * m.moe.expert_hidden * t * _moe_layers(m, rank) * L.micro_batches
