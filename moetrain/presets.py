@@ -5,7 +5,8 @@ shapes, `sweep-8l-*` its capacity sweep (see shared/REFERENCE.md for the publish
 `bench-*` are the one-GPU benchmark shapes measured side by side with Olmo-core 3.0.0
 (docs/benchmarks.md): `bench-8e`, `bench-tiny64e-l6`, `bench-small32e` are its runner's shapes
 exactly; `bench-sweep-{8,16,32,64}` scale bench-8e's layout to d_model 2048 for an expert-count
-sweep at constant active parameters.
+sweep at constant active parameters. `long-small32e-64k` is a long-context stage: bench-small32e's
+model on 65,536-token sequences split over 4 GPUs each (context parallelism, dp2 · cp4 on 8 GPUs).
 A YAML run file may start from a preset with a top-level `preset: NAME` key and override any
 section below it.
 """

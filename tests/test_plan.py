@@ -776,8 +776,8 @@ def test_the_planner_suggests_cp_for_long_sequences_only():
     assert short and all(s.layout.cp == 1 for s in short)
 
 
-# One cp rank of long-small32e-64k rehearsed on one H200 (docs/benchmarks.md, "Context
-# parallelism: one cp rank of long-small32e-64k"): (overrides, compute s, peak GiB).
+# One cp rank of long-small32e-64k rehearsed on one H200: (overrides, compute s, peak GiB).
+# docs/benchmarks.md, "Context parallelism: one cp rank of long-small32e-64k".
 REHEARSED_CP = [
     ([], 2.003, 48.8),
     (["data.seq_len=131072"], 6.902, 68.4),
