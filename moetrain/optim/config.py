@@ -36,6 +36,14 @@ class ScheduleKind(enum.StrEnum):
     """Linear warmup, then constant."""
 
 
+class OptimizerName(enum.StrEnum):
+    adamw = "adamw"
+    """AdamW for every parameter."""
+    muon = "muon"
+    """Muon for the matrices inside the blocks (attention, MLPs, each expert's), AdamW for the
+    embedding, norms, routers and LM head (moetrain/optim/muon.py)."""
+
+
 class MomentsDtype(enum.StrEnum):
     fp32 = "fp32"
     bf16 = "bf16"
@@ -61,8 +69,13 @@ class GradDtype(enum.StrEnum):
 
 @dataclasses.dataclass(kw_only=True)
 class OptimConfig(Config):
+    name: OptimizerName = OptimizerName.adamw
+    """adamw, or muon: the blocks' matrices orthogonalized (Newton–Schulz on the Nesterov momentum,
+    scaled to AdamW's update RMS so that lr and weight_decay serve both; moetrain/optim/muon.py),
+    the rest AdamW. Works with every optimizer layout (replicated, parallel.shard_optimizer, the
+    fsdp stack) and with expert parallelism; not with optim.bf16_weights."""
     lr: float = positive(3e-3)
-    """Peak learning rate."""
+    """Peak learning rate (Muon's matrices and AdamW's parameters alike)."""
     betas: list[float] = in_range(lo=0, hi=1, hi_open=True, default_factory=lambda: [0.9, 0.95])
     """AdamW's decay rates of the first and second moments."""
     eps: float = positive(1e-8)
@@ -87,13 +100,17 @@ class OptimConfig(Config):
     once, the reduction sums in bf16, and the clipping norm and the AdamW update (our
     `MomentsAdamW` on the ddp stack) compute in fp32 from the bf16 values. Any compute precision:
     under fp32 compute each fp32 gradient is rounded as it is stored."""
+    muon_momentum: float = in_range(0.95, lo=0, hi=1, hi_open=True)
+    """optim.name=muon: the momentum β of the matrices' Nesterov momentum."""
+    muon_ns_steps: int = positive(5, at_most=100)
+    """optim.name=muon: Newton–Schulz iterations per matrix and step."""
     bf16_weights: bool | None = None
     """Store the matrices (attention, MLPs, experts, LM head) in bf16, their exact fp32 masters
     split into that bf16 value and a 16-bit remainder held by the optimizer
     (moetrain/optim/split_master.py): no weight casts in forward, backward or recompute, and no
     cast copies kept for backward, at the same 16 bytes per parameter. Needs bf16 precision and
     the ddp stack; with parallel.shard_optimizer the remainders are sharded with the moments (the
-    bf16 weights stay whole). None = on for bf16 compute on CUDA with the replicated optimizer
+    bf16 weights stay whole). None = on for bf16 compute on CUDA with the replicated optimizer and AdamW
     (`resolved_bf16_weights`). With the sharded optimizer it is measured by rehearsal only (one
     rank of the reference pipeline layouts on one H200: 6.6 and 12.3 GiB less, 1–2% more step
     compute; docs/benchmarks.md), so it stays opt-in there; the launch layouts turn it on."""
@@ -101,12 +118,19 @@ class OptimConfig(Config):
     def validate(self) -> None:
         if len(self.betas) != 2:
             raise ConfigError(f"optim.betas={self.betas} must be two numbers (β1, β2), each in [0, 1).")
+        if self.name == OptimizerName.muon and self.bf16_weights:
+            raise ConfigError(
+                "optim.name=muon updates fp32 matrices; optim.bf16_weights=true splits them into bf16 halves that "
+                "only the AdamW update steps: set optim.bf16_weights=false (or leave it unset), or optim.name=adamw."
+            )
 
     def resolved_bf16_weights(self, parallel: ParallelConfig, amp_dtype: torch.dtype | None, device) -> bool:
         """optim.bf16_weights, or by default: on for bf16 compute (`amp_dtype`) on CUDA with the
         replicated optimizer (RunConfig.validate refuses an explicit true on the fsdp stack)."""
         if self.bf16_weights is not None:
             return self.bf16_weights
+        if self.name == OptimizerName.muon:
+            return False
         replicated = parallel.stack == Stack.ddp and not parallel.shard_optimizer
         return replicated and amp_dtype == torch.bfloat16 and torch.device(device).type == "cuda"
 

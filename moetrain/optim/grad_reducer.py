@@ -132,13 +132,15 @@ class GradReducer:
         split: SplitMaster | None = None,
         split_ids: set[int] = frozenset(),
         grad_dtype: torch.dtype = torch.float32,
+        apart: set[int] = frozenset(),
     ):
         """`split`: the bf16 parameters' gradients live in `split.grad` (their buckets are
         slices of it, in its order, which is this reducer's); build it before the reducer, so its
         accumulation hook runs before the reducer's counting hook. `split_ids`: the ids of bf16
         parameters whose buckets a subclass makes itself (`ShardedAdamW`'s); either way each
         bucket holds only split or only fp32 parameters. `grad_dtype`: the buckets' dtype
-        (optim.grad_dtype)."""
+        (optim.grad_dtype). `apart`: ids of parameters bucketed apart from the others (a subclass
+        updates them differently: `ShardedAdamW`'s Muon matrices)."""
         self.loss_scale = 1.0 / state.dims.replicas
         """Scale every backward's loss by this: the reduced sums are then the global means."""
         self.split = split
@@ -164,12 +166,16 @@ class GradReducer:
             if id(p) not in split_params and p.dtype != grad_dtype:
                 self.store.add(p)
         self.buckets: list[Bucket] = []
-        for is_expert, is_split in ((False, True), (False, False), (True, True), (True, False)):
+        kinds = [(e, s, a) for e in (False, True) for s in (True, False) for a in (False, True)]
+        for is_expert, is_split, is_apart in kinds:
             group = state.edp_group if is_expert else state.dp_group
             chosen = [
                 p
                 for p in params
-                if id(p) in reduced and (id(p) in expert_ids) == is_expert and (id(p) in split_ids) == is_split
+                if id(p) in reduced
+                and (id(p) in expert_ids) == is_expert
+                and (id(p) in split_ids) == is_split
+                and (id(p) in apart) == is_apart
             ]
             start = 0
             while start < len(chosen):

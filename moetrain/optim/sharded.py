@@ -37,6 +37,13 @@ replicated optimizer's does: with clipping off the two step bit for bit alike.
 After `finish()` the reduced gradient lives only in the shards: `p.grad` still holds this rank's
 local, unreduced sum (the bucket is the reduce-scatter's input), until `zero_grad()`.
 
+With optim.name=muon the blocks' matrices are bucketed apart (`muon` buckets) and step by Muon
+(moetrain/optim/muon.py): each rank keeps the momentum of its shard only; the update's direction
+U of each such bucket is all-gathered (in the iteration's dtype, bf16 on CUDA), and each rank
+runs Newton–Schulz on the matrices its shard touches — a matrix is needed whole, and across the
+group every matrix is orthogonalized once, or twice where it straddles two shards — then updates
+its master shard; the parameters are all-gathered as for AdamW.
+
 Checkpoints: each rank saves and loads only its shards (`checkpoint_tensors`,
 `checkpoint_masters`): a parameter's piece [a, b) of a bucket shard is a `FlatShard` of its
 entry, which DCP stores as the few rectangular blocks that flat range is made of; no moment and
@@ -58,6 +65,7 @@ from moetrain.optim.adamw import AdamWGroup, adamw_update
 from moetrain.optim.base import FlatShard, StepHooks, param_groups, use_fused
 from moetrain.optim.clip import clip_coefficient
 from moetrain.optim.grad_reducer import Bucket, GradReducer
+from moetrain.optim.muon import MatrixShape, apply_update, momentum_direction, muon_matrices, newton_schulz, ns_dtype
 from moetrain.optim.split_master import is_split_candidate, join, split_fp32
 from moetrain.parallel.dims import ParallelState
 
@@ -82,6 +90,8 @@ class _ShardedBucket(Bucket):
     offsets: list[int] = dataclasses.field(default_factory=list)
     """Start of each parameter in the flat buffers."""
     lo: int = 0
+    muon: bool = False
+    """Muon's matrices (optim.name=muon), stepped by `ShardedAdamW._muon_update`."""
 
     @property
     def hi(self) -> int:
@@ -171,10 +181,16 @@ class ShardedAdamW(StepHooks):
         self.norm_group = state.world_group
         split_ids = is_split_candidate(model) if bf16_weights else set()
         grad_dtype = cfg.grad_dtype.dtype
-        self._grads = _ShardedGradReducer(model, state, bucket_bytes, split_ids=split_ids, grad_dtype=grad_dtype)
+        self.shapes: dict[int, MatrixShape] = muon_matrices(model) if cfg.name == "muon" else {}
+        """optim.name=muon: the matrices Muon steps (id → their shape as a batch of matrices)."""
+        self._grads = _ShardedGradReducer(
+            model, state, bucket_bytes, split_ids=split_ids, grad_dtype=grad_dtype, apart=set(self.shapes)
+        )
         self.reduction = self._grads
         """The reduce-scatter into the shards; its `loss_scale` (1/dp) makes the reduced shards the means."""
         self.buckets = self._grads.buckets
+        for b in self.buckets:
+            b.muon = bool(self.shapes) and id(b.params[0]) in self.shapes
         self.names = {id(p): canonical_name(n) for n, p in model.named_parameters()}
         # fp32 buckets: an fp32 master shard; split buckets: the bf16 shard of `params_N` and `lo_S`.
         self.master_S = [
@@ -185,7 +201,11 @@ class ShardedAdamW(StepHooks):
         """bf16 gradient shards (optim.grad_dtype): the clipping factor goes into the update
         (`_grad_coef`) instead of scaling them in place, which would round them a second time."""
         self.exp_avg_S = [torch.zeros_like(b.grad_S, dtype=moments) for b in self.buckets]
-        self.exp_avg_sq_S = [torch.zeros_like(b.grad_S, dtype=moments) for b in self.buckets]
+        """AdamW's first moment of each bucket's shard; for Muon's buckets, their momentum."""
+        self.exp_avg_sq_S = [
+            torch.zeros_like(b.grad_S[:0] if b.muon else b.grad_S, dtype=moments) for b in self.buckets
+        ]
+        """AdamW's second moment of each bucket's shard (empty for Muon's buckets)."""
         self._grad_coef: torch.Tensor | None = None
         """The clipping factor `clip_grad_norm` left for the update (fused, or bf16 gradients)."""
         self._groups = self._adamw_groups(param_groups(model, cfg.weight_decay)[0]["params"])
@@ -205,7 +225,7 @@ class ShardedAdamW(StepHooks):
         # weight decay or not → (bucket, the parameter's slice of the bucket's shard)
         pieces: dict[bool, list[tuple[int, slice]]] = {True: [], False: []}
         for i, b in enumerate(self.buckets):
-            if b.split:
+            if b.split or b.muon:
                 continue
             for p, off in zip(b.params, b.offsets):
                 start, end = max(off, b.lo), min(off + p.numel(), b.hi)
@@ -282,7 +302,29 @@ class ShardedAdamW(StepHooks):
             self._groups, self._step_t, lr=self.lr, betas=tuple(self.cfg.betas), eps=self.cfg.eps,
             grad_coef=coef, skip=skip, fused=self.fused,
         )  # fmt: skip
+        for i, b in enumerate(self.buckets):
+            if b.muon:
+                self._muon_update(i, coef, skip)
         self._all_gather_params()
+
+    def _muon_update(self, i: int, coef: torch.Tensor | None, skip: torch.Tensor | None) -> None:
+        """Muon on bucket i's shard (module docstring): momentum on the shard, the direction
+        all-gathered, Newton–Schulz on the matrices the shard touches, the master shard updated."""
+        b, master_S = self.buckets[i], self.master_S[i]
+        u_S = momentum_direction(self.exp_avg_S[i], b.grad_S, self.cfg.muon_momentum, coef, skip)
+        dtype = ns_dtype(u_S.device)
+        u_N = self._gather(b, u_S.to(dtype))
+        for p, off in zip(b.params, b.offsets):
+            start, end = max(off, b.lo), min(off + p.numel(), b.hi)
+            if start >= end:
+                continue
+            shape = self.shapes[id(p)]
+            mn = shape.numel
+            first, last = (start - off) // mn, (end - off + mn - 1) // mn  # the matrices [first, last) touched
+            u_kMN = u_N[off + first * mn : off + last * mn].view(last - first, shape.rows, shape.cols)
+            o = newton_schulz(u_kMN, self.cfg.muon_ns_steps, dtype).view(-1)
+            piece = o[start - off - first * mn : end - off - first * mn]
+            apply_update(master_S[start - b.lo : end - b.lo], piece, shape.scale, self.lr, self.cfg.weight_decay, skip)
 
     def _all_gather_params(self) -> None:
         works = []
@@ -363,10 +405,10 @@ class ShardedAdamW(StepHooks):
         out: dict[str, dict[str, torch.Tensor | FlatShard]] = {}
         for b, exp_avg, exp_avg_sq in zip(self.buckets, self.exp_avg_S, self.exp_avg_sq_S):
             for p, off in zip(b.params, b.offsets):
-                entry: dict[str, torch.Tensor | FlatShard] = {"step": self._step_t}
+                entry: dict[str, torch.Tensor | FlatShard] = {} if b.muon else {"step": self._step_t}
                 start, end = max(off, b.lo), min(off + p.numel(), b.hi)
                 if start < end:
-                    for key, shard_S in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+                    for key, shard_S in self._moments(b, exp_avg, exp_avg_sq):
                         entry[key] = FlatShard(tuple(p.shape), start - off, values=shard_S[start - b.lo : end - b.lo])
                 out[self.names[id(p)]] = entry
         return out
@@ -414,12 +456,21 @@ class ShardedAdamW(StepHooks):
         out: dict[str, dict[str, torch.Tensor]] = {}
         step = self._step_t.detach().to("cpu", copy=True)  # one read for all parameters
         for b, exp_avg, exp_avg_sq in zip(self.buckets, self.exp_avg_S, self.exp_avg_sq_S):
-            full = {"exp_avg": self._gather(b, exp_avg), "exp_avg_sq": self._gather(b, exp_avg_sq)}
+            full = {key: self._gather(b, shard_S) for key, shard_S in self._moments(b, exp_avg, exp_avg_sq)}
             for p, off in zip(b.params, b.offsets):
                 entry = {key: full_N[off : off + p.numel()].view_as(p) for key, full_N in full.items()}
-                entry["step"] = step.clone()
+                if not b.muon:
+                    entry["step"] = step.clone()
                 out[self.names[id(p)]] = entry
         return out
+
+    @staticmethod
+    def _moments(
+        b: _ShardedBucket, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor
+    ) -> tuple[tuple[str, torch.Tensor], ...]:
+        """(state key, shard) of bucket `b`'s optimizer state: AdamW's two moments, or Muon's
+        momentum."""
+        return (("momentum", exp_avg),) if b.muon else (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq))
 
     def _gather(self, b: _ShardedBucket, shard_S: torch.Tensor) -> torch.Tensor:
         if b.group is None:
@@ -443,7 +494,7 @@ class ShardedAdamW(StepHooks):
                     )
                 entry = state[name]
                 start, end = max(off, b.lo), min(off + p.numel(), b.hi)
-                for key, shard_S in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+                for key, shard_S in self._moments(b, exp_avg, exp_avg_sq):
                     full = entry[key]
                     if full.shape != p.shape:
                         raise ValueError(
@@ -452,7 +503,8 @@ class ShardedAdamW(StepHooks):
                         )
                     if start < end:
                         shard_S[start - b.lo : end - b.lo].copy_(full.reshape(-1)[start - off : end - off])
-                steps.add(int(entry["step"]))
+                if "step" in entry:
+                    steps.add(int(entry["step"]))
         if len(steps) > 1:
             raise ValueError(f"Optimizer state holds different step counts {sorted(steps)}; expected one.")
         self._step_t.fill_(steps.pop() if steps else 0)

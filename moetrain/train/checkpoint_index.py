@@ -152,6 +152,27 @@ def diagnose(path: str | Path) -> str | None:
     return None
 
 
+_STATE_OF = {"adamw": ("step", "exp_avg", "exp_avg_sq"), "muon": ("momentum",)}
+"""The optimizer state entries of a matrix under each optim.name (moetrain/optim/muon.py)."""
+
+
+def _other_optimizer(key: str, stored: dict[str, Any]) -> str | None:
+    """When `key` (an optimizer entry "optim.NAME.STATE", "/E" after it for expert E) is missing
+    because the checkpoint holds the other optimizer's state for that parameter, the sentence
+    that says so."""
+    key, slash, expert = key.partition("/")
+    param, _, state = key[len("optim.") :].rpartition(".")
+    for mine, theirs in (("muon", "adamw"), ("adamw", "muon")):
+        their_tensors = [s for s in _STATE_OF[theirs] if s != "step"]  # a 0-d step is not per element
+        if state in _STATE_OF[mine] and all(f"optim.{param}.{s}{slash}{expert}" in stored for s in their_tensors):
+            return (
+                f"it holds optim.name={theirs}'s state for {param} ({', '.join(their_tensors)}) and this run has "
+                f"optim.name={mine}, which keeps {', '.join(_STATE_OF[mine])}: resume with --optim.name={theirs}, or "
+                f"start a new run from its weights with --train.init_from"
+            )
+    return None
+
+
 def first_mismatch(metadata: Metadata, state: dict[str, dict[str, Any]]) -> str | None:
     """The first entry of `state` ({"model": …, "optim": …}: tensors, `FlatShard`s) that the
     checkpoint does not hold with the same global shape, said as a sentence; None when all fit."""
@@ -169,6 +190,9 @@ def first_mismatch(metadata: Metadata, state: dict[str, dict[str, Any]]) -> str 
                         "it holds model weights only, no optimizer state (an import-hf or weights-only "
                         "checkpoint): start from it with --train.init_from instead of --resume"
                     )
+                other = _other_optimizer(key, stored)
+                if other is not None:
+                    return other
                 return (
                     f"it has no tensor {key} (a missing key), which this model has: it was saved from a different model"
                 )

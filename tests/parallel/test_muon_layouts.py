@@ -1,0 +1,132 @@
+"""Muon (optim.name=muon) under every optimizer layout, on gloo CPU ranks:
+
+- each reproduces the single process over 5 steps with the tolerances of
+  tests/parallel/test_layouts.py: the replicated optimizer at dp2, dp2·ep2 and pp2; the sharded
+  optimizer at dp2, dp2·ep2 and dp4·ep2 (its matrices straddle shards); FSDP at dp2 and dp4;
+- a Muon checkpoint of the sharded optimizer at dp2·ep2 resumes on one process and on FSDP;
+- an AdamW checkpoint does not resume a Muon run, and says why.
+"""
+
+import shutil
+
+import pytest
+import torch
+
+from moetrain.testing.distributed import run_distributed
+
+MUON = "optim.name=muon"
+
+
+def _cfg(data_dir, run_dir, *extra):
+    from test_layouts import layout_cfg
+
+    return layout_cfg(data_dir, run_dir, MUON, *extra)
+
+
+def _single(data_dir, tmp):
+    from moetrain.model.transformer import canonical_name
+    from moetrain.train.metrics import read_metrics
+    from moetrain.train.trainer import Trainer
+
+    trainer = Trainer(_cfg(data_dir, tmp / "run"), quiet=True)
+    trainer.fit()
+    params = tmp / "params.pt"
+    torch.save({canonical_name(n): p.detach().clone() for n, p in trainer.engine.model.named_parameters()}, params)
+    return read_metrics(tmp / "run" / "metrics.jsonl"), params
+
+
+def _layouts(data_dir, tmp, layouts, params):
+    import torch.distributed as dist
+    from test_layouts import train_and_report
+
+    out = {}
+    for name, extra in layouts:
+        out[name] = train_and_report(data_dir, tmp / name, [MUON, *extra], params)
+        dist.barrier()
+    return out
+
+
+SHARD = "parallel.shard_optimizer=true"
+FSDP = "parallel.stack=fsdp"
+MUON_LAYOUTS = {
+    2: [
+        ("dp2", []),
+        ("dp2ep2", ["parallel.ep=2"]),
+        ("pp2", ["parallel.pp=2"]),
+        ("dp2-sharded", [SHARD]),
+        ("dp2ep2-sharded", ["parallel.ep=2", SHARD]),
+        ("fsdp2", [FSDP]),
+    ],
+    4: [
+        ("dp4ep2-sharded", ["parallel.ep=2", SHARD]),
+        ("fsdp4", [FSDP]),
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def muon_results(real_text_dir, tmp_path_factory):
+    ref_records, params = _single(real_text_dir, tmp_path_factory.mktemp("muon-single"))
+    results = {}
+    for world, layouts in MUON_LAYOUTS.items():
+        tmp = tmp_path_factory.mktemp(f"muon-world{world}")
+        results[world] = run_distributed(_layouts, world, real_text_dir, tmp, layouts, params)
+    return ref_records, results
+
+
+@pytest.mark.parametrize("world", sorted(MUON_LAYOUTS))
+def test_every_optimizer_layout_steps_muon_as_one_process(muon_results, world):
+    from test_layouts import check
+
+    ref_records, results = muon_results
+    for name, _ in MUON_LAYOUTS[world]:
+        check(results[world][0][name][0], ref_records)
+        for rank, per_rank in enumerate(results[world]):
+            assert per_rank[name][1][0] <= 1.0, (name, rank, per_rank[name][1])
+    # the run moved: Muon's losses are not AdamW's (same data, same start)
+    assert ref_records[-1]["lm_loss"] < ref_records[0]["lm_loss"]
+
+
+def _resume(data_dir, run_dir, extra, steps):
+    import torch.distributed as dist
+
+    from moetrain.train.trainer import Trainer
+
+    cfg = _cfg(data_dir, run_dir, f"train.steps={steps}", "train.save_every=2", *extra)
+    Trainer(cfg, resume=True, quiet=True).fit()
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def test_a_muon_checkpoint_of_the_sharded_optimizer_resumes_on_one_process_and_on_fsdp(real_text_dir, tmp_path):
+    from moetrain.train.metrics import read_metrics
+
+    source = tmp_path / "sharded"
+    run_distributed(_resume, 2, real_text_dir, source, ["parallel.ep=2", SHARD], 4)
+    want = {r["step"]: r["lm_loss"] for r in read_metrics(source / "metrics.jsonl")}
+    for name, world, extra in (("single", 1, []), ("fsdp2", 2, [FSDP])):
+        target = tmp_path / name
+        shutil.copytree(source, target)
+        shutil.rmtree(target / "checkpoints" / "step-4")  # resume from step 2
+        run_distributed(_resume, world, real_text_dir, target, extra, 4)
+        got = {r["step"]: r["lm_loss"] for r in read_metrics(target / "metrics.jsonl")}
+        for step in (3, 4):
+            assert got[step] == pytest.approx(want[step], rel=1e-5), (name, step)
+
+
+@pytest.mark.parametrize("saved, resumed", [("adamw", "muon"), ("muon", "adamw")])
+def test_one_optimizers_checkpoint_does_not_resume_the_other(real_text_dir, tmp_path, saved, resumed):
+    from test_layouts import layout_cfg
+
+    from moetrain.errors import CheckpointError
+    from moetrain.train.trainer import Trainer
+
+    run = tmp_path / "run"
+    Trainer(
+        layout_cfg(real_text_dir, run, f"optim.name={saved}", "train.steps=2", "train.save_every=2"), quiet=True
+    ).fit()
+    with pytest.raises(CheckpointError) as e:
+        Trainer(layout_cfg(real_text_dir, run, f"optim.name={resumed}", "train.steps=4"), resume=True, quiet=True).fit()
+    text = str(e.value)
+    assert f"optim.name={saved}'s state" in text and f"this run has optim.name={resumed}" in text, text
+    assert f"--optim.name={saved}" in text and "--train.init_from" in text, text
