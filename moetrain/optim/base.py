@@ -112,8 +112,9 @@ class Optimizer(Protocol):
 
     def state_dict_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
         """Per parameter (canonical name): "exp_avg", "exp_avg_sq" shaped like the parameter
-        this rank holds, and a 0-d float32 "step" — whole: the sharded optimizers gather them
-        (collective; a model-sized temporary), so this is for tests and tools, not checkpoints."""
+        this rank holds, and a 0-d float32 "step" (a Muon matrix: its "momentum" alone) — whole:
+        the sharded optimizers gather them (collective; a model-sized temporary), so this is for
+        tests and tools, not checkpoints."""
         ...
 
     def load_state_dict_tensors(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
