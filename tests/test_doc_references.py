@@ -8,7 +8,8 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CITATION = re.compile(r"((?:docs/)?[\w-]+\.md)[,:]?\s*\(?[\"“]([^\"”]{2,120})[\"”]")
+# A page name inside a string literal ("README.md") is a file name, not a citation.
+CITATION = re.compile(r"(?<![\"'])((?:docs/)?[\w-]+\.md)[,:]?\s*\(?[\"“]([^\"”]{2,120})[\"”]")
 SOURCES = ["moetrain", "tests", "benchmarks", "scripts", "docs"]
 
 

@@ -94,7 +94,7 @@ EXPORTED_BY = "moetrain export-hf"
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 READ_BYTES = 1 << 30
 """At most this many bytes of checkpoint entries are read at once (and at most one shard's)."""
-EXPORT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", INDEX)
+EXPORT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "README.md", INDEX)
 """What an export writes besides its safetensors files (`export_replaces`)."""
 IMPORT_FILES = ("config.yaml", "tokenizer.json")
 """What an import writes besides its checkpoint."""
@@ -180,6 +180,7 @@ def export_hf(
         if len(shards) > 1:
             (out / INDEX).write_text(json.dumps(index_json(shards, names, parameters), indent=2) + "\n")
         _write_metadata(out, cfg, tokenizer, positions, dtype)
+        _write_readme(out, path, cfg, dtype, parameters)
     return {
         "architecture": architecture_for(m).value,
         "out_dir": str(out),
@@ -326,6 +327,33 @@ def _write_metadata(out: Path, cfg: RunConfig, tokenizer, positions: int, dtype:
     if eos_token:
         tok_cfg.update(eos_token=eos_token, bos_token=eos_token, pad_token=eos_token)
     (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+
+
+def _write_readme(out: Path, checkpoint: Path, cfg: RunConfig, dtype: str, parameters: int) -> None:
+    """README.md: where the weights come from, how to load them, and what the export leaves out."""
+    m = cfg.model
+    lines = [
+        f"# {checkpoint.parent.parent.name} ({checkpoint.name})",
+        "",
+        f"Exported by moetrain from the checkpoint `{checkpoint}`: {architecture_for(m).value}, {dtype}, "
+        f"{parameters:,} parameters.",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        f'model = AutoModelForCausalLM.from_pretrained("{out.name}")',
+        f'tokenizer = AutoTokenizer.from_pretrained("{out.name}")',
+        "```",
+    ]
+    if m.mtp_depth:
+        lines += [
+            "",
+            "## Not included",
+            "",
+            f"The run trained {m.mtp_depth} multi-token prediction module{'s' if m.mtp_depth > 1 else ''} "
+            f"(model.mtp_depth={m.mtp_depth}) beside the model. They serve training only and are not part of this "
+            "export; the moetrain checkpoint keeps them.",
+        ]
+    (out / "README.md").write_text("\n".join(lines) + "\n")
 
 
 # ---- import ------------------------------------------------------------------------------------

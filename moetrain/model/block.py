@@ -17,14 +17,16 @@ from moetrain.model.norm import RMSNorm
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: TransformerConfig, layer_id: int):
+    def __init__(self, cfg: TransformerConfig, layer_id: int, dense: bool = False):
+        """Block `layer_id`: MoE from model.num_dense_layers on, unless `dense` (the
+        multi-token prediction modules' blocks, moetrain/model/mtp.py)."""
         super().__init__()
         self.layer_id = layer_id
         D = cfg.d_model
         self.attn_norm = RMSNorm(D, cfg.norm_eps)
         self.attn = Attention(D, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim, cfg.qk_norm, cfg.norm_eps)
         self.ffn_norm = RMSNorm(D, cfg.norm_eps)
-        self.is_moe = layer_id >= cfg.num_dense_layers
+        self.is_moe = layer_id >= cfg.num_dense_layers and not dense
         self.ffn: nn.Module = MoE(D, cfg.moe) if self.is_moe else SwiGLU(D, cfg.resolved_dense_hidden)
         self.attn_out_norm = RMSNorm(D, cfg.norm_eps) if cfg.peri_norm else None
         self.ffn_out_norm = RMSNorm(D, cfg.norm_eps) if cfg.peri_norm else None

@@ -123,6 +123,14 @@ class TransformerConfig(Config):
     init_std: float = positive(0.02)
     """Std of the (truncated) normal initialization; output projections use
     init_std / sqrt(2 × n_layers)."""
+    mtp_depth: int = non_negative(0, at_most=16)
+    """Multi-token prediction (DeepSeek-V3's): this many sequential modules, module k predicting
+    the token k + 1 ahead from the previous depth's hidden state and the embedding of token k,
+    through one dense block each, with the model's embedding and LM head (moetrain/model/mtp.py).
+    Training only: the loss logged as lm_loss (and the validation loss) stays the next-token one;
+    a Hugging Face export leaves the modules out; checkpoints keep them. 0 = off."""
+    mtp_loss_weight: float = non_negative(0.3)
+    """λ: the multi-token losses join the next-token loss as λ × their mean over the depths."""
     moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
 
     @property

@@ -17,6 +17,7 @@ from moetrain.model.config import Routing, TransformerConfig
 from moetrain.model.experts import GroupedExperts
 from moetrain.model.loss import lm_loss
 from moetrain.model.moe import MoE
+from moetrain.model.mtp import MultiTokenPrediction
 from moetrain.model.norm import RMSNorm
 from moetrain.model.rope import RotaryEmbedding
 from moetrain.model.sequence_layout import SequenceLayout, WholeSequence
@@ -33,6 +34,9 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.mtp = MultiTokenPrediction(cfg) if cfg.mtp_depth else None
+        """model.mtp_depth > 0: the multi-token prediction modules (moetrain/model/mtp.py), trained
+        beside the main model and left out of its outputs."""
         self.sequence: SequenceLayout = WholeSequence()
         """Where the sequence's positions live (moetrain/model/sequence_layout.py): the tokens,
         targets and hidden states given to `forward` are this rank's positions of each sequence
@@ -49,12 +53,19 @@ class Transformer(nn.Module):
         """Logits (B, T, V); with `targets_BT`, the mean next-token cross-entropy instead (fp32
         scalar), computed `loss_chunk_tokens` tokens at a time when > 0 so that the logits of
         the whole batch never exist (moetrain/model/loss.py). With `doc_ids_BT`, tokens attend
-        only within their document."""
+        only within their document. In training with multi-token prediction the returned loss
+        is still the next-token one; the modules' loss joins it in backward (moetrain/model/mtp.py)."""
         x_BTD = self.embed(tokens_BT)
         x_BTD = self.run_blocks(x_BTD, list(self.blocks), doc_ids_BT)
-        if targets_BT is not None:
-            return lm_loss(self.lm_head, self.norm(x_BTD), targets_BT, loss_chunk_tokens)
-        return self.lm_head(self.norm(x_BTD))
+        if targets_BT is None:
+            return self.lm_head(self.norm(x_BTD))
+        loss = lm_loss(self.lm_head, self.norm(x_BTD), targets_BT, loss_chunk_tokens)
+        if self.mtp is not None and self.training:
+            e_kBTD = self.mtp.shifted_embeddings(self.embed, tokens_BT, len(self.mtp.depths))
+            attention = self.sequence.attention_inputs(self.rope, x_BTD.shape[1], doc_ids_BT, x_BTD.device)
+            mtp_loss = self.mtp.loss(x_BTD, e_kBTD, targets_BT, self.norm, self.lm_head, attention, loss_chunk_tokens)
+            loss = self.mtp.attach(loss, mtp_loss)
+        return loss
 
     def run_blocks(self, x_BTD: torch.Tensor, keys: list[str], doc_ids_BT: torch.Tensor | None = None) -> torch.Tensor:
         """Apply the blocks named `keys` (layer indices, in order). A pipeline stage calls this
@@ -67,7 +78,8 @@ class Transformer(nn.Module):
     def set_sequence_layout(self, sequence: SequenceLayout) -> None:
         """Use `sequence` here and in every attention layer."""
         self.sequence = sequence
-        for block in self.blocks.values():
+        mtp_blocks = [m.block for m in self.mtp.depths] if self.mtp is not None else []
+        for block in [*self.blocks.values(), *mtp_blocks]:
             block.attn.sequence = sequence
 
     def moe_layers(self) -> list[MoE]:

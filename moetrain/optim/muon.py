@@ -90,11 +90,12 @@ class MatrixShape:
 
 def muon_matrices(model: nn.Module) -> dict[int, MatrixShape]:
     """id → `MatrixShape` of each parameter Muon updates (module docstring): `nn.Linear` weights
-    inside the blocks, and each expert's gate, up and down matrices. A model without `blocks`
-    (a test's plain module) gives every `nn.Linear` weight."""
-    root = getattr(model, "blocks", model)
+    inside the blocks (the multi-token prediction modules' included), and each expert's gate, up
+    and down matrices. A model without `blocks` (a test's plain module) gives every `nn.Linear`
+    weight."""
+    roots = [getattr(model, "blocks", model)] + ([model.mtp] if getattr(model, "mtp", None) is not None else [])
     out: dict[int, MatrixShape] = {}
-    for module in root.modules():
+    for module in (m for root in roots for m in root.modules()):
         if isinstance(module, nn.Linear):
             rows, cols = module.weight.shape
             out[id(module.weight)] = MatrixShape(1, rows, cols)

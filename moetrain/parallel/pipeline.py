@@ -23,6 +23,13 @@ loop. Load-balancing / z losses ride on each MoE
 layer's output (`AttachAuxLoss`), so a stage's backward applies them; their routing statistics
 are accumulated per micro-batch as usual. So the loss and every gradient are those of the
 single-process run.
+
+Multi-token prediction (model.mtp_depth = K, moetrain/model/mtp.py) runs on the last stage, which
+holds the LM head; the embedding is the first stage's. So the first stage embeds the K rolled
+token sequences and sends them along with the hidden state (B, T, (1 + K)·D); middle stages pass
+them on untouched; the last stage's MTP loss sends their gradient back to the embedding the same
+way. The last stage takes each micro-batch's targets from a queue (`queue_targets`) and attaches
+the MTP loss to its logits (`AttachAuxLoss`, with the backward's scale).
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+from moetrain.model.mtp import MultiTokenPrediction
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.config import PipelineSchedule
 from moetrain.parallel.dims import ParallelDims, ParallelState
@@ -71,6 +79,7 @@ def split_model(model: Transformer, dims: ParallelDims, pp_rank: int) -> None:
     if dims.num_stages - 1 not in stages:
         model.norm = None
         model.lm_head = None
+        model.mtp = None
 
 
 class StageModule(nn.Module):
@@ -93,11 +102,19 @@ class StageModule(nn.Module):
         self.blocks = nn.ModuleList([model.blocks[k] for k in keys])
         self.norm = model.norm if last else None
         self.lm_head = model.lm_head if last else None
+        self.mtp_depth = model.cfg.mtp_depth
+        """Shifted embeddings (K·D channels) travel beside the hidden state (module docstring)."""
+        self.mtp = model.mtp if last else None
         self.amp_dtype = amp_dtype
         self._doc_ids: collections.deque[torch.Tensor] | None = None
+        self._targets: collections.deque[torch.Tensor] | None = None
 
     def queue_doc_ids(self, doc_ids: list[torch.Tensor] | None) -> None:
         self._doc_ids = collections.deque(doc_ids) if doc_ids is not None else None
+
+    def queue_targets(self, targets: list[torch.Tensor] | None) -> None:
+        """The micro-batches' targets, for the last stage's multi-token prediction loss."""
+        self._targets = collections.deque(targets) if targets is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         doc_ids_BT = self._doc_ids.popleft() if self._doc_ids else None
@@ -107,13 +124,22 @@ class StageModule(nn.Module):
             else contextlib.nullcontext()
         )
         with autocast:
-            x_BTD = self.embed(x) if self.first else x
-            cos_TD, sin_TD, masks = self.sequence.attention_inputs(self.rope, x_BTD.shape[1], doc_ids_BT, x_BTD.device)
+            if self.first:
+                x_BTD = self.embed(x)
+                shifted = self.mtp_depth and MultiTokenPrediction.shifted_embeddings(self.embed, x, self.mtp_depth)
+            else:
+                x_BTD, *shifted = x.chunk(1 + self.mtp_depth, dim=-1)
+            attention = self.sequence.attention_inputs(self.rope, x_BTD.shape[1], doc_ids_BT, x_BTD.device)
             for block in self.blocks:
-                x_BTD = block(x_BTD, cos_TD, sin_TD, masks)
+                x_BTD = block(x_BTD, *attention)
             if self.last:
-                return self.lm_head(self.norm(x_BTD))
-        return x_BTD.float()
+                logits_BTV = self.lm_head(self.norm(x_BTD))
+                targets_BT = self._targets.popleft() if self._targets else None
+                if self.mtp is not None and self.training and targets_BT is not None:
+                    mtp_loss = self.mtp.loss(x_BTD, shifted, targets_BT, self.norm, self.lm_head, attention, 0)
+                    logits_BTV = self.mtp.attach(logits_BTV, mtp_loss)
+                return logits_BTV
+        return torch.cat([x_BTD.float(), *(e.float() for e in shifted)], dim=-1) if self.mtp_depth else x_BTD.float()
 
 
 @dataclass
@@ -125,7 +151,8 @@ class Pipeline:
     schedule: object
     state: ParallelState
     n_microbatches: int
-    d_model: int
+    width: int
+    """Channels of the hidden state between stages: D, and K·D more with multi-token prediction."""
     losses: list[torch.Tensor]
     """The step's micro-batch losses (mean cross-entropy / n), filled by the schedule's loss_fn."""
 
@@ -145,6 +172,7 @@ class Pipeline:
         n = self.n_microbatches
         for stage in self.stages:
             stage.queue_doc_ids(list(doc_ids_BT.chunk(n)) if doc_ids_BT is not None else None)
+            stage.queue_targets(list(targets_BT.chunk(n)) if stage.last and stage.mtp is not None else None)
         self.losses.clear()
         args = (inputs_BT,) if self.has_first else ()
         kwargs = {"target": targets_BT} if self.has_last else {}
@@ -172,7 +200,7 @@ class Pipeline:
                 continue
             stage = self.stages[self.stage_ids.index(s)]
             if s > 0:
-                x = torch.empty(B, T, self.d_model, dtype=torch.float32, device=inputs_BT.device)
+                x = torch.empty(B, T, self.width, dtype=torch.float32, device=inputs_BT.device)
                 dist.recv(x, src=dist.get_global_rank(group, (s - 1) % dims.pp), group=group)
             stage.queue_doc_ids([doc_ids_BT] if doc_ids_BT is not None else None)
             x = stage(x)
@@ -208,7 +236,8 @@ def build_pipeline(
     cfg = model.cfg
     layout = stage_layers(cfg.n_layers, S)
     stage_ids = stages_of_rank(state.pp_rank, dims)
-    B, T, D, V = micro_batch_rows, seq_len, cfg.d_model, cfg.vocab_size
+    B, T, V = micro_batch_rows, seq_len, cfg.vocab_size
+    D = cfg.d_model * (1 + cfg.mtp_depth)  # the shifted embeddings travel beside the hidden state
     # requires_grad marks what carries a gradient back to the previous stage.
     hidden = torch.empty(B, T, D, dtype=torch.float32, device="meta", requires_grad=True)
     modules, stages = [], []

@@ -216,6 +216,7 @@ class RunConfig(Config):
                     f"train.micro_batch_size = {micro_batches}."
                 )
         _check_context_split(self.data.seq_len, p.cp)
+        _check_multi_token(m.mtp_depth, self.data.seq_len, p.cp)
         if p.compile_overlap and not tc.compile:
             raise ConfigError(
                 "parallel.compile_overlap=true reorders collectives inside compiled blocks: "
@@ -291,6 +292,21 @@ def _check_context_split(seq_len: int, cp: int) -> None:
         f"parallel.cp={cp} cuts each sequence into 2 × cp = {2 * cp} equal chunks, so data.seq_len must be "
         f"a multiple of {2 * cp}; data.seq_len={seq_len} is not: change data.seq_len{hint}."
     )
+
+
+def _check_multi_token(depth: int, seq_len: int, cp: int) -> None:
+    """model.mtp_depth: each depth predicts one token further within the sequence this rank holds."""
+    if depth and cp > 1:
+        raise ConfigError(
+            f"model.mtp_depth={depth} shifts each sequence by up to {depth} positions, which under "
+            f"parallel.cp={cp} belong to another rank's chunk: use parallel.cp=1 with multi-token prediction, "
+            "or model.mtp_depth=0."
+        )
+    if depth >= seq_len:
+        raise ConfigError(
+            f"model.mtp_depth={depth} predicts {depth + 1} tokens ahead, but data.seq_len={seq_len} leaves no "
+            f"position to predict from: lower model.mtp_depth below {seq_len}."
+        )
 
 
 def _gemm_dims(m: TransformerConfig) -> list[tuple[str, int]]:

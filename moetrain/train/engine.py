@@ -73,6 +73,9 @@ class StepOutput:
     routing: list[dict[str, torch.Tensor]]
     """Per MoE layer this rank holds: `MoE.end_step()`'s statistics."""
     lr: float
+    mtp: torch.Tensor | None = None
+    """With multi-token prediction, on the rank holding it: each depth's loss averaged over the
+    step's micro-batches, (model.mtp_depth,)."""
 
 
 class TrainEngine:
@@ -114,6 +117,8 @@ class TrainEngine:
         self.backward_scale = self.optimizer.reduction.loss_scale / tc.grad_accum_steps
         for moe in self.model.moe_layers():
             moe.aux_loss_scale = self.backward_scale
+        if self.model.mtp is not None:
+            self.model.mtp.loss_scale = self.backward_scale
         self.pipeline: Pipeline | None = None
         if par.dims.num_stages > 1:
             self.pipeline = build_pipeline(
@@ -161,14 +166,16 @@ class TrainEngine:
         self.optimizer.set_lr(lr)
         self.optimizer.step(skip)
         self.optimizer.zero_grad()
-        return StepOutput(lm_loss, grad_norm, self._end_routing_step(), lr)
+        return StepOutput(lm_loss, grad_norm, self._end_routing_step(), lr, self._end_mtp_step())
 
     def drop_step(self, lm_loss: torch.Tensor) -> StepOutput:
         """Close the step after `forward_backward` without an update (benchmarks of forward and
         backward alone): the gradients are dropped and the routing statistics read and reset;
         parameters, optimizer state and router biases stay as they are."""
         self.optimizer.zero_grad()
-        return StepOutput(lm_loss, torch.zeros((), device=self.device), self._end_routing_step(), 0.0)
+        return StepOutput(
+            lm_loss, torch.zeros((), device=self.device), self._end_routing_step(), 0.0, self._end_mtp_step()
+        )
 
     def set_routing(self, routing: str) -> None:
         """Switch every router to `routing` (learned or random); the next step uses it."""
@@ -226,6 +233,9 @@ class TrainEngine:
     def _end_routing_step(self) -> list[dict[str, torch.Tensor]]:
         return [moe.end_step() for moe in self.model.moe_layers()]
 
+    def _end_mtp_step(self) -> torch.Tensor | None:
+        return self.model.mtp.end_step() if self.model.mtp is not None else None
+
     # ---- evaluation --------------------------------------------------------------------------------
     @torch.no_grad()
     def eval_loss(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor, int]]) -> float:
@@ -278,14 +288,16 @@ class TrainEngine:
         # placed at the layer's global index, zeros elsewhere; summed over all ranks and divided
         # by dp·cp, that is the mean over a stage's ranks (drops × dp·cp is then the global count;
         # counts, equal on a stage's ranks, come back unchanged). float64 keeps large counts exact.
-        L, E = self.cfg.model.num_moe_layers, self.cfg.model.moe.num_experts
-        packed = torch.zeros(1 + L * (3 + E), dtype=torch.float64, device=self.device)
+        L, E, K = self.cfg.model.num_moe_layers, self.cfg.model.moe.num_experts, self.cfg.model.mtp_depth
+        packed = torch.zeros(1 + L * (3 + E) + K, dtype=torch.float64, device=self.device)
         packed[0] = out.lm_loss
+        if out.mtp is not None:  # on the rank holding the LM head (the last pipeline stage)
+            packed[1 + L * (3 + E) :] = out.mtp
         for i, s in zip(self.model.moe_layer_indices(), out.routing):
             packed[1 + i], packed[1 + L + i], packed[1 + 2 * L + i] = s["lb_loss"], s["z_loss"], s["dropped"]
             packed[1 + 3 * L + i * E : 1 + 3 * L + (i + 1) * E] = s["tokens_per_expert"]
         mean = self.global_mean(packed)
-        counts_LE = mean[1 + 3 * L :].view(L, E).round().long()
+        counts_LE = mean[1 + 3 * L : 1 + L * (3 + E)].view(L, E).round().long()
         dp = self.par.dims.replicas
         routing = routing_metrics(
             [
@@ -299,16 +311,18 @@ class TrainEngine:
             ],
             ep=self.par.dims.ep,
         )
-        lm_loss, grad_norm, skipped = torch.stack(
+        lm_loss, grad_norm, skipped, mtp_loss = torch.stack(
             [
                 mean[0],
                 out.grad_norm.double(),
                 self.guard.skipped_total.double(),
+                mean[1 + L * (3 + E) :].mean() if K else mean[0] * 0,
             ]
         ).tolist()
         moe = self.cfg.model.moe
         aux = L * (moe.lb_loss_weight * routing["lb_loss"] + moe.z_loss_weight * routing["z_loss"])
-        return {
+        aux += self.cfg.model.mtp_loss_weight * mtp_loss if K else 0.0
+        record = {
             "step": step,
             "loss": lm_loss + aux,
             "lm_loss": lm_loss,
@@ -327,6 +341,9 @@ class TrainEngine:
             "unused_experts": routing["unused_experts"],
             "skipped_steps": int(skipped),
         }
+        if K:
+            record["mtp_loss"] = mtp_loss
+        return record
 
     # ---- state -------------------------------------------------------------------------------------
     def checkpoint_state(self) -> dict[str, dict]:

@@ -5,7 +5,8 @@ The metrics.jsonl contract (one JSON object per logged step; keys never renamed)
   step, loss, lm_loss, lb_loss, z_loss, lr, grad_norm, tokens_per_sec, tokens_per_sec_per_device,
   tflops_per_device, mfu, peak_mem_gib, expert_load_max_over_mean, dropped_token_frac,
   unused_experts, and val_loss on evaluation steps.
-- loss: the optimized objective, lm_loss + Σ_layers (lb_weight·lb + z_weight·z).
+- loss: the optimized objective, lm_loss + Σ_layers (lb_weight·lb + z_weight·z)
+  (+ model.mtp_loss_weight · mtp_loss with multi-token prediction).
 - lb_loss / z_loss: unweighted, averaged over MoE layers and micro-batches (lb = 1 is balanced).
 - tokens_per_sec: tokens of all ranks per second of wall time, averaged since the last log.
 - tflops_per_device: flops_per_token × tokens_per_sec_per_device (Olmo-core's formula);
@@ -16,6 +17,8 @@ The metrics.jsonl contract (one JSON object per logged step; keys never renamed)
   summed); 1.0 without expert parallelism.
 - unused_experts: experts (summed over MoE layers) that received no token in the step.
 - dropped_token_frac: dropped / all routed assignments, over the global batch (0 when dropless).
+- mtp_loss (extra, with model.mtp_depth > 0): the multi-token prediction modules' cross-entropy,
+  averaged over the depths and micro-batches (moetrain/model/mtp.py); lm_loss stays the next token's.
 - skipped_steps (extra): updates skipped so far by the step guard (non-finite or spiking loss or
   gradient norm; moetrain/train/guard.py).
 """
