@@ -789,3 +789,39 @@ def test_rehearsed_cp_ranks_are_within_10_percent(overrides, compute_s, peak_gib
     p = plan(resolve_config(LONG, overrides), 8, "h200")
     assert p.compute_s == pytest.approx(compute_s, rel=0.10)
     assert p.peak_mem_gib_per_device == pytest.approx(peak_gib, rel=0.10)
+
+
+def test_muon_keeps_one_momentum_per_matrix_element_and_pays_its_iterations():
+    """optim.name=muon: the blocks' matrices hold 4 B of momentum instead of AdamW's 8; the
+    optimizer's time grows by the Newton–Schulz FLOPs of each further iteration at the GEMM rate."""
+    from moetrain.plan import GPUS
+
+    adamw = plan(resolve_config("bench-8e"), 1, "h200")
+    muon = {
+        k: plan(resolve_config("bench-8e", ["optim.name=muon", f"optim.muon_ns_steps={k}"]), 1, "h200") for k in (5, 6)
+    }
+    groups = ParamGroups.of(resolve_config("bench-8e").model)
+    m = resolve_config("bench-8e").model
+    matrices = (
+        groups.muon_dense_block * m.num_dense_layers + (groups.muon_moe_dense + groups.moe_experts) * m.num_moe_layers
+    )
+    assert adamw.memory_gib["optimizer"] - muon[5].memory_gib["optimizer"] == pytest.approx(
+        4 * matrices / GIB, abs=0.02
+    )
+    flops = groups.ns_dense_block * m.num_dense_layers + (groups.ns_moe_dense + groups.ns_experts) * m.num_moe_layers
+    rate = GPUS["h200"].bf16_flops * Assumptions().gemm_eff
+    assert muon[6].time_s["optimizer"] - muon[5].time_s["optimizer"] == pytest.approx(flops / rate, rel=1e-9)
+
+
+def test_multi_token_prediction_adds_its_modules_to_the_last_stage_and_its_embeddings_to_the_sends():
+    base = ["parallel.pp=2", "train.global_batch_size=16", "train.micro_batch_size=2"]
+    plain, mtp = (
+        plan(resolve_config("bench-small32e", base + extra), 2, "h200") for extra in ([], ["model.mtp_depth=2"])
+    )
+    groups = ParamGroups.of(resolve_config("bench-small32e", ["model.mtp_depth=2"]).model)
+    assert mtp.params_per_pipeline_rank[0] == plain.params_per_pipeline_rank[0]
+    assert mtp.params_per_pipeline_rank[1] == plain.params_per_pipeline_rank[1] + groups.mtp
+    assert mtp.comm_gb_per_step["pipeline_send_recv"] == pytest.approx(
+        3 * plain.comm_gb_per_step["pipeline_send_recv"], rel=1e-3
+    )
+    assert mtp.time_s["gemm_and_attention"] > plain.time_s["gemm_and_attention"]

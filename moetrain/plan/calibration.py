@@ -51,6 +51,10 @@ class Assumptions:
     fraction of the dense BF16 peak for its causal FLOPs (half the MFU formula's attention term).
     Measured: the profiled rehearsals of long-small32e-64k's cp ranks at 65,536 and 131,072
     tokens on one H200."""
+    muon_bytes: float = 64.0
+    """optim.name=muon: bytes of HBM traffic per element Muon updates besides its Newton–Schulz
+    products (the momentum, the direction, the weight decay and the update in moetrain/optim/muon.py's
+    unfused element-wise ops, ~16 passes of 4 B). Counted from the code, not measured."""
     recompute_cost: tuple[float, float] = (0.28, 0.47)
     """Extra step time of selective recompute of compiled blocks and of full recompute, as a
     fraction of the recomputed blocks' compute (selective recompute of eager blocks is counted

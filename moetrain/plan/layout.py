@@ -12,6 +12,7 @@ import torch
 
 from moetrain.model.config import TransformerConfig
 from moetrain.model.experts import GroupedExperts
+from moetrain.optim.muon import muon_matrices
 from moetrain.parallel.config import DispatcherKind, Stack
 from moetrain.parallel.nosync_dispatcher import block_rows, capacity_rows
 from moetrain.train.config import RunConfig
@@ -105,6 +106,22 @@ class ParamGroups:
     """The non-expert part of one MoE block (attention, norms, router, shared expert)."""
     moe_experts: int
     """The routed experts of one MoE block, all of them."""
+    mtp: int = 0
+    """The multi-token prediction modules (model.mtp_depth), all of them: on the last stage."""
+    muon_dense_block: int = 0
+    """Of `dense_block`, the matrices Muon updates (optim.name=muon; moetrain/optim/muon.py)."""
+    muon_moe_dense: int = 0
+    """Of `moe_dense`, the matrices Muon updates (the routed experts are Muon's whole)."""
+    muon_mtp: int = 0
+    """Of `mtp`, the matrices Muon updates."""
+    ns_dense_block: float = 0.0
+    """FLOPs of one Newton–Schulz iteration over one dense block's matrices."""
+    ns_moe_dense: float = 0.0
+    """The same over one MoE block's non-expert matrices."""
+    ns_experts: float = 0.0
+    """The same over one MoE block's routed experts, all of them."""
+    ns_mtp: float = 0.0
+    """The same over the multi-token prediction modules' matrices."""
 
     @classmethod
     def of(cls, m: TransformerConfig) -> ParamGroups:
@@ -119,19 +136,52 @@ def _param_groups(model_json: str) -> ParamGroups:
     def numel(module) -> int:
         return sum(p.numel() for p in module.parameters())
 
+    shapes = muon_matrices(model)
+
+    def muon(module) -> tuple[int, float, float]:
+        """(Muon's parameters, one Newton–Schulz iteration's FLOPs: of non-expert and of expert
+        matrices) of `module`: per (m, n) matrix, m ≤ n, X·Xᵀ and the update's product 2m²n each,
+        A² 2m³."""
+        params, dense_flops, expert_flops = 0, 0.0, 0.0
+        experts = {id(p) for m in module.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
+        for p in module.parameters():
+            if id(p) in shapes:
+                s = shapes[id(p)]
+                lo, hi = sorted((s.rows, s.cols))
+                flops = s.count * (4 * lo * lo * hi + 2 * lo**3)
+                params += p.numel()
+                if id(p) in experts:
+                    expert_flops += flops
+                else:
+                    dense_flops += flops
+        return params, dense_flops, expert_flops
+
     dense_block = moe_dense = moe_experts = 0
+    muon_dense = muon_moe = 0
+    ns_dense = ns_moe = ns_experts = 0.0
     for block in model.blocks.values():
         experts = sum(numel(m) for m in block.modules() if isinstance(m, GroupedExperts))
+        params, flops, expert_flops = muon(block)
         if experts:
             moe_dense, moe_experts = numel(block) - experts, experts
+            muon_moe, ns_moe, ns_experts = params - experts, flops, expert_flops
         else:
-            dense_block = numel(block)
+            dense_block, muon_dense, ns_dense = numel(block), params, flops
+    mtp_muon, ns_mtp, _ = muon(model.mtp) if model.mtp is not None else (0, 0.0, 0.0)
     return ParamGroups(
         embedding=numel(model.embed),
         head=numel(model.norm) + numel(model.lm_head),
         dense_block=dense_block,
         moe_dense=moe_dense,
         moe_experts=moe_experts,
+        mtp=numel(model.mtp) if model.mtp is not None else 0,
+        muon_dense_block=muon_dense,
+        muon_moe_dense=muon_moe,
+        muon_mtp=mtp_muon,
+        ns_dense_block=ns_dense,
+        ns_moe_dense=ns_moe,
+        ns_experts=ns_experts,
+        ns_mtp=ns_mtp,
     )
 
 

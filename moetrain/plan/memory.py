@@ -112,6 +112,12 @@ class RankMemory:
     """Activations of the micro-batches in flight without recompute (with the logits)."""
     act_full: float
     """The same with full recompute."""
+    muon_dense_local: float = 0.0
+    """Of `dense_local`, the matrices Muon updates (optim.name=muon; the experts are Muon's whole)."""
+    ns_dense: float = 0.0
+    """FLOPs of one Newton–Schulz iteration over those matrices (whole)."""
+    ns_experts: float = 0.0
+    """The same over the rank's experts (÷ ep)."""
 
 
 def checkpoint_state_bytes(L: Layout, rank: RankMemory) -> float:
@@ -204,6 +210,9 @@ class _Blocks:
     experts_none: float = 0.0
     moe_layers: int = 0
     cast_bytes: float = 0.0
+    muon_dense: float = 0.0
+    ns_dense: float = 0.0
+    ns_experts: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,6 +259,9 @@ def _rank_blocks(m: TransformerConfig, L: Layout, groups: ParamGroups, x: _Model
         experts = groups.moe_experts / x.ep_eff if is_moe else 0
         b.dense_local += dense
         b.expert_local += experts
+        b.muon_dense += groups.muon_moe_dense if is_moe else groups.muon_dense_block
+        b.ns_dense += groups.ns_moe_dense if is_moe else groups.ns_dense_block
+        b.ns_experts += groups.ns_experts / x.ep_eff if is_moe else 0.0
         recomputes = L.recompute != "none" and i % L.recompute_every == 0
         mode = L.recompute if recomputes else "none"
         b.act_per_token += _block_bytes(m, is_moe, mode, x.expert_rows, x.compiled, x.fp32, x.exchanged, x.cp)
@@ -299,11 +311,31 @@ def _saved_activations(
 
 def _loss_bytes(m: TransformerConfig, t: int, chunk: int) -> tuple[float, float]:
     """(held, traffic) of the last stage's loss per micro-batch: what it holds for backward and
-    what its element-wise kernels read and write."""
+    what its element-wise kernels read and write; with multi-token prediction, each depth's loss
+    as much again."""
+    losses = 1 + m.mtp_depth
     if chunk:  # one chunk's bf16 logits + gradient; the hidden states' fp32 gradient
         # the fused kernels: read the logits twice, write the gradient
-        return min(chunk, t) * m.vocab_size * 4 + t * m.d_model * 4, t * m.vocab_size * 6
-    return t * m.vocab_size * 10, t * m.vocab_size * 10  # bf16 logits, fp32 copy, fp32 log-softmax
+        return losses * (min(chunk, t) * m.vocab_size * 4 + t * m.d_model * 4), losses * t * m.vocab_size * 6
+    return losses * t * m.vocab_size * 10, losses * t * m.vocab_size * 10  # bf16 logits, fp32 copy, log-softmax
+
+
+def _add_mtp(m: TransformerConfig, L: Layout, groups: ParamGroups, x: _Model, b: _Blocks) -> None:
+    """The multi-token prediction modules (on the last stage): their parameters and Muon's part of
+    them, and per token and depth a dense block's saved tensors plus the projection's input (2D)
+    and the two input norms' outputs."""
+    if not groups.mtp:
+        return
+    a = 4 if x.fp32 else 2
+    b.dense_local += groups.mtp
+    b.muon_dense += groups.muon_mtp
+    b.ns_dense += groups.ns_mtp
+    recomputes = L.recompute != "none"
+    extra = m.mtp_depth * (4 * 2 * m.d_model + a * 2 * m.d_model)
+    for total, mode in (("act_per_token", L.recompute if recomputes else "none"), ("act_none", "none")):
+        block = _block_bytes(m, False, mode, x.expert_rows, x.compiled, x.fp32, x.exchanged, x.cp)
+        setattr(b, total, getattr(b, total) + m.mtp_depth * block + extra)
+    b.act_full += m.mtp_depth * _block_bytes(m, False, "full", x.expert_rows, x.compiled, x.fp32) + extra
 
 
 def _state(
@@ -313,6 +345,9 @@ def _state(
     layout of the parameters, gradients and AdamW state; accumulated: FSDP's unsharded gradients
     kept between micro-batches."""
     moments = 4 if cfg.optim.moments_dtype.value == "bf16" else 8  # AdamW's two moments per element
+    muon = cfg.optim.name.value == "muon"  # Muon's matrices keep one momentum: half of AdamW's two
+    muon_dense = b.muon_dense if muon else 0.0
+    muon_experts = b.expert_local if muon else 0.0
     grad_elem = 2 if cfg.optim.grad_dtype.value == "bf16" else 4  # optim.grad_dtype
     expert_local = b.expert_local
     if x.fsdp:
@@ -322,18 +357,19 @@ def _state(
         # FSDP casts the reduced shards back to the parameters' fp32; one rank: FSDPAdamW's own
         grads = 4 * local / shard if shard > 1 else grad_elem * local
         accumulated = grad_elem * local if L.micro_batches > 1 and L.replicas > 1 else 0.0
-        return weights, grads, moments * local / shard, accumulated
+        return weights, grads, moments * (local - (muon_dense + muon_experts) / 2) / shard, accumulated
     weights = 4 * local  # fp32, or bf16 + the 16-bit remainder (optim.bf16_weights)
     # bf16_weights: one backward's bf16 gradients are kept as they are (2 B)
     bf16_kept = x.bf16_weights and L.replicas == 1 and L.micro_batches == 1
     grads = 2 * local if bf16_kept or grad_elem == 2 else 4 * local
     if not L.shard_optimizer:
-        return weights, grads, moments * local, 0.0
+        return weights, grads, moments * (local - (muon_dense + muon_experts) / 2), 0.0
     shard = dense_local / L.replicas + expert_local / L.edp
+    muon_shard = muon_dense / L.replicas + muon_experts / L.edp
     if x.bf16_weights:  # bf16 weights whole; remainders (2 B) and moments sharded
-        weights, optimizer = 2 * local, (2 + moments) * shard
+        weights, optimizer = 2 * local, 2 * shard + moments * (shard - muon_shard / 2)
     else:  # fp32 weights whole; fp32 master (4 B) and moments sharded
-        optimizer = (4 + moments) * shard
+        optimizer = 4 * shard + moments * (shard - muon_shard / 2)
     # the reduce-scatters' output shards, in the gradient dtype (a view of the bucket where the
     # group has one rank)
     reduced = (dense_local / L.replicas if L.replicas > 1 else 0) + (expert_local / L.edp if L.edp > 1 else 0)
@@ -363,12 +399,15 @@ def memory_per_rank(cfg: RunConfig, L: Layout, groups: ParamGroups, assume: Assu
         layer_ids = [i for s in stages for i in range(sum(layers_per_stage[:s]), sum(layers_per_stage[: s + 1]))]
         b = _rank_blocks(m, L, groups, x, layer_ids)
         first, last = 0 in stages, S - 1 in stages
+        if last:
+            _add_mtp(m, L, groups, x, b)
         dense_local = b.dense_local + (groups.embedding if first else 0) + (groups.head if last else 0)
         local = dense_local + b.expert_local
         in_flight = _in_flight(L, r)
         activations = _saved_activations(m, L, x, b, in_flight, stages, t)
         logits, loss_traffic = _loss_bytes(m, t, chunk) if last else (0.0, 0.0)
-        head_grad = 4 * groups.head / (L.replicas if x.fsdp else 1) if last else 0
+        # the head's fp32 weight gradient, one per loss (multi-token prediction: 1 + depth)
+        head_grad = (1 + m.mtp_depth) * 4 * groups.head / (L.replicas if x.fsdp else 1) if last else 0
         # one bf16 copy of each weight per micro-batch in flight: each micro-batch's forward casts
         # its own, and its saved tensors keep it until that micro-batch's backward
         casts = b.cast_bytes * in_flight
@@ -378,7 +417,7 @@ def memory_per_rank(cfg: RunConfig, L: Layout, groups: ParamGroups, assume: Assu
         # the dense ones, and the experts' unless each lives alone in its group, edp = 1)
         kept_grads = grads if L.micro_batches > 1 else grads * L.bucketed(dense_local, b.expert_local) / local
         start_of_backward = activations + logits + head_grad + casts + max(kept_grads, accumulated)
-        recv_buffers = _recv_buffers(L, stages, t, m.d_model)
+        recv_buffers = _recv_buffers(L, stages, t, m.d_model * (1 + m.mtp_depth))
         peak = weights + optimizer + recv_buffers + max(start_of_backward, grads) + assume.workspace_gib * GIB
         out.append(
             RankMemory(
@@ -403,6 +442,9 @@ def memory_per_rank(cfg: RunConfig, L: Layout, groups: ParamGroups, assume: Assu
                 loss_traffic=loss_traffic,
                 act_none=in_flight * t * b.act_none + logits,
                 act_full=in_flight * t * b.act_full + logits,
+                muon_dense_local=b.muon_dense,
+                ns_dense=b.ns_dense,
+                ns_experts=b.ns_experts,
             )
         )
     return out

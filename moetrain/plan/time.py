@@ -103,8 +103,14 @@ def communication(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume
     if L.cp > 1:
         comm["context_all_gather"] = _context_bytes(cfg, L, rank, t)
         comm_t["context_exchange"] = comm["context_all_gather"] / (net(L.cp) * assume.link_eff)
+    if cfg.optim.name.value == "muon" and not _muon_whole(L):
+        # the update's direction of the matrices gathered for the iteration (bf16): the sharded
+        # optimizer's Muon buckets over their groups; FSDP's non-expert matrices over the replicas
+        experts = 0.0 if fsdp else rank.expert_local * _ring(L.edp)
+        comm["muon_all_gather"] = 2 * (rank.muon_dense_local * _ring(L.replicas) + experts)
+        comm_t["muon_all_gather"] = comm["muon_all_gather"] / (net(L.replicas) * assume.link_eff)
     if L.pp > 1:
-        sends = 2 * L.micro_batches * L.stages_per_rank * t * m.d_model * 4
+        sends = 2 * L.micro_batches * L.stages_per_rank * t * m.d_model * (1 + m.mtp_depth) * 4
         comm["pipeline_send_recv"] = sends
         comm_t["pipeline_send_recv"] = sends / (net(L.replicas * L.pp) * assume.link_eff)
     return Communication(comm, comm_t)
@@ -141,6 +147,8 @@ def _gemm_time(
         t_gemm = (fpt - attention) * tokens / gemm_rate + t_attention
     else:
         t_gemm = fpt * tokens / gemm_rate
+    if rank.last and m.mtp_depth:  # the multi-token prediction modules and their losses
+        t_gemm += _mtp_flops_per_token(cfg) * t * L.micro_batches / gemm_rate
     # each local expert's rows end in a partial tile of its grouped GEMMs (`group_tile_rows`)
     local_experts = m.moe.num_experts / (1 if L.stack == Stack.fsdp.value else L.ep)
     expert_flops = 18 * m.moe.top_k * m.d_model * m.moe.expert_hidden * t * _moe_layers(m, rank) * L.micro_batches
@@ -148,11 +156,49 @@ def _gemm_time(
     return t_gemm, t_tiles, gemm_rate
 
 
+def _mtp_flops_per_token(cfg: RunConfig) -> float:
+    """Training FLOPs per token of the multi-token prediction modules, by the MFU formula's
+    rules: 6 × their parameters and, per depth, the LM head's and one block's attention."""
+    m = cfg.model
+    d, hd = m.d_model, m.resolved_head_dim
+    per_depth = 2 * d * d + 2 * d * hd * (m.n_heads + m.n_kv_heads) + 3 * d * m.resolved_dense_hidden
+    per_depth += d * m.vocab_size  # the LM head, once more per depth
+    return m.mtp_depth * (6 * per_depth + 12 * m.n_heads * hd * cfg.data.seq_len)
+
+
+def _muon_whole(L: Layout) -> bool:
+    """Every Muon matrix is whole on its rank: the replicated optimizer (no FSDP, no sharding)."""
+    return L.stack != Stack.fsdp.value and not L.shard_optimizer
+
+
+def _muon_time(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume: Assumptions) -> tuple[float, float]:
+    """(Muon's elements this rank updates, the seconds of its step) with optim.name=muon: the
+    Newton–Schulz iterations at the GEMM rate — the replicated optimizer over every local matrix,
+    the sharded one over its shard's share (÷ dp·cp dense, ÷ edp experts), FSDP over every
+    non-expert matrix (gathered whole on each rank) and its experts' rows (÷ dp·cp) — and the
+    element-wise passes of moetrain/optim/muon.py over each element it updates
+    (`Assumptions.muon_bytes`)."""
+    if cfg.optim.name.value != "muon":
+        return 0.0, 0.0
+    fsdp = L.stack == Stack.fsdp.value
+    if fsdp:
+        flops = rank.ns_dense + rank.ns_experts / L.replicas
+        updated = (rank.muon_dense_local + rank.expert_local) / L.replicas
+    elif L.shard_optimizer:
+        flops = rank.ns_dense / L.replicas + rank.ns_experts / L.edp
+        updated = rank.muon_dense_local / L.replicas + rank.expert_local / L.edp
+    else:
+        flops, updated = rank.ns_dense + rank.ns_experts, rank.muon_dense_local + rank.expert_local
+    ns = cfg.optim.muon_ns_steps * flops / (spec.bf16_flops * assume.gemm_eff)
+    return updated, ns + assume.muon_bytes * updated / (spec.hbm_bytes_s * assume.param_pass_eff)
+
+
 def _optimizer_time(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume: Assumptions) -> float:
     """The optimizer step over the elements this rank updates: AdamW's bytes per element (fp32
     moments 28 B, bf16 moments 20 B; 2 B less reading bf16 gradients, not FSDP's fp32 shards),
     the split masters and every bf16-moment update by moetrain's Triton kernel, the rest by
-    torch's fused AdamW, each at its measured rate; then the clipping norm reads each gradient."""
+    torch's fused AdamW, each at its measured rate (with optim.name=muon, Muon's matrices
+    instead: `_muon_time`); then the clipping norm reads each gradient."""
     fsdp = L.stack == Stack.fsdp.value
     bf16_weights = uses_bf16_weights(cfg)
     low_moments = cfg.optim.moments_dtype.value == "bf16"
@@ -166,9 +212,11 @@ def _optimizer_time(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assu
         embedding = rank.embedding_local / L.replicas
     else:
         updated, embedding = rank.local, rank.embedding_local
-    by_torch = 0.0 if low_moments else (embedding if bf16_weights else updated)  # fp32 AdamW, fp32 moments
+    muon_updated, t_muon = _muon_time(cfg, L, rank, spec, assume)
+    adamw_updated = updated - muon_updated
+    by_torch = 0.0 if low_moments else (embedding if bf16_weights else adamw_updated)  # fp32 AdamW, fp32 moments
     torch_rate = spec.hbm_bytes_s * assume.torch_adamw_eff
-    t_optimizer = adamw_bytes * ((updated - by_torch) / passes + by_torch / torch_rate)
+    t_optimizer = adamw_bytes * ((adamw_updated - by_torch) / passes + by_torch / torch_rate) + t_muon
     one_kept = bf16_weights and L.micro_batches == 1 and not fsdp  # one backward's bf16 gradient, as it is
     norm_elem = 2 if (low_grads and not fsdp) or one_kept else 4
     return t_optimizer + norm_elem * updated / (spec.hbm_bytes_s * assume.norm_eff)
@@ -278,7 +326,7 @@ def step_time(
     t_bubble = (L.pp - 1) / L.stages_per_rank * per_mb if L.pp > 1 else 0.0
     seconds = comm.seconds
     t_dp = _exposed_dp_reduction(cfg, L, rank, seconds.get("dp_reduction", 0.0), compute, assume)
-    t_dp += seconds.get("optimizer_all_gather", 0.0)
+    t_dp += seconds.get("optimizer_all_gather", 0.0) + seconds.get("muon_all_gather", 0.0)
     t_fsdp = max(0.0, seconds.get("fsdp", 0.0) - compute * assume.fsdp_overlap)
     t_a2a = seconds.get("expert_all_to_all", 0.0)
     if L.overlap_chunks and t_a2a:
