@@ -124,3 +124,13 @@ def test_checkpoints_keep_the_modules_and_the_export_leaves_them_out(tiny_cfg, t
     Trainer(tiny_cfg(run, "model.mtp_depth=2", "train.steps=3", "train.eval_every=0"), resume=True, quiet=True).fit()
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records][-1] == 3 and "mtp_loss" in records[-1]
+
+
+def test_config_help_lists_the_new_keys(capsys):
+    from moetrain.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["config", "--help"])
+    out = capsys.readouterr().out
+    for key in ("model.mtp_depth", "model.mtp_loss_weight", "parallel.cp", "optim.name"):
+        assert f"  {key}  (" in out, key

@@ -106,19 +106,23 @@ def rank_layouts(data_dir, tmp, layouts, params_file):
     return out
 
 
-@pytest.fixture(scope="module")
-def reference(real_text_dir, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("single")
+def single_run(data_dir, tmp, *extra):
+    """Train `layout_cfg` with `extra` on this process in tmp/run: (its records, the file of its
+    final parameters by canonical name), the reference the layouts are checked against."""
     from moetrain.model.transformer import canonical_name
+    from moetrain.train.metrics import read_metrics
     from moetrain.train.trainer import Trainer
 
-    trainer = Trainer(layout_cfg(real_text_dir, tmp / "run"), quiet=True)
+    trainer = Trainer(layout_cfg(data_dir, tmp / "run", *extra), quiet=True)
     trainer.fit()
     params_file = tmp / "params.pt"
     torch.save({canonical_name(n): p.detach().clone() for n, p in trainer.engine.model.named_parameters()}, params_file)
-    from moetrain.train.metrics import read_metrics
-
     return read_metrics(tmp / "run" / "metrics.jsonl"), params_file
+
+
+@pytest.fixture(scope="module")
+def reference(real_text_dir, tmp_path_factory):
+    return single_run(real_text_dir, tmp_path_factory.mktemp("single"))
 
 
 def check(records, reference_records):

@@ -5,8 +5,7 @@ over 5 steps — losses (the logged multi-token one too), gradient norms and fin
 with the tolerances of tests/parallel/test_layouts.py."""
 
 import pytest
-import torch
-from test_layouts import check, layout_cfg, train_and_report
+from test_layouts import check, rank_layouts, single_run
 
 from moetrain.testing.distributed import run_distributed
 
@@ -20,33 +19,18 @@ LAYOUTS = {
 }
 
 
-def _single(data_dir, tmp):
-    from moetrain.model.transformer import canonical_name
-    from moetrain.train.metrics import read_metrics
-    from moetrain.train.trainer import Trainer
-
-    trainer = Trainer(layout_cfg(data_dir, tmp / "run", *MTP), quiet=True)
-    trainer.fit()
-    params = tmp / "params.pt"
-    torch.save({canonical_name(n): p.detach().clone() for n, p in trainer.engine.model.named_parameters()}, params)
-    return read_metrics(tmp / "run" / "metrics.jsonl"), params
-
-
-def _layouts(data_dir, tmp, layouts, params):
-    import torch.distributed as dist
-
-    out = {}
-    for name, extra in layouts:
-        out[name] = train_and_report(data_dir, tmp / name, [*MTP, *extra], params)
-        dist.barrier()
-    return out
-
-
 @pytest.fixture(scope="module")
 def mtp_results(real_text_dir, tmp_path_factory):
-    ref, params = _single(real_text_dir, tmp_path_factory.mktemp("mtp-single"))
+    ref, params = single_run(real_text_dir, tmp_path_factory.mktemp("mtp-single"), *MTP)
     return ref, {
-        world: run_distributed(_layouts, world, real_text_dir, tmp_path_factory.mktemp(f"mtp{world}"), layouts, params)
+        world: run_distributed(
+            rank_layouts,
+            world,
+            real_text_dir,
+            tmp_path_factory.mktemp(f"mtp{world}"),
+            [(name, [*MTP, *extra]) for name, extra in layouts],
+            params,
+        )
         for world, layouts in LAYOUTS.items()
     }
 

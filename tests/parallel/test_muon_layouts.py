@@ -10,7 +10,6 @@
 import shutil
 
 import pytest
-import torch
 
 from moetrain.testing.distributed import run_distributed
 
@@ -21,29 +20,6 @@ def _cfg(data_dir, run_dir, *extra):
     from test_layouts import layout_cfg
 
     return layout_cfg(data_dir, run_dir, MUON, *extra)
-
-
-def _single(data_dir, tmp):
-    from moetrain.model.transformer import canonical_name
-    from moetrain.train.metrics import read_metrics
-    from moetrain.train.trainer import Trainer
-
-    trainer = Trainer(_cfg(data_dir, tmp / "run"), quiet=True)
-    trainer.fit()
-    params = tmp / "params.pt"
-    torch.save({canonical_name(n): p.detach().clone() for n, p in trainer.engine.model.named_parameters()}, params)
-    return read_metrics(tmp / "run" / "metrics.jsonl"), params
-
-
-def _layouts(data_dir, tmp, layouts, params):
-    import torch.distributed as dist
-    from test_layouts import train_and_report
-
-    out = {}
-    for name, extra in layouts:
-        out[name] = train_and_report(data_dir, tmp / name, [MUON, *extra], params)
-        dist.barrier()
-    return out
 
 
 SHARD = "parallel.shard_optimizer=true"
@@ -66,11 +42,14 @@ MUON_LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def muon_results(real_text_dir, tmp_path_factory):
-    ref_records, params = _single(real_text_dir, tmp_path_factory.mktemp("muon-single"))
+    from test_layouts import rank_layouts, single_run
+
+    ref_records, params = single_run(real_text_dir, tmp_path_factory.mktemp("muon-single"), MUON)
     results = {}
     for world, layouts in MUON_LAYOUTS.items():
         tmp = tmp_path_factory.mktemp(f"muon-world{world}")
-        results[world] = run_distributed(_layouts, world, real_text_dir, tmp, layouts, params)
+        layouts = [(name, [MUON, *extra]) for name, extra in layouts]
+        results[world] = run_distributed(rank_layouts, world, real_text_dir, tmp, layouts, params)
     return ref_records, results
 
 
