@@ -27,6 +27,9 @@ ACCEPTED: dict[str, tuple[str, ...]] = {
     "model.moe.lb_loss_weight": ("0", *HUGE),
     "model.moe.z_loss_weight": ("0", *HUGE),
     "model.moe.bias_update_rate": ("0", *HUGE),
+    "model.mtp_depth": ("0",),  # no multi-token prediction
+    "model.mtp_loss_weight": ("0", *HUGE),
+    "optim.muon_momentum": ("0",),  # Muon without momentum
     "optim.betas": ("0",),
     "optim.weight_decay": ("0", *HUGE),
     "optim.grad_clip": ("0", *HUGE),
