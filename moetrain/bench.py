@@ -11,7 +11,11 @@ device-to-host synchronization the step makes. The steps are the trainer's own `
 memory snapshot) into RUN_DIR/profile-ROUTING, named in the JSON line as `profile_dir`.
 `--forward-backward-only` times the micro-batches' forward and backward passes without clipping
 and the optimizer step; `--also-forward-backward` times both windows, one JSON line each (the
-line's `timed` says which). Each line also carries the last timed step's routing balance:
+line's `timed` says which). `--also-optimizer-step` adds a window of the optimizer's part alone
+(`TrainEngine.update`: clipping, the step guard, the update, the router bias) repeated over the
+gradients of one forward and backward; its line has no token rates, and `share_of_training_step`
+its step time over the training step's. Every line names the optimizer and the bytes of state it
+holds per parameter this rank holds (`optimizer`). Each line also carries the last timed step's routing balance:
 expert_load_max_over_mean, ep_load_max_over_mean and dropped_token_frac (as in metrics.jsonl).
 The routing mode is switched in place between configurations (`TrainEngine.set_routing`: the
 model, its optimizer state and compiled code are kept; a warm-up follows each switch).
@@ -69,6 +73,7 @@ def run_bench(
     progress: bool = True,
     forward_backward_only: bool = False,
     also_forward_backward: bool = False,
+    also_optimizer_step: bool = False,
     rehearse: int | None = None,
     rank: int | None = None,
     checkpoint: bool = True,
@@ -87,7 +92,7 @@ def run_bench(
     if rehearsal is not None:
         say(f"bench {spec}: REHEARSAL: {rehearsal_notice(trainer.par.dims, rehearsal.rank)}")
         LEDGER.timing = True
-    windows = _windows(trainer, forward_backward_only, also_forward_backward)
+    windows = _windows(trainer, forward_backward_only, also_forward_backward, also_optimizer_step)
     records = []
     for routing in routings:
         trainer.engine.set_routing(routing)
@@ -95,13 +100,20 @@ def run_bench(
             # The first window warms up after the routing switch; a second one reuses the
             # compiled code and needs one step to settle (allocator, gradient buckets).
             n_warm = warmup if i == 0 else min(warmup, 1)
+            if isinstance(step, _OptimizerStep):
+                n_warm = max(n_warm, 1)  # its first call runs the forward and backward too
             record, timing = _time_window(trainer, spec, routing, timed, step, n_warm, steps, sync_check, say)
+            if isinstance(step, _OptimizerStep):
+                step.finish()
+                trained = [r for r in records if r["routing"] == routing and r["timed"] == "training step"]
+                if trained:
+                    record["share_of_training_step"] = record["step_time_s"] / trained[-1]["step_time_s"]
             kinds = None
             # after the timed window: the profiler's overhead stays out of it; a rehearsal's
             # kinds of kernel come from a short profile of their own
             if (cfg.train.profile or rehearsal is not None) and i == 0:
                 record["profile_dir"], kinds = _profile(trainer, f"bench {spec} ({routing} routing)", routing, say)
-            if rehearsal is not None:
+            if rehearsal is not None and not isinstance(step, _OptimizerStep):  # no tokens: no projection
                 LEDGER.reset()  # the ledger's counts are the timed window's
                 record["rehearsal"] = dict(
                     step_s=timing["step_s"],
@@ -135,13 +147,17 @@ def _say_nothing(msg: str) -> None:
     pass
 
 
-def _windows(trainer: Trainer, forward_backward_only: bool, also_forward_backward: bool) -> list[tuple[str, Any]]:
+def _windows(
+    trainer: Trainer, forward_backward_only: bool, also_forward_backward: bool, also_optimizer_step: bool
+) -> list[tuple[str, Any]]:
     """The timed windows of each configuration: (the line's `timed`, the step it repeats)."""
     if forward_backward_only:
         return [("forward+backward", _forward_backward_step(trainer))]
     windows = [("training step", trainer.train_step)]
     if also_forward_backward:
         windows.append(("forward+backward", _forward_backward_step(trainer)))
+    if also_optimizer_step:
+        windows.append(("optimizer step", _OptimizerStep(trainer)))
     return windows
 
 
@@ -170,8 +186,14 @@ def _time_window(
         stand_in_s=LEDGER.seconds() / steps if trainer.par.rehearsed else 0.0,
         collectives=LEDGER.summary(steps),
     )
-    # One collective: loss and routing balance over all ranks.
-    balance = trainer.engine.metrics(out, step=trainer.step, steps=steps, seconds=elapsed)
+    if isinstance(step, _OptimizerStep):  # no tokens pass: no rates, no routing of its own
+        balance = dict.fromkeys(
+            ("tokens_per_sec", "tokens_per_sec_per_device", "tflops_per_device", "mfu", "expert_load_max_over_mean",
+             "ep_load_max_over_mean", "dropped_token_frac"),
+        )  # fmt: skip
+        balance["lm_loss"] = trainer.engine.global_mean(step.lm_loss.float().reshape(1))[0].item()
+    else:  # one collective: loss and routing balance over all ranks
+        balance = trainer.engine.metrics(out, step=trainer.step, steps=steps, seconds=elapsed)
     syncs = _count_host_syncs(step) if sync_check and trainer.device.type == "cuda" else None
     record = _record(trainer, spec, routing, steps, elapsed, balance, syncs)
     record["timed"] = timed
@@ -203,7 +225,7 @@ def _finish_rehearsal(trainer: Trainer, spec: str, records: list[dict[str, Any]]
     if checkpoint:
         say(f"bench {spec}: REHEARSAL: saving this rank's checkpoint shard and loading it back")
         saved = rehearse_mod.checkpoint_peaks(trainer)
-    for record in records:
+    for record in (r for r in records if "rehearsal" in r):
         r = record["rehearsal"]
         record["rehearsal"] = rehearse_mod.record(
             trainer,
@@ -247,6 +269,40 @@ def _forward_backward_step(trainer: Trainer):
         return engine.drop_step(engine.forward_backward(trainer.next_batches()))
 
     return step
+
+
+class _OptimizerStep:
+    """The optimizer's part of a training step (`TrainEngine.update`) on its own: the first call
+    runs one forward and backward for gradients, every call updates from them (they are kept:
+    each call does the same work on the same kind of data). `finish` drops the gradients and
+    the routing statistics, as `drop_step` does."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+        self.lm_loss: torch.Tensor | None = None
+
+    def __call__(self) -> None:
+        engine = self.trainer.engine
+        if self.lm_loss is None:
+            self.lm_loss = engine.forward_backward(self.trainer.next_batches())
+        engine.update(self.lm_loss, self.trainer.step)
+
+    def finish(self) -> None:
+        if self.lm_loss is not None:
+            self.trainer.engine.drop_step(self.lm_loss)
+        self.lm_loss = None
+
+
+def _optimizer_record(trainer: Trainer) -> dict[str, Any]:
+    """The optimizer's name and the bytes of state it holds on this rank (moments, Muon momentum,
+    fp32 masters or their split remainders) per parameter element this rank holds."""
+    held = sum(_local(p).numel() for p in trainer.engine.model.parameters())
+    state = trainer.engine.optimizer.memory_bytes()
+    return {"name": str(trainer.cfg.optim.name), "state_bytes": state, "state_bytes_per_param": state / held}
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p
 
 
 def _count_host_syncs(step) -> int:
@@ -309,6 +365,7 @@ def _record(
             "tokens_per_step": engine.tokens_per_step,
         },
         "precision": _precision(trainer),
+        "optimizer": _optimizer_record(trainer),
         "flops_per_token": engine.flops_per_token,
         "compile": tc.compile,
         "loss_chunk_tokens": trainer.engine.loss_chunk_tokens,
@@ -349,12 +406,13 @@ def code_version() -> str:
 
 def _precision(trainer: Trainer) -> str:
     amp_dtype = trainer.engine.amp_dtype
+    state = "AdamW" if trainer.cfg.optim.name == "adamw" else "Muon and AdamW"
     if amp_dtype is None:
         base = "fp32"
     elif trainer.engine.bf16_weights:
-        base = "bf16 weights (matrices) with split fp32 masters, fp32 gradients and AdamW state"
+        base = f"bf16 weights (matrices) with split fp32 masters, fp32 gradients and {state} state"
     else:
-        base = f"{str(amp_dtype).removeprefix('torch.')} autocast, fp32 master weights, gradients and AdamW state"
+        base = f"{str(amp_dtype).removeprefix('torch.')} autocast, fp32 master weights, gradients and {state} state"
     if trainer.cfg.train.fp8 != "none":
         base += f"; {trainer.cfg.train.fp8} fp8 (e4m3) expert and block-linear GEMMs"
     return base

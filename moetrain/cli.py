@@ -286,6 +286,13 @@ def cmd_bench(argv: list[str]) -> int:
         action="store_true",
         help="after the training-step window, time forward+backward alone too (one more JSON line)",
     )
+    parser.add_argument(
+        "--also-optimizer-step",
+        action="store_true",
+        help="after the training-step window, time the optimizer's part alone too (clipping, the step guard, the "
+        "update, the router bias; gradients of one forward+backward kept): one more JSON line, with its share of "
+        "the training step",
+    )
     parser.add_argument("--device", default=None, help="sets train.device (default: auto)")
     parser.add_argument("--run-dir", default=None, help="where the trainer may write (default: a temporary directory)")
     _rehearsal_flags(
@@ -300,6 +307,8 @@ def cmd_bench(argv: list[str]) -> int:
     _check_rehearsal_flags(args)
     if args.no_checkpoint and args.rehearse is None:
         raise ConfigError("--no-checkpoint skips a rehearsal's checkpoint: add --rehearse N (plain bench saves none).")
+    if args.also_optimizer_step and args.forward_backward_only:
+        raise ConfigError("--also-optimizer-step times a part of the training step: drop --forward-backward-only.")
     if args.warmup < 0 or args.steps <= 0:
         raise ConfigError(f"--warmup={args.warmup} must be ≥ 0 and --steps={args.steps} positive.")
     if args.device is not None:
@@ -315,6 +324,7 @@ def cmd_bench(argv: list[str]) -> int:
         run_dir=args.run_dir,
         forward_backward_only=args.forward_backward_only,
         also_forward_backward=args.also_forward_backward,
+        also_optimizer_step=args.also_optimizer_step,
         rehearse=args.rehearse,
         rank=args.rank,
         checkpoint=not args.no_checkpoint,

@@ -196,6 +196,35 @@ def test_bench_times_both_windows_and_reports_routing_balance(capsys, tmp_path):
         assert r["expert_load_max_over_mean"] >= 1.0 and r["loss"] > 0
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_bench_times_the_optimizer_step_alone(capsys, tmp_path, optimizer):
+    """--also-optimizer-step: a third line timing the optimizer's part alone, a fraction of the
+    training step, no token rates; every line names the optimizer and its state per parameter:
+    fp32 AdamW on CPU holds two fp32 moments (8 bytes, plus the step counters), Muon one momentum
+    for the blocks' matrices and AdamW's two for the rest (between 4 and 8)."""
+    args = "--warmup 1 --steps 2 --routing learned --also-forward-backward --also-optimizer-step"
+    args += f" --optim.name={optimizer}"
+    assert bench(tmp_path, *args.split()) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["timed"] for r in lines] == ["training step", "forward+backward", "optimizer step"]
+    step, opt = lines[0], lines[2]
+    assert 0 < opt["step_time_s"] and opt["share_of_training_step"] == opt["step_time_s"] / step["step_time_s"]
+    assert opt["share_of_training_step"] < 1
+    assert opt["tokens_per_sec"] is None and opt["mfu"] is None and opt["loss"] > 0
+    per_param = {r["optimizer"]["state_bytes_per_param"] for r in lines}
+    assert len(per_param) == 1 and {r["optimizer"]["name"] for r in lines} == {optimizer}
+    if optimizer == "adamw":
+        assert 8 <= per_param.pop() < 8.01
+    else:
+        assert 4 < per_param.pop() < 8
+
+
+def test_bench_optimizer_step_with_forward_backward_only_is_refused(capsys, tmp_path):
+    assert bench(tmp_path, "--forward-backward-only", "--also-optimizer-step") == 2
+    err = capsys.readouterr().err
+    assert "--also-optimizer-step" in err and "--forward-backward-only" in err and "Traceback" not in err
+
+
 def test_bench_profiles_after_the_timed_window(capsys, tmp_path):
     """--train.profile=true: a profiler window per routing mode in RUN_DIR/profile-ROUTING,
     named in the JSON line (on CUDA also a memory snapshot: tests/gpu/test_cuda.py)."""

@@ -20,6 +20,7 @@ from moetrain.rehearse import NOT_MEASURED
 
 SMALL = ["--model.d_model=64", "--model.vocab_size=512", "--data.seq_len=32"]
 BENCH = ["--device", "cpu", "--routing", "learned", "--warmup", "1", "--steps", "1", "--train.profile_steps=1", *SMALL]
+MUON_STEP = ["--parallel.shard_optimizer=true", "--optim.name=muon", "--also-optimizer-step"]
 PP2 = ["--parallel.pp=2", "--train.micro_batch_size=12"]  # two micro-batches per step: pp=2 needs ≥ 2
 
 
@@ -70,6 +71,7 @@ def runs(tmp_path_factory, real_text_dir):
         "bench rank 1": ["bench", "tiny", *ep2, "--rank", "1", *BENCH],
         "bench, no checkpoint": ["bench", "tiny", *ep2, "--rank", "0", "--no-checkpoint", *BENCH],
         "bench, default rank": ["bench", "tiny", "--rehearse", "4", *PP2, *BENCH],
+        "bench, sharded Muon's step": ["bench", "tiny", *ep2, "--rank", "2", "--no-checkpoint", *MUON_STEP, *BENCH],
         "train rank 1": ["train", "tiny", *ep2, "--rank", "1", "--steps", "2", *train_flags],
     }
     dirs = {name: root / name.replace(" ", "-").replace(",", "") for name in argv}
@@ -125,6 +127,21 @@ def test_bench_rehearsal_with_no_checkpoint_saves_none(runs):
     assert r["checkpoint"] is None and r["peak_gib"]["saving"] is None and r["peak_gib"]["loading"] is None
     assert not (run_dir / "checkpoints").exists()
     assert "saving this rank's checkpoint" not in out.stderr
+
+
+def test_bench_rehearsal_times_a_sharded_optimizer_step_without_projecting_it(runs):
+    """--also-optimizer-step in a rehearsal (the sharded Muon of rank 2 of 4, its peers' shards
+    stood in): a second line timing the optimizer alone, with its share of the training step and
+    no rehearsal projection (no tokens pass); the rank holds a quarter of the dense matrices'
+    momentum and of the rest's AdamW moments, so well under the 4 + 8 bytes per parameter of a
+    whole Muon and AdamW state."""
+    _, out = runs["bench, sharded Muon's step"]
+    assert out.returncode == 0, out.stderr
+    step, opt = [json.loads(line) for line in out.stdout.strip().splitlines()]
+    assert (step["timed"], opt["timed"]) == ("training step", "optimizer step")
+    assert step["rehearsal"]["rank"] == 2 and "rehearsal" not in opt
+    assert 0 < opt["share_of_training_step"] < 1 and opt["tokens_per_sec"] is None
+    assert opt["optimizer"]["name"] == "muon" and 0 < opt["optimizer"]["state_bytes_per_param"] < 4
 
 
 def test_bench_rehearsal_without_rank_runs_the_planners_busiest_rank(runs):

@@ -155,9 +155,17 @@ class TrainEngine:
         return lm_loss
 
     def optim_step(self, lm_loss: torch.Tensor, step: int) -> StepOutput:
-        """Close the step after `forward_backward`: clip, decide whether to skip (the same on
-        every rank: the norm is global already, the loss is made global by one all-reduce),
-        set the schedule's learning rate for step `step`, update, zero the gradients."""
+        """Close the step after `forward_backward`: `update`, then zero the gradients and read
+        the step's routing statistics."""
+        grad_norm, lr = self.update(lm_loss, step)
+        self.optimizer.zero_grad()
+        return StepOutput(lm_loss, grad_norm, self._end_routing_step(), lr, self._end_mtp_step())
+
+    def update(self, lm_loss: torch.Tensor, step: int) -> tuple[torch.Tensor, float]:
+        """The optimizer's part of step `step` (0-based), gradients left in place: clip, decide
+        whether to skip (the same on every rank: the norm is global already, the loss is made
+        global by one all-reduce), set the schedule's learning rate, update (and the step
+        hooks: the router bias). Returns the norm before clipping (device) and the lr."""
         cfg = self.cfg
         max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
         grad_norm = self.optimizer.clip_grad_norm(max_norm)
@@ -165,8 +173,7 @@ class TrainEngine:
         lr = lr_at(step, cfg.train.steps, cfg.optim.lr, cfg.schedule)
         self.optimizer.set_lr(lr)
         self.optimizer.step(skip)
-        self.optimizer.zero_grad()
-        return StepOutput(lm_loss, grad_norm, self._end_routing_step(), lr, self._end_mtp_step())
+        return grad_norm, lr
 
     def drop_step(self, lm_loss: torch.Tensor) -> StepOutput:
         """Close the step after `forward_backward` without an update (benchmarks of forward and

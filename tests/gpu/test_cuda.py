@@ -38,7 +38,8 @@ def test_bf16_grouped_moe_on_cuda_matches_fp32_cpu():
         assert cos > 0.99, (name, cos.item())
 
 
-def test_tiny_trains_on_cuda(real_text_dir, tmp_path):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_tiny_trains_on_cuda(real_text_dir, tmp_path, optimizer):
     from moetrain.presets import resolve_config
     from moetrain.train.metrics import read_metrics
     from moetrain.train.trainer import Trainer
@@ -55,6 +56,7 @@ def test_tiny_trains_on_cuda(real_text_dir, tmp_path):
             "train.log_every=10",
             "train.tensorboard=false",
             "train.plot=false",
+            f"optim.name={optimizer}",
         ],
     )
     Trainer(cfg, quiet=True).fit()
@@ -73,13 +75,17 @@ def test_tiny_trains_on_cuda(real_text_dir, tmp_path):
         (False, "none", "parallel.stack=fsdp"),
         (False, "none", "optim.bf16_weights=false"),  # CUDA's default is true
         (True, "selective", "optim.bf16_weights=false"),
+        (False, "none", "optim.name=muon"),
+        (True, "none", "optim.name=muon"),
+        (False, "none", "optim.name=muon parallel.shard_optimizer=true"),
+        (False, "none", "optim.name=muon parallel.stack=fsdp"),
     ],
 )
 def test_training_step_is_sync_free(tmp_path, compile, recompute, optimizer):
     """A whole training step (forward and backward of two micro-batches, clipping, the step
-    guard, AdamW, the aux-free bias update) makes no device-to-host synchronization: CUDA's sync
-    debug mode in "error" raises on any (logging reads values only every train.log_every steps,
-    outside). For the replicated, the sharded (ShardedAdamW) and the FSDP optimizers."""
+    guard, AdamW or Muon, the aux-free bias update) makes no device-to-host synchronization:
+    CUDA's sync debug mode in "error" raises on any (logging reads values only every
+    train.log_every steps, outside). For the replicated, the sharded and the FSDP optimizers."""
     from moetrain.presets import resolve_config
     from moetrain.train.trainer import Trainer
 
@@ -95,7 +101,7 @@ def test_training_step_is_sync_free(tmp_path, compile, recompute, optimizer):
             f"train.recompute={recompute}",
             "train.tensorboard=false",
             "train.plot=false",
-            optimizer,
+            *optimizer.split(),
         ],
     )
     trainer = Trainer(cfg, quiet=True)
@@ -561,6 +567,8 @@ def _rehearse_on_cuda(run_dir, overrides, rank):
         (["parallel.stack=fsdp"], 1),
         (["parallel.cp=2", "parallel.ep=2", "train.compile=true"], 1),
         (["parallel.cp=4", "parallel.ep=2"], 2),
+        (["parallel.ep=2", "parallel.shard_optimizer=true", "optim.name=muon"], 1),
+        (["parallel.stack=fsdp", "optim.name=muon"], 2),
     ],
 )
 def test_a_rehearsed_rank_runs_on_one_gpu_with_its_stand_ins_measured_apart(tmp_path, overrides, rank):
