@@ -3,11 +3,12 @@
 runs' curves side by side.
 
     python benchmarks/optimizer_sweep.py tiny --out runs/sweep-tiny \\
-        --adamw 1e-3 3e-3 6e-3 --muon 3e-3 6e-3 1.2e-2 [--steps 300] [-- --train.device=cpu …]
+        --adamw 1e-3 3e-3 6e-3 --muon 3e-3 6e-3 1.2e-2 [--steps 300] [--jobs 1] [-- --train.device=cpu …]
 
 Each run is `moetrain train PRESET --run-dir OUT/OPT-LR --optim.name=OPT --optim.lr=LR` plus the
 overrides after `--` (its own directory: an interrupted sweep re-runs only the runs without a
-summary.json). Prints one JSON line per run (optimizer, lr, final validation and training loss,
+summary.json). `--jobs N` runs N at once (on one GPU: small models side by side; the losses do
+not depend on it, the seconds do). Prints one JSON line per run (optimizer, lr, final validation and training loss,
 seconds) and a last line with each optimizer's best; writes OUT/curves.png (moetrain.train.plot's
 `plot_compare`: training and validation loss by step) and OUT/sweep.json.
 """
@@ -15,6 +16,7 @@ seconds) and a last line with each optimizer's best; writes OUT/curves.png (moet
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import subprocess
 import sys
@@ -57,14 +59,16 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--adamw", type=float, nargs="+", required=True, help="AdamW's learning rates")
     parser.add_argument("--muon", type=float, nargs="+", required=True, help="Muon's learning rates")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at once")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = []
-    for name, lrs in (("adamw", args.adamw), ("muon", args.muon)):
-        for lr in lrs:
-            results.append(run(args.preset, out, name, lr, args.steps, extra))
-            print(json.dumps(results[-1]), flush=True)
+    todo = [(name, lr) for name, lrs in (("adamw", args.adamw), ("muon", args.muon)) for lr in lrs]
+    with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        futures = [pool.submit(run, args.preset, out, name, lr, args.steps, extra) for name, lr in todo]
+        for future in concurrent.futures.as_completed(futures):
+            print(json.dumps(future.result()), flush=True)
+    results = [f.result() for f in futures]
     best = {}
     for name in ("adamw", "muon"):
         mine = [r for r in results if r["optimizer"] == name and r["final_val_loss"] is not None]

@@ -24,9 +24,9 @@ time — its gate and up halves of `w_gate_up_E2FD` apart, as the two maps they 
 and are fp32 logits' weights) and the LM head.
 
 Newton–Schulz (`newton_schulz`): X = U / ‖U‖_F, then k times X ← a·X + (b·A + c·A²)·X with
-A = X·Xᵀ (on the wide orientation), (a, b, c) = (3.4445, −4.7750, 2.0315), the quintic of
-Keller Jordan's Muon, which drives singular values in (0, 1] to [0.7, 1.2] in 5 steps. It runs
-in bf16 on CUDA (its matmuls) and in fp32 elsewhere.
+A = X·Xᵀ (a tall X: A = Xᵀ·X and X ← a·X + X·(b·A + c·A²), the same on Xᵀ), (a, b, c) =
+(3.4445, −4.7750, 2.0315), the quintic of Keller Jordan's Muon, which drives singular values in
+(0, 1] to [0.7, 1.2] in 5 steps. It runs in bf16 on CUDA (its matmuls) and in fp32 elsewhere.
 
 Where a matrix is sharded, the iteration needs it whole. Each optimizer builds the same update
 from the parts it holds (`MuonMatrices`): the replicated optimizer holds every matrix whole
@@ -57,16 +57,16 @@ def newton_schulz(u_kMN: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.
     values near 1. Computed in `dtype`, returned in fp32."""
     a, b, c = NS_COEFFICIENTS
     x = u_kMN.to(dtype)
-    tall = x.shape[-2] > x.shape[-1]
-    if tall:
-        x = x.mT
+    x = x if x.ndim == 3 else x.unsqueeze(0)
     x = x / (torch.linalg.matrix_norm(x.float(), keepdim=True) + 1e-7).to(dtype)
+    # A on the short side: X·Xᵀ (M ≤ N) or Xᵀ·X (tall); b·A + c·A² and a·X + B·X (X·B) as the
+    # GEMMs' epilogues (baddbmm), so no element-wise pass and no transposed copy
+    tall = x.shape[-2] > x.shape[-1]
     for _ in range(steps):
-        a_kMM = x @ x.mT
-        x = a * x + (b * a_kMM + c * a_kMM @ a_kMM) @ x
-    if tall:
-        x = x.mT
-    return x.float()
+        a_kSS = x.mT @ x if tall else x @ x.mT
+        b_kSS = torch.baddbmm(a_kSS, a_kSS, a_kSS, beta=b, alpha=c)
+        x = torch.baddbmm(x, x, b_kSS, beta=a) if tall else torch.baddbmm(x, b_kSS, x, beta=a)
+    return x.reshape(u_kMN.shape).float()
 
 
 @dataclasses.dataclass(frozen=True)
