@@ -3,14 +3,16 @@
 Builds fp32 weights, gradients and momenta of every matrix Muon updates in PRESET (the shapes
 `muon_matrices` gives: one tensor per parameter, experts stacked) on the GPU and times, summed
 over them, each part as `MuonMatrices.step` runs it:
-  momentum_direction — M ← β·M + c·G and U = c·G + β·M (element-wise, fp32);
+  momentum_direction — M ← β·M + c·G and U = c·G + β·M (fp32 arithmetic, U written in bf16),
+                       one compiled kernel as moetrain runs it; *_eager: torch's element-wise
+                       ops one by one, U in fp32 (the same arithmetic);
   newton_schulz      — the 5 bf16 iterations with the epilogues in the GEMMs (baddbmm), at its
                        FLOP rate (4·S²·L + 2·S³ per iteration and matrix, S the short side, L the
                        long one);
   newton_schulz_plain— the same iterations with b·A + c·A² and a·X + B·X as separate
                        element-wise ops on a transposed X (the textbook form), for comparison;
-  apply_update       — W ← W·(1 − lr·wd) − lr·s·O (element-wise, fp32);
-  *_compiled         — the two element-wise parts through torch.compile (one fused kernel each).
+  apply_update       — W ← W·(1 − lr·wd) − lr·s·O (fp32 arithmetic, O read in bf16), compiled;
+                       *_eager: element by element ops with O in fp32.
 Timings: CUDA events, median of --reps after warm-ups (`cuda_timing.timed`), random data.
 Prints one JSON line.
 
@@ -31,7 +33,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from cuda_timing import timed  # noqa: E402
 
 from moetrain.model.transformer import Transformer  # noqa: E402
-from moetrain.optim.muon import NS_COEFFICIENTS, apply_update, momentum_direction, muon_matrices, newton_schulz  # noqa: E402
+from moetrain.optim.muon import (  # noqa: E402
+    NS_COEFFICIENTS,
+    _apply_update,
+    _momentum_direction,
+    apply_update,
+    momentum_direction,
+    muon_matrices,
+    newton_schulz,
+)
 from moetrain.presets import preset  # noqa: E402
 
 
@@ -63,25 +73,22 @@ def main() -> None:
     grads = [torch.randn_like(w) * 1e-3 for _, w in mats]
     moms = [torch.zeros_like(w) for _, w in mats]
     coef, skip = torch.ones((), device=dev), torch.zeros((), dtype=torch.bool, device=dev)
-    us = [momentum_direction(m, g, 0.95, coef, skip) for m, g in zip(moms, grads)]
+    us = [momentum_direction(m, g, 0.95, coef, skip, torch.bfloat16) for m, g in zip(moms, grads)]
     os_ = [newton_schulz(u, 5, torch.bfloat16) for u in us]
+    os32 = [o.float() for o in os_]
     flops = 0
     for s in shapes:
         short, long = min(s.rows, s.cols), max(s.rows, s.cols)
         flops += s.count * 5 * (4 * short * short * long + 2 * short**3)
-    md_c, au_c = torch.compile(momentum_direction, dynamic=True), torch.compile(apply_update, dynamic=True)
-
-    def parts(md, au):
-        return {
-            "momentum_direction": lambda: [md(m, g, 0.95, coef, skip) for m, g in zip(moms, grads)],
-            "apply_update": lambda: [au(w, o, s.scale, 1e-3, 0.1, skip) for (s, w), o in zip(mats, os_)],
-        }
-
-    ms = {}
-    for name, fn in parts(momentum_direction, apply_update).items():
-        ms[name] = timer(fn, args.reps, 2)
-    for name, fn in parts(md_c, au_c).items():
-        ms[f"{name}_compiled"] = timer(fn, args.reps, 2)
+    bf16, fp32 = torch.bfloat16, torch.float32
+    pairs = list(zip(moms, grads))
+    parts = {
+        "momentum_direction": lambda: [momentum_direction(m, g, 0.95, coef, skip, bf16) for m, g in pairs],
+        "momentum_direction_eager": lambda: [_momentum_direction(m, g, 0.95, coef, skip, fp32) for m, g in pairs],
+        "apply_update": lambda: [apply_update(w, o, s.scale, 1e-3, 0.1, skip) for (s, w), o in zip(mats, os_)],
+        "apply_update_eager": lambda: [_apply_update(w, o, s.scale, 1e-3, 0.1, skip) for (s, w), o in zip(mats, os32)],
+    }  # fmt: skip
+    ms = {name: timer(fn, args.reps, 2) for name, fn in parts.items()}
     ms["newton_schulz"] = timer(lambda: [newton_schulz(u, 5, torch.bfloat16) for u in us], args.reps, 2)
     ms["newton_schulz_plain"] = timer(lambda: [plain_newton_schulz(u, 5) for u in us], args.reps, 2)
     max_err = max((newton_schulz(u, 5, torch.bfloat16) - plain_newton_schulz(u, 5)).abs().max().item() for u in us)

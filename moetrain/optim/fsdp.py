@@ -206,12 +206,12 @@ class FSDPMuon:
         for p, g, m, shape in zip(self.params, grads, self.momentum, self.shapes):
             if g is None:
                 continue
-            u = momentum_direction(m, _local(g), self.cfg.momentum, coef, skip)
-            dtype = ns_dtype(u.device)
+            dtype = ns_dtype(m.device)
+            u = momentum_direction(m, _local(g), self.cfg.momentum, coef, skip, dtype)
             if not is_sharded(p) or p.ndim == 3:  # whole, or whole experts along dim 0
                 o = newton_schulz(u.view(-1, shape.rows, shape.cols), self.cfg.ns_steps, dtype)
             else:  # rows of a matrix: orthogonalize the whole one, keep the rows
-                whole = DTensor.from_local(u.to(dtype), p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                whole = DTensor.from_local(u, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
                 o_full = newton_schulz(whole.full_tensor().view(1, shape.rows, shape.cols), self.cfg.ns_steps, dtype)
                 start, _ = local_flat_range(p)
                 o = o_full.view(-1)[start : start + u.numel()]

@@ -39,6 +39,7 @@ The momentum is kept where the gradient is: whole, or as the rank's shard.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from torch import nn
@@ -54,7 +55,7 @@ RMS_MATCH = 0.2
 
 def newton_schulz(u_kMN: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
     """Orthogonalize each (M, N) matrix of the batch `u_kMN`: the same singular vectors, singular
-    values near 1. Computed in `dtype`, returned in fp32."""
+    values near 1. Computed and returned in `dtype`."""
     a, b, c = NS_COEFFICIENTS
     x = u_kMN.to(dtype)
     x = x if x.ndim == 3 else x.unsqueeze(0)
@@ -66,7 +67,7 @@ def newton_schulz(u_kMN: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.
         a_kSS = x.mT @ x if tall else x @ x.mT
         b_kSS = torch.baddbmm(a_kSS, a_kSS, a_kSS, beta=b, alpha=c)
         x = torch.baddbmm(x, x, b_kSS, beta=a) if tall else torch.baddbmm(x, b_kSS, x, beta=a)
-    return x.reshape(u_kMN.shape).float()
+    return x.reshape(u_kMN.shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,26 +133,51 @@ def ns_dtype(device: torch.device) -> torch.dtype:
 
 
 def momentum_direction(
-    m: torch.Tensor, g: torch.Tensor, beta: float, coef: torch.Tensor | None, skip: torch.Tensor | None
+    m: torch.Tensor,
+    g: torch.Tensor,
+    beta: float,
+    coef: torch.Tensor | None,
+    skip: torch.Tensor | None,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """M ← β·M + c·G in place (c: the clipping factor, or 1), unchanged where `skip`; returns
-    U = c·G + β·M (fp32), the direction Newton–Schulz orthogonalizes."""
+    U = c·G + β·M (computed in fp32, rounded once to `dtype`: the iteration's), the direction
+    Newton–Schulz orthogonalizes. On CUDA one compiled kernel (reads M and G, writes M and U)."""
+    fn = _compiled(_momentum_direction) if m.is_cuda else _momentum_direction
+    return fn(m.view(-1), g.reshape(-1), beta, coef, skip, dtype).view(m.shape)
+
+
+def _momentum_direction(m, g, beta, coef, skip, dtype):
     g32 = g.float() if coef is None else g.float() * coef
     new_m = m.float() * beta + g32
     if skip is not None:
         new_m = torch.where(skip, m.float(), new_m)
     m.copy_(new_m)
-    return g32 + beta * new_m
+    return (g32 + beta * new_m).to(dtype)
 
 
 def apply_update(
     w: torch.Tensor, o: torch.Tensor, scale: float, lr: float, weight_decay: float, skip: torch.Tensor | None
 ) -> None:
-    """W ← W·(1 − lr·wd) − lr·scale·O in place (fp32 arithmetic), unchanged where `skip`."""
-    new_w = w.float() * (1 - lr * weight_decay) - (lr * scale) * o
+    """W ← W·(1 − lr·wd) − lr·scale·O in place (fp32 arithmetic on any `o` dtype), unchanged where
+    `skip`. On CUDA one compiled kernel."""
+    fn = _compiled(_apply_update) if w.is_cuda else _apply_update
+    fn(w.view(-1), o.reshape(-1), scale, lr, weight_decay, skip)
+
+
+def _apply_update(w, o, scale, lr, weight_decay, skip):
+    new_w = w.float() * (1 - lr * weight_decay) - (lr * scale) * o.float()
     if skip is not None:
         new_w = torch.where(skip, w.float(), new_w)
     w.copy_(new_w)
+
+
+@functools.cache
+def _compiled(fn):
+    """`fn` through torch.compile, sizes dynamic (every matrix's flat elements take one graph;
+    the float arguments are graph inputs, not constants): one fused kernel instead of the
+    element-wise ops' passes over fp32 state (measured: benchmarks/probes/muon_step_probe.py)."""
+    return torch.compile(fn, dynamic=True)
 
 
 class MuonMatrices:
@@ -177,8 +203,9 @@ class MuonMatrices:
         for p, g, m, shape in zip(self.params, grads, self.momentum, self.shapes):
             if g is None:
                 continue
-            u = momentum_direction(m, g, self.cfg.momentum, coef, skip)
-            o = newton_schulz(u.view(shape.count, shape.rows, shape.cols), self.cfg.ns_steps, ns_dtype(p.device))
+            dtype = ns_dtype(p.device)
+            u = momentum_direction(m, g, self.cfg.momentum, coef, skip, dtype)
+            o = newton_schulz(u.view(shape.count, shape.rows, shape.cols), self.cfg.ns_steps, dtype)
             apply_update(p, o.view(p.shape), shape.scale, lr, self.cfg.weight_decay, skip)
 
     def memory_bytes(self) -> int:

@@ -311,9 +311,9 @@ class ShardedAdamW(StepHooks):
         """Muon on bucket i's shard (module docstring): momentum on the shard, the direction
         all-gathered, Newton–Schulz on the matrices the shard touches, the master shard updated."""
         b, master_S = self.buckets[i], self.master_S[i]
-        u_S = momentum_direction(self.exp_avg_S[i], b.grad_S, self.cfg.muon_momentum, coef, skip)
-        dtype = ns_dtype(u_S.device)
-        u_N = self._gather(b, u_S.to(dtype))
+        dtype = ns_dtype(self.exp_avg_S[i].device)
+        u_S = momentum_direction(self.exp_avg_S[i], b.grad_S, self.cfg.muon_momentum, coef, skip, dtype)
+        u_N = self._gather(b, u_S)
         for p, off in zip(b.params, b.offsets):
             start, end = max(off, b.lo), min(off + p.numel(), b.hi)
             if start >= end:

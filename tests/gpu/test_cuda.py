@@ -567,8 +567,8 @@ def _rehearse_on_cuda(run_dir, overrides, rank):
         (["parallel.stack=fsdp"], 1),
         (["parallel.cp=2", "parallel.ep=2", "train.compile=true"], 1),
         (["parallel.cp=4", "parallel.ep=2"], 2),
-        (["parallel.ep=2", "parallel.shard_optimizer=true", "optim.name=muon"], 1),
-        (["parallel.stack=fsdp", "optim.name=muon"], 2),
+        pytest.param(["parallel.ep=2", "parallel.shard_optimizer=true", "optim.name=muon"], 1, id="sharded-muon"),
+        pytest.param(["parallel.stack=fsdp", "optim.name=muon"], 2, id="fsdp-muon"),
     ],
 )
 def test_a_rehearsed_rank_runs_on_one_gpu_with_its_stand_ins_measured_apart(tmp_path, overrides, rank):
@@ -633,3 +633,30 @@ def test_context_parallel_attention_on_cuda_matches_whole_sequence_sdpa(docs):
         assert (out_local.float() - mine(out).float()).abs().mean() < 0.01 * scale, rank
         grad_scale = q_whole.grad.float().abs().mean()
         assert (q_local.grad.float() - mine(q_whole.grad).float()).abs().mean() < 0.02 * grad_scale, rank
+
+
+def test_muon_compiled_element_wise_steps_match_the_eager_ops_on_cuda():
+    """Muon's momentum and update on CUDA (one compiled kernel each, the direction written in
+    bf16, the bf16 orthogonalized update read as is) give the eager fp32 ops' values: the
+    momentum and weights within an fp32 rounding, the direction its bf16 rounding; a skipped
+    step leaves both untouched."""
+    from moetrain.optim.muon import _apply_update, _momentum_direction, apply_update, momentum_direction
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    grad = torch.randn(64, 96, 80, device="cuda", generator=g) * 1e-3
+    m0 = torch.randn(64, 96, 80, device="cuda", generator=g) * 1e-3
+    w0 = torch.randn(64, 96, 80, device="cuda", generator=g) * 0.02
+    coef = torch.tensor(0.7, device="cuda")
+    for skip in (torch.tensor(False, device="cuda"), torch.tensor(True, device="cuda"), None):
+        m_fused, m_eager = m0.clone(), m0.clone()
+        u_fused = momentum_direction(m_fused, grad, 0.95, coef, skip, torch.bfloat16)
+        u_eager = _momentum_direction(m_eager, grad, 0.95, coef, skip, torch.float32)
+        assert u_fused.dtype == torch.bfloat16 and u_fused.shape == grad.shape
+        torch.testing.assert_close(m_fused, m_eager, rtol=1e-6, atol=1e-9)
+        torch.testing.assert_close(u_fused.float(), u_eager, rtol=8e-3, atol=1e-9)
+        w_fused, w_eager = w0.clone(), w0.clone()
+        apply_update(w_fused, u_fused, 3.0, 1e-3, 0.1, skip)
+        _apply_update(w_eager, u_fused.float(), 3.0, 1e-3, 0.1, skip)
+        torch.testing.assert_close(w_fused, w_eager, rtol=1e-6, atol=1e-9)
+        if skip is not None and bool(skip):
+            assert torch.equal(m_fused, m0) and torch.equal(w_fused, w0)
