@@ -791,9 +791,26 @@ def test_rehearsed_cp_ranks_are_within_10_percent(overrides, compute_s, peak_gib
     assert p.peak_mem_gib_per_device == pytest.approx(peak_gib, rel=0.10)
 
 
+# Muon's optimizer step and the training step (the rehearsed rank's compute) on one H200:
+# (preset, gpus, overrides, optimizer s, step or compute s). docs/benchmarks.md, "Muon's step on
+# the H200".
+MEASURED_MUON = [
+    ("bench-tiny64e-l6", 1, [], 0.5427, 0.7034),
+    ("bench-8e", 1, [], 0.8195, 1.0992),
+    ("bench-8e", 8, ["parallel.ep=8", "train.micro_batch_size=8", "train.global_batch_size=8"], 0.2698, 0.5547),
+]
+
+
+@pytest.mark.parametrize("preset, gpus, overrides, optimizer_s, step_s", MEASURED_MUON)
+def test_muon_steps_are_within_10_percent_of_the_measured(preset, gpus, overrides, optimizer_s, step_s):
+    p = plan(resolve_config(preset, ["optim.name=muon", *overrides]), gpus, "h200")
+    assert p.time_s["optimizer"] == pytest.approx(optimizer_s, rel=0.10)
+    assert p.compute_s == pytest.approx(step_s, rel=0.10)
+
+
 def test_muon_keeps_one_momentum_per_matrix_element_and_pays_its_iterations():
     """optim.name=muon: the blocks' matrices hold 4 B of momentum instead of AdamW's 8; the
-    optimizer's time grows by the Newton–Schulz FLOPs of each further iteration at the GEMM rate."""
+    optimizer's time grows by the Newton–Schulz FLOPs of each further iteration at their rate."""
     from moetrain.plan import GPUS
 
     adamw = plan(resolve_config("bench-8e"), 1, "h200")
@@ -809,7 +826,7 @@ def test_muon_keeps_one_momentum_per_matrix_element_and_pays_its_iterations():
         4 * matrices / GIB, abs=0.02
     )
     flops = groups.ns_dense_block * m.num_dense_layers + (groups.ns_moe_dense + groups.ns_experts) * m.num_moe_layers
-    rate = GPUS["h200"].bf16_flops * Assumptions().gemm_eff
+    rate = GPUS["h200"].bf16_flops * Assumptions().ns_eff
     assert muon[6].time_s["optimizer"] - muon[5].time_s["optimizer"] == pytest.approx(flops / rate, rel=1e-9)
 
 

@@ -51,10 +51,18 @@ class Assumptions:
     fraction of the dense BF16 peak for its causal FLOPs (half the MFU formula's attention term).
     Measured: the profiled rehearsals of long-small32e-64k's cp ranks at 65,536 and 131,072
     tokens on one H200."""
-    muon_bytes: float = 64.0
-    """optim.name=muon: bytes of HBM traffic per element Muon updates besides its Newton–Schulz
-    products (the momentum, the direction, the weight decay and the update in moetrain/optim/muon.py's
-    unfused element-wise ops, ~16 passes of 4 B). Counted from the code, not measured."""
+    ns_eff: float = 0.558
+    """optim.name=muon: Newton–Schulz's batched bf16 GEMMs (their epilogues in baddbmm) and the
+    Frobenius norm before them, as a fraction of the dense BF16 peak for the iterations' FLOPs.
+    Measured: benchmarks/probes/muon_step_probe.py over bench-tiny64e-l6's matrices on one H200
+    (552 TFLOP/s)."""
+    muon_bytes: float = 32.0
+    """optim.name=muon: HBM traffic per element Muon updates besides its Newton–Schulz iterations,
+    as bytes at `param_pass_eff`: moetrain/optim/muon.py's two compiled kernels move 24 B (the
+    momentum kernel reads M and G and writes M and the bf16 direction, 14 B; the update kernel
+    reads W and the bf16 O and writes W, 10 B) and took 32.6 ms over bench-tiny64e-l6's 4.2 G
+    elements, which is 32 B at that rate. Measured: benchmarks/probes/muon_step_probe.py on one
+    H200."""
     recompute_cost: tuple[float, float] = (0.28, 0.47)
     """Extra step time of selective recompute of compiled blocks and of full recompute, as a
     fraction of the recomputed blocks' compute (selective recompute of eager blocks is counted

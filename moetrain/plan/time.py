@@ -173,7 +173,7 @@ def _muon_whole(L: Layout) -> bool:
 
 def _muon_time(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume: Assumptions) -> tuple[float, float]:
     """(Muon's elements this rank updates, the seconds of its step) with optim.name=muon: the
-    Newton–Schulz iterations at the GEMM rate — the replicated optimizer over every local matrix,
+    Newton–Schulz iterations at their measured rate (`Assumptions.ns_eff`) — the replicated optimizer over every local matrix,
     the sharded one over its shard's share (÷ dp·cp dense, ÷ edp experts), FSDP over every
     non-expert matrix (gathered whole on each rank) and its experts' rows (÷ dp·cp) — and the
     element-wise passes of moetrain/optim/muon.py over each element it updates
@@ -189,7 +189,7 @@ def _muon_time(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume: A
         updated = rank.muon_dense_local / L.replicas + rank.expert_local / L.edp
     else:
         flops, updated = rank.ns_dense + rank.ns_experts, rank.muon_dense_local + rank.expert_local
-    ns = cfg.optim.muon_ns_steps * flops / (spec.bf16_flops * assume.gemm_eff)
+    ns = cfg.optim.muon_ns_steps * flops / (spec.bf16_flops * assume.ns_eff)
     return updated, ns + assume.muon_bytes * updated / (spec.hbm_bytes_s * assume.param_pass_eff)
 
 
