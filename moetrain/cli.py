@@ -407,10 +407,11 @@ def cmd_plan(argv: list[str]) -> int:
 def cmd_config(argv: list[str]) -> int:
     parser = _config_parser("config", "Print the resolved config as YAML.", train_flags=True)
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.epilog += (
-        "\n\nEvery config key (--key=value or --key value; the defaults are the dataclasses', "
-        "presets set their own):\n" + keys_reference(RunConfig)
-    )
+    if "-h" in argv or "--help" in argv:  # the reference reads the config classes' source: for --help only
+        parser.epilog += (
+            "\n\nEvery config key (--key=value or --key value; the defaults are the dataclasses', "
+            "presets set their own):\n" + keys_reference(RunConfig)
+        )
     args, overrides = _split_overrides(parser, argv)
     print(_resolve(args, overrides).to_yaml(), end="")
     return 0

@@ -26,7 +26,7 @@ from typing import Any, Self
 
 import yaml
 
-from moetrain.errors import ConfigError
+from moetrain.errors import ConfigError, file_kind
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -51,7 +51,7 @@ class Config:
     def from_dict(cls, data: dict[str, Any], prefix: str = "") -> Self:
         if not isinstance(data, dict):
             raise ConfigError(
-                f"'{prefix or '<root>'}' must be a mapping of keys to values, got {type(data).__name__} {data!r}."
+                f"'{prefix or '<root>'}' must be a mapping of keys to values, got {type(data).__name__} {_short(data)}."
             )
         hints = typing.get_type_hints(cls)
         fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
@@ -200,6 +200,12 @@ def _check_value(value: Any, tp: Any, domain: Domain | None, key: str) -> None:
             raise ConfigError(f"{key}={_shown(value)} must be {what}{null}.")
 
 
+def _short(value: Any, limit: int = 100) -> str:
+    """repr(value), cut to `limit` characters (a message quotes what the user wrote, not megabytes)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def _shown(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_shown(v) for v in value) + "]"
@@ -325,13 +331,48 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
     return type(cfg).from_dict(data)
 
 
+YAML_MAX_NODES = 100_000
+"""The most values (mappings, lists, scalars) a config file may hold: a config has a few hundred."""
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a YAML mapping with `safe_load`; syntax errors name the file, line and column."""
+    """Read a config file: a regular file of UTF-8 text holding one YAML mapping whose keys are
+    names, at every level, each key once. Anything else is a `ConfigError` naming the file and
+    the line (or the dotted key) and the fix: not a regular file, not UTF-8, a YAML syntax
+    error, empty, a top level that is not a mapping, a key that is not a name (`1:`, `null:`, a
+    list), a key given twice (both lines), a value YAML cannot build (a date like 2020-13-45),
+    nesting too deep or too many values."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise ConfigError(f"Config file '{path}' does not exist.")
+    if not path.is_file():
+        raise ConfigError(f"Config file '{path}' is {file_kind(path)}, not a regular file: pass a YAML file.")
+    raw = path.read_bytes()
     try:
-        data = yaml.safe_load(path.read_text())
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise ConfigError(
+            f"Config file '{path}' is not UTF-8 text (byte 0x{raw[e.start]:02x} at line {line}, offset {e.start}): "
+            "a config is a YAML text file; save it as UTF-8."
+        ) from None
+    loader = None
+    try:
+        loader = yaml.SafeLoader(text)  # reads the text's characters: a NUL is an error here
+        node = loader.get_single_node()
+        if node is None:
+            raise ConfigError(
+                f"Config file '{path}' is empty (or only comments): write the preset it starts from and the keys "
+                "it changes (e.g. 'preset: tiny' and 'train:' with 'steps: 100' under it), or pass the preset's "
+                "name instead of the file."
+            )
+        if not isinstance(node, yaml.MappingNode):
+            raise ConfigError(
+                f"Config file '{path}' must hold a mapping at its top level (keys like 'preset:' and "
+                f"'train:'), not {_node_kind(node)}."
+            )
+        _check_nodes(node, path, loader)
+        data = loader.construct_document(node)
     except yaml.YAMLError as e:
         where = ""
         mark = getattr(e, "problem_mark", None)
@@ -342,11 +383,71 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
             f"YAML syntax error in '{path}'{where}: {problem}. Fix the file (indentation, a "
             "missing ':' or an unclosed quote are the usual causes)."
         ) from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"Config file '{path}' must hold a mapping at its top level.")
+    except RecursionError:
+        raise ConfigError(
+            f"Config file '{path}' nests its values too deeply to read: a config has a few levels (section, key, list)."
+        ) from None
+    finally:
+        if loader is not None:
+            loader.dispose()
     return data
+
+
+def _node_kind(node: yaml.Node) -> str:
+    if isinstance(node, yaml.SequenceNode):
+        return f"a list (line {node.start_mark.line + 1})"
+    if isinstance(node, yaml.MappingNode):
+        return f"a mapping (line {node.start_mark.line + 1})"
+    return f"the value {_shown(node.value)!r} (line {node.start_mark.line + 1})"
+
+
+def _check_nodes(root: yaml.MappingNode, path: Path, loader: yaml.SafeLoader) -> None:
+    """Walk the composed YAML (no recursion; each node once, aliases included): every mapping
+    key is a plain name and appears once, every scalar builds; at most `YAML_MAX_NODES` values."""
+    stack: list[tuple[yaml.Node, str]] = [(root, "")]
+    seen: set[int] = set()
+    count = 0
+    while stack:
+        node, dotted = stack.pop()
+        count += 1
+        if count > YAML_MAX_NODES:
+            raise ConfigError(
+                f"Config file '{path}' holds more than {YAML_MAX_NODES:,} values: a config has a few hundred."
+            )
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.ScalarNode):
+            try:
+                loader.construct_object(node)
+            except (ValueError, OverflowError) as e:  # resolved by its look, cannot build: 2020-13-45
+                raise ConfigError(
+                    f"In '{path}' at line {node.start_mark.line + 1}: '{dotted}' is {_short(node.value)}, which "
+                    f"YAML reads as a {node.tag.rsplit(':', 1)[-1]} but cannot build ({e}): quote it or fix it."
+                ) from None
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend((item, f"{dotted}[{i}]") for i, item in enumerate(node.value))
+        elif isinstance(node, yaml.MappingNode):
+            lines: dict[str, int] = {}
+            for key_node, value_node in node.value:
+                line = key_node.start_mark.line + 1
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults` merges a mapping in
+                    stack.append((value_node, dotted))
+                    continue
+                if not (isinstance(key_node, yaml.ScalarNode) and key_node.tag == "tag:yaml.org,2002:str"):
+                    shown = _node_kind(key_node) if not isinstance(key_node, yaml.ScalarNode) else repr(key_node.value)
+                    raise ConfigError(
+                        f"In '{path}' at line {line}: the key {shown} under '{dotted or '<top level>'}' is not a "
+                        "name; config keys are words like 'train' or 'steps' (quote it if it is one)."
+                    )
+                key = key_node.value
+                if key in lines:
+                    raise ConfigError(
+                        f"In '{path}': the key '{dotted + '.' if dotted else ''}{key}' appears twice, at lines "
+                        f"{lines[key]} and {line}: keep one (YAML would silently take the last)."
+                    )
+                lines[key] = line
+                stack.append((value_node, f"{dotted}.{key}" if dotted else key))
 
 
 # ---- internals ---------------------------------------------------------------------------
@@ -413,19 +514,21 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         raise (
             errors[0]
             if len(errors) == 1
-            else ConfigError(f"Config key '{key}' got {value!r}, expected {' or '.join(_type_name(a) for a in args)}.")
+            else ConfigError(
+                f"Config key '{key}' got {_short(value)}, expected {' or '.join(_type_name(a) for a in args)}."
+            )
         )
     if origin in (list, tuple):
         if isinstance(value, tuple):
             value = list(value)
         if not isinstance(value, list):
-            raise ConfigError(f"Config key '{key}' must be a list, got {value!r}. Write it as [a, b].")
+            raise ConfigError(f"Config key '{key}' must be a list, got {_short(value)}. Write it as [a, b].")
         item_tp = args[0] if args else Any
         items = [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
     if origin is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"Config key '{key}' must be a mapping, got {value!r}.")
+            raise ConfigError(f"Config key '{key}' must be a mapping, got {_short(value)}.")
         return dict(value)
     if tp is Any:
         return value
@@ -437,17 +540,17 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         try:
             return tp(value)
         except ValueError:
-            raise ConfigError(f"Config key '{key}' got {value!r}, expected {_type_name(tp)}.") from None
+            raise ConfigError(f"Config key '{key}' got {_short(value)}, expected {_type_name(tp)}.") from None
     if tp is bool:
         if isinstance(value, bool):
             return value
-        raise ConfigError(f"Config key '{key}' must be true or false, got {value!r}.")
+        raise ConfigError(f"Config key '{key}' must be true or false, got {_short(value)}.")
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
         if isinstance(value, float) and value.is_integer():
             return int(value)
-        raise ConfigError(f"Config key '{key}' must be an integer, got {value!r}.")
+        raise ConfigError(f"Config key '{key}' must be an integer, got {_short(value)}.")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             try:
@@ -461,13 +564,13 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 return float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"Config key '{key}' must be a number, got {value!r}.")
+        raise ConfigError(f"Config key '{key}' must be a number, got {_short(value)}.")
     if tp is str:
         if isinstance(value, str):
             return value
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
-        raise ConfigError(f"Config key '{key}' must be a string, got {value!r}.")
+        raise ConfigError(f"Config key '{key}' must be a string, got {_short(value)}.")
     raise TypeError(f"unsupported config annotation {tp!r} for '{key}'")  # a bug, not user input
 
 

@@ -8,7 +8,28 @@ command line prints its message as one paragraph and exits non-zero, without a t
 from __future__ import annotations
 
 import importlib
+import stat
+from pathlib import Path
 from types import ModuleType
+
+
+def file_kind(path: Path) -> str:
+    """What a path that is not a regular file is, for a message: "a directory", "a FIFO (named
+    pipe)", "a character device (like /dev/null)", "a link to nothing"…"""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return "a link to nothing" if path.is_symlink() else "not there"
+    for test, kind in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISCHR, "a character device (like /dev/null)"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return kind
+    return "not a regular file"
 
 
 class MoetrainError(Exception):

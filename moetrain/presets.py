@@ -246,7 +246,13 @@ def resolve_config(spec: str, overrides: list[str] | None = None, *, validate: b
         raise ConfigError(f"'{spec}' is neither a preset ({', '.join(PRESETS)}) nor an existing YAML file.")
     cfg = apply_overrides(cfg, overrides or [])
     if validate:
-        cfg.validate()
+        try:
+            cfg.validate()
+        except ConfigError as e:
+            if spec in PRESETS:
+                raise
+            given = " with the command line's overrides" if overrides else ""
+            raise ConfigError(f"In '{spec}'{given}: {e}") from None
     return cfg
 
 
@@ -262,6 +268,12 @@ def run_name(spec: str) -> str:
 
 def _from_yaml(data: dict[str, Any], path: str) -> RunConfig:
     base_name = data.pop("preset", None)
+    if base_name is not None and (not isinstance(base_name, str) or base_name not in PRESETS):
+        got = f"'{base_name}'" if isinstance(base_name, str) else f"{type(base_name).__name__} {base_name!r}"
+        raise ConfigError(
+            f"In '{path}': 'preset' names the preset the file starts from, got {got}. "
+            f"Presets: {', '.join(PRESETS)} (e.g. 'preset: tiny'); or leave it out to start from the defaults."
+        )
     base = preset(base_name) if base_name is not None else RunConfig()
     merged = _deep_merge(base.to_dict(), data)
     try:

@@ -45,7 +45,7 @@ from tqdm import tqdm
 from moetrain.data.corpus import default_corpus_documents
 from moetrain.data.tokens import EOS_TOKEN, FORMAT, META_FILE, dtype_for_vocab, write_meta
 from moetrain.destinations import check_directory, check_overwrite, existing_entries
-from moetrain.errors import ConfigError, DataError, MoetrainError, require
+from moetrain.errors import ConfigError, DataError, MoetrainError, file_kind, require
 
 TEXT_SUFFIXES = (".txt", ".rst", ".md")
 JSONL_SUFFIX = ".jsonl"
@@ -281,6 +281,10 @@ def collect_files(inputs: Iterable[str | os.PathLike], skipped: list[str] | None
                     file = Path(dirpath) / name
                     if name.startswith("."):
                         continue
+                    if not file.is_file():  # reading a FIFO would wait forever
+                        if skipped is not None:
+                            skipped.append(f"{file} ({file_kind(file)}, not a regular file)")
+                        continue
                     why = _unreadable(file)
                     if why is None:
                         files.append((file, f"{root_name}/{file.relative_to(path).as_posix()}"))
@@ -295,6 +299,11 @@ def collect_files(inputs: Iterable[str | os.PathLike], skipped: list[str] | None
                     f"{JSONL_SUFFIX} files (one document per line). Rename or convert it."
                 )
             files.append((path, path.name))
+        elif path.exists() or path.is_symlink():
+            raise DataError(
+                f"Input '{path}' is {file_kind(path)}, not a regular file: prepare-data reads text and "
+                f".jsonl files and directories of them. Name the file itself (write a stream to a file first)."
+            )
         else:
             raise DataError(
                 f"Input '{path}' does not exist. Check the path (relative paths are relative to "

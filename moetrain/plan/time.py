@@ -173,11 +173,11 @@ def _muon_whole(L: Layout) -> bool:
 
 def _muon_time(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume: Assumptions) -> tuple[float, float]:
     """(Muon's elements this rank updates, the seconds of its step) with optim.name=muon: the
-    Newton–Schulz iterations at their measured rate (`Assumptions.ns_eff`) — the replicated optimizer over every local matrix,
-    the sharded one over its shard's share (÷ dp·cp dense, ÷ edp experts), FSDP over every
-    non-expert matrix (gathered whole on each rank) and its experts' rows (÷ dp·cp) — and the
-    element-wise passes of moetrain/optim/muon.py over each element it updates
-    (`Assumptions.muon_bytes`)."""
+    Newton–Schulz iterations at their measured rate (`Assumptions.ns_eff`) — the replicated
+    optimizer over every local matrix, the sharded one over its shard's share (÷ dp·cp dense,
+    ÷ edp experts), FSDP over every non-expert matrix (gathered whole on each rank) and its
+    experts' rows (÷ dp·cp) — and the element-wise passes of moetrain/optim/muon.py over each
+    element it updates (`Assumptions.muon_bytes`)."""
     if cfg.optim.name.value != "muon":
         return 0.0, 0.0
     fsdp = L.stack == Stack.fsdp.value

@@ -399,3 +399,38 @@ def test_workers_write_byte_identical_files(tmp_path, capsys):
         assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes(), name
     with pytest.raises(ConfigError, match="--workers=0"):
         prepare_data([str(d)], tmp_path / "w0", vocab_size=300, workers=0)
+
+
+def moetrain(*args: str, timeout: float = 120):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "moetrain", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_moetrain_prepare_data_of_a_fifo_dev_null_or_a_broken_link_names_what_it_is(tmp_path):
+    """`moetrain prepare-data PIPE --out D` (and /dev/null, a link to nothing): exit 2, the input
+    named as what it is, not "does not exist", and no wait on the pipe."""
+    import os
+
+    pipe, link = tmp_path / "pipe.txt", tmp_path / "gone.txt"
+    os.mkfifo(pipe)
+    link.symlink_to(tmp_path / "nowhere")
+    for path, kind in ((pipe, "a FIFO (named pipe)"), ("/dev/null", "a character device"), (link, "a link to nothing")):
+        out = moetrain("prepare-data", str(path), "--out", str(tmp_path / "out"), timeout=60)
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+        assert f"'{path}' is {kind}" in out.stderr and "not a regular file" in out.stderr, out.stderr
+        assert "does not exist" not in out.stderr
+
+
+def test_a_fifo_inside_a_directory_is_skipped_and_named(tmp_path):
+    """A directory input holding a FIFO: the pipe is skipped (reading it would wait forever) and
+    listed with why; the text beside it is prepared."""
+    import os
+
+    d = _write_docs(tmp_path, ["one two three\n", "four five six\n"])
+    os.mkfifo(d / "pipe.txt")
+    skipped: list[str] = []
+    files = collect_files([d], skipped)
+    assert [f.name for f, _ in files] == ["doc000.txt", "doc001.txt"]
+    assert skipped == [f"{d / 'pipe.txt'} (a FIFO (named pipe), not a regular file)"]
