@@ -31,7 +31,7 @@ from moetrain.memory_advice import advice, layout_flags, plan_gpu
 from moetrain.model.counting import count_params, flops_per_token
 from moetrain.parallel.distributed import shutdown, unresponsive_ranks
 from moetrain.parallel.rehearsal import is_rehearsal
-from moetrain.plan import plan, report, suggest, to_json
+from moetrain.plan import PEAK_ERROR, plan, report, suggest, to_json
 from moetrain.presets import PRESETS, resolve_config, run_name
 from moetrain.train.config import RunConfig
 from moetrain.train.oom import OutOfMemory
@@ -370,38 +370,65 @@ def cmd_plan(argv: list[str]) -> int:
     gpu = args.gpu.lower()
     result = plan(cfg, args.gpus, gpu)
     suggestions = [] if args.no_suggest else suggest(cfg, args.gpus, gpu)
-    print(report(result))
-    if not args.no_suggest:
-        print(
-            "layouts that fit (ddp stack, sharded optimizer), fastest first:"
-            if suggestions
-            else f"no layout of the ddp stack fits {args.gpus} × {gpu}: add GPUs or shrink the model."
-        )
-        for s in suggestions:
-            print(
-                f"  {s.layout.describe():70s} peak {s.peak_mem_gib_per_device:6.1f} GiB, "
-                f"step {s.step_time_s:.3f} s, MFU {100 * s.mfu:.1f}%"
-            )
     given = [f"--{o}" for o in overrides] + (
         [f"--train.micro_batch_size={cfg.train.micro_batch_size}"] if args.micro_batch is not None else []
     )
     command = rehearse.command(args.spec, args.gpus, result.busiest_rank, given)
+    pasted = [_suggestion_flags(cfg, s, given) for s in suggestions]
+    commands = [rehearse.command(args.spec, args.gpus, s.busiest_rank, f) for s, f in zip(suggestions, pasted)]
+    roomy = [i for i, s in enumerate(suggestions) if not s.tight]
+    if roomy and (not result.fits or result.tight):  # lead with what to run instead
+        i = roomy[0]
+        print(
+            f"recommended: {suggestions[i].layout.describe()}, {_fit_words(suggestions[i])}; the layout as given "
+            f"{_fit_words(result)}\n  flags: {' '.join(pasted[i])}\n  rehearse one rank: {commands[i]}\n"
+        )
+        print("the layout as given:")
+    print(report(result))
+    if result.tight:
+        print(f"  -> TIGHT: within the memory model's {PEAK_ERROR:.0%} error of the {result.gpu.memory_gib:g} GiB")
+    if not args.no_suggest:
+        print(
+            "layouts that fit (ddp stack, sharded optimizer), those with headroom first, fastest first; each with "
+            "the flags to paste and its rehearsal:"
+            if suggestions
+            else f"no layout of the ddp stack fits {args.gpus} × {gpu}: add GPUs or shrink the model."
+        )
+        for s, flags, cmd in zip(suggestions, pasted, commands):
+            print(
+                f"  {s.layout.describe():70s} peak {s.peak_mem_gib_per_device:6.1f} GiB, "
+                f"step {s.step_time_s:.3f} s, MFU {100 * s.mfu:.1f}%{'  TIGHT' if s.tight else ''}\n"
+                f"      {' '.join(flags)}\n      {cmd}"
+            )
     print(
         "measure one rank of this layout on one GPU (its compute, memory and checkpoint shard; communication "
         f"modelled):\n  {command}"
     )
     if suggestions:
-        best = suggestions[0]
-        changed = layout_flags(cfg, best.layout)
-        keys = {f.split("=")[0] for f in changed}
-        flags = [g for g in given if g.split("=")[0] not in keys] + changed
-        best_command = rehearse.command(args.spec, args.gpus, best.busiest_rank, flags)
-        print(f"the same for the fastest layout that fits:\n  {best_command}")
+        best = roomy[0] if roomy else 0
+        print(f"the same for the recommended layout:\n  {commands[best]}")
     out = to_json(result, args.spec, args.gpus, gpu, suggestions)
     out["busiest_rank"] = result.busiest_rank
     out["rehearse_command"] = command
+    for entry, flags, cmd in zip(out["suggested"], pasted, commands):
+        entry["flags"], entry["rehearse_command"] = flags, cmd
     print(json.dumps(out))
     return 0
+
+
+def _suggestion_flags(cfg: RunConfig, suggestion, given: list[str]) -> list[str]:
+    """The command line's flags with a suggested layout's in place of the ones it changes."""
+    changed = layout_flags(cfg, suggestion.layout)
+    keys = {f.split("=")[0] for f in changed}
+    return [g for g in given if g.split("=")[0] not in keys] + changed
+
+
+def _fit_words(p) -> str:
+    """ "peak 101.5 of 139 GiB" with "does NOT fit" or "TIGHT" where it applies."""
+    words = f"peak {p.largest_peak_gib:.1f} of {p.gpu.memory_gib:g} GiB"
+    if not p.fits:
+        return words + ": does NOT fit"
+    return words + (f": TIGHT (within the memory model's {PEAK_ERROR:.0%})" if p.tight else "")
 
 
 def cmd_config(argv: list[str]) -> int:

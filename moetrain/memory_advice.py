@@ -53,11 +53,13 @@ def layout_flags(cfg: RunConfig, layout: Layout) -> list[str]:
         flags.append(f"--train.recompute_every={layout.recompute_every}")
     if layout.shard_optimizer != cfg.parallel.shard_optimizer:
         flags.append(f"--parallel.shard_optimizer={str(layout.shard_optimizer).lower()}")
-    for key in ("ep", "pp"):
+    for key in ("cp", "ep", "pp"):
         if getattr(layout, key) != getattr(cfg.parallel, key):
             flags.append(f"--parallel.{key}={getattr(layout, key)}")
     if layout.stack != cfg.parallel.stack.value:
         flags.append(f"--parallel.stack={layout.stack}")
     if layout.ep > 1 and layout.dispatcher != cfg.parallel.dispatcher.value:
         flags.append(f"--parallel.dispatcher={layout.dispatcher}")
+    if layout.overlap_chunks != cfg.parallel.overlap_chunks and layout.ep > 1 and layout.dispatcher == "nosync":
+        flags.append(f"--parallel.overlap_chunks={layout.overlap_chunks}")
     return flags

@@ -842,3 +842,67 @@ def test_multi_token_prediction_adds_its_modules_to_the_last_stage_and_its_embed
         3 * plain.comm_gb_per_step["pipeline_send_recv"], rel=1e-3
     )
     assert mtp.time_s["gemm_and_attention"] > plain.time_s["gemm_and_attention"]
+
+
+def test_suggestions_rank_the_layouts_with_headroom_first_and_mark_the_tight_ones():
+    """A layout whose largest peak (training, saving, loading) comes within the memory model's
+    error of the GPU is tight; the suggestions list every layout with headroom before any tight
+    one, fastest first within each (ref-medium-128e on 64 H200s has both)."""
+    from moetrain.plan import PEAK_ERROR, suggest
+
+    found = suggest(resolve_config("ref-medium-128e"), 64, "h200", limit=200)
+    tight = [s.tight for s in found]
+    assert any(tight) and not all(tight)
+    assert tight == sorted(tight), "a tight layout before one with headroom"
+    for group in (False, True):
+        speeds = [s.tokens_per_sec_per_device for s in found if s.tight == group]
+        assert speeds == sorted(speeds, reverse=True)
+    for s in found:
+        peak = max(s.peak_mem_gib_per_device, s.save_peak_gib_per_device, s.load_peak_gib_per_device)
+        assert s.tight == (peak > (1 - PEAK_ERROR) * 139.0)
+
+
+@pytest.mark.parametrize("preset, gpus", [("ref-medium-128e", 64), ("long-small32e-64k", 8), ("ref-small-64e", 16)])
+def test_each_suggestions_flags_reproduce_its_layout(preset, gpus):
+    """The flags `moetrain plan` prints to paste for a suggestion give exactly that layout
+    (context and expert parallelism, pipeline, recompute, the sharded optimizer, the dispatcher
+    and the overlapped exchange's chunks)."""
+    from moetrain.memory_advice import layout_flags
+    from moetrain.plan import suggest
+
+    cfg = resolve_config(preset)
+    found = suggest(cfg, gpus, "h200", limit=20)
+    assert found
+    for s in found:
+        pasted = [f.removeprefix("--") for f in layout_flags(cfg, s.layout)]
+        assert plan(resolve_config(preset, pasted), gpus, "h200").layout == s.layout, pasted
+
+
+def test_moetrain_plan_leads_with_the_recommended_layout_and_its_flags():
+    """`moetrain plan ref-medium-128e --gpus 64 --gpu h200`: the bare dp64 layout does not fit,
+    so the first lines recommend the fastest layout with headroom, its flags to paste and its
+    rehearsal; each suggestion carries its flags and rehearsal command in the JSON line too.
+    Asked for a tight layout, the report says TIGHT and still recommends one with headroom."""
+    from moetrain.plan import suggest
+
+    def run(*flags):
+        argv = [sys.executable, "-m", "moetrain", "plan", "ref-medium-128e", "--gpus", "64", "--gpu", "h200", *flags]
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.splitlines()
+
+    lines = run()
+    assert lines[0].startswith("recommended: ") and "does NOT fit" in lines[0]
+    assert lines[1].startswith("  flags: --") and lines[2].startswith("  rehearse one rank: moetrain bench")
+    out = json.loads(lines[-1])
+    assert out["fits"] is False and out["tight"] is False and out["suggested"]
+    first = out["suggested"][0]
+    assert first["tight"] is False and " ".join(first["flags"]) == lines[1].removeprefix("  flags: ")
+    assert first["rehearse_command"] == lines[2].removeprefix("  rehearse one rank: ")
+    tight = next(s for s in suggest(resolve_config("ref-medium-128e"), 64, "h200", limit=200) if s.tight)
+    from moetrain.memory_advice import layout_flags
+
+    lines = run(*layout_flags(resolve_config("ref-medium-128e"), tight.layout))
+    assert lines[0].startswith("recommended: ") and "TIGHT" in lines[0]
+    assert any(line.startswith("  -> TIGHT") for line in lines)
+    assert json.loads(lines[-1])["tight"] is True

@@ -83,7 +83,7 @@ and MFU as ±25% (docs/measurements.md, "The planner against measured peaks" and
 tokens/s", compares them with measured runs)."""
 
 from moetrain.plan.calibration import Assumptions
-from moetrain.plan.estimate import Plan, plan
+from moetrain.plan.estimate import PEAK_ERROR, Plan, plan
 from moetrain.plan.hardware import GIB, GPU, GPUS
 from moetrain.plan.layout import (
     BUCKET_BYTES,
@@ -110,6 +110,7 @@ __all__ = [
     "Assumptions",
     "BUCKET_BYTES",
     "COMPUTE_PARTS",
+    "PEAK_ERROR",
     "Communication",
     "EntrySizes",
     "GIB",

@@ -13,6 +13,11 @@ from moetrain.plan.memory import checkpoint_state_bytes, load_temporaries, memor
 from moetrain.plan.time import COMPUTE_PARTS, PEER_PARTS, communication, step_time
 from moetrain.train.config import RunConfig
 
+PEAK_ERROR = 0.10
+"""How far a modelled peak may be from the measured one: tests/test_plan.py pins the planner's
+peaks within 10% of the measured and rehearsed peaks. A layout whose peak comes closer than that
+to the GPU's capacity is `tight`."""
+
 
 @dataclasses.dataclass
 class Plan:
@@ -44,6 +49,18 @@ class Plan:
     busiest_rank: int
     """A global rank of the pipeline rank that needs most memory (its stage's first dp rank: the
     ranks of a stage hold alike): the one `moetrain bench --rehearse` runs by default."""
+
+    @property
+    def largest_peak_gib(self) -> float:
+        """The highest of the three peaks: training, saving a checkpoint, loading one."""
+        return max(self.peak_mem_gib_per_device, self.save_peak_gib_per_device, self.load_peak_gib_per_device)
+
+    @property
+    def tight(self) -> bool:
+        """It fits while training, but its largest peak is within the memory model's error
+        (`PEAK_ERROR`) of the GPU's capacity, or over it while saving or loading: a real run
+        may run out of memory."""
+        return self.fits and self.largest_peak_gib > (1 - PEAK_ERROR) * self.gpu.memory_gib
 
     @property
     def compute_s(self) -> float:

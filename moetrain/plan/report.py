@@ -60,6 +60,7 @@ def to_json(p: Plan, preset: str, gpus: int, gpu: str, suggestions: list[Plan]) 
         "peak_mem_gib_per_device": p.peak_mem_gib_per_device,
         "capacity_gib": p.gpu.memory_gib,
         "fits": p.fits,
+        "tight": p.tight,
         "save_peak_gib_per_device": p.save_peak_gib_per_device,
         "fits_while_saving": p.fits_while_saving,
         "load_peak_gib_per_device": p.load_peak_gib_per_device,
@@ -74,6 +75,7 @@ def to_json(p: Plan, preset: str, gpus: int, gpu: str, suggestions: list[Plan]) 
                 "peak_mem_gib_per_device": s.peak_mem_gib_per_device,
                 "step_time_s": round(s.step_time_s, 4),
                 "mfu": round(s.mfu, 4),
+                "tight": s.tight,
             }
             for s in suggestions
         ],

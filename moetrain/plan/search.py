@@ -72,7 +72,8 @@ def _context_degrees(cfg: RunConfig, gpus: int, gpu: str) -> list[int]:
 
 
 def suggest(cfg: RunConfig, gpus: int, gpu: str, limit: int = 5) -> list[Plan]:
-    """Layouts of the ddp stack that fit the GPU, fastest first: pp (dividing the GPUs, at most
+    """Layouts of the ddp stack that fit the GPU: those with headroom (not `Plan.tight`) first,
+    fastest first within each: pp (dividing the GPUs, at most
     one block per stage), cp for long sequences (`_context_degrees`; one sequence per
     data-parallel rank and micro-batch), ep (dividing dp · cp and the experts, at most one
     node's worth unless the experts need more), recompute none/selective/full, the sharded
@@ -86,7 +87,7 @@ def suggest(cfg: RunConfig, gpus: int, gpu: str, limit: int = 5) -> list[Plan]:
             continue
         for cp in _context_degrees(cfg, gpus // pp, gpu):
             out += _fitting(cfg, gpus, gpu, pp, cp)
-    out.sort(key=lambda p: -p.tokens_per_sec_per_device)
+    out.sort(key=lambda p: (p.tight, -p.tokens_per_sec_per_device))
     return out[:limit]
 
 
