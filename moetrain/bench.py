@@ -28,13 +28,10 @@ device's dense BF16 peak.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import tempfile
 import time
 import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,6 +47,7 @@ from moetrain.train.console import rehearsal_notice
 from moetrain.train.engine import StepOutput
 from moetrain.train.metrics import peak_mem_gib
 from moetrain.train.trainer import Trainer
+from moetrain.version import code_version
 
 BENCH_OVERRIDES = [
     "data.synthetic=true",
@@ -382,26 +380,6 @@ def _record(
         "torch": torch.__version__,
         "commit": code_version(),
     }
-
-
-def code_version() -> str:
-    """The commit a figure was measured with: $MOETRAIN_COMMIT when set (for a copy of the tree
-    whose git history is not its own, e.g. on a lent GPU machine), else the checkout's HEAD (short
-    hash, "-dirty" when tracked files differ from it), else "unknown"."""
-    if os.environ.get("MOETRAIN_COMMIT"):
-        return os.environ["MOETRAIN_COMMIT"]
-    root = Path(__file__).resolve().parent.parent
-
-    def git(*args: str) -> str:
-        done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10, check=True)
-        return done.stdout.strip()
-
-    try:
-        head = git("rev-parse", "--short=12", "HEAD")
-        dirty = git("status", "--porcelain", "--untracked-files=no")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return f"{head}-dirty" if dirty else head or "unknown"
 
 
 def _precision(trainer: Trainer) -> str:

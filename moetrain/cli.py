@@ -548,6 +548,12 @@ def cmd_export_hf(argv: list[str]) -> int:
         parser.add_argument(
             "--max-position-embeddings", type=int, default=None, help="default: the trained data.seq_len"
         )
+        parser.add_argument(
+            "--license",
+            dest="license_id",
+            default="other",
+            help="the model card's Hub license id (apache-2.0, mit, cc-by-4.0, …; default other: none chosen)",
+        )
 
     # Under torchrun each rank writes every WORLD_SIZE-th shard (no process group is needed).
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
@@ -556,7 +562,8 @@ def cmd_export_hf(argv: list[str]) -> int:
         "moetrain export-hf",
         "Write a checkpoint as a directory that transformers loads offline with a native architecture "
         "(Qwen3-MoE for softmax gating, GLM-4-MoE for sigmoid gating): safetensors weights (sharded with an "
-        "index past --max-shard-size), config.json, tokenizer files. Models that no native class represents "
+        "index past --max-shard-size), config.json, tokenizer files, and a model card (README.md: the Hub's metadata, "
+        "the model's shape, parameters, tokens, data and validation loss). Models that no native class represents "
         "exactly are refused, naming the feature and the variant that exports.",
         "checkpoint",
         "a run directory (newest checkpoint) or a step-N directory",

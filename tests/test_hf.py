@@ -156,3 +156,34 @@ def test_import_refuses_another_architecture(tmp_path, capsys):
     assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "model_type 'llama'" in err and "qwen3_moe" in err and "Traceback" not in err
+
+
+def test_export_writes_a_model_card_with_the_hubs_metadata(trained, tmp_path, capsys):
+    """README.md opens with the Hub's metadata block (library, license, pipeline, the
+    architecture's model_type as a tag) and says what the model is: shape, parameters total and
+    active, steps and tokens trained, data, validation loss (none here: the fixture does not
+    evaluate), the moetrain version and commit; `--license` sets the id and a malformed one is
+    refused naming the flag."""
+    import yaml
+
+    from moetrain import __version__
+
+    out = tmp_path / "hf"
+    assert main(["export-hf", str(trained), str(out), "--license", "mit"]) == 0
+    text = (out / "README.md").read_text()
+    assert text.startswith("---\n")
+    meta = yaml.safe_load(text.split("---\n")[1])
+    assert meta["library_name"] == "transformers" and meta["license"] == "mit"
+    assert meta["pipeline_tag"] == "text-generation" and "qwen3_moe" in meta["tags"]
+    _, cfg, _ = load_for_inference(trained)
+    from moetrain.model.counting import count_params
+
+    counts = count_params(cfg.model)
+    assert f"{counts.total:,} total, {counts.active:,} active" in text
+    tokens = 4 * cfg.train.global_batch_size * cfg.data.seq_len
+    assert f"4 steps, {tokens:,} tokens (sequences of {cfg.data.seq_len})" in text
+    assert "| validation loss | not evaluated |" in text and f"moetrain {__version__} (commit " in text
+    capsys.readouterr()
+    assert main(["export-hf", str(trained), str(tmp_path / "bad"), "--license", "Apache 2.0"]) == 2
+    err = capsys.readouterr().err
+    assert "--license='Apache 2.0'" in err and "Traceback" not in err

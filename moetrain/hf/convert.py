@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import warnings
 from pathlib import Path
 
@@ -63,6 +64,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from moetrain import __version__
 from moetrain.config import load_yaml
 from moetrain.destinations import check_directory, check_free_space, existing_entries
 from moetrain.errors import CheckpointError, ConfigError, require
@@ -89,6 +91,7 @@ from moetrain.hf.shards import (
 from moetrain.model.counting import count_params
 from moetrain.train import checkpoint as ckpt
 from moetrain.train.config import RunConfig
+from moetrain.version import code_version
 
 EXPORTED_BY = "moetrain export-hf"
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -127,6 +130,7 @@ def export_hf(
     max_position_embeddings: int | None = None,
     rank: int = 0,
     world_size: int = 1,
+    license_id: str = "other",
 ) -> dict:
     """Write the HF directory (this rank's shards of it); returns a summary (architecture,
     dtype, files, tensors, parameters, bytes)."""
@@ -134,6 +138,11 @@ def export_hf(
     check_directory(out_dir, "Output directory", "Pass an OUT_DIR you can write")
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype={dtype!r} is not one of {', '.join(DTYPES)}.")
+    if not re.fullmatch(r"[a-z0-9][a-z0-9.+-]*", license_id):
+        raise ConfigError(
+            f"--license={license_id!r} is not a Hub license id: lowercase letters, digits, '.', '-' and '+' "
+            "(apache-2.0, mit, cc-by-4.0, llama3.1, other, …)."
+        )
     max_bytes = parse_size(max_shard_size)
     path = ckpt.resolve_checkpoint(checkpoint)
     cfg, tokenizer = _run_config(path), _tokenizer(path)
@@ -180,7 +189,7 @@ def export_hf(
         if len(shards) > 1:
             (out / INDEX).write_text(json.dumps(index_json(shards, names, parameters), indent=2) + "\n")
         _write_metadata(out, cfg, tokenizer, positions, dtype)
-        _write_readme(out, path, cfg, dtype, parameters)
+        _write_readme(out, path, cfg, dtype, parameters, license_id)
     return {
         "architecture": architecture_for(m).value,
         "out_dir": str(out),
@@ -329,14 +338,48 @@ def _write_metadata(out: Path, cfg: RunConfig, tokenizer, positions: int, dtype:
     (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
 
 
-def _write_readme(out: Path, checkpoint: Path, cfg: RunConfig, dtype: str, parameters: int) -> None:
-    """README.md: where the weights come from, how to load them, and what the export leaves out."""
+def _write_readme(out: Path, checkpoint: Path, cfg: RunConfig, dtype: str, parameters: int, license_id: str) -> None:
+    """README.md, a Hugging Face model card: the Hub's metadata block (library, license, pipeline,
+    tags naming the architecture), then what the model is (its shape, parameters total and
+    active, the tokens and data it was trained on, its validation loss, the moetrain version and
+    commit that exported it), how to load it, and what the export leaves out."""
     m = cfg.model
+    arch = architecture_for(m)
+    counts = count_params(m)
+    run_dir = checkpoint.parent.parent
+    step, tokens = _trained(checkpoint, cfg)
+    val = _validation_loss(run_dir, step)
+    name = run_dir.name
+    unset = (
+        " (none chosen at export: `moetrain export-hf --license ID` sets the Hub's id)" if license_id == "other" else ""
+    )
     lines = [
-        f"# {checkpoint.parent.parent.name} ({checkpoint.name})",
+        "---",
+        "library_name: transformers",
+        f"license: {license_id}",
+        "pipeline_tag: text-generation",
+        "tags:",
+        "- moetrain",
+        "- mixture-of-experts",
+        f"- {_MODEL_TYPE[arch]}",
+        "---",
         "",
-        f"Exported by moetrain from the checkpoint `{checkpoint}`: {architecture_for(m).value}, {dtype}, "
-        f"{parameters:,} parameters.",
+        f"# {name} ({checkpoint.name})",
+        "",
+        f"A mixture-of-experts language model trained with moetrain and exported as {arch.value} "
+        f"({_MODEL_TYPE[arch]}), {dtype} weights.",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| shape | {m.n_layers} layers ({m.num_dense_layers} dense), d_model {m.d_model}, {m.n_heads} heads "
+        f"({m.n_kv_heads} key/value), {m.moe.num_experts} experts, top-{m.moe.top_k} {m.moe.gating.value} routing, "
+        f"vocabulary {m.vocab_size:,} |",
+        f"| parameters | {counts.total:,} total, {counts.active:,} active per token ({parameters:,} exported) |",
+        f"| trained | {step:,} steps, {tokens:,} tokens (sequences of {cfg.data.seq_len:,}) |",
+        f"| data | {', '.join(_source_names(cfg))} |",
+        f"| validation loss | {f'{val[1]:.4f} nats per token at step {val[0]:,}' if val else 'not evaluated'} |",
+        f"| exported by | moetrain {__version__} (commit {code_version()}) from `{checkpoint}` |",
+        f"| license | {license_id}{unset} |",
         "",
         "```python",
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
@@ -354,6 +397,46 @@ def _write_readme(out: Path, checkpoint: Path, cfg: RunConfig, dtype: str, param
             "export; the moetrain checkpoint keeps them.",
         ]
     (out / "README.md").write_text("\n".join(lines) + "\n")
+
+
+_MODEL_TYPE = {Architecture.qwen3_moe: "qwen3_moe", Architecture.glm4_moe: "glm4_moe"}
+"""transformers' model_type of each architecture export-hf writes (config.json's)."""
+
+
+def _trained(checkpoint: Path, cfg: RunConfig) -> tuple[int, int]:
+    """(steps, tokens) the checkpoint was trained for: its trainer state's step and the loader's
+    sequences drawn × sequence length (0, 0 for a weights-only checkpoint without them)."""
+    try:
+        state = json.loads((checkpoint / "trainer_state.json").read_text())
+    except (OSError, ValueError):
+        return 0, 0
+    sequences = (state.get("loader") or {}).get("sample_index", state.get("step", 0) * cfg.train.global_batch_size)
+    return int(state.get("step", 0)), int(sequences) * cfg.data.seq_len
+
+
+def _validation_loss(run_dir: Path, step: int) -> tuple[int, float] | None:
+    """The run's last validation loss at or before `step` (metrics.jsonl), or None."""
+    try:
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return None
+    val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None and r.get("step", 0) <= step]
+    return val[-1] if val else None
+
+
+def _source_names(cfg: RunConfig) -> list[str]:
+    """Each data source's directory name and, where its meta.json lists them, what was prepared
+    into it (e.g. default-corpus)."""
+    names = []
+    for source in cfg.data.sources:
+        try:
+            prepared = json.loads((Path(source) / "meta.json").read_text()).get("sources") or []
+        except (OSError, ValueError):
+            prepared = []
+        names.append(f"`{Path(source).name}`" + (f" ({', '.join(map(str, prepared))})" if prepared else ""))
+    if cfg.data.synthetic:
+        return ["synthetic token ids"]
+    return names or ["none recorded"]
 
 
 # ---- import ------------------------------------------------------------------------------------
