@@ -30,7 +30,39 @@ def trained(real_text_dir, tmp_path_factory):
 
 
 def test_export_loads_natively_with_the_same_logits_tokens_and_greedy_text(trained, tmp_path, capsys):
-    out = tmp_path / "hf"
+    check_native(trained, tmp_path / "hf", capsys)
+
+
+def test_weights_times_k_fold_into_the_experts_down_projections(real_text_dir, tmp_path, capsys):
+    """restore_weight_scale=true (the router's weights × k, Olmo-core's choice) exports to
+    Qwen3-MoE, which has no routed scale, with each expert's down_proj × k: the same logits and
+    greedy text in fp32; in bf16 with k = 4 the written weights are exactly 4 × the bf16 weights
+    (a power of two scales without rounding)."""
+    from safetensors import safe_open
+
+    from moetrain.hf.convert import CheckpointEntries
+    from moetrain.train import checkpoint as ckpt
+
+    run = tmp_path / "run"
+    overrides = tiny_overrides(real_text_dir, run, "train.steps=4", "train.eval_every=0")
+    overrides = [o for o in overrides if not o.startswith(("model.", "data.seq_len"))]
+    overrides.append("model.moe.restore_weight_scale=true")
+    assert main(["train", "tiny", *[f"--{o}" for o in overrides], "--quiet"]) == 0
+    check_native(run, tmp_path / "hf", capsys)
+    assert main(["export-hf", str(run), str(tmp_path / "bf16")]) == 0
+    _, cfg, _ = load_for_inference(run)
+    assert cfg.model.moe.top_k == 4
+    layer = cfg.model.num_dense_layers
+    entries = CheckpointEntries(ckpt.resolve_checkpoint(run), cfg.model)
+    w = entries.read([f"blocks.{layer}.ffn.experts.w_down_EDF/3"])[f"blocks.{layer}.ffn.experts.w_down_EDF/3"]
+    with safe_open(str(tmp_path / "bf16" / "model.safetensors"), framework="pt") as f:
+        got = f.get_tensor(f"model.layers.{layer}.mlp.experts.3.down_proj.weight")
+    assert torch.equal(got, 4 * w.to(torch.bfloat16)) and torch.equal(got, (4 * w).to(torch.bfloat16))
+
+
+def check_native(trained, out, capsys):
+    """Export `trained` in fp32 to `out`: transformers' native class gives moetrain's logits
+    (within 1e-4), token ids and greedy continuation."""
     capsys.readouterr()
     assert main(["export-hf", str(trained), str(out), "--dtype", "float32"]) == 0
     summary = json.loads(capsys.readouterr().out)
@@ -64,7 +96,6 @@ def test_export_loads_natively_with_the_same_logits_tokens_and_greedy_text(train
     "override, feature",
     [
         ("model.moe.shared_hidden=32", "shared expert"),
-        ("model.moe.restore_weight_scale=true", "restore_weight_scale=true"),
         ("model.qk_norm=false", "qk_norm=false"),
         ("model.peri_norm=true", "peri_norm"),
     ],

@@ -43,6 +43,9 @@ class HfTensor:
     """False for the selection bias (a buffer in moetrain), so `parameters` counts what ours does."""
     empty_shape: tuple[int, ...] | None = None
     """For a zero-width tensor that has no entry (`entry` empty): its shape."""
+    scale: float = 1.0
+    """Written × this (in fp32, before the cast to --dtype): Qwen3-MoE's routed experts' down
+    projections carry the router's × k (`restore_weight_scale`), which that class lacks."""
 
 
 def architecture_for(m: TransformerConfig) -> Architecture:
@@ -77,11 +80,6 @@ def unsupported_features(m: TransformerConfig, expert_bias_nonzero: bool) -> lis
         if moe.shared_hidden > 0:
             problems.append(
                 f"softmax gating with a shared expert (model.moe.shared_hidden={moe.shared_hidden}): {SOFTMAX_SHARED}"
-            )
-        if moe.restore_weight_scale:
-            problems.append(
-                "softmax gating with weights × k (model.moe.restore_weight_scale=true): Qwen3-MoE, the "
-                "exact softmax class, has no routed scaling factor"
             )
         if expert_bias_nonzero:
             problems.append(
@@ -207,11 +205,14 @@ def tensor_plan(m: TransformerConfig) -> list[HfTensor]:
                 )
             )
         F = moe.expert_hidden
+        # × k after the normalized weights is a constant factor of every routed expert's output:
+        # Qwen3-MoE has no routed scale, so it goes into the experts' down projections (linear)
+        fold = float(moe.top_k) if moe.restore_weight_scale and not glm else 1.0
         for e in range(moe.num_experts):
             x, gate_up = f"{p}.mlp.experts.{e}", f"{b}.ffn.experts.w_gate_up_E2FD/{e}"
             plan.append(HfTensor(f"{x}.gate_proj.weight", gate_up, rows=(0, F)))
             plan.append(HfTensor(f"{x}.up_proj.weight", gate_up, rows=(F, 2 * F)))
-            plan.append(HfTensor(f"{x}.down_proj.weight", f"{b}.ffn.experts.w_down_EDF/{e}"))
+            plan.append(HfTensor(f"{x}.down_proj.weight", f"{b}.ffn.experts.w_down_EDF/{e}", scale=fold))
         if glm:  # zero-width when there is none (n_shared_experts=0): transformers still has them
             shared = f"{b}.ffn.shared_expert" if moe.shared_hidden else None
             plan += _swiglu(f"{p}.mlp.shared_experts", shared, m.d_model)

@@ -13,7 +13,7 @@ Which class, field by field (moetrain/hf/arch.py is the code; both checked again
 | moe.gating                     | softmax                         | sigmoid                                   |
 | aux-free bias (expert_bias_E)  | must be 0                       | e_score_correction_bias (kept fp32)       |
 | moe.normalize_weights          | norm_topk_prob                  | norm_topk_prob                            |
-| moe.restore_weight_scale (× k) | must be false                   | routed_scaling_factor = k (false: 1.0)    |
+| moe.restore_weight_scale (× k) | folded: experts' down_proj × k  | routed_scaling_factor = k (false: 1.0)    |
 | moe.shared_hidden              | must be 0                       | n_shared_experts = shared / expert_hidden |
 | moe.num_experts                | num_experts                     | n_routed_experts (≥ 2)                    |
 | moe.top_k, moe.expert_hidden   | num_experts_per_tok, moe_intermediate_size | the same                       |
@@ -30,8 +30,15 @@ Which class, field by field (moetrain/hf/arch.py is the code; both checked again
 | data.seq_len                   | max_position_embeddings (or --max-position-embeddings) | the same   |
 
 The selection rule is bit-level the same in both: top-k of (scores + bias), weights the chosen
-scores, normalized, then × k. Softmax gating with a shared expert, × k or a non-zero aux-free
-bias — the `ref-*`, `sweep-*` and `bench-*` presets — has no exact native class (Qwen2-MoE and
+scores, normalized, then × k. Qwen3-MoE has no routed scale, but × k multiplies every routed
+expert's output by the constant k, and an expert is linear in its down projection: the export
+writes each expert's `down_proj` × k (in fp32, then cast). That is exact in fp32 up to one
+rounding of each product (none when k is a power of two, as for top-4 and top-8), and in bf16 the
+scaled weight is rounded once where the model rounds the unscaled one: the exported logits agree
+within bf16 rounding, and exactly for power-of-two k. An import reads such a model back as
+restore_weight_scale=false with the scaled experts: the same function. Softmax gating with a
+shared expert or a non-zero aux-free bias — the `ref-*`, `sweep-*` and `bench-*` presets — has no
+exact native class (Qwen2-MoE and
 Qwen3-Next gate the shared expert with a sigmoid, Hunyuan-MoE normalizes QK after RoPE, Ernie-4.5-MoE
 has no QK-norm, DeepSeek-V2 uses latent attention): it is refused, naming `model.moe.gating=sigmoid`,
 with which the same architecture exports as GLM-4-MoE. Peri-norm has no exact native class (AFMoE
@@ -218,6 +225,7 @@ def _write_shard(path: Path, tensors: list[HfTensor], specs, source: CheckpointE
             else:
                 value = entries[t.entry]
                 value = value[t.rows[0] : t.rows[1]] if t.rows else value
+                value = value.float() * t.scale if t.scale != 1.0 else value
             writer.write(name, value.to(dtype))
         group.clear()
 
