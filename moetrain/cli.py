@@ -549,6 +549,12 @@ def cmd_export_hf(argv: list[str]) -> int:
             "--max-position-embeddings", type=int, default=None, help="default: the trained data.seq_len"
         )
         parser.add_argument(
+            "--remote-code",
+            action="store_true",
+            help="write moetrain's own modeling file beside the weights (any model: load it with "
+            "trust_remote_code=True) instead of a native transformers class",
+        )
+        parser.add_argument(
             "--license",
             dest="license_id",
             default="other",

@@ -792,8 +792,8 @@ def test_rehearsed_cp_ranks_are_within_10_percent(overrides, compute_s, peak_gib
 
 
 # Muon's optimizer step and the training step (the rehearsed rank's compute) on one H200:
-# (preset, gpus, overrides, optimizer s, step or compute s). docs/benchmarks.md, "Muon's step on
-# the H200".
+# (preset, gpus, overrides, optimizer s, step or compute s).
+# docs/benchmarks.md, "Muon's step on the H200".
 MEASURED_MUON = [
     ("bench-tiny64e-l6", 1, [], 0.5427, 0.7034),
     ("bench-8e", 1, [], 0.8195, 1.0992),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 
 from moetrain.errors import ConfigError
 from moetrain.model.config import Gating, MoEConfig, Routing, TransformerConfig
@@ -102,7 +103,10 @@ def unsupported_features(m: TransformerConfig, expert_bias_nonzero: bool) -> lis
 def refusal(m: TransformerConfig, problems: list[str]) -> str:
     """One paragraph: why the model is not exported and which variant of it would be."""
     text = (
-        "This model has no exact native transformers architecture, so it is not exported: " + "; ".join(problems) + "."
+        "This model has no exact native transformers architecture, so it is not exported natively: "
+        + "; ".join(problems)
+        + ". `--remote-code` exports it with moetrain's own modeling file beside the weights "
+        "(transformers loads it with trust_remote_code=True)."
     )
     softmax = architecture_for(m) == Architecture.qwen3_moe and any(p.startswith("softmax") for p in problems)
     changes = ["model.peri_norm=false (pre-norm)"] * m.peri_norm + ["model.moe.gating=sigmoid"] * softmax
@@ -219,6 +223,73 @@ def tensor_plan(m: TransformerConfig) -> list[HfTensor]:
     plan.append(HfTensor("model.norm.weight", "norm.weight"))
     plan.append(HfTensor("lm_head.weight", "lm_head.weight"))
     return plan
+
+
+REMOTE_MODULE = "modeling_moetrain"
+"""The modeling file `--remote-code` ships (moetrain/hf/modeling_moetrain.py)."""
+
+
+def remote_problems(m: TransformerConfig) -> list[str]:
+    """What even moetrain's own modeling file does not export (empty: it exports)."""
+    if m.moe.routing != Routing.learned:
+        return [f"model.moe.routing={m.moe.routing} (a benchmark mode; only the learned router is a model)"]
+    return []
+
+
+def remote_tensor_plan(entries: list[str]) -> list[HfTensor]:
+    """Every checkpoint entry but the multi-token prediction modules', in checkpoint order, under
+    the names of moetrain/hf/modeling_moetrain.py: moetrain's own, each expert's stacked gate/up
+    and down weights as `experts.{e}.w_gate_up` / `.w_down`. The router's weight and selection
+    bias stay fp32, as the modeling file keeps them."""
+    plan = []
+    for entry in entries:
+        if entry.startswith("mtp."):
+            continue
+        name = re.sub(r"experts\.w_gate_up_E2FD/(\d+)$", r"experts.\1.w_gate_up", entry)
+        name = re.sub(r"experts\.w_down_EDF/(\d+)$", r"experts.\1.w_down", name)
+        router = ".ffn.router." in entry
+        plan.append(HfTensor(name, entry, keep_fp32=router, parameter=not entry.endswith("expert_bias_E")))
+    return plan
+
+
+def remote_config(m: TransformerConfig, eos_id: int | None, max_positions: int, dtype: str) -> dict:
+    """config.json of a `--remote-code` export: MoetrainConfig's fields and the auto_map that
+    points transformers at the modeling file."""
+    moe = m.moe
+    return {
+        "architectures": ["MoetrainForCausalLM"],
+        "model_type": "moetrain",
+        "auto_map": {
+            "AutoConfig": f"{REMOTE_MODULE}.MoetrainConfig",
+            "AutoModelForCausalLM": f"{REMOTE_MODULE}.MoetrainForCausalLM",
+        },
+        "vocab_size": m.vocab_size,
+        "d_model": m.d_model,
+        "n_layers": m.n_layers,
+        "n_heads": m.n_heads,
+        "n_kv_heads": m.n_kv_heads,
+        "head_dim": m.resolved_head_dim,
+        "num_dense_layers": m.num_dense_layers,
+        "dense_hidden": m.resolved_dense_hidden,
+        "qk_norm": m.qk_norm,
+        "peri_norm": m.peri_norm,
+        "norm_eps": m.norm_eps,
+        "rope_theta": m.rope_theta,
+        "num_experts": moe.num_experts,
+        "num_experts_per_tok": moe.top_k,
+        "expert_hidden": moe.expert_hidden,
+        "shared_hidden": moe.shared_hidden,
+        "gating": moe.gating.value,
+        "normalize_weights": moe.normalize_weights,
+        "restore_weight_scale": moe.restore_weight_scale,
+        "max_position_embeddings": max_positions,
+        "bos_token_id": eos_id,
+        "eos_token_id": eos_id,
+        "dtype": dtype,
+        "torch_dtype": dtype,
+        "use_cache": False,
+        "tie_word_embeddings": False,
+    }
 
 
 def _swiglu(theirs: str, ours: str | None, d_model: int = 0) -> list[HfTensor]:

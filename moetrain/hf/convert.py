@@ -2,8 +2,13 @@
 
 A moetrain checkpoint becomes a directory that `transformers` loads offline with a *native*
 architecture (no remote code): safetensors weights, `config.json`, `generation_config.json`,
-`tokenizer.json` and `tokenizer_config.json`. Only models that a native class represents exactly
-are exported; any other feature is refused with a message naming it and the variant that exports.
+`tokenizer.json`, `tokenizer_config.json` and a model card (README.md). Only models that a native
+class represents exactly are exported so; any other feature is refused with a message naming it,
+the variant that exports natively, and `--remote-code`: that writes moetrain's own modeling file
+(moetrain/hf/modeling_moetrain.py, torch and transformers only) beside weights under moetrain's
+parameter names, with an `auto_map` in config.json, so that transformers loads any learned-routing
+model with `trust_remote_code=True` (the reference shapes included; tests/test_hf_remote.py checks
+logits, greedy text and a left-padded batch against moetrain).
 
 Which class, field by field (moetrain/hf/arch.py is the code; both checked against transformers
 5.x's modeling files, and tested to equal logits):
@@ -62,6 +67,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 import warnings
 from pathlib import Path
 
@@ -76,12 +82,16 @@ from moetrain.config import load_yaml
 from moetrain.destinations import check_directory, check_free_space, existing_entries
 from moetrain.errors import CheckpointError, ConfigError, require
 from moetrain.hf.arch import (
+    REMOTE_MODULE,
     Architecture,
     HfTensor,
     architecture_for,
     hf_config,
     model_config_from_hf,
     refusal,
+    remote_config,
+    remote_problems,
+    remote_tensor_plan,
     tensor_plan,
     unsupported_features,
 )
@@ -104,7 +114,15 @@ EXPORTED_BY = "moetrain export-hf"
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 READ_BYTES = 1 << 30
 """At most this many bytes of checkpoint entries are read at once (and at most one shard's)."""
-EXPORT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "README.md", INDEX)
+EXPORT_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "README.md",
+    INDEX,
+    f"{REMOTE_MODULE}.py",
+)
 """What an export writes besides its safetensors files (`export_replaces`)."""
 IMPORT_FILES = ("config.yaml", "tokenizer.json")
 """What an import writes besides its checkpoint."""
@@ -138,6 +156,7 @@ def export_hf(
     rank: int = 0,
     world_size: int = 1,
     license_id: str = "other",
+    remote_code: bool = False,
 ) -> dict:
     """Write the HF directory (this rank's shards of it); returns a summary (architecture,
     dtype, files, tensors, parameters, bytes)."""
@@ -158,16 +177,7 @@ def export_hf(
         raise ConfigError(f"--max-position-embeddings={positions} must be positive (default: data.seq_len).")
     m = cfg.model
     source = CheckpointEntries(path, m)
-
-    bias_nonzero = False
-    if architecture_for(m) == Architecture.qwen3_moe and m.num_moe_layers:
-        biases = source.read([f"blocks.{i}.ffn.router.expert_bias_E" for i in range(m.num_dense_layers, m.n_layers)])
-        bias_nonzero = any(bool(b.abs().max() > 0) for b in biases.values())
-    problems = unsupported_features(m, bias_nonzero)
-    if problems:
-        raise ConfigError(refusal(m, problems))
-
-    plan = tensor_plan(m)
+    plan = _plan(m, source, remote_code)
     out_dtype = DTYPES[dtype]
     specs = [(t.name, torch.float32 if t.keep_fp32 else out_dtype, source.hf_shape(t)) for t in plan]
     shards = split_into_shards(specs, max_bytes)
@@ -195,10 +205,11 @@ def export_hf(
     if rank == 0:
         if len(shards) > 1:
             (out / INDEX).write_text(json.dumps(index_json(shards, names, parameters), indent=2) + "\n")
-        _write_metadata(out, cfg, tokenizer, positions, dtype)
-        _write_readme(out, path, cfg, dtype, parameters, license_id)
+        _write_metadata(out, cfg, tokenizer, positions, dtype, remote_code)
+        _write_readme(out, path, cfg, dtype, parameters, license_id, remote_code)
     return {
-        "architecture": architecture_for(m).value,
+        "architecture": "MoetrainForCausalLM" if remote_code else architecture_for(m).value,
+        "remote_code": remote_code,
         "out_dir": str(out),
         "dtype": dtype,
         "files": names,
@@ -207,6 +218,23 @@ def export_hf(
         "bytes": sum(s[1].itemsize * math.prod(s[2]) for s in specs),
         "max_position_embeddings": positions,
     }
+
+
+def _plan(m, source: CheckpointEntries, remote_code: bool) -> list[HfTensor]:
+    """The export's tensors: moetrain's own names for `--remote-code`, else the native class's;
+    what the chosen form cannot represent is refused, naming it."""
+    if remote_code:
+        if remote_problems(m):
+            raise ConfigError("This model is not exported: " + "; ".join(remote_problems(m)) + ".")
+        return remote_tensor_plan(list(source.meta))
+    bias_nonzero = False
+    if architecture_for(m) == Architecture.qwen3_moe and m.num_moe_layers:
+        biases = source.read([f"blocks.{i}.ffn.router.expert_bias_E" for i in range(m.num_dense_layers, m.n_layers)])
+        bias_nonzero = any(bool(b.abs().max() > 0) for b in biases.values())
+    problems = unsupported_features(m, bias_nonzero)
+    if problems:
+        raise ConfigError(refusal(m, problems))
+    return tensor_plan(m)
 
 
 def _write_shard(path: Path, tensors: list[HfTensor], specs, source: CheckpointEntries, max_bytes: int) -> None:
@@ -327,14 +355,19 @@ def _tokenizer(path: Path):
     return Tokenizer.from_file(str(tokenizer_file))
 
 
-def _write_metadata(out: Path, cfg: RunConfig, tokenizer, positions: int, dtype: str) -> None:
-    """config.json, generation_config.json and the tokenizer files."""
+def _write_metadata(out: Path, cfg: RunConfig, tokenizer, positions: int, dtype: str, remote: bool) -> None:
+    """config.json, generation_config.json and the tokenizer files (and, with `remote`, the
+    modeling file transformers runs)."""
     eos_token = "<|endoftext|>" if tokenizer.token_to_id("<|endoftext|>") is not None else None
     eos_id = tokenizer.token_to_id(eos_token) if eos_token else None
-    (out / "config.json").write_text(json.dumps(hf_config(cfg.model, eos_id, positions, dtype), indent=2) + "\n")
+    config = (remote_config if remote else hf_config)(cfg.model, eos_id, positions, dtype)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generation = {"bos_token_id": eos_id, "eos_token_id": eos_id, "do_sample": False}
     (out / "generation_config.json").write_text(
-        json.dumps({"bos_token_id": eos_id, "eos_token_id": eos_id, "do_sample": False}, indent=2) + "\n"
+        json.dumps(generation | ({"use_cache": False} if remote else {}), indent=2) + "\n"
     )
+    if remote:
+        shutil.copyfile(Path(__file__).with_name(f"{REMOTE_MODULE}.py"), out / f"{REMOTE_MODULE}.py")
     tokenizer.save(str(out / "tokenizer.json"))
     tok_cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -346,13 +379,16 @@ def _write_metadata(out: Path, cfg: RunConfig, tokenizer, positions: int, dtype:
     (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
 
 
-def _write_readme(out: Path, checkpoint: Path, cfg: RunConfig, dtype: str, parameters: int, license_id: str) -> None:
+def _write_readme(
+    out: Path, checkpoint: Path, cfg: RunConfig, dtype: str, parameters: int, license_id: str, remote: bool
+) -> None:
     """README.md, a Hugging Face model card: the Hub's metadata block (library, license, pipeline,
     tags naming the architecture), then what the model is (its shape, parameters total and
     active, the tokens and data it was trained on, its validation loss, the moetrain version and
     commit that exported it), how to load it, and what the export leaves out."""
     m = cfg.model
-    arch = architecture_for(m)
+    arch, model_type = ("MoetrainForCausalLM", "moetrain") if remote else (architecture_for(m).value, None)
+    model_type = model_type or _MODEL_TYPE[architecture_for(m)]
     counts = count_params(m)
     run_dir = checkpoint.parent.parent
     step, tokens = _trained(checkpoint, cfg)
@@ -369,13 +405,20 @@ def _write_readme(out: Path, checkpoint: Path, cfg: RunConfig, dtype: str, param
         "tags:",
         "- moetrain",
         "- mixture-of-experts",
-        f"- {_MODEL_TYPE[arch]}",
+        f"- {model_type}",
+        *(["- custom_code"] if remote else []),
         "---",
         "",
         f"# {name} ({checkpoint.name})",
         "",
-        f"A mixture-of-experts language model trained with moetrain and exported as {arch.value} "
-        f"({_MODEL_TYPE[arch]}), {dtype} weights.",
+        f"A mixture-of-experts language model trained with moetrain and exported as {arch} ({model_type}), "
+        f"{dtype} weights"
+        + (
+            f", with moetrain's own modeling file ({REMOTE_MODULE}.py): no native transformers class computes "
+            "this model exactly, so it loads with `trust_remote_code=True`."
+            if remote
+            else "."
+        ),
         "",
         "| | |",
         "|---|---|",
@@ -391,7 +434,7 @@ def _write_readme(out: Path, checkpoint: Path, cfg: RunConfig, dtype: str, param
         "",
         "```python",
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
-        f'model = AutoModelForCausalLM.from_pretrained("{out.name}")',
+        f'model = AutoModelForCausalLM.from_pretrained("{out.name}"{", trust_remote_code=True" if remote else ""})',
         f'tokenizer = AutoTokenizer.from_pretrained("{out.name}")',
         "```",
     ]
