@@ -86,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     handler = _HANDLERS.get(command)
     if handler is None:
-        print(f"moetrain: unknown command '{command}'.\n\n{_usage()}", file=sys.stderr)
+        close = difflib.get_close_matches(command, list(_HANDLERS), n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        print(f"moetrain: unknown command '{command}'.{hint}\n\n{_usage()}", file=sys.stderr)
         return 2
     try:
         return handler(rest) or 0
@@ -184,7 +186,7 @@ def _split_overrides(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[
 
 
 def _config_parser(prog: str, description: str, train_flags: bool) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=f"moetrain {prog}", description=description)
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog=f"moetrain {prog}", description=description)
     parser.add_argument("spec", metavar="PRESET_OR_YAML", help="a preset name (moetrain presets) or a YAML run file")
     if train_flags:
         for flag, (key, tp) in TRAIN_FLAGS.items():
@@ -264,6 +266,7 @@ def cmd_train(argv: list[str]) -> int:
 
 def cmd_bench(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog="moetrain bench",
         description="Warm up, then time training steps of a preset on random token ids; one JSON line "
         "per routing mode with tokens_per_sec_per_device, tflops_per_device, mfu, peak_mem_gib, "
@@ -338,6 +341,7 @@ def cmd_bench(argv: list[str]) -> int:
 
 def cmd_plan(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog="moetrain plan",
         description="Per-GPU parameters, gradients, optimizer state, activations (with and without "
         "recompute), communication per step, step time and MFU of a preset on N GPUs, from the config "
@@ -478,7 +482,9 @@ def cmd_prepare_data(argv: list[str]) -> int:
 
 
 def cmd_eval(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="moetrain eval", description="Loss of a checkpoint on raw text.")
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, prog="moetrain eval", description="Loss of a checkpoint on raw text."
+    )
     parser.add_argument("checkpoint", help="a run directory (newest checkpoint) or a step-N directory")
     parser.add_argument("--text", nargs="+", required=True, metavar="FILE", help="text files (each one document)")
     parser.add_argument("--device", default="cpu")
@@ -490,7 +496,9 @@ def cmd_eval(argv: list[str]) -> int:
 
 
 def cmd_generate(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="moetrain generate", description="Sample text from a checkpoint.")
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, prog="moetrain generate", description="Sample text from a checkpoint."
+    )
     parser.add_argument("checkpoint", help="a run directory (newest checkpoint) or a step-N directory")
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -524,7 +532,7 @@ def _convert(
     """`moetrain export-hf` / `import-hf`: SOURCE OUT_DIR (and `add_options`' flags, passed to
     `convert` by name) in, one JSON line out. Files of OUT_DIR that `replaces` names are
     replaced only with --force."""
-    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog=prog, description=description)
     parser.add_argument(source, help=source_help)
     parser.add_argument("out_dir")
     parser.add_argument("--force", action="store_true", help="replace what an earlier run wrote into OUT_DIR")
@@ -596,7 +604,9 @@ def cmd_import_hf(argv: list[str]) -> int:
 
 
 def cmd_plot(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="moetrain plot", description="Compare the loss curves of runs.")
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, prog="moetrain plot", description="Compare the loss curves of runs."
+    )
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     parser.add_argument("--out", default=None, help="the PNG to write (default: FIRST_RUN_DIR/loss-compare.png)")
     parser.add_argument("--force", action="store_true", help="replace --out even when it is not an image")

@@ -344,7 +344,8 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     nesting too deep or too many values."""
     path = Path(path)
     if not path.exists():
-        raise ConfigError(f"Config file '{path}' does not exist.")
+        where = "" if path.is_absolute() else f" (a relative path is read from the current directory, {Path.cwd()})"
+        raise ConfigError(f"Config file '{path}' does not exist{where}.")
     if not path.is_file():
         raise ConfigError(f"Config file '{path}' is {file_kind(path)}, not a regular file: pass a YAML file.")
     raw = path.read_bytes()
@@ -521,6 +522,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if origin in (list, tuple):
         if isinstance(value, tuple):
             value = list(value)
+        if origin is list and args == (str,) and isinstance(value, str):  # --data.sources=/path: one source
+            value = [value]
         if not isinstance(value, list):
             raise ConfigError(f"Config key '{key}' must be a list, got {_short(value)}. Write it as [a, b].")
         item_tp = args[0] if args else Any

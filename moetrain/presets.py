@@ -13,6 +13,7 @@ section below it.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -231,7 +232,9 @@ PRESETS: dict[str, Callable[[], RunConfig]] = {
 
 def preset(name: str) -> RunConfig:
     if name not in PRESETS:
-        raise ConfigError(f"Unknown preset '{name}'. Presets: {', '.join(PRESETS)}; or pass a YAML file path.")
+        close = difflib.get_close_matches(name, list(PRESETS), n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(f"Unknown preset '{name}'.{hint} Presets: {', '.join(PRESETS)}; or pass a YAML file path.")
     return PRESETS[name]()
 
 
@@ -243,7 +246,13 @@ def resolve_config(spec: str, overrides: list[str] | None = None, *, validate: b
     elif spec.endswith((".yaml", ".yml")) or Path(spec).exists():
         cfg = _from_yaml(load_yaml(spec), spec)
     else:
-        raise ConfigError(f"'{spec}' is neither a preset ({', '.join(PRESETS)}) nor an existing YAML file.")
+        close = difflib.get_close_matches(spec, list(PRESETS), n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        relative = "/" in spec and not Path(spec).is_absolute()
+        where = f" (a relative path is read from the current directory, {Path.cwd()})" if relative else ""
+        raise ConfigError(
+            f"'{spec}' is neither a preset nor an existing YAML file{where}.{hint} Presets: {', '.join(PRESETS)}."
+        )
     cfg = apply_overrides(cfg, overrides or [])
     if validate:
         try:

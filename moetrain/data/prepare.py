@@ -72,6 +72,7 @@ it stable."""
 def main(argv: list[str]) -> int:
     """Command-line entry point. User mistakes raise `MoetrainError` for the caller to print."""
     parser = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog="moetrain prepare-data",
         description="Tokenize text files into train.bin / val.bin / meta.json / tokenizer.json.",
     )

@@ -99,7 +99,8 @@ def open_source(path: str | os.PathLike, split: str = "train", *, seq_len: int |
     then ignored). With `seq_len`, also require at least `seq_len + 1` tokens (one window)."""
     path = Path(path)
     if not path.exists():
-        raise DataError(f"Token data '{path}' does not exist. {PREPARE_HINT}.")
+        where = "" if path.is_absolute() else f" (relative paths are read from the current directory, {Path.cwd()})"
+        raise DataError(f"Token data '{path}' does not exist{where}. {PREPARE_HINT}.")
     if path.is_dir():
         directory = path
         meta = read_meta(directory)

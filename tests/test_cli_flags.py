@@ -1,0 +1,52 @@
+"""Flags and names as a user types them (issue 32, item 4): no prefix of a flag is taken for the
+flag (`--step 10` is not `--steps 10`), a mistyped command or preset gets the nearest name, one
+data path without brackets is one source, and a relative path that is not there says where it
+was looked for. Each through the command line, in a subprocess."""
+
+import subprocess
+import sys
+
+import yaml
+
+
+def moetrain(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "moetrain", *args], capture_output=True, text=True, timeout=120, cwd=cwd
+    )
+
+
+def refused(out: subprocess.CompletedProcess, *words: str) -> None:
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    for word in words:
+        assert word in out.stderr, (word, out.stderr)
+
+
+def test_moetrain_train_tiny_step_10_is_not_taken_as_steps():
+    refused(moetrain("train", "tiny", "--step", "10", "--device", "cpu"), "Unknown option '--step'", "--steps?")
+
+
+def test_moetrain_prepare_data_vocab_is_not_taken_as_vocab_size(tmp_path):
+    (tmp_path / "a.txt").write_text("one two three\n")
+    out = moetrain("prepare-data", str(tmp_path / "a.txt"), "--out", str(tmp_path / "out"), "--vocab", "260")
+    assert out.returncode == 2 and "--vocab" in out.stderr and not (tmp_path / "out").exists(), out.stderr
+
+
+def test_moetrain_trian_suggests_train():
+    refused(moetrain("trian"), "unknown command 'trian'", "Did you mean 'train'?")
+
+
+def test_moetrain_train_tinyy_suggests_tiny():
+    refused(moetrain("train", "tinyy"), "'tinyy' is neither a preset", "Did you mean 'tiny'?")
+    refused(moetrain("config", "ref-tiny-65e"), "Did you mean 'ref-tiny-64e'?")
+
+
+def test_moetrain_config_tiny_data_sources_one_path_is_one_source():
+    out = moetrain("config", "tiny", "--data.sources=/data/corpus")
+    assert out.returncode == 0, out.stderr
+    assert yaml.safe_load(out.stdout)["data"]["sources"] == ["/data/corpus"]
+
+
+def test_a_relative_path_that_is_not_there_says_where_it_was_looked_for(tmp_path):
+    out = moetrain("train", "tiny", "--data.sources=data/nowhere", "--device", "cpu", cwd=tmp_path)
+    refused(out, "'data/nowhere' does not exist", f"current directory, {tmp_path}")
+    refused(moetrain("train", "runs/mine.yaml", cwd=tmp_path), "'runs/mine.yaml' does not exist", str(tmp_path))
