@@ -218,6 +218,7 @@ class Checkpointing(Callback):
             "step": trainer.step,
             "loader": trainer.loader.state_dict(),
             "guard": trainer.engine.guard.state_dict(),
+            "schedule_steps": trainer.engine.schedule_steps,
         }
         extra = {"config.yaml": trainer.run.config_file}
         if trainer.loader.tokenizer_path is not None:

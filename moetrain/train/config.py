@@ -26,6 +26,17 @@ from moetrain.parallel.config import DispatcherKind, ParallelConfig, PipelineSch
 from moetrain.parallel.dims import ParallelDims
 
 
+class Extend(enum.StrEnum):
+    """What the learning-rate schedule does when a run resumes with another `train.steps`."""
+
+    keep = "keep"
+    """The schedule stays the one the run planned over its first train.steps; steps past its end
+    run at its final rate (a longer run continues at the decayed rate; no jump)."""
+    replan = "replan"
+    """The schedule is planned again over the new train.steps, as if the run had asked for them
+    from the start: the rate at the resumed step can jump (re-warming a decayed run)."""
+
+
 class Precision(enum.StrEnum):
     auto = "auto"
     """bf16 compute with fp32 master weights on CUDA; fp32 on CPU."""
@@ -47,6 +58,10 @@ DEFAULT_LOSS_CHUNK_TOKENS = 4096
 class TrainerConfig(Config):
     steps: int = positive(300, at_most=MAX_STEPS)
     """Optimizer steps."""
+    extend: Extend = Extend.keep
+    """A run resumed with another train.steps: keep the schedule it planned (steps past its end
+    at the final rate) or replan it over the new count (the rate may jump). The resume says
+    which, with the rates."""
     global_batch_size: int = positive(32, at_most=MAX_BATCH)
     """Sequences per optimizer step, summed over data-parallel ranks."""
     micro_batch_size: int = positive(32, at_most=MAX_BATCH)

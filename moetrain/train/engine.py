@@ -133,6 +133,9 @@ class TrainEngine:
                 amp_dtype=self.amp_dtype,
             )
         self.guard = StepGuard(tc.skip_window, tc.skip_spike_sigma, tc.max_consecutive_skips, device)
+        self.schedule_steps = tc.steps
+        """The steps the learning-rate schedule is planned over: train.steps, or, for a run
+        resumed with another train.steps and train.extend=keep, the count it started with."""
         self.tokens_per_step = tc.global_batch_size * cfg.data.seq_len
         """Tokens of one optimizer step, summed over all ranks."""
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
@@ -170,7 +173,7 @@ class TrainEngine:
         max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
         grad_norm = self.optimizer.clip_grad_norm(max_norm)
         skip = self.guard.check(self.global_mean(lm_loss.float().reshape(1))[0], grad_norm)
-        lr = lr_at(step, cfg.train.steps, cfg.optim.lr, cfg.schedule)
+        lr = lr_at(step, self.schedule_steps, cfg.optim.lr, cfg.schedule)
         self.optimizer.set_lr(lr)
         self.optimizer.step(skip)
         return grad_norm, lr

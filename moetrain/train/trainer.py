@@ -28,14 +28,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moetrain.config import load_yaml
 from moetrain.errors import CheckpointError
 from moetrain.model.counting import count_params
+from moetrain.optim.schedule import lr_at
 from moetrain.parallel.distributed import cpu_group
 from moetrain.parallel.rehearsal import Rehearsal
 from moetrain.train import checkpoint as ckpt
 from moetrain.train import console, oom
 from moetrain.train.callbacks import Callback, Checkpointing, Evaluator, MetricsLogger, callbacks_from_config
-from moetrain.train.config import RunConfig
+from moetrain.train.config import Extend, RunConfig
 from moetrain.train.engine import Batch, StepOutput, TrainEngine
 from moetrain.train.plot import plot_run
 from moetrain.train.profiling import StepProfiler
@@ -123,6 +125,7 @@ class Trainer:
         if self.finished_at is not None:
             return self._already_finished()
         self.summary = self.run.read_summary() if self.resumed_from is not None else {}
+        self.summary.pop("stopped_at_step", None)  # an earlier stop's: this fit says its own
         if "initial_val_loss" not in self.summary and tc.eval_every > 0:
             self.summary["initial_val_loss"] = self.evaluator(self.engine)
         callbacks = list(self.callbacks)
@@ -225,9 +228,42 @@ class Trainer:
         self.loader.load_state_dict(trainer_state["loader"])
         if "guard" in trainer_state:
             self.engine.guard.load_state_dict(trainer_state["guard"])
+        self._resume_schedule(path, trainer_state)
         self.resumed_from = path
         self.run.keep_records_up_to(self.step)
         self._notes.append(f"resumed from {path} (step {self.step})")
+
+    def _resume_schedule(self, path: Path, trainer_state: dict) -> None:
+        """The schedule a resumed run follows: the one it planned (trainer_state's
+        schedule_steps; a checkpoint written before that key: its config.yaml's train.steps)
+        unless train.steps changed and train.extend=replan. A changed count is said, with the
+        rate the step resumes at either way."""
+        planned = trainer_state.get("schedule_steps")
+        if planned is None:
+            planned = load_yaml(path / "config.yaml").get("train", {}).get("steps", self.cfg.train.steps)
+        tc, cfg = self.cfg.train, self.cfg
+        if planned == tc.steps:
+            self.engine.schedule_steps = planned
+            return
+        keep = tc.extend == Extend.keep
+        self.engine.schedule_steps = planned if keep else tc.steps
+        kept = lr_at(self.step, planned, cfg.optim.lr, cfg.schedule)
+        replanned = lr_at(self.step, tc.steps, cfg.optim.lr, cfg.schedule)
+        before = lr_at(self.step - 1, planned, cfg.optim.lr, cfg.schedule) if self.step else kept
+        if keep:
+            what = (
+                f"the schedule stays the one planned over {planned} steps (train.extend=keep): step {self.step} runs "
+                f"at {kept:.3g}"
+                + (f", and every step from {planned} on at its final rate" if tc.steps > planned else "")
+                + f"; --train.extend=replan would plan it over {tc.steps} steps (step {self.step} at {replanned:.3g})"
+            )
+        else:
+            what = (
+                f"the schedule is planned again over {tc.steps} steps (train.extend=replan): the rate goes from "
+                f"{before:.3g} at step {self.step - 1} to {replanned:.3g} at step {self.step}; train.extend=keep "
+                f"would keep the plan over {planned} steps ({kept:.3g})"
+            )
+        self._notes.append(f"--resume: train.steps {planned} -> {tc.steps}: {what}")
 
     def _already_finished(self) -> dict[str, Any]:
         """The summary of a run whose checkpoint is at train.steps already, as it was (written

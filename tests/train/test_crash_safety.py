@@ -226,9 +226,12 @@ def test_sigterm_saves_and_exits_cleanly_then_resume_finishes(real_text_dir, tmp
     assert (run_dir / "checkpoints" / f"step-{stopped}" / "COMPLETE").is_file()
 
     proc = start(real_text_dir, run_dir, resume=True, world=world)
-    _, err = proc.communicate(timeout=300)
+    out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
     assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == list(range(1, STEPS + 1))
+    # finished now: neither the final line nor summary.json keeps the earlier stop
+    assert "stopped_at_step" not in json.loads(out.strip().splitlines()[-1])
+    assert "stopped_at_step" not in json.loads((run_dir / "summary.json").read_text())
 
 
 def test_a_killed_rank_makes_the_other_fail_fast_and_resume_is_bit_exact(real_text_dir, reference, tmp_path):

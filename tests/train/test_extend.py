@@ -1,0 +1,62 @@
+"""A run resumed with another train.steps (issue 32, item 1): by default the learning-rate
+schedule stays the one the run planned and the steps past its end run at its final rate;
+`--train.extend=replan` plans it over the new count. The resume says which, with the rates, and
+a second extension still follows the first plan. Through the command line, as typed."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import tiny_overrides
+
+from moetrain.optim.schedule import lr_at
+from moetrain.presets import resolve_config
+from moetrain.train.metrics import read_metrics
+
+
+def train(data_dir, run_dir, steps: int, *extra: str, resume: bool = True) -> subprocess.CompletedProcess:
+    flags = [f"--{o}" for o in tiny_overrides(data_dir, run_dir, "train.eval_every=0", *extra)]
+    argv = [sys.executable, "-m", "moetrain", "train", "tiny", *flags, "--steps", str(steps), "--device", "cpu"]
+    argv += ["--resume"] if resume else []
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def lrs(run_dir) -> dict[int, float]:
+    return {r["step"]: r["lr"] for r in read_metrics(run_dir / "metrics.jsonl")}
+
+
+@pytest.mark.parametrize("extend", ["keep", "replan"])
+def test_moetrain_train_resume_with_more_steps_follows_the_schedule_it_says(real_text_dir, tmp_path, extend):
+    run = tmp_path / "run"
+    train(real_text_dir, run, 12, resume=False)
+    flags = [] if extend == "keep" else ["train.extend=replan"]
+    out = train(real_text_dir, run, 20, *flags, "train.save_every=4")
+    schedule = resolve_config("tiny", tiny_overrides(real_text_dir, run)).schedule
+    peak = resolve_config("tiny", tiny_overrides(real_text_dir, run)).optim.lr
+    planned = 12 if extend == "keep" else 20
+    got = lrs(run)
+    assert sorted(got) == list(range(1, 21))
+    for step in range(13, 21):  # metrics.jsonl's step s used the rate of optimizer step s - 1
+        assert got[step] == pytest.approx(lr_at(step - 1, planned, peak, schedule), rel=1e-9), step
+    assert f"--resume: train.steps 12 -> 20: the schedule {'stays' if extend == 'keep' else 'is planned again'}" in (
+        out.stderr
+    )
+    if extend == "keep":  # past the plan's end: its final rate; a second extension keeps the first plan
+        assert got[20] == pytest.approx(lr_at(11, 12, peak, schedule))
+        train(real_text_dir, run, 24)
+        assert lrs(run)[24] == pytest.approx(lr_at(23, 12, peak, schedule))
+    else:  # the rate jumps back up at the resumed step, as the message says
+        assert got[13] > got[12]
+
+
+def test_a_resume_without_a_changed_step_count_says_nothing_about_the_schedule(real_text_dir, tmp_path):
+    run = tmp_path / "run"
+    train(real_text_dir, run, 12, "train.save_every=6", resume=False)
+    (run / "checkpoints" / "step-12").rename(tmp_path / "step-12")
+    out = train(real_text_dir, run, 12, "train.save_every=6")
+    assert "train.steps" not in out.stderr and "resumed from" in out.stderr
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 12
