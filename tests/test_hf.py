@@ -218,3 +218,37 @@ def test_export_writes_a_model_card_with_the_hubs_metadata(trained, tmp_path, ca
     assert main(["export-hf", str(trained), str(tmp_path / "bad"), "--license", "Apache 2.0"]) == 2
     err = capsys.readouterr().err
     assert "--license='Apache 2.0'" in err and "Traceback" not in err
+
+
+def test_moetrain_import_hf_keeps_the_training_set_up_or_says_what_it_assumed(trained, tmp_path):
+    """`moetrain import-hf HF OUT` of an export takes the run's context, batch, optimizer and
+    schedule from the moetrain_config.yaml the export wrote (continuing training does not
+    silently change the context); without it (a model from elsewhere) it assumes the defaults,
+    no longer than the model's max_position_embeddings, and says so on stderr."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    hf = tmp_path / "hf"
+    assert main(["export-hf", str(trained), str(hf)]) == 0
+    run = yaml.safe_load((trained / "config.yaml").read_text())
+
+    def import_hf(src, out):
+        done = subprocess.run(
+            [sys.executable, "-m", "moetrain", "import-hf", str(src), str(out)], capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout.strip().splitlines()[-1]), yaml.safe_load((out / "config.yaml").read_text()), done
+
+    summary, cfg, done = import_hf(hf, tmp_path / "back")
+    assert summary["training_setup"]["from"] == str(hf / "moetrain_config.yaml") and "assumed" not in done.stderr
+    assert cfg["data"]["seq_len"] == run["data"]["seq_len"]
+    assert cfg["train"]["global_batch_size"] == run["train"]["global_batch_size"]
+    assert cfg["optim"] == run["optim"] and cfg["schedule"] == run["schedule"]
+
+    (hf / "moetrain_config.yaml").unlink()
+    summary, cfg, done = import_hf(hf, tmp_path / "elsewhere")
+    assert summary["training_setup"]["from"].startswith("assumed")
+    assert cfg["data"]["seq_len"] <= json.loads((hf / "config.json").read_text())["max_position_embeddings"]
+    assert "says nothing of how the model was trained; assumed data.seq_len=" in done.stderr

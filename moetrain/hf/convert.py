@@ -68,6 +68,7 @@ import json
 import math
 import re
 import shutil
+import sys
 import warnings
 from pathlib import Path
 
@@ -122,7 +123,11 @@ EXPORT_FILES = (
     "README.md",
     INDEX,
     f"{REMOTE_MODULE}.py",
+    "moetrain_config.yaml",
 )
+TRAINING_CONFIG = "moetrain_config.yaml"
+"""The run's whole config, written beside an export: what `import-hf` takes the training set-up
+(sequence length, batch, optimizer, schedule) from when the model comes back."""
 """What an export writes besides its safetensors files (`export_replaces`)."""
 IMPORT_FILES = ("config.yaml", "tokenizer.json")
 """What an import writes besides its checkpoint."""
@@ -368,6 +373,7 @@ def _write_metadata(out: Path, cfg: RunConfig, tokenizer, positions: int, dtype:
     )
     if remote:
         shutil.copyfile(Path(__file__).with_name(f"{REMOTE_MODULE}.py"), out / f"{REMOTE_MODULE}.py")
+    (out / TRAINING_CONFIG).write_text(cfg.to_yaml())
     tokenizer.save(str(out / "tokenizer.json"))
     tok_cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -564,7 +570,9 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> dict:
     check_directory(out, "Output directory", "Pass an OUT_DIR you can write")
     if ckpt.list_checkpoints(out):
         raise ConfigError(f"'{out}' already holds checkpoints: choose an empty directory for the import.")
-    cfg = RunConfig(model=model_config_from_hf(json.loads(config_file.read_text()), str(config_file)))
+    hf = json.loads(config_file.read_text())
+    cfg = RunConfig(model=model_config_from_hf(hf, str(config_file)))
+    setup = _training_setup(cfg, hf_dir, hf)
     params = count_params(cfg.model).total
     check_free_space(
         out,
@@ -598,12 +606,51 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> dict:
     path = ckpt.save_checkpoint(
         out, 0, {"model": ckpt.model_state_dict(model)}, {"step": 0, "imported_from": str(hf_dir)}, extra_files=extra
     )
+    if setup["note"]:
+        print(setup["note"], file=sys.stderr)
     return {
         "architecture": architecture_for(cfg.model).value,
         "checkpoint": str(path),
         "config": str(out / "config.yaml"),
         "tensors": len(plan),
         "parameters": sum(p.numel() for p in model.parameters()),
+        "training_setup": {k: v for k, v in setup.items() if k != "note"},
+    }
+
+
+def _training_setup(cfg: RunConfig, hf_dir: Path, hf: dict) -> dict:
+    """Set `cfg`'s training set-up for a model coming back: from the moetrain config an export
+    wrote beside it (sequence length, batch sizes, optimizer, schedule: the run goes on as it
+    trained), else the defaults, no longer than its config.json's max_position_embeddings.
+    Returns where it came from, the values and, for assumed ones, the note to print."""
+    trained, note = hf_dir / TRAINING_CONFIG, None
+    if trained.is_file():
+        run = RunConfig.from_dict(load_yaml(trained))
+        cfg.data.seq_len = run.data.seq_len
+        cfg.train.global_batch_size, cfg.train.micro_batch_size = (
+            run.train.global_batch_size,
+            run.train.micro_batch_size,
+        )
+        cfg.optim, cfg.schedule = run.optim, run.schedule
+        source = str(trained)
+    else:
+        positions = hf.get("max_position_embeddings")
+        if isinstance(positions, int) and 0 < positions < cfg.data.seq_len:
+            cfg.data.seq_len = positions  # no longer than the model was made for
+        source = "assumed (moetrain's defaults: the directory has no moetrain_config.yaml)"
+        note = (
+            f"import-hf: {hf_dir} says nothing of how the model was trained; assumed data.seq_len="
+            f"{cfg.data.seq_len} (at most its config.json's max_position_embeddings="
+            f"{hf.get('max_position_embeddings', '?')}), train.global_batch_size={cfg.train.global_batch_size}, "
+            f"train.micro_batch_size={cfg.train.micro_batch_size} and the default optimizer and schedule: set them "
+            "with --data.seq_len=… --train.global_batch_size=… when you train."
+        )
+    return {
+        "note": note,
+        "from": source,
+        "data.seq_len": cfg.data.seq_len,
+        "train.global_batch_size": cfg.train.global_batch_size,
+        "train.micro_batch_size": cfg.train.micro_batch_size,
     }
 
 
