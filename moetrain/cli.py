@@ -26,7 +26,7 @@ from moetrain.data.prepare import main as prepare_main
 from moetrain.destinations import check_file, check_overwrite
 from moetrain.errors import ConfigError, MoetrainError
 from moetrain.hf import export_hf, export_replaces, import_hf, import_replaces
-from moetrain.inference import generate, load_for_inference, text_loss
+from moetrain.inference import generate, load_for_inference, text_loss, token_loss
 from moetrain.memory_advice import advice, layout_flags, plan_gpu
 from moetrain.model.counting import count_params, flops_per_token
 from moetrain.parallel.distributed import shutdown, unresponsive_ranks
@@ -483,15 +483,30 @@ def cmd_prepare_data(argv: list[str]) -> int:
 
 def cmd_eval(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        allow_abbrev=False, prog="moetrain eval", description="Loss of a checkpoint on raw text."
+        allow_abbrev=False, prog="moetrain eval", description="Loss of a checkpoint on text or prepared tokens."
     )
     parser.add_argument("checkpoint", help="a run directory (newest checkpoint) or a step-N directory")
-    parser.add_argument("--text", nargs="+", required=True, metavar="FILE", help="text files (each one document)")
+    parser.add_argument(
+        "--text", nargs="+", metavar="FILE", help="text files (each one document) and .jsonl files (one per line)"
+    )
+    parser.add_argument("--text-key", default="text", help="the text field of .jsonl records (default text)")
+    parser.add_argument(
+        "--data",
+        metavar="DIR",
+        help="a prepared token directory (moetrain prepare-data's; e.g. what the run trained on)",
+    )
+    parser.add_argument("--split", default="val", help="with --data: the split to evaluate (default val)")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
+    if (args.text is None) == (args.data is None):
+        raise ConfigError("moetrain eval needs one of --text FILE… (text, .jsonl) or --data DIR (prepared tokens).")
 
     model, cfg, tokenizer = load_for_inference(args.checkpoint, args.device)
-    print(json.dumps(text_loss(model, cfg, tokenizer, args.text)))
+    if args.data is not None:
+        result = token_loss(model, cfg, tokenizer, args.data, args.split)
+    else:
+        result = text_loss(model, cfg, tokenizer, args.text, args.text_key)
+    print(json.dumps(result))
     return 0
 
 

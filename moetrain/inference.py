@@ -39,25 +39,61 @@ def load_for_inference(checkpoint: str | Path, device: str = "cpu") -> tuple[Tra
 
 
 @torch.no_grad()
-def text_loss(model: Transformer, cfg: RunConfig, tokenizer, files: list[str]) -> dict:
-    """Mean next-token loss over the files (each one document followed by EOS), read in
-    non-overlapping windows of the training sequence length."""
+def text_loss(model: Transformer, cfg: RunConfig, tokenizer, files: list[str], text_key: str = "text") -> dict:
+    """Mean next-token loss over the files (a text file is one document, a .jsonl file one per
+    line in field `text_key`; each followed by EOS), read in non-overlapping windows of the
+    training sequence length."""
+    from moetrain.data.prepare import iter_documents
+
     eos_id = tokenizer.token_to_id("<|endoftext|>")
     ids: list[int] = []
     for name in files:
         p = Path(name)
         if not p.is_file():
             raise DataError(f"Text file '{p}' does not exist.")
-        ids.extend(tokenizer.encode(p.read_text(encoding="utf-8", errors="replace")).ids)
-        if eos_id is not None:
-            ids.append(eos_id)
+        if p.suffix == ".jsonl":
+            texts = [text for _, text in iter_documents([(p, p.name)], text_key=text_key)]
+        else:
+            texts = [p.read_text(encoding="utf-8", errors="replace")]
+        for text in texts:
+            ids.extend(tokenizer.encode(text).ids)
+            if eos_id is not None:
+                ids.append(eos_id)
     if len(ids) < 2:
         raise DataError(f"The text files {files} hold fewer than 2 tokens: nothing to evaluate.")
+    return _windows_loss(model, cfg, torch.tensor(ids, dtype=torch.long))
+
+
+def token_loss(model: Transformer, cfg: RunConfig, tokenizer, data_dir: str, split: str = "val") -> dict:
+    """Mean next-token loss over a prepared token directory's `split` (what `moetrain
+    prepare-data` wrote, e.g. the data a run trained on): its ids as they are, in windows of the
+    training sequence length. The directory must have been tokenized with the checkpoint's
+    tokenizer."""
+    from moetrain.data.tokens import open_source
+
+    tf = open_source(data_dir, split, seq_len=1)
+    theirs = tf.tokenizer_path
+    if theirs is not None and theirs.is_file():
+        from tokenizers import Tokenizer
+
+        if Tokenizer.from_file(str(theirs)).to_str() != tokenizer.to_str():
+            raise DataError(
+                f"'{data_dir}' was tokenized with another tokenizer ({theirs}) than the checkpoint's: its ids mean "
+                "other text. Evaluate its text with --text, or prepare it again with the checkpoint's tokenizer "
+                "(`moetrain prepare-data … --tokenizer CHECKPOINT/tokenizer.json`)."
+            )
+    if tf.vocab_size > cfg.model.vocab_size:
+        raise DataError(
+            f"'{data_dir}' holds ids up to {tf.vocab_size - 1}, beyond the model's vocabulary ({cfg.model.vocab_size})."
+        )
+    return _windows_loss(model, cfg, torch.from_numpy(tf.tokens_N.astype("int64")))
+
+
+def _windows_loss(model: Transformer, cfg: RunConfig, tokens: torch.Tensor) -> dict:
     device = next(model.parameters()).device
     seq = cfg.data.seq_len
-    tokens = torch.tensor(ids, dtype=torch.long)
     total_loss, total_tokens = 0.0, 0
-    for start in range(0, len(ids) - 1, seq):
+    for start in range(0, tokens.numel() - 1, seq):
         window = tokens[start : start + seq + 1]
         inputs_BT, targets_BT = window[:-1].unsqueeze(0).to(device), window[1:].unsqueeze(0).to(device)
         logits_BTV = model(inputs_BT)
