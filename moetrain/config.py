@@ -340,7 +340,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     names, at every level, each key once. Anything else is a `ConfigError` naming the file and
     the line (or the dotted key) and the fix: not a regular file, not UTF-8, a YAML syntax
     error, empty, a top level that is not a mapping, a key that is not a name (`1:`, `null:`, a
-    list), a key given twice (both lines), a value YAML cannot build (a date like 2020-13-45),
+    list), a key given twice (both lines), a value YAML cannot build (a timestamp whose month is 13),
     nesting too deep or too many values."""
     path = Path(path)
     if not path.exists():
@@ -421,7 +421,7 @@ def _check_nodes(root: yaml.MappingNode, path: Path, loader: yaml.SafeLoader) ->
         if isinstance(node, yaml.ScalarNode):
             try:
                 loader.construct_object(node)
-            except (ValueError, OverflowError) as e:  # resolved by its look, cannot build: 2020-13-45
+            except (ValueError, OverflowError) as e:  # resolved by its look, cannot build: a 13th month
                 raise ConfigError(
                     f"In '{path}' at line {node.start_mark.line + 1}: '{dotted}' is {_short(node.value)}, which "
                     f"YAML reads as a {node.tag.rsplit(':', 1)[-1]} but cannot build ({e}): quote it or fix it."
