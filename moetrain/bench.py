@@ -41,6 +41,7 @@ from moetrain import rehearse as rehearse_mod
 from moetrain.errors import ConfigError
 from moetrain.model.config import Routing
 from moetrain.model.counting import count_params
+from moetrain.optim.adamw import local_tensor
 from moetrain.parallel.rehearsal import LEDGER, is_rehearsal
 from moetrain.presets import resolve_config
 from moetrain.train.console import rehearsal_notice
@@ -294,13 +295,9 @@ class _OptimizerStep:
 def _optimizer_record(trainer: Trainer) -> dict[str, Any]:
     """The optimizer's name and the bytes of state it holds on this rank (moments, Muon momentum,
     fp32 masters or their split remainders) per parameter element this rank holds."""
-    held = sum(_local(p).numel() for p in trainer.engine.model.parameters())
+    held = sum(local_tensor(p).numel() for p in trainer.engine.model.parameters())
     state = trainer.engine.optimizer.memory_bytes()
     return {"name": str(trainer.cfg.optim.name), "state_bytes": state, "state_bytes_per_param": state / held}
-
-
-def _local(p: torch.Tensor) -> torch.Tensor:
-    return p.to_local() if hasattr(p, "to_local") else p
 
 
 def _count_host_syncs(step) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -61,7 +62,7 @@ def text_loss(model: Transformer, cfg: RunConfig, tokenizer, files: list[str], t
                 ids.append(eos_id)
     if len(ids) < 2:
         raise DataError(f"The text files {files} hold fewer than 2 tokens: nothing to evaluate.")
-    return _windows_loss(model, cfg, torch.tensor(ids, dtype=torch.long))
+    return _windows_loss(model, cfg, np.asarray(ids, dtype=np.int64))
 
 
 def token_loss(model: Transformer, cfg: RunConfig, tokenizer, data_dir: str, split: str = "val") -> dict:
@@ -86,15 +87,17 @@ def token_loss(model: Transformer, cfg: RunConfig, tokenizer, data_dir: str, spl
         raise DataError(
             f"'{data_dir}' holds ids up to {tf.vocab_size - 1}, beyond the model's vocabulary ({cfg.model.vocab_size})."
         )
-    return _windows_loss(model, cfg, torch.from_numpy(tf.tokens_N.astype("int64")))
+    return _windows_loss(model, cfg, tf.tokens_N)
 
 
-def _windows_loss(model: Transformer, cfg: RunConfig, tokens: torch.Tensor) -> dict:
+def _windows_loss(model: Transformer, cfg: RunConfig, tokens_N: np.ndarray) -> dict:
+    """Mean loss over non-overlapping windows of the sequence length; `tokens_N` may be a memory
+    map: each window is read as it is evaluated."""
     device = next(model.parameters()).device
     seq = cfg.data.seq_len
     total_loss, total_tokens = 0.0, 0
-    for start in range(0, tokens.numel() - 1, seq):
-        window = tokens[start : start + seq + 1]
+    for start in range(0, len(tokens_N) - 1, seq):
+        window = torch.from_numpy(np.asarray(tokens_N[start : start + seq + 1], dtype=np.int64))
         inputs_BT, targets_BT = window[:-1].unsqueeze(0).to(device), window[1:].unsqueeze(0).to(device)
         logits_BTV = model(inputs_BT)
         loss = F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten(), reduction="sum")

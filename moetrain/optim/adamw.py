@@ -158,7 +158,8 @@ def adamw_update(
                 )  # fmt: skip
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The part of `t` this rank holds: a DTensor's local shard, any other tensor itself."""
     return t.to_local() if hasattr(t, "to_local") else t
 
 
@@ -179,7 +180,7 @@ class MomentsAdamW:
         ]
         self.betas, self.eps, self.fused = tuple(betas), eps, fused
         params = [p for g in self.param_groups for p in g["params"]]
-        device = _local(params[0]).device if params else torch.device("cpu")
+        device = local_tensor(params[0]).device if params else torch.device("cpu")
         self.step_t = torch.zeros((), dtype=torch.float32, device=device)
         """Updates made (all parameters are updated together): shared by every state entry."""
         self.state: dict[torch.Tensor, dict[str, torch.Tensor]] = {
@@ -204,10 +205,10 @@ class MomentsAdamW:
             params = [p for p in group["params"] if self.grad_of(p) is not None]
             groups.append(
                 AdamWGroup(
-                    [_local(p) for p in params],
-                    [_local(self.grad_of(p)) for p in params],
-                    [_local(self.state[p]["exp_avg"]) for p in params],
-                    [_local(self.state[p]["exp_avg_sq"]) for p in params],
+                    [local_tensor(p) for p in params],
+                    [local_tensor(self.grad_of(p)) for p in params],
+                    [local_tensor(self.state[p]["exp_avg"]) for p in params],
+                    [local_tensor(self.state[p]["exp_avg_sq"]) for p in params],
                     weight_decay=group["weight_decay"],
                 )
             )
