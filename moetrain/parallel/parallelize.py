@@ -36,6 +36,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from moetrain.model.config import Fp8
 from moetrain.model.experts import GroupedExperts
 from moetrain.model.fp8 import Fp8Linear, MxFp8Linear
+from moetrain.model.fp8_choice import Fp8Select, Product, choose
 from moetrain.model.moe import MoE
 from moetrain.model.transformer import Transformer, canonical_name
 from moetrain.parallel.config import ParallelConfig, Recompute, Stack
@@ -53,6 +54,8 @@ def parallelize(
     parallel: ParallelConfig,
     *,
     fp8: Fp8 = Fp8.none,
+    fp8_select: Fp8Select = Fp8Select.auto,
+    rows: int = 0,
     recompute: Recompute = Recompute.none,
     recompute_every: int = 1,
     compile: bool = False,
@@ -60,8 +63,9 @@ def parallelize(
     grad_dtype: torch.dtype = torch.float32,
 ) -> Transformer:
     """Apply the layout `parallel` (on `state`'s process groups) and the execution settings
-    (`train.fp8`, `train.recompute`, `train.recompute_every`, `train.compile`) to a meta-device
-    model, in the order of the module docstring. `param_dtype`: the compute dtype (bf16 under
+    (`train.fp8`, `train.fp8_select`, `train.recompute`, `train.recompute_every`, `train.compile`)
+    to a meta-device model, in the order of the module docstring; `rows`: tokens per micro-batch
+    on this rank (what `train.fp8_select=auto` sizes the products by). `param_dtype`: the compute dtype (bf16 under
     autocast), in which the fsdp stack all-gathers the blocks' parameters; `grad_dtype`
     (optim.grad_dtype): the dtype in which it accumulates and reduce-scatters their gradients."""
     if state.dims.num_stages > 1:
@@ -70,7 +74,7 @@ def parallelize(
         model.set_sequence_layout(ContextShard(state.dims.cp, state.cp_rank, state.cp_group))
     apply_expert_parallel(model, state, parallel)
     if fp8 != Fp8.none:
-        apply_fp8(model, fp8)
+        apply_fp8(model, fp8, fp8_select, rows)
     if recompute != Recompute.none:
         apply_recompute(model, selective=recompute == Recompute.selective, every=recompute_every)
     if compile:
@@ -80,23 +84,30 @@ def parallelize(
     return model
 
 
-def apply_fp8(model: Transformer, recipe: Fp8 = Fp8.rowwise) -> None:
-    """FP8 (`recipe`: rowwise or mxfp8) for every expert grouped GEMM and every linear layer
-    inside the blocks except the router (a tiny product whose fp32 logits decide routing). Linear
+def apply_fp8(model: Transformer, recipe: Fp8 = Fp8.rowwise, select: Fp8Select = Fp8Select.all, rows: int = 0) -> None:
+    """FP8 (`recipe`: rowwise or mxfp8) for the expert grouped GEMMs and the linear layers inside
+    the blocks except the router (a tiny product whose fp32 logits decide routing): all of them
+    (`select` all, and always for mxfp8, whose products are emulated), or those whose shape at
+    `rows` tokens per micro-batch repays it (`select` auto: moetrain/model/fp8_choice.py). Linear
     layers become `Fp8Linear` / `MxFp8Linear` in place (the class changes, the fp32 parameter
     stays), so names, initialization and checkpoints are unchanged. Every GEMM dim must be a
     multiple of `recipe.align` (`RunConfig.validate` checks it from the config)."""
     recipe = Fp8(recipe)
+    select = Fp8Select.all if recipe == Fp8.mxfp8 else Fp8Select(select)
     linear_class = MxFp8Linear if recipe == Fp8.mxfp8 else Fp8Linear
+    top_k = model.cfg.moe.top_k
     for name, module in model.named_modules():
         if isinstance(module, GroupedExperts):
             assert module.d_model % recipe.align == 0 and module.hidden % recipe.align == 0, canonical_name(name)
-            module.fp8 = recipe.value
+            product = Product("experts", rows * top_k, module.d_model, module.hidden, module.num_experts)
+            if choose(product, select):
+                module.fp8 = recipe.value
         elif isinstance(module, nn.Linear) and ".blocks." in f".{name}" and type(module) is nn.Linear:
             assert module.in_features % recipe.align == 0 and module.out_features % recipe.align == 0, canonical_name(
                 name
             )
-            module.__class__ = linear_class
+            if choose(Product("linear", rows, module.in_features, module.out_features), select):
+                module.__class__ = linear_class
 
 
 def apply_recompute(model: Transformer, selective: bool = False, every: int = 1) -> None:

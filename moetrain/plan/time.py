@@ -7,6 +7,7 @@ import math
 
 from moetrain.model.config import Fp8, TransformerConfig
 from moetrain.model.counting import flops_per_token
+from moetrain.model.fp8_choice import fp8_flops_per_token
 from moetrain.parallel.config import DispatcherKind, Recompute, Stack
 from moetrain.plan.calibration import Assumptions
 from moetrain.plan.hardware import GPU
@@ -139,14 +140,17 @@ def _gemm_time(
     t = L.tokens(cfg.data.seq_len)
     stage_share = rank.layers / m.n_layers if L.pp > 1 else 1.0
     tokens = t * L.micro_batches * stage_share
-    # mxfp8 computes its products from dequantized operands (bf16 rate; moetrain/model/fp8.py)
-    gemm_rate = spec.bf16_flops * assume.gemm_eff * (assume.fp8_gemm_speedup if cfg.train.fp8 == Fp8.rowwise else 1.0)
+    gemm_rate = spec.bf16_flops * assume.gemm_eff
+    # the products row-wise FP8 takes run `fp8_gemm_speedup` faster; mxfp8 computes its products
+    # from dequantized operands (the bf16 rate; moetrain/model/fp8.py)
+    fp8_fpt = _fp8_flops_per_token(cfg, L)[0]
+    fp8_saved = fp8_fpt * tokens * (1 - 1 / assume.fp8_gemm_speedup) / gemm_rate
     if L.cp > 1:
         attention = fpt - flops_per_token(m, cfg.data.seq_len, attention=False)
         t_attention = attention / 2 * tokens / (spec.bf16_flops * assume.cp_attention_eff)
-        t_gemm = (fpt - attention) * tokens / gemm_rate + t_attention
+        t_gemm = (fpt - attention) * tokens / gemm_rate + t_attention - fp8_saved
     else:
-        t_gemm = fpt * tokens / gemm_rate
+        t_gemm = fpt * tokens / gemm_rate - fp8_saved
     if rank.last and m.mtp_depth:  # the multi-token prediction modules and their losses
         t_gemm += _mtp_flops_per_token(cfg) * t * L.micro_batches / gemm_rate
     # each local expert's rows end in a partial tile of its grouped GEMMs (`group_tile_rows`)
@@ -154,6 +158,14 @@ def _gemm_time(
     expert_flops = 18 * m.moe.top_k * m.d_model * m.moe.expert_hidden * t * _moe_layers(m, rank) * L.micro_batches
     t_tiles = expert_flops * local_experts * assume.group_tile_rows / (t * m.moe.top_k) / gemm_rate if t else 0.0
     return t_gemm, t_tiles, gemm_rate
+
+
+def _fp8_flops_per_token(cfg: RunConfig, L: Layout) -> tuple[float, float]:
+    """(FLOPs per token of the products row-wise FP8 takes, of all the blocks' products):
+    `fp8_choice.fp8_flops_per_token` at the layout's rows per micro-batch; (0, 1) without it."""
+    if cfg.train.fp8 != Fp8.rowwise:
+        return 0.0, 1.0
+    return fp8_flops_per_token(cfg.model, L.tokens(cfg.data.seq_len), cfg.train.fp8_select)
 
 
 def _mtp_flops_per_token(cfg: RunConfig) -> float:
@@ -310,9 +322,12 @@ def step_time(
     t_elementwise = _elementwise_time(cfg, L, rank, spec, assume)
     t_fp8 = 0.0
     if cfg.train.fp8 != Fp8.none:
+        chosen, every = _fp8_flops_per_token(cfg, L) if cfg.train.fp8 == Fp8.rowwise else (1.0, 1.0)
         local_params = rank.local / (L.replicas if L.stack == Stack.fsdp.value else 1)
         t_fp8 = (
-            assume.fp8_quant_passes
+            chosen
+            / every
+            * assume.fp8_quant_passes
             * L.micro_batches
             * (rank.blocks_none + 4 * local_params)
             / (spec.hbm_bytes_s * assume.hbm_eff)

@@ -21,6 +21,7 @@ from moetrain.config import Config, non_negative, positive, validate_tree
 from moetrain.data.config import DataConfig
 from moetrain.errors import ConfigError
 from moetrain.model.config import MAX_LAYERS, Fp8, TransformerConfig
+from moetrain.model.fp8_choice import Fp8Select
 from moetrain.optim.config import OptimConfig, ScheduleConfig
 from moetrain.parallel.config import DispatcherKind, ParallelConfig, PipelineSchedule, Recompute, Stack
 from moetrain.parallel.dims import ParallelDims
@@ -106,6 +107,9 @@ class TrainerConfig(Config):
     fp8: Fp8 = Fp8.none
     """FP8 matrix products: rowwise (Hopper's scaled FP8 kernels), or mxfp8, experimental: MXFP8's
     numerics with emulated products, for loss-curve studies, not speed (see Fp8)."""
+    fp8_select: Fp8Select = Fp8Select.auto
+    """Which products train.fp8=rowwise turns to FP8: auto, those whose shape is measured to repay
+    it (moetrain/model/fp8_choice.py; the start-up line names them), or all of them."""
     recompute: Recompute = Recompute.none
     """Activation recompute: none, full (keep only each block's input) or selective (also keep
     the matrix products' and collectives' outputs)."""
@@ -288,6 +292,11 @@ class RunConfig(Config):
                     "parallel.dispatcher=symm needs NVSHMEM (the nvidia-nvshmem package of a CUDA build of "
                     "torch), which this machine lacks: use parallel.dispatcher=nosync or alltoall."
                 )
+
+    @property
+    def rows_per_micro_batch(self) -> int:
+        """Tokens of one micro-batch on a rank: its sequences' positions this cp rank holds."""
+        return self.train.micro_batch_size * self.data.seq_len // self.parallel.cp
 
     def build_dims(self, world_size: int, device: torch.device | None = None) -> ParallelDims:
         """`validate(world_size, device)`, then the layout: what the trainer and the planner

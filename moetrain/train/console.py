@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from moetrain.model import fp8_choice
 from moetrain.model.config import Fp8
 from moetrain.parallel.config import DispatcherKind, Stack
 from moetrain.parallel.dims import ParallelDims
@@ -177,7 +178,9 @@ def describe_precision(cfg: RunConfig, device: torch.device) -> str:
         text = "bf16 weights (fp32 masters in the optimizer)"
     else:
         text = "bf16 autocast (fp32 weights)"
-    if cfg.train.fp8 != Fp8.none:
+    if cfg.train.fp8 == Fp8.rowwise:
+        text += f", fp8 rowwise on {fp8_choice.describe(cfg.model, cfg.rows_per_micro_batch, cfg.train.fp8_select)}"
+    elif cfg.train.fp8 != Fp8.none:
         text += f", fp8 {cfg.train.fp8} matrix products"
     return text
 

@@ -96,6 +96,8 @@ class TrainEngine:
             par,
             cfg.parallel,
             fp8=tc.fp8,
+            fp8_select=tc.fp8_select,
+            rows=cfg.rows_per_micro_batch,
             recompute=tc.recompute,
             recompute_every=tc.recompute_every,
             compile=tc.compile,

@@ -262,6 +262,7 @@ def test_fp8_training_step_is_sync_free_and_learns(real_text_dir, tmp_path):
                 "model.vocab_size=512",
                 "train.device=cuda",
                 f"train.fp8={fp8}",
+                "train.fp8_select=all",
                 "train.tensorboard=false",
                 "train.plot=false",
                 "train.compile=true",

@@ -363,7 +363,11 @@ def compiled_and_eager(data_dir, tmp):
     from moetrain.train.trainer import Trainer
 
     out = {}
-    for name, extra in (("eager", []), ("compiled", ["train.compile=true"]), ("fp8", ["train.fp8=rowwise"])):
+    for name, extra in (
+        ("eager", []),
+        ("compiled", ["train.compile=true"]),
+        ("fp8", ["train.fp8=rowwise", "train.fp8_select=all"]),
+    ):
         run_dir = tmp / name
         cfg = layout_cfg(data_dir, run_dir, "parallel.ep=2", "parallel.overlap_chunks=2", "train.steps=2", *extra)
         trainer = Trainer(cfg, quiet=True)

@@ -110,8 +110,15 @@ def test_precision_names_autocast_bf16_weights_and_fp8():
 
     cpu = torch.device("cpu")
     assert describe_precision(resolve_config("tiny"), cpu) == "fp32"
-    bf16 = resolve_config("tiny", ["train.precision=bf16", "train.fp8=rowwise"])
-    assert describe_precision(bf16, cpu) == "bf16 autocast (fp32 weights), fp8 rowwise matrix products"
+    bf16 = resolve_config("tiny", ["train.precision=bf16", "train.fp8=rowwise", "train.fp8_select=all"])
+    assert describe_precision(bf16, cpu) == (
+        "bf16 autocast (fp32 weights), fp8 rowwise on every product in the blocks (train.fp8_select=all)"
+    )
+    auto = resolve_config("tiny", ["train.precision=bf16", "train.fp8=rowwise"])
+    assert describe_precision(auto, cpu).endswith("fp8 rowwise on no product: all are too small to repay it "
+                                                  "(train.fp8_select=auto), so the step is bf16's")  # fmt: skip
+    mx = resolve_config("tiny", ["train.precision=bf16", "train.fp8=mxfp8"])
+    assert describe_precision(mx, cpu) == "bf16 autocast (fp32 weights), fp8 mxfp8 matrix products"
     weights = resolve_config("tiny", ["train.precision=bf16", "optim.bf16_weights=true"])
     assert describe_precision(weights, cpu) == "bf16 weights (fp32 masters in the optimizer)"
 

@@ -232,7 +232,10 @@ def test_fp8_trains_close_to_full_precision(tiny_cfg, tmp_path, recipe):
     dims = ["model.d_model=64", "model.moe.expert_hidden=32"]
     plain = Trainer(tiny_cfg(tmp_path / "a", "train.steps=4", *dims), quiet=True)
     fp8 = Trainer(
-        tiny_cfg(tmp_path / "b", "train.steps=4", f"train.fp8={recipe}", "train.save_every=4", *dims), quiet=True
+        tiny_cfg(
+            tmp_path / "b", "train.steps=4", f"train.fp8={recipe}", "train.fp8_select=all", "train.save_every=4", *dims
+        ),
+        quiet=True,
     )
     linears = [m for m in fp8.engine.model.modules() if isinstance(m, MxFp8Linear if recipe == "mxfp8" else Fp8Linear)]
     assert len(linears) == 3 * 4 + 3  # 3 blocks × (q, k, v, o) + the dense block's MLP

@@ -1,0 +1,111 @@
+"""What a CUDA graph could save on the optimizer's part of a step (`TrainEngine.update`: clipping,
+the step guard, the update, the router bias), and what it would cost to feed it.
+
+For a preset on one GPU (blocks eager: the update does not depend on them), after one forward and
+backward for gradients:
+- eager_ms: `update` as the training loop runs it (CUDA events around 10 back-to-back calls, no
+  host wait between them: launches may queue ahead of the GPU, as in training);
+- busy_ms: the sum of its kernels' device times (torch.profiler, 3 calls);
+- graph_ms: the same `update` captured once in a CUDA graph and replayed (the upper bound of what
+  graphing it saves: the learning rate is baked in here, and the gradients stay where they were);
+- grad_copy_ms: one copy of every gradient into a static buffer — what a graph that cannot rely
+  on the gradients' addresses would add per step.
+
+Run on a GPU: `python benchmarks/probes/optimizer_graph_probe.py bench-small32e [--optim.name=muon]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cuda_timing import timed  # noqa: E402
+
+from moetrain.bench import BENCH_OVERRIDES  # noqa: E402
+from moetrain.presets import resolve_config  # noqa: E402
+from moetrain.train.trainer import Trainer  # noqa: E402
+
+
+def _window_ms(fn, calls: int = 10) -> float:
+    """Median over 3 windows of CUDA-event ms per call, `calls` back to back per window."""
+    out = []
+    for _ in range(3):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(calls):
+            fn()
+        b.record()
+        torch.cuda.synchronize()
+        out.append(a.elapsed_time(b) / calls)
+    return statistics.median(out)
+
+
+def _busy_ms(fn, calls: int = 3) -> float:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / 1000 / calls
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("preset")
+    ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. --optim.name=muon")
+    args, extra = ap.parse_known_args()
+    overrides = [o.removeprefix("--") for o in args.overrides + extra]
+    cfg = resolve_config(
+        args.preset,
+        overrides
+        + BENCH_OVERRIDES
+        + ["train.compile=false", f"train.run_dir={tempfile.mkdtemp()}", "train.device=cuda"],
+    )
+    trainer = Trainer(cfg, quiet=True)
+    engine = trainer.engine
+    lm_loss = engine.forward_backward(trainer.next_batches())
+
+    def update():
+        engine.update(lm_loss, 100)
+
+    for _ in range(3):
+        update()
+    torch.cuda.synchronize()
+    eager_ms = _window_ms(update)
+    busy_ms = _busy_ms(update)
+    # torch.optim.AdamW refuses capture unless its groups say capturable (its fused kernel reads
+    # the step from the device either way)
+    for opt in (getattr(engine.optimizer, "adamw", None),):
+        for group in getattr(opt, "param_groups", []):
+            group["capturable"] = True
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            update()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        update()
+    graph_ms = _window_ms(graph.replay)
+    grads = [p.grad for p in engine.model.parameters() if p.grad is not None]
+    split = engine.optimizer.split if getattr(engine.optimizer, "split", None) is not None else None
+    grads += [g for g in (split.grads if split is not None else []) if g is not None]
+    static = [torch.empty_like(g) for g in grads]
+    grad_copy_ms = timed(lambda: torch._foreach_copy_(static, grads))
+    n_grad = sum(g.numel() for g in grads)
+    print(json.dumps(dict(preset=args.preset, optim=str(cfg.optim.name), eager_ms=round(eager_ms, 3),
+                          busy_ms=round(busy_ms, 3), graph_ms=round(graph_ms, 3), grad_copy_ms=round(grad_copy_ms, 3),
+                          grad_tensors=len(grads), grad_elements=n_grad)), flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

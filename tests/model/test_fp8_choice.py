@@ -1,0 +1,62 @@
+"""train.fp8_select: which products row-wise FP8 takes (moetrain/model/fp8_choice.py)."""
+
+import pytest
+
+from moetrain.model.experts import GroupedExperts
+from moetrain.model.fp8 import Fp8Linear, MxFp8Linear
+from moetrain.model.fp8_choice import MIN_ROWS_PER_EXPERT, MIN_TFLOP, Product, block_products, choose
+from moetrain.parallel.parallelize import apply_fp8
+from moetrain.presets import resolve_config
+
+
+def test_a_product_pays_from_its_flops_and_rows_per_expert():
+    assert Product("linear", 8192, 4096, 4096).tflop == pytest.approx(6 * 8192 * 4096 * 4096 / 1e12)
+    assert Product("experts", 32768, 4096, 4096, 8).tflop == pytest.approx(18 * 32768 * 4096 * 4096 / 1e12)
+    big = MIN_TFLOP * 1e12 / 6
+    assert Product("linear", 1, 1, int(big) + 1).pays and not Product("linear", 1, 1, int(big) - 1).pays
+    # enough FLOPs, too few rows per expert
+    assert not Product("experts", 65536, 4096, 4096, 65536 // MIN_ROWS_PER_EXPERT + 1).pays
+    assert Product("experts", 65536, 4096, 4096, 65536 // MIN_ROWS_PER_EXPERT).pays
+    assert choose(Product("linear", 16, 16, 16), "all") and not choose(Product("linear", 16, 16, 16), "auto")
+
+
+@pytest.mark.parametrize(
+    "preset, chosen",
+    [
+        ("bench-8e", {"experts", "dense MLP"}),
+        ("bench-tiny64e-l6", {"dense MLP"}),
+        ("bench-small32e", set()),
+        ("bench-sweep-8", set()),
+        ("bench-sweep-64", set()),
+        ("tiny", set()),
+    ],
+)
+def test_the_shipped_presets_take_fp8_where_the_probe_measured_it_pays(preset, chosen):
+    cfg = resolve_config(preset)
+    products = block_products(cfg.model, cfg.rows_per_micro_batch)
+    assert {name for name, p in products.items() if choose(p, "auto")} == chosen
+
+
+def _fp8_modules(model):
+    linears = {type(m) for m in model.modules() if isinstance(m, Fp8Linear | MxFp8Linear)}
+    experts = {m.fp8 for m in model.modules() if isinstance(m, GroupedExperts)}
+    return sum(isinstance(m, Fp8Linear | MxFp8Linear) for m in model.modules()), linears, experts
+
+
+def test_apply_fp8_turns_what_the_choice_says_and_mxfp8_takes_every_product():
+    cfg = resolve_config("tiny", ["model.d_model=64", "model.moe.expert_hidden=32"])
+    auto, every, mx = (cfg.model.build(device="meta") for _ in range(3))
+    rows = cfg.rows_per_micro_batch
+    apply_fp8(auto, "rowwise", "auto", rows)
+    apply_fp8(every, "rowwise", "all", rows)
+    apply_fp8(mx, "mxfp8", "auto", rows)
+    assert _fp8_modules(auto) == (0, set(), {None})  # tiny: no product repays it
+    n = 4 * cfg.model.n_layers + 3 * cfg.model.num_dense_layers  # q, k, v, o per block; the dense MLP
+    assert _fp8_modules(every) == (n, {Fp8Linear}, {"rowwise"})
+    assert _fp8_modules(mx) == (n, {MxFp8Linear}, {"mxfp8"})
+    # a shape past both thresholds takes the experts' FP8 under auto
+    wide = resolve_config("bench-8e", ["model.n_layers=2", "model.vocab_size=256"])
+    model = wide.model.build(device="meta")
+    apply_fp8(model, "rowwise", "auto", wide.rows_per_micro_batch)
+    count, classes, experts = _fp8_modules(model)
+    assert count == 3 and experts == {"rowwise"}  # the dense block's MLP; not the attention
