@@ -25,8 +25,9 @@ from moetrain.config import keys_reference
 from moetrain.data.prepare import main as prepare_main
 from moetrain.destinations import check_file, check_overwrite
 from moetrain.errors import ConfigError, MoetrainError
+from moetrain.generation import generate
 from moetrain.hf import export_hf, export_replaces, import_hf, import_replaces
-from moetrain.inference import generate, load_for_inference, text_loss, token_loss
+from moetrain.inference import load_for_inference, text_loss, token_loss
 from moetrain.memory_advice import advice, layout_flags, plan_gpu
 from moetrain.model.counting import count_params, flops_per_token
 from moetrain.parallel.distributed import shutdown, unresponsive_ranks
@@ -517,16 +518,41 @@ def cmd_generate(argv: list[str]) -> int:
     parser.add_argument("checkpoint", help="a run directory (newest checkpoint) or a step-N directory")
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-k", type=int, help="with --temperature > 0: draw among the K most likely tokens only")
+    parser.add_argument(
+        "--top-p",
+        type=float,
+        help="with --temperature > 0: draw among the fewest most likely tokens whose probability reaches P",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--no-kv-cache", action="store_true", help="recompute the whole context for every token (slower, same tokens)"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON line with the text and token ids")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 0 or args.temperature < 0:
         raise ConfigError("--max-new-tokens and --temperature must be ≥ 0.")
+    if args.top_k is not None and args.top_k < 1:
+        raise ConfigError(f"--top-k {args.top_k}: must be ≥ 1 (leave it out to draw among every token).")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise ConfigError(f"--top-p {args.top_p}: must be in (0, 1] (leave it out to draw among every token).")
 
     model, cfg, tokenizer = load_for_inference(args.checkpoint, args.device)
-    text, ids = generate(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.seed)
+    # Each token is predicted from at most the training sequence length of context.
+    text, ids = generate(
+        model,
+        tokenizer,
+        args.prompt,
+        args.max_new_tokens,
+        args.temperature,
+        args.seed,
+        cfg.data.seq_len,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        kv_cache=not args.no_kv_cache,
+    )
     if args.json:
         print(json.dumps({"prompt": args.prompt, "completion": text, "token_ids": ids}))
     else:

@@ -1,4 +1,5 @@
-"""Using a checkpoint: loading it for inference, loss on raw text (`eval`), sampling (`generate`).
+"""Using a checkpoint: loading it for inference, loss on raw text or prepared tokens (`eval`).
+Sampling is moetrain/generation.py; the Python API over both, moetrain/api.py.
 
 Legend: B batch, T sequence, V vocabulary.
 """
@@ -62,7 +63,7 @@ def text_loss(model: Transformer, cfg: RunConfig, tokenizer, files: list[str], t
                 ids.append(eos_id)
     if len(ids) < 2:
         raise DataError(f"The text files {files} hold fewer than 2 tokens: nothing to evaluate.")
-    return _windows_loss(model, cfg, np.asarray(ids, dtype=np.int64))
+    return windows_loss(model, cfg, np.asarray(ids, dtype=np.int64))
 
 
 def token_loss(model: Transformer, cfg: RunConfig, tokenizer, data_dir: str, split: str = "val") -> dict:
@@ -87,11 +88,13 @@ def token_loss(model: Transformer, cfg: RunConfig, tokenizer, data_dir: str, spl
         raise DataError(
             f"'{data_dir}' holds ids up to {tf.vocab_size - 1}, beyond the model's vocabulary ({cfg.model.vocab_size})."
         )
-    return _windows_loss(model, cfg, tf.tokens_N)
+    return windows_loss(model, cfg, tf.tokens_N)
 
 
-def _windows_loss(model: Transformer, cfg: RunConfig, tokens_N: np.ndarray) -> dict:
-    """Mean loss over non-overlapping windows of the sequence length; `tokens_N` may be a memory
+@torch.no_grad()
+def windows_loss(model: Transformer, cfg: RunConfig, tokens_N: np.ndarray) -> dict:
+    """Mean next-token loss, perplexity and token count over non-overlapping windows of the
+    training sequence length (the last may be shorter); `tokens_N`: ids (N,), may be a memory
     map: each window is read as it is evaluated."""
     device = next(model.parameters()).device
     seq = cfg.data.seq_len
@@ -105,37 +108,3 @@ def _windows_loss(model: Transformer, cfg: RunConfig, tokens_N: np.ndarray) -> d
         total_tokens += targets_BT.numel()
     mean = total_loss / total_tokens
     return {"loss": mean, "perplexity": math.exp(mean), "tokens": total_tokens}
-
-
-@torch.no_grad()
-def generate(
-    model: Transformer,
-    tokenizer,
-    prompt: str,
-    max_new_tokens: int = 64,
-    temperature: float = 0.0,
-    seed: int = 0,
-    max_context: int | None = None,
-) -> tuple[str, list[int]]:
-    """Sample a continuation; temperature 0 = greedy. Returns (text, new token ids)."""
-    device = next(model.parameters()).device
-    ids = tokenizer.encode(prompt).ids
-    if not ids:
-        raise DataError("The prompt encodes to no tokens: give a non-empty --prompt.")
-    eos_id = tokenizer.token_to_id("<|endoftext|>")
-    generator = torch.Generator(device=device).manual_seed(seed)
-    new_ids: list[int] = []
-    for _ in range(max_new_tokens):
-        context = ids + new_ids
-        if max_context is not None:
-            context = context[-max_context:]
-        logits_V = model(torch.tensor([context], device=device))[0, -1].float()
-        if temperature <= 0:
-            next_id = int(logits_V.argmax())
-        else:
-            probs_V = torch.softmax(logits_V / temperature, dim=-1)
-            next_id = int(torch.multinomial(probs_V, 1, generator=generator))
-        if next_id == eos_id:
-            break
-        new_ids.append(next_id)
-    return tokenizer.decode(new_ids), new_ids

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from moetrain.model.fp8 import fp8_shared_input
+from moetrain.model.kv_cache import LayerCache
 from moetrain.model.norm import RMSNorm
 from moetrain.model.rope import apply_rope
 from moetrain.model.sequence_layout import SequenceLayout, WholeSequence
@@ -33,7 +34,11 @@ class Attention(nn.Module):
         cos_TD: torch.Tensor,
         sin_TD: torch.Tensor,
         masks: object = None,
+        cache: LayerCache | None = None,
     ) -> torch.Tensor:
+        """With `cache` (generation), the T positions continue those the cache holds: their keys
+        and values join it and the queries attend over all of them; `cos_TD`/`sin_TD` are then
+        the new positions' and `masks` is unused."""
         B, T, _ = x_BTD.shape
         x_BTD = fp8_shared_input(x_BTD, self.wq)
         q_BTHD = self.wq(x_BTD).view(B, T, self.n_heads, self.head_dim)
@@ -44,5 +49,8 @@ class Attention(nn.Module):
         q_BHTD = apply_rope(q_BTHD.transpose(1, 2), cos_TD, sin_TD)
         k_BGTD = apply_rope(k_BTGD.transpose(1, 2), cos_TD, sin_TD)
         v_BGTD = v_BTGD.transpose(1, 2)
-        o_BHTD = self.sequence.attend(q_BHTD, k_BGTD, v_BGTD, masks)
+        if cache is None:
+            o_BHTD = self.sequence.attend(q_BHTD, k_BGTD, v_BGTD, masks)
+        else:
+            o_BHTD = cache.attend(q_BHTD, k_BGTD, v_BGTD)
         return self.wo(o_BHTD.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))

@@ -11,6 +11,7 @@ from torch import nn
 
 from moetrain.model.attention import Attention
 from moetrain.model.config import TransformerConfig
+from moetrain.model.kv_cache import LayerCache
 from moetrain.model.mlp import SwiGLU
 from moetrain.model.moe import MoE
 from moetrain.model.norm import RMSNorm
@@ -37,10 +38,12 @@ class Block(nn.Module):
         cos_TD: torch.Tensor,
         sin_TD: torch.Tensor,
         masks: object = None,
+        cache: LayerCache | None = None,
     ) -> torch.Tensor:
         """`masks`: the document masks of the model's `SequenceLayout.attention_inputs` (None:
-        plain causal attention)."""
-        h_BTD = self.attn(self.attn_norm(x_BTD), cos_TD, sin_TD, masks)
+        plain causal attention). `cache`: this layer's keys and values of earlier positions
+        (generation; `Transformer.decode`)."""
+        h_BTD = self.attn(self.attn_norm(x_BTD), cos_TD, sin_TD, masks, cache)
         if self.attn_out_norm is not None:
             h_BTD = self.attn_out_norm(h_BTD)
         x_BTD = x_BTD + h_BTD

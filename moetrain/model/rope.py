@@ -20,9 +20,10 @@ class RotaryEmbedding(nn.Module):
             exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=self.inv_freq.device)
             self.inv_freq.copy_(1.0 / (self.theta ** (exponents / self.head_dim)))
 
-    def cos_sin(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin tables of shape (T, Dh), fp32."""
-        pos_T = torch.arange(seq_len, device=self.inv_freq.device, dtype=torch.float32)
+    def cos_sin(self, seq_len: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin tables of shape (T, Dh), fp32, for positions start … start + seq_len − 1
+        (`start` > 0: new tokens after those a KV cache holds)."""
+        pos_T = torch.arange(start, start + seq_len, device=self.inv_freq.device, dtype=torch.float32)
         angles_TF = torch.outer(pos_T, self.inv_freq)
         angles_TD = torch.cat([angles_TF, angles_TF], dim=-1)
         return angles_TD.cos(), angles_TD.sin()

@@ -15,6 +15,7 @@ from torch import nn
 from moetrain.model.block import Block
 from moetrain.model.config import Routing, TransformerConfig
 from moetrain.model.experts import GroupedExperts
+from moetrain.model.kv_cache import KVCache
 from moetrain.model.loss import lm_loss
 from moetrain.model.moe import MoE
 from moetrain.model.mtp import MultiTokenPrediction
@@ -74,6 +75,28 @@ class Transformer(nn.Module):
         for key in keys:
             x_BTD = self.blocks[key](x_BTD, cos_TD, sin_TD, masks)
         return x_BTD
+
+    def decode(self, tokens_BT: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Logits (B, T, V) of `tokens_BT` as the continuation of the positions `cache` holds (an
+        empty cache: a prompt); their keys and values join the cache. Generation only
+        (moetrain/generation.py): the whole sequence on this device, no document masks. The
+        logits equal `forward`'s on the whole sequence up to fp32 rounding (the same operations,
+        attention over cached keys instead of recomputed ones). Each token is routed by itself,
+        as in `forward`: the router picks experts per token and the local dispatcher drops none."""
+        T = tokens_BT.shape[1]
+        if T > cache.max_len - cache.length:
+            raise ValueError(f"{T} new positions do not fit a KV cache holding {cache.length} of {cache.max_len}.")
+        cos_TD, sin_TD = self.rope.cos_sin(T, start=cache.length)
+        x_BTD = self.embed(tokens_BT)
+        for key, block in self.blocks.items():
+            x_BTD = block(x_BTD, cos_TD, sin_TD, None, cache.layers[int(key)])
+        return self.lm_head(self.norm(x_BTD))
+
+    def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
+        """An empty KV cache for `batch` sequences of up to `max_len` positions, in the model's
+        dtype and on its device."""
+        weight = self.lm_head.weight
+        return KVCache(self.cfg, max_len, batch, dtype=weight.dtype, device=weight.device)
 
     def set_sequence_layout(self, sequence: SequenceLayout) -> None:
         """Use `sequence` here and in every attention layer."""
