@@ -48,6 +48,10 @@ class AdamWGroup:
     exp_avg_sqs: list[torch.Tensor]
     weight_decay: float
     los: list[torch.Tensor] | None = None
+    flat: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, list[int]] | None = None
+    """(params, los, exp_avgs, exp_avg_sqs, offsets) when the parameters and moments above are
+    views of flat buffers at those offsets (a `SplitMaster`'s): the device backend then updates
+    them in one launch per gradient dtype (`adamw_triton_flat`), wherever the gradients lie."""
 
     @property
     def fp32(self) -> bool:
@@ -146,10 +150,17 @@ def adamw_update(
             )  # fmt: skip
     triton_groups = [g for g in groups if not g.fp32]
     if triton_groups:
-        from moetrain.optim.triton_kernels import adamw_triton, bias_corrections
+        from moetrain.optim.triton_kernels import adamw_triton, adamw_triton_flat, bias_corrections
 
         corrections = bias_corrections(step, lr, beta1, beta2)
         for g in triton_groups:
+            if g.flat is not None and all(grad.is_contiguous() for grad in g.grads):
+                param, lo, exp_avg, exp_avg_sq, offsets = g.flat
+                adamw_triton_flat(
+                    param, lo, g.grads, offsets, exp_avg, exp_avg_sq, corrections,
+                    weight_decay=g.weight_decay, grad_coef=grad_coef, skip=skip, **hyper,
+                )  # fmt: skip
+                continue
             for i, (p, grad, m, v) in enumerate(zip(g.params, g.grads, g.exp_avgs, g.exp_avg_sqs)):
                 lo = g.los[i].view(-1) if g.los is not None else None
                 adamw_triton(

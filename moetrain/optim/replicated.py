@@ -118,8 +118,9 @@ class ReplicatedAdamW(TorchAdamW):
         if self.split is not None:
             s = self.split
             group = AdamWGroup(
-                s.views(s.hi), list(s.grads), s.views(s.exp_avg), s.views(s.exp_avg_sq), s.weight_decay, s.views(s.lo)
-            )
+                s.views(s.hi), list(s.grads), s.views(s.exp_avg), s.views(s.exp_avg_sq), s.weight_decay, s.views(s.lo),
+                flat=(s.hi, s.lo, s.exp_avg, s.exp_avg_sq, s.offsets),
+            )  # fmt: skip
             lr, betas, eps = self.adamw.param_groups[0]["lr"], tuple(self.cfg.betas), self.cfg.eps
             adamw_update([group], s.step, lr=lr, betas=betas, eps=eps, grad_coef=coef, skip=skip, fused=s.fused)
 

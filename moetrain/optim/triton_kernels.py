@@ -15,6 +15,8 @@ TRITON_INTERPRET=1), tests/gpu/test_cuda.py on the GPU.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -30,31 +32,12 @@ def _bf16_bits(x):
 
 
 @triton.jit
-def _adamw_kernel(
-    p_ptr,
-    lo_ptr,
-    grad_ptr,
-    m_ptr,
-    v_ptr,
-    corr_ptr,
-    coef_ptr,
-    skip_ptr,
-    n,
-    lr,
-    beta1,
-    beta2,
-    eps,
-    decay,
-    SPLIT: tl.constexpr,
-    LOW_MOMENTS: tl.constexpr,
-    HAS_COEF: tl.constexpr,
-    HAS_SKIP: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    if HAS_SKIP:
-        mask = mask & (tl.load(skip_ptr) == 0)
+def _adamw_block(
+    p_ptr, lo_ptr, g, m_ptr, v_ptr, offs, mask, corr_ptr, coef_ptr, lr, beta1, beta2, eps, decay,
+    SPLIT: tl.constexpr, LOW_MOMENTS: tl.constexpr, HAS_COEF: tl.constexpr,
+):  # fmt: skip
+    """The update of the elements `offs` (where `mask`) of the parameter and moments, from their
+    gradient `g` (fp32, loaded by the caller)."""
     step_size = tl.load(corr_ptr)  # lr / (1 − β₁ᵗ)
     bias2_sqrt = tl.load(corr_ptr + 1)  # √(1 − β₂ᵗ)
     if SPLIT:  # p_ptr: the bf16 halves as int16
@@ -63,7 +46,6 @@ def _adamw_kernel(
         p = (hi * 65536 + lo).to(tl.float32, bitcast=True)
     else:  # p_ptr: fp32 parameters
         p = tl.load(p_ptr + offs, mask=mask, other=0.0)
-    g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # fp32 or bf16
     if HAS_COEF:
         g = g * tl.load(coef_ptr)
     if LOW_MOMENTS:  # bf16 moments, as int16 bits: exact in fp32
@@ -91,6 +73,56 @@ def _adamw_kernel(
     else:
         tl.store(m_ptr + offs, m, mask=mask)
         tl.store(v_ptr + offs, v, mask=mask)
+
+
+@triton.jit
+def _adamw_kernel(
+    p_ptr, lo_ptr, grad_ptr, m_ptr, v_ptr, corr_ptr, coef_ptr, skip_ptr, n, lr, beta1, beta2, eps, decay,
+    SPLIT: tl.constexpr, LOW_MOMENTS: tl.constexpr, HAS_COEF: tl.constexpr, HAS_SKIP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    if HAS_SKIP:
+        mask = mask & (tl.load(skip_ptr) == 0)
+    g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # fp32 or bf16
+    _adamw_block(
+        p_ptr, lo_ptr, g, m_ptr, v_ptr, offs, mask, corr_ptr, coef_ptr, lr, beta1, beta2, eps, decay,
+        SPLIT, LOW_MOMENTS, HAS_COEF,
+    )  # fmt: skip
+
+
+@triton.jit
+def _grad_pointer(addrs_ptr, i, GRAD_BF16: tl.constexpr):
+    """Tensor i's address in the table, as a pointer of its dtype (bf16 or fp32)."""
+    addr = tl.load(addrs_ptr + i)
+    if GRAD_BF16:
+        return addr.to(tl.pointer_type(tl.bfloat16))
+    return addr.to(tl.pointer_type(tl.float32))
+
+
+@triton.jit
+def _adamw_table_kernel(
+    p_ptr, lo_ptr, grad_addrs_ptr, m_ptr, v_ptr, blk_tensor_ptr, blk_start_ptr, numel_ptr, base_ptr,
+    corr_ptr, coef_ptr, skip_ptr, lr, beta1, beta2, eps, decay,
+    GRAD_BF16: tl.constexpr, SPLIT: tl.constexpr, LOW_MOMENTS: tl.constexpr, HAS_COEF: tl.constexpr,
+    HAS_SKIP: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """`_adamw_kernel` over many tensors in one launch: block `pid` updates elements
+    [start, start + BLOCK) of tensor i (the tables'), whose parameter and moments are at `base`
+    in the flat buffers and whose gradient is at its own address (`grad_addrs`)."""
+    pid = tl.program_id(0)
+    i = tl.load(blk_tensor_ptr + pid)
+    local = tl.load(blk_start_ptr + pid) + tl.arange(0, BLOCK)
+    mask = local < tl.load(numel_ptr + i)
+    if HAS_SKIP:
+        mask = mask & (tl.load(skip_ptr) == 0)
+    g = tl.load(_grad_pointer(grad_addrs_ptr, i, GRAD_BF16) + local, mask=mask, other=0.0).to(tl.float32)
+    offs = tl.load(base_ptr + i) + local
+    _adamw_block(
+        p_ptr, lo_ptr, g, m_ptr, v_ptr, offs, mask, corr_ptr, coef_ptr, lr, beta1, beta2, eps, decay,
+        SPLIT, LOW_MOMENTS, HAS_COEF,
+    )  # fmt: skip
 
 
 def bias_corrections(step: torch.Tensor, lr: float, beta1: float, beta2: float) -> torch.Tensor:
@@ -148,6 +180,82 @@ def adamw_triton(
     )
 
 
+@functools.lru_cache(maxsize=64)
+def _block_table(numels: tuple[int, ...], block: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the tensor of each block, int32; the block's first element in it, int64): blocks of
+    `block` elements over tensors of `numels` elements, in order, each inside one tensor. Built
+    once per list of sizes: the parameters' sizes do not change from step to step."""
+    counts = torch.tensor([triton.cdiv(n, block) for n in numels])
+    blk_tensor = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), counts)
+    blk_start = torch.cat([torch.arange(int(c), dtype=torch.int64) * block for c in counts])
+    return _upload(blk_tensor, device), _upload(blk_start, device)
+
+
+@functools.lru_cache(maxsize=64)
+def _int64_table(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    return _upload(torch.tensor(values, dtype=torch.int64), device)
+
+
+def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without the host waiting: copied from pinned memory, which
+    torch's host allocator keeps until the copy has run."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _addresses(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors' data addresses, on their device: the gradients are allocated anew each step."""
+    return _upload(torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64), tensors[0].device)
+
+
+def adamw_triton_flat(
+    param: torch.Tensor,
+    lo: torch.Tensor | None,
+    grads: list[torch.Tensor],
+    bases: list[int],
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    corrections: torch.Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    grad_coef: torch.Tensor | None,
+    skip: torch.Tensor | None,
+) -> None:
+    """`adamw_triton` of many tensors in one launch per gradient dtype (bf16, fp32): tensor i's
+    parameter (fp32, or split halves `param` and `lo`) and moments are elements [bases[i],
+    bases[i] + grads[i].numel()) of the flat buffers; its gradient, contiguous, lies anywhere.
+    The same arithmetic as `adamw_triton`, element by element (`_adamw_block`)."""
+    low = exp_avg.dtype != torch.float32
+    assert all(g.is_contiguous() for g in grads) and all(t.is_contiguous() for t in (param, exp_avg, exp_avg_sq))
+    for dtype in (torch.bfloat16, torch.float32):
+        chosen = [i for i, g in enumerate(grads) if g.dtype == dtype]
+        if not chosen:
+            continue
+        group = [grads[i] for i in chosen]
+        numels = tuple(g.numel() for g in group)
+        blk_tensor, blk_start = _block_table(numels, BLOCK, param.device)
+        _adamw_table_kernel[(blk_tensor.numel(),)](
+            param.view(torch.int16) if lo is not None else param,
+            lo if lo is not None else param,
+            _addresses(group),
+            exp_avg.view(torch.int16) if low else exp_avg,
+            exp_avg_sq.view(torch.int16) if low else exp_avg_sq,
+            blk_tensor, blk_start, _int64_table(numels, param.device),
+            _int64_table(tuple(bases[i] for i in chosen), param.device),
+            corrections,
+            grad_coef if grad_coef is not None else corrections,
+            skip if skip is not None else corrections,
+            lr, beta1, beta2, eps, weight_decay,
+            GRAD_BF16=dtype == torch.bfloat16, SPLIT=lo is not None, LOW_MOMENTS=low,
+            HAS_COEF=grad_coef is not None, HAS_SKIP=skip is not None, BLOCK=BLOCK,
+        )  # fmt: skip
+
+
 ACC_BLOCK = 4096
 
 
@@ -177,26 +285,41 @@ SQ_BLOCK = 8192
 
 
 @triton.jit
-def _sum_squares_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    """out[program] = Σ x² over the program's BLOCK elements, in fp32."""
+def _sum_squares_table_kernel(
+    addrs_ptr, numel_ptr, blk_tensor_ptr, blk_start_ptr, slot_ptr, out_ptr, BF16: tl.constexpr, BLOCK: tl.constexpr
+):
+    """out[slot] = Σ x² over block `pid`'s elements (of tensor i, from its address), in fp32; a
+    tensor's blocks fill its slots from `slot[i]` on, in order."""
     pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
-    tl.store(out_ptr + pid, tl.sum(x * x, axis=0))
+    i = tl.load(blk_tensor_ptr + pid)
+    start = tl.load(blk_start_ptr + pid)
+    offs = start + tl.arange(0, BLOCK)
+    x = tl.load(_grad_pointer(addrs_ptr, i, BF16) + offs, mask=offs < tl.load(numel_ptr + i), other=0.0)
+    tl.store(out_ptr + tl.load(slot_ptr + i) + start // BLOCK, tl.sum(x.to(tl.float32) * x.to(tl.float32), axis=0))
 
 
 def sum_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Σ‖t‖² over `tensors` (contiguous, any float dtype), in fp32, as a device scalar: one pass
-    that writes a partial sum per block of SQ_BLOCK elements, then one sum of the partials (a
-    fixed order: the same bits on every call, no atomics). The clipping norm's pass over every
-    gradient: torch's `_foreach_norm` read bf16 gradients at 2.17 TB/s on an H200
-    (benchmarks/step_bytes_probe.py), under half the bandwidth."""
-    assert all(t.is_contiguous() for t in tensors)
-    blocks = [triton.cdiv(t.numel(), SQ_BLOCK) for t in tensors]
-    partials = torch.empty(sum(blocks), dtype=torch.float32, device=tensors[0].device)
-    start = 0
-    for t, b in zip(tensors, blocks):
-        if b:
-            _sum_squares_kernel[(b,)](t, partials[start : start + b], t.numel(), BLOCK=SQ_BLOCK, num_warps=8)
-        start += b
+    """Σ‖t‖² over `tensors` (contiguous, bf16 or fp32), in fp32, as a device scalar: one pass per
+    dtype that writes a partial sum per block of SQ_BLOCK elements (the tensors' blocks in
+    order), then one sum of the partials (a fixed order: the same bits on every call, no
+    atomics). The clipping norm's pass over every gradient: torch's `_foreach_norm` read bf16
+    gradients at 2.17 TB/s on an H200 (benchmarks/step_bytes_probe.py), under half the bandwidth;
+    one launch per dtype, not per tensor, keeps the host ahead of the GPU."""
+    assert all(t.is_contiguous() and t.dtype in (torch.bfloat16, torch.float32) for t in tensors)
+    device = tensors[0].device
+    counts = [triton.cdiv(t.numel(), SQ_BLOCK) for t in tensors]
+    slots = [sum(counts[:i]) for i in range(len(counts))]
+    partials = torch.empty(sum(counts), dtype=torch.float32, device=device)
+    for dtype in (torch.bfloat16, torch.float32):
+        chosen = [i for i, t in enumerate(tensors) if t.dtype == dtype and counts[i]]
+        if not chosen:
+            continue
+        group = [tensors[i] for i in chosen]
+        numels = tuple(t.numel() for t in group)
+        blk_tensor, blk_start = _block_table(numels, SQ_BLOCK, device)
+        _sum_squares_table_kernel[(blk_tensor.numel(),)](
+            _addresses(group), _int64_table(numels, device), blk_tensor, blk_start,
+            _int64_table(tuple(slots[i] for i in chosen), device), partials,
+            BF16=dtype == torch.bfloat16, BLOCK=SQ_BLOCK, num_warps=8,
+        )  # fmt: skip
     return partials.sum()

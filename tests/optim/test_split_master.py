@@ -98,6 +98,42 @@ def test_triton_kernel_matches_the_reference_in_the_interpreter():
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
 
 
+FLAT_CHECK = r"""
+import torch
+from moetrain.optim.split_master import split_fp32
+from moetrain.optim.triton_kernels import BLOCK, adamw_triton, adamw_triton_flat, bias_corrections
+from moetrain.testing.steps import ADAMW_HYPER as HYPER
+g = torch.Generator().manual_seed(0)
+sizes = [BLOCK * 2 + 5, 1, BLOCK, 3000]  # tails, one element, a whole block
+offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+grad_dtypes = [torch.bfloat16, torch.float32, torch.bfloat16, torch.float32]  # two launches
+corr = bias_corrections(torch.tensor(3.0), 1e-3, 0.9, 0.95)
+for moments, coef, skip in ((torch.float32, torch.tensor(0.5), None), (torch.bfloat16, None, torch.tensor(False)),
+                            (torch.float32, None, torch.tensor(True))):
+    hi, lo = split_fp32(torch.randn(sum(sizes), generator=g))
+    m = (torch.randn(sum(sizes), generator=g) * 1e-3).to(moments)
+    v = (torch.rand(sum(sizes), generator=g) * 1e-6).to(moments)
+    grads = [(torch.randn(n, generator=g) * 1e-2).to(dt) for n, dt in zip(sizes, grad_dtypes)]
+    flat = [t.clone() for t in (hi, lo, m, v)]
+    adamw_triton_flat(flat[0], flat[1], grads, offsets, flat[2], flat[3], corr, grad_coef=coef, skip=skip, **HYPER)
+    each = [t.clone() for t in (hi, lo, m, v)]
+    for off, n, grad in zip(offsets, sizes, grads):
+        part = [t[off : off + n] for t in each]
+        adamw_triton(part[0], part[1], grad, part[2], part[3], corr, grad_coef=coef, skip=skip, **HYPER)
+    assert all(torch.equal(a, b) for a, b in zip(flat, each))  # the same bits as one launch per tensor
+    assert not torch.equal(flat[0], hi) if skip is None or not bool(skip) else torch.equal(flat[0], hi)
+print("ok")
+"""
+
+
+def test_one_launch_over_many_tensors_gives_the_bits_of_one_launch_each_in_the_interpreter():
+    """`adamw_triton_flat` (a SplitMaster's update: flat parameters and moments, gradients found
+    through an address table) against `adamw_triton` tensor by tensor."""
+    pytest.importorskip("triton")
+    result = run_in_triton_interpreter(FLAT_CHECK)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
 ACCUMULATE_CHECK = """
 import torch
 from moetrain.optim.triton_kernels import ACC_BLOCK, accumulate_grad
