@@ -93,19 +93,10 @@ def _adamw_kernel(
 
 
 @triton.jit
-def _grad_pointer(addrs_ptr, i, GRAD_BF16: tl.constexpr):
-    """Tensor i's address in the table, as a pointer of its dtype (bf16 or fp32)."""
-    addr = tl.load(addrs_ptr + i)
-    if GRAD_BF16:
-        return addr.to(tl.pointer_type(tl.bfloat16))
-    return addr.to(tl.pointer_type(tl.float32))
-
-
-@triton.jit
 def _adamw_table_kernel(
     p_ptr, lo_ptr, grad_addrs_ptr, m_ptr, v_ptr, blk_tensor_ptr, blk_start_ptr, numel_ptr, base_ptr,
     corr_ptr, coef_ptr, skip_ptr, lr, beta1, beta2, eps, decay,
-    GRAD_BF16: tl.constexpr, SPLIT: tl.constexpr, LOW_MOMENTS: tl.constexpr, HAS_COEF: tl.constexpr,
+    GRAD_DTYPE: tl.constexpr, SPLIT: tl.constexpr, LOW_MOMENTS: tl.constexpr, HAS_COEF: tl.constexpr,
     HAS_SKIP: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """`_adamw_kernel` over many tensors in one launch: block `pid` updates elements
@@ -117,7 +108,8 @@ def _adamw_table_kernel(
     mask = local < tl.load(numel_ptr + i)
     if HAS_SKIP:
         mask = mask & (tl.load(skip_ptr) == 0)
-    g = tl.load(_grad_pointer(grad_addrs_ptr, i, GRAD_BF16) + local, mask=mask, other=0.0).to(tl.float32)
+    grad_ptr = tl.load(grad_addrs_ptr + i).to(tl.pointer_type(GRAD_DTYPE))
+    g = tl.load(grad_ptr + local, mask=mask, other=0.0).to(tl.float32)
     offs = tl.load(base_ptr + i) + local
     _adamw_block(
         p_ptr, lo_ptr, g, m_ptr, v_ptr, offs, mask, corr_ptr, coef_ptr, lr, beta1, beta2, eps, decay,
@@ -178,6 +170,10 @@ def adamw_triton(
         HAS_SKIP=skip is not None,
         BLOCK=BLOCK,
     )
+
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+"""The gradients' dtypes the address-table kernels read, as Triton's pointer element types."""
 
 
 @functools.lru_cache(maxsize=64)
@@ -251,7 +247,7 @@ def adamw_triton_flat(
             grad_coef if grad_coef is not None else corrections,
             skip if skip is not None else corrections,
             lr, beta1, beta2, eps, weight_decay,
-            GRAD_BF16=dtype == torch.bfloat16, SPLIT=lo is not None, LOW_MOMENTS=low,
+            GRAD_DTYPE=_TL_DTYPES[dtype], SPLIT=lo is not None, LOW_MOMENTS=low,
             HAS_COEF=grad_coef is not None, HAS_SKIP=skip is not None, BLOCK=BLOCK,
         )  # fmt: skip
 
@@ -286,7 +282,7 @@ SQ_BLOCK = 8192
 
 @triton.jit
 def _sum_squares_table_kernel(
-    addrs_ptr, numel_ptr, blk_tensor_ptr, blk_start_ptr, slot_ptr, out_ptr, BF16: tl.constexpr, BLOCK: tl.constexpr
+    addrs_ptr, numel_ptr, blk_tensor_ptr, blk_start_ptr, slot_ptr, out_ptr, DTYPE: tl.constexpr, BLOCK: tl.constexpr
 ):
     """out[slot] = Σ x² over block `pid`'s elements (of tensor i, from its address), in fp32; a
     tensor's blocks fill its slots from `slot[i]` on, in order."""
@@ -294,7 +290,8 @@ def _sum_squares_table_kernel(
     i = tl.load(blk_tensor_ptr + pid)
     start = tl.load(blk_start_ptr + pid)
     offs = start + tl.arange(0, BLOCK)
-    x = tl.load(_grad_pointer(addrs_ptr, i, BF16) + offs, mask=offs < tl.load(numel_ptr + i), other=0.0)
+    x_ptr = tl.load(addrs_ptr + i).to(tl.pointer_type(DTYPE))
+    x = tl.load(x_ptr + offs, mask=offs < tl.load(numel_ptr + i), other=0.0)
     tl.store(out_ptr + tl.load(slot_ptr + i) + start // BLOCK, tl.sum(x.to(tl.float32) * x.to(tl.float32), axis=0))
 
 
@@ -320,6 +317,6 @@ def sum_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
         _sum_squares_table_kernel[(blk_tensor.numel(),)](
             _addresses(group), _int64_table(numels, device), blk_tensor, blk_start,
             _int64_table(tuple(slots[i] for i in chosen), device), partials,
-            BF16=dtype == torch.bfloat16, BLOCK=SQ_BLOCK, num_warps=8,
+            DTYPE=_TL_DTYPES[dtype], BLOCK=SQ_BLOCK, num_warps=8,
         )  # fmt: skip
     return partials.sum()
