@@ -97,20 +97,23 @@ def _adamw_table_kernel(
     p_ptr, lo_ptr, grad_addrs_ptr, m_ptr, v_ptr, blk_tensor_ptr, blk_start_ptr, numel_ptr, base_ptr,
     corr_ptr, coef_ptr, skip_ptr, lr, beta1, beta2, eps, decay,
     GRAD_DTYPE: tl.constexpr, SPLIT: tl.constexpr, LOW_MOMENTS: tl.constexpr, HAS_COEF: tl.constexpr,
-    HAS_SKIP: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_SKIP: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """`_adamw_kernel` over many tensors in one launch: block `pid` updates elements
     [start, start + BLOCK) of tensor i (the tables'), whose parameter and moments are at `base`
     in the flat buffers and whose gradient is at its own address (`grad_addrs`)."""
     pid = tl.program_id(0)
     i = tl.load(blk_tensor_ptr + pid)
-    local = tl.load(blk_start_ptr + pid) + tl.arange(0, BLOCK)
-    mask = local < tl.load(numel_ptr + i)
+    n, base, grad_ptr = tl.load(numel_ptr + i), tl.load(base_ptr + i), tl.load(grad_addrs_ptr + i)
+    grad_ptr = grad_ptr.to(tl.pointer_type(GRAD_DTYPE))
+    if ALIGNED:  # what the per-tensor kernel's arguments tell the compiler: vector loads and stores
+        n, base, grad_ptr = tl.multiple_of(n, 16), tl.multiple_of(base, 16), tl.multiple_of(grad_ptr, 16)
+    local = tl.multiple_of(tl.load(blk_start_ptr + pid), BLOCK) + tl.arange(0, BLOCK)
+    mask = local < n
     if HAS_SKIP:
         mask = mask & (tl.load(skip_ptr) == 0)
-    grad_ptr = tl.load(grad_addrs_ptr + i).to(tl.pointer_type(GRAD_DTYPE))
     g = tl.load(grad_ptr + local, mask=mask, other=0.0).to(tl.float32)
-    offs = tl.load(base_ptr + i) + local
+    offs = base + local
     _adamw_block(
         p_ptr, lo_ptr, g, m_ptr, v_ptr, offs, mask, corr_ptr, coef_ptr, lr, beta1, beta2, eps, decay,
         SPLIT, LOW_MOMENTS, HAS_COEF,
@@ -200,6 +203,13 @@ def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def _aligned(tensors: list[torch.Tensor], counts: tuple[int, ...]) -> bool:
+    """Whether every tensor starts on 16 bytes and every size or offset is a multiple of 16
+    elements: the table kernels may then load and store 16 bytes at a time, as the per-tensor
+    kernels do where Triton sees the same of their arguments."""
+    return all(t.data_ptr() % 16 == 0 for t in tensors) and all(c % 16 == 0 for c in counts)
+
+
 def _addresses(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The tensors' data addresses, on their device: the gradients are allocated anew each step."""
     return _upload(torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64), tensors[0].device)
@@ -248,7 +258,8 @@ def adamw_triton_flat(
             skip if skip is not None else corrections,
             lr, beta1, beta2, eps, weight_decay,
             GRAD_DTYPE=_TL_DTYPES[dtype], SPLIT=lo is not None, LOW_MOMENTS=low,
-            HAS_COEF=grad_coef is not None, HAS_SKIP=skip is not None, BLOCK=BLOCK,
+            HAS_COEF=grad_coef is not None, HAS_SKIP=skip is not None,
+            ALIGNED=_aligned(group, numels + tuple(bases[i] for i in chosen)), BLOCK=BLOCK,
         )  # fmt: skip
 
 
@@ -282,16 +293,19 @@ SQ_BLOCK = 8192
 
 @triton.jit
 def _sum_squares_table_kernel(
-    addrs_ptr, numel_ptr, blk_tensor_ptr, blk_start_ptr, slot_ptr, out_ptr, DTYPE: tl.constexpr, BLOCK: tl.constexpr
-):
+    addrs_ptr, numel_ptr, blk_tensor_ptr, blk_start_ptr, slot_ptr, out_ptr,
+    DTYPE: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
     """out[slot] = Σ x² over block `pid`'s elements (of tensor i, from its address), in fp32; a
     tensor's blocks fill its slots from `slot[i]` on, in order."""
     pid = tl.program_id(0)
     i = tl.load(blk_tensor_ptr + pid)
-    start = tl.load(blk_start_ptr + pid)
+    start = tl.multiple_of(tl.load(blk_start_ptr + pid), BLOCK)
+    n, x_ptr = tl.load(numel_ptr + i), tl.load(addrs_ptr + i).to(tl.pointer_type(DTYPE))
+    if ALIGNED:
+        n, x_ptr = tl.multiple_of(n, 16), tl.multiple_of(x_ptr, 16)
     offs = start + tl.arange(0, BLOCK)
-    x_ptr = tl.load(addrs_ptr + i).to(tl.pointer_type(DTYPE))
-    x = tl.load(x_ptr + offs, mask=offs < tl.load(numel_ptr + i), other=0.0)
+    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
     tl.store(out_ptr + tl.load(slot_ptr + i) + start // BLOCK, tl.sum(x.to(tl.float32) * x.to(tl.float32), axis=0))
 
 
@@ -317,6 +331,6 @@ def sum_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
         _sum_squares_table_kernel[(blk_tensor.numel(),)](
             _addresses(group), _int64_table(numels, device), blk_tensor, blk_start,
             _int64_table(tuple(slots[i] for i in chosen), device), partials,
-            DTYPE=_TL_DTYPES[dtype], BLOCK=SQ_BLOCK, num_warps=8,
+            DTYPE=_TL_DTYPES[dtype], ALIGNED=_aligned(group, numels), BLOCK=SQ_BLOCK, num_warps=8,
         )  # fmt: skip
     return partials.sum()

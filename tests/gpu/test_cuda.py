@@ -359,22 +359,22 @@ def test_one_adamw_launch_over_many_tensors_gives_the_bits_of_one_launch_each_on
 
     hyper = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
     g = torch.Generator(device="cuda").manual_seed(0)
-    sizes = [BLOCK * 300 + 5, 1, BLOCK, 3000, 2**20]
-    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-    hi, lo = split_fp32(torch.randn(sum(sizes), device="cuda", generator=g))
-    m = torch.randn(sum(sizes), device="cuda", generator=g) * 1e-3
-    v = torch.rand(sum(sizes), device="cuda", generator=g) * 1e-6
-    dtypes = [torch.bfloat16, torch.float32] * 3
-    grads = [(torch.randn(n, device="cuda", generator=g) * 1e-2).to(dt) for n, dt in zip(sizes, dtypes)]
-    corr = bias_corrections(torch.tensor(3.0, device="cuda"), 1e-3, 0.9, 0.95)
-    coef = torch.tensor(0.5, device="cuda")
-    flat = [t.clone() for t in (hi, lo, m, v)]
-    adamw_triton_flat(flat[0], flat[1], grads, offsets, flat[2], flat[3], corr, grad_coef=coef, skip=None, **hyper)
-    each = [t.clone() for t in (hi, lo, m, v)]
-    for off, n, grad in zip(offsets, sizes, grads):
-        part = [t[off : off + n] for t in each]
-        adamw_triton(part[0], part[1], grad, part[2], part[3], corr, grad_coef=coef, skip=None, **hyper)
-    assert all(torch.equal(a, b) for a, b in zip(flat, each))
+    for sizes in ([BLOCK * 300 + 5, 1, BLOCK, 3000, 2**20], [BLOCK * 300, 16, BLOCK, 3008, 2**20]):  # tails; 16-aligned
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        hi, lo = split_fp32(torch.randn(sum(sizes), device="cuda", generator=g))
+        m = torch.randn(sum(sizes), device="cuda", generator=g) * 1e-3
+        v = torch.rand(sum(sizes), device="cuda", generator=g) * 1e-6
+        dtypes = [torch.bfloat16, torch.float32] * 3
+        grads = [(torch.randn(n, device="cuda", generator=g) * 1e-2).to(dt) for n, dt in zip(sizes, dtypes)]
+        corr = bias_corrections(torch.tensor(3.0, device="cuda"), 1e-3, 0.9, 0.95)
+        coef = torch.tensor(0.5, device="cuda")
+        flat = [t.clone() for t in (hi, lo, m, v)]
+        adamw_triton_flat(flat[0], flat[1], grads, offsets, flat[2], flat[3], corr, grad_coef=coef, skip=None, **hyper)
+        each = [t.clone() for t in (hi, lo, m, v)]
+        for off, n, grad in zip(offsets, sizes, grads):
+            part = [t[off : off + n] for t in each]
+            adamw_triton(part[0], part[1], grad, part[2], part[3], corr, grad_coef=coef, skip=None, **hyper)
+        assert all(torch.equal(a, b) for a, b in zip(flat, each)), sizes
 
 
 def test_clipping_norm_kernel_matches_float64_on_cuda():

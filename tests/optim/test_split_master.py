@@ -104,12 +104,14 @@ from moetrain.optim.split_master import split_fp32
 from moetrain.optim.triton_kernels import BLOCK, adamw_triton, adamw_triton_flat, bias_corrections
 from moetrain.testing.steps import ADAMW_HYPER as HYPER
 g = torch.Generator().manual_seed(0)
-sizes = [BLOCK * 2 + 5, 1, BLOCK, 3000]  # tails, one element, a whole block
-offsets = [sum(sizes[:i]) for i in range(len(sizes))]
 grad_dtypes = [torch.bfloat16, torch.float32, torch.bfloat16, torch.float32]  # two launches
 corr = bias_corrections(torch.tensor(3.0), 1e-3, 0.9, 0.95)
-for moments, coef, skip in ((torch.float32, torch.tensor(0.5), None), (torch.bfloat16, None, torch.tensor(False)),
-                            (torch.float32, None, torch.tensor(True))):
+for sizes, moments, coef, skip in (
+    ([BLOCK * 2 + 5, 1, BLOCK, 3000], torch.float32, torch.tensor(0.5), None),  # tails, one element, a block
+    ([BLOCK * 2, 16, BLOCK, 3008], torch.bfloat16, None, torch.tensor(False)),  # 16-aligned: vector loads
+    ([BLOCK, 32], torch.float32, None, torch.tensor(True)),
+):
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
     hi, lo = split_fp32(torch.randn(sum(sizes), generator=g))
     m = (torch.randn(sum(sizes), generator=g) * 1e-3).to(moments)
     v = (torch.rand(sum(sizes), generator=g) * 1e-6).to(moments)
