@@ -46,7 +46,7 @@ from moetrain.plan import (
     suggest,
     to_json,
 )
-from moetrain.presets import PRESETS, resolve_config, run_name
+from moetrain.presets import PRESETS, PURPOSES, resolve_config, run_name
 from moetrain.train.config import RunConfig
 from moetrain.train.oom import OutOfMemory
 from moetrain.train.plot import is_image_name, plot_compare
@@ -59,7 +59,7 @@ SUBCOMMANDS: dict[str, str] = {
     "prepare-data": "tokenize text/JSONL files (or the embedded corpus) into a token directory",
     "eval": "loss and perplexity of a checkpoint on raw text files",
     "generate": "sample text from a checkpoint",
-    "presets": "list the shipped presets",
+    "presets": "list the shipped presets: parameters, sequence length and what each is for",
     "plot": "draw the loss curves of one or more run directories into one PNG",
     "bench": "time training steps of a preset (tokens/s, TFLOP/s, MFU, memory, host syncs) as JSON lines",
     "export-hf": "write a checkpoint as a Hugging Face model directory (safetensors, config, tokenizer)",
@@ -253,6 +253,10 @@ def _resolve(args: argparse.Namespace, overrides: list[str]):
 
 def cmd_train(argv: list[str]) -> int:
     parser = _config_parser("train", "Train a model.", train_flags=True)
+    parser.epilog += (
+        " Every key with its type, default and meaning: moetrain config --help. A mistake in the command or "
+        "the config prints one paragraph and exits 2; add --debug for the traceback."
+    )
     args, overrides = _split_overrides(parser, argv)
     _check_rehearsal_flags(args)
     rehearsal = None
@@ -512,9 +516,19 @@ def cmd_params(argv: list[str]) -> int:
 
 def cmd_presets(argv: list[str]) -> int:
 
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False,
+        prog="moetrain presets",
+        description="The shipped presets: parameters total and active, sequence length, what each is for.",
+    )
+    parser.parse_args(argv)
+    print(f"{'preset':<18} {'total':>10} {'active':>9} {'seq_len':>8}  purpose")
     for name, make in PRESETS.items():
-        counts = count_params(make().model)
-        print(f"{name:<18} total {counts.total / 1e9:9.3f}B  active {counts.active / 1e9:7.3f}B")
+        cfg = make()
+        counts = count_params(cfg.model)
+        print(
+            f"{name:<18} {counts.total / 1e9:9.3f}B {counts.active / 1e9:8.3f}B {cfg.data.seq_len:>8}  {PURPOSES[name]}"
+        )
     return 0
 
 
