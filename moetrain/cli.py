@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import sys
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,8 +33,21 @@ from moetrain.memory_advice import advice, layout_flags, plan_gpu
 from moetrain.model.counting import count_params, flops_per_token
 from moetrain.parallel.distributed import shutdown, unresponsive_ranks
 from moetrain.parallel.rehearsal import is_rehearsal
-from moetrain.plan import PEAK_ERROR, plan, report, suggest, to_json
-from moetrain.presets import PRESETS, resolve_config, run_name
+from moetrain.plan import (
+    MAX_GPUS,
+    PEAK_ERROR,
+    fewest_gpus,
+    layout_legend,
+    layouts_text,
+    legend_lines,
+    more_gpus_json,
+    more_gpus_text,
+    plan,
+    report,
+    suggest,
+    to_json,
+)
+from moetrain.presets import PRESETS, PURPOSES, resolve_config, run_name
 from moetrain.train.config import RunConfig
 from moetrain.train.oom import OutOfMemory
 from moetrain.train.plot import is_image_name, plot_compare
@@ -46,7 +60,7 @@ SUBCOMMANDS: dict[str, str] = {
     "prepare-data": "tokenize text/JSONL files (or the embedded corpus) into a token directory",
     "eval": "loss and perplexity of a checkpoint on raw text files",
     "generate": "sample text from a checkpoint",
-    "presets": "list the shipped presets",
+    "presets": "list the shipped presets: parameters, sequence length and what each is for",
     "plot": "draw the loss curves of one or more run directories into one PNG",
     "bench": "time training steps of a preset (tokens/s, TFLOP/s, MFU, memory, host syncs) as JSON lines",
     "export-hf": "write a checkpoint as a Hugging Face model directory (safetensors, config, tokenizer)",
@@ -240,6 +254,10 @@ def _resolve(args: argparse.Namespace, overrides: list[str]):
 
 def cmd_train(argv: list[str]) -> int:
     parser = _config_parser("train", "Train a model.", train_flags=True)
+    parser.epilog += (
+        " Every key with its type, default and meaning: moetrain config --help. A mistake in the command or "
+        "the config prints one paragraph and exits 2; add --debug for the traceback."
+    )
     args, overrides = _split_overrides(parser, argv)
     _check_rehearsal_flags(args)
     rehearsal = None
@@ -340,16 +358,30 @@ def cmd_bench(argv: list[str]) -> int:
     return 0
 
 
-def cmd_plan(argv: list[str]) -> int:
+def _plan_parser() -> argparse.ArgumentParser:
+    def fill(text: str) -> str:
+        return textwrap.fill(text, width=100)
+
+    legend = "\n".join(
+        textwrap.fill(m, width=100, initial_indent="  ", subsequent_indent="      ") for m in layout_legend()
+    )
     parser = argparse.ArgumentParser(
         allow_abbrev=False,
         prog="moetrain plan",
-        description="Per-GPU parameters, gradients, optimizer state, activations (with and without "
-        "recompute), communication per step, step time and MFU of a preset on N GPUs, from the config "
-        "alone; then layouts that fit, fastest first. Ends with one JSON line (peak_mem_gib_per_device, "
-        "fits, step_time_s, mfu, …). Assumptions: moetrain/plan/calibration.py.",
-        epilog="Set the layout with config keys: --parallel.ep=8 --parallel.pp=8 --train.recompute=full "
-        "--parallel.shard_optimizer=true …",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=fill(
+            "Per-GPU parameters, gradients, optimizer state, activations (with and without recompute), "
+            "communication per step, step time (communication only where compute does not hide it: its exposed "
+            "part) and MFU of a preset on N GPUs, from the config alone; then layouts that fit, fastest first, "
+            f"or, when none does, the fewest GPUs of the kind (up to {MAX_GPUS}) on which one fits. Ends with one "
+            "JSON line (peak_mem_gib_per_device, fits, step_time_s, mfu, exposed_comm_s, fewest_gpus, …). "
+            "Assumptions: moetrain/plan/calibration.py."
+        ),
+        epilog=fill(
+            "Set the layout with config keys: --parallel.ep=8 --parallel.pp=8 --train.recompute=full "
+            "--parallel.shard_optimizer=true …"
+        )
+        + f"\n\nLayout abbreviations:\n{legend}",
     )
     parser.add_argument("spec", metavar="PRESET_OR_YAML")
     parser.add_argument("--gpus", type=int, required=True, help="number of GPUs (world size)")
@@ -360,24 +392,33 @@ def cmd_plan(argv: list[str]) -> int:
         default=None,
         help="sequences per GPU per micro-batch (sets train.micro_batch_size = this × dp)",
     )
-    parser.add_argument("--no-suggest", action="store_true", help="skip the search for layouts that fit")
-    args, overrides = _split_overrides(parser, argv)
+    parser.add_argument(
+        "--no-suggest", action="store_true", help="skip the search for layouts that fit (and for more GPUs)"
+    )
+    return parser
 
+
+def _plan_config(args: argparse.Namespace, overrides: list[str]) -> tuple[RunConfig, list[str]]:
+    """The config `plan` plans, and the overrides it was given (--micro-batch as the key it sets)."""
     cfg = resolve_config(args.spec, overrides, validate=args.micro_batch is None)
-    if args.micro_batch is not None:
-        if args.micro_batch <= 0:
-            raise ConfigError(f"--micro-batch={args.micro_batch} must be a positive number of sequences.")
-        pp = cfg.parallel.pp
-        if args.gpus % pp:
-            raise ConfigError(f"parallel.pp={pp} does not divide --gpus={args.gpus}.")
-        dp = cfg.parallel.dp or args.gpus // pp
-        cfg = resolve_config(args.spec, overrides + [f"train.micro_batch_size={args.micro_batch * dp}"])
+    if args.micro_batch is None:
+        return cfg, [f"--{o}" for o in overrides]
+    if args.micro_batch <= 0:
+        raise ConfigError(f"--micro-batch={args.micro_batch} must be a positive number of sequences.")
+    pp = cfg.parallel.pp
+    if args.gpus % pp:
+        raise ConfigError(f"parallel.pp={pp} does not divide --gpus={args.gpus}.")
+    dp = cfg.parallel.dp or args.gpus // pp
+    cfg = resolve_config(args.spec, overrides + [f"train.micro_batch_size={args.micro_batch * dp}"])
+    return cfg, [f"--{o}" for o in overrides] + [f"--train.micro_batch_size={cfg.train.micro_batch_size}"]
+
+
+def cmd_plan(argv: list[str]) -> int:
+    args, overrides = _split_overrides(_plan_parser(), argv)
+    cfg, given = _plan_config(args, overrides)
     gpu = args.gpu.lower()
     result = plan(cfg, args.gpus, gpu)
     suggestions = [] if args.no_suggest else suggest(cfg, args.gpus, gpu)
-    given = [f"--{o}" for o in overrides] + (
-        [f"--train.micro_batch_size={cfg.train.micro_batch_size}"] if args.micro_batch is not None else []
-    )
     command = rehearse.command(args.spec, args.gpus, result.busiest_rank, given)
     pasted = [_suggestion_flags(cfg, s, given) for s in suggestions]
     commands = [rehearse.command(args.spec, args.gpus, s.busiest_rank, f) for s, f in zip(suggestions, pasted)]
@@ -392,33 +433,38 @@ def cmd_plan(argv: list[str]) -> int:
     print(report(result))
     if result.tight:
         print(f"  -> TIGHT: within the memory model's {PEAK_ERROR:.0%} error of the {result.gpu.memory_gib:g} GiB")
-    if not args.no_suggest:
-        print(
-            "layouts that fit (ddp stack, sharded optimizer), those with headroom first, fastest first; each with "
-            "the flags to paste and its rehearsal:"
-            if suggestions
-            else f"no layout of the ddp stack fits {args.gpus} × {gpu}: add GPUs or shrink the model."
-        )
-        for s, flags, cmd in zip(suggestions, pasted, commands):
-            print(
-                f"  {s.layout.describe():70s} peak {s.peak_mem_gib_per_device:6.1f} GiB, "
-                f"step {s.step_time_s:.3f} s, MFU {100 * s.mfu:.1f}%{'  TIGHT' if s.tight else ''}\n"
-                f"      {' '.join(flags)}\n      {cmd}"
-            )
+    shown = [result] + suggestions
+    more = None
+    if suggestions:
+        print("\n".join(layouts_text(suggestions, pasted, commands)))
+    elif not args.no_suggest:
+        more = fewest_gpus(cfg, args.gpus, gpu)
+        more_flags = _more_gpus_flags(args.spec, cfg, more, given)
+        shown += [more.plan] if more.plan else []
+        print("\n".join(more_gpus_text(more, args.gpus, gpu, *more_flags)))
     print(
         "measure one rank of this layout on one GPU (its compute, memory and checkpoint shard; communication "
         f"modelled):\n  {command}"
     )
     if suggestions:
-        best = roomy[0] if roomy else 0
-        print(f"the same for the recommended layout:\n  {commands[best]}")
+        print(f"the same for the recommended layout:\n  {commands[roomy[0] if roomy else 0]}")
+    print("\n".join(legend_lines([p.layout.describe() for p in shown])))
     out = to_json(result, args.spec, args.gpus, gpu, suggestions)
     out["busiest_rank"] = result.busiest_rank
     out["rehearse_command"] = command
     for entry, flags, cmd in zip(out["suggested"], pasted, commands):
         entry["flags"], entry["rehearse_command"] = flags, cmd
+    out["fewest_gpus"] = None if more is None else more_gpus_json(more, *more_flags)
     print(json.dumps(out))
     return 0
+
+
+def _more_gpus_flags(spec: str, cfg: RunConfig, more, given: list[str]) -> tuple[list[str], str]:
+    """The flags of `fewest_gpus`'s layout and the command that rehearses it (none found: empty)."""
+    if more.plan is None:
+        return [], ""
+    flags = _suggestion_flags(cfg, more.plan, given)
+    return flags, rehearse.command(spec, more.gpus, more.plan.busiest_rank, flags)
 
 
 def _suggestion_flags(cfg: RunConfig, suggestion, given: list[str]) -> list[str]:
@@ -471,9 +517,19 @@ def cmd_params(argv: list[str]) -> int:
 
 def cmd_presets(argv: list[str]) -> int:
 
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False,
+        prog="moetrain presets",
+        description="The shipped presets: parameters total and active, sequence length, what each is for.",
+    )
+    parser.parse_args(argv)
+    print(f"{'preset':<18} {'total':>10} {'active':>9} {'seq_len':>8}  purpose")
     for name, make in PRESETS.items():
-        counts = count_params(make().model)
-        print(f"{name:<18} total {counts.total / 1e9:9.3f}B  active {counts.active / 1e9:7.3f}B")
+        cfg = make()
+        counts = count_params(cfg.model)
+        print(
+            f"{name:<18} {counts.total / 1e9:9.3f}B {counts.active / 1e9:8.3f}B {cfg.data.seq_len:>8}  {PURPOSES[name]}"
+        )
     return 0
 
 

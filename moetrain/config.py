@@ -15,6 +15,7 @@ import ast
 import dataclasses
 import difflib
 import enum
+import functools
 import inspect
 import math
 import textwrap
@@ -29,6 +30,13 @@ import yaml
 from moetrain.errors import ConfigError, file_kind
 
 
+@functools.cache
+def _field_types(cls: type) -> dict[str, Any]:
+    """`typing.get_type_hints` of a config class, read once: `moetrain plan`'s search validates
+    hundreds of layouts, and evaluating the annotations is most of what a validation costs."""
+    return typing.get_type_hints(cls)
+
+
 @dataclasses.dataclass(kw_only=True)
 class Config:
     """Base class of every config dataclass."""
@@ -39,7 +47,7 @@ class Config:
     def check_domains(self, prefix: str = "") -> None:
         """Every leaf field of this config (not of its sub-configs) against its type and its
         declared `Domain`; raise `ConfigError` naming the dotted key, the value and the domain."""
-        hints = typing.get_type_hints(type(self))
+        hints = _field_types(type(self))
         for f in dataclasses.fields(self):
             tp = hints[f.name]
             if isinstance(tp, type) and issubclass(tp, Config):

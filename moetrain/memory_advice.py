@@ -3,12 +3,13 @@
 `moetrain train` asks this when a step raises `OutOfMemory` (moetrain/train/oom.py) and adds the
 answer to the message: the planner's predicted peak for the config as it ran, and the fastest
 layout of the ddp stack that fits (`moetrain.plan.suggest`: recompute, fewer sequences per
-micro-batch with more accumulation, the sharded optimizer, ep/pp), as command-line flags.
+micro-batch with more accumulation, the sharded optimizer, ep/pp), as command-line flags; where
+none fits, the fewest GPUs of the kind on which one does (`moetrain.plan.fewest_gpus`).
 """
 
 from __future__ import annotations
 
-from moetrain.plan import GPUS, Layout, plan, suggest
+from moetrain.plan import GPUS, MAX_GPUS, Layout, fewest_gpus, plan, suggest
 from moetrain.train.config import RunConfig
 
 
@@ -36,11 +37,22 @@ def advice(cfg: RunConfig, world_size: int, gpu: str) -> str:
         f"({predicted.layout.describe()}; {predicted.gpu.memory_gib:g} GiB usable)"
     )
     if not options:
-        return text + f", and finds no layout that fits {world_size} × {gpu}: add GPUs or shrink the model"
+        return text + f", and finds no layout that fits {world_size} × {gpu}: " + _more_gpus(cfg, world_size, gpu)
     best = options[0]
     return (
         text + f"; the fastest layout it finds that fits is {best.layout.describe()} (peak "
         f"{best.peak_mem_gib_per_device:.1f} GiB): {' '.join(layout_flags(cfg, best.layout))}"
+    )
+
+
+def _more_gpus(cfg: RunConfig, world_size: int, gpu: str) -> str:
+    """How many GPUs of the kind would hold the run (`fewest_gpus`), or that the model must shrink."""
+    more = fewest_gpus(cfg, world_size, gpu)
+    if more.plan is None:
+        return f"none fits on any count up to {MAX_GPUS} either; shrink the model"
+    return (
+        f"the fewest {gpu} GPUs on which one fits with headroom are {more.gpus} ({more.plan.layout.describe()}: "
+        f"{' '.join(layout_flags(cfg, more.plan.layout))}), or shrink the model"
     )
 
 

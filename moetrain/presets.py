@@ -229,6 +229,34 @@ PRESETS: dict[str, Callable[[], RunConfig]] = {
     ),
 }
 
+PURPOSES: dict[str, str] = {
+    "tiny": "CPU-sized: trains on a laptop CPU in minutes (make train); exports as Qwen3-MoE",
+    **{
+        name: f"Olmo-core 3's reference shape, batch sized for {gpus} GPUs"
+        for name, gpus in (
+            ("ref-tiny-64e", 16),
+            ("ref-small-64e", 128),
+            ("ref-medium-128e", 128),
+            ("ref-large-128e", 512),
+            ("ref-ultra-128e", 512),
+            ("ref-ultra-256e", 512),
+        )
+    },
+    **{
+        f"sweep-8l-{e}": f"Olmo-core 3's capacity sweep on 8 GPUs: {e} experts, 3.17B active"
+        for e in (8, 16, 32, 64, 128)
+    },
+    "bench-8e": "one-GPU benchmark: the Olmo-core 3 runner's 8-expert moe_8l shape",
+    "bench-tiny64e-l6": "one-GPU benchmark: the Olmo-core 3 runner's 64-expert, 6-layer shape",
+    "bench-small32e": "one-GPU benchmark: the Olmo-core 3 runner's 32-expert, 16-layer shape",
+    **{
+        f"bench-sweep-{e}": f"one-GPU expert-count sweep at constant active parameters: {e} experts"
+        for e in (8, 16, 32, 64)
+    },
+    "long-small32e-64k": "long context: bench-small32e's model on 65,536-token sequences, dp2 · cp4 on 8 GPUs",
+}
+"""What each preset is for, in one line (`moetrain presets`)."""
+
 
 def preset(name: str) -> RunConfig:
     if name not in PRESETS:

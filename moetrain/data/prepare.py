@@ -40,9 +40,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
+from moetrain.data.corpus import SUMMARY as CORPUS_SUMMARY
 from moetrain.data.corpus import default_corpus_documents
+from moetrain.data.progress import DocumentProgress, interactive
 from moetrain.data.tokens import EOS_TOKEN, FORMAT, META_FILE, dtype_for_vocab, write_meta
 from moetrain.destinations import check_directory, check_overwrite, existing_entries
 from moetrain.errors import ConfigError, DataError, MoetrainError, file_kind, require
@@ -95,9 +96,7 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--text-key", default="text", help="text field of .jsonl records, column of .parquet/datasets")
     parser.add_argument("--seed", type=int, default=0, help="seed of the train/val split")
-    parser.add_argument(
-        "--default-corpus", action="store_true", help="add the embedded corpus (Shakespeare, KJV Bible, Python docs)"
-    )
+    parser.add_argument("--default-corpus", action="store_true", help=f"add the embedded corpus: {CORPUS_SUMMARY}")
     parser.add_argument(
         "--eos-token", metavar="NAME", help=f"end-of-document token of --tokenizer (default {EOS_TOKEN})"
     )
@@ -351,7 +350,8 @@ def iter_documents(
 def train_bpe(texts: Iterable[str | list[str]], *, vocab_size: int, progress: bool = True):
     """Train a byte-level BPE whose `decode(encode(x)) == x` for any string: the ByteLevel
     pre-tokenizer maps every byte to a symbol (all 256 are in the initial alphabet, so nothing
-    is ever unknown) and the ByteLevel decoder maps them back."""
+    is ever unknown) and the ByteLevel decoder maps them back. Its progress bar shows on a
+    terminal only; elsewhere a line before and one after (the bar's redraws would fill a log)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -361,9 +361,15 @@ def train_bpe(texts: Iterable[str | list[str]], *, vocab_size: int, progress: bo
         vocab_size=vocab_size,
         special_tokens=[EOS_TOKEN],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=progress,
+        show_progress=progress and interactive(),
     )
+    logged = progress and not interactive()
+    if logged:
+        print(f"training a byte-level BPE of {vocab_size:,} tokens on the training documents", file=sys.stderr)
+    start = time.perf_counter()
     tok.train_from_iterator(texts, trainer=trainer)
+    if logged:
+        print(f"trained the BPE in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     return tok
 
 
@@ -439,15 +445,7 @@ def _write_splits(tok, batches, split: _Split, out: Path, *, dtype, eos_id: int,
     names = {"train": "train.bin", "val": "val.bin", "tokenizer": "tokenizer.json"}
     partial = {s: out / f".{f}.partial" for s, f in names.items()}
     counts = {s: {"file": names[s], "num_tokens": 0, "num_documents": 0} for s in ("train", "val")}
-    bar = tqdm(
-        total=split.num_documents,
-        unit="doc",
-        desc="tokenizing",
-        file=sys.stderr,
-        disable=not progress,
-        dynamic_ncols=True,
-    )
-    num_bytes = 0
+    bar = DocumentProgress(split.num_documents, progress)
     vocab_size = tok.get_vocab_size()
     pool = None
     try:
@@ -486,9 +484,7 @@ def _write_splits(tok, batches, split: _Split, out: Path, *, dtype, eos_id: int,
                         ids_N = np.concatenate(arrays)
                         ids_N.tofile(files[s])
                         counts[s]["num_tokens"] += int(ids_N.shape[0])
-                num_bytes += sum(nbytes for _, _, _, nbytes in batch)
-                bar.set_postfix_str(f"{num_bytes / 1e6:.1f} MB", refresh=False)
-                bar.update(len(batch))
+                bar.update(len(batch), sum(nbytes for _, _, _, nbytes in batch))
     except BaseException:
         for file in partial.values():
             file.unlink(missing_ok=True)

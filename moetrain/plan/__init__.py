@@ -87,9 +87,11 @@ from moetrain.plan.estimate import PEAK_ERROR, Plan, plan
 from moetrain.plan.hardware import GIB, GPU, GPUS
 from moetrain.plan.layout import (
     BUCKET_BYTES,
+    LAYOUT_WORDS,
     Layout,
     ParamGroups,
     compiled_blocks,
+    layout_legend,
     layout_of,
     rows_per_token,
     uses_bf16_weights,
@@ -102,14 +104,26 @@ from moetrain.plan.memory import (
     memory_per_rank,
     save_temporaries,
 )
-from moetrain.plan.report import report, to_json
-from moetrain.plan.search import suggest, with_layout
-from moetrain.plan.time import COMPUTE_PARTS, PEER_PARTS, Communication, StepTime, communication, step_time
+from moetrain.plan.report import layouts_text, legend_lines, more_gpus_json, more_gpus_text, report, to_json
+from moetrain.plan.search import MAX_GPUS, MoreGpus, fewest_gpus, larger_counts, suggest, with_layout
+from moetrain.plan.time import (
+    COMPUTE_PARTS,
+    EXPOSED_PARTS,
+    PEER_PARTS,
+    Communication,
+    StepTime,
+    communication,
+    step_time,
+)
 
 __all__ = [
     "Assumptions",
     "BUCKET_BYTES",
     "COMPUTE_PARTS",
+    "EXPOSED_PARTS",
+    "LAYOUT_WORDS",
+    "MAX_GPUS",
+    "MoreGpus",
     "PEAK_ERROR",
     "Communication",
     "EntrySizes",
@@ -125,6 +139,13 @@ __all__ = [
     "checkpoint_state_bytes",
     "communication",
     "compiled_blocks",
+    "fewest_gpus",
+    "larger_counts",
+    "layout_legend",
+    "layouts_text",
+    "legend_lines",
+    "more_gpus_json",
+    "more_gpus_text",
     "layout_of",
     "load_temporaries",
     "memory_per_rank",

@@ -10,7 +10,7 @@ from moetrain.plan.calibration import Assumptions
 from moetrain.plan.hardware import GIB, GPU, GPUS
 from moetrain.plan.layout import Layout, ParamGroups, layout_of
 from moetrain.plan.memory import checkpoint_state_bytes, load_temporaries, memory_per_rank, save_temporaries
-from moetrain.plan.time import COMPUTE_PARTS, PEER_PARTS, communication, step_time
+from moetrain.plan.time import COMPUTE_PARTS, EXPOSED_PARTS, PEER_PARTS, communication, step_time
 from moetrain.train.config import RunConfig
 
 PEAK_ERROR = 0.10
@@ -49,6 +49,9 @@ class Plan:
     busiest_rank: int
     """A global rank of the pipeline rank that needs most memory (its stage's first dp rank: the
     ranks of a stage hold alike): the one `moetrain bench --rehearse` runs by default."""
+    comm_s: dict[str, float]
+    """Seconds per step each collective takes at the links' achieved rates, before any overlap
+    (`Communication.seconds`): what the exposed parts of `time_s` are parts of."""
 
     @property
     def largest_peak_gib(self) -> float:
@@ -67,6 +70,15 @@ class Plan:
         """The step's parts one rank's own kernels make (`COMPUTE_PARTS`): what a rehearsal
         measures."""
         return sum(self.time_s[k] for k in COMPUTE_PARTS)
+
+    def transfer_s(self, part: str) -> float:
+        """The transfer time of which the step-time part `part` (one of `EXPOSED_PARTS`) is the exposed part."""
+        return sum(self.comm_s.get(k, 0.0) for k in EXPOSED_PARTS[part])
+
+    @property
+    def exposed_comm_s(self) -> float:
+        """Communication's share of the step: what compute does not hide (`EXPOSED_PARTS`)."""
+        return sum(self.time_s[k] for k in EXPOSED_PARTS)
 
     @property
     def peers_s(self) -> dict[str, float]:
@@ -117,4 +129,5 @@ def plan(cfg: RunConfig, gpus: int, gpu: str, assume: Assumptions = Assumptions(
         load_peak_gib_per_device=round(load_gib, 2),
         fits_while_loading=load_gib <= spec.memory_gib,
         busiest_rank=busiest.rank * L.replicas,
+        comm_s=comm.seconds,
     )

@@ -12,6 +12,9 @@ from moetrain.train.config import RunConfig
 
 LONG_SEQUENCE = 16_384
 """Sequences at least this long are where `suggest` also tries context parallelism."""
+MAX_GPUS = 4096
+"""The most GPUs `fewest_gpus` tries: beyond, a run is planned by hand (and the search would
+keep `moetrain plan` from answering in seconds)."""
 
 
 def with_layout(
@@ -81,28 +84,72 @@ def suggest(cfg: RunConfig, gpus: int, gpu: str, limit: int = 5) -> list[Plan]:
     ep > 2, the exact all-to-all one when the configured one is nosync's padded mode (its
     buffers grow with ep); with nosync at ep > 1 the configured parallel.overlap_chunks and 1
     (the shared expert under the dispatch: no chunks, no cost of theirs)."""
+    out = _candidates(cfg, gpus, gpu, lean=False)
+    out.sort(key=lambda p: (p.tight, -p.tokens_per_sec_per_device))
+    return out[:limit]
+
+
+def _candidates(cfg: RunConfig, gpus: int, gpu: str, lean: bool) -> list[Plan]:
+    """The plans of `suggest`'s candidates that fit, unsorted; with `lean` only those that need
+    least memory at each pp, cp and ep (full recompute, one sequence per micro-batch)."""
     out = []
     for pp in (1, 2, 4, 8, 16, 32):
         if pp > cfg.model.n_layers or gpus % pp:
             continue
         for cp in _context_degrees(cfg, gpus // pp, gpu):
-            out += _fitting(cfg, gpus, gpu, pp, cp)
-    out.sort(key=lambda p: (p.tight, -p.tokens_per_sec_per_device))
-    return out[:limit]
+            out += _fitting(cfg, gpus, gpu, pp, cp, lean)
+    return out
 
 
-def _fitting(cfg: RunConfig, gpus: int, gpu: str, pp: int, cp: int) -> list[Plan]:
-    """The plans of `suggest`'s candidates at pipeline degree `pp` and context degree `cp` that fit."""
+@dataclasses.dataclass(frozen=True)
+class MoreGpus:
+    """What `fewest_gpus` found above a GPU count where nothing fits."""
+
+    gpus: int | None
+    """The fewest GPUs with a layout that fits with headroom; None: none up to `MAX_GPUS`."""
+    plan: Plan | None
+    """`suggest`'s first layout there."""
+    tight_gpus: int | None
+    """Fewer GPUs than `gpus` (or any, when that is None) where layouts fit, but only `Plan.tight` ones."""
+
+
+def larger_counts(gpus: int) -> list[int]:
+    """The GPU counts `fewest_gpus` tries, ascending: powers of two and `gpus` doubled, above
+    `gpus` and at most `MAX_GPUS` (the presets' batches are powers of two: other counts rarely
+    divide them)."""
+    counts = {2**k for k in range(MAX_GPUS.bit_length())} | {gpus << k for k in range(MAX_GPUS.bit_length())}
+    return sorted(n for n in counts if gpus < n <= MAX_GPUS)
+
+
+def fewest_gpus(cfg: RunConfig, gpus: int, gpu: str) -> MoreGpus:
+    """The fewest GPUs of kind `gpu`, more than `gpus`, on which `suggest` finds a layout with
+    headroom (and fewer where layouts fit only tight). Each count plans the leanest candidates
+    first: every other candidate needs more memory, so where none of them fits nothing does, and
+    where each is tight the rest are too."""
+    tight = None
+    for n in larger_counts(gpus):
+        lean = _candidates(cfg, n, gpu, lean=True)
+        if lean and all(p.tight for p in lean):
+            tight = tight or n
+        elif lean:
+            return MoreGpus(n, suggest(cfg, n, gpu, limit=1)[0], tight)
+    return MoreGpus(None, None, tight)
+
+
+def _fitting(cfg: RunConfig, gpus: int, gpu: str, pp: int, cp: int, lean: bool) -> list[Plan]:
+    """The plans of `suggest`'s candidates at pipeline degree `pp` and context degree `cp` that
+    fit (with `lean`, only full recompute and one sequence per micro-batch)."""
     m = cfg.model
     replicas = gpus // pp
     eps = [e for e in (1, 2, 4, 8, 16, 32, 64) if replicas % e == 0 and m.moe.num_experts % e == 0]
     out = []
-    for ep, recompute in [(e, r) for e in eps for r in ("none", "selective", "full")]:
+    recomputes = ("full",) if lean else ("none", "selective", "full")
+    for ep, recompute in [(e, r) for e in eps for r in recomputes]:
         dispatchers = {cfg.parallel.dispatcher.value}
         if ep > 2 and cfg.parallel.capacity_factor is None:
             dispatchers.add(DispatcherKind.alltoall.value)
         overlaps = sorted({cfg.parallel.overlap_chunks, 1}) if ep > 1 else [0]
-        rows_options = (1, 2) if cp == 1 else (1,)
+        rows_options = (1, 2) if cp == 1 and not lean else (1,)
         for rows, dispatcher, overlap in [
             (r, d, o) for r in rows_options for d in sorted(dispatchers) for o in overlaps
         ]:

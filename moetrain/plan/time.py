@@ -39,6 +39,16 @@ PEER_PARTS = (
 as exposed (after the overlap the model grants; `Assumptions.link_eff`, `overlap_slowdown`,
 `dp_tail`, `fsdp_overlap`) and the pipeline's bubble."""
 
+EXPOSED_PARTS = {
+    "expert_all_to_all": ("expert_all_to_all",),
+    "dp_reductions": ("dp_reduction", "optimizer_all_gather", "muon_all_gather"),
+    "fsdp_exposed": ("fsdp",),
+    "pipeline_sends": ("pipeline_send_recv",),
+    "context_exchange": ("context_exchange",),
+}
+"""The parts of `PEER_PARTS` that are communication — the exposed part of a transfer, what
+compute does not hide — and the transfers (`Communication.seconds`) each is part of."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Communication:

@@ -228,6 +228,10 @@ def test_default_corpus(tmp_path, monkeypatch):
         chapters = [(n, t) for n, t in docs if n.startswith("kjv/")]
         assert len(chapters) == 1189 and [n for n, _ in chapters] == sorted(n for n, _ in chapters)
         assert chapters[0][1].startswith("Genesis 1\nIn the beginning God created")
+        # corpus.SUMMARY's figures (what --default-corpus's help and the README say)
+        assert "42 plays" in corpus.SUMMARY and "1,189 chapters" in corpus.SUMMARY
+        if not corpus.PYTHON_DOC_SOURCES.is_dir():
+            assert f"{sum(len(t.encode()) for _, t in docs) / 1e6:.1f} MB of text" in corpus.SUMMARY
     # Tokenizing the whole corpus takes ~10 s; a spread-out tenth of it checks the same path.
     subset = docs[::10]
     monkeypatch.setattr(prepare, "default_corpus_documents", lambda: iter(subset))
