@@ -17,10 +17,11 @@ b8e rowwise
 if ! grep -q fp8 "$OUT/fp8.jsonl" 2>/dev/null; then  # compiled FP8 failed: compare both eager
   echo "compiled FP8 failed; eager pair:"; b8e none --train.compile=false; b8e rowwise --train.compile=false
 fi
-# Loss curves: bench-small32e's architecture on real text (8k vocabulary), 250 steps of 8 × 2048 tokens.
+# Loss curves: bench-small32e's architecture on real text (8k vocabulary), 250 steps of 8 × 2048 tokens,
+# every product in FP8 (at this size train.fp8_select=auto would take none).
 for f in none rowwise; do
   timeout 200 python -m moetrain train bench-small32e --device cuda --data.sources='[data/default]' --model.vocab_size=8192 \
       --data.seq_len=2048 --train.global_batch_size=8 --train.micro_batch_size=8 --steps 250 --eval-every 50 \
-      --train.save_final=false --schedule.warmup_steps=25 --train.fp8=$f --run-dir "$OUT/curve-$f" 2>&1 | tail -1
+      --train.save_final=false --schedule.warmup_steps=25 --train.fp8=$f --train.fp8_select=all --run-dir "$OUT/curve-$f" 2>&1 | tail -1
 done
 python -m moetrain plot "$OUT/curve-none" "$OUT/curve-rowwise" --out "$OUT/fp8-vs-bf16.png"
