@@ -4,7 +4,7 @@
 # steps on the embedded corpus (needs data/default: carry it). Usage: bash benchmarks/fp8.sh
 set -u
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 timeout 150 python -m pytest -q -p no:cacheprovider tests/gpu -k fp8 2>&1 | tail -3
 b8e() {  # b8e FP8 [extra overrides]
   timeout 150 python -m moetrain bench bench-8e --device cuda --warmup 5 --steps 15 --routing learned --train.fp8=$1 ${2:-} \

@@ -3,7 +3,7 @@
 
 Without --checkpoint, trains `tiny` for a few steps at --seq-len into a temporary run directory
 (on data/default: `make data`), so that the prompt and every new token fit its context: past the
-context the cache is restarted at every step and helps no more (moetrain/generation.py). Loads
+context the cache is restarted at every step and helps no more (src/moetrain/generation.py). Loads
 the checkpoint through the Python API, then times `generate_ids` greedily (no stop at
 end-of-text: every run makes exactly --new-tokens tokens), alternating with and without the cache,
 and prints one JSON line: the median seconds of each, tokens/s, the speed-up and whether the

@@ -1,5 +1,5 @@
 """How much does a transfer running beside the experts' GEMMs slow them, on one GPU? A proxy for
-the planner's `overlap_slowdown` (moetrain/plan/calibration.py) until an 8-GPU machine measures NCCL's
+the planner's `overlap_slowdown` (src/moetrain/plan/calibration.py) until an 8-GPU machine measures NCCL's
 all-to-all itself.
 
 An NVLink all-to-all under compute costs the compute what NCCL's kernels take from it: the SMs its

@@ -18,8 +18,9 @@ from collections import defaultdict
 
 def where(frames: list[dict]) -> str:
     for f in frames:
-        if "moetrain/" in f.get("filename", ""):
-            return f"{f['filename'].split('moetrain/', 1)[1]}:{f['line']} {f['name']}"
+        if "/moetrain/" in f.get("filename", ""):
+            # the last one: a clone named moetrain holds src/moetrain/
+            return f"{f['filename'].rsplit('/moetrain/', 1)[1]}:{f['line']} {f['name']}"
     for f in frames:
         if f.get("filename", "").endswith(".py"):
             return f"{f['filename'].rsplit('/', 2)[-1]}:{f['line']} {f['name']}"

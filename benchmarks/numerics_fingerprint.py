@@ -115,7 +115,10 @@ def run_case(name: str, steps: int, work: Path) -> dict:
             "moetrain",
             *args,
         ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # The package of the tree this script belongs to, not whichever moetrain is installed: a base
+    # commit is fingerprinted by running its own copy of the script.
+    path = os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"case {name} failed ({done.returncode}):\n{done.stderr[-4000:]}")

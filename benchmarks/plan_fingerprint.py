@@ -8,6 +8,8 @@ three presets. An error (a layout the checks refuse) is recorded as its message.
     python benchmarks/plan_fingerprint.py --out before.json
     python benchmarks/plan_fingerprint.py --compare before.json     # exit 1 on any difference
     python benchmarks/plan_fingerprint.py --compare before.json --added exposed_comm_s   # a new key
+
+It plans with the moetrain it imports: for another tree's planner, `PYTHONPATH=TREE/src`.
 """
 
 from __future__ import annotations

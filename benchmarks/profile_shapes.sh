@@ -5,7 +5,7 @@
 # Usage: PRESETS="bench-tiny64e-l6 bench-small32e" bash benchmarks/profile_shapes.sh
 set -u
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 for p in ${PRESETS:-bench-tiny64e-l6 bench-small32e bench-sweep-8 bench-sweep-64}; do
   timeout ${BT:-200} python -m moetrain bench "$p" --device cuda --warmup 3 --steps 5 --routing ${ROUTING:-learned} \
       --train.profile=true --train.profile_steps=2 --run-dir "/tmp/prof-$p" ${EXTRA:-} 2>"/tmp/prof-$p.err" \

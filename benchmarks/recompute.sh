@@ -3,7 +3,7 @@
 # the plain step (docs/benchmarks.md). Usage: bash benchmarks/recompute.sh
 set -u
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 for r in none selective full; do
   extra=""; [ "$r" = none ] && extra="--train.profile=true --train.profile_steps=2"
   timeout 130 python -m moetrain bench bench-8e --device cuda --warmup 3 --steps 6 --routing learned \

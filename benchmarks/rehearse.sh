@@ -12,7 +12,7 @@
 # --train.profile=true, ops.txt are kept as $OUT/rowN-*).
 set -u
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 WORLD=${WORLD:-8}
 CKPT=${CKPT:-/tmp/moetrain-rehearse}
 source "$(dirname "$0")/rehearse_row.sh"

@@ -10,7 +10,7 @@
 # row's run directory and checkpoint until the row ends; WARMUP, STEPS, PROFILE_STEPS as below.
 set -u
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 CKPT=${CKPT:-/tmp/moetrain-rehearse}
 source "$(dirname "$0")/rehearse_row.sh"
 ROW_TIMEOUT=${ROW_TIMEOUT:-540}

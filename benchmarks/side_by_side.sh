@@ -5,7 +5,7 @@
 # Results: $OUT/olmocore.jsonl (the anchor) and $OUT/moetrain.jsonl (moetrain bench), tables on stdout.
 set -u
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu --format=csv,noheader
 python -c "import torch; print('torch', torch.__version__)"
 CONFIGS="$CFGS" BUDGET_S=${ABUDGET:-330} OUT=$OUT bash .anchor/run_on_gpu.sh 2>&1 | grep -v "^\[env\]" | tail -12

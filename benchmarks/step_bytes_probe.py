@@ -7,7 +7,7 @@ whose rows per expert shrink. This probe times each of those kernels, as moetrai
 and prints its achieved bandwidth (bytes read plus written over the time) or FLOP rate:
 
 - copy: a device-to-device copy (the bandwidth ceiling, and a gradient copied into its bucket);
-- adamw_split: the Triton AdamW kernel (`adamw_triton`, moetrain/optim/triton_kernels.py) over
+- adamw_split: the Triton AdamW kernel (`adamw_triton`, src/moetrain/optim/triton_kernels.py) over
   split masters, fp32 or bf16 moments, fp32 or bf16 gradients, with a clipping factor and skip
   flag; over one flat buffer and over per-parameter tensors as `adamw_update` runs it on a
   `SplitMaster`'s;
@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from cuda_timing import timed  # noqa: E402
 
 from moetrain.optim.split_master import split_fp32  # noqa: E402

@@ -5,7 +5,7 @@
 # ROUTING=random bash benchmarks/sweep.sh
 set -u
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 for p in ${PRESETS:-bench-sweep-8 bench-sweep-16 bench-sweep-32 bench-sweep-64}; do
   timeout 240 python -m moetrain bench "$p" --device cuda --warmup ${WARMUP:-2} --steps ${STEPS:-6} --routing ${ROUTING:-random} \
       --also-forward-backward 2>"$OUT/$p.err" | tee -a "$OUT/sweep.jsonl" \

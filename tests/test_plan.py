@@ -227,7 +227,7 @@ def test_every_reference_preset_has_a_launch_script():
 def launch_plans():
     """{script: (returncode, stdout, stderr)} of `bash SCRIPT plan --no-suggest` for every launch
     script, run side by side (each is one interpreter start on one core)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env["PATH"]
     procs = {
         script: subprocess.Popen(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "moetrain"
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "moetrain"
 
 HISTORY = [
     (re.compile(r"\b[Ss]ession \d+|\bthis session\b|\blast session\b"), "a session"),

@@ -1,4 +1,4 @@
-"""`--rehearse N [--rank R]` on the command line (moetrain/rehearse.py): `moetrain bench` and
+"""`--rehearse N [--rank R]` on the command line (src/moetrain/rehearse.py): `moetrain bench` and
 `moetrain train` run one rank of an N-rank layout alone on CPU, say so on the console, and report
 the rank's record in their JSON line; a plain resume refuses the rehearsal's checkpoint; bad
 flags exit 2 with one paragraph; `moetrain plan` prints the `moetrain bench --rehearse` line of

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1] / "moetrain"
+ROOT = Path(__file__).resolve().parents[1] / "src" / "moetrain"
 
 LAYERS = {
     "moetrain.errors": 0,
@@ -247,7 +247,7 @@ def _function_lengths() -> dict[str, int]:
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 name = getattr(node, "qualname", node.name)
-                out[f"moetrain/{path.relative_to(ROOT)}:{name}"] = node.end_lineno - node.lineno + 1
+                out[f"src/moetrain/{path.relative_to(ROOT)}:{name}"] = node.end_lineno - node.lineno + 1
     return out
 
 

@@ -3,7 +3,7 @@ milliseconds and TFLOP/s (causal FLOPs: 4 · heads · head_dim · T²/2 forward,
 backward) of
 
     whole      SDPA over the whole sequence, is_causal (what one GPU runs without cp)
-    rank r     one cp rank's `ContextShard.attend` (moetrain/parallel/context_parallel.py): its two
+    rank r     one cp rank's `ContextShard.attend` (src/moetrain/parallel/context_parallel.py): its two
                chunks against their key prefixes, the all-gather replaced by the whole
                sequence's keys and values laid out as the gather leaves them; and the same
                chunks through SDPA with `causal_lower_right` (its backend choice printed)
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cuda_timing import timed  # noqa: E402

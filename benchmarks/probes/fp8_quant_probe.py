@@ -1,4 +1,4 @@
-"""Launch configurations of the FP8 quantizer kernels (moetrain/model/fp8_kernels.py) timed on
+"""Launch configurations of the FP8 quantizer kernels (src/moetrain/model/fp8_kernels.py) timed on
 bench-8e's operand shapes, one GPU: each (kernel, configuration, shape) as achieved GB/s of the
 bytes it must move. Prints one JSON line per measurement. Usage: python benchmarks/probes/fp8_quant_probe.py
 """

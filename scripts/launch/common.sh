@@ -8,6 +8,9 @@
 # The checkout's virtualenv (`make train` / `make install` made it) when it exists, so the
 # script works without `source .venv/bin/activate`; PYTHON=… overrides it.
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+# This checkout's package, whichever interpreter runs it and whether or not it was installed (a
+# copy of the tree on a GPU machine is not).
+export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
 if [ -z "${PYTHON:-}" ]; then
   if [ -x "$ROOT/.venv/bin/python" ]; then PYTHON=$ROOT/.venv/bin/python; else PYTHON=python3; fi
 fi
@@ -21,7 +24,7 @@ GPUS=$((NODES * GPUS_PER_NODE))
 DP=$((GPUS / PP))
 # bf16 weights with their 16-bit remainders (optim.bf16_weights, exact fp32 masters): without
 # them every micro-batch in flight in the pipeline keeps its own bf16 copy of the stage's weights
-# until its backward (moetrain/plan/memory.py counts them; the rehearsals measured them).
+# until its backward (src/moetrain/plan/memory.py counts them; the rehearsals measured them).
 LAYOUT=(--parallel.pp="$PP" --parallel.ep="$EP" --parallel.dispatcher="$DISPATCHER"
         --parallel.shard_optimizer=true --optim.bf16_weights=true --train.recompute="$RECOMPUTE"
         --train.micro_batch_size=$((DP * ROWS)))

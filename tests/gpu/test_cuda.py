@@ -230,7 +230,7 @@ def test_fp8_swiglu_down_on_cuda_matches_the_cpu_emulation():
 
 
 def test_fp8_quantizer_kernels_give_the_cpu_bits():
-    """The Triton quantizers (moetrain/model/fp8_kernels.py) on the GPU give quantize_rowwise's
+    """The Triton quantizers (src/moetrain/model/fp8_kernels.py) on the GPU give quantize_rowwise's
     bytes and scales on the CPU, in every (dim, layout) the FP8 products ask for."""
     from moetrain.model.fp8 import _quantize
 
@@ -286,7 +286,7 @@ def test_fp8_training_step_is_sync_free_and_learns(real_text_dir, tmp_path):
 
 
 def test_chunked_loss_matches_the_plain_one_on_cuda():
-    """The compiled element-wise part of the chunked loss (moetrain/model/loss.py) on the GPU,
+    """The compiled element-wise part of the chunked loss (src/moetrain/model/loss.py) on the GPU,
     under bf16 autocast: the plain head + cross-entropy's loss and gradients to bf16 rounding."""
     import torch.nn.functional as F
 
@@ -431,7 +431,7 @@ def test_bf16_weights_train_like_fp32_weights_on_cuda(real_text_dir, tmp_path):
 
 
 def test_fused_permutation_compiled_on_cuda_is_within_bf16_rounding_of_float64():
-    """moetrain/model/permute.py compiled on the GPU with bf16 expert rows (as in a block), the
+    """src/moetrain/model/permute.py compiled on the GPU with bf16 expert rows (as in a block), the
     experts an identity GEMM in bf16: the output, the token gradient and the router-weight gradient
     against float64 sums of the same bf16 values, within the rounding the dtypes allow; and
     deterministic (gathers, no atomics): two runs give the same bits. (Compared with the plain

@@ -1,4 +1,4 @@
-"""train.fp8_select: which products row-wise FP8 takes (moetrain/model/fp8_choice.py)."""
+"""train.fp8_select: which products row-wise FP8 takes (src/moetrain/model/fp8_choice.py)."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""The Triton FP8 quantizers (moetrain/model/fp8_kernels.py): in Triton's interpreter on CPU they
+"""The Triton FP8 quantizers (src/moetrain/model/fp8_kernels.py): in Triton's interpreter on CPU they
 give `quantize_rowwise`'s bytes and scales (ties, negative zeros, all-zero rows, amax just above a
 power of two); they compile for Hopper ahead of time. tests/gpu/test_cuda.py checks them on the GPU."""
 

@@ -1,4 +1,4 @@
-"""The chunked LM loss (moetrain/model/loss.py) equals the plain head + cross-entropy: loss and
+"""The chunked LM loss (src/moetrain/model/loss.py) equals the plain head + cross-entropy: loss and
 both gradients, in fp32 and under bf16 autocast, for chunks that divide the tokens and chunks
 that do not; through the model's forward too."""
 

@@ -1,4 +1,4 @@
-"""Multi-token prediction (model.mtp_depth, moetrain/model/mtp.py):
+"""Multi-token prediction (model.mtp_depth, src/moetrain/model/mtp.py):
 
 - the modules' shapes (one dense block each, a 2D → D projection);
 - the returned loss is the next-token loss bit for bit; the logged per-depth losses and the

@@ -1,4 +1,4 @@
-"""The fused permutation (moetrain/model/permute.py) against the plain autograd formulation it
+"""The fused permutation (src/moetrain/model/permute.py) against the plain autograd formulation it
 replaces: index_select into expert order, index_copy back, multiply by the top-k weights, sum
 over k."""
 

@@ -9,7 +9,7 @@ import torch
 from moetrain.model.config import MoEConfig, TransformerConfig
 from moetrain.model.counting import count_params, flops_per_token
 
-MODEL_DIR = Path(__file__).resolve().parents[2] / "moetrain" / "model"
+MODEL_DIR = Path(__file__).resolve().parents[2] / "src" / "moetrain" / "model"
 
 
 def small_cfg(**kw) -> TransformerConfig:

@@ -1,5 +1,5 @@
 """optim.grad_dtype=bf16: the gradients kept between micro-batches and reduced over data-parallel
-ranks in bf16, for the replicated, the sharded and the FSDP optimizer (moetrain/optim/grad_store.py);
+ranks in bf16, for the replicated, the sharded and the FSDP optimizer (src/moetrain/optim/grad_store.py);
 each accumulation computed in fp32 and rounded to nearest once; the update and the clipping norm
 in fp32."""
 

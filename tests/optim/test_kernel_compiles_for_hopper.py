@@ -1,4 +1,4 @@
-"""The Triton kernels of moetrain/optim/triton_kernels.py (AdamW, gradient accumulation)
+"""The Triton kernels of src/moetrain/optim/triton_kernels.py (AdamW, gradient accumulation)
 compile ahead of time for Hopper (sm_90: PTX, then a cubin through the ptxas Triton ships) in
 every specialization the optimizers launch, here on a machine without a GPU; their numerics are
 checked in the interpreter

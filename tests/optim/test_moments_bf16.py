@@ -1,4 +1,4 @@
-"""optim.moments_dtype=bf16: AdamW's moments in bf16 (moetrain/optim/adamw.py), for the replicated,
+"""optim.moments_dtype=bf16: AdamW's moments in bf16 (src/moetrain/optim/adamw.py), for the replicated,
 the sharded and the FSDP optimizer; fp32 arithmetic in each step, moments rounded to nearest."""
 
 import pytest

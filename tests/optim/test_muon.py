@@ -1,4 +1,4 @@
-"""Muon (optim.name=muon, moetrain/optim/muon.py) on one process:
+"""Muon (optim.name=muon, src/moetrain/optim/muon.py) on one process:
 
 - Newton–Schulz gives each matrix of a batch singular values near 1 and its singular vectors;
 - one update is the formula of the module docstring, computed here directly, for a Linear and

@@ -1,5 +1,5 @@
 """optim.bf16_weights: bf16 parameters whose fp32 masters are split into the bf16 value and a 16-bit
-remainder (moetrain/optim/split_master.py). The split is exact, the update is torch AdamW's, the
+remainder (src/moetrain/optim/split_master.py). The split is exact, the update is torch AdamW's, the
 Triton kernel is the reference's, and a run computes what the fp32-weights bf16 run computes, in
 one process, on dp2·ep2 ranks and across a checkpoint."""
 

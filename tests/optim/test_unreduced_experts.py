@@ -1,5 +1,5 @@
 """Experts alone in their data-parallel group (edp = 1, dp = ep) keep their gradients where backward
-puts them: `GradReducer` buckets only what it sums (moetrain/optim/grad_reducer.py). No copy of an
+puts them: `GradReducer` buckets only what it sums (src/moetrain/optim/grad_reducer.py). No copy of an
 expert's gradient into a bucket, no accumulation pass at the step's first backward, as at dp = 1;
 with edp > 1 they are bucketed and summed as before. Four gloo ranks: dp4·ep4 against dp4·ep2."""
 

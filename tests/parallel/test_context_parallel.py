@@ -1,4 +1,4 @@
-"""Context parallelism (parallel.cp, moetrain/parallel/context_parallel.py) on gloo CPU ranks:
+"""Context parallelism (parallel.cp, src/moetrain/parallel/context_parallel.py) on gloo CPU ranks:
 
 - the sharded attention equals whole-sequence SDPA, outputs and gradients (float64), at cp 2
   and 4, causal and document-masked;

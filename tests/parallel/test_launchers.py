@@ -1,4 +1,4 @@
-"""Ranks started by srun or mpirun without torchrun join one world (moetrain/parallel/distributed.py,
+"""Ranks started by srun or mpirun without torchrun join one world (src/moetrain/parallel/distributed.py,
 `adopt_launcher_env`) instead of running as N independent single-process runs, or are refused with
 the torchrun line."""
 

@@ -23,7 +23,7 @@ B, T = 2, 16
 TOL = 1e-6
 
 
-# --- the host-sync detector (moetrain/testing/host_sync.py) -----------------------------------
+# --- the host-sync detector (src/moetrain/testing/host_sync.py) -----------------------------------
 
 
 class _ItemInBackward(torch.autograd.Function):

@@ -1,4 +1,4 @@
-"""The overlapped exchange (parallel.overlap_chunks, moetrain/parallel/overlapped_dispatcher.py)
+"""The overlapped exchange (parallel.overlap_chunks, src/moetrain/parallel/overlapped_dispatcher.py)
 against the plain dispatch → experts → combine (+ shared expert) on gloo ranks at ep 2, 4 and 8
 (ep = world; 8, 4 and 2 local experts).
 

@@ -1,4 +1,4 @@
-"""A rehearsed rank (moetrain/parallel/rehearsal.py: one process, its peers stand-ins) is the real
+"""A rehearsed rank (src/moetrain/parallel/rehearsal.py: one process, its peers stand-ins) is the real
 rank: rank r of dp2·ep2, of pp2·dp2·ep2 interleaved with the sharded optimizer, of the fsdp
 stack (dp4) and of cp2·dp2·ep2 (context parallel, document-masked), rehearsed alone, against
 rank r of a real 4-process gloo run of the same layout — the same operators with the same output

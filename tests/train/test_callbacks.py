@@ -1,4 +1,4 @@
-"""The loop's pieces one at a time (moetrain/train/callbacks.py): the list the config builds, the
+"""The loop's pieces one at a time (src/moetrain/train/callbacks.py): the list the config builds, the
 logging and evaluation schedule, the evaluator, the metrics sinks, checkpointing, the graceful
 stop."""
 

@@ -1,4 +1,4 @@
-"""What a run prints: the start-up header and the step line (moetrain/train/console.py)."""
+"""What a run prints: the start-up header and the step line (src/moetrain/train/console.py)."""
 
 import pytest
 

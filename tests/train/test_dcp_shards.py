@@ -1,4 +1,4 @@
-"""The pieces of checkpoints that never gather (moetrain/train/dcp_shards.py): flat ranges as
+"""The pieces of checkpoints that never gather (src/moetrain/train/dcp_shards.py): flat ranges as
 rectangular blocks, `FlatShard` windows, split masters joined and split exactly, and one-process
 DCP round trips between shards and whole tensors. The multi-rank save/load paths are checked in
 tests/parallel/test_checkpoint_layouts.py and, for their memory, tests/test_plan.py."""

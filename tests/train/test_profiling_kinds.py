@@ -1,4 +1,4 @@
-"""The profile's table by kernel kind (moetrain/train/profiling.py, `kernel_kinds`), on kernel
+"""The profile's table by kernel kind (src/moetrain/train/profiling.py, `kernel_kinds`), on kernel
 names as the H200 profiles of docs/benchmarks.md show them."""
 
 from types import SimpleNamespace

@@ -1,0 +1,159 @@
+"""Sampling a continuation from a model: greedy, or temperature with top-k and top-p (nucleus)
+filtering, one token at a time, with a KV cache by default.
+
+Legend: V vocabulary.
+
+With the cache the prompt runs through the model once (prefill) and every new token after it
+runs alone, attending over the cached keys and values (src/moetrain/model/kv_cache.py), instead of
+the whole context again. `max_context` (the run's data.seq_len, from the command line and the
+Python API) bounds what a token is predicted from: the last `max_context` tokens, as in training.
+Until the context reaches it the cache serves every step; past it each step runs the last
+`max_context` tokens afresh, as without the cache (cached keys were computed with earlier
+tokens in view, so they cannot be kept when those leave the window). Greedy decoding gives the
+same tokens with and without the cache; the logits agree up to fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from moetrain.errors import ConfigError, DataError
+from moetrain.model.kv_cache import KVCache
+from moetrain.model.transformer import Transformer
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sampling:
+    """How the next token is picked from the model's logits."""
+
+    temperature: float = 0.0
+    """0: greedy, the most likely token (top_k and top_p then change nothing); > 0: a draw from
+    softmax(logits / temperature)."""
+    top_k: int | None = None
+    """Draw among the `top_k` most likely tokens only (None: all)."""
+    top_p: float | None = None
+    """Draw among the fewest most likely tokens whose probabilities sum to at least `top_p`
+    (nucleus sampling; None or 1: all)."""
+
+    def check(self) -> None:
+        """Refuse values that mean nothing, naming the argument."""
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ConfigError(f"temperature={self.temperature} must be ≥ 0 (0 = greedy).")
+        integer = isinstance(self.top_k, int) and not isinstance(self.top_k, bool)
+        if self.top_k is not None and not (integer and self.top_k >= 1):
+            raise ConfigError(f"top_k={self.top_k!r} must be an integer ≥ 1 (or None: every token).")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p={self.top_p} must be in (0, 1] (or None: every token).")
+
+    def pick(self, logits_V: torch.Tensor, generator: torch.Generator) -> int:
+        """The next token id from fp32 logits (V,)."""
+        if self.temperature <= 0:
+            return int(logits_V.argmax())
+        logits_V = logits_V / self.temperature
+        if self.top_k is not None and self.top_k < logits_V.numel():
+            kth = logits_V.topk(self.top_k).values[-1]
+            logits_V = logits_V.masked_fill(logits_V < kth, -math.inf)
+        if self.top_p is not None and self.top_p < 1:
+            probs_V, order_V = torch.softmax(logits_V, dim=-1).sort(descending=True)
+            # Drop a token when the more likely ones already reach top_p: the most likely stays.
+            drop_V = probs_V.cumsum(0) - probs_V >= self.top_p
+            logits_V = logits_V.masked_fill(drop_V.scatter(0, order_V, drop_V), -math.inf)
+        probs_V = torch.softmax(logits_V, dim=-1)
+        return int(torch.multinomial(probs_V, 1, generator=generator))
+
+
+@torch.no_grad()
+def generate_ids(
+    model: Transformer,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int = 64,
+    sampling: Sampling = Sampling(),
+    seed: int = 0,
+    max_context: int | None = None,
+    eos_id: int | None = None,
+    kv_cache: bool = True,
+) -> list[int]:
+    """Up to `max_new_tokens` new token ids after `prompt_ids`, stopping before `eos_id`. Each
+    token is predicted from the last `max_context` tokens (None: all of them); `kv_cache=False`
+    recomputes the whole context for every token (module docstring). `seed` fixes the draws."""
+    if not prompt_ids:
+        raise DataError("The prompt encodes to no tokens: give a non-empty prompt.")
+    if max_new_tokens < 0:
+        raise ConfigError(f"max_new_tokens={max_new_tokens} must be ≥ 0.")
+    if max_context is not None and max_context < 1:
+        raise ConfigError(f"max_context={max_context} must be ≥ 1 (or None: no limit).")
+    sampling.check()
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    if kv_cache:
+        longest = len(prompt_ids) + max_new_tokens
+        next_logits = CachedContext(model, min(longest, max_context or longest))
+    else:
+        next_logits = recomputed_context(model, max_context)
+    ids, new_ids = list(prompt_ids), []
+    for _ in range(max_new_tokens):
+        next_id = sampling.pick(next_logits(ids), generator)
+        if next_id == eos_id:
+            break
+        ids.append(next_id)
+        new_ids.append(next_id)
+    return new_ids
+
+
+def recomputed_context(model: Transformer, max_context: int | None) -> Callable[[list[int]], torch.Tensor]:
+    """Next-token logits (V,) after `ids`, from the whole forward of their last `max_context`."""
+    device = next(model.parameters()).device
+
+    def next_logits(ids: list[int]) -> torch.Tensor:
+        context = ids[-max_context:] if max_context is not None else ids
+        return model(torch.tensor([context], device=device))[0, -1].float()
+
+    return next_logits
+
+
+class CachedContext:
+    """Next-token logits (V,) after `ids`, running only the tokens the KV cache does not hold
+    yet: the prompt first, then one token a step. When the cache is full (the context has
+    reached `window` tokens), a new cache is filled with the last `window` tokens."""
+
+    def __init__(self, model: Transformer, window: int):
+        self.model, self.window = model, window
+        self.device = next(model.parameters()).device
+        self.cache: KVCache | None = None
+        self.seen = 0
+        """Tokens of the sequence so far whose keys and values the cache holds."""
+
+    def __call__(self, ids: list[int]) -> torch.Tensor:
+        todo = len(ids) - self.seen
+        if self.cache is None or todo > self.cache.max_len - self.cache.length:
+            self.cache = self.model.new_cache(self.window)
+            todo = min(len(ids), self.window)
+        tokens_1T = torch.tensor([ids[len(ids) - todo :]], device=self.device)
+        self.seen = len(ids)
+        return self.model.decode(tokens_1T, self.cache)[0, -1].float()
+
+
+def generate(
+    model: Transformer,
+    tokenizer,
+    prompt: str,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    seed: int = 0,
+    max_context: int | None = None,
+    *,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    kv_cache: bool = True,
+) -> tuple[str, list[int]]:
+    """Sample a continuation of the text `prompt` (`generate_ids`; temperature 0 = greedy),
+    stopping at the tokenizer's <|endoftext|>. Returns (text, new token ids)."""
+    sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+    eos_id = tokenizer.token_to_id("<|endoftext|>")
+    ids = tokenizer.encode(prompt).ids
+    new_ids = generate_ids(model, ids, max_new_tokens, sampling, seed, max_context, eos_id, kv_cache)
+    return tokenizer.decode(new_ids), new_ids

@@ -1,0 +1,392 @@
+"""The native transformers classes moetrain models leave (and enter) as: which of our
+configurations each one represents exactly, its config.json, and its tensor names.
+
+src/moetrain/hf/convert.py's docstring holds the mapping table; this file is its code. Two classes:
+`Qwen3MoeForCausalLM` for softmax gating and `Glm4MoeForCausalLM` for sigmoid gating. Every
+feature outside the table is refused by `unsupported_features`, naming it and what exports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+
+from moetrain.errors import ConfigError
+from moetrain.model.config import Gating, MoEConfig, Routing, TransformerConfig
+
+
+class Architecture(enum.StrEnum):
+    qwen3_moe = "Qwen3MoeForCausalLM"
+    """Softmax top-k, no shared expert, no selection bias, no routed scale; QK-norm always."""
+    glm4_moe = "Glm4MoeForCausalLM"
+    """Sigmoid top-k with a selection bias, × a routed scaling factor, shared experts."""
+
+    @property
+    def model_type(self) -> str:
+        return self.name
+
+
+@dataclasses.dataclass(frozen=True)
+class HfTensor:
+    """One tensor of the Hugging Face checkpoint and where it lives in a moetrain checkpoint."""
+
+    name: str
+    """Its name in the Hub layout (per-expert tensors; transformers 5 fuses them on load)."""
+    entry: str
+    """The moetrain checkpoint entry (canonical parameter name; experts split as ".../e")."""
+    rows: tuple[int, int] | None = None
+    """A range of the entry's first dim (the gate and up halves of a fused expert weight)."""
+    keep_fp32: bool = False
+    """Written in fp32 whatever --dtype: transformers keeps GLM-4-MoE's router weight and selection
+    bias in fp32 (`_keep_in_fp32_modules_strict`), so rounding them would change the routing."""
+    parameter: bool = True
+    """False for the selection bias (a buffer in moetrain), so `parameters` counts what ours does."""
+    empty_shape: tuple[int, ...] | None = None
+    """For a zero-width tensor that has no entry (`entry` empty): its shape."""
+    scale: float = 1.0
+    """Written × this (in fp32, before the cast to --dtype): Qwen3-MoE's routed experts' down
+    projections carry the router's × k (`restore_weight_scale`), which that class lacks."""
+
+
+def architecture_for(m: TransformerConfig) -> Architecture:
+    """The class a model would export to: softmax gating → Qwen3-MoE, sigmoid → GLM-4-MoE."""
+    return Architecture.qwen3_moe if m.moe.gating == Gating.softmax else Architecture.glm4_moe
+
+
+SOFTMAX_SHARED = (
+    "transformers' softmax MoE classes with a shared expert gate it with a learned sigmoid (Qwen2-MoE, "
+    "Qwen3-Next), normalize queries and keys after RoPE and have no dense first blocks (Hunyuan-MoE), have no "
+    "QK-norm (Ernie-4.5-MoE) or use latent attention (DeepSeek-V2)"
+)
+PERI_NORM = (
+    "no native MoE class normalizes sublayer outputs with this attention and routing: AFMoE gates "
+    "the attention output and leaves full-attention layers without RoPE, Kolibri1 has no dense "
+    "first blocks and no routed scale and picks experts by logit, Gemma-4 runs a dense MLP beside "
+    "its experts"
+)
+
+
+def unsupported_features(m: TransformerConfig, expert_bias_nonzero: bool) -> list[str]:
+    """What `architecture_for(m)` cannot represent exactly (empty: the model exports)."""
+    moe = m.moe
+    problems = []
+    if m.num_moe_layers == 0:
+        problems.append("no MoE layer (a dense model: export it as a dense architecture instead)")
+    if moe.routing != Routing.learned:
+        problems.append(f"model.moe.routing={moe.routing} (a benchmark mode; only the learned router is a model)")
+    if m.peri_norm:
+        problems.append(f"model.peri_norm=true ({PERI_NORM})")
+    if architecture_for(m) == Architecture.qwen3_moe:
+        if moe.shared_hidden > 0:
+            problems.append(
+                f"softmax gating with a shared expert (model.moe.shared_hidden={moe.shared_hidden}): {SOFTMAX_SHARED}"
+            )
+        if expert_bias_nonzero:
+            problems.append(
+                "softmax gating with non-zero aux-loss-free expert biases (they change which experts "
+                "are chosen; Qwen3-MoE has no selection bias)"
+            )
+        if not m.qk_norm:
+            problems.append("softmax gating with model.qk_norm=false (Qwen3-MoE always normalizes queries and keys)")
+    else:
+        if moe.shared_hidden % moe.expert_hidden:
+            problems.append(
+                f"model.moe.shared_hidden={moe.shared_hidden} is not a multiple of model.moe.expert_hidden="
+                f"{moe.expert_hidden} (GLM-4-MoE's shared expert is n_shared_experts × moe_intermediate_size wide)"
+            )
+        if moe.num_experts < 2:
+            problems.append("model.moe.num_experts=1 (GLM-4-MoE's group routing needs at least 2 experts)")
+    return problems
+
+
+def refusal(m: TransformerConfig, problems: list[str]) -> str:
+    """One paragraph: why the model is not exported and which variant of it would be."""
+    text = (
+        "This model has no exact native transformers architecture, so it is not exported natively: "
+        + "; ".join(problems)
+        + ". `--remote-code` exports it with moetrain's own modeling file beside the weights "
+        "(transformers loads it with trust_remote_code=True)."
+    )
+    softmax = architecture_for(m) == Architecture.qwen3_moe and any(p.startswith("softmax") for p in problems)
+    changes = ["model.peri_norm=false (pre-norm)"] * m.peri_norm + ["model.moe.gating=sigmoid"] * softmax
+    if not changes:
+        return text
+    if softmax or architecture_for(m) == Architecture.glm4_moe:
+        target = (
+            "as GLM-4-MoE (Glm4MoeForCausalLM: sigmoid scores with the aux-free selection bias, normalized "
+            "weights × k, shared experts, QK-norm, GQA, dense first blocks)"
+        )
+    else:
+        target = "as Qwen3-MoE (Qwen3MoeForCausalLM)"
+    text += f" What exports: the same architecture trained with {' and '.join(changes)}, {target}"
+    if softmax:
+        text += "; softmax top-k exports as Qwen3-MoE only without a shared expert, × k or aux-free bias (`tiny`)"
+    return text + "."
+
+
+def hf_config(m: TransformerConfig, eos_id: int | None, max_positions: int, dtype: str) -> dict:
+    """config.json of the export (keys of transformers 4.x and 5.x both, where they differ)."""
+    moe, arch = m.moe, architecture_for(m)
+    common = {
+        "architectures": [arch.value],
+        "model_type": arch.model_type,
+        "vocab_size": m.vocab_size,
+        "hidden_size": m.d_model,
+        "num_hidden_layers": m.n_layers,
+        "num_attention_heads": m.n_heads,
+        "num_key_value_heads": m.n_kv_heads,
+        "head_dim": m.resolved_head_dim,
+        "hidden_act": "silu",
+        "intermediate_size": m.resolved_dense_hidden,
+        "moe_intermediate_size": moe.expert_hidden,
+        "num_experts_per_tok": moe.top_k,
+        "norm_topk_prob": moe.normalize_weights,
+        "rms_norm_eps": m.norm_eps,
+        "max_position_embeddings": max_positions,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+        "router_aux_loss_coef": moe.lb_loss_weight,
+        "output_router_logits": False,
+        "bos_token_id": eos_id,
+        "eos_token_id": eos_id,
+        "dtype": dtype,  # transformers 5.x
+        "torch_dtype": dtype,  # 4.x
+        "use_cache": True,
+    }
+    if arch == Architecture.qwen3_moe:
+        return common | {
+            "mlp_only_layers": list(range(m.num_dense_layers)),
+            "decoder_sparse_step": 1,
+            "num_experts": moe.num_experts,
+            "num_local_experts": moe.num_experts,
+            "use_sliding_window": False,
+            "rope_theta": m.rope_theta,  # 4.x
+            "rope_parameters": {"rope_theta": m.rope_theta, "rope_type": "default"},  # 5.x
+        }
+    return common | {
+        "first_k_dense_replace": m.num_dense_layers,
+        "n_routed_experts": moe.num_experts,
+        "n_shared_experts": moe.shared_hidden // moe.expert_hidden,
+        "routed_scaling_factor": float(moe.top_k) if moe.restore_weight_scale else 1.0,
+        "n_group": 1,
+        "topk_group": 1,
+        "use_qk_norm": m.qk_norm,
+        "num_nextn_predict_layers": 0,  # no multi-token-prediction layers
+        # GLM-4-MoE rotates half of each head by default: ours rotates all of it.
+        "partial_rotary_factor": 1.0,  # 4.x
+        "rope_theta": m.rope_theta,  # 4.x
+        "rope_parameters": {"rope_theta": m.rope_theta, "rope_type": "default", "partial_rotary_factor": 1.0},
+    }
+
+
+def tensor_plan(m: TransformerConfig) -> list[HfTensor]:
+    """Every tensor of the export, in file order (embedding, layers, final norm, head)."""
+    arch, moe = architecture_for(m), m.moe
+    plan = [HfTensor("model.embed_tokens.weight", "embed.weight")]
+    for i in range(m.n_layers):
+        p, b = f"model.layers.{i}", f"blocks.{i}"
+        plan.append(HfTensor(f"{p}.input_layernorm.weight", f"{b}.attn_norm.weight"))
+        for ours, theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
+            plan.append(HfTensor(f"{p}.self_attn.{theirs}.weight", f"{b}.attn.{ours}.weight"))
+        if m.qk_norm:
+            plan.append(HfTensor(f"{p}.self_attn.q_norm.weight", f"{b}.attn.q_norm.weight"))
+            plan.append(HfTensor(f"{p}.self_attn.k_norm.weight", f"{b}.attn.k_norm.weight"))
+        plan.append(HfTensor(f"{p}.post_attention_layernorm.weight", f"{b}.ffn_norm.weight"))
+        if i < m.num_dense_layers:
+            plan += _swiglu(f"{p}.mlp", f"{b}.ffn")
+            continue
+        glm = arch == Architecture.glm4_moe
+        plan.append(HfTensor(f"{p}.mlp.gate.weight", f"{b}.ffn.router.weight", keep_fp32=glm))
+        if glm:
+            plan.append(
+                HfTensor(
+                    f"{p}.mlp.gate.e_score_correction_bias",
+                    f"{b}.ffn.router.expert_bias_E",
+                    keep_fp32=True,
+                    parameter=False,
+                )
+            )
+        F = moe.expert_hidden
+        # × k after the normalized weights is a constant factor of every routed expert's output:
+        # Qwen3-MoE has no routed scale, so it goes into the experts' down projections (linear)
+        fold = float(moe.top_k) if moe.restore_weight_scale and not glm else 1.0
+        for e in range(moe.num_experts):
+            x, gate_up = f"{p}.mlp.experts.{e}", f"{b}.ffn.experts.w_gate_up_E2FD/{e}"
+            plan.append(HfTensor(f"{x}.gate_proj.weight", gate_up, rows=(0, F)))
+            plan.append(HfTensor(f"{x}.up_proj.weight", gate_up, rows=(F, 2 * F)))
+            plan.append(HfTensor(f"{x}.down_proj.weight", f"{b}.ffn.experts.w_down_EDF/{e}", scale=fold))
+        if glm:  # zero-width when there is none (n_shared_experts=0): transformers still has them
+            shared = f"{b}.ffn.shared_expert" if moe.shared_hidden else None
+            plan += _swiglu(f"{p}.mlp.shared_experts", shared, m.d_model)
+    plan.append(HfTensor("model.norm.weight", "norm.weight"))
+    plan.append(HfTensor("lm_head.weight", "lm_head.weight"))
+    return plan
+
+
+REMOTE_MODULE = "modeling_moetrain"
+"""The modeling file `--remote-code` ships (src/moetrain/hf/modeling_moetrain.py)."""
+
+
+def remote_problems(m: TransformerConfig) -> list[str]:
+    """What even moetrain's own modeling file does not export (empty: it exports)."""
+    if m.moe.routing != Routing.learned:
+        return [f"model.moe.routing={m.moe.routing} (a benchmark mode; only the learned router is a model)"]
+    return []
+
+
+def remote_tensor_plan(entries: list[str]) -> list[HfTensor]:
+    """Every checkpoint entry but the multi-token prediction modules', in checkpoint order, under
+    the names of src/moetrain/hf/modeling_moetrain.py: moetrain's own, each expert's stacked gate/up
+    and down weights as `experts.{e}.w_gate_up` / `.w_down`. The router's weight and selection
+    bias stay fp32, as the modeling file keeps them."""
+    plan = []
+    for entry in entries:
+        if entry.startswith("mtp."):
+            continue
+        name = re.sub(r"experts\.w_gate_up_E2FD/(\d+)$", r"experts.\1.w_gate_up", entry)
+        name = re.sub(r"experts\.w_down_EDF/(\d+)$", r"experts.\1.w_down", name)
+        router = ".ffn.router." in entry
+        plan.append(HfTensor(name, entry, keep_fp32=router, parameter=not entry.endswith("expert_bias_E")))
+    return plan
+
+
+def remote_config(m: TransformerConfig, eos_id: int | None, max_positions: int, dtype: str) -> dict:
+    """config.json of a `--remote-code` export: MoetrainConfig's fields and the auto_map that
+    points transformers at the modeling file."""
+    moe = m.moe
+    return {
+        "architectures": ["MoetrainForCausalLM"],
+        "model_type": "moetrain",
+        "auto_map": {
+            "AutoConfig": f"{REMOTE_MODULE}.MoetrainConfig",
+            "AutoModelForCausalLM": f"{REMOTE_MODULE}.MoetrainForCausalLM",
+        },
+        "vocab_size": m.vocab_size,
+        "d_model": m.d_model,
+        "n_layers": m.n_layers,
+        "n_heads": m.n_heads,
+        "n_kv_heads": m.n_kv_heads,
+        "head_dim": m.resolved_head_dim,
+        "num_dense_layers": m.num_dense_layers,
+        "dense_hidden": m.resolved_dense_hidden,
+        "qk_norm": m.qk_norm,
+        "peri_norm": m.peri_norm,
+        "norm_eps": m.norm_eps,
+        "rope_theta": m.rope_theta,
+        "num_experts": moe.num_experts,
+        "num_experts_per_tok": moe.top_k,
+        "expert_hidden": moe.expert_hidden,
+        "shared_hidden": moe.shared_hidden,
+        "gating": moe.gating.value,
+        "normalize_weights": moe.normalize_weights,
+        "restore_weight_scale": moe.restore_weight_scale,
+        "max_position_embeddings": max_positions,
+        "bos_token_id": eos_id,
+        "eos_token_id": eos_id,
+        "dtype": dtype,
+        "torch_dtype": dtype,
+        "use_cache": False,
+        "tie_word_embeddings": False,
+    }
+
+
+def _swiglu(theirs: str, ours: str | None, d_model: int = 0) -> list[HfTensor]:
+    """A SwiGLU MLP's three projections; `ours` None: zero-width ones (no such module here)."""
+    names = (
+        ("w_gate", "gate_proj", (0, d_model)),
+        ("w_up", "up_proj", (0, d_model)),
+        ("w_down", "down_proj", (d_model, 0)),
+    )
+    if ours is None:
+        return [HfTensor(f"{theirs}.{t}.weight", "", empty_shape=shape) for _, t, shape in names]
+    return [HfTensor(f"{theirs}.{t}.weight", f"{ours}.{o}.weight") for o, t, _ in names]
+
+
+# ---- import: config.json → TransformerConfig -----------------------------------------------
+
+
+def model_config_from_hf(hf: dict, source: str) -> TransformerConfig:
+    """The moetrain model a Qwen3-MoE or GLM-4-MoE config.json describes; refuses what moetrain
+    cannot run exactly, naming the field."""
+    model_type = hf.get("model_type")
+    if model_type not in {a.model_type for a in Architecture}:
+        raise ConfigError(
+            f"{source}: model_type '{model_type}' is not supported; import-hf reads qwen3_moe (Qwen3-MoE) and "
+            "glm4_moe (GLM-4-MoE) models."
+        )
+    try:
+        return _model_config(hf, source, glm=model_type == Architecture.glm4_moe.model_type)
+    except KeyError as e:
+        raise ConfigError(f"{source} has no '{e.args[0]}': it is not a complete {model_type} config.json.") from None
+
+
+def _model_config(hf: dict, source: str, glm: bool) -> TransformerConfig:
+    layers, heads = hf["num_hidden_layers"], hf["num_attention_heads"]
+    rope = hf.get("rope_parameters") or {
+        "rope_theta": hf.get("rope_theta", 10000.0),
+        "rope_type": (hf.get("rope_scaling") or {}).get("rope_type", "default"),
+    }
+    problems = []
+    if hf.get("attention_bias"):
+        problems.append("attention_bias=true")
+    if hf.get("tie_word_embeddings"):
+        problems.append("tie_word_embeddings=true")
+    if hf.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={hf['hidden_act']}")
+    if rope.get("rope_type", "default") != "default":
+        problems.append(f"rope_type={rope.get('rope_type')} (only plain RoPE)")
+    top_k = hf["num_experts_per_tok"]
+    if glm:
+        dense = min(hf.get("first_k_dense_replace", 1), layers)
+        partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.5))  # transformers' default
+        if partial != 1.0:
+            problems.append(f"partial_rotary_factor={partial} (moetrain rotates whole heads)")
+        groups, kept = hf.get("n_group", 1), hf.get("topk_group", 1)
+        if kept != groups:
+            problems.append(f"n_group={groups} with topk_group={kept} (group-limited routing)")
+        scale = float(hf.get("routed_scaling_factor", 1.0))
+        if scale not in (1.0, float(top_k)):
+            problems.append(f"routed_scaling_factor={scale} (moetrain scales routed weights by 1 or k={top_k})")
+        experts = hf.get("n_routed_experts") or hf.get("num_local_experts")
+        num_shared = hf.get("n_shared_experts", 1)
+        qk_norm, restore = bool(hf.get("use_qk_norm", False)), scale == float(top_k) and top_k != 1
+    else:
+        mlp_only = sorted(hf.get("mlp_only_layers") or [])
+        dense = len(mlp_only)
+        if mlp_only != list(range(dense)):
+            problems.append(f"mlp_only_layers={mlp_only} (moetrain's dense blocks come first)")
+        if hf.get("decoder_sparse_step", 1) != 1:
+            problems.append(f"decoder_sparse_step={hf['decoder_sparse_step']}")
+        if hf.get("use_sliding_window"):
+            problems.append("use_sliding_window=true")
+        experts = hf.get("num_experts") or hf.get("num_local_experts")
+        num_shared, qk_norm, restore = 0, True, False
+    if problems:
+        name = "GLM-4-MoE" if glm else "Qwen3-MoE"
+        raise ConfigError(f"{source}: this {name} variant cannot be reproduced exactly: {'; '.join(problems)}.")
+    return TransformerConfig(
+        vocab_size=hf["vocab_size"],
+        d_model=hf["hidden_size"],
+        n_layers=layers,
+        n_heads=heads,
+        n_kv_heads=hf["num_key_value_heads"],
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        num_dense_layers=dense,
+        dense_hidden=hf["intermediate_size"],
+        qk_norm=qk_norm,
+        peri_norm=False,
+        norm_eps=hf["rms_norm_eps"],
+        rope_theta=float(rope["rope_theta"]),
+        moe=MoEConfig(
+            num_experts=experts,
+            top_k=top_k,
+            expert_hidden=hf["moe_intermediate_size"],
+            shared_hidden=num_shared * hf["moe_intermediate_size"],
+            gating=Gating.sigmoid if glm else Gating.softmax,
+            normalize_weights=bool(hf.get("norm_topk_prob", glm)),  # transformers' defaults
+            restore_weight_scale=restore,
+            lb_loss_weight=hf.get("router_aux_loss_coef", 0.001),
+        ),
+    )

@@ -1,0 +1,666 @@
+"""Hugging Face interoperability: `moetrain export-hf CHECKPOINT OUT_DIR` and `import-hf`.
+
+A moetrain checkpoint becomes a directory that `transformers` loads offline with a *native*
+architecture (no remote code): safetensors weights, `config.json`, `generation_config.json`,
+`tokenizer.json`, `tokenizer_config.json` and a model card (README.md). Only models that a native
+class represents exactly are exported so; any other feature is refused with a message naming it,
+the variant that exports natively, and `--remote-code`: that writes moetrain's own modeling file
+(src/moetrain/hf/modeling_moetrain.py, torch and transformers only) beside weights under moetrain's
+parameter names, with an `auto_map` in config.json, so that transformers loads any learned-routing
+model with `trust_remote_code=True` (the reference shapes included; tests/test_hf_remote.py checks
+logits, greedy text and a left-padded batch against moetrain).
+
+Which class, field by field (src/moetrain/hf/arch.py is the code; both checked against transformers
+5.x's modeling files, and tested to equal logits):
+
+| moetrain                       | Qwen3MoeForCausalLM (softmax)   | Glm4MoeForCausalLM (sigmoid)              |
+|--------------------------------|---------------------------------|-------------------------------------------|
+| moe.gating                     | softmax                         | sigmoid                                   |
+| aux-free bias (expert_bias_E)  | must be 0                       | e_score_correction_bias (kept fp32)       |
+| moe.normalize_weights          | norm_topk_prob                  | norm_topk_prob                            |
+| moe.restore_weight_scale (× k) | folded: experts' down_proj × k  | routed_scaling_factor = k (false: 1.0)    |
+| moe.shared_hidden              | must be 0                       | n_shared_experts = shared / expert_hidden |
+| moe.num_experts                | num_experts                     | n_routed_experts (≥ 2)                    |
+| moe.top_k, moe.expert_hidden   | num_experts_per_tok, moe_intermediate_size | the same                       |
+| (group-limited routing)        | —                               | n_group = topk_group = 1: none            |
+| num_dense_layers (first d)     | mlp_only_layers = [0 … d-1]     | first_k_dense_replace = d                 |
+| dense MLP hidden               | intermediate_size               | intermediate_size                         |
+| qk_norm (per head, before RoPE)| must be true                    | use_qk_norm                               |
+| n_heads, n_kv_heads, head_dim  | the same names (GQA)            | the same names (GQA)                      |
+| RoPE (rotate-half, whole head) | rope_theta, rope_type default   | the same, partial_rotary_factor = 1.0     |
+| norm_eps (every RMSNorm)       | rms_norm_eps                    | rms_norm_eps                              |
+| peri_norm                      | refused                         | refused                                   |
+| untied LM head, no biases      | tie_word_embeddings = false     | the same, attention_bias = false          |
+| (multi-token prediction)       | —                               | num_nextn_predict_layers = 0              |
+| data.seq_len                   | max_position_embeddings (or --max-position-embeddings) | the same   |
+
+The selection rule is bit-level the same in both: top-k of (scores + bias), weights the chosen
+scores, normalized, then × k. Qwen3-MoE has no routed scale, but × k multiplies every routed
+expert's output by the constant k, and an expert is linear in its down projection: the export
+writes each expert's `down_proj` × k (in fp32, then cast). That is exact in fp32 up to one
+rounding of each product (none when k is a power of two, as for top-4 and top-8), and in bf16 the
+scaled weight is rounded once where the model rounds the unscaled one: the exported logits agree
+within bf16 rounding, and exactly for power-of-two k. An import reads such a model back as
+restore_weight_scale=false with the scaled experts: the same function. Softmax gating with a
+shared expert or a non-zero aux-free bias — the `ref-*`, `sweep-*` and `bench-*` presets — has no
+exact native class (Qwen2-MoE and
+Qwen3-Next gate the shared expert with a sigmoid, Hunyuan-MoE normalizes QK after RoPE, Ernie-4.5-MoE
+has no QK-norm, DeepSeek-V2 uses latent attention): it is refused, naming `model.moe.gating=sigmoid`,
+with which the same architecture exports as GLM-4-MoE. Peri-norm has no exact native class (AFMoE
+gates its attention output, Kolibri1 has no dense first blocks or routed scale): refused too.
+
+Weights are written in the Hub's per-expert layout (`mlp.experts.{e}.gate_proj.weight`, …), which
+transformers 5.x converts into its fused expert tensors on load (tested with 5.24); in
+`--dtype` (bfloat16 by default) except GLM-4-MoE's router weight and selection bias, kept fp32 as
+transformers keeps them. Past `--max-shard-size` (5GB) the weights are sharded with an index.
+
+Memory: the export never builds the model. It reads the checkpoint's config and DCP index, plans
+the files, and fills each shard from the DCP files a group of entries at a time (at most
+min(shard size, 1 GiB) of fp32 entries), appending each converted tensor to the file as it
+comes: peak ≈ one read group plus one tensor, whatever the model's size. Under torchrun each
+rank writes every N-th shard (rank 0 also the index, config and tokenizer files): the directory is
+complete when every rank has finished.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from moetrain import __version__
+from moetrain.config import load_yaml
+from moetrain.destinations import check_directory, check_free_space, existing_entries
+from moetrain.errors import CheckpointError, ConfigError, require
+from moetrain.hf.arch import (
+    REMOTE_MODULE,
+    Architecture,
+    HfTensor,
+    architecture_for,
+    hf_config,
+    model_config_from_hf,
+    refusal,
+    remote_config,
+    remote_problems,
+    remote_tensor_plan,
+    tensor_plan,
+    unsupported_features,
+)
+from moetrain.hf.shards import (
+    INDEX,
+    SHARD_NAME,
+    ShardWriter,
+    index_json,
+    parse_size,
+    remove_stale,
+    shard_names,
+    split_into_shards,
+)
+from moetrain.model.counting import count_params
+from moetrain.train import checkpoint as ckpt
+from moetrain.train.config import RunConfig
+from moetrain.version import code_version
+
+EXPORTED_BY = "moetrain export-hf"
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+READ_BYTES = 1 << 30
+"""At most this many bytes of checkpoint entries are read at once (and at most one shard's)."""
+EXPORT_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "README.md",
+    INDEX,
+    f"{REMOTE_MODULE}.py",
+    "moetrain_config.yaml",
+)
+TRAINING_CONFIG = "moetrain_config.yaml"
+"""The run's whole config, written beside an export: what `import-hf` takes the training set-up
+(sequence length, batch, optimizer, schedule) from when the model comes back."""
+"""What an export writes besides its safetensors files (`export_replaces`)."""
+IMPORT_FILES = ("config.yaml", "tokenizer.json")
+"""What an import writes besides its checkpoint."""
+PICKLED_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+"""Weight files that are pickles, which import-hf never opens (loading a pickle can run code)."""
+
+
+SAFETENSORS_ONLY = (
+    "Convert them where you trust them, e.g. `AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(NEW_DIR)` "
+    "with transformers (which writes safetensors), then import NEW_DIR."
+)
+
+
+def export_replaces(out_dir: str | Path) -> list[str]:
+    """The files of `out_dir` an export would replace or remove (an earlier export's)."""
+    return existing_entries(out_dir, EXPORT_FILES, lambda n: n.endswith(".safetensors") or bool(SHARD_NAME.match(n)))
+
+
+def import_replaces(out_dir: str | Path) -> list[str]:
+    """The files of `out_dir` an import would replace (its checkpoints are refused anyway)."""
+    return existing_entries(out_dir, IMPORT_FILES)
+
+
+def export_hf(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    *,
+    dtype: str = "bfloat16",
+    max_shard_size: str | int = "5GB",
+    max_position_embeddings: int | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+    license_id: str = "other",
+    remote_code: bool = False,
+) -> dict:
+    """Write the HF directory (this rank's shards of it); returns a summary (architecture,
+    dtype, files, tensors, parameters, bytes)."""
+    safe_open = require("safetensors", "export-hf (it writes and checks safetensors)").safe_open  # before any work
+    check_directory(out_dir, "Output directory", "Pass an OUT_DIR you can write")
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype={dtype!r} is not one of {', '.join(DTYPES)}.")
+    if not re.fullmatch(r"[a-z0-9][a-z0-9.+-]*", license_id):
+        raise ConfigError(
+            f"--license={license_id!r} is not a Hub license id: lowercase letters, digits, '.', '-' and '+' "
+            "(apache-2.0, mit, cc-by-4.0, llama3.1, other, …)."
+        )
+    max_bytes = parse_size(max_shard_size)
+    path = ckpt.resolve_checkpoint(checkpoint)
+    cfg, tokenizer = _run_config(path), _tokenizer(path)
+    positions = max_position_embeddings if max_position_embeddings is not None else cfg.data.seq_len
+    if positions <= 0:
+        raise ConfigError(f"--max-position-embeddings={positions} must be positive (default: data.seq_len).")
+    m = cfg.model
+    source = CheckpointEntries(path, m)
+    plan = _plan(m, source, remote_code)
+    out_dtype = DTYPES[dtype]
+    specs = [(t.name, torch.float32 if t.keep_fp32 else out_dtype, source.hf_shape(t)) for t in plan]
+    shards = split_into_shards(specs, max_bytes)
+    names = shard_names(len(shards))
+    parameters = sum(math.prod(spec[2]) for t, spec in zip(plan, specs) if t.parameter)
+    by_name = {t.name: t for t in plan}
+
+    out = Path(out_dir)
+    shard_bytes = [sum(s[1].itemsize * math.prod(s[2]) for s in shard) for shard in shards]
+    check_free_space(
+        out,
+        sum(shard_bytes[rank::world_size]),  # this rank's shards
+        "Output directory",
+        f"the export's {'shards' if len(shards) > 1 else 'weights'} in {dtype}"
+        + (f" (rank {rank}'s share)" if world_size > 1 else ""),
+        "Free space or pass an OUT_DIR on another filesystem",
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        remove_stale(out, names)
+    for i in range(rank, len(shards), world_size):
+        _write_shard(out / names[i], [by_name[s[0]] for s in shards[i]], shards[i], source, max_bytes)
+        with safe_open(str(out / names[i]), framework="pt") as f:  # the library reads back what we wrote
+            assert len(f.keys()) == len(shards[i]), names[i]
+    if rank == 0:
+        if len(shards) > 1:
+            (out / INDEX).write_text(json.dumps(index_json(shards, names, parameters), indent=2) + "\n")
+        _write_metadata(out, cfg, tokenizer, positions, dtype, remote_code)
+        _write_readme(out, path, cfg, dtype, parameters, license_id, remote_code)
+    return {
+        "architecture": "MoetrainForCausalLM" if remote_code else architecture_for(m).value,
+        "remote_code": remote_code,
+        "out_dir": str(out),
+        "dtype": dtype,
+        "files": names,
+        "tensors": len(plan),
+        "parameters": parameters,
+        "bytes": sum(s[1].itemsize * math.prod(s[2]) for s in specs),
+        "max_position_embeddings": positions,
+    }
+
+
+def _plan(m, source: CheckpointEntries, remote_code: bool) -> list[HfTensor]:
+    """The export's tensors: moetrain's own names for `--remote-code`, else the native class's;
+    what the chosen form cannot represent is refused, naming it."""
+    if remote_code:
+        if remote_problems(m):
+            raise ConfigError("This model is not exported: " + "; ".join(remote_problems(m)) + ".")
+        return remote_tensor_plan(list(source.meta))
+    bias_nonzero = False
+    if architecture_for(m) == Architecture.qwen3_moe and m.num_moe_layers:
+        biases = source.read([f"blocks.{i}.ffn.router.expert_bias_E" for i in range(m.num_dense_layers, m.n_layers)])
+        bias_nonzero = any(bool(b.abs().max() > 0) for b in biases.values())
+    problems = unsupported_features(m, bias_nonzero)
+    if problems:
+        raise ConfigError(refusal(m, problems))
+    return tensor_plan(m)
+
+
+def _write_shard(path: Path, tensors: list[HfTensor], specs, source: CheckpointEntries, max_bytes: int) -> None:
+    """One file: its entries read in groups of at most min(max_bytes, READ_BYTES), each tensor
+    converted and appended as soon as its group is in memory."""
+    writer = ShardWriter(path, specs, {"format": "pt", "exported_by": EXPORTED_BY})
+    budget = min(max_bytes, READ_BYTES)
+    group: list[int] = []  # indices into `tensors` whose entries are read together
+
+    def flush() -> None:
+        entries = source.read(list(dict.fromkeys(tensors[j].entry for j in group if tensors[j].entry)))
+        for j in group:
+            t, (name, dtype, shape) = tensors[j], specs[j]
+            if not t.entry:  # zero-width (GLM-4-MoE's shared expert where there is none)
+                value = torch.empty(shape, dtype=dtype)
+            else:
+                value = entries[t.entry]
+                value = value[t.rows[0] : t.rows[1]] if t.rows else value
+                value = value.float() * t.scale if t.scale != 1.0 else value
+            writer.write(name, value.to(dtype))
+        group.clear()
+
+    size, last_entry = 0, None
+    for j, t in enumerate(tensors):
+        n = source.entry_bytes(t.entry) if t.entry and t.entry != last_entry else 0
+        # Tensors of one entry (an expert's gate and up halves) are read together.
+        if group and n and size + n > budget:
+            flush()
+            size = 0
+        group.append(j)
+        size += n
+        last_entry = t.entry
+    if group:
+        flush()
+    writer.close()
+
+
+class CheckpointEntries:
+    """Named model entries of a DCP checkpoint, read a few at a time (no model is built): their
+    shapes from the index, their values through DCP (which reads each stored chunk once and
+    copies it into place, whichever layout wrote it)."""
+
+    def __init__(self, path: Path, m):
+        self.path = path
+        self.reader = _CachedReader(str(path))
+        try:
+            stored = self.reader.read_metadata().state_dict_metadata
+        except Exception as e:  # noqa: BLE001 (any unreadable index is the same user error)
+            raise CheckpointError(f"Checkpoint '{path}' has no readable DCP index (.metadata): {e}.") from None
+        self.meta: dict[str, TensorStorageMetadata] = {}
+        for name, want in _entry_shapes(m).items():
+            md = stored.get(f"model.{name}")
+            if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != want:
+                found = f"shape {tuple(md.size)}" if isinstance(md, TensorStorageMetadata) else "nothing"
+                raise CheckpointError(
+                    f"Checkpoint '{path}' does not match its config.yaml: entry model.{name} should have shape "
+                    f"{want} but holds {found}. Export the checkpoint directory that was written with this config."
+                )
+            self.meta[name] = md
+
+    def hf_shape(self, t: HfTensor) -> tuple[int, ...]:
+        if not t.entry:
+            return t.empty_shape
+        shape = tuple(self.meta[t.entry].size)
+        return (t.rows[1] - t.rows[0], *shape[1:]) if t.rows else shape
+
+    def entry_bytes(self, name: str) -> int:
+        md = self.meta[name]
+        return math.prod(md.size) * md.properties.dtype.itemsize
+
+    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        if not names:
+            return {}
+        state = {
+            "model": {n: torch.empty(tuple(self.meta[n].size), dtype=self.meta[n].properties.dtype) for n in names}
+        }
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+                dcp.load(state, storage_reader=self.reader, planner=DefaultLoadPlanner(), no_dist=True)
+        except (Exception, CheckpointException) as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise CheckpointError(f"Reading checkpoint '{self.path}' failed: {first}.") from None
+        return state["model"]
+
+
+class _CachedReader(ckpt.SafeFileSystemReader):
+    """The checkpoint's DCP reader, reading its index once for all the groups of an export."""
+
+    _metadata = None
+
+    def read_metadata(self, *args, **kwargs):
+        if self._metadata is None:
+            self._metadata = super().read_metadata(*args, **kwargs)
+        return self._metadata
+
+
+def _entry_shapes(m) -> dict[str, tuple[int, ...]]:
+    """The checkpoint entries this model config has, with their shapes (built on the meta device:
+    no memory)."""
+    model = m.build(device="meta")
+    return {name: tuple(t.shape) for name, t in ckpt.model_state_dict(model).items()}
+
+
+def _run_config(path: Path) -> RunConfig:
+    config_file = path / "config.yaml"
+    if not config_file.is_file():
+        raise CheckpointError(f"Checkpoint '{path}' has no config.yaml; it was not written by moetrain train.")
+    return RunConfig.from_dict(load_yaml(config_file))
+
+
+def _tokenizer(path: Path):
+    from tokenizers import Tokenizer
+
+    tokenizer_file = path / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise CheckpointError(f"Checkpoint '{path}' has no tokenizer.json to export with the model.")
+    return Tokenizer.from_file(str(tokenizer_file))
+
+
+def _write_metadata(out: Path, cfg: RunConfig, tokenizer, positions: int, dtype: str, remote: bool) -> None:
+    """config.json, generation_config.json and the tokenizer files (and, with `remote`, the
+    modeling file transformers runs)."""
+    eos_token = "<|endoftext|>" if tokenizer.token_to_id("<|endoftext|>") is not None else None
+    eos_id = tokenizer.token_to_id(eos_token) if eos_token else None
+    config = (remote_config if remote else hf_config)(cfg.model, eos_id, positions, dtype)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generation = {"bos_token_id": eos_id, "eos_token_id": eos_id, "do_sample": False}
+    (out / "generation_config.json").write_text(
+        json.dumps(generation | ({"use_cache": False} if remote else {}), indent=2) + "\n"
+    )
+    if remote:
+        shutil.copyfile(Path(__file__).with_name(f"{REMOTE_MODULE}.py"), out / f"{REMOTE_MODULE}.py")
+    (out / TRAINING_CONFIG).write_text(cfg.to_yaml())
+    tokenizer.save(str(out / "tokenizer.json"))
+    tok_cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": positions,
+        "clean_up_tokenization_spaces": False,
+    }
+    if eos_token:
+        tok_cfg.update(eos_token=eos_token, bos_token=eos_token, pad_token=eos_token)
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+
+
+def _write_readme(
+    out: Path, checkpoint: Path, cfg: RunConfig, dtype: str, parameters: int, license_id: str, remote: bool
+) -> None:
+    """README.md, a Hugging Face model card: the Hub's metadata block (library, license, pipeline,
+    tags naming the architecture), then what the model is (its shape, parameters total and
+    active, the tokens and data it was trained on, its validation loss, the moetrain version and
+    commit that exported it), how to load it, and what the export leaves out."""
+    m = cfg.model
+    arch, model_type = ("MoetrainForCausalLM", "moetrain") if remote else (architecture_for(m).value, None)
+    model_type = model_type or _MODEL_TYPE[architecture_for(m)]
+    counts = count_params(m)
+    run_dir = checkpoint.parent.parent
+    step, tokens = _trained(checkpoint, cfg)
+    val = _validation_loss(run_dir, step)
+    name = run_dir.name
+    unset = (
+        " (none chosen at export: `moetrain export-hf --license ID` sets the Hub's id)" if license_id == "other" else ""
+    )
+    lines = [
+        "---",
+        "library_name: transformers",
+        f"license: {license_id}",
+        "pipeline_tag: text-generation",
+        "tags:",
+        "- moetrain",
+        "- mixture-of-experts",
+        f"- {model_type}",
+        *(["- custom_code"] if remote else []),
+        "---",
+        "",
+        f"# {name} ({checkpoint.name})",
+        "",
+        f"A mixture-of-experts language model trained with moetrain and exported as {arch} ({model_type}), "
+        f"{dtype} weights"
+        + (
+            f", with moetrain's own modeling file ({REMOTE_MODULE}.py): no native transformers class computes "
+            "this model exactly, so it loads with `trust_remote_code=True`."
+            if remote
+            else "."
+        ),
+        "",
+        "| | |",
+        "|---|---|",
+        f"| shape | {m.n_layers} layers ({m.num_dense_layers} dense), d_model {m.d_model}, {m.n_heads} heads "
+        f"({m.n_kv_heads} key/value), {m.moe.num_experts} experts, top-{m.moe.top_k} {m.moe.gating.value} routing, "
+        f"vocabulary {m.vocab_size:,} |",
+        f"| parameters | {counts.total:,} total, {counts.active:,} active per token ({parameters:,} exported) |",
+        f"| trained | {step:,} steps, {tokens:,} tokens (sequences of {cfg.data.seq_len:,}) |",
+        f"| data | {', '.join(_source_names(cfg))} |",
+        f"| validation loss | {f'{val[1]:.4f} nats per token at step {val[0]:,}' if val else 'not evaluated'} |",
+        f"| exported by | moetrain {__version__} (commit {code_version()}) from `{checkpoint}` |",
+        f"| license | {license_id}{unset} |",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        f'model = AutoModelForCausalLM.from_pretrained("{out.name}"{", trust_remote_code=True" if remote else ""})',
+        f'tokenizer = AutoTokenizer.from_pretrained("{out.name}")',
+        "```",
+    ]
+    if m.mtp_depth:
+        lines += [
+            "",
+            "## Not included",
+            "",
+            f"The run trained {m.mtp_depth} multi-token prediction module{'s' if m.mtp_depth > 1 else ''} "
+            f"(model.mtp_depth={m.mtp_depth}) beside the model. They serve training only and are not part of this "
+            "export; the moetrain checkpoint keeps them.",
+        ]
+    (out / "README.md").write_text("\n".join(lines) + "\n")
+
+
+_MODEL_TYPE = {Architecture.qwen3_moe: "qwen3_moe", Architecture.glm4_moe: "glm4_moe"}
+"""transformers' model_type of each architecture export-hf writes (config.json's)."""
+
+
+def _trained(checkpoint: Path, cfg: RunConfig) -> tuple[int, int]:
+    """(steps, tokens) the checkpoint was trained for: its trainer state's step and the loader's
+    sequences drawn × sequence length (0, 0 for a weights-only checkpoint without them)."""
+    try:
+        state = json.loads((checkpoint / "trainer_state.json").read_text())
+    except (OSError, ValueError):
+        return 0, 0
+    sequences = (state.get("loader") or {}).get("sample_index", state.get("step", 0) * cfg.train.global_batch_size)
+    return int(state.get("step", 0)), int(sequences) * cfg.data.seq_len
+
+
+def _validation_loss(run_dir: Path, step: int) -> tuple[int, float] | None:
+    """The run's last validation loss at or before `step` (metrics.jsonl), or None."""
+    try:
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return None
+    val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None and r.get("step", 0) <= step]
+    return val[-1] if val else None
+
+
+def _source_names(cfg: RunConfig) -> list[str]:
+    """Each data source's directory name and, where its meta.json lists them, what was prepared
+    into it (e.g. default-corpus)."""
+    names = []
+    for source in cfg.data.sources:
+        try:
+            prepared = json.loads((Path(source) / "meta.json").read_text()).get("sources") or []
+        except (OSError, ValueError):
+            prepared = []
+        names.append(f"`{Path(source).name}`" + (f" ({', '.join(map(str, prepared))})" if prepared else ""))
+    if cfg.data.synthetic:
+        return ["synthetic token ids"]
+    return names or ["none recorded"]
+
+
+# ---- import ------------------------------------------------------------------------------------
+
+
+class HfTensors:
+    """The tensors of a Hugging Face directory (one file or an index), read one at a time from
+    safetensors files only: a pickled weight file (pytorch_model.bin, …) can run code when it is
+    loaded, so it is refused unopened, and so is an index naming anything but safetensors."""
+
+    def __init__(self, hf_dir: Path):
+        safe_open = require("safetensors", "import-hf (it reads safetensors)").safe_open
+        index = hf_dir / INDEX
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                files = sorted(set(weight_map.values()))
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise ConfigError(f"'{index}' is not a safetensors index ({type(e).__name__}: {e}).") from None
+            others = [f for f in files if not str(f).endswith(".safetensors")]
+            if others:
+                raise ConfigError(
+                    f"'{index}' lists {', '.join(map(str, others[:3]))}, which is not a safetensors file: "
+                    f"import-hf reads only safetensors. {SAFETENSORS_ONLY}"
+                )
+        elif (hf_dir / "model.safetensors").is_file():
+            files = ["model.safetensors"]
+        else:
+            pickles = sorted(p.name for p in hf_dir.iterdir() if p.is_file() and p.name.endswith(PICKLED_WEIGHTS))
+            if pickles:
+                raise ConfigError(
+                    f"'{hf_dir}' holds its weights as {', '.join(pickles[:3])}: pickles, which can run code when "
+                    f"they are loaded, and import-hf reads only safetensors. {SAFETENSORS_ONLY}"
+                )
+            raise ConfigError(
+                f"'{hf_dir}' has no model.safetensors (or its index): pass a Hugging Face model directory."
+            )
+        self.dir, self.files = hf_dir, {}
+        for f in files:
+            if Path(f).is_absolute() or ".." in Path(f).parts or not (hf_dir / f).is_file():
+                raise ConfigError(f"'{hf_dir}': the weight file '{f}' is missing (or outside the directory).")
+            try:
+                self.files[f] = safe_open(str(hf_dir / f), framework="pt")
+            except Exception as e:  # noqa: BLE001 (safetensors raises its own error types)
+                raise ConfigError(
+                    f"'{hf_dir / f}' is not a readable safetensors file ({type(e).__name__}: {e}); nothing in it was "
+                    "run. Re-download it, or convert the weights to safetensors."
+                ) from None
+        self.where = {name: f for f, handle in self.files.items() for name in handle.keys()}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def take(self, name: str, index: int | None = None) -> torch.Tensor:
+        """The tensor `name` in fp32 (only row `index` of it, when given)."""
+        if name not in self.where:
+            raise ConfigError(f"{self.dir}: tensor '{name}' is missing (is this the model its config.json describes?).")
+        handle = self.files[self.where[name]]
+        value = handle.get_tensor(name) if index is None else handle.get_slice(name)[index : index + 1][0]
+        return value.to(torch.float32)
+
+
+@torch.no_grad()
+def import_hf(hf_dir: str | Path, out_dir: str | Path) -> dict:
+    """A Qwen3-MoE or GLM-4-MoE directory (config.json + safetensors, one file or sharded,
+    per-expert or fused expert tensors) → a moetrain run directory holding config.yaml,
+    tokenizer.json and a weights-only checkpoint `checkpoints/step-0`, which `generate`, `eval`,
+    `export-hf` and `train --train.init_from=…` read."""
+    require("safetensors.torch", "import-hf (it reads safetensors)")  # before any work
+    hf_dir, out = Path(hf_dir), Path(out_dir)
+    config_file = hf_dir / "config.json"
+    if not config_file.is_file():
+        raise ConfigError(f"'{hf_dir}' has no config.json: pass a Hugging Face model directory.")
+    check_directory(out, "Output directory", "Pass an OUT_DIR you can write")
+    if ckpt.list_checkpoints(out):
+        raise ConfigError(f"'{out}' already holds checkpoints: choose an empty directory for the import.")
+    hf = json.loads(config_file.read_text())
+    cfg = RunConfig(model=model_config_from_hf(hf, str(config_file)))
+    setup = _training_setup(cfg, hf_dir, hf)
+    params = count_params(cfg.model).total
+    check_free_space(
+        out,
+        ckpt.estimated_bytes(params),
+        "Output directory",
+        f"the imported checkpoint ({params / 1e6:,.1f}M parameters × 4 bytes, fp32)",
+        "Free space or pass an OUT_DIR on another filesystem",
+    )
+    tensors = HfTensors(hf_dir)
+    model = cfg.model.build(device="cpu")
+    model.init_weights()  # buffers that are not in the HF files (RoPE tables; a softmax model's biases)
+    state = ckpt.model_state_dict(model)  # views of the model's tensors, experts split
+
+    plan = tensor_plan(cfg.model)
+    for t in plan:
+        if not t.entry:
+            continue
+        target = state[t.entry][t.rows[0] : t.rows[1]] if t.rows else state[t.entry]
+        value = _hf_value(tensors, t, cfg.model.moe.expert_hidden)
+        if tuple(value.shape) != tuple(target.shape):
+            raise ConfigError(
+                f"{hf_dir}: tensor '{t.name}' has shape {tuple(value.shape)}, but its config.json describes "
+                f"{tuple(target.shape)}."
+            )
+        target.copy_(value)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(cfg.to_yaml())
+    extra = {"config.yaml": out / "config.yaml"}
+    if (hf_dir / "tokenizer.json").is_file():
+        extra["tokenizer.json"] = hf_dir / "tokenizer.json"
+    path = ckpt.save_checkpoint(
+        out, 0, {"model": ckpt.model_state_dict(model)}, {"step": 0, "imported_from": str(hf_dir)}, extra_files=extra
+    )
+    if setup["note"]:
+        print(setup["note"], file=sys.stderr)
+    return {
+        "architecture": architecture_for(cfg.model).value,
+        "checkpoint": str(path),
+        "config": str(out / "config.yaml"),
+        "tensors": len(plan),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "training_setup": {k: v for k, v in setup.items() if k != "note"},
+    }
+
+
+def _training_setup(cfg: RunConfig, hf_dir: Path, hf: dict) -> dict:
+    """Set `cfg`'s training set-up for a model coming back: from the moetrain config an export
+    wrote beside it (sequence length, batch sizes, optimizer, schedule: the run goes on as it
+    trained), else the defaults, no longer than its config.json's max_position_embeddings.
+    Returns where it came from, the values and, for assumed ones, the note to print."""
+    trained, note = hf_dir / TRAINING_CONFIG, None
+    if trained.is_file():
+        run = RunConfig.from_dict(load_yaml(trained))
+        cfg.data.seq_len = run.data.seq_len
+        cfg.train.global_batch_size, cfg.train.micro_batch_size = (
+            run.train.global_batch_size,
+            run.train.micro_batch_size,
+        )
+        cfg.optim, cfg.schedule = run.optim, run.schedule
+        source = str(trained)
+    else:
+        positions = hf.get("max_position_embeddings")
+        if isinstance(positions, int) and 0 < positions < cfg.data.seq_len:
+            cfg.data.seq_len = positions  # no longer than the model was made for
+        source = "assumed (moetrain's defaults: the directory has no moetrain_config.yaml)"
+        note = (
+            f"import-hf: {hf_dir} says nothing of how the model was trained; assumed data.seq_len="
+            f"{cfg.data.seq_len} (at most its config.json's max_position_embeddings="
+            f"{hf.get('max_position_embeddings', '?')}), train.global_batch_size={cfg.train.global_batch_size}, "
+            f"train.micro_batch_size={cfg.train.micro_batch_size} and the default optimizer and schedule: set them "
+            "with --data.seq_len=… --train.global_batch_size=… when you train."
+        )
+    return {
+        "note": note,
+        "from": source,
+        "data.seq_len": cfg.data.seq_len,
+        "train.global_batch_size": cfg.train.global_batch_size,
+        "train.micro_batch_size": cfg.train.micro_batch_size,
+    }
+
+
+def _hf_value(tensors: HfTensors, t: HfTensor, hidden: int) -> torch.Tensor:
+    """`t` from the directory: by its Hub name, or from transformers 5.x's fused expert tensors
+    (gate_up_proj (E, 2F, D) with gate first, down_proj (E, D, F)), one expert at a time."""
+    if t.name in tensors or ".mlp.experts." not in t.name:
+        return tensors.take(t.name)
+    prefix, expert, proj, _ = t.name.rsplit(".", 3)  # model.layers.{i}.mlp.experts, e, *_proj, weight
+    if proj == "down_proj":
+        return tensors.take(f"{prefix}.down_proj", int(expert))
+    gate_up = tensors.take(f"{prefix}.gate_up_proj", int(expert))
+    return gate_up[:hidden] if proj == "gate_proj" else gate_up[hidden:]

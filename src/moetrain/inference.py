@@ -1,0 +1,110 @@
+"""Using a checkpoint: loading it for inference, loss on raw text or prepared tokens (`eval`).
+Sampling is src/moetrain/generation.py; the Python API over both, src/moetrain/api.py.
+
+Legend: B batch, T sequence, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from moetrain.config import load_yaml
+from moetrain.errors import CheckpointError, DataError
+from moetrain.model.transformer import Transformer
+from moetrain.train import checkpoint as ckpt
+from moetrain.train.config import RunConfig
+
+
+def load_for_inference(checkpoint: str | Path, device: str = "cpu") -> tuple[Transformer, RunConfig, object]:
+    """(model in eval mode, its run config, its HF tokenizer) from a run or step-N directory."""
+    from tokenizers import Tokenizer
+
+    path = ckpt.resolve_checkpoint(checkpoint)
+    config_file = path / "config.yaml"
+    if not config_file.is_file():
+        raise CheckpointError(f"Checkpoint '{path}' has no config.yaml; it was not written by moetrain train.")
+    cfg = RunConfig.from_dict(load_yaml(config_file))
+    model = cfg.model.build(device="meta")
+    model.to_empty(device=device)
+    model.init_weights()  # buffers that are not saved (RoPE tables) need their values
+    ckpt.load_model(path, model)
+    model.eval()
+    tokenizer_file = path / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise CheckpointError(f"Checkpoint '{path}' has no tokenizer.json to encode text with.")
+    return model, cfg, Tokenizer.from_file(str(tokenizer_file))
+
+
+@torch.no_grad()
+def text_loss(model: Transformer, cfg: RunConfig, tokenizer, files: list[str], text_key: str = "text") -> dict:
+    """Mean next-token loss over the files (a text file is one document, a .jsonl file one per
+    line in field `text_key`; each followed by EOS), read in non-overlapping windows of the
+    training sequence length."""
+    from moetrain.data.prepare import iter_documents
+
+    eos_id = tokenizer.token_to_id("<|endoftext|>")
+    ids: list[int] = []
+    for name in files:
+        p = Path(name)
+        if not p.is_file():
+            raise DataError(f"Text file '{p}' does not exist.")
+        if p.suffix == ".jsonl":
+            texts = [text for _, text in iter_documents([(p, p.name)], text_key=text_key)]
+        else:
+            texts = [p.read_text(encoding="utf-8", errors="replace")]
+        for text in texts:
+            ids.extend(tokenizer.encode(text).ids)
+            if eos_id is not None:
+                ids.append(eos_id)
+    if len(ids) < 2:
+        raise DataError(f"The text files {files} hold fewer than 2 tokens: nothing to evaluate.")
+    return windows_loss(model, cfg, np.asarray(ids, dtype=np.int64))
+
+
+def token_loss(model: Transformer, cfg: RunConfig, tokenizer, data_dir: str, split: str = "val") -> dict:
+    """Mean next-token loss over a prepared token directory's `split` (what `moetrain
+    prepare-data` wrote, e.g. the data a run trained on): its ids as they are, in windows of the
+    training sequence length. The directory must have been tokenized with the checkpoint's
+    tokenizer."""
+    from moetrain.data.tokens import open_source
+
+    tf = open_source(data_dir, split, seq_len=1)
+    theirs = tf.tokenizer_path
+    if theirs is not None and theirs.is_file():
+        from tokenizers import Tokenizer
+
+        if Tokenizer.from_file(str(theirs)).to_str() != tokenizer.to_str():
+            raise DataError(
+                f"'{data_dir}' was tokenized with another tokenizer ({theirs}) than the checkpoint's: its ids mean "
+                "other text. Evaluate its text with --text, or prepare it again with the checkpoint's tokenizer "
+                "(`moetrain prepare-data … --tokenizer CHECKPOINT/tokenizer.json`)."
+            )
+    if tf.vocab_size > cfg.model.vocab_size:
+        raise DataError(
+            f"'{data_dir}' holds ids up to {tf.vocab_size - 1}, beyond the model's vocabulary ({cfg.model.vocab_size})."
+        )
+    return windows_loss(model, cfg, tf.tokens_N)
+
+
+@torch.no_grad()
+def windows_loss(model: Transformer, cfg: RunConfig, tokens_N: np.ndarray) -> dict:
+    """Mean next-token loss, perplexity and token count over non-overlapping windows of the
+    training sequence length (the last may be shorter); `tokens_N`: ids (N,), may be a memory
+    map: each window is read as it is evaluated."""
+    device = next(model.parameters()).device
+    seq = cfg.data.seq_len
+    total_loss, total_tokens = 0.0, 0
+    for start in range(0, len(tokens_N) - 1, seq):
+        window = torch.from_numpy(np.asarray(tokens_N[start : start + seq + 1], dtype=np.int64))
+        inputs_BT, targets_BT = window[:-1].unsqueeze(0).to(device), window[1:].unsqueeze(0).to(device)
+        logits_BTV = model(inputs_BT)
+        loss = F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten(), reduction="sum")
+        total_loss += loss.item()
+        total_tokens += targets_BT.numel()
+    mean = total_loss / total_tokens
+    return {"loss": mean, "perplexity": math.exp(mean), "tokens": total_tokens}

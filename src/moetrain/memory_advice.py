@@ -1,0 +1,77 @@
+"""What `moetrain plan` suggests for a run that ran out of device memory, as the flags to pass.
+
+`moetrain train` asks this when a step raises `OutOfMemory` (src/moetrain/train/oom.py) and adds the
+answer to the message: the planner's predicted peak for the config as it ran, and the fastest
+layout of the ddp stack that fits (`moetrain.plan.suggest`: recompute, fewer sequences per
+micro-batch with more accumulation, the sharded optimizer, ep/pp), as command-line flags; where
+none fits, the fewest GPUs of the kind on which one does (`moetrain.plan.fewest_gpus`).
+"""
+
+from __future__ import annotations
+
+from moetrain.plan import GPUS, MAX_GPUS, Layout, fewest_gpus, plan, suggest
+from moetrain.train.config import RunConfig
+
+
+def plan_gpu(device_name: str, capacity: int | None) -> str:
+    """The planner's GPU (h100, h200, …) for this device: by name, else the nearest in memory."""
+    for key in GPUS:
+        if key in device_name.lower():
+            return key
+    if capacity is None:
+        return "h200"
+    return min(GPUS, key=lambda k: abs(GPUS[k].memory_gib * 2**30 - capacity))
+
+
+def advice(cfg: RunConfig, world_size: int, gpu: str) -> str:
+    """The planner's predicted peak for `cfg` on `world_size` GPUs of kind `gpu`, and the fastest
+    layout that fits, as the flags that set it."""
+    command = f"`moetrain plan CONFIG --gpus {world_size} --gpu {gpu}`"
+    try:
+        predicted = plan(cfg, world_size, gpu)
+        options = suggest(cfg, world_size, gpu, limit=1)
+    except Exception as e:  # noqa: BLE001 (advice only: the error being reported is the OOM)
+        return f"{command} lists layouts that fit (it could not plan this config here: {e})"
+    text = (
+        f"{command} predicts a peak of {predicted.peak_mem_gib_per_device:.1f} GiB per GPU for this config "
+        f"({predicted.layout.describe()}; {predicted.gpu.memory_gib:g} GiB usable)"
+    )
+    if not options:
+        return text + f", and finds no layout that fits {world_size} × {gpu}: " + _more_gpus(cfg, world_size, gpu)
+    best = options[0]
+    return (
+        text + f"; the fastest layout it finds that fits is {best.layout.describe()} (peak "
+        f"{best.peak_mem_gib_per_device:.1f} GiB): {' '.join(layout_flags(cfg, best.layout))}"
+    )
+
+
+def _more_gpus(cfg: RunConfig, world_size: int, gpu: str) -> str:
+    """How many GPUs of the kind would hold the run (`fewest_gpus`), or that the model must shrink."""
+    more = fewest_gpus(cfg, world_size, gpu)
+    if more.plan is None:
+        return f"none fits on any count up to {MAX_GPUS} either; shrink the model"
+    return (
+        f"the fewest {gpu} GPUs on which one fits with headroom are {more.gpus} ({more.plan.layout.describe()}: "
+        f"{' '.join(layout_flags(cfg, more.plan.layout))}), or shrink the model"
+    )
+
+
+def layout_flags(cfg: RunConfig, layout: Layout) -> list[str]:
+    """The command-line flags that turn `cfg` into `layout`."""
+    flags = [f"--train.micro_batch_size={layout.rows_per_micro_batch * layout.dp}"]
+    if layout.recompute != cfg.train.recompute.value:
+        flags.append(f"--train.recompute={layout.recompute}")
+    if layout.recompute != "none" and cfg.train.recompute_every != layout.recompute_every:
+        flags.append(f"--train.recompute_every={layout.recompute_every}")
+    if layout.shard_optimizer != cfg.parallel.shard_optimizer:
+        flags.append(f"--parallel.shard_optimizer={str(layout.shard_optimizer).lower()}")
+    for key in ("cp", "ep", "pp"):
+        if getattr(layout, key) != getattr(cfg.parallel, key):
+            flags.append(f"--parallel.{key}={getattr(layout, key)}")
+    if layout.stack != cfg.parallel.stack.value:
+        flags.append(f"--parallel.stack={layout.stack}")
+    if layout.ep > 1 and layout.dispatcher != cfg.parallel.dispatcher.value:
+        flags.append(f"--parallel.dispatcher={layout.dispatcher}")
+    if layout.overlap_chunks != cfg.parallel.overlap_chunks and layout.ep > 1 and layout.dispatcher == "nosync":
+        flags.append(f"--parallel.overlap_chunks={layout.overlap_chunks}")
+    return flags

@@ -1,0 +1,53 @@
+"""A transformer block: attention and an FFN (dense SwiGLU or MoE), each around a residual.
+
+Pre-norm: x + f(norm(x)). Peri-norm (`peri_norm=True`, as Olmo-core's Tiny/Small references):
+x + norm_out(f(norm_in(x))), which bounds what each sublayer adds to the residual stream.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moetrain.model.attention import Attention
+from moetrain.model.config import TransformerConfig
+from moetrain.model.kv_cache import LayerCache
+from moetrain.model.mlp import SwiGLU
+from moetrain.model.moe import MoE
+from moetrain.model.norm import RMSNorm
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: TransformerConfig, layer_id: int, dense: bool = False):
+        """Block `layer_id`: MoE from model.num_dense_layers on, unless `dense` (the
+        multi-token prediction modules' blocks, src/moetrain/model/mtp.py)."""
+        super().__init__()
+        self.layer_id = layer_id
+        D = cfg.d_model
+        self.attn_norm = RMSNorm(D, cfg.norm_eps)
+        self.attn = Attention(D, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim, cfg.qk_norm, cfg.norm_eps)
+        self.ffn_norm = RMSNorm(D, cfg.norm_eps)
+        self.is_moe = layer_id >= cfg.num_dense_layers and not dense
+        self.ffn: nn.Module = MoE(D, cfg.moe) if self.is_moe else SwiGLU(D, cfg.resolved_dense_hidden)
+        self.attn_out_norm = RMSNorm(D, cfg.norm_eps) if cfg.peri_norm else None
+        self.ffn_out_norm = RMSNorm(D, cfg.norm_eps) if cfg.peri_norm else None
+
+    def forward(
+        self,
+        x_BTD: torch.Tensor,
+        cos_TD: torch.Tensor,
+        sin_TD: torch.Tensor,
+        masks: object = None,
+        cache: LayerCache | None = None,
+    ) -> torch.Tensor:
+        """`masks`: the document masks of the model's `SequenceLayout.attention_inputs` (None:
+        plain causal attention). `cache`: this layer's keys and values of earlier positions
+        (generation; `Transformer.decode`)."""
+        h_BTD = self.attn(self.attn_norm(x_BTD), cos_TD, sin_TD, masks, cache)
+        if self.attn_out_norm is not None:
+            h_BTD = self.attn_out_norm(h_BTD)
+        x_BTD = x_BTD + h_BTD
+        h_BTD = self.ffn(self.ffn_norm(x_BTD))
+        if self.ffn_out_norm is not None:
+            h_BTD = self.ffn_out_norm(h_BTD)
+        return x_BTD + h_BTD

@@ -1,0 +1,181 @@
+"""Model configuration: the transformer and its mixture-of-experts layers."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import torch
+
+from moetrain.config import Config, non_negative, positive
+from moetrain.errors import ConfigError
+
+# torch._grouped_mm needs every row stride to be a multiple of 16 bytes: 8 bf16 or 4 fp32 values.
+GROUPED_MM_ALIGN = 8
+MAX_WIDTH = 2**24
+"""The widest model dimension (d_model, hidden sizes) a config may ask for: 1000 × a
+trillion-parameter model's, far past any that can be allocated."""
+MAX_LAYERS = 10**5
+"""The most transformer blocks a config may ask for."""
+
+
+class Gating(enum.StrEnum):
+    softmax = "softmax"
+    """Probabilities over all experts; the top-k are selected from them."""
+    sigmoid = "sigmoid"
+    """Independent per-expert scores in (0, 1) (DeepSeek-V3 style)."""
+
+
+class Routing(enum.StrEnum):
+    learned = "learned"
+    """Top-k of the router scores (plus the aux-free bias, when enabled)."""
+    random = "random"
+    """k distinct experts drawn uniformly per token, for system benchmarks: the router still runs
+    and its scores still weight the outputs, so the graph and FLOPs equal learned routing."""
+
+
+class Fp8(enum.StrEnum):
+    """FP8 recipe of the matrix products (set as `train.fp8`; src/moetrain/model/fp8.py)."""
+
+    none = "none"
+    rowwise = "rowwise"
+    """Expert grouped GEMMs and the attention / shared-expert / dense-MLP linears in float8_e4m3
+    with one power-of-two scale per row (src/moetrain/model/fp8.py); the router, embedding and LM
+    head stay in bf16. Needs a GPU of compute capability ≥ 8.9 (Hopper: H100, H200), or CPU."""
+    mxfp8 = "mxfp8"
+    """Experimental. The same GEMMs with MXFP8 operands (blocks of 32 with a shared power-of-two scale, the
+    format of Blackwell's tensor cores) for forward and input gradients. Products are computed
+    from the dequantized operands on any device: MXFP8's numerics, not yet its speed
+    (src/moetrain/model/fp8.py). Dims must be multiples of 32."""
+
+    @property
+    def align(self) -> int:
+        """Every GEMM dimension must be a multiple of this (row-wise kernels: 16; MX blocks: 32)."""
+        return 32 if self == Fp8.mxfp8 else 16
+
+
+@dataclasses.dataclass(kw_only=True)
+class MoEConfig(Config):
+    num_experts: int = positive(8, at_most=2**20)
+    """Routed experts per MoE layer."""
+    top_k: int = positive(4, at_most=2**20)
+    """Experts each token is sent to."""
+    expert_hidden: int = positive(128, at_most=MAX_WIDTH)
+    """Hidden size of each routed SwiGLU expert."""
+    shared_hidden: int = non_negative(0, at_most=MAX_WIDTH)
+    """Hidden size of the shared expert that every token also passes through; 0 = none."""
+    gating: Gating = Gating.softmax
+    """How router logits become scores."""
+    routing: Routing = Routing.learned
+    """How experts are selected."""
+    normalize_weights: bool = True
+    """Rescale the k selected scores to sum to 1."""
+    restore_weight_scale: bool = False
+    """Multiply the (normalized) weights by k, which keeps the output scale of a split dense MLP."""
+    lb_loss_weight: float = non_negative(0.01)
+    """Weight of the Switch-style load-balancing loss; 0 disables it."""
+    z_loss_weight: float = non_negative(2e-4)
+    """Weight of the router z-loss (mean squared logsumexp of the logits); 0 disables it."""
+    bias_update_rate: float = non_negative(0.0)
+    """Auxiliary-loss-free balancing: after each optimizer step every expert's selection bias moves
+    by this amount towards uniform load (sign of the load error). 0 disables it."""
+
+    def validate(self) -> None:
+        if self.top_k > self.num_experts:
+            raise ConfigError(
+                f"model.moe.top_k={self.top_k} is larger than model.moe.num_experts="
+                f"{self.num_experts}: a token cannot pick more experts than exist. Lower top_k or "
+                "raise num_experts."
+            )
+        if self.expert_hidden % GROUPED_MM_ALIGN:
+            raise ConfigError(
+                f"model.moe.expert_hidden={self.expert_hidden} must be a multiple of "
+                f"{GROUPED_MM_ALIGN} (the grouped GEMM needs 16-byte aligned rows)."
+            )
+
+
+@dataclasses.dataclass(kw_only=True)
+class TransformerConfig(Config):
+    vocab_size: int = positive(8192, at_most=2**32)
+    """Rows of the embedding and the LM head (pad it to a multiple of 128 for speed)."""
+    d_model: int = positive(128, at_most=MAX_WIDTH)
+    """Width of the residual stream."""
+    n_layers: int = positive(4, at_most=MAX_LAYERS)
+    """Transformer blocks in total (dense + MoE)."""
+    n_heads: int = positive(4, at_most=2**16)
+    """Query heads."""
+    n_kv_heads: int = positive(2, at_most=2**16)
+    """Key/value heads (grouped-query attention); must divide n_heads."""
+    head_dim: int | None = positive(None, at_most=2**16)
+    """Width of one head; None = d_model // n_heads."""
+    num_dense_layers: int = non_negative(1, at_most=MAX_LAYERS)
+    """The first blocks use a dense SwiGLU MLP instead of an MoE layer."""
+    dense_hidden: int | None = positive(None, at_most=MAX_WIDTH)
+    """Hidden size of the dense MLP; None = top_k × expert_hidden + shared_hidden."""
+    qk_norm: bool = True
+    """Per-head RMSNorm on queries and keys."""
+    peri_norm: bool = False
+    """Also normalize each sublayer's output before the residual add (pre-norm otherwise)."""
+    norm_eps: float = positive(1e-6)
+    """Epsilon of every RMSNorm."""
+    rope_theta: float = positive(500_000.0)
+    """RoPE base: the rotation of pair i advances by theta^(-2i/head_dim) per position."""
+    init_std: float = positive(0.02)
+    """Std of the (truncated) normal initialization; output projections use
+    init_std / sqrt(2 × n_layers)."""
+    mtp_depth: int = non_negative(0, at_most=16)
+    """Multi-token prediction (DeepSeek-V3's): this many sequential modules, module k predicting
+    the token k + 1 ahead from the previous depth's hidden state and the embedding of token k,
+    through one dense block each, with the model's embedding and LM head (src/moetrain/model/mtp.py).
+    Training only: the loss logged as lm_loss (and the validation loss) stays the next-token one;
+    a Hugging Face export leaves the modules out; checkpoints keep them. 0 = off."""
+    mtp_loss_weight: float = non_negative(0.3)
+    """λ: the multi-token losses join the next-token loss as λ × their mean over the depths."""
+    moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
+
+    @property
+    def resolved_dense_hidden(self) -> int:
+        if self.dense_hidden is not None:
+            return self.dense_hidden
+        return self.moe.top_k * self.moe.expert_hidden + self.moe.shared_hidden
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.n_layers - self.num_dense_layers
+
+    def validate(self) -> None:
+        if self.head_dim is None and self.d_model % self.n_heads:
+            raise ConfigError(
+                f"model.n_heads={self.n_heads} does not divide model.d_model={self.d_model}: "
+                "choose heads that divide the width, or set model.head_dim explicitly."
+            )
+        if self.head_dim is not None and self.head_dim % 2:
+            raise ConfigError(f"model.head_dim={self.head_dim} must be even (RoPE rotates pairs).")
+        if self.resolved_head_dim % 2:
+            raise ConfigError(f"head dim d_model/n_heads={self.resolved_head_dim} must be even (RoPE rotates pairs).")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                f"model.n_kv_heads={self.n_kv_heads} does not divide model.n_heads={self.n_heads}: "
+                "each key/value head serves a whole group of query heads."
+            )
+        if self.num_dense_layers > self.n_layers:
+            raise ConfigError(
+                f"model.num_dense_layers={self.num_dense_layers} must be at most model.n_layers={self.n_layers}."
+            )
+        if self.d_model % GROUPED_MM_ALIGN:
+            raise ConfigError(
+                f"model.d_model={self.d_model} must be a multiple of {GROUPED_MM_ALIGN} (the grouped "
+                "GEMM needs 16-byte aligned rows)."
+            )
+
+    def build(self, device: str | None = None):
+        """Build the model. On device "meta" no memory is allocated; call `to_empty()` and
+        `init_weights()` to materialize it."""
+        from moetrain.model.transformer import Transformer
+
+        with torch.device(device or "cpu"):
+            return Transformer(self)

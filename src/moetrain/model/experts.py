@@ -1,0 +1,83 @@
+"""Routed experts: E SwiGLU MLPs stored as stacked tensors and run as grouped GEMMs.
+
+Legend: M token-expert assignments (sorted by expert), D model dim, F expert hidden, E experts.
+
+The input rows arrive sorted by expert with `offsets_E` (int32, on the device) marking where each
+expert's rows end. `torch._grouped_mm` multiplies each row block by its expert's weights in one
+kernel: no Python loop over experts, no host sync, dropless. The gate and up projections are one
+fused weight, so a layer is two grouped GEMMs forward.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moetrain.model.fp8 import fp8_grouped_mm, fp8_swiglu_grouped_mm, mxfp8_grouped_mm
+
+
+class GroupedExperts(nn.Module):
+    def __init__(self, num_experts: int, d_model: int, hidden: int, expert_offset: int = 0):
+        super().__init__()
+        self.num_experts, self.d_model, self.hidden = num_experts, d_model, hidden
+        # Global index of the first expert held here (expert parallelism holds a slice).
+        self.expert_offset = expert_offset
+        # nn.Linear layout per expert (out, in): [gate; up] stacked on the out dim.
+        self.w_gate_up_E2FD = nn.Parameter(torch.empty(num_experts, 2 * hidden, d_model))
+        self.w_down_EDF = nn.Parameter(torch.empty(num_experts, d_model, hidden))
+        self.fp8: str | None = None
+        """FP8 grouped GEMMs (src/moetrain/model/fp8.py): "rowwise" or "mxfp8", set by `train.fp8`."""
+
+    def forward(
+        self, x_MD: torch.Tensor, offsets_E: torch.Tensor, weights: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """`weights`: the (gate_up, down) weights of the experts `offsets_E` names when they are
+        some of this module's (a slice of each; the overlapped exchange runs a group of experts
+        at a time: src/moetrain/parallel/overlapped_dispatcher.py); by default all of them."""
+        w_gate_up, w_down = weights if weights is not None else (self.w_gate_up_E2FD, self.w_down_EDF)
+        autocast = torch.is_autocast_enabled(x_MD.device.type)
+        if autocast:  # autocast does not know _grouped_mm: cast the rows explicitly
+            x_MD = x_MD.to(torch.get_autocast_dtype(x_MD.device.type))
+        if self.fp8:
+            # Weights are quantized from their stored values (bf16 or fp32); the outputs are bf16.
+            if self.fp8 == "mxfp8":
+                h_M2F = mxfp8_grouped_mm(x_MD, w_gate_up, offsets_E)
+                gate_MF, up_MF = h_M2F.chunk(2, dim=-1)
+                return mxfp8_grouped_mm(F.silu(gate_MF) * up_MF, w_down, offsets_E)
+            # SwiGLU and the down projection as one function: only h is kept for backward.
+            return fp8_swiglu_grouped_mm(fp8_grouped_mm(x_MD, w_gate_up, offsets_E), w_down, offsets_E)
+        if autocast:  # the CUDA fast path wants bf16 weights too
+            dtype = torch.get_autocast_dtype(x_MD.device.type)
+            w_gate_up, w_down = w_gate_up.to(dtype), w_down.to(dtype)
+        h_M2F = grouped_mm(x_MD, w_gate_up.transpose(-2, -1), offsets_E)
+        gate_MF, up_MF = h_M2F.chunk(2, dim=-1)
+        return grouped_mm(F.silu(gate_MF) * up_MF, w_down.transpose(-2, -1), offsets_E)
+
+
+def grouped_mm(a_MK: torch.Tensor, b_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """Row-block-wise matmul: rows [offsets[e-1], offsets[e]) of `a` times `b[e]`."""
+    if a_MK.device.type == "cpu":
+        return _ContiguousGrad.apply(_grouped_mm_eager(a_MK, b_EKN, offsets_E))
+    return _ContiguousGrad.apply(torch._grouped_mm(a_MK, b_EKN, offs=offsets_E))
+
+
+@torch.compiler.disable
+def _grouped_mm_eager(a_MK: torch.Tensor, b_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    # torch.compile's shape propagation for _grouped_mm accepts only bf16 (the CUDA kernel's
+    # rule), while the CPU kernel runs fp32: on CPU, compiled blocks call it eagerly.
+    return torch._grouped_mm(a_MK, b_EKN, offs=offsets_E)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous.
+
+    _grouped_mm's backward rejects gradients with zero or odd strides (e.g. from `.sum()` or an
+    expand); downstream ops may produce such gradients.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()

@@ -1,0 +1,396 @@
+"""FP8 matrix products for training, and MXFP8 quantization.
+
+Legend: M rows (tokens, or expert assignments sorted by expert), K the reduction dim, N output
+features, E experts.
+
+**Row-wise recipe** (`train.fp8=rowwise`; Hopper's scaled FP8 GEMMs). Each operand of a GEMM is
+cast to float8_e4m3fn with one fp32 scale per row *along the reduction dim*:
+
+    scale = 2^ceil(log2(amax / 448)),   q = round_e4m3(x / scale),   x ≈ q · scale
+
+(the power of two makes the scaling exact and keeps |x / scale| ≤ 448, e4m3's largest finite
+value: nothing saturates). The products accumulate in fp32 inside the kernel and come out in
+bf16. Forward y = x·Wᵀ scales x per token and W per output feature; the input gradient
+dx = dy·W scales dy per token and W per input feature; the weight gradient dW = dyᵀ·x scales
+both per feature over the tokens (linear layers). For the grouped expert GEMMs the weight
+gradient stays a bf16 grouped GEMM: its reduction runs over each expert's variable-length token
+block, and row padding left by the sync-free dispatcher (uninitialized rows past the last
+offset) must not enter any scale — scales along the token dim would mix them in.
+Per-row scales confine such rows to themselves everywhere else.
+
+On CUDA the products are `torch._scaled_mm` / `torch._scaled_grouped_mm`; on CPU both are
+emulated exactly (dequantize, fp32 GEMM, round to bf16; torch 2.11's CPU `_scaled_mm` takes
+per-tensor scales only), so the recipe's numerics are testable without a GPU.
+
+Under `torch.compile` the FP8 products run as eager islands (`torch.compiler.disable`): compiled
+into a block's graph, the backward's grouped GEMM fails with a device-side assert on torch 2.11
+while the same functions run correctly eager (docs/benchmarks.md, "FP8").
+Inside the islands the quantizers are two Triton kernels (src/moetrain/model/fp8_kernels.py: along
+the contiguous dim, and along the other one with a transposed write), each reading its operand
+once, with `quantize_rowwise`'s bits.
+
+**MXFP8** (the OCP microscaling format Blackwell's tensor cores take): blocks of 32 consecutive
+elements along the reduction dim share one power-of-two scale stored as float8_e8m0fnu, chosen
+like the row-wise one (2^ceil(log2(amax / 448)), so no element saturates). `quantize_mxfp8` is
+the quantizer; its numerics are tested against an independent float64 reference.
+`train.fp8=mxfp8` trains with it: the forward and input-gradient products of the same GEMMs as
+the row-wise recipe take MXFP8 operands (blocks along each product's reduction dim), the weight
+gradients stay bf16. The products are computed from the dequantized operands — exact in bf16,
+since e4m3 × a power of two needs 4 significant bits — with fp32 accumulation: the arithmetic of
+Blackwell's MX tensor-core GEMMs up to summation order, on any device. Blackwell's MX kernels
+themselves are not called (no Blackwell GPU was available to validate them), so this recipe
+gives MXFP8's numerics (loss curves, stability) but not its speed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = torch.finfo(E4M3).max  # 448
+MX_BLOCK = 32
+
+
+def _pow2_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The smallest power of two s with amax / s ≤ 448 (fp32); 1 for all-zero slices. Taken from
+    the binary exponent of amax / 448 (v = m·2^e with m in [0.5, 1): ceil(log2 v) is e, or e − 1
+    when m is exactly 0.5), so no rounding of a logarithm can pick the power below."""
+    amax = amax.float()
+    mantissa, exponent = torch.frexp(amax / E4M3_MAX)
+    scale = torch.ldexp(torch.ones_like(amax), exponent - (mantissa == 0.5).to(exponent.dtype))
+    return torch.where(amax > 0, scale, torch.ones_like(scale))
+
+
+def quantize_rowwise(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale): q = e4m3(x / scale) with one fp32 scale per slice along `dim` (kept as a
+    size-1 dim), x ≈ q.float() · scale."""
+    scale = _pow2_scale(x.abs().amax(dim=dim, keepdim=True))
+    q = (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return q, scale
+
+
+def _quantize_last(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_rowwise(x, -1)
+
+
+def _quantize_last_contiguous(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    q, scale = quantize_rowwise(x, -1)  # x a transposed view: q row-major again
+    return q.contiguous(), scale
+
+
+def _quantize_first_column_major(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    q, scale = quantize_rowwise(x, 0)
+    return _column_major(q), scale
+
+
+def _quantize_middle_column_major(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    q, scale = quantize_rowwise(x, -2)
+    return _column_major(q), scale
+
+
+# (dim, layout of q) -> quantizer off CUDA; layouts: None as computed, "row" row-major, "col"
+# column-major (what the FP8 kernels take as second operand).
+_EAGER = {
+    (-1, None): _quantize_last,
+    (-1, "row"): _quantize_last_contiguous,
+    (0, "col"): _quantize_first_column_major,
+    (-2, "col"): _quantize_middle_column_major,
+}
+
+
+def _quantize(x: torch.Tensor, dim: int, layout: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rowwise` for the GEMMs, q in the given layout. On CUDA the Triton kernels of
+    src/moetrain/model/fp8_kernels.py (the same bits), elsewhere the plain formulation above."""
+    if not x.is_cuda:
+        return _EAGER[(dim, layout)](x)
+    from moetrain.model.fp8_kernels import quantize_cols_transposed, quantize_rows
+
+    if (dim, layout) == (-1, None):
+        return quantize_rows(x)
+    if (dim, layout) == (-1, "row"):  # x a transposed view (dyᵀ): quantize dy's columns
+        q, scale = quantize_cols_transposed(x.transpose(-2, -1))
+        return q, scale.unsqueeze(-1)
+    # (0 or −2, "col"): per column over the rows, q column-major = the transposed kernel's output
+    q, scale = quantize_cols_transposed(x)
+    return q.transpose(-2, -1), scale.unsqueeze(-2)
+
+
+def quantize_mxfp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP8 along the last dim (a multiple of 32): (q e4m3 of x's shape, scales e8m0 of shape
+    (…, K / 32)); x ≈ q.float() · scale repeated over each block."""
+    if x.shape[-1] % MX_BLOCK:
+        raise ValueError(f"MXFP8 needs the last dim to be a multiple of {MX_BLOCK}, got {x.shape[-1]}")
+    blocks = x.float().unflatten(-1, (-1, MX_BLOCK))
+    scale = _pow2_scale(blocks.abs().amax(dim=-1, keepdim=True))
+    q = (blocks / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).flatten(-2)
+    return q, scale.squeeze(-1).to(torch.float8_e8m0fnu)
+
+
+def dequantize_mxfp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (q.float().unflatten(-1, (-1, MX_BLOCK)) * scale.float().unsqueeze(-1)).flatten(-2)
+
+
+def _column_major(t: torch.Tensor) -> torch.Tensor:
+    """The same values with the last two dims stored column-major (what the FP8 kernels want
+    for their second operand)."""
+    return t.transpose(-2, -1).contiguous().transpose(-2, -1)
+
+
+FAST_ACCUM_FORWARD, FAST_ACCUM_BACKWARD = True, False
+"""Hopper's fast FP8 accumulation (the tensor cores' partial sums not promoted to fp32 along the
+reduction) in the CUDA products of forward, and of backward, whose reductions run over 8k+
+tokens for the weight gradient. Forward only, as torchao's float8 training does by default;
+measured in docs/benchmarks.md (throughput and the 250-step loss curve)."""
+
+
+def _scaled_mm(a_MK, b_KN, scale_M1, scale_1N, fast: bool = False) -> torch.Tensor:
+    if a_MK.is_cuda:
+        return torch._scaled_mm(a_MK, b_KN, scale_M1, scale_1N, out_dtype=torch.bfloat16, use_fast_accum=fast)
+    return ((a_MK.float() * scale_M1) @ (b_KN.float() * scale_1N)).to(torch.bfloat16)
+
+
+def _scaled_grouped_mm(a_MK, b_EKN, scale_M, scale_EN, offsets_E, fast: bool = False) -> torch.Tensor:
+    """Row block e of a (rows offsets[e-1]..offsets[e]) times b[e], with row-wise scales; bf16."""
+    if a_MK.is_cuda:
+        return torch._scaled_grouped_mm(
+            a_MK, b_EKN, scale_M, scale_EN, offs=offsets_E, out_dtype=torch.bfloat16, use_fast_accum=fast
+        )
+    return _emulated_scaled_grouped_mm(a_MK, b_EKN, scale_M, scale_EN, offsets_E)
+
+
+@torch.compiler.disable
+def _emulated_scaled_grouped_mm(a_MK, b_EKN, scale_M, scale_EN, offsets_E) -> torch.Tensor:
+    """CPU: the same products from the dequantized operands (exact in fp32), rounded to bf16."""
+    a = a_MK.float() * scale_M.unsqueeze(-1)
+    b = b_EKN.float() * scale_EN.unsqueeze(-2)
+    return torch._grouped_mm(a, b, offs=offsets_E).to(torch.bfloat16)
+
+
+@torch.compiler.disable
+def _cpu_grouped_mm(a, b, offsets_E) -> torch.Tensor:
+    return torch._grouped_mm(a, b, offs=offsets_E)
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """y (M, N) = x (M, K) · w (N, K)ᵀ with all three GEMMs in row-wise FP8."""
+
+    @staticmethod
+    def forward(ctx, x_MK: torch.Tensor, w_NK: torch.Tensor, weight_grad: bool) -> torch.Tensor:
+        xq, xs = _quantize(x_MK, -1)
+        wq, ws = _quantize(w_NK, -1)
+        y = _scaled_mm(xq, wq.t(), xs, ws.t(), FAST_ACCUM_FORWARD)
+        if weight_grad:
+            # The weight gradient's operand, kept quantized (1 byte an element instead of x's 2):
+            # per input feature over the tokens, as the backward's dW = dyᵀ·x takes it.
+            xtq, xts = _quantize(x_MK, 0, "col")
+            ctx.save_for_backward(xtq, xts, w_NK)
+        else:
+            ctx.save_for_backward(None, None, w_NK)
+        ctx.x_dtype = x_MK.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy_MN: torch.Tensor):
+        xtq, xts, w_NK = ctx.saved_tensors
+        dy_MN = dy_MN.contiguous()
+        dyq, dys = _quantize(dy_MN, -1)  # per token, over N
+        wq, ws = _quantize(w_NK, 0, "col")  # per input feature, over N
+        dx = _scaled_mm(dyq, wq, dys, ws, FAST_ACCUM_BACKWARD)
+        dw = None
+        if xtq is not None:
+            dytq, dyts = _quantize(dy_MN.t(), -1, "row")  # per output feature, over tokens
+            dw = _scaled_mm(dytq, xtq, dyts, xts, FAST_ACCUM_BACKWARD).to(w_NK.dtype)
+        return dx.to(ctx.x_dtype), dw, None
+
+
+def _grouped_product(xq_MK, xs_M1, w_ENK, offsets_E) -> torch.Tensor:
+    """Row block e of the quantized x times w[e]ᵀ (w quantized per output feature); bf16."""
+    wq, ws = _quantize(w_ENK, -1)
+    return _scaled_grouped_mm(
+        xq_MK, wq.transpose(-2, -1), xs_M1.squeeze(-1), ws.squeeze(-1), offsets_E, FAST_ACCUM_FORWARD
+    )
+
+
+def _grouped_input_grad(dy_MN, w_ENK, offsets_E) -> torch.Tensor:
+    """dx = dy · w[e] per row block: dy per token, w per expert and input feature, over N; bf16."""
+    dyq, dys = _quantize(dy_MN, -1)
+    wq, ws = _quantize(w_ENK, -2, "col")
+    return _scaled_grouped_mm(dyq, wq, dys.squeeze(-1), ws.squeeze(-2), offsets_E, FAST_ACCUM_BACKWARD)
+
+
+class _Fp8GroupedMM(torch.autograd.Function):
+    """y (M, N): row block e of x (M, K) times w[e] (N, K)ᵀ; forward and input gradient in
+    row-wise FP8, weight gradient a bf16 grouped GEMM (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x_MK: torch.Tensor, w_ENK: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x_MK, w_ENK, offsets_E)
+        return _grouped_product(*_quantize(x_MK, -1), w_ENK, offsets_E)
+
+    @staticmethod
+    def backward(ctx, dy_MN: torch.Tensor):
+        x_MK, w_ENK, offsets_E = ctx.saved_tensors
+        dy_MN = dy_MN.contiguous()
+        dx = _grouped_input_grad(dy_MN, w_ENK, offsets_E)
+        dt = torch.bfloat16 if dy_MN.is_cuda else torch.float32
+        dw = _grouped(dy_MN.t().to(dt), x_MK.to(dt), offsets_E)
+        return dx.to(x_MK.dtype), dw.to(w_ENK.dtype), None
+
+
+def _swiglu(h_M2F: torch.Tensor) -> torch.Tensor:
+    gate_MF, up_MF = h_M2F.chunk(2, dim=-1)
+    return F.silu(gate_MF) * up_MF
+
+
+def _swiglu_quantize(h_M2F: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_quantize(silu(gate) · up, -1)`; on CUDA one kernel that reads h and writes only q."""
+    if h_M2F.is_cuda:
+        from moetrain.model.fp8_kernels import swiglu_quantize_rows
+
+        return swiglu_quantize_rows(h_M2F)
+    return _quantize(_swiglu(h_M2F), -1)
+
+
+def _swiglu_backward(da_MF: torch.Tensor, h_M2F: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the gradient of h = [gate | up], a = silu(gate) · up recomputed) from a's gradient. On CUDA
+    one kernel; elsewhere autograd's own formulas on the recomputed product (the bits of the
+    unfused SwiGLU's backward)."""
+    if h_M2F.is_cuda:
+        from moetrain.model.fp8_kernels import swiglu_backward
+
+        return swiglu_backward(da_MF, h_M2F)
+    with torch.enable_grad():
+        h = h_M2F.detach().requires_grad_()
+        a_MF = _swiglu(h)
+        (dh_M2F,) = torch.autograd.grad(a_MF, h, da_MF)
+    return dh_M2F, a_MF.detach()
+
+
+class _Fp8SwiGLUGroupedMM(torch.autograd.Function):
+    """y (M, N): row block e of a = silu(gate) · up times w[e] (N, F)ᵀ, from h = [gate | up]
+    (M, 2F) — an expert layer's second half as one function, so that only h is kept for backward
+    (a is recomputed there, in the kernel that computes h's gradient) and a's FP8 operand comes
+    straight from h (`_swiglu_quantize`). Products as `_Fp8GroupedMM`'s."""
+
+    @staticmethod
+    def forward(ctx, h_M2F: torch.Tensor, w_ENF: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(h_M2F, w_ENF, offsets_E)
+        return _grouped_product(*_swiglu_quantize(h_M2F), w_ENF, offsets_E)
+
+    @staticmethod
+    def backward(ctx, dy_MN: torch.Tensor):
+        h_M2F, w_ENF, offsets_E = ctx.saved_tensors
+        dy_MN = dy_MN.contiguous()
+        da = _grouped_input_grad(dy_MN, w_ENF, offsets_E)
+        dh_M2F, a_MF = _swiglu_backward(da.to(h_M2F.dtype), h_M2F)
+        dt = torch.bfloat16 if dy_MN.is_cuda else torch.float32
+        dw = _grouped(dy_MN.t().to(dt), a_MF.to(dt), offsets_E)
+        return dh_M2F, dw.to(w_ENF.dtype), None
+
+
+@torch.compiler.disable  # see the module docstring
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x (…, K) · weight (N, K)ᵀ in row-wise FP8; bf16 out."""
+    weight_grad = torch.is_grad_enabled() and weight.requires_grad  # not in evaluation
+    return _Fp8Linear.apply(x.reshape(-1, x.shape[-1]), weight, weight_grad).view(*x.shape[:-1], weight.shape[0])
+
+
+@torch.compiler.disable  # see the module docstring
+def fp8_grouped_mm(x_MK: torch.Tensor, w_ENK: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    return _Fp8GroupedMM.apply(x_MK, w_ENK, offsets_E)
+
+
+@torch.compiler.disable  # see the module docstring
+def fp8_swiglu_grouped_mm(h_M2F: torch.Tensor, w_ENF: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """`fp8_grouped_mm(silu(gate) · up, w, offsets)` for h = [gate | up], keeping only h."""
+    return _Fp8SwiGLUGroupedMM.apply(h_M2F, w_ENF, offsets_E)
+
+
+def _mx(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """x through MXFP8 (blocks of 32 along `dim`) and back: fp32 on CPU, bf16 on CUDA (exact)."""
+    q, scale = quantize_mxfp8(x.movedim(dim, -1))
+    return dequantize_mxfp8(q, scale).to(torch.bfloat16 if x.is_cuda else torch.float32).movedim(-1, dim)
+
+
+class _MxLinear(torch.autograd.Function):
+    """y = x·wᵀ and dx = dy·w from MXFP8 operands; dw = dyᵀ·x in bf16 (fp32 on CPU)."""
+
+    @staticmethod
+    def forward(ctx, x_MK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x_MK, w_NK)
+        return (_mx(x_MK, -1) @ _mx(w_NK, -1).t()).to(torch.bfloat16)
+
+    @staticmethod
+    def backward(ctx, dy_MN: torch.Tensor):
+        x_MK, w_NK = ctx.saved_tensors
+        dx = _mx(dy_MN, -1) @ _mx(w_NK, 0)
+        dt = torch.bfloat16 if dy_MN.is_cuda else torch.float32
+        dw = dy_MN.t().to(dt) @ x_MK.to(dt)
+        return dx.to(x_MK.dtype), dw.to(w_NK.dtype)
+
+
+class _MxGroupedMM(torch.autograd.Function):
+    """Row block e of x times w[e]ᵀ and its input gradient from MXFP8 operands (blocks along each
+    row's reduction dim, so padding rows stay to themselves); the weight gradient in bf16."""
+
+    @staticmethod
+    def forward(ctx, x_MK: torch.Tensor, w_ENK: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x_MK, w_ENK, offsets_E)
+        return _grouped(_mx(x_MK, -1), _mx(w_ENK, -1).transpose(-2, -1), offsets_E).to(torch.bfloat16)
+
+    @staticmethod
+    def backward(ctx, dy_MN: torch.Tensor):
+        x_MK, w_ENK, offsets_E = ctx.saved_tensors
+        dx = _grouped(_mx(dy_MN, -1), _mx(w_ENK, -2), offsets_E)
+        dt = torch.bfloat16 if dy_MN.is_cuda else torch.float32
+        dw = _grouped(dy_MN.t().to(dt), x_MK.to(dt), offsets_E)
+        return dx.to(x_MK.dtype), dw.to(w_ENK.dtype), None
+
+
+def _grouped(a, b, offsets_E) -> torch.Tensor:
+    return torch._grouped_mm(a, b, offs=offsets_E) if a.is_cuda else _cpu_grouped_mm(a, b, offsets_E)
+
+
+@torch.compiler.disable  # eager islands, as the row-wise recipe
+def mxfp8_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x (…, K) · weight (N, K)ᵀ with MXFP8 operands (emulated products, see the module docstring)."""
+    return _MxLinear.apply(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
+
+
+@torch.compiler.disable
+def mxfp8_grouped_mm(x_MK: torch.Tensor, w_ENK: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    return _MxGroupedMM.apply(x_MK, w_ENK, offsets_E)
+
+
+def _autocast(x: torch.Tensor) -> torch.Tensor:
+    """x in autocast's dtype where autocast is on, as F.linear would take it: the FP8 products
+    quantize (and keep for backward) bf16 activations, not the fp32 norm outputs; outside the
+    FP8 island, so the cast fuses into the producing kernel of a compiled block."""
+    if torch.is_autocast_enabled(x.device.type):
+        return x.to(torch.get_autocast_dtype(x.device.type))
+    return x
+
+
+def fp8_shared_input(x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
+    """x cast to autocast's dtype once where FP8 linears (`linear` one of them) all read it (the
+    attention's q, k and v; a SwiGLU's gate and up). Each FP8 island is a graph break: cast inside
+    each linear, the second and third casts are compiled graphs of their own, a read of fp32 x
+    each (measured ~6.5 ms a step on bench-8e). Other linears get x as it is (autocast casts it)."""
+    return _autocast(x) if isinstance(linear, Fp8Linear | MxFp8Linear) else x
+
+
+class Fp8Linear(nn.Linear):
+    """nn.Linear (no bias) whose products run in row-wise FP8. The parameter is the same
+    fp32 `weight`: checkpoints and optimizers do not see a difference."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(_autocast(x), self.weight)
+
+
+class MxFp8Linear(nn.Linear):
+    """nn.Linear (no bias) with MXFP8 operands (`train.fp8=mxfp8`); the same fp32 `weight`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return mxfp8_linear(_autocast(x), self.weight)

@@ -1,0 +1,120 @@
+"""Which matrix products run in row-wise FP8: those whose shape repays FP8's fixed cost.
+
+Legend: M rows a product multiplies per call (tokens of a micro-batch on this rank; for the
+experts, token-expert assignments), K its reduction dim, N its output features, E experts.
+
+An FP8 product saves a share of its GEMMs' time but pays a cost that does not shrink with it:
+its quantizers' passes and, above all, the host time of an eager island in a compiled block
+(each FP8 product is one: src/moetrain/model/fp8.py), about 1.6 ms per linear's forward and backward
+on the H200 machine, against 0.3 ms of device time at 8192 × 4096 × 4096. A grouped GEMM with
+few rows per expert gains little from FP8 tensor cores as well. Measured product by product
+(`benchmarks/probes/fp8_choice_probe.py`, docs/benchmarks.md "FP8, product by product"), FP8
+pays where a product's forward and backward multiply at least `MIN_TFLOP` and, for the experts,
+each expert gets at least `MIN_ROWS_PER_EXPERT` rows; below either, it costs time. The choice
+depends on the configuration only (not on the device or a timing), so a run, its resume and its
+CPU emulation make the same one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+MIN_TFLOP = 2.0
+"""Forward-and-backward TFLOP of one call below which an FP8 product loses time (the probe: the
+dense MLP's linears at 2.1-4.1 pay 1.25-1.52×, the attention's at 0.8 lose 0.78×)."""
+
+MIN_ROWS_PER_EXPERT = 2048
+"""Mean rows per expert below which the FP8 expert layer does not pay (the probe: 4096 rows gave
+1.28×, 1024 rows 1.08× alone and a slower model step)."""
+
+
+class Fp8Select(enum.StrEnum):
+    """Which products `train.fp8` turns to FP8 (`train.fp8_select`)."""
+
+    auto = "auto"
+    """Those whose shape repays it (src/moetrain/model/fp8_choice.py): on the bench presets the
+    experts and dense MLP of bench-8e and the dense MLP of bench-tiny64e-l6; none of a small model's."""
+    all = "all"
+    """Every expert layer and every linear layer in the blocks but the router, whatever its shape:
+    for numerics studies (the recipe's loss on a small model) and timing every product."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Product:
+    """One matrix product of a step and its forward-and-backward FLOPs per call."""
+
+    kind: str
+    """"linear" (x (M, K) · w (N, K)ᵀ) or "experts" (a SwiGLU expert layer: gate/up K → 2N, down
+    N → K, as grouped GEMMs over E experts)."""
+    M: int
+    K: int
+    N: int
+    E: int = 1
+
+    @property
+    def tflop(self) -> float:
+        if self.kind == "experts":
+            return 6 * self.M * self.K * 3 * self.N / 1e12
+        return 6 * self.M * self.K * self.N / 1e12
+
+    @property
+    def pays(self) -> bool:
+        """Whether row-wise FP8 is measured to make this product faster (module docstring)."""
+        if self.tflop < MIN_TFLOP:
+            return False
+        return self.kind != "experts" or self.M / self.E >= MIN_ROWS_PER_EXPERT
+
+
+def choose(product: Product, select: Fp8Select | str) -> bool:
+    """Whether `product` runs in FP8 under `select`."""
+    return Fp8Select(select) == Fp8Select.all or product.pays
+
+
+def block_products(cfg, rows: int) -> dict[str, Product]:
+    """The kinds of product in the blocks of a `TransformerConfig`, by name, at `rows` tokens per
+    micro-batch on a rank (experts: their mean rows over all experts, as balanced routing and any
+    expert-parallel layout give each)."""
+    D, hd, moe = cfg.d_model, cfg.resolved_head_dim, cfg.moe
+    out = {
+        "attention q/o": Product("linear", rows, D, cfg.n_heads * hd),
+        "attention k/v": Product("linear", rows, D, cfg.n_kv_heads * hd),
+    }
+    if cfg.num_dense_layers:
+        out["dense MLP"] = Product("linear", rows, D, cfg.resolved_dense_hidden)
+    if cfg.num_dense_layers < cfg.n_layers:
+        out["experts"] = Product("experts", rows * moe.top_k, D, moe.expert_hidden, moe.num_experts)
+        if moe.shared_hidden:
+            out["shared expert"] = Product("linear", rows, D, moe.shared_hidden)
+    return out
+
+
+def describe(cfg, rows: int, select: Fp8Select | str) -> str:
+    """Which kinds of product run in FP8, for the start-up line."""
+    products = block_products(cfg, rows)
+    chosen = [name for name, p in products.items() if choose(p, select)]
+    if Fp8Select(select) == Fp8Select.all:
+        return "every product in the blocks (train.fp8_select=all)"
+    if not chosen:
+        return "no product: all are too small to repay it (train.fp8_select=auto), so the step is bf16's"
+    rest = "the others are too small to repay it"
+    return f"{', '.join(chosen)} ({len(chosen)} of {len(products)} kinds of product; {rest})"
+
+
+def fp8_flops_per_token(cfg, rows: int, select: Fp8Select | str) -> tuple[float, float]:
+    """(training FLOPs per token of the products that run in FP8, of all the blocks' products) at
+    `rows` tokens per micro-batch: what the planner runs at the FP8 rate (src/moetrain/plan/time.py)."""
+    moe_layers = cfg.n_layers - cfg.num_dense_layers
+    per_model = {
+        "attention q/o": 2 * cfg.n_layers,
+        "attention k/v": 2 * cfg.n_layers,
+        "dense MLP": 3 * cfg.num_dense_layers,
+        "experts": moe_layers,
+        "shared expert": 3 * moe_layers,
+    }
+    chosen = every = 0.0
+    for name, product in block_products(cfg, rows).items():
+        flops = per_model[name] * product.tflop * 1e12 / rows
+        every += flops
+        chosen += flops if choose(product, select) else 0.0
+    return chosen, every

@@ -1,0 +1,77 @@
+"""The key/value cache of generation: each attention layer keeps the keys and values of the
+positions it has seen, so that a new token costs one position's work instead of the whole
+context's.
+
+Legend: B batch, T new positions, S positions the cache can hold, H query heads, G key/value
+heads, Dh head dim, L layers.
+
+Inference only. Training never builds one: `Attention` without a cache attends through its
+`SequenceLayout` exactly as before, so the training numerics do not depend on this file. The
+cache holds absolute positions 0 … S − 1; what to do when a context outgrows it (start again from
+a shorter window) is the caller's choice (src/moetrain/generation.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moetrain.model.config import TransformerConfig
+
+
+class LayerCache:
+    """One attention layer's keys and values of positions 0 … `length` − 1, in buffers of S
+    positions allocated once."""
+
+    def __init__(self, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor):
+        self.k_BGSD, self.v_BGSD = k_BGSD, v_BGSD
+        self.length = 0
+        """Positions held (the next new position's index)."""
+
+    def attend(self, q_BHTD: torch.Tensor, k_BGTD: torch.Tensor, v_BGTD: torch.Tensor) -> torch.Tensor:
+        """Append the T new positions' keys and values, then causal attention (B, H, T, Dh) of
+        their queries over every position held."""
+        start, T = self.length, q_BHTD.shape[2]
+        end = start + T
+        assert end <= self.k_BGSD.shape[2], "KVCache overflow: the caller must start a new cache"
+        self.k_BGSD[:, :, start:end] = k_BGTD
+        self.v_BGSD[:, :, start:end] = v_BGTD
+        self.length = end
+        k_BGSD, v_BGSD = self.k_BGSD[:, :, :end], self.v_BGSD[:, :, :end]
+        if T == 1:  # one new position sees every position held: no mask
+            return F.scaled_dot_product_attention(q_BHTD, k_BGSD, v_BGSD, enable_gqa=True)
+        if start == 0:  # the prompt of an empty cache: plain causal attention
+            return F.scaled_dot_product_attention(q_BHTD, k_BGSD, v_BGSD, is_causal=True, enable_gqa=True)
+        # New position start + t sees positions 0 … start + t (SDPA's is_causal would align the
+        # queries to the first keys, not to their own positions).
+        pos_S = torch.arange(end, device=q_BHTD.device)
+        mask_TS = pos_S.unsqueeze(0) <= torch.arange(start, end, device=q_BHTD.device).unsqueeze(1)
+        return F.scaled_dot_product_attention(q_BHTD, k_BGSD, v_BGSD, attn_mask=mask_TS, enable_gqa=True)
+
+
+class KVCache:
+    """Every attention layer's `LayerCache`, for B sequences of up to `max_len` positions."""
+
+    def __init__(
+        self,
+        cfg: TransformerConfig,
+        max_len: int,
+        batch: int = 1,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
+        G, Dh = cfg.n_kv_heads, cfg.resolved_head_dim
+        self.max_len = max_len
+        self.layers = [
+            LayerCache(
+                torch.zeros(batch, G, max_len, Dh, dtype=dtype, device=device),
+                torch.zeros(batch, G, max_len, Dh, dtype=dtype, device=device),
+            )
+            for _ in range(cfg.n_layers)
+        ]
+        """Indexed by layer (the model's block keys)."""
+
+    @property
+    def length(self) -> int:
+        """Positions held: every layer holds the same ones."""
+        return self.layers[0].length

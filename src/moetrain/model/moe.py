@@ -1,0 +1,130 @@
+"""The mixture-of-experts layer: route → dispatch → grouped experts → combine (+ shared expert).
+
+Legend: B batch, T sequence, N = B·T tokens, K top-k, M = N·K assignments, D model dim,
+E experts.
+
+Auxiliary losses (load balancing, z-loss) do not travel through return values: they are attached
+to the layer's output with `AttachAuxLoss`, whose backward feeds them gradient 1 × `aux_loss_scale`.
+So they work unchanged under gradient accumulation and pipeline parallelism, where a stage only
+returns activations. The trainer sets `aux_loss_scale` to the same factor as the LM loss (1 / the
+number of micro-batches). Detached copies are accumulated on the device for logging and for the
+aux-free bias update: `update_bias()` (called by an optimizer step post-hook, so it moves at
+optimizer time) and `end_step()` (returns the step's statistics and resets them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from moetrain.model.config import MoEConfig
+from moetrain.model.experts import GroupedExperts
+from moetrain.model.mlp import SwiGLU
+from moetrain.model.router import Router
+from moetrain.model.token_dispatcher import LocalTokenDispatcher, TokenDispatcher
+
+
+class MoE(nn.Module):
+    def __init__(self, d_model: int, cfg: MoEConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.router = Router(d_model, cfg)
+        self.experts = GroupedExperts(cfg.num_experts, d_model, cfg.expert_hidden)
+        self.shared_expert = SwiGLU(d_model, cfg.shared_hidden) if cfg.shared_hidden > 0 else None
+        self.dispatcher: TokenDispatcher = LocalTokenDispatcher(cfg.num_experts)
+        self.aux_loss_scale = 1.0
+        self.recomputing: Callable[[], bool] = _never
+        """Whether this forward is a recompute inside backward: set by `apply_recompute`
+        (src/moetrain/parallel/parallelize.py) when the block around this layer recomputes its
+        forward in backward, so that the statistics are counted once."""
+        # Per-optimizer-step accumulators (not checkpointed: they are reset at every step end).
+        E = cfg.num_experts
+        self.register_buffer("step_tokens_per_expert_E", torch.zeros(E, dtype=torch.int64), persistent=False)
+        self.register_buffer("step_lb_loss", torch.zeros((), dtype=torch.float32), persistent=False)
+        self.register_buffer("step_z_loss", torch.zeros((), dtype=torch.float32), persistent=False)
+        self.register_buffer("step_dropped", torch.zeros((), dtype=torch.int64), persistent=False)
+        self.register_buffer("step_calls", torch.zeros((), dtype=torch.int64), persistent=False)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        B, T, D = x_BTD.shape
+        x_ND = x_BTD.reshape(B * T, D)
+        route = self.router(x_ND, self.dispatcher.reduce_counts)
+
+        y_ND = self.dispatcher.expert_step(x_ND, route, self.experts, self.shared_expert)
+
+        aux_loss = self.cfg.lb_loss_weight * route.lb_loss + self.cfg.z_loss_weight * route.z_loss
+        if self.training and aux_loss.requires_grad:
+            y_ND = AttachAuxLoss.apply(y_ND, aux_loss, self.aux_loss_scale)
+        # Activation recompute runs this forward again inside backward: count the statistics once.
+        if self.training and not self.recomputing():
+            self._accumulate(route, self.dispatcher.dropped_tokens())
+        return y_ND.view(B, T, D)
+
+    @torch.no_grad()
+    def _accumulate(self, route, dropped: torch.Tensor | None) -> None:
+        self.step_tokens_per_expert_E += route.global_tokens_per_expert_E
+        self.step_lb_loss += route.lb_loss.detach()
+        self.step_z_loss += route.z_loss.detach()
+        self.step_calls += 1
+        if dropped is not None:
+            self.step_dropped += dropped
+
+    @torch.no_grad()
+    def update_bias(self, skip: torch.Tensor | None = None) -> None:
+        """Aux-loss-free balancing after an optimizer step: move the router's selection bias
+        towards uniform load by the step's global token counts. A skipped step (`skip` true; see
+        src/moetrain/train/guard.py) moves nothing: rate × 0. No-op when bias_update_rate is 0."""
+        if self.cfg.bias_update_rate > 0:
+            rate = self.cfg.bias_update_rate if skip is None else self.cfg.bias_update_rate * (~skip).float()
+            update_expert_bias(self.router.expert_bias_E, self.step_tokens_per_expert_E, rate)
+
+    @torch.no_grad()
+    def end_step(self) -> dict[str, torch.Tensor]:
+        """Close an optimizer step: return this step's routing statistics (device tensors; token
+        counts over the global batch, losses averaged over micro-batches) and reset the
+        accumulators."""
+        counts_E = self.step_tokens_per_expert_E.clone()
+        calls = self.step_calls.clamp(min=1)
+        stats = {
+            "tokens_per_expert": counts_E,
+            "lb_loss": self.step_lb_loss / calls,
+            "z_loss": self.step_z_loss / calls,
+            "dropped": self.step_dropped.clone(),
+        }
+        for buf in (
+            self.step_tokens_per_expert_E,
+            self.step_lb_loss,
+            self.step_z_loss,
+            self.step_dropped,
+            self.step_calls,
+        ):
+            buf.zero_()
+        return stats
+
+
+def _never() -> bool:
+    return False
+
+
+def update_expert_bias(bias_E: torch.Tensor, tokens_per_expert_E: torch.Tensor, rate: float | torch.Tensor) -> None:
+    """Aux-loss-free balancing: raise the bias of under-loaded experts, lower it for over-loaded
+    ones, by `rate` each (the sign of the load error), in place and outside autograd."""
+    load_E = tokens_per_expert_E.float()
+    bias_E += rate * torch.sign(load_E.mean() - load_E)
+
+
+class AttachAuxLoss(torch.autograd.Function):
+    """Identity on `x` that makes `aux_loss` receive gradient `scale` during backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux_loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.save_for_backward(aux_loss)
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad_x: torch.Tensor):
+        (aux_loss,) = ctx.saved_tensors
+        return grad_x, torch.full_like(aux_loss, ctx.scale), None

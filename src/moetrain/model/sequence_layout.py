@@ -1,0 +1,72 @@
+"""Sequence layouts: the seam between attention and where a sequence's positions live.
+
+Legend: B sequences, T positions this rank holds, D head dim (RoPE tables), H query heads,
+G key/value heads, Dh head dim.
+
+The model asks its layout three things and never communicates itself: which of a whole
+sequence's positions this rank holds (`shard`), what every attention layer takes besides its
+hidden state (`attention_inputs`: RoPE's cos/sin at those positions, and the masks), and the
+attention of the local queries over the whole sequence's keys (`attend`). This file declares
+the interface (`SequenceLayout`) and holds the one-device implementation (`WholeSequence`:
+every position is local). Context parallelism swaps in `ContextShard`
+(src/moetrain/parallel/context_parallel.py), which holds two chunks of each sequence and gathers
+the keys and values of the rest, behind the same methods.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+
+from moetrain.model.rope import RotaryEmbedding
+
+
+@runtime_checkable
+class SequenceLayout(Protocol):
+    """Where the positions of a sequence live (the attention's only view of it)."""
+
+    def shard(self, x_BT: torch.Tensor) -> torch.Tensor:
+        """This rank's positions of whole sequences `x_BT` (B, T_whole, …) along dim 1."""
+        ...
+
+    def attention_inputs(
+        self, rope: RotaryEmbedding, T: int, doc_ids_BT: torch.Tensor | None, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """RoPE's cos/sin (T, D) at the T positions this rank holds, and the masks `attend`
+        takes: with `doc_ids_BT` (B, T_whole: the whole sequences' document ids) tokens attend
+        only within their document; None means plain causal attention."""
+        ...
+
+    def attend(self, q_BHTD: torch.Tensor, k_BGTD: torch.Tensor, v_BGTD: torch.Tensor, masks: Any) -> torch.Tensor:
+        """Causal attention (B, H, T, Dh) of this rank's queries over every position of the
+        sequence up to theirs, with this rank's keys and values; `masks` from `attention_inputs`."""
+        ...
+
+
+class WholeSequence:
+    """Every position of every sequence is on this rank (no context parallelism)."""
+
+    def shard(self, x_BT: torch.Tensor) -> torch.Tensor:
+        return x_BT
+
+    def attention_inputs(
+        self, rope: RotaryEmbedding, T: int, doc_ids_BT: torch.Tensor | None, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """cos/sin for positions 0 … T − 1 and, with document ids, the (B, T, T) mask: same
+        document and not later."""
+        cos_TD, sin_TD = rope.cos_sin(T)
+        mask_BTT = None
+        if doc_ids_BT is not None:
+            causal_TT = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+            mask_BTT = (doc_ids_BT.unsqueeze(2) == doc_ids_BT.unsqueeze(1)) & causal_TT
+        return cos_TD, sin_TD, mask_BTT
+
+    def attend(
+        self, q_BHTD: torch.Tensor, k_BGTD: torch.Tensor, v_BGTD: torch.Tensor, mask_BTT: torch.Tensor | None
+    ) -> torch.Tensor:
+        if mask_BTT is None:
+            return F.scaled_dot_product_attention(q_BHTD, k_BGTD, v_BGTD, is_causal=True, enable_gqa=True)
+        # document masking: the mask already contains causality
+        return F.scaled_dot_product_attention(q_BHTD, k_BGTD, v_BGTD, attn_mask=mask_BTT.unsqueeze(1), enable_gqa=True)

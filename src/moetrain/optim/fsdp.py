@@ -1,0 +1,243 @@
+"""`FSDPAdamW`: torch AdamW over the FSDP stack's sharded (DTensor) parameters.
+
+optim.grad_dtype=bf16 is FSDP's reduce dtype (src/moetrain/parallel/fsdp.py, `apply_fsdp`): the
+unsharded gradients it accumulates between micro-batches and its reduce-scatter are bf16, the
+reduced shards it hands over are fp32, so torch AdamW updates them as it does without the switch.
+On one rank FSDP shards nothing and reduces nothing: the bf16 gradients are then kept here, in a
+`GradStore` (src/moetrain/optim/grad_store.py), as the replicated optimizer keeps them at dp = 1.
+
+With optim.name=muon the blocks' matrices step by Muon (`FSDPMuon`, src/moetrain/optim/muon.py): each
+rank keeps the momentum of its shard (dim-0 rows). The experts' stacked tensors are sharded along
+the experts, so a rank orthogonalizes the whole experts it holds where they are; the other
+matrices are sharded by rows, so their direction is all-gathered and each rank runs the
+iteration on the whole matrix and keeps its rows."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from moetrain.model.transformer import canonical_name
+from moetrain.optim.base import TorchAdamW, build_adamw
+from moetrain.optim.clip import global_grad_norm
+from moetrain.optim.grad_store import GradStore
+from moetrain.optim.muon import (
+    MatrixShape,
+    MuonConfig,
+    apply_update,
+    check_matrices,
+    momentum_direction,
+    muon_matrices,
+    newton_schulz,
+    ns_dtype,
+)
+from moetrain.parallel.dims import ParallelState
+from moetrain.parallel.fsdp import copy_shard, full_tensor, is_sharded, local_flat_range, reshard
+
+if TYPE_CHECKING:
+    from moetrain.optim.config import OptimConfig
+
+
+class FSDPReduction:
+    """FSDP's own gradient reduction, as a `GradReduction` (src/moetrain/optim/grad_reducer.py): it
+    reduce-scatters the gradients and averages them over dp during backward."""
+
+    loss_scale = 1.0
+    """FSDP averages the gradients over dp itself: the losses need no extra scale."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def prepare(self, sync: bool, backward_passes: int = 1) -> None:
+        """Gradient accumulation: FSDP keeps unsharded gradients and reduce-scatters them only in
+        the last micro-batch's backward."""
+        if hasattr(self.model, "set_requires_gradient_sync"):  # absent on one rank (not sharded)
+            self.model.set_requires_gradient_sync(sync)
+
+    def finish(self) -> None:
+        """Nothing to wait for: FSDP finishes its reduce-scatters at the end of backward."""
+
+
+class FSDPAdamW(TorchAdamW):
+    """Each rank updates and holds state for its shards only (optimizer memory ÷ dp); FSDP
+    reduces the gradients (`FSDPReduction`). The `Optimizer` (src/moetrain/optim/base.py) of
+    `parallel.stack=fsdp`."""
+
+    def __init__(self, model: nn.Module, state: ParallelState, cfg: OptimConfig):
+        self.model = model
+        self.reduction = FSDPReduction(model)
+        self.grads: GradStore | None = None
+        """One rank with optim.grad_dtype=bf16: the bf16 gradients (else FSDP's, on `.grad`)."""
+        if cfg.grad_dtype.dtype != torch.float32 and state.dp_mesh is None:
+            self.grads = GradStore(cfg.grad_dtype.dtype)
+            for p in model.parameters():
+                if p.requires_grad:
+                    self.grads.add(p)
+        self.low_grads = self.grads is not None
+        self.muon: FSDPMuon | None = None
+        if cfg.name == "muon":
+            shapes = muon_matrices(model)
+            named = [(canonical_name(n), p) for n, p in model.named_parameters() if id(p) in shapes]
+            muon_cfg = MuonConfig(cfg.muon_momentum, cfg.muon_ns_steps, cfg.weight_decay)
+            self.muon = FSDPMuon(named, shapes, muon_cfg, cfg.moments_dtype.dtype)
+        exclude = {id(p) for p in self.muon.params} if self.muon is not None else set()
+        self.adamw = build_adamw(model, cfg, exclude=exclude, grad_of=self.grads.grad if self.low_grads else None)
+        self.fused = any(g.get("fused") for g in self.adamw.param_groups)
+
+    def _update(self, skip: torch.Tensor | None) -> None:
+        muon_coef = self._clip_coef  # where the gradients were not scaled in place
+        super()._update(skip)
+        if self.muon is not None:
+            grads = [self.grads.grad(p) if self.grads is not None else p.grad for p in self.muon.params]
+            self.muon.step(grads, self.adamw.param_groups[0]["lr"], muon_coef, skip)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Global norm over the gradient shards (get_total_norm reduces DTensor norms over the
+        mesh), as a plain device tensor; clip with the same coefficient as `clip_grad_norm`. One
+        rank's bf16 gradients: their norm in fp32, the factor handed to the update."""
+        if self.grads is not None:
+            grads = [g for p in self.model.parameters() if (g := self.grads.grad(p)) is not None]
+            total = global_grad_norm(grads, [])
+            self._clip(grads, total, max_norm)
+            return total
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        total = full_tensor(torch.nn.utils.get_total_norm([p.grad for p in params], 2.0))
+        if self.fused or max_norm == math.inf:
+            self._clip([p.grad for p in params], total, max_norm)
+        else:  # DTensor gradients: torch's own helper scales them
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
+
+    def zero_grad(self) -> None:
+        self.adamw.zero_grad(set_to_none=True)
+        if self.grads is not None:
+            self.grads.zero_grad()
+        for p in self.muon.params if self.muon is not None else ():
+            p.grad = None
+
+    def grad_bytes(self) -> int:
+        """This rank's gradient shards (fp32: FSDP casts the reduced bf16 shards back), or one
+        rank's bf16 gradients. FSDP's unsharded gradients exist only inside backward and between
+        micro-batches (bf16 with optim.grad_dtype=bf16) and are not counted."""
+        if self.grads is not None:
+            return self.grads.nbytes()
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        local = [g.to_local() if is_sharded(g) else g for g in grads]
+        return sum(g.numel() * g.element_size() for g in local)
+
+    def memory_bytes(self) -> int:
+        """Bytes of AdamW and Muon state this rank holds (its shards)."""
+        tensors = list(self.muon.momentum) if self.muon is not None else []
+        tensors += [
+            t.to_local() if is_sharded(t) else t
+            for s in self.adamw.state.values()
+            for t in s.values()
+            if isinstance(t, torch.Tensor)
+        ]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def checkpoint_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The live AdamW state per parameter: DTensors sharded like the parameters (a
+        checkpoint saves and loads each rank's shard of them). No copy, no communication."""
+        reshard(self.model)  # the parameters must be the sharded ones AdamW holds state for
+        muon = self.muon.checkpoint_tensors() if self.muon is not None else {}
+        return {
+            canonical_name(name): muon.get(canonical_name(name)) or self._live_state(p)
+            for name, p in self.model.named_parameters()
+        }
+
+    def state_dict_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Per-parameter FULL moments keyed by canonical name (the layout of the other
+        optimizers), in memory, for tests and tools (checkpoints use `checkpoint_tensors`).
+        Collective: the shards are all-gathered (briefly the unsharded moments, 8 bytes per
+        parameter element)."""
+        reshard(self.model)  # the parameters must be the sharded ones AdamW holds state for
+        out = self.muon.state_tensors() if self.muon is not None else {}
+        for name, p in self.model.named_parameters():
+            if canonical_name(name) in out:
+                continue
+            live = self._live_state(p)
+            out[canonical_name(name)] = {
+                "step": live["step"],
+                "exp_avg": full_tensor(live["exp_avg"]),
+                "exp_avg_sq": full_tensor(live["exp_avg_sq"]),
+            }
+        return out
+
+    @torch.no_grad()
+    def load_state_dict_tensors(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Take full per-parameter moments (as `state_dict_tensors` gives them) and keep this
+        rank's shards. No communication."""
+        reshard(self.model)
+        if self.muon is not None:
+            self.muon.load_state_tensors(state)
+        for name, p in self.model.named_parameters():
+            if self.muon is not None and canonical_name(name) in self.muon.index:
+                continue
+            entry = state[canonical_name(name)]
+            live = self._live_state(p)
+            for key, value in entry.items():
+                if live[key] is not value:
+                    copy_shard(live[key], value)
+
+
+class FSDPMuon:
+    """Muon over FSDP's dim-0 shards (module docstring): per matrix parameter, the momentum of
+    the local rows; whole experts orthogonalized where they are, the other matrices gathered."""
+
+    def __init__(self, named: list[tuple[str, nn.Parameter]], shapes: dict[int, MatrixShape], cfg: MuonConfig,
+                 moments_dtype: torch.dtype):  # fmt: skip
+        check_matrices(named, shapes)
+        self.names = [n for n, _ in named]
+        self.index = {n: i for i, n in enumerate(self.names)}
+        self.params = [p for _, p in named]
+        self.shapes = [shapes[id(p)] for p in self.params]
+        self.cfg = cfg
+        self.momentum = [torch.zeros_like(_local(p), dtype=moments_dtype) for p in self.params]
+
+    @torch.no_grad()
+    def step(
+        self, grads: list[torch.Tensor | None], lr: float, coef: torch.Tensor | None, skip: torch.Tensor | None
+    ) -> None:
+        for p, g, m, shape in zip(self.params, grads, self.momentum, self.shapes):
+            if g is None:
+                continue
+            dtype = ns_dtype(m.device)
+            u = momentum_direction(m, _local(g), self.cfg.momentum, coef, skip, dtype)
+            if not is_sharded(p) or p.ndim == 3:  # whole, or whole experts along dim 0
+                o = newton_schulz(u.view(-1, shape.rows, shape.cols), self.cfg.ns_steps, dtype)
+            else:  # rows of a matrix: orthogonalize the whole one, keep the rows
+                whole = DTensor.from_local(u, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                o_full = newton_schulz(whole.full_tensor().view(1, shape.rows, shape.cols), self.cfg.ns_steps, dtype)
+                start, _ = local_flat_range(p)
+                o = o_full.view(-1)[start : start + u.numel()]
+            apply_update(_local(p), o.view(u.shape), shape.scale, lr, self.cfg.weight_decay, skip)
+
+    def checkpoint_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Canonical name → {"momentum": this rank's rows, as a DTensor like the parameter}."""
+        return {n: {"momentum": _like(p, m)} for n, p, m in zip(self.names, self.params, self.momentum)}
+
+    def state_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Canonical name → {"momentum": the whole momentum} (collective: gathered)."""
+        return {n: {"momentum": full_tensor(_like(p, m))} for n, p, m in zip(self.names, self.params, self.momentum)}
+
+    @torch.no_grad()
+    def load_state_tensors(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Keep this rank's rows of each whole "momentum" in `state`. No communication."""
+        for n, p, m in zip(self.names, self.params, self.momentum):
+            copy_shard(_like(p, m), state[n]["momentum"])
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if is_sharded(t) else t
+
+
+def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` (this rank's rows of a tensor shaped like `p`) as a DTensor sharded as `p` is."""
+    if not is_sharded(p):
+        return local
+    return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())

@@ -1,0 +1,212 @@
+"""Muon (`optim.name=muon`): the matrices inside the blocks step along the orthogonalized
+momentum of their gradient; everything else keeps AdamW.
+
+Legend: W an (m, n) matrix, G its gradient (reduced over the data-parallel ranks and clipped),
+M its momentum, β optim.muon_momentum, k optim.muon_ns_steps.
+
+Per matrix and step (Nesterov momentum, decoupled weight decay as AdamW's):
+
+    M ← β·M + G
+    U = G + β·M
+    O = NS_k(U)                                the Newton–Schulz iteration below: U's singular
+                                               vectors with its singular values pushed to ≈ 1
+    W ← W − lr·(0.2·√max(m, n)·O + wd·W)
+
+Scaling rule: O has RMS ≈ 1/√max(m, n) (min(m, n) singular values near 1), so 0.2·√max(m, n)·O
+has RMS ≈ 0.2, the RMS of a typical AdamW update. The matrices then take the run's AdamW
+learning rate and weight decay (the rule Moonlight's "Muon is Scalable for LLM Training"
+gives): `optim.lr` and `optim.weight_decay` serve both.
+
+Which matrices (`muon_matrices`): every `nn.Linear` weight inside the blocks (attention q, k, v,
+o; the dense and shared MLPs' gate, up, down) and each routed expert's matrices, one expert at a
+time — its gate and up halves of `w_gate_up_E2FD` apart, as the two maps they are, and
+`w_down_EDF`. AdamW keeps the embedding, the norms, the routers (their few rows decide routing
+and are fp32 logits' weights) and the LM head.
+
+Newton–Schulz (`newton_schulz`): X = U / ‖U‖_F, then k times X ← a·X + (b·A + c·A²)·X with
+A = X·Xᵀ (a tall X: A = Xᵀ·X and X ← a·X + X·(b·A + c·A²), the same on Xᵀ), (a, b, c) =
+(3.4445, −4.7750, 2.0315), the quintic of Keller Jordan's Muon, which drives singular values in
+(0, 1] to [0.7, 1.2] in 5 steps. It runs in bf16 on CUDA (its matmuls) and in fp32 elsewhere.
+
+Where a matrix is sharded, the iteration needs it whole. Each optimizer builds the same update
+from the parts it holds (`MuonMatrices`): the replicated optimizer holds every matrix whole
+(experts: the rank's whole experts); the sharded one all-gathers U of the buckets it holds
+matrices of and orthogonalizes only the matrices its shard touches; FSDP's dim-0 shards hold
+whole experts (orthogonalized where they are) and rows of the other matrices (U all-gathered).
+The momentum is kept where the gradient is: whole, or as the rank's shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+from torch import nn
+
+from moetrain.model.experts import GroupedExperts
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+"""The quintic's (a, b, c)."""
+
+RMS_MATCH = 0.2
+"""The RMS of a Muon update before the learning rate (see the module docstring)."""
+
+
+def newton_schulz(u_kMN: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
+    """Orthogonalize each (M, N) matrix of the batch `u_kMN`: the same singular vectors, singular
+    values near 1. Computed and returned in `dtype`."""
+    a, b, c = NS_COEFFICIENTS
+    x = u_kMN.to(dtype)
+    x = x if x.ndim == 3 else x.unsqueeze(0)
+    x = x / (torch.linalg.matrix_norm(x.float(), keepdim=True) + 1e-7).to(dtype)
+    # A on the short side: X·Xᵀ (M ≤ N) or Xᵀ·X (tall); b·A + c·A² and a·X + B·X (X·B) as the
+    # GEMMs' epilogues (baddbmm), so no element-wise pass and no transposed copy
+    tall = x.shape[-2] > x.shape[-1]
+    for _ in range(steps):
+        a_kSS = x.mT @ x if tall else x @ x.mT
+        b_kSS = torch.baddbmm(a_kSS, a_kSS, a_kSS, beta=b, alpha=c)
+        x = torch.baddbmm(x, x, b_kSS, beta=a) if tall else torch.baddbmm(x, b_kSS, x, beta=a)
+    return x.reshape(u_kMN.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class MatrixShape:
+    """How a parameter is a batch of matrices: `count` matrices of (rows, cols), in row-major
+    order of the parameter's elements (each matrix contiguous in it)."""
+
+    count: int
+    rows: int
+    cols: int
+
+    @property
+    def scale(self) -> float:
+        """0.2 · √max(rows, cols): the update's RMS near AdamW's."""
+        return RMS_MATCH * max(self.rows, self.cols) ** 0.5
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.cols
+
+
+def muon_matrices(model: nn.Module) -> dict[int, MatrixShape]:
+    """id → `MatrixShape` of each parameter Muon updates (module docstring): `nn.Linear` weights
+    inside the blocks (the multi-token prediction modules' included), and each expert's gate, up
+    and down matrices. A model without `blocks` (a test's plain module) gives every `nn.Linear`
+    weight."""
+    roots = [getattr(model, "blocks", model)] + ([model.mtp] if getattr(model, "mtp", None) is not None else [])
+    out: dict[int, MatrixShape] = {}
+    for module in (m for root in roots for m in root.modules()):
+        if isinstance(module, nn.Linear):
+            rows, cols = module.weight.shape
+            out[id(module.weight)] = MatrixShape(1, rows, cols)
+        elif isinstance(module, GroupedExperts):
+            E, two_f, d = module.w_gate_up_E2FD.shape
+            out[id(module.w_gate_up_E2FD)] = MatrixShape(2 * E, two_f // 2, d)  # gate and up apart
+            E, d, f = module.w_down_EDF.shape
+            out[id(module.w_down_EDF)] = MatrixShape(E, d, f)
+    return out
+
+
+def check_matrices(named: list[tuple[str, torch.Tensor]], shapes: dict[int, MatrixShape]) -> None:
+    """Every parameter handed to Muon is a batch of matrices: refuse a 1-D one by name."""
+    for name, p in named:
+        if p.ndim < 2 or id(p) not in shapes:
+            raise ValueError(
+                f"Muon orthogonalizes matrices; '{name}' has shape {tuple(p.shape)}: give it to AdamW "
+                "(norms, biases, embeddings and routers stay there: src/moetrain/optim/muon.py)."
+            )
+
+
+@dataclasses.dataclass
+class MuonConfig:
+    """The update's hyperparameters (optim.muon_momentum, optim.muon_ns_steps, optim.weight_decay)."""
+
+    momentum: float
+    ns_steps: int
+    weight_decay: float
+
+
+def ns_dtype(device: torch.device) -> torch.dtype:
+    """The iteration's dtype: bf16 on CUDA, fp32 elsewhere (the CPU tests compare layouts in fp32)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def momentum_direction(
+    m: torch.Tensor,
+    g: torch.Tensor,
+    beta: float,
+    coef: torch.Tensor | None,
+    skip: torch.Tensor | None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """M ← β·M + c·G in place (c: the clipping factor, or 1), unchanged where `skip`; returns
+    U = c·G + β·M (computed in fp32, rounded once to `dtype`: the iteration's), the direction
+    Newton–Schulz orthogonalizes. On CUDA one compiled kernel (reads M and G, writes M and U)."""
+    fn = _compiled(_momentum_direction) if m.is_cuda else _momentum_direction
+    return fn(m.view(-1), g.reshape(-1), beta, coef, skip, dtype).view(m.shape)
+
+
+def _momentum_direction(m, g, beta, coef, skip, dtype):
+    g32 = g.float() if coef is None else g.float() * coef
+    new_m = m.float() * beta + g32
+    if skip is not None:
+        new_m = torch.where(skip, m.float(), new_m)
+    m.copy_(new_m)
+    return (g32 + beta * new_m).to(dtype)
+
+
+def apply_update(
+    w: torch.Tensor, o: torch.Tensor, scale: float, lr: float, weight_decay: float, skip: torch.Tensor | None
+) -> None:
+    """W ← W·(1 − lr·wd) − lr·scale·O in place (fp32 arithmetic on any `o` dtype), unchanged where
+    `skip`. On CUDA one compiled kernel."""
+    fn = _compiled(_apply_update) if w.is_cuda else _apply_update
+    fn(w.view(-1), o.reshape(-1), scale, lr, weight_decay, skip)
+
+
+def _apply_update(w, o, scale, lr, weight_decay, skip):
+    new_w = w.float() * (1 - lr * weight_decay) - (lr * scale) * o.float()
+    if skip is not None:
+        new_w = torch.where(skip, w.float(), new_w)
+    w.copy_(new_w)
+
+
+@functools.cache
+def _compiled(fn):
+    """`fn` through torch.compile, sizes dynamic (every matrix's flat elements take one graph;
+    the float arguments are graph inputs, not constants): one fused kernel instead of the
+    element-wise ops' passes over fp32 state (measured: benchmarks/probes/muon_step_probe.py)."""
+    return torch.compile(fn, dynamic=True)
+
+
+class MuonMatrices:
+    """Muon's state and update over parameters this rank holds whole (the replicated optimizer's:
+    dense matrices whole on every rank, experts whole on the rank that holds them). `grad_of(p)`:
+    the parameter's reduced gradient."""
+
+    def __init__(self, named: list[tuple[str, nn.Parameter]], shapes: dict[int, MatrixShape], cfg: MuonConfig, *,
+                 moments_dtype: torch.dtype = torch.float32):  # fmt: skip
+        check_matrices(named, shapes)
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.shapes = [shapes[id(p)] for p in self.params]
+        self.cfg = cfg
+        self.momentum = [torch.zeros_like(p, dtype=moments_dtype) for p in self.params]
+
+    @torch.no_grad()
+    def step(
+        self, grads: list[torch.Tensor | None], lr: float, coef: torch.Tensor | None, skip: torch.Tensor | None
+    ) -> None:
+        """One update of every parameter from its gradient in `grads` (same order; None: no
+        gradient this step, no update, as AdamW skips it)."""
+        for p, g, m, shape in zip(self.params, grads, self.momentum, self.shapes):
+            if g is None:
+                continue
+            dtype = ns_dtype(p.device)
+            u = momentum_direction(m, g, self.cfg.momentum, coef, skip, dtype)
+            o = newton_schulz(u.view(shape.count, shape.rows, shape.cols), self.cfg.ns_steps, dtype)
+            apply_update(p, o.view(p.shape), shape.scale, lr, self.cfg.weight_decay, skip)
+
+    def memory_bytes(self) -> int:
+        return sum(m.numel() * m.element_size() for m in self.momentum)

@@ -1,0 +1,212 @@
+"""`ReplicatedAdamW`: torch AdamW with the full optimizer state on every rank, the ddp stack's
+data-parallel gradient reduction (`GradReducer` when dp > 1, else `NoReduction`) and global-norm
+clipping. With optim.bf16_weights the matrices are bf16 and their fp32 masters, gradients and
+moments live in a `SplitMaster` (src/moetrain/optim/split_master.py), updated by `adamw_update`
+(src/moetrain/optim/adamw.py); torch AdamW keeps the rest (norms, embedding, routers). With
+optim.grad_dtype=bf16 the gradients are bf16 off the parameters' `.grad`: in the reducer's bf16
+buckets (dp > 1) or, at dp = 1, in a `GradStore` (src/moetrain/optim/grad_store.py) that allocates
+them as backward reaches each parameter; `MomentsAdamW` (src/moetrain/optim/adamw.py) reads them in
+fp32 in torch AdamW's place. With optim.name=muon the blocks' matrices are Muon's
+(`MuonMatrices`, src/moetrain/optim/muon.py: every rank holds them whole, experts its own) and torch
+AdamW keeps the rest."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from moetrain.model.transformer import canonical_name
+from moetrain.optim.adamw import AdamWGroup, adamw_update
+from moetrain.optim.base import FlatShard, TorchAdamW, build_adamw, use_fused
+from moetrain.optim.clip import global_grad_norm
+from moetrain.optim.grad_reducer import GradReducer, GradReduction, NoReduction, expert_param_ids, reduced_param_ids
+from moetrain.optim.grad_store import GradStore
+from moetrain.optim.muon import MuonConfig, MuonMatrices, muon_matrices
+from moetrain.optim.split_master import SplitMaster, is_split_candidate
+from moetrain.parallel.dims import ParallelState
+
+if TYPE_CHECKING:
+    from moetrain.optim.config import OptimConfig
+
+
+class ReplicatedAdamW(TorchAdamW):
+    """The `Optimizer` (src/moetrain/optim/base.py) of the ddp stack without parallel.shard_optimizer."""
+
+    def __init__(self, model: nn.Module, state: ParallelState, cfg: OptimConfig, *, bf16_weights: bool = False):
+        self.model = model
+        self.cfg = cfg
+        split_ids = is_split_candidate(model) if bf16_weights else set()
+        device = next(model.parameters()).device
+        grad_dtype = cfg.grad_dtype.dtype
+        self.split = (
+            SplitMaster(
+                model,
+                split_ids,
+                weight_decay=cfg.weight_decay,
+                fused=use_fused(cfg, device) and device.type == "cuda",  # the Triton kernel
+                persistent=reduced_param_ids(model, state),  # GradReducer's buckets
+                moments_dtype=cfg.moments_dtype.dtype,
+                grad_dtype=grad_dtype,
+            )
+            if split_ids
+            else None
+        )
+        self.reducer = (
+            GradReducer(model, state, split=self.split, grad_dtype=grad_dtype) if state.dims.replicas > 1 else None
+        )
+        self.reduction: GradReduction = self.reducer if self.reducer is not None else NoReduction(self.split)
+        self.low_grads = grad_dtype != torch.float32
+        self.grads: GradStore | None = None
+        """Where the bf16 gradients are (optim.grad_dtype): the reducer's store of bucket views at
+        dp > 1, else one that allocates them as backward reaches each parameter; None: `.grad`."""
+        if self.low_grads:
+            self.grads = self.reducer.store if self.reducer is not None else GradStore(grad_dtype)
+            if self.reducer is None:
+                for p in model.parameters():
+                    if p.requires_grad and id(p) not in split_ids:
+                        self.grads.add(p)
+        self.ep_group = state.ep_group
+        self.pp_group = state.pp_group
+        expert_ids = expert_param_ids(model)
+        rest = [p for p in model.parameters() if id(p) not in split_ids]
+        self.expert_params = [p for p in rest if id(p) in expert_ids]
+        self.dense_params = [p for p in rest if id(p) not in expert_ids]
+        self.muon: MuonMatrices | None = None
+        """optim.name=muon: the matrices Muon updates, their momentum (whole: every rank holds them)."""
+        if cfg.name == "muon":
+            shapes = muon_matrices(model)
+            named = [(n, p) for n, p in model.named_parameters() if id(p) in shapes]
+            muon_cfg = MuonConfig(cfg.muon_momentum, cfg.muon_ns_steps, cfg.weight_decay)
+            self.muon = MuonMatrices(named, shapes, muon_cfg, moments_dtype=cfg.moments_dtype.dtype)
+        muon_ids = {id(p) for p in self.muon.params} if self.muon is not None else set()
+        self.adamw = build_adamw(
+            model, cfg, exclude=split_ids | muon_ids, grad_of=self._grad_of if self.low_grads else None
+        )
+        self.fused = any(g.get("fused") for g in self.adamw.param_groups)
+        self._split_coef: torch.Tensor | None = None
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """The global gradient norm before clipping (device tensor); clips (see `_clip`; the
+        split parameters' update takes the factor as its gradient multiplier)."""
+        grads, expert_grads = self._grads(self.dense_params), self._grads(self.expert_params)
+        if self.split is not None:
+            grads += self.split.dense_grads
+            expert_grads += self.split.expert_grads
+        total = global_grad_norm(grads, expert_grads, self.ep_group, self.pp_group)  # fp32 norms of bf16 too
+        self._split_coef = self._clip(self._grads(self.dense_params + self.expert_params), total, max_norm)
+        return total
+
+    def _grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
+        """`p`'s gradient: its bf16 one in `grads`, else `.grad`."""
+        grad = self.grads.grad(p) if self.grads is not None else None
+        return grad if grad is not None else p.grad
+
+    def _grads(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The gradients of those of `params` that have one."""
+        return [g for g in map(self._grad_of, params) if g is not None]
+
+    def _update(self, skip: torch.Tensor | None) -> None:
+        # the clipping factor where the gradients were not scaled in place (fused, or bf16 ones)
+        muon_coef = self._clip_coef
+        super()._update(skip)
+        if self.muon is not None:
+            grads = [self._grad_of(p) for p in self.muon.params]
+            self.muon.step(grads, self.adamw.param_groups[0]["lr"], muon_coef, skip)
+        coef, self._split_coef = self._split_coef, None
+        if self.split is not None:
+            s = self.split
+            group = AdamWGroup(
+                s.views(s.hi), list(s.grads), s.views(s.exp_avg), s.views(s.exp_avg_sq), s.weight_decay, s.views(s.lo),
+                flat=(s.hi, s.lo, s.exp_avg, s.exp_avg_sq, s.offsets),
+            )  # fmt: skip
+            lr, betas, eps = self.adamw.param_groups[0]["lr"], tuple(self.cfg.betas), self.cfg.eps
+            adamw_update([group], s.step, lr=lr, betas=betas, eps=eps, grad_coef=coef, skip=skip, fused=s.fused)
+
+    def zero_grad(self) -> None:
+        if self.split is not None:
+            self.split.zero_grad()
+        if self.reducer is not None:
+            self.reducer.zero_grad()  # the reducer's buckets must stay the gradients' storage
+        else:
+            self.adamw.zero_grad(set_to_none=True)
+            if self.grads is not None:
+                self.grads.zero_grad()
+            for p in self.muon.params if self.muon is not None else ():
+                p.grad = None
+
+    def master_weights(self) -> dict[str, torch.Tensor]:
+        """The bf16 parameters' fp32 masters by canonical name (temporaries); {} without
+        optim.bf16_weights."""
+        if self.split is None:
+            return {}
+        return {canonical_name(n): t for n, t in self.split.master_weights().items()}
+
+    def checkpoint_masters(self) -> dict[str, FlatShard]:
+        """The bf16 parameters' fp32 masters as split shards over the whole of their live
+        halves (every rank holds them whole): a checkpoint joins them block by block as it writes
+        and splits what it reads straight into them."""
+        if self.split is None:
+            return {}
+        s = self.split
+        out = {}
+        for name, p, off in zip(s.names, s.params, s.offsets):
+            n = p.numel()
+            out[canonical_name(name)] = FlatShard(
+                tuple(p.shape), 0, hi=s.hi[off : off + n], lo=s.lo[off : off + n], replicated=True
+            )
+        return out
+
+    def checkpoint_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The live AdamW state per parameter (`state_dict_tensors`: views, nothing gathered)."""
+        return self.state_dict_tensors()
+
+    def load_master_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        if self.split is not None:
+            by_canonical = {canonical_name(n): n for n in self.split.names}
+            self.split.load_master_weights({by_canonical[k]: v for k, v in weights.items()})
+
+    def grad_bytes(self) -> int:
+        """The reducer's buckets (split ones are `SplitMaster`'s gradients), or the gradients
+        allocated this step, and the split parameters' gradients."""
+        if self.reducer is not None:
+            split = {id(p) for p in self.split.params} if self.split is not None else set()
+            tensors = [b.flat for b in self.reducer.buckets if not b.split]
+            tensors += self._grads([p for p in self.reducer.unreduced if id(p) not in split])
+        else:
+            tensors = self._grads(self.dense_params + self.expert_params)
+        if self.split is not None:
+            tensors += self.split.dense_grads + self.split.expert_grads
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def memory_bytes(self) -> int:
+        muon = self.muon.memory_bytes() if self.muon is not None else 0
+        return (
+            muon
+            + (self.split.memory_bytes() if self.split is not None else 0)
+            + sum(
+                t.numel() * t.element_size()
+                for s in self.adamw.state.values()
+                for t in s.values()
+                if isinstance(t, torch.Tensor)
+            )
+        )
+
+    def state_dict_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The live AdamW state per parameter (created as zeros for a fresh optimizer, so a
+        checkpoint can be loaded into it in place)."""
+        own = self.split.state_tensors() if self.split is not None else {}
+        if self.muon is not None:  # Muon's one buffer per matrix
+            own.update({name: {"momentum": m} for name, m in zip(self.muon.names, self.muon.momentum)})
+        return {
+            canonical_name(name): own[name] if name in own else self._live_state(p)
+            for name, p in self.model.named_parameters()
+        }
+
+    def load_state_dict_tensors(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        live = self.state_dict_tensors()
+        for name, tensors in state.items():
+            for key, value in tensors.items():
+                if live[name][key] is not value:
+                    live[name][key].copy_(value)

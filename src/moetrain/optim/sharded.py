@@ -1,0 +1,511 @@
+"""`ShardedAdamW` (`parallel.shard_optimizer=true`): AdamW whose state is sharded over the
+data-parallel ranks (ZeRO-1/2 style), for the ddp stack's resident-expert layout.
+
+Legend: N elements of a bucket's flat buffer (padded to a multiple of G), G ranks of the bucket's
+group (dp for dense parameters, edp for expert parameters), S = N / G elements of this rank's
+shard of the bucket.
+
+One optimizer step:
+ 1. backward: gradients accumulate into flat fp32 buckets, as in `GradReducer`; during the last
+    micro-batch's backward, each finished bucket is reduce-scattered over its group (async,
+    overlapped with the rest of the backward), so this rank receives the summed gradient of its
+    shard only;
+ 2. `reduction.finish()`: wait for the reduce-scatters; the losses were scaled by `loss_scale` =
+    1/dp, so the summed shards are the means over the global batch (as with `GradReducer`);
+ 3. `clip_grad_norm()`: the global norm from the shards (one all-reduce), then scale the shards
+    (or hand the factor to the update);
+ 4. `step()`: AdamW (`adamw_update`, src/moetrain/optim/adamw.py) on this rank's shards — fp32 master
+    weights, exp_avg and exp_avg_sq exist for the shard only — then all-gather the updated shards
+    into the flat parameter buffers. Every parameter is a view into its bucket's buffer, so the
+    all-gather writes the parameters in place and every rank holds the full (replicated)
+    parameters again.
+
+Memory: the optimizer state (12 bytes per element: master + two moments) is 1/dp of the dense
+parameters' and 1/edp of the local experts'. The local experts are 1/ep of all experts, so a rank
+holds 1/dp of the single-device optimizer state (plus at most G - 1 padding elements per bucket).
+What stays full size: the gradient buckets (they accumulate over micro-batches; a full ZeRO-2
+would reduce-scatter every micro-batch and keep only the shard) and the parameters (sharding
+those as well is ZeRO-3 / FSDP).
+
+With optim.grad_dtype=bf16 the buckets and shards are bf16 (half the gradient bytes): each
+micro-batch's gradient is added into the bucket in fp32 and rounded once by a hook
+(src/moetrain/optim/grad_store.py), the reduce-scatter sums in bf16 (with dp = 2 one rounded sum,
+round(a + b), as `GradReducer`'s all-reduce gives the replicated optimizer), the norm is computed
+in fp32 and the clipping factor multiplies the gradient inside the update, in fp32, as the
+replicated optimizer's does: with clipping off the two step bit for bit alike.
+
+After `finish()` the reduced gradient lives only in the shards: `p.grad` still holds this rank's
+local, unreduced sum (the bucket is the reduce-scatter's input), until `zero_grad()`.
+
+With optim.name=muon the blocks' matrices are bucketed apart (`muon` buckets) and step by Muon
+(src/moetrain/optim/muon.py): each rank keeps the momentum of its shard only; the update's direction
+U of each such bucket is all-gathered (in the iteration's dtype, bf16 on CUDA), and each rank
+runs Newton–Schulz on the matrices its shard touches — a matrix is needed whole, and across the
+group every matrix is orthogonalized once, or twice where it straddles two shards — then updates
+its master shard; the parameters are all-gathered as for AdamW.
+
+Checkpoints: each rank saves and loads only its shards (`checkpoint_tensors`,
+`checkpoint_masters`): a parameter's piece [a, b) of a bucket shard is a `FlatShard` of its
+entry, which DCP stores as the few rectangular blocks that flat range is made of; no moment and
+no master is ever gathered.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moetrain.model.transformer import canonical_name
+from moetrain.optim.adamw import AdamWGroup, adamw_update
+from moetrain.optim.base import FlatShard, StepHooks, param_groups, use_fused
+from moetrain.optim.clip import clip_coefficient
+from moetrain.optim.grad_reducer import Bucket, GradReducer
+from moetrain.optim.muon import MatrixShape, apply_update, momentum_direction, muon_matrices, newton_schulz, ns_dtype
+from moetrain.optim.split_master import is_split_candidate, join, split_fp32
+from moetrain.parallel.dims import ParallelState
+
+if TYPE_CHECKING:
+    from moetrain.optim.config import OptimConfig
+
+# torch 2.13 renamed these two collectives (the old names warn); older supported versions have
+# only the old names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclasses.dataclass
+class _ShardedBucket(Bucket):
+    """A `GradReducer` bucket (`flat` = the N gradients) plus the flat parameter buffer and this
+    rank's shard [lo, lo + S) of both."""
+
+    params_N: torch.Tensor | None = None
+    grad_S: torch.Tensor | None = None
+    lo_S: torch.Tensor | None = None
+    """Split buckets: the int16 remainders of this rank's shard (the bf16 parameters are `params_N`)."""
+    offsets: list[int] = dataclasses.field(default_factory=list)
+    """Start of each parameter in the flat buffers."""
+    lo: int = 0
+    muon: bool = False
+    """Muon's matrices (optim.name=muon), stepped by `ShardedAdamW._muon_update`."""
+
+    @property
+    def hi(self) -> int:
+        return self.lo + self.grad_S.numel()
+
+
+class _ShardedGradReducer(GradReducer):
+    """`GradReducer`'s bucketing and overlap, with reduce-scatter in place of all-reduce, padded
+    buckets, and parameters moved into flat buffers alongside their gradients. Split buckets
+    (optim.bf16_weights) hold bf16 parameters: their gradients are filled by `store`'s hook
+    (copied at a step's first backward, added later), and the 16-bit remainders of this rank's
+    shard are kept in `lo_S` (src/moetrain/optim/split_master.py). With optim.grad_dtype=bf16 every
+    bucket's gradients are bf16 and filled by that hook."""
+
+    buckets: list[_ShardedBucket]
+    bucket_every_parameter = True  # the parameters live in the buckets' flat buffers
+
+    def _make_bucket(self, params: list[nn.Parameter], group, is_split: bool) -> _ShardedBucket:
+        G = dist.get_world_size(group) if group is not None else 1
+        numel = sum(p.numel() for p in params)
+        N = math.ceil(numel / G) * G
+        S = N // G
+        device = params[0].device
+        if any(p.dtype != params[0].dtype for p in params):
+            raise ValueError("ShardedAdamW needs one parameter dtype per bucket; got a mix.")
+        # Padding stays zero in all buffers: zero gradient, zero moments, so zero update.
+        grads_N = torch.zeros(N, dtype=self.grad_dtype, device=device)
+        params_N = torch.zeros(N, dtype=torch.bfloat16 if is_split else params[0].dtype, device=device)
+        lo_N = torch.zeros(N, dtype=torch.int16, device=device) if is_split else None
+        lo = (dist.get_rank(group) if group is not None else 0) * S
+        # Alone in its group the shard is the whole bucket: no copy, no collective.
+        grad_S = grads_N[lo : lo + S] if G == 1 else torch.zeros(S, dtype=self.grad_dtype, device=device)
+        bucket = _ShardedBucket(grads_N, params, group, params_N=params_N, grad_S=grad_S, lo=lo, split=is_split)
+        offset = 0
+        with torch.no_grad():
+            for p in params:
+                n = p.numel()
+                if is_split:
+                    hi_part, lo_part = split_fp32(p.detach().flatten())
+                    params_N[offset : offset + n].copy_(hi_part)
+                    lo_N[offset : offset + n].copy_(lo_part)
+                    p.data = params_N[offset : offset + n].view(p.shape)
+                else:
+                    params_N[offset : offset + n].copy_(p.detach().flatten())
+                    p.data = params_N[offset : offset + n].view_as(p)
+                grad = grads_N[offset : offset + n].view(p.shape)
+                if is_split or p.dtype != grads_N.dtype:  # before the counting hook
+                    self.store.add(p, grad)
+                    bucket.hooked = True
+                else:
+                    p.grad = grad
+                bucket.offsets.append(offset)
+                offset += n
+                p.register_post_accumulate_grad_hook(lambda _p, b=bucket: self._on_grad_ready(b))
+        if is_split:
+            bucket.lo_S = lo_N[lo : lo + S].clone()
+        return bucket
+
+    def _launch(self, bucket: _ShardedBucket) -> None:
+        bucket.launched = True
+        if bucket.group is not None:
+            bucket.work = _reduce_scatter(bucket.grad_S, bucket.flat, group=bucket.group, async_op=True)
+
+
+class ShardedAdamW(StepHooks):
+    """torch.optim.AdamW's update (decoupled weight decay, bias corrections, eps after the square
+    root; weight decay per `param_groups`), with the state sharded over the data-parallel ranks.
+
+    Build it after the model is materialized and initialized: it moves every parameter into a flat
+    buffer (values kept) and attaches the gradient hooks. Per step: `reduction.prepare(sync)`
+    before each micro-batch's backward, `reduction.finish()`, `clip_grad_norm()`, `set_lr()`,
+    `step()`, `zero_grad()`.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        state: ParallelState,
+        cfg: OptimConfig,
+        bucket_bytes: int = 25 * 2**20,
+        *,
+        bf16_weights: bool = False,
+    ):
+        self.cfg = cfg
+        self.lr = cfg.lr
+        # The squared gradient norm sums over every rank: dp shards, and pipeline stages.
+        self.norm_group = state.world_group
+        split_ids = is_split_candidate(model) if bf16_weights else set()
+        grad_dtype = cfg.grad_dtype.dtype
+        self.shapes: dict[int, MatrixShape] = muon_matrices(model) if cfg.name == "muon" else {}
+        """optim.name=muon: the matrices Muon steps (id → their shape as a batch of matrices)."""
+        self._grads = _ShardedGradReducer(
+            model, state, bucket_bytes, split_ids=split_ids, grad_dtype=grad_dtype, apart=set(self.shapes)
+        )
+        self.reduction = self._grads
+        """The reduce-scatter into the shards; its `loss_scale` (1/dp) makes the reduced shards the means."""
+        self.buckets = self._grads.buckets
+        for b in self.buckets:
+            b.muon = bool(self.shapes) and id(b.params[0]) in self.shapes
+        self.names = {id(p): canonical_name(n) for n, p in model.named_parameters()}
+        # fp32 buckets: an fp32 master shard; split buckets: the bf16 shard of `params_N` and `lo_S`.
+        self.master_S = [
+            None if b.split else b.params_N[b.lo : b.hi].to(torch.float32, copy=True) for b in self.buckets
+        ]
+        moments = cfg.moments_dtype.dtype
+        self._low_grads = grad_dtype != torch.float32
+        """bf16 gradient shards (optim.grad_dtype): the clipping factor goes into the update
+        (`_grad_coef`) instead of scaling them in place, which would round them a second time."""
+        self.exp_avg_S = [torch.zeros_like(b.grad_S, dtype=moments) for b in self.buckets]
+        """AdamW's first moment of each bucket's shard; for Muon's buckets, their momentum."""
+        self.exp_avg_sq_S = [
+            torch.zeros_like(b.grad_S[:0] if b.muon else b.grad_S, dtype=moments) for b in self.buckets
+        ]
+        """AdamW's second moment of each bucket's shard (empty for Muon's buckets)."""
+        self._grad_coef: torch.Tensor | None = None
+        """The clipping factor `clip_grad_norm` left for the update (fused, or bf16 gradients)."""
+        self._groups = self._adamw_groups(param_groups(model, cfg.weight_decay)[0]["params"])
+        # Fused (the default on CUDA): the update runs on the device, the skip decision and the
+        # clipping factor stay there (no host sync).
+        device = self.buckets[0].grad_S.device if self.buckets else torch.device("cpu")
+        self.fused = use_fused(cfg, device)
+        self._step_t = torch.zeros((), dtype=torch.float32, device=device)
+        """Updates made: the step count of every parameter's state."""
+
+    def _adamw_groups(self, decayed: list[nn.Parameter]) -> list[AdamWGroup]:
+        """This rank's shards as `adamw_update`'s groups, views of the live buffers: the pieces of
+        the fp32 buckets' shards that belong to one parameter each, those that weight decay
+        applies to (`decayed`) and the others; then the split buckets' shards (every split
+        parameter is a matrix: weight decay applies)."""
+        decay_ids = {id(p) for p in decayed}
+        # weight decay or not → (bucket, the parameter's slice of the bucket's shard)
+        pieces: dict[bool, list[tuple[int, slice]]] = {True: [], False: []}
+        for i, b in enumerate(self.buckets):
+            if b.split or b.muon:
+                continue
+            for p, off in zip(b.params, b.offsets):
+                start, end = max(off, b.lo), min(off + p.numel(), b.hi)
+                if start < end:
+                    pieces[id(p) in decay_ids].append((i, slice(start - b.lo, end - b.lo)))
+        shards = (self.master_S, [b.grad_S for b in self.buckets], self.exp_avg_S, self.exp_avg_sq_S)
+        groups = [
+            AdamWGroup(
+                *([t[i][cut] for i, cut in pieces[decay]] for t in shards),
+                weight_decay=self.cfg.weight_decay if decay else 0.0,
+            )
+            for decay in (True, False)
+        ]
+        split = [i for i, b in enumerate(self.buckets) if b.split]
+        groups.append(
+            AdamWGroup(
+                [self.buckets[i].params_N[self.buckets[i].lo : self.buckets[i].hi] for i in split],
+                [self.buckets[i].grad_S for i in split],
+                [self.exp_avg_S[i] for i in split],
+                [self.exp_avg_sq_S[i] for i in split],
+                weight_decay=self.cfg.weight_decay,
+                los=[self.buckets[i].lo_S for i in split],
+            )
+        )
+        return groups
+
+    # ---- gradients -------------------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        self._grads.zero_grad()
+
+    def grad_norm(self) -> torch.Tensor:
+        """Global L2 norm of the (reduced) gradient, as a device tensor (no host sync).
+
+        One all-reduce over all ranks counts every element once: a dense element sits in exactly
+        one dp rank's shard; an expert element in exactly one shard of its edp group, and the dp
+        group is the edp groups of all ep ranks, which hold different experts; pipeline stages
+        hold different parameters.
+        """
+        grads = [b.grad_S for b in self.buckets]
+        if self._low_grads:  # the norms of bf16 shards computed in fp32
+            sq = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
+        else:
+            sq = torch.stack(torch._foreach_norm(grads)).square().sum()
+        if self.norm_group is not None:
+            dist.all_reduce(sq, group=self.norm_group)
+        return sq.sqrt()
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Bring the gradient shards to a global norm of at most `max_norm` (math.inf: no
+        clipping); return the norm before clipping (device tensor, no host sync). Fused, or bf16
+        shards: the factor goes into the update (one pass over the gradients less, or no second
+        rounding); else the shards are scaled in place."""
+        total = self.grad_norm()
+        if max_norm != math.inf:
+            coef = clip_coefficient(total, max_norm)
+            if self._low_grads or self.fused:
+                self._grad_coef = coef
+            else:
+                torch._foreach_mul_([b.grad_S for b in self.buckets], coef)
+        return total
+
+    # ---- the update ------------------------------------------------------------------------------
+    def set_lr(self, lr: float) -> None:
+        self.lr = lr
+
+    @torch.no_grad()
+    def _update(self, skip: torch.Tensor | None) -> None:
+        """AdamW on this rank's shards (`adamw_update`), then all-gather the parameters. `skip`
+        (a device bool, equal on all ranks): no update, and the all-gather writes the parameters
+        with their unchanged values. Fused, it is decided on the device; otherwise read on the
+        host (one sync per step)."""
+        coef, self._grad_coef = self._grad_coef, None
+        adamw_update(
+            self._groups, self._step_t, lr=self.lr, betas=tuple(self.cfg.betas), eps=self.cfg.eps,
+            grad_coef=coef, skip=skip, fused=self.fused,
+        )  # fmt: skip
+        for i, b in enumerate(self.buckets):
+            if b.muon:
+                self._muon_update(i, coef, skip)
+        self._all_gather_params()
+
+    def _muon_update(self, i: int, coef: torch.Tensor | None, skip: torch.Tensor | None) -> None:
+        """Muon on bucket i's shard (module docstring): momentum on the shard, the direction
+        all-gathered, Newton–Schulz on the matrices the shard touches, the master shard updated."""
+        b, master_S = self.buckets[i], self.master_S[i]
+        dtype = ns_dtype(self.exp_avg_S[i].device)
+        u_S = momentum_direction(self.exp_avg_S[i], b.grad_S, self.cfg.muon_momentum, coef, skip, dtype)
+        u_N = self._gather(b, u_S)
+        for p, off in zip(b.params, b.offsets):
+            start, end = max(off, b.lo), min(off + p.numel(), b.hi)
+            if start >= end:
+                continue
+            shape = self.shapes[id(p)]
+            mn = shape.numel
+            first, last = (start - off) // mn, (end - off + mn - 1) // mn  # the matrices [first, last) touched
+            u_kMN = u_N[off + first * mn : off + last * mn].view(last - first, shape.rows, shape.cols)
+            o = newton_schulz(u_kMN, self.cfg.muon_ns_steps, dtype).view(-1)
+            piece = o[start - off - first * mn : end - off - first * mn]
+            apply_update(master_S[start - b.lo : end - b.lo], piece, shape.scale, self.lr, self.cfg.weight_decay, skip)
+
+    def _all_gather_params(self) -> None:
+        works = []
+        for b, master in zip(self.buckets, self.master_S):
+            if b.split:  # the update wrote the bf16 shard in place; half the bytes of fp32
+                if b.group is not None:
+                    works.append(_all_gather(b.params_N, b.params_N[b.lo : b.hi].clone(), group=b.group, async_op=True))
+            elif b.group is None:
+                b.params_N.copy_(master)
+            else:
+                # For fp32 parameters `.to` is a no-op: the input is the master shard itself,
+                # never a slice of the output buffer.
+                works.append(_all_gather(b.params_N, master.to(b.params_N.dtype), group=b.group, async_op=True))
+        for w in works:
+            w.wait()
+
+    @torch.no_grad()
+    def _params_loaded(self) -> None:
+        """Copy the parameters into the fp32 master shards: needed after the parameters were
+        written from outside (a checkpoint load: `checkpoint_loaded`, `load_state_dict_tensors`)."""
+        for b, master in zip(self.buckets, self.master_S):
+            if not b.split:  # split masters are written by `load_master_weights`
+                master.copy_(b.params_N[b.lo : b.hi])
+
+    # ---- state -----------------------------------------------------------------------------------
+    def grad_bytes(self) -> int:
+        """Bytes of gradient storage this rank holds: the buckets and the reduce-scatter's
+        output shards (where they are not part of the bucket)."""
+        tensors = [b.flat for b in self.buckets]
+        # alone in its group (G = 1) a bucket's shard is a view of it
+        tensors += [b.grad_S for b in self.buckets if b.group is not None and dist.get_world_size(b.group) > 1]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def memory_bytes(self) -> int:
+        """Bytes of optimizer state held by this rank: fp32 master shards (or the remainders of
+        split ones) and both moments."""
+        tensors = [m for m in self.master_S if m is not None] + self.exp_avg_S + self.exp_avg_sq_S
+        tensors += [b.lo_S for b in self.buckets if b.split]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def master_weights(self) -> dict[str, torch.Tensor]:
+        """The split parameters' fp32 masters by canonical name (full temporaries). Collective:
+        each split bucket's remainders are all-gathered over its group (2 bytes per element)."""
+        out = {}
+        for b in self.buckets:
+            if not b.split:
+                continue
+            # int16 travels as bf16 (the same bits; gloo has no int16)
+            lo_N = self._gather(b, b.lo_S.view(torch.bfloat16)).view(torch.int16)
+            for p, off in zip(b.params, b.offsets):
+                n = p.numel()
+                out[self.names[id(p)]] = join(b.params_N[off : off + n], lo_N[off : off + n]).view(p.shape)
+        return out
+
+    @torch.no_grad()
+    def load_master_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Set the split parameters' fp32 masters (full tensors): the bf16 parameters whole, the
+        remainders of this rank's shard. No communication."""
+        for b in self.buckets:
+            if not b.split:
+                continue
+            for p, off in zip(b.params, b.offsets):
+                name = self.names[id(p)]
+                if name not in weights:
+                    continue
+                n = p.numel()
+                hi_part, lo_part = split_fp32(weights[name].to(device=b.params_N.device, dtype=torch.float32).flatten())
+                b.params_N[off : off + n].copy_(hi_part)
+                start, end = max(off, b.lo), min(off + n, b.hi)
+                if start < end:
+                    b.lo_S[start - b.lo : end - b.lo].copy_(lo_part[start - off : end - off])
+
+    def checkpoint_tensors(self) -> dict[str, dict[str, torch.Tensor | FlatShard]]:
+        """Per parameter, the pieces of its moments in this rank's bucket shards ("exp_avg",
+        "exp_avg_sq": `FlatShard`s over `exp_avg_S` / `exp_avg_sq_S`, absent where the shard
+        holds none of the parameter) and the live step count "step" (one 0-d tensor shared by
+        all). No copy, no communication."""
+        out: dict[str, dict[str, torch.Tensor | FlatShard]] = {}
+        for b, exp_avg, exp_avg_sq in zip(self.buckets, self.exp_avg_S, self.exp_avg_sq_S):
+            for p, off in zip(b.params, b.offsets):
+                entry: dict[str, torch.Tensor | FlatShard] = {} if b.muon else {"step": self._step_t}
+                start, end = max(off, b.lo), min(off + p.numel(), b.hi)
+                if start < end:
+                    for key, shard_S in self._moments(b, exp_avg, exp_avg_sq):
+                        entry[key] = FlatShard(tuple(p.shape), start - off, values=shard_S[start - b.lo : end - b.lo])
+                out[self.names[id(p)]] = entry
+        return out
+
+    def checkpoint_masters(self) -> dict[str, FlatShard]:
+        """The split parameters' fp32 masters as the pieces this rank's shards hold: the bf16
+        weights (`params_N`, whole on every rank) and the remainders (`lo_S`) of that range.
+        Parameters the shard does not reach get an empty shard."""
+        out = {}
+        for b in self.buckets:
+            if not b.split:
+                continue
+            for p, off in zip(b.params, b.offsets):
+                start, end = max(off, b.lo), min(off + p.numel(), b.hi)
+                if start < end:
+                    shard = FlatShard(
+                        tuple(p.shape), start - off, hi=b.params_N[start:end], lo=b.lo_S[start - b.lo : end - b.lo]
+                    )
+                else:
+                    shard = FlatShard(tuple(p.shape), 0, hi=b.params_N[:0], lo=b.lo_S[:0])
+                out[self.names[id(p)]] = shard
+        return out
+
+    @torch.no_grad()
+    def checkpoint_loaded(self) -> None:
+        """After a load into `checkpoint_tensors()` / `checkpoint_masters()` (or the weights
+        alone): the step count from the loaded "step", the fp32 master shards from the loaded
+        weights, and each split bucket's bf16 weights all-gathered from the ranks that loaded
+        their ranges (collective over the bucket's group; one bucket shard in flight at a time)."""
+        self._params_loaded()
+        for b in self.buckets:
+            if b.split and b.group is not None:
+                _all_gather(b.params_N, b.params_N[b.lo : b.hi].clone(), group=b.group)
+
+    def state_dict_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Per-parameter FULL moments keyed by canonical parameter name, in the layout of
+        torch.optim.AdamW's state ("exp_avg", "exp_avg_sq" shaped like the parameter — for
+        experts, like this rank's slice — and a 0-d float32 "step" on the CPU): the in-memory
+        view of the whole state, for tests and tools (checkpoints use `checkpoint_tensors`).
+
+        Collective (every rank of the dp group must call it). Cost: each bucket's moments are
+        all-gathered over its group, so this briefly holds the unsharded moments (8 bytes per
+        parameter element) — the memory that sharding saves during training.
+        """
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        step = self._step_t.detach().to("cpu", copy=True)  # one read for all parameters
+        for b, exp_avg, exp_avg_sq in zip(self.buckets, self.exp_avg_S, self.exp_avg_sq_S):
+            full = {key: self._gather(b, shard_S) for key, shard_S in self._moments(b, exp_avg, exp_avg_sq)}
+            for p, off in zip(b.params, b.offsets):
+                entry = {key: full_N[off : off + p.numel()].view_as(p) for key, full_N in full.items()}
+                if not b.muon:
+                    entry["step"] = step.clone()
+                out[self.names[id(p)]] = entry
+        return out
+
+    @staticmethod
+    def _moments(
+        b: _ShardedBucket, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor
+    ) -> tuple[tuple[str, torch.Tensor], ...]:
+        """(state key, shard) of bucket `b`'s optimizer state: AdamW's two moments, or Muon's
+        momentum."""
+        return (("momentum", exp_avg),) if b.muon else (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq))
+
+    def _gather(self, b: _ShardedBucket, shard_S: torch.Tensor) -> torch.Tensor:
+        if b.group is None:
+            return shard_S.clone()
+        full_N = shard_S.new_empty(b.flat.numel())
+        _all_gather(full_N, shard_S, group=b.group)
+        return full_N
+
+    @torch.no_grad()
+    def load_state_dict_tensors(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Take per-parameter full moments (as `state_dict_tensors` gives them) and keep this
+        rank's shards; then refresh the master shards from the parameters, so load the model's
+        parameters first. Needs no communication."""
+        steps = set()
+        for b, exp_avg, exp_avg_sq in zip(self.buckets, self.exp_avg_S, self.exp_avg_sq_S):
+            for p, off in zip(b.params, b.offsets):
+                name = self.names[id(p)]
+                if name not in state:
+                    raise ValueError(
+                        f"Optimizer state has no entry for parameter '{name}': was it saved from this model?"
+                    )
+                entry = state[name]
+                start, end = max(off, b.lo), min(off + p.numel(), b.hi)
+                for key, shard_S in self._moments(b, exp_avg, exp_avg_sq):
+                    full = entry[key]
+                    if full.shape != p.shape:
+                        raise ValueError(
+                            f"Optimizer state '{name}.{key}' has shape {tuple(full.shape)} but the parameter "
+                            f"has {tuple(p.shape)}: the checkpoint was saved from a different model shape."
+                        )
+                    if start < end:
+                        shard_S[start - b.lo : end - b.lo].copy_(full.reshape(-1)[start - off : end - off])
+                if "step" in entry:
+                    steps.add(int(entry["step"]))
+        if len(steps) > 1:
+            raise ValueError(f"Optimizer state holds different step counts {sorted(steps)}; expected one.")
+        self._step_t.fill_(steps.pop() if steps else 0)
+        self._params_loaded()

@@ -1,0 +1,336 @@
+"""The optimizer's Triton kernels (CUDA): the AdamW update (`adamw_triton`, the Triton backend of
+`adamw_update` in src/moetrain/optim/adamw.py), the accumulation of gradients over micro-batches
+(`accumulate_grad`, `SplitMaster`'s) and the sum of squares of the clipping norm (`sum_squares`).
+
+The AdamW kernel: per element it reads the parameter (fp32, or the bf16 half `hi` and the 16-bit
+remainder `lo` of a split master, src/moetrain/optim/split_master.py), the gradient (fp32 or bf16) and
+the two moments (fp32 or bf16), and writes all but the gradient back: for a split master with fp32
+moments 16 bytes read (14 with a bf16 gradient), 12 written, as torch's fused fp32 AdamW; one
+launch per tensor. The bias corrections (from the step count), the clipping factor and the skip
+decision are read from device memory, so the host never waits. The arithmetic is
+`adamw_reference`'s, with IEEE-rounded square root and division; tests/optim/test_split_master.py
+and tests/optim/test_moments_bf16.py compare the two (on CPU through Triton's interpreter,
+TRITON_INTERPRET=1), tests/gpu/test_cuda.py on the GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 2048
+
+
+@triton.jit
+def _bf16_bits(x):
+    """fp32 → the int16 bits of the nearest bf16, ties to even (torch's cast; finite values)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int16)
+
+
+@triton.jit
+def _adamw_block(
+    p_ptr, lo_ptr, g, m_ptr, v_ptr, offs, mask, corr_ptr, coef_ptr, lr, beta1, beta2, eps, decay,
+    SPLIT: tl.constexpr, LOW_MOMENTS: tl.constexpr, HAS_COEF: tl.constexpr,
+):  # fmt: skip
+    """The update of the elements `offs` (where `mask`) of the parameter and moments, from their
+    gradient `g` (fp32, loaded by the caller)."""
+    step_size = tl.load(corr_ptr)  # lr / (1 − β₁ᵗ)
+    bias2_sqrt = tl.load(corr_ptr + 1)  # √(1 − β₂ᵗ)
+    if SPLIT:  # p_ptr: the bf16 halves as int16
+        hi = tl.load(p_ptr + offs, mask=mask, other=0).to(tl.int32)
+        lo = tl.load(lo_ptr + offs, mask=mask, other=0).to(tl.int32)
+        p = (hi * 65536 + lo).to(tl.float32, bitcast=True)
+    else:  # p_ptr: fp32 parameters
+        p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    if HAS_COEF:
+        g = g * tl.load(coef_ptr)
+    if LOW_MOMENTS:  # bf16 moments, as int16 bits: exact in fp32
+        m = (tl.load(m_ptr + offs, mask=mask, other=0).to(tl.int32) * 65536).to(tl.float32, bitcast=True)
+        v = (tl.load(v_ptr + offs, mask=mask, other=0).to(tl.int32) * 65536).to(tl.float32, bitcast=True)
+    else:
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+    p = p * (1.0 - lr * decay)
+    m = m + (1.0 - beta1) * (g - m)
+    v = v * beta2 + (1.0 - beta2) * g * g
+    denom = tl.div_rn(tl.sqrt_rn(v), bias2_sqrt) + eps
+    p = p - step_size * tl.div_rn(m, denom)
+    if SPLIT:
+        bits = p.to(tl.int32, bitcast=True)
+        new_hi = (bits + 0x8000) >> 16
+        new_lo = bits - new_hi * 65536
+        tl.store(p_ptr + offs, new_hi.to(tl.int16), mask=mask)
+        tl.store(lo_ptr + offs, new_lo.to(tl.int16), mask=mask)
+    else:
+        tl.store(p_ptr + offs, p, mask=mask)
+    if LOW_MOMENTS:
+        tl.store(m_ptr + offs, _bf16_bits(m), mask=mask)
+        tl.store(v_ptr + offs, _bf16_bits(v), mask=mask)
+    else:
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
+
+
+@triton.jit
+def _adamw_kernel(
+    p_ptr, lo_ptr, grad_ptr, m_ptr, v_ptr, corr_ptr, coef_ptr, skip_ptr, n, lr, beta1, beta2, eps, decay,
+    SPLIT: tl.constexpr, LOW_MOMENTS: tl.constexpr, HAS_COEF: tl.constexpr, HAS_SKIP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    if HAS_SKIP:
+        mask = mask & (tl.load(skip_ptr) == 0)
+    g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # fp32 or bf16
+    _adamw_block(
+        p_ptr, lo_ptr, g, m_ptr, v_ptr, offs, mask, corr_ptr, coef_ptr, lr, beta1, beta2, eps, decay,
+        SPLIT, LOW_MOMENTS, HAS_COEF,
+    )  # fmt: skip
+
+
+@triton.jit
+def _adamw_table_kernel(
+    p_ptr, lo_ptr, grad_addrs_ptr, m_ptr, v_ptr, blk_tensor_ptr, blk_start_ptr, numel_ptr, base_ptr,
+    corr_ptr, coef_ptr, skip_ptr, lr, beta1, beta2, eps, decay,
+    GRAD_DTYPE: tl.constexpr, SPLIT: tl.constexpr, LOW_MOMENTS: tl.constexpr, HAS_COEF: tl.constexpr,
+    HAS_SKIP: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """`_adamw_kernel` over many tensors in one launch: block `pid` updates elements
+    [start, start + BLOCK) of tensor i (the tables'), whose parameter and moments are at `base`
+    in the flat buffers and whose gradient is at its own address (`grad_addrs`)."""
+    pid = tl.program_id(0)
+    i = tl.load(blk_tensor_ptr + pid)
+    n, base, grad_ptr = tl.load(numel_ptr + i), tl.load(base_ptr + i), tl.load(grad_addrs_ptr + i)
+    grad_ptr = grad_ptr.to(tl.pointer_type(GRAD_DTYPE))
+    if ALIGNED:  # what the per-tensor kernel's arguments tell the compiler: vector loads and stores
+        n, base, grad_ptr = tl.multiple_of(n, 16), tl.multiple_of(base, 16), tl.multiple_of(grad_ptr, 16)
+    local = tl.multiple_of(tl.load(blk_start_ptr + pid), BLOCK) + tl.arange(0, BLOCK)
+    mask = local < n
+    if HAS_SKIP:
+        mask = mask & (tl.load(skip_ptr) == 0)
+    g = tl.load(grad_ptr + local, mask=mask, other=0.0).to(tl.float32)
+    offs = base + local
+    _adamw_block(
+        p_ptr, lo_ptr, g, m_ptr, v_ptr, offs, mask, corr_ptr, coef_ptr, lr, beta1, beta2, eps, decay,
+        SPLIT, LOW_MOMENTS, HAS_COEF,
+    )  # fmt: skip
+
+
+def bias_corrections(step: torch.Tensor, lr: float, beta1: float, beta2: float) -> torch.Tensor:
+    """[lr / (1 − β₁ᵗ), √(1 − β₂ᵗ)] for step count t (0-d device tensor) as a device tensor: the
+    kernel's `corrections`, computed once per optimizer step."""
+    t = step.double()
+    return torch.stack([lr / (1 - beta1**t), (1 - beta2**t).sqrt()]).float()
+
+
+def adamw_triton(
+    param: torch.Tensor,
+    lo: torch.Tensor | None,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    corrections: torch.Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    grad_coef: torch.Tensor | None,
+    skip: torch.Tensor | None,
+) -> None:
+    """`adamw_reference` of one tensor, on flat contiguous buffers: an fp32 `param` (lo None) or
+    split masters (param: the bf16 halves, `lo` the remainders); moments fp32 or bf16;
+    `corrections` from `bias_corrections` of the step count that includes this update;
+    `grad_coef` multiplies the gradient; `skip` (device bool): leave everything as it is."""
+    n = param.numel()
+    tensors = (param, grad, exp_avg, exp_avg_sq) + ((lo,) if lo is not None else ())
+    assert all(t.is_contiguous() and t.numel() == n for t in tensors)
+    low = exp_avg.dtype != torch.float32
+    assert exp_avg.dtype in (torch.float32, torch.bfloat16) and exp_avg_sq.dtype == exp_avg.dtype
+    _adamw_kernel[(triton.cdiv(n, BLOCK),)](
+        param.view(torch.int16) if lo is not None else param,
+        lo if lo is not None else param,
+        grad,
+        exp_avg.view(torch.int16) if low else exp_avg,
+        exp_avg_sq.view(torch.int16) if low else exp_avg_sq,
+        corrections,
+        grad_coef if grad_coef is not None else corrections,
+        skip if skip is not None else corrections,
+        n,
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        SPLIT=lo is not None,
+        LOW_MOMENTS=low,
+        HAS_COEF=grad_coef is not None,
+        HAS_SKIP=skip is not None,
+        BLOCK=BLOCK,
+    )
+
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+"""The gradients' dtypes the address-table kernels read, as Triton's pointer element types."""
+
+
+@functools.lru_cache(maxsize=64)
+def _block_table(numels: tuple[int, ...], block: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the tensor of each block, int32; the block's first element in it, int64): blocks of
+    `block` elements over tensors of `numels` elements, in order, each inside one tensor. Built
+    once per list of sizes: the parameters' sizes do not change from step to step."""
+    counts = torch.tensor([triton.cdiv(n, block) for n in numels])
+    blk_tensor = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), counts)
+    blk_start = torch.cat([torch.arange(int(c), dtype=torch.int64) * block for c in counts])
+    return _upload(blk_tensor, device), _upload(blk_start, device)
+
+
+@functools.lru_cache(maxsize=64)
+def _int64_table(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    return _upload(torch.tensor(values, dtype=torch.int64), device)
+
+
+def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without the host waiting: copied from pinned memory, which
+    torch's host allocator keeps until the copy has run."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _aligned(tensors: list[torch.Tensor], counts: tuple[int, ...]) -> bool:
+    """Whether every tensor starts on 16 bytes and every size or offset is a multiple of 16
+    elements: the table kernels may then load and store 16 bytes at a time, as the per-tensor
+    kernels do where Triton sees the same of their arguments."""
+    return all(t.data_ptr() % 16 == 0 for t in tensors) and all(c % 16 == 0 for c in counts)
+
+
+def _addresses(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors' data addresses, on their device: the gradients are allocated anew each step."""
+    return _upload(torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64), tensors[0].device)
+
+
+def adamw_triton_flat(
+    param: torch.Tensor,
+    lo: torch.Tensor | None,
+    grads: list[torch.Tensor],
+    bases: list[int],
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    corrections: torch.Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    grad_coef: torch.Tensor | None,
+    skip: torch.Tensor | None,
+) -> None:
+    """`adamw_triton` of many tensors in one launch per gradient dtype (bf16, fp32): tensor i's
+    parameter (fp32, or split halves `param` and `lo`) and moments are elements [bases[i],
+    bases[i] + grads[i].numel()) of the flat buffers; its gradient, contiguous, lies anywhere.
+    The same arithmetic as `adamw_triton`, element by element (`_adamw_block`)."""
+    low = exp_avg.dtype != torch.float32
+    assert all(g.is_contiguous() for g in grads) and all(t.is_contiguous() for t in (param, exp_avg, exp_avg_sq))
+    for dtype in (torch.bfloat16, torch.float32):
+        chosen = [i for i, g in enumerate(grads) if g.dtype == dtype]
+        if not chosen:
+            continue
+        group = [grads[i] for i in chosen]
+        numels = tuple(g.numel() for g in group)
+        blk_tensor, blk_start = _block_table(numels, BLOCK, param.device)
+        _adamw_table_kernel[(blk_tensor.numel(),)](
+            param.view(torch.int16) if lo is not None else param,
+            lo if lo is not None else param,
+            _addresses(group),
+            exp_avg.view(torch.int16) if low else exp_avg,
+            exp_avg_sq.view(torch.int16) if low else exp_avg_sq,
+            blk_tensor, blk_start, _int64_table(numels, param.device),
+            _int64_table(tuple(bases[i] for i in chosen), param.device),
+            corrections,
+            grad_coef if grad_coef is not None else corrections,
+            skip if skip is not None else corrections,
+            lr, beta1, beta2, eps, weight_decay,
+            GRAD_DTYPE=_TL_DTYPES[dtype], SPLIT=lo is not None, LOW_MOMENTS=low,
+            HAS_COEF=grad_coef is not None, HAS_SKIP=skip is not None,
+            ALIGNED=_aligned(group, numels + tuple(bases[i] for i in chosen)), BLOCK=BLOCK,
+        )  # fmt: skip
+
+
+ACC_BLOCK = 4096
+
+
+@triton.jit
+def _accumulate_kernel(acc_ptr, grad_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    acc = tl.load(acc_ptr + offs, mask=mask).to(tl.float32)
+    grad = tl.load(grad_ptr + offs, mask=mask).to(tl.float32)
+    tl.store(out_ptr + offs, acc + grad, mask=mask)
+
+
+def accumulate_grad(acc: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """acc + grad in fp32, in one pass: into `acc` when it is fp32, else into a new fp32 tensor
+    (the step's second backward, onto the first one's bf16 gradient); returns the sum. The same
+    bits as torch's `acc.add_(grad)` / `acc.float() + grad`; torch runs a mixed-dtype add through
+    its non-vectorized element-wise kernel at about half the memory bandwidth (bench-sweep-64:
+    88 ms per step for 7 × 2.8B accumulated elements)."""
+    assert acc.is_contiguous() and grad.is_contiguous() and acc.numel() == grad.numel()
+    out = acc if acc.dtype == torch.float32 else torch.empty(acc.shape, dtype=torch.float32, device=acc.device)
+    n = acc.numel()
+    _accumulate_kernel[(triton.cdiv(n, ACC_BLOCK),)](acc, grad, out, n, BLOCK=ACC_BLOCK, num_warps=8)
+    return out
+
+
+SQ_BLOCK = 8192
+
+
+@triton.jit
+def _sum_squares_table_kernel(
+    addrs_ptr, numel_ptr, blk_tensor_ptr, blk_start_ptr, slot_ptr, out_ptr,
+    DTYPE: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """out[slot] = Σ x² over block `pid`'s elements (of tensor i, from its address), in fp32; a
+    tensor's blocks fill its slots from `slot[i]` on, in order."""
+    pid = tl.program_id(0)
+    i = tl.load(blk_tensor_ptr + pid)
+    start = tl.multiple_of(tl.load(blk_start_ptr + pid), BLOCK)
+    n, x_ptr = tl.load(numel_ptr + i), tl.load(addrs_ptr + i).to(tl.pointer_type(DTYPE))
+    if ALIGNED:
+        n, x_ptr = tl.multiple_of(n, 16), tl.multiple_of(x_ptr, 16)
+    offs = start + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+    tl.store(out_ptr + tl.load(slot_ptr + i) + start // BLOCK, tl.sum(x.to(tl.float32) * x.to(tl.float32), axis=0))
+
+
+def sum_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Σ‖t‖² over `tensors` (contiguous, bf16 or fp32), in fp32, as a device scalar: one pass per
+    dtype that writes a partial sum per block of SQ_BLOCK elements (the tensors' blocks in
+    order), then one sum of the partials (a fixed order: the same bits on every call, no
+    atomics). The clipping norm's pass over every gradient: torch's `_foreach_norm` read bf16
+    gradients at 2.17 TB/s on an H200 (benchmarks/step_bytes_probe.py), under half the bandwidth;
+    one launch per dtype, not per tensor, keeps the host ahead of the GPU."""
+    assert all(t.is_contiguous() and t.dtype in (torch.bfloat16, torch.float32) for t in tensors)
+    device = tensors[0].device
+    counts = [triton.cdiv(t.numel(), SQ_BLOCK) for t in tensors]
+    slots = [sum(counts[:i]) for i in range(len(counts))]
+    partials = torch.empty(sum(counts), dtype=torch.float32, device=device)
+    for dtype in (torch.bfloat16, torch.float32):
+        chosen = [i for i, t in enumerate(tensors) if t.dtype == dtype and counts[i]]
+        if not chosen:
+            continue
+        group = [tensors[i] for i in chosen]
+        numels = tuple(t.numel() for t in group)
+        blk_tensor, blk_start = _block_table(numels, SQ_BLOCK, device)
+        _sum_squares_table_kernel[(blk_tensor.numel(),)](
+            _addresses(group), _int64_table(numels, device), blk_tensor, blk_start,
+            _int64_table(tuple(slots[i] for i in chosen), device), partials,
+            DTYPE=_TL_DTYPES[dtype], ALIGNED=_aligned(group, numels), BLOCK=SQ_BLOCK, num_warps=8,
+        )  # fmt: skip
+    return partials.sum()

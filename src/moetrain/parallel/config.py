@@ -1,0 +1,281 @@
+"""Configuration of the parallel layout (`parallel.*`) and of activation recompute, and the
+builder of the layout: `ParallelConfig.build(world_size)` -> `ParallelDims`.
+
+Rules that involve only this section (and the world size) live here; rules that relate it to
+the model, the batch or the device live in `RunConfig.validate` (src/moetrain/train/config.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from moetrain.config import Config, non_negative, positive
+from moetrain.errors import ConfigError
+from moetrain.parallel.dims import ParallelDims
+
+DEFAULT_CAPACITY_FACTOR: float | None = 1.25
+"""parallel.capacity_factor's default: each rank's experts get 1.25 × the balanced load (a slack
+of 0.25, the capacity factor of Olmo-core's reference MoE runs), whatever ep, with counted drops
+beyond it; None is the padded mode (dropless whatever the routing, ep × the exact exchange)."""
+DEFAULT_CAPACITY_MIN_ROWS = 1024
+"""parallel.capacity_min_rows's default: each rank's experts get at least 1024 rows per MoE layer
+(R·C ≥ 1024). Few tokens route unevenly: a rank's balanced load of M assignments fluctuates by
+about √M under random routing (the 0.25 slack covers 4√M only from M = 256 on), and a young
+model's learned routing skews further (up to 1.4 × the mean on the numerics fingerprint's
+2-rank runs, M = 512). So below M ≈ 820 (1.25 M < 1024) the floor gives room, and every row
+where 1024 / R ≥ M: the padded mode's layout and numerics, at sizes where its buffers cost
+little. At GPU scale (M in the tens of thousands: 8192 tokens × top-4) it is inactive, at any ep."""
+DEFAULT_SPILL_FACTOR = 0.125
+"""parallel.spill_factor's default: a small spill, 1/8 of a pair's balanced share, on the wire."""
+MAX_ROW_FACTOR = 1024
+"""The largest parallel.capacity_factor / spill_factor: past ep (the padded mode's rows) more
+rows buy nothing, and no expert-parallel group is this large."""
+MAX_DEGREE = 2**20
+"""The largest parallel degree (dp, ep, pp, stages per rank) a config may ask for."""
+
+
+class Recompute(enum.StrEnum):
+    none = "none"
+    full = "full"
+    """Per-layer activation recompute: keep only each block's input, recompute the block
+    during backward."""
+    selective = "selective"
+    """Keep what is expensive to recompute — the outputs of matrix products (linear layers,
+    grouped expert GEMMs, attention) and of communication — and recompute the cheap element-wise
+    work (norms, RoPE, the SwiGLU activation, routing scores, permutations) during backward."""
+
+
+class Stack(enum.StrEnum):
+    ddp = "ddp"
+    """Resident experts: dense parameters replicated, experts split over ep ranks (all-to-all),
+    gradients all-reduced by `GradReducer` (or reduce-scattered by the sharded optimizer)."""
+    fsdp = "fsdp"
+    """The FSDP2 baseline: `fully_shard` per block and on the root over dp; experts are sharded
+    like any weight and all-gathered with their block, so every rank computes all experts for its
+    tokens (no expert parallelism, no all-to-all). Parameters, gradients and AdamW state ÷ dp."""
+
+
+class PipelineSchedule(enum.StrEnum):
+    gpipe = "gpipe"
+    """All forwards, then all backwards: activations of every micro-batch are held at once."""
+    onef1b = "1f1b"
+    """One forward, one backward in the steady state: at most pp micro-batches in flight."""
+    interleaved_1f1b = "interleaved-1f1b"
+    """1F1B over several stages per rank (parallel.pp_stages_per_rank ≥ 2): a smaller bubble
+    for more point-to-point messages."""
+
+
+class DispatcherKind(enum.StrEnum):
+    nosync = "nosync"
+    """Fixed-size buffers: no device-to-host sync. Each rank's experts get
+    parallel.capacity_factor (1.25) × the balanced load, shared by all sources, and what finds no
+    room is dropped and counted; capacity_factor=null pads for the worst case (dropless, ep × the
+    exact exchange's rows) (src/moetrain/parallel/nosync_dispatcher.py)."""
+    alltoall = "alltoall"
+    """Exact split sizes, read on the host once per layer: dropless, least memory."""
+    symm = "symm"
+    """Experimental. Exact rows, split sizes exchanged on the GPUs (NVSHMEM symmetric memory):
+    dropless, no host sync, only routed rows cross NVLink (src/moetrain/parallel/symm_dispatcher.py)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class ParallelConfig(Config):
+    stack: Stack = Stack.ddp
+    """Which parallel stack trains the model: `ddp` (resident experts, expert parallelism) or
+    `fsdp` (the FSDP2 baseline, for comparing the stacks on the same model, data and batch)."""
+    dp: int | None = positive(None, at_most=MAX_DEGREE)
+    """Data-parallel degree (how many slices the batch is split into); None = every rank left
+    (world size / (pp · cp))."""
+    cp: int = positive(1, at_most=MAX_DEGREE)
+    """Context-parallel degree: each sequence is split over cp consecutive ranks (2 · cp chunks,
+    rank i holding chunks i and 2·cp − 1 − i so that causal attention costs every rank the same),
+    which all-gather the keys and values of each attention layer
+    (src/moetrain/parallel/context_parallel.py). Activations per rank ÷ cp, for long sequences.
+    Divides nothing else: world size = pp · dp · cp; data.seq_len must be a multiple of 2 · cp."""
+    ep: int = positive(1, at_most=MAX_DEGREE)
+    """Expert-parallel degree: experts are split over groups of ep ranks. Divides dp · cp (the
+    ranks of one pipeline stage) and the number of experts."""
+    pp: int = positive(1, at_most=MAX_DEGREE)
+    """Pipeline-parallel degree: the layers are split into pp × pp_stages_per_rank stages. The
+    micro-batches of a step (train.global_batch_size / train.micro_batch_size, at least pp) are
+    the pipeline's micro-batches."""
+    pp_schedule: PipelineSchedule = PipelineSchedule.onef1b
+    """Pipeline schedule (torch.distributed.pipelining): gpipe, 1f1b or interleaved-1f1b."""
+    pp_stages_per_rank: int | None = positive(None, at_most=MAX_DEGREE)
+    """Stages per pipeline rank; None = 1 (gpipe, 1f1b) or 2 (interleaved-1f1b)."""
+
+    dispatcher: DispatcherKind = DispatcherKind.nosync
+    """How tokens reach experts on other ranks (with ep > 1): nosync, alltoall, or symm,
+    experimental: NVSHMEM builds only, slower than nosync in the one layout measured
+    (docs/measurements.md, "At the preset's batch")."""
+    compile_overlap: bool = False
+    """Experimental. With train.compile: let Inductor move the collectives inside each compiled
+    block (the expert all-to-alls) ahead of independent compute, so they overlap it. Off by
+    default: measured on one layout only (docs/measurements.md, "At the preset's batch")."""
+    shard_optimizer: bool = False
+    """Distributed optimizer: fp32 master weights and AdamW moments sharded over the data-parallel
+    ranks (gradients reduce-scattered, parameters all-gathered): optimizer memory ÷ dp."""
+    timeout_s: float = positive(600.0, at_most=10**9, unit="seconds")
+    """Collective timeout: a collective that has not completed after this long fails."""
+    peer_timeout_s: float = positive(120.0, at_most=10**9, unit="seconds")
+    """A rank whose heartbeat (one tick a second from a background thread) stands still this long
+    is declared dead or hung: the rank watching it (ranks watch their successor in a ring) stops
+    the run with an error naming it, instead of waiting out a collective timeout."""
+    capacity_factor: float | None = positive(DEFAULT_CAPACITY_FACTOR, at_most=MAX_ROW_FACTOR)
+    """nosync only: the rows each rank's experts get, as a multiple of the balanced load (its
+    share of the assignments of the EP group): f · assignments, C = ceil(f · assignments / ep)
+    guaranteed to each source (R·C at least parallel.capacity_min_rows) and the rest shared by the
+    sources' spill rows. Assignments that find no room are dropped (zero output) and counted in
+    dropped_token_frac. null = the padded mode: dropless whatever the routing, at ep × the
+    memory and bytes of the exact exchange (docs/architecture.md, "Dispatcher memory")."""
+    capacity_min_rows: int = non_negative(DEFAULT_CAPACITY_MIN_ROWS, at_most=2**40)
+    """nosync only: the fewest rows a rank's experts get per MoE layer (C ≥ min_rows / ep per
+    source, never more than all M of a source's assignments), whatever capacity_factor gives.
+    The default keeps small micro-batches, whose routing fluctuates by more than the slack,
+    dropless; 0 = no floor."""
+    spill_factor: float = non_negative(DEFAULT_SPILL_FACTOR, at_most=MAX_ROW_FACTOR)
+    """nosync only: spill rows per (source, destination) pair beyond C, as a multiple of the
+    balanced share (ceil(s · assignments / ep)); they carry a pair's overflow into the rows other
+    sources leave unused at that destination. Bytes on the wire: (capacity_factor + s) × the
+    exact exchange's. 0 = no spill: each pair's block holds C rows."""
+
+    overlap_chunks: int = non_negative(0, at_most=64)
+    """nosync only: 0 = each MoE layer's all-to-alls wait for their data and are waited for (the
+    step pays them in full); n ≥ 1 = they run asynchronously beside compute, the layer's exchange
+    split by experts into n (src/moetrain/parallel/overlapped_dispatcher.py): chunk i + 1 travels
+    while chunk i's experts compute, and chunk 1 while the shared expert does; backward mirrors
+    it. n must divide each rank's experts (model.moe.num_experts / ep) and, for n > 1, capacity
+    be bounded; the results are the unsplit exchange's bit for bit (1/n of the capacity per
+    chunk, so under skew a chunk may drop what the whole would keep)."""
+
+    def overlap_problem(self, num_experts: int) -> str | None:
+        """Why overlap_chunks cannot split the exchange of `num_experts` experts over ep ranks
+        (None: it can, or there is no exchange)."""
+        n = self.overlap_chunks
+        if n <= 1 or self.ep <= 1 or self.dispatcher != DispatcherKind.nosync:
+            return None
+        local = num_experts // self.ep
+        if local % n:
+            fits = [d for d in range(2, local + 1) if local % d == 0]
+            return (
+                f"parallel.overlap_chunks={n} splits each MoE layer's exchange by experts, so it must divide "
+                f"the {local} experts each rank holds (model.moe.num_experts={num_experts} / parallel.ep={self.ep}): "
+                f"use parallel.overlap_chunks=1 (one exchange beside the shared expert)"
+                + (f" or one of {', '.join(map(str, fits))}." if fits else ".")
+            )
+        if self.capacity_factor is None:
+            return (
+                f"parallel.overlap_chunks={n} needs a bounded capacity: the padded mode "
+                "(parallel.capacity_factor=null) would need n × its buffers. Set parallel.capacity_factor "
+                f"(default {DEFAULT_CAPACITY_FACTOR}), or parallel.overlap_chunks=1."
+            )
+        return None
+
+    def validate(self) -> None:
+        if self.dispatcher != DispatcherKind.nosync:
+            defaults = (
+                ("capacity_factor", DEFAULT_CAPACITY_FACTOR),
+                ("spill_factor", DEFAULT_SPILL_FACTOR),
+                ("capacity_min_rows", DEFAULT_CAPACITY_MIN_ROWS),
+                ("overlap_chunks", 0),
+            )
+            for name, default in defaults:
+                # null capacity (the old default, in configs saved before 1.25 was) means exact too
+                if getattr(self, name) != default and not (name == "capacity_factor" and self.capacity_factor is None):
+                    if name == "overlap_chunks":
+                        raise ConfigError(
+                            f"parallel.overlap_chunks={self.overlap_chunks} pipelines the nosync dispatcher's "
+                            f"all-to-alls; the {self.dispatcher} dispatcher does not overlap them: drop the "
+                            "setting or use parallel.dispatcher=nosync."
+                        )
+                    raise ConfigError(
+                        f"parallel.{name}={_text(getattr(self, name))} applies to parallel.dispatcher=nosync only; the "
+                        f"{self.dispatcher} dispatcher is always dropless: drop the setting or use "
+                        "parallel.dispatcher=nosync."
+                    )
+        if self.dp is not None and self.dp <= 0:
+            raise ConfigError(f"parallel.dp={self.dp} must be a positive integer (or null for all ranks).")
+        if self.ep <= 0:
+            raise ConfigError(f"parallel.ep={self.ep} must be a positive integer.")
+        if self.cp <= 0:
+            raise ConfigError(f"parallel.cp={self.cp} must be a positive integer.")
+        if self.pp <= 0:
+            raise ConfigError(f"parallel.pp={self.pp} must be a positive integer.")
+        v = self.stages_per_rank
+        if v <= 0:
+            raise ConfigError(f"parallel.pp_stages_per_rank={v} must be a positive integer.")
+        if self.pp_schedule == PipelineSchedule.interleaved_1f1b and v < 2:
+            raise ConfigError(
+                f"parallel.pp_schedule=interleaved-1f1b interleaves several stages per rank: set "
+                f"parallel.pp_stages_per_rank ≥ 2 (got {v}), or use parallel.pp_schedule=1f1b."
+            )
+        if v > 1 and self.pp == 1:
+            raise ConfigError(
+                f"parallel.pp_stages_per_rank={v} splits the pipeline further, but parallel.pp=1: "
+                "set parallel.pp ≥ 2 for pipeline parallelism."
+            )
+        if self.pp_schedule != PipelineSchedule.interleaved_1f1b and v != 1:
+            raise ConfigError(
+                f"parallel.pp_stages_per_rank={v} needs parallel.pp_schedule=interleaved-1f1b "
+                f"(parallel.pp_schedule={self.pp_schedule} runs one stage per rank)."
+            )
+        if self.stack == Stack.fsdp:
+            if self.ep != 1:
+                raise ConfigError(
+                    f"parallel.stack=fsdp shards experts like any weight and has no expert parallelism: "
+                    f"set parallel.ep=1 (got parallel.ep={self.ep}), or use parallel.stack=ddp."
+                )
+            if self.shard_optimizer:
+                raise ConfigError(
+                    "parallel.shard_optimizer=true is the ddp stack's distributed optimizer; "
+                    "parallel.stack=fsdp shards the optimizer state already: drop one of the two."
+                )
+            if self.pp != 1:
+                raise ConfigError(
+                    f"parallel.stack=fsdp is the data-parallel-only baseline: set parallel.pp=1 (got "
+                    f"parallel.pp={self.pp}), or use parallel.stack=ddp for pipeline parallelism."
+                )
+
+    def build(self, world_size: int) -> ParallelDims:
+        """The layout on `world_size` ranks: pp · cp divides the world, dp fills the rest (or is
+        given and must fit), ep divides dp · cp. Rules that also involve the model or the batch
+        are `RunConfig.validate`'s."""
+        pp, cp = self.pp, self.cp
+        if world_size % pp:
+            raise ConfigError(
+                f"parallel.pp={pp} does not divide the world size {world_size}: launch a multiple "
+                f"of {pp} processes or change parallel.pp."
+            )
+        if world_size % (pp * cp):
+            raise ConfigError(
+                f"parallel.pp={pp} × parallel.cp={cp} = {pp * cp} does not divide the world size {world_size}: "
+                f"launch a multiple of {pp * cp} processes or change parallel.cp."
+            )
+        dp = self.dp if self.dp is not None else world_size // (pp * cp)
+        if pp * dp * cp != world_size:
+            shape = f"pp={pp} × dp={dp}" + (f" × cp={cp}" if cp > 1 else "")
+            raise ConfigError(
+                f"The layout {shape} = {pp * dp * cp} ranks does not match the world size "
+                f"{world_size}: set parallel.dp={world_size // (pp * cp)} or launch {pp * dp * cp} processes."
+            )
+        if (dp * cp) % self.ep:
+            where = f"parallel.dp={dp}" if cp == 1 else f"parallel.dp={dp} × parallel.cp={cp} = {dp * cp}"
+            raise ConfigError(
+                f"parallel.ep={self.ep} does not divide {where}: expert-parallel groups are "
+                "made of the ranks of one pipeline stage."
+            )
+        return ParallelDims(
+            world_size=world_size, dp=dp, ep=self.ep, pp=pp, stages_per_rank=self.stages_per_rank, cp=cp
+        )
+
+    @property
+    def stages_per_rank(self) -> int:
+        if self.pp_stages_per_rank is not None:
+            return self.pp_stages_per_rank
+        return 2 if self.pp_schedule == PipelineSchedule.interleaved_1f1b else 1
+
+
+def _text(value: float | None) -> str:
+    """A setting as it is written on the command line."""
+    return "null" if value is None else f"{value:g}"

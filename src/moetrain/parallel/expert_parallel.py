@@ -1,0 +1,48 @@
+"""Expert parallelism: experts stay resident on their ranks and tokens travel to them.
+
+Legend: E experts in all, L = E / ep experts on this rank.
+
+`apply_expert_parallel` gives every MoE layer of a (meta-device) model the slice of experts its
+rank holds and a dispatcher that moves tokens with all-to-all (src/moetrain/parallel/exact_dispatchers.py,
+nosync_dispatcher.py, overlapped_dispatcher.py, symm_dispatcher.py). The model code is unchanged:
+the MoE layer still asks its dispatcher for the expert step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moetrain.model.experts import GroupedExperts
+from moetrain.model.transformer import Transformer
+from moetrain.parallel.config import DispatcherKind, ParallelConfig
+from moetrain.parallel.dims import ParallelState
+from moetrain.parallel.exact_dispatchers import AllToAllDispatcher, DataParallelDispatcher
+from moetrain.parallel.nosync_dispatcher import NoSyncDispatcher
+from moetrain.parallel.overlapped_dispatcher import OverlappedDispatcher
+from moetrain.parallel.symm_dispatcher import SymmMemDispatcher
+
+
+def apply_expert_parallel(model: Transformer, state: ParallelState, cfg: ParallelConfig | None = None) -> None:
+    """Give each MoE layer its rank's experts and a dispatcher that reaches the others. Run on the
+    meta device, before materializing: only the local experts are ever allocated."""
+    cfg = cfg or ParallelConfig()
+    dims = state.dims
+    for moe in model.moe_layers():
+        E = moe.cfg.num_experts
+        if dims.ep > 1:
+            L = E // dims.ep
+            old = moe.experts
+            with torch.device(old.w_down_EDF.device):
+                moe.experts = GroupedExperts(L, old.d_model, old.hidden, expert_offset=state.ep_rank * L)
+            if cfg.dispatcher == DispatcherKind.nosync:
+                sizes = (cfg.capacity_factor, cfg.spill_factor, cfg.capacity_min_rows)
+                if cfg.overlap_chunks:
+                    moe.dispatcher = OverlappedDispatcher(E, state.ep_group, state.dp_group, *sizes, cfg.overlap_chunks)
+                else:
+                    moe.dispatcher = NoSyncDispatcher(E, state.ep_group, state.dp_group, *sizes)
+            elif cfg.dispatcher == DispatcherKind.symm:
+                moe.dispatcher = SymmMemDispatcher(E, state.ep_group, state.dp_group)
+            else:
+                moe.dispatcher = AllToAllDispatcher(E, state.ep_group, state.dp_group)
+        elif dims.replicas > 1:
+            moe.dispatcher = DataParallelDispatcher(E, state.dp_group)

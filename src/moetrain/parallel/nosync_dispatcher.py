@@ -1,0 +1,374 @@
+"""A sync-free expert-parallel dispatcher: fixed-size all-to-all buffers near the exact exchange's
+size, no host round trip.
+
+Legend: N tokens on this rank, K top-k, M = N·K assignments (row n·K + k: token order), D model
+dim, E experts in all, R = ep ranks of the expert-parallel group, L = E / R experts on this rank,
+C = ceil(capacity_factor · M / R) and P = ceil(spill_factor · M / R) rows, W = C + P rows per
+(source, destination) pair of the exchange, X the R × R routing counts (X[s, d]: assignments of
+rank s to rank d's experts).
+
+`AllToAllDispatcher` (exact_dispatchers.py) sends each peer exactly the rows routed to it, so its split
+sizes are data and are read on the host once per layer: the CPU waits for the router, and the
+step cannot be captured in a CUDA graph. Here the all-to-all has equal splits, fixed by N, K, R
+and two factors, so nothing waits on the host. One MoE layer:
+
+1. counts: an all-gather of R integers gives every rank all of X, on the device.
+2. rank s fills its block for each destination d with its first assignments to d (token order):
+   the first C always, up to P more ("spill" rows) where d has room for them. Room is pooled at
+   the destination: d's experts take R·C rows, the C of every source's block plus the spill
+   rows of the sources in rank order, as long as the rows other sources leave unused
+   (Σ_r max(0, C − X[r, d])) last. Every rank computes the same answer from X, so the sender
+   knows which of its rows will be kept and sends zeros in place of the others.
+3. beside each row travels an int64 key (local expert, source rank, rank among that source's
+   assignments to d), or padding. d sorts its R·W received keys and keeps the first R·C rows: the
+   kept rows, grouped by local expert, source-major, token order within (the exact dispatcher's
+   order), then padding, past the last offset, where the grouped GEMM skips it: not computed,
+   its output rows (and input-gradient rows in backward) may hold anything (uninitialized memory
+   on CPU; zeros or leftovers with CUDA's kernels), never read.
+4. combine undoes 3, sends the buffers back, and weights and sums each token's kept copies.
+
+A second spill exchange of P rows per pair would move the same bytes as one exchange of C + P
+rows per pair, one latency later; the pooling at the destination is what keeps the experts' rows
+at R·C.
+
+Dropping. An assignment is dropped when its pair's block is full (X[s, d] > W) or its
+destination is (the rows beyond C that reach d exceed the rows other sources leave unused). Its
+output is zero: the token keeps its other experts' outputs and the shared expert's, and the
+top-k weights are not renormalized (the Switch Transformer's convention). `dropped_tokens()`
+counts them on the device; the trainer logs `dropped_token_frac`. Everything routed to one rank
+d is the extreme: X[s, d] = M for every s and every other block is empty, so d gets R·C rows
+(≈ capacity_factor · M: C from each source) and the other R·(M − C) assignments are dropped, a
+fraction 1 − capacity_factor / R of them (84% at ep 8 with capacity_factor 1.25); the other ranks'
+experts compute nothing. `capacity_factor=None` is the padded mode, dropless whatever the
+routing: C = M (one destination may receive all of a rank's assignments), at R × the memory and
+bytes of the exact dispatcher. R·C is at least `min_rows` (parallel.capacity_min_rows, 1024
+by default): few tokens route more unevenly than the slack allows (a rank's load of M fluctuates
+by about √M under random routing; early learned routing skews further), so small micro-batches
+get room, up to every row (C = M: the padded mode's layout and numerics); at GPU scale (M in the
+tens of thousands) the floor is inactive.
+
+Memory per MoE layer and rank under balanced routing (every X[s, d] = M / R), in rows of D: the
+exact dispatcher's experts get M rows and its all-to-alls move M each way; here the experts get
+R·C ≈ capacity_factor · M rows and the all-to-alls move R·W ≈ (capacity_factor + spill_factor)
+· M. The exchange's buffers are transient (one layer's at a time); what is kept for backward is
+the experts' R·C rows and, as in the exact dispatcher, the M output rows combine weights.
+With capacity_factor 1.25 and the default spill 0.125: 1.25 × the exact dispatcher's
+activations, 1.375 × its bytes; measured on CPU (tests/parallel/test_nosync_capacity.py) the
+whole dispatch allocates 1.02 × the exact dispatcher's peak bytes and keeps 1.14 × its bytes
+for backward, at ep 2, 4 and 8.
+
+The garbage of padding rows never reaches a result: combine gathers only kept assignments' rows
+and zero-fills dropped ones by mask (not a product, which would turn NaN garbage into NaN), and
+in backward the mask that zero-fills unsent rows in dispatch also drops their gradient before it
+reaches `x` (such a row copied from some token would hand that token the garbage). Numerics: the
+buffer is destination-major, token order within, in every mode, so each token's copies reach
+its gradient in the same order and, whenever nothing is dropped, the results are the padded
+mode's bit for bit (on CPU).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from moetrain.model.permute import inverse_permutation
+from moetrain.parallel.config import DEFAULT_CAPACITY_FACTOR, DEFAULT_SPILL_FACTOR
+from moetrain.parallel.exact_dispatchers import ExpertParallelDispatcher, wire_dtype_of
+
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+"""all_gather_single where torch has it (2.13 deprecates all_gather_tensor), all_gather_tensor on
+older ones (torch 2.11, the GPU machine's, has no all_gather_single)."""
+
+
+def capacity_rows(assignments: int, ep: int, capacity_factor: float | None, min_rows: int = 0) -> int:
+    """C for a source with M = `assignments`: ceil(capacity_factor · M / ep), at least
+    ceil(min_rows / ep) (so a rank's experts get ep·C ≥ min_rows rows), at most M (more than all
+    of a rank's assignments can never be needed); M in the padded mode (capacity_factor None:
+    all of them may go to one peer). C = M is the padded mode's layout, whatever the factor:
+    nothing is ever dropped."""
+    if capacity_factor is None:
+        return assignments
+    return min(max(_ceil(capacity_factor * assignments / ep), _ceil(min_rows / ep)), assignments)
+
+
+def block_rows(assignments: int, ep: int, capacity_factor: float | None, spill_factor: float, min_rows: int = 0) -> int:
+    """W = C + P, P = ceil(spill_factor · M / ep) spill rows: the rows of each (source,
+    destination) block of the exchange, at most M."""
+    C = capacity_rows(assignments, ep, capacity_factor, min_rows)
+    return min(C + _ceil(spill_factor * assignments / ep), assignments)
+
+
+class NoSyncState(NamedTuple):
+    """What `combine` needs to undo `dispatch`."""
+
+    slot_NK: torch.Tensor
+    """Send-buffer row of each assignment; 0 for dropped ones (see keep_NK)."""
+    keep_NK: torch.Tensor
+    """Whether each assignment was sent and kept by its destination."""
+    src_S: torch.Tensor
+    """The assignment each send-buffer row holds (any, where the row is empty: see filled_S)."""
+    filled_S: torch.Tensor
+    regroup_idx_C: torch.Tensor
+    """The R·C received rows the experts get (source-major buffer rows), in local-expert-major
+    order, padding last."""
+
+
+class _Plan(NamedTuple):
+    """One exchange's routing, before any row moves."""
+
+    state: NoSyncState
+    """regroup_idx_C is filled in on arrival (`_receive`)."""
+    key_S: torch.Tensor
+    """The key beside each send-buffer row (module docstring, 3)."""
+    dropped: torch.Tensor | None
+
+
+class NoSyncDispatcher(ExpertParallelDispatcher):
+    """Expert-parallel dispatch with fixed-size buffers and equal all-to-all splits: no
+    device-to-host synchronization. Each rank's experts get about `capacity_factor` × the
+    balanced load, shared by all sources; each pair's block holds `spill_factor` × the balanced
+    share more; what finds no room is dropped and counted. `capacity_factor=None`: padded for
+    the worst case, dropless (see the module docstring)."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        ep_group: dist.ProcessGroup,
+        dp_group: dist.ProcessGroup | None,
+        capacity_factor: float | None = DEFAULT_CAPACITY_FACTOR,
+        spill_factor: float = DEFAULT_SPILL_FACTOR,
+        min_rows: int = 0,
+    ):
+        super().__init__(num_experts, ep_group, dp_group)
+        # ParallelConfig.validate
+        assert capacity_factor is None or capacity_factor > 0, capacity_factor
+        assert spill_factor >= 0 and min_rows >= 0, (spill_factor, min_rows)
+        self.capacity_factor = capacity_factor
+        self.spill_factor = spill_factor
+        self.min_rows = min_rows
+        """The fewest rows R·C the experts get (parallel.capacity_min_rows; 0 here unless given)."""
+        self.ep_rank = dist.get_rank(ep_group)
+        self._dropped: torch.Tensor | None = None
+
+    def capacity(self, num_tokens: int, top_k: int) -> int:
+        """C: each source's guaranteed rows at a destination; R·C rows reach the experts."""
+        return capacity_rows(num_tokens * top_k, self.ep, self.capacity_factor, self.min_rows)
+
+    def block_rows(self, num_tokens: int, top_k: int) -> int:
+        """W = C + P: rows of each (source, destination) block of the exchange."""
+        return block_rows(num_tokens * top_k, self.ep, self.capacity_factor, self.spill_factor, self.min_rows)
+
+    def buffer_rows(self, num_tokens: int, top_k: int) -> int:
+        """R·C: the rows the grouped experts get. R·N·K in the padded mode, against N·K for the
+        exact dispatcher."""
+        return self.ep * self.capacity(num_tokens, top_k)
+
+    def dispatch(
+        self, x_ND: torch.Tensor, topk_ids_NK: torch.Tensor, tokens_per_expert_E: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, NoSyncState]:
+        """Returns the received rows sorted by local expert, padding last (R·C, D), the int32 end
+        offset of each local expert's rows (L,), and the state for `combine`."""
+        R, L = self.ep, self.num_local_experts
+        num_tokens, top_k = topk_ids_NK.shape
+        C, W = self.capacity(num_tokens, top_k), self.block_rows(num_tokens, top_k)
+        send_counts_R = tokens_per_expert_E.view(R, L).sum(1)
+        X_RR = self._all_counts(send_counts_R.unsqueeze(0))[:, 0] if W > C else None
+        plan = self._plan(topk_ids_NK, send_counts_R, X_RR, C, W)
+        if self.capacity_factor is not None:
+            self._dropped = plan.dropped
+
+        # 2. Equal splits: every shape is known without looking at the routing.
+        splits = [W] * R
+        key_recv_S = funcol.all_to_all_single(plan.key_S, splits, splits, group=self.ep_group)
+        x_recv_SD = funcol.all_to_all_single_autograd(self._send_rows(x_ND, plan), splits, splits, group=self.ep_group)
+        return self._receive(x_recv_SD, key_recv_S, plan, C, num_tokens * top_k)
+
+    def _all_counts(self, send_counts_nR: torch.Tensor) -> torch.Tensor:
+        """X of each of n exchanges, (R, n, R): X[s, i, d] is source s's count for destination d
+        in exchange i (one all-gather for all of them)."""
+        n, R = send_counts_nR.shape
+        counts = send_counts_nR.flatten().contiguous()  # (torch 2.11's all_gather_tensor asserts it)
+        return _all_gather(counts, 0, group=self.ep_group).view(R, n, R)
+
+    def _plan(
+        self,
+        topk_ids_NK: torch.Tensor,
+        send_counts_R: torch.Tensor,
+        X_RR: torch.Tensor | None,
+        C: int,
+        W: int,
+        group: tuple[torch.Tensor, int, int] | None = None,
+    ) -> _Plan:
+        """1. Each assignment's rank among this rank's assignments to its destination (token
+        order), how many of them its destination keeps, and the send buffer's map. `group`:
+        (member_M, first, count): only the assignments to each rank's local experts
+        [first, first + count) take part (member_M marks them; the rest are not sent)."""
+        R, L = self.ep, self.num_local_experts
+        num_tokens, top_k = topk_ids_NK.shape
+        M = num_tokens * top_k
+        device = topk_ids_NK.device
+        expert_M = topk_ids_NK.flatten()
+        dest_M = expert_M // L
+        start_R = send_counts_R.cumsum(0) - send_counts_R
+        kept_R = send_counts_R.clamp(max=C) + self._spill_kept(X_RR, C, W)
+        first, count = 0, L
+        if group is not None:  # the others go to destination R, which keeps nothing, after all real ones
+            member_M, first, count = group
+            dest_M = torch.where(member_M, dest_M, R)
+            start_R = torch.cat([start_R, send_counts_R.sum().unsqueeze(0)])
+            kept_R = torch.cat([kept_R, kept_R.new_zeros(1)])
+        order_M = dest_M.argsort(stable=True)  # destination-major, token order within each
+        rank_in_dest_M = torch.arange(M, device=device) - start_R[dest_M[order_M]]
+        pos_M = torch.empty_like(rank_in_dest_M).index_copy_(0, order_M, rank_in_dest_M)
+        keep_NK = (pos_M < kept_R[dest_M]).view(num_tokens, top_k)
+        slot_NK = torch.where(keep_NK, (dest_M * W + pos_M).view(num_tokens, top_k), 0)
+
+        # The same map read from the buffer's side, as a gather (no duplicate writes): row (d, c)
+        # holds the c-th assignment to d, if d keeps it; beside it travels its key.
+        c_W = torch.arange(W, device=device)
+        filled_RW = c_W < kept_R[:R].unsqueeze(1)
+        src_RW = order_M[(start_R[:R].unsqueeze(1) + c_W).clamp_(max=M - 1)]
+        key_RW = expert_M[src_RW].remainder_(L).sub_(first).mul_(R * M).add_(self.ep_rank * M + c_W)
+        key_S = key_RW.masked_fill_(~filled_RW, count * R * M).flatten()  # padding: count·R·M
+        dropped = None
+        if self.capacity_factor is not None:
+            dropped = (M if group is None else send_counts_R.sum()) - keep_NK.sum()
+        return _Plan(NoSyncState(slot_NK, keep_NK, src_RW.flatten(), filled_RW.flatten(), None), key_S, dropped)
+
+    @staticmethod
+    def _send_rows(x_ND: torch.Tensor, plan: _Plan) -> torch.Tensor:
+        """The send buffer (R·W, D) in the wire dtype; each token's copies in buffer order
+        (destination, then k), the order backward sums them in."""
+        st = plan.state
+        top_k = st.slot_NK.shape[1]
+        by_slot_NK, sort_NK = st.slot_NK.sort(dim=1)
+        return _SendRows.apply(
+            x_ND, st.src_S // top_k, st.filled_S, by_slot_NK, st.keep_NK.gather(1, sort_NK), wire_dtype_of(x_ND)
+        )
+
+    def _receive(
+        self, x_recv_SD: torch.Tensor, key_recv_S: torch.Tensor, plan: _Plan, C: int, M: int, experts: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, NoSyncState]:
+        """3. The received rows the experts get, by local expert, their offsets, and the state.
+        `experts`: how many local experts the keys name (all L, or a group's)."""
+        R, L = self.ep, experts or self.num_local_experts
+        # Keys are unique but for padding, which sorts last: the first R·C are every kept row
+        # (the senders keep at most that many), by local expert, then source, then token.
+        order_S = key_recv_S.argsort(stable=True)
+        regroup_idx_C = order_S[: R * C]
+        x_local_CD = _Regroup.apply(x_recv_SD, regroup_idx_C, inverse_permutation(order_S))
+        # A scatter, not bincount: bincount's output size is data (a sync). Padding counts as L.
+        expert_S = key_recv_S // (R * M)
+        rows_per_expert = torch.zeros(L + 1, dtype=torch.int64, device=x_recv_SD.device)
+        rows_per_expert.scatter_add_(0, expert_S, torch.ones_like(expert_S))
+        offsets_L = rows_per_expert[:L].cumsum(0).to(torch.int32)
+        return x_local_CD, offsets_L, plan.state._replace(regroup_idx_C=regroup_idx_C)
+
+    def _spill_kept(self, X_RR: torch.Tensor | None, C: int, W: int) -> torch.Tensor:
+        """How many of this rank's rows beyond C each destination keeps: its rows in [C, W),
+        after those of lower ranks, while the rows other sources leave unused last. `X_RR`: the
+        group's counts (None when there are no spill rows, W = C)."""
+        if X_RR is None:
+            return 0
+        R = self.ep
+        unused_D = R * C - X_RR.clamp(max=C).sum(0)
+        extra_RR = X_RR.clamp(max=W) - X_RR.clamp(max=C)
+        before_D = (extra_RR.cumsum(0) - extra_RR)[self.ep_rank]
+        return torch.minimum(extra_RR[self.ep_rank], (unused_D - before_D).clamp(min=0))
+
+    def combine(self, y_local_CD: torch.Tensor, state: NoSyncState, topk_weights_NK: torch.Tensor) -> torch.Tensor:
+        """(R·C, D) in local-expert order -> each token's weighted sum over its copies (N, D);
+        dropped assignments add nothing. Padding rows of `y_local_CD` may hold anything."""
+        splits = [state.src_S.numel() // self.ep] * self.ep
+        y_back_SD = funcol.all_to_all_single_autograd(
+            _returned_rows(y_local_CD, state), splits, splits, group=self.ep_group
+        )
+        return _CombineRows.apply(y_back_SD, topk_weights_NK, state.slot_NK, state.keep_NK, state.src_S, state.filled_S)
+
+    def dropped_tokens(self) -> torch.Tensor | None:
+        """Assignments dropped in the last dispatch (device int64 scalar); None in the padded
+        mode, which never drops."""
+        return self._dropped
+
+
+def _returned_rows(y_local_CD: torch.Tensor, state: NoSyncState) -> torch.Tensor:
+    """The experts' rows back in the received buffer's places (R·W, D), for the return trip.
+    Rows not kept (padding) stay uninitialized: they are never read."""
+    y_recv_SD = y_local_CD.new_empty(state.src_S.numel(), y_local_CD.shape[1])
+    return y_recv_SD.index_copy_(0, state.regroup_idx_C, y_local_CD)
+
+
+# --- the gathers, both ways (as src/moetrain/model/permute.py: no scatter-add, no zero fill) -------
+
+
+class _SendRows(torch.autograd.Function):
+    """Send-buffer rows: x_SD[j] = x_ND[token_S[j]] in the wire dtype, zero where not filled.
+    Backward: each token's gradient is the sum of its kept copies' rows (`slot_NK`, in buffer
+    order), cast to x's dtype before the sum."""
+
+    @staticmethod
+    def forward(ctx, x_ND, token_S, filled_S, slot_NK, keep_NK, dtype):
+        ctx.save_for_backward(slot_NK, keep_NK)
+        ctx.x_dtype = x_ND.dtype
+        # Zeros, not a copy of some token (module docstring); cast first: half the bytes gathered.
+        return x_ND.to(dtype).index_select(0, token_S).masked_fill_(~filled_S.unsqueeze(-1), 0)
+
+    @staticmethod
+    def backward(ctx, grad_SD):
+        slot_NK, keep_NK = ctx.saved_tensors
+        N, K = slot_NK.shape
+        grad_NKD = grad_SD.index_select(0, slot_NK.flatten()).view(N, K, -1).to(ctx.x_dtype)
+        # By mask: a dropped copy's row (row 0) may be anything, NaN included.
+        return grad_NKD.masked_fill_(~keep_NK.unsqueeze(-1), 0).sum(1), None, None, None, None, None
+
+
+class _Regroup(torch.autograd.Function):
+    """The experts' rows: received rows `idx_C` (a prefix of the permutation whose inverse is
+    `inv_S`). Backward: the rows' gradients back in place, zero on the rows left out."""
+
+    @staticmethod
+    def forward(ctx, x_SD, idx_C, inv_S):
+        ctx.save_for_backward(inv_S)
+        return x_SD.index_select(0, idx_C)
+
+    @staticmethod
+    def backward(ctx, grad_CD):
+        (inv_S,) = ctx.saved_tensors
+        kept = grad_CD.shape[0]
+        grad_SD = grad_CD.index_select(0, inv_S.clamp(max=kept - 1))
+        return grad_SD.masked_fill_((inv_S >= kept).unsqueeze(-1), 0), None, None
+
+
+class _CombineRows(torch.autograd.Function):
+    """y_ND[n] = Σ_k w[n, k] · y_SD[slot[n, k]], dropped copies adding nothing. Backward:
+    grad_y_SD[j] = w · grad_y at the assignment row j holds (zero for empty rows), and
+    grad_w = ⟨y_SD[slot], grad_y⟩ in fp32 (the router's gradient is not rounded to bf16)."""
+
+    @staticmethod
+    def forward(ctx, y_SD, w_NK, slot_NK, keep_NK, src_S, filled_S):
+        N, K = slot_NK.shape
+        # By mask: the row of a dropped copy (row 0) may be anything, NaN included.
+        y_NKD = y_SD.index_select(0, slot_NK.flatten()).view(N, K, -1).masked_fill_(~keep_NK.unsqueeze(-1), 0)
+        ctx.save_for_backward(y_NKD, w_NK, src_S, filled_S)
+        return (y_NKD * w_NK.unsqueeze(-1).to(y_NKD.dtype)).sum(1)
+
+    @staticmethod
+    def backward(ctx, grad_ND):
+        y_NKD, w_NK, src_S, filled_S = ctx.saved_tensors
+        N, K, D = y_NKD.shape
+        grad_y_SD = grad_w_NK = None
+        if ctx.needs_input_grad[0]:
+            grad_NKD = grad_ND.unsqueeze(1) * w_NK.unsqueeze(-1).to(y_NKD.dtype)
+            grad_y_SD = grad_NKD.view(N * K, D).index_select(0, src_S).masked_fill_(~filled_S.unsqueeze(-1), 0)
+        if ctx.needs_input_grad[1]:
+            grad_w_NK = (grad_ND.unsqueeze(1).float() * y_NKD.float()).sum(-1).to(w_NK.dtype)
+        return grad_y_SD, grad_w_NK, None, None, None, None
+
+
+def _ceil(x: float) -> int:
+    """ceil, forgiving float noise (1.1 · 30 / 3 is 11.000000000000002)."""
+    return math.ceil(round(x, 9))

@@ -1,0 +1,350 @@
+"""The overlapped expert exchange (parallel.overlap_chunks = n): the sync-free dispatcher's
+all-to-alls run beside compute instead of before and after it.
+
+Legend as src/moetrain/parallel/nosync_dispatcher.py: N tokens on this rank, K top-k, M = N·K
+assignments, D model dim, R ep ranks, L experts on this rank, G = L / n experts per chunk,
+C and W a chunk's capacity and block rows.
+
+`OverlappedDispatcher` is a `NoSyncDispatcher` whose `expert_step` (dispatch → experts → combine
++ the shared expert, which the MoE layer asks every dispatcher for) is split into n exchanges,
+all routed before any row moves. Chunk i carries every token's copies for each rank's local
+experts [i·G, (i+1)·G), with 1/n of the capacity and spill rows, so each expert runs once, on
+all its rows: its weight gradient is one GEMM (`GroupGrads` puts the groups' slices together),
+every row and every sum is computed as in the unsplit exchange, and the results are its results
+bit for bit on CPU (within 5e-8 on an H200, from the atomics-free kernels' different tiling).
+n must divide L and capacity be bounded (RunConfig.validate): the padded mode's chunks would
+need n × its buffers. With n = 1 the one exchange overlaps the shared expert. Capacity is per
+chunk, so under skew a chunk may drop what the whole would keep.
+
+Forward, on the communication stream: the counts (one all-gather), the keys (one all-to-all),
+chunk 1's rows … chunk n's, then each chunk's way back as soon as its experts are done. The
+compute stream meanwhile runs the shared expert (while chunk 1 travels), then chunk i's experts
+while chunk i + 1 travels (and chunk i − 1 goes back). Exposed: chunk 1's dispatch beyond the
+shared expert, the last chunk's return. Backward mirrors it (autograd runs a layer's nodes
+latest-created first): the last chunk's gradient goes back first; chunk i's expert backward
+overlaps chunk i − 1's return and chunk i + 1's dispatch gradient; the shared expert's backward
+overlaps the first chunk's. Exposed: the first return of the gradient, what the shared expert
+does not cover of the last.
+
+`Exchange` is one equal-split all-to-all that runs while other work does: `out =
+exchange.start(x)`, … other work …, `out = exchange.finish(out)`. Forward: `start` enqueues
+`dist.all_to_all_single(async_op=True)` and returns the receive buffer (not yet valid); `finish`
+waits for it (on CUDA: the compute stream waits on NCCL's, the host does not). Backward runs the
+mirror image: `finish`'s backward starts the reverse all-to-all of the gradient, `start`'s
+backward waits for it, and whatever autograd runs between the two overlaps it. Not
+`funcol.all_to_all_single_autograd`: its forward waits lazily (at the first use of the result),
+but its backward waits at once, so the reverse exchange would never overlap anything. A `Work`
+handle cannot be traced, so `expert_step` runs eagerly under torch.compile (`apply_compile`
+compiles the experts and the shared expert it calls on their own). The bytes an exchange holds:
+the send buffer until it completes (the process group keeps it), the receive buffer until its
+consumer lets go; nothing is kept for backward.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from moetrain.parallel.config import DEFAULT_CAPACITY_FACTOR, DEFAULT_SPILL_FACTOR
+from moetrain.parallel.nosync_dispatcher import (
+    NoSyncDispatcher,
+    NoSyncState,
+    _CombineRows,
+    _Plan,
+    _returned_rows,
+    block_rows,
+    capacity_rows,
+)
+
+if TYPE_CHECKING:
+    from moetrain.model.experts import GroupedExperts
+    from moetrain.model.router import RouterOutput
+
+
+class OverlappedDispatcher(NoSyncDispatcher):
+    """The sync-free dispatcher with its expert step split into `chunks` exchanges that overlap
+    compute (the module docstring); dispatch and combine alone are NoSyncDispatcher's."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        ep_group: dist.ProcessGroup,
+        dp_group: dist.ProcessGroup | None,
+        capacity_factor: float | None = DEFAULT_CAPACITY_FACTOR,
+        spill_factor: float = DEFAULT_SPILL_FACTOR,
+        min_rows: int = 0,
+        chunks: int = 1,
+    ):
+        super().__init__(num_experts, ep_group, dp_group, capacity_factor, spill_factor, min_rows)
+        # RunConfig.validate
+        assert chunks == 1 or (self.num_local_experts % chunks == 0 and capacity_factor is not None), chunks
+        self.chunks = chunks
+        """parallel.overlap_chunks."""
+
+    @torch.compiler.disable  # a `Work` handle cannot be traced
+    def expert_step(
+        self,
+        x_ND: torch.Tensor,
+        route: RouterOutput,
+        experts: GroupedExperts,
+        shared: Callable[[torch.Tensor], torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """dispatch → experts → combine (+ the shared expert), the exchanges beside compute."""
+        R = self.ep
+        plans, Cs, Ws, groups = self._route(route.topk_ids_NK)
+        # One exchange of every chunk's keys (destination-major: (R, ΣW)), then the rows.
+        keys_RW = torch.cat([p.key_S.view(R, -1) for p in plans], 1)
+        keys_recv_RW = torch.empty_like(keys_RW)
+        keys_work = dist.all_to_all_single(keys_recv_RW, keys_RW, group=self.ep_group, async_op=True)
+        combine_state = plans[0].state[:4] if self.chunks == 1 else _joined([p.state for p in plans], Ws, R)
+        there, sent = self._start_rows(x_ND, combine_state, Ws)
+        shared_ND = shared(x_ND) if shared is not None else None
+        keys_work.wait()
+        keys_recv = [k.flatten() for k in keys_recv_RW.split(Ws, 1)]
+        y_SD = self._experts_and_back(there, sent, keys_recv, plans, Cs, Ws, groups, experts)
+        y_ND = _CombineRows.apply(y_SD, route.topk_weights_NK, *combine_state)
+        return y_ND if shared_ND is None else y_ND + shared_ND
+
+    def _route(self, topk_ids_NK: torch.Tensor):
+        """Every chunk's plan (one all-gather of the counts for all of them), capacity C, block
+        rows W and expert group ((member_M, first, count), None for one chunk)."""
+        R, L, n = self.ep, self.num_local_experts, self.chunks
+        num_tokens, top_k = topk_ids_NK.shape
+        dest_M = topk_ids_NK.flatten() // L
+        if n == 1:
+            dests, groups = [dest_M], [None]
+            Cs, Ws = [self.capacity(num_tokens, top_k)], [self.block_rows(num_tokens, top_k)]
+        else:
+            G, M = L // n, num_tokens * top_k
+            chunk_M = topk_ids_NK.flatten().remainder(L) // G
+            members = [chunk_M == i for i in range(n)]
+            dests = [torch.where(m, dest_M, R) for m in members]  # R: not in this chunk
+            Cs = [capacity_rows(M, R, self.capacity_factor / n, self.min_rows / n)] * n
+            Ws = [block_rows(M, R, self.capacity_factor / n, self.spill_factor / n, self.min_rows / n)] * n
+            groups = [(members[i], i * G, G) for i in range(n)]
+        counts_nR = torch.stack(
+            [
+                torch.zeros(R + 1, dtype=torch.int64, device=dest_M.device).scatter_add_(0, d, torch.ones_like(d))
+                for d in dests
+            ]
+        )[:, :R]
+        X = self._all_counts(counts_nR) if any(W > C for C, W in zip(Cs, Ws)) else None
+        plans = [
+            self._plan(topk_ids_NK, counts_nR[i], None if X is None else X[:, i], Cs[i], Ws[i], groups[i])
+            for i in range(n)
+        ]
+        if self.capacity_factor is not None:
+            self._dropped = sum(p.dropped for p in plans)
+        return plans, Cs, Ws, groups
+
+    def _start_rows(self, x_ND: torch.Tensor, combine_state: tuple, Ws: list[int]):
+        """One send buffer for all chunks, sent in slices (the chunks' rows are every token's
+        copies: one gather, and in backward one sum per token, not one per chunk); the slices'
+        gradients arrive in one buffer, which is the whole's gradient."""
+        R = self.ep
+        send_SD = self._send_rows(x_ND, _Plan(NoSyncState(*combine_state, None), None, None))
+        send_grads = _JoinedGrad(send_SD, [R * W for W in Ws])
+        there = [Exchange(self.ep_group, functools.partial(send_grads.part, i)) for i in range(len(Ws))]
+        sent = [there[i].start(part) for i, part in enumerate(_Split.apply(send_SD, send_grads))]
+        return there, sent
+
+    def _experts_and_back(self, there, sent, keys_recv, plans, Cs, Ws, groups, experts) -> torch.Tensor:
+        """Each chunk's rows to its experts as they arrive, and back as soon as they are done, into
+        one buffer (R·ΣW, D) in the experts' output dtype (FP8 experts give bf16 whatever the
+        input's), which one combine reads: it keeps one (N, K, D) gather for backward, as
+        `combine` does, not one per chunk."""
+        R, n = self.ep, self.chunks
+        M = plans[0].state.slot_NK.numel()
+        weight_grads = GroupGrads(n) if n > 1 else None
+        back = [Exchange(self.ep_group) for _ in range(n)]
+        returned, joined, row = [], None, 0
+        for i in range(n):
+            group = groups[i]
+            x_local_CD, offsets, state = self._receive(
+                there[i].finish(sent[i]), keys_recv[i], plans[i], Cs[i], M, None if group is None else group[2]
+            )
+            if group is None:
+                y_local_CD = experts(x_local_CD, offsets)
+            else:
+                lo, hi = group[1], group[1] + group[2]
+                weights = _GroupWeights.apply(experts.w_gate_up_E2FD, experts.w_down_EDF, lo, hi, weight_grads)
+                y_local_CD = experts(x_local_CD, offsets, weights)
+            if n > 1 and joined is None:
+                joined = y_local_CD.new_empty(R * sum(Ws), y_local_CD.shape[1])
+            into = None if joined is None else joined[row : row + R * Ws[i]]
+            returned.append(back[i].start(_returned_rows(y_local_CD, state), into))
+            row += R * Ws[i]
+        y_back = [back[i].finish(returned[i]) for i in range(n)]
+        return y_back[0] if n == 1 else _Join.apply(joined, *y_back)
+
+
+class GroupGrads:
+    """The weight gradients of n expert groups of one layer (each a slice of the experts'
+    weights), put together into one gradient per weight tensor. Autograd would give each group's
+    slice its own full-size gradient (zeros elsewhere) and sum the n of them: n passes over the
+    layer's expert weights. Here each group's backward copies its slice into one buffer, and the
+    last of the n hands the whole buffer to autograd (the others give no gradient): one pass."""
+
+    def __init__(self, groups: int):
+        self.groups = groups
+        self.seen = 0
+        self.bufs: list[torch.Tensor] | None = None
+
+
+class _GroupWeights(torch.autograd.Function):
+    """Experts [lo, hi)'s slices of the expert weights (views); backward: see `GroupGrads`."""
+
+    @staticmethod
+    def forward(ctx, w_gate_up, w_down, lo, hi, grads):
+        ctx.lo, ctx.hi, ctx.grads = lo, hi, grads
+        ctx.shapes = (w_gate_up.shape, w_down.shape)
+        return w_gate_up[lo:hi], w_down[lo:hi]
+
+    @staticmethod
+    def backward(ctx, grad_gate_up, grad_down):
+        grads = ctx.grads
+        if grads.bufs is None:
+            like = (grad_gate_up, grad_down)
+            grads.bufs = [g.new_empty(shape) for g, shape in zip(like, ctx.shapes)]
+        for buf, g in zip(grads.bufs, (grad_gate_up, grad_down)):
+            buf[ctx.lo : ctx.hi].copy_(g)
+        grads.seen += 1
+        if grads.seen < grads.groups:
+            return None, None, None, None, None
+        bufs, grads.bufs, grads.seen = grads.bufs, None, 0
+        return bufs[0], bufs[1], None, None, None
+
+
+class _JoinedGrad:
+    """The gradient of a buffer sent in consecutive slices, written by the slices' exchanges in
+    backward: `part(i)` is slice i of one buffer, allocated when the first is asked for."""
+
+    def __init__(self, like: torch.Tensor, sizes: list[int]):
+        self.shape, self.dtype, self.device = like.shape, like.dtype, like.device
+        self.sizes = sizes
+        self.whole: torch.Tensor | None = None
+
+    def part(self, i: int) -> torch.Tensor:
+        if self.whole is None:
+            self.whole = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        start = sum(self.sizes[:i])
+        return self.whole[start : start + self.sizes[i]]
+
+
+class _Split(torch.autograd.Function):
+    """`whole` as its consecutive slices (views); backward: the slices' gradients, when they
+    are `grads`' parts (written there by their exchanges), are its buffer: no copy."""
+
+    @staticmethod
+    def forward(ctx, whole, grads):
+        ctx.grads = grads
+        return tuple(whole.split(grads.sizes))
+
+    @staticmethod
+    def backward(ctx, *parts):
+        whole, ctx.grads.whole = ctx.grads.whole, None
+        sizes, start, in_place = ctx.grads.sizes, 0, whole is not None
+        for part, size in zip(parts, sizes):
+            in_place = in_place and part is not None and part.data_ptr() == whole[start:].data_ptr()
+            start += size
+        if in_place:
+            return whole, None
+        some = next(p for p in parts if p is not None)  # autograd calls backward with one at least
+        filled = [p if p is not None else some.new_zeros(size, *some.shape[1:]) for p, size in zip(parts, sizes)]
+        return torch.cat(filled), None
+
+
+class _Join(torch.autograd.Function):
+    """`whole`, whose consecutive slices the `parts` are (views written by their exchanges), as
+    one tensor to autograd: no copy; backward hands each part its slice of the gradient."""
+
+    @staticmethod
+    def forward(ctx, whole, *parts):
+        ctx.sizes = [p.shape[0] for p in parts]
+        return whole.view_as(whole)
+
+    @staticmethod
+    def backward(ctx, grad_SD):
+        return None, *grad_SD.split(ctx.sizes)
+
+
+def _joined(states: list[NoSyncState], Ws: list[int], R: int) -> tuple[torch.Tensor, ...]:
+    """Chunks by experts, their returned buffers concatenated: each assignment's row in the
+    whole (it is kept by one chunk at most), whether it is kept, and each row's assignment and
+    whether it is filled (slot_NK, keep_NK, src_S, filled_S of `_CombineRows`)."""
+    slot_NK = torch.zeros_like(states[0].slot_NK)
+    keep_NK = torch.zeros_like(states[0].keep_NK)
+    offset = 0
+    for st, W in zip(states, Ws):
+        slot_NK = torch.where(st.keep_NK, st.slot_NK + offset, slot_NK)
+        keep_NK = keep_NK | st.keep_NK
+        offset += R * W
+    return slot_NK, keep_NK, torch.cat([st.src_S for st in states]), torch.cat([st.filled_S for st in states])
+
+
+# --- one all-to-all beside compute, forward and backward ---------------------------------------
+
+
+class Exchange:
+    """One all-to-all of one buffer, forward and backward (a fresh one per use)."""
+
+    __slots__ = ("group", "work", "grad_work", "grad_into")
+
+    def __init__(self, group: dist.ProcessGroup, grad_into: Callable[[], torch.Tensor] | None = None):
+        self.group = group
+        self.work: dist.Work | None = None
+        self.grad_work: dist.Work | None = None
+        self.grad_into = grad_into
+        """Where backward's exchange writes the gradient (called when backward gets there: a
+        slice of a larger buffer, say); None: a buffer of its own."""
+
+    def start(self, x_SD: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Enqueue the exchange of `x_SD`; the returned buffer (`out`, if given: a buffer of x's
+        shape, e.g. a slice of a larger one) is valid after `finish`."""
+        return _Start.apply(x_SD, self, out)
+
+    def finish(self, recv_SD: torch.Tensor) -> torch.Tensor:
+        """Wait for the exchange; the buffer `start` returned, now valid."""
+        return _Finish.apply(recv_SD, self)
+
+
+def _exchange(
+    x_SD: torch.Tensor, group: dist.ProcessGroup, out: torch.Tensor | None = None
+) -> tuple[torch.Tensor, dist.Work]:
+    out = torch.empty_like(x_SD) if out is None else out
+    return out, dist.all_to_all_single(out, x_SD.contiguous(), group=group, async_op=True)
+
+
+class _Start(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_SD, exchange, out):
+        ctx.exchange = exchange
+        out, exchange.work = _exchange(x_SD, exchange.group, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_SD):
+        exchange = ctx.exchange
+        exchange.grad_work.wait()  # `grad_SD` is the buffer _Finish.backward's exchange fills
+        exchange.grad_work = None
+        return grad_SD, None, None
+
+
+class _Finish(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, recv_SD, exchange):
+        ctx.exchange = exchange
+        exchange.work.wait()
+        exchange.work = None
+        return recv_SD.view_as(recv_SD)
+
+    @staticmethod
+    def backward(ctx, grad_SD):
+        exchange = ctx.exchange
+        into = exchange.grad_into() if exchange.grad_into is not None else None
+        out, exchange.grad_work = _exchange(grad_SD, exchange.group, into)
+        return out, None

@@ -1,0 +1,194 @@
+"""`parallelize`: prepare a model built on the meta device for training, in one fixed order.
+
+    0. pipeline parallel (pp > 1): keep only this rank's stages' blocks (and the embedding / LM
+       head where it holds the first / last stage); the stages themselves are views built after
+       initialization (src/moetrain/parallel/pipeline.py)
+    0b. context parallel (cp > 1): the model's sequence layout is this rank's `ContextShard`
+       (src/moetrain/parallel/context_parallel.py); the engine shards each micro-batch with it
+    1. expert parallel: each MoE layer keeps its rank's experts and gets an all-to-all dispatcher
+       (`parallel.dispatcher`: nosync, fixed buffers, or alltoall, exact splits)
+       (or, with ep = 1 and dp > 1, a dispatcher that only sums routing counts over dp)
+    1b. FP8 (`train.fp8=rowwise|mxfp8`): the experts' grouped GEMMs and the attention / shared-expert /
+        dense-MLP linears switch to row-wise FP8 products (same parameters)
+    2. activation recompute (per block, every `train.recompute_every`-th; full or selective)
+    3. torch.compile (per block)
+    4. data parallel:
+       - `parallel.stack=ddp`: after `to_empty()` + `init_weights()`, the optimizer attaches its
+         gradient reduction (`GradReducer`, src/moetrain/optim/grad_reducer.py), which needs real
+         gradient storage;
+       - `parallel.stack=fsdp`: `fully_shard` each block, then the root, on the dp mesh
+         (src/moetrain/parallel/fsdp.py); it wraps the recompute/compile wrappers of 2-3.
+
+Wrappers are applied in place; parameter names do not change, so checkpoints are interchangeable
+between wrapped and unwrapped models. The settings were checked by `RunConfig.validate`
+(src/moetrain/train/config.py) before the model was built: nothing here refuses a configuration.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from moetrain.model.config import Fp8
+from moetrain.model.experts import GroupedExperts
+from moetrain.model.fp8 import Fp8Linear, MxFp8Linear
+from moetrain.model.fp8_choice import Fp8Select, Product, choose
+from moetrain.model.moe import MoE
+from moetrain.model.transformer import Transformer, canonical_name
+from moetrain.parallel.config import ParallelConfig, Recompute, Stack
+from moetrain.parallel.context_parallel import ContextShard
+from moetrain.parallel.dims import ParallelState
+from moetrain.parallel.expert_parallel import apply_expert_parallel
+from moetrain.parallel.fsdp import apply_fsdp
+from moetrain.parallel.overlapped_dispatcher import OverlappedDispatcher
+from moetrain.parallel.pipeline import split_model
+
+
+def parallelize(
+    model: Transformer,
+    state: ParallelState,
+    parallel: ParallelConfig,
+    *,
+    fp8: Fp8 = Fp8.none,
+    fp8_select: Fp8Select = Fp8Select.auto,
+    rows: int = 0,
+    recompute: Recompute = Recompute.none,
+    recompute_every: int = 1,
+    compile: bool = False,
+    param_dtype: torch.dtype | None = None,
+    grad_dtype: torch.dtype = torch.float32,
+) -> Transformer:
+    """Apply the layout `parallel` (on `state`'s process groups) and the execution settings
+    (`train.fp8`, `train.fp8_select`, `train.recompute`, `train.recompute_every`, `train.compile`)
+    to a meta-device model, in the order of the module docstring; `rows`: tokens per micro-batch
+    on this rank (what `train.fp8_select=auto` sizes the products by). `param_dtype`: the compute dtype (bf16 under
+    autocast), in which the fsdp stack all-gathers the blocks' parameters; `grad_dtype`
+    (optim.grad_dtype): the dtype in which it accumulates and reduce-scatters their gradients."""
+    if state.dims.num_stages > 1:
+        split_model(model, state.dims, state.pp_rank)
+    if state.dims.cp > 1:
+        model.set_sequence_layout(ContextShard(state.dims.cp, state.cp_rank, state.cp_group))
+    apply_expert_parallel(model, state, parallel)
+    if fp8 != Fp8.none:
+        apply_fp8(model, fp8, fp8_select, rows)
+    if recompute != Recompute.none:
+        apply_recompute(model, selective=recompute == Recompute.selective, every=recompute_every)
+    if compile:
+        apply_compile(model, overlap=parallel.compile_overlap)
+    if parallel.stack == Stack.fsdp:
+        apply_fsdp(model, state, param_dtype, grad_dtype)
+    return model
+
+
+def apply_fp8(model: Transformer, recipe: Fp8 = Fp8.rowwise, select: Fp8Select = Fp8Select.all, rows: int = 0) -> None:
+    """FP8 (`recipe`: rowwise or mxfp8) for the expert grouped GEMMs and the linear layers inside
+    the blocks except the router (a tiny product whose fp32 logits decide routing): all of them
+    (`select` all, and always for mxfp8, whose products are emulated), or those whose shape at
+    `rows` tokens per micro-batch repays it (`select` auto: src/moetrain/model/fp8_choice.py). Linear
+    layers become `Fp8Linear` / `MxFp8Linear` in place (the class changes, the fp32 parameter
+    stays), so names, initialization and checkpoints are unchanged. Every GEMM dim must be a
+    multiple of `recipe.align` (`RunConfig.validate` checks it from the config)."""
+    recipe = Fp8(recipe)
+    select = Fp8Select.all if recipe == Fp8.mxfp8 else Fp8Select(select)
+    linear_class = MxFp8Linear if recipe == Fp8.mxfp8 else Fp8Linear
+    top_k = model.cfg.moe.top_k
+    for name, module in model.named_modules():
+        if isinstance(module, GroupedExperts):
+            assert module.d_model % recipe.align == 0 and module.hidden % recipe.align == 0, canonical_name(name)
+            product = Product("experts", rows * top_k, module.d_model, module.hidden, module.num_experts)
+            if choose(product, select):
+                module.fp8 = recipe.value
+        elif isinstance(module, nn.Linear) and ".blocks." in f".{name}" and type(module) is nn.Linear:
+            assert module.in_features % recipe.align == 0 and module.out_features % recipe.align == 0, canonical_name(
+                name
+            )
+            if choose(Product("linear", rows, module.in_features, module.out_features), select):
+                module.__class__ = linear_class
+
+
+def apply_recompute(model: Transformer, selective: bool = False, every: int = 1) -> None:
+    """Full: keep only each block's input during forward; recompute the block in backward.
+    Selective: also keep the outputs of the ops in `SAVED_OPS` (matrix products, attention,
+    collectives), so backward recomputes only the cheap element-wise ops between them.
+    Non-reentrant checkpointing restores the RNG state, so random routing picks the same experts
+    twice. Blocks are named by layer index: with `every` = N only blocks 0, N, 2N, … recompute."""
+    kwargs = {"context_fn": partial(create_selective_checkpoint_contexts, _save_matmuls_and_comms)} if selective else {}
+    for name, block in list(model.blocks.items()):
+        if int(name) % every == 0:
+            for module in block.modules():
+                if isinstance(module, MoE):
+                    module.recomputing = inside_backward
+            model.blocks[name] = checkpoint_wrapper(block, preserve_rng_state=True, **kwargs)
+
+
+def inside_backward() -> bool:
+    """Whether autograd is running a backward pass on this thread: a recomputing checkpoint
+    re-runs its block's forward there. torch.utils.checkpoint asks the same private question (no
+    public API answers it); under torch.compile asking it is a graph break, so only the layers of
+    recomputed blocks ask."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _saved_ops() -> set:
+    aten, ops = torch.ops.aten, set()
+    names = [
+        "mm",
+        "addmm",
+        "bmm",
+        "_grouped_mm",
+        "_scaled_mm",
+        "_scaled_grouped_mm",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    ]
+    for name in names:
+        if hasattr(aten, name):  # some exist only in newer torch versions
+            ops.add(getattr(aten, name).default)
+    c10d = torch.ops._c10d_functional
+    for name in ("all_to_all_single", "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "wait_tensor"):
+        ops.add(getattr(c10d, name).default)
+    return ops
+
+
+SAVED_OPS = _saved_ops()
+"""Ops whose outputs selective recompute keeps: recomputing them would redo the FLOPs that
+dominate a step (or repeat a collective)."""
+
+
+def _save_matmuls_and_comms(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+OVERLAP_PASSES = [
+    "reorder_communication_preserving_peak_memory",
+    "sink_waits_iterative",
+    "reorder_communication_preserving_peak_memory",
+]
+"""Inductor's reordering passes for compute/communication overlap (the order its config file
+recommends): start each collective as early as its inputs allow, wait for it as late as its
+users allow, without raising the block's peak memory."""
+
+
+def apply_compile(model: Transformer, overlap: bool = False) -> None:
+    """Compile each block separately: blocks share one graph, so compile time does not grow with
+    depth. dynamic=False: shapes are fixed by the batch config. `overlap`: Inductor's
+    compute/communication reordering (a process-wide Inductor setting)."""
+    if overlap:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.reorder_for_compute_comm_overlap = True
+        inductor_config.reorder_for_compute_comm_overlap_passes = list(OVERLAP_PASSES)
+    for block in model.blocks.values():
+        block.compile(dynamic=False)
+        moe = getattr(block, "ffn", None)
+        if isinstance(getattr(moe, "dispatcher", None), OverlappedDispatcher):
+            # the overlapped exchange runs eagerly: its experts and shared expert compile alone
+            moe.experts.compile(dynamic=False)
+            if moe.shared_expert is not None:
+                moe.shared_expert.compile(dynamic=False)

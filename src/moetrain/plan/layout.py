@@ -1,0 +1,279 @@
+"""A run's layout as the planner sees it (`Layout`, `layout_of`) and what follows from the config alone:
+parameters per kind of module, rows per token through the experts and on the wire, compiled blocks,
+bf16 weights."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import re
+
+import torch
+
+from moetrain.model.config import TransformerConfig
+from moetrain.model.experts import GroupedExperts
+from moetrain.optim.muon import muon_matrices
+from moetrain.parallel.config import DispatcherKind, Stack
+from moetrain.parallel.nosync_dispatcher import block_rows, capacity_rows
+from moetrain.train.config import RunConfig
+
+BUCKET_BYTES = 25 * 2**20
+"""The gradient buckets' size (`GradReducer`'s default)."""
+
+
+@dataclasses.dataclass
+class Layout:
+    stack: str
+    dp: int
+    ep: int
+    pp: int
+    stages_per_rank: int
+    schedule: str
+    shard_optimizer: bool
+    dispatcher: str
+    capacity_factor: float | None
+    """nosync: rows through each rank's experts ÷ the balanced load; None = padded (ep×)."""
+    spill_factor: float
+    """nosync: spill rows per pair on the wire beyond the capacity, ÷ the balanced share."""
+    capacity_min_rows: int
+    """nosync: the fewest rows a rank's experts get (parallel.capacity_min_rows)."""
+    overlap_chunks: int
+    """nosync: parallel.overlap_chunks (0: the all-to-alls are exposed)."""
+    recompute: str
+    recompute_every: int
+    micro_batches: int
+    rows_per_micro_batch: int
+    """Sequences per rank per micro-batch (whole ones: a context-parallel rank holds 1/cp of each)."""
+    cp: int = 1
+    """Context-parallel degree: each sequence split over cp ranks."""
+
+    @property
+    def replicas(self) -> int:
+        """Ranks of one pipeline stage (dp · cp): they hold the same dense parameters."""
+        return self.dp * self.cp
+
+    @property
+    def edp(self) -> int:
+        """Ranks holding the same experts (dp · cp / ep)."""
+        return max(1, self.replicas // self.ep)
+
+    def tokens(self, seq_len: int) -> int:
+        """Tokens per rank per micro-batch (t): its rows' positions, 1/cp of each sequence."""
+        return self.rows_per_micro_batch * seq_len // self.cp
+
+    def bucketed(self, dense: float, experts: float) -> float:
+        """Of `dense` and `experts` parameters, those whose gradients the ddp stack keeps in
+        buckets (src/moetrain/optim/grad_reducer.py): none at dp·cp = 1; the dense ones at dp·cp > 1,
+        the experts' too unless each lives alone in its group (edp = 1) — the sharded optimizer
+        buckets every parameter."""
+        if self.stack == Stack.fsdp.value or self.replicas == 1:
+            return 0.0
+        return dense + (experts if self.edp > 1 or self.shard_optimizer else 0.0)
+
+    def describe(self) -> str:
+        parts = [f"dp{self.dp}"] + ([f"cp{self.cp}"] if self.cp > 1 else [])
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
+        if self.pp > 1:
+            parts.append(f"pp{self.pp}" + (f"×v{self.stages_per_rank}" if self.stages_per_rank > 1 else ""))
+        text = "·".join(parts) + f" {self.stack}"
+        if self.ep > 1:
+            text += f" {self.dispatcher}"
+            if self.dispatcher == DispatcherKind.nosync.value:
+                cf, sf = self.capacity_factor, self.spill_factor
+                text += f"(cf {cf:g}" + (f" + spill {sf:g})" if sf else ")") if cf else "(padded)"
+                if self.overlap_chunks:
+                    text += f" overlap×{self.overlap_chunks}"
+        if self.shard_optimizer:
+            text += " sharded-optimizer"
+        if self.recompute != "none":
+            text += f" recompute={self.recompute}" + (
+                f"/every {self.recompute_every}" if self.recompute_every > 1 else ""
+            )
+        return text + f", {self.rows_per_micro_batch} seq × {self.micro_batches} micro-batches per rank"
+
+
+LAYOUT_WORDS = (
+    (r"\bdp\d", "dpN: N data-parallel ranks (parallel.dp; with cp and pp they multiply to the GPUs)"),
+    (r"\bcp\d", "cpN: each sequence split over N GPUs (context parallelism, parallel.cp)"),
+    (r"\bep\d", "epN: the experts split over N GPUs, tokens sent to them (expert parallelism, parallel.ep)"),
+    (r"\bpp\d", "ppN: the layers split into N pipeline stages (parallel.pp); ×vV: V stages per rank, interleaved"),
+    (r"\b(ddp|fsdp)\b", "ddp / fsdp: the stack (parallel.stack): replicated dense weights, or FSDP2's shards"),
+    (
+        r"\b(nosync|alltoall|symm)\b",
+        "nosync / alltoall / symm: the expert dispatcher (parallel.dispatcher): fixed-size buffers "
+        "without a host sync / exact sizes read on the host / NVSHMEM symmetric memory",
+    ),
+    (r"\bcf ", "cf F: capacity factor, each rank's experts take F × the balanced load (parallel.capacity_factor)"),
+    (
+        r"\bspill ",
+        "spill S: extra rows per pair of ranks for a pair's overflow, S × its balanced share (parallel.spill_factor)",
+    ),
+    (r"\(padded\)", "padded: nosync without a capacity factor, ep × the exact exchange's rows (dropless)"),
+    (
+        r"overlap×",
+        "overlap×N: the all-to-all runs beside compute in N chunks (parallel.overlap_chunks; ×1: one "
+        "exchange, under the shared expert)",
+    ),
+    (r"sharded-optimizer", "sharded-optimizer: optimizer state sharded over the data-parallel ranks"),
+    (r"recompute=", "recompute=full|selective: activations recomputed in backward (/every N: every Nth block)"),
+)
+"""(pattern, meaning) of each abbreviation `Layout.describe` writes, for the legend under
+`moetrain plan`'s output and in its --help."""
+
+
+def layout_legend(texts: list[str] | None = None) -> list[str]:
+    """The meanings of `LAYOUT_WORDS` that occur in `texts` (layouts as `Layout.describe` writes
+    them); all of them when `texts` is None."""
+    return [meaning for pattern, meaning in LAYOUT_WORDS if texts is None or any(re.search(pattern, t) for t in texts)]
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamGroups:
+    """Parameters per kind of module, counted on a meta-device build of the model."""
+
+    embedding: int
+    head: int
+    """The final norm and the LM head."""
+    dense_block: int
+    """One dense block (attention, norms, dense MLP)."""
+    moe_dense: int
+    """The non-expert part of one MoE block (attention, norms, router, shared expert)."""
+    moe_experts: int
+    """The routed experts of one MoE block, all of them."""
+    mtp: int = 0
+    """The multi-token prediction modules (model.mtp_depth), all of them: on the last stage."""
+    muon_dense_block: int = 0
+    """Of `dense_block`, the matrices Muon updates (optim.name=muon; src/moetrain/optim/muon.py)."""
+    muon_moe_dense: int = 0
+    """Of `moe_dense`, the matrices Muon updates (the routed experts are Muon's whole)."""
+    muon_mtp: int = 0
+    """Of `mtp`, the matrices Muon updates."""
+    ns_dense_block: float = 0.0
+    """FLOPs of one Newton–Schulz iteration over one dense block's matrices."""
+    ns_moe_dense: float = 0.0
+    """The same over one MoE block's non-expert matrices."""
+    ns_experts: float = 0.0
+    """The same over one MoE block's routed experts, all of them."""
+    ns_mtp: float = 0.0
+    """The same over the multi-token prediction modules' matrices."""
+
+    @classmethod
+    def of(cls, m: TransformerConfig) -> ParamGroups:
+        return _param_groups(json.dumps(m.to_dict(), sort_keys=True))
+
+
+@functools.lru_cache(maxsize=64)
+def _param_groups(model_json: str) -> ParamGroups:
+    """Cached per model config: `suggest` plans hundreds of layouts of one model."""
+    model = TransformerConfig.from_dict(json.loads(model_json)).build(device="meta")
+
+    def numel(module) -> int:
+        return sum(p.numel() for p in module.parameters())
+
+    shapes = muon_matrices(model)
+
+    def muon(module) -> tuple[int, float, float]:
+        """(Muon's parameters, one Newton–Schulz iteration's FLOPs: of non-expert and of expert
+        matrices) of `module`: per (m, n) matrix, m ≤ n, X·Xᵀ and the update's product 2m²n each,
+        A² 2m³."""
+        params, dense_flops, expert_flops = 0, 0.0, 0.0
+        experts = {id(p) for m in module.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
+        for p in module.parameters():
+            if id(p) in shapes:
+                s = shapes[id(p)]
+                lo, hi = sorted((s.rows, s.cols))
+                flops = s.count * (4 * lo * lo * hi + 2 * lo**3)
+                params += p.numel()
+                if id(p) in experts:
+                    expert_flops += flops
+                else:
+                    dense_flops += flops
+        return params, dense_flops, expert_flops
+
+    dense_block = moe_dense = moe_experts = 0
+    muon_dense = muon_moe = 0
+    ns_dense = ns_moe = ns_experts = 0.0
+    for block in model.blocks.values():
+        experts = sum(numel(m) for m in block.modules() if isinstance(m, GroupedExperts))
+        params, flops, expert_flops = muon(block)
+        if experts:
+            moe_dense, moe_experts = numel(block) - experts, experts
+            muon_moe, ns_moe, ns_experts = params - experts, flops, expert_flops
+        else:
+            dense_block, muon_dense, ns_dense = numel(block), params, flops
+    mtp_muon, ns_mtp, _ = muon(model.mtp) if model.mtp is not None else (0, 0.0, 0.0)
+    return ParamGroups(
+        embedding=numel(model.embed),
+        head=numel(model.norm) + numel(model.lm_head),
+        dense_block=dense_block,
+        moe_dense=moe_dense,
+        moe_experts=moe_experts,
+        mtp=numel(model.mtp) if model.mtp is not None else 0,
+        muon_dense_block=muon_dense,
+        muon_moe_dense=muon_moe,
+        muon_mtp=mtp_muon,
+        ns_dense_block=ns_dense,
+        ns_moe_dense=ns_moe,
+        ns_experts=ns_experts,
+        ns_mtp=ns_mtp,
+    )
+
+
+def layout_of(cfg: RunConfig, gpus: int) -> Layout:
+    """The layout `cfg` asks for on `gpus` GPUs, checked as the trainer checks it."""
+    dims = cfg.build_dims(gpus)
+    p, tc = cfg.parallel, cfg.train
+    schedule = p.pp_schedule.value if dims.pp > 1 else "none"
+    return Layout(
+        stack=p.stack.value,
+        dp=dims.dp,
+        ep=dims.ep,
+        pp=dims.pp,
+        stages_per_rank=dims.stages_per_rank,
+        schedule=schedule,
+        shard_optimizer=p.shard_optimizer,
+        dispatcher=p.dispatcher.value,
+        capacity_factor=p.capacity_factor,
+        spill_factor=p.spill_factor,
+        capacity_min_rows=p.capacity_min_rows,
+        overlap_chunks=p.overlap_chunks if p.dispatcher == DispatcherKind.nosync else 0,
+        recompute=tc.recompute.value,
+        recompute_every=tc.recompute_every,
+        micro_batches=tc.grad_accum_steps,
+        rows_per_micro_batch=tc.micro_batch_size // dims.dp,
+        cp=dims.cp,
+    )
+
+
+def rows_per_token(cfg: RunConfig, L: Layout) -> tuple[float, float]:
+    """(expert_rows, wire_rows): rows per token through the experts (their activations) and on
+    the all-to-all. nosync (src/moetrain/parallel/nosync_dispatcher.py) gives the experts
+    capacity_factor × K rows and moves (capacity_factor + spill_factor) × K, both at most ep × K
+    (the padded mode, capacity_factor=None, is ep × K for both; so is a micro-batch small enough
+    for parallel.capacity_min_rows to take every row); symm pads the receive layout
+    (ep·K rows per token, most of them skipped by the GEMMs but allocated) and moves exact rows."""
+    k = cfg.model.moe.top_k
+    if L.ep > 1 and L.dispatcher == DispatcherKind.nosync.value:
+        tokens = L.tokens(cfg.data.seq_len)  # per rank and micro-batch
+        M = tokens * k
+        rows = capacity_rows(M, L.ep, L.capacity_factor, L.capacity_min_rows)
+        wire = block_rows(M, L.ep, L.capacity_factor, L.spill_factor, L.capacity_min_rows)
+        return L.ep * rows / tokens, L.ep * wire / tokens
+    if L.ep > 1 and L.dispatcher == DispatcherKind.symm.value:
+        return k * L.ep, k
+    return k, k
+
+
+def compiled_blocks(cfg: RunConfig) -> bool:
+    """Whether the blocks run compiled: train.compile, unless the exact all-to-all dispatcher
+    reads split sizes on the host — a graph break inside the block, which then keeps
+    eager-sized activations (measured: 80.5 GiB vs 80.1 nosync) and runs eager kernels."""
+    return cfg.train.compile and not (cfg.parallel.ep > 1 and cfg.parallel.dispatcher == DispatcherKind.alltoall)
+
+
+def uses_bf16_weights(cfg: RunConfig) -> bool:
+    """Whether a GPU run of `cfg` trains with optim.bf16_weights (set, or CUDA's default)."""
+    amp = None if cfg.train.precision.value == "fp32" else torch.bfloat16
+    return cfg.optim.resolved_bf16_weights(cfg.parallel, amp, "cuda")

@@ -1,0 +1,450 @@
+"""Memory per pipeline rank (`memory_per_rank`): weights, gradients, optimizer state, saved
+activations, pipeline buffers; and while a checkpoint is saved or loaded."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+
+from moetrain.model.config import TransformerConfig
+from moetrain.model.experts import GroupedExperts
+from moetrain.optim.split_master import is_split_candidate
+from moetrain.parallel.config import DispatcherKind, PipelineSchedule, Stack
+from moetrain.parallel.pipeline import stage_layers
+from moetrain.plan.calibration import Assumptions
+from moetrain.plan.hardware import GIB
+from moetrain.plan.layout import BUCKET_BYTES, Layout, ParamGroups, compiled_blocks, rows_per_token, uses_bf16_weights
+from moetrain.train.config import RunConfig
+from moetrain.train.dcp_shards import PIECE
+
+
+def _block_bytes(
+    m: TransformerConfig,
+    moe_block: bool,
+    recompute: str,
+    expert_rows: float,
+    compiled: bool,
+    fp32: bool,
+    exchanged_rows: float = 0.0,
+    cp: int = 1,
+) -> float:
+    """Bytes autograd keeps per token for one block's backward (expert_rows: rows through the
+    experts per token: K, or more with the sync-free dispatcher's fixed buffers: `rows_per_token`;
+    exchanged_rows: rows per token each direction of the expert all-to-all returns, which
+    selective recompute keeps as collective outputs; cp: context parallelism, whose attention
+    keeps, instead of its own keys and values, each of its two chunks' contiguous key prefix:
+    (cp + 1) × this rank's)."""
+    a = 4 if fp32 else 2  # matmul inputs/outputs (autocast bf16)
+    r = 4  # the residual stream is fp32
+    D, hd, hq, hkv = m.d_model, m.resolved_head_dim, m.n_heads, m.n_kv_heads
+    if recompute == "full":
+        return r * D  # the block's input
+    kv_copies = cp + 1 if cp > 1 else 1
+    q_k_v = a * (hq + 2 * kv_copies * hkv) * hd
+    attn_out = a * hq * hd + 4 * hq  # SDPA output + log-sum-exp
+    if recompute == "selective":  # block input + every matmul / attention output
+        attn = r * D + q_k_v + attn_out + a * D
+        if moe_block:
+            moe = m.moe
+            # fp32 router logits, the shared expert's and the experts' matmul outputs, and the
+            # rows both all-to-alls return
+            ffn = 4 * m.moe.num_experts + a * (2 * moe.shared_hidden + D * (moe.shared_hidden > 0))
+            ffn += expert_rows * a * (2 * moe.expert_hidden + D) + 2 * exchanged_rows * a * D
+        else:
+            ffn = a * (2 * m.resolved_dense_hidden + D)
+        return attn + ffn
+    attn = r * D + a * D + q_k_v + a * (hq + hkv) * hd + attn_out  # norm in, qkv in, q/k before norm, sdpa
+    if moe_block:
+        moe = m.moe
+        ffn = r * D + a * D + 4 * moe.num_experts  # norm input, router/shared input, router probs
+        ffn += (
+            expert_rows * a * (D + 2 * moe.expert_hidden + moe.expert_hidden + D)
+        )  # permuted in, gate/up, act, down out
+        ffn += a * 3 * moe.shared_hidden
+        hidden_for_eager = expert_rows * moe.expert_hidden + moe.shared_hidden
+    else:
+        Hd = m.resolved_dense_hidden
+        ffn = r * D + a * D + a * 3 * Hd
+        hidden_for_eager = Hd
+    eager = (
+        0 if compiled else 4 * 2 * D + 4 * (hq + hkv) * hd + a * hidden_for_eager
+    )  # fp32 norm outputs, qk-norm, silu(gate)
+    return attn + ffn + eager
+
+
+@dataclasses.dataclass(frozen=True)
+class RankMemory:
+    """One pipeline rank's parameters and memory (bytes)."""
+
+    rank: int
+    layers: int
+    first: bool
+    last: bool
+    local: float
+    """Parameters held before FSDP sharding (its experts ÷ ep)."""
+    dense_local: float
+    expert_local: float
+    embedding_local: float
+    """The embedding table's parameters (first pipeline rank), in `dense_local`."""
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    """Saved activations of this layout, with the logits and the bf16 weight copies."""
+    peak: float
+    blocks_none: float
+    """Saved block activations of one micro-batch without recompute."""
+    experts_none: float
+    """The experts' share of `blocks_none` (their routed rows' tensors)."""
+    moe_layers: int
+    """MoE blocks this rank holds."""
+    recv_buffers: float
+    """The pipeline's receive buffers: torch.distributed.pipelining allocates, up front and for
+    each micro-batch, one fp32 (rows, seq, d_model) activation buffer for each stage that is not
+    the first and one output-gradient buffer for each stage that is not the last, and keeps them
+    between steps (they persist when checkpoints are saved)."""
+    logits_bytes: float
+    """The loss's logits and what it holds for backward (module docstring)."""
+    loss_traffic: float
+    """Bytes the loss's element-wise kernels read and write per micro-batch."""
+    act_none: float
+    """Activations of the micro-batches in flight without recompute (with the logits)."""
+    act_full: float
+    """The same with full recompute."""
+    muon_dense_local: float = 0.0
+    """Of `dense_local`, the matrices Muon updates (optim.name=muon; the experts are Muon's whole)."""
+    ns_dense: float = 0.0
+    """FLOPs of one Newton–Schulz iteration over those matrices (whole)."""
+    ns_experts: float = 0.0
+    """The same over the rank's experts (÷ ep)."""
+
+
+def checkpoint_state_bytes(L: Layout, rank: RankMemory) -> float:
+    """What `rank` holds between steps, when checkpoints are saved and loaded: weights (FSDP's
+    shards only: no block is gathered), optimizer state, and the gradient buckets that persist
+    (the ddp stack's reducer's — dense gradients at dp > 1, the experts' at edp > 1 — and the
+    sharded optimizer's; other gradients are freed by `zero_grad` and not yet allocated at a
+    load). Activations are freed."""
+    fsdp = L.stack == Stack.fsdp.value
+    weights = 4 * rank.local / L.replicas if fsdp else rank.weights
+    if fsdp or not rank.local:
+        return weights + rank.optimizer + rank.recv_buffers
+    # the buckets hold the dense gradients at dp > 1 and the experts' at edp > 1 (`bucketed`);
+    # the sharded optimizer buckets every gradient, even at dp = 1
+    bucketed = rank.local if L.shard_optimizer else L.bucketed(rank.dense_local, rank.expert_local)
+    return weights + rank.optimizer + rank.recv_buffers + rank.grads * bucketed / rank.local
+
+
+def save_temporaries(cfg: RunConfig, L: Layout, rank: RankMemory) -> float:
+    """Device bytes a checkpoint save allocates on `rank` beyond its state. Each rank writes only
+    the entries and ranges it holds, from views of the live tensors, one item at a time to host
+    memory (src/moetrain/train/dcp_shards.py; the finiteness check before it reduces each parameter
+    to its min and max): nothing is gathered, whatever the stack or the optimizer. Only with
+    optim.bf16_weights is there a temporary: each split fp32 master block as it is joined, at most
+    the largest split entry (4 B per element), `PIECE` elements at a time (int32 intermediates,
+    16 B each)."""
+    if not uses_bf16_weights(cfg):
+        return 0.0
+    return 4.0 * EntrySizes.of(cfg.model).largest_split_entry(rank) + 16.0 * PIECE
+
+
+def load_temporaries(cfg: RunConfig, L: Layout, rank: RankMemory) -> float:
+    """Device bytes a checkpoint load allocates on `rank` beyond its state. DCP reads each stored
+    chunk into host memory and copies it into views of the live tensors: nothing, except with
+    optim.bf16_weights one read's fp32 temporary of a split master (at most the largest split
+    entry) split into its halves `PIECE` elements at a time (20 B each), and then, with the sharded
+    optimizer, one bucket shard's bf16 weights copied for their all-gather (2 B per element)."""
+    if not uses_bf16_weights(cfg):
+        return 0.0
+    split = 4.0 * EntrySizes.of(cfg.model).largest_split_entry(rank) + 20.0 * PIECE
+    # a bucket holds at most BUCKET_BYTES of gradients (fp32, or bf16: optim.grad_dtype); its shard
+    # is 1/edp of it or less
+    grad_elem = 2 if cfg.optim.grad_dtype.value == "bf16" else 4
+    shard = 2.0 * min(BUCKET_BYTES / grad_elem, rank.local) / L.edp if L.shard_optimizer else 0.0
+    return max(split, shard)
+
+
+@dataclasses.dataclass(frozen=True)
+class EntrySizes:
+    """The largest checkpoint entries optim.bf16_weights splits (elements), counted on a
+    meta-device model: what bounds a checkpoint's temporaries."""
+
+    split_block_entry: int
+    """In a block (one expert's matrix for stacked experts)."""
+    split_head: int
+    """The LM head's."""
+
+    @classmethod
+    def of(cls, m: TransformerConfig) -> EntrySizes:
+        return _entry_sizes(json.dumps(m.to_dict(), sort_keys=True))
+
+    def largest_split_entry(self, rank: RankMemory) -> int:
+        return max(self.split_block_entry, self.split_head if rank.last else 0)
+
+
+@functools.lru_cache(maxsize=64)
+def _entry_sizes(model_json: str) -> EntrySizes:
+    model = TransformerConfig.from_dict(json.loads(model_json)).build(device="meta")
+    experts = {id(p) for mod in model.modules() if isinstance(mod, GroupedExperts) for p in mod.parameters()}
+    split = is_split_candidate(model)
+    blocks = [
+        p.numel() // p.shape[0] if id(p) in experts else p.numel() for p in model.blocks.parameters() if id(p) in split
+    ]
+    head = [p.numel() for p in model.lm_head.parameters() if id(p) in split]
+    return EntrySizes(split_block_entry=max(blocks, default=0), split_head=max(head, default=0))
+
+
+@dataclasses.dataclass
+class _Blocks:
+    """What one pipeline rank's blocks hold and save (`_rank_blocks`): parameters, and saved
+    bytes per token of one micro-batch (this layout's, without recompute, with full recompute, and
+    the experts' share), the bf16 weight copies of one micro-batch."""
+
+    layer_ids: list[int]
+    dense_local: float = 0.0
+    expert_local: float = 0.0
+    act_per_token: float = 0.0
+    act_none: float = 0.0
+    act_full: float = 0.0
+    experts_none: float = 0.0
+    moe_layers: int = 0
+    cast_bytes: float = 0.0
+    muon_dense: float = 0.0
+    ns_dense: float = 0.0
+    ns_experts: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Model:
+    """The per-run facts every pipeline rank's memory reads."""
+
+    fp32: bool
+    compiled: bool
+    fsdp: bool
+    ep_eff: int
+    expert_rows: float
+    wire_rows: float
+    exchanged: float
+    bf16_weights: bool
+    cp: int
+
+    @classmethod
+    def of(cls, cfg: RunConfig, L: Layout) -> _Model:
+        fsdp = L.stack == Stack.fsdp.value
+        ep_eff = 1 if fsdp else L.ep
+        expert_rows, wire_rows = rows_per_token(cfg, L)
+        # selective recompute keeps what the functional all-to-alls return (alltoall, nosync
+        # without the overlapped exchange, whose transfers are not functional collectives)
+        functional_exchange = L.dispatcher in (DispatcherKind.alltoall.value, DispatcherKind.nosync.value)
+        exchanged = wire_rows if ep_eff > 1 and functional_exchange and not L.overlap_chunks else 0.0
+        return cls(
+            fp32=cfg.train.precision.value == "fp32",
+            compiled=compiled_blocks(cfg),
+            fsdp=fsdp,
+            ep_eff=ep_eff,
+            expert_rows=expert_rows,
+            wire_rows=wire_rows,
+            exchanged=exchanged,
+            bf16_weights=uses_bf16_weights(cfg),
+            cp=L.cp,
+        )
+
+
+def _rank_blocks(m: TransformerConfig, L: Layout, groups: ParamGroups, x: _Model, layer_ids: list[int]) -> _Blocks:
+    b = _Blocks(layer_ids)
+    for i in layer_ids:
+        is_moe = i >= m.num_dense_layers and m.moe.num_experts > 0
+        dense = groups.moe_dense if is_moe else groups.dense_block
+        experts = groups.moe_experts / x.ep_eff if is_moe else 0
+        b.dense_local += dense
+        b.expert_local += experts
+        b.muon_dense += groups.muon_moe_dense if is_moe else groups.muon_dense_block
+        b.ns_dense += groups.ns_moe_dense if is_moe else groups.ns_dense_block
+        b.ns_experts += groups.ns_experts / x.ep_eff if is_moe else 0.0
+        recomputes = L.recompute != "none" and i % L.recompute_every == 0
+        mode = L.recompute if recomputes else "none"
+        b.act_per_token += _block_bytes(m, is_moe, mode, x.expert_rows, x.compiled, x.fp32, x.exchanged, x.cp)
+        b.act_none += _block_bytes(m, is_moe, "none", x.expert_rows, x.compiled, x.fp32, cp=x.cp)
+        b.act_full += _block_bytes(m, is_moe, "full", x.expert_rows, x.compiled, x.fp32, cp=x.cp)
+        if is_moe:
+            b.moe_layers += 1
+            b.experts_none += _block_bytes(m, True, "none", x.expert_rows, x.compiled, x.fp32) - _block_bytes(
+                m, True, "none", 0, x.compiled, x.fp32
+            )
+        # no copies: bf16 weights, or FSDP's bf16 all-gather (freed after forward, gathered again)
+        if not recomputes and not x.fp32 and not x.bf16_weights and not x.fsdp:
+            b.cast_bytes += 2 * (dense + experts)
+    return b
+
+
+def _in_flight(L: Layout, r: int) -> float:
+    """Micro-batches whose activations pipeline rank r holds at the start of its first backward."""
+    if L.pp == 1:
+        return 1.0
+    if L.schedule == PipelineSchedule.gpipe.value:
+        return L.micro_batches
+    in_flight = min(L.micro_batches, L.pp - r)
+    if L.stages_per_rank > 1:
+        in_flight = min(L.micro_batches * L.stages_per_rank, L.pp * (1 + (L.pp - 1) / (L.pp * L.stages_per_rank)))
+    return in_flight
+
+
+def _saved_activations(
+    m: TransformerConfig, L: Layout, x: _Model, b: _Blocks, in_flight: float, stages: list[int], t: int
+) -> float:
+    """Saved tensors of the micro-batches in flight; with recompute, backward rebuilds one
+    block's full activations at a time."""
+    S = L.pp * L.stages_per_rank
+    activations = in_flight * t * b.act_per_token
+    # the schedule keeps each stage's fp32 output until its backward (the last stage's output
+    # is the logits, counted apart)
+    feeding = sum(1 for s in stages if s < S - 1) / len(stages)
+    activations += in_flight * feeding * t * m.d_model * 4 if L.pp > 1 else 0.0
+    if L.overlap_chunks and L.ep > 1 and any(i >= m.num_dense_layers for i in b.layer_ids):
+        # the buffer an exchange in flight writes while compute runs (the overlapped exchange)
+        activations += t * x.wire_rows * m.d_model * (4 if x.fp32 else 2)
+    if L.recompute != "none" and b.layer_ids:
+        activations += t * b.act_none / len(b.layer_ids)
+    return activations
+
+
+def _loss_bytes(m: TransformerConfig, t: int, chunk: int) -> tuple[float, float]:
+    """(held, traffic) of the last stage's loss per micro-batch: what it holds for backward and
+    what its element-wise kernels read and write; with multi-token prediction, each depth's loss
+    as much again."""
+    losses = 1 + m.mtp_depth
+    if chunk:  # one chunk's bf16 logits + gradient; the hidden states' fp32 gradient
+        # the fused kernels: read the logits twice, write the gradient
+        return losses * (min(chunk, t) * m.vocab_size * 4 + t * m.d_model * 4), losses * t * m.vocab_size * 6
+    return losses * t * m.vocab_size * 10, losses * t * m.vocab_size * 10  # bf16 logits, fp32 copy, log-softmax
+
+
+def _add_mtp(m: TransformerConfig, L: Layout, groups: ParamGroups, x: _Model, b: _Blocks) -> None:
+    """The multi-token prediction modules (on the last stage): their parameters and Muon's part of
+    them, and per token and depth a dense block's saved tensors plus the projection's input (2D)
+    and the two input norms' outputs."""
+    if not groups.mtp:
+        return
+    a = 4 if x.fp32 else 2
+    b.dense_local += groups.mtp
+    b.muon_dense += groups.muon_mtp
+    b.ns_dense += groups.ns_mtp
+    recomputes = L.recompute != "none"
+    extra = m.mtp_depth * (4 * 2 * m.d_model + a * 2 * m.d_model)
+    for total, mode in (("act_per_token", L.recompute if recomputes else "none"), ("act_none", "none")):
+        block = _block_bytes(m, False, mode, x.expert_rows, x.compiled, x.fp32, x.exchanged, x.cp)
+        setattr(b, total, getattr(b, total) + m.mtp_depth * block + extra)
+    b.act_full += m.mtp_depth * _block_bytes(m, False, "full", x.expert_rows, x.compiled, x.fp32) + extra
+
+
+def _state(
+    cfg: RunConfig, L: Layout, groups: ParamGroups, x: _Model, b: _Blocks, local: float, dense_local: float
+) -> tuple[float, float, float, float]:
+    """(weights, grads, optimizer, accumulated) of one pipeline rank: its stack's and optimizer's
+    layout of the parameters, gradients and AdamW state; accumulated: FSDP's unsharded gradients
+    kept between micro-batches."""
+    moments = 4 if cfg.optim.moments_dtype.value == "bf16" else 8  # AdamW's two moments per element
+    muon = cfg.optim.name.value == "muon"  # Muon's matrices keep one momentum: half of AdamW's two
+    muon_dense = b.muon_dense if muon else 0.0
+    muon_experts = b.expert_local if muon else 0.0
+    grad_elem = 2 if cfg.optim.grad_dtype.value == "bf16" else 4  # optim.grad_dtype
+    expert_local = b.expert_local
+    if x.fsdp:
+        shard = L.replicas
+        gathered = 4 if x.fp32 else 2  # two blocks' parameters gathered at once, in the compute dtype
+        weights = 4 * local / shard + 2 * gathered * max(groups.moe_dense + groups.moe_experts, groups.dense_block)
+        # FSDP casts the reduced shards back to the parameters' fp32; one rank: FSDPAdamW's own
+        grads = 4 * local / shard if shard > 1 else grad_elem * local
+        accumulated = grad_elem * local if L.micro_batches > 1 and L.replicas > 1 else 0.0
+        return weights, grads, moments * (local - (muon_dense + muon_experts) / 2) / shard, accumulated
+    weights = 4 * local  # fp32, or bf16 + the 16-bit remainder (optim.bf16_weights)
+    # bf16_weights: one backward's bf16 gradients are kept as they are (2 B)
+    bf16_kept = x.bf16_weights and L.replicas == 1 and L.micro_batches == 1
+    grads = 2 * local if bf16_kept or grad_elem == 2 else 4 * local
+    if not L.shard_optimizer:
+        return weights, grads, moments * (local - (muon_dense + muon_experts) / 2), 0.0
+    shard = dense_local / L.replicas + expert_local / L.edp
+    muon_shard = muon_dense / L.replicas + muon_experts / L.edp
+    if x.bf16_weights:  # bf16 weights whole; remainders (2 B) and moments sharded
+        weights, optimizer = 2 * local, 2 * shard + moments * (shard - muon_shard / 2)
+    else:  # fp32 weights whole; fp32 master (4 B) and moments sharded
+        optimizer = 4 * shard + moments * (shard - muon_shard / 2)
+    # the reduce-scatters' output shards, in the gradient dtype (a view of the bucket where the
+    # group has one rank)
+    reduced = (dense_local / L.replicas if L.replicas > 1 else 0) + (expert_local / L.edp if L.edp > 1 else 0)
+    return weights, grads + grad_elem * reduced, optimizer, 0.0
+
+
+def _recv_buffers(L: Layout, stages: list[int], t: int, d_model: int) -> float:
+    """fp32 (t, D) buffers, one per micro-batch: activations for each stage fed by a previous one,
+    output gradients for each stage that feeds a next one."""
+    if L.pp == 1:
+        return 0.0
+    S = L.pp * L.stages_per_rank
+    links = sum(1 for s in stages if s > 0) + sum(1 for s in stages if s < S - 1)
+    return links * L.micro_batches * t * d_model * 4
+
+
+def memory_per_rank(cfg: RunConfig, L: Layout, groups: ParamGroups, assume: Assumptions) -> list[RankMemory]:
+    """Parameters and memory of each pipeline rank (one entry without a pipeline)."""
+    m, x = cfg.model, _Model.of(cfg, L)
+    S = L.pp * L.stages_per_rank
+    layers_per_stage = [len(s) for s in stage_layers(m.n_layers, S)]
+    t = L.tokens(cfg.data.seq_len)  # tokens per rank per micro-batch
+    chunk = cfg.train.resolved_loss_chunk_tokens("cuda") if L.pp == 1 else 0  # pipelines: the plain path
+    out = []
+    for r in range(L.pp):
+        stages = [r + i * L.pp for i in range(L.stages_per_rank)]
+        layer_ids = [i for s in stages for i in range(sum(layers_per_stage[:s]), sum(layers_per_stage[: s + 1]))]
+        b = _rank_blocks(m, L, groups, x, layer_ids)
+        first, last = 0 in stages, S - 1 in stages
+        if last:
+            _add_mtp(m, L, groups, x, b)
+        dense_local = b.dense_local + (groups.embedding if first else 0) + (groups.head if last else 0)
+        local = dense_local + b.expert_local
+        in_flight = _in_flight(L, r)
+        activations = _saved_activations(m, L, x, b, in_flight, stages, t)
+        logits, loss_traffic = _loss_bytes(m, t, chunk) if last else (0.0, 0.0)
+        # the head's fp32 weight gradient, one per loss (multi-token prediction: 1 + depth)
+        head_grad = (1 + m.mtp_depth) * 4 * groups.head / (L.replicas if x.fsdp else 1) if last else 0
+        # one bf16 copy of each weight per micro-batch in flight: each micro-batch's forward casts
+        # its own, and its saved tensors keep it until that micro-batch's backward
+        casts = b.cast_bytes * in_flight
+        weights, grads, optimizer, accumulated = _state(cfg, L, groups, x, b, local, dense_local)
+        # gradients are present during backward when they persist: accumulation over micro-batches
+        # or a pipeline (micro-batches overlap), else reducer buckets (dp > 1 on the ddp stack:
+        # the dense ones, and the experts' unless each lives alone in its group, edp = 1)
+        kept_grads = grads if L.micro_batches > 1 else grads * L.bucketed(dense_local, b.expert_local) / local
+        start_of_backward = activations + logits + head_grad + casts + max(kept_grads, accumulated)
+        recv_buffers = _recv_buffers(L, stages, t, m.d_model * (1 + m.mtp_depth))
+        peak = weights + optimizer + recv_buffers + max(start_of_backward, grads) + assume.workspace_gib * GIB
+        out.append(
+            RankMemory(
+                rank=r,
+                layers=len(layer_ids),
+                first=first,
+                last=last,
+                local=local,
+                dense_local=dense_local,
+                expert_local=b.expert_local,
+                embedding_local=groups.embedding if first else 0,
+                weights=weights,
+                grads=grads,
+                optimizer=optimizer,
+                activations=activations + logits + casts,
+                peak=peak,
+                blocks_none=t * b.act_none,
+                experts_none=t * b.experts_none,
+                moe_layers=b.moe_layers,
+                recv_buffers=recv_buffers,
+                logits_bytes=logits,
+                loss_traffic=loss_traffic,
+                act_none=in_flight * t * b.act_none + logits,
+                act_full=in_flight * t * b.act_full + logits,
+                muon_dense_local=b.muon_dense,
+                ns_dense=b.ns_dense,
+                ns_experts=b.ns_experts,
+            )
+        )
+    return out

@@ -1,0 +1,78 @@
+"""Helpers the tests share to drive training steps, optimizer kernels and the MoE permutation (no
+test logic here)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+from moetrain.data.loader import SyntheticLoader
+
+ADAMW_HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+"""AdamW hyperparameters for kernel-against-reference checks."""
+
+
+def synthetic_batches(
+    cfg, step: int, rank: int | None = None, rows: int = 2
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The micro-batches of optimizer step `step` (seeded by it) for `cfg`; with `rank`, that
+    rank's `rows` rows of each (a data-parallel rank's share of the global micro-batch)."""
+    loader = SyntheticLoader(
+        seq_len=cfg.data.seq_len,
+        micro_batch_size=cfg.train.micro_batch_size,
+        seed=step,
+        vocab_size=cfg.model.vocab_size,
+    )
+    batches = [loader.next_batch() for _ in range(cfg.train.grad_accum_steps)]
+    if rank is None:
+        return batches
+    return [(x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows]) for x, y in batches]
+
+
+def adamw_inputs(n: int = 4096, seed: int = 1, moments_dtype: torch.dtype = torch.float32):
+    """(param, grad, exp_avg, exp_avg_sq) of `n` elements, seeded."""
+    g = torch.Generator().manual_seed(seed)
+    p, grad = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    m, v = torch.randn(n, generator=g) * 0.1, torch.rand(n, generator=g) * 0.01
+    return p, grad, m.to(moments_dtype), v.to(moments_dtype)
+
+
+def run_in_triton_interpreter(code: str) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh Python with TRITON_INTERPRET=1 (Triton kernels executed on the CPU)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+
+
+def routed_case(seed: int, N: int = 96, K: int = 4, D: int = 24, E: int = 16, skew: bool = False):
+    """(topk ids (N, K), token rows (N, D) over four decades of scale, top-k weights, an output
+    gradient) for permutation checks; `skew` sends most tokens to experts 0..K-1 (long runs of
+    one expert, empty experts)."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(N, E, generator=g)
+    if skew:
+        scores[: 3 * N // 4, :K] += 2.0
+    ids = scores.topk(K, dim=-1).indices
+    x = torch.randn(N, D, generator=g) * torch.logspace(-2, 2, N).unsqueeze(1)
+    return ids, x, torch.rand(N, K, generator=g), torch.randn(N, D, generator=g)
+
+
+def plain_permute_combine(x_ND, ids_NK, w_NK, experts):
+    """The MoE permutation as plain autograd ops (autograd's own backward of each): index_select
+    into expert order, `experts` on the sorted rows, index_copy back, weight, sum over k."""
+    N, K = ids_NK.shape
+    sort_idx = ids_NK.flatten().argsort(stable=True)
+    y_MD = experts(x_ND.index_select(0, sort_idx // K))
+    y_NKD = torch.empty_like(y_MD).index_copy(0, sort_idx, y_MD).view(N, K, -1)
+    return (y_NKD * w_NK.unsqueeze(-1).to(y_NKD.dtype)).sum(1)
+
+
+def fused_permute_combine(x_ND, ids_NK, w_NK, experts):
+    """The same through src/moetrain/model/permute.py."""
+    from moetrain.model.permute import permute, unpermute_combine
+    from moetrain.model.token_dispatcher import sort_by_expert
+
+    sort_idx, inv = sort_by_expert(ids_NK)
+    return unpermute_combine(experts(permute(x_ND, sort_idx, inv)), w_NK, sort_idx, inv)

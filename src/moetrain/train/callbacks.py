@@ -1,0 +1,328 @@
+"""What hangs off the training loop: each a `Callback` the `Trainer` calls at the start of `fit`,
+after every step, and at the end (also when the run fails). `callbacks_from_config` builds the
+list the `Trainer` runs (`Trainer.callbacks`):
+
+    StepProfiling    torch.profiler over train.profile_steps steps (train.profile)
+    SkipLimit        stop the run after train.max_consecutive_skips skipped updates in a row
+    MetricsLogger    the records and the validation loss, handed to each sink of
+                     `metrics_sinks`: metrics.jsonl, TensorBoard, W&B, the console line
+                     (src/moetrain/train/metrics.py, wandb_sink.py, console.py)
+    Checkpointing    a checkpoint every train.save_every steps and at the end
+    GracefulStop     SIGTERM or Ctrl-C: finish the step, save, stop
+
+They run in that order after each step. Each reads the trainer's public state (`step`, `engine`,
+`cfg`, `run`) and nothing else.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from moetrain.data.loader import val_batches
+from moetrain.errors import CheckpointError
+from moetrain.parallel.distributed import cpu_group
+from moetrain.train import checkpoint as ckpt
+from moetrain.train.config import RunConfig
+from moetrain.train.console import ConsoleSink
+from moetrain.train.engine import StepOutput, TrainEngine
+from moetrain.train.metrics import JsonlSink, MetricsSink, TensorBoardSink
+from moetrain.train.profiling import StepProfiler
+from moetrain.train.wandb_sink import WandbSink
+
+if TYPE_CHECKING:
+    from moetrain.train.trainer import Trainer
+
+
+class Callback:
+    def on_fit_start(self, trainer: Trainer) -> None:
+        """Before the first step of `fit`."""
+
+    def on_step_end(self, trainer: Trainer, out: StepOutput) -> None:
+        """After each optimizer step (`trainer.step` counts it already)."""
+
+    def on_fit_end(self, trainer: Trainer, completed: bool) -> None:
+        """After the last step, or when the run failed (`completed` false): release what
+        `on_fit_start` took."""
+
+
+def is_log_step(cfg: RunConfig, step: int) -> bool:
+    """Steps that write a record (and synchronize the device): every train.log_every, the
+    first, the last, and every evaluation step."""
+    tc = cfg.train
+    return step % tc.log_every == 0 or step == 1 or step == tc.steps or is_eval_step(cfg, step)
+
+
+def is_eval_step(cfg: RunConfig, step: int) -> bool:
+    tc = cfg.train
+    return tc.eval_every > 0 and (step % tc.eval_every == 0 or step == tc.steps)
+
+
+class Evaluator:
+    """The validation loss: the first train.eval_tokens tokens of the validation data (data.val,
+    or the first source's val split) as whole sequences of data.seq_len, per token. The same
+    sequences whatever train.micro_batch_size and the dp, ep or pp layout, so curves compare
+    across runs; batched by the training micro-batch (`val_batches`)."""
+
+    def __init__(self, cfg: RunConfig, dp_rank: int, dp_size: int):
+        self.cfg, self.dp_rank, self.dp_size = cfg, dp_rank, dp_size
+        self.path = cfg.data.val_path()
+
+    def __call__(self, engine: TrainEngine) -> float | None:
+        """Mean validation loss per token over all ranks (a collective); None without
+        validation data."""
+        if self.path is None:
+            return None
+        tc = self.cfg.train
+        batches = val_batches(
+            self.path,
+            seq_len=self.cfg.data.seq_len,
+            num_sequences=tc.eval_sequences(self.cfg.data.seq_len),
+            micro_batch_size=tc.micro_batch_size,
+            vocab_size=self.cfg.model.vocab_size,
+            dp_rank=self.dp_rank,
+            dp_size=self.dp_size,
+        )
+        return engine.eval_loss(batches)
+
+
+class StepProfiling(Callback):
+    """torch.profiler (and a CUDA memory snapshot) over a window of steps (src/moetrain/train/profiling.py)."""
+
+    def __init__(self, out_dir: Path):
+        self.out_dir = out_dir
+        self.profiler: StepProfiler | None = None
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        self.profiler = trainer.profiler(self.out_dir)
+
+    def on_step_end(self, trainer: Trainer, out: StepOutput) -> None:
+        self.profiler.step()
+
+    def on_fit_end(self, trainer: Trainer, completed: bool) -> None:
+        profiler, self.profiler = self.profiler, None
+        if profiler is not None:
+            profiler.close()
+
+
+class SkipLimit(Callback):
+    """Ends the run (`TooManySkippedSteps`) after train.max_consecutive_skips skipped updates in
+    a row. The count is a device value: read every step on CPU, on logging steps on GPU (the
+    device is synchronized there anyway), so the check adds no host sync to a step."""
+
+    def on_step_end(self, trainer: Trainer, out: StepOutput) -> None:
+        if trainer.device.type == "cpu" or is_log_step(trainer.cfg, trainer.step):
+            guard = trainer.engine.guard
+            guard.raise_if_stuck(int(guard.consecutive), trainer.step, trainer.run.last_checkpoint)
+
+
+class MetricsLogger(Callback):
+    """On logging steps (`is_log_step`): one record of the steps since the last one (rates over
+    that window of wall time), with the validation loss on evaluation steps, handed to each sink
+    of `metrics_sinks` in order."""
+
+    def __init__(self, evaluator: Evaluator):
+        self.evaluator = evaluator
+        self.last_val: float | None = None
+        """The last validation loss of this `fit` (None before the first)."""
+        self.sinks: list[MetricsSink] = []
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        self.last_val = None
+        self.sinks = metrics_sinks(trainer)
+        self._restart_window()
+
+    def on_step_end(self, trainer: Trainer, out: StepOutput) -> None:
+        self.window_steps += 1
+        step = trainer.step
+        if not is_log_step(trainer.cfg, step):
+            for sink in self.sinks:
+                sink.step_done(step)
+            return
+        if trainer.device.type == "cuda":
+            torch.cuda.synchronize(trainer.device)
+        seconds = time.perf_counter() - self.window_start
+        record = trainer.engine.metrics(out, step=step, steps=self.window_steps, seconds=seconds)
+        if is_eval_step(trainer.cfg, step):
+            record["val_loss"] = self.last_val = self.evaluator(trainer.engine)
+        for sink in self.sinks:
+            sink.write(record, (seconds, self.window_steps))
+        self._restart_window()  # evaluation and logging stay out of the next window's rate
+
+    def on_fit_end(self, trainer: Trainer, completed: bool) -> None:
+        sinks, self.sinks = self.sinks, []
+        for sink in reversed(sinks):
+            sink.close(failed=not completed)
+
+    def _restart_window(self) -> None:
+        self.window_start, self.window_steps = time.perf_counter(), 0
+
+
+def metrics_sinks(trainer: Trainer) -> list[MetricsSink]:
+    """Where the records go, in order: on rank 0 metrics.jsonl, TensorBoard (train.tensorboard)
+    and W&B (train.wandb), then the console unless the trainer is quiet (other ranks are)."""
+    tc = trainer.cfg.train
+    sinks: list[MetricsSink] = []
+    if trainer.par.is_main:
+        wandb = None
+        if tc.wandb:
+            wandb = WandbSink(
+                trainer.run.path,
+                trainer.cfg.to_dict(),
+                project=tc.wandb_project,
+                name=tc.wandb_name,
+                resumed=trainer.resumed_from is not None,
+            )
+        sinks.append(JsonlSink(trainer.run.metrics_file))
+        tensorboard = TensorBoardSink.open(trainer.run.path) if tc.tensorboard else None
+        sinks += [sink for sink in (tensorboard, wandb) if sink is not None]
+    if not trainer.quiet:
+        sinks.append(ConsoleSink(start=trainer.step, total=tc.steps, device_type=trainer.device.type))
+    return sinks
+
+
+class Checkpointing(Callback):
+    """Checkpoints every train.save_every steps and after the last (train.save_final); with
+    train.async_checkpoint written in the background, completed at the next save or at the end
+    of `fit`. Never writes parameters holding NaN or inf."""
+
+    def __init__(self) -> None:
+        self._pending: ckpt.PendingCheckpoint | None = None
+        self.last_saved_step: int | None = None
+
+    def on_step_end(self, trainer: Trainer, out: StepOutput) -> None:
+        tc = trainer.cfg.train
+        step = trainer.step
+        if (tc.save_every > 0 and step % tc.save_every == 0) or (step == tc.steps and tc.save_final):
+            self.save(trainer)
+
+    def save(self, trainer: Trainer) -> Path:
+        """Checkpoint `trainer.step` (every rank); returns where it is (or, written in the
+        background, will be)."""
+        self.finish()  # one write at a time
+        if not trainer.engine.parameters_finite():
+            raise CheckpointError(
+                f"Refusing to save step {trainer.step}: the parameters hold NaN or inf. The last good checkpoint "
+                f"({trainer.run.last_checkpoint() or 'none yet'}) is kept; lower optim.lr or check the data, "
+                "then --resume."
+            )
+        tc = trainer.cfg.train
+        state = {
+            "step": trainer.step,
+            "loader": trainer.loader.state_dict(),
+            "guard": trainer.engine.guard.state_dict(),
+            "schedule_steps": trainer.engine.schedule_steps,
+        }
+        extra = {"config.yaml": trainer.run.config_file}
+        if trainer.loader.tokenizer_path is not None:
+            extra["tokenizer.json"] = trainer.loader.tokenizer_path
+        result = ckpt.save_checkpoint(
+            trainer.run.path,
+            trainer.step,
+            trainer.engine.checkpoint_state(),
+            state,
+            extra,
+            keep_last=tc.keep_last,
+            role=ckpt.ShardRole.of(trainer.par),
+            async_write=tc.async_checkpoint,
+            process_group=cpu_group() if trainer.par.dims.world_size > 1 else None,
+        )
+        self.last_saved_step = trainer.step
+        if isinstance(result, ckpt.PendingCheckpoint):
+            self._pending = result
+            return ckpt.checkpoints_dir(trainer.run.path) / f"step-{result.step}"
+        return result
+
+    def finish(self) -> None:
+        """Wait for a background checkpoint write and complete it (no-op without one)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.finish()
+
+
+class GracefulStop(Callback):
+    """SIGTERM (what schedulers and torchrun send) or Ctrl-C: finish the current step, save a
+    checkpoint, return normally. A second Ctrl-C interrupts at once.
+
+    Ranks must stop after the same step: each step they agree through a MAX all-reduce of a CPU
+    flag over a gloo group (a few microseconds; no device involved, so no host sync on GPU)."""
+
+    def __init__(self, checkpointing: Checkpointing):
+        self.checkpointing = checkpointing
+        self.flag = 0
+        self.signal_name = ""
+        self.previous: dict = {}
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        self.flag, self.signal_name = 0, ""
+        self.quiet = not trainer.par.is_main  # said even under --quiet
+        self.collective = trainer.par.dims.world_size > 1
+        self.group = cpu_group() if self.collective else None
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self.previous[sig] = signal.signal(sig, self._handle)
+
+    def on_step_end(self, trainer: Trainer, out: StepOutput) -> None:
+        if trainer.step == trainer.cfg.train.steps or not self.requested():
+            return
+        if self.checkpointing.last_saved_step == trainer.step:
+            path = ckpt.checkpoints_dir(trainer.run.path) / f"step-{trainer.step}"
+        else:
+            path = self.checkpointing.save(trainer)
+        self.checkpointing.finish()
+        if trainer.par.is_main:
+            print(
+                f"stopped by {self.signal_name} after step {trainer.step}; checkpoint {path}; continue with --resume",
+                file=sys.stderr,
+                flush=True,
+            )
+        trainer.stop(stopped_at_step=trainer.step)
+
+    def on_fit_end(self, trainer: Trainer, completed: bool) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        self.previous = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.flag and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.flag = 1
+        self.signal_name = signal.Signals(signum).name
+        if not self.quiet:
+            print(
+                f"{self.signal_name}: stopping after this step and saving a checkpoint (Ctrl-C again to abort at once)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def requested(self) -> bool:
+        """Whether any rank got the signal (collective)."""
+        if not self.collective:
+            return bool(self.flag)
+        flag = torch.tensor([self.flag], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if flag.item() and not self.signal_name:
+            self.signal_name = "a signal on another rank"
+        return bool(flag.item())
+
+
+def callbacks_from_config(
+    cfg: RunConfig, run_dir: Path, evaluator: Evaluator, checkpointing: Checkpointing
+) -> list[Callback]:
+    """The loop's callbacks for `cfg`, in the order they run (module docstring): profiling with
+    train.profile (into `run_dir`/profile), then the skip limit, the metrics logger (validation
+    by `evaluator`), `checkpointing` and the graceful stop (which saves through it)."""
+    return [
+        *([StepProfiling(run_dir / "profile")] if cfg.train.profile else []),
+        SkipLimit(),
+        MetricsLogger(evaluator),
+        checkpointing,
+        GracefulStop(checkpointing),
+    ]

@@ -1,0 +1,721 @@
+"""Checkpoints with torch.distributed.checkpoint (DCP).
+
+Layout: RUN_DIR/checkpoints/step-N/ holds
+  - the DCP files: model parameters and buffers (the aux-free router biases among them; fp32
+    masters in place of bf16 weights) and the AdamW moments, tensors only (loading executes no
+    pickled code), experts one entry each so that any expert-parallel layout can load them. Each
+    entry has its global shape whatever the layout; each rank writes and reads only the part it
+    holds (`checkpoint_entries`: views of live tensors, `FlatShard` ranges of sharded state,
+    stored as rectangular blocks by src/moetrain/train/dcp_shards.py), so nothing is gathered;
+  - trainer_state.json: step and data-loader position (rank 0); rng-rankR.json: each rank's RNG;
+  - config.yaml (the run's resolved config) and tokenizer.json, so `eval`/`generate` need
+    nothing else;
+  - COMPLETE, written last.
+A checkpoint is written under a temporary name and renamed when complete, so a crash never leaves
+a directory that looks finished. Every command taking CHECKPOINT accepts a run directory (its
+newest complete checkpoint) or a step-N directory. Before anything is loaded, the checkpoint's
+index and files are checked (src/moetrain/train/checkpoint_index.py): a damaged checkpoint is named as
+such, with the file, and a model of another shape with the first tensor that differs.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import heapq
+import json
+import math
+import os
+import pickle
+import re
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from moetrain.errors import CheckpointError
+from moetrain.model.experts import GroupedExperts
+from moetrain.model.transformer import canonical_name
+from moetrain.optim.base import FlatShard
+from moetrain.parallel.dims import ParallelState
+from moetrain.parallel.fsdp import copy_shard, full_tensor, is_sharded, local_flat_range, reshard
+from moetrain.parallel.rehearsal import Rehearsal
+from moetrain.train.checkpoint_index import (  # noqa: F401 (SafeFileSystemReader: ckpt.SafeFileSystemReader)
+    INDEX,
+    SafeFileSystemReader,
+    diagnose,
+    first_mismatch,
+    read_index,
+    read_rank_index,
+)
+from moetrain.train.dcp_shards import CpuStager, ShardLoadPlanner, ShardSavePlanner, ShardWriter
+
+# DCP's note for single-process saves, also from async_save's background thread.
+warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+
+COMPLETE = "COMPLETE"
+STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def checkpoints_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints of a run, oldest first."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        m = STEP_DIR.match(child.name)
+        if m and (child / COMPLETE).is_file():
+            found.append((int(m.group(1)), child))
+    return sorted(found)
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A step-N directory, or a run directory (-> its newest complete checkpoint), checked
+    intact (`diagnose`): a damaged one is refused naming the damage (and the newest intact
+    checkpoint before it, if any)."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(
+            f"Checkpoint path '{path}' does not exist: pass a run directory or its checkpoints/step-N."
+        )
+    if (path / COMPLETE).is_file():
+        found = path
+    elif STEP_DIR.match(path.name):
+        raise CheckpointError(
+            f"'{path}' is an incomplete checkpoint (no {COMPLETE} marker: the run was interrupted "
+            "while writing it). Use an earlier step or the run directory."
+        )
+    else:
+        complete = list_checkpoints(path)
+        if not complete:
+            raise CheckpointError(
+                f"'{path}' holds no complete checkpoint (looked for {checkpoints_dir(path)}/step-N/"
+                f"{COMPLETE}). Train with --save-every N, or point at a step-N directory."
+            )
+        found = complete[-1][1]
+    damage = diagnose(found)
+    if damage is not None:
+        raise CheckpointError(damaged(found, damage))
+    return found
+
+
+def damaged(path: Path, damage: str) -> str:
+    """The message for a checkpoint `diagnose` found damaged, with the newest intact one
+    before it."""
+    m = STEP_DIR.match(path.name)
+    earlier = [p for s, p in list_checkpoints(path.parent.parent) if m and s < int(m.group(1))]
+    intact = next((p for p in reversed(earlier) if diagnose(p) is None), None)
+    instead = (
+        f"the newest intact checkpoint before it is {intact}: pass that one"
+        if intact
+        else "no intact checkpoint precedes it"
+    )
+    return (
+        f"Checkpoint '{path}' is damaged: {damage}. {instead[0].upper()}{instead[1:]} (`moetrain train … --resume` "
+        "falls back to it by itself), or restore the files from a copy."
+    )
+
+
+def estimated_bytes(num_params: int, optimizer_bytes_per_param: int = 0) -> int:
+    """About what a checkpoint of `num_params` parameters takes on disk: fp32 weights (4 B per
+    parameter) and the optimizer state saved with them (AdamW's two moments: 8 B, or 4 B in
+    bf16), plus 1% and 1 MiB for DCP's per-entry headers, the index and the small files."""
+    return int(num_params * (4 + optimizer_bytes_per_param) * 1.01) + (1 << 20)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardRole:
+    """What one process writes of a checkpoint, and whether it completes it.
+
+    A checkpoint is written without DCP's coordination: each rank writes the entries it holds
+    and owns into its own file and index (`__R_0.distcp`, `__R.metadata`), then the main process
+    merges the indexes into the checkpoint's `.metadata`. No rank sends its plan to another, so
+    nothing about the write depends on what the other ranks hold.
+
+    Ownership: an entry only this rank holds (a sharded range) is its own; an entry held whole by
+    several ranks — dense ones by the ranks of a pipeline stage (`dense_replicas`), experts by
+    their expert-replica group (`expert_replicas`) — is written by one of them, the same one
+    whichever of them decides: the entries of each group are dealt out largest first to the
+    member with the fewest bytes so far (`owners`). Every member holds the same such entries, so
+    each computes the same answer alone."""
+
+    rank: int = 0
+    world: int = 1
+    main: bool = True
+    """Completes the checkpoint (merges the indexes, writes trainer_state.json, COMPLETE): rank 0,
+    or a rehearsal's one process."""
+    dense_replicas: tuple[int, ...] = (0,)
+    """The global ranks holding this rank's dense entries whole."""
+    expert_replicas: tuple[int, ...] = (0,)
+    """The global ranks holding this rank's (plain) expert entries whole."""
+    writes_for: tuple[int, ...] = (0,)
+    """The ranks whose files this process writes: its own; in a rehearsal every rank's, each with
+    the entries this process holds that the rank owns (what a peer would write of them)."""
+    rehearsal: Rehearsal | None = None
+    """A rehearsal's checkpoint holds only the entries its one rank holds: the merge does not ask
+    for every tensor whole, and trainer_state.json records the rehearsal, so that only the same
+    rehearsal loads it (`load_checkpoint`)."""
+
+    @classmethod
+    def of(cls, par: ParallelState) -> ShardRole:
+        dims, rank = par.dims, par.rank
+        return cls(
+            rank=rank,
+            world=dims.world_size,
+            main=par.is_main,
+            dense_replicas=dims.replica_ranks(rank),
+            expert_replicas=dims.edp_ranks(rank),
+            writes_for=tuple(range(dims.world_size)) if par.rehearsed else (rank,),
+            rehearsal=Rehearsal(dims.world_size, rank) if par.rehearsed else None,
+        )
+
+    @classmethod
+    def alone(cls) -> ShardRole:
+        """For callers that know no layout (tools, tests): this rank (of torch.distributed's
+        default group, if any) writes everything it holds; replicas are then stored once by the
+        merge, which keeps the first copy of identical chunks."""
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        return cls(rank, world, rank == 0, (rank,), (rank,), (rank,))
+
+    def owners(self, state: dict[str, dict[str, Any]]) -> dict[tuple[str, str], int]:
+        """(section, name) → the global rank that writes the entry."""
+        out: dict[tuple[str, str], int] = {}
+        by_group: dict[tuple[int, ...], list[tuple[int, str, tuple[str, str]]]] = {}
+        for section, entries in state.items():
+            for name, value in entries.items():
+                if isinstance(value, FlatShard) and not value.replicated:
+                    out[(section, name)] = self.rank  # a sharded range: this rank's alone
+                    continue
+                group = self.expert_replicas if "/" in name else self.dense_replicas
+                by_group.setdefault(group, []).append((_nbytes(value), f"{section}.{name}", (section, name)))
+        for group, items in by_group.items():
+            loads = [(0, i) for i in range(len(group))]  # a heap of (bytes dealt, member)
+            for nbytes, _, key in sorted(items, key=lambda item: (-item[0], item[1])):
+                dealt, member = heapq.heappop(loads)
+                out[key] = group[member]
+                heapq.heappush(loads, (dealt + max(nbytes, 1), member))
+        return out
+
+
+def _nbytes(value: torch.Tensor | FlatShard) -> int:
+    if isinstance(value, FlatShard):
+        return value.numel * value.dtype.itemsize
+    return value.numel() * value.element_size()
+
+
+def save_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    state: dict[str, Any],
+    trainer_state: dict[str, Any],
+    extra_files: dict[str, Path | str] | None = None,
+    keep_last: int = 0,
+    role: ShardRole | None = None,
+    async_write: bool = False,
+    process_group=None,
+) -> Path | PendingCheckpoint:
+    """Write step-N atomically (every rank calls this); then keep the newest `keep_last`.
+    `state` is what DCP writes (`TrainEngine.checkpoint_state()`, or `{"model":
+    model_state_dict(m)}` for weights only): tensors and `FlatShard`s, each rank's own part;
+    `trainer_state` goes to trainer_state.json (the main process). `role` says which entries this
+    process writes (`ShardRole`; default `ShardRole.alone()`).
+
+    Each rank writes its files with DCP alone (no plan crosses ranks); then the ranks agree over
+    `process_group` (a CPU-capable group; None: the default one, if any) that every write
+    succeeded — one all-reduce of a flag — and the main process merges the ranks' indexes. With
+    `async_write` the tensors are staged (copied to host memory) now and written by a background
+    thread (`dcp.async_save`); the returned `PendingCheckpoint` completes the checkpoint — the
+    agreement, the merged index, COMPLETE marker, rename, retention — when `finish()` is called,
+    so it becomes visible only once every file is written, exactly as a synchronous save.
+    Training may continue meanwhile."""
+    role = role or ShardRole.alone()
+    recorded_state = dict(trainer_state)
+    if role.rehearsal is not None:
+        recorded_state["rehearsal"] = dataclasses.asdict(role.rehearsal)
+    write = _CheckpointWrite(run_dir, step, role, process_group, recorded_state, extra_files or {}, keep_last)
+    write.start()
+    future, error = write.write_tensors(state, async_write)
+    if future is not None and error is None:
+        return PendingCheckpoint(step, future, write.complete)
+    return write.complete(error)
+
+
+@dataclasses.dataclass
+class _CheckpointWrite:
+    """One `save_checkpoint` on this rank: everything is written into the temporary directory
+    `tmp` (`write_tensors`, then `complete`: the merged index, trainer_state.json, the extra
+    files, COMPLETE), which then replaces `final` in one rename."""
+
+    run_dir: str | Path
+    step: int
+    role: ShardRole
+    process_group: Any
+    recorded_state: dict[str, Any]
+    """trainer_state.json's contents."""
+    extra_files: dict[str, Path | str]
+    keep_last: int
+
+    def __post_init__(self) -> None:
+        self.root = checkpoints_dir(self.run_dir)
+        self.final = self.root / f"step-{self.step}"
+        self.tmp = self.root / f".step-{self.step}.tmp"
+
+    def start(self) -> None:
+        """A fresh, empty temporary directory (the main process makes it; every rank waits)."""
+        if self.role.main:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.tmp.mkdir(parents=True, exist_ok=True)
+        _barrier(self.process_group)
+
+    def write_tensors(self, state: dict[str, Any], async_write: bool) -> tuple[Any, BaseException | None]:
+        """The DCP files of every rank this process writes for (`ShardRole.writes_for`), each
+        with the entries that rank owns, and this rank's RNG state. With `async_write` this rank's
+        own files are written in the background: their future. The write's error, if any."""
+        role = self.role
+        owners = role.owners(state)
+
+        def part(rank: int) -> dict[str, dict[str, Any]]:
+            return {
+                section: {name: v for name, v in entries.items() if owners[(section, name)] == rank}
+                for section, entries in state.items()
+            }
+
+        future = None
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+                for rank in role.writes_for:
+                    writer = ShardWriter(str(self.tmp), rank=rank)
+                    if async_write and rank == role.rank:
+                        future = dcp.async_save(
+                            part(rank),
+                            storage_writer=writer,
+                            planner=ShardSavePlanner(),
+                            async_stager=CpuStager(),
+                            no_dist=True,
+                        )
+                    else:
+                        dcp.save(part(rank), storage_writer=writer, planner=ShardSavePlanner(), no_dist=True)
+            (self.tmp / f"rng-rank{role.rank}.json").write_text(json.dumps(rng_state()))  # the state at save time
+        except (OSError, CheckpointException) as e:
+            return future, e
+        return future, None
+
+    def complete(self, error: BaseException | None) -> Path:
+        """After the tensors are written (`error`: this rank's write failed): the ranks agree that
+        every write succeeded, the main process completes the directory and renames it to
+        step-N, then keeps the newest train.keep_last. Every rank calls it."""
+        if _any_rank(error is not None, self.process_group):
+            raise self.failed(error)
+        try:
+            if self.role.main:
+                self._write_small_files()
+        except (OSError, CheckpointException) as e:
+            raise self.failed(e) from None
+        if self.role.main:
+            self._publish()
+        _barrier(self.process_group)
+        return self.final
+
+    def _write_small_files(self) -> None:
+        """The merged index, trainer_state.json, the extra files, then COMPLETE; synced to disk."""
+        tmp = self.tmp
+        merge_rank_indexes(tmp, self.role.world, whole=self.role.rehearsal is None)
+        (tmp / "trainer_state.json").write_text(json.dumps(self.recorded_state))
+        for name, src in self.extra_files.items():
+            src = Path(src)
+            if src.is_file():
+                shutil.copyfile(src, tmp / name)
+        (tmp / COMPLETE).write_text(f"step {self.step}\n")
+        _fsync_dir(tmp)
+
+    def _publish(self) -> None:
+        """The complete temporary directory becomes step-N; older checkpoints past keep_last go."""
+        if self.final.exists():  # a re-save of the same step (e.g. after a resume): replace it
+            shutil.rmtree(self.final)
+        os.replace(self.tmp, self.final)
+        _fsync_dir(self.root)
+        if self.keep_last > 0:
+            for _, old in list_checkpoints(self.run_dir)[: -self.keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def failed(self, e: BaseException | None) -> CheckpointError:
+        """The error for a failed write (`e`: this rank's; None: another rank's), once the
+        partial write is dropped."""
+        # Disk full, quota, a vanished mount: drop the partial write; earlier checkpoints are
+        # untouched (nothing is replaced before the write is complete).
+        if self.role.main:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        previous = list_checkpoints(self.run_dir)
+        kept = (
+            f"the newest complete checkpoint, {previous[-1][1]}, is intact"
+            if previous
+            else "no earlier checkpoint exists"
+        )
+        why = _first_line(e) if e is not None else "another rank could not write its part"
+        return CheckpointError(
+            f"Writing checkpoint step-{self.step} in '{self.root}' failed ({why}); {kept}. Free space "
+            "(or fix the directory) and continue with --resume."
+        )
+
+
+class PendingCheckpoint:
+    """A checkpoint whose tensors are being written in the background (`save_checkpoint` with
+    `async_write`). `finish()` waits for the write and completes it; until then it is invisible
+    to `--resume` (a crash leaves only the ignored temporary directory)."""
+
+    def __init__(self, step: int, future, complete):
+        self.step, self._future, self._complete = step, future, complete
+
+    def finish(self) -> Path:
+        error = None
+        try:
+            self._future.result()
+        except (Exception, CheckpointException) as e:
+            error = e
+        return self._complete(error)
+
+
+def merge_rank_indexes(step_dir: Path, world: int, whole: bool = True) -> None:
+    """Merge the ranks' indexes (`__R.metadata`, R < `world`) into the checkpoint's `.metadata`
+    and remove them. Identical chunks (entries written by more than one rank) are kept once;
+    with `whole` every tensor must then be covered exactly by its chunks, or the write is refused
+    as incomplete (an entry nobody wrote)."""
+    entries: dict[str, Any] = {}
+    storage: dict = {}
+    planner_data: dict = {}
+    first = None
+    seen: dict[str, set] = {}
+    for rank in range(world):
+        path = step_dir / f"__{rank}{INDEX}"
+        if not path.is_file():
+            raise CheckpointError(f"rank {rank} wrote no index ({path} is missing)")
+        with path.open("rb") as f:
+            md = read_rank_index(f)
+        first = first or md
+        for fqn, meta in md.state_dict_metadata.items():
+            if not isinstance(meta, TensorStorageMetadata):
+                entries.setdefault(fqn, meta)
+                continue
+            if fqn not in entries:
+                entries[fqn] = TensorStorageMetadata(properties=meta.properties, size=meta.size, chunks=[])
+                seen[fqn] = set()
+            for chunk in meta.chunks:
+                key = (tuple(chunk.offsets), tuple(chunk.sizes))
+                if key not in seen[fqn]:
+                    seen[fqn].add(key)
+                    entries[fqn].chunks.append(chunk)
+        for index, info in md.storage_data.items():
+            storage.setdefault(index, info)
+        planner_data.update(md.planner_data or {})
+    for fqn, meta in entries.items():
+        if whole and isinstance(meta, TensorStorageMetadata):
+            held = sum(math.prod(c.sizes) for c in meta.chunks)
+            if held != math.prod(meta.size):
+                raise CheckpointError(
+                    f"entry {fqn} was stored incompletely ({held} of {math.prod(meta.size)} elements): no rank wrote "
+                    "the rest"
+                )
+    merged = dataclasses.replace(first, state_dict_metadata=entries, storage_data=storage, planner_data=planner_data)
+    tmp = step_dir / f"{INDEX}.tmp"
+    with tmp.open("wb") as f:
+        pickle.dump(merged, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, step_dir / INDEX)
+    for rank in range(world):
+        (step_dir / f"__{rank}{INDEX}").unlink()
+
+
+def load_checkpoint(
+    path: Path, state: dict[str, Any], rank: int = 0, restore_rng: bool = False, rehearsal: Rehearsal | None = None
+) -> dict[str, Any]:
+    """Fill `state` (entries as `TrainEngine.checkpoint_state()` gives them: this rank's part,
+    filled in place; or a template of whole tensors) from the checkpoint at `path`, whatever
+    layout saved it; with `restore_rng`, this rank's RNG state as saved (when the checkpoint has
+    one for it); return the trainer state. Each rank plans and reads its own part from the index
+    alone (DCP without coordination: no communication). A rehearsal's checkpoint loads only into
+    the same `rehearsal`. The caller finishes the load (`TrainEngine.checkpoint_loaded`,
+    `load_model_state_dict`)."""
+    check_loadable(path, state, rehearsal)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=ShardLoadPlanner(), no_dist=True)
+    # DCP reports failures as CheckpointException, a BaseException that wraps per-rank errors.
+    except (Exception, CheckpointException) as e:
+        damage = diagnose(path)  # a file that went missing since: say which
+        if damage is not None:
+            raise CheckpointError(damaged(path, damage)) from None
+        raise CheckpointError(
+            f"Checkpoint '{path}' could not be read: {_first_line(e)}. Its index and files look intact; if the "
+            "problem stays, load an earlier checkpoint."
+        ) from None
+    rng_file = path / f"rng-rank{rank}.json"
+    if restore_rng and rng_file.is_file():
+        set_rng_state(json.loads(rng_file.read_text()))
+    trainer_state_file = path / "trainer_state.json"
+    return json.loads(trainer_state_file.read_text()) if trainer_state_file.is_file() else {}
+
+
+def check_loadable(path: Path, state: dict[str, Any], rehearsal: Rehearsal | None = None) -> None:
+    """Refuse, before reading any tensor, a damaged checkpoint (`diagnose`), a rehearsal's
+    checkpoint for anything but the same rehearsal, or one that lacks an entry of `state` or
+    holds it with another shape (the first such entry, both shapes)."""
+    metadata, damage = read_index(path)
+    damage = damage or diagnose(path)
+    if damage is not None:
+        raise CheckpointError(damaged(path, damage))
+    written_by = json.loads((path / "trainer_state.json").read_text()).get("rehearsal")
+    if written_by is not None and written_by != (dataclasses.asdict(rehearsal) if rehearsal else None):
+        raise CheckpointError(
+            f"Checkpoint '{path}' was written by a rehearsal of rank {written_by['rank']} of {written_by['world']} "
+            "(--rehearse): it holds only that rank's entries, so only the same rehearsal (--rehearse "
+            f"{written_by['world']} --rank {written_by['rank']}) can load it."
+        )
+    mismatch = first_mismatch(metadata, state)
+    if mismatch is not None:
+        raise CheckpointError(
+            f"Checkpoint '{path}' does not fit this model: {mismatch}; check its config.yaml against the current "
+            "model config."
+        )
+
+
+def load_model(path: Path, model: nn.Module, masters: dict[str, torch.Tensor] | None = None) -> None:
+    """Load only the model's weights (and persistent buffers) from a checkpoint, in place;
+    `masters` (canonical name → fp32 tensor, as `Optimizer.master_weights` gives them) are filled
+    with their entries too, for the caller to hand back to the optimizer."""
+    state = {"model": model_state_dict(model, masters)}
+    load_checkpoint(path, state)
+    load_model_state_dict(model, state["model"])
+
+
+# ---- the layout-free entries ------------------------------------------------------------------
+# Stacked expert tensors are split into one entry per *global* expert index ("…w_down_EDF/5"): a
+# rank holding experts [a, b) writes and reads just those entries, so a checkpoint written with
+# one expert-parallel degree loads into any other. Replicated entries (dense parameters, experts
+# held by several ranks) are identical and DCP stores them once. Optimizer hyperparameters are
+# not saved (they come from the config, the LR from the schedule): tensors only.
+
+
+def checkpoint_entries(
+    model: nn.Module,
+    masters: dict[str, FlatShard],
+    optim_tensors: dict[str, dict[str, torch.Tensor | FlatShard]] | None = None,
+) -> dict[str, dict[str, torch.Tensor | FlatShard]]:
+    """{"model": …} (and {"optim": …} given an optimizer's `checkpoint_tensors()`): the entries of
+    `model_state_dict` / `optimizer_state_dict`, names and global shapes alike, as the part of
+    each this rank holds — views of the live tensors it holds whole, `FlatShard`s of FSDP's
+    shards (the local rows), of the sharded optimizer's ranges and of the split fp32 masters
+    (`masters`, `Optimizer.checkpoint_masters`, standing in for the bf16 parameters). DCP saves
+    from them and loads into them in place. No copy, no communication."""
+    reshard(model)  # FSDP's root keeps its parameters gathered after a no-grad forward (eval)
+    offsets = _expert_offsets(model)
+    out: dict[str, dict[str, torch.Tensor | FlatShard]] = {"model": {}}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        name = canonical_name(name)
+        assert name in masters or tensor.dtype == torch.float32 or not tensor.is_floating_point(), (
+            f"{name} is {tensor.dtype}: its fp32 master must come from the optimizer"
+        )
+        _put(out["model"], name, masters[name] if name in masters else _local(tensor.detach()), offsets.get(name))
+    if optim_tensors is not None:
+        out["optim"] = {}
+        for name, entry in optim_tensors.items():
+            for key, value in entry.items():
+                _put(out["optim"], f"{name}.{key}", _local(value), offsets.get(name))
+    return out
+
+
+def _local(t: torch.Tensor | FlatShard) -> torch.Tensor | FlatShard:
+    """A DTensor (FSDP's dim-0 shard) as the `FlatShard` of its local rows; anything else as is."""
+    if isinstance(t, FlatShard) or not is_sharded(t):
+        return t
+    start, values = local_flat_range(t)
+    return FlatShard(tuple(t.shape), start, values=values)
+
+
+def model_state_dict(model: nn.Module, masters: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The model's parameters and persistent buffers by canonical name, experts split per global
+    index, whole: views of the live tensors, or full temporaries for FSDP's sharded ones.
+    Collective under FSDP (the shards are gathered): for one process (inference, HF import) and
+    the in-memory `TrainEngine.state_dict()`; training checkpoints use `checkpoint_entries`.
+    `masters` (canonical name → fp32 tensor) stand in for the live bf16 parameters of
+    optim.bf16_weights, so that checkpoints always hold fp32 weights; DCP loads into them in place."""
+    reshard(model)  # FSDP's root keeps its parameters gathered after a no-grad forward (eval)
+    offsets = _expert_offsets(model)
+    masters = masters or {}
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        name = canonical_name(name)
+        tensor = masters[name] if name in masters else full_tensor(tensor.detach())
+        _put(out, name, tensor, offsets.get(name))
+    return out
+
+
+@torch.no_grad()
+def load_model_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Write entries as `model_state_dict` gives them into the model (this rank's shard of each
+    sharded parameter; nothing for entries that are the live tensors already). No communication."""
+    reshard(model)
+    offsets = _expert_offsets(model)
+    for name, live in model.state_dict(keep_vars=True).items():
+        name = canonical_name(name)
+        value = _take(state, name, live, offsets.get(name))
+        if value is not None:
+            copy_shard(live.detach(), value)
+
+
+def model_entries(model: nn.Module, state: dict[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
+    """The model entries `names` (canonical parameter names) of `state`, experts joined back into
+    this rank's stacked tensors."""
+    offsets = _expert_offsets(model)
+    live = {canonical_name(n): p for n, p in model.named_parameters()}
+    return {
+        name: _join(state, name, offsets.get(name), live[name].shape[0] if name in offsets else 0) for name in names
+    }
+
+
+def optimizer_state_dict(model: nn.Module, tensors: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """An optimizer's `state_dict_tensors()` as flat entries "NAME.KEY", experts split per
+    global index like the model's."""
+    offsets = _expert_offsets(model)
+    out: dict[str, torch.Tensor] = {}
+    for name, entry in tensors.items():
+        for key, value in entry.items():
+            _put(out, f"{name}.{key}", value, offsets.get(name))
+    return out
+
+
+def optimizer_tensors(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """The inverse of `optimizer_state_dict`: per parameter name, its tensors as the optimizers'
+    `load_state_dict_tensors` take them (split experts stacked again)."""
+    offsets = _expert_offsets(model)
+    keys_of: dict[str, set[str]] = {}
+    for flat in state:
+        name, key = flat.split("/")[0].rsplit(".", 1)
+        keys_of.setdefault(name, set()).add(key)
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for name, p in model.named_parameters():
+        name = canonical_name(name)
+        num_local = p.shape[0] if name in offsets else 1
+        out[name] = {
+            key: _join(state, f"{name}.{key}", offsets.get(name), num_local) for key in sorted(keys_of.get(name, ()))
+        }
+    return out
+
+
+def _put(out: dict, key: str, tensor: torch.Tensor | FlatShard, expert_offset: int | None) -> None:
+    if isinstance(tensor, FlatShard):  # one range of the (stacked) tensor: the experts it reaches
+        if expert_offset is not None and len(tensor.shape) == 3:
+            shape, per = tensor.shape[1:], math.prod(tensor.shape[1:])
+            for i in range(tensor.shape[0]):
+                part = tensor.window(i * per, (i + 1) * per, shape)
+                if part.numel:
+                    out[f"{key}/{expert_offset + i}"] = part
+        elif tensor.numel:
+            out[key] = tensor
+    elif expert_offset is not None and tensor.ndim == 3:
+        for i in range(tensor.shape[0]):
+            out[f"{key}/{expert_offset + i}"] = tensor[i]
+    else:
+        out[key] = tensor
+
+
+def _join(state: dict, key: str, expert_offset: int | None, num_local: int) -> torch.Tensor:
+    if key in state:
+        return state[key]
+    return torch.stack([state[f"{key}/{expert_offset + i}"] for i in range(num_local)])
+
+
+def _take(state: dict, key: str, live: torch.Tensor, expert_offset: int | None) -> torch.Tensor | None:
+    """The value for `live` from `state`, or None when the entries are `live`'s own memory."""
+    if key in state:
+        value = state[key]
+        return None if value is live or (not is_sharded(live) and _same_memory(value, live)) else value
+    parts = [state[f"{key}/{expert_offset + i}"] for i in range(live.shape[0])]
+    if not is_sharded(live) and all(_same_memory(part, live[i]) for i, part in enumerate(parts)):
+        return None
+    return torch.stack(parts)
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.device == b.device
+        and a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+    )
+
+
+def _expert_offsets(model: nn.Module) -> dict[str, int]:
+    """Canonical parameter name → global index of its first expert, for stacked expert tensors."""
+    offsets = {}
+    for name, module in model.named_modules():
+        if isinstance(module, GroupedExperts):
+            for pname, _ in module.named_parameters(recurse=False):
+                offsets[f"{canonical_name(name)}.{pname}"] = module.expert_offset
+    return offsets
+
+
+def _barrier(group=None) -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier(group=group)
+
+
+def _any_rank(flag: bool, group=None) -> bool:
+    """Whether `flag` holds on any rank (an all-reduce of one CPU integer; alone: `flag`)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    t = torch.tensor([int(flag)], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item())
+
+
+def rng_state() -> dict[str, str]:
+    states = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return {k: base64.b64encode(v.numpy().tobytes()).decode() for k, v in states.items()}
+
+
+def set_rng_state(states: dict[str, str]) -> None:
+    def tensor(s: str) -> torch.Tensor:
+        return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+
+    if "cpu" in states:
+        torch.set_rng_state(tensor(states["cpu"]))
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensor(states["cuda"]))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _first_line(e: BaseException) -> str:
+    """The informative line of a (possibly multi-rank, traceback-laden) DCP error."""
+    text = str(e).strip()
+    lines = [line.strip() for line in text.splitlines()]
+    telling = [line for line in lines if any(k in line.lower() for k in ("mismatch", "missing key", "unexpected key"))]
+    raised = [line for line in telling if re.match(r"^\w+(Error|Exception): ", line)]  # not a traceback's source line
+    for line in raised + telling:
+        return line.removeprefix("ValueError: ").removeprefix("RuntimeError: ")
+    return lines[0] if text else type(e).__name__

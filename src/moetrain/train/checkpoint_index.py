@@ -1,0 +1,206 @@
+"""A checkpoint's DCP index (`.metadata`): read without running code, and checked against the
+files and the model before anything is loaded.
+
+    SafeFileSystemReader   DCP's reader with an allow-list unpickler for the index (a pickle)
+    diagnose(step_dir)     None when the checkpoint is intact, else the damage, naming the file
+    first_mismatch(…)      the first entry of a model/optimizer state the checkpoint does not
+                           hold with the same shape
+
+A checkpoint marked COMPLETE can still be damaged later (a file deleted or cut short by a full
+disk, an interrupted copy, a bad block). DCP would then fail half-way through a load with a
+FileNotFoundError or a torch.load error from deep inside. `diagnose` checks what the index itself
+promises instead: it reads the index and the files' sizes only, milliseconds whatever the
+model's size:
+
+    .metadata              exists and parses (with the allow-list: nothing it names runs)
+    every storage file     the index references exists and is at least as long as the largest
+                           offset + length the index reads from it
+    trainer_state.json     exists and parses; rng-rank*.json parse
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from moetrain.optim.base import FlatShard
+
+INDEX = ".metadata"
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP writes its index (`.metadata`) with pickle, and loading a pickle can run any code it
+    names. This unpickler resolves only the classes such an index holds — DCP's metadata
+    records, torch.Size, dtypes, memory-format/layout helpers, paths — and refuses the rest, so a
+    tampered checkpoint cannot execute code when it is loaded."""
+
+    _MODULES = {
+        "torch.distributed.checkpoint.metadata",
+        "torch.distributed.checkpoint.filesystem",
+        "torch.distributed.checkpoint.planner",
+    }
+    _NAMES = {
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("collections", "OrderedDict"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "Path"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PureWindowsPath"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+        ("builtins", "slice"),
+    }
+
+    def find_class(self, module: str, name: str):
+        if module in self._MODULES and not name.startswith("__"):
+            return super().find_class(module, name)
+        if (module, name) in self._NAMES:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.memory_format, torch.layout)
+        ):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"checkpoint metadata names {module}.{name}, which a checkpoint index never holds")
+
+
+class _SafePickle:
+    """Stands in for the `pickle` module inside DCP's filesystem reader while it reads metadata."""
+
+    def __getattr__(self, name):
+        return getattr(pickle, name)
+
+    @staticmethod
+    def load(file, **kwargs):
+        return _MetadataUnpickler(file).load()
+
+
+def read_rank_index(file) -> Metadata:
+    """One rank's index (`__R.metadata`, an open binary file), read with `_MetadataUnpickler`."""
+    return _MetadataUnpickler(file).load()
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """`dcp.FileSystemReader` whose metadata is read with `_MetadataUnpickler` (tensor data is
+    read by DCP with torch.load(weights_only=True) already)."""
+
+    def read_metadata(self, *args, **kwargs):
+        import torch.distributed.checkpoint.filesystem as fs_module
+
+        real = fs_module.pickle
+        fs_module.pickle = _SafePickle()
+        try:
+            return super().read_metadata(*args, **kwargs)
+        finally:
+            fs_module.pickle = real
+
+
+def read_index(path: str | Path) -> tuple[Metadata | None, str | None]:
+    """(the index, None), or (None, why it cannot be read)."""
+    index = Path(path) / INDEX
+    if not index.is_file():
+        return None, f"its index {index} is missing"
+    try:
+        metadata = SafeFileSystemReader(str(path)).read_metadata()
+    except pickle.UnpicklingError as e:
+        if "a checkpoint index never holds" in str(e):
+            named = str(e).split("checkpoint metadata names ")[1].split(",")[0]
+            return None, (
+                f"its index {index} was refused: it names code to run ({named}), which a checkpoint never "
+                "needs. The file was tampered with or is not a moetrain checkpoint; nothing was executed"
+            )
+        return None, f"its index {index} does not parse ({e})"
+    except Exception as e:  # noqa: BLE001 (truncated or garbage: any failure to parse is the same damage)
+        return None, f"its index {index} does not parse ({type(e).__name__}: {e})"
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+        return None, f"its index {index} does not parse (it is not a DCP index with storage records)"
+    return metadata, None
+
+
+def diagnose(path: str | Path) -> str | None:
+    """None when the checkpoint directory `path` is intact as far as its index tells, else what
+    is damaged, naming the file (see the module docstring for what is checked)."""
+    path = Path(path)
+    metadata, damage = read_index(path)
+    if damage is not None:
+        return damage
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            return f"{file} is missing (its index {INDEX} references it)"
+        size = file.stat().st_size
+        if size < end:
+            return f"{file} is truncated: {size} bytes, but its index {INDEX} reads up to byte {end}"
+    state = path / "trainer_state.json"
+    if not state.is_file():
+        return f"{state} is missing"
+    for file in [state, *sorted(path.glob("rng-rank*.json"))]:
+        try:
+            json.loads(file.read_text())
+        except (ValueError, UnicodeDecodeError) as e:
+            return f"{file} does not parse as JSON ({e})"
+    return None
+
+
+_STATE_OF = {"adamw": ("step", "exp_avg", "exp_avg_sq"), "muon": ("momentum",)}
+"""The optimizer state entries of a matrix under each optim.name (src/moetrain/optim/muon.py)."""
+
+
+def _other_optimizer(key: str, stored: dict[str, Any]) -> str | None:
+    """When `key` (an optimizer entry "optim.NAME.STATE", "/E" after it for expert E) is missing
+    because the checkpoint holds the other optimizer's state for that parameter, the sentence
+    that says so."""
+    key, slash, expert = key.partition("/")
+    param, _, state = key[len("optim.") :].rpartition(".")
+    for mine, theirs in (("muon", "adamw"), ("adamw", "muon")):
+        their_tensors = [s for s in _STATE_OF[theirs] if s != "step"]  # a 0-d step is not per element
+        if state in _STATE_OF[mine] and all(f"optim.{param}.{s}{slash}{expert}" in stored for s in their_tensors):
+            return (
+                f"it holds optim.name={theirs}'s state for {param} ({', '.join(their_tensors)}) and this run has "
+                f"optim.name={mine}, which keeps {', '.join(_STATE_OF[mine])}: resume with --optim.name={theirs}, or "
+                f"start a new run from its weights with --train.init_from"
+            )
+    return None
+
+
+def first_mismatch(metadata: Metadata, state: dict[str, dict[str, Any]]) -> str | None:
+    """The first entry of `state` ({"model": …, "optim": …}: tensors, `FlatShard`s) that the
+    checkpoint does not hold with the same global shape, said as a sentence; None when all fit."""
+    stored = metadata.state_dict_metadata
+    for section, entries in state.items():
+        for name, value in entries.items():
+            key = f"{section}.{name}"
+            md = stored.get(key)
+            if not isinstance(value, torch.Tensor | FlatShard):
+                continue
+            want = tuple(value.shape)
+            if md is None:
+                if section == "optim" and not any(k.startswith("optim.") for k in stored):
+                    return (
+                        "it holds model weights only, no optimizer state (an import-hf or weights-only "
+                        "checkpoint): start from it with --train.init_from instead of --resume"
+                    )
+                other = _other_optimizer(key, stored)
+                if other is not None:
+                    return other
+                return (
+                    f"it has no tensor {key} (a missing key), which this model has: it was saved from a different model"
+                )
+            if not isinstance(md, TensorStorageMetadata):
+                return f"its entry {key} is not a tensor: it was saved from a different model"
+            if tuple(md.size) != want:
+                return (
+                    f"tensor {key} has shape {tuple(md.size)} in the checkpoint but {want} in this model "
+                    "(a shape mismatch): it was saved from a different model shape"
+                )
+    return None

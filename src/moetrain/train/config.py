@@ -1,0 +1,351 @@
+"""The run configuration: model + data + optimizer + schedule + trainer + parallel settings, and
+`RunConfig.validate`, the one place for every rule that relates two sections (or a section and
+the world size or the device).
+
+Each section's own rules are its `validate()` (next to its fields); `RunConfig.validate` runs
+them all first. The trainer, `bench` and the planner call `RunConfig.validate` and then the
+sections' builders (`ParallelConfig.build`, `OptimConfig.build`, `DataConfig.build`,
+`TransformerConfig.build`): nothing else checks a run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import sys
+from typing import Any
+
+import torch
+
+from moetrain.config import Config, non_negative, positive, validate_tree
+from moetrain.data.config import DataConfig
+from moetrain.errors import ConfigError
+from moetrain.model.config import MAX_LAYERS, Fp8, TransformerConfig
+from moetrain.model.fp8_choice import Fp8Select
+from moetrain.optim.config import OptimConfig, ScheduleConfig
+from moetrain.parallel.config import DispatcherKind, ParallelConfig, PipelineSchedule, Recompute, Stack
+from moetrain.parallel.dims import ParallelDims
+
+
+class Extend(enum.StrEnum):
+    """What the learning-rate schedule does when a run resumes with another `train.steps`."""
+
+    keep = "keep"
+    """The schedule stays the one the run planned over its first train.steps; steps past its end
+    run at its final rate (a longer run continues at the decayed rate; no jump)."""
+    replan = "replan"
+    """The schedule is planned again over the new train.steps, as if the run had asked for them
+    from the start: the rate at the resumed step can jump (re-warming a decayed run)."""
+
+
+class Precision(enum.StrEnum):
+    auto = "auto"
+    """bf16 compute with fp32 master weights on CUDA; fp32 on CPU."""
+    fp32 = "fp32"
+    bf16 = "bf16"
+    """bf16 autocast for matmuls; parameters, gradients and AdamW state stay fp32."""
+
+
+MAX_STEPS = 10**9
+"""The most steps (and step intervals) a run may ask for: 10^4 × a trillion-parameter run's."""
+MAX_BATCH = 10**8
+"""The most sequences a (micro-)batch may hold: 10^4 × the largest preset's."""
+
+DEFAULT_LOSS_CHUNK_TOKENS = 4096
+"""`train.loss_chunk_tokens` on CUDA when not set."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class TrainerConfig(Config):
+    steps: int = positive(300, at_most=MAX_STEPS)
+    """Optimizer steps."""
+    extend: Extend = Extend.keep
+    """A run resumed with another train.steps: keep the schedule it planned (steps past its end
+    at the final rate) or replan it over the new count (the rate may jump). The resume says
+    which, with the rates."""
+    global_batch_size: int = positive(32, at_most=MAX_BATCH)
+    """Sequences per optimizer step, summed over data-parallel ranks."""
+    micro_batch_size: int = positive(32, at_most=MAX_BATCH)
+    """Sequences per forward/backward, summed over data-parallel ranks; gradient accumulation
+    steps = global_batch_size / micro_batch_size."""
+    seed: int = non_negative(0, at_most=2**62)
+    """Seed of the initialization, the data order and random routing."""
+    device: str = "auto"
+    """cpu, cuda, cuda:N or auto (cuda when available)."""
+    precision: Precision = Precision.auto
+    """fp32, bf16 (autocast, or bf16 weights with optim.bf16_weights) or auto (bf16 on CUDA,
+    fp32 on CPU)."""
+    run_dir: str | None = None
+    """Where config.yaml, metrics.jsonl, checkpoints/ and the plots go (--run-dir). None: runs/NAME,
+    NAME being the preset's or the YAML file's (of a config.yaml, its directory's); when that
+    holds a run already, the next number (runs/NAME-2, runs/NAME-3, …: one past the newest), and
+    with --resume the newest of them (src/moetrain/train/run_dir.py). The start-up header prints the
+    one chosen; the run's config.yaml records it."""
+    log_every: int = positive(10, at_most=MAX_STEPS)
+    """Write metrics.jsonl (and sync the device) every N steps; the first and last steps always."""
+    eval_every: int = non_negative(100, at_most=MAX_STEPS)
+    """Validation loss every N steps (and at the end); 0 = never."""
+    eval_tokens: int = positive(65_536, at_most=10**12)
+    """Validation tokens per evaluation: the first eval_tokens // data.seq_len sequences of the
+    validation data (at least one; all of it when it holds fewer), the loss averaged per token.
+    The same set whatever train.micro_batch_size and the layout, so validation curves compare
+    across runs. (Replaces train.eval_batches, a count of micro-batches.)"""
+    save_every: int = non_negative(100, at_most=MAX_STEPS)
+    """Checkpoint every N steps (and at the end); 0 = only at the end."""
+    save_final: bool = True
+    """Checkpoint after the last step (turn off for benchmark runs)."""
+    async_checkpoint: bool = False
+    """Write checkpoints in the background (torch.distributed.checkpoint async_save): the
+    tensors are copied to host memory at the save step and training goes on; the checkpoint
+    appears, complete, when the write has finished (checked at the next save and at the end)."""
+    keep_last: int = non_negative(3, at_most=MAX_STEPS)
+    """Checkpoints to keep; older ones are deleted. 0 keeps all."""
+    init_from: str | None = None
+    """Start from the model weights of this checkpoint (a run directory, a step-N directory, or
+    what `moetrain import-hf` wrote), with a fresh optimizer at step 0. Not used when --resume
+    finds a checkpoint of this run (that continues the run itself)."""
+    fp8: Fp8 = Fp8.none
+    """FP8 matrix products: rowwise (Hopper's scaled FP8 kernels), or mxfp8, experimental: MXFP8's
+    numerics with emulated products, for loss-curve studies, not speed (see Fp8)."""
+    fp8_select: Fp8Select = Fp8Select.auto
+    """Which products train.fp8=rowwise turns to FP8: auto, those whose shape is measured to repay
+    it (src/moetrain/model/fp8_choice.py; the start-up line names them), or all of them."""
+    recompute: Recompute = Recompute.none
+    """Activation recompute: none, full (keep only each block's input) or selective (also keep
+    the matrix products' and collectives' outputs)."""
+    recompute_every: int = positive(1, at_most=MAX_LAYERS)
+    """With recompute: only every Nth block (blocks 0, N, 2N, …) recomputes; the others keep
+    their activations (less recompute, more memory)."""
+    compile: bool = False
+    """torch.compile each block."""
+    loss_chunk_tokens: int | None = non_negative(None, at_most=2**31)
+    """The LM loss over chunks of this many tokens, so that only one chunk's logits exist at a
+    time (src/moetrain/model/loss.py); 0 = the plain path (logits of the whole micro-batch). None =
+    4096 on CUDA, 0 on CPU. Pipeline stages use the plain path."""
+    tensorboard: bool = True
+    """Also write TensorBoard events to RUN_DIR/tb (when the tensorboard package is installed)."""
+    wandb: bool = False
+    """Also log the metrics to Weights & Biases (needs pip install 'moetrain[wandb]'); wandb's own
+    environment applies: WANDB_MODE=offline or disabled, WANDB_API_KEY, WANDB_ENTITY, WANDB_DIR
+    (default: RUN_DIR). Rank 0 logs; --resume continues the same W&B run."""
+    wandb_project: str = "moetrain"
+    """The W&B project of the run."""
+    wandb_name: str | None = None
+    """The W&B run name; default: the run directory's name."""
+    plot: bool = True
+    """Write RUN_DIR/loss.png at the end (when matplotlib is installed)."""
+    skip_spike_sigma: float = non_negative(6.0)
+    """Skip an update whose loss or gradient norm exceeds the mean of the last `skip_window`
+    accepted steps by this many standard deviations (0: only non-finite values are skipped)."""
+    skip_window: int = positive(128, at_most=10**6)
+    """Accepted steps the spike statistics cover (detection starts after half of them)."""
+    max_consecutive_skips: int = non_negative(10, at_most=MAX_STEPS)
+    """Stop with an error after this many skipped updates in a row (0: never)."""
+    profile: bool = False
+    """Record a window of steps with torch.profiler (and, on CUDA, a memory snapshot) into
+    RUN_DIR/profile (src/moetrain/train/profiling.py)."""
+    profile_wait: int = non_negative(5, at_most=MAX_STEPS)
+    """Steps before the profiled window (compilation and warm-up stay outside it)."""
+    profile_steps: int = positive(3, at_most=10**4)
+    """Steps in the profiled window."""
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], prefix: str = "") -> TrainerConfig:
+        """`Config.from_dict`, reading the config.yaml of runs made before train.eval_tokens:
+        their train.eval_batches is dropped with a note."""
+        if isinstance(data, dict) and "eval_batches" in data:
+            data = {k: v for k, v in data.items() if k != "eval_batches"}
+            print(
+                f"note: {prefix}eval_batches is no longer a key (an earlier version's config); ignored: "
+                f"validation reads {prefix}eval_tokens tokens, whatever the micro-batch size.",
+                file=sys.stderr,
+            )
+        return super().from_dict(data, prefix)
+
+    def resolved_loss_chunk_tokens(self, device_type: str) -> int:
+        """train.loss_chunk_tokens on this device (its default when None)."""
+        if self.loss_chunk_tokens is not None:
+            return self.loss_chunk_tokens
+        return DEFAULT_LOSS_CHUNK_TOKENS if device_type == "cuda" else 0
+
+    def eval_sequences(self, seq_len: int) -> int:
+        """Validation sequences per evaluation (train.eval_tokens in whole sequences, ≥ 1)."""
+        return max(1, self.eval_tokens // seq_len)
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.global_batch_size // self.micro_batch_size
+
+    def validate(self) -> None:
+        if self.global_batch_size % self.micro_batch_size:
+            raise ConfigError(
+                f"train.global_batch_size={self.global_batch_size} is not a multiple of "
+                f"train.micro_batch_size={self.micro_batch_size}: gradient accumulation needs a "
+                "whole number of micro-batches per step."
+            )
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ConfigError(f"train.device={self.device!r} must be cpu, cuda, cuda:N or auto.")
+
+
+@dataclasses.dataclass(kw_only=True)
+class RunConfig(Config):
+    """Everything one training run needs; `moetrain config` prints it, RUN_DIR/config.yaml keeps it."""
+
+    model: TransformerConfig = dataclasses.field(default_factory=TransformerConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = dataclasses.field(default_factory=ScheduleConfig)
+    train: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+
+    def validate(self, world_size: int | None = None, device: torch.device | None = None) -> None:
+        """Every section's rules, then the rules across sections; with `world_size`, those of
+        the layout on that many ranks; with `device`, what the device must support. Raises
+        `ConfigError` naming the fields."""
+        for f in dataclasses.fields(self):
+            validate_tree(getattr(self, f.name), f"{f.name}.")
+        m, tc, p = self.model, self.train, self.parallel
+        has_moe = m.num_moe_layers > 0
+        if has_moe and m.moe.num_experts % p.ep:
+            raise ConfigError(
+                f"parallel.ep={p.ep} does not divide model.moe.num_experts={m.moe.num_experts}: every "
+                "rank of an expert-parallel group must hold the same number of experts."
+            )
+        if has_moe and (problem := p.overlap_problem(m.moe.num_experts)):
+            raise ConfigError(problem)
+        if p.pp > 1 or p.stages_per_rank > 1:
+            stages = p.pp * p.stages_per_rank
+            if m.n_layers < stages:
+                raise ConfigError(
+                    f"model.n_layers={m.n_layers} cannot fill parallel.pp={p.pp} × "
+                    f"parallel.pp_stages_per_rank={p.stages_per_rank} = {stages} pipeline stages (each needs a "
+                    f"block): choose pp × stages-per-rank ≤ {m.n_layers}."
+                )
+            micro_batches = tc.grad_accum_steps
+            if micro_batches < p.pp:
+                raise ConfigError(
+                    f"Pipeline parallelism needs at least parallel.pp={p.pp} micro-batches per step, "
+                    f"got train.global_batch_size / train.micro_batch_size = {micro_batches}: "
+                    f"lower train.micro_batch_size."
+                )
+            if p.pp_schedule == PipelineSchedule.interleaved_1f1b and micro_batches % p.pp:
+                raise ConfigError(
+                    f"parallel.pp_schedule=interleaved-1f1b needs a multiple of parallel.pp={p.pp} "
+                    f"micro-batches per step, got train.global_batch_size / "
+                    f"train.micro_batch_size = {micro_batches}."
+                )
+        _check_context_split(self.data.seq_len, p.cp)
+        _check_multi_token(m.mtp_depth, self.data.seq_len, p.cp)
+        if p.compile_overlap and not tc.compile:
+            raise ConfigError(
+                "parallel.compile_overlap=true reorders collectives inside compiled blocks: "
+                "it needs train.compile=true."
+            )
+        if tc.fp8 != Fp8.none:
+            for key, dim in _gemm_dims(m):
+                if dim % tc.fp8.align:
+                    raise ConfigError(
+                        f"train.fp8={tc.fp8} needs every matrix-product dimension divisible by "
+                        f"{tc.fp8.align}; {key}={dim} is not: change it, or use train.fp8=none."
+                    )
+        if self.optim.bf16_weights:
+            if p.stack != Stack.ddp:
+                raise ConfigError(
+                    f"optim.bf16_weights=true works on the ddp stack only; got parallel.stack={p.stack}. Set "
+                    "optim.bf16_weights=false, or parallel.stack=ddp (with parallel.shard_optimizer=true to shard "
+                    "the optimizer state)."
+                )
+            if tc.precision == Precision.fp32:
+                raise ConfigError(
+                    "optim.bf16_weights=true computes in bf16, but train.precision=fp32: set train.precision=bf16 "
+                    "(or auto on CUDA), or optim.bf16_weights=false."
+                )
+        if world_size is not None:
+            dims = p.build(world_size)
+            if tc.micro_batch_size % dims.dp:
+                raise ConfigError(
+                    f"train.micro_batch_size={tc.micro_batch_size} (sequences per micro-batch, summed over "
+                    f"ranks) is not divisible by the {dims.dp} data-parallel ranks."
+                )
+        if device is not None:
+            self._validate_device(device)
+
+    def _validate_device(self, device: torch.device) -> None:
+        """What the device (resolved from train.device: src/moetrain/train/runtime.py) must support."""
+        if self.optim.bf16_weights and self.train.precision == Precision.auto and device.type != "cuda":
+            raise ConfigError(
+                f"optim.bf16_weights=true computes in bf16, but train.precision=auto means fp32 on {device.type}: "
+                "set train.precision=bf16, or optim.bf16_weights=false."
+            )
+        fp8 = self.train.fp8
+        if fp8 != Fp8.none and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+            raise ConfigError(
+                f"train.fp8={fp8} needs FP8 tensor cores (compute capability ≥ 8.9: Ada, Hopper or newer); "
+                f"{torch.cuda.get_device_name(device)} has {torch.cuda.get_device_capability(device)}. "
+                "Use train.fp8=none."
+            )
+        if self.parallel.dispatcher == DispatcherKind.symm and self.parallel.ep > 1 and device.type == "cuda":
+            import torch.distributed._symmetric_memory as symm_mem
+
+            if not symm_mem.is_nvshmem_available():
+                raise ConfigError(
+                    "parallel.dispatcher=symm needs NVSHMEM (the nvidia-nvshmem package of a CUDA build of "
+                    "torch), which this machine lacks: use parallel.dispatcher=nosync or alltoall."
+                )
+
+    @property
+    def rows_per_micro_batch(self) -> int:
+        """Tokens of one micro-batch on a rank: its sequences' positions this cp rank holds."""
+        return self.train.micro_batch_size * self.data.seq_len // self.parallel.cp
+
+    def build_dims(self, world_size: int, device: torch.device | None = None) -> ParallelDims:
+        """`validate(world_size, device)`, then the layout: what the trainer and the planner
+        start from."""
+        self.validate(world_size, device)
+        return self.parallel.build(world_size)
+
+
+def _check_context_split(seq_len: int, cp: int) -> None:
+    """parallel.cp cuts each sequence into 2·cp equal chunks (src/moetrain/parallel/context_parallel.py)."""
+    if cp == 1 or seq_len % (2 * cp) == 0:
+        return
+    fits = [str(c) for c in range(2, seq_len // 2 + 1) if seq_len % (2 * c) == 0][:4]
+    hint = f", or use parallel.cp={', '.join(fits[:-1])} or {fits[-1]}" if len(fits) > 1 else ""
+    hint = f", or use parallel.cp={fits[0]}" if len(fits) == 1 else hint
+    raise ConfigError(
+        f"parallel.cp={cp} cuts each sequence into 2 × cp = {2 * cp} equal chunks, so data.seq_len must be "
+        f"a multiple of {2 * cp}; data.seq_len={seq_len} is not: change data.seq_len{hint}."
+    )
+
+
+def _check_multi_token(depth: int, seq_len: int, cp: int) -> None:
+    """model.mtp_depth: each depth predicts one token further within the sequence this rank holds."""
+    if depth and cp > 1:
+        raise ConfigError(
+            f"model.mtp_depth={depth} shifts each sequence by up to {depth} positions, which under "
+            f"parallel.cp={cp} belong to another rank's chunk: use parallel.cp=1 with multi-token prediction, "
+            "or model.mtp_depth=0."
+        )
+    if depth >= seq_len:
+        raise ConfigError(
+            f"model.mtp_depth={depth} predicts {depth + 1} tokens ahead, but data.seq_len={seq_len} leaves no "
+            f"position to predict from: lower model.mtp_depth below {seq_len}."
+        )
+
+
+def _gemm_dims(m: TransformerConfig) -> list[tuple[str, int]]:
+    """The config fields that set a dimension of a matrix product inside the blocks (what FP8
+    quantizes: attention, dense MLP, shared and routed experts; not the router)."""
+    hd = m.resolved_head_dim
+    dims = [
+        ("model.d_model", m.d_model),
+        ("model.n_heads × head_dim", m.n_heads * hd),
+        ("model.n_kv_heads × head_dim", m.n_kv_heads * hd),
+    ]
+    if m.num_moe_layers > 0:
+        dims.append(("model.moe.expert_hidden", m.moe.expert_hidden))
+        if m.moe.shared_hidden > 0:
+            dims.append(("model.moe.shared_hidden", m.moe.shared_hidden))
+    if m.num_dense_layers > 0:
+        dims.append(("model.dense_hidden", m.resolved_dense_hidden))
+    return dims

@@ -1,0 +1,214 @@
+"""What a run prints on stderr (rank 0, not under --quiet): the start-up header (once the run is
+built and nothing can refuse it any more, so a user mistake stays one paragraph), then one line
+per logged step, or a progress bar on a terminal.
+
+    run dir   : runs/tiny-2 (runs/tiny holds an earlier run)
+    layout    : 4 ranks = pp 2 × dp 2; ep 2 (nosync dispatcher, capacity 1.25); ddp stack
+    device    : cpu; precision fp32
+    step  10/300  loss 8.2803  lr 3.00e-04  2,612 tok/s  1176 ms/step  rss 0.61 GiB  ETA 5m41s
+
+The step line: the record's loss, lr and tokens/s (metrics.jsonl), the window's milliseconds per
+step, MFU where the record has one (known GPUs), peak memory (`peak_mem_gib`: the CUDA
+allocator's peak on GPU, "mem"; the process's peak RSS on CPU, "rss"; rank 0's own), and the
+time left for the remaining steps at the recent step time (`StepTimer`; evaluation and
+checkpoints not included), then val_loss on evaluation steps, and the share of expert
+assignments the sync-free dispatcher dropped (`dropped_token_frac`) on any step that dropped some.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moetrain.model import fp8_choice
+from moetrain.model.config import Fp8
+from moetrain.parallel.config import DispatcherKind, Stack
+from moetrain.parallel.dims import ParallelDims
+from moetrain.train.config import RunConfig
+from moetrain.train.engine import autocast_dtype
+from moetrain.train.metrics import MetricsSink
+
+
+def format_duration(seconds: float) -> str:
+    """45s, 12m05s, 1h02m, 27h00m: two units at most, rounded to the smaller one."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    m = round(seconds / 60)
+    return f"{m // 60}h{m % 60:02d}m"
+
+
+class StepTimer:
+    """Seconds per step over the last `windows` logged windows (a window: the steps between two
+    logged ones). The first window of a `fit` (compilation, warm-up) counts only until another
+    one is measured."""
+
+    def __init__(self, windows: int = 5):
+        self.first: tuple[float, int] | None = None
+        self.recent: deque[tuple[float, int]] = deque(maxlen=windows)
+
+    def add(self, seconds: float, steps: int) -> None:
+        if self.first is None and not self.recent:
+            self.first = (seconds, steps)
+        else:
+            self.recent.append((seconds, steps))
+
+    def seconds_per_step(self) -> float | None:
+        windows = self.recent or ([self.first] if self.first else [])
+        steps = sum(n for _, n in windows)
+        return sum(s for s, _ in windows) / steps if steps else None
+
+
+def step_fields(record: dict[str, Any], ms_per_step: float | None, eta_s: float | None, mem_label: str) -> str:
+    """The step line after its step counter (module docstring)."""
+    fields = [f"loss {record['loss']:.4f}", f"lr {record['lr']:.2e}", f"{record['tokens_per_sec']:,.0f} tok/s"]
+    if ms_per_step is not None:
+        fields.append(f"{ms_per_step:.0f} ms/step" if ms_per_step >= 100 else f"{ms_per_step:.1f} ms/step")
+    if record.get("mfu") is not None:
+        fields.append(f"MFU {100 * record['mfu']:.1f}%")
+    if record.get("peak_mem_gib") is not None:
+        fields.append(f"{mem_label} {record['peak_mem_gib']:.2f} GiB")
+    if eta_s is not None:
+        fields.append(f"ETA {format_duration(eta_s)}")
+    if record.get("val_loss") is not None:
+        fields.append(f"val_loss {record['val_loss']:.4f}")
+    if record.get("dropped_token_frac"):  # never silent: the sync-free dispatcher's capacity overflowed
+        fields.append(f"dropped {100 * record['dropped_token_frac']:.2f}% of expert assignments")
+    return "  ".join(fields)
+
+
+class Progress:
+    """A tqdm bar on a terminal; a plain line per logged step otherwise (CI logs, pipes). Both
+    show `step_fields` (the bar leaves out tqdm's own estimate, which counts evaluation in)."""
+
+    def __init__(self, start: int, total: int, quiet: bool, device_type: str = "cpu"):
+        self.quiet, self.total = quiet, total
+        self.mem_label = "mem" if device_type == "cuda" else "rss"
+        self.timer = StepTimer()
+        self.bar = None
+        if not quiet and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(
+                total=total,
+                initial=start,
+                unit="step",
+                dynamic_ncols=True,
+                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]",
+            )
+        self.last = start
+
+    def update(self, step: int, record: dict[str, Any] | None, window: tuple[float, int] | None = None) -> None:
+        """After step `step`; on logged steps its `record` and the `window` (seconds, steps)
+        the record's rates cover."""
+        ms_per_step = eta_s = None
+        if window is not None and window[1] > 0:
+            self.timer.add(*window)
+            ms_per_step = 1000 * window[0] / window[1]
+            per_step = self.timer.seconds_per_step()
+            if per_step is not None and step < self.total:
+                eta_s = per_step * (self.total - step)
+        if self.bar is not None:
+            self.bar.update(step - self.last)
+            if record is not None:
+                self.bar.set_postfix_str(step_fields(record, ms_per_step, eta_s, self.mem_label))
+        elif record is not None and not self.quiet:
+            width = len(str(self.total))
+            print(
+                f"step {step:>{width}}/{self.total}  {step_fields(record, ms_per_step, eta_s, self.mem_label)}",
+                file=sys.stderr,
+                flush=True,
+            )
+        self.last = step
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class ConsoleSink(MetricsSink):
+    """The logged records on the console (rank 0, not under --quiet): a `Progress` that starts
+    after step `start` of `total`."""
+
+    def __init__(self, start: int, total: int, device_type: str = "cpu"):
+        self.progress = Progress(start=start, total=total, quiet=False, device_type=device_type)
+
+    def step_done(self, step: int) -> None:
+        self.progress.update(step, None)
+
+    def write(self, record: dict[str, Any], window: tuple[float, int]) -> None:
+        self.progress.update(record["step"], record, window)
+
+    def close(self, failed: bool = False) -> None:
+        self.progress.close()
+
+
+def describe_layout(cfg: RunConfig, dims: ParallelDims) -> str:
+    """`4 ranks = pp 2 × dp 2; ep 2 (nosync dispatcher, capacity 1.25); ddp stack, sharded optimizer`."""
+    p = cfg.parallel
+    ranks = f"{dims.world_size} rank" + ("s" if dims.world_size > 1 else "")
+    pp = f"pp {dims.pp}"
+    if dims.pp > 1:
+        pp += f" ({p.pp_schedule}" + (f", {dims.stages_per_rank} stages per rank)" if dims.stages_per_rank > 1 else ")")
+    dp = f"{'fsdp' if p.stack == Stack.fsdp else 'dp'} {dims.dp}" + (f" × cp {dims.cp}" if dims.cp > 1 else "")
+    ep = f"ep {dims.ep}"
+    if dims.ep > 1:
+        capacity = ""
+        if p.dispatcher == DispatcherKind.nosync:
+            capacity = ", padded" if p.capacity_factor is None else f", capacity {p.capacity_factor:g}"
+            if p.overlap_chunks:
+                capacity += f", overlapped in {p.overlap_chunks} chunk" + ("s" if p.overlap_chunks > 1 else "")
+        ep += f" ({p.dispatcher} dispatcher{capacity})"
+    stack = f"{p.stack} stack" + (", sharded optimizer" if p.shard_optimizer else "")
+    return f"{ranks} = {pp} × {dp}; {ep}; {stack}"
+
+
+def describe_precision(cfg: RunConfig, device: torch.device) -> str:
+    """fp32; bf16 autocast (fp32 weights); bf16 weights (fp32 masters); then the FP8 recipe."""
+    amp = autocast_dtype(cfg.train.precision, device)
+    if amp is None:
+        text = "fp32"
+    elif cfg.optim.resolved_bf16_weights(cfg.parallel, amp, device):
+        text = "bf16 weights (fp32 masters in the optimizer)"
+    else:
+        text = "bf16 autocast (fp32 weights)"
+    if cfg.train.fp8 == Fp8.rowwise:
+        text += f", fp8 rowwise on {fp8_choice.describe(cfg.model, cfg.rows_per_micro_batch, cfg.train.fp8_select)}"
+    elif cfg.train.fp8 != Fp8.none:
+        text += f", fp8 {cfg.train.fp8} matrix products"
+    return text
+
+
+def header(
+    cfg: RunConfig,
+    dims: ParallelDims,
+    device: torch.device,
+    run_dir: Path,
+    note: str = "",
+    rehearsed_rank: int | None = None,
+) -> str:
+    """The start-up lines (module docstring); `note` says why the run directory is that one;
+    `rehearsed_rank`: this process is that rank of a rehearsal (`rehearsal_notice`)."""
+    lines = [
+        f"run dir   : {run_dir}" + (f" ({note})" if note else ""),
+        f"layout    : {describe_layout(cfg, dims)}",
+        f"device    : {device}; precision {describe_precision(cfg, device)}",
+    ]
+    if rehearsed_rank is not None:
+        lines.append(f"REHEARSAL : {rehearsal_notice(dims, rehearsed_rank)}")
+    return "\n".join(lines)
+
+
+def rehearsal_notice(dims: ParallelDims, rank: int) -> str:
+    """What a rehearsal is and is not, in one line (the console header's and bench's)."""
+    return (
+        f"rank {rank} of {dims.world_size} runs alone on this device; its {dims.world_size - 1} peers are stand-ins "
+        "(src/moetrain/parallel/rehearsal.py): compute, memory and this rank's checkpoint files are real, "
+        "communication is NOT measured"
+    )

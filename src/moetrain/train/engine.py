@@ -1,0 +1,419 @@
+"""`TrainEngine`: the model, its optimizer and pipeline, and what one training step does with them.
+
+Legend: B micro-batch sequences (this rank), T sequence length, V vocabulary.
+
+Built once per run (by `Trainer`, or by anything that wants to step a model: `bench`, tests) on a
+rank whose process groups exist (`ParallelState`):
+
+    meta-device model → parallelize (layout, FP8, recompute, compile) → materialize → init_weights
+    → optimizer (`OptimConfig.build`: the one the layout needs) → pipeline stages (pp > 1)
+
+One step, given the step's micro-batches (this rank's rows of each):
+
+    forward_backward(batches)  every micro-batch's forward and backward (or the pipeline
+                               schedule over all of them); the gradients end reduced over dp
+    optim_step(lm_loss, step)  clip, the step guard's skip decision, learning rate, update (the
+                               router biases move in the optimizer's step post-hook), zero grad,
+                               the step's routing statistics
+
+Nothing here copies from the device to the host: the results are device tensors (`StepOutput`),
+read by `metrics()` only when the caller logs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moetrain.model.counting import flops_per_token, peak_flops
+from moetrain.model.transformer import Transformer, canonical_name
+from moetrain.optim.base import Optimizer
+from moetrain.optim.schedule import lr_at
+from moetrain.parallel.config import Stack
+from moetrain.parallel.dims import ParallelState
+from moetrain.parallel.fsdp import init_full_then_shard, is_sharded, reshard
+from moetrain.parallel.parallelize import parallelize
+from moetrain.parallel.pipeline import Pipeline, build_pipeline
+from moetrain.train import checkpoint as ckpt
+from moetrain.train.config import Precision, RunConfig
+from moetrain.train.guard import StepGuard
+from moetrain.train.metrics import peak_mem_gib, routing_metrics
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+"""(inputs_BT, targets_BT): one micro-batch, this rank's rows."""
+
+
+def autocast_dtype(precision: Precision, device: torch.device) -> torch.dtype | None:
+    """None = plain fp32. bf16 autocast keeps fp32 master weights, gradients and AdamW state."""
+    if precision == Precision.bf16 or (precision == Precision.auto and device.type == "cuda"):
+        return torch.bfloat16
+    return None
+
+
+def document_ids(tokens_BT: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Document index of each position; an EOS token belongs to the document it ends."""
+    is_eos_BT = (tokens_BT == eos_id).to(torch.int32)
+    return is_eos_BT.cumsum(dim=1) - is_eos_BT
+
+
+@dataclass
+class StepOutput:
+    """One optimizer step's results, as device tensors (no host sync)."""
+
+    lm_loss: torch.Tensor
+    """Mean LM loss over the step's micro-batches (on the last pipeline stage; 0 elsewhere)."""
+    grad_norm: torch.Tensor
+    """Global gradient norm before clipping (0 when the step made no update)."""
+    routing: list[dict[str, torch.Tensor]]
+    """Per MoE layer this rank holds: `MoE.end_step()`'s statistics."""
+    lr: float
+    mtp: torch.Tensor | None = None
+    """With multi-token prediction, on the rank holding it: each depth's loss averaged over the
+    step's micro-batches, (model.mtp_depth,)."""
+
+
+class TrainEngine:
+    """Owns the model, the optimizer, the pipeline and the step guard of one rank."""
+
+    def __init__(self, cfg: RunConfig, par: ParallelState, device: torch.device, eos_id: int | None = None):
+        """`eos_id`: the data's end-of-document id (needed with data.document_masking)."""
+        self.cfg, self.par, self.device = cfg, par, device
+        self.eos_id = eos_id
+        tc = cfg.train
+        self.amp_dtype = autocast_dtype(tc.precision, device)
+        self.loss_chunk_tokens = tc.resolved_loss_chunk_tokens(device.type)
+
+        # Build on the meta device, apply the layout, then allocate only what this rank holds.
+        model = cfg.model.build(device="meta")
+        model = parallelize(
+            model,
+            par,
+            cfg.parallel,
+            fp8=tc.fp8,
+            fp8_select=tc.fp8_select,
+            rows=cfg.rows_per_micro_batch,
+            recompute=tc.recompute,
+            recompute_every=tc.recompute_every,
+            compile=tc.compile,
+            param_dtype=self.amp_dtype,
+            grad_dtype=cfg.optim.grad_dtype.dtype,
+        )
+        model.to_empty(device=device)
+        # Under FSDP each parameter is a shard: initialized on a full temporary, shard kept.
+        model.init_weights(seed=tc.seed, fill=init_full_then_shard if cfg.parallel.stack == Stack.fsdp else None)
+        self.model: Transformer = model
+        # The optimizer owns the data-parallel gradient reduction and clipping too.
+        self.bf16_weights = cfg.optim.resolved_bf16_weights(cfg.parallel, self.amp_dtype, device)
+        """bf16 matrices with fp32 masters split in the optimizer (src/moetrain/optim/split_master.py)."""
+        self.optimizer: Optimizer = cfg.optim.build(model, par, cfg.parallel, bf16_weights=self.bf16_weights)
+        self.optimizer.register_step_post_hook(self._update_router_biases)
+        # Every backward's loss is scaled by 1/micro-batches × the gradient reduction's `loss_scale`
+        # (1/dp where it sums): the reduced gradient is then the mean over the global batch with no
+        # pass over the gradients. Aux losses get the same factor.
+        self.backward_scale = self.optimizer.reduction.loss_scale / tc.grad_accum_steps
+        for moe in self.model.moe_layers():
+            moe.aux_loss_scale = self.backward_scale
+        if self.model.mtp is not None:
+            self.model.mtp.loss_scale = self.backward_scale
+        self.pipeline: Pipeline | None = None
+        if par.dims.num_stages > 1:
+            self.pipeline = build_pipeline(
+                model,
+                par,
+                cfg.parallel.pp_schedule,
+                n_microbatches=tc.grad_accum_steps,
+                loss_scale=self.optimizer.reduction.loss_scale,
+                micro_batch_rows=tc.micro_batch_size // par.dims.dp,
+                seq_len=cfg.data.seq_len // par.dims.cp,
+                device=device,
+                amp_dtype=self.amp_dtype,
+            )
+        self.guard = StepGuard(tc.skip_window, tc.skip_spike_sigma, tc.max_consecutive_skips, device)
+        self.schedule_steps = tc.steps
+        """The steps the learning-rate schedule is planned over: train.steps, or, for a run
+        resumed with another train.steps and train.extend=keep, the count it started with."""
+        self.tokens_per_step = tc.global_batch_size * cfg.data.seq_len
+        """Tokens of one optimizer step, summed over all ranks."""
+        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
+        self.peak_flops = peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else None)
+
+    # ---- one step ----------------------------------------------------------------------------------
+    def train_step(self, batches: list[Batch], step: int) -> StepOutput:
+        """`forward_backward` then `optim_step`: optimizer step number `step` (0-based)."""
+        return self.optim_step(self.forward_backward(batches), step)
+
+    def forward_backward(self, batches: list[Batch]) -> torch.Tensor:
+        """Forward and backward of the step's micro-batches (train.grad_accum_steps of them,
+        this rank's rows of each); afterwards the gradients are reduced over the data-parallel
+        ranks. Returns the mean LM loss over the micro-batches (device scalar)."""
+        self.model.train()
+        lm_loss = (
+            self._pipeline_forward_backward(batches) if self.pipeline is not None else self._micro_batches(batches)
+        )
+        self.optimizer.reduction.finish()
+        return lm_loss
+
+    def optim_step(self, lm_loss: torch.Tensor, step: int) -> StepOutput:
+        """Close the step after `forward_backward`: `update`, then zero the gradients and read
+        the step's routing statistics."""
+        grad_norm, lr = self.update(lm_loss, step)
+        self.optimizer.zero_grad()
+        return StepOutput(lm_loss, grad_norm, self._end_routing_step(), lr, self._end_mtp_step())
+
+    def update(self, lm_loss: torch.Tensor, step: int) -> tuple[torch.Tensor, float]:
+        """The optimizer's part of step `step` (0-based), gradients left in place: clip, decide
+        whether to skip (the same on every rank: the norm is global already, the loss is made
+        global by one all-reduce), set the schedule's learning rate, update (and the step
+        hooks: the router bias). Returns the norm before clipping (device) and the lr."""
+        cfg = self.cfg
+        max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
+        grad_norm = self.optimizer.clip_grad_norm(max_norm)
+        skip = self.guard.check(self.global_mean(lm_loss.float().reshape(1))[0], grad_norm)
+        lr = lr_at(step, self.schedule_steps, cfg.optim.lr, cfg.schedule)
+        self.optimizer.set_lr(lr)
+        self.optimizer.step(skip)
+        return grad_norm, lr
+
+    def drop_step(self, lm_loss: torch.Tensor) -> StepOutput:
+        """Close the step after `forward_backward` without an update (benchmarks of forward and
+        backward alone): the gradients are dropped and the routing statistics read and reset;
+        parameters, optimizer state and router biases stay as they are."""
+        self.optimizer.zero_grad()
+        return StepOutput(
+            lm_loss, torch.zeros((), device=self.device), self._end_routing_step(), 0.0, self._end_mtp_step()
+        )
+
+    def set_routing(self, routing: str) -> None:
+        """Switch every router to `routing` (learned or random); the next step uses it."""
+        self.model.set_routing(routing)
+
+    def _micro_batches(self, batches: list[Batch]) -> torch.Tensor:
+        """The micro-batches one after the other; the accumulated (mean) LM loss."""
+        n = len(batches)
+        lm_loss = torch.zeros((), device=self.device)
+        for micro, (inputs_BT, targets_BT) in enumerate(batches):
+            self.optimizer.reduction.prepare(sync=micro == n - 1)
+            inputs_BT = inputs_BT.to(self.device, non_blocking=True)
+            targets_BT = targets_BT.to(self.device, non_blocking=True)
+            loss = self.lm_loss(inputs_BT, targets_BT)
+            (loss * self.backward_scale).backward()
+            lm_loss += loss.detach() / n
+        return lm_loss
+
+    def _pipeline_forward_backward(self, batches: list[Batch]) -> torch.Tensor:
+        """The step's micro-batches through the pipeline schedule (one call runs every forward
+        and backward); the summed LM loss on the last stage's ranks, 0 on the others. Every rank
+        reads the same micro-batches (its dp rank's), so the loader state stays layout-free."""
+        inputs_BT = torch.cat([b[0] for b in batches]).to(self.device, non_blocking=True)
+        targets_BT = torch.cat([b[1] for b in batches]).to(self.device, non_blocking=True)
+        self.optimizer.reduction.prepare(sync=True, backward_passes=len(batches))
+        doc_ids_BT = self._document_ids(inputs_BT)
+        return self.pipeline.train_step(self._shard(inputs_BT), self._shard(targets_BT), doc_ids_BT)
+
+    def lm_loss(self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy of one micro-batch (no pipeline), fp32; over chunks of
+        train.loss_chunk_tokens tokens (src/moetrain/model/loss.py). Under context parallelism,
+        of this rank's positions of the whole sequences given (every cp rank holds the same
+        number, so the mean over the stage's ranks is the batch's)."""
+        doc_ids_BT = self._document_ids(inputs_BT)
+        with self._autocast():
+            return self.model(self._shard(inputs_BT), doc_ids_BT, self._shard(targets_BT), self.loss_chunk_tokens)
+
+    def _shard(self, x_BT: torch.Tensor) -> torch.Tensor:
+        """This rank's positions of whole sequences (all of them without context parallelism)."""
+        return self.model.sequence.shard(x_BT)
+
+    def _document_ids(self, inputs_BT: torch.Tensor) -> torch.Tensor | None:
+        return document_ids(inputs_BT, self.eos_id) if self.cfg.data.document_masking else None
+
+    def _autocast(self):
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+
+    def _update_router_biases(self, skip: torch.Tensor | None) -> None:
+        """The optimizer's step post-hook: the aux-free balancing biases move at optimizer time."""
+        for moe in self.model.moe_layers():
+            moe.update_bias(skip)
+
+    def _end_routing_step(self) -> list[dict[str, torch.Tensor]]:
+        return [moe.end_step() for moe in self.model.moe_layers()]
+
+    def _end_mtp_step(self) -> torch.Tensor | None:
+        return self.model.mtp.end_step() if self.model.mtp is not None else None
+
+    # ---- evaluation --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def eval_loss(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor, int]]) -> float:
+        """Mean LM loss per token over `batches` (`val_batches`: this rank's rows of each
+        validation batch, and how many of them count) on all ranks; every sequence has
+        data.seq_len tokens (each cp rank the same share), so a batch's mean counts by its rows.
+        One all-reduce, one host read. The training RNG stream is left untouched."""
+        self.model.eval()
+        # float64 sums: the result then barely depends on how the sequences were batched.
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)  # (Σ rows × mean loss, Σ rows)
+        counts = self.pipeline is None or self.pipeline.has_last  # the ranks that hold the loss
+        # Eval must not shift the training RNG stream (random routing draws from it).
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            for inputs_BT, targets_BT, rows in batches:
+                inputs_BT, targets_BT = inputs_BT.to(self.device), targets_BT.to(self.device)
+                if self.pipeline is not None:
+                    doc_ids_BT = self._document_ids(inputs_BT)
+                    loss = self.pipeline.eval_loss_sum(self._shard(inputs_BT), self._shard(targets_BT), doc_ids_BT)
+                else:
+                    loss = self.lm_loss(inputs_BT, targets_BT)
+                if rows and counts:  # a stand-in row (rows 0) only keeps the collectives in step
+                    total[0] += loss.double() * rows
+                    total[1] += rows
+        self.model.train()
+        reshard(self.model)  # FSDP: no gathered root parameters left between steps
+        if self.par.world_group is not None:
+            dist.all_reduce(total, group=self.par.world_group)
+        loss_sum, num_rows = total.tolist()
+        return loss_sum / max(num_rows, 1)
+
+    def global_mean(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-rank values held by one pipeline stage's dp·cp ranks (zeros elsewhere) -> their
+        mean over them, on every rank: one all-reduce over all ranks, divided by dp·cp."""
+        if self.par.world_group is None:
+            return values
+        values = values.clone()
+        dist.all_reduce(values, group=self.par.world_group)
+        return values / self.par.dims.replicas
+
+    # ---- metrics -----------------------------------------------------------------------------------
+    def metrics(self, out: StepOutput, *, step: int, steps: int, seconds: float) -> dict[str, Any]:
+        """The metrics.jsonl record (src/moetrain/train/metrics.py) of step `step`, whose last
+        `steps` steps took `seconds` of wall time; `out` is the last step's output. Collective
+        (one all-reduce) and one host read: call it on every rank, on logging steps only."""
+        tokens_per_sec = self.tokens_per_step * steps / max(seconds, 1e-9)
+        per_device = tokens_per_sec / self.par.dims.world_size
+        tflops = self.flops_per_token * per_device / 1e12
+        # One collective for every logged value. The LM loss (on the last pipeline stage) and each
+        # MoE layer's lb/z losses, drops and global expert counts (on the stage holding it) are
+        # placed at the layer's global index, zeros elsewhere; summed over all ranks and divided
+        # by dp·cp, that is the mean over a stage's ranks (drops × dp·cp is then the global count;
+        # counts, equal on a stage's ranks, come back unchanged). float64 keeps large counts exact.
+        L, E, K = self.cfg.model.num_moe_layers, self.cfg.model.moe.num_experts, self.cfg.model.mtp_depth
+        packed = torch.zeros(1 + L * (3 + E) + K, dtype=torch.float64, device=self.device)
+        packed[0] = out.lm_loss
+        if out.mtp is not None:  # on the rank holding the LM head (the last pipeline stage)
+            packed[1 + L * (3 + E) :] = out.mtp
+        for i, s in zip(self.model.moe_layer_indices(), out.routing):
+            packed[1 + i], packed[1 + L + i], packed[1 + 2 * L + i] = s["lb_loss"], s["z_loss"], s["dropped"]
+            packed[1 + 3 * L + i * E : 1 + 3 * L + (i + 1) * E] = s["tokens_per_expert"]
+        mean = self.global_mean(packed)
+        counts_LE = mean[1 + 3 * L : 1 + L * (3 + E)].view(L, E).round().long()
+        dp = self.par.dims.replicas
+        routing = routing_metrics(
+            [
+                {
+                    "lb_loss": mean[1 + i],
+                    "z_loss": mean[1 + L + i],
+                    "dropped": mean[1 + 2 * L + i] * dp,
+                    "tokens_per_expert": counts_LE[i],
+                }
+                for i in range(L)
+            ],
+            ep=self.par.dims.ep,
+        )
+        lm_loss, grad_norm, skipped, mtp_loss = torch.stack(
+            [
+                mean[0],
+                out.grad_norm.double(),
+                self.guard.skipped_total.double(),
+                mean[1 + L * (3 + E) :].mean() if K else mean[0] * 0,
+            ]
+        ).tolist()
+        moe = self.cfg.model.moe
+        aux = L * (moe.lb_loss_weight * routing["lb_loss"] + moe.z_loss_weight * routing["z_loss"])
+        aux += self.cfg.model.mtp_loss_weight * mtp_loss if K else 0.0
+        record = {
+            "step": step,
+            "loss": lm_loss + aux,
+            "lm_loss": lm_loss,
+            "lb_loss": routing["lb_loss"],
+            "z_loss": routing["z_loss"],
+            "lr": out.lr,
+            "grad_norm": grad_norm,
+            "tokens_per_sec": tokens_per_sec,
+            "tokens_per_sec_per_device": per_device,
+            "tflops_per_device": tflops,
+            "mfu": tflops * 1e12 / self.peak_flops if self.peak_flops else None,
+            "peak_mem_gib": peak_mem_gib(self.device),
+            "expert_load_max_over_mean": routing["expert_load_max_over_mean"],
+            "ep_load_max_over_mean": routing["ep_load_max_over_mean"],
+            "dropped_token_frac": routing["dropped_token_frac"],
+            "unused_experts": routing["unused_experts"],
+            "skipped_steps": int(skipped),
+        }
+        if K:
+            record["mtp_loss"] = mtp_loss
+        return record
+
+    # ---- state -------------------------------------------------------------------------------------
+    def checkpoint_state(self) -> dict[str, dict]:
+        """{"model": …, "optim": …}: the checkpoint's entries (src/moetrain/train/checkpoint.py) as
+        the part of each this rank holds — views of live tensors and `FlatShard`s of its shards
+        and of the split fp32 masters. What DCP saves, and what it loads into in place (then
+        `checkpoint_loaded`). No copy, no communication."""
+        return ckpt.checkpoint_entries(
+            self.model, self.optimizer.checkpoint_masters(), self.optimizer.checkpoint_tensors()
+        )
+
+    def checkpoint_loaded(self) -> None:
+        """A checkpoint was loaded into `checkpoint_state()`'s entries: the optimizer takes its
+        step count and refreshes what derives from the weights (collective under the sharded
+        optimizer)."""
+        self.optimizer.checkpoint_loaded()
+
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        """{"model": …, "optim": …}: the same entries as `checkpoint_state`, whole, in memory
+        (for tests and tools): views of the live tensors where this rank holds them whole, full
+        temporaries for FSDP's and the sharded optimizer's shards and the split masters.
+        Collective under FSDP and the sharded optimizer (gathers)."""
+        # With optim.bf16_weights the matrices' entries are their fp32 masters (temporaries).
+        return {
+            "model": ckpt.model_state_dict(self.model, self.optimizer.master_weights()),
+            "optim": ckpt.optimizer_state_dict(self.model, self.optimizer.state_dict_tensors()),
+        }
+
+    def load_state_dict(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Write `state` (as `state_dict()` gives it, e.g. filled by DCP) into the model, then
+        the optimizer. No communication."""
+        ckpt.load_model_state_dict(self.model, state["model"])
+        self._load_masters(state["model"])
+        self.optimizer.load_state_dict_tensors(ckpt.optimizer_tensors(self.model, state["optim"]))
+
+    def load_model_weights(self, path) -> None:
+        """Only the model's weights from the checkpoint at `path` (train.init_from), each rank
+        reading its part; the optimizer refreshes its copies of them (moments stay fresh)."""
+        entries = ckpt.checkpoint_entries(self.model, self.optimizer.checkpoint_masters())
+        ckpt.load_checkpoint(path, entries)
+        self.optimizer.checkpoint_loaded()
+
+    def _load_masters(self, model_state: dict[str, torch.Tensor]) -> None:
+        """optim.bf16_weights: the fp32 masters of the bf16 parameters (which got the entries
+        rounded) from the model entries."""
+        names = [canonical_name(n) for n, p in self.model.named_parameters() if p.dtype != torch.float32]
+        if names:
+            self.optimizer.load_master_weights(ckpt.model_entries(self.model, model_state, names))
+
+    def parameters_finite(self) -> bool:
+        """Whether every parameter of every rank is finite (a collective and one host read)."""
+        # This rank's values (its shards under FSDP); the all-reduce covers the rest.
+        params = [p.detach().to_local() if is_sharded(p) else p.detach() for p in self.model.parameters()]
+        # min and max of each: NaN and ±inf reach them, and unlike isfinite (abs, ==, !=, a bool
+        # tensor each) no temporary of the parameter's size is made before a checkpoint save
+        extremes = [torch.stack(torch.aminmax(p)).float() for p in params if p.numel()]
+        bad = ~torch.isfinite(torch.cat(extremes)).all() if extremes else torch.tensor(False)
+        if self.par.world_group is not None:
+            bad = bad.to(torch.int32)
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.par.world_group)
+        return not bool(bad)

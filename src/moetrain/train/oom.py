@@ -1,0 +1,85 @@
+"""Out of memory on the GPU: one paragraph instead of a CUDA traceback.
+
+`Trainer.fit` catches `torch.OutOfMemoryError` from a training step and raises `OutOfMemory`
+instead, whose message names the step, what torch tried to allocate, the peak of allocated
+memory and the device's capacity. `moetrain train` adds what `moetrain plan` predicts for the
+config and the fastest layout it finds that fits, as flags (`advice`, src/moetrain/memory_advice.py:
+the planner is an application above this package). A step writes no checkpoint, so the last
+complete one is as it was; one being written in the background holds an earlier step's state
+and is completed first (`Trainer`).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from moetrain.destinations import format_bytes
+from moetrain.errors import MoetrainError
+
+
+class OutOfMemory(MoetrainError):
+    """A training step ran out of device memory."""
+
+    def __init__(
+        self,
+        *,
+        step: int,
+        first: bool,
+        peak: int | None,
+        capacity: int | None,
+        device_name: str,
+        last_checkpoint: str | None,
+        error: BaseException,
+    ):
+        self.step, self.first, self.peak, self.capacity = step, first, peak, capacity
+        self.device_name, self.last_checkpoint, self.torch_message = device_name, last_checkpoint, str(error)
+        self.advice: str | None = None
+        """What fits instead (one or more sentences), when the caller knows: `moetrain train` asks
+        the planner."""
+        super().__init__(step)
+
+    def __str__(self) -> str:
+        if self.peak is not None and self.capacity is not None:
+            memory = (
+                f"the peak of allocated memory was {format_bytes(self.peak)} of the device's "
+                f"{format_bytes(self.capacity)}"
+            )
+        else:
+            memory = f"peak and capacity are measured on CUDA devices only, not on {self.device_name}"
+        if not self.first:
+            when = "after earlier steps succeeded"
+        elif self.step > 1:
+            when = f"the first step since resuming at step {self.step - 1}"
+        else:
+            when = "the first step of this run"
+        kept = (
+            f"the last good checkpoint, {self.last_checkpoint}, is intact: continue from it with --resume and the "
+            "new settings"
+            if self.last_checkpoint
+            else "no checkpoint was written yet"
+        )
+        advice = self.advice or (
+            "`moetrain plan CONFIG --gpus N` predicts the memory of this config and lists layouts that fit "
+            "(recompute, a smaller micro-batch, the sharded optimizer)"
+        )
+        tried = _tried_to_allocate(self.torch_message)
+        return (
+            f"Out of memory on {self.device_name} in step {self.step} ({when}{tried}): {memory}. {advice}. "
+            f"Training stopped; {kept}."
+        )
+
+
+def device_memory(device: torch.device) -> tuple[int | None, int | None, str]:
+    """(peak allocated bytes, the device's total bytes, its name); None where not tracked."""
+    if device.type != "cuda":
+        return None, None, device.type
+    props = torch.cuda.get_device_properties(device)
+    return torch.cuda.max_memory_allocated(device), props.total_memory, props.name
+
+
+def _tried_to_allocate(text: str) -> str:
+    """The clause ", when it tried to allocate 2.00 GiB" from torch's message (empty without one)."""
+    m = re.search(r"Tried to allocate ([\d.]+ ?[KMGT]?i?B)", text)
+    return f", when it tried to allocate {m.group(1)}" if m else ""

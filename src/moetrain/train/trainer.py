@@ -1,0 +1,343 @@
+"""The training loop.
+
+`Trainer(cfg)` builds a run — runtime (device, process group, layout), data loader, `TrainEngine`
+(model, optimizer, pipeline), run directory, the loop's callbacks (`self.callbacks`, the list
+`callbacks_from_config` builds from the config: src/moetrain/train/callbacks.py) — and starts it fresh
+or resumes it. `fit()` is the loop, and nothing else:
+
+    while step < train.steps:
+        batches = the step's micro-batches from the loader
+        out = engine.train_step(batches, step)        forward/backward, clip, update
+        step += 1
+        every callback's on_step_end(out)              profile, skip limit, log + evaluate,
+                                                       checkpoint, graceful stop
+
+Nothing in a step copies from the device to the host: losses, gradient norms and routing
+statistics stay device tensors, read only on logging steps (every `train.log_every`). A step that
+runs out of device memory ends the run with one paragraph (src/moetrain/train/oom.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moetrain.config import load_yaml
+from moetrain.errors import CheckpointError
+from moetrain.model.counting import count_params
+from moetrain.optim.schedule import lr_at
+from moetrain.parallel.distributed import cpu_group
+from moetrain.parallel.rehearsal import Rehearsal
+from moetrain.train import checkpoint as ckpt
+from moetrain.train import console, oom
+from moetrain.train.callbacks import Callback, Checkpointing, Evaluator, MetricsLogger, callbacks_from_config
+from moetrain.train.config import Extend, RunConfig
+from moetrain.train.engine import Batch, StepOutput, TrainEngine
+from moetrain.train.plot import plot_run
+from moetrain.train.profiling import StepProfiler
+from moetrain.train.run_dir import RunDir, default_run_dir
+from moetrain.train.runtime import setup_runtime
+from moetrain.train.wandb_sink import require_wandb
+
+
+class Trainer:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        *,
+        resume: bool = False,
+        quiet: bool = False,
+        name: str = "run",
+        rehearsal: Rehearsal | None = None,
+    ):
+        """Build the run on this rank (every rank of a torchrun launch does the same); with
+        `resume`, continue from the run directory's newest complete checkpoint. Without
+        train.run_dir the run directory is `default_run_dir(name, resume)` (`moetrain train`
+        passes the preset's or YAML file's name); `self.cfg` holds the one chosen. With
+        `rehearsal`, this process is that one rank of that world (src/moetrain/parallel/rehearsal.py)."""
+        if cfg.train.wandb:
+            require_wandb()
+        runtime = setup_runtime(cfg, rehearsal)
+        self.device, self.par = runtime.device, runtime.par
+        self.quiet = quiet or not self.par.is_main
+        note = ""
+        if cfg.train.run_dir is None:
+            run_dir, note = self._default_run_dir(name, resume)
+            cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, run_dir=str(run_dir)))
+        self.cfg = cfg
+        tc = cfg.train
+        self.run = RunDir(tc.run_dir, main=self.par.is_main, **_checkpoint_need(cfg))
+        torch.manual_seed(tc.seed)
+        self.loader = cfg.data.build(
+            micro_batch_size=tc.micro_batch_size,
+            seed=tc.seed,
+            vocab_size=cfg.model.vocab_size,
+            dp_rank=self.par.dp_rank,
+            dp_size=self.par.dims.dp,
+        )
+        self.engine = TrainEngine(cfg, self.par, self.device, eos_id=self.loader.eos_id)
+        self.evaluator = Evaluator(cfg, self.par.dp_rank, self.par.dims.dp)
+        self.checkpointing = Checkpointing()
+        self.callbacks: list[Callback] = callbacks_from_config(cfg, self.run.path, self.evaluator, self.checkpointing)
+        """What `fit` calls at its start, after each step (in this order) and at its end."""
+        self.step = 0
+        """Optimizer steps done."""
+        self.resumed_from: Path | None = None
+        self.summary: dict[str, Any] = {}
+        self._stopping = False
+        self._notes: list[str] = []
+        self.finished_at: int | None = None
+        """With `resume`: the step of a checkpoint at or past train.steps (nothing left to do)."""
+        if resume:
+            self._resume()
+        else:
+            self._start_fresh()
+        if self.finished_at is None:  # a finished run stays exactly as it was
+            self.run.create()
+            self.run.write_config(cfg.to_yaml(), self.loader.tokenizer_path)
+        # Once nothing can refuse the run any more: a user mistake stays one paragraph.
+        if not self.quiet:
+            rehearsed = self.par.rank if self.par.rehearsed else None
+            lines = [console.header(cfg, self.par.dims, self.device, self.run.path, note, rehearsed), *self._notes]
+            print("\n".join(lines), file=sys.stderr, flush=True)
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def next_batches(self) -> list[Batch]:
+        """The next step's micro-batches (train.grad_accum_steps of them), this rank's rows."""
+        return [self.loader.next_batch() for _ in range(self.cfg.train.grad_accum_steps)]
+
+    def train_step(self) -> StepOutput:
+        """One optimizer step on the next batches."""
+        out = self.engine.train_step(self.next_batches(), self.step)
+        self.step += 1
+        return out
+
+    def fit(self) -> dict[str, Any]:
+        """Train to train.steps (or until stopped); write and return the run's summary. A
+        resumed run that had finished already changes nothing and returns its summary."""
+        tc = self.cfg.train
+        if self.finished_at is not None:
+            return self._already_finished()
+        self.summary = self.run.read_summary() if self.resumed_from is not None else {}
+        self.summary.pop("stopped_at_step", None)  # an earlier stop's: this fit says its own
+        if "initial_val_loss" not in self.summary and tc.eval_every > 0:
+            self.summary["initial_val_loss"] = self.evaluator(self.engine)
+        callbacks = list(self.callbacks)
+        self._stopping = False
+        completed = False
+        first_step = self.step
+        try:
+            for callback in callbacks:
+                callback.on_fit_start(self)
+            while self.step < tc.steps and not self._stopping:
+                out_of_memory = None
+                try:
+                    out = self.train_step()
+                except torch.OutOfMemoryError as e:
+                    out_of_memory = self._out_of_memory(e, first=self.step == first_step)
+                if out_of_memory is not None:  # raised here: the step's frames (and memory) are gone
+                    raise out_of_memory
+                for callback in callbacks:
+                    callback.on_step_end(self, out)
+            completed = True
+        finally:
+            for callback in reversed(callbacks):
+                callback.on_fit_end(self, completed)
+        self.checkpointing.finish()
+        last_val = next((c.last_val for c in callbacks if isinstance(c, MetricsLogger)), None)
+        self.summary.update(self._final_summary(last_val))
+        self.run.write_summary(self.summary)
+        if tc.plot and self.par.is_main:
+            self.summary["plot"] = str(plot_run(self.run.path))
+        return self.summary
+
+    def stop(self, **summary: Any) -> None:
+        """End `fit` after the current step's callbacks; `summary` (e.g. stopped_at_step=N)
+        goes into the run's summary."""
+        self._stopping = True
+        self.summary.update(summary)
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+    def save(self) -> Path:
+        """Checkpoint this step now (see `Checkpointing.save`)."""
+        return self.checkpointing.save(self)
+
+    def finish_checkpoint(self) -> None:
+        """Complete a checkpoint being written in the background (train.async_checkpoint)."""
+        self.checkpointing.finish()
+
+    def _start_fresh(self) -> None:
+        """With train.init_from, from that checkpoint's model weights and a fresh optimizer."""
+        self.run.start_fresh()
+        if self.cfg.train.init_from:
+            path = ckpt.resolve_checkpoint(self.cfg.train.init_from)
+            self.engine.load_model_weights(path)
+            self._notes.append(f"initialized the model from {path} (train.init_from)")
+
+    def _resume(self) -> None:
+        """From the newest intact complete checkpoint: damaged ones (`ckpt.diagnose`) are
+        skipped, said and moved aside (so that retention never keeps them over good ones); with
+        none complete, a fresh start; with all damaged, a refusal."""
+        found = self.run.checkpoints()
+        partial = self.run.partial_checkpoints()
+        if partial:
+            self._notes.append(
+                f"--resume: ignoring {len(partial)} incomplete checkpoint(s) (interrupted while writing): "
+                f"{', '.join(p.name for p in partial)}"
+            )
+        if not found:
+            self._notes.append(f"--resume: no complete checkpoint in {self.run.path}; starting from step 0")
+            self._start_fresh()  # the records of the lost steps go too
+            return
+        path, damaged = None, []
+        for _, candidate in reversed(found):
+            damage = ckpt.diagnose(candidate)
+            if damage is None:
+                path = candidate
+                break
+            damaged.append((candidate, damage))
+        if path is None:
+            raise CheckpointError(
+                f"--resume: every checkpoint in {ckpt.checkpoints_dir(self.run.path)} is damaged: "
+                + "; ".join(f"{p.name}: {d}" for p, d in damaged)
+                + ". Restore the files from a copy, or start a new run with another --run-dir."
+            )
+        for candidate, damage in damaged:
+            aside = self.run.move_aside(candidate)
+            self._notes.append(
+                f"--resume: skipped {candidate.name}, which is damaged ({damage})"
+                + (f"; moved to {aside.name}" if aside else "")
+            )
+        state = self.engine.checkpoint_state()
+        saved_step = json.loads((path / "trainer_state.json").read_text())["step"]
+        if saved_step >= self.cfg.train.steps:
+            ckpt.check_loadable(path, state, ckpt.ShardRole.of(self.par).rehearsal)  # refused as any resume is
+            self.finished_at, self.resumed_from = saved_step, path
+            return
+        trainer_state = ckpt.load_checkpoint(
+            path, state, rank=self.par.rank, restore_rng=True, rehearsal=ckpt.ShardRole.of(self.par).rehearsal
+        )
+        self.engine.checkpoint_loaded()
+        self.step = trainer_state["step"]
+        self.loader.load_state_dict(trainer_state["loader"])
+        if "guard" in trainer_state:
+            self.engine.guard.load_state_dict(trainer_state["guard"])
+        self._resume_schedule(path, trainer_state)
+        self.resumed_from = path
+        self.run.keep_records_up_to(self.step)
+        self._notes.append(f"resumed from {path} (step {self.step})")
+
+    def _resume_schedule(self, path: Path, trainer_state: dict) -> None:
+        """The schedule a resumed run follows: the one it planned (trainer_state's
+        schedule_steps; a checkpoint written before that key: its config.yaml's train.steps)
+        unless train.steps changed and train.extend=replan. A changed count is said, with the
+        rate the step resumes at either way."""
+        planned = trainer_state.get("schedule_steps")
+        if planned is None:
+            planned = load_yaml(path / "config.yaml").get("train", {}).get("steps", self.cfg.train.steps)
+        tc, cfg = self.cfg.train, self.cfg
+        if planned == tc.steps:
+            self.engine.schedule_steps = planned
+            return
+        keep = tc.extend == Extend.keep
+        self.engine.schedule_steps = planned if keep else tc.steps
+        kept = lr_at(self.step, planned, cfg.optim.lr, cfg.schedule)
+        replanned = lr_at(self.step, tc.steps, cfg.optim.lr, cfg.schedule)
+        before = lr_at(self.step - 1, planned, cfg.optim.lr, cfg.schedule) if self.step else kept
+        if keep:
+            what = (
+                f"the schedule stays the one planned over {planned} steps (train.extend=keep): step {self.step} runs "
+                f"at {kept:.3g}"
+                + (f", and every step from {planned} on at its final rate" if tc.steps > planned else "")
+                + f"; --train.extend=replan would plan it over {tc.steps} steps (step {self.step} at {replanned:.3g})"
+            )
+        else:
+            what = (
+                f"the schedule is planned again over {tc.steps} steps (train.extend=replan): the rate goes from "
+                f"{before:.3g} at step {self.step - 1} to {replanned:.3g} at step {self.step}; train.extend=keep "
+                f"would keep the plan over {planned} steps ({kept:.3g})"
+            )
+        self._notes.append(f"--resume: train.steps {planned} -> {tc.steps}: {what}")
+
+    def _already_finished(self) -> dict[str, Any]:
+        """The summary of a run whose checkpoint is at train.steps already, as it was (written
+        only when the run was stopped before it could write one)."""
+        self.summary, changed = self.run.read_summary(), "nothing changed"
+        if not self.summary:
+            self.step = self.finished_at
+            self.summary = self._final_summary(self.run.last_val_loss(self.finished_at))
+            self.run.write_summary(self.summary)
+            changed = "wrote its missing summary.json"
+        if self.par.is_main:
+            print(
+                f"--resume: {self.run.path} already finished at step {self.finished_at} (train.steps="
+                f"{self.cfg.train.steps}; checkpoint {self.resumed_from}): nothing to do, {changed}. "
+                "Raise --steps to train further.",
+                file=sys.stderr,
+                flush=True,
+            )
+        return self.summary
+
+    def _out_of_memory(self, error: torch.OutOfMemoryError, first: bool) -> oom.OutOfMemory:
+        """The run's end after a step ran out of device memory (see src/moetrain/train/oom.py)."""
+        self.checkpointing.finish()  # a background write holds an earlier step: complete it
+        peak, capacity, name = oom.device_memory(self.device)
+        return oom.OutOfMemory(
+            step=self.step + 1,
+            first=first,
+            peak=peak,
+            capacity=capacity,
+            device_name=name,
+            last_checkpoint=self.run.last_checkpoint(),
+            error=error,
+        )
+
+    # ---- the rest ------------------------------------------------------------------------------
+    def _default_run_dir(self, name: str, resume: bool) -> tuple[Path, str]:
+        """Rank 0 picks it (before any rank creates it), the others take its answer."""
+        choice = [default_run_dir(name, resume) if self.par.is_main else None]
+        if self.par.dims.world_size > 1 and not self.par.rehearsed:
+            dist.broadcast_object_list(choice, src=0, group=cpu_group())
+        return choice[0]
+
+    def profiler(self, out_dir: Path, wait: int | None = None, kinds_only: bool = False) -> StepProfiler:
+        """A profiler over `train.profile_steps` steps after `wait` (default train.profile_wait);
+        with several ranks each writes its own rank-R subdirectory. `kinds_only`: kinds.json
+        alone (`StepProfiler`)."""
+        tc = self.cfg.train
+        if self.par.dims.world_size > 1:
+            out_dir = out_dir / f"rank{self.par.rank}"
+        wait = tc.profile_wait if wait is None else wait
+        return StepProfiler(out_dir, wait, tc.profile_steps, self.device, quiet=self.quiet, kinds_only=kinds_only)
+
+    def _final_summary(self, last_val: float | None) -> dict[str, Any]:
+        counts = count_params(self.cfg.model)
+        return {
+            "run_dir": str(self.run.path),
+            "steps": self.step,
+            "final_val_loss": last_val,
+            "total_params": counts.total,
+            "active_params": counts.active,
+            "checkpoint": self.run.last_checkpoint(),
+            "metrics": str(self.run.metrics_file),
+        }
+
+
+def _checkpoint_need(cfg: RunConfig) -> dict[str, Any]:
+    """`RunDir`'s free-space check: one checkpoint of this run, when it writes any."""
+    tc = cfg.train
+    if tc.save_every <= 0 and not tc.save_final:
+        return {}
+    params = count_params(cfg.model).total
+    optimizer = 2 * cfg.optim.moments_dtype.dtype.itemsize
+    return {
+        "checkpoint_bytes": ckpt.estimated_bytes(params, optimizer),
+        "checkpoint_detail": f"a checkpoint of this run ({params / 1e6:,.1f}M parameters × {4 + optimizer} bytes: "
+        "fp32 weights and AdamW's two moments)",
+    }
