@@ -60,3 +60,19 @@ def test_apply_fp8_turns_what_the_choice_says_and_mxfp8_takes_every_product():
     apply_fp8(model, "rowwise", "auto", wide.rows_per_micro_batch)
     count, classes, experts = _fp8_modules(model)
     assert count == 3 and experts == {"rowwise"}  # the dense block's MLP; not the attention
+
+
+def test_the_fp8_lm_head_is_asked_for_with_rowwise_and_a_vocabulary_it_can_take():
+    from moetrain.errors import ConfigError
+
+    cfg = resolve_config("tiny", ["model.d_model=64", "model.moe.expert_hidden=32"])
+    model = cfg.model.build(device="meta")
+    apply_fp8(model, "rowwise", "auto", cfg.rows_per_micro_batch, lm_head=True)
+    assert type(model.lm_head) is Fp8Linear and _fp8_modules(model)[0] == 1  # the head alone (auto: no block product)
+    for overrides, names in (
+        (["train.fp8_lm_head=true"], ("train.fp8_lm_head=true", "train.fp8=none", "train.fp8=rowwise")),
+        (["train.fp8=rowwise", "train.fp8_lm_head=true", "model.vocab_size=1000"], ("model.vocab_size=1000", "16")),
+    ):
+        with pytest.raises(ConfigError) as e:
+            resolve_config("tiny", overrides).validate()
+        assert all(n in str(e.value) for n in names), str(e.value)

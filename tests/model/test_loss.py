@@ -78,3 +78,28 @@ def test_the_models_loss_is_the_same_chunked_or_not():
         lm_loss(model.lm_head, h, targets[:1, :3], 0),
         F.cross_entropy(model.lm_head(h).float().flatten(0, 1), targets[:1, :3].flatten()),
     )
+
+
+def test_the_fp8_head_takes_fp8_logits_and_input_gradient():
+    """train.fp8_lm_head's chunked products: the logits are `fp8_linear`'s (the same quantized
+    operands), so the loss is the plain FP8 head's; the hidden states' gradient is an FP8 product
+    within FP8's error of the exact one, and the weight's gradient, not an FP8 product, is nearer
+    the exact one than the plain FP8 path's (whose three products are all FP8)."""
+    from moetrain.model.fp8 import fp8_linear
+
+    g = torch.Generator().manual_seed(2)
+    h, w = torch.randn(96, 32, generator=g), torch.randn(80, 32, generator=g) * 0.2
+    t = torch.randint(0, 80, (96,), generator=g)
+    fp8_plain = grads(lambda a, b, c: F.cross_entropy(fp8_linear(a, b).float(), c), h, w, t)
+    chunked = grads(lambda a, b, c: linear_cross_entropy(a, b, c, 40, fp8=True), h, w, t)
+    exact = grads(plain, h, w, t)
+    torch.testing.assert_close(chunked[0], fp8_plain[0], rtol=1e-6, atol=1e-6)
+    assert chunked[0] != exact[0]  # the logits were FP8 products
+    assert abs(float(chunked[0] - exact[0])) < 0.02 * float(exact[0])
+
+    def rel(a, b):
+        return float((a - b).norm() / b.norm())
+
+    assert rel(chunked[1], exact[1]) < 0.08 and rel(chunked[1], fp8_plain[1]) < 0.05
+    assert rel(chunked[2], exact[2]) < 0.25 * rel(fp8_plain[2], exact[2])
+    assert chunked[1].dtype == h.dtype and chunked[2].dtype == w.dtype

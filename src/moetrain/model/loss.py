@@ -26,19 +26,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moetrain.model.fp8 import FAST_ACCUM_BACKWARD, FAST_ACCUM_FORWARD, Fp8Linear, _quantize, _scaled_mm
+
 
 def linear_cross_entropy(
-    h_ND: torch.Tensor, weight_VD: torch.Tensor, targets_N: torch.Tensor, chunk_tokens: int
+    h_ND: torch.Tensor, weight_VD: torch.Tensor, targets_N: torch.Tensor, chunk_tokens: int, fp8: bool = False
 ) -> torch.Tensor:
     """Mean cross-entropy of `h_ND @ weight_VDᵀ` against `targets_N` (fp32 scalar), computed
     `chunk_tokens` tokens at a time (module docstring). Under autocast the products run in its
-    dtype, as `nn.Linear` would."""
+    dtype, as `nn.Linear` would. `fp8`: the logits and the hidden states' gradient are row-wise
+    FP8 products (`_Fp8Head`); the weight's gradient stays in the matmul dtype, summed in fp32."""
     device_type = h_ND.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else h_ND.dtype
     # Inside an autograd Function's forward grad mode is off: decide here what needs a gradient.
     grads = (torch.is_grad_enabled() and h_ND.requires_grad, torch.is_grad_enabled() and weight_VD.requires_grad)
     with torch.autocast(device_type, enabled=False):
-        return _ChunkedLinearCrossEntropy.apply(h_ND, weight_VD, targets_N, chunk_tokens, dtype, grads)
+        return _ChunkedLinearCrossEntropy.apply(h_ND, weight_VD, targets_N, chunk_tokens, dtype, grads, fp8)
 
 
 def _chunk_loss_and_grad(logits_CV: torch.Tensor, targets_C: torch.Tensor, scale: float):
@@ -70,9 +73,12 @@ def _chunk_fn(device_type: str):
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h_ND, weight_VD, targets_N, chunk_tokens: int, dtype: torch.dtype, grads: tuple[bool, bool]):
+    def forward(
+        ctx, h_ND, weight_VD, targets_N, chunk_tokens: int, dtype: torch.dtype, grads: tuple[bool, bool], fp8: bool
+    ):
         N = h_ND.shape[0]
         w_VD = weight_VD.to(dtype)
+        head = _Fp8Head(w_VD, dtype, input_grad=grads[0]) if fp8 else _Head(w_VD)
         grad_h_ND = torch.empty_like(h_ND) if grads[0] else None
         grad_w_VD = None  # fp32, made by the first chunk
         chunk = chunk_tokens if chunk_tokens > 0 else N
@@ -80,7 +86,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         loss = torch.zeros((), dtype=torch.float32, device=h_ND.device)
         for start in range(0, N, chunk):
             h_CD = h_ND[start : start + chunk].to(dtype)
-            logits_CV = h_CD @ w_VD.t()
+            logits_CV = head.logits(h_CD)
             targets_C = targets_N[start : start + chunk]
             if not any(grads):  # no gradient wanted (evaluation)
                 x_CV = logits_CV.float()
@@ -89,7 +95,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             chunk_loss, grad_CV = fn(logits_CV, targets_C, 1.0 / N)
             loss += chunk_loss
             if grad_h_ND is not None:
-                grad_h_ND[start : start + chunk] = grad_CV @ w_VD
+                grad_h_ND[start : start + chunk] = head.input_grad(grad_CV)
             if grads[1]:
                 grad_w_VD = _accumulate_fp32(grad_w_VD, grad_CV.t(), h_CD)
             del logits_CV, grad_CV  # one chunk's logits at a time
@@ -104,7 +110,41 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_w = None
         if grad_w_VD is not None:  # one pass: scaled and written in the weight's dtype
             grad_w = torch.mul(grad_w_VD, grad_out, out=torch.empty_like(grad_w_VD, dtype=ctx.weight_dtype))
-        return grad_h, grad_w, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None
+
+
+class _Head:
+    """The LM head's two products with the hidden states, in the matmul dtype."""
+
+    def __init__(self, w_VD: torch.Tensor):
+        self.w_VD = w_VD
+
+    def logits(self, h_CD: torch.Tensor) -> torch.Tensor:
+        return h_CD @ self.w_VD.t()
+
+    def input_grad(self, grad_CV: torch.Tensor) -> torch.Tensor:
+        return grad_CV @ self.w_VD
+
+
+class _Fp8Head:
+    """The same products in row-wise FP8 (src/moetrain/model/fp8.py): the weight quantized once per
+    call, per vocabulary row for the logits (reduction over D) and per model feature for the
+    input gradient (reduction over V); a chunk's hidden states and logit gradients per token.
+    The outputs come back in the matmul dtype."""
+
+    def __init__(self, w_VD: torch.Tensor, dtype: torch.dtype, input_grad: bool):
+        self.dtype = dtype
+        self.wq_VD, self.ws_V1 = _quantize(w_VD, -1)
+        self.wq_col = _quantize(w_VD, 0, "col") if input_grad else None
+
+    def logits(self, h_CD: torch.Tensor) -> torch.Tensor:
+        hq, hs = _quantize(h_CD.contiguous(), -1)
+        return _scaled_mm(hq, self.wq_VD.t(), hs, self.ws_V1.t(), FAST_ACCUM_FORWARD).to(self.dtype)
+
+    def input_grad(self, grad_CV: torch.Tensor) -> torch.Tensor:
+        gq, gs = _quantize(grad_CV.contiguous(), -1)
+        wq, ws = self.wq_col
+        return _scaled_mm(gq, wq, gs, ws, FAST_ACCUM_BACKWARD).to(self.dtype)
 
 
 def _fp32_out(h_ND: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -131,6 +171,7 @@ def lm_loss(head: nn.Linear, h_BTD: torch.Tensor, targets_BT: torch.Tensor, chun
     """The LM loss of final hidden states (after the last norm) through `head`: chunked when
     `chunk_tokens` > 0, else the plain `cross_entropy(head(h).float())`."""
     if chunk_tokens > 0:
-        return linear_cross_entropy(h_BTD.flatten(0, 1), head.weight, targets_BT.flatten(), chunk_tokens)
+        fp8 = isinstance(head, Fp8Linear)  # train.fp8_lm_head
+        return linear_cross_entropy(h_BTD.flatten(0, 1), head.weight, targets_BT.flatten(), chunk_tokens, fp8)
     logits_BTV = head(h_BTD)
     return nn.functional.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten())

@@ -55,6 +55,7 @@ def parallelize(
     *,
     fp8: Fp8 = Fp8.none,
     fp8_select: Fp8Select = Fp8Select.auto,
+    fp8_lm_head: bool = False,
     rows: int = 0,
     recompute: Recompute = Recompute.none,
     recompute_every: int = 1,
@@ -63,18 +64,19 @@ def parallelize(
     grad_dtype: torch.dtype = torch.float32,
 ) -> Transformer:
     """Apply the layout `parallel` (on `state`'s process groups) and the execution settings
-    (`train.fp8`, `train.fp8_select`, `train.recompute`, `train.recompute_every`, `train.compile`)
-    to a meta-device model, in the order of the module docstring; `rows`: tokens per micro-batch
-    on this rank (what `train.fp8_select=auto` sizes the products by). `param_dtype`: the compute dtype (bf16 under
-    autocast), in which the fsdp stack all-gathers the blocks' parameters; `grad_dtype`
-    (optim.grad_dtype): the dtype in which it accumulates and reduce-scatters their gradients."""
+    (`train.fp8`, `train.fp8_select`, `train.fp8_lm_head`, `train.recompute`,
+    `train.recompute_every`, `train.compile`) to a meta-device model, in the order of the module
+    docstring; `rows`: tokens per micro-batch on this rank (what `train.fp8_select=auto` sizes
+    the products by). `param_dtype`: the compute dtype (bf16 under autocast), in which the fsdp
+    stack all-gathers the blocks' parameters; `grad_dtype` (optim.grad_dtype): the dtype in which
+    it accumulates and reduce-scatters their gradients."""
     if state.dims.num_stages > 1:
         split_model(model, state.dims, state.pp_rank)
     if state.dims.cp > 1:
         model.set_sequence_layout(ContextShard(state.dims.cp, state.cp_rank, state.cp_group))
     apply_expert_parallel(model, state, parallel)
     if fp8 != Fp8.none:
-        apply_fp8(model, fp8, fp8_select, rows)
+        apply_fp8(model, fp8, fp8_select, rows, fp8_lm_head)
     if recompute != Recompute.none:
         apply_recompute(model, selective=recompute == Recompute.selective, every=recompute_every)
     if compile:
@@ -84,14 +86,22 @@ def parallelize(
     return model
 
 
-def apply_fp8(model: Transformer, recipe: Fp8 = Fp8.rowwise, select: Fp8Select = Fp8Select.all, rows: int = 0) -> None:
+def apply_fp8(
+    model: Transformer,
+    recipe: Fp8 = Fp8.rowwise,
+    select: Fp8Select = Fp8Select.all,
+    rows: int = 0,
+    lm_head: bool = False,
+) -> None:
     """FP8 (`recipe`: rowwise or mxfp8) for the expert grouped GEMMs and the linear layers inside
     the blocks except the router (a tiny product whose fp32 logits decide routing): all of them
     (`select` all, and always for mxfp8, whose products are emulated), or those whose shape at
     `rows` tokens per micro-batch repays it (`select` auto: src/moetrain/model/fp8_choice.py). Linear
     layers become `Fp8Linear` / `MxFp8Linear` in place (the class changes, the fp32 parameter
     stays), so names, initialization and checkpoints are unchanged. Every GEMM dim must be a
-    multiple of `recipe.align` (`RunConfig.validate` checks it from the config)."""
+    multiple of `recipe.align` (`RunConfig.validate` checks it from the config). `lm_head`
+    (row-wise only): the LM head becomes an `Fp8Linear` too, which the chunked loss runs in FP8
+    (src/moetrain/model/loss.py)."""
     recipe = Fp8(recipe)
     select = Fp8Select.all if recipe == Fp8.mxfp8 else Fp8Select(select)
     linear_class = MxFp8Linear if recipe == Fp8.mxfp8 else Fp8Linear
@@ -108,6 +118,8 @@ def apply_fp8(model: Transformer, recipe: Fp8 = Fp8.rowwise, select: Fp8Select =
             )
             if choose(Product("linear", rows, module.in_features, module.out_features), select):
                 module.__class__ = linear_class
+    if lm_head and recipe == Fp8.rowwise and model.lm_head is not None:
+        model.lm_head.__class__ = Fp8Linear
 
 
 def apply_recompute(model: Transformer, selective: bool = False, every: int = 1) -> None:

@@ -110,6 +110,10 @@ class TrainerConfig(Config):
     fp8_select: Fp8Select = Fp8Select.auto
     """Which products train.fp8=rowwise turns to FP8: auto, those whose shape is measured to repay
     it (src/moetrain/model/fp8_choice.py; the start-up line names them), or all of them."""
+    fp8_lm_head: bool = False
+    """With train.fp8=rowwise, the LM head's logits and their input gradient as row-wise FP8
+    products too (its weight gradient stays bf16, summed in fp32; src/moetrain/model/loss.py);
+    not chosen by fp8_select (docs/benchmarks.md, "FP8": its loss curve and speed)."""
     recompute: Recompute = Recompute.none
     """Activation recompute: none, full (keep only each block's input) or selective (also keep
     the matrix products' and collectives' outputs)."""
@@ -241,8 +245,13 @@ class RunConfig(Config):
                 "parallel.compile_overlap=true reorders collectives inside compiled blocks: "
                 "it needs train.compile=true."
             )
+        if tc.fp8_lm_head and tc.fp8 != Fp8.rowwise:
+            raise ConfigError(
+                f"train.fp8_lm_head=true runs the LM head in row-wise FP8, but train.fp8={tc.fp8}: set "
+                "train.fp8=rowwise, or train.fp8_lm_head=false."
+            )
         if tc.fp8 != Fp8.none:
-            for key, dim in _gemm_dims(m):
+            for key, dim in _gemm_dims(m, lm_head=tc.fp8_lm_head):
                 if dim % tc.fp8.align:
                     raise ConfigError(
                         f"train.fp8={tc.fp8} needs every matrix-product dimension divisible by "
@@ -333,9 +342,10 @@ def _check_multi_token(depth: int, seq_len: int, cp: int) -> None:
         )
 
 
-def _gemm_dims(m: TransformerConfig) -> list[tuple[str, int]]:
+def _gemm_dims(m: TransformerConfig, lm_head: bool = False) -> list[tuple[str, int]]:
     """The config fields that set a dimension of a matrix product inside the blocks (what FP8
-    quantizes: attention, dense MLP, shared and routed experts; not the router)."""
+    quantizes: attention, dense MLP, shared and routed experts; not the router), and the LM
+    head's vocabulary with `lm_head`."""
     hd = m.resolved_head_dim
     dims = [
         ("model.d_model", m.d_model),
@@ -348,4 +358,6 @@ def _gemm_dims(m: TransformerConfig) -> list[tuple[str, int]]:
             dims.append(("model.moe.shared_hidden", m.moe.shared_hidden))
     if m.num_dense_layers > 0:
         dims.append(("model.dense_hidden", m.resolved_dense_hidden))
+    if lm_head:
+        dims.append(("model.vocab_size", m.vocab_size))
     return dims

@@ -180,6 +180,7 @@ def describe_precision(cfg: RunConfig, device: torch.device) -> str:
         text = "bf16 autocast (fp32 weights)"
     if cfg.train.fp8 == Fp8.rowwise:
         text += f", fp8 rowwise on {fp8_choice.describe(cfg.model, cfg.rows_per_micro_batch, cfg.train.fp8_select)}"
+        text += "; and the LM head (train.fp8_lm_head)" if cfg.train.fp8_lm_head else ""
     elif cfg.train.fp8 != Fp8.none:
         text += f", fp8 {cfg.train.fp8} matrix products"
     return text

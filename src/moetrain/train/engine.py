@@ -97,6 +97,7 @@ class TrainEngine:
             cfg.parallel,
             fp8=tc.fp8,
             fp8_select=tc.fp8_select,
+            fp8_lm_head=tc.fp8_lm_head,
             rows=cfg.rows_per_micro_batch,
             recompute=tc.recompute,
             recompute_every=tc.recompute_every,
