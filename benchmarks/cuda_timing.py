@@ -21,3 +21,18 @@ def timed(fn, reps: int = 20, warmup: int = 5) -> float:
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b))
     return statistics.median(times)
+
+
+def window_ms(fn, calls: int = 10, windows: int = 3) -> float:
+    """Median over `windows` of CUDA-event ms per call, `calls` back to back in each with no host
+    wait between them (launches may queue ahead of the GPU, as in training)."""
+    out = []
+    for _ in range(windows):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(calls):
+            fn()
+        b.record()
+        torch.cuda.synchronize()
+        out.append(a.elapsed_time(b) / calls)
+    return statistics.median(out)

@@ -5,25 +5,25 @@ bytes it must move. Prints one JSON line per measurement. Usage: python benchmar
 
 import itertools
 import json
+import sys
+from pathlib import Path
 
 import torch
 import triton
 
-from moetrain.model import fp8_kernels as k
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cuda_timing import window_ms  # noqa: E402
+
+from moetrain.model import fp8_kernels as k  # noqa: E402
 
 SHAPES = [(32768, 4096), (32768, 8192), (8, 8192, 4096)]
 
 
 def timed(fn, reps=20):
+    """Seconds per call: one warm-up call, then one window of `reps` back to back."""
     fn()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps / 1e3
+    return window_ms(fn, calls=reps, windows=1) / 1e3
 
 
 def report(kernel, config, shape, seconds, nbytes):

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -26,25 +25,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from cuda_timing import timed  # noqa: E402
+from cuda_timing import timed, window_ms  # noqa: E402
 
 from moetrain.bench import BENCH_OVERRIDES  # noqa: E402
 from moetrain.presets import resolve_config  # noqa: E402
 from moetrain.train.trainer import Trainer  # noqa: E402
-
-
-def _window_ms(fn, calls: int = 10) -> float:
-    """Median over 3 windows of CUDA-event ms per call, `calls` back to back per window."""
-    out = []
-    for _ in range(3):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(calls):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b) / calls)
-    return statistics.median(out)
 
 
 def _busy_ms(fn, calls: int = 3) -> float:
@@ -79,7 +64,7 @@ def main() -> None:
     for _ in range(3):
         update()
     torch.cuda.synchronize()
-    eager_ms = _window_ms(update)
+    eager_ms = window_ms(update)
     busy_ms = _busy_ms(update)
     # torch.optim.AdamW refuses capture unless its groups say capturable (its fused kernel reads
     # the step from the device either way)
@@ -95,7 +80,7 @@ def main() -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         update()
-    graph_ms = _window_ms(graph.replay)
+    graph_ms = window_ms(graph.replay)
     grads = [p.grad for p in engine.model.parameters() if p.grad is not None]
     split = engine.optimizer.split if getattr(engine.optimizer, "split", None) is not None else None
     grads += [g for g in (split.grads if split is not None else []) if g is not None]
