@@ -12,7 +12,8 @@ Its two backends:
 - device (`fused`): nothing read on the host. Groups of fp32 parameters, gradients and moments go
   to torch's fused AdamW kernel (`torch._fused_adamw_`, the kernel of torch.optim.AdamW(fused=True),
   so the bits of the optimizers that run torch's AdamW); the others to our Triton kernel
-  (src/moetrain/optim/triton_kernels.py, `adamw_triton`), which reads the bias corrections, the
+  (src/moetrain/optim/triton_kernels.py, `adamw_triton`, or `adamw_triton_flat` for a group with
+  `flat` buffers), which reads the bias corrections, the
   clipping factor and the skip decision from device memory.
 
 `MomentsAdamW` stands in for `torch.optim.AdamW` where the replicated and the FSDP optimizer need

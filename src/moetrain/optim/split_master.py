@@ -125,6 +125,7 @@ class SplitMaster:
         for p, keep in zip(self.params, self.persistent):
             self.grads.append(flat_grad[offset : offset + p.numel()].view(p.shape) if keep else None)
             offset += p.numel() if keep else 0
+        self._views: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self._written: set[int] = set()
         self._index = {id(p): i for i, p in enumerate(self.params)}
         for p in self.params:
@@ -137,8 +138,12 @@ class SplitMaster:
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Every parameter's part of one of the flat buffers (`view`), in order: the update's
-        tensors (hi, lo and the moments; `grads` are the gradients)."""
-        return [self.view(flat, i) for i in range(len(self.params))]
+        tensors (hi, lo and the moments; `grads` are the gradients). Made once per buffer (the
+        buffers live as long as this object): the update asks for them every step."""
+        cached = self._views.get(id(flat))
+        if cached is None or cached[0] is not flat:
+            cached = self._views[id(flat)] = (flat, [self.view(flat, i) for i in range(len(self.params))])
+        return cached[1]
 
     def grad_views(self) -> dict[int, torch.Tensor]:
         """id(parameter) → its gradient, a view of the one flat buffer, of the `persistent` ones."""

@@ -6,8 +6,12 @@ The AdamW kernel: per element it reads the parameter (fp32, or the bf16 half `hi
 remainder `lo` of a split master, src/moetrain/optim/split_master.py), the gradient (fp32 or bf16) and
 the two moments (fp32 or bf16), and writes all but the gradient back: for a split master with fp32
 moments 16 bytes read (14 with a bf16 gradient), 12 written, as torch's fused fp32 AdamW; one
-launch per tensor. The bias corrections (from the step count), the clipping factor and the skip
-decision are read from device memory, so the host never waits. The arithmetic is
+launch per tensor (`adamw_triton`), or, over a split master's flat buffers, one per gradient
+dtype (`adamw_triton_flat`, which finds each gradient through a table of addresses: 256 launches
+kept bench-small32e's update host-bound, docs/benchmarks.md "The optimizer's launches"). The
+sum of squares runs one launch per dtype the same way. The bias corrections (from the step
+count), the clipping factor and the skip decision are read from device memory, so the host never
+waits. The arithmetic is
 `adamw_reference`'s, with IEEE-rounded square root and division; tests/optim/test_split_master.py
 and tests/optim/test_moments_bf16.py compare the two (on CPU through Triton's interpreter,
 TRITON_INTERPRET=1), tests/gpu/test_cuda.py on the GPU.
@@ -16,6 +20,7 @@ TRITON_INTERPRET=1), tests/gpu/test_cuda.py on the GPU.
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 import triton
@@ -319,7 +324,7 @@ def sum_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
     assert all(t.is_contiguous() and t.dtype in (torch.bfloat16, torch.float32) for t in tensors)
     device = tensors[0].device
     counts = [triton.cdiv(t.numel(), SQ_BLOCK) for t in tensors]
-    slots = [sum(counts[:i]) for i in range(len(counts))]
+    slots = [0, *itertools.accumulate(counts)][:-1]  # each tensor's first partial
     partials = torch.empty(sum(counts), dtype=torch.float32, device=device)
     for dtype in (torch.bfloat16, torch.float32):
         chosen = [i for i, t in enumerate(tensors) if t.dtype == dtype and counts[i]]
