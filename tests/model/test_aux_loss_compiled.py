@@ -1,0 +1,35 @@
+"""The MoE auxiliary losses reach the router's gradient in compiled blocks as they do eager."""
+
+import torch
+
+from moetrain.model.moe import MoE
+from moetrain.parallel.parallelize import apply_compile
+from moetrain.presets import resolve_config
+
+SMALL = ["model.d_model=64", "model.moe.expert_hidden=32", "model.vocab_size=256", "model.n_layers=2"]
+
+
+def _grads(overrides: list[str], compile: bool, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+    cfg = resolve_config("tiny", SMALL + overrides)
+    model = cfg.model.build()
+    model.init_weights(seed=0)
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.aux_loss_scale = 0.25  # as the trainer sets it for 4 micro-batches
+    if compile:
+        apply_compile(model)
+    model(tokens, targets_BT=tokens, loss_chunk_tokens=0).backward()
+    return {n.replace("_orig_mod.", ""): p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_compiled_blocks_give_the_aux_losses_their_gradient():
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    eager, compiled = _grads([], False, tokens), _grads([], True, tokens)
+    without_aux = _grads(["model.moe.lb_loss_weight=0", "model.moe.z_loss_weight=0"], False, tokens)
+    assert eager.keys() == compiled.keys()
+    routers = [n for n in eager if n.endswith("router.weight")]
+    assert routers
+    for name in routers:  # the aux losses carry a large share of the router's gradient here
+        assert (eager[name] - without_aux[name]).norm() > 0.1 * eager[name].norm(), name
+    for name, grad in eager.items():
+        assert (compiled[name] - grad).norm() <= 1e-4 * grad.norm() + 1e-12, name
