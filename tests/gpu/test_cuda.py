@@ -166,17 +166,19 @@ def test_bench_profile_writes_a_trace_and_a_memory_snapshot(tmp_path, capsys):
     assert snapshot["segments"] and snapshot["device_traces"][0]
 
 
-def test_fp8_kernels_match_the_cpu_emulation():
+@pytest.mark.parametrize("fast_backward", [False, True])
+def test_fp8_kernels_match_the_cpu_emulation(fast_backward):
     """torch._scaled_mm / _scaled_grouped_mm on the GPU compute what the CPU path (native
     _scaled_mm, emulated grouped product) computes from the same quantized operands, forward and
-    backward, up to accumulation order and the bf16 output."""
+    backward, up to accumulation order and the bf16 output; with fast accumulation in backward
+    (train.fp8_fast_accum_backward) too."""
     from moetrain.model.fp8 import fp8_grouped_mm, fp8_linear
 
     torch.manual_seed(0)
 
     def run(fn, *inputs, dy, device):
         leaves = [t.to(device).requires_grad_() if t.is_floating_point() else t.to(device) for t in inputs]
-        y = fn(*leaves)
+        y = fn(*leaves, fast_backward=fast_backward)
         y.backward(dy.to(device, y.dtype))
         return [y.float().cpu()] + [t.grad.float().cpu() for t in leaves if t.is_floating_point()]
 

@@ -104,13 +104,15 @@ from moetrain.optim.split_master import split_fp32
 from moetrain.optim.triton_kernels import BLOCK, adamw_triton, adamw_triton_flat, bias_corrections
 from moetrain.testing.steps import ADAMW_HYPER as HYPER
 g = torch.Generator().manual_seed(0)
-grad_dtypes = [torch.bfloat16, torch.float32, torch.bfloat16, torch.float32]  # two launches
 corr = bias_corrections(torch.tensor(3.0), 1e-3, 0.9, 0.95)
+many = [int(n) for n in torch.randint(0, 3 * BLOCK, (37,), generator=g)] + [0, 1, BLOCK, 0]  # the bisection
 for sizes, moments, coef, skip in (
     ([BLOCK * 2 + 5, 1, BLOCK, 3000], torch.float32, torch.tensor(0.5), None),  # tails, one element, a block
     ([BLOCK * 2, 16, BLOCK, 3008], torch.bfloat16, None, torch.tensor(False)),  # 16-aligned: vector loads
     ([BLOCK, 32], torch.float32, None, torch.tensor(True)),
+    (many, torch.float32, None, None),  # 21 and 20 tensors a launch, empty ones among them
 ):
+    grad_dtypes = [(torch.bfloat16, torch.float32)[i % 2] for i in range(len(sizes))]  # two launches
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
     hi, lo = split_fp32(torch.randn(sum(sizes), generator=g))
     m = (torch.randn(sum(sizes), generator=g) * 1e-3).to(moments)
@@ -396,7 +398,8 @@ import torch
 from moetrain.optim.triton_kernels import SQ_BLOCK, sum_squares
 g = torch.Generator().manual_seed(0)
 sizes = [(1, torch.bfloat16), (SQ_BLOCK - 1, torch.float32), (SQ_BLOCK * 3 + 17, torch.bfloat16), (0, torch.float32)]
-ts = [(torch.randn(n, generator=g) * 10.0 ** float(i - 2)).to(dt) for i, (n, dt) in enumerate(sizes)]
+sizes += [(int(n), (torch.bfloat16, torch.float32)[i % 2]) for i, n in enumerate(torch.randint(0, 2 * SQ_BLOCK, (29,), generator=g))]
+ts = [(torch.randn(n, generator=g) * 10.0 ** float(i % 5 - 2)).to(dt) for i, (n, dt) in enumerate(sizes)]
 got = sum_squares(ts)
 want = sum(t.double().pow(2).sum() for t in ts)
 assert got.dtype == torch.float32 and got.dim() == 0

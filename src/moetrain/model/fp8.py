@@ -138,11 +138,12 @@ def _column_major(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(-2, -1).contiguous().transpose(-2, -1)
 
 
-FAST_ACCUM_FORWARD, FAST_ACCUM_BACKWARD = True, False
+FAST_ACCUM_FORWARD = True
 """Hopper's fast FP8 accumulation (the tensor cores' partial sums not promoted to fp32 along the
-reduction) in the CUDA products of forward, and of backward, whose reductions run over 8k+
-tokens for the weight gradient. Forward only, as torchao's float8 training does by default;
-measured in docs/benchmarks.md (throughput and the 250-step loss curve)."""
+reduction) in the CUDA products of forward, as torchao's float8 training does. The backward
+products (input and weight gradients, whose reductions run over the output features and over
+8k+ tokens) take it only with `train.fp8_fast_accum_backward` (the `fast_backward` arguments
+below); docs/benchmarks.md, "FP8", has its throughput and 250-step loss curve."""
 
 
 def _scaled_mm(a_MK, b_KN, scale_M1, scale_1N, fast: bool = False) -> torch.Tensor:
@@ -177,7 +178,7 @@ class _Fp8Linear(torch.autograd.Function):
     """y (M, N) = x (M, K) · w (N, K)ᵀ with all three GEMMs in row-wise FP8."""
 
     @staticmethod
-    def forward(ctx, x_MK: torch.Tensor, w_NK: torch.Tensor, weight_grad: bool) -> torch.Tensor:
+    def forward(ctx, x_MK: torch.Tensor, w_NK: torch.Tensor, weight_grad: bool, fast_backward: bool) -> torch.Tensor:
         xq, xs = _quantize(x_MK, -1)
         wq, ws = _quantize(w_NK, -1)
         y = _scaled_mm(xq, wq.t(), xs, ws.t(), FAST_ACCUM_FORWARD)
@@ -188,7 +189,7 @@ class _Fp8Linear(torch.autograd.Function):
             ctx.save_for_backward(xtq, xts, w_NK)
         else:
             ctx.save_for_backward(None, None, w_NK)
-        ctx.x_dtype = x_MK.dtype
+        ctx.x_dtype, ctx.fast_backward = x_MK.dtype, fast_backward
         return y
 
     @staticmethod
@@ -197,12 +198,12 @@ class _Fp8Linear(torch.autograd.Function):
         dy_MN = dy_MN.contiguous()
         dyq, dys = _quantize(dy_MN, -1)  # per token, over N
         wq, ws = _quantize(w_NK, 0, "col")  # per input feature, over N
-        dx = _scaled_mm(dyq, wq, dys, ws, FAST_ACCUM_BACKWARD)
+        dx = _scaled_mm(dyq, wq, dys, ws, ctx.fast_backward)
         dw = None
         if xtq is not None:
             dytq, dyts = _quantize(dy_MN.t(), -1, "row")  # per output feature, over tokens
-            dw = _scaled_mm(dytq, xtq, dyts, xts, FAST_ACCUM_BACKWARD).to(w_NK.dtype)
-        return dx.to(ctx.x_dtype), dw, None
+            dw = _scaled_mm(dytq, xtq, dyts, xts, ctx.fast_backward).to(w_NK.dtype)
+        return dx.to(ctx.x_dtype), dw, None, None
 
 
 def _grouped_product(xq_MK, xs_M1, w_ENK, offsets_E) -> torch.Tensor:
@@ -213,11 +214,11 @@ def _grouped_product(xq_MK, xs_M1, w_ENK, offsets_E) -> torch.Tensor:
     )
 
 
-def _grouped_input_grad(dy_MN, w_ENK, offsets_E) -> torch.Tensor:
+def _grouped_input_grad(dy_MN, w_ENK, offsets_E, fast: bool) -> torch.Tensor:
     """dx = dy · w[e] per row block: dy per token, w per expert and input feature, over N; bf16."""
     dyq, dys = _quantize(dy_MN, -1)
     wq, ws = _quantize(w_ENK, -2, "col")
-    return _scaled_grouped_mm(dyq, wq, dys.squeeze(-1), ws.squeeze(-2), offsets_E, FAST_ACCUM_BACKWARD)
+    return _scaled_grouped_mm(dyq, wq, dys.squeeze(-1), ws.squeeze(-2), offsets_E, fast)
 
 
 class _Fp8GroupedMM(torch.autograd.Function):
@@ -225,18 +226,19 @@ class _Fp8GroupedMM(torch.autograd.Function):
     row-wise FP8, weight gradient a bf16 grouped GEMM (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, x_MK: torch.Tensor, w_ENK: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x_MK: torch.Tensor, w_ENK: torch.Tensor, offsets_E: torch.Tensor, fast_backward: bool):
         ctx.save_for_backward(x_MK, w_ENK, offsets_E)
+        ctx.fast_backward = fast_backward
         return _grouped_product(*_quantize(x_MK, -1), w_ENK, offsets_E)
 
     @staticmethod
     def backward(ctx, dy_MN: torch.Tensor):
         x_MK, w_ENK, offsets_E = ctx.saved_tensors
         dy_MN = dy_MN.contiguous()
-        dx = _grouped_input_grad(dy_MN, w_ENK, offsets_E)
+        dx = _grouped_input_grad(dy_MN, w_ENK, offsets_E, ctx.fast_backward)
         dt = torch.bfloat16 if dy_MN.is_cuda else torch.float32
         dw = _grouped(dy_MN.t().to(dt), x_MK.to(dt), offsets_E)
-        return dx.to(x_MK.dtype), dw.to(w_ENK.dtype), None
+        return dx.to(x_MK.dtype), dw.to(w_ENK.dtype), None, None
 
 
 def _swiglu(h_M2F: torch.Tensor) -> torch.Tensor:
@@ -275,37 +277,40 @@ class _Fp8SwiGLUGroupedMM(torch.autograd.Function):
     straight from h (`_swiglu_quantize`). Products as `_Fp8GroupedMM`'s."""
 
     @staticmethod
-    def forward(ctx, h_M2F: torch.Tensor, w_ENF: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, h_M2F: torch.Tensor, w_ENF: torch.Tensor, offsets_E: torch.Tensor, fast_backward: bool):
         ctx.save_for_backward(h_M2F, w_ENF, offsets_E)
+        ctx.fast_backward = fast_backward
         return _grouped_product(*_swiglu_quantize(h_M2F), w_ENF, offsets_E)
 
     @staticmethod
     def backward(ctx, dy_MN: torch.Tensor):
         h_M2F, w_ENF, offsets_E = ctx.saved_tensors
         dy_MN = dy_MN.contiguous()
-        da = _grouped_input_grad(dy_MN, w_ENF, offsets_E)
+        da = _grouped_input_grad(dy_MN, w_ENF, offsets_E, ctx.fast_backward)
         dh_M2F, a_MF = _swiglu_backward(da.to(h_M2F.dtype), h_M2F)
         dt = torch.bfloat16 if dy_MN.is_cuda else torch.float32
         dw = _grouped(dy_MN.t().to(dt), a_MF.to(dt), offsets_E)
-        return dh_M2F, dw.to(w_ENF.dtype), None
+        return dh_M2F, dw.to(w_ENF.dtype), None, None
 
 
 @torch.compiler.disable  # see the module docstring
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x (…, K) · weight (N, K)ᵀ in row-wise FP8; bf16 out."""
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, fast_backward: bool = False) -> torch.Tensor:
+    """x (…, K) · weight (N, K)ᵀ in row-wise FP8; bf16 out. `fast_backward`: the gradients'
+    products with fast accumulation too (`FAST_ACCUM_FORWARD`)."""
     weight_grad = torch.is_grad_enabled() and weight.requires_grad  # not in evaluation
-    return _Fp8Linear.apply(x.reshape(-1, x.shape[-1]), weight, weight_grad).view(*x.shape[:-1], weight.shape[0])
+    y = _Fp8Linear.apply(x.reshape(-1, x.shape[-1]), weight, weight_grad, fast_backward)
+    return y.view(*x.shape[:-1], weight.shape[0])
 
 
 @torch.compiler.disable  # see the module docstring
-def fp8_grouped_mm(x_MK: torch.Tensor, w_ENK: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-    return _Fp8GroupedMM.apply(x_MK, w_ENK, offsets_E)
+def fp8_grouped_mm(x_MK, w_ENK, offsets_E, fast_backward: bool = False) -> torch.Tensor:
+    return _Fp8GroupedMM.apply(x_MK, w_ENK, offsets_E, fast_backward)
 
 
 @torch.compiler.disable  # see the module docstring
-def fp8_swiglu_grouped_mm(h_M2F: torch.Tensor, w_ENF: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+def fp8_swiglu_grouped_mm(h_M2F, w_ENF, offsets_E, fast_backward: bool = False) -> torch.Tensor:
     """`fp8_grouped_mm(silu(gate) · up, w, offsets)` for h = [gate | up], keeping only h."""
-    return _Fp8SwiGLUGroupedMM.apply(h_M2F, w_ENF, offsets_E)
+    return _Fp8SwiGLUGroupedMM.apply(h_M2F, w_ENF, offsets_E, fast_backward)
 
 
 def _mx(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -385,8 +390,12 @@ class Fp8Linear(nn.Linear):
     """nn.Linear (no bias) whose products run in row-wise FP8. The parameter is the same
     fp32 `weight`: checkpoints and optimizers do not see a difference."""
 
+    fast_accum_backward = False
+    """The gradients' products with fast accumulation (`train.fp8_fast_accum_backward`; set
+    per module by `apply_fp8`)."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(_autocast(x), self.weight)
+        return fp8_linear(_autocast(x), self.weight, self.fast_accum_backward)
 
 
 class MxFp8Linear(nn.Linear):

@@ -9,8 +9,9 @@ its quantizers' passes and, above all, the host time of an eager island in a com
 on the H200 machine, against 0.3 ms of device time at 8192 × 4096 × 4096. A grouped GEMM with
 few rows per expert gains little from FP8 tensor cores as well. Measured product by product
 (`benchmarks/probes/fp8_choice_probe.py`, docs/benchmarks.md "FP8, product by product"), FP8
-pays where a product's forward and backward multiply at least `MIN_TFLOP` and, for the experts,
-each expert gets at least `MIN_ROWS_PER_EXPERT` rows; below either, it costs time. The choice
+pays where a product's forward and backward multiply at least `MIN_TFLOP` of its kind and, for the experts,
+each expert gets at least `MIN_ROWS_PER_EXPERT` rows; below either, it costs time. The LM head is
+not among the blocks' products: `train.fp8_lm_head` asks for it. The choice
 depends on the configuration only (not on the device or a timing), so a run, its resume and its
 CPU emulation make the same one.
 """
@@ -20,9 +21,16 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-MIN_TFLOP = 2.0
-"""Forward-and-backward TFLOP of one call below which an FP8 product loses time (the probe: the
-dense MLP's linears at 2.1-4.1 pay 1.25-1.52×, the attention's at 0.8 lose 0.78×)."""
+MIN_TFLOP = {"linear": 0.8, "experts": 2.0}
+"""Forward-and-backward TFLOP of one call below which an FP8 product loses time, by kind.
+Linears: alone, one pays from about 2 (the probe: the dense MLP's at 2.1-4.1 ran 1.25-1.52×, the
+attention's at 0.8 0.78×: the island's host time shows); inside a model whose step keeps the GPU
+queue full, the 0.8-TFLOP ones pay too (bench-8e: FP8 on its attention q/o and shared expert, at
+0.82, took its step from 29,629 to 30,499 tokens/s), while at 0.4 they cost time
+(bench-tiny64e-l6's model was slower with them). Expert layers carry more fixed cost per call
+(all E experts' weights quantized twice, six quantizer passes, and the weight gradient, a third
+of the FLOPs, stays bf16): at 1.2 TFLOP bench-small32e's model was slower with them (164.7
+against 147.9 ms), at 9.9 bench-8e's faster (docs/benchmarks.md, "FP8, product by product")."""
 
 MIN_ROWS_PER_EXPERT = 2048
 """Mean rows per expert below which the FP8 expert layer does not pay (the probe: 4096 rows gave
@@ -33,8 +41,9 @@ class Fp8Select(enum.StrEnum):
     """Which products `train.fp8` turns to FP8 (`train.fp8_select`)."""
 
     auto = "auto"
-    """Those whose shape repays it (src/moetrain/model/fp8_choice.py): on the bench presets the
-    experts and dense MLP of bench-8e and the dense MLP of bench-tiny64e-l6; none of a small model's."""
+    """Those whose shape repays it (src/moetrain/model/fp8_choice.py): on the bench presets all
+    but the attention's k/v of bench-8e and the dense MLP of bench-tiny64e-l6; none of a small
+    model's."""
     all = "all"
     """Every expert layer and every linear layer in the blocks but the router, whatever its shape:
     for numerics studies (the recipe's loss on a small model) and timing every product."""
@@ -61,7 +70,7 @@ class Product:
     @property
     def pays(self) -> bool:
         """Whether row-wise FP8 is measured to make this product faster (module docstring)."""
-        if self.tflop < MIN_TFLOP:
+        if self.tflop < MIN_TFLOP[self.kind]:
             return False
         return self.kind != "experts" or self.M / self.E >= MIN_ROWS_PER_EXPERT
 

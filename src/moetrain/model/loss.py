@@ -26,22 +26,29 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moetrain.model.fp8 import FAST_ACCUM_BACKWARD, FAST_ACCUM_FORWARD, Fp8Linear, _quantize, _scaled_mm
+from moetrain.model.fp8 import FAST_ACCUM_FORWARD, Fp8Linear, _quantize, _scaled_mm
 
 
 def linear_cross_entropy(
-    h_ND: torch.Tensor, weight_VD: torch.Tensor, targets_N: torch.Tensor, chunk_tokens: int, fp8: bool = False
+    h_ND: torch.Tensor,
+    weight_VD: torch.Tensor,
+    targets_N: torch.Tensor,
+    chunk_tokens: int,
+    fp8: bool = False,
+    fast_backward: bool = False,
 ) -> torch.Tensor:
     """Mean cross-entropy of `h_ND @ weight_VDᵀ` against `targets_N` (fp32 scalar), computed
     `chunk_tokens` tokens at a time (module docstring). Under autocast the products run in its
     dtype, as `nn.Linear` would. `fp8`: the logits and the hidden states' gradient are row-wise
-    FP8 products (`_Fp8Head`); the weight's gradient stays in the matmul dtype, summed in fp32."""
+    FP8 products (`_Fp8Head`); the weight's gradient stays in the matmul dtype, summed in fp32.
+    `fast_backward`: the hidden states' gradient product with fast accumulation."""
     device_type = h_ND.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else h_ND.dtype
     # Inside an autograd Function's forward grad mode is off: decide here what needs a gradient.
     grads = (torch.is_grad_enabled() and h_ND.requires_grad, torch.is_grad_enabled() and weight_VD.requires_grad)
     with torch.autocast(device_type, enabled=False):
-        return _ChunkedLinearCrossEntropy.apply(h_ND, weight_VD, targets_N, chunk_tokens, dtype, grads, fp8)
+        fp8_head = (fp8, fast_backward)
+        return _ChunkedLinearCrossEntropy.apply(h_ND, weight_VD, targets_N, chunk_tokens, dtype, grads, fp8_head)
 
 
 def _chunk_loss_and_grad(logits_CV: torch.Tensor, targets_C: torch.Tensor, scale: float):
@@ -74,11 +81,18 @@ def _chunk_fn(device_type: str):
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, h_ND, weight_VD, targets_N, chunk_tokens: int, dtype: torch.dtype, grads: tuple[bool, bool], fp8: bool
+        ctx,
+        h_ND,
+        weight_VD,
+        targets_N,
+        chunk_tokens: int,
+        dtype: torch.dtype,
+        grads: tuple[bool, bool],
+        fp8_head: tuple[bool, bool],  # (FP8 products, fast accumulation in the input gradient's)
     ):
         N = h_ND.shape[0]
         w_VD = weight_VD.to(dtype)
-        head = _Fp8Head(w_VD, dtype, input_grad=grads[0]) if fp8 else _Head(w_VD)
+        head = _Fp8Head(w_VD, dtype, input_grad=grads[0], fast_backward=fp8_head[1]) if fp8_head[0] else _Head(w_VD)
         grad_h_ND = torch.empty_like(h_ND) if grads[0] else None
         grad_w_VD = None  # fp32, made by the first chunk
         chunk = chunk_tokens if chunk_tokens > 0 else N
@@ -132,8 +146,8 @@ class _Fp8Head:
     input gradient (reduction over V); a chunk's hidden states and logit gradients per token.
     The outputs come back in the matmul dtype."""
 
-    def __init__(self, w_VD: torch.Tensor, dtype: torch.dtype, input_grad: bool):
-        self.dtype = dtype
+    def __init__(self, w_VD: torch.Tensor, dtype: torch.dtype, input_grad: bool, fast_backward: bool):
+        self.dtype, self.fast_backward = dtype, fast_backward
         self.wq_VD, self.ws_V1 = _quantize(w_VD, -1)
         self.wq_col = _quantize(w_VD, 0, "col") if input_grad else None
 
@@ -144,7 +158,7 @@ class _Fp8Head:
     def input_grad(self, grad_CV: torch.Tensor) -> torch.Tensor:
         gq, gs = _quantize(grad_CV.contiguous(), -1)
         wq, ws = self.wq_col
-        return _scaled_mm(gq, wq, gs, ws, FAST_ACCUM_BACKWARD).to(self.dtype)
+        return _scaled_mm(gq, wq, gs, ws, self.fast_backward).to(self.dtype)
 
 
 def _fp32_out(h_ND: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -172,6 +186,8 @@ def lm_loss(head: nn.Linear, h_BTD: torch.Tensor, targets_BT: torch.Tensor, chun
     `chunk_tokens` > 0, else the plain `cross_entropy(head(h).float())`."""
     if chunk_tokens > 0:
         fp8 = isinstance(head, Fp8Linear)  # train.fp8_lm_head
-        return linear_cross_entropy(h_BTD.flatten(0, 1), head.weight, targets_BT.flatten(), chunk_tokens, fp8)
+        h_ND, targets_N = h_BTD.flatten(0, 1), targets_BT.flatten()
+        fast = fp8 and head.fast_accum_backward
+        return linear_cross_entropy(h_ND, head.weight, targets_N, chunk_tokens, fp8, fast)
     logits_BTV = head(h_BTD)
     return nn.functional.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten())

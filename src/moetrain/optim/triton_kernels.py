@@ -98,22 +98,37 @@ def _adamw_kernel(
 
 
 @triton.jit
+def _block_of(first_ptr, T, STEPS: tl.constexpr):
+    """(tensor i, the first element of block `pid` in it) for this program's block: i is the last
+    tensor whose first block is at most pid, found by bisection over the T + 1 first blocks
+    (`_first_blocks`): first[lo] ≤ pid < first[hi] throughout, STEPS ≥ log2(T) halvings."""
+    pid = tl.program_id(0)
+    lo = pid * 0
+    hi = lo + T
+    for _ in tl.static_range(STEPS):
+        mid = (lo + hi) // 2
+        right = tl.load(first_ptr + mid) <= pid
+        lo = tl.where(right, mid, lo)
+        hi = tl.where(right, hi, mid)
+    return lo, (pid - tl.load(first_ptr + lo)).to(tl.int64)
+
+
+@triton.jit
 def _adamw_table_kernel(
-    p_ptr, lo_ptr, grad_addrs_ptr, m_ptr, v_ptr, blk_tensor_ptr, blk_start_ptr, numel_ptr, base_ptr,
+    p_ptr, lo_ptr, grad_addrs_ptr, m_ptr, v_ptr, first_ptr, T, numel_ptr, base_ptr,
     corr_ptr, coef_ptr, skip_ptr, lr, beta1, beta2, eps, decay,
     GRAD_DTYPE: tl.constexpr, SPLIT: tl.constexpr, LOW_MOMENTS: tl.constexpr, HAS_COEF: tl.constexpr,
-    HAS_SKIP: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_SKIP: tl.constexpr, ALIGNED: tl.constexpr, STEPS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """`_adamw_kernel` over many tensors in one launch: block `pid` updates elements
-    [start, start + BLOCK) of tensor i (the tables'), whose parameter and moments are at `base`
+    """`_adamw_kernel` over T tensors in one launch: block `pid` updates elements
+    [start, start + BLOCK) of tensor i (`_block_of`), whose parameter and moments are at `base`
     in the flat buffers and whose gradient is at its own address (`grad_addrs`)."""
-    pid = tl.program_id(0)
-    i = tl.load(blk_tensor_ptr + pid)
+    i, block = _block_of(first_ptr, T, STEPS)
     n, base, grad_ptr = tl.load(numel_ptr + i), tl.load(base_ptr + i), tl.load(grad_addrs_ptr + i)
     grad_ptr = grad_ptr.to(tl.pointer_type(GRAD_DTYPE))
     if ALIGNED:  # what the per-tensor kernel's arguments tell the compiler: vector loads and stores
         n, base, grad_ptr = tl.multiple_of(n, 16), tl.multiple_of(base, 16), tl.multiple_of(grad_ptr, 16)
-    local = tl.multiple_of(tl.load(blk_start_ptr + pid), BLOCK) + tl.arange(0, BLOCK)
+    local = tl.multiple_of(block * BLOCK, BLOCK) + tl.arange(0, BLOCK)
     mask = local < n
     if HAS_SKIP:
         mask = mask & (tl.load(skip_ptr) == 0)
@@ -185,14 +200,15 @@ _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
 @functools.lru_cache(maxsize=64)
-def _block_table(numels: tuple[int, ...], block: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the tensor of each block, int32; the block's first element in it, int64): blocks of
-    `block` elements over tensors of `numels` elements, in order, each inside one tensor. Built
-    once per list of sizes: the parameters' sizes do not change from step to step."""
-    counts = torch.tensor([triton.cdiv(n, block) for n in numels])
-    blk_tensor = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), counts)
-    blk_start = torch.cat([torch.arange(int(c), dtype=torch.int64) * block for c in counts])
-    return _upload(blk_tensor, device), _upload(blk_start, device)
+def _first_blocks(numels: tuple[int, ...], block: int, device: torch.device) -> tuple[torch.Tensor, int, int]:
+    """(the first block of each tensor and, last, the number of blocks, int32 on `device`; that
+    number; the bisection steps `_block_of` needs): blocks of `block` elements over tensors of
+    `numels` elements, in order, each inside one tensor. A table per tensor, not per block, so it
+    takes bytes, not megabytes, of the device memory; built once per list of sizes (the
+    parameters' sizes do not change from step to step)."""
+    first = [0, *itertools.accumulate(triton.cdiv(n, block) for n in numels)]
+    assert first[-1] < 2**31, "more blocks than an int32 program id counts"
+    return _upload(torch.tensor(first, dtype=torch.int32), device), first[-1], max(1, len(numels).bit_length())
 
 
 @functools.lru_cache(maxsize=64)
@@ -249,14 +265,14 @@ def adamw_triton_flat(
             continue
         group = [grads[i] for i in chosen]
         numels = tuple(g.numel() for g in group)
-        blk_tensor, blk_start = _block_table(numels, BLOCK, param.device)
-        _adamw_table_kernel[(blk_tensor.numel(),)](
+        first, blocks, steps = _first_blocks(numels, BLOCK, param.device)
+        _adamw_table_kernel[(blocks,)](
             param.view(torch.int16) if lo is not None else param,
             lo if lo is not None else param,
             _addresses(group),
             exp_avg.view(torch.int16) if low else exp_avg,
             exp_avg_sq.view(torch.int16) if low else exp_avg_sq,
-            blk_tensor, blk_start, _int64_table(numels, param.device),
+            first, len(numels), _int64_table(numels, param.device),
             _int64_table(tuple(bases[i] for i in chosen), param.device),
             corrections,
             grad_coef if grad_coef is not None else corrections,
@@ -264,7 +280,7 @@ def adamw_triton_flat(
             lr, beta1, beta2, eps, weight_decay,
             GRAD_DTYPE=_TL_DTYPES[dtype], SPLIT=lo is not None, LOW_MOMENTS=low,
             HAS_COEF=grad_coef is not None, HAS_SKIP=skip is not None,
-            ALIGNED=_aligned(group, numels + tuple(bases[i] for i in chosen)), BLOCK=BLOCK,
+            ALIGNED=_aligned(group, numels + tuple(bases[i] for i in chosen)), STEPS=steps, BLOCK=BLOCK,
         )  # fmt: skip
 
 
@@ -298,20 +314,19 @@ SQ_BLOCK = 8192
 
 @triton.jit
 def _sum_squares_table_kernel(
-    addrs_ptr, numel_ptr, blk_tensor_ptr, blk_start_ptr, slot_ptr, out_ptr,
-    DTYPE: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
+    addrs_ptr, numel_ptr, first_ptr, T, slot_ptr, out_ptr,
+    DTYPE: tl.constexpr, ALIGNED: tl.constexpr, STEPS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """out[slot] = Σ x² over block `pid`'s elements (of tensor i, from its address), in fp32; a
-    tensor's blocks fill its slots from `slot[i]` on, in order."""
-    pid = tl.program_id(0)
-    i = tl.load(blk_tensor_ptr + pid)
-    start = tl.multiple_of(tl.load(blk_start_ptr + pid), BLOCK)
+    """out[slot] = Σ x² over block `pid`'s elements (of tensor i, `_block_of`, from its address),
+    in fp32; a tensor's blocks fill its slots from `slot[i]` on, in order."""
+    i, block = _block_of(first_ptr, T, STEPS)
+    start = tl.multiple_of(block * BLOCK, BLOCK)
     n, x_ptr = tl.load(numel_ptr + i), tl.load(addrs_ptr + i).to(tl.pointer_type(DTYPE))
     if ALIGNED:
         n, x_ptr = tl.multiple_of(n, 16), tl.multiple_of(x_ptr, 16)
     offs = start + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
-    tl.store(out_ptr + tl.load(slot_ptr + i) + start // BLOCK, tl.sum(x.to(tl.float32) * x.to(tl.float32), axis=0))
+    tl.store(out_ptr + tl.load(slot_ptr + i) + block, tl.sum(x.to(tl.float32) * x.to(tl.float32), axis=0))
 
 
 def sum_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -332,10 +347,10 @@ def sum_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
             continue
         group = [tensors[i] for i in chosen]
         numels = tuple(t.numel() for t in group)
-        blk_tensor, blk_start = _block_table(numels, SQ_BLOCK, device)
-        _sum_squares_table_kernel[(blk_tensor.numel(),)](
-            _addresses(group), _int64_table(numels, device), blk_tensor, blk_start,
+        first, blocks, steps = _first_blocks(numels, SQ_BLOCK, device)
+        _sum_squares_table_kernel[(blocks,)](
+            _addresses(group), _int64_table(numels, device), first, len(numels),
             _int64_table(tuple(slots[i] for i in chosen), device), partials,
-            DTYPE=_TL_DTYPES[dtype], ALIGNED=_aligned(group, numels), BLOCK=SQ_BLOCK, num_warps=8,
+            DTYPE=_TL_DTYPES[dtype], ALIGNED=_aligned(group, numels), STEPS=steps, BLOCK=SQ_BLOCK, num_warps=8,
         )  # fmt: skip
     return partials.sum()

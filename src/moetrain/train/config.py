@@ -114,6 +114,10 @@ class TrainerConfig(Config):
     """With train.fp8=rowwise, the LM head's logits and their input gradient as row-wise FP8
     products too (its weight gradient stays bf16, summed in fp32; src/moetrain/model/loss.py);
     not chosen by fp8_select (docs/benchmarks.md, "FP8": its loss curve and speed)."""
+    fp8_fast_accum_backward: bool = False
+    """With train.fp8=rowwise, the backward FP8 products (input and weight gradients) with
+    Hopper's fast accumulation too, as the forward ones always are (src/moetrain/model/fp8.py;
+    docs/benchmarks.md, "FP8": its speed and loss curve)."""
     recompute: Recompute = Recompute.none
     """Activation recompute: none, full (keep only each block's input) or selective (also keep
     the matrix products' and collectives' outputs)."""
@@ -245,11 +249,12 @@ class RunConfig(Config):
                 "parallel.compile_overlap=true reorders collectives inside compiled blocks: "
                 "it needs train.compile=true."
             )
-        if tc.fp8_lm_head and tc.fp8 != Fp8.rowwise:
-            raise ConfigError(
-                f"train.fp8_lm_head=true runs the LM head in row-wise FP8, but train.fp8={tc.fp8}: set "
-                "train.fp8=rowwise, or train.fp8_lm_head=false."
-            )
+        for key in ("fp8_lm_head", "fp8_fast_accum_backward"):
+            if getattr(tc, key) and tc.fp8 != Fp8.rowwise:
+                raise ConfigError(
+                    f"train.{key}=true is a setting of row-wise FP8, but train.fp8={tc.fp8}: set "
+                    f"train.fp8=rowwise, or train.{key}=false."
+                )
         if tc.fp8 != Fp8.none:
             for key, dim in _gemm_dims(m, lm_head=tc.fp8_lm_head):
                 if dim % tc.fp8.align:

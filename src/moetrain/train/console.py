@@ -181,6 +181,7 @@ def describe_precision(cfg: RunConfig, device: torch.device) -> str:
     if cfg.train.fp8 == Fp8.rowwise:
         text += f", fp8 rowwise on {fp8_choice.describe(cfg.model, cfg.rows_per_micro_batch, cfg.train.fp8_select)}"
         text += "; and the LM head (train.fp8_lm_head)" if cfg.train.fp8_lm_head else ""
+        text += "; fast accumulation in backward too" if cfg.train.fp8_fast_accum_backward else ""
     elif cfg.train.fp8 != Fp8.none:
         text += f", fp8 {cfg.train.fp8} matrix products"
     return text

@@ -98,6 +98,7 @@ class TrainEngine:
             fp8=tc.fp8,
             fp8_select=tc.fp8_select,
             fp8_lm_head=tc.fp8_lm_head,
+            fp8_fast_backward=tc.fp8_fast_accum_backward,
             rows=cfg.rows_per_micro_batch,
             recompute=tc.recompute,
             recompute_every=tc.recompute_every,
