@@ -398,7 +398,8 @@ import torch
 from moetrain.optim.triton_kernels import SQ_BLOCK, sum_squares
 g = torch.Generator().manual_seed(0)
 sizes = [(1, torch.bfloat16), (SQ_BLOCK - 1, torch.float32), (SQ_BLOCK * 3 + 17, torch.bfloat16), (0, torch.float32)]
-sizes += [(int(n), (torch.bfloat16, torch.float32)[i % 2]) for i, n in enumerate(torch.randint(0, 2 * SQ_BLOCK, (29,), generator=g))]
+more = torch.randint(0, 2 * SQ_BLOCK, (29,), generator=g)  # the bisection over many tensors
+sizes += [(int(n), (torch.bfloat16, torch.float32)[i % 2]) for i, n in enumerate(more)]
 ts = [(torch.randn(n, generator=g) * 10.0 ** float(i % 5 - 2)).to(dt) for i, (n, dt) in enumerate(sizes)]
 got = sum_squares(ts)
 want = sum(t.double().pow(2).sum() for t in ts)
