@@ -121,3 +121,22 @@ def test_fast_accumulation_in_backward_reaches_every_backward_product(monkeypatc
     slow = [kind for kind, flag in seen[False] if flag is False]
     assert (fast.count("mm"), fast.count("grouped")) == (linears + chunks, 2 * expert_layers)
     assert (slow.count("mm"), slow.count("grouped")) == (2 * linears + chunks, 2 * expert_layers)
+
+
+def test_the_lm_head_and_fast_backward_follow_the_selection_unless_set():
+    """train.fp8_lm_head and train.fp8_fast_accum_backward left unset: the head runs in FP8 where
+    fp8_select would take a block product of its shape and the vocabulary allows; backward uses
+    fast accumulation. Set, they are what is asked; without row-wise FP8, both are off."""
+    wide = resolve_config("bench-8e", ["train.fp8=rowwise"])
+    assert wide.fp8_lm_head and wide.fp8_fast_backward
+    assert not resolve_config("bench-8e").fp8_lm_head and not resolve_config("bench-8e").fp8_fast_backward
+    odd = resolve_config("bench-8e", ["train.fp8=rowwise", "model.vocab_size=100001"])
+    odd.validate()  # left unset, an odd vocabulary keeps the head in bf16 without an error
+    assert not odd.fp8_lm_head
+    off = resolve_config(
+        "bench-8e", ["train.fp8=rowwise", "train.fp8_lm_head=false", "train.fp8_fast_accum_backward=false"]
+    )
+    assert not off.fp8_lm_head and not off.fp8_fast_backward
+    small = resolve_config("tiny", ["train.fp8=rowwise"])
+    assert not small.fp8_lm_head  # 24 × 128 rows × 64 × its vocabulary: far below 0.8 TFLOP
+    assert resolve_config("tiny", ["train.fp8=rowwise", "train.fp8_select=all"]).fp8_lm_head

@@ -112,13 +112,22 @@ def test_precision_names_autocast_bf16_weights_and_fp8():
     assert describe_precision(resolve_config("tiny"), cpu) == "fp32"
     bf16 = resolve_config("tiny", ["train.precision=bf16", "train.fp8=rowwise", "train.fp8_select=all"])
     assert describe_precision(bf16, cpu) == (
-        "bf16 autocast (fp32 weights), fp8 rowwise on every product in the blocks (train.fp8_select=all)"
+        "bf16 autocast (fp32 weights), fp8 rowwise on every product in the blocks (train.fp8_select=all); "
+        "and the LM head (train.fp8_lm_head); fast accumulation in backward too"
     )
+    plain = resolve_config(
+        "tiny",
+        ["train.precision=bf16", "train.fp8=rowwise", "train.fp8_select=all", "train.fp8_lm_head=false"]
+        + ["train.fp8_fast_accum_backward=false"],
+    )
+    assert describe_precision(plain, cpu).endswith("every product in the blocks (train.fp8_select=all)")
     auto = resolve_config("tiny", ["train.precision=bf16", "train.fp8=rowwise"])
     assert describe_precision(auto, cpu).endswith("fp8 rowwise on no product: all are too small to repay it "
                                                   "(train.fp8_select=auto), so the step is bf16's")  # fmt: skip
     head = resolve_config("tiny", ["train.precision=bf16", "train.fp8=rowwise", "train.fp8_lm_head=true"])
-    assert describe_precision(head, cpu).endswith("so the step is bf16's; and the LM head (train.fp8_lm_head)")
+    assert describe_precision(head, cpu).endswith(
+        "so the step is bf16's; and the LM head (train.fp8_lm_head); fast accumulation in backward too"
+    )
     mx = resolve_config("tiny", ["train.precision=bf16", "train.fp8=mxfp8"])
     assert describe_precision(mx, cpu) == "bf16 autocast (fp32 weights), fp8 mxfp8 matrix products"
     weights = resolve_config("tiny", ["train.precision=bf16", "optim.bf16_weights=true"])

@@ -98,10 +98,27 @@ def block_products(cfg, rows: int) -> dict[str, Product]:
     return out
 
 
+def head_product(cfg, rows: int) -> Product:
+    """The LM head's product at `rows` tokens per micro-batch: hidden states (M, D) times the
+    vocabulary's rows (V, D)ᵀ."""
+    return Product("linear", rows, cfg.d_model, cfg.vocab_size)
+
+
+def choose_head(cfg, rows: int, select: Fp8Select | str) -> bool:
+    """Whether `select` takes the LM head (train.fp8_lm_head left unset): as a block's product
+    of its shape, where the vocabulary is a multiple of 16 (what the FP8 kernels take)."""
+    return cfg.vocab_size % 16 == 0 and choose(head_product(cfg, rows), select)
+
+
+def chosen_products(cfg, rows: int, select: Fp8Select | str) -> list[str]:
+    """The names of the kinds of block product `select` takes."""
+    return [name for name, p in block_products(cfg, rows).items() if choose(p, select)]
+
+
 def describe(cfg, rows: int, select: Fp8Select | str) -> str:
     """Which kinds of product run in FP8, for the start-up line."""
     products = block_products(cfg, rows)
-    chosen = [name for name, p in products.items() if choose(p, select)]
+    chosen = chosen_products(cfg, rows, select)
     if Fp8Select(select) == Fp8Select.all:
         return "every product in the blocks (train.fp8_select=all)"
     if not chosen:
@@ -110,9 +127,11 @@ def describe(cfg, rows: int, select: Fp8Select | str) -> str:
     return f"{', '.join(chosen)} ({len(chosen)} of {len(products)} kinds of product; {rest})"
 
 
-def fp8_flops_per_token(cfg, rows: int, select: Fp8Select | str) -> tuple[float, float]:
-    """(training FLOPs per token of the products that run in FP8, of all the blocks' products) at
-    `rows` tokens per micro-batch: what the planner runs at the FP8 rate (src/moetrain/plan/time.py)."""
+def fp8_flops_per_token(cfg, rows: int, select: Fp8Select | str, head: bool = False) -> tuple[float, float]:
+    """(training FLOPs per token of the products that run in FP8, of all the blocks' products and
+    the LM head's) at `rows` tokens per micro-batch: what the planner runs at the FP8 rate
+    (src/moetrain/plan/time.py). `head`: the LM head runs in FP8 (its two FP8 products; the
+    weight gradient stays bf16)."""
     moe_layers = cfg.n_layers - cfg.num_dense_layers
     per_model = {
         "attention q/o": 2 * cfg.n_layers,
@@ -126,4 +145,6 @@ def fp8_flops_per_token(cfg, rows: int, select: Fp8Select | str) -> tuple[float,
         flops = per_model[name] * product.tflop * 1e12 / rows
         every += flops
         chosen += flops if choose(product, select) else 0.0
+    every += 6 * cfg.d_model * cfg.vocab_size
+    chosen += 4 * cfg.d_model * cfg.vocab_size if head else 0.0
     return chosen, every

@@ -7,7 +7,7 @@ import math
 
 from moetrain.model.config import Fp8, TransformerConfig
 from moetrain.model.counting import flops_per_token
-from moetrain.model.fp8_choice import fp8_flops_per_token
+from moetrain.model.fp8_choice import choose_head, fp8_flops_per_token
 from moetrain.parallel.config import DispatcherKind, Recompute, Stack
 from moetrain.plan.calibration import Assumptions
 from moetrain.plan.hardware import GPU
@@ -171,11 +171,14 @@ def _gemm_time(
 
 
 def _fp8_flops_per_token(cfg: RunConfig, L: Layout) -> tuple[float, float]:
-    """(FLOPs per token of the products row-wise FP8 takes, of all the blocks' products):
+    """(FLOPs per token of the products row-wise FP8 takes, of all the blocks' and the LM head's):
     `fp8_choice.fp8_flops_per_token` at the layout's rows per micro-batch; (0, 1) without it."""
     if cfg.train.fp8 != Fp8.rowwise:
         return 0.0, 1.0
-    return fp8_flops_per_token(cfg.model, L.tokens(cfg.data.seq_len), cfg.train.fp8_select)
+    rows = L.tokens(cfg.data.seq_len)
+    head = cfg.train.fp8_lm_head
+    head = head if head is not None else choose_head(cfg.model, rows, cfg.train.fp8_select)
+    return fp8_flops_per_token(cfg.model, rows, cfg.train.fp8_select, head=head)
 
 
 def _mtp_flops_per_token(cfg: RunConfig) -> float:

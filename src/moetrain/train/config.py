@@ -21,7 +21,7 @@ from moetrain.config import Config, non_negative, positive, validate_tree
 from moetrain.data.config import DataConfig
 from moetrain.errors import ConfigError
 from moetrain.model.config import MAX_LAYERS, Fp8, TransformerConfig
-from moetrain.model.fp8_choice import Fp8Select
+from moetrain.model.fp8_choice import Fp8Select, choose_head
 from moetrain.optim.config import OptimConfig, ScheduleConfig
 from moetrain.parallel.config import DispatcherKind, ParallelConfig, PipelineSchedule, Recompute, Stack
 from moetrain.parallel.dims import ParallelDims
@@ -110,14 +110,16 @@ class TrainerConfig(Config):
     fp8_select: Fp8Select = Fp8Select.auto
     """Which products train.fp8=rowwise turns to FP8: auto, those whose shape is measured to repay
     it (src/moetrain/model/fp8_choice.py; the start-up line names them), or all of them."""
-    fp8_lm_head: bool = False
+    fp8_lm_head: bool | None = None
     """With train.fp8=rowwise, the LM head's logits and their input gradient as row-wise FP8
-    products too (its weight gradient stays bf16, summed in fp32; src/moetrain/model/loss.py);
-    not chosen by fp8_select (docs/benchmarks.md, "FP8": its loss curve and speed)."""
-    fp8_fast_accum_backward: bool = False
+    products too (its weight gradient stays bf16, summed in fp32; src/moetrain/model/loss.py).
+    None: where train.fp8_select takes it, as it would a block's product of that shape (auto: at
+    least 0.8 TFLOP a call, as every bench preset's head is; all: always) and the vocabulary is a
+    multiple of 16 (`RunConfig.fp8_lm_head`). Its loss curve and speed: docs/benchmarks.md, "FP8"."""
+    fp8_fast_accum_backward: bool | None = None
     """With train.fp8=rowwise, the backward FP8 products (input and weight gradients) with
-    Hopper's fast accumulation too, as the forward ones always are (src/moetrain/model/fp8.py;
-    docs/benchmarks.md, "FP8": its speed and loss curve)."""
+    Hopper's fast accumulation too, as the forward ones always are (src/moetrain/model/fp8.py).
+    None: on. docs/benchmarks.md, "FP8", has its speed and 250-step loss curve."""
     recompute: Recompute = Recompute.none
     """Activation recompute: none, full (keep only each block's input) or selective (also keep
     the matrix products' and collectives' outputs)."""
@@ -250,13 +252,13 @@ class RunConfig(Config):
                 "it needs train.compile=true."
             )
         for key in ("fp8_lm_head", "fp8_fast_accum_backward"):
-            if getattr(tc, key) and tc.fp8 != Fp8.rowwise:
+            if getattr(tc, key) is True and tc.fp8 != Fp8.rowwise:
                 raise ConfigError(
                     f"train.{key}=true is a setting of row-wise FP8, but train.fp8={tc.fp8}: set "
                     f"train.fp8=rowwise, or train.{key}=false."
                 )
         if tc.fp8 != Fp8.none:
-            for key, dim in _gemm_dims(m, lm_head=tc.fp8_lm_head):
+            for key, dim in _gemm_dims(m, lm_head=tc.fp8_lm_head is True):
                 if dim % tc.fp8.align:
                     raise ConfigError(
                         f"train.fp8={tc.fp8} needs every matrix-product dimension divisible by "
@@ -311,6 +313,19 @@ class RunConfig(Config):
     def rows_per_micro_batch(self) -> int:
         """Tokens of one micro-batch on a rank: its sequences' positions this cp rank holds."""
         return self.train.micro_batch_size * self.data.seq_len // self.parallel.cp
+
+    @property
+    def fp8_lm_head(self) -> bool:
+        """Whether the LM head runs its products in row-wise FP8 (train.fp8_lm_head, resolved)."""
+        if self.train.fp8 != Fp8.rowwise:
+            return False
+        asked = self.train.fp8_lm_head
+        return asked if asked is not None else choose_head(self.model, self.rows_per_micro_batch, self.train.fp8_select)
+
+    @property
+    def fp8_fast_backward(self) -> bool:
+        """Whether row-wise FP8's backward products use fast accumulation (train.fp8_fast_accum_backward)."""
+        return self.train.fp8 == Fp8.rowwise and self.train.fp8_fast_accum_backward is not False
 
     def build_dims(self, world_size: int, device: torch.device | None = None) -> ParallelDims:
         """`validate(world_size, device)`, then the layout: what the trainer and the planner

@@ -179,9 +179,11 @@ def describe_precision(cfg: RunConfig, device: torch.device) -> str:
     else:
         text = "bf16 autocast (fp32 weights)"
     if cfg.train.fp8 == Fp8.rowwise:
-        text += f", fp8 rowwise on {fp8_choice.describe(cfg.model, cfg.rows_per_micro_batch, cfg.train.fp8_select)}"
-        text += "; and the LM head (train.fp8_lm_head)" if cfg.train.fp8_lm_head else ""
-        text += "; fast accumulation in backward too" if cfg.train.fp8_fast_accum_backward else ""
+        rows, select = cfg.rows_per_micro_batch, cfg.train.fp8_select
+        text += f", fp8 rowwise on {fp8_choice.describe(cfg.model, rows, select)}"
+        text += "; and the LM head (train.fp8_lm_head)" if cfg.fp8_lm_head else ""
+        any_fp8 = cfg.fp8_lm_head or fp8_choice.chosen_products(cfg.model, rows, select)
+        text += "; fast accumulation in backward too" if cfg.fp8_fast_backward and any_fp8 else ""
     elif cfg.train.fp8 != Fp8.none:
         text += f", fp8 {cfg.train.fp8} matrix products"
     return text
