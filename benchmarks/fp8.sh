@@ -18,10 +18,17 @@ if ! grep -q fp8 "$OUT/fp8.jsonl" 2>/dev/null; then  # compiled FP8 failed: comp
   echo "compiled FP8 failed; eager pair:"; b8e none --train.compile=false; b8e rowwise --train.compile=false
 fi
 # Loss curves: bench-small32e's architecture on real text (8k vocabulary), 250 steps of 8 × 2048 tokens,
-# every product in FP8 (at this size train.fp8_select=auto would take none).
-for f in none rowwise; do
-  timeout 200 python -m moetrain train bench-small32e --device cuda --data.sources='[data/default]' --model.vocab_size=8192 \
+# every block product in FP8 (at this size train.fp8_select=auto would take only the LM head): BF16, FP8
+# with fast accumulation in backward, FP8 with the LM head in FP8 (each the one feature added).
+curve() {  # curve LABEL [overrides]
+  local label=$1; shift
+  timeout 300 python -m moetrain train bench-small32e --device cuda --data.sources='[data/default]' --model.vocab_size=8192 \
       --data.seq_len=2048 --train.global_batch_size=8 --train.micro_batch_size=8 --steps 250 --eval-every 50 \
-      --train.save_final=false --schedule.warmup_steps=25 --train.fp8=$f --train.fp8_select=all --run-dir "$OUT/curve-$f" 2>&1 | tail -1
-done
-python -m moetrain plot "$OUT/curve-none" "$OUT/curve-rowwise" --out "$OUT/fp8-vs-bf16.png"
+      --train.save_final=false --schedule.warmup_steps=25 "$@" --run-dir "$OUT/curve-$label" 2>&1 | tail -1
+}
+F="--train.fp8=rowwise --train.fp8_select=all"
+curve bf16 &
+curve fp8-fast-backward $F --train.fp8_lm_head=false --train.fp8_fast_accum_backward=true &
+curve fp8-head $F --train.fp8_lm_head=true --train.fp8_fast_accum_backward=false &
+wait  # three at a time fit one H200 (36 GiB each)
+python -m moetrain plot "$OUT/curve-bf16" "$OUT/curve-fp8-fast-backward" "$OUT/curve-fp8-head" --out "$OUT/fp8-vs-bf16.png"

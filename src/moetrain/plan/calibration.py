@@ -67,11 +67,17 @@ class Assumptions:
     """Extra step time of selective recompute of compiled blocks and of full recompute, as a
     fraction of the recomputed blocks' compute (selective recompute of eager blocks is counted
     pass by pass in `step_time`). Measured: bench-8e on one H200."""
-    fp8_gemm_speedup: float = 1.45
-    """Row-wise FP8 GEMMs over BF16 ones. Measured: bench-8e's profile on one H200."""
-    fp8_quant_passes: float = 10.0
-    """moetrain's row-wise quantization as passes over block activations and weights. Measured:
-    bench-8e with the compiled quantizers on one H200."""
+    fp8_gemm_speedup: float = 1.7
+    """Row-wise FP8 products (fast accumulation in forward and backward) over BF16 ones, on the
+    FLOPs FP8 takes. Measured: bench-8e's FP8 and BF16 profiles on one H200."""
+    fp8_quant_passes: float = 2.0
+    """moetrain's row-wise quantization (its Triton quantizers) as passes over block activations
+    and weights, scaled by the share of FLOPs FP8 takes. Measured: bench-8e's FP8 profile on one
+    H200."""
+    mxfp8_quant_passes: float = 10.0
+    """The same for train.fp8=mxfp8, whose blocks of 32 are quantized and dequantized by plain
+    torch operations in eager islands. Not measured: the figure row-wise FP8 had with quantizers of
+    plain torch operations (compiled), taken as a floor."""
     overlap_slowdown: float = 0.23
     """With parallel.overlap_chunks: how much an all-to-all running under compute slows that
     compute, as a fraction of its duration (NCCL's kernels hold SMs and HBM bandwidth). Not

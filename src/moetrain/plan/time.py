@@ -335,12 +335,13 @@ def step_time(
     t_elementwise = _elementwise_time(cfg, L, rank, spec, assume)
     t_fp8 = 0.0
     if cfg.train.fp8 != Fp8.none:
-        chosen, every = _fp8_flops_per_token(cfg, L) if cfg.train.fp8 == Fp8.rowwise else (1.0, 1.0)
+        rowwise = cfg.train.fp8 == Fp8.rowwise
+        chosen, every = _fp8_flops_per_token(cfg, L) if rowwise else (1.0, 1.0)
         local_params = rank.local / (L.replicas if L.stack == Stack.fsdp.value else 1)
         t_fp8 = (
             chosen
             / every
-            * assume.fp8_quant_passes
+            * (assume.fp8_quant_passes if rowwise else assume.mxfp8_quant_passes)
             * L.micro_batches
             * (rank.blocks_none + 4 * local_params)
             / (spec.hbm_bytes_s * assume.hbm_eff)
