@@ -8,7 +8,12 @@ Per step (the window's totals divided by --steps), in ms of device time:
   exposed  NCCL time during which no compute kernel runs: what overlap failed to hide;
   idle     span − union of all kernels: the GPU waits for the host (launches, syncs).
 
-Usage: python benchmarks/trace_overlap.py TRACE.json [--steps 2] [--json]
+With --gaps N, where the idle time is: each gap between kernels is charged to the host operator
+that launched the kernel ending it (the innermost CPU op around the runtime or driver call that
+the kernel's correlation id names; "?" where the trace has no such call), and the N operators
+with the most idle time before their kernels are listed, with their gaps per step.
+
+Usage: python benchmarks/trace_overlap.py TRACE.json [--steps 2] [--json] [--gaps 10]
 """
 
 from __future__ import annotations
@@ -58,12 +63,54 @@ def collective_kind(name: str) -> str:
     return m.group(1) if m else "other"
 
 
-def analyse(trace_path: Path, steps: int) -> dict:
+def _launching_ops(events: list[dict]) -> dict[int, str]:
+    """Correlation id → the innermost CPU operator around the runtime call that launched it: one
+    sweep per host thread over its operators (nested intervals) and its runtime calls."""
+    by_thread: dict[object, list[tuple]] = {}
+    for ev in events:
+        cat, ts = ev.get("cat"), ev.get("ts")
+        if cat in ("cpu_op", "user_annotation", "python_function") and "dur" in ev:
+            end = float(ts) + float(ev["dur"])
+            by_thread.setdefault(ev.get("tid"), []).append((float(ts), 0, -end, ev["name"]))
+        elif cat in ("cuda_runtime", "cuda_driver") and ev.get("args", {}).get("correlation") is not None:
+            by_thread.setdefault(ev.get("tid"), []).append((float(ts), 1, 0.0, ev["args"]["correlation"]))
+    out: dict[int, str] = {}
+    for items in by_thread.values():
+        open_ops: list[tuple[float, str]] = []  # (end, name), innermost last
+        for ts, kind, neg_end, what in sorted(items):  # at one instant: operators (outer first), then calls
+            while open_ops and open_ops[-1][0] < ts:
+                open_ops.pop()
+            if kind == 0:
+                open_ops.append((-neg_end, what))
+            elif open_ops:
+                out[what] = open_ops[-1][1]
+    return out
+
+
+def idle_gaps(kernels: list[dict], events: list[dict], steps: int, top: int) -> list[dict]:
+    """The host operators whose kernels the GPU waited for the longest (module docstring)."""
+    launcher = _launching_ops(events)
+    order = sorted(kernels, key=lambda ev: float(ev["ts"]))
+    busy_until = float(order[0]["ts"]) + float(order[0]["dur"])
+    charged: dict[str, list[float]] = {}
+    for ev in order[1:]:
+        start = float(ev["ts"])
+        if start > busy_until:
+            op = launcher.get(ev.get("args", {}).get("correlation"), "?")
+            charged.setdefault(op, []).append(start - busy_until)
+        busy_until = max(busy_until, start + float(ev["dur"]))
+    ms = 1e-3 / steps
+    ranked = sorted(charged.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return [{"op": op, "gaps_per_step": len(g) / steps, "idle_ms": round(sum(g) * ms, 3)} for op, g in ranked]
+
+
+def analyse(trace_path: Path, steps: int, gaps: int = 0) -> dict:
     try:
         trace = json.loads(trace_path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         sys.exit(f"cannot read the chrome trace {trace_path}: {e}")
-    kernels = [ev for ev in trace.get("traceEvents", []) if ev.get("cat") == "kernel" and "dur" in ev]
+    events = trace.get("traceEvents", [])
+    kernels = [ev for ev in events if ev.get("cat") == "kernel" and "dur" in ev]
     if not kernels:
         sys.exit(f"{trace_path} holds no GPU kernels: profile a CUDA run (--train.profile=true --device cuda).")
     is_nccl = [ev["name"].lower().startswith("nccl") for ev in kernels]
@@ -88,7 +135,7 @@ def analyse(trace_path: Path, steps: int) -> dict:
             "ms": round(length(u) * ms, 2),
             "exposed_ms": round(length(minus(u, compute)) * ms, 2),
         }
-    return {
+    out = {
         "trace": str(trace_path),
         "steps": steps,
         "span_ms": round(span * ms, 2),
@@ -98,6 +145,9 @@ def analyse(trace_path: Path, steps: int) -> dict:
         "idle_ms": round((span - length(everything)) * ms, 2),
         "collectives": kinds,
     }
+    if gaps:
+        out["idle_before"] = idle_gaps(kernels, events, steps, gaps)
+    return out
 
 
 def main() -> None:
@@ -105,9 +155,10 @@ def main() -> None:
     ap.add_argument("traces", nargs="+", type=Path)
     ap.add_argument("--steps", type=int, default=2, help="training steps in the profiled window")
     ap.add_argument("--json", action="store_true", help="one JSON line per trace instead of a table")
+    ap.add_argument("--gaps", type=int, default=0, metavar="N", help="the N host operators most idle time waited for")
     args = ap.parse_args()
     for path in args.traces:
-        r = analyse(path, args.steps)
+        r = analyse(path, args.steps, args.gaps)
         if args.json:
             print(json.dumps(r))
             continue
@@ -120,6 +171,8 @@ def main() -> None:
                 f"  {k:14} {v['kernels_per_step']:6.1f} kernels/step  busy {v['ms']:8.2f} ms  "
                 f"exposed {v['exposed_ms']:8.2f} ms"
             )
+        for g in r.get("idle_before", []):
+            print(f"  idle {g['idle_ms']:8.3f} ms/step in {g['gaps_per_step']:6.1f} gaps before kernels of {g['op']}")
 
 
 if __name__ == "__main__":
