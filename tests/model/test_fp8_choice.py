@@ -76,6 +76,7 @@ def test_the_fp8_lm_head_is_asked_for_with_rowwise_and_a_vocabulary_it_can_take(
     for overrides, names in (
         (["train.fp8_lm_head=true"], ("train.fp8_lm_head=true", "train.fp8=none", "train.fp8=rowwise")),
         (["train.fp8_fast_accum_backward=true"], ("train.fp8_fast_accum_backward=true", "train.fp8=rowwise")),
+        (["train.fp8_expert_weight_grad=true"], ("train.fp8_expert_weight_grad=true", "train.fp8=rowwise")),
         (["train.fp8=rowwise", "train.fp8_lm_head=true", "model.vocab_size=1000"], ("model.vocab_size=1000", "16")),
     ):
         with pytest.raises(ConfigError) as e:

@@ -224,8 +224,8 @@ def test_profile_switch_records_a_window_of_steps(tiny_cfg, tmp_path):
 
 @pytest.mark.parametrize("recipe", ["rowwise", "mxfp8"])
 def test_fp8_trains_close_to_full_precision(tiny_cfg, tmp_path, recipe):
-    """train.fp8=rowwise|mxfp8 on CPU (row-wise: native FP8 linears, emulated FP8 grouped GEMMs,
-    and the LM head with train.fp8_lm_head; MXFP8: emulated products): the same parameters
+    """train.fp8=rowwise|mxfp8 on CPU (row-wise: native FP8 linears, emulated FP8 grouped GEMMs and
+    expert weight gradients, and the LM head; MXFP8: emulated products): the same parameters
     (names, initial values), losses within FP8's error of the fp32 run, and its checkpoint loads
     into a model without FP8."""
     from moetrain.model.fp8 import Fp8Linear, MxFp8Linear
@@ -240,7 +240,7 @@ def test_fp8_trains_close_to_full_precision(tiny_cfg, tmp_path, recipe):
             "train.fp8_select=all",
             "train.save_every=4",
             *dims,
-            *(["train.fp8_lm_head=true"] if recipe == "rowwise" else []),
+            *(["train.fp8_lm_head=true", "train.fp8_expert_weight_grad=true"] if recipe == "rowwise" else []),
         ),  # fmt: skip
         quiet=True,
     )
@@ -248,7 +248,8 @@ def test_fp8_trains_close_to_full_precision(tiny_cfg, tmp_path, recipe):
     head = recipe == "rowwise"  # the FP8 head: row-wise only
     assert len(linears) == 3 * 4 + 3 + head  # 3 blocks × (q, k, v, o) + the dense block's MLP (+ the head)
     assert (fp8.engine.model.lm_head.__class__ is Fp8Linear) == head
-    assert all(m.fp8 == recipe for m in fp8.engine.model.modules() if hasattr(m, "w_down_EDF"))
+    experts = [m for m in fp8.engine.model.modules() if hasattr(m, "w_down_EDF")]
+    assert all(m.fp8 == recipe and m.fp8_weight_grad == (recipe == "rowwise") for m in experts)
     for (n, p), (m, q) in zip(plain.engine.model.named_parameters(), fp8.engine.model.named_parameters()):
         assert n == m and torch.equal(p, q)
     fp8.fit()

@@ -28,6 +28,8 @@ class GroupedExperts(nn.Module):
         """FP8 grouped GEMMs (src/moetrain/model/fp8.py): "rowwise" or "mxfp8", set by `train.fp8`."""
         self.fp8_fast_accum_backward = False
         """Row-wise FP8's input-gradient products with fast accumulation (`train.fp8_fast_accum_backward`)."""
+        self.fp8_weight_grad = False
+        """Row-wise FP8's weight gradients as FP8 products too (`train.fp8_expert_weight_grad`)."""
 
     def forward(
         self, x_MD: torch.Tensor, offsets_E: torch.Tensor, weights: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -46,9 +48,9 @@ class GroupedExperts(nn.Module):
                 gate_MF, up_MF = h_M2F.chunk(2, dim=-1)
                 return mxfp8_grouped_mm(F.silu(gate_MF) * up_MF, w_down, offsets_E)
             # SwiGLU and the down projection as one function: only h is kept for backward.
-            fast = self.fp8_fast_accum_backward
-            h_M2F = fp8_grouped_mm(x_MD, w_gate_up, offsets_E, fast)
-            return fp8_swiglu_grouped_mm(h_M2F, w_down, offsets_E, fast)
+            fast, wgrad = self.fp8_fast_accum_backward, self.fp8_weight_grad
+            h_M2F = fp8_grouped_mm(x_MD, w_gate_up, offsets_E, fast, wgrad)
+            return fp8_swiglu_grouped_mm(h_M2F, w_down, offsets_E, fast, wgrad)
         if autocast:  # the CUDA fast path wants bf16 weights too
             dtype = torch.get_autocast_dtype(x_MD.device.type)
             w_gate_up, w_down = w_gate_up.to(dtype), w_down.to(dtype)

@@ -13,10 +13,13 @@ value: nothing saturates). The products accumulate in fp32 inside the kernel and
 bf16. Forward y = x·Wᵀ scales x per token and W per output feature; the input gradient
 dx = dy·W scales dy per token and W per input feature; the weight gradient dW = dyᵀ·x scales
 both per feature over the tokens (linear layers). For the grouped expert GEMMs the weight
-gradient stays a bf16 grouped GEMM: its reduction runs over each expert's variable-length token
-block, and row padding left by the sync-free dispatcher (uninitialized rows past the last
-offset) must not enter any scale — scales along the token dim would mix them in.
-Per-row scales confine such rows to themselves everywhere else.
+gradient is a bf16 grouped GEMM by default: its reduction runs over each expert's
+variable-length token block. With `train.fp8_expert_weight_grad` it is FP8 too: each expert's
+rows are quantized per feature over that expert's tokens and written transposed into a layout
+whose blocks are padded to 16 rows (`_segments`), what `_scaled_grouped_mm`'s 2-D × 2-D form
+takes; rows past the last offset (the uninitialized padding the sync-free dispatcher leaves)
+belong to no expert and enter no scale. Per-row scales confine such rows to themselves
+everywhere else.
 
 On CUDA the products are `torch._scaled_mm` / `torch._scaled_grouped_mm`; on CPU both are
 emulated exactly (dequantize, fp32 GEMM, round to bf16; torch 2.11's CPU `_scaled_mm` takes
@@ -221,14 +224,90 @@ def _grouped_input_grad(dy_MN, w_ENK, offsets_E, fast: bool) -> torch.Tensor:
     return _scaled_grouped_mm(dyq, wq, dys.squeeze(-1), ws.squeeze(-2), offsets_E, fast)
 
 
+WGRAD_BLOCK_ROWS = 16
+"""`torch._scaled_grouped_mm`'s 2-D × 2-D form (the expert weight gradient, the tokens its
+reduction dim) takes row blocks of a multiple of 16 rows, at least 16."""
+
+
+def _segments(offsets_E: torch.Tensor, R: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The padded layout of R rows sorted by expert (`offsets_E`: where each expert's rows end):
+    (each row's expert, E past the last offset, int32; per expert the shift from its first row to
+    its first padded position, int64; the padded offsets, int32; the padded length, a static
+    bound): every expert's block padded to a multiple of `WGRAD_BLOCK_ROWS`, at least one, all on
+    the device (no host sync)."""
+    E = offsets_E.shape[0]
+    ends = offsets_E.long()
+    counts = ends - torch.cat([ends.new_zeros(1), ends[:-1]])
+    padded = ((counts + WGRAD_BLOCK_ROWS - 1) // WGRAD_BLOCK_ROWS * WGRAD_BLOCK_ROWS).clamp(min=WGRAD_BLOCK_ROWS)
+    padded_ends = padded.cumsum(0)
+    shift = (padded_ends - padded) - (ends - counts)
+    expert = torch.searchsorted(ends, torch.arange(R, device=ends.device), right=True).to(torch.int32)
+    R_pad = -(-(R + WGRAD_BLOCK_ROWS * E) // 16) * 16
+    return expert, shift, padded_ends.to(torch.int32), R_pad
+
+
+def _quantize_segments(x_RC, expert_R, shift_E, R_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q e4m3 (C, R_pad): each expert's rows quantized per column over those rows, at their
+    padded positions, zeros elsewhere; scale fp32 (E, C)). On CUDA the Triton kernels of
+    src/moetrain/model/fp8_kernels.py (the same bits); elsewhere this formulation."""
+    if x_RC.is_cuda:
+        from moetrain.model.fp8_kernels import quantize_segments_transposed
+
+        return quantize_segments_transposed(x_RC, expert_R, shift_E, R_pad)
+    E, C = shift_E.shape[0], x_RC.shape[1]
+    rows = torch.nonzero(expert_R < E).squeeze(1)
+    ex = expert_R[rows].long()
+    xs = x_RC[rows].float()
+    scale_EC = _pow2_scale(torch.zeros(E, C).scatter_reduce_(0, ex[:, None].expand(-1, C), xs.abs(), "amax"))
+    q = (xs / scale_EC[ex]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    out = torch.zeros(R_pad, C, dtype=E4M3)
+    out.view(torch.uint8)[rows + shift_E[ex]] = q.view(torch.uint8)
+    return out.t().contiguous(), scale_EC
+
+
+def _fp8_grouped_weight_grad(dy_MN, x_MK, offsets_E, fast: bool) -> torch.Tensor:
+    """dW (E, N, K) bf16, dW[e] = dy_eᵀ · x_e over expert e's rows, in row-wise FP8: both operands
+    scaled per expert and feature over that expert's rows (the reduction dim), which the padded
+    layout keeps apart (`_segments`; rows past the last offset belong to none and enter no scale)."""
+    expert, shift, padded_offsets, R_pad = _segments(offsets_E, dy_MN.shape[0])
+    aq_NR, sa_EN = _quantize_segments(dy_MN, expert, shift, R_pad)
+    bq_KR, sb_EK = _quantize_segments(x_MK, expert, shift, R_pad)
+    if dy_MN.is_cuda:
+        return torch._scaled_grouped_mm(
+            aq_NR, bq_KR.t(), sa_EN.reshape(-1), sb_EK.reshape(-1), offs=padded_offsets,
+            out_dtype=torch.bfloat16, use_fast_accum=fast,
+        )  # fmt: skip
+    return _emulated_weight_grad(aq_NR, bq_KR, sa_EN, sb_EK, padded_offsets)
+
+
+@torch.compiler.disable
+def _emulated_weight_grad(aq_NR, bq_KR, sa_EN, sb_EK, padded_offsets) -> torch.Tensor:
+    """CPU: the same products from the dequantized operands (exact in fp32), rounded to bf16."""
+    E = sa_EN.shape[0]
+    positions = torch.arange(aq_NR.shape[1])
+    expert = torch.searchsorted(padded_offsets.long(), positions, right=True).clamp(max=E - 1)
+    a = aq_NR.float() * sa_EN[expert].t()
+    b = bq_KR.float() * sb_EK[expert].t()
+    return torch._grouped_mm(a, b.t(), offs=padded_offsets).to(torch.bfloat16)
+
+
+def _weight_grad(dy_MN, x_MK, offsets_E, ctx) -> torch.Tensor:
+    """The expert layer's weight gradient (E, N, K): row-wise FP8 with `ctx.fp8_weight_grad`
+    (`_fp8_grouped_weight_grad`), else a bf16 grouped GEMM (fp32 on CPU)."""
+    if ctx.fp8_weight_grad:
+        return _fp8_grouped_weight_grad(dy_MN, x_MK, offsets_E, ctx.fast_backward)
+    dt = torch.bfloat16 if dy_MN.is_cuda else torch.float32
+    return _grouped(dy_MN.t().to(dt), x_MK.to(dt), offsets_E)
+
+
 class _Fp8GroupedMM(torch.autograd.Function):
     """y (M, N): row block e of x (M, K) times w[e] (N, K)ᵀ; forward and input gradient in
     row-wise FP8, weight gradient a bf16 grouped GEMM (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, x_MK: torch.Tensor, w_ENK: torch.Tensor, offsets_E: torch.Tensor, fast_backward: bool):
+    def forward(ctx, x_MK, w_ENK, offsets_E, fast_backward: bool, fp8_weight_grad: bool):
         ctx.save_for_backward(x_MK, w_ENK, offsets_E)
-        ctx.fast_backward = fast_backward
+        ctx.fast_backward, ctx.fp8_weight_grad = fast_backward, fp8_weight_grad
         return _grouped_product(*_quantize(x_MK, -1), w_ENK, offsets_E)
 
     @staticmethod
@@ -236,9 +315,8 @@ class _Fp8GroupedMM(torch.autograd.Function):
         x_MK, w_ENK, offsets_E = ctx.saved_tensors
         dy_MN = dy_MN.contiguous()
         dx = _grouped_input_grad(dy_MN, w_ENK, offsets_E, ctx.fast_backward)
-        dt = torch.bfloat16 if dy_MN.is_cuda else torch.float32
-        dw = _grouped(dy_MN.t().to(dt), x_MK.to(dt), offsets_E)
-        return dx.to(x_MK.dtype), dw.to(w_ENK.dtype), None, None
+        dw = _weight_grad(dy_MN, x_MK, offsets_E, ctx)
+        return dx.to(x_MK.dtype), dw.to(w_ENK.dtype), None, None, None
 
 
 def _swiglu(h_M2F: torch.Tensor) -> torch.Tensor:
@@ -277,9 +355,9 @@ class _Fp8SwiGLUGroupedMM(torch.autograd.Function):
     straight from h (`_swiglu_quantize`). Products as `_Fp8GroupedMM`'s."""
 
     @staticmethod
-    def forward(ctx, h_M2F: torch.Tensor, w_ENF: torch.Tensor, offsets_E: torch.Tensor, fast_backward: bool):
+    def forward(ctx, h_M2F, w_ENF, offsets_E, fast_backward: bool, fp8_weight_grad: bool):
         ctx.save_for_backward(h_M2F, w_ENF, offsets_E)
-        ctx.fast_backward = fast_backward
+        ctx.fast_backward, ctx.fp8_weight_grad = fast_backward, fp8_weight_grad
         return _grouped_product(*_swiglu_quantize(h_M2F), w_ENF, offsets_E)
 
     @staticmethod
@@ -288,9 +366,8 @@ class _Fp8SwiGLUGroupedMM(torch.autograd.Function):
         dy_MN = dy_MN.contiguous()
         da = _grouped_input_grad(dy_MN, w_ENF, offsets_E, ctx.fast_backward)
         dh_M2F, a_MF = _swiglu_backward(da.to(h_M2F.dtype), h_M2F)
-        dt = torch.bfloat16 if dy_MN.is_cuda else torch.float32
-        dw = _grouped(dy_MN.t().to(dt), a_MF.to(dt), offsets_E)
-        return dh_M2F, dw.to(w_ENF.dtype), None, None
+        dw = _weight_grad(dy_MN, a_MF, offsets_E, ctx)
+        return dh_M2F, dw.to(w_ENF.dtype), None, None, None
 
 
 @torch.compiler.disable  # see the module docstring
@@ -303,14 +380,15 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, fast_backward: bool = Fals
 
 
 @torch.compiler.disable  # see the module docstring
-def fp8_grouped_mm(x_MK, w_ENK, offsets_E, fast_backward: bool = False) -> torch.Tensor:
-    return _Fp8GroupedMM.apply(x_MK, w_ENK, offsets_E, fast_backward)
+def fp8_grouped_mm(x_MK, w_ENK, offsets_E, fast_backward: bool = False, fp8_weight_grad: bool = False):
+    """Row block e of x times w[e]ᵀ in row-wise FP8; `fp8_weight_grad`: the weight gradient too."""
+    return _Fp8GroupedMM.apply(x_MK, w_ENK, offsets_E, fast_backward, fp8_weight_grad)
 
 
 @torch.compiler.disable  # see the module docstring
-def fp8_swiglu_grouped_mm(h_M2F, w_ENF, offsets_E, fast_backward: bool = False) -> torch.Tensor:
+def fp8_swiglu_grouped_mm(h_M2F, w_ENF, offsets_E, fast_backward: bool = False, fp8_weight_grad: bool = False):
     """`fp8_grouped_mm(silu(gate) · up, w, offsets)` for h = [gate | up], keeping only h."""
-    return _Fp8SwiGLUGroupedMM.apply(h_M2F, w_ENF, offsets_E, fast_backward)
+    return _Fp8SwiGLUGroupedMM.apply(h_M2F, w_ENF, offsets_E, fast_backward, fp8_weight_grad)
 
 
 def _mx(x: torch.Tensor, dim: int) -> torch.Tensor:

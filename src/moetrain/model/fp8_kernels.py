@@ -147,6 +147,56 @@ def _cols_transposed_kernel(
 
 
 @triton.jit
+def _segment_col_amax_kernel(
+    x_ptr, expert_ptr, amax_ptr, stride_xr, R, C: tl.constexpr, E: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """Column maxima of |x| over each expert's rows within one tile, folded into amax (E, C) by
+    atomic max. The rows are sorted by expert (`expert`: each row's, E for rows of none), so a
+    tile holds one expert's rows, or the end of one and the start of the next: a masked maximum
+    and one atomic per column for each of those two; the rows of any expert between them (a tile
+    over several small experts) take an atomic per element."""
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    col_ok = cols < C
+    ex = tl.load(expert_ptr + rows, mask=rows < R, other=E)
+    x = tl.load(
+        x_ptr + rows[:, None].to(tl.int64) * stride_xr + cols[None, :],
+        mask=(rows < R)[:, None] & col_ok[None, :],
+        other=0.0,
+    )
+    ax = tl.abs(x.to(tl.float32))
+    first, last = tl.min(ex, axis=0), tl.max(tl.where(ex < E, ex, -1), axis=0)
+    m = tl.max(tl.where((ex == first)[:, None], ax, 0.0), axis=0)
+    tl.atomic_max(amax_ptr + first * C + cols, m, mask=col_ok & (first < E))
+    m = tl.max(tl.where((ex == last)[:, None], ax, 0.0), axis=0)
+    tl.atomic_max(amax_ptr + last * C + cols, m, mask=col_ok & (last > first))
+    between = (ex > first) & (ex < last)
+    tl.atomic_max(amax_ptr + ex[:, None] * C + cols[None, :], ax, mask=between[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _segment_cols_transposed_kernel(
+    x_ptr, expert_ptr, shift_ptr, amax_ptr, q_ptr, stride_xr, R, R_PAD, C: tl.constexpr, E: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """One (rows × columns) tile cast with the scales of its rows' experts and its columns,
+    written transposed into q (C, R_PAD) at the rows' padded positions (row + shift[expert])."""
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ex = tl.load(expert_ptr + rows, mask=rows < R, other=E)
+    valid = (rows < R) & (ex < E)
+    mask = valid[:, None] & (cols < C)[None, :]
+    amax = tl.load(amax_ptr + ex[:, None] * C + cols[None, :], mask=mask, other=0.0)
+    _, inverse = _pow2_scale_and_inverse(amax)
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xr + cols[None, :], mask=mask, other=0.0)
+    q = _to_e4m3(x.to(tl.float32), inverse)
+    dst = rows + tl.load(shift_ptr + ex, mask=valid, other=0)
+    out = q_ptr + cols[:, None].to(tl.int64) * R_PAD + dst[None, :]
+    tl.store(out, tl.trans(q), mask=tl.trans(mask))
+
+
+@triton.jit
 def _swiglu(g, u):
     """SwiGLU's product in fp32, rounded to bf16 once (as a compiled block computes it), to nearest
     even in the fp32 bits (the interpreter's own cast truncates)."""
@@ -298,3 +348,31 @@ def quantize_cols_transposed(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     if x.dim() == 2:
         return q_BCR[0], scale_BC[0]
     return q_BCR, scale_BC
+
+
+SEGMENT_TILE_R, SEGMENT_TILE_C = 64, 128
+
+
+def quantize_segments_transposed(
+    x_RC: torch.Tensor, expert_R: torch.Tensor, shift_E: torch.Tensor, R_pad: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (R, C), its rows sorted by expert (`expert_R`: each row's expert, E for none) → (q e4m3
+    (C, R_pad), zero but at the rows' padded positions row + shift_E[expert]; scale fp32 (E, C)):
+    each expert's rows quantized per column, written transposed. What `fp8.py`'s expert weight
+    gradient takes: the token dim becomes the products' reduction dim."""
+    if x_RC.stride(-1) != 1:
+        x_RC = x_RC.contiguous()
+    R, C = x_RC.shape
+    E = shift_E.shape[0]
+    amax_EC = torch.zeros((E, C), dtype=torch.float32, device=x_RC.device)
+    q_CR = torch.zeros((C, R_pad), dtype=torch.float8_e4m3fn, device=x_RC.device)
+    if x_RC.numel():
+        grid = (triton.cdiv(C, SEGMENT_TILE_C), triton.cdiv(R, SEGMENT_TILE_R))
+        sizes = dict(C=C, E=E, BLOCK_R=SEGMENT_TILE_R, BLOCK_C=SEGMENT_TILE_C, num_warps=4)
+        _segment_col_amax_kernel[grid](x_RC, expert_R, amax_EC, x_RC.stride(0), R, **sizes)
+        _segment_cols_transposed_kernel[grid](
+            x_RC, expert_R, shift_E, amax_EC, q_CR, x_RC.stride(0), R, R_pad, **sizes
+        )  # fmt: skip
+    from moetrain.model.fp8 import _pow2_scale
+
+    return q_CR, _pow2_scale(amax_EC)

@@ -120,6 +120,11 @@ class TrainerConfig(Config):
     """With train.fp8=rowwise, the backward FP8 products (input and weight gradients) with
     Hopper's fast accumulation too, as the forward ones always are (src/moetrain/model/fp8.py).
     None: on. docs/benchmarks.md, "FP8", has its speed and 250-step loss curve."""
+    fp8_expert_weight_grad: bool = False
+    """With train.fp8=rowwise, the FP8 expert layers' weight gradients as row-wise FP8 products
+    too: each expert's tokens quantized per feature, its row block padded to 16 rows
+    (src/moetrain/model/fp8.py). Tested against the CPU emulation; its GPU speed and loss curve
+    are not measured yet, so it is off."""
     recompute: Recompute = Recompute.none
     """Activation recompute: none, full (keep only each block's input) or selective (also keep
     the matrix products' and collectives' outputs)."""
@@ -251,7 +256,7 @@ class RunConfig(Config):
                 "parallel.compile_overlap=true reorders collectives inside compiled blocks: "
                 "it needs train.compile=true."
             )
-        for key in ("fp8_lm_head", "fp8_fast_accum_backward"):
+        for key in ("fp8_lm_head", "fp8_fast_accum_backward", "fp8_expert_weight_grad"):
             if getattr(tc, key) is True and tc.fp8 != Fp8.rowwise:
                 raise ConfigError(
                     f"train.{key}=true is a setting of row-wise FP8, but train.fp8={tc.fp8}: set "

@@ -184,6 +184,8 @@ def describe_precision(cfg: RunConfig, device: torch.device) -> str:
         text += "; and the LM head (train.fp8_lm_head)" if cfg.fp8_lm_head else ""
         any_fp8 = cfg.fp8_lm_head or fp8_choice.chosen_products(cfg.model, rows, select)
         text += "; fast accumulation in backward too" if cfg.fp8_fast_backward and any_fp8 else ""
+        experts = "experts" in fp8_choice.chosen_products(cfg.model, rows, select)
+        text += "; the experts' weight gradients too" if cfg.train.fp8_expert_weight_grad and experts else ""
     elif cfg.train.fp8 != Fp8.none:
         text += f", fp8 {cfg.train.fp8} matrix products"
     return text

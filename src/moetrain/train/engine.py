@@ -99,6 +99,7 @@ class TrainEngine:
             fp8_select=tc.fp8_select,
             fp8_lm_head=cfg.fp8_lm_head,
             fp8_fast_backward=cfg.fp8_fast_backward,
+            fp8_expert_weight_grad=tc.fp8_expert_weight_grad,
             rows=cfg.rows_per_micro_batch,
             recompute=tc.recompute,
             recompute_every=tc.recompute_every,
