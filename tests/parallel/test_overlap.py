@@ -355,7 +355,8 @@ def test_chunks_that_cannot_split_the_experts_are_refused(flags, needs):
 def compiled_and_eager(data_dir, tmp):
     """dp2·ep2, 2 chunks by experts, 2 steps: eager blocks; compiled blocks (the overlapped
     exchange runs eagerly between their graphs, its experts compiled on their own); FP8 row-wise
-    (each chunk's experts quantize their group's slices of the weights)."""
+    (each chunk's experts quantize their group's slices of the weights, and their weight gradients
+    their group's rows)."""
     import torch.distributed as dist
     from test_layouts import layout_cfg
 
@@ -366,7 +367,7 @@ def compiled_and_eager(data_dir, tmp):
     for name, extra in (
         ("eager", []),
         ("compiled", ["train.compile=true"]),
-        ("fp8", ["train.fp8=rowwise", "train.fp8_select=all"]),
+        ("fp8", ["train.fp8=rowwise", "train.fp8_select=all", "train.fp8_expert_weight_grad=true"]),
     ):
         run_dir = tmp / name
         cfg = layout_cfg(data_dir, run_dir, "parallel.ep=2", "parallel.overlap_chunks=2", "train.steps=2", *extra)
