@@ -1,5 +1,6 @@
 """The MoE auxiliary losses reach the router's gradient in compiled blocks as they do eager."""
 
+import pytest
 import torch
 
 from moetrain.model.moe import MoE
@@ -39,3 +40,11 @@ def check_compiled_aux_gradients(tokens: torch.Tensor, tolerance: float) -> None
 
 def test_compiled_blocks_give_the_aux_losses_their_gradient():
     check_compiled_aux_gradients(torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0)), 1e-4)
+
+
+@pytest.mark.gpu
+def test_compiled_blocks_give_the_aux_losses_their_gradient_on_cuda():
+    """Inductor's CUDA backend keeps the aux losses' gradient too (fp32 on the GPU; TF32 off, so
+    the products differ from eager by summation order only)."""
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    check_compiled_aux_gradients(tokens.cuda(), 1e-3)

@@ -104,9 +104,12 @@ def head_product(cfg, rows: int) -> Product:
     return Product("linear", rows, cfg.d_model, cfg.vocab_size)
 
 
-def choose_head(cfg, rows: int, select: Fp8Select | str) -> bool:
-    """Whether `select` takes the LM head (train.fp8_lm_head left unset): as a block's product
-    of its shape, where the vocabulary is a multiple of 16 (what the FP8 kernels take)."""
+def choose_head(cfg, rows: int, select: Fp8Select | str, asked: bool | None = None) -> bool:
+    """Whether the LM head runs in FP8: `asked` (train.fp8_lm_head) when set; else where `select`
+    would take a block product of its shape and the vocabulary is a multiple of 16 (what the FP8
+    kernels take)."""
+    if asked is not None:
+        return asked
     return cfg.vocab_size % 16 == 0 and choose(head_product(cfg, rows), select)
 
 

@@ -175,10 +175,9 @@ def _fp8_flops_per_token(cfg: RunConfig, L: Layout) -> tuple[float, float]:
     `fp8_choice.fp8_flops_per_token` at the layout's rows per micro-batch; (0, 1) without it."""
     if cfg.train.fp8 != Fp8.rowwise:
         return 0.0, 1.0
-    rows = L.tokens(cfg.data.seq_len)
-    head = cfg.train.fp8_lm_head
-    head = head if head is not None else choose_head(cfg.model, rows, cfg.train.fp8_select)
-    return fp8_flops_per_token(cfg.model, rows, cfg.train.fp8_select, head=head)
+    rows, select = L.tokens(cfg.data.seq_len), cfg.train.fp8_select
+    head = choose_head(cfg.model, rows, select, cfg.train.fp8_lm_head)
+    return fp8_flops_per_token(cfg.model, rows, select, head=head)
 
 
 def _mtp_flops_per_token(cfg: RunConfig) -> float:

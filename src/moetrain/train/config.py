@@ -324,8 +324,7 @@ class RunConfig(Config):
         """Whether the LM head runs its products in row-wise FP8 (train.fp8_lm_head, resolved)."""
         if self.train.fp8 != Fp8.rowwise:
             return False
-        asked = self.train.fp8_lm_head
-        return asked if asked is not None else choose_head(self.model, self.rows_per_micro_batch, self.train.fp8_select)
+        return choose_head(self.model, self.rows_per_micro_batch, self.train.fp8_select, self.train.fp8_lm_head)
 
     @property
     def fp8_fast_backward(self) -> bool:
