@@ -31,11 +31,11 @@ def test_the_fused_grouped_weight_gradient_kernel_compiles_for_sm90():
     signature = {
         "dy_ptr": "*bf16", "x_ptr": "*bf16", "offsets_ptr": "*i32", "out_ptr": "*fp32", "N": "i32", "K": "i32",
         "stride_dy": "i64", "stride_x": "i64", "ACCUMULATE": "constexpr", "BLOCK_N": "constexpr",
-        "BLOCK_K": "constexpr", "BLOCK_M": "constexpr", "INTERPRETED": "constexpr",
+        "BLOCK_K": "constexpr", "BLOCK_M": "constexpr", "INTERPRETED": "constexpr", "PRELOAD": "constexpr",
     }  # fmt: skip
     names = list(signature)
-    bn, bk, bm, warps, stages = CONFIGS[0]
-    values = {"ACCUMULATE": True, "BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_M": bm, "INTERPRETED": False}
+    bn, bk, bm, warps, stages, preload = CONFIGS[1]
+    values = {"ACCUMULATE": True, "BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_M": bm, "INTERPRETED": False, "PRELOAD": preload}
     source = triton.compiler.ASTSource(
         fn=_grouped_wgrad_acc_kernel, signature=signature, constexprs={(names.index(n),): v for n, v in values.items()}
     )

@@ -104,6 +104,7 @@ cases = (
     ([37, 0, 53, 30], 48, 16),  # an empty expert; 16 rows past the last offset
     ([64, 65, 1], 160, 0),  # blocks across tiles, one single row
     ([int(n) for n in torch.randint(0, 5, (40,), generator=g)], 32, 40),  # a tile over many experts
+    ([300, 10, 500], 32, 8),  # experts across chunks of the maxima's programs
 )
 for counts, C, pad in cases:
     offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
@@ -111,9 +112,9 @@ for counts, C, pad in cases:
     for dtype in (torch.bfloat16, torch.float32):
         x = (torch.randn(M, C, generator=g) * torch.logspace(-3, 3, C)).to(dtype)
         x[int(offsets[-1]):] = float("nan")  # rows past the last offset: uninitialized, any bits
-        expert, shift, padded, R_pad = _segments(offsets, M)
-        want_q, want_s = _quantize_segments(x, expert, shift, R_pad)
-        got_q, got_s = quantize_segments_transposed(x, expert, shift, R_pad)
+        seg = _segments(offsets, M)
+        want_q, want_s = _quantize_segments(x, seg)
+        got_q, got_s = quantize_segments_transposed(x, seg)
         assert torch.equal(got_s, want_s), (counts, dtype)
         assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8)), (counts, dtype)
 print("ok")
@@ -186,12 +187,17 @@ def test_quantizer_kernels_compile_for_sm90(kernel, dtype):
         values = {"F": 4096, "BLOCK": k.SWIGLU_BACKWARD_BLOCK}
     elif kernel.startswith("segment"):
         fn = k._segment_col_amax_kernel if kernel == "segment_amax" else k._segment_cols_transposed_kernel
-        signature = {"x_ptr": dtype, "expert_ptr": "*i32"}
-        signature |= {"amax_ptr": "*fp32"} if kernel == "segment_amax" else {"shift_ptr": "*i64", "amax_ptr": "*fp32"}
-        signature |= {} if kernel == "segment_amax" else {"q_ptr": "*fp8e4nv"}
-        signature |= {"stride_xr": "i64", "R": "i32"} | ({} if kernel == "segment_amax" else {"R_PAD": "i32"})
-        signature |= {"C": "constexpr", "E": "constexpr", "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"}
-        values = {"C": 4096, "E": 8, "BLOCK_R": k.SEGMENT_TILE_R, "BLOCK_C": k.SEGMENT_TILE_C}
+        if kernel == "segment_amax":
+            signature = {"x_ptr": dtype, "expert_ptr": "*i32", "amax_ptr": "*fp32", "stride_xr": "i64", "R": "i32"}
+            signature |= {"C": "constexpr", "E": "constexpr", "CHUNK_R": "constexpr", "BLOCK_R": "constexpr"}
+            values = {"C": 4096, "E": 8, "CHUNK_R": k.SEGMENT_CHUNK_R, "BLOCK_R": k.SEGMENT_TILE_R}
+        else:
+            signature = {"x_ptr": dtype, "position_expert_ptr": "*i32", "shift_ptr": "*i64", "ends_ptr": "*i64"}
+            signature |= {"amax_ptr": "*fp32", "q_ptr": "*fp8e4nv", "stride_xr": "i64", "R_PAD": "i32"}
+            signature |= {"C": "constexpr", "E": "constexpr", "BLOCK_P": "constexpr"}
+            values = {"C": 4096, "E": 8, "BLOCK_P": k.SEGMENT_TILE_R}
+        signature |= {"BLOCK_C": "constexpr"}
+        values |= {"BLOCK_C": k.SEGMENT_TILE_C}
     elif kernel == "col_amax":
         fn = k._col_amax_kernel
         signature = {

@@ -61,15 +61,16 @@ class GroupedExperts(nn.Module):
 
 def grouped_mm(a_MK: torch.Tensor, b_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
     """Row-block-wise matmul: rows [offsets[e-1], offsets[e]) of `a` times `b[e]`."""
-    if a_MK.device.type == "cpu":
+    if a_MK.device.type == "cpu" or a_MK.dtype != torch.bfloat16:
         return _ContiguousGrad.apply(_grouped_mm_eager(a_MK, b_EKN, offsets_E))
     return _ContiguousGrad.apply(torch._grouped_mm(a_MK, b_EKN, offs=offsets_E))
 
 
 @torch.compiler.disable
 def _grouped_mm_eager(a_MK: torch.Tensor, b_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-    # torch.compile's shape propagation for _grouped_mm accepts only bf16 (the CUDA kernel's
-    # rule), while the CPU kernel runs fp32: on CPU, compiled blocks call it eagerly.
+    # torch.compile's shape propagation for _grouped_mm accepts only bf16 (the CUDA fast path's
+    # rule), while eager _grouped_mm takes fp32 too (CPU, and CUDA's fallback): compiled blocks
+    # call it eagerly on CPU and for any other dtype.
     return torch._grouped_mm(a_MK, b_EKN, offs=offsets_E)
 
 

@@ -47,6 +47,8 @@ gives MXFP8's numerics (loss curves, stability) but not its speed.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -229,12 +231,27 @@ WGRAD_BLOCK_ROWS = 16
 reduction dim) takes row blocks of a multiple of 16 rows, at least 16."""
 
 
-def _segments(offsets_E: torch.Tensor, R: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+class Segments(NamedTuple):
+    """The padded layout of R rows sorted by expert that the FP8 expert weight gradient takes
+    (`_segments`), all on the device but the static bound `R_pad`."""
+
+    expert_R: torch.Tensor
+    """Each row's expert, E past the last offset (int32)."""
+    shift_E: torch.Tensor
+    """Per expert, its first padded position minus its first row (int64)."""
+    ends_E: torch.Tensor
+    """Where each expert's rows end (int64)."""
+    position_expert_P: torch.Tensor
+    """Each padded position's expert (its block's, padding included), E past the last (int32)."""
+    padded_offsets_E: torch.Tensor
+    """Where each expert's padded block ends (int32)."""
+    R_pad: int
+    """The padded length: a static bound on the blocks' total."""
+
+
+def _segments(offsets_E: torch.Tensor, R: int) -> Segments:
     """The padded layout of R rows sorted by expert (`offsets_E`: where each expert's rows end):
-    (each row's expert, E past the last offset, int32; per expert the shift from its first row to
-    its first padded position, int64; the padded offsets, int32; the padded length, a static
-    bound): every expert's block padded to a multiple of `WGRAD_BLOCK_ROWS`, at least one, all on
-    the device (no host sync)."""
+    every expert's block padded to a multiple of `WGRAD_BLOCK_ROWS`, at least one (no host sync)."""
     E = offsets_E.shape[0]
     ends = offsets_E.long()
     counts = ends - torch.cat([ends.new_zeros(1), ends[:-1]])
@@ -243,25 +260,26 @@ def _segments(offsets_E: torch.Tensor, R: int) -> tuple[torch.Tensor, torch.Tens
     shift = (padded_ends - padded) - (ends - counts)
     expert = torch.searchsorted(ends, torch.arange(R, device=ends.device), right=True).to(torch.int32)
     R_pad = -(-(R + WGRAD_BLOCK_ROWS * E) // 16) * 16
-    return expert, shift, padded_ends.to(torch.int32), R_pad
+    position_expert = torch.searchsorted(padded_ends, torch.arange(R_pad, device=ends.device), right=True)
+    return Segments(expert, shift, ends, position_expert.to(torch.int32), padded_ends.to(torch.int32), R_pad)
 
 
-def _quantize_segments(x_RC, expert_R, shift_E, R_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_segments(x_RC: torch.Tensor, seg: Segments) -> tuple[torch.Tensor, torch.Tensor]:
     """(q e4m3 (C, R_pad): each expert's rows quantized per column over those rows, at their
     padded positions, zeros elsewhere; scale fp32 (E, C)). On CUDA the Triton kernels of
     src/moetrain/model/fp8_kernels.py (the same bits); elsewhere this formulation."""
     if x_RC.is_cuda:
         from moetrain.model.fp8_kernels import quantize_segments_transposed
 
-        return quantize_segments_transposed(x_RC, expert_R, shift_E, R_pad)
-    E, C = shift_E.shape[0], x_RC.shape[1]
-    rows = torch.nonzero(expert_R < E).squeeze(1)
-    ex = expert_R[rows].long()
+        return quantize_segments_transposed(x_RC, seg)
+    E, C = seg.shift_E.shape[0], x_RC.shape[1]
+    rows = torch.nonzero(seg.expert_R < E).squeeze(1)
+    ex = seg.expert_R[rows].long()
     xs = x_RC[rows].float()
     scale_EC = _pow2_scale(torch.zeros(E, C).scatter_reduce_(0, ex[:, None].expand(-1, C), xs.abs(), "amax"))
     q = (xs / scale_EC[ex]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
-    out = torch.zeros(R_pad, C, dtype=E4M3)
-    out.view(torch.uint8)[rows + shift_E[ex]] = q.view(torch.uint8)
+    out = torch.zeros(seg.R_pad, C, dtype=E4M3)
+    out.view(torch.uint8)[rows + seg.shift_E[ex]] = q.view(torch.uint8)
     return out.t().contiguous(), scale_EC
 
 
@@ -269,15 +287,15 @@ def _fp8_grouped_weight_grad(dy_MN, x_MK, offsets_E, fast: bool) -> torch.Tensor
     """dW (E, N, K) bf16, dW[e] = dy_eᵀ · x_e over expert e's rows, in row-wise FP8: both operands
     scaled per expert and feature over that expert's rows (the reduction dim), which the padded
     layout keeps apart (`_segments`; rows past the last offset belong to none and enter no scale)."""
-    expert, shift, padded_offsets, R_pad = _segments(offsets_E, dy_MN.shape[0])
-    aq_NR, sa_EN = _quantize_segments(dy_MN, expert, shift, R_pad)
-    bq_KR, sb_EK = _quantize_segments(x_MK, expert, shift, R_pad)
+    seg = _segments(offsets_E, dy_MN.shape[0])
+    aq_NR, sa_EN = _quantize_segments(dy_MN, seg)
+    bq_KR, sb_EK = _quantize_segments(x_MK, seg)
     if dy_MN.is_cuda:
         return torch._scaled_grouped_mm(
-            aq_NR, bq_KR.t(), sa_EN.reshape(-1), sb_EK.reshape(-1), offs=padded_offsets,
+            aq_NR, bq_KR.t(), sa_EN.reshape(-1), sb_EK.reshape(-1), offs=seg.padded_offsets_E,
             out_dtype=torch.bfloat16, use_fast_accum=fast,
         )  # fmt: skip
-    return _emulated_weight_grad(aq_NR, bq_KR, sa_EN, sb_EK, padded_offsets)
+    return _emulated_weight_grad(aq_NR, bq_KR, sa_EN, sb_EK, seg.padded_offsets_E)
 
 
 @torch.compiler.disable

@@ -149,51 +149,78 @@ def _cols_transposed_kernel(
 @triton.jit
 def _segment_col_amax_kernel(
     x_ptr, expert_ptr, amax_ptr, stride_xr, R, C: tl.constexpr, E: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    CHUNK_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    """Column maxima of |x| over each expert's rows within one tile, folded into amax (E, C) by
-    atomic max. The rows are sorted by expert (`expert`: each row's, E for rows of none), so a
-    tile holds one expert's rows, or the end of one and the start of the next: a masked maximum
-    and one atomic per column for each of those two; the rows of any expert between them (a tile
-    over several small experts) take an atomic per element."""
+    """Column maxima of |x| over each expert's rows within one chunk of rows, folded into amax
+    (E, C) by atomic max. The rows are sorted by expert (`expert`: each row's, E for rows of
+    none), so the chunk's tiles are walked in order with a running maximum for the current
+    expert, flushed by one atomic per column when the expert changes: a chunk inside one expert
+    costs one atomic per column. The rows of any expert strictly inside one tile (a tile over
+    several small experts) take an atomic per element."""
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     col_ok = cols < C
-    ex = tl.load(expert_ptr + rows, mask=rows < R, other=E)
-    x = tl.load(
-        x_ptr + rows[:, None].to(tl.int64) * stride_xr + cols[None, :],
-        mask=(rows < R)[:, None] & col_ok[None, :],
-        other=0.0,
-    )
-    ax = tl.abs(x.to(tl.float32))
-    first, last = tl.min(ex, axis=0), tl.max(tl.where(ex < E, ex, -1), axis=0)
-    m = tl.max(tl.where((ex == first)[:, None], ax, 0.0), axis=0)
-    tl.atomic_max(amax_ptr + first * C + cols, m, mask=col_ok & (first < E))
-    m = tl.max(tl.where((ex == last)[:, None], ax, 0.0), axis=0)
-    tl.atomic_max(amax_ptr + last * C + cols, m, mask=col_ok & (last > first))
-    between = (ex > first) & (ex < last)
-    tl.atomic_max(amax_ptr + ex[:, None] * C + cols[None, :], ax, mask=between[:, None] & col_ok[None, :])
+    first_row = tl.program_id(1) * CHUNK_R
+    current = tl.load(expert_ptr + first_row)
+    running = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for start in range(0, CHUNK_R, BLOCK_R):
+        rows = first_row + start + tl.arange(0, BLOCK_R)
+        ex = tl.load(expert_ptr + rows, mask=rows < R, other=E)
+        x = tl.load(
+            x_ptr + rows[:, None].to(tl.int64) * stride_xr + cols[None, :],
+            mask=(rows < R)[:, None] & col_ok[None, :],
+            other=0.0,
+        )
+        ax = tl.abs(x.to(tl.float32))
+        first, last = tl.min(ex, axis=0), tl.max(tl.where(ex < E, ex, -1), axis=0)
+        if first != current:
+            tl.atomic_max(amax_ptr + current * C + cols, running, mask=col_ok & (current < E))
+            current = first
+            running = tl.zeros((BLOCK_C,), dtype=tl.float32)
+        running = tl.maximum(running, tl.max(tl.where((ex == first)[:, None], ax, 0.0), axis=0))
+        if last > first:
+            tl.atomic_max(amax_ptr + current * C + cols, running, mask=col_ok & (current < E))
+            between = (ex > first) & (ex < last)
+            tl.atomic_max(amax_ptr + ex[:, None] * C + cols[None, :], ax, mask=between[:, None] & col_ok[None, :])
+            current = last
+            running = tl.max(tl.where((ex == last)[:, None], ax, 0.0), axis=0)
+    tl.atomic_max(amax_ptr + current * C + cols, running, mask=col_ok & (current < E))
 
 
 @triton.jit
 def _segment_cols_transposed_kernel(
-    x_ptr, expert_ptr, shift_ptr, amax_ptr, q_ptr, stride_xr, R, R_PAD, C: tl.constexpr, E: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    x_ptr, position_expert_ptr, shift_ptr, ends_ptr, amax_ptr, q_ptr, stride_xr, R_PAD,
+    C: tl.constexpr, E: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    """One (rows × columns) tile cast with the scales of its rows' experts and its columns,
-    written transposed into q (C, R_PAD) at the rows' padded positions (row + shift[expert])."""
+    """One (padded positions × columns) tile of q (C, R_PAD), written transposed: each position
+    takes its row (position − shift[expert]) cast with its expert's and column's scale, or zero
+    (padding, and positions past the last block). Tiles run over the destination, so the stores
+    are contiguous and aligned and every position is written; the rows are gathered, each
+    contiguous along the columns. The tile's first and last experts' scales are read once per
+    column; the positions of any expert between them (a tile over several small experts) read
+    theirs per element."""
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-    ex = tl.load(expert_ptr + rows, mask=rows < R, other=E)
-    valid = (rows < R) & (ex < E)
-    mask = valid[:, None] & (cols < C)[None, :]
-    amax = tl.load(amax_ptr + ex[:, None] * C + cols[None, :], mask=mask, other=0.0)
-    _, inverse = _pow2_scale_and_inverse(amax)
-    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xr + cols[None, :], mask=mask, other=0.0)
+    pos = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+    col_ok = cols < C
+    ex = tl.load(position_expert_ptr + pos, mask=pos < R_PAD, other=E)
+    inside = ex < E
+    src = pos - tl.load(shift_ptr + ex, mask=inside, other=0)
+    valid = inside & (src < tl.load(ends_ptr + ex, mask=inside, other=0))
+    first, last = tl.min(ex, axis=0), tl.max(tl.where(inside, ex, -1), axis=0)
+    inverse_first = _pow2_scale_and_inverse(tl.load(amax_ptr + first * C + cols, mask=col_ok & (first < E)))[1]
+    inverse_last = _pow2_scale_and_inverse(tl.load(amax_ptr + last * C + cols, mask=col_ok & (last >= 0)))[1]
+    inverse = tl.where((ex == first)[:, None], inverse_first[None, :], inverse_last[None, :])
+    if last > first + 1:
+        between = ((ex > first) & (ex < last))[:, None] & col_ok[None, :]
+        amax_between = tl.load(amax_ptr + ex[:, None] * C + cols[None, :], mask=between, other=0.0)
+        inverse = tl.where(between, _pow2_scale_and_inverse(amax_between)[1], inverse)
+    x = tl.load(
+        x_ptr + src[:, None].to(tl.int64) * stride_xr + cols[None, :],
+        mask=valid[:, None] & col_ok[None, :],
+        other=0.0,
+    )
     q = _to_e4m3(x.to(tl.float32), inverse)
-    dst = rows + tl.load(shift_ptr + ex, mask=valid, other=0)
-    out = q_ptr + cols[:, None].to(tl.int64) * R_PAD + dst[None, :]
-    tl.store(out, tl.trans(q), mask=tl.trans(mask))
+    out = q_ptr + cols[:, None].to(tl.int64) * R_PAD + pos[None, :]
+    tl.store(out, tl.trans(q), mask=col_ok[:, None] & (pos < R_PAD)[None, :])
 
 
 @triton.jit
@@ -350,28 +377,30 @@ def quantize_cols_transposed(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return q_BCR, scale_BC
 
 
-SEGMENT_TILE_R, SEGMENT_TILE_C = 64, 128
+SEGMENT_TILE_R, SEGMENT_TILE_C = 64, 128  # the cast-and-transpose tiles, and the maxima's row tiles
+SEGMENT_CHUNK_R = 256  # rows per column-maxima program
 
 
-def quantize_segments_transposed(
-    x_RC: torch.Tensor, expert_R: torch.Tensor, shift_E: torch.Tensor, R_pad: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (R, C), its rows sorted by expert (`expert_R`: each row's expert, E for none) → (q e4m3
-    (C, R_pad), zero but at the rows' padded positions row + shift_E[expert]; scale fp32 (E, C)):
-    each expert's rows quantized per column, written transposed. What `fp8.py`'s expert weight
-    gradient takes: the token dim becomes the products' reduction dim."""
+def quantize_segments_transposed(x_RC: torch.Tensor, seg) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (R, C), its rows sorted by expert, and their padded layout `seg` (`fp8.Segments`) → (q
+    e4m3 (C, R_pad), each expert's rows at their padded positions, zeros elsewhere; scale fp32
+    (E, C)): each expert's rows quantized per column, written transposed. What `fp8.py`'s expert
+    weight gradient takes: the token dim becomes the products' reduction dim."""
     if x_RC.stride(-1) != 1:
         x_RC = x_RC.contiguous()
     R, C = x_RC.shape
-    E = shift_E.shape[0]
+    E = seg.shift_E.shape[0]
     amax_EC = torch.zeros((E, C), dtype=torch.float32, device=x_RC.device)
-    q_CR = torch.zeros((C, R_pad), dtype=torch.float8_e4m3fn, device=x_RC.device)
-    if x_RC.numel():
-        grid = (triton.cdiv(C, SEGMENT_TILE_C), triton.cdiv(R, SEGMENT_TILE_R))
-        sizes = dict(C=C, E=E, BLOCK_R=SEGMENT_TILE_R, BLOCK_C=SEGMENT_TILE_C, num_warps=4)
-        _segment_col_amax_kernel[grid](x_RC, expert_R, amax_EC, x_RC.stride(0), R, **sizes)
-        _segment_cols_transposed_kernel[grid](
-            x_RC, expert_R, shift_E, amax_EC, q_CR, x_RC.stride(0), R, R_pad, **sizes
+    q_CR = torch.empty((C, seg.R_pad), dtype=torch.float8_e4m3fn, device=x_RC.device)
+    if R:
+        _segment_col_amax_kernel[(triton.cdiv(C, SEGMENT_TILE_C), triton.cdiv(R, SEGMENT_CHUNK_R))](
+            x_RC, seg.expert_R, amax_EC, x_RC.stride(0), R, C=C, E=E, CHUNK_R=SEGMENT_CHUNK_R,
+            BLOCK_R=SEGMENT_TILE_R, BLOCK_C=SEGMENT_TILE_C, num_warps=4,
+        )  # fmt: skip
+    if q_CR.numel():
+        _segment_cols_transposed_kernel[(triton.cdiv(C, SEGMENT_TILE_C), triton.cdiv(seg.R_pad, SEGMENT_TILE_R))](
+            x_RC, seg.position_expert_P, seg.shift_E, seg.ends_E, amax_EC, q_CR, x_RC.stride(0), seg.R_pad,
+            C=C, E=E, BLOCK_P=SEGMENT_TILE_R, BLOCK_C=SEGMENT_TILE_C, num_warps=4,
         )  # fmt: skip
     from moetrain.model.fp8 import _pow2_scale
 
