@@ -12,7 +12,10 @@ Legend: M token-expert rows (sorted by expert), N output features, K input featu
     TRITON_INTERPRET=1 python benchmarks/probes/grouped_wgrad_accumulate_probe.py --check   # CPU
 
 Prints one JSON line per (shape, GEMM): today's ms (GEMM + add), the fused kernel's ms per
-configuration, and its largest error against an fp64 reference.
+configuration, the best one's, its ms writing instead of accumulating (the step's first
+micro-batch), and its largest error against an fp64 reference. Its finding (docs/benchmarks.md,
+"The expert sweep"): 14% faster than today at 64 experts, slower at 16 and fewer; Triton's
+grouped GEMM runs at about half the rate of torch's CUTLASS one.
 """
 
 from __future__ import annotations
