@@ -123,8 +123,9 @@ class TrainerConfig(Config):
     fp8_expert_weight_grad: bool = False
     """With train.fp8=rowwise, the FP8 expert layers' weight gradients as row-wise FP8 products
     too: each expert's tokens quantized per feature, its row block padded to 16 rows
-    (src/moetrain/model/fp8.py). Tested against the CPU emulation; its GPU speed and loss curve
-    are not measured yet, so it is off."""
+    (src/moetrain/model/fp8.py). Tested against the CPU emulation and on the H200; measured
+    +0.3% on bench-8e's step, with no loss curve yet, so it is off (docs/measurements.md,
+    "Where FP8's step goes")."""
     recompute: Recompute = Recompute.none
     """Activation recompute: none, full (keep only each block's input) or selective (also keep
     the matrix products' and collectives' outputs)."""
