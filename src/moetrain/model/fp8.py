@@ -295,18 +295,16 @@ def _fp8_grouped_weight_grad(dy_MN, x_MK, offsets_E, fast: bool) -> torch.Tensor
             aq_NR, bq_KR.t(), sa_EN.reshape(-1), sb_EK.reshape(-1), offs=seg.padded_offsets_E,
             out_dtype=torch.bfloat16, use_fast_accum=fast,
         )  # fmt: skip
-    return _emulated_weight_grad(aq_NR, bq_KR, sa_EN, sb_EK, seg.padded_offsets_E)
+    return _emulated_weight_grad(aq_NR, bq_KR, sa_EN, sb_EK, seg)
 
 
 @torch.compiler.disable
-def _emulated_weight_grad(aq_NR, bq_KR, sa_EN, sb_EK, padded_offsets) -> torch.Tensor:
+def _emulated_weight_grad(aq_NR, bq_KR, sa_EN, sb_EK, seg: Segments) -> torch.Tensor:
     """CPU: the same products from the dequantized operands (exact in fp32), rounded to bf16."""
-    E = sa_EN.shape[0]
-    positions = torch.arange(aq_NR.shape[1])
-    expert = torch.searchsorted(padded_offsets.long(), positions, right=True).clamp(max=E - 1)
+    expert = seg.position_expert_P.long().clamp(max=sa_EN.shape[0] - 1)  # past the last: zeros, any scale
     a = aq_NR.float() * sa_EN[expert].t()
     b = bq_KR.float() * sb_EK[expert].t()
-    return torch._grouped_mm(a, b.t(), offs=padded_offsets).to(torch.bfloat16)
+    return torch._grouped_mm(a, b.t(), offs=seg.padded_offsets_E).to(torch.bfloat16)
 
 
 def _weight_grad(dy_MN, x_MK, offsets_E, ctx) -> torch.Tensor:
