@@ -12,6 +12,10 @@ Every operand of the row-wise recipe is quantized along one dim, in one of two s
   two kernels keep the GPU full: column maxima over chunks of rows, folded by atomic max; then
   tiles cast with their columns' scales and written transposed (reads coalesced along C, writes
   along R): 2 + 2 + 1 bytes per bf16 element.
+- `quantize_segments_transposed` (the experts' FP8 weight gradient): the same along the rows, but
+  each expert's rows apart, into a layout whose expert blocks are padded to 16 rows. Its column
+  maxima walk chunks of rows sorted by expert; its cast runs over the padded destination, each
+  position gathering its row, so the transposed stores stay contiguous and aligned.
 
 Why this shape (benchmarks/probes/fp8_quant_probe.py, bench-8e's operands on one H200): one
 program per column block leaves most of the GPU idle at R = 32k, and taking the column maxima
