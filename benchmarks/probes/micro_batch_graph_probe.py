@@ -23,22 +23,16 @@ Run on a GPU: `python benchmarks/probes/micro_batch_graph_probe.py bench-small32
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from cuda_timing import window_ms  # noqa: E402
-
-from moetrain.bench import BENCH_OVERRIDES  # noqa: E402
-from moetrain.presets import resolve_config  # noqa: E402
-from moetrain.train.trainer import Trainer  # noqa: E402
+from cuda_timing import busy_ms, probe_trainer, window_ms  # noqa: E402
 
 
 class MicroBatchLoss(nn.Module):
@@ -59,16 +53,6 @@ class MicroBatchLoss(nn.Module):
         ):
             loss = self.model(e._shard(inputs_BT), doc_ids_BT, e._shard(targets_BT), e.loss_chunk_tokens)
         return loss * e.backward_scale
-
-
-def _busy_ms(fn, calls: int = 3) -> float:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / 1000 / calls
 
 
 def _one(engine, loss_fn, inputs_BT, targets_BT) -> tuple[float, float]:
@@ -92,7 +76,7 @@ def _timings(engine, loss_fn, inputs_BT, targets_BT) -> dict[str, float]:
         micro_batch()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    out = {"ms": window_ms(micro_batch), "busy_ms": _busy_ms(micro_batch)}
+    out = {"ms": window_ms(micro_batch), "busy_ms": busy_ms(micro_batch)}
     out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     engine.optimizer.reduction.finish()
     engine.optimizer.zero_grad()
@@ -100,20 +84,12 @@ def _timings(engine, loss_fn, inputs_BT, targets_BT) -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("preset")
-    ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. --train.fp8=rowwise")
-    args, extra = ap.parse_known_args()
-    overrides = [o.removeprefix("--") for o in args.overrides + extra]
-    cfg = resolve_config(
-        args.preset, overrides + BENCH_OVERRIDES + [f"train.run_dir={tempfile.mkdtemp()}", "train.device=cuda"]
-    )
-    trainer = Trainer(cfg, quiet=True)
+    preset, overrides, trainer = probe_trainer(__doc__, "--train.fp8=rowwise")
     engine = trainer.engine
     engine.model.train()
     inputs_BT, targets_BT = (t.to("cuda") for t in trainer.next_batches()[0])
     eager = MicroBatchLoss(engine)
-    row: dict = {"preset": args.preset, "overrides": overrides}
+    row: dict = {"preset": preset, "overrides": overrides}
     row["eager"] = _timings(engine, eager, inputs_BT, targets_BT)
     row["eager_loss"], row["eager_grad_norm"] = _one(engine, eager, inputs_BT, targets_BT)
     try:

@@ -16,45 +16,19 @@ Run on a GPU: `python benchmarks/probes/optimizer_graph_probe.py bench-small32e 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from cuda_timing import timed, window_ms  # noqa: E402
-
-from moetrain.bench import BENCH_OVERRIDES  # noqa: E402
-from moetrain.presets import resolve_config  # noqa: E402
-from moetrain.train.trainer import Trainer  # noqa: E402
-
-
-def _busy_ms(fn, calls: int = 3) -> float:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / 1000 / calls
+from cuda_timing import busy_ms, probe_trainer, timed, window_ms  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("preset")
-    ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. --optim.name=muon")
-    args, extra = ap.parse_known_args()
-    overrides = [o.removeprefix("--") for o in args.overrides + extra]
-    cfg = resolve_config(
-        args.preset,
-        overrides
-        + BENCH_OVERRIDES
-        + ["train.compile=false", f"train.run_dir={tempfile.mkdtemp()}", "train.device=cuda"],
-    )
-    trainer = Trainer(cfg, quiet=True)
+    preset, _, trainer = probe_trainer(__doc__, "--optim.name=muon", ["train.compile=false"])
+    cfg = trainer.cfg
     engine = trainer.engine
     lm_loss = engine.forward_backward(trainer.next_batches())
 
@@ -65,7 +39,7 @@ def main() -> None:
         update()
     torch.cuda.synchronize()
     eager_ms = window_ms(update)
-    busy_ms = _busy_ms(update)
+    busy = busy_ms(update)
     # torch.optim.AdamW refuses capture unless its groups say capturable (its fused kernel reads
     # the step from the device either way)
     for opt in (getattr(engine.optimizer, "adamw", None),):
@@ -87,8 +61,8 @@ def main() -> None:
     static = [torch.empty_like(g) for g in grads]
     grad_copy_ms = timed(lambda: torch._foreach_copy_(static, grads))
     n_grad = sum(g.numel() for g in grads)
-    print(json.dumps(dict(preset=args.preset, optim=str(cfg.optim.name), eager_ms=round(eager_ms, 3),
-                          busy_ms=round(busy_ms, 3), graph_ms=round(graph_ms, 3), grad_copy_ms=round(grad_copy_ms, 3),
+    print(json.dumps(dict(preset=preset, optim=str(cfg.optim.name), eager_ms=round(eager_ms, 3),
+                          busy_ms=round(busy, 3), graph_ms=round(graph_ms, 3), grad_copy_ms=round(grad_copy_ms, 3),
                           grad_tensors=len(grads), grad_elements=n_grad)), flush=True)  # fmt: skip
 
 
