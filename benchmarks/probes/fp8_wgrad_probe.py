@@ -90,10 +90,10 @@ def _moetrain_parts(row: dict, dy: torch.Tensor, x: torch.Tensor, offs: torch.Te
     """moetrain's FP8 expert weight gradient (`train.fp8_expert_weight_grad`) end to end and by
     part: the padded layout, the two segment quantizers (src/moetrain/model/fp8_kernels.py), the
     first one's column maxima alone."""
-    from moetrain.model.fp8 import _fp8_grouped_weight_grad, _quantize_segments, _segments
+    from moetrain.model.fp8 import _fp8_grouped_weight_grad, _quantize_segments, expert_segments
 
-    seg = _segments(offs, dy.shape[0])
-    row["moetrain_segments_ms"] = round(_median_ms(lambda: _segments(offs, dy.shape[0])), 3)
+    seg = expert_segments(offs, dy.shape[0])
+    row["moetrain_segments_ms"] = round(_median_ms(lambda: expert_segments(offs, dy.shape[0])), 3)
     row["moetrain_quant_dy_ms"] = round(_median_ms(lambda: _quantize_segments(dy, seg)), 3)
     row["moetrain_quant_x_ms"] = round(_median_ms(lambda: _quantize_segments(x, seg)), 3)
     row["moetrain_amax_dy_ms"] = round(_median_ms(lambda: _segment_amax(dy, seg)), 3)

@@ -292,3 +292,37 @@ def test_the_fp8_expert_weight_gradient_is_each_experts_product_within_e4m3_roun
     assert torch.equal(grads[True][0], grads[False][0])
     rel = (grads[True][1] - grads[False][1]).norm() / grads[False][1].norm()
     assert 0 < rel < 0.06, float(rel)
+
+
+def test_an_expert_layer_builds_its_fp8_weight_gradients_layout_once(monkeypatch):
+    """With the FP8 expert weight gradient, `GroupedExperts` builds the padded layout once for its
+    two products (not in each backward), and the gradients are those of each product building
+    its own (the rows past the last offset belong to no expert: their input gradient is unset)."""
+    import moetrain.model.experts as experts_module
+    import moetrain.model.fp8 as fp8_module
+    from moetrain.model.experts import GroupedExperts
+
+    torch.manual_seed(0)
+    layer = GroupedExperts(3, 32, 16)
+    torch.nn.init.normal_(layer.w_gate_up_E2FD, std=0.1)
+    torch.nn.init.normal_(layer.w_down_EDF, std=0.1)
+    layer.fp8, layer.fp8_weight_grad = "rowwise", True
+    offsets = torch.tensor([20, 20, 50], dtype=torch.int32)
+    x, dy = torch.randn(56, 32), torch.randn(56, 32)
+    built = []
+
+    def counted(offsets_E, R):
+        built.append(R)
+        return fp8_module.expert_segments(offsets_E, R)
+
+    grads = {}
+    for shared in (True, False):
+        monkeypatch.setattr(experts_module, "expert_segments", counted if shared else lambda o, r: None)
+        monkeypatch.setattr(fp8_module, "expert_segments", fp8_module.expert_segments)
+        layer.zero_grad()
+        xg = x.clone().requires_grad_()
+        layer(xg, offsets).backward(dy)
+        grads[shared] = [xg.grad[:50], layer.w_gate_up_E2FD.grad, layer.w_down_EDF.grad]  # rows past 50: none's
+    assert built == [56]
+    for a, b in zip(grads[True], grads[False]):
+        assert torch.equal(a, b)

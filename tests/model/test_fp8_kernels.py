@@ -96,7 +96,7 @@ def test_swiglu_kernels_give_the_fp32_formulation_in_the_interpreter():
 
 SEGMENT_CHECK = """
 import torch
-from moetrain.model.fp8 import _quantize_segments, _segments
+from moetrain.model.fp8 import _quantize_segments, expert_segments
 from moetrain.model.fp8_kernels import quantize_segments_transposed
 
 g = torch.Generator().manual_seed(0)
@@ -112,7 +112,7 @@ for counts, C, pad in cases:
     for dtype in (torch.bfloat16, torch.float32):
         x = (torch.randn(M, C, generator=g) * torch.logspace(-3, 3, C)).to(dtype)
         x[int(offsets[-1]):] = float("nan")  # rows past the last offset: uninitialized, any bits
-        seg = _segments(offsets, M)
+        seg = expert_segments(offsets, M)
         want_q, want_s = _quantize_segments(x, seg)
         got_q, got_s = quantize_segments_transposed(x, seg)
         assert torch.equal(got_s, want_s), (counts, dtype)

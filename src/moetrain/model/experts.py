@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetrain.model.fp8 import fp8_grouped_mm, fp8_swiglu_grouped_mm, mxfp8_grouped_mm
+from moetrain.model.fp8 import expert_segments, fp8_grouped_mm, fp8_swiglu_grouped_mm, mxfp8_grouped_mm
 
 
 class GroupedExperts(nn.Module):
@@ -49,8 +49,10 @@ class GroupedExperts(nn.Module):
                 return mxfp8_grouped_mm(F.silu(gate_MF) * up_MF, w_down, offsets_E)
             # SwiGLU and the down projection as one function: only h is kept for backward.
             fast, wgrad = self.fp8_fast_accum_backward, self.fp8_weight_grad
-            h_M2F = fp8_grouped_mm(x_MD, w_gate_up, offsets_E, fast, wgrad)
-            return fp8_swiglu_grouped_mm(h_M2F, w_down, offsets_E, fast, wgrad)
+            # the FP8 weight gradients' padded layout, once for both products
+            seg = expert_segments(offsets_E, x_MD.shape[0]) if wgrad and torch.is_grad_enabled() else None
+            h_M2F = fp8_grouped_mm(x_MD, w_gate_up, offsets_E, fast, wgrad, seg)
+            return fp8_swiglu_grouped_mm(h_M2F, w_down, offsets_E, fast, wgrad, seg)
         if autocast:  # the CUDA fast path wants bf16 weights too
             dtype = torch.get_autocast_dtype(x_MD.device.type)
             w_gate_up, w_down = w_gate_up.to(dtype), w_down.to(dtype)

@@ -16,7 +16,7 @@ both per feature over the tokens (linear layers). For the grouped expert GEMMs t
 gradient is a bf16 grouped GEMM by default: its reduction runs over each expert's
 variable-length token block. With `train.fp8_expert_weight_grad` it is FP8 too: each expert's
 rows are quantized per feature over that expert's tokens and written transposed into a layout
-whose blocks are padded to 16 rows (`_segments`), what `_scaled_grouped_mm`'s 2-D × 2-D form
+whose blocks are padded to 16 rows (`expert_segments`), what `_scaled_grouped_mm`'s 2-D × 2-D form
 takes; rows past the last offset (the uninitialized padding the sync-free dispatcher leaves)
 belong to no expert and enter no scale. Per-row scales confine such rows to themselves
 everywhere else.
@@ -233,7 +233,7 @@ reduction dim) takes row blocks of a multiple of 16 rows, at least 16."""
 
 class Segments(NamedTuple):
     """The padded layout of R rows sorted by expert that the FP8 expert weight gradient takes
-    (`_segments`), all on the device but the static bound `R_pad`."""
+    (`expert_segments`), all on the device but the static bound `R_pad`."""
 
     expert_R: torch.Tensor
     """Each row's expert, E past the last offset (int32)."""
@@ -249,7 +249,7 @@ class Segments(NamedTuple):
     """The padded length: a static bound on the blocks' total."""
 
 
-def _segments(offsets_E: torch.Tensor, R: int) -> Segments:
+def expert_segments(offsets_E: torch.Tensor, R: int) -> Segments:
     """The padded layout of R rows sorted by expert (`offsets_E`: where each expert's rows end):
     every expert's block padded to a multiple of `WGRAD_BLOCK_ROWS`, at least one (no host sync)."""
     E = offsets_E.shape[0]
@@ -283,11 +283,12 @@ def _quantize_segments(x_RC: torch.Tensor, seg: Segments) -> tuple[torch.Tensor,
     return out.t().contiguous(), scale_EC
 
 
-def _fp8_grouped_weight_grad(dy_MN, x_MK, offsets_E, fast: bool) -> torch.Tensor:
+def _fp8_grouped_weight_grad(dy_MN, x_MK, offsets_E, fast: bool, seg: Segments | None = None) -> torch.Tensor:
     """dW (E, N, K) bf16, dW[e] = dy_eᵀ · x_e over expert e's rows, in row-wise FP8: both operands
     scaled per expert and feature over that expert's rows (the reduction dim), which the padded
-    layout keeps apart (`_segments`; rows past the last offset belong to none and enter no scale)."""
-    seg = _segments(offsets_E, dy_MN.shape[0])
+    layout keeps apart (`expert_segments`, built here unless `seg` is; rows past the last offset
+    belong to none and enter no scale)."""
+    seg = seg if seg is not None else expert_segments(offsets_E, dy_MN.shape[0])
     aq_NR, sa_EN = _quantize_segments(dy_MN, seg)
     bq_KR, sb_EK = _quantize_segments(x_MK, seg)
     if dy_MN.is_cuda:
@@ -311,7 +312,7 @@ def _weight_grad(dy_MN, x_MK, offsets_E, ctx) -> torch.Tensor:
     """The expert layer's weight gradient (E, N, K): row-wise FP8 with `ctx.fp8_weight_grad`
     (`_fp8_grouped_weight_grad`), else a bf16 grouped GEMM (fp32 on CPU)."""
     if ctx.fp8_weight_grad:
-        return _fp8_grouped_weight_grad(dy_MN, x_MK, offsets_E, ctx.fast_backward)
+        return _fp8_grouped_weight_grad(dy_MN, x_MK, offsets_E, ctx.fast_backward, ctx.segments)
     dt = torch.bfloat16 if dy_MN.is_cuda else torch.float32
     return _grouped(dy_MN.t().to(dt), x_MK.to(dt), offsets_E)
 
@@ -321,9 +322,9 @@ class _Fp8GroupedMM(torch.autograd.Function):
     row-wise FP8, weight gradient a bf16 grouped GEMM (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, x_MK, w_ENK, offsets_E, fast_backward: bool, fp8_weight_grad: bool):
+    def forward(ctx, x_MK, w_ENK, offsets_E, fast_backward: bool, fp8_weight_grad: bool, segments):
         ctx.save_for_backward(x_MK, w_ENK, offsets_E)
-        ctx.fast_backward, ctx.fp8_weight_grad = fast_backward, fp8_weight_grad
+        ctx.fast_backward, ctx.fp8_weight_grad, ctx.segments = fast_backward, fp8_weight_grad, segments
         return _grouped_product(*_quantize(x_MK, -1), w_ENK, offsets_E)
 
     @staticmethod
@@ -332,7 +333,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
         dy_MN = dy_MN.contiguous()
         dx = _grouped_input_grad(dy_MN, w_ENK, offsets_E, ctx.fast_backward)
         dw = _weight_grad(dy_MN, x_MK, offsets_E, ctx)
-        return dx.to(x_MK.dtype), dw.to(w_ENK.dtype), None, None, None
+        return dx.to(x_MK.dtype), dw.to(w_ENK.dtype), None, None, None, None
 
 
 def _swiglu(h_M2F: torch.Tensor) -> torch.Tensor:
@@ -371,9 +372,9 @@ class _Fp8SwiGLUGroupedMM(torch.autograd.Function):
     straight from h (`_swiglu_quantize`). Products as `_Fp8GroupedMM`'s."""
 
     @staticmethod
-    def forward(ctx, h_M2F, w_ENF, offsets_E, fast_backward: bool, fp8_weight_grad: bool):
+    def forward(ctx, h_M2F, w_ENF, offsets_E, fast_backward: bool, fp8_weight_grad: bool, segments):
         ctx.save_for_backward(h_M2F, w_ENF, offsets_E)
-        ctx.fast_backward, ctx.fp8_weight_grad = fast_backward, fp8_weight_grad
+        ctx.fast_backward, ctx.fp8_weight_grad, ctx.segments = fast_backward, fp8_weight_grad, segments
         return _grouped_product(*_swiglu_quantize(h_M2F), w_ENF, offsets_E)
 
     @staticmethod
@@ -383,7 +384,7 @@ class _Fp8SwiGLUGroupedMM(torch.autograd.Function):
         da = _grouped_input_grad(dy_MN, w_ENF, offsets_E, ctx.fast_backward)
         dh_M2F, a_MF = _swiglu_backward(da.to(h_M2F.dtype), h_M2F)
         dw = _weight_grad(dy_MN, a_MF, offsets_E, ctx)
-        return dh_M2F, dw.to(w_ENF.dtype), None, None, None
+        return dh_M2F, dw.to(w_ENF.dtype), None, None, None, None
 
 
 @torch.compiler.disable  # see the module docstring
@@ -396,15 +397,19 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, fast_backward: bool = Fals
 
 
 @torch.compiler.disable  # see the module docstring
-def fp8_grouped_mm(x_MK, w_ENK, offsets_E, fast_backward: bool = False, fp8_weight_grad: bool = False):
-    """Row block e of x times w[e]ᵀ in row-wise FP8; `fp8_weight_grad`: the weight gradient too."""
-    return _Fp8GroupedMM.apply(x_MK, w_ENK, offsets_E, fast_backward, fp8_weight_grad)
+def fp8_grouped_mm(x_MK, w_ENK, offsets_E, fast_backward: bool = False, fp8_weight_grad: bool = False, segments=None):
+    """Row block e of x times w[e]ᵀ in row-wise FP8; `fp8_weight_grad`: the weight gradient too,
+    in the padded layout `segments` (`expert_segments` of these offsets; built in backward if
+    None: an expert layer builds it once for its two products)."""
+    return _Fp8GroupedMM.apply(x_MK, w_ENK, offsets_E, fast_backward, fp8_weight_grad, segments)
 
 
 @torch.compiler.disable  # see the module docstring
-def fp8_swiglu_grouped_mm(h_M2F, w_ENF, offsets_E, fast_backward: bool = False, fp8_weight_grad: bool = False):
+def fp8_swiglu_grouped_mm(
+    h_M2F, w_ENF, offsets_E, fast_backward: bool = False, fp8_weight_grad: bool = False, segments=None
+):
     """`fp8_grouped_mm(silu(gate) · up, w, offsets)` for h = [gate | up], keeping only h."""
-    return _Fp8SwiGLUGroupedMM.apply(h_M2F, w_ENF, offsets_E, fast_backward, fp8_weight_grad)
+    return _Fp8SwiGLUGroupedMM.apply(h_M2F, w_ENF, offsets_E, fast_backward, fp8_weight_grad, segments)
 
 
 def _mx(x: torch.Tensor, dim: int) -> torch.Tensor:
