@@ -91,30 +91,16 @@ def _moetrain_parts(row: dict, dy: torch.Tensor, x: torch.Tensor, offs: torch.Te
     part: the padded layout, the two segment quantizers (src/moetrain/model/fp8_kernels.py), the
     first one's column maxima alone."""
     from moetrain.model.fp8 import _fp8_grouped_weight_grad, _quantize_segments, expert_segments
+    from moetrain.model.fp8_kernels import segment_column_amax
 
     seg = expert_segments(offs, dy.shape[0])
     row["moetrain_segments_ms"] = round(_median_ms(lambda: expert_segments(offs, dy.shape[0])), 3)
     row["moetrain_quant_dy_ms"] = round(_median_ms(lambda: _quantize_segments(dy, seg)), 3)
     row["moetrain_quant_x_ms"] = round(_median_ms(lambda: _quantize_segments(x, seg)), 3)
-    row["moetrain_amax_dy_ms"] = round(_median_ms(lambda: _segment_amax(dy, seg)), 3)
+    row["moetrain_amax_dy_ms"] = round(_median_ms(lambda: segment_column_amax(dy, seg)), 3)
     for fast in (False, True):
         ms = _median_ms(lambda fast=fast: _fp8_grouped_weight_grad(dy, x, offs, fast))
         row[f"moetrain_total{'_fast' if fast else ''}_ms"] = round(ms, 3)
-
-
-def _segment_amax(x: torch.Tensor, seg) -> torch.Tensor:
-    """The segment quantizer's first pass alone: per expert and column, max |x| (E, C)."""
-    import triton
-
-    from moetrain.model import fp8_kernels as k
-
-    E, (R, C) = seg.shift_E.shape[0], x.shape
-    amax = torch.zeros((E, C), dtype=torch.float32, device=x.device)
-    k._segment_col_amax_kernel[(triton.cdiv(C, k.SEGMENT_TILE_C), triton.cdiv(R, k.SEGMENT_CHUNK_R))](
-        x, seg.expert_R, amax, x.stride(0), R, C=C, E=E, CHUNK_R=k.SEGMENT_CHUNK_R,
-        BLOCK_R=k.SEGMENT_TILE_R, BLOCK_C=k.SEGMENT_TILE_C, num_warps=4,
-    )  # fmt: skip
-    return amax
 
 
 if __name__ == "__main__":

@@ -385,6 +385,20 @@ SEGMENT_TILE_R, SEGMENT_TILE_C = 64, 128  # the cast-and-transpose tiles, and th
 SEGMENT_CHUNK_R = 256  # rows per column-maxima program
 
 
+def segment_column_amax(x_RC: torch.Tensor, seg) -> torch.Tensor:
+    """max |x| per expert and column over that expert's rows (E, C) fp32: the first pass of
+    `quantize_segments_transposed` (x contiguous along C)."""
+    R, C = x_RC.shape
+    E = seg.shift_E.shape[0]
+    amax_EC = torch.zeros((E, C), dtype=torch.float32, device=x_RC.device)
+    if R:
+        _segment_col_amax_kernel[(triton.cdiv(C, SEGMENT_TILE_C), triton.cdiv(R, SEGMENT_CHUNK_R))](
+            x_RC, seg.expert_R, amax_EC, x_RC.stride(0), R, C=C, E=E, CHUNK_R=SEGMENT_CHUNK_R,
+            BLOCK_R=SEGMENT_TILE_R, BLOCK_C=SEGMENT_TILE_C, num_warps=4,
+        )  # fmt: skip
+    return amax_EC
+
+
 def quantize_segments_transposed(x_RC: torch.Tensor, seg) -> tuple[torch.Tensor, torch.Tensor]:
     """x (R, C), its rows sorted by expert, and their padded layout `seg` (`fp8.Segments`) → (q
     e4m3 (C, R_pad), each expert's rows at their padded positions, zeros elsewhere; scale fp32
@@ -392,15 +406,9 @@ def quantize_segments_transposed(x_RC: torch.Tensor, seg) -> tuple[torch.Tensor,
     weight gradient takes: the token dim becomes the products' reduction dim."""
     if x_RC.stride(-1) != 1:
         x_RC = x_RC.contiguous()
-    R, C = x_RC.shape
-    E = seg.shift_E.shape[0]
-    amax_EC = torch.zeros((E, C), dtype=torch.float32, device=x_RC.device)
+    C, E = x_RC.shape[1], seg.shift_E.shape[0]
+    amax_EC = segment_column_amax(x_RC, seg)
     q_CR = torch.empty((C, seg.R_pad), dtype=torch.float8_e4m3fn, device=x_RC.device)
-    if R:
-        _segment_col_amax_kernel[(triton.cdiv(C, SEGMENT_TILE_C), triton.cdiv(R, SEGMENT_CHUNK_R))](
-            x_RC, seg.expert_R, amax_EC, x_RC.stride(0), R, C=C, E=E, CHUNK_R=SEGMENT_CHUNK_R,
-            BLOCK_R=SEGMENT_TILE_R, BLOCK_C=SEGMENT_TILE_C, num_warps=4,
-        )  # fmt: skip
     if q_CR.numel():
         _segment_cols_transposed_kernel[(triton.cdiv(C, SEGMENT_TILE_C), triton.cdiv(seg.R_pad, SEGMENT_TILE_R))](
             x_RC, seg.position_expert_P, seg.shift_E, seg.ends_E, amax_EC, q_CR, x_RC.stride(0), seg.R_pad,
