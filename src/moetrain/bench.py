@@ -365,6 +365,7 @@ def _record(
         "compile": tc.compile,
         "loss_chunk_tokens": trainer.engine.loss_chunk_tokens,
         "recompute": str(tc.recompute),
+        "defer_expert_weight_grad": engine.expert_grads is not None,
         "layout": {
             "world": world,
             "dp": trainer.par.dims.dp,

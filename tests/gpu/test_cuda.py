@@ -1,5 +1,6 @@
 """CUDA checks (skipped without a GPU): bf16 grouped GEMM numerics, and a training run."""
 
+import copy
 from types import SimpleNamespace
 
 import pytest
@@ -79,6 +80,8 @@ def test_tiny_trains_on_cuda(real_text_dir, tmp_path, optimizer):
         (True, "none", "optim.name=muon"),
         (False, "none", "optim.name=muon parallel.shard_optimizer=true"),
         (False, "none", "optim.name=muon parallel.stack=fsdp"),
+        (True, "none", "train.defer_expert_weight_grad=true"),
+        (False, "none", "train.defer_expert_weight_grad=true optim.bf16_weights=false"),
     ],
 )
 def test_training_step_is_sync_free(tmp_path, compile, recompute, optimizer):
@@ -248,6 +251,43 @@ def test_fp8_swiglu_down_on_cuda_matches_the_cpu_emulation():
     a = (torch.nn.functional.silu(gate) * up).bfloat16().float()
     assert rel(got[0], fp8_grouped_mm(a, w.float(), offsets)[:480].float()) < 5e-3
     assert rel(got[1], want[1]) < 1e-2 and rel(got[2], want[2]) < 1e-2
+
+
+def test_deferred_expert_weight_gradients_on_cuda_match_the_per_micro_batch_ones():
+    """train.defer_expert_weight_grad on the GPU (bf16 grouped GEMMs, the SwiGLU kernels, the
+    expert-major row copy): three micro-batches' weight gradients from the last backward against
+    the plain layer's per-micro-batch gradients summed in fp32, with an empty expert and NaN rows
+    past the last offset; the SwiGLU forward kernel's product is the backward kernel's, bit for bit."""
+    from moetrain.model.expert_grads import DeferredExpertGrads
+    from moetrain.model.experts import GroupedExperts
+    from moetrain.model.fp8_kernels import swiglu_backward, swiglu_forward
+
+    torch.manual_seed(0)
+    plain = GroupedExperts(4, 256, 128).cuda()
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.normal_(0, 0.05)
+    plain.to(torch.bfloat16)
+    held = copy.deepcopy(plain)
+    held.deferred = DeferredExpertGrads()
+    held.deferred.begin(3)
+    sums = [torch.zeros_like(p, dtype=torch.float32) for p in plain.parameters()]
+    for i in range(3):
+        offsets = torch.tensor([300 + i, 300 + i, 1000, 1900], dtype=torch.int32, device="cuda")
+        x = torch.randn(2048, 256, device="cuda").bfloat16()
+        x[1900:] = float("nan")
+        dy = torch.randn(2048, 256, device="cuda").bfloat16()
+        plain(x, offsets).backward(dy)
+        for s, p in zip(sums, plain.parameters()):
+            s += p.grad.float()
+            p.grad = None
+        held(x, offsets).backward(dy)
+    held.deferred.finish()
+    for s, p in zip(sums, held.parameters()):
+        assert torch.isfinite(p.grad).all()
+        assert ((p.grad.float() - s).norm() / s.norm()).item() < 1e-2
+    h = torch.randn(1000, 2 * 768, device="cuda").bfloat16()
+    assert torch.equal(swiglu_forward(h), swiglu_backward(torch.ones(1000, 768, device="cuda").bfloat16(), h)[1])
 
 
 def test_fp8_quantizer_kernels_give_the_cpu_bits():

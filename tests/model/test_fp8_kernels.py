@@ -56,7 +56,7 @@ SWIGLU_CHECK = """
 import torch
 import torch.nn.functional as F
 from moetrain.model.fp8 import quantize_rowwise
-from moetrain.model.fp8_kernels import swiglu_backward, swiglu_quantize_rows
+from moetrain.model.fp8_kernels import swiglu_backward, swiglu_forward, swiglu_quantize_rows
 
 torch.manual_seed(0)
 for M, Fh in ((37, 96), (5, 4100)):  # one row in registers; past the block: two passes
@@ -82,14 +82,16 @@ for M, Fh in ((37, 96), (5, 4100)):  # one row in registers; past the block: two
     assert dh.dtype == torch.bfloat16 and a.dtype == torch.bfloat16 and dh.shape == h.shape
     for got, want in ((dh, dh32), (a, a32.detach())):
         assert ((got.float() - want).abs() <= want.abs() * 2.0**-7 + 1e-30).all()  # the cast may truncate
+    assert torch.equal(swiglu_forward(h), a)  # forward's product is backward's recomputed one
 print("ok")
 """
 
 
 def test_swiglu_kernels_give_the_fp32_formulation_in_the_interpreter():
     """The fused SwiGLU-and-quantize kernel gives quantize_rowwise of bf16(silu(gate) · up) (up to
-    one e4m3 step where exp's last bit rounds a differently), and the backward kernel autograd's
-    fp32 gradient of [gate | up] and the recomputed product, each to bf16 rounding."""
+    one e4m3 step where exp's last bit rounds a differently), the backward kernel autograd's
+    fp32 gradient of [gate | up] and the recomputed product, each to bf16 rounding, and the
+    forward kernel that product bit for bit."""
     result = run_in_triton_interpreter(SWIGLU_CHECK)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
 
@@ -139,7 +141,17 @@ def test_pow2_scale_is_the_smallest_power_of_two_that_fits():
 
 @pytest.mark.parametrize(
     "kernel",
-    ["rows", "rows_long", "col_amax", "cols", "swiglu_rows", "swiglu_backward", "segment_amax", "segment_cols"],
+    [
+        "rows",
+        "rows_long",
+        "col_amax",
+        "cols",
+        "swiglu_rows",
+        "swiglu_forward",
+        "swiglu_backward",
+        "segment_amax",
+        "segment_cols",
+    ],
 )
 @pytest.mark.parametrize("dtype", ["*bf16", "*fp32"])
 def test_quantizer_kernels_compile_for_sm90(kernel, dtype):
@@ -172,6 +184,11 @@ def test_quantizer_kernels_compile_for_sm90(kernel, dtype):
             "BLOCK": "constexpr",
         }
         values = {"F": 4096, "BLOCK": 4096}
+    elif kernel == "swiglu_forward":
+        fn = k._swiglu_forward_kernel
+        signature = {"h_ptr": dtype, "a_ptr": dtype, "stride_h": "i64", "stride_a": "i64"}
+        signature |= {"F": "constexpr", "BLOCK": "constexpr"}
+        values = {"F": 4096, "BLOCK": k.SWIGLU_BLOCK}
     elif kernel == "swiglu_backward":
         fn = k._swiglu_backward_kernel
         signature = {
@@ -184,7 +201,7 @@ def test_quantizer_kernels_compile_for_sm90(kernel, dtype):
             "F": "constexpr",
             "BLOCK": "constexpr",
         }
-        values = {"F": 4096, "BLOCK": k.SWIGLU_BACKWARD_BLOCK}
+        values = {"F": 4096, "BLOCK": k.SWIGLU_BLOCK}
     elif kernel.startswith("segment"):
         fn = k._segment_col_amax_kernel if kernel == "segment_amax" else k._segment_cols_transposed_kernel
         if kernel == "segment_amax":

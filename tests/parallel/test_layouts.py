@@ -62,6 +62,7 @@ def train_and_report(data_dir, run_dir, extra, params_file=None):
     from moetrain.train.trainer import Trainer
 
     trainer = Trainer(layout_cfg(data_dir, run_dir, *extra), quiet=True)
+    deferred = _count_deferred(trainer.engine.expert_grads)
     trainer.fit()
     records = read_metrics(run_dir / "metrics.jsonl") if trainer.par.is_main else None
     max_err = None
@@ -91,8 +92,24 @@ def train_and_report(data_dir, run_dir, extra, params_file=None):
         "param_numel": local_numel(trainer.engine.model),
         "param_tensors": len(list(trainer.engine.model.parameters())),
         "optim_bytes": trainer.engine.optimizer.memory_bytes(),
+        "deferred": deferred,
     }
     return records, (max_err, worst) if params_file is not None else None, held
+
+
+def _count_deferred(expert_grads) -> list[int]:
+    """A list that counts the weight gradients `expert_grads` deferred (returned None for)."""
+    count = [0]
+    if expert_grads is not None:
+        weight_grad = expert_grads.weight_grad
+
+        def counting(*args):
+            out = weight_grad(*args)
+            count[0] += out is None
+            return out
+
+        expert_grads.weight_grad = counting
+    return count
 
 
 def rank_layouts(data_dir, tmp, layouts, params_file):
@@ -141,6 +158,7 @@ CAPPED = ["parallel.ep=2", "parallel.capacity_factor=0.6", "parallel.capacity_mi
 DEFAULT = ["parallel.ep=2", "parallel.capacity_factor=1.25", "parallel.capacity_min_rows=1024"]  # named
 CHUNKED_LOSS = "train.loss_chunk_tokens=48"  # 64 tokens per rank per micro-batch: 48 + 16
 INTERLEAVED = "parallel.pp_schedule=interleaved-1f1b"  # 2 stages per rank: 4 stages of 1 block
+DEFER = "train.defer_expert_weight_grad=true"  # the step's 2 micro-batches: one expert GEMM
 
 
 LAYOUT_GROUPS = [
@@ -156,6 +174,7 @@ LAYOUT_GROUPS = [
             ("dp2ep2-symm", ["parallel.ep=2", SYMM]),
             ("dp2ep2-chunked-loss", ["parallel.ep=2", CHUNKED_LOSS]),
             ("dp2ep2-overlap2", ["parallel.ep=2", "parallel.overlap_chunks=2"]),
+            ("dp2ep2-overlap2-deferred", ["parallel.ep=2", "parallel.overlap_chunks=2", DEFER]),
             ("cp2", ["parallel.cp=2"]),
             ("cp2ep2-sharded", ["parallel.cp=2", "parallel.ep=2", SHARD]),
         ],
@@ -169,6 +188,7 @@ LAYOUT_GROUPS = [
             ("dp4ep2-sharded", ["parallel.ep=2", SHARD]),
             ("dp4ep2-symm", ["parallel.ep=2", SYMM]),
             ("dp4ep4-overlap2-recompute", ["parallel.ep=4", "parallel.overlap_chunks=2", "train.recompute=full"]),
+            ("dp4ep2-sharded-deferred-recompute", ["parallel.ep=2", SHARD, DEFER, "train.recompute=full"]),
             ("cp2dp2ep4-alltoall", ["parallel.cp=2", "parallel.ep=4", A2A]),
             ("cp2dp2ep2-recompute", ["parallel.cp=2", "parallel.ep=2", "train.recompute=full"]),
         ],
@@ -179,6 +199,7 @@ LAYOUT_GROUPS = [
             ("fsdp2", [FSDP]),
             ("fsdp2-recompute", [FSDP, "train.recompute=full"]),
             ("fsdp2-chunked-loss", [FSDP, CHUNKED_LOSS]),
+            ("fsdp2-deferred", [FSDP, DEFER]),
             ("fsdp-cp2", [FSDP, "parallel.cp=2"]),
         ],
     ),
@@ -188,6 +209,7 @@ LAYOUT_GROUPS = [
         [
             ("pp2", ["parallel.pp=2"]),
             ("pp2-interleaved", ["parallel.pp=2", INTERLEAVED]),
+            ("pp2-interleaved-deferred", ["parallel.pp=2", INTERLEAVED, DEFER]),
             ("pp2-gpipe-recompute", ["parallel.pp=2", "parallel.pp_schedule=gpipe", "train.recompute=full"]),
         ],
     ),
@@ -229,7 +251,9 @@ def test_layouts_match_single_process(reference, layout_results, world, layouts)
     """The dispatchers (sync-free `nosync` padded, exact `alltoall`, and `symm`), the sharded
     optimizer, the FSDP2 stack (which holds 1/dp of the parameters and AdamW state per rank) and
     pipeline parallelism (1F1B, interleaved 1F1B with two stages per rank, GPipe with recompute;
-    alone and composed with dp and ep; the step's 2 micro-batches are the pipeline's) reproduce
+    alone and composed with dp and ep; the step's 2 micro-batches are the pipeline's), and the
+    experts' weight gradients deferred to the step's last backward under ep with an overlapped
+    exchange, the sharded optimizer with recompute, FSDP and an interleaved pipeline, reproduce
     the single-process run, nosync under its default settings too (their floor gives these small
     micro-batches every row, so nothing is dropped); a capacity that binds drops and says so."""
     ref_records, params_file = reference
@@ -242,6 +266,8 @@ def test_layouts_match_single_process(reference, layout_results, world, layouts)
             continue
         check(records, ref_records)
         assert all(r["dropped_token_frac"] == 0 for r in records)
+        # deferred: each step's first backward gave no expert weight gradient, on every rank
+        assert all((per_rank[name][2]["deferred"][0] > 0) == (DEFER in extra) for per_rank in results), name
         for rank, per_rank in enumerate(results):
             assert per_rank[name][1][0] <= 1.0, (name, rank, per_rank[name][1])
         if any(e.startswith("parallel.pp=") for e in extra):

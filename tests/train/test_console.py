@@ -132,6 +132,11 @@ def test_precision_names_autocast_bf16_weights_and_fp8():
     assert describe_precision(mx, cpu) == "bf16 autocast (fp32 weights), fp8 mxfp8 matrix products"
     weights = resolve_config("tiny", ["train.precision=bf16", "optim.bf16_weights=true"])
     assert describe_precision(weights, cpu) == "bf16 weights (fp32 masters in the optimizer)"
+    defer = ["train.defer_expert_weight_grad=true", "train.global_batch_size=8"]
+    assert describe_precision(resolve_config("tiny", [*defer, "train.micro_batch_size=4"]), cpu) == (
+        "fp32; expert weight gradients once per step (train.defer_expert_weight_grad)"
+    )
+    assert describe_precision(resolve_config("tiny", [*defer, "train.micro_batch_size=8"]), cpu) == "fp32"
 
 
 def test_a_run_prints_the_header_once_then_a_line_per_logged_step(tiny_cfg, tmp_path, capsys):

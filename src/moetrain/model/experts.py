@@ -6,13 +6,25 @@ The input rows arrive sorted by expert with `offsets_E` (int32, on the device) m
 expert's rows end. `torch._grouped_mm` multiplies each row block by its expert's weights in one
 kernel: no Python loop over experts, no host sync, dropless. The gate and up projections are one
 fused weight, so a layer is two grouped GEMMs forward.
+
+With `deferred` set (`train.defer_expert_weight_grad`), the two products are autograd functions
+of their own whose weight gradients wait for the step's last backward (src/moetrain/model/expert_grads.py)
+and whose SwiGLU keeps only h for backward, as row-wise FP8's does; they run eagerly inside
+compiled blocks (their backward keeps tensors across micro-batches, which a graph cannot).
 """
+
+from collections.abc import Hashable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moetrain.model.expert_grads import DeferredExpertGrads
 from moetrain.model.fp8 import expert_segments, fp8_grouped_mm, fp8_swiglu_grouped_mm, mxfp8_grouped_mm
+from moetrain.model.swiglu import swiglu_backward, swiglu_forward
+
+Deferral = tuple[DeferredExpertGrads, Hashable]
+"""The shared deferral object and the key of one expert weight (or one group's slice of it)."""
 
 
 class GroupedExperts(nn.Module):
@@ -30,6 +42,9 @@ class GroupedExperts(nn.Module):
         """Row-wise FP8's input-gradient products with fast accumulation (`train.fp8_fast_accum_backward`)."""
         self.fp8_weight_grad = False
         """Row-wise FP8's weight gradients as FP8 products too (`train.fp8_expert_weight_grad`)."""
+        self.deferred: DeferredExpertGrads | None = None
+        """The weight gradients computed once per step, in its last backward
+        (`train.defer_expert_weight_grad`; src/moetrain/model/expert_grads.py)."""
 
     def forward(
         self, x_MD: torch.Tensor, offsets_E: torch.Tensor, weights: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -38,6 +53,7 @@ class GroupedExperts(nn.Module):
         some of this module's (a slice of each; the overlapped exchange runs a group of experts
         at a time: src/moetrain/parallel/overlapped_dispatcher.py); by default all of them."""
         w_gate_up, w_down = weights if weights is not None else (self.w_gate_up_E2FD, self.w_down_EDF)
+        deferral = self._deferral(w_gate_up, w_down) if torch.is_grad_enabled() else (None, None)
         autocast = torch.is_autocast_enabled(x_MD.device.type)
         if autocast:  # autocast does not know _grouped_mm: cast the rows explicitly
             x_MD = x_MD.to(torch.get_autocast_dtype(x_MD.device.type))
@@ -49,16 +65,30 @@ class GroupedExperts(nn.Module):
                 return mxfp8_grouped_mm(F.silu(gate_MF) * up_MF, w_down, offsets_E)
             # SwiGLU and the down projection as one function: only h is kept for backward.
             fast, wgrad = self.fp8_fast_accum_backward, self.fp8_weight_grad
-            # the FP8 weight gradients' padded layout, once for both products
-            seg = expert_segments(offsets_E, x_MD.shape[0]) if wgrad and torch.is_grad_enabled() else None
-            h_M2F = fp8_grouped_mm(x_MD, w_gate_up, offsets_E, fast, wgrad, seg)
-            return fp8_swiglu_grouped_mm(h_M2F, w_down, offsets_E, fast, wgrad, seg)
+            # the FP8 weight gradients' padded layout, once for both products (deferred: built
+            # over the whole step's rows when they are computed)
+            now = wgrad and torch.is_grad_enabled() and self.deferred is None
+            seg = expert_segments(offsets_E, x_MD.shape[0]) if now else None
+            h_M2F = fp8_grouped_mm(x_MD, w_gate_up, offsets_E, fast, wgrad, seg, deferral[0])
+            return fp8_swiglu_grouped_mm(h_M2F, w_down, offsets_E, fast, wgrad, seg, deferral[1])
         if autocast:  # the CUDA fast path wants bf16 weights too
             dtype = torch.get_autocast_dtype(x_MD.device.type)
             w_gate_up, w_down = w_gate_up.to(dtype), w_down.to(dtype)
+        if deferral[0] is not None:
+            return deferred_expert_mlp(x_MD, w_gate_up, w_down, offsets_E, *deferral)
         h_M2F = grouped_mm(x_MD, w_gate_up.transpose(-2, -1), offsets_E)
         gate_MF, up_MF = h_M2F.chunk(2, dim=-1)
         return grouped_mm(F.silu(gate_MF) * up_MF, w_down.transpose(-2, -1), offsets_E)
+
+    def _deferral(self, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> tuple[Deferral | None, Deferral | None]:
+        """Each weight's (deferral object, key) when its gradient is deferred, else None. A key
+        names the weight and, for a group's slice, where the slice starts in it."""
+        if self.deferred is None:
+            return None, None
+        return (
+            (self.deferred, (id(self), "gate_up", w_gate_up.storage_offset())),
+            (self.deferred, (id(self), "down", w_down.storage_offset())),
+        )
 
 
 def grouped_mm(a_MK: torch.Tensor, b_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
@@ -90,3 +120,62 @@ class _ContiguousGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         return grad.contiguous()
+
+
+def _weight_grad(dy_RN: torch.Tensor, x_RK: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """dW (E, N, K): expert e's rows of dyᵀ times its rows of x (autograd's own formula for a
+    grouped GEMM whose weight operand is wᵀ)."""
+    return torch._grouped_mm(dy_RN.t(), x_RK, offs=offsets_E)
+
+
+class _DeferredGroupedMM(torch.autograd.Function):
+    """y (M, N): row block e of x (M, K) times w[e] (N, K)ᵀ; the weight gradient through
+    `DeferredExpertGrads.weight_grad` (None before the step's last backward)."""
+
+    @staticmethod
+    def forward(ctx, x_MK, w_ENK, offsets_E, deferral: Deferral):
+        ctx.save_for_backward(x_MK, w_ENK, offsets_E)
+        ctx.deferral = deferral
+        return torch._grouped_mm(x_MK, w_ENK.transpose(-2, -1), offs=offsets_E)
+
+    @staticmethod
+    def backward(ctx, dy_MN: torch.Tensor):
+        x_MK, w_ENK, offsets_E = ctx.saved_tensors
+        dy_MN = dy_MN.contiguous()
+        dx = torch._grouped_mm(dy_MN, w_ENK, offs=offsets_E) if ctx.needs_input_grad[0] else None
+        deferred, key = ctx.deferral
+        return dx, deferred.weight_grad(key, dy_MN, x_MK, offsets_E, _weight_grad), None, None
+
+
+class _DeferredSwiGLUGroupedMM(torch.autograd.Function):
+    """y (M, N): row block e of a = silu(gate) · up times w[e] (N, F)ᵀ, from h = [gate | up]
+    (M, 2F), keeping only h (a is recomputed in backward, in the pass that gives h's gradient);
+    the weight gradient as `_DeferredGroupedMM`'s."""
+
+    @staticmethod
+    def forward(ctx, h_M2F, w_ENF, offsets_E, deferral: Deferral):
+        ctx.save_for_backward(h_M2F, w_ENF, offsets_E)
+        ctx.deferral = deferral
+        return torch._grouped_mm(swiglu_forward(h_M2F), w_ENF.transpose(-2, -1), offs=offsets_E)
+
+    @staticmethod
+    def backward(ctx, dy_MN: torch.Tensor):
+        h_M2F, w_ENF, offsets_E = ctx.saved_tensors
+        dy_MN = dy_MN.contiguous()
+        dh_M2F, a_MF = swiglu_backward(torch._grouped_mm(dy_MN, w_ENF, offs=offsets_E), h_M2F)
+        deferred, key = ctx.deferral
+        return dh_M2F, deferred.weight_grad(key, dy_MN, a_MF, offsets_E, _weight_grad), None, None
+
+
+@torch.compiler.disable  # the backward keeps tensors across micro-batches: no graph can hold that
+def deferred_expert_mlp(
+    x_MD: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    offsets_E: torch.Tensor,
+    gate_up: Deferral,
+    down: Deferral,
+) -> torch.Tensor:
+    """The expert layer (grouped gate/up, SwiGLU, grouped down) with deferred weight gradients."""
+    h_M2F = _DeferredGroupedMM.apply(x_MD, w_gate_up, offsets_E, gate_up)
+    return _DeferredSwiGLUGroupedMM.apply(h_M2F, w_down, offsets_E, down)

@@ -50,8 +50,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from moetrain.model.swiglu import swiglu, swiglu_backward
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448
@@ -308,13 +309,22 @@ def _emulated_weight_grad(aq_NR, bq_KR, sa_EN, sb_EK, seg: Segments) -> torch.Te
     return torch._grouped_mm(a, b.t(), offs=seg.padded_offsets_E).to(torch.bfloat16)
 
 
-def _weight_grad(dy_MN, x_MK, offsets_E, ctx) -> torch.Tensor:
+def _weight_grad(dy_MN, x_MK, offsets_E, ctx) -> torch.Tensor | None:
     """The expert layer's weight gradient (E, N, K): row-wise FP8 with `ctx.fp8_weight_grad`
-    (`_fp8_grouped_weight_grad`), else a bf16 grouped GEMM (fp32 on CPU)."""
-    if ctx.fp8_weight_grad:
-        return _fp8_grouped_weight_grad(dy_MN, x_MK, offsets_E, ctx.fast_backward, ctx.segments)
-    dt = torch.bfloat16 if dy_MN.is_cuda else torch.float32
-    return _grouped(dy_MN.t().to(dt), x_MK.to(dt), offsets_E)
+    (`_fp8_grouped_weight_grad`), else a bf16 grouped GEMM (fp32 on CPU). With `ctx.deferral`,
+    through `DeferredExpertGrads.weight_grad` (None before the step's last backward; the padded
+    layout then built over the whole step's rows)."""
+
+    def compute(dy_RN, x_RK, offsets_E, seg=None):
+        if ctx.fp8_weight_grad:
+            return _fp8_grouped_weight_grad(dy_RN, x_RK, offsets_E, ctx.fast_backward, seg)
+        dt = torch.bfloat16 if dy_RN.is_cuda else torch.float32
+        return _grouped(dy_RN.t().to(dt), x_RK.to(dt), offsets_E)
+
+    if ctx.deferral is None:
+        return compute(dy_MN, x_MK, offsets_E, ctx.segments)
+    deferred, key = ctx.deferral
+    return deferred.weight_grad(key, dy_MN, x_MK, offsets_E, compute)
 
 
 class _Fp8GroupedMM(torch.autograd.Function):
@@ -322,9 +332,10 @@ class _Fp8GroupedMM(torch.autograd.Function):
     row-wise FP8, weight gradient a bf16 grouped GEMM (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, x_MK, w_ENK, offsets_E, fast_backward: bool, fp8_weight_grad: bool, segments):
+    def forward(ctx, x_MK, w_ENK, offsets_E, fast_backward: bool, fp8_weight_grad: bool, segments, deferral):
         ctx.save_for_backward(x_MK, w_ENK, offsets_E)
         ctx.fast_backward, ctx.fp8_weight_grad, ctx.segments = fast_backward, fp8_weight_grad, segments
+        ctx.deferral = deferral
         return _grouped_product(*_quantize(x_MK, -1), w_ENK, offsets_E)
 
     @staticmethod
@@ -333,12 +344,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
         dy_MN = dy_MN.contiguous()
         dx = _grouped_input_grad(dy_MN, w_ENK, offsets_E, ctx.fast_backward)
         dw = _weight_grad(dy_MN, x_MK, offsets_E, ctx)
-        return dx.to(x_MK.dtype), dw.to(w_ENK.dtype), None, None, None, None
-
-
-def _swiglu(h_M2F: torch.Tensor) -> torch.Tensor:
-    gate_MF, up_MF = h_M2F.chunk(2, dim=-1)
-    return F.silu(gate_MF) * up_MF
+        return dx.to(x_MK.dtype), None if dw is None else dw.to(w_ENK.dtype), None, None, None, None, None
 
 
 def _swiglu_quantize(h_M2F: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -347,22 +353,7 @@ def _swiglu_quantize(h_M2F: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         from moetrain.model.fp8_kernels import swiglu_quantize_rows
 
         return swiglu_quantize_rows(h_M2F)
-    return _quantize(_swiglu(h_M2F), -1)
-
-
-def _swiglu_backward(da_MF: torch.Tensor, h_M2F: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the gradient of h = [gate | up], a = silu(gate) · up recomputed) from a's gradient. On CUDA
-    one kernel; elsewhere autograd's own formulas on the recomputed product (the bits of the
-    unfused SwiGLU's backward)."""
-    if h_M2F.is_cuda:
-        from moetrain.model.fp8_kernels import swiglu_backward
-
-        return swiglu_backward(da_MF, h_M2F)
-    with torch.enable_grad():
-        h = h_M2F.detach().requires_grad_()
-        a_MF = _swiglu(h)
-        (dh_M2F,) = torch.autograd.grad(a_MF, h, da_MF)
-    return dh_M2F, a_MF.detach()
+    return _quantize(swiglu(h_M2F), -1)
 
 
 class _Fp8SwiGLUGroupedMM(torch.autograd.Function):
@@ -372,9 +363,10 @@ class _Fp8SwiGLUGroupedMM(torch.autograd.Function):
     straight from h (`_swiglu_quantize`). Products as `_Fp8GroupedMM`'s."""
 
     @staticmethod
-    def forward(ctx, h_M2F, w_ENF, offsets_E, fast_backward: bool, fp8_weight_grad: bool, segments):
+    def forward(ctx, h_M2F, w_ENF, offsets_E, fast_backward: bool, fp8_weight_grad: bool, segments, deferral):
         ctx.save_for_backward(h_M2F, w_ENF, offsets_E)
         ctx.fast_backward, ctx.fp8_weight_grad, ctx.segments = fast_backward, fp8_weight_grad, segments
+        ctx.deferral = deferral
         return _grouped_product(*_swiglu_quantize(h_M2F), w_ENF, offsets_E)
 
     @staticmethod
@@ -382,9 +374,9 @@ class _Fp8SwiGLUGroupedMM(torch.autograd.Function):
         h_M2F, w_ENF, offsets_E = ctx.saved_tensors
         dy_MN = dy_MN.contiguous()
         da = _grouped_input_grad(dy_MN, w_ENF, offsets_E, ctx.fast_backward)
-        dh_M2F, a_MF = _swiglu_backward(da.to(h_M2F.dtype), h_M2F)
+        dh_M2F, a_MF = swiglu_backward(da.to(h_M2F.dtype), h_M2F)
         dw = _weight_grad(dy_MN, a_MF, offsets_E, ctx)
-        return dh_M2F, dw.to(w_ENF.dtype), None, None, None, None
+        return dh_M2F, None if dw is None else dw.to(w_ENF.dtype), None, None, None, None, None
 
 
 @torch.compiler.disable  # see the module docstring
@@ -397,19 +389,23 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, fast_backward: bool = Fals
 
 
 @torch.compiler.disable  # see the module docstring
-def fp8_grouped_mm(x_MK, w_ENK, offsets_E, fast_backward: bool = False, fp8_weight_grad: bool = False, segments=None):
+def fp8_grouped_mm(
+    x_MK, w_ENK, offsets_E, fast_backward: bool = False, fp8_weight_grad: bool = False, segments=None, deferral=None
+):
     """Row block e of x times w[e]ᵀ in row-wise FP8; `fp8_weight_grad`: the weight gradient too,
     in the padded layout `segments` (`expert_segments` of these offsets; built in backward if
-    None: an expert layer builds it once for its two products)."""
-    return _Fp8GroupedMM.apply(x_MK, w_ENK, offsets_E, fast_backward, fp8_weight_grad, segments)
+    None: an expert layer builds it once for its two products). `deferral`: (a
+    `DeferredExpertGrads`, this weight's key), the weight gradient computed once per step
+    (src/moetrain/model/expert_grads.py)."""
+    return _Fp8GroupedMM.apply(x_MK, w_ENK, offsets_E, fast_backward, fp8_weight_grad, segments, deferral)
 
 
 @torch.compiler.disable  # see the module docstring
 def fp8_swiglu_grouped_mm(
-    h_M2F, w_ENF, offsets_E, fast_backward: bool = False, fp8_weight_grad: bool = False, segments=None
+    h_M2F, w_ENF, offsets_E, fast_backward: bool = False, fp8_weight_grad: bool = False, segments=None, deferral=None
 ):
     """`fp8_grouped_mm(silu(gate) · up, w, offsets)` for h = [gate | up], keeping only h."""
-    return _Fp8SwiGLUGroupedMM.apply(h_M2F, w_ENF, offsets_E, fast_backward, fp8_weight_grad, segments)
+    return _Fp8SwiGLUGroupedMM.apply(h_M2F, w_ENF, offsets_E, fast_backward, fp8_weight_grad, segments, deferral)
 
 
 def _mx(x: torch.Tensor, dim: int) -> torch.Tensor:

@@ -28,6 +28,10 @@ from amax / 448's fp32 bits (exact, no log2 approximation), the division by the 
 multiplication by its exact reciprocal, and the cast to e4m3 rounds to nearest even after the
 clamp. tests/model/test_fp8_kernels.py compares both in Triton's interpreter on CPU, and
 tests/gpu/test_cuda.py on the GPU.
+
+The SwiGLU passes over an expert layer's h = [gate | up] live here too (fused with the FP8
+quantizer, and plain forward and backward, which the deferred bf16 products use as well:
+src/moetrain/model/swiglu.py).
 """
 
 from __future__ import annotations
@@ -285,6 +289,19 @@ def _swiglu_backward_kernel(da_ptr, h_ptr, dh_ptr, a_ptr, stride_da, stride_h, F
     tl.store(a_row + cols, (silu * u).to(a_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _swiglu_forward_kernel(h_ptr, a_ptr, stride_h, stride_a, F: tl.constexpr, BLOCK: tl.constexpr):
+    """For one block of a row: a = silu(gate) · up from h = [gate | up], in fp32, rounded once."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < F
+    h_row = h_ptr + row * stride_h
+    g = tl.load(h_row + cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(h_row + F + cols, mask=ok, other=0.0).to(tl.float32)
+    silu = g * (1.0 / (1.0 + tl.exp(-g)))
+    tl.store(a_ptr + row * stride_a + cols, (silu * u).to(a_ptr.dtype.element_ty), mask=ok)
+
+
 def swiglu_quantize_rows(h_M2F: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """h = [gate | up] (M, 2F), contiguous rows → (q e4m3 (M, F), scale fp32 (M, 1)) of
     a = silu(gate) · up (bf16-rounded), each row quantized along F."""
@@ -299,7 +316,7 @@ def swiglu_quantize_rows(h_M2F: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return q_MF, scale_M.view(M, 1)
 
 
-SWIGLU_BACKWARD_BLOCK = 1024
+SWIGLU_BLOCK = 1024
 
 
 def swiglu_backward(da_MF: torch.Tensor, h_M2F: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -310,11 +327,21 @@ def swiglu_backward(da_MF: torch.Tensor, h_M2F: torch.Tensor) -> tuple[torch.Ten
     dh_M2F = torch.empty_like(h_M2F)
     a_MF = torch.empty_like(da_MF)
     if da_MF.numel():
-        grid = (M, triton.cdiv(F, SWIGLU_BACKWARD_BLOCK))  # rows on the axis without a 65535 limit
-        _swiglu_backward_kernel[grid](
-            da_MF, h_M2F, dh_M2F, a_MF, F, 2 * F, F=F, BLOCK=SWIGLU_BACKWARD_BLOCK, num_warps=4
-        )
+        grid = (M, triton.cdiv(F, SWIGLU_BLOCK))  # rows on the axis without a 65535 limit
+        _swiglu_backward_kernel[grid](da_MF, h_M2F, dh_M2F, a_MF, F, 2 * F, F=F, BLOCK=SWIGLU_BLOCK, num_warps=4)
     return dh_M2F, a_MF
+
+
+def swiglu_forward(h_M2F: torch.Tensor) -> torch.Tensor:
+    """a = silu(gate) · up (M, F) in h's dtype from h = [gate | up] (M, 2F), computed in fp32 from
+    the loaded values (the backward kernel's recomputation of a, bit for bit)."""
+    h_M2F = h_M2F.contiguous()
+    M, F = h_M2F.shape[0], h_M2F.shape[1] // 2
+    a_MF = torch.empty((M, F), dtype=h_M2F.dtype, device=h_M2F.device)
+    if a_MF.numel():
+        grid = (M, triton.cdiv(F, SWIGLU_BLOCK))
+        _swiglu_forward_kernel[grid](h_M2F, a_MF, 2 * F, F, F=F, BLOCK=SWIGLU_BLOCK, num_warps=4)
+    return a_MF
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -196,26 +196,35 @@ class GroupGrads:
 
 
 class _GroupWeights(torch.autograd.Function):
-    """Experts [lo, hi)'s slices of the expert weights (views); backward: see `GroupGrads`."""
+    """Experts [lo, hi)'s slices of the expert weights (views); backward: see `GroupGrads`. A
+    group whose products gave no weight gradient (deferred to the step's last backward:
+    src/moetrain/model/expert_grads.py) adds nothing; when none of the n did, neither does this."""
 
     @staticmethod
     def forward(ctx, w_gate_up, w_down, lo, hi, grads):
         ctx.lo, ctx.hi, ctx.grads = lo, hi, grads
         ctx.shapes = (w_gate_up.shape, w_down.shape)
+        ctx.set_materialize_grads(False)
         return w_gate_up[lo:hi], w_down[lo:hi]
 
     @staticmethod
     def backward(ctx, grad_gate_up, grad_down):
         grads = ctx.grads
-        if grads.bufs is None:
-            like = (grad_gate_up, grad_down)
-            grads.bufs = [g.new_empty(shape) for g, shape in zip(like, ctx.shapes)]
-        for buf, g in zip(grads.bufs, (grad_gate_up, grad_down)):
-            buf[ctx.lo : ctx.hi].copy_(g)
+        # a step's products defer both weights' gradients or neither (and all n groups alike)
+        assert (grad_gate_up is None) == (grad_down is None)
+        assert grads.seen == 0 or (grads.bufs is None) == (grad_gate_up is None)
+        if grad_gate_up is not None:
+            if grads.bufs is None:
+                like = (grad_gate_up, grad_down)
+                grads.bufs = [g.new_empty(shape) for g, shape in zip(like, ctx.shapes)]
+            for buf, g in zip(grads.bufs, (grad_gate_up, grad_down)):
+                buf[ctx.lo : ctx.hi].copy_(g)
         grads.seen += 1
         if grads.seen < grads.groups:
             return None, None, None, None, None
         bufs, grads.bufs, grads.seen = grads.bufs, None, 0
+        if bufs is None:
+            return None, None, None, None, None
         return bufs[0], bufs[1], None, None, None
 
 

@@ -309,6 +309,17 @@ def _saved_activations(
     return activations
 
 
+def _held_expert_operands(cfg: RunConfig, L: Layout, x: _Model, b: _Blocks, t: int) -> float:
+    """train.defer_expert_weight_grad: what the rank's MoE layers keep of every micro-batch but
+    the last for the step's one weight-gradient GEMM per expert weight: each expert row's input
+    and output gradient of both products, (D + 2F) + (F + D) elements
+    (src/moetrain/model/expert_grads.py)."""
+    if not cfg.train.defer_expert_weight_grad or L.micro_batches < 2:
+        return 0.0
+    per_row = 2 * cfg.model.d_model + 3 * cfg.model.moe.expert_hidden
+    return (L.micro_batches - 1) * t * x.expert_rows * b.moe_layers * per_row * (4 if x.fp32 else 2)
+
+
 def _loss_bytes(m: TransformerConfig, t: int, chunk: int) -> tuple[float, float]:
     """(held, traffic) of the last stage's loss per micro-batch: what it holds for backward and
     what its element-wise kernels read and write; with multi-token prediction, each depth's loss
@@ -405,6 +416,7 @@ def memory_per_rank(cfg: RunConfig, L: Layout, groups: ParamGroups, assume: Assu
         local = dense_local + b.expert_local
         in_flight = _in_flight(L, r)
         activations = _saved_activations(m, L, x, b, in_flight, stages, t)
+        activations += _held_expert_operands(cfg, L, x, b, t)
         logits, loss_traffic = _loss_bytes(m, t, chunk) if last else (0.0, 0.0)
         # the head's fp32 weight gradient, one per loss (multi-token prediction: 1 + depth)
         head_grad = (1 + m.mtp_depth) * 4 * groups.head / (L.replicas if x.fsdp else 1) if last else 0

@@ -126,6 +126,15 @@ class TrainerConfig(Config):
     (src/moetrain/model/fp8.py). Tested against the CPU emulation and on the H200; measured
     +0.3% on bench-8e's step, with no loss curve yet, so it is off (docs/measurements.md,
     "Where FP8's step goes")."""
+    defer_expert_weight_grad: bool = False
+    """With gradient accumulation, each expert layer's weight gradients computed once per step, in
+    its last backward, over every micro-batch's rows (one grouped GEMM whose fp32 accumulator sums
+    the micro-batches) instead of once per micro-batch and added into the fp32 gradient. Pays
+    where expert weights are many and small (the accumulation's traffic grows with the expert
+    parameters, not the tokens); costs memory: each MoE layer keeps its experts' inputs and output
+    gradients (bf16) of every micro-batch but the last, which `moetrain plan` counts
+    (src/moetrain/model/expert_grads.py). Row-wise FP8 and bf16 experts; not mxfp8. Does nothing
+    with one micro-batch per step."""
     recompute: Recompute = Recompute.none
     """Activation recompute: none, full (keep only each block's input) or selective (also keep
     the matrix products' and collectives' outputs)."""
@@ -257,19 +266,7 @@ class RunConfig(Config):
                 "parallel.compile_overlap=true reorders collectives inside compiled blocks: "
                 "it needs train.compile=true."
             )
-        for key in ("fp8_lm_head", "fp8_fast_accum_backward", "fp8_expert_weight_grad"):
-            if getattr(tc, key) is True and tc.fp8 != Fp8.rowwise:
-                raise ConfigError(
-                    f"train.{key}=true is a setting of row-wise FP8, but train.fp8={tc.fp8}: set "
-                    f"train.fp8=rowwise, or train.{key}=false."
-                )
-        if tc.fp8 != Fp8.none:
-            for key, dim in _gemm_dims(m, lm_head=tc.fp8_lm_head is True):
-                if dim % tc.fp8.align:
-                    raise ConfigError(
-                        f"train.fp8={tc.fp8} needs every matrix-product dimension divisible by "
-                        f"{tc.fp8.align}; {key}={dim} is not: change it, or use train.fp8=none."
-                    )
+        _check_fp8(tc, m)
         if self.optim.bf16_weights:
             if p.stack != Stack.ddp:
                 raise ConfigError(
@@ -365,6 +362,28 @@ def _check_multi_token(depth: int, seq_len: int, cp: int) -> None:
             f"model.mtp_depth={depth} predicts {depth + 1} tokens ahead, but data.seq_len={seq_len} leaves no "
             f"position to predict from: lower model.mtp_depth below {seq_len}."
         )
+
+
+def _check_fp8(tc: TrainerConfig, m: TransformerConfig) -> None:
+    """The FP8 settings agree with train.fp8 and the model's product dims."""
+    for key in ("fp8_lm_head", "fp8_fast_accum_backward", "fp8_expert_weight_grad"):
+        if getattr(tc, key) is True and tc.fp8 != Fp8.rowwise:
+            raise ConfigError(
+                f"train.{key}=true is a setting of row-wise FP8, but train.fp8={tc.fp8}: set "
+                f"train.fp8=rowwise, or train.{key}=false."
+            )
+    if tc.defer_expert_weight_grad and tc.fp8 == Fp8.mxfp8:
+        raise ConfigError(
+            "train.defer_expert_weight_grad=true works with bf16 and row-wise FP8 experts, but "
+            "train.fp8=mxfp8: set train.fp8=rowwise or none, or train.defer_expert_weight_grad=false."
+        )
+    if tc.fp8 != Fp8.none:
+        for key, dim in _gemm_dims(m, lm_head=tc.fp8_lm_head is True):
+            if dim % tc.fp8.align:
+                raise ConfigError(
+                    f"train.fp8={tc.fp8} needs every matrix-product dimension divisible by "
+                    f"{tc.fp8.align}; {key}={dim} is not: change it, or use train.fp8=none."
+                )
 
 
 def _gemm_dims(m: TransformerConfig, lm_head: bool = False) -> list[tuple[str, int]]:

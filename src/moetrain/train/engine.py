@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 
 from moetrain.model.counting import flops_per_token, peak_flops
+from moetrain.model.expert_grads import DeferredExpertGrads
+from moetrain.model.experts import GroupedExperts
 from moetrain.model.transformer import Transformer, canonical_name
 from moetrain.optim.base import Optimizer
 from moetrain.optim.schedule import lr_at
@@ -124,6 +126,14 @@ class TrainEngine:
             moe.aux_loss_scale = self.backward_scale
         if self.model.mtp is not None:
             self.model.mtp.loss_scale = self.backward_scale
+        self.expert_grads: DeferredExpertGrads | None = None
+        """train.defer_expert_weight_grad (with several micro-batches): what every expert layer
+        shares to compute its weight gradients once per step (src/moetrain/model/expert_grads.py)."""
+        if tc.defer_expert_weight_grad and tc.grad_accum_steps > 1:
+            self.expert_grads = DeferredExpertGrads()
+            for module in model.modules():
+                if isinstance(module, GroupedExperts):
+                    module.deferred = self.expert_grads
         self.pipeline: Pipeline | None = None
         if par.dims.num_stages > 1:
             self.pipeline = build_pipeline(
@@ -156,9 +166,13 @@ class TrainEngine:
         this rank's rows of each); afterwards the gradients are reduced over the data-parallel
         ranks. Returns the mean LM loss over the micro-batches (device scalar)."""
         self.model.train()
+        if self.expert_grads is not None:
+            self.expert_grads.begin(len(batches))
         lm_loss = (
             self._pipeline_forward_backward(batches) if self.pipeline is not None else self._micro_batches(batches)
         )
+        if self.expert_grads is not None:
+            self.expert_grads.finish()
         self.optimizer.reduction.finish()
         return lm_loss
 

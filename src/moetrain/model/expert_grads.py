@@ -1,0 +1,116 @@
+"""`DeferredExpertGrads`: the experts' weight gradients computed once per optimizer step.
+
+Legend: M rows of one micro-batch (expert assignments sorted by expert), R rows of all the
+step's micro-batches, K and N the weight gradient's two dims (K the product's reduction dim
+forward), E experts.
+
+With gradient accumulation an expert weight's gradient is, per micro-batch, one grouped GEMM
+`dyᵀ · x` over each expert's rows, added into the step's fp32 gradient. When experts are many and
+small (bench-sweep-64: 512 rows per expert and micro-batch), that addition — the whole fp32
+gradient read and written once per micro-batch — costs more than the GEMM, and the GEMM itself
+runs on short row blocks. Deferred (`train.defer_expert_weight_grad`), each expert layer keeps
+its two operands (x and dy, bf16) of every micro-batch but the last, and the step's last backward
+lays all micro-batches' rows out expert by expert (`expert_major`: one row copy) and runs one
+grouped GEMM over them: the sum over micro-batches happens in the GEMM's fp32 accumulator, the
+gradient is written once, and each expert's row block is as long as the whole step's.
+
+The cost is memory: the kept operands of micro-batches 1 … n−1, 2 bytes × (K + N) per row and
+weight (`held_bytes`; the planner counts them: src/moetrain/plan/memory.py).
+
+The gradient that autograd accumulates is then one GEMM's output instead of a sum of n, so the
+numbers differ from the per-micro-batch sum by rounding only (summation order; in bf16 one
+rounding instead of n). The earlier micro-batches give the weight no gradient at all (their
+backward returns None for it), so nothing downstream of the weight — split masters, gradient
+reducers — sees those micro-batches.
+
+`begin(n)` starts a step of n backward passes; every expert product then counts its backward
+calls by key (one key per weight and expert group) and the n-th computes the gradient. `finish()`
+checks that no product kept operands it never used (a mismatch would lose gradient).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+
+import torch
+
+Part = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""(dy_MN, x_MK, offsets_E): one micro-batch's operands of an expert weight's gradient."""
+
+
+class DeferredExpertGrads:
+    """What every expert product of one model shares when its weight gradients are deferred
+    (module docstring): the step's backward count and the operands kept until its last one."""
+
+    def __init__(self) -> None:
+        self.backward_passes = 1
+        """Backward passes of the current step; 1 (nothing deferred) until `begin` says more."""
+        self._held: dict[Hashable, list[Part]] = {}
+
+    def begin(self, backward_passes: int) -> None:
+        """A step of `backward_passes` backward passes starts: drop anything held (a step that
+        ended early, e.g. by an exception, left it) and count anew."""
+        self._held.clear()
+        self.backward_passes = backward_passes
+
+    def weight_grad(
+        self, key: Hashable, dy_MN: torch.Tensor, x_MK: torch.Tensor, offsets_E: torch.Tensor, compute: Callable
+    ) -> torch.Tensor | None:
+        """In an expert product's backward: None (the operands kept) before the step's last pass,
+        then `compute(dy, x, offsets)` over every pass's rows, expert by expert."""
+        held = self._held.setdefault(key, [])
+        if len(held) + 1 < self.backward_passes:
+            held.append((dy_MN, x_MK, offsets_E))
+            return None
+        del self._held[key]
+        held.append((dy_MN, x_MK, offsets_E))
+        return compute(*expert_major(held))
+
+    def held_bytes(self) -> int:
+        """Bytes of the operands kept now (for tests and memory reports)."""
+        return sum(t.numel() * t.element_size() for parts in self._held.values() for p in parts for t in p[:2])
+
+    def finish(self) -> None:
+        """After the step's last backward: every product must have used what it kept."""
+        if self._held:
+            counts = sorted(len(v) for v in self._held.values())
+            self._held.clear()
+            raise RuntimeError(
+                f"train.defer_expert_weight_grad: {len(counts)} expert products saw fewer than the step's "
+                f"{self.backward_passes} backward passes (held {counts}); their weight gradients would be lost. "
+                "Every micro-batch's backward must reach every MoE layer once; set "
+                "train.defer_expert_weight_grad=false for a step that does not."
+            )
+
+
+def expert_major(parts: list[Part]) -> Part:
+    """The rows of several micro-batches' (dy, x, offsets), each sorted by expert, as one
+    (dy_RN, x_RK, offsets_E) with every expert's rows together (in micro-batch order) and the
+    rows past each micro-batch's last offset (padding the experts skip) at the end. One row copy
+    of each operand; no host sync (every index is computed on the device). Empties `parts` as it
+    copies them, so that each micro-batch's operands can be freed once copied."""
+    if len(parts) == 1:
+        return parts[0]
+    device = parts[0][1].device
+    R = sum(x.shape[0] for _, x, _ in parts)
+    # rows per group and micro-batch: E experts, then the padding as group E
+    counts_PG = torch.stack(
+        [torch.cat([torch.diff(off.long(), prepend=off.new_zeros(1).long()), x.shape[0] - off[-1:].long()])
+         for _, x, off in parts]
+    )  # fmt: skip
+    total_G = counts_PG.sum(0)
+    group_start_G = total_G.cumsum(0) - total_G
+    earlier_PG = counts_PG.cumsum(0) - counts_PG  # a group's rows in the micro-batches before
+    dy_RN = parts[0][0].new_empty(R, parts[0][0].shape[1])
+    x_RK = parts[0][1].new_empty(R, parts[0][1].shape[1])
+    for p in range(len(parts)):
+        (dy_MN, x_MK, offsets_E), parts[p] = parts[p], None
+        rows_M = torch.arange(x_MK.shape[0], device=device)
+        group_M = torch.searchsorted(offsets_E.long(), rows_M, right=True)
+        first_in_part_G = counts_PG[p].cumsum(0) - counts_PG[p]
+        dest_M = group_start_G[group_M] + earlier_PG[p, group_M] + rows_M - first_in_part_G[group_M]
+        dy_RN.index_copy_(0, dest_M, dy_MN)
+        x_RK.index_copy_(0, dest_M, x_MK)
+        del dy_MN, x_MK
+    offsets_E = total_G[:-1].cumsum(0).to(torch.int32)
+    return dy_RN, x_RK, offsets_E

@@ -1,0 +1,151 @@
+"""The experts' weight gradients computed once per step (`train.defer_expert_weight_grad`,
+src/moetrain/model/expert_grads.py): the rows laid out expert by expert, the same gradients as
+one GEMM per micro-batch, nothing given before the step's last backward, a lost backward named."""
+
+import pytest
+import torch
+
+from moetrain.errors import ConfigError
+from moetrain.model.expert_grads import DeferredExpertGrads, expert_major
+from moetrain.model.experts import GroupedExperts
+from moetrain.parallel.dims import ParallelDims, ParallelState
+from moetrain.testing.steps import synthetic_batches
+from moetrain.train.engine import TrainEngine
+
+E, D, F = 4, 16, 8
+
+
+def _part(seed: int, counts: list[int], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
+    M = sum(counts) + pad
+    return torch.randn(M, 3, generator=g), torch.randn(M, 5, generator=g), offsets
+
+
+def test_expert_major_puts_each_experts_rows_of_every_micro_batch_together_and_padding_last():
+    parts = [_part(0, [2, 0, 3, 1], 2), _part(1, [0, 4, 1, 1], 0), _part(2, [3, 1, 0, 2], 1)]
+    want_dy, want_x, pads = [], [], ([], [])
+    for e in range(E):  # a plain loop over experts, then micro-batches
+        for dy, x, off in parts:
+            lo, hi = (0 if e == 0 else int(off[e - 1])), int(off[e])
+            want_dy.append(dy[lo:hi])
+            want_x.append(x[lo:hi])
+    for dy, x, off in parts:
+        pads[0].append(dy[int(off[-1]) :])
+        pads[1].append(x[int(off[-1]) :])
+    counts = [sum(int(p[2][e]) - (0 if e == 0 else int(p[2][e - 1])) for p in parts) for e in range(E)]
+    dy, x, offsets = expert_major(list(parts))
+    assert torch.equal(dy, torch.cat(want_dy + pads[0])) and torch.equal(x, torch.cat(want_x + pads[1]))
+    assert offsets.dtype == torch.int32 and offsets.tolist() == torch.tensor(counts).cumsum(0).tolist()
+
+
+def _experts(deferred: DeferredExpertGrads | None) -> GroupedExperts:
+    m = GroupedExperts(E, D, F)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        m.w_gate_up_E2FD.copy_(torch.randn(m.w_gate_up_E2FD.shape, generator=g))
+        m.w_down_EDF.copy_(torch.randn(m.w_down_EDF.shape, generator=g))
+    m.deferred = deferred
+    return m
+
+
+def _micro_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows sorted by expert (one expert empty), 3 padding rows past the last offset, and dy."""
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.randint(1, 8, (E,), generator=g)
+    counts[seed % E] = 0
+    offsets = counts.cumsum(0).to(torch.int32)
+    x = torch.randn(int(offsets[-1]) + 3, D, generator=g)
+    return x, offsets, torch.randn(x.shape[0], D, generator=g)
+
+
+def test_one_backward_gives_the_plain_layers_gradients_bit_for_bit():
+    """With one backward per step nothing waits: the deferred products' gradients are the plain
+    layer's (autograd's grouped GEMM and SwiGLU formulas), bit for bit."""
+    plain, deferred = _experts(None), _experts(DeferredExpertGrads())
+    x, offsets, dy = _micro_batch(0)
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    for m, xi in zip((plain, deferred), xs):
+        m(xi, offsets).backward(dy)
+    valid = int(offsets[-1])
+    assert torch.equal(xs[0].grad[:valid], xs[1].grad[:valid])
+    for a, b in zip(plain.parameters(), deferred.parameters()):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_the_last_of_n_backwards_gives_the_sum_of_the_per_micro_batch_gradients():
+    """Before the step's last backward the weights get no gradient (None: nothing downstream of
+    them runs) while the input gradients are the plain ones; the last gives the sum over the
+    micro-batches, up to fp32 summation order; nothing stays held."""
+    plain, held = _experts(None), _experts(DeferredExpertGrads())
+    held.deferred.begin(3)
+    for i in range(3):
+        x, offsets, dy = _micro_batch(10 + i)
+        xs = [x.clone().requires_grad_() for _ in range(2)]
+        plain(xs[0], offsets).backward(dy)
+        held(xs[1], offsets).backward(dy)
+        valid = int(offsets[-1])
+        assert torch.equal(xs[0].grad[:valid], xs[1].grad[:valid])
+        if i < 2:
+            assert held.w_gate_up_E2FD.grad is None and held.w_down_EDF.grad is None
+            assert held.deferred.held_bytes() > 0
+    held.deferred.finish()
+    assert held.deferred.held_bytes() == 0
+    for a, b in zip(plain.parameters(), held.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-4)
+
+
+def test_a_step_whose_backwards_miss_a_layer_stops_naming_the_setting():
+    m = _experts(DeferredExpertGrads())
+    m.deferred.begin(3)
+    x, offsets, dy = _micro_batch(0)
+    m(x, offsets).backward(dy)
+    with pytest.raises(RuntimeError, match="train.defer_expert_weight_grad"):
+        m.deferred.finish()
+    m.deferred.begin(1)  # the next step starts clean
+    m(x, offsets).backward(dy)
+    m.deferred.finish()
+
+
+def _engine(tiny_cfg, run_dir, *extra):
+    cfg = tiny_cfg(run_dir, "train.device=cpu", "train.global_batch_size=12", "train.micro_batch_size=4", *extra)
+    torch.manual_seed(0)
+    return cfg, TrainEngine(cfg, ParallelState(ParallelDims(world_size=1, dp=1, ep=1)), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("extra", [[], ["train.fp8=rowwise", "train.fp8_select=all"], ["model.moe.top_k=1"]])
+def test_training_steps_match_the_per_micro_batch_gradients(tiny_cfg, tmp_path, extra):
+    """Three micro-batches per step, three steps: the same losses and gradient norms as the
+    plain engine up to fp32 summation order (bf16 rounding in FP8's emulated products), with
+    bf16 experts under row-wise FP8 too."""
+    cfg, plain = _engine(tiny_cfg, tmp_path / "a", *extra)
+    _, held = _engine(tiny_cfg, tmp_path / "b", "train.defer_expert_weight_grad=true", *extra)
+    assert held.expert_grads is not None and plain.expert_grads is None
+    for step in range(3):
+        a = plain.train_step(synthetic_batches(cfg, step), step)
+        b = held.train_step(synthetic_batches(cfg, step), step)
+        assert b.lm_loss.item() == pytest.approx(a.lm_loss.item(), rel=1e-5)
+        assert b.grad_norm.item() == pytest.approx(a.grad_norm.item(), rel=1e-4 if extra else 1e-5)
+    for (name, p), q in zip(plain.model.named_parameters(), held.model.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_mxfp8_is_refused_and_one_micro_batch_defers_nothing(tiny_cfg, tmp_path):
+    with pytest.raises(ConfigError, match="train.fp8=mxfp8"):
+        tiny_cfg(tmp_path / "a", "train.fp8=mxfp8", "train.defer_expert_weight_grad=true")
+    _, engine = _engine(tiny_cfg, tmp_path / "b", "train.global_batch_size=4", "train.defer_expert_weight_grad=true")
+    assert engine.expert_grads is None
+    assert all(m.deferred is None for m in engine.model.modules() if isinstance(m, GroupedExperts))
+
+
+def test_compiled_blocks_run_the_deferred_products_eagerly_with_the_same_steps(tiny_cfg, tmp_path):
+    """The deferred products are eager islands in compiled blocks (their backward keeps tensors
+    across micro-batches): compiled and eager engines give the same steps up to fp32 rounding."""
+    defer = "train.defer_expert_weight_grad=true"
+    cfg, eager = _engine(tiny_cfg, tmp_path / "a", defer)
+    _, compiled = _engine(tiny_cfg, tmp_path / "b", defer, "train.compile=true")
+    for step in range(2):
+        a = eager.train_step(synthetic_batches(cfg, step), step)
+        b = compiled.train_step(synthetic_batches(cfg, step), step)
+        assert b.lm_loss.item() == pytest.approx(a.lm_loss.item(), rel=1e-5)
+        assert b.grad_norm.item() == pytest.approx(a.grad_norm.item(), rel=1e-5)
