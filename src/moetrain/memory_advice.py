@@ -9,6 +9,8 @@ none fits, the fewest GPUs of the kind on which one does (`moetrain.plan.fewest_
 
 from __future__ import annotations
 
+import dataclasses
+
 from moetrain.plan import GPUS, MAX_GPUS, Layout, fewest_gpus, plan, suggest
 from moetrain.train.config import RunConfig
 
@@ -35,7 +37,7 @@ def advice(cfg: RunConfig, world_size: int, gpu: str) -> str:
     text = (
         f"{command} predicts a peak of {predicted.peak_mem_gib_per_device:.1f} GiB per GPU for this config "
         f"({predicted.layout.describe()}; {predicted.gpu.memory_gib:g} GiB usable)"
-    )
+    ) + _deferral(cfg, world_size, gpu)
     if not options:
         return text + f", and finds no layout that fits {world_size} × {gpu}: " + _more_gpus(cfg, world_size, gpu)
     best = options[0]
@@ -43,6 +45,15 @@ def advice(cfg: RunConfig, world_size: int, gpu: str) -> str:
         text + f"; the fastest layout it finds that fits is {best.layout.describe()} (peak "
         f"{best.peak_mem_gib_per_device:.1f} GiB): {' '.join(layout_flags(cfg, best.layout))}"
     )
+
+
+def _deferral(cfg: RunConfig, world_size: int, gpu: str) -> str:
+    """With train.defer_expert_weight_grad on (and several micro-batches): the peak without it."""
+    if not (cfg.train.defer_expert_weight_grad and cfg.train.grad_accum_steps > 1):
+        return ""
+    off = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, defer_expert_weight_grad=False))
+    peak = plan(off, world_size, gpu).peak_mem_gib_per_device
+    return f"; {peak:.1f} GiB with --train.defer_expert_weight_grad=false (it keeps no expert operands)"
 
 
 def _more_gpus(cfg: RunConfig, world_size: int, gpu: str) -> str:

@@ -8,7 +8,7 @@ import torch
 from conftest import tiny_overrides
 
 from moetrain.cli import main
-from moetrain.memory_advice import layout_flags, plan_gpu
+from moetrain.memory_advice import advice, layout_flags, plan_gpu
 from moetrain.train import checkpoint as ckpt
 from moetrain.train import oom
 from moetrain.train.engine import TrainEngine
@@ -124,3 +124,17 @@ def test_the_planners_gpu_is_found_by_name_or_memory():
     assert plan_gpu("NVIDIA H200", 150_000_000_000) == "h200"
     assert plan_gpu("NVIDIA A100-SXM4-80GB", 80 * 2**30) == "h100"  # nearest in memory
     assert plan_gpu("cpu", None) == "h200"
+
+
+def test_the_advice_names_the_peak_without_deferred_expert_weight_gradients():
+    """With train.defer_expert_weight_grad the expert operands kept until the step's last backward
+    are part of the peak: the advice says what turning it off would leave (bench-sweep-64 keeps
+    21.4 GiB of them on one H200)."""
+    from moetrain.presets import resolve_config
+
+    on = advice(resolve_config("bench-sweep-64", ["train.defer_expert_weight_grad=true"]), 1, "h200")
+    off = advice(resolve_config("bench-sweep-64"), 1, "h200")
+    assert "--train.defer_expert_weight_grad=false" in on and "defer_expert_weight_grad" not in off
+    peak_on, peak_off = (float(t.split("predicts a peak of ")[1].split(" GiB")[0]) for t in (on, off))
+    assert peak_on - peak_off == pytest.approx(21.4, abs=0.1)
+    assert f"; {peak_off:.1f} GiB with --train.defer_expert_weight_grad=false" in on
