@@ -309,15 +309,21 @@ def _saved_activations(
     return activations
 
 
-def _held_expert_operands(cfg: RunConfig, L: Layout, x: _Model, b: _Blocks, t: int) -> float:
-    """train.defer_expert_weight_grad: what the rank's MoE layers keep of every micro-batch but
-    the last for the step's one weight-gradient GEMM per expert weight: each expert row's input
-    and output gradient of both products, (D + 2F) + (F + D) elements
-    (src/moetrain/model/expert_grads.py)."""
-    if not cfg.train.defer_expert_weight_grad or L.micro_batches < 2:
-        return 0.0
+def deferred_expert_grads(cfg: RunConfig, L: Layout) -> bool:
+    """Whether the experts' weight gradients wait for the step's last backward
+    (train.defer_expert_weight_grad, which does nothing with one micro-batch)."""
+    return cfg.train.defer_expert_weight_grad and L.micro_batches > 1
+
+
+def expert_operand_bytes(cfg: RunConfig, L: Layout, moe_layers: int, micro_batches: float) -> float:
+    """What the deferred expert weight gradients keep of `micro_batches` micro-batches on a rank
+    with `moe_layers` MoE layers: each expert row's input and output gradient of both products,
+    (D + 2F) + (F + D) elements (src/moetrain/model/expert_grads.py)."""
+    t = L.tokens(cfg.data.seq_len)
+    expert_rows, _ = rows_per_token(cfg, L)
     per_row = 2 * cfg.model.d_model + 3 * cfg.model.moe.expert_hidden
-    return (L.micro_batches - 1) * t * x.expert_rows * b.moe_layers * per_row * (4 if x.fp32 else 2)
+    element = 4 if cfg.train.precision.value == "fp32" else 2
+    return micro_batches * t * expert_rows * moe_layers * per_row * element
 
 
 def _loss_bytes(m: TransformerConfig, t: int, chunk: int) -> tuple[float, float]:
@@ -416,7 +422,8 @@ def memory_per_rank(cfg: RunConfig, L: Layout, groups: ParamGroups, assume: Assu
         local = dense_local + b.expert_local
         in_flight = _in_flight(L, r)
         activations = _saved_activations(m, L, x, b, in_flight, stages, t)
-        activations += _held_expert_operands(cfg, L, x, b, t)
+        if deferred_expert_grads(cfg, L):  # kept until the last micro-batch's backward
+            activations += expert_operand_bytes(cfg, L, b.moe_layers, L.micro_batches - 1)
         logits, loss_traffic = _loss_bytes(m, t, chunk) if last else (0.0, 0.0)
         # the head's fp32 weight gradient, one per loss (multi-token prediction: 1 + depth)
         head_grad = (1 + m.mtp_depth) * 4 * groups.head / (L.replicas if x.fsdp else 1) if last else 0

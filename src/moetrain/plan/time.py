@@ -12,7 +12,7 @@ from moetrain.parallel.config import DispatcherKind, Recompute, Stack
 from moetrain.plan.calibration import Assumptions
 from moetrain.plan.hardware import GPU
 from moetrain.plan.layout import BUCKET_BYTES, Layout, compiled_blocks, rows_per_token, uses_bf16_weights
-from moetrain.plan.memory import RankMemory
+from moetrain.plan.memory import RankMemory, deferred_expert_grads, expert_operand_bytes
 from moetrain.train.config import RunConfig
 
 COMPUTE_PARTS = (
@@ -247,15 +247,26 @@ def _optimizer_time(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assu
 
 
 def _cast_time(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume: Assumptions) -> float:
-    """The weights' casts and the gradients' copies and accumulation over the micro-batches."""
+    """The weights' casts and the gradients' copies and accumulation over the micro-batches. With
+    deferred expert weight gradients the experts' gradient arrives once a step (no accumulation),
+    and every micro-batch's expert operands are copied once into expert order
+    (src/moetrain/model/expert_grads.py; the update's 2 bytes less per bf16 expert gradient are not
+    counted)."""
     fsdp = L.stack == Stack.fsdp.value
     fp32 = cfg.train.precision.value == "fp32"
     low_grads = cfg.optim.grad_dtype.value == "bf16"
     hbm = spec.hbm_bytes_s * assume.hbm_eff
-    # Per micro-batch: autocast's fp32→bf16 weight casts and the bf16→fp32 gradient casts (12 B
+    deferred = deferred_expert_grads(cfg, L)
+    n, later = L.micro_batches, L.micro_batches - 1
+    expert_later = 0 if deferred else later  # backwards after the first that reach an expert weight
+    t_copy = 2 * expert_operand_bytes(cfg, L, rank.moe_layers, n) / hbm if deferred else 0.0
+    # Per micro-batch: autocast's fp32→bf16 weight casts and the bf16→fp32 gradient casts (6 + 6 B
     # per local parameter), and from the second micro-batch on accumulation into .grad (12 B).
-    local_params = rank.local / (L.replicas if fsdp else 1)
-    t_casts = 0.0 if fp32 else local_params * (12 * L.micro_batches + 12 * (L.micro_batches - 1)) / hbm
+    divisor = L.replicas if fsdp else 1
+    dense, experts = (rank.local - rank.expert_local) / divisor, rank.expert_local / divisor
+    t_casts = 0.0
+    if not fp32:
+        t_casts = (dense * 12 * (n + later) + experts * (6 * n + 6 * (1 + expert_later) + 12 * expert_later)) / hbm
     if uses_bf16_weights(cfg):
         # What a step's gradients cost beyond the GEMMs that make them (src/moetrain/optim/split_master.py,
         # grad_reducer.py): a bucketed gradient (dense ones at dp > 1; experts' at edp > 1 or under
@@ -263,18 +274,21 @@ def _cast_time(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume: A
         # 6 B, into a bf16 bucket (optim.grad_dtype=bf16) 4 B — and later backwards add into it
         # (fp32 += bf16 10 B; bf16 += bf16 6 B); an unbucketed one is kept as backward made it
         # (0 B), the second backward sums the two into fp32 (8 B), later ones add (10 B); bf16: 6 B.
-        bucketed = L.bucketed(rank.dense_local, rank.expert_local)
-        kept = local_params - bucketed
-        later = L.micro_batches - 1
-        if low_grads:
-            t_bytes = bucketed * 4 + local_params * 6 * later
-        else:
-            t_bytes = bucketed * (6 + 10 * later) + kept * ((8 + 10 * (later - 1)) if later else 0)
+        dense_bucketed = L.bucketed(rank.dense_local, 0.0)
+        expert_bucketed = L.bucketed(rank.dense_local, rank.expert_local) - dense_bucketed
+
+        def grad_bytes(bucketed: float, kept: float, later: int) -> float:
+            if low_grads:
+                return bucketed * 4 + (bucketed + kept) * 6 * later
+            return bucketed * (6 + 10 * later) + kept * ((8 + 10 * (later - 1)) if later else 0)
+
+        t_bytes = grad_bytes(dense_bucketed, rank.local - rank.expert_local - dense_bucketed, later)
+        t_bytes += grad_bytes(expert_bucketed, rank.expert_local - expert_bucketed, expert_later)
         t_casts = t_bytes / (spec.hbm_bytes_s * assume.param_pass_eff)
     elif low_grads and not fsdp:  # the fp32 gradient rounded into the store (6 B), then bf16 += fp32 (8 B)
-        weight_casts = 0 if fp32 else 12 * L.micro_batches
-        t_casts = local_params * (weight_casts + 6 + 8 * (L.micro_batches - 1)) / hbm
-    return t_casts
+        weight_casts = 0 if fp32 else 12 * n
+        t_casts = (dense * (weight_casts + 6 + 8 * later) + experts * (weight_casts + 6 + 8 * expert_later)) / hbm
+    return t_casts + t_copy
 
 
 def _elementwise_time(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume: Assumptions) -> float:
