@@ -149,3 +149,26 @@ def test_compiled_blocks_run_the_deferred_products_eagerly_with_the_same_steps(t
         b = compiled.train_step(synthetic_batches(cfg, step), step)
         assert b.lm_loss.item() == pytest.approx(a.lm_loss.item(), rel=1e-5)
         assert b.grad_norm.item() == pytest.approx(a.grad_norm.item(), rel=1e-5)
+
+
+def test_a_step_that_fails_midway_frees_the_kept_operands(tiny_cfg, tmp_path, monkeypatch):
+    """A micro-batch that raises (out of memory, say) after an earlier one's backward kept its
+    operands: the engine drops them before the error leaves `forward_backward`, and the next step
+    trains as usual."""
+    cfg, engine = _engine(tiny_cfg, tmp_path / "a", "train.defer_expert_weight_grad=true")
+    real, calls = engine.lm_loss, []
+
+    def failing(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            assert engine.expert_grads.held_bytes() > 0  # the first micro-batch's operands
+            raise torch.OutOfMemoryError("injected")
+        return real(*args)
+
+    monkeypatch.setattr(engine, "lm_loss", failing)
+    with pytest.raises(torch.OutOfMemoryError):
+        engine.forward_backward(synthetic_batches(cfg, 0))
+    assert engine.expert_grads.held_bytes() == 0 and engine.expert_grads.backward_passes == 1
+    engine.optimizer.zero_grad()
+    out = engine.train_step(synthetic_batches(cfg, 1), 0)
+    assert torch.isfinite(out.lm_loss) and torch.isfinite(out.grad_norm)

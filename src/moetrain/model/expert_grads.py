@@ -48,10 +48,15 @@ class DeferredExpertGrads:
         self._held: dict[Hashable, list[Part]] = {}
 
     def begin(self, backward_passes: int) -> None:
-        """A step of `backward_passes` backward passes starts: drop anything held (a step that
-        ended early, e.g. by an exception, left it) and count anew."""
-        self._held.clear()
+        """A step of `backward_passes` backward passes starts: count anew."""
+        self.reset()
         self.backward_passes = backward_passes
+
+    def reset(self) -> None:
+        """Drop what is held and defer nothing (a step that ended early, e.g. out of memory,
+        frees the operands it kept)."""
+        self._held.clear()
+        self.backward_passes = 1
 
     def weight_grad(
         self, key: Hashable, dy_MN: torch.Tensor, x_MK: torch.Tensor, offsets_E: torch.Tensor, compute: Callable
@@ -74,7 +79,7 @@ class DeferredExpertGrads:
         """After the step's last backward: every product must have used what it kept."""
         if self._held:
             counts = sorted(len(v) for v in self._held.values())
-            self._held.clear()
+            self.reset()
             raise RuntimeError(
                 f"train.defer_expert_weight_grad: {len(counts)} expert products saw fewer than the step's "
                 f"{self.backward_passes} backward passes (held {counts}); their weight gradients would be lost. "

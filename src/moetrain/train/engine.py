@@ -168,9 +168,14 @@ class TrainEngine:
         self.model.train()
         if self.expert_grads is not None:
             self.expert_grads.begin(len(batches))
-        lm_loss = (
-            self._pipeline_forward_backward(batches) if self.pipeline is not None else self._micro_batches(batches)
-        )
+        try:
+            lm_loss = (
+                self._pipeline_forward_backward(batches) if self.pipeline is not None else self._micro_batches(batches)
+            )
+        except BaseException:
+            if self.expert_grads is not None:  # free the operands an unfinished step kept
+                self.expert_grads.reset()
+            raise
         if self.expert_grads is not None:
             self.expert_grads.finish()
         self.optimizer.reduction.finish()
