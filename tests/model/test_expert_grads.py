@@ -100,7 +100,9 @@ def test_a_step_whose_backwards_miss_a_layer_stops_naming_the_setting():
     m.deferred.begin(3)
     x, offsets, dy = _micro_batch(0)
     m(x, offsets).backward(dy)
-    with pytest.raises(RuntimeError, match="train.defer_expert_weight_grad"):
+    with pytest.raises(
+        RuntimeError, match="train.defer_expert_weight_grad: 2 expert products saw fewer than the step's 3"
+    ):
         m.deferred.finish()
     m.deferred.begin(1)  # the next step starts clean
     m(x, offsets).backward(dy)
@@ -172,3 +174,15 @@ def test_a_step_that_fails_midway_frees_the_kept_operands(tiny_cfg, tmp_path, mo
     engine.optimizer.zero_grad()
     out = engine.train_step(synthetic_batches(cfg, 1), 0)
     assert torch.isfinite(out.lm_loss) and torch.isfinite(out.grad_norm)
+
+
+def test_frozen_experts_keep_nothing():
+    """Experts whose weights take no gradient (frozen) keep no operands for one."""
+    m = _experts(DeferredExpertGrads())
+    m.requires_grad_(False)
+    m.deferred.begin(2)
+    x, offsets, dy = _micro_batch(0)
+    x.requires_grad_()
+    m(x, offsets).backward(dy)
+    assert x.grad is not None and m.deferred.held_bytes() == 0
+    m.deferred.finish()

@@ -78,11 +78,11 @@ class DeferredExpertGrads:
     def finish(self) -> None:
         """After the step's last backward: every product must have used what it kept."""
         if self._held:
-            counts = sorted(len(v) for v in self._held.values())
+            counts, passes = sorted(len(v) for v in self._held.values()), self.backward_passes
             self.reset()
             raise RuntimeError(
                 f"train.defer_expert_weight_grad: {len(counts)} expert products saw fewer than the step's "
-                f"{self.backward_passes} backward passes (held {counts}); their weight gradients would be lost. "
+                f"{passes} backward passes (held {counts}); their weight gradients would be lost. "
                 "Every micro-batch's backward must reach every MoE layer once; set "
                 "train.defer_expert_weight_grad=false for a step that does not."
             )

@@ -128,6 +128,15 @@ def _weight_grad(dy_RN: torch.Tensor, x_RK: torch.Tensor, offsets_E: torch.Tenso
     return torch._grouped_mm(dy_RN.t(), x_RK, offs=offsets_E)
 
 
+def _deferred_weight_grad(ctx, dy_MN, x_MK, offsets_E) -> torch.Tensor | None:
+    """The weight's gradient through `DeferredExpertGrads.weight_grad` (None before the step's
+    last backward, and for a weight that takes none)."""
+    if not ctx.needs_input_grad[1]:
+        return None
+    deferred, key = ctx.deferral
+    return deferred.weight_grad(key, dy_MN, x_MK, offsets_E, _weight_grad)
+
+
 class _DeferredGroupedMM(torch.autograd.Function):
     """y (M, N): row block e of x (M, K) times w[e] (N, K)ᵀ; the weight gradient through
     `DeferredExpertGrads.weight_grad` (None before the step's last backward)."""
@@ -143,8 +152,7 @@ class _DeferredGroupedMM(torch.autograd.Function):
         x_MK, w_ENK, offsets_E = ctx.saved_tensors
         dy_MN = dy_MN.contiguous()
         dx = torch._grouped_mm(dy_MN, w_ENK, offs=offsets_E) if ctx.needs_input_grad[0] else None
-        deferred, key = ctx.deferral
-        return dx, deferred.weight_grad(key, dy_MN, x_MK, offsets_E, _weight_grad), None, None
+        return dx, _deferred_weight_grad(ctx, dy_MN, x_MK, offsets_E), None, None
 
 
 class _DeferredSwiGLUGroupedMM(torch.autograd.Function):
@@ -163,8 +171,7 @@ class _DeferredSwiGLUGroupedMM(torch.autograd.Function):
         h_M2F, w_ENF, offsets_E = ctx.saved_tensors
         dy_MN = dy_MN.contiguous()
         dh_M2F, a_MF = swiglu_backward(torch._grouped_mm(dy_MN, w_ENF, offs=offsets_E), h_M2F)
-        deferred, key = ctx.deferral
-        return dh_M2F, deferred.weight_grad(key, dy_MN, a_MF, offsets_E, _weight_grad), None, None
+        return dh_M2F, _deferred_weight_grad(ctx, dy_MN, a_MF, offsets_E), None, None
 
 
 @torch.compiler.disable  # the backward keeps tensors across micro-batches: no graph can hold that

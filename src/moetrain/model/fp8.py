@@ -311,9 +311,9 @@ def _emulated_weight_grad(aq_NR, bq_KR, sa_EN, sb_EK, seg: Segments) -> torch.Te
 
 def _weight_grad(dy_MN, x_MK, offsets_E, ctx) -> torch.Tensor | None:
     """The expert layer's weight gradient (E, N, K): row-wise FP8 with `ctx.fp8_weight_grad`
-    (`_fp8_grouped_weight_grad`), else a bf16 grouped GEMM (fp32 on CPU). With `ctx.deferral`,
-    through `DeferredExpertGrads.weight_grad` (None before the step's last backward; the padded
-    layout then built over the whole step's rows)."""
+    (`_fp8_grouped_weight_grad`), else a bf16 grouped GEMM (fp32 on CPU); None for a weight that
+    takes no gradient. With `ctx.deferral`, through `DeferredExpertGrads.weight_grad` (None before
+    the step's last backward; the padded layout then built over the whole step's rows)."""
 
     def compute(dy_RN, x_RK, offsets_E, seg=None):
         if ctx.fp8_weight_grad:
@@ -321,6 +321,8 @@ def _weight_grad(dy_MN, x_MK, offsets_E, ctx) -> torch.Tensor | None:
         dt = torch.bfloat16 if dy_RN.is_cuda else torch.float32
         return _grouped(dy_RN.t().to(dt), x_RK.to(dt), offsets_E)
 
+    if not ctx.needs_input_grad[1]:  # a frozen weight
+        return None
     if ctx.deferral is None:
         return compute(dy_MN, x_MK, offsets_E, ctx.segments)
     deferred, key = ctx.deferral
