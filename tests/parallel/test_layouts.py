@@ -63,6 +63,7 @@ def train_and_report(data_dir, run_dir, extra, params_file=None):
 
     trainer = Trainer(layout_cfg(data_dir, run_dir, *extra), quiet=True)
     deferred = _count_deferred(trainer.engine.expert_grads)
+    launched = _launched_before_finish(trainer.engine.optimizer.reduction)
     trainer.fit()
     records = read_metrics(run_dir / "metrics.jsonl") if trainer.par.is_main else None
     max_err = None
@@ -93,6 +94,7 @@ def train_and_report(data_dir, run_dir, extra, params_file=None):
         "param_tensors": len(list(trainer.engine.model.parameters())),
         "optim_bytes": trainer.engine.optimizer.memory_bytes(),
         "deferred": deferred,
+        "launched": launched,
     }
     return records, (max_err, worst) if params_file is not None else None, held
 
@@ -110,6 +112,21 @@ def _count_deferred(expert_grads) -> list[int]:
 
         expert_grads.weight_grad = counting
     return count
+
+
+def _launched_before_finish(reduction) -> list[bool]:
+    """Per step, whether every bucket of a `GradReducer` had started its reduction during
+    backward, before `finish()` (empty for reductions without buckets)."""
+    seen = []
+    if hasattr(reduction, "buckets"):
+        finish = reduction.finish
+
+        def recording():
+            seen.append(all(b.launched for b in reduction.buckets))
+            finish()
+
+        reduction.finish = recording
+    return seen
 
 
 def rank_layouts(data_dir, tmp, layouts, params_file):
@@ -219,6 +236,7 @@ LAYOUT_GROUPS = [
             ("pp2dp2ep2", ["parallel.pp=2", "parallel.ep=2"]),
             ("pp2dp2ep2-interleaved-alltoall-sharded", ["parallel.pp=2", "parallel.ep=2", INTERLEAVED, A2A, SHARD]),
             ("pp2dp2", ["parallel.pp=2", "parallel.dp=2"]),
+            ("pp2dp2-deferred", ["parallel.pp=2", "parallel.dp=2", DEFER]),
             ("pp2cp2-interleaved", ["parallel.pp=2", "parallel.cp=2", INTERLEAVED]),
             (
                 "pp2dp2ep2-overlap2-selective",
@@ -253,7 +271,8 @@ def test_layouts_match_single_process(reference, layout_results, world, layouts)
     pipeline parallelism (1F1B, interleaved 1F1B with two stages per rank, GPipe with recompute;
     alone and composed with dp and ep; the step's 2 micro-batches are the pipeline's), and the
     experts' weight gradients deferred to the step's last backward under ep with an overlapped
-    exchange, the sharded optimizer with recompute, FSDP and an interleaved pipeline, reproduce
+    exchange, the sharded optimizer with recompute, FSDP and pipelines (interleaved; with dp,
+    whose expert buckets must still be reduced during backward), reproduce
     the single-process run, nosync under its default settings too (their floor gives these small
     micro-batches every row, so nothing is dropped); a capacity that binds drops and says so."""
     ref_records, params_file = reference
@@ -266,8 +285,12 @@ def test_layouts_match_single_process(reference, layout_results, world, layouts)
             continue
         check(records, ref_records)
         assert all(r["dropped_token_frac"] == 0 for r in records)
-        # deferred: each step's first backward gave no expert weight gradient, on every rank
+        # deferred: each step's first backward gave no expert weight gradient, on every rank, and
+        # the buckets of the gradients that came in the last backward alone were still reduced
+        # during it (a pipeline step's reducer counts one pass for them)
         assert all((per_rank[name][2]["deferred"][0] > 0) == (DEFER in extra) for per_rank in results), name
+        if DEFER in extra:
+            assert all(all(per_rank[name][2]["launched"]) for per_rank in results), name
         for rank, per_rank in enumerate(results):
             assert per_rank[name][1][0] <= 1.0, (name, rank, per_rank[name][1])
         if any(e.startswith("parallel.pp=") for e in extra):

@@ -20,8 +20,9 @@ weight (`held_bytes`; the planner counts them: src/moetrain/plan/memory.py).
 The gradient that autograd accumulates is then one GEMM's output instead of a sum of n, so the
 numbers differ from the per-micro-batch sum by rounding only (summation order; in bf16 one
 rounding instead of n). The earlier micro-batches give the weight no gradient at all (their
-backward returns None for it), so nothing downstream of the weight — split masters, gradient
-reducers — sees those micro-batches.
+backward returns None for it): autograd still runs the weight's post-accumulate-grad hooks, with
+`.grad` None, so the split masters and gradient stores add nothing then, and a gradient reducer
+that counts hooks per backward pass (a pipeline step's) reduces the bucket after the last.
 
 `begin(n)` starts a step of n backward passes; every expert product then counts its backward
 calls by key (one key per weight and expert group) and the n-th computes the gradient. `finish()`

@@ -50,6 +50,8 @@ class GradStore:
         p.register_post_accumulate_grad_hook(self._accumulate)
 
     def _accumulate(self, p: nn.Parameter) -> None:
+        if p.grad is None:  # this backward gave it none (a deferred expert weight's, before the last)
+            return
         key = id(p)
         if key in self._written:
             self.views[key].add_(p.grad)

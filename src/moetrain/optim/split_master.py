@@ -167,7 +167,11 @@ class SplitMaster:
         it as it is (its fp32 value is exact: no cast pass, half the bytes); a second one sums
         both in fp32, and later ones add to that (on CUDA one Triton pass each,
         `accumulate_grad`). Into a kept buffer it is copied. bf16 `grad_dtype`: later ones are
-        added into the bf16 gradient in place (in fp32, rounded once)."""
+        added into the bf16 gradient in place (in fp32, rounded once). A backward that gave `p`
+        no gradient (None: the experts' before the step's last backward, with
+        train.defer_expert_weight_grad) adds nothing."""
+        if p.grad is None:
+            return
         i = self._index[id(p)]
         if id(p) not in self._written:
             if self.persistent[i]:
