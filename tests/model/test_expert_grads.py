@@ -127,6 +127,7 @@ BF16_GRADS = ["train.precision=bf16", "optim.grad_dtype=bf16"]  # GradStore keep
         (["model.moe.top_k=1"], 1e-5, 1e-4),
         (BF16_WEIGHTS, 1e-5, 1e-3),
         (BF16_GRADS, 1e-5, 1e-3),
+        (["optim.name=muon"], 1e-5, 1e-4),
     ],
 )
 def test_training_steps_match_the_per_micro_batch_gradients(tiny_cfg, tmp_path, extra, loss_rel, norm_rel):
@@ -134,7 +135,8 @@ def test_training_steps_match_the_per_micro_batch_gradients(tiny_cfg, tmp_path, 
     plain engine up to fp32 summation order (bf16 rounding in FP8's emulated products, and where
     the gradients are bf16: the deferred one is rounded once, the plain sum per micro-batch),
     with bf16 experts under row-wise FP8 too, and with the gradients kept by the split masters
-    and by a bf16 gradient store, whose hooks see the earlier backwards give the experts none."""
+    and by a bf16 gradient store, whose hooks see the earlier backwards give the experts none, and
+    under Muon."""
     cfg, plain = _engine(tiny_cfg, tmp_path / "a", *extra)
     _, held = _engine(tiny_cfg, tmp_path / "b", "train.defer_expert_weight_grad=true", *extra)
     assert held.expert_grads is not None and plain.expert_grads is None
