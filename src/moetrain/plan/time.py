@@ -145,7 +145,8 @@ def _gemm_time(
     cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume: Assumptions, fpt: float
 ) -> tuple[float, float, float]:
     """(GEMM and attention, the grouped GEMMs' partial tiles, the GEMM rate in FLOP/s). Under
-    context parallelism the attention runs at its own measured rate (`cp_attention_eff`)."""
+    context parallelism the attention runs at its own measured rate (`cp_attention_eff`). With
+    deferred expert weight gradients their GEMM has one partial tile per expert a step."""
     m = cfg.model
     t = L.tokens(cfg.data.seq_len)
     stage_share = rank.layers / m.n_layers if L.pp > 1 else 1.0
@@ -167,6 +168,8 @@ def _gemm_time(
     local_experts = m.moe.num_experts / (1 if L.stack == Stack.fsdp.value else L.ep)
     expert_flops = 18 * m.moe.top_k * m.d_model * m.moe.expert_hidden * t * _moe_layers(m, rank) * L.micro_batches
     t_tiles = expert_flops * local_experts * assume.group_tile_rows / (t * m.moe.top_k) / gemm_rate if t else 0.0
+    if deferred_expert_grads(cfg, L):  # the weight gradients' third: one GEMM per step, not per micro-batch
+        t_tiles *= (2 + 1 / L.micro_batches) / 3
     return t_gemm, t_tiles, gemm_rate
 
 
