@@ -25,6 +25,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from moetrain.model.permute import inverse_permutation
+from moetrain.model.token_dispatcher import sort_by_expert
+
 SHAPES = {  # preset: (tokens of one micro-batch, top-k, experts)
     "bench-8e": (8192, 4, 8),
     "bench-tiny64e-l6": (16384, 4, 64),
@@ -33,19 +36,13 @@ SHAPES = {  # preset: (tokens of one micro-batch, top-k, experts)
 }
 
 
-def _inverse(sort_idx_M: torch.Tensor) -> torch.Tensor:
-    arange_M = torch.arange(sort_idx_M.numel(), device=sort_idx_M.device, dtype=sort_idx_M.dtype)
-    return torch.empty_like(sort_idx_M).scatter_(0, sort_idx_M, arange_M)
-
-
 def by_int64(topk_ids_NK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    sort_idx_M = topk_ids_NK.flatten().argsort(stable=True)
-    return sort_idx_M, _inverse(sort_idx_M).view(topk_ids_NK.shape)
+    return sort_by_expert(topk_ids_NK)
 
 
 def by_int32(topk_ids_NK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     sort_idx_M = topk_ids_NK.flatten().to(torch.int32).argsort(stable=True)
-    return sort_idx_M, _inverse(sort_idx_M).view(topk_ids_NK.shape)
+    return sort_idx_M, inverse_permutation(sort_idx_M).view(topk_ids_NK.shape)
 
 
 def by_counting(topk_ids_NK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

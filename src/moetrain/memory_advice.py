@@ -49,7 +49,7 @@ def advice(cfg: RunConfig, world_size: int, gpu: str) -> str:
 
 def _deferral(cfg: RunConfig, world_size: int, gpu: str) -> str:
     """With train.defer_expert_weight_grad on (and several micro-batches): the peak without it."""
-    if not (cfg.train.defer_expert_weight_grad and cfg.train.grad_accum_steps > 1):
+    if not cfg.train.defers_expert_weight_grads:
         return ""
     off = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, defer_expert_weight_grad=False))
     peak = plan(off, world_size, gpu).peak_mem_gib_per_device

@@ -24,14 +24,16 @@ backward returns None for it): autograd still runs the weight's post-accumulate-
 `.grad` None, so the split masters and gradient stores add nothing then, and a gradient reducer
 that counts hooks per backward pass (a pipeline step's) reduces the bucket after the last.
 
-`begin(n)` starts a step of n backward passes; every expert product then counts its backward
-calls by key (one key per weight and expert group) and the n-th computes the gradient. `finish()`
-checks that no product kept operands it never used (a mismatch would lose gradient).
+`step(n)` brackets a step of n backward passes: every expert product counts its backward calls by
+key (one key per weight and expert group) and the n-th computes the gradient; at the end it checks
+that no product kept operands it never used (a mismatch would lose gradient), and a step that
+raises drops what was kept.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+import contextlib
+from collections.abc import Callable, Hashable, Iterator
 
 import torch
 
@@ -47,6 +49,18 @@ class DeferredExpertGrads:
         self.backward_passes = 1
         """Backward passes of the current step; 1 (nothing deferred) until `begin` says more."""
         self._held: dict[Hashable, list[Part]] = {}
+
+    @contextlib.contextmanager
+    def step(self, backward_passes: int) -> Iterator[None]:
+        """Around a step's `backward_passes` forward and backward passes: `begin`, then `finish`,
+        or `reset` if the step raises (out of memory, say: the kept operands are freed)."""
+        self.begin(backward_passes)
+        try:
+            yield
+        except BaseException:
+            self.reset()
+            raise
+        self.finish()
 
     def begin(self, backward_passes: int) -> None:
         """A step of `backward_passes` backward passes starts: count anew."""

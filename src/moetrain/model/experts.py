@@ -67,7 +67,7 @@ class GroupedExperts(nn.Module):
             fast, wgrad = self.fp8_fast_accum_backward, self.fp8_weight_grad
             # the FP8 weight gradients' padded layout, once for both products (deferred: built
             # over the whole step's rows when they are computed)
-            now = wgrad and torch.is_grad_enabled() and self.deferred is None
+            now = wgrad and torch.is_grad_enabled() and deferral[0] is None
             seg = expert_segments(offsets_E, x_MD.shape[0]) if now else None
             h_M2F = fp8_grouped_mm(x_MD, w_gate_up, offsets_E, fast, wgrad, seg, deferral[0])
             return fp8_swiglu_grouped_mm(h_M2F, w_down, offsets_E, fast, wgrad, seg, deferral[1])

@@ -263,13 +263,16 @@ def _cast_time(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume: A
     n, later = L.micro_batches, L.micro_batches - 1
     expert_later = 0 if deferred else later  # backwards after the first that reach an expert weight
     t_copy = 2 * expert_operand_bytes(cfg, L, rank.moe_layers, n) / hbm if deferred else 0.0
-    # Per micro-batch: autocast's fp32→bf16 weight casts and the bf16→fp32 gradient casts (6 + 6 B
-    # per local parameter), and from the second micro-batch on accumulation into .grad (12 B).
     divisor = L.replicas if fsdp else 1
     dense, experts = (rank.local - rank.expert_local) / divisor, rank.expert_local / divisor
-    t_casts = 0.0
-    if not fp32:
-        t_casts = (dense * 12 * (n + later) + experts * (6 * n + 6 * (1 + expert_later) + 12 * expert_later)) / hbm
+
+    def autocast_bytes(later: int) -> float:
+        # per local parameter: autocast's fp32→bf16 weight cast every micro-batch (6 B), the
+        # bf16→fp32 gradient cast every backward that gives it one (6 B), accumulation into
+        # .grad from the second such backward on (12 B)
+        return 6 * n + 6 * (1 + later) + 12 * later
+
+    t_casts = 0.0 if fp32 else (dense * autocast_bytes(later) + experts * autocast_bytes(expert_later)) / hbm
     if uses_bf16_weights(cfg):
         # What a step's gradients cost beyond the GEMMs that make them (src/moetrain/optim/split_master.py,
         # grad_reducer.py): a bucketed gradient (dense ones at dp > 1; experts' at edp > 1 or under

@@ -201,6 +201,12 @@ class TrainerConfig(Config):
     def grad_accum_steps(self) -> int:
         return self.global_batch_size // self.micro_batch_size
 
+    @property
+    def defers_expert_weight_grads(self) -> bool:
+        """train.defer_expert_weight_grad takes effect: it is set and a step has several
+        micro-batches."""
+        return self.defer_expert_weight_grad and self.grad_accum_steps > 1
+
     def validate(self) -> None:
         if self.global_batch_size % self.micro_batch_size:
             raise ConfigError(

@@ -188,7 +188,7 @@ def describe_precision(cfg: RunConfig, device: torch.device) -> str:
         text += "; the experts' weight gradients too" if cfg.train.fp8_expert_weight_grad and experts else ""
     elif cfg.train.fp8 != Fp8.none:
         text += f", fp8 {cfg.train.fp8} matrix products"
-    if cfg.train.defer_expert_weight_grad and cfg.train.grad_accum_steps > 1:
+    if cfg.train.defers_expert_weight_grads:
         text += "; expert weight gradients once per step (train.defer_expert_weight_grad)"
     return text
 

@@ -129,7 +129,7 @@ class TrainEngine:
         self.expert_grads: DeferredExpertGrads | None = None
         """train.defer_expert_weight_grad (with several micro-batches): what every expert layer
         shares to compute its weight gradients once per step (src/moetrain/model/expert_grads.py)."""
-        if tc.defer_expert_weight_grad and tc.grad_accum_steps > 1:
+        if tc.defers_expert_weight_grads:
             self.expert_grads = DeferredExpertGrads()
             for module in model.modules():
                 if isinstance(module, GroupedExperts):
@@ -166,18 +166,11 @@ class TrainEngine:
         this rank's rows of each); afterwards the gradients are reduced over the data-parallel
         ranks. Returns the mean LM loss over the micro-batches (device scalar)."""
         self.model.train()
-        if self.expert_grads is not None:
-            self.expert_grads.begin(len(batches))
-        try:
+        deferred = self.expert_grads.step(len(batches)) if self.expert_grads is not None else contextlib.nullcontext()
+        with deferred:
             lm_loss = (
                 self._pipeline_forward_backward(batches) if self.pipeline is not None else self._micro_batches(batches)
             )
-        except BaseException:
-            if self.expert_grads is not None:  # free the operands an unfinished step kept
-                self.expert_grads.reset()
-            raise
-        if self.expert_grads is not None:
-            self.expert_grads.finish()
         self.optimizer.reduction.finish()
         return lm_loss
 
