@@ -109,8 +109,7 @@ def optimizer(n: int, reps: int) -> None:
     dev, bf16, fp32 = "cuda", torch.bfloat16, torch.float32
     hi, lo = split_fp32(torch.randn(n, device=dev, dtype=fp32) * 0.02)
     corr = bias_corrections(torch.ones((), device=dev), 1e-4, 0.9, 0.95)
-    hyper = dict(
-        lr=1e-4,
+    hyper = dict(  # lr=1e-4 comes with the corrections
         beta1=0.9,
         beta2=0.95,
         eps=1e-8,

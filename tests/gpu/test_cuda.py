@@ -82,6 +82,9 @@ def test_tiny_trains_on_cuda(real_text_dir, tmp_path, optimizer):
         (False, "none", "optim.name=muon parallel.stack=fsdp"),
         (True, "none", "train.defer_expert_weight_grad=true"),
         (False, "none", "train.defer_expert_weight_grad=true optim.bf16_weights=false"),
+        (False, "none", "train.cuda_graphs=optimizer"),
+        (True, "selective", "train.cuda_graphs=optimizer optim.grad_dtype=bf16"),
+        (False, "none", "train.cuda_graphs=optimizer optim.bf16_weights=false optim.moments_dtype=bf16"),
     ],
 )
 def test_training_step_is_sync_free(tmp_path, compile, recompute, optimizer):
@@ -290,6 +293,100 @@ def test_deferred_expert_weight_gradients_on_cuda_match_the_per_micro_batch_ones
     assert torch.equal(swiglu_forward(h), swiglu_backward(torch.ones(1000, 768, device="cuda").bfloat16(), h)[1])
 
 
+def _graph_engine(tmp_path, *overrides):
+    """A tiny engine on the GPU with train.cuda_graphs=optimizer: bf16 weights with split masters
+    (the Triton update), two micro-batches, clipping that bites, the router bias."""
+    from moetrain.parallel.dims import ParallelDims, ParallelState
+    from moetrain.presets import resolve_config
+    from moetrain.train.engine import TrainEngine
+
+    cfg = resolve_config(
+        "tiny",
+        [
+            "data.synthetic=true",
+            f"train.run_dir={tmp_path}",
+            "train.device=cuda",
+            "train.micro_batch_size=16",
+            "train.cuda_graphs=optimizer",
+            "optim.grad_clip=0.05",
+            "schedule.warmup_steps=4",
+            "model.moe.bias_update_rate=0.01",
+            *overrides,
+        ],
+    )
+    torch.manual_seed(0)
+    return cfg, TrainEngine(cfg, ParallelState(ParallelDims(world_size=1, dp=1, ep=1)), torch.device("cuda"))
+
+
+def _live_tensors(engine) -> list[torch.Tensor]:
+    """Every tensor the update writes: parameters, AdamW's and the split masters' state, the
+    step guard's, the router biases."""
+    opt = engine.optimizer
+    out = [p.data for p in engine.model.parameters()]
+    out += [t for s in opt.adamw.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    if opt.split is not None:
+        out += [opt.split.hi, opt.split.lo, opt.split.exp_avg, opt.split.exp_avg_sq, opt.split.step]
+    if hasattr(opt.adamw, "step_t"):
+        out.append(opt.adamw.step_t)
+    g = engine.guard
+    out += [g.history_W2, g.count, g.skipped_total, g.consecutive]
+    return out + [m.router.expert_bias_E for m in engine.model.moe_layers()]
+
+
+@pytest.mark.parametrize("overrides", ["", "optim.grad_dtype=bf16", "optim.bf16_weights=false"])
+def test_a_replayed_update_gives_the_eager_updates_bits_on_cuda(tmp_path, overrides):
+    """train.cuda_graphs=optimizer: on one step's gradients, the update replayed from the CUDA
+    graph writes what the same update launched kernel by kernel writes, bit for bit (the Triton
+    kernels of the split masters and of bf16 gradients, torch's fused AdamW, the clipping norm,
+    the guard, the router bias); with a spike the guard skips, both the same way."""
+    from moetrain.testing.steps import synthetic_batches
+
+    cfg, engine = _graph_engine(tmp_path, *overrides.split())
+    graph = engine.update_graph
+    for n in range(4):  # eager, eager and captured, then replays
+        engine.train_step(synthetic_batches(cfg, n), n)
+    assert graph.captures == 1 and graph.replays >= 1, graph.counts()
+    checked = set()
+    for n in range(4, 12):
+        scale = (1.0, float("inf"))[n % 2]
+        lm_loss = engine.forward_backward(synthetic_batches(cfg, n)) * scale
+        if graph.backend.places(engine.optimizer.graph_inputs()) != graph.captured:
+            engine.optim_step(lm_loss, n)  # the gradients moved (the copies below): a plain step
+            continue
+        engine.optimizer.set_lr(0.5 * n * cfg.optim.lr)
+        live = _live_tensors(engine)
+        before = [t.clone() for t in live]
+        eager_norm = engine.update_tensors(lm_loss)
+        eager = [t.clone() for t in live]
+        for t, b in zip(live, before):
+            t.copy_(b)
+        replays = graph.replays
+        graph_norm = graph.run(lm_loss)
+        assert graph.replays == replays + 1, "the same gradients: the graph replays"
+        assert torch.equal(graph_norm, eager_norm)
+        assert all(torch.equal(a, b) for a, b in zip(live, eager))
+        assert any(not torch.equal(a, b) for a, b in zip(eager, before)) == (scale == 1.0)
+        checked.add(scale)
+        engine.drop_step(lm_loss)
+        del live, before, eager
+    assert checked == {1.0, float("inf")}, (checked, graph.counts())
+
+
+def test_training_with_the_optimizer_graph_follows_the_eager_run_on_cuda(tmp_path):
+    """30 steps with train.cuda_graphs=optimizer against off: losses within 0.1% at every step
+    (the graph's fp32 learning rate rounds AdamW's step size apart from a float64 number's), and
+    the graph replayed from the third step on."""
+    from moetrain.testing.steps import synthetic_batches
+
+    losses = {}
+    for mode in ("off", "optimizer"):
+        cfg, engine = _graph_engine(tmp_path / mode, f"train.cuda_graphs={mode}")
+        losses[mode] = [float(engine.train_step(synthetic_batches(cfg, n), n).lm_loss) for n in range(30)]
+    for a, b in zip(losses["off"], losses["optimizer"]):
+        assert abs(a - b) <= 1e-3 * abs(a), (losses["off"], losses["optimizer"])
+    assert engine.update_graph.counts()["replays"] >= 27, engine.update_graph.counts()
+
+
 def test_fp8_quantizer_kernels_give_the_cpu_bits():
     """The Triton quantizers (src/moetrain/model/fp8_kernels.py) on the GPU give quantize_rowwise's
     bytes and scales on the CPU, in every (dim, layout) the FP8 products ask for."""
@@ -402,7 +499,7 @@ def test_split_adamw_kernel_matches_the_reference_on_cuda():
             bias_corrections(torch.tensor(3.0, device="cuda"), 1e-3, 0.9, 0.95),
             grad_coef=coef,
             skip=torch.tensor(False, device="cuda"),
-            **hyper,
+            **{k: v for k, v in hyper.items() if k != "lr"},  # the kernel reads lr from the corrections
         )
         torch.testing.assert_close(join(hi[end], lo[end]), join(ref[0], ref[1]), rtol=1e-6, atol=1e-8)
         # m ← m + (1 − β₁)(g − m) cancels: a few ulps of the inputs (|g| ~ 1) with the GPU's FMAs.
@@ -418,7 +515,7 @@ def test_one_adamw_launch_over_many_tensors_gives_the_bits_of_one_launch_each_on
     from moetrain.optim.split_master import split_fp32
     from moetrain.optim.triton_kernels import BLOCK, adamw_triton, adamw_triton_flat, bias_corrections
 
-    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    hyper = dict(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)  # lr=1e-3 comes with the corrections
     g = torch.Generator(device="cuda").manual_seed(0)
     for sizes in ([BLOCK * 300 + 5, 1, BLOCK, 3000, 2**20], [BLOCK * 300, 16, BLOCK, 3008, 2**20]):  # tails; 16-aligned
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]

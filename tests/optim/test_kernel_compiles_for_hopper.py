@@ -34,7 +34,7 @@ def test_adamw_kernel_compiles_for_sm90(split, low_moments, grad, coef, skip):
         "coef_ptr": "*fp32",
         "skip_ptr": "*i1" if skip else "*fp32",
         "n": "i64",
-        **dict.fromkeys(("lr", "beta1", "beta2", "eps", "decay"), "fp32"),
+        **dict.fromkeys(("beta1", "beta2", "eps", "decay"), "fp32"),
         **dict.fromkeys(("SPLIT", "LOW_MOMENTS", "HAS_COEF", "HAS_SKIP", "BLOCK"), "constexpr"),
     }
     values = {"SPLIT": split, "LOW_MOMENTS": low_moments, "HAS_COEF": coef, "HAS_SKIP": skip, "BLOCK": BLOCK}

@@ -25,13 +25,13 @@ KERNEL_CHECK = r"""
 import torch
 from moetrain.optim.adamw import adamw_reference
 from moetrain.optim.triton_kernels import adamw_triton, bias_corrections
-from moetrain.testing.steps import ADAMW_HYPER as hyper, adamw_inputs
+from moetrain.testing.steps import ADAMW_HYPER as hyper, KERNEL_HYPER, adamw_inputs
 p, grad, m, v = adamw_inputs(5000, seed=0, moments_dtype=torch.bfloat16)
 ref = [p.clone(), grad, m.clone(), v.clone()]
 adamw_reference(*([t] for t in ref), step=4.0, grad_coef=torch.tensor(0.5), **hyper)
 out = [p.clone(), grad, m.clone(), v.clone()]
 adamw_triton(out[0], None, out[1], out[2], out[3], bias_corrections(torch.tensor(4.0), 1e-3, 0.9, 0.95),
-             grad_coef=torch.tensor(0.5), skip=None, **hyper)
+             grad_coef=torch.tensor(0.5), skip=None, **KERNEL_HYPER)
 torch.testing.assert_close(out[0], ref[0], rtol=1e-6, atol=1e-8)
 # bf16 moments: equal, or one bf16 step apart where the fp32 values straddle a rounding boundary
 for a, b in ((out[2], ref[2]), (out[3], ref[3])):

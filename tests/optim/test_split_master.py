@@ -69,7 +69,7 @@ import torch
 from moetrain.optim.adamw import adamw_reference
 from moetrain.optim.split_master import join, split_fp32
 from moetrain.optim.triton_kernels import adamw_triton, bias_corrections
-from moetrain.testing.steps import ADAMW_HYPER as HYPER, adamw_inputs
+from moetrain.testing.steps import ADAMW_HYPER as HYPER, KERNEL_HYPER, adamw_inputs
 p, grad, m, v = adamw_inputs(n=5000)  # not a multiple of the block: the tail is masked
 cases = ((torch.tensor(0.5), torch.tensor(False), torch.float32), (None, None, torch.float32),
          (None, torch.tensor(True), torch.float32), (torch.tensor(0.5), None, torch.bfloat16))
@@ -80,7 +80,7 @@ for coef, skip, grad_dtype in cases:
     if skip is None or not bool(skip):
         adamw_reference([ref[0]], [ref[2]], [ref[3]], [ref[4]], [ref[1]], step=3.0, grad_coef=coef, **HYPER)
     out = [hi.clone(), lo.clone(), grad, m.clone(), v.clone()]
-    adamw_triton(*out, bias_corrections(torch.tensor(3.0), 1e-3, 0.9, 0.95), grad_coef=coef, skip=skip, **HYPER)
+    adamw_triton(*out, bias_corrections(torch.tensor(3.0), 1e-3, 0.9, 0.95), grad_coef=coef, skip=skip, **KERNEL_HYPER)
     a, b = join(ref[0], ref[1]), join(out[0], out[1])
     # fp32 bias corrections on the device against Python's double pow: a few fp32 ulps at most.
     torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-8)
@@ -102,7 +102,7 @@ FLAT_CHECK = r"""
 import torch
 from moetrain.optim.split_master import split_fp32
 from moetrain.optim.triton_kernels import BLOCK, adamw_triton, adamw_triton_flat, bias_corrections
-from moetrain.testing.steps import ADAMW_HYPER as HYPER
+from moetrain.testing.steps import KERNEL_HYPER
 g = torch.Generator().manual_seed(0)
 corr = bias_corrections(torch.tensor(3.0), 1e-3, 0.9, 0.95)
 many = [int(n) for n in torch.randint(0, 3 * BLOCK, (37,), generator=g)] + [0, 1, BLOCK, 0]  # the bisection
@@ -119,11 +119,11 @@ for sizes, moments, coef, skip in (
     v = (torch.rand(sum(sizes), generator=g) * 1e-6).to(moments)
     grads = [(torch.randn(n, generator=g) * 1e-2).to(dt) for n, dt in zip(sizes, grad_dtypes)]
     flat = [t.clone() for t in (hi, lo, m, v)]
-    adamw_triton_flat(flat[0], flat[1], grads, offsets, flat[2], flat[3], corr, grad_coef=coef, skip=skip, **HYPER)
+    adamw_triton_flat(flat[0], flat[1], grads, offsets, flat[2], flat[3], corr, grad_coef=coef, skip=skip, **KERNEL_HYPER)
     each = [t.clone() for t in (hi, lo, m, v)]
     for off, n, grad in zip(offsets, sizes, grads):
         part = [t[off : off + n] for t in each]
-        adamw_triton(part[0], part[1], grad, part[2], part[3], corr, grad_coef=coef, skip=skip, **HYPER)
+        adamw_triton(part[0], part[1], grad, part[2], part[3], corr, grad_coef=coef, skip=skip, **KERNEL_HYPER)
     assert all(torch.equal(a, b) for a, b in zip(flat, each))  # the same bits as one launch per tensor
     assert not torch.equal(flat[0], hi) if skip is None or not bool(skip) else torch.equal(flat[0], hi)
 print("ok")

@@ -113,7 +113,7 @@ def adamw_update(
     groups: list[AdamWGroup],
     step: torch.Tensor,
     *,
-    lr: float,
+    lr: float | torch.Tensor,
     betas: tuple[float, float],
     eps: float,
     grad_coef: torch.Tensor | None,
@@ -121,9 +121,11 @@ def adamw_update(
     fused: bool,
 ) -> None:
     """One AdamW step of every tensor of `groups`, counted in `step` (a 0-d fp32 tensor on the
-    tensors' device, shared by all of them). `grad_coef`: multiplies the gradients (the clipping
-    factor; None: 1). `skip` (a device bool): leave parameters, moments and `step` as they are.
-    `fused`: on the device, with no host read (module docstring); else `adamw_reference`."""
+    tensors' device, shared by all of them). `lr`: a number, or (fused only) a 0-d fp32 device
+    tensor, read at each launch (what a CUDA graph of the update needs). `grad_coef`: multiplies
+    the gradients (the clipping factor; None: 1). `skip` (a device bool): leave parameters,
+    moments and `step` as they are. `fused`: on the device, with no host read (module
+    docstring); else `adamw_reference`."""
     beta1, beta2 = betas
     groups = [g for g in groups if g.params]
     if not fused:
@@ -138,7 +140,7 @@ def adamw_update(
             )  # fmt: skip
         return
     step.add_((~skip).float() if skip is not None else 1.0)
-    hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps)
+    hyper = dict(beta1=beta1, beta2=beta2, eps=eps)
     torch_groups = [g for g in groups if g.fp32]
     if torch_groups:
         grad_scale = grad_coef.reciprocal() if grad_coef is not None else None  # torch's kernel divides by it
@@ -147,7 +149,7 @@ def adamw_update(
             torch._fused_adamw_(
                 g.params, g.grads, g.exp_avgs, g.exp_avg_sqs, [], [step] * len(g.params),
                 weight_decay=g.weight_decay, amsgrad=False, maximize=False, grad_scale=grad_scale,
-                found_inf=found_inf, **hyper,
+                found_inf=found_inf, lr=lr, **hyper,
             )  # fmt: skip
     triton_groups = [g for g in groups if not g.fp32]
     if triton_groups:

@@ -246,8 +246,28 @@ class TorchAdamW(StepHooks):
         step counts included."""
 
     def set_lr(self, lr: float) -> None:
+        """Every group's learning rate: a number, or the device tensor of `put_lr_on_device`
+        filled (no host sync)."""
+        current = self.adamw.param_groups[0]["lr"]
+        if isinstance(current, torch.Tensor):
+            current.fill_(lr)
+            return
         for group in self.adamw.param_groups:
             group["lr"] = lr
+
+    def put_lr_on_device(self) -> None:
+        """Keep the learning rate in one 0-d fp32 tensor on the parameters' device, shared by
+        every group and filled by `set_lr`: what a CUDA graph of the update reads at each replay
+        (src/moetrain/train/cuda_graphs.py). torch's AdamW groups also say capturable (it refuses a
+        capture otherwise). On the device path (`fused`) only: the other reads numbers."""
+        assert self.fused, "a learning rate on the device needs the fused update"
+        groups = self.adamw.param_groups
+        device = next(p.device for g in groups for p in g["params"])
+        lr = torch.full((), float(groups[0]["lr"]), dtype=torch.float32, device=device)
+        for group in groups:
+            group["lr"] = lr
+            if isinstance(self.adamw, torch.optim.AdamW) and device.type == "cuda":
+                group["capturable"] = True
 
     def _clip(self, grads: list[torch.Tensor], total: torch.Tensor, max_norm: float) -> torch.Tensor | None:
         """Bring the gradients to a norm of at most `max_norm`; return the factor (None: no

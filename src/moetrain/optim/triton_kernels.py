@@ -19,6 +19,7 @@ TRITON_INTERPRET=1), tests/gpu/test_cuda.py on the GPU.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 
@@ -38,13 +39,14 @@ def _bf16_bits(x):
 
 @triton.jit
 def _adamw_block(
-    p_ptr, lo_ptr, g, m_ptr, v_ptr, offs, mask, corr_ptr, coef_ptr, lr, beta1, beta2, eps, decay,
+    p_ptr, lo_ptr, g, m_ptr, v_ptr, offs, mask, corr_ptr, coef_ptr, beta1, beta2, eps, decay,
     SPLIT: tl.constexpr, LOW_MOMENTS: tl.constexpr, HAS_COEF: tl.constexpr,
 ):  # fmt: skip
     """The update of the elements `offs` (where `mask`) of the parameter and moments, from their
     gradient `g` (fp32, loaded by the caller)."""
     step_size = tl.load(corr_ptr)  # lr / (1 − β₁ᵗ)
     bias2_sqrt = tl.load(corr_ptr + 1)  # √(1 − β₂ᵗ)
+    lr = tl.load(corr_ptr + 2)
     if SPLIT:  # p_ptr: the bf16 halves as int16
         hi = tl.load(p_ptr + offs, mask=mask, other=0).to(tl.int32)
         lo = tl.load(lo_ptr + offs, mask=mask, other=0).to(tl.int32)
@@ -82,7 +84,7 @@ def _adamw_block(
 
 @triton.jit
 def _adamw_kernel(
-    p_ptr, lo_ptr, grad_ptr, m_ptr, v_ptr, corr_ptr, coef_ptr, skip_ptr, n, lr, beta1, beta2, eps, decay,
+    p_ptr, lo_ptr, grad_ptr, m_ptr, v_ptr, corr_ptr, coef_ptr, skip_ptr, n, beta1, beta2, eps, decay,
     SPLIT: tl.constexpr, LOW_MOMENTS: tl.constexpr, HAS_COEF: tl.constexpr, HAS_SKIP: tl.constexpr,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
@@ -92,7 +94,7 @@ def _adamw_kernel(
         mask = mask & (tl.load(skip_ptr) == 0)
     g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # fp32 or bf16
     _adamw_block(
-        p_ptr, lo_ptr, g, m_ptr, v_ptr, offs, mask, corr_ptr, coef_ptr, lr, beta1, beta2, eps, decay,
+        p_ptr, lo_ptr, g, m_ptr, v_ptr, offs, mask, corr_ptr, coef_ptr, beta1, beta2, eps, decay,
         SPLIT, LOW_MOMENTS, HAS_COEF,
     )  # fmt: skip
 
@@ -116,7 +118,7 @@ def _block_of(first_ptr, T, STEPS: tl.constexpr):
 @triton.jit
 def _adamw_table_kernel(
     p_ptr, lo_ptr, grad_addrs_ptr, m_ptr, v_ptr, first_ptr, T, numel_ptr, base_ptr,
-    corr_ptr, coef_ptr, skip_ptr, lr, beta1, beta2, eps, decay,
+    corr_ptr, coef_ptr, skip_ptr, beta1, beta2, eps, decay,
     GRAD_DTYPE: tl.constexpr, SPLIT: tl.constexpr, LOW_MOMENTS: tl.constexpr, HAS_COEF: tl.constexpr,
     HAS_SKIP: tl.constexpr, ALIGNED: tl.constexpr, STEPS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
@@ -135,16 +137,19 @@ def _adamw_table_kernel(
     g = tl.load(grad_ptr + local, mask=mask, other=0.0).to(tl.float32)
     offs = base + local
     _adamw_block(
-        p_ptr, lo_ptr, g, m_ptr, v_ptr, offs, mask, corr_ptr, coef_ptr, lr, beta1, beta2, eps, decay,
+        p_ptr, lo_ptr, g, m_ptr, v_ptr, offs, mask, corr_ptr, coef_ptr, beta1, beta2, eps, decay,
         SPLIT, LOW_MOMENTS, HAS_COEF,
     )  # fmt: skip
 
 
-def bias_corrections(step: torch.Tensor, lr: float, beta1: float, beta2: float) -> torch.Tensor:
-    """[lr / (1 − β₁ᵗ), √(1 − β₂ᵗ)] for step count t (0-d device tensor) as a device tensor: the
-    kernel's `corrections`, computed once per optimizer step."""
+def bias_corrections(step: torch.Tensor, lr: float | torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
+    """[lr / (1 − β₁ᵗ), √(1 − β₂ᵗ), lr] for step count t (0-d device tensor) as an fp32 device
+    tensor: the kernel's `corrections`, computed once per optimizer step. `lr`: a number, or a
+    0-d device tensor (the learning rate a CUDA graph reads at each replay, src/moetrain/train/cuda_graphs.py);
+    the quotient is taken in float64 either way."""
     t = step.double()
-    return torch.stack([lr / (1 - beta1**t), (1 - beta2**t).sqrt()]).float()
+    lr_t = lr.double() if isinstance(lr, torch.Tensor) else torch.full((), lr, dtype=torch.float64, device=step.device)
+    return torch.stack([lr_t / (1 - beta1**t), (1 - beta2**t).sqrt(), lr_t]).float()
 
 
 def adamw_triton(
@@ -155,7 +160,6 @@ def adamw_triton(
     exp_avg_sq: torch.Tensor,
     corrections: torch.Tensor,
     *,
-    lr: float,
     beta1: float,
     beta2: float,
     eps: float,
@@ -182,7 +186,6 @@ def adamw_triton(
         grad_coef if grad_coef is not None else corrections,
         skip if skip is not None else corrections,
         n,
-        lr,
         beta1,
         beta2,
         eps,
@@ -199,8 +202,38 @@ _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 """The gradients' dtypes the address-table kernels read, as Triton's pointer element types."""
 
 
-@functools.lru_cache(maxsize=64)
+_graph_tables: list[torch.Tensor] | None = None
+"""While `tables_for_graph` captures: the device tables the captured kernels read."""
+
+
+@contextlib.contextmanager
+def tables_for_graph():
+    """Around a CUDA graph's capture (src/moetrain/train/cuda_graphs.py): yields the list of every
+    device table (addresses, sizes, first blocks) the captured launches read. The graph reads
+    them at each replay, so its owner keeps them: the caches below may drop them. A table not
+    yet built cannot be uploaded inside a capture (`_upload` refuses): capture right after an
+    eager update of the same gradients, which built them."""
+    global _graph_tables
+    _graph_tables = kept = []
+    try:
+        yield kept
+    finally:
+        _graph_tables = None
+
+
+def _kept(t: torch.Tensor) -> torch.Tensor:
+    if _graph_tables is not None:
+        _graph_tables.append(t)
+    return t
+
+
 def _first_blocks(numels: tuple[int, ...], block: int, device: torch.device) -> tuple[torch.Tensor, int, int]:
+    first, blocks, steps = _first_blocks_cached(numels, block, device)
+    return _kept(first), blocks, steps
+
+
+@functools.lru_cache(maxsize=64)
+def _first_blocks_cached(numels: tuple[int, ...], block: int, device: torch.device) -> tuple[torch.Tensor, int, int]:
     """(the first block of each tensor and, last, the number of blocks, int32 on `device`; that
     number; the bisection steps `_block_of` needs): blocks of `block` elements over tensors of
     `numels` elements, in order, each inside one tensor. A table per tensor, not per block, so it
@@ -211,16 +244,28 @@ def _first_blocks(numels: tuple[int, ...], block: int, device: torch.device) -> 
     return _upload(torch.tensor(first, dtype=torch.int32), device), first[-1], max(1, len(numels).bit_length())
 
 
-@functools.lru_cache(maxsize=64)
 def _int64_table(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """`values` as an int64 tensor on `device`, built once per tuple (sizes, offsets, and the
+    gradients' addresses, which repeat from step to step once the allocator is steady)."""
+    return _kept(_int64_table_cached(values, device))
+
+
+@functools.lru_cache(maxsize=64)
+def _int64_table_cached(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return _upload(torch.tensor(values, dtype=torch.int64), device)
 
 
 def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on `device` without the host waiting: copied from pinned memory, which
-    torch's host allocator keeps until the copy has run."""
+    torch's host allocator keeps until the copy has run. Not inside a CUDA graph's capture: the
+    graph would copy from pinned memory freed after it."""
     if device.type != "cuda":
         return t.to(device)
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "an optimizer kernel's table was uploaded inside a CUDA graph capture; capture right after an "
+            "eager update of the same gradients (src/moetrain/train/cuda_graphs.py)"
+        )
     return t.pin_memory().to(device, non_blocking=True)
 
 
@@ -232,8 +277,9 @@ def _aligned(tensors: list[torch.Tensor], counts: tuple[int, ...]) -> bool:
 
 
 def _addresses(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The tensors' data addresses, on their device: the gradients are allocated anew each step."""
-    return _upload(torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64), tensors[0].device)
+    """The tensors' data addresses, on their device (the gradients are allocated anew each step,
+    mostly at the addresses of the step before)."""
+    return _int64_table(tuple(t.data_ptr() for t in tensors), tensors[0].device)
 
 
 def adamw_triton_flat(
@@ -245,7 +291,6 @@ def adamw_triton_flat(
     exp_avg_sq: torch.Tensor,
     corrections: torch.Tensor,
     *,
-    lr: float,
     beta1: float,
     beta2: float,
     eps: float,
@@ -277,7 +322,7 @@ def adamw_triton_flat(
             corrections,
             grad_coef if grad_coef is not None else corrections,
             skip if skip is not None else corrections,
-            lr, beta1, beta2, eps, weight_decay,
+            beta1, beta2, eps, weight_decay,
             GRAD_DTYPE=_TL_DTYPES[dtype], SPLIT=lo is not None, LOW_MOMENTS=low,
             HAS_COEF=grad_coef is not None, HAS_SKIP=skip is not None,
             ALIGNED=_aligned(group, numels + tuple(bases[i] for i in chosen)), STEPS=steps, BLOCK=BLOCK,

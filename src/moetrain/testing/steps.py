@@ -13,6 +13,8 @@ from moetrain.data.loader import SyntheticLoader
 
 ADAMW_HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 """AdamW hyperparameters for kernel-against-reference checks."""
+KERNEL_HYPER = {k: v for k, v in ADAMW_HYPER.items() if k != "lr"}
+"""The same for the Triton kernels, which read the learning rate from their `corrections`."""
 
 
 def synthetic_batches(

@@ -22,7 +22,7 @@ from moetrain.data.config import DataConfig
 from moetrain.errors import ConfigError
 from moetrain.model.config import MAX_LAYERS, Fp8, TransformerConfig
 from moetrain.model.fp8_choice import Fp8Select, choose_head
-from moetrain.optim.config import OptimConfig, ScheduleConfig
+from moetrain.optim.config import OptimConfig, OptimizerName, ScheduleConfig
 from moetrain.parallel.config import DispatcherKind, ParallelConfig, PipelineSchedule, Recompute, Stack
 from moetrain.parallel.dims import ParallelDims
 
@@ -44,6 +44,17 @@ class Precision(enum.StrEnum):
     fp32 = "fp32"
     bf16 = "bf16"
     """bf16 autocast for matmuls; parameters, gradients and AdamW state stay fp32."""
+
+
+class CudaGraphs(enum.StrEnum):
+    """What of a training step is replayed from a CUDA graph (src/moetrain/train/cuda_graphs.py)."""
+
+    off = "off"
+    """Every kernel launched from Python, one by one."""
+    optimizer = "optimizer"
+    """The optimizer's part of each step (`TrainEngine.update`: the clipping norm, the step guard,
+    the AdamW update, the router bias) captured once and replayed: one launch instead of one per
+    kernel. One GPU, the ddp stack's replicated AdamW."""
 
 
 MAX_STEPS = 10**9
@@ -135,6 +146,14 @@ class TrainerConfig(Config):
     gradients (bf16) of every micro-batch but the last, which `moetrain plan` counts
     (src/moetrain/model/expert_grads.py). Row-wise FP8 and bf16 experts; not mxfp8. Does nothing
     with one micro-batch per step."""
+    cuda_graphs: CudaGraphs = CudaGraphs.off
+    """off, or optimizer: the optimizer's part of each step replayed from one CUDA graph. A replay
+    reads the gradients at the addresses they had at capture; a step whose gradients lie elsewhere
+    (the allocator is not steady yet) runs eagerly, and the graph is captured again once two
+    steps in a row put them in the same place, at most 3 times a run
+    (src/moetrain/train/cuda_graphs.py). Needs one CUDA device, the ddp stack without
+    parallel.shard_optimizer, optim.name=adamw and optim.fused not false. Its speed:
+    docs/benchmarks.md, "CUDA graphs"."""
     recompute: Recompute = Recompute.none
     """Activation recompute: none, full (keep only each block's input) or selective (also keep
     the matrix products' and collectives' outputs)."""
@@ -285,6 +304,7 @@ class RunConfig(Config):
                     "optim.bf16_weights=true computes in bf16, but train.precision=fp32: set train.precision=bf16 "
                     "(or auto on CUDA), or optim.bf16_weights=false."
                 )
+        _check_cuda_graphs(self, world_size)
         if world_size is not None:
             dims = p.build(world_size)
             if tc.micro_batch_size % dims.dp:
@@ -301,6 +321,11 @@ class RunConfig(Config):
             raise ConfigError(
                 f"optim.bf16_weights=true computes in bf16, but train.precision=auto means fp32 on {device.type}: "
                 "set train.precision=bf16, or optim.bf16_weights=false."
+            )
+        if self.train.cuda_graphs != CudaGraphs.off and device.type != "cuda":
+            raise ConfigError(
+                f"train.cuda_graphs={self.train.cuda_graphs} replays CUDA kernels, but the run is on "
+                f"{device.type}: set train.cuda_graphs=off, or train.device=cuda."
             )
         fp8 = self.train.fp8
         if fp8 != Fp8.none and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
@@ -340,6 +365,27 @@ class RunConfig(Config):
         start from."""
         self.validate(world_size, device)
         return self.parallel.build(world_size)
+
+
+def _check_cuda_graphs(cfg: RunConfig, world_size: int | None) -> None:
+    """train.cuda_graphs=optimizer captures the replicated AdamW's update on one rank."""
+    if cfg.train.cuda_graphs == CudaGraphs.off:
+        return
+    p, o = cfg.parallel, cfg.optim
+    problem = None
+    if p.stack != Stack.ddp or p.shard_optimizer:
+        problem = f"parallel.stack={p.stack} with parallel.shard_optimizer={str(p.shard_optimizer).lower()}"
+    elif o.name != OptimizerName.adamw:
+        problem = f"optim.name={o.name}"
+    elif o.fused is False:
+        problem = "optim.fused=false (its update reads the skip decision on the host)"
+    elif world_size is not None and world_size > 1:
+        problem = f"{world_size} ranks (the update's all-reduces are not captured)"
+    if problem:
+        raise ConfigError(
+            f"train.cuda_graphs={cfg.train.cuda_graphs} captures the update of the ddp stack's replicated AdamW "
+            f"on one GPU, not with {problem}: set train.cuda_graphs=off."
+        )
 
 
 def _check_context_split(seq_len: int, cp: int) -> None:

@@ -28,7 +28,7 @@ from moetrain.model import fp8_choice
 from moetrain.model.config import Fp8
 from moetrain.parallel.config import DispatcherKind, Stack
 from moetrain.parallel.dims import ParallelDims
-from moetrain.train.config import RunConfig
+from moetrain.train.config import CudaGraphs, RunConfig
 from moetrain.train.engine import autocast_dtype
 from moetrain.train.metrics import MetricsSink
 
@@ -190,6 +190,8 @@ def describe_precision(cfg: RunConfig, device: torch.device) -> str:
         text += f", fp8 {cfg.train.fp8} matrix products"
     if cfg.train.defers_expert_weight_grads:
         text += "; expert weight gradients once per step (train.defer_expert_weight_grad)"
+    if cfg.train.cuda_graphs == CudaGraphs.optimizer:
+        text += "; the optimizer step replayed from a CUDA graph (train.cuda_graphs)"
     return text
 
 

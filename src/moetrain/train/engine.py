@@ -12,9 +12,10 @@ One step, given the step's micro-batches (this rank's rows of each):
 
     forward_backward(batches)  every micro-batch's forward and backward (or the pipeline
                                schedule over all of them); the gradients end reduced over dp
-    optim_step(lm_loss, step)  clip, the step guard's skip decision, learning rate, update (the
-                               router biases move in the optimizer's step post-hook), zero grad,
-                               the step's routing statistics
+    optim_step(lm_loss, step)  learning rate, clip, the step guard's skip decision, update (the
+                               router biases move in the optimizer's step post-hook; all of it
+                               one CUDA graph with train.cuda_graphs=optimizer), zero grad, the
+                               step's routing statistics
 
 Nothing here copies from the device to the host: the results are device tensors (`StepOutput`),
 read by `metrics()` only when the caller logs.
@@ -43,7 +44,8 @@ from moetrain.parallel.fsdp import init_full_then_shard, is_sharded, reshard
 from moetrain.parallel.parallelize import parallelize
 from moetrain.parallel.pipeline import Pipeline, build_pipeline
 from moetrain.train import checkpoint as ckpt
-from moetrain.train.config import Precision, RunConfig
+from moetrain.train.config import CudaGraphs, Precision, RunConfig
+from moetrain.train.cuda_graphs import CudaGraph, UpdateGraph
 from moetrain.train.guard import StepGuard
 from moetrain.train.metrics import peak_mem_gib, routing_metrics
 
@@ -148,6 +150,11 @@ class TrainEngine:
                 amp_dtype=self.amp_dtype,
             )
         self.guard = StepGuard(tc.skip_window, tc.skip_spike_sigma, tc.max_consecutive_skips, device)
+        self.update_graph: UpdateGraph | None = None
+        """train.cuda_graphs=optimizer: `update`'s device work replayed from a CUDA graph
+        (src/moetrain/train/cuda_graphs.py)."""
+        if tc.cuda_graphs == CudaGraphs.optimizer:
+            self.update_graph = UpdateGraph(self, CudaGraph(device))
         self.schedule_steps = tc.steps
         """The steps the learning-rate schedule is planned over: train.steps, or, for a run
         resumed with another train.steps and train.extend=keep, the count it started with."""
@@ -182,18 +189,26 @@ class TrainEngine:
         return StepOutput(lm_loss, grad_norm, self._end_routing_step(), lr, self._end_mtp_step())
 
     def update(self, lm_loss: torch.Tensor, step: int) -> tuple[torch.Tensor, float]:
-        """The optimizer's part of step `step` (0-based), gradients left in place: clip, decide
-        whether to skip (the same on every rank: the norm is global already, the loss is made
-        global by one all-reduce), set the schedule's learning rate, update (and the step
-        hooks: the router bias). Returns the norm before clipping (device) and the lr."""
-        cfg = self.cfg
-        max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
+        """The optimizer's part of step `step` (0-based), gradients left in place: set the
+        schedule's learning rate, then `update_tensors` (replayed from a CUDA graph with
+        train.cuda_graphs=optimizer: `update_graph`). Returns the norm before clipping (device)
+        and the lr."""
+        lr = lr_at(step, self.schedule_steps, self.cfg.optim.lr, self.cfg.schedule)
+        self.optimizer.set_lr(lr)
+        if self.update_graph is not None:
+            return self.update_graph.run(lm_loss), lr
+        return self.update_tensors(lm_loss), lr
+
+    def update_tensors(self, lm_loss: torch.Tensor) -> torch.Tensor:
+        """The update's device work at the optimizer's learning rate: clip, decide whether to
+        skip (the same on every rank: the norm is global already, the loss is made global by one
+        all-reduce), update (and the step hooks: the router bias). Everything it writes is
+        written in place, so that a CUDA graph can replay it. Returns the norm before clipping."""
+        max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else math.inf
         grad_norm = self.optimizer.clip_grad_norm(max_norm)
         skip = self.guard.check(self.global_mean(lm_loss.float().reshape(1))[0], grad_norm)
-        lr = lr_at(step, self.schedule_steps, cfg.optim.lr, cfg.schedule)
-        self.optimizer.set_lr(lr)
         self.optimizer.step(skip)
-        return grad_norm, lr
+        return grad_norm
 
     def drop_step(self, lm_loss: torch.Tensor) -> StepOutput:
         """Close the step after `forward_backward` without an update (benchmarks of forward and

@@ -54,9 +54,11 @@ class StepGuard:
         # An accepted step's values enter the window (a skipped one leaves it as it was).
         row_12 = torch.where(skip, self.history_W2.index_select(0, slot).squeeze(0), values_2).unsqueeze(0)
         self.history_W2.index_copy_(0, slot, row_12)
+        # In place, every one: a CUDA graph of the update (src/moetrain/train/cuda_graphs.py)
+        # writes the tensors it captured.
         self.count += accepted
         self.skipped_total += 1 - accepted
-        self.consecutive = (self.consecutive + 1) * (1 - accepted)
+        self.consecutive.add_(1).mul_(1 - accepted)
         return skip
 
     def raise_if_stuck(

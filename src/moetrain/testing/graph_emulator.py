@@ -1,0 +1,142 @@
+"""`EmulatedGraph`: a CPU stand-in for a CUDA graph (the `GraphBackend` of
+src/moetrain/train/cuda_graphs.py), so that code written to be captured and replayed is tested
+where there is no GPU.
+
+A CUDA graph keeps the kernels a capture launched, with their arguments as they were then:
+tensors as memory, Python numbers as values. Capturing runs nothing; a replay runs the same
+kernels on the same memory. Code written for eager execution goes wrong under a graph where it
+- passes a number that changes from step to step (a learning rate, a step count read on the
+  host): the graph keeps the captured one;
+- rebinds an attribute to a new tensor (`self.n = self.n + 1`): the graph keeps reading and
+  writing the old one, and the attribute stops changing;
+- reads a device value on the host (`.item()`, `bool(t)`): that cannot be captured at all.
+
+The emulator records the aten operations of the captured function (a `TorchDispatchMode`) with
+their arguments, then puts back every tensor the capture wrote (snapshots of their storages taken
+before each first write), so that capturing has no effect. A replay runs the recorded operations
+again: in-place ones on the same tensors; a fresh result is copied into the tensor the capture
+returned, which later operations read. So the three faults above show as they would on the GPU.
+
+The tensors the caller hands at each replay (`inputs`: the step's gradients, which the CUDA
+backend replays only where they lie at the captured addresses) stand in for the captured ones,
+with every view of them. `places` compares dtypes and shapes only, and a test may call `move` to
+make the next comparison fail, as gradients at new addresses would. Aten operations only: Triton
+launches are not recorded, so the device path checked here is torch's (fused AdamW, foreach
+norms); the Triton one is checked on the GPU (tests/gpu/test_cuda.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+
+HOST_READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default}
+"""Operations that read device values on the host: a CUDA capture fails on them."""
+
+
+class HostReadInCapture(RuntimeError):
+    """A captured function read a device value on the host."""
+
+
+class _Op:
+    __slots__ = ("func", "args", "kwargs", "out")
+
+    def __init__(self, func, args, kwargs, out):
+        self.func, self.args, self.kwargs, self.out = func, args, kwargs, out
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, graph: EmulatedGraph):
+        super().__init__()
+        self.graph = graph
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in HOST_READS:
+            raise HostReadInCapture(f"{func} reads a device value on the host inside a captured function")
+        for t in _written(func, args, kwargs):
+            self.graph._snapshot(t)
+        out = func(*args, **kwargs)
+        self.graph.ops.append(_Op(func, args, kwargs, out))
+        return out
+
+
+class EmulatedGraph:
+    """Capture and replay of aten operations on the CPU with a CUDA graph's semantics (module
+    docstring)."""
+
+    def __init__(self):
+        self.ops: list[_Op] = []
+        self.inputs: list[torch.Tensor] = []
+        self._saved: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
+        self.moves = 0
+        self.captures = 0
+        self.replays = 0
+
+    def places(self, tensors: list[torch.Tensor]) -> tuple:
+        return (self.moves,) + tuple((t.dtype, tuple(t.shape)) for t in tensors)
+
+    def move(self) -> None:
+        """From now on `places` differs from every earlier one (gradients settled at new
+        addresses)."""
+        self.moves += 1
+
+    def capture(self, fn: Callable[[], Any], inputs: list[torch.Tensor]) -> Any:
+        self.ops, self.inputs, self._saved = [], list(inputs), {}
+        try:
+            with _Recorder(self):
+                out = fn()
+        finally:
+            for storage, saved in self._saved.values():  # a capture runs nothing
+                storage.copy_(saved)
+            self._saved = {}
+        self.captures += 1
+        return out
+
+    def replay(self, inputs: list[torch.Tensor]) -> None:
+        assert len(inputs) == len(self.inputs), "replayed with another number of inputs"
+        swap = {id(c): t for c, t in zip(self.inputs, inputs)}
+
+        def current(x):
+            return swap.get(id(x), x) if isinstance(x, torch.Tensor) else x
+
+        for op in self.ops:
+            result = op.func(*tree_map(current, op.args), **tree_map(current, op.kwargs))
+            aliases = [r.alias_info is not None for r in op.func._schema.returns]
+            _bind(op.out, result, any(aliases), swap)
+        self.replays += 1
+
+    def _snapshot(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key not in self._saved and storage.nbytes():
+            self._saved[key] = (storage, storage.clone())
+
+
+def _written(func, args, kwargs) -> list[torch.Tensor]:
+    """The tensors `func` writes (its schema's mutable arguments)."""
+    out = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        out += [v for v in (value if isinstance(value, list | tuple) else [value]) if isinstance(v, torch.Tensor)]
+    return out
+
+
+def _bind(recorded, result, aliases: bool, swap: dict[int, torch.Tensor]) -> None:
+    """After a replayed operation: a result that aliases its input (a view, an in-place op)
+    stands in for the recorded one from now on; a fresh one is written into the recorded tensor,
+    which later operations read (as a graph's kernels read its pool's memory)."""
+    if isinstance(recorded, list | tuple):
+        for r, x in zip(recorded, result):
+            _bind(r, x, aliases, swap)
+    elif isinstance(recorded, torch.Tensor):
+        if aliases:
+            swap[id(recorded)] = result
+        else:
+            recorded.copy_(result)
