@@ -119,7 +119,9 @@ for sizes, moments, coef, skip in (
     v = (torch.rand(sum(sizes), generator=g) * 1e-6).to(moments)
     grads = [(torch.randn(n, generator=g) * 1e-2).to(dt) for n, dt in zip(sizes, grad_dtypes)]
     flat = [t.clone() for t in (hi, lo, m, v)]
-    adamw_triton_flat(flat[0], flat[1], grads, offsets, flat[2], flat[3], corr, grad_coef=coef, skip=skip, **KERNEL_HYPER)
+    adamw_triton_flat(
+        flat[0], flat[1], grads, offsets, flat[2], flat[3], corr, grad_coef=coef, skip=skip, **KERNEL_HYPER
+    )
     each = [t.clone() for t in (hi, lo, m, v)]
     for off, n, grad in zip(offsets, sizes, grads):
         part = [t[off : off + n] for t in each]
