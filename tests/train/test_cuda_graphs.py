@@ -14,7 +14,7 @@ from moetrain.errors import ConfigError
 from moetrain.parallel.dims import ParallelDims, ParallelState
 from moetrain.testing.graph_emulator import EmulatedGraph, HostReadInCapture
 from moetrain.testing.steps import synthetic_batches
-from moetrain.train.cuda_graphs import MAX_CAPTURES, UpdateGraph
+from moetrain.train.cuda_graphs import MAX_UNPAID, PAYING_REPLAYS, UpdateGraph
 from moetrain.train.engine import TrainEngine
 
 
@@ -105,17 +105,60 @@ def test_a_step_whose_gradients_moved_runs_eagerly_and_the_graph_is_captured_aga
     assert graphed.update_graph.counts() == {"captures": 3, "replays": 2, "eager": 6}
 
 
-def test_after_the_last_capture_the_steps_stay_eager(cfg):
+def test_captures_that_do_not_pay_end_in_eager_steps_and_paid_ones_do_not_count(cfg):
+    """Gradients that move every other step: each capture serves one replay at most, and after
+    MAX_UNPAID such captures the steps stay eager. A capture that served PAYING_REPLAYS replays
+    (an evaluation moved the gradients once, later) does not count against the run."""
+    backend = EmulatedGraph()
+    graph = UpdateGraph(_Stub(), backend)
+    for _ in range(2 + PAYING_REPLAYS):  # captured on the second step, then replays that pay
+        graph.run(torch.zeros(()))
+    assert graph.counts() == {"captures": 1, "replays": PAYING_REPLAYS, "eager": 2}
+    for n in range(6 * MAX_UNPAID):
+        if n % 2 == 0:
+            backend.move()
+        graph.run(torch.zeros(()))
+    assert graph.captures == 1 + MAX_UNPAID and graph.unpaid == MAX_UNPAID - 1  # the last one still serving
+    before = graph.counts()
+    for _ in range(4):
+        backend.move()
+        graph.run(torch.zeros(()))
+        graph.run(torch.zeros(()))
+    after = graph.counts()
+    assert after["captures"] == before["captures"] and after["eager"] == before["eager"] + 8
+
+
+class _Stub:
+    """What `UpdateGraph` calls of an engine, with one gradient and an update that counts."""
+
+    def __init__(self):
+        self.grad = torch.ones(4)
+        self.n = torch.zeros(())
+        self.optimizer = self
+
+    def put_lr_on_device(self):
+        pass
+
+    def graph_inputs(self):
+        return [self.grad]
+
+    def update_tensors(self, lm_loss):
+        self.n.add_(1)
+        return self.n.clone()
+
+
+def test_the_engine_counts_each_replay_and_eager_step_once(cfg):
+    """Through the engine: an evaluation-like disruption (moved gradients) costs one eager step
+    and one capture; the updates stay the eager run's."""
     backend = EmulatedGraph()
     eager, graphed = engines(cfg, backend)
-    for n in range(2 * MAX_CAPTURES + 3):
-        if n >= 2 and n % 2 == 0:
+    for n in range(2 * MAX_UNPAID + 12):
+        if n == 10:
             backend.move()
         step(eager, cfg, n)
         step(graphed, cfg, n)
     assert_same(state(eager), state(graphed))
-    counts = graphed.update_graph.counts()
-    assert counts["captures"] == MAX_CAPTURES and counts["replays"] + counts["eager"] == 2 * MAX_CAPTURES + 3
+    assert graphed.update_graph.counts() == {"captures": 2, "replays": 2 * MAX_UNPAID + 8, "eager": 4}
 
 
 def test_the_emulator_shows_what_a_graph_freezes():

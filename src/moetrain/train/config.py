@@ -149,11 +149,11 @@ class TrainerConfig(Config):
     cuda_graphs: CudaGraphs = CudaGraphs.off
     """off, or optimizer: the optimizer's part of each step replayed from one CUDA graph. A replay
     reads the gradients at the addresses they had at capture; a step whose gradients lie elsewhere
-    (the allocator is not steady yet) runs eagerly, and the graph is captured again once two
-    steps in a row put them in the same place, at most 3 times a run
-    (src/moetrain/train/cuda_graphs.py). Needs one CUDA device, the ddp stack without
-    parallel.shard_optimizer, optim.name=adamw and optim.fused not false. Its speed:
-    docs/benchmarks.md, "CUDA graphs"."""
+    (the allocator is not steady yet, or an evaluation moved them) runs eagerly, and the graph is
+    captured again once two steps in a row put them in the same place; after 3 captures that
+    served fewer than 8 replays each, the steps stay eager (src/moetrain/train/cuda_graphs.py).
+    Needs one CUDA device, the ddp stack without parallel.shard_optimizer, optim.name=adamw and
+    optim.fused not false. Its speed: docs/benchmarks.md, "CUDA graphs"."""
     recompute: Recompute = Recompute.none
     """Activation recompute: none, full (keep only each block's input) or selective (also keep
     the matrix products' and collectives' outputs)."""

@@ -18,8 +18,9 @@ live at one address for the whole run, or be checked before each replay:
   addresses, dtypes and shapes (`places`, no device work) with the captured ones: equal, the
   graph replays; not, the step runs eagerly, and once two steps in a row put the gradients in one
   place the graph is captured again, on the second of them, after its eager update (capturing
-  runs nothing, and the tables the optimizer's kernels read were built by that update). At most
-  `MAX_CAPTURES` a run; after that the steps stay eager.
+  runs nothing, and the tables the optimizer's kernels read were built by that update). An
+  evaluation or a checkpoint between steps may move them once; a capture that served fewer than
+  `PAYING_REPLAYS` replays did not pay, and after `MAX_UNPAID` such captures the steps stay eager.
 
 The norm the graph computed is copied out after each replay, so a step's `StepOutput` keeps its
 own. No host sync is added: a replay is one launch; a capture is once or a few times a run.
@@ -37,8 +38,11 @@ from moetrain.errors import MoetrainError
 if TYPE_CHECKING:
     from moetrain.train.engine import TrainEngine
 
-MAX_CAPTURES = 3
-"""Captures a run makes at most before its updates stay eager (the gradients never settled)."""
+PAYING_REPLAYS = 8
+"""Replays a capture must serve to count as paid for."""
+MAX_UNPAID = 3
+"""Captures that did not pay before the updates stay eager for the run (the gradients never
+settle)."""
 
 
 class CaptureFailed(MoetrainError):
@@ -124,6 +128,9 @@ class UpdateGraph:
         self._last: tuple | None = None
         self.captures = self.replays = self.eager = 0
         """Captures made, steps replayed, steps run eagerly."""
+        self.unpaid = 0
+        """Captures that served fewer than `PAYING_REPLAYS` replays (the current one not yet counted)."""
+        self._served = 0
 
     def run(self, lm_loss: torch.Tensor) -> torch.Tensor:
         """The update of this step (the optimizer's learning rate set); the gradient norm."""
@@ -133,17 +140,23 @@ class UpdateGraph:
             self.loss.copy_(lm_loss)
             self.backend.replay(inputs)
             self.replays += 1
+            self._served += 1
             return self.norm.clone()
         grad_norm = self.engine.update_tensors(lm_loss)
         self.eager += 1
-        if places == self._last and self.captures < MAX_CAPTURES:
+        if places == self._last and self.unpaid + self._unpaid_now() < MAX_UNPAID:
+            self.unpaid += self._unpaid_now()
             if self.loss is None:
                 self.loss = torch.zeros_like(lm_loss)
             self.norm = self.backend.capture(lambda: self.engine.update_tensors(self.loss), inputs)
-            self.captured = places
+            self.captured, self._served = places, 0
             self.captures += 1
         self._last = places
         return grad_norm
+
+    def _unpaid_now(self) -> int:
+        """1 if the current graph exists and has served fewer than `PAYING_REPLAYS` replays."""
+        return int(self.captured is not None and self._served < PAYING_REPLAYS)
 
     def counts(self) -> dict[str, int]:
         """{"captures", "replays", "eager"} so far."""
