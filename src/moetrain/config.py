@@ -548,6 +548,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         if isinstance(value, tp):
             return value
+        if isinstance(value, bool) and ("off" if not value else "on") in tp._value2member_map_:
+            value = "on" if value else "off"  # YAML reads a bare off / on as a bool
         try:
             return tp(value)
         except ValueError:
