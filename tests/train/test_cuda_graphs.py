@@ -14,7 +14,7 @@ from moetrain.errors import ConfigError
 from moetrain.parallel.dims import ParallelDims, ParallelState
 from moetrain.testing.graph_emulator import EmulatedGraph, HostReadInCapture
 from moetrain.testing.steps import synthetic_batches
-from moetrain.train.cuda_graphs import MAX_UNPAID, PAYING_REPLAYS, UpdateGraph
+from moetrain.train.cuda_graphs import MAX_UNPAID, NOTE_AFTER, PAYING_REPLAYS, UpdateGraph
 from moetrain.train.engine import TrainEngine
 
 
@@ -126,6 +126,17 @@ def test_captures_that_do_not_pay_end_in_eager_steps_and_paid_ones_do_not_count(
         graph.run(torch.zeros(()))
     after = graph.counts()
     assert after["captures"] == before["captures"] and after["eager"] == before["eager"] + 8
+
+
+def test_a_run_whose_gradients_move_every_step_says_so_once(capsys):
+    backend = EmulatedGraph()
+    graph = UpdateGraph(_Stub(), backend)
+    for _ in range(2 * NOTE_AFTER):
+        backend.move()
+        graph.run(torch.zeros(()))
+    assert graph.counts() == {"captures": 0, "replays": 0, "eager": 2 * NOTE_AFTER}
+    err = capsys.readouterr().err
+    assert err.count("note: train.cuda_graphs=optimizer:") == 1 and "ran eagerly" in err
 
 
 class _Stub:

@@ -28,16 +28,20 @@ own. No host sync is added: a replay is one launch; a capture is once or a few t
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from moetrain.errors import MoetrainError
+from moetrain.train.config import CudaGraphs
 
 if TYPE_CHECKING:
     from moetrain.train.engine import TrainEngine
 
+NOTE_AFTER = 10
+"""Eager steps with no replay after which the run says so, once."""
 PAYING_REPLAYS = 8
 """Replays a capture must serve to count as paid for."""
 MAX_UNPAID = 3
@@ -144,6 +148,13 @@ class UpdateGraph:
             return self.norm.clone()
         grad_norm = self.engine.update_tensors(lm_loss)
         self.eager += 1
+        if self.eager == NOTE_AFTER and self.replays == 0:
+            print(
+                f"note: train.cuda_graphs={CudaGraphs.optimizer}: in each of the first {NOTE_AFTER} steps the "
+                "gradients lay at new addresses, so every update ran eagerly (as with train.cuda_graphs=off); "
+                'see docs/benchmarks.md, "CUDA graphs".',
+                file=sys.stderr,
+            )
         if places == self._last and self.unpaid + self._unpaid_now() < MAX_UNPAID:
             self.unpaid += self._unpaid_now()
             if self.loss is None:
