@@ -229,6 +229,12 @@ def test_the_config_refuses_what_is_not_captured(tiny_cfg, tmp_path, overrides, 
     assert field in str(error.value) and "train.cuda_graphs=off" in str(error.value)
 
 
+def test_off_on_the_command_line_is_the_choice_not_a_bool(tiny_cfg, tmp_path):
+    from moetrain.train.config import CudaGraphs
+
+    assert tiny_cfg(tmp_path / "run", "train.cuda_graphs=off").train.cuda_graphs == CudaGraphs.off
+
+
 def test_the_config_refuses_several_ranks_and_the_cpu(tiny_cfg, tmp_path):
     cfg = tiny_cfg(tmp_path / "run", "train.cuda_graphs=optimizer", "train.micro_batch_size=2")
     with pytest.raises(ConfigError, match="2 ranks"):

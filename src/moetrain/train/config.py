@@ -140,12 +140,12 @@ class TrainerConfig(Config):
     defer_expert_weight_grad: bool = False
     """With gradient accumulation, each expert layer's weight gradients computed once per step, in
     its last backward, over every micro-batch's rows (one grouped GEMM whose fp32 accumulator sums
-    the micro-batches) instead of once per micro-batch and added into the fp32 gradient. Pays
-    where expert weights are many and small (the accumulation's traffic grows with the expert
-    parameters, not the tokens); costs memory: each MoE layer keeps its experts' inputs and output
-    gradients (bf16) of every micro-batch but the last, which `moetrain plan` counts
-    (src/moetrain/model/expert_grads.py). Row-wise FP8 and bf16 experts; not mxfp8. Does nothing
-    with one micro-batch per step."""
+    the micro-batches) instead of once per micro-batch and added into the fp32 gradient. Costs
+    memory: each MoE layer keeps its experts' inputs and output gradients (bf16) of every
+    micro-batch but the last, which `moetrain plan` counts (src/moetrain/model/expert_grads.py).
+    Measured on one H200 it does not pay: +0.5% step time on bench-sweep-64 (64 small experts) at
+    10.5 GiB more, +10% on bench-sweep-8 (docs/benchmarks.md, "The expert sweep"). Row-wise FP8
+    and bf16 experts; not mxfp8. Does nothing with one micro-batch per step."""
     cuda_graphs: CudaGraphs = CudaGraphs.off
     """off, or optimizer: the optimizer's part of each step replayed from one CUDA graph. A replay
     reads the gradients at the addresses they had at capture; a step whose gradients lie elsewhere
@@ -153,7 +153,9 @@ class TrainerConfig(Config):
     captured again once two steps in a row put them in the same place; after 3 captures that
     served fewer than 8 replays each, the steps stay eager (src/moetrain/train/cuda_graphs.py).
     Needs one CUDA device, the ddp stack without parallel.shard_optimizer, optim.name=adamw and
-    optim.fused not false. Its speed: docs/benchmarks.md, "CUDA graphs"."""
+    optim.fused not false. Measured on one H200 it gives nothing: in training every gradient
+    lies at a new address each step, so no update replays (the run says so), and replayed over
+    fixed gradients the update is no faster (docs/benchmarks.md, "CUDA graphs")."""
     recompute: Recompute = Recompute.none
     """Activation recompute: none, full (keep only each block's input) or selective (also keep
     the matrix products' and collectives' outputs)."""
