@@ -120,17 +120,17 @@ BF16_GRADS = ["train.precision=bf16", "optim.grad_dtype=bf16"]  # GradStore keep
 
 
 @pytest.mark.parametrize(
-    "extra, loss_rel, norm_rel",
+    "extra, loss_rel, norm_rel, fp32_grads",
     [
-        ([], 1e-5, 1e-5),
-        (["train.fp8=rowwise", "train.fp8_select=all"], 1e-5, 1e-4),
-        (["model.moe.top_k=1"], 1e-5, 1e-4),
-        (BF16_WEIGHTS, 1e-5, 1e-3),
-        (BF16_GRADS, 1e-5, 1e-3),
-        (["optim.name=muon"], 1e-5, 1e-4),
+        ([], 1e-5, 1e-5, True),
+        (["train.fp8=rowwise", "train.fp8_select=all"], 1e-5, 1e-4, False),  # bf16 experts
+        (["model.moe.top_k=1"], 1e-5, 1e-4, True),
+        (BF16_WEIGHTS, 1e-5, 1e-3, False),
+        (BF16_GRADS, 1e-5, 1e-3, False),
+        (["optim.name=muon"], 1e-5, 1e-4, True),
     ],
 )
-def test_training_steps_match_the_per_micro_batch_gradients(tiny_cfg, tmp_path, extra, loss_rel, norm_rel):
+def test_training_steps_match_the_per_micro_batch_gradients(tiny_cfg, tmp_path, extra, loss_rel, norm_rel, fp32_grads):
     """Three micro-batches per step, three steps: the same losses and gradient norms as the
     plain engine up to fp32 summation order (bf16 rounding in FP8's emulated products, and where
     the gradients are bf16: the deferred one is rounded once, the plain sum per micro-batch),
@@ -145,7 +145,9 @@ def test_training_steps_match_the_per_micro_batch_gradients(tiny_cfg, tmp_path, 
         b = held.train_step(synthetic_batches(cfg, step), step)
         assert b.lm_loss.item() == pytest.approx(a.lm_loss.item(), rel=loss_rel)
         assert b.grad_norm.item() == pytest.approx(a.grad_norm.item(), rel=norm_rel)
-    if norm_rel < 1e-3:  # fp32 gradients
+    # Parameters only where the expert gradients are fp32: a bf16 one is rounded once deferred and
+    # once per micro-batch plain, which AdamW's normalized step turns into differences of lr scale.
+    if fp32_grads:
         for (name, p), q in zip(plain.model.named_parameters(), held.model.parameters()):
             torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5, msg=name)
 
