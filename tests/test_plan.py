@@ -529,8 +529,8 @@ MEASURED_TOKENS_PER_S = [
     ("bench-8e", [], 27748),
     ("bench-tiny64e-l6", [], 91385),
     ("bench-small32e", [], 111882),
-    ("bench-sweep-8", [], 108659),  # random routing
-    ("bench-sweep-64", [], 95392),
+    ("bench-sweep-8", [], 111920),  # random routing
+    ("bench-sweep-64", [], 97698),
     ("bench-sweep-8", ["optim.grad_dtype=bf16"], 109103),
     ("bench-sweep-64", ["optim.grad_dtype=bf16"], 97507),
 ]
@@ -542,7 +542,7 @@ def test_predicted_tokens_per_second_on_one_gpu_is_within_10_percent(preset, ove
     assert abs(predicted - measured) <= 0.10 * measured, (predicted, measured)
 
 
-@pytest.mark.parametrize("grads, measured_drop", [("fp32", 0.122), ("bf16", 0.106)])
+@pytest.mark.parametrize("grads, measured_drop", [("fp32", 0.127), ("bf16", 0.106)])
 def test_the_one_gpu_expert_sweep_loses_what_was_measured(grads, measured_drop):
     """bench-sweep-8 → 64 on one H200 (8 → 64 experts at constant active parameters): what grows is
     the per-parameter passes (optimizer, norm, gradient accumulation) and the grouped GEMMs' partial
