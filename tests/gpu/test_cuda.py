@@ -66,6 +66,14 @@ def test_tiny_trains_on_cuda(real_text_dir, tmp_path, optimizer):
     assert records[-1]["mfu"] is not None and records[-1]["peak_mem_gib"] > 0
 
 
+def _tiny_on_cuda(tmp_path, *overrides):
+    """tiny on random tokens on the GPU, two micro-batches of 12 sequences a step, then `overrides`."""
+    from moetrain.presets import resolve_config
+
+    base = ["data.synthetic=true", f"train.run_dir={tmp_path}", "train.device=cuda", "train.micro_batch_size=12"]
+    return resolve_config("tiny", [*base, *overrides])
+
+
 @pytest.mark.parametrize(
     "compile, recompute, optimizer",
     [
@@ -92,23 +100,16 @@ def test_training_step_is_sync_free(tmp_path, compile, recompute, optimizer):
     guard, AdamW or Muon, the aux-free bias update) makes no device-to-host synchronization:
     CUDA's sync debug mode in "error" raises on any (logging reads values only every
     train.log_every steps, outside). For the replicated, the sharded and the FSDP optimizers."""
-    from moetrain.presets import resolve_config
     from moetrain.train.trainer import Trainer
 
-    cfg = resolve_config(
-        "tiny",
-        [
-            "data.synthetic=true",
-            f"train.run_dir={tmp_path}",
-            "train.device=cuda",
-            "train.micro_batch_size=12",
-            "model.moe.bias_update_rate=0.001",
-            f"train.compile={str(compile).lower()}",
-            f"train.recompute={recompute}",
-            "train.tensorboard=false",
-            "train.plot=false",
-            *optimizer.split(),
-        ],
+    cfg = _tiny_on_cuda(
+        tmp_path,
+        "model.moe.bias_update_rate=0.001",
+        f"train.compile={str(compile).lower()}",
+        f"train.recompute={recompute}",
+        "train.tensorboard=false",
+        "train.plot=false",
+        *optimizer.split(),
     )
     trainer = Trainer(cfg, quiet=True)
     for _ in range(2):  # compile and allocate outside the checked step
@@ -297,22 +298,15 @@ def _graph_engine(tmp_path, *overrides):
     """A tiny engine on the GPU with train.cuda_graphs=optimizer: bf16 weights with split masters
     (the Triton update), two micro-batches, clipping that bites, the router bias."""
     from moetrain.parallel.dims import ParallelDims, ParallelState
-    from moetrain.presets import resolve_config
     from moetrain.train.engine import TrainEngine
 
-    cfg = resolve_config(
-        "tiny",
-        [
-            "data.synthetic=true",
-            f"train.run_dir={tmp_path}",
-            "train.device=cuda",
-            "train.micro_batch_size=12",
-            "train.cuda_graphs=optimizer",
-            "optim.grad_clip=0.05",
-            "schedule.warmup_steps=4",
-            "model.moe.bias_update_rate=0.01",
-            *overrides,
-        ],
+    cfg = _tiny_on_cuda(
+        tmp_path,
+        "train.cuda_graphs=optimizer",
+        "optim.grad_clip=0.05",
+        "schedule.warmup_steps=4",
+        "model.moe.bias_update_rate=0.01",
+        *overrides,
     )
     torch.manual_seed(0)
     return cfg, TrainEngine(cfg, ParallelState(ParallelDims(world_size=1, dp=1, ep=1)), torch.device("cuda"))
