@@ -245,8 +245,9 @@ def _first_blocks_cached(numels: tuple[int, ...], block: int, device: torch.devi
 
 
 def _int64_table(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """`values` as an int64 tensor on `device`, built once per tuple (sizes, offsets, and the
-    gradients' addresses, which repeat from step to step once the allocator is steady)."""
+    """`values` as an int64 tensor on `device`, built once per tuple: sizes and offsets, which
+    repeat every step, and the gradients' addresses, which a capture of the update finds in the
+    cache where the eager update before it put them."""
     return _kept(_int64_table_cached(values, device))
 
 
@@ -277,8 +278,7 @@ def _aligned(tensors: list[torch.Tensor], counts: tuple[int, ...]) -> bool:
 
 
 def _addresses(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The tensors' data addresses, on their device (the gradients are allocated anew each step,
-    mostly at the addresses of the step before)."""
+    """The tensors' data addresses, on their device (the gradients are allocated anew each step)."""
     return _int64_table(tuple(t.data_ptr() for t in tensors), tensors[0].device)
 
 

@@ -13,14 +13,16 @@ live at one address for the whole run, or be checked before each replay:
   `moetrain.testing.graph_emulator`);
 - the learning rate is a 0-d device tensor the optimizer reads (`put_lr_on_device`), filled before
   each step; the LM loss is copied into a tensor of the graph's;
-- the gradients are allocated anew by each step's backward. The caching allocator puts them at
-  the same addresses from step to step once the run is steady, so each step compares their
+- the gradients are allocated anew by each step's backward, so each step compares their
   addresses, dtypes and shapes (`places`, no device work) with the captured ones: equal, the
   graph replays; not, the step runs eagerly, and once two steps in a row put the gradients in one
   place the graph is captured again, on the second of them, after its eager update (capturing
-  runs nothing, and the tables the optimizer's kernels read were built by that update). An
-  evaluation or a checkpoint between steps may move them once; a capture that served fewer than
-  `PAYING_REPLAYS` replays did not pay, and after `MAX_UNPAID` such captures the steps stay eager.
+  runs nothing, and the tables the optimizer's kernels read were built by that update). A capture
+  that served fewer than `PAYING_REPLAYS` replays did not pay, and after `MAX_UNPAID` such
+  captures the steps stay eager. Measured on one H200 (docs/benchmarks.md, "CUDA graphs"), the
+  caching allocator puts every gradient at a new address in every training step, so in training
+  the graph is never captured, and a run says so after `NOTE_AFTER` steps; over gradients that
+  stay put (`moetrain bench --also-optimizer-step`) it replays, no faster than the eager update.
 
 The norm the graph computed is copied out after each replay, so a step's `StepOutput` keeps its
 own. No host sync is added: a replay is one launch; a capture is once or a few times a run.
