@@ -2,6 +2,8 @@
 src/moetrain/model/expert_grads.py): the rows laid out expert by expert, the same gradients as
 one GEMM per micro-batch, nothing given before the step's last backward, a lost backward named."""
 
+import re
+
 import pytest
 import torch
 
@@ -9,7 +11,7 @@ from moetrain.errors import ConfigError
 from moetrain.model.expert_grads import DeferredExpertGrads, expert_major
 from moetrain.model.experts import GroupedExperts
 from moetrain.parallel.dims import ParallelDims, ParallelState
-from moetrain.testing.steps import synthetic_batches
+from moetrain.testing.steps import run_in_triton_interpreter, synthetic_batches
 from moetrain.train.engine import TrainEngine
 
 E, D, F = 4, 16, 8
@@ -37,6 +39,62 @@ def test_expert_major_puts_each_experts_rows_of_every_micro_batch_together_and_p
     dy, x, offsets = expert_major(list(parts))
     assert torch.equal(dy, torch.cat(want_dy + pads[0])) and torch.equal(x, torch.cat(want_x + pads[1]))
     assert offsets.dtype == torch.int32 and offsets.tolist() == torch.tensor(counts).cumsum(0).tolist()
+
+
+KERNEL_CHECK = """
+import torch
+from moetrain.model import expert_grads
+from moetrain.model.expert_major_kernel import copy_rows_expert_major
+
+g = torch.Generator().manual_seed(0)
+for N, K in ((24, 40), (512, 256), (300, 7)):  # widths below, at and across the column block
+    parts = []
+    for p in range(3):
+        counts = torch.randint(0, 40, (5,), generator=g)
+        counts[p] = 0  # an expert with no rows in this micro-batch
+        M = int(counts.sum()) + 2 * p  # and 0, 2, 4 padding rows past the last offset
+        parts.append((torch.randn(M, N, generator=g).bfloat16(), torch.randn(M, K, generator=g).bfloat16(),
+                      counts.cumsum(0).to(torch.int32)))
+    want = expert_grads.expert_major(list(parts))  # index_copy_
+    plain, expert_grads._copy_rows = expert_grads._copy_rows, copy_rows_expert_major
+    got = expert_grads.expert_major(list(parts))  # the kernel, run by the interpreter
+    expert_grads._copy_rows = plain
+    assert all(torch.equal(a, b) for a, b in zip(got, want)), (N, K)
+print("ok")
+"""
+
+
+def test_the_row_copy_kernel_lays_the_rows_out_as_index_copy_does_in_the_interpreter():
+    """src/moetrain/model/expert_major_kernel.py in Triton's interpreter: `expert_major` through
+    it gives the torch formulation's layout exactly (empty experts, padding rows, widths that
+    are and are not multiples of its column block)."""
+    pytest.importorskip("triton")
+    result = run_in_triton_interpreter(KERNEL_CHECK)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+def test_the_row_copy_kernel_stores_whole_vectors_on_hopper():
+    """Compiled for sm_90 at bench-sweep's widths, the row copy's loads and stores are 16-byte
+    vectors (a destination the compiler cannot see is aligned would store element by element)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+
+    from moetrain.model import expert_major_kernel as k
+
+    signature = {"dy_ptr": "*bf16", "dy_out_ptr": "*bf16", "x_ptr": "*bf16", "x_out_ptr": "*bf16",
+                 "ends_ptr": "*i32", "shift_ptr": "*i64", "M": "i32", "E": "constexpr", "N": "constexpr",
+                 "K": "constexpr", "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"}  # fmt: skip
+    names = list(signature)
+    values = {"E": 64, "N": 2048, "K": 1024, "BLOCK_R": k.BLOCK_R, "BLOCK_C": k.BLOCK_C}
+    source = triton.compiler.ASTSource(
+        fn=k._expert_major_rows_kernel,
+        signature=signature,
+        constexprs={(names.index(n),): v for n, v in values.items()},
+        attrs={(i,): [["tt.divisibility", 16]] for i in range(6)},  # what the launcher assumes of tensors
+    )
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+    stores = set(re.findall(r"st\.global[.\w]*", ptx))
+    assert stores == {"st.global.v4.b32"}, stores
 
 
 def _experts(deferred: DeferredExpertGrads | None) -> GroupedExperts:

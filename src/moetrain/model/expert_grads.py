@@ -108,29 +108,41 @@ def expert_major(parts: list[Part]) -> Part:
     (dy_RN, x_RK, offsets_E) with every expert's rows together (in micro-batch order) and the
     rows past each micro-batch's last offset (padding the experts skip) at the end. One row copy
     of each operand; no host sync (every index is computed on the device). Empties `parts` as it
-    copies them, so that each micro-batch's operands can be freed once copied."""
+    copies them, so that each micro-batch's operands can be freed once copied.
+
+    Row m of micro-batch p in group g (an expert, or the padding as group E) goes to row
+    m + shift[p, g]: where group g starts in the step, plus g's rows in the micro-batches before
+    p, less where g starts in p (`_copy_rows`)."""
     if len(parts) == 1:
         return parts[0]
-    device = parts[0][1].device
     R = sum(x.shape[0] for _, x, _ in parts)
-    # rows per group and micro-batch: E experts, then the padding as group E
-    counts_PG = torch.stack(
-        [torch.cat([torch.diff(off.long(), prepend=off.new_zeros(1).long()), x.shape[0] - off[-1:].long()])
-         for _, x, off in parts]
-    )  # fmt: skip
+    ends_PE = torch.stack([off.long() for _, _, off in parts])
+    rows_P1 = torch.stack([off.new_full((1,), x.shape[0], dtype=torch.long) for _, x, off in parts])
+    ends_PG = torch.cat([ends_PE, rows_P1], dim=1)  # the padding ends where the micro-batch does
+    counts_PG = torch.diff(ends_PG, dim=1, prepend=ends_PG.new_zeros(len(parts), 1))
     total_G = counts_PG.sum(0)
     group_start_G = total_G.cumsum(0) - total_G
     earlier_PG = counts_PG.cumsum(0) - counts_PG  # a group's rows in the micro-batches before
+    shift_PG = group_start_G + earlier_PG - (ends_PG - counts_PG)
     dy_RN = parts[0][0].new_empty(R, parts[0][0].shape[1])
     x_RK = parts[0][1].new_empty(R, parts[0][1].shape[1])
     for p in range(len(parts)):
         (dy_MN, x_MK, offsets_E), parts[p] = parts[p], None
-        rows_M = torch.arange(x_MK.shape[0], device=device)
-        group_M = torch.searchsorted(offsets_E.long(), rows_M, right=True)
-        first_in_part_G = counts_PG[p].cumsum(0) - counts_PG[p]
-        dest_M = group_start_G[group_M] + earlier_PG[p, group_M] + rows_M - first_in_part_G[group_M]
-        dy_RN.index_copy_(0, dest_M, dy_MN)
-        x_RK.index_copy_(0, dest_M, x_MK)
+        _copy_rows(dy_MN, x_MK, offsets_E, shift_PG[p], dy_RN, x_RK)
         del dy_MN, x_MK
     offsets_E = total_G[:-1].cumsum(0).to(torch.int32)
     return dy_RN, x_RK, offsets_E
+
+
+def _copy_rows(dy_MN, x_MK, offsets_E, shift_G, dy_RN, x_RK) -> None:
+    """dy_RN[m + shift_G[g]] = dy_MN[m] for each row m, g its group (the number of `offsets_E` at
+    or below m), and the same for x. On CUDA one Triton kernel for both; elsewhere index_copy_."""
+    if dy_MN.is_cuda:
+        from moetrain.model.expert_major_kernel import copy_rows_expert_major
+
+        copy_rows_expert_major(dy_MN, x_MK, offsets_E, shift_G, dy_RN, x_RK)
+        return
+    rows_M = torch.arange(x_MK.shape[0], device=x_MK.device)
+    dest_M = rows_M + shift_G[torch.searchsorted(offsets_E.long(), rows_M, right=True)]
+    dy_RN.index_copy_(0, dest_M, dy_MN)
+    x_RK.index_copy_(0, dest_M, x_MK)
