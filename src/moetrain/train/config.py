@@ -143,9 +143,10 @@ class TrainerConfig(Config):
     the micro-batches) instead of once per micro-batch and added into the fp32 gradient. Costs
     memory: each MoE layer keeps its experts' inputs and output gradients (bf16) of every
     micro-batch but the last, which `moetrain plan` counts (src/moetrain/model/expert_grads.py).
-    Measured on one H200 it does not pay: +0.5% step time on bench-sweep-64 (64 small experts) at
-    10.5 GiB more, +10% on bench-sweep-8 (docs/benchmarks.md, "The expert sweep"). Row-wise FP8
-    and bf16 experts; not mxfp8. Does nothing with one micro-batch per step."""
+    Measured on one H200 it did not pay: +0.5% step time on bench-sweep-64 (64 small experts) at
+    10.5 GiB more, +10% on bench-sweep-8, while its row copy ran at 1.5 TB/s; that copy is now a
+    Triton kernel, not yet measured (docs/benchmarks.md, "The expert sweep"). Row-wise FP8 and
+    bf16 experts; not mxfp8. Does nothing with one micro-batch per step."""
     cuda_graphs: CudaGraphs = CudaGraphs.off
     """off, or optimizer: the optimizer's part of each step replayed from one CUDA graph. A replay
     reads the gradients at the addresses they had at capture; a step whose gradients lie elsewhere
