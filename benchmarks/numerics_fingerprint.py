@@ -54,6 +54,7 @@ CASES: dict[str, tuple[int, list[str]]] = {
         ],
     ),
     "small-docmask-full": (1, SMALL + ["data.document_masking=true", "train.recompute=full", "schedule.kind=wsd"]),
+    "small-accum-deferred": (1, SMALL + ["train.defer_expert_weight_grad=true"]),
     "dp2-ep2-nosync": (2, SMALL + ["parallel.ep=2"]),
     "dp2-ep2-overlap2-selective": (
         2,
