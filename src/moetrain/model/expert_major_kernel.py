@@ -7,14 +7,15 @@ widths, E experts, G = E + 1 groups (the experts, then the padding rows past the
 A row m of expert group g goes to row m + shift[g] of the destination (`expert_major` computes
 `shift` once for all micro-batches). Each program takes a block of rows: it finds their groups
 by counting the expert ends at or below each row, then copies the rows column block by column
-block. The widths and the expert count are compile-time constants, so a row's destination, a multiple of the width,
-is known to be aligned and the stores go out as 16-byte vectors.
+block. The widths and the expert count are compile-time constants, so a row's destination, a
+multiple of the width, is known to be aligned and the stores go out as 16-byte vectors.
 
-Why a kernel: `Tensor.index_copy_` moved these rows at about 1.5 TB/s on one H200 (40 ms of
-bench-sweep-64's deferred step, 2026-12-05, docs/measurements.md), and the destination index per
-micro-batch took eight more launches of its own; this kernel computes the destination in place.
-tests/model/test_expert_grads.py runs it in Triton's interpreter against the torch formulation and
-compiles it for Hopper, tests/gpu/test_cuda.py runs it on the GPU.
+Why a kernel: `Tensor.index_copy_` (the CPU path) moves these rows at about 1.5 TB/s on one H200
+(40 ms of bench-sweep-64's deferred step, 2026-12-05, docs/measurements.md) and needs every row's
+destination as an index tensor of its own, a handful of launches per micro-batch; this kernel
+computes the destination where it copies. tests/model/test_expert_grads.py runs it in Triton's
+interpreter against the torch formulation and compiles it for Hopper; tests/gpu/test_cuda.py runs
+it on the GPU.
 """
 
 from __future__ import annotations
