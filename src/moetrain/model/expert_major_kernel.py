@@ -11,7 +11,7 @@ block. The widths and the expert count are compile-time constants, so a row's de
 multiple of the width, is known to be aligned and the stores go out as 16-byte vectors.
 
 Why a kernel: `Tensor.index_copy_` (the CPU path) moves these rows at about 1.5 TB/s on one H200
-(40 ms of bench-sweep-64's deferred step, 2026-12-05, docs/measurements.md) and needs every row's
+(40 ms of bench-sweep-64's deferred step: docs/measurements.md) and needs every row's
 destination as an index tensor of its own, a handful of launches per micro-batch; this kernel
 computes the destination where it copies. tests/model/test_expert_grads.py runs it in Triton's
 interpreter against the torch formulation and compiles it for Hopper; tests/gpu/test_cuda.py runs
