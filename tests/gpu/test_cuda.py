@@ -337,7 +337,7 @@ def test_the_expert_major_row_copy_on_cuda_gives_the_cpu_layout():
     for p in range(8):
         counts = torch.multinomial(torch.ones(64), 4000, replacement=True, generator=g).bincount(minlength=64)
         counts[p] = 0
-        M = 4096  # 96 padding rows past the last offset
+        M = 4096  # at least 96 padding rows past the last offset
         parts.append((torch.randn(M, 2048, generator=g).bfloat16(), torch.randn(M, 1024, generator=g).bfloat16(),
                       counts.cumsum(0).to(torch.int32)))  # fmt: skip
     want = expert_major(list(parts))

@@ -74,8 +74,8 @@ def test_the_row_copy_kernel_lays_the_rows_out_as_index_copy_does_in_the_interpr
 
 
 def test_the_row_copy_kernel_stores_whole_vectors_on_hopper():
-    """Compiled for sm_90 at bench-sweep's widths, the row copy's loads and stores are 16-byte
-    vectors (a destination the compiler cannot see is aligned would store element by element)."""
+    """Compiled for sm_90 at bench-sweep's widths, the row copy's stores are 16-byte vectors (a
+    destination the compiler cannot see is aligned would store element by element)."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
 
