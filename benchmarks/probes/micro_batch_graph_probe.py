@@ -1,5 +1,5 @@
-"""What a CUDA graph of one micro-batch's forward and backward would give back of the step's idle
-time, before `train.cuda_graphs` is built around it.
+"""What a CUDA graph of one micro-batch's forward and backward gives back of the step's idle time
+(`train.cuda_graphs=step` captures the whole step instead: src/moetrain/train/cuda_graphs.py).
 
 For a preset on one GPU, its blocks compiled as `moetrain bench` runs them, on one micro-batch:
 - eager_ms: forward, loss and backward as the training loop runs them (`TrainEngine._micro_batches`'
@@ -15,8 +15,8 @@ For a preset on one GPU, its blocks compiled as `moetrain bench` runs them, on o
 
 It does not say whether a graphed training step is correct over several micro-batches: the
 backward graph writes every gradient into the same static buffers each replay, so the split
-masters, which keep the first micro-batch's gradient as it is, would see it overwritten. That is
-the design question this probe's figures decide whether to answer.
+masters, which keep the first micro-batch's gradient as it is, would see it overwritten; the step
+graph has no such outputs (its gradients live in its own memory).
 
 Run on a GPU: `python benchmarks/probes/micro_batch_graph_probe.py bench-small32e [overrides]`.
 """

@@ -14,9 +14,10 @@ and the optimizer step; `--also-forward-backward` times both windows, one JSON l
 line's `timed` says which). `--also-optimizer-step` adds a window of the optimizer's part alone
 (`TrainEngine.update`: clipping, the step guard, the update, the router bias) repeated over the
 gradients of one forward and backward; its line has no token rates, and `share_of_training_step`
-its step time over the training step's. With `--train.cuda_graphs=optimizer` the line's
-`cuda_graph_counts` says how many updates so far were captured, replayed and run eagerly
-(src/moetrain/train/cuda_graphs.py). Every line names the optimizer and the bytes of state it
+its step time over the training step's. With `--train.cuda_graphs=step` or `optimizer` the line's
+`cuda_graph_counts` says how many steps (updates) so far were captured, replayed and run eagerly
+(src/moetrain/train/cuda_graphs.py; a routing switch makes the step graph's next 3 steps eager,
+inside the warm-up when it has at least 4 steps). Every line names the optimizer and the bytes of state it
 holds per parameter this rank holds (`optimizer`). Each line also carries the last timed step's routing balance:
 expert_load_max_over_mean, ep_load_max_over_mean and dropped_token_frac (as in metrics.jsonl).
 The routing mode is switched in place between configurations (`TrainEngine.set_routing`: the
@@ -369,7 +370,7 @@ def _record(
         "recompute": str(tc.recompute),
         "defer_expert_weight_grad": engine.expert_grads is not None,
         "cuda_graphs": str(tc.cuda_graphs),
-        "cuda_graph_counts": engine.update_graph.counts() if engine.update_graph is not None else None,
+        "cuda_graph_counts": engine.cuda_graph_counts(),
         "layout": {
             "world": world,
             "dp": trainer.par.dims.dp,

@@ -139,6 +139,10 @@ def test_precision_names_autocast_bf16_weights_and_fp8():
     assert describe_precision(resolve_config("tiny", [*defer, "train.micro_batch_size=8"]), cpu) == "fp32"
     graphs = resolve_config("tiny", ["train.cuda_graphs=optimizer"])
     assert describe_precision(graphs, cpu) == "fp32; the optimizer step replayed from a CUDA graph (train.cuda_graphs)"
+    graphs = resolve_config("tiny", ["train.cuda_graphs=step"])
+    assert describe_precision(graphs, cpu) == (
+        "fp32; the training step replayed from a CUDA graph after 3 eager steps (train.cuda_graphs)"
+    )
 
 
 def test_a_run_prints_the_header_once_then_a_line_per_logged_step(tiny_cfg, tmp_path, capsys):

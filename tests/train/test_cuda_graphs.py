@@ -14,7 +14,7 @@ from moetrain.errors import ConfigError
 from moetrain.parallel.dims import ParallelDims, ParallelState
 from moetrain.testing.graph_emulator import EmulatedGraph, HostReadInCapture
 from moetrain.testing.steps import synthetic_batches
-from moetrain.train.cuda_graphs import MAX_UNPAID, NOTE_AFTER, PAYING_REPLAYS, UpdateGraph
+from moetrain.train.cuda_graphs import MAX_UNPAID, NOTE_AFTER, PAYING_REPLAYS, WARMUP_STEPS, StepGraph, UpdateGraph
 from moetrain.train.engine import TrainEngine
 
 
@@ -22,8 +22,7 @@ def one_process() -> ParallelState:
     return ParallelState(ParallelDims(world_size=1, dp=1, ep=1))
 
 
-@pytest.fixture
-def cfg(tiny_cfg, tmp_path):
+def graph_cfg(tiny_cfg, tmp_path, *overrides: str):
     # The device path the GPU takes (torch's fused AdamW, the clipping factor and the skip decision
     # as tensors), a learning rate that changes every step, clipping that bites, the router bias.
     return tiny_cfg(
@@ -34,7 +33,13 @@ def cfg(tiny_cfg, tmp_path):
         "schedule.warmup_steps=4",
         "model.moe.bias_update_rate=0.01",
         "train.skip_spike_sigma=0",
+        *overrides,
     )
+
+
+@pytest.fixture
+def cfg(tiny_cfg, tmp_path):
+    return graph_cfg(tiny_cfg, tmp_path)
 
 
 def engines(cfg, backend):
@@ -223,9 +228,10 @@ def test_a_guard_that_rebinds_its_counter_fails_the_replay_check(cfg, monkeypatc
         (["optim.fused=false"], "optim.fused=false"),
     ],
 )
-def test_the_config_refuses_what_is_not_captured(tiny_cfg, tmp_path, overrides, field):
-    with pytest.raises(ConfigError, match="train.cuda_graphs=optimizer") as error:
-        tiny_cfg(tmp_path / "run", "train.cuda_graphs=optimizer", *overrides).validate(world_size=1)
+@pytest.mark.parametrize("mode, what", [("optimizer", "the update"), ("step", "the training step")])
+def test_the_config_refuses_what_is_not_captured(tiny_cfg, tmp_path, overrides, field, mode, what):
+    with pytest.raises(ConfigError, match=f"train.cuda_graphs={mode} captures {what}") as error:
+        tiny_cfg(tmp_path / "run", f"train.cuda_graphs={mode}", *overrides).validate(world_size=1)
     assert field in str(error.value) and "train.cuda_graphs=off" in str(error.value)
 
 
@@ -235,10 +241,107 @@ def test_off_on_the_command_line_is_the_choice_not_a_bool(tiny_cfg, tmp_path):
     assert tiny_cfg(tmp_path / "run", "train.cuda_graphs=off").train.cuda_graphs == CudaGraphs.off
 
 
-def test_the_config_refuses_several_ranks_and_the_cpu(tiny_cfg, tmp_path):
-    cfg = tiny_cfg(tmp_path / "run", "train.cuda_graphs=optimizer", "train.micro_batch_size=2")
+@pytest.mark.parametrize("mode", ["optimizer", "step"])
+def test_the_config_refuses_several_ranks_and_the_cpu(tiny_cfg, tmp_path, mode):
+    cfg = tiny_cfg(tmp_path / "run", f"train.cuda_graphs={mode}", "train.micro_batch_size=2")
     with pytest.raises(ConfigError, match="2 ranks"):
         cfg.validate(world_size=2)
     with pytest.raises(ConfigError, match="train.device=cuda"):
         cfg.validate(world_size=1, device=torch.device("cpu"))
     cfg.validate(world_size=1)  # one rank, no device given: accepted
+
+
+# ---- train.cuda_graphs=step ----------------------------------------------------------------------
+
+
+def step_engines(cfg):
+    """(an eager engine, one whose `train_step` goes through `StepGraph` over the emulator), with
+    the same initialization and the learning rate a device tensor in both."""
+    torch.manual_seed(0)
+    eager = TrainEngine(cfg, one_process(), torch.device("cpu"), eos_id=0)
+    eager.optimizer.put_lr_on_device()
+    torch.manual_seed(0)
+    graphed = TrainEngine(cfg, one_process(), torch.device("cpu"), eos_id=0)
+    graphed.step_graph = StepGraph(graphed, EmulatedGraph())
+    return eager, graphed
+
+
+def same_step(engine, cfg, n):
+    """Step `n` with the random numbers seeded by `n`, so two engines draw the same ones."""
+    torch.manual_seed(1000 + n)
+    return engine.train_step(synthetic_batches(cfg, n), n)
+
+
+def assert_same_output(a, b, n) -> None:
+    assert a.lr == b.lr, n
+    for name in ("lm_loss", "grad_norm", "mtp"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert (x is None and y is None) or torch.equal(x, y), (n, name)
+    assert not b.grad_norm.requires_grad and not b.lm_loss.requires_grad
+    assert len(a.routing) == len(b.routing)
+    for la, lb in zip(a.routing, b.routing):
+        assert la.keys() == lb.keys() and all(torch.equal(la[k], lb[k]) for k in la), n
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["model.moe.routing=random"],
+        ["train.defer_expert_weight_grad=true"],
+        ["model.mtp_depth=1", "data.document_masking=true"],
+    ],
+    ids=["learned", "random-routing", "deferred-expert-grads", "mtp-document-masking"],
+)
+def test_replayed_training_steps_give_the_eager_run_bit_for_bit(tiny_cfg, tmp_path, overrides):
+    """train.cuda_graphs=step: the whole step (two micro-batches' forward and backward, clipping,
+    the guard, AdamW, the router bias, zeroed gradients, the routing statistics) captured once
+    after the eager warm-up and replayed on new batches gives the eager run's outputs and state
+    at every step: nothing it reads or writes is rebound, read on the host or left to Python
+    between steps (random routing: each replay draws the numbers the eager step would)."""
+    cfg = graph_cfg(tiny_cfg, tmp_path, *overrides)
+    eager, graphed = step_engines(cfg)
+    steps = WARMUP_STEPS + 6
+    for n in range(steps):
+        assert_same_output(same_step(eager, cfg, n), same_step(graphed, cfg, n), n)
+        assert_same(state(eager), state(graphed))
+    assert graphed.cuda_graph_counts() == {"captures": 1, "replays": steps - WARMUP_STEPS, "eager": WARMUP_STEPS}
+
+
+def test_a_routing_switch_or_a_load_runs_eager_steps_then_captures_again(cfg):
+    """What changes what a step launches drops the graph: the next WARMUP_STEPS steps are eager,
+    then it is captured again; the run stays the eager run's."""
+    eager, graphed = step_engines(cfg)
+    for n in range(2 * WARMUP_STEPS + 8):
+        if n == WARMUP_STEPS + 2:
+            for engine in (eager, graphed):
+                engine.set_routing("random")
+        if n == 2 * WARMUP_STEPS + 5:
+            for engine in (eager, graphed):
+                engine.load_state_dict(eager.state_dict())
+        assert_same_output(same_step(eager, cfg, n), same_step(graphed, cfg, n), n)
+    assert_same(state(eager), state(graphed))
+    # eager 0-2, captured at 3, replays 3-4; switch at 5: eager 5-7, captured at 8, replays 8-10;
+    # load at 11: eager 11-13
+    assert graphed.cuda_graph_counts() == {"captures": 2, "replays": 5, "eager": 3 * WARMUP_STEPS}
+
+
+def test_a_router_bias_that_is_rebound_fails_the_step_replay_check(tiny_cfg, tmp_path, monkeypatch):
+    """The comparison above catches the fault it is there for: the router bias moved by a new
+    tensor each step instead of in place. The captured step keeps reading the bias it had at
+    capture, so the replayed run's biases stop accumulating."""
+    from moetrain.model.moe import MoE
+
+    def rebinding(self, skip=None):
+        load_E = self.step_tokens_per_expert_E.float()
+        rate = self.cfg.bias_update_rate * (~skip).float()
+        self.router.expert_bias_E = self.router.expert_bias_E + rate * torch.sign(load_E.mean() - load_E)
+
+    monkeypatch.setattr(MoE, "update_bias", rebinding)
+    cfg = graph_cfg(tiny_cfg, tmp_path)
+    eager, graphed = step_engines(cfg)
+    for n in range(WARMUP_STEPS + 4):
+        same_step(eager, cfg, n)
+        same_step(graphed, cfg, n)
+    layers = zip(eager.model.moe_layers(), graphed.model.moe_layers())
+    assert not all(torch.equal(a.router.expert_bias_E, b.router.expert_bias_E) for a, b in layers)

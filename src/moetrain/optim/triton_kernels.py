@@ -202,28 +202,51 @@ _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 """The gradients' dtypes the address-table kernels read, as Triton's pointer element types."""
 
 
-_graph_tables: list[torch.Tensor] | None = None
-"""While `tables_for_graph` captures: the device tables the captured kernels read."""
+class GraphTables:
+    """What `tables_for_graph` collects over one capture."""
+
+    def __init__(self):
+        self.kept: list[torch.Tensor] = []
+        """Every device table the captured launches read (the graph's owner keeps them)."""
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """(device table, host values) of the tables first needed inside the capture: allocated
+        there, filled by `upload_pending` after the capture ends."""
+
+    def upload_pending(self) -> None:
+        """Fill the tables made inside the capture, on the current stream (before any replay)."""
+        for table, values in self.pending:
+            table.copy_(values.pin_memory(), non_blocking=True)
+        self.pending = []
+
+
+_graph_tables: GraphTables | None = None
+"""While `tables_for_graph` captures: what the captured kernels read."""
 
 
 @contextlib.contextmanager
 def tables_for_graph():
-    """Around a CUDA graph's capture (src/moetrain/train/cuda_graphs.py): yields the list of every
-    device table (addresses, sizes, first blocks) the captured launches read. The graph reads
-    them at each replay, so its owner keeps them: the caches below may drop them. A table not
-    yet built cannot be uploaded inside a capture (`_upload` refuses): capture right after an
-    eager update of the same gradients, which built them."""
+    """Around a CUDA graph's capture (src/moetrain/train/cuda_graphs.py): yields the
+    `GraphTables` of every device table (addresses, sizes, first blocks) the captured launches
+    read. The graph reads them at each replay, so its owner keeps them: the caches below may drop
+    them. A table first needed inside the capture (the addresses of gradients the captured
+    backward allocates) is allocated there and filled after it (`GraphTables.upload_pending`):
+    a capture records no copy from host memory, whose pinned buffer would be freed."""
     global _graph_tables
-    _graph_tables = kept = []
+    _graph_tables = tables = GraphTables()
     try:
-        yield kept
+        yield tables
+    except BaseException:
+        if tables.pending:  # cached tables that will never be filled
+            _int64_table_cached.cache_clear()
+            _first_blocks_cached.cache_clear()
+        raise
     finally:
         _graph_tables = None
 
 
 def _kept(t: torch.Tensor) -> torch.Tensor:
     if _graph_tables is not None:
-        _graph_tables.append(t)
+        _graph_tables.kept.append(t)
     return t
 
 
@@ -246,8 +269,9 @@ def _first_blocks_cached(numels: tuple[int, ...], block: int, device: torch.devi
 
 def _int64_table(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """`values` as an int64 tensor on `device`, built once per tuple: sizes and offsets, which
-    repeat every step, and the gradients' addresses, which a capture of the update finds in the
-    cache where the eager update before it put them."""
+    repeat every step, and the gradients' addresses, which a capture of the update alone finds
+    in the cache where the eager update before it put them (a capture of the whole step makes
+    them: its backward allocates the gradients)."""
     return _kept(_int64_table_cached(values, device))
 
 
@@ -258,15 +282,19 @@ def _int64_table_cached(values: tuple[int, ...], device: torch.device) -> torch.
 
 def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on `device` without the host waiting: copied from pinned memory, which
-    torch's host allocator keeps until the copy has run. Not inside a CUDA graph's capture: the
-    graph would copy from pinned memory freed after it."""
+    torch's host allocator keeps until the copy has run. Inside a CUDA graph's capture the table
+    is only allocated, and filled once the capture has ended (`tables_for_graph`)."""
     if device.type != "cuda":
         return t.to(device)
     if torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            "an optimizer kernel's table was uploaded inside a CUDA graph capture; capture right after an "
-            "eager update of the same gradients (src/moetrain/train/cuda_graphs.py)"
-        )
+        if _graph_tables is None:
+            raise RuntimeError(
+                "an optimizer kernel's table was needed inside a CUDA graph capture outside tables_for_graph "
+                "(src/moetrain/train/cuda_graphs.py)"
+            )
+        table = torch.empty(t.shape, dtype=t.dtype, device=device)
+        _graph_tables.pending.append((table, t))
+        return table
     return t.pin_memory().to(device, non_blocking=True)
 
 

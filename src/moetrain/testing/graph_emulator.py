@@ -16,6 +16,8 @@ their arguments, then puts back every tensor the capture wrote (snapshots of the
 before each first write), so that capturing has no effect. A replay runs the recorded operations
 again: in-place ones on the same tensors; a fresh result is copied into the tensor the capture
 returned, which later operations read. So the three faults above show as they would on the GPU.
+Random numbers: as with CUDA's generator, the capture leaves the generator where it was and
+each replay draws the next numbers, as the eager operations would have.
 
 The tensors the caller hands at each replay (`inputs`: the step's gradients, which the CUDA
 backend replays only where they lie at the captured addresses) stand in for the captured ones,
@@ -70,7 +72,8 @@ class EmulatedGraph:
     docstring)."""
 
     def __init__(self):
-        self.ops: list[_Op] = []
+        self.ops: list[_Op] | None = []
+        """The captured operations (None after `release`)."""
         self.inputs: list[torch.Tensor] = []
         self._saved: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
         self.moves = 0
@@ -87,27 +90,34 @@ class EmulatedGraph:
 
     def capture(self, fn: Callable[[], Any], inputs: list[torch.Tensor]) -> Any:
         self.ops, self.inputs, self._saved = [], list(inputs), {}
+        rng = torch.random.get_rng_state()
         try:
             with _Recorder(self):
                 out = fn()
         finally:
+            torch.random.set_rng_state(rng)  # a capture draws no numbers: each replay does
             for storage, saved in self._saved.values():  # a capture runs nothing
                 storage.copy_(saved)
             self._saved = {}
         self.captures += 1
         return out
 
+    def release(self) -> None:
+        self.ops, self.inputs = None, []
+
     def replay(self, inputs: list[torch.Tensor]) -> None:
+        assert self.ops is not None, "replayed after release, before a new capture"
         assert len(inputs) == len(self.inputs), "replayed with another number of inputs"
         swap = {id(c): t for c, t in zip(self.inputs, inputs)}
 
         def current(x):
             return swap.get(id(x), x) if isinstance(x, torch.Tensor) else x
 
-        for op in self.ops:
-            result = op.func(*tree_map(current, op.args), **tree_map(current, op.kwargs))
-            aliases = [r.alias_info is not None for r in op.func._schema.returns]
-            _bind(op.out, result, any(aliases), swap)
+        with torch.no_grad():  # a replay is kernels, with no autograd above them
+            for op in self.ops:
+                result = op.func(*tree_map(current, op.args), **tree_map(current, op.kwargs))
+                aliases = [r.alias_info is not None for r in op.func._schema.returns]
+                _bind(op.out, result, any(aliases), swap)
         self.replays += 1
 
     def _snapshot(self, t: torch.Tensor) -> None:

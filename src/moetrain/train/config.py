@@ -55,6 +55,10 @@ class CudaGraphs(enum.StrEnum):
     """The optimizer's part of each step (`TrainEngine.update`: the clipping norm, the step guard,
     the AdamW update, the router bias) captured once and replayed: one launch instead of one per
     kernel. One GPU, the ddp stack's replicated AdamW."""
+    step = "step"
+    """The whole training step (every micro-batch's forward and backward, the update, the zeroed
+    gradients, the routing statistics) captured once after a few eager steps and replayed: one
+    launch a step. The same layouts as `optimizer`."""
 
 
 MAX_STEPS = 10**9
@@ -148,15 +152,24 @@ class TrainerConfig(Config):
     Triton kernel, not yet measured (docs/benchmarks.md, "The expert sweep"). Row-wise FP8 and
     bf16 experts; not mxfp8. Does nothing with one micro-batch per step."""
     cuda_graphs: CudaGraphs = CudaGraphs.off
-    """off, or optimizer: the optimizer's part of each step replayed from one CUDA graph. A replay
-    reads the gradients at the addresses they had at capture; a step whose gradients lie elsewhere
-    (the allocator is not steady yet, or an evaluation moved them) runs eagerly, and the graph is
-    captured again once two steps in a row put them in the same place; after 3 captures that
-    served fewer than 8 replays each, the steps stay eager (src/moetrain/train/cuda_graphs.py).
-    Needs one CUDA device, the ddp stack without parallel.shard_optimizer, optim.name=adamw and
-    optim.fused not false. Measured on one H200 it gives nothing: in training every gradient
-    lies at a new address each step, so no update replays (the run says so), and replayed over
-    fixed gradients the update is no faster (docs/benchmarks.md, "CUDA graphs")."""
+    """off, step or optimizer. Both need one CUDA device, the ddp stack without
+    parallel.shard_optimizer, optim.name=adamw and optim.fused not false
+    (src/moetrain/train/cuda_graphs.py).
+
+    step: the whole training step replayed from one CUDA graph, captured after 3 eager steps; the
+    step's gradients and activations live in the graph's own memory, so every replay finds them
+    where the capture put them, and the batches are copied into the graph's input buffers. A
+    routing switch or a loaded checkpoint makes the next steps eager and the graph is captured
+    again. Not yet measured in training; a graph of one micro-batch's forward and backward gave
+    back 2.3 ms of bench-small32e's 146 ms step (docs/benchmarks.md, "CUDA graphs").
+
+    optimizer: the optimizer's part of each step replayed from one CUDA graph. A replay reads the
+    gradients at the addresses they had at capture; a step whose gradients lie elsewhere runs
+    eagerly, and the graph is captured again once two steps in a row put them in the same
+    place; after 3 captures that served fewer than 8 replays each, the steps stay eager.
+    Measured on one H200 it gives nothing: in training every gradient lies at a new address each
+    step, so no update replays (the run says so), and replayed over fixed gradients the update is
+    no faster."""
     recompute: Recompute = Recompute.none
     """Activation recompute: none, full (keep only each block's input) or selective (also keep
     the matrix products' and collectives' outputs)."""
@@ -371,7 +384,7 @@ class RunConfig(Config):
 
 
 def _check_cuda_graphs(cfg: RunConfig, world_size: int | None) -> None:
-    """train.cuda_graphs=optimizer captures the replicated AdamW's update on one rank."""
+    """train.cuda_graphs=optimizer or step captures the replicated AdamW's update on one rank."""
     if cfg.train.cuda_graphs == CudaGraphs.off:
         return
     p, o = cfg.parallel, cfg.optim
@@ -383,10 +396,11 @@ def _check_cuda_graphs(cfg: RunConfig, world_size: int | None) -> None:
     elif o.fused is False:
         problem = "optim.fused=false (its update reads the skip decision on the host)"
     elif world_size is not None and world_size > 1:
-        problem = f"{world_size} ranks (the update's all-reduces are not captured)"
+        problem = f"{world_size} ranks (the all-reduces are not captured)"
     if problem:
+        what = "the training step" if cfg.train.cuda_graphs == CudaGraphs.step else "the update"
         raise ConfigError(
-            f"train.cuda_graphs={cfg.train.cuda_graphs} captures the update of the ddp stack's replicated AdamW "
+            f"train.cuda_graphs={cfg.train.cuda_graphs} captures {what} of the ddp stack's replicated AdamW "
             f"on one GPU, not with {problem}: set train.cuda_graphs=off."
         )
 

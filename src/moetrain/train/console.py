@@ -192,6 +192,8 @@ def describe_precision(cfg: RunConfig, device: torch.device) -> str:
         text += "; expert weight gradients once per step (train.defer_expert_weight_grad)"
     if cfg.train.cuda_graphs == CudaGraphs.optimizer:
         text += "; the optimizer step replayed from a CUDA graph (train.cuda_graphs)"
+    elif cfg.train.cuda_graphs == CudaGraphs.step:
+        text += "; the training step replayed from a CUDA graph after 3 eager steps (train.cuda_graphs)"
     return text
 
 

@@ -1,4 +1,10 @@
-"""train.cuda_graphs=optimizer: the optimizer's part of a training step replayed from one CUDA graph.
+"""train.cuda_graphs: a training step, or its optimizer's part, replayed from one CUDA graph.
+
+`StepGraph` (train.cuda_graphs=step) captures the whole step once and replays it; what its
+captured step allocates lives in the graph's own memory, so the gradients are where the graph
+left them at every replay (its docstring below). `UpdateGraph` (train.cuda_graphs=optimizer)
+captures only `TrainEngine.update`, over gradients the eager backward allocates; what follows is
+about it, and holds for the update inside the step graph too.
 
 `TrainEngine.update` launches a few hundred small kernels a step (the clipping norm, the step
 guard, torch's fused AdamW, the split masters' Triton update, the router bias). Launched from
@@ -30,6 +36,7 @@ own. No host sync is added: a replay is one launch; a capture is once or a few t
 
 from __future__ import annotations
 
+import gc
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
@@ -72,13 +79,17 @@ class GraphBackend(Protocol):
         """Run the recorded work again (`inputs` at the places of the capture)."""
         ...
 
+    def release(self) -> None:
+        """Drop the recorded work and what it holds; the next capture starts afresh."""
+        ...
+
 
 class CudaGraph:
     """`GraphBackend` over `torch.cuda.CUDAGraph`: captured on a side stream into one private
     memory pool (a new capture first frees the last), replayed on the current stream."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, device: torch.device, what: str = "the optimizer step"):
+        self.device, self.what = device, what
         self.graph: torch.cuda.CUDAGraph | None = None
         self.pool = torch.cuda.graph_pool_handle()
         self.tables: list[torch.Tensor] = []
@@ -107,16 +118,23 @@ class CudaGraph:
                 except RuntimeError:
                     pass  # the capture was invalidated by the error itself
                 raise CaptureFailed(
-                    f"the optimizer step could not be captured as a CUDA graph ({type(error).__name__}: {error}); "
+                    f"{self.what} could not be captured as a CUDA graph ({type(error).__name__}: {error}); "
                     "set train.cuda_graphs=off"
                 ) from error
             graph.capture_end()
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        self.graph, self.tables = graph, tables
+        self.graph, self.tables = graph, tables.kept + [table for table, _ in tables.pending]
+        tables.upload_pending()
         return out
 
     def replay(self, inputs: list[torch.Tensor]) -> None:
         self.graph.replay()
+
+    def release(self) -> None:
+        if self.graph is not None:
+            self.graph.reset()
+        self.graph, self.tables = None, []
+        self.pool = torch.cuda.graph_pool_handle()  # the old pool goes once nothing in it is alive
 
 
 class UpdateGraph:
@@ -174,3 +192,96 @@ class UpdateGraph:
     def counts(self) -> dict[str, int]:
         """{"captures", "replays", "eager"} so far."""
         return {"captures": self.captures, "replays": self.replays, "eager": self.eager}
+
+
+WARMUP_STEPS = 3
+"""Eager steps before the step graph is captured (again): the compiled blocks compile, Triton
+kernels pick their configurations, the optimizer builds its tables, and the caching allocator
+has seen a whole step."""
+
+
+class StepGraph:
+    """`TrainEngine.train_step` replayed from one graph (train.cuda_graphs=step).
+
+    The first `WARMUP_STEPS` steps run eagerly. The next one allocates the graph's input buffers
+    (each micro-batch's inputs and targets, on the device), copies its batches into them and
+    captures `TrainEngine.step_tensors` over them: every micro-batch's forward and backward, the
+    update, the zeroed gradients, the routing statistics. What that step allocates (activations,
+    gradients, the loss) comes from the graph's own memory, at the same addresses in every
+    replay, so nothing has to be compared before a replay. Each later step copies its batches into
+    the input buffers, fills the learning rate and replays. The capture runs nothing: the step
+    that captures replays at once.
+
+    What the step writes that outlives it (parameters, optimizer state, the step guard, the
+    router biases and routing accumulators) is written in place, as `UpdateGraph` needs too. A
+    step's outputs are copies of the graph's, so a `StepOutput` keeps its own values after the
+    next replay. `reset` drops the graph after anything changes what a step launches (a routing
+    switch, loaded weights): `WARMUP_STEPS` eager steps, then a new capture.
+    """
+
+    def __init__(self, engine: TrainEngine, backend: GraphBackend):
+        self.engine, self.backend = engine, backend
+        engine.optimizer.put_lr_on_device()
+        self.inputs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        """The graph's input buffers: (inputs_BT, targets_BT) of each micro-batch."""
+        self.outputs: tuple | None = None
+        """What the captured step returns and each replay rewrites (`TrainEngine.step_tensors`)."""
+        self.captures = self.replays = self.eager = 0
+        """Captures made, steps replayed, steps run eagerly."""
+        self._warm = 0
+
+    def reset(self) -> None:
+        """Run the next `WARMUP_STEPS` steps eagerly, then capture again. The graph's memory goes
+        back to the device first, so the eager steps do not run on top of it."""
+        self.inputs = self.outputs = None
+        self._warm = 0
+        self.backend.release()
+        if self.engine.device.type == "cuda":
+            gc.collect()
+            torch.cuda.empty_cache()
+
+    def run(self, batches: list, step: int):
+        """Optimizer step number `step` (0-based) on `batches`: eager, captured or replayed."""
+        from moetrain.train.engine import StepOutput
+
+        engine = self.engine
+        if self.outputs is None and self._warm < WARMUP_STEPS:
+            self._warm += 1
+            self.eager += 1
+            return engine.optim_step(engine.forward_backward(batches), step)
+        lr = engine.set_step_lr(step)
+        if self.outputs is None:
+            self._capture(batches)
+        self._load(batches)
+        self.backend.replay([])
+        self.replays += 1
+        lm_loss, grad_norm, routing, mtp = self.outputs
+        return StepOutput(
+            lm_loss.clone(),
+            grad_norm.clone(),
+            [{k: v.clone() for k, v in layer.items()} for layer in routing],
+            lr,
+            mtp.clone() if mtp is not None else None,
+        )
+
+    def counts(self) -> dict[str, int]:
+        """{"captures", "replays", "eager"} so far."""
+        return {"captures": self.captures, "replays": self.replays, "eager": self.eager}
+
+    def _capture(self, batches: list) -> None:
+        device = self.engine.device
+        self.inputs = [tuple(torch.empty(t.shape, dtype=t.dtype, device=device) for t in batch) for batch in batches]
+        self._load(batches)  # the emulator runs what it captures; a CUDA capture reads nothing
+        if device.type == "cuda":
+            # The eager steps' cached blocks go back to the device, so the graph's memory can take
+            # their place instead of coming on top of them (as torch.cuda.graph does too).
+            torch.cuda.synchronize(device)
+            gc.collect()
+            torch.cuda.empty_cache()
+        self.outputs = self.backend.capture(lambda: self.engine.step_tensors(self.inputs), [])
+        self.captures += 1
+
+    def _load(self, batches: list) -> None:
+        for buffers, batch in zip(self.inputs, batches, strict=True):
+            for buffer, t in zip(buffers, batch, strict=True):
+                buffer.copy_(t, non_blocking=True)

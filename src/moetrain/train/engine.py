@@ -45,7 +45,7 @@ from moetrain.parallel.parallelize import parallelize
 from moetrain.parallel.pipeline import Pipeline, build_pipeline
 from moetrain.train import checkpoint as ckpt
 from moetrain.train.config import CudaGraphs, Precision, RunConfig
-from moetrain.train.cuda_graphs import CudaGraph, UpdateGraph
+from moetrain.train.cuda_graphs import CudaGraph, StepGraph, UpdateGraph
 from moetrain.train.guard import StepGuard
 from moetrain.train.metrics import peak_mem_gib, routing_metrics
 
@@ -153,8 +153,12 @@ class TrainEngine:
         self.update_graph: UpdateGraph | None = None
         """train.cuda_graphs=optimizer: `update`'s device work replayed from a CUDA graph
         (src/moetrain/train/cuda_graphs.py)."""
+        self.step_graph: StepGraph | None = None
+        """train.cuda_graphs=step: the whole of `train_step` replayed from a CUDA graph."""
         if tc.cuda_graphs == CudaGraphs.optimizer:
             self.update_graph = UpdateGraph(self, CudaGraph(device))
+        elif tc.cuda_graphs == CudaGraphs.step:
+            self.step_graph = StepGraph(self, CudaGraph(device, "the training step"))
         self.schedule_steps = tc.steps
         """The steps the learning-rate schedule is planned over: train.steps, or, for a run
         resumed with another train.steps and train.extend=keep, the count it started with."""
@@ -165,8 +169,26 @@ class TrainEngine:
 
     # ---- one step ----------------------------------------------------------------------------------
     def train_step(self, batches: list[Batch], step: int) -> StepOutput:
-        """`forward_backward` then `optim_step`: optimizer step number `step` (0-based)."""
+        """`forward_backward` then `optim_step`: optimizer step number `step` (0-based); with
+        train.cuda_graphs=step, replayed from a CUDA graph once captured (`step_graph`)."""
+        if self.step_graph is not None:
+            return self.step_graph.run(batches, step)
         return self.optim_step(self.forward_backward(batches), step)
+
+    def step_tensors(self, batches: list[Batch]) -> tuple:
+        """The device work of `train_step` at the optimizer's learning rate, what
+        train.cuda_graphs=step captures: forward and backward, `update_tensors`, zeroed
+        gradients, the routing statistics. Returns (mean LM loss, gradient norm, routing
+        statistics, multi-token losses or None)."""
+        lm_loss = self.forward_backward(batches)
+        grad_norm = self.update_tensors(lm_loss)
+        self.optimizer.zero_grad()
+        return lm_loss, grad_norm, self._end_routing_step(), self._end_mtp_step()
+
+    def cuda_graph_counts(self) -> dict[str, int] | None:
+        """With train.cuda_graphs: {"captures", "replays", "eager"} so far."""
+        graph = self.step_graph or self.update_graph
+        return graph.counts() if graph is not None else None
 
     def forward_backward(self, batches: list[Batch]) -> torch.Tensor:
         """Forward and backward of the step's micro-batches (train.grad_accum_steps of them,
@@ -193,11 +215,16 @@ class TrainEngine:
         schedule's learning rate, then `update_tensors` (replayed from a CUDA graph with
         train.cuda_graphs=optimizer: `update_graph`). Returns the norm before clipping (device)
         and the lr."""
-        lr = lr_at(step, self.schedule_steps, self.cfg.optim.lr, self.cfg.schedule)
-        self.optimizer.set_lr(lr)
+        lr = self.set_step_lr(step)
         if self.update_graph is not None:
             return self.update_graph.run(lm_loss), lr
         return self.update_tensors(lm_loss), lr
+
+    def set_step_lr(self, step: int) -> float:
+        """Give the optimizer the schedule's learning rate of step `step` (0-based); returns it."""
+        lr = lr_at(step, self.schedule_steps, self.cfg.optim.lr, self.cfg.schedule)
+        self.optimizer.set_lr(lr)
+        return lr
 
     def update_tensors(self, lm_loss: torch.Tensor) -> torch.Tensor:
         """The update's device work at the optimizer's learning rate: clip, decide whether to
@@ -222,6 +249,8 @@ class TrainEngine:
     def set_routing(self, routing: str) -> None:
         """Switch every router to `routing` (learned or random); the next step uses it."""
         self.model.set_routing(routing)
+        if self.step_graph is not None:
+            self.step_graph.reset()
 
     def _micro_batches(self, batches: list[Batch]) -> torch.Tensor:
         """The micro-batches one after the other; the accumulated (mean) LM loss."""
@@ -402,6 +431,7 @@ class TrainEngine:
         step count and refreshes what derives from the weights (collective under the sharded
         optimizer)."""
         self.optimizer.checkpoint_loaded()
+        self._weights_replaced()
 
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         """{"model": …, "optim": …}: the same entries as `checkpoint_state`, whole, in memory
@@ -420,6 +450,7 @@ class TrainEngine:
         ckpt.load_model_state_dict(self.model, state["model"])
         self._load_masters(state["model"])
         self.optimizer.load_state_dict_tensors(ckpt.optimizer_tensors(self.model, state["optim"]))
+        self._weights_replaced()
 
     def load_model_weights(self, path) -> None:
         """Only the model's weights from the checkpoint at `path` (train.init_from), each rank
@@ -427,6 +458,12 @@ class TrainEngine:
         entries = ckpt.checkpoint_entries(self.model, self.optimizer.checkpoint_masters())
         ckpt.load_checkpoint(path, entries)
         self.optimizer.checkpoint_loaded()
+        self._weights_replaced()
+
+    def _weights_replaced(self) -> None:
+        """After a load: the step graph is captured again (the optimizer may hold new tensors)."""
+        if self.step_graph is not None:
+            self.step_graph.reset()
 
     def _load_masters(self, model_state: dict[str, torch.Tensor]) -> None:
         """optim.bf16_weights: the fp32 masters of the bf16 parameters (which got the entries
