@@ -22,11 +22,11 @@ def one_process() -> ParallelState:
     return ParallelState(ParallelDims(world_size=1, dp=1, ep=1))
 
 
-def graph_cfg(tiny_cfg, tmp_path, *overrides: str):
+def graph_cfg(tiny_cfg, run_dir, *overrides: str):
     # The device path the GPU takes (torch's fused AdamW, the clipping factor and the skip decision
     # as tensors), a learning rate that changes every step, clipping that bites, the router bias.
     return tiny_cfg(
-        tmp_path / "run",
+        run_dir,
         "train.device=cpu",
         "optim.fused=true",
         "optim.grad_clip=0.05",
@@ -39,7 +39,7 @@ def graph_cfg(tiny_cfg, tmp_path, *overrides: str):
 
 @pytest.fixture
 def cfg(tiny_cfg, tmp_path):
-    return graph_cfg(tiny_cfg, tmp_path)
+    return graph_cfg(tiny_cfg, tmp_path / "run")
 
 
 def engines(cfg, backend):
@@ -299,7 +299,7 @@ def test_replayed_training_steps_give_the_eager_run_bit_for_bit(tiny_cfg, tmp_pa
     after the eager warm-up and replayed on new batches gives the eager run's outputs and state
     at every step: nothing it reads or writes is rebound, read on the host or left to Python
     between steps (random routing: each replay draws the numbers the eager step would)."""
-    cfg = graph_cfg(tiny_cfg, tmp_path, *overrides)
+    cfg = graph_cfg(tiny_cfg, tmp_path / "run", *overrides)
     eager, graphed = step_engines(cfg)
     steps = WARMUP_STEPS + 6
     for n in range(steps):
@@ -338,10 +338,53 @@ def test_a_router_bias_that_is_rebound_fails_the_step_replay_check(tiny_cfg, tmp
         self.router.expert_bias_E = self.router.expert_bias_E + rate * torch.sign(load_E.mean() - load_E)
 
     monkeypatch.setattr(MoE, "update_bias", rebinding)
-    cfg = graph_cfg(tiny_cfg, tmp_path)
+    cfg = graph_cfg(tiny_cfg, tmp_path / "run")
     eager, graphed = step_engines(cfg)
     for n in range(WARMUP_STEPS + 4):
         same_step(eager, cfg, n)
         same_step(graphed, cfg, n)
     layers = zip(eager.model.moe_layers(), graphed.model.moe_layers())
     assert not all(torch.equal(a.router.expert_bias_E, b.router.expert_bias_E) for a, b in layers)
+
+
+@pytest.mark.parametrize("extra", [(), ("model.moe.routing=random",)], ids=["learned", "random-routing"])
+def test_a_run_with_the_step_graph_logs_the_eager_runs_metrics_and_resumes_exactly(tiny_cfg, tmp_path, extra):
+    """Through the trainer (evaluations, checkpoints and logging between replays): a run whose
+    steps go through `StepGraph` writes the eager run's metrics.jsonl values and ends on its
+    weights, bit for bit; so does one stopped after 5 steps and resumed (the load resets the
+    graph: eager steps, then a new capture)."""
+    from moetrain.train.metrics import read_metrics
+    from moetrain.train.trainer import Trainer
+
+    def trainer(name, graphed, resume=False):
+        t = Trainer(graph_cfg(tiny_cfg, tmp_path / name, *extra), resume=resume, quiet=True)
+        if graphed:
+            t.engine.step_graph = StepGraph(t.engine, EmulatedGraph())
+        else:
+            t.engine.optimizer.put_lr_on_device()
+        return t
+
+    eager = trainer("eager", graphed=False)
+    eager.fit()
+    graphed = trainer("graphed", graphed=True)
+    graphed.fit()
+    part = trainer("part", graphed=True)
+    for _ in range(5):
+        part.train_step()
+    part.save()
+    del part
+    resumed = trainer("part", graphed=True, resume=True)
+    assert resumed.step == 5
+    resumed.fit()
+
+    def logged(name):
+        keys = ("loss", "lm_loss", "grad_norm", "lb_loss", "z_loss", "lr", "val_loss", "expert_load_max_over_mean")
+        return {r["step"]: [r.get(k) for k in keys] for r in read_metrics(tmp_path / name / "metrics.jsonl")}
+
+    want = logged("eager")
+    assert logged("graphed") == want
+    resumed_log = logged("part")
+    assert all(resumed_log[s] == want[s] for s in range(6, 13)), resumed_log
+    assert graphed.engine.cuda_graph_counts() == {"captures": 1, "replays": 12 - WARMUP_STEPS, "eager": WARMUP_STEPS}
+    for run in (graphed, resumed):
+        assert_same(state(eager.engine), state(run.engine))
