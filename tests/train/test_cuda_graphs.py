@@ -388,3 +388,29 @@ def test_a_run_with_the_step_graph_logs_the_eager_runs_metrics_and_resumes_exact
     assert graphed.engine.cuda_graph_counts() == {"captures": 1, "replays": 12 - WARMUP_STEPS, "eager": WARMUP_STEPS}
     for run in (graphed, resumed):
         assert_same(state(eager.engine), state(run.engine))
+
+
+def test_a_step_that_cannot_be_captured_runs_eagerly_from_then_on_and_says_why(tiny_cfg, tmp_path, monkeypatch, capsys):
+    """The fallback: a step that reads a device value on the host cannot be captured; the run
+    says so once, naming the operation, and every step from the one that tried runs eagerly,
+    with the eager run's results. The read comes in the update, after the backward, so the
+    aborted capture had made gradients and multi-token sums, which must not leak into the next
+    step."""
+    from moetrain.model.moe import MoE
+
+    real = MoE.update_bias
+
+    def host_reading(self, skip=None):
+        float(self.step_calls)  # a host read: fine eagerly, not in a graph
+        return real(self, skip)
+
+    monkeypatch.setattr(MoE, "update_bias", host_reading)
+    cfg = graph_cfg(tiny_cfg, tmp_path / "run", "model.mtp_depth=1")
+    eager, graphed = step_engines(cfg)
+    for n in range(WARMUP_STEPS + 4):
+        assert_same_output(same_step(eager, cfg, n), same_step(graphed, cfg, n), n)
+        assert_same(state(eager), state(graphed))
+    assert graphed.cuda_graph_counts() == {"captures": 0, "replays": 0, "eager": WARMUP_STEPS + 4}
+    err = capsys.readouterr().err
+    assert err.count("note: train.cuda_graphs=step: the training step could not be captured") == 1
+    assert "_local_scalar_dense" in err and "as with train.cuda_graphs=off" in err

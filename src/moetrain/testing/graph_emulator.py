@@ -16,6 +16,8 @@ their arguments, then puts back every tensor the capture wrote (snapshots of the
 before each first write), so that capturing has no effect. A replay runs the recorded operations
 again: in-place ones on the same tensors; a fresh result is copied into the tensor the capture
 returned, which later operations read. So the three faults above show as they would on the GPU.
+What the capture allocated holds NaN (or the most negative integer) until a replay writes it, as
+a CUDA capture leaves its memory unwritten: a value of the capture read outside the graph shows.
 Random numbers: as with CUDA's generator, the capture leaves the generator where it was and
 each replay draws the next numbers, as the eager operations would have.
 
@@ -29,6 +31,7 @@ norms); the Triton one is checked on the GPU (tests/gpu/test_cuda.py).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -36,12 +39,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
+from moetrain.train.cuda_graphs import CaptureFailed
+
 HOST_READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default}
 """Operations that read device values on the host: a CUDA capture fails on them."""
 
 
-class HostReadInCapture(RuntimeError):
-    """A captured function read a device value on the host."""
+class HostReadInCapture(CaptureFailed):
+    """A captured function read a device value on the host (on the GPU the capture fails, and
+    `CudaGraph` raises `CaptureFailed`)."""
 
 
 class _Op:
@@ -59,7 +65,8 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in HOST_READS:
-            raise HostReadInCapture(f"{func} reads a device value on the host inside a captured function")
+            reason = f"{func} reads a device value on the host"
+            raise HostReadInCapture(f"{reason} inside a captured function", reason)
         for t in _written(func, args, kwargs):
             self.graph._snapshot(t)
         out = func(*args, **kwargs)
@@ -99,6 +106,9 @@ class EmulatedGraph:
             for storage, saved in self._saved.values():  # a capture runs nothing
                 storage.copy_(saved)
             self._saved = {}
+            for op in self.ops:  # and what it allocated holds no result until a replay
+                if not any(r.alias_info is not None for r in op.func._schema.returns):
+                    tree_map(_poison, op.out)
         self.captures += 1
         return out
 
@@ -125,6 +135,16 @@ class EmulatedGraph:
         key = storage.data_ptr()
         if key not in self._saved and storage.nbytes():
             self._saved[key] = (storage, storage.clone())
+
+
+def _poison(x) -> None:
+    """A tensor a capture allocated: NaN, or the most negative integer, as a stand-in for the
+    memory a CUDA capture leaves unwritten."""
+    if isinstance(x, torch.Tensor) and x.numel():
+        if x.is_floating_point():
+            x.fill_(math.nan)
+        elif x.dtype != torch.bool and not x.is_complex():
+            x.fill_(torch.iinfo(x.dtype).min)
 
 
 def _written(func, args, kwargs) -> list[torch.Tensor]:

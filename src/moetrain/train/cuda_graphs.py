@@ -59,7 +59,12 @@ settle)."""
 
 
 class CaptureFailed(MoetrainError):
-    """The update could not be captured as a CUDA graph."""
+    """A step or an update could not be captured as a CUDA graph."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
+        """What failed, in a few words (the operation and its error)."""
 
 
 class GraphBackend(Protocol):
@@ -117,9 +122,10 @@ class CudaGraph:
                     graph.capture_end()
                 except RuntimeError:
                     pass  # the capture was invalidated by the error itself
+                reason = f"{type(error).__name__}: {error}"
                 raise CaptureFailed(
-                    f"{self.what} could not be captured as a CUDA graph ({type(error).__name__}: {error}); "
-                    "set train.cuda_graphs=off"
+                    f"{self.what} could not be captured as a CUDA graph ({reason}); set train.cuda_graphs=off",
+                    reason,
                 ) from error
             graph.capture_end()
         torch.cuda.current_stream(self.device).wait_stream(stream)
@@ -217,6 +223,12 @@ class StepGraph:
     step's outputs are copies of the graph's, so a `StepOutput` keeps its own values after the
     next replay. `reset` drops the graph after anything changes what a step launches (a routing
     switch, loaded weights): `WARMUP_STEPS` eager steps, then a new capture.
+
+    A capture that fails (`CaptureFailed`: an operation a graph cannot hold, such as a host read)
+    is the fallback's cue: the run says why, once, and every later step runs eagerly, as with
+    train.cuda_graphs=off. Nothing of the aborted capture ran on the device; what it left in
+    Python (gradients, the routing and multi-token accumulators' bookkeeping) is cleared as at
+    the end of a step, and the step that tried runs eagerly.
     """
 
     def __init__(self, engine: TrainEngine, backend: GraphBackend):
@@ -228,6 +240,8 @@ class StepGraph:
         """What the captured step returns and each replay rewrites (`TrainEngine.step_tensors`)."""
         self.captures = self.replays = self.eager = 0
         """Captures made, steps replayed, steps run eagerly."""
+        self.failed: str | None = None
+        """Why the capture failed (then every step runs eagerly)."""
         self._warm = 0
 
     def reset(self) -> None:
@@ -242,16 +256,18 @@ class StepGraph:
 
     def run(self, batches: list, step: int):
         """Optimizer step number `step` (0-based) on `batches`: eager, captured or replayed."""
-        from moetrain.train.engine import StepOutput
-
         engine = self.engine
         if self.outputs is None and self._warm < WARMUP_STEPS:
             self._warm += 1
-            self.eager += 1
-            return engine.optim_step(engine.forward_backward(batches), step)
-        lr = engine.set_step_lr(step)
-        if self.outputs is None:
-            self._capture(batches)
+        elif self.outputs is not None or (self.failed is None and self._capture(step, batches)):
+            return self._replay(batches, step)
+        self.eager += 1
+        return engine.optim_step(engine.forward_backward(batches), step)
+
+    def _replay(self, batches: list, step: int):
+        from moetrain.train.engine import StepOutput
+
+        lr = self.engine.set_step_lr(step)
         self._load(batches)
         self.backend.replay([])
         self.replays += 1
@@ -268,7 +284,8 @@ class StepGraph:
         """{"captures", "replays", "eager"} so far."""
         return {"captures": self.captures, "replays": self.replays, "eager": self.eager}
 
-    def _capture(self, batches: list) -> None:
+    def _capture(self, step: int, batches: list) -> bool:
+        """Capture the step over the input buffers (filled with `batches`); False if it failed."""
         device = self.engine.device
         self.inputs = [tuple(torch.empty(t.shape, dtype=t.dtype, device=device) for t in batch) for batch in batches]
         self._load(batches)  # the emulator runs what it captures; a CUDA capture reads nothing
@@ -278,8 +295,27 @@ class StepGraph:
             torch.cuda.synchronize(device)
             gc.collect()
             torch.cuda.empty_cache()
-        self.outputs = self.backend.capture(lambda: self.engine.step_tensors(self.inputs), [])
+        self.engine.set_step_lr(step)
+        try:
+            self.outputs = self.backend.capture(lambda: self.engine.step_tensors(self.inputs), [])
+        except CaptureFailed as error:
+            self._give_up(error)
+            return False
         self.captures += 1
+        return True
+
+    def _give_up(self, error: CaptureFailed) -> None:
+        self.failed = error.reason
+        self.inputs = self.outputs = None
+        self.backend.release()
+        engine = self.engine
+        engine.optimizer.zero_grad()
+        engine.discard_step_statistics()
+        print(
+            f"note: train.cuda_graphs={CudaGraphs.step}: the training step could not be captured as a CUDA graph "
+            f"({error.reason}), so every step runs eagerly, as with train.cuda_graphs=off.",
+            file=sys.stderr,
+        )
 
     def _load(self, batches: list) -> None:
         for buffers, batch in zip(self.inputs, batches, strict=True):

@@ -301,6 +301,11 @@ class TrainEngine:
         for moe in self.model.moe_layers():
             moe.update_bias(skip)
 
+    def discard_step_statistics(self) -> None:
+        """Reset the routing and multi-token accumulators unread (a step abandoned midway)."""
+        self._end_routing_step()
+        self._end_mtp_step()
+
     def _end_routing_step(self) -> list[dict[str, torch.Tensor]]:
         return [moe.end_step() for moe in self.model.moe_layers()]
 
