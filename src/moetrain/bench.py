@@ -241,11 +241,11 @@ def _finish_rehearsal(trainer: Trainer, spec: str, records: list[dict[str, Any]]
     LEDGER.timing = False
 
 
-def _peak_mem_per_rank(device: torch.device) -> list[float]:
+def _peak_mem_per_rank(device: torch.device, graph_bytes: int = 0) -> list[float]:
     """Every rank's peak (GiB, rank order): ranks differ (pipeline stages, expert loads), and the
     largest is the one that must fit. One all-gather; on one process (or in a rehearsal, whose
     peers hold nothing) just this one."""
-    mine = peak_mem_gib(device)
+    mine = peak_mem_gib(device, graph_bytes)
     if not dist.is_initialized() or is_rehearsal():
         return [round(mine, 3)]
     t = torch.tensor([mine], dtype=torch.float64, device=device)
@@ -323,7 +323,7 @@ def _record(
     """`balance` is `TrainEngine.metrics` of the timed window: its rates are the line's."""
     cfg, world, engine = trainer.cfg, trainer.par.dims.world_size, trainer.engine
     m, tc = cfg.model, cfg.train
-    peaks = _peak_mem_per_rank(trainer.device)
+    peaks = _peak_mem_per_rank(trainer.device, trainer.engine.graph_memory_bytes())
     counts = count_params(m)
     return {
         "preset": spec,

@@ -161,8 +161,10 @@ class TrainerConfig(Config):
     where the capture put them, and the batches are copied into the graph's input buffers. A
     routing switch or a loaded checkpoint makes the next steps eager and the graph is captured
     again. A step that cannot be captured (an operation a graph cannot hold) is the fallback:
-    the run says why, once, and every step runs eagerly. Not yet measured in training; a graph of one micro-batch's forward and backward gave
-    back 2.3 ms of bench-small32e's 146 ms step (docs/benchmarks.md, "CUDA graphs").
+    the run says why, once, and every step runs eagerly. peak_mem_gib counts the graph's memory
+    (src/moetrain/train/metrics.py). Not yet measured in training; a graph of one micro-batch's
+    forward and backward gave back 2.3 ms of bench-small32e's 146 ms step (docs/benchmarks.md,
+    "CUDA graphs").
 
     optimizer: the optimizer's part of each step replayed from one CUDA graph. A replay reads the
     gradients at the addresses they had at capture; a step whose gradients lie elsewhere runs

@@ -206,6 +206,13 @@ kernels pick their configurations, the optimizer builds its tables, and the cach
 has seen a whole step."""
 
 
+def _allocator_bytes(device: torch.device) -> tuple[int, int]:
+    """(reserved, allocated) bytes of the CUDA caching allocator; zeros elsewhere."""
+    if device.type != "cuda":
+        return 0, 0
+    return torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device)
+
+
 class StepGraph:
     """`TrainEngine.train_step` replayed from one graph (train.cuda_graphs=step).
 
@@ -242,6 +249,10 @@ class StepGraph:
         """Captures made, steps replayed, steps run eagerly."""
         self.failed: str | None = None
         """Why the capture failed (then every step runs eagerly)."""
+        self.uncounted_bytes = 0
+        """The graph's memory the caching allocator does not count as allocated: what its capture
+        allocated and freed again (the step's temporaries), which the graph keeps for its replays.
+        Measured at capture as the memory it reserved less what it left allocated."""
         self._warm = 0
 
     def reset(self) -> None:
@@ -249,6 +260,7 @@ class StepGraph:
         back to the device first, so the eager steps do not run on top of it."""
         self.inputs = self.outputs = None
         self._warm = 0
+        self.uncounted_bytes = 0
         self.backend.release()
         if self.engine.device.type == "cuda":
             gc.collect()
@@ -296,11 +308,18 @@ class StepGraph:
             gc.collect()
             torch.cuda.empty_cache()
         self.engine.set_step_lr(step)
+        counted = _allocator_bytes(device)
         try:
             self.outputs = self.backend.capture(lambda: self.engine.step_tensors(self.inputs), [])
         except CaptureFailed as error:
             self._give_up(error)
             return False
+        reserved, allocated = (after - before for after, before in zip(_allocator_bytes(device), counted))
+        self.uncounted_bytes = reserved - allocated
+        if device.type == "cuda":
+            # the capture's own allocations are in uncounted_bytes now; counted again, the peak
+            # would hold the step's temporaries twice
+            torch.cuda.reset_peak_memory_stats(device)
         self.captures += 1
         return True
 

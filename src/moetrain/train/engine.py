@@ -185,6 +185,10 @@ class TrainEngine:
         self.optimizer.zero_grad()
         return lm_loss, grad_norm, self._end_routing_step(), self._end_mtp_step()
 
+    def graph_memory_bytes(self) -> int:
+        """The step graph's memory the allocator does not count as allocated (0 without one)."""
+        return self.step_graph.uncounted_bytes if self.step_graph is not None else 0
+
     def cuda_graph_counts(self) -> dict[str, int] | None:
         """With train.cuda_graphs: {"captures", "replays", "eager"} so far."""
         graph = self.step_graph or self.update_graph
@@ -410,7 +414,7 @@ class TrainEngine:
             "tokens_per_sec_per_device": per_device,
             "tflops_per_device": tflops,
             "mfu": tflops * 1e12 / self.peak_flops if self.peak_flops else None,
-            "peak_mem_gib": peak_mem_gib(self.device),
+            "peak_mem_gib": peak_mem_gib(self.device, self.graph_memory_bytes()),
             "expert_load_max_over_mean": routing["expert_load_max_over_mean"],
             "ep_load_max_over_mean": routing["ep_load_max_over_mean"],
             "dropped_token_frac": routing["dropped_token_frac"],

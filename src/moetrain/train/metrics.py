@@ -11,7 +11,10 @@ The metrics.jsonl contract (one JSON object per logged step; keys never renamed)
 - tokens_per_sec: tokens of all ranks per second of wall time, averaged since the last log.
 - tflops_per_device: flops_per_token × tokens_per_sec_per_device (Olmo-core's formula);
   mfu: that over the device's dense BF16 peak; null on CPU and unknown GPUs.
-- peak_mem_gib: torch.cuda.max_memory_allocated on GPU, the process's peak RSS on CPU.
+- peak_mem_gib: torch.cuda.max_memory_allocated on GPU, the process's peak RSS on CPU. With
+  train.cuda_graphs=step, from the capture on: the allocator's peak since the capture plus the
+  graph's memory it does not count (what the captured step freed again; its replays allocate
+  nothing through the allocator).
 - expert_load_max_over_mean: worst MoE layer's max/mean tokens per expert over the step.
 - ep_load_max_over_mean (extra): the same per expert-parallel rank (the experts a rank holds
   summed); 1.0 without expert parallelism.
@@ -68,9 +71,11 @@ def routing_metrics(layer_stats: list[dict[str, torch.Tensor]], ep: int = 1) -> 
     }
 
 
-def peak_mem_gib(device: torch.device) -> float:
+def peak_mem_gib(device: torch.device, graph_bytes: int = 0) -> float:
+    """The peak (module docstring); `graph_bytes`: a CUDA graph's memory the allocator does not
+    count as allocated (`TrainEngine.graph_memory_bytes`), added."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
+        return (torch.cuda.max_memory_allocated(device) + graph_bytes) / 2**30
     # ru_maxrss is KiB on Linux, bytes on macOS.
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / (2**30 if sys.platform == "darwin" else 2**20)
