@@ -416,7 +416,7 @@ def test_training_with_the_optimizer_graph_follows_the_eager_run_on_cuda(tmp_pat
     [
         "",
         "train.compile=true",
-        "train.compile=true train.recompute=selective model.moe.routing=random",
+        "train.compile=true model.moe.routing=random",
         "train.defer_expert_weight_grad=true optim.grad_dtype=bf16",
         "optim.bf16_weights=false",
         "train.compile=true train.fp8=rowwise",

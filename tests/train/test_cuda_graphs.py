@@ -241,6 +241,16 @@ def test_off_on_the_command_line_is_the_choice_not_a_bool(tiny_cfg, tmp_path):
     assert tiny_cfg(tmp_path / "run", "train.cuda_graphs=off").train.cuda_graphs == CudaGraphs.off
 
 
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_the_step_graph_refuses_recompute_naming_why(tiny_cfg, tmp_path, recompute):
+    """torch's checkpoint reads the CUDA generator's state in each recomputed block's forward, and
+    a capture forbids that (it would fail at the fourth step); the optimizer graph is unaffected."""
+    with pytest.raises(ConfigError, match=f"train.recompute={recompute}") as error:
+        tiny_cfg(tmp_path / "run", "train.cuda_graphs=step", f"train.recompute={recompute}").validate(world_size=1)
+    assert "generator" in str(error.value) and "train.recompute=none" in str(error.value)
+    tiny_cfg(tmp_path / "run", "train.cuda_graphs=optimizer", f"train.recompute={recompute}").validate(world_size=1)
+
+
 @pytest.mark.parametrize("mode", ["optimizer", "step"])
 def test_the_config_refuses_several_ranks_and_the_cpu(tiny_cfg, tmp_path, mode):
     cfg = tiny_cfg(tmp_path / "run", f"train.cuda_graphs={mode}", "train.micro_batch_size=2")

@@ -153,8 +153,8 @@ class TrainerConfig(Config):
     bf16 experts; not mxfp8. Does nothing with one micro-batch per step."""
     cuda_graphs: CudaGraphs = CudaGraphs.off
     """off, step or optimizer. Both need one CUDA device, the ddp stack without
-    parallel.shard_optimizer, optim.name=adamw and optim.fused not false
-    (src/moetrain/train/cuda_graphs.py).
+    parallel.shard_optimizer, optim.name=adamw and optim.fused not false; step also
+    train.recompute=none (src/moetrain/train/cuda_graphs.py).
 
     step: the whole training step replayed from one CUDA graph, captured after 3 eager steps; the
     step's gradients and activations live in the graph's own memory, so every replay finds them
@@ -400,6 +400,12 @@ def _check_cuda_graphs(cfg: RunConfig, world_size: int | None) -> None:
         problem = "optim.fused=false (its update reads the skip decision on the host)"
     elif world_size is not None and world_size > 1:
         problem = f"{world_size} ranks (the all-reduces are not captured)"
+    if problem is None and cfg.train.cuda_graphs == CudaGraphs.step and cfg.train.recompute != Recompute.none:
+        raise ConfigError(
+            f"train.cuda_graphs=step cannot capture a step with train.recompute={cfg.train.recompute}: torch's "
+            "checkpoint reads the CUDA generator's state in every recomputed block, which a graph capture "
+            "forbids. Set train.recompute=none, or train.cuda_graphs=off (or optimizer)."
+        )
     if problem:
         what = "the training step" if cfg.train.cuda_graphs == CudaGraphs.step else "the update"
         raise ConfigError(
