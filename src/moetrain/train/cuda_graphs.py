@@ -122,12 +122,11 @@ class CudaGraph:
                     graph.capture_end()
                 except RuntimeError:
                     pass  # the capture was invalidated by the error itself
-                reason = f"{type(error).__name__}: {error}"
-                raise CaptureFailed(
-                    f"{self.what} could not be captured as a CUDA graph ({reason}); set train.cuda_graphs=off",
-                    reason,
-                ) from error
-            graph.capture_end()
+                raise self._failed(error) from error
+            try:
+                graph.capture_end()  # fails if another thread (autograd's) invalidated the capture
+            except RuntimeError as error:
+                raise self._failed(error) from error
         torch.cuda.current_stream(self.device).wait_stream(stream)
         self.graph, self.tables = graph, tables.kept + [table for table, _ in tables.pending]
         tables.upload_pending()
@@ -135,6 +134,12 @@ class CudaGraph:
 
     def replay(self, inputs: list[torch.Tensor]) -> None:
         self.graph.replay()
+
+    def _failed(self, error: Exception) -> CaptureFailed:
+        reason = f"{type(error).__name__}: {error}"
+        return CaptureFailed(
+            f"{self.what} could not be captured as a CUDA graph ({reason}); set train.cuda_graphs=off", reason
+        )
 
     def release(self) -> None:
         if self.graph is not None:
