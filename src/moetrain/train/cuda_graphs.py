@@ -136,7 +136,8 @@ class CudaGraph:
         self.graph.replay()
 
     def _failed(self, error: Exception) -> CaptureFailed:
-        reason = f"{type(error).__name__}: {error}"
+        first = (str(error).strip().splitlines() or [""])[0]  # torch's messages run on for lines
+        reason = f"{type(error).__name__}: {first[:300]}"
         return CaptureFailed(
             f"{self.what} could not be captured as a CUDA graph ({reason}); set train.cuda_graphs=off", reason
         )
