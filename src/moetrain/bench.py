@@ -102,6 +102,8 @@ def run_bench(
             # The first window warms up after the routing switch; a second one reuses the
             # compiled code and needs one step to settle (allocator, gradient buckets).
             n_warm = warmup if i == 0 else min(warmup, 1)
+            if i > 0 and trainer.engine.step_graph is not None:
+                trainer.engine.step_graph.reset()  # its memory is not this eager window's
             if isinstance(step, _OptimizerStep):
                 n_warm = max(n_warm, 1)  # its first call runs the forward and backward too
             record, timing = _time_window(trainer, spec, routing, timed, step, n_warm, steps, sync_check, say)

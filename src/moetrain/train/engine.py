@@ -152,13 +152,9 @@ class TrainEngine:
         self.guard = StepGuard(tc.skip_window, tc.skip_spike_sigma, tc.max_consecutive_skips, device)
         self.update_graph: UpdateGraph | None = None
         """train.cuda_graphs=optimizer: `update`'s device work replayed from a CUDA graph
-        (src/moetrain/train/cuda_graphs.py)."""
+        (src/moetrain/train/cuda_graphs.py); train.cuda_graphs=step: the whole of `train_step`."""
         self.step_graph: StepGraph | None = None
-        """train.cuda_graphs=step: the whole of `train_step` replayed from a CUDA graph."""
-        if tc.cuda_graphs == CudaGraphs.optimizer:
-            self.update_graph = UpdateGraph(self, CudaGraph(device))
-        elif tc.cuda_graphs == CudaGraphs.step:
-            self.step_graph = StepGraph(self, CudaGraph(device, "the training step"))
+        self._build_graphs(tc.cuda_graphs, device)
         self.schedule_steps = tc.steps
         """The steps the learning-rate schedule is planned over: train.steps, or, for a run
         resumed with another train.steps and train.extend=keep, the count it started with."""
@@ -166,6 +162,12 @@ class TrainEngine:
         """Tokens of one optimizer step, summed over all ranks."""
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
         self.peak_flops = peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else None)
+
+    def _build_graphs(self, mode: CudaGraphs, device: torch.device) -> None:
+        if mode == CudaGraphs.optimizer:
+            self.update_graph = UpdateGraph(self, CudaGraph(device))
+        elif mode == CudaGraphs.step:
+            self.step_graph = StepGraph(self, CudaGraph(device, "the training step"))
 
     # ---- one step ----------------------------------------------------------------------------------
     def train_step(self, batches: list[Batch], step: int) -> StepOutput:
