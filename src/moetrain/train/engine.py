@@ -17,6 +17,9 @@ One step, given the step's micro-batches (this rank's rows of each):
                                one CUDA graph with train.cuda_graphs=optimizer), zero grad, the
                                step's routing statistics
 
+With train.cuda_graphs=step both are one CUDA graph after the first steps (`StepGraph`, through
+`train_step`; its captured work is `step_tensors`).
+
 Nothing here copies from the device to the host: the results are device tensors (`StepOutput`),
 read by `metrics()` only when the caller logs.
 """
