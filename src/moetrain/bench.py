@@ -16,9 +16,10 @@ line's `timed` says which). `--also-optimizer-step` adds a window of the optimiz
 gradients of one forward and backward; its line has no token rates, and `share_of_training_step`
 its step time over the training step's. With `--train.cuda_graphs=step` or `optimizer` the line's
 `cuda_graph_counts` says how many steps (updates) so far were captured, replayed and run eagerly
-(src/moetrain/train/cuda_graphs.py; a routing switch makes the step graph's next 3 steps eager,
-inside the warm-up when it has at least 4 steps). Every line names the optimizer and the bytes of state it
-holds per parameter this rank holds (`optimizer`). Each line also carries the last timed step's routing balance:
+(src/moetrain/train/cuda_graphs.py); with the step graph the training step's warm-up is at
+least 4 steps (3 eager, then the capture), whatever `--warmup` says, so the timed steps are
+replays. Every line names the optimizer and the bytes of state it holds per parameter this rank
+holds (`optimizer`). Each line also carries the last timed step's routing balance:
 expert_load_max_over_mean, ep_load_max_over_mean and dropped_token_frac (as in metrics.jsonl).
 The routing mode is switched in place between configurations (`TrainEngine.set_routing`: the
 model, its optimizer state and compiled code are kept; a warm-up follows each switch).
@@ -48,6 +49,7 @@ from moetrain.optim.adamw import local_tensor
 from moetrain.parallel.rehearsal import LEDGER, is_rehearsal
 from moetrain.presets import resolve_config
 from moetrain.train.console import rehearsal_notice
+from moetrain.train.cuda_graphs import WARMUP_STEPS as STEP_GRAPH_WARMUP
 from moetrain.train.engine import StepOutput
 from moetrain.train.metrics import peak_mem_gib
 from moetrain.train.trainer import Trainer
@@ -99,13 +101,9 @@ def run_bench(
     for routing in routings:
         trainer.engine.set_routing(routing)
         for i, (timed, step) in enumerate(windows):
-            # The first window warms up after the routing switch; a second one reuses the
-            # compiled code and needs one step to settle (allocator, gradient buckets).
-            n_warm = warmup if i == 0 else min(warmup, 1)
+            n_warm = warm_up_steps(trainer.engine, i, timed, step, warmup)
             if i > 0 and trainer.engine.step_graph is not None:
                 trainer.engine.step_graph.reset()  # its memory is not this eager window's
-            if isinstance(step, _OptimizerStep):
-                n_warm = max(n_warm, 1)  # its first call runs the forward and backward too
             record, timing = _time_window(trainer, spec, routing, timed, step, n_warm, steps, sync_check, say)
             if isinstance(step, _OptimizerStep):
                 step.finish()
@@ -130,6 +128,21 @@ def run_bench(
     if rehearsal is not None:
         _finish_rehearsal(trainer, spec, records, checkpoint, say)
     return records
+
+
+def warm_up_steps(engine, window: int, timed: str, step, warmup: int) -> int:
+    """The warm-up calls before window number `window` (0-based; `timed` says which) of a
+    configuration. The first warms up after the routing switch: `warmup`; a later one reuses the
+    compiled code and needs one step to settle (allocator, gradient buckets). The optimizer
+    window gets at least one (its first call runs the forward and backward too), and the
+    training step, with train.cuda_graphs=step, at least the step graph's eager steps and its
+    capture, which then stay out of the timed window."""
+    n = warmup if window == 0 else min(warmup, 1)
+    if isinstance(step, _OptimizerStep):
+        n = max(n, 1)
+    if timed == "training step" and engine.step_graph is not None:
+        n = max(n, STEP_GRAPH_WARMUP + 1)
+    return n
 
 
 def _check_routings(routings: list[str] | None) -> list[str]:

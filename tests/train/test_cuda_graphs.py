@@ -424,3 +424,24 @@ def test_a_step_that_cannot_be_captured_runs_eagerly_from_then_on_and_says_why(t
     err = capsys.readouterr().err
     assert err.count("note: train.cuda_graphs=step: the training step could not be captured") == 1
     assert "_local_scalar_dense" in err and "as with train.cuda_graphs=off" in err
+
+
+def test_bench_keeps_the_step_graphs_warm_up_and_capture_out_of_the_timed_window(cfg):
+    """`moetrain bench --warmup 2` with train.cuda_graphs=step: the training step's window warms
+    up over the eager steps and the capture, so every timed step is a replay; the other windows
+    and runs without the step graph keep their warm-up."""
+    from moetrain.bench import _OptimizerStep, warm_up_steps
+
+    eager, graphed = step_engines(cfg)
+    optimizer_step = object.__new__(_OptimizerStep)
+    assert warm_up_steps(graphed, 0, "training step", None, 2) == WARMUP_STEPS + 1
+    assert warm_up_steps(graphed, 0, "training step", None, 9) == 9
+    assert warm_up_steps(eager, 0, "training step", None, 2) == 2
+    assert warm_up_steps(graphed, 1, "forward+backward", None, 5) == 1
+    assert warm_up_steps(graphed, 1, "optimizer step", optimizer_step, 0) == 1
+    assert warm_up_steps(eager, 0, "forward+backward", None, 0) == 0
+    for n in range(warm_up_steps(graphed, 0, "training step", None, 2)):
+        graphed.train_step(synthetic_batches(cfg, n), n)
+    replays = graphed.cuda_graph_counts()["replays"]
+    graphed.train_step(synthetic_batches(cfg, 9), 9)  # the first timed step
+    assert graphed.cuda_graph_counts()["replays"] == replays + 1
