@@ -12,7 +12,7 @@ import torch
 
 from moetrain.errors import ConfigError
 from moetrain.parallel.dims import ParallelDims, ParallelState
-from moetrain.testing.graph_emulator import EmulatedGraph, HostReadInCapture
+from moetrain.testing.graph_emulator import EmulatedGraph, FreedBeforeReplay, HostReadInCapture
 from moetrain.testing.steps import synthetic_batches
 from moetrain.train.cuda_graphs import MAX_UNPAID, NOTE_AFTER, PAYING_REPLAYS, WARMUP_STEPS, StepGraph, UpdateGraph
 from moetrain.train.engine import TrainEngine
@@ -189,6 +189,7 @@ def test_the_emulator_shows_what_a_graph_freezes():
         holder["count"] = holder["count"] + 1  # rebound: the graph writes the tensor it captured
         return w.sum()
 
+    captured_count = holder["count"]  # the program keeps the captured tensor: its memory stays
     total = g.capture(update, [grad])
     assert torch.equal(w, torch.zeros(3)) and float(n) == 0, "capturing runs nothing"
     lr[0] = 2.0
@@ -196,13 +197,18 @@ def test_the_emulator_shows_what_a_graph_freezes():
     g.replay([torch.ones(3)])
     assert torch.equal(w, torch.full((3,), 2.0)) and float(n) == 2 and float(total) == 6.0
     assert float(holder["count"]) == 1.0, "a rebound attribute stops changing under a graph"
+    assert float(captured_count) == 0.0, "the graph reads the tensor it captured, never written"
+    del captured_count  # now nothing but the graph refers to it: free memory on a GPU
+    with pytest.raises(FreedBeforeReplay, match=r"aten.add.Tensor reads a \(\) torch.float32 tensor"):
+        g.replay([torch.ones(3)])
     with pytest.raises(HostReadInCapture):
         g.capture(lambda: bool(n > 0), [])
 
 
 def test_a_guard_that_rebinds_its_counter_fails_the_replay_check(cfg, monkeypatch):
-    """The check above catches the fault it is there for: the guard's consecutive-skip counter
-    rebound instead of written in place."""
+    """The emulator catches the fault it is there for: the guard's consecutive-skip counter
+    rebound instead of written in place. The replay reads the counter the capture saw, which
+    the program has dropped: free memory on a GPU."""
     from moetrain.train.guard import StepGuard
 
     real = StepGuard.check
@@ -213,10 +219,10 @@ def test_a_guard_that_rebinds_its_counter_fails_the_replay_check(cfg, monkeypatc
 
     monkeypatch.setattr(StepGuard, "check", rebinding)
     eager, graphed = engines(cfg, EmulatedGraph())
-    for n in range(6):
-        step(eager, cfg, n, poison=n >= 3)
-        step(graphed, cfg, n, poison=n >= 3)
-    assert int(eager.guard.consecutive) == 3 and int(graphed.guard.consecutive) != 3
+    with pytest.raises(FreedBeforeReplay, match="made before the capture and since dropped"):
+        for n in range(6):
+            step(eager, cfg, n, poison=n >= 3)
+            step(graphed, cfg, n, poison=n >= 3)
 
 
 @pytest.mark.parametrize(
@@ -259,6 +265,18 @@ def test_the_config_refuses_several_ranks_and_the_cpu(tiny_cfg, tmp_path, mode):
     with pytest.raises(ConfigError, match="train.device=cuda"):
         cfg.validate(world_size=1, device=torch.device("cpu"))
     cfg.validate(world_size=1)  # one rank, no device given: accepted
+
+
+def test_the_step_graph_is_refused_on_the_gpu_saying_why(tiny_cfg, tmp_path):
+    """Its replays fault on the GPU (docs/reliability.md): a run that asks for it is told so,
+    with the settings that work, before anything starts."""
+    cfg = tiny_cfg(tmp_path / "run", "train.cuda_graphs=step", "optim.bf16_weights=false")
+    with pytest.raises(ConfigError) as error:
+        cfg.validate(world_size=1, device=torch.device("cuda"))
+    assert "illegal memory access" in str(error.value) and "train.cuda_graphs=off" in str(error.value)
+    tiny_cfg(tmp_path / "run", "train.cuda_graphs=optimizer", "optim.bf16_weights=false").validate(
+        world_size=1, device=torch.device("cuda")
+    )
 
 
 # ---- train.cuda_graphs=step ----------------------------------------------------------------------
@@ -316,6 +334,7 @@ def test_replayed_training_steps_give_the_eager_run_bit_for_bit(tiny_cfg, tmp_pa
         assert_same_output(same_step(eager, cfg, n), same_step(graphed, cfg, n), n)
         assert_same(state(eager), state(graphed))
     assert graphed.cuda_graph_counts() == {"captures": 1, "replays": steps - WARMUP_STEPS, "eager": WARMUP_STEPS}
+    assert graphed.step_graph.backend.on_stream == WARMUP_STEPS  # the warm-up ran on the capture's stream
 
 
 def test_a_routing_switch_or_a_load_runs_eager_steps_then_captures_again(cfg):
@@ -334,12 +353,13 @@ def test_a_routing_switch_or_a_load_runs_eager_steps_then_captures_again(cfg):
     # eager 0-2, captured at 3, replays 3-4; switch at 5: eager 5-7, captured at 8, replays 8-10;
     # load at 11: eager 11-13
     assert graphed.cuda_graph_counts() == {"captures": 2, "replays": 5, "eager": 3 * WARMUP_STEPS}
+    assert graphed.step_graph.backend.on_stream == 3 * WARMUP_STEPS
 
 
 def test_a_router_bias_that_is_rebound_fails_the_step_replay_check(tiny_cfg, tmp_path, monkeypatch):
-    """The comparison above catches the fault it is there for: the router bias moved by a new
-    tensor each step instead of in place. The captured step keeps reading the bias it had at
-    capture, so the replayed run's biases stop accumulating."""
+    """The emulator catches the fault it is there for: the router bias moved by a new tensor
+    each step instead of in place. The captured step keeps reading the bias it had at capture,
+    which the program has dropped: free memory on a GPU."""
     from moetrain.model.moe import MoE
 
     def rebinding(self, skip=None):
@@ -350,11 +370,10 @@ def test_a_router_bias_that_is_rebound_fails_the_step_replay_check(tiny_cfg, tmp
     monkeypatch.setattr(MoE, "update_bias", rebinding)
     cfg = graph_cfg(tiny_cfg, tmp_path / "run")
     eager, graphed = step_engines(cfg)
-    for n in range(WARMUP_STEPS + 4):
-        same_step(eager, cfg, n)
-        same_step(graphed, cfg, n)
-    layers = zip(eager.model.moe_layers(), graphed.model.moe_layers())
-    assert not all(torch.equal(a.router.expert_bias_E, b.router.expert_bias_E) for a, b in layers)
+    with pytest.raises(FreedBeforeReplay, match="made before the capture and since dropped"):
+        for n in range(WARMUP_STEPS + 4):
+            same_step(eager, cfg, n)
+            same_step(graphed, cfg, n)
 
 
 @pytest.mark.parametrize("extra", [(), ("model.moe.routing=random",)], ids=["learned", "random-routing"])
@@ -424,6 +443,23 @@ def test_a_step_that_cannot_be_captured_runs_eagerly_from_then_on_and_says_why(t
     err = capsys.readouterr().err
     assert err.count("note: train.cuda_graphs=step: the training step could not be captured") == 1
     assert "_local_scalar_dense" in err and "as with train.cuda_graphs=off" in err
+
+
+def test_a_gradient_accumulated_off_the_capture_stream_fails_the_capture_and_the_run_goes_on_eagerly(cfg, capsys):
+    """On the GPU, a parameter whose gradient accumulator autograd made on another stream
+    accumulates there during the capture: outside the graph, into memory the graph does not own,
+    so replays would read freed memory. The step graph's hook sees it (the emulator's
+    `stale_stream`), the capture fails, and the run goes on eagerly with the eager run's results,
+    saying why once."""
+    eager, graphed = step_engines(cfg)
+    graphed.step_graph.backend.stale_stream = True
+    for n in range(WARMUP_STEPS + 3):
+        assert_same_output(same_step(eager, cfg, n), same_step(graphed, cfg, n), n)
+        assert_same(state(eager), state(graphed))
+    assert graphed.cuda_graph_counts() == {"captures": 0, "replays": 0, "eager": WARMUP_STEPS + 3}
+    err = capsys.readouterr().err
+    assert err.count("note: train.cuda_graphs=step: the training step could not be captured") == 1
+    assert "accumulated outside the capture's stream" in err
 
 
 def test_bench_keeps_the_step_graphs_warm_up_and_capture_out_of_the_timed_window(cfg):

@@ -9,6 +9,9 @@ kernels on the same memory. Code written for eager execution goes wrong under a 
   host): the graph keeps the captured one;
 - rebinds an attribute to a new tensor (`self.n = self.n + 1`): the graph keeps reading and
   writing the old one, and the attribute stops changing;
+- drops a tensor made before the capture that the graph reads (the old one above, once nothing
+  else refers to it): a graph holds no reference, so at the next replay that memory is free and
+  may hold anything (`FreedBeforeReplay`, checked at each replay);
 - reads a device value on the host (`.item()`, `bool(t)`): that cannot be captured at all.
 
 The emulator records the aten operations of the captured function (a `TorchDispatchMode`) with
@@ -19,7 +22,9 @@ returned, which later operations read. So the three faults above show as they wo
 What the capture allocated holds NaN (or the most negative integer) until a replay writes it, as
 a CUDA capture leaves its memory unwritten: a value of the capture read outside the graph shows.
 Random numbers: as with CUDA's generator, the capture leaves the generator where it was and
-each replay draws the next numbers, as the eager operations would have.
+each replay draws the next numbers, as the eager operations would have. Streams: there is one;
+`on_capture_stream` counts the eager calls made through it, and a test may set `stale_stream` to
+have `stream_capturing` say that gradient accumulation ran off the capture's stream.
 
 The tensors the caller hands at each replay (`inputs`: the step's gradients, which the CUDA
 backend replays only where they lie at the captured addresses) stand in for the captured ones,
@@ -31,7 +36,9 @@ norms); the Triton one is checked on the GPU (tests/gpu/test_cuda.py).
 
 from __future__ import annotations
 
+import contextlib
 import math
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +55,14 @@ HOST_READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero
 class HostReadInCapture(CaptureFailed):
     """A captured function read a device value on the host (on the GPU the capture fails, and
     `CudaGraph` raises `CaptureFailed`)."""
+
+
+class FreedBeforeReplay(RuntimeError):
+    """A replay would read memory the program has let go of (`EmulatedGraph._check_lifetimes`)."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
 
 
 class _Op:
@@ -86,6 +101,13 @@ class EmulatedGraph:
         self.moves = 0
         self.captures = 0
         self.replays = 0
+        self.on_stream = 0
+        """Eager calls run through `on_capture_stream`."""
+        self.capturing = False
+        self.stale_stream = False
+        """A test's switch: autograd's gradient accumulation runs off the capture's stream during
+        a capture (as it does on the GPU for a parameter whose accumulator was made on another
+        stream), so `stream_capturing` is false there."""
 
     def places(self, tensors: list[torch.Tensor]) -> tuple:
         return (self.moves,) + tuple((t.dtype, tuple(t.shape)) for t in tensors)
@@ -98,10 +120,12 @@ class EmulatedGraph:
     def capture(self, fn: Callable[[], Any], inputs: list[torch.Tensor]) -> Any:
         self.ops, self.inputs, self._saved = [], list(inputs), {}
         rng = torch.random.get_rng_state()
+        self.capturing = True
         try:
             with _Recorder(self):
                 out = fn()
         finally:
+            self.capturing = False
             torch.random.set_rng_state(rng)  # a capture draws no numbers: each replay does
             for storage, saved in self._saved.values():  # a capture runs nothing
                 storage.copy_(saved)
@@ -115,9 +139,18 @@ class EmulatedGraph:
     def release(self) -> None:
         self.ops, self.inputs = None, []
 
+    @contextlib.contextmanager
+    def on_capture_stream(self):
+        self.on_stream += 1
+        yield
+
+    def stream_capturing(self) -> bool:
+        return self.capturing and not self.stale_stream
+
     def replay(self, inputs: list[torch.Tensor]) -> None:
         assert self.ops is not None, "replayed after release, before a new capture"
         assert len(inputs) == len(self.inputs), "replayed with another number of inputs"
+        self._check_lifetimes()
         swap = {id(c): t for c, t in zip(self.inputs, inputs)}
 
         def current(x):
@@ -130,11 +163,62 @@ class EmulatedGraph:
                 _bind(op.out, result, any(aliases), swap)
         self.replays += 1
 
+    def _check_lifetimes(self) -> None:
+        """A CUDA graph holds no reference to the memory it reads: a tensor made before the
+        capture that the program has since dropped is free memory at the next replay, which the
+        allocator may have given to anything. The recorded operations keep such a tensor alive
+        here, so it is looked for: one that nothing but the recorded operations refers to, and
+        whose storage no other tensor holds (the bases of views counted as the view's), raises
+        `FreedBeforeReplay`."""
+        recorded, candidates = _made_before(self.ops, self.inputs)
+        extra = _references(candidates.setdefault(-1, [torch.empty(0), None])[0])  # this check's own
+        del candidates[-1]
+        for entry in candidates.values():
+            if _references(entry[0]) - extra > recorded[id(entry[0])]:
+                continue  # the program still refers to it
+            t, op = entry
+            chain, base = {id(t)}, t._base
+            while base is not None:
+                chain.add(id(base))
+                base = base._base
+            # the use count holds every tensor over the storage, and the storage object asked
+            if torch._C._storage_Use_Count(t.untyped_storage()._cdata) - 1 <= len(chain):
+                what = f"a {tuple(t.shape)} {t.dtype} tensor"
+                reason = f"{op.func} reads {what} made before the capture and since dropped"
+                raise FreedBeforeReplay(f"{reason}: on a GPU its memory is free at the replay", reason)
+
     def _snapshot(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
         key = storage.data_ptr()
         if key not in self._saved and storage.nbytes():
             self._saved[key] = (storage, storage.clone())
+
+
+def _made_before(ops: list[_Op], inputs: list[torch.Tensor]) -> tuple[dict[int, int], dict[int, list]]:
+    """(id → the references the recorded operations hold to each tensor; id → [tensor, the
+    first operation that reads it] of the tensors read that no recorded operation made and that
+    are not the caller's `inputs`)."""
+    recorded: dict[int, int] = {}
+    for tree in [(op.args, op.kwargs, op.out) for op in ops] + [inputs]:
+        for x in _tensors(tree):
+            recorded[id(x)] = recorded.get(id(x), 0) + 1
+    produced = {id(x) for op in ops for x in _tensors(op.out)} | {id(x) for x in inputs}
+    candidates: dict[int, list] = {}
+    for op in ops:
+        for t in _tensors((op.args, op.kwargs)):
+            if id(t) not in produced and t.untyped_storage().nbytes():
+                candidates.setdefault(id(t), [t, op])
+    return recorded, candidates
+
+
+def _references(t: torch.Tensor) -> int:
+    return sys.getrefcount(t)
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    tree_map(lambda x: out.append(x) if isinstance(x, torch.Tensor) else None, tree)
+    return out
 
 
 def _poison(x) -> None:

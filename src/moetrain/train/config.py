@@ -162,9 +162,11 @@ class TrainerConfig(Config):
     routing switch or a loaded checkpoint makes the next steps eager and the graph is captured
     again. A step that cannot be captured (an operation a graph cannot hold) is the fallback:
     the run says why, once, and every step runs eagerly. peak_mem_gib counts the graph's memory
-    (src/moetrain/train/metrics.py). Not yet measured in training; a graph of one micro-batch's
-    forward and backward gave back 2.3 ms of bench-small32e's 146 ms step (docs/benchmarks.md,
-    "CUDA graphs").
+    (src/moetrain/train/metrics.py). Refused on a CUDA device for now: its replays fault with
+    an illegal memory access once the update is part of the captured step (docs/reliability.md,
+    "The whole step as a CUDA graph"); the CPU tests replay it through an emulator. A graph of
+    one micro-batch's forward and backward gave back 2.3 ms of bench-small32e's 146 ms step
+    (docs/benchmarks.md, "CUDA graphs").
 
     optimizer: the optimizer's part of each step replayed from one CUDA graph. A replay reads the
     gradients at the addresses they had at capture; a step whose gradients lie elsewhere runs
@@ -345,6 +347,12 @@ class RunConfig(Config):
             raise ConfigError(
                 f"train.cuda_graphs={self.train.cuda_graphs} replays CUDA kernels, but the run is on "
                 f"{device.type}: set train.cuda_graphs=off, or train.device=cuda."
+            )
+        if self.train.cuda_graphs == CudaGraphs.step and device.type == "cuda":
+            raise ConfigError(
+                "train.cuda_graphs=step is not available on the GPU yet: its replays fault with an illegal "
+                "memory access once the update is part of the captured step "
+                '(docs/reliability.md, "The whole step as a CUDA graph"). Set train.cuda_graphs=off, or optimizer.'
             )
         fp8 = self.train.fp8
         if fp8 != Fp8.none and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):

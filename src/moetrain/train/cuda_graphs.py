@@ -36,6 +36,7 @@ own. No host sync is added: a replay is one launch; a capture is once or a few t
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import sys
 from collections.abc import Callable
@@ -67,6 +68,11 @@ class CaptureFailed(MoetrainError):
         """What failed, in a few words (the operation and its error)."""
 
 
+class GradientOffCaptureStream(CaptureFailed):
+    """During a step's capture, a parameter's gradient was accumulated on a stream the capture
+    does not record (`StepGraph`)."""
+
+
 class GraphBackend(Protocol):
     """What `UpdateGraph` needs of a graph: `CudaGraph` on the GPU, `EmulatedGraph`
     (src/moetrain/testing/graph_emulator.py) in tests on the CPU."""
@@ -88,15 +94,29 @@ class GraphBackend(Protocol):
         """Drop the recorded work and what it holds; the next capture starts afresh."""
         ...
 
+    def on_capture_stream(self) -> contextlib.AbstractContextManager:
+        """Around eager work that must run where the capture will (`StepGraph`'s warm-up steps):
+        autograd ties each parameter's gradient accumulation to the stream it first ran on."""
+        ...
+
+    def stream_capturing(self) -> bool:
+        """Whether work launched now, on this thread, is recorded by the capture underway."""
+        ...
+
 
 class CudaGraph:
-    """`GraphBackend` over `torch.cuda.CUDAGraph`: captured on a side stream into one private
-    memory pool (a new capture first frees the last), replayed on the current stream."""
+    """`GraphBackend` over `torch.cuda.CUDAGraph`: captured on its own side stream into one
+    private memory pool (a new capture first frees the last), replayed on the current stream.
+    The side stream is the same for every capture and for the eager work before one
+    (`on_capture_stream`), as torch requires of a captured backward: an autograd leaf's gradient
+    accumulation runs on the stream where the leaf's accumulator was made, and one made on the
+    default stream would run there, outside the capture, during it."""
 
     def __init__(self, device: torch.device, what: str = "the optimizer step"):
         self.device, self.what = device, what
         self.graph: torch.cuda.CUDAGraph | None = None
         self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(device)
         self.tables: list[torch.Tensor] = []
         """The optimizer kernels' device tables the graph reads (src/moetrain/optim/triton_kernels.py)."""
 
@@ -109,7 +129,7 @@ class CudaGraph:
         if self.graph is not None:
             self.graph.reset()
         graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream(self.device)
+        stream = self.stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         # Not `torch.cuda.graph`: it synchronizes and empties the allocator's cache, after which the
         # next step's gradients would land elsewhere.
@@ -134,6 +154,18 @@ class CudaGraph:
 
     def replay(self, inputs: list[torch.Tensor]) -> None:
         self.graph.replay()
+
+    @contextlib.contextmanager
+    def on_capture_stream(self):
+        current = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):
+            yield
+        # what the caller does next, and any block the work freed, is ordered after it
+        current.wait_stream(self.stream)
+
+    def stream_capturing(self) -> bool:
+        return torch.cuda.is_current_stream_capturing()
 
     def _failed(self, error: Exception) -> CaptureFailed:
         first = (str(error).strip().splitlines() or [""])[0]  # torch's messages run on for lines
@@ -237,6 +269,12 @@ class StepGraph:
     next replay. `reset` drops the graph after anything changes what a step launches (a routing
     switch, loaded weights): `WARMUP_STEPS` eager steps, then a new capture.
 
+    The eager steps before a capture run on the capture's stream (`GraphBackend.on_capture_stream`),
+    so that autograd's per-parameter gradient accumulation runs there too. A parameter whose
+    accumulation still ran off that stream during the capture (outside the graph, on memory the
+    graph does not own) fails the capture (`GradientOffCaptureStream`), checked by a hook on
+    every trainable parameter.
+
     A capture that fails (`CaptureFailed`: an operation a graph cannot hold, such as a host read)
     is the fallback's cue: the run says why, once, and every later step runs eagerly, as with
     train.cuda_graphs=off. Nothing of the aborted capture ran on the device; what it left in
@@ -260,6 +298,15 @@ class StepGraph:
         allocated and freed again (the step's temporaries), which the graph keeps for its replays.
         Measured at capture as the memory it reserved less what it left allocated."""
         self._warm = 0
+        self._capturing = False
+        for p in engine.model.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._check_stream)
+
+    def _check_stream(self, p: torch.nn.Parameter) -> None:
+        if self._capturing and not self.backend.stream_capturing():
+            reason = f"a gradient of shape {tuple(p.shape)} was accumulated outside the capture's stream"
+            raise GradientOffCaptureStream(f"{reason} during the capture", reason)
 
     def reset(self) -> None:
         """Run the next `WARMUP_STEPS` steps eagerly, then capture again. The graph's memory goes
@@ -277,7 +324,10 @@ class StepGraph:
         engine = self.engine
         if self.outputs is None and self._warm < WARMUP_STEPS:
             self._warm += 1
-        elif self.outputs is not None or (self.failed is None and self._capture(step, batches)):
+            self.eager += 1
+            with self.backend.on_capture_stream():
+                return engine.optim_step(engine.forward_backward(batches), step)
+        if self.outputs is not None or (self.failed is None and self._capture(step, batches)):
             return self._replay(batches, step)
         self.eager += 1
         return engine.optim_step(engine.forward_backward(batches), step)
@@ -315,11 +365,14 @@ class StepGraph:
             torch.cuda.empty_cache()
         self.engine.set_step_lr(step)
         counted = _allocator_bytes(device)
+        self._capturing = True
         try:
             self.outputs = self.backend.capture(lambda: self.engine.step_tensors(self.inputs), [])
         except CaptureFailed as error:
             self._give_up(error)
             return False
+        finally:
+            self._capturing = False
         reserved, allocated = (after - before for after, before in zip(_allocator_bytes(device), counted))
         self.uncounted_bytes = reserved - allocated
         if device.type == "cuda":
