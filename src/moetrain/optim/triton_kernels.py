@@ -202,20 +202,54 @@ _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 """The gradients' dtypes the address-table kernels read, as Triton's pointer element types."""
 
 
-class GraphTables:
-    """What `tables_for_graph` collects over one capture."""
+TABLE_ARENA_BYTES = 1 << 20
+"""Device memory set aside before a capture for the tables first needed inside it: 1 MiB holds
+the four address tables a step's update asks for (the clipping norm's and AdamW's, per gradient
+dtype) of up to 30,000 parameters."""
+TABLE_ALIGN = 64
+"""Bytes each table of the arena starts on (Triton's kernels load 16 bytes at a time where the
+address allows)."""
 
-    def __init__(self):
+
+class GraphTables:
+    """What `tables_for_graph` collects over one capture.
+
+    A table first needed inside the capture (the addresses of gradients the captured backward
+    allocates) is filled once, after the capture, and read by every replay. It must not come
+    from the graph's own memory: there a block is reused by whatever the capture allocates after
+    the block's last use in the captured order, so an activation of the next replay's forward
+    could sit where the table sits. Such tables are cut from `arena`, allocated before the
+    capture and kept with the graph."""
+
+    def __init__(self, device: torch.device | None = None, arena_bytes: int = TABLE_ARENA_BYTES):
         self.kept: list[torch.Tensor] = []
         """Every device table the captured launches read (the graph's owner keeps them)."""
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
-        """(device table, host values) of the tables first needed inside the capture: allocated
-        there, filled by `upload_pending` after the capture ends."""
+        """(device table, host values) of the tables first needed inside the capture: cut from
+        `arena` there, filled by `upload_pending` after the capture ends."""
+        self.arena = torch.empty(arena_bytes, dtype=torch.uint8, device=device) if device is not None else None
+        """Memory outside the graph's pool for those tables (None: none may be made)."""
+        self.used = 0
+
+    def take(self, values: torch.Tensor) -> torch.Tensor:
+        """A device table shaped and typed like the host tensor `values`, cut from `arena`; it is
+        filled by `upload_pending`."""
+        nbytes = values.numel() * values.element_size()
+        if self.arena is None or self.used + nbytes > self.arena.numel():
+            room = 0 if self.arena is None else self.arena.numel()
+            raise RuntimeError(
+                f"an optimizer kernel's table of {nbytes} bytes does not fit the {room} bytes set aside for tables "
+                "made inside a CUDA graph capture (TABLE_ARENA_BYTES, src/moetrain/optim/triton_kernels.py)"
+            )
+        table = self.arena[self.used : self.used + nbytes].view(values.dtype).view(values.shape)
+        self.used += -(-nbytes // TABLE_ALIGN) * TABLE_ALIGN
+        self.pending.append((table, values))
+        return table
 
     def upload_pending(self) -> None:
         """Fill the tables made inside the capture, on the current stream (before any replay)."""
         for table, values in self.pending:
-            table.copy_(values.pin_memory(), non_blocking=True)
+            table.copy_(values.pin_memory() if table.is_cuda else values, non_blocking=True)
         self.pending = []
 
 
@@ -224,15 +258,17 @@ _graph_tables: GraphTables | None = None
 
 
 @contextlib.contextmanager
-def tables_for_graph():
-    """Around a CUDA graph's capture (src/moetrain/train/cuda_graphs.py): yields the
-    `GraphTables` of every device table (addresses, sizes, first blocks) the captured launches
-    read. The graph reads them at each replay, so its owner keeps them: the caches below may drop
-    them. A table first needed inside the capture (the addresses of gradients the captured
-    backward allocates) is allocated there and filled after it (`GraphTables.upload_pending`):
-    a capture records no copy from host memory, whose pinned buffer would be freed."""
+def tables_for_graph(device: torch.device | None = None):
+    """Around a CUDA graph's capture (src/moetrain/train/cuda_graphs.py), entered before the
+    capture's stream: yields the `GraphTables` of every device table (addresses, sizes, first
+    blocks) the captured launches read. The graph reads them at each replay, so its owner keeps
+    them (and the arena): the caches below may drop them. A table first needed inside the
+    capture (the addresses of gradients the captured backward allocates) is cut from the arena
+    allocated here on `device`, outside the graph's memory, and filled after the capture
+    (`GraphTables.upload_pending`): a capture records no copy from host memory, whose pinned
+    buffer would be freed."""
     global _graph_tables
-    _graph_tables = tables = GraphTables()
+    _graph_tables = tables = GraphTables(device)
     try:
         yield tables
     except BaseException:
@@ -292,9 +328,7 @@ def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
                 "an optimizer kernel's table was needed inside a CUDA graph capture outside tables_for_graph "
                 "(src/moetrain/train/cuda_graphs.py)"
             )
-        table = torch.empty(t.shape, dtype=t.dtype, device=device)
-        _graph_tables.pending.append((table, t))
-        return table
+        return _graph_tables.take(t)
     return t.pin_memory().to(device, non_blocking=True)
 
 

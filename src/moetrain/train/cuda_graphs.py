@@ -132,8 +132,9 @@ class CudaGraph:
         stream = self.stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         # Not `torch.cuda.graph`: it synchronizes and empties the allocator's cache, after which the
-        # next step's gradients would land elsewhere.
-        with torch.cuda.stream(stream), tables_for_graph() as tables:
+        # next step's gradients would land elsewhere. The tables' arena is allocated first, on the
+        # current stream (the one the replays run on).
+        with tables_for_graph(self.device) as tables, torch.cuda.stream(stream):
             graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
             try:
                 out = fn()
@@ -148,7 +149,7 @@ class CudaGraph:
             except RuntimeError as error:
                 raise self._failed(error) from error
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        self.graph, self.tables = graph, tables.kept + [table for table, _ in tables.pending]
+        self.graph, self.tables = graph, tables.kept + [tables.arena]
         tables.upload_pending()
         return out
 
