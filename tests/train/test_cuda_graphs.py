@@ -205,6 +205,28 @@ def test_the_emulator_shows_what_a_graph_freezes():
         g.capture(lambda: bool(n > 0), [])
 
 
+def test_memory_a_capture_allocated_holds_nothing_from_outside_the_graph_at_a_replay():
+    """A tensor the capture allocated and the program fills after it (an address table made
+    inside the capture, say) may share its block with a temporary the captured step wrote
+    earlier: at a replay it holds that temporary, here unwritten memory. One made before the
+    capture keeps what the program wrote."""
+    g = EmulatedGraph()
+    x = torch.ones(4)
+    made = {}
+
+    def step(table_before):
+        made["table"] = torch.empty(4)  # allocated inside the capture
+        return (x * table_before).sum(), (x * made["table"]).sum()
+
+    before = torch.empty(4)
+    outside, inside = g.capture(lambda: step(before), [])
+    before.fill_(2.0)
+    made["table"].fill_(2.0)  # filled after the capture, as the table once was
+    g.replay([])
+    assert float(outside) == 8.0
+    assert math.isnan(float(inside))
+
+
 def test_a_guard_that_rebinds_its_counter_fails_the_replay_check(cfg, monkeypatch):
     """The emulator catches the fault it is there for: the guard's consecutive-skip counter
     rebound instead of written in place. The replay reads the counter the capture saw, which

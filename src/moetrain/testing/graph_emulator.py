@@ -21,6 +21,10 @@ again: in-place ones on the same tensors; a fresh result is copied into the tens
 returned, which later operations read. So the three faults above show as they would on the GPU.
 What the capture allocated holds NaN (or the most negative integer) until a replay writes it, as
 a CUDA capture leaves its memory unwritten: a value of the capture read outside the graph shows.
+It is filled so again before each replay, and a replay runs nothing for an allocation
+(`ALLOCATIONS`): on the GPU such a block may also hold a temporary the captured step wrote
+earlier, so what the program wrote there between replays, or the last replay left there, is gone
+when the step reads it.
 Random numbers: as with CUDA's generator, the capture leaves the generator where it was and
 each replay draws the next numbers, as the eager operations would have. Streams: there is one;
 `on_capture_stream` counts the eager calls made through it, and a test may set `stale_stream` to
@@ -50,6 +54,14 @@ from moetrain.train.cuda_graphs import CaptureFailed
 
 HOST_READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default}
 """Operations that read device values on the host: a CUDA capture fails on them."""
+ALLOCATIONS = {
+    torch.ops.aten.empty.memory_format,
+    torch.ops.aten.empty_strided.default,
+    torch.ops.aten.empty_like.default,
+    torch.ops.aten.new_empty.default,
+    torch.ops.aten.new_empty_strided.default,
+}
+"""Operations that only allocate: a replay runs no kernel for them."""
 
 
 class HostReadInCapture(CaptureFailed):
@@ -130,11 +142,18 @@ class EmulatedGraph:
             for storage, saved in self._saved.values():  # a capture runs nothing
                 storage.copy_(saved)
             self._saved = {}
-            for op in self.ops:  # and what it allocated holds no result until a replay
-                if not any(r.alias_info is not None for r in op.func._schema.returns):
-                    tree_map(_poison, op.out)
+            self._poison_allocated()  # and what it allocated holds no result until a replay
         self.captures += 1
         return out
+
+    def _poison_allocated(self) -> None:
+        """Fill what the capture allocated as unwritten memory (`_poison`): after the capture,
+        and again before each replay, since on the GPU a block the capture allocated may also
+        hold a temporary the captured step wrote earlier: what such a tensor held after one
+        replay is gone when the next one reaches it."""
+        for op in self.ops:
+            if not any(r.alias_info is not None for r in op.func._schema.returns):
+                tree_map(_poison, op.out)
 
     def release(self) -> None:
         self.ops, self.inputs = None, []
@@ -151,6 +170,7 @@ class EmulatedGraph:
         assert self.ops is not None, "replayed after release, before a new capture"
         assert len(inputs) == len(self.inputs), "replayed with another number of inputs"
         self._check_lifetimes()
+        self._poison_allocated()
         swap = {id(c): t for c, t in zip(self.inputs, inputs)}
 
         def current(x):
@@ -158,6 +178,8 @@ class EmulatedGraph:
 
         with torch.no_grad():  # a replay is kernels, with no autograd above them
             for op in self.ops:
+                if op.func in ALLOCATIONS:
+                    continue  # no kernel: the memory holds what the step last wrote there
                 result = op.func(*tree_map(current, op.args), **tree_map(current, op.kwargs))
                 aliases = [r.alias_info is not None for r in op.func._schema.returns]
                 _bind(op.out, result, any(aliases), swap)
