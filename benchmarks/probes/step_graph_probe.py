@@ -7,7 +7,12 @@ ends the CUDA context) and prints one JSON line: the variant, the steps that fin
 losses, the graph's counts and the error, if any.
 
 Variants (`--variants`, comma-separated; all by default):
+- eager: no graph, the reference: each other variant's record says whether its losses are this
+  one's (`matches_eager`), bit for bit;
 - full: the step as train.cuda_graphs=step captures it;
+- pool_tables: the optimizer kernels' address tables made inside the capture allocated from the
+  graph's own pool (whose blocks the captured step reuses) instead of the arena allocated before
+  it, the way they were when the replays faulted on an H100;
 - no_update: forward, backward, zeroed gradients and statistics only (no clipping, no AdamW);
 - torch_norm: the clipping norm by torch operations instead of the Triton `sum_squares`;
 - no_split_adamw: the split masters' Triton AdamW left out of the update;
@@ -28,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 
-VARIANTS = ("full", "no_update", "torch_norm", "no_split_adamw", "host_tables")
+VARIANTS = ("eager", "full", "pool_tables", "no_update", "torch_norm", "no_split_adamw", "host_tables")
 
 
 def _patch(variant: str) -> None:
@@ -57,6 +62,15 @@ def _patch(variant: str) -> None:
             return clip_sum_sq(grads, device)
 
         clip._sum_sq = sum_sq
+    elif variant == "pool_tables":
+
+        def take(self, values):
+            table = torch.empty(values.shape, dtype=values.dtype, device="cuda")
+            self.pending.append((table, values))
+            self.kept.append(table)
+            return table
+
+        tk.GraphTables.take = take
     elif variant == "no_split_adamw":
         replicated.adamw_update = lambda groups, *args, **kwargs: None
     elif variant == "host_tables":
@@ -96,7 +110,8 @@ def run_variant(variant: str) -> dict:
     torch.manual_seed(0)
     device = torch.device("cuda")
     engine = TrainEngine(cfg, ParallelState(ParallelDims(world_size=1, dp=1, ep=1)), device)
-    engine.step_graph = StepGraph(engine, CudaGraph(device, "the training step"))
+    if variant != "eager":
+        engine.step_graph = StepGraph(engine, CudaGraph(device, "the training step"))
     record = {"variant": variant, "losses": [], "error": None}
     try:
         for n in range(8):
@@ -108,7 +123,7 @@ def run_variant(variant: str) -> dict:
         record["error"] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200]}"
     record["steps_done"] = len(record["losses"])
     record["counts"] = engine.cuda_graph_counts()
-    record["failed_capture"] = engine.step_graph.failed
+    record["failed_capture"] = engine.step_graph.failed if engine.step_graph is not None else None
     return record
 
 
@@ -124,9 +139,12 @@ def main() -> None:
     sanitizer = shutil.which("compute-sanitizer") if args.sanitize else None
     if args.sanitize and sanitizer is None:
         sys.exit("--sanitize: compute-sanitizer is not on PATH")
-    for variant in args.variants.split(","):
+    variants = args.variants.split(",")
+    for variant in variants:
         if variant not in VARIANTS:
             sys.exit(f"--variants: unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
+    reference = None
+    for variant in sorted(variants, key=lambda v: v != "eager"):  # the reference first
         command = [sys.executable, __file__, "--one", variant]
         if sanitizer:
             command = [sanitizer, "--tool", "memcheck", "--print-limit", "3", *command]
@@ -137,6 +155,10 @@ def main() -> None:
             record["report"] = [line for line in (done.stdout + done.stderr).splitlines() if "=====" in line][:30]
             if not lines:
                 record["stderr_tail"] = done.stderr[-2000:]
+        if variant == "eager":
+            reference = record.get("losses")
+        elif reference is not None:
+            record["matches_eager"] = record.get("losses") == reference
         print(json.dumps(record), flush=True)
 
 
