@@ -103,7 +103,7 @@ def run_bench(
         for i, (timed, step) in enumerate(windows):
             n_warm = warm_up_steps(trainer.engine, i, timed, step, warmup)
             if i > 0 and trainer.engine.step_graph is not None:
-                trainer.engine.step_graph.reset()  # its memory is not this eager window's
+                trainer.engine.step_graph.reset()  # the training step's graph and memory are not this window's
             record, timing = _time_window(trainer, spec, routing, timed, step, n_warm, steps, sync_check, say)
             if isinstance(step, _OptimizerStep):
                 step.finish()
@@ -135,12 +135,12 @@ def warm_up_steps(engine, window: int, timed: str, step, warmup: int) -> int:
     configuration. The first warms up after the routing switch: `warmup`; a later one reuses the
     compiled code and needs one step to settle (allocator, gradient buckets). The optimizer
     window gets at least one (its first call runs the forward and backward too), and the
-    training step, with train.cuda_graphs=step, at least the step graph's eager steps and its
-    capture, which then stay out of the timed window."""
+    training step and the forward+backward window, with train.cuda_graphs=step, at least the
+    step graph's eager steps and its capture, which then stay out of the timed window."""
     n = warmup if window == 0 else min(warmup, 1)
     if isinstance(step, _OptimizerStep):
         n = max(n, 1)
-    if timed == "training step" and engine.step_graph is not None:
+    if timed in ("training step", "forward+backward") and engine.step_graph is not None:
         n = max(n, STEP_GRAPH_WARMUP + 1)
     return n
 
@@ -279,10 +279,13 @@ def _synchronize(device: torch.device) -> None:
 def _forward_backward_step(trainer: Trainer):
     """The forward and backward passes of a step's micro-batches (with their data-parallel
     gradient reduction, if any) alone: no clipping, no optimizer step. Gradients are dropped
-    after each step and the routing statistics reset (`TrainEngine.drop_step`)."""
+    after each step and the routing statistics reset (`TrainEngine.drop_step`). With
+    train.cuda_graphs=step they are replayed from the step graph, as the training step is."""
 
     def step() -> StepOutput:
         engine = trainer.engine
+        if engine.step_graph is not None:
+            return engine.step_graph.run(trainer.next_batches(), trainer.step, update=False)
         return engine.drop_step(engine.forward_backward(trainer.next_batches()))
 
     return step

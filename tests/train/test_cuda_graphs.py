@@ -378,6 +378,37 @@ def test_a_routing_switch_or_a_load_runs_eager_steps_then_captures_again(cfg):
     assert graphed.step_graph.backend.on_stream == 3 * WARMUP_STEPS
 
 
+@pytest.mark.parametrize("routing", ["learned", "random"])
+def test_forward_and_backward_alone_replay_the_eager_passes_and_switching_back_trains_on(tiny_cfg, tmp_path, routing):
+    """`moetrain bench --also-forward-backward` with the step graph: training steps, then
+    forward and backward passes alone (`run(..., update=False)`, closed by `drop_step`), then
+    training again, each captured after its own eager steps: the losses, routing statistics and
+    state at every step are the eager run's, and the passes change no parameter."""
+    cfg = graph_cfg(tiny_cfg, tmp_path / "run", f"model.moe.routing={routing}")
+    eager, graphed = step_engines(cfg)
+    phases = [(True, WARMUP_STEPS + 2), (False, WARMUP_STEPS + 3), (True, WARMUP_STEPS + 2)]
+    n = 0
+    for update, count in phases:
+        before = state(graphed)
+        for _ in range(count):
+            torch.manual_seed(1000 + n)
+            if update:
+                expected = eager.train_step(synthetic_batches(cfg, n), n)
+            else:
+                expected = eager.drop_step(eager.forward_backward(synthetic_batches(cfg, n)))
+            torch.manual_seed(1000 + n)
+            got = graphed.step_graph.run(synthetic_batches(cfg, n), n, update=update)
+            assert_same_output(expected, got, n)
+            assert_same(state(eager), state(graphed))
+            assert all(p.grad is None for p in graphed.model.parameters()), n
+            n += 1
+        if not update:
+            assert_same(before, state(graphed))  # the passes moved nothing
+    replays = sum(count - WARMUP_STEPS for _, count in phases)
+    assert graphed.cuda_graph_counts() == {"captures": 3, "replays": replays, "eager": 3 * WARMUP_STEPS}
+    assert graphed.step_graph.backend.on_stream == 3 * WARMUP_STEPS
+
+
 def test_a_router_bias_that_is_rebound_fails_the_step_replay_check(tiny_cfg, tmp_path, monkeypatch):
     """The emulator catches the fault it is there for: the router bias moved by a new tensor
     each step instead of in place. The captured step keeps reading the bias it had at capture,
@@ -495,7 +526,8 @@ def test_bench_keeps_the_step_graphs_warm_up_and_capture_out_of_the_timed_window
     assert warm_up_steps(graphed, 0, "training step", None, 2) == WARMUP_STEPS + 1
     assert warm_up_steps(graphed, 0, "training step", None, 9) == 9
     assert warm_up_steps(eager, 0, "training step", None, 2) == 2
-    assert warm_up_steps(graphed, 1, "forward+backward", None, 5) == 1
+    assert warm_up_steps(graphed, 1, "forward+backward", None, 5) == WARMUP_STEPS + 1
+    assert warm_up_steps(eager, 1, "forward+backward", None, 5) == 1
     assert warm_up_steps(graphed, 1, "optimizer step", optimizer_step, 0) == 1
     assert warm_up_steps(eager, 0, "forward+backward", None, 0) == 0
     for n in range(warm_up_steps(graphed, 0, "training step", None, 2)):

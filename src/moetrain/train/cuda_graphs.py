@@ -281,6 +281,11 @@ class StepGraph:
     train.cuda_graphs=off. Nothing of the aborted capture ran on the device; what it left in
     Python (gradients, the routing and multi-token accumulators' bookkeeping) is cleared as at
     the end of a step, and the step that tried runs eagerly.
+
+    `run(..., update=False)` does the same for the forward and backward alone, closed by
+    `TrainEngine.drop_step` (`moetrain bench --also-forward-backward`, so that its window runs as
+    the training step does): switching between the two resets the graph, which then holds one
+    or the other, on the same stream, so autograd's accumulation stays on it.
     """
 
     def __init__(self, engine: TrainEngine, backend: GraphBackend):
@@ -300,6 +305,8 @@ class StepGraph:
         Measured at capture as the memory it reserved less what it left allocated."""
         self._warm = 0
         self._capturing = False
+        self.update = True
+        """What the graph holds: the training step, or (False) forward and backward alone."""
         for p in engine.model.parameters():
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._check_stream)
@@ -309,9 +316,11 @@ class StepGraph:
             reason = f"a gradient of shape {tuple(p.shape)} was accumulated outside the capture's stream"
             raise GradientOffCaptureStream(f"{reason} during the capture", reason)
 
-    def reset(self) -> None:
-        """Run the next `WARMUP_STEPS` steps eagerly, then capture again. The graph's memory goes
-        back to the device first, so the eager steps do not run on top of it."""
+    def reset(self, update: bool = True) -> None:
+        """Run the next `WARMUP_STEPS` steps eagerly, then capture again: training steps, or
+        (`update` False) forward and backward passes. The graph's memory goes back to the
+        device first, so the eager steps do not run on top of it."""
+        self.update = update
         self.inputs = self.outputs = None
         self._warm = 0
         self.uncounted_bytes = 0
@@ -320,23 +329,36 @@ class StepGraph:
             gc.collect()
             torch.cuda.empty_cache()
 
-    def run(self, batches: list, step: int):
-        """Optimizer step number `step` (0-based) on `batches`: eager, captured or replayed."""
-        engine = self.engine
+    def run(self, batches: list, step: int, update: bool = True):
+        """Optimizer step number `step` (0-based) on `batches` (with `update` False, its forward
+        and backward alone): eager, captured or replayed."""
+        if update != self.update:
+            self.reset(update)
         if self.outputs is None and self._warm < WARMUP_STEPS:
             self._warm += 1
             self.eager += 1
             with self.backend.on_capture_stream():
-                return engine.optim_step(engine.forward_backward(batches), step)
+                return self._eager(batches, step)
         if self.outputs is not None or (self.failed is None and self._capture(step, batches)):
             return self._replay(batches, step)
         self.eager += 1
-        return engine.optim_step(engine.forward_backward(batches), step)
+        return self._eager(batches, step)
+
+    def _eager(self, batches: list, step: int):
+        engine = self.engine
+        if self.update:
+            return engine.optim_step(engine.forward_backward(batches), step)
+        return engine.drop_step(engine.forward_backward(batches))
+
+    def _tensors(self) -> tuple:
+        """What the capture records: `TrainEngine.step_tensors` or `pass_tensors` over the inputs."""
+        engine = self.engine
+        return engine.step_tensors(self.inputs) if self.update else engine.pass_tensors(self.inputs)
 
     def _replay(self, batches: list, step: int):
         from moetrain.train.engine import StepOutput
 
-        lr = self.engine.set_step_lr(step)
+        lr = self.engine.set_step_lr(step) if self.update else 0.0
         self._load(batches)
         self.backend.replay([])
         self.replays += 1
@@ -364,11 +386,12 @@ class StepGraph:
             torch.cuda.synchronize(device)
             gc.collect()
             torch.cuda.empty_cache()
-        self.engine.set_step_lr(step)
+        if self.update:
+            self.engine.set_step_lr(step)
         counted = _allocator_bytes(device)
         self._capturing = True
         try:
-            self.outputs = self.backend.capture(lambda: self.engine.step_tensors(self.inputs), [])
+            self.outputs = self.backend.capture(self._tensors, [])
         except CaptureFailed as error:
             self._give_up(error)
             return False
@@ -390,8 +413,9 @@ class StepGraph:
         engine = self.engine
         engine.optimizer.zero_grad()
         engine.discard_step_statistics()
+        what = "the training step" if self.update else "the forward and backward passes"
         print(
-            f"note: train.cuda_graphs={CudaGraphs.step}: the training step could not be captured as a CUDA graph "
+            f"note: train.cuda_graphs={CudaGraphs.step}: {what} could not be captured as a CUDA graph "
             f"({error.reason}), so every step runs eagerly, as with train.cuda_graphs=off.",
             file=sys.stderr,
         )

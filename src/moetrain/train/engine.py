@@ -190,6 +190,13 @@ class TrainEngine:
         self.optimizer.zero_grad()
         return lm_loss, grad_norm, self._end_routing_step(), self._end_mtp_step()
 
+    def pass_tensors(self, batches: list[Batch]) -> tuple:
+        """The device work of forward and backward alone (`drop_step` after `forward_backward`),
+        what `StepGraph` captures for `moetrain bench`'s forward+backward window; the tuple of
+        `step_tensors`, the gradient norm zero."""
+        out = self.drop_step(self.forward_backward(batches))
+        return out.lm_loss, out.grad_norm, out.routing, out.mtp
+
     def graph_memory_bytes(self) -> int:
         """The step graph's memory the allocator does not count as allocated (0 without one)."""
         return self.step_graph.uncounted_bytes if self.step_graph is not None else 0
