@@ -449,6 +449,35 @@ def test_training_with_the_step_graph_follows_the_eager_run_on_cuda(tmp_path, ov
     assert engine.cuda_graph_counts() == {"captures": 1, "replays": 12 - WARMUP_STEPS, "eager": WARMUP_STEPS}
 
 
+def test_forward_and_backward_alone_from_the_step_graph_follow_the_eager_passes_on_cuda(tmp_path):
+    """`moetrain bench --also-forward-backward` with train.cuda_graphs=step: two training steps'
+    worth of warm-up, then forward and backward passes alone (`StepGraph.run(..., update=False)`)
+    captured after their own eager passes and replayed; compiled blocks; the losses within 0.1% of
+    eager passes' and the parameters unchanged by them."""
+    from moetrain.testing.steps import synthetic_batches
+    from moetrain.train.cuda_graphs import WARMUP_STEPS
+
+    runs = {}
+    for mode in ("off", "step"):
+        cfg, engine = _graph_engine(tmp_path / mode, "train.cuda_graphs=off", "train.compile=true")
+        if mode == "step":
+            _attach_step_graph(engine)
+        before = [p.detach().clone() for p in engine.model.parameters()]
+        losses = []
+        for n in range(10):
+            torch.manual_seed(n)
+            if mode == "step":
+                out = engine.step_graph.run(synthetic_batches(cfg, n), n, update=False)
+            else:
+                out = engine.drop_step(engine.forward_backward(synthetic_batches(cfg, n)))
+            losses.append(float(out.lm_loss))
+        assert all(torch.equal(a, b) for a, b in zip(before, engine.model.parameters()))
+        runs[mode] = losses
+    for a, b in zip(runs["off"], runs["step"]):
+        assert abs(a - b) <= 1e-3 * abs(a), runs
+    assert engine.cuda_graph_counts() == {"captures": 1, "replays": 10 - WARMUP_STEPS, "eager": WARMUP_STEPS}
+
+
 def _attach_step_graph(engine) -> None:
     """train.cuda_graphs=step's graph on an engine built with cuda_graphs=off: the config refuses
     step on the GPU until its replays stop faulting (docs/reliability.md), and these tests are
