@@ -2,9 +2,23 @@
 # FP8 (train.fp8=rowwise) on one GPU: the kernels against the CPU emulation and a sync-free step
 # (tests/gpu), bench-8e throughput and memory FP8 vs BF16, and FP8 vs BF16 loss curves over 250
 # steps on the embedded corpus (needs data/default: carry it). Usage: bash benchmarks/fp8.sh
+# PAIRS="bench-sweep-16 bench-sweep-64" bash benchmarks/fp8.sh: only BF16 against FP8 (the defaults)
+# on each preset named, learned routing, one process each (the sweep presets: 2 warm-up, 6 timed steps).
 set -u
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
+if [ -n "${PAIRS:-}" ]; then
+  for p in $PAIRS; do
+    case $p in bench-sweep-*) w=2; n=6 ;; *) w=5; n=15 ;; esac
+    for fp8 in none rowwise; do
+      timeout 240 python -m moetrain bench "$p" --device cuda --warmup $w --steps $n --routing learned --train.fp8=$fp8 \
+          2>"$OUT/pair-$p-$fp8.err" | tee -a "$OUT/fp8-pairs.jsonl" \
+        | python -c "import json,sys; [print('$p fp8=$fp8', round(r['tokens_per_sec_per_device']), round(r['peak_mem_gib'],2), r['host_syncs_per_step']) for r in map(json.loads, sys.stdin)]"
+      grep -m3 -i "error\|Traceback" "$OUT/pair-$p-$fp8.err"
+    done
+  done
+  exit 0
+fi
 timeout 150 python -m pytest -q -p no:cacheprovider tests/gpu -k fp8 2>&1 | tail -3
 b8e() {  # b8e FP8 [extra overrides]
   timeout 150 python -m moetrain bench bench-8e --device cuda --warmup 5 --steps 15 --routing learned --train.fp8=$1 ${2:-} \
