@@ -387,7 +387,7 @@ def _record(
         "loss_chunk_tokens": trainer.engine.loss_chunk_tokens,
         "recompute": str(tc.recompute),
         "defer_expert_weight_grad": engine.expert_grads is not None,
-        "cuda_graphs": str(tc.cuda_graphs),
+        "cuda_graphs": str(engine.cuda_graphs),
         "cuda_graph_counts": engine.cuda_graph_counts(),
         "layout": {
             "world": world,

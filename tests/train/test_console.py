@@ -143,6 +143,11 @@ def test_precision_names_autocast_bf16_weights_and_fp8():
     assert describe_precision(graphs, cpu) == (
         "fp32; the training step replayed from a CUDA graph after 3 eager steps (train.cuda_graphs)"
     )
+    graphs = resolve_config("tiny", ["train.cuda_graphs=auto"])
+    assert describe_precision(graphs, cpu) == (
+        "fp32; no CUDA graph (train.cuda_graphs=auto: train.cuda_graphs=step replays CUDA kernels, but the run is "
+        "on cpu)"
+    )
 
 
 def test_a_run_prints_the_header_once_then_a_line_per_logged_step(tiny_cfg, tmp_path, capsys):

@@ -269,6 +269,35 @@ def test_off_on_the_command_line_is_the_choice_not_a_bool(tiny_cfg, tmp_path):
     assert tiny_cfg(tmp_path / "run", "train.cuda_graphs=off").train.cuda_graphs == CudaGraphs.off
 
 
+def test_auto_is_the_step_graph_where_nothing_refuses_it_and_off_elsewhere_saying_why(tiny_cfg, tmp_path):
+    """train.cuda_graphs=auto is never refused: it resolves to step where step would be accepted
+    (one CUDA device, a layout the step graph captures, the GPU not refused), else to off with the
+    reason step would have been refused for; the engine builds what it resolves to."""
+    from moetrain.train.config import CudaGraphs
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+
+    def choice(world_size, device, *overrides):
+        cfg = tiny_cfg(tmp_path / "run", "train.cuda_graphs=auto", "optim.bf16_weights=false", *overrides)
+        cfg.validate(world_size=world_size, device=device)
+        return cfg.cuda_graphs_choice(world_size, device)
+
+    assert choice(1, cpu) == (CudaGraphs.off, "train.cuda_graphs=step replays CUDA kernels, but the run is on cpu")
+    mode, why = choice(2, cuda, "train.micro_batch_size=2")
+    assert mode == CudaGraphs.off and "2 ranks" in why and "set train" not in why
+    mode, why = choice(1, cuda, "train.recompute=full")
+    assert mode == CudaGraphs.off and "train.recompute=full" in why
+    mode, why = choice(1, cuda, "optim.name=muon")
+    assert mode == CudaGraphs.off and "optim.name=muon" in why
+    mode, why = choice(1, cuda)  # the one layout left: what the GPU refusal says
+    assert mode == CudaGraphs.off and "not available on the GPU yet" in why
+    explicit = tiny_cfg(tmp_path / "run", "train.cuda_graphs=optimizer")
+    assert explicit.cuda_graphs_choice(1, cuda) == (CudaGraphs.optimizer, None)
+    engine = TrainEngine(tiny_cfg(tmp_path / "run", "train.cuda_graphs=auto"), one_process(), cpu)
+    assert engine.cuda_graphs == CudaGraphs.off and engine.step_graph is None and engine.update_graph is None
+    assert "on cpu" in engine.cuda_graphs_why
+
+
 @pytest.mark.parametrize("recompute", ["full", "selective"])
 def test_the_step_graph_refuses_recompute_naming_why(tiny_cfg, tmp_path, recompute):
     """torch's checkpoint reads the CUDA generator's state in each recomputed block's forward, and

@@ -59,6 +59,9 @@ class CudaGraphs(enum.StrEnum):
     """The whole training step (every micro-batch's forward and backward, the update, the zeroed
     gradients, the routing statistics) captured once after a few eager steps and replayed: one
     launch a step. The same layouts as `optimizer`."""
+    auto = "auto"
+    """`step` where the run's device and layout allow it, else `off`
+    (`RunConfig.cuda_graphs_choice`; the start-up header says which, and why)."""
 
 
 MAX_STEPS = 10**9
@@ -152,9 +155,10 @@ class TrainerConfig(Config):
     Triton kernel, not yet measured (docs/benchmarks.md, "The expert sweep"). Row-wise FP8 and
     bf16 experts; not mxfp8. Does nothing with one micro-batch per step."""
     cuda_graphs: CudaGraphs = CudaGraphs.off
-    """off, step or optimizer. Both need one CUDA device, the ddp stack without
-    parallel.shard_optimizer, optim.name=adamw and optim.fused not false; step also
-    train.recompute=none (src/moetrain/train/cuda_graphs.py).
+    """off, step, optimizer or auto. step and optimizer need one CUDA device, the ddp stack
+    without parallel.shard_optimizer, optim.name=adamw and optim.fused not false; step also
+    train.recompute=none (src/moetrain/train/cuda_graphs.py). auto: step where all of that holds
+    (and the GPU runs it), else off, never refused; the start-up header names the choice.
 
     step: the whole training step replayed from one CUDA graph, captured after 3 eager steps; the
     step's gradients and activations live in the graph's own memory, so every replay finds them
@@ -343,17 +347,9 @@ class RunConfig(Config):
                 f"optim.bf16_weights=true computes in bf16, but train.precision=auto means fp32 on {device.type}: "
                 "set train.precision=bf16, or optim.bf16_weights=false."
             )
-        if self.train.cuda_graphs != CudaGraphs.off and device.type != "cuda":
-            raise ConfigError(
-                f"train.cuda_graphs={self.train.cuda_graphs} replays CUDA kernels, but the run is on "
-                f"{device.type}: set train.cuda_graphs=off, or train.device=cuda."
-            )
-        if self.train.cuda_graphs == CudaGraphs.step and device.type == "cuda":
-            raise ConfigError(
-                "train.cuda_graphs=step is not available on the GPU yet: its replays fault with an illegal "
-                "memory access once the update is part of the captured step "
-                '(docs/reliability.md, "The whole step as a CUDA graph"). Set train.cuda_graphs=off, or optimizer.'
-            )
+        problem = _cuda_graphs_device_problem(self.train.cuda_graphs, device)
+        if problem:
+            raise ConfigError(": ".join(problem))
         fp8 = self.train.fp8
         if fp8 != Fp8.none and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
             raise ConfigError(
@@ -387,6 +383,18 @@ class RunConfig(Config):
         """Whether row-wise FP8's backward products use fast accumulation (train.fp8_fast_accum_backward)."""
         return self.train.fp8 == Fp8.rowwise and self.train.fp8_fast_accum_backward is not False
 
+    def cuda_graphs_choice(self, world_size: int, device: torch.device) -> tuple[CudaGraphs, str | None]:
+        """train.cuda_graphs for this run: (the mode, and for auto why it is that one). auto is
+        `step` where neither the layout nor the device is one `step` refuses, else `off`."""
+        mode = self.train.cuda_graphs
+        if mode != CudaGraphs.auto:
+            return mode, None
+        problem = _cuda_graphs_layout_problem(self, CudaGraphs.step, world_size)
+        problem = problem or _cuda_graphs_device_problem(CudaGraphs.step, device)
+        if problem:
+            return CudaGraphs.off, problem[0]
+        return CudaGraphs.step, "one GPU and a layout the step graph captures"
+
     def build_dims(self, world_size: int, device: torch.device | None = None) -> ParallelDims:
         """`validate(world_size, device)`, then the layout: what the trainer and the planner
         start from."""
@@ -395,9 +403,38 @@ class RunConfig(Config):
 
 
 def _check_cuda_graphs(cfg: RunConfig, world_size: int | None) -> None:
-    """train.cuda_graphs=optimizer or step captures the replicated AdamW's update on one rank."""
-    if cfg.train.cuda_graphs == CudaGraphs.off:
+    """train.cuda_graphs=optimizer or step captures the replicated AdamW's update on one rank
+    (auto chooses, at start-up: `RunConfig.cuda_graphs_choice`)."""
+    if cfg.train.cuda_graphs in (CudaGraphs.off, CudaGraphs.auto):
         return
+    problem = _cuda_graphs_layout_problem(cfg, cfg.train.cuda_graphs, world_size)
+    if problem:
+        raise ConfigError(": ".join(problem))
+
+
+def _cuda_graphs_device_problem(mode: CudaGraphs, device: torch.device) -> tuple[str, str] | None:
+    """(why train.cuda_graphs=`mode` cannot run on `device`, the fix), or None: it can (auto
+    always can)."""
+    if mode in (CudaGraphs.off, CudaGraphs.auto):
+        return None
+    if device.type != "cuda":
+        return (
+            f"train.cuda_graphs={mode} replays CUDA kernels, but the run is on {device.type}",
+            "set train.cuda_graphs=off, or train.device=cuda.",
+        )
+    if mode == CudaGraphs.step:
+        return (
+            "train.cuda_graphs=step is not available on the GPU yet: its replays fault with an illegal "
+            "memory access once the update is part of the captured step "
+            '(docs/reliability.md, "The whole step as a CUDA graph")',
+            "set train.cuda_graphs=off, or optimizer.",
+        )
+    return None
+
+
+def _cuda_graphs_layout_problem(cfg: RunConfig, mode: CudaGraphs, world_size: int | None) -> tuple[str, str] | None:
+    """(why train.cuda_graphs=`mode`, optimizer or step, cannot capture this layout, the fix), or
+    None: it can."""
     p, o = cfg.parallel, cfg.optim
     problem = None
     if p.stack != Stack.ddp or p.shard_optimizer:
@@ -408,18 +445,21 @@ def _check_cuda_graphs(cfg: RunConfig, world_size: int | None) -> None:
         problem = "optim.fused=false (its update reads the skip decision on the host)"
     elif world_size is not None and world_size > 1:
         problem = f"{world_size} ranks (the all-reduces are not captured)"
-    if problem is None and cfg.train.cuda_graphs == CudaGraphs.step and cfg.train.recompute != Recompute.none:
-        raise ConfigError(
+    if problem is None and mode == CudaGraphs.step and cfg.train.recompute != Recompute.none:
+        return (
             f"train.cuda_graphs=step cannot capture a step with train.recompute={cfg.train.recompute}: torch's "
             "checkpoint reads the CUDA generator's state in every recomputed block, which a graph capture "
-            "forbids. Set train.recompute=none, or train.cuda_graphs=off (or optimizer)."
+            "forbids",
+            "set train.recompute=none, or train.cuda_graphs=off (or optimizer).",
         )
     if problem:
-        what = "the training step" if cfg.train.cuda_graphs == CudaGraphs.step else "the update"
-        raise ConfigError(
-            f"train.cuda_graphs={cfg.train.cuda_graphs} captures {what} of the ddp stack's replicated AdamW "
-            f"on one GPU, not with {problem}: set train.cuda_graphs=off."
+        what = "the training step" if mode == CudaGraphs.step else "the update"
+        return (
+            f"train.cuda_graphs={mode} captures {what} of the ddp stack's replicated AdamW "
+            f"on one GPU, not with {problem}",
+            "set train.cuda_graphs=off.",
         )
+    return None
 
 
 def _check_context_split(seq_len: int, cp: int) -> None:

@@ -169,8 +169,9 @@ def describe_layout(cfg: RunConfig, dims: ParallelDims) -> str:
     return f"{ranks} = {pp} × {dp}; {ep}; {stack}"
 
 
-def describe_precision(cfg: RunConfig, device: torch.device) -> str:
-    """fp32; bf16 autocast (fp32 weights); bf16 weights (fp32 masters); then the FP8 recipe."""
+def describe_precision(cfg: RunConfig, device: torch.device, world_size: int = 1) -> str:
+    """fp32; bf16 autocast (fp32 weights); bf16 weights (fp32 masters); then the FP8 recipe, and
+    the speed switches (train.cuda_graphs as a run of `world_size` ranks resolves it)."""
     amp = autocast_dtype(cfg.train.precision, device)
     if amp is None:
         text = "fp32"
@@ -190,10 +191,14 @@ def describe_precision(cfg: RunConfig, device: torch.device) -> str:
         text += f", fp8 {cfg.train.fp8} matrix products"
     if cfg.train.defers_expert_weight_grads:
         text += "; expert weight gradients once per step (train.defer_expert_weight_grad)"
-    if cfg.train.cuda_graphs == CudaGraphs.optimizer:
+    graphs, why = cfg.cuda_graphs_choice(world_size, device)
+    if graphs == CudaGraphs.optimizer:
         text += "; the optimizer step replayed from a CUDA graph (train.cuda_graphs)"
-    elif cfg.train.cuda_graphs == CudaGraphs.step:
-        text += "; the training step replayed from a CUDA graph after 3 eager steps (train.cuda_graphs)"
+    elif graphs == CudaGraphs.step:
+        text += "; the training step replayed from a CUDA graph after 3 eager steps (train.cuda_graphs"
+        text += f"=auto: {why})" if why else ")"
+    elif why:
+        text += f"; no CUDA graph (train.cuda_graphs=auto: {why})"
     return text
 
 
@@ -210,7 +215,7 @@ def header(
     lines = [
         f"run dir   : {run_dir}" + (f" ({note})" if note else ""),
         f"layout    : {describe_layout(cfg, dims)}",
-        f"device    : {device}; precision {describe_precision(cfg, device)}",
+        f"device    : {device}; precision {describe_precision(cfg, device, dims.world_size)}",
     ]
     if rehearsed_rank is not None:
         lines.append(f"REHEARSAL : {rehearsal_notice(dims, rehearsed_rank)}")

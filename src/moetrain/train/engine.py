@@ -157,7 +157,9 @@ class TrainEngine:
         """train.cuda_graphs=optimizer: `update`'s device work replayed from a CUDA graph
         (src/moetrain/train/cuda_graphs.py); train.cuda_graphs=step: the whole of `train_step`."""
         self.step_graph: StepGraph | None = None
-        self._build_graphs(tc.cuda_graphs, device)
+        self.cuda_graphs, self.cuda_graphs_why = cfg.cuda_graphs_choice(par.dims.world_size, device)
+        """train.cuda_graphs as this run resolves it (auto: step or off), and why, for auto."""
+        self._build_graphs(self.cuda_graphs, device)
         self.schedule_steps = tc.steps
         """The steps the learning-rate schedule is planned over: train.steps, or, for a run
         resumed with another train.steps and train.extend=keep, the count it started with."""
