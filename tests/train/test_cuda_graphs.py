@@ -330,6 +330,16 @@ def test_the_step_graph_is_refused_on_the_gpu_saying_why(tiny_cfg, tmp_path):
     )
 
 
+def test_once_the_gpu_runs_the_step_graph_step_is_accepted_there_and_auto_takes_it(tiny_cfg, tmp_path, monkeypatch):
+    import moetrain.train.config as config
+
+    monkeypatch.setattr(config, "STEP_GRAPH_ON_GPU", True)
+    cuda = torch.device("cuda")
+    tiny_cfg(tmp_path / "run", "train.cuda_graphs=step", "optim.bf16_weights=false").validate(world_size=1, device=cuda)
+    auto = tiny_cfg(tmp_path / "run", "train.cuda_graphs=auto", "optim.bf16_weights=false")
+    assert auto.cuda_graphs_choice(1, cuda) == (config.CudaGraphs.step, "one GPU and a layout the step graph captures")
+
+
 # ---- train.cuda_graphs=step ----------------------------------------------------------------------
 
 
