@@ -16,9 +16,10 @@ line's `timed` says which). `--also-optimizer-step` adds a window of the optimiz
 gradients of one forward and backward; its line has no token rates, and `share_of_training_step`
 its step time over the training step's. With `--train.cuda_graphs=step` or `optimizer` the line's
 `cuda_graph_counts` says how many steps (updates) so far were captured, replayed and run eagerly
-(src/moetrain/train/cuda_graphs.py); with the step graph the training step's warm-up is at
-least 4 steps (3 eager, then the capture), whatever `--warmup` says, so the timed steps are
-replays. Every line names the optimizer and the bytes of state it holds per parameter this rank
+(src/moetrain/train/cuda_graphs.py), and `cuda_graphs` the mode the run resolved (auto: step
+or off); with the step graph the training step's warm-up is at least 4 steps (3 eager, then the
+capture), whatever `--warmup` says, so the timed steps are replays, and so is the
+forward+backward window's (its passes replayed from the same graph, captured anew for them). Every line names the optimizer and the bytes of state it holds per parameter this rank
 holds (`optimizer`). Each line also carries the last timed step's routing balance:
 expert_load_max_over_mean, ep_load_max_over_mean and dropped_token_frac (as in metrics.jsonl).
 The routing mode is switched in place between configurations (`TrainEngine.set_routing`: the
