@@ -19,8 +19,9 @@ its step time over the training step's. With `--train.cuda_graphs=step` or `opti
 (src/moetrain/train/cuda_graphs.py), and `cuda_graphs` the mode the run resolved (auto: step
 or off); with the step graph the training step's warm-up is at least 4 steps (3 eager, then the
 capture), whatever `--warmup` says, so the timed steps are replays, and so is the
-forward+backward window's (its passes replayed from the same graph, captured anew for them). Every line names the optimizer and the bytes of state it holds per parameter this rank
-holds (`optimizer`). Each line also carries the last timed step's routing balance:
+forward+backward window's (its passes replayed from the same graph, captured anew for them).
+Every line names the optimizer and the bytes of state it holds per parameter this rank holds
+(`optimizer`). Each line also carries the last timed step's routing balance:
 expert_load_max_over_mean, ep_load_max_over_mean and dropped_token_frac (as in metrics.jsonl).
 The routing mode is switched in place between configurations (`TrainEngine.set_routing`: the
 model, its optimizer state and compiled code are kept; a warm-up follows each switch).

@@ -448,6 +448,26 @@ def test_forward_and_backward_alone_replay_the_eager_passes_and_switching_back_t
     assert graphed.step_graph.backend.on_stream == 3 * WARMUP_STEPS
 
 
+def test_batches_of_another_shape_run_eagerly_then_are_captured_again_saying_so(cfg, capsys):
+    """The graph's input buffers have the captured batches' shapes: a step with one micro-batch
+    instead of two (or any other shape) resets the graph, says so once, runs the eager steps and
+    captures again; the run stays the eager run's."""
+    eager, graphed = step_engines(cfg)
+    for n in range(2 * WARMUP_STEPS + 4):
+        batches = synthetic_batches(cfg, n)
+        if n >= WARMUP_STEPS + 2:
+            batches = batches[:1]
+        outs = []
+        for engine in (eager, graphed):
+            torch.manual_seed(1000 + n)
+            outs.append(engine.train_step(batches, n))
+        assert_same_output(*outs, n)
+    assert_same(state(eager), state(graphed))
+    # eager 0-2, captured at 3, replay 4; new shape at 5: eager 5-7, captured at 8, replay 9
+    assert graphed.cuda_graph_counts() == {"captures": 2, "replays": 4, "eager": 2 * WARMUP_STEPS}
+    assert capsys.readouterr().err.count("the step's batches changed shape") == 1
+
+
 def test_a_router_bias_that_is_rebound_fails_the_step_replay_check(tiny_cfg, tmp_path, monkeypatch):
     """The emulator catches the fault it is there for: the router bias moved by a new tensor
     each step instead of in place. The captured step keeps reading the bias it had at capture,

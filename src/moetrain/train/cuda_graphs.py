@@ -268,7 +268,15 @@ class StepGraph:
     router biases and routing accumulators) is written in place, as `UpdateGraph` needs too. A
     step's outputs are copies of the graph's, so a `StepOutput` keeps its own values after the
     next replay. `reset` drops the graph after anything changes what a step launches (a routing
-    switch, loaded weights): `WARMUP_STEPS` eager steps, then a new capture.
+    switch, loaded weights, batches of another shape or number): `WARMUP_STEPS` eager steps,
+    then a new capture.
+
+    Shapes: the graph fixes every tensor's shape, and a dropless MoE step keeps them fixed as long
+    as the batches do. Each micro-batch routes its T tokens to k experts each, so the grouped
+    GEMMs always take T·k rows; only how those rows split among the experts changes from step to
+    step, and that split (the group offsets) is device data the kernels read, never the host. The
+    loader's batches all have one shape; a step whose batches have another (a caller's own)
+    resets the graph, with a note, rather than being copied into buffers of the captured shape.
 
     The eager steps before a capture run on the capture's stream (`GraphBackend.on_capture_stream`),
     so that autograd's per-parameter gradient accumulation runs there too. A parameter whose
@@ -334,6 +342,9 @@ class StepGraph:
         and backward alone): eager, captured or replayed."""
         if update != self.update:
             self.reset(update)
+        elif self.inputs is not None and _shapes(batches) != _shapes(self.inputs):
+            self._note_new_shapes(batches)
+            self.reset(update)
         if self.outputs is None and self._warm < WARMUP_STEPS:
             self._warm += 1
             self.eager += 1
@@ -343,6 +354,14 @@ class StepGraph:
             return self._replay(batches, step)
         self.eager += 1
         return self._eager(batches, step)
+
+    def _note_new_shapes(self, batches: list) -> None:
+        print(
+            f"note: train.cuda_graphs={CudaGraphs.step}: the step's batches changed shape "
+            f"({_shapes(self.inputs)} → {_shapes(batches)}), so the graph is captured again after "
+            f"{WARMUP_STEPS} eager steps.",
+            file=sys.stderr,
+        )
 
     def _eager(self, batches: list, step: int):
         engine = self.engine
@@ -421,6 +440,13 @@ class StepGraph:
         )
 
     def _load(self, batches: list) -> None:
+        """Copy the step's batches into the input buffers (shapes checked in `run`: a copy would
+        broadcast a smaller batch silently)."""
         for buffers, batch in zip(self.inputs, batches, strict=True):
             for buffer, t in zip(buffers, batch, strict=True):
                 buffer.copy_(t, non_blocking=True)
+
+
+def _shapes(batches: list) -> list[list[tuple[int, ...]]]:
+    """Each micro-batch's tensors' shapes: what the captured step's input buffers fix."""
+    return [[tuple(t.shape) for t in batch] for batch in batches]
