@@ -21,7 +21,7 @@ bench() {  # bench PRESET ROUTING LABEL [overrides]
     | python -c "import json,sys; [print('$p $label', r['timed'], round(r['tokens_per_sec_per_device']), round(1000*r['step_time_s'],2), 'ms', round(r['peak_mem_gib'],2), 'GiB syncs', r['host_syncs_per_step'], r['cuda_graph_counts']) for r in map(json.loads, sys.stdin)]"
   grep -m3 -i "error\|Traceback" "$OUT/graphs-$p-$label.err"
 }
-for p in ${PRESETS:-bench-small32e bench-tiny64e-l6 bench-8e}; do
+for p in ${PRESETS-bench-small32e bench-tiny64e-l6 bench-8e}; do  # PRESETS= (empty): none
   bench "$p" learned off --train.cuda_graphs=off
   bench "$p" learned step --train.cuda_graphs=step
 done
