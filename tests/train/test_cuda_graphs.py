@@ -531,6 +531,19 @@ def test_a_run_with_the_step_graph_logs_the_eager_runs_metrics_and_resumes_exact
         assert_same(state(eager.engine), state(run.engine))
 
 
+def eager_after_a_failed_capture(cfg, eager, graphed, steps: int, capsys) -> str:
+    """Run `steps` steps on both engines, where the graphed one's capture fails: every step gives
+    the eager run's outputs and state, none is captured or replayed, and the run says why once.
+    Returns what it wrote on stderr."""
+    for n in range(steps):
+        assert_same_output(same_step(eager, cfg, n), same_step(graphed, cfg, n), n)
+        assert_same(state(eager), state(graphed))
+    assert graphed.cuda_graph_counts() == {"captures": 0, "replays": 0, "eager": steps}
+    err = capsys.readouterr().err
+    assert err.count("note: train.cuda_graphs=step: the training step could not be captured") == 1
+    return err
+
+
 def test_a_step_that_cannot_be_captured_runs_eagerly_from_then_on_and_says_why(tiny_cfg, tmp_path, monkeypatch, capsys):
     """The fallback: a step that reads a device value on the host cannot be captured; the run
     says so once, naming the operation, and every step from the one that tried runs eagerly,
@@ -547,13 +560,7 @@ def test_a_step_that_cannot_be_captured_runs_eagerly_from_then_on_and_says_why(t
 
     monkeypatch.setattr(MoE, "update_bias", host_reading)
     cfg = graph_cfg(tiny_cfg, tmp_path / "run", "model.mtp_depth=1")
-    eager, graphed = step_engines(cfg)
-    for n in range(WARMUP_STEPS + 4):
-        assert_same_output(same_step(eager, cfg, n), same_step(graphed, cfg, n), n)
-        assert_same(state(eager), state(graphed))
-    assert graphed.cuda_graph_counts() == {"captures": 0, "replays": 0, "eager": WARMUP_STEPS + 4}
-    err = capsys.readouterr().err
-    assert err.count("note: train.cuda_graphs=step: the training step could not be captured") == 1
+    err = eager_after_a_failed_capture(cfg, *step_engines(cfg), WARMUP_STEPS + 4, capsys)
     assert "_local_scalar_dense" in err and "as with train.cuda_graphs=off" in err
 
 
@@ -565,12 +572,7 @@ def test_a_gradient_accumulated_off_the_capture_stream_fails_the_capture_and_the
     saying why once."""
     eager, graphed = step_engines(cfg)
     graphed.step_graph.backend.stale_stream = True
-    for n in range(WARMUP_STEPS + 3):
-        assert_same_output(same_step(eager, cfg, n), same_step(graphed, cfg, n), n)
-        assert_same(state(eager), state(graphed))
-    assert graphed.cuda_graph_counts() == {"captures": 0, "replays": 0, "eager": WARMUP_STEPS + 3}
-    err = capsys.readouterr().err
-    assert err.count("note: train.cuda_graphs=step: the training step could not be captured") == 1
+    err = eager_after_a_failed_capture(cfg, eager, graphed, WARMUP_STEPS + 3, capsys)
     assert "accumulated outside the capture's stream" in err
 
 

@@ -193,8 +193,8 @@ class EmulatedGraph:
         whose storage no other tensor holds (the bases of views counted as the view's), raises
         `FreedBeforeReplay`."""
         recorded, candidates = _made_before(self.ops, self.inputs)
-        extra = _references(candidates.setdefault(-1, [torch.empty(0), None])[0])  # this check's own
-        del candidates[-1]
+        probe = [torch.empty(0), None]  # held as each candidate is: the references this check adds
+        extra = _references(probe[0])
         for entry in candidates.values():
             if _references(entry[0]) - extra > recorded[id(entry[0])]:
                 continue  # the program still refers to it
