@@ -7,8 +7,9 @@ ends the CUDA context) and prints one JSON line: the variant, the steps that fin
 losses, the graph's counts and the error, if any.
 
 Variants (`--variants`, comma-separated; all by default):
-- eager: no graph, the reference: each other variant's record says whether its losses are this
-  one's (`matches_eager`), bit for bit;
+- eager: no graph, the learning rate on the device as a graph's update reads it, the reference:
+  each other variant's record says whether its losses are this one's (`matches_eager`), bit for
+  bit;
 - full: the step as train.cuda_graphs=step captures it;
 - pool_tables: the optimizer kernels' address tables made inside the capture allocated from the
   graph's own pool (whose blocks the captured step reuses) instead of the arena allocated before
@@ -110,7 +111,9 @@ def run_variant(variant: str) -> dict:
     torch.manual_seed(0)
     device = torch.device("cuda")
     engine = TrainEngine(cfg, ParallelState(ParallelDims(world_size=1, dp=1, ep=1)), device)
-    if variant != "eager":
+    if variant == "eager":
+        engine.optimizer.put_lr_on_device()  # the graph's update numerics (capturable AdamW)
+    else:
         engine.step_graph = StepGraph(engine, CudaGraph(device, "the training step"))
     record = {"variant": variant, "losses": [], "error": None}
     try:

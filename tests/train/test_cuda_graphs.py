@@ -271,7 +271,7 @@ def test_off_on_the_command_line_is_the_choice_not_a_bool(tiny_cfg, tmp_path):
 
 def test_auto_is_the_step_graph_where_nothing_refuses_it_and_off_elsewhere_saying_why(tiny_cfg, tmp_path):
     """train.cuda_graphs=auto is never refused: it resolves to step where step would be accepted
-    (one CUDA device, a layout the step graph captures, the GPU not refused), else to off with the
+    (one CUDA device, a layout the step graph captures), else to off with the
     reason step would have been refused for; the engine builds what it resolves to."""
     from moetrain.train.config import CudaGraphs
 
@@ -289,8 +289,8 @@ def test_auto_is_the_step_graph_where_nothing_refuses_it_and_off_elsewhere_sayin
     assert mode == CudaGraphs.off and "train.recompute=full" in why
     mode, why = choice(1, cuda, "optim.name=muon")
     assert mode == CudaGraphs.off and "optim.name=muon" in why
-    mode, why = choice(1, cuda)  # the one layout left: what the GPU refusal says
-    assert mode == CudaGraphs.off and "not available on the GPU yet" in why
+    mode, why = choice(1, cuda)  # the one layout left: the step graph, captured if it pays
+    assert mode == CudaGraphs.step and "captured if the first timed steps show the GPU waiting on the host" in why
     explicit = tiny_cfg(tmp_path / "run", "train.cuda_graphs=optimizer")
     assert explicit.cuda_graphs_choice(1, cuda) == (CudaGraphs.optimizer, None)
     engine = TrainEngine(tiny_cfg(tmp_path / "run", "train.cuda_graphs=auto"), one_process(), cpu)
@@ -318,26 +318,10 @@ def test_the_config_refuses_several_ranks_and_the_cpu(tiny_cfg, tmp_path, mode):
     cfg.validate(world_size=1)  # one rank, no device given: accepted
 
 
-def test_the_step_graph_is_refused_on_the_gpu_saying_why(tiny_cfg, tmp_path):
-    """Its replays fault on the GPU (docs/reliability.md): a run that asks for it is told so,
-    with the settings that work, before anything starts."""
-    cfg = tiny_cfg(tmp_path / "run", "train.cuda_graphs=step", "optim.bf16_weights=false")
-    with pytest.raises(ConfigError) as error:
-        cfg.validate(world_size=1, device=torch.device("cuda"))
-    assert "illegal memory access" in str(error.value) and "train.cuda_graphs=off" in str(error.value)
-    tiny_cfg(tmp_path / "run", "train.cuda_graphs=optimizer", "optim.bf16_weights=false").validate(
+def test_the_step_graph_is_accepted_on_one_gpu(tiny_cfg, tmp_path):
+    tiny_cfg(tmp_path / "run", "train.cuda_graphs=step", "optim.bf16_weights=false").validate(
         world_size=1, device=torch.device("cuda")
     )
-
-
-def test_once_the_gpu_runs_the_step_graph_step_is_accepted_there_and_auto_takes_it(tiny_cfg, tmp_path, monkeypatch):
-    import moetrain.train.config as config
-
-    monkeypatch.setattr(config, "STEP_GRAPH_ON_GPU", True)
-    cuda = torch.device("cuda")
-    tiny_cfg(tmp_path / "run", "train.cuda_graphs=step", "optim.bf16_weights=false").validate(world_size=1, device=cuda)
-    auto = tiny_cfg(tmp_path / "run", "train.cuda_graphs=auto", "optim.bf16_weights=false")
-    assert auto.cuda_graphs_choice(1, cuda) == (config.CudaGraphs.step, "one GPU and a layout the step graph captures")
 
 
 # ---- train.cuda_graphs=step ----------------------------------------------------------------------
@@ -396,6 +380,65 @@ def test_replayed_training_steps_give_the_eager_run_bit_for_bit(tiny_cfg, tmp_pa
         assert_same(state(eager), state(graphed))
     assert graphed.cuda_graph_counts() == {"captures": 1, "replays": steps - WARMUP_STEPS, "eager": WARMUP_STEPS}
     assert graphed.step_graph.backend.on_stream == WARMUP_STEPS  # the warm-up ran on the capture's stream
+
+
+def judged_engines(cfg, monkeypatch, device_s):
+    """(an eager engine, one built for train.cuda_graphs=auto's step graph over the emulator,
+    whose timed steps ran `device_s` seconds on the device; None: as long as the host took)."""
+    import moetrain.train.engine as engine_mod
+    from moetrain.train.config import CudaGraphs
+
+    backend = EmulatedGraph()
+    backend.device_s = device_s
+    monkeypatch.setattr(engine_mod, "CudaGraph", lambda device, what: backend)
+    eager, graphed = step_engines(cfg)
+    graphed.step_graph = None
+    graphed.cuda_graphs = CudaGraphs.step
+    graphed._build_graphs(CudaGraphs.step, torch.device("cpu"), judge=True)
+    timed = backend.timed
+    backend.timed_calls = 0
+
+    def counting_timed():
+        backend.timed_calls += 1
+        return timed()
+
+    backend.timed = counting_timed
+    return eager, graphed, backend
+
+
+def test_auto_captures_the_step_where_the_host_bounds_it(cfg, monkeypatch, capsys):
+    """train.cuda_graphs=auto's step graph times the eager steps before its capture but the
+    first (which compiles); where the device ran them in no more time than the host took to
+    launch them (the CPU), it captures and replays, bit for bit the eager run, and says why."""
+    from moetrain.train.config import CudaGraphs
+
+    eager, graphed, backend = judged_engines(cfg, monkeypatch, device_s=None)
+    steps = WARMUP_STEPS + 4
+    for n in range(steps):
+        assert_same_output(same_step(eager, cfg, n), same_step(graphed, cfg, n), n)
+    assert_same(state(eager), state(graphed))
+    assert backend.timed_calls == WARMUP_STEPS - 1
+    assert graphed.cuda_graph_counts() == {"captures": 1, "replays": steps - WARMUP_STEPS, "eager": WARMUP_STEPS}
+    assert graphed.cuda_graphs == CudaGraphs.step and "the step graph replays the step" in graphed.cuda_graphs_why
+    assert capsys.readouterr().err.count("note: train.cuda_graphs=auto: the host took") == 1
+
+
+def test_auto_runs_eagerly_where_the_host_runs_ahead_of_the_gpu(cfg, monkeypatch, capsys):
+    """Where the timed steps took the device far longer than the host took to launch them (the
+    host runs ahead: a replay would save nothing), auto captures nothing: the engine drops the
+    graph, every step from the one that would have captured runs eagerly, bit for bit the eager
+    run, and the run says why once, with the measured times."""
+    from moetrain.train.config import CudaGraphs
+
+    eager, graphed, backend = judged_engines(cfg, monkeypatch, device_s=60.0)
+    for n in range(WARMUP_STEPS + 4):
+        assert_same_output(same_step(eager, cfg, n), same_step(graphed, cfg, n), n)
+    assert_same(state(eager), state(graphed))
+    assert backend.captures == 0 and backend.timed_calls == WARMUP_STEPS - 1
+    assert graphed.step_graph is None and graphed.cuda_graphs == CudaGraphs.off
+    why = graphed.cuda_graphs_why
+    assert "device ran in 60000.0 ms" in why and "the steps run eagerly" in why
+    assert capsys.readouterr().err.count("note: train.cuda_graphs=auto") == 1
 
 
 def test_a_routing_switch_or_a_load_runs_eager_steps_then_captures_again(cfg):

@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -50,7 +51,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from moetrain.train.cuda_graphs import CaptureFailed
+from moetrain.train.cuda_graphs import CaptureFailed, StepTiming
 
 HOST_READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default}
 """Operations that read device values on the host: a CUDA capture fails on them."""
@@ -120,6 +121,9 @@ class EmulatedGraph:
         """A test's switch: autograd's gradient accumulation runs off the capture's stream during
         a capture (as it does on the GPU for a parameter whose accumulator was made on another
         stream), so `stream_capturing` is false there."""
+        self.device_s: float | None = None
+        """A test's setting: the seconds each `timed` step ran on the device; None: as long as
+        the host took to launch it (the CPU runs what it is given as it is given it)."""
 
     def places(self, tensors: list[torch.Tensor]) -> tuple:
         return (self.moves,) + tuple((t.dtype, tuple(t.shape)) for t in tensors)
@@ -165,6 +169,15 @@ class EmulatedGraph:
 
     def stream_capturing(self) -> bool:
         return self.capturing and not self.stale_stream
+
+    @contextlib.contextmanager
+    def timed(self):
+        timing = StepTiming()
+        began = time.perf_counter()
+        yield timing
+        timing.host_s = time.perf_counter() - began
+        if self.device_s is not None:
+            timing.read_device_s = lambda: self.device_s
 
     def replay(self, inputs: list[torch.Tensor]) -> None:
         assert self.ops is not None, "replayed after release, before a new capture"

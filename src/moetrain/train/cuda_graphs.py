@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import sys
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
@@ -103,10 +104,30 @@ class GraphBackend(Protocol):
         """Whether work launched now, on this thread, is recorded by the capture underway."""
         ...
 
+    def timed(self) -> contextlib.AbstractContextManager[StepTiming]:
+        """Around eager work (inside `on_capture_stream`): how long the host took to launch it
+        and the device to run it (`StepTiming`)."""
+        ...
+
+
+class StepTiming:
+    """One eager step as `GraphBackend.timed` saw it: `host_s`, the seconds the host spent in
+    it (launching its kernels), and `device_s()`, the seconds from its first kernel's start to
+    its last one's end (waits for that end)."""
+
+    def __init__(self):
+        self.host_s = 0.0
+        self.read_device_s: Callable[[], float] = lambda: self.host_s
+        """What `device_s` returns: set by the backend once the work is launched."""
+
+    def device_s(self) -> float:
+        return self.read_device_s()
+
 
 class CudaGraph:
     """`GraphBackend` over `torch.cuda.CUDAGraph`: captured on its own side stream into one
-    private memory pool (a new capture first frees the last), replayed on the current stream.
+    private memory pool (a new capture first frees the last graph and its pool), replayed on the
+    current stream.
     The side stream is the same for every capture and for the eager work before one
     (`on_capture_stream`), as torch requires of a captured backward: an autograd leaf's gradient
     accumulation runs on the stream where the leaf's accumulator was made, and one made on the
@@ -127,7 +148,9 @@ class CudaGraph:
         from moetrain.optim.triton_kernels import tables_for_graph
 
         if self.graph is not None:
-            self.graph.reset()
+            # A pool whose graphs are all reset takes no new capture (torch asserts), so the new
+            # graph gets a pool of its own.
+            self.release()
         graph = torch.cuda.CUDAGraph()
         stream = self.stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -167,6 +190,23 @@ class CudaGraph:
 
     def stream_capturing(self) -> bool:
         return torch.cuda.is_current_stream_capturing()
+
+    @contextlib.contextmanager
+    def timed(self):
+        timing = StepTiming()
+        stream = torch.cuda.current_stream(self.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        began = time.perf_counter()
+        yield timing
+        timing.host_s = time.perf_counter() - began
+        end.record(stream)
+
+        def device_s() -> float:
+            end.synchronize()
+            return start.elapsed_time(end) / 1000
+
+        timing.read_device_s = device_s
 
     def _failed(self, error: Exception) -> CaptureFailed:
         first = (str(error).strip().splitlines() or [""])[0]  # torch's messages run on for lines
@@ -239,6 +279,13 @@ class UpdateGraph:
         return {"captures": self.captures, "replays": self.replays, "eager": self.eager}
 
 
+HOST_BOUND = 0.5
+"""train.cuda_graphs=auto captures the step where the host spends at least this share of the
+device's time on a step launching it (measured on the eager steps before the capture): there the
+GPU waits between kernels for the host, and a replay, one launch, ends the waits. Below it the
+host runs ahead of the GPU, and a replay saves next to nothing while the graph's memory stays
+held (docs/benchmarks.md, "CUDA graphs")."""
+
 WARMUP_STEPS = 3
 """Eager steps before the step graph is captured (again): the compiled blocks compile, Triton
 kernels pick their configurations, the optimizer builds its tables, and the caching allocator
@@ -290,15 +337,27 @@ class StepGraph:
     Python (gradients, the routing and multi-token accumulators' bookkeeping) is cleared as at
     the end of a step, and the step that tried runs eagerly.
 
+    Built for train.cuda_graphs=auto (`judge`), it times the eager steps before its first capture
+    (all but the first, which compiles): the host's time launching a step against the device's
+    time running it. Where the host takes at least `HOST_BOUND` of it, the GPU waits on the
+    host and the step is captured; elsewhere the engine drops the graph and every step runs
+    eagerly (`TrainEngine.settle_cuda_graphs`, which keeps what was measured). The choice costs
+    one wait for the last timed step's end, at the step that would have captured.
+
     `run(..., update=False)` does the same for the forward and backward alone, closed by
     `TrainEngine.drop_step` (`moetrain bench --also-forward-backward`, so that its window runs as
     the training step does): switching between the two resets the graph, which then holds one
     or the other, on the same stream, so autograd's accumulation stays on it.
     """
 
-    def __init__(self, engine: TrainEngine, backend: GraphBackend):
+    def __init__(self, engine: TrainEngine, backend: GraphBackend, judge: bool = False):
         self.engine, self.backend = engine, backend
         engine.optimizer.put_lr_on_device()
+        self.judge = judge
+        """train.cuda_graphs=auto: time the eager steps before the first capture (all but the
+        first, which compiles) and capture only if the host bounds the step (`HOST_BOUND`);
+        otherwise the engine drops the graph and runs eagerly (`TrainEngine.settle_cuda_graphs`)."""
+        self.timings: list[StepTiming] = []
         self.inputs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         """The graph's input buffers: (inputs_BT, targets_BT) of each micro-batch."""
         self.outputs: tuple | None = None
@@ -331,6 +390,7 @@ class StepGraph:
         self.update = update
         self.inputs = self.outputs = None
         self._warm = 0
+        self.timings = []
         self.uncounted_bytes = 0
         self.backend.release()
         if self.engine.device.type == "cuda":
@@ -346,14 +406,45 @@ class StepGraph:
             self._note_new_shapes(batches)
             self.reset(update)
         if self.outputs is None and self._warm < WARMUP_STEPS:
-            self._warm += 1
-            self.eager += 1
-            with self.backend.on_capture_stream():
+            return self._warm_up(batches, step)
+        if self.judge:
+            capture, why = self._judged()
+            self.engine.settle_cuda_graphs(capture, why)
+            if not capture:
+                self.eager += 1
                 return self._eager(batches, step)
         if self.outputs is not None or (self.failed is None and self._capture(step, batches)):
             return self._replay(batches, step)
         self.eager += 1
         return self._eager(batches, step)
+
+    def _warm_up(self, batches: list, step: int):
+        """One of the eager steps before a capture, on the capture's stream (timed while judging)."""
+        self._warm += 1
+        self.eager += 1
+        with self.backend.on_capture_stream():
+            if not self.judge or self._warm == 1:
+                return self._eager(batches, step)
+            with self.backend.timed() as timing:
+                out = self._eager(batches, step)
+            self.timings.append(timing)
+            return out
+
+    def _judged(self) -> tuple[bool, str]:
+        """train.cuda_graphs=auto's choice, made once from the timed eager steps: (whether the
+        host bounds the step, so that it is captured; the measurement that says so)."""
+        self.judge = False
+        host = sum(t.host_s for t in self.timings) / len(self.timings)
+        device = sum(t.device_s() for t in self.timings) / len(self.timings)
+        self.timings = []
+        share = host / max(device, 1e-9)
+        measured = (
+            f"the host took {1000 * host:.1f} ms to launch a step that the device ran in {1000 * device:.1f} ms "
+            f"({share:.0%}; the graph is captured from {HOST_BOUND:.0%})"
+        )
+        if share >= HOST_BOUND:
+            return True, f"{measured}: the step graph replays the step"
+        return False, f"{measured}: the steps run eagerly, as with train.cuda_graphs=off"
 
     def _note_new_shapes(self, batches: list) -> None:
         print(

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -158,8 +159,10 @@ class TrainEngine:
         (src/moetrain/train/cuda_graphs.py); train.cuda_graphs=step: the whole of `train_step`."""
         self.step_graph: StepGraph | None = None
         self.cuda_graphs, self.cuda_graphs_why = cfg.cuda_graphs_choice(par.dims.world_size, device)
-        """train.cuda_graphs as this run resolves it (auto: step or off), and why, for auto."""
-        self._build_graphs(self.cuda_graphs, device)
+        """train.cuda_graphs as this run resolves it (auto: step or off), and why, for auto; an
+        auto step graph then measures the first steps and keeps or drops itself
+        (`settle_cuda_graphs`), which updates both."""
+        self._build_graphs(self.cuda_graphs, device, judge=tc.cuda_graphs == CudaGraphs.auto)
         self.schedule_steps = tc.steps
         """The steps the learning-rate schedule is planned over: train.steps, or, for a run
         resumed with another train.steps and train.extend=keep, the count it started with."""
@@ -168,11 +171,22 @@ class TrainEngine:
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
         self.peak_flops = peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else None)
 
-    def _build_graphs(self, mode: CudaGraphs, device: torch.device) -> None:
+    def _build_graphs(self, mode: CudaGraphs, device: torch.device, judge: bool) -> None:
         if mode == CudaGraphs.optimizer:
             self.update_graph = UpdateGraph(self, CudaGraph(device))
         elif mode == CudaGraphs.step:
-            self.step_graph = StepGraph(self, CudaGraph(device, "the training step"))
+            self.step_graph = StepGraph(self, CudaGraph(device, "the training step"), judge=judge)
+
+    def settle_cuda_graphs(self, capture: bool, why: str) -> None:
+        """train.cuda_graphs=auto's measured choice (`StepGraph.judge`): keep the step graph, or
+        drop it, after which every step runs eagerly (train.cuda_graphs off; the learning rate
+        stays on the device, where the graph's update read it). `cuda_graphs_why` becomes the
+        measurement; the run says it either way."""
+        self.cuda_graphs_why = why
+        if not capture:
+            self.step_graph = None
+            self.cuda_graphs = CudaGraphs.off
+        print(f"note: train.cuda_graphs=auto: {why}.", file=sys.stderr)
 
     # ---- one step ----------------------------------------------------------------------------------
     def train_step(self, batches: list[Batch], step: int) -> StepOutput:
