@@ -390,6 +390,7 @@ def _record(
         "recompute": str(tc.recompute),
         "defer_expert_weight_grad": engine.expert_grads is not None,
         "cuda_graphs": str(engine.cuda_graphs),
+        "cuda_graphs_why": engine.cuda_graphs_why,
         "cuda_graph_counts": engine.cuda_graph_counts(),
         "layout": {
             "world": world,
