@@ -386,12 +386,16 @@ class StepGraph:
     def reset(self, update: bool = True) -> None:
         """Run the next `WARMUP_STEPS` steps eagerly, then capture again: training steps, or
         (`update` False) forward and backward passes. The graph's memory goes back to the
-        device first, so the eager steps do not run on top of it."""
+        device first, once the last replay has finished, so the eager steps do not run on top
+        of it."""
         self.update = update
         self.inputs = self.outputs = None
         self._warm = 0
         self.timings = []
         self.uncounted_bytes = 0
+        if self.engine.device.type == "cuda":
+            # as before a capture: no replay still in flight may use what goes back
+            torch.cuda.synchronize(self.engine.device)
         self.backend.release()
         if self.engine.device.type == "cuda":
             gc.collect()
