@@ -504,6 +504,24 @@ def test_auto_captures_tinys_step_whose_launches_bound_it(tmp_path):
     assert engine.cuda_graph_counts() == {"captures": 1, "replays": 3, "eager": WARMUP_STEPS}
 
 
+def test_a_batch_goes_to_the_gpu_without_waiting_for_the_work_queued_before_it():
+    """A step's batch is copied from page-locked memory (`pinned_for`), so the host returns from
+    the copy while a third of a second of GEMMs queued before it still runs, and the copy
+    arrives whole once they are done; from pageable memory CUDA would first wait for them."""
+    from moetrain.train.runtime import pinned_for
+
+    device = torch.device("cuda")
+    a = torch.randn(8192, 8192, device=device) / 100
+    torch.cuda.synchronize()
+    for _ in range(20):
+        a = torch.tanh(a @ a)
+    batch = torch.randint(0, 100_000, (8, 4096))
+    copied = pinned_for(batch, device).to(device, non_blocking=True)
+    assert not torch.cuda.current_stream().query()  # the GEMMs still run: the host did not wait
+    torch.cuda.synchronize()
+    assert torch.equal(copied.cpu(), batch)
+
+
 def test_a_graph_captured_again_replays_the_new_capture():
     """`CudaGraph.capture` a second time (as `UpdateGraph` does when the gradients move and
     settle again): the first graph and its memory pool go, the second capture takes a new pool

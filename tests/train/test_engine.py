@@ -84,3 +84,17 @@ def test_drop_step_changes_no_state_and_set_routing_switches_the_routers(cfg):
     assert cfg.model.moe.routing == Routing.learned  # the config is not touched
     with pytest.raises(ValueError):
         engine.set_routing("smart")
+
+
+def test_a_batch_bound_for_a_gpu_is_pinned_first_and_nothing_else_is():
+    """`pinned_for`: a CPU tensor bound for a CUDA device goes through page-locked memory (its
+    copy then queues without waiting for the stream); a tensor for the CPU, or one pinned or on
+    a device already, is handed back as it is."""
+    from moetrain.train.runtime import pinned_for
+
+    batch = torch.arange(6).reshape(2, 3)
+    assert pinned_for(batch, torch.device("cpu")) is batch
+    batch.pin_memory = lambda: "page-locked copy"  # a CPU-only build cannot pin
+    assert pinned_for(batch, torch.device("cuda")) == "page-locked copy"
+    batch.is_pinned = lambda: True
+    assert pinned_for(batch, torch.device("cuda")) is batch

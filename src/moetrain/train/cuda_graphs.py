@@ -47,6 +47,7 @@ import torch
 
 from moetrain.errors import MoetrainError
 from moetrain.train.config import CudaGraphs
+from moetrain.train.runtime import pinned_for
 
 if TYPE_CHECKING:
     from moetrain.train.engine import TrainEngine
@@ -539,7 +540,7 @@ class StepGraph:
         broadcast a smaller batch silently)."""
         for buffers, batch in zip(self.inputs, batches, strict=True):
             for buffer, t in zip(buffers, batch, strict=True):
-                buffer.copy_(t, non_blocking=True)
+                buffer.copy_(pinned_for(t, buffer.device), non_blocking=True)
 
 
 def _shapes(batches: list) -> list[list[tuple[int, ...]]]:
