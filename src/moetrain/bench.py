@@ -51,6 +51,7 @@ from moetrain.optim.adamw import local_tensor
 from moetrain.parallel.rehearsal import LEDGER, is_rehearsal
 from moetrain.presets import resolve_config
 from moetrain.train.console import rehearsal_notice
+from moetrain.train.cuda_graphs import JUDGED_REPLAYS
 from moetrain.train.cuda_graphs import WARMUP_STEPS as STEP_GRAPH_WARMUP
 from moetrain.train.engine import StepOutput
 from moetrain.train.metrics import peak_mem_gib
@@ -138,12 +139,14 @@ def warm_up_steps(engine, window: int, timed: str, step, warmup: int) -> int:
     compiled code and needs one step to settle (allocator, gradient buckets). The optimizer
     window gets at least one (its first call runs the forward and backward too), and the
     training step and the forward+backward window, with train.cuda_graphs=step, at least the
-    step graph's eager steps and its capture, which then stay out of the timed window."""
+    step graph's eager steps and its capture, and with auto also the replays it times and the
+    step that keeps or drops the graph, which then stay out of the timed window."""
     n = warmup if window == 0 else min(warmup, 1)
     if isinstance(step, _OptimizerStep):
         n = max(n, 1)
     if timed in ("training step", "forward+backward") and engine.step_graph is not None:
-        n = max(n, STEP_GRAPH_WARMUP + 1)
+        judged = JUDGED_REPLAYS if engine.step_graph.judge else 0
+        n = max(n, STEP_GRAPH_WARMUP + 1 + judged)
     return n
 
 

@@ -14,7 +14,15 @@ from moetrain.errors import ConfigError
 from moetrain.parallel.dims import ParallelDims, ParallelState
 from moetrain.testing.graph_emulator import EmulatedGraph, FreedBeforeReplay, HostReadInCapture
 from moetrain.testing.steps import synthetic_batches
-from moetrain.train.cuda_graphs import MAX_UNPAID, NOTE_AFTER, PAYING_REPLAYS, WARMUP_STEPS, StepGraph, UpdateGraph
+from moetrain.train.cuda_graphs import (
+    AUTO_MIN_GAIN,
+    MAX_UNPAID,
+    NOTE_AFTER,
+    PAYING_REPLAYS,
+    WARMUP_STEPS,
+    StepGraph,
+    UpdateGraph,
+)
 from moetrain.train.engine import TrainEngine
 
 
@@ -289,8 +297,9 @@ def test_auto_is_the_step_graph_where_nothing_refuses_it_and_off_elsewhere_sayin
     assert mode == CudaGraphs.off and "train.recompute=full" in why
     mode, why = choice(1, cuda, "optim.name=muon")
     assert mode == CudaGraphs.off and "optim.name=muon" in why
-    mode, why = choice(1, cuda)  # the one layout left: the step graph, captured if it pays
-    assert mode == CudaGraphs.step and "captured if the first timed steps show the GPU waiting on the host" in why
+    mode, why = choice(1, cuda)  # the one layout left: the step graph, kept if it pays
+    assert mode == CudaGraphs.step
+    assert f"kept if its first replays take the device at least {AUTO_MIN_GAIN:.0%} less time" in why
     explicit = tiny_cfg(tmp_path / "run", "train.cuda_graphs=optimizer")
     assert explicit.cuda_graphs_choice(1, cuda) == (CudaGraphs.optimizer, None)
     engine = TrainEngine(tiny_cfg(tmp_path / "run", "train.cuda_graphs=auto"), one_process(), cpu)
@@ -384,60 +393,58 @@ def test_replayed_training_steps_give_the_eager_run_bit_for_bit(tiny_cfg, tmp_pa
 
 def judged_engines(cfg, monkeypatch, device_s):
     """(an eager engine, one built for train.cuda_graphs=auto's step graph over the emulator,
-    whose timed steps ran `device_s` seconds on the device; None: as long as the host took)."""
+    whose timed steps report `device_s` in order: the eager ones, then the replays)."""
     import moetrain.train.engine as engine_mod
     from moetrain.train.config import CudaGraphs
 
     backend = EmulatedGraph()
-    backend.device_s = device_s
+    backend.device_s = list(device_s)
     monkeypatch.setattr(engine_mod, "CudaGraph", lambda device, what: backend)
     eager, graphed = step_engines(cfg)
     graphed.step_graph = None
     graphed.cuda_graphs = CudaGraphs.step
     graphed._build_graphs(CudaGraphs.step, torch.device("cpu"), judge=True)
-    timed = backend.timed
-    backend.timed_calls = 0
-
-    def counting_timed():
-        backend.timed_calls += 1
-        return timed()
-
-    backend.timed = counting_timed
     return eager, graphed, backend
 
 
-def test_auto_captures_the_step_where_the_host_bounds_it(cfg, monkeypatch, capsys):
+def test_auto_keeps_the_step_graph_whose_replays_are_faster(cfg, monkeypatch, capsys):
     """train.cuda_graphs=auto's step graph times the eager steps before its capture but the
-    first (which compiles); where the device ran them in no more time than the host took to
-    launch them (the CPU), it captures and replays, bit for bit the eager run, and says why."""
+    first (which compiles) and its first replays; replays that took the device well under the
+    eager steps' time keep the graph: it goes on replaying, bit for bit the eager run, and the
+    run says why once, with the times."""
     from moetrain.train.config import CudaGraphs
+    from moetrain.train.cuda_graphs import JUDGED_REPLAYS
 
-    eager, graphed, backend = judged_engines(cfg, monkeypatch, device_s=None)
-    steps = WARMUP_STEPS + 4
+    timed = [0.010] * (WARMUP_STEPS - 1) + [0.002] * JUDGED_REPLAYS
+    eager, graphed, backend = judged_engines(cfg, monkeypatch, timed)
+    steps = WARMUP_STEPS + JUDGED_REPLAYS + 3
     for n in range(steps):
         assert_same_output(same_step(eager, cfg, n), same_step(graphed, cfg, n), n)
     assert_same(state(eager), state(graphed))
-    assert backend.timed_calls == WARMUP_STEPS - 1
+    assert backend.device_s == []  # every planned timing was taken, no more
     assert graphed.cuda_graph_counts() == {"captures": 1, "replays": steps - WARMUP_STEPS, "eager": WARMUP_STEPS}
-    assert graphed.cuda_graphs == CudaGraphs.step and "the step graph replays the step" in graphed.cuda_graphs_why
-    assert capsys.readouterr().err.count("note: train.cuda_graphs=auto: the host took") == 1
+    assert graphed.cuda_graphs == CudaGraphs.step
+    assert "2.0 ms against 10.0 ms eager (+80.0%" in graphed.cuda_graphs_why
+    assert capsys.readouterr().err.count("note: train.cuda_graphs=auto: a replayed step took") == 1
 
 
-def test_auto_runs_eagerly_where_the_host_runs_ahead_of_the_gpu(cfg, monkeypatch, capsys):
-    """Where the timed steps took the device far longer than the host took to launch them (the
-    host runs ahead: a replay would save nothing), auto captures nothing: the engine drops the
-    graph, every step from the one that would have captured runs eagerly, bit for bit the eager
-    run, and the run says why once, with the measured times."""
+def test_auto_drops_the_step_graph_whose_replays_save_too_little(cfg, monkeypatch, capsys):
+    """Replays that saved less than AUTO_MIN_GAIN of the eager steps' device time (the GPU was
+    not waiting on the host) drop the graph: its memory goes back, the engine runs every later
+    step eagerly, bit for bit the eager run, and the run says why once, with the times."""
     from moetrain.train.config import CudaGraphs
+    from moetrain.train.cuda_graphs import JUDGED_REPLAYS
 
-    eager, graphed, backend = judged_engines(cfg, monkeypatch, device_s=60.0)
-    for n in range(WARMUP_STEPS + 4):
+    timed = [0.010] * (WARMUP_STEPS - 1) + [0.0099] * JUDGED_REPLAYS
+    eager, graphed, backend = judged_engines(cfg, monkeypatch, timed)
+    for n in range(WARMUP_STEPS + JUDGED_REPLAYS + 3):
         assert_same_output(same_step(eager, cfg, n), same_step(graphed, cfg, n), n)
     assert_same(state(eager), state(graphed))
-    assert backend.captures == 0 and backend.timed_calls == WARMUP_STEPS - 1
+    assert backend.device_s == [] and backend.captures == 1 and backend.ops is None  # released
     assert graphed.step_graph is None and graphed.cuda_graphs == CudaGraphs.off
+    assert graphed.cuda_graph_counts() is None
     why = graphed.cuda_graphs_why
-    assert "device ran in 60000.0 ms" in why and "the steps run eagerly" in why
+    assert "9.9 ms against 10.0 ms eager (+1.0%" in why and "the steps run eagerly" in why
     assert capsys.readouterr().err.count("note: train.cuda_graphs=auto") == 1
 
 
@@ -639,3 +646,23 @@ def test_bench_keeps_the_step_graphs_warm_up_and_capture_out_of_the_timed_window
     replays = graphed.cuda_graph_counts()["replays"]
     graphed.train_step(synthetic_batches(cfg, 9), 9)  # the first timed step
     assert graphed.cuda_graph_counts()["replays"] == replays + 1
+
+
+@pytest.mark.parametrize("replay_s, kept", [(0.002, True), (0.0099, False)])
+def test_bench_keeps_autos_timed_replays_and_its_choice_out_of_the_timed_window(cfg, monkeypatch, replay_s, kept):
+    """With train.cuda_graphs=auto the training step's window also warms up over the replays
+    auto times and the step where it keeps or drops the graph: the first timed step is settled
+    (a replay that times nothing, or an eager step with the graph gone)."""
+    from moetrain.bench import warm_up_steps
+    from moetrain.train.cuda_graphs import JUDGED_REPLAYS
+
+    timed = [0.010] * (WARMUP_STEPS - 1) + [replay_s] * JUDGED_REPLAYS
+    _, graphed, backend = judged_engines(cfg, monkeypatch, timed)
+    n_warm = warm_up_steps(graphed, 0, "training step", None, 2)
+    assert n_warm == WARMUP_STEPS + JUDGED_REPLAYS + 1
+    for n in range(n_warm):
+        graphed.train_step(synthetic_batches(cfg, n), n)
+    assert (graphed.step_graph is not None) == kept and backend.device_s == []
+    if kept:
+        assert not graphed.step_graph.judge
+        assert warm_up_steps(graphed, 1, "forward+backward", None, 5) == WARMUP_STEPS + 1

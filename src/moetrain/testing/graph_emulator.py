@@ -121,9 +121,9 @@ class EmulatedGraph:
         """A test's switch: autograd's gradient accumulation runs off the capture's stream during
         a capture (as it does on the GPU for a parameter whose accumulator was made on another
         stream), so `stream_capturing` is false there."""
-        self.device_s: float | None = None
-        """A test's setting: the seconds each `timed` step ran on the device; None: as long as
-        the host took to launch it (the CPU runs what it is given as it is given it)."""
+        self.device_s: list[float] = []
+        """A test's setting: the device seconds the next `timed` calls report, in order; once
+        they run out, the host's time (the CPU runs what it is given as it is given it)."""
 
     def places(self, tensors: list[torch.Tensor]) -> tuple:
         return (self.moves,) + tuple((t.dtype, tuple(t.shape)) for t in tensors)
@@ -172,12 +172,13 @@ class EmulatedGraph:
 
     @contextlib.contextmanager
     def timed(self):
-        timing = StepTiming()
-        began = time.perf_counter()
-        yield timing
-        timing.host_s = time.perf_counter() - began
-        if self.device_s is not None:
-            timing.read_device_s = lambda: self.device_s
+        if self.device_s:
+            seconds = self.device_s.pop(0)
+            yield StepTiming(lambda: seconds)
+            return
+        began, took = time.perf_counter(), []
+        yield StepTiming(lambda: took[0])
+        took.append(time.perf_counter() - began)
 
     def replay(self, inputs: list[torch.Tensor]) -> None:
         assert self.ops is not None, "replayed after release, before a new capture"

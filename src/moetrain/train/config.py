@@ -62,7 +62,7 @@ class CudaGraphs(enum.StrEnum):
     auto = "auto"
     """`step` where the run's device and layout allow it, else `off`
     (`RunConfig.cuda_graphs_choice`; the start-up header says which, and why); the step graph is
-    then captured only where the first steps show the GPU waiting on the host (`StepGraph`)."""
+    then kept only where its first replays are measured faster than the eager steps (`StepGraph`)."""
 
 
 MAX_STEPS = 10**9
@@ -160,9 +160,9 @@ class TrainerConfig(Config):
     without parallel.shard_optimizer, optim.name=adamw and optim.fused not false; step also
     train.recompute=none (src/moetrain/train/cuda_graphs.py). auto: step where all of that holds,
     else off, never refused; the start-up header names the choice. An auto step graph times the
-    eager steps before its capture and is captured only where the host takes at least half the
-    device's time launching a step (the GPU waits on the host); elsewhere the run says so and
-    every step runs eagerly.
+    device's work on the eager steps before its capture and on its first 2 replays, and stays
+    only where the replays took at least 3% less (the GPU had waited on Python's launches);
+    elsewhere its memory goes back, the run says so with the times, and every step runs eagerly.
 
     step: the whole training step replayed from one CUDA graph, captured after 3 eager steps; the
     step's gradients and activations live in the graph's own memory, so every replay finds them
@@ -396,8 +396,8 @@ class RunConfig(Config):
         if problem:
             return CudaGraphs.off, problem[0]
         return CudaGraphs.step, (
-            "one GPU and a layout the step graph captures; captured if the first timed steps show "
-            "the GPU waiting on the host"
+            "one GPU and a layout the step graph captures; kept if its first replays take the device "
+            "at least 3% less time than the eager steps"
         )
 
     def build_dims(self, world_size: int, device: torch.device | None = None) -> ParallelDims:

@@ -39,7 +39,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import sys
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
@@ -106,23 +105,19 @@ class GraphBackend(Protocol):
         ...
 
     def timed(self) -> contextlib.AbstractContextManager[StepTiming]:
-        """Around eager work (inside `on_capture_stream`): how long the host took to launch it
-        and the device to run it (`StepTiming`)."""
+        """Around work on the current stream: how long the device took to run it (`StepTiming`)."""
         ...
 
 
 class StepTiming:
-    """One eager step as `GraphBackend.timed` saw it: `host_s`, the seconds the host spent in
-    it (launching its kernels), and `device_s()`, the seconds from its first kernel's start to
-    its last one's end (waits for that end)."""
+    """What `GraphBackend.timed` saw: `device_s()`, the seconds from the work's first kernel's
+    start to its last one's end, the gaps between them included (waits for that end)."""
 
-    def __init__(self):
-        self.host_s = 0.0
-        self.read_device_s: Callable[[], float] = lambda: self.host_s
-        """What `device_s` returns: set by the backend once the work is launched."""
+    def __init__(self, read: Callable[[], float]):
+        self._read = read
 
     def device_s(self) -> float:
-        return self.read_device_s()
+        return self._read()
 
 
 class CudaGraph:
@@ -194,20 +189,16 @@ class CudaGraph:
 
     @contextlib.contextmanager
     def timed(self):
-        timing = StepTiming()
         stream = torch.cuda.current_stream(self.device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(stream)
-        began = time.perf_counter()
-        yield timing
-        timing.host_s = time.perf_counter() - began
-        end.record(stream)
 
         def device_s() -> float:
             end.synchronize()
             return start.elapsed_time(end) / 1000
 
-        timing.read_device_s = device_s
+        start.record(stream)
+        yield StepTiming(device_s)
+        end.record(stream)
 
     def _failed(self, error: Exception) -> CaptureFailed:
         first = (str(error).strip().splitlines() or [""])[0]  # torch's messages run on for lines
@@ -280,12 +271,15 @@ class UpdateGraph:
         return {"captures": self.captures, "replays": self.replays, "eager": self.eager}
 
 
-HOST_BOUND = 0.5
-"""train.cuda_graphs=auto captures the step where the host spends at least this share of the
-device's time on a step launching it (measured on the eager steps before the capture): there the
-GPU waits between kernels for the host, and a replay, one launch, ends the waits. Below it the
-host runs ahead of the GPU, and a replay saves next to nothing while the graph's memory stays
-held (docs/benchmarks.md, "CUDA graphs")."""
+AUTO_MIN_GAIN = 0.03
+"""train.cuda_graphs=auto keeps the step graph where its replays take at least this share less
+device time than the eager steps before its capture (each measured from its first kernel to its
+last, the gaps between included). Below it the graph's memory buys too little: on an H100 the
+bench shapes' replays gained 0.1 to 0.9% at up to 0.8 GiB more, tiny's 6.5×
+(docs/benchmarks.md, "CUDA graphs")."""
+
+JUDGED_REPLAYS = 2
+"""Replays auto times before it keeps or drops the step graph."""
 
 WARMUP_STEPS = 3
 """Eager steps before the step graph is captured (again): the compiled blocks compile, Triton
@@ -338,12 +332,13 @@ class StepGraph:
     Python (gradients, the routing and multi-token accumulators' bookkeeping) is cleared as at
     the end of a step, and the step that tried runs eagerly.
 
-    Built for train.cuda_graphs=auto (`judge`), it times the eager steps before its first capture
-    (all but the first, which compiles): the host's time launching a step against the device's
-    time running it. Where the host takes at least `HOST_BOUND` of it, the GPU waits on the
-    host and the step is captured; elsewhere the engine drops the graph and every step runs
-    eagerly (`TrainEngine.settle_cuda_graphs`, which keeps what was measured). The choice costs
-    one wait for the last timed step's end, at the step that would have captured.
+    Built for train.cuda_graphs=auto (`judge`), it times the device's work on the eager steps
+    before its first capture (all but the first, which compiles) and on the first
+    `JUDGED_REPLAYS` replays. Where a replay took at least `AUTO_MIN_GAIN` less device time
+    than an eager step (the GPU had waited on Python's launches), the graph stays; elsewhere its
+    memory goes back and the engine drops it, so every later step runs eagerly
+    (`TrainEngine.settle_cuda_graphs`, which keeps the times). The choice costs one wait for
+    the last timed replay's end.
 
     `run(..., update=False)` does the same for the forward and backward alone, closed by
     `TrainEngine.drop_step` (`moetrain bench --also-forward-backward`, so that its window runs as
@@ -355,10 +350,10 @@ class StepGraph:
         self.engine, self.backend = engine, backend
         engine.optimizer.put_lr_on_device()
         self.judge = judge
-        """train.cuda_graphs=auto: time the eager steps before the first capture (all but the
-        first, which compiles) and capture only if the host bounds the step (`HOST_BOUND`);
-        otherwise the engine drops the graph and runs eagerly (`TrainEngine.settle_cuda_graphs`)."""
-        self.timings: list[StepTiming] = []
+        """train.cuda_graphs=auto: time eager steps and replays, then keep the graph only if the
+        replays are `AUTO_MIN_GAIN` faster (the class docstring)."""
+        self.eager_timings: list[StepTiming] = []
+        self.replay_timings: list[StepTiming] = []
         self.inputs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         """The graph's input buffers: (inputs_BT, targets_BT) of each micro-batch."""
         self.outputs: tuple | None = None
@@ -392,7 +387,7 @@ class StepGraph:
         self.update = update
         self.inputs = self.outputs = None
         self._warm = 0
-        self.timings = []
+        self.eager_timings, self.replay_timings = [], []
         self.uncounted_bytes = 0
         if self.engine.device.type == "cuda":
             # as before a capture: no replay still in flight may use what goes back
@@ -412,12 +407,14 @@ class StepGraph:
             self.reset(update)
         if self.outputs is None and self._warm < WARMUP_STEPS:
             return self._warm_up(batches, step)
-        if self.judge:
-            capture, why = self._judged()
-            self.engine.settle_cuda_graphs(capture, why)
-            if not capture:
+        if self.judge and len(self.replay_timings) == JUDGED_REPLAYS:
+            keep, why = self._judged()
+            if not keep:
+                self.reset(self.update)  # the graph's memory goes back before the engine drops it
+                self.engine.settle_cuda_graphs(False, why)
                 self.eager += 1
                 return self._eager(batches, step)
+            self.engine.settle_cuda_graphs(True, why)
         if self.outputs is not None or (self.failed is None and self._capture(step, batches)):
             return self._replay(batches, step)
         self.eager += 1
@@ -432,24 +429,24 @@ class StepGraph:
                 return self._eager(batches, step)
             with self.backend.timed() as timing:
                 out = self._eager(batches, step)
-            self.timings.append(timing)
+            self.eager_timings.append(timing)
             return out
 
     def _judged(self) -> tuple[bool, str]:
-        """train.cuda_graphs=auto's choice, made once from the timed eager steps: (whether the
-        host bounds the step, so that it is captured; the measurement that says so)."""
+        """train.cuda_graphs=auto's choice, made once from the timed steps (the fastest of each
+        kind): (whether to keep the graph, the times that say so)."""
         self.judge = False
-        host = sum(t.host_s for t in self.timings) / len(self.timings)
-        device = sum(t.device_s() for t in self.timings) / len(self.timings)
-        self.timings = []
-        share = host / max(device, 1e-9)
+        eager = min(t.device_s() for t in self.eager_timings)
+        replay = min(t.device_s() for t in self.replay_timings)
+        self.eager_timings, self.replay_timings = [], []
+        gain = 1 - replay / max(eager, 1e-12)
         measured = (
-            f"the host took {1000 * host:.1f} ms to launch a step that the device ran in {1000 * device:.1f} ms "
-            f"({share:.0%}; the graph is captured from {HOST_BOUND:.0%})"
+            f"a replayed step took the device {1000 * replay:.1f} ms against {1000 * eager:.1f} ms eager "
+            f"({gain:+.1%}; the graph stays from {AUTO_MIN_GAIN:+.0%})"
         )
-        if share >= HOST_BOUND:
+        if gain >= AUTO_MIN_GAIN:
             return True, f"{measured}: the step graph replays the step"
-        return False, f"{measured}: the steps run eagerly, as with train.cuda_graphs=off"
+        return False, f"{measured}: its memory goes back and the steps run eagerly, as with train.cuda_graphs=off"
 
     def _note_new_shapes(self, batches: list) -> None:
         print(
@@ -474,8 +471,14 @@ class StepGraph:
         from moetrain.train.engine import StepOutput
 
         lr = self.engine.set_step_lr(step) if self.update else 0.0
-        self._load(batches)
-        self.backend.replay([])
+        if self.judge:
+            with self.backend.timed() as timing:
+                self._load(batches)
+                self.backend.replay([])
+            self.replay_timings.append(timing)
+        else:
+            self._load(batches)
+            self.backend.replay([])
         self.replays += 1
         lm_loss, grad_norm, routing, mtp = self.outputs
         return StepOutput(

@@ -161,7 +161,7 @@ class TrainEngine:
         self.step_graph: StepGraph | None = None
         self.cuda_graphs, self.cuda_graphs_why = cfg.cuda_graphs_choice(par.dims.world_size, device)
         """train.cuda_graphs as this run resolves it (auto: step or off), and why, for auto; an
-        auto step graph then measures the first steps and keeps or drops itself
+        auto step graph then times its first replays against eager steps and stays or goes
         (`settle_cuda_graphs`), which updates both."""
         self._build_graphs(self.cuda_graphs, device, judge=tc.cuda_graphs == CudaGraphs.auto)
         self.schedule_steps = tc.steps
@@ -180,9 +180,9 @@ class TrainEngine:
 
     def settle_cuda_graphs(self, capture: bool, why: str) -> None:
         """train.cuda_graphs=auto's measured choice (`StepGraph.judge`): keep the step graph, or
-        drop it, after which every step runs eagerly (train.cuda_graphs off; the learning rate
-        stays on the device, where the graph's update read it). `cuda_graphs_why` becomes the
-        measurement; the run says it either way."""
+        drop it (its memory already released), after which every step runs eagerly
+        (train.cuda_graphs off; the learning rate stays on the device, where the graph's update
+        read it). `cuda_graphs_why` becomes the measurement; the run says it either way."""
         self.cuda_graphs_why = why
         if not capture:
             self.step_graph = None
