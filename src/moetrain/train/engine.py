@@ -160,9 +160,8 @@ class TrainEngine:
         (src/moetrain/train/cuda_graphs.py); train.cuda_graphs=step: the whole of `train_step`."""
         self.step_graph: StepGraph | None = None
         self.cuda_graphs, self.cuda_graphs_why = cfg.cuda_graphs_choice(par.dims.world_size, device)
-        """train.cuda_graphs as this run resolves it (auto: step or off), and why, for auto; an
-        auto step graph then times its first replays against eager steps and stays or goes
-        (`settle_cuda_graphs`), which updates both."""
+        """train.cuda_graphs as this run resolves it (auto: step or off; an auto step graph then
+        stays or goes by measurement, `settle_cuda_graphs`), and why, for auto."""
         self._build_graphs(self.cuda_graphs, device, judge=tc.cuda_graphs == CudaGraphs.auto)
         self.schedule_steps = tc.steps
         """The steps the learning-rate schedule is planned over: train.steps, or, for a run
