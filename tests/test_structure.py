@@ -14,6 +14,7 @@ LAYERS = {
     "moetrain.errors": 0,
     "moetrain.config": 1,
     "moetrain.destinations": 1,
+    "moetrain.transfer": 1,
     "moetrain.model": 2,
     "moetrain.data": 2,
     "moetrain.parallel": 3,

@@ -509,7 +509,7 @@ def test_a_batch_goes_to_the_gpu_without_waiting_for_the_work_queued_before_it()
     """A step's batch is copied from page-locked memory (`pinned_for`), so the host returns from
     the copy while a third of a second of GEMMs queued before it still runs, and the copy
     arrives whole once they are done; from pageable memory CUDA would first wait for them."""
-    from moetrain.train.runtime import pinned_for
+    from moetrain.transfer import pinned_for
 
     device = torch.device("cuda")
     a = torch.randn(8192, 8192, device=device) / 100

@@ -90,7 +90,7 @@ def test_a_batch_bound_for_a_gpu_is_pinned_first_and_nothing_else_is():
     """`pinned_for`: a CPU tensor bound for a CUDA device goes through page-locked memory (its
     copy then queues without waiting for the stream); a tensor for the CPU, or one pinned or on
     a device already, is handed back as it is."""
-    from moetrain.train.runtime import pinned_for
+    from moetrain.transfer import pinned_for
 
     batch = torch.arange(6).reshape(2, 3)
     assert pinned_for(batch, torch.device("cpu")) is batch

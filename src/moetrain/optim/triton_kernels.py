@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moetrain.transfer import pinned_for, to_device
+
 BLOCK = 2048
 
 
@@ -249,7 +251,7 @@ class GraphTables:
     def upload_pending(self) -> None:
         """Fill the tables made inside the capture, on the current stream (before any replay)."""
         for table, values in self.pending:
-            table.copy_(values.pin_memory() if table.is_cuda else values, non_blocking=True)
+            table.copy_(pinned_for(values, table.device), non_blocking=True)
         self.pending = []
 
 
@@ -329,7 +331,7 @@ def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
                 "(src/moetrain/train/cuda_graphs.py)"
             )
         return _graph_tables.take(t)
-    return t.pin_memory().to(device, non_blocking=True)
+    return to_device(t, device)
 
 
 def _aligned(tensors: list[torch.Tensor], counts: tuple[int, ...]) -> bool:

@@ -46,7 +46,7 @@ import torch
 
 from moetrain.errors import MoetrainError
 from moetrain.train.config import CudaGraphs
-from moetrain.train.runtime import pinned_for
+from moetrain.transfer import pinned_for
 
 if TYPE_CHECKING:
     from moetrain.train.engine import TrainEngine

@@ -52,7 +52,7 @@ from moetrain.train.config import CudaGraphs, Precision, RunConfig
 from moetrain.train.cuda_graphs import CudaGraph, StepGraph, UpdateGraph
 from moetrain.train.guard import StepGuard
 from moetrain.train.metrics import peak_mem_gib, routing_metrics
-from moetrain.train.runtime import pinned_for
+from moetrain.transfer import to_device
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 """(inputs_BT, targets_BT): one micro-batch, this rank's rows."""
@@ -284,17 +284,13 @@ class TrainEngine:
         if self.step_graph is not None:
             self.step_graph.reset()
 
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        """A batch tensor on the device, copied without holding the host back (`pinned_for`)."""
-        return pinned_for(t, self.device).to(self.device, non_blocking=True)
-
     def _micro_batches(self, batches: list[Batch]) -> torch.Tensor:
         """The micro-batches one after the other; the accumulated (mean) LM loss."""
         n = len(batches)
         lm_loss = torch.zeros((), device=self.device)
         for micro, (inputs_BT, targets_BT) in enumerate(batches):
             self.optimizer.reduction.prepare(sync=micro == n - 1)
-            inputs_BT, targets_BT = self._to_device(inputs_BT), self._to_device(targets_BT)
+            inputs_BT, targets_BT = to_device(inputs_BT, self.device), to_device(targets_BT, self.device)
             loss = self.lm_loss(inputs_BT, targets_BT)
             (loss * self.backward_scale).backward()
             lm_loss += loss.detach() / n
@@ -304,8 +300,8 @@ class TrainEngine:
         """The step's micro-batches through the pipeline schedule (one call runs every forward
         and backward); the summed LM loss on the last stage's ranks, 0 on the others. Every rank
         reads the same micro-batches (its dp rank's), so the loader state stays layout-free."""
-        inputs_BT = self._to_device(torch.cat([b[0] for b in batches]))
-        targets_BT = self._to_device(torch.cat([b[1] for b in batches]))
+        inputs_BT = to_device(torch.cat([b[0] for b in batches]), self.device)
+        targets_BT = to_device(torch.cat([b[1] for b in batches]), self.device)
         self.optimizer.reduction.prepare(sync=True, backward_passes=len(batches))
         doc_ids_BT = self._document_ids(inputs_BT)
         return self.pipeline.train_step(self._shard(inputs_BT), self._shard(targets_BT), doc_ids_BT)

@@ -26,18 +26,6 @@ class Runtime:
     par: ParallelState
 
 
-def pinned_for(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`t`, copied into page-locked host memory if it is a CPU tensor bound for a CUDA device, for
-    a copy that does not hold the host back: from pageable memory CUDA first waits until the
-    stream has run everything queued before the copy (the CUDA runtime API's "API
-    synchronization behavior"), so a step's batch would keep the host from launching the step
-    until the last one had finished. torch's caching host allocator keeps each page-locked
-    block until the copies that read it are done. Anything else as it is."""
-    if device.type == "cuda" and t.device.type == "cpu" and not t.is_pinned():
-        return t.pin_memory()
-    return t
-
-
 def resolve_device(name: str) -> torch.device:
     """train.device as a torch.device: "auto" is cuda when a GPU is visible, else cpu."""
     if name == "auto":
