@@ -51,7 +51,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from moetrain.train.cuda_graphs import CaptureFailed, StepTiming
+from moetrain.train.cuda_graphs import CaptureFailed
 
 HOST_READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default}
 """Operations that read device values on the host: a CUDA capture fails on them."""
@@ -174,10 +174,10 @@ class EmulatedGraph:
     def timed(self):
         if self.device_s:
             seconds = self.device_s.pop(0)
-            yield StepTiming(lambda: seconds)
+            yield lambda: seconds
             return
         began, took = time.perf_counter(), []
-        yield StepTiming(lambda: took[0])
+        yield lambda: took[0]
         took.append(time.perf_counter() - began)
 
     def replay(self, inputs: list[torch.Tensor]) -> None:

@@ -104,20 +104,11 @@ class GraphBackend(Protocol):
         """Whether work launched now, on this thread, is recorded by the capture underway."""
         ...
 
-    def timed(self) -> contextlib.AbstractContextManager[StepTiming]:
-        """Around work on the current stream: how long the device took to run it (`StepTiming`)."""
+    def timed(self) -> contextlib.AbstractContextManager[Callable[[], float]]:
+        """Around work on the current stream: a function that gives the seconds the device took
+        to run it, from its first kernel's start to its last one's end, the gaps between them
+        included (it waits for that end)."""
         ...
-
-
-class StepTiming:
-    """What `GraphBackend.timed` saw: `device_s()`, the seconds from the work's first kernel's
-    start to its last one's end, the gaps between them included (waits for that end)."""
-
-    def __init__(self, read: Callable[[], float]):
-        self._read = read
-
-    def device_s(self) -> float:
-        return self._read()
 
 
 class CudaGraph:
@@ -197,7 +188,7 @@ class CudaGraph:
             return start.elapsed_time(end) / 1000
 
         start.record(stream)
-        yield StepTiming(device_s)
+        yield device_s
         end.record(stream)
 
     def _failed(self, error: Exception) -> CaptureFailed:
@@ -352,8 +343,8 @@ class StepGraph:
         self.judge = judge
         """train.cuda_graphs=auto: time eager steps and replays, then keep the graph only if the
         replays are `AUTO_MIN_GAIN` faster (the class docstring)."""
-        self.eager_timings: list[StepTiming] = []
-        self.replay_timings: list[StepTiming] = []
+        self.eager_timings: list[Callable[[], float]] = []
+        self.replay_timings: list[Callable[[], float]] = []
         self.inputs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         """The graph's input buffers: (inputs_BT, targets_BT) of each micro-batch."""
         self.outputs: tuple | None = None
@@ -427,17 +418,17 @@ class StepGraph:
         with self.backend.on_capture_stream():
             if not self.judge or self._warm == 1:
                 return self._eager(batches, step)
-            with self.backend.timed() as timing:
+            with self.backend.timed() as device_s:
                 out = self._eager(batches, step)
-            self.eager_timings.append(timing)
+            self.eager_timings.append(device_s)
             return out
 
     def _judged(self) -> tuple[bool, str]:
         """train.cuda_graphs=auto's choice, made once from the timed steps (the fastest of each
         kind): (whether to keep the graph, the times that say so)."""
         self.judge = False
-        eager = min(t.device_s() for t in self.eager_timings)
-        replay = min(t.device_s() for t in self.replay_timings)
+        eager = min(device_s() for device_s in self.eager_timings)
+        replay = min(device_s() for device_s in self.replay_timings)
         self.eager_timings, self.replay_timings = [], []
         gain = 1 - replay / max(eager, 1e-12)
         measured = (
@@ -472,10 +463,10 @@ class StepGraph:
 
         lr = self.engine.set_step_lr(step) if self.update else 0.0
         if self.judge:
-            with self.backend.timed() as timing:
+            with self.backend.timed() as device_s:
                 self._load(batches)
                 self.backend.replay([])
-            self.replay_timings.append(timing)
+            self.replay_timings.append(device_s)
         else:
             self._load(batches)
             self.backend.replay([])
