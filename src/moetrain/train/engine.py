@@ -177,13 +177,13 @@ class TrainEngine:
         elif mode == CudaGraphs.step:
             self.step_graph = StepGraph(self, CudaGraph(device, "the training step"), judge=judge)
 
-    def settle_cuda_graphs(self, capture: bool, why: str) -> None:
+    def settle_cuda_graphs(self, keep: bool, why: str) -> None:
         """train.cuda_graphs=auto's measured choice (`StepGraph.judge`): keep the step graph, or
         drop it (its memory already released), after which every step runs eagerly
         (train.cuda_graphs off; the learning rate stays on the device, where the graph's update
         read it). `cuda_graphs_why` becomes the measurement; the run says it either way."""
         self.cuda_graphs_why = why
-        if not capture:
+        if not keep:
             self.step_graph = None
             self.cuda_graphs = CudaGraphs.off
         print(f"note: train.cuda_graphs=auto: {why}.", file=sys.stderr)
