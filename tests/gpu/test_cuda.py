@@ -505,6 +505,30 @@ def test_auto_keeps_the_step_graph_of_tiny_whose_launches_bound_it(tmp_path):
     assert engine.cuda_graph_counts() == {"captures": 1, "replays": steps - WARMUP_STEPS, "eager": WARMUP_STEPS}
 
 
+def test_a_dropped_step_graph_leaves_the_eager_steps_memory_as_without_it(tmp_path, monkeypatch):
+    """train.cuda_graphs=auto where the graph does not pay (here: a gain no replay can reach):
+    once it is dropped, the eager steps hold what train.cuda_graphs=off's hold, within 1 MiB.
+    The capture stream's cuBLAS workspace (32 MiB and more on Hopper) would stay otherwise."""
+    from moetrain.testing.steps import synthetic_batches
+    from moetrain.train import cuda_graphs
+    from moetrain.train.config import CudaGraphs
+
+    monkeypatch.setattr(cuda_graphs, "AUTO_MIN_GAIN", 1.0)
+    held = {}
+    for mode in ("off", "auto"):
+        cfg, engine = _graph_engine(tmp_path / mode, f"train.cuda_graphs={mode}")
+        steps = cuda_graphs.WARMUP_STEPS + cuda_graphs.JUDGED_REPLAYS + 3
+        for n in range(steps):
+            engine.train_step(synthetic_batches(cfg, n), n)
+        torch.cuda.synchronize()
+        assert engine.cuda_graphs == CudaGraphs.off, engine.cuda_graphs_why
+        held[mode] = torch.cuda.memory_allocated()
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert held["auto"] <= held["off"] + 2**20, held
+
+
 def test_a_batch_goes_to_the_gpu_without_waiting_for_the_work_queued_before_it():
     """A step's batch is copied from page-locked memory (`pinned_for`), so the host returns from
     the copy while a third of a second of GEMMs queued before it still runs, and the copy

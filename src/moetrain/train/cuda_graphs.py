@@ -385,6 +385,9 @@ class StepGraph:
             torch.cuda.synchronize(self.engine.device)
         self.backend.release()
         if self.engine.device.type == "cuda":
+            # cuBLAS keeps a workspace for each stream it ran on until told otherwise: the capture
+            # stream's (tens of MiB) would stay allocated under the eager steps that follow
+            torch._C._cuda_clearCublasWorkspaces()
             gc.collect()
             torch.cuda.empty_cache()
 
