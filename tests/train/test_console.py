@@ -1,6 +1,7 @@
 """What a run prints: the start-up header and the step line (src/moetrain/train/console.py)."""
 
 import pytest
+import torch
 
 from moetrain.parallel.dims import ParallelDims
 from moetrain.presets import resolve_config
@@ -106,7 +107,6 @@ def test_layout_names_every_degree(overrides, world, dims, text):
 
 
 def test_precision_names_autocast_bf16_weights_and_fp8():
-    import torch
 
     cpu = torch.device("cpu")
     assert describe_precision(resolve_config("tiny"), cpu) == "fp32"
@@ -143,10 +143,18 @@ def test_precision_names_autocast_bf16_weights_and_fp8():
     assert describe_precision(graphs, cpu) == (
         "fp32; the training step replayed from a CUDA graph after 3 eager steps (train.cuda_graphs)"
     )
-    graphs = resolve_config("tiny", ["train.cuda_graphs=auto"])
-    assert describe_precision(graphs, cpu) == (
-        "fp32; no CUDA graph (train.cuda_graphs=auto: train.cuda_graphs=step replays CUDA kernels, but the run is "
-        "on cpu)"
+    auto = resolve_config("tiny", [])  # train.cuda_graphs=auto, the default
+    assert describe_precision(auto, cpu) == "fp32"  # no graph to choose on the CPU
+    recompute = resolve_config("tiny", ["train.recompute=full"])
+    assert describe_precision(recompute, torch.device("cuda")).endswith(
+        "; no CUDA graph (train.cuda_graphs=auto: train.cuda_graphs=step cannot capture a step with "
+        "train.recompute=full: torch's checkpoint reads the CUDA generator's state in every recomputed block, "
+        "which a graph capture forbids)"
+    )
+    assert describe_precision(auto, torch.device("cuda")).endswith(
+        "; the training step replayed from a CUDA graph after 3 eager steps (train.cuda_graphs=auto: one GPU "
+        "and a layout the step graph captures; kept if its first replays take the device at least 3% less time "
+        "than the eager steps)"
     )
 
 

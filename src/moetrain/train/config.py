@@ -151,18 +151,20 @@ class TrainerConfig(Config):
     the micro-batches) instead of once per micro-batch and added into the fp32 gradient. Costs
     memory: each MoE layer keeps its experts' inputs and output gradients (bf16) of every
     micro-batch but the last, which `moetrain plan` counts (src/moetrain/model/expert_grads.py).
-    Measured on one H200 it did not pay: +0.5% step time on bench-sweep-64 (64 small experts) at
-    10.5 GiB more, +10% on bench-sweep-8, while its row copy ran at 1.5 TB/s; that copy is now a
-    Triton kernel, not yet measured (docs/benchmarks.md, "The expert sweep"). Row-wise FP8 and
-    bf16 experts; not mxfp8. Does nothing with one micro-batch per step."""
-    cuda_graphs: CudaGraphs = CudaGraphs.off
-    """off, step, optimizer or auto. step and optimizer need one CUDA device, the ddp stack
-    without parallel.shard_optimizer, optim.name=adamw and optim.fused not false; step also
-    train.recompute=none (src/moetrain/train/cuda_graphs.py). auto: step where all of that holds,
-    else off, never refused; the start-up header names the choice. An auto step graph times the
-    device's work on the eager steps before its capture and on its first 2 replays, and stays
-    only where the replays took at least 3% less (the GPU had waited on Python's launches);
-    elsewhere its memory goes back, the run says so with the times, and every step runs eagerly.
+    Measured (docs/benchmarks.md, "The expert sweep"): 4.4% (H200) to 4.9% (H100) more tokens/s
+    on bench-sweep-64's step (64 small experts) at 10.5 GiB more; 4.5% fewer on bench-sweep-8's
+    at 19.7 GiB more. Row-wise FP8 and bf16 experts; not mxfp8. Does nothing with one
+    micro-batch per step."""
+    cuda_graphs: CudaGraphs = CudaGraphs.auto
+    """auto (the default), off, step or optimizer. step and optimizer need one CUDA device, the
+    ddp stack without parallel.shard_optimizer, optim.name=adamw and optim.fused not false; step
+    also train.recompute=none (src/moetrain/train/cuda_graphs.py). auto: step where all of that
+    holds, else off, never refused; on a GPU the start-up header names the choice. An auto step
+    graph times the device's work on the eager steps before its capture and on its first 2
+    replays, and stays only where the replays took at least 3% less (the GPU had waited on
+    Python's launches); elsewhere its memory goes back, the run says so with the times, and
+    every step runs eagerly. Measured on one H200 (docs/benchmarks.md, "CUDA graphs"), it keeps
+    the graph on tiny and drops it on the bench shapes, whose steps then run as with off.
 
     step: the whole training step replayed from one CUDA graph, captured after 3 eager steps; the
     step's gradients and activations live in the graph's own memory, so every replay finds them

@@ -197,7 +197,7 @@ def describe_precision(cfg: RunConfig, device: torch.device, world_size: int = 1
     elif graphs == CudaGraphs.step:
         text += "; the training step replayed from a CUDA graph after 3 eager steps (train.cuda_graphs"
         text += f"=auto: {why})" if why else ")"
-    elif why:
+    elif why and device.type == "cuda":  # elsewhere auto has nothing to choose
         text += f"; no CUDA graph (train.cuda_graphs=auto: {why})"
     return text
 
