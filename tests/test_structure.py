@@ -15,6 +15,7 @@ LAYERS = {
     "moetrain.config": 1,
     "moetrain.destinations": 1,
     "moetrain.transfer": 1,
+    "moetrain.cpu_math": 1,
     "moetrain.model": 2,
     "moetrain.data": 2,
     "moetrain.parallel": 3,

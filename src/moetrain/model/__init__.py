@@ -5,6 +5,7 @@ block → transformer. Nothing here imports torch.distributed: parallelism is ap
 outside (src/moetrain/parallel/), through the token dispatcher seam in `token_dispatcher.py`.
 """
 
+import moetrain.cpu_math  # noqa: F401  (sets up the CPU's vector math: src/moetrain/cpu_math.py)
 from moetrain.model.config import Gating, MoEConfig, Routing, TransformerConfig
 from moetrain.model.transformer import Transformer
 
