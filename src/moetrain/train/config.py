@@ -163,8 +163,9 @@ class TrainerConfig(Config):
     graph times the device's work on the eager steps before its capture and on its first 2
     replays, and stays only where the replays took at least 3% less (the GPU had waited on
     Python's launches); elsewhere its memory goes back, the run says so with the times, and
-    every step runs eagerly. Measured on one H200 (docs/benchmarks.md, "CUDA graphs"), it keeps
-    the graph on tiny and drops it on the bench shapes, whose steps then run as with off.
+    every step runs eagerly. Measured on an H200 and an H100 (docs/benchmarks.md, "CUDA graphs"),
+    it keeps the graph on tiny and drops it on all seven bench presets, whose steps then run as
+    with off.
 
     step: the whole training step replayed from one CUDA graph, captured after 3 eager steps; the
     step's gradients and activations live in the graph's own memory, so every replay finds them
