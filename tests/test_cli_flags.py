@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import yaml
+from conftest import tiny_overrides
 
 
 def moetrain(*args: str, cwd=None) -> subprocess.CompletedProcess:
@@ -50,3 +51,19 @@ def test_a_relative_path_that_is_not_there_says_where_it_was_looked_for(tmp_path
     out = moetrain("train", "tiny", "--data.sources=data/nowhere", "--device", "cpu", cwd=tmp_path)
     refused(out, "'data/nowhere' does not exist", f"current directory, {tmp_path}")
     refused(moetrain("train", "runs/mine.yaml", cwd=tmp_path), "'runs/mine.yaml' does not exist", str(tmp_path))
+
+
+def test_an_empty_run_dir_is_refused_and_the_current_directory_left_alone(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("mine\n")
+    (tmp_path / "summary.json").write_text("{}")
+    refused(moetrain("train", "tiny", "--run-dir", "", "--steps", "1", cwd=tmp_path), "train.run_dir (--run-dir) is ''")
+    assert (tmp_path / "metrics.jsonl").read_text() == "mine\n" and (tmp_path / "summary.json").is_file()
+
+
+def test_a_run_dir_that_looks_like_yaml_is_the_directory_named(real_text_dir, tmp_path):
+    for name in ("run #1", "0123"):
+        flags = [f"--{o}" for o in tiny_overrides(real_text_dir, "null", "train.steps=1", "train.eval_every=0")]
+        out = moetrain("train", "tiny", *flags, "--run-dir", name, "--quiet", cwd=tmp_path)
+        assert out.returncode == 0, out.stderr
+        assert (tmp_path / name / "metrics.jsonl").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0123", "run #1"]

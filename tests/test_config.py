@@ -126,3 +126,39 @@ def test_config_help_lists_every_key_with_type_default_and_docstring(capsys):
         assert f.default is not dataclasses.MISSING, f.dotted
     assert "  optim.lr  (float) = " in text and "  model.moe.routing  (one of learned|random) = learned" in text
     assert "  model.head_dim  (int or null) = null" in text
+
+
+NAMES = ["run #1", "0123", "2026-12-06", "a: b", "[x]", "yes", "1e3", "~x", "null-run", "12:30"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_name_or_path_is_the_text_given_whatever_yaml_would_read(name, tmp_path):
+    cfg = resolve_config("tiny", [f"train.run_dir={name}", f"train.wandb_name={name}", f"data.sources={name}"])
+    assert cfg.train.run_dir == cfg.train.wandb_name == name
+    assert cfg.data.sources == ([name] if name[0] != "[" else ["x"])  # [x]: a list key's own syntax
+    plain = name if name[0] not in "[~" and ": " not in name and "#" not in name else None
+    if plain is not None:  # the same words unquoted in a config file
+        path = tmp_path / "run.yaml"
+        path.write_text(f"preset: tiny\ntrain:\n  run_dir: {plain}\ndata:\n  sources: [{plain}]\n")
+        cfg = resolve_config(str(path))
+        assert cfg.train.run_dir == plain and cfg.data.sources == [plain]
+
+
+def test_null_unsets_an_optional_name_and_a_list_of_names_keeps_its_items_as_text():
+    assert resolve_config("tiny", ["train.run_dir=x", "train.run_dir=null"]).train.run_dir is None
+    assert resolve_config("tiny", ["data.sources=[0123, 2026-12-06, 'a b']"]).data.sources == [
+        "0123",
+        "2026-12-06",
+        "a b",
+    ]
+
+
+def test_a_number_on_the_command_line_is_read_as_written():
+    cfg = resolve_config("tiny", ["train.seed=0123", "train.steps=1e3", "optim.lr=1e-3"])
+    assert (cfg.train.seed, cfg.train.steps, cfg.optim.lr) == (123, 1000, 1e-3)
+
+
+@pytest.mark.parametrize("key", ["train.run_dir", "train.init_from", "data.val"])
+def test_an_empty_name_is_refused_naming_the_key(key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        resolve_config("tiny", [f"{key}="])

@@ -271,12 +271,14 @@ def cmd_train(argv: list[str]) -> int:
     trainer = Trainer(cfg, resume=args.resume, quiet=args.quiet, name=run_name(args.spec), rehearsal=rehearsal)
     try:
         summary = trainer.fit()
+        if rehearsal is not None:
+            summary["rehearsal"] = rehearse.train_record(trainer)
+            summary["checkpoint"] = summary["rehearsal"]["checkpoint"]["checkpoint"]
     except OutOfMemory as e:
         e.advice = advice(trainer.cfg, trainer.par.dims.world_size, plan_gpu(e.device_name, e.capacity))
         raise
-    if rehearsal is not None:
-        summary["rehearsal"] = rehearse.train_record(trainer)
-        summary["checkpoint"] = summary["rehearsal"]["checkpoint"]["checkpoint"]
+    finally:
+        trainer.run.release()
     if trainer.par.is_main:
         print(json.dumps(summary))
     shutdown()

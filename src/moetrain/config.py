@@ -331,25 +331,72 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
                 f"Override '{item}' has no value: write it as --{item}=VALUE (for example --optim.lr=3e-4)."
             )
         dotted, raw = item.split("=", 1)
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except (yaml.YAMLError, ValueError):  # ValueError: an integer too long for int()
-            value = raw
-        _set_dotted(data, dotted, value, type(cfg))
+        _set_dotted(data, dotted, _override_value(raw, _leaf_type(type(cfg), dotted)), type(cfg))
     return type(cfg).from_dict(data)
 
 
+def _override_value(raw: str, tp: Any) -> Any:
+    """What a command-line value means for a key of annotation `tp`. A name or path (a `str`
+    key) is the text as given, whatever YAML would make of it: 'run #1', '0123', '2026-12-06',
+    'a: b' (null or ~ unset an optional one); a list of names reads its items as text. A number
+    is read as Python reads one ('0123' is 123, where YAML 1.1 reads octal 83; '1e3' is 1000.0).
+    Anything else is YAML: true, [1, 2], null."""
+    text = _text_kind(tp)
+    if text == "list" and raw.lstrip().startswith("["):
+        try:
+            return yaml.load(raw, Loader=yaml.BaseLoader)  # every scalar a string
+        except yaml.YAMLError:
+            return raw
+    if text:
+        return None if raw in ("null", "~") and type(None) in typing.get_args(tp) else raw
+    if numeric_type(tp)[0] is not None and not numeric_type(tp)[2]:
+        for parse in (int, float):
+            try:
+                return parse(raw)
+            except ValueError:
+                pass
+    try:
+        return yaml.safe_load(raw) if raw != "" else ""
+    except (yaml.YAMLError, ValueError):  # ValueError: an integer too long for int()
+        return raw
+
+
+def _leaf_type(cls: type, dotted: str) -> Any:
+    """The annotation of the key `dotted` of config class `cls`; None when a part is not a key
+    (`_set_dotted` says which)."""
+    tp: Any = cls
+    for part in dotted.split("."):
+        node = _dataclass_of(tp)
+        tp = _field_types(node).get(part) if node is not None else None
+        if tp is None:
+            return None
+    return tp
+
+
+def _text_kind(tp: Any) -> str | None:
+    """ "str" for a `str` (or optional `str`) annotation, "list" for `list[str]`, else None."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 1:
+        tp = args[0]
+    if tp is str:
+        return "str"
+    return "list" if typing.get_origin(tp) is list and typing.get_args(tp) == (str,) else None
+
+
+_STR_TAG = "tag:yaml.org,2002:str"
 YAML_MAX_NODES = 100_000
 """The most values (mappings, lists, scalars) a config file may hold: a config has a few hundred."""
 
 
-def load_yaml(path: str | Path) -> dict[str, Any]:
+def load_yaml(path: str | Path, schema: type[Config] | None = None) -> dict[str, Any]:
     """Read a config file: a regular file of UTF-8 text holding one YAML mapping whose keys are
     names, at every level, each key once. Anything else is a `ConfigError` naming the file and
     the line (or the dotted key) and the fix: not a regular file, not UTF-8, a YAML syntax
     error, empty, a top level that is not a mapping, a key that is not a name (`1:`, `null:`, a
     list), a key given twice (both lines), a value YAML cannot build (a timestamp whose month is 13),
-    nesting too deep or too many values."""
+    nesting too deep or too many values. With the config class `schema`, an unquoted value of a
+    name or path key is its text as written (`run_dir: 0123` is '0123', not YAML's octal 83;
+    `run_dir: 2026-12-06` is not a date)."""
     path = Path(path)
     if not path.exists():
         where = "" if path.is_absolute() else f" (a relative path is read from the current directory, {Path.cwd()})"
@@ -380,7 +427,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
                 f"Config file '{path}' must hold a mapping at its top level (keys like 'preset:' and "
                 f"'train:'), not {_node_kind(node)}."
             )
-        _check_nodes(node, path, loader)
+        _check_nodes(node, path, loader, schema)
         data = loader.construct_document(node)
     except yaml.YAMLError as e:
         where = ""
@@ -410,9 +457,11 @@ def _node_kind(node: yaml.Node) -> str:
     return f"the value {_shown(node.value)!r} (line {node.start_mark.line + 1})"
 
 
-def _check_nodes(root: yaml.MappingNode, path: Path, loader: yaml.SafeLoader) -> None:
+def _check_nodes(root: yaml.MappingNode, path: Path, loader: yaml.SafeLoader, schema: type[Config] | None) -> None:
     """Walk the composed YAML (no recursion; each node once, aliases included): every mapping
-    key is a plain name and appears once, every scalar builds; at most `YAML_MAX_NODES` values."""
+    key is a plain name and appears once, every scalar builds; at most `YAML_MAX_NODES` values.
+    An unquoted scalar under a name or path key of `schema` (`_text_kind`) is retagged as text,
+    unless it is null."""
     stack: list[tuple[yaml.Node, str]] = [(root, "")]
     seen: set[int] = set()
     count = 0
@@ -427,6 +476,9 @@ def _check_nodes(root: yaml.MappingNode, path: Path, loader: yaml.SafeLoader) ->
             continue
         seen.add(id(node))
         if isinstance(node, yaml.ScalarNode):
+            plain_text = node.style is None and node.tag not in (_STR_TAG, "tag:yaml.org,2002:null")
+            if plain_text and schema is not None and _text_kind(_leaf_type(schema, dotted.split("[")[0])):
+                node.tag = _STR_TAG
             try:
                 loader.construct_object(node)
             except (ValueError, OverflowError) as e:  # resolved by its look, cannot build: a 13th month
@@ -443,7 +495,7 @@ def _check_nodes(root: yaml.MappingNode, path: Path, loader: yaml.SafeLoader) ->
                 if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults` merges a mapping in
                     stack.append((value_node, dotted))
                     continue
-                if not (isinstance(key_node, yaml.ScalarNode) and key_node.tag == "tag:yaml.org,2002:str"):
+                if not (isinstance(key_node, yaml.ScalarNode) and key_node.tag == _STR_TAG):
                     shown = _node_kind(key_node) if not isinstance(key_node, yaml.ScalarNode) else repr(key_node.value)
                     raise ConfigError(
                         f"In '{path}' at line {line}: the key {shown} under '{dotted or '<top level>'}' is not a "

@@ -28,7 +28,7 @@ def load_for_inference(checkpoint: str | Path, device: str = "cpu") -> tuple[Tra
     config_file = path / "config.yaml"
     if not config_file.is_file():
         raise CheckpointError(f"Checkpoint '{path}' has no config.yaml; it was not written by moetrain train.")
-    cfg = RunConfig.from_dict(load_yaml(config_file))
+    cfg = RunConfig.from_dict(load_yaml(config_file, RunConfig))
     model = cfg.model.build(device="meta")
     model.to_empty(device=device)
     model.init_weights()  # buffers that are not saved (RoPE tables) need their values

@@ -272,7 +272,7 @@ def resolve_config(spec: str, overrides: list[str] | None = None, *, validate: b
     if spec in PRESETS:
         cfg = preset(spec)
     elif spec.endswith((".yaml", ".yml")) or Path(spec).exists():
-        cfg = _from_yaml(load_yaml(spec), spec)
+        cfg = _from_yaml(load_yaml(spec, RunConfig), spec)
     else:
         close = difflib.get_close_matches(spec, list(PRESETS), n=1)
         hint = f" Did you mean '{close[0]}'?" if close else ""

@@ -579,7 +579,7 @@ def test_replayed_training_steps_are_sync_free_and_keep_the_peak_memory(tmp_path
 
     peaks = {}
     for mode in ("off", "step"):
-        cfg = _tiny_on_cuda(tmp_path / mode, "train.tensorboard=false", "train.plot=false")
+        cfg = _tiny_on_cuda(tmp_path / mode, "train.tensorboard=false", "train.plot=false", "train.cuda_graphs=off")
         trainer = Trainer(cfg, quiet=True)
         if mode == "step":
             _attach_step_graph(trainer.engine)
@@ -1060,3 +1060,39 @@ def test_muon_compiled_element_wise_steps_match_the_eager_ops_on_cuda():
         torch.testing.assert_close(w_fused, w_eager, rtol=1e-6, atol=1e-9)
         if skip is not None and bool(skip):
             assert torch.equal(m_fused, m0) and torch.equal(w_fused, w0)
+
+
+def test_the_fused_row_gathers_on_cuda_compute_the_eager_ones():
+    """Every `fused` body of the dispatchers (src/moetrain/model/permute.py, nosync_dispatcher.py)
+    compiled on the GPU gives what the same body gives run eagerly there, on random bf16 rows
+    with dropped copies and empty rows: the gathers, masks and sums fused, nothing else changed."""
+    from moetrain.model import permute
+    from moetrain.parallel import nosync_dispatcher as nd
+
+    torch.manual_seed(0)
+    N, K, D, S, dev = 1000, 4, 256, 5000, "cuda"
+    bf = torch.bfloat16
+    x_ND, y_SD = torch.randn(N, D, device=dev, dtype=bf), torch.randn(S, D, device=dev, dtype=bf)
+    y_MD, grad_ND = torch.randn(N * K, D, device=dev, dtype=bf), torch.randn(N, D, device=dev, dtype=bf)
+    w_NK = torch.rand(N, K, device=dev)
+    sort_M = torch.randperm(N * K, device=dev)
+    inv_NK = permute.inverse_permutation(sort_M).view(N, K)
+    slot_NK, keep_NK = torch.randint(0, S, (N, K), device=dev), torch.rand(N, K, device=dev) > 0.1
+    src_S, filled_S = torch.randint(0, N * K, (S,), device=dev), torch.rand(S, device=dev) > 0.2
+    inv_S = torch.randperm(S, device=dev)
+    cases = [
+        (permute._sum_copies, (y_MD, inv_NK)),
+        (permute._weighted_sum, (y_MD, w_NK, inv_NK)),
+        (permute._weighted_sum_backward, (grad_ND, y_MD, w_NK, sort_M, inv_NK)),
+        (nd._gather_filled, (x_ND, src_S // K, filled_S, bf)),
+        (nd._sum_kept, (y_SD, slot_NK, keep_NK, torch.float32)),
+        (nd._gather_prefix_grad, (y_SD[:4000], inv_S)),
+        (nd._combine_kept, (y_SD, w_NK, slot_NK, keep_NK)),
+        (nd._spread_grad, (grad_ND, w_NK, src_S, filled_S, bf)),
+        (nd._weight_grad, (grad_ND, y_MD.view(N, K, D), torch.float32)),
+    ]
+    for fused, args in cases:
+        got, want = fused(*args), fused.__wrapped__(*args)
+        for g, w in zip(got if isinstance(got, tuple) else [got], want if isinstance(want, tuple) else [want]):
+            assert g.dtype == w.dtype and g.shape == w.shape, fused.__name__
+            torch.testing.assert_close(g.float(), w.float(), rtol=2e-2, atol=2e-2, msg=fused.__name__)

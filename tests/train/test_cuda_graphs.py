@@ -297,6 +297,8 @@ def test_auto_is_the_step_graph_where_nothing_refuses_it_and_off_elsewhere_sayin
     assert mode == CudaGraphs.off and "train.recompute=full" in why
     mode, why = choice(1, cuda, "optim.name=muon")
     assert mode == CudaGraphs.off and "optim.name=muon" in why
+    mode, why = choice(1, cuda, "train.profile=true")  # a profile names the eager step's kernels
+    assert mode == CudaGraphs.off and "the profiled steps run eagerly" in why
     mode, why = choice(1, cuda)  # the one layout left: the step graph, kept if it pays
     assert mode == CudaGraphs.step
     assert f"kept if its first replays take the device at least {AUTO_MIN_GAIN:.0%} less time" in why

@@ -8,7 +8,9 @@ from moetrain.cli import main
 
 
 def snapshot(path):
-    return {str(p.relative_to(path)): (p.read_bytes(), p.stat().st_mtime_ns) for p in path.rglob("*") if p.is_file()}
+    """Every file of the run but run.lock, which names whichever process holds the directory now."""
+    files = [p for p in path.rglob("*") if p.is_file() and p.name != "run.lock"]
+    return {str(p.relative_to(path)): (p.read_bytes(), p.stat().st_mtime_ns) for p in files}
 
 
 def train(data_dir, run, *extra):

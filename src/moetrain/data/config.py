@@ -35,6 +35,11 @@ class DataConfig(Config):
             )
         if not self.sources:
             raise ConfigError("data.sources is empty: name at least one prepared data directory.")
+        if any(not source.strip() for source in self.sources) or (self.val is not None and not self.val.strip()):
+            raise ConfigError(
+                f"data.sources={self.sources} / data.val={self.val!r}: an empty name is no directory; name the "
+                "directories `moetrain prepare-data` wrote (or leave data.val out)."
+            )
         if self.weights is not None:
             if len(self.weights) != len(self.sources):
                 raise ConfigError(

@@ -348,7 +348,7 @@ def _run_config(path: Path) -> RunConfig:
     config_file = path / "config.yaml"
     if not config_file.is_file():
         raise CheckpointError(f"Checkpoint '{path}' has no config.yaml; it was not written by moetrain train.")
-    return RunConfig.from_dict(load_yaml(config_file))
+    return RunConfig.from_dict(load_yaml(config_file, RunConfig))
 
 
 def _tokenizer(path: Path):
@@ -625,7 +625,7 @@ def _training_setup(cfg: RunConfig, hf_dir: Path, hf: dict) -> dict:
     Returns where it came from, the values and, for assumed ones, the note to print."""
     trained, note = hf_dir / TRAINING_CONFIG, None
     if trained.is_file():
-        run = RunConfig.from_dict(load_yaml(trained))
+        run = RunConfig.from_dict(load_yaml(trained, RunConfig))
         cfg.data.seq_len = run.data.seq_len
         cfg.train.global_batch_size, cfg.train.micro_batch_size = (
             run.train.global_batch_size,

@@ -21,17 +21,64 @@ no (N, K, D) tensor is written in forward, no zero fill and no atomics in backwa
 result does not depend on the order atomics land), and the saved tensor is the experts' output
 itself. The sums over k run in the order `index_add` adds in on the CPU (ascending m), so the
 fp32 CPU numerics are those of the plain autograd formulation, bit for bit.
+
+Outside a compiled block (train.compile=false, or an exchange that runs eagerly) the same fusion
+comes from `fused`: on a CUDA device each gather-and-sum body below is a small compiled function
+of its own, so an eager step moves each row once where it would take three or four passes.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
+
+
+def fused(fn: Callable) -> Callable:
+    """`fn` compiled by Inductor where its first argument is on a CUDA device (its gathers,
+    masks, products and sums fused into a kernel or two, as inside a compiled block), `fn` itself
+    elsewhere: the CPU keeps the eager numerics. Inside a compiled block it is traced like any
+    code."""
+    compiled = torch.compile(fn)
+
+    @functools.wraps(fn)
+    def run(*args):
+        return compiled(*args) if args[0].is_cuda else fn(*args)
+
+    return run
 
 
 def inverse_permutation(sort_idx_M: torch.Tensor) -> torch.Tensor:
     """inv with inv[sort_idx[m]] = m (a scatter of M indices; no sort)."""
     arange_M = torch.arange(sort_idx_M.numel(), device=sort_idx_M.device, dtype=sort_idx_M.dtype)
     return torch.empty_like(sort_idx_M).scatter_(0, sort_idx_M, arange_M)
+
+
+@fused
+def _sum_copies(grad_MD: torch.Tensor, inv_NK: torch.Tensor) -> torch.Tensor:
+    """grad_x[n] = Σ_k grad_MD[inv[n, k]], in ascending positions: each token's copies in expert
+    order, as index_add would add them."""
+    N, K = inv_NK.shape
+    return grad_MD.index_select(0, inv_NK.sort(dim=1).values.flatten()).view(N, K, -1).sum(1)
+
+
+@fused
+def _weighted_sum(y_MD: torch.Tensor, w_NK: torch.Tensor, inv_NK: torch.Tensor) -> torch.Tensor:
+    N, K = inv_NK.shape
+    y_NKD = y_MD.index_select(0, inv_NK.flatten()).view(N, K, -1)
+    return (y_NKD * w_NK.unsqueeze(-1).to(y_MD.dtype)).sum(1)
+
+
+@fused
+def _weighted_sum_backward(grad_ND, y_MD, w_NK, sort_idx_M, inv_NK) -> tuple[torch.Tensor, torch.Tensor]:
+    N, K = inv_NK.shape
+    grad_NKD = grad_ND.unsqueeze(1) * w_NK.unsqueeze(-1).to(y_MD.dtype)
+    grad_y_MD = grad_NKD.view(N * K, -1).index_select(0, sort_idx_M)
+    y_NKD = y_MD.index_select(0, inv_NK.flatten()).view(N, K, -1)
+    # In fp32 whatever y's dtype (no-ops on fp32): the router's gradient is not rounded to bf16.
+    grad_w_NK = (grad_ND.unsqueeze(1).float() * y_NKD.float()).sum(-1).to(w_NK.dtype)
+    return grad_y_MD, grad_w_NK
 
 
 class _Permute(torch.autograd.Function):
@@ -43,31 +90,18 @@ class _Permute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_MD: torch.Tensor):
         (inv_NK,) = ctx.saved_tensors
-        N, K = inv_NK.shape
-        # Ascending positions: each token's copies in expert order, as index_add would add them.
-        inv_sorted_NK = inv_NK.sort(dim=1).values
-        grad_x_ND = grad_MD.index_select(0, inv_sorted_NK.flatten()).view(N, K, -1).sum(1)
-        return grad_x_ND, None, None
+        return _sum_copies(grad_MD, inv_NK), None, None
 
 
 class _UnpermuteCombine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y_MD: torch.Tensor, w_NK: torch.Tensor, sort_idx_M: torch.Tensor, inv_NK: torch.Tensor):
-        N, K = inv_NK.shape
         ctx.save_for_backward(y_MD, w_NK, sort_idx_M, inv_NK)
-        y_NKD = y_MD.index_select(0, inv_NK.flatten()).view(N, K, -1)
-        return (y_NKD * w_NK.unsqueeze(-1).to(y_MD.dtype)).sum(1)
+        return _weighted_sum(y_MD, w_NK, inv_NK)
 
     @staticmethod
     def backward(ctx, grad_ND: torch.Tensor):
-        y_MD, w_NK, sort_idx_M, inv_NK = ctx.saved_tensors
-        N, K = inv_NK.shape
-        grad_NKD = grad_ND.unsqueeze(1) * w_NK.unsqueeze(-1).to(y_MD.dtype)
-        grad_y_MD = grad_NKD.view(N * K, -1).index_select(0, sort_idx_M)
-        y_NKD = y_MD.index_select(0, inv_NK.flatten()).view(N, K, -1)
-        # In fp32 whatever y's dtype (no-ops on fp32): the router's gradient is not rounded to bf16.
-        grad_w_NK = (grad_ND.unsqueeze(1).float() * y_NKD.float()).sum(-1).to(w_NK.dtype)
-        return grad_y_MD, grad_w_NK, None, None
+        return *_weighted_sum_backward(grad_ND, *ctx.saved_tensors), None, None
 
 
 def permute(x_ND: torch.Tensor, sort_idx_M: torch.Tensor, inv_NK: torch.Tensor) -> torch.Tensor:

@@ -18,9 +18,12 @@ Under torchrun the store is the launcher's, which outlives the workers.
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
+import pickle
 import threading
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -238,6 +241,24 @@ def shutdown() -> None:
     stop_heartbeat(done=True)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+_FROM_RANK_0 = itertools.count()
+
+
+def from_rank_0(value: Any) -> Any:
+    """Rank 0's `value` on every rank (each rank passes its own; only rank 0's is used): through
+    the rendezvous store, pickled, so it makes no collective and no tensor operation (a
+    rehearsed rank, which has no peers, runs the same operators as the real one). For start-up
+    choices and refusals that rank 0 alone can make; every rank calls it in the same order."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    store = dist.distributed_c10d._get_default_store()
+    key = f"moetrain/from-rank-0/{next(_FROM_RANK_0)}"
+    if dist.get_rank() == 0:
+        store.set(key, pickle.dumps(value))
+        return value
+    return pickle.loads(store.get(key))
 
 
 _CPU_GROUP = None

@@ -75,7 +75,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from moetrain.model.permute import inverse_permutation
+from moetrain.model.permute import fused, inverse_permutation
 from moetrain.parallel.config import DEFAULT_CAPACITY_FACTOR, DEFAULT_SPILL_FACTOR
 from moetrain.parallel.exact_dispatchers import ExpertParallelDispatcher, wire_dtype_of
 
@@ -115,6 +115,8 @@ class NoSyncState(NamedTuple):
     regroup_idx_C: torch.Tensor
     """The R·C received rows the experts get (source-major buffer rows), in local-expert-major
     order, padding last."""
+    inv_S: torch.Tensor | None = None
+    """Each received row's place in that order (≥ R·C: padding the experts do not get)."""
 
 
 class _Plan(NamedTuple):
@@ -259,14 +261,14 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
         # Keys are unique but for padding, which sorts last: the first R·C are every kept row
         # (the senders keep at most that many), by local expert, then source, then token.
         order_S = key_recv_S.argsort(stable=True)
-        regroup_idx_C = order_S[: R * C]
-        x_local_CD = _Regroup.apply(x_recv_SD, regroup_idx_C, inverse_permutation(order_S))
+        regroup_idx_C, inv_S = order_S[: R * C], inverse_permutation(order_S)
+        x_local_CD = _Regroup.apply(x_recv_SD, regroup_idx_C, inv_S)
         # A scatter, not bincount: bincount's output size is data (a sync). Padding counts as L.
         expert_S = key_recv_S // (R * M)
         rows_per_expert = torch.zeros(L + 1, dtype=torch.int64, device=x_recv_SD.device)
         rows_per_expert.scatter_add_(0, expert_S, torch.ones_like(expert_S))
         offsets_L = rows_per_expert[:L].cumsum(0).to(torch.int32)
-        return x_local_CD, offsets_L, plan.state._replace(regroup_idx_C=regroup_idx_C)
+        return x_local_CD, offsets_L, plan.state._replace(regroup_idx_C=regroup_idx_C, inv_S=inv_S)
 
     def _spill_kept(self, X_RR: torch.Tensor | None, C: int, W: int) -> torch.Tensor:
         """How many of this rank's rows beyond C each destination keeps: its rows in [C, W),
@@ -296,13 +298,62 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
 
 
 def _returned_rows(y_local_CD: torch.Tensor, state: NoSyncState) -> torch.Tensor:
-    """The experts' rows back in the received buffer's places (R·W, D), for the return trip.
-    Rows not kept (padding) stay uninitialized: they are never read."""
-    y_recv_SD = y_local_CD.new_empty(state.src_S.numel(), y_local_CD.shape[1])
-    return y_recv_SD.index_copy_(0, state.regroup_idx_C, y_local_CD)
+    """The experts' rows back in the received buffer's places (R·W, D), for the return trip: a
+    gather (a scatter's kernel is the slower). Rows not kept (padding) hold a copy of some row:
+    they are never read."""
+    return _Ungroup.apply(y_local_CD, state.regroup_idx_C, state.inv_S)
 
 
-# --- the gathers, both ways (as src/moetrain/model/permute.py: no scatter-add, no zero fill) -------
+# --- the gathers, both ways (as src/moetrain/model/permute.py: no scatter-add, no zero fill; `fused`
+# on a GPU) ---------------------------------------------------------------------------------------
+
+
+@fused
+def _gather_filled(x_ND: torch.Tensor, token_S: torch.Tensor, filled_S: torch.Tensor, dtype: torch.dtype):
+    """x_SD[j] = x_ND[token_S[j]] in `dtype`, zero where not filled (zeros, not a copy of some
+    token: module docstring); cast first, so half the bytes are gathered."""
+    return x_ND.to(dtype).index_select(0, token_S).masked_fill_(~filled_S.unsqueeze(-1), 0)
+
+
+@fused
+def _sum_kept(grad_SD: torch.Tensor, slot_NK: torch.Tensor, keep_NK: torch.Tensor, dtype: torch.dtype):
+    """grad_x[n] = Σ_k grad_SD[slot[n, k]] over the kept copies, in `dtype` (by mask: a dropped
+    copy's row, row 0, may be anything, NaN included)."""
+    N, K = slot_NK.shape
+    grad_NKD = grad_SD.index_select(0, slot_NK.flatten()).view(N, K, -1).to(dtype)
+    return grad_NKD.masked_fill_(~keep_NK.unsqueeze(-1), 0).sum(1)
+
+
+@fused
+def _gather_prefix_grad(grad_CD: torch.Tensor, inv_S: torch.Tensor) -> torch.Tensor:
+    """The gradient of rows `idx_C` (a prefix of the permutation whose inverse is `inv_S`) back
+    in place, zero on the rows left out."""
+    kept = grad_CD.shape[0]
+    return grad_CD.index_select(0, inv_S.clamp(max=kept - 1)).masked_fill_((inv_S >= kept).unsqueeze(-1), 0)
+
+
+@fused
+def _combine_kept(y_SD, w_NK, slot_NK, keep_NK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each token's kept copies (N, K, D), their weighted sum (N, D)); by mask: the row of a
+    dropped copy (row 0) may be anything, NaN included."""
+    N, K = slot_NK.shape
+    y_NKD = y_SD.index_select(0, slot_NK.flatten()).view(N, K, -1).masked_fill_(~keep_NK.unsqueeze(-1), 0)
+    return y_NKD, (y_NKD * w_NK.unsqueeze(-1).to(y_NKD.dtype)).sum(1)
+
+
+@fused
+def _spread_grad(grad_ND, w_NK, src_S, filled_S, dtype: torch.dtype) -> torch.Tensor:
+    """grad_y_SD[j] = w · grad_y at the assignment row j holds, zero for empty rows, in y's
+    `dtype` (a gradient arriving in fp32 would otherwise cross the exchange in fp32)."""
+    N, K = w_NK.shape
+    grad_NKD = (grad_ND.unsqueeze(1) * w_NK.unsqueeze(-1).to(dtype)).to(dtype)
+    return grad_NKD.view(N * K, -1).index_select(0, src_S).masked_fill_(~filled_S.unsqueeze(-1), 0)
+
+
+@fused
+def _weight_grad(grad_ND, y_NKD, dtype: torch.dtype) -> torch.Tensor:
+    """grad_w = ⟨y_NKD, grad_y⟩ in fp32 (the router's gradient is not rounded to bf16)."""
+    return (grad_ND.unsqueeze(1).float() * y_NKD.float()).sum(-1).to(dtype)
 
 
 class _SendRows(torch.autograd.Function):
@@ -314,16 +365,11 @@ class _SendRows(torch.autograd.Function):
     def forward(ctx, x_ND, token_S, filled_S, slot_NK, keep_NK, dtype):
         ctx.save_for_backward(slot_NK, keep_NK)
         ctx.x_dtype = x_ND.dtype
-        # Zeros, not a copy of some token (module docstring); cast first: half the bytes gathered.
-        return x_ND.to(dtype).index_select(0, token_S).masked_fill_(~filled_S.unsqueeze(-1), 0)
+        return _gather_filled(x_ND, token_S, filled_S, dtype)
 
     @staticmethod
     def backward(ctx, grad_SD):
-        slot_NK, keep_NK = ctx.saved_tensors
-        N, K = slot_NK.shape
-        grad_NKD = grad_SD.index_select(0, slot_NK.flatten()).view(N, K, -1).to(ctx.x_dtype)
-        # By mask: a dropped copy's row (row 0) may be anything, NaN included.
-        return grad_NKD.masked_fill_(~keep_NK.unsqueeze(-1), 0).sum(1), None, None, None, None, None
+        return _sum_kept(grad_SD, *ctx.saved_tensors, ctx.x_dtype), None, None, None, None, None
 
 
 class _Regroup(torch.autograd.Function):
@@ -338,9 +384,22 @@ class _Regroup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_CD):
         (inv_S,) = ctx.saved_tensors
-        kept = grad_CD.shape[0]
-        grad_SD = grad_CD.index_select(0, inv_S.clamp(max=kept - 1))
-        return grad_SD.masked_fill_((inv_S >= kept).unsqueeze(-1), 0), None, None
+        return _gather_prefix_grad(grad_CD, inv_S), None, None
+
+
+class _Ungroup(torch.autograd.Function):
+    """`_Regroup` undone: y_SD[j] = y_CD[inv_S[j]] (clamped: a padding row takes some row).
+    Backward: the kept rows' gradients, gathered back into the experts' order."""
+
+    @staticmethod
+    def forward(ctx, y_CD, idx_C, inv_S):
+        ctx.save_for_backward(idx_C)
+        return y_CD.index_select(0, inv_S.clamp(max=y_CD.shape[0] - 1))
+
+    @staticmethod
+    def backward(ctx, grad_SD):
+        (idx_C,) = ctx.saved_tensors
+        return grad_SD.index_select(0, idx_C), None, None
 
 
 class _CombineRows(torch.autograd.Function):
@@ -350,22 +409,15 @@ class _CombineRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y_SD, w_NK, slot_NK, keep_NK, src_S, filled_S):
-        N, K = slot_NK.shape
-        # By mask: the row of a dropped copy (row 0) may be anything, NaN included.
-        y_NKD = y_SD.index_select(0, slot_NK.flatten()).view(N, K, -1).masked_fill_(~keep_NK.unsqueeze(-1), 0)
+        y_NKD, y_ND = _combine_kept(y_SD, w_NK, slot_NK, keep_NK)
         ctx.save_for_backward(y_NKD, w_NK, src_S, filled_S)
-        return (y_NKD * w_NK.unsqueeze(-1).to(y_NKD.dtype)).sum(1)
+        return y_ND
 
     @staticmethod
     def backward(ctx, grad_ND):
         y_NKD, w_NK, src_S, filled_S = ctx.saved_tensors
-        N, K, D = y_NKD.shape
-        grad_y_SD = grad_w_NK = None
-        if ctx.needs_input_grad[0]:
-            grad_NKD = grad_ND.unsqueeze(1) * w_NK.unsqueeze(-1).to(y_NKD.dtype)
-            grad_y_SD = grad_NKD.view(N * K, D).index_select(0, src_S).masked_fill_(~filled_S.unsqueeze(-1), 0)
-        if ctx.needs_input_grad[1]:
-            grad_w_NK = (grad_ND.unsqueeze(1).float() * y_NKD.float()).sum(-1).to(w_NK.dtype)
+        grad_y_SD = _spread_grad(grad_ND, w_NK, src_S, filled_S, y_NKD.dtype) if ctx.needs_input_grad[0] else None
+        grad_w_NK = _weight_grad(grad_ND, y_NKD, w_NK.dtype) if ctx.needs_input_grad[1] else None
         return grad_y_SD, grad_w_NK, None, None, None, None
 
 

@@ -159,7 +159,8 @@ class TrainerConfig(Config):
     """auto (the default), off, step or optimizer. step and optimizer need one CUDA device, the
     ddp stack without parallel.shard_optimizer, optim.name=adamw and optim.fused not false; step
     also train.recompute=none (src/moetrain/train/cuda_graphs.py). auto: step where all of that
-    holds, else off, never refused; on a GPU the start-up header names the choice. An auto step
+    holds (and train.profile is off: a profile shows the eager step's kernels and operations),
+    else off, never refused; on a GPU the start-up header names the choice. An auto step
     graph times the device's work on the eager steps before its capture and on its first 2
     replays, and stays only where the replays took at least 3% less (the GPU had waited on
     Python's launches); elsewhere its memory goes back, the run says so with the times, and
@@ -265,6 +266,16 @@ class TrainerConfig(Config):
             )
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"train.device={self.device!r} must be cpu, cuda, cuda:N or auto.")
+        if self.run_dir is not None and not self.run_dir.strip():
+            raise ConfigError(
+                f"train.run_dir (--run-dir) is {self.run_dir!r}, which names no directory: name one (e.g. "
+                "--run-dir runs/my-run), or leave it out for runs/NAME."
+            )
+        if self.init_from is not None and not self.init_from.strip():
+            raise ConfigError(
+                f"train.init_from is {self.init_from!r}, which names no checkpoint: name a run directory or a "
+                "step-N directory, or leave it out to start from fresh weights."
+            )
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -398,6 +409,11 @@ class RunConfig(Config):
         problem = problem or _cuda_graphs_device_problem(CudaGraphs.step, device)
         if problem:
             return CudaGraphs.off, problem[0]
+        if self.train.profile:
+            return CudaGraphs.off, (
+                "train.profile: the profiled steps run eagerly, so that the profile names each kernel and the "
+                "operation that launched it (a replayed graph shows as one launch)"
+            )
         return CudaGraphs.step, (
             "one GPU and a layout the step graph captures; kept if its first replays take the device "
             "at least 3% less time than the eager steps"

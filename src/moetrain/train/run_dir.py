@@ -5,11 +5,13 @@
     RUN_DIR/metrics.jsonl     one record per logged step (src/moetrain/train/metrics.py)
     RUN_DIR/summary.json      the run's summary, rewritten at the end of every `fit`
     RUN_DIR/checkpoints/      step-N checkpoints (src/moetrain/train/checkpoint.py)
+    RUN_DIR/run.lock          held by the live run's rank 0 (src/moetrain/train/run_lock.py)
 
-Only rank 0 writes here, except checkpoints (every rank writes its shards). The directory is
-checked when the run is built (`RunDir(...)`: a file in its place, permissions, free disk for a
-checkpoint) and created only once nothing can refuse the run any more (`create`), so a run
-refused at start-up (a missing data directory, say) leaves no empty directory behind.
+Only rank 0 writes here, except checkpoints (every rank writes its shards). Rank 0 checks the
+directory when the run is built (`RunDir(...)`: a file in its place, permissions, free disk for a
+checkpoint), then creates it and takes it (`run_lock.acquire`) before anything reads or changes
+what is in it; a run refused later in start-up (a missing data directory, say) gives it back
+(`abandon`), removing what it created, so it leaves no empty directory behind.
 
 Without train.run_dir (--run-dir), `default_run_dir` names one after the run: runs/NAME, NAME
 being the preset's or the YAML file's, so that a new run never lands in an earlier one's records.
@@ -27,6 +29,7 @@ from typing import Any
 from moetrain.destinations import check_directory, check_free_space
 from moetrain.errors import ConfigError
 from moetrain.train import checkpoint as ckpt
+from moetrain.train import run_lock
 from moetrain.train.metrics import read_metrics
 
 STALE_RECORDS = ("metrics.jsonl", "summary.json", "wandb_id.txt")
@@ -39,11 +42,15 @@ FIX = "Pass --run-dir a directory you can write"
 class RunDir:
     def __init__(self, path: str | Path, main: bool, checkpoint_bytes: int = 0, checkpoint_detail: str = ""):
         """Check (rank 0) that the run can write at `path` and, when it saves checkpoints, that
-        one of `checkpoint_bytes` fits (`checkpoint_detail` says why that many); nothing is
-        created yet."""
+        one of `checkpoint_bytes` fits (`checkpoint_detail` says why that many); then create the
+        directory and take it for this run, or refuse with the live run that holds it."""
         self.path = Path(path)
         self.main = main
         """Rank 0: the one rank that writes records."""
+        self._made: list[Path] = []
+        """What taking the directory created (its missing parents, itself, run.lock), outermost first."""
+        self._took = False
+        """Whether this object took the directory's lock (not a `RunDir` before it in this process)."""
         if main:
             check_directory(self.path, "Run directory", FIX)
             if checkpoint_bytes:
@@ -55,11 +62,39 @@ class RunDir:
                     "Free space, pass --run-dir on another filesystem, or save no checkpoints "
                     "(--train.save_every=0 --train.save_final=false)",
                 )
+            self._take()
 
-    def create(self) -> None:
-        """Make the directory (rank 0), once the run is accepted."""
+    def _take(self) -> None:
+        self._made = [p for p in (*reversed(self.path.parents), self.path) if not p.exists()]
+        if not (self.path / run_lock.LOCK_FILE).exists():
+            self._made.append(self.path / run_lock.LOCK_FILE)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            self._took = run_lock.acquire(self.path)
+        except OSError as e:
+            self.abandon()
+            raise ConfigError(f"Run directory '{self.path}' is not writable ({e.strerror}). {FIX}.") from None
+        except ConfigError:
+            self._made = []
+            raise
+
+    def abandon(self) -> None:
+        """Give the directory back after the run was refused at start-up (rank 0), removing what
+        taking it created."""
+        self.release()
         if self.main:
-            _ensure_writable(self.path)
+            for made in reversed(self._made):
+                try:
+                    made.unlink() if made.name == run_lock.LOCK_FILE else made.rmdir()
+                except OSError:  # something else is in it now: it stays
+                    break
+            self._made = []
+
+    def release(self) -> None:
+        """Give the directory up, the run over (run.lock stays, naming nobody)."""
+        if self._took:
+            run_lock.release(self.path)
+            self._took = False
 
     @property
     def metrics_file(self) -> Path:
@@ -136,7 +171,7 @@ class RunDir:
             (self.path / "summary.json").write_text(json.dumps(summary, indent=1))
 
 
-RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints")
+RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints", run_lock.LOCK_FILE)
 """What makes a directory hold a run (`holds_run`): each appears when a run starts or logs."""
 
 
@@ -166,13 +201,3 @@ def default_run_dir(name: str, resume: bool, root: str | Path = "runs") -> tuple
     if resume:
         return newest, f"the newest run of {name}"
     return root / f"{name}-{held[-1] + 1}", f"{newest} holds an earlier run; --resume continues that one"
-
-
-def _ensure_writable(run_dir: Path) -> None:
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise ConfigError(f"Run directory '{run_dir}' is not writable ({e.strerror}). {FIX}.") from None

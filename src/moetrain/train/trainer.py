@@ -26,13 +26,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from moetrain.config import load_yaml
-from moetrain.errors import CheckpointError
+from moetrain.errors import CheckpointError, MoetrainError
 from moetrain.model.counting import count_params
 from moetrain.optim.schedule import lr_at
-from moetrain.parallel.distributed import cpu_group
+from moetrain.parallel.distributed import from_rank_0
 from moetrain.parallel.rehearsal import Rehearsal
 from moetrain.train import checkpoint as ckpt
 from moetrain.train import console, oom
@@ -66,13 +65,23 @@ class Trainer:
         runtime = setup_runtime(cfg, rehearsal)
         self.device, self.par = runtime.device, runtime.par
         self.quiet = quiet or not self.par.is_main
-        note = ""
-        if cfg.train.run_dir is None:
-            run_dir, note = self._default_run_dir(name, resume)
-            cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, run_dir=str(run_dir)))
-        self.cfg = cfg
-        tc = cfg.train
-        self.run = RunDir(tc.run_dir, main=self.par.is_main, **_checkpoint_need(cfg))
+        run_dir, note, self.run = self._take_run_dir(cfg, name, resume)
+        self.cfg = cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, run_dir=run_dir))
+        try:
+            self._build(resume)
+        except BaseException:
+            self.run.abandon()
+            raise
+        # Once nothing can refuse the run any more: a user mistake stays one paragraph.
+        if not self.quiet:
+            rehearsed = self.par.rank if self.par.rehearsed else None
+            lines = [console.header(cfg, self.par.dims, self.device, self.run.path, note, rehearsed), *self._notes]
+            print("\n".join(lines), file=sys.stderr, flush=True)
+
+    def _build(self, resume: bool) -> None:
+        """Loader, engine and callbacks, then the fresh start or the resume (the run directory is
+        taken already)."""
+        cfg, tc = self.cfg, self.cfg.train
         torch.manual_seed(tc.seed)
         self.loader = cfg.data.build(
             micro_batch_size=tc.micro_batch_size,
@@ -99,13 +108,7 @@ class Trainer:
         else:
             self._start_fresh()
         if self.finished_at is None:  # a finished run stays exactly as it was
-            self.run.create()
             self.run.write_config(cfg.to_yaml(), self.loader.tokenizer_path)
-        # Once nothing can refuse the run any more: a user mistake stays one paragraph.
-        if not self.quiet:
-            rehearsed = self.par.rank if self.par.rehearsed else None
-            lines = [console.header(cfg, self.par.dims, self.device, self.run.path, note, rehearsed), *self._notes]
-            print("\n".join(lines), file=sys.stderr, flush=True)
 
     # ---- the loop ------------------------------------------------------------------------------
     def next_batches(self) -> list[Batch]:
@@ -299,12 +302,24 @@ class Trainer:
         )
 
     # ---- the rest ------------------------------------------------------------------------------
-    def _default_run_dir(self, name: str, resume: bool) -> tuple[Path, str]:
-        """Rank 0 picks it (before any rank creates it), the others take its answer."""
-        choice = [default_run_dir(name, resume) if self.par.is_main else None]
-        if self.par.dims.world_size > 1 and not self.par.rehearsed:
-            dist.broadcast_object_list(choice, src=0, group=cpu_group())
-        return choice[0]
+    def _take_run_dir(self, cfg: RunConfig, name: str, resume: bool) -> tuple[str, str, RunDir]:
+        """Rank 0 chooses the run directory (train.run_dir, else `default_run_dir(name, resume)`
+        with a note for the header), checks it and takes it (`RunDir`); the other ranks take its
+        answer or its refusal, so that none waits on a peer that stopped."""
+        run, answer = None, [None]
+        if self.par.is_main:
+            try:
+                path, note = (cfg.train.run_dir, "") if cfg.train.run_dir is not None else default_run_dir(name, resume)
+                run = RunDir(path, main=True, **_checkpoint_need(cfg))
+                answer = [(str(path), note)]
+            except MoetrainError as e:
+                answer = [e]
+        if not self.par.rehearsed:
+            answer = from_rank_0(answer)
+        if isinstance(answer[0], MoetrainError):
+            raise answer[0]
+        path, note = answer[0]
+        return path, note, run or RunDir(path, main=False)
 
     def profiler(self, out_dir: Path, wait: int | None = None, kinds_only: bool = False) -> StepProfiler:
         """A profiler over `train.profile_steps` steps after `wait` (default train.profile_wait);

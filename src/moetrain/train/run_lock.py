@@ -1,0 +1,132 @@
+"""One live run owns a run directory: RUN_DIR/run.lock.
+
+A run's rank 0 takes the directory before it reads or changes anything in it, and holds it for
+as long as its process lives: an exclusive flock(2) on run.lock, which the kernel drops when the
+process ends, however it ends (kill -9 included), so a dead run never keeps its directory and a
+requeued or resumed run takes it over at once. A second run (a second `--resume`, a scheduler's
+requeue while the first still runs) is refused with the owner the file names: host, pid, start
+time and command. The file stays after the run; removing it could let two runs each lock a
+different file of the same name.
+
+On a file system without flock (Lustre mounted noflock, some NFS set-ups) the owner the file
+names is checked instead: a process of this host that is gone, or whose pid a later process
+took, does not keep the directory; one on another host is taken at its word, and the refusal
+says how to clear it. A process takes a directory it holds already without a second lock (a
+notebook or a test that builds a `Trainer` again on its run).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import shlex
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from moetrain.errors import ConfigError
+
+LOCK_FILE = "run.lock"
+
+_held: dict[Path, int] = {}
+"""Run directories (resolved) this process holds: the lock file's descriptor."""
+
+_NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+
+
+def acquire(run_dir: Path) -> bool:
+    """Take `run_dir` (an existing directory) for this process, or raise `ConfigError` naming
+    the live run that holds it and the ways out. False: this process held it already."""
+    key = run_dir.resolve()
+    if key in _held:
+        return False
+    fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno not in (errno.EWOULDBLOCK, *_NO_FLOCK):
+            os.close(fd)
+            raise
+        owner = _read_owner(fd)
+        if e.errno == errno.EWOULDBLOCK or _alive(owner):
+            os.close(fd)
+            raise ConfigError(_in_use(run_dir, owner, locked=e.errno == errno.EWOULDBLOCK)) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps(_me()) + "\n").encode(), 0)
+    _held[key] = fd
+    return True
+
+
+def release(run_dir: Path) -> None:
+    """Give `run_dir` up (its lock file stays, emptied: nobody is named as its owner)."""
+    fd = _held.pop(run_dir.resolve(), None)
+    if fd is not None:
+        os.ftruncate(fd, 0)
+        os.close(fd)
+
+
+def _me() -> dict[str, Any]:
+    command = shlex.join(["moetrain" if sys.argv[0].endswith("__main__.py") else sys.argv[0], *sys.argv[1:]])
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "process_start": _process_start(os.getpid()),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "command": command if len(command) <= 300 else command[:299] + "…",
+    }
+
+
+def _read_owner(fd: int) -> dict[str, Any]:
+    try:
+        owner = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except ValueError:  # being written, or not ours
+        return {}
+    return owner if isinstance(owner, dict) else {}
+
+
+def _process_start(pid: int) -> str | None:
+    """When process `pid` started, in clock ticks since boot (Linux); None where /proc is not."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _alive(owner: dict[str, Any]) -> bool:
+    """Whether the owner a lock file names may still run (checked where flock is not)."""
+    if "pid" not in owner:
+        return False
+    if owner.get("host") != socket.gethostname():
+        return True
+    try:
+        os.kill(owner["pid"], 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, TypeError):
+        return isinstance(owner["pid"], int)
+    return owner.get("process_start") in (None, _process_start(owner["pid"]))
+
+
+def _in_use(run_dir: Path, owner: dict[str, Any], locked: bool) -> str:
+    pid, host = owner.get("pid"), owner.get("host")
+    who = (
+        f"pid {pid} on host {host}, since {owner.get('started', '?')} ({owner.get('command', '?')})"
+        if pid is not None
+        else "a process that has just taken it"
+    )
+    stop = f"stop it (kill {pid} on {host}: a run saves a checkpoint and ends on SIGTERM)" if pid else "stop it"
+    clear = (
+        ""
+        if locked
+        else f" This file system has no flock, so moetrain cannot see whether that run still lives: if it has ended, "
+        f"delete {run_dir / LOCK_FILE}."
+    )
+    return (
+        f"Run directory '{run_dir}' is in use by a live run: {who}. Two runs writing one directory would mix their "
+        f"checkpoints and metrics, so this one stops before touching it. Wait for that run to end, {stop}, or pass "
+        f"another --run-dir.{clear}"
+    )
