@@ -38,13 +38,18 @@ import torch
 def fused(fn: Callable) -> Callable:
     """`fn` compiled by Inductor where its first argument is on a CUDA device (its gathers,
     masks, products and sums fused into a kernel or two, as inside a compiled block), `fn` itself
-    elsewhere: the CPU keeps the eager numerics. Inside a compiled block it is traced like any
-    code."""
-    compiled = torch.compile(fn)
+    elsewhere: the CPU keeps the eager numerics, and inside a compiled block it is traced like
+    any code. Compiled at its first call on a GPU, so importing it costs nothing."""
+    compiled = None
 
     @functools.wraps(fn)
     def run(*args):
-        return compiled(*args) if args[0].is_cuda else fn(*args)
+        nonlocal compiled
+        if not args[0].is_cuda or torch.compiler.is_compiling():
+            return fn(*args)
+        if compiled is None:
+            compiled = torch.compile(fn)
+        return compiled(*args)
 
     return run
 
