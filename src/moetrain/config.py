@@ -337,7 +337,8 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
 
 def _override_value(raw: str, tp: Any) -> Any:
     """What a command-line value means for a key of annotation `tp`. A name or path (a `str`
-    key) is the text as given, whatever YAML would make of it: 'run #1', '0123', '2026-12-06',
+    key) is the text as given, whatever YAML would make of it: 'run #1', '0123', a day written
+    as year-month-day,
     'a: b' (null or ~ unset an optional one); a list of names reads its items as text. A number
     is read as Python reads one ('0123' is 123, where YAML 1.1 reads octal 83; '1e3' is 1000.0).
     Anything else is YAML: true, [1, 2], null."""
@@ -396,7 +397,7 @@ def load_yaml(path: str | Path, schema: type[Config] | None = None) -> dict[str,
     list), a key given twice (both lines), a value YAML cannot build (a timestamp whose month is 13),
     nesting too deep or too many values. With the config class `schema`, an unquoted value of a
     name or path key is its text as written (`run_dir: 0123` is '0123', not YAML's octal 83;
-    `run_dir: 2026-12-06` is not a date)."""
+    a run_dir written as year-month-day stays text, not a date)."""
     path = Path(path)
     if not path.exists():
         where = "" if path.is_absolute() else f" (a relative path is read from the current directory, {Path.cwd()})"

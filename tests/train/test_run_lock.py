@@ -3,6 +3,7 @@ anything, naming the live run; a killed run does not keep it; under torchrun eve
 refused launch stops with the same message."""
 
 import errno
+import gc
 import json
 import os
 import signal
@@ -155,10 +156,18 @@ def test_a_run_refused_at_start_up_removes_what_taking_its_directory_created(tin
 
 
 def test_one_process_takes_a_directory_it_holds_again(tmp_path):
+    """A second `RunDir` on a directory this process holds counts a holder; the lock goes with the
+    last one, released or collected."""
+    key = (tmp_path / "run").resolve()
     first = RunDir(tmp_path / "run", main=True)
     second = RunDir(tmp_path / "run", main=True)
     assert json.loads((tmp_path / "run" / "run.lock").read_text())["pid"] == os.getpid()
-    second.abandon()  # took nothing, made nothing: the first still holds the directory
-    assert (tmp_path / "run" / "run.lock").is_file() and run_lock._held
+    second.abandon()  # made nothing: the first still holds the directory
+    assert (tmp_path / "run" / "run.lock").is_file() and key in run_lock._held
     first.abandon()
-    assert not (tmp_path / "run").exists() and not run_lock._held
+    assert not (tmp_path / "run").exists() and key not in run_lock._held
+    third = RunDir(tmp_path / "run", main=True)
+    assert key in run_lock._held
+    del third  # a Trainer let go of in a notebook: its directory is free again
+    gc.collect()
+    assert key not in run_lock._held and (tmp_path / "run" / "run.lock").read_text() == ""

@@ -23,6 +23,7 @@ import json
 import os
 import re
 import shutil
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +50,8 @@ class RunDir:
         """Rank 0: the one rank that writes records."""
         self._made: list[Path] = []
         """What taking the directory created (its missing parents, itself, run.lock), outermost first."""
-        self._took = False
-        """Whether this object took the directory's lock (not a `RunDir` before it in this process)."""
+        self._release: weakref.finalize | None = None
+        """Gives this object's hold on the lock back, once: at `release`, or when it is collected."""
         if main:
             check_directory(self.path, "Run directory", FIX)
             if checkpoint_bytes:
@@ -70,7 +71,8 @@ class RunDir:
             self._made.append(self.path / run_lock.LOCK_FILE)
         try:
             self.path.mkdir(parents=True, exist_ok=True)
-            self._took = run_lock.acquire(self.path)
+            run_lock.acquire(self.path)
+            self._release = weakref.finalize(self, run_lock.release, self.path)
         except OSError as e:
             self.abandon()
             raise ConfigError(f"Run directory '{self.path}' is not writable ({e.strerror}). {FIX}.") from None
@@ -92,9 +94,8 @@ class RunDir:
 
     def release(self) -> None:
         """Give the directory up, the run over (run.lock stays, naming nobody)."""
-        if self._took:
-            run_lock.release(self.path)
-            self._took = False
+        if self._release is not None:
+            self._release()
 
     @property
     def metrics_file(self) -> Path:

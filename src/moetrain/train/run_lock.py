@@ -12,7 +12,8 @@ On a file system without flock (Lustre mounted noflock, some NFS set-ups) the ow
 names is checked instead: a process of this host that is gone, or whose pid a later process
 took, does not keep the directory; one on another host is taken at its word, and the refusal
 says how to clear it. A process takes a directory it holds already without a second lock (a
-notebook or a test that builds a `Trainer` again on its run).
+notebook or a test that builds a `Trainer` again on its run): the lock is counted, and goes when
+its last holder releases it.
 """
 
 from __future__ import annotations
@@ -32,18 +33,19 @@ from moetrain.errors import ConfigError
 
 LOCK_FILE = "run.lock"
 
-_held: dict[Path, int] = {}
-"""Run directories (resolved) this process holds: the lock file's descriptor."""
+_held: dict[Path, list[int]] = {}
+"""Run directories (resolved) this process holds: [the lock file's descriptor, holders]."""
 
 _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
 
-def acquire(run_dir: Path) -> bool:
+def acquire(run_dir: Path) -> None:
     """Take `run_dir` (an existing directory) for this process, or raise `ConfigError` naming
-    the live run that holds it and the ways out. False: this process held it already."""
+    the live run that holds it and the ways out. Each `acquire` is matched by one `release`."""
     key = run_dir.resolve()
     if key in _held:
-        return False
+        _held[key][1] += 1
+        return
     fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -57,14 +59,18 @@ def acquire(run_dir: Path) -> bool:
             raise ConfigError(_in_use(run_dir, owner, locked=e.errno == errno.EWOULDBLOCK)) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps(_me()) + "\n").encode(), 0)
-    _held[key] = fd
-    return True
+    _held[key] = [fd, 1]
 
 
 def release(run_dir: Path) -> None:
-    """Give `run_dir` up (its lock file stays, emptied: nobody is named as its owner)."""
-    fd = _held.pop(run_dir.resolve(), None)
-    if fd is not None:
+    """One holder gives `run_dir` up; with the last, the lock goes (its file stays, emptied:
+    nobody is named as its owner)."""
+    key = run_dir.resolve()
+    if key not in _held:
+        return
+    _held[key][1] -= 1
+    if _held[key][1] == 0:
+        fd = _held.pop(key)[0]
         os.ftruncate(fd, 0)
         os.close(fd)
 
