@@ -1,5 +1,5 @@
 """Generation with and without the KV cache on CPU: the same greedy tokens, timed
-(docs/benchmarks.md, "Generation with a KV cache").
+(docs/benchmarks.md, "On the CPU").
 
 Without --checkpoint, trains `tiny` for a few steps at --seq-len into a temporary run directory
 (on data/default: `make data`), so that the prompt and every new token fit its context: past the

@@ -71,7 +71,7 @@ MEASURED = [
 
 
 # The same shapes with the chunked loss (train.loss_chunk_tokens: 4096 on CUDA by default),
-# docs/benchmarks.md "The chunked LM loss"; predicted before they were measured.
+# docs/benchmarks.md "Memory"; predicted before they were measured.
 MEASURED_CHUNKED_LOSS = [
     ("bench-8e", 1, [], 80.30),
     ("bench-tiny64e-l6", 1, [], 77.31),
@@ -777,7 +777,7 @@ def test_the_planner_suggests_cp_for_long_sequences_only():
 
 
 # One cp rank of long-small32e-64k rehearsed on one H200: (overrides, compute s, peak GiB).
-# docs/benchmarks.md, "Context parallelism: one cp rank of long-small32e-64k".
+# docs/benchmarks.md, "Rehearsed".
 REHEARSED_CP = [
     ([], 2.003, 48.8),
     (["data.seq_len=131072"], 6.902, 68.4),
@@ -793,7 +793,7 @@ def test_rehearsed_cp_ranks_are_within_10_percent(overrides, compute_s, peak_gib
 
 # Muon's optimizer step and the training step (the rehearsed rank's compute) on one H200:
 # (preset, gpus, overrides, optimizer s, step or compute s).
-# docs/benchmarks.md, "Muon's step on the H200".
+# docs/benchmarks.md, "Muon against AdamW".
 MEASURED_MUON = [
     ("bench-tiny64e-l6", 1, [], 0.5427, 0.7034),
     ("bench-8e", 1, [], 0.8195, 1.0992),

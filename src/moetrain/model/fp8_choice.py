@@ -8,7 +8,7 @@ its quantizers' passes and, above all, the host time of an eager island in a com
 (each FP8 product is one: src/moetrain/model/fp8.py), about 1.6 ms per linear's forward and backward
 on the H200 machine, against 0.3 ms of device time at 8192 × 4096 × 4096. A grouped GEMM with
 few rows per expert gains little from FP8 tensor cores as well. Measured product by product
-(`benchmarks/probes/fp8_choice_probe.py`, docs/benchmarks.md "FP8, product by product"), FP8
+(`benchmarks/probes/fp8_choice_probe.py`, docs/measurements.md "FP8, product by product"), FP8
 pays where a product's forward and backward multiply at least `MIN_TFLOP` of its kind and, for
 the experts, each expert gets at least `MIN_ROWS_PER_EXPERT` rows; below either, it costs time.
 The LM head is judged as a linear of its shape (`choose_head`) unless `train.fp8_lm_head` is set. The choice
@@ -30,7 +30,7 @@ queue full, the 0.8-TFLOP ones pay too (bench-8e: FP8 on its attention q/o and s
 (bench-tiny64e-l6's model was slower with them). Expert layers carry more fixed cost per call
 (all E experts' weights quantized twice, six quantizer passes, and by default the weight
 gradient, a third of the FLOPs, stays bf16): at 1.2 TFLOP bench-small32e's model was slower with them (164.7
-against 147.9 ms), at 9.9 bench-8e's faster (docs/benchmarks.md, "FP8, product by product")."""
+against 147.9 ms), at 9.9 bench-8e's faster (docs/measurements.md, "FP8, product by product")."""
 
 MIN_ROWS_PER_EXPERT = 2048
 """Mean rows per expert below which the FP8 expert layer does not pay (the probe: 4096 rows gave

@@ -8,7 +8,7 @@ the two moments (fp32 or bf16), and writes all but the gradient back: for a spli
 moments 16 bytes read (14 with a bf16 gradient), 12 written, as torch's fused fp32 AdamW; one
 launch per tensor (`adamw_triton`), or, over a split master's flat buffers, one per gradient
 dtype (`adamw_triton_flat`, which finds each gradient through a table of addresses: 256 launches
-kept bench-small32e's update host-bound, docs/benchmarks.md "The optimizer's launches"). The
+kept bench-small32e's update host-bound, docs/measurements.md "The optimizer's launches"). The
 sum of squares runs one launch per dtype the same way. The bias corrections (from the step
 count), the clipping factor and the skip decision are read from device memory, so the host never
 waits. The arithmetic is

@@ -8,7 +8,7 @@ import dataclasses
 @dataclasses.dataclass(frozen=True)
 class Assumptions:
     """The time and memory model's constants. Each one's measurement, with its figures, date,
-    machine, commit and command: docs/benchmarks.md, "The planner's calibration"."""
+    machine, commit and command: docs/measurements.md, "The planner's calibration"."""
 
     gemm_eff: float = 0.72
     """GEMM + attention FLOP/s as a fraction of the dense BF16 peak. Measured: bench-8e's profile
