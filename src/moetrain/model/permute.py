@@ -81,9 +81,13 @@ def _weighted_sum_backward(grad_ND, y_MD, w_NK, sort_idx_M, inv_NK) -> tuple[tor
     grad_NKD = grad_ND.unsqueeze(1) * w_NK.unsqueeze(-1).to(y_MD.dtype)
     grad_y_MD = grad_NKD.view(N * K, -1).index_select(0, sort_idx_M)
     y_NKD = y_MD.index_select(0, inv_NK.flatten()).view(N, K, -1)
-    # In fp32 whatever y's dtype (no-ops on fp32): the router's gradient is not rounded to bf16.
-    grad_w_NK = (grad_ND.unsqueeze(1).float() * y_NKD.float()).sum(-1).to(w_NK.dtype)
-    return grad_y_MD, grad_w_NK
+    return grad_y_MD, weight_grad(grad_ND, y_NKD, w_NK.dtype)
+
+
+def weight_grad(grad_ND: torch.Tensor, y_NKD: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The top-k weights' gradient ⟨y_NKD, grad_y⟩, summed in fp32 whatever y's dtype (no-ops on
+    fp32): the router's gradient is not rounded to bf16."""
+    return (grad_ND.unsqueeze(1).float() * y_NKD.float()).sum(-1).to(dtype)
 
 
 class _Permute(torch.autograd.Function):

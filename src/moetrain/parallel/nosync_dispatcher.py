@@ -75,7 +75,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from moetrain.model.permute import fused, inverse_permutation
+from moetrain.model.permute import fused, inverse_permutation, weight_grad
 from moetrain.parallel.config import DEFAULT_CAPACITY_FACTOR, DEFAULT_SPILL_FACTOR
 from moetrain.parallel.exact_dispatchers import ExpertParallelDispatcher, wire_dtype_of
 
@@ -350,10 +350,7 @@ def _spread_grad(grad_ND, w_NK, src_S, filled_S, dtype: torch.dtype) -> torch.Te
     return grad_NKD.view(N * K, -1).index_select(0, src_S).masked_fill_(~filled_S.unsqueeze(-1), 0)
 
 
-@fused
-def _weight_grad(grad_ND, y_NKD, dtype: torch.dtype) -> torch.Tensor:
-    """grad_w = ⟨y_NKD, grad_y⟩ in fp32 (the router's gradient is not rounded to bf16)."""
-    return (grad_ND.unsqueeze(1).float() * y_NKD.float()).sum(-1).to(dtype)
+_weight_grad = fused(weight_grad)
 
 
 class _SendRows(torch.autograd.Function):

@@ -8,12 +8,10 @@ requeue while the first still runs) is refused with the owner the file names: ho
 time and command. The file stays after the run; removing it could let two runs each lock a
 different file of the same name.
 
-On a file system without flock (Lustre mounted noflock, some NFS set-ups) the owner the file
-names is checked instead: a process of this host that is gone, or whose pid a later process
-took, does not keep the directory; one on another host is taken at its word, and the refusal
-says how to clear it. A process takes a directory it holds already without a second lock (a
-notebook or a test that builds a `Trainer` again on its run): the lock is counted, and goes when
-its last holder releases it.
+On a file system without flock (Lustre mounted noflock, some NFS set-ups) nothing can be held:
+the run says so once and goes on unguarded. A process takes a directory it holds already
+without a second lock (a notebook or a test that builds a `Trainer` again on its run): the lock
+is counted, and goes when its last holder releases it.
 """
 
 from __future__ import annotations
@@ -49,14 +47,18 @@ def acquire(run_dir: Path) -> None:
     fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        owner = _read_owner(fd)
+        os.close(fd)
+        raise ConfigError(_in_use(run_dir, owner)) from None
     except OSError as e:
-        if e.errno not in (errno.EWOULDBLOCK, *_NO_FLOCK):
+        if e.errno not in _NO_FLOCK:
             os.close(fd)
             raise
-        owner = _read_owner(fd)
-        if e.errno == errno.EWOULDBLOCK or _alive(owner):
-            os.close(fd)
-            raise ConfigError(_in_use(run_dir, owner, locked=e.errno == errno.EWOULDBLOCK)) from None
+        print(
+            f"note: {run_dir}'s file system has no flock, so nothing keeps a second run out of it while this one runs.",
+            file=sys.stderr,
+        )
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps(_me()) + "\n").encode(), 0)
     _held[key] = [fd, 1]
@@ -80,7 +82,6 @@ def _me() -> dict[str, Any]:
     return {
         "host": socket.gethostname(),
         "pid": os.getpid(),
-        "process_start": _process_start(os.getpid()),
         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "command": command if len(command) <= 300 else command[:299] + "…",
     }
@@ -94,30 +95,7 @@ def _read_owner(fd: int) -> dict[str, Any]:
     return owner if isinstance(owner, dict) else {}
 
 
-def _process_start(pid: int) -> str | None:
-    """When process `pid` started, in clock ticks since boot (Linux); None where /proc is not."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
-def _alive(owner: dict[str, Any]) -> bool:
-    """Whether the owner a lock file names may still run (checked where flock is not)."""
-    if "pid" not in owner:
-        return False
-    if owner.get("host") != socket.gethostname():
-        return True
-    try:
-        os.kill(owner["pid"], 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError, TypeError):
-        return isinstance(owner["pid"], int)
-    return owner.get("process_start") in (None, _process_start(owner["pid"]))
-
-
-def _in_use(run_dir: Path, owner: dict[str, Any], locked: bool) -> str:
+def _in_use(run_dir: Path, owner: dict[str, Any]) -> str:
     pid, host = owner.get("pid"), owner.get("host")
     who = (
         f"pid {pid} on host {host}, since {owner.get('started', '?')} ({owner.get('command', '?')})"
@@ -125,14 +103,8 @@ def _in_use(run_dir: Path, owner: dict[str, Any], locked: bool) -> str:
         else "a process that has just taken it"
     )
     stop = f"stop it (kill {pid} on {host}: a run saves a checkpoint and ends on SIGTERM)" if pid else "stop it"
-    clear = (
-        ""
-        if locked
-        else f" This file system has no flock, so moetrain cannot see whether that run still lives: if it has ended, "
-        f"delete {run_dir / LOCK_FILE}."
-    )
     return (
         f"Run directory '{run_dir}' is in use by a live run: {who}. Two runs writing one directory would mix their "
         f"checkpoints and metrics, so this one stops before touching it. Wait for that run to end, {stop}, or pass "
-        f"another --run-dir.{clear}"
+        "another --run-dir."
     )
