@@ -306,19 +306,19 @@ class Trainer:
         """Rank 0 chooses the run directory (train.run_dir, else `default_run_dir(name, resume)`
         with a note for the header), checks it and takes it (`RunDir`); the other ranks take its
         answer or its refusal, so that none waits on a peer that stopped."""
-        run, answer = None, [None]
+        run, answer = None, None
         if self.par.is_main:
             try:
                 path, note = (cfg.train.run_dir, "") if cfg.train.run_dir is not None else default_run_dir(name, resume)
                 run = RunDir(path, main=True, **_checkpoint_need(cfg))
-                answer = [(str(path), note)]
+                answer = (str(path), note)
             except MoetrainError as e:
-                answer = [e]
+                answer = e
         if not self.par.rehearsed:
             answer = from_rank_0(answer)
-        if isinstance(answer[0], MoetrainError):
-            raise answer[0]
-        path, note = answer[0]
+        if isinstance(answer, MoetrainError):
+            raise answer
+        path, note = answer
         return path, note, run or RunDir(path, main=False)
 
     def profiler(self, out_dir: Path, wait: int | None = None, kinds_only: bool = False) -> StepProfiler:
