@@ -289,7 +289,9 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
         y_back_SD = funcol.all_to_all_single_autograd(
             _returned_rows(y_local_CD, state), splits, splits, group=self.ep_group
         )
-        return _CombineRows.apply(y_back_SD, topk_weights_NK, state.slot_NK, state.keep_NK, state.src_S, state.filled_S)
+        return _CombineRows.apply(
+            y_back_SD, topk_weights_NK, state.slot_NK, state.keep_NK, state.src_S, state.filled_S, None
+        )
 
     def dropped_tokens(self) -> torch.Tensor | None:
         """Assignments dropped in the last dispatch (device int64 scalar); None in the padded
@@ -333,12 +335,14 @@ def _gather_prefix_grad(grad_CD: torch.Tensor, inv_S: torch.Tensor) -> torch.Ten
 
 
 @fused
-def _combine_kept(y_SD, w_NK, slot_NK, keep_NK) -> tuple[torch.Tensor, torch.Tensor]:
-    """(each token's kept copies (N, K, D), their weighted sum (N, D)); by mask: the row of a
-    dropped copy (row 0) may be anything, NaN included."""
+def _combine_kept(y_SD, w_NK, slot_NK, keep_NK, add_ND) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each token's kept copies (N, K, D), their weighted sum (N, D), plus `add_ND` where given:
+    the shared expert's output, added in the same kernel); by mask: the row of a dropped copy
+    (row 0) may be anything, NaN included."""
     N, K = slot_NK.shape
     y_NKD = y_SD.index_select(0, slot_NK.flatten()).view(N, K, -1).masked_fill_(~keep_NK.unsqueeze(-1), 0)
-    return y_NKD, (y_NKD * w_NK.unsqueeze(-1).to(y_NKD.dtype)).sum(1)
+    y_ND = (y_NKD * w_NK.unsqueeze(-1).to(y_NKD.dtype)).sum(1)
+    return y_NKD, y_ND if add_ND is None else y_ND + add_ND
 
 
 @fused
@@ -400,13 +404,14 @@ class _Ungroup(torch.autograd.Function):
 
 
 class _CombineRows(torch.autograd.Function):
-    """y_ND[n] = Σ_k w[n, k] · y_SD[slot[n, k]], dropped copies adding nothing. Backward:
-    grad_y_SD[j] = w · grad_y at the assignment row j holds (zero for empty rows), and
-    grad_w = ⟨y_SD[slot], grad_y⟩ in fp32 (the router's gradient is not rounded to bf16)."""
+    """y_ND[n] = Σ_k w[n, k] · y_SD[slot[n, k]] (+ add_ND[n], where given), dropped copies adding
+    nothing. Backward: grad_y_SD[j] = w · grad_y at the assignment row j holds (zero for empty
+    rows), grad_w = ⟨y_SD[slot], grad_y⟩ in fp32 (the router's gradient is not rounded to bf16),
+    and add_ND's gradient is grad_y."""
 
     @staticmethod
-    def forward(ctx, y_SD, w_NK, slot_NK, keep_NK, src_S, filled_S):
-        y_NKD, y_ND = _combine_kept(y_SD, w_NK, slot_NK, keep_NK)
+    def forward(ctx, y_SD, w_NK, slot_NK, keep_NK, src_S, filled_S, add_ND):
+        y_NKD, y_ND = _combine_kept(y_SD, w_NK, slot_NK, keep_NK, add_ND)
         ctx.save_for_backward(y_NKD, w_NK, src_S, filled_S)
         return y_ND
 
@@ -415,7 +420,7 @@ class _CombineRows(torch.autograd.Function):
         y_NKD, w_NK, src_S, filled_S = ctx.saved_tensors
         grad_y_SD = _spread_grad(grad_ND, w_NK, src_S, filled_S, y_NKD.dtype) if ctx.needs_input_grad[0] else None
         grad_w_NK = _weight_grad(grad_ND, y_NKD, w_NK.dtype) if ctx.needs_input_grad[1] else None
-        return grad_y_SD, grad_w_NK, None, None, None, None
+        return grad_y_SD, grad_w_NK, None, None, None, None, grad_ND if ctx.needs_input_grad[6] else None
 
 
 def _ceil(x: float) -> int:

@@ -106,8 +106,7 @@ class OverlappedDispatcher(NoSyncDispatcher):
         keys_work.wait()
         keys_recv = [k.flatten() for k in keys_recv_RW.split(Ws, 1)]
         y_SD = self._experts_and_back(there, sent, keys_recv, plans, Cs, Ws, groups, experts)
-        y_ND = _CombineRows.apply(y_SD, route.topk_weights_NK, *combine_state)
-        return y_ND if shared_ND is None else y_ND + shared_ND
+        return _CombineRows.apply(y_SD, route.topk_weights_NK, *combine_state, shared_ND)
 
     def _route(self, topk_ids_NK: torch.Tensor):
         """Every chunk's plan (one all-gather of the counts for all of them), capacity C, block
