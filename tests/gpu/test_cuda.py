@@ -1087,7 +1087,8 @@ def test_the_fused_row_gathers_on_cuda_compute_the_eager_ones():
         (nd._gather_filled, (x_ND, src_S // K, filled_S, bf)),
         (nd._sum_kept, (y_SD, slot_NK, keep_NK, torch.float32)),
         (nd._gather_prefix_grad, (y_SD[:4000], inv_S)),
-        (nd._combine_kept, (y_SD, w_NK, slot_NK, keep_NK)),
+        (nd._combine_kept, (y_SD, w_NK, slot_NK, keep_NK, None)),
+        (nd._combine_kept, (y_SD, w_NK, slot_NK, keep_NK, x_ND)),  # the shared expert's output added
         (nd._spread_grad, (grad_ND, w_NK, src_S, filled_S, bf)),
         (nd._weight_grad, (grad_ND, y_MD.view(N, K, D), torch.float32)),
     ]
