@@ -17,7 +17,7 @@ rows=("one-S=sweep-8l-8 $L $S --train.micro_batch_size=4 --train.global_batch_si
       "one-bare=sweep-8l-8 $L --train.micro_batch_size=1 --train.global_batch_size=8"
       "ep8-bare=sweep-8l-8 $L $R8 --rank 0"
       "ep8-bare-128=sweep-8l-128 $L $R8"
-      "tiny-one=bench-tiny64e-l6 $T"
+      "tiny-one=bench-tiny64e-l6 --warmup 1 --steps 2"
       "tiny-ep2=bench-tiny64e-l6 $T --train.micro_batch_size=4 --train.global_batch_size=4 --parallel.ep=2 --rehearse 2 --rank 0"
       "tiny-ep4=bench-tiny64e-l6 $T --train.micro_batch_size=8 --train.global_batch_size=8 --parallel.ep=4 --rehearse 4 --rank 0"
       "ep8-S-128=sweep-8l-128 $L $S --train.micro_batch_size=32 --parallel.overlap_chunks=4 $R8")
