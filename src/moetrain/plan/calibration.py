@@ -21,20 +21,19 @@ class Assumptions:
     """Element-wise traffic as passes over each micro-batch's saved block activations (norms,
     RoPE, SwiGLU, routing, permutations), plus one pass over the logits and the loss's copies.
     Measured: bench-8e's profile on one H200."""
-    eager_ew_factor: float = 2.45
+    eager_ew_factor: float = 2.4
     """How many times longer the element-wise kernels of eager blocks take than the compiled passes
-    (unfused, fp32 intermediates): train.compile=false, or the exact all-to-all's graph break;
-    with the overlapped exchange (parallel.overlap_chunks) the experts' share runs eagerly in
-    compiled blocks too. Measured: bench-8e eager, and the rehearsed rank 0 of sweep-8l-8 at
-    dp8·ep8, on one H200."""
-    nosync_passes: float = 34.0
+    (unfused, fp32 intermediates): train.compile=false, or the exact all-to-all's graph break.
+    Measured: bench-8e eager and the reference layouts' rehearsals on one H200 (2.43–2.46, on
+    trees before the dispatchers' fused gathers), sweep-8l-8:4 and -128:4 bare on one H100 with
+    them (1.9–2.0): a value between, every row within 10%."""
+    nosync_passes: float = 9.0
     """The sync-free dispatcher's index and mask kernels at ep > 1 (the gathers into and out of the
     wire buffers, masking of the rows no token filled, the regroup by local expert, forward and
     backward) as passes over the routed rows it moves per MoE layer and micro-batch (wire rows ×
-    d_model × 2 B) at `hbm_eff`, where they run eagerly: in eager blocks and with the overlapped
-    exchange, which compile leaves out (compiled blocks without it fuse them; not counted).
-    Measured: the profiled rehearsal of rank 0 of sweep-8l-8 and -128 at dp8·ep8 on one H200
-   ."""
+    d_model × 2 B) at `hbm_eff`, where they run outside a compiled block: in eager blocks and with
+    the overlapped exchange (compiled blocks without it fuse them; not counted). Measured: the
+    profiled rehearsals of sweep-8l-8:4 and -128:4 at dp8·ep8 against one GPU on one H100."""
     link_eff: float = 0.33
     """Achieved fraction of a link's one-way bandwidth by NCCL's collectives. Measured: two H200s
     over NVLink."""

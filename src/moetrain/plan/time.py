@@ -299,14 +299,11 @@ def _cast_time(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume: A
 
 def _elementwise_time(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume: Assumptions) -> float:
     """Element-wise passes over the saved activations (eager blocks: `eager_ew_factor` times
-    theirs; with the overlapped exchange the experts' share runs eagerly in compiled blocks too),
-    the loss's, and the sync-free dispatcher's index and mask kernels at ep > 1 where they run
-    eagerly (eager blocks, or the overlapped exchange; compiled blocks fuse them)."""
+    theirs), the loss's, and the sync-free dispatcher's index and mask kernels at ep > 1 where
+    they run outside a compiled block (eager blocks, or the overlapped exchange, whose experts and
+    shared expert compile alone; compiled blocks fuse them)."""
     hbm = spec.hbm_bytes_s * assume.hbm_eff
-    if not compiled_blocks(cfg):
-        eager_bytes = rank.blocks_none
-    else:
-        eager_bytes = rank.experts_none if L.overlap_chunks and L.ep > 1 else 0.0
+    eager_bytes = 0.0 if compiled_blocks(cfg) else rank.blocks_none
     block_passes = assume.ew_passes * (rank.blocks_none + (assume.eager_ew_factor - 1) * eager_bytes)
     t_elementwise = L.micro_batches * (block_passes + rank.loss_traffic) / hbm
     eager_dispatch = not compiled_blocks(cfg) or L.overlap_chunks > 0
