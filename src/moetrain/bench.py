@@ -49,6 +49,7 @@ from moetrain.model.config import Routing
 from moetrain.model.counting import count_params
 from moetrain.optim.adamw import local_tensor
 from moetrain.parallel.rehearsal import LEDGER, is_rehearsal
+from moetrain.plan import device_capacity_floor
 from moetrain.presets import resolve_config
 from moetrain.train.console import rehearsal_notice
 from moetrain.train.cuda_graphs import JUDGED_REPLAYS
@@ -94,7 +95,7 @@ def run_bench(
         spec, overrides + BENCH_OVERRIDES + [f"train.run_dir={run_dir}", f"model.moe.routing={routings[0]}"]
     )
     rehearsal = None if rehearse is None else rehearse_mod.resolve(cfg, rehearse, rank)
-    trainer = Trainer(cfg, quiet=True, rehearsal=rehearsal)
+    trainer = Trainer(cfg, quiet=True, rehearsal=rehearsal, capacity_floor=device_capacity_floor)
     say = _say if progress and trainer.par.is_main else _say_nothing
     if rehearsal is not None:
         say(f"bench {spec}: REHEARSAL: {rehearsal_notice(trainer.par.dims, rehearsal.rank)}")

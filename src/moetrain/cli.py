@@ -29,13 +29,14 @@ from moetrain.errors import ConfigError, MoetrainError
 from moetrain.generation import generate
 from moetrain.hf import export_hf, export_replaces, import_hf, import_replaces
 from moetrain.inference import load_for_inference, text_loss, token_loss
-from moetrain.memory_advice import advice, layout_flags, plan_gpu
+from moetrain.memory_advice import advice, layout_flags
 from moetrain.model.counting import count_params, flops_per_token
 from moetrain.parallel.distributed import shutdown, unresponsive_ranks
 from moetrain.parallel.rehearsal import is_rehearsal
 from moetrain.plan import (
     MAX_GPUS,
     PEAK_ERROR,
+    device_capacity_floor,
     fewest_gpus,
     layout_legend,
     layouts_text,
@@ -43,6 +44,7 @@ from moetrain.plan import (
     more_gpus_json,
     more_gpus_text,
     plan,
+    plan_gpu,
     report,
     suggest,
     to_json,
@@ -268,7 +270,14 @@ def cmd_train(argv: list[str]) -> int:
         rehearsal = rehearse.resolve(_resolve(args, overrides), args.rehearse, args.rank)
     cfg = _resolve(args, overrides)
 
-    trainer = Trainer(cfg, resume=args.resume, quiet=args.quiet, name=run_name(args.spec), rehearsal=rehearsal)
+    trainer = Trainer(
+        cfg,
+        resume=args.resume,
+        quiet=args.quiet,
+        name=run_name(args.spec),
+        rehearsal=rehearsal,
+        capacity_floor=device_capacity_floor,
+    )
     try:
         summary = trainer.fit()
         if rehearsal is not None:

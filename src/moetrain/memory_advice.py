@@ -11,18 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from moetrain.plan import GPUS, MAX_GPUS, Layout, fewest_gpus, plan, suggest
+from moetrain.plan import MAX_GPUS, Layout, fewest_gpus, plan, suggest
 from moetrain.train.config import RunConfig
-
-
-def plan_gpu(device_name: str, capacity: int | None) -> str:
-    """The planner's GPU (h100, h200, …) for this device: by name, else the nearest in memory."""
-    for key in GPUS:
-        if key in device_name.lower():
-            return key
-    if capacity is None:
-        return "h200"
-    return min(GPUS, key=lambda k: abs(GPUS[k].memory_gib * 2**30 - capacity))
 
 
 def advice(cfg: RunConfig, world_size: int, gpu: str) -> str:

@@ -21,9 +21,8 @@ from typing import Any
 import torch
 
 from moetrain.errors import ConfigError
-from moetrain.memory_advice import plan_gpu
 from moetrain.parallel.rehearsal import Rehearsal
-from moetrain.plan import GPUS, Assumptions, plan
+from moetrain.plan import GPUS, Assumptions, plan, plan_gpu
 from moetrain.train import checkpoint as ckpt
 from moetrain.train.config import RunConfig
 from moetrain.train.console import describe_layout

@@ -8,7 +8,8 @@ import torch
 from conftest import tiny_overrides
 
 from moetrain.cli import main
-from moetrain.memory_advice import advice, layout_flags, plan_gpu
+from moetrain.memory_advice import advice, layout_flags
+from moetrain.plan import plan_gpu
 from moetrain.train import checkpoint as ckpt
 from moetrain.train import oom
 from moetrain.train.engine import TrainEngine

@@ -19,13 +19,15 @@ DEFAULT_CAPACITY_FACTOR: float | None = 1.25
 of 0.25, the capacity factor of Olmo-core's reference MoE runs), whatever ep, with counted drops
 beyond it; None is the padded mode (dropless whatever the routing, ep × the exact exchange)."""
 DEFAULT_CAPACITY_MIN_ROWS = 1024
-"""parallel.capacity_min_rows's default: each rank's experts get at least 1024 rows per MoE layer
-(R·C ≥ 1024). Few tokens route unevenly: a rank's balanced load of M assignments fluctuates by
-about √M under random routing (the 0.25 slack covers 4√M only from M = 256 on), and a young
-model's learned routing skews further (up to 1.4 × the mean on the numerics fingerprint's
-2-rank runs, M = 512). So below M ≈ 820 (1.25 M < 1024) the floor gives room, and every row
-where 1024 / R ≥ M: the padded mode's layout and numerics, at sizes where its buffers cost
-little. At GPU scale (M in the tens of thousands: 8192 tokens × top-4) it is inactive, at any ep."""
+"""parallel.capacity_min_rows where every row does not fit (auto): each rank's experts get
+at least 1024 rows per MoE layer (R·C ≥ 1024). Few tokens route unevenly: a rank's balanced load
+of M assignments fluctuates by about √M under random routing (the 0.25 slack covers 4√M only
+from M = 256 on), and a young model's learned routing skews further (up to 1.4 × the mean on the
+numerics fingerprint's 2-rank runs, M = 512). So below M ≈ 820 (1.25 M < 1024) the floor gives
+room, and every row where 1024 / R ≥ M."""
+EVERY_ROW = 2**40
+"""parallel.capacity_min_rows as "every row": C = M, the padded mode's layout and numerics
+(dropless whatever the routing) with capacity_factor kept for what a chunked exchange needs."""
 DEFAULT_SPILL_FACTOR = 0.125
 """parallel.spill_factor's default: a small spill, 1/8 of a pair's balanced share, on the wire."""
 MAX_ROW_FACTOR = 1024
@@ -129,11 +131,13 @@ class ParallelConfig(Config):
     sources' spill rows. Assignments that find no room are dropped (zero output) and counted in
     dropped_token_frac. null = the padded mode: dropless whatever the routing, at ep × the
     memory and bytes of the exact exchange (docs/architecture.md, "Dispatcher memory")."""
-    capacity_min_rows: int = non_negative(DEFAULT_CAPACITY_MIN_ROWS, at_most=2**40)
+    capacity_min_rows: int | None = non_negative(None, at_most=EVERY_ROW)
     """nosync only: the fewest rows a rank's experts get per MoE layer (C ≥ min_rows / ep per
-    source, never more than all M of a source's assignments), whatever capacity_factor gives.
-    The default keeps small micro-batches, whose routing fluctuates by more than the slack,
-    dropless; 0 = no floor."""
+    source, never more than all M of a source's assignments), whatever capacity_factor gives; 0 =
+    no floor. null (auto, the default): every row, so nothing is ever dropped, where the planner's
+    peak with those buffers fits the device's memory (one exchange per layer:
+    parallel.overlap_chunks ≤ 1), else 1024 (`moetrain.plan.capacity_floor`; the run says which
+    at start)."""
     spill_factor: float = non_negative(DEFAULT_SPILL_FACTOR, at_most=MAX_ROW_FACTOR)
     """nosync only: spill rows per (source, destination) pair beyond C, as a multiple of the
     balanced share (ceil(s · assignments / ep)); they carry a pair's overflow into the rows other
@@ -177,7 +181,7 @@ class ParallelConfig(Config):
             defaults = (
                 ("capacity_factor", DEFAULT_CAPACITY_FACTOR),
                 ("spill_factor", DEFAULT_SPILL_FACTOR),
-                ("capacity_min_rows", DEFAULT_CAPACITY_MIN_ROWS),
+                ("capacity_min_rows", None),
                 ("overlap_chunks", 0),
             )
             for name, default in defaults:

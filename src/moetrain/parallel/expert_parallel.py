@@ -14,7 +14,7 @@ import torch
 
 from moetrain.model.experts import GroupedExperts
 from moetrain.model.transformer import Transformer
-from moetrain.parallel.config import DispatcherKind, ParallelConfig
+from moetrain.parallel.config import DEFAULT_CAPACITY_MIN_ROWS, DispatcherKind, ParallelConfig
 from moetrain.parallel.dims import ParallelState
 from moetrain.parallel.exact_dispatchers import AllToAllDispatcher, DataParallelDispatcher
 from moetrain.parallel.nosync_dispatcher import NoSyncDispatcher
@@ -24,7 +24,9 @@ from moetrain.parallel.symm_dispatcher import SymmMemDispatcher
 
 def apply_expert_parallel(model: Transformer, state: ParallelState, cfg: ParallelConfig | None = None) -> None:
     """Give each MoE layer its rank's experts and a dispatcher that reaches the others. Run on the
-    meta device, before materializing: only the local experts are ever allocated."""
+    meta device, before materializing: only the local experts are ever allocated.
+    parallel.capacity_min_rows auto (None) is the trainer's to resolve for its device
+    (src/moetrain/train/engine.py); unresolved, it is the floor of 1024 rows."""
     cfg = cfg or ParallelConfig()
     dims = state.dims
     for moe in model.moe_layers():
@@ -35,7 +37,8 @@ def apply_expert_parallel(model: Transformer, state: ParallelState, cfg: Paralle
             with torch.device(old.w_down_EDF.device):
                 moe.experts = GroupedExperts(L, old.d_model, old.hidden, expert_offset=state.ep_rank * L)
             if cfg.dispatcher == DispatcherKind.nosync:
-                sizes = (cfg.capacity_factor, cfg.spill_factor, cfg.capacity_min_rows)
+                floor = DEFAULT_CAPACITY_MIN_ROWS if cfg.capacity_min_rows is None else cfg.capacity_min_rows
+                sizes = (cfg.capacity_factor, cfg.spill_factor, floor)
                 if cfg.overlap_chunks:
                     moe.dispatcher = OverlappedDispatcher(E, state.ep_group, state.dp_group, *sizes, cfg.overlap_chunks)
                 else:

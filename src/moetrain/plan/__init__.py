@@ -83,8 +83,8 @@ and MFU as ±25% (docs/measurements.md, "The planner against measured peaks" and
 tokens/s", compares them with measured runs)."""
 
 from moetrain.plan.calibration import Assumptions
-from moetrain.plan.estimate import PEAK_ERROR, Plan, plan
-from moetrain.plan.hardware import GIB, GPU, GPUS
+from moetrain.plan.estimate import DROPLESS_COST, PEAK_ERROR, Plan, capacity_floor, device_capacity_floor, plan
+from moetrain.plan.hardware import GIB, GPU, GPUS, plan_gpu
 from moetrain.plan.layout import (
     BUCKET_BYTES,
     LAYOUT_WORDS,
@@ -118,8 +118,11 @@ from moetrain.plan.time import (
 
 __all__ = [
     "Assumptions",
+    "capacity_floor",
+    "device_capacity_floor",
     "BUCKET_BYTES",
     "COMPUTE_PARTS",
+    "DROPLESS_COST",
     "EXPOSED_PARTS",
     "LAYOUT_WORDS",
     "MAX_GPUS",
@@ -150,6 +153,7 @@ __all__ = [
     "load_temporaries",
     "memory_per_rank",
     "plan",
+    "plan_gpu",
     "report",
     "rows_per_token",
     "save_temporaries",

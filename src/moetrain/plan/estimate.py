@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from moetrain.errors import ConfigError
-from moetrain.parallel.config import Stack
+from moetrain.parallel.config import DEFAULT_CAPACITY_MIN_ROWS, EVERY_ROW, DispatcherKind, Stack
 from moetrain.plan.calibration import Assumptions
-from moetrain.plan.hardware import GIB, GPU, GPUS
+from moetrain.plan.hardware import GIB, GPU, GPUS, device_memory
 from moetrain.plan.layout import Layout, ParamGroups, layout_of
 from moetrain.plan.memory import checkpoint_state_bytes, load_temporaries, memory_per_rank, save_temporaries
 from moetrain.plan.time import COMPUTE_PARTS, EXPOSED_PARTS, PEER_PARTS, communication, step_time
@@ -86,13 +88,63 @@ class Plan:
         return {k: self.time_s[k] for k in PEER_PARTS}
 
 
+DROPLESS_COST = 0.05
+"""parallel.capacity_min_rows auto takes every row on a GPU only where the planner's modelled
+step with those buffers is at most this much longer than with the bounded ones (on ep ranks
+every row means ep × the exact exchange's rows: 2.4× sweep-8l-8's modelled step at ep 8)."""
+
+
+def capacity_floor(
+    cfg: RunConfig, gpus: int, memory_bytes: float, gpu: str | None, assume: Assumptions = Assumptions()
+) -> tuple[int | None, str | None]:
+    """parallel.capacity_min_rows resolved on `gpus` devices of `memory_bytes` each, of the
+    planner's kind `gpu` (None: CPUs, which the time model does not cover), and why (None where
+    nothing was chosen): as set; unset where no sync-free exchange uses it; else, where it
+    exchanges once per layer under a capacity factor, every row (`EVERY_ROW`: dropless) if the
+    busiest rank's modelled peak with those buffers fits and, on a GPU, its modelled step is at
+    most `DROPLESS_COST` longer than with 1024 rows; else 1024 (`DEFAULT_CAPACITY_MIN_ROWS`)."""
+    p = cfg.parallel
+    if p.capacity_min_rows is not None or p.ep == 1 or p.dispatcher != DispatcherKind.nosync:
+        return p.capacity_min_rows, None
+    if p.capacity_factor is None or p.overlap_chunks > 1:
+        return DEFAULT_CAPACITY_MIN_ROWS, None
+
+    def with_rows(rows: int) -> RunConfig:
+        return dataclasses.replace(cfg, parallel=dataclasses.replace(p, capacity_min_rows=rows))
+
+    every = with_rows(EVERY_ROW)
+    peak = max(r.peak for r in memory_per_rank(every, layout_of(every, gpus), ParamGroups.of(cfg.model), assume))
+    if peak > memory_bytes:
+        return (
+            DEFAULT_CAPACITY_MIN_ROWS,
+            f"every row would need a modelled {peak / GIB:.1f} GiB of {memory_bytes / GIB:.1f}",
+        )
+    if gpu is not None:
+        slower = (
+            plan(every, gpus, gpu, assume).step_time_s
+            / plan(with_rows(DEFAULT_CAPACITY_MIN_ROWS), gpus, gpu, assume).step_time_s
+            - 1
+        )
+        if slower > DROPLESS_COST:
+            return DEFAULT_CAPACITY_MIN_ROWS, f"every row would make the modelled step {slower:.0%} longer"
+    return EVERY_ROW, f"the buffers' modelled peak {peak / GIB:.1f} GiB fits {memory_bytes / GIB:.1f}"
+
+
+def device_capacity_floor(cfg: RunConfig, gpus: int, device: torch.device) -> tuple[int | None, str | None]:
+    """`capacity_floor` on `gpus` devices like `device` (what `Trainer` takes as capacity_floor)."""
+    return capacity_floor(cfg, gpus, *device_memory(device))
+
+
 def plan(cfg: RunConfig, gpus: int, gpu: str, assume: Assumptions = Assumptions()) -> Plan:
     """Memory, communication and step time of `cfg` on `gpus` GPUs of kind `gpu`."""
     if gpu not in GPUS:
         raise ConfigError(f"--gpu={gpu!r} is not one the planner knows: choose one of {', '.join(GPUS)}.")
     if gpus <= 0:
         raise ConfigError(f"--gpus={gpus} must be a positive number of GPUs.")
-    spec, L = GPUS[gpu], layout_of(cfg, gpus)
+    spec = GPUS[gpu]
+    rows, _ = capacity_floor(cfg, gpus, spec.memory_gib * GIB, gpu, assume)
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, capacity_min_rows=rows))
+    L = layout_of(cfg, gpus)
     groups = ParamGroups.of(cfg.model)
     ranks = memory_per_rank(cfg, L, groups, assume)
     busiest = max(ranks, key=lambda r: r.peak)  # the first of equal peaks

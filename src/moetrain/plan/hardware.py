@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+
+import torch
 
 GIB = 2**30
 
@@ -33,3 +36,23 @@ GPUS: dict[str, GPU] = {
     # B300 288 GB (275 GiB usable, as Olmo-core reports it): ConnectX-8 800 Gb/s per GPU.
     "b300": GPU("B300", 275.0, 2250e12, 8.0e12, 900e9, 100e9),
 }
+
+
+def plan_gpu(device_name: str, capacity: int | None) -> str:
+    """The planner's GPU (h100, h200, …) for this device: by name, else the nearest in memory."""
+    for key in GPUS:
+        if key in device_name.lower():
+            return key
+    if capacity is None:
+        return "h200"
+    return min(GPUS, key=lambda k: abs(GPUS[k].memory_gib * 2**30 - capacity))
+
+
+def device_memory(device: torch.device) -> tuple[float, str | None]:
+    """What a run can allocate on `device` (a GPU's memory less 1.5 GiB of CUDA context and NCCL
+    buffers, as `GPU.memory_gib` counts it, or the machine's RAM), and the planner's GPU for it
+    (None on a CPU)."""
+    if device.type != "cuda":
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), None
+    total = torch.cuda.get_device_properties(device).total_memory
+    return total - 1.5 * GIB, plan_gpu(torch.cuda.get_device_name(device), total)

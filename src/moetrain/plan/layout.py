@@ -14,7 +14,7 @@ import torch
 from moetrain.model.config import TransformerConfig
 from moetrain.model.experts import GroupedExperts
 from moetrain.optim.muon import muon_matrices
-from moetrain.parallel.config import DispatcherKind, Stack
+from moetrain.parallel.config import DEFAULT_CAPACITY_MIN_ROWS, DispatcherKind, Stack
 from moetrain.parallel.nosync_dispatcher import block_rows, capacity_rows
 from moetrain.train.config import RunConfig
 
@@ -37,7 +37,8 @@ class Layout:
     spill_factor: float
     """nosync: spill rows per pair on the wire beyond the capacity, ÷ the balanced share."""
     capacity_min_rows: int
-    """nosync: the fewest rows a rank's experts get (parallel.capacity_min_rows)."""
+    """nosync: the fewest rows a rank's experts get (parallel.capacity_min_rows: auto resolved
+    by `plan`, or unresolved 1024, as `apply_expert_parallel` builds it)."""
     overlap_chunks: int
     """nosync: parallel.overlap_chunks (0: the all-to-alls are exposed)."""
     recompute: str
@@ -237,7 +238,7 @@ def layout_of(cfg: RunConfig, gpus: int) -> Layout:
         dispatcher=p.dispatcher.value,
         capacity_factor=p.capacity_factor,
         spill_factor=p.spill_factor,
-        capacity_min_rows=p.capacity_min_rows,
+        capacity_min_rows=DEFAULT_CAPACITY_MIN_ROWS if p.capacity_min_rows is None else p.capacity_min_rows,
         overlap_chunks=p.overlap_chunks if p.dispatcher == DispatcherKind.nosync else 0,
         recompute=tc.recompute.value,
         recompute_every=tc.recompute_every,

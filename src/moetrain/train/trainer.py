@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,8 @@ from moetrain.config import load_yaml
 from moetrain.errors import CheckpointError, MoetrainError
 from moetrain.model.counting import count_params
 from moetrain.optim.schedule import lr_at
+from moetrain.parallel.config import EVERY_ROW, ParallelConfig
+from moetrain.parallel.dims import ParallelState
 from moetrain.parallel.distributed import from_rank_0
 from moetrain.parallel.rehearsal import Rehearsal
 from moetrain.train import checkpoint as ckpt
@@ -54,18 +57,22 @@ class Trainer:
         quiet: bool = False,
         name: str = "run",
         rehearsal: Rehearsal | None = None,
+        capacity_floor: CapacityFloor | None = None,
     ):
         """Build the run on this rank (every rank of a torchrun launch does the same); with
         `resume`, continue from the run directory's newest complete checkpoint. Without
         train.run_dir the run directory is `default_run_dir(name, resume)` (`moetrain train`
         passes the preset's or YAML file's name); `self.cfg` holds the one chosen. With
-        `rehearsal`, this process is that one rank of that world (src/moetrain/parallel/rehearsal.py)."""
+        `rehearsal`, this process is that one rank of that world (src/moetrain/parallel/rehearsal.py).
+        `capacity_floor` resolves parallel.capacity_min_rows auto (`moetrain train` and `bench`
+        pass the planner's; without one, auto is 1024 rows)."""
         if cfg.train.wandb:
             require_wandb()
         runtime = setup_runtime(cfg, rehearsal)
         self.device, self.par = runtime.device, runtime.par
         self.quiet = quiet or not self.par.is_main
         run_dir, note, self.run = self._take_run_dir(cfg, name, resume)
+        self._capacity_floor = capacity_floor
         self.cfg = cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, run_dir=run_dir))
         try:
             self._build(resume)
@@ -90,7 +97,10 @@ class Trainer:
             dp_rank=self.par.dp_rank,
             dp_size=self.par.dims.dp,
         )
-        self.engine = TrainEngine(cfg, self.par, self.device, eos_id=self.loader.eos_id)
+        parallel, capacity_note = _resolved_capacity(cfg, self.par, self.device, self._capacity_floor)
+        self.engine = TrainEngine(
+            dataclasses.replace(cfg, parallel=parallel), self.par, self.device, self.loader.eos_id
+        )
         self.evaluator = Evaluator(cfg, self.par.dp_rank, self.par.dims.dp)
         self.checkpointing = Checkpointing()
         self.callbacks: list[Callback] = callbacks_from_config(cfg, self.run.path, self.evaluator, self.checkpointing)
@@ -100,7 +110,7 @@ class Trainer:
         self.resumed_from: Path | None = None
         self.summary: dict[str, Any] = {}
         self._stopping = False
-        self._notes: list[str] = []
+        self._notes: list[str] = [capacity_note] if capacity_note else []
         self.finished_at: int | None = None
         """With `resume`: the step of a checkpoint at or past train.steps (nothing left to do)."""
         if resume:
@@ -356,3 +366,30 @@ def _checkpoint_need(cfg: RunConfig) -> dict[str, Any]:
         "checkpoint_detail": f"a checkpoint of this run ({params / 1e6:,.1f}M parameters × {4 + optimizer} bytes: "
         "fp32 weights and AdamW's two moments)",
     }
+
+
+CapacityFloor = Callable[[RunConfig, int, torch.device], tuple[int | None, str | None]]
+"""Resolves parallel.capacity_min_rows auto for a config on a world of devices like this one:
+(rows, why). `moetrain train` and `bench` pass the planner's (`moetrain.plan.device_capacity_floor`)."""
+
+
+def _resolved_capacity(
+    cfg: RunConfig, par: ParallelState, device: torch.device, floor: CapacityFloor | None
+) -> tuple[ParallelConfig, str | None]:
+    """cfg.parallel with capacity_min_rows auto resolved by `floor` (rank 0's answer on every
+    rank, so every rank sizes the exchange alike), and a line saying what it chose and why (None
+    where nothing was chosen). Without `floor`, auto stays for `apply_expert_parallel`: 1024 rows."""
+    p = cfg.parallel
+    if p.capacity_min_rows is not None or floor is None:
+        return p, None
+    choice = floor(cfg, par.dims.world_size, device) if par.is_main else None
+    rows, why = choice if par.rehearsed else from_rank_0(choice)
+    resolved = dataclasses.replace(p, capacity_min_rows=rows)
+    if why is None:
+        return resolved, None
+    if rows == EVERY_ROW:
+        return resolved, f"parallel.capacity_min_rows=auto: every row, no expert assignment dropped ({why})"
+    return resolved, (
+        f"parallel.capacity_min_rows=auto: {rows} rows ({why}): assignments beyond parallel.capacity_factor="
+        f"{p.capacity_factor} x the balanced load are dropped, counted in dropped_token_frac"
+    )
