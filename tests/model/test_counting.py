@@ -1,5 +1,6 @@
 """Parameter counts of the reference presets against the published table (within 0.5%)."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -54,3 +55,21 @@ def test_peak_flops_table():
     assert peak_flops("NVIDIA H100 80GB HBM3") == 989.4e12
     assert peak_flops("NVIDIA GH200 480GB") == 989.4e12
     assert peak_flops(None) is None and peak_flops("Some GPU") is None
+
+
+def test_multi_token_prediction_modules_count_as_parameters_and_flops():
+    """tiny with model.mtp_depth = 2: each module's two norms, its 2D → D projection and its
+    dense block are parameters (558,208 of them, all active: every token runs them), and each
+    token's FLOPs grow by theirs, the LM head's two more passes and two more blocks' attention."""
+    from moetrain.model.counting import flops_per_token
+
+    base, mtp = preset("tiny").model, dataclasses.replace(preset("tiny").model, mtp_depth=2)
+    D, hd, H, G, F = base.d_model, base.resolved_head_dim, base.n_heads, base.n_kv_heads, base.resolved_dense_hidden
+    attention = 2 * D * H * hd + 2 * D * G * hd + (2 * hd if base.qk_norm else 0)
+    block = attention + D * (4 if base.peri_norm else 2) + 3 * D * F
+    module = 2 * D + 2 * D * D + block
+    plain, more = count_params(base), count_params(mtp)
+    assert more.total - plain.total == more.active - plain.active == 2 * module == 558_208
+    seq = 256
+    extra = 6 * (2 * module + 2 * base.vocab_size * D) + 12 * 2 * H * hd * seq
+    assert flops_per_token(mtp, seq) - flops_per_token(base, seq) == extra

@@ -1,11 +1,14 @@
-"""Parameter and FLOP counts, computed from the config alone (no model is built, so the
-trillion-parameter presets count instantly).
+"""Parameter and FLOP counts of a config, counted on a meta-device build of its model (no memory
+is allocated: the trillion-parameter presets count in a fraction of a second), so every module
+the model has counts, the multi-token-prediction modules included.
 
 FLOPs follow Olmo-core's formula so figures compare directly:
     flops_per_token = 6 × active non-embedding parameters      (LM head included)
                     + 12 × layers × heads × head_dim × seq_len  (attention scores and values)
 The attention term counts the full T×T score matrix; a causal-aware count halves it
-(`causal_halved=True`). MFU is always reported with the full (Olmo-core's) count.
+(`causal_halved=True`). MFU is always reported with the full (Olmo-core's) count. With
+model.mtp_depth = K, each token also runs K more blocks and K more passes of the shared LM head
+(src/moetrain/model/mtp.py): they count as layers and as active parameters K times more.
 """
 
 from __future__ import annotations
@@ -25,33 +28,24 @@ class ParamCounts:
 
 
 def count_params(cfg: TransformerConfig) -> ParamCounts:
-    D, hd, moe = cfg.d_model, cfg.resolved_head_dim, cfg.moe
-    attn = D * cfg.n_heads * hd * 2 + D * cfg.n_kv_heads * hd * 2
-    if cfg.qk_norm:
-        attn += 2 * hd
-    norms = D * (4 if cfg.peri_norm else 2)
-    dense_block = attn + norms + 3 * D * cfg.resolved_dense_hidden
-    expert = 3 * D * moe.expert_hidden
-    shared = 3 * D * moe.shared_hidden
-    router = moe.num_experts * D
-    moe_block_total = attn + norms + router + shared + moe.num_experts * expert
-    moe_block_active = attn + norms + router + shared + moe.top_k * expert
-    embedding = cfg.vocab_size * D
-    outside = embedding + D + cfg.vocab_size * D  # embedding, final norm, LM head
-    n_dense, n_moe = cfg.num_dense_layers, cfg.num_moe_layers
-    total = outside + n_dense * dense_block + n_moe * moe_block_total
-    active = outside + n_dense * dense_block + n_moe * moe_block_active
-    return ParamCounts(total=total, active=active, embedding=embedding)
+    model = cfg.build(device="meta")
+    total = sum(p.numel() for p in model.parameters())
+    idle = 0  # each MoE layer's routed experts a token is not sent to
+    for moe in model.moe_layers():
+        per_expert = sum(p.numel() for p in moe.experts.parameters()) // moe.cfg.num_experts
+        idle += (moe.cfg.num_experts - moe.cfg.top_k) * per_expert
+    return ParamCounts(total=total, active=total - idle, embedding=model.embed.weight.numel())
 
 
 def flops_per_token(cfg: TransformerConfig, seq_len: int, causal_halved: bool = False, attention: bool = True) -> int:
     """Training FLOPs (forward + backward) per token, Olmo-core's formula (`attention=False`:
     without its attention term)."""
     counts = count_params(cfg)
-    attention = 12 * cfg.n_layers * cfg.n_heads * cfg.resolved_head_dim * seq_len if attention else 0
+    layers, mtp_heads = cfg.n_layers + cfg.mtp_depth, cfg.mtp_depth * cfg.vocab_size * cfg.d_model
+    attention = 12 * layers * cfg.n_heads * cfg.resolved_head_dim * seq_len if attention else 0
     if causal_halved:
         attention //= 2
-    return 6 * (counts.active - counts.embedding) + attention
+    return 6 * (counts.active - counts.embedding + mtp_heads) + attention
 
 
 # Dense BF16 tensor-core peaks (FLOP/s, no sparsity) for MFU. Matched by substring of the CUDA
