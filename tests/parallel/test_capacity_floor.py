@@ -1,9 +1,9 @@
 """The sync-free dispatcher's capacity: each source's C = 1.25 × a pair's balanced share, with the
 rank's experts' R·C at least parallel.capacity_min_rows, and C at most all of a source's M
-assignments. The floor's default (auto) is every row, which never drops, where the planner
-finds those buffers fit the device and, on a GPU, cost at most 5% of the modelled step; else
-1024 rows. At GPU scale 1024 is inactive (1.25 × the exact dispatcher's rows, whatever ep); a
-small micro-batch gets every row either way. The planner and the dispatcher use one formula."""
+assignments. The floor's default (auto) is every row, which never drops, on CPUs where the
+planner finds those buffers fit the machine's memory; else, and on GPUs, 1024 rows. At GPU
+scale 1024 is inactive (1.25 × the exact dispatcher's rows, whatever ep); a small micro-batch
+gets every row either way. The planner and the dispatcher use one formula."""
 
 import math
 
@@ -20,10 +20,10 @@ def test_the_default_is_bounded_with_an_automatic_floor():
     assert (DEFAULT_CAPACITY_FACTOR, DEFAULT_CAPACITY_MIN_ROWS) == (1.25, 1024)
 
 
-def test_auto_takes_every_row_where_it_fits_and_costs_little():
-    """`capacity_floor`: the README's CPU example (tiny, dp4·ep2) gets every row; on an H100 the
-    same run would pay 23% of its modelled step for them and sweep-8l-8 at ep8 136%, so there
-    the floor is 1024; so it is where every row does not fit, with a chunked exchange (n × the
+def test_auto_takes_every_row_on_a_cpu_where_it_fits():
+    """`capacity_floor`: the README's CPU example (tiny, dp4·ep2) gets every row; on a GPU the
+    floor is 1024 (the planner models every row at +23% of this run's step on an H100, +136% of
+    sweep-8l-8's at ep8); so it is where every row does not fit, with a chunked exchange (n × the
     buffers), and without a bound to lift; a value set is kept."""
     from moetrain.plan import GIB, capacity_floor
     from moetrain.presets import resolve_config
@@ -32,7 +32,7 @@ def test_auto_takes_every_row_where_it_fits_and_costs_little():
     rows, why = capacity_floor(tiny, 4, 64 * GIB, None)
     assert rows == EVERY_ROW and "fits" in why
     rows, why = capacity_floor(tiny, 4, 64 * GIB, "h100")
-    assert rows == 1024 and "modelled step" in why
+    assert rows == 1024 and "on a GPU" in why
     assert capacity_floor(tiny, 4, 0.5 * GIB, None)[0] == 1024  # needs a modelled 1.1 GiB
     sweep = resolve_config("sweep-8l-8", ["parallel.ep=8", "model.n_layers=4"])
     assert capacity_floor(sweep, 8, 78 * GIB, "h100")[0] == 1024

@@ -115,8 +115,8 @@ def test_under_torchrun_every_rank_of_the_second_launch_stops_with_the_owner(rea
         second = launch(real_text_dir, run, "train.steps=100000", world=2, resume=True)
         _, err = second.communicate(timeout=180)
         assert second.returncode != 0
-        refusals = [line for line in err.splitlines() if line.startswith("error: Run directory")]
-        assert len(refusals) == 2 and f"pid {owner['pid']} on host" in refusals[0], err[-3000:]
+        # one refusal per rank; torchrun's threads that copy the ranks' output may interleave them
+        assert err.count("error: Run directory") == 2 and f"pid {owner['pid']} on host" in err, err[-3000:]
         assert "a collective failed" not in err, err[-3000:]  # rank 1 is told, not left waiting on rank 0
         assert first.poll() is None
     finally:

@@ -27,7 +27,20 @@ class ParamCounts:
     """Input embedding (excluded from FLOPs; the LM head is not excluded)."""
 
 
+_COUNTED: dict[str, ParamCounts] = {}
+"""Counts by the config's repr (the planner asks for one config's many times)."""
+
+
 def count_params(cfg: TransformerConfig) -> ParamCounts:
+    key = repr(cfg)
+    if key not in _COUNTED:
+        if len(_COUNTED) >= 64:
+            _COUNTED.clear()
+        _COUNTED[key] = _count(cfg)
+    return _COUNTED[key]
+
+
+def _count(cfg: TransformerConfig) -> ParamCounts:
     model = cfg.build(device="meta")
     total = sum(p.numel() for p in model.parameters())
     idle = 0  # each MoE layer's routed experts a token is not sent to

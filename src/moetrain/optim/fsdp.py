@@ -6,11 +6,11 @@ reduced shards it hands over are fp32, so torch AdamW updates them as it does wi
 On one rank FSDP shards nothing and reduces nothing: the bf16 gradients are then kept here, in a
 `GradStore` (src/moetrain/optim/grad_store.py), as the replicated optimizer keeps them at dp = 1.
 
-With optim.name=muon the blocks' matrices step by Muon (`FSDPMuon` below; the update's formulas in src/moetrain/optim/muon.py): each
-rank keeps the momentum of its shard (dim-0 rows). The experts' stacked tensors are sharded along
-the experts, so a rank orthogonalizes the whole experts it holds where they are; the other
-matrices are sharded by rows, so their direction is all-gathered and each rank runs the
-iteration on the whole matrix and keeps its rows."""
+With optim.name=muon the blocks' matrices step by Muon (`FSDPMuon` below; the update's formulas
+in src/moetrain/optim/muon.py): each rank keeps the momentum of its shard (dim-0 rows). The
+experts' stacked tensors are sharded along the experts, so a rank orthogonalizes the whole
+experts it holds where they are; the other matrices are sharded by rows, so their direction is
+all-gathered and each rank runs the iteration on the whole matrix and keeps its rows."""
 
 from __future__ import annotations
 

@@ -134,10 +134,11 @@ class ParallelConfig(Config):
     capacity_min_rows: int | None = non_negative(None, at_most=EVERY_ROW)
     """nosync only: the fewest rows a rank's experts get per MoE layer (C ≥ min_rows / ep per
     source, never more than all M of a source's assignments), whatever capacity_factor gives; 0 =
-    no floor. null (auto, the default): every row, so nothing is ever dropped, where the planner's
-    peak with those buffers fits the device's memory (one exchange per layer:
-    parallel.overlap_chunks ≤ 1), else 1024 (`moetrain.plan.capacity_floor`; the run says which
-    at start)."""
+    no floor. null (auto, the default): on CPUs every row, so nothing is ever dropped, where the
+    planner's peak with those buffers fits the machine's memory (one exchange per layer:
+    parallel.overlap_chunks ≤ 1); else, and on GPUs (where every row puts ep × the exact
+    exchange's rows on the wire), 1024 (`moetrain.plan.capacity_floor`; the run says which at
+    start)."""
     spill_factor: float = non_negative(DEFAULT_SPILL_FACTOR, at_most=MAX_ROW_FACTOR)
     """nosync only: spill rows per (source, destination) pair beyond C, as a multiple of the
     balanced share (ceil(s · assignments / ep)); they carry a pair's overflow into the rows other

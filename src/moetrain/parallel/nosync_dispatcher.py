@@ -42,7 +42,7 @@ fraction 1 − capacity_factor / R of them (84% at ep 8 with capacity_factor 1.2
 experts compute nothing. `capacity_factor=None` is the padded mode, dropless whatever the
 routing: C = M (one destination may receive all of a rank's assignments), at R × the memory and
 bytes of the exact dispatcher. R·C is at least `min_rows` (parallel.capacity_min_rows: by
-default every row where the planner finds those buffers cheap, as on a CPU, else 1024): few
+default on a CPU every row where the planner finds those buffers fit, else 1024): few
 tokens route more unevenly than the slack allows (a rank's load of M fluctuates
 by about √M under random routing; early learned routing skews further), so small micro-batches
 get room, up to every row (C = M: the padded mode's layout and numerics); at GPU scale (M in the

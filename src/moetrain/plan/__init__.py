@@ -83,7 +83,7 @@ and MFU as ±25% (docs/measurements.md, "The planner against measured peaks" and
 tokens/s", compares them with measured runs)."""
 
 from moetrain.plan.calibration import Assumptions
-from moetrain.plan.estimate import DROPLESS_COST, PEAK_ERROR, Plan, capacity_floor, device_capacity_floor, plan
+from moetrain.plan.estimate import PEAK_ERROR, Plan, capacity_floor, device_capacity_floor, plan
 from moetrain.plan.hardware import GIB, GPU, GPUS, plan_gpu
 from moetrain.plan.layout import (
     BUCKET_BYTES,
@@ -122,7 +122,6 @@ __all__ = [
     "device_capacity_floor",
     "BUCKET_BYTES",
     "COMPUTE_PARTS",
-    "DROPLESS_COST",
     "EXPOSED_PARTS",
     "LAYOUT_WORDS",
     "MAX_GPUS",
