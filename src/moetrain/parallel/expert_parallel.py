@@ -26,7 +26,7 @@ def apply_expert_parallel(model: Transformer, state: ParallelState, cfg: Paralle
     """Give each MoE layer its rank's experts and a dispatcher that reaches the others. Run on the
     meta device, before materializing: only the local experts are ever allocated.
     parallel.capacity_min_rows auto (None) is the trainer's to resolve for its device
-    (src/moetrain/train/engine.py); unresolved, it is the floor of 1024 rows."""
+    (src/moetrain/train/trainer.py); unresolved, it is the floor of 1024 rows."""
     cfg = cfg or ParallelConfig()
     dims = state.dims
     for moe in model.moe_layers():

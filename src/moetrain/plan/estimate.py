@@ -127,10 +127,7 @@ def plan(cfg: RunConfig, gpus: int, gpu: str, assume: Assumptions = Assumptions(
         raise ConfigError(f"--gpu={gpu!r} is not one the planner knows: choose one of {', '.join(GPUS)}.")
     if gpus <= 0:
         raise ConfigError(f"--gpus={gpus} must be a positive number of GPUs.")
-    spec = GPUS[gpu]
-    rows, _ = capacity_floor(cfg, gpus, spec.memory_gib * GIB, gpu, assume)
-    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, capacity_min_rows=rows))
-    L = layout_of(cfg, gpus)
+    spec, L = GPUS[gpu], layout_of(cfg, gpus)  # auto capacity_min_rows is 1024 on a GPU: `capacity_floor`
     groups = ParamGroups.of(cfg.model)
     ranks = memory_per_rank(cfg, L, groups, assume)
     busiest = max(ranks, key=lambda r: r.peak)  # the first of equal peaks

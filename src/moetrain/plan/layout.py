@@ -37,8 +37,8 @@ class Layout:
     spill_factor: float
     """nosync: spill rows per pair on the wire beyond the capacity, ÷ the balanced share."""
     capacity_min_rows: int
-    """nosync: the fewest rows a rank's experts get (parallel.capacity_min_rows: auto resolved
-    by `plan`, or unresolved 1024, as `apply_expert_parallel` builds it)."""
+    """nosync: the fewest rows a rank's experts get (parallel.capacity_min_rows; auto is 1024, as
+    `capacity_floor` resolves it on a GPU and `apply_expert_parallel` builds it unresolved)."""
     overlap_chunks: int
     """nosync: parallel.overlap_chunks (0: the all-to-alls are exposed)."""
     recompute: str
