@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CUDA graphs on one GPU (train.cuda_graphs): the GPU tests of the optimizer and step graphs, the
+# CUDA graphs on one GPU (train.cuda_graphs): the GPU tests of the step graph, the
 # step graph's probe (the captured step beside the eager run, and with its address tables from the
 # graph's pool as when its replays faulted), then each preset's training step eager and replayed
 # from the step graph, one process each, pairs in one call (calls differ by up to 4%), learned

@@ -14,8 +14,8 @@ and the optimizer step; `--also-forward-backward` times both windows, one JSON l
 line's `timed` says which). `--also-optimizer-step` adds a window of the optimizer's part alone
 (`TrainEngine.update`: clipping, the step guard, the update, the router bias) repeated over the
 gradients of one forward and backward; its line has no token rates, and `share_of_training_step`
-its step time over the training step's. With `--train.cuda_graphs=step` or `optimizer` the line's
-`cuda_graph_counts` says how many steps (updates) so far were captured, replayed and run eagerly
+its step time over the training step's. With `--train.cuda_graphs=step` the line's
+`cuda_graph_counts` says how many steps so far were captured, replayed and run eagerly
 (src/moetrain/train/cuda_graphs.py), and `cuda_graphs` the mode the run resolved (auto: step
 or off); with the step graph the training step's warm-up is at least 4 steps (3 eager, then the
 capture), whatever `--warmup` says, so the timed steps are replays, and so is the

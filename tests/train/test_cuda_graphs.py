@@ -1,9 +1,10 @@
-"""train.cuda_graphs=optimizer on the CPU: `UpdateGraph` (src/moetrain/train/cuda_graphs.py) over
+"""train.cuda_graphs on the CPU: `StepGraph` (src/moetrain/train/cuda_graphs.py) over
 `EmulatedGraph`, which captures and replays aten operations with a CUDA graph's semantics
-(numbers frozen at capture, tensors by their memory, capture runs nothing). The replayed updates
-give the eager run's parameters, moments, guard state and router biases bit for bit while the
-learning rate changes every step, the gradients are clipped and steps are skipped; the
-emulator itself shows each fault a graph exposes; the config refuses what is not captured."""
+(numbers frozen at capture, tensors by their memory, capture runs nothing). The replayed steps
+give the eager run's outputs, parameters, moments, guard state and router biases bit for bit
+while the learning rate changes every step, the gradients are clipped and steps are skipped;
+the emulator itself shows each fault a graph exposes; the config refuses what is not captured;
+auto keeps the graph only where it pays."""
 
 import math
 
@@ -14,15 +15,7 @@ from moetrain.errors import ConfigError
 from moetrain.parallel.dims import ParallelDims, ParallelState
 from moetrain.testing.graph_emulator import EmulatedGraph, FreedBeforeReplay, HostReadInCapture
 from moetrain.testing.steps import synthetic_batches
-from moetrain.train.cuda_graphs import (
-    AUTO_MIN_GAIN,
-    MAX_UNPAID,
-    NOTE_AFTER,
-    PAYING_REPLAYS,
-    WARMUP_STEPS,
-    StepGraph,
-    UpdateGraph,
-)
+from moetrain.train.cuda_graphs import AUTO_MIN_GAIN, WARMUP_STEPS, StepGraph
 from moetrain.train.engine import TrainEngine
 
 
@@ -50,27 +43,6 @@ def cfg(tiny_cfg, tmp_path):
     return graph_cfg(tiny_cfg, tmp_path / "run")
 
 
-def engines(cfg, backend):
-    """(an engine launching its update op by op, one replaying it through `backend`), with the
-    same initialization and the learning rate a device tensor in both (an fp32 rate rounds
-    torch's AdamW step size differently from a float64 number)."""
-    torch.manual_seed(0)
-    eager = TrainEngine(cfg, one_process(), torch.device("cpu"))
-    eager.optimizer.put_lr_on_device()
-    torch.manual_seed(0)
-    graphed = TrainEngine(cfg, one_process(), torch.device("cpu"))
-    graphed.update_graph = UpdateGraph(graphed, backend)
-    return eager, graphed
-
-
-def step(engine, cfg, n, poison=False):
-    """Step `n`; `poison`: a non-finite loss, which the step guard must skip."""
-    lm_loss = engine.forward_backward(synthetic_batches(cfg, n))
-    if poison:
-        lm_loss = lm_loss * math.nan
-    return engine.optim_step(lm_loss, n)
-
-
 def state(engine) -> dict[str, torch.Tensor]:
     out = {f"param {n}": p.detach().clone() for n, p in engine.model.named_parameters()}
     for name, tensors in engine.optimizer.state_dict_tensors().items():
@@ -89,102 +61,6 @@ def assert_same(a: dict, b: dict) -> None:
         assert torch.equal(a[k], b[k]), k
 
 
-def test_replayed_updates_give_the_eager_run_bit_for_bit(cfg):
-    backend = EmulatedGraph()
-    eager, graphed = engines(cfg, backend)
-    poisoned = {5, 6, 9}
-    for n in range(12):
-        out_e = step(eager, cfg, n, poison=n in poisoned)
-        out_g = step(graphed, cfg, n, poison=n in poisoned)
-        assert out_e.lr == out_g.lr
-        assert torch.equal(out_e.grad_norm, out_g.grad_norm), n
-        assert_same(state(eager), state(graphed))
-    counts = graphed.update_graph.counts()
-    # step 0 eager, step 1 eager and captured (its gradients lie where step 0's did), then replays
-    assert counts == {"captures": 1, "replays": 10, "eager": 2}, counts
-    assert int(graphed.guard.skipped_total) == 3 and int(graphed.guard.consecutive) == 0
-
-
-def test_a_step_whose_gradients_moved_runs_eagerly_and_the_graph_is_captured_again(cfg):
-    backend = EmulatedGraph()
-    eager, graphed = engines(cfg, backend)
-    for n in range(8):
-        if n in (3, 5):
-            backend.move()  # this step's gradients lie elsewhere, and so do the next ones
-        step(eager, cfg, n)
-        step(graphed, cfg, n)
-        assert_same(state(eager), state(graphed))
-    # eager: 0, 1 (capture), 3 (moved), 4 (capture), 5 (moved), 6 (capture); replays: 2, 7
-    assert graphed.update_graph.counts() == {"captures": 3, "replays": 2, "eager": 6}
-
-
-def test_captures_that_do_not_pay_end_in_eager_steps_and_paid_ones_do_not_count(cfg):
-    """Gradients that move every other step: each capture serves one replay at most, and after
-    MAX_UNPAID such captures the steps stay eager. A capture that served PAYING_REPLAYS replays
-    (an evaluation moved the gradients once, later) does not count against the run."""
-    backend = EmulatedGraph()
-    graph = UpdateGraph(_Stub(), backend)
-    for _ in range(2 + PAYING_REPLAYS):  # captured on the second step, then replays that pay
-        graph.run(torch.zeros(()))
-    assert graph.counts() == {"captures": 1, "replays": PAYING_REPLAYS, "eager": 2}
-    for n in range(6 * MAX_UNPAID):
-        if n % 2 == 0:
-            backend.move()
-        graph.run(torch.zeros(()))
-    assert graph.captures == 1 + MAX_UNPAID and graph.unpaid == MAX_UNPAID - 1  # the last one still serving
-    before = graph.counts()
-    for _ in range(4):
-        backend.move()
-        graph.run(torch.zeros(()))
-        graph.run(torch.zeros(()))
-    after = graph.counts()
-    assert after["captures"] == before["captures"] and after["eager"] == before["eager"] + 8
-
-
-def test_a_run_whose_gradients_move_every_step_says_so_once(capsys):
-    backend = EmulatedGraph()
-    graph = UpdateGraph(_Stub(), backend)
-    for _ in range(2 * NOTE_AFTER):
-        backend.move()
-        graph.run(torch.zeros(()))
-    assert graph.counts() == {"captures": 0, "replays": 0, "eager": 2 * NOTE_AFTER}
-    err = capsys.readouterr().err
-    assert err.count("note: train.cuda_graphs=optimizer:") == 1 and "ran eagerly" in err
-
-
-class _Stub:
-    """What `UpdateGraph` calls of an engine, with one gradient and an update that counts."""
-
-    def __init__(self):
-        self.grad = torch.ones(4)
-        self.n = torch.zeros(())
-        self.optimizer = self
-
-    def put_lr_on_device(self):
-        pass
-
-    def graph_inputs(self):
-        return [self.grad]
-
-    def update_tensors(self, lm_loss):
-        self.n.add_(1)
-        return self.n.clone()
-
-
-def test_the_engine_counts_each_replay_and_eager_step_once(cfg):
-    """Through the engine: an evaluation-like disruption (moved gradients) costs one eager step
-    and one capture; the updates stay the eager run's."""
-    backend = EmulatedGraph()
-    eager, graphed = engines(cfg, backend)
-    for n in range(2 * MAX_UNPAID + 12):
-        if n == 10:
-            backend.move()
-        step(eager, cfg, n)
-        step(graphed, cfg, n)
-    assert_same(state(eager), state(graphed))
-    assert graphed.update_graph.counts() == {"captures": 2, "replays": 2 * MAX_UNPAID + 8, "eager": 4}
-
-
 def test_the_emulator_shows_what_a_graph_freezes():
     g = EmulatedGraph()
     w, n, grad = torch.zeros(3), torch.zeros(()), torch.ones(3)
@@ -198,19 +74,21 @@ def test_the_emulator_shows_what_a_graph_freezes():
         return w.sum()
 
     captured_count = holder["count"]  # the program keeps the captured tensor: its memory stays
-    total = g.capture(update, [grad])
+    total = g.capture(update)
     assert torch.equal(w, torch.zeros(3)) and float(n) == 0, "capturing runs nothing"
     lr[0] = 2.0
-    g.replay([torch.full((3,), 3.0)])  # the step's gradient stands in for the captured one
-    g.replay([torch.ones(3)])
+    grad.fill_(3.0)  # read at its memory: each replay sees what is there
+    g.replay()
+    grad.fill_(1.0)
+    g.replay()
     assert torch.equal(w, torch.full((3,), 2.0)) and float(n) == 2 and float(total) == 6.0
     assert float(holder["count"]) == 1.0, "a rebound attribute stops changing under a graph"
     assert float(captured_count) == 0.0, "the graph reads the tensor it captured, never written"
     del captured_count  # now nothing but the graph refers to it: free memory on a GPU
     with pytest.raises(FreedBeforeReplay, match=r"aten.add.Tensor reads a \(\) torch.float32 tensor"):
-        g.replay([torch.ones(3)])
+        g.replay()
     with pytest.raises(HostReadInCapture):
-        g.capture(lambda: bool(n > 0), [])
+        g.capture(lambda: bool(n > 0))
 
 
 def test_memory_a_capture_allocated_holds_nothing_from_outside_the_graph_at_a_replay():
@@ -227,10 +105,10 @@ def test_memory_a_capture_allocated_holds_nothing_from_outside_the_graph_at_a_re
         return (x * table_before).sum(), (x * made["table"]).sum()
 
     before = torch.empty(4)
-    outside, inside = g.capture(lambda: step(before), [])
+    outside, inside = g.capture(lambda: step(before))
     before.fill_(2.0)
     made["table"].fill_(2.0)  # filled after the capture, as the table once was
-    g.replay([])
+    g.replay()
     assert float(outside) == 8.0
     assert math.isnan(float(inside))
 
@@ -248,11 +126,11 @@ def test_a_guard_that_rebinds_its_counter_fails_the_replay_check(cfg, monkeypatc
         return real(self, lm_loss, grad_norm)
 
     monkeypatch.setattr(StepGuard, "check", rebinding)
-    eager, graphed = engines(cfg, EmulatedGraph())
+    eager, graphed = step_engines(cfg)
     with pytest.raises(FreedBeforeReplay, match="made before the capture and since dropped"):
-        for n in range(6):
-            step(eager, cfg, n, poison=n >= 3)
-            step(graphed, cfg, n, poison=n >= 3)
+        for n in range(WARMUP_STEPS + 4):
+            same_step(eager, cfg, n)
+            same_step(graphed, cfg, n)
 
 
 @pytest.mark.parametrize(
@@ -264,10 +142,9 @@ def test_a_guard_that_rebinds_its_counter_fails_the_replay_check(cfg, monkeypatc
         (["optim.fused=false"], "optim.fused=false"),
     ],
 )
-@pytest.mark.parametrize("mode, what", [("optimizer", "the update"), ("step", "the training step")])
-def test_the_config_refuses_what_is_not_captured(tiny_cfg, tmp_path, overrides, field, mode, what):
-    with pytest.raises(ConfigError, match=f"train.cuda_graphs={mode} captures {what}") as error:
-        tiny_cfg(tmp_path / "run", f"train.cuda_graphs={mode}", *overrides).validate(world_size=1)
+def test_the_config_refuses_what_is_not_captured(tiny_cfg, tmp_path, overrides, field):
+    with pytest.raises(ConfigError, match="train.cuda_graphs=step captures the training step") as error:
+        tiny_cfg(tmp_path / "run", "train.cuda_graphs=step", *overrides).validate(world_size=1)
     assert field in str(error.value) and "train.cuda_graphs=off" in str(error.value)
 
 
@@ -302,26 +179,24 @@ def test_auto_is_the_step_graph_where_nothing_refuses_it_and_off_elsewhere_sayin
     mode, why = choice(1, cuda)  # the one layout left: the step graph, kept if it pays
     assert mode == CudaGraphs.step
     assert f"kept if its first replays take the device at least {AUTO_MIN_GAIN:.0%} less time" in why
-    explicit = tiny_cfg(tmp_path / "run", "train.cuda_graphs=optimizer")
-    assert explicit.cuda_graphs_choice(1, cuda) == (CudaGraphs.optimizer, None)
+    explicit = tiny_cfg(tmp_path / "run", "train.cuda_graphs=step")
+    assert explicit.cuda_graphs_choice(1, cuda) == (CudaGraphs.step, None)
     engine = TrainEngine(tiny_cfg(tmp_path / "run", "train.cuda_graphs=auto"), one_process(), cpu)
-    assert engine.cuda_graphs == CudaGraphs.off and engine.step_graph is None and engine.update_graph is None
+    assert engine.cuda_graphs == CudaGraphs.off and engine.step_graph is None
     assert "on cpu" in engine.cuda_graphs_why
 
 
 @pytest.mark.parametrize("recompute", ["full", "selective"])
 def test_the_step_graph_refuses_recompute_naming_why(tiny_cfg, tmp_path, recompute):
     """torch's checkpoint reads the CUDA generator's state in each recomputed block's forward, and
-    a capture forbids that (it would fail at the fourth step); the optimizer graph is unaffected."""
+    a capture forbids that (it would fail at the fourth step)."""
     with pytest.raises(ConfigError, match=f"train.recompute={recompute}") as error:
         tiny_cfg(tmp_path / "run", "train.cuda_graphs=step", f"train.recompute={recompute}").validate(world_size=1)
     assert "generator" in str(error.value) and "train.recompute=none" in str(error.value)
-    tiny_cfg(tmp_path / "run", "train.cuda_graphs=optimizer", f"train.recompute={recompute}").validate(world_size=1)
 
 
-@pytest.mark.parametrize("mode", ["optimizer", "step"])
-def test_the_config_refuses_several_ranks_and_the_cpu(tiny_cfg, tmp_path, mode):
-    cfg = tiny_cfg(tmp_path / "run", f"train.cuda_graphs={mode}", "train.micro_batch_size=2")
+def test_the_config_refuses_several_ranks_and_the_cpu(tiny_cfg, tmp_path):
+    cfg = tiny_cfg(tmp_path / "run", "train.cuda_graphs=step", "train.micro_batch_size=2")
     with pytest.raises(ConfigError, match="2 ranks"):
         cfg.validate(world_size=2)
     with pytest.raises(ConfigError, match="train.device=cuda"):
@@ -360,7 +235,7 @@ def assert_same_output(a, b, n) -> None:
     assert a.lr == b.lr, n
     for name in ("lm_loss", "grad_norm", "mtp"):
         x, y = getattr(a, name), getattr(b, name)
-        assert (x is None and y is None) or torch.equal(x, y), (n, name)
+        assert (x is None and y is None) or torch.equal(x, y) or (x.isnan().all() and y.isnan().all()), (n, name)
     assert not b.grad_norm.requires_grad and not b.lm_loss.requires_grad
     assert len(a.routing) == len(b.routing)
     for la, lb in zip(a.routing, b.routing):
@@ -393,6 +268,23 @@ def test_replayed_training_steps_give_the_eager_run_bit_for_bit(tiny_cfg, tmp_pa
     assert graphed.step_graph.backend.on_stream == WARMUP_STEPS  # the warm-up ran on the capture's stream
 
 
+def test_replayed_steps_skip_a_non_finite_loss_as_the_eager_run_does(cfg, monkeypatch):
+    """The step guard's decision is device data inside the graph: replayed steps whose loss is
+    not finite skip their update (and the router bias) as the eager ones do, and the run goes on
+    after them. The loss is poisoned through a tensor both engines read at its memory."""
+    poison = torch.ones(())
+    real = TrainEngine.forward_backward
+    monkeypatch.setattr(TrainEngine, "forward_backward", lambda self, batches: real(self, batches) * poison)
+    eager, graphed = step_engines(cfg)
+    poisoned = {WARMUP_STEPS + 1, WARMUP_STEPS + 2, WARMUP_STEPS + 5}
+    for n in range(WARMUP_STEPS + 8):
+        poison.fill_(math.nan if n in poisoned else 1.0)
+        assert_same_output(same_step(eager, cfg, n), same_step(graphed, cfg, n), n)
+        assert_same(state(eager), state(graphed))
+    assert graphed.cuda_graph_counts()["replays"] == 8
+    assert int(graphed.guard.skipped_total) == 3 and int(graphed.guard.consecutive) == 0
+
+
 def judged_engines(cfg, monkeypatch, device_s):
     """(an eager engine, one built for train.cuda_graphs=auto's step graph over the emulator,
     whose timed steps report `device_s` in order: the eager ones, then the replays)."""
@@ -401,7 +293,7 @@ def judged_engines(cfg, monkeypatch, device_s):
 
     backend = EmulatedGraph()
     backend.device_s = list(device_s)
-    monkeypatch.setattr(engine_mod, "CudaGraph", lambda device, what: backend)
+    monkeypatch.setattr(engine_mod, "CudaGraph", lambda device: backend)
     eager, graphed = step_engines(cfg)
     graphed.step_graph = None
     graphed.cuda_graphs = CudaGraphs.step

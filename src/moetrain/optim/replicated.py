@@ -98,15 +98,6 @@ class ReplicatedAdamW(TorchAdamW):
         self._split_coef = self._clip(self._grads(self.dense_params + self.expert_params), total, max_norm)
         return total
 
-    def graph_inputs(self) -> list[torch.Tensor]:
-        """The tensors the update reads that each step allocates anew: this step's gradients, in
-        the order the update reads them (src/moetrain/train/cuda_graphs.py compares their places
-        with a captured graph's)."""
-        grads = self._grads(self.dense_params + self.expert_params)
-        if self.split is not None:
-            grads += self.split.dense_grads + self.split.expert_grads
-        return grads
-
     def _grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
         """`p`'s gradient: its bf16 one in `grads`, else `.grad`."""
         grad = self.grads.grad(p) if self.grads is not None else None

@@ -30,12 +30,9 @@ each replay draws the next numbers, as the eager operations would have. Streams:
 `on_capture_stream` counts the eager calls made through it, and a test may set `stale_stream` to
 have `stream_capturing` say that gradient accumulation ran off the capture's stream.
 
-The tensors the caller hands at each replay (`inputs`: the step's gradients, which the CUDA
-backend replays only where they lie at the captured addresses) stand in for the captured ones,
-with every view of them. `places` compares dtypes and shapes only, and a test may call `move` to
-make the next comparison fail, as gradients at new addresses would. Aten operations only: Triton
-launches are not recorded, so the device path checked here is torch's (fused AdamW, foreach
-norms); the Triton one is checked on the GPU (tests/gpu/test_cuda.py).
+Aten operations only: Triton launches are not recorded, so the device path checked here is
+torch's (fused AdamW, foreach norms); the Triton one is checked on the GPU
+(tests/gpu/test_cuda.py).
 """
 
 from __future__ import annotations
@@ -109,9 +106,7 @@ class EmulatedGraph:
     def __init__(self):
         self.ops: list[_Op] | None = []
         """The captured operations (None after `release`)."""
-        self.inputs: list[torch.Tensor] = []
         self._saved: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
-        self.moves = 0
         self.captures = 0
         self.replays = 0
         self.on_stream = 0
@@ -125,16 +120,8 @@ class EmulatedGraph:
         """A test's setting: the device seconds the next `timed` calls report, in order; once
         they run out, the host's time (the CPU runs what it is given as it is given it)."""
 
-    def places(self, tensors: list[torch.Tensor]) -> tuple:
-        return (self.moves,) + tuple((t.dtype, tuple(t.shape)) for t in tensors)
-
-    def move(self) -> None:
-        """From now on `places` differs from every earlier one (gradients settled at new
-        addresses)."""
-        self.moves += 1
-
-    def capture(self, fn: Callable[[], Any], inputs: list[torch.Tensor]) -> Any:
-        self.ops, self.inputs, self._saved = [], list(inputs), {}
+    def capture(self, fn: Callable[[], Any]) -> Any:
+        self.ops, self._saved = [], {}
         rng = torch.random.get_rng_state()
         self.capturing = True
         try:
@@ -160,7 +147,7 @@ class EmulatedGraph:
                 tree_map(_poison, op.out)
 
     def release(self) -> None:
-        self.ops, self.inputs = None, []
+        self.ops = None
 
     @contextlib.contextmanager
     def on_capture_stream(self):
@@ -180,12 +167,11 @@ class EmulatedGraph:
         yield lambda: took[0]
         took.append(time.perf_counter() - began)
 
-    def replay(self, inputs: list[torch.Tensor]) -> None:
+    def replay(self) -> None:
         assert self.ops is not None, "replayed after release, before a new capture"
-        assert len(inputs) == len(self.inputs), "replayed with another number of inputs"
         self._check_lifetimes()
         self._poison_allocated()
-        swap = {id(c): t for c, t in zip(self.inputs, inputs)}
+        swap: dict[int, torch.Tensor] = {}  # recorded tensor → the view or in-place result replacing it
 
         def current(x):
             return swap.get(id(x), x) if isinstance(x, torch.Tensor) else x
@@ -206,7 +192,7 @@ class EmulatedGraph:
         here, so it is looked for: one that nothing but the recorded operations refers to, and
         whose storage no other tensor holds (the bases of views counted as the view's), raises
         `FreedBeforeReplay`."""
-        recorded, candidates = _made_before(self.ops, self.inputs)
+        recorded, candidates = _made_before(self.ops)
         probe = [torch.empty(0), None]  # held as each candidate is: the references this check adds
         extra = _references(probe[0])
         for entry in candidates.values():
@@ -230,15 +216,14 @@ class EmulatedGraph:
             self._saved[key] = (storage, storage.clone())
 
 
-def _made_before(ops: list[_Op], inputs: list[torch.Tensor]) -> tuple[dict[int, int], dict[int, list]]:
+def _made_before(ops: list[_Op]) -> tuple[dict[int, int], dict[int, list]]:
     """(id → the references the recorded operations hold to each tensor; id → [tensor, the
-    first operation that reads it] of the tensors read that no recorded operation made and that
-    are not the caller's `inputs`)."""
+    first operation that reads it] of the tensors read that no recorded operation made)."""
     recorded: dict[int, int] = {}
-    for tree in [(op.args, op.kwargs, op.out) for op in ops] + [inputs]:
+    for tree in [(op.args, op.kwargs, op.out) for op in ops]:
         for x in _tensors(tree):
             recorded[id(x)] = recorded.get(id(x), 0) + 1
-    produced = {id(x) for op in ops for x in _tensors(op.out)} | {id(x) for x in inputs}
+    produced = {id(x) for op in ops for x in _tensors(op.out)}
     candidates: dict[int, list] = {}
     for op in ops:
         for t in _tensors((op.args, op.kwargs)):

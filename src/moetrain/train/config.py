@@ -51,14 +51,10 @@ class CudaGraphs(enum.StrEnum):
 
     off = "off"
     """Every kernel launched from Python, one by one."""
-    optimizer = "optimizer"
-    """The optimizer's part of each step (`TrainEngine.update`: the clipping norm, the step guard,
-    the AdamW update, the router bias) captured once and replayed: one launch instead of one per
-    kernel. One GPU, the ddp stack's replicated AdamW."""
     step = "step"
     """The whole training step (every micro-batch's forward and backward, the update, the zeroed
     gradients, the routing statistics) captured once after a few eager steps and replayed: one
-    launch a step. The same layouts as `optimizer`."""
+    launch a step. One GPU, the ddp stack's replicated AdamW."""
     auto = "auto"
     """`step` where the run's device and layout allow it, else `off`
     (`RunConfig.cuda_graphs_choice`; the start-up header says which, and why); the step graph is
@@ -156,9 +152,9 @@ class TrainerConfig(Config):
     at 19.7 GiB more. Row-wise FP8 and bf16 experts; not mxfp8. Does nothing with one
     micro-batch per step."""
     cuda_graphs: CudaGraphs = CudaGraphs.auto
-    """auto (the default), off, step or optimizer. step and optimizer need one CUDA device, the
-    ddp stack without parallel.shard_optimizer, optim.name=adamw and optim.fused not false; step
-    also train.recompute=none (src/moetrain/train/cuda_graphs.py). auto: step where all of that
+    """auto (the default), off or step. step needs one CUDA device, the ddp stack without
+    parallel.shard_optimizer, optim.name=adamw, optim.fused not false and train.recompute=none
+    (src/moetrain/train/cuda_graphs.py). auto: step where all of that
     holds (and train.profile is off: a profile shows the eager step's kernels and operations),
     else off, never refused; on a GPU the start-up header names the choice. An auto step
     graph times the device's work on the eager steps before its capture and on its first 2
@@ -176,15 +172,8 @@ class TrainerConfig(Config):
     the run says why, once, and every step runs eagerly. peak_mem_gib counts the graph's memory
     (src/moetrain/train/metrics.py). Measured on one H100 (docs/benchmarks.md, "CUDA graphs"):
     tiny's step goes from 22.5 to 3.5 ms, the bench shapes' by 0.1 to 0.9%, at up to 0.8 GiB
-    more.
-
-    optimizer: the optimizer's part of each step replayed from one CUDA graph. A replay reads the
-    gradients at the addresses they had at capture; a step whose gradients lie elsewhere runs
-    eagerly, and the graph is captured again once two steps in a row put them in the same
-    place; after 3 captures that served fewer than 8 replays each, the steps stay eager.
-    Measured on one H200 it gives nothing: in training every gradient lies at a new address each
-    step, so no update replays (the run says so), and replayed over fixed gradients the update is
-    no faster."""
+    more. A graph of the optimizer's part alone is not offered: in training every gradient lies
+    at a new address each step, so it would never replay (measured on one H200)."""
     recompute: Recompute = Recompute.none
     """Activation recompute: none, full (keep only each block's input) or selective (also keep
     the matrix products' and collectives' outputs)."""
@@ -427,7 +416,7 @@ class RunConfig(Config):
 
 
 def _check_cuda_graphs(cfg: RunConfig, world_size: int | None) -> None:
-    """train.cuda_graphs=optimizer or step captures the replicated AdamW's update on one rank
+    """train.cuda_graphs=step captures the replicated AdamW's update on one rank
     (auto chooses, at start-up: `RunConfig.cuda_graphs_choice`)."""
     if cfg.train.cuda_graphs in (CudaGraphs.off, CudaGraphs.auto):
         return
@@ -450,7 +439,7 @@ def _cuda_graphs_device_problem(mode: CudaGraphs, device: torch.device) -> tuple
 
 
 def _cuda_graphs_layout_problem(cfg: RunConfig, mode: CudaGraphs, world_size: int | None) -> tuple[str, str] | None:
-    """(why train.cuda_graphs=`mode`, optimizer or step, cannot capture this layout, the fix), or
+    """(why train.cuda_graphs=`mode` (step) cannot capture this layout, the fix), or
     None: it can."""
     p, o = cfg.parallel, cfg.optim
     problem = None
@@ -467,12 +456,11 @@ def _cuda_graphs_layout_problem(cfg: RunConfig, mode: CudaGraphs, world_size: in
             f"train.cuda_graphs=step cannot capture a step with train.recompute={cfg.train.recompute}: torch's "
             "checkpoint reads the CUDA generator's state in every recomputed block, which a graph capture "
             "forbids",
-            "set train.recompute=none, or train.cuda_graphs=off (or optimizer).",
+            "set train.recompute=none, or train.cuda_graphs=off.",
         )
     if problem:
-        what = "the training step" if mode == CudaGraphs.step else "the update"
         return (
-            f"train.cuda_graphs={mode} captures {what} of the ddp stack's replicated AdamW "
+            f"train.cuda_graphs={mode} captures the training step of the ddp stack's replicated AdamW "
             f"on one GPU, not with {problem}",
             "set train.cuda_graphs=off.",
         )

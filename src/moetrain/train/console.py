@@ -192,9 +192,7 @@ def describe_precision(cfg: RunConfig, device: torch.device, world_size: int = 1
     if cfg.train.defers_expert_weight_grads:
         text += "; expert weight gradients once per step (train.defer_expert_weight_grad)"
     graphs, why = cfg.cuda_graphs_choice(world_size, device)
-    if graphs == CudaGraphs.optimizer:
-        text += "; the optimizer step replayed from a CUDA graph (train.cuda_graphs)"
-    elif graphs == CudaGraphs.step:
+    if graphs == CudaGraphs.step:
         text += "; the training step replayed from a CUDA graph after 3 eager steps (train.cuda_graphs"
         text += f"=auto: {why})" if why else ")"
     elif why and device.type == "cuda":  # elsewhere auto has nothing to choose

@@ -13,9 +13,8 @@ One step, given the step's micro-batches (this rank's rows of each):
     forward_backward(batches)  every micro-batch's forward and backward (or the pipeline
                                schedule over all of them); the gradients end reduced over dp
     optim_step(lm_loss, step)  learning rate, clip, the step guard's skip decision, update (the
-                               router biases move in the optimizer's step post-hook; all of it
-                               one CUDA graph with train.cuda_graphs=optimizer), zero grad, the
-                               step's routing statistics
+                               router biases move in the optimizer's step post-hook), zero
+                               grad, the step's routing statistics
 
 With train.cuda_graphs=step both are one CUDA graph after the first steps (`StepGraph`, through
 `train_step`; its captured work is `step_tensors`).
@@ -49,7 +48,7 @@ from moetrain.parallel.parallelize import parallelize
 from moetrain.parallel.pipeline import Pipeline, build_pipeline
 from moetrain.train import checkpoint as ckpt
 from moetrain.train.config import CudaGraphs, Precision, RunConfig
-from moetrain.train.cuda_graphs import CudaGraph, StepGraph, UpdateGraph
+from moetrain.train.cuda_graphs import CudaGraph, StepGraph
 from moetrain.train.guard import StepGuard
 from moetrain.train.metrics import peak_mem_gib, routing_metrics
 from moetrain.transfer import to_device
@@ -155,10 +154,8 @@ class TrainEngine:
                 amp_dtype=self.amp_dtype,
             )
         self.guard = StepGuard(tc.skip_window, tc.skip_spike_sigma, tc.max_consecutive_skips, device)
-        self.update_graph: UpdateGraph | None = None
-        """train.cuda_graphs=optimizer: `update`'s device work replayed from a CUDA graph
-        (src/moetrain/train/cuda_graphs.py); train.cuda_graphs=step: the whole of `train_step`."""
         self.step_graph: StepGraph | None = None
+        """train.cuda_graphs=step: `train_step` replayed from a CUDA graph (src/moetrain/train/cuda_graphs.py)."""
         self.cuda_graphs, self.cuda_graphs_why = cfg.cuda_graphs_choice(par.dims.world_size, device)
         """train.cuda_graphs as this run resolves it (auto: step or off; an auto step graph then
         stays or goes by measurement, `settle_cuda_graphs`), and why, for auto."""
@@ -172,10 +169,8 @@ class TrainEngine:
         self.peak_flops = peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else None)
 
     def _build_graphs(self, mode: CudaGraphs, device: torch.device, judge: bool) -> None:
-        if mode == CudaGraphs.optimizer:
-            self.update_graph = UpdateGraph(self, CudaGraph(device))
-        elif mode == CudaGraphs.step:
-            self.step_graph = StepGraph(self, CudaGraph(device, "the training step"), judge=judge)
+        if mode == CudaGraphs.step:
+            self.step_graph = StepGraph(self, CudaGraph(device), judge=judge)
 
     def settle_cuda_graphs(self, keep: bool, why: str) -> None:
         """train.cuda_graphs=auto's measured choice (`StepGraph.judge`): keep the step graph, or
@@ -219,8 +214,7 @@ class TrainEngine:
 
     def cuda_graph_counts(self) -> dict[str, int] | None:
         """With train.cuda_graphs: {"captures", "replays", "eager"} so far."""
-        graph = self.step_graph or self.update_graph
-        return graph.counts() if graph is not None else None
+        return self.step_graph.counts() if self.step_graph is not None else None
 
     def forward_backward(self, batches: list[Batch]) -> torch.Tensor:
         """Forward and backward of the step's micro-batches (train.grad_accum_steps of them,
@@ -244,12 +238,9 @@ class TrainEngine:
 
     def update(self, lm_loss: torch.Tensor, step: int) -> tuple[torch.Tensor, float]:
         """The optimizer's part of step `step` (0-based), gradients left in place: set the
-        schedule's learning rate, then `update_tensors` (replayed from a CUDA graph with
-        train.cuda_graphs=optimizer: `update_graph`). Returns the norm before clipping (device)
+        schedule's learning rate, then `update_tensors`. Returns the norm before clipping (device)
         and the lr."""
         lr = self.set_step_lr(step)
-        if self.update_graph is not None:
-            return self.update_graph.run(lm_loss), lr
         return self.update_tensors(lm_loss), lr
 
     def set_step_lr(self, step: int) -> float:
