@@ -52,11 +52,10 @@ stacks)
   # One shape, one batch (micro-batch S sequences per GPU), all layouts; learned and random routing.
   S=${STACK_SHAPE:-bench-tiny64e-l6}; MB=${MB:-2}
   B=("$S" --warmup 4 --steps 10 --train.global_batch_size=$((MB*N)) --train.micro_batch_size=$((MB*N)) ${SX:-})
-  for L in ${STACK_LAYOUTS:-nosync alltoall symm fsdp ep1 cf1.25}; do
+  for L in ${STACK_LAYOUTS:-nosync alltoall fsdp ep1 cf1.25}; do
     case $L in
       nosync)   bench "st-ddp-ep$N-nosync" $N "${B[@]}" --parallel.ep=$N ;;
       alltoall) bench "st-ddp-ep$N-alltoall" $N "${B[@]}" --parallel.ep=$N --parallel.dispatcher=alltoall ;;
-      symm)     bench "st-ddp-ep$N-symm" $N "${B[@]}" --parallel.ep=$N --parallel.dispatcher=symm ;;
       cf1.25)   bench "st-ddp-ep$N-nosync-cf1.25" $N "${B[@]}" --parallel.ep=$N --parallel.capacity_factor=1.25 ;;
       ep1)      bench "st-ddp-ep1" $N "${B[@]}" ;;
       fsdp)     bench "st-fsdp$N" $N "${B[@]}" --parallel.stack=fsdp ;;

@@ -25,7 +25,6 @@ from moetrain.presets import PRESETS, resolve_config
 
 EXTRA = [
     ("sweep-8l-128", 8, ["parallel.ep=8", "parallel.shard_optimizer=true", "parallel.dispatcher=alltoall"]),
-    ("sweep-8l-128", 8, ["parallel.ep=8", "parallel.shard_optimizer=true", "parallel.dispatcher=symm"]),
     ("sweep-8l-128", 8, ["parallel.ep=8", "parallel.shard_optimizer=true"]),
     ("bench-small32e", 2, ["train.global_batch_size=16", "train.micro_batch_size=2", "parallel.pp=2"]),
     (

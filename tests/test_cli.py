@@ -297,7 +297,6 @@ def test_config_help_marks_the_experimental_switches(capsys):
     text = " ".join(capsys.readouterr().out.split())
     for key, words in (
         ("train.fp8", "mxfp8, experimental"),
-        ("parallel.dispatcher", "symm, experimental"),
         ("parallel.compile_overlap", "Experimental."),
     ):
         entry = text.split(f"{key} ", 1)[1].split(" = ", 1)[1][:400]

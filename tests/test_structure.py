@@ -163,10 +163,9 @@ def test_every_dispatcher_implements_the_token_dispatcher_protocol():
     from moetrain.parallel.exact_dispatchers import AllToAllDispatcher, DataParallelDispatcher
     from moetrain.parallel.nosync_dispatcher import NoSyncDispatcher
     from moetrain.parallel.overlapped_dispatcher import OverlappedDispatcher
-    from moetrain.parallel.symm_dispatcher import SymmMemDispatcher
 
     dispatchers = (LocalTokenDispatcher, DataParallelDispatcher, AllToAllDispatcher, NoSyncDispatcher)
-    for cls in (*dispatchers, OverlappedDispatcher, SymmMemDispatcher):
+    for cls in (*dispatchers, OverlappedDispatcher):
         assert _check_implements(cls, TokenDispatcher) == {"num_local_experts"}
     assert isinstance(LocalTokenDispatcher(4), TokenDispatcher)
 

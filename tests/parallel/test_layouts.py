@@ -168,7 +168,6 @@ def check(records, reference_records):
 
 
 A2A = "parallel.dispatcher=alltoall"
-SYMM = "parallel.dispatcher=symm"  # on gloo: the emulated transport (symm_dispatcher.py)
 FSDP = "parallel.stack=fsdp"
 SHARD = "parallel.shard_optimizer=true"
 CAPPED = ["parallel.ep=2", "parallel.capacity_factor=0.6", "parallel.capacity_min_rows=0"]
@@ -188,7 +187,6 @@ LAYOUT_GROUPS = [
             ("dp2ep2-capped", CAPPED),
             ("dp2ep2-default", DEFAULT),
             ("dp2-sharded", [SHARD]),
-            ("dp2ep2-symm", ["parallel.ep=2", SYMM]),
             ("dp2ep2-chunked-loss", ["parallel.ep=2", CHUNKED_LOSS]),
             ("dp2ep2-overlap2", ["parallel.ep=2", "parallel.overlap_chunks=2"]),
             ("dp2ep2-overlap2-deferred", ["parallel.ep=2", "parallel.overlap_chunks=2", DEFER]),
@@ -203,7 +201,6 @@ LAYOUT_GROUPS = [
             ("dp4ep2", ["parallel.ep=2"]),
             ("dp4ep4-alltoall", ["parallel.ep=4", A2A]),
             ("dp4ep2-sharded", ["parallel.ep=2", SHARD]),
-            ("dp4ep2-symm", ["parallel.ep=2", SYMM]),
             ("dp4ep4-overlap2-recompute", ["parallel.ep=4", "parallel.overlap_chunks=2", "train.recompute=full"]),
             ("dp4ep2-sharded-deferred-recompute", ["parallel.ep=2", SHARD, DEFER, "train.recompute=full"]),
             ("cp2dp2ep4-alltoall", ["parallel.cp=2", "parallel.ep=4", A2A]),
@@ -266,7 +263,7 @@ def layout_results(real_text_dir, reference, tmp_path_factory):
 
 @pytest.mark.parametrize("world, layouts", LAYOUT_GROUPS)
 def test_layouts_match_single_process(reference, layout_results, world, layouts):
-    """The dispatchers (sync-free `nosync` padded, exact `alltoall`, and `symm`), the sharded
+    """The dispatchers (sync-free `nosync` padded, and exact `alltoall`), the sharded
     optimizer, the FSDP2 stack (which holds 1/dp of the parameters and AdamW state per rank) and
     pipeline parallelism (1F1B, interleaved 1F1B with two stages per rank, GPipe with recompute;
     alone and composed with dp and ep; the step's 2 micro-batches are the pipeline's), and the

@@ -7,7 +7,6 @@ with spill rows) at ep 2, 4 and 8: tests/parallel/test_nosync_capacity.py.
 
 Legend: N tokens per rank, K top-k, D model dim, E experts, L experts per rank, R ranks."""
 
-import contextlib
 import math
 from unittest import mock
 
@@ -144,21 +143,17 @@ def inputs(rank):
     return torch.randn(B, T, D, generator=g), torch.randn(B, T, D, generator=g)
 
 
-def compare_dropless(rank, group, bias_E, dispatcher_cls=None):
-    """Forward and backward of the full layer with the exact dispatcher and `dispatcher_cls`
-    (default NoSyncDispatcher in its padded mode), in train mode (aux losses)."""
+def compare_dropless(rank, group, bias_E):
+    """Forward and backward of the full layer with the exact dispatcher and NoSyncDispatcher in
+    its padded mode, in train mode (aux losses)."""
     from moetrain.parallel.exact_dispatchers import AllToAllDispatcher
     from moetrain.parallel.nosync_dispatcher import NoSyncDispatcher
 
-    def padded(*args):
-        return NoSyncDispatcher(*args, capacity_factor=None)
-
-    dispatcher_cls = dispatcher_cls or padded
     x_BTD, grad_BTD = inputs(rank)
     results = []
     for moe in (
         build_moe(AllToAllDispatcher(E, group, group), rank, bias_E=bias_E),
-        build_moe(dispatcher_cls(E, group, group), rank, poison=True, bias_E=bias_E),
+        build_moe(NoSyncDispatcher(E, group, group, capacity_factor=None), rank, poison=True, bias_E=bias_E),
     ):
         x = x_BTD.clone().requires_grad_()
         y = moe(x)
@@ -329,7 +324,6 @@ def rank_checks(world):
         "capacity": check_capacity(rank, group, 1.0),
         "sync": check_no_host_sync(rank, group),
         "wire": check_wire_dtype(rank, group),
-        "symm": symm_checks(world),
     }
     return out
 
@@ -389,7 +383,7 @@ def test_no_host_sync_in_dispatch_combine_or_backward(world_results):
             ["capacity_factor=1.5", "nosync only", "dropless"],
         ),
         (["parallel.spill_factor=-0.5"], ["parallel.spill_factor=-0.5", "≥ 0"]),
-        (["parallel.spill_factor=0.5", "parallel.dispatcher=symm"], ["parallel.spill_factor=0.5", "nosync only"]),
+        (["parallel.spill_factor=0.5", "parallel.dispatcher=alltoall"], ["parallel.spill_factor=0.5", "nosync only"]),
     ],
 )
 def test_bad_dispatcher_settings_are_refused_by_the_config(overrides, words):
@@ -409,92 +403,3 @@ def test_rows_cross_the_all_to_all_in_the_autocast_dtype(world_results):
             assert w["wire"] == ["torch.bfloat16"], (name, w)
             assert w["x_local"] == "torch.bfloat16" and w["grad"] == "torch.float32", (name, w)
             assert w["grad_is_k"] and w["y_err"] == 0.0, (name, w)
-
-
-# --- the symmetric-memory dispatcher (its gloo emulation of the transport) ----------------------
-
-
-def symm_checks(world):
-    """SymmMemDispatcher against the exact dispatcher: outputs and every gradient, learned and
-    skewed routing (a rank receiving everything), padding poisoned; the group ends and zeroed rows
-    of its receive layout; no host sync outside the transport (the emulated transport itself
-    reads split sizes on the host, as the NVSHMEM kernels do on the device)."""
-    import torch.distributed as dist
-
-    from moetrain.parallel.exact_dispatchers import AllToAllDispatcher
-    from moetrain.parallel.symm_dispatcher import SymmMemDispatcher
-
-    rank, group = dist.get_rank(), dist.group.WORLD
-    all_to_rank0_E = torch.zeros(E)
-    all_to_rank0_E[:2] = 10.0
-    out = {
-        name: compare_dropless(rank, group, bias, SymmMemDispatcher)
-        for name, bias in (("learned", None), ("all_to_rank0", all_to_rank0_E))
-    }
-
-    # The layout itself: each local expert's rows (from every source, in source order) sit
-    # inside its group; everything else is zero.
-    disp = SymmMemDispatcher(E, group, group)
-    x_ND = torch.arange(B * T, dtype=torch.float32).repeat_interleave(D).view(B * T, D) + 1000 * rank + 1
-    ids_NK = torch.rand(B * T, E, generator=torch.Generator().manual_seed(rank)).topk(K).indices
-    counts_E = torch.bincount(ids_NK.flatten(), minlength=E)
-    x_SD, offsets_L, state = disp.dispatch(x_ND, ids_NK, counts_E)
-    exact = AllToAllDispatcher(E, group, group)
-    x_exact, offsets_exact, _ = exact.dispatch(x_ND, ids_NK, counts_E)
-    out["layout"] = {
-        "rows": x_SD.shape[0],
-        "want_rows": disp.layout_rows(B * T, K),
-        "same_rows": bool(torch.equal(x_SD[: int(offsets_L[-1])], x_exact)),
-        "same_offsets": bool(torch.equal(offsets_L, offsets_exact)),
-        "tail_zero": bool((x_SD[int(offsets_L[-1]) :] == 0).all()),
-    }
-    with (
-        forbid_host_sync(),
-        mock.patch("moetrain.parallel.symm_dispatcher._emulated_dispatch", _quiet(disp, "d")),
-        mock.patch("moetrain.parallel.symm_dispatcher._emulated_combine", _quiet(disp, "c")),
-    ):
-        x = x_ND.clone().requires_grad_()
-        x_SD, offsets_L, state = disp.dispatch(x, ids_NK, counts_E)
-        disp.combine(x_SD * 2.0, state, torch.ones(B * T, K)).sum().backward()
-    out["grad_is_2k"] = bool((x.grad == 2.0 * K).all())
-    return out
-
-
-def _quiet(disp, which):
-    """The emulated transport, run with the host-sync detector paused (the NVSHMEM transport
-    exchanges split sizes on the device)."""
-    from moetrain.parallel import symm_dispatcher as sd
-
-    real = {"d": sd._emulated_dispatch, "c": sd._emulated_combine}[which]
-
-    def call(*args):
-        with contextlib.ExitStack() as stack:
-            for name, method in _REAL_METHODS.items():
-                stack.enter_context(mock.patch.object(torch.Tensor, name, method))
-            return real(*args)
-
-    return call
-
-
-_REAL_METHODS = {
-    name: getattr(torch.Tensor, name)
-    for name in ["item", "tolist", "cpu", "cuda", "numpy", "__bool__", "__int__", "__float__", "__index__", "to"]
-}
-
-
-def test_symm_dispatcher_matches_the_exact_dispatcher(world_results):
-    _, results = world_results
-    for r in (r["symm"] for r in results):
-        for name in ("learned", "all_to_rank0"):
-            diffs = r[name]
-            assert diffs["finite"], (name, diffs)
-            for key in ("y", "x_grad", "router_grad", "w_gate_up_grad", "w_down_grad"):
-                assert diffs[key] < TOL, (name, key, diffs)
-
-
-def test_symm_dispatcher_layout_and_no_host_sync(world_results):
-    _, results = world_results
-    for r in (r["symm"] for r in results):
-        lay = r["layout"]
-        assert lay["rows"] == lay["want_rows"] and lay["same_rows"] and lay["same_offsets"] and lay["tail_zero"], lay
-        assert r["grad_is_2k"]

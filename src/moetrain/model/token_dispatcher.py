@@ -6,7 +6,7 @@ The MoE layer asks its dispatcher for the expert step (`expert_step`: dispatch â
 combine, plus the shared expert) and never communicates itself. This file declares what a
 dispatcher is (`TokenDispatcher`, the interface) and holds the local (single-device) one; the
 parallel layouts swap in implementations (src/moetrain/parallel/exact_dispatchers.py,
-nosync_dispatcher.py, symm_dispatcher.py) that move the sorted rows to the ranks holding their
+nosync_dispatcher.py) that move the sorted rows to the ranks holding their
 experts with all-to-all and back, behind the same methods, and one that overrides the step
 itself to overlap its all-to-alls with compute (src/moetrain/parallel/overlapped_dispatcher.py).
 """

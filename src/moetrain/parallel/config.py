@@ -76,9 +76,6 @@ class DispatcherKind(enum.StrEnum):
     exact exchange's rows) (src/moetrain/parallel/nosync_dispatcher.py)."""
     alltoall = "alltoall"
     """Exact split sizes, read on the host once per layer: dropless, least memory."""
-    symm = "symm"
-    """Experimental. Exact rows, split sizes exchanged on the GPUs (NVSHMEM symmetric memory):
-    dropless, no host sync, only routed rows cross NVLink (src/moetrain/parallel/symm_dispatcher.py)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -108,9 +105,7 @@ class ParallelConfig(Config):
     """Stages per pipeline rank; None = 1 (gpipe, 1f1b) or 2 (interleaved-1f1b)."""
 
     dispatcher: DispatcherKind = DispatcherKind.nosync
-    """How tokens reach experts on other ranks (with ep > 1): nosync, alltoall, or symm,
-    experimental: NVSHMEM builds only, slower than nosync in the one layout measured
-    (docs/measurements.md, "At the preset's batch")."""
+    """How tokens reach experts on other ranks (with ep > 1): nosync or alltoall."""
     compile_overlap: bool = False
     """Experimental. With train.compile: let Inductor move the collectives inside each compiled
     block (the expert all-to-alls) ahead of independent compute, so they overlap it. Off by

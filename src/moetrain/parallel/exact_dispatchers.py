@@ -10,8 +10,8 @@ communicates itself.
   counts are summed over dp;
 - `ExpertParallelDispatcher`: the base of the dispatchers that split experts over ep ranks;
 - `AllToAllDispatcher`: exact split sizes read on the host (`parallel.dispatcher=alltoall`);
-- `NoSyncDispatcher` (nosync_dispatcher.py), `OverlappedDispatcher` (overlapped_dispatcher.py) and
-  `SymmMemDispatcher` (symm_dispatcher.py) build on the base here.
+- `NoSyncDispatcher` (nosync_dispatcher.py) and `OverlappedDispatcher` (overlapped_dispatcher.py)
+  build on the base here.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Legend: E experts in all, L = E / ep experts on this rank.
 
 `apply_expert_parallel` gives every MoE layer of a (meta-device) model the slice of experts its
 rank holds and a dispatcher that moves tokens with all-to-all (src/moetrain/parallel/exact_dispatchers.py,
-nosync_dispatcher.py, overlapped_dispatcher.py, symm_dispatcher.py). The model code is unchanged:
+nosync_dispatcher.py, overlapped_dispatcher.py). The model code is unchanged:
 the MoE layer still asks its dispatcher for the expert step.
 """
 
@@ -19,7 +19,6 @@ from moetrain.parallel.dims import ParallelState
 from moetrain.parallel.exact_dispatchers import AllToAllDispatcher, DataParallelDispatcher
 from moetrain.parallel.nosync_dispatcher import NoSyncDispatcher
 from moetrain.parallel.overlapped_dispatcher import OverlappedDispatcher
-from moetrain.parallel.symm_dispatcher import SymmMemDispatcher
 
 
 def apply_expert_parallel(model: Transformer, state: ParallelState, cfg: ParallelConfig | None = None) -> None:
@@ -43,8 +42,6 @@ def apply_expert_parallel(model: Transformer, state: ParallelState, cfg: Paralle
                     moe.dispatcher = OverlappedDispatcher(E, state.ep_group, state.dp_group, *sizes, cfg.overlap_chunks)
                 else:
                     moe.dispatcher = NoSyncDispatcher(E, state.ep_group, state.dp_group, *sizes)
-            elif cfg.dispatcher == DispatcherKind.symm:
-                moe.dispatcher = SymmMemDispatcher(E, state.ep_group, state.dp_group)
             else:
                 moe.dispatcher = AllToAllDispatcher(E, state.ep_group, state.dp_group)
         elif dims.replicas > 1:

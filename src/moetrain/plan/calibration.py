@@ -37,9 +37,6 @@ class Assumptions:
     link_eff: float = 0.33
     """Achieved fraction of a link's one-way bandwidth by NCCL's collectives. Measured: two H200s
     over NVLink."""
-    symm_link_eff: float = 0.083
-    """The same for NVSHMEM's all-to-all-v kernels (`parallel.dispatcher=symm`). Measured:
-    sweep-8l-8 at ep2 on two H200s."""
     fsdp_overlap: float = 0.66
     """Fraction of the compute time that hides FSDP's all-gathers and reduce-scatters (the ddp
     stack's all-to-alls count as exposed unless overlapped, its data-parallel reductions by

@@ -102,9 +102,9 @@ LAYOUT_WORDS = (
     (r"\bpp\d", "ppN: the layers split into N pipeline stages (parallel.pp); ×vV: V stages per rank, interleaved"),
     (r"\b(ddp|fsdp)\b", "ddp / fsdp: the stack (parallel.stack): replicated dense weights, or FSDP2's shards"),
     (
-        r"\b(nosync|alltoall|symm)\b",
-        "nosync / alltoall / symm: the expert dispatcher (parallel.dispatcher): fixed-size buffers "
-        "without a host sync / exact sizes read on the host / NVSHMEM symmetric memory",
+        r"\b(nosync|alltoall)\b",
+        "nosync / alltoall: the expert dispatcher (parallel.dispatcher): fixed-size buffers "
+        "without a host sync / exact sizes read on the host",
     ),
     (r"\bcf ", "cf F: capacity factor, each rank's experts take F × the balanced load (parallel.capacity_factor)"),
     (
@@ -253,8 +253,7 @@ def rows_per_token(cfg: RunConfig, L: Layout) -> tuple[float, float]:
     the all-to-all. nosync (src/moetrain/parallel/nosync_dispatcher.py) gives the experts
     capacity_factor × K rows and moves (capacity_factor + spill_factor) × K, both at most ep × K
     (the padded mode, capacity_factor=None, is ep × K for both; so is a micro-batch small enough
-    for parallel.capacity_min_rows to take every row); symm pads the receive layout
-    (ep·K rows per token, most of them skipped by the GEMMs but allocated) and moves exact rows."""
+    for parallel.capacity_min_rows to take every row)."""
     k = cfg.model.moe.top_k
     if L.ep > 1 and L.dispatcher == DispatcherKind.nosync.value:
         tokens = L.tokens(cfg.data.seq_len)  # per rank and micro-batch
@@ -262,8 +261,6 @@ def rows_per_token(cfg: RunConfig, L: Layout) -> tuple[float, float]:
         rows = capacity_rows(M, L.ep, L.capacity_factor, L.capacity_min_rows)
         wire = block_rows(M, L.ep, L.capacity_factor, L.spill_factor, L.capacity_min_rows)
         return L.ep * rows / tokens, L.ep * wire / tokens
-    if L.ep > 1 and L.dispatcher == DispatcherKind.symm.value:
-        return k * L.ep, k
     return k, k
 
 

@@ -88,8 +88,7 @@ def communication(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume
     if not fsdp and L.ep > 1:
         a2a = 4 * L.micro_batches * moe_layers * t * wire_rows * m.d_model * 2 * _ring(L.ep)
         comm["expert_all_to_all"] = a2a
-        eff = assume.symm_link_eff if L.dispatcher == DispatcherKind.symm.value else assume.link_eff
-        comm_t["expert_all_to_all"] = a2a / (net(L.ep) * eff)
+        comm_t["expert_all_to_all"] = a2a / (net(L.ep) * assume.link_eff)
     dense_b, expert_b = 4 * rank.dense_local, 4 * rank.expert_local
     grad_elem = 2 if cfg.optim.grad_dtype.value == "bf16" else 4  # the reductions' dtype (optim.grad_dtype)
     if fsdp:

@@ -23,7 +23,7 @@ from moetrain.errors import ConfigError
 from moetrain.model.config import MAX_LAYERS, Fp8, TransformerConfig
 from moetrain.model.fp8_choice import Fp8Select, choose_head
 from moetrain.optim.config import OptimConfig, OptimizerName, ScheduleConfig
-from moetrain.parallel.config import DispatcherKind, ParallelConfig, PipelineSchedule, Recompute, Stack
+from moetrain.parallel.config import ParallelConfig, PipelineSchedule, Recompute, Stack
 from moetrain.parallel.dims import ParallelDims
 
 
@@ -362,14 +362,6 @@ class RunConfig(Config):
                 f"{torch.cuda.get_device_name(device)} has {torch.cuda.get_device_capability(device)}. "
                 "Use train.fp8=none."
             )
-        if self.parallel.dispatcher == DispatcherKind.symm and self.parallel.ep > 1 and device.type == "cuda":
-            import torch.distributed._symmetric_memory as symm_mem
-
-            if not symm_mem.is_nvshmem_available():
-                raise ConfigError(
-                    "parallel.dispatcher=symm needs NVSHMEM (the nvidia-nvshmem package of a CUDA build of "
-                    "torch), which this machine lacks: use parallel.dispatcher=nosync or alltoall."
-                )
 
     @property
     def rows_per_micro_batch(self) -> int:
