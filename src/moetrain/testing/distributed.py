@@ -1,10 +1,12 @@
-"""`run_distributed(fn, world_size, *args)`: run `fn(*args)` on `world_size` spawned CPU processes
+"""`run_distributed(fn, world_size, *args)`: run `fn(*args)` on `world_size` new CPU processes
 joined by a gloo process group (or, with backend="nccl", one GPU each), and return each rank's
 result.
 
-Each rank gets a fresh interpreter (spawn), one torch thread, and a process-group timeout, so a
-hung collective fails the test instead of hanging CI; the parent kills every rank after
-`timeout_s` in any case.
+Each rank is a fresh process forked from a server that imported torch and the trainer once
+(multiprocessing's forkserver: no rank re-imports them, which on two cores took most of a small
+layout test's time), with the parent's environment at the call, one torch thread, and a
+process-group timeout, so a hung collective fails the test instead of hanging CI; the parent
+kills every rank after `timeout_s` in any case.
 """
 
 from __future__ import annotations
@@ -30,9 +32,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+PRELOAD = ["torch", "moetrain.train.trainer"]
+"""What the fork server imports before it forks any rank."""
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 def _worker(
-    rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue, backend: str | None = "gloo"
+    rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue, backend: str | None, env: dict
 ) -> None:
+    os.environ.clear()  # the fork server's environment is the one it started with
+    os.environ.update(env)
     if backend is not None:
         os.environ.update(
             MASTER_ADDR="127.0.0.1",
@@ -60,11 +74,13 @@ def run_distributed(
 ) -> list[Any]:
     """Results of `fn(*args)` per rank; raises with the failing rank's traceback. `backend="nccl"`
     puts rank r on GPU r; `backend=None` starts the processes without a process group."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     port = free_port()
+    env = dict(os.environ)
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, backend)) for r in range(world_size)
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, backend, env))
+        for r in range(world_size)
     ]
     for p in procs:
         p.start()
@@ -90,15 +106,15 @@ def run_distributed(
 
 
 def run_alone(fn: Callable, *args: Any, timeout_s: float = 240.0) -> Any:
-    """`fn(*args)` in one fresh spawned process with no process group (e.g. a rehearsal, which
+    """`fn(*args)` in one new process with no process group (e.g. a rehearsal, which
     makes its own)."""
     return run_distributed(fn, 1, *args, timeout_s=timeout_s, backend=None)[0]
 
 
 def call_each(fn: Callable, arg_sets: list[tuple]) -> list[Any]:
-    """`[fn(*args) for args in arg_sets]`, in order, on this rank: several runs in one spawned
-    group (`run_distributed(call_each, world, fn, [(a,), (b,)])`), which saves a group's start-up
-    (a fresh interpreter and torch per rank) per run."""
+    """`[fn(*args) for args in arg_sets]`, in order, on this rank: several runs in one group
+    (`run_distributed(call_each, world, fn, [(a,), (b,)])`), which saves a group's start-up per
+    run."""
     return [fn(*args) for args in arg_sets]
 
 
