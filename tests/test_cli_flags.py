@@ -67,3 +67,27 @@ def test_a_run_dir_that_looks_like_yaml_is_the_directory_named(real_text_dir, tm
         assert out.returncode == 0, out.stderr
         assert (tmp_path / name / "metrics.jsonl").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["0123", "run #1"]
+
+
+def test_help_and_version_load_no_torch():
+    """`moetrain --help` and `--version` answer without importing torch (each command's module is
+    imported when that command runs)."""
+    code = (
+        "import sys; from moetrain.cli import main; main(['--help']); main(['--version']); "
+        "print('torch loaded' if 'torch' in sys.modules else 'no torch')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip().endswith("no torch"), (out.stdout, out.stderr)
+    assert "usage: moetrain COMMAND" in out.stdout and "(torch 2." in out.stdout
+
+
+def test_a_reader_that_stops_reading_stdout_is_a_normal_end():
+    """`moetrain presets | head -1`: the command ends with exit 0 and nothing on stderr, not as a
+    dead rank."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moetrain", "presets"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline().startswith("preset")
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and err == "", err

@@ -1,7 +1,8 @@
 # Issue 53 call 8 (one GPU): the GPU tests of the step graph and the sync-free steps after the
 # optimizer graph's removal, then the overlapped exchange's one-GPU proxy on this tree
-# (benchmarks/overlap_probe.py, the command of docs/measurements.md "The overlapped exchange on
-# one H200"), at the plain capacity and at --capacity 0.7 (buffers equal to the plain exchange's).
+# (benchmarks/overlap_probe.py, the command of docs/measurements.md
+# "The overlapped exchange on one H200"), at the plain capacity and at --capacity 0.7 (buffers
+# equal to the plain exchange's).
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src
 start=$(date +%s)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader

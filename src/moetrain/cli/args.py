@@ -1,0 +1,105 @@
+"""What the config-taking subcommands share: the everyday flags of `train`, `--section.key=value`
+overrides beside argparse's flags, the rehearsal flags."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+
+from moetrain.errors import ConfigError
+
+# Everyday flags of `train`, and the config keys they set.
+TRAIN_FLAGS = {
+    "--steps": ("train.steps", int),
+    "--seed": ("train.seed", int),
+    "--run-dir": ("train.run_dir", str),
+    "--save-every": ("train.save_every", int),
+    "--eval-every": ("train.eval_every", int),
+    "--device": ("train.device", str),
+}
+TRAIN_FLAG_HELP = {
+    "--run-dir": "sets train.run_dir; default runs/NAME, NAME the preset's or the YAML file's, or when that holds an "
+    "earlier run the next number: runs/NAME-2, runs/NAME-3, … (printed at start-up)",
+}
+
+
+def split_overrides(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """Known flags go to argparse; `--section.key=value` and `--section.key value` become config
+    overrides; an unknown flag is refused with the nearest known one."""
+    args, unknown = parser.parse_known_args(argv)
+    overrides, i = [], 0
+    while i < len(unknown):
+        item = unknown[i]
+        if item.startswith("--") and "." in item.split("=", 1)[0]:
+            if "=" not in item and i + 1 < len(unknown) and not unknown[i + 1].startswith("--"):
+                item, i = f"{item}={unknown[i + 1]}", i + 1  # --optim.lr 3e-4
+            overrides.append(item[2:])
+        elif item.startswith("-"):
+            flags = [f for action in parser._actions for f in action.option_strings]
+            close = difflib.get_close_matches(item.split("=", 1)[0], flags, n=1)
+            hint = f" Did you mean {close[0]}?" if close else ""
+            raise ConfigError(
+                f"Unknown option '{item}' for 'moetrain {parser.prog.split()[-1]}'.{hint} Config keys are set as "
+                "--section.key=value or --section.key value (for example --optim.lr=1e-3); see --help."
+            )
+        else:
+            raise ConfigError(
+                f"Unexpected argument '{item}' for 'moetrain {parser.prog.split()[-1]}'. Config keys "
+                "are set as --section.key=value or --section.key value (for example --optim.lr 1e-3); see --help."
+            )
+        i += 1
+    return args, overrides
+
+
+def config_parser(prog: str, description: str, train_flags: bool) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog=f"moetrain {prog}", description=description)
+    parser.add_argument("spec", metavar="PRESET_OR_YAML", help="a preset name (moetrain presets) or a YAML run file")
+    if train_flags:
+        for flag, (key, tp) in TRAIN_FLAGS.items():
+            parser.add_argument(flag, type=tp, help=TRAIN_FLAG_HELP.get(flag, f"sets {key}"))
+        parser.add_argument(
+            "--resume",
+            action="store_true",
+            help="continue from the newest complete checkpoint in the run directory (without --run-dir: the "
+            "newest of runs/NAME, runs/NAME-2, … that holds a run)",
+        )
+        parser.add_argument("--quiet", action="store_true", help="no start-up header, no progress output")
+        rehearsal_flags(parser, "train the steps (default --steps 4), then save and load back this rank's checkpoint")
+    parser.epilog = (
+        "Any config key can be set with --section.key=value, e.g. --optim.lr=1e-3 --model.moe.routing=random."
+    )
+    return parser
+
+
+def rehearsal_flags(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--rehearse",
+        type=int,
+        metavar="N",
+        default=None,
+        help=f"rehearse one rank of an N-rank run alone on this device, its peers stood in for: {what}; "
+        "communication is not measured (docs/architecture.md, 'Rehearsal')",
+    )
+    parser.add_argument(
+        "--rank",
+        type=int,
+        default=None,
+        help="with --rehearse: the rank to run (default: the one `moetrain plan` says needs most memory)",
+    )
+
+
+def check_rehearsal_flags(args: argparse.Namespace) -> None:
+    if args.rank is not None and args.rehearse is None:
+        raise ConfigError(f"--rank={args.rank} names a rank to rehearse: add --rehearse N (the run's world size).")
+
+
+def resolve_args(args: argparse.Namespace, overrides: list[str]):
+    """The run config of `spec` with the overrides and the everyday flags set."""
+    from moetrain.presets import resolve_config
+
+    flag_overrides = []
+    for flag, (key, _) in TRAIN_FLAGS.items():
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if value is not None:
+            flag_overrides.append(f"{key}={value}")
+    return resolve_config(args.spec, overrides + flag_overrides)

@@ -1,0 +1,69 @@
+"""`moetrain config`, `params`, `presets` and `prepare-data`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from moetrain.cli.args import config_parser, resolve_args, split_overrides
+from moetrain.config import keys_reference
+from moetrain.data.prepare import main as prepare_main
+from moetrain.model.counting import count_params, flops_per_token
+from moetrain.presets import PRESETS, PURPOSES
+from moetrain.train.config import RunConfig
+
+
+def cmd_config(argv: list[str]) -> int:
+    parser = config_parser("config", "Print the resolved config as YAML.", train_flags=True)
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    if "-h" in argv or "--help" in argv:  # the reference reads the config classes' source: for --help only
+        parser.epilog += (
+            "\n\nEvery config key (--key=value or --key value; the defaults are the dataclasses', "
+            "presets set their own):\n" + keys_reference(RunConfig)
+        )
+    args, overrides = split_overrides(parser, argv)
+    print(resolve_args(args, overrides).to_yaml(), end="")
+    return 0
+
+
+def cmd_params(argv: list[str]) -> int:
+    parser = config_parser("params", "Parameter and FLOP counts.", train_flags=False)
+    args, overrides = split_overrides(parser, argv)
+    cfg = resolve_args(args, overrides)
+
+    counts = count_params(cfg.model)
+    print(
+        json.dumps(
+            {
+                "preset": args.spec,
+                "total_params": counts.total,
+                "active_params": counts.active,
+                "flops_per_token": flops_per_token(cfg.model, cfg.data.seq_len),
+                "seq_len": cfg.data.seq_len,
+            }
+        )
+    )
+    return 0
+
+
+def cmd_presets(argv: list[str]) -> int:
+
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False,
+        prog="moetrain presets",
+        description="The shipped presets: parameters total and active, sequence length, what each is for.",
+    )
+    parser.parse_args(argv)
+    print(f"{'preset':<18} {'total':>10} {'active':>9} {'seq_len':>8}  purpose")
+    for name, make in PRESETS.items():
+        cfg = make()
+        counts = count_params(cfg.model)
+        print(
+            f"{name:<18} {counts.total / 1e9:9.3f}B {counts.active / 1e9:8.3f}B {cfg.data.seq_len:>8}  {PURPOSES[name]}"
+        )
+    return 0
+
+
+def cmd_prepare_data(argv: list[str]) -> int:
+
+    return prepare_main(argv)

@@ -1,0 +1,204 @@
+"""`moetrain eval`, `generate`, `export-hf`, `import-hf` and `plot`: what reads a checkpoint or
+a run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from moetrain.destinations import check_file, check_overwrite
+from moetrain.errors import ConfigError
+from moetrain.generation import generate
+from moetrain.hf import export_hf, export_replaces, import_hf, import_replaces
+from moetrain.inference import load_for_inference, text_loss, token_loss
+from moetrain.train.plot import is_image_name, plot_compare
+
+
+def cmd_eval(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, prog="moetrain eval", description="Loss of a checkpoint on text or prepared tokens."
+    )
+    parser.add_argument("checkpoint", help="a run directory (newest checkpoint) or a step-N directory")
+    parser.add_argument(
+        "--text", nargs="+", metavar="FILE", help="text files (each one document) and .jsonl files (one per line)"
+    )
+    parser.add_argument("--text-key", default="text", help="the text field of .jsonl records (default text)")
+    parser.add_argument(
+        "--data",
+        metavar="DIR",
+        help="a prepared token directory (moetrain prepare-data's; e.g. what the run trained on)",
+    )
+    parser.add_argument("--split", default="val", help="with --data: the split to evaluate (default val)")
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args(argv)
+    if (args.text is None) == (args.data is None):
+        raise ConfigError("moetrain eval needs one of --text FILE… (text, .jsonl) or --data DIR (prepared tokens).")
+
+    model, cfg, tokenizer = load_for_inference(args.checkpoint, args.device)
+    if args.data is not None:
+        result = token_loss(model, cfg, tokenizer, args.data, args.split)
+    else:
+        result = text_loss(model, cfg, tokenizer, args.text, args.text_key)
+    print(json.dumps(result))
+    return 0
+
+
+def cmd_generate(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, prog="moetrain generate", description="Sample text from a checkpoint."
+    )
+    parser.add_argument("checkpoint", help="a run directory (newest checkpoint) or a step-N directory")
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-k", type=int, help="with --temperature > 0: draw among the K most likely tokens only")
+    parser.add_argument(
+        "--top-p",
+        type=float,
+        help="with --temperature > 0: draw among the fewest most likely tokens whose probability reaches P",
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--no-kv-cache", action="store_true", help="recompute the whole context for every token (slower, same tokens)"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON line with the text and token ids")
+    args = parser.parse_args(argv)
+    if args.max_new_tokens < 0 or args.temperature < 0:
+        raise ConfigError("--max-new-tokens and --temperature must be ≥ 0.")
+    if args.top_k is not None and args.top_k < 1:
+        raise ConfigError(f"--top-k {args.top_k}: must be ≥ 1 (leave it out to draw among every token).")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise ConfigError(f"--top-p {args.top_p}: must be in (0, 1] (leave it out to draw among every token).")
+
+    model, cfg, tokenizer = load_for_inference(args.checkpoint, args.device)
+    # Each token is predicted from at most the training sequence length of context.
+    text, ids = generate(
+        model,
+        tokenizer,
+        args.prompt,
+        args.max_new_tokens,
+        args.temperature,
+        args.seed,
+        cfg.data.seq_len,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        kv_cache=not args.no_kv_cache,
+    )
+    if args.json:
+        print(json.dumps({"prompt": args.prompt, "completion": text, "token_ids": ids}))
+    else:
+        print(args.prompt + text)
+    return 0
+
+
+def _convert(
+    argv: list[str],
+    prog: str,
+    description: str,
+    source: str,
+    source_help: str,
+    convert,
+    replaces: Callable[[str], list[str]],
+    add_options=None,
+) -> int:
+    """`moetrain export-hf` / `import-hf`: SOURCE OUT_DIR (and `add_options`' flags, passed to
+    `convert` by name) in, one JSON line out. Files of OUT_DIR that `replaces` names are
+    replaced only with --force."""
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog=prog, description=description)
+    parser.add_argument(source, help=source_help)
+    parser.add_argument("out_dir")
+    parser.add_argument("--force", action="store_true", help="replace what an earlier run wrote into OUT_DIR")
+    if add_options is not None:
+        add_options(parser)
+    args = parser.parse_args(argv)
+    # Under torchrun only rank 0 looks: the other ranks would see its files appear.
+    if not args.force and os.environ.get("RANK", "0") == "0":
+        check_overwrite(args.out_dir, replaces(args.out_dir), "OUT_DIR", prog)
+    options = {k: v for k, v in vars(args).items() if k not in (source, "out_dir", "force")}
+    print(json.dumps(convert(getattr(args, source), args.out_dir, **options)))
+    return 0
+
+
+def cmd_export_hf(argv: list[str]) -> int:
+    def options(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--dtype", default="bfloat16", help="weight dtype: bfloat16 (default) or float32")
+        parser.add_argument(
+            "--max-shard-size", default="5GB", help="shard the weights past this size (5GB, 500MiB, bytes)"
+        )
+        parser.add_argument(
+            "--max-position-embeddings", type=int, default=None, help="default: the trained data.seq_len"
+        )
+        parser.add_argument(
+            "--remote-code",
+            action="store_true",
+            help="write moetrain's own modeling file beside the weights (any model: load it with "
+            "trust_remote_code=True) instead of a native transformers class",
+        )
+        parser.add_argument(
+            "--license",
+            dest="license_id",
+            default="other",
+            help="the model card's Hub license id (apache-2.0, mit, cc-by-4.0, …; default other: none chosen)",
+        )
+
+    # Under torchrun each rank writes every WORLD_SIZE-th shard (no process group is needed).
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    return _convert(
+        argv,
+        "moetrain export-hf",
+        "Write a checkpoint as a directory that transformers loads offline with a native architecture "
+        "(Qwen3-MoE for softmax gating, GLM-4-MoE for sigmoid gating): safetensors weights (sharded with an "
+        "index past --max-shard-size), config.json, tokenizer files, and a model card (README.md: the Hub's metadata, "
+        "the model's shape, parameters, tokens, data and validation loss). Models that no native class represents "
+        "exactly are refused, naming the feature and the variant that exports.",
+        "checkpoint",
+        "a run directory (newest checkpoint) or a step-N directory",
+        lambda checkpoint, out_dir, **kw: export_hf(checkpoint, out_dir, rank=rank, world_size=world, **kw),
+        export_replaces,
+        options,
+    )
+
+
+def cmd_import_hf(argv: list[str]) -> int:
+
+    return _convert(
+        argv,
+        "moetrain import-hf",
+        "Read a Hugging Face Qwen3-MoE or GLM-4-MoE directory (config.json, safetensors, tokenizer.json) into "
+        "OUT_DIR: "
+        "config.yaml, tokenizer.json and a weights-only checkpoint. Continue training it with `moetrain "
+        "train OUT_DIR/config.yaml --train.init_from=OUT_DIR --data.sources=… --run-dir NEW`.",
+        "hf_dir",
+        "a Hugging Face model directory",
+        import_hf,
+        import_replaces,
+    )
+
+
+def cmd_plot(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, prog="moetrain plot", description="Compare the loss curves of runs."
+    )
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    parser.add_argument("--out", default=None, help="the PNG to write (default: FIRST_RUN_DIR/loss-compare.png)")
+    parser.add_argument("--force", action="store_true", help="replace --out even when it is not an image")
+    args = parser.parse_args(argv)
+
+    for run_dir in args.run_dirs:
+        if not (Path(run_dir) / "metrics.jsonl").is_file():
+            raise ConfigError(f"'{run_dir}' has no metrics.jsonl: pass run directories written by moetrain train.")
+    out = args.out or Path(args.run_dirs[0]) / "loss-compare.png"
+    check_file(
+        out,
+        "The plot",
+        "Pass --out a PNG file name you can write",
+        replaceable=is_image_name,
+        kind="an image",
+        force=args.force,
+    )
+    print(json.dumps({"plot": str(plot_compare(args.run_dirs, out))}))
+    return 0

@@ -1,0 +1,135 @@
+"""`moetrain train` and `moetrain bench`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch.distributed as dist
+
+from moetrain import rehearse
+from moetrain.bench import run_bench
+from moetrain.cli.args import check_rehearsal_flags, config_parser, rehearsal_flags, resolve_args, split_overrides
+from moetrain.errors import ConfigError
+from moetrain.memory_advice import advice
+from moetrain.parallel.distributed import shutdown
+from moetrain.parallel.rehearsal import is_rehearsal
+from moetrain.plan import device_capacity_floor, plan_gpu
+from moetrain.presets import run_name
+from moetrain.train.oom import OutOfMemory
+from moetrain.train.trainer import Trainer
+
+
+def cmd_train(argv: list[str]) -> int:
+    parser = config_parser("train", "Train a model.", train_flags=True)
+    parser.epilog += (
+        " Every key with its type, default and meaning: moetrain config --help. A mistake in the command or "
+        "the config prints one paragraph and exits 2; add --debug for the traceback."
+    )
+    args, overrides = split_overrides(parser, argv)
+    check_rehearsal_flags(args)
+    rehearsal = None
+    if args.rehearse is not None:
+        if args.steps is None:
+            args.steps = 4
+        overrides.append("train.save_final=false")  # the rehearsal saves and loads back itself
+        rehearsal = rehearse.resolve(resolve_args(args, overrides), args.rehearse, args.rank)
+    cfg = resolve_args(args, overrides)
+
+    trainer = Trainer(
+        cfg,
+        resume=args.resume,
+        quiet=args.quiet,
+        name=run_name(args.spec),
+        rehearsal=rehearsal,
+        capacity_floor=device_capacity_floor,
+    )
+    try:
+        summary = trainer.fit()
+        if rehearsal is not None:
+            summary["rehearsal"] = rehearse.train_record(trainer)
+            summary["checkpoint"] = summary["rehearsal"]["checkpoint"]["checkpoint"]
+    except OutOfMemory as e:
+        e.advice = advice(trainer.cfg, trainer.par.dims.world_size, plan_gpu(e.device_name, e.capacity))
+        raise
+    finally:
+        trainer.run.release()
+    if trainer.par.is_main:
+        print(json.dumps(summary))
+    shutdown()
+    return 0
+
+
+def cmd_bench(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False,
+        prog="moetrain bench",
+        description="Warm up, then time training steps of a preset on random token ids; one JSON line "
+        "per routing mode with tokens_per_sec_per_device, tflops_per_device, mfu, peak_mem_gib, "
+        "sync_free and the exact shape, batch, routing and precision.",
+        epilog="Any config key can be set with --section.key=value, e.g. --train.compile=true "
+        "--train.micro_batch_size=2.",
+    )
+    parser.add_argument("spec", metavar="PRESET_OR_YAML")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (and after each routing switch)")
+    parser.add_argument("--steps", type=int, default=15, help="timed steps per routing mode")
+    parser.add_argument("--routing", default="learned,random", help="comma-separated routing modes (default both)")
+    parser.add_argument("--no-sync-check", action="store_true", help="skip the extra step that counts host syncs")
+    parser.add_argument(
+        "--forward-backward-only",
+        action="store_true",
+        help="time the micro-batches' forward and backward alone (no clipping, no optimizer step)",
+    )
+    parser.add_argument(
+        "--also-forward-backward",
+        action="store_true",
+        help="after the training-step window, time forward+backward alone too (one more JSON line)",
+    )
+    parser.add_argument(
+        "--also-optimizer-step",
+        action="store_true",
+        help="after the training-step window, time the optimizer's part alone too (clipping, the step guard, the "
+        "update, the router bias; gradients of one forward+backward kept): one more JSON line, with its share of "
+        "the training step",
+    )
+    parser.add_argument("--device", default=None, help="sets train.device (default: auto)")
+    parser.add_argument("--run-dir", default=None, help="where the trainer may write (default: a temporary directory)")
+    rehearsal_flags(
+        parser,
+        "its step time without the stand-ins, device time by kernel kind, peak memory while training, saving and "
+        "loading its checkpoint shard, and tokens/s projected with the planner's communication model",
+    )
+    parser.add_argument(
+        "--no-checkpoint", action="store_true", help="with --rehearse: skip saving and loading the rank's checkpoint"
+    )
+    args, overrides = split_overrides(parser, argv)
+    check_rehearsal_flags(args)
+    if args.no_checkpoint and args.rehearse is None:
+        raise ConfigError("--no-checkpoint skips a rehearsal's checkpoint: add --rehearse N (plain bench saves none).")
+    if args.also_optimizer_step and args.forward_backward_only:
+        raise ConfigError("--also-optimizer-step times a part of the training step: drop --forward-backward-only.")
+    if args.warmup < 0 or args.steps <= 0:
+        raise ConfigError(f"--warmup={args.warmup} must be ≥ 0 and --steps={args.steps} positive.")
+    if args.device is not None:
+        overrides.append(f"train.device={args.device}")
+
+    records = run_bench(
+        args.spec,
+        overrides,
+        warmup=args.warmup,
+        steps=args.steps,
+        routings=[r.strip() for r in args.routing.split(",") if r.strip()],
+        sync_check=not args.no_sync_check,
+        run_dir=args.run_dir,
+        forward_backward_only=args.forward_backward_only,
+        also_forward_backward=args.also_forward_backward,
+        also_optimizer_step=args.also_optimizer_step,
+        rehearse=args.rehearse,
+        rank=args.rank,
+        checkpoint=not args.no_checkpoint,
+    )
+    if not dist.is_initialized() or dist.get_rank() == 0 or is_rehearsal():  # a rehearsal's one process reports
+        for record in records:
+            print(json.dumps(record), flush=True)
+    shutdown()
+    return 0
