@@ -2,13 +2,15 @@
 
 import importlib.util
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from moetrain.data import corpus, prepare
 from moetrain.data.prepare import collect_files, iter_documents, main, prepare_data, val_score
-from moetrain.data.tokens import load_tokenizer, open_source
+from moetrain.data.tokens import load_tokenizer, open_source, read_meta
 from moetrain.errors import ConfigError, DataError
 
 TRICKY = [
@@ -273,6 +275,51 @@ def test_extensionless_utf8_text_is_read_and_skipped_files_are_named(tmp_path, c
     (only_skipped / "table.csv").write_text("x\n")
     with pytest.raises(DataError, match=r"no input documents.*Skipped 1 file\(s\): .*table.csv \(extension .csv"):
         prepare_data([only_skipped], tmp_path / "out2", vocab_size=300)
+
+
+def test_every_file_that_is_not_utf8_is_named_at_once_and_skip_bad_leaves_them_out(tmp_path, capsys):
+    """A corpus with two Latin-1 files among good ones (one .txt, one .jsonl, the bad byte past the
+    first 4 KiB a directory's sniffing reads): one error names both before any work; with
+    `skip_bad` the rest is prepared, and meta.json lists what was left out and why."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(3):
+        (corpus / f"good{i}.txt").write_text(f"Document {i} reads well. " * 40)
+    (corpus / "bad.txt").write_bytes(("plain " * 1000 + "caf\xe9 au lait").encode("latin-1"))
+    (corpus / "bad.jsonl").write_bytes('{"text": "ok"}\n{"text": "na\xefve"}\n'.encode("latin-1"))
+    (corpus / "notes.csv").write_text("a,b\n")
+    with pytest.raises(DataError) as e:
+        prepare_data([corpus], tmp_path / "out", vocab_size=300, val_frac=0.0)
+    text = str(e.value)
+    assert "2 input file(s) are not UTF-8" in text and "--skip-bad" in text
+    assert f"{corpus / 'bad.txt'} (not UTF-8: invalid continuation byte at byte 6003)" in text
+    assert f"{corpus / 'bad.jsonl'} (not UTF-8:" in text
+    assert not (tmp_path / "out").exists()
+
+    meta = prepare_data([corpus], tmp_path / "out", vocab_size=300, val_frac=0.0, skip_bad=True)
+    assert meta["splits"]["train"]["num_documents"] == 3
+    assert read_meta(tmp_path / "out")["skipped"] == meta["skipped"]
+    assert sorted(s.split(" (")[0] for s in meta["skipped"]) == sorted(
+        str(corpus / n) for n in ("bad.jsonl", "bad.txt", "notes.csv")
+    )
+    assert "skipped 3 file(s)" in capsys.readouterr().err
+
+
+def test_moetrain_prepare_data_skip_bad_through_the_command_line(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "good.txt").write_text("Fine text here. " * 50)
+    (corpus / "bad.txt").write_bytes("caf\xe9".encode("latin-1"))
+    run = [sys.executable, "-m", "moetrain", "prepare-data", str(corpus), "--vocab-size", "300"]
+    out = subprocess.run([*run, "--out", str(tmp_path / "a")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr and "--skip-bad" in out.stderr, out.stderr
+    out = subprocess.run(
+        [*run, "--out", str(tmp_path / "b"), "--skip-bad"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert read_meta(tmp_path / "b")["skipped"] == [
+        f"{corpus / 'bad.txt'} (not UTF-8: unexpected end of data at its end)"
+    ]
 
 
 # ---- inputs clusters already hold: tokenized .npy, parquet, datasets directories; workers ----

@@ -28,6 +28,7 @@ three times, holding at most one batch of them at once:
 from __future__ import annotations
 
 import argparse
+import codecs
 import collections
 import dataclasses
 import hashlib
@@ -105,6 +106,12 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--workers", type=int, default=1, metavar="N", help="tokenizer processes (default 1)")
     parser.add_argument("--force", action="store_true", help="replace the token files already in --out")
+    parser.add_argument(
+        "--skip-bad",
+        action="store_true",
+        help="leave out input files that are not UTF-8 (named on stderr and in meta.json's skipped) instead of "
+        "stopping",
+    )
     args = parser.parse_args(argv)
     if not args.force:
         check_overwrite(args.out, existing_entries(args.out, OUTPUT_FILES), "--out", "prepare-data")
@@ -122,6 +129,7 @@ def main(argv: list[str]) -> int:
         eos_token=args.eos_token,
         eos_id=args.eos_id,
         workers=args.workers,
+        skip_bad=args.skip_bad,
     )
     splits = meta["splits"]
     summary = {
@@ -153,10 +161,13 @@ def prepare_data(
     progress: bool = True,
     batch_docs: int = BATCH_DOCS,
     batch_bytes: int = BATCH_BYTES,
+    skip_bad: bool = False,
 ) -> dict[str, Any]:
-    """Tokenize `inputs` into the directory `out` and return its metadata (meta.json)."""
+    """Tokenize `inputs` into the directory `out` and return its metadata (meta.json). Text
+    inputs that are not UTF-8 stop it, all named at once, before any work; `skip_bad` leaves them
+    out instead (meta.json's `skipped` lists them with what a directory held that is not read)."""
     _check_arguments(out, val_frac=val_frac, workers=workers, tokenizer=tokenizer, vocab_size=vocab_size, eos_id=eos_id)
-    files = _input_files(inputs, default_corpus=default_corpus, progress=progress)
+    files, skipped = _input_files(inputs, default_corpus=default_corpus, progress=progress, skip_bad=skip_bad)
     if tokenizer is None and any(path.suffix == NPY_SUFFIX for path, _ in files):
         raise ConfigError(
             "The .npy inputs are already tokenized: pass --tokenizer FILE, the tokenizer.json that "
@@ -207,6 +218,7 @@ def prepare_data(
         "tokenizer": "tokenizer.json",
         "splits": counts,
         "sources": [str(p) for p in inputs] + ([DEFAULT_CORPUS] if default_corpus else []),
+        "skipped": skipped,
         "seed": seed,
         "val_frac": val_frac,
     }
@@ -241,11 +253,24 @@ def _check_arguments(
         )
 
 
-def _input_files(inputs: Sequence[str | os.PathLike], *, default_corpus: bool, progress: bool) -> list:
-    """The files of `inputs` prepare-data reads (`collect_files`); what it skips is said once."""
+def _input_files(
+    inputs: Sequence[str | os.PathLike], *, default_corpus: bool, progress: bool, skip_bad: bool
+) -> tuple[list, list[str]]:
+    """(the files of `inputs` prepare-data reads (`collect_files`), what it skips as "path
+    (why)"); what it skips is said once. Text files that are not UTF-8 are refused all at once,
+    or with `skip_bad` skipped."""
     skipped: list[str] = []
     files = collect_files(inputs, skipped)
-    shown = "; ".join(skipped[:10]) + (f"; and {len(skipped) - 10} more" if len(skipped) > 10 else "")
+    bad = {path: why for path, why in map(_utf8_problem, files) if why}
+    if bad and not skip_bad:
+        raise DataError(
+            f"{len(bad)} input file(s) are not UTF-8: {_listed([f'{p} ({why})' for p, why in bad.items()])}. "
+            "Convert them (e.g. `iconv -f latin1 -t utf-8 FILE > FILE.utf8.txt`), or pass --skip-bad to leave "
+            "them out (meta.json lists what was skipped)."
+        )
+    files = [(path, name) for path, name in files if path not in bad]
+    skipped += [f"{p} ({why})" for p, why in bad.items()]
+    shown = _listed(skipped)
     if not files and not default_corpus:
         raise DataError(
             "prepare-data got no input documents: name text files (.txt .rst .md, or UTF-8 text "
@@ -255,7 +280,32 @@ def _input_files(inputs: Sequence[str | os.PathLike], *, default_corpus: bool, p
         )
     if skipped and progress:
         print(f"prepare-data: skipped {len(skipped)} file(s) it does not read: {shown}", file=sys.stderr)
-    return files
+    return files, skipped
+
+
+def _listed(items: list[str], at_most: int = 10) -> str:
+    return "; ".join(items[:at_most]) + (f"; and {len(items) - at_most} more" if len(items) > at_most else "")
+
+
+def _utf8_problem(file: tuple[Path, str]) -> tuple[Path, str | None]:
+    """(path, why it is not UTF-8 text, or None) for a text or .jsonl input (others: None), read
+    in 1 MiB pieces."""
+    path = file[0]
+    if path.suffix in (PARQUET_SUFFIX, ARROW_SUFFIX, NPY_SUFFIX):
+        return path, None
+    decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+    with open(path, "rb") as f:
+        while piece := f.read(1 << 20):
+            try:
+                decoder.decode(piece)
+            except UnicodeDecodeError as e:
+                return path, f"not UTF-8: {e.reason} at byte {offset + e.start}"
+            offset += len(piece)
+    try:
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError as e:
+        return path, f"not UTF-8: {e.reason} at its end"
+    return path, None
 
 
 def collect_files(inputs: Iterable[str | os.PathLike], skipped: list[str] | None = None) -> list[tuple[Path, str]]:

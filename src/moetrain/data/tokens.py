@@ -4,7 +4,8 @@ A prepared directory holds
 
     meta.json       {"format": "moetrain-tokens-v1", "dtype", "vocab_size", "eos_id",
                      "tokenizer": "tokenizer.json", "splits": {"train": {"file", "num_tokens",
-                     "num_documents"}, "val": {...}}, "sources", "seed", "val_frac"}
+                     "num_documents"}, "val": {...}}, "sources", "skipped" (input files
+                     not read, each "path (why)"), "seed", "val_frac"}
     train.bin       the token ids of the training documents, each followed by EOS, as a raw
     val.bin         little-endian array of `dtype` (numpy `tofile`), no header
     tokenizer.json  the Hugging Face `tokenizers` tokenizer that produced the ids
