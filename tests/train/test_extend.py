@@ -60,3 +60,23 @@ def test_a_resume_without_a_changed_step_count_says_nothing_about_the_schedule(r
     assert "train.steps" not in out.stderr and "resumed from" in out.stderr
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 12
+
+
+def test_a_run_that_ends_inside_its_warm_up_says_so_and_keeps_its_last_rate_when_extended(real_text_dir, tmp_path):
+    """4 steps with a warm-up of 10: the start-up says the rate never leaves the warm-up; resumed
+    to 6 steps (train.extend=keep), steps 5 and 6 run at the rate of step 4, not at a rate that
+    goes on rising, and the message names step 5 as the first step run."""
+    run = tmp_path / "run"
+    warmup = "schedule.warmup_steps=10"
+    out = train(real_text_dir, run, 4, warmup, resume=False)
+    assert "the schedule's 4 steps end inside its warm-up of 10 (schedule.warmup_steps)" in out.stderr
+    out = train(real_text_dir, run, 6, warmup)
+    cfg = resolve_config("tiny", tiny_overrides(real_text_dir, run, warmup))
+    last = lr_at(3, 4, cfg.optim.lr, cfg.schedule)
+    assert last == pytest.approx(0.4 * cfg.optim.lr)
+    got = lrs(run)
+    assert got[4] == got[5] == got[6] == pytest.approx(last, rel=1e-9)
+    assert (
+        "train.steps 4 -> 6: the schedule stays the one planned over 4 steps (train.extend=keep): "
+        f"step 5 runs at {last:.3g}" in out.stderr
+    )

@@ -8,7 +8,10 @@ from moetrain.optim.config import ScheduleConfig, ScheduleKind
 
 
 def lr_at(step: int, total_steps: int, peak_lr: float, cfg: ScheduleConfig) -> float:
-    """Learning rate for optimizer step `step` (0-based)."""
+    """Learning rate for optimizer step `step` (0-based) of a schedule planned over `total_steps`;
+    a step past its end runs at the rate of its last step (a run extended with train.extend=keep),
+    whether the schedule had decayed or was still warming up."""
+    step = min(step, total_steps - 1)
     min_lr = peak_lr * cfg.min_lr_ratio
     if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
         return peak_lr * (step + 1) / cfg.warmup_steps

@@ -32,7 +32,8 @@ class Extend(enum.StrEnum):
 
     keep = "keep"
     """The schedule stays the one the run planned over its first train.steps; steps past its end
-    run at its final rate (a longer run continues at the decayed rate; no jump)."""
+    run at the rate of its last step (a longer run continues at the decayed rate, or at the
+    warm-up's last rate if it ended inside its warm-up; no jump)."""
     replan = "replan"
     """The schedule is planned again over the new train.steps, as if the run had asked for them
     from the start: the rate at the resumed step can jump (re-warming a decayed run)."""

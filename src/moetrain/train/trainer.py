@@ -117,6 +117,7 @@ class Trainer:
             self._resume()
         else:
             self._start_fresh()
+        self._note_warmup()
         if self.finished_at is None:  # a finished run stays exactly as it was
             self.run.write_config(cfg.to_yaml(), self.loader.tokenizer_path)
 
@@ -246,6 +247,17 @@ class Trainer:
         self.run.keep_records_up_to(self.step)
         self._notes.append(f"resumed from {path} (step {self.step})")
 
+    def _note_warmup(self) -> None:
+        """A schedule that ends inside its warm-up never decays: said at start-up."""
+        planned, warmup = self.engine.schedule_steps, self.cfg.schedule.warmup_steps
+        if planned <= warmup:
+            last = lr_at(planned - 1, planned, self.cfg.optim.lr, self.cfg.schedule)
+            self._notes.append(
+                f"the schedule's {planned} steps end inside its warm-up of {warmup} (schedule.warmup_steps): the "
+                f"rate rises to {last:.3g} of a peak of {self.cfg.optim.lr:.3g} and never decays; for a warm-up "
+                f"and a decay set --schedule.warmup_steps={max(1, planned // 10)} or so"
+            )
+
     def _resume_schedule(self, path: Path, trainer_state: dict) -> None:
         """The schedule a resumed run follows: the one it planned (trainer_state's
         schedule_steps; a checkpoint written before that key: its config.yaml's train.steps)
@@ -260,20 +272,27 @@ class Trainer:
             return
         keep = tc.extend == Extend.keep
         self.engine.schedule_steps = planned if keep else tc.steps
+        # the steps as the logs number them (from 1): the next one is self.step + 1
         kept = lr_at(self.step, planned, cfg.optim.lr, cfg.schedule)
         replanned = lr_at(self.step, tc.steps, cfg.optim.lr, cfg.schedule)
         before = lr_at(self.step - 1, planned, cfg.optim.lr, cfg.schedule) if self.step else kept
+        final = lr_at(planned - 1, planned, cfg.optim.lr, cfg.schedule)
         if keep:
             what = (
-                f"the schedule stays the one planned over {planned} steps (train.extend=keep): step {self.step} runs "
-                f"at {kept:.3g}"
-                + (f", and every step from {planned} on at its final rate" if tc.steps > planned else "")
-                + f"; --train.extend=replan would plan it over {tc.steps} steps (step {self.step} at {replanned:.3g})"
+                f"the schedule stays the one planned over {planned} steps (train.extend=keep): step {self.step + 1} "
+                f"runs at {kept:.3g}"
+                + (
+                    f", and every step from {planned + 1} on at its last rate, {final:.3g}"
+                    if tc.steps > planned and self.step < planned
+                    else ""
+                )
+                + f"; --train.extend=replan would plan it over {tc.steps} steps (step {self.step + 1} at "
+                f"{replanned:.3g})"
             )
         else:
             what = (
                 f"the schedule is planned again over {tc.steps} steps (train.extend=replan): the rate goes from "
-                f"{before:.3g} at step {self.step - 1} to {replanned:.3g} at step {self.step}; train.extend=keep "
+                f"{before:.3g} at step {self.step} to {replanned:.3g} at step {self.step + 1}; train.extend=keep "
                 f"would keep the plan over {planned} steps ({kept:.3g})"
             )
         self._notes.append(f"--resume: train.steps {planned} -> {tc.steps}: {what}")
