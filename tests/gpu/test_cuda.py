@@ -694,7 +694,11 @@ def test_clipping_norm_kernel_matches_float64_on_cuda():
 
 def test_bf16_weights_train_like_fp32_weights_on_cuda(real_text_dir, tmp_path):
     """tiny on real text, 60 steps, bf16 weights with split masters beside fp32 weights under
-    autocast: the final losses agree within 1%."""
+    autocast, both eager: the final losses agree within 1%. Eager, because the step graph reads
+    the learning rate from the device, which the split masters' update rounds apart from a host
+    number (the step-graph tests compare against an eager run with the rate on the device): over
+    60 steps at tiny's rate that rounding grew into 1.5% between the two precisions at seed 0,
+    against 0.44% eager (one H100, 2026-12-06; docs/measurements.md, "GPU tests")."""
     from moetrain.presets import resolve_config
     from moetrain.train.metrics import read_metrics
     from moetrain.train.trainer import Trainer
@@ -715,6 +719,7 @@ def test_bf16_weights_train_like_fp32_weights_on_cuda(real_text_dir, tmp_path):
                 "train.tensorboard=false",
                 "train.plot=false",
                 f"optim.bf16_weights={flag}",
+                "train.cuda_graphs=off",
             ],
         )
         Trainer(cfg, quiet=True).fit()
