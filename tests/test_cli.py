@@ -327,11 +327,21 @@ def test_moetrain_eval_reads_jsonl_and_the_prepared_tokens_a_run_trained_on(real
     assert main(["eval", str(run_dir), "--text", str(tmp_path / "docs.jsonl"), "--text-key", "body"]) == 0
     assert json.loads(capsys.readouterr().out) == as_text
 
+    # by default the windows the run's val_loss read (train.eval_tokens): its loss, to fp32 rounding
     assert main(["eval", str(run_dir), "--data", str(real_text_dir)]) == 0
-    ev = json.loads(capsys.readouterr().out)
-    assert ev["tokens"] == open_source(real_text_dir, "val").num_tokens - 1
-    final_val = json.loads((run_dir / "summary.json").read_text())["final_val_loss"]
-    assert ev["loss"] == pytest.approx(final_val, rel=0.05)
+    out = capsys.readouterr()
+    ev, available = json.loads(out.out), open_source(real_text_dir, "val").num_tokens - 1
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert ev["tokens"] == summary["val_loss_tokens"] == 4096 and available > 4096
+    assert ev["loss"] == pytest.approx(summary["final_val_loss"], rel=1e-5)
+    assert f"eval: 4,096 of the {available:,} tokens of val (train.eval_tokens" in out.err
+    assert main(["eval", str(run_dir), "--data", str(real_text_dir), "--tokens", "all"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == available
+    assert main(["eval", str(run_dir), "--data", str(real_text_dir), "--tokens", "100"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == 64  # whole windows, at least one
+    for bad in (["--data", str(real_text_dir), "--tokens", "0"], ["--text", str(files[0]), "--tokens", "64"]):
+        assert main(["eval", str(run_dir), *bad]) == 2
+        assert "--tokens" in capsys.readouterr().err
 
     other = tmp_path / "other"
     assert (

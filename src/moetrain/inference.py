@@ -66,11 +66,14 @@ def text_loss(model: Transformer, cfg: RunConfig, tokenizer, files: list[str], t
     return windows_loss(model, cfg, np.asarray(ids, dtype=np.int64))
 
 
-def token_loss(model: Transformer, cfg: RunConfig, tokenizer, data_dir: str, split: str = "val") -> dict:
+def token_loss(
+    model: Transformer, cfg: RunConfig, tokenizer, data_dir: str, split: str = "val", tokens: int | None = None
+) -> dict:
     """Mean next-token loss over a prepared token directory's `split` (what `moetrain
     prepare-data` wrote, e.g. the data a run trained on): its ids as they are, in windows of the
-    training sequence length. The directory must have been tokenized with the checkpoint's
-    tokenizer."""
+    training sequence length; with `tokens`, the first tokens // seq_len whole windows only (at
+    least one), the windows a run's val_loss reads for train.eval_tokens = `tokens`. The
+    directory must have been tokenized with the checkpoint's tokenizer."""
     from moetrain.data.tokens import open_source
 
     tf = open_source(data_dir, split, seq_len=1)
@@ -88,18 +91,19 @@ def token_loss(model: Transformer, cfg: RunConfig, tokenizer, data_dir: str, spl
         raise DataError(
             f"'{data_dir}' holds ids up to {tf.vocab_size - 1}, beyond the model's vocabulary ({cfg.model.vocab_size})."
         )
-    return windows_loss(model, cfg, tf.tokens_N)
+    windows = None if tokens is None else max(1, tokens // cfg.data.seq_len)
+    return windows_loss(model, cfg, tf.tokens_N, windows)
 
 
 @torch.no_grad()
-def windows_loss(model: Transformer, cfg: RunConfig, tokens_N: np.ndarray) -> dict:
+def windows_loss(model: Transformer, cfg: RunConfig, tokens_N: np.ndarray, windows: int | None = None) -> dict:
     """Mean next-token loss, perplexity and token count over non-overlapping windows of the
-    training sequence length (the last may be shorter); `tokens_N`: ids (N,), may be a memory
-    map: each window is read as it is evaluated."""
+    training sequence length (the last may be shorter), all of them or the first `windows`;
+    `tokens_N`: ids (N,), may be a memory map: each window is read as it is evaluated."""
     device = next(model.parameters()).device
     seq = cfg.data.seq_len
     total_loss, total_tokens = 0.0, 0
-    for start in range(0, len(tokens_N) - 1, seq):
+    for start in range(0, len(tokens_N) - 1, seq)[:windows]:
         window = torch.from_numpy(np.asarray(tokens_N[start : start + seq + 1], dtype=np.int64))
         inputs_BT, targets_BT = window[:-1].unsqueeze(0).to(device), window[1:].unsqueeze(0).to(device)
         logits_BTV = model(inputs_BT)

@@ -6,9 +6,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from moetrain.data.tokens import open_source
 from moetrain.destinations import check_file, check_overwrite
 from moetrain.errors import ConfigError
 from moetrain.generation import generate
@@ -32,14 +34,36 @@ def cmd_eval(argv: list[str]) -> int:
         help="a prepared token directory (moetrain prepare-data's; e.g. what the run trained on)",
     )
     parser.add_argument("--split", default="val", help="with --data: the split to evaluate (default val)")
+    parser.add_argument(
+        "--tokens",
+        default=None,
+        metavar="N|all",
+        help="with --data: evaluate the first N tokens in whole windows of data.seq_len (default: the checkpoint's "
+        "train.eval_tokens, what the run's val_loss read), or all of the split",
+    )
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
     if (args.text is None) == (args.data is None):
         raise ConfigError("moetrain eval needs one of --text FILE… (text, .jsonl) or --data DIR (prepared tokens).")
+    if args.tokens is not None and args.data is None:
+        raise ConfigError("--tokens counts the tokens of --data DIR; --text files are evaluated whole.")
+    if args.tokens not in (None, "all") and not (args.tokens.isdigit() and int(args.tokens) > 0):
+        raise ConfigError(f"--tokens {args.tokens}: give a positive number of tokens, or all.")
 
     model, cfg, tokenizer = load_for_inference(args.checkpoint, args.device)
     if args.data is not None:
-        result = token_loss(model, cfg, tokenizer, args.data, args.split)
+        tokens = cfg.train.eval_tokens if args.tokens is None else None if args.tokens == "all" else int(args.tokens)
+        result = token_loss(model, cfg, tokenizer, args.data, args.split, tokens)
+        print(
+            f"eval: {result['tokens']:,} of the {open_source(args.data, args.split).num_tokens - 1:,} tokens of "
+            f"{args.split}"
+            + (
+                " (train.eval_tokens, what the run's val_loss read; --tokens all for every one)"
+                if args.tokens is None
+                else ""
+            ),
+            file=sys.stderr,
+        )
     else:
         result = text_loss(model, cfg, tokenizer, args.text, args.text_key)
     print(json.dumps(result))

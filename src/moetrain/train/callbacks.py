@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from moetrain.data.loader import val_batches
+from moetrain.data.tokens import open_source
 from moetrain.errors import CheckpointError
 from moetrain.parallel.distributed import cpu_group
 from moetrain.train import checkpoint as ckpt
@@ -91,6 +92,15 @@ class Evaluator:
             dp_size=self.dp_size,
         )
         return engine.eval_loss(batches)
+
+    def tokens(self) -> int | None:
+        """The tokens each evaluation predicts: train.eval_tokens in whole sequences, at most the
+        validation split's (None without validation data)."""
+        if self.path is None:
+            return None
+        seq = self.cfg.data.seq_len
+        available = open_source(self.path, "val", seq_len=seq).num_windows(seq)
+        return min(self.cfg.train.eval_sequences(seq), available) * seq
 
 
 class StepProfiling(Callback):

@@ -366,6 +366,7 @@ class Trainer:
             "run_dir": str(self.run.path),
             "steps": self.step,
             "final_val_loss": last_val,
+            "val_loss_tokens": self.evaluator.tokens() if last_val is not None else None,
             "total_params": counts.total,
             "active_params": counts.active,
             "checkpoint": self.run.last_checkpoint(),
