@@ -60,6 +60,8 @@ def test_where_nothing_fits_plan_says_how_many_gpus_would(ref_large_on_8, ref_la
         f"{more.tight_gpus} fit only TIGHT" in text and f"on {more.gpus} × h200: {more.plan.layout.describe()}" in text
     )
     assert f"rehearse one rank: moetrain bench ref-large-128e --rehearse {more.gpus}" in text
+    assert lines[0].startswith("no layout of the ddp stack fits 8 × h200")  # the answer first
+    assert text.index("the layout as given:") < text.index("layout: dp8 ddp")
     fewest = record["fewest_gpus"]
     assert (fewest["gpus"], fewest["tight_gpus"], fewest["searched_up_to"]) == (more.gpus, more.tight_gpus, MAX_GPUS)
     assert fewest["layout"] == more.plan.layout.describe() and fewest["tight"] is False and fewest["flags"]
@@ -137,3 +139,20 @@ def test_the_out_of_memory_advice_names_the_gpus_too(ref_large_more):
         in text
     )
     assert "--parallel.ep=" in text and text.endswith("or shrink the model")
+
+
+def test_a_gpu_count_the_presets_batch_does_not_divide_over_is_planned_at_one_it_does(capsys):
+    """ref-large-128e's micro-batch of 512 sequences over 1,024 data-parallel ranks: planned at
+    the smallest batch that divides (one sequence per GPU, the global batch a multiple of that),
+    said on stderr and carried into the rehearsal's flags; a batch the command line set is refused
+    instead, naming --micro-batch."""
+    assert main(["plan", "ref-large-128e", "--gpus", "1024", "--gpu", "h100", "--no-suggest"]) == 0
+    out = capsys.readouterr()
+    assert "planned with --train.micro_batch_size=1024 --train.global_batch_size=2048" in out.err
+    record = json.loads(out.out.strip().splitlines()[-1])
+    assert "--train.micro_batch_size=1024" in record["rehearse_command"]
+    assert "dp1024" in out.out and "1 seq × 2 micro-batches per rank" in out.out
+    given = ["--train.micro_batch_size=512", "--no-suggest"]
+    assert main(["plan", "ref-large-128e", "--gpus", "1024", "--gpu", "h100", *given]) == 2
+    err = capsys.readouterr().err
+    assert "does not divide over the 1024 data-parallel ranks" in err and "--micro-batch N" in err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import textwrap
 
 from moetrain import rehearse
@@ -72,7 +73,7 @@ def _plan_config(args: argparse.Namespace, overrides: list[str]) -> tuple[RunCon
     """The config `plan` plans, and the overrides it was given (--micro-batch as the key it sets)."""
     cfg = resolve_config(args.spec, overrides, validate=args.micro_batch is None)
     if args.micro_batch is None:
-        return cfg, [f"--{o}" for o in overrides]
+        return _dividing_batch(cfg, args, overrides)
     if args.micro_batch <= 0:
         raise ConfigError(f"--micro-batch={args.micro_batch} must be a positive number of sequences.")
     pp = cfg.parallel.pp
@@ -81,6 +82,33 @@ def _plan_config(args: argparse.Namespace, overrides: list[str]) -> tuple[RunCon
     dp = cfg.parallel.dp or args.gpus // pp
     cfg = resolve_config(args.spec, overrides + [f"train.micro_batch_size={args.micro_batch * dp}"])
     return cfg, [f"--{o}" for o in overrides] + [f"--train.micro_batch_size={cfg.train.micro_batch_size}"]
+
+
+def _dividing_batch(cfg: RunConfig, args: argparse.Namespace, overrides: list[str]) -> tuple[RunConfig, list[str]]:
+    """`cfg` and the flags given, where its micro-batch divides over the data-parallel ranks of
+    --gpus; else, unless the command line set the batch, the smallest batch that does (the
+    micro-batch a multiple of dp sequences, the global batch the smallest multiple of that not
+    below the preset's), said on stderr and added to the flags."""
+    p, tc, given = cfg.parallel, cfg.train, [f"--{o}" for o in overrides]
+    if args.gpus % (p.pp * p.cp):
+        return cfg, given  # the plan names what does not divide
+    dp = p.dp or args.gpus // (p.pp * p.cp)
+    if tc.micro_batch_size % dp == 0:
+        return cfg, given
+    if any(o.startswith(("train.micro_batch_size=", "train.global_batch_size=")) for o in overrides):
+        raise ConfigError(
+            f"train.micro_batch_size={tc.micro_batch_size} does not divide over the {dp} data-parallel ranks of "
+            f"--gpus={args.gpus}: pass --micro-batch N (sequences per GPU per micro-batch) or a multiple of {dp}."
+        )
+    micro = -(-tc.micro_batch_size // dp) * dp
+    flags = [f"train.micro_batch_size={micro}", f"train.global_batch_size={-(-tc.global_batch_size // micro) * micro}"]
+    print(
+        f"note: {args.spec}'s micro-batch of {tc.micro_batch_size} sequences does not divide over {dp} data-parallel "
+        f"ranks: planned with --{flags[0]} --{flags[1]} ({micro // dp} per GPU per micro-batch; --micro-batch N "
+        "sets another).",
+        file=sys.stderr,
+    )
+    return resolve_config(args.spec, overrides + flags), given + [f"--{f}" for f in flags]
 
 
 def cmd_plan(argv: list[str]) -> int:
@@ -93,7 +121,13 @@ def cmd_plan(argv: list[str]) -> int:
     pasted = [_suggestion_flags(cfg, s, given) for s in suggestions]
     commands = [rehearse.command(args.spec, args.gpus, s.busiest_rank, f) for s, f in zip(suggestions, pasted)]
     roomy = [i for i, s in enumerate(suggestions) if not s.tight]
-    if roomy and (not result.fits or result.tight):  # lead with what to run instead
+    shown, more = [result] + suggestions, None
+    if not suggestions and not args.no_suggest:  # nothing fits: the answer is a GPU count, said first
+        more = fewest_gpus(cfg, args.gpus, gpu)
+        more_flags = _more_gpus_flags(args.spec, cfg, more, given)
+        shown += [more.plan] if more.plan else []
+        print("\n".join(more_gpus_text(more, args.gpus, gpu, *more_flags)) + "\n\nthe layout as given:")
+    elif roomy and (not result.fits or result.tight):  # lead with what to run instead
         i = roomy[0]
         print(
             f"recommended: {suggestions[i].layout.describe()}, {_fit_words(suggestions[i])}; the layout as given "
@@ -103,15 +137,8 @@ def cmd_plan(argv: list[str]) -> int:
     print(report(result))
     if result.tight:
         print(f"  -> TIGHT: within the memory model's {PEAK_ERROR:.0%} error of the {result.gpu.memory_gib:g} GiB")
-    shown = [result] + suggestions
-    more = None
     if suggestions:
         print("\n".join(layouts_text(suggestions, pasted, commands)))
-    elif not args.no_suggest:
-        more = fewest_gpus(cfg, args.gpus, gpu)
-        more_flags = _more_gpus_flags(args.spec, cfg, more, given)
-        shown += [more.plan] if more.plan else []
-        print("\n".join(more_gpus_text(more, args.gpus, gpu, *more_flags)))
     print(
         "measure one rank of this layout on one GPU (its compute, memory and checkpoint shard; communication "
         f"modelled):\n  {command}"
