@@ -191,7 +191,7 @@ def _time_window(
     one counting its host syncs): the window's JSON line, and what a rehearsal's entry takes of
     the window (step_s, stand_in_s: the stand-ins' share of it, collectives)."""
     label = f"bench {spec} ({routing} routing, {timed})"
-    say(f"{label}: {n_warm} warm-up steps")
+    say(f"{label}: {n_warm} warm-up step{'' if n_warm == 1 else 's'}")
     for _ in range(n_warm):
         step()
     _synchronize(trainer.device)

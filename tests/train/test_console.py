@@ -145,7 +145,7 @@ def test_precision_names_autocast_bf16_weights_and_fp8():
     assert describe_precision(auto, cpu) == "fp32"  # no graph to choose on the CPU
     recompute = resolve_config("tiny", ["train.recompute=full"])
     assert describe_precision(recompute, torch.device("cuda")).endswith(
-        "; no CUDA graph (train.cuda_graphs=auto: train.cuda_graphs=step cannot capture a step with "
+        "; no CUDA graph (train.cuda_graphs=auto: the step graph cannot capture a step with "
         "train.recompute=full: torch's checkpoint reads the CUDA generator's state in every recomputed block, "
         "which a graph capture forbids)"
     )

@@ -167,7 +167,7 @@ def test_auto_is_the_step_graph_where_nothing_refuses_it_and_off_elsewhere_sayin
         cfg.validate(world_size=world_size, device=device)
         return cfg.cuda_graphs_choice(world_size, device)
 
-    assert choice(1, cpu) == (CudaGraphs.off, "train.cuda_graphs=step replays CUDA kernels, but the run is on cpu")
+    assert choice(1, cpu) == (CudaGraphs.off, "the step graph replays CUDA kernels, but the run is on cpu")
     mode, why = choice(2, cuda, "train.micro_batch_size=2")
     assert mode == CudaGraphs.off and "2 ranks" in why and "set train" not in why
     mode, why = choice(1, cuda, "train.recompute=full")

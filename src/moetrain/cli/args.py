@@ -52,19 +52,12 @@ def split_overrides(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[a
 
 
 def config_parser(prog: str, description: str, train_flags: bool) -> argparse.ArgumentParser:
+    """PRESET_OR_YAML, and with `train_flags` the everyday flags that set config keys (`TRAIN_FLAGS`)."""
     parser = argparse.ArgumentParser(allow_abbrev=False, prog=f"moetrain {prog}", description=description)
     parser.add_argument("spec", metavar="PRESET_OR_YAML", help="a preset name (moetrain presets) or a YAML run file")
     if train_flags:
         for flag, (key, tp) in TRAIN_FLAGS.items():
             parser.add_argument(flag, type=tp, help=TRAIN_FLAG_HELP.get(flag, f"sets {key}"))
-        parser.add_argument(
-            "--resume",
-            action="store_true",
-            help="continue from the newest complete checkpoint in the run directory (without --run-dir: the "
-            "newest of runs/NAME, runs/NAME-2, … that holds a run)",
-        )
-        parser.add_argument("--quiet", action="store_true", help="no start-up header, no progress output")
-        rehearsal_flags(parser, "train the steps (default --steps 4), then save and load back this rank's checkpoint")
     parser.epilog = (
         "Any config key can be set with --section.key=value, e.g. --optim.lr=1e-3 --model.moe.routing=random."
     )

@@ -54,14 +54,18 @@ def cmd_presets(argv: list[str]) -> int:
         description="The shipped presets: parameters total and active, sequence length, what each is for.",
     )
     parser.parse_args(argv)
-    print(f"{'preset':<18} {'total':>10} {'active':>9} {'seq_len':>8}  purpose")
+    print(f"{'preset':<18} {'total':>9} {'active':>9} {'seq_len':>8}  purpose")
     for name, make in PRESETS.items():
         cfg = make()
         counts = count_params(cfg.model)
-        print(
-            f"{name:<18} {counts.total / 1e9:9.3f}B {counts.active / 1e9:8.3f}B {cfg.data.seq_len:>8}  {PURPOSES[name]}"
-        )
+        total, active = _count(counts.total), _count(counts.active)
+        print(f"{name:<18} {total:>9} {active:>9} {cfg.data.seq_len:>8}  {PURPOSES[name]}")
     return 0
+
+
+def _count(n: int) -> str:
+    """12.912B, 1.587B, 3.70M: billions from a billion up, else millions."""
+    return f"{n / 1e9:.3f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
 def cmd_prepare_data(argv: list[str]) -> int:

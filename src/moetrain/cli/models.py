@@ -97,6 +97,12 @@ def cmd_generate(argv: list[str]) -> int:
         raise ConfigError(f"--top-k {args.top_k}: must be ≥ 1 (leave it out to draw among every token).")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise ConfigError(f"--top-p {args.top_p}: must be in (0, 1] (leave it out to draw among every token).")
+    if args.temperature == 0 and (args.top_k is not None or args.top_p is not None):
+        print(
+            "note: --top-k and --top-p choose among tokens drawn at random: with --temperature 0 (the default) "
+            "generation is greedy and they do nothing; add --temperature 0.8, say.",
+            file=sys.stderr,
+        )
 
     model, cfg, tokenizer = load_for_inference(args.checkpoint, args.device)
     # Each token is predicted from at most the training sequence length of context.

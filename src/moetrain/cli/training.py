@@ -22,6 +22,14 @@ from moetrain.train.trainer import Trainer
 
 def cmd_train(argv: list[str]) -> int:
     parser = config_parser("train", "Train a model.", train_flags=True)
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest complete checkpoint in the run directory (without --run-dir: the "
+        "newest of runs/NAME, runs/NAME-2, … that holds a run)",
+    )
+    parser.add_argument("--quiet", action="store_true", help="no start-up header, no progress output")
+    rehearsal_flags(parser, "train the steps (default --steps 4), then save and load back this rank's checkpoint")
     parser.epilog += (
         " Every key with its type, default and meaning: moetrain config --help. A mistake in the command or "
         "the config prints one paragraph and exits 2; add --debug for the traceback."

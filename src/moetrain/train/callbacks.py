@@ -306,8 +306,10 @@ class GracefulStop(Callback):
         self.flag = 1
         self.signal_name = signal.Signals(signum).name
         if not self.quiet:
+            again = " again" if signum == signal.SIGINT else ""
             print(
-                f"{self.signal_name}: stopping after this step and saving a checkpoint (Ctrl-C again to abort at once)",
+                f"{self.signal_name}: stopping after this step and saving a checkpoint "
+                f"(Ctrl-C{again} to abort at once)",
                 file=sys.stderr,
                 flush=True,
             )

@@ -389,8 +389,8 @@ class RunConfig(Config):
             return mode, None
         problem = _cuda_graphs_layout_problem(self, CudaGraphs.step, world_size)
         problem = problem or _cuda_graphs_device_problem(CudaGraphs.step, device)
-        if problem:
-            return CudaGraphs.off, problem[0]
+        if problem:  # said as why auto did not take the step graph
+            return CudaGraphs.off, problem[0].replace(f"train.cuda_graphs={CudaGraphs.step}", "the step graph", 1)
         if self.train.profile:
             return CudaGraphs.off, (
                 "train.profile: the profiled steps run eagerly, so that the profile names each kernel and the "

@@ -36,10 +36,7 @@ def plot_run(run_dir: str | Path) -> Path | None:
     fig, (ax_loss, ax_tput) = plt.subplots(1, 2, figsize=(11, 4))
     ax_loss.plot(steps, [r["loss"] for r in records], label="train loss")
     ax_loss.plot(steps, [r["lm_loss"] for r in records], label="train lm_loss", alpha=0.6)
-    val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
-    summary = run_dir / "summary.json"
-    if summary.is_file() and json.loads(summary.read_text()).get("initial_val_loss") is not None:
-        val.insert(0, (0, json.loads(summary.read_text())["initial_val_loss"]))
+    val = _val_points(run_dir, records)
     if val:
         ax_loss.plot(*zip(*val), "o-", label="val loss")
     ax_loss.set_xlabel("step")
@@ -59,6 +56,15 @@ def plot_run(run_dir: str | Path) -> Path | None:
     return out
 
 
+def _val_points(run_dir: Path, records: list[dict]) -> list[tuple[int, float]]:
+    """(step, validation loss) of a run: step 0's from summary.json (evaluated before training),
+    then the logged ones."""
+    val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+    summary = run_dir / "summary.json"
+    initial = json.loads(summary.read_text()).get("initial_val_loss") if summary.is_file() else None
+    return ([(0, initial)] if initial is not None else []) + val
+
+
 def plot_compare(run_dirs: list[str | Path], out: str | Path) -> Path:
     """Loss curves (train lm_loss and val loss) of several runs in one PNG (or the image format
     `out`'s suffix names), to compare layouts or settings. Needs matplotlib."""
@@ -74,7 +80,7 @@ def plot_compare(run_dirs: list[str | Path], out: str | Path) -> Path:
         line = ax.plot(
             [r["step"] for r in records], [r["lm_loss"] for r in records], label=f"{run_dir.name} train", alpha=0.8
         )[0]
-        val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+        val = _val_points(run_dir, records)
         if val:
             ax.plot(*zip(*val), "o--", color=line.get_color(), label=f"{run_dir.name} val")
     ax.set_xlabel("step")

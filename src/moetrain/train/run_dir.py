@@ -201,4 +201,5 @@ def default_run_dir(name: str, resume: bool, root: str | Path = "runs") -> tuple
     newest = numbered[held[-1]]
     if resume:
         return newest, f"the newest run of {name}"
-    return root / f"{name}-{held[-1] + 1}", f"{newest} holds an earlier run; --resume continues that one"
+    why = f"{newest} holds an earlier run: continue it with --resume --run-dir {newest}"
+    return root / f"{name}-{held[-1] + 1}", why

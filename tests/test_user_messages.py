@@ -1,0 +1,54 @@
+"""Small things a new user reads (issue 57, item 9): parameter counts in a unit that shows them,
+sampling flags that do nothing said so, only the flags a command takes in its help, the
+validation loss at step 0 in every plot, and a run directory's note that names what --resume
+will continue."""
+
+import json
+
+import pytest
+
+from moetrain.cli import main
+
+
+def test_presets_show_small_models_in_millions(capsys):
+    assert main(["presets"]) == 0
+    rows = {line.split()[0]: line.split()[1:3] for line in capsys.readouterr().out.splitlines()[1:]}
+    assert rows["tiny"][0].endswith("M") and float(rows["tiny"][0][:-1]) > 1  # 3.67M, not 0.004B
+    assert rows["ref-tiny-64e"] == ["12.912B", "1.587B"]
+
+
+def test_top_k_without_a_temperature_is_said_to_do_nothing(tmp_path, capsys):
+    assert main(["generate", str(tmp_path / "none"), "--prompt", "x", "--top-k", "5"]) == 2  # no checkpoint there
+    err = capsys.readouterr().err
+    assert "with --temperature 0 (the default) generation is greedy" in err
+    assert main(["generate", str(tmp_path / "none"), "--prompt", "x", "--top-k", "5", "--temperature", "1"]) == 2
+    assert "greedy" not in capsys.readouterr().err
+
+
+def test_config_help_lists_only_the_flags_config_takes(capsys):
+    with pytest.raises(SystemExit):
+        main(["config", "--help"])
+    text = capsys.readouterr().out.split("Any config key")[0]  # the flags, before the keys' reference
+    assert "--steps" in text and "--resume" not in text and "--rehearse" not in text and "--quiet" not in text
+    assert main(["config", "tiny", "--resume"]) == 2
+    assert "Unknown option '--resume'" in capsys.readouterr().err
+
+
+def test_every_plot_starts_at_the_step_0_validation_loss(tmp_path):
+    from moetrain.train.plot import _val_points
+
+    (tmp_path / "summary.json").write_text(json.dumps({"initial_val_loss": 9.0}))
+    records = [{"step": 5, "val_loss": 6.0}, {"step": 10}, {"step": 15, "val_loss": 5.0}]
+    assert _val_points(tmp_path, records) == [(0, 9.0), (5, 6.0), (15, 5.0)]
+    (tmp_path / "summary.json").unlink()
+    assert _val_points(tmp_path, records) == [(5, 6.0), (15, 5.0)]
+
+
+def test_a_fresh_runs_note_names_the_directory_resume_would_need(tmp_path):
+    from moetrain.train.run_dir import default_run_dir
+
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "metrics.jsonl").write_text("")
+    path, why = default_run_dir("tiny", resume=False, root=tmp_path)
+    assert path == tmp_path / "tiny-2"
+    assert why == f"{tmp_path / 'tiny'} holds an earlier run: continue it with --resume --run-dir {tmp_path / 'tiny'}"
