@@ -135,3 +135,57 @@ def test_config_help_lists_the_muon_keys(capsys):
     out = capsys.readouterr().out
     for key in ("optim.name", "optim.muon_momentum", "optim.muon_ns_steps"):
         assert key in out, key
+
+
+def _divided_muon(seed_grads: int):
+    """On each gloo rank: a Linear, stacked experts (gate and up apart: 2E matrices; down: E) and a
+    small Linear, stepped twice by a MuonMatrices shared over the world (the experts' down
+    matrices without a gradient in the second step) and by one alone; (whether the two give the
+    same bits, the matrices this rank orthogonalized)."""
+    import torch.distributed as dist
+
+    from moetrain.optim import muon
+
+    torch.manual_seed(0)
+    modules = [nn.Linear(48, 32, bias=False), GroupedExperts(5, 24, 16), nn.Linear(8, 40, bias=False)]
+    model = nn.ModuleList(modules)
+    for p in modules[1].parameters():  # GroupedExperts leaves its weights to the model's init
+        nn.init.normal_(p, std=0.1)
+    twin = nn.ModuleList([nn.Linear(48, 32, bias=False), GroupedExperts(5, 24, 16), nn.Linear(8, 40, bias=False)])
+    twin.load_state_dict(model.state_dict())
+    cfg = MuonConfig(momentum=0.9, ns_steps=5, weight_decay=0.1)
+    world = dist.group.WORLD
+    named = [(n, p) for n, p in model.named_parameters()]
+    shared = MuonMatrices(named, muon_matrices(model), cfg, groups=[world] * len(named))
+    alone = MuonMatrices(list(twin.named_parameters()), muon_matrices(twin), cfg)
+    counted, real = [], muon.newton_schulz
+
+    def counting(u, steps, dtype):
+        counted.append(u.shape[0] if u.ndim == 3 else 1)
+        return real(u, steps, dtype)
+
+    g = torch.Generator().manual_seed(seed_grads)
+    for step in range(2):
+        grads = [torch.randn(p.shape, generator=g) for p in model.parameters()]
+        if step == 1:
+            grads[2] = None
+        muon.newton_schulz = counting
+        shared.step(grads, 0.02, None, None)
+        muon.newton_schulz = real
+        alone.step(grads, 0.02, None, None)
+    same = all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+    return same, sum(counted)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_muon_divides_newton_schulz_over_the_ranks_that_hold_the_matrices(world):
+    """Every rank of a group ends with a lone rank's parameters bit for bit, and the group
+    orthogonalizes each matrix once between them: 1 + 10 + 5 + 1 matrices the first step,
+    1 + 10 + 1 the second (the experts' down matrices got no gradient), and no rank does them
+    all."""
+    from moetrain.testing.distributed import run_distributed
+
+    results = run_distributed(_divided_muon, world, 7)
+    assert all(same for same, _ in results)
+    counts = [n for _, n in results]
+    assert sum(counts) == 17 + 12 and max(counts) < 29, counts

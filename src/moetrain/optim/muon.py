@@ -42,12 +42,15 @@ import dataclasses
 import functools
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from moetrain.model.experts import GroupedExperts
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 """The quintic's (a, b, c)."""
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 RMS_MATCH = 0.2
 """The RMS of a Muon update before the learning rate (see the module docstring)."""
@@ -182,17 +185,27 @@ def _compiled(fn):
 
 class MuonMatrices:
     """Muon's state and update over parameters this rank holds whole (the replicated optimizer's:
-    dense matrices whole on every rank, experts whole on the rank that holds them). `grad_of(p)`:
-    the parameter's reduced gradient."""
+    dense matrices whole on every rank, experts whole on the rank that holds them).
+
+    A parameter held alike by a group of ranks (`groups`: the data-parallel replicas of the dense
+    ones, the expert-replica group of the experts) has its matrices orthogonalized once across the
+    group: its matrices are cut into contiguous runs (`_Share`), each run given to one rank (the
+    least loaded by Newton–Schulz's work, m·n·min(m, n) a matrix), and the results all-gathered
+    in the iteration's dtype, the momentum and the update staying on every rank. Every rank
+    computes the same O a lone rank would (the same reduced gradient, the same iteration on each
+    matrix), so the division changes no number."""
 
     def __init__(self, named: list[tuple[str, nn.Parameter]], shapes: dict[int, MatrixShape], cfg: MuonConfig, *,
-                 moments_dtype: torch.dtype = torch.float32):  # fmt: skip
+                 moments_dtype: torch.dtype = torch.float32, groups: list | None = None):  # fmt: skip
         check_matrices(named, shapes)
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.shapes = [shapes[id(p)] for p in self.params]
         self.cfg = cfg
         self.momentum = [torch.zeros_like(p, dtype=moments_dtype) for p in self.params]
+        groups = groups or [None] * len(self.params)
+        self.shares = [_Share(g, [i for i, pg in enumerate(groups) if pg is g], self.shapes) for g in _unique(groups)]
+        """Per group of ranks (None: this rank alone), who orthogonalizes which matrices."""
 
     @torch.no_grad()
     def step(
@@ -200,13 +213,84 @@ class MuonMatrices:
     ) -> None:
         """One update of every parameter from its gradient in `grads` (same order; None: no
         gradient this step, no update, as AdamW skips it)."""
-        for p, g, m, shape in zip(self.params, grads, self.momentum, self.shapes):
-            if g is None:
-                continue
-            dtype = ns_dtype(p.device)
-            u = momentum_direction(m, g, self.cfg.momentum, coef, skip, dtype)
-            o = newton_schulz(u.view(shape.count, shape.rows, shape.cols), self.cfg.ns_steps, dtype)
-            apply_update(p, o.view(p.shape), shape.scale, lr, self.cfg.weight_decay, skip)
+        directions = [
+            None if g is None else momentum_direction(m, g, self.cfg.momentum, coef, skip, ns_dtype(p.device))
+            for p, g, m in zip(self.params, grads, self.momentum)
+        ]
+        for share in self.shares:
+            for i, o in share.orthogonalized(directions, self.cfg.ns_steps):
+                p, shape = self.params[i], self.shapes[i]
+                apply_update(p, o.view(p.shape), shape.scale, lr, self.cfg.weight_decay, skip)
 
     def memory_bytes(self) -> int:
         return sum(m.numel() * m.element_size() for m in self.momentum)
+
+
+def _unique(groups: list) -> list:
+    """The distinct groups, in first-seen order (process groups compare by identity)."""
+    out: list = []
+    for g in groups:
+        if not any(g is h for h in out):
+            out.append(g)
+    return out
+
+
+class _Share:
+    """One group's division of Newton–Schulz (`MuonMatrices`): parameters `indices` of `shapes`,
+    each cut into at most `size` contiguous runs of its matrices, the runs dealt out (largest
+    first) to the rank with the least work so far; every rank computes this deal alike."""
+
+    def __init__(self, group, indices: list[int], shapes: list[MatrixShape]):
+        self.group, self.shapes = group, shapes
+        self.size = dist.get_world_size(group) if group is not None else 1
+        self.rank = dist.get_rank(group) if group is not None else 0
+        runs = []  # (work, param index, first matrix, matrices)
+        for i in indices:
+            s = shapes[i]
+            pieces = min(s.count, self.size)
+            for k in range(pieces):
+                first, last = k * s.count // pieces, (k + 1) * s.count // pieces
+                runs.append((s.numel * min(s.rows, s.cols) * (last - first), i, first, last - first))
+        load = [0] * self.size
+        self.runs: list[list[tuple[int, int, int]]] = [[] for _ in range(self.size)]
+        """Per rank: (param index, first matrix, matrices) in the order its results are laid out."""
+        for work, i, first, n in sorted(runs, key=lambda r: (-r[0], r[1], r[2])):
+            owner = load.index(min(load))
+            load[owner] += work
+            self.runs[owner].append((i, first, n))
+
+    def orthogonalized(self, directions: list[torch.Tensor | None], steps: int):
+        """(param index, O) for each of the group's parameters with a direction (a gradient this
+        step): alone, each computed here; in a group, each rank's runs computed by it and
+        all-gathered. A parameter without a gradient has none on any rank (they hold it alike),
+        so every rank leaves the same runs out."""
+        if self.size == 1:
+            for i, _, _ in self.runs[0]:
+                if directions[i] is not None:
+                    yield i, newton_schulz(self._batch(directions[i], i), steps, directions[i].dtype)
+            return
+        runs = [[(i, f, n) for i, f, n in r if directions[i] is not None] for r in self.runs]
+        if not any(runs):
+            return
+        lengths = [[n * self.shapes[i].numel for i, _, n in r] for r in runs]
+        like = directions[next(r[0][0] for r in runs if r)]
+        out = like.new_zeros(self.size, max(map(sum, lengths)))
+        if runs[self.rank]:
+            pieces = [
+                newton_schulz(self._batch(directions[i], i)[f : f + n], steps, like.dtype).reshape(-1)
+                for i, f, n in runs[self.rank]
+            ]
+            torch.cat(pieces, out=out[self.rank, : sum(lengths[self.rank])])
+        _all_gather(out.view(-1), out[self.rank].clone(), group=self.group)
+        parts: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        for r, (rank_runs, rank_lengths) in enumerate(zip(runs, lengths)):
+            at = 0
+            for (i, f, _), length in zip(rank_runs, rank_lengths):
+                parts.setdefault(i, []).append((f, out[r, at : at + length]))
+                at += length
+        for i in sorted(parts):
+            yield i, torch.cat([o for _, o in sorted(parts[i], key=lambda part: part[0])])
+
+    def _batch(self, u: torch.Tensor, i: int) -> torch.Tensor:
+        s = self.shapes[i]
+        return u.view(s.count, s.rows, s.cols)

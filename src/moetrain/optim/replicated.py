@@ -7,8 +7,8 @@ optim.grad_dtype=bf16 the gradients are bf16 off the parameters' `.grad`: in the
 buckets (dp > 1) or, at dp = 1, in a `GradStore` (src/moetrain/optim/grad_store.py) that allocates
 them as backward reaches each parameter; `MomentsAdamW` (src/moetrain/optim/adamw.py) reads them in
 fp32 in torch AdamW's place. With optim.name=muon the blocks' matrices are Muon's
-(`MuonMatrices`, src/moetrain/optim/muon.py: every rank holds them whole, experts its own) and torch
-AdamW keeps the rest."""
+(`MuonMatrices`, src/moetrain/optim/muon.py: every rank holds them whole, experts its own, and
+orthogonalizes its share of them, the results all-gathered) and torch AdamW keeps the rest."""
 
 from __future__ import annotations
 
@@ -79,7 +79,9 @@ class ReplicatedAdamW(TorchAdamW):
             shapes = muon_matrices(model)
             named = [(n, p) for n, p in model.named_parameters() if id(p) in shapes]
             muon_cfg = MuonConfig(cfg.muon_momentum, cfg.muon_ns_steps, cfg.weight_decay)
-            self.muon = MuonMatrices(named, shapes, muon_cfg, moments_dtype=cfg.moments_dtype.dtype)
+            experts = expert_param_ids(model)
+            groups = [state.edp_group if id(p) in experts else state.dp_group for _, p in named]
+            self.muon = MuonMatrices(named, shapes, muon_cfg, moments_dtype=cfg.moments_dtype.dtype, groups=groups)
         muon_ids = {id(p) for p in self.muon.params} if self.muon is not None else set()
         self.adamw = build_adamw(
             model, cfg, exclude=split_ids | muon_ids, grad_of=self._grad_of if self.low_grads else None
