@@ -314,3 +314,26 @@ def test_compile_overlap_switch(tiny_cfg, tmp_path, monkeypatch):
     assert inductor_config.reorder_for_compute_comm_overlap
     assert inductor_config.reorder_for_compute_comm_overlap_passes == OVERLAP_PASSES
     assert all(hasattr(comms, name) for name in OVERLAP_PASSES)
+
+
+def test_start_up_says_what_a_run_silently_would_not_do(tiny_cfg, real_text_dir, tmp_path, capsys):
+    """Evaluation asked of data without a validation split, and train.init_from on a resume: the
+    start-up notes say that nothing is evaluated, and which of the two a resume reads."""
+    import shutil
+
+    from moetrain.data.tokens import read_meta, write_meta
+
+    no_val = tmp_path / "no-val"
+    shutil.copytree(real_text_dir, no_val)
+    meta = read_meta(no_val)
+    meta["splits"]["val"] = {**meta["splits"]["val"], "num_tokens": 0, "num_documents": 0}
+    write_meta(no_val, meta)
+    Trainer(tiny_cfg(tmp_path / "a", f"data.sources=[{no_val}]", "train.steps=2"))
+    assert f"train.eval_every=6, but {no_val} has no validation split" in capsys.readouterr().err
+
+    first = tiny_cfg(tmp_path / "b", "train.steps=6")
+    Trainer(first, quiet=True).fit()
+    Trainer(tiny_cfg(tmp_path / "b", "train.steps=8", f"train.init_from={tmp_path / 'b'}"), resume=True)
+    err = capsys.readouterr().err
+    assert f"resumed from {tmp_path / 'b' / 'checkpoints' / 'step-6'} (step 6); train.init_from=" in err
+    assert "is for a fresh start, not read" in err

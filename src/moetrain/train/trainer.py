@@ -118,6 +118,11 @@ class Trainer:
         else:
             self._start_fresh()
         self._note_warmup()
+        if tc.eval_every > 0 and self.evaluator.path is None and not cfg.data.synthetic:
+            self._notes.append(
+                f"train.eval_every={tc.eval_every}, but {cfg.data.sources[0]} has no validation split and data.val "
+                "is not set: no step evaluates (prepare-data --val-frac 0.02 holds some documents out)"
+            )
         if self.finished_at is None:  # a finished run stays exactly as it was
             self.run.write_config(cfg.to_yaml(), self.loader.tokenizer_path)
 
@@ -245,7 +250,14 @@ class Trainer:
         self._resume_schedule(path, trainer_state)
         self.resumed_from = path
         self.run.keep_records_up_to(self.step)
-        self._notes.append(f"resumed from {path} (step {self.step})")
+        self._notes.append(
+            f"resumed from {path} (step {self.step})"
+            + (
+                f"; train.init_from={self.cfg.train.init_from} is for a fresh start, not read"
+                if self.cfg.train.init_from
+                else ""
+            )
+        )
 
     def _note_warmup(self) -> None:
         """A schedule that ends inside its warm-up never decays: said at start-up."""
