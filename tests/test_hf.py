@@ -4,6 +4,7 @@ variant no native class represents is refused naming the feature (tests/test_hf_
 gating, GLM-4-MoE, sharding, memory, the ref-* presets). Skipped where the `hf` extra is absent."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -252,3 +253,53 @@ def test_moetrain_import_hf_keeps_the_training_set_up_or_says_what_it_assumed(tr
     assert summary["training_setup"]["from"].startswith("assumed")
     assert cfg["data"]["seq_len"] <= json.loads((hf / "config.json").read_text())["max_position_embeddings"]
     assert "says nothing of how the model was trained; assumed data.seq_len=" in done.stderr
+
+
+def test_import_refuses_a_config_or_weights_it_cannot_trust(trained, tmp_path, capsys):
+    """config.json that is not JSON or not an object, one with fewer layers than the weights,
+    quantized (int8) weights and NaN weights: each refused in one paragraph naming the file or the
+    tensor; and eval of outputs that are not finite stops instead of printing NaN, which is not
+    JSON."""
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "hf"
+    assert main(["export-hf", str(trained), str(src)]) == 0
+    capsys.readouterr()
+
+    def refused(case, edit, *words):
+        case_dir = tmp_path / case
+        shutil.copytree(src, case_dir)
+        edit(case_dir)
+        assert main(["import-hf", str(case_dir), str(tmp_path / f"out-{case}")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and "Traceback" not in err, err
+        for word in words:
+            assert word in err, (word, err)
+
+    def weights(fn):
+        def edit(d):
+            tensors = load_file(d / "model.safetensors")
+            fn(tensors)
+            save_file(tensors, d / "model.safetensors")
+
+        return edit
+
+    config = json.loads((src / "config.json").read_text())
+    refused("broken", lambda d: (d / "config.json").write_text("{not json"), "config.json' is not a JSON file")
+    refused("binary", lambda d: (d / "config.json").write_bytes(b"\xff\xfe\x00"), "is not a JSON file")
+    refused("list", lambda d: (d / "config.json").write_text("[1, 2]"), "holds a JSON list")
+    fewer = {**config, "num_hidden_layers": config["num_hidden_layers"] - 1}
+    refused("fewer", lambda d: (d / "config.json").write_text(json.dumps(fewer)), "the weights hold", "layers")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    refused("int8", weights(lambda t: t.update({name: t[name].to(torch.int8)})), name, "int8", "quantized")
+    refused("nan", weights(lambda t: t[name].view(-1)[0].fill_(float("nan"))), name, "NaN or infinite")
+
+
+def test_eval_of_outputs_that_are_not_finite_stops(trained, tmp_path, capsys, monkeypatch):
+    import moetrain.cli.models as models
+
+    monkeypatch.setattr(models, "text_loss", lambda *a: {"loss": float("nan"), "perplexity": float("nan"), "tokens": 9})
+    (tmp_path / "t.txt").write_text("Some text.")
+    assert main(["eval", str(trained), "--text", str(tmp_path / "t.txt")]) == 2
+    err = capsys.readouterr().err
+    assert "the loss is nan over 9 tokens" in err and "Traceback" not in err

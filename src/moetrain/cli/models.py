@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -12,7 +13,7 @@ from pathlib import Path
 
 from moetrain.data.tokens import open_source
 from moetrain.destinations import check_file, check_overwrite
-from moetrain.errors import ConfigError
+from moetrain.errors import ConfigError, DataError
 from moetrain.generation import generate
 from moetrain.hf import export_hf, export_replaces, import_hf, import_replaces
 from moetrain.inference import load_for_inference, text_loss, token_loss
@@ -66,6 +67,11 @@ def cmd_eval(argv: list[str]) -> int:
         )
     else:
         result = text_loss(model, cfg, tokenizer, args.text, args.text_key)
+    if not math.isfinite(result["loss"]):
+        raise DataError(
+            f"the loss is {result['loss']} over {result['tokens']:,} tokens: the checkpoint's outputs are not finite "
+            "(weights with NaN or infinite values, or activations that overflow)."
+        )
     print(json.dumps(result))
     return 0
 

@@ -499,6 +499,9 @@ def _source_names(cfg: RunConfig) -> list[str]:
 # ---- import ------------------------------------------------------------------------------------
 
 
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
 class HfTensors:
     """The tensors of a Hugging Face directory (one file or an index), read one at a time from
     safetensors files only: a pickled weight file (pytorch_model.bin, …) can run code when it is
@@ -553,7 +556,20 @@ class HfTensors:
             raise ConfigError(f"{self.dir}: tensor '{name}' is missing (is this the model its config.json describes?).")
         handle = self.files[self.where[name]]
         value = handle.get_tensor(name) if index is None else handle.get_slice(name)[index : index + 1][0]
-        return value.to(torch.float32)
+        if not value.is_floating_point() or value.dtype.itemsize < 2:
+            raise ConfigError(
+                f"{self.dir}: tensor '{name}' is {str(value.dtype).removeprefix('torch.')}: quantized weights are not "
+                "imported. Use the model's bf16, fp16 or fp32 release (or dequantize it first)."
+            )
+        value = value.to(torch.float32)
+        if not torch.isfinite(value).all():
+            raise ConfigError(f"{self.dir}: tensor '{name}' holds NaN or infinite values: the weights are damaged.")
+        return value
+
+    def layers(self) -> int:
+        """How many decoder layers the tensors hold (model.layers.N.…: the largest N + 1)."""
+        found = [int(m.group(1)) for m in map(_LAYER.match, self.where) if m]
+        return max(found) + 1 if found else 0
 
 
 @torch.no_grad()
@@ -570,7 +586,12 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> dict:
     check_directory(out, "Output directory", "Pass an OUT_DIR you can write")
     if ckpt.list_checkpoints(out):
         raise ConfigError(f"'{out}' already holds checkpoints: choose an empty directory for the import.")
-    hf = json.loads(config_file.read_text())
+    try:
+        hf = json.loads(config_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ConfigError(f"'{config_file}' is not a JSON file ({type(e).__name__}: {e}).") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"'{config_file}' holds a JSON {type(hf).__name__}, not the object of a model's config.")
     cfg = RunConfig(model=model_config_from_hf(hf, str(config_file)))
     setup = _training_setup(cfg, hf_dir, hf)
     params = count_params(cfg.model).total
@@ -582,6 +603,12 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> dict:
         "Free space or pass an OUT_DIR on another filesystem",
     )
     tensors = HfTensors(hf_dir)
+    nextn = hf.get("num_nextn_predict_layers") or 0  # GLM's prediction layers follow the decoder's
+    if tensors.layers() > cfg.model.n_layers + nextn:
+        raise ConfigError(
+            f"{hf_dir}: the weights hold {tensors.layers()} layers, but config.json says num_hidden_layers="
+            f"{cfg.model.n_layers}: it is not the config of these weights."
+        )
     model = cfg.model.build(device="cpu")
     model.init_weights()  # buffers that are not in the HF files (RoPE tables; a softmax model's biases)
     state = ckpt.model_state_dict(model)  # views of the model's tensors, experts split
