@@ -6,6 +6,7 @@ will continue."""
 import json
 
 import pytest
+import torch
 
 from moetrain.cli import main
 
@@ -52,3 +53,36 @@ def test_a_fresh_runs_note_names_the_directory_resume_would_need(tmp_path):
     path, why = default_run_dir("tiny", resume=False, root=tmp_path)
     assert path == tmp_path / "tiny-2"
     assert why == f"{tmp_path / 'tiny'} holds an earlier run: continue it with --resume --run-dir {tmp_path / 'tiny'}"
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--device", "tpu"], "is not a device"),
+        pytest.param(
+            ["--device", "cuda:0"],
+            "no CUDA device",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA"),
+        ),
+        (["--temperature", "1e-320"], "overflow"),
+        (["--seed", str(2**70)], "--seed"),
+        (["--prompt", "caf\udce9"], "--prompt is not UTF-8"),
+    ],
+)
+def test_generate_refuses_what_it_cannot_run_in_one_paragraph(tmp_path, capsys, flags, words):
+    args = ["generate", str(tmp_path / "none"), "--prompt", "x", *flags]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err and "does not exist" not in err, err
+
+
+def test_a_text_file_that_is_a_directory_is_named_as_one(tmp_path):
+    from moetrain.errors import DataError
+    from moetrain.inference import text_loss
+
+    class Tokenizer:
+        def token_to_id(self, token):
+            return 0
+
+    with pytest.raises(DataError, match="is a directory: pass text or .jsonl files"):
+        text_loss(None, None, Tokenizer(), [str(tmp_path)])

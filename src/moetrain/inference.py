@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from moetrain.config import load_yaml
-from moetrain.errors import CheckpointError, DataError
+from moetrain.errors import CheckpointError, ConfigError, DataError, file_kind
 from moetrain.model.transformer import Transformer
 from moetrain.train import checkpoint as ckpt
 from moetrain.train.config import RunConfig
@@ -24,6 +24,7 @@ def load_for_inference(checkpoint: str | Path, device: str = "cpu") -> tuple[Tra
     """(model in eval mode, its run config, its HF tokenizer) from a run or step-N directory."""
     from tokenizers import Tokenizer
 
+    device = _device(device)
     path = ckpt.resolve_checkpoint(checkpoint)
     config_file = path / "config.yaml"
     if not config_file.is_file():
@@ -40,6 +41,19 @@ def load_for_inference(checkpoint: str | Path, device: str = "cpu") -> tuple[Tra
     return model, cfg, Tokenizer.from_file(str(tokenizer_file))
 
 
+def _device(name: str) -> str:
+    """`name` if torch knows the device and this machine has it, else a `ConfigError` saying so."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"--device {name!r} is not a device: use cpu, or cuda (cuda:N) on a GPU machine.") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {name}: this machine has no CUDA device; use --device cpu.")
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {name}: moetrain runs on cpu or cuda.")
+    return name
+
+
 @torch.no_grad()
 def text_loss(model: Transformer, cfg: RunConfig, tokenizer, files: list[str], text_key: str = "text") -> dict:
     """Mean next-token loss over the files (a text file is one document, a .jsonl file one per
@@ -52,7 +66,7 @@ def text_loss(model: Transformer, cfg: RunConfig, tokenizer, files: list[str], t
     for name in files:
         p = Path(name)
         if not p.is_file():
-            raise DataError(f"Text file '{p}' does not exist.")
+            raise DataError(f"Text file '{p}' is {file_kind(p)}: pass text or .jsonl files.")
         if p.suffix == ".jsonl":
             texts = [text for _, text in iter_documents([(p, p.name)], text_key=text_key)]
         else:

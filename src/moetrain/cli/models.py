@@ -99,6 +99,16 @@ def cmd_generate(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.max_new_tokens < 0 or args.temperature < 0:
         raise ConfigError("--max-new-tokens and --temperature must be ≥ 0.")
+    if 0 < args.temperature < 1e-3 or not math.isfinite(args.temperature):
+        raise ConfigError(
+            f"--temperature {args.temperature}: logits divided by it overflow; give 0 (greedy) or at least 0.001."
+        )
+    if not 0 <= args.seed < 2**63:
+        raise ConfigError(f"--seed {args.seed}: give a number from 0 to 2**63 - 1.")
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:  # bytes the terminal passed that are not UTF-8
+        raise ConfigError("--prompt is not UTF-8 text: pass it in UTF-8 (e.g. from a UTF-8 terminal).") from None
     if args.top_k is not None and args.top_k < 1:
         raise ConfigError(f"--top-k {args.top_k}: must be ≥ 1 (leave it out to draw among every token).")
     if args.top_p is not None and not 0 < args.top_p <= 1:
