@@ -113,9 +113,10 @@ def communication(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume
     if L.cp > 1:
         comm["context_all_gather"] = _context_bytes(cfg, L, rank, t)
         comm_t["context_exchange"] = comm["context_all_gather"] / (net(L.cp) * assume.link_eff)
-    if cfg.optim.name.value == "muon" and not _muon_whole(L):
-        # the update's direction of the matrices gathered for the iteration (bf16): the sharded
-        # optimizer's Muon buckets over their groups; FSDP's non-expert matrices over the replicas
+    if cfg.optim.name.value == "muon":
+        # in bf16 over the ranks that share them: the replicated optimizer's orthogonalized
+        # matrices (each rank computed its share), the sharded optimizer's update directions of
+        # its Muon buckets, FSDP's of its non-expert matrices
         experts = 0.0 if fsdp else rank.expert_local * _ring(L.edp)
         comm["muon_all_gather"] = 2 * (rank.muon_dense_local * _ring(L.replicas) + experts)
         comm_t["muon_all_gather"] = comm["muon_all_gather"] / (net(L.replicas) * assume.link_eff)
@@ -192,29 +193,23 @@ def _mtp_flops_per_token(cfg: RunConfig) -> float:
     return m.mtp_depth * (6 * per_depth + 12 * m.n_heads * hd * cfg.data.seq_len)
 
 
-def _muon_whole(L: Layout) -> bool:
-    """Every Muon matrix is whole on its rank: the replicated optimizer (no FSDP, no sharding)."""
-    return L.stack != Stack.fsdp.value and not L.shard_optimizer
-
-
 def _muon_time(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume: Assumptions) -> tuple[float, float]:
     """(Muon's elements this rank updates, the seconds of its step) with optim.name=muon: the
     Newton–Schulz iterations at their measured rate (`Assumptions.ns_eff`) — the replicated
-    optimizer over every local matrix, the sharded one over its shard's share (÷ dp·cp dense,
-    ÷ edp experts), FSDP over every non-expert matrix (gathered whole on each rank) and its
-    experts' rows (÷ dp·cp) — and the element-wise passes of src/moetrain/optim/muon.py over each
-    element it updates (`Assumptions.muon_bytes`)."""
+    and the sharded optimizers over their share of the matrices (÷ dp·cp dense, ÷ edp experts;
+    the replicated one then updates every local matrix), FSDP over every non-expert matrix
+    (gathered whole on each rank) and its experts' rows (÷ dp·cp) — and the element-wise passes
+    of src/moetrain/optim/muon.py over each element it updates (`Assumptions.muon_bytes`)."""
     if cfg.optim.name.value != "muon":
         return 0.0, 0.0
     fsdp = L.stack == Stack.fsdp.value
     if fsdp:
         flops = rank.ns_dense + rank.ns_experts / L.replicas
         updated = (rank.muon_dense_local + rank.expert_local) / L.replicas
-    elif L.shard_optimizer:
-        flops = rank.ns_dense / L.replicas + rank.ns_experts / L.edp
-        updated = rank.muon_dense_local / L.replicas + rank.expert_local / L.edp
     else:
-        flops, updated = rank.ns_dense + rank.ns_experts, rank.muon_dense_local + rank.expert_local
+        flops = rank.ns_dense / L.replicas + rank.ns_experts / L.edp
+        shard = (L.replicas, L.edp) if L.shard_optimizer else (1, 1)
+        updated = rank.muon_dense_local / shard[0] + rank.expert_local / shard[1]
     ns = cfg.optim.muon_ns_steps * flops / (spec.bf16_flops * assume.ns_eff)
     return updated, ns + assume.muon_bytes * updated / (spec.hbm_bytes_s * assume.param_pass_eff)
 
