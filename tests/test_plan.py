@@ -203,7 +203,7 @@ def test_plan_cli_prints_a_table_and_ends_with_one_json_line(capsys):
 @pytest.mark.parametrize(
     "argv, words",
     [
-        (["plan", "tiny", "--gpus", "2", "--gpu", "a100"], ["--gpu='a100'", "h200"]),
+        (["plan", "tiny", "--gpus", "2", "--gpu", "v100"], ["--gpu='v100'", "h200"]),
         (["plan", "tiny", "--gpus", "4", "--parallel.ep=3"], ["parallel.ep=3"]),
         (["plan", "tiny", "--gpus", "4", "--parallel.pp=2", "--micro-batch", "0"], ["--micro-batch=0"]),
     ],

@@ -156,3 +156,16 @@ def test_a_gpu_count_the_presets_batch_does_not_divide_over_is_planned_at_one_it
     assert main(["plan", "ref-large-128e", "--gpus", "1024", "--gpu", "h100", *given]) == 2
     err = capsys.readouterr().err
     assert "does not divide over the 1024 data-parallel ranks" in err and "--micro-batch N" in err
+
+
+def test_a100s_are_planned_without_fp8(capsys):
+    """--gpu a100: its memory, BF16 peak and links from the datasheet (no FP8 tensor cores, so an
+    FP8 plan is refused by name); a run on an A100 is planned on it."""
+    from moetrain.plan import GPUS, plan_gpu
+
+    p = plan(resolve_config("bench-small32e", ["train.micro_batch_size=8", "train.global_batch_size=8"]), 8, "a100")
+    h100 = plan(resolve_config("bench-small32e", ["train.micro_batch_size=8", "train.global_batch_size=8"]), 8, "h100")
+    assert p.gpu.name == "A100 SXM" and p.step_time_s > h100.step_time_s  # a third of the FLOP/s
+    assert plan_gpu("NVIDIA A100-SXM4-80GB", 85_899_345_920) == "a100" and not GPUS["a100"].fp8
+    assert main(["plan", "bench-small32e", "--gpus", "8", "--gpu", "a100", "--train.fp8=rowwise"]) == 2
+    assert "needs FP8 tensor cores, which A100 SXM lacks" in capsys.readouterr().err

@@ -56,7 +56,7 @@ def _plan_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("spec", metavar="PRESET_OR_YAML")
     parser.add_argument("--gpus", type=int, required=True, help="number of GPUs (world size)")
-    parser.add_argument("--gpu", default="h200", help="h100, h200, b200 or b300 (default h200)")
+    parser.add_argument("--gpu", default="h200", help="a100, h100, h200, b200 or b300 (default h200)")
     parser.add_argument(
         "--micro-batch",
         type=int,

@@ -24,9 +24,14 @@ class GPU:
     network_bytes_s: float
     """Per GPU, one direction, across nodes (one NIC per GPU)."""
     gpus_per_node: int = 8
+    fp8: bool = True
+    """FP8 tensor cores (compute capability ≥ 8.9)."""
 
 
 GPUS: dict[str, GPU] = {
+    # A100 SXM 80 GB (nvidia-smi: 81,920 MiB): NVLink 3 (600 GB/s both directions), HDR
+    # InfiniBand 200 Gb/s per GPU; no FP8. The planner's efficiencies were measured on Hopper.
+    "a100": GPU("A100 SXM", 78.5, 312e12, 2.039e12, 300e9, 25e9, fp8=False),
     # H100 SXM 80 GB: NVLink 4 (900 GB/s both directions), ConnectX-7 400 Gb/s per GPU.
     "h100": GPU("H100 SXM", 78.0, 989.4e12, 3.35e12, 450e9, 50e9),
     # H200 SXM 141 GB (nvidia-smi: 143,771 MiB): as H100, more and faster memory.
