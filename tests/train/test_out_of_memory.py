@@ -123,7 +123,8 @@ def test_the_suggested_flags_set_the_suggested_layout(tiny_cfg, tmp_path):
 
 def test_the_planners_gpu_is_found_by_name_or_memory():
     assert plan_gpu("NVIDIA H200", 150_000_000_000) == "h200"
-    assert plan_gpu("NVIDIA A100-SXM4-80GB", 80 * 2**30) == "h100"  # nearest in memory
+    assert plan_gpu("NVIDIA A100-SXM4-80GB", 80 * 2**30) == "a100"
+    assert plan_gpu("NVIDIA L40S", 46 * 2**30) == "h100"  # not one the planner knows: nearest in memory
     assert plan_gpu("cpu", None) == "h200"
 
 
