@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from moetrain.errors import ConfigError
+from moetrain.layout_check import GROUPS, group_norm_probe
 from moetrain.presets import resolve_config
 from moetrain.testing.distributed import run_distributed
 
@@ -64,8 +65,9 @@ def train_and_report(data_dir, run_dir, extra, params_file=None):
     trainer = Trainer(layout_cfg(data_dir, run_dir, *extra), quiet=True)
     deferred = _count_deferred(trainer.engine.expert_grads)
     launched = _launched_before_finish(trainer.engine.optimizer.reduction)
+    norms = group_norm_probe(trainer)
     trainer.fit()
-    records = read_metrics(run_dir / "metrics.jsonl") if trainer.par.is_main else None
+    records = _with_groups(read_metrics(run_dir / "metrics.jsonl"), norms) if trainer.par.is_main else None
     max_err = None
     if params_file is not None:
         ref = torch.load(params_file, weights_only=True)
@@ -148,10 +150,17 @@ def single_run(data_dir, tmp, *extra):
     from moetrain.train.trainer import Trainer
 
     trainer = Trainer(layout_cfg(data_dir, tmp / "run", *extra), quiet=True)
+    norms = group_norm_probe(trainer)
     trainer.fit()
     params_file = tmp / "params.pt"
     torch.save({canonical_name(n): p.detach().clone() for n, p in trainer.engine.model.named_parameters()}, params_file)
-    return read_metrics(tmp / "run" / "metrics.jsonl"), params_file
+    return _with_groups(read_metrics(tmp / "run" / "metrics.jsonl"), norms), params_file
+
+
+def _with_groups(records, norms):
+    """metrics.jsonl's records, each with its step's parameter-group gradient norms
+    (`moetrain check-layout`'s probe: src/moetrain/layout_check.py)."""
+    return [{**r, "groups": dict(zip(GROUPS, n))} for r, n in zip(records, norms, strict=True)]
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +173,9 @@ def check(records, reference_records):
     for got, want in zip(records, reference_records):
         for key in ("lm_loss", "loss", "grad_norm", "lb_loss", "z_loss"):
             assert got[key] == pytest.approx(want[key], rel=1e-5), (got["step"], key, got[key], want[key])
+        # each parameter group's reduced gradient, every element counted once over the ranks
+        for group, norm in want["groups"].items():
+            assert got["groups"][group] == pytest.approx(norm, rel=1e-5), (got["step"], group, got["groups"], norm)
         assert got["expert_load_max_over_mean"] == pytest.approx(want["expert_load_max_over_mean"], rel=1e-6)
 
 

@@ -1,5 +1,5 @@
 """The `moetrain` command line: one module per group of subcommands (args.py: the flags they
-share; training.py: train, bench; planning.py: plan; configs.py: config, params, presets,
+share; training.py: train, bench, check-layout; planning.py: plan; configs.py: config, params, presets,
 prepare-data; models.py: eval, generate, export-hf, import-hf, plot), imported when its command
 runs, so `moetrain --help` and `--version` load no torch.
 
@@ -34,11 +34,13 @@ SUBCOMMANDS: dict[str, str] = {
     "export-hf": "write a checkpoint as a Hugging Face model directory (safetensors, config, tokenizer)",
     "import-hf": "turn a Hugging Face Qwen3-MoE or GLM-4-MoE directory into a moetrain checkpoint (--train.init_from)",
     "plan": "predict per-GPU memory, communication, step time and MFU of a preset on N GPUs; suggest layouts",
+    "check-layout": "train a run's first steps in its parallel layout and in one process; compare them step by step",
 }
 
 MODULES = {
     "train": "training",
     "bench": "training",
+    "check-layout": "training",
     "plan": "planning",
     "config": "configs",
     "params": "configs",

@@ -1,13 +1,14 @@
-"""`moetrain train` and `moetrain bench`."""
+"""`moetrain train`, `moetrain bench` and `moetrain check-layout`."""
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import torch.distributed as dist
 
-from moetrain import rehearse
+from moetrain import layout_check, rehearse
 from moetrain.bench import run_bench
 from moetrain.cli.args import check_rehearsal_flags, config_parser, rehearsal_flags, resolve_args, split_overrides
 from moetrain.errors import ConfigError
@@ -141,3 +142,48 @@ def cmd_bench(argv: list[str]) -> int:
             print(json.dumps(record), flush=True)
     shutdown()
     return 0
+
+
+def cmd_check_layout(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False,
+        prog="moetrain check-layout",
+        description="Train the first steps of a run in its parallel layout and in one process, and compare them "
+        "step by step: the loss, the gradient norm, each parameter group's gradient norm (embeddings, attention, "
+        "norms, dense MLP, router, routed experts, shared experts, head, MTP) and the drops. Exits 1 naming what "
+        "differs beyond the precision's tolerance. Launch it as the run: torchrun --nproc-per-node=4 -m moetrain "
+        "check-layout tiny --parallel.dp=2 --parallel.ep=2 --device cpu.",
+        epilog="Any config key can be set with --section.key=value. The one-process reference runs on rank 0's "
+        "device after the layout: the model must fit one device.",
+    )
+    parser.add_argument("spec", metavar="PRESET_OR_YAML", help="a preset name (moetrain presets) or a YAML run file")
+    parser.add_argument("--steps", type=int, default=5, help="optimizer steps to compare (default 5)")
+    parser.add_argument("--seed", type=int, default=None, help="sets train.seed")
+    parser.add_argument("--device", default=None, help="sets train.device")
+    parser.add_argument(
+        "--rtol",
+        type=float,
+        nargs=2,
+        metavar=("LOSS", "GRAD"),
+        default=None,
+        help="the largest relative differences allowed for the loss and for the gradient norms at every step "
+        "(default by precision, tighter at the first step, whose parameters both runs share: fp32 1e-6 1e-4, "
+        "then 1e-4 1e-1; bf16 1e-3 1e-2, then 1e-2 1e-1; fp8 2e-3 2e-2, then 2e-2 2e-1)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the result as one JSON line instead of a table")
+    parser.add_argument("--reference-out", default=None, help=argparse.SUPPRESS)  # the reference's child process
+    args, overrides = split_overrides(parser, argv)
+    if not 1 <= args.steps <= 1000:
+        raise ConfigError(f"--steps={args.steps}: compare between 1 and 1000 steps (a few are the point).")
+    if args.rtol is not None and not all(r > 0 for r in args.rtol):
+        raise ConfigError(f"--rtol {args.rtol[0]} {args.rtol[1]}: tolerances must be positive.")
+    overrides += [f"train.{k}={v}" for k, v in (("seed", args.seed), ("device", args.device)) if v is not None]
+    cfg = resolve_args(argparse.Namespace(spec=args.spec), overrides)
+    if args.reference_out is not None:
+        layout_check.reference_steps(cfg, Path(args.reference_out))
+        return 0
+    result = layout_check.check_layout(cfg, args.steps, tuple(args.rtol) if args.rtol else None)
+    if result is None:  # not rank 0
+        return 0
+    print(json.dumps(layout_check.plain(result)) if args.json else layout_check.describe(result), flush=True)
+    return 0 if result["ok"] else 1

@@ -141,6 +141,13 @@ class Optimizer(Protocol):
         derived from the weights. Collective for the sharded optimizer."""
         ...
 
+    def grad_parts(self) -> list[tuple[str, torch.Tensor, bool]]:
+        """After the reduction, before clipping: (canonical name, this rank's part of that
+        parameter's reduced gradient, whether this rank counts it) for every parameter with a
+        gradient. Summed over the ranks that count, Σ‖part‖² gives every element once: a part held
+        alike by several ranks (replicas) counts on one of them (`moetrain check-layout`)."""
+        ...
+
     def master_weights(self) -> dict[str, torch.Tensor]:
         """Canonical name → fp32 master of each parameter the model holds in lower precision
         (optim.bf16_weights), as temporaries; what a checkpoint saves for them. {} otherwise."""

@@ -95,6 +95,16 @@ class FSDPAdamW(TorchAdamW):
             grads = [self.grads.grad(p) if self.grads is not None else p.grad for p in self.muon.params]
             self.muon.step(grads, self.adamw.param_groups[0]["lr"], muon_coef, skip)
 
+    def grad_parts(self) -> list[tuple[str, torch.Tensor, bool]]:
+        """Each parameter's local gradient shard (`Optimizer.grad_parts`; FSDP shards every
+        parameter over the dp ranks, so every rank counts its parts)."""
+        parts = []
+        for name, p in self.model.named_parameters():
+            grad = self.grads.grad(p) if self.grads is not None else p.grad
+            if grad is not None:
+                parts.append((canonical_name(name), _local(grad), True))
+        return parts
+
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Global norm over the gradient shards (get_total_norm reduces DTensor norms over the
         mesh), as a plain device tensor; clip with the same coefficient as `clip_grad_norm`. One

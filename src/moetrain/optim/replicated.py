@@ -69,7 +69,11 @@ class ReplicatedAdamW(TorchAdamW):
                         self.grads.add(p)
         self.ep_group = state.ep_group
         self.pp_group = state.pp_group
+        # the first of the replicas holding a parameter alike: its stage's dp·cp ranks for dense
+        # parameters, its edp group (replica ranks e·ep + this ep index) for experts
+        self._first = (state.replica_rank == 0, state.replica_rank // state.dims.ep == 0)
         expert_ids = expert_param_ids(model)
+        self._expert_ids = expert_ids
         rest = [p for p in model.parameters() if id(p) not in split_ids]
         self.expert_params = [p for p in rest if id(p) in expert_ids]
         self.dense_params = [p for p in rest if id(p) not in expert_ids]
@@ -104,6 +108,17 @@ class ReplicatedAdamW(TorchAdamW):
         """`p`'s gradient: its bf16 one in `grads`, else `.grad`."""
         grad = self.grads.grad(p) if self.grads is not None else None
         return grad if grad is not None else p.grad
+
+    def grad_parts(self) -> list[tuple[str, torch.Tensor, bool]]:
+        """Every parameter's whole reduced gradient (`Optimizer.grad_parts`), counted on the
+        first of the ranks that hold it alike."""
+        split = dict(zip(map(id, self.split.params), self.split.grads)) if self.split is not None else {}
+        parts = []
+        for name, p in self.model.named_parameters():
+            grad = split[id(p)] if id(p) in split else self._grad_of(p)
+            if grad is not None:
+                parts.append((canonical_name(name), grad, self._first[id(p) in self._expert_ids]))
+        return parts
 
     def _grads(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         """The gradients of those of `params` that have one."""

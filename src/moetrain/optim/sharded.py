@@ -273,6 +273,17 @@ class ShardedAdamW(StepHooks):
             dist.all_reduce(sq, group=self.norm_group)
         return sq.sqrt()
 
+    def grad_parts(self) -> list[tuple[str, torch.Tensor, bool]]:
+        """Each parameter's range in this rank's shards (`Optimizer.grad_parts`): every element
+        lies in one shard of its group, so every rank counts its parts."""
+        parts = []
+        for b in self.buckets:
+            for p, off in zip(b.params, b.offsets):
+                start, end = max(off, b.lo), min(off + p.numel(), b.hi)
+                if start < end:
+                    parts.append((self.names[id(p)], b.grad_S[start - b.lo : end - b.lo], True))
+        return parts
+
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Bring the gradient shards to a global norm of at most `max_norm` (math.inf: no
         clipping); return the norm before clipping (device tensor, no host sync). Fused, or bf16

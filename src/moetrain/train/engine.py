@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,6 +88,10 @@ class StepOutput:
 
 class TrainEngine:
     """Owns the model, the optimizer, the pipeline and the step guard of one rank."""
+
+    grad_probe: Callable[[Optimizer], None] | None = None
+    """Called with the optimizer between the gradients' reduction and clipping, where
+    `moetrain check-layout` reads them (`Optimizer.grad_parts`); None in training."""
 
     def __init__(self, cfg: RunConfig, par: ParallelState, device: torch.device, eos_id: int | None = None):
         """`eos_id`: the data's end-of-document id (needed with data.document_masking)."""
@@ -255,6 +259,8 @@ class TrainEngine:
         all-reduce), update (and the step hooks: the router bias). Everything it writes is
         written in place, so that a CUDA graph can replay it. Returns the norm before clipping."""
         max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else math.inf
+        if self.grad_probe is not None:
+            self.grad_probe(self.optimizer)
         grad_norm = self.optimizer.clip_grad_norm(max_norm)
         skip = self.guard.check(self.global_mean(lm_loss.float().reshape(1))[0], grad_norm)
         self.optimizer.step(skip)

@@ -1,0 +1,338 @@
+"""`moetrain check-layout`: the first steps of a parallel layout against one process training the
+same run, compared step by step: what to run on one's own cluster before the expensive job.
+
+Both runs train the same config (seed, global batch, hence the same batches) for `steps` steps,
+with evaluation, checkpoints, plots and CUDA graphs off. The layout runs on every rank of the
+launch (torchrun, srun or mpirun). Then rank 0 starts the reference as a child process: the same
+config with the default layout (every `parallel.*` key reset: no dp, cp, ep, pp, optimizer
+sharding or FSDP), alone on rank 0's device, so the model must fit one device (for a larger one,
+check a shallower copy, e.g. `--model.n_layers=2`: the layout's machinery is the same per layer).
+
+Per step it compares (`compare`):
+- the LM loss and the optimizer's global gradient norm, as metrics.jsonl logs them;
+- the norm of each parameter group's reduced gradient before clipping (`GROUPS`), read from the
+  optimizer between the reduction and the clipping (`Optimizer.grad_parts`), every element
+  counted once over the ranks;
+- the fraction of expert assignments dropped (the reference drops none: a layout that drops
+  differs from it by more than rounding, and the report says so).
+Each quantity's largest relative difference over the steps is held against a tolerance set by the
+compute precision (`TOLERANCES`, measured: docs/reliability.md, "check-layout"); past it the check
+fails, naming the quantity and the first step past it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moetrain.errors import MoetrainError
+from moetrain.parallel.config import ParallelConfig
+from moetrain.parallel.distributed import from_rank_0, shutdown
+from moetrain.train.config import CudaGraphs, Fp8, RunConfig
+from moetrain.train.metrics import read_metrics
+
+GROUPS = (
+    "embeddings",
+    "attention",
+    "norms",
+    "dense_mlp",
+    "router",
+    "routed_experts",
+    "shared_experts",
+    "head",
+    "mtp",
+)
+"""The parameter groups whose gradient norms are compared (`group_of`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    """(the loss's, the gradient norms') largest relative differences allowed: at the first step,
+    whose gradients both runs compute from the same parameters (a difference is the layout's
+    arithmetic alone), and at the later ones, whose parameters carry the earlier steps' rounding,
+    which Adam's division by √v amplifies where v is small."""
+
+    first: tuple[float, float]
+    later: tuple[float, float]
+
+
+TOLERANCES = {
+    "fp32": Tolerance(first=(1e-6, 1e-4), later=(1e-4, 1e-1)),
+    "bf16": Tolerance(first=(1e-3, 1e-2), later=(1e-2, 1e-1)),
+    "fp8": Tolerance(first=(2e-3, 2e-2), later=(2e-2, 2e-1)),
+}
+"""Compute precision → the largest relative differences allowed (how they were set, and what was
+measured: docs/reliability.md, "check-layout")."""
+
+
+def group_of(name: str) -> str:
+    """The group (`GROUPS`) of a canonical parameter name."""
+    for prefix, group in (("mtp.", "mtp"), ("embed.", "embeddings"), ("lm_head.", "head")):
+        if name.startswith(prefix):
+            return group
+    for part, group in (
+        (".router.", "router"),
+        (".experts.", "routed_experts"),
+        (".shared_expert.", "shared_experts"),
+        (".attn.", "attention"),
+        (".ffn.", "dense_mlp"),
+    ):
+        if part in name:
+            return group
+    return "norms"
+
+
+def for_check(cfg: RunConfig, steps: int, run_dir: str) -> RunConfig:
+    """`cfg` as a check runs it: `steps` steps logged every step into `run_dir`, nothing else
+    written or evaluated, no CUDA graph (the gradients are read between reduction and clipping)."""
+    train = dataclasses.replace(
+        cfg.train,
+        steps=steps,
+        log_every=1,
+        eval_every=0,
+        save_every=0,
+        save_final=False,
+        plot=False,
+        tensorboard=False,
+        wandb=False,
+        profile=False,
+        cuda_graphs=CudaGraphs.off,
+        run_dir=run_dir,
+    )
+    return dataclasses.replace(cfg, train=train)
+
+
+def reference_config(cfg: RunConfig) -> RunConfig:
+    """The same run in one process: every `parallel.*` key at its default."""
+    return dataclasses.replace(cfg, parallel=ParallelConfig())
+
+
+def run_steps(cfg: RunConfig) -> list[dict[str, Any]] | None:
+    """Train `cfg` (made by `for_check`) on this launch's ranks; rank 0 gets `step_records`, the
+    others None."""
+    from moetrain.train.trainer import Trainer
+
+    trainer = Trainer(cfg, quiet=True)
+    norms = group_norm_probe(trainer)
+    try:
+        trainer.fit()
+    finally:
+        trainer.run.release()
+    return step_records(trainer, norms)
+
+
+def group_norm_probe(trainer) -> list[list[float]]:
+    """Make `trainer` read each step's reduced gradients before clipping: the list it returns
+    gets, per step, each group's gradient norm (`GROUPS` order), every element counted once over
+    the ranks (one all-reduce and one host read a step)."""
+    norms: list[list[float]] = []
+
+    def probe(optimizer) -> None:
+        sq = torch.zeros(len(GROUPS), dtype=torch.float64, device=trainer.device)
+        for name, part, counts in optimizer.grad_parts():
+            if counts:
+                sq[GROUPS.index(group_of(name))] += part.float().square().sum().double()
+        if trainer.par.dims.world_size > 1:
+            dist.all_reduce(sq)
+        norms.append(sq.sqrt().tolist())
+
+    trainer.engine.grad_probe = probe
+    return norms
+
+
+def step_records(trainer, norms: list[list[float]]) -> list[dict[str, Any]] | None:
+    """On rank 0, per step of the finished run: the LM loss, the gradient norm and the drops
+    (from its metrics.jsonl) and each group's gradient norm (`group_norm_probe`'s); None elsewhere."""
+    if not trainer.par.is_main:
+        return None
+    records = read_metrics(Path(trainer.cfg.train.run_dir) / "metrics.jsonl")
+    return [
+        {
+            "step": r["step"],
+            "lm_loss": r["lm_loss"],
+            "grad_norm": r["grad_norm"],
+            "dropped_token_frac": r["dropped_token_frac"],
+            "groups": dict(zip(GROUPS, norm)),
+        }
+        for r, norm in zip(records, norms)
+    ]
+
+
+def run_reference(cfg: RunConfig, workdir: Path) -> list[dict[str, Any]]:
+    """`reference_config(cfg)` in a child process of one rank (its config written to `workdir`),
+    on this process's device; its records."""
+    ref = reference_config(cfg)
+    ref = dataclasses.replace(ref, train=dataclasses.replace(ref.train, run_dir=str(workdir / "reference")))
+    (workdir / "reference.yaml").write_text(ref.to_yaml())
+    out = workdir / "reference.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "SLURM_", "OMPI_", "PMI_"))}
+    env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    if torch.cuda.is_available() and cfg.train.device != "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = str(_visible_device(torch.cuda.current_device()))
+    command = [
+        sys.executable,
+        "-m",
+        "moetrain",
+        "check-layout",
+        str(workdir / "reference.yaml"),
+        "--reference-out",
+        str(out),
+    ]
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode != 0 or not out.exists():
+        tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-12:])
+        raise MoetrainError(
+            f"check-layout: the one-process reference run failed (exit {done.returncode}), so there is nothing to "
+            f"compare the layout with. Its last lines:\n{tail}\nIf the model does not fit one device, check a "
+            "shallower copy of it (e.g. --model.n_layers=2)."
+        )
+    return json.loads(out.read_text())
+
+
+def _visible_device(index: int) -> str:
+    """The CUDA_VISIBLE_DEVICES entry of this process's device `index` (its own list, if set)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return visible.split(",")[index] if visible else str(index)
+
+
+def compare(layout: list[dict], reference: list[dict], tol: Tolerance) -> dict[str, Any]:
+    """Per quantity (lm_loss, grad_norm, each group present) the largest relative difference at
+    the first step and at the later ones, and the first step past its tolerance; `ok` when none
+    is past it."""
+    if [r["step"] for r in layout] != [r["step"] for r in reference]:
+        raise MoetrainError(
+            f"check-layout: the layout logged steps {[r['step'] for r in layout]}, the reference "
+            f"{[r['step'] for r in reference]}: a run stopped early (its messages are above)."
+        )
+    present = [g for g in GROUPS if any(r["groups"][g] or s["groups"][g] for r, s in zip(layout, reference))]
+    report: dict[str, Any] = {}
+    for name in ("lm_loss", "grad_norm", *present):
+        kind = 0 if name == "lm_loss" else 1
+        got = [r[name] if name in r else r["groups"][name] for r in layout]
+        want = [s[name] if name in s else s["groups"][name] for s in reference]
+        rel = [abs(a - b) / max(abs(b), 1e-30) if a != b else 0.0 for a, b in zip(got, want)]
+        rtol = [tol.first[kind]] + [tol.later[kind]] * (len(rel) - 1)
+        past = [layout[i]["step"] for i, (d, t) in enumerate(zip(rel, rtol)) if not d <= t]  # NaN is past
+        report[name] = {
+            "first_step_rel_diff": _finite(rel[:1]),
+            "later_max_rel_diff": _finite(rel[1:]),
+            "rtol": [tol.first[kind], tol.later[kind]],
+            "first_step_past": past[0] if past else None,
+        }
+    failed = [name for name, q in report.items() if q["first_step_past"] is not None]
+    dropped = max(r["dropped_token_frac"] or 0.0 for r in layout)
+    return {"ok": not failed, "failed": failed, "quantities": report, "max_dropped_token_frac": dropped}
+
+
+def _finite(values: list[float]) -> float | None:
+    """The largest of `values` (NaN if one is NaN; None if there are none)."""
+    return None if not values else math.nan if any(v != v for v in values) else max(values)
+
+
+def precision_of(cfg: RunConfig, device: torch.device) -> str:
+    """fp32, bf16 or fp8: the compute precision the tolerances are chosen by."""
+    if cfg.train.fp8 != Fp8.none:
+        return "fp8"
+    from moetrain.train.engine import autocast_dtype
+
+    return "bf16" if autocast_dtype(cfg.train.precision, device) == torch.bfloat16 else "fp32"
+
+
+def check_layout(cfg: RunConfig, steps: int, rtol: tuple[float, float] | None = None) -> dict[str, Any] | None:
+    """The check (module docstring) on this launch's ranks: rank 0 returns the result (`compare`'s,
+    with the per-step records, the tolerances' precision and each run's seconds), the others None."""
+    from moetrain.train.runtime import setup_runtime
+
+    runtime = setup_runtime(cfg)  # joins the launch's process group (the trainer then finds it)
+    main = runtime.par.rank == 0
+    workdir = Path(tempfile.mkdtemp(prefix="moetrain-check-layout-")) if main else None
+    layout_dir = from_rank_0(str(workdir / "layout") if main else None)
+    start = time.perf_counter()
+    layout = run_steps(for_check(cfg, steps, layout_dir))
+    layout_s = time.perf_counter() - start
+    if not main:
+        shutdown()
+        return None
+    precision = precision_of(cfg, runtime.device)
+    tol = Tolerance(rtol, rtol) if rtol is not None else TOLERANCES[precision]
+    if runtime.device.type == "cuda":  # the layout's model is gone: its memory to the reference
+        gc.collect()
+        torch.cuda.empty_cache()
+    start = time.perf_counter()
+    reference = run_reference(for_check(cfg, steps, ""), workdir)
+    result = compare(layout, reference, tol)
+    result.update(
+        precision=precision,
+        world_size=runtime.par.dims.world_size,
+        layout_seconds=round(layout_s, 1),
+        reference_seconds=round(time.perf_counter() - start, 1),
+        steps=[{"step": a["step"], "layout": a, "reference": b} for a, b in zip(layout, reference)],
+    )
+    shutdown()
+    return result
+
+
+def reference_steps(cfg: RunConfig, out: Path) -> None:
+    """The child's side of `run_reference`: train `cfg` (written by it) in this one process and
+    write its records to `out`."""
+    records = run_steps(for_check(cfg, cfg.train.steps, cfg.train.run_dir))
+    out.write_text(json.dumps(records))
+
+
+def describe(result: dict[str, Any]) -> str:
+    """The check's result as lines for a person: each quantity's largest differences, the verdict."""
+    q = result["quantities"]
+    lines = [
+        f"{'quantity':<16}{'step 1':>10}{'later':>10}  {'tolerances':<15}first step past",
+        *(
+            f"{name:<16}{_e(v['first_step_rel_diff']):>10}{_e(v['later_max_rel_diff']):>10}  "
+            f"{v['rtol'][0]:.0e} {v['rtol'][1]:.0e}{'':<5}{v['first_step_past'] or '-'}"
+            for name, v in q.items()
+        ),
+    ]
+    steps = len(result["steps"])
+    seconds = result["layout_seconds"], result["world_size"], result["reference_seconds"]
+    cost = "layout {} s on {} ranks, one process {} s".format(*seconds)
+    if result["ok"]:
+        lines.append(
+            f"OK: {steps} steps of the layout equal one process's within the {result['precision']} tolerances ({cost})."
+        )
+    else:
+        lines.append(
+            f"FAILED: {', '.join(result['failed'])} differ from one process's beyond the {result['precision']} "
+            f"tolerance ({cost})."
+        )
+    if result["max_dropped_token_frac"] > 0:
+        lines.append(
+            f"The layout dropped up to {result['max_dropped_token_frac']:.2%} of expert assignments (one process drops "
+            "none): drops change the loss and every gradient. To check the machinery alone, add "
+            "--parallel.capacity_factor=null (dropless)."
+        )
+    return "\n".join(lines)
+
+
+def _e(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1e}"
+
+
+def plain(value: Any) -> Any:
+    """`value` with every non-finite float as its name ("nan", "inf"): what strict JSON can hold."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [plain(v) for v in value]
+    return value

@@ -1,0 +1,146 @@
+"""`moetrain check-layout` on gloo ranks: a sound layout passes; the faults users reported in MoE
+stacks, planted into the layout's ranks (the one-process reference runs in a child process, out
+of their reach), fail it, naming the quantity that shows them. That every layout of the suite
+passes the check's per-group comparison is tested with the layouts themselves
+(tests/parallel/test_layouts.py, `check`)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import pytest
+
+from moetrain.testing.distributed import run_distributed
+
+SMALL = [
+    "--device=cpu",
+    "--steps=3",
+    "--model.vocab_size=512",
+    "--model.d_model=64",
+    "--model.n_layers=3",
+    "--model.moe.expert_hidden=32",
+    "--data.seq_len=32",
+    "--train.global_batch_size=8",
+    "--train.micro_batch_size=4",
+]
+
+
+def _check(data_dir, argv: list[str], fault: str | None):
+    """`moetrain check-layout tiny` with `argv` on this rank, after planting `fault`: (exit code,
+    stdout)."""
+    if fault is not None:
+        FAULTS[fault]()
+    from moetrain.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["check-layout", "tiny", f"--data.sources=[{data_dir}]", *SMALL, *argv])
+    return code, out.getvalue()
+
+
+def _experts_summed_not_averaged():
+    """Expert gradients reduced over their replicas without the division by their count (2)."""
+    from moetrain.optim import grad_reducer
+
+    finish = grad_reducer.GradReducer.finish
+
+    def summed(self):
+        finish(self)
+        for b in self.buckets:
+            if b.group is not None and b.params[0].ndim == 3:  # an expert bucket: (E, ·, ·) weights
+                b.flat.mul_(2)
+
+    grad_reducer.GradReducer.finish = summed
+
+
+def _router_not_reduced():
+    """The routers' gradients left out of the data-parallel reduction (each rank keeps its own)."""
+    from moetrain.model.router import Router
+    from moetrain.optim import grad_reducer
+
+    reduced = grad_reducer.reduced_param_ids
+
+    def without_router(model, state):
+        return reduced(model, state) - {id(m.weight) for m in model.modules() if isinstance(m, Router)}
+
+    grad_reducer.reduced_param_ids = without_router
+
+
+def _norm_counts_expert_shards_once():
+    """The global gradient norm takes this rank's experts for all of them (no sum over ep)."""
+    from moetrain.optim import clip, replicated
+
+    def one_rank(grads, expert_grads, ep_group=None, pp_group=None):
+        return clip.global_grad_norm(grads, expert_grads, None, pp_group)
+
+    replicated.global_grad_norm = one_rank
+
+
+def _stage_not_reduced():
+    """The second pipeline stage's gradients not reduced over its data-parallel replicas."""
+    import torch.distributed as dist
+
+    from moetrain.optim import grad_reducer
+
+    launch = grad_reducer.GradReducer._launch
+
+    def skip_stage_1(self, bucket):
+        if dist.get_rank() >= 2:  # pp2·dp2: ranks 2 and 3 are stage 1
+            bucket.launched = True
+            return
+        launch(self, bucket)
+
+    grad_reducer.GradReducer._launch = skip_stage_1
+
+
+FAULTS = {
+    "experts summed": _experts_summed_not_averaged,
+    "router not reduced": _router_not_reduced,
+    "norm counts expert shards once": _norm_counts_expert_shards_once,
+    "stage not reduced": _stage_not_reduced,
+}
+
+
+def test_a_sound_layout_passes_and_says_so(real_text_dir):
+    (code, out), (code1, out1) = run_distributed(_check, 2, real_text_dir, ["--parallel.ep=2", "--json"], None)
+    assert (code, code1, out1) == (0, 0, "")  # rank 0 reports
+    result = json.loads(out)
+    assert result["ok"] and result["failed"] == [] and result["precision"] == "fp32", result
+    assert result["world_size"] == 2 and len(result["steps"]) == 3
+    q = result["quantities"]
+    assert {"lm_loss", "grad_norm", "embeddings", "attention", "router", "routed_experts", "head"} <= set(q)
+    for v in q.values():  # step 1 from the same parameters: rounding alone; later steps within theirs
+        assert v["first_step_rel_diff"] <= v["rtol"][0] and v["later_max_rel_diff"] <= v["rtol"][1], q
+    assert all(s["layout"]["groups"]["routed_experts"] > 0 for s in result["steps"])
+
+
+@pytest.mark.parametrize(
+    "fault, world, layout, named",
+    [
+        ("experts summed", 2, [], "routed_experts"),
+        ("router not reduced", 2, ["--parallel.ep=2"], "router"),
+        # experts most of the norm, as in a real MoE (at SMALL's size the embeddings dominate it)
+        ("norm counts expert shards once", 2, ["--parallel.ep=2", "--model.moe.expert_hidden=256"], "grad_norm"),
+        ("stage not reduced", 4, ["--parallel.pp=2", "--parallel.dp=2"], "head"),
+    ],
+)
+def test_a_planted_fault_fails_naming_its_group(real_text_dir, fault, world, layout, named):
+    results = run_distributed(_check, world, real_text_dir, layout, fault)
+    code, out = results[0]
+    assert code == 1, out
+    assert "FAILED: " in out and named in out.splitlines()[-1], out
+    row = next(line for line in out.splitlines() if line.startswith(named + " "))
+    assert row.split()[-1] != "-", row  # the first step past the tolerance is named
+
+
+@pytest.mark.parametrize(
+    "argv, named", [(["--steps", "0"], "--steps=0"), (["--rtol", "0", "1e-3"], "--rtol 0.0 0.001")]
+)
+def test_bad_flags_are_refused_in_one_paragraph(capsys, argv, named):
+    from moetrain.cli import main
+
+    assert main(["check-layout", "tiny", *argv]) == 2
+    err = capsys.readouterr().err
+    assert named in err and "Traceback" not in err, err
