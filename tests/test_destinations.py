@@ -7,6 +7,9 @@ import collections
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
 
 import pytest
 from conftest import tiny_overrides
@@ -186,6 +189,37 @@ def test_export_hf_replaces_an_earlier_export_only_with_force(capsys, trained, t
     assert (out / "model.safetensors").read_bytes() == weights
     again = succeeds(capsys, ["export-hf", trained, out, "--dtype", "float32", "--force"])
     assert again == first and (out / "model.safetensors").read_bytes() == weights
+
+
+def test_an_export_killed_over_an_earlier_one_is_no_model_until_it_completes(capsys, trained, tmp_path):
+    """kill -9 in the middle of `export-hf --force` over an earlier export: the earlier config.json
+    is gone before the first new shard, so the half-written directory is no model (transformers
+    and import-hf need config.json, written last, whole); the next export completes it."""
+    pytest.importorskip("safetensors")
+    out = tmp_path / "hf"
+    succeeds(capsys, ["export-hf", trained, out, "--dtype", "float32"])
+    killed_after_two_shards = (
+        "import os, signal, sys\n"
+        "from moetrain.cli import main\n"
+        "from moetrain.hf import convert\n"
+        "write, done = convert._write_shard, []\n"
+        "def writing(*a, **k):\n"
+        "    write(*a, **k)\n"
+        "    done.append(1)\n"
+        "    if len(done) == 2: os.kill(os.getpid(), signal.SIGKILL)\n"
+        "convert._write_shard = writing\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    argv = ["export-hf", str(trained), str(out), "--force", "--max-shard-size", "64KB"]
+    done = subprocess.run([sys.executable, "-c", killed_after_two_shards, *argv], capture_output=True, timeout=300)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    shards = sorted(p.name for p in out.glob("model-0*.safetensors"))
+    assert len(shards) == 2 and not (out / "config.json").exists(), sorted(p.name for p in out.iterdir())
+    assert not (out / "model.safetensors").exists()  # the earlier export's weights went with its config
+    fails(capsys, ["import-hf", out, tmp_path / "imported"], "has no config.json")
+    succeeds(capsys, ["export-hf", trained, out, "--force", "--max-shard-size", "64KB"])
+    assert json.loads((out / "config.json").read_text())["model_type"] == "qwen3_moe"
+    succeeds(capsys, ["import-hf", out, tmp_path / "imported"])
 
 
 def test_import_hf_checks_its_out_dir(capsys, exported, tmp_path, read_only, small_disk):

@@ -66,9 +66,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shutil
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -201,17 +203,20 @@ def export_hf(
         "Free space or pass an OUT_DIR on another filesystem",
     )
     out.mkdir(parents=True, exist_ok=True)
-    if rank == 0:
+    if rank == 0:  # an earlier export's config.json goes first: until the new one is written last,
+        (out / "config.json").unlink(missing_ok=True)  # the directory is no model to transformers or import-hf
         remove_stale(out, names)
     for i in range(rank, len(shards), world_size):
         _write_shard(out / names[i], [by_name[s[0]] for s in shards[i]], shards[i], source, max_bytes)
         with safe_open(str(out / names[i]), framework="pt") as f:  # the library reads back what we wrote
             assert len(f.keys()) == len(shards[i]), names[i]
     if rank == 0:
+        _wait_for_shards(out, names, world_size)
         if len(shards) > 1:
             (out / INDEX).write_text(json.dumps(index_json(shards, names, parameters), indent=2) + "\n")
         _write_metadata(out, cfg, tokenizer, positions, dtype, remote_code)
         _write_readme(out, path, cfg, dtype, parameters, license_id, remote_code)
+        _write_config(out, cfg, tokenizer, positions, dtype, remote_code)
     return {
         "architecture": "MoetrainForCausalLM" if remote_code else architecture_for(m).value,
         "remote_code": remote_code,
@@ -360,13 +365,35 @@ def _tokenizer(path: Path):
     return Tokenizer.from_file(str(tokenizer_file))
 
 
+def _write_config(out: Path, cfg: RunConfig, tokenizer, positions: int, dtype: str, remote: bool) -> None:
+    """config.json, the export's last file, written whole or not at all (renamed from a temporary
+    name): a directory with it holds every other file of the export."""
+    eos_id = tokenizer.token_to_id("<|endoftext|>")
+    config = (remote_config if remote else hf_config)(cfg.model, eos_id, positions, dtype)
+    partial = out / "config.json.tmp"
+    partial.write_text(json.dumps(config, indent=2) + "\n")
+    os.replace(partial, out / "config.json")
+
+
+def _wait_for_shards(out: Path, names: list[str], world_size: int, timeout_s: float = 3600.0) -> None:
+    """Under torchrun the other ranks write their shards (each appears whole, renamed from a
+    temporary name): wait until all are there before the files that name them, or stop, saying
+    which are missing, when a rank has not written its shard after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while missing := [n for n in names if not (out / n).is_file()]:
+        if world_size == 1 or time.monotonic() > deadline:
+            raise CheckpointError(
+                f"export-hf: {', '.join(missing)} not written into {out} (their ranks stopped?): the export is "
+                "incomplete and has no config.json. Run export-hf again with --force."
+            )
+        time.sleep(1.0)
+
+
 def _write_metadata(out: Path, cfg: RunConfig, tokenizer, positions: int, dtype: str, remote: bool) -> None:
-    """config.json, generation_config.json and the tokenizer files (and, with `remote`, the
-    modeling file transformers runs)."""
+    """generation_config.json and the tokenizer files (and, with `remote`, the modeling file
+    transformers runs); config.json comes last (`_write_config`)."""
     eos_token = "<|endoftext|>" if tokenizer.token_to_id("<|endoftext|>") is not None else None
     eos_id = tokenizer.token_to_id(eos_token) if eos_token else None
-    config = (remote_config if remote else hf_config)(cfg.model, eos_id, positions, dtype)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {"bos_token_id": eos_id, "eos_token_id": eos_id, "do_sample": False}
     (out / "generation_config.json").write_text(
         json.dumps(generation | ({"use_cache": False} if remote else {}), indent=2) + "\n"
