@@ -11,13 +11,18 @@ one paragraph naming the path and the fix instead of a traceback half-way throug
     check_free_space   less free disk than the command is about to write, where that is known
                        beforehand (a checkpoint: its parameter count × bytes per parameter)
     check_file         the same for a single output file (plot --out)
+    storage_reason     what a write that failed all the same means (disk full, quota, size limit,
+                       read-only, permission), for the one paragraph a command ends with
 
 Nothing here creates anything: a command refused here leaves no directory behind.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import re
+import resource
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
@@ -99,3 +104,38 @@ def format_bytes(n: float) -> str:
         if n >= size:
             return f"{n / size:.1f} {unit}"
     return f"{int(n)} bytes"
+
+
+_STORAGE = {
+    errno.ENOSPC: "the disk is full",
+    errno.EDQUOT: "the disk quota is used up",
+    errno.EFBIG: "the file-size limit (ulimit -f) is reached",
+    errno.EROFS: "the file system is read-only",
+    errno.EACCES: "no permission (a directory made read-only?)",
+    errno.EPERM: "not permitted",
+}
+
+
+_SHORT_WRITE = (" requested and ", "unexpected pos", "failed writing file")
+"""How numpy's `tofile` and torch's serialization say a write stopped short."""
+
+
+def storage_reason(e: BaseException) -> str | None:
+    """What a write's error means for the user when the storage refused it (full, quota, size
+    limit, read-only, permission), found in `e` or in the first failure a DCP `CheckpointException`
+    carries; None for any other error. numpy's `tofile` and torch's file writer report a short
+    write without an errno: a full disk or the size limit."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        e = next(iter(failures.values()))[0]
+    code = e.errno if isinstance(e, OSError) else None
+    rust = re.search(r"\(os error (\d+)\)", str(e))  # the tokenizers library's (Rust) io errors
+    code = int(rust.group(1)) if code is None and rust else code
+    short = code is None and isinstance(e, OSError | RuntimeError) and any(s in str(e) for s in _SHORT_WRITE)
+    if code not in _STORAGE and not short:
+        return None
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    what = _STORAGE.get(code, "the write stopped short: the disk is full or the file-size limit is reached")
+    if (short or code == errno.EFBIG) and limit != resource.RLIM_INFINITY:
+        what += f" (ulimit -f allows {limit // 1024:,} KiB a file: raise it with ulimit -f unlimited)"
+    return what

@@ -92,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
             raise
         return 0  # whoever read stdout stopped reading (`moetrain presets | head -1`): a normal end
     except Exception as e:
+        failed = None if debug else _storage_failure(e, command)
+        if failed is not None:
+            print(f"error: {failed}", file=sys.stderr)
+            return 1
         if debug or not _lost_a_peer(e):
             raise
         rank = os.environ.get("RANK", "0")
@@ -129,6 +133,30 @@ _LOST_PEER = (
     "NCCL communicator was aborted",
     "Socket Timeout",
 )
+
+
+_KEPT = {
+    "train": "Completed checkpoints are intact (a checkpoint appears only once whole): make room and continue "
+    "with --resume.",
+    "prepare-data": "The token files are written under temporary names and renamed only at the end, so an "
+    "earlier output in --out is as it was.",
+    "export-hf": "config.json is written last, so the directory is no model until an export completes: make "
+    "room and run it again with --force.",
+    "import-hf": "The checkpoint appears only once whole: make room and run it again.",
+}
+"""What a command that stopped on its storage leaves behind, and how to go on."""
+
+
+def _storage_failure(e: BaseException, command: str) -> str | None:
+    """One paragraph for a write the storage refused (`storage_reason`), with what the command
+    leaves behind; None for any other error."""
+    from moetrain.destinations import storage_reason
+
+    what = storage_reason(e)
+    if what is None:
+        return None
+    where = f" {e.filename}" if getattr(e, "filename", None) else ""
+    return f"moetrain {command} could not write{where}: {what}. {_KEPT.get(command, '')}".rstrip()
 
 
 def _lost_a_peer(e: BaseException) -> bool:

@@ -40,6 +40,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from moetrain.destinations import storage_reason
 from moetrain.errors import CheckpointError
 from moetrain.model.experts import GroupedExperts
 from moetrain.model.transformer import canonical_name
@@ -365,7 +366,7 @@ class _CheckpointWrite:
             if previous
             else "no earlier checkpoint exists"
         )
-        why = _first_line(e) if e is not None else "another rank could not write its part"
+        why = (storage_reason(e) or _first_line(e)) if e is not None else "another rank could not write its part"
         return CheckpointError(
             f"Writing checkpoint step-{self.step} in '{self.root}' failed ({why}); {kept}. Free space "
             "(or fix the directory) and continue with --resume."
