@@ -97,6 +97,14 @@ def test_train_refuses_a_run_dir_that_is_a_file(capsys, real_text_dir, tmp_path)
     assert blocker.read_text() == "notes"
 
 
+def test_train_refuses_a_checkpoints_path_that_is_a_file_before_training(capsys, real_text_dir, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoints").write_text("notes")
+    fails(capsys, train_args(real_text_dir, run), f"'{run / 'checkpoints'}' is not writable: it is a file")
+    assert (run / "checkpoints").read_text() == "notes" and not (run / "metrics.jsonl").exists()
+
+
 def test_train_refuses_a_run_dir_it_cannot_write(capsys, real_text_dir, tmp_path, read_only):
     parent = read_only(tmp_path / "locked")
     fails(capsys, train_args(real_text_dir, parent / "run"), parent / "run", "no permission", "--run-dir")

@@ -113,6 +113,7 @@ _STORAGE = {
     errno.EROFS: "the file system is read-only",
     errno.EACCES: "no permission (a directory made read-only?)",
     errno.EPERM: "not permitted",
+    errno.ENOTDIR: "a file stands where a directory belongs",
 }
 
 

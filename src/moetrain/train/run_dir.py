@@ -55,6 +55,7 @@ class RunDir:
         if main:
             check_directory(self.path, "Run directory", FIX)
             if checkpoint_bytes:
+                check_directory(self.path / "checkpoints", "The run's checkpoint directory", FIX)
                 check_free_space(
                     self.path,
                     checkpoint_bytes,
