@@ -147,6 +147,38 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(real_text_dir, tmp
     assert ckpt.list_checkpoints(run)[-1][1] == first
 
 
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_a_second_ctrl_c_while_saving_stays_the_users_interrupt(real_text_dir, tmp_path, monkeypatch, wrapped):
+    """Ctrl-C twice: the first asks for a save, the second lands inside it. It is reported as the
+    interrupt it is (not as a failed write), whether DCP hands it back wrapped or not, the partial
+    checkpoint is dropped, and the earlier one named intact."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from moetrain.presets import resolve_config
+    from moetrain.train import checkpoint as ckpt
+    from moetrain.train.trainer import Trainer
+
+    run = tmp_path / "run"
+    trainer = Trainer(resolve_config("tiny", tiny_overrides(real_text_dir, run, "train.steps=4")), quiet=True)
+    trainer.train_step()
+    first = trainer.save()
+    trainer.train_step()
+
+    def interrupted(*args, **kwargs):
+        if wrapped:  # what DCP's own steps raise when the signal arrives inside them
+            raise CheckpointException("save", {0: (KeyboardInterrupt(), None)})
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ckpt.dcp, "save", interrupted)
+    with pytest.raises(KeyboardInterrupt) as e:
+        trainer.save()
+    assert (
+        str(e.value)
+        == f"checkpoint step-2 was being written and is dropped; the newest complete checkpoint, {first}, is intact"
+    )
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-1"]
+
+
 class _Payload:
     def __init__(self, marker):
         self.marker = marker

@@ -84,8 +84,10 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        said = f": {e}" if str(e) else ""
+        after = ". Continue with --resume." if said and command == "train" else ""
+        print(f"interrupted{said}{after}", file=sys.stderr)
         return 130
     except BrokenPipeError:
         if debug or not _stdout_closed():

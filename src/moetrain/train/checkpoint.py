@@ -311,7 +311,7 @@ class _CheckpointWrite:
                     else:
                         dcp.save(part(rank), storage_writer=writer, planner=ShardSavePlanner(), no_dist=True)
             (self.tmp / f"rng-rank{role.rank}.json").write_text(json.dumps(rng_state()))  # the state at save time
-        except (OSError, CheckpointException) as e:
+        except (OSError, CheckpointException, KeyboardInterrupt) as e:
             return future, e
         return future, None
 
@@ -353,9 +353,10 @@ class _CheckpointWrite:
             for _, old in list_checkpoints(self.run_dir)[: -self.keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
 
-    def failed(self, e: BaseException | None) -> CheckpointError:
+    def failed(self, e: BaseException | None) -> CheckpointError | KeyboardInterrupt:
         """The error for a failed write (`e`: this rank's; None: another rank's), once the
-        partial write is dropped."""
+        partial write is dropped: the user's interrupt (a second Ctrl-C, which DCP hands back
+        wrapped) stays one, saying what was kept."""
         # Disk full, quota, a vanished mount: drop the partial write; earlier checkpoints are
         # untouched (nothing is replaced before the write is complete).
         if self.role.main:
@@ -366,6 +367,9 @@ class _CheckpointWrite:
             if previous
             else "no earlier checkpoint exists"
         )
+        wrapped = [f[0] for f in (getattr(e, "failures", None) or {}).values()]
+        if any(isinstance(x, KeyboardInterrupt) for x in (e, *wrapped)):
+            return KeyboardInterrupt(f"checkpoint step-{self.step} was being written and is dropped; {kept}")
         why = (storage_reason(e) or _first_line(e)) if e is not None else "another rank could not write its part"
         return CheckpointError(
             f"Writing checkpoint step-{self.step} in '{self.root}' failed ({why}); {kept}. Free space "
