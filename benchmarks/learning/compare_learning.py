@@ -72,17 +72,39 @@ def main(argv=None) -> int:
     if summary.get("initial_val_loss") is not None:
         m_eval.setdefault(0, summary["initial_val_loss"])
 
-    out = {"settings": {k: cfg.get(k) for k in ("shape", "n_layers", "device", "steps", "seq_len", "global_batch",
-                                                  "micro_batch", "tokens_per_step", "lr", "warmup", "min_lr_ratio",
-                                                  "schedule", "lb_weight", "z_weight", "init_std", "embedding",
-                                                  "eval_tokens_used")}}
+    out = {
+        "settings": {
+            k: cfg.get(k)
+            for k in (
+                "shape",
+                "n_layers",
+                "device",
+                "steps",
+                "seq_len",
+                "global_batch",
+                "micro_batch",
+                "tokens_per_step",
+                "lr",
+                "warmup",
+                "min_lr_ratio",
+                "schedule",
+                "lb_weight",
+                "z_weight",
+                "init_std",
+                "embedding",
+                "eval_tokens_used",
+            )
+        }
+    }
     print("settings:", json.dumps(out["settings"]))
     if o_err:
         print("OLMO-CORE ERROR:", json.dumps(o_err[-1])[:600])
     if not m_rows:
         print(f"moetrain: no records in {args.moetrain_run / 'metrics.jsonl'}")
-    print(f"steps logged: olmo-core {len(o_train)} (last {max(o_train, default=0)}), "
-          f"moetrain {len(m_train)} (last {max(m_train, default=0)})")
+    print(
+        f"steps logged: olmo-core {len(o_train)} (last {max(o_train, default=0)}), "
+        f"moetrain {len(m_train)} (last {max(m_train, default=0)})"
+    )
 
     # validation
     print("\nvalidation loss (the same val.bin windows on both sides)")
@@ -100,24 +122,34 @@ def main(argv=None) -> int:
     last = max(max(o_train, default=0), max(m_train, default=0))
     steps = sorted({s for s in range(every, last + 1, every)} | ({1} if last else set()) | ({last} if last else set()))
     print(f"\ntraining LM loss, mean over the {args.window} steps ending at each step (lr: that step's)")
-    print(f"{'step':>6} {'olmo-core':>10} {'moetrain':>10} {'mt - olmo':>10} {'lr olmo':>10} {'lr mt':>10} "
-          f"{'lb olmo':>8} {'lb mt':>8} {'load olmo':>9} {'load mt':>8}")
+    print(
+        f"{'step':>6} {'olmo-core':>10} {'moetrain':>10} {'mt - olmo':>10} {'lr olmo':>10} {'lr mt':>10} "
+        f"{'lb olmo':>8} {'lb mt':>8} {'load olmo':>9} {'load mt':>8}"
+    )
     train_rows = []
     for step in steps:
         o = window_mean(o_train, "lm_loss", step, args.window)
         m = window_mean(m_train, "lm_loss", step, args.window)
         d = m - o if o is not None and m is not None else None
-        row = {"step": step, "olmocore": o, "moetrain": m, "diff": d,
-               "lr_olmocore": o_train.get(step, {}).get("lr"), "lr_moetrain": m_train.get(step, {}).get("lr"),
-               "lb_olmocore": window_mean(o_train, "lb_loss", step, args.window),
-               "lb_moetrain": window_mean(m_train, "lb_loss", step, args.window),
-               "load_olmocore": window_mean(o_train, "expert_load_max_over_mean", step, args.window),
-               "load_moetrain": window_mean(m_train, "expert_load_max_over_mean", step, args.window)}
+        row = {
+            "step": step,
+            "olmocore": o,
+            "moetrain": m,
+            "diff": d,
+            "lr_olmocore": o_train.get(step, {}).get("lr"),
+            "lr_moetrain": m_train.get(step, {}).get("lr"),
+            "lb_olmocore": window_mean(o_train, "lb_loss", step, args.window),
+            "lb_moetrain": window_mean(m_train, "lb_loss", step, args.window),
+            "load_olmocore": window_mean(o_train, "expert_load_max_over_mean", step, args.window),
+            "load_moetrain": window_mean(m_train, "expert_load_max_over_mean", step, args.window),
+        }
         train_rows.append(row)
-        print(f"{step:>6} {fmt(o, '.4f', 10)} {fmt(m, '.4f', 10)} {fmt(d, '+.4f', 10)} "
-              f"{fmt(row['lr_olmocore'], '.3e', 10)} {fmt(row['lr_moetrain'], '.3e', 10)} "
-              f"{fmt(row['lb_olmocore'], '.3f', 8)} {fmt(row['lb_moetrain'], '.3f', 8)} "
-              f"{fmt(row['load_olmocore'], '.2f', 9)} {fmt(row['load_moetrain'], '.2f', 8)}")
+        print(
+            f"{step:>6} {fmt(o, '.4f', 10)} {fmt(m, '.4f', 10)} {fmt(d, '+.4f', 10)} "
+            f"{fmt(row['lr_olmocore'], '.3e', 10)} {fmt(row['lr_moetrain'], '.3e', 10)} "
+            f"{fmt(row['lb_olmocore'], '.3f', 8)} {fmt(row['lb_moetrain'], '.3f', 8)} "
+            f"{fmt(row['load_olmocore'], '.2f', 9)} {fmt(row['load_moetrain'], '.2f', 8)}"
+        )
     out["train"] = train_rows
 
     # end of run
@@ -138,18 +170,26 @@ def main(argv=None) -> int:
     both_val = [s for s in sorted(o_eval) if s in m_eval]
     if both_val:
         s = both_val[-1]
-        end.update(final_val_step=s, final_val_olmocore=o_eval[s], final_val_moetrain=m_eval[s],
-                   final_val_diff=m_eval[s] - o_eval[s])
+        end.update(
+            final_val_step=s,
+            final_val_olmocore=o_eval[s],
+            final_val_moetrain=m_eval[s],
+            final_val_diff=m_eval[s] - o_eval[s],
+        )
     out["end"] = end
     print("\nend:", json.dumps(end))
     if o_load and o_load.get("layers"):
         per = {k: round(v["max_over_mean"], 3) for k, v in o_load["layers"].items()}
-        print(f"olmo-core expert load (max/mean tokens per expert over its last {o_load.get('steps')} steps), "
-              f"per layer: {per}")
+        print(
+            f"olmo-core expert load (max/mean tokens per expert over its last {o_load.get('steps')} steps), "
+            f"per layer: {per}"
+        )
     if "final_val_diff" in end:
-        print(f"\nVERDICT: at step {end['final_val_step']} moetrain's validation loss is "
-              f"{end['final_val_diff']:+.4f} nats from Olmo-core's ({end['final_val_moetrain']:.4f} vs "
-              f"{end['final_val_olmocore']:.4f}); negative = moetrain lower.")
+        print(
+            f"\nVERDICT: at step {end['final_val_step']} moetrain's validation loss is "
+            f"{end['final_val_diff']:+.4f} nats from Olmo-core's ({end['final_val_moetrain']:.4f} vs "
+            f"{end['final_val_olmocore']:.4f}); negative = moetrain lower."
+        )
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
     return 0

@@ -36,25 +36,30 @@ import gc
 import hashlib
 import importlib.util
 import json
-import math
 import os
-import shlex
+import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 PRESETS = {"small32e": "bench-small32e", "8e": "bench-8e"}
 """moetrain's presets of the anchor's shapes (src/moetrain/presets.py)."""
 SMOKE_DEFAULTS = dict(steps=4, global_batch=4, micro_batch=2, seq_len=64, eval_every=2, eval_tokens=4 * 64, warmup=2)
-GPU_DEFAULTS = dict(steps=1000, global_batch=8, micro_batch=8, seq_len=2048, eval_every=100, eval_tokens=81_920,
-                    warmup=100)
+GPU_DEFAULTS = dict(
+    steps=1000, global_batch=8, micro_batch=8, seq_len=2048, eval_every=100, eval_tokens=81_920, warmup=100
+)
 TOY_MOETRAIN_MODEL = [  # what the in-process moetrain Trainer check builds (the loader ignores the model)
-    "--model.n_layers=2", "--model.d_model=128", "--model.n_heads=1", "--model.n_kv_heads=1",
-    "--model.moe.num_experts=4", "--model.moe.expert_hidden=128", "--model.moe.shared_hidden=128",
+    "--model.n_layers=2",
+    "--model.d_model=128",
+    "--model.n_heads=1",
+    "--model.n_kv_heads=1",
+    "--model.moe.num_experts=4",
+    "--model.moe.expert_hidden=128",
+    "--model.moe.shared_hidden=128",
     "--model.dense_hidden=256",
 ]
 
@@ -62,10 +67,14 @@ TOY_MOETRAIN_MODEL = [  # what the in-process moetrain Trainer check builds (the
 # ------------------------------------------------------------------------------------------------
 # Arguments
 # ------------------------------------------------------------------------------------------------
-def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", choices=sorted(PRESETS), default="small32e",
-                    help="the anchor's ddp-small32e or ddp-8e (moetrain: bench-small32e / bench-8e)")
+    ap.add_argument(
+        "--shape",
+        choices=sorted(PRESETS),
+        default="small32e",
+        help="the anchor's ddp-small32e or ddp-8e (moetrain: bench-small32e / bench-8e)",
+    )
     ap.add_argument("--layers", type=int, default=None, help="cut the model to this many layers (both sides)")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps (GPU default 1000)")
     ap.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step (default 8)")
@@ -74,31 +83,54 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     ap.add_argument("--warmup", type=int, default=None, help="linear warm-up steps (default 100)")
     ap.add_argument("--min-lr-ratio", type=float, default=0.1, help="final lr / peak lr of the cosine")
-    ap.add_argument("--schedule", choices=["olmo", "exact"], default="olmo",
-                    help="olmo: Olmo-core's CosWithWarmup(warmup, alpha_f=min-lr-ratio, t_max=steps), whose "
-                         "cosine runs one step ahead of moetrain's lr_at (<= 0.2%% of the peak apart at 1000 "
-                         "steps; both logged); exact: an Olmo-core Scheduler whose get_lr is moetrain's lr_at")
+    ap.add_argument(
+        "--schedule",
+        choices=["olmo", "exact"],
+        default="olmo",
+        help="olmo: Olmo-core's CosWithWarmup(warmup, alpha_f=min-lr-ratio, t_max=steps), whose "
+        "cosine runs one step ahead of moetrain's lr_at (<= 0.2%% of the peak apart at 1000 "
+        "steps; both logged); exact: an Olmo-core Scheduler whose get_lr is moetrain's lr_at",
+    )
     ap.add_argument("--betas", default="0.9,0.95", help="AdamW beta1,beta2")
     ap.add_argument("--eps", type=float, default=1e-8)
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip")
     ap.add_argument("--lb-weight", type=float, default=None, help="load-balancing loss weight (default: the shape's)")
     ap.add_argument("--z-weight", type=float, default=None, help="router z-loss weight (default: the shape's)")
-    ap.add_argument("--lm-z-loss", type=float, default=0.0,
-                    help="Olmo-core's LM-head z-loss multiplier (its reference recipes: 1e-4); 0 = off, as "
-                         "moetrain has none")
-    ap.add_argument("--skip-sigma", type=float, default=6.0,
-                    help="skip-step spike threshold: OLMoDDPOptimizer sigma_factor (int) and moetrain "
-                         "train.skip_spike_sigma (both default 6; the anchor's reference scripts use 12)")
-    ap.add_argument("--init-std", type=float, default=0.01,
-                    help="Olmo-core's init_std (the anchor's 0.01); moetrain is given the same model.init_std")
-    ap.add_argument("--embedding", choices=["reference", "plain"], default="reference",
-                    help="reference: Olmo-core's embed_scale=sqrt(d_model) + embedding RMSNorm (the anchor's "
-                         "model); plain: neither, the embedding as moetrain's model has it")
-    ap.add_argument("--wd-groups", choices=["moetrain", "reference"], default="moetrain",
-                    help="moetrain: no weight decay on embeddings and every norm weight (moetrain's rule: "
-                         "none on tensors of <2 dims or embeddings); reference: the anchor's per-shape list "
-                         "(8e decays the norms)")
+    ap.add_argument(
+        "--lm-z-loss",
+        type=float,
+        default=0.0,
+        help="Olmo-core's LM-head z-loss multiplier (its reference recipes: 1e-4); 0 = off, as moetrain has none",
+    )
+    ap.add_argument(
+        "--skip-sigma",
+        type=float,
+        default=6.0,
+        help="skip-step spike threshold: OLMoDDPOptimizer sigma_factor (int) and moetrain "
+        "train.skip_spike_sigma (both default 6; the anchor's reference scripts use 12)",
+    )
+    ap.add_argument(
+        "--init-std",
+        type=float,
+        default=0.01,
+        help="Olmo-core's init_std (the anchor's 0.01); moetrain is given the same model.init_std",
+    )
+    ap.add_argument(
+        "--embedding",
+        choices=["reference", "plain"],
+        default="reference",
+        help="reference: Olmo-core's embed_scale=sqrt(d_model) + embedding RMSNorm (the anchor's "
+        "model); plain: neither, the embedding as moetrain's model has it",
+    )
+    ap.add_argument(
+        "--wd-groups",
+        choices=["moetrain", "reference"],
+        default="moetrain",
+        help="moetrain: no weight decay on embeddings and every norm weight (moetrain's rule: "
+        "none on tensors of <2 dims or embeddings); reference: the anchor's per-shape list "
+        "(8e decays the norms)",
+    )
     ap.add_argument("--eval-every", type=int, default=None, help="validation every N steps and at step 0 (default 100)")
     ap.add_argument("--eval-tokens", type=int, default=None, help="validation tokens (default 81,920)")
     ap.add_argument("--data", default=None, help="moetrain prepared data directory (default <repo>/data/default)")
@@ -106,16 +138,26 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument("--out", default=None, help="JSON lines output (truncated at start)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model and the optimizer step")
     ap.add_argument("--attn-backend", default="torch", help="Olmo-core attention backend (torch = SDPA)")
-    ap.add_argument("--anchor", default=None, help="path of bench_olmocore.py (default <repo>/.anchor/bench_olmocore.py)")
+    ap.add_argument(
+        "--anchor", default=None, help="path of bench_olmocore.py (default <repo>/.anchor/bench_olmocore.py)"
+    )
     ap.add_argument("--load-window", type=int, default=100, help="the last N steps the expert-load statistics cover")
-    ap.add_argument("--no-trainer-check", action="store_true",
-                    help="skip building a (toy-model, CPU) moetrain Trainer to assert its first batch and "
-                         "validation windows equal the ones trained and evaluated here")
-    ap.add_argument("--print-moetrain-args", action="store_true",
-                    help="print the matching `moetrain train` arguments, one per line, and exit")
-    ap.add_argument("--cpu-smoke", action="store_true",
-                    help="toy shape (anchor's cpu-smoke: 2 layers, d_model 128, 8 experts) on CPU, real tokens, "
-                         "a few steps")
+    ap.add_argument(
+        "--no-trainer-check",
+        action="store_true",
+        help="skip building a (toy-model, CPU) moetrain Trainer to assert its first batch and "
+        "validation windows equal the ones trained and evaluated here",
+    )
+    ap.add_argument(
+        "--print-moetrain-args",
+        action="store_true",
+        help="print the matching `moetrain train` arguments, one per line, and exit",
+    )
+    ap.add_argument(
+        "--cpu-smoke",
+        action="store_true",
+        help="toy shape (anchor's cpu-smoke: 2 layers, d_model 128, 8 experts) on CPU, real tokens, a few steps",
+    )
     args = ap.parse_args(argv)
     defaults = SMOKE_DEFAULTS if args.cpu_smoke else GPU_DEFAULTS
     for key, value in defaults.items():
@@ -131,13 +173,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
-def shape_defaults(args: argparse.Namespace) -> Tuple[float, float]:
+def shape_defaults(args: argparse.Namespace) -> tuple[float, float]:
     """(lb weight, z weight): given, else the shape's (the anchor's reference values)."""
     lb, z = {"small32e": (0.01, 2e-4), "8e": (0.015, 1e-4)}[args.shape]
     return (args.lb_weight if args.lb_weight is not None else lb, args.z_weight if args.z_weight is not None else z)
 
 
-def moetrain_args(args: argparse.Namespace, vocab_size: int) -> List[str]:
+def moetrain_args(args: argparse.Namespace, vocab_size: int) -> list[str]:
     """The `moetrain train PRESET` override strings of the same run (everything that decides the
     data, the batches, the schedule, the optimizer and the losses). The driver adds --run-dir,
     --device and bookkeeping (log_every, save, plot) that change nothing trained."""
@@ -186,7 +228,7 @@ def ensure_moetrain_importable() -> None:
         sys.path.insert(0, str(REPO / "src"))
 
 
-def moetrain_config(args: argparse.Namespace, vocab_size: int, extra: Optional[List[str]] = None):
+def moetrain_config(args: argparse.Namespace, vocab_size: int, extra: list[str] | None = None):
     """The moetrain RunConfig `moetrain train PRESET <moetrain_args>` resolves (its own code)."""
     from moetrain.presets import resolve_config
 
@@ -224,14 +266,14 @@ class _CaptureEngine:
     """Stands in for moetrain's TrainEngine in `Evaluator.__call__`: keeps the batches."""
 
     def __init__(self):
-        self.batches: List[Tuple[Any, Any, int]] = []
+        self.batches: list[tuple[Any, Any, int]] = []
 
     def eval_loss(self, batches) -> float:
         self.batches = list(batches)
         return float("nan")
 
 
-def moetrain_trainer_reference(args: argparse.Namespace, vocab_size: int) -> Dict[str, Any]:
+def moetrain_trainer_reference(args: argparse.Namespace, vocab_size: int) -> dict[str, Any]:
     """Build moetrain's real `Trainer` (the object `moetrain train` builds) with the same overrides
     but a toy model on the CPU, and take its first step's batches and its evaluator's validation
     batches: what `moetrain train` with these arguments trains and evaluates on."""
@@ -239,8 +281,14 @@ def moetrain_trainer_reference(args: argparse.Namespace, vocab_size: int) -> Dic
 
     run_dir = tempfile.mkdtemp(prefix="olmo-learn-mtcheck-")
     extra = TOY_MOETRAIN_MODEL + [
-        "--train.device=cpu", "--train.precision=fp32", "--train.compile=false", f"--train.run_dir={run_dir}",
-        "--train.save_final=false", "--train.save_every=0", "--train.tensorboard=false", "--train.plot=false",
+        "--train.device=cpu",
+        "--train.precision=fp32",
+        "--train.compile=false",
+        f"--train.run_dir={run_dir}",
+        "--train.save_final=false",
+        "--train.save_every=0",
+        "--train.tensorboard=false",
+        "--train.plot=false",
     ]
     cfg = moetrain_config(args, vocab_size, extra)
     trainer = Trainer(cfg, quiet=True, name="olmo-learn-check")
@@ -251,6 +299,7 @@ def moetrain_trainer_reference(args: argparse.Namespace, vocab_size: int) -> Dic
         return {"first": first, "eval": capture.batches, "run_dir": run_dir}
     finally:
         trainer.run.release()
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def batches_equal(a, b) -> bool:
@@ -279,7 +328,7 @@ def token_digest(batches) -> str:
 # ------------------------------------------------------------------------------------------------
 # Olmo-core's side
 # ------------------------------------------------------------------------------------------------
-def load_anchor(path: Optional[str]):
+def load_anchor(path: str | None):
     """Import bench_olmocore.py (the anchor's shapes, config builders and shims) from a path."""
     path = Path(path) if path else REPO / ".anchor" / "bench_olmocore.py"
     if not path.is_file():
@@ -300,8 +349,9 @@ def single_process_env() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
 
 
 def build_olmo(anchor, args: argparse.Namespace, vocab_model: int):
@@ -321,9 +371,15 @@ def build_olmo(anchor, args: argparse.Namespace, vocab_model: int):
     shape.lb_loss_weight, shape.z_loss_weight = shape_defaults(args)
     shape.lr = args.lr
     model_config, tm_config = anchor.build_ddp_configs(
-        shape, vocab_model, args.seq_len, args.micro_batch,
-        compile_model=args.compile, compile_optim=args.compile, random_routing=False,
-        attn_backend_name=args.attn_backend, warmup_sched=args.warmup,
+        shape,
+        vocab_model,
+        args.seq_len,
+        args.micro_batch,
+        compile_model=args.compile,
+        compile_optim=args.compile,
+        random_routing=False,
+        attn_backend_name=args.attn_backend,
+        warmup_sched=args.warmup,
     )
     notes = []
     model_config.init_seed = args.seed
@@ -343,8 +399,16 @@ def build_olmo(anchor, args: argparse.Namespace, vocab_model: int):
     if args.wd_groups == "moetrain":
         # every 1-dim parameter of OLMoDDPModel is a norm weight (no biases anywhere): the t001
         # list names them all, whichever the block layout
-        no_wd = ["*embeddings.weight", "*embedding_norm.weight", "*q_norm.weight", "*k_norm.weight",
-                 "*input_norm.weight", "*lm_head.norm.weight", "*attention_norm.weight", "*feed_forward_norm.weight"]
+        no_wd = [
+            "*embeddings.weight",
+            "*embedding_norm.weight",
+            "*q_norm.weight",
+            "*k_norm.weight",
+            "*input_norm.weight",
+            "*lm_head.norm.weight",
+            "*attention_norm.weight",
+            "*feed_forward_norm.weight",
+        ]
         optim.group_overrides = [OptimGroupOverride(params=no_wd, opts=dict(weight_decay=0.0, use_muon=False))]
     tm_config.z_loss_multiplier = args.lm_z_loss if args.lm_z_loss > 0 else None
     if args.schedule == "olmo":
@@ -356,9 +420,10 @@ def build_olmo(anchor, args: argparse.Namespace, vocab_model: int):
 
 def moetrain_lr_scheduler(args: argparse.Namespace):
     """An Olmo-core Scheduler (same set_lr path) whose rate is moetrain's lr_at: for --schedule exact."""
+    from olmo_core.optim.scheduler import CosWithWarmup
+
     from moetrain.optim.config import ScheduleConfig
     from moetrain.optim.schedule import lr_at
-    from olmo_core.optim.scheduler import CosWithWarmup
 
     sched = ScheduleConfig(kind="cosine", warmup_steps=args.warmup, min_lr_ratio=args.min_lr_ratio)
 
@@ -379,6 +444,16 @@ def moetrain_lr(args: argparse.Namespace, step: int) -> float:
     return lr_at(step - 1, args.steps, args.lr, sched)
 
 
+def metric_tensor(metrics: dict, key: str, device):
+    """A recorded metric (device tensor or number; NaN when absent) as a 0-dim float tensor on `device`."""
+    import torch
+
+    v = metrics.get(key)
+    if isinstance(v, torch.Tensor):
+        return v.detach().float().reshape(()).to(device)
+    return torch.tensor(float(v if v is not None else float("nan")), device=device)
+
+
 class ExpertCounts:
     """Per routed layer, the tokens each expert received in the last step: Olmo-core's routers
     accumulate `batch_size_per_expert` over a step's micro-batches and zero it in `reset_metrics`
@@ -387,13 +462,18 @@ class ExpertCounts:
     def __init__(self, model_parts):
         import torch
 
-        self.layers: List[int] = []
-        self.last: List[torch.Tensor] = []
+        self.layers: list[int] = []
+        self.last: list[torch.Tensor] = []
         for part in model_parts:
             for name, mod in part.named_modules():
-                if not (hasattr(mod, "batch_size_per_expert") and hasattr(mod, "reset_metrics")
-                        and hasattr(mod, "top_k") and 1 < getattr(mod, "num_experts", 0)
-                        and mod.top_k < mod.num_experts and "routed_experts_router" in name):
+                if not (
+                    hasattr(mod, "batch_size_per_expert")
+                    and hasattr(mod, "reset_metrics")
+                    and hasattr(mod, "top_k")
+                    and 1 < getattr(mod, "num_experts", 0)
+                    and mod.top_k < mod.num_experts
+                    and "routed_experts_router" in name
+                ):
                     continue
                 idx = int(name.split("blocks.")[1].split(".")[0])
                 snap = torch.zeros(mod.num_experts, dtype=torch.float32, device=mod.batch_size_per_expert.device)
@@ -431,7 +511,7 @@ class OlmoEvalEngine:
 
     def __init__(self, train_module, device):
         self.tm, self.device = train_module, device
-        self.last_digest: Optional[str] = None
+        self.last_digest: str | None = None
         self.last_tokens = 0
 
     def eval_loss(self, batches) -> float:
@@ -458,7 +538,7 @@ class OlmoEvalEngine:
 # ------------------------------------------------------------------------------------------------
 # Main
 # ------------------------------------------------------------------------------------------------
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     vocab_real = data_vocab(args.data)
     ensure_moetrain_importable()
@@ -470,7 +550,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     t_start = time.time()
     out_f = open(args.out, "w") if args.out else None
 
-    def emit(rec: Dict[str, Any]) -> None:
+    def emit(rec: dict[str, Any]) -> None:
         line = json.dumps(rec)
         if rec.get("kind") != "train" or rec["step"] <= 3 or rec["step"] % 25 == 0 or rec["step"] == args.steps:
             print("LEARN " + line[:600], flush=True)
@@ -510,8 +590,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         shape, model_config, tm_config, notes = build_olmo(anchor, args, vocab_model)
         if vocab_model != vocab_real:
-            notes.append(f"vocab padded {vocab_real} -> {vocab_model}: the {vocab_model - vocab_real} pad rows take "
-                         "part in the softmax (never a target), as in Olmo-core's own runs")
+            notes.append(
+                f"vocab padded {vocab_real} -> {vocab_model}: the {vocab_model - vocab_real} pad rows take "
+                "part in the softmax (never a target), as in Olmo-core's own runs"
+            )
         seed_all(args.seed)
         model = model_config.build(init_device="meta")
         tm = tm_config.build(model)
@@ -530,56 +612,113 @@ def main(argv: Optional[List[str]] = None) -> int:
         n_moe = len(counts.layers)
 
         tokens_per_step = args.global_batch * args.seq_len
-        trainer = anchor.BenchTrainer(global_batch_size=tokens_per_step, dp_process_group=tm.dp_process_group,
-                                      max_steps=args.steps)
+        trainer = anchor.BenchTrainer(
+            global_batch_size=tokens_per_step, dp_process_group=tm.dp_process_group, max_steps=args.steps
+        )
         tm._attach_trainer(trainer)
         eval_engine = OlmoEvalEngine(tm, device)
 
         groups = []
         for g in tm.optim.param_groups:
             names = list(g["named_params"].keys())
-            groups.append({"n_params": len(names), "numel": sum(p.numel() for p in g["named_params"].values()),
-                           "weight_decay": float(g["weight_decay"]),
-                           "first_names": names[:3]})
+            groups.append(
+                {
+                    "n_params": len(names),
+                    "numel": sum(p.numel() for p in g["named_params"].values()),
+                    "weight_decay": float(g["weight_decay"]),
+                    "first_names": names[:3],
+                }
+            )
         # (Olmo-core's v2 router keeps its weight flat, 1-dim: tell norms and embeddings by name)
-        norm_or_emb_decayed = [n for g in tm.optim.param_groups if float(g["weight_decay"]) > 0
-                               for n in g["named_params"] if "norm" in n or "embeddings" in n]
-        emit({
-            "kind": "config", "framework": "olmo-core", "olmo_core_version": olmo_version,
-            "torch_version": torch.__version__, "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
-            "shape": shape.name, "shape_source": shape.source, "n_layers": shape.n_layers, "n_moe_layers": n_moe,
-            "d_model": shape.d_model, "num_experts": shape.num_experts, "top_k": shape.top_k,
-            "total_params": model_config.num_params, "active_params": model_config.num_active_params,
-            "vocab_real": vocab_real, "vocab_model": vocab_model, "seq_len": args.seq_len,
-            "global_batch": args.global_batch, "micro_batch": args.micro_batch,
-            "grad_accum": args.global_batch // args.micro_batch, "tokens_per_step": tokens_per_step,
-            "steps": args.steps, "lr": args.lr, "warmup": args.warmup, "min_lr_ratio": args.min_lr_ratio,
-            "schedule": args.schedule, "betas": list(args.betas), "eps": args.eps, "weight_decay": args.weight_decay,
-            "clip": args.clip, "lb_weight": shape.lb_loss_weight, "z_weight": shape.z_loss_weight,
-            "lm_z_loss": tm_config.z_loss_multiplier, "skip_sigma": int(args.skip_sigma), "init_std": args.init_std,
-            "embedding": args.embedding, "wd_groups": args.wd_groups, "optim_groups": groups,
-            "norm_or_embedding_params_decayed": norm_or_emb_decayed, "eval_every": args.eval_every, "eval_tokens": args.eval_tokens,
-            "eval_tokens_used": data.evaluator.tokens(), "data": args.data, "seed": args.seed,
-            "compile": args.compile, "attention_backend": args.attn_backend, "permute_impl": permute_impl,
-            "cached_path": cached_path_status, "notes": notes, "moetrain_preset": PRESETS[args.shape],
-            "moetrain_args": moetrain_args(args, vocab_real),
-            "precision": "OLMoDDP: bf16 parameters and activations, fp32 master weights, fp32 grad "
-                         "accumulation/reduction, fp32 AdamW moments (OLMoDDPOptimizer)",
-        })
+        norm_or_emb_decayed = [
+            n
+            for g in tm.optim.param_groups
+            if float(g["weight_decay"]) > 0
+            for n in g["named_params"]
+            if "norm" in n or "embeddings" in n
+        ]
+        emit(
+            {
+                "kind": "config",
+                "framework": "olmo-core",
+                "olmo_core_version": olmo_version,
+                "torch_version": torch.__version__,
+                "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+                "shape": shape.name,
+                "shape_source": shape.source,
+                "n_layers": shape.n_layers,
+                "n_moe_layers": n_moe,
+                "d_model": shape.d_model,
+                "num_experts": shape.num_experts,
+                "top_k": shape.top_k,
+                "total_params": model_config.num_params,
+                "active_params": model_config.num_active_params,
+                "vocab_real": vocab_real,
+                "vocab_model": vocab_model,
+                "seq_len": args.seq_len,
+                "global_batch": args.global_batch,
+                "micro_batch": args.micro_batch,
+                "grad_accum": args.global_batch // args.micro_batch,
+                "tokens_per_step": tokens_per_step,
+                "steps": args.steps,
+                "lr": args.lr,
+                "warmup": args.warmup,
+                "min_lr_ratio": args.min_lr_ratio,
+                "schedule": args.schedule,
+                "betas": list(args.betas),
+                "eps": args.eps,
+                "weight_decay": args.weight_decay,
+                "clip": args.clip,
+                "lb_weight": shape.lb_loss_weight,
+                "z_weight": shape.z_loss_weight,
+                "lm_z_loss": tm_config.z_loss_multiplier,
+                "skip_sigma": int(args.skip_sigma),
+                "init_std": args.init_std,
+                "embedding": args.embedding,
+                "wd_groups": args.wd_groups,
+                "optim_groups": groups,
+                "norm_or_embedding_params_decayed": norm_or_emb_decayed,
+                "eval_every": args.eval_every,
+                "eval_tokens": args.eval_tokens,
+                "eval_tokens_used": data.evaluator.tokens(),
+                "data": args.data,
+                "seed": args.seed,
+                "compile": args.compile,
+                "attention_backend": args.attn_backend,
+                "permute_impl": permute_impl,
+                "cached_path": cached_path_status,
+                "notes": notes,
+                "moetrain_preset": PRESETS[args.shape],
+                "moetrain_args": moetrain_args(args, vocab_real),
+                "precision": "OLMoDDP: bf16 parameters and activations, fp32 master weights, fp32 grad "
+                "accumulation/reduction, fp32 AdamW moments (OLMoDDPOptimizer)",
+            }
+        )
 
         def evaluate(step: int) -> None:
             t0 = time.time()
             loss = data.evaluator(eval_engine)
-            emit({"kind": "eval", "step": step, "val_loss": loss, "val_tokens": eval_engine.last_tokens,
-                  "val_digest": eval_engine.last_digest, "eval_s": round(time.time() - t0, 2)})
+            emit(
+                {
+                    "kind": "eval",
+                    "step": step,
+                    "val_loss": loss,
+                    "val_tokens": eval_engine.last_tokens,
+                    "val_digest": eval_engine.last_digest,
+                    "eval_s": round(time.time() - t0, 2),
+                }
+            )
 
         if reference is not None:  # moetrain Trainer's evaluator windows vs the ones evaluated here
             capture = _CaptureEngine()
             data.evaluator(capture)
             equal = batches_equal(reference["eval"], capture.batches)
-            print(f"[learn] validation windows == moetrain Trainer's evaluator: {equal} ({len(capture.batches)} "
-                  f"batches, digest {token_digest(capture.batches)}, moetrain's "
-                  f"{token_digest(reference['eval'])})", flush=True)
+            print(
+                f"[learn] validation windows == moetrain Trainer's evaluator: {equal} ({len(capture.batches)} "
+                f"batches, digest {token_digest(capture.batches)}, moetrain's "
+                f"{token_digest(reference['eval'])})",
+                flush=True,
+            )
             assert equal, "validation windows differ from moetrain's"
 
         gc.collect()
@@ -594,12 +733,18 @@ def main(argv: Optional[List[str]] = None) -> int:
             if step == 1:
                 first_digest = token_digest(micro)
                 x0 = micro[0][0]
-                print(f"[learn] first batch: {len(micro)} micro-batch(es) of {tuple(x0.shape)}, first ids "
-                      f"{x0[0, :8].tolist()}, digest {first_digest}", flush=True)
+                print(
+                    f"[learn] first batch: {len(micro)} micro-batch(es) of {tuple(x0.shape)}, first ids "
+                    f"{x0[0, :8].tolist()}, digest {first_digest}",
+                    flush=True,
+                )
                 if reference is not None:
                     equal = batches_equal(reference["first"], micro)
-                    print(f"[learn] first batch == moetrain Trainer.next_batches(): {equal} "
-                          f"(moetrain digest {token_digest(reference['first'])})", flush=True)
+                    print(
+                        f"[learn] first batch == moetrain Trainer.next_batches(): {equal} "
+                        f"(moetrain digest {token_digest(reference['first'])})",
+                        flush=True,
+                    )
                     assert equal, "first batch differs from moetrain's"
             inputs = torch.cat([x for x, _ in micro]).to(device, non_blocking=True)
             labels = torch.cat([y for _, y in micro]).to(device, non_blocking=True)
@@ -615,24 +760,38 @@ def main(argv: Optional[List[str]] = None) -> int:
                 counts.add_to_window(counts_LE)
             zero = torch.zeros((), device=device)
 
-            def val(key):
-                v = m.get(key)
-                return v.detach().float().reshape(()).to(device) if isinstance(v, torch.Tensor) else \
-                    torch.tensor(float(v if v is not None else float("nan")), device=device)
+            def val(key, m=m):
+                return metric_tensor(m, key, device)
 
-            packed = torch.stack([
-                val("train/CE loss"), val("optim/LR (group 0)"), val("optim/total grad norm"),
-                val("optim/step skipped"),
-                val("train/load balancing loss unscaled") / max(n_moe, 1) if n_moe else zero,
-                val("train/router Z loss unscaled") / max(n_moe, 1) if n_moe else zero,
-                (counts_LE.max(1).values / counts_LE.mean(1).clamp(min=1e-9)).max() if counts_LE is not None else zero,
-                val("train/load imbalance") if n_moe else zero,
-            ]).tolist()
+            packed = torch.stack(
+                [
+                    val("train/CE loss"),
+                    val("optim/LR (group 0)"),
+                    val("optim/total grad norm"),
+                    val("optim/step skipped"),
+                    val("train/load balancing loss unscaled") / max(n_moe, 1) if n_moe else zero,
+                    val("train/router Z loss unscaled") / max(n_moe, 1) if n_moe else zero,
+                    (counts_LE.max(1).values / counts_LE.mean(1).clamp(min=1e-9)).max()
+                    if counts_LE is not None
+                    else zero,
+                    val("train/load imbalance") if n_moe else zero,
+                ]
+            ).tolist()
             ce, lr, gn, skipped, lb, z, load, olmo_imb = packed
-            rec = {"kind": "train", "step": step, "lm_loss": ce, "lr": lr, "lr_moetrain": moetrain_lr(args, step),
-                   "grad_norm": gn, "tokens": tokens, "lb_loss": lb, "z_loss": z,
-                   "expert_load_max_over_mean": load, "skipped": int(skipped),
-                   "elapsed_s": round(time.time() - t_train, 3)}
+            rec = {
+                "kind": "train",
+                "step": step,
+                "lm_loss": ce,
+                "lr": lr,
+                "lr_moetrain": moetrain_lr(args, step),
+                "grad_norm": gn,
+                "tokens": tokens,
+                "lb_loss": lb,
+                "z_loss": z,
+                "expert_load_max_over_mean": load,
+                "skipped": int(skipped),
+                "elapsed_s": round(time.time() - t_train, 3),
+            }
             if tm_config.z_loss_multiplier is not None:
                 rec["lm_z_loss"] = float(val("train/Z loss"))
             if abs(olmo_imb - load) > 1e-3 * max(1.0, load):
@@ -642,28 +801,47 @@ def main(argv: Optional[List[str]] = None) -> int:
                 gc.collect(1)
                 evaluate(step)
         train_s = time.time() - t_train
-        load_rec: Dict[str, Any] = {"kind": "expert_load", "available": bool(n_moe), "steps": counts.window_steps,
-                                    "note": "tokens per expert summed over the last steps, per routed layer "
-                                            "(router.batch_size_per_expert, copied before Olmo-core resets it)"}
+        load_rec: dict[str, Any] = {
+            "kind": "expert_load",
+            "available": bool(n_moe),
+            "steps": counts.window_steps,
+            "note": "tokens per expert summed over the last steps, per routed layer "
+            "(router.batch_size_per_expert, copied before Olmo-core resets it)",
+        }
         if counts.window_sum is not None:
             w = counts.window_sum.cpu()
             load_rec["layers"] = {
-                str(layer): {"max_over_mean": float(w[i].max() / w[i].mean()),
-                             "min_over_mean": float(w[i].min() / w[i].mean()),
-                             "tokens_per_expert": [int(v) for v in w[i].tolist()]}
+                str(layer): {
+                    "max_over_mean": float(w[i].max() / w[i].mean()),
+                    "min_over_mean": float(w[i].min() / w[i].mean()),
+                    "tokens_per_expert": [int(v) for v in w[i].tolist()],
+                }
                 for i, layer in enumerate(counts.layers)
             }
             load_rec["max_over_mean_max"] = max(v["max_over_mean"] for v in load_rec["layers"].values())
         emit(load_rec)
-        emit({"kind": "done", "train_s": round(train_s, 1), "tokens_per_s": tokens / max(train_s, 1e-9),
-              "wall_s": round(time.time() - t_start, 1),
-              "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None})
+        emit(
+            {
+                "kind": "done",
+                "train_s": round(train_s, 1),
+                "tokens_per_s": tokens / max(train_s, 1e-9),
+                "wall_s": round(time.time() - t_start, 1),
+                "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+            }
+        )
     except Exception as e:  # noqa: BLE001 - recorded, then re-raised as the exit status
         import traceback
 
         traceback.print_exc()
-        emit({"kind": "error", "error": type(e).__name__, "detail": str(e)[:800],
-              "oom": "OutOfMemoryError" in type(e).__name__, "wall_s": round(time.time() - t_start, 1)})
+        emit(
+            {
+                "kind": "error",
+                "error": type(e).__name__,
+                "detail": str(e)[:800],
+                "oom": "OutOfMemoryError" in type(e).__name__,
+                "wall_s": round(time.time() - t_start, 1),
+            }
+        )
         rc = 3 if "OutOfMemoryError" in type(e).__name__ else 2
     finally:
         with contextlib.suppress(Exception):

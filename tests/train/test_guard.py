@@ -1,6 +1,7 @@
 """Guarded steps: non-finite or spiking updates are skipped without changing any state, counted,
 and too many in a row stop the run; a checkpoint never holds NaN or inf."""
 
+import json
 import math
 
 import pytest
@@ -97,7 +98,16 @@ def test_too_many_skips_in_a_row_stop_with_the_last_good_checkpoint(tiny_cfg, tm
         trainer.fit()
     message = str(e.value)
     assert "3 optimizer steps in a row were skipped" in message and "up to step 6" in message
-    assert "step-4" in message  # saved after the skipped step 4: its parameters are step 3's, finite
+    # No checkpoint inside the streak (step 4's save waits for an accepted update), and the one
+    # named is from before the update that preceded it (step 3's, which made the parameters whose
+    # loss spiked at step 4 when a too-large learning rate is the cause): step 2's, which resumes
+    # with no skips counted.
+    assert "the last good checkpoint is" in message and message.split("checkpoint is ")[1].startswith(
+        str(tmp_path / "run" / "checkpoints" / "step-2")
+    ), message
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step-2"]
+    state = json.loads((tmp_path / "run" / "checkpoints" / "step-2" / "trainer_state.json").read_text())
+    assert state["guard"]["consecutive"] == 0
 
 
 def test_no_checkpoint_with_nan_parameters(tiny_cfg, tmp_path):

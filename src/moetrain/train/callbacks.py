@@ -16,6 +16,7 @@ They run in that order after each step. Each reads the trainer's public state (`
 
 from __future__ import annotations
 
+import functools
 import signal
 import sys
 import threading
@@ -129,8 +130,12 @@ class SkipLimit(Callback):
 
     def on_step_end(self, trainer: Trainer, out: StepOutput) -> None:
         if trainer.device.type == "cpu" or is_log_step(trainer.cfg, trainer.step):
-            guard = trainer.engine.guard
-            guard.raise_if_stuck(int(guard.consecutive), trainer.step, trainer.run.last_checkpoint)
+            guard, step = trainer.engine.guard, trainer.step
+            consecutive = int(guard.consecutive)
+            # The streak began at step − consecutive + 1, whose loss came from the parameters the
+            # update before it made: a checkpoint is good up to the step before that update.
+            good = functools.partial(trainer.run.last_checkpoint, at_most=step - consecutive - 1)
+            guard.raise_if_stuck(consecutive, step, good)
 
 
 class MetricsLogger(Callback):
@@ -210,8 +215,19 @@ class Checkpointing(Callback):
     def on_step_end(self, trainer: Trainer, out: StepOutput) -> None:
         tc = trainer.cfg.train
         step = trainer.step
-        if (tc.save_every > 0 and step % tc.save_every == 0) or (step == tc.steps and tc.save_final):
+        if step == tc.steps and tc.save_final:
             self.save(trainer)
+        elif tc.save_every > 0 and step % tc.save_every == 0:
+            skipping = int(trainer.engine.guard.consecutive)  # read at save steps only
+            if not skipping:
+                self.save(trainer)
+            elif trainer.par.is_main:  # a checkpoint inside a streak of skips would be no good one
+                print(
+                    f"step {step}: no checkpoint: the step guard skipped the last {skipping} update(s); the next "
+                    f"save is at step {step + tc.save_every}",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     def save(self, trainer: Trainer) -> Path:
         """Checkpoint `trainer.step` (every rank); returns where it is (or, written in the

@@ -110,8 +110,9 @@ class RunDir:
         """Complete checkpoints, oldest first."""
         return ckpt.list_checkpoints(self.path)
 
-    def last_checkpoint(self) -> str | None:
-        found = self.checkpoints()
+    def last_checkpoint(self, at_most: int | None = None) -> str | None:
+        """The newest complete checkpoint (of a step ≤ `at_most`, if given), or None."""
+        found = [(step, path) for step, path in self.checkpoints() if at_most is None or step <= at_most]
         return str(found[-1][1]) if found else None
 
     def partial_checkpoints(self) -> list[Path]:
