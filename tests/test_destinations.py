@@ -105,6 +105,23 @@ def test_train_refuses_a_checkpoints_path_that_is_a_file_before_training(capsys,
     assert (run / "checkpoints").read_text() == "notes" and not (run / "metrics.jsonl").exists()
 
 
+def test_a_name_too_long_for_the_file_system_is_refused_by_name(capsys, real_text_dir, tmp_path):
+    fails(capsys, train_args(real_text_dir, tmp_path / ("x" * 300)), "too long a name", "255 bytes", "--run-dir")
+
+
+def test_a_deleted_current_directory_is_said_before_torch_loads(tmp_path):
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    code = (
+        f"import os, sys; os.chdir({str(gone)!r}); os.rmdir({str(gone)!r})\n"
+        "from moetrain.cli import main\n"
+        "sys.exit(main(['train', 'tiny', '--steps', '1']))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "the current directory no longer exists" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and "FATAL" not in done.stderr
+
+
 def test_train_refuses_a_run_dir_it_cannot_write(capsys, real_text_dir, tmp_path, read_only):
     parent = read_only(tmp_path / "locked")
     fails(capsys, train_args(real_text_dir, parent / "run"), parent / "run", "no permission", "--run-dir")

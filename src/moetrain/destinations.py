@@ -43,6 +43,10 @@ def check_directory(path: str | Path, what: str, fix: str) -> None:
     write permission in the closest existing directory. `what` names it ("Run directory"),
     `fix` says what to do ("pass --run-dir …")."""
     path = Path(path)
+    if any(len(os.fsencode(part)) > 255 for part in path.parts) or len(os.fsencode(os.path.abspath(path))) > 4095:
+        raise ConfigError(
+            f"{what} '{path}' is too long a name for the file system (at most 255 bytes a name, 4,095 a path). {fix}."
+        )
     existing = nearest_existing(path)
     if not existing.is_dir():
         where = "it is a file" if existing == Path(os.path.abspath(path)) else f"'{existing}' is a file"
@@ -114,6 +118,7 @@ _STORAGE = {
     errno.EACCES: "no permission (a directory made read-only?)",
     errno.EPERM: "not permitted",
     errno.ENOTDIR: "a file stands where a directory belongs",
+    errno.ENAMETOOLONG: "the name is too long for the file system",
 }
 
 

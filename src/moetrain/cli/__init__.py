@@ -71,6 +71,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"moetrain {__version__} (torch {_version('torch')})")
         return 0
     command, rest = argv[0], argv[1:]
+    try:
+        os.getcwd()
+    except FileNotFoundError:  # before torch loads: it fails to, without a word on why
+        print(
+            "error: the current directory no longer exists (deleted or moved while this shell stood in it): cd to "
+            "an existing directory and run the command again.",
+            file=sys.stderr,
+        )
+        return 2
     if command not in MODULES:
         close = difflib.get_close_matches(command, list(SUBCOMMANDS), n=1)
         hint = f" Did you mean '{close[0]}'?" if close else ""
