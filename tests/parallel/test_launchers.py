@@ -77,3 +77,34 @@ def test_two_srun_tasks_form_one_world(tmp_path):
     assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
     records = [json.loads(line) for out, _ in outs for line in out.splitlines() if line.startswith("{")]
     assert records and all(len(r["peak_mem_gib_per_rank"]) == 2 and r["layout"]["ep"] == 2 for r in records)
+
+
+def _alone(env: dict[str, str], *extra: str) -> subprocess.CompletedProcess:
+    """`moetrain train tiny` as one process with `env` over a clean launcher environment."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "PMI_", "TORCHELASTIC_"))}
+    torch_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    base = {k: v for k, v in base.items() if k not in torch_vars}
+    cmd = [sys.executable, "-m", "moetrain", "train", "tiny", "--device", "cpu", "--parallel.timeout_s=3", *extra]
+    return subprocess.run(cmd, env=base | env, capture_output=True, text=True, timeout=120)
+
+
+def test_srun_variables_without_srun_stop_in_bounded_time_saying_what_is_missing(tmp_path):
+    """A plain python in a SLURM allocation (SLURM_NTASKS=2, no second task) waits no longer than
+    parallel.timeout_s for the rank that never comes, then says how many came and that srun starts them."""
+    env = {"SLURM_NTASKS": "2", "SLURM_PROCID": "0", "SLURM_JOB_NODELIST": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    done = _alone(env, "--run-dir", str(tmp_path / "run"))
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "1 of WORLD_SIZE=2 ranks met" in done.stderr and "srun starts one process per task" in done.stderr
+
+
+def test_a_port_in_use_is_named_not_blamed_on_a_dead_rank(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        done = _alone(env, "--run-dir", str(tmp_path / "run"))
+    assert done.returncode == 2 and f"MASTER_PORT={port} on 127.0.0.1 is in use" in done.stderr, done.stderr[-2000:]
+    assert "gone" not in done.stderr and "Traceback" not in done.stderr

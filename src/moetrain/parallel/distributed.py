@@ -21,6 +21,7 @@ import datetime
 import itertools
 import os
 import pickle
+import sys
 import threading
 import time
 from typing import Any
@@ -135,15 +136,67 @@ def _rendezvous_store(world: int, timeout: datetime.timedelta) -> dist.Store:
             "start several ranks with torchrun (it sets RANK, MASTER_ADDR and MASTER_PORT), or unset WORLD_SIZE."
         )
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    rank = int(os.environ["RANK"])
-    base = dist.TCPStore(
-        os.environ.get("MASTER_ADDR", "127.0.0.1"),
-        int(os.environ["MASTER_PORT"]),
-        world,
-        is_master=rank == 0 and not agent_store,
-        timeout=timeout,
+    rank, addr, port = int(os.environ["RANK"]), os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ["MASTER_PORT"]
+    try:
+        base = dist.TCPStore(
+            addr, int(port), world, is_master=rank == 0 and not agent_store, timeout=timeout, wait_for_workers=False
+        )
+    except (RuntimeError, dist.DistError) as e:
+        if "EADDRINUSE" in str(e) or "address already in use" in str(e).lower():
+            raise ConfigError(
+                f"MASTER_PORT={port} on {addr} is in use (another run or program holds it), so rank 0 cannot meet "
+                "its peers there: choose a free port (torchrun --master-port=N or --rdzv-endpoint=HOST:N; or "
+                "export MASTER_PORT=N to every rank)."
+            ) from None
+        raise ConfigError(
+            f"rank {rank} could not reach rank 0 at {addr}:{port} within {timeout.total_seconds():.0f} s "
+            f"({str(e).strip().splitlines()[0][:200]}). {_who_starts_ranks(world)}"
+        ) from None
+    store = dist.PrefixStore(f"/moetrain/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", base)
+    _await_ranks(store, world, rank, timeout.total_seconds(), f"{addr}:{port}")
+    return store
+
+
+def _await_ranks(store: dist.Store, world: int, rank: int, timeout_s: float, where: str) -> None:
+    """Every rank counts itself in; rank 0 waits for all `world`, saying every 30 s how many came,
+    and lets the others go on; past `timeout_s` each stops, saying how many are missing and who
+    starts them."""
+    arrived, start, said = store.add("arrived", 1), time.monotonic(), 0.0
+    if rank != 0:
+        try:
+            store.wait(["all_arrived"], datetime.timedelta(seconds=timeout_s))
+            return
+        except (RuntimeError, dist.DistError):
+            arrived = store.add("arrived", 0)
+    while rank == 0 and arrived < world and time.monotonic() - start <= timeout_s:
+        waited = time.monotonic() - start
+        if waited - said >= 30:
+            said = waited
+            print(f"rank 0: {arrived} of {world} ranks here after {waited:.0f} s, waiting at {where}", file=sys.stderr)
+        time.sleep(0.2)
+        arrived = store.add("arrived", 0)
+    if arrived < world:
+        raise ConfigError(
+            f"rank {rank}: {arrived} of WORLD_SIZE={world} ranks met at {where} in {time.monotonic() - start:.0f} s "
+            f"(parallel.timeout_s): {world - arrived} never came. {_who_starts_ranks(world)}"
+        )
+    if rank == 0:
+        store.set("all_arrived", "1")
+
+
+def _who_starts_ranks(world: int) -> str:
+    """What starts the ranks under the launcher this process was started by, and what a rank
+    that never comes usually means there."""
+    if "SLURM_NTASKS" in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ:
+        return (
+            f"SLURM_NTASKS={world} asks for {world} ranks, and srun starts one process per task (srun python -m "
+            "moetrain …); a plain python inside an allocation or batch script is one process: start it with "
+            "srun or torchrun, or unset SLURM_NTASKS to run alone."
+        )
+    return (
+        f"Start all {world} ranks (torchrun --nproc-per-node on each node, the same --rdzv-endpoint everywhere), "
+        "and check that every node reaches rank 0's address and port."
     )
-    return dist.PrefixStore(f"/moetrain/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", base)
 
 
 HEARTBEAT_S = 1.0
