@@ -27,6 +27,7 @@ PARALLEL=${PARALLEL:-auto}         # 1: both at once on the one GPU; auto: 1 whe
 OLMO_COMPILE=${OLMO_COMPILE:-1}
 OLMO_TIMEOUT=${OLMO_TIMEOUT:-330}  # sequential: Olmo-core's cap (it runs first) ...
 MT_MIN_S=${MT_MIN_S:-200}          # ... leaving at least this much for moetrain
+SIDES=${SIDES:-both}               # both, olmo (Olmo-core alone) or moetrain (moetrain alone): one side a call
 OLMO_EXTRA=${OLMO_EXTRA:-}         # more olmocore_learn.py flags, e.g. "--embedding plain" or "--cpu-smoke"
 MT_EXTRA=${MT_EXTRA:-}             # more `moetrain train` overrides, e.g. "--train.compile=false"
 case $SHAPE in small32e) PRESET=bench-small32e ;; 8e) PRESET=bench-8e ;; *) echo "SHAPE=$SHAPE: small32e or 8e"; exit 2 ;; esac
@@ -112,6 +113,10 @@ if [[ $PARALLEL == 1 ]]; then
   run_olmo "$t" & p1=$!
   run_mt "$t" & p2=$!
   wait "$p1" "$p2"
+elif [[ $SIDES == olmo ]]; then
+  run_olmo $(( $(left) - 25 ))
+elif [[ $SIDES == moetrain ]]; then
+  run_mt $(( $(left) - 25 ))
 else
   t=$(( $(left) - MT_MIN_S - 25 )); (( t > OLMO_TIMEOUT )) && t=$OLMO_TIMEOUT
   (( t < 30 )) && t=30
@@ -123,7 +128,7 @@ for f in metrics.jsonl summary.json config.yaml; do
   [[ -f $MT_RUN/$f ]] && cp "$MT_RUN/$f" "$OUT/moetrain-run/$f"
 done
 
-# 5) side by side
-PYTHONPATH=$MT_PATH "$PY" benchmarks/learning/compare_learning.py "$OUT/olmocore.jsonl" "$OUT/moetrain-run" \
+# 5) side by side (with one side run, the other's file comes from an earlier call)
+[[ $SIDES == both ]] && PYTHONPATH=$MT_PATH "$PY" benchmarks/learning/compare_learning.py "$OUT/olmocore.jsonl" "$OUT/moetrain-run" \
   2>&1 | tee "$OUT/compare.txt"
 echo "[learn] total wall time $(( $(date +%s) - T0 ))s"
