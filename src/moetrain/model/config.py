@@ -121,8 +121,11 @@ class TransformerConfig(Config):
     rope_theta: float = positive(500_000.0)
     """RoPE base: the rotation of pair i advances by theta^(-2i/head_dim) per position."""
     init_std: float = positive(0.02)
-    """Std of the (truncated) normal initialization; output projections use
-    init_std / sqrt(2 × n_layers)."""
+    """Std of the (truncated) normal initialization; output projections use `init_output_std`."""
+    init_output_std: float | None = positive(None)
+    """Std of the output projections (attention out, every MLP and expert down projection); None:
+    init_std / sqrt(2 × n_layers), so that the residual stream's variance does not grow with depth.
+    Olmo-core's `InitMethod.normal` gives them init_std like every matrix."""
     mtp_depth: int = non_negative(0, at_most=16)
     """Multi-token prediction (DeepSeek-V3's): this many sequential modules, module k predicting
     the token k + 1 ahead from the previous depth's hidden state and the embedding of token k,

@@ -127,9 +127,9 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int = 0, fill: Fill | None = None) -> None:
         """Initialize every parameter and buffer (also after building on the meta device and
-        `to_empty()`). Truncated normal(0, init_std) for inputs, init_std / sqrt(2·layers) for
-        output projections (attention out, MLP/expert down) so the residual stream's variance
-        does not grow with depth; norms at 1; aux-free biases at 0.
+        `to_empty()`). Truncated normal(0, init_std) for inputs, model.init_output_std (by default
+        init_std / sqrt(2·layers), so the residual stream's variance does not grow with depth) for
+        output projections (attention out, MLP/expert down); norms at 1; aux-free biases at 0.
 
         Each tensor — each expert of a stacked expert tensor — draws from its own generator seeded
         by (seed, its name, expert index). So the values do not depend on which rank holds what:
@@ -142,7 +142,7 @@ class Transformer(nn.Module):
         """
         fill = fill or _fill_in_place
         std = self.cfg.init_std
-        out_std = std / math.sqrt(2 * self.cfg.n_layers)
+        out_std = self.cfg.init_output_std or std / math.sqrt(2 * self.cfg.n_layers)
         for name, module in self.named_modules():
             name = canonical_name(name)
             if isinstance(module, RMSNorm):
