@@ -51,6 +51,7 @@ ACCEPTED: dict[str, tuple[str, ...]] = {
     "model.norm_eps": HUGE,
     "model.rope_theta": HUGE,
     "model.init_std": HUGE,
+    "model.init_output_std": HUGE,
     "optim.lr": HUGE,
     "optim.eps": HUGE,
 }
