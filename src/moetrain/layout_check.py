@@ -114,11 +114,6 @@ def for_check(cfg: RunConfig, steps: int, run_dir: str) -> RunConfig:
     return dataclasses.replace(cfg, train=train)
 
 
-def reference_config(cfg: RunConfig) -> RunConfig:
-    """The same run in one process: every `parallel.*` key at its default."""
-    return dataclasses.replace(cfg, parallel=ParallelConfig())
-
-
 def run_steps(cfg: RunConfig) -> list[dict[str, Any]] | None:
     """Train `cfg` (made by `for_check`) on this launch's ranks; rank 0 gets `step_records`, the
     others None."""
@@ -171,25 +166,16 @@ def step_records(trainer, norms: list[list[float]]) -> list[dict[str, Any]] | No
 
 
 def run_reference(cfg: RunConfig, workdir: Path) -> list[dict[str, Any]]:
-    """`reference_config(cfg)` in a child process of one rank (its config written to `workdir`),
-    on this process's device; its records."""
-    ref = reference_config(cfg)
-    ref = dataclasses.replace(ref, train=dataclasses.replace(ref.train, run_dir=str(workdir / "reference")))
-    (workdir / "reference.yaml").write_text(ref.to_yaml())
-    out = workdir / "reference.json"
+    """The same run (every `parallel.*` key at its default) in a child process of one rank, its
+    config written to `workdir`, on this process's device: its `run_steps` records."""
+    train = dataclasses.replace(cfg.train, run_dir=str(workdir / "reference"))
+    config, out = workdir / "reference.yaml", workdir / "reference.json"
+    config.write_text(dataclasses.replace(cfg, parallel=ParallelConfig(), train=train).to_yaml())
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "SLURM_", "OMPI_", "PMI_"))}
     env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     if torch.cuda.is_available() and cfg.train.device != "cpu":
         env["CUDA_VISIBLE_DEVICES"] = str(_visible_device(torch.cuda.current_device()))
-    command = [
-        sys.executable,
-        "-m",
-        "moetrain",
-        "check-layout",
-        str(workdir / "reference.yaml"),
-        "--reference-out",
-        str(out),
-    ]
+    command = [sys.executable, "-m", "moetrain", "check-layout", str(config), "--reference-out", str(out)]
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode != 0 or not out.exists():
         tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-12:])
@@ -282,13 +268,6 @@ def check_layout(cfg: RunConfig, steps: int, rtol: tuple[float, float] | None = 
     )
     shutdown()
     return result
-
-
-def reference_steps(cfg: RunConfig, out: Path) -> None:
-    """The child's side of `run_reference`: train `cfg` (written by it) in this one process and
-    write its records to `out`."""
-    records = run_steps(for_check(cfg, cfg.train.steps, cfg.train.run_dir))
-    out.write_text(json.dumps(records))
 
 
 def describe(result: dict[str, Any]) -> str:
