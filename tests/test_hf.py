@@ -99,6 +99,7 @@ def check_native(trained, out, capsys):
         ("model.moe.shared_hidden=32", "shared expert"),
         ("model.qk_norm=false", "qk_norm=false"),
         ("model.peri_norm=true", "peri_norm"),
+        ("model.embedding_norm=true", "embedding_norm"),
     ],
 )
 def test_a_variant_without_a_native_class_is_refused_naming_the_feature(

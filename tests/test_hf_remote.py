@@ -39,7 +39,7 @@ def greedy(model, ids: torch.Tensor, steps: int) -> list[int]:
 @pytest.fixture(scope="module")
 def trained(real_text_dir, tmp_path_factory):
     """`tiny` with what no native class has: a shared expert under softmax, weights × k,
-    peri-norm and a moving aux-free bias, a few steps on real text."""
+    peri-norm, a normalized embedding and a moving aux-free bias, a few steps on real text."""
     run = tmp_path_factory.mktemp("remote") / "run"
     extra = (
         "train.steps=4",
@@ -47,10 +47,11 @@ def trained(real_text_dir, tmp_path_factory):
         "model.moe.shared_hidden=64",
         "model.moe.restore_weight_scale=true",
         "model.peri_norm=true",
+        "model.embedding_norm=true",
         "model.moe.bias_update_rate=0.01",
     )
     overrides = [o for o in tiny_overrides(real_text_dir, run, *extra) if not o.startswith("data.seq_len")]
-    overrides = [o for o in overrides if not o.startswith("model.") or o.startswith(("model.moe.", "model.peri"))]
+    overrides = [o for o in overrides if not o.startswith("model.") or o.startswith(("model.moe.", "model.peri", "model.embedding"))]
     assert main(["train", "tiny", *[f"--{o}" for o in overrides], "--quiet"]) == 0
     return run
 

@@ -67,6 +67,7 @@ def test_meta_construction_allocates_nothing_and_init_is_deterministic():
     [
         dict(),
         dict(peri_norm=True, qk_norm=False),
+        dict(embedding_norm=True),
         dict(head_dim=16, moe=MoEConfig(num_experts=6, top_k=3, expert_hidden=24, shared_hidden=8)),
         dict(num_dense_layers=0, dense_hidden=40),
         dict(num_dense_layers=3),
@@ -111,3 +112,19 @@ def test_document_masking_isolates_documents():
     out, out_other = model(tokens, doc_ids), model(other, doc_ids)
     torch.testing.assert_close(out[0, 4:], out_other[0, 4:])  # the second document cannot see it
     assert not torch.allclose(model(tokens)[0, 4:], model(other)[0, 4:])  # without the mask it can
+
+
+def test_embedding_norm_starts_the_residual_stream_at_unit_rms_and_is_not_decayed():
+    from moetrain.optim.base import param_groups
+
+    plain, normed = build(small_cfg()), build(small_cfg(embedding_norm=True))
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    rms = lambda x: x.pow(2).mean(-1).sqrt()  # noqa: E731
+    with torch.no_grad():
+        assert rms(plain.embed(tokens)).mean().item() == pytest.approx(0.986 * plain.cfg.init_std, rel=0.2)
+        assert torch.allclose(rms(normed.embed(tokens)), torch.ones(2, 16), atol=1e-2)  # eps aside
+    names = {n for n, _ in normed.named_parameters()} - {n for n, _ in plain.named_parameters()}
+    assert names == {"embed.norm.weight"}
+    assert torch.equal(normed.embed.weight, plain.embed.weight)  # the table draws as before
+    decayed = {id(p) for g in param_groups(normed, 0.1) if g["weight_decay"] for p in g["params"]}
+    assert id(normed.embed.norm.weight) not in decayed and id(normed.embed.weight) not in decayed

@@ -1,4 +1,5 @@
-"""Multi-token prediction (model.mtp_depth=2) under the layouts it supports, on gloo CPU ranks:
+"""Multi-token prediction (model.mtp_depth=2), with the normalized embedding (model.embedding_norm,
+which the shifted embeddings go through too), under the layouts it supports, on gloo CPU ranks:
 dp2·ep2, pp2 (the modules on the last stage, the shifted embeddings sent beside the hidden
 state), pp2·dp2·ep2 with the sharded optimizer, and pp2 interleaved reproduce the single process
 over 5 steps — losses (the logged multi-token one too), gradient norms and final parameters,
@@ -9,7 +10,7 @@ from test_layouts import check, rank_layouts, single_run
 
 from moetrain.testing.distributed import run_distributed
 
-MTP = ["model.mtp_depth=2", "model.mtp_loss_weight=0.5"]
+MTP = ["model.mtp_depth=2", "model.mtp_loss_weight=0.5", "model.embedding_norm=true"]
 LAYOUTS = {
     2: [("dp2ep2", ["parallel.ep=2"]), ("pp2", ["parallel.pp=2"])],
     4: [

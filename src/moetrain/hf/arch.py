@@ -77,6 +77,8 @@ def unsupported_features(m: TransformerConfig, expert_bias_nonzero: bool) -> lis
         problems.append(f"model.moe.routing={moe.routing} (a benchmark mode; only the learned router is a model)")
     if m.peri_norm:
         problems.append(f"model.peri_norm=true ({PERI_NORM})")
+    if m.embedding_norm:
+        problems.append("model.embedding_norm=true (neither class normalizes its token embeddings)")
     if architecture_for(m) == Architecture.qwen3_moe:
         if moe.shared_hidden > 0:
             problems.append(
@@ -273,6 +275,7 @@ def remote_config(m: TransformerConfig, eos_id: int | None, max_positions: int, 
         "dense_hidden": m.resolved_dense_hidden,
         "qk_norm": m.qk_norm,
         "peri_norm": m.peri_norm,
+        "embedding_norm": m.embedding_norm,
         "norm_eps": m.norm_eps,
         "rope_theta": m.rope_theta,
         "num_experts": moe.num_experts,

@@ -6,7 +6,7 @@ transformers class represents exactly (softmax routing with a shared expert, per
 non-zero aux-loss-free bias under softmax, no QK-norm under softmax): it needs only torch and
 transformers, and computes what src/moetrain/model/ computes, parameter names included:
 
-    embed → blocks (RMSNorm → GQA attention with per-head QK-norm and rotate-half RoPE → [RMSNorm]
+    embed [→ RMSNorm] → blocks (RMSNorm → GQA attention with per-head QK-norm and rotate-half RoPE → [RMSNorm]
     → residual; RMSNorm → SwiGLU or MoE → [RMSNorm] → residual) → RMSNorm → LM head
 
 MoE: fp32 router logits; softmax or sigmoid scores; the top-k of scores + the selection bias;
@@ -40,6 +40,7 @@ class MoetrainConfig(PretrainedConfig):
         dense_hidden: int = 512,
         qk_norm: bool = True,
         peri_norm: bool = False,
+        embedding_norm: bool = False,
         norm_eps: float = 1e-6,
         rope_theta: float = 500000.0,
         num_experts: int = 8,
@@ -56,6 +57,7 @@ class MoetrainConfig(PretrainedConfig):
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.num_dense_layers, self.dense_hidden = num_dense_layers, dense_hidden
         self.qk_norm, self.peri_norm, self.norm_eps, self.rope_theta = qk_norm, peri_norm, norm_eps, rope_theta
+        self.embedding_norm = embedding_norm
         self.num_experts, self.num_experts_per_tok, self.expert_hidden = num_experts, num_experts_per_tok, expert_hidden
         self.shared_hidden, self.gating = shared_hidden, gating
         self.normalize_weights, self.restore_weight_scale = normalize_weights, restore_weight_scale
@@ -77,6 +79,18 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+
+
+class Embedding(nn.Embedding):
+    """The token embedding, RMS-normalized where the config says so (`embed.norm.weight`)."""
+
+    def __init__(self, vocab_size: int, dim: int, norm: RMSNorm | None):
+        super().__init__(vocab_size, dim)
+        self.norm = norm
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = super().forward(tokens)
+        return x if self.norm is None else self.norm(x)
 
 
 def rope_tables(positions_BT: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -211,7 +225,7 @@ class MoetrainForCausalLM(PreTrainedModel, GenerationMixin):
     def __init__(self, config: MoetrainConfig):
         super().__init__(config)
         c = config
-        self.embed = nn.Embedding(c.vocab_size, c.d_model)
+        self.embed = Embedding(c.vocab_size, c.d_model, RMSNorm(c.d_model, c.norm_eps) if c.embedding_norm else None)
         self.blocks = nn.ModuleDict({str(i): Block(c, i) for i in range(c.n_layers)})
         self.norm = RMSNorm(c.d_model, c.norm_eps)
         self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)

@@ -126,6 +126,10 @@ class TransformerConfig(Config):
     """Std of the output projections (attention out, every MLP and expert down projection); None:
     init_std / sqrt(2 × n_layers), so that the residual stream's variance does not grow with depth.
     Olmo-core's `InitMethod.normal` gives them init_std like every matrix."""
+    embedding_norm: bool = False
+    """RMSNorm the token embeddings (a weight of d_model, `embed.norm.weight`), so the residual
+    stream starts at unit RMS instead of init_std; Olmo-core's MoE models do this (after × √d_model,
+    which a norm that follows makes a no-op up to its epsilon). Exports with `--remote-code` only."""
     mtp_depth: int = non_negative(0, at_most=16)
     """Multi-token prediction (DeepSeek-V3's): this many sequential modules, module k predicting
     the token k + 1 ahead from the previous depth's hidden state and the embedding of token k,

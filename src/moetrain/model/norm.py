@@ -1,4 +1,5 @@
-"""RMSNorm: x / rms(x) * weight, computed in fp32 whatever the input dtype."""
+"""RMSNorm: x / rms(x) * weight, computed in fp32 whatever the input dtype; the token embedding,
+normalized or not."""
 
 import torch
 from torch import nn
@@ -16,3 +17,17 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # fp32 statistics: in bf16 the mean of squares loses too many bits on wide rows.
         return nn.functional.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+
+
+class Embedding(nn.Embedding):
+    """The token embedding, then `norm` where given (model.embedding_norm): its parameters are
+    `weight` and `norm.weight`, so every caller (the model, a pipeline's first stage, the
+    multi-token prediction's shifted embeddings) embeds the same way."""
+
+    def __init__(self, vocab_size: int, dim: int, norm: RMSNorm | None = None):
+        super().__init__(vocab_size, dim)
+        self.norm = norm
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = super().forward(tokens)
+        return x if self.norm is None else self.norm(x)

@@ -1,4 +1,4 @@
-"""The decoder-only transformer: embedding → blocks → final norm → untied LM head.
+"""The decoder-only transformer: embedding (normalized or not) → blocks → final norm → untied LM head.
 
 Legend: B batch, T sequence, D model dim, V vocabulary.
 """
@@ -19,7 +19,7 @@ from moetrain.model.kv_cache import KVCache
 from moetrain.model.loss import lm_loss
 from moetrain.model.moe import MoE
 from moetrain.model.mtp import MultiTokenPrediction
-from moetrain.model.norm import RMSNorm
+from moetrain.model.norm import Embedding, RMSNorm
 from moetrain.model.rope import RotaryEmbedding
 from moetrain.model.sequence_layout import SequenceLayout, WholeSequence
 
@@ -28,7 +28,8 @@ class Transformer(nn.Module):
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        embed_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.embedding_norm else None
+        self.embed = Embedding(cfg.vocab_size, cfg.d_model, embed_norm)
         self.rope = RotaryEmbedding(cfg.resolved_head_dim, cfg.rope_theta)
         # A ModuleDict keyed by layer index keeps parameter names stable when a pipeline stage
         # holds only some of the blocks.
