@@ -1,6 +1,8 @@
 import pytest
 import torch
 
+import moetrain.cpu_math  # noqa: F401  (every test's CPU math from a set-up library: src/moetrain/cpu_math.py)
+
 
 @pytest.fixture(autouse=True)
 def _deterministic():

@@ -10,7 +10,7 @@ import torch
 
 FIRST_CALLS = r"""
 import torch
-import moetrain.optim  # the packages whose CPU math this concerns set it up on import
+import moetrain.optim.base  # the modules whose CPU math this concerns (the model, the optimizers) set it up on import
 x = torch.rand(5000, generator=torch.Generator().manual_seed(0)) * 0.01 + 1e-4
 first_sqrt, first_exp = torch.sqrt(x), torch.exp(x)
 for got, want in ((first_sqrt, x.double().sqrt()), (first_exp, x.double().exp())):

@@ -51,7 +51,11 @@ def trained(real_text_dir, tmp_path_factory):
         "model.moe.bias_update_rate=0.01",
     )
     overrides = [o for o in tiny_overrides(real_text_dir, run, *extra) if not o.startswith("data.seq_len")]
-    overrides = [o for o in overrides if not o.startswith("model.") or o.startswith(("model.moe.", "model.peri", "model.embedding"))]
+    overrides = [
+        o
+        for o in overrides
+        if not o.startswith("model.") or o.startswith(("model.moe.", "model.peri", "model.embedding"))
+    ]
     assert main(["train", "tiny", *[f"--{o}" for o in overrides], "--quiet"]) == 0
     return run
 

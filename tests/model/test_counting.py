@@ -1,4 +1,5 @@
-"""Parameter counts of the reference presets against the published table (within 0.5%)."""
+"""Parameter counts: every preset's and every structural option's equal to its built model's
+parameters; the reference presets against the published table (within 0.5%)."""
 
 import dataclasses
 import json
@@ -8,7 +9,7 @@ import sys
 import pytest
 
 from moetrain.model.counting import count_params, peak_flops
-from moetrain.presets import preset
+from moetrain.presets import PRESETS, preset
 
 # (total, active) from Olmo-core's reference table (shared/REFERENCE.md) and its capacity sweep.
 REFERENCE = {
@@ -20,6 +21,44 @@ REFERENCE = {
     "ref-ultra-256e": (2.380e12, 58.41e9),
     "sweep-8l-8": (4.58e9, 3.17e9),
 }
+
+
+def _built(m) -> tuple[int, int, int]:
+    """(total, active, embedding table) of the model `m` builds (on the meta device)."""
+    model = m.build(device="meta")
+    total = sum(p.numel() for p in model.parameters())
+    idle = sum(
+        sum(p.numel() for p in moe.experts.parameters()) // moe.cfg.num_experts * (moe.cfg.num_experts - moe.cfg.top_k)
+        for moe in model.moe_layers()
+    )
+    return total, total - idle, model.embed.weight.numel()
+
+
+VARIANTS = {
+    "peri_norm": dict(peri_norm=True),
+    "no_qk_norm": dict(qk_norm=False),
+    "embedding_norm": dict(embedding_norm=True),
+    "mtp": dict(mtp_depth=2),
+    "head_dim": dict(head_dim=64, n_heads=8, n_kv_heads=4),
+    "dense_hidden": dict(dense_hidden=200, num_dense_layers=2),
+    "all_moe": dict(num_dense_layers=0),
+    "all_dense": dict(num_dense_layers=4),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_presets_count_is_its_built_models(name):
+    m = preset(name).model
+    counts = count_params(m)
+    assert (counts.total, counts.active, counts.embedding) == _built(m)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_every_structural_options_count_is_its_built_models(variant):
+    m = dataclasses.replace(preset("tiny").model, **VARIANTS[variant])
+    m = dataclasses.replace(m, moe=dataclasses.replace(m.moe, shared_hidden=64)) if variant == "mtp" else m
+    counts = count_params(m)
+    assert (counts.total, counts.active, counts.embedding) == _built(m)
 
 
 @pytest.mark.parametrize("name", sorted(REFERENCE))

@@ -1,4 +1,4 @@
-"""`moetrain config`, `params`, `presets` and `prepare-data`."""
+"""`moetrain config`, `params`, `presets` and `prepare-data`: the first three load no torch."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import json
 
 from moetrain.cli.args import config_parser, resolve_args, split_overrides
 from moetrain.config import keys_reference
-from moetrain.data.prepare import main as prepare_main
 from moetrain.model.counting import count_params, flops_per_token
 from moetrain.presets import PRESETS, PURPOSES
 from moetrain.train.config import RunConfig
@@ -69,5 +68,6 @@ def _count(n: int) -> str:
 
 
 def cmd_prepare_data(argv: list[str]) -> int:
+    from moetrain.data.prepare import main as prepare_main
 
     return prepare_main(argv)

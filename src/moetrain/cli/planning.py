@@ -1,4 +1,5 @@
-"""`moetrain plan`."""
+"""`moetrain plan`. The planner (and torch, which it counts the model with) loads once the
+arguments and the config are read: --help and their mistakes answer without it."""
 
 from __future__ import annotations
 
@@ -7,24 +8,9 @@ import json
 import sys
 import textwrap
 
-from moetrain import rehearse
 from moetrain.cli.args import split_overrides
 from moetrain.errors import ConfigError
-from moetrain.memory_advice import layout_flags
-from moetrain.plan import (
-    MAX_GPUS,
-    PEAK_ERROR,
-    fewest_gpus,
-    layout_legend,
-    layouts_text,
-    legend_lines,
-    more_gpus_json,
-    more_gpus_text,
-    plan,
-    report,
-    suggest,
-    to_json,
-)
+from moetrain.parallel.config import layout_legend
 from moetrain.presets import resolve_config
 from moetrain.train.config import RunConfig
 
@@ -44,7 +30,7 @@ def _plan_parser() -> argparse.ArgumentParser:
             "Per-GPU parameters, gradients, optimizer state, activations (with and without recompute), "
             "communication per step, step time (communication only where compute does not hide it: its exposed "
             "part) and MFU of a preset on N GPUs, from the config alone; then layouts that fit, fastest first, "
-            f"or, when none does, the fewest GPUs of the kind (up to {MAX_GPUS}) on which one fits. Ends with one "
+            "or, when none does, the fewest GPUs of the kind on which one fits. Ends with one "
             "JSON line (peak_mem_gib_per_device, fits, step_time_s, mfu, exposed_comm_s, fewest_gpus, …). "
             "Assumptions: src/moetrain/plan/calibration.py."
         ),
@@ -114,6 +100,20 @@ def _dividing_batch(cfg: RunConfig, args: argparse.Namespace, overrides: list[st
 def cmd_plan(argv: list[str]) -> int:
     args, overrides = split_overrides(_plan_parser(), argv)
     cfg, given = _plan_config(args, overrides)
+    from moetrain import rehearse
+    from moetrain.plan import (
+        PEAK_ERROR,
+        fewest_gpus,
+        layouts_text,
+        legend_lines,
+        more_gpus_json,
+        more_gpus_text,
+        plan,
+        report,
+        suggest,
+        to_json,
+    )
+
     gpu = args.gpu.lower()
     result = plan(cfg, args.gpus, gpu)
     suggestions = [] if args.no_suggest else suggest(cfg, args.gpus, gpu)
@@ -158,6 +158,8 @@ def cmd_plan(argv: list[str]) -> int:
 
 def _more_gpus_flags(spec: str, cfg: RunConfig, more, given: list[str]) -> tuple[list[str], str]:
     """The flags of `fewest_gpus`'s layout and the command that rehearses it (none found: empty)."""
+    from moetrain import rehearse
+
     if more.plan is None:
         return [], ""
     flags = _suggestion_flags(cfg, more.plan, given)
@@ -166,6 +168,8 @@ def _more_gpus_flags(spec: str, cfg: RunConfig, more, given: list[str]) -> tuple
 
 def _suggestion_flags(cfg: RunConfig, suggestion, given: list[str]) -> list[str]:
     """The command line's flags with a suggested layout's in place of the ones it changes."""
+    from moetrain.memory_advice import layout_flags
+
     changed = layout_flags(cfg, suggestion.layout)
     keys = {f.split("=")[0] for f in changed}
     return [g for g in given if g.split("=")[0] not in keys] + changed
@@ -173,6 +177,8 @@ def _suggestion_flags(cfg: RunConfig, suggestion, given: list[str]) -> list[str]
 
 def _fit_words(p) -> str:
     """ "peak 101.5 of 139 GiB" with "does NOT fit" or "TIGHT" where it applies."""
+    from moetrain.plan import PEAK_ERROR
+
     words = f"peak {p.largest_peak_gib:.1f} of {p.gpu.memory_gib:g} GiB"
     if not p.fits:
         return words + ": does NOT fit"

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from moetrain.config import Config, non_negative, positive
-from moetrain.data.loader import SyntheticLoader, TokenLoader, resolve_val_path
 from moetrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from moetrain.data.loader import SyntheticLoader, TokenLoader
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -54,6 +57,8 @@ class DataConfig(Config):
     ) -> TokenLoader | SyntheticLoader:
         """The training loader of data-parallel rank `dp_rank` of `dp_size`: each global
         micro-batch of `micro_batch_size` sequences, this rank's rows of it."""
+        from moetrain.data.loader import SyntheticLoader, TokenLoader
+
         if self.synthetic:
             return SyntheticLoader(
                 seq_len=self.seq_len,
@@ -70,4 +75,6 @@ class DataConfig(Config):
     def val_path(self) -> str | None:
         """Where validation tokens come from (None: no validation): `val`, else the first
         source's val split when it has one; never with synthetic data."""
+        from moetrain.data.loader import resolve_val_path
+
         return None if self.synthetic else resolve_val_path(self)

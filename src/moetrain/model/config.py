@@ -5,8 +5,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-import torch
-
 from moetrain.config import Config, non_negative, positive
 from moetrain.errors import ConfigError
 
@@ -182,6 +180,8 @@ class TransformerConfig(Config):
     def build(self, device: str | None = None):
         """Build the model. On device "meta" no memory is allocated; call `to_empty()` and
         `init_weights()` to materialize it."""
+        import torch
+
         from moetrain.model.transformer import Transformer
 
         with torch.device(device or "cpu"):

@@ -1,6 +1,7 @@
-"""Parameter and FLOP counts of a config, counted on a meta-device build of its model (no memory
-is allocated: the trillion-parameter presets count in a fraction of a second), so every module
-the model has counts, the multi-token-prediction modules included.
+"""Parameter and FLOP counts of a config, from the shapes of the modules its model builds (the
+multi-token-prediction modules included), without torch: `moetrain presets` and `params` answer
+at once. tests/model/test_counting.py holds every preset's count, and every structural option's,
+equal to the parameters of its built model.
 
 FLOPs follow Olmo-core's formula so figures compare directly:
     flops_per_token = 6 × active non-embedding parameters      (LM head included)
@@ -27,27 +28,20 @@ class ParamCounts:
     """Input embedding (excluded from FLOPs; the LM head is not excluded)."""
 
 
-_COUNTED: dict[str, ParamCounts] = {}
-"""Counts by the config's repr (the planner asks for one config's many times)."""
-
-
 def count_params(cfg: TransformerConfig) -> ParamCounts:
-    key = repr(cfg)
-    if key not in _COUNTED:
-        if len(_COUNTED) >= 64:
-            _COUNTED.clear()
-        _COUNTED[key] = _count(cfg)
-    return _COUNTED[key]
-
-
-def _count(cfg: TransformerConfig) -> ParamCounts:
-    model = cfg.build(device="meta")
-    total = sum(p.numel() for p in model.parameters())
-    idle = 0  # each MoE layer's routed experts a token is not sent to
-    for moe in model.moe_layers():
-        per_expert = sum(p.numel() for p in moe.experts.parameters()) // moe.cfg.num_experts
-        idle += (moe.cfg.num_experts - moe.cfg.top_k) * per_expert
-    return ParamCounts(total=total, active=total - idle, embedding=model.embed.weight.numel())
+    """The parameters of the modules src/moetrain/model/ builds for `cfg` (transformer.py, block.py,
+    attention.py, mlp.py, moe.py, router.py, experts.py, mtp.py)."""
+    D, V, hd, moe = cfg.d_model, cfg.vocab_size, cfg.resolved_head_dim, cfg.moe
+    attention = D * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 2 * hd * cfg.qk_norm
+    block = attention + D * (4 if cfg.peri_norm else 2)  # its norms
+    dense_block = block + 3 * D * cfg.resolved_dense_hidden
+    experts = moe.num_experts * 3 * D * moe.expert_hidden
+    moe_block = block + moe.num_experts * D + experts + 3 * D * moe.shared_hidden
+    mtp = cfg.mtp_depth * (2 * D + 2 * D * D + dense_block)  # two norms, the 2D → D projection, a dense block
+    embedding = V * D + D * cfg.embedding_norm
+    total = embedding + cfg.num_dense_layers * dense_block + cfg.num_moe_layers * moe_block + D + V * D + mtp
+    idle = cfg.num_moe_layers * experts * (moe.num_experts - moe.top_k) // moe.num_experts
+    return ParamCounts(total=total, active=total - idle, embedding=V * D)
 
 
 def flops_per_token(cfg: TransformerConfig, seq_len: int, causal_halved: bool = False, attention: bool = True) -> int:

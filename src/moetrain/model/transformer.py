@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+import moetrain.cpu_math  # noqa: F401  (the CPU's vector math set up before the model's first: src/moetrain/cpu_math.py)
 from moetrain.model.block import Block
 from moetrain.model.config import Routing, TransformerConfig
 from moetrain.model.experts import GroupedExperts

@@ -12,5 +12,3 @@ Each steps the blocks' matrices by Muon instead of AdamW with optim.name=muon (m
 learning-rate schedule (schedule.py) and the store of bf16 gradients (grad_store.py,
 optim.grad_dtype=bf16) are shared.
 """
-
-import moetrain.cpu_math  # noqa: F401  (sets up the CPU's vector math: src/moetrain/cpu_math.py)

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+import moetrain.cpu_math  # noqa: F401  (the CPU's vector math set up before the first update: src/moetrain/cpu_math.py)
 from moetrain.optim.adamw import MomentsAdamW
 from moetrain.optim.clip import clip_coefficient
 from moetrain.optim.grad_reducer import GradReduction

@@ -10,16 +10,12 @@ import dataclasses
 import enum
 from typing import TYPE_CHECKING
 
-import torch
-
 from moetrain.config import Config, in_range, non_negative, positive
 from moetrain.errors import ConfigError
-from moetrain.optim.fsdp import FSDPAdamW
-from moetrain.optim.replicated import ReplicatedAdamW
-from moetrain.optim.sharded import ShardedAdamW
 from moetrain.parallel.config import ParallelConfig, Stack
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
     from moetrain.optim.base import Optimizer
@@ -51,6 +47,8 @@ class MomentsDtype(enum.StrEnum):
 
     @property
     def dtype(self) -> torch.dtype:
+        import torch
+
         return torch.bfloat16 if self == MomentsDtype.bf16 else torch.float32
 
 
@@ -64,6 +62,8 @@ class GradDtype(enum.StrEnum):
 
     @property
     def dtype(self) -> torch.dtype:
+        import torch
+
         return torch.bfloat16 if self == GradDtype.bf16 else torch.float32
 
 
@@ -127,6 +127,8 @@ class OptimConfig(Config):
     def resolved_bf16_weights(self, parallel: ParallelConfig, amp_dtype: torch.dtype | None, device) -> bool:
         """optim.bf16_weights, or by default: on for bf16 compute (`amp_dtype`) on CUDA with the
         replicated optimizer (RunConfig.validate refuses an explicit true on the fsdp stack)."""
+        import torch
+
         if self.bf16_weights is not None:
             return self.bf16_weights
         if self.name == OptimizerName.muon:
@@ -141,6 +143,10 @@ class OptimConfig(Config):
         sharded AdamW on the fsdp stack, the sharded optimizer with parallel.shard_optimizer,
         else AdamW with replicated state (with `bf16_weights`: over bf16 matrices whose fp32
         masters it keeps). Each owns the data-parallel gradient reduction."""
+        from moetrain.optim.fsdp import FSDPAdamW
+        from moetrain.optim.replicated import ReplicatedAdamW
+        from moetrain.optim.sharded import ShardedAdamW
+
         if parallel.stack == Stack.fsdp:
             return FSDPAdamW(model, state, self)
         if parallel.shard_optimizer:

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
+from typing import TYPE_CHECKING
 
 from moetrain.config import Config, non_negative, positive
 from moetrain.errors import ConfigError
-from moetrain.parallel.dims import ParallelDims
+
+if TYPE_CHECKING:
+    from moetrain.parallel.dims import ParallelDims
 
 DEFAULT_CAPACITY_FACTOR: float | None = 1.25
 """parallel.capacity_factor's default: each rank's experts get 1.25 × the balanced load (a slack
@@ -241,6 +245,8 @@ class ParallelConfig(Config):
         """The layout on `world_size` ranks: pp · cp divides the world, dp fills the rest (or is
         given and must fit), ep divides dp · cp. Rules that also involve the model or the batch
         are `RunConfig.validate`'s."""
+        from moetrain.parallel.dims import ParallelDims
+
         pp, cp = self.pp, self.cp
         if world_size % pp:
             raise ConfigError(
@@ -279,3 +285,39 @@ class ParallelConfig(Config):
 def _text(value: float | None) -> str:
     """A setting as it is written on the command line."""
     return "null" if value is None else f"{value:g}"
+
+
+LAYOUT_WORDS = (
+    (r"\bdp\d", "dpN: N data-parallel ranks (parallel.dp; with cp and pp they multiply to the GPUs)"),
+    (r"\bcp\d", "cpN: each sequence split over N GPUs (context parallelism, parallel.cp)"),
+    (r"\bep\d", "epN: the experts split over N GPUs, tokens sent to them (expert parallelism, parallel.ep)"),
+    (r"\bpp\d", "ppN: the layers split into N pipeline stages (parallel.pp); ×vV: V stages per rank, interleaved"),
+    (r"\b(ddp|fsdp)\b", "ddp / fsdp: the stack (parallel.stack): replicated dense weights, or FSDP2's shards"),
+    (
+        r"\b(nosync|alltoall)\b",
+        "nosync / alltoall: the expert dispatcher (parallel.dispatcher): fixed-size buffers "
+        "without a host sync / exact sizes read on the host",
+    ),
+    (r"\bcf ", "cf F: capacity factor, each rank's experts take F × the balanced load (parallel.capacity_factor)"),
+    (
+        r"\bspill ",
+        "spill S: extra rows per pair of ranks for a pair's overflow, S × its balanced share (parallel.spill_factor)",
+    ),
+    (r"\(padded\)", "padded: nosync without a capacity factor, ep × the exact exchange's rows (dropless)"),
+    (
+        r"overlap×",
+        "overlap×N: the all-to-all runs beside compute in N chunks (parallel.overlap_chunks; ×1: one "
+        "exchange, under the shared expert)",
+    ),
+    (r"sharded-optimizer", "sharded-optimizer: optimizer state sharded over the data-parallel ranks"),
+    (r"recompute=", "recompute=full|selective: activations recomputed in backward (/every N: every Nth block)"),
+)
+"""(pattern, meaning) of each abbreviation the planner's `Layout.describe` (src/moetrain/plan/layout.py)
+writes, for the legend under `moetrain plan`'s output and in its --help (here, so that --help
+loads no torch)."""
+
+
+def layout_legend(texts: list[str] | None = None) -> list[str]:
+    """The meanings of `LAYOUT_WORDS` that occur in `texts` (layouts as `Layout.describe` writes
+    them); all of them when `texts` is None."""
+    return [meaning for pattern, meaning in LAYOUT_WORDS if texts is None or any(re.search(pattern, t) for t in texts)]

@@ -82,16 +82,15 @@ bandwidth. The constants are assumptions, stated in
 and MFU as ±25% (docs/measurements.md, "The planner against measured peaks" and "One-GPU
 tokens/s", compares them with measured runs)."""
 
+from moetrain.parallel.config import LAYOUT_WORDS, layout_legend
 from moetrain.plan.calibration import Assumptions
 from moetrain.plan.estimate import PEAK_ERROR, Plan, capacity_floor, device_capacity_floor, plan
 from moetrain.plan.hardware import GIB, GPU, GPUS, plan_gpu
 from moetrain.plan.layout import (
     BUCKET_BYTES,
-    LAYOUT_WORDS,
     Layout,
     ParamGroups,
     compiled_blocks,
-    layout_legend,
     layout_of,
     rows_per_token,
     uses_bf16_weights,

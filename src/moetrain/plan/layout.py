@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import re
 
 import torch
 
@@ -93,41 +92,6 @@ class Layout:
                 f"/every {self.recompute_every}" if self.recompute_every > 1 else ""
             )
         return text + f", {self.rows_per_micro_batch} seq × {self.micro_batches} micro-batches per rank"
-
-
-LAYOUT_WORDS = (
-    (r"\bdp\d", "dpN: N data-parallel ranks (parallel.dp; with cp and pp they multiply to the GPUs)"),
-    (r"\bcp\d", "cpN: each sequence split over N GPUs (context parallelism, parallel.cp)"),
-    (r"\bep\d", "epN: the experts split over N GPUs, tokens sent to them (expert parallelism, parallel.ep)"),
-    (r"\bpp\d", "ppN: the layers split into N pipeline stages (parallel.pp); ×vV: V stages per rank, interleaved"),
-    (r"\b(ddp|fsdp)\b", "ddp / fsdp: the stack (parallel.stack): replicated dense weights, or FSDP2's shards"),
-    (
-        r"\b(nosync|alltoall)\b",
-        "nosync / alltoall: the expert dispatcher (parallel.dispatcher): fixed-size buffers "
-        "without a host sync / exact sizes read on the host",
-    ),
-    (r"\bcf ", "cf F: capacity factor, each rank's experts take F × the balanced load (parallel.capacity_factor)"),
-    (
-        r"\bspill ",
-        "spill S: extra rows per pair of ranks for a pair's overflow, S × its balanced share (parallel.spill_factor)",
-    ),
-    (r"\(padded\)", "padded: nosync without a capacity factor, ep × the exact exchange's rows (dropless)"),
-    (
-        r"overlap×",
-        "overlap×N: the all-to-all runs beside compute in N chunks (parallel.overlap_chunks; ×1: one "
-        "exchange, under the shared expert)",
-    ),
-    (r"sharded-optimizer", "sharded-optimizer: optimizer state sharded over the data-parallel ranks"),
-    (r"recompute=", "recompute=full|selective: activations recomputed in backward (/every N: every Nth block)"),
-)
-"""(pattern, meaning) of each abbreviation `Layout.describe` writes, for the legend under
-`moetrain plan`'s output and in its --help."""
-
-
-def layout_legend(texts: list[str] | None = None) -> list[str]:
-    """The meanings of `LAYOUT_WORDS` that occur in `texts` (layouts as `Layout.describe` writes
-    them); all of them when `texts` is None."""
-    return [meaning for pattern, meaning in LAYOUT_WORDS if texts is None or any(re.search(pattern, t) for t in texts)]
 
 
 @dataclasses.dataclass(frozen=True)

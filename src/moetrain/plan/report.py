@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from moetrain.parallel.config import layout_legend
 from moetrain.plan.estimate import Plan
-from moetrain.plan.layout import layout_legend
 from moetrain.plan.search import MAX_GPUS, MoreGpus, larger_counts
 from moetrain.plan.time import EXPOSED_PARTS
 

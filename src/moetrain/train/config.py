@@ -13,9 +13,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import sys
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from moetrain.config import Config, non_negative, positive, validate_tree
 from moetrain.data.config import DataConfig
@@ -24,7 +22,11 @@ from moetrain.model.config import MAX_LAYERS, Fp8, TransformerConfig
 from moetrain.model.fp8_choice import Fp8Select, choose_head
 from moetrain.optim.config import OptimConfig, OptimizerName, ScheduleConfig
 from moetrain.parallel.config import ParallelConfig, PipelineSchedule, Recompute, Stack
-from moetrain.parallel.dims import ParallelDims
+
+if TYPE_CHECKING:
+    import torch
+
+    from moetrain.parallel.dims import ParallelDims
 
 
 class Extend(enum.StrEnum):
@@ -356,6 +358,8 @@ class RunConfig(Config):
         problem = _cuda_graphs_device_problem(self.train.cuda_graphs, device)
         if problem:
             raise ConfigError(": ".join(problem))
+        import torch
+
         fp8 = self.train.fp8
         if fp8 != Fp8.none and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
             raise ConfigError(
