@@ -100,6 +100,7 @@ def check_native(trained, out, capsys):
         ("model.qk_norm=false", "qk_norm=false"),
         ("model.peri_norm=true", "peri_norm"),
         ("model.embedding_norm=true", "embedding_norm"),
+        ("model.pre_norm=false model.peri_norm=true", "pre_norm=false"),
     ],
 )
 def test_a_variant_without_a_native_class_is_refused_naming_the_feature(
@@ -113,7 +114,9 @@ def test_a_variant_without_a_native_class_is_refused_naming_the_feature(
                 "tiny",
                 *[
                     f"--{o}"
-                    for o in tiny_overrides(real_text_dir, run, "train.steps=1", "train.eval_every=0", override)
+                    for o in tiny_overrides(
+                        real_text_dir, run, "train.steps=1", "train.eval_every=0", *override.split()
+                    )
                 ],
                 "--quiet",
             ]

@@ -39,7 +39,7 @@ def greedy(model, ids: torch.Tensor, steps: int) -> list[int]:
 @pytest.fixture(scope="module")
 def trained(real_text_dir, tmp_path_factory):
     """`tiny` with what no native class has: a shared expert under softmax, weights × k,
-    peri-norm, a normalized embedding and a moving aux-free bias, a few steps on real text."""
+    peri-norm without the input norms, a normalized embedding and a moving aux-free bias, a few steps on real text."""
     run = tmp_path_factory.mktemp("remote") / "run"
     extra = (
         "train.steps=4",
@@ -48,6 +48,7 @@ def trained(real_text_dir, tmp_path_factory):
         "model.moe.restore_weight_scale=true",
         "model.peri_norm=true",
         "model.embedding_norm=true",
+        "model.pre_norm=false",
         "model.moe.bias_update_rate=0.01",
     )
     overrides = [o for o in tiny_overrides(real_text_dir, run, *extra) if not o.startswith("data.seq_len")]

@@ -36,6 +36,7 @@ def _built(m) -> tuple[int, int, int]:
 
 VARIANTS = {
     "peri_norm": dict(peri_norm=True),
+    "post_norm": dict(pre_norm=False, peri_norm=True),
     "no_qk_norm": dict(qk_norm=False),
     "embedding_norm": dict(embedding_norm=True),
     "mtp": dict(mtp_depth=2),

@@ -68,6 +68,7 @@ def test_meta_construction_allocates_nothing_and_init_is_deterministic():
         dict(),
         dict(peri_norm=True, qk_norm=False),
         dict(embedding_norm=True),
+        dict(pre_norm=False, peri_norm=True),
         dict(head_dim=16, moe=MoEConfig(num_experts=6, top_k=3, expert_hidden=24, shared_hidden=8)),
         dict(num_dense_layers=0, dense_hidden=40),
         dict(num_dense_layers=3),
@@ -128,3 +129,21 @@ def test_embedding_norm_starts_the_residual_stream_at_unit_rms_and_is_not_decaye
     assert torch.equal(normed.embed.weight, plain.embed.weight)  # the table draws as before
     decayed = {id(p) for g in param_groups(normed, 0.1) if g["weight_decay"] for p in g["params"]}
     assert id(normed.embed.norm.weight) not in decayed and id(normed.embed.weight) not in decayed
+
+
+def test_without_the_input_norms_a_block_adds_the_normalized_sublayer_outputs():
+    """model.pre_norm=false, peri_norm=true: x + norm(attn(x)), then + norm(ffn(·)) (Olmo-core's
+    moe_8l block); both off is refused, naming them."""
+    from moetrain.errors import ConfigError
+
+    model = build(small_cfg(pre_norm=False, peri_norm=True))
+    block = model.blocks["0"]
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1))
+    cos, sin = model.rope.cos_sin(8)
+    with torch.no_grad():
+        h = x + block.attn_out_norm(block.attn(x, cos, sin))
+        want = h + block.ffn_out_norm(block.ffn(h))
+        assert torch.equal(block(x, cos, sin), want)
+    assert not any("attn_norm" in n or "ffn_norm." in n for n, _ in model.named_parameters())
+    with pytest.raises(ConfigError, match="model.pre_norm=false with model.peri_norm=false"):
+        small_cfg(pre_norm=False).validate()

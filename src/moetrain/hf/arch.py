@@ -79,6 +79,8 @@ def unsupported_features(m: TransformerConfig, expert_bias_nonzero: bool) -> lis
         problems.append(f"model.peri_norm=true ({PERI_NORM})")
     if m.embedding_norm:
         problems.append("model.embedding_norm=true (neither class normalizes its token embeddings)")
+    if not m.pre_norm:
+        problems.append("model.pre_norm=false (both classes normalize each sublayer's input)")
     if architecture_for(m) == Architecture.qwen3_moe:
         if moe.shared_hidden > 0:
             problems.append(
@@ -274,6 +276,7 @@ def remote_config(m: TransformerConfig, eos_id: int | None, max_positions: int, 
         "num_dense_layers": m.num_dense_layers,
         "dense_hidden": m.resolved_dense_hidden,
         "qk_norm": m.qk_norm,
+        "pre_norm": m.pre_norm,
         "peri_norm": m.peri_norm,
         "embedding_norm": m.embedding_norm,
         "norm_eps": m.norm_eps,

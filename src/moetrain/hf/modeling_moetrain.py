@@ -6,8 +6,9 @@ transformers class represents exactly (softmax routing with a shared expert, per
 non-zero aux-loss-free bias under softmax, no QK-norm under softmax): it needs only torch and
 transformers, and computes what src/moetrain/model/ computes, parameter names included:
 
-    embed [→ RMSNorm] → blocks (RMSNorm → GQA attention with per-head QK-norm and rotate-half RoPE → [RMSNorm]
-    → residual; RMSNorm → SwiGLU or MoE → [RMSNorm] → residual) → RMSNorm → LM head
+    embed [→ × √d_model → RMSNorm] → blocks ([RMSNorm] → GQA attention with per-head QK-norm and
+    rotate-half RoPE → [RMSNorm] → residual; [RMSNorm] → SwiGLU or MoE → [RMSNorm] → residual) →
+    RMSNorm → LM head
 
 MoE: fp32 router logits; softmax or sigmoid scores; the top-k of scores + the selection bias;
 the chosen scores as weights, normalized to sum to one and × k where the config says so; each
@@ -39,6 +40,7 @@ class MoetrainConfig(PretrainedConfig):
         num_dense_layers: int = 0,
         dense_hidden: int = 512,
         qk_norm: bool = True,
+        pre_norm: bool = True,
         peri_norm: bool = False,
         embedding_norm: bool = False,
         norm_eps: float = 1e-6,
@@ -57,7 +59,7 @@ class MoetrainConfig(PretrainedConfig):
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.num_dense_layers, self.dense_hidden = num_dense_layers, dense_hidden
         self.qk_norm, self.peri_norm, self.norm_eps, self.rope_theta = qk_norm, peri_norm, norm_eps, rope_theta
-        self.embedding_norm = embedding_norm
+        self.embedding_norm, self.pre_norm = embedding_norm, pre_norm
         self.num_experts, self.num_experts_per_tok, self.expert_hidden = num_experts, num_experts_per_tok, expert_hidden
         self.shared_hidden, self.gating = shared_hidden, gating
         self.normalize_weights, self.restore_weight_scale = normalize_weights, restore_weight_scale
@@ -90,7 +92,7 @@ class Embedding(nn.Embedding):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = super().forward(tokens)
-        return x if self.norm is None else self.norm(x)
+        return x if self.norm is None else self.norm(x * self.embedding_dim**0.5)
 
 
 def rope_tables(positions_BT: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,9 +204,9 @@ class MoE(nn.Module):
 class Block(nn.Module):
     def __init__(self, c: MoetrainConfig, layer: int):
         super().__init__()
-        self.attn_norm = RMSNorm(c.d_model, c.norm_eps)
+        self.attn_norm = RMSNorm(c.d_model, c.norm_eps) if c.pre_norm else nn.Identity()
         self.attn = Attention(c)
-        self.ffn_norm = RMSNorm(c.d_model, c.norm_eps)
+        self.ffn_norm = RMSNorm(c.d_model, c.norm_eps) if c.pre_norm else nn.Identity()
         self.ffn = MoE(c) if layer >= c.num_dense_layers else SwiGLU(c.d_model, c.dense_hidden)
         self.attn_out_norm = RMSNorm(c.d_model, c.norm_eps) if c.peri_norm else None
         self.ffn_out_norm = RMSNorm(c.d_model, c.norm_eps) if c.peri_norm else None

@@ -1,7 +1,8 @@
 """A transformer block: attention and an FFN (dense SwiGLU or MoE), each around a residual.
 
 Pre-norm: x + f(norm(x)). Peri-norm (`peri_norm=True`, as Olmo-core's Tiny/Small references):
-x + norm_out(f(norm_in(x))), which bounds what each sublayer adds to the residual stream.
+x + norm_out(f(norm_in(x))), which bounds what each sublayer adds to the residual stream. Without
+the input norm (`pre_norm=False`, Olmo-core's moe_8l): x + norm_out(f(x)).
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ class Block(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         D = cfg.d_model
-        self.attn_norm = RMSNorm(D, cfg.norm_eps)
+        self.attn_norm = RMSNorm(D, cfg.norm_eps) if cfg.pre_norm else nn.Identity()
         self.attn = Attention(D, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim, cfg.qk_norm, cfg.norm_eps)
-        self.ffn_norm = RMSNorm(D, cfg.norm_eps)
+        self.ffn_norm = RMSNorm(D, cfg.norm_eps) if cfg.pre_norm else nn.Identity()
         self.is_moe = layer_id >= cfg.num_dense_layers and not dense
         self.ffn: nn.Module = MoE(D, cfg.moe) if self.is_moe else SwiGLU(D, cfg.resolved_dense_hidden)
         self.attn_out_norm = RMSNorm(D, cfg.norm_eps) if cfg.peri_norm else None

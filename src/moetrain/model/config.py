@@ -112,6 +112,9 @@ class TransformerConfig(Config):
     """Hidden size of the dense MLP; None = top_k × expert_hidden + shared_hidden."""
     qk_norm: bool = True
     """Per-head RMSNorm on queries and keys."""
+    pre_norm: bool = True
+    """Normalize each sublayer's input. false (with peri_norm=true): x + norm(f(x)), OLMo 2's
+    reordered norm, which Olmo-core's moe_8l shape (bench-8e) has."""
     peri_norm: bool = False
     """Also normalize each sublayer's output before the residual add (pre-norm otherwise)."""
     norm_eps: float = positive(1e-6)
@@ -125,9 +128,9 @@ class TransformerConfig(Config):
     init_std / sqrt(2 × n_layers), so that the residual stream's variance does not grow with depth.
     Olmo-core's `InitMethod.normal` gives them init_std like every matrix."""
     embedding_norm: bool = False
-    """RMSNorm the token embeddings (a weight of d_model, `embed.norm.weight`), so the residual
-    stream starts at unit RMS instead of init_std; Olmo-core's MoE models do this (after × √d_model,
-    which a norm that follows makes a no-op up to its epsilon). Exports with `--remote-code` only."""
+    """RMSNorm of the token embeddings × √d_model (a weight of d_model, `embed.norm.weight`), so the
+    residual stream starts at unit RMS instead of init_std, as in Olmo-core's MoE models. Exports
+    with `--remote-code` only."""
     mtp_depth: int = non_negative(0, at_most=16)
     """Multi-token prediction (DeepSeek-V3's): this many sequential modules, module k predicting
     the token k + 1 ahead from the previous depth's hidden state and the embedding of token k,
@@ -166,6 +169,11 @@ class TransformerConfig(Config):
             raise ConfigError(
                 f"model.n_kv_heads={self.n_kv_heads} does not divide model.n_heads={self.n_heads}: "
                 "each key/value head serves a whole group of query heads."
+            )
+        if not (self.pre_norm or self.peri_norm):
+            raise ConfigError(
+                "model.pre_norm=false with model.peri_norm=false leaves the blocks without a norm: set either "
+                "(pre_norm alone: pre-norm; peri_norm alone: x + norm(f(x)); both: peri-norm)."
             )
         if self.num_dense_layers > self.n_layers:
             raise ConfigError(

@@ -33,7 +33,7 @@ def count_params(cfg: TransformerConfig) -> ParamCounts:
     attention.py, mlp.py, moe.py, router.py, experts.py, mtp.py)."""
     D, V, hd, moe = cfg.d_model, cfg.vocab_size, cfg.resolved_head_dim, cfg.moe
     attention = D * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 2 * hd * cfg.qk_norm
-    block = attention + D * (4 if cfg.peri_norm else 2)  # its norms
+    block = attention + 2 * D * (cfg.pre_norm + cfg.peri_norm)  # its norms
     dense_block = block + 3 * D * cfg.resolved_dense_hidden
     experts = moe.num_experts * 3 * D * moe.expert_hidden
     moe_block = block + moe.num_experts * D + experts + 3 * D * moe.shared_hidden

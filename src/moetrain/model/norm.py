@@ -20,9 +20,10 @@ class RMSNorm(nn.Module):
 
 
 class Embedding(nn.Embedding):
-    """The token embedding, then `norm` where given (model.embedding_norm): its parameters are
-    `weight` and `norm.weight`, so every caller (the model, a pipeline's first stage, the
-    multi-token prediction's shifted embeddings) embeds the same way."""
+    """The token embedding, then × √dim and `norm` where given (model.embedding_norm, Olmo-core's
+    `embed_scale` and `embedding_norm`): its parameters are `weight` and `norm.weight`, so every
+    caller (the model, a pipeline's first stage, the multi-token prediction's shifted embeddings)
+    embeds the same way."""
 
     def __init__(self, vocab_size: int, dim: int, norm: RMSNorm | None = None):
         super().__init__(vocab_size, dim)
@@ -30,4 +31,4 @@ class Embedding(nn.Embedding):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = super().forward(tokens)
-        return x if self.norm is None else self.norm(x)
+        return x if self.norm is None else self.norm(x * self.embedding_dim**0.5)
