@@ -3,8 +3,8 @@ with per-head QK-norm): with sigmoid gating it loads as transformers' native GLM
 computes the same logits (fp32, ≤ 1e-4) and greedy continuation; bf16 by default; sharded with
 an index past --max-shard-size, written shard by shard (and rank by rank) from the DCP files in
 bounded memory; import-hf reads it back bit for bit. Every ref-* preset, at small width: its
-softmax router is refused naming the reason and the sigmoid variant, which exports with equal
-logits. Skipped where the `hf` extra is absent."""
+softmax router and normalized embedding are refused naming the reasons and the variant (sigmoid, a
+plain embedding), which exports with equal logits. Skipped where the `hf` extra is absent."""
 
 import dataclasses
 import json
@@ -315,11 +315,12 @@ def test_ref_preset_at_small_width_refused_with_softmax_and_exported_with_sigmoi
     assert main(["export-hf", str(tmp_path / "softmax"), str(tmp_path / "refused")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err
-    for reason in ("softmax gating with a shared expert", "model.moe.gating=sigmoid"):
+    for reason in ("softmax gating with a shared expert", "model.moe.gating=sigmoid", "model.embedding_norm=false"):
         assert reason in err, (reason, err)
     assert not (tmp_path / "refused").exists()
 
-    variant = dataclasses.replace(small, moe=dataclasses.replace(small.moe, gating=Gating.sigmoid))
+    sigmoid = dataclasses.replace(small.moe, gating=Gating.sigmoid)
+    variant = dataclasses.replace(small, embedding_norm=False, moe=sigmoid)
     model = write_checkpoint(tmp_path / "sigmoid", variant, tokenizer, seq_len, bias=True)
     summary = cli(capsys, "export-hf", tmp_path / "sigmoid", tmp_path / "hf", "--dtype", "float32")
     assert summary["architecture"] == "Glm4MoeForCausalLM" and summary["max_position_embeddings"] == seq_len
@@ -339,7 +340,15 @@ def test_every_preset_exports_or_names_the_variant_that_does():
             text = refusal(m, problems)
             assert "model.moe.gating=sigmoid" in text or m.moe.gating == Gating.sigmoid, name
             assert ("model.peri_norm=false" in text) == m.peri_norm, name
-        variant = dataclasses.replace(m, peri_norm=False, moe=dataclasses.replace(m.moe, gating=Gating.sigmoid))
+            assert ("model.embedding_norm=false" in text) == m.embedding_norm, name
+            assert ("model.pre_norm=true" in text) == (not m.pre_norm), name
+        variant = dataclasses.replace(
+            m,
+            peri_norm=False,
+            pre_norm=True,
+            embedding_norm=False,
+            moe=dataclasses.replace(m.moe, gating=Gating.sigmoid),
+        )
         assert unsupported_features(variant, expert_bias_nonzero=True) == [], name
     assert [n for n, ok in verdicts.items() if ok] == ["tiny"]
 

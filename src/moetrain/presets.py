@@ -68,9 +68,12 @@ def _olmo_core_model(
     lb: float,
     z: float = 2e-4,
     peri_norm: bool = False,
+    pre_norm: bool = True,
 ) -> TransformerConfig:
     """Olmo-core 3's production architecture: head_dim 128, QK-norm, one shared expert as wide as a
-    routed one, top-4 softmax with normalized weights × k, first `dense` blocks dense."""
+    routed one, top-4 softmax with normalized weights × k, first `dense` blocks dense; its embedding
+    (× √d_model, RMSNorm) and init (every matrix at std 0.01, the anchor runner's: trained side by
+    side with Olmo-core to the same curve, docs/measurements.md "Learning side by side")."""
     return TransformerConfig(
         vocab_size=OLMO_CORE_VOCAB,
         d_model=d_model,
@@ -80,6 +83,10 @@ def _olmo_core_model(
         head_dim=128,
         num_dense_layers=dense,
         peri_norm=peri_norm,
+        pre_norm=pre_norm,
+        embedding_norm=True,
+        init_std=0.01,
+        init_output_std=0.01,
         moe=MoEConfig(
             num_experts=experts,
             top_k=4,
@@ -125,7 +132,18 @@ def _ref(layers, dense, d_model, heads, kv, hidden, experts, gpus, lb=0.01):
 
 def _sweep(experts: int) -> Callable[[], RunConfig]:
     return lambda: _big_run(
-        _olmo_core_model(layers=8, dense=1, d_model=4096, heads=32, kv_heads=8, hidden=4096, experts=experts, lb=0.01),
+        _olmo_core_model(
+            layers=8,
+            dense=1,
+            d_model=4096,
+            heads=32,
+            kv_heads=8,
+            hidden=4096,
+            experts=experts,
+            lb=0.01,
+            peri_norm=True,  # Olmo-core's moe_8l blocks: x + norm(f(x))
+            pre_norm=False,
+        ),
         seq_len=4096,
         gpus=8,
         global_batch=64,
@@ -159,7 +177,8 @@ def _bench(model: TransformerConfig, *, micro_batch: int, accum: int = 1, lr: fl
 
 
 def _bench_8e_layout(experts: int, d_model: int, hidden: int) -> TransformerConfig:
-    """Olmo-core's moe_8l shape: 8 layers (the first dense), pre-norm, lb 0.015, z 1e-4."""
+    """Olmo-core's moe_8l shape: 8 layers (the first dense), each sublayer's output normalized and
+    not its input (x + norm(f(x))), lb 0.015, z 1e-4."""
     return _olmo_core_model(
         layers=8,
         dense=1,
@@ -170,6 +189,8 @@ def _bench_8e_layout(experts: int, d_model: int, hidden: int) -> TransformerConf
         experts=experts,
         lb=0.015,
         z=1e-4,
+        peri_norm=True,
+        pre_norm=False,
     )
 
 

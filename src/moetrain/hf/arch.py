@@ -113,7 +113,12 @@ def refusal(m: TransformerConfig, problems: list[str]) -> str:
         "(transformers loads it with trust_remote_code=True)."
     )
     softmax = architecture_for(m) == Architecture.qwen3_moe and any(p.startswith("softmax") for p in problems)
-    changes = ["model.peri_norm=false (pre-norm)"] * m.peri_norm + ["model.moe.gating=sigmoid"] * softmax
+    changes = [
+        *["model.peri_norm=false"] * m.peri_norm,
+        *["model.pre_norm=true"] * (not m.pre_norm),
+        *["model.embedding_norm=false"] * m.embedding_norm,
+        *["model.moe.gating=sigmoid"] * softmax,
+    ]
     if not changes:
         return text
     if softmax or architecture_for(m) == Architecture.glm4_moe:
