@@ -184,6 +184,11 @@ def main(argv=None) -> int:
             f"olmo-core expert load (max/mean tokens per expert over its last {o_load.get('steps')} steps), "
             f"per layer: {per}"
         )
+    by_layer = [m_train[s]["expert_load_by_layer"] for s in tail if m_train[s].get("expert_load_by_layer")]
+    if by_layer:
+        per = [round(mean(list(layer)), 3) for layer in zip(*by_layer)]
+        end["expert_load_by_layer_moetrain"] = per
+        print(f"moetrain expert load (each step's max/mean, mean of its last {len(by_layer)} steps), per layer: {per}")
     if "final_val_diff" in end:
         print(
             f"\nVERDICT: at step {end['final_val_step']} moetrain's validation loss is "

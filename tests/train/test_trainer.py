@@ -44,6 +44,8 @@ def test_loss_decreases_on_real_text_and_metrics_follow_the_contract(tiny_cfg, t
         assert r["tokens_per_sec_per_device"] == r["tokens_per_sec"]
         assert r["dropped_token_frac"] == 0.0
         assert r["expert_load_max_over_mean"] >= 1.0
+        assert len(r["expert_load_by_layer"]) == cfg.model.num_moe_layers
+        assert max(r["expert_load_by_layer"]) == pytest.approx(r["expert_load_max_over_mean"], abs=1e-4)
         assert r["loss"] > r["lm_loss"]  # the objective includes the weighted aux losses
     assert [r["step"] for r in records if "val_loss" in r] == [20, 40]
     first, last = records[0]["lm_loss"], records[-1]["lm_loss"]

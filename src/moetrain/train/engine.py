@@ -440,6 +440,7 @@ class TrainEngine:
             "mfu": tflops * 1e12 / self.peak_flops if self.peak_flops else None,
             "peak_mem_gib": peak_mem_gib(self.device, self.graph_memory_bytes()),
             "expert_load_max_over_mean": routing["expert_load_max_over_mean"],
+            "expert_load_by_layer": routing["expert_load_by_layer"],
             "ep_load_max_over_mean": routing["ep_load_max_over_mean"],
             "dropped_token_frac": routing["dropped_token_frac"],
             "unused_experts": routing["unused_experts"],

@@ -16,6 +16,7 @@ The metrics.jsonl contract (one JSON object per logged step; keys never renamed)
   graph's memory it does not count (what the captured step freed again; its replays allocate
   nothing through the allocator).
 - expert_load_max_over_mean: worst MoE layer's max/mean tokens per expert over the step.
+- expert_load_by_layer (extra): that ratio of each MoE layer, in layer order.
 - ep_load_max_over_mean (extra): the same per expert-parallel rank (the experts a rank holds
   summed); 1.0 without expert parallelism.
 - unused_experts: experts (summed over MoE layers) that received no token in the step.
@@ -49,18 +50,20 @@ def routing_metrics(layer_stats: list[dict[str, torch.Tensor]], ep: int = 1) -> 
             "ep_load_max_over_mean": 1.0,
             "dropped_token_frac": 0.0,
             "unused_experts": 0,
+            "expert_load_by_layer": [],
         }
     counts_LE = torch.stack([s["tokens_per_expert"] for s in layer_stats]).float()
     lb = torch.stack([s["lb_loss"] for s in layer_stats]).mean()
     z = torch.stack([s["z_loss"] for s in layer_stats]).mean()
     dropped = torch.stack([s["dropped"] for s in layer_stats]).sum().float()
-    load_ratio = (counts_LE.max(dim=1).values / counts_LE.mean(dim=1).clamp(min=1e-9)).max()
+    load_L = counts_LE.max(dim=1).values / counts_LE.mean(dim=1).clamp(min=1e-9)
     # Experts are laid out contiguously over expert-parallel ranks: E/ep per rank.
     per_rank_LR = counts_LE.view(counts_LE.shape[0], ep, -1).sum(dim=2)
     rank_ratio = (per_rank_LR.max(dim=1).values / per_rank_LR.mean(dim=1).clamp(min=1e-9)).max()
     unused = (counts_LE == 0).sum()
     routed = counts_LE.sum()  # every assignment the routers made, dropped ones included
-    values = torch.stack([lb, z, load_ratio, dropped / routed.clamp(min=1), unused.float(), rank_ratio]).tolist()
+    values = torch.stack([lb, z, load_L.max(), dropped / routed.clamp(min=1), unused.float(), rank_ratio])
+    values = torch.cat([values, load_L]).tolist()
     return {
         "lb_loss": values[0],
         "z_loss": values[1],
@@ -68,6 +71,7 @@ def routing_metrics(layer_stats: list[dict[str, torch.Tensor]], ep: int = 1) -> 
         "ep_load_max_over_mean": values[5],
         "dropped_token_frac": values[3],
         "unused_experts": int(values[4]),
+        "expert_load_by_layer": [round(v, 4) for v in values[6:]],
     }
 
 
