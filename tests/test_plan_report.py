@@ -22,6 +22,7 @@ from moetrain.plan import (
     report,
     suggest,
 )
+from moetrain.plan.report import Budget
 from moetrain.presets import resolve_config
 
 
@@ -66,6 +67,10 @@ def test_where_nothing_fits_plan_says_how_many_gpus_would(ref_large_on_8, ref_la
     assert (fewest["gpus"], fewest["tight_gpus"], fewest["searched_up_to"]) == (more.gpus, more.tight_gpus, MAX_GPUS)
     assert fewest["layout"] == more.plan.layout.describe() and fewest["tight"] is False and fewest["flags"]
     assert fewest["peak_mem_gib_per_device"] < 0.9 * record["capacity_gib"]
+    srun = f"srun --ntasks={more.gpus} --ntasks-per-node=8 --gpus-per-task=1 python -m moetrain train ref-large-128e "
+    assert fewest["launch"] == srun + " ".join(fewest["flags"]) and f"  launch: {fewest['launch']}" in lines
+    assert fewest["time_to_budget_s"] == pytest.approx(record["tokens_budget"] / fewest["tokens_per_sec"], rel=1e-4)
+    assert f"{fewest['tokens_per_sec']:,.0f} on {more.gpus} GPUs: " in text
     assert record["suggested"] == [] and record["fits"] is False  # the keys outside checks read stay
 
 
@@ -113,8 +118,9 @@ def test_every_communication_line_of_the_step_is_labelled_exposed():
 
 
 def test_fewest_gpus_searches_counts_above_the_given_one():
-    assert larger_counts(8) == [16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+    assert larger_counts(8) == [16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096]
     assert larger_counts(12)[:4] == [16, 24, 32, 48] and larger_counts(MAX_GPUS) == []
+    assert larger_counts(20)[:4] == [24, 32, 40, 48]  # the count given, doubled
     cfg = resolve_config("ref-small-64e")
     assert not suggest(cfg, 2, "h200")
     more = fewest_gpus(cfg, 2, "h200")
@@ -122,7 +128,7 @@ def test_fewest_gpus_searches_counts_above_the_given_one():
 
 
 def test_a_model_too_large_for_any_count_is_told_to_shrink():
-    text = more_gpus_text(MoreGpus(None, None, 2048), 8, "h100", [], "")
+    text = more_gpus_text(MoreGpus(None, None, 2048), 8, "h100", [], "", "", Budget(10**12))
     assert text == [
         f"no layout of the ddp stack fits 8 × h100, nor on any count of them up to {MAX_GPUS} "
         "(from 2048 on, layouts fit only TIGHT): shrink the model."

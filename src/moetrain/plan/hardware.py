@@ -7,6 +7,8 @@ import os
 
 import torch
 
+from moetrain.errors import ConfigError
+
 GIB = 2**30
 
 
@@ -41,16 +43,33 @@ GPUS: dict[str, GPU] = {
     # B300 288 GB (275 GiB usable, as Olmo-core reports it): ConnectX-8 800 Gb/s per GPU.
     "b300": GPU("B300", 275.0, 2250e12, 8.0e12, 900e9, 100e9),
 }
+KNOWN_GPUS = tuple(GPUS)
+"""The GPUs the planner ships with; `custom_gpu` adds others to `GPUS` for one process."""
+
+
+def custom_gpu(name: str, **fields: float | int | bool) -> str:
+    """Add a GPU the planner does not know to `GPUS` under `name` lower-cased, for this process
+    (`moetrain plan --gpu NAME:memory_gib=…`): an H100 SXM with `fields` (the `GPU` fields
+    given) in place of its own. Returns its key."""
+    key = name.lower()
+    if key in KNOWN_GPUS:
+        raise ConfigError(
+            f"--gpu {name}:…: {key} is a GPU the planner knows: plan on --gpu {key}, or give yours another name "
+            f"(--gpu my{key}:memory_gib=…)."
+        )
+    GPUS[key] = dataclasses.replace(GPUS["h100"], name=name, **fields)
+    return key
 
 
 def plan_gpu(device_name: str, capacity: int | None) -> str:
-    """The planner's GPU (h100, h200, …) for this device: by name, else the nearest in memory."""
-    for key in GPUS:
+    """The planner's GPU (h100, h200, …; of those it ships with) for this device: by name, else the
+    nearest in memory."""
+    for key in KNOWN_GPUS:
         if key in device_name.lower():
             return key
     if capacity is None:
         return "h200"
-    return min(GPUS, key=lambda k: abs(GPUS[k].memory_gib * 2**30 - capacity))
+    return min(KNOWN_GPUS, key=lambda k: abs(GPUS[k].memory_gib * 2**30 - capacity))
 
 
 def device_memory(device: torch.device) -> tuple[float, str | None]:

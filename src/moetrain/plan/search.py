@@ -29,16 +29,21 @@ def with_layout(
     dispatcher: str | None = None,
     overlap: int | None = None,
     cp: int = 1,
+    round_batch: bool = False,
 ) -> RunConfig | None:
     """A copy of `cfg` with another layout (rows = sequences per data-parallel rank per
     micro-batch, each split over `cp` GPUs; `overlap`: parallel.overlap_chunks, the configured
     one if None, 0 for other dispatchers than nosync), or None when the batch or the sequence
-    cannot be split that way or the chunks cannot split the experts."""
+    cannot be split that way or the chunks cannot split the experts. With `round_batch`, a global
+    batch that is not a multiple of the micro-batch (rows · dp sequences) but holds one becomes
+    the next multiple above it (less than one micro-batch more)."""
     if gpus % (pp * cp) or cfg.data.seq_len % (2 * cp):
         return None
     dp = gpus // (pp * cp)
-    micro = rows * dp
-    if cfg.train.global_batch_size % micro or cfg.train.global_batch_size // micro < pp:
+    micro, batch = rows * dp, cfg.train.global_batch_size
+    if round_batch and micro <= batch:
+        batch = -(-batch // micro) * micro
+    if batch % micro or batch // micro < pp:
         return None
     kind = DispatcherKind(dispatcher) if dispatcher else cfg.parallel.dispatcher
     overlap = cfg.parallel.overlap_chunks if overlap is None else overlap
@@ -57,7 +62,13 @@ def with_layout(
             pp_stages_per_rank=None,
             stack=Stack.ddp,
         ),
-        train=dataclasses.replace(cfg.train, micro_batch_size=micro, recompute=Recompute(recompute), recompute_every=1),
+        train=dataclasses.replace(
+            cfg.train,
+            micro_batch_size=micro,
+            global_batch_size=batch,
+            recompute=Recompute(recompute),
+            recompute_every=1,
+        ),
     )
     if out.parallel.overlap_problem(cfg.model.moe.num_experts):
         return None
@@ -74,7 +85,7 @@ def _context_degrees(cfg: RunConfig, gpus: int, gpu: str) -> list[int]:
     return [c for c in (1, 2, 4, 8, 16) if c <= min(node, gpus) and gpus % c == 0 and cfg.data.seq_len % (2 * c) == 0]
 
 
-def suggest(cfg: RunConfig, gpus: int, gpu: str, limit: int = 5) -> list[Plan]:
+def suggest(cfg: RunConfig, gpus: int, gpu: str, limit: int = 5, round_batch: bool = False) -> list[Plan]:
     """Layouts of the ddp stack that fit the GPU: those with headroom (not `Plan.tight`) first,
     fastest first within each: pp (dividing the GPUs, at most
     one block per stage), cp for long sequences (`_context_degrees`; one sequence per
@@ -83,13 +94,14 @@ def suggest(cfg: RunConfig, gpus: int, gpu: str, limit: int = 5) -> list[Plan]:
     optimizer, and 1 or 2 sequences per GPU per micro-batch; the configured dispatcher and, for
     ep > 2, the exact all-to-all one when the configured one is nosync's padded mode (its
     buffers grow with ep); with nosync at ep > 1 the configured parallel.overlap_chunks and 1
-    (the shared expert under the dispatch: no chunks, no cost of theirs)."""
-    out = _candidates(cfg, gpus, gpu, lean=False)
+    (the shared expert under the dispatch: no chunks, no cost of theirs). `round_batch`: each
+    candidate may round the global batch up to a multiple of its micro-batch (`with_layout`)."""
+    out = _candidates(cfg, gpus, gpu, lean=False, round_batch=round_batch)
     out.sort(key=lambda p: (p.tight, -p.tokens_per_sec_per_device))
     return out[:limit]
 
 
-def _candidates(cfg: RunConfig, gpus: int, gpu: str, lean: bool) -> list[Plan]:
+def _candidates(cfg: RunConfig, gpus: int, gpu: str, lean: bool, round_batch: bool) -> list[Plan]:
     """The plans of `suggest`'s candidates that fit, unsorted; with `lean` only those that need
     least memory at each pp, cp and ep (full recompute, one sequence per micro-batch)."""
     out = []
@@ -97,7 +109,7 @@ def _candidates(cfg: RunConfig, gpus: int, gpu: str, lean: bool) -> list[Plan]:
         if pp > cfg.model.n_layers or gpus % pp:
             continue
         for cp in _context_degrees(cfg, gpus // pp, gpu):
-            out += _fitting(cfg, gpus, gpu, pp, cp, lean)
+            out += _fitting(cfg, gpus, gpu, pp, cp, lean, round_batch)
     return out
 
 
@@ -114,31 +126,36 @@ class MoreGpus:
 
 
 def larger_counts(gpus: int) -> list[int]:
-    """The GPU counts `fewest_gpus` tries, ascending: powers of two and `gpus` doubled, above
-    `gpus` and at most `MAX_GPUS` (the presets' batches are powers of two: other counts rarely
-    divide them)."""
-    counts = {2**k for k in range(MAX_GPUS.bit_length())} | {gpus << k for k in range(MAX_GPUS.bit_length())}
+    """The GPU counts `fewest_gpus` tries, ascending: powers of two, three times a power of two
+    from one node of eight on (24, 48, …, 3072) and `gpus` doubled, above `gpus` and at most
+    `MAX_GPUS`. The presets' batches are powers of two, which a count with a factor of three
+    divides only with the batch rounded to its micro-batch (`fewest_gpus`' `round_batch`)."""
+    shifts = range(MAX_GPUS.bit_length())
+    counts = {2**k for k in shifts} | {24 << k for k in shifts} | {gpus << k for k in shifts}
     return sorted(n for n in counts if gpus < n <= MAX_GPUS)
 
 
-def fewest_gpus(cfg: RunConfig, gpus: int, gpu: str) -> MoreGpus:
+def fewest_gpus(cfg: RunConfig, gpus: int, gpu: str, round_batch: bool = False) -> MoreGpus:
     """The fewest GPUs of kind `gpu`, more than `gpus`, on which `suggest` finds a layout with
     headroom (and fewer where layouts fit only tight). Each count plans the leanest candidates
     first: every other candidate needs more memory, so where none of them fits nothing does, and
-    where each is tight the rest are too."""
+    where each is tight the rest are too. `round_batch`: the candidates may round the global batch
+    up to a multiple of their micro-batch (`with_layout`; then counts such as 24 or 96 GPUs take
+    a power-of-two batch)."""
     tight = None
     for n in larger_counts(gpus):
-        lean = _candidates(cfg, n, gpu, lean=True)
+        lean = _candidates(cfg, n, gpu, lean=True, round_batch=round_batch)
         if lean and all(p.tight for p in lean):
             tight = tight or n
         elif lean:
-            return MoreGpus(n, suggest(cfg, n, gpu, limit=1)[0], tight)
+            return MoreGpus(n, suggest(cfg, n, gpu, limit=1, round_batch=round_batch)[0], tight)
     return MoreGpus(None, None, tight)
 
 
-def _fitting(cfg: RunConfig, gpus: int, gpu: str, pp: int, cp: int, lean: bool) -> list[Plan]:
+def _fitting(cfg: RunConfig, gpus: int, gpu: str, pp: int, cp: int, lean: bool, round_batch: bool) -> list[Plan]:
     """The plans of `suggest`'s candidates at pipeline degree `pp` and context degree `cp` that
-    fit (with `lean`, only full recompute and one sequence per micro-batch)."""
+    fit (with `lean`, only full recompute and one sequence per micro-batch; `round_batch`:
+    `with_layout`'s)."""
     m = cfg.model
     replicas = gpus // pp
     eps = [e for e in (1, 2, 4, 8, 16, 32, 64) if replicas % e == 0 and m.moe.num_experts % e == 0]
@@ -166,6 +183,7 @@ def _fitting(cfg: RunConfig, gpus: int, gpu: str, pp: int, cp: int, lean: bool) 
                 dispatcher=dispatcher,
                 overlap=overlap,
                 cp=cp,
+                round_batch=round_batch,
             )
             if candidate is None:
                 continue
