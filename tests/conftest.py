@@ -1,7 +1,14 @@
+import os
+
 import pytest
 import torch
 
 import moetrain.cpu_math  # noqa: F401  (every test's CPU math from a set-up library: src/moetrain/cpu_math.py)
+
+# Every test's trainings run with torch's default intra-op threads, whatever else keeps the machine
+# busy: `moetrain train` on the CPU would otherwise take fewer where cores are busy
+# (src/moetrain/cli/training.py `_fit_cpu_threads`; tests/test_cpu_threads.py tests that).
+os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 
 
 @pytest.fixture(autouse=True)

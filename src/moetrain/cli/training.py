@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from moetrain import layout_check, rehearse
@@ -18,6 +21,7 @@ from moetrain.parallel.rehearsal import is_rehearsal
 from moetrain.plan import device_capacity_floor, plan_gpu
 from moetrain.presets import run_name
 from moetrain.train.oom import OutOfMemory
+from moetrain.train.runtime import cpu_threads, resolve_device
 from moetrain.train.trainer import Trainer
 
 
@@ -44,6 +48,8 @@ def cmd_train(argv: list[str]) -> int:
         overrides.append("train.save_final=false")  # the rehearsal saves and loads back itself
         rehearsal = rehearse.resolve(resolve_args(args, overrides), args.rehearse, args.rank)
     cfg = resolve_args(args, overrides)
+    if rehearsal is None:
+        _fit_cpu_threads(cfg, args.quiet)
 
     trainer = Trainer(
         cfg,
@@ -67,6 +73,26 @@ def cmd_train(argv: list[str]) -> int:
         print(json.dumps(summary))
     shutdown()
     return 0
+
+
+def _fit_cpu_threads(cfg, quiet: bool) -> None:
+    """One process on the CPU with no OMP_NUM_THREADS: as many intra-op threads as cores other
+    processes leave idle (`cpu_threads`), said when fewer than torch's default."""
+    launched = ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")  # several ranks: their launcher's threads
+    if "OMP_NUM_THREADS" in os.environ or any(os.environ.get(v, "1") != "1" for v in launched):
+        return
+    if resolve_device(cfg.train.device).type != "cpu":
+        return
+    threads, cores, busy = cpu_threads()
+    if threads < torch.get_num_threads():
+        torch.set_num_threads(threads)
+        if not quiet:
+            print(
+                f"note: {threads} intra-op CPU thread{'s' * (threads > 1)}: other processes keep about {busy:.1f} of "
+                f"the {cores} cores this run may use busy, and threads beyond the idle cores wait on each other "
+                f"(OMP_NUM_THREADS=N sets the count).",
+                file=sys.stderr,
+            )
 
 
 def cmd_bench(argv: list[str]) -> int:

@@ -9,7 +9,11 @@
 
 from __future__ import annotations
 
+import math
+import os
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -45,3 +49,55 @@ def setup_runtime(cfg: RunConfig, rehearsal: Rehearsal | None = None) -> Runtime
         device = torch.device("cuda", torch.cuda.current_device())
     dims = cfg.build_dims(world, device)
     return Runtime(device, ParallelState.create(dims, device.type, rank, rehearsed=rehearsal is not None))
+
+
+def cpu_threads(sample_s: float = 0.3) -> tuple[int, int, float]:
+    """(intra-op threads for a one-process CPU run, the cores this process may use, how many of
+    those other processes kept busy over `sample_s`). The cores it may use: its CPU affinity,
+    capped by a cgroup CPU quota; the threads: those left idle, at least one, at most torch's own
+    choice. Intra-op threads beyond the idle cores wait on each other: on the 2-core machine,
+    `tiny` trained at 4,882 tokens/s with 2 threads alone, 1,709 with 2 threads beside a process
+    that kept one core busy, 3,007 with 1 thread beside it (benchmarks/probes/threads_probe.py;
+    docs/benchmarks.md, "On the CPU")."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    may_use = min(len(cores), _cgroup_cores()) if cores else torch.get_num_threads()
+    before = _idle_and_total(cores)
+    time.sleep(sample_s)
+    after = _idle_and_total(cores)
+    busy = 0.0
+    if before and after and after[1] > before[1]:
+        busy = len(cores) * (1 - (after[0] - before[0]) / (after[1] - before[1]))
+    free = max(1, min(may_use, len(cores) - round(busy)) if cores else may_use)
+    return min(free, torch.get_num_threads()), may_use, busy
+
+
+def _idle_and_total(cores: list[int]) -> tuple[int, int] | None:
+    """Idle and total jiffies of `cores` in /proc/stat (None where there is none)."""
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+    except OSError:
+        return None
+    idle = total = 0
+    for line in lines:
+        name, *fields = line.split()
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cores:
+            values = [int(v) for v in fields[:8]]
+            idle, total = idle + values[3] + values[4], total + sum(values)  # idle + iowait
+    return (idle, total) if total else None
+
+
+def _cgroup_cores() -> int:
+    """The cgroup's CPU quota in whole cores (cgroup v2 cpu.max, v1 cfs_quota_us); a large number
+    where there is none."""
+    for quota_file, period_file in (
+        ("/sys/fs/cgroup/cpu.max", None),
+        ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us"),
+    ):
+        try:
+            quota, *rest = Path(quota_file).read_text().split()
+            period = rest[0] if rest else Path(period_file).read_text().strip()
+            if quota not in ("max", "-1"):
+                return max(1, math.ceil(int(quota) / int(period)))
+        except (OSError, ValueError, IndexError, TypeError):
+            continue
+    return 1 << 16
