@@ -72,8 +72,8 @@ def _olmo_core_model(
 ) -> TransformerConfig:
     """Olmo-core 3's production architecture: head_dim 128, QK-norm, one shared expert as wide as a
     routed one, top-4 softmax with normalized weights × k, first `dense` blocks dense; its embedding
-    (× √d_model, RMSNorm) and init (every matrix at std 0.01, the anchor runner's: trained side by
-    side with Olmo-core to the same curve, docs/measurements.md "Learning side by side")."""
+    (× √d_model, RMSNorm) and init (every matrix at std 0.01, as Olmo-core's benchmark runner), with
+    which both train to the same curve (docs/measurements.md, "Learning side by side")."""
     return TransformerConfig(
         vocab_size=OLMO_CORE_VOCAB,
         d_model=d_model,
