@@ -132,22 +132,7 @@ def _ref(layers, dense, d_model, heads, kv, hidden, experts, gpus, lb=0.01):
 
 def _sweep(experts: int) -> Callable[[], RunConfig]:
     return lambda: _big_run(
-        _olmo_core_model(
-            layers=8,
-            dense=1,
-            d_model=4096,
-            heads=32,
-            kv_heads=8,
-            hidden=4096,
-            experts=experts,
-            lb=0.01,
-            peri_norm=True,  # Olmo-core's moe_8l blocks: x + norm(f(x))
-            pre_norm=False,
-        ),
-        seq_len=4096,
-        gpus=8,
-        global_batch=64,
-        lr=4e-4,
+        _moe_8l(experts, 4096, 4096, lb=0.01, z=2e-4), seq_len=4096, gpus=8, global_batch=64, lr=4e-4
     )
 
 
@@ -176,9 +161,9 @@ def _bench(model: TransformerConfig, *, micro_batch: int, accum: int = 1, lr: fl
     return make
 
 
-def _bench_8e_layout(experts: int, d_model: int, hidden: int) -> TransformerConfig:
+def _moe_8l(experts: int, d_model: int, hidden: int, lb: float = 0.015, z: float = 1e-4) -> TransformerConfig:
     """Olmo-core's moe_8l shape: 8 layers (the first dense), each sublayer's output normalized and
-    not its input (x + norm(f(x))), lb 0.015, z 1e-4."""
+    not its input (x + norm(f(x))); bench-8e's lb and z by default."""
     return _olmo_core_model(
         layers=8,
         dense=1,
@@ -187,8 +172,8 @@ def _bench_8e_layout(experts: int, d_model: int, hidden: int) -> TransformerConf
         kv_heads=d_model // 512,
         hidden=hidden,
         experts=experts,
-        lb=0.015,
-        z=1e-4,
+        lb=lb,
+        z=z,
         peri_norm=True,
         pre_norm=False,
     )
@@ -219,7 +204,7 @@ PRESETS: dict[str, Callable[[], RunConfig]] = {
     "ref-ultra-128e": _ref(63, 2, 6144, 64, 32, 8192, 128, gpus=512, lb=0.005),
     "ref-ultra-256e": _ref(63, 2, 6144, 64, 32, 8192, 256, gpus=512, lb=0.005),
     **{f"sweep-8l-{e}": _sweep(e) for e in (8, 16, 32, 64, 128)},
-    "bench-8e": _bench(_bench_8e_layout(8, 4096, 4096), micro_batch=1, lr=3e-4),
+    "bench-8e": _bench(_moe_8l(8, 4096, 4096), micro_batch=1, lr=3e-4),
     "bench-tiny64e-l6": _bench(
         _olmo_core_model(
             layers=6, dense=1, d_model=2048, heads=16, kv_heads=4, hidden=2048, experts=64, lb=0.01, peri_norm=True
@@ -234,10 +219,7 @@ PRESETS: dict[str, Callable[[], RunConfig]] = {
         micro_batch=2,
         lr=1.8e-4,
     ),
-    **{
-        f"bench-sweep-{e}": _bench(_bench_8e_layout(e, 2048, 1024), micro_batch=1, accum=8, lr=3e-4)
-        for e in (8, 16, 32, 64)
-    },
+    **{f"bench-sweep-{e}": _bench(_moe_8l(e, 2048, 1024), micro_batch=1, accum=8, lr=3e-4) for e in (8, 16, 32, 64)},
     "long-small32e-64k": _long(
         _olmo_core_model(
             layers=16, dense=1, d_model=1024, heads=8, kv_heads=2, hidden=1024, experts=32, lb=0.01, peri_norm=True
