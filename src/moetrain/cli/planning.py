@@ -18,7 +18,6 @@ from moetrain.presets import resolve_config
 from moetrain.train.config import RunConfig
 
 if TYPE_CHECKING:  # the planner loads torch: imported where the plan is made
-    from moetrain.plan import Plan
     from moetrain.plan.report import Budget
 
 GPU_KEYS: dict[str, tuple[str, float, str]] = {
@@ -277,6 +276,7 @@ def _plan_one(args: argparse.Namespace, gpus: int, cfg: RunConfig, given: list[s
         plan,
         report,
         suggest,
+        to_json,
     )
     from moetrain.plan.report import budget_line, launch_command, speed_text
 
@@ -307,7 +307,10 @@ def _plan_one(args: argparse.Namespace, gpus: int, cfg: RunConfig, given: list[s
         print(f"  -> TIGHT: within the memory model's {PEAK_ERROR:.0%} error of the {result.gpu.memory_gib:g} GiB")
     if suggestions:
         print("\n".join(layouts_text(suggestions, pasted, commands, gpus, budget)))
-    out = _plan_json(args.spec, gpus, gpu, result, suggestions, budget, given)
+    out = to_json(result, args.spec, gpus, gpu, suggestions, budget)
+    out["busiest_rank"] = result.busiest_rank
+    out["rehearse_command"] = rehearse.command(args.spec, gpus, result.busiest_rank, given)
+    out["launch"] = launch_command(args.spec, gpus, result.gpu, given)
     print(
         "measure one rank of this layout on one GPU (its compute, memory and checkpoint shard; communication "
         f"modelled):\n  {out['rehearse_command']}"
@@ -323,22 +326,6 @@ def _plan_one(args: argparse.Namespace, gpus: int, cfg: RunConfig, given: list[s
     out["fewest_gpus"] = None if more is None else more_gpus_json(more, *more_flags, budget)
     print(json.dumps(out))
     return 0
-
-
-def _plan_json(
-    spec: str, gpus: int, gpu: str, result: Plan, suggestions: list[Plan], budget: Budget, given: list[str]
-) -> dict:
-    """The JSON line of the layout as given, with its rehearsal and launch line, and of the
-    suggestions (their flags, rehearsals and launch lines are added by the caller)."""
-    from moetrain import rehearse
-    from moetrain.plan import to_json
-    from moetrain.plan.report import launch_command
-
-    out = to_json(result, spec, gpus, gpu, suggestions, budget)
-    out["busiest_rank"] = result.busiest_rank
-    out["rehearse_command"] = rehearse.command(spec, gpus, result.busiest_rank, given)
-    out["launch"] = launch_command(spec, gpus, result.gpu, given)
-    return out
 
 
 def _plan_counts(
