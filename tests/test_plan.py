@@ -507,16 +507,17 @@ def test_overlap_hides_the_all_to_all_by_the_stated_model_and_charges_its_chunks
     assert e128[0] == pytest.approx(e128[1])
 
 
-def test_the_planner_suggests_only_chunks_that_split_a_ranks_experts():
-    """sweep-8l-8 with 4 chunks configured: at ep8 a rank holds one expert, which 4 chunks cannot
-    split, so those layouts are searched with one chunk instead."""
+def test_the_planner_splits_a_ranks_tokens_where_chunks_cannot_split_its_experts():
+    """sweep-8l-8 with 4 chunks configured: at ep8 a rank holds one expert, so the 4 chunks split
+    its tokens; with deferred expert weight gradients (one product per expert and micro-batch)
+    those layouts are searched with one chunk instead."""
     from moetrain.plan import suggest
 
-    plans = suggest(resolve_config("sweep-8l-8", ["parallel.overlap_chunks=4"]), 8, "h200", limit=50)
-    chunked = [q.layout for q in plans if q.layout.overlap_chunks]
-    assert chunked, [q.layout.describe() for q in plans]
-    for layout in chunked:
-        assert layout.overlap_chunks == 1 or (8 // layout.ep) % layout.overlap_chunks == 0, layout.describe()
+    for defer, want in (("false", {4}), ("true", {1})):
+        cfg = resolve_config("sweep-8l-8", ["parallel.overlap_chunks=4", f"train.defer_expert_weight_grad={defer}"])
+        plans = suggest(cfg, 8, "h200", limit=50)
+        ep8 = {q.layout.overlap_chunks for q in plans if q.layout.ep == 8 and q.layout.dispatcher == "nosync"}
+        assert ep8 and ep8 <= want | {1} and want <= ep8, (defer, [q.layout.describe() for q in plans])
 
 
 # Training-step throughput measured with `moetrain bench --device cuda` on one H200 (docs/measurements.md,

@@ -202,6 +202,7 @@ LAYOUT_GROUPS = [
             ("dp2ep2-chunked-loss", ["parallel.ep=2", CHUNKED_LOSS]),
             ("dp2ep2-overlap2", ["parallel.ep=2", "parallel.overlap_chunks=2"]),
             ("dp2ep2-overlap2-deferred", ["parallel.ep=2", "parallel.overlap_chunks=2", DEFER]),
+            ("dp2ep2-overlap3-tokens", ["parallel.ep=2", "parallel.overlap_chunks=3"]),  # 3 ∤ 4 experts
             ("cp2", ["parallel.cp=2"]),
             ("cp2ep2-sharded", ["parallel.cp=2", "parallel.ep=2", SHARD]),
         ],

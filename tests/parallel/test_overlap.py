@@ -4,11 +4,15 @@ against the plain dispatch → experts → combine (+ shared expert) on gloo ran
 
 - n = 1 chunk, and n = 2 and n = L chunks by experts with room for every row: outputs and every
   gradient are the plain path's bit for bit, under balanced, skewed and all-to-one routing;
+- n = 3 chunks, which split no rank's experts, so they split the tokens: outputs and every
+  gradient within rounding (each expert's products over fewer rows, its weight gradient a sum of
+  n);
 - in the bounded mode, under all-to-one routing, each chunk drops exactly its own overflow;
 - the schedule: the order in which exchanges start and finish, forward and backward, around the
   experts and the shared expert, is the overlapping one the docstring promises;
 - no host synchronization, and the dispatch's peak allocation stays that of the plain path;
-- chunks that cannot split a rank's experts, or the padded mode's, are refused by the config.
+- the padded mode's chunks, and token chunks with deferred expert weight gradients, are refused
+  by the config.
 
 Legend as tests/parallel/test_nosync_capacity.py, whose routing and experts these reuse."""
 
@@ -18,6 +22,7 @@ import pytest
 import torch
 from test_nosync_capacity import (
     BOUNDED,
+    TOL,
     Allocations,
     D,
     E,
@@ -26,15 +31,22 @@ from test_nosync_capacity import (
     case_counts,
     local_experts,
     reference_keep,
+    relative_diff,
     routing_ids,
 )
 
 from moetrain.testing.distributed import run_distributed
 
+DEFER = "train.defer_expert_weight_grad=true"
+
 
 def chunk_counts(R):
     """The chunk counts by experts that split the L = E / R local experts: 2 and L."""
     return sorted({2, E // R})
+
+
+TOKEN_CHUNKS = 3
+"""A chunk count that splits no rank's experts (L = 8, 4 or 2): chunks by tokens."""
 
 
 def make_shared():
@@ -104,13 +116,15 @@ def compare(rank, R, group):
         for n in chunk_counts(R):
             got, dropped = run(dispatcher(group, n, BOUNDED, min_rows=ROOMY), x0, ids_NK, w0, g, rank, R)
             out[case][n] = {"bits": [torch.equal(a, b) for a, b in zip(got, roomy)], "dropped": dropped}
+        got, dropped = run(dispatcher(group, TOKEN_CHUNKS, BOUNDED, min_rows=ROOMY), x0, ids_NK, w0, g, rank, R)
+        out[case]["tokens"] = {"diffs": [relative_diff(a, b) for a, b in zip(got, roomy)], "dropped": dropped}
     # The bounded mode under all-to-one routing drops each chunk's overflow, by the rule.
     ids_NK, x0, w0, g = inputs("all_to_one", rank, R, C, W)
     ids_by_rank = [None] * R
     import torch.distributed as dist
 
     dist.all_gather_object(ids_by_rank, ids_NK)
-    for n in chunk_counts(R):
+    for n in (*chunk_counts(R), TOKEN_CHUNKS):
         got, dropped = run(dispatcher(group, n, BOUNDED), x0, ids_NK, w0, g, rank, R)
         out[f"bounded_all_to_one_{n}"] = {
             "dropped": dropped,
@@ -122,14 +136,18 @@ def compare(rank, R, group):
 
 def expected_drops(ids_by_rank, rank, R, n):
     """What `rank` drops with n chunks: test_nosync_capacity.reference_keep's rule per chunk
-    (chunk i: every token's copies for local experts [i·L/n, (i+1)·L/n), 1/n of the capacity and
-    spill rows). A chunk's assignments go to the rule one per row, in token order."""
+    (chunk i: every token's copies for local experts [i·L/n, (i+1)·L/n) where n divides L, else
+    those of tokens [i·N/n, (i+1)·N/n); 1/n of the capacity and spill rows). A chunk's assignments
+    go to the rule one per row, in token order."""
     from moetrain.parallel.nosync_dispatcher import block_rows, capacity_rows
 
     L, M = E // R, N * K
-    G = L // n
     C, W = capacity_rows(M, R, BOUNDED / n), block_rows(M, R, BOUNDED / n, 0.125 / n)
-    chunks = [[ids.flatten()[(ids.flatten() % L) // G == i] for ids in ids_by_rank] for i in range(n)]
+    if L % n == 0:
+        chunk_of = [(ids.flatten() % L) // (L // n) for ids in ids_by_rank]
+    else:
+        chunk_of = [torch.arange(M) // K * n // N for _ in ids_by_rank]
+    chunks = [[ids.flatten()[c == i] for ids, c in zip(ids_by_rank, chunk_of)] for i in range(n)]
     return sum(int((~reference_keep([e.view(-1, 1) for e in by_rank], R, C, W)[rank]).sum()) for by_rank in chunks)
 
 
@@ -223,7 +241,7 @@ def no_sync_and_memory(rank, R, group):
             p.normal_(0, 0.1)
     ids_NK = routing_ids([N * K // R] * R, rank)
     peaks = {}
-    for chunks in (0, *chunk_counts(R)):
+    for chunks in (0, *chunk_counts(R), TOKEN_CHUNKS):
         disp = dispatcher(group, chunks, BOUNDED)
         x = torch.randn(N, 256, requires_grad=True)
         w = torch.rand(N, K, requires_grad=True)
@@ -284,10 +302,21 @@ def test_chunks_by_experts_are_the_plain_exchange_bit_for_bit(world_results):
                 assert all(got["bits"]) and got["dropped"] == 0, (rank, case, n, got)
 
 
+def test_chunks_by_tokens_are_the_plain_exchange_within_rounding(world_results):
+    """3 chunks split the tokens: outputs and every gradient within rounding (each expert's
+    products over a third of the rows, its weight gradient a sum of three), nothing dropped with
+    room for every row."""
+    _, results = world_results
+    for rank, r in enumerate(results):
+        for case in ("balanced", "skewed", "all_to_one"):
+            got = r["compare"][case]["tokens"]
+            assert max(got["diffs"]) < TOL and got["dropped"] == 0, (rank, case, got)
+
+
 def test_all_to_one_drops_each_chunks_overflow(world_results):
     world, results = world_results
     for rank, r in enumerate(results):
-        for n in chunk_counts(world):
+        for n in (*chunk_counts(world), TOKEN_CHUNKS):
             got = r["compare"][f"bounded_all_to_one_{n}"]
             assert got["dropped"] == got["want"] > 0 and got["finite"], (world, rank, n, got)
 
@@ -325,7 +354,7 @@ def test_no_host_sync_and_the_plain_exchanges_memory(world_results):
     world, results = world_results
     for rank, r in enumerate(results):
         peaks, buffer = r["memory"], r["memory"]["buffer"]
-        for chunks in chunk_counts(world):
+        for chunks in (*chunk_counts(world), TOKEN_CHUNKS):
             assert peaks[f"saved {chunks}"] <= 1.05 * peaks["saved 0"], (rank, chunks, peaks)
             assert peaks[chunks] <= peaks[0] + 2 * buffer, (rank, chunks, peaks)
 
@@ -333,20 +362,23 @@ def test_no_host_sync_and_the_plain_exchanges_memory(world_results):
 @pytest.mark.parametrize(
     "flags, needs",
     [
-        (["parallel.ep=2", "parallel.overlap_chunks=3"], "must divide the 4 experts each rank holds"),
-        (["parallel.ep=8", "parallel.overlap_chunks=2"], "use parallel.overlap_chunks=1"),
+        (["parallel.ep=2", "parallel.overlap_chunks=3", DEFER], "one of 2, 4"),
+        (["parallel.ep=8", "parallel.overlap_chunks=2", DEFER], "train.defer_expert_weight_grad=false"),
         (["parallel.ep=2", "parallel.overlap_chunks=2", "parallel.capacity_factor=null"], "bounded capacity"),
     ],
 )
-def test_chunks_that_cannot_split_the_experts_are_refused(flags, needs):
-    """tiny's 8 experts: 3 chunks cannot split 4 local experts, 2 cannot split 1, and the padded
-    mode has no capacity to split; one chunk always can."""
+def test_unsplittable_chunks_are_refused(flags, needs):
+    """tiny's 8 experts: 3 chunks split the tokens of 4 local experts, 2 those of 1, which
+    deferred expert weight gradients cannot follow; the padded mode has no capacity to split;
+    one chunk always can, and token chunks can without deferral."""
     from moetrain.errors import ConfigError
     from moetrain.presets import resolve_config
 
     with pytest.raises(ConfigError, match=needs):
         resolve_config("tiny", flags)
     resolve_config("tiny", [f for f in flags if "overlap_chunks" not in f] + ["parallel.overlap_chunks=1"])
+    if DEFER in flags:
+        resolve_config("tiny", [f for f in flags if f != DEFER])
 
 
 # --- a training run with the overlapped exchange inside compiled blocks ------------------------------

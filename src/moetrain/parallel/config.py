@@ -147,32 +147,32 @@ class ParallelConfig(Config):
     overlap_chunks: int = non_negative(0, at_most=64)
     """nosync only: 0 = each MoE layer's all-to-alls wait for their data and are waited for (the
     step pays them in full); n ≥ 1 = they run asynchronously beside compute, the layer's exchange
-    split by experts into n (src/moetrain/parallel/overlapped_dispatcher.py): chunk i + 1 travels
-    while chunk i's experts compute, and chunk 1 while the shared expert does; backward mirrors
-    it. n must divide each rank's experts (model.moe.num_experts / ep) and, for n > 1, capacity
-    be bounded; the results are the unsplit exchange's bit for bit (1/n of the capacity per
-    chunk, so under skew a chunk may drop what the whole would keep)."""
+    split into n (src/moetrain/parallel/overlapped_dispatcher.py): chunk i + 1 travels while chunk
+    i's experts compute, and chunk 1 while the shared expert does; backward mirrors it. The
+    chunks split each rank's experts (model.moe.num_experts / ep) where n divides them, else its
+    tokens; n > 1 needs a bounded capacity and 1/n of it goes to each chunk, so under skew a
+    chunk may drop what the whole would keep."""
 
-    def overlap_problem(self, num_experts: int) -> str | None:
+    def overlap_problem(self, num_experts: int, defer_expert_weight_grad: bool = False) -> str | None:
         """Why overlap_chunks cannot split the exchange of `num_experts` experts over ep ranks
         (None: it can, or there is no exchange)."""
         n = self.overlap_chunks
         if n <= 1 or self.ep <= 1 or self.dispatcher != DispatcherKind.nosync:
             return None
-        local = num_experts // self.ep
-        if local % n:
-            fits = [d for d in range(2, local + 1) if local % d == 0]
-            return (
-                f"parallel.overlap_chunks={n} splits each MoE layer's exchange by experts, so it must divide "
-                f"the {local} experts each rank holds (model.moe.num_experts={num_experts} / parallel.ep={self.ep}): "
-                f"use parallel.overlap_chunks=1 (one exchange beside the shared expert)"
-                + (f" or one of {', '.join(map(str, fits))}." if fits else ".")
-            )
         if self.capacity_factor is None:
             return (
                 f"parallel.overlap_chunks={n} needs a bounded capacity: the padded mode "
                 "(parallel.capacity_factor=null) would need n × its buffers. Set parallel.capacity_factor "
                 f"(default {DEFAULT_CAPACITY_FACTOR}), or parallel.overlap_chunks=1."
+            )
+        local = num_experts // self.ep
+        if local % n and defer_expert_weight_grad:
+            fits = [d for d in range(2, local + 1) if local % d == 0]
+            return (
+                f"parallel.overlap_chunks={n} does not divide the {local} experts each rank holds, so it "
+                "splits the tokens, and each expert runs once per chunk; train.defer_expert_weight_grad "
+                "keeps one product per expert and micro-batch: set train.defer_expert_weight_grad=false, "
+                "or parallel.overlap_chunks=1" + (f" or one of {', '.join(map(str, fits))}." if fits else ".")
             )
         return None
 

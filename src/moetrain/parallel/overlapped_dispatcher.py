@@ -2,19 +2,25 @@
 all-to-alls run beside compute instead of before and after it.
 
 Legend as src/moetrain/parallel/nosync_dispatcher.py: N tokens on this rank, K top-k, M = N·K
-assignments, D model dim, R ep ranks, L experts on this rank, G = L / n experts per chunk,
+assignments, D model dim, R ep ranks, L experts on this rank, G = L / n experts per chunk (by experts),
 C and W a chunk's capacity and block rows.
 
 `OverlappedDispatcher` is a `NoSyncDispatcher` whose `expert_step` (dispatch → experts → combine
 + the shared expert, which the MoE layer asks every dispatcher for) is split into n exchanges,
-all routed before any row moves. Chunk i carries every token's copies for each rank's local
-experts [i·G, (i+1)·G), with 1/n of the capacity and spill rows, so each expert runs once, on
-all its rows: its weight gradient is one GEMM (`GroupGrads` puts the groups' slices together),
-every row and every sum is computed as in the unsplit exchange, and the results are its results
-bit for bit on CPU (within 5e-8 on an H200, from the atomics-free kernels' different tiling).
-n must divide L and capacity be bounded (RunConfig.validate): the padded mode's chunks would
-need n × its buffers. With n = 1 the one exchange overlaps the shared expert. Capacity is per
-chunk, so under skew a chunk may drop what the whole would keep.
+all routed before any row moves, each with 1/n of the capacity and spill rows (bounded capacity
+only, RunConfig.validate: the padded mode's chunks would need n × its buffers). With n = 1 the
+one exchange overlaps the shared expert. Capacity is per chunk, so under skew a chunk may drop
+what the whole would keep. The chunks split
+
+- by experts where n divides L: chunk i carries every token's copies for each rank's local
+  experts [i·G, (i+1)·G), so each expert runs once, on all its rows: its weight gradient is one
+  GEMM (`GroupGrads` puts the groups' slices together), every row and every sum is computed as
+  in the unsplit exchange, and the results are its results bit for bit on CPU (within 5e-8 on an
+  H200, from the atomics-free kernels' different tiling);
+- else by tokens (a rank with one expert, say): chunk i carries the copies of tokens
+  [i·N/n, (i+1)·N/n) for every local expert, so each expert runs n times on 1/n of its rows and
+  autograd sums its n weight gradients: the unsplit exchange's results within rounding (products
+  over fewer rows, a weight gradient summed from n).
 
 Forward, on the communication stream: the counts (one all-gather), the keys (one all-to-all),
 chunk 1's rows … chunk n's, then each chunk's way back as soon as its experts are done. The
@@ -81,7 +87,7 @@ class OverlappedDispatcher(NoSyncDispatcher):
     ):
         super().__init__(num_experts, ep_group, dp_group, capacity_factor, spill_factor, min_rows)
         # RunConfig.validate
-        assert chunks == 1 or (self.num_local_experts % chunks == 0 and capacity_factor is not None), chunks
+        assert chunks == 1 or capacity_factor is not None, chunks
         self.chunks = chunks
         """parallel.overlap_chunks."""
 
@@ -118,13 +124,17 @@ class OverlappedDispatcher(NoSyncDispatcher):
             dests, groups = [dest_M], [None]
             Cs, Ws = [self.capacity(num_tokens, top_k)], [self.block_rows(num_tokens, top_k)]
         else:
-            G, M = L // n, num_tokens * top_k
-            chunk_M = topk_ids_NK.flatten().remainder(L) // G
-            members = [chunk_M == i for i in range(n)]
-            dests = [torch.where(m, dest_M, R) for m in members]  # R: not in this chunk
+            M = num_tokens * top_k
+            if L % n == 0:  # by experts: chunk i, local experts [i·G, (i+1)·G)
+                G = L // n
+                chunk_M = topk_ids_NK.flatten().remainder(L) // G
+                groups = [(chunk_M == i, i * G, G) for i in range(n)]
+            else:  # by tokens: chunk i, tokens [i·N/n, (i+1)·N/n), every local expert
+                chunk_M = torch.arange(M, device=dest_M.device) // top_k * n // num_tokens
+                groups = [(chunk_M == i, 0, L) for i in range(n)]
+            dests = [torch.where(g[0], dest_M, R) for g in groups]  # R: not in this chunk
             Cs = [capacity_rows(M, R, self.capacity_factor / n, self.min_rows / n)] * n
             Ws = [block_rows(M, R, self.capacity_factor / n, self.spill_factor / n, self.min_rows / n)] * n
-            groups = [(members[i], i * G, G) for i in range(n)]
         counts_nR = torch.stack(
             [
                 torch.zeros(R + 1, dtype=torch.int64, device=dest_M.device).scatter_add_(0, d, torch.ones_like(d))
@@ -158,7 +168,7 @@ class OverlappedDispatcher(NoSyncDispatcher):
         `combine` does, not one per chunk."""
         R, n = self.ep, self.chunks
         M = plans[0].state.slot_NK.numel()
-        weight_grads = GroupGrads(n) if n > 1 else None
+        weight_grads = GroupGrads(n) if n > 1 and self.num_local_experts % n == 0 else None
         back = [Exchange(self.ep_group) for _ in range(n)]
         returned, joined, row = [], None, 0
         for i in range(n):
@@ -166,7 +176,7 @@ class OverlappedDispatcher(NoSyncDispatcher):
             x_local_CD, offsets, state = self._receive(
                 there[i].finish(sent[i]), keys_recv[i], plans[i], Cs[i], M, None if group is None else group[2]
             )
-            if group is None:
+            if group is None or group[2] == self.num_local_experts:  # every local expert: autograd sums
                 y_local_CD = experts(x_local_CD, offsets)
             else:
                 lo, hi = group[1], group[1] + group[2]

@@ -70,7 +70,7 @@ def with_layout(
             recompute_every=1,
         ),
     )
-    if out.parallel.overlap_problem(cfg.model.moe.num_experts):
+    if out.parallel.overlap_problem(cfg.model.moe.num_experts, cfg.train.defer_expert_weight_grad):
         return None
     return out
 

@@ -294,7 +294,7 @@ class RunConfig(Config):
                 f"parallel.ep={p.ep} does not divide model.moe.num_experts={m.moe.num_experts}: every "
                 "rank of an expert-parallel group must hold the same number of experts."
             )
-        if has_moe and (problem := p.overlap_problem(m.moe.num_experts)):
+        if has_moe and (problem := p.overlap_problem(m.moe.num_experts, tc.defer_expert_weight_grad)):
             raise ConfigError(problem)
         if p.pp > 1 or p.stages_per_rank > 1:
             stages = p.pp * p.stages_per_rank
