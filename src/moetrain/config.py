@@ -18,12 +18,13 @@ import enum
 import functools
 import inspect
 import math
+import sys
 import textwrap
 import types
 import typing
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, ClassVar, Self
 
 import yaml
 
@@ -40,6 +41,10 @@ def _field_types(cls: type) -> dict[str, Any]:
 @dataclasses.dataclass(kw_only=True)
 class Config:
     """Base class of every config dataclass."""
+
+    renamed: ClassVar[dict[str, str]] = {}
+    """Keys read under an earlier dotted name (old → new, both relative to this config): `from_dict`,
+    `apply_overrides` and `load_yaml` read the old one as the new one (`rename_keys`)."""
 
     def validate(self) -> None:
         """Cross-field checks; raise `ConfigError` naming the field. Default: nothing."""
@@ -61,6 +66,7 @@ class Config:
             raise ConfigError(
                 f"'{prefix or '<root>'}' must be a mapping of keys to values, got {type(data).__name__} {_short(data)}."
             )
+        data = rename_keys(data, cls.renamed, prefix)
         hints = typing.get_type_hints(cls)
         fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
         kwargs = {}
@@ -323,16 +329,78 @@ def validate_tree(cfg: Config, prefix: str = "") -> None:
 
 def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
     """Apply `key.sub=value` strings (values parsed as YAML scalars/lists) and return a new tree."""
-    data = cfg.to_dict()
+    data, given = cfg.to_dict(), {}
     for item in overrides:
         item = item.removeprefix("--")
         if "=" not in item:
             raise ConfigError(
                 f"Override '{item}' has no value: write it as --{item}=VALUE (for example --optim.lr=3e-4)."
             )
-        dotted, raw = item.split("=", 1)
-        _set_dotted(data, dotted, _override_value(raw, _leaf_type(type(cfg), dotted)), type(cfg))
+        written, raw = item.split("=", 1)
+        dotted = renamed_key(type(cfg).renamed, written)
+        value = _override_value(raw, _leaf_type(type(cfg), dotted))
+        earlier, earlier_value = given.get(dotted, (written, value))
+        if earlier != written and earlier_value != value:
+            old, new = (written, earlier) if earlier == dotted else (earlier, written)
+            values = (value, earlier_value) if earlier == dotted else (earlier_value, value)
+            _refuse_both(old, new, *values)
+        given[dotted] = (written, value)
+        _set_dotted(data, dotted, value, type(cfg))
     return type(cfg).from_dict(data)
+
+
+_NOTED: set[str] = set()
+"""The old keys read so far in this process (each is noted once)."""
+
+
+def renamed_key(renamed: dict[str, str], dotted: str, prefix: str = "") -> str:
+    """The key `dotted` names now: its new name when `renamed` maps it (noted on stderr once a
+    process), else itself. `prefix` is where `renamed` applies, for the note."""
+    new = renamed.get(dotted)
+    if new is None:
+        return dotted
+    if prefix + dotted not in _NOTED:
+        _NOTED.add(prefix + dotted)
+        print(f"note: {prefix}{dotted} is now {prefix}{new}; read as that.", file=sys.stderr)
+    return new
+
+
+def rename_keys(data: Any, renamed: dict[str, str], prefix: str = "") -> Any:
+    """The mapping `data` with each old key of `renamed` (dotted) moved to its new one
+    (`renamed_key`); an old key given beside its new one with another value is a `ConfigError`
+    naming both. Anything else is returned as it is."""
+    if not isinstance(data, dict) or not renamed:
+        return data
+    out = _copy_mappings(data)
+    for old in renamed:
+        *path, leaf = old.split(".")
+        section = functools.reduce(lambda node, key: node.get(key) if isinstance(node, dict) else None, path, out)
+        if not isinstance(section, dict) or leaf not in section:
+            continue
+        value = section.pop(leaf)
+        *new_path, new_leaf = renamed_key(renamed, old, prefix).split(".")
+        target = out
+        for key in new_path:
+            if isinstance(target, dict) and target.get(key) is None:
+                target[key] = {}
+            target = target[key] if isinstance(target, dict) else target
+        if not isinstance(target, dict):  # the new section is a value: from_dict says so
+            continue
+        if new_leaf in target and target[new_leaf] != value:
+            _refuse_both(prefix + old, prefix + renamed[old], value, target[new_leaf])
+        target[new_leaf] = value
+    return out
+
+
+def _copy_mappings(data: Any) -> Any:
+    return {k: _copy_mappings(v) for k, v in data.items()} if isinstance(data, dict) else data
+
+
+def _refuse_both(old: str, new: str, old_value: Any, new_value: Any) -> None:
+    raise ConfigError(
+        f"Both {old}={_shown(old_value)} and {new}={_shown(new_value)} are given: {old} is the earlier name of "
+        f"{new}, so they set one key twice. Keep {new} alone."
+    )
 
 
 def _override_value(raw: str, tp: Any) -> Any:
@@ -397,7 +465,8 @@ def load_yaml(path: str | Path, schema: type[Config] | None = None) -> dict[str,
     list), a key given twice (both lines), a value YAML cannot build (a timestamp whose month is 13),
     nesting too deep or too many values. With the config class `schema`, an unquoted value of a
     name or path key is its text as written (`run_dir: 0123` is '0123', not YAML's octal 83;
-    a run_dir written as year-month-day stays text, not a date)."""
+    a run_dir written as year-month-day stays text, not a date), and its earlier key names are
+    read as the new ones (`Config.renamed`)."""
     path = Path(path)
     if not path.exists():
         where = "" if path.is_absolute() else f" (a relative path is read from the current directory, {Path.cwd()})"
@@ -429,7 +498,7 @@ def load_yaml(path: str | Path, schema: type[Config] | None = None) -> dict[str,
                 f"'train:'), not {_node_kind(node)}."
             )
         _check_nodes(node, path, loader, schema)
-        data = loader.construct_document(node)
+        data = rename_keys(loader.construct_document(node), schema.renamed if schema else {})
     except yaml.YAMLError as e:
         where = ""
         mark = getattr(e, "problem_mark", None)
@@ -478,7 +547,8 @@ def _check_nodes(root: yaml.MappingNode, path: Path, loader: yaml.SafeLoader, sc
         seen.add(id(node))
         if isinstance(node, yaml.ScalarNode):
             plain_text = node.style is None and node.tag not in (_STR_TAG, "tag:yaml.org,2002:null")
-            if plain_text and schema is not None and _text_kind(_leaf_type(schema, dotted.split("[")[0])):
+            at = dotted.split("[")[0]
+            if plain_text and schema is not None and _text_kind(_leaf_type(schema, schema.renamed.get(at, at))):
                 node.tag = _STR_TAG
             try:
                 loader.construct_object(node)
