@@ -805,8 +805,9 @@ def test_an_over_large_micro_batch_stops_with_one_paragraph_naming_the_plans_lay
 def test_nosync_exchanges_run_through_nccl():
     """The sync-free dispatcher on this GPU's torch and NCCL (a 1-rank group: the exchanges are
     copies, but every collective, stream wait and kernel is the real one): with capacity 0.5 and
-    spill 0.25 the spill rows' counts all-gather runs; the overlapped exchange (1 chunk, and 2 by
-    experts) gives the plain path's outputs and gradients, within the kernels' rounding."""
+    spill 0.25 the spill rows' counts all-gather runs; the overlapped exchange (1 chunk, 2 by
+    experts, 3 by tokens) gives the plain path's outputs and gradients, within the kernels'
+    rounding."""
     import gc
     import os
 
@@ -857,7 +858,7 @@ def test_nosync_exchanges_run_through_nccl():
         assert 0 < int(dropped) < N * K
         assert all(torch.isfinite(t).all() for t in capped)
         plain, _ = run(1.25, 0.125, 0)
-        for chunks in (1, 2):  # 2 chunks by experts (2 divide 8)
+        for chunks in (1, 2, 3):  # 2 chunks by experts (2 divide 8), 3 by tokens
             got, _ = run(1.25, 0.125, chunks)
             for a, b in zip(got, plain):
                 assert (a - b).abs().max() <= 1e-2 * b.abs().max(), (chunks, (a - b).abs().max())
