@@ -71,9 +71,9 @@ def tiny_overrides(data_dir, run_dir, *extra: str) -> list[str]:
         "train.log_every=1",
         "train.eval_every=6",
         "train.eval_tokens=512",  # 8 sequences of 64
-        "train.save_every=6",
-        "train.tensorboard=false",
-        "train.plot=false",
+        "checkpoint.save_every=6",
+        "logging.tensorboard=false",
+        "logging.plot=false",
         "schedule.warmup_steps=3",
         *extra,
     ]

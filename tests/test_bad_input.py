@@ -126,7 +126,8 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(real_text_dir, tmp
 
     run = tmp_path / "run"
     trainer = Trainer(
-        resolve_config("tiny", tiny_overrides(real_text_dir, run, "train.steps=4", "train.save_every=2")), quiet=True
+        resolve_config("tiny", tiny_overrides(real_text_dir, run, "train.steps=4", "checkpoint.save_every=2")),
+        quiet=True,
     )
     for _ in range(2):
         trainer.train_step()

@@ -102,7 +102,7 @@ def test_train_eval_generate_end_to_end(real_text_dir, tmp_path, capsys):
         "--train.global_batch_size=4",
         "--train.micro_batch_size=4",
         "--train.eval_tokens=256",
-        "--train.tensorboard=false",
+        "--logging.tensorboard=false",
         f"--data.sources=[{real_text_dir}]",
     ]
     out = run(
@@ -169,7 +169,7 @@ def test_bench_prints_one_json_line_per_routing_mode(capsys, tmp_path):
 
 
 def test_bench_says_what_train_cuda_graphs_auto_chose_and_why(capsys, tmp_path):
-    assert bench(tmp_path, "--warmup", "1", "--steps", "1", "--routing", "learned", "--train.cuda_graphs=auto") == 0
+    assert bench(tmp_path, "--warmup", "1", "--steps", "1", "--routing", "learned", "--compute.cuda_graphs=auto") == 0
     (record,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert record["cuda_graphs"] == "off" and "on cpu" in record["cuda_graphs_why"]
 
@@ -233,10 +233,12 @@ def test_bench_optimizer_step_with_forward_backward_only_is_refused(capsys, tmp_
 
 
 def test_bench_profiles_after_the_timed_window(capsys, tmp_path):
-    """--train.profile=true: a profiler window per routing mode in RUN_DIR/profile-ROUTING,
+    """--logging.profile=true: a profiler window per routing mode in RUN_DIR/profile-ROUTING,
     named in the JSON line (on CUDA also a memory snapshot: tests/gpu/test_cuda.py)."""
     assert (
-        bench(tmp_path, *"--warmup 1 --steps 1 --routing learned --train.profile=true --train.profile_steps=1".split())
+        bench(
+            tmp_path, *"--warmup 1 --steps 1 --routing learned --logging.profile=true --logging.profile_steps=1".split()
+        )
         == 0
     )
     (record,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
@@ -296,7 +298,7 @@ def test_config_help_marks_the_experimental_switches(capsys):
         main(["config", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     for key, words in (
-        ("train.fp8", "mxfp8, experimental"),
+        ("precision.fp8", "mxfp8, experimental"),
         ("parallel.compile_overlap", "Experimental."),
     ):
         entry = text.split(f"{key} ", 1)[1].split(" = ", 1)[1][:400]
@@ -312,9 +314,9 @@ def test_moetrain_eval_reads_jsonl_and_the_prepared_tokens_a_run_trained_on(real
 
     run_dir = tmp_path / "run"
     flags = ["--model.vocab_size=512", "--model.d_model=64", "--data.seq_len=64", "--train.eval_tokens=4096"]
-    flags += ["--train.global_batch_size=4", "--train.micro_batch_size=4", "--train.tensorboard=false"]
+    flags += ["--train.global_batch_size=4", "--train.micro_batch_size=4", "--logging.tensorboard=false"]
     assert main(["train", "tiny", "--steps", "4", "--run-dir", str(run_dir), f"--data.sources=[{real_text_dir}]",
-                 *flags, "--quiet", "--train.plot=false"]) == 0  # fmt: skip
+                 *flags, "--quiet", "--logging.plot=false"]) == 0  # fmt: skip
     capsys.readouterr()
     docs = ["To be, or not to be, that is the question.", "Now is the winter of our discontent."]
     files = []

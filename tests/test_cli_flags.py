@@ -79,6 +79,7 @@ def test_a_run_dir_that_looks_like_yaml_is_the_directory_named(real_text_dir, tm
         ["params", "ref-ultra-256e"],
         ["config", "--help"],
         ["config", "tiny", "--model.n_layers=2"],
+        ["config", "tiny", "--train.fp8=rowwise", "--compute.compile=true"],
         ["plan", "--help"],
         ["plan", "tiny", "--gpus", "two"],
         ["plan", "tiny", "--gpus", "2", "--model.n_layer=2"],

@@ -40,7 +40,7 @@ def test_yaml_can_start_from_a_preset(tmp_path):
         ("optim.lr=fast", ["optim.lr", "number", "fast"]),
         ("train.steps=1.5", ["train.steps", "integer"]),
         ("model.moe.routing=smart", ["model.moe.routing", "learned", "random"]),
-        ("train.compile=maybe", ["train.compile", "true or false"]),
+        ("compute.compile=maybe", ["compute.compile", "true or false"]),
         ("optim.lr", ["has no value"]),
         ("optim.lr.x=1", ["optim.lr", "not a section"]),
     ],
@@ -133,8 +133,8 @@ NAMES = ["run #1", "0123", "2026-12-06", "a: b", "[x]", "yes", "1e3", "~x", "nul
 
 @pytest.mark.parametrize("name", NAMES)
 def test_a_name_or_path_is_the_text_given_whatever_yaml_would_read(name, tmp_path):
-    cfg = resolve_config("tiny", [f"train.run_dir={name}", f"train.wandb_name={name}", f"data.sources={name}"])
-    assert cfg.train.run_dir == cfg.train.wandb_name == name
+    cfg = resolve_config("tiny", [f"train.run_dir={name}", f"logging.wandb_name={name}", f"data.sources={name}"])
+    assert cfg.train.run_dir == cfg.logging.wandb_name == name
     assert cfg.data.sources == ([name] if name[0] != "[" else ["x"])  # [x]: a list key's own syntax
     plain = name if name[0] not in "[~" and ": " not in name and "#" not in name else None
     if plain is not None:  # the same words unquoted in a config file
@@ -158,7 +158,7 @@ def test_a_number_on_the_command_line_is_read_as_written():
     assert (cfg.train.seed, cfg.train.steps, cfg.optim.lr) == (123, 1000, 1e-3)
 
 
-@pytest.mark.parametrize("key", ["train.run_dir", "train.init_from", "data.val"])
+@pytest.mark.parametrize("key", ["train.run_dir", "checkpoint.init_from", "data.val"])
 def test_an_empty_name_is_refused_naming_the_key(key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         resolve_config("tiny", [f"{key}="])

@@ -36,18 +36,18 @@ ACCEPTED: dict[str, tuple[str, ...]] = {
     "schedule.warmup_steps": ("0",),
     "schedule.min_lr_ratio": ("0",),
     "train.eval_every": ("0",),
-    "train.save_every": ("0",),
-    "train.keep_last": ("0",),
-    "train.loss_chunk_tokens": ("0",),
-    "train.max_consecutive_skips": ("0",),
-    "train.profile_wait": ("0",),
+    "checkpoint.save_every": ("0",),
+    "checkpoint.keep_last": ("0",),
+    "compute.loss_chunk_tokens": ("0",),
+    "guard.max_consecutive_skips": ("0",),
+    "logging.profile_wait": ("0",),
     "parallel.spill_factor": ("0",),
     "parallel.capacity_min_rows": ("0",),  # no floor
     "parallel.overlap_chunks": ("0",),  # off: the plain exchange
-    "train.skip_spike_sigma": ("0", *HUGE),
+    "guard.skip_spike_sigma": ("0", *HUGE),
     "train.seed": ("0", str(10**18)),
     # Huge but finite coefficients are numerically absurd, not dangerous: nothing is sized by
-    # them, and a run they blow up stops on its non-finite updates (train.max_consecutive_skips).
+    # them, and a run they blow up stops on its non-finite updates (guard.max_consecutive_skips).
     "model.norm_eps": HUGE,
     "model.rope_theta": HUGE,
     "model.init_std": HUGE,

@@ -132,9 +132,9 @@ def test_train_refuses_a_disk_without_room_for_a_checkpoint(capsys, real_text_di
     small_disk(1 << 20)
     run = tmp_path / "run"
     err = fails(capsys, train_args(real_text_dir, run), run, "1.0 MiB free", "a checkpoint of this run", "× 12 bytes")
-    assert "--train.save_every=0" in err and not run.exists()
+    assert "--checkpoint.save_every=0" in err and not run.exists()
     # Without checkpoints there is nothing to estimate: the run goes ahead.
-    assert main(train_args(real_text_dir, run, "train.save_every=0", "train.save_final=false")) == 0
+    assert main(train_args(real_text_dir, run, "checkpoint.save_every=0", "checkpoint.save_final=false")) == 0
 
 
 def test_the_checkpoint_estimate_is_what_a_checkpoint_takes(trained):

@@ -172,11 +172,11 @@ def test_import_round_trips_exactly_and_training_continues_from_it(trained, real
         [
             f"data.sources=[{real_text_dir}]",
             f"train.run_dir={tmp_path / 'continued'}",
-            f"train.init_from={imported}",
+            f"checkpoint.init_from={imported}",
             "train.steps=2",
             "train.eval_every=0",
-            "train.tensorboard=false",
-            "train.plot=false",
+            "logging.tensorboard=false",
+            "logging.plot=false",
             "train.device=cpu",
         ],
     )

@@ -205,7 +205,9 @@ def train_and_export(data_dir, run_dir, out_dir):
     from moetrain.hf import export_hf
     from moetrain.train.trainer import Trainer
 
-    overrides = tiny_overrides(data_dir, run_dir, "train.steps=3", "train.eval_every=0", "train.save_every=3", *GLM)
+    overrides = tiny_overrides(
+        data_dir, run_dir, "train.steps=3", "train.eval_every=0", "checkpoint.save_every=3", *GLM
+    )
     cfg = resolve_config("tiny", [*overrides, "parallel.stack=fsdp", "train.device=cpu"])
     Trainer(cfg, quiet=True).fit()
     dist.barrier()

@@ -59,7 +59,7 @@ def test_viz_extra_missing_tensorboard_is_a_note(monkeypatch, tmp_path, capsys):
 
     assert TensorBoardSink.open(tmp_path) is None
     err = capsys.readouterr().err
-    assert "pip install 'moetrain[viz]'" in err and "train.tensorboard=false" in err
+    assert "pip install 'moetrain[viz]'" in err and "logging.tensorboard=false" in err
 
 
 def test_wandb_extra_missing(monkeypatch, tmp_path, capsys):
@@ -68,7 +68,7 @@ def test_wandb_extra_missing(monkeypatch, tmp_path, capsys):
 
     with pytest.raises(ConfigError) as e:
         require_wandb()
-    assert "pip install 'moetrain[wandb]'" in str(e.value) and "train.wandb=false" in str(e.value)
+    assert "pip install 'moetrain[wandb]'" in str(e.value) and "logging.wandb=false" in str(e.value)
 
 
 def test_require_names_the_purpose_and_every_optional_package_has_an_extra(monkeypatch):

@@ -173,5 +173,5 @@ def test_a100s_are_planned_without_fp8(capsys):
     h100 = plan(resolve_config("bench-small32e", ["train.micro_batch_size=8", "train.global_batch_size=8"]), 8, "h100")
     assert p.gpu.name == "A100 SXM" and p.step_time_s > h100.step_time_s  # a third of the FLOP/s
     assert plan_gpu("NVIDIA A100-SXM4-80GB", 85_899_345_920) == "a100" and not GPUS["a100"].fp8
-    assert main(["plan", "bench-small32e", "--gpus", "8", "--gpu", "a100", "--train.fp8=rowwise"]) == 2
+    assert main(["plan", "bench-small32e", "--gpus", "8", "--gpu", "a100", "--precision.fp8=rowwise"]) == 2
     assert "needs FP8 tensor cores, which A100 SXM lacks" in capsys.readouterr().err

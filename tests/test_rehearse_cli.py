@@ -19,7 +19,18 @@ from moetrain.presets import resolve_config
 from moetrain.rehearse import NOT_MEASURED
 
 SMALL = ["--model.d_model=64", "--model.vocab_size=512", "--data.seq_len=32"]
-BENCH = ["--device", "cpu", "--routing", "learned", "--warmup", "1", "--steps", "1", "--train.profile_steps=1", *SMALL]
+BENCH = [
+    "--device",
+    "cpu",
+    "--routing",
+    "learned",
+    "--warmup",
+    "1",
+    "--steps",
+    "1",
+    "--logging.profile_steps=1",
+    *SMALL,
+]
 MUON_STEP = ["--parallel.shard_optimizer=true", "--optim.name=muon", "--also-optimizer-step"]
 PP2 = ["--parallel.pp=2", "--train.micro_batch_size=12"]  # two micro-batches per step: pp=2 needs ≥ 2
 
@@ -62,8 +73,8 @@ def runs(tmp_path_factory, real_text_dir):
         "--train.global_batch_size=8",
         "--train.micro_batch_size=8",
         "--train.eval_tokens=256",
-        "--train.tensorboard=false",
-        "--train.plot=false",
+        "--logging.tensorboard=false",
+        "--logging.plot=false",
         f"--data.sources=[{real_text_dir}]",
     ]
     ep2 = ["--rehearse", "4", "--parallel.ep=2"]

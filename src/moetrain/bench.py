@@ -6,15 +6,15 @@ steps (device synchronized at both ends of the window; tokens/s = tokens per ste
 seconds), then one more step with CUDA's sync debug mode on ("warn"), which counts every
 device-to-host synchronization the step makes. The steps are the trainer's own `train_step`
 (forward and backward of every micro-batch, gradient clipping, AdamW) on random token ids
-(`data.synthetic=true`), so nothing needs preparing. With `--train.profile=true`,
-`train.profile_steps` more steps per configuration are recorded by torch.profiler (and a CUDA
+(`data.synthetic=true`), so nothing needs preparing. With `--logging.profile=true`,
+`logging.profile_steps` more steps per configuration are recorded by torch.profiler (and a CUDA
 memory snapshot) into RUN_DIR/profile-ROUTING, named in the JSON line as `profile_dir`.
 `--forward-backward-only` times the micro-batches' forward and backward passes without clipping
 and the optimizer step; `--also-forward-backward` times both windows, one JSON line each (the
 line's `timed` says which). `--also-optimizer-step` adds a window of the optimizer's part alone
 (`TrainEngine.update`: clipping, the step guard, the update, the router bias) repeated over the
 gradients of one forward and backward; its line has no token rates, and `share_of_training_step`
-its step time over the training step's. With `--train.cuda_graphs=step` the line's
+its step time over the training step's. With `--compute.cuda_graphs=step` the line's
 `cuda_graph_counts` says how many steps so far were captured, replayed and run eagerly
 (src/moetrain/train/cuda_graphs.py), and `cuda_graphs` the mode the run resolved (auto: step
 or off); with the step graph the training step's warm-up is at least 4 steps (3 eager, then the
@@ -62,10 +62,10 @@ from moetrain.version import code_version
 BENCH_OVERRIDES = [
     "data.synthetic=true",
     "train.eval_every=0",
-    "train.save_every=0",
-    "train.save_final=false",
-    "train.plot=false",
-    "train.tensorboard=false",
+    "checkpoint.save_every=0",
+    "checkpoint.save_final=false",
+    "logging.plot=false",
+    "logging.tensorboard=false",
 ]
 
 
@@ -117,7 +117,7 @@ def run_bench(
             kinds = None
             # after the timed window: the profiler's overhead stays out of it; a rehearsal's
             # kinds of kernel come from a short profile of their own
-            if (cfg.train.profile or rehearsal is not None) and i == 0:
+            if (cfg.logging.profile or rehearsal is not None) and i == 0:
                 record["profile_dir"], kinds = _profile(trainer, f"bench {spec} ({routing} routing)", routing, say)
             if rehearsal is not None and not isinstance(step, _OptimizerStep):  # no tokens: no projection
                 LEDGER.reset()  # the ledger's counts are the timed window's
@@ -139,7 +139,7 @@ def warm_up_steps(engine, window: int, timed: str, step, warmup: int) -> int:
     configuration. The first warms up after the routing switch: `warmup`; a later one reuses the
     compiled code and needs one step to settle (allocator, gradient buckets). The optimizer
     window gets at least one (its first call runs the forward and backward too), and the
-    training step and the forward+backward window, with train.cuda_graphs=step, at least the
+    training step and the forward+backward window, with compute.cuda_graphs=step, at least the
     step graph's eager steps and its capture, and with auto also the replays it times and the
     step that keeps or drops the graph, which then stay out of the timed window."""
     n = warmup if window == 0 else min(warmup, 1)
@@ -224,13 +224,13 @@ def _time_window(
 
 
 def _profile(trainer: Trainer, label: str, routing: str, say) -> tuple[str, dict[str, Any] | None]:
-    """train.profile_steps more training steps under the profiler, into RUN_DIR/profile-ROUTING
-    (kinds.json alone without train.profile): that directory and the kinds of kernel per step."""
+    """logging.profile_steps more training steps under the profiler, into RUN_DIR/profile-ROUTING
+    (kinds.json alone without logging.profile): that directory and the kinds of kernel per step."""
     cfg = trainer.cfg
     profile_dir = trainer.run.path / f"profile-{routing}"
-    say(f"{label}: {cfg.train.profile_steps} profiled steps -> {profile_dir}")
-    profiler = trainer.profiler(profile_dir, wait=0, kinds_only=not cfg.train.profile)
-    for _ in range(cfg.train.profile_steps):
+    say(f"{label}: {cfg.logging.profile_steps} profiled steps -> {profile_dir}")
+    profiler = trainer.profiler(profile_dir, wait=0, kinds_only=not cfg.logging.profile)
+    for _ in range(cfg.logging.profile_steps):
         trainer.train_step()
         profiler.step()
     profiler.close()
@@ -286,7 +286,7 @@ def _forward_backward_step(trainer: Trainer):
     """The forward and backward passes of a step's micro-batches (with their data-parallel
     gradient reduction, if any) alone: no clipping, no optimizer step. Gradients are dropped
     after each step and the routing statistics reset (`TrainEngine.drop_step`). With
-    train.cuda_graphs=step they are replayed from the step graph, as the training step is."""
+    compute.cuda_graphs=step they are replayed from the step graph, as the training step is."""
 
     def step() -> StepOutput:
         engine = trainer.engine
@@ -389,9 +389,9 @@ def _record(
         "precision": _precision(trainer),
         "optimizer": _optimizer_record(trainer),
         "flops_per_token": engine.flops_per_token,
-        "compile": tc.compile,
+        "compile": cfg.compute.compile,
         "loss_chunk_tokens": trainer.engine.loss_chunk_tokens,
-        "recompute": str(tc.recompute),
+        "recompute": str(cfg.compute.recompute),
         "defer_expert_weight_grad": engine.expert_grads is not None,
         "cuda_graphs": str(engine.cuda_graphs),
         "cuda_graphs_why": engine.cuda_graphs_why,
@@ -419,6 +419,6 @@ def _precision(trainer: Trainer) -> str:
         base = f"bf16 weights (matrices) with split fp32 masters, fp32 gradients and {state} state"
     else:
         base = f"{str(amp_dtype).removeprefix('torch.')} autocast, fp32 master weights, gradients and {state} state"
-    if trainer.cfg.train.fp8 != "none":
-        base += f"; {trainer.cfg.train.fp8} fp8 (e4m3) expert and block-linear GEMMs"
+    if trainer.cfg.precision.fp8 != "none":
+        base += f"; {trainer.cfg.precision.fp8} fp8 (e4m3) expert and block-linear GEMMs"
     return base

@@ -339,11 +339,9 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
         written, raw = item.split("=", 1)
         dotted = renamed_key(type(cfg).renamed, written)
         value = _override_value(raw, _leaf_type(type(cfg), dotted))
-        earlier, earlier_value = given.get(dotted, (written, value))
-        if earlier != written and earlier_value != value:
-            old, new = (written, earlier) if earlier == dotted else (earlier, written)
-            values = (value, earlier_value) if earlier == dotted else (earlier_value, value)
-            _refuse_both(old, new, *values)
+        earlier = given.setdefault(dotted, (written, value))
+        if earlier[0] != written and earlier[1] != value:  # the old key's and the new one's values: old first
+            _refuse_both(*sorted([earlier, (written, value)], key=lambda given_as: given_as[0] == dotted))
         given[dotted] = (written, value)
         _set_dotted(data, dotted, value, type(cfg))
     return type(cfg).from_dict(data)
@@ -366,39 +364,33 @@ def renamed_key(renamed: dict[str, str], dotted: str, prefix: str = "") -> str:
 
 
 def rename_keys(data: Any, renamed: dict[str, str], prefix: str = "") -> Any:
-    """The mapping `data` with each old key of `renamed` (dotted) moved to its new one
+    """The mapping `data` with each old key of `renamed` (`section.key`) moved to its new one
     (`renamed_key`); an old key given beside its new one with another value is a `ConfigError`
     naming both. Anything else is returned as it is."""
     if not isinstance(data, dict) or not renamed:
         return data
-    out = _copy_mappings(data)
-    for old in renamed:
-        *path, leaf = old.split(".")
-        section = functools.reduce(lambda node, key: node.get(key) if isinstance(node, dict) else None, path, out)
-        if not isinstance(section, dict) or leaf not in section:
+    out = {key: dict(value) if isinstance(value, dict) else value for key, value in data.items()}
+    for old, new in renamed.items():
+        (section, key), (new_section, new_key) = old.split("."), new.split(".")
+        if not isinstance(out.get(section), dict) or key not in out[section]:
             continue
-        value = section.pop(leaf)
-        *new_path, new_leaf = renamed_key(renamed, old, prefix).split(".")
-        target = out
-        for key in new_path:
-            if isinstance(target, dict) and target.get(key) is None:
-                target[key] = {}
-            target = target[key] if isinstance(target, dict) else target
-        if not isinstance(target, dict):  # the new section is a value: from_dict says so
-            continue
-        if new_leaf in target and target[new_leaf] != value:
-            _refuse_both(prefix + old, prefix + renamed[old], value, target[new_leaf])
-        target[new_leaf] = value
+        value, target = out[section].pop(key), out.setdefault(new_section, {})
+        renamed_key(renamed, old, prefix)
+        if target is None:
+            target = out[new_section] = {}
+        if isinstance(target, dict):  # else from_dict says the section is a value
+            if target.get(new_key, value) != value:
+                _refuse_both((prefix + old, value), (prefix + new, target[new_key]))
+            target[new_key] = value
     return out
 
 
-def _copy_mappings(data: Any) -> Any:
-    return {k: _copy_mappings(v) for k, v in data.items()} if isinstance(data, dict) else data
-
-
-def _refuse_both(old: str, new: str, old_value: Any, new_value: Any) -> None:
+def _refuse_both(old: tuple[str, Any], new: tuple[str, Any]) -> None:
+    """Refuse an old key (its name as given, its value) given beside its new one with another value."""
+    (old, old_value), (new, new_value) = old, new
+    old_value, new_value = (str(v).lower() if isinstance(v, bool) else _shown(v) for v in (old_value, new_value))
     raise ConfigError(
-        f"Both {old}={_shown(old_value)} and {new}={_shown(new_value)} are given: {old} is the earlier name of "
+        f"Both {old}={old_value} and {new}={new_value} are given: {old} is the earlier name of "
         f"{new}, so they set one key twice. Keep {new} alone."
     )
 

@@ -97,21 +97,14 @@ def group_of(name: str) -> str:
 def for_check(cfg: RunConfig, steps: int, run_dir: str) -> RunConfig:
     """`cfg` as a check runs it: `steps` steps logged every step into `run_dir`, nothing else
     written or evaluated, no CUDA graph (the gradients are read between reduction and clipping)."""
-    train = dataclasses.replace(
-        cfg.train,
-        steps=steps,
-        log_every=1,
-        eval_every=0,
-        save_every=0,
-        save_final=False,
-        plot=False,
-        tensorboard=False,
-        wandb=False,
-        profile=False,
-        cuda_graphs=CudaGraphs.off,
-        run_dir=run_dir,
+    new = dataclasses.replace
+    return new(
+        cfg,
+        train=new(cfg.train, steps=steps, log_every=1, eval_every=0, run_dir=run_dir),
+        checkpoint=new(cfg.checkpoint, save_every=0, save_final=False),
+        logging=new(cfg.logging, plot=False, tensorboard=False, wandb=False, profile=False),
+        compute=new(cfg.compute, cuda_graphs=CudaGraphs.off),
     )
-    return dataclasses.replace(cfg, train=train)
 
 
 def run_steps(cfg: RunConfig) -> list[dict[str, Any]] | None:
@@ -229,11 +222,11 @@ def _finite(values: list[float]) -> float | None:
 
 def precision_of(cfg: RunConfig, device: torch.device) -> str:
     """fp32, bf16 or fp8: the compute precision the tolerances are chosen by."""
-    if cfg.train.fp8 != Fp8.none:
+    if cfg.precision.fp8 != Fp8.none:
         return "fp8"
     from moetrain.train.engine import autocast_dtype
 
-    return "bf16" if autocast_dtype(cfg.train.precision, device) == torch.bfloat16 else "fp32"
+    return "bf16" if autocast_dtype(cfg.precision.dtype, device) == torch.bfloat16 else "fp32"
 
 
 def check_layout(cfg: RunConfig, steps: int, rtol: tuple[float, float] | None = None) -> dict[str, Any] | None:

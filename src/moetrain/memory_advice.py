@@ -38,12 +38,12 @@ def advice(cfg: RunConfig, world_size: int, gpu: str) -> str:
 
 
 def _deferral(cfg: RunConfig, world_size: int, gpu: str) -> str:
-    """With train.defer_expert_weight_grad on (and several micro-batches): the peak without it."""
-    if not cfg.train.defers_expert_weight_grads:
+    """With compute.defer_expert_weight_grad on (and several micro-batches): the peak without it."""
+    if not cfg.defers_expert_weight_grads:
         return ""
-    off = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, defer_expert_weight_grad=False))
+    off = dataclasses.replace(cfg, compute=dataclasses.replace(cfg.compute, defer_expert_weight_grad=False))
     peak = plan(off, world_size, gpu).peak_mem_gib_per_device
-    return f"; {peak:.1f} GiB with --train.defer_expert_weight_grad=false (it keeps no expert operands)"
+    return f"; {peak:.1f} GiB with --compute.defer_expert_weight_grad=false (it keeps no expert operands)"
 
 
 def _more_gpus(cfg: RunConfig, world_size: int, gpu: str) -> str:
@@ -60,10 +60,10 @@ def _more_gpus(cfg: RunConfig, world_size: int, gpu: str) -> str:
 def layout_flags(cfg: RunConfig, layout: Layout) -> list[str]:
     """The command-line flags that turn `cfg` into `layout`."""
     flags = [f"--train.micro_batch_size={layout.rows_per_micro_batch * layout.dp}"]
-    if layout.recompute != cfg.train.recompute.value:
-        flags.append(f"--train.recompute={layout.recompute}")
-    if layout.recompute != "none" and cfg.train.recompute_every != layout.recompute_every:
-        flags.append(f"--train.recompute_every={layout.recompute_every}")
+    if layout.recompute != cfg.compute.recompute.value:
+        flags.append(f"--compute.recompute={layout.recompute}")
+    if layout.recompute != "none" and cfg.compute.recompute_every != layout.recompute_every:
+        flags.append(f"--compute.recompute_every={layout.recompute_every}")
     if layout.shard_optimizer != cfg.parallel.shard_optimizer:
         flags.append(f"--parallel.shard_optimizer={str(layout.shard_optimizer).lower()}")
     for key in ("cp", "ep", "pp"):

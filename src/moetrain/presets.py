@@ -113,8 +113,8 @@ def _big_run(model: TransformerConfig, *, seq_len: int, gpus: int, global_batch:
         log_every=10,
         eval_every=1000,
         eval_tokens=8 * gpus * seq_len,  # 8 sequences per GPU at the reference GPU count
-        save_every=1000,
     )
+    cfg.checkpoint.save_every = 1000
     return cfg
 
 
@@ -153,9 +153,9 @@ def _bench(model: TransformerConfig, *, micro_batch: int, accum: int = 1, lr: fl
             log_every=10,
             eval_every=0,
             eval_tokens=8 * micro_batch * cfg.data.seq_len,  # 8 micro-batches, when evaluation is turned on
-            save_every=0,
-            compile=True,
         )
+        cfg.checkpoint.save_every = 0
+        cfg.compute.compile = True
         return cfg
 
     return make
@@ -189,7 +189,7 @@ def _long(model: TransformerConfig, *, seq_len: int, gpus: int, cp: int, global_
         cfg.schedule.warmup_steps = 200
         cfg.train.steps = 5000
         cfg.train.eval_tokens = 4 * seq_len
-        cfg.train.compile = True
+        cfg.compute.compile = True
         return cfg
 
     return make

@@ -56,8 +56,8 @@ def test_tiny_trains_on_cuda(real_text_dir, tmp_path, optimizer):
             "train.device=cuda",
             "train.eval_every=20",
             "train.log_every=10",
-            "train.tensorboard=false",
-            "train.plot=false",
+            "logging.tensorboard=false",
+            "logging.plot=false",
             f"optim.name={optimizer}",
         ],
     )
@@ -89,8 +89,8 @@ def _tiny_on_cuda(tmp_path, *overrides):
         (True, "none", "optim.name=muon"),
         (False, "none", "optim.name=muon parallel.shard_optimizer=true"),
         (False, "none", "optim.name=muon parallel.stack=fsdp"),
-        (True, "none", "train.defer_expert_weight_grad=true"),
-        (False, "none", "train.defer_expert_weight_grad=true optim.bf16_weights=false"),
+        (True, "none", "compute.defer_expert_weight_grad=true"),
+        (False, "none", "compute.defer_expert_weight_grad=true optim.bf16_weights=false"),
         (True, "selective", "optim.grad_dtype=bf16"),
         (False, "none", "optim.bf16_weights=false optim.moments_dtype=bf16"),
     ],
@@ -105,10 +105,10 @@ def test_training_step_is_sync_free(tmp_path, compile, recompute, optimizer):
     cfg = _tiny_on_cuda(
         tmp_path,
         "model.moe.bias_update_rate=0.001",
-        f"train.compile={str(compile).lower()}",
-        f"train.recompute={recompute}",
-        "train.tensorboard=false",
-        "train.plot=false",
+        f"compute.compile={str(compile).lower()}",
+        f"compute.recompute={recompute}",
+        "logging.tensorboard=false",
+        "logging.plot=false",
         *optimizer.split(),
     )
     trainer = Trainer(cfg, quiet=True)
@@ -157,8 +157,8 @@ def test_bench_profile_writes_a_trace_and_a_memory_snapshot(tmp_path, capsys):
                 "learned",
                 "--run-dir",
                 str(tmp_path),
-                "--train.profile=true",
-                "--train.profile_steps=2",
+                "--logging.profile=true",
+                "--logging.profile_steps=2",
             ]
         )
         == 0
@@ -178,7 +178,7 @@ def test_fp8_kernels_match_the_cpu_emulation(fast_backward):
     """torch._scaled_mm / _scaled_grouped_mm on the GPU compute what the CPU path (native
     _scaled_mm, emulated grouped product) computes from the same quantized operands, forward and
     backward, up to accumulation order and the bf16 output; with fast accumulation in backward
-    (train.fp8_fast_accum_backward) too."""
+    (precision.fp8_fast_accum_backward) too."""
     from moetrain.model.fp8 import fp8_grouped_mm, fp8_linear
 
     torch.manual_seed(0)
@@ -209,7 +209,7 @@ def test_fp8_kernels_match_the_cpu_emulation(fast_backward):
 
 @pytest.mark.parametrize("fast", [False, True])
 def test_fp8_expert_weight_gradient_on_cuda_matches_the_cpu_emulation(fast):
-    """train.fp8_expert_weight_grad: the segment quantizers and `_scaled_grouped_mm`'s 2-D × 2-D
+    """precision.fp8_expert_weight_grad: the segment quantizers and `_scaled_grouped_mm`'s 2-D × 2-D
     form on the GPU against the CPU path from the same inputs (the same quantized operands; the
     products differ by accumulation order, and with fast accumulation by its partial sums), with
     an empty expert and NaN rows past the last offset."""
@@ -258,7 +258,7 @@ def test_fp8_swiglu_down_on_cuda_matches_the_cpu_emulation():
 
 
 def test_deferred_expert_weight_gradients_on_cuda_match_the_per_micro_batch_ones():
-    """train.defer_expert_weight_grad on the GPU (bf16 grouped GEMMs, the SwiGLU kernels, the
+    """compute.defer_expert_weight_grad on the GPU (bf16 grouped GEMMs, the SwiGLU kernels, the
     expert-major row copy): three micro-batches' weight gradients from the last backward against
     the plain layer's per-micro-batch gradients summed in fp32, with an empty expert and NaN rows
     past the last offset; the SwiGLU forward kernel's product is the backward kernel's, bit for bit."""
@@ -295,14 +295,14 @@ def test_deferred_expert_weight_gradients_on_cuda_match_the_per_micro_batch_ones
 
 
 def _graph_engine(tmp_path, *overrides):
-    """A tiny engine on the GPU, no graph yet (train.cuda_graphs=off): bf16 weights with split
+    """A tiny engine on the GPU, no graph yet (compute.cuda_graphs=off): bf16 weights with split
     masters (the Triton update), two micro-batches, clipping that bites, the router bias."""
     from moetrain.parallel.dims import ParallelDims, ParallelState
     from moetrain.train.engine import TrainEngine
 
     cfg = _tiny_on_cuda(
         tmp_path,
-        "train.cuda_graphs=off",
+        "compute.cuda_graphs=off",
         "optim.grad_clip=0.05",
         "schedule.warmup_steps=4",
         "model.moe.bias_update_rate=0.01",
@@ -334,15 +334,15 @@ def test_the_expert_major_row_copy_on_cuda_gives_the_cpu_layout():
     "overrides",
     [
         "",
-        "train.compile=true",
-        "train.compile=true model.moe.routing=random",
-        "train.defer_expert_weight_grad=true optim.grad_dtype=bf16",
+        "compute.compile=true",
+        "compute.compile=true model.moe.routing=random",
+        "compute.defer_expert_weight_grad=true optim.grad_dtype=bf16",
         "optim.bf16_weights=false",
-        "train.compile=true train.fp8=rowwise",
+        "compute.compile=true precision.fp8=rowwise",
     ],
 )
 def test_training_with_the_step_graph_follows_the_eager_run_on_cuda(tmp_path, overrides):
-    """train.cuda_graphs=step against off, 12 steps of two micro-batches each: the step graph is
+    """compute.cuda_graphs=step against off, 12 steps of two micro-batches each: the step graph is
     captured once after the eager warm-up (compiled blocks, dropless grouped GEMMs, the routing's
     sort, the Triton update with the address tables of gradients the captured backward allocates,
     FP8's quantizers) and replayed on new batches; losses and gradient norms bit for bit the
@@ -371,7 +371,7 @@ def test_training_with_the_step_graph_follows_the_eager_run_on_cuda(tmp_path, ov
 
 
 def test_forward_and_backward_alone_from_the_step_graph_follow_the_eager_passes_on_cuda(tmp_path):
-    """`moetrain bench --also-forward-backward` with train.cuda_graphs=step: two training steps'
+    """`moetrain bench --also-forward-backward` with compute.cuda_graphs=step: two training steps'
     worth of warm-up, then forward and backward passes alone (`StepGraph.run(..., update=False)`)
     captured after their own eager passes and replayed; compiled blocks; the losses within 0.1% of
     eager passes' and the parameters unchanged by them."""
@@ -380,7 +380,7 @@ def test_forward_and_backward_alone_from_the_step_graph_follow_the_eager_passes_
 
     runs = {}
     for mode in ("off", "step"):
-        cfg, engine = _graph_engine(tmp_path / mode, "train.compile=true")
+        cfg, engine = _graph_engine(tmp_path / mode, "compute.compile=true")
         if mode == "step":
             _attach_step_graph(engine)
         before = [p.detach().clone() for p in engine.model.parameters()]
@@ -400,7 +400,7 @@ def test_forward_and_backward_alone_from_the_step_graph_follow_the_eager_passes_
 
 
 def _attach_step_graph(engine) -> None:
-    """train.cuda_graphs=step's graph on an engine built with cuda_graphs=off, so that the eager
+    """compute.cuda_graphs=step's graph on an engine built with cuda_graphs=off, so that the eager
     and the graphed engine of a test are built alike."""
     from moetrain.train.cuda_graphs import CudaGraph, StepGraph
 
@@ -408,14 +408,14 @@ def _attach_step_graph(engine) -> None:
 
 
 def test_auto_keeps_the_step_graph_of_tiny_whose_launches_bound_it(tmp_path):
-    """train.cuda_graphs=auto on tiny, whose step the GPU runs in less time than the host takes
+    """compute.cuda_graphs=auto on tiny, whose step the GPU runs in less time than the host takes
     to launch it (22.5 ms eager, 3.5 ms replayed on an H100; docs/benchmarks.md, "CUDA graphs"):
     its timed replays are far faster than its timed eager steps, so the graph stays."""
     from moetrain.testing.steps import synthetic_batches
     from moetrain.train.config import CudaGraphs
     from moetrain.train.cuda_graphs import JUDGED_REPLAYS, WARMUP_STEPS
 
-    cfg, engine = _graph_engine(tmp_path, "train.cuda_graphs=auto")
+    cfg, engine = _graph_engine(tmp_path, "compute.cuda_graphs=auto")
     steps = WARMUP_STEPS + JUDGED_REPLAYS + 2
     for n in range(steps):
         engine.train_step(synthetic_batches(cfg, n), n)
@@ -425,8 +425,8 @@ def test_auto_keeps_the_step_graph_of_tiny_whose_launches_bound_it(tmp_path):
 
 
 def test_a_dropped_step_graph_leaves_the_eager_steps_memory_as_without_it(tmp_path, monkeypatch):
-    """train.cuda_graphs=auto where the graph does not pay (here: a gain no replay can reach):
-    once it is dropped, the eager steps hold what train.cuda_graphs=off's hold, within 1 MiB.
+    """compute.cuda_graphs=auto where the graph does not pay (here: a gain no replay can reach):
+    once it is dropped, the eager steps hold what compute.cuda_graphs=off's hold, within 1 MiB.
     The capture stream's cuBLAS workspace (32 MiB and more on Hopper) would stay otherwise."""
     from moetrain.testing.steps import synthetic_batches
     from moetrain.train import cuda_graphs
@@ -435,7 +435,7 @@ def test_a_dropped_step_graph_leaves_the_eager_steps_memory_as_without_it(tmp_pa
     monkeypatch.setattr(cuda_graphs, "AUTO_MIN_GAIN", 1.0)
     held = {}
     for mode in ("off", "auto"):
-        cfg, engine = _graph_engine(tmp_path / mode, f"train.cuda_graphs={mode}")
+        cfg, engine = _graph_engine(tmp_path / mode, f"compute.cuda_graphs={mode}")
         steps = cuda_graphs.WARMUP_STEPS + cuda_graphs.JUDGED_REPLAYS + 3
         for n in range(steps):
             engine.train_step(synthetic_batches(cfg, n), n)
@@ -487,7 +487,7 @@ def test_a_graph_captured_again_replays_the_new_capture():
 
 
 def test_replayed_training_steps_are_sync_free_and_keep_the_peak_memory(tmp_path):
-    """train.cuda_graphs=step through the trainer: once captured, a step makes no device-to-host
+    """compute.cuda_graphs=step through the trainer: once captured, a step makes no device-to-host
     synchronization, and the peak memory it reports (the allocator's peak since the capture plus
     the graph's memory the allocator does not count) is the eager step's, within the pool's
     rounding: neither above by more than 10% nor below by more than 10% (an accounting that
@@ -498,7 +498,9 @@ def test_replayed_training_steps_are_sync_free_and_keep_the_peak_memory(tmp_path
 
     peaks = {}
     for mode in ("off", "step"):
-        cfg = _tiny_on_cuda(tmp_path / mode, "train.tensorboard=false", "train.plot=false", "train.cuda_graphs=off")
+        cfg = _tiny_on_cuda(
+            tmp_path / mode, "logging.tensorboard=false", "logging.plot=false", "compute.cuda_graphs=off"
+        )
         trainer = Trainer(cfg, quiet=True)
         if mode == "step":
             _attach_step_graph(trainer.engine)
@@ -553,11 +555,11 @@ def test_fp8_training_step_is_sync_free_and_learns(real_text_dir, tmp_path):
                 f"train.run_dir={tmp_path / fp8}",
                 "model.vocab_size=512",
                 "train.device=cuda",
-                f"train.fp8={fp8}",
-                "train.fp8_select=all",
-                "train.tensorboard=false",
-                "train.plot=false",
-                "train.compile=true",
+                f"precision.fp8={fp8}",
+                "precision.fp8_select=all",
+                "logging.tensorboard=false",
+                "logging.plot=false",
+                "compute.compile=true",
                 "train.seed=0",
             ],
         )
@@ -715,11 +717,11 @@ def test_bf16_weights_train_like_fp32_weights_on_cuda(real_text_dir, tmp_path):
                 "train.steps=60",
                 "train.log_every=10",
                 "train.eval_every=0",
-                "train.save_every=0",
-                "train.tensorboard=false",
-                "train.plot=false",
+                "checkpoint.save_every=0",
+                "logging.tensorboard=false",
+                "logging.plot=false",
                 f"optim.bf16_weights={flag}",
-                "train.cuda_graphs=off",
+                "compute.cuda_graphs=off",
             ],
         )
         Trainer(cfg, quiet=True).fit()
@@ -778,12 +780,12 @@ def test_an_over_large_micro_batch_stops_with_one_paragraph_naming_the_plans_lay
         "data.synthetic=true",
         f"train.run_dir={tmp_path / 'run'}",
         "train.device=cuda",
-        "train.compile=false",
+        "compute.compile=false",
         "train.steps=1",
         "train.eval_every=0",
-        "train.save_every=1",
-        "train.tensorboard=false",
-        "train.plot=false",
+        "checkpoint.save_every=1",
+        "logging.tensorboard=false",
+        "logging.plot=false",
     ]
     capacity_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
     rows = 2
@@ -886,11 +888,11 @@ def _rehearse_on_cuda(run_dir, overrides, rank):
 @pytest.mark.parametrize(
     "overrides,rank",
     [
-        (["parallel.ep=2", "train.compile=true"], 3),
+        (["parallel.ep=2", "compute.compile=true"], 3),
         (["parallel.ep=2", "parallel.overlap_chunks=2"], 1),
         (["parallel.pp=2", "parallel.ep=2", "parallel.shard_optimizer=true", "train.micro_batch_size=12"], 2),
         (["parallel.stack=fsdp"], 1),
-        (["parallel.cp=2", "parallel.ep=2", "train.compile=true"], 1),
+        (["parallel.cp=2", "parallel.ep=2", "compute.compile=true"], 1),
         (["parallel.cp=4", "parallel.ep=2"], 2),
         pytest.param(["parallel.ep=2", "parallel.shard_optimizer=true", "optim.name=muon"], 1, id="sharded-muon"),
         pytest.param(["parallel.stack=fsdp", "optim.name=muon"], 2, id="fsdp-muon"),

@@ -1,4 +1,4 @@
-"""The experts' weight gradients computed once per step (`train.defer_expert_weight_grad`,
+"""The experts' weight gradients computed once per step (`compute.defer_expert_weight_grad`,
 src/moetrain/model/expert_grads.py): the rows laid out expert by expert, the same gradients as
 one GEMM per micro-batch, nothing given before the step's last backward, a lost backward named."""
 
@@ -159,7 +159,7 @@ def test_a_step_whose_backwards_miss_a_layer_stops_naming_the_setting():
     x, offsets, dy = _micro_batch(0)
     m(x, offsets).backward(dy)
     with pytest.raises(
-        RuntimeError, match="train.defer_expert_weight_grad: 2 expert products saw fewer than the step's 3"
+        RuntimeError, match="compute.defer_expert_weight_grad: 2 expert products saw fewer than the step's 3"
     ):
         m.deferred.finish()
     m.deferred.begin(1)  # the next step starts clean
@@ -173,15 +173,15 @@ def _engine(tiny_cfg, run_dir, *extra):
     return cfg, TrainEngine(cfg, ParallelState(ParallelDims(world_size=1, dp=1, ep=1)), torch.device("cpu"))
 
 
-BF16_WEIGHTS = ["train.precision=bf16", "optim.bf16_weights=true"]  # split masters keep the gradients
-BF16_GRADS = ["train.precision=bf16", "optim.grad_dtype=bf16"]  # GradStore keeps them, in bf16
+BF16_WEIGHTS = ["precision.dtype=bf16", "optim.bf16_weights=true"]  # split masters keep the gradients
+BF16_GRADS = ["precision.dtype=bf16", "optim.grad_dtype=bf16"]  # GradStore keeps them, in bf16
 
 
 @pytest.mark.parametrize(
     "extra, loss_rel, norm_rel, fp32_grads",
     [
         ([], 1e-5, 1e-5, True),
-        (["train.fp8=rowwise", "train.fp8_select=all"], 1e-5, 1e-4, False),  # bf16 experts
+        (["precision.fp8=rowwise", "precision.fp8_select=all"], 1e-5, 1e-4, False),  # bf16 experts
         (["model.moe.top_k=1"], 1e-5, 1e-4, True),
         (BF16_WEIGHTS, 1e-5, 1e-3, False),
         (BF16_GRADS, 1e-5, 1e-3, False),
@@ -196,7 +196,7 @@ def test_training_steps_match_the_per_micro_batch_gradients(tiny_cfg, tmp_path, 
     and by a bf16 gradient store, whose hooks see the earlier backwards give the experts none, and
     under Muon."""
     cfg, plain = _engine(tiny_cfg, tmp_path / "a", *extra)
-    _, held = _engine(tiny_cfg, tmp_path / "b", "train.defer_expert_weight_grad=true", *extra)
+    _, held = _engine(tiny_cfg, tmp_path / "b", "compute.defer_expert_weight_grad=true", *extra)
     assert held.expert_grads is not None and plain.expert_grads is None
     for step in range(3):
         a = plain.train_step(synthetic_batches(cfg, step), step)
@@ -211,9 +211,9 @@ def test_training_steps_match_the_per_micro_batch_gradients(tiny_cfg, tmp_path, 
 
 
 def test_mxfp8_is_refused_and_one_micro_batch_defers_nothing(tiny_cfg, tmp_path):
-    with pytest.raises(ConfigError, match="train.fp8=mxfp8"):
-        tiny_cfg(tmp_path / "a", "train.fp8=mxfp8", "train.defer_expert_weight_grad=true")
-    _, engine = _engine(tiny_cfg, tmp_path / "b", "train.global_batch_size=4", "train.defer_expert_weight_grad=true")
+    with pytest.raises(ConfigError, match="precision.fp8=mxfp8"):
+        tiny_cfg(tmp_path / "a", "precision.fp8=mxfp8", "compute.defer_expert_weight_grad=true")
+    _, engine = _engine(tiny_cfg, tmp_path / "b", "train.global_batch_size=4", "compute.defer_expert_weight_grad=true")
     assert engine.expert_grads is None
     assert all(m.deferred is None for m in engine.model.modules() if isinstance(m, GroupedExperts))
 
@@ -221,9 +221,9 @@ def test_mxfp8_is_refused_and_one_micro_batch_defers_nothing(tiny_cfg, tmp_path)
 def test_compiled_blocks_run_the_deferred_products_eagerly_with_the_same_steps(tiny_cfg, tmp_path):
     """The deferred products are eager islands in compiled blocks (their backward keeps tensors
     across micro-batches): compiled and eager engines give the same steps up to fp32 rounding."""
-    defer = "train.defer_expert_weight_grad=true"
+    defer = "compute.defer_expert_weight_grad=true"
     cfg, eager = _engine(tiny_cfg, tmp_path / "a", defer)
-    _, compiled = _engine(tiny_cfg, tmp_path / "b", defer, "train.compile=true")
+    _, compiled = _engine(tiny_cfg, tmp_path / "b", defer, "compute.compile=true")
     for step in range(2):
         a = eager.train_step(synthetic_batches(cfg, step), step)
         b = compiled.train_step(synthetic_batches(cfg, step), step)
@@ -235,7 +235,7 @@ def test_a_step_that_fails_midway_frees_the_kept_operands(tiny_cfg, tmp_path, mo
     """A micro-batch that raises (out of memory, say) after an earlier one's backward kept its
     operands: the engine drops them before the error leaves `forward_backward`, and the next step
     trains as usual."""
-    cfg, engine = _engine(tiny_cfg, tmp_path / "a", "train.defer_expert_weight_grad=true")
+    cfg, engine = _engine(tiny_cfg, tmp_path / "a", "compute.defer_expert_weight_grad=true")
     real, calls = engine.lm_loss, []
 
     def failing(*args):

@@ -1,4 +1,4 @@
-"""train.fp8_select: which products row-wise FP8 takes (src/moetrain/model/fp8_choice.py)."""
+"""precision.fp8_select: which products row-wise FP8 takes (src/moetrain/model/fp8_choice.py)."""
 
 import pytest
 
@@ -74,10 +74,16 @@ def test_the_fp8_lm_head_is_asked_for_with_rowwise_and_a_vocabulary_it_can_take(
     apply_fp8(model, "rowwise", "auto", cfg.rows_per_micro_batch, lm_head=True)
     assert type(model.lm_head) is Fp8Linear and _fp8_modules(model)[0] == 1  # the head alone (auto: no block product)
     for overrides, names in (
-        (["train.fp8_lm_head=true"], ("train.fp8_lm_head=true", "train.fp8=none", "train.fp8=rowwise")),
-        (["train.fp8_fast_accum_backward=true"], ("train.fp8_fast_accum_backward=true", "train.fp8=rowwise")),
-        (["train.fp8_expert_weight_grad=true"], ("train.fp8_expert_weight_grad=true", "train.fp8=rowwise")),
-        (["train.fp8=rowwise", "train.fp8_lm_head=true", "model.vocab_size=1000"], ("model.vocab_size=1000", "16")),
+        (["precision.fp8_lm_head=true"], ("precision.fp8_lm_head=true", "precision.fp8=none", "precision.fp8=rowwise")),
+        (
+            ["precision.fp8_fast_accum_backward=true"],
+            ("precision.fp8_fast_accum_backward=true", "precision.fp8=rowwise"),
+        ),
+        (["precision.fp8_expert_weight_grad=true"], ("precision.fp8_expert_weight_grad=true", "precision.fp8=rowwise")),
+        (
+            ["precision.fp8=rowwise", "precision.fp8_lm_head=true", "model.vocab_size=1000"],
+            ("model.vocab_size=1000", "16"),
+        ),
     ):
         with pytest.raises(ConfigError) as e:
             resolve_config("tiny", overrides).validate()
@@ -85,7 +91,7 @@ def test_the_fp8_lm_head_is_asked_for_with_rowwise_and_a_vocabulary_it_can_take(
 
 
 def test_fast_accumulation_in_backward_reaches_every_backward_product(monkeypatch):
-    """train.fp8_fast_accum_backward: the backward FP8 products (linears', experts' and the LM
+    """precision.fp8_fast_accum_backward: the backward FP8 products (linears', experts' and the LM
     head's, which the chunked loss runs in forward) ask for fast accumulation as the forward ones
     always do; without it they do not."""
     import torch
@@ -125,19 +131,19 @@ def test_fast_accumulation_in_backward_reaches_every_backward_product(monkeypatc
 
 
 def test_the_lm_head_and_fast_backward_follow_the_selection_unless_set():
-    """train.fp8_lm_head and train.fp8_fast_accum_backward left unset: the head runs in FP8 where
+    """precision.fp8_lm_head and precision.fp8_fast_accum_backward left unset: the head runs in FP8 where
     fp8_select would take a block product of its shape and the vocabulary allows; backward uses
     fast accumulation. Set, they are what is asked; without row-wise FP8, both are off."""
-    wide = resolve_config("bench-8e", ["train.fp8=rowwise"])
+    wide = resolve_config("bench-8e", ["precision.fp8=rowwise"])
     assert wide.fp8_lm_head and wide.fp8_fast_backward
     assert not resolve_config("bench-8e").fp8_lm_head and not resolve_config("bench-8e").fp8_fast_backward
-    odd = resolve_config("bench-8e", ["train.fp8=rowwise", "model.vocab_size=100001"])
+    odd = resolve_config("bench-8e", ["precision.fp8=rowwise", "model.vocab_size=100001"])
     odd.validate()  # left unset, an odd vocabulary keeps the head in bf16 without an error
     assert not odd.fp8_lm_head
     off = resolve_config(
-        "bench-8e", ["train.fp8=rowwise", "train.fp8_lm_head=false", "train.fp8_fast_accum_backward=false"]
+        "bench-8e", ["precision.fp8=rowwise", "precision.fp8_lm_head=false", "precision.fp8_fast_accum_backward=false"]
     )
     assert not off.fp8_lm_head and not off.fp8_fast_backward
-    small = resolve_config("tiny", ["train.fp8=rowwise"])
+    small = resolve_config("tiny", ["precision.fp8=rowwise"])
     assert not small.fp8_lm_head  # 24 × 128 rows × 64 × its vocabulary: far below 0.8 TFLOP
-    assert resolve_config("tiny", ["train.fp8=rowwise", "train.fp8_select=all"]).fp8_lm_head
+    assert resolve_config("tiny", ["precision.fp8=rowwise", "precision.fp8_select=all"]).fp8_lm_head

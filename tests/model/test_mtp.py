@@ -109,7 +109,7 @@ def test_checkpoints_keep_the_modules_and_the_export_leaves_them_out(tiny_cfg, t
     from moetrain.train.trainer import Trainer
 
     run = tmp_path / "run"
-    cfg = tiny_cfg(run, "model.mtp_depth=2", "train.steps=2", "train.save_every=2", "train.eval_every=0")
+    cfg = tiny_cfg(run, "model.mtp_depth=2", "train.steps=2", "checkpoint.save_every=2", "train.eval_every=0")
     Trainer(cfg, quiet=True).fit()
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert all("mtp_loss" in r and r["loss"] > r["lm_loss"] for r in records)

@@ -174,7 +174,7 @@ def bf16_cfg(tiny_cfg, tmp_path):
         return tiny_cfg(
             tmp_path / "run",
             "train.device=cpu",
-            "train.precision=bf16",
+            "precision.dtype=bf16",
             f"optim.bf16_weights={str(bf16_weights).lower()}",
             "model.moe.bias_update_rate=0.01",
             *extra,
@@ -254,7 +254,7 @@ def _dp2_ep2_grads(cfg_args):
             data_dir,
             run_dir,
             "train.device=cpu",
-            "train.precision=bf16",
+            "precision.dtype=bf16",
             f"optim.bf16_weights={flag}",
             "parallel.ep=2",
             "optim.grad_clip=0",
@@ -297,7 +297,7 @@ def test_dp2_ep2_reduces_the_split_gradients_like_the_fp32_ones(real_text_dir, t
     "extra, field",
     [
         (["parallel.stack=fsdp"], "parallel.stack=fsdp"),
-        (["train.precision=fp32"], "train.precision=fp32"),
+        (["precision.dtype=fp32"], "precision.dtype=fp32"),
     ],
 )
 def test_bf16_weights_refuses_what_it_cannot_do(tiny_cfg, tmp_path, extra, field):
@@ -307,8 +307,8 @@ def test_bf16_weights_refuses_what_it_cannot_do(tiny_cfg, tmp_path, extra, field
 
 
 def test_bf16_weights_with_auto_precision_on_cpu_is_refused(tiny_cfg, tmp_path):
-    cfg = tiny_cfg(tmp_path, "optim.bf16_weights=true", "train.precision=auto")
-    with pytest.raises(ConfigError, match="train.precision=auto means fp32 on cpu"):
+    cfg = tiny_cfg(tmp_path, "optim.bf16_weights=true", "precision.dtype=auto")
+    with pytest.raises(ConfigError, match="precision.dtype=auto means fp32 on cpu"):
         cfg.validate(device=torch.device("cpu"))
 
 
@@ -319,7 +319,7 @@ def _pp2_losses(args):
     from moetrain.train.runtime import setup_runtime
 
     data_dir, run_dir, flag = args
-    overrides = ["train.device=cpu", "train.precision=bf16", f"optim.bf16_weights={flag}", "parallel.pp=2"]
+    overrides = ["train.device=cpu", "precision.dtype=bf16", f"optim.bf16_weights={flag}", "parallel.pp=2"]
     cfg = resolve_config("tiny", tiny_overrides(data_dir, run_dir, *overrides, "model.n_layers=4"))
     runtime = setup_runtime(cfg)
     torch.manual_seed(0)
@@ -348,7 +348,7 @@ def _sharded_beside_replicated(args):
     from moetrain.train.runtime import setup_runtime
 
     data_dir, run_dir = args
-    common = ["train.device=cpu", "train.precision=bf16", "optim.bf16_weights=true", "parallel.ep=2"]
+    common = ["train.device=cpu", "precision.dtype=bf16", "optim.bf16_weights=true", "parallel.ep=2"]
     common += ["optim.grad_clip=0", "model.moe.bias_update_rate=0.01"]
 
     def engine(shard: bool):

@@ -19,7 +19,7 @@ from moetrain.testing.distributed import run_distributed
 def train(data_dir, run_dir, steps, extra, resume=False):
     from moetrain.train.trainer import Trainer
 
-    cfg = layout_cfg(data_dir, run_dir, f"train.steps={steps}", "train.save_every=3", *extra)
+    cfg = layout_cfg(data_dir, run_dir, f"train.steps={steps}", "checkpoint.save_every=3", *extra)
     trainer = Trainer(cfg, resume=resume, quiet=True)
     start = trainer.step
     trainer.fit()
@@ -75,7 +75,7 @@ def test_checkpoint_written_at_one_layout_resumes_at_others(real_text_dir, tmp_p
 FSDP = "parallel.stack=fsdp"
 # Evaluation too: FSDP's root keeps its parameters gathered after a no-grad forward, and a save
 # follows it.
-EVERY_2 = ["train.save_every=2", "train.eval_every=2", "train.eval_tokens=256"]  # 8 sequences of 32
+EVERY_2 = ["checkpoint.save_every=2", "train.eval_every=2", "train.eval_tokens=256"]  # 8 sequences of 32
 
 
 def _fork(source, target, keep_through):
@@ -190,7 +190,7 @@ def test_checkpoints_cross_pipeline_layouts(real_text_dir, tmp_path):
     assert_continues(source, [(pp_dir, 3), (interleaved, 5), (single, 5)])
 
 
-BF16_SHARDED = ["parallel.shard_optimizer=true", "train.precision=bf16", "optim.bf16_weights=true"]
+BF16_SHARDED = ["parallel.shard_optimizer=true", "precision.dtype=bf16", "optim.bf16_weights=true"]
 # Loaded from a dp4·ep2 sharded run with bf16 weights, on the same four ranks.
 RESHARD_TARGETS = {
     "dp4 replicated, fp32 weights": [],

@@ -201,7 +201,7 @@ def resume_layouts(data_dir, runs):
     from moetrain.train.trainer import Trainer
 
     for run_dir, extra, steps in runs:
-        cfg = layout_cfg(data_dir, run_dir, *cp_overrides(*extra), f"train.steps={steps}", "train.save_every=3")
+        cfg = layout_cfg(data_dir, run_dir, *cp_overrides(*extra), f"train.steps={steps}", "checkpoint.save_every=3")
         Trainer(cfg, resume=True, quiet=True).fit()
         dist.barrier()
 
@@ -266,11 +266,11 @@ def long_preset_overrides(data_dir, run_dir, *extra):
         "train.steps=4",
         "train.log_every=1",
         "train.eval_every=0",
-        "train.save_every=0",
-        "train.save_final=false",
-        "train.tensorboard=false",
-        "train.plot=false",
-        "train.compile=false",
+        "checkpoint.save_every=0",
+        "checkpoint.save_final=false",
+        "logging.tensorboard=false",
+        "logging.plot=false",
+        "compute.compile=false",
         "train.device=cpu",
         "schedule.warmup_steps=2",
         *extra,

@@ -36,10 +36,10 @@ def layout_cfg(data_dir, run_dir, *extra):
             f"train.steps={STEPS}",
             "train.log_every=1",
             "train.eval_every=0",
-            "train.save_every=0",
-            "train.save_final=false",
-            "train.tensorboard=false",
-            "train.plot=false",
+            "checkpoint.save_every=0",
+            "checkpoint.save_final=false",
+            "logging.tensorboard=false",
+            "logging.plot=false",
             "schedule.warmup_steps=2",
             "model.moe.bias_update_rate=0.001",
             "train.device=cpu",  # gloo ranks, also on a GPU machine
@@ -184,9 +184,9 @@ FSDP = "parallel.stack=fsdp"
 SHARD = "parallel.shard_optimizer=true"
 CAPPED = ["parallel.ep=2", "parallel.capacity_factor=0.6", "parallel.capacity_min_rows=0"]
 DEFAULT = ["parallel.ep=2", "parallel.capacity_factor=1.25", "parallel.capacity_min_rows=1024"]  # named
-CHUNKED_LOSS = "train.loss_chunk_tokens=48"  # 64 tokens per rank per micro-batch: 48 + 16
+CHUNKED_LOSS = "compute.loss_chunk_tokens=48"  # 64 tokens per rank per micro-batch: 48 + 16
 INTERLEAVED = "parallel.pp_schedule=interleaved-1f1b"  # 2 stages per rank: 4 stages of 1 block
-DEFER = "train.defer_expert_weight_grad=true"  # the step's 2 micro-batches: one expert GEMM
+DEFER = "compute.defer_expert_weight_grad=true"  # the step's 2 micro-batches: one expert GEMM
 
 
 LAYOUT_GROUPS = [
@@ -214,17 +214,17 @@ LAYOUT_GROUPS = [
             ("dp4ep2", ["parallel.ep=2"]),
             ("dp4ep4-alltoall", ["parallel.ep=4", A2A]),
             ("dp4ep2-sharded", ["parallel.ep=2", SHARD]),
-            ("dp4ep4-overlap2-recompute", ["parallel.ep=4", "parallel.overlap_chunks=2", "train.recompute=full"]),
-            ("dp4ep2-sharded-deferred-recompute", ["parallel.ep=2", SHARD, DEFER, "train.recompute=full"]),
+            ("dp4ep4-overlap2-recompute", ["parallel.ep=4", "parallel.overlap_chunks=2", "compute.recompute=full"]),
+            ("dp4ep2-sharded-deferred-recompute", ["parallel.ep=2", SHARD, DEFER, "compute.recompute=full"]),
             ("cp2dp2ep4-alltoall", ["parallel.cp=2", "parallel.ep=4", A2A]),
-            ("cp2dp2ep2-recompute", ["parallel.cp=2", "parallel.ep=2", "train.recompute=full"]),
+            ("cp2dp2ep2-recompute", ["parallel.cp=2", "parallel.ep=2", "compute.recompute=full"]),
         ],
     ),
     (
         2,
         [
             ("fsdp2", [FSDP]),
-            ("fsdp2-recompute", [FSDP, "train.recompute=full"]),
+            ("fsdp2-recompute", [FSDP, "compute.recompute=full"]),
             ("fsdp2-chunked-loss", [FSDP, CHUNKED_LOSS]),
             ("fsdp2-deferred", [FSDP, DEFER]),
             ("fsdp-cp2", [FSDP, "parallel.cp=2"]),
@@ -237,7 +237,7 @@ LAYOUT_GROUPS = [
             ("pp2", ["parallel.pp=2"]),
             ("pp2-interleaved", ["parallel.pp=2", INTERLEAVED]),
             ("pp2-interleaved-deferred", ["parallel.pp=2", INTERLEAVED, DEFER]),
-            ("pp2-gpipe-recompute", ["parallel.pp=2", "parallel.pp_schedule=gpipe", "train.recompute=full"]),
+            ("pp2-gpipe-recompute", ["parallel.pp=2", "parallel.pp_schedule=gpipe", "compute.recompute=full"]),
         ],
     ),
     (
@@ -250,7 +250,7 @@ LAYOUT_GROUPS = [
             ("pp2cp2-interleaved", ["parallel.pp=2", "parallel.cp=2", INTERLEAVED]),
             (
                 "pp2dp2ep2-overlap2-selective",
-                ["parallel.pp=2", "parallel.ep=2", "parallel.overlap_chunks=2", "train.recompute=selective"],
+                ["parallel.pp=2", "parallel.ep=2", "parallel.overlap_chunks=2", "compute.recompute=selective"],
             ),
         ],
     ),

@@ -71,7 +71,7 @@ def _resume(data_dir, run_dir, extra, steps):
 
     from moetrain.train.trainer import Trainer
 
-    cfg = _cfg(data_dir, run_dir, f"train.steps={steps}", "train.save_every=2", *extra)
+    cfg = _cfg(data_dir, run_dir, f"train.steps={steps}", "checkpoint.save_every=2", *extra)
     Trainer(cfg, resume=True, quiet=True).fit()
     if dist.is_initialized():
         dist.barrier()
@@ -102,10 +102,10 @@ def test_one_optimizers_checkpoint_does_not_resume_the_other(real_text_dir, tmp_
 
     run = tmp_path / "run"
     Trainer(
-        layout_cfg(real_text_dir, run, f"optim.name={saved}", "train.steps=2", "train.save_every=2"), quiet=True
+        layout_cfg(real_text_dir, run, f"optim.name={saved}", "train.steps=2", "checkpoint.save_every=2"), quiet=True
     ).fit()
     with pytest.raises(CheckpointError) as e:
         Trainer(layout_cfg(real_text_dir, run, f"optim.name={resumed}", "train.steps=4"), resume=True, quiet=True).fit()
     text = str(e.value)
     assert f"optim.name={saved}'s state" in text and f"this run has optim.name={resumed}" in text, text
-    assert f"--optim.name={saved}" in text and "--train.init_from" in text, text
+    assert f"--optim.name={saved}" in text and "--checkpoint.init_from" in text, text

@@ -37,7 +37,7 @@ from test_nosync_capacity import (
 
 from moetrain.testing.distributed import run_distributed
 
-DEFER = "train.defer_expert_weight_grad=true"
+DEFER = "compute.defer_expert_weight_grad=true"
 
 
 def chunk_counts(R):
@@ -363,7 +363,7 @@ def test_no_host_sync_and_the_plain_exchanges_memory(world_results):
     "flags, needs",
     [
         (["parallel.ep=2", "parallel.overlap_chunks=3", DEFER], "one of 2, 4"),
-        (["parallel.ep=8", "parallel.overlap_chunks=2", DEFER], "train.defer_expert_weight_grad=false"),
+        (["parallel.ep=8", "parallel.overlap_chunks=2", DEFER], "compute.defer_expert_weight_grad=false"),
         (["parallel.ep=2", "parallel.overlap_chunks=2", "parallel.capacity_factor=null"], "bounded capacity"),
     ],
 )
@@ -398,8 +398,8 @@ def compiled_and_eager(data_dir, tmp):
     out = {}
     for name, extra in (
         ("eager", []),
-        ("compiled", ["train.compile=true"]),
-        ("fp8", ["train.fp8=rowwise", "train.fp8_select=all", "train.fp8_expert_weight_grad=true"]),
+        ("compiled", ["compute.compile=true"]),
+        ("fp8", ["precision.fp8=rowwise", "precision.fp8_select=all", "precision.fp8_expert_weight_grad=true"]),
     ):
         run_dir = tmp / name
         cfg = layout_cfg(data_dir, run_dir, "parallel.ep=2", "parallel.overlap_chunks=2", "train.steps=2", *extra)

@@ -46,7 +46,7 @@ def test_evaluator_gives_the_validation_loss_or_none_without_validation_data(tin
 
 
 def test_checkpointing_saves_on_schedule_and_refuses_nan(tiny_cfg, tmp_path):
-    trainer = Trainer(tiny_cfg(tmp_path / "run", "train.steps=4", "train.save_every=2"), quiet=True)
+    trainer = Trainer(tiny_cfg(tmp_path / "run", "train.steps=4", "checkpoint.save_every=2"), quiet=True)
     saving = Checkpointing()
     for _ in range(4):
         out = trainer.train_step()
@@ -59,7 +59,7 @@ def test_checkpointing_saves_on_schedule_and_refuses_nan(tiny_cfg, tmp_path):
 
 
 def test_graceful_stop_saves_once_and_stops_the_loop(tiny_cfg, tmp_path):
-    trainer = Trainer(tiny_cfg(tmp_path / "run", "train.steps=6", "train.save_every=0"), quiet=True)
+    trainer = Trainer(tiny_cfg(tmp_path / "run", "train.steps=6", "checkpoint.save_every=0"), quiet=True)
     saving = Checkpointing()
     stop = GracefulStop(saving)
     before = signal.getsignal(signal.SIGTERM)
@@ -79,7 +79,7 @@ def test_graceful_stop_saves_once_and_stops_the_loop(tiny_cfg, tmp_path):
 
 
 def test_the_loop_runs_the_callbacks_the_config_builds_in_order(tiny_cfg, tmp_path):
-    trainer = Trainer(tiny_cfg(tmp_path / "run", "train.steps=3", "train.profile=true"), quiet=True)
+    trainer = Trainer(tiny_cfg(tmp_path / "run", "train.steps=3", "logging.profile=true"), quiet=True)
     names = [type(c).__name__ for c in trainer.callbacks]
     assert names == ["StepProfiling", "SkipLimit", "MetricsLogger", "Checkpointing", "GracefulStop"]
     assert trainer.callbacks[3] is trainer.checkpointing
@@ -104,7 +104,7 @@ def test_the_loop_runs_the_callbacks_the_config_builds_in_order(tiny_cfg, tmp_pa
 
 
 def test_the_metrics_sinks_follow_the_config_and_get_every_record_in_order(tiny_cfg, tmp_path):
-    cfg = tiny_cfg(tmp_path / "run", "train.steps=4", "train.log_every=2", "train.tensorboard=true")
+    cfg = tiny_cfg(tmp_path / "run", "train.steps=4", "train.log_every=2", "logging.tensorboard=true")
     trainer = Trainer(cfg, quiet=False)
     for quiet, kinds in ((False, [JsonlSink, TensorBoardSink, ConsoleSink]), (True, [JsonlSink, TensorBoardSink])):
         trainer.quiet = quiet

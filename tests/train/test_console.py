@@ -110,47 +110,47 @@ def test_precision_names_autocast_bf16_weights_and_fp8():
 
     cpu = torch.device("cpu")
     assert describe_precision(resolve_config("tiny"), cpu) == "fp32"
-    bf16 = resolve_config("tiny", ["train.precision=bf16", "train.fp8=rowwise", "train.fp8_select=all"])
+    bf16 = resolve_config("tiny", ["precision.dtype=bf16", "precision.fp8=rowwise", "precision.fp8_select=all"])
     assert describe_precision(bf16, cpu) == (
-        "bf16 autocast (fp32 weights), fp8 rowwise on every product in the blocks (train.fp8_select=all); "
-        "and the LM head (train.fp8_lm_head); fast accumulation in backward too"
+        "bf16 autocast (fp32 weights), fp8 rowwise on every product in the blocks (precision.fp8_select=all); "
+        "and the LM head (precision.fp8_lm_head); fast accumulation in backward too"
     )
     plain = resolve_config(
         "tiny",
-        ["train.precision=bf16", "train.fp8=rowwise", "train.fp8_select=all", "train.fp8_lm_head=false"]
-        + ["train.fp8_fast_accum_backward=false"],
+        ["precision.dtype=bf16", "precision.fp8=rowwise", "precision.fp8_select=all", "precision.fp8_lm_head=false"]
+        + ["precision.fp8_fast_accum_backward=false"],
     )
-    assert describe_precision(plain, cpu).endswith("every product in the blocks (train.fp8_select=all)")
-    auto = resolve_config("tiny", ["train.precision=bf16", "train.fp8=rowwise"])
+    assert describe_precision(plain, cpu).endswith("every product in the blocks (precision.fp8_select=all)")
+    auto = resolve_config("tiny", ["precision.dtype=bf16", "precision.fp8=rowwise"])
     assert describe_precision(auto, cpu).endswith("fp8 rowwise on no product: all are too small to repay it "
-                                                  "(train.fp8_select=auto), so the step is bf16's")  # fmt: skip
-    head = resolve_config("tiny", ["train.precision=bf16", "train.fp8=rowwise", "train.fp8_lm_head=true"])
+                                                  "(precision.fp8_select=auto), so the step is bf16's")  # fmt: skip
+    head = resolve_config("tiny", ["precision.dtype=bf16", "precision.fp8=rowwise", "precision.fp8_lm_head=true"])
     assert describe_precision(head, cpu).endswith(
-        "so the step is bf16's; and the LM head (train.fp8_lm_head); fast accumulation in backward too"
+        "so the step is bf16's; and the LM head (precision.fp8_lm_head); fast accumulation in backward too"
     )
-    mx = resolve_config("tiny", ["train.precision=bf16", "train.fp8=mxfp8"])
+    mx = resolve_config("tiny", ["precision.dtype=bf16", "precision.fp8=mxfp8"])
     assert describe_precision(mx, cpu) == "bf16 autocast (fp32 weights), fp8 mxfp8 matrix products"
-    weights = resolve_config("tiny", ["train.precision=bf16", "optim.bf16_weights=true"])
+    weights = resolve_config("tiny", ["precision.dtype=bf16", "optim.bf16_weights=true"])
     assert describe_precision(weights, cpu) == "bf16 weights (fp32 masters in the optimizer)"
-    defer = ["train.defer_expert_weight_grad=true", "train.global_batch_size=8"]
+    defer = ["compute.defer_expert_weight_grad=true", "train.global_batch_size=8"]
     assert describe_precision(resolve_config("tiny", [*defer, "train.micro_batch_size=4"]), cpu) == (
-        "fp32; expert weight gradients once per step (train.defer_expert_weight_grad)"
+        "fp32; expert weight gradients once per step (compute.defer_expert_weight_grad)"
     )
     assert describe_precision(resolve_config("tiny", [*defer, "train.micro_batch_size=8"]), cpu) == "fp32"
-    graphs = resolve_config("tiny", ["train.cuda_graphs=step"])
+    graphs = resolve_config("tiny", ["compute.cuda_graphs=step"])
     assert describe_precision(graphs, cpu) == (
-        "fp32; the training step replayed from a CUDA graph after 3 eager steps (train.cuda_graphs)"
+        "fp32; the training step replayed from a CUDA graph after 3 eager steps (compute.cuda_graphs)"
     )
-    auto = resolve_config("tiny", [])  # train.cuda_graphs=auto, the default
+    auto = resolve_config("tiny", [])  # compute.cuda_graphs=auto, the default
     assert describe_precision(auto, cpu) == "fp32"  # no graph to choose on the CPU
-    recompute = resolve_config("tiny", ["train.recompute=full"])
+    recompute = resolve_config("tiny", ["compute.recompute=full"])
     assert describe_precision(recompute, torch.device("cuda")).endswith(
-        "; no CUDA graph (train.cuda_graphs=auto: the step graph cannot capture a step with "
-        "train.recompute=full: torch's checkpoint reads the CUDA generator's state in every recomputed block, "
+        "; no CUDA graph (compute.cuda_graphs=auto: the step graph cannot capture a step with "
+        "compute.recompute=full: torch's checkpoint reads the CUDA generator's state in every recomputed block, "
         "which a graph capture forbids)"
     )
     assert describe_precision(auto, torch.device("cuda")).endswith(
-        "; the training step replayed from a CUDA graph after 3 eager steps (train.cuda_graphs=auto: one GPU "
+        "; the training step replayed from a CUDA graph after 3 eager steps (compute.cuda_graphs=auto: one GPU "
         "and a layout the step graph captures; kept if its first replays take the device at least 3% less time "
         "than the eager steps)"
     )

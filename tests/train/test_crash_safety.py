@@ -26,9 +26,9 @@ def overrides(data_dir, run_dir, *extra):
             data_dir,
             run_dir,
             f"train.steps={STEPS}",
-            "train.save_every=2",
+            "checkpoint.save_every=2",
             "train.eval_every=0",
-            "train.keep_last=2",
+            "checkpoint.keep_last=2",
             *extra,
         )
     ]
@@ -171,7 +171,7 @@ def final_state(run_dir):
     return model.state_dict()
 
 
-@pytest.mark.parametrize("world, kills, extra", [(1, 6, ()), (2, 3, ()), (1, 4, ("train.async_checkpoint=true",))])
+@pytest.mark.parametrize("world, kills, extra", [(1, 6, ()), (2, 3, ()), (1, 4, ("checkpoint.async_save=true",))])
 def test_sigkill_at_random_moments_then_resume_is_bit_exact(real_text_dir, reference, tmp_path, world, kills, extra):
     """Synchronous checkpoints in one process and with two ranks; background (async) writes."""
     wait_for_reference, killed = reference(world), tmp_path / "killed"

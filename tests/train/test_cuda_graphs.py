@@ -1,4 +1,4 @@
-"""train.cuda_graphs on the CPU: `StepGraph` (src/moetrain/train/cuda_graphs.py) over
+"""compute.cuda_graphs on the CPU: `StepGraph` (src/moetrain/train/cuda_graphs.py) over
 `EmulatedGraph`, which captures and replays aten operations with a CUDA graph's semantics
 (numbers frozen at capture, tensors by their memory, capture runs nothing). The replayed steps
 give the eager run's outputs, parameters, moments, guard state and router biases bit for bit
@@ -33,7 +33,7 @@ def graph_cfg(tiny_cfg, run_dir, *overrides: str):
         "optim.grad_clip=0.05",
         "schedule.warmup_steps=4",
         "model.moe.bias_update_rate=0.01",
-        "train.skip_spike_sigma=0",
+        "guard.skip_spike_sigma=0",
         *overrides,
     )
 
@@ -143,19 +143,19 @@ def test_a_guard_that_rebinds_its_counter_fails_the_replay_check(cfg, monkeypatc
     ],
 )
 def test_the_config_refuses_what_is_not_captured(tiny_cfg, tmp_path, overrides, field):
-    with pytest.raises(ConfigError, match="train.cuda_graphs=step captures the training step") as error:
-        tiny_cfg(tmp_path / "run", "train.cuda_graphs=step", *overrides).validate(world_size=1)
-    assert field in str(error.value) and "train.cuda_graphs=off" in str(error.value)
+    with pytest.raises(ConfigError, match="compute.cuda_graphs=step captures the training step") as error:
+        tiny_cfg(tmp_path / "run", "compute.cuda_graphs=step", *overrides).validate(world_size=1)
+    assert field in str(error.value) and "compute.cuda_graphs=off" in str(error.value)
 
 
 def test_off_on_the_command_line_is_the_choice_not_a_bool(tiny_cfg, tmp_path):
     from moetrain.train.config import CudaGraphs
 
-    assert tiny_cfg(tmp_path / "run", "train.cuda_graphs=off").train.cuda_graphs == CudaGraphs.off
+    assert tiny_cfg(tmp_path / "run", "compute.cuda_graphs=off").compute.cuda_graphs == CudaGraphs.off
 
 
 def test_auto_is_the_step_graph_where_nothing_refuses_it_and_off_elsewhere_saying_why(tiny_cfg, tmp_path):
-    """train.cuda_graphs=auto is never refused: it resolves to step where step would be accepted
+    """compute.cuda_graphs=auto is never refused: it resolves to step where step would be accepted
     (one CUDA device, a layout the step graph captures), else to off with the
     reason step would have been refused for; the engine builds what it resolves to."""
     from moetrain.train.config import CudaGraphs
@@ -163,25 +163,25 @@ def test_auto_is_the_step_graph_where_nothing_refuses_it_and_off_elsewhere_sayin
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
 
     def choice(world_size, device, *overrides):
-        cfg = tiny_cfg(tmp_path / "run", "train.cuda_graphs=auto", "optim.bf16_weights=false", *overrides)
+        cfg = tiny_cfg(tmp_path / "run", "compute.cuda_graphs=auto", "optim.bf16_weights=false", *overrides)
         cfg.validate(world_size=world_size, device=device)
         return cfg.cuda_graphs_choice(world_size, device)
 
     assert choice(1, cpu) == (CudaGraphs.off, "the step graph replays CUDA kernels, but the run is on cpu")
     mode, why = choice(2, cuda, "train.micro_batch_size=2")
     assert mode == CudaGraphs.off and "2 ranks" in why and "set train" not in why
-    mode, why = choice(1, cuda, "train.recompute=full")
-    assert mode == CudaGraphs.off and "train.recompute=full" in why
+    mode, why = choice(1, cuda, "compute.recompute=full")
+    assert mode == CudaGraphs.off and "compute.recompute=full" in why
     mode, why = choice(1, cuda, "optim.name=muon")
     assert mode == CudaGraphs.off and "optim.name=muon" in why
-    mode, why = choice(1, cuda, "train.profile=true")  # a profile names the eager step's kernels
+    mode, why = choice(1, cuda, "logging.profile=true")  # a profile names the eager step's kernels
     assert mode == CudaGraphs.off and "the profiled steps run eagerly" in why
     mode, why = choice(1, cuda)  # the one layout left: the step graph, kept if it pays
     assert mode == CudaGraphs.step
     assert f"kept if its first replays take the device at least {AUTO_MIN_GAIN:.0%} less time" in why
-    explicit = tiny_cfg(tmp_path / "run", "train.cuda_graphs=step")
+    explicit = tiny_cfg(tmp_path / "run", "compute.cuda_graphs=step")
     assert explicit.cuda_graphs_choice(1, cuda) == (CudaGraphs.step, None)
-    engine = TrainEngine(tiny_cfg(tmp_path / "run", "train.cuda_graphs=auto"), one_process(), cpu)
+    engine = TrainEngine(tiny_cfg(tmp_path / "run", "compute.cuda_graphs=auto"), one_process(), cpu)
     assert engine.cuda_graphs == CudaGraphs.off and engine.step_graph is None
     assert "on cpu" in engine.cuda_graphs_why
 
@@ -190,13 +190,13 @@ def test_auto_is_the_step_graph_where_nothing_refuses_it_and_off_elsewhere_sayin
 def test_the_step_graph_refuses_recompute_naming_why(tiny_cfg, tmp_path, recompute):
     """torch's checkpoint reads the CUDA generator's state in each recomputed block's forward, and
     a capture forbids that (it would fail at the fourth step)."""
-    with pytest.raises(ConfigError, match=f"train.recompute={recompute}") as error:
-        tiny_cfg(tmp_path / "run", "train.cuda_graphs=step", f"train.recompute={recompute}").validate(world_size=1)
-    assert "generator" in str(error.value) and "train.recompute=none" in str(error.value)
+    with pytest.raises(ConfigError, match=f"compute.recompute={recompute}") as error:
+        tiny_cfg(tmp_path / "run", "compute.cuda_graphs=step", f"compute.recompute={recompute}").validate(world_size=1)
+    assert "generator" in str(error.value) and "compute.recompute=none" in str(error.value)
 
 
 def test_the_config_refuses_several_ranks_and_the_cpu(tiny_cfg, tmp_path):
-    cfg = tiny_cfg(tmp_path / "run", "train.cuda_graphs=step", "train.micro_batch_size=2")
+    cfg = tiny_cfg(tmp_path / "run", "compute.cuda_graphs=step", "train.micro_batch_size=2")
     with pytest.raises(ConfigError, match="2 ranks"):
         cfg.validate(world_size=2)
     with pytest.raises(ConfigError, match="train.device=cuda"):
@@ -205,12 +205,12 @@ def test_the_config_refuses_several_ranks_and_the_cpu(tiny_cfg, tmp_path):
 
 
 def test_the_step_graph_is_accepted_on_one_gpu(tiny_cfg, tmp_path):
-    tiny_cfg(tmp_path / "run", "train.cuda_graphs=step", "optim.bf16_weights=false").validate(
+    tiny_cfg(tmp_path / "run", "compute.cuda_graphs=step", "optim.bf16_weights=false").validate(
         world_size=1, device=torch.device("cuda")
     )
 
 
-# ---- train.cuda_graphs=step ----------------------------------------------------------------------
+# ---- compute.cuda_graphs=step ----------------------------------------------------------------------
 
 
 def step_engines(cfg):
@@ -247,13 +247,13 @@ def assert_same_output(a, b, n) -> None:
     [
         [],
         ["model.moe.routing=random"],
-        ["train.defer_expert_weight_grad=true"],
+        ["compute.defer_expert_weight_grad=true"],
         ["model.mtp_depth=1", "data.document_masking=true"],
     ],
     ids=["learned", "random-routing", "deferred-expert-grads", "mtp-document-masking"],
 )
 def test_replayed_training_steps_give_the_eager_run_bit_for_bit(tiny_cfg, tmp_path, overrides):
-    """train.cuda_graphs=step: the whole step (two micro-batches' forward and backward, clipping,
+    """compute.cuda_graphs=step: the whole step (two micro-batches' forward and backward, clipping,
     the guard, AdamW, the router bias, zeroed gradients, the routing statistics) captured once
     after the eager warm-up and replayed on new batches gives the eager run's outputs and state
     at every step: nothing it reads or writes is rebound, read on the host or left to Python
@@ -286,7 +286,7 @@ def test_replayed_steps_skip_a_non_finite_loss_as_the_eager_run_does(cfg, monkey
 
 
 def judged_engines(cfg, monkeypatch, device_s):
-    """(an eager engine, one built for train.cuda_graphs=auto's step graph over the emulator,
+    """(an eager engine, one built for compute.cuda_graphs=auto's step graph over the emulator,
     whose timed steps report `device_s` in order: the eager ones, then the replays)."""
     import moetrain.train.engine as engine_mod
     from moetrain.train.config import CudaGraphs
@@ -302,7 +302,7 @@ def judged_engines(cfg, monkeypatch, device_s):
 
 
 def test_auto_keeps_the_step_graph_whose_replays_are_faster(cfg, monkeypatch, capsys):
-    """train.cuda_graphs=auto's step graph times the eager steps before its capture but the
+    """compute.cuda_graphs=auto's step graph times the eager steps before its capture but the
     first (which compiles) and its first replays; replays that took the device well under the
     eager steps' time keep the graph: it goes on replaying, bit for bit the eager run, and the
     run says why once, with the times."""
@@ -319,7 +319,7 @@ def test_auto_keeps_the_step_graph_whose_replays_are_faster(cfg, monkeypatch, ca
     assert graphed.cuda_graph_counts() == {"captures": 1, "replays": steps - WARMUP_STEPS, "eager": WARMUP_STEPS}
     assert graphed.cuda_graphs == CudaGraphs.step
     assert "2.0 ms against 10.0 ms eager (+80.0%" in graphed.cuda_graphs_why
-    assert capsys.readouterr().err.count("note: train.cuda_graphs=auto: a replayed step took") == 1
+    assert capsys.readouterr().err.count("note: compute.cuda_graphs=auto: a replayed step took") == 1
 
 
 def test_auto_drops_the_step_graph_whose_replays_save_too_little(cfg, monkeypatch, capsys):
@@ -339,7 +339,7 @@ def test_auto_drops_the_step_graph_whose_replays_save_too_little(cfg, monkeypatc
     assert graphed.cuda_graph_counts() is None
     why = graphed.cuda_graphs_why
     assert "9.9 ms against 10.0 ms eager (+1.0%" in why and "the steps run eagerly" in why
-    assert capsys.readouterr().err.count("note: train.cuda_graphs=auto") == 1
+    assert capsys.readouterr().err.count("note: compute.cuda_graphs=auto") == 1
 
 
 def test_a_routing_switch_or_a_load_runs_eager_steps_then_captures_again(cfg):
@@ -484,7 +484,7 @@ def eager_after_a_failed_capture(cfg, eager, graphed, steps: int, capsys) -> str
         assert_same(state(eager), state(graphed))
     assert graphed.cuda_graph_counts() == {"captures": 0, "replays": 0, "eager": steps}
     err = capsys.readouterr().err
-    assert err.count("note: train.cuda_graphs=step: the training step could not be captured") == 1
+    assert err.count("note: compute.cuda_graphs=step: the training step could not be captured") == 1
     return err
 
 
@@ -505,7 +505,7 @@ def test_a_step_that_cannot_be_captured_runs_eagerly_from_then_on_and_says_why(t
     monkeypatch.setattr(MoE, "update_bias", host_reading)
     cfg = graph_cfg(tiny_cfg, tmp_path / "run", "model.mtp_depth=1")
     err = eager_after_a_failed_capture(cfg, *step_engines(cfg), WARMUP_STEPS + 4, capsys)
-    assert "_local_scalar_dense" in err and "as with train.cuda_graphs=off" in err
+    assert "_local_scalar_dense" in err and "as with compute.cuda_graphs=off" in err
 
 
 def test_a_gradient_accumulated_off_the_capture_stream_fails_the_capture_and_the_run_goes_on_eagerly(cfg, capsys):
@@ -521,7 +521,7 @@ def test_a_gradient_accumulated_off_the_capture_stream_fails_the_capture_and_the
 
 
 def test_bench_keeps_the_step_graphs_warm_up_and_capture_out_of_the_timed_window(cfg):
-    """`moetrain bench --warmup 2` with train.cuda_graphs=step: the training step's window warms
+    """`moetrain bench --warmup 2` with compute.cuda_graphs=step: the training step's window warms
     up over the eager steps and the capture, so every timed step is a replay; the other windows
     and runs without the step graph keep their warm-up."""
     from moetrain.bench import _OptimizerStep, warm_up_steps
@@ -544,7 +544,7 @@ def test_bench_keeps_the_step_graphs_warm_up_and_capture_out_of_the_timed_window
 
 @pytest.mark.parametrize("replay_s, kept", [(0.002, True), (0.0099, False)])
 def test_bench_keeps_autos_timed_replays_and_its_choice_out_of_the_timed_window(cfg, monkeypatch, replay_s, kept):
-    """With train.cuda_graphs=auto the training step's window also warms up over the replays
+    """With compute.cuda_graphs=auto the training step's window also warms up over the replays
     auto times and the step where it keeps or drops the graph: the first timed step is settled
     (a replay that times nothing, or an eager step with the graph gone)."""
     from moetrain.bench import warm_up_steps

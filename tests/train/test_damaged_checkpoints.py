@@ -18,7 +18,7 @@ from moetrain.train.trainer import Trainer
 
 
 def config(data_dir, run, *extra):
-    return resolve_config("tiny", tiny_overrides(data_dir, run, "train.steps=4", "train.save_every=2", *extra))
+    return resolve_config("tiny", tiny_overrides(data_dir, run, "train.steps=4", "checkpoint.save_every=2", *extra))
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +146,6 @@ def test_a_weights_only_checkpoint_is_not_resumed_as_a_run(real_text_dir, run, t
     weights = tmp_path / "weights"
     trainer = Trainer(config(real_text_dir, tmp_path / "scratch"), quiet=True)
     ckpt.save_checkpoint(weights, 4, {"model": ckpt.model_state_dict(trainer.engine.model)}, {"step": 4})
-    with pytest.raises(CheckpointError, match="--train.init_from"):
+    with pytest.raises(CheckpointError, match="--checkpoint.init_from"):
         Trainer(config(real_text_dir, weights, "train.steps=6"), resume=True, quiet=True)
     assert json.loads((step_dir(weights, 4) / "trainer_state.json").read_text()) == {"step": 4}

@@ -33,7 +33,7 @@ def test_moetrain_train_resume_with_more_steps_follows_the_schedule_it_says(real
     run = tmp_path / "run"
     train(real_text_dir, run, 12, resume=False)
     flags = [] if extend == "keep" else ["train.extend=replan"]
-    out = train(real_text_dir, run, 20, *flags, "train.save_every=4")
+    out = train(real_text_dir, run, 20, *flags, "checkpoint.save_every=4")
     schedule = resolve_config("tiny", tiny_overrides(real_text_dir, run)).schedule
     peak = resolve_config("tiny", tiny_overrides(real_text_dir, run)).optim.lr
     planned = 12 if extend == "keep" else 20
@@ -54,9 +54,9 @@ def test_moetrain_train_resume_with_more_steps_follows_the_schedule_it_says(real
 
 def test_a_resume_without_a_changed_step_count_says_nothing_about_the_schedule(real_text_dir, tmp_path):
     run = tmp_path / "run"
-    train(real_text_dir, run, 12, "train.save_every=6", resume=False)
+    train(real_text_dir, run, 12, "checkpoint.save_every=6", resume=False)
     (run / "checkpoints" / "step-12").rename(tmp_path / "step-12")
-    out = train(real_text_dir, run, 12, "train.save_every=6")
+    out = train(real_text_dir, run, 12, "checkpoint.save_every=6")
     assert "train.steps" not in out.stderr and "resumed from" in out.stderr
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 12

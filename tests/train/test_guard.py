@@ -87,9 +87,9 @@ def test_too_many_skips_in_a_row_stop_with_the_last_good_checkpoint(tiny_cfg, tm
         tiny_cfg(
             tmp_path / "run",
             "train.steps=8",
-            "train.save_every=2",
+            "checkpoint.save_every=2",
             "train.eval_every=0",
-            "train.max_consecutive_skips=3",
+            "guard.max_consecutive_skips=3",
         ),
         quiet=True,
     )

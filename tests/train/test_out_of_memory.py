@@ -50,7 +50,7 @@ def on_an_h200(monkeypatch):
 def test_out_of_memory_stops_with_the_last_checkpoint_intact(tiny_cfg, tmp_path, monkeypatch, async_checkpoint):
     run = tmp_path / "run"
     cfg = tiny_cfg(
-        run, "train.steps=6", "train.save_every=2", f"train.async_checkpoint={str(async_checkpoint).lower()}"
+        run, "train.steps=6", "checkpoint.save_every=2", f"checkpoint.async_save={str(async_checkpoint).lower()}"
     )
     trainer = Trainer(cfg, quiet=True)
     out_of_memory_at(monkeypatch, 3, trainer)
@@ -70,12 +70,12 @@ def test_out_of_memory_stops_with_the_last_checkpoint_intact(tiny_cfg, tmp_path,
     assert [s for s, _ in ckpt.list_checkpoints(run)] == [2] and ckpt.diagnose(step2) is None
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2"]
     before = files(step2)
-    resumed = Trainer(tiny_cfg(run, "train.steps=6", "train.save_every=2"), resume=True, quiet=True)
+    resumed = Trainer(tiny_cfg(run, "train.steps=6", "checkpoint.save_every=2"), resume=True, quiet=True)
     assert resumed.step == 2 and files(step2) == before
 
 
 def train_args(data_dir, run):
-    return ["train", "tiny", *[f"--{o}" for o in tiny_overrides(data_dir, run, "train.save_every=2")], "--quiet"]
+    return ["train", "tiny", *[f"--{o}" for o in tiny_overrides(data_dir, run, "checkpoint.save_every=2")], "--quiet"]
 
 
 def test_the_command_line_adds_the_plans_layout(real_text_dir, tmp_path, monkeypatch, capsys):
@@ -111,7 +111,7 @@ def test_out_of_memory_in_the_first_step(real_text_dir, tmp_path, monkeypatch, c
 def test_the_suggested_flags_set_the_suggested_layout(tiny_cfg, tmp_path):
     from moetrain.plan import layout_of, suggest
 
-    extra = ("train.micro_batch_size=8", "train.recompute=selective")
+    extra = ("train.micro_batch_size=8", "compute.recompute=selective")
     cfg = tiny_cfg(tmp_path / "run", *extra)
     best = suggest(cfg, 1, "h200", limit=1)[0]
     flags = layout_flags(cfg, best.layout)
@@ -129,14 +129,14 @@ def test_the_planners_gpu_is_found_by_name_or_memory():
 
 
 def test_the_advice_names_the_peak_without_deferred_expert_weight_gradients():
-    """With train.defer_expert_weight_grad the expert operands kept until the step's last backward
+    """With compute.defer_expert_weight_grad the expert operands kept until the step's last backward
     are part of the peak: the advice says what turning it off would leave (bench-sweep-64 keeps
     21.4 GiB of them on one H200)."""
     from moetrain.presets import resolve_config
 
-    on = advice(resolve_config("bench-sweep-64", ["train.defer_expert_weight_grad=true"]), 1, "h200")
+    on = advice(resolve_config("bench-sweep-64", ["compute.defer_expert_weight_grad=true"]), 1, "h200")
     off = advice(resolve_config("bench-sweep-64"), 1, "h200")
-    assert "--train.defer_expert_weight_grad=false" in on and "defer_expert_weight_grad" not in off
+    assert "--compute.defer_expert_weight_grad=false" in on and "defer_expert_weight_grad" not in off
     peak_on, peak_off = (float(t.split("predicts a peak of ")[1].split(" GiB")[0]) for t in (on, off))
     assert peak_on - peak_off == pytest.approx(21.4, abs=0.1)
-    assert f"; {peak_off:.1f} GiB with --train.defer_expert_weight_grad=false" in on
+    assert f"; {peak_off:.1f} GiB with --compute.defer_expert_weight_grad=false" in on

@@ -67,10 +67,10 @@ def steps_logged(run_dir):
 
 def test_a_second_run_is_refused_while_the_first_lives_and_takes_over_after_kill_9(real_text_dir, tmp_path):
     run = tmp_path / "run"
-    first = launch(real_text_dir, run, "train.steps=100000", "train.save_every=2")
+    first = launch(real_text_dir, run, "train.steps=100000", "checkpoint.save_every=2")
     try:
         wait_for(lambda: (run / "checkpoints" / "step-2" / "COMPLETE").is_file(), first)
-        second = launch(real_text_dir, run, "train.steps=100000", "train.save_every=2", resume=True)
+        second = launch(real_text_dir, run, "train.steps=100000", "checkpoint.save_every=2", resume=True)
         _, err = second.communicate(timeout=120)
         assert second.returncode == 2, err[-3000:]
         assert f"pid {first.pid} on host {socket.gethostname()}" in err and "--run-dir" in err, err
@@ -84,7 +84,7 @@ def test_a_second_run_is_refused_while_the_first_lives_and_takes_over_after_kill
     finally:
         kill(first)
     newest = max(int(p.name.split("-")[1]) for p in (run / "checkpoints").glob("step-*[0-9]"))
-    third = launch(real_text_dir, run, f"train.steps={newest + 2}", "train.save_every=2", resume=True)
+    third = launch(real_text_dir, run, f"train.steps={newest + 2}", "checkpoint.save_every=2", resume=True)
     _, err = third.communicate(timeout=180)
     assert third.returncode == 0, err[-3000:]
     assert steps_logged(run)[-2:] == [newest + 1, newest + 2]

@@ -32,7 +32,7 @@ CONTRACT = {
 
 def test_loss_decreases_on_real_text_and_metrics_follow_the_contract(tiny_cfg, tmp_path):
     cfg = tiny_cfg(
-        tmp_path / "run", "train.steps=40", "train.eval_every=20", "train.plot=true", "train.tensorboard=true"
+        tmp_path / "run", "train.steps=40", "train.eval_every=20", "logging.plot=true", "logging.tensorboard=true"
     )
     summary = Trainer(cfg, quiet=True).fit()
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
@@ -66,7 +66,7 @@ def _losses(path):
     [
         (),
         ("model.moe.routing=random", "model.moe.bias_update_rate=0.01"),
-        ("train.precision=bf16", "optim.bf16_weights=true"),  # fp32 masters through DCP and back
+        ("precision.dtype=bf16", "optim.bf16_weights=true"),  # fp32 masters through DCP and back
     ],
 )
 def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(tiny_cfg, tmp_path, extra):
@@ -89,7 +89,9 @@ def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(tiny_cfg, tmp_path,
 
 
 def test_resume_without_checkpoint_starts_fresh_and_keep_last(tiny_cfg, tmp_path):
-    t = Trainer(tiny_cfg(tmp_path / "run", "train.save_every=2", "train.keep_last=2"), resume=True, quiet=True)
+    t = Trainer(
+        tiny_cfg(tmp_path / "run", "checkpoint.save_every=2", "checkpoint.keep_last=2"), resume=True, quiet=True
+    )
     assert t.step == 0
     t.fit()
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path / "run")] == [10, 12]
@@ -118,11 +120,11 @@ def test_checkpoint_from_another_shape_is_a_clear_error(tiny_cfg, tmp_path):
 @pytest.mark.parametrize(
     "mode",
     [
-        ["train.recompute=full"],
-        ["train.recompute=selective"],
-        ["train.recompute=full", "train.recompute_every=2"],
-        ["train.recompute=selective", "model.moe.routing=random"],
-        ["train.recompute=full", "model.moe.routing=random"],
+        ["compute.recompute=full"],
+        ["compute.recompute=selective"],
+        ["compute.recompute=full", "compute.recompute_every=2"],
+        ["compute.recompute=selective", "model.moe.routing=random"],
+        ["compute.recompute=full", "model.moe.routing=random"],
     ],
 )
 def test_recompute_matches_plain_training_exactly(tiny_cfg, tmp_path, mode):
@@ -134,7 +136,7 @@ def test_recompute_matches_plain_training_exactly(tiny_cfg, tmp_path, mode):
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
     wrapped = [isinstance(b, CheckpointWrapper) for b in recomputed.engine.model.blocks.values()]
-    assert wrapped == ([True, False, True] if "train.recompute_every=2" in mode else [True] * 3)
+    assert wrapped == ([True, False, True] if "compute.recompute_every=2" in mode else [True] * 3)
     # One run after the other from the same RNG state (random routing draws from the global RNG).
     torch.manual_seed(1)
     want = [plain.train_step() for _ in range(3)]
@@ -184,7 +186,7 @@ def test_summary_records_initial_and_final_val_loss(tiny_cfg, tmp_path):
 
 def test_compiled_blocks_train_like_eager(tiny_cfg, tmp_path):
     eager = Trainer(tiny_cfg(tmp_path / "a", "train.steps=2"), quiet=True)
-    compiled = Trainer(tiny_cfg(tmp_path / "b", "train.steps=2", "train.compile=true"), quiet=True)
+    compiled = Trainer(tiny_cfg(tmp_path / "b", "train.steps=2", "compute.compile=true"), quiet=True)
     for _ in range(2):
         x, y = eager.train_step(), compiled.train_step()
         torch.testing.assert_close(x.lm_loss, y.lm_loss, rtol=1e-4, atol=1e-4)
@@ -193,10 +195,10 @@ def test_compiled_blocks_train_like_eager(tiny_cfg, tmp_path):
 
 
 def test_fresh_run_in_a_used_run_dir(tiny_cfg, tmp_path):
-    first = Trainer(tiny_cfg(tmp_path / "run", "train.steps=2", "train.save_final=false"), quiet=True)
+    first = Trainer(tiny_cfg(tmp_path / "run", "train.steps=2", "checkpoint.save_final=false"), quiet=True)
     first.fit()
     # No checkpoint: a new run starts a new metrics.jsonl instead of appending to the old one.
-    Trainer(tiny_cfg(tmp_path / "run", "train.steps=3", "train.save_final=false"), quiet=True).fit()
+    Trainer(tiny_cfg(tmp_path / "run", "train.steps=3", "checkpoint.save_final=false"), quiet=True).fit()
     assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3]
     # With checkpoints: refuse, and say how to continue.
     t = Trainer(tiny_cfg(tmp_path / "run2", "train.steps=1"), quiet=True)
@@ -206,13 +208,13 @@ def test_fresh_run_in_a_used_run_dir(tiny_cfg, tmp_path):
 
 
 def test_profile_switch_records_a_window_of_steps(tiny_cfg, tmp_path):
-    """train.profile=true: steps 3-4 (after 2) are traced; the op table names real kernels."""
+    """logging.profile=true: steps 3-4 (after 2) are traced; the op table names real kernels."""
     cfg = tiny_cfg(
         tmp_path / "run",
         "train.steps=5",
-        "train.profile=true",
-        "train.profile_wait=2",
-        "train.profile_steps=2",
+        "logging.profile=true",
+        "logging.profile_wait=2",
+        "logging.profile_steps=2",
         "train.eval_every=0",
     )
     Trainer(cfg, quiet=True).fit()
@@ -226,7 +228,7 @@ def test_profile_switch_records_a_window_of_steps(tiny_cfg, tmp_path):
 
 @pytest.mark.parametrize("recipe", ["rowwise", "mxfp8"])
 def test_fp8_trains_close_to_full_precision(tiny_cfg, tmp_path, recipe):
-    """train.fp8=rowwise|mxfp8 on CPU (row-wise: native FP8 linears, emulated FP8 grouped GEMMs and
+    """precision.fp8=rowwise|mxfp8 on CPU (row-wise: native FP8 linears, emulated FP8 grouped GEMMs and
     expert weight gradients, and the LM head; MXFP8: emulated products): the same parameters
     (names, initial values), losses within FP8's error of the fp32 run, and its checkpoint loads
     into a model without FP8."""
@@ -238,11 +240,11 @@ def test_fp8_trains_close_to_full_precision(tiny_cfg, tmp_path, recipe):
         tiny_cfg(
             tmp_path / "b",
             "train.steps=4",
-            f"train.fp8={recipe}",
-            "train.fp8_select=all",
-            "train.save_every=4",
+            f"precision.fp8={recipe}",
+            "precision.fp8_select=all",
+            "checkpoint.save_every=4",
             *dims,
-            *(["train.fp8_lm_head=true", "train.fp8_expert_weight_grad=true"] if recipe == "rowwise" else []),
+            *(["precision.fp8_lm_head=true", "precision.fp8_expert_weight_grad=true"] if recipe == "rowwise" else []),
         ),  # fmt: skip
         quiet=True,
     )
@@ -268,21 +270,21 @@ def test_fp8_trains_close_to_full_precision(tiny_cfg, tmp_path, recipe):
 @pytest.mark.parametrize("recipe, hidden, align", [("rowwise", 40, 16), ("mxfp8", 48, 32)])
 def test_fp8_refuses_dims_the_kernels_cannot_take(tiny_cfg, tmp_path, recipe, hidden, align):
     with pytest.raises(ConfigError) as e:
-        Trainer(tiny_cfg(tmp_path / "run", f"train.fp8={recipe}", f"model.moe.expert_hidden={hidden}"), quiet=True)
+        Trainer(tiny_cfg(tmp_path / "run", f"precision.fp8={recipe}", f"model.moe.expert_hidden={hidden}"), quiet=True)
     assert (
-        f"train.fp8={recipe}" in str(e.value)
+        f"precision.fp8={recipe}" in str(e.value)
         and f"divisible by {align}" in str(e.value)
         and str(hidden) in str(e.value)
     )
 
 
 def test_async_checkpoint_holds_its_steps_values_and_appears_only_when_complete(tiny_cfg, tmp_path):
-    """train.async_checkpoint: the save stages the tensors and returns; training goes on and
+    """checkpoint.async_save: the save stages the tensors and returns; training goes on and
     changes them; the checkpoint becomes visible at finish_checkpoint() with the values of the
     step it was taken at, and resuming from it reproduces the uninterrupted run."""
     full = Trainer(tiny_cfg(tmp_path / "full"), quiet=True)
     full.fit()
-    part = Trainer(tiny_cfg(tmp_path / "part", "train.async_checkpoint=true"), quiet=True)
+    part = Trainer(tiny_cfg(tmp_path / "part", "checkpoint.async_save=true"), quiet=True)
     for _ in range(5):
         part.train_step()
     where = part.save()
@@ -292,7 +294,7 @@ def test_async_checkpoint_holds_its_steps_values_and_appears_only_when_complete(
     part.finish_checkpoint()
     assert (where / ckpt.COMPLETE).is_file()
     del part
-    resumed = Trainer(tiny_cfg(tmp_path / "part", "train.async_checkpoint=true"), resume=True, quiet=True)
+    resumed = Trainer(tiny_cfg(tmp_path / "part", "checkpoint.async_save=true"), resume=True, quiet=True)
     assert resumed.step == 5
     resumed.fit()  # saves at 6 and 12 in the background; fit completes them
     a, b = _losses(tmp_path / "full" / "metrics.jsonl"), _losses(tmp_path / "part" / "metrics.jsonl")
@@ -302,7 +304,7 @@ def test_async_checkpoint_holds_its_steps_values_and_appears_only_when_complete(
 
 def test_compile_overlap_switch(tiny_cfg, tmp_path, monkeypatch):
     """parallel.compile_overlap turns on Inductor's reordering passes (names it knows) and needs
-    train.compile."""
+    compute.compile."""
     import torch._inductor.comms as comms
     import torch._inductor.config as inductor_config
 
@@ -310,16 +312,16 @@ def test_compile_overlap_switch(tiny_cfg, tmp_path, monkeypatch):
 
     monkeypatch.setattr(inductor_config, "reorder_for_compute_comm_overlap", False)
     monkeypatch.setattr(inductor_config, "reorder_for_compute_comm_overlap_passes", [])
-    with pytest.raises(ConfigError, match="train.compile=true"):
+    with pytest.raises(ConfigError, match="compute.compile=true"):
         Trainer(tiny_cfg(tmp_path / "a", "parallel.compile_overlap=true"), quiet=True)
-    Trainer(tiny_cfg(tmp_path / "b", "parallel.compile_overlap=true", "train.compile=true"), quiet=True)
+    Trainer(tiny_cfg(tmp_path / "b", "parallel.compile_overlap=true", "compute.compile=true"), quiet=True)
     assert inductor_config.reorder_for_compute_comm_overlap
     assert inductor_config.reorder_for_compute_comm_overlap_passes == OVERLAP_PASSES
     assert all(hasattr(comms, name) for name in OVERLAP_PASSES)
 
 
 def test_start_up_says_what_a_run_silently_would_not_do(tiny_cfg, real_text_dir, tmp_path, capsys):
-    """Evaluation asked of data without a validation split, and train.init_from on a resume: the
+    """Evaluation asked of data without a validation split, and checkpoint.init_from on a resume: the
     start-up notes say that nothing is evaluated, and which of the two a resume reads."""
     import shutil
 
@@ -335,7 +337,7 @@ def test_start_up_says_what_a_run_silently_would_not_do(tiny_cfg, real_text_dir,
 
     first = tiny_cfg(tmp_path / "b", "train.steps=6")
     Trainer(first, quiet=True).fit()
-    Trainer(tiny_cfg(tmp_path / "b", "train.steps=8", f"train.init_from={tmp_path / 'b'}"), resume=True)
+    Trainer(tiny_cfg(tmp_path / "b", "train.steps=8", f"checkpoint.init_from={tmp_path / 'b'}"), resume=True)
     err = capsys.readouterr().err
-    assert f"resumed from {tmp_path / 'b' / 'checkpoints' / 'step-6'} (step 6); train.init_from=" in err
+    assert f"resumed from {tmp_path / 'b' / 'checkpoints' / 'step-6'} (step 6); checkpoint.init_from=" in err
     assert "is for a fresh start, not read" in err

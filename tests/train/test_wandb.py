@@ -1,4 +1,4 @@
-"""The Weights & Biases sink (train.wandb=true), offline: nothing leaves the machine."""
+"""The Weights & Biases sink (logging.wandb=true), offline: nothing leaves the machine."""
 
 import json
 import struct
@@ -79,7 +79,7 @@ def offline_run_files(wandb_dir: Path) -> list[Path]:
 
 def test_metrics_reach_wandb_offline(tiny_cfg, tmp_path, offline_wandb):
     run_dir = tmp_path / "run"
-    Trainer(tiny_cfg(run_dir, "train.steps=4", "train.eval_every=2", "train.wandb=true"), quiet=True).fit()
+    Trainer(tiny_cfg(run_dir, "train.steps=4", "train.eval_every=2", "logging.wandb=true"), quiet=True).fit()
 
     (run_file,) = offline_run_files(offline_wandb)
     run_id = (run_dir / "wandb_id.txt").read_text().strip()
@@ -88,7 +88,7 @@ def test_metrics_reach_wandb_offline(tiny_cfg, tmp_path, offline_wandb):
     (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     assert (run.project, run.display_name, run.run_id) == ("moetrain", "run", run_id)
     config = {i.key: json.loads(i.value_json) for i in run.config.update}
-    assert config["train"]["wandb"] is True and config["model"]["d_model"] == 64
+    assert config["logging"]["wandb"] is True and config["model"]["d_model"] == 64
 
     logged = history(records)
     metrics = read_metrics(run_dir / "metrics.jsonl")
@@ -104,7 +104,7 @@ def test_metrics_reach_wandb_offline(tiny_cfg, tmp_path, offline_wandb):
 
 def test_resume_continues_the_wandb_run(tiny_cfg, tmp_path, offline_wandb):
     run_dir = tmp_path / "run"
-    extra = ("train.eval_every=0", "train.save_every=2", "train.wandb=true", "train.wandb_name=mine")
+    extra = ("train.eval_every=0", "checkpoint.save_every=2", "logging.wandb=true", "logging.wandb_name=mine")
     Trainer(tiny_cfg(run_dir, "train.steps=2", *extra), quiet=True).fit()
     first_id = (run_dir / "wandb_id.txt").read_text().strip()
     Trainer(tiny_cfg(run_dir, "train.steps=4", *extra), resume=True, quiet=True).fit()
@@ -134,6 +134,8 @@ def test_wandb_files_default_to_the_run_directory(tmp_path, offline_wandb, monke
 
 def test_wandb_not_installed_is_a_config_error(tiny_cfg, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` now raises ImportError
-    with pytest.raises(ConfigError, match=r"train\.wandb=true.*pip install 'moetrain\[wandb\]'.*train\.wandb=false"):
-        Trainer(tiny_cfg(tmp_path / "run", "train.wandb=true"), quiet=True)
+    with pytest.raises(
+        ConfigError, match=r"logging\.wandb=true.*pip install 'moetrain\[wandb\]'.*logging\.wandb=false"
+    ):
+        Trainer(tiny_cfg(tmp_path / "run", "logging.wandb=true"), quiet=True)
     assert not (tmp_path / "run").exists()  # raised before any work

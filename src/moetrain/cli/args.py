@@ -13,7 +13,7 @@ TRAIN_FLAGS = {
     "--steps": ("train.steps", int),
     "--seed": ("train.seed", int),
     "--run-dir": ("train.run_dir", str),
-    "--save-every": ("train.save_every", int),
+    "--save-every": ("checkpoint.save_every", int),
     "--eval-every": ("train.eval_every", int),
     "--device": ("train.device", str),
 }

@@ -217,7 +217,7 @@ def cmd_import_hf(argv: list[str]) -> int:
         "Read a Hugging Face Qwen3-MoE or GLM-4-MoE directory (config.json, safetensors, tokenizer.json) into "
         "OUT_DIR: "
         "config.yaml, tokenizer.json and a weights-only checkpoint. Continue training it with `moetrain "
-        "train OUT_DIR/config.yaml --train.init_from=OUT_DIR --data.sources=… --run-dir NEW`.",
+        "train OUT_DIR/config.yaml --checkpoint.init_from=OUT_DIR --data.sources=… --run-dir NEW`.",
         "hf_dir",
         "a Hugging Face model directory",
         import_hf,

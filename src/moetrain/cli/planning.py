@@ -61,7 +61,7 @@ def _plan_parser() -> argparse.ArgumentParser:
             "time_to_budget_s, exposed_comm_s, fewest_gpus, …). Assumptions: src/moetrain/plan/calibration.py."
         ),
         epilog=fill(
-            "Set the layout with config keys: --parallel.ep=8 --parallel.pp=8 --train.recompute=full "
+            "Set the layout with config keys: --parallel.ep=8 --parallel.pp=8 --compute.recompute=full "
             "--parallel.shard_optimizer=true …"
         )
         + f"\n\nLayout abbreviations:\n{legend}",

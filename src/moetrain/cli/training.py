@@ -45,7 +45,7 @@ def cmd_train(argv: list[str]) -> int:
     if args.rehearse is not None:
         if args.steps is None:
             args.steps = 4
-        overrides.append("train.save_final=false")  # the rehearsal saves and loads back itself
+        overrides.append("checkpoint.save_final=false")  # the rehearsal saves and loads back itself
         rehearsal = rehearse.resolve(resolve_args(args, overrides), args.rehearse, args.rank)
     cfg = resolve_args(args, overrides)
     if rehearsal is None:
@@ -102,7 +102,7 @@ def cmd_bench(argv: list[str]) -> int:
         description="Warm up, then time training steps of a preset on random token ids; one JSON line "
         "per routing mode with tokens_per_sec_per_device, tflops_per_device, mfu, peak_mem_gib, "
         "sync_free and the exact shape, batch, routing and precision.",
-        epilog="Any config key can be set with --section.key=value, e.g. --train.compile=true "
+        epilog="Any config key can be set with --section.key=value, e.g. --compute.compile=true "
         "--train.micro_batch_size=2.",
     )
     parser.add_argument("spec", metavar="PRESET_OR_YAML")

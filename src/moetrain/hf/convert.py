@@ -605,7 +605,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> dict:
     """A Qwen3-MoE or GLM-4-MoE directory (config.json + safetensors, one file or sharded,
     per-expert or fused expert tensors) → a moetrain run directory holding config.yaml,
     tokenizer.json and a weights-only checkpoint `checkpoints/step-0`, which `generate`, `eval`,
-    `export-hf` and `train --train.init_from=…` read."""
+    `export-hf` and `train --checkpoint.init_from=…` read."""
     require("safetensors.torch", "import-hf (it reads safetensors)")  # before any work
     hf_dir, out = Path(hf_dir), Path(out_dir)
     config_file = hf_dir / "config.json"

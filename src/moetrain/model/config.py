@@ -33,7 +33,7 @@ class Routing(enum.StrEnum):
 
 
 class Fp8(enum.StrEnum):
-    """FP8 recipe of the matrix products (set as `train.fp8`; src/moetrain/model/fp8.py)."""
+    """FP8 recipe of the matrix products (set as `precision.fp8`; src/moetrain/model/fp8.py)."""
 
     none = "none"
     rowwise = "rowwise"

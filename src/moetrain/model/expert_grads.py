@@ -8,7 +8,7 @@ With gradient accumulation an expert weight's gradient is, per micro-batch, one 
 `dyᵀ · x` over each expert's rows, added into the step's fp32 gradient. When experts are many and
 small (bench-sweep-64: 512 rows per expert and micro-batch), that addition — the whole fp32
 gradient read and written once per micro-batch — costs more than the GEMM, and the GEMM itself
-runs on short row blocks. Deferred (`train.defer_expert_weight_grad`), each expert layer keeps
+runs on short row blocks. Deferred (`compute.defer_expert_weight_grad`), each expert layer keeps
 its two operands (x and dy, bf16) of every micro-batch but the last, and the step's last backward
 lays all micro-batches' rows out expert by expert (`expert_major`: one row copy) and runs one
 grouped GEMM over them: the sum over micro-batches happens in the GEMM's fp32 accumulator, the
@@ -96,10 +96,10 @@ class DeferredExpertGrads:
             counts, passes = sorted(len(v) for v in self._held.values()), self.backward_passes
             self.reset()
             raise RuntimeError(
-                f"train.defer_expert_weight_grad: {len(counts)} expert products saw fewer than the step's "
+                f"compute.defer_expert_weight_grad: {len(counts)} expert products saw fewer than the step's "
                 f"{passes} backward passes (held {counts}); their weight gradients would be lost. "
                 "Every micro-batch's backward must reach every MoE layer once; set "
-                "train.defer_expert_weight_grad=false for a step that does not."
+                "compute.defer_expert_weight_grad=false for a step that does not."
             )
 
 

@@ -7,7 +7,7 @@ expert's rows end. `torch._grouped_mm` multiplies each row block by its expert's
 kernel: no Python loop over experts, no host sync, dropless. The gate and up projections are one
 fused weight, so a layer is two grouped GEMMs forward.
 
-With `deferred` set (`train.defer_expert_weight_grad`), the two products are autograd functions
+With `deferred` set (`compute.defer_expert_weight_grad`), the two products are autograd functions
 of their own whose weight gradients wait for the step's last backward (src/moetrain/model/expert_grads.py)
 and whose SwiGLU keeps only h for backward, as row-wise FP8's does; they run eagerly inside
 compiled blocks (their backward keeps tensors across micro-batches, which a graph cannot).
@@ -37,14 +37,14 @@ class GroupedExperts(nn.Module):
         self.w_gate_up_E2FD = nn.Parameter(torch.empty(num_experts, 2 * hidden, d_model))
         self.w_down_EDF = nn.Parameter(torch.empty(num_experts, d_model, hidden))
         self.fp8: str | None = None
-        """FP8 grouped GEMMs (src/moetrain/model/fp8.py): "rowwise" or "mxfp8", set by `train.fp8`."""
+        """FP8 grouped GEMMs (src/moetrain/model/fp8.py): "rowwise" or "mxfp8", set by `precision.fp8`."""
         self.fp8_fast_accum_backward = False
-        """Row-wise FP8's input-gradient products with fast accumulation (`train.fp8_fast_accum_backward`)."""
+        """Row-wise FP8's input-gradient products with fast accumulation (`precision.fp8_fast_accum_backward`)."""
         self.fp8_weight_grad = False
-        """Row-wise FP8's weight gradients as FP8 products too (`train.fp8_expert_weight_grad`)."""
+        """Row-wise FP8's weight gradients as FP8 products too (`precision.fp8_expert_weight_grad`)."""
         self.deferred: DeferredExpertGrads | None = None
         """The weight gradients computed once per step, in its last backward
-        (`train.defer_expert_weight_grad`; src/moetrain/model/expert_grads.py)."""
+        (`compute.defer_expert_weight_grad`; src/moetrain/model/expert_grads.py)."""
 
     def forward(
         self, x_MD: torch.Tensor, offsets_E: torch.Tensor, weights: tuple[torch.Tensor, torch.Tensor] | None = None

@@ -3,7 +3,7 @@
 Legend: M rows (tokens, or expert assignments sorted by expert), K the reduction dim, N output
 features, E experts.
 
-**Row-wise recipe** (`train.fp8=rowwise`; Hopper's scaled FP8 GEMMs). Each operand of a GEMM is
+**Row-wise recipe** (`precision.fp8=rowwise`; Hopper's scaled FP8 GEMMs). Each operand of a GEMM is
 cast to float8_e4m3fn with one fp32 scale per row *along the reduction dim*:
 
     scale = 2^ceil(log2(amax / 448)),   q = round_e4m3(x / scale),   x ≈ q · scale
@@ -14,7 +14,7 @@ bf16. Forward y = x·Wᵀ scales x per token and W per output feature; the input
 dx = dy·W scales dy per token and W per input feature; the weight gradient dW = dyᵀ·x scales
 both per feature over the tokens (linear layers). For the grouped expert GEMMs the weight
 gradient is a bf16 grouped GEMM by default: its reduction runs over each expert's
-variable-length token block. With `train.fp8_expert_weight_grad` it is FP8 too: each expert's
+variable-length token block. With `precision.fp8_expert_weight_grad` it is FP8 too: each expert's
 rows are quantized per feature over that expert's tokens and written transposed into a layout
 whose blocks are padded to 16 rows (`expert_segments`), what `_scaled_grouped_mm`'s 2-D × 2-D form
 takes; rows past the last offset (the uninitialized padding the sync-free dispatcher leaves)
@@ -36,7 +36,7 @@ once, with `quantize_rowwise`'s bits.
 elements along the reduction dim share one power-of-two scale stored as float8_e8m0fnu, chosen
 like the row-wise one (2^ceil(log2(amax / 448)), so no element saturates). `quantize_mxfp8` is
 the quantizer; its numerics are tested against an independent float64 reference.
-`train.fp8=mxfp8` trains with it: the forward and input-gradient products of the same GEMMs as
+`precision.fp8=mxfp8` trains with it: the forward and input-gradient products of the same GEMMs as
 the row-wise recipe take MXFP8 operands (blocks along each product's reduction dim), the weight
 gradients stay bf16. The products are computed from the dequantized operands — exact in bf16,
 since e4m3 × a power of two needs 4 significant bits — with fp32 accumulation: the arithmetic of
@@ -148,7 +148,7 @@ FAST_ACCUM_FORWARD = True
 """Hopper's fast FP8 accumulation (the tensor cores' partial sums not promoted to fp32 along the
 reduction) in the CUDA products of forward, as torchao's float8 training does. The backward
 products (input and weight gradients, whose reductions run over the output features and over
-8k+ tokens) take it only with `train.fp8_fast_accum_backward` (the `fast_backward` arguments
+8k+ tokens) take it only with `precision.fp8_fast_accum_backward` (the `fast_backward` arguments
 below); docs/benchmarks.md, "FP8", has its throughput and 250-step loss curve."""
 
 
@@ -488,7 +488,7 @@ class Fp8Linear(nn.Linear):
     fp32 `weight`: checkpoints and optimizers do not see a difference."""
 
     fast_accum_backward = False
-    """The gradients' products with fast accumulation (`train.fp8_fast_accum_backward`; set
+    """The gradients' products with fast accumulation (`precision.fp8_fast_accum_backward`; set
     per module by `apply_fp8`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -496,7 +496,7 @@ class Fp8Linear(nn.Linear):
 
 
 class MxFp8Linear(nn.Linear):
-    """nn.Linear (no bias) with MXFP8 operands (`train.fp8=mxfp8`); the same fp32 `weight`."""
+    """nn.Linear (no bias) with MXFP8 operands (`precision.fp8=mxfp8`); the same fp32 `weight`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return mxfp8_linear(_autocast(x), self.weight)

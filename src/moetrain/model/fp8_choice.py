@@ -11,7 +11,7 @@ few rows per expert gains little from FP8 tensor cores as well. Measured product
 (`benchmarks/probes/fp8_choice_probe.py`, docs/measurements.md "FP8, product by product"), FP8
 pays where a product's forward and backward multiply at least `MIN_TFLOP` of its kind and, for
 the experts, each expert gets at least `MIN_ROWS_PER_EXPERT` rows; below either, it costs time.
-The LM head is judged as a linear of its shape (`choose_head`) unless `train.fp8_lm_head` is set. The choice
+The LM head is judged as a linear of its shape (`choose_head`) unless `precision.fp8_lm_head` is set. The choice
 depends on the configuration only (not on the device or a timing), so a run, its resume and its
 CPU emulation make the same one.
 """
@@ -38,7 +38,7 @@ MIN_ROWS_PER_EXPERT = 2048
 
 
 class Fp8Select(enum.StrEnum):
-    """Which products `train.fp8` turns to FP8 (`train.fp8_select`)."""
+    """Which products `precision.fp8` turns to FP8 (`precision.fp8_select`)."""
 
     auto = "auto"
     """Those whose shape repays it (src/moetrain/model/fp8_choice.py): on the bench presets all
@@ -105,7 +105,7 @@ def head_product(cfg, rows: int) -> Product:
 
 
 def choose_head(cfg, rows: int, select: Fp8Select | str, asked: bool | None = None) -> bool:
-    """Whether the LM head runs in FP8: `asked` (train.fp8_lm_head) when set; else where `select`
+    """Whether the LM head runs in FP8: `asked` (precision.fp8_lm_head) when set; else where `select`
     would take a block product of its shape and the vocabulary is a multiple of 16 (what the FP8
     kernels take)."""
     if asked is not None:
@@ -123,9 +123,9 @@ def describe(cfg, rows: int, select: Fp8Select | str) -> str:
     products = block_products(cfg, rows)
     chosen = chosen_products(cfg, rows, select)
     if Fp8Select(select) == Fp8Select.all:
-        return "every product in the blocks (train.fp8_select=all)"
+        return "every product in the blocks (precision.fp8_select=all)"
     if not chosen:
-        return "no product: all are too small to repay it (train.fp8_select=auto), so the step is bf16's"
+        return "no product: all are too small to repay it (precision.fp8_select=auto), so the step is bf16's"
     rest = "the others are too small to repay it"
     return f"{', '.join(chosen)} ({len(chosen)} of {len(products)} kinds of product; {rest})"
 

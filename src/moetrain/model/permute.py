@@ -22,7 +22,7 @@ result does not depend on the order atomics land), and the saved tensor is the e
 itself. The sums over k run in the order `index_add` adds in on the CPU (ascending m), so the
 fp32 CPU numerics are those of the plain autograd formulation, bit for bit.
 
-Outside a compiled block (train.compile=false, or an exchange that runs eagerly) the same fusion
+Outside a compiled block (compute.compile=false, or an exchange that runs eagerly) the same fusion
 comes from `fused`: on a CUDA device each gather-and-sum body below is a small compiled function
 of its own, so an eager step moves each row once where it would take three or four passes.
 """

@@ -169,7 +169,7 @@ class SplitMaster:
         `accumulate_grad`). Into a kept buffer it is copied. bf16 `grad_dtype`: later ones are
         added into the bf16 gradient in place (in fp32, rounded once). A backward that gave `p`
         no gradient (None: the experts' before the step's last backward, with
-        train.defer_expert_weight_grad) adds nothing."""
+        compute.defer_expert_weight_grad) adds nothing."""
         if p.grad is None:
             return
         i = self._index[id(p)]

@@ -111,7 +111,7 @@ class ParallelConfig(Config):
     dispatcher: DispatcherKind = DispatcherKind.nosync
     """How tokens reach experts on other ranks (with ep > 1): nosync or alltoall."""
     compile_overlap: bool = False
-    """Experimental. With train.compile: let Inductor move the collectives inside each compiled
+    """Experimental. With compute.compile: let Inductor move the collectives inside each compiled
     block (the expert all-to-alls) ahead of independent compute, so they overlap it. Off by
     default: measured on one layout only (docs/measurements.md, "At the preset's batch")."""
     shard_optimizer: bool = False
@@ -170,8 +170,8 @@ class ParallelConfig(Config):
             fits = [d for d in range(2, local + 1) if local % d == 0]
             return (
                 f"parallel.overlap_chunks={n} does not divide the {local} experts each rank holds, so it "
-                "splits the tokens, and each expert runs once per chunk; train.defer_expert_weight_grad "
-                "keeps one product per expert and micro-batch: set train.defer_expert_weight_grad=false, "
+                "splits the tokens, and each expert runs once per chunk; compute.defer_expert_weight_grad "
+                "keeps one product per expert and micro-batch: set compute.defer_expert_weight_grad=false, "
                 "or parallel.overlap_chunks=1" + (f" or one of {', '.join(map(str, fits))}." if fits else ".")
             )
         return None

@@ -8,9 +8,9 @@
     1. expert parallel: each MoE layer keeps its rank's experts and gets an all-to-all dispatcher
        (`parallel.dispatcher`: nosync, fixed buffers, or alltoall, exact splits)
        (or, with ep = 1 and dp > 1, a dispatcher that only sums routing counts over dp)
-    1b. FP8 (`train.fp8=rowwise|mxfp8`): the experts' grouped GEMMs and the attention / shared-expert /
+    1b. FP8 (`precision.fp8=rowwise|mxfp8`): the experts' grouped GEMMs and the attention / shared-expert /
         dense-MLP linears switch to row-wise FP8 products (same parameters)
-    2. activation recompute (per block, every `train.recompute_every`-th; full or selective)
+    2. activation recompute (per block, every `compute.recompute_every`-th; full or selective)
     3. torch.compile (per block)
     4. data parallel:
        - `parallel.stack=ddp`: after `to_empty()` + `init_weights()`, the optimizer attaches its
@@ -66,10 +66,10 @@ def parallelize(
     grad_dtype: torch.dtype = torch.float32,
 ) -> Transformer:
     """Apply the layout `parallel` (on `state`'s process groups) and the execution settings
-    (`train.fp8`, `train.fp8_select`, `train.fp8_lm_head`, `train.fp8_fast_accum_backward`,
-    `train.fp8_expert_weight_grad`, `train.recompute`,
-    `train.recompute_every`, `train.compile`) to a meta-device model, in the order of the module
-    docstring; `rows`: tokens per micro-batch on this rank (what `train.fp8_select=auto` sizes
+    (`precision.fp8`, `precision.fp8_select`, `precision.fp8_lm_head`, `precision.fp8_fast_accum_backward`,
+    `precision.fp8_expert_weight_grad`, `compute.recompute`,
+    `compute.recompute_every`, `compute.compile`) to a meta-device model, in the order of the module
+    docstring; `rows`: tokens per micro-batch on this rank (what `precision.fp8_select=auto` sizes
     the products by). `param_dtype`: the compute dtype (bf16 under autocast), in which the fsdp
     stack all-gathers the blocks' parameters; `grad_dtype` (optim.grad_dtype): the dtype in which
     it accumulates and reduce-scatters their gradients."""

@@ -28,7 +28,7 @@ pipeline rank that needs most:
 - activations: what autograd keeps for backward, per block and token (`_block_bytes`), for the
   micro-batches a rank holds at once (1 without a pipeline; 1F1B: pp − rank, interleaved ×
   (1 + (pp − 1)/(pp·v)), GPipe: all m), plus on the last stage the loss's logits — one chunk's
-  bf16 logits and their gradient (c × V × 4 B, c = train.loss_chunk_tokens) with the hidden
+  bf16 logits and their gradient (c × V × 4 B, c = compute.loss_chunk_tokens) with the hidden
   states' fp32 gradient (t × D × 4 B) held for backward; with the plain path (chunks off, or a
   pipeline) all of them, bf16, their fp32 copy and log-softmax (t × V × 10 B) —, plus autocast's
   bf16 weight copies of blocks that do not

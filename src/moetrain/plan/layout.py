@@ -204,8 +204,8 @@ def layout_of(cfg: RunConfig, gpus: int) -> Layout:
         spill_factor=p.spill_factor,
         capacity_min_rows=DEFAULT_CAPACITY_MIN_ROWS if p.capacity_min_rows is None else p.capacity_min_rows,
         overlap_chunks=p.overlap_chunks if p.dispatcher == DispatcherKind.nosync else 0,
-        recompute=tc.recompute.value,
-        recompute_every=tc.recompute_every,
+        recompute=cfg.compute.recompute.value,
+        recompute_every=cfg.compute.recompute_every,
         micro_batches=tc.grad_accum_steps,
         rows_per_micro_batch=tc.micro_batch_size // dims.dp,
         cp=dims.cp,
@@ -229,13 +229,13 @@ def rows_per_token(cfg: RunConfig, L: Layout) -> tuple[float, float]:
 
 
 def compiled_blocks(cfg: RunConfig) -> bool:
-    """Whether the blocks run compiled: train.compile, unless the exact all-to-all dispatcher
+    """Whether the blocks run compiled: compute.compile, unless the exact all-to-all dispatcher
     reads split sizes on the host — a graph break inside the block, which then keeps
     eager-sized activations (measured: 80.5 GiB vs 80.1 nosync) and runs eager kernels."""
-    return cfg.train.compile and not (cfg.parallel.ep > 1 and cfg.parallel.dispatcher == DispatcherKind.alltoall)
+    return cfg.compute.compile and not (cfg.parallel.ep > 1 and cfg.parallel.dispatcher == DispatcherKind.alltoall)
 
 
 def uses_bf16_weights(cfg: RunConfig) -> bool:
     """Whether a GPU run of `cfg` trains with optim.bf16_weights (set, or CUDA's default)."""
-    amp = None if cfg.train.precision.value == "fp32" else torch.bfloat16
+    amp = None if cfg.precision.dtype.value == "fp32" else torch.bfloat16
     return cfg.optim.resolved_bf16_weights(cfg.parallel, amp, "cuda")

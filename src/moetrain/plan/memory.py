@@ -239,7 +239,7 @@ class _Model:
         functional_exchange = L.dispatcher in (DispatcherKind.alltoall.value, DispatcherKind.nosync.value)
         exchanged = wire_rows if ep_eff > 1 and functional_exchange and not L.overlap_chunks else 0.0
         return cls(
-            fp32=cfg.train.precision.value == "fp32",
+            fp32=cfg.precision.dtype.value == "fp32",
             compiled=compiled_blocks(cfg),
             fsdp=fsdp,
             ep_eff=ep_eff,
@@ -311,8 +311,8 @@ def _saved_activations(
 
 def deferred_expert_grads(cfg: RunConfig, L: Layout) -> bool:
     """Whether the experts' weight gradients wait for the step's last backward
-    (train.defer_expert_weight_grad, which does nothing with one micro-batch)."""
-    return cfg.train.defer_expert_weight_grad and L.micro_batches > 1
+    (compute.defer_expert_weight_grad, which does nothing with one micro-batch)."""
+    return cfg.compute.defer_expert_weight_grad and L.micro_batches > 1
 
 
 def expert_operand_bytes(cfg: RunConfig, L: Layout, moe_layers: int, micro_batches: float) -> float:
@@ -322,7 +322,7 @@ def expert_operand_bytes(cfg: RunConfig, L: Layout, moe_layers: int, micro_batch
     t = L.tokens(cfg.data.seq_len)
     expert_rows, _ = rows_per_token(cfg, L)
     per_row = 2 * cfg.model.d_model + 3 * cfg.model.moe.expert_hidden
-    element = 4 if cfg.train.precision.value == "fp32" else 2
+    element = 4 if cfg.precision.dtype.value == "fp32" else 2
     return micro_batches * t * expert_rows * moe_layers * per_row * element
 
 
@@ -409,7 +409,7 @@ def memory_per_rank(cfg: RunConfig, L: Layout, groups: ParamGroups, assume: Assu
     S = L.pp * L.stages_per_rank
     layers_per_stage = [len(s) for s in stage_layers(m.n_layers, S)]
     t = L.tokens(cfg.data.seq_len)  # tokens per rank per micro-batch
-    chunk = cfg.train.resolved_loss_chunk_tokens("cuda") if L.pp == 1 else 0  # pipelines: the plain path
+    chunk = cfg.compute.resolved_loss_chunk_tokens("cuda") if L.pp == 1 else 0  # pipelines: the plain path
     out = []
     for r in range(L.pp):
         stages = [r + i * L.pp for i in range(L.stages_per_rank)]

@@ -62,15 +62,10 @@ def with_layout(
             pp_stages_per_rank=None,
             stack=Stack.ddp,
         ),
-        train=dataclasses.replace(
-            cfg.train,
-            micro_batch_size=micro,
-            global_batch_size=batch,
-            recompute=Recompute(recompute),
-            recompute_every=1,
-        ),
+        train=dataclasses.replace(cfg.train, micro_batch_size=micro, global_batch_size=batch),
+        compute=dataclasses.replace(cfg.compute, recompute=Recompute(recompute), recompute_every=1),
     )
-    if out.parallel.overlap_problem(cfg.model.moe.num_experts, cfg.train.defer_expert_weight_grad):
+    if out.parallel.overlap_problem(cfg.model.moe.num_experts, cfg.compute.defer_expert_weight_grad):
         return None
     return out
 

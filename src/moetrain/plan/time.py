@@ -92,7 +92,7 @@ def communication(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume
     dense_b, expert_b = 4 * rank.dense_local, 4 * rank.expert_local
     grad_elem = 2 if cfg.optim.grad_dtype.value == "bf16" else 4  # the reductions' dtype (optim.grad_dtype)
     if fsdp:
-        gathered = 4 if cfg.train.precision.value == "fp32" else 2  # bf16 all-gathers under bf16 compute
+        gathered = 4 if cfg.precision.dtype.value == "fp32" else 2  # bf16 all-gathers under bf16 compute
         ag = 2 * L.micro_batches * gathered * rank.local * _ring(L.replicas)  # forward and backward all-gathers
         rs = grad_elem * rank.local * _ring(L.replicas)
         comm["fsdp_all_gather"], comm["fsdp_reduce_scatter"] = ag, rs
@@ -133,7 +133,7 @@ def _context_bytes(cfg: RunConfig, L: Layout, rank: RankMemory, t: int) -> float
     hd elements per token) and backward reduce-scatters their gradients — (cp − 1) shards sent
     each — and a fully recomputed layer gathers again."""
     m = cfg.model
-    a = 4 if cfg.train.precision.value == "fp32" else 2
+    a = 4 if cfg.precision.dtype.value == "fp32" else 2
     shard = t * 2 * m.n_kv_heads * m.resolved_head_dim * a
     passes = 2.0
     if L.recompute == Recompute.full.value:
@@ -176,10 +176,10 @@ def _gemm_time(
 def _fp8_flops_per_token(cfg: RunConfig, L: Layout) -> tuple[float, float]:
     """(FLOPs per token of the products row-wise FP8 takes, of all the blocks' and the LM head's):
     `fp8_choice.fp8_flops_per_token` at the layout's rows per micro-batch; (0, 1) without it."""
-    if cfg.train.fp8 != Fp8.rowwise:
+    if cfg.precision.fp8 != Fp8.rowwise:
         return 0.0, 1.0
-    rows, select = L.tokens(cfg.data.seq_len), cfg.train.fp8_select
-    head = choose_head(cfg.model, rows, select, cfg.train.fp8_lm_head)
+    rows, select = L.tokens(cfg.data.seq_len), cfg.precision.fp8_select
+    head = choose_head(cfg.model, rows, select, cfg.precision.fp8_lm_head)
     return fp8_flops_per_token(cfg.model, rows, select, head=head)
 
 
@@ -250,7 +250,7 @@ def _cast_time(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume: A
     (src/moetrain/model/expert_grads.py; the update's 2 bytes less per bf16 expert gradient are not
     counted)."""
     fsdp = L.stack == Stack.fsdp.value
-    fp32 = cfg.train.precision.value == "fp32"
+    fp32 = cfg.precision.dtype.value == "fp32"
     low_grads = cfg.optim.grad_dtype.value == "bf16"
     hbm = spec.hbm_bytes_s * assume.hbm_eff
     deferred = deferred_expert_grads(cfg, L)
@@ -344,8 +344,8 @@ def step_time(
     t_casts = _cast_time(cfg, L, rank, spec, assume)
     t_elementwise = _elementwise_time(cfg, L, rank, spec, assume)
     t_fp8 = 0.0
-    if cfg.train.fp8 != Fp8.none:
-        rowwise = cfg.train.fp8 == Fp8.rowwise
+    if cfg.precision.fp8 != Fp8.none:
+        rowwise = cfg.precision.fp8 == Fp8.rowwise
         chosen, every = _fp8_flops_per_token(cfg, L) if rowwise else (1.0, 1.0)
         local_params = rank.local / (L.replicas if L.stack == Stack.fsdp.value else 1)
         t_fp8 = (

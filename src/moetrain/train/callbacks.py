@@ -2,12 +2,12 @@
 after every step, and at the end (also when the run fails). `callbacks_from_config` builds the
 list the `Trainer` runs (`Trainer.callbacks`):
 
-    StepProfiling    torch.profiler over train.profile_steps steps (train.profile)
-    SkipLimit        stop the run after train.max_consecutive_skips skipped updates in a row
+    StepProfiling    torch.profiler over logging.profile_steps steps (logging.profile)
+    SkipLimit        stop the run after guard.max_consecutive_skips skipped updates in a row
     MetricsLogger    the records and the validation loss, handed to each sink of
                      `metrics_sinks`: metrics.jsonl, TensorBoard, W&B, the console line
                      (src/moetrain/train/metrics.py, wandb_sink.py, console.py)
-    Checkpointing    a checkpoint every train.save_every steps and at the end
+    Checkpointing    a checkpoint every checkpoint.save_every steps and at the end
     GracefulStop     SIGTERM or Ctrl-C: finish the step, save, stop
 
 They run in that order after each step. Each reads the trainer's public state (`step`, `engine`,
@@ -124,7 +124,7 @@ class StepProfiling(Callback):
 
 
 class SkipLimit(Callback):
-    """Ends the run (`TooManySkippedSteps`) after train.max_consecutive_skips skipped updates in
+    """Ends the run (`TooManySkippedSteps`) after guard.max_consecutive_skips skipped updates in
     a row. The count is a device value: read every step on CPU, on logging steps on GPU (the
     device is synchronized there anyway), so the check adds no host sync to a step."""
 
@@ -181,31 +181,31 @@ class MetricsLogger(Callback):
 
 
 def metrics_sinks(trainer: Trainer) -> list[MetricsSink]:
-    """Where the records go, in order: on rank 0 metrics.jsonl, TensorBoard (train.tensorboard)
-    and W&B (train.wandb), then the console unless the trainer is quiet (other ranks are)."""
-    tc = trainer.cfg.train
+    """Where the records go, in order: on rank 0 metrics.jsonl, TensorBoard (logging.tensorboard)
+    and W&B (logging.wandb), then the console unless the trainer is quiet (other ranks are)."""
+    lc = trainer.cfg.logging
     sinks: list[MetricsSink] = []
     if trainer.par.is_main:
         wandb = None
-        if tc.wandb:
+        if lc.wandb:
             wandb = WandbSink(
                 trainer.run.path,
                 trainer.cfg.to_dict(),
-                project=tc.wandb_project,
-                name=tc.wandb_name,
+                project=lc.wandb_project,
+                name=lc.wandb_name,
                 resumed=trainer.resumed_from is not None,
             )
         sinks.append(JsonlSink(trainer.run.metrics_file))
-        tensorboard = TensorBoardSink.open(trainer.run.path) if tc.tensorboard else None
+        tensorboard = TensorBoardSink.open(trainer.run.path) if lc.tensorboard else None
         sinks += [sink for sink in (tensorboard, wandb) if sink is not None]
     if not trainer.quiet:
-        sinks.append(ConsoleSink(start=trainer.step, total=tc.steps, device_type=trainer.device.type))
+        sinks.append(ConsoleSink(start=trainer.step, total=trainer.cfg.train.steps, device_type=trainer.device.type))
     return sinks
 
 
 class Checkpointing(Callback):
-    """Checkpoints every train.save_every steps and after the last (train.save_final); with
-    train.async_checkpoint written in the background, completed at the next save or at the end
+    """Checkpoints every checkpoint.save_every steps and after the last (checkpoint.save_final); with
+    checkpoint.async_save written in the background, completed at the next save or at the end
     of `fit`. Never writes parameters holding NaN or inf."""
 
     def __init__(self) -> None:
@@ -213,18 +213,17 @@ class Checkpointing(Callback):
         self.last_saved_step: int | None = None
 
     def on_step_end(self, trainer: Trainer, out: StepOutput) -> None:
-        tc = trainer.cfg.train
-        step = trainer.step
-        if step == tc.steps and tc.save_final:
+        cc, step = trainer.cfg.checkpoint, trainer.step
+        if step == trainer.cfg.train.steps and cc.save_final:
             self.save(trainer)
-        elif tc.save_every > 0 and step % tc.save_every == 0:
+        elif cc.save_every > 0 and step % cc.save_every == 0:
             skipping = int(trainer.engine.guard.consecutive)  # read at save steps only
             if not skipping:
                 self.save(trainer)
             elif trainer.par.is_main:  # a checkpoint inside a streak of skips would be no good one
                 print(
                     f"step {step}: no checkpoint: the step guard skipped the last {skipping} update(s); the next "
-                    f"save is at step {step + tc.save_every}",
+                    f"save is at step {step + cc.save_every}",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -239,7 +238,7 @@ class Checkpointing(Callback):
                 f"({trainer.run.last_checkpoint() or 'none yet'}) is kept; lower optim.lr or check the data, "
                 "then --resume."
             )
-        tc = trainer.cfg.train
+        cc = trainer.cfg.checkpoint
         state = {
             "step": trainer.step,
             "loader": trainer.loader.state_dict(),
@@ -255,9 +254,9 @@ class Checkpointing(Callback):
             trainer.engine.checkpoint_state(),
             state,
             extra,
-            keep_last=tc.keep_last,
+            keep_last=cc.keep_last,
             role=ckpt.ShardRole.of(trainer.par),
-            async_write=tc.async_checkpoint,
+            async_write=cc.async_save,
             process_group=cpu_group() if trainer.par.dims.world_size > 1 else None,
         )
         self.last_saved_step = trainer.step
@@ -345,10 +344,10 @@ def callbacks_from_config(
     cfg: RunConfig, run_dir: Path, evaluator: Evaluator, checkpointing: Checkpointing
 ) -> list[Callback]:
     """The loop's callbacks for `cfg`, in the order they run (module docstring): profiling with
-    train.profile (into `run_dir`/profile), then the skip limit, the metrics logger (validation
+    logging.profile (into `run_dir`/profile), then the skip limit, the metrics logger (validation
     by `evaluator`), `checkpointing` and the graceful stop (which saves through it)."""
     return [
-        *([StepProfiling(run_dir / "profile")] if cfg.train.profile else []),
+        *([StepProfiling(run_dir / "profile")] if cfg.logging.profile else []),
         SkipLimit(),
         MetricsLogger(evaluator),
         checkpointing,

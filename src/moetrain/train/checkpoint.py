@@ -318,7 +318,7 @@ class _CheckpointWrite:
     def complete(self, error: BaseException | None) -> Path:
         """After the tensors are written (`error`: this rank's write failed): the ranks agree that
         every write succeeded, the main process completes the directory and renames it to
-        step-N, then keeps the newest train.keep_last. Every rank calls it."""
+        step-N, then keeps the newest checkpoint.keep_last. Every rank calls it."""
         if _any_rank(error is not None, self.process_group):
             raise self.failed(error)
         try:

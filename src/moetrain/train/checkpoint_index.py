@@ -168,7 +168,7 @@ def _other_optimizer(key: str, stored: dict[str, Any]) -> str | None:
             return (
                 f"it holds optim.name={theirs}'s state for {param} ({', '.join(their_tensors)}) and this run has "
                 f"optim.name={mine}, which keeps {', '.join(_STATE_OF[mine])}: resume with --optim.name={theirs}, or "
-                f"start a new run from its weights with --train.init_from"
+                f"start a new run from its weights with --checkpoint.init_from"
             )
     return None
 
@@ -188,7 +188,7 @@ def first_mismatch(metadata: Metadata, state: dict[str, dict[str, Any]]) -> str 
                 if section == "optim" and not any(k.startswith("optim.") for k in stored):
                     return (
                         "it holds model weights only, no optimizer state (an import-hf or weights-only "
-                        "checkpoint): start from it with --train.init_from instead of --resume"
+                        "checkpoint): start from it with --checkpoint.init_from instead of --resume"
                     )
                 other = _other_optimizer(key, stored)
                 if other is not None:

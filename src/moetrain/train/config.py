@@ -70,11 +70,13 @@ MAX_BATCH = 10**8
 """The most sequences a (micro-)batch may hold: 10^4 × the largest preset's."""
 
 DEFAULT_LOSS_CHUNK_TOKENS = 4096
-"""`train.loss_chunk_tokens` on CUDA when not set."""
+"""`compute.loss_chunk_tokens` on CUDA when not set."""
 
 
 @dataclasses.dataclass(kw_only=True)
 class TrainerConfig(Config):
+    """The loop: how many steps of how large a batch, where the run writes, how often it logs and evaluates."""
+
     steps: int = positive(300, at_most=MAX_STEPS)
     """Optimizer steps."""
     extend: Extend = Extend.keep
@@ -90,9 +92,6 @@ class TrainerConfig(Config):
     """Seed of the initialization, the data order and random routing."""
     device: str = "auto"
     """cpu, cuda, cuda:N or auto (cuda when available)."""
-    precision: Precision = Precision.auto
-    """fp32, bf16 (autocast, or bf16 weights with optim.bf16_weights) or auto (bf16 on CUDA,
-    fp32 on CPU)."""
     run_dir: str | None = None
     """Where config.yaml, metrics.jsonl, checkpoints/ and the plots go (--run-dir). None: runs/NAME,
     NAME being the preset's or the YAML file's (of a config.yaml, its directory's); when that
@@ -108,57 +107,95 @@ class TrainerConfig(Config):
     validation data (at least one; all of it when it holds fewer), the loss averaged per token.
     The same set whatever train.micro_batch_size and the layout, so validation curves compare
     across runs. (Replaces train.eval_batches, a count of micro-batches.)"""
-    save_every: int = non_negative(100, at_most=MAX_STEPS)
-    """Checkpoint every N steps (and at the end); 0 = only at the end."""
-    save_final: bool = True
-    """Checkpoint after the last step (turn off for benchmark runs)."""
-    async_checkpoint: bool = False
-    """Write checkpoints in the background (torch.distributed.checkpoint async_save): the
-    tensors are copied to host memory at the save step and training goes on; the checkpoint
-    appears, complete, when the write has finished (checked at the next save and at the end)."""
-    keep_last: int = non_negative(3, at_most=MAX_STEPS)
-    """Checkpoints to keep; older ones are deleted. 0 keeps all."""
-    init_from: str | None = None
-    """Start from the model weights of this checkpoint (a run directory, a step-N directory, or
-    what `moetrain import-hf` wrote), with a fresh optimizer at step 0. Not used when --resume
-    finds a checkpoint of this run (that continues the run itself)."""
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], prefix: str = "") -> TrainerConfig:
+        """`Config.from_dict`, reading the config.yaml of runs made before train.eval_tokens:
+        their train.eval_batches is dropped with a note."""
+        if isinstance(data, dict) and "eval_batches" in data:
+            data = {k: v for k, v in data.items() if k != "eval_batches"}
+            print(
+                f"note: {prefix}eval_batches is no longer a key (an earlier version's config); ignored: "
+                f"validation reads {prefix}eval_tokens tokens, whatever the micro-batch size.",
+                file=sys.stderr,
+            )
+        return super().from_dict(data, prefix)
+
+    def eval_sequences(self, seq_len: int) -> int:
+        """Validation sequences per evaluation (train.eval_tokens in whole sequences, ≥ 1)."""
+        return max(1, self.eval_tokens // seq_len)
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.global_batch_size // self.micro_batch_size
+
+    def validate(self) -> None:
+        if self.global_batch_size % self.micro_batch_size:
+            raise ConfigError(
+                f"train.global_batch_size={self.global_batch_size} is not a multiple of "
+                f"train.micro_batch_size={self.micro_batch_size}: gradient accumulation needs a "
+                "whole number of micro-batches per step."
+            )
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ConfigError(f"train.device={self.device!r} must be cpu, cuda, cuda:N or auto.")
+        if self.run_dir is not None and not self.run_dir.strip():
+            raise ConfigError(
+                f"train.run_dir (--run-dir) is {self.run_dir!r}, which names no directory: name one (e.g. "
+                "--run-dir runs/my-run), or leave it out for runs/NAME."
+            )
+
+
+@dataclasses.dataclass(kw_only=True)
+class PrecisionConfig(Config):
+    """The number formats of the compute: bf16 or fp32, and FP8 matrix products."""
+
+    dtype: Precision = Precision.auto
+    """fp32, bf16 (autocast, or bf16 weights with optim.bf16_weights) or auto (bf16 on CUDA,
+    fp32 on CPU)."""
     fp8: Fp8 = Fp8.none
     """FP8 matrix products: rowwise (Hopper's scaled FP8 kernels), or mxfp8, experimental: MXFP8's
     numerics with emulated products, for loss-curve studies, not speed (see Fp8)."""
     fp8_select: Fp8Select = Fp8Select.auto
-    """Which products train.fp8=rowwise turns to FP8: auto, those whose shape is measured to repay
+    """Which products precision.fp8=rowwise turns to FP8: auto, those whose shape is measured to repay
     it (src/moetrain/model/fp8_choice.py; the start-up line names them), or all of them."""
     fp8_lm_head: bool | None = None
-    """With train.fp8=rowwise, the LM head's logits and their input gradient as row-wise FP8
+    """With precision.fp8=rowwise, the LM head's logits and their input gradient as row-wise FP8
     products too (its weight gradient stays bf16, summed in fp32; src/moetrain/model/loss.py).
-    None: where train.fp8_select takes it, as it would a block's product of that shape (auto: at
+    None: where precision.fp8_select takes it, as it would a block's product of that shape (auto: at
     least 0.8 TFLOP a call, as every bench preset's head is; all: always) and the vocabulary is a
     multiple of 16 (`RunConfig.fp8_lm_head`). Its loss curve and speed: docs/benchmarks.md, "FP8"."""
     fp8_fast_accum_backward: bool | None = None
-    """With train.fp8=rowwise, the backward FP8 products (input and weight gradients) with
+    """With precision.fp8=rowwise, the backward FP8 products (input and weight gradients) with
     Hopper's fast accumulation too, as the forward ones always are (src/moetrain/model/fp8.py).
     None: on. docs/benchmarks.md, "FP8", has its speed and 250-step loss curve."""
     fp8_expert_weight_grad: bool = False
-    """With train.fp8=rowwise, the FP8 expert layers' weight gradients as row-wise FP8 products
+    """With precision.fp8=rowwise, the FP8 expert layers' weight gradients as row-wise FP8 products
     too: each expert's tokens quantized per feature, its row block padded to 16 rows
     (src/moetrain/model/fp8.py). Tested against the CPU emulation and on the H200; measured
     +0.3% on bench-8e's step, with no loss curve yet, so it is off (docs/measurements.md,
     "Where FP8's step goes")."""
-    defer_expert_weight_grad: bool = False
-    """With gradient accumulation, each expert layer's weight gradients computed once per step, in
-    its last backward, over every micro-batch's rows (one grouped GEMM whose fp32 accumulator sums
-    the micro-batches) instead of once per micro-batch and added into the fp32 gradient. Costs
-    memory: each MoE layer keeps its experts' inputs and output gradients (bf16) of every
-    micro-batch but the last, which `moetrain plan` counts (src/moetrain/model/expert_grads.py).
-    Measured (docs/benchmarks.md, "The expert sweep"): 4.4% (H200) to 4.9% (H100) more tokens/s
-    on bench-sweep-64's step (64 small experts) at 10.5 GiB more; 4.5% fewer on bench-sweep-8's
-    at 19.7 GiB more. Row-wise FP8 and bf16 experts; not mxfp8. Does nothing with one
-    micro-batch per step."""
+
+    def validate(self) -> None:
+        for key in ("fp8_lm_head", "fp8_fast_accum_backward", "fp8_expert_weight_grad"):
+            if getattr(self, key) is True and self.fp8 != Fp8.rowwise:
+                raise ConfigError(
+                    f"precision.{key}=true is a setting of row-wise FP8, but precision.fp8={self.fp8}: set "
+                    f"precision.fp8=rowwise, or precision.{key}=false."
+                )
+
+
+@dataclasses.dataclass(kw_only=True)
+class ComputeConfig(Config):
+    """How a step is computed, not what: compiled blocks, CUDA graphs, activation recompute, the
+    chunked loss, deferred expert weight gradients."""
+
+    compile: bool = False
+    """torch.compile each block."""
     cuda_graphs: CudaGraphs = CudaGraphs.auto
     """auto (the default), off or step. step needs one CUDA device, the ddp stack without
-    parallel.shard_optimizer, optim.name=adamw, optim.fused not false and train.recompute=none
+    parallel.shard_optimizer, optim.name=adamw, optim.fused not false and compute.recompute=none
     (src/moetrain/train/cuda_graphs.py). auto: step where all of that
-    holds (and train.profile is off: a profile shows the eager step's kernels and operations),
+    holds (and logging.profile is off: a profile shows the eager step's kernels and operations),
     else off, never refused; on a GPU the start-up header names the choice. An auto step
     graph times the device's work on the eager steps before its capture and on its first 2
     replays, and stays only where the replays took at least 3% less (the GPU had waited on
@@ -183,12 +220,59 @@ class TrainerConfig(Config):
     recompute_every: int = positive(1, at_most=MAX_LAYERS)
     """With recompute: only every Nth block (blocks 0, N, 2N, …) recomputes; the others keep
     their activations (less recompute, more memory)."""
-    compile: bool = False
-    """torch.compile each block."""
     loss_chunk_tokens: int | None = non_negative(None, at_most=2**31)
     """The LM loss over chunks of this many tokens, so that only one chunk's logits exist at a
     time (src/moetrain/model/loss.py); 0 = the plain path (logits of the whole micro-batch). None =
     4096 on CUDA, 0 on CPU. Pipeline stages use the plain path."""
+    defer_expert_weight_grad: bool = False
+    """With gradient accumulation, each expert layer's weight gradients computed once per step, in
+    its last backward, over every micro-batch's rows (one grouped GEMM whose fp32 accumulator sums
+    the micro-batches) instead of once per micro-batch and added into the fp32 gradient. Costs
+    memory: each MoE layer keeps its experts' inputs and output gradients (bf16) of every
+    micro-batch but the last, which `moetrain plan` counts (src/moetrain/model/expert_grads.py).
+    Measured (docs/benchmarks.md, "The expert sweep"): 4.4% (H200) to 4.9% (H100) more tokens/s
+    on bench-sweep-64's step (64 small experts) at 10.5 GiB more; 4.5% fewer on bench-sweep-8's
+    at 19.7 GiB more. Row-wise FP8 and bf16 experts; not mxfp8. Does nothing with one
+    micro-batch per step."""
+
+    def resolved_loss_chunk_tokens(self, device_type: str) -> int:
+        """compute.loss_chunk_tokens on this device (its default when None)."""
+        if self.loss_chunk_tokens is not None:
+            return self.loss_chunk_tokens
+        return DEFAULT_LOSS_CHUNK_TOKENS if device_type == "cuda" else 0
+
+
+@dataclasses.dataclass(kw_only=True)
+class CheckpointConfig(Config):
+    """When checkpoints are written and kept, and the weights a run starts from."""
+
+    save_every: int = non_negative(100, at_most=MAX_STEPS)
+    """Checkpoint every N steps (and at the end); 0 = only at the end."""
+    save_final: bool = True
+    """Checkpoint after the last step (turn off for benchmark runs)."""
+    async_save: bool = False
+    """Write checkpoints in the background (torch.distributed.checkpoint async_save): the
+    tensors are copied to host memory at the save step and training goes on; the checkpoint
+    appears, complete, when the write has finished (checked at the next save and at the end)."""
+    keep_last: int = non_negative(3, at_most=MAX_STEPS)
+    """Checkpoints to keep; older ones are deleted. 0 keeps all."""
+    init_from: str | None = None
+    """Start from the model weights of this checkpoint (a run directory, a step-N directory, or
+    what `moetrain import-hf` wrote), with a fresh optimizer at step 0. Not used when --resume
+    finds a checkpoint of this run (that continues the run itself)."""
+
+    def validate(self) -> None:
+        if self.init_from is not None and not self.init_from.strip():
+            raise ConfigError(
+                f"checkpoint.init_from is {self.init_from!r}, which names no checkpoint: name a run directory or a "
+                "step-N directory, or leave it out to start from fresh weights."
+            )
+
+
+@dataclasses.dataclass(kw_only=True)
+class LoggingConfig(Config):
+    """Where the metrics go besides metrics.jsonl (TensorBoard, W&B, a plot), and the profiler."""
+
     tensorboard: bool = True
     """Also write TensorBoard events to RUN_DIR/tb (when the tensorboard package is installed)."""
     wandb: bool = False
@@ -201,13 +285,6 @@ class TrainerConfig(Config):
     """The W&B run name; default: the run directory's name."""
     plot: bool = True
     """Write RUN_DIR/loss.png at the end (when matplotlib is installed)."""
-    skip_spike_sigma: float = non_negative(6.0)
-    """Skip an update whose loss or gradient norm exceeds the mean of the last `skip_window`
-    accepted steps by this many standard deviations (0: only non-finite values are skipped)."""
-    skip_window: int = positive(128, at_most=10**6)
-    """Accepted steps the spike statistics cover (detection starts after half of them)."""
-    max_consecutive_skips: int = non_negative(10, at_most=MAX_STEPS)
-    """Stop with an error after this many skipped updates in a row (0: never)."""
     profile: bool = False
     """Record a window of steps with torch.profiler (and, on CUDA, a memory snapshot) into
     RUN_DIR/profile (src/moetrain/train/profiling.py)."""
@@ -216,58 +293,18 @@ class TrainerConfig(Config):
     profile_steps: int = positive(3, at_most=10**4)
     """Steps in the profiled window."""
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any], prefix: str = "") -> TrainerConfig:
-        """`Config.from_dict`, reading the config.yaml of runs made before train.eval_tokens:
-        their train.eval_batches is dropped with a note."""
-        if isinstance(data, dict) and "eval_batches" in data:
-            data = {k: v for k, v in data.items() if k != "eval_batches"}
-            print(
-                f"note: {prefix}eval_batches is no longer a key (an earlier version's config); ignored: "
-                f"validation reads {prefix}eval_tokens tokens, whatever the micro-batch size.",
-                file=sys.stderr,
-            )
-        return super().from_dict(data, prefix)
 
-    def resolved_loss_chunk_tokens(self, device_type: str) -> int:
-        """train.loss_chunk_tokens on this device (its default when None)."""
-        if self.loss_chunk_tokens is not None:
-            return self.loss_chunk_tokens
-        return DEFAULT_LOSS_CHUNK_TOKENS if device_type == "cuda" else 0
+@dataclasses.dataclass(kw_only=True)
+class GuardConfig(Config):
+    """The step guard: updates whose loss or gradient norm spikes are skipped (src/moetrain/train/guard.py)."""
 
-    def eval_sequences(self, seq_len: int) -> int:
-        """Validation sequences per evaluation (train.eval_tokens in whole sequences, ≥ 1)."""
-        return max(1, self.eval_tokens // seq_len)
-
-    @property
-    def grad_accum_steps(self) -> int:
-        return self.global_batch_size // self.micro_batch_size
-
-    @property
-    def defers_expert_weight_grads(self) -> bool:
-        """train.defer_expert_weight_grad takes effect: it is set and a step has several
-        micro-batches."""
-        return self.defer_expert_weight_grad and self.grad_accum_steps > 1
-
-    def validate(self) -> None:
-        if self.global_batch_size % self.micro_batch_size:
-            raise ConfigError(
-                f"train.global_batch_size={self.global_batch_size} is not a multiple of "
-                f"train.micro_batch_size={self.micro_batch_size}: gradient accumulation needs a "
-                "whole number of micro-batches per step."
-            )
-        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
-            raise ConfigError(f"train.device={self.device!r} must be cpu, cuda, cuda:N or auto.")
-        if self.run_dir is not None and not self.run_dir.strip():
-            raise ConfigError(
-                f"train.run_dir (--run-dir) is {self.run_dir!r}, which names no directory: name one (e.g. "
-                "--run-dir runs/my-run), or leave it out for runs/NAME."
-            )
-        if self.init_from is not None and not self.init_from.strip():
-            raise ConfigError(
-                f"train.init_from is {self.init_from!r}, which names no checkpoint: name a run directory or a "
-                "step-N directory, or leave it out to start from fresh weights."
-            )
+    skip_spike_sigma: float = non_negative(6.0)
+    """Skip an update whose loss or gradient norm exceeds the mean of the last `skip_window`
+    accepted steps by this many standard deviations (0: only non-finite values are skipped)."""
+    skip_window: int = positive(128, at_most=10**6)
+    """Accepted steps the spike statistics cover (detection starts after half of them)."""
+    max_consecutive_skips: int = non_negative(10, at_most=MAX_STEPS)
+    """Stop with an error after this many skipped updates in a row (0: never)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -279,7 +316,24 @@ class RunConfig(Config):
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     schedule: ScheduleConfig = dataclasses.field(default_factory=ScheduleConfig)
     train: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+    precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
+    compute: ComputeConfig = dataclasses.field(default_factory=ComputeConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    guard: GuardConfig = dataclasses.field(default_factory=GuardConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+
+    renamed = {"train.precision": "precision.dtype", "train.async_checkpoint": "checkpoint.async_save"} | {
+        f"train.{key}": f"{section}.{key}"  # earlier names of keys, still read (`Config.renamed`)
+        for section, keys in (
+            ("precision", "fp8 fp8_select fp8_lm_head fp8_fast_accum_backward fp8_expert_weight_grad"),
+            ("compute", "compile cuda_graphs recompute recompute_every loss_chunk_tokens defer_expert_weight_grad"),
+            ("checkpoint", "save_every save_final keep_last init_from"),
+            ("logging", "tensorboard wandb wandb_project wandb_name plot profile profile_wait profile_steps"),
+            ("guard", "skip_spike_sigma skip_window max_consecutive_skips"),
+        )
+        for key in keys.split()
+    }
 
     def validate(self, world_size: int | None = None, device: torch.device | None = None) -> None:
         """Every section's rules, then the rules across sections; with `world_size`, those of
@@ -294,7 +348,7 @@ class RunConfig(Config):
                 f"parallel.ep={p.ep} does not divide model.moe.num_experts={m.moe.num_experts}: every "
                 "rank of an expert-parallel group must hold the same number of experts."
             )
-        if has_moe and (problem := p.overlap_problem(m.moe.num_experts, tc.defer_expert_weight_grad)):
+        if has_moe and (problem := p.overlap_problem(m.moe.num_experts, self.compute.defer_expert_weight_grad)):
             raise ConfigError(problem)
         if p.pp > 1 or p.stages_per_rank > 1:
             stages = p.pp * p.stages_per_rank
@@ -319,12 +373,12 @@ class RunConfig(Config):
                 )
         _check_context_split(self.data.seq_len, p.cp)
         _check_multi_token(m.mtp_depth, self.data.seq_len, p.cp)
-        if p.compile_overlap and not tc.compile:
+        if p.compile_overlap and not self.compute.compile:
             raise ConfigError(
                 "parallel.compile_overlap=true reorders collectives inside compiled blocks: "
-                "it needs train.compile=true."
+                "it needs compute.compile=true."
             )
-        _check_fp8(tc, m)
+        _check_fp8(self.precision, self.compute, m)
         if self.optim.bf16_weights:
             if p.stack != Stack.ddp:
                 raise ConfigError(
@@ -332,9 +386,9 @@ class RunConfig(Config):
                     "optim.bf16_weights=false, or parallel.stack=ddp (with parallel.shard_optimizer=true to shard "
                     "the optimizer state)."
                 )
-            if tc.precision == Precision.fp32:
+            if self.precision.dtype == Precision.fp32:
                 raise ConfigError(
-                    "optim.bf16_weights=true computes in bf16, but train.precision=fp32: set train.precision=bf16 "
+                    "optim.bf16_weights=true computes in bf16, but precision.dtype=fp32: set precision.dtype=bf16 "
                     "(or auto on CUDA), or optim.bf16_weights=false."
                 )
         _check_cuda_graphs(self, world_size)
@@ -350,22 +404,22 @@ class RunConfig(Config):
 
     def _validate_device(self, device: torch.device) -> None:
         """What the device (resolved from train.device: src/moetrain/train/runtime.py) must support."""
-        if self.optim.bf16_weights and self.train.precision == Precision.auto and device.type != "cuda":
+        if self.optim.bf16_weights and self.precision.dtype == Precision.auto and device.type != "cuda":
             raise ConfigError(
-                f"optim.bf16_weights=true computes in bf16, but train.precision=auto means fp32 on {device.type}: "
-                "set train.precision=bf16, or optim.bf16_weights=false."
+                f"optim.bf16_weights=true computes in bf16, but precision.dtype=auto means fp32 on {device.type}: "
+                "set precision.dtype=bf16, or optim.bf16_weights=false."
             )
-        problem = _cuda_graphs_device_problem(self.train.cuda_graphs, device)
+        problem = _cuda_graphs_device_problem(self.compute.cuda_graphs, device)
         if problem:
             raise ConfigError(": ".join(problem))
         import torch
 
-        fp8 = self.train.fp8
+        fp8 = self.precision.fp8
         if fp8 != Fp8.none and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
             raise ConfigError(
-                f"train.fp8={fp8} needs FP8 tensor cores (compute capability ≥ 8.9: Ada, Hopper or newer); "
+                f"precision.fp8={fp8} needs FP8 tensor cores (compute capability ≥ 8.9: Ada, Hopper or newer); "
                 f"{torch.cuda.get_device_name(device)} has {torch.cuda.get_device_capability(device)}. "
-                "Use train.fp8=none."
+                "Use precision.fp8=none."
             )
 
     @property
@@ -375,29 +429,35 @@ class RunConfig(Config):
 
     @property
     def fp8_lm_head(self) -> bool:
-        """Whether the LM head runs its products in row-wise FP8 (train.fp8_lm_head, resolved)."""
-        if self.train.fp8 != Fp8.rowwise:
+        """Whether the LM head runs its products in row-wise FP8 (precision.fp8_lm_head, resolved)."""
+        if self.precision.fp8 != Fp8.rowwise:
             return False
-        return choose_head(self.model, self.rows_per_micro_batch, self.train.fp8_select, self.train.fp8_lm_head)
+        precision = self.precision
+        return choose_head(self.model, self.rows_per_micro_batch, precision.fp8_select, precision.fp8_lm_head)
+
+    @property
+    def defers_expert_weight_grads(self) -> bool:
+        """compute.defer_expert_weight_grad takes effect: it is set and a step has several micro-batches."""
+        return self.compute.defer_expert_weight_grad and self.train.grad_accum_steps > 1
 
     @property
     def fp8_fast_backward(self) -> bool:
-        """Whether row-wise FP8's backward products use fast accumulation (train.fp8_fast_accum_backward)."""
-        return self.train.fp8 == Fp8.rowwise and self.train.fp8_fast_accum_backward is not False
+        """Whether row-wise FP8's backward products use fast accumulation (precision.fp8_fast_accum_backward)."""
+        return self.precision.fp8 == Fp8.rowwise and self.precision.fp8_fast_accum_backward is not False
 
     def cuda_graphs_choice(self, world_size: int, device: torch.device) -> tuple[CudaGraphs, str | None]:
-        """train.cuda_graphs for this run: (the mode, and for auto why it is that one). auto is
+        """compute.cuda_graphs for this run: (the mode, and for auto why it is that one). auto is
         `step` where neither the layout nor the device is one `step` refuses, else `off`."""
-        mode = self.train.cuda_graphs
+        mode = self.compute.cuda_graphs
         if mode != CudaGraphs.auto:
             return mode, None
         problem = _cuda_graphs_layout_problem(self, CudaGraphs.step, world_size)
         problem = problem or _cuda_graphs_device_problem(CudaGraphs.step, device)
         if problem:  # said as why auto did not take the step graph
-            return CudaGraphs.off, problem[0].replace(f"train.cuda_graphs={CudaGraphs.step}", "the step graph", 1)
-        if self.train.profile:
+            return CudaGraphs.off, problem[0].replace(f"compute.cuda_graphs={CudaGraphs.step}", "the step graph", 1)
+        if self.logging.profile:
             return CudaGraphs.off, (
-                "train.profile: the profiled steps run eagerly, so that the profile names each kernel and the "
+                "logging.profile: the profiled steps run eagerly, so that the profile names each kernel and the "
                 "operation that launched it (a replayed graph shows as one launch)"
             )
         return CudaGraphs.step, (
@@ -413,30 +473,30 @@ class RunConfig(Config):
 
 
 def _check_cuda_graphs(cfg: RunConfig, world_size: int | None) -> None:
-    """train.cuda_graphs=step captures the replicated AdamW's update on one rank
+    """compute.cuda_graphs=step captures the replicated AdamW's update on one rank
     (auto chooses, at start-up: `RunConfig.cuda_graphs_choice`)."""
-    if cfg.train.cuda_graphs in (CudaGraphs.off, CudaGraphs.auto):
+    if cfg.compute.cuda_graphs in (CudaGraphs.off, CudaGraphs.auto):
         return
-    problem = _cuda_graphs_layout_problem(cfg, cfg.train.cuda_graphs, world_size)
+    problem = _cuda_graphs_layout_problem(cfg, cfg.compute.cuda_graphs, world_size)
     if problem:
         raise ConfigError(": ".join(problem))
 
 
 def _cuda_graphs_device_problem(mode: CudaGraphs, device: torch.device) -> tuple[str, str] | None:
-    """(why train.cuda_graphs=`mode` cannot run on `device`, the fix), or None: it can (auto
+    """(why compute.cuda_graphs=`mode` cannot run on `device`, the fix), or None: it can (auto
     always can)."""
     if mode in (CudaGraphs.off, CudaGraphs.auto):
         return None
     if device.type != "cuda":
         return (
-            f"train.cuda_graphs={mode} replays CUDA kernels, but the run is on {device.type}",
-            "set train.cuda_graphs=off, or train.device=cuda.",
+            f"compute.cuda_graphs={mode} replays CUDA kernels, but the run is on {device.type}",
+            "set compute.cuda_graphs=off, or train.device=cuda.",
         )
     return None
 
 
 def _cuda_graphs_layout_problem(cfg: RunConfig, mode: CudaGraphs, world_size: int | None) -> tuple[str, str] | None:
-    """(why train.cuda_graphs=`mode` (step) cannot capture this layout, the fix), or
+    """(why compute.cuda_graphs=`mode` (step) cannot capture this layout, the fix), or
     None: it can."""
     p, o = cfg.parallel, cfg.optim
     problem = None
@@ -448,18 +508,18 @@ def _cuda_graphs_layout_problem(cfg: RunConfig, mode: CudaGraphs, world_size: in
         problem = "optim.fused=false (its update reads the skip decision on the host)"
     elif world_size is not None and world_size > 1:
         problem = f"{world_size} ranks (the all-reduces are not captured)"
-    if problem is None and mode == CudaGraphs.step and cfg.train.recompute != Recompute.none:
+    if problem is None and mode == CudaGraphs.step and cfg.compute.recompute != Recompute.none:
         return (
-            f"train.cuda_graphs=step cannot capture a step with train.recompute={cfg.train.recompute}: torch's "
+            f"compute.cuda_graphs=step cannot capture a step with compute.recompute={cfg.compute.recompute}: torch's "
             "checkpoint reads the CUDA generator's state in every recomputed block, which a graph capture "
             "forbids",
-            "set train.recompute=none, or train.cuda_graphs=off.",
+            "set compute.recompute=none, or compute.cuda_graphs=off.",
         )
     if problem:
         return (
-            f"train.cuda_graphs={mode} captures the training step of the ddp stack's replicated AdamW "
+            f"compute.cuda_graphs={mode} captures the training step of the ddp stack's replicated AdamW "
             f"on one GPU, not with {problem}",
-            "set train.cuda_graphs=off.",
+            "set compute.cuda_graphs=off.",
         )
     return None
 
@@ -492,25 +552,19 @@ def _check_multi_token(depth: int, seq_len: int, cp: int) -> None:
         )
 
 
-def _check_fp8(tc: TrainerConfig, m: TransformerConfig) -> None:
-    """The FP8 settings agree with train.fp8 and the model's product dims."""
-    for key in ("fp8_lm_head", "fp8_fast_accum_backward", "fp8_expert_weight_grad"):
-        if getattr(tc, key) is True and tc.fp8 != Fp8.rowwise:
-            raise ConfigError(
-                f"train.{key}=true is a setting of row-wise FP8, but train.fp8={tc.fp8}: set "
-                f"train.fp8=rowwise, or train.{key}=false."
-            )
-    if tc.defer_expert_weight_grad and tc.fp8 == Fp8.mxfp8:
+def _check_fp8(pc: PrecisionConfig, compute: ComputeConfig, m: TransformerConfig) -> None:
+    """FP8 agrees with the deferred expert weight gradients and the model's product dims."""
+    if compute.defer_expert_weight_grad and pc.fp8 == Fp8.mxfp8:
         raise ConfigError(
-            "train.defer_expert_weight_grad=true works with bf16 and row-wise FP8 experts, but "
-            "train.fp8=mxfp8: set train.fp8=rowwise or none, or train.defer_expert_weight_grad=false."
+            "compute.defer_expert_weight_grad=true works with bf16 and row-wise FP8 experts, but "
+            "precision.fp8=mxfp8: set precision.fp8=rowwise or none, or compute.defer_expert_weight_grad=false."
         )
-    if tc.fp8 != Fp8.none:
-        for key, dim in _gemm_dims(m, lm_head=tc.fp8_lm_head is True):
-            if dim % tc.fp8.align:
+    if pc.fp8 != Fp8.none:
+        for key, dim in _gemm_dims(m, lm_head=pc.fp8_lm_head is True):
+            if dim % pc.fp8.align:
                 raise ConfigError(
-                    f"train.fp8={tc.fp8} needs every matrix-product dimension divisible by "
-                    f"{tc.fp8.align}; {key}={dim} is not: change it, or use train.fp8=none."
+                    f"precision.fp8={pc.fp8} needs every matrix-product dimension divisible by "
+                    f"{pc.fp8.align}; {key}={dim} is not: change it, or use precision.fp8=none."
                 )
 
 

@@ -171,32 +171,32 @@ def describe_layout(cfg: RunConfig, dims: ParallelDims) -> str:
 
 def describe_precision(cfg: RunConfig, device: torch.device, world_size: int = 1) -> str:
     """fp32; bf16 autocast (fp32 weights); bf16 weights (fp32 masters); then the FP8 recipe, and
-    the speed switches (train.cuda_graphs as a run of `world_size` ranks resolves it)."""
-    amp = autocast_dtype(cfg.train.precision, device)
+    the speed switches (compute.cuda_graphs as a run of `world_size` ranks resolves it)."""
+    amp = autocast_dtype(cfg.precision.dtype, device)
     if amp is None:
         text = "fp32"
     elif cfg.optim.resolved_bf16_weights(cfg.parallel, amp, device):
         text = "bf16 weights (fp32 masters in the optimizer)"
     else:
         text = "bf16 autocast (fp32 weights)"
-    if cfg.train.fp8 == Fp8.rowwise:
-        rows, select = cfg.rows_per_micro_batch, cfg.train.fp8_select
+    if cfg.precision.fp8 == Fp8.rowwise:
+        rows, select = cfg.rows_per_micro_batch, cfg.precision.fp8_select
         text += f", fp8 rowwise on {fp8_choice.describe(cfg.model, rows, select)}"
-        text += "; and the LM head (train.fp8_lm_head)" if cfg.fp8_lm_head else ""
+        text += "; and the LM head (precision.fp8_lm_head)" if cfg.fp8_lm_head else ""
         any_fp8 = cfg.fp8_lm_head or fp8_choice.chosen_products(cfg.model, rows, select)
         text += "; fast accumulation in backward too" if cfg.fp8_fast_backward and any_fp8 else ""
         experts = "experts" in fp8_choice.chosen_products(cfg.model, rows, select)
-        text += "; the experts' weight gradients too" if cfg.train.fp8_expert_weight_grad and experts else ""
-    elif cfg.train.fp8 != Fp8.none:
-        text += f", fp8 {cfg.train.fp8} matrix products"
-    if cfg.train.defers_expert_weight_grads:
-        text += "; expert weight gradients once per step (train.defer_expert_weight_grad)"
+        text += "; the experts' weight gradients too" if cfg.precision.fp8_expert_weight_grad and experts else ""
+    elif cfg.precision.fp8 != Fp8.none:
+        text += f", fp8 {cfg.precision.fp8} matrix products"
+    if cfg.defers_expert_weight_grads:
+        text += "; expert weight gradients once per step (compute.defer_expert_weight_grad)"
     graphs, why = cfg.cuda_graphs_choice(world_size, device)
     if graphs == CudaGraphs.step:
-        text += "; the training step replayed from a CUDA graph after 3 eager steps (train.cuda_graphs"
+        text += "; the training step replayed from a CUDA graph after 3 eager steps (compute.cuda_graphs"
         text += f"=auto: {why})" if why else ")"
     elif why and device.type == "cuda":  # elsewhere auto has nothing to choose
-        text += f"; no CUDA graph (train.cuda_graphs=auto: {why})"
+        text += f"; no CUDA graph (compute.cuda_graphs=auto: {why})"
     return text
 
 

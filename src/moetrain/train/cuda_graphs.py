@@ -1,4 +1,4 @@
-"""train.cuda_graphs=step: a training step replayed from one CUDA graph (`StepGraph`).
+"""compute.cuda_graphs=step: a training step replayed from one CUDA graph (`StepGraph`).
 
 A step launches thousands of kernels from Python (the blocks' forward and backward, the clipping
 norm, the step guard, torch's fused AdamW, the split masters' Triton update, the router bias);
@@ -168,7 +168,7 @@ class CudaGraph:
         first = (str(error).strip().splitlines() or [""])[0]  # torch's messages run on for lines
         reason = f"{type(error).__name__}: {first[:300]}"
         return CaptureFailed(
-            f"{self.what} could not be captured as a CUDA graph ({reason}); set train.cuda_graphs=off", reason
+            f"{self.what} could not be captured as a CUDA graph ({reason}); set compute.cuda_graphs=off", reason
         )
 
     def release(self) -> None:
@@ -179,7 +179,7 @@ class CudaGraph:
 
 
 AUTO_MIN_GAIN = 0.03
-"""train.cuda_graphs=auto keeps the step graph where its replays take at least this share less
+"""compute.cuda_graphs=auto keeps the step graph where its replays take at least this share less
 device time than the eager steps before its capture (each measured from its first kernel to its
 last, the gaps between included). Below it the graph's memory buys too little: on an H100 the
 bench shapes' replays gained 0.1 to 0.9% at up to 0.8 GiB more, tiny's 6.5×
@@ -202,7 +202,7 @@ def _allocator_bytes(device: torch.device) -> tuple[int, int]:
 
 
 class StepGraph:
-    """`TrainEngine.train_step` replayed from one graph (train.cuda_graphs=step).
+    """`TrainEngine.train_step` replayed from one graph (compute.cuda_graphs=step).
 
     The first `WARMUP_STEPS` steps run eagerly. The next one allocates the graph's input buffers
     (each micro-batch's inputs and targets, on the device), copies its batches into them and
@@ -235,11 +235,11 @@ class StepGraph:
 
     A capture that fails (`CaptureFailed`: an operation a graph cannot hold, such as a host read)
     is the fallback's cue: the run says why, once, and every later step runs eagerly, as with
-    train.cuda_graphs=off. Nothing of the aborted capture ran on the device; what it left in
+    compute.cuda_graphs=off. Nothing of the aborted capture ran on the device; what it left in
     Python (gradients, the routing and multi-token accumulators' bookkeeping) is cleared as at
     the end of a step, and the step that tried runs eagerly.
 
-    Built for train.cuda_graphs=auto (`judge`), it times the device's work on the eager steps
+    Built for compute.cuda_graphs=auto (`judge`), it times the device's work on the eager steps
     before its first capture (all but the first, which compiles) and on the first
     `JUDGED_REPLAYS` replays. Where a replay took at least `AUTO_MIN_GAIN` less device time
     than an eager step (the GPU had waited on Python's launches), the graph stays; elsewhere its
@@ -257,7 +257,7 @@ class StepGraph:
         self.engine, self.backend = engine, backend
         engine.optimizer.put_lr_on_device()
         self.judge = judge
-        """train.cuda_graphs=auto: time eager steps and replays, then keep the graph only if the
+        """compute.cuda_graphs=auto: time eager steps and replays, then keep the graph only if the
         replays are `AUTO_MIN_GAIN` faster (the class docstring)."""
         self.eager_timings: list[Callable[[], float]] = []
         self.replay_timings: list[Callable[[], float]] = []
@@ -343,7 +343,7 @@ class StepGraph:
             return out
 
     def _judged(self) -> tuple[bool, str]:
-        """train.cuda_graphs=auto's choice, made once from the timed steps (the fastest of each
+        """compute.cuda_graphs=auto's choice, made once from the timed steps (the fastest of each
         kind): (whether to keep the graph, the times that say so)."""
         self.judge = False
         eager = min(device_s() for device_s in self.eager_timings)
@@ -356,11 +356,11 @@ class StepGraph:
         )
         if gain >= AUTO_MIN_GAIN:
             return True, f"{measured}: the step graph replays the step"
-        return False, f"{measured}: its memory goes back and the steps run eagerly, as with train.cuda_graphs=off"
+        return False, f"{measured}: its memory goes back and the steps run eagerly, as with compute.cuda_graphs=off"
 
     def _note_new_shapes(self, batches: list) -> None:
         print(
-            f"note: train.cuda_graphs={CudaGraphs.step}: the step's batches changed shape "
+            f"note: compute.cuda_graphs={CudaGraphs.step}: the step's batches changed shape "
             f"({_shapes(self.inputs)} → {_shapes(batches)}), so the graph is captured again after "
             f"{WARMUP_STEPS} eager steps.",
             file=sys.stderr,
@@ -443,8 +443,8 @@ class StepGraph:
         engine.discard_step_statistics()
         what = "the training step" if self.update else "the forward and backward passes"
         print(
-            f"note: train.cuda_graphs={CudaGraphs.step}: {what} could not be captured as a CUDA graph "
-            f"({error.reason}), so every step runs eagerly, as with train.cuda_graphs=off.",
+            f"note: compute.cuda_graphs={CudaGraphs.step}: {what} could not be captured as a CUDA graph "
+            f"({error.reason}), so every step runs eagerly, as with compute.cuda_graphs=off.",
             file=sys.stderr,
         )
 

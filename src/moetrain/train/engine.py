@@ -16,7 +16,7 @@ One step, given the step's micro-batches (this rank's rows of each):
                                router biases move in the optimizer's step post-hook), zero
                                grad, the step's routing statistics
 
-With train.cuda_graphs=step both are one CUDA graph after the first steps (`StepGraph`, through
+With compute.cuda_graphs=step both are one CUDA graph after the first steps (`StepGraph`, through
 `train_step`; its captured work is `step_tensors`).
 
 Nothing here copies from the device to the host: the results are device tensors (`StepOutput`),
@@ -97,9 +97,9 @@ class TrainEngine:
         """`eos_id`: the data's end-of-document id (needed with data.document_masking)."""
         self.cfg, self.par, self.device = cfg, par, device
         self.eos_id = eos_id
-        tc = cfg.train
-        self.amp_dtype = autocast_dtype(tc.precision, device)
-        self.loss_chunk_tokens = tc.resolved_loss_chunk_tokens(device.type)
+        tc, pc, cc, gc = cfg.train, cfg.precision, cfg.compute, cfg.guard
+        self.amp_dtype = autocast_dtype(pc.dtype, device)
+        self.loss_chunk_tokens = cc.resolved_loss_chunk_tokens(device.type)
 
         # Build on the meta device, apply the layout, then allocate only what this rank holds.
         model = cfg.model.build(device="meta")
@@ -107,15 +107,15 @@ class TrainEngine:
             model,
             par,
             cfg.parallel,
-            fp8=tc.fp8,
-            fp8_select=tc.fp8_select,
+            fp8=pc.fp8,
+            fp8_select=pc.fp8_select,
             fp8_lm_head=cfg.fp8_lm_head,
             fp8_fast_backward=cfg.fp8_fast_backward,
-            fp8_expert_weight_grad=tc.fp8_expert_weight_grad,
+            fp8_expert_weight_grad=pc.fp8_expert_weight_grad,
             rows=cfg.rows_per_micro_batch,
-            recompute=tc.recompute,
-            recompute_every=tc.recompute_every,
-            compile=tc.compile,
+            recompute=cc.recompute,
+            recompute_every=cc.recompute_every,
+            compile=cc.compile,
             param_dtype=self.amp_dtype,
             grad_dtype=cfg.optim.grad_dtype.dtype,
         )
@@ -137,9 +137,9 @@ class TrainEngine:
         if self.model.mtp is not None:
             self.model.mtp.loss_scale = self.backward_scale
         self.expert_grads: DeferredExpertGrads | None = None
-        """train.defer_expert_weight_grad (with several micro-batches): what every expert layer
+        """compute.defer_expert_weight_grad (with several micro-batches): what every expert layer
         shares to compute its weight gradients once per step (src/moetrain/model/expert_grads.py)."""
-        if tc.defers_expert_weight_grads:
+        if cfg.defers_expert_weight_grads:
             self.expert_grads = DeferredExpertGrads()
             for module in model.modules():
                 if isinstance(module, GroupedExperts):
@@ -157,13 +157,13 @@ class TrainEngine:
                 device=device,
                 amp_dtype=self.amp_dtype,
             )
-        self.guard = StepGuard(tc.skip_window, tc.skip_spike_sigma, tc.max_consecutive_skips, device)
+        self.guard = StepGuard(gc.skip_window, gc.skip_spike_sigma, gc.max_consecutive_skips, device)
         self.step_graph: StepGraph | None = None
-        """train.cuda_graphs=step: `train_step` replayed from a CUDA graph (src/moetrain/train/cuda_graphs.py)."""
+        """compute.cuda_graphs=step: `train_step` replayed from a CUDA graph (src/moetrain/train/cuda_graphs.py)."""
         self.cuda_graphs, self.cuda_graphs_why = cfg.cuda_graphs_choice(par.dims.world_size, device)
-        """train.cuda_graphs as this run resolves it (auto: step or off; an auto step graph then
+        """compute.cuda_graphs as this run resolves it (auto: step or off; an auto step graph then
         stays or goes by measurement, `settle_cuda_graphs`), and why, for auto."""
-        self._build_graphs(self.cuda_graphs, device, judge=tc.cuda_graphs == CudaGraphs.auto)
+        self._build_graphs(self.cuda_graphs, device, judge=cc.cuda_graphs == CudaGraphs.auto)
         self.schedule_steps = tc.steps
         """The steps the learning-rate schedule is planned over: train.steps, or, for a run
         resumed with another train.steps and train.extend=keep, the count it started with."""
@@ -177,27 +177,27 @@ class TrainEngine:
             self.step_graph = StepGraph(self, CudaGraph(device), judge=judge)
 
     def settle_cuda_graphs(self, keep: bool, why: str) -> None:
-        """train.cuda_graphs=auto's measured choice (`StepGraph.judge`): keep the step graph, or
+        """compute.cuda_graphs=auto's measured choice (`StepGraph.judge`): keep the step graph, or
         drop it (its memory already released), after which every step runs eagerly
-        (train.cuda_graphs off; the learning rate stays on the device, where the graph's update
+        (compute.cuda_graphs off; the learning rate stays on the device, where the graph's update
         read it). `cuda_graphs_why` becomes the measurement; the run says it either way."""
         self.cuda_graphs_why = why
         if not keep:
             self.step_graph = None
             self.cuda_graphs = CudaGraphs.off
-        print(f"note: train.cuda_graphs=auto: {why}.", file=sys.stderr)
+        print(f"note: compute.cuda_graphs=auto: {why}.", file=sys.stderr)
 
     # ---- one step ----------------------------------------------------------------------------------
     def train_step(self, batches: list[Batch], step: int) -> StepOutput:
         """`forward_backward` then `optim_step`: optimizer step number `step` (0-based); with
-        train.cuda_graphs=step, replayed from a CUDA graph once captured (`step_graph`)."""
+        compute.cuda_graphs=step, replayed from a CUDA graph once captured (`step_graph`)."""
         if self.step_graph is not None:
             return self.step_graph.run(batches, step)
         return self.optim_step(self.forward_backward(batches), step)
 
     def step_tensors(self, batches: list[Batch]) -> tuple:
         """The device work of `train_step` at the optimizer's learning rate, what
-        train.cuda_graphs=step captures: forward and backward, `update_tensors`, zeroed
+        compute.cuda_graphs=step captures: forward and backward, `update_tensors`, zeroed
         gradients, the routing statistics. Returns (mean LM loss, gradient norm, routing
         statistics, multi-token losses or None)."""
         lm_loss = self.forward_backward(batches)
@@ -217,7 +217,7 @@ class TrainEngine:
         return self.step_graph.uncounted_bytes if self.step_graph is not None else 0
 
     def cuda_graph_counts(self) -> dict[str, int] | None:
-        """With train.cuda_graphs: {"captures", "replays", "eager"} so far."""
+        """With compute.cuda_graphs: {"captures", "replays", "eager"} so far."""
         return self.step_graph.counts() if self.step_graph is not None else None
 
     def forward_backward(self, batches: list[Batch]) -> torch.Tensor:
@@ -305,7 +305,7 @@ class TrainEngine:
 
     def lm_loss(self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy of one micro-batch (no pipeline), fp32; over chunks of
-        train.loss_chunk_tokens tokens (src/moetrain/model/loss.py). Under context parallelism,
+        compute.loss_chunk_tokens tokens (src/moetrain/model/loss.py). Under context parallelism,
         of this rank's positions of the whole sequences given (every cp rank holds the same
         number, so the mean over the stage's ranks is the batch's)."""
         doc_ids_BT = self._document_ids(inputs_BT)
@@ -487,7 +487,7 @@ class TrainEngine:
         self._weights_replaced()
 
     def load_model_weights(self, path) -> None:
-        """Only the model's weights from the checkpoint at `path` (train.init_from), each rank
+        """Only the model's weights from the checkpoint at `path` (checkpoint.init_from), each rank
         reading its part; the optimizer refreshes its copies of them (moments stay fresh)."""
         entries = ckpt.checkpoint_entries(self.model, self.optimizer.checkpoint_masters())
         ckpt.load_checkpoint(path, entries)

@@ -7,7 +7,7 @@ Per step, with L the LM loss and G the global gradient norm (device scalars):
     skip = not finite(L) or not finite(G)
            or (history ≥ window / 2 and (L > mean_L + σ·std_L or G > mean_G + σ·std_G))
 
-over the last `train.skip_window` *accepted* steps (σ = `train.skip_spike_sigma`; 0 turns spike
+over the last `guard.skip_window` *accepted* steps (σ = `guard.skip_spike_sigma`; 0 turns spike
 detection off). The optimizer receives `skip` and leaves parameters and AdamW state untouched
 when it is set (the fused CUDA kernel takes it as its `found_inf`). Skipped steps are counted;
 the consecutive count is read on the host only on logging steps, or one step late through a
@@ -24,7 +24,7 @@ from moetrain.errors import MoetrainError
 
 
 class TooManySkippedSteps(MoetrainError):
-    """Raised when `train.max_consecutive_skips` updates in a row were skipped."""
+    """Raised when `guard.max_consecutive_skips` updates in a row were skipped."""
 
 
 class StepGuard:
@@ -71,7 +71,7 @@ class StepGuard:
             raise TooManySkippedSteps(
                 f"{consecutive} optimizer steps in a row were skipped (non-finite or spiking loss / gradient "
                 f"norm) up to step {step}: training stopped; {kept}. Lower optim.lr, raise "
-                "train.skip_spike_sigma or check the data, then continue with --resume."
+                "guard.skip_spike_sigma or check the data, then continue with --resume."
             )
 
     def state_dict(self) -> dict:

@@ -12,7 +12,7 @@ The metrics.jsonl contract (one JSON object per logged step; keys never renamed)
 - tflops_per_device: flops_per_token × tokens_per_sec_per_device (Olmo-core's formula);
   mfu: that over the device's dense BF16 peak; null on CPU and unknown GPUs.
 - peak_mem_gib: torch.cuda.max_memory_allocated on GPU, the process's peak RSS on CPU. With
-  train.cuda_graphs=step, from the capture on: the allocator's peak since the capture plus the
+  compute.cuda_graphs=step, from the capture on: the allocator's peak since the capture plus the
   graph's memory it does not count (what the captured step freed again; its replays allocate
   nothing through the allocator).
 - expert_load_max_over_mean: worst MoE layer's max/mean tokens per expert over the step.
@@ -121,7 +121,7 @@ class JsonlSink(MetricsSink):
 
 
 class TensorBoardSink(MetricsSink):
-    """Each record's `scalars` as TensorBoard events in RUN_DIR/tb (train.tensorboard)."""
+    """Each record's `scalars` as TensorBoard events in RUN_DIR/tb (logging.tensorboard)."""
 
     def __init__(self, writer: Any):
         self.tb = writer
@@ -135,7 +135,7 @@ class TensorBoardSink(MetricsSink):
         except ImportError:
             print(
                 f"note: tensorboard is not installed; skipping RUN_DIR/tb events ({install_hint('tensorboard')}, "
-                "or set train.tensorboard=false)",
+                "or set logging.tensorboard=false)",
                 file=sys.stderr,
             )
             return None

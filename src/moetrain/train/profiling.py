@@ -1,8 +1,8 @@
 """Where a step's time and memory go: torch.profiler over a window of training steps, and (on
 CUDA) an allocator memory snapshot of the same window.
 
-Switched on by `train.profile=true` (for `train` and `bench`). After `train.profile_wait` steps
-(compilation and allocator warm-up stay outside), `train.profile_steps` steps are recorded into
+Switched on by `logging.profile=true` (for `train` and `bench`). After `logging.profile_wait` steps
+(compilation and allocator warm-up stay outside), `logging.profile_steps` steps are recorded into
 OUT_DIR (RUN_DIR/profile for `train`):
   - trace.json: the chrome trace (open in https://ui.perfetto.dev or chrome://tracing): every
     operator and kernel on a timeline, CPU and GPU;

@@ -62,7 +62,7 @@ class RunDir:
                     "Run directory",
                     checkpoint_detail or "a checkpoint",
                     "Free space, pass --run-dir on another filesystem, or save no checkpoints "
-                    "(--train.save_every=0 --train.save_final=false)",
+                    "(--checkpoint.save_every=0 --checkpoint.save_final=false)",
                 )
             self._take()
 

@@ -66,7 +66,7 @@ class Trainer:
         `rehearsal`, this process is that one rank of that world (src/moetrain/parallel/rehearsal.py).
         `capacity_floor` resolves parallel.capacity_min_rows auto (`moetrain train` and `bench`
         pass the planner's; without one, auto is 1024 rows)."""
-        if cfg.train.wandb:
+        if cfg.logging.wandb:
             require_wandb()
         runtime = setup_runtime(cfg, rehearsal)
         self.device, self.par = runtime.device, runtime.par
@@ -172,7 +172,7 @@ class Trainer:
         last_val = next((c.last_val for c in callbacks if isinstance(c, MetricsLogger)), None)
         self.summary.update(self._final_summary(last_val))
         self.run.write_summary(self.summary)
-        if tc.plot and self.par.is_main:
+        if self.cfg.logging.plot and self.par.is_main:
             self.summary["plot"] = str(plot_run(self.run.path))
         return self.summary
 
@@ -188,16 +188,16 @@ class Trainer:
         return self.checkpointing.save(self)
 
     def finish_checkpoint(self) -> None:
-        """Complete a checkpoint being written in the background (train.async_checkpoint)."""
+        """Complete a checkpoint being written in the background (checkpoint.async_save)."""
         self.checkpointing.finish()
 
     def _start_fresh(self) -> None:
-        """With train.init_from, from that checkpoint's model weights and a fresh optimizer."""
+        """With checkpoint.init_from, from that checkpoint's model weights and a fresh optimizer."""
         self.run.start_fresh()
-        if self.cfg.train.init_from:
-            path = ckpt.resolve_checkpoint(self.cfg.train.init_from)
+        if self.cfg.checkpoint.init_from:
+            path = ckpt.resolve_checkpoint(self.cfg.checkpoint.init_from)
             self.engine.load_model_weights(path)
-            self._notes.append(f"initialized the model from {path} (train.init_from)")
+            self._notes.append(f"initialized the model from {path} (checkpoint.init_from)")
 
     def _resume(self) -> None:
         """From the newest intact complete checkpoint: damaged ones (`ckpt.diagnose`) are
@@ -253,8 +253,8 @@ class Trainer:
         self._notes.append(
             f"resumed from {path} (step {self.step})"
             + (
-                f"; train.init_from={self.cfg.train.init_from} is for a fresh start, not read"
-                if self.cfg.train.init_from
+                f"; checkpoint.init_from={self.cfg.checkpoint.init_from} is for a fresh start, not read"
+                if self.cfg.checkpoint.init_from
                 else ""
             )
         )
@@ -363,14 +363,14 @@ class Trainer:
         return path, note, run or RunDir(path, main=False)
 
     def profiler(self, out_dir: Path, wait: int | None = None, kinds_only: bool = False) -> StepProfiler:
-        """A profiler over `train.profile_steps` steps after `wait` (default train.profile_wait);
+        """A profiler over `logging.profile_steps` steps after `wait` (default logging.profile_wait);
         with several ranks each writes its own rank-R subdirectory. `kinds_only`: kinds.json
         alone (`StepProfiler`)."""
-        tc = self.cfg.train
+        lc = self.cfg.logging
         if self.par.dims.world_size > 1:
             out_dir = out_dir / f"rank{self.par.rank}"
-        wait = tc.profile_wait if wait is None else wait
-        return StepProfiler(out_dir, wait, tc.profile_steps, self.device, quiet=self.quiet, kinds_only=kinds_only)
+        wait = lc.profile_wait if wait is None else wait
+        return StepProfiler(out_dir, wait, lc.profile_steps, self.device, quiet=self.quiet, kinds_only=kinds_only)
 
     def _final_summary(self, last_val: float | None) -> dict[str, Any]:
         counts = count_params(self.cfg.model)
@@ -388,8 +388,7 @@ class Trainer:
 
 def _checkpoint_need(cfg: RunConfig) -> dict[str, Any]:
     """`RunDir`'s free-space check: one checkpoint of this run, when it writes any."""
-    tc = cfg.train
-    if tc.save_every <= 0 and not tc.save_final:
+    if cfg.checkpoint.save_every <= 0 and not cfg.checkpoint.save_final:
         return {}
     params = count_params(cfg.model).total
     optimizer = 2 * cfg.optim.moments_dtype.dtype.itemsize

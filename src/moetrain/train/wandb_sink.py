@@ -1,4 +1,4 @@
-"""Weights & Biases as an optional metrics sink: train.wandb=true (`pip install 'moetrain[wandb]'`).
+"""Weights & Biases as an optional metrics sink: logging.wandb=true (`pip install 'moetrain[wandb]'`).
 
 Rank 0's `WandbSink` logs every numeric scalar of each metrics.jsonl record at the record's step,
 with the resolved run configuration as the W&B run config. wandb reads its own environment as usual:
@@ -23,13 +23,13 @@ ID_FILE = "wandb_id.txt"
 
 
 def require_wandb() -> None:
-    """Raise ConfigError when train.wandb=true cannot be honoured: wandb is not importable."""
+    """Raise ConfigError when logging.wandb=true cannot be honoured: wandb is not importable."""
     try:
         import wandb  # noqa: F401
     except ImportError as e:
         raise ConfigError(
-            f"train.wandb=true but the wandb package cannot be imported ({e}). Install the optional "
-            f"extra with {install_hint('wandb')}, or set train.wandb=false."
+            f"logging.wandb=true but the wandb package cannot be imported ({e}). Install the optional "
+            f"extra with {install_hint('wandb')}, or set logging.wandb=false."
         ) from None
 
 
@@ -60,8 +60,8 @@ class WandbSink(MetricsSink):
             )
         except wandb.errors.Error as e:
             raise ConfigError(
-                f"train.wandb=true but W&B could not start a run ({e}). Log in (wandb login, or set "
-                "WANDB_API_KEY), log offline with WANDB_MODE=offline, or set train.wandb=false."
+                f"logging.wandb=true but W&B could not start a run ({e}). Log in (wandb login, or set "
+                "WANDB_API_KEY), log offline with WANDB_MODE=offline, or set logging.wandb=false."
             ) from None
 
     def write(self, record: dict[str, Any], window: tuple[float, int]) -> None:
