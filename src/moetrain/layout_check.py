@@ -3,10 +3,17 @@ same run, compared step by step: what to run on one's own cluster before the exp
 
 Both runs train the same config (seed, global batch, hence the same batches) for `steps` steps,
 with evaluation, checkpoints, plots and CUDA graphs off. The layout runs on every rank of the
-launch (torchrun, srun or mpirun). Then rank 0 starts the reference as a child process: the same
-config with the default layout (every `parallel.*` key reset: no dp, cp, ep, pp, optimizer
-sharding or FSDP), alone on rank 0's device, so the model must fit one device (for a larger one,
-check a shallower copy, e.g. `--model.n_layers=2`: the layout's machinery is the same per layer).
+launch (torchrun, srun or mpirun). Then the reference (`reference_kind`; `--reference`):
+- `one`: rank 0 starts a child process training the same config with the default layout (every
+  `parallel.*` key reset: no dp, cp, ep, pp, optimizer sharding or FSDP), alone on rank 0's
+  device;
+- `fsdp`, for a model one device cannot hold: every rank of the launch trains it with the FSDP
+  stack and nothing else (dp = the launch's ranks; no cp, ep, pp), the simplest layout that
+  holds it: each rank keeps 1/dp of the parameters, gradients and optimizer state, and computes
+  every expert for its tokens.
+`auto` (the default) takes `one` where the planner's modelled peak of one process fits the
+device (the machine's memory on CPUs), else `fsdp`. A model too large for either can be checked
+as a shallower copy (e.g. `--model.n_layers=2`: the layout's machinery is the same per layer).
 
 Per step it compares (`compare`):
 - the LM loss and the optimizer's global gradient norm, as metrics.jsonl logs them;
@@ -37,8 +44,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moetrain.errors import MoetrainError
-from moetrain.parallel.config import ParallelConfig
+from moetrain.errors import ConfigError, MoetrainError
+from moetrain.parallel.config import ParallelConfig, Stack
 from moetrain.parallel.distributed import from_rank_0, shutdown
 from moetrain.train.config import CudaGraphs, Fp8, RunConfig
 from moetrain.train.metrics import read_metrics
@@ -229,35 +236,79 @@ def precision_of(cfg: RunConfig, device: torch.device) -> str:
     return "bf16" if autocast_dtype(cfg.precision.dtype, device) == torch.bfloat16 else "fp32"
 
 
-def check_layout(cfg: RunConfig, steps: int, rtol: tuple[float, float] | None = None) -> dict[str, Any] | None:
-    """The check (module docstring) on this launch's ranks: rank 0 returns the result (`compare`'s,
-    with the per-step records, the tolerances' precision and each run's seconds), the others None."""
+def reference_kind(cfg: RunConfig, device: torch.device, world: int, choice: str = "auto") -> tuple[str, str]:
+    """("one" or "fsdp", why): the reference `choice` asks for, or for "auto" one process where the
+    planner's modelled peak of one process fits `device` (module docstring), else the FSDP stack
+    over the launch's `world` ranks."""
+    if choice != "auto":
+        return choice, "as --reference asked"
+    from moetrain.plan import GIB, Assumptions, ParamGroups, layout_of, memory_per_rank
+    from moetrain.plan.hardware import device_memory
+
+    one = dataclasses.replace(cfg, parallel=ParallelConfig())
+    memory = device_memory(device)[0]
+    peak = memory_per_rank(one, layout_of(one, 1), ParamGroups.of(cfg.model), Assumptions())[0].peak
+    if peak <= memory or world == 1:
+        return "one", f"one process's modelled peak {peak / GIB:.1f} GiB fits the {memory / GIB:.1f} GiB of one device"
+    return "fsdp", (
+        f"one process would need a modelled {peak / GIB:.1f} GiB of the {memory / GIB:.1f} GiB of one device: the FSDP "
+        f"stack over the launch's {world} ranks holds it"
+    )
+
+
+def fsdp_reference(cfg: RunConfig) -> RunConfig:
+    """`cfg` with the FSDP stack over every rank and no other parallelism (the collective timeouts
+    kept)."""
+    p = cfg.parallel
+    return dataclasses.replace(
+        cfg, parallel=ParallelConfig(stack=Stack.fsdp, timeout_s=p.timeout_s, peer_timeout_s=p.peer_timeout_s)
+    )
+
+
+def check_layout(
+    cfg: RunConfig, steps: int, rtol: tuple[float, float] | None = None, reference: str = "auto"
+) -> dict[str, Any] | None:
+    """The check (module docstring) on this launch's ranks, against the `reference` (auto, one or
+    fsdp: `reference_kind`): rank 0 returns the result (`compare`'s, with the per-step records,
+    the reference, the tolerances' precision and each run's seconds), the others None."""
     from moetrain.train.runtime import setup_runtime
 
     runtime = setup_runtime(cfg)  # joins the launch's process group (the trainer then finds it)
-    main = runtime.par.rank == 0
+    main, world = runtime.par.rank == 0, runtime.par.dims.world_size
+    kind, why = reference_kind(cfg, runtime.device, world, reference)
+    if kind == "fsdp":
+        cfg_ref = fsdp_reference(cfg)
+        try:
+            cfg_ref.validate(world, runtime.device)
+        except ConfigError as e:
+            raise ConfigError(f"check-layout: the FSDP reference ({why}) cannot run here: {e}") from None
     workdir = Path(tempfile.mkdtemp(prefix="moetrain-check-layout-")) if main else None
     layout_dir = from_rank_0(str(workdir / "layout") if main else None)
     start = time.perf_counter()
     layout = run_steps(for_check(cfg, steps, layout_dir))
     layout_s = time.perf_counter() - start
-    if not main:
-        shutdown()
-        return None
-    precision = precision_of(cfg, runtime.device)
-    tol = Tolerance(rtol, rtol) if rtol is not None else TOLERANCES[precision]
     if runtime.device.type == "cuda":  # the layout's model is gone: its memory to the reference
         gc.collect()
         torch.cuda.empty_cache()
     start = time.perf_counter()
-    reference = run_reference(for_check(cfg, steps, ""), workdir)
-    result = compare(layout, reference, tol)
+    if kind == "fsdp":
+        ref_records = run_steps(for_check(cfg_ref, steps, from_rank_0(str(workdir / "reference") if main else None)))
+    if not main:
+        shutdown()
+        return None
+    if kind == "one":
+        ref_records = run_reference(for_check(cfg, steps, ""), workdir)
+    precision = precision_of(cfg, runtime.device)
+    tol = Tolerance(rtol, rtol) if rtol is not None else TOLERANCES[precision]
+    result = compare(layout, ref_records, tol)
     result.update(
         precision=precision,
-        world_size=runtime.par.dims.world_size,
+        world_size=world,
+        reference="one process" if kind == "one" else f"fsdp over {world} ranks",
+        reference_why=why,
         layout_seconds=round(layout_s, 1),
         reference_seconds=round(time.perf_counter() - start, 1),
-        steps=[{"step": a["step"], "layout": a, "reference": b} for a, b in zip(layout, reference)],
+        steps=[{"step": a["step"], "layout": a, "reference": b} for a, b in zip(layout, ref_records)],
     )
     shutdown()
     return result
@@ -274,22 +325,22 @@ def describe(result: dict[str, Any]) -> str:
             for name, v in q.items()
         ),
     ]
-    steps = len(result["steps"])
-    seconds = result["layout_seconds"], result["world_size"], result["reference_seconds"]
-    cost = "layout {} s on {} ranks, one process {} s".format(*seconds)
+    steps, ref = len(result["steps"]), result["reference"]
+    seconds = result["layout_seconds"], result["world_size"], ref, result["reference_seconds"]
+    cost = "layout {} s on {} ranks, {} {} s".format(*seconds)
+    lines.insert(0, f"reference: {ref} ({result['reference_why']})")
     if result["ok"]:
-        lines.append(
-            f"OK: {steps} steps of the layout equal one process's within the {result['precision']} tolerances ({cost})."
-        )
+        lines.append(f"OK: {steps} steps of the layout equal the reference's within the {result['precision']} "
+                     f"tolerances ({cost}).")  # fmt: skip
     else:
         lines.append(
-            f"FAILED: {', '.join(result['failed'])} differ from one process's beyond the {result['precision']} "
+            f"FAILED: {', '.join(result['failed'])} differ from the reference's beyond the {result['precision']} "
             f"tolerance ({cost})."
         )
     if result["max_dropped_token_frac"] > 0:
         lines.append(
-            f"The layout dropped up to {result['max_dropped_token_frac']:.2%} of expert assignments (one process drops "
-            "none): drops change the loss and every gradient. To check the machinery alone, add "
+            f"The layout dropped up to {result['max_dropped_token_frac']:.2%} of expert assignments (the reference "
+            "drops none): drops change the loss and every gradient. To check the machinery alone, add "
             "--parallel.capacity_factor=null (dropless)."
         )
     return "\n".join(lines)

@@ -135,6 +135,54 @@ def test_a_planted_fault_fails_naming_its_group(real_text_dir, fault, world, lay
     assert row.split()[-1] != "-", row  # the first step past the tolerance is named
 
 
+def test_an_fsdp_reference_checks_the_layout_on_every_rank(real_text_dir):
+    """--reference=fsdp (what auto takes for a model one device cannot hold): the FSDP stack over
+    the launch's ranks is the reference; a sound ep2 layout passes against it, and a router left
+    out of the ddp stack's reduction (which FSDP does not use) fails naming the router."""
+    sound = run_distributed(_check, 2, real_text_dir, ["--parallel.ep=2", "--json", "--reference=fsdp"], None)
+    result = json.loads(sound[0][1])
+    assert sound[0][0] == 0 and result["ok"] and result["reference"] == "fsdp over 2 ranks", result
+    assert result["reference_why"] == "as --reference asked" and sound[1] == (0, "")
+    argv = ["--parallel.ep=2", "--reference=fsdp"]
+    code, out = run_distributed(_check, 2, real_text_dir, argv, "router not reduced")[0]
+    assert code == 1 and out.startswith("reference: fsdp over 2 ranks") and "router" in out.splitlines()[-1], out
+
+
+def test_auto_takes_one_process_where_it_fits_and_fsdp_where_it_does_not(monkeypatch):
+    """The planner's one-process peak of tiny against the machine's memory, and against 1 MiB."""
+    import torch
+
+    from moetrain.layout_check import reference_kind
+    from moetrain.plan import hardware
+    from moetrain.presets import resolve_config
+
+    cfg, cpu = resolve_config("tiny", ["train.device=cpu"]), torch.device("cpu")
+    kind, why = reference_kind(cfg, cpu, 4)
+    assert kind == "one" and "fits" in why, why
+    monkeypatch.setattr(hardware, "device_memory", lambda device: (2**20, None))
+    kind, why = reference_kind(cfg, cpu, 4)
+    assert kind == "fsdp" and "of the 0.0 GiB of one device" in why and "4 ranks" in why, why
+    assert reference_kind(cfg, cpu, 1)[0] == "one"  # one rank: nothing else to hold it
+
+
+def test_an_fsdp_reference_the_batch_cannot_split_is_refused(real_text_dir):
+    """pp3 with micro-batches of 2 sequences: 3 FSDP ranks cannot split them, so the FSDP
+    reference is refused before any step, naming it."""
+    argv = ["--parallel.pp=3", "--train.micro_batch_size=2", "--reference=fsdp"]
+    code, out = run_distributed(_check_err, 3, real_text_dir, argv)[0]
+    assert code == 2 and "the FSDP reference" in out and "micro_batch_size" in out and "Traceback" not in out, out
+
+
+def _check_err(data_dir, argv):
+    """`moetrain check-layout tiny` with `argv`: (exit code, stderr)."""
+    from moetrain.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["check-layout", "tiny", f"--data.sources=[{data_dir}]", *SMALL, *argv])
+    return code, err.getvalue()
+
+
 @pytest.mark.parametrize(
     "argv, named", [(["--steps", "0"], "--steps=0"), (["--rtol", "0", "1e-3"], "--rtol 0.0 0.001")]
 )

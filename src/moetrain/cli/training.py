@@ -174,13 +174,15 @@ def cmd_check_layout(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         allow_abbrev=False,
         prog="moetrain check-layout",
-        description="Train the first steps of a run in its parallel layout and in one process, and compare them "
+        description="Train the first steps of a run in its parallel layout and in a reference (one process, or "
+        "the FSDP stack for a model one device cannot hold), and compare them "
         "step by step: the loss, the gradient norm, each parameter group's gradient norm (embeddings, attention, "
         "norms, dense MLP, router, routed experts, shared experts, head, MTP) and the drops. Exits 1 naming what "
         "differs beyond the precision's tolerance. Launch it as the run: torchrun --nproc-per-node=4 -m moetrain "
         "check-layout tiny --parallel.ep=2 --device cpu.",
-        epilog="Any config key can be set with --section.key=value. The one-process reference runs on rank 0's "
-        "device after the layout: the model must fit one device.",
+        epilog="Any config key can be set with --section.key=value. The reference runs after the layout: one "
+        "process on rank 0's device, or for a model one device cannot hold the FSDP stack over the launch's ranks "
+        "(--reference).",
     )
     parser.add_argument("spec", metavar="PRESET_OR_YAML", help="a preset name (moetrain presets) or a YAML run file")
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps to compare (default 5)")
@@ -196,6 +198,14 @@ def cmd_check_layout(argv: list[str]) -> int:
         "(default by precision, tighter at the first step, whose parameters both runs share: fp32 1e-6 1e-4, "
         "then 1e-4 1e-1; bf16 1e-3 1e-2, then 1e-2 1e-1; fp8 2e-3 2e-2, then 2e-2 2e-1)",
     )
+    parser.add_argument(
+        "--reference",
+        choices=("auto", "one", "fsdp"),
+        default="auto",
+        help="what the layout is compared with: one process on rank 0's device (one), the FSDP stack over the "
+        "launch's ranks and no other parallelism, for a model one device cannot hold (fsdp), or one where the "
+        "planner's modelled peak of one process fits the device, else fsdp (auto, the default)",
+    )
     parser.add_argument("--json", action="store_true", help="print the result as one JSON line instead of a table")
     parser.add_argument("--reference-out", default=None, help=argparse.SUPPRESS)  # the reference's child process
     args, overrides = split_overrides(parser, argv)
@@ -208,7 +218,7 @@ def cmd_check_layout(argv: list[str]) -> int:
     if args.reference_out is not None:
         Path(args.reference_out).write_text(json.dumps(layout_check.run_steps(cfg)))  # `run_reference`'s child
         return 0
-    result = layout_check.check_layout(cfg, args.steps, tuple(args.rtol) if args.rtol else None)
+    result = layout_check.check_layout(cfg, args.steps, tuple(args.rtol) if args.rtol else None, args.reference)
     if result is None:  # not rank 0
         return 0
     print(json.dumps(layout_check.plain(result)) if args.json else layout_check.describe(result), flush=True)
