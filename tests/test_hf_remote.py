@@ -39,7 +39,8 @@ def greedy(model, ids: torch.Tensor, steps: int) -> list[int]:
 @pytest.fixture(scope="module")
 def trained(real_text_dir, tmp_path_factory):
     """`tiny` with what no native class has: a shared expert under softmax, weights × k,
-    peri-norm without the input norms, a normalized embedding and a moving aux-free bias, a few steps on real text."""
+    peri-norm without the input norms, a normalized embedding, a moving aux-free bias and local
+    blocks (a window of 8 positions in every other block), a few steps on real text."""
     run = tmp_path_factory.mktemp("remote") / "run"
     extra = (
         "train.steps=4",
@@ -50,12 +51,15 @@ def trained(real_text_dir, tmp_path_factory):
         "model.embedding_norm=true",
         "model.pre_norm=false",
         "model.moe.bias_update_rate=0.01",
+        "model.sliding_window=8",
+        "model.attention_pattern=LG",
     )
     overrides = [o for o in tiny_overrides(real_text_dir, run, *extra) if not o.startswith("data.seq_len")]
     overrides = [
         o
         for o in overrides
-        if not o.startswith("model.") or o.startswith(("model.moe.", "model.peri", "model.embedding"))
+        if not o.startswith("model.")
+        or o.startswith(("model.moe.", "model.peri", "model.embedding", "model.sliding", "model.attention"))
     ]
     assert main(["train", "tiny", *[f"--{o}" for o in overrides], "--quiet"]) == 0
     return run

@@ -148,6 +148,17 @@ def test_an_fsdp_reference_checks_the_layout_on_every_rank(real_text_dir):
     assert code == 1 and out.startswith("reference: fsdp over 2 ranks") and "router" in out.splitlines()[-1], out
 
 
+@pytest.mark.parametrize("layout", [["--parallel.cp=2", "--parallel.ep=2"], ["--parallel.pp=2"]], ids=["cp2ep2", "pp2"])
+def test_local_blocks_check_out_under_context_and_pipeline_parallelism(real_text_dir, layout):
+    """A model with local blocks (a window of 6 positions, every other block) against one process:
+    context parallelism's chunks of 8 positions, and pipeline stages, each block keeping its own
+    window."""
+    argv = [*layout, "--model.sliding_window=6", "--model.attention_pattern=LG", "--json"]
+    code, out = run_distributed(_check, 2, real_text_dir, argv, None)[0]
+    result = json.loads(out)
+    assert code == 0 and result["ok"], result
+
+
 def test_auto_takes_one_process_where_it_fits_and_fsdp_where_it_does_not(monkeypatch):
     """The planner's one-process peak of tiny against the machine's memory, and against 1 MiB."""
     import torch

@@ -73,9 +73,9 @@ def cp_overrides(*extra):
     ]
 
 
-def sharded_attention_errors(cp, docs):
+def sharded_attention_errors(cp, docs, window=0):
     """Max |difference| of this rank's attention output and q/k/v gradients from the whole
-    sequence's SDPA (float64)."""
+    sequence's SDPA (float64); with `window`, local attention's."""
     import torch.distributed as dist
 
     from moetrain.model.rope import RotaryEmbedding
@@ -87,7 +87,14 @@ def sharded_attention_errors(cp, docs):
     k, v = (torch.randn(B, G, T, D, generator=g, dtype=torch.float64) for _ in range(2))
     doc_ids_BT = (torch.rand(B, T, generator=g) < 0.2).long().cumsum(1) if docs else None
     whole = [t.clone().requires_grad_() for t in (q, k, v)]
-    if docs:
+    if window:
+        from moetrain.model.local_attention import local_attention
+
+        mask_BTT = None
+        if docs:
+            mask_BTT = (doc_ids_BT[:, :, None] == doc_ids_BT[:, None, :]) & torch.ones(T, T, dtype=torch.bool).tril()
+        out = local_attention(*whole, window, mask_BTT)
+    elif docs:
         mask_BTT = (doc_ids_BT[:, :, None] == doc_ids_BT[:, None, :]) & torch.ones(T, T, dtype=torch.bool).tril()
         out = F.scaled_dot_product_attention(*whole, attn_mask=mask_BTT.unsqueeze(1), enable_gqa=True)
     else:
@@ -103,7 +110,7 @@ def sharded_attention_errors(cp, docs):
     rope = RotaryEmbedding(D, 10_000.0)
     rope.init_weights()
     _, _, masks = shard.attention_inputs(rope, T // cp, doc_ids_BT, torch.device("cpu"))
-    out_local = shard.attend(*local, masks)
+    out_local = shard.attend(*local, masks, window)
     (out_local * mine(w)).sum().backward()
     pairs = [(out_local, out)] + [(lo.grad, wh.grad) for lo, wh in zip(local, whole)]
     return [(a - mine(b)).abs().max().item() for a, b in pairs]
@@ -111,8 +118,10 @@ def sharded_attention_errors(cp, docs):
 
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("docs", [False, True], ids=["causal", "documents"])
-def test_sharded_attention_equals_whole_sequence_attention(cp, docs):
-    for errors in run_distributed(sharded_attention_errors, cp, cp, docs):
+@pytest.mark.parametrize("window", [0, 5], ids=["global", "window5"])
+def test_sharded_attention_equals_whole_sequence_attention(cp, docs, window):
+    """Global, and within a window of 5 positions, which crosses the chunks of 4 (cp 2, 4)."""
+    for errors in run_distributed(sharded_attention_errors, cp, cp, docs, window):
         assert max(errors) < 1e-13, errors
 
 

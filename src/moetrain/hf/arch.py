@@ -81,6 +81,8 @@ def unsupported_features(m: TransformerConfig, expert_bias_nonzero: bool) -> lis
         problems.append("model.embedding_norm=true (neither class normalizes its token embeddings)")
     if not m.pre_norm:
         problems.append("model.pre_norm=false (both classes normalize each sublayer's input)")
+    if m.sliding_window:
+        problems.append(f"model.sliding_window={m.sliding_window} (local blocks are exported with moetrain's own file)")
     if architecture_for(m) == Architecture.qwen3_moe:
         if moe.shared_hidden > 0:
             problems.append(
@@ -284,6 +286,8 @@ def remote_config(m: TransformerConfig, eos_id: int | None, max_positions: int, 
         "pre_norm": m.pre_norm,
         "peri_norm": m.peri_norm,
         "embedding_norm": m.embedding_norm,
+        "sliding_window": m.sliding_window,
+        "attention_pattern": m.attention_pattern,
         "norm_eps": m.norm_eps,
         "rope_theta": m.rope_theta,
         "num_experts": moe.num_experts,

@@ -43,6 +43,8 @@ class MoetrainConfig(PretrainedConfig):
         pre_norm: bool = True,
         peri_norm: bool = False,
         embedding_norm: bool = False,
+        sliding_window: int = 0,
+        attention_pattern: str = "",
         norm_eps: float = 1e-6,
         rope_theta: float = 500000.0,
         num_experts: int = 8,
@@ -60,6 +62,7 @@ class MoetrainConfig(PretrainedConfig):
         self.num_dense_layers, self.dense_hidden = num_dense_layers, dense_hidden
         self.qk_norm, self.peri_norm, self.norm_eps, self.rope_theta = qk_norm, peri_norm, norm_eps, rope_theta
         self.embedding_norm, self.pre_norm = embedding_norm, pre_norm
+        self.sliding_window, self.attention_pattern = sliding_window, attention_pattern
         self.num_experts, self.num_experts_per_tok, self.expert_hidden = num_experts, num_experts_per_tok, expert_hidden
         self.shared_hidden, self.gating = shared_hidden, gating
         self.normalize_weights, self.restore_weight_scale = normalize_weights, restore_weight_scale
@@ -112,9 +115,9 @@ def apply_rope(x_BHTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
 
 
 class Attention(nn.Module):
-    def __init__(self, c: MoetrainConfig):
+    def __init__(self, c: MoetrainConfig, window: int):
         super().__init__()
-        self.c = c
+        self.c, self.window = c, window
         self.wq = nn.Linear(c.d_model, c.n_heads * c.head_dim, bias=False)
         self.wk = nn.Linear(c.d_model, c.n_kv_heads * c.head_dim, bias=False)
         self.wv = nn.Linear(c.d_model, c.n_kv_heads * c.head_dim, bias=False)
@@ -132,6 +135,10 @@ class Attention(nn.Module):
         q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
         groups = c.n_heads // c.n_kv_heads
         k, v = k.repeat_interleave(groups, dim=1), v.transpose(1, 2).repeat_interleave(groups, dim=1)
+        if self.window:  # a local block: keys within `window` positions up to the query's
+            d_TT = torch.arange(T, device=x_BTD.device).unsqueeze(1) - torch.arange(T, device=x_BTD.device)
+            local_TT = (d_TT >= 0) & (d_TT < self.window)
+            mask_B1TT = local_TT if mask_B1TT is None else mask_B1TT & local_TT
         if mask_B1TT is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
@@ -205,7 +212,8 @@ class Block(nn.Module):
     def __init__(self, c: MoetrainConfig, layer: int):
         super().__init__()
         self.attn_norm = RMSNorm(c.d_model, c.norm_eps) if c.pre_norm else nn.Identity()
-        self.attn = Attention(c)
+        pattern = c.attention_pattern or "L"
+        self.attn = Attention(c, c.sliding_window if pattern[layer % len(pattern)] == "L" else 0)
         self.ffn_norm = RMSNorm(c.d_model, c.norm_eps) if c.pre_norm else nn.Identity()
         self.ffn = MoE(c) if layer >= c.num_dense_layers else SwiGLU(c.d_model, c.dense_hidden)
         self.attn_out_norm = RMSNorm(c.d_model, c.norm_eps) if c.peri_norm else None

@@ -1,4 +1,5 @@
-"""Grouped-query attention with per-head QK-norm and RoPE, through PyTorch SDPA.
+"""Grouped-query attention with per-head QK-norm and RoPE, through PyTorch SDPA, global or within a
+sliding window (src/moetrain/model/local_attention.py).
 
 Legend: B batch, T sequence, D model dim, H query heads, G key/value heads, Dh head dim.
 """
@@ -14,9 +15,13 @@ from moetrain.model.sequence_layout import SequenceLayout, WholeSequence
 
 
 class Attention(nn.Module):
-    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, qk_norm: bool, norm_eps: float):
+    def __init__(
+        self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, qk_norm: bool, norm_eps: float, window: int = 0
+    ):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.window = window
+        """Sliding window in positions (0: global attention; src/moetrain/model/local_attention.py)."""
         self.wq = nn.Linear(d_model, n_heads * head_dim, bias=False)
         self.wk = nn.Linear(d_model, n_kv_heads * head_dim, bias=False)
         self.wv = nn.Linear(d_model, n_kv_heads * head_dim, bias=False)
@@ -50,7 +55,7 @@ class Attention(nn.Module):
         k_BGTD = apply_rope(k_BTGD.transpose(1, 2), cos_TD, sin_TD)
         v_BGTD = v_BTGD.transpose(1, 2)
         if cache is None:
-            o_BHTD = self.sequence.attend(q_BHTD, k_BGTD, v_BGTD, masks)
+            o_BHTD = self.sequence.attend(q_BHTD, k_BGTD, v_BGTD, masks, self.window)
         else:
-            o_BHTD = cache.attend(q_BHTD, k_BGTD, v_BGTD)
+            o_BHTD = cache.attend(q_BHTD, k_BGTD, v_BGTD, self.window)
         return self.wo(o_BHTD.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))

@@ -26,7 +26,9 @@ class Block(nn.Module):
         self.layer_id = layer_id
         D = cfg.d_model
         self.attn_norm = RMSNorm(D, cfg.norm_eps) if cfg.pre_norm else nn.Identity()
-        self.attn = Attention(D, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim, cfg.qk_norm, cfg.norm_eps)
+        self.attn = Attention(
+            D, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim, cfg.qk_norm, cfg.norm_eps, cfg.window_of(layer_id)
+        )
         self.ffn_norm = RMSNorm(D, cfg.norm_eps) if cfg.pre_norm else nn.Identity()
         self.is_moe = layer_id >= cfg.num_dense_layers and not dense
         self.ffn: nn.Module = MoE(D, cfg.moe) if self.is_moe else SwiGLU(D, cfg.resolved_dense_hidden)

@@ -112,6 +112,14 @@ class TransformerConfig(Config):
     """Hidden size of the dense MLP; None = top_k × expert_hidden + shared_hidden."""
     qk_norm: bool = True
     """Per-head RMSNorm on queries and keys."""
+    sliding_window: int = non_negative(0, at_most=2**31)
+    """Local attention: in the layers model.attention_pattern makes local, a token attends to
+    itself and the sliding_window − 1 positions before it (src/moetrain/model/local_attention.py).
+    0 = every layer attends to every earlier position."""
+    attention_pattern: str = ""
+    """Which blocks attend locally (L: over model.sliding_window positions) and which globally
+    (G), as a pattern repeated over the blocks from the first, e.g. "LLLG" (three local, then one
+    global); "" = every block local when model.sliding_window is set."""
     pre_norm: bool = True
     """Normalize each sublayer's input. false (with peri_norm=true): x + norm(f(x)), OLMo 2's
     reordered norm, which Olmo-core's moe_8l shape (bench-8e) has."""
@@ -155,6 +163,12 @@ class TransformerConfig(Config):
     def num_moe_layers(self) -> int:
         return self.n_layers - self.num_dense_layers
 
+    def window_of(self, layer: int) -> int:
+        """Block `layer`'s sliding window (0: global attention); the multi-token prediction
+        modules' blocks, numbered on from the last, continue the pattern."""
+        pattern = self.attention_pattern or "L"
+        return self.sliding_window if pattern[layer % len(pattern)] == "L" else 0
+
     def validate(self) -> None:
         if self.head_dim is None and self.d_model % self.n_heads:
             raise ConfigError(
@@ -174,6 +188,16 @@ class TransformerConfig(Config):
             raise ConfigError(
                 "model.pre_norm=false with model.peri_norm=false leaves the blocks without a norm: set either "
                 "(pre_norm alone: pre-norm; peri_norm alone: x + norm(f(x)); both: peri-norm)."
+            )
+        if set(self.attention_pattern) - {"L", "G"}:
+            raise ConfigError(
+                f"model.attention_pattern={self.attention_pattern!r} may hold only L (a local block) and G (a "
+                'global one), repeated over the blocks: e.g. "LLLG".'
+            )
+        if self.attention_pattern and not self.sliding_window:
+            raise ConfigError(
+                f"model.attention_pattern={self.attention_pattern!r} names local blocks, but model.sliding_window "
+                "is 0 (no window): set model.sliding_window (tokens), or drop the pattern."
             )
         if self.num_dense_layers > self.n_layers:
             raise ConfigError(

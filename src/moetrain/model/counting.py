@@ -49,10 +49,18 @@ def flops_per_token(cfg: TransformerConfig, seq_len: int, causal_halved: bool = 
     without its attention term)."""
     counts = count_params(cfg)
     layers, mtp_heads = cfg.n_layers + cfg.mtp_depth, cfg.mtp_depth * cfg.vocab_size * cfg.d_model
-    attention = 12 * layers * cfg.n_heads * cfg.resolved_head_dim * seq_len if attention else 0
+    keys = sum(attended_keys(cfg, i, seq_len) for i in range(layers))
+    attention = 12 * cfg.n_heads * cfg.resolved_head_dim * keys if attention else 0
     if causal_halved:
         attention //= 2
     return 6 * (counts.active - counts.embedding + mtp_heads) + attention
+
+
+def attended_keys(cfg: TransformerConfig, layer: int, seq_len: int) -> int:
+    """The keys per query the formula's attention term counts for block `layer`: seq_len (twice
+    the causal mean, as Olmo-core counts), or for a local block twice the window's, at most that."""
+    window = cfg.window_of(layer)
+    return min(seq_len, 2 * window) if window else seq_len
 
 
 # Dense BF16 tensor-core peaks (FLOP/s, no sparsity) for MFU. Matched by substring of the CUDA

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from moetrain.model.config import TransformerConfig
+from moetrain.model.local_attention import window_mask
 
 
 class LayerCache:
@@ -28,9 +29,9 @@ class LayerCache:
         self.length = 0
         """Positions held (the next new position's index)."""
 
-    def attend(self, q_BHTD: torch.Tensor, k_BGTD: torch.Tensor, v_BGTD: torch.Tensor) -> torch.Tensor:
+    def attend(self, q_BHTD: torch.Tensor, k_BGTD: torch.Tensor, v_BGTD: torch.Tensor, window: int = 0) -> torch.Tensor:
         """Append the T new positions' keys and values, then causal attention (B, H, T, Dh) of
-        their queries over every position held."""
+        their queries over every position held (with `window`, over the last `window` up to each)."""
         start, T = self.length, q_BHTD.shape[2]
         end = start + T
         assert end <= self.k_BGSD.shape[2], "KVCache overflow: the caller must start a new cache"
@@ -38,6 +39,10 @@ class LayerCache:
         self.v_BGSD[:, :, start:end] = v_BGTD
         self.length = end
         k_BGSD, v_BGSD = self.k_BGSD[:, :, :end], self.v_BGSD[:, :, :end]
+        if window and end > window:
+            device = q_BHTD.device
+            mask_TS = window_mask(torch.arange(start, end, device=device), torch.arange(end, device=device), window)
+            return F.scaled_dot_product_attention(q_BHTD, k_BGSD, v_BGSD, attn_mask=mask_TS, enable_gqa=True)
         if T == 1:  # one new position sees every position held: no mask
             return F.scaled_dot_product_attention(q_BHTD, k_BGSD, v_BGSD, enable_gqa=True)
         if start == 0:  # the prompt of an empty cache: plain causal attention

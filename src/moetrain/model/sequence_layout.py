@@ -20,6 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 import torch.nn.functional as F
 
+from moetrain.model.local_attention import local_attention
 from moetrain.model.rope import RotaryEmbedding
 
 
@@ -39,9 +40,12 @@ class SequenceLayout(Protocol):
         only within their document; None means plain causal attention."""
         ...
 
-    def attend(self, q_BHTD: torch.Tensor, k_BGTD: torch.Tensor, v_BGTD: torch.Tensor, masks: Any) -> torch.Tensor:
+    def attend(
+        self, q_BHTD: torch.Tensor, k_BGTD: torch.Tensor, v_BGTD: torch.Tensor, masks: Any, window: int = 0
+    ) -> torch.Tensor:
         """Causal attention (B, H, T, Dh) of this rank's queries over every position of the
-        sequence up to theirs, with this rank's keys and values; `masks` from `attention_inputs`."""
+        sequence up to theirs (with `window`, the last `window` of them: src/moetrain/model/local_attention.py),
+        with this rank's keys and values; `masks` from `attention_inputs`."""
         ...
 
 
@@ -64,8 +68,15 @@ class WholeSequence:
         return cos_TD, sin_TD, mask_BTT
 
     def attend(
-        self, q_BHTD: torch.Tensor, k_BGTD: torch.Tensor, v_BGTD: torch.Tensor, mask_BTT: torch.Tensor | None
+        self,
+        q_BHTD: torch.Tensor,
+        k_BGTD: torch.Tensor,
+        v_BGTD: torch.Tensor,
+        mask_BTT: torch.Tensor | None,
+        window: int = 0,
     ) -> torch.Tensor:
+        if window:
+            return local_attention(q_BHTD, k_BGTD, v_BGTD, window, mask_BTT)
         if mask_BTT is None:
             return F.scaled_dot_product_attention(q_BHTD, k_BGTD, v_BGTD, is_causal=True, enable_gqa=True)
         # document masking: the mask already contains causality

@@ -18,7 +18,9 @@ attends each of its two query chunks to the key prefix that chunk can see (`pref
 causality aligned to the lower right of the (L, (c + 1)·L) score block — FlashAttention-2 on
 CUDA in bf16, SDPA with `causal_lower_right` elsewhere — or, with document masking, SDPA with the
 boolean mask of those rows (a dense (L, (c + 1)·L) mask per chunk: long document-masked
-sequences pay its memory and the masked kernel's speed).
+sequences pay its memory and the masked kernel's speed). A local block (`model.sliding_window`)
+attends each chunk's queries to the keys of their window alone, with a window mask (every rank
+still gathers every key: the exchange is the global blocks').
 
 Why not torch's `context_parallel` (torch.distributed.tensor.experimental): its SDPA path (ring
 attention) takes no attention mask, so no document masking; it runs only the CUDA flash,
@@ -38,6 +40,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from moetrain.model.local_attention import window_mask
 from moetrain.model.rope import RotaryEmbedding
 
 _all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
@@ -107,16 +110,36 @@ class ContextShard:
         kv_2BGTD = kv_T2BGD.permute(1, 2, 3, 0, 4).contiguous()
         return kv_2BGTD[0], kv_2BGTD[1]
 
-    def attend(self, q_BHtD: torch.Tensor, k_BGtD: torch.Tensor, v_BGtD: torch.Tensor, masks: Masks) -> torch.Tensor:
-        """Attention of this rank's queries over the whole sequence (module docstring)."""
+    def attend(
+        self, q_BHtD: torch.Tensor, k_BGtD: torch.Tensor, v_BGtD: torch.Tensor, masks: Masks, window: int = 0
+    ) -> torch.Tensor:
+        """Attention of this rank's queries over the whole sequence (module docstring); with
+        `window`, each chunk's queries over the keys of their window alone."""
         k_BGTD, v_BGTD = self.gather_kv(k_BGtD, v_BGtD)
         L = q_BHtD.shape[2] // 2
         outs = []
         for j, (c, mask_BLS) in enumerate(zip(self.chunks, masks)):
             S = (c + 1) * L
             q_BHLD = q_BHtD[:, :, j * L : (j + 1) * L]
-            outs.append(prefix_attention(q_BHLD, k_BGTD[:, :, :S], v_BGTD[:, :, :S], mask_BLS))
+            if window:
+                outs.append(_window_attention(q_BHLD, k_BGTD, v_BGTD, c * L, window, mask_BLS))
+            else:
+                outs.append(prefix_attention(q_BHLD, k_BGTD[:, :, :S], v_BGTD[:, :, :S], mask_BLS))
         return torch.cat(outs, dim=2)
+
+
+def _window_attention(q_BHLD, k_BGTD, v_BGTD, first: int, window: int, mask_BLS) -> torch.Tensor:
+    """The L queries at positions first … first + L − 1 over the keys of their windows (positions
+    first − window + 1 … first + L − 1), within `mask_BLS` (document masks, whose keys start at 0)."""
+    L = q_BHLD.shape[2]
+    lo, hi = max(0, first - window + 1), first + L
+    device = q_BHLD.device
+    mask = window_mask(torch.arange(first, hi, device=device), torch.arange(lo, hi, device=device), window)
+    if mask_BLS is not None:
+        mask = (mask_BLS[:, :, lo:] & mask).unsqueeze(1)
+    return F.scaled_dot_product_attention(
+        q_BHLD, k_BGTD[:, :, lo:hi], v_BGTD[:, :, lo:hi], attn_mask=mask, enable_gqa=True
+    )
 
 
 def prefix_attention(

@@ -6,7 +6,7 @@ import dataclasses
 import math
 
 from moetrain.model.config import Fp8, TransformerConfig
-from moetrain.model.counting import flops_per_token
+from moetrain.model.counting import attended_keys, flops_per_token
 from moetrain.model.fp8_choice import choose_head, fp8_flops_per_token
 from moetrain.parallel.config import DispatcherKind, Recompute, Stack
 from moetrain.plan.calibration import Assumptions
@@ -190,7 +190,8 @@ def _mtp_flops_per_token(cfg: RunConfig) -> float:
     d, hd = m.d_model, m.resolved_head_dim
     per_depth = 2 * d * d + 2 * d * hd * (m.n_heads + m.n_kv_heads) + 3 * d * m.resolved_dense_hidden
     per_depth += d * m.vocab_size  # the LM head, once more per depth
-    return m.mtp_depth * (6 * per_depth + 12 * m.n_heads * hd * cfg.data.seq_len)
+    keys = sum(attended_keys(m, m.n_layers + i, cfg.data.seq_len) for i in range(m.mtp_depth))
+    return m.mtp_depth * 6 * per_depth + 12 * m.n_heads * hd * keys
 
 
 def _muon_time(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume: Assumptions) -> tuple[float, float]:
