@@ -1040,14 +1040,14 @@ def test_local_flash_attention_is_the_windowed_softmax_and_compiles(window):
     w = torch.randn(B, H, T, Dh, device="cuda", generator=g)
 
     def run(dtype, fn=local_attention):
-        xs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        xs = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
         out = fn(*xs, window, None)
         (out.float() * w).sum().backward()
         return [out.float()] + [x.grad.float() for x in xs]
 
     got, want = run(torch.bfloat16), run(torch.float32)
-    for a, b in zip(got, want):
-        assert (a - b).abs().max() <= 2e-2 * b.abs().max(), (window, (a - b).abs().max())
+    for i, (a, b) in enumerate(zip(got, want)):  # window 1: out = v, so q's gradient is 0
+        assert (a - b).abs().max() <= 2e-2 * b.abs().max() + 1e-4, (window, i, (a - b).abs().max(), b.abs().max())
     compiled = run(torch.bfloat16, torch.compile(local_attention, fullgraph=True))
-    for a, b in zip(compiled, got):
-        assert (a - b).abs().max() <= 1e-2 * b.abs().max(), (window, (a - b).abs().max())
+    for i, (a, b) in enumerate(zip(compiled, got)):
+        assert (a - b).abs().max() <= 1e-2 * b.abs().max() + 1e-4, (window, i, (a - b).abs().max())
