@@ -42,7 +42,13 @@ def test_local_attention_is_the_softmax_over_the_window(window, docs):
 
 def small(**kw) -> TransformerConfig:
     return TransformerConfig(
-        vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, moe=MoEConfig(num_experts=4, expert_hidden=16), **kw
+        vocab_size=64,
+        d_model=32,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        moe=MoEConfig(num_experts=4, expert_hidden=16),
+        **kw,
     )
 
 

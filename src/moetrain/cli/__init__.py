@@ -34,7 +34,7 @@ SUBCOMMANDS: dict[str, str] = {
     "export-hf": "write a checkpoint as a Hugging Face model directory (safetensors, config, tokenizer)",
     "import-hf": "turn a Hugging Face Qwen3-MoE or GLM-4-MoE directory into a checkpoint (--checkpoint.init_from)",
     "plan": "predict per-GPU memory, communication, step time and MFU of a preset on N GPUs; suggest layouts",
-    "check-layout": "train a run's first steps in its parallel layout and in a reference (one process, or FSDP); compare them step by step",
+    "check-layout": "train a run's first steps in its layout and in a reference (one process or FSDP); compare them",
 }
 
 MODULES = {

@@ -16,7 +16,14 @@ from moetrain.model.sequence_layout import SequenceLayout, WholeSequence
 
 class Attention(nn.Module):
     def __init__(
-        self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, qk_norm: bool, norm_eps: float, window: int = 0
+        self,
+        d_model: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        qk_norm: bool,
+        norm_eps: float,
+        window: int = 0,
     ):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
