@@ -148,11 +148,15 @@ def test_an_fsdp_reference_checks_the_layout_on_every_rank(real_text_dir):
     assert code == 1 and out.startswith("reference: fsdp over 2 ranks") and "router" in out.splitlines()[-1], out
 
 
-@pytest.mark.parametrize("layout", [["--parallel.cp=2", "--parallel.ep=2"], ["--parallel.pp=2"]], ids=["cp2ep2", "pp2"])
-def test_local_blocks_check_out_under_context_and_pipeline_parallelism(real_text_dir, layout):
+@pytest.mark.parametrize(
+    "layout",
+    [["--parallel.ep=2"], ["--parallel.cp=2", "--parallel.ep=2"], ["--parallel.pp=2"]],
+    ids=["dp2ep2", "cp2ep2", "pp2"],
+)
+def test_local_blocks_check_out_under_every_layout(real_text_dir, layout):
     """A model with local blocks (a window of 6 positions, every other block) against one process:
-    context parallelism's chunks of 8 positions, and pipeline stages, each block keeping its own
-    window."""
+    data and expert parallelism, context parallelism's chunks of 8 positions, and pipeline
+    stages, each block keeping its own window."""
     argv = [*layout, "--model.sliding_window=6", "--model.attention_pattern=LG", "--json"]
     code, out = run_distributed(_check, 2, real_text_dir, argv, None)[0]
     result = json.loads(out)
