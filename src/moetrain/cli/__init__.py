@@ -1,6 +1,6 @@
 """The `moetrain` command line: one module per group of subcommands (args.py: the flags they
 share; training.py: train, bench, check-layout; planning.py: plan; configs.py: config, params, presets,
-prepare-data; models.py: eval, generate, export-hf, import-hf, plot), imported when its command
+prepare-data; models.py: eval, generate, export-hf, import-hf, upcycle, plot), imported when its command
 runs, so `moetrain --help` and `--version` load no torch.
 
 Every subcommand that ends with a result prints it as one JSON line on stdout; progress and notes
@@ -35,6 +35,7 @@ SUBCOMMANDS: dict[str, str] = {
     "import-hf": "turn a Hugging Face Qwen3-MoE or GLM-4-MoE directory into a checkpoint (--checkpoint.init_from)",
     "plan": "predict per-GPU memory, communication, step time and MFU of a preset on N GPUs; suggest layouts",
     "check-layout": "train a run's first steps in its layout and in a reference (one process or FSDP); compare them",
+    "upcycle": "turn a dense checkpoint into an MoE one that starts as the dense model (--checkpoint.init_from)",
 }
 
 MODULES = {
@@ -51,6 +52,7 @@ MODULES = {
     "export-hf": "models",
     "import-hf": "models",
     "plot": "models",
+    "upcycle": "models",
 }
 """Each subcommand's module in this package, whose `cmd_NAME` (argv in, exit code out) runs it."""
 

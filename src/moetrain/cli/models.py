@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from moetrain.cli.args import split_overrides
 from moetrain.data.tokens import open_source
 from moetrain.destinations import check_file, check_overwrite
 from moetrain.errors import ConfigError, DataError
@@ -223,6 +224,27 @@ def cmd_import_hf(argv: list[str]) -> int:
         import_hf,
         import_replaces,
     )
+
+
+def cmd_upcycle(argv: list[str]) -> int:
+    from moetrain.upcycle import upcycle
+
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False,
+        prog="moetrain upcycle",
+        description="Turn a dense checkpoint into a mixture-of-experts one whose first step computes the dense "
+        "model's function: every expert (and the shared expert) a copy of its block's MLP, the down projections "
+        "scaled so the block's output is the MLP's, a fresh router. The MoE blocks are given as overrides of the "
+        "dense run's config, e.g. --model.num_dense_layers=1 --model.moe.num_experts=8 --model.moe.top_k=2 "
+        "--model.moe.expert_hidden=H (H: the dense MLP's hidden size). OUT_DIR gets config.yaml, the tokenizer and "
+        "checkpoints/step-0: train it with `moetrain train OUT_DIR/config.yaml --checkpoint.init_from=OUT_DIR "
+        "--run-dir NEW`.",
+    )
+    parser.add_argument("dense", help="a dense run directory (newest checkpoint) or a step-N directory")
+    parser.add_argument("out_dir")
+    args, overrides = split_overrides(parser, argv)
+    print(json.dumps(upcycle(args.dense, args.out_dir, overrides)))
+    return 0
 
 
 def cmd_plot(argv: list[str]) -> int:
