@@ -1,7 +1,9 @@
 """Earlier key names (`RunConfig.renamed`: the keys `precision`, `compute`, `checkpoint`,
 `logging` and `guard` hold, once all under `train`) are read as the new ones everywhere a key is
 read: a YAML file, an override, an older run's config.yaml. Each is noted once a process, and an
-old key beside its new one with another value is refused naming both."""
+old key beside its new one with another value is refused naming both. A retired key
+(`RunConfig.retired`) at the value that behaves as the code does now is dropped with a note once
+a process; at another it is refused, saying why it is gone and what to do."""
 
 from __future__ import annotations
 
@@ -101,3 +103,34 @@ def test_config_help_and_output_show_the_sections(capsys):
     assert main(["config", "tiny"]) == 0
     sections = list(yaml.safe_load(capsys.readouterr().out))
     assert sections[4:10] == ["train", "precision", "compute", "checkpoint", "logging", "guard"], sections
+
+
+# --- retired keys (`RunConfig.retired`) --------------------------------------------------------
+
+
+@pytest.mark.parametrize("section", ["precision", "train"])
+def test_an_older_runs_config_yaml_with_a_retired_key_at_its_old_value_loads_noting_it_once(tmp_path, capsys, section):
+    cfg = resolve_config("tiny", ["train.steps=7"])
+    old = cfg.to_dict()
+    old[section]["fp8_expert_weight_grad"] = False
+    path = tmp_path / "run" / "config.yaml"
+    path.parent.mkdir()
+    path.write_text(yaml.safe_dump(old, sort_keys=False))
+
+    assert RunConfig.from_dict(load_yaml(path, RunConfig)) == cfg  # how --resume and init_from read it
+    assert resolve_config(str(path)) == cfg  # `moetrain train RUN_DIR/config.yaml`
+    err = capsys.readouterr().err
+    assert err.count(f"note: {section}.fp8_expert_weight_grad is no longer a key; false ignored:") == 1, err
+
+
+@pytest.mark.parametrize("section", ["precision", "train"])
+def test_a_retired_key_set_otherwise_is_refused_saying_why_and_what_to_do(tmp_path, capsys, section):
+    path = tmp_path / "run.yaml"
+    path.write_text(f"preset: tiny\n{section}:\n  fp8_expert_weight_grad: true\n")
+    for args in (["config", str(path)], ["config", "tiny", f"--{section}.fp8_expert_weight_grad=true"]):
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and "Traceback" not in err, err
+        for words in (f"{section}.fp8_expert_weight_grad=true is no longer a key", "no measured win", "Remove the key"):
+            assert words in err, (words, err)
+    assert main(["config", "tiny", f"--{section}.fp8_expert_weight_grad=false"]) == 0

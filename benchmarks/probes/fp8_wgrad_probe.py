@@ -82,25 +82,7 @@ def probe(name: str, E: int, M: int, D: int, F: int) -> None:
                     row["rel_err"] = float((out.float() - ref).norm() / ref.norm())
             except Exception as exc:  # the probe's job is to say what does not work
                 row[f"fp8{'_fast' if fast else ''}_error"] = repr(exc)[:300]
-        _moetrain_parts(row, dy, x, offs)
         print(json.dumps(row), flush=True)
-
-
-def _moetrain_parts(row: dict, dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor) -> None:
-    """moetrain's FP8 expert weight gradient (`train.fp8_expert_weight_grad`) end to end and by
-    part: the padded layout, the two segment quantizers (src/moetrain/model/fp8_kernels.py), the
-    first one's column maxima alone."""
-    from moetrain.model.fp8 import _fp8_grouped_weight_grad, _quantize_segments, expert_segments
-    from moetrain.model.fp8_kernels import segment_column_amax
-
-    seg = expert_segments(offs, dy.shape[0])
-    row["moetrain_segments_ms"] = round(_median_ms(lambda: expert_segments(offs, dy.shape[0])), 3)
-    row["moetrain_quant_dy_ms"] = round(_median_ms(lambda: _quantize_segments(dy, seg)), 3)
-    row["moetrain_quant_x_ms"] = round(_median_ms(lambda: _quantize_segments(x, seg)), 3)
-    row["moetrain_amax_dy_ms"] = round(_median_ms(lambda: segment_column_amax(dy, seg)), 3)
-    for fast in (False, True):
-        ms = _median_ms(lambda fast=fast: _fp8_grouped_weight_grad(dy, x, offs, fast))
-        row[f"moetrain_total{'_fast' if fast else ''}_ms"] = round(ms, 3)
 
 
 if __name__ == "__main__":

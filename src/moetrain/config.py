@@ -45,6 +45,10 @@ class Config:
     renamed: ClassVar[dict[str, str]] = {}
     """Keys read under an earlier dotted name (old → new, both relative to this config): `from_dict`,
     `apply_overrides` and `load_yaml` read the old one as the new one (`rename_keys`)."""
+    retired: ClassVar[dict[str, tuple[Any, str]]] = {}
+    """Keys no longer read (dotted, relative to this config) → (the value that behaves as the code
+    does now, `...` for any; why the key is gone and what to use): `from_dict` and
+    `apply_overrides` drop that value with a note and refuse another (`retire`)."""
 
     def validate(self) -> None:
         """Cross-field checks; raise `ConfigError` naming the field. Default: nothing."""
@@ -66,7 +70,7 @@ class Config:
             raise ConfigError(
                 f"'{prefix or '<root>'}' must be a mapping of keys to values, got {type(data).__name__} {_short(data)}."
             )
-        data = rename_keys(data, cls.renamed, prefix)
+        data = drop_retired(rename_keys(data, cls.renamed, prefix), cls.retired, prefix)
         hints = typing.get_type_hints(cls)
         fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
         kwargs = {}
@@ -339,6 +343,8 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
         written, raw = item.split("=", 1)
         dotted = renamed_key(type(cfg).renamed, written)
         value = _override_value(raw, _leaf_type(type(cfg), dotted))
+        if retire(type(cfg).retired, dotted, value):
+            continue
         earlier = given.setdefault(dotted, (written, value))
         if earlier[0] != written and earlier[1] != value:  # the old key's and the new one's values: old first
             _refuse_both(*sorted([earlier, (written, value)], key=lambda given_as: given_as[0] == dotted))
@@ -348,7 +354,7 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
 
 
 _NOTED: set[str] = set()
-"""The old keys read so far in this process (each is noted once)."""
+"""The old and retired keys read so far in this process (each is noted once)."""
 
 
 def renamed_key(renamed: dict[str, str], dotted: str, prefix: str = "") -> str:
@@ -383,6 +389,34 @@ def rename_keys(data: Any, renamed: dict[str, str], prefix: str = "") -> Any:
                 _refuse_both((prefix + old, value), (prefix + new, target[new_key]))
             target[new_key] = value
     return out
+
+
+def retire(retired: dict[str, tuple[Any, str]], dotted: str, value: Any, prefix: str = "") -> bool:
+    """Whether `dotted` is a key of `retired` (`Config.retired`), given as `value`: its harmless
+    value is noted on stderr once a process (the caller drops it); another is a `ConfigError`
+    saying why the key is gone and what to do."""
+    if dotted not in retired:
+        return False
+    harmless, why = retired[dotted]
+    shown = str(value).lower() if isinstance(value, bool) else _shown(value)
+    if harmless is not ... and value != harmless:
+        raise ConfigError(f"{prefix}{dotted}={shown} is no longer a key: {why}")
+    if prefix + dotted not in _NOTED:
+        _NOTED.add(prefix + dotted)
+        print(f"note: {prefix}{dotted} is no longer a key; {shown} ignored: {why}", file=sys.stderr)
+    return True
+
+
+def drop_retired(data: Any, retired: dict[str, tuple[Any, str]], prefix: str = "") -> Any:
+    """The mapping `data` without its keys of `retired` (`section.key`), each through `retire`."""
+    if not isinstance(data, dict) or not retired:
+        return data
+    sections = {dotted.split(".")[0] for dotted in retired}
+    return data | {
+        section: {key: v for key, v in data[section].items() if not retire(retired, f"{section}.{key}", v, prefix)}
+        for section in sections
+        if isinstance(data.get(section), dict)
+    }
 
 
 def _refuse_both(old: tuple[str, Any], new: tuple[str, Any]) -> None:

@@ -79,7 +79,6 @@ def test_the_fp8_lm_head_is_asked_for_with_rowwise_and_a_vocabulary_it_can_take(
             ["precision.fp8_fast_accum_backward=true"],
             ("precision.fp8_fast_accum_backward=true", "precision.fp8=rowwise"),
         ),
-        (["precision.fp8_expert_weight_grad=true"], ("precision.fp8_expert_weight_grad=true", "precision.fp8=rowwise")),
         (
             ["precision.fp8=rowwise", "precision.fp8_lm_head=true", "model.vocab_size=1000"],
             ("model.vocab_size=1000", "16"),

@@ -96,41 +96,6 @@ def test_swiglu_kernels_give_the_fp32_formulation_in_the_interpreter():
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
 
 
-SEGMENT_CHECK = """
-import torch
-from moetrain.model.fp8 import _quantize_segments, expert_segments
-from moetrain.model.fp8_kernels import quantize_segments_transposed
-
-g = torch.Generator().manual_seed(0)
-cases = (
-    ([37, 0, 53, 30], 48, 16),  # an empty expert; 16 rows past the last offset
-    ([64, 65, 1], 160, 0),  # blocks across tiles, one single row
-    ([int(n) for n in torch.randint(0, 5, (40,), generator=g)], 32, 40),  # a tile over many experts
-    ([300, 10, 500], 32, 8),  # experts across chunks of the maxima's programs
-)
-for counts, C, pad in cases:
-    offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
-    M = int(offsets[-1]) + pad
-    for dtype in (torch.bfloat16, torch.float32):
-        x = (torch.randn(M, C, generator=g) * torch.logspace(-3, 3, C)).to(dtype)
-        x[int(offsets[-1]):] = float("nan")  # rows past the last offset: uninitialized, any bits
-        seg = expert_segments(offsets, M)
-        want_q, want_s = _quantize_segments(x, seg)
-        got_q, got_s = quantize_segments_transposed(x, seg)
-        assert torch.equal(got_s, want_s), (counts, dtype)
-        assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8)), (counts, dtype)
-print("ok")
-"""
-
-
-def test_segment_quantizer_kernels_give_the_reference_bits_in_the_interpreter():
-    """The expert weight gradient's operands: each expert's rows quantized per column, written
-    transposed at padded positions; the same bytes and scales as the plain formulation, whatever
-    the rows past the last offset hold."""
-    result = run_in_triton_interpreter(SEGMENT_CHECK)
-    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
-
-
 def test_pow2_scale_is_the_smallest_power_of_two_that_fits():
     """2^ceil(log2(amax / 448)) from the binary exponent: exact where a rounded log2 is not."""
     amax = torch.tensor([448.0, 448 * (1 + 2.0**-23), 448 * 2.0**-20 * (1 + 2.0**-23), 1e-30, 0.0, 3e38])
@@ -149,8 +114,6 @@ def test_pow2_scale_is_the_smallest_power_of_two_that_fits():
         "swiglu_rows",
         "swiglu_forward",
         "swiglu_backward",
-        "segment_amax",
-        "segment_cols",
     ],
 )
 @pytest.mark.parametrize("dtype", ["*bf16", "*fp32"])
@@ -202,19 +165,6 @@ def test_quantizer_kernels_compile_for_sm90(kernel, dtype):
             "BLOCK": "constexpr",
         }
         values = {"F": 4096, "BLOCK": k.SWIGLU_BLOCK}
-    elif kernel.startswith("segment"):
-        fn = k._segment_col_amax_kernel if kernel == "segment_amax" else k._segment_cols_transposed_kernel
-        if kernel == "segment_amax":
-            signature = {"x_ptr": dtype, "expert_ptr": "*i32", "amax_ptr": "*fp32", "stride_xr": "i64", "R": "i32"}
-            signature |= {"C": "constexpr", "E": "constexpr", "CHUNK_R": "constexpr", "BLOCK_R": "constexpr"}
-            values = {"C": 4096, "E": 8, "CHUNK_R": k.SEGMENT_CHUNK_R, "BLOCK_R": k.SEGMENT_TILE_R}
-        else:
-            signature = {"x_ptr": dtype, "position_expert_ptr": "*i32", "shift_ptr": "*i64", "ends_ptr": "*i64"}
-            signature |= {"amax_ptr": "*fp32", "q_ptr": "*fp8e4nv", "stride_xr": "i64", "R_PAD": "i32"}
-            signature |= {"C": "constexpr", "E": "constexpr", "BLOCK_P": "constexpr"}
-            values = {"C": 4096, "E": 8, "BLOCK_P": k.SEGMENT_TILE_R}
-        signature |= {"BLOCK_C": "constexpr"}
-        values |= {"BLOCK_C": k.SEGMENT_TILE_C}
     elif kernel == "col_amax":
         fn = k._col_amax_kernel
         signature = {

@@ -387,8 +387,7 @@ def test_unsplittable_chunks_are_refused(flags, needs):
 def compiled_and_eager(data_dir, tmp):
     """dp2·ep2, 2 chunks by experts, 2 steps: eager blocks; compiled blocks (the overlapped
     exchange runs eagerly between their graphs, its experts compiled on their own); FP8 row-wise
-    (each chunk's experts quantize their group's slices of the weights, and their weight gradients
-    their group's rows)."""
+    (each chunk's experts quantize their group's slices of the weights)."""
     import torch.distributed as dist
     from test_layouts import layout_cfg
 
@@ -399,7 +398,7 @@ def compiled_and_eager(data_dir, tmp):
     for name, extra in (
         ("eager", []),
         ("compiled", ["compute.compile=true"]),
-        ("fp8", ["precision.fp8=rowwise", "precision.fp8_select=all", "precision.fp8_expert_weight_grad=true"]),
+        ("fp8", ["precision.fp8=rowwise", "precision.fp8_select=all"]),
     ):
         run_dir = tmp / name
         cfg = layout_cfg(data_dir, run_dir, "parallel.ep=2", "parallel.overlap_chunks=2", "train.steps=2", *extra)

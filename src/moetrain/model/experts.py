@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetrain.model.expert_grads import DeferredExpertGrads
-from moetrain.model.fp8 import expert_segments, fp8_grouped_mm, fp8_swiglu_grouped_mm, mxfp8_grouped_mm
+from moetrain.model.fp8 import fp8_grouped_mm, fp8_swiglu_grouped_mm, mxfp8_grouped_mm
 from moetrain.model.swiglu import swiglu_backward, swiglu_forward
 
 Deferral = tuple[DeferredExpertGrads, Hashable]
@@ -40,8 +40,6 @@ class GroupedExperts(nn.Module):
         """FP8 grouped GEMMs (src/moetrain/model/fp8.py): "rowwise" or "mxfp8", set by `precision.fp8`."""
         self.fp8_fast_accum_backward = False
         """Row-wise FP8's input-gradient products with fast accumulation (`precision.fp8_fast_accum_backward`)."""
-        self.fp8_weight_grad = False
-        """Row-wise FP8's weight gradients as FP8 products too (`precision.fp8_expert_weight_grad`)."""
         self.deferred: DeferredExpertGrads | None = None
         """The weight gradients computed once per step, in its last backward
         (`compute.defer_expert_weight_grad`; src/moetrain/model/expert_grads.py)."""
@@ -64,13 +62,9 @@ class GroupedExperts(nn.Module):
                 gate_MF, up_MF = h_M2F.chunk(2, dim=-1)
                 return mxfp8_grouped_mm(F.silu(gate_MF) * up_MF, w_down, offsets_E)
             # SwiGLU and the down projection as one function: only h is kept for backward.
-            fast, wgrad = self.fp8_fast_accum_backward, self.fp8_weight_grad
-            # the FP8 weight gradients' padded layout, once for both products (deferred: built
-            # over the whole step's rows when they are computed)
-            now = wgrad and torch.is_grad_enabled() and deferral[0] is None
-            seg = expert_segments(offsets_E, x_MD.shape[0]) if now else None
-            h_M2F = fp8_grouped_mm(x_MD, w_gate_up, offsets_E, fast, wgrad, seg, deferral[0])
-            return fp8_swiglu_grouped_mm(h_M2F, w_down, offsets_E, fast, wgrad, seg, deferral[1])
+            fast = self.fp8_fast_accum_backward
+            h_M2F = fp8_grouped_mm(x_MD, w_gate_up, offsets_E, fast, deferral[0])
+            return fp8_swiglu_grouped_mm(h_M2F, w_down, offsets_E, fast, deferral[1])
         if autocast:  # the CUDA fast path wants bf16 weights too
             dtype = torch.get_autocast_dtype(x_MD.device.type)
             w_gate_up, w_down = w_gate_up.to(dtype), w_down.to(dtype)

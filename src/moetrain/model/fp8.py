@@ -13,13 +13,9 @@ value: nothing saturates). The products accumulate in fp32 inside the kernel and
 bf16. Forward y = x·Wᵀ scales x per token and W per output feature; the input gradient
 dx = dy·W scales dy per token and W per input feature; the weight gradient dW = dyᵀ·x scales
 both per feature over the tokens (linear layers). For the grouped expert GEMMs the weight
-gradient is a bf16 grouped GEMM by default: its reduction runs over each expert's
-variable-length token block. With `precision.fp8_expert_weight_grad` it is FP8 too: each expert's
-rows are quantized per feature over that expert's tokens and written transposed into a layout
-whose blocks are padded to 16 rows (`expert_segments`), what `_scaled_grouped_mm`'s 2-D × 2-D form
-takes; rows past the last offset (the uninitialized padding the sync-free dispatcher leaves)
-belong to no expert and enter no scale. Per-row scales confine such rows to themselves
-everywhere else.
+gradient is a bf16 grouped GEMM: its reduction runs over each expert's variable-length token
+block. Per-row scales confine the rows past the last offset (the uninitialized padding the
+sync-free dispatcher leaves) to themselves.
 
 On CUDA the products are `torch._scaled_mm` / `torch._scaled_grouped_mm`; on CPU both are
 emulated exactly (dequantize, fp32 GEMM, round to bf16; torch 2.11's CPU `_scaled_mm` takes
@@ -46,8 +42,6 @@ gives MXFP8's numerics (loss curves, stability) but not its speed.
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -227,104 +221,19 @@ def _grouped_input_grad(dy_MN, w_ENK, offsets_E, fast: bool) -> torch.Tensor:
     return _scaled_grouped_mm(dyq, wq, dys.squeeze(-1), ws.squeeze(-2), offsets_E, fast)
 
 
-WGRAD_BLOCK_ROWS = 16
-"""`torch._scaled_grouped_mm`'s 2-D × 2-D form (the expert weight gradient, the tokens its
-reduction dim) takes row blocks of a multiple of 16 rows, at least 16."""
-
-
-class Segments(NamedTuple):
-    """The padded layout of R rows sorted by expert that the FP8 expert weight gradient takes
-    (`expert_segments`), all on the device but the static bound `R_pad`."""
-
-    expert_R: torch.Tensor
-    """Each row's expert, E past the last offset (int32)."""
-    shift_E: torch.Tensor
-    """Per expert, its first padded position minus its first row (int64)."""
-    ends_E: torch.Tensor
-    """Where each expert's rows end (int64)."""
-    position_expert_P: torch.Tensor
-    """Each padded position's expert (its block's, padding included), E past the last (int32)."""
-    padded_offsets_E: torch.Tensor
-    """Where each expert's padded block ends (int32)."""
-    R_pad: int
-    """The padded length: a static bound on the blocks' total."""
-
-
-def expert_segments(offsets_E: torch.Tensor, R: int) -> Segments:
-    """The padded layout of R rows sorted by expert (`offsets_E`: where each expert's rows end):
-    every expert's block padded to a multiple of `WGRAD_BLOCK_ROWS`, at least one (no host sync)."""
-    E = offsets_E.shape[0]
-    ends = offsets_E.long()
-    counts = ends - torch.cat([ends.new_zeros(1), ends[:-1]])
-    padded = ((counts + WGRAD_BLOCK_ROWS - 1) // WGRAD_BLOCK_ROWS * WGRAD_BLOCK_ROWS).clamp(min=WGRAD_BLOCK_ROWS)
-    padded_ends = padded.cumsum(0)
-    shift = (padded_ends - padded) - (ends - counts)
-    expert = torch.searchsorted(ends, torch.arange(R, device=ends.device), right=True).to(torch.int32)
-    R_pad = -(-(R + WGRAD_BLOCK_ROWS * E) // 16) * 16
-    position_expert = torch.searchsorted(padded_ends, torch.arange(R_pad, device=ends.device), right=True)
-    return Segments(expert, shift, ends, position_expert.to(torch.int32), padded_ends.to(torch.int32), R_pad)
-
-
-def _quantize_segments(x_RC: torch.Tensor, seg: Segments) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q e4m3 (C, R_pad): each expert's rows quantized per column over those rows, at their
-    padded positions, zeros elsewhere; scale fp32 (E, C)). On CUDA the Triton kernels of
-    src/moetrain/model/fp8_kernels.py (the same bits); elsewhere this formulation."""
-    if x_RC.is_cuda:
-        from moetrain.model.fp8_kernels import quantize_segments_transposed
-
-        return quantize_segments_transposed(x_RC, seg)
-    E, C = seg.shift_E.shape[0], x_RC.shape[1]
-    rows = torch.nonzero(seg.expert_R < E).squeeze(1)
-    ex = seg.expert_R[rows].long()
-    xs = x_RC[rows].float()
-    scale_EC = _pow2_scale(torch.zeros(E, C).scatter_reduce_(0, ex[:, None].expand(-1, C), xs.abs(), "amax"))
-    q = (xs / scale_EC[ex]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
-    out = torch.zeros(seg.R_pad, C, dtype=E4M3)
-    out.view(torch.uint8)[rows + seg.shift_E[ex]] = q.view(torch.uint8)
-    return out.t().contiguous(), scale_EC
-
-
-def _fp8_grouped_weight_grad(dy_MN, x_MK, offsets_E, fast: bool, seg: Segments | None = None) -> torch.Tensor:
-    """dW (E, N, K) bf16, dW[e] = dy_eᵀ · x_e over expert e's rows, in row-wise FP8: both operands
-    scaled per expert and feature over that expert's rows (the reduction dim), which the padded
-    layout keeps apart (`expert_segments`, built here unless `seg` is; rows past the last offset
-    belong to none and enter no scale)."""
-    seg = seg if seg is not None else expert_segments(offsets_E, dy_MN.shape[0])
-    aq_NR, sa_EN = _quantize_segments(dy_MN, seg)
-    bq_KR, sb_EK = _quantize_segments(x_MK, seg)
-    if dy_MN.is_cuda:
-        return torch._scaled_grouped_mm(
-            aq_NR, bq_KR.t(), sa_EN.reshape(-1), sb_EK.reshape(-1), offs=seg.padded_offsets_E,
-            out_dtype=torch.bfloat16, use_fast_accum=fast,
-        )  # fmt: skip
-    return _emulated_weight_grad(aq_NR, bq_KR, sa_EN, sb_EK, seg)
-
-
-@torch.compiler.disable
-def _emulated_weight_grad(aq_NR, bq_KR, sa_EN, sb_EK, seg: Segments) -> torch.Tensor:
-    """CPU: the same products from the dequantized operands (exact in fp32), rounded to bf16."""
-    expert = seg.position_expert_P.long().clamp(max=sa_EN.shape[0] - 1)  # past the last: zeros, any scale
-    a = aq_NR.float() * sa_EN[expert].t()
-    b = bq_KR.float() * sb_EK[expert].t()
-    return torch._grouped_mm(a, b.t(), offs=seg.padded_offsets_E).to(torch.bfloat16)
-
-
 def _weight_grad(dy_MN, x_MK, offsets_E, ctx) -> torch.Tensor | None:
-    """The expert layer's weight gradient (E, N, K): row-wise FP8 with `ctx.fp8_weight_grad`
-    (`_fp8_grouped_weight_grad`), else a bf16 grouped GEMM (fp32 on CPU); None for a weight that
-    takes no gradient. With `ctx.deferral`, through `DeferredExpertGrads.weight_grad` (None before
-    the step's last backward; the padded layout then built over the whole step's rows)."""
+    """The expert layer's weight gradient (E, N, K): a bf16 grouped GEMM (fp32 on CPU); None for a
+    weight that takes no gradient. With `ctx.deferral`, through `DeferredExpertGrads.weight_grad`
+    (None before the step's last backward)."""
 
-    def compute(dy_RN, x_RK, offsets_E, seg=None):
-        if ctx.fp8_weight_grad:
-            return _fp8_grouped_weight_grad(dy_RN, x_RK, offsets_E, ctx.fast_backward, seg)
+    def compute(dy_RN, x_RK, offsets_E):
         dt = torch.bfloat16 if dy_RN.is_cuda else torch.float32
         return _grouped(dy_RN.t().to(dt), x_RK.to(dt), offsets_E)
 
     if not ctx.needs_input_grad[1]:  # a frozen weight
         return None
     if ctx.deferral is None:
-        return compute(dy_MN, x_MK, offsets_E, ctx.segments)
+        return compute(dy_MN, x_MK, offsets_E)
     deferred, key = ctx.deferral
     return deferred.weight_grad(key, dy_MN, x_MK, offsets_E, compute)
 
@@ -334,10 +243,9 @@ class _Fp8GroupedMM(torch.autograd.Function):
     row-wise FP8, weight gradient a bf16 grouped GEMM (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, x_MK, w_ENK, offsets_E, fast_backward: bool, fp8_weight_grad: bool, segments, deferral):
+    def forward(ctx, x_MK, w_ENK, offsets_E, fast_backward: bool, deferral):
         ctx.save_for_backward(x_MK, w_ENK, offsets_E)
-        ctx.fast_backward, ctx.fp8_weight_grad, ctx.segments = fast_backward, fp8_weight_grad, segments
-        ctx.deferral = deferral
+        ctx.fast_backward, ctx.deferral = fast_backward, deferral
         return _grouped_product(*_quantize(x_MK, -1), w_ENK, offsets_E)
 
     @staticmethod
@@ -346,7 +254,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
         dy_MN = dy_MN.contiguous()
         dx = _grouped_input_grad(dy_MN, w_ENK, offsets_E, ctx.fast_backward)
         dw = _weight_grad(dy_MN, x_MK, offsets_E, ctx)
-        return dx.to(x_MK.dtype), None if dw is None else dw.to(w_ENK.dtype), None, None, None, None, None
+        return dx.to(x_MK.dtype), None if dw is None else dw.to(w_ENK.dtype), None, None, None
 
 
 def _swiglu_quantize(h_M2F: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -365,10 +273,9 @@ class _Fp8SwiGLUGroupedMM(torch.autograd.Function):
     straight from h (`_swiglu_quantize`). Products as `_Fp8GroupedMM`'s."""
 
     @staticmethod
-    def forward(ctx, h_M2F, w_ENF, offsets_E, fast_backward: bool, fp8_weight_grad: bool, segments, deferral):
+    def forward(ctx, h_M2F, w_ENF, offsets_E, fast_backward: bool, deferral):
         ctx.save_for_backward(h_M2F, w_ENF, offsets_E)
-        ctx.fast_backward, ctx.fp8_weight_grad, ctx.segments = fast_backward, fp8_weight_grad, segments
-        ctx.deferral = deferral
+        ctx.fast_backward, ctx.deferral = fast_backward, deferral
         return _grouped_product(*_swiglu_quantize(h_M2F), w_ENF, offsets_E)
 
     @staticmethod
@@ -378,7 +285,7 @@ class _Fp8SwiGLUGroupedMM(torch.autograd.Function):
         da = _grouped_input_grad(dy_MN, w_ENF, offsets_E, ctx.fast_backward)
         dh_M2F, a_MF = swiglu_backward(da.to(h_M2F.dtype), h_M2F)
         dw = _weight_grad(dy_MN, a_MF, offsets_E, ctx)
-        return dh_M2F, None if dw is None else dw.to(w_ENF.dtype), None, None, None, None, None
+        return dh_M2F, None if dw is None else dw.to(w_ENF.dtype), None, None, None
 
 
 @torch.compiler.disable  # see the module docstring
@@ -391,23 +298,16 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, fast_backward: bool = Fals
 
 
 @torch.compiler.disable  # see the module docstring
-def fp8_grouped_mm(
-    x_MK, w_ENK, offsets_E, fast_backward: bool = False, fp8_weight_grad: bool = False, segments=None, deferral=None
-):
-    """Row block e of x times w[e]ᵀ in row-wise FP8; `fp8_weight_grad`: the weight gradient too,
-    in the padded layout `segments` (`expert_segments` of these offsets; built in backward if
-    None: an expert layer builds it once for its two products). `deferral`: (a
-    `DeferredExpertGrads`, this weight's key), the weight gradient computed once per step
-    (src/moetrain/model/expert_grads.py)."""
-    return _Fp8GroupedMM.apply(x_MK, w_ENK, offsets_E, fast_backward, fp8_weight_grad, segments, deferral)
+def fp8_grouped_mm(x_MK, w_ENK, offsets_E, fast_backward: bool = False, deferral=None):
+    """Row block e of x times w[e]ᵀ in row-wise FP8. `deferral`: (a `DeferredExpertGrads`, this
+    weight's key), the weight gradient computed once per step (src/moetrain/model/expert_grads.py)."""
+    return _Fp8GroupedMM.apply(x_MK, w_ENK, offsets_E, fast_backward, deferral)
 
 
 @torch.compiler.disable  # see the module docstring
-def fp8_swiglu_grouped_mm(
-    h_M2F, w_ENF, offsets_E, fast_backward: bool = False, fp8_weight_grad: bool = False, segments=None, deferral=None
-):
+def fp8_swiglu_grouped_mm(h_M2F, w_ENF, offsets_E, fast_backward: bool = False, deferral=None):
     """`fp8_grouped_mm(silu(gate) · up, w, offsets)` for h = [gate | up], keeping only h."""
-    return _Fp8SwiGLUGroupedMM.apply(h_M2F, w_ENF, offsets_E, fast_backward, fp8_weight_grad, segments, deferral)
+    return _Fp8SwiGLUGroupedMM.apply(h_M2F, w_ENF, offsets_E, fast_backward, deferral)
 
 
 def _mx(x: torch.Tensor, dim: int) -> torch.Tensor:

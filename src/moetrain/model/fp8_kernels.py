@@ -12,10 +12,6 @@ Every operand of the row-wise recipe is quantized along one dim, in one of two s
   two kernels keep the GPU full: column maxima over chunks of rows, folded by atomic max; then
   tiles cast with their columns' scales and written transposed (reads coalesced along C, writes
   along R): 2 + 2 + 1 bytes per bf16 element.
-- `quantize_segments_transposed` (the experts' FP8 weight gradient): the same along the rows, but
-  each expert's rows apart, into a layout whose expert blocks are padded to 16 rows. Its column
-  maxima walk chunks of rows sorted by expert; its cast runs over the padded destination, each
-  position gathering its row, so the transposed stores stay contiguous and aligned.
 
 Why this shape (benchmarks/probes/fp8_quant_probe.py, bench-8e's operands on one H200): one
 program per column block leaves most of the GPU idle at R = 32k, and taking the column maxima
@@ -152,83 +148,6 @@ def _cols_transposed_kernel(
     q = _to_e4m3(x.to(tl.float32), inverse[None, :])
     out = q_ptr + b * C * R + cols[:, None].to(tl.int64) * R + rows[None, :]
     tl.store(out, tl.trans(q), mask=tl.trans(mask))
-
-
-@triton.jit
-def _segment_col_amax_kernel(
-    x_ptr, expert_ptr, amax_ptr, stride_xr, R, C: tl.constexpr, E: tl.constexpr,
-    CHUNK_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-):  # fmt: skip
-    """Column maxima of |x| over each expert's rows within one chunk of rows, folded into amax
-    (E, C) by atomic max. The rows are sorted by expert (`expert`: each row's, E for rows of
-    none), so the chunk's tiles are walked in order with a running maximum for the current
-    expert, flushed by one atomic per column when the expert changes: a chunk inside one expert
-    costs one atomic per column. The rows of any expert strictly inside one tile (a tile over
-    several small experts) take an atomic per element."""
-    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    col_ok = cols < C
-    first_row = tl.program_id(1) * CHUNK_R
-    current = tl.load(expert_ptr + first_row)
-    running = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    for start in range(0, CHUNK_R, BLOCK_R):
-        rows = first_row + start + tl.arange(0, BLOCK_R)
-        ex = tl.load(expert_ptr + rows, mask=rows < R, other=E)
-        x = tl.load(
-            x_ptr + rows[:, None].to(tl.int64) * stride_xr + cols[None, :],
-            mask=(rows < R)[:, None] & col_ok[None, :],
-            other=0.0,
-        )
-        ax = tl.abs(x.to(tl.float32))
-        first, last = tl.min(ex, axis=0), tl.max(tl.where(ex < E, ex, -1), axis=0)
-        if first != current:
-            tl.atomic_max(amax_ptr + current * C + cols, running, mask=col_ok & (current < E))
-            current = first
-            running = tl.zeros((BLOCK_C,), dtype=tl.float32)
-        running = tl.maximum(running, tl.max(tl.where((ex == first)[:, None], ax, 0.0), axis=0))
-        if last > first:
-            tl.atomic_max(amax_ptr + current * C + cols, running, mask=col_ok & (current < E))
-            between = (ex > first) & (ex < last)
-            tl.atomic_max(amax_ptr + ex[:, None] * C + cols[None, :], ax, mask=between[:, None] & col_ok[None, :])
-            current = last
-            running = tl.max(tl.where((ex == last)[:, None], ax, 0.0), axis=0)
-    tl.atomic_max(amax_ptr + current * C + cols, running, mask=col_ok & (current < E))
-
-
-@triton.jit
-def _segment_cols_transposed_kernel(
-    x_ptr, position_expert_ptr, shift_ptr, ends_ptr, amax_ptr, q_ptr, stride_xr, R_PAD,
-    C: tl.constexpr, E: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
-):  # fmt: skip
-    """One (padded positions × columns) tile of q (C, R_PAD), written transposed: each position
-    takes its row (position − shift[expert]) cast with its expert's and column's scale, or zero
-    (padding, and positions past the last block). Tiles run over the destination, so the stores
-    are contiguous and aligned and every position is written; the rows are gathered, each
-    contiguous along the columns. The tile's first and last experts' scales are read once per
-    column; the positions of any expert between them (a tile over several small experts) read
-    theirs per element."""
-    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    pos = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
-    col_ok = cols < C
-    ex = tl.load(position_expert_ptr + pos, mask=pos < R_PAD, other=E)
-    inside = ex < E
-    src = pos - tl.load(shift_ptr + ex, mask=inside, other=0)
-    valid = inside & (src < tl.load(ends_ptr + ex, mask=inside, other=0))
-    first, last = tl.min(ex, axis=0), tl.max(tl.where(inside, ex, -1), axis=0)
-    inverse_first = _pow2_scale_and_inverse(tl.load(amax_ptr + first * C + cols, mask=col_ok & (first < E)))[1]
-    inverse_last = _pow2_scale_and_inverse(tl.load(amax_ptr + last * C + cols, mask=col_ok & (last >= 0)))[1]
-    inverse = tl.where((ex == first)[:, None], inverse_first[None, :], inverse_last[None, :])
-    if last > first + 1:
-        between = ((ex > first) & (ex < last))[:, None] & col_ok[None, :]
-        amax_between = tl.load(amax_ptr + ex[:, None] * C + cols[None, :], mask=between, other=0.0)
-        inverse = tl.where(between, _pow2_scale_and_inverse(amax_between)[1], inverse)
-    x = tl.load(
-        x_ptr + src[:, None].to(tl.int64) * stride_xr + cols[None, :],
-        mask=valid[:, None] & col_ok[None, :],
-        other=0.0,
-    )
-    q = _to_e4m3(x.to(tl.float32), inverse)
-    out = q_ptr + cols[:, None].to(tl.int64) * R_PAD + pos[None, :]
-    tl.store(out, tl.trans(q), mask=col_ok[:, None] & (pos < R_PAD)[None, :])
 
 
 @triton.jit
@@ -406,41 +325,3 @@ def quantize_cols_transposed(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     if x.dim() == 2:
         return q_BCR[0], scale_BC[0]
     return q_BCR, scale_BC
-
-
-SEGMENT_TILE_R, SEGMENT_TILE_C = 64, 128  # the cast-and-transpose tiles, and the maxima's row tiles
-SEGMENT_CHUNK_R = 256  # rows per column-maxima program
-
-
-def segment_column_amax(x_RC: torch.Tensor, seg) -> torch.Tensor:
-    """max |x| per expert and column over that expert's rows (E, C) fp32: the first pass of
-    `quantize_segments_transposed` (x contiguous along C)."""
-    R, C = x_RC.shape
-    E = seg.shift_E.shape[0]
-    amax_EC = torch.zeros((E, C), dtype=torch.float32, device=x_RC.device)
-    if R:
-        _segment_col_amax_kernel[(triton.cdiv(C, SEGMENT_TILE_C), triton.cdiv(R, SEGMENT_CHUNK_R))](
-            x_RC, seg.expert_R, amax_EC, x_RC.stride(0), R, C=C, E=E, CHUNK_R=SEGMENT_CHUNK_R,
-            BLOCK_R=SEGMENT_TILE_R, BLOCK_C=SEGMENT_TILE_C, num_warps=4,
-        )  # fmt: skip
-    return amax_EC
-
-
-def quantize_segments_transposed(x_RC: torch.Tensor, seg) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (R, C), its rows sorted by expert, and their padded layout `seg` (`fp8.Segments`) → (q
-    e4m3 (C, R_pad), each expert's rows at their padded positions, zeros elsewhere; scale fp32
-    (E, C)): each expert's rows quantized per column, written transposed. What `fp8.py`'s expert
-    weight gradient takes: the token dim becomes the products' reduction dim."""
-    if x_RC.stride(-1) != 1:
-        x_RC = x_RC.contiguous()
-    C, E = x_RC.shape[1], seg.shift_E.shape[0]
-    amax_EC = segment_column_amax(x_RC, seg)
-    q_CR = torch.empty((C, seg.R_pad), dtype=torch.float8_e4m3fn, device=x_RC.device)
-    if q_CR.numel():
-        _segment_cols_transposed_kernel[(triton.cdiv(C, SEGMENT_TILE_C), triton.cdiv(seg.R_pad, SEGMENT_TILE_R))](
-            x_RC, seg.position_expert_P, seg.shift_E, seg.ends_E, amax_EC, q_CR, x_RC.stride(0), seg.R_pad,
-            C=C, E=E, BLOCK_P=SEGMENT_TILE_R, BLOCK_C=SEGMENT_TILE_C, num_warps=4,
-        )  # fmt: skip
-    from moetrain.model.fp8 import _pow2_scale
-
-    return q_CR, _pow2_scale(amax_EC)

@@ -57,7 +57,6 @@ def parallelize(
     fp8_select: Fp8Select = Fp8Select.auto,
     fp8_lm_head: bool = False,
     fp8_fast_backward: bool = False,
-    fp8_expert_weight_grad: bool = False,
     rows: int = 0,
     recompute: Recompute = Recompute.none,
     recompute_every: int = 1,
@@ -67,9 +66,8 @@ def parallelize(
 ) -> Transformer:
     """Apply the layout `parallel` (on `state`'s process groups) and the execution settings
     (`precision.fp8`, `precision.fp8_select`, `precision.fp8_lm_head`, `precision.fp8_fast_accum_backward`,
-    `precision.fp8_expert_weight_grad`, `compute.recompute`,
-    `compute.recompute_every`, `compute.compile`) to a meta-device model, in the order of the module
-    docstring; `rows`: tokens per micro-batch on this rank (what `precision.fp8_select=auto` sizes
+    `compute.recompute`, `compute.recompute_every`, `compute.compile`) to a meta-device model, in the
+    order of the module docstring; `rows`: tokens per micro-batch on this rank (what `precision.fp8_select=auto` sizes
     the products by). `param_dtype`: the compute dtype (bf16 under autocast), in which the fsdp
     stack all-gathers the blocks' parameters; `grad_dtype` (optim.grad_dtype): the dtype in which
     it accumulates and reduce-scatters their gradients."""
@@ -79,7 +77,7 @@ def parallelize(
         model.set_sequence_layout(ContextShard(state.dims.cp, state.cp_rank, state.cp_group))
     apply_expert_parallel(model, state, parallel)
     if fp8 != Fp8.none:
-        apply_fp8(model, fp8, fp8_select, rows, fp8_lm_head, fp8_fast_backward, fp8_expert_weight_grad)
+        apply_fp8(model, fp8, fp8_select, rows, fp8_lm_head, fp8_fast_backward)
     if recompute != Recompute.none:
         apply_recompute(model, selective=recompute == Recompute.selective, every=recompute_every)
     if compile:
@@ -96,7 +94,6 @@ def apply_fp8(
     rows: int = 0,
     lm_head: bool = False,
     fast_backward: bool = False,
-    expert_weight_grad: bool = False,
 ) -> None:
     """FP8 (`recipe`: rowwise or mxfp8) for the expert grouped GEMMs and the linear layers inside
     the blocks except the router (a tiny product whose fp32 logits decide routing): all of them
@@ -107,8 +104,7 @@ def apply_fp8(
     multiple of `recipe.align` (`RunConfig.validate` checks it from the config). `lm_head`
     (row-wise only): the LM head becomes an `Fp8Linear` too, which the chunked loss runs in FP8
     (src/moetrain/model/loss.py). `fast_backward` (row-wise only): the backward products of every
-    FP8 module with Hopper's fast accumulation, as forward's (src/moetrain/model/fp8.py).
-    `expert_weight_grad` (row-wise only): the FP8 expert layers' weight gradients in FP8 too."""
+    FP8 module with Hopper's fast accumulation, as forward's (src/moetrain/model/fp8.py)."""
     recipe = Fp8(recipe)
     select = Fp8Select.all if recipe == Fp8.mxfp8 else Fp8Select(select)
     linear_class = MxFp8Linear if recipe == Fp8.mxfp8 else Fp8Linear
@@ -120,7 +116,6 @@ def apply_fp8(
             if choose(product, select):
                 module.fp8 = recipe.value
                 module.fp8_fast_accum_backward = fast_backward
-                module.fp8_weight_grad = expert_weight_grad and recipe == Fp8.rowwise
         elif isinstance(module, nn.Linear) and ".blocks." in f".{name}" and type(module) is nn.Linear:
             assert module.in_features % recipe.align == 0 and module.out_features % recipe.align == 0, canonical_name(
                 name

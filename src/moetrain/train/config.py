@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from moetrain.config import Config, non_negative, positive, validate_tree
 from moetrain.data.config import DataConfig
@@ -108,19 +107,6 @@ class TrainerConfig(Config):
     The same set whatever train.micro_batch_size and the layout, so validation curves compare
     across runs. (Replaces train.eval_batches, a count of micro-batches.)"""
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any], prefix: str = "") -> TrainerConfig:
-        """`Config.from_dict`, reading the config.yaml of runs made before train.eval_tokens:
-        their train.eval_batches is dropped with a note."""
-        if isinstance(data, dict) and "eval_batches" in data:
-            data = {k: v for k, v in data.items() if k != "eval_batches"}
-            print(
-                f"note: {prefix}eval_batches is no longer a key (an earlier version's config); ignored: "
-                f"validation reads {prefix}eval_tokens tokens, whatever the micro-batch size.",
-                file=sys.stderr,
-            )
-        return super().from_dict(data, prefix)
-
     def eval_sequences(self, seq_len: int) -> int:
         """Validation sequences per evaluation (train.eval_tokens in whole sequences, ≥ 1)."""
         return max(1, self.eval_tokens // seq_len)
@@ -168,15 +154,9 @@ class PrecisionConfig(Config):
     """With precision.fp8=rowwise, the backward FP8 products (input and weight gradients) with
     Hopper's fast accumulation too, as the forward ones always are (src/moetrain/model/fp8.py).
     None: on. docs/benchmarks.md, "FP8", has its speed and 250-step loss curve."""
-    fp8_expert_weight_grad: bool = False
-    """With precision.fp8=rowwise, the FP8 expert layers' weight gradients as row-wise FP8 products
-    too: each expert's tokens quantized per feature, its row block padded to 16 rows
-    (src/moetrain/model/fp8.py). Tested against the CPU emulation and on the H200; measured
-    +0.3% on bench-8e's step, with no loss curve yet, so it is off (docs/measurements.md,
-    "Where FP8's step goes")."""
 
     def validate(self) -> None:
-        for key in ("fp8_lm_head", "fp8_fast_accum_backward", "fp8_expert_weight_grad"):
+        for key in ("fp8_lm_head", "fp8_fast_accum_backward"):
             if getattr(self, key) is True and self.fp8 != Fp8.rowwise:
                 raise ConfigError(
                     f"precision.{key}=true is a setting of row-wise FP8, but precision.fp8={self.fp8}: set "
@@ -326,13 +306,28 @@ class RunConfig(Config):
     renamed = {"train.precision": "precision.dtype", "train.async_checkpoint": "checkpoint.async_save"} | {
         f"train.{key}": f"{section}.{key}"  # earlier names of keys, still read (`Config.renamed`)
         for section, keys in (
-            ("precision", "fp8 fp8_select fp8_lm_head fp8_fast_accum_backward fp8_expert_weight_grad"),
+            ("precision", "fp8 fp8_select fp8_lm_head fp8_fast_accum_backward"),
             ("compute", "compile cuda_graphs recompute recompute_every loss_chunk_tokens defer_expert_weight_grad"),
             ("checkpoint", "save_every save_final keep_last init_from"),
             ("logging", "tensorboard wandb wandb_project wandb_name plot profile profile_wait profile_steps"),
             ("guard", "skip_spike_sigma skip_window max_consecutive_skips"),
         )
         for key in keys.split()
+    }
+    retired = {  # keys no longer read (`Config.retired`)
+        "train.eval_batches": (
+            ...,
+            "validation reads train.eval_tokens tokens (an earlier version's count of micro-batches), "
+            "whatever the micro-batch size.",
+        )
+    } | {
+        f"{section}.fp8_expert_weight_grad": (
+            False,
+            "FP8 expert weight gradients were removed, having no measured win (+0.3% on bench-8e's "
+            "step, within noise; docs/measurements.md): the expert weight gradients are bf16 grouped "
+            "GEMMs, as with false. Remove the key.",
+        )
+        for section in ("train", "precision")
     }
 
     def validate(self, world_size: int | None = None, device: torch.device | None = None) -> None:

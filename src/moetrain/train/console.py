@@ -185,8 +185,6 @@ def describe_precision(cfg: RunConfig, device: torch.device, world_size: int = 1
         text += "; and the LM head (precision.fp8_lm_head)" if cfg.fp8_lm_head else ""
         any_fp8 = cfg.fp8_lm_head or fp8_choice.chosen_products(cfg.model, rows, select)
         text += "; fast accumulation in backward too" if cfg.fp8_fast_backward and any_fp8 else ""
-        experts = "experts" in fp8_choice.chosen_products(cfg.model, rows, select)
-        text += "; the experts' weight gradients too" if cfg.precision.fp8_expert_weight_grad and experts else ""
     elif cfg.precision.fp8 != Fp8.none:
         text += f", fp8 {cfg.precision.fp8} matrix products"
     if cfg.defers_expert_weight_grads:

@@ -111,7 +111,6 @@ class TrainEngine:
             fp8_select=pc.fp8_select,
             fp8_lm_head=cfg.fp8_lm_head,
             fp8_fast_backward=cfg.fp8_fast_backward,
-            fp8_expert_weight_grad=pc.fp8_expert_weight_grad,
             rows=cfg.rows_per_micro_batch,
             recompute=cc.recompute,
             recompute_every=cc.recompute_every,
