@@ -27,7 +27,6 @@ from pathlib import Path
 import torch
 
 from moetrain.config import apply_overrides
-from moetrain.destinations import check_directory, check_free_space
 from moetrain.errors import ConfigError
 from moetrain.inference import load_for_inference
 from moetrain.model.config import Routing, TransformerConfig
@@ -42,34 +41,17 @@ def upcycle(dense: str | Path, out_dir: str | Path, overrides: list[str]) -> dic
     """Write the MoE model of `dense` (a run or step-N directory) with `overrides` into `out_dir`
     (module docstring); the JSON-ready summary."""
     source = ckpt.resolve_checkpoint(dense)
-    out = Path(out_dir)
-    check_directory(out, "Output directory", "Pass an OUT_DIR you can write")
-    if ckpt.list_checkpoints(out):
-        raise ConfigError(f"'{out}' already holds checkpoints: choose an empty directory for the upcycled model.")
     model_d, cfg_d, _ = load_for_inference(source)
     cfg = apply_overrides(cfg_d, overrides)
     cfg.validate()
     moe_blocks = check_upcycle(cfg_d.model, cfg.model)
-    params = count_params(cfg.model).total
-    check_free_space(
-        out,
-        ckpt.estimated_bytes(params),
-        "Output directory",
-        f"the upcycled checkpoint ({params / 1e6:,.1f}M parameters × 4 bytes, fp32)",
-        "Free space or pass an OUT_DIR on another filesystem",
-    )
+    out = Path(out_dir)
+    ckpt.check_weights_destination(out, count_params(cfg.model).total, "the upcycled checkpoint")
     model = cfg.model.build(device="cpu")
     model.init_weights()  # the routers, and the buffers no checkpoint holds
     with torch.no_grad():
         copied = _fill(model, dict(model_d.named_parameters()), moe_blocks, cfg.model)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(cfg.to_yaml())
-    extra = {"config.yaml": out / "config.yaml"}
-    if (source / "tokenizer.json").is_file():
-        extra["tokenizer.json"] = source / "tokenizer.json"
-    path = ckpt.save_checkpoint(
-        out, 0, {"model": ckpt.model_state_dict(model)}, {"step": 0, "upcycled_from": str(source)}, extra_files=extra
-    )
+    path = ckpt.save_weights(out, cfg, model, source / "tokenizer.json", {"upcycled_from": str(source)})
     return {
         "checkpoint": str(path),
         "config": str(out / "config.yaml"),

@@ -611,9 +611,6 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> dict:
     config_file = hf_dir / "config.json"
     if not config_file.is_file():
         raise ConfigError(f"'{hf_dir}' has no config.json: pass a Hugging Face model directory.")
-    check_directory(out, "Output directory", "Pass an OUT_DIR you can write")
-    if ckpt.list_checkpoints(out):
-        raise ConfigError(f"'{out}' already holds checkpoints: choose an empty directory for the import.")
     try:
         hf = json.loads(config_file.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
@@ -622,14 +619,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> dict:
         raise ConfigError(f"'{config_file}' holds a JSON {type(hf).__name__}, not the object of a model's config.")
     cfg = RunConfig(model=model_config_from_hf(hf, str(config_file)))
     setup = _training_setup(cfg, hf_dir, hf)
-    params = count_params(cfg.model).total
-    check_free_space(
-        out,
-        ckpt.estimated_bytes(params),
-        "Output directory",
-        f"the imported checkpoint ({params / 1e6:,.1f}M parameters × 4 bytes, fp32)",
-        "Free space or pass an OUT_DIR on another filesystem",
-    )
+    ckpt.check_weights_destination(out, count_params(cfg.model).total, "the imported checkpoint")
     tensors = HfTensors(hf_dir)
     nextn = hf.get("num_nextn_predict_layers") or 0  # GLM's prediction layers follow the decoder's
     if tensors.layers() > cfg.model.n_layers + nextn:
@@ -653,14 +643,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> dict:
                 f"{tuple(target.shape)}."
             )
         target.copy_(value)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(cfg.to_yaml())
-    extra = {"config.yaml": out / "config.yaml"}
-    if (hf_dir / "tokenizer.json").is_file():
-        extra["tokenizer.json"] = hf_dir / "tokenizer.json"
-    path = ckpt.save_checkpoint(
-        out, 0, {"model": ckpt.model_state_dict(model)}, {"step": 0, "imported_from": str(hf_dir)}, extra_files=extra
-    )
+    path = ckpt.save_weights(out, cfg, model, hf_dir / "tokenizer.json", {"imported_from": str(hf_dir)})
     if setup["note"]:
         print(setup["note"], file=sys.stderr)
     return {

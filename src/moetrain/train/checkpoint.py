@@ -40,8 +40,8 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from moetrain.destinations import storage_reason
-from moetrain.errors import CheckpointError
+from moetrain.destinations import check_directory, check_free_space, storage_reason
+from moetrain.errors import CheckpointError, ConfigError
 from moetrain.model.experts import GroupedExperts
 from moetrain.model.transformer import canonical_name
 from moetrain.optim.base import FlatShard
@@ -550,6 +550,33 @@ def _local(t: torch.Tensor | FlatShard) -> torch.Tensor | FlatShard:
         return t
     start, values = local_flat_range(t)
     return FlatShard(tuple(t.shape), start, values=values)
+
+
+def check_weights_destination(out: Path, params: int, what: str) -> None:
+    """Refuse `out` for a new weights-only checkpoint of `params` parameters (`what`: "the
+    imported checkpoint", …): not writable, holding checkpoints already, or without room for them."""
+    check_directory(out, "Output directory", "Pass an OUT_DIR you can write")
+    if list_checkpoints(out):
+        raise ConfigError(f"'{out}' already holds checkpoints: choose an empty directory for {what}.")
+    check_free_space(
+        out,
+        estimated_bytes(params),
+        "Output directory",
+        f"{what} ({params / 1e6:,.1f}M parameters × 4 bytes, fp32)",
+        "Free space or pass an OUT_DIR on another filesystem",
+    )
+
+
+def save_weights(out: Path, cfg, model: nn.Module, tokenizer: Path, origin: dict[str, str]) -> Path:
+    """`model` as a weights-only checkpoint `out`/checkpoints/step-0, beside its config.yaml and,
+    where `tokenizer` is a file, tokenizer.json: what `--checkpoint.init_from`, generate and eval
+    read. `origin` joins the step's metadata."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(cfg.to_yaml())
+    extra = {"config.yaml": out / "config.yaml"}
+    if tokenizer.is_file():
+        extra["tokenizer.json"] = tokenizer
+    return save_checkpoint(out, 0, {"model": model_state_dict(model)}, {"step": 0, **origin}, extra_files=extra)
 
 
 def model_state_dict(model: nn.Module, masters: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
