@@ -164,6 +164,7 @@ def _saved_ops() -> set:
         "_scaled_dot_product_efficient_attention",
         "_scaled_dot_product_cudnn_attention",
         "_scaled_dot_product_flash_attention_for_cpu",
+        "_flash_attention_forward",  # local blocks' windowed FlashAttention (model/local_attention.py)
     ]
     for name in names:
         if hasattr(aten, name):  # some exist only in newer torch versions
