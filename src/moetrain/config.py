@@ -363,10 +363,15 @@ def renamed_key(renamed: dict[str, str], dotted: str, prefix: str = "") -> str:
     new = renamed.get(dotted)
     if new is None:
         return dotted
-    if prefix + dotted not in _NOTED:
-        _NOTED.add(prefix + dotted)
-        print(f"note: {prefix}{dotted} is now {prefix}{new}; read as that.", file=sys.stderr)
+    _note_once(prefix + dotted, f"{prefix}{dotted} is now {prefix}{new}; read as that.")
     return new
+
+
+def _note_once(key: str, text: str) -> None:
+    """`text` as a note on stderr, the first time `key` is read in this process."""
+    if key not in _NOTED:
+        _NOTED.add(key)
+        print(f"note: {text}", file=sys.stderr)
 
 
 def rename_keys(data: Any, renamed: dict[str, str], prefix: str = "") -> Any:
@@ -401,9 +406,7 @@ def retire(retired: dict[str, tuple[Any, str]], dotted: str, value: Any, prefix:
     shown = str(value).lower() if isinstance(value, bool) else _shown(value)
     if harmless is not ... and value != harmless:
         raise ConfigError(f"{prefix}{dotted}={shown} is no longer a key: {why}")
-    if prefix + dotted not in _NOTED:
-        _NOTED.add(prefix + dotted)
-        print(f"note: {prefix}{dotted} is no longer a key; {shown} ignored: {why}", file=sys.stderr)
+    _note_once(prefix + dotted, f"{prefix}{dotted} is no longer a key; {shown} ignored: {why}")
     return True
 
 

@@ -330,8 +330,10 @@ def describe(result: dict[str, Any]) -> str:
     cost = "layout {} s on {} ranks, {} {} s".format(*seconds)
     lines.insert(0, f"reference: {ref} ({result['reference_why']})")
     if result["ok"]:
-        lines.append(f"OK: {steps} steps of the layout equal the reference's within the {result['precision']} "
-                     f"tolerances ({cost}).")  # fmt: skip
+        lines.append(
+            f"OK: {steps} steps of the layout equal the reference's within the {result['precision']} "
+            f"tolerances ({cost})."
+        )
     else:
         lines.append(
             f"FAILED: {', '.join(result['failed'])} differ from the reference's beyond the {result['precision']} "

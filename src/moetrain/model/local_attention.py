@@ -30,10 +30,10 @@ def local_attention(
     """Causal attention within `window` positions (B, H, T, Dh); `mask_BTT`: the document mask
     (which contains causality), or None."""
     Dh, T = q_BHTD.shape[-1], q_BHTD.shape[2]
-    if mask_BTT is None and q_BHTD.is_cuda and q_BHTD.dtype in (torch.bfloat16, torch.float16) and Dh % 8 == 0:
-        if Dh <= 256:
-            o_BTHD = _LocalFlash.apply(q_BHTD.transpose(1, 2), k_BGTD.transpose(1, 2), v_BGTD.transpose(1, 2), window)
-            return o_BTHD.transpose(1, 2)
+    flash = q_BHTD.is_cuda and q_BHTD.dtype in (torch.bfloat16, torch.float16) and Dh % 8 == 0 and Dh <= 256
+    if mask_BTT is None and flash:
+        o_BTHD = _LocalFlash.apply(q_BHTD.transpose(1, 2), k_BGTD.transpose(1, 2), v_BGTD.transpose(1, 2), window)
+        return o_BTHD.transpose(1, 2)
     pos_T = torch.arange(T, device=q_BHTD.device)
     local_TT = window_mask(pos_T, pos_T, window)
     mask = local_TT if mask_BTT is None else (mask_BTT & local_TT).unsqueeze(1)
