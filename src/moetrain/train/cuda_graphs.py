@@ -194,13 +194,6 @@ kernels pick their configurations, the optimizer builds its tables, and the cach
 has seen a whole step."""
 
 
-def _allocator_bytes(device: torch.device) -> tuple[int, int]:
-    """(reserved, allocated) bytes of the CUDA caching allocator; zeros elsewhere."""
-    if device.type != "cuda":
-        return 0, 0
-    return torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device)
-
-
 class StepGraph:
     """`TrainEngine.train_step` replayed from one graph (compute.cuda_graphs=step).
 
@@ -272,7 +265,8 @@ class StepGraph:
         self.uncounted_bytes = 0
         """The graph's memory the caching allocator does not count as allocated: what its capture
         allocated and freed again (the step's temporaries), which the graph keeps for its replays.
-        Measured at capture as the memory it reserved less what it left allocated."""
+        Measured at capture as the allocator's peak less what it left allocated: the temporaries
+        at their peak, as an eager step's peak counts them (not the pool's rounding)."""
         self._warm = 0
         self._capturing = False
         self.update = True
@@ -414,9 +408,9 @@ class StepGraph:
             torch.cuda.synchronize(device)
             gc.collect()
             torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
         if self.update:
             self.engine.set_step_lr(step)
-        counted = _allocator_bytes(device)
         self._capturing = True
         try:
             self.outputs = self.backend.capture(self._tensors)
@@ -425,9 +419,8 @@ class StepGraph:
             return False
         finally:
             self._capturing = False
-        reserved, allocated = (after - before for after, before in zip(_allocator_bytes(device), counted))
-        self.uncounted_bytes = reserved - allocated
         if device.type == "cuda":
+            self.uncounted_bytes = torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device)
             # the capture's own allocations are in uncounted_bytes now; counted again, the peak
             # would hold the step's temporaries twice
             torch.cuda.reset_peak_memory_stats(device)
