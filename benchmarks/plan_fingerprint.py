@@ -21,7 +21,11 @@ from pathlib import Path
 
 from moetrain.errors import ConfigError
 from moetrain.plan import plan, suggest, to_json
+from moetrain.plan.report import Budget
 from moetrain.presets import PRESETS, resolve_config
+
+BUDGET = Budget(10**12)
+"""The tokens every plan is timed on (its time-to-budget keys)."""
 
 EXTRA = [
     ("sweep-8l-128", 8, ["parallel.ep=8", "parallel.shard_optimizer=true", "parallel.dispatcher=alltoall"]),
@@ -38,19 +42,19 @@ EXTRA = [
         ],
     ),
     ("bench-tiny64e-l6", 2, ["train.global_batch_size=4", "train.micro_batch_size=4", "parallel.stack=fsdp"]),
-    ("bench-8e", 1, ["train.fp8=rowwise"]),
-    ("bench-8e", 1, ["train.recompute=selective", "train.recompute_every=2"]),
-    ("bench-8e", 1, ["train.precision=fp32"]),
+    ("bench-8e", 1, ["precision.fp8=rowwise"]),
+    ("bench-8e", 1, ["compute.recompute=selective", "compute.recompute_every=2"]),
+    ("bench-8e", 1, ["precision.dtype=fp32"]),
     ("tiny", 1, []),
     ("tiny", 4, ["parallel.pp=2", "parallel.ep=2"]),
     (
         "ref-ultra-128e",
         512,
-        ["parallel.ep=8", "parallel.pp=8", "parallel.shard_optimizer=true", "train.recompute=full"],
+        ["parallel.ep=8", "parallel.pp=8", "parallel.shard_optimizer=true", "compute.recompute=full"],
     ),
     ("bench-8e", 1, ["parallel.capacity_factor=1.25"]),
     ("sweep-8l-32", 8, ["parallel.ep=8", "parallel.capacity_factor=1.25"]),
-    ("bench-8e", 1, ["train.fp8=mxfp8"]),
+    ("bench-8e", 1, ["precision.fp8=mxfp8"]),
 ]
 
 
@@ -73,12 +77,12 @@ def fingerprint() -> list[dict]:
         except ConfigError as e:
             out.append({"case": [name, gpus, overrides], "error": str(e)})
             continue
-        record = to_json(p, name, gpus, "h200", [])
+        record = to_json(p, name, gpus, "h200", [], BUDGET)
         record.update(time_s=p.time_s, peaks=p.peak_gib_per_pipeline_rank, params=p.params_per_pipeline_rank)
         out.append({"case": [name, gpus, overrides], "plan": record})
     for name in ("sweep-8l-128", "bench-8e", "ref-small-64e"):
         found = suggest(resolve_config(name), 8, "h200")
-        out.append({"suggest": name, "plans": [to_json(s, name, 8, "h200", []) for s in found]})
+        out.append({"suggest": name, "plans": [to_json(s, name, 8, "h200", [], BUDGET) for s in found]})
     return out
 
 

@@ -874,14 +874,13 @@ def test_each_suggestions_flags_reproduce_its_layout(preset, gpus):
     """The flags `moetrain plan` prints to paste for a suggestion give exactly that layout
     (context and expert parallelism, pipeline, recompute, the sharded optimizer, the dispatcher
     and the overlapped exchange's chunks)."""
-    from moetrain.memory_advice import layout_flags
     from moetrain.plan import suggest
 
     cfg = resolve_config(preset)
     found = suggest(cfg, gpus, "h200", limit=20)
     assert found
     for s in found:
-        pasted = [f.removeprefix("--") for f in layout_flags(cfg, s.layout)]
+        pasted = [f.removeprefix("--") for f in s.layout.to_flags(cfg)]
         assert plan(resolve_config(preset, pasted), gpus, "h200").layout == s.layout, pasted
 
 
@@ -907,9 +906,7 @@ def test_moetrain_plan_leads_with_the_recommended_layout_and_its_flags():
     assert first["tight"] is False and " ".join(first["flags"]) == lines[1].removeprefix("  flags: ")
     assert first["rehearse_command"] == lines[2].removeprefix("  rehearse one rank: ")
     tight = next(s for s in suggest(resolve_config("ref-medium-128e"), 64, "h200", limit=200) if s.tight)
-    from moetrain.memory_advice import layout_flags
-
-    lines = run(*layout_flags(resolve_config("ref-medium-128e"), tight.layout))
+    lines = run(*tight.layout.to_flags(resolve_config("ref-medium-128e")))
     assert lines[0].startswith("recommended: ") and "TIGHT" in lines[0]
     assert any(line.startswith("  -> TIGHT") for line in lines)
     assert json.loads(lines[-1])["tight"] is True

@@ -121,7 +121,7 @@ def test_bench_rehearsal_of_rank_1_prints_its_record(runs):
     run_dir, out = runs["bench rank 1"]
     r = last_json(out)["rehearsal"]
     assert (r["world"], r["rank"]) == (4, 1)
-    assert isinstance(r["layout"], str) and "ep 2" in r["layout"]
+    assert isinstance(r["layout"], str) and "ep2" in r["layout"]
     assert r["communication"] == NOT_MEASURED and r["compute_s"] > 0
     assert set(r["peak_gib"]) == {"training", "saving", "loading"} and r["peak_gib"]["training"] > 0
     ckpt = r["checkpoint"]

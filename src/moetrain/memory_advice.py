@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from moetrain.plan import MAX_GPUS, Layout, fewest_gpus, plan, suggest
+from moetrain.plan import MAX_GPUS, fewest_gpus, plan, suggest
 from moetrain.train.config import RunConfig
 
 
@@ -33,7 +33,7 @@ def advice(cfg: RunConfig, world_size: int, gpu: str) -> str:
     best = options[0]
     return (
         text + f"; the fastest layout it finds that fits is {best.layout.describe()} (peak "
-        f"{best.peak_mem_gib_per_device:.1f} GiB): {' '.join(layout_flags(cfg, best.layout))}"
+        f"{best.peak_mem_gib_per_device:.1f} GiB): {' '.join(best.layout.to_flags(cfg))}"
     )
 
 
@@ -53,26 +53,5 @@ def _more_gpus(cfg: RunConfig, world_size: int, gpu: str) -> str:
         return f"none fits on any count up to {MAX_GPUS} either; shrink the model"
     return (
         f"the fewest {gpu} GPUs on which one fits with headroom are {more.gpus} ({more.plan.layout.describe()}: "
-        f"{' '.join(layout_flags(cfg, more.plan.layout))}), or shrink the model"
+        f"{' '.join(more.plan.layout.to_flags(cfg))}), or shrink the model"
     )
-
-
-def layout_flags(cfg: RunConfig, layout: Layout) -> list[str]:
-    """The command-line flags that turn `cfg` into `layout`."""
-    flags = [f"--train.micro_batch_size={layout.rows_per_micro_batch * layout.dp}"]
-    if layout.recompute != cfg.compute.recompute.value:
-        flags.append(f"--compute.recompute={layout.recompute}")
-    if layout.recompute != "none" and cfg.compute.recompute_every != layout.recompute_every:
-        flags.append(f"--compute.recompute_every={layout.recompute_every}")
-    if layout.shard_optimizer != cfg.parallel.shard_optimizer:
-        flags.append(f"--parallel.shard_optimizer={str(layout.shard_optimizer).lower()}")
-    for key in ("cp", "ep", "pp"):
-        if getattr(layout, key) != getattr(cfg.parallel, key):
-            flags.append(f"--parallel.{key}={getattr(layout, key)}")
-    if layout.stack != cfg.parallel.stack.value:
-        flags.append(f"--parallel.stack={layout.stack}")
-    if layout.ep > 1 and layout.dispatcher != cfg.parallel.dispatcher.value:
-        flags.append(f"--parallel.dispatcher={layout.dispatcher}")
-    if layout.overlap_chunks != cfg.parallel.overlap_chunks and layout.ep > 1 and layout.dispatcher == "nosync":
-        flags.append(f"--parallel.overlap_chunks={layout.overlap_chunks}")
-    return flags

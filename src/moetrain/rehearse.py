@@ -141,7 +141,7 @@ def record(
     out: dict[str, Any] = {
         "world": dims.world_size,
         "rank": rank,
-        "layout": describe_layout(cfg, dims),
+        "layout": describe_layout(dims),
         "communication": NOT_MEASURED,
         "step_s_with_stand_ins": round(step_s, 4),
         "stand_in_s": round(stand_in_s, 4),
@@ -202,7 +202,7 @@ def train_record(trainer: Trainer) -> dict[str, Any]:
     return {
         "world": trainer.par.dims.world_size,
         "rank": trainer.par.rank,
-        "layout": describe_layout(trainer.cfg, trainer.par.dims),
+        "layout": describe_layout(trainer.par.dims),
         "communication": NOT_MEASURED,
         "peak_gib": {"training": training, "saving": saved["saving_gib"], "loading": saved["loading_gib"]},
         "checkpoint": saved,

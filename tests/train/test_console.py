@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from moetrain.parallel.dims import ParallelDims
 from moetrain.presets import resolve_config
 from moetrain.train.console import Progress, StepTimer, describe_layout, describe_precision, format_duration
 from moetrain.train.trainer import Trainer
@@ -70,40 +69,38 @@ def test_quiet_prints_nothing(capsys):
 
 
 @pytest.mark.parametrize(
-    "overrides, world, dims, text",
+    "overrides, world, degrees, text",
     [
-        ([], 1, ParallelDims(1, 1, 1), "1 rank = pp 1 × dp 1; ep 1; ddp stack"),
+        ([], 1, (1, 1, 1), "1 rank: dp1 ddp"),
         (
             ["parallel.pp=2", "parallel.ep=2", "parallel.shard_optimizer=true", "train.micro_batch_size=12"],
             4,
-            ParallelDims(4, 2, 2, 2),
-            "4 ranks = pp 2 (1f1b) × dp 2; ep 2 (nosync dispatcher, capacity 1.25); ddp stack, sharded optimizer",
+            (2, 2, 2),
+            "4 ranks: dp2·ep2·pp2 ddp nosync(cf 1.25 + spill 0.125) sharded-optimizer",
         ),
-        (["parallel.stack=fsdp"], 8, ParallelDims(8, 8, 1), "8 ranks = pp 1 × fsdp 8; ep 1; fsdp stack"),
+        (["parallel.stack=fsdp"], 8, (8, 1, 1), "8 ranks: dp8 fsdp"),
+        (["parallel.ep=2", "parallel.capacity_factor=null"], 2, (2, 2, 1), "2 ranks: dp2·ep2 ddp nosync(padded)"),
         (
-            ["parallel.ep=2", "parallel.capacity_factor=null"],
+            ["parallel.ep=2", "parallel.overlap_chunks=2", "parallel.spill_factor=0"],
             2,
-            ParallelDims(2, 2, 2),
-            "2 ranks = pp 1 × dp 2; ep 2 (nosync dispatcher, padded); ddp stack",
+            (2, 2, 1),
+            "2 ranks: dp2·ep2 ddp nosync(cf 1.25) overlap×2",
         ),
+        (["parallel.ep=2", "parallel.dispatcher=alltoall"], 2, (2, 2, 1), "2 ranks: dp2·ep2 ddp alltoall"),
         (
-            ["parallel.ep=2", "parallel.overlap_chunks=2"],
-            2,
-            ParallelDims(2, 2, 2),
-            "2 ranks = pp 1 × dp 2; ep 2 (nosync dispatcher, capacity 1.25, overlapped in 2 chunks); ddp stack",
-        ),
-        (
-            ["parallel.ep=2", "parallel.dispatcher=alltoall"],
-            2,
-            ParallelDims(2, 2, 2),
-            "2 ranks = pp 1 × dp 2; ep 2 (alltoall dispatcher); ddp stack",
+            ["parallel.cp=2", "parallel.pp=2", "parallel.pp_schedule=interleaved-1f1b", "train.micro_batch_size=4"],
+            8,
+            (2, 1, 2),
+            "8 ranks: dp2·cp2·pp2×v2 ddp",
         ),
     ],
 )
-def test_layout_names_every_degree(overrides, world, dims, text):
-    cfg = resolve_config("tiny", overrides)
-    assert cfg.parallel.build(world) == dims
-    assert describe_layout(cfg, dims) == text
+def test_layout_names_every_degree(overrides, world, degrees, text):
+    """The console's layout line is `ParallelDims.describe`, the words the planner writes; the
+    dims carry every setting it names."""
+    dims = resolve_config("tiny", overrides).parallel.build(world)
+    assert (dims.dp, dims.ep, dims.pp) == degrees
+    assert describe_layout(dims) == text
 
 
 def test_precision_names_autocast_bf16_weights_and_fp8():
@@ -161,7 +158,7 @@ def test_a_run_prints_the_header_once_then_a_line_per_logged_step(tiny_cfg, tmp_
     err = capsys.readouterr().err
     assert err.count("run dir   : ") == 1
     assert f"run dir   : {tmp_path / 'run'}\n" in err
-    assert "layout    : 1 rank = pp 1 × dp 1; ep 1; ddp stack\n" in err
+    assert "layout    : 1 rank: dp1 ddp\n" in err
     assert "device    : cpu; precision fp32\n" in err
     lines = [line for line in err.splitlines() if line.startswith("step ")]
     assert [line.split()[1] for line in lines] == ["1/3", "2/3", "3/3"]

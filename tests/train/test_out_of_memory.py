@@ -8,7 +8,7 @@ import torch
 from conftest import tiny_overrides
 
 from moetrain.cli import main
-from moetrain.memory_advice import advice, layout_flags
+from moetrain.memory_advice import advice
 from moetrain.plan import plan_gpu
 from moetrain.train import checkpoint as ckpt
 from moetrain.train import oom
@@ -114,7 +114,7 @@ def test_the_suggested_flags_set_the_suggested_layout(tiny_cfg, tmp_path):
     extra = ("train.micro_batch_size=8", "compute.recompute=selective")
     cfg = tiny_cfg(tmp_path / "run", *extra)
     best = suggest(cfg, 1, "h200", limit=1)[0]
-    flags = layout_flags(cfg, best.layout)
+    flags = best.layout.to_flags(cfg)
     assert flags and all(f.startswith("--") for f in flags)
     got, want = layout_of(tiny_cfg(tmp_path / "run", *extra, *[f[2:] for f in flags]), 1), best.layout
     for key in ("recompute", "shard_optimizer", "rows_per_micro_batch", "micro_batches", "ep", "pp", "stack"):

@@ -370,9 +370,8 @@ def _more_gpus_flags(spec: str, cfg: RunConfig, more, given: list[str]) -> tuple
 def _suggestion_flags(cfg: RunConfig, suggestion, given: list[str]) -> list[str]:
     """The command line's flags with a suggested layout's in place of the ones it changes, its
     global batch among them where the search rounded it (`fewest_gpus`' round_batch)."""
-    from moetrain.memory_advice import layout_flags
-
-    changed, L = layout_flags(cfg, suggestion.layout), suggestion.layout
+    L = suggestion.layout
+    changed = L.to_flags(cfg)
     if L.micro_batches * L.rows_per_micro_batch * L.dp != cfg.train.global_batch_size:
         changed.append(f"--train.global_batch_size={L.micro_batches * L.rows_per_micro_batch * L.dp}")
     keys = {f.split("=")[0] for f in changed}

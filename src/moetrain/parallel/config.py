@@ -272,7 +272,19 @@ class ParallelConfig(Config):
                 "made of the ranks of one pipeline stage."
             )
         return ParallelDims(
-            world_size=world_size, dp=dp, ep=self.ep, pp=pp, stages_per_rank=self.stages_per_rank, cp=cp
+            world_size=world_size,
+            dp=dp,
+            ep=self.ep,
+            pp=pp,
+            stages_per_rank=self.stages_per_rank,
+            cp=cp,
+            stack=self.stack.value,
+            schedule=self.pp_schedule.value if pp > 1 else "none",
+            shard_optimizer=self.shard_optimizer,
+            dispatcher=self.dispatcher.value,
+            capacity_factor=self.capacity_factor,
+            spill_factor=self.spill_factor,
+            overlap_chunks=self.overlap_chunks,
         )
 
     @property
@@ -312,12 +324,12 @@ LAYOUT_WORDS = (
     (r"sharded-optimizer", "sharded-optimizer: optimizer state sharded over the data-parallel ranks"),
     (r"recompute=", "recompute=full|selective: activations recomputed in backward (/every N: every Nth block)"),
 )
-"""(pattern, meaning) of each abbreviation the planner's `Layout.describe` (src/moetrain/plan/layout.py)
+"""(pattern, meaning) of each abbreviation `ParallelDims.describe` (src/moetrain/parallel/dims.py) and the planner's `Layout.describe`
 writes, for the legend under `moetrain plan`'s output and in its --help (here, so that --help
 loads no torch)."""
 
 
 def layout_legend(texts: list[str] | None = None) -> list[str]:
-    """The meanings of `LAYOUT_WORDS` that occur in `texts` (layouts as `Layout.describe` writes
+    """The meanings of `LAYOUT_WORDS` that occur in `texts` (layouts as `ParallelDims.describe` writes
     them); all of them when `texts` is None."""
     return [meaning for pattern, meaning in LAYOUT_WORDS if texts is None or any(re.search(pattern, t) for t in texts)]

@@ -24,19 +24,70 @@ ep fastest:
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+if TYPE_CHECKING:
+    from moetrain.parallel.config import ParallelConfig
+
 
 @dataclasses.dataclass(frozen=True)
 class ParallelDims:
+    """The run's layout, resolved for its world size (`ParallelConfig.build`): the degrees and how
+    the ranks work together. The planner's `Layout` (src/moetrain/plan/layout.py) adds recompute and
+    micro-batching to it; the console, the planner and the flag printer read it through `describe`
+    and `to_flags`."""
+
     world_size: int
     dp: int
     ep: int
     pp: int = 1
     stages_per_rank: int = 1
     cp: int = 1
+    stack: str = "ddp"
+    schedule: str = "none"
+    """The pipeline schedule (parallel.pp_schedule); "none" at pp 1."""
+    shard_optimizer: bool = False
+    dispatcher: str = "nosync"
+    capacity_factor: float | None = 1.25
+    """nosync: rows through each rank's experts ÷ the balanced load; None = padded (ep×)."""
+    spill_factor: float = 0.125
+    """nosync: spill rows per pair on the wire beyond the capacity, ÷ the balanced share."""
+    overlap_chunks: int = 0
+    """nosync: parallel.overlap_chunks (0: the all-to-alls are exposed)."""
+
+    def describe(self) -> str:
+        """`dp2·ep2 ddp nosync(cf 1.25 + spill 0.125) overlap×1 sharded-optimizer`: the words
+        `LAYOUT_WORDS` (src/moetrain/parallel/config.py) explain."""
+        parts = [f"dp{self.dp}"] + ([f"cp{self.cp}"] if self.cp > 1 else []) + ([f"ep{self.ep}"] if self.ep > 1 else [])
+        if self.pp > 1:
+            parts.append(f"pp{self.pp}" + (f"×v{self.stages_per_rank}" if self.stages_per_rank > 1 else ""))
+        text = "·".join(parts) + f" {self.stack}"
+        if self.ep > 1:
+            text += f" {self.dispatcher}"
+            if self.dispatcher == "nosync":
+                cf, sf = self.capacity_factor, self.spill_factor
+                text += f"(cf {cf:g}" + (f" + spill {sf:g})" if sf else ")") if cf else "(padded)"
+                text += f" overlap×{self.overlap_chunks}" if self.overlap_chunks else ""
+        return text + (" sharded-optimizer" if self.shard_optimizer else "")
+
+    def to_flags(self, base: ParallelConfig) -> list[str]:
+        """The command-line flags that turn the layout `base` builds into this one."""
+        flags = []
+        if self.shard_optimizer != base.shard_optimizer:
+            flags.append(f"--parallel.shard_optimizer={str(self.shard_optimizer).lower()}")
+        flags += [
+            f"--parallel.{k}={getattr(self, k)}" for k in ("cp", "ep", "pp") if getattr(self, k) != getattr(base, k)
+        ]
+        if self.stack != base.stack:
+            flags.append(f"--parallel.stack={self.stack}")
+        if self.ep > 1 and self.dispatcher != base.dispatcher:
+            flags.append(f"--parallel.dispatcher={self.dispatcher}")
+        if self.ep > 1 and self.dispatcher == "nosync" and self.overlap_chunks != base.overlap_chunks:
+            flags.append(f"--parallel.overlap_chunks={self.overlap_chunks}")
+        return flags
 
     @property
     def replicas(self) -> int:

@@ -21,6 +21,22 @@ from moetrain.parallel.nosync_dispatcher import NoSyncDispatcher
 from moetrain.parallel.overlapped_dispatcher import OverlappedDispatcher
 
 
+def _nosync(E: int, state: ParallelState, cfg: ParallelConfig) -> NoSyncDispatcher:
+    floor = DEFAULT_CAPACITY_MIN_ROWS if cfg.capacity_min_rows is None else cfg.capacity_min_rows
+    sizes = (cfg.capacity_factor, cfg.spill_factor, floor)
+    if cfg.overlap_chunks:
+        return OverlappedDispatcher(E, state.ep_group, state.dp_group, *sizes, cfg.overlap_chunks)
+    return NoSyncDispatcher(E, state.ep_group, state.dp_group, *sizes)
+
+
+DISPATCHERS = {
+    DispatcherKind.nosync: _nosync,
+    DispatcherKind.alltoall: lambda E, state, cfg: AllToAllDispatcher(E, state.ep_group, state.dp_group),
+}
+"""parallel.dispatcher → (experts in all, this rank's groups, the config) → its dispatcher. A new
+dispatcher is a class and an entry here (and its value in `DispatcherKind`)."""
+
+
 def apply_expert_parallel(model: Transformer, state: ParallelState, cfg: ParallelConfig | None = None) -> None:
     """Give each MoE layer its rank's experts and a dispatcher that reaches the others. Run on the
     meta device, before materializing: only the local experts are ever allocated.
@@ -35,14 +51,6 @@ def apply_expert_parallel(model: Transformer, state: ParallelState, cfg: Paralle
             old = moe.experts
             with torch.device(old.w_down_EDF.device):
                 moe.experts = GroupedExperts(L, old.d_model, old.hidden, expert_offset=state.ep_rank * L)
-            if cfg.dispatcher == DispatcherKind.nosync:
-                floor = DEFAULT_CAPACITY_MIN_ROWS if cfg.capacity_min_rows is None else cfg.capacity_min_rows
-                sizes = (cfg.capacity_factor, cfg.spill_factor, floor)
-                if cfg.overlap_chunks:
-                    moe.dispatcher = OverlappedDispatcher(E, state.ep_group, state.dp_group, *sizes, cfg.overlap_chunks)
-                else:
-                    moe.dispatcher = NoSyncDispatcher(E, state.ep_group, state.dp_group, *sizes)
-            else:
-                moe.dispatcher = AllToAllDispatcher(E, state.ep_group, state.dp_group)
+            moe.dispatcher = DISPATCHERS[cfg.dispatcher](E, state, cfg)
         elif dims.replicas > 1:
             moe.dispatcher = DataParallelDispatcher(E, state.dp_group)

@@ -14,6 +14,7 @@ from moetrain.model.config import TransformerConfig
 from moetrain.model.experts import GroupedExperts
 from moetrain.optim.muon import muon_matrices
 from moetrain.parallel.config import DEFAULT_CAPACITY_MIN_ROWS, DispatcherKind, Stack
+from moetrain.parallel.dims import ParallelDims
 from moetrain.parallel.nosync_dispatcher import block_rows, capacity_rows
 from moetrain.train.config import RunConfig
 
@@ -21,42 +22,18 @@ BUCKET_BYTES = 25 * 2**20
 """The gradient buckets' size (`GradReducer`'s default)."""
 
 
-@dataclasses.dataclass
-class Layout:
-    stack: str
-    dp: int
-    ep: int
-    pp: int
-    stages_per_rank: int
-    schedule: str
-    shard_optimizer: bool
-    dispatcher: str
-    capacity_factor: float | None
-    """nosync: rows through each rank's experts ÷ the balanced load; None = padded (ep×)."""
-    spill_factor: float
-    """nosync: spill rows per pair on the wire beyond the capacity, ÷ the balanced share."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Layout(ParallelDims):
+    """The run's parallel layout with what the planner also chooses: recompute and micro-batching."""
+
     capacity_min_rows: int
     """nosync: the fewest rows a rank's experts get (parallel.capacity_min_rows; auto is 1024, as
     `capacity_floor` resolves it on a GPU and `apply_expert_parallel` builds it unresolved)."""
-    overlap_chunks: int
-    """nosync: parallel.overlap_chunks (0: the all-to-alls are exposed)."""
     recompute: str
     recompute_every: int
     micro_batches: int
     rows_per_micro_batch: int
     """Sequences per rank per micro-batch (whole ones: a context-parallel rank holds 1/cp of each)."""
-    cp: int = 1
-    """Context-parallel degree: each sequence split over cp ranks."""
-
-    @property
-    def replicas(self) -> int:
-        """Ranks of one pipeline stage (dp · cp): they hold the same dense parameters."""
-        return self.dp * self.cp
-
-    @property
-    def edp(self) -> int:
-        """Ranks holding the same experts (dp · cp / ep)."""
-        return max(1, self.replicas // self.ep)
 
     def tokens(self, seq_len: int) -> int:
         """Tokens per rank per micro-batch (t): its rows' positions, 1/cp of each sequence."""
@@ -72,26 +49,21 @@ class Layout:
         return dense + (experts if self.edp > 1 or self.shard_optimizer else 0.0)
 
     def describe(self) -> str:
-        parts = [f"dp{self.dp}"] + ([f"cp{self.cp}"] if self.cp > 1 else [])
-        if self.ep > 1:
-            parts.append(f"ep{self.ep}")
-        if self.pp > 1:
-            parts.append(f"pp{self.pp}" + (f"×v{self.stages_per_rank}" if self.stages_per_rank > 1 else ""))
-        text = "·".join(parts) + f" {self.stack}"
-        if self.ep > 1:
-            text += f" {self.dispatcher}"
-            if self.dispatcher == DispatcherKind.nosync.value:
-                cf, sf = self.capacity_factor, self.spill_factor
-                text += f"(cf {cf:g}" + (f" + spill {sf:g})" if sf else ")") if cf else "(padded)"
-                if self.overlap_chunks:
-                    text += f" overlap×{self.overlap_chunks}"
-        if self.shard_optimizer:
-            text += " sharded-optimizer"
+        text = super().describe()
         if self.recompute != "none":
             text += f" recompute={self.recompute}" + (
                 f"/every {self.recompute_every}" if self.recompute_every > 1 else ""
             )
         return text + f", {self.rows_per_micro_batch} seq × {self.micro_batches} micro-batches per rank"
+
+    def to_flags(self, cfg: RunConfig) -> list[str]:
+        """The command-line flags that turn `cfg` into this layout."""
+        flags = [f"--train.micro_batch_size={self.rows_per_micro_batch * self.dp}"]
+        if self.recompute != cfg.compute.recompute.value:
+            flags.append(f"--compute.recompute={self.recompute}")
+        if self.recompute != "none" and cfg.compute.recompute_every != self.recompute_every:
+            flags.append(f"--compute.recompute_every={self.recompute_every}")
+        return flags + super().to_flags(cfg.parallel)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,27 +160,14 @@ def _param_groups(model_json: str) -> ParamGroups:
 
 def layout_of(cfg: RunConfig, gpus: int) -> Layout:
     """The layout `cfg` asks for on `gpus` GPUs, checked as the trainer checks it."""
-    dims = cfg.build_dims(gpus)
-    p, tc = cfg.parallel, cfg.train
-    schedule = p.pp_schedule.value if dims.pp > 1 else "none"
+    dims, p = cfg.build_dims(gpus), cfg.parallel
     return Layout(
-        stack=p.stack.value,
-        dp=dims.dp,
-        ep=dims.ep,
-        pp=dims.pp,
-        stages_per_rank=dims.stages_per_rank,
-        schedule=schedule,
-        shard_optimizer=p.shard_optimizer,
-        dispatcher=p.dispatcher.value,
-        capacity_factor=p.capacity_factor,
-        spill_factor=p.spill_factor,
+        **{f.name: getattr(dims, f.name) for f in dataclasses.fields(ParallelDims)},
         capacity_min_rows=DEFAULT_CAPACITY_MIN_ROWS if p.capacity_min_rows is None else p.capacity_min_rows,
-        overlap_chunks=p.overlap_chunks if p.dispatcher == DispatcherKind.nosync else 0,
         recompute=cfg.compute.recompute.value,
         recompute_every=cfg.compute.recompute_every,
-        micro_batches=tc.grad_accum_steps,
-        rows_per_micro_batch=tc.micro_batch_size // dims.dp,
-        cp=dims.cp,
+        micro_batches=cfg.train.grad_accum_steps,
+        rows_per_micro_batch=cfg.train.micro_batch_size // dims.dp,
     )
 
 

@@ -3,7 +3,7 @@ built and nothing can refuse it any more, so a user mistake stays one paragraph)
 per logged step, or a progress bar on a terminal.
 
     run dir   : runs/tiny-2 (runs/tiny holds an earlier run)
-    layout    : 4 ranks = pp 2 × dp 2; ep 2 (nosync dispatcher, capacity 1.25); ddp stack
+    layout    : 4 ranks: dp2·ep2·pp2 ddp nosync(cf 1.25 + spill 0.125)
     device    : cpu; precision fp32
     step  10/300  loss 8.2803  lr 3.00e-04  2,612 tok/s  1176 ms/step  rss 0.61 GiB  ETA 5m41s
 
@@ -26,7 +26,6 @@ import torch
 
 from moetrain.model import fp8_choice
 from moetrain.model.config import Fp8
-from moetrain.parallel.config import DispatcherKind, Stack
 from moetrain.parallel.dims import ParallelDims
 from moetrain.train.config import CudaGraphs, RunConfig
 from moetrain.train.engine import autocast_dtype
@@ -149,24 +148,9 @@ class ConsoleSink(MetricsSink):
         self.progress.close()
 
 
-def describe_layout(cfg: RunConfig, dims: ParallelDims) -> str:
-    """`4 ranks = pp 2 × dp 2; ep 2 (nosync dispatcher, capacity 1.25); ddp stack, sharded optimizer`."""
-    p = cfg.parallel
-    ranks = f"{dims.world_size} rank" + ("s" if dims.world_size > 1 else "")
-    pp = f"pp {dims.pp}"
-    if dims.pp > 1:
-        pp += f" ({p.pp_schedule}" + (f", {dims.stages_per_rank} stages per rank)" if dims.stages_per_rank > 1 else ")")
-    dp = f"{'fsdp' if p.stack == Stack.fsdp else 'dp'} {dims.dp}" + (f" × cp {dims.cp}" if dims.cp > 1 else "")
-    ep = f"ep {dims.ep}"
-    if dims.ep > 1:
-        capacity = ""
-        if p.dispatcher == DispatcherKind.nosync:
-            capacity = ", padded" if p.capacity_factor is None else f", capacity {p.capacity_factor:g}"
-            if p.overlap_chunks:
-                capacity += f", overlapped in {p.overlap_chunks} chunk" + ("s" if p.overlap_chunks > 1 else "")
-        ep += f" ({p.dispatcher} dispatcher{capacity})"
-    stack = f"{p.stack} stack" + (", sharded optimizer" if p.shard_optimizer else "")
-    return f"{ranks} = {pp} × {dp}; {ep}; {stack}"
+def describe_layout(dims: ParallelDims) -> str:
+    """`4 ranks: dp2·ep2·pp2 ddp nosync(cf 1.25 + spill 0.125) sharded-optimizer` (`ParallelDims.describe`)."""
+    return f"{dims.world_size} rank{'s' if dims.world_size > 1 else ''}: {dims.describe()}"
 
 
 def describe_precision(cfg: RunConfig, device: torch.device, world_size: int = 1) -> str:
@@ -210,7 +194,7 @@ def header(
     `rehearsed_rank`: this process is that rank of a rehearsal (`rehearsal_notice`)."""
     lines = [
         f"run dir   : {run_dir}" + (f" ({note})" if note else ""),
-        f"layout    : {describe_layout(cfg, dims)}",
+        f"layout    : {describe_layout(dims)}",
         f"device    : {device}; precision {describe_precision(cfg, device, dims.world_size)}",
     ]
     if rehearsed_rank is not None:
