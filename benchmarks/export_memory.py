@@ -25,8 +25,9 @@ import torch
 
 from moetrain.model.config import Gating
 from moetrain.presets import preset
-from moetrain.train import checkpoint as ckpt
+from moetrain.train.checkpoint_io import model_state_dict, save_checkpoint
 from moetrain.train.config import RunConfig
+from moetrain.train.run_dir import resolve_checkpoint
 
 PROBE = """
 import json, re, sys
@@ -79,7 +80,7 @@ def write_checkpoint(run: Path, args) -> int:
 
     Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")).save(str(tokenizer))
     extra = {"config.yaml": run / "config.yaml", "tokenizer.json": tokenizer}
-    ckpt.save_checkpoint(run, 0, {"model": ckpt.model_state_dict(model)}, {"step": 0}, extra_files=extra)
+    save_checkpoint(run, 0, {"model": model_state_dict(model)}, {"step": 0}, extra_files=extra)
     return sum(p.numel() for p in model.parameters())
 
 
@@ -95,7 +96,7 @@ def main() -> None:
     shutil.rmtree(args.dir, ignore_errors=True)
     run = args.dir / "run"
     parameters = write_checkpoint(run, args)
-    stored = sum(f.stat().st_size for f in ckpt.resolve_checkpoint(run).glob("*.distcp"))
+    stored = sum(f.stat().st_size for f in resolve_checkpoint(run).glob("*.distcp"))
     print(json.dumps({"parameters": parameters, "checkpoint_bytes": stored}))
     for size in args.max_shard_size:
         start = time.time()

@@ -119,9 +119,11 @@ def test_unwritable_run_directory(capsys, real_text_dir, tmp_path):
 
 
 def test_disk_full_while_saving_keeps_the_previous_checkpoint(real_text_dir, tmp_path, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+
     from moetrain.errors import CheckpointError
     from moetrain.presets import resolve_config
-    from moetrain.train import checkpoint as ckpt
+    from moetrain.train.run_dir import list_checkpoints
     from moetrain.train.trainer import Trainer
 
     run = tmp_path / "run"
@@ -139,13 +141,13 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(real_text_dir, tmp
     def full_disk(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(ckpt.dcp, "save", full_disk)
+    monkeypatch.setattr(dcp, "save", full_disk)
     with pytest.raises(CheckpointError) as e:
         trainer.save()
     assert "the disk is full" in str(e.value) and "step-2" in str(e.value)
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-2"]  # no partial left behind
     assert {p.name: p.read_bytes() for p in first.iterdir()} == before
-    assert ckpt.list_checkpoints(run)[-1][1] == first
+    assert list_checkpoints(run)[-1][1] == first
 
 
 @pytest.mark.parametrize("wrapped", [False, True])
@@ -153,10 +155,10 @@ def test_a_second_ctrl_c_while_saving_stays_the_users_interrupt(real_text_dir, t
     """Ctrl-C twice: the first asks for a save, the second lands inside it. It is reported as the
     interrupt it is (not as a failed write), whether DCP hands it back wrapped or not, the partial
     checkpoint is dropped, and the earlier one named intact."""
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     from moetrain.presets import resolve_config
-    from moetrain.train import checkpoint as ckpt
     from moetrain.train.trainer import Trainer
 
     run = tmp_path / "run"
@@ -170,7 +172,7 @@ def test_a_second_ctrl_c_while_saving_stays_the_users_interrupt(real_text_dir, t
             raise CheckpointException("save", {0: (KeyboardInterrupt(), None)})
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(ckpt.dcp, "save", interrupted)
+    monkeypatch.setattr(dcp, "save", interrupted)
     with pytest.raises(KeyboardInterrupt) as e:
         trainer.save()
     assert (

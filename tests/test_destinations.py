@@ -140,10 +140,10 @@ def test_train_refuses_a_disk_without_room_for_a_checkpoint(capsys, real_text_di
 def test_the_checkpoint_estimate_is_what_a_checkpoint_takes(trained):
     from moetrain.model.counting import count_params
     from moetrain.presets import resolve_config
-    from moetrain.train import checkpoint as ckpt
+    from moetrain.train.run_dir import estimated_bytes
 
     cfg = resolve_config("tiny", tiny_overrides("unused", trained))
-    estimate = ckpt.estimated_bytes(count_params(cfg.model).total, 8)
+    estimate = estimated_bytes(count_params(cfg.model).total, 8)
     written = sum(p.stat().st_size for p in (trained / "checkpoints" / "step-2").iterdir())
     assert written <= estimate < 1.5 * written, (written, estimate)
 

@@ -42,7 +42,7 @@ def test_weights_times_k_fold_into_the_experts_down_projections(real_text_dir, t
     from safetensors import safe_open
 
     from moetrain.hf.convert import CheckpointEntries
-    from moetrain.train import checkpoint as ckpt
+    from moetrain.train.run_dir import resolve_checkpoint
 
     run = tmp_path / "run"
     overrides = tiny_overrides(real_text_dir, run, "train.steps=4", "train.eval_every=0")
@@ -54,7 +54,7 @@ def test_weights_times_k_fold_into_the_experts_down_projections(real_text_dir, t
     _, cfg, _ = load_for_inference(run)
     assert cfg.model.moe.top_k == 4
     layer = cfg.model.num_dense_layers
-    entries = CheckpointEntries(ckpt.resolve_checkpoint(run), cfg.model)
+    entries = CheckpointEntries(resolve_checkpoint(run), cfg.model)
     w = entries.read([f"blocks.{layer}.ffn.experts.w_down_EDF/3"])[f"blocks.{layer}.ffn.experts.w_down_EDF/3"]
     with safe_open(str(tmp_path / "bf16" / "model.safetensors"), framework="pt") as f:
         got = f.get_tensor(f"model.layers.{layer}.mlp.experts.3.down_proj.weight")

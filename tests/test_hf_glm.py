@@ -25,8 +25,10 @@ from moetrain.inference import load_for_inference  # noqa: E402
 from moetrain.model.config import Gating  # noqa: E402
 from moetrain.presets import PRESETS, preset, resolve_config  # noqa: E402
 from moetrain.testing.distributed import run_distributed  # noqa: E402
-from moetrain.train import checkpoint as ckpt  # noqa: E402
+from moetrain.train.checkpoint_index import SafeFileSystemReader  # noqa: E402
+from moetrain.train.checkpoint_io import model_state_dict, save_checkpoint  # noqa: E402
 from moetrain.train.config import RunConfig  # noqa: E402
+from moetrain.train.run_dir import resolve_checkpoint  # noqa: E402
 
 GLM = [
     "model.moe.gating=sigmoid",
@@ -219,7 +221,7 @@ def train_and_export(data_dir, run_dir, out_dir):
 def test_export_of_a_distributed_checkpoint_by_two_ranks(real_text_dir, tmp_path):
     run, out = tmp_path / "run", tmp_path / "hf"
     summaries = run_distributed(train_and_export, 2, real_text_dir, run, out)
-    stored = ckpt.SafeFileSystemReader(str(ckpt.resolve_checkpoint(run))).read_metadata().state_dict_metadata
+    stored = SafeFileSystemReader(str(resolve_checkpoint(run))).read_metadata().state_dict_metadata
     assert len(stored["model.embed.weight"].chunks) == 2  # FSDP: each rank saved half of each entry
     assert len(summaries[0]["files"]) > 2
     model, cfg, _ = load_for_inference(run)
@@ -253,7 +255,7 @@ def write_checkpoint(run: Path, model_cfg, tokenizer: Path, seq_len: int = 64, b
     run.mkdir(parents=True)
     (run / "config.yaml").write_text(cfg.to_yaml())
     extra = {"config.yaml": run / "config.yaml", "tokenizer.json": tokenizer}
-    ckpt.save_checkpoint(run, 0, {"model": ckpt.model_state_dict(model)}, {"step": 0}, extra_files=extra)
+    save_checkpoint(run, 0, {"model": model_state_dict(model)}, {"step": 0}, extra_files=extra)
     model.eval()
     return model
 

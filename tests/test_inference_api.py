@@ -24,7 +24,7 @@ from moetrain.errors import CheckpointError, ConfigError, DataError
 from moetrain.generation import Sampling, generate_ids
 from moetrain.model.token_dispatcher import LocalTokenDispatcher
 from moetrain.presets import preset
-from moetrain.train import checkpoint as ckpt
+from moetrain.train.checkpoint_io import model_state_dict, save_checkpoint
 from moetrain.train.config import RunConfig
 
 SEQ = 48
@@ -54,7 +54,7 @@ def run(tmp_path_factory):
     model.init_weights(seed=1)
     (run / "config.yaml").write_text(cfg.to_yaml())
     extra = {"config.yaml": run / "config.yaml", "tokenizer.json": run / "tokenizer.json"}
-    ckpt.save_checkpoint(run, 0, {"model": ckpt.model_state_dict(model)}, {"step": 0}, extra_files=extra)
+    save_checkpoint(run, 0, {"model": model_state_dict(model)}, {"step": 0}, extra_files=extra)
     return run
 
 

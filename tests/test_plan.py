@@ -372,8 +372,9 @@ def _checkpoint_peaks(args):
     import torch
     import torch.distributed as dist
 
-    from moetrain.train import checkpoint as ckpt
+    from moetrain.train.checkpoint_io import load_checkpoint
     from moetrain.train.engine import TrainEngine
+    from moetrain.train.run_dir import resolve_checkpoint
     from moetrain.train.trainer import Trainer
 
     out = {}
@@ -384,10 +385,10 @@ def _checkpoint_peaks(args):
         save = _peak_bytes(trainer.save)
         fresh = TrainEngine(cfg, trainer.par, trainer.device)
         state = fresh.checkpoint_state()  # the live tensors (a fresh torch AdamW makes its zero moments)
-        path = ckpt.resolve_checkpoint(cfg.train.run_dir)
+        path = resolve_checkpoint(cfg.train.run_dir)
 
         def load_it(path=path, state=state, engine=fresh):
-            ckpt.load_checkpoint(path, state)
+            load_checkpoint(path, state)
             engine.checkpoint_loaded()
 
         load = _peak_bytes(load_it)

@@ -23,8 +23,8 @@ from moetrain.errors import DataError
 from moetrain.generation import generate
 from moetrain.inference import load_for_inference, windows_loss
 from moetrain.model.transformer import Transformer
-from moetrain.train import checkpoint as ckpt
 from moetrain.train.config import RunConfig
+from moetrain.train.run_dir import resolve_checkpoint
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -35,7 +35,7 @@ def load(path: str | Path, device: str = "cpu") -> LoadedModel:
     as `moetrain generate` and `eval` take it) or a `checkpoints/step-N` directory. The model is
     in eval mode, fp32, on `device`. A missing, incomplete or damaged checkpoint raises
     `moetrain.errors.CheckpointError` naming the path and what to pass instead."""
-    checkpoint = ckpt.resolve_checkpoint(path)
+    checkpoint = resolve_checkpoint(path)
     model, config, tokenizer = load_for_inference(checkpoint, device)
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, checkpoint=checkpoint)
 

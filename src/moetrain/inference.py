@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from moetrain.config import load_yaml
 from moetrain.errors import CheckpointError, ConfigError, DataError, file_kind
 from moetrain.model.transformer import Transformer
-from moetrain.train import checkpoint as ckpt
+from moetrain.train.checkpoint_io import load_model
 from moetrain.train.config import RunConfig
+from moetrain.train.run_dir import resolve_checkpoint
 
 
 def load_for_inference(checkpoint: str | Path, device: str = "cpu") -> tuple[Transformer, RunConfig, object]:
@@ -25,7 +26,7 @@ def load_for_inference(checkpoint: str | Path, device: str = "cpu") -> tuple[Tra
     from tokenizers import Tokenizer
 
     device = _device(device)
-    path = ckpt.resolve_checkpoint(checkpoint)
+    path = resolve_checkpoint(checkpoint)
     config_file = path / "config.yaml"
     if not config_file.is_file():
         raise CheckpointError(f"Checkpoint '{path}' has no config.yaml; it was not written by moetrain train.")
@@ -33,7 +34,7 @@ def load_for_inference(checkpoint: str | Path, device: str = "cpu") -> tuple[Tra
     model = cfg.model.build(device="meta")
     model.to_empty(device=device)
     model.init_weights()  # buffers that are not saved (RoPE tables) need their values
-    ckpt.load_model(path, model)
+    load_model(path, model)
     model.eval()
     tokenizer_file = path / "tokenizer.json"
     if not tokenizer_file.is_file():

@@ -23,7 +23,7 @@ import torch
 from moetrain.errors import ConfigError
 from moetrain.parallel.rehearsal import Rehearsal
 from moetrain.plan import GPUS, Assumptions, plan, plan_gpu
-from moetrain.train import checkpoint as ckpt
+from moetrain.train.checkpoint_io import ShardRole, load_checkpoint
 from moetrain.train.config import RunConfig
 from moetrain.train.console import describe_layout
 from moetrain.train.metrics import peak_mem_gib
@@ -80,8 +80,8 @@ def checkpoint_peaks(trainer: Trainer) -> dict[str, Any]:
     own = sum(f.stat().st_size for f in Path(path).glob(f"__{trainer.par.rank}_*.distcp"))
     t0 = start()
     host_reset()
-    role = ckpt.ShardRole.of(trainer.par)
-    ckpt.load_checkpoint(path, trainer.engine.checkpoint_state(), rank=trainer.par.rank, rehearsal=role.rehearsal)
+    role = ShardRole.of(trainer.par)
+    load_checkpoint(path, trainer.engine.checkpoint_state(), rank=trainer.par.rank, rehearsal=role.rehearsal)
     trainer.engine.checkpoint_loaded()
     load_s, loading, host_loading = time.perf_counter() - t0, peak(), host_peak()
     return {

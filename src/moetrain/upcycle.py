@@ -31,7 +31,8 @@ from moetrain.errors import ConfigError
 from moetrain.inference import load_for_inference
 from moetrain.model.config import Routing, TransformerConfig
 from moetrain.model.counting import count_params
-from moetrain.train import checkpoint as ckpt
+from moetrain.train.checkpoint_io import save_weights
+from moetrain.train.run_dir import check_weights_destination, resolve_checkpoint
 
 MOE_KEYS = ("num_dense_layers", "dense_hidden", "moe")
 """The model keys an upcycle may change; every other one is the dense model's."""
@@ -40,18 +41,18 @@ MOE_KEYS = ("num_dense_layers", "dense_hidden", "moe")
 def upcycle(dense: str | Path, out_dir: str | Path, overrides: list[str]) -> dict:
     """Write the MoE model of `dense` (a run or step-N directory) with `overrides` into `out_dir`
     (module docstring); the JSON-ready summary."""
-    source = ckpt.resolve_checkpoint(dense)
+    source = resolve_checkpoint(dense)
     model_d, cfg_d, _ = load_for_inference(source)
     cfg = apply_overrides(cfg_d, overrides)
     cfg.validate()
     moe_blocks = check_upcycle(cfg_d.model, cfg.model)
     out = Path(out_dir)
-    ckpt.check_weights_destination(out, count_params(cfg.model).total, "the upcycled checkpoint")
+    check_weights_destination(out, count_params(cfg.model).total, "the upcycled checkpoint")
     model = cfg.model.build(device="cpu")
     model.init_weights()  # the routers, and the buffers no checkpoint holds
     with torch.no_grad():
         copied = _fill(model, dict(model_d.named_parameters()), moe_blocks, cfg.model)
-    path = ckpt.save_weights(out, cfg, model, source / "tokenizer.json", {"upcycled_from": str(source)})
+    path = save_weights(out, cfg, model, source / "tokenizer.json", {"upcycled_from": str(source)})
     return {
         "checkpoint": str(path),
         "config": str(out / "config.yaml"),

@@ -215,7 +215,7 @@ def _save_sharded_then_load_everywhere(data_dir, run_dir):
 
     from moetrain.presets import resolve_config
     from moetrain.testing.steps import synthetic_batches
-    from moetrain.train import checkpoint as ckpt
+    from moetrain.train.checkpoint_io import load_checkpoint, save_checkpoint
     from moetrain.train.engine import TrainEngine
     from moetrain.train.runtime import setup_runtime
 
@@ -227,11 +227,11 @@ def _save_sharded_then_load_everywhere(data_dir, run_dir):
     cfg, source = engine("parallel.ep=2", *BF16_SHARDED)
     for step in range(2):
         source.train_step(synthetic_batches(cfg, step, rank, rows=1), step)
-    path = ckpt.save_checkpoint(run_dir, 2, source.checkpoint_state(), {"step": 2})
+    path = save_checkpoint(run_dir, 2, source.checkpoint_state(), {"step": 2})
     out = {"source": _whole_state(source)}
     for name, extra in RESHARD_TARGETS.items():
         _, target = engine(*extra)
-        ckpt.load_checkpoint(path, target.checkpoint_state())
+        load_checkpoint(path, target.checkpoint_state())
         target.checkpoint_loaded()
         out[name] = _whole_state(target)
     return out
@@ -246,12 +246,13 @@ def test_a_sharded_bf16_weights_checkpoint_loads_bit_for_bit_into_every_layout(r
 
     from moetrain.parallel.dims import ParallelDims, ParallelState
     from moetrain.presets import resolve_config
-    from moetrain.train import checkpoint as ckpt
+    from moetrain.train.checkpoint_io import load_checkpoint
     from moetrain.train.engine import TrainEngine
+    from moetrain.train.run_dir import resolve_checkpoint
 
     run_dir = tmp_path / "run"
     results = run_distributed(_save_sharded_then_load_everywhere, 4, real_text_dir, run_dir)
-    path = ckpt.resolve_checkpoint(run_dir)
+    path = resolve_checkpoint(run_dir)
     dcp_to_torch_save(str(path), str(tmp_path / "saved.pt"))
     saved = {
         f"{s}/{k}": _bits(v) for s, entries in torch.load(tmp_path / "saved.pt").items() for k, v in entries.items()
@@ -259,7 +260,7 @@ def test_a_sharded_bf16_weights_checkpoint_loads_bit_for_bit_into_every_layout(r
 
     cfg = resolve_config("tiny", tiny_overrides(real_text_dir, tmp_path / "one", "train.device=cpu", *BF16_SHARDED[1:]))
     one = TrainEngine(cfg, ParallelState(ParallelDims(world_size=1, dp=1, ep=1)), torch.device("cpu"))
-    ckpt.load_checkpoint(path, one.checkpoint_state())
+    load_checkpoint(path, one.checkpoint_state())
     one.checkpoint_loaded()
     layouts = {name: [by_rank[name] for by_rank in results] for name in ["source", *RESHARD_TARGETS]}
     layouts["one process, bf16 weights"] = [_whole_state(one)]

@@ -35,7 +35,7 @@ def rank_fingerprint(data_dir, run_dir, extra, rehearse_rank=None):
     from moetrain.parallel.fsdp import is_sharded
     from moetrain.parallel.rehearsal import Rehearsal
     from moetrain.testing.op_trace import RankTrace
-    from moetrain.train import checkpoint as ckpt
+    from moetrain.train.checkpoint_index import SafeFileSystemReader
     from moetrain.train.trainer import Trainer
 
     rehearsal = None if rehearse_rank is None else Rehearsal(world=4, rank=rehearse_rank)
@@ -61,7 +61,7 @@ def rank_fingerprint(data_dir, run_dir, extra, rehearse_rank=None):
     path = trainer.save()
     if dist.is_initialized() and not trainer.par.rehearsed:
         dist.barrier()
-    metadata = ckpt.SafeFileSystemReader(str(path)).read_metadata()
+    metadata = SafeFileSystemReader(str(path)).read_metadata()
     mine = sorted(
         (index.fqn, tuple(index.offset), info.relative_path, info.offset, info.length)
         for index, info in metadata.storage_data.items()

@@ -12,8 +12,10 @@ from conftest import tiny_overrides
 from moetrain.cli import main
 from moetrain.errors import CheckpointError
 from moetrain.presets import resolve_config
-from moetrain.train import checkpoint as ckpt
+from moetrain.train.checkpoint_index import diagnose
+from moetrain.train.checkpoint_io import model_state_dict, save_checkpoint
 from moetrain.train.metrics import read_metrics
+from moetrain.train.run_dir import list_checkpoints, resolve_checkpoint
 from moetrain.train.trainer import Trainer
 
 
@@ -65,13 +67,13 @@ DAMAGE = {
 @pytest.mark.parametrize("kind", DAMAGE)
 def test_each_damage_is_named_with_its_file(run, kind):
     path = step_dir(run, 4)
-    assert ckpt.diagnose(path) is None
+    assert diagnose(path) is None
     damage, words = DAMAGE[kind]
     damage(path)
-    found = ckpt.diagnose(path)
+    found = diagnose(path)
     assert found is not None and all(w in found for w in words), found
     with pytest.raises(CheckpointError) as e:
-        ckpt.resolve_checkpoint(run)
+        resolve_checkpoint(run)
     message = str(e.value)
     assert "damaged" in message and str(step_dir(run, 2)) in message  # the intact one before it
     assert "different model" not in message
@@ -87,9 +89,9 @@ def test_resume_falls_back_to_the_newest_intact_checkpoint(real_text_dir, run, c
     assert "skipped step-4" in err and "truncated" in err and "__0_0.distcp" in err, err
     # Moved aside: retention and the next --resume never take it for a good checkpoint.
     assert (run / "checkpoints" / "step-4.damaged").is_dir()
-    assert [s for s, _ in ckpt.list_checkpoints(run)] == [2]
+    assert [s for s, _ in list_checkpoints(run)] == [2]
     trainer.fit()
-    assert [s for s, _ in ckpt.list_checkpoints(run)] == [2, 4] and ckpt.diagnose(step_dir(run, 4)) is None
+    assert [s for s, _ in list_checkpoints(run)] == [2, 4] and diagnose(step_dir(run, 4)) is None
     after = {r["step"]: r["loss"] for r in read_metrics(run / "metrics.jsonl")}
     assert after == before  # the steps trained again from step 2 are the same, bit for bit
 
@@ -145,7 +147,7 @@ def test_a_weights_only_checkpoint_is_not_resumed_as_a_run(real_text_dir, run, t
     """An import-hf-style checkpoint (model only) named as such, with the flag that uses it."""
     weights = tmp_path / "weights"
     trainer = Trainer(config(real_text_dir, tmp_path / "scratch"), quiet=True)
-    ckpt.save_checkpoint(weights, 4, {"model": ckpt.model_state_dict(trainer.engine.model)}, {"step": 4})
+    save_checkpoint(weights, 4, {"model": model_state_dict(trainer.engine.model)}, {"step": 4})
     with pytest.raises(CheckpointError, match="--checkpoint.init_from"):
         Trainer(config(real_text_dir, weights, "train.steps=6"), resume=True, quiet=True)
     assert json.loads((step_dir(weights, 4) / "trainer_state.json").read_text()) == {"step": 4}

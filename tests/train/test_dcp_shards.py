@@ -13,9 +13,10 @@ import torch
 from moetrain.errors import CheckpointError
 from moetrain.optim.base import FlatShard
 from moetrain.optim.split_master import join, split_fp32
-from moetrain.train import checkpoint as ckpt
 from moetrain.train import dcp_shards
+from moetrain.train.checkpoint_io import load_checkpoint, save_checkpoint
 from moetrain.train.dcp_shards import flat_blocks
+from moetrain.train.run_dir import resolve_checkpoint
 
 
 def _row_major(shape, offsets, sizes):
@@ -66,8 +67,8 @@ def test_joins_and_splits_in_pieces_are_exact(monkeypatch):
 
 
 def _save(path, state):
-    ckpt.save_checkpoint(path, 1, state, {"step": 1})
-    return ckpt.resolve_checkpoint(path)
+    save_checkpoint(path, 1, state, {"step": 1})
+    return resolve_checkpoint(path)
 
 
 def test_shards_and_whole_tensors_load_into_each_other(tmp_path):
@@ -79,24 +80,24 @@ def test_shards_and_whole_tensors_load_into_each_other(tmp_path):
 
     hi, lo = torch.zeros(30, dtype=torch.bfloat16), torch.zeros(30, dtype=torch.int16)
     values = torch.zeros(12)
-    ckpt.load_checkpoint(path, {"model": {"w": FlatShard((6, 5), 0, hi=hi, lo=lo), "m": FlatShard((3, 4), 0, values)}})
+    load_checkpoint(path, {"model": {"w": FlatShard((6, 5), 0, hi=hi, lo=lo), "m": FlatShard((3, 4), 0, values)}})
     assert torch.equal(join(hi, lo).view(6, 5), w) and torch.equal(values.view(3, 4), m.float())
 
     path = _save(
         tmp_path / "b", {"model": {"w": FlatShard((6, 5), 0, hi=hi, lo=lo), "m": FlatShard((3, 4), 0, values)}}
     )
     back = {"w": torch.zeros(6, 5), "m": torch.zeros(3, 4)}
-    ckpt.load_checkpoint(path, {"model": back})
+    load_checkpoint(path, {"model": back})
     assert torch.equal(back["w"], w) and torch.equal(back["m"], m.float())
 
 
 def test_a_shard_of_another_shape_or_a_missing_entry_is_a_clear_error(tmp_path):
     path = _save(tmp_path / "a", {"model": {"w": torch.randn(6, 5)}})
     with pytest.raises(CheckpointError, match="different model shape") as e:
-        ckpt.load_checkpoint(path, {"model": {"w": FlatShard((5, 6), 0, values=torch.zeros(30))}})
+        load_checkpoint(path, {"model": {"w": FlatShard((5, 6), 0, values=torch.zeros(30))}})
     assert "mismatch" in str(e.value) and "Traceback" not in str(e.value)
     with pytest.raises(CheckpointError, match="(?i)missing key"):
-        ckpt.load_checkpoint(path, {"model": {"v": FlatShard((6, 5), 0, values=torch.zeros(30))}})
+        load_checkpoint(path, {"model": {"v": FlatShard((6, 5), 0, values=torch.zeros(30))}})
 
 
 def test_a_rank_writes_files_of_at_most_file_bytes_so_its_host_copies_stay_one_file_worth(tmp_path, monkeypatch):
@@ -119,7 +120,7 @@ def test_a_rank_writes_files_of_at_most_file_bytes_so_its_host_copies_stay_one_f
         assert len(items) == 1 or sum(n for _, n in items) <= 400, (name, items)
     assert by_file["__0_p2_0.distcp"] == [("model.t3", 800)] and by_file["__0_m0_0.distcp"] == [("model.w", 120)]
     back = {k: torch.zeros_like(v) for k, v in entries.items()} | {"w": torch.zeros(6, 5)}
-    ckpt.load_checkpoint(path, {"model": back})
+    load_checkpoint(path, {"model": back})
     assert all(torch.equal(back[k], v) for k, v in entries.items()) and torch.equal(back["w"], w)
 
 

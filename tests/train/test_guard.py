@@ -118,9 +118,9 @@ def test_no_checkpoint_with_nan_parameters(tiny_cfg, tmp_path):
         next(trainer.engine.model.parameters())[0] = math.nan
     with pytest.raises(CheckpointError, match="NaN or inf"):
         trainer.save()
-    from moetrain.train import checkpoint as ckpt
+    from moetrain.train.run_dir import list_checkpoints
 
-    assert ckpt.list_checkpoints(tmp_path / "run")[-1][1] == good
+    assert list_checkpoints(tmp_path / "run")[-1][1] == good
 
 
 def _fsdp_fused(data_dir, run_dir):

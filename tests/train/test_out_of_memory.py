@@ -10,9 +10,10 @@ from conftest import tiny_overrides
 from moetrain.cli import main
 from moetrain.memory_advice import advice
 from moetrain.plan import plan_gpu
-from moetrain.train import checkpoint as ckpt
 from moetrain.train import oom
+from moetrain.train.checkpoint_index import diagnose
 from moetrain.train.engine import TrainEngine
+from moetrain.train.run_dir import list_checkpoints
 from moetrain.train.trainer import Trainer
 
 TORCH_SAYS = (
@@ -67,7 +68,7 @@ def test_out_of_memory_stops_with_the_last_checkpoint_intact(tiny_cfg, tmp_path,
     ):
         assert words in message, (words, message)
     # The background write of step 2 was completed; nothing partial is left.
-    assert [s for s, _ in ckpt.list_checkpoints(run)] == [2] and ckpt.diagnose(step2) is None
+    assert [s for s, _ in list_checkpoints(run)] == [2] and diagnose(step2) is None
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2"]
     before = files(step2)
     resumed = Trainer(tiny_cfg(run, "train.steps=6", "checkpoint.save_every=2"), resume=True, quiet=True)

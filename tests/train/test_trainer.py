@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from moetrain.errors import CheckpointError, ConfigError
-from moetrain.train import checkpoint as ckpt
 from moetrain.train.engine import document_ids
 from moetrain.train.metrics import read_metrics
+from moetrain.train.run_dir import COMPLETE, list_checkpoints, resolve_checkpoint
 from moetrain.train.trainer import Trainer
 
 CONTRACT = {
@@ -54,7 +54,7 @@ def test_loss_decreases_on_real_text_and_metrics_follow_the_contract(tiny_cfg, t
     run = tmp_path / "run"
     assert (run / "config.yaml").is_file() and (run / "loss.png").stat().st_size > 1000
     assert any((run / "tb").iterdir())
-    assert (run / "checkpoints" / "step-40" / ckpt.COMPLETE).is_file()
+    assert (run / "checkpoints" / "step-40" / COMPLETE).is_file()
 
 
 def _losses(path):
@@ -94,7 +94,7 @@ def test_resume_without_checkpoint_starts_fresh_and_keep_last(tiny_cfg, tmp_path
     )
     assert t.step == 0
     t.fit()
-    assert [s for s, _ in ckpt.list_checkpoints(tmp_path / "run")] == [10, 12]
+    assert [s for s, _ in list_checkpoints(tmp_path / "run")] == [10, 12]
 
 
 def test_incomplete_checkpoints_are_ignored(tiny_cfg, tmp_path):
@@ -104,9 +104,9 @@ def test_incomplete_checkpoints_are_ignored(tiny_cfg, tmp_path):
     broken = tmp_path / "run" / "checkpoints" / "step-9"
     broken.mkdir()
     (broken / "trainer_state.json").write_text("{}")
-    assert ckpt.resolve_checkpoint(tmp_path / "run").name == "step-1"
+    assert resolve_checkpoint(tmp_path / "run").name == "step-1"
     with pytest.raises(CheckpointError, match="incomplete"):
-        ckpt.resolve_checkpoint(broken)
+        resolve_checkpoint(broken)
 
 
 def test_checkpoint_from_another_shape_is_a_clear_error(tiny_cfg, tmp_path):
@@ -292,14 +292,14 @@ def test_async_checkpoint_holds_its_steps_values_and_appears_only_when_complete(
     part.train_step()
     part.train_step()
     part.finish_checkpoint()
-    assert (where / ckpt.COMPLETE).is_file()
+    assert (where / COMPLETE).is_file()
     del part
     resumed = Trainer(tiny_cfg(tmp_path / "part", "checkpoint.async_save=true"), resume=True, quiet=True)
     assert resumed.step == 5
     resumed.fit()  # saves at 6 and 12 in the background; fit completes them
     a, b = _losses(tmp_path / "full" / "metrics.jsonl"), _losses(tmp_path / "part" / "metrics.jsonl")
     assert all(a[s] == b[s] for s in range(6, 13))
-    assert [c.name for _, c in ckpt.list_checkpoints(tmp_path / "part")][-1] == "step-12"
+    assert [c.name for _, c in list_checkpoints(tmp_path / "part")][-1] == "step-12"
 
 
 def test_compile_overlap_switch(tiny_cfg, tmp_path, monkeypatch):

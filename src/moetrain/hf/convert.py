@@ -110,8 +110,10 @@ from moetrain.hf.shards import (
     split_into_shards,
 )
 from moetrain.model.counting import count_params
-from moetrain.train import checkpoint as ckpt
+from moetrain.train.checkpoint_index import SafeFileSystemReader
+from moetrain.train.checkpoint_io import model_state_dict, save_weights
 from moetrain.train.config import RunConfig
+from moetrain.train.run_dir import check_weights_destination, resolve_checkpoint
 from moetrain.version import code_version
 
 EXPORTED_BY = "moetrain export-hf"
@@ -178,7 +180,7 @@ def export_hf(
             "(apache-2.0, mit, cc-by-4.0, llama3.1, other, …)."
         )
     max_bytes = parse_size(max_shard_size)
-    path = ckpt.resolve_checkpoint(checkpoint)
+    path = resolve_checkpoint(checkpoint)
     cfg, tokenizer = _run_config(path), _tokenizer(path)
     positions = max_position_embeddings if max_position_embeddings is not None else cfg.data.seq_len
     if positions <= 0:
@@ -332,7 +334,7 @@ class CheckpointEntries:
         return state["model"]
 
 
-class _CachedReader(ckpt.SafeFileSystemReader):
+class _CachedReader(SafeFileSystemReader):
     """The checkpoint's DCP reader, reading its index once for all the groups of an export."""
 
     _metadata = None
@@ -347,7 +349,7 @@ def _entry_shapes(m) -> dict[str, tuple[int, ...]]:
     """The checkpoint entries this model config has, with their shapes (built on the meta device:
     no memory)."""
     model = m.build(device="meta")
-    return {name: tuple(t.shape) for name, t in ckpt.model_state_dict(model).items()}
+    return {name: tuple(t.shape) for name, t in model_state_dict(model).items()}
 
 
 def _run_config(path: Path) -> RunConfig:
@@ -619,7 +621,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> dict:
         raise ConfigError(f"'{config_file}' holds a JSON {type(hf).__name__}, not the object of a model's config.")
     cfg = RunConfig(model=model_config_from_hf(hf, str(config_file)))
     setup = _training_setup(cfg, hf_dir, hf)
-    ckpt.check_weights_destination(out, count_params(cfg.model).total, "the imported checkpoint")
+    check_weights_destination(out, count_params(cfg.model).total, "the imported checkpoint")
     tensors = HfTensors(hf_dir)
     nextn = hf.get("num_nextn_predict_layers") or 0  # GLM's prediction layers follow the decoder's
     if tensors.layers() > cfg.model.n_layers + nextn:
@@ -629,7 +631,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> dict:
         )
     model = cfg.model.build(device="cpu")
     model.init_weights()  # buffers that are not in the HF files (RoPE tables; a softmax model's biases)
-    state = ckpt.model_state_dict(model)  # views of the model's tensors, experts split
+    state = model_state_dict(model)  # views of the model's tensors, experts split
 
     plan = tensor_plan(cfg.model)
     for t in plan:
@@ -643,7 +645,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> dict:
                 f"{tuple(target.shape)}."
             )
         target.copy_(value)
-    path = ckpt.save_weights(out, cfg, model, hf_dir / "tokenizer.json", {"imported_from": str(hf_dir)})
+    path = save_weights(out, cfg, model, hf_dir / "tokenizer.json", {"imported_from": str(hf_dir)})
     if setup["note"]:
         print(setup["note"], file=sys.stderr)
     return {

@@ -149,7 +149,7 @@ class ParallelState:
     """This process is the one real rank of a rehearsal (src/moetrain/parallel/rehearsal.py): its
     peers are stand-ins inside the process groups, so it also does rank 0's host-side work (the
     run directory, completing checkpoints) and writes, for every peer, the checkpoint entries it
-    holds that the peer would write (`ShardRole`, src/moetrain/train/checkpoint.py)."""
+    holds that the peer would write (`ShardRole`, src/moetrain/train/checkpoint_io.py)."""
 
     @classmethod
     def create(cls, dims: ParallelDims, device_type: str, rank: int, rehearsed: bool = False) -> ParallelState:

@@ -31,12 +31,13 @@ from moetrain.data.loader import val_batches
 from moetrain.data.tokens import open_source
 from moetrain.errors import CheckpointError
 from moetrain.parallel.distributed import cpu_group
-from moetrain.train import checkpoint as ckpt
+from moetrain.train.checkpoint_io import PendingCheckpoint, ShardRole, save_checkpoint
 from moetrain.train.config import RunConfig
 from moetrain.train.console import ConsoleSink
 from moetrain.train.engine import StepOutput, TrainEngine
 from moetrain.train.metrics import JsonlSink, MetricsSink, TensorBoardSink
 from moetrain.train.profiling import StepProfiler
+from moetrain.train.run_dir import checkpoints_dir
 from moetrain.train.wandb_sink import WandbSink
 
 if TYPE_CHECKING:
@@ -209,7 +210,7 @@ class Checkpointing(Callback):
     of `fit`. Never writes parameters holding NaN or inf."""
 
     def __init__(self) -> None:
-        self._pending: ckpt.PendingCheckpoint | None = None
+        self._pending: PendingCheckpoint | None = None
         self.last_saved_step: int | None = None
 
     def on_step_end(self, trainer: Trainer, out: StepOutput) -> None:
@@ -248,21 +249,21 @@ class Checkpointing(Callback):
         extra = {"config.yaml": trainer.run.config_file}
         if trainer.loader.tokenizer_path is not None:
             extra["tokenizer.json"] = trainer.loader.tokenizer_path
-        result = ckpt.save_checkpoint(
+        result = save_checkpoint(
             trainer.run.path,
             trainer.step,
             trainer.engine.checkpoint_state(),
             state,
             extra,
             keep_last=cc.keep_last,
-            role=ckpt.ShardRole.of(trainer.par),
+            role=ShardRole.of(trainer.par),
             async_write=cc.async_save,
             process_group=cpu_group() if trainer.par.dims.world_size > 1 else None,
         )
         self.last_saved_step = trainer.step
-        if isinstance(result, ckpt.PendingCheckpoint):
+        if isinstance(result, PendingCheckpoint):
             self._pending = result
-            return ckpt.checkpoints_dir(trainer.run.path) / f"step-{result.step}"
+            return checkpoints_dir(trainer.run.path) / f"step-{result.step}"
         return result
 
     def finish(self) -> None:
@@ -298,7 +299,7 @@ class GracefulStop(Callback):
         if trainer.step == trainer.cfg.train.steps or not self.requested():
             return
         if self.checkpointing.last_saved_step == trainer.step:
-            path = ckpt.checkpoints_dir(trainer.run.path) / f"step-{trainer.step}"
+            path = checkpoints_dir(trainer.run.path) / f"step-{trainer.step}"
         else:
             path = self.checkpointing.save(trainer)
         self.checkpointing.finish()

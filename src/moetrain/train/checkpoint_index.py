@@ -1,10 +1,11 @@
-"""A checkpoint's DCP index (`.metadata`): read without running code, and checked against the
-files and the model before anything is loaded.
+"""A checkpoint's DCP index (`.metadata`): merged from the ranks' own when written, read without
+running code, and checked against the files and the model before anything is loaded.
 
     SafeFileSystemReader   DCP's reader with an allow-list unpickler for the index (a pickle)
     diagnose(step_dir)     None when the checkpoint is intact, else the damage, naming the file
     first_mismatch(…)      the first entry of a model/optimizer state the checkpoint does not
                            hold with the same shape
+    merge_rank_indexes(…)  the ranks' own indexes merged into `.metadata` when a checkpoint is written
 
 A checkpoint marked COMPLETE can still be damaged later (a file deleted or cut short by a full
 disk, an interrupted copy, a bad block). DCP would then fail half-way through a load with a
@@ -20,7 +21,10 @@ model's size:
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
+import os
 import pickle
 from pathlib import Path
 from typing import Any
@@ -29,6 +33,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from moetrain.errors import CheckpointError
 from moetrain.optim.base import FlatShard
 
 INDEX = ".metadata"
@@ -82,9 +87,55 @@ class _SafePickle:
         return _MetadataUnpickler(file).load()
 
 
-def read_rank_index(file) -> Metadata:
-    """One rank's index (`__R.metadata`, an open binary file), read with `_MetadataUnpickler`."""
-    return _MetadataUnpickler(file).load()
+def merge_rank_indexes(step_dir: Path, world: int, whole: bool = True) -> None:
+    """Merge the ranks' indexes (`__R.metadata`, R < `world`) into the checkpoint's `.metadata`
+    and remove them. Identical chunks (entries written by more than one rank) are kept once;
+    with `whole` every tensor must then be covered exactly by its chunks, or the write is refused
+    as incomplete (an entry nobody wrote)."""
+    entries: dict[str, Any] = {}
+    storage: dict = {}
+    planner_data: dict = {}
+    first = None
+    seen: dict[str, set] = {}
+    for rank in range(world):
+        path = step_dir / f"__{rank}{INDEX}"
+        if not path.is_file():
+            raise CheckpointError(f"rank {rank} wrote no index ({path} is missing)")
+        with path.open("rb") as f:
+            md = _MetadataUnpickler(f).load()
+        first = first or md
+        for fqn, meta in md.state_dict_metadata.items():
+            if not isinstance(meta, TensorStorageMetadata):
+                entries.setdefault(fqn, meta)
+                continue
+            if fqn not in entries:
+                entries[fqn] = TensorStorageMetadata(properties=meta.properties, size=meta.size, chunks=[])
+                seen[fqn] = set()
+            for chunk in meta.chunks:
+                key = (tuple(chunk.offsets), tuple(chunk.sizes))
+                if key not in seen[fqn]:
+                    seen[fqn].add(key)
+                    entries[fqn].chunks.append(chunk)
+        for index, info in md.storage_data.items():
+            storage.setdefault(index, info)
+        planner_data.update(md.planner_data or {})
+    for fqn, meta in entries.items():
+        if whole and isinstance(meta, TensorStorageMetadata):
+            held = sum(math.prod(c.sizes) for c in meta.chunks)
+            if held != math.prod(meta.size):
+                raise CheckpointError(
+                    f"entry {fqn} was stored incompletely ({held} of {math.prod(meta.size)} elements): no rank wrote "
+                    "the rest"
+                )
+    merged = dataclasses.replace(first, state_dict_metadata=entries, storage_data=storage, planner_data=planner_data)
+    tmp = step_dir / f"{INDEX}.tmp"
+    with tmp.open("wb") as f:
+        pickle.dump(merged, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, step_dir / INDEX)
+    for rank in range(world):
+        (step_dir / f"__{rank}{INDEX}").unlink()
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):

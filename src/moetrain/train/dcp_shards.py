@@ -214,7 +214,7 @@ class ShardWriter(FileSystemWriter):
     data files `__R_0.distcp`, `__R_pN_0.distcp`, … (at most `FILE_BYTES` of tensors each; a
     split master joined on the CPU, `__R_mN_0.distcp`, one per entry) and its own index
     `__R.metadata` (what DCP's coordinator would have merged; `merge_rank_indexes` in
-    src/moetrain/train/checkpoint.py does)."""
+    src/moetrain/train/checkpoint_index.py does)."""
 
     def __init__(self, path: str, rank: int):
         super().__init__(path)

@@ -46,7 +46,7 @@ from moetrain.parallel.dims import ParallelState
 from moetrain.parallel.fsdp import init_full_then_shard, is_sharded, reshard
 from moetrain.parallel.parallelize import parallelize
 from moetrain.parallel.pipeline import Pipeline, build_pipeline
-from moetrain.train import checkpoint as ckpt
+from moetrain.train import checkpoint_io
 from moetrain.train.config import CudaGraphs, Precision, RunConfig
 from moetrain.train.cuda_graphs import CudaGraph, StepGraph
 from moetrain.train.guard import StepGuard
@@ -451,11 +451,11 @@ class TrainEngine:
 
     # ---- state -------------------------------------------------------------------------------------
     def checkpoint_state(self) -> dict[str, dict]:
-        """{"model": …, "optim": …}: the checkpoint's entries (src/moetrain/train/checkpoint.py) as
+        """{"model": …, "optim": …}: the checkpoint's entries (src/moetrain/train/checkpoint_io.py) as
         the part of each this rank holds — views of live tensors and `FlatShard`s of its shards
         and of the split fp32 masters. What DCP saves, and what it loads into in place (then
         `checkpoint_loaded`). No copy, no communication."""
-        return ckpt.checkpoint_entries(
+        return checkpoint_io.checkpoint_entries(
             self.model, self.optimizer.checkpoint_masters(), self.optimizer.checkpoint_tensors()
         )
 
@@ -473,23 +473,23 @@ class TrainEngine:
         Collective under FSDP and the sharded optimizer (gathers)."""
         # With optim.bf16_weights the matrices' entries are their fp32 masters (temporaries).
         return {
-            "model": ckpt.model_state_dict(self.model, self.optimizer.master_weights()),
-            "optim": ckpt.optimizer_state_dict(self.model, self.optimizer.state_dict_tensors()),
+            "model": checkpoint_io.model_state_dict(self.model, self.optimizer.master_weights()),
+            "optim": checkpoint_io.optimizer_state_dict(self.model, self.optimizer.state_dict_tensors()),
         }
 
     def load_state_dict(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
         """Write `state` (as `state_dict()` gives it, e.g. filled by DCP) into the model, then
         the optimizer. No communication."""
-        ckpt.load_model_state_dict(self.model, state["model"])
+        checkpoint_io.load_model_state_dict(self.model, state["model"])
         self._load_masters(state["model"])
-        self.optimizer.load_state_dict_tensors(ckpt.optimizer_tensors(self.model, state["optim"]))
+        self.optimizer.load_state_dict_tensors(checkpoint_io.optimizer_tensors(self.model, state["optim"]))
         self._weights_replaced()
 
     def load_model_weights(self, path) -> None:
         """Only the model's weights from the checkpoint at `path` (checkpoint.init_from), each rank
         reading its part; the optimizer refreshes its copies of them (moments stay fresh)."""
-        entries = ckpt.checkpoint_entries(self.model, self.optimizer.checkpoint_masters())
-        ckpt.load_checkpoint(path, entries)
+        entries = checkpoint_io.checkpoint_entries(self.model, self.optimizer.checkpoint_masters())
+        checkpoint_io.load_checkpoint(path, entries)
         self.optimizer.checkpoint_loaded()
         self._weights_replaced()
 
@@ -503,7 +503,7 @@ class TrainEngine:
         rounded) from the model entries."""
         names = [canonical_name(n) for n, p in self.model.named_parameters() if p.dtype != torch.float32]
         if names:
-            self.optimizer.load_master_weights(ckpt.model_entries(self.model, model_state, names))
+            self.optimizer.load_master_weights(checkpoint_io.model_entries(self.model, model_state, names))
 
     def parameters_finite(self) -> bool:
         """Whether every parameter of every rank is finite (a collective and one host read)."""

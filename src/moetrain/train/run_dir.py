@@ -1,10 +1,11 @@
-"""`RunDir`: what a run keeps on disk, and the rules for starting, resuming and finishing it.
+"""`RunDir`: what a run keeps on disk, and the rules for starting, resuming and finishing it;
+where its checkpoints are, which of them count, and how many are kept.
 
     RUN_DIR/config.yaml       the resolved config (rank 0, at start)
     RUN_DIR/tokenizer.json    the data's tokenizer, for eval / generate / export
     RUN_DIR/metrics.jsonl     one record per logged step (src/moetrain/train/metrics.py)
     RUN_DIR/summary.json      the run's summary, rewritten at the end of every `fit`
-    RUN_DIR/checkpoints/      step-N checkpoints (src/moetrain/train/checkpoint.py)
+    RUN_DIR/checkpoints/      step-N checkpoints (their contents: src/moetrain/train/checkpoint_io.py)
     RUN_DIR/run.lock          held by the live run's rank 0 (src/moetrain/train/run_lock.py)
 
 Only rank 0 writes here, except checkpoints (every rank writes its shards). Rank 0 checks the
@@ -15,6 +16,10 @@ what is in it; a run refused later in start-up (a missing data directory, say) g
 
 Without train.run_dir (--run-dir), `default_run_dir` names one after the run: runs/NAME, NAME
 being the preset's or the YAML file's, so that a new run never lands in an earlier one's records.
+
+A checkpoint step-N counts once it holds COMPLETE, written last before .step-N.tmp is renamed
+(`publish`, which keeps the newest keep_last). A CHECKPOINT argument is a run or step-N directory
+(`resolve_checkpoint`); a damaged one is refused (`check_intact`) or, by `--resume`, moved aside.
 """
 
 from __future__ import annotations
@@ -28,9 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from moetrain.destinations import check_directory, check_free_space
-from moetrain.errors import ConfigError
-from moetrain.train import checkpoint as ckpt
+from moetrain.errors import CheckpointError, ConfigError
 from moetrain.train import run_lock
+from moetrain.train.checkpoint_index import diagnose
 from moetrain.train.metrics import read_metrics
 
 STALE_RECORDS = ("metrics.jsonl", "summary.json", "wandb_id.txt")
@@ -108,7 +113,7 @@ class RunDir:
 
     def checkpoints(self) -> list[tuple[int, Path]]:
         """Complete checkpoints, oldest first."""
-        return ckpt.list_checkpoints(self.path)
+        return list_checkpoints(self.path)
 
     def last_checkpoint(self, at_most: int | None = None) -> str | None:
         """The newest complete checkpoint (of a step ≤ `at_most`, if given), or None."""
@@ -117,7 +122,7 @@ class RunDir:
 
     def partial_checkpoints(self) -> list[Path]:
         """Checkpoints interrupted while being written (never loaded)."""
-        return sorted(ckpt.checkpoints_dir(self.path).glob(".step-*.tmp"))
+        return sorted(checkpoints_dir(self.path).glob(".step-*.tmp"))
 
     def move_aside(self, checkpoint: Path) -> Path | None:
         """Rename a damaged checkpoint step-N to step-N.damaged (rank 0), out of `--resume`'s and
@@ -205,3 +210,116 @@ def default_run_dir(name: str, resume: bool, root: str | Path = "runs") -> tuple
         return newest, f"the newest run of {name}"
     why = f"{newest} holds an earlier run: continue it with --resume --run-dir {newest}"
     return root / f"{name}-{held[-1] + 1}", why
+
+
+# ---- checkpoints ------------------------------------------------------------------------------
+COMPLETE = "COMPLETE"
+STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def checkpoints_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints of a run, oldest first."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        m = STEP_DIR.match(child.name)
+        if m and (child / COMPLETE).is_file():
+            found.append((int(m.group(1)), child))
+    return sorted(found)
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A step-N directory, or a run directory (-> its newest complete checkpoint), checked
+    intact (`check_intact`): a damaged one is refused naming the damage (and the newest intact
+    checkpoint before it, if any)."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(
+            f"Checkpoint path '{path}' does not exist: pass a run directory or its checkpoints/step-N."
+        )
+    if (path / COMPLETE).is_file():
+        found = path
+    elif STEP_DIR.match(path.name):
+        raise CheckpointError(
+            f"'{path}' is an incomplete checkpoint (no {COMPLETE} marker: the run was interrupted "
+            "while writing it). Use an earlier step or the run directory."
+        )
+    else:
+        complete = list_checkpoints(path)
+        if not complete:
+            raise CheckpointError(
+                f"'{path}' holds no complete checkpoint (looked for {checkpoints_dir(path)}/step-N/"
+                f"{COMPLETE}). Train with --save-every N, or point at a step-N directory."
+            )
+        found = complete[-1][1]
+    check_intact(found)
+    return found
+
+
+def check_intact(path: Path, damage: str | None = None) -> None:
+    """Refuse a damaged checkpoint (`damage`, else what `diagnose` finds), naming the damage and
+    the newest intact checkpoint before it."""
+    damage = damage or diagnose(path)
+    if damage is None:
+        return
+    m = STEP_DIR.match(path.name)
+    earlier = [p for s, p in list_checkpoints(path.parent.parent) if m and s < int(m.group(1))]
+    intact = next((p for p in reversed(earlier) if diagnose(p) is None), None)
+    instead = (
+        f"the newest intact checkpoint before it is {intact}: pass that one"
+        if intact
+        else "no intact checkpoint precedes it"
+    )
+    raise CheckpointError(  # from None: load_checkpoint calls it handling DCP's error, which the damage explains
+        f"Checkpoint '{path}' is damaged: {damage}. {instead[0].upper()}{instead[1:]} (`moetrain train … --resume` "
+        "falls back to it by itself), or restore the files from a copy."
+    ) from None
+
+
+def estimated_bytes(num_params: int, optimizer_bytes_per_param: int = 0) -> int:
+    """About what a checkpoint of `num_params` parameters takes on disk: fp32 weights (4 B per
+    parameter) and the optimizer state saved with them (AdamW's two moments: 8 B, or 4 B in
+    bf16), plus 1% and 1 MiB for DCP's per-entry headers, the index and the small files."""
+    return int(num_params * (4 + optimizer_bytes_per_param) * 1.01) + (1 << 20)
+
+
+def publish(tmp: Path, final: Path, keep_last: int = 0) -> None:
+    """Rename the complete checkpoint `tmp` to `final`, its step-N (a re-save of that step is
+    replaced), synced to disk; then, with `keep_last` > 0, keep the run's newest `keep_last`."""
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+    if keep_last > 0:
+        for _, old in list_checkpoints(final.parent.parent)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def fsync_dir(path: Path) -> None:
+    """Sync a directory's entries (a file created or renamed in it) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def check_weights_destination(out: Path, params: int, what: str) -> None:
+    """Refuse `out` for a new weights-only checkpoint of `params` parameters (`what`: "the
+    imported checkpoint", …): not writable, holding checkpoints already, or without room for them."""
+    check_directory(out, "Output directory", "Pass an OUT_DIR you can write")
+    if list_checkpoints(out):
+        raise ConfigError(f"'{out}' already holds checkpoints: choose an empty directory for {what}.")
+    check_free_space(
+        out,
+        estimated_bytes(params),
+        "Output directory",
+        f"{what} ({params / 1e6:,.1f}M parameters × 4 bytes, fp32)",
+        "Free space or pass an OUT_DIR on another filesystem",
+    )

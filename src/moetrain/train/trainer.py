@@ -36,14 +36,15 @@ from moetrain.parallel.config import EVERY_ROW, ParallelConfig
 from moetrain.parallel.dims import ParallelState
 from moetrain.parallel.distributed import from_rank_0
 from moetrain.parallel.rehearsal import Rehearsal
-from moetrain.train import checkpoint as ckpt
 from moetrain.train import console, oom
 from moetrain.train.callbacks import Callback, Checkpointing, Evaluator, MetricsLogger, callbacks_from_config
+from moetrain.train.checkpoint_index import diagnose
+from moetrain.train.checkpoint_io import ShardRole, check_loadable, load_checkpoint
 from moetrain.train.config import Extend, RunConfig
 from moetrain.train.engine import Batch, StepOutput, TrainEngine
 from moetrain.train.plot import plot_run
 from moetrain.train.profiling import StepProfiler
-from moetrain.train.run_dir import RunDir, default_run_dir
+from moetrain.train.run_dir import RunDir, checkpoints_dir, default_run_dir, estimated_bytes, resolve_checkpoint
 from moetrain.train.runtime import setup_runtime
 from moetrain.train.wandb_sink import require_wandb
 
@@ -195,12 +196,12 @@ class Trainer:
         """With checkpoint.init_from, from that checkpoint's model weights and a fresh optimizer."""
         self.run.start_fresh()
         if self.cfg.checkpoint.init_from:
-            path = ckpt.resolve_checkpoint(self.cfg.checkpoint.init_from)
+            path = resolve_checkpoint(self.cfg.checkpoint.init_from)
             self.engine.load_model_weights(path)
             self._notes.append(f"initialized the model from {path} (checkpoint.init_from)")
 
     def _resume(self) -> None:
-        """From the newest intact complete checkpoint: damaged ones (`ckpt.diagnose`) are
+        """From the newest intact complete checkpoint: damaged ones (`diagnose`) are
         skipped, said and moved aside (so that retention never keeps them over good ones); with
         none complete, a fresh start; with all damaged, a refusal."""
         found = self.run.checkpoints()
@@ -216,14 +217,14 @@ class Trainer:
             return
         path, damaged = None, []
         for _, candidate in reversed(found):
-            damage = ckpt.diagnose(candidate)
+            damage = diagnose(candidate)
             if damage is None:
                 path = candidate
                 break
             damaged.append((candidate, damage))
         if path is None:
             raise CheckpointError(
-                f"--resume: every checkpoint in {ckpt.checkpoints_dir(self.run.path)} is damaged: "
+                f"--resume: every checkpoint in {checkpoints_dir(self.run.path)} is damaged: "
                 + "; ".join(f"{p.name}: {d}" for p, d in damaged)
                 + ". Restore the files from a copy, or start a new run with another --run-dir."
             )
@@ -233,15 +234,13 @@ class Trainer:
                 f"--resume: skipped {candidate.name}, which is damaged ({damage})"
                 + (f"; moved to {aside.name}" if aside else "")
             )
-        state = self.engine.checkpoint_state()
+        state, rehearsal = self.engine.checkpoint_state(), ShardRole.of(self.par).rehearsal
         saved_step = json.loads((path / "trainer_state.json").read_text())["step"]
         if saved_step >= self.cfg.train.steps:
-            ckpt.check_loadable(path, state, ckpt.ShardRole.of(self.par).rehearsal)  # refused as any resume is
+            check_loadable(path, state, rehearsal)  # refused as any resume is
             self.finished_at, self.resumed_from = saved_step, path
             return
-        trainer_state = ckpt.load_checkpoint(
-            path, state, rank=self.par.rank, restore_rng=True, rehearsal=ckpt.ShardRole.of(self.par).rehearsal
-        )
+        trainer_state = load_checkpoint(path, state, rank=self.par.rank, restore_rng=True, rehearsal=rehearsal)
         self.engine.checkpoint_loaded()
         self.step = trainer_state["step"]
         self.loader.load_state_dict(trainer_state["loader"])
@@ -393,7 +392,7 @@ def _checkpoint_need(cfg: RunConfig) -> dict[str, Any]:
     params = count_params(cfg.model).total
     optimizer = 2 * cfg.optim.moments_dtype.dtype.itemsize
     return {
-        "checkpoint_bytes": ckpt.estimated_bytes(params, optimizer),
+        "checkpoint_bytes": estimated_bytes(params, optimizer),
         "checkpoint_detail": f"a checkpoint of this run ({params / 1e6:,.1f}M parameters × {4 + optimizer} bytes: "
         "fp32 weights and AdamW's two moments)",
     }

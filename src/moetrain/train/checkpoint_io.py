@@ -1,6 +1,6 @@
-"""Checkpoints with torch.distributed.checkpoint (DCP).
+"""What a checkpoint holds, written and read with torch.distributed.checkpoint (DCP).
 
-Layout: RUN_DIR/checkpoints/step-N/ holds
+RUN_DIR/checkpoints/step-N/ (named, listed and kept by src/moetrain/train/run_dir.py) holds
   - the DCP files: model parameters and buffers (the aux-free router biases among them; fp32
     masters in place of bf16 weights) and the AdamW moments, tensors only (loading executes no
     pickled code), experts one entry each so that any expert-parallel layout can load them. Each
@@ -11,11 +11,10 @@ Layout: RUN_DIR/checkpoints/step-N/ holds
   - config.yaml (the run's resolved config) and tokenizer.json, so `eval`/`generate` need
     nothing else;
   - COMPLETE, written last.
-A checkpoint is written under a temporary name and renamed when complete, so a crash never leaves
-a directory that looks finished. Every command taking CHECKPOINT accepts a run directory (its
-newest complete checkpoint) or a step-N directory. Before anything is loaded, the checkpoint's
-index and files are checked (src/moetrain/train/checkpoint_index.py): a damaged checkpoint is named as
-such, with the file, and a model of another shape with the first tensor that differs.
+Each rank writes its own files (`save_checkpoint`, `ShardRole`); the main process completes them.
+Before a load (`load_checkpoint`; weights alone: `load_model`, written by `save_weights`), the
+index and files are checked (src/moetrain/train/checkpoint_index.py): a damaged checkpoint is
+named as such, with the file, and a model of another shape with the first tensor that differs.
 """
 
 from __future__ import annotations
@@ -25,8 +24,6 @@ import dataclasses
 import heapq
 import json
 import math
-import os
-import pickle
 import re
 import shutil
 import warnings
@@ -38,102 +35,21 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from moetrain.destinations import check_directory, check_free_space, storage_reason
-from moetrain.errors import CheckpointError, ConfigError
+from moetrain.destinations import storage_reason
+from moetrain.errors import CheckpointError
 from moetrain.model.experts import GroupedExperts
 from moetrain.model.transformer import canonical_name
 from moetrain.optim.base import FlatShard
 from moetrain.parallel.dims import ParallelState
 from moetrain.parallel.fsdp import copy_shard, full_tensor, is_sharded, local_flat_range, reshard
 from moetrain.parallel.rehearsal import Rehearsal
-from moetrain.train.checkpoint_index import (  # noqa: F401 (SafeFileSystemReader: ckpt.SafeFileSystemReader)
-    INDEX,
-    SafeFileSystemReader,
-    diagnose,
-    first_mismatch,
-    read_index,
-    read_rank_index,
-)
+from moetrain.train.checkpoint_index import SafeFileSystemReader, first_mismatch, merge_rank_indexes, read_index
 from moetrain.train.dcp_shards import CpuStager, ShardLoadPlanner, ShardSavePlanner, ShardWriter
+from moetrain.train.run_dir import COMPLETE, check_intact, checkpoints_dir, fsync_dir, list_checkpoints, publish
 
 # DCP's note for single-process saves, also from async_save's background thread.
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-
-COMPLETE = "COMPLETE"
-STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
-def checkpoints_dir(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "checkpoints"
-
-
-def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints of a run, oldest first."""
-    root = checkpoints_dir(run_dir)
-    if not root.is_dir():
-        return []
-    found = []
-    for child in root.iterdir():
-        m = STEP_DIR.match(child.name)
-        if m and (child / COMPLETE).is_file():
-            found.append((int(m.group(1)), child))
-    return sorted(found)
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A step-N directory, or a run directory (-> its newest complete checkpoint), checked
-    intact (`diagnose`): a damaged one is refused naming the damage (and the newest intact
-    checkpoint before it, if any)."""
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(
-            f"Checkpoint path '{path}' does not exist: pass a run directory or its checkpoints/step-N."
-        )
-    if (path / COMPLETE).is_file():
-        found = path
-    elif STEP_DIR.match(path.name):
-        raise CheckpointError(
-            f"'{path}' is an incomplete checkpoint (no {COMPLETE} marker: the run was interrupted "
-            "while writing it). Use an earlier step or the run directory."
-        )
-    else:
-        complete = list_checkpoints(path)
-        if not complete:
-            raise CheckpointError(
-                f"'{path}' holds no complete checkpoint (looked for {checkpoints_dir(path)}/step-N/"
-                f"{COMPLETE}). Train with --save-every N, or point at a step-N directory."
-            )
-        found = complete[-1][1]
-    damage = diagnose(found)
-    if damage is not None:
-        raise CheckpointError(damaged(found, damage))
-    return found
-
-
-def damaged(path: Path, damage: str) -> str:
-    """The message for a checkpoint `diagnose` found damaged, with the newest intact one
-    before it."""
-    m = STEP_DIR.match(path.name)
-    earlier = [p for s, p in list_checkpoints(path.parent.parent) if m and s < int(m.group(1))]
-    intact = next((p for p in reversed(earlier) if diagnose(p) is None), None)
-    instead = (
-        f"the newest intact checkpoint before it is {intact}: pass that one"
-        if intact
-        else "no intact checkpoint precedes it"
-    )
-    return (
-        f"Checkpoint '{path}' is damaged: {damage}. {instead[0].upper()}{instead[1:]} (`moetrain train … --resume` "
-        "falls back to it by itself), or restore the files from a copy."
-    )
-
-
-def estimated_bytes(num_params: int, optimizer_bytes_per_param: int = 0) -> int:
-    """About what a checkpoint of `num_params` parameters takes on disk: fp32 weights (4 B per
-    parameter) and the optimizer state saved with them (AdamW's two moments: 8 B, or 4 B in
-    bf16), plus 1% and 1 MiB for DCP's per-entry headers, the index and the small files."""
-    return int(num_params * (4 + optimizer_bytes_per_param) * 1.01) + (1 << 20)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,9 +186,8 @@ class _CheckpointWrite:
     keep_last: int
 
     def __post_init__(self) -> None:
-        self.root = checkpoints_dir(self.run_dir)
-        self.final = self.root / f"step-{self.step}"
-        self.tmp = self.root / f".step-{self.step}.tmp"
+        self.final = checkpoints_dir(self.run_dir) / f"step-{self.step}"
+        self.tmp = self.final.with_name(f".step-{self.step}.tmp")
 
     def start(self) -> None:
         """A fresh, empty temporary directory (the main process makes it; every rank waits)."""
@@ -327,7 +242,7 @@ class _CheckpointWrite:
         except (OSError, CheckpointException) as e:
             raise self.failed(e) from None
         if self.role.main:
-            self._publish()
+            publish(self.tmp, self.final, self.keep_last)
         _barrier(self.process_group)
         return self.final
 
@@ -341,17 +256,7 @@ class _CheckpointWrite:
             if src.is_file():
                 shutil.copyfile(src, tmp / name)
         (tmp / COMPLETE).write_text(f"step {self.step}\n")
-        _fsync_dir(tmp)
-
-    def _publish(self) -> None:
-        """The complete temporary directory becomes step-N; older checkpoints past keep_last go."""
-        if self.final.exists():  # a re-save of the same step (e.g. after a resume): replace it
-            shutil.rmtree(self.final)
-        os.replace(self.tmp, self.final)
-        _fsync_dir(self.root)
-        if self.keep_last > 0:
-            for _, old in list_checkpoints(self.run_dir)[: -self.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+        fsync_dir(tmp)
 
     def failed(self, e: BaseException | None) -> CheckpointError | KeyboardInterrupt:
         """The error for a failed write (`e`: this rank's; None: another rank's), once the
@@ -372,7 +277,7 @@ class _CheckpointWrite:
             return KeyboardInterrupt(f"checkpoint step-{self.step} was being written and is dropped; {kept}")
         why = (storage_reason(e) or _first_line(e)) if e is not None else "another rank could not write its part"
         return CheckpointError(
-            f"Writing checkpoint step-{self.step} in '{self.root}' failed ({why}); {kept}. Free space "
+            f"Writing checkpoint step-{self.step} in '{self.final.parent}' failed ({why}); {kept}. Free space "
             "(or fix the directory) and continue with --resume."
         )
 
@@ -394,57 +299,6 @@ class PendingCheckpoint:
         return self._complete(error)
 
 
-def merge_rank_indexes(step_dir: Path, world: int, whole: bool = True) -> None:
-    """Merge the ranks' indexes (`__R.metadata`, R < `world`) into the checkpoint's `.metadata`
-    and remove them. Identical chunks (entries written by more than one rank) are kept once;
-    with `whole` every tensor must then be covered exactly by its chunks, or the write is refused
-    as incomplete (an entry nobody wrote)."""
-    entries: dict[str, Any] = {}
-    storage: dict = {}
-    planner_data: dict = {}
-    first = None
-    seen: dict[str, set] = {}
-    for rank in range(world):
-        path = step_dir / f"__{rank}{INDEX}"
-        if not path.is_file():
-            raise CheckpointError(f"rank {rank} wrote no index ({path} is missing)")
-        with path.open("rb") as f:
-            md = read_rank_index(f)
-        first = first or md
-        for fqn, meta in md.state_dict_metadata.items():
-            if not isinstance(meta, TensorStorageMetadata):
-                entries.setdefault(fqn, meta)
-                continue
-            if fqn not in entries:
-                entries[fqn] = TensorStorageMetadata(properties=meta.properties, size=meta.size, chunks=[])
-                seen[fqn] = set()
-            for chunk in meta.chunks:
-                key = (tuple(chunk.offsets), tuple(chunk.sizes))
-                if key not in seen[fqn]:
-                    seen[fqn].add(key)
-                    entries[fqn].chunks.append(chunk)
-        for index, info in md.storage_data.items():
-            storage.setdefault(index, info)
-        planner_data.update(md.planner_data or {})
-    for fqn, meta in entries.items():
-        if whole and isinstance(meta, TensorStorageMetadata):
-            held = sum(math.prod(c.sizes) for c in meta.chunks)
-            if held != math.prod(meta.size):
-                raise CheckpointError(
-                    f"entry {fqn} was stored incompletely ({held} of {math.prod(meta.size)} elements): no rank wrote "
-                    "the rest"
-                )
-    merged = dataclasses.replace(first, state_dict_metadata=entries, storage_data=storage, planner_data=planner_data)
-    tmp = step_dir / f"{INDEX}.tmp"
-    with tmp.open("wb") as f:
-        pickle.dump(merged, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, step_dir / INDEX)
-    for rank in range(world):
-        (step_dir / f"__{rank}{INDEX}").unlink()
-
-
 def load_checkpoint(
     path: Path, state: dict[str, Any], rank: int = 0, restore_rng: bool = False, rehearsal: Rehearsal | None = None
 ) -> dict[str, Any]:
@@ -462,9 +316,7 @@ def load_checkpoint(
             dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=ShardLoadPlanner(), no_dist=True)
     # DCP reports failures as CheckpointException, a BaseException that wraps per-rank errors.
     except (Exception, CheckpointException) as e:
-        damage = diagnose(path)  # a file that went missing since: say which
-        if damage is not None:
-            raise CheckpointError(damaged(path, damage)) from None
+        check_intact(path)  # a file that went missing since: say which
         raise CheckpointError(
             f"Checkpoint '{path}' could not be read: {_first_line(e)}. Its index and files look intact; if the "
             "problem stays, load an earlier checkpoint."
@@ -481,9 +333,7 @@ def check_loadable(path: Path, state: dict[str, Any], rehearsal: Rehearsal | Non
     checkpoint for anything but the same rehearsal, or one that lacks an entry of `state` or
     holds it with another shape (the first such entry, both shapes)."""
     metadata, damage = read_index(path)
-    damage = damage or diagnose(path)
-    if damage is not None:
-        raise CheckpointError(damaged(path, damage))
+    check_intact(path, damage)
     written_by = json.loads((path / "trainer_state.json").read_text()).get("rehearsal")
     if written_by is not None and written_by != (dataclasses.asdict(rehearsal) if rehearsal else None):
         raise CheckpointError(
@@ -499,11 +349,9 @@ def check_loadable(path: Path, state: dict[str, Any], rehearsal: Rehearsal | Non
         )
 
 
-def load_model(path: Path, model: nn.Module, masters: dict[str, torch.Tensor] | None = None) -> None:
-    """Load only the model's weights (and persistent buffers) from a checkpoint, in place;
-    `masters` (canonical name → fp32 tensor, as `Optimizer.master_weights` gives them) are filled
-    with their entries too, for the caller to hand back to the optimizer."""
-    state = {"model": model_state_dict(model, masters)}
+def load_model(path: Path, model: nn.Module) -> None:
+    """Load only the model's weights (and persistent buffers) from a checkpoint, in place."""
+    state = {"model": model_state_dict(model)}
     load_checkpoint(path, state)
     load_model_state_dict(model, state["model"])
 
@@ -550,21 +398,6 @@ def _local(t: torch.Tensor | FlatShard) -> torch.Tensor | FlatShard:
         return t
     start, values = local_flat_range(t)
     return FlatShard(tuple(t.shape), start, values=values)
-
-
-def check_weights_destination(out: Path, params: int, what: str) -> None:
-    """Refuse `out` for a new weights-only checkpoint of `params` parameters (`what`: "the
-    imported checkpoint", …): not writable, holding checkpoints already, or without room for them."""
-    check_directory(out, "Output directory", "Pass an OUT_DIR you can write")
-    if list_checkpoints(out):
-        raise ConfigError(f"'{out}' already holds checkpoints: choose an empty directory for {what}.")
-    check_free_space(
-        out,
-        estimated_bytes(params),
-        "Output directory",
-        f"{what} ({params / 1e6:,.1f}M parameters × 4 bytes, fp32)",
-        "Free space or pass an OUT_DIR on another filesystem",
-    )
 
 
 def save_weights(out: Path, cfg, model: nn.Module, tokenizer: Path, origin: dict[str, str]) -> Path:
@@ -732,14 +565,6 @@ def set_rng_state(states: dict[str, str]) -> None:
         torch.set_rng_state(tensor(states["cpu"]))
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state(tensor(states["cuda"]))
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _first_line(e: BaseException) -> str:
