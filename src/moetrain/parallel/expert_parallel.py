@@ -24,8 +24,8 @@ from moetrain.parallel.overlapped_dispatcher import OverlappedDispatcher
 def _nosync(E: int, state: ParallelState, cfg: ParallelConfig) -> NoSyncDispatcher:
     floor = DEFAULT_CAPACITY_MIN_ROWS if cfg.capacity_min_rows is None else cfg.capacity_min_rows
     sizes = (cfg.capacity_factor, cfg.spill_factor, floor)
-    if cfg.overlap_chunks:
-        return OverlappedDispatcher(E, state.ep_group, state.dp_group, *sizes, cfg.overlap_chunks)
+    if state.dims.overlap_chunks:  # auto resolved for the device (`RunConfig.build_dims`)
+        return OverlappedDispatcher(E, state.ep_group, state.dp_group, *sizes, state.dims.overlap_chunks)
     return NoSyncDispatcher(E, state.ep_group, state.dp_group, *sizes)
 
 

@@ -101,10 +101,12 @@ def capacity_floor(
     p = cfg.parallel
     if p.capacity_min_rows is not None or p.ep == 1 or p.dispatcher != DispatcherKind.nosync:
         return p.capacity_min_rows, None
-    if p.capacity_factor is None or p.overlap_chunks > 1:
+    if p.capacity_factor is None:
         return DEFAULT_CAPACITY_MIN_ROWS, None
     if gpu is not None:
         return DEFAULT_CAPACITY_MIN_ROWS, "on a GPU every row would put ep x the exact exchange's rows on the wire"
+    if cfg.overlap_chunks(torch.device("cpu")) > 1:
+        return DEFAULT_CAPACITY_MIN_ROWS, None
     every = dataclasses.replace(cfg, parallel=dataclasses.replace(p, capacity_min_rows=EVERY_ROW))
     ranks = memory_per_rank(every, layout_of(every, gpus), ParamGroups.of(cfg.model), assume)
     peak = max(r.peak for r in ranks)

@@ -33,7 +33,7 @@ def with_layout(
 ) -> RunConfig | None:
     """A copy of `cfg` with another layout (rows = sequences per data-parallel rank per
     micro-batch, each split over `cp` GPUs; `overlap`: parallel.overlap_chunks, the configured
-    one if None, 0 for other dispatchers than nosync), or None when the batch or the sequence
+    one if None (auto where unset), auto for other dispatchers than nosync), or None when the batch or the sequence
     cannot be split that way or the chunks cannot split the experts. With `round_batch`, a global
     batch that is not a multiple of the micro-batch (rows · dp sequences) but holds one becomes
     the next multiple above it (less than one micro-batch more)."""
@@ -46,7 +46,7 @@ def with_layout(
     if batch % micro or batch // micro < pp:
         return None
     kind = DispatcherKind(dispatcher) if dispatcher else cfg.parallel.dispatcher
-    overlap = cfg.parallel.overlap_chunks if overlap is None else overlap
+    overlap = cfg.parallel.overlap_chunks if overlap is None else overlap  # None: auto, for the candidate's ep
     out = dataclasses.replace(
         cfg,
         parallel=dataclasses.replace(
@@ -57,7 +57,7 @@ def with_layout(
             dp=None,
             shard_optimizer=shard_optimizer and dp * cp > 1,
             dispatcher=kind,
-            overlap_chunks=overlap if kind == DispatcherKind.nosync and ep > 1 else 0,
+            overlap_chunks=overlap if kind == DispatcherKind.nosync and ep > 1 else None,
             pp_schedule=PipelineSchedule.onef1b,
             pp_stages_per_rank=None,
             stack=Stack.ddp,
@@ -88,7 +88,8 @@ def suggest(cfg: RunConfig, gpus: int, gpu: str, limit: int = 5, round_batch: bo
     node's worth unless the experts need more), recompute none/selective/full, the sharded
     optimizer, and 1 or 2 sequences per GPU per micro-batch; the configured dispatcher and, for
     ep > 2, the exact all-to-all one when the configured one is nosync's padded mode (its
-    buffers grow with ep); with nosync at ep > 1 the configured parallel.overlap_chunks and 1
+    buffers grow with ep); with nosync at ep > 1 the configured parallel.overlap_chunks (auto:
+    `AUTO_OVERLAP_CHUNKS` on GPUs) and 1
     (the shared expert under the dispatch: no chunks, no cost of theirs). `round_batch`: each
     candidate may round the global batch up to a multiple of its micro-batch (`with_layout`)."""
     out = _candidates(cfg, gpus, gpu, lean=False, round_batch=round_batch)
@@ -160,7 +161,7 @@ def _fitting(cfg: RunConfig, gpus: int, gpu: str, pp: int, cp: int, lean: bool, 
         dispatchers = {cfg.parallel.dispatcher.value}
         if ep > 2 and cfg.parallel.capacity_factor is None:
             dispatchers.add(DispatcherKind.alltoall.value)
-        overlaps = sorted({cfg.parallel.overlap_chunks, 1}) if ep > 1 else [0]
+        overlaps = list(dict.fromkeys([cfg.parallel.overlap_chunks, 1])) if ep > 1 else [None]
         rows_options = (1, 2) if cp == 1 and not lean else (1,)
         for rows, dispatcher, overlap in [
             (r, d, o) for r in rows_options for d in sorted(dispatchers) for o in overlaps

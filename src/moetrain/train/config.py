@@ -461,10 +461,18 @@ class RunConfig(Config):
         )
 
     def build_dims(self, world_size: int, device: torch.device | None = None) -> ParallelDims:
-        """`validate(world_size, device)`, then the layout: what the trainer and the planner
-        start from."""
+        """`validate(world_size, device)`, then the layout, parallel.overlap_chunks auto resolved
+        for `device`: what the trainer and the planner start from."""
         self.validate(world_size, device)
-        return self.parallel.build(world_size)
+        dims = self.parallel.build(world_size)
+        return dataclasses.replace(dims, overlap_chunks=self.overlap_chunks(device))
+
+    def overlap_chunks(self, device: torch.device | None = None) -> int:
+        """parallel.overlap_chunks on `device` (None: a GPU, as the planner plans), auto resolved
+        (`ParallelConfig.chunks`)."""
+        experts = self.model.moe.num_experts if self.model.num_moe_layers else 0
+        kind = device.type if device is not None else None
+        return self.parallel.chunks(kind, experts, self.compute.defer_expert_weight_grad)
 
 
 def _check_cuda_graphs(cfg: RunConfig, world_size: int | None) -> None:
