@@ -45,6 +45,7 @@ ACCEPTED: dict[str, tuple[str, ...]] = {
     "parallel.capacity_min_rows": ("0",),  # no floor
     "parallel.overlap_chunks": ("0",),  # off: the plain exchange
     "model.sliding_window": ("0",),  # no window: every block global
+    "model.q_lora_rank": ("0",),  # MLA's queries projected directly (no query latent)
     "guard.skip_spike_sigma": ("0", *HUGE),
     "train.seed": ("0", str(10**18)),
     # Huge but finite coefficients are numerically absurd, not dangerous: nothing is sized by

@@ -7,6 +7,9 @@ shapes, `sweep-8l-*` its capacity sweep (see shared/REFERENCE.md for the publish
 exactly; `bench-sweep-{8,16,32,64}` scale bench-8e's layout to d_model 2048 for an expert-count
 sweep at constant active parameters. `long-small32e-64k` is a long-context stage: bench-small32e's
 model on 65,536-token sequences split over 4 GPUs each (context parallelism, dp2 · cp4 on 8 GPUs).
+`dsv3-671b` is DeepSeek-V3's shape (multi-head latent attention, 256 fine-grained experts, sigmoid
+top-8 with the aux-loss-free bias, a shared expert, 3 dense blocks); `dsv3-tiny` the same
+architecture at `tiny`'s size.
 A YAML run file may start from a preset with a top-level `preset: NAME` key and override any
 section below it.
 """
@@ -20,7 +23,7 @@ from typing import Any
 
 from moetrain.config import apply_overrides, load_yaml
 from moetrain.errors import ConfigError
-from moetrain.model.config import MoEConfig, TransformerConfig
+from moetrain.model.config import AttentionKind, Gating, MoEConfig, TransformerConfig
 from moetrain.train.config import RunConfig, TrainerConfig
 
 OLMO_CORE_VOCAB = 100_352  # Olmo-core's tokenizer: 100,278 tokens padded to a multiple of 128
@@ -54,6 +57,89 @@ def tiny() -> RunConfig:
     cfg.train.global_batch_size = cfg.train.micro_batch_size = 24
     cfg.train.eval_tokens = 96 * 128  # 96 sequences: 4 micro-batches of 24, the set it evaluated before
     return cfg
+
+
+def _deepseek_v3_model(
+    *,
+    vocab: int,
+    d_model: int,
+    layers: int,
+    dense: int,
+    heads: int,
+    q_rank: int,
+    kv_rank: int,
+    nope: int,
+    rope: int,
+    v: int,
+    experts: int,
+    top_k: int,
+    hidden: int,
+    init_std: float,
+) -> TransformerConfig:
+    """DeepSeek-V3's architecture: multi-head latent attention, the first `dense` blocks dense (as
+    wide as the k routed experts and the shared one together), then fine-grained routed experts
+    with one shared expert of the same width, sigmoid top-k whose selected scores are normalized,
+    auxiliary-loss-free balancing (bias speed 0.001) beside a small load-balancing loss (1e-4, where
+    DeepSeek's is per sequence and moetrain's over the micro-batch), no z-loss,
+    untied embeddings, RoPE θ = 10,000, every matrix at one init std. Not represented: the
+    node-limited group routing (8 groups, top 4; plain top-k here) and the routed scaling factor
+    2.5 (moetrain scales by 1 or k: 1 here)."""
+    return TransformerConfig(
+        vocab_size=vocab,
+        d_model=d_model,
+        n_layers=layers,
+        n_heads=heads,
+        n_kv_heads=heads,  # MLA's unabsorbed form: every head its own keys and values
+        num_dense_layers=dense,
+        dense_hidden=(top_k + 1) * hidden,
+        qk_norm=False,
+        attention=AttentionKind.mla,
+        q_lora_rank=q_rank,
+        kv_lora_rank=kv_rank,
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope,
+        v_head_dim=v,
+        rope_theta=10_000.0,
+        init_std=init_std,
+        init_output_std=init_std,
+        moe=MoEConfig(
+            num_experts=experts,
+            top_k=top_k,
+            expert_hidden=hidden,
+            shared_hidden=hidden,
+            gating=Gating.sigmoid,
+            normalize_weights=True,
+            restore_weight_scale=False,
+            lb_loss_weight=1e-4,
+            z_loss_weight=0.0,
+            bias_update_rate=1e-3,
+        ),
+    )
+
+
+def dsv3_tiny() -> RunConfig:
+    """DeepSeek-V3's architecture at `tiny`'s size (≈3.7M parameters, 8k vocabulary, the same data
+    and batches): MLA with both latents, one dense block, 16 routed experts top-4 plus a shared
+    one, sigmoid routing with the aux-loss-free bias."""
+    cfg = tiny()
+    cfg.model = _deepseek_v3_model(
+        vocab=8192, d_model=128, layers=4, dense=1, heads=4, q_rank=64, kv_rank=32, nope=32, rope=16, v=32,
+        experts=16, top_k=4, hidden=64, init_std=0.02,
+    )  # fmt: skip
+    return cfg
+
+
+def dsv3_671b() -> RunConfig:
+    """DeepSeek-V3's main model (the multi-token prediction module aside: `--model.mtp_depth=1`
+    adds a dense one): 61 blocks of width 7168, the first 3 dense (18,432 wide), 128 heads with
+    latents of 1536 (queries) and 512 (keys/values), heads of 128 + 64 rotary dims and values of
+    128, 256 routed experts of 2048 top-8 and one shared; its pre-training batch (15,360
+    sequences of 4,096 tokens, micro-batches of 1,024) and peak learning rate 2.2e-4."""
+    model = _deepseek_v3_model(
+        vocab=129_280, d_model=7168, layers=61, dense=3, heads=128, q_rank=1536, kv_rank=512, nope=128, rope=64,
+        v=128, experts=256, top_k=8, hidden=2048, init_std=0.006,
+    )  # fmt: skip
+    return _big_run(model, seq_len=4096, gpus=1024, global_batch=15_360, lr=2.2e-4)
 
 
 def _olmo_core_model(
@@ -230,6 +316,8 @@ PRESETS: dict[str, Callable[[], RunConfig]] = {
         global_batch=8,
         lr=1e-4,
     ),
+    "dsv3-tiny": dsv3_tiny,
+    "dsv3-671b": dsv3_671b,
 }
 
 PURPOSES: dict[str, str] = {
@@ -257,6 +345,8 @@ PURPOSES: dict[str, str] = {
         for e in (8, 16, 32, 64)
     },
     "long-small32e-64k": "long context: bench-small32e's model on 65,536-token sequences, dp2 · cp4 on 8 GPUs",
+    "dsv3-tiny": "CPU-sized DeepSeek-V3 architecture: latent attention, sigmoid top-4 of 16 with a shared expert",
+    "dsv3-671b": "DeepSeek-V3's shape (671B, MTP aside): latent attention, 256 experts top-8 + shared",
 }
 """What each preset is for, in one line (`moetrain presets`)."""
 

@@ -44,6 +44,10 @@ VARIANTS = {
     "dense_hidden": dict(dense_hidden=200, num_dense_layers=2),
     "all_moe": dict(num_dense_layers=0),
     "all_dense": dict(num_dense_layers=4),
+    "mla": dict(
+        attention="mla", q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24
+    ),
+    "mla_direct_queries": dict(attention="mla", q_lora_rank=0, kv_lora_rank=32, v_head_dim=16, mtp_depth=1),
 }
 
 
@@ -68,6 +72,17 @@ def test_reference_param_counts(name):
     counts = count_params(preset(name).model)
     assert abs(counts.total - total) / total < 0.005, counts
     assert abs(counts.active - active) / active < 0.005, counts
+
+
+def test_deepseek_v3s_count():
+    """dsv3-671b against DeepSeek-V3's published 671B total and 37B activated (the main model; the
+    multi-token prediction module's 14B aside). Its "37B" is a rounding of the activated count
+    without the input embedding, DeepSeek's convention (V2-Lite's "2.4B activated" is 2.45B by
+    it, 2.66B with the embedding): 36.63B here, 37.55B with the embedding (`active`)."""
+    counts = count_params(preset("dsv3-671b").model)
+    assert abs(counts.total - 671e9) / 671e9 < 0.001, counts
+    assert round((counts.active - counts.embedding) / 1e9) == 37, counts
+    assert (counts.total, counts.active, counts.embedding) == (671_026_404_352, 37_552_282_624, 926_679_040)
 
 
 def test_tiny_is_under_4m_params():

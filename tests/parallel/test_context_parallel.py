@@ -73,9 +73,10 @@ def cp_overrides(*extra):
     ]
 
 
-def sharded_attention_errors(cp, docs, window=0):
+def sharded_attention_errors(cp, docs, window=0, v_dim=8):
     """Max |difference| of this rank's attention output and q/k/v gradients from the whole
-    sequence's SDPA (float64); with `window`, local attention's."""
+    sequence's SDPA (float64); with `window`, local attention's; `v_dim` < 8: values narrower
+    than queries and keys (multi-head latent attention's)."""
     import torch.distributed as dist
 
     from moetrain.model.rope import RotaryEmbedding
@@ -83,8 +84,14 @@ def sharded_attention_errors(cp, docs, window=0):
 
     g = torch.Generator().manual_seed(0)
     B, H, G, T, D = 2, 4, 2, 8 * cp, 8
-    q, w = (torch.randn(B, H, T, D, generator=g, dtype=torch.float64) for _ in range(2))
-    k, v = (torch.randn(B, G, T, D, generator=g, dtype=torch.float64) for _ in range(2))
+    q, k = (
+        torch.randn(B, H, T, D, generator=g, dtype=torch.float64),
+        torch.randn(B, G, T, D, generator=g, dtype=torch.float64),
+    )
+    v, w = (
+        torch.randn(B, G, T, v_dim, generator=g, dtype=torch.float64),
+        torch.randn(B, H, T, v_dim, generator=g, dtype=torch.float64),
+    )
     doc_ids_BT = (torch.rand(B, T, generator=g) < 0.2).long().cumsum(1) if docs else None
     whole = [t.clone().requires_grad_() for t in (q, k, v)]
     if window:
@@ -122,6 +129,14 @@ def sharded_attention_errors(cp, docs, window=0):
 def test_sharded_attention_equals_whole_sequence_attention(cp, docs, window):
     """Global, and within a window of 5 positions, which crosses the chunks of 4 (cp 2, 4)."""
     for errors in run_distributed(sharded_attention_errors, cp, cp, docs, window):
+        assert max(errors) < 1e-13, errors
+
+
+@pytest.mark.parametrize("docs, window", [(False, 0), (True, 0), (True, 5)], ids=["causal", "documents", "window5"])
+def test_sharded_attention_with_narrower_values(docs, window):
+    """Values of 6 dims beside queries and keys of 8 (multi-head latent attention's shapes): one
+    all-gather carries both, split again on arrival."""
+    for errors in run_distributed(sharded_attention_errors, 2, 2, docs, window, 6):
         assert max(errors) < 1e-13, errors
 
 

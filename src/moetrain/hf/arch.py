@@ -67,6 +67,9 @@ PERI_NORM = (
 )
 
 
+MLA_EXPORT = "multi-head latent attention is not exported yet, natively or with --remote-code"
+
+
 def unsupported_features(m: TransformerConfig, expert_bias_nonzero: bool) -> list[str]:
     """What `architecture_for(m)` cannot represent exactly (empty: the model exports)."""
     moe = m.moe
@@ -83,6 +86,8 @@ def unsupported_features(m: TransformerConfig, expert_bias_nonzero: bool) -> lis
         problems.append("model.pre_norm=false (both classes normalize each sublayer's input)")
     if m.sliding_window:
         problems.append(f"model.sliding_window={m.sliding_window} (local blocks are exported with moetrain's own file)")
+    if m.is_mla:
+        problems.append(f"model.attention=mla ({MLA_EXPORT})")
     if architecture_for(m) == Architecture.qwen3_moe:
         if moe.shared_hidden > 0:
             problems.append(
@@ -108,12 +113,13 @@ def unsupported_features(m: TransformerConfig, expert_bias_nonzero: bool) -> lis
 
 def refusal(m: TransformerConfig, problems: list[str]) -> str:
     """One paragraph: why the model is not exported and which variant of it would be."""
-    text = (
-        "This model has no exact native transformers architecture, so it is not exported natively: "
-        + "; ".join(problems)
-        + ". `--remote-code` exports it with moetrain's own modeling file beside the weights "
-        "(transformers loads it with trust_remote_code=True)."
-    )
+    text = "This model has no exact native transformers architecture, so it is not exported natively: "
+    text += "; ".join(problems) + "."
+    if not remote_problems(m):
+        text += (
+            " `--remote-code` exports it with moetrain's own modeling file beside the weights "
+            "(transformers loads it with trust_remote_code=True)."
+        )
     softmax = architecture_for(m) == Architecture.qwen3_moe and any(p.startswith("softmax") for p in problems)
     changes = [
         *["model.peri_norm=false"] * m.peri_norm,
@@ -244,6 +250,8 @@ def remote_problems(m: TransformerConfig) -> list[str]:
     """What even moetrain's own modeling file does not export (empty: it exports)."""
     if m.moe.routing != Routing.learned:
         return [f"model.moe.routing={m.moe.routing} (a benchmark mode; only the learned router is a model)"]
+    if m.is_mla:
+        return [f"model.attention=mla ({MLA_EXPORT})"]
     return []
 
 

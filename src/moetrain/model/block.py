@@ -1,4 +1,5 @@
-"""A transformer block: attention and an FFN (dense SwiGLU or MoE), each around a residual.
+"""A transformer block: attention (grouped-query, or multi-head latent with model.attention=mla) and
+an FFN (dense SwiGLU or MoE), each around a residual.
 
 Pre-norm: x + f(norm(x)). Peri-norm (`peri_norm=True`, as Olmo-core's Tiny/Small references):
 x + norm_out(f(norm_in(x))), which bounds what each sublayer adds to the residual stream. Without
@@ -12,7 +13,8 @@ from torch import nn
 
 from moetrain.model.attention import Attention
 from moetrain.model.config import TransformerConfig
-from moetrain.model.kv_cache import LayerCache
+from moetrain.model.kv_cache import LatentCache, LayerCache
+from moetrain.model.mla import LatentAttention
 from moetrain.model.mlp import SwiGLU
 from moetrain.model.moe import MoE
 from moetrain.model.norm import RMSNorm
@@ -26,8 +28,11 @@ class Block(nn.Module):
         self.layer_id = layer_id
         D = cfg.d_model
         self.attn_norm = RMSNorm(D, cfg.norm_eps) if cfg.pre_norm else nn.Identity()
-        self.attn = Attention(
-            D, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim, cfg.qk_norm, cfg.norm_eps, cfg.window_of(layer_id)
+        window = cfg.window_of(layer_id)
+        self.attn: Attention | LatentAttention = (
+            LatentAttention(cfg, window)
+            if cfg.is_mla
+            else Attention(D, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim, cfg.qk_norm, cfg.norm_eps, window)
         )
         self.ffn_norm = RMSNorm(D, cfg.norm_eps) if cfg.pre_norm else nn.Identity()
         self.is_moe = layer_id >= cfg.num_dense_layers and not dense
@@ -41,7 +46,7 @@ class Block(nn.Module):
         cos_TD: torch.Tensor,
         sin_TD: torch.Tensor,
         masks: object = None,
-        cache: LayerCache | None = None,
+        cache: LayerCache | LatentCache | None = None,
     ) -> torch.Tensor:
         """`masks`: the document masks of the model's `SequenceLayout.attention_inputs` (None:
         plain causal attention). `cache`: this layer's keys and values of earlier positions

@@ -32,6 +32,17 @@ class Routing(enum.StrEnum):
     and its scores still weight the outputs, so the graph and FLOPs equal learned routing."""
 
 
+class AttentionKind(enum.StrEnum):
+    gqa = "gqa"
+    """Grouped-query attention: model.n_heads query heads over model.n_kv_heads key/value heads of
+    model.head_dim, per-head QK-norm (src/moetrain/model/attention.py)."""
+    mla = "mla"
+    """Multi-head latent attention (DeepSeek-V2/V3): queries and keys/values through low-rank
+    latents with their own RMSNorms, a decoupled rotary part of the query and key heads
+    (src/moetrain/model/mla.py); model.q_lora_rank, kv_lora_rank, qk_nope_head_dim,
+    qk_rope_head_dim and v_head_dim set its widths; n_kv_heads, head_dim and qk_norm are GQA's."""
+
+
 class Fp8(enum.StrEnum):
     """FP8 recipe of the matrix products (set as `precision.fp8`; src/moetrain/model/fp8.py)."""
 
@@ -111,7 +122,21 @@ class TransformerConfig(Config):
     dense_hidden: int | None = positive(None, at_most=MAX_WIDTH)
     """Hidden size of the dense MLP; None = top_k × expert_hidden + shared_hidden."""
     qk_norm: bool = True
-    """Per-head RMSNorm on queries and keys."""
+    """Per-head RMSNorm on queries and keys (grouped-query attention; MLA normalizes its latents)."""
+    attention: AttentionKind = AttentionKind.gqa
+    """The attention of every block: gqa (grouped-query) or mla (multi-head latent, DeepSeek-V3's)."""
+    q_lora_rank: int = non_negative(0, at_most=MAX_WIDTH)
+    """MLA: width of the query latent (x → latent → RMSNorm → heads); 0 = queries projected from x
+    directly, as DeepSeek-V2-Lite."""
+    kv_lora_rank: int = positive(512, at_most=MAX_WIDTH)
+    """MLA: width of the key/value latent, what generation's cache holds per position and layer
+    (with the rotary key)."""
+    qk_nope_head_dim: int = positive(128, at_most=2**16)
+    """MLA: the part of each query and key head without position (from the latents)."""
+    qk_rope_head_dim: int = positive(64, at_most=2**16)
+    """MLA: the rotary part of each query head, and of the one key head all heads share; even."""
+    v_head_dim: int = positive(128, at_most=2**16)
+    """MLA: width of each value head."""
     sliding_window: int = non_negative(0, at_most=2**31)
     """Local attention: in the layers model.attention_pattern makes local, a token attends to
     itself and the sliding_window − 1 positions before it (src/moetrain/model/local_attention.py).
@@ -154,6 +179,25 @@ class TransformerConfig(Config):
         return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
 
     @property
+    def is_mla(self) -> bool:
+        return self.attention == AttentionKind.mla
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Width of one query/key head: what the scores' dot products run over."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.is_mla else self.resolved_head_dim
+
+    @property
+    def value_head_dim(self) -> int:
+        """Width of one value head (and of one head of the attention's output)."""
+        return self.v_head_dim if self.is_mla else self.resolved_head_dim
+
+    @property
+    def rope_dim(self) -> int:
+        """The dims of a head RoPE rotates: the whole head, or MLA's rotary part."""
+        return self.qk_rope_head_dim if self.is_mla else self.resolved_head_dim
+
+    @property
     def resolved_dense_hidden(self) -> int:
         if self.dense_hidden is not None:
             return self.dense_hidden
@@ -170,20 +214,10 @@ class TransformerConfig(Config):
         return self.sliding_window if pattern[layer % len(pattern)] == "L" else 0
 
     def validate(self) -> None:
-        if self.head_dim is None and self.d_model % self.n_heads:
-            raise ConfigError(
-                f"model.n_heads={self.n_heads} does not divide model.d_model={self.d_model}: "
-                "choose heads that divide the width, or set model.head_dim explicitly."
-            )
-        if self.head_dim is not None and self.head_dim % 2:
-            raise ConfigError(f"model.head_dim={self.head_dim} must be even (RoPE rotates pairs).")
-        if self.resolved_head_dim % 2:
-            raise ConfigError(f"head dim d_model/n_heads={self.resolved_head_dim} must be even (RoPE rotates pairs).")
-        if self.n_heads % self.n_kv_heads:
-            raise ConfigError(
-                f"model.n_kv_heads={self.n_kv_heads} does not divide model.n_heads={self.n_heads}: "
-                "each key/value head serves a whole group of query heads."
-            )
+        if self.is_mla:
+            self._validate_mla()
+        else:
+            self._validate_gqa()
         if not (self.pre_norm or self.peri_norm):
             raise ConfigError(
                 "model.pre_norm=false with model.peri_norm=false leaves the blocks without a norm: set either "
@@ -207,6 +241,28 @@ class TransformerConfig(Config):
             raise ConfigError(
                 f"model.d_model={self.d_model} must be a multiple of {GROUPED_MM_ALIGN} (the grouped "
                 "GEMM needs 16-byte aligned rows)."
+            )
+
+    def _validate_gqa(self) -> None:
+        if self.head_dim is None and self.d_model % self.n_heads:
+            raise ConfigError(
+                f"model.n_heads={self.n_heads} does not divide model.d_model={self.d_model}: "
+                "choose heads that divide the width, or set model.head_dim explicitly."
+            )
+        if self.head_dim is not None and self.head_dim % 2:
+            raise ConfigError(f"model.head_dim={self.head_dim} must be even (RoPE rotates pairs).")
+        if self.resolved_head_dim % 2:
+            raise ConfigError(f"head dim d_model/n_heads={self.resolved_head_dim} must be even (RoPE rotates pairs).")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                f"model.n_kv_heads={self.n_kv_heads} does not divide model.n_heads={self.n_heads}: "
+                "each key/value head serves a whole group of query heads."
+            )
+
+    def _validate_mla(self) -> None:
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(
+                f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE rotates pairs): change it by one."
             )
 
     def build(self, device: str | None = None):

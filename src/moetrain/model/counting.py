@@ -6,6 +6,9 @@ equal to the parameters of its built model.
 FLOPs follow Olmo-core's formula so figures compare directly:
     flops_per_token = 6 × active non-embedding parameters      (LM head included)
                     + 12 × layers × heads × head_dim × seq_len  (attention scores and values)
+With multi-head latent attention the scores run over the query/key head (qk_nope + qk_rope dims)
+and the values over v_head_dim: 6 × layers × heads × (qk + v head dims) × seq_len, which is the
+same formula where the two are equal.
 The attention term counts the full T×T score matrix; a causal-aware count halves it
 (`causal_halved=True`). MFU is always reported with the full (Olmo-core's) count. With
 model.mtp_depth = K, each token also runs K more blocks and K more passes of the shared LM head
@@ -30,10 +33,9 @@ class ParamCounts:
 
 def count_params(cfg: TransformerConfig) -> ParamCounts:
     """The parameters of the modules src/moetrain/model/ builds for `cfg` (transformer.py, block.py,
-    attention.py, mlp.py, moe.py, router.py, experts.py, mtp.py)."""
-    D, V, hd, moe = cfg.d_model, cfg.vocab_size, cfg.resolved_head_dim, cfg.moe
-    attention = D * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 2 * hd * cfg.qk_norm
-    block = attention + 2 * D * (cfg.pre_norm + cfg.peri_norm)  # its norms
+    attention.py or mla.py, mlp.py, moe.py, router.py, experts.py, mtp.py)."""
+    D, V, moe = cfg.d_model, cfg.vocab_size, cfg.moe
+    block = attention_params(cfg) + 2 * D * (cfg.pre_norm + cfg.peri_norm)  # its norms
     dense_block = block + 3 * D * cfg.resolved_dense_hidden
     experts = moe.num_experts * 3 * D * moe.expert_hidden
     moe_block = block + moe.num_experts * D + experts + 3 * D * moe.shared_hidden
@@ -44,13 +46,26 @@ def count_params(cfg: TransformerConfig) -> ParamCounts:
     return ParamCounts(total=total, active=total - idle, embedding=V * D)
 
 
+def attention_params(cfg: TransformerConfig) -> int:
+    """One block's attention: GQA's q, k, v, o (and QK-norm), or MLA's latents, their norms and
+    expansions (src/moetrain/model/mla.py)."""
+    D, H = cfg.d_model, cfg.n_heads
+    if not cfg.is_mla:
+        hd = cfg.resolved_head_dim
+        return D * hd * (2 * H + 2 * cfg.n_kv_heads) + 2 * hd * cfg.qk_norm
+    Q, C, K, V = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_head_dim, cfg.v_head_dim
+    queries = D * Q + Q + Q * H * K if Q else D * H * K
+    keys_values = D * (C + cfg.qk_rope_head_dim) + C + C * H * (cfg.qk_nope_head_dim + V)
+    return queries + keys_values + H * V * D
+
+
 def flops_per_token(cfg: TransformerConfig, seq_len: int, causal_halved: bool = False, attention: bool = True) -> int:
     """Training FLOPs (forward + backward) per token, Olmo-core's formula (`attention=False`:
     without its attention term)."""
     counts = count_params(cfg)
     layers, mtp_heads = cfg.n_layers + cfg.mtp_depth, cfg.mtp_depth * cfg.vocab_size * cfg.d_model
     keys = sum(attended_keys(cfg, i, seq_len) for i in range(layers))
-    attention = 12 * cfg.n_heads * cfg.resolved_head_dim * keys if attention else 0
+    attention = 6 * cfg.n_heads * (cfg.qk_head_dim + cfg.value_head_dim) * keys if attention else 0
     if causal_halved:
         attention //= 2
     return 6 * (counts.active - counts.embedding + mtp_heads) + attention

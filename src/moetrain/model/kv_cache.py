@@ -3,7 +3,8 @@ positions it has seen, so that a new token costs one position's work instead of 
 context's.
 
 Legend: B batch, T new positions, S positions the cache can hold, H query heads, G key/value
-heads, Dh head dim, L layers.
+heads, Dh head dim, L layers; multi-head latent attention's: C key/value latent, X = C + R its
+latent and rotary key.
 
 Inference only. Training never builds one: `Attention` without a cache attends through its
 `SequenceLayout` exactly as before, so the training numerics do not depend on this file. The
@@ -38,20 +39,57 @@ class LayerCache:
         self.k_BGSD[:, :, start:end] = k_BGTD
         self.v_BGSD[:, :, start:end] = v_BGTD
         self.length = end
-        k_BGSD, v_BGSD = self.k_BGSD[:, :, :end], self.v_BGSD[:, :, :end]
-        if window and end > window:
-            device = q_BHTD.device
-            mask_TS = window_mask(torch.arange(start, end, device=device), torch.arange(end, device=device), window)
-            return F.scaled_dot_product_attention(q_BHTD, k_BGSD, v_BGSD, attn_mask=mask_TS, enable_gqa=True)
-        if T == 1:  # one new position sees every position held: no mask
-            return F.scaled_dot_product_attention(q_BHTD, k_BGSD, v_BGSD, enable_gqa=True)
-        if start == 0:  # the prompt of an empty cache: plain causal attention
-            return F.scaled_dot_product_attention(q_BHTD, k_BGSD, v_BGSD, is_causal=True, enable_gqa=True)
-        # New position start + t sees positions 0 … start + t (SDPA's is_causal would align the
-        # queries to the first keys, not to their own positions).
-        pos_S = torch.arange(end, device=q_BHTD.device)
-        mask_TS = pos_S.unsqueeze(0) <= torch.arange(start, end, device=q_BHTD.device).unsqueeze(1)
-        return F.scaled_dot_product_attention(q_BHTD, k_BGSD, v_BGSD, attn_mask=mask_TS, enable_gqa=True)
+        return attend_held(q_BHTD, self.k_BGSD[:, :, :end], self.v_BGSD[:, :, :end], start, window)
+
+
+class LatentCache:
+    """One multi-head latent attention layer's positions 0 … `length` − 1 (src/moetrain/model/mla.py):
+    per position its normalized key/value latent and its rotary key, [c | kr] (C + R numbers),
+    in a buffer of S positions allocated once. Its queries attend over them absorbed: keys
+    [c | kr] and values c, one head all query heads share."""
+
+    def __init__(self, kv_BSX: torch.Tensor, kv_rank: int):
+        self.kv_BSX, self.kv_rank = kv_BSX, kv_rank
+        self.length = 0
+        """Positions held (the next new position's index)."""
+
+    def attend(self, q_BHTX: torch.Tensor, kv_BTX: torch.Tensor, window: int, scale: float) -> torch.Tensor:
+        """Append the T new positions' [c | kr], then causal attention (B, H, T, C) of the latent
+        queries `q_BHTX` ([q_nope·W_uk | RoPE(q_rope)]) over every position held, scores × `scale`."""
+        start, T = self.length, q_BHTX.shape[2]
+        end = start + T
+        assert end <= self.kv_BSX.shape[1], "KVCache overflow: the caller must start a new cache"
+        self.kv_BSX[:, start:end] = kv_BTX
+        self.length = end
+        k_B1SX = self.kv_BSX[:, None, :end]
+        return attend_held(q_BHTX, k_B1SX, k_B1SX[..., : self.kv_rank], start, window, scale)
+
+
+def attend_held(
+    q_BHTD: torch.Tensor,
+    k_BGSD: torch.Tensor,
+    v_BGSD: torch.Tensor,
+    start: int,
+    window: int = 0,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Causal attention of the T queries at positions start … start + T − 1 over the keys and
+    values of positions 0 … start + T − 1 (with `window`, the last `window` up to each);
+    `scale`: SDPA's (None: 1/√ of the queries' width)."""
+    end, T = k_BGSD.shape[2], q_BHTD.shape[2]
+    device = q_BHTD.device
+    if window and end > window:
+        mask_TS = window_mask(torch.arange(start, end, device=device), torch.arange(end, device=device), window)
+        return F.scaled_dot_product_attention(q_BHTD, k_BGSD, v_BGSD, attn_mask=mask_TS, scale=scale, enable_gqa=True)
+    if T == 1:  # one new position sees every position held: no mask
+        return F.scaled_dot_product_attention(q_BHTD, k_BGSD, v_BGSD, scale=scale, enable_gqa=True)
+    if start == 0:  # the prompt of an empty cache: plain causal attention
+        return F.scaled_dot_product_attention(q_BHTD, k_BGSD, v_BGSD, is_causal=True, scale=scale, enable_gqa=True)
+    # New position start + t sees positions 0 … start + t (SDPA's is_causal would align the
+    # queries to the first keys, not to their own positions).
+    pos_S = torch.arange(end, device=device)
+    mask_TS = pos_S.unsqueeze(0) <= torch.arange(start, end, device=device).unsqueeze(1)
+    return F.scaled_dot_product_attention(q_BHTD, k_BGSD, v_BGSD, attn_mask=mask_TS, scale=scale, enable_gqa=True)
 
 
 class KVCache:
@@ -67,13 +105,17 @@ class KVCache:
     ):
         G, Dh = cfg.n_kv_heads, cfg.resolved_head_dim
         self.max_len = max_len
-        self.layers = [
-            LayerCache(
+
+        def layer() -> LayerCache | LatentCache:
+            if cfg.is_mla:
+                X = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+                return LatentCache(torch.zeros(batch, max_len, X, dtype=dtype, device=device), cfg.kv_lora_rank)
+            return LayerCache(
                 torch.zeros(batch, G, max_len, Dh, dtype=dtype, device=device),
                 torch.zeros(batch, G, max_len, Dh, dtype=dtype, device=device),
             )
-            for _ in range(cfg.n_layers)
-        ]
+
+        self.layers = [layer() for _ in range(cfg.n_layers)]
         """Indexed by layer (the model's block keys)."""
 
     @property

@@ -2,7 +2,7 @@
 whole sequence through an all-gather of its keys and values.
 
 Legend: B sequences, T sequence length, t = T / cp this rank's positions, L = T / (2·cp) one
-chunk, H query heads, G key/value heads, Dh head dim.
+chunk, H query heads, G key/value heads, Dh head dim (Dk keys, Dv values where they differ), X = Dk + Dv.
 
 Sharding. A sequence is cut into 2·cp chunks of L positions; cp rank i holds chunks i and
 2·cp − 1 − i, in that order (`ContextShard.shard`). Under causal attention the queries of chunk
@@ -11,8 +11,8 @@ c see the c + 1 chunks up to their own, so rank i's two chunks see (i + 1) + (2�
 (norms, projections, the MoE layer and its routing, the loss) treats each position by itself and
 runs unchanged on the t local positions; RoPE takes each position's own angles.
 
-Exchange. Each attention layer all-gathers its keys and values (after QK-norm and RoPE, stacked:
-one collective) over the cp group in forward; autograd's backward of the gather reduce-scatters
+Exchange. Each attention layer all-gathers its keys and values (after QK-norm and RoPE, side by
+side: one collective) over the cp group in forward; autograd's backward of the gather reduce-scatters
 their gradients (a sum: every rank's queries contributed to every owner's keys). Each rank then
 attends each of its two query chunks to the key prefix that chunk can see (`prefix_attention`):
 causality aligned to the lower right of the (L, (c + 1)·L) score block — FlashAttention-2 on
@@ -29,7 +29,10 @@ the whole program inside a context manager. Its flex-attention path all-gathers 
 as this module does, but needs flex_attention's compiled kernels. With grouped-query attention
 the keys and values are G/H of the queries' size, so gathering them is cheap beside the queries'
 work, and any mask applies unchanged (the scheme Llama 3 trained its long-context stage with,
-for those two reasons).
+for those two reasons). Multi-head latent attention (src/moetrain/model/mla.py) gathers its
+expanded keys and values, every head its own: more than its queries; gathering its latents
+(kv_lora_rank + qk_rope_head_dim numbers a position) and expanding them on every rank would send
+1/71 of that at DeepSeek-V3's shape, at the price of the expansion's products repeated on each rank.
 """
 
 from __future__ import annotations
@@ -96,19 +99,19 @@ class ContextShard:
         return cos_tD, sin_tD, (masks[0], masks[1])
 
     def gather_kv(self, k_BGtD: torch.Tensor, v_BGtD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole sequence's keys and values (B, G, T, Dh each, contiguous) in position
+        """The whole sequence's keys and values (B, G, T, Dk and Dv, contiguous) in position
         order, from every rank's local ones: one all-gather (autograd: the backward
-        reduce-scatters)."""
-        B, G, t, Dh = k_BGtD.shape
+        reduce-scatters). The values may be narrower than the keys (multi-head latent attention)."""
+        B, G, t, Dk = k_BGtD.shape
         L = t // 2
-        kv_t2BGD = torch.stack([k_BGtD, v_BGtD]).permute(3, 0, 1, 2, 4).contiguous()
-        gathered = _all_gather(kv_t2BGD, 0, self.group)  # (cp · t, 2, B, G, Dh), rank-major
+        kv_tBGX = torch.cat([k_BGtD, v_BGtD], dim=-1).permute(2, 0, 1, 3).contiguous()
+        gathered = _all_gather(kv_tBGX, 0, self.group)  # (cp · t, B, G, Dk + Dv), rank-major
         # Rank r sent chunks r and 2·cp − 1 − r: the first halves in rank order, then the second
         # halves in reverse rank order, are the chunks in position order.
-        halves = gathered.view(self.cp, 2, L, 2, B, G, Dh)
-        kv_T2BGD = torch.cat([halves[:, 0], halves[:, 1].flip(0)]).flatten(0, 1)
-        kv_2BGTD = kv_T2BGD.permute(1, 2, 3, 0, 4).contiguous()
-        return kv_2BGTD[0], kv_2BGTD[1]
+        halves = gathered.view(self.cp, 2, L, B, G, -1)
+        kv_TBGX = torch.cat([halves[:, 0], halves[:, 1].flip(0)]).flatten(0, 1)
+        k_BGTD, v_BGTD = kv_TBGX.permute(1, 2, 0, 3).split([Dk, v_BGtD.shape[-1]], dim=-1)
+        return k_BGTD.contiguous(), v_BGTD.contiguous()
 
     def attend(
         self, q_BHtD: torch.Tensor, k_BGtD: torch.Tensor, v_BGtD: torch.Tensor, masks: Masks, window: int = 0

@@ -562,6 +562,11 @@ def _check_fp8(pc: PrecisionConfig, compute: ComputeConfig, m: TransformerConfig
             "compute.defer_expert_weight_grad=true works with bf16 and row-wise FP8 experts, but "
             "precision.fp8=mxfp8: set precision.fp8=rowwise or none, or compute.defer_expert_weight_grad=false."
         )
+    if pc.fp8 != Fp8.none and m.is_mla:
+        raise ConfigError(
+            f"precision.fp8={pc.fp8} does not take multi-head latent attention's products yet "
+            "(model.attention=mla): use precision.fp8=none, or model.attention=gqa."
+        )
     if pc.fp8 != Fp8.none:
         for key, dim in _gemm_dims(m, lm_head=pc.fp8_lm_head is True):
             if dim % pc.fp8.align:
