@@ -2,7 +2,7 @@
 
 Builds fp32 weights, gradients and momenta of every matrix Muon updates in PRESET (the shapes
 `muon_matrices` gives: one tensor per parameter, experts stacked) on the GPU and times, summed
-over them, each part as `MuonMatrices.step` runs it:
+over them, each part as `Muon.step` runs it:
   momentum_direction — M ← β·M + c·G and U = c·G + β·M (fp32 arithmetic, U written in bf16),
                        one compiled kernel as moetrain runs it; *_eager: torch's element-wise
                        ops one by one, U in fp32 (the same arithmetic);

@@ -17,8 +17,8 @@ from torch import nn
 from moetrain.errors import ConfigError
 from moetrain.model.experts import GroupedExperts
 from moetrain.optim.muon import (
+    Muon,
     MuonConfig,
-    MuonMatrices,
     check_matrices,
     muon_matrices,
     newton_schulz,
@@ -84,7 +84,7 @@ def test_one_update_is_the_formula_and_a_skipped_step_changes_nothing():
         (6, 5, 12),
         (3, 12, 5),
     ]
-    muon = MuonMatrices(named, shapes, MuonConfig(momentum=0.9, ns_steps=5, weight_decay=0.1))
+    muon = Muon.whole(named, shapes, MuonConfig(momentum=0.9, ns_steps=5, weight_decay=0.1))
     want = {n: (p.detach().double().clone(), torch.zeros_like(p, dtype=torch.float64)) for n, p in named}
     coef = torch.tensor(0.5)
     for step in range(3):
@@ -139,7 +139,7 @@ def test_config_help_lists_the_muon_keys(capsys):
 
 def _divided_muon(seed_grads: int):
     """On each gloo rank: a Linear, stacked experts (gate and up apart: 2E matrices; down: E) and a
-    small Linear, stepped twice by a MuonMatrices shared over the world (the experts' down
+    small Linear, stepped twice by a `Muon` shared over the world (the experts' down
     matrices without a gradient in the second step) and by one alone; (whether the two give the
     same bits, the matrices this rank orthogonalized)."""
     import torch.distributed as dist
@@ -156,8 +156,8 @@ def _divided_muon(seed_grads: int):
     cfg = MuonConfig(momentum=0.9, ns_steps=5, weight_decay=0.1)
     world = dist.group.WORLD
     named = [(n, p) for n, p in model.named_parameters()]
-    shared = MuonMatrices(named, muon_matrices(model), cfg, groups=[world] * len(named))
-    alone = MuonMatrices(list(twin.named_parameters()), muon_matrices(twin), cfg)
+    shared = Muon.whole(named, muon_matrices(model), cfg, groups=[world] * len(named))
+    alone = Muon.whole(list(twin.named_parameters()), muon_matrices(twin), cfg)
     counted, real = [], muon.newton_schulz
 
     def counting(u, steps, dtype):

@@ -39,6 +39,11 @@ class OptimizerName(enum.StrEnum):
     """Muon for the matrices inside the blocks (attention, MLPs, each expert's), AdamW for the
     embedding, norms, routers and LM head (src/moetrain/optim/muon.py)."""
 
+    @property
+    def state(self) -> tuple[str, ...]:
+        """A matrix's optimizer state entries under this rule (checkpoint keys optim.NAME.STATE)."""
+        return {"adamw": ("step", "exp_avg", "exp_avg_sq"), "muon": ("momentum",)}[self.value]
+
 
 class MomentsDtype(enum.StrEnum):
     fp32 = "fp32"

@@ -6,14 +6,15 @@ reduced shards it hands over are fp32, so torch AdamW updates them as it does wi
 On one rank FSDP shards nothing and reduces nothing: the bf16 gradients are then kept here, in a
 `GradStore` (src/moetrain/optim/grad_store.py), as the replicated optimizer keeps them at dp = 1.
 
-With optim.name=muon the blocks' matrices step by Muon (`FSDPMuon` below; the update's formulas
-in src/moetrain/optim/muon.py): each rank keeps the momentum of its shard (dim-0 rows). The
-experts' stacked tensors are sharded along the experts, so a rank orthogonalizes the whole
-experts it holds where they are; the other matrices are sharded by rows, so their direction is
-all-gathered and each rank runs the iteration on the whole matrix and keeps its rows."""
+With optim.name=muon the blocks' matrices step by `Muon` (src/moetrain/optim/muon.py) over each
+rank's shards (`_muon_part`), the momentum kept for the shard (dim-0 rows). The experts' stacked
+tensors are sharded along the experts, so a rank orthogonalizes the whole experts it holds where
+they are; the other matrices are sharded by rows, so their direction is all-gathered, the dp
+ranks share out the iteration on the whole matrices and keep their rows."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING
 
@@ -25,16 +26,7 @@ from moetrain.model.transformer import canonical_name
 from moetrain.optim.base import TorchAdamW, build_adamw
 from moetrain.optim.clip import global_grad_norm
 from moetrain.optim.grad_store import GradStore
-from moetrain.optim.muon import (
-    MatrixShape,
-    MuonConfig,
-    apply_update,
-    check_matrices,
-    momentum_direction,
-    muon_matrices,
-    newton_schulz,
-    ns_dtype,
-)
+from moetrain.optim.muon import LocalMatrices, MatrixShape, Muon, MuonConfig, check_matrices, muon_matrices
 from moetrain.parallel.dims import ParallelState
 from moetrain.parallel.fsdp import copy_shard, full_tensor, is_sharded, local_flat_range, reshard
 
@@ -78,22 +70,30 @@ class FSDPAdamW(TorchAdamW):
                 if p.requires_grad:
                     self.grads.add(p)
         self.low_grads = self.grads is not None
-        self.muon: FSDPMuon | None = None
-        if cfg.name == "muon":
-            shapes = muon_matrices(model)
-            named = [(canonical_name(n), p) for n, p in model.named_parameters() if id(p) in shapes]
-            muon_cfg = MuonConfig(cfg.muon_momentum, cfg.muon_ns_steps, cfg.weight_decay)
-            self.muon = FSDPMuon(named, shapes, muon_cfg, cfg.moments_dtype.dtype)
-        exclude = {id(p) for p in self.muon.params} if self.muon is not None else set()
-        self.adamw = build_adamw(model, cfg, exclude=exclude, grad_of=self.grads.grad if self.low_grads else None)
+        shapes = muon_matrices(model) if cfg.name == "muon" else {}
+        self.muon_named = [(canonical_name(n), p) for n, p in model.named_parameters() if id(p) in shapes]
+        """optim.name=muon: the matrices Muon updates, by canonical name."""
+        check_matrices(self.muon_named, shapes)
+        parts = [_muon_part(p, shapes[id(p)], cfg.moments_dtype.dtype) for _, p in self.muon_named]
+        self.muon = Muon(MuonConfig.of(cfg), parts, gather=self._whole_directions)
+        self.adamw = build_adamw(model, cfg, exclude=set(shapes), grad_of=self.grads.grad if self.low_grads else None)
         self.fused = any(g.get("fused") for g in self.adamw.param_groups)
 
     def _update(self, skip: torch.Tensor | None) -> None:
         muon_coef = self._clip_coef  # where the gradients were not scaled in place
         super()._update(skip)
-        if self.muon is not None:
-            grads = [self.grads.grad(p) if self.grads is not None else p.grad for p in self.muon.params]
-            self.muon.step(grads, self.adamw.param_groups[0]["lr"], muon_coef, skip)
+        grads = [self.grads.grad(p) if self.grads is not None else p.grad for _, p in self.muon_named]
+        self.muon.step(
+            [None if g is None else _local(g) for g in grads], self.adamw.param_groups[0]["lr"], muon_coef, skip
+        )
+
+    def _whole_directions(self, directions: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """`Muon`'s gather: the rows of a row-sharded matrix's direction all-gathered; whole
+        experts' (and an unsharded tensor's) stay as they are."""
+        return [
+            full_tensor(_like(p, u)) if u is not None and x.group is not None else u
+            for (_, p), x, u in zip(self.muon_named, self.muon.parts, directions)
+        ]
 
     def grad_parts(self) -> list[tuple[str, torch.Tensor, bool]]:
         """Each parameter's local gradient shard (`Optimizer.grad_parts`; FSDP shards every
@@ -126,7 +126,7 @@ class FSDPAdamW(TorchAdamW):
         self.adamw.zero_grad(set_to_none=True)
         if self.grads is not None:
             self.grads.zero_grad()
-        for p in self.muon.params if self.muon is not None else ():
+        for _, p in self.muon_named:
             p.grad = None
 
     def grad_bytes(self) -> int:
@@ -141,8 +141,7 @@ class FSDPAdamW(TorchAdamW):
 
     def memory_bytes(self) -> int:
         """Bytes of AdamW and Muon state this rank holds (its shards)."""
-        tensors = list(self.muon.momentum) if self.muon is not None else []
-        tensors += [
+        tensors = self.muon.momentum + [
             t.to_local() if is_sharded(t) else t
             for s in self.adamw.state.values()
             for t in s.values()
@@ -154,7 +153,7 @@ class FSDPAdamW(TorchAdamW):
         """The live AdamW state per parameter: DTensors sharded like the parameters (a
         checkpoint saves and loads each rank's shard of them). No copy, no communication."""
         reshard(self.model)  # the parameters must be the sharded ones AdamW holds state for
-        muon = self.muon.checkpoint_tensors() if self.muon is not None else {}
+        muon = {n: {"momentum": _like(p, m)} for (n, p), m in zip(self.muon_named, self.muon.momentum)}
         return {
             canonical_name(name): muon.get(canonical_name(name)) or self._live_state(p)
             for name, p in self.model.named_parameters()
@@ -166,7 +165,7 @@ class FSDPAdamW(TorchAdamW):
         Collective: the shards are all-gathered (briefly the unsharded moments, 8 bytes per
         parameter element)."""
         reshard(self.model)  # the parameters must be the sharded ones AdamW holds state for
-        out = self.muon.state_tensors() if self.muon is not None else {}
+        out = {n: {"momentum": full_tensor(_like(p, m))} for (n, p), m in zip(self.muon_named, self.muon.momentum)}
         for name, p in self.model.named_parameters():
             if canonical_name(name) in out:
                 continue
@@ -183,10 +182,11 @@ class FSDPAdamW(TorchAdamW):
         """Take full per-parameter moments (as `state_dict_tensors` gives them) and keep this
         rank's shards. No communication."""
         reshard(self.model)
-        if self.muon is not None:
-            self.muon.load_state_tensors(state)
+        for (n, p), m in zip(self.muon_named, self.muon.momentum):
+            copy_shard(_like(p, m), state[n]["momentum"])
+        muon = {n for n, _ in self.muon_named}
         for name, p in self.model.named_parameters():
-            if self.muon is not None and canonical_name(name) in self.muon.index:
+            if canonical_name(name) in muon:
                 continue
             entry = state[canonical_name(name)]
             live = self._live_state(p)
@@ -195,51 +195,14 @@ class FSDPAdamW(TorchAdamW):
                     copy_shard(live[key], value)
 
 
-class FSDPMuon:
-    """Muon over FSDP's dim-0 shards (module docstring): per matrix parameter, the momentum of
-    the local rows; whole experts orthogonalized where they are, the other matrices gathered."""
-
-    def __init__(self, named: list[tuple[str, nn.Parameter]], shapes: dict[int, MatrixShape], cfg: MuonConfig,
-                 moments_dtype: torch.dtype):  # fmt: skip
-        check_matrices(named, shapes)
-        self.names = [n for n, _ in named]
-        self.index = {n: i for i, n in enumerate(self.names)}
-        self.params = [p for _, p in named]
-        self.shapes = [shapes[id(p)] for p in self.params]
-        self.cfg = cfg
-        self.momentum = [torch.zeros_like(_local(p), dtype=moments_dtype) for p in self.params]
-
-    @torch.no_grad()
-    def step(
-        self, grads: list[torch.Tensor | None], lr: float, coef: torch.Tensor | None, skip: torch.Tensor | None
-    ) -> None:
-        for p, g, m, shape in zip(self.params, grads, self.momentum, self.shapes):
-            if g is None:
-                continue
-            dtype = ns_dtype(m.device)
-            u = momentum_direction(m, _local(g), self.cfg.momentum, coef, skip, dtype)
-            if not is_sharded(p) or p.ndim == 3:  # whole, or whole experts along dim 0
-                o = newton_schulz(u.view(-1, shape.rows, shape.cols), self.cfg.ns_steps, dtype)
-            else:  # rows of a matrix: orthogonalize the whole one, keep the rows
-                whole = DTensor.from_local(u, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
-                o_full = newton_schulz(whole.full_tensor().view(1, shape.rows, shape.cols), self.cfg.ns_steps, dtype)
-                start, _ = local_flat_range(p)
-                o = o_full.view(-1)[start : start + u.numel()]
-            apply_update(_local(p), o.view(u.shape), shape.scale, lr, self.cfg.weight_decay, skip)
-
-    def checkpoint_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Canonical name → {"momentum": this rank's rows, as a DTensor like the parameter}."""
-        return {n: {"momentum": _like(p, m)} for n, p, m in zip(self.names, self.params, self.momentum)}
-
-    def state_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Canonical name → {"momentum": the whole momentum} (collective: gathered)."""
-        return {n: {"momentum": full_tensor(_like(p, m))} for n, p, m in zip(self.names, self.params, self.momentum)}
-
-    @torch.no_grad()
-    def load_state_tensors(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
-        """Keep this rank's rows of each whole "momentum" in `state`. No communication."""
-        for n, p, m in zip(self.names, self.params, self.momentum):
-            copy_shard(_like(p, m), state[n]["momentum"])
+def _muon_part(p: nn.Parameter, shape: MatrixShape, moments_dtype: torch.dtype) -> LocalMatrices:
+    """This rank's shard of `p` as `Muon`'s part: rows of a matrix (gathered whole, the iteration
+    shared out over the dp ranks), or whole experts along dim 0 (orthogonalized here)."""
+    local = _local(p)
+    momentum = torch.zeros_like(local, dtype=moments_dtype)
+    if is_sharded(p) and p.ndim != 3:
+        return LocalMatrices(shape, local, momentum, local_flat_range(p)[0], p.device_mesh.get_group())
+    return LocalMatrices(dataclasses.replace(shape, count=local.numel() // shape.numel), local, momentum)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -28,11 +28,12 @@ A = X·Xᵀ (a tall X: A = Xᵀ·X and X ← a·X + X·(b·A + c·A²), the same
 (3.4445, −4.7750, 2.0315), the quintic of Keller Jordan's Muon, which drives singular values in
 (0, 1] to [0.7, 1.2] in 5 steps. It runs in bf16 on CUDA (its matmuls) and in fp32 elsewhere.
 
-Where a matrix is sharded, the iteration needs it whole. Each optimizer builds the same update
-from the parts it holds (`MuonMatrices`): the replicated optimizer holds every matrix whole
-(experts: the rank's whole experts); the sharded one all-gathers U of the buckets it holds
-matrices of and orthogonalizes only the matrices its shard touches; FSDP's dim-0 shards hold
-whole experts (orthogonalized where they are) and rows of the other matrices (U all-gathered).
+Where a matrix is sharded, the iteration needs it whole. One `Muon` steps every layout: each
+optimizer hands it the parts it holds (`LocalMatrices`) and how to gather a part's direction
+whole. The replicated optimizer holds every matrix whole (experts: the rank's whole experts); the
+sharded one holds pieces of its buckets' shards and all-gathers U per bucket; FSDP's dim-0 shards
+hold whole experts (orthogonalized where they are) and rows of the other matrices (U gathered).
+Across the ranks holding U alike, each matrix is orthogonalized once and the results gathered.
 The momentum is kept where the gradient is: whole, or as the rank's shard.
 """
 
@@ -40,12 +41,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from moetrain.model.experts import GroupedExperts
+
+if TYPE_CHECKING:
+    from moetrain.optim.config import OptimConfig
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 """The quintic's (a, b, c)."""
@@ -129,10 +134,9 @@ class MuonConfig:
     ns_steps: int
     weight_decay: float
 
-
-def ns_dtype(device: torch.device) -> torch.dtype:
-    """The iteration's dtype: bf16 on CUDA, fp32 elsewhere (the CPU tests compare layouts in fp32)."""
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+    @classmethod
+    def of(cls, cfg: OptimConfig) -> MuonConfig:
+        return cls(cfg.muon_momentum, cfg.muon_ns_steps, cfg.weight_decay)
 
 
 def momentum_direction(
@@ -183,60 +187,85 @@ def _compiled(fn):
     return torch.compile(fn, dynamic=True)
 
 
-class MuonMatrices:
-    """Muon's state and update over parameters this rank holds whole (the replicated optimizer's:
-    dense matrices whole on every rank, experts whole on the rank that holds them).
+@dataclasses.dataclass
+class LocalMatrices:
+    """This rank's part of one parameter Muon steps: elements [start, start + target.numel()) of
+    the parameter's row-major elements (all of them where the rank holds it whole)."""
 
-    A parameter held alike by a group of ranks (`groups`: the data-parallel replicas of the dense
-    ones, the expert-replica group of the experts) has its matrices orthogonalized once across the
-    group: its matrices are cut into contiguous runs (`_Share`), each run given to one rank (the
-    least loaded by Newton–Schulz's work, m·n·min(m, n) a matrix), and the results all-gathered
-    in the iteration's dtype, the momentum and the update staying on every rank. Every rank
-    computes the same O a lone rank would (the same reduced gradient, the same iteration on each
-    matrix), so the division changes no number."""
+    shape: MatrixShape
+    """The parameter's matrices (the part's, where no rank gathers the rest: FSDP's experts)."""
+    target: torch.Tensor
+    """The values this rank updates: the parameter, its shard, or its master's shard."""
+    momentum: torch.Tensor
+    """M of those values."""
+    start: int = 0
+    group: dist.ProcessGroup | None = None
+    """The ranks that hold the whole direction alike and share out its orthogonalization."""
 
-    def __init__(self, named: list[tuple[str, nn.Parameter]], shapes: dict[int, MatrixShape], cfg: MuonConfig, *,
-                 moments_dtype: torch.dtype = torch.float32, groups: list | None = None):  # fmt: skip
-        check_matrices(named, shapes)
-        self.names = [n for n, _ in named]
-        self.params = [p for _, p in named]
-        self.shapes = [shapes[id(p)] for p in self.params]
-        self.cfg = cfg
-        self.momentum = [torch.zeros_like(p, dtype=moments_dtype) for p in self.params]
-        groups = groups or [None] * len(self.params)
-        self.shares = [_Share(g, [i for i, pg in enumerate(groups) if pg is g], self.shapes) for g in _unique(groups)]
+
+class Muon:
+    """Muon's update (module docstring) over the parts of its matrices a rank holds (`parts`):
+    the momentum and the update on the part, Newton–Schulz on whole matrices.
+
+    Each optimizer hands over its parts and `gather`: each part's direction U → the parameter's
+    whole U, flat (the replicated optimizer's parts are whole: none; the sharded one all-gathers
+    its buckets, FSDP its row-sharded matrices). A parameter whose whole U a group of ranks holds
+    alike has its matrices orthogonalized once across the group: its matrices are cut into
+    contiguous runs (`_Share`), each run given to one rank (the least loaded by Newton–Schulz's
+    work, m·n·min(m, n) a matrix), and the results all-gathered in the iteration's dtype. Every
+    rank computes the same O a lone rank would, so neither the layout nor the division changes a
+    number."""
+
+    def __init__(self, cfg: MuonConfig, parts: list[LocalMatrices], gather=None):
+        self.cfg, self.parts, self.gather = cfg, parts, gather
+        groups = [x.group for x in parts]
+        shapes = [x.shape for x in parts]
+        unique = {id(g): g for g in groups}.values()  # process groups compare by identity
+        self.shares = [_Share(g, [i for i, pg in enumerate(groups) if pg is g], shapes) for g in unique]
         """Per group of ranks (None: this rank alone), who orthogonalizes which matrices."""
+
+    @classmethod
+    def whole(cls, named: list[tuple[str, nn.Parameter]], shapes: dict[int, MatrixShape], cfg: MuonConfig, *,
+              moments_dtype: torch.dtype = torch.float32, groups: list | None = None) -> Muon:  # fmt: skip
+        """Over parameters this rank holds whole; `groups`: per parameter, the ranks that hold it
+        alike (the data-parallel replicas of the dense ones, the expert-replica group of the experts)."""
+        check_matrices(named, shapes)
+        groups = groups or [None] * len(named)
+        parts = [
+            LocalMatrices(shapes[id(p)], p, torch.zeros_like(p, dtype=moments_dtype), group=g)
+            for (_, p), g in zip(named, groups)
+        ]
+        return cls(cfg, parts)
+
+    @property
+    def momentum(self) -> list[torch.Tensor]:
+        return [x.momentum for x in self.parts]
 
     @torch.no_grad()
     def step(
         self, grads: list[torch.Tensor | None], lr: float, coef: torch.Tensor | None, skip: torch.Tensor | None
     ) -> None:
-        """One update of every parameter from its gradient in `grads` (same order; None: no
-        gradient this step, no update, as AdamW skips it)."""
+        """One update of every part from its gradient in `grads` (same order, the part's elements;
+        None: no gradient this step, no update, as AdamW skips it)."""
+        # the iteration's dtype: bf16 on CUDA, fp32 elsewhere (the CPU tests compare layouts in fp32)
+        dtype = torch.bfloat16 if any(x.target.is_cuda for x in self.parts) else torch.float32
         directions = [
-            None if g is None else momentum_direction(m, g, self.cfg.momentum, coef, skip, ns_dtype(p.device))
-            for p, g, m in zip(self.params, grads, self.momentum)
+            None if g is None else momentum_direction(x.momentum, g, self.cfg.momentum, coef, skip, dtype)
+            for x, g in zip(self.parts, grads)
         ]
+        whole = directions if self.gather is None else self.gather(directions)
         for share in self.shares:
-            for i, o in share.orthogonalized(directions, self.cfg.ns_steps):
-                p, shape = self.params[i], self.shapes[i]
-                apply_update(p, o.view(p.shape), shape.scale, lr, self.cfg.weight_decay, skip)
+            for i, o in share.orthogonalized(whole, self.cfg.ns_steps):
+                x = self.parts[i]
+                piece = o.reshape(-1)[x.start : x.start + x.target.numel()]
+                apply_update(x.target, piece, x.shape.scale, lr, self.cfg.weight_decay, skip)
 
     def memory_bytes(self) -> int:
         return sum(m.numel() * m.element_size() for m in self.momentum)
 
 
-def _unique(groups: list) -> list:
-    """The distinct groups, in first-seen order (process groups compare by identity)."""
-    out: list = []
-    for g in groups:
-        if not any(g is h for h in out):
-            out.append(g)
-    return out
-
-
 class _Share:
-    """One group's division of Newton–Schulz (`MuonMatrices`): parameters `indices` of `shapes`,
+    """One group's division of Newton–Schulz (`Muon`): parameters `indices` of `shapes`,
     each cut into at most `size` contiguous runs of its matrices, the runs dealt out (largest
     first) to the rank with the least work so far; every rank computes this deal alike."""
 

@@ -7,7 +7,7 @@ optim.grad_dtype=bf16 the gradients are bf16 off the parameters' `.grad`: in the
 buckets (dp > 1) or, at dp = 1, in a `GradStore` (src/moetrain/optim/grad_store.py) that allocates
 them as backward reaches each parameter; `MomentsAdamW` (src/moetrain/optim/adamw.py) reads them in
 fp32 in torch AdamW's place. With optim.name=muon the blocks' matrices are Muon's
-(`MuonMatrices`, src/moetrain/optim/muon.py: every rank holds them whole, experts its own, and
+(`Muon.whole`, src/moetrain/optim/muon.py: every rank holds them whole, experts its own, and
 orthogonalizes its share of them, the results all-gathered) and torch AdamW keeps the rest."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from moetrain.optim.base import FlatShard, TorchAdamW, build_adamw, use_fused
 from moetrain.optim.clip import global_grad_norm
 from moetrain.optim.grad_reducer import GradReducer, GradReduction, NoReduction, expert_param_ids, reduced_param_ids
 from moetrain.optim.grad_store import GradStore
-from moetrain.optim.muon import MuonConfig, MuonMatrices, muon_matrices
+from moetrain.optim.muon import Muon, MuonConfig, muon_matrices
 from moetrain.optim.split_master import SplitMaster, is_split_candidate
 from moetrain.parallel.dims import ParallelState
 
@@ -77,16 +77,13 @@ class ReplicatedAdamW(TorchAdamW):
         rest = [p for p in model.parameters() if id(p) not in split_ids]
         self.expert_params = [p for p in rest if id(p) in expert_ids]
         self.dense_params = [p for p in rest if id(p) not in expert_ids]
-        self.muon: MuonMatrices | None = None
-        """optim.name=muon: the matrices Muon updates, their momentum (whole: every rank holds them)."""
-        if cfg.name == "muon":
-            shapes = muon_matrices(model)
-            named = [(n, p) for n, p in model.named_parameters() if id(p) in shapes]
-            muon_cfg = MuonConfig(cfg.muon_momentum, cfg.muon_ns_steps, cfg.weight_decay)
-            experts = expert_param_ids(model)
-            groups = [state.edp_group if id(p) in experts else state.dp_group for _, p in named]
-            self.muon = MuonMatrices(named, shapes, muon_cfg, moments_dtype=cfg.moments_dtype.dtype, groups=groups)
-        muon_ids = {id(p) for p in self.muon.params} if self.muon is not None else set()
+        shapes = muon_matrices(model) if cfg.name == "muon" else {}
+        self.muon_named = [(n, p) for n, p in model.named_parameters() if id(p) in shapes]
+        """optim.name=muon: the matrices Muon updates (whole: every rank holds them)."""
+        groups = [state.edp_group if id(p) in expert_ids else state.dp_group for _, p in self.muon_named]
+        self.muon = Muon.whole(self.muon_named, shapes, MuonConfig.of(cfg), moments_dtype=cfg.moments_dtype.dtype,
+                               groups=groups)  # fmt: skip
+        muon_ids = set(shapes)
         self.adamw = build_adamw(
             model, cfg, exclude=split_ids | muon_ids, grad_of=self._grad_of if self.low_grads else None
         )
@@ -128,9 +125,9 @@ class ReplicatedAdamW(TorchAdamW):
         # the clipping factor where the gradients were not scaled in place (fused, or bf16 ones)
         muon_coef = self._clip_coef
         super()._update(skip)
-        if self.muon is not None:
-            grads = [self._grad_of(p) for p in self.muon.params]
-            self.muon.step(grads, self.adamw.param_groups[0]["lr"], muon_coef, skip)
+        self.muon.step(
+            [self._grad_of(p) for _, p in self.muon_named], self.adamw.param_groups[0]["lr"], muon_coef, skip
+        )
         coef, self._split_coef = self._split_coef, None
         if self.split is not None:
             s = self.split
@@ -150,7 +147,7 @@ class ReplicatedAdamW(TorchAdamW):
             self.adamw.zero_grad(set_to_none=True)
             if self.grads is not None:
                 self.grads.zero_grad()
-            for p in self.muon.params if self.muon is not None else ():
+            for _, p in self.muon_named:
                 p.grad = None
 
     def master_weights(self) -> dict[str, torch.Tensor]:
@@ -198,9 +195,8 @@ class ReplicatedAdamW(TorchAdamW):
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def memory_bytes(self) -> int:
-        muon = self.muon.memory_bytes() if self.muon is not None else 0
         return (
-            muon
+            self.muon.memory_bytes()
             + (self.split.memory_bytes() if self.split is not None else 0)
             + sum(
                 t.numel() * t.element_size()
@@ -214,8 +210,7 @@ class ReplicatedAdamW(TorchAdamW):
         """The live AdamW state per parameter (created as zeros for a fresh optimizer, so a
         checkpoint can be loaded into it in place)."""
         own = self.split.state_tensors() if self.split is not None else {}
-        if self.muon is not None:  # Muon's one buffer per matrix
-            own.update({name: {"momentum": m} for name, m in zip(self.muon.names, self.muon.momentum)})
+        own.update({name: {"momentum": m} for (name, _), m in zip(self.muon_named, self.muon.momentum)})
         return {
             canonical_name(name): own[name] if name in own else self._live_state(p)
             for name, p in self.model.named_parameters()

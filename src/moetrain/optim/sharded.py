@@ -37,12 +37,11 @@ replicated optimizer's does: with clipping off the two step bit for bit alike.
 After `finish()` the reduced gradient lives only in the shards: `p.grad` still holds this rank's
 local, unreduced sum (the bucket is the reduce-scatter's input), until `zero_grad()`.
 
-With optim.name=muon the blocks' matrices are bucketed apart (`muon` buckets) and step by Muon
-(src/moetrain/optim/muon.py): each rank keeps the momentum of its shard only; the update's direction
-U of each such bucket is all-gathered (in the iteration's dtype, bf16 on CUDA), and each rank
-runs Newton–Schulz on the matrices its shard touches — a matrix is needed whole, and across the
-group every matrix is orthogonalized once, or twice where it straddles two shards — then updates
-its master shard; the parameters are all-gathered as for AdamW.
+With optim.name=muon the blocks' matrices are bucketed apart (`muon` buckets) and step by `Muon`
+(src/moetrain/optim/muon.py) over the pieces of them this rank's shards hold (`_muon_parts`): the
+momentum of the shard only (in `exp_avg_S`), the update's direction U of each such bucket
+all-gathered (in the iteration's dtype, bf16 on CUDA), Newton–Schulz on whole matrices shared out
+over the bucket's group, the master shard updated; the parameters are all-gathered as for AdamW.
 
 Checkpoints: each rank saves and loads only its shards (`checkpoint_tensors`,
 `checkpoint_masters`): a parameter's piece [a, b) of a bucket shard is a `FlatShard` of its
@@ -65,7 +64,7 @@ from moetrain.optim.adamw import AdamWGroup, adamw_update
 from moetrain.optim.base import FlatShard, StepHooks, param_groups, use_fused
 from moetrain.optim.clip import clip_coefficient
 from moetrain.optim.grad_reducer import Bucket, GradReducer
-from moetrain.optim.muon import MatrixShape, apply_update, momentum_direction, muon_matrices, newton_schulz, ns_dtype
+from moetrain.optim.muon import LocalMatrices, MatrixShape, Muon, MuonConfig, muon_matrices
 from moetrain.optim.split_master import is_split_candidate, join, split_fp32
 from moetrain.parallel.dims import ParallelState
 
@@ -91,7 +90,7 @@ class _ShardedBucket(Bucket):
     """Start of each parameter in the flat buffers."""
     lo: int = 0
     muon: bool = False
-    """Muon's matrices (optim.name=muon), stepped by `ShardedAdamW._muon_update`."""
+    """Muon's matrices (optim.name=muon), stepped by `ShardedAdamW.muon`."""
 
     @property
     def hi(self) -> int:
@@ -209,6 +208,8 @@ class ShardedAdamW(StepHooks):
         self._grad_coef: torch.Tensor | None = None
         """The clipping factor `clip_grad_norm` left for the update (fused, or bf16 gradients)."""
         self._groups = self._adamw_groups(param_groups(model, cfg.weight_decay)[0]["params"])
+        parts, self._muon_grads = self._muon_parts()
+        self.muon = Muon(MuonConfig.of(cfg), parts, gather=self._whole_directions)
         # Fused (the default on CUDA): the update runs on the device, the skip decision and the
         # clipping factor stay there (no host sync).
         device = self.buckets[0].grad_S.device if self.buckets else torch.device("cpu")
@@ -313,29 +314,34 @@ class ShardedAdamW(StepHooks):
             self._groups, self._step_t, lr=self.lr, betas=tuple(self.cfg.betas), eps=self.cfg.eps,
             grad_coef=coef, skip=skip, fused=self.fused,
         )  # fmt: skip
-        for i, b in enumerate(self.buckets):
-            if b.muon:
-                self._muon_update(i, coef, skip)
+        self.muon.step(self._muon_grads, self.lr, coef, skip)
         self._all_gather_params()
 
-    def _muon_update(self, i: int, coef: torch.Tensor | None, skip: torch.Tensor | None) -> None:
-        """Muon on bucket i's shard (module docstring): momentum on the shard, the direction
-        all-gathered, Newton–Schulz on the matrices the shard touches, the master shard updated."""
-        b, master_S = self.buckets[i], self.master_S[i]
-        dtype = ns_dtype(self.exp_avg_S[i].device)
-        u_S = momentum_direction(self.exp_avg_S[i], b.grad_S, self.cfg.muon_momentum, coef, skip, dtype)
-        u_N = self._gather(b, u_S)
-        for p, off in zip(b.params, b.offsets):
-            start, end = max(off, b.lo), min(off + p.numel(), b.hi)
-            if start >= end:
-                continue
-            shape = self.shapes[id(p)]
-            mn = shape.numel
-            first, last = (start - off) // mn, (end - off + mn - 1) // mn  # the matrices [first, last) touched
-            u_kMN = u_N[off + first * mn : off + last * mn].view(last - first, shape.rows, shape.cols)
-            o = newton_schulz(u_kMN, self.cfg.muon_ns_steps, dtype).view(-1)
-            piece = o[start - off - first * mn : end - off - first * mn]
-            apply_update(master_S[start - b.lo : end - b.lo], piece, shape.scale, self.lr, self.cfg.weight_decay, skip)
+    def _muon_parts(self) -> tuple[list[LocalMatrices], list[torch.Tensor]]:
+        """`Muon`'s parts, one per parameter of the `muon` buckets: the piece of it in this rank's
+        shard (master and momentum; empty where the shard holds none of it), and its gradient."""
+        parts, grads = [], []
+        for b, master_S, exp_avg_S in zip(self.buckets, self.master_S, self.exp_avg_S):
+            for p, off in zip(b.params if b.muon else (), b.offsets):
+                start = max(off, b.lo)
+                cut = slice(start - b.lo, max(start, min(off + p.numel(), b.hi)) - b.lo)
+                parts.append(LocalMatrices(self.shapes[id(p)], master_S[cut], exp_avg_S[cut], start - off, b.group))
+                grads.append(b.grad_S[cut])
+        return parts, grads
+
+    def _whole_directions(self, directions: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`Muon`'s gather: each `muon` bucket's direction, its pieces laid into a shard and
+        all-gathered over the bucket's group; each parameter's whole direction a view of it."""
+        whole, rest = [], iter(directions)
+        for b in (b for b in self.buckets if b.muon):
+            pieces = [next(rest) for _ in b.params]
+            u_S = pieces[0].new_zeros(b.grad_S.numel())
+            for u, off in zip(pieces, b.offsets):
+                start = max(off, b.lo) - b.lo
+                u_S[start : start + u.numel()].copy_(u)
+            u_N = self._gather(b, u_S)
+            whole += [u_N[off : off + p.numel()] for p, off in zip(b.params, b.offsets)]
+        return whole
 
     def _all_gather_params(self) -> None:
         works = []

@@ -114,11 +114,12 @@ def communication(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume
         comm["context_all_gather"] = _context_bytes(cfg, L, rank, t)
         comm_t["context_exchange"] = comm["context_all_gather"] / (net(L.cp) * assume.link_eff)
     if cfg.optim.name.value == "muon":
-        # in bf16 over the ranks that share them: the replicated optimizer's orthogonalized
-        # matrices (each rank computed its share), the sharded optimizer's update directions of
-        # its Muon buckets, FSDP's of its non-expert matrices
+        # in bf16 over the ranks that share them: the orthogonalized matrices (each rank computed
+        # its share), and before that the update directions of the sharded optimizer's Muon
+        # buckets and of FSDP's non-expert matrices (its experts stay whole where they are)
         experts = 0.0 if fsdp else rank.expert_local * _ring(L.edp)
-        comm["muon_all_gather"] = 2 * (rank.muon_dense_local * _ring(L.replicas) + experts)
+        gathers = 2 if fsdp or L.shard_optimizer else 1
+        comm["muon_all_gather"] = 2 * gathers * (rank.muon_dense_local * _ring(L.replicas) + experts)
         comm_t["muon_all_gather"] = comm["muon_all_gather"] / (net(L.replicas) * assume.link_eff)
     if L.pp > 1:
         sends = 2 * L.micro_batches * L.stages_per_rank * t * m.d_model * (1 + m.mtp_depth) * 4
@@ -196,16 +197,15 @@ def _mtp_flops_per_token(cfg: RunConfig) -> float:
 
 def _muon_time(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume: Assumptions) -> tuple[float, float]:
     """(Muon's elements this rank updates, the seconds of its step) with optim.name=muon: the
-    Newton–Schulz iterations at their measured rate (`Assumptions.ns_eff`) — the replicated
-    and the sharded optimizers over their share of the matrices (÷ dp·cp dense, ÷ edp experts;
-    the replicated one then updates every local matrix), FSDP over every non-expert matrix
-    (gathered whole on each rank) and its experts' rows (÷ dp·cp) — and the element-wise passes
+    Newton–Schulz iterations at their measured rate (`Assumptions.ns_eff`) over this rank's
+    share of the matrices (÷ dp·cp dense, ÷ edp experts, FSDP's experts ÷ dp·cp; the replicated
+    optimizer then updates every local matrix) — and the element-wise passes
     of src/moetrain/optim/muon.py over each element it updates (`Assumptions.muon_bytes`)."""
     if cfg.optim.name.value != "muon":
         return 0.0, 0.0
     fsdp = L.stack == Stack.fsdp.value
     if fsdp:
-        flops = rank.ns_dense + rank.ns_experts / L.replicas
+        flops = (rank.ns_dense + rank.ns_experts) / L.replicas
         updated = (rank.muon_dense_local + rank.expert_local) / L.replicas
     else:
         flops = rank.ns_dense / L.replicas + rank.ns_experts / L.edp

@@ -22,6 +22,7 @@ model's size:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -35,6 +36,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from moetrain.errors import CheckpointError
 from moetrain.optim.base import FlatShard
+from moetrain.optim.config import OptimizerName
 
 INDEX = ".metadata"
 
@@ -203,22 +205,18 @@ def diagnose(path: str | Path) -> str | None:
     return None
 
 
-_STATE_OF = {"adamw": ("step", "exp_avg", "exp_avg_sq"), "muon": ("momentum",)}
-"""The optimizer state entries of a matrix under each optim.name (src/moetrain/optim/muon.py)."""
-
-
 def _other_optimizer(key: str, stored: dict[str, Any]) -> str | None:
     """When `key` (an optimizer entry "optim.NAME.STATE", "/E" after it for expert E) is missing
     because the checkpoint holds the other optimizer's state for that parameter, the sentence
     that says so."""
     key, slash, expert = key.partition("/")
     param, _, state = key[len("optim.") :].rpartition(".")
-    for mine, theirs in (("muon", "adamw"), ("adamw", "muon")):
-        their_tensors = [s for s in _STATE_OF[theirs] if s != "step"]  # a 0-d step is not per element
-        if state in _STATE_OF[mine] and all(f"optim.{param}.{s}{slash}{expert}" in stored for s in their_tensors):
+    for mine, theirs in itertools.permutations(OptimizerName, 2):
+        their_tensors = [s for s in theirs.state if s != "step"]  # a 0-d step is not per element
+        if state in mine.state and all(f"optim.{param}.{s}{slash}{expert}" in stored for s in their_tensors):
             return (
                 f"it holds optim.name={theirs}'s state for {param} ({', '.join(their_tensors)}) and this run has "
-                f"optim.name={mine}, which keeps {', '.join(_STATE_OF[mine])}: resume with --optim.name={theirs}, or "
+                f"optim.name={mine}, which keeps {', '.join(mine.state)}: resume with --optim.name={theirs}, or "
                 f"start a new run from its weights with --checkpoint.init_from"
             )
     return None
