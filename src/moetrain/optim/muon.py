@@ -223,6 +223,9 @@ class Muon:
         unique = {id(g): g for g in groups}.values()  # process groups compare by identity
         self.shares = [_Share(g, [i for i, pg in enumerate(groups) if pg is g], shapes) for g in unique]
         """Per group of ranks (None: this rank alone), who orthogonalizes which matrices."""
+        cuda = any(x.target.is_cuda for x in parts)
+        self.dtype = torch.bfloat16 if cuda else torch.float32
+        """The iteration's dtype: bf16 on CUDA, fp32 elsewhere (the CPU tests compare layouts in fp32)."""
 
     @classmethod
     def whole(cls, named: list[tuple[str, nn.Parameter]], shapes: dict[int, MatrixShape], cfg: MuonConfig, *,
@@ -247,10 +250,8 @@ class Muon:
     ) -> None:
         """One update of every part from its gradient in `grads` (same order, the part's elements;
         None: no gradient this step, no update, as AdamW skips it)."""
-        # the iteration's dtype: bf16 on CUDA, fp32 elsewhere (the CPU tests compare layouts in fp32)
-        dtype = torch.bfloat16 if any(x.target.is_cuda for x in self.parts) else torch.float32
         directions = [
-            None if g is None else momentum_direction(x.momentum, g, self.cfg.momentum, coef, skip, dtype)
+            None if g is None else momentum_direction(x.momentum, g, self.cfg.momentum, coef, skip, self.dtype)
             for x, g in zip(self.parts, grads)
         ]
         whole = directions if self.gather is None else self.gather(directions)

@@ -156,21 +156,7 @@ class ParallelConfig(Config):
     chunks split each rank's experts (model.moe.num_experts / ep) where n divides them, else its
     tokens; n > 1 needs a bounded capacity and 1/n of it goes to each chunk, so under skew a
     chunk may drop what the whole would keep. null (auto, the default): `AUTO_OVERLAP_CHUNKS` on
-    GPUs where the exchange is bounded (`chunks`), 0 elsewhere."""
-
-    def chunks(self, device_type: str | None, num_experts: int, defer_expert_weight_grad: bool = False) -> int:
-        """overlap_chunks on `device_type` (None: a GPU, as the planner plans), auto resolved:
-        `AUTO_OVERLAP_CHUNKS` where the sync-free exchange runs on GPUs under a capacity factor
-        (and, with deferred expert weight gradients, the chunks divide a rank's experts); 0 on
-        CPUs, where the chunks would take the 1024-row capacity floor instead of every row."""
-        if self.overlap_chunks is not None:
-            return self.overlap_chunks
-        if self.ep == 1 or self.dispatcher != DispatcherKind.nosync or self.capacity_factor is None:
-            return 0
-        if device_type not in (None, "cuda"):
-            return 0
-        divides = (num_experts // self.ep) % AUTO_OVERLAP_CHUNKS == 0
-        return AUTO_OVERLAP_CHUNKS if divides or not defer_expert_weight_grad else 0
+    GPUs where the exchange is bounded (`RunConfig.overlap_chunks`), 0 elsewhere."""
 
     def overlap_problem(self, num_experts: int, defer_expert_weight_grad: bool = False) -> str | None:
         """Why overlap_chunks cannot split the exchange of `num_experts` experts over ep ranks

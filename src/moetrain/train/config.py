@@ -20,7 +20,14 @@ from moetrain.errors import ConfigError
 from moetrain.model.config import MAX_LAYERS, Fp8, TransformerConfig
 from moetrain.model.fp8_choice import Fp8Select, choose_head
 from moetrain.optim.config import OptimConfig, OptimizerName, ScheduleConfig
-from moetrain.parallel.config import ParallelConfig, PipelineSchedule, Recompute, Stack
+from moetrain.parallel.config import (
+    AUTO_OVERLAP_CHUNKS,
+    DispatcherKind,
+    ParallelConfig,
+    PipelineSchedule,
+    Recompute,
+    Stack,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -468,11 +475,19 @@ class RunConfig(Config):
         return dataclasses.replace(dims, overlap_chunks=self.overlap_chunks(device))
 
     def overlap_chunks(self, device: torch.device | None = None) -> int:
-        """parallel.overlap_chunks on `device` (None: a GPU, as the planner plans), auto resolved
-        (`ParallelConfig.chunks`)."""
-        experts = self.model.moe.num_experts if self.model.num_moe_layers else 0
-        kind = device.type if device is not None else None
-        return self.parallel.chunks(kind, experts, self.compute.defer_expert_weight_grad)
+        """parallel.overlap_chunks on `device` (None: a GPU, as the planner plans), auto resolved:
+        `AUTO_OVERLAP_CHUNKS` where the sync-free exchange runs on GPUs under a capacity factor
+        (and, with deferred expert weight gradients, the chunks divide a rank's experts); 0 on
+        CPUs, where the chunks would take the 1024-row capacity floor instead of every row."""
+        p = self.parallel
+        if p.overlap_chunks is not None:
+            return p.overlap_chunks
+        if p.ep == 1 or p.dispatcher != DispatcherKind.nosync or p.capacity_factor is None:
+            return 0
+        if device is not None and device.type != "cuda":
+            return 0
+        divides = (self.model.moe.num_experts // p.ep) % AUTO_OVERLAP_CHUNKS == 0
+        return AUTO_OVERLAP_CHUNKS if divides or not self.compute.defer_expert_weight_grad else 0
 
 
 def _check_cuda_graphs(cfg: RunConfig, world_size: int | None) -> None:
