@@ -7,8 +7,8 @@ class represents exactly are exported so; any other feature is refused with a me
 the variant that exports natively, and `--remote-code`: that writes moetrain's own modeling file
 (src/moetrain/hf/modeling_moetrain.py, torch and transformers only) beside weights under moetrain's
 parameter names, with an `auto_map` in config.json, so that transformers loads any learned-routing
-model with `trust_remote_code=True` (the reference shapes included; tests/test_hf_remote.py checks
-logits, greedy text and a left-padded batch against moetrain).
+model with grouped-query attention with `trust_remote_code=True` (the reference shapes included;
+tests/test_hf_remote.py checks logits, greedy text and a left-padded batch against moetrain).
 
 Which class, field by field (src/moetrain/hf/arch.py is the code; both checked against transformers
 5.x's modeling files, and tested to equal logits):
