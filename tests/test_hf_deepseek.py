@@ -1,9 +1,9 @@
 """`moetrain export-hf` of multi-head latent attention (dsv3-tiny at test width): it loads as
 transformers' native DeepSeek-V3 and computes the same logits (fp32, ≤ 1e-4) and greedy
-continuation, with and without a query latent; import-hf reads it back bit for bit, and reads a
-randomly initialized DeepseekV3ForCausalLM that transformers saved (RoPE interleaved or not) to
-the logits transformers computes. What DeepSeek-V3 cannot express is refused naming the key.
-Skipped where the `hf` extra is absent."""
+continuation, with and without a query latent (in bf16 its router stays fp32); import-hf reads
+it back bit for bit, and reads a randomly initialized DeepseekV3ForCausalLM that transformers
+saved (RoPE interleaved or not) to the logits transformers computes. What DeepSeek-V3 cannot
+express is refused naming the key. Skipped where the `hf` extra is absent."""
 
 import dataclasses
 import json
@@ -74,6 +74,21 @@ def test_deepseek_v3_export_has_the_same_logits_and_greedy_continuation(trained,
     got = hf_greedy(hf, torch.tensor([tok.encode(prompt).ids]), 8)
     eos = tok.token_to_id("<|endoftext|>")
     assert (got[: got.index(eos)] if eos in got else got) == want
+
+
+@torch.no_grad()
+def test_bf16_keeps_the_router_in_fp32(trained, tmp_path, capsys):
+    """The default dtype: every tensor bf16 but the router's weight and selection bias, which
+    transformers keeps in fp32 (`_keep_in_fp32_modules_strict`) and loads so."""
+    from safetensors import safe_open
+
+    cli(capsys, "export-hf", trained, tmp_path / "hf")
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), framework="pt") as f:
+        fp32 = {n for n in f.keys() if f.get_slice(n).get_dtype() == "F32"}
+    assert fp32 and all(n.endswith(("mlp.gate.weight", "e_score_correction_bias")) for n in fp32), fp32
+    native = hf_model(tmp_path / "hf", dtype="auto")
+    assert native.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert native.model.layers[1].mlp.gate.weight.dtype == torch.float32
 
 
 @torch.no_grad()
