@@ -22,7 +22,7 @@ from conftest import tiny_overrides  # noqa: E402
 from moetrain.cli import main  # noqa: E402
 from moetrain.hf.arch import refusal, unsupported_features  # noqa: E402
 from moetrain.inference import load_for_inference  # noqa: E402
-from moetrain.model.config import AttentionKind, Gating  # noqa: E402
+from moetrain.model.config import Gating  # noqa: E402
 from moetrain.presets import PRESETS, preset, resolve_config  # noqa: E402
 from moetrain.testing.distributed import run_distributed  # noqa: E402
 from moetrain.train.checkpoint_index import SafeFileSystemReader  # noqa: E402
@@ -346,18 +346,16 @@ def test_every_preset_exports_or_names_the_variant_that_does():
             assert ("model.peri_norm=false" in text) == m.peri_norm, name
             assert ("model.embedding_norm=false" in text) == m.embedding_norm, name
             assert ("model.pre_norm=true" in text) == (not m.pre_norm), name
-            assert ("model.attention=mla" in text) == m.is_mla, name
-            assert ("--remote-code` exports it" in text) == (not m.is_mla), name
+            assert "--remote-code` exports it" in text, name
         variant = dataclasses.replace(
             m,
             peri_norm=False,
             pre_norm=True,
             embedding_norm=False,
-            attention=AttentionKind.gqa,
             moe=dataclasses.replace(m.moe, gating=Gating.sigmoid),
         )
         assert unsupported_features(variant, expert_bias_nonzero=True) == [], name
-    assert [n for n, ok in verdicts.items() if ok] == ["tiny"]
+    assert [n for n, ok in verdicts.items() if ok] == ["tiny", "dsv3-tiny", "dsv3-671b"]
 
 
 @pytest.mark.parametrize(

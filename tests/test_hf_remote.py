@@ -136,18 +136,6 @@ def test_random_routing_is_refused_even_with_remote_code(real_text_dir, tmp_path
     assert "model.moe.routing=random" in err and "Traceback" not in err
 
 
-def test_latent_attention_is_refused_natively_and_with_remote_code(real_text_dir, tmp_path, capsys):
-    """dsv3-tiny (model.attention=mla), trained a step at test width: neither export writes it."""
-    run = tmp_path / "run"
-    overrides = tiny_overrides(real_text_dir, run, "train.steps=1", "train.eval_every=0")
-    assert main(["train", "dsv3-tiny", *[f"--{o}" for o in overrides], "--quiet"]) == 0
-    capsys.readouterr()
-    for extra in ([], ["--remote-code"]):
-        assert main(["export-hf", str(run), str(tmp_path / "hf"), *extra]) == 2
-        err = capsys.readouterr().err
-        assert "model.attention=mla" in err and "Traceback" not in err and not (tmp_path / "hf").exists(), err
-
-
 def test_moetrain_export_hf_remote_code_as_typed(trained, tmp_path):
     """`moetrain export-hf RUN OUT --remote-code` in a shell: one JSON line, exit 0, and the
     directory transformers needs (weights, config with its auto_map, the modeling file, tokenizer,

@@ -182,8 +182,8 @@ def cmd_export_hf(argv: list[str]) -> int:
         parser.add_argument(
             "--remote-code",
             action="store_true",
-            help="write moetrain's own modeling file beside the weights (any model: load it with "
-            "trust_remote_code=True) instead of a native transformers class",
+            help="write moetrain's own modeling file beside the weights (any grouped-query-attention model: load "
+            "it with trust_remote_code=True) instead of a native transformers class",
         )
         parser.add_argument(
             "--license",
@@ -198,7 +198,8 @@ def cmd_export_hf(argv: list[str]) -> int:
         argv,
         "moetrain export-hf",
         "Write a checkpoint as a directory that transformers loads offline with a native architecture "
-        "(Qwen3-MoE for softmax gating, GLM-4-MoE for sigmoid gating): safetensors weights (sharded with an "
+        "(Qwen3-MoE for softmax gating, GLM-4-MoE for sigmoid gating, DeepSeek-V3 for multi-head latent "
+        "attention): safetensors weights (sharded with an "
         "index past --max-shard-size), config.json, tokenizer files, and a model card (README.md: the Hub's metadata, "
         "the model's shape, parameters, tokens, data and validation loss). Models that no native class represents "
         "exactly are refused, naming the feature and the variant that exports.",
@@ -215,7 +216,8 @@ def cmd_import_hf(argv: list[str]) -> int:
     return _convert(
         argv,
         "moetrain import-hf",
-        "Read a Hugging Face Qwen3-MoE or GLM-4-MoE directory (config.json, safetensors, tokenizer.json) into "
+        "Read a Hugging Face Qwen3-MoE, GLM-4-MoE or DeepSeek-V3 directory (config.json, safetensors, "
+        "tokenizer.json) into "
         "OUT_DIR: "
         "config.yaml, tokenizer.json and a weights-only checkpoint. Continue training it with `moetrain "
         "train OUT_DIR/config.yaml --checkpoint.init_from=OUT_DIR --data.sources=… --run-dir NEW`.",

@@ -1,9 +1,10 @@
 """The native transformers classes moetrain models leave (and enter) as: which of our
 configurations each one represents exactly, its config.json, and its tensor names.
 
-src/moetrain/hf/convert.py's docstring holds the mapping table; this file is its code. Two classes:
-`Qwen3MoeForCausalLM` for softmax gating and `Glm4MoeForCausalLM` for sigmoid gating. Every
-feature outside the table is refused by `unsupported_features`, naming it and what exports.
+src/moetrain/hf/convert.py's docstring holds the mapping table; this file is its code. Three classes:
+`Qwen3MoeForCausalLM` for softmax gating and `Glm4MoeForCausalLM` for sigmoid gating under
+grouped-query attention, `DeepseekV3ForCausalLM` for multi-head latent attention. Every feature
+outside the table is refused by `unsupported_features`, naming it and what exports.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ import dataclasses
 import enum
 import re
 
+import torch
+
 from moetrain.errors import ConfigError
-from moetrain.model.config import Gating, MoEConfig, Routing, TransformerConfig
+from moetrain.model.config import AttentionKind, Gating, MoEConfig, Routing, TransformerConfig
 
 
 class Architecture(enum.StrEnum):
@@ -21,10 +24,17 @@ class Architecture(enum.StrEnum):
     """Softmax top-k, no shared expert, no selection bias, no routed scale; QK-norm always."""
     glm4_moe = "Glm4MoeForCausalLM"
     """Sigmoid top-k with a selection bias, × a routed scaling factor, shared experts."""
+    deepseek_v3 = "DeepseekV3ForCausalLM"
+    """GLM-4-MoE's routing and experts under multi-head latent attention."""
 
     @property
     def model_type(self) -> str:
         return self.name
+
+    @property
+    def title(self) -> str:
+        """The model family's name in messages."""
+        return {"qwen3_moe": "Qwen3-MoE", "glm4_moe": "GLM-4-MoE", "deepseek_v3": "DeepSeek-V3"}[self.name]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +60,10 @@ class HfTensor:
 
 
 def architecture_for(m: TransformerConfig) -> Architecture:
-    """The class a model would export to: softmax gating → Qwen3-MoE, sigmoid → GLM-4-MoE."""
+    """The class a model would export to: latent attention → DeepSeek-V3; else softmax gating →
+    Qwen3-MoE, sigmoid → GLM-4-MoE."""
+    if m.is_mla:
+        return Architecture.deepseek_v3
     return Architecture.qwen3_moe if m.moe.gating == Gating.softmax else Architecture.glm4_moe
 
 
@@ -67,7 +80,13 @@ PERI_NORM = (
 )
 
 
-MLA_EXPORT = "multi-head latent attention is not exported yet, natively or with --remote-code"
+MLA_REMOTE = (
+    "moetrain's modeling file has no latent attention; DeepseekV3ForCausalLM has it: export without "
+    "--remote-code, with sigmoid gating (model.moe.gating=sigmoid)"
+)
+LATENT_NORM_EPS = 1e-6
+"""The epsilon of DeepSeek-V3's query and key/value latent norms in transformers, whatever its
+rms_norm_eps (moetrain's one model.norm_eps serves every norm)."""
 
 
 def unsupported_features(m: TransformerConfig, expert_bias_nonzero: bool) -> list[str]:
@@ -87,7 +106,7 @@ def unsupported_features(m: TransformerConfig, expert_bias_nonzero: bool) -> lis
     if m.sliding_window:
         problems.append(f"model.sliding_window={m.sliding_window} (local blocks are exported with moetrain's own file)")
     if m.is_mla:
-        problems.append(f"model.attention=mla ({MLA_EXPORT})")
+        problems += _mla_problems(m)
     if architecture_for(m) == Architecture.qwen3_moe:
         if moe.shared_hidden > 0:
             problems.append(
@@ -101,13 +120,30 @@ def unsupported_features(m: TransformerConfig, expert_bias_nonzero: bool) -> lis
         if not m.qk_norm:
             problems.append("softmax gating with model.qk_norm=false (Qwen3-MoE always normalizes queries and keys)")
     else:
+        name = "DeepSeek-V3" if m.is_mla else "GLM-4-MoE"
         if moe.shared_hidden % moe.expert_hidden:
             problems.append(
                 f"model.moe.shared_hidden={moe.shared_hidden} is not a multiple of model.moe.expert_hidden="
-                f"{moe.expert_hidden} (GLM-4-MoE's shared expert is n_shared_experts × moe_intermediate_size wide)"
+                f"{moe.expert_hidden} ({name}'s shared expert is n_shared_experts × moe_intermediate_size wide)"
             )
         if moe.num_experts < 2:
-            problems.append("model.moe.num_experts=1 (GLM-4-MoE's group routing needs at least 2 experts)")
+            problems.append(f"model.moe.num_experts=1 ({name}'s group routing needs at least 2 experts)")
+    return problems
+
+
+def _mla_problems(m: TransformerConfig) -> list[str]:
+    """What DeepSeek-V3 cannot represent of a latent-attention model's own choices."""
+    problems = []
+    if m.moe.gating == Gating.softmax:
+        problems.append(
+            "softmax gating with model.attention=mla (DeepSeek-V3, the native class with latent attention, "
+            "scores experts with a sigmoid; DeepSeek-V2's softmax class is not in transformers)"
+        )
+    if m.norm_eps != LATENT_NORM_EPS:
+        problems.append(
+            f"model.norm_eps={m.norm_eps} with model.attention=mla (DeepSeek-V3 normalizes its latents with "
+            f"ε = {LATENT_NORM_EPS} whatever its rms_norm_eps)"
+        )
     return problems
 
 
@@ -120,16 +156,22 @@ def refusal(m: TransformerConfig, problems: list[str]) -> str:
             " `--remote-code` exports it with moetrain's own modeling file beside the weights "
             "(transformers loads it with trust_remote_code=True)."
         )
-    softmax = architecture_for(m) == Architecture.qwen3_moe and any(p.startswith("softmax") for p in problems)
+    softmax = any(p.startswith("softmax") for p in problems)
     changes = [
         *["model.peri_norm=false"] * m.peri_norm,
         *["model.pre_norm=true"] * (not m.pre_norm),
         *["model.embedding_norm=false"] * m.embedding_norm,
         *["model.moe.gating=sigmoid"] * softmax,
+        *[f"model.norm_eps={LATENT_NORM_EPS}"] * (m.is_mla and m.norm_eps != LATENT_NORM_EPS),
     ]
     if not changes:
         return text
-    if softmax or architecture_for(m) == Architecture.glm4_moe:
+    if m.is_mla:
+        target = (
+            "as DeepSeek-V3 (DeepseekV3ForCausalLM: multi-head latent attention, sigmoid scores with the aux-free "
+            "selection bias, normalized weights × k, shared experts, dense first blocks)"
+        )
+    elif softmax or architecture_for(m) == Architecture.glm4_moe:
         target = (
             "as GLM-4-MoE (Glm4MoeForCausalLM: sigmoid scores with the aux-free selection bias, normalized "
             "weights × k, shared experts, QK-norm, GQA, dense first blocks)"
@@ -137,7 +179,7 @@ def refusal(m: TransformerConfig, problems: list[str]) -> str:
     else:
         target = "as Qwen3-MoE (Qwen3MoeForCausalLM)"
     text += f" What exports: the same architecture trained with {' and '.join(changes)}, {target}"
-    if softmax:
+    if softmax and not m.is_mla:
         text += "; softmax top-k exports as Qwen3-MoE only without a shared expert, × k or aux-free bias (`tiny`)"
     return text + "."
 
@@ -182,19 +224,40 @@ def hf_config(m: TransformerConfig, eos_id: int | None, max_positions: int, dtyp
             "rope_theta": m.rope_theta,  # 4.x
             "rope_parameters": {"rope_theta": m.rope_theta, "rope_type": "default"},  # 5.x
         }
-    return common | {
+    common |= {
         "first_k_dense_replace": m.num_dense_layers,
         "n_routed_experts": moe.num_experts,
         "n_shared_experts": moe.shared_hidden // moe.expert_hidden,
         "routed_scaling_factor": float(moe.top_k) if moe.restore_weight_scale else 1.0,
         "n_group": 1,
         "topk_group": 1,
-        "use_qk_norm": m.qk_norm,
         "num_nextn_predict_layers": 0,  # no multi-token-prediction layers
+    }
+    if arch == Architecture.deepseek_v3:
+        return common | _latent_attention_config(m)
+    return common | {
+        "use_qk_norm": m.qk_norm,
         # GLM-4-MoE rotates half of each head by default: ours rotates all of it.
         "partial_rotary_factor": 1.0,  # 4.x
         "rope_theta": m.rope_theta,  # 4.x
         "rope_parameters": {"rope_theta": m.rope_theta, "rope_type": "default", "partial_rotary_factor": 1.0},
+    }
+
+
+def _latent_attention_config(m: TransformerConfig) -> dict:
+    """DeepSeek-V3's attention fields: the latents' and heads' widths, every head its own keys and
+    values, and RoPE rotate-half (rope_interleave false) over the rotary part, as moetrain's."""
+    return {
+        "num_key_value_heads": m.n_heads,
+        "head_dim": m.qk_rope_head_dim,  # what transformers sets: its RoPE's width
+        "q_lora_rank": m.q_lora_rank or None,  # None: one projection from x
+        "kv_lora_rank": m.kv_lora_rank,
+        "qk_nope_head_dim": m.qk_nope_head_dim,
+        "qk_rope_head_dim": m.qk_rope_head_dim,
+        "v_head_dim": m.v_head_dim,
+        "rope_interleave": False,
+        "rope_theta": m.rope_theta,  # 4.x
+        "rope_parameters": {"rope_theta": m.rope_theta, "rope_type": "default"},  # 5.x
     }
 
 
@@ -205,16 +268,17 @@ def tensor_plan(m: TransformerConfig) -> list[HfTensor]:
     for i in range(m.n_layers):
         p, b = f"model.layers.{i}", f"blocks.{i}"
         plan.append(HfTensor(f"{p}.input_layernorm.weight", f"{b}.attn_norm.weight"))
-        for ours, theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
+        pairs = (_LATENT_Q if m.q_lora_rank else _DIRECT_Q) + _LATENT_KV if m.is_mla else _ATTENTION
+        for ours, theirs in pairs:
             plan.append(HfTensor(f"{p}.self_attn.{theirs}.weight", f"{b}.attn.{ours}.weight"))
-        if m.qk_norm:
+        if m.qk_norm and not m.is_mla:
             plan.append(HfTensor(f"{p}.self_attn.q_norm.weight", f"{b}.attn.q_norm.weight"))
             plan.append(HfTensor(f"{p}.self_attn.k_norm.weight", f"{b}.attn.k_norm.weight"))
         plan.append(HfTensor(f"{p}.post_attention_layernorm.weight", f"{b}.ffn_norm.weight"))
         if i < m.num_dense_layers:
             plan += _swiglu(f"{p}.mlp", f"{b}.ffn")
             continue
-        glm = arch == Architecture.glm4_moe
+        glm = arch != Architecture.qwen3_moe  # GLM-4-MoE's routing, DeepSeek-V3's too
         plan.append(HfTensor(f"{p}.mlp.gate.weight", f"{b}.ffn.router.weight", keep_fp32=glm))
         if glm:
             plan.append(
@@ -242,6 +306,30 @@ def tensor_plan(m: TransformerConfig) -> list[HfTensor]:
     return plan
 
 
+_ATTENTION = (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj"))
+_DIRECT_Q = (("wq", "q_proj"),)
+_LATENT_Q = (("wq_a", "q_a_proj"), ("q_norm", "q_a_layernorm"), ("wq_b", "q_b_proj"))
+_LATENT_KV = (("wkv_a", "kv_a_proj_with_mqa"), ("kv_norm", "kv_a_layernorm"), ("wkv_b", "kv_b_proj"), ("wo", "o_proj"))
+
+
+def rope_rows_from_interleaved(m: TransformerConfig, name: str, value: torch.Tensor) -> torch.Tensor:
+    """Tensor `name` of a DeepSeek-V3 file whose RoPE is interleaved (rope_interleave true, as in
+    DeepSeek's own checkpoints: pair i is dims 2i and 2i + 1) as moetrain's rotate-half RoPE takes
+    it (pair i is dims i and i + R/2): the rows that make the rotary part of each query head and of
+    the shared key reordered, evens first, then odds. Both rotations then give the same vectors up
+    to that order, which queries and keys share, so every score is the same."""
+    if name.endswith(".kv_a_proj_with_mqa.weight"):
+        lead = m.kv_lora_rank  # [c | kr]: the latent, then the one rotary key
+    elif name.endswith((".q_proj.weight", ".q_b_proj.weight")):
+        lead = m.qk_nope_head_dim  # each head [q_nope | q_rope]
+    else:
+        return value
+    R = m.qk_rope_head_dim
+    order_R = lead + torch.cat([torch.arange(0, R, 2), torch.arange(1, R, 2)])
+    rows_XKI = value.view(-1, lead + R, value.shape[-1])
+    return torch.cat([rows_XKI[:, :lead], rows_XKI[:, order_R]], dim=1).reshape(value.shape)
+
+
 REMOTE_MODULE = "modeling_moetrain"
 """The modeling file `--remote-code` ships (src/moetrain/hf/modeling_moetrain.py)."""
 
@@ -251,7 +339,7 @@ def remote_problems(m: TransformerConfig) -> list[str]:
     if m.moe.routing != Routing.learned:
         return [f"model.moe.routing={m.moe.routing} (a benchmark mode; only the learned router is a model)"]
     if m.is_mla:
-        return [f"model.attention=mla ({MLA_EXPORT})"]
+        return [f"model.attention=mla ({MLA_REMOTE})"]
     return []
 
 
@@ -331,21 +419,22 @@ def _swiglu(theirs: str, ours: str | None, d_model: int = 0) -> list[HfTensor]:
 
 
 def model_config_from_hf(hf: dict, source: str) -> TransformerConfig:
-    """The moetrain model a Qwen3-MoE or GLM-4-MoE config.json describes; refuses what moetrain
-    cannot run exactly, naming the field."""
+    """The moetrain model a Qwen3-MoE, GLM-4-MoE or DeepSeek-V3 config.json describes; refuses
+    what moetrain cannot run exactly, naming the field."""
     model_type = hf.get("model_type")
-    if model_type not in {a.model_type for a in Architecture}:
+    known = {a.model_type: a for a in Architecture}
+    if model_type not in known:
         raise ConfigError(
-            f"{source}: model_type '{model_type}' is not supported; import-hf reads qwen3_moe (Qwen3-MoE) and "
-            "glm4_moe (GLM-4-MoE) models."
+            f"{source}: model_type '{model_type}' is not supported; import-hf reads qwen3_moe (Qwen3-MoE), "
+            "glm4_moe (GLM-4-MoE) and deepseek_v3 (DeepSeek-V3) models."
         )
     try:
-        return _model_config(hf, source, glm=model_type == Architecture.glm4_moe.model_type)
+        return _model_config(hf, source, known[model_type])
     except KeyError as e:
         raise ConfigError(f"{source} has no '{e.args[0]}': it is not a complete {model_type} config.json.") from None
 
 
-def _model_config(hf: dict, source: str, glm: bool) -> TransformerConfig:
+def _model_config(hf: dict, source: str, arch: Architecture) -> TransformerConfig:
     layers, heads = hf["num_hidden_layers"], hf["num_attention_heads"]
     rope = hf.get("rope_parameters") or {
         "rope_theta": hf.get("rope_theta", 10000.0),
@@ -360,56 +449,98 @@ def _model_config(hf: dict, source: str, glm: bool) -> TransformerConfig:
         problems.append(f"hidden_act={hf['hidden_act']}")
     if rope.get("rope_type", "default") != "default":
         problems.append(f"rope_type={rope.get('rope_type')} (only plain RoPE)")
-    top_k = hf["num_experts_per_tok"]
-    if glm:
-        dense = min(hf.get("first_k_dense_replace", 1), layers)
+    latent = _latent_attention(hf, heads, problems) if arch == Architecture.deepseek_v3 else None
+    if arch == Architecture.qwen3_moe:
+        dense, moe = _qwen3_routing(hf, problems)
+    else:
+        dense, moe = _sigmoid_routing(hf, layers, 3 if arch == Architecture.deepseek_v3 else 1, problems)
+    if arch == Architecture.glm4_moe:
         partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.5))  # transformers' default
         if partial != 1.0:
             problems.append(f"partial_rotary_factor={partial} (moetrain rotates whole heads)")
-        groups, kept = hf.get("n_group", 1), hf.get("topk_group", 1)
-        if kept != groups:
-            problems.append(f"n_group={groups} with topk_group={kept} (group-limited routing)")
-        scale = float(hf.get("routed_scaling_factor", 1.0))
-        if scale not in (1.0, float(top_k)):
-            problems.append(f"routed_scaling_factor={scale} (moetrain scales routed weights by 1 or k={top_k})")
-        experts = hf.get("n_routed_experts") or hf.get("num_local_experts")
-        num_shared = hf.get("n_shared_experts", 1)
-        qk_norm, restore = bool(hf.get("use_qk_norm", False)), scale == float(top_k) and top_k != 1
-    else:
-        mlp_only = sorted(hf.get("mlp_only_layers") or [])
-        dense = len(mlp_only)
-        if mlp_only != list(range(dense)):
-            problems.append(f"mlp_only_layers={mlp_only} (moetrain's dense blocks come first)")
-        if hf.get("decoder_sparse_step", 1) != 1:
-            problems.append(f"decoder_sparse_step={hf['decoder_sparse_step']}")
-        if hf.get("use_sliding_window"):
-            problems.append("use_sliding_window=true")
-        experts = hf.get("num_experts") or hf.get("num_local_experts")
-        num_shared, qk_norm, restore = 0, True, False
     if problems:
-        name = "GLM-4-MoE" if glm else "Qwen3-MoE"
-        raise ConfigError(f"{source}: this {name} variant cannot be reproduced exactly: {'; '.join(problems)}.")
+        raise ConfigError(f"{source}: this {arch.title} variant cannot be reproduced exactly: {'; '.join(problems)}.")
     return TransformerConfig(
         vocab_size=hf["vocab_size"],
         d_model=hf["hidden_size"],
         n_layers=layers,
         n_heads=heads,
-        n_kv_heads=hf["num_key_value_heads"],
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        **(latent or _grouped_query_attention(hf, heads, arch)),
         num_dense_layers=dense,
         dense_hidden=hf["intermediate_size"],
-        qk_norm=qk_norm,
         peri_norm=False,
         norm_eps=hf["rms_norm_eps"],
         rope_theta=float(rope["rope_theta"]),
         moe=MoEConfig(
-            num_experts=experts,
-            top_k=top_k,
+            num_experts=moe["num_experts"],
+            top_k=hf["num_experts_per_tok"],
             expert_hidden=hf["moe_intermediate_size"],
-            shared_hidden=num_shared * hf["moe_intermediate_size"],
-            gating=Gating.sigmoid if glm else Gating.softmax,
-            normalize_weights=bool(hf.get("norm_topk_prob", glm)),  # transformers' defaults
-            restore_weight_scale=restore,
+            shared_hidden=moe["num_shared"] * hf["moe_intermediate_size"],
+            gating=Gating.softmax if arch == Architecture.qwen3_moe else Gating.sigmoid,
+            normalize_weights=bool(hf.get("norm_topk_prob", arch != Architecture.qwen3_moe)),  # transformers' defaults
+            restore_weight_scale=moe["restore"],
             lb_loss_weight=hf.get("router_aux_loss_coef", 0.001),
         ),
     )
+
+
+def _qwen3_routing(hf: dict, problems: list[str]) -> tuple[int, dict]:
+    """Qwen3-MoE's dense blocks and experts: (dense blocks, MoE fields)."""
+    mlp_only = sorted(hf.get("mlp_only_layers") or [])
+    if mlp_only != list(range(len(mlp_only))):
+        problems.append(f"mlp_only_layers={mlp_only} (moetrain's dense blocks come first)")
+    if hf.get("decoder_sparse_step", 1) != 1:
+        problems.append(f"decoder_sparse_step={hf['decoder_sparse_step']}")
+    if hf.get("use_sliding_window"):
+        problems.append("use_sliding_window=true")
+    experts = hf.get("num_experts") or hf.get("num_local_experts")
+    return len(mlp_only), {"num_experts": experts, "num_shared": 0, "restore": False}
+
+
+def _sigmoid_routing(hf: dict, layers: int, dense_default: int, problems: list[str]) -> tuple[int, dict]:
+    """GLM-4-MoE's and DeepSeek-V3's dense blocks and experts (`dense_default`: transformers'
+    first_k_dense_replace where config.json has none): (dense blocks, MoE fields)."""
+    top_k = hf["num_experts_per_tok"]
+    groups, kept = hf.get("n_group", 1), hf.get("topk_group", 1)
+    if kept != groups:
+        problems.append(f"n_group={groups} with topk_group={kept} (group-limited routing)")
+    scale = float(hf.get("routed_scaling_factor", 1.0))
+    if scale not in (1.0, float(top_k)):
+        problems.append(f"routed_scaling_factor={scale} (moetrain scales routed weights by 1 or k={top_k})")
+    return min(hf.get("first_k_dense_replace", dense_default), layers), {
+        "num_experts": hf.get("n_routed_experts") or hf.get("num_local_experts"),
+        "num_shared": hf.get("n_shared_experts", 1),
+        "restore": scale == float(top_k) and top_k != 1,
+    }
+
+
+def _grouped_query_attention(hf: dict, heads: int, arch: Architecture) -> dict:
+    """Qwen3-MoE's and GLM-4-MoE's attention as moetrain's fields."""
+    return {
+        "n_kv_heads": hf["num_key_value_heads"],
+        "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads,
+        "qk_norm": arch == Architecture.qwen3_moe or bool(hf.get("use_qk_norm", False)),
+    }
+
+
+def _latent_attention(hf: dict, heads: int, problems: list[str]) -> dict:
+    """DeepSeek-V3's attention as moetrain's fields (`rope_rows_from_interleaved` reorders the
+    weights of an interleaved RoPE)."""
+    kv_heads = hf.get("num_key_value_heads") or heads
+    if kv_heads != heads:
+        problems.append(f"num_key_value_heads={kv_heads} (latent attention expands keys and values to every head)")
+    if hf["rms_norm_eps"] != LATENT_NORM_EPS:
+        problems.append(
+            f"rms_norm_eps={hf['rms_norm_eps']} (its latent norms use {LATENT_NORM_EPS}; moetrain's one "
+            "model.norm_eps serves every norm)"
+        )
+    return {
+        "n_kv_heads": heads,
+        "qk_norm": False,
+        "attention": AttentionKind.mla,
+        "q_lora_rank": hf["q_lora_rank"] or 0,
+        "kv_lora_rank": hf["kv_lora_rank"],
+        "qk_nope_head_dim": hf["qk_nope_head_dim"],
+        "qk_rope_head_dim": hf["qk_rope_head_dim"],
+        "v_head_dim": hf["v_head_dim"],
+    }

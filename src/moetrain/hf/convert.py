@@ -7,8 +7,8 @@ class represents exactly are exported so; any other feature is refused with a me
 the variant that exports natively, and `--remote-code`: that writes moetrain's own modeling file
 (src/moetrain/hf/modeling_moetrain.py, torch and transformers only) beside weights under moetrain's
 parameter names, with an `auto_map` in config.json, so that transformers loads any learned-routing
-model with `trust_remote_code=True` (the reference shapes included; tests/test_hf_remote.py checks
-logits, greedy text and a left-padded batch against moetrain).
+model with grouped-query attention with `trust_remote_code=True` (the reference shapes included;
+tests/test_hf_remote.py checks logits, greedy text and a left-padded batch against moetrain).
 
 Which class, field by field (src/moetrain/hf/arch.py is the code; both checked against transformers
 5.x's modeling files, and tested to equal logits):
@@ -34,6 +34,20 @@ Which class, field by field (src/moetrain/hf/arch.py is the code; both checked a
 | untied LM head, no biases      | tie_word_embeddings = false     | the same, attention_bias = false          |
 | (multi-token prediction)       | —                               | num_nextn_predict_layers = 0              |
 | data.seq_len                   | max_position_embeddings (or --max-position-embeddings) | the same   |
+
+Multi-head latent attention (model.attention=mla) exports as DeepseekV3ForCausalLM, whose routing,
+experts, dense blocks, norms and head are GLM-4-MoE's column above; its attention:
+
+| moetrain (model.attention=mla)              | DeepseekV3ForCausalLM                                  |
+|---------------------------------------------|--------------------------------------------------------|
+| q_lora_rank (0: none)                       | q_lora_rank (null: one q_proj)                         |
+| kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim | the same names                        |
+| attn.wq_a, q_norm, wq_b (or wq)             | self_attn.q_a_proj, q_a_layernorm, q_b_proj (or q_proj) |
+| attn.wkv_a, kv_norm, wkv_b, wo              | kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj  |
+| n_heads                                     | num_attention_heads = num_key_value_heads              |
+| RoPE (rotate-half, the rotary part)         | rope_interleave = false (an imported true: its rotary rows reordered) |
+| norm_eps                                    | rms_norm_eps, 1e-6 only: its latent norms' fixed ε     |
+| moe.gating                                  | sigmoid only                                           |
 
 The selection rule is bit-level the same in both: top-k of (scores + bias), weights the chosen
 scores, normalized, then × k. Qwen3-MoE has no routed scale, but × k multiplies every routed
@@ -96,6 +110,7 @@ from moetrain.hf.arch import (
     remote_config,
     remote_problems,
     remote_tensor_plan,
+    rope_rows_from_interleaved,
     tensor_plan,
     unsupported_features,
 )
@@ -424,7 +439,7 @@ def _write_readme(
     commit that exported it), how to load it, and what the export leaves out."""
     m = cfg.model
     arch, model_type = ("MoetrainForCausalLM", "moetrain") if remote else (architecture_for(m).value, None)
-    model_type = model_type or _MODEL_TYPE[architecture_for(m)]
+    model_type = model_type or architecture_for(m).model_type
     counts = count_params(m)
     run_dir = checkpoint.parent.parent
     step, tokens = _trained(checkpoint, cfg)
@@ -459,7 +474,8 @@ def _write_readme(
         "| | |",
         "|---|---|",
         f"| shape | {m.n_layers} layers ({m.num_dense_layers} dense), d_model {m.d_model}, {m.n_heads} heads "
-        f"({m.n_kv_heads} key/value), {m.moe.num_experts} experts, top-{m.moe.top_k} {m.moe.gating.value} routing, "
+        f"({'latent attention' if m.is_mla else f'{m.n_kv_heads} key/value'}), {m.moe.num_experts} experts, "
+        f"top-{m.moe.top_k} {m.moe.gating.value} routing, "
         f"vocabulary {m.vocab_size:,} |",
         f"| parameters | {counts.total:,} total, {counts.active:,} active per token ({parameters:,} exported) |",
         f"| trained | {step:,} steps, {tokens:,} tokens (sequences of {cfg.data.seq_len:,}) |",
@@ -484,10 +500,6 @@ def _write_readme(
             "export; the moetrain checkpoint keeps them.",
         ]
     (out / "README.md").write_text("\n".join(lines) + "\n")
-
-
-_MODEL_TYPE = {Architecture.qwen3_moe: "qwen3_moe", Architecture.glm4_moe: "glm4_moe"}
-"""transformers' model_type of each architecture export-hf writes (config.json's)."""
 
 
 def _trained(checkpoint: Path, cfg: RunConfig) -> tuple[int, int]:
@@ -604,7 +616,7 @@ class HfTensors:
 
 @torch.no_grad()
 def import_hf(hf_dir: str | Path, out_dir: str | Path) -> dict:
-    """A Qwen3-MoE or GLM-4-MoE directory (config.json + safetensors, one file or sharded,
+    """A Qwen3-MoE, GLM-4-MoE or DeepSeek-V3 directory (config.json + safetensors, one file or sharded,
     per-expert or fused expert tensors) → a moetrain run directory holding config.yaml,
     tokenizer.json and a weights-only checkpoint `checkpoints/step-0`, which `generate`, `eval`,
     `export-hf` and `train --checkpoint.init_from=…` read."""
@@ -634,11 +646,13 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> dict:
     state = model_state_dict(model)  # views of the model's tensors, experts split
 
     plan = tensor_plan(cfg.model)
+    interleaved = cfg.model.is_mla and hf.get("rope_interleave", True)  # transformers' default
     for t in plan:
         if not t.entry:
             continue
         target = state[t.entry][t.rows[0] : t.rows[1]] if t.rows else state[t.entry]
         value = _hf_value(tensors, t, cfg.model.moe.expert_hidden)
+        value = rope_rows_from_interleaved(cfg.model, t.name, value) if interleaved else value
         if tuple(value.shape) != tuple(target.shape):
             raise ConfigError(
                 f"{hf_dir}: tensor '{t.name}' has shape {tuple(value.shape)}, but its config.json describes "

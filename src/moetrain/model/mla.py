@@ -122,6 +122,11 @@ def flash_pads_values(q_BHTK: torch.Tensor, v_BHTV: torch.Tensor) -> bool:
     """Whether the values are zero-padded to the query/key width before attention: on CUDA in
     bf16/fp16 where FlashAttention takes the head dim (a multiple of 8, at most 256) but not the
     narrower values (its kernels read one head dim for q, k and v)."""
-    K, V = q_BHTK.shape[-1], v_BHTV.shape[-1]
     half = q_BHTK.dtype in (torch.bfloat16, torch.float16)
-    return q_BHTK.is_cuda and half and V < K <= 256 and K % 8 == 0
+    return q_BHTK.is_cuda and half and flash_pads_widths(q_BHTK.shape[-1], v_BHTV.shape[-1])
+
+
+def flash_pads_widths(qk_head_dim: int, v_head_dim: int) -> bool:
+    """Whether heads of these widths have their values padded in bf16/fp16 on CUDA
+    (`flash_pads_values`; the planner's activation count asks it of a config)."""
+    return v_head_dim < qk_head_dim <= 256 and qk_head_dim % 8 == 0

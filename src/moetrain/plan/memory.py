@@ -9,6 +9,7 @@ import json
 
 from moetrain.model.config import TransformerConfig
 from moetrain.model.experts import GroupedExperts
+from moetrain.model.mla import flash_pads_widths
 from moetrain.optim.split_master import is_split_candidate
 from moetrain.parallel.config import DispatcherKind, PipelineSchedule, Stack
 from moetrain.parallel.pipeline import stage_layers
@@ -37,14 +38,12 @@ def _block_bytes(
     (cp + 1) × this rank's)."""
     a = 4 if fp32 else 2  # matmul inputs/outputs (autocast bf16)
     r = 4  # the residual stream is fp32
-    D, hd, hq, hkv = m.d_model, m.resolved_head_dim, m.n_heads, m.n_kv_heads
+    D = m.d_model
     if recompute == "full":
         return r * D  # the block's input
-    kv_copies = cp + 1 if cp > 1 else 1
-    q_k_v = a * (hq + 2 * kv_copies * hkv) * hd
-    attn_out = a * hq * hd + 4 * hq  # SDPA output + log-sum-exp
+    kept, kept_eager = _attention_bytes(m, a, cp + 1 if cp > 1 else 1, recompute == "selective")
     if recompute == "selective":  # block input + every matmul / attention output
-        attn = r * D + q_k_v + attn_out + a * D
+        attn = r * D + kept + a * D
         if moe_block:
             moe = m.moe
             # fp32 router logits, the shared expert's and the experts' matmul outputs, and the
@@ -54,7 +53,7 @@ def _block_bytes(
         else:
             ffn = a * (2 * m.resolved_dense_hidden + D)
         return attn + ffn
-    attn = r * D + a * D + q_k_v + a * (hq + hkv) * hd + attn_out  # norm in, qkv in, q/k before norm, sdpa
+    attn = r * D + a * D + kept  # norm in, the projections' input, the attention's own
     if moe_block:
         moe = m.moe
         ffn = r * D + a * D + 4 * moe.num_experts  # norm input, router/shared input, router probs
@@ -67,10 +66,34 @@ def _block_bytes(
         Hd = m.resolved_dense_hidden
         ffn = r * D + a * D + a * 3 * Hd
         hidden_for_eager = Hd
-    eager = (
-        0 if compiled else 4 * 2 * D + 4 * (hq + hkv) * hd + a * hidden_for_eager
-    )  # fp32 norm outputs, qk-norm, silu(gate)
+    # fp32 norm outputs (the block's, the attention's), silu(gate)
+    eager = 0 if compiled else 4 * 2 * D + kept_eager + a * hidden_for_eager
     return attn + ffn + eager
+
+
+def _attention_bytes(m: TransformerConfig, a: int, kv_copies: int, selective: bool) -> tuple[int, int]:
+    """(Bytes a token's attention keeps for backward besides its input, the fp32 norm inputs an
+    uncompiled one keeps too). `kv_copies`: the keys and values held, cp + 1 under context
+    parallelism (each chunk's key prefix). GQA: q, k, v and the SDPA output and log-sum-exp, and
+    without selective recompute q and k before QK-norm. MLA (src/moetrain/model/mla.py): the
+    latents (wq_a's and wkv_a's outputs), q, k and v as FlashAttention keeps them with its output
+    and log-sum-exp (for selective recompute they stand for wq_b's and wkv_b's outputs), and
+    without selective recompute the latent norms' outputs; tests/test_plan.py measures them."""
+    H, hd = m.n_heads, m.resolved_head_dim
+    if not m.is_mla:
+        q_k_v = a * (H + 2 * kv_copies * m.n_kv_heads) * hd
+        attn_out = a * H * hd + 4 * H  # SDPA output + log-sum-exp
+        q_k = (H + m.n_kv_heads) * hd  # before QK-norm
+        return q_k_v + attn_out + (0 if selective else a * q_k), 4 * q_k
+    Q, C, K, N, V = m.q_lora_rank, m.kv_lora_rank, m.qk_head_dim, m.qk_nope_head_dim, m.v_head_dim
+    if a == 2 and flash_pads_widths(K, V):  # bf16: q, k, v padded to K, the padded output, wo's V-wide copy
+        heads = H * K * (2 + 2 * kv_copies) + H * V
+    elif kv_copies > 1:  # the gathered keys and values, the output (wo's input is a view of it)
+        heads = H * K + kv_copies * H * (K + V) + H * V
+    else:  # v, a view of wkv_b's output, keeps all of it: k_nope's part too
+        heads = 2 * H * K + H * (N + V) + H * V
+    kept = a * (Q + C + m.qk_rope_head_dim) + a * heads + 4 * H
+    return kept + (0 if selective else a * (Q + C)), 4 * (Q + C)
 
 
 @dataclasses.dataclass(frozen=True)

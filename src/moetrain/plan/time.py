@@ -6,7 +6,7 @@ import dataclasses
 import math
 
 from moetrain.model.config import Fp8, TransformerConfig
-from moetrain.model.counting import attended_keys, flops_per_token
+from moetrain.model.counting import attended_keys, attention_params, flops_per_token
 from moetrain.model.fp8_choice import choose_head, fp8_flops_per_token
 from moetrain.parallel.config import DispatcherKind, Recompute, Stack
 from moetrain.plan.calibration import Assumptions
@@ -131,11 +131,13 @@ def communication(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume
 def _context_bytes(cfg: RunConfig, L: Layout, rank: RankMemory, t: int) -> float:
     """Context parallelism's key/value exchange (src/moetrain/parallel/context_parallel.py): per
     attention layer and micro-batch, forward all-gathers this rank's keys and values (2 · hkv ·
-    hd elements per token) and backward reduce-scatters their gradients — (cp − 1) shards sent
-    each — and a fully recomputed layer gathers again."""
+    hd elements per token; MLA's expanded ones, H · (qk + v head dims)) and backward
+    reduce-scatters their gradients — (cp − 1) shards sent each — and a fully recomputed layer
+    gathers again."""
     m = cfg.model
     a = 4 if cfg.precision.dtype.value == "fp32" else 2
-    shard = t * 2 * m.n_kv_heads * m.resolved_head_dim * a
+    kv = m.n_heads * (m.qk_head_dim + m.v_head_dim) if m.is_mla else 2 * m.n_kv_heads * m.resolved_head_dim
+    shard = t * kv * a
     passes = 2.0
     if L.recompute == Recompute.full.value:
         passes += math.ceil(m.n_layers / L.recompute_every) / m.n_layers
@@ -188,11 +190,11 @@ def _mtp_flops_per_token(cfg: RunConfig) -> float:
     """Training FLOPs per token of the multi-token prediction modules, by the MFU formula's
     rules: 6 × their parameters and, per depth, the LM head's and one block's attention."""
     m = cfg.model
-    d, hd = m.d_model, m.resolved_head_dim
-    per_depth = 2 * d * d + 2 * d * hd * (m.n_heads + m.n_kv_heads) + 3 * d * m.resolved_dense_hidden
+    d = m.d_model
+    per_depth = 2 * d * d + attention_params(m) + 3 * d * m.resolved_dense_hidden
     per_depth += d * m.vocab_size  # the LM head, once more per depth
     keys = sum(attended_keys(m, m.n_layers + i, cfg.data.seq_len) for i in range(m.mtp_depth))
-    return m.mtp_depth * 6 * per_depth + 12 * m.n_heads * hd * keys
+    return m.mtp_depth * 6 * per_depth + 6 * m.n_heads * (m.qk_head_dim + m.value_head_dim) * keys
 
 
 def _muon_time(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume: Assumptions) -> tuple[float, float]:
