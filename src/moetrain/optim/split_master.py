@@ -20,7 +20,8 @@ The AdamW update (`adamw_update`, src/moetrain/optim/adamw.py, handed these tens
 runs on (hi, lo) directly: on CUDA one Triton kernel per parameter (src/moetrain/optim/triton_kernels.py)
 reads hi, lo, gradient and moments and writes them back (the bytes of torch's fused fp32 AdamW),
 with the clipping factor and the step guard's skip decision as device tensors (no host sync);
-elsewhere `adamw_reference`, the same arithmetic in torch ops on the joined fp32 values.
+elsewhere `adamw_reference`, the same arithmetic in torch ops on the joined fp32 values. Lion's
+update (src/moetrain/optim/lion.py) joins, steps and splits them in torch ops everywhere.
 
 Gradients: autograd gives a bf16 parameter a bf16 gradient (the weight-gradient GEMM's output,
 which autocast would cast to fp32). A post-accumulate-grad hook takes it off the parameter: after
