@@ -69,8 +69,11 @@ def greedy(model, ids: torch.Tensor, steps: int) -> list[int]:
 @pytest.mark.parametrize("kind", list(CLASSES))
 def test_a_dense_model_saved_by_transformers_imports_with_its_logits(kind, real_text_dir, tmp_path, capsys):
     hf = random_dense(kind, tmp_path / "hf", real_text_dir)
-    summary = cli(capsys, "import-hf", tmp_path / "hf", tmp_path / "imported")
-    assert summary["architecture"] == type(hf).__name__
+    capsys.readouterr()
+    assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "imported")]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["architecture"] == type(hf).__name__
+    assert ("tie_word_embeddings=true" in err) == kind.endswith("tied"), err  # the head, untied, says so
     model, cfg, _ = load_for_inference(tmp_path / "imported")
     m = cfg.model
     assert m.num_moe_layers == 0 and m.qk_norm == kind.startswith("qwen3") and m.resolved_dense_hidden == 96
@@ -136,6 +139,8 @@ def test_a_dense_moetrain_model_exports_as_the_same_class(kind, real_text_dir, t
         ("llama", {"mlp_bias": True}, ["mlp_bias=true"]),
         ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}, ["rope_type=llama3"]),
         ("llama", {"hidden_act": "gelu"}, ["hidden_act=gelu"]),
+        ("llama", {"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}}, ["rope_type=linear"]),
+        ("qwen3", {"layer_types": ["full_attention", "sliding_attention"] * 2}, ["layer_types with sliding_attention"]),
     ],
 )
 def test_what_moetrain_cannot_express_is_refused_naming_the_field(kind, change, words, tmp_path, capsys):

@@ -461,9 +461,10 @@ def model_config_from_hf(hf: dict, source: str) -> TransformerConfig:
 
 def _model_config(hf: dict, source: str, arch: Architecture) -> TransformerConfig:
     layers, heads = hf["num_hidden_layers"], hf["num_attention_heads"]
+    scaling = hf.get("rope_scaling") or {}  # transformers 4.x; older files name its type "type"
     rope = hf.get("rope_parameters") or {
         "rope_theta": hf.get("rope_theta", 10000.0),
-        "rope_type": (hf.get("rope_scaling") or {}).get("rope_type", "default"),
+        "rope_type": scaling.get("rope_type", scaling.get("type", "default")),
     }
     problems = []
     if hf.get("attention_bias"):
@@ -474,7 +475,7 @@ def _model_config(hf: dict, source: str, arch: Architecture) -> TransformerConfi
         problems.append(f"rope_type={rope.get('rope_type')} (only plain RoPE)")
     latent = _latent_attention(hf, heads, problems) if arch == Architecture.deepseek_v3 else None
     if arch.dense:
-        dense, moe = layers, _dense_mlp(hf, problems)
+        dense, moe = layers, _dense_problems(hf, problems)
     elif arch == Architecture.qwen3_moe:
         dense, moe = _qwen3_routing(hf, problems)
     else:
@@ -496,31 +497,37 @@ def _model_config(hf: dict, source: str, arch: Architecture) -> TransformerConfi
         peri_norm=False,
         norm_eps=hf["rms_norm_eps"],
         rope_theta=float(rope["rope_theta"]),
-        moe=moe
-        if arch.dense
-        else MoEConfig(
-            num_experts=moe["num_experts"],
-            top_k=hf["num_experts_per_tok"],
-            expert_hidden=hf["moe_intermediate_size"],
-            shared_hidden=moe["num_shared"] * hf["moe_intermediate_size"],
-            gating=Gating.softmax if arch == Architecture.qwen3_moe else Gating.sigmoid,
-            normalize_weights=bool(hf.get("norm_topk_prob", arch != Architecture.qwen3_moe)),  # transformers' defaults
-            restore_weight_scale=moe["restore"],
-            lb_loss_weight=hf.get("router_aux_loss_coef", 0.001),
-        ),
+        moe=_moe_config(hf, arch, moe),
     )
 
 
-def _dense_mlp(hf: dict, problems: list[str]) -> MoEConfig:
-    """A dense model's own refusals; its MoE fields, which no block uses: moetrain's defaults with
-    experts as wide as its MLP, so that `moetrain upcycle` copies the MLP into them as they are."""
+def _moe_config(hf: dict, arch: Architecture, moe: dict) -> MoEConfig:
+    """The routing and experts of an MoE class (`moe`: the fields its routing function read). A
+    dense model's, which no block uses: moetrain's defaults with experts as wide as its MLP, so
+    that `moetrain upcycle` copies the MLP into them as they are."""
+    if arch.dense:
+        return MoEConfig(expert_hidden=hf["intermediate_size"])
+    return MoEConfig(
+        num_experts=moe["num_experts"],
+        top_k=hf["num_experts_per_tok"],
+        expert_hidden=hf["moe_intermediate_size"],
+        shared_hidden=moe["num_shared"] * hf["moe_intermediate_size"],
+        gating=Gating.softmax if arch == Architecture.qwen3_moe else Gating.sigmoid,
+        normalize_weights=bool(hf.get("norm_topk_prob", arch != Architecture.qwen3_moe)),  # transformers' defaults
+        restore_weight_scale=moe["restore"],
+        lb_loss_weight=hf.get("router_aux_loss_coef", 0.001),
+    )
+
+
+def _dense_problems(hf: dict, problems: list[str]) -> dict:
+    """A dense model's own refusals; no MoE fields."""
     local = sorted(set(hf.get("layer_types") or []) - {"full_attention"})
     if hf.get("use_sliding_window") or local:
         field = "use_sliding_window=true" if hf.get("use_sliding_window") else f"layer_types with {', '.join(local)}"
         problems.append(f"{field} (sliding-window layers; moetrain imports full attention only)")
     if hf.get("mlp_bias"):
         problems.append("mlp_bias=true")
-    return MoEConfig(expert_hidden=hf["intermediate_size"])
+    return {}
 
 
 def _qwen3_routing(hf: dict, problems: list[str]) -> tuple[int, dict]:

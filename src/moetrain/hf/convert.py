@@ -268,7 +268,7 @@ def _plan(m, source: CheckpointEntries, remote_code: bool) -> list[HfTensor]:
             raise ConfigError("This model is not exported: " + "; ".join(remote_problems(m)) + ".")
         return remote_tensor_plan(list(source.meta))
     bias_nonzero = False
-    if architecture_for(m) == Architecture.qwen3_moe and m.num_moe_layers:
+    if architecture_for(m) == Architecture.qwen3_moe:
         biases = source.read([f"blocks.{i}.ffn.router.expert_bias_E" for i in range(m.num_dense_layers, m.n_layers)])
         bias_nonzero = any(bool(b.abs().max() > 0) for b in biases.values())
     problems = unsupported_features(m, bias_nonzero)
