@@ -92,9 +92,7 @@ def test_a_checkpoint_of_the_sharded_optimizer_resumes_on_one_process_and_on_fsd
             assert got[step] == pytest.approx(want[step], rel=1e-5), (name, step)
 
 
-@pytest.mark.parametrize(
-    "saved, resumed", [("adamw", "muon"), ("muon", "adamw"), ("adamw", "lion"), ("lion", "adamw"), ("lion", "muon")]
-)
+@pytest.mark.parametrize("saved, resumed", [("adamw", "muon"), ("muon", "adamw"), ("adamw", "lion"), ("lion", "muon")])
 def test_one_optimizers_checkpoint_does_not_resume_the_other(real_text_dir, tmp_path, saved, resumed):
     from test_layouts import layout_cfg
 
