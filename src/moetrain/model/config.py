@@ -81,7 +81,7 @@ class MoEConfig(Config):
     """Rescale the k selected scores to sum to 1."""
     restore_weight_scale: bool = False
     """Multiply the (normalized) weights by k, which keeps the output scale of a split dense MLP."""
-    routed_scale: float = positive(1.0)
+    routed_scale: float = positive(1.0, at_most=2**20)
     """Multiply the (normalized) weights by this constant, independent of k: DeepSeek-V3's routed
     scaling factor (2.5). A factor of k is restore_weight_scale, which follows top_k; set one of the two."""
     n_groups: int = positive(1, at_most=2**20)
