@@ -187,8 +187,8 @@ def test_import_refuses_what_it_cannot_reproduce(tmp_path, capsys):
     base = {"model_type": "glm4_moe", "num_hidden_layers": 2, "num_attention_heads": 2, "num_experts_per_tok": 2}
     for config, words in (
         (base | {"attention_bias": True}, ["attention_bias=true", "partial_rotary_factor=0.5"]),  # GLM-4.5's own
-        (base | {"partial_rotary_factor": 1.0, "routed_scaling_factor": 2.5}, ["routed_scaling_factor=2.5"]),
-        (base | {"partial_rotary_factor": 1.0}, ["has no 'vocab_size'"]),
+        # a routed scale and group-limited routing are read (model.moe.routed_scale, n_groups)
+        (base | {"partial_rotary_factor": 1.0, "routed_scaling_factor": 2.5, "n_group": 2}, ["has no 'vocab_size'"]),
     ):
         (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
         assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "out")]) == 2

@@ -28,8 +28,9 @@ class Routing(enum.StrEnum):
     learned = "learned"
     """Top-k of the router scores (plus the aux-free bias, when enabled)."""
     random = "random"
-    """k distinct experts drawn uniformly per token, for system benchmarks: the router still runs
-    and its scores still weight the outputs, so the graph and FLOPs equal learned routing."""
+    """k distinct experts drawn uniformly per token (from random model.moe.topk_groups groups when
+    the experts are grouped), for system benchmarks: the router still runs and its scores still
+    weight the outputs, so the graph and FLOPs equal learned routing."""
 
 
 class AttentionKind(enum.StrEnum):
