@@ -31,6 +31,7 @@ ACCEPTED: dict[str, tuple[str, ...]] = {
     "model.mtp_loss_weight": ("0", *HUGE),
     "optim.muon_momentum": ("0",),  # Muon without momentum
     "optim.betas": ("0",),
+    "optim.lion_betas": ("0",),  # Lion with β1 = β2 = 0: signSGD
     "optim.weight_decay": ("0", *HUGE),
     "optim.grad_clip": ("0", *HUGE),
     "schedule.warmup_steps": ("0",),

@@ -47,7 +47,7 @@ from moetrain import rehearse as rehearse_mod
 from moetrain.errors import ConfigError
 from moetrain.model.config import Routing
 from moetrain.model.counting import count_params
-from moetrain.optim.adamw import local_tensor
+from moetrain.optim.rule import local_tensor
 from moetrain.parallel.rehearsal import LEDGER, is_rehearsal
 from moetrain.plan import device_capacity_floor
 from moetrain.presets import resolve_config
@@ -412,7 +412,7 @@ def _record(
 
 def _precision(trainer: Trainer) -> str:
     amp_dtype = trainer.engine.amp_dtype
-    state = "AdamW" if trainer.cfg.optim.name == "adamw" else "Muon and AdamW"
+    state = {"adamw": "AdamW", "muon": "Muon and AdamW", "lion": "Lion"}[trainer.cfg.optim.name]
     if amp_dtype is None:
         base = "fp32"
     elif trainer.engine.bf16_weights:

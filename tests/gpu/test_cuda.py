@@ -89,6 +89,9 @@ def _tiny_on_cuda(tmp_path, *overrides):
         (True, "none", "optim.name=muon"),
         (False, "none", "optim.name=muon parallel.shard_optimizer=true"),
         (False, "none", "optim.name=muon parallel.stack=fsdp"),
+        (False, "none", "optim.name=lion optim.bf16_weights=true"),
+        (False, "none", "optim.name=lion parallel.shard_optimizer=true"),
+        (False, "none", "optim.name=lion parallel.stack=fsdp"),
         (True, "none", "compute.defer_expert_weight_grad=true"),
         (False, "none", "compute.defer_expert_weight_grad=true optim.bf16_weights=false"),
         (True, "selective", "optim.grad_dtype=bf16"),
@@ -97,7 +100,7 @@ def _tiny_on_cuda(tmp_path, *overrides):
 )
 def test_training_step_is_sync_free(tmp_path, compile, recompute, optimizer):
     """A whole training step (forward and backward of two micro-batches, clipping, the step
-    guard, AdamW or Muon, the aux-free bias update) makes no device-to-host synchronization:
+    guard, AdamW, Muon or Lion, the aux-free bias update) makes no device-to-host synchronization:
     CUDA's sync debug mode in "error" raises on any (logging reads values only every
     train.log_every steps, outside). For the replicated, the sharded and the FSDP optimizers."""
     from moetrain.train.trainer import Trainer

@@ -15,7 +15,7 @@ triton = pytest.importorskip("triton")
         (True, False, "*fp32", True, True),  # bf16 weights (SplitMaster, sharded split buckets)
         (True, False, "*bf16", True, False),  # a step's first backward: the bf16 gradient kept
         (True, True, "*bf16", False, True),  # bf16 weights and bf16 moments
-        (False, True, "*fp32", True, True),  # fp32 parameters, bf16 moments (MomentsAdamW)
+        (False, True, "*fp32", True, True),  # fp32 parameters, bf16 moments (RuleOptimizer)
         (False, True, "*fp32", False, False),
     ],
 )

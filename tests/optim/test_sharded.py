@@ -62,7 +62,7 @@ class ReferenceOptimizer:
     """The replicated stack behind ShardedAdamW's interface: GradReducer + torch AdamW + clip."""
 
     def __init__(self, model, state, cfg):
-        from moetrain.optim.base import build_adamw
+        from moetrain.optim.base import build_torch_style
         from moetrain.optim.grad_reducer import GradReducer, NoReduction, expert_param_ids
 
         self.reducer = GradReducer(model, state) if state.dims.dp > 1 else None
@@ -70,7 +70,7 @@ class ReferenceOptimizer:
         expert_ids = expert_param_ids(model)
         self.expert = [p for p in model.parameters() if id(p) in expert_ids]
         self.dense = [p for p in model.parameters() if id(p) not in expert_ids]
-        self.optimizer = build_adamw(model, cfg)
+        self.optimizer = build_torch_style(model, cfg)
         self.ep_group = state.ep_group
 
     def clip_grad_norm(self, max_norm):
@@ -295,7 +295,7 @@ def test_sharded_adamw_matches_reference_layouts(single_process, world, eps):
         )
 
 
-def _fused_vs_foreach(world: int, ep: int) -> dict:
+def _fused_vs_foreach(world: int, ep: int, name: str) -> dict:
     """Train the foreach path (the CPU default) and the fused kernel path side by side, then one
     non-finite step that both must skip — the fused one without reading `skip` on the host."""
     from unittest import mock
@@ -306,7 +306,7 @@ def _fused_vs_foreach(world: int, ep: int) -> dict:
     runs = {}
     for fused in (False, True):
         model = build_model(state)
-        opt = ShardedAdamW(model, state, dataclasses.replace(OPTIM, fused=fused))
+        opt = ShardedAdamW(model, state, dataclasses.replace(OPTIM, fused=fused, name=name))
         norms = train(model, opt, state, STEPS)
         # A step whose gradient is NaN on one rank: the global norm is NaN everywhere.
         for micro in range(MICRO):
@@ -319,7 +319,8 @@ def _fused_vs_foreach(world: int, ep: int) -> dict:
             opt.buckets[0].grad_S[0] = float("nan")
         norm = opt.clip_grad_norm(OPTIM.grad_clip)
         skip = ~torch.isfinite(norm)
-        before = [t.clone() for t in opt.master_S + opt.exp_avg_S + opt.exp_avg_sq_S]
+        live = opt.master_S + [t for s in opt.state_S for t in s.values()]
+        before = [t.clone() for t in live]
         params_before = [p.detach().clone() for p in model.parameters()]
         no_host_read = (
             mock.patch.object(torch.Tensor, "__bool__", side_effect=AssertionError("host read"))
@@ -331,7 +332,7 @@ def _fused_vs_foreach(world: int, ep: int) -> dict:
         opt.zero_grad()
         for moe in model.moe_layers():
             moe.end_step()
-        unchanged = all(torch.equal(a, b) for a, b in zip(before, opt.master_S + opt.exp_avg_S + opt.exp_avg_sq_S))
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, live))
         unchanged &= all(torch.equal(a, p.detach()) for a, p in zip(params_before, model.parameters()))
         step_after_skip = float(opt.state_dict_tensors()["lm_head.weight"]["step"])
         train(model, opt, state, 1, first_step=STEPS + 1)  # training goes on
@@ -349,13 +350,15 @@ def _fused_vs_foreach(world: int, ep: int) -> dict:
     }
 
 
-def test_fused_sharded_adamw_matches_the_foreach_path_and_skips_on_the_device():
+@pytest.mark.parametrize("name", ["adamw", "lion"])
+def test_fused_sharded_adamw_matches_the_foreach_path_and_skips_on_the_device(name):
     """The fused kernel path (CUDA's default; torch's CPU kernel here) gives the foreach path's
     update to rounding, folds clipping into the kernel, and skips a non-finite step with the
-    decision left on the device: parameters, master shards, moments and step count unchanged."""
+    decision left on the device: parameters, master shards, moments and step count unchanged.
+    Lion's one path reads nothing on the host either way."""
     from moetrain.testing.distributed import run_distributed
 
-    for r in run_distributed(_fused_vs_foreach, 2, 2, 2):
+    for r in run_distributed(_fused_vs_foreach, 2, 2, 2, name):
         assert r["norm_rel"] <= 1e-6 and r["param_err"] <= 2e-6, r
         for fused in (False, True):
             assert r[f"skip_{fused}"] and r[f"unchanged_{fused}"], r

@@ -139,6 +139,7 @@ def test_a_guard_that_rebinds_its_counter_fails_the_replay_check(cfg, monkeypatc
         (["parallel.stack=fsdp"], "parallel.stack=fsdp"),
         (["parallel.shard_optimizer=true"], "parallel.shard_optimizer=true"),
         (["optim.name=muon"], "optim.name=muon"),
+        (["optim.name=lion"], "optim.name=lion"),
         (["optim.fused=false"], "optim.fused=false"),
     ],
 )

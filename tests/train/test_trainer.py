@@ -67,6 +67,8 @@ def _losses(path):
         (),
         ("model.moe.routing=random", "model.moe.bias_update_rate=0.01"),
         ("precision.dtype=bf16", "optim.bf16_weights=true"),  # fp32 masters through DCP and back
+        ("optim.name=lion",),
+        ("optim.name=lion", "precision.dtype=bf16", "optim.bf16_weights=true", "optim.moments_dtype=bf16"),
     ],
 )
 def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(tiny_cfg, tmp_path, extra):

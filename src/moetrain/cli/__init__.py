@@ -32,8 +32,8 @@ SUBCOMMANDS: dict[str, str] = {
     "plot": "draw the loss curves of one or more run directories into one PNG",
     "bench": "time training steps of a preset (tokens/s, TFLOP/s, MFU, memory, host syncs) as JSON lines",
     "export-hf": "write a checkpoint as a Hugging Face model directory (safetensors, config, tokenizer)",
-    "import-hf": "turn a Hugging Face Qwen3-MoE, GLM-4-MoE or DeepSeek-V3 directory into a checkpoint "
-    "(--checkpoint.init_from)",
+    "import-hf": "turn a Hugging Face Qwen3-MoE, GLM-4-MoE, DeepSeek-V3 or dense Qwen3 / Llama directory into a "
+    "checkpoint (--checkpoint.init_from)",
     "plan": "predict per-GPU memory, communication, step time and MFU of a preset on N GPUs; suggest layouts",
     "check-layout": "train a run's first steps in its layout and in a reference (one process or FSDP); compare them",
     "upcycle": "turn a dense checkpoint into an MoE one that starts as the dense model (--checkpoint.init_from)",

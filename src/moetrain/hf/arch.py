@@ -1,10 +1,12 @@
 """The native transformers classes moetrain models leave (and enter) as: which of our
 configurations each one represents exactly, its config.json, and its tensor names.
 
-src/moetrain/hf/convert.py's docstring holds the mapping table; this file is its code. Three classes:
+src/moetrain/hf/convert.py's docstring holds the mapping table; this file is its code. Five classes:
 `Qwen3MoeForCausalLM` for softmax gating and `Glm4MoeForCausalLM` for sigmoid gating under
-grouped-query attention, `DeepseekV3ForCausalLM` for multi-head latent attention. Every feature
-outside the table is refused by `unsupported_features`, naming it and what exports.
+grouped-query attention, `DeepseekV3ForCausalLM` for multi-head latent attention, and for a
+dense model (every block a SwiGLU MLP, what `moetrain upcycle` starts from) `Qwen3ForCausalLM`
+with QK-norm, `LlamaForCausalLM` without. Every feature outside the table is refused by
+`unsupported_features`, naming it and what exports.
 """
 
 from __future__ import annotations
@@ -26,6 +28,10 @@ class Architecture(enum.StrEnum):
     """Sigmoid top-k with a selection bias, × a routed scaling factor, shared experts."""
     deepseek_v3 = "DeepseekV3ForCausalLM"
     """GLM-4-MoE's routing and experts under multi-head latent attention."""
+    qwen3 = "Qwen3ForCausalLM"
+    """Dense: every block a SwiGLU MLP; QK-norm always."""
+    llama = "LlamaForCausalLM"
+    """Dense: every block a SwiGLU MLP; no QK-norm."""
 
     @property
     def model_type(self) -> str:
@@ -34,7 +40,14 @@ class Architecture(enum.StrEnum):
     @property
     def title(self) -> str:
         """The model family's name in messages."""
-        return {"qwen3_moe": "Qwen3-MoE", "glm4_moe": "GLM-4-MoE", "deepseek_v3": "DeepSeek-V3"}[self.name]
+        return {"qwen3_moe": "Qwen3-MoE", "glm4_moe": "GLM-4-MoE", "deepseek_v3": "DeepSeek-V3"}.get(
+            self.name, self.value.removesuffix("ForCausalLM")
+        )
+
+    @property
+    def dense(self) -> bool:
+        """Every block a dense MLP: no router, no experts."""
+        return self in (Architecture.qwen3, Architecture.llama)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,10 +73,12 @@ class HfTensor:
 
 
 def architecture_for(m: TransformerConfig) -> Architecture:
-    """The class a model would export to: latent attention → DeepSeek-V3; else softmax gating →
-    Qwen3-MoE, sigmoid → GLM-4-MoE."""
+    """The class a model would export to: latent attention → DeepSeek-V3; else no MoE block →
+    Qwen3 with QK-norm, Llama without; else softmax gating → Qwen3-MoE, sigmoid → GLM-4-MoE."""
     if m.is_mla:
         return Architecture.deepseek_v3
+    if m.num_moe_layers == 0:
+        return Architecture.qwen3 if m.qk_norm else Architecture.llama
     return Architecture.qwen3_moe if m.moe.gating == Gating.softmax else Architecture.glm4_moe
 
 
@@ -91,11 +106,11 @@ rms_norm_eps (moetrain's one model.norm_eps serves every norm)."""
 
 def unsupported_features(m: TransformerConfig, expert_bias_nonzero: bool) -> list[str]:
     """What `architecture_for(m)` cannot represent exactly (empty: the model exports)."""
-    moe = m.moe
+    moe, arch = m.moe, architecture_for(m)
     problems = []
-    if m.num_moe_layers == 0:
-        problems.append("no MoE layer (a dense model: export it as a dense architecture instead)")
-    if moe.routing != Routing.learned:
+    if m.is_mla and m.num_moe_layers == 0:
+        problems.append("model.attention=mla with no MoE block (the dense classes have grouped-query attention)")
+    if moe.routing != Routing.learned and m.num_moe_layers:
         problems.append(f"model.moe.routing={moe.routing} (a benchmark mode; only the learned router is a model)")
     if m.peri_norm:
         problems.append(f"model.peri_norm=true ({PERI_NORM})")
@@ -107,7 +122,9 @@ def unsupported_features(m: TransformerConfig, expert_bias_nonzero: bool) -> lis
         problems.append(f"model.sliding_window={m.sliding_window} (local blocks are exported with moetrain's own file)")
     if m.is_mla:
         problems += _mla_problems(m)
-    if architecture_for(m) == Architecture.qwen3_moe:
+    if arch.dense:
+        return problems
+    if arch == Architecture.qwen3_moe:
         if moe.shared_hidden > 0:
             problems.append(
                 f"softmax gating with a shared expert (model.moe.shared_hidden={moe.shared_hidden}): {SOFTMAX_SHARED}"
@@ -177,7 +194,7 @@ def refusal(m: TransformerConfig, problems: list[str]) -> str:
             "weights × k, shared experts, QK-norm, GQA, dense first blocks)"
         )
     else:
-        target = "as Qwen3-MoE (Qwen3MoeForCausalLM)"
+        target = f"as {architecture_for(m).title} ({architecture_for(m).value})"
     text += f" What exports: the same architecture trained with {' and '.join(changes)}, {target}"
     if softmax and not m.is_mla:
         text += "; softmax top-k exports as Qwen3-MoE only without a shared expert, × k or aux-free bias (`tiny`)"
@@ -198,21 +215,29 @@ def hf_config(m: TransformerConfig, eos_id: int | None, max_positions: int, dtyp
         "head_dim": m.resolved_head_dim,
         "hidden_act": "silu",
         "intermediate_size": m.resolved_dense_hidden,
-        "moe_intermediate_size": moe.expert_hidden,
-        "num_experts_per_tok": moe.top_k,
-        "norm_topk_prob": moe.normalize_weights,
         "rms_norm_eps": m.norm_eps,
         "max_position_embeddings": max_positions,
         "attention_bias": False,
         "attention_dropout": 0.0,
         "tie_word_embeddings": False,
-        "router_aux_loss_coef": moe.lb_loss_weight,
-        "output_router_logits": False,
         "bos_token_id": eos_id,
         "eos_token_id": eos_id,
         "dtype": dtype,  # transformers 5.x
         "torch_dtype": dtype,  # 4.x
         "use_cache": True,
+    }
+    if arch.dense:
+        return common | {
+            **({"use_sliding_window": False} if arch == Architecture.qwen3 else {"mlp_bias": False}),
+            "rope_theta": m.rope_theta,  # 4.x
+            "rope_parameters": {"rope_theta": m.rope_theta, "rope_type": "default"},  # 5.x
+        }
+    common |= {
+        "moe_intermediate_size": moe.expert_hidden,
+        "num_experts_per_tok": moe.top_k,
+        "norm_topk_prob": moe.normalize_weights,
+        "router_aux_loss_coef": moe.lb_loss_weight,
+        "output_router_logits": False,
     }
     if arch == Architecture.qwen3_moe:
         return common | {
@@ -425,14 +450,14 @@ def _swiglu(theirs: str, ours: str | None, d_model: int = 0) -> list[HfTensor]:
 
 
 def model_config_from_hf(hf: dict, source: str) -> TransformerConfig:
-    """The moetrain model a Qwen3-MoE, GLM-4-MoE or DeepSeek-V3 config.json describes; refuses
-    what moetrain cannot run exactly, naming the field."""
+    """The moetrain model a Qwen3-MoE, GLM-4-MoE, DeepSeek-V3, Qwen3 or Llama config.json
+    describes; refuses what moetrain cannot run exactly, naming the field."""
     model_type = hf.get("model_type")
     known = {a.model_type: a for a in Architecture}
     if model_type not in known:
         raise ConfigError(
             f"{source}: model_type '{model_type}' is not supported; import-hf reads qwen3_moe (Qwen3-MoE), "
-            "glm4_moe (GLM-4-MoE) and deepseek_v3 (DeepSeek-V3) models."
+            "glm4_moe (GLM-4-MoE), deepseek_v3 (DeepSeek-V3) and the dense qwen3 (Qwen3) and llama (Llama) models."
         )
     try:
         return _model_config(hf, source, known[model_type])
@@ -442,21 +467,22 @@ def model_config_from_hf(hf: dict, source: str) -> TransformerConfig:
 
 def _model_config(hf: dict, source: str, arch: Architecture) -> TransformerConfig:
     layers, heads = hf["num_hidden_layers"], hf["num_attention_heads"]
+    scaling = hf.get("rope_scaling") or {}  # transformers 4.x; older files name its type "type"
     rope = hf.get("rope_parameters") or {
         "rope_theta": hf.get("rope_theta", 10000.0),
-        "rope_type": (hf.get("rope_scaling") or {}).get("rope_type", "default"),
+        "rope_type": scaling.get("rope_type", scaling.get("type", "default")),
     }
     problems = []
     if hf.get("attention_bias"):
         problems.append("attention_bias=true")
-    if hf.get("tie_word_embeddings"):
-        problems.append("tie_word_embeddings=true")
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={hf['hidden_act']}")
     if rope.get("rope_type", "default") != "default":
         problems.append(f"rope_type={rope.get('rope_type')} (only plain RoPE)")
     latent = _latent_attention(hf, heads, problems) if arch == Architecture.deepseek_v3 else None
-    if arch == Architecture.qwen3_moe:
+    if arch.dense:
+        dense, moe = layers, _dense_problems(hf, problems)
+    elif arch == Architecture.qwen3_moe:
         dense, moe = _qwen3_routing(hf, problems)
     else:
         dense, moe = _sigmoid_routing(hf, layers, 3 if arch == Architecture.deepseek_v3 else 1)
@@ -477,20 +503,40 @@ def _model_config(hf: dict, source: str, arch: Architecture) -> TransformerConfi
         peri_norm=False,
         norm_eps=hf["rms_norm_eps"],
         rope_theta=float(rope["rope_theta"]),
-        moe=MoEConfig(
-            num_experts=moe["num_experts"],
-            top_k=hf["num_experts_per_tok"],
-            expert_hidden=hf["moe_intermediate_size"],
-            shared_hidden=moe["num_shared"] * hf["moe_intermediate_size"],
-            gating=Gating.softmax if arch == Architecture.qwen3_moe else Gating.sigmoid,
-            normalize_weights=bool(hf.get("norm_topk_prob", arch != Architecture.qwen3_moe)),  # transformers' defaults
-            restore_weight_scale=moe["restore"],
-            routed_scale=moe["scale"],
-            n_groups=moe["groups"],
-            topk_groups=moe["kept_groups"],
-            lb_loss_weight=hf.get("router_aux_loss_coef", 0.001),
-        ),
+        moe=_moe_config(hf, arch, moe),
     )
+
+
+def _moe_config(hf: dict, arch: Architecture, moe: dict) -> MoEConfig:
+    """The routing and experts of an MoE class (`moe`: the fields its routing function read). A
+    dense model's, which no block uses: moetrain's defaults with experts as wide as its MLP, so
+    that `moetrain upcycle` copies the MLP into them as they are."""
+    if arch.dense:
+        return MoEConfig(expert_hidden=hf["intermediate_size"])
+    return MoEConfig(
+        num_experts=moe["num_experts"],
+        top_k=hf["num_experts_per_tok"],
+        expert_hidden=hf["moe_intermediate_size"],
+        shared_hidden=moe["num_shared"] * hf["moe_intermediate_size"],
+        gating=Gating.softmax if arch == Architecture.qwen3_moe else Gating.sigmoid,
+        normalize_weights=bool(hf.get("norm_topk_prob", arch != Architecture.qwen3_moe)),  # transformers' defaults
+        restore_weight_scale=moe["restore"],
+        routed_scale=moe["scale"],
+        n_groups=moe["groups"],
+        topk_groups=moe["kept_groups"],
+        lb_loss_weight=hf.get("router_aux_loss_coef", 0.001),
+    )
+
+
+def _dense_problems(hf: dict, problems: list[str]) -> dict:
+    """A dense model's own refusals; no MoE fields."""
+    local = sorted(set(hf.get("layer_types") or []) - {"full_attention"})
+    if hf.get("use_sliding_window") or local:
+        field = "use_sliding_window=true" if hf.get("use_sliding_window") else f"layer_types with {', '.join(local)}"
+        problems.append(f"{field} (sliding-window layers; moetrain imports full attention only)")
+    if hf.get("mlp_bias"):
+        problems.append("mlp_bias=true")
+    return {}
 
 
 def _qwen3_routing(hf: dict, problems: list[str]) -> tuple[int, dict]:
@@ -532,11 +578,11 @@ def _sigmoid_routing(hf: dict, layers: int, dense_default: int) -> tuple[int, di
 
 
 def _grouped_query_attention(hf: dict, heads: int, arch: Architecture) -> dict:
-    """Qwen3-MoE's and GLM-4-MoE's attention as moetrain's fields."""
+    """Grouped-query attention (every class but DeepSeek-V3's) as moetrain's fields."""
     return {
         "n_kv_heads": hf["num_key_value_heads"],
         "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads,
-        "qk_norm": arch == Architecture.qwen3_moe or bool(hf.get("use_qk_norm", False)),
+        "qk_norm": arch in (Architecture.qwen3_moe, Architecture.qwen3) or bool(hf.get("use_qk_norm", False)),
     }
 
 

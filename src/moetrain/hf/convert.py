@@ -36,6 +36,12 @@ Which class, field by field (src/moetrain/hf/arch.py is the code; both checked a
 | (multi-token prediction)       | —                               | num_nextn_predict_layers = 0              |
 | data.seq_len                   | max_position_embeddings (or --max-position-embeddings) | the same   |
 
+A dense model (model.num_dense_layers = n_layers: no MoE block) exports as Qwen3ForCausalLM with
+qk_norm, LlamaForCausalLM without: the attention, RoPE, norm, dense MLP and head rows above, no
+MoE field (Llama: mlp_bias = false). Import reads both (what `moetrain upcycle` then turns into an
+MoE), and a tied head (tie_word_embeddings = true, of any class) as a copy of the embedding,
+which training then moves apart from it.
+
 Multi-head latent attention (model.attention=mla) exports as DeepseekV3ForCausalLM, whose routing,
 experts, dense blocks, norms and head are GLM-4-MoE's column above; its attention:
 
@@ -89,6 +95,7 @@ import shutil
 import sys
 import time
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -153,6 +160,11 @@ TRAINING_CONFIG = "moetrain_config.yaml"
 """What an export writes besides its safetensors files (`export_replaces`)."""
 IMPORT_FILES = ("config.yaml", "tokenizer.json")
 """What an import writes besides its checkpoint."""
+EMBEDDING = "model.embed_tokens.weight"
+UNTIED = (
+    "import-hf: tie_word_embeddings=true, but moetrain's LM head is its own matrix: it starts as a copy of the "
+    "embedding (the same logits) and trains apart from it."
+)
 PICKLED_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 """Weight files that are pickles, which import-hf never opens (loading a pickle can run code)."""
 
@@ -258,7 +270,7 @@ def _plan(m, source: CheckpointEntries, remote_code: bool) -> list[HfTensor]:
             raise ConfigError("This model is not exported: " + "; ".join(remote_problems(m)) + ".")
         return remote_tensor_plan(list(source.meta))
     bias_nonzero = False
-    if architecture_for(m) == Architecture.qwen3_moe and m.num_moe_layers:
+    if architecture_for(m) == Architecture.qwen3_moe:
         biases = source.read([f"blocks.{i}.ffn.router.expert_bias_E" for i in range(m.num_dense_layers, m.n_layers)])
         bias_nonzero = any(bool(b.abs().max() > 0) for b in biases.values())
     problems = unsupported_features(m, bias_nonzero)
@@ -457,15 +469,15 @@ def _write_readme(
         "pipeline_tag: text-generation",
         "tags:",
         "- moetrain",
-        "- mixture-of-experts",
+        *["- mixture-of-experts"] * bool(m.num_moe_layers),
         f"- {model_type}",
         *(["- custom_code"] if remote else []),
         "---",
         "",
         f"# {name} ({checkpoint.name})",
         "",
-        f"A mixture-of-experts language model trained with moetrain and exported as {arch} ({model_type}), "
-        f"{dtype} weights"
+        f"A {'mixture-of-experts' if m.num_moe_layers else 'dense'} language model trained with moetrain and "
+        f"exported as {arch} ({model_type}), {dtype} weights"
         + (
             f", with moetrain's own modeling file ({REMOTE_MODULE}.py): no native transformers class computes "
             "this model exactly, so it loads with `trust_remote_code=True`."
@@ -476,9 +488,9 @@ def _write_readme(
         "| | |",
         "|---|---|",
         f"| shape | {m.n_layers} layers ({m.num_dense_layers} dense), d_model {m.d_model}, {m.n_heads} heads "
-        f"({'latent attention' if m.is_mla else f'{m.n_kv_heads} key/value'}), {m.moe.num_experts} experts, "
-        f"top-{m.moe.top_k} {m.moe.gating.value} routing, "
-        f"vocabulary {m.vocab_size:,} |",
+        f"({'latent attention' if m.is_mla else f'{m.n_kv_heads} key/value'}), "
+        + (f"{m.moe.num_experts} experts, top-{m.moe.top_k} {m.moe.gating.value} routing, " * bool(m.num_moe_layers))
+        + f"vocabulary {m.vocab_size:,} |",
         f"| parameters | {counts.total:,} total, {counts.active:,} active per token ({parameters:,} exported) |",
         f"| trained | {step:,} steps, {tokens:,} tokens (sequences of {cfg.data.seq_len:,}) |",
         f"| data | {', '.join(_source_names(cfg))} |",
@@ -618,10 +630,11 @@ class HfTensors:
 
 @torch.no_grad()
 def import_hf(hf_dir: str | Path, out_dir: str | Path) -> dict:
-    """A Qwen3-MoE, GLM-4-MoE or DeepSeek-V3 directory (config.json + safetensors, one file or sharded,
-    per-expert or fused expert tensors) → a moetrain run directory holding config.yaml,
-    tokenizer.json and a weights-only checkpoint `checkpoints/step-0`, which `generate`, `eval`,
-    `export-hf` and `train --checkpoint.init_from=…` read."""
+    """A Qwen3-MoE, GLM-4-MoE, DeepSeek-V3, dense Qwen3 or Llama directory (config.json +
+    safetensors, one file or sharded, per-expert or fused expert tensors) → a moetrain run
+    directory holding config.yaml, tokenizer.json and a weights-only checkpoint
+    `checkpoints/step-0`, which `generate`, `eval`, `export-hf`, `upcycle` and
+    `train --checkpoint.init_from=…` read."""
     require("safetensors.torch", "import-hf (it reads safetensors)")  # before any work
     hf_dir, out = Path(hf_dir), Path(out_dir)
     config_file = hf_dir / "config.json"
@@ -647,7 +660,8 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> dict:
     model.init_weights()  # buffers that are not in the HF files (RoPE tables; a softmax model's biases)
     state = model_state_dict(model)  # views of the model's tensors, experts split
 
-    plan = tensor_plan(cfg.model)
+    tied = bool(hf.get("tie_word_embeddings"))  # moetrain's head is untied: it starts as a copy of the embedding
+    plan = [replace(t, name=EMBEDDING) if tied and t.entry == "lm_head.weight" else t for t in tensor_plan(cfg.model)]
     interleaved = cfg.model.is_mla and hf.get("rope_interleave", True)  # transformers' default
     for t in plan:
         if not t.entry:
@@ -662,8 +676,9 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> dict:
             )
         target.copy_(value)
     path = save_weights(out, cfg, model, hf_dir / "tokenizer.json", {"imported_from": str(hf_dir)})
-    if setup["note"]:
-        print(setup["note"], file=sys.stderr)
+    for note in (setup["note"], UNTIED * tied):
+        if note:
+            print(note, file=sys.stderr)
     return {
         "architecture": architecture_for(cfg.model).value,
         "checkpoint": str(path),

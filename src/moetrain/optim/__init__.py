@@ -6,7 +6,9 @@
   weights sharded over the data-parallel ranks; gradients reduce-scattered
 - `FSDPAdamW` (fsdp.py, `parallel.stack=fsdp`): torch AdamW over FSDP's sharded parameters
 
-Each steps the blocks' matrices by Muon instead of AdamW with optim.name=muon (muon.py).
+Each steps its parameters by an element-wise update rule (rule.py: AdamW, adamw.py; with
+optim.name=lion, Lion, lion.py) over the tensors it holds, and the blocks' matrices by Muon instead
+with optim.name=muon (muon.py).
 
 `OptimConfig.build` (config.py) picks the one the layout needs. Clipping (clip.py), the
 learning-rate schedule (schedule.py) and the store of bf16 gradients (grad_store.py,

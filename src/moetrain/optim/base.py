@@ -1,4 +1,5 @@
-"""The optimizer interface every layout's optimizer implements, and what the AdamW-based ones share.
+"""The optimizer interface every layout's optimizer implements, and what the ones built on a torch-style
+optimizer share.
 
 Per optimizer step the engine (src/moetrain/train/engine.py) calls, in this order:
 
@@ -13,8 +14,8 @@ Per optimizer step the engine (src/moetrain/train/engine.py) calls, in this orde
 `reduction` is the optimizer's gradient reduction (`GradReduction`, src/moetrain/optim/grad_reducer.py),
 which scales the losses (`loss_scale`) and reduces the gradients the optimizer then reads. Nothing
 in that sequence reads a device value on the host where the fused kernels run (CUDA).
-Checkpoints see every optimizer through `checkpoint_tensors` / `checkpoint_masters` (AdamW's
-moments and the fp32 masters per parameter, keyed by canonical parameter name, as the part this
+Checkpoints see every optimizer through `checkpoint_tensors` / `checkpoint_masters` (the update
+rule's state and the fp32 masters per parameter, keyed by canonical parameter name, as the part this
 rank holds: DCP saves from and loads into them in place) and `checkpoint_loaded`;
 `state_dict_tensors` / `load_state_dict_tensors` give and take the same state whole, in memory.
 Each optimizer also has `memory_bytes()` and `grad_bytes()`, the bytes of the optimizer state
@@ -33,9 +34,10 @@ import torch
 from torch import nn
 
 import moetrain.cpu_math  # noqa: F401  (the CPU's vector math set up before the first update: src/moetrain/cpu_math.py)
-from moetrain.optim.adamw import MomentsAdamW
+from moetrain.optim.adamw import AdamW
 from moetrain.optim.clip import clip_coefficient
 from moetrain.optim.grad_reducer import GradReduction
+from moetrain.optim.rule import RuleOptimizer
 
 if TYPE_CHECKING:
     from moetrain.optim.config import OptimConfig
@@ -112,10 +114,11 @@ class Optimizer(Protocol):
         ...
 
     def state_dict_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Per parameter (canonical name): "exp_avg", "exp_avg_sq" shaped like the parameter
-        this rank holds, and a 0-d float32 "step" (a Muon matrix: its "momentum" alone) — whole:
-        the sharded optimizers gather them (collective; a model-sized temporary), so this is for
-        tests and tools, not checkpoints."""
+        """Per parameter (canonical name): the update rule's state (AdamW's "exp_avg",
+        "exp_avg_sq"; Lion's "lion_momentum") shaped like the parameter this rank holds, and a 0-d
+        float32 "step" (a Muon matrix: its "momentum" alone) — whole: the sharded optimizers
+        gather them (collective; a model-sized temporary), so this is for tests and tools, not
+        checkpoints."""
         ...
 
     def load_state_dict_tensors(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
@@ -206,44 +209,45 @@ def use_fused(cfg: OptimConfig, device: torch.device) -> bool:
     return cfg.fused if cfg.fused is not None else device.type == "cuda"
 
 
-def build_adamw(
+def build_torch_style(
     model: nn.Module, cfg: OptimConfig, exclude: set[int] = frozenset(), grad_of: Callable | None = None
-) -> torch.optim.AdamW:
-    """torch AdamW over `model`'s parameter groups (less `exclude`, as in `param_groups`): fused
-    (one kernel for all parameters) where `use_fused`, else torch's default for the device. With
-    optim.moments_dtype=bf16, or gradients kept off `.grad` (`grad_of`: a parameter's gradient,
-    optim.grad_dtype=bf16), our `MomentsAdamW` in its place (same interface)."""
+) -> torch.optim.AdamW | RuleOptimizer:
+    """An optimizer of `cfg.rule()` over `model`'s parameter groups (less `exclude`, as in
+    `param_groups`), on the device where `use_fused`: torch's AdamW (fused: one kernel for all
+    parameters); or, for another rule, optim.moments_dtype=bf16, or gradients kept off `.grad`
+    (`grad_of`: a parameter's gradient, optim.grad_dtype=bf16), our `RuleOptimizer` in its place
+    (same interface)."""
     device = next(model.parameters()).device
     fused = use_fused(cfg, device)
-    if cfg.moments_dtype.dtype != torch.float32 or grad_of is not None:
-        return MomentsAdamW(
+    rule = cfg.rule()
+    if not isinstance(rule, AdamW) or cfg.moments_dtype.dtype != torch.float32 or grad_of is not None:
+        return RuleOptimizer(
+            rule,
             param_groups(model, cfg.weight_decay, exclude),
             lr=cfg.lr,
-            betas=tuple(cfg.betas),
-            eps=cfg.eps,
             moments_dtype=cfg.moments_dtype.dtype,
-            fused=fused and device.type == "cuda",  # the Triton kernel
+            fused=fused and device.type == "cuda",  # AdamW's Triton kernel
             grad_of=grad_of,
         )
     return torch.optim.AdamW(
         param_groups(model, cfg.weight_decay, exclude),
         lr=cfg.lr,
-        betas=tuple(cfg.betas),
-        eps=cfg.eps,
+        betas=rule.betas,
+        eps=rule.eps,
         fused=True if fused else None,
     )
 
 
 class TorchAdamW(StepHooks):
-    """What the optimizers built on a torch AdamW (`self.adamw`, or its stand-in `MomentsAdamW`)
-    share."""
+    """What the optimizers built on `build_torch_style` (`self.adamw`: torch's AdamW, or a
+    `RuleOptimizer`) share."""
 
-    adamw: torch.optim.AdamW | MomentsAdamW
+    adamw: torch.optim.AdamW | RuleOptimizer
     fused: bool = False
-    """The update runs on the device (torch's fused AdamW kernel, or `MomentsAdamW`'s kernels):
+    """The update runs on the device (torch's fused AdamW kernel, or `RuleOptimizer`'s rule):
     the clipping factor and the skip decision go into it as device tensors."""
     low_grads: bool = False
-    """Gradients stored in bf16 (optim.grad_dtype; `adamw` is a `MomentsAdamW`): the clipping
+    """Gradients stored in bf16 (optim.grad_dtype; `adamw` is a `RuleOptimizer`): the clipping
     factor goes into the update, multiplied in fp32, not into the stored gradients, which scaling
     in place would round a second time."""
     _clip_coef: torch.Tensor | None = None
@@ -295,7 +299,7 @@ class TorchAdamW(StepHooks):
         """Fused: `skip` and the clipping factor go into the kernels on the device (no host
         sync); the other paths (CPU) read `skip` on the host."""
         coef, self._clip_coef = self._clip_coef, None
-        if isinstance(self.adamw, MomentsAdamW):
+        if isinstance(self.adamw, RuleOptimizer):
             self.adamw.step(grad_coef=coef, skip=skip)
         elif self.fused:
             # torch.optim.AdamW.step takes the clipping factor and the skip decision only as the

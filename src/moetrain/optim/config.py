@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from moetrain.optim.base import Optimizer
+    from moetrain.optim.rule import UpdateRule
     from moetrain.parallel.dims import ParallelState
 
 
@@ -38,11 +39,18 @@ class OptimizerName(enum.StrEnum):
     muon = "muon"
     """Muon for the matrices inside the blocks (attention, MLPs, each expert's), AdamW for the
     embedding, norms, routers and LM head (src/moetrain/optim/muon.py)."""
+    lion = "lion"
+    """Lion for every parameter: the sign of an interpolation of momentum and gradient, one moment
+    (src/moetrain/optim/lion.py)."""
 
     @property
     def state(self) -> tuple[str, ...]:
         """A matrix's optimizer state entries under this rule (checkpoint keys optim.NAME.STATE)."""
-        return {"adamw": ("step", "exp_avg", "exp_avg_sq"), "muon": ("momentum",)}[self.value]
+        return {
+            "adamw": ("step", "exp_avg", "exp_avg_sq"),
+            "muon": ("momentum",),
+            "lion": ("step", "lion_momentum"),
+        }[self.value]
 
 
 class MomentsDtype(enum.StrEnum):
@@ -75,12 +83,14 @@ class GradDtype(enum.StrEnum):
 @dataclasses.dataclass(kw_only=True)
 class OptimConfig(Config):
     name: OptimizerName = OptimizerName.adamw
-    """adamw, or muon: the blocks' matrices orthogonalized (Newton–Schulz on the Nesterov momentum,
+    """adamw; muon: the blocks' matrices orthogonalized (Newton–Schulz on the Nesterov momentum,
     scaled to AdamW's update RMS so that lr and weight_decay serve both; src/moetrain/optim/muon.py),
-    the rest AdamW. Works with every optimizer layout (replicated, parallel.shard_optimizer, the
-    fsdp stack) and with expert parallelism; not with optim.bf16_weights."""
+    the rest AdamW, not with optim.bf16_weights; or lion: every parameter by Lion (the sign of an
+    interpolation of momentum and gradient, one moment; usually a 3–10× smaller lr and 3–10× larger
+    weight_decay than AdamW's; src/moetrain/optim/lion.py). Each works with every optimizer layout
+    (replicated, parallel.shard_optimizer, the fsdp stack) and with expert parallelism."""
     lr: float = positive(3e-3)
-    """Peak learning rate (Muon's matrices and AdamW's parameters alike)."""
+    """Peak learning rate (Muon's matrices and AdamW's or Lion's parameters alike)."""
     betas: list[float] = in_range(lo=0, hi=1, hi_open=True, default_factory=lambda: [0.9, 0.95])
     """AdamW's decay rates of the first and second moments."""
     eps: float = positive(1e-8)
@@ -103,8 +113,10 @@ class OptimConfig(Config):
     its unsharded gradients between micro-batches and its reduce-scatter, while the reduced shards
     it hands AdamW stay fp32). Each micro-batch's gradient is added in fp32 and rounded to nearest
     once, the reduction sums in bf16, and the clipping norm and the AdamW update (our
-    `MomentsAdamW` on the ddp stack) compute in fp32 from the bf16 values. Any compute precision:
+    `RuleOptimizer` on the ddp stack) compute in fp32 from the bf16 values. Any compute precision:
     under fp32 compute each fp32 gradient is rounded as it is stored."""
+    lion_betas: list[float] = in_range(lo=0, hi=1, hi_open=True, default_factory=lambda: [0.9, 0.99])
+    """optim.name=lion: β1, the momentum's weight in the update's sign, and β2, its decay rate."""
     muon_momentum: float = in_range(0.95, lo=0, hi=1, hi_open=True)
     """optim.name=muon: the momentum β of the matrices' Nesterov momentum."""
     muon_ns_steps: int = positive(5, at_most=100)
@@ -121,8 +133,9 @@ class OptimConfig(Config):
     compute; docs/benchmarks.md), so it stays opt-in there; the launch layouts turn it on."""
 
     def validate(self) -> None:
-        if len(self.betas) != 2:
-            raise ConfigError(f"optim.betas={self.betas} must be two numbers (β1, β2), each in [0, 1).")
+        for key in ("betas", "lion_betas"):
+            if len(getattr(self, key)) != 2:
+                raise ConfigError(f"optim.{key}={getattr(self, key)} must be two numbers (β1, β2), each in [0, 1).")
         if self.name == OptimizerName.muon and self.bf16_weights:
             raise ConfigError(
                 "optim.name=muon updates fp32 matrices; optim.bf16_weights=true splits them into bf16 halves that "
@@ -136,10 +149,20 @@ class OptimConfig(Config):
 
         if self.bf16_weights is not None:
             return self.bf16_weights
-        if self.name == OptimizerName.muon:
+        if self.name != OptimizerName.adamw:
             return False
         replicated = parallel.stack == Stack.ddp and not parallel.shard_optimizer
         return replicated and amp_dtype == torch.bfloat16 and torch.device(device).type == "cuda"
+
+    def rule(self) -> UpdateRule:
+        """The element-wise update (src/moetrain/optim/rule.py): Lion's with optim.name=lion, else
+        AdamW's (with Muon: of the parameters Muon does not take)."""
+        from moetrain.optim.adamw import AdamW
+        from moetrain.optim.lion import Lion
+
+        if self.name == OptimizerName.lion:
+            return Lion(tuple(self.lion_betas))
+        return AdamW(tuple(self.betas), self.eps)
 
     def build(
         self, model: nn.Module, state: ParallelState, parallel: ParallelConfig, *, bf16_weights: bool = False

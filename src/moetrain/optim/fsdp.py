@@ -1,4 +1,5 @@
-"""`FSDPAdamW`: torch AdamW over the FSDP stack's sharded (DTensor) parameters.
+"""`FSDPAdamW`: torch AdamW (or a `RuleOptimizer` of the update rule: src/moetrain/optim/rule.py)
+over the FSDP stack's sharded (DTensor) parameters.
 
 optim.grad_dtype=bf16 is FSDP's reduce dtype (src/moetrain/parallel/fsdp.py, `apply_fsdp`): the
 unsharded gradients it accumulates between micro-batches and its reduce-scatter are bf16, the
@@ -23,7 +24,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from moetrain.model.transformer import canonical_name
-from moetrain.optim.base import TorchAdamW, build_adamw
+from moetrain.optim.base import TorchAdamW, build_torch_style
 from moetrain.optim.clip import global_grad_norm
 from moetrain.optim.grad_store import GradStore
 from moetrain.optim.muon import LocalMatrices, MatrixShape, Muon, MuonConfig, check_matrices, muon_matrices
@@ -76,7 +77,8 @@ class FSDPAdamW(TorchAdamW):
         check_matrices(self.muon_named, shapes)
         parts = [_muon_part(p, shapes[id(p)], cfg.moments_dtype.dtype) for _, p in self.muon_named]
         self.muon = Muon(MuonConfig.of(cfg), parts, gather=self._whole_directions)
-        self.adamw = build_adamw(model, cfg, exclude=set(shapes), grad_of=self.grads.grad if self.low_grads else None)
+        grad_of = self.grads.grad if self.low_grads else None
+        self.adamw = build_torch_style(model, cfg, exclude=set(shapes), grad_of=grad_of)
         self.fused = any(g.get("fused") for g in self.adamw.param_groups)
 
     def _update(self, skip: torch.Tensor | None) -> None:
@@ -150,7 +152,7 @@ class FSDPAdamW(TorchAdamW):
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def checkpoint_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
-        """The live AdamW state per parameter: DTensors sharded like the parameters (a
+        """The live optimizer state per parameter: DTensors sharded like the parameters (a
         checkpoint saves and loads each rank's shard of them). No copy, no communication."""
         reshard(self.model)  # the parameters must be the sharded ones AdamW holds state for
         muon = {n: {"momentum": _like(p, m)} for (n, p), m in zip(self.muon_named, self.muon.momentum)}
@@ -160,9 +162,9 @@ class FSDPAdamW(TorchAdamW):
         }
 
     def state_dict_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Per-parameter FULL moments keyed by canonical name (the layout of the other
+        """Per-parameter FULL state keyed by canonical name (the layout of the other
         optimizers), in memory, for tests and tools (checkpoints use `checkpoint_tensors`).
-        Collective: the shards are all-gathered (briefly the unsharded moments, 8 bytes per
+        Collective: the shards are all-gathered (briefly the unsharded state, AdamW's 8 bytes per
         parameter element)."""
         reshard(self.model)  # the parameters must be the sharded ones AdamW holds state for
         out = {n: {"momentum": full_tensor(_like(p, m))} for (n, p), m in zip(self.muon_named, self.muon.momentum)}
@@ -170,11 +172,7 @@ class FSDPAdamW(TorchAdamW):
             if canonical_name(name) in out:
                 continue
             live = self._live_state(p)
-            out[canonical_name(name)] = {
-                "step": live["step"],
-                "exp_avg": full_tensor(live["exp_avg"]),
-                "exp_avg_sq": full_tensor(live["exp_avg_sq"]),
-            }
+            out[canonical_name(name)] = {k: v if k == "step" else full_tensor(v) for k, v in live.items()}
         return out
 
     @torch.no_grad()

@@ -1,12 +1,12 @@
-"""`ReplicatedAdamW`: torch AdamW with the full optimizer state on every rank, the ddp stack's
-data-parallel gradient reduction (`GradReducer` when dp > 1, else `NoReduction`) and global-norm
-clipping. With optim.bf16_weights the matrices are bf16 and their fp32 masters, gradients and
-moments live in a `SplitMaster` (src/moetrain/optim/split_master.py), updated by `adamw_update`
-(src/moetrain/optim/adamw.py); torch AdamW keeps the rest (norms, embedding, routers). With
-optim.grad_dtype=bf16 the gradients are bf16 off the parameters' `.grad`: in the reducer's bf16
-buckets (dp > 1) or, at dp = 1, in a `GradStore` (src/moetrain/optim/grad_store.py) that allocates
-them as backward reaches each parameter; `MomentsAdamW` (src/moetrain/optim/adamw.py) reads them in
-fp32 in torch AdamW's place. With optim.name=muon the blocks' matrices are Muon's
+"""`ReplicatedAdamW`: torch AdamW (or a `RuleOptimizer` of the update rule) with the full optimizer
+state on every rank, the ddp stack's data-parallel gradient reduction (`GradReducer` when dp > 1,
+else `NoReduction`) and global-norm clipping. With optim.bf16_weights the matrices are bf16 and
+their fp32 masters, gradients and rule state live in a `SplitMaster`
+(src/moetrain/optim/split_master.py), updated by the rule (src/moetrain/optim/rule.py); torch AdamW
+keeps the rest (norms, embedding, routers). With optim.grad_dtype=bf16 the gradients are bf16 off
+the parameters' `.grad`: in the reducer's bf16 buckets (dp > 1) or, at dp = 1, in a `GradStore`
+(src/moetrain/optim/grad_store.py) that allocates them as backward reaches each parameter;
+`RuleOptimizer` reads them in fp32 in torch AdamW's place. With optim.name=muon the blocks' matrices are Muon's
 (`Muon.whole`, src/moetrain/optim/muon.py: every rank holds them whole, experts its own, and
 orthogonalizes its share of them, the results all-gathered) and torch AdamW keeps the rest."""
 
@@ -18,12 +18,12 @@ import torch
 from torch import nn
 
 from moetrain.model.transformer import canonical_name
-from moetrain.optim.adamw import AdamWGroup, adamw_update
-from moetrain.optim.base import FlatShard, TorchAdamW, build_adamw, use_fused
+from moetrain.optim.base import FlatShard, TorchAdamW, build_torch_style, use_fused
 from moetrain.optim.clip import global_grad_norm
 from moetrain.optim.grad_reducer import GradReducer, GradReduction, NoReduction, expert_param_ids, reduced_param_ids
 from moetrain.optim.grad_store import GradStore
 from moetrain.optim.muon import Muon, MuonConfig, muon_matrices
+from moetrain.optim.rule import UpdateGroup
 from moetrain.optim.split_master import SplitMaster, is_split_candidate
 from moetrain.parallel.dims import ParallelState
 
@@ -36,7 +36,7 @@ class ReplicatedAdamW(TorchAdamW):
 
     def __init__(self, model: nn.Module, state: ParallelState, cfg: OptimConfig, *, bf16_weights: bool = False):
         self.model = model
-        self.cfg = cfg
+        self.rule = cfg.rule()
         split_ids = is_split_candidate(model) if bf16_weights else set()
         device = next(model.parameters()).device
         grad_dtype = cfg.grad_dtype.dtype
@@ -49,6 +49,7 @@ class ReplicatedAdamW(TorchAdamW):
                 persistent=reduced_param_ids(model, state),  # GradReducer's buckets
                 moments_dtype=cfg.moments_dtype.dtype,
                 grad_dtype=grad_dtype,
+                state=self.rule.state,
             )
             if split_ids
             else None
@@ -84,7 +85,7 @@ class ReplicatedAdamW(TorchAdamW):
         self.muon = Muon.whole(self.muon_named, shapes, MuonConfig.of(cfg), moments_dtype=cfg.moments_dtype.dtype,
                                groups=groups)  # fmt: skip
         muon_ids = set(shapes)
-        self.adamw = build_adamw(
+        self.adamw = build_torch_style(
             model, cfg, exclude=split_ids | muon_ids, grad_of=self._grad_of if self.low_grads else None
         )
         self.fused = any(g.get("fused") for g in self.adamw.param_groups)
@@ -131,12 +132,13 @@ class ReplicatedAdamW(TorchAdamW):
         coef, self._split_coef = self._split_coef, None
         if self.split is not None:
             s = self.split
-            group = AdamWGroup(
-                s.views(s.hi), list(s.grads), s.views(s.exp_avg), s.views(s.exp_avg_sq), s.weight_decay, s.views(s.lo),
-                flat=(s.hi, s.lo, s.exp_avg, s.exp_avg_sq, s.offsets),
+            state = s.state.values()
+            group = UpdateGroup(
+                s.views(s.hi), list(s.grads), tuple(map(s.views, state)), s.weight_decay, s.views(s.lo),
+                flat=(s.hi, s.lo, *state, s.offsets),
             )  # fmt: skip
-            lr, betas, eps = self.adamw.param_groups[0]["lr"], tuple(self.cfg.betas), self.cfg.eps
-            adamw_update([group], s.step, lr=lr, betas=betas, eps=eps, grad_coef=coef, skip=skip, fused=s.fused)
+            lr = self.adamw.param_groups[0]["lr"]
+            self.rule.update([group], s.step, lr=lr, grad_coef=coef, skip=skip, fused=s.fused)
 
     def zero_grad(self) -> None:
         if self.split is not None:
@@ -173,7 +175,7 @@ class ReplicatedAdamW(TorchAdamW):
         return out
 
     def checkpoint_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
-        """The live AdamW state per parameter (`state_dict_tensors`: views, nothing gathered)."""
+        """The live optimizer state per parameter (`state_dict_tensors`: views, nothing gathered)."""
         return self.state_dict_tensors()
 
     def load_master_weights(self, weights: dict[str, torch.Tensor]) -> None:
@@ -207,7 +209,7 @@ class ReplicatedAdamW(TorchAdamW):
         )
 
     def state_dict_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
-        """The live AdamW state per parameter (created as zeros for a fresh optimizer, so a
+        """The live optimizer state per parameter (created as zeros for a fresh optimizer, so a
         checkpoint can be loaded into it in place)."""
         own = self.split.state_tensors() if self.split is not None else {}
         own.update({name: {"momentum": m} for (name, _), m in zip(self.muon_named, self.muon.momentum)})

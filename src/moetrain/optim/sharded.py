@@ -14,13 +14,13 @@ One optimizer step:
     1/dp, so the summed shards are the means over the global batch (as with `GradReducer`);
  3. `clip_grad_norm()`: the global norm from the shards (one all-reduce), then scale the shards
     (or hand the factor to the update);
- 4. `step()`: AdamW (`adamw_update`, src/moetrain/optim/adamw.py) on this rank's shards — fp32 master
-    weights, exp_avg and exp_avg_sq exist for the shard only — then all-gather the updated shards
+ 4. `step()`: the update rule (AdamW, or Lion: src/moetrain/optim/rule.py) on this rank's shards —
+    fp32 master weights and the rule's state exist for the shard only — then all-gather the updated shards
     into the flat parameter buffers. Every parameter is a view into its bucket's buffer, so the
     all-gather writes the parameters in place and every rank holds the full (replicated)
     parameters again.
 
-Memory: the optimizer state (12 bytes per element: master + two moments) is 1/dp of the dense
+Memory: the optimizer state (AdamW: 12 bytes per element, master + two moments) is 1/dp of the dense
 parameters' and 1/edp of the local experts'. The local experts are 1/ep of all experts, so a rank
 holds 1/dp of the single-device optimizer state (plus at most G - 1 padding elements per bucket).
 What stays full size: the gradient buckets (they accumulate over micro-batches; a full ZeRO-2
@@ -39,7 +39,7 @@ local, unreduced sum (the bucket is the reduce-scatter's input), until `zero_gra
 
 With optim.name=muon the blocks' matrices are bucketed apart (`muon` buckets) and step by `Muon`
 (src/moetrain/optim/muon.py) over the pieces of them this rank's shards hold (`_muon_parts`): the
-momentum of the shard only (in `exp_avg_S`), the update's direction U of each such bucket
+momentum of the shard only (in `state_S`), the update's direction U of each such bucket
 all-gathered (in the iteration's dtype, bf16 on CUDA), Newton–Schulz on whole matrices shared out
 over the bucket's group, the master shard updated; the parameters are all-gathered as for AdamW.
 
@@ -60,11 +60,11 @@ import torch.distributed as dist
 from torch import nn
 
 from moetrain.model.transformer import canonical_name
-from moetrain.optim.adamw import AdamWGroup, adamw_update
 from moetrain.optim.base import FlatShard, StepHooks, param_groups, use_fused
 from moetrain.optim.clip import clip_coefficient
 from moetrain.optim.grad_reducer import Bucket, GradReducer
 from moetrain.optim.muon import LocalMatrices, MatrixShape, Muon, MuonConfig, muon_matrices
+from moetrain.optim.rule import UpdateGroup
 from moetrain.optim.split_master import is_split_candidate, join, split_fp32
 from moetrain.parallel.dims import ParallelState
 
@@ -156,8 +156,8 @@ class _ShardedGradReducer(GradReducer):
 
 
 class ShardedAdamW(StepHooks):
-    """torch.optim.AdamW's update (decoupled weight decay, bias corrections, eps after the square
-    root; weight decay per `param_groups`), with the state sharded over the data-parallel ranks.
+    """The update rule (`OptimConfig.rule`: AdamW, torch.optim.AdamW's update; or Lion), weight
+    decay per `param_groups`, with the state sharded over the data-parallel ranks.
 
     Build it after the model is materialized and initialized: it moves every parameter into a flat
     buffer (values kept) and attaches the gradient hooks. Per step: `reduction.prepare(sync)`
@@ -174,7 +174,7 @@ class ShardedAdamW(StepHooks):
         *,
         bf16_weights: bool = False,
     ):
-        self.cfg = cfg
+        self.rule = cfg.rule()
         self.lr = cfg.lr
         # The squared gradient norm sums over every rank: dp shards, and pipeline stages.
         self.norm_group = state.world_group
@@ -199,15 +199,15 @@ class ShardedAdamW(StepHooks):
         self._low_grads = grad_dtype != torch.float32
         """bf16 gradient shards (optim.grad_dtype): the clipping factor goes into the update
         (`_grad_coef`) instead of scaling them in place, which would round them a second time."""
-        self.exp_avg_S = [torch.zeros_like(b.grad_S, dtype=moments) for b in self.buckets]
-        """AdamW's first moment of each bucket's shard; for Muon's buckets, their momentum."""
-        self.exp_avg_sq_S = [
-            torch.zeros_like(b.grad_S[:0] if b.muon else b.grad_S, dtype=moments) for b in self.buckets
+        self.state_S = [
+            {k: torch.zeros_like(b.grad_S, dtype=moments) for k in (("momentum",) if b.muon else self.rule.state)}
+            for b in self.buckets
         ]
-        """AdamW's second moment of each bucket's shard (empty for Muon's buckets)."""
+        """Each bucket's shard of the optimizer state by key: the rule's `state`; Muon's buckets, the
+        "momentum"."""
         self._grad_coef: torch.Tensor | None = None
         """The clipping factor `clip_grad_norm` left for the update (fused, or bf16 gradients)."""
-        self._groups = self._adamw_groups(param_groups(model, cfg.weight_decay)[0]["params"])
+        self._groups = self._rule_groups(param_groups(model, cfg.weight_decay)[0]["params"], cfg.weight_decay)
         parts, self._muon_grads = self._muon_parts()
         self.muon = Muon(MuonConfig.of(cfg), parts, gather=self._whole_directions)
         # Fused (the default on CUDA): the update runs on the device, the skip decision and the
@@ -217,8 +217,8 @@ class ShardedAdamW(StepHooks):
         self._step_t = torch.zeros((), dtype=torch.float32, device=device)
         """Updates made: the step count of every parameter's state."""
 
-    def _adamw_groups(self, decayed: list[nn.Parameter]) -> list[AdamWGroup]:
-        """This rank's shards as `adamw_update`'s groups, views of the live buffers: the pieces of
+    def _rule_groups(self, decayed: list[nn.Parameter], weight_decay: float) -> list[UpdateGroup]:
+        """This rank's shards as the update rule's groups, views of the live buffers: the pieces of
         the fp32 buckets' shards that belong to one parameter each, those that weight decay
         applies to (`decayed`) and the others; then the split buckets' shards (every split
         parameter is a matrix: weight decay applies)."""
@@ -232,23 +232,27 @@ class ShardedAdamW(StepHooks):
                 start, end = max(off, b.lo), min(off + p.numel(), b.hi)
                 if start < end:
                     pieces[id(p) in decay_ids].append((i, slice(start - b.lo, end - b.lo)))
-        shards = (self.master_S, [b.grad_S for b in self.buckets], self.exp_avg_S, self.exp_avg_sq_S)
+
+        def cut(tensors, decay):
+            return [tensors[i][piece] for i, piece in pieces[decay]]
+
         groups = [
-            AdamWGroup(
-                *([t[i][cut] for i, cut in pieces[decay]] for t in shards),
-                weight_decay=self.cfg.weight_decay if decay else 0.0,
+            UpdateGroup(
+                cut(self.master_S, decay),
+                cut([b.grad_S for b in self.buckets], decay),
+                tuple(cut([s.get(k) for s in self.state_S], decay) for k in self.rule.state),
+                weight_decay=weight_decay if decay else 0.0,
             )
             for decay in (True, False)
         ]
-        split = [i for i, b in enumerate(self.buckets) if b.split]
+        split = [b for b in self.buckets if b.split]
         groups.append(
-            AdamWGroup(
-                [self.buckets[i].params_N[self.buckets[i].lo : self.buckets[i].hi] for i in split],
-                [self.buckets[i].grad_S for i in split],
-                [self.exp_avg_S[i] for i in split],
-                [self.exp_avg_sq_S[i] for i in split],
-                weight_decay=self.cfg.weight_decay,
-                los=[self.buckets[i].lo_S for i in split],
+            UpdateGroup(
+                [b.params_N[b.lo : b.hi] for b in split],
+                [b.grad_S for b in split],
+                tuple([s[k] for b, s in zip(self.buckets, self.state_S) if b.split] for k in self.rule.state),
+                weight_decay=weight_decay,
+                los=[b.lo_S for b in split],
             )
         )
         return groups
@@ -305,15 +309,12 @@ class ShardedAdamW(StepHooks):
 
     @torch.no_grad()
     def _update(self, skip: torch.Tensor | None) -> None:
-        """AdamW on this rank's shards (`adamw_update`), then all-gather the parameters. `skip`
+        """The update rule on this rank's shards, then all-gather the parameters. `skip`
         (a device bool, equal on all ranks): no update, and the all-gather writes the parameters
         with their unchanged values. Fused, it is decided on the device; otherwise read on the
         host (one sync per step)."""
         coef, self._grad_coef = self._grad_coef, None
-        adamw_update(
-            self._groups, self._step_t, lr=self.lr, betas=tuple(self.cfg.betas), eps=self.cfg.eps,
-            grad_coef=coef, skip=skip, fused=self.fused,
-        )  # fmt: skip
+        self.rule.update(self._groups, self._step_t, lr=self.lr, grad_coef=coef, skip=skip, fused=self.fused)
         self.muon.step(self._muon_grads, self.lr, coef, skip)
         self._all_gather_params()
 
@@ -321,11 +322,12 @@ class ShardedAdamW(StepHooks):
         """`Muon`'s parts, one per parameter of the `muon` buckets: the piece of it in this rank's
         shard (master and momentum; empty where the shard holds none of it), and its gradient."""
         parts, grads = [], []
-        for b, master_S, exp_avg_S in zip(self.buckets, self.master_S, self.exp_avg_S):
+        for b, master_S, state_S in zip(self.buckets, self.master_S, self.state_S):
             for p, off in zip(b.params if b.muon else (), b.offsets):
                 start = max(off, b.lo)
                 cut = slice(start - b.lo, max(start, min(off + p.numel(), b.hi)) - b.lo)
-                parts.append(LocalMatrices(self.shapes[id(p)], master_S[cut], exp_avg_S[cut], start - off, b.group))
+                momentum = state_S["momentum"][cut]
+                parts.append(LocalMatrices(self.shapes[id(p)], master_S[cut], momentum, start - off, b.group))
                 grads.append(b.grad_S[cut])
         return parts, grads
 
@@ -377,8 +379,8 @@ class ShardedAdamW(StepHooks):
 
     def memory_bytes(self) -> int:
         """Bytes of optimizer state held by this rank: fp32 master shards (or the remainders of
-        split ones) and both moments."""
-        tensors = [m for m in self.master_S if m is not None] + self.exp_avg_S + self.exp_avg_sq_S
+        split ones) and the state shards."""
+        tensors = [m for m in self.master_S if m is not None] + [t for s in self.state_S for t in s.values()]
         tensors += [b.lo_S for b in self.buckets if b.split]
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -415,17 +417,16 @@ class ShardedAdamW(StepHooks):
                     b.lo_S[start - b.lo : end - b.lo].copy_(lo_part[start - off : end - off])
 
     def checkpoint_tensors(self) -> dict[str, dict[str, torch.Tensor | FlatShard]]:
-        """Per parameter, the pieces of its moments in this rank's bucket shards ("exp_avg",
-        "exp_avg_sq": `FlatShard`s over `exp_avg_S` / `exp_avg_sq_S`, absent where the shard
-        holds none of the parameter) and the live step count "step" (one 0-d tensor shared by
-        all). No copy, no communication."""
+        """Per parameter, the pieces of its state in this rank's bucket shards (`FlatShard`s over
+        `state_S`, absent where the shard holds none of the parameter) and the live step count
+        "step" (one 0-d tensor shared by all; none for Muon's). No copy, no communication."""
         out: dict[str, dict[str, torch.Tensor | FlatShard]] = {}
-        for b, exp_avg, exp_avg_sq in zip(self.buckets, self.exp_avg_S, self.exp_avg_sq_S):
+        for b, state_S in zip(self.buckets, self.state_S):
             for p, off in zip(b.params, b.offsets):
                 entry: dict[str, torch.Tensor | FlatShard] = {} if b.muon else {"step": self._step_t}
                 start, end = max(off, b.lo), min(off + p.numel(), b.hi)
                 if start < end:
-                    for key, shard_S in self._moments(b, exp_avg, exp_avg_sq):
+                    for key, shard_S in state_S.items():
                         entry[key] = FlatShard(tuple(p.shape), start - off, values=shard_S[start - b.lo : end - b.lo])
                 out[self.names[id(p)]] = entry
         return out
@@ -461,33 +462,25 @@ class ShardedAdamW(StepHooks):
                 _all_gather(b.params_N, b.params_N[b.lo : b.hi].clone(), group=b.group)
 
     def state_dict_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Per-parameter FULL moments keyed by canonical parameter name, in the layout of
-        torch.optim.AdamW's state ("exp_avg", "exp_avg_sq" shaped like the parameter — for
-        experts, like this rank's slice — and a 0-d float32 "step" on the CPU): the in-memory
+        """Per-parameter FULL state keyed by canonical parameter name, in the layout of
+        torch.optim.AdamW's (the rule's `state` shaped like the parameter — for experts, like this
+        rank's slice — and a 0-d float32 "step" on the CPU): the in-memory
         view of the whole state, for tests and tools (checkpoints use `checkpoint_tensors`).
 
-        Collective (every rank of the dp group must call it). Cost: each bucket's moments are
-        all-gathered over its group, so this briefly holds the unsharded moments (8 bytes per
+        Collective (every rank of the dp group must call it). Cost: each bucket's state is
+        all-gathered over its group, so this briefly holds the unsharded state (AdamW: 8 bytes per
         parameter element) — the memory that sharding saves during training.
         """
         out: dict[str, dict[str, torch.Tensor]] = {}
         step = self._step_t.detach().to("cpu", copy=True)  # one read for all parameters
-        for b, exp_avg, exp_avg_sq in zip(self.buckets, self.exp_avg_S, self.exp_avg_sq_S):
-            full = {key: self._gather(b, shard_S) for key, shard_S in self._moments(b, exp_avg, exp_avg_sq)}
+        for b, state_S in zip(self.buckets, self.state_S):
+            full = {key: self._gather(b, shard_S) for key, shard_S in state_S.items()}
             for p, off in zip(b.params, b.offsets):
                 entry = {key: full_N[off : off + p.numel()].view_as(p) for key, full_N in full.items()}
                 if not b.muon:
                     entry["step"] = step.clone()
                 out[self.names[id(p)]] = entry
         return out
-
-    @staticmethod
-    def _moments(
-        b: _ShardedBucket, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor
-    ) -> tuple[tuple[str, torch.Tensor], ...]:
-        """(state key, shard) of bucket `b`'s optimizer state: AdamW's two moments, or Muon's
-        momentum."""
-        return (("momentum", exp_avg),) if b.muon else (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq))
 
     def _gather(self, b: _ShardedBucket, shard_S: torch.Tensor) -> torch.Tensor:
         if b.group is None:
@@ -502,7 +495,7 @@ class ShardedAdamW(StepHooks):
         rank's shards; then refresh the master shards from the parameters, so load the model's
         parameters first. Needs no communication."""
         steps = set()
-        for b, exp_avg, exp_avg_sq in zip(self.buckets, self.exp_avg_S, self.exp_avg_sq_S):
+        for b, state_S in zip(self.buckets, self.state_S):
             for p, off in zip(b.params, b.offsets):
                 name = self.names[id(p)]
                 if name not in state:
@@ -511,7 +504,7 @@ class ShardedAdamW(StepHooks):
                     )
                 entry = state[name]
                 start, end = max(off, b.lo), min(off + p.numel(), b.hi)
-                for key, shard_S in self._moments(b, exp_avg, exp_avg_sq):
+                for key, shard_S in state_S.items():
                     full = entry[key]
                     if full.shape != p.shape:
                         raise ValueError(

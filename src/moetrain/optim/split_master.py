@@ -20,7 +20,8 @@ The AdamW update (`adamw_update`, src/moetrain/optim/adamw.py, handed these tens
 runs on (hi, lo) directly: on CUDA one Triton kernel per parameter (src/moetrain/optim/triton_kernels.py)
 reads hi, lo, gradient and moments and writes them back (the bytes of torch's fused fp32 AdamW),
 with the clipping factor and the step guard's skip decision as device tensors (no host sync);
-elsewhere `adamw_reference`, the same arithmetic in torch ops on the joined fp32 values.
+elsewhere `adamw_reference`, the same arithmetic in torch ops on the joined fp32 values. Lion's
+update (src/moetrain/optim/lion.py) joins, steps and splits them in torch ops everywhere.
 
 Gradients: autograd gives a bf16 parameter a bf16 gradient (the weight-gradient GEMM's output,
 which autocast would cast to fp32). A post-accumulate-grad hook takes it off the parameter: after
@@ -66,9 +67,9 @@ def is_split_candidate(model: nn.Module) -> set[int]:
 
 
 class SplitMaster:
-    """The split parameters of one rank (`is_split_candidate`) and their AdamW state, in one
+    """The split parameters of one rank (`is_split_candidate`) and their update rule's `state`, in one
     order: dense parameters, then experts, each in reverse registration order (the order in which
-    backward finishes them, and `GradReducer`'s). hi, lo and the moments are flat buffers (one
+    backward finishes them, and `GradReducer`'s). hi, lo and the state are flat buffers (one
     view per parameter); each gradient is allocated by the step's first backward that reaches its
     parameter and dropped by `zero_grad`, as torch does for `.grad`, so it does not exist during
     the forward pass — except those of the parameters in `persistent` (a `GradReducer` buckets
@@ -84,6 +85,7 @@ class SplitMaster:
         persistent: set[int] = frozenset(),
         moments_dtype: torch.dtype = torch.float32,
         grad_dtype: torch.dtype = torch.float32,
+        state: tuple[str, ...] = ("exp_avg", "exp_avg_sq"),
     ):
         expert_ids = {id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
         named = [(n, p) for n, p in model.named_parameters() if id(p) in ids][::-1]
@@ -108,8 +110,8 @@ class SplitMaster:
             p.data = self.hi[offset : offset + n].view(p.shape)
             self.offsets.append(offset)
             offset += n
-        self.exp_avg = torch.zeros(numel, dtype=moments_dtype, device=device)
-        self.exp_avg_sq = torch.zeros_like(self.exp_avg)
+        self.state = {k: torch.zeros(numel, dtype=moments_dtype, device=device) for k in state}
+        """The update rule's state (`UpdateRule.state`), flat."""
         self.step = torch.zeros((), dtype=torch.float32, device=device)
         """Updates made (shared by every split parameter: they are always updated together)."""
         self.grad_dtype = grad_dtype
@@ -209,13 +211,9 @@ class SplitMaster:
 
     # ---- state ------------------------------------------------------------------------------------
     def state_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Parameter name (as `model.named_parameters` gives it) → its AdamW state, as views."""
+        """Parameter name (as `model.named_parameters` gives it) → its update rule's state, as views."""
         return {
-            name: {
-                "step": self.step,
-                "exp_avg": self.view(self.exp_avg, i),
-                "exp_avg_sq": self.view(self.exp_avg_sq, i),
-            }
+            name: {"step": self.step} | {k: self.view(flat, i) for k, flat in self.state.items()}
             for i, name in enumerate(self.names)
         }
 
@@ -233,5 +231,5 @@ class SplitMaster:
             self.view(self.lo, i).copy_(lo)
 
     def memory_bytes(self) -> int:
-        """lo and the two moments (hi is the parameter, `grad` the gradient)."""
-        return sum(t.numel() * t.element_size() for t in (self.lo, self.exp_avg, self.exp_avg_sq))
+        """lo and the rule's state (hi is the parameter, `grad` the gradient)."""
+        return sum(t.numel() * t.element_size() for t in (self.lo, *self.state.values()))

@@ -382,9 +382,10 @@ def _state(
     cfg: RunConfig, L: Layout, groups: ParamGroups, x: _Model, b: _Blocks, local: float, dense_local: float
 ) -> tuple[float, float, float, float]:
     """(weights, grads, optimizer, accumulated) of one pipeline rank: its stack's and optimizer's
-    layout of the parameters, gradients and AdamW state; accumulated: FSDP's unsharded gradients
+    layout of the parameters, gradients and optimizer state; accumulated: FSDP's unsharded gradients
     kept between micro-batches."""
-    moments = 4 if cfg.optim.moments_dtype.value == "bf16" else 8  # AdamW's two moments per element
+    moment = 2 if cfg.optim.moments_dtype.value == "bf16" else 4
+    moments = moment * (1 if cfg.optim.name.value == "lion" else 2)  # per element: AdamW's two, Lion's one
     muon = cfg.optim.name.value == "muon"  # Muon's matrices keep one momentum: half of AdamW's two
     muon_dense = b.muon_dense if muon else 0.0
     muon_experts = b.expert_local if muon else 0.0

@@ -222,13 +222,15 @@ def _optimizer_time(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assu
     moments 28 B, bf16 moments 20 B; 2 B less reading bf16 gradients, not FSDP's fp32 shards),
     the split masters and every bf16-moment update by moetrain's Triton kernel, the rest by
     torch's fused AdamW, each at its measured rate (with optim.name=muon, Muon's matrices
-    instead: `_muon_time`); then the clipping norm reads each gradient."""
+    instead: `_muon_time`; optim.name=lion: one moment's read and write less, none by torch's
+    fused kernel); then the clipping norm reads each gradient."""
     fsdp = L.stack == Stack.fsdp.value
     bf16_weights = uses_bf16_weights(cfg)
     low_moments = cfg.optim.moments_dtype.value == "bf16"
     low_grads = cfg.optim.grad_dtype.value == "bf16"
     passes = spec.hbm_bytes_s * assume.param_pass_eff
-    adamw_bytes = (20 if low_moments else 28) - (2 if low_grads and not fsdp else 0)
+    lion = cfg.optim.name.value == "lion"
+    adamw_bytes = (20 if low_moments else 28) - (2 if low_grads and not fsdp else 0) - lion * (4 if low_moments else 8)
     if fsdp:
         updated, embedding = rank.local / L.replicas, rank.embedding_local / L.replicas
     elif L.shard_optimizer:
@@ -238,7 +240,7 @@ def _optimizer_time(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assu
         updated, embedding = rank.local, rank.embedding_local
     muon_updated, t_muon = _muon_time(cfg, L, rank, spec, assume)
     adamw_updated = updated - muon_updated
-    by_torch = 0.0 if low_moments else (embedding if bf16_weights else adamw_updated)  # fp32 AdamW, fp32 moments
+    by_torch = 0.0 if low_moments or lion else (embedding if bf16_weights else adamw_updated)  # fp32 AdamW and moments
     torch_rate = spec.hbm_bytes_s * assume.torch_adamw_eff
     t_optimizer = adamw_bytes * ((adamw_updated - by_torch) / passes + by_torch / torch_rate) + t_muon
     one_kept = bf16_weights and L.micro_batches == 1 and not fsdp  # one backward's bf16 gradient, as it is

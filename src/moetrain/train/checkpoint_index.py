@@ -22,11 +22,11 @@ model's size:
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import math
 import os
 import pickle
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -205,21 +205,26 @@ def diagnose(path: str | Path) -> str | None:
     return None
 
 
-def _other_optimizer(key: str, stored: dict[str, Any]) -> str | None:
-    """When `key` (an optimizer entry "optim.NAME.STATE", "/E" after it for expert E) is missing
-    because the checkpoint holds the other optimizer's state for that parameter, the sentence
-    that says so."""
-    key, slash, expert = key.partition("/")
-    param, _, state = key[len("optim.") :].rpartition(".")
-    for mine, theirs in itertools.permutations(OptimizerName, 2):
-        their_tensors = [s for s in theirs.state if s != "step"]  # a 0-d step is not per element
-        if state in mine.state and all(f"optim.{param}.{s}{slash}{expert}" in stored for s in their_tensors):
-            return (
-                f"it holds optim.name={theirs}'s state for {param} ({', '.join(their_tensors)}) and this run has "
-                f"optim.name={mine}, which keeps {', '.join(mine.state)}: resume with --optim.name={theirs}, or "
-                f"start a new run from its weights with --checkpoint.init_from"
-            )
-    return None
+def _rule_of(keys: Iterable[str]) -> OptimizerName | None:
+    """The update rule whose state the optimizer entries among `keys` ("optim.NAME.STATE", "/E"
+    after it for expert E) hold: the last in `OptimizerName`'s order whose tensors they all name
+    (Muon's state holds AdamW's too, for the parameters Muon does not take)."""
+    held = {key.partition("/")[0].rpartition(".")[2] for key in keys if key.startswith("optim.")}
+    found = [name for name in OptimizerName if set(name.state) - {"step"} <= held]
+    return found[-1] if found else None
+
+
+def _other_optimizer(wanted: Iterable[str], stored: dict[str, Any]) -> str | None:
+    """When the checkpoint lacks an optimizer entry of this run (`wanted`: its entries) because it
+    holds another update rule's state, the sentence that says so."""
+    mine, theirs = _rule_of(wanted), _rule_of(stored)
+    if mine is None or theirs is None or mine == theirs:
+        return None
+    return (
+        f"it holds optim.name={theirs}'s state ({', '.join(theirs.state)}) and this run has optim.name={mine}, "
+        f"which keeps {', '.join(mine.state)}: resume with --optim.name={theirs}, or start a new run from its "
+        "weights with --checkpoint.init_from"
+    )
 
 
 def first_mismatch(metadata: Metadata, state: dict[str, dict[str, Any]]) -> str | None:
@@ -239,7 +244,7 @@ def first_mismatch(metadata: Metadata, state: dict[str, dict[str, Any]]) -> str 
                         "it holds model weights only, no optimizer state (an import-hf or weights-only "
                         "checkpoint): start from it with --checkpoint.init_from instead of --resume"
                     )
-                other = _other_optimizer(key, stored)
+                other = _other_optimizer([f"optim.{n}" for n in state.get("optim", {})], stored)
                 if other is not None:
                     return other
                 return (

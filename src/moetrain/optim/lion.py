@@ -1,0 +1,90 @@
+"""Lion (`optim.name=lion`; Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"):
+every parameter steps by the sign of an interpolation of its momentum and its gradient.
+
+Legend: W a parameter, G its gradient (reduced over the data-parallel ranks and clipped), M its
+momentum (optim.lion_betas = (β1, β2), the paper's defaults (0.9, 0.99)).
+
+Per element and step:
+
+    C = β1·M + (1 − β1)·G
+    W ← W·(1 − lr·wd) − lr·sign(C)
+    M ← β2·M + (1 − β2)·G
+
+Every update element is ±lr, so the update's RMS is lr where AdamW's is nearer 0.2·lr: Lion
+usually takes a learning rate 3–10× smaller than AdamW's and a weight decay 3–10× larger (which
+keeps lr·wd, the decay per step, about the same). One moment per element instead of AdamW's two
+(optim.moments_dtype applies to it), and no step count in the update.
+
+`Lion` is an `UpdateRule` (src/moetrain/optim/rule.py): every layout runs it on its local shards
+where it runs AdamW. The update is computed in fp32 from any dtype of parameter (split masters
+joined: src/moetrain/optim/split_master.py), gradient and momentum, and written back rounded to
+nearest; the clipping factor multiplies the gradient; a skipped step (`skip`, a device bool) keeps
+every tensor bit for bit through `torch.where`, so nothing is read on the host on any path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from moetrain.optim.rule import UpdateGroup
+from moetrain.optim.split_master import join, split_fp32
+
+
+@dataclasses.dataclass(frozen=True)
+class Lion:
+    """Lion's `UpdateRule` (module docstring)."""
+
+    betas: tuple[float, float] = (0.9, 0.99)
+    state = ("lion_momentum",)
+
+    @torch.no_grad()
+    def update(
+        self,
+        groups: list[UpdateGroup],
+        step: torch.Tensor,
+        *,
+        lr: float | torch.Tensor,
+        grad_coef: torch.Tensor | None,
+        skip: torch.Tensor | None,
+        fused: bool,
+    ) -> None:
+        """`UpdateRule.update`: one path, fused or not, that reads nothing on the host."""
+        step.add_((~skip).float() if skip is not None else 1.0)
+        for g in groups:
+            (momenta,) = g.state
+            for i, (p, grad, m) in enumerate(zip(g.params, g.grads, momenta)):
+                lo = g.los[i] if g.los is not None else None
+                lion_tensor(p, lo, grad, m, lr, g.weight_decay, self.betas, grad_coef, skip)
+
+
+def lion_tensor(
+    p: torch.Tensor,
+    lo: torch.Tensor | None,
+    grad: torch.Tensor,
+    m: torch.Tensor,
+    lr: float | torch.Tensor,
+    weight_decay: float,
+    betas: tuple[float, float],
+    grad_coef: torch.Tensor | None,
+    skip: torch.Tensor | None,
+) -> None:
+    """One Lion step of parameter `p` (with `lo`: the split master (p, lo)) and its momentum `m`
+    in place, in fp32."""
+    beta1, beta2 = betas
+    w = join(p, lo) if lo is not None else p.float()
+    g = grad.float() if grad_coef is None else grad.float() * grad_coef
+    m32 = m.float()
+    c = m32 * beta1 + g * (1 - beta1)
+    new_w = w * (1 - lr * weight_decay) - lr * torch.sign(c)
+    new_m = m32 * beta2 + g * (1 - beta2)
+    if skip is not None:
+        new_w, new_m = torch.where(skip, w, new_w), torch.where(skip, m32, new_m)
+    m.copy_(new_m)
+    if lo is None:
+        p.copy_(new_w)
+    else:
+        hi, new_lo = split_fp32(new_w)
+        p.copy_(hi)
+        lo.copy_(new_lo)
