@@ -88,9 +88,9 @@ class Router(nn.Module):
 def limit_to_groups(choice_NE: torch.Tensor, num_groups: int, kept_groups: int) -> torch.Tensor:
     """DeepSeek-V3's group-limited routing: `choice_NE` with every expert outside each token's best
     `kept_groups` groups set to -inf, so that the top-k picks only inside them. The E experts form
-    `num_groups` groups of G consecutive ones (one node's, under expert parallelism, so a token's
-    dispatch reaches at most `kept_groups` nodes); a group ranks by the sum of its two best scores.
-    The computation of transformers' DeepseekV3TopkRouter."""
+    `num_groups` groups of G consecutive ones (with parallel.ep dividing `num_groups` each lies on
+    one rank, so a token's dispatch reaches at most `kept_groups` ranks); a group ranks by the sum
+    of its two best scores. The computation of transformers' DeepseekV3TopkRouter."""
     num_tokens, num_experts = choice_NE.shape
     choice_NLG = choice_NE.view(num_tokens, num_groups, num_experts // num_groups)
     group_scores_NL = choice_NLG.topk(2, dim=-1).values.sum(dim=-1)
