@@ -64,6 +64,7 @@ def test_deepseek_v3_export_has_the_same_logits_and_greedy_continuation(trained,
         m.v_head_dim,
     )
     assert config["n_shared_experts"] == 2 and config["first_k_dense_replace"] == 1  # shared 64 = 2 × 32
+    assert (config["n_group"], config["topk_group"], config["routed_scaling_factor"]) == (4, 2, 2.5)
     hf = hf_model(tmp_path / "hf")
     assert type(hf).__name__ == "DeepseekV3ForCausalLM"  # native: no remote code
     assert max_diff(model, hf, m.vocab_size) <= 1e-4
@@ -125,7 +126,9 @@ def test_without_a_query_latent_and_with_weights_times_k(real_text_dir, tmp_path
         d_model=64,
         n_layers=3,
         q_lora_rank=0,
-        moe=dataclasses.replace(m.moe, restore_weight_scale=True, num_experts=8, expert_hidden=32, shared_hidden=32),
+        moe=dataclasses.replace(
+            m.moe, restore_weight_scale=True, routed_scale=1.0, num_experts=8, expert_hidden=32, shared_hidden=32
+        ),
     )
     model = write_checkpoint(tmp_path / "ckpt", m, real_text_dir / "tokenizer.json", bias=True)
     cli(capsys, "export-hf", tmp_path / "ckpt", tmp_path / "hf", "--dtype", "float32")
@@ -165,7 +168,9 @@ SMALL = dict(
     max_position_embeddings=128,
     initializer_range=0.1,
 )
-"""A small DeepSeek-V3: group routing and the routed scale off (moetrain has neither)."""
+"""A small DeepSeek-V3: group routing and the routed scale off (`GROUPED` turns them on)."""
+GROUPED = {"n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5}
+"""DeepSeek-V3's routing at this size: the best 2 of 4 groups of 2 experts, weights × 2.5."""
 
 
 def random_deepseek_v3(path, real_text_dir, **fields):
@@ -186,15 +191,19 @@ def random_deepseek_v3(path, real_text_dir, **fields):
 
 
 @pytest.mark.parametrize(
-    "fields", [{}, {"rope_interleave": False}, {"q_lora_rank": None}], ids=["interleaved", "rotate-half", "no-q-latent"]
+    "fields",
+    [{}, {"rope_interleave": False}, {"q_lora_rank": None}, GROUPED],
+    ids=["interleaved", "rotate-half", "no-q-latent", "grouped"],
 )
 @torch.no_grad()
 def test_a_deepseek_v3_saved_by_transformers_imports_with_its_logits(fields, real_text_dir, tmp_path, capsys):
     hf = random_deepseek_v3(tmp_path / "hf", real_text_dir, **fields)
     cli(capsys, "import-hf", tmp_path / "hf", tmp_path / "imported")
     model, cfg, _ = load_for_inference(tmp_path / "imported")
-    assert cfg.model.is_mla and cfg.model.moe.gating == Gating.sigmoid and cfg.model.num_dense_layers == 1
-    assert max_diff(model, hf, 512) <= 1e-4
+    moe = cfg.model.moe
+    assert cfg.model.is_mla and moe.gating == Gating.sigmoid and cfg.model.num_dense_layers == 1
+    assert (moe.n_groups, moe.topk_groups, moe.routed_scale) == ((4, 2, 2.5) if fields == GROUPED else (1, 1, 1.0))
+    assert max_diff(model, hf, 512) <= 1e-5
     ids = torch.randint(0, 512, (1, 8), generator=torch.Generator().manual_seed(3))
     assert greedy(model, ids, 8) == hf_greedy(hf, ids, 8)
 
@@ -231,8 +240,6 @@ def test_import_refuses_what_moetrain_cannot_reproduce(tmp_path, capsys):
     base = transformers.DeepseekV3Config(**SMALL).to_dict()
     for change, words in (
         ({}, []),  # the base is importable as far as its config goes: only its weights are missing
-        ({"n_group": 8, "topk_group": 4}, ["n_group=8 with topk_group=4"]),
-        ({"routed_scaling_factor": 2.5}, ["routed_scaling_factor=2.5"]),
         ({"rms_norm_eps": 1e-5}, ["rms_norm_eps=1e-05"]),
         ({"num_key_value_heads": 8}, ["num_key_value_heads=8"]),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, ["rope_type=yarn"]),

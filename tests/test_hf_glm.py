@@ -2,7 +2,8 @@
 with per-head QK-norm): with sigmoid gating it loads as transformers' native GLM-4-MoE and
 computes the same logits (fp32, ≤ 1e-4) and greedy continuation; bf16 by default; sharded with
 an index past --max-shard-size, written shard by shard (and rank by rank) from the DCP files in
-bounded memory; import-hf reads it back bit for bit. Every ref-* preset, at small width: its
+bounded memory; import-hf reads it back bit for bit; group-limited routing with a routed scale
+exports and imports too. Every ref-* preset, at small width: its
 softmax router and normalized embedding are refused naming the reasons and the variant (sigmoid, a
 plain embedding), which exports with equal logits. Skipped where the `hf` extra is absent."""
 
@@ -20,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 from conftest import tiny_overrides  # noqa: E402
 
 from moetrain.cli import main  # noqa: E402
-from moetrain.hf.arch import refusal, unsupported_features  # noqa: E402
+from moetrain.hf.arch import refusal, remote_problems, unsupported_features  # noqa: E402
 from moetrain.inference import load_for_inference  # noqa: E402
 from moetrain.model.config import Gating  # noqa: E402
 from moetrain.presets import PRESETS, preset, resolve_config  # noqa: E402
@@ -187,8 +188,8 @@ def test_import_refuses_what_it_cannot_reproduce(tmp_path, capsys):
     base = {"model_type": "glm4_moe", "num_hidden_layers": 2, "num_attention_heads": 2, "num_experts_per_tok": 2}
     for config, words in (
         (base | {"attention_bias": True}, ["attention_bias=true", "partial_rotary_factor=0.5"]),  # GLM-4.5's own
-        (base | {"partial_rotary_factor": 1.0, "routed_scaling_factor": 2.5}, ["routed_scaling_factor=2.5"]),
-        (base | {"partial_rotary_factor": 1.0}, ["has no 'vocab_size'"]),
+        # a routed scale and group-limited routing are read (model.moe.routed_scale, n_groups)
+        (base | {"partial_rotary_factor": 1.0, "routed_scaling_factor": 2.5, "n_group": 2}, ["has no 'vocab_size'"]),
     ):
         (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
         assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "out")]) == 2
@@ -370,3 +371,23 @@ def test_bad_export_flags_are_one_paragraph(trained, tmp_path, capsys, flags, wo
     assert main(["export-hf", str(trained), str(tmp_path / "hf"), *flags]) == 2
     err = capsys.readouterr().err
     assert words in err and "Traceback" not in err, err
+
+
+@torch.no_grad()
+def test_group_limited_routing_with_a_routed_scale_exports_as_glm4_moe(real_text_dir, tmp_path, capsys):
+    """Sigmoid top-4 from the best 3 of 4 groups of 2 experts, weights × 2.5: n_group, topk_group
+    and routed_scaling_factor, the same logits, and back; moetrain's own modeling file has neither."""
+    m = preset("tiny").model
+    moe = dataclasses.replace(
+        m.moe, gating=Gating.sigmoid, expert_hidden=32, shared_hidden=32, n_groups=4, topk_groups=3, routed_scale=2.5
+    )
+    m = dataclasses.replace(m, vocab_size=512, d_model=64, n_layers=3, moe=moe)
+    model = write_checkpoint(tmp_path / "ckpt", m, real_text_dir / "tokenizer.json", bias=True)
+    cli(capsys, "export-hf", tmp_path / "ckpt", tmp_path / "hf", "--dtype", "float32")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["n_group"], config["topk_group"], config["routed_scaling_factor"]) == (4, 3, 2.5)
+    assert max_diff(model, hf_model(tmp_path / "hf"), m.vocab_size) <= 1e-5
+    cli(capsys, "import-hf", tmp_path / "hf", tmp_path / "imported")
+    _, cfg, _ = load_for_inference(tmp_path / "imported")
+    assert (cfg.model.moe.n_groups, cfg.model.moe.topk_groups, cfg.model.moe.routed_scale) == (4, 3, 2.5)
+    assert "model.moe.n_groups=4" in remote_problems(m)[0]

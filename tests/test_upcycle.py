@@ -39,6 +39,13 @@ UPCYCLES = {
         "--model.moe.top_k=3",
     ],
     "sigmoid, every block": ["--model.num_dense_layers=0", "--model.moe.gating=sigmoid"],
+    "grouped sigmoid, weights × 2.5": [
+        "--model.num_dense_layers=1",
+        "--model.moe.gating=sigmoid",
+        "--model.moe.n_groups=4",
+        "--model.moe.topk_groups=2",
+        "--model.moe.routed_scale=2.5",
+    ],
 }
 
 

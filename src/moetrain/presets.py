@@ -74,6 +74,8 @@ def _deepseek_v3_model(
     experts: int,
     top_k: int,
     hidden: int,
+    groups: int,
+    kept_groups: int,
     init_std: float,
 ) -> TransformerConfig:
     """DeepSeek-V3's architecture: multi-head latent attention, the first `dense` blocks dense (as
@@ -81,9 +83,9 @@ def _deepseek_v3_model(
     with one shared expert of the same width, sigmoid top-k whose selected scores are normalized,
     auxiliary-loss-free balancing (bias speed 0.001) beside a small load-balancing loss (1e-4, where
     DeepSeek's is per sequence and moetrain's over the micro-batch), no z-loss,
-    untied embeddings, RoPE θ = 10,000, every matrix at one init std. Not represented: the
-    node-limited group routing (8 groups, top 4; plain top-k here) and the routed scaling factor
-    2.5 (moetrain scales by 1 or k: 1 here)."""
+    untied embeddings, RoPE θ = 10,000, every matrix at one init std; each token's experts come from
+    its best `kept_groups` of `groups` expert groups (node-limited routing) and their weights are
+    × 2.5 (the routed scaling factor)."""
     return TransformerConfig(
         vocab_size=vocab,
         d_model=d_model,
@@ -109,7 +111,9 @@ def _deepseek_v3_model(
             shared_hidden=hidden,
             gating=Gating.sigmoid,
             normalize_weights=True,
-            restore_weight_scale=False,
+            routed_scale=2.5,
+            n_groups=groups,
+            topk_groups=kept_groups,
             lb_loss_weight=1e-4,
             z_loss_weight=0.0,
             bias_update_rate=1e-3,
@@ -120,11 +124,11 @@ def _deepseek_v3_model(
 def dsv3_tiny() -> RunConfig:
     """DeepSeek-V3's architecture at `tiny`'s size (≈3.7M parameters, 8k vocabulary, the same data
     and batches): MLA with both latents, one dense block, 16 routed experts top-4 plus a shared
-    one, sigmoid routing with the aux-loss-free bias."""
+    one, sigmoid routing with the aux-loss-free bias, from the best 2 of 4 groups of 4 experts."""
     cfg = tiny()
     cfg.model = _deepseek_v3_model(
         vocab=8192, d_model=128, layers=4, dense=1, heads=4, q_rank=64, kv_rank=32, nope=32, rope=16, v=32,
-        experts=16, top_k=4, hidden=64, init_std=0.02,
+        experts=16, top_k=4, hidden=64, groups=4, kept_groups=2, init_std=0.02,
     )  # fmt: skip
     return cfg
 
@@ -133,11 +137,11 @@ def dsv3_671b() -> RunConfig:
     """DeepSeek-V3's main model (the multi-token prediction module aside: `--model.mtp_depth=1`
     adds a dense one): 61 blocks of width 7168, the first 3 dense (18,432 wide), 128 heads with
     latents of 1536 (queries) and 512 (keys/values), heads of 128 + 64 rotary dims and values of
-    128, 256 routed experts of 2048 top-8 and one shared; its pre-training batch (15,360
+    128, 256 routed experts of 2048 top-8 from the best 4 of 8 groups, and one shared; its pre-training batch (15,360
     sequences of 4,096 tokens, micro-batches of 1,024) and peak learning rate 2.2e-4."""
     model = _deepseek_v3_model(
         vocab=129_280, d_model=7168, layers=61, dense=3, heads=128, q_rank=1536, kv_rank=512, nope=128, rope=64,
-        v=128, experts=256, top_k=8, hidden=2048, init_std=0.006,
+        v=128, experts=256, top_k=8, hidden=2048, groups=8, kept_groups=4, init_std=0.006,
     )  # fmt: skip
     return _big_run(model, seq_len=4096, gpus=1024, global_batch=15_360, lr=2.2e-4)
 

@@ -9,8 +9,8 @@ is copied. Each new MoE block takes its dense MLP, a SwiGLU whose hidden size mu
 - every routed expert is a copy of it (gate and up stacked as `GroupedExperts` stores them), and
   so is the shared expert where the shape has one (`model.moe.shared_hidden` = that hidden size);
 - the down projections are scaled so that the block's output is the MLP's: a token's routed
-  weights sum to 1 (`model.moe.normalize_weights`, required; × k with `restore_weight_scale`, so
-  the experts' are ÷ k), and with a shared expert each half takes ½;
+  weights sum to 1 (`model.moe.normalize_weights`, required; × k with `restore_weight_scale` or
+  × `routed_scale`, so the experts' are ÷ that), and with a shared expert each half takes ½;
 - the router is a fresh model's (normal, `model.init_std`) and the aux-loss-free biases are 0:
   with identical experts any routing gives the same output, and training pulls them apart.
 So the upcycled model's logits, and its first step's loss, are the dense model's up to rounding
@@ -105,7 +105,7 @@ def _fill(model: torch.nn.Module, dense: dict[str, torch.Tensor], moe_blocks: li
     """Copy `dense`'s tensors into `model` (module docstring); how many target tensors were set."""
     target = dict(model.named_parameters())
     shared = m.moe.shared_hidden > 0
-    routed_scale = (0.5 if shared else 1.0) / (m.moe.top_k if m.moe.restore_weight_scale else 1)
+    routed_scale = (0.5 if shared else 1.0) / m.moe.weight_scale
     done = set()
     for i in moe_blocks:
         ffn = f"blocks.{i}.ffn."

@@ -69,7 +69,7 @@ class HfTensor:
     """For a zero-width tensor that has no entry (`entry` empty): its shape."""
     scale: float = 1.0
     """Written × this (in fp32, before the cast to --dtype): Qwen3-MoE's routed experts' down
-    projections carry the router's × k (`restore_weight_scale`), which that class lacks."""
+    projections carry the router's × k (`restore_weight_scale`) or `routed_scale`, which that class lacks."""
 
 
 def architecture_for(m: TransformerConfig) -> Architecture:
@@ -253,9 +253,9 @@ def hf_config(m: TransformerConfig, eos_id: int | None, max_positions: int, dtyp
         "first_k_dense_replace": m.num_dense_layers,
         "n_routed_experts": moe.num_experts,
         "n_shared_experts": moe.shared_hidden // moe.expert_hidden,
-        "routed_scaling_factor": float(moe.top_k) if moe.restore_weight_scale else 1.0,
-        "n_group": 1,
-        "topk_group": 1,
+        "routed_scaling_factor": moe.weight_scale,
+        "n_group": moe.n_groups,
+        "topk_group": moe.topk_groups,
         "num_nextn_predict_layers": 0,  # no multi-token-prediction layers
     }
     if arch == Architecture.deepseek_v3:
@@ -315,9 +315,9 @@ def tensor_plan(m: TransformerConfig) -> list[HfTensor]:
                 )
             )
         F = moe.expert_hidden
-        # × k after the normalized weights is a constant factor of every routed expert's output:
-        # Qwen3-MoE has no routed scale, so it goes into the experts' down projections (linear)
-        fold = float(moe.top_k) if moe.restore_weight_scale and not glm else 1.0
+        # × k (or routed_scale) after the normalized weights is a constant factor of every routed
+        # expert's output: Qwen3-MoE has no routed scale, so it goes into the experts' down projections (linear)
+        fold = moe.weight_scale if not glm else 1.0
         for e in range(moe.num_experts):
             x, gate_up = f"{p}.mlp.experts.{e}", f"{b}.ffn.experts.w_gate_up_E2FD/{e}"
             plan.append(HfTensor(f"{x}.gate_proj.weight", gate_up, rows=(0, F)))
@@ -365,6 +365,12 @@ def remote_problems(m: TransformerConfig) -> list[str]:
         return [f"model.moe.routing={m.moe.routing} (a benchmark mode; only the learned router is a model)"]
     if m.is_mla:
         return [f"model.attention=mla ({MLA_REMOTE})"]
+    if m.moe.n_groups > 1 or m.moe.routed_scale != 1:
+        return [
+            f"model.moe.n_groups={m.moe.n_groups}, routed_scale={m.moe.routed_scale} (moetrain's modeling file has "
+            "plain top-k × 1 or k; GLM-4-MoE and DeepSeek-V3 have group-limited routing and a routed scale: export "
+            "without --remote-code)"
+        ]
     return []
 
 
@@ -479,7 +485,7 @@ def _model_config(hf: dict, source: str, arch: Architecture) -> TransformerConfi
     elif arch == Architecture.qwen3_moe:
         dense, moe = _qwen3_routing(hf, problems)
     else:
-        dense, moe = _sigmoid_routing(hf, layers, 3 if arch == Architecture.deepseek_v3 else 1, problems)
+        dense, moe = _sigmoid_routing(hf, layers, 3 if arch == Architecture.deepseek_v3 else 1)
     if arch == Architecture.glm4_moe:
         partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.5))  # transformers' default
         if partial != 1.0:
@@ -515,6 +521,9 @@ def _moe_config(hf: dict, arch: Architecture, moe: dict) -> MoEConfig:
         gating=Gating.softmax if arch == Architecture.qwen3_moe else Gating.sigmoid,
         normalize_weights=bool(hf.get("norm_topk_prob", arch != Architecture.qwen3_moe)),  # transformers' defaults
         restore_weight_scale=moe["restore"],
+        routed_scale=moe["scale"],
+        n_groups=moe["groups"],
+        topk_groups=moe["kept_groups"],
         lb_loss_weight=hf.get("router_aux_loss_coef", 0.001),
     )
 
@@ -540,23 +549,31 @@ def _qwen3_routing(hf: dict, problems: list[str]) -> tuple[int, dict]:
     if hf.get("use_sliding_window"):
         problems.append("use_sliding_window=true")
     experts = hf.get("num_experts") or hf.get("num_local_experts")
-    return len(mlp_only), {"num_experts": experts, "num_shared": 0, "restore": False}
+    return len(mlp_only), {
+        "num_experts": experts,
+        "num_shared": 0,
+        "restore": False,
+        "scale": 1.0,
+        "groups": 1,
+        "kept_groups": 1,
+    }
 
 
-def _sigmoid_routing(hf: dict, layers: int, dense_default: int, problems: list[str]) -> tuple[int, dict]:
+def _sigmoid_routing(hf: dict, layers: int, dense_default: int) -> tuple[int, dict]:
     """GLM-4-MoE's and DeepSeek-V3's dense blocks and experts (`dense_default`: transformers'
     first_k_dense_replace where config.json has none): (dense blocks, MoE fields)."""
-    top_k = hf["num_experts_per_tok"]
+    top_k, scale = hf["num_experts_per_tok"], float(hf.get("routed_scaling_factor", 1.0))
     groups, kept = hf.get("n_group", 1), hf.get("topk_group", 1)
-    if kept != groups:
-        problems.append(f"n_group={groups} with topk_group={kept} (group-limited routing)")
-    scale = float(hf.get("routed_scaling_factor", 1.0))
-    if scale not in (1.0, float(top_k)):
-        problems.append(f"routed_scaling_factor={scale} (moetrain scales routed weights by 1 or k={top_k})")
+    restore = scale == float(top_k) and top_k != 1
+    if kept == groups:  # every group kept: plain top-k, which n_groups=1 computes exactly
+        groups = kept = 1
     return min(hf.get("first_k_dense_replace", dense_default), layers), {
         "num_experts": hf.get("n_routed_experts") or hf.get("num_local_experts"),
         "num_shared": hf.get("n_shared_experts", 1),
-        "restore": scale == float(top_k) and top_k != 1,
+        "restore": restore,
+        "scale": 1.0 if restore else scale,
+        "groups": groups,
+        "kept_groups": kept,
     }
 
 

@@ -18,11 +18,12 @@ Which class, field by field (src/moetrain/hf/arch.py is the code; both checked a
 | moe.gating                     | softmax                         | sigmoid                                   |
 | aux-free bias (expert_bias_E)  | must be 0                       | e_score_correction_bias (kept fp32)       |
 | moe.normalize_weights          | norm_topk_prob                  | norm_topk_prob                            |
-| moe.restore_weight_scale (× k) | folded: experts' down_proj × k  | routed_scaling_factor = k (false: 1.0)    |
+| moe.restore_weight_scale (× k) | folded: experts' down_proj × k  | routed_scaling_factor = k                 |
+| moe.routed_scale (× s)         | folded: experts' down_proj × s  | routed_scaling_factor = s                 |
 | moe.shared_hidden              | must be 0                       | n_shared_experts = shared / expert_hidden |
 | moe.num_experts                | num_experts                     | n_routed_experts (≥ 2)                    |
 | moe.top_k, moe.expert_hidden   | num_experts_per_tok, moe_intermediate_size | the same                       |
-| (group-limited routing)        | —                               | n_group = topk_group = 1: none            |
+| moe.n_groups, moe.topk_groups  | — (sigmoid only)                | n_group, topk_group                       |
 | num_dense_layers (first d)     | mlp_only_layers = [0 … d-1]     | first_k_dense_replace = d                 |
 | dense MLP hidden               | intermediate_size               | intermediate_size                         |
 | qk_norm (per head, before RoPE)| must be true                    | use_qk_norm                               |
@@ -55,8 +56,9 @@ experts, dense blocks, norms and head are GLM-4-MoE's column above; its attentio
 | norm_eps                                    | rms_norm_eps, 1e-6 only: its latent norms' fixed ε     |
 | moe.gating                                  | sigmoid only                                           |
 
-The selection rule is bit-level the same in both: top-k of (scores + bias), weights the chosen
-scores, normalized, then × k. Qwen3-MoE has no routed scale, but × k multiplies every routed
+The selection rule is bit-level the same in both: top-k of (scores + bias) (for sigmoid gating
+within the best topk_group of n_group groups), weights the chosen scores, normalized, then × k
+(or × routed_scale). Qwen3-MoE has no routed scale, but × k multiplies every routed
 expert's output by the constant k, and an expert is linear in its down projection: the export
 writes each expert's `down_proj` × k (in fp32, then cast). That is exact in fp32 up to one
 rounding of each product (none when k is a power of two, as for top-4 and top-8), and in bf16 the

@@ -28,8 +28,9 @@ class Routing(enum.StrEnum):
     learned = "learned"
     """Top-k of the router scores (plus the aux-free bias, when enabled)."""
     random = "random"
-    """k distinct experts drawn uniformly per token, for system benchmarks: the router still runs
-    and its scores still weight the outputs, so the graph and FLOPs equal learned routing."""
+    """k distinct experts drawn uniformly per token (from random model.moe.topk_groups groups when
+    the experts are grouped), for system benchmarks: the router still runs and its scores still
+    weight the outputs, so the graph and FLOPs equal learned routing."""
 
 
 class AttentionKind(enum.StrEnum):
@@ -81,6 +82,16 @@ class MoEConfig(Config):
     """Rescale the k selected scores to sum to 1."""
     restore_weight_scale: bool = False
     """Multiply the (normalized) weights by k, which keeps the output scale of a split dense MLP."""
+    routed_scale: float = positive(1.0, at_most=2**20)
+    """Multiply the (normalized) weights by this constant, independent of k: DeepSeek-V3's routed
+    scaling factor (2.5). A factor of k is restore_weight_scale, which follows top_k; set one of the two."""
+    n_groups: int = positive(1, at_most=2**20)
+    """Group-limited routing (DeepSeek-V3's node-limited routing): the experts split into this many
+    equal groups, in order; each token ranks the groups by the sum of the top 2 biased scores in
+    each and takes its k experts from the best model.moe.topk_groups of them. Sigmoid gating only;
+    1 = no groups."""
+    topk_groups: int = positive(1, at_most=2**20)
+    """Group-limited routing: how many of the model.moe.n_groups groups each token may use."""
     lb_loss_weight: float = non_negative(0.01)
     """Weight of the Switch-style load-balancing loss; 0 disables it."""
     z_loss_weight: float = non_negative(2e-4)
@@ -96,11 +107,48 @@ class MoEConfig(Config):
                 f"{self.num_experts}: a token cannot pick more experts than exist. Lower top_k or "
                 "raise num_experts."
             )
+        if self.restore_weight_scale and self.routed_scale != 1:
+            raise ConfigError(
+                f"model.moe.routed_scale={self.routed_scale} with model.moe.restore_weight_scale=true: both scale "
+                "the routed weights. Keep restore_weight_scale (× k) or routed_scale (a constant), not both."
+            )
+        self._validate_groups()
         if self.expert_hidden % GROUPED_MM_ALIGN:
             raise ConfigError(
                 f"model.moe.expert_hidden={self.expert_hidden} must be a multiple of "
                 f"{GROUPED_MM_ALIGN} (the grouped GEMM needs 16-byte aligned rows)."
             )
+
+    def _validate_groups(self) -> None:
+        groups, kept = self.n_groups, self.topk_groups
+        if kept > groups:
+            raise ConfigError(
+                f"model.moe.topk_groups={kept} is larger than model.moe.n_groups={groups}: a token cannot use more "
+                "groups than exist. Lower topk_groups."
+            )
+        if groups == 1:
+            return
+        if self.gating != Gating.sigmoid:
+            raise ConfigError(
+                f"model.moe.n_groups={groups} needs model.moe.gating=sigmoid: group-limited routing is "
+                "DeepSeek-V3's, over sigmoid scores (softmax's max-of-group, DeepSeek-V2's, is not supported). "
+                "Set model.moe.gating=sigmoid or model.moe.n_groups=1."
+            )
+        if self.num_experts % groups or self.num_experts // groups < 2:
+            raise ConfigError(
+                f"model.moe.n_groups={groups} must divide model.moe.num_experts={self.num_experts} into groups "
+                "of at least 2 experts (a group's score is the sum of its top 2): choose a divisor."
+            )
+        if self.top_k > kept * (self.num_experts // groups):
+            raise ConfigError(
+                f"model.moe.top_k={self.top_k} is more than the {kept * (self.num_experts // groups)} experts "
+                f"of model.moe.topk_groups={kept} groups of {self.num_experts // groups}: raise topk_groups."
+            )
+
+    @property
+    def weight_scale(self) -> float:
+        """The factor of the (normalized) routed weights: k with restore_weight_scale, else routed_scale."""
+        return float(self.top_k) if self.restore_weight_scale else self.routed_scale
 
 
 @dataclasses.dataclass(kw_only=True)

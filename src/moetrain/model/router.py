@@ -1,6 +1,7 @@
 """The router: scores every token against every expert and picks k of them.
 
-Legend: N tokens (batch × sequence), D model dim, E experts, K top-k.
+Legend: N tokens (batch × sequence), D model dim, E experts, K top-k; with group-limited routing
+L expert groups of G experts each.
 
 Routing statistics are taken over the *global micro-batch*: the tokens per expert are summed over
 data-parallel ranks by `reduce_counts` (given by the dispatcher; the identity on one device), so
@@ -61,11 +62,14 @@ class Router(nn.Module):
 
         with torch.no_grad():
             if self.routing == Routing.random:
-                # A uniformly random k-subset per token: top-k of iid uniform noise.
-                noise_NE = torch.rand(logits_NE.shape, device=logits_NE.device)
-                topk_ids_NK = noise_NE.topk(cfg.top_k, dim=-1).indices
+                # Top-k of iid uniform noise: a uniformly random k-subset per token (within random
+                # groups when the experts are grouped, as the dispatch of grouped routing is).
+                choice_NE = torch.rand(logits_NE.shape, device=logits_NE.device)
             else:
-                topk_ids_NK = (scores_NE + self.expert_bias_E).topk(cfg.top_k, dim=-1).indices
+                choice_NE = scores_NE + self.expert_bias_E
+            if cfg.n_groups > 1:
+                choice_NE = limit_to_groups(choice_NE, cfg.n_groups, cfg.topk_groups)
+            topk_ids_NK = choice_NE.topk(cfg.top_k, dim=-1).indices
             tokens_per_expert_E = torch.zeros(cfg.num_experts, dtype=torch.int64, device=x_ND.device)
             tokens_per_expert_E.scatter_add_(0, topk_ids_NK.flatten(), torch.ones_like(topk_ids_NK.flatten()))
             global_counts_E = reduce_counts(tokens_per_expert_E) if reduce_counts else tokens_per_expert_E
@@ -73,12 +77,26 @@ class Router(nn.Module):
         topk_weights_NK = scores_NE.gather(-1, topk_ids_NK)
         if cfg.normalize_weights:
             topk_weights_NK = topk_weights_NK / topk_weights_NK.sum(dim=-1, keepdim=True)
-        if cfg.restore_weight_scale:
-            topk_weights_NK = topk_weights_NK * cfg.top_k
+        if cfg.weight_scale != 1:
+            topk_weights_NK = topk_weights_NK * cfg.weight_scale
 
         lb_loss = load_balancing_loss(scores_NE, global_counts_E, cfg.gating)
         z_loss = torch.logsumexp(logits_NE, dim=-1).square().mean()
         return RouterOutput(topk_ids_NK, topk_weights_NK, tokens_per_expert_E, global_counts_E, lb_loss, z_loss)
+
+
+def limit_to_groups(choice_NE: torch.Tensor, num_groups: int, kept_groups: int) -> torch.Tensor:
+    """DeepSeek-V3's group-limited routing: `choice_NE` with every expert outside each token's best
+    `kept_groups` groups set to -inf, so that the top-k picks only inside them. The E experts form
+    `num_groups` groups of G consecutive ones (with parallel.ep dividing `num_groups` each lies on
+    one rank, so a token's dispatch reaches at most `kept_groups` ranks); a group ranks by the sum
+    of its two best scores. The computation of transformers' DeepseekV3TopkRouter."""
+    num_tokens, num_experts = choice_NE.shape
+    choice_NLG = choice_NE.view(num_tokens, num_groups, num_experts // num_groups)
+    group_scores_NL = choice_NLG.topk(2, dim=-1).values.sum(dim=-1)
+    kept_ids_NL = group_scores_NL.topk(kept_groups, dim=-1).indices
+    kept_NL = torch.zeros_like(group_scores_NL, dtype=torch.bool).scatter_(1, kept_ids_NL, True)
+    return choice_NLG.masked_fill(~kept_NL.unsqueeze(-1), float("-inf")).view(num_tokens, num_experts)
 
 
 def load_balancing_loss(scores_NE: torch.Tensor, tokens_per_expert_E: torch.Tensor, gating: Gating) -> torch.Tensor:
