@@ -347,12 +347,14 @@ def test_every_preset_exports_or_names_the_variant_that_does():
             assert ("model.peri_norm=false" in text) == m.peri_norm, name
             assert ("model.embedding_norm=false" in text) == m.embedding_norm, name
             assert ("model.pre_norm=true" in text) == (not m.pre_norm), name
+            assert ("model.sliding_window" in text) == (m.sliding_window > 0), name
             assert "--remote-code` exports it" in text, name
         variant = dataclasses.replace(
             m,
             peri_norm=False,
             pre_norm=True,
             embedding_norm=False,
+            sliding_window=0,
             moe=dataclasses.replace(m.moe, gating=Gating.sigmoid),
         )
         assert unsupported_features(variant, expert_bias_nonzero=True) == [], name
