@@ -14,7 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from conftest import tiny_overrides  # noqa: E402
-from test_hf_glm import cli, hf_model, max_diff, write_checkpoint  # noqa: E402
+from test_hf_glm import cli, greedy, hf_model, max_diff, write_checkpoint  # noqa: E402
 
 from moetrain.cli import main  # noqa: E402
 from moetrain.hf.arch import refusal, unsupported_features  # noqa: E402
@@ -33,15 +33,6 @@ def trained(real_text_dir, tmp_path_factory):
     )
     assert main(["train", "dsv3-tiny", *[f"--{o}" for o in overrides], "--quiet"]) == 0
     return run
-
-
-def greedy(model, ids: torch.Tensor, steps: int) -> list[int]:
-    """moetrain's model, argmax each next token over the whole sequence so far."""
-    out = ids
-    with torch.no_grad():
-        for _ in range(steps):
-            out = torch.cat([out, model(out)[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return out[0, ids.shape[1] :].tolist()
 
 
 def hf_greedy(hf, ids: torch.Tensor, steps: int) -> list[int]:

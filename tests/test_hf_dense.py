@@ -11,6 +11,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from test_hf_glm import greedy  # noqa: E402
+
 from moetrain.cli import main  # noqa: E402
 from moetrain.inference import load_for_inference  # noqa: E402
 
@@ -56,14 +58,6 @@ def max_diff(model, hf) -> float:
     ids = torch.randint(0, 512, (2, 48), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         return (model(ids) - hf(ids).logits).abs().max().item()
-
-
-def greedy(model, ids: torch.Tensor, steps: int) -> list[int]:
-    out = ids
-    with torch.no_grad():
-        for _ in range(steps):
-            out = torch.cat([out, model(out)[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return out[0, ids.shape[1] :].tolist()
 
 
 @pytest.mark.parametrize("kind", list(CLASSES))

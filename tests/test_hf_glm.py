@@ -59,6 +59,15 @@ def max_diff(model, hf, vocab: int) -> float:
         return (model(ids).float() - hf(ids).logits.float()).abs().max().item()
 
 
+def greedy(model, ids: torch.Tensor, steps: int) -> list[int]:
+    """moetrain's model, argmax each next token over the whole sequence so far."""
+    out = ids
+    with torch.no_grad():
+        for _ in range(steps):
+            out = torch.cat([out, model(out)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return out[0, ids.shape[1] :].tolist()
+
+
 def cli(capsys, *args) -> dict:
     """Run a command that succeeds; its JSON line."""
     capsys.readouterr()

@@ -14,7 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from conftest import tiny_overrides  # noqa: E402
-from test_hf_glm import cli, small_width, write_checkpoint  # noqa: E402
+from test_hf_glm import cli, greedy, small_width, write_checkpoint  # noqa: E402
 
 from moetrain.cli import main  # noqa: E402
 from moetrain.inference import load_for_inference  # noqa: E402
@@ -25,15 +25,6 @@ def load_remote(path, **kw):
     return transformers.AutoModelForCausalLM.from_pretrained(
         path, trust_remote_code=True, local_files_only=True, **kw
     ).eval()
-
-
-def greedy(model, ids: torch.Tensor, steps: int) -> list[int]:
-    """moetrain's model, argmax each next token over the whole sequence so far."""
-    out = ids
-    with torch.no_grad():
-        for _ in range(steps):
-            out = torch.cat([out, model(out)[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return out[0, ids.shape[1] :].tolist()
 
 
 @pytest.fixture(scope="module")
