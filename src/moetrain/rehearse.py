@@ -160,7 +160,7 @@ def record(
         out["planner"] = out["projected"] = None
         return out
     p = plan(cfg, dims.world_size, gpu)
-    pp_rank = trainer.par.pp_rank  # memory: this rank's pipeline rank; time: the busiest one's
+    pp_rank = trainer.par.index("pp")  # memory: this rank's pipeline rank; time: the busiest one's
     tokens = trainer.engine.tokens_per_step / dims.world_size  # this GPU's share of a step
     peers = {k: round(v, 4) for k, v in p.peers_s.items() if v}
     projected_s = compute_s + sum(peers.values())

@@ -71,7 +71,7 @@ class ReferenceOptimizer:
         self.expert = [p for p in model.parameters() if id(p) in expert_ids]
         self.dense = [p for p in model.parameters() if id(p) not in expert_ids]
         self.optimizer = build_torch_style(model, cfg)
-        self.ep_group = state.ep_group
+        self.ep_group = state.group("ep")
 
     def clip_grad_norm(self, max_norm):
         from moetrain.optim.clip import clip_grad_norm
@@ -97,7 +97,7 @@ def micro_batch(step, micro, state):
     g = torch.Generator().manual_seed(1000 * step + micro)
     tokens = torch.randint(0, MODEL.vocab_size, (ROWS, SEQ + 1), generator=g)
     rows = ROWS // state.dims.dp
-    mine = tokens[state.dp_rank * rows : (state.dp_rank + 1) * rows]
+    mine = tokens[state.index("dp") * rows : (state.index("dp") + 1) * rows]
     return mine[:, :-1], mine[:, 1:]
 
 
@@ -315,7 +315,7 @@ def _fused_vs_foreach(world: int, ep: int, name: str) -> dict:
             loss = F.cross_entropy(model(inputs_BT).flatten(0, 1), targets_BT.flatten())
             (loss / MICRO * opt.reduction.loss_scale).backward()
         opt.reduction.finish()
-        if state.dp_rank == 0:
+        if state.index("dp") == 0:
             opt.buckets[0].grad_S[0] = float("nan")
         norm = opt.clip_grad_norm(OPTIM.grad_clip)
         skip = ~torch.isfinite(norm)

@@ -31,7 +31,7 @@ def _cfg(data_dir, run_dir, *extra):
 def _val(trainer, data_dir, tmp_path, micro):
     """The validation loss of `trainer`'s current weights, batched by `micro` sequences."""
     cfg = _cfg(data_dir, tmp_path / "unused", f"train.micro_batch_size={micro}")
-    return Evaluator(cfg, trainer.par.dp_rank, trainer.par.dims.dp)(trainer.engine)
+    return Evaluator(cfg, trainer.par.index("dp"), trainer.par.dims.dp)(trainer.engine)
 
 
 def test_same_weights_same_validation_loss_whatever_the_micro_batch(real_text_dir, tmp_path):

@@ -65,7 +65,7 @@ class FSDPAdamW(TorchAdamW):
         self.reduction = FSDPReduction(model)
         self.grads: GradStore | None = None
         """One rank with optim.grad_dtype=bf16: the bf16 gradients (else FSDP's, on `.grad`)."""
-        if cfg.grad_dtype.dtype != torch.float32 and state.dp_mesh is None:
+        if cfg.grad_dtype.dtype != torch.float32 and state.mesh is None:
             self.grads = GradStore(cfg.grad_dtype.dtype)
             for p in model.parameters():
                 if p.requires_grad:

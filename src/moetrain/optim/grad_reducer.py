@@ -115,7 +115,7 @@ def reduced_param_ids(model: nn.Module, state: ParallelState) -> set[int]:
     dp·cp > 1, except the experts' when edp = 1 (nothing to sum them with); none at dp·cp = 1."""
     if state.dims.replicas == 1:
         return set()
-    skip = expert_param_ids(model) if state.edp_group is None else set()
+    skip = expert_param_ids(model) if state.group("edp") is None else set()
     return {id(p) for p in model.parameters() if p.requires_grad and id(p) not in skip}
 
 
@@ -168,7 +168,7 @@ class GradReducer:
         self.buckets: list[Bucket] = []
         kinds = [(e, s, a) for e in (False, True) for s in (True, False) for a in (False, True)]
         for is_expert, is_split, is_apart in kinds:
-            group = state.edp_group if is_expert else state.dp_group
+            group = state.group("edp") if is_expert else state.group("dp", "cp")
             chosen = [
                 p
                 for p in params

@@ -68,11 +68,11 @@ class ReplicatedAdamW(TorchAdamW):
                 for p in model.parameters():
                     if p.requires_grad and id(p) not in split_ids:
                         self.grads.add(p)
-        self.ep_group = state.ep_group
-        self.pp_group = state.pp_group
+        self.ep_group = state.group("ep")
+        self.pp_group = state.group("pp")
         # the first of the replicas holding a parameter alike: its stage's dp·cp ranks for dense
         # parameters, its edp group (replica ranks e·ep + this ep index) for experts
-        self._first = (state.replica_rank == 0, state.replica_rank // state.dims.ep == 0)
+        self._first = (state.index("dp", "cp") == 0, state.index("edp") == 0)
         expert_ids = expert_param_ids(model)
         self._expert_ids = expert_ids
         rest = [p for p in model.parameters() if id(p) not in split_ids]
@@ -81,7 +81,7 @@ class ReplicatedAdamW(TorchAdamW):
         shapes = muon_matrices(model) if cfg.name == "muon" else {}
         self.muon_named = [(n, p) for n, p in model.named_parameters() if id(p) in shapes]
         """optim.name=muon: the matrices Muon updates (whole: every rank holds them)."""
-        groups = [state.edp_group if id(p) in expert_ids else state.dp_group for _, p in self.muon_named]
+        groups = [state.group("edp") if id(p) in expert_ids else state.group("dp", "cp") for _, p in self.muon_named]
         self.muon = Muon.whole(self.muon_named, shapes, MuonConfig.of(cfg), moments_dtype=cfg.moments_dtype.dtype,
                                groups=groups)  # fmt: skip
         muon_ids = set(shapes)

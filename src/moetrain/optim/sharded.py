@@ -177,7 +177,7 @@ class ShardedAdamW(StepHooks):
         self.rule = cfg.rule()
         self.lr = cfg.lr
         # The squared gradient norm sums over every rank: dp shards, and pipeline stages.
-        self.norm_group = state.world_group
+        self.norm_group = state.group("pp", "dp", "cp")
         split_ids = is_split_candidate(model) if bf16_weights else set()
         grad_dtype = cfg.grad_dtype.dtype
         self.shapes: dict[int, MatrixShape] = muon_matrices(model) if cfg.name == "muon" else {}

@@ -1,33 +1,40 @@
-"""`ParallelDims`: the parallel layout and the device mesh that implements it; `ParallelState`:
-the process groups one rank takes part in. `ParallelConfig.build` (src/moetrain/parallel/config.py)
-makes the dims from the config, after checking them.
+"""`ParallelDims`: the parallel layout and its named axes; `ParallelState`: the process groups one
+rank takes part in, by axes. `ParallelConfig.build` (src/moetrain/parallel/config.py) makes the
+dims from the config, after checking them.
 
-Ranks are laid out as (pp, dp, cp), cp fastest, and within a pipeline stage also as (edp, ep),
-ep fastest:
+Each axis (`ParallelDims.axes`) has a size and a stride: a rank's index along it is
+rank // stride mod size. Ranks are laid out as (pp, dp, cp), cp fastest, and within a pipeline
+stage also as (edp, ep), ep fastest:
 
     rank = pp_index · dp·cp + dp_index · cp + cp_index
          = pp_index · dp·cp + edp_index · ep + ep_index
 
 - pp groups of dp·cp ranks each hold a different part of the layers (pipeline parallel); with
   `pp_stages_per_rank` = v > 1 a rank holds v non-adjacent stages (stage s on pp rank s mod pp);
-- the dp·cp ranks of one stage ("replicas") hold the same dense parameters, whose gradients are
-  averaged over them; they split the batch over dp (data parallel) and each sequence over cp
-  consecutive ranks (context parallel: src/moetrain/parallel/context_parallel.py), so the key/value
-  all-gathers stay within a node;
+- the dp·cp ranks of one stage ("replicas", axes dp and cp) hold the same dense parameters, whose
+  gradients are averaged over them; they split the batch over dp (data parallel) and each
+  sequence over cp consecutive ranks (context parallel: src/moetrain/parallel/context_parallel.py),
+  so the key/value all-gathers stay within a node;
 - within a stage, groups of ep consecutive ranks split the experts (expert parallel): tokens
   travel between them with all-to-all; the tokens of a sequence's cp shards route like any other
   tokens;
 - ranks with the same ep_index across those groups hold the same experts: the expert-replica
-  group "edp" (size dp·cp / ep) over which expert gradients are reduced.
+  axis "edp" (size dp·cp / ep), over which expert gradients are reduced.
+
+A set of axes names a group: the ranks that differ from a rank only along those axes
+(`ParallelDims.ranks`). `ParallelState.group(*axes)` is its process group and
+`ParallelState.index(*axes)` the rank's place in it. A new dimension is an axis here, its groups
+in `GROUPS`, and its apply function in `parallelize` (src/moetrain/parallel/parallelize.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 if TYPE_CHECKING:
     from moetrain.parallel.config import ParallelConfig
@@ -103,104 +110,84 @@ class ParallelDims:
         """Size of an expert-replica group: ranks holding the same experts."""
         return self.replicas // self.ep
 
-    def replica_ranks(self, rank: int) -> tuple[int, ...]:
-        """The global ranks of `rank`'s pipeline stage, which hold the same dense parameters."""
-        first = rank // self.replicas * self.replicas
-        return tuple(range(first, first + self.replicas))
+    @property
+    def axes(self) -> dict[str, tuple[int, int]]:
+        """Each named axis's (size, stride): a rank's index along it is rank // stride mod size."""
+        return {
+            "pp": (self.pp, self.replicas),
+            "dp": (self.dp, self.cp),
+            "cp": (self.cp, 1),
+            "edp": (self.edp, self.ep),
+            "ep": (self.ep, 1),
+        }
 
-    def edp_ranks(self, rank: int) -> tuple[int, ...]:
-        """The global ranks of `rank`'s expert-replica group: those holding the same experts."""
-        first = rank // self.replicas * self.replicas
-        ep_index = (rank - first) % self.ep
-        return tuple(first + e * self.ep + ep_index for e in range(self.edp))
+    def index(self, rank: int, *axes: str) -> int:
+        """`rank`'s place in its group over `axes` (`ranks`): its rank in that process group."""
+        place = 0
+        for size, stride in sorted((self.axes[a] for a in axes), key=lambda axis: -axis[1]):
+            place = place * size + rank // stride % size
+        return place
 
-    def build_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
-        """The 3-D mesh (pp, edp, ep) and its flattened (edp, ep) sub-mesh "dp": a stage's
-        dp·cp replicas. Needs an initialized process group of `world_size` ranks."""
-        mesh = init_device_mesh(device_type, (self.pp, self.edp, self.ep), mesh_dim_names=("pp", "edp", "ep"))
-        return mesh, mesh["edp", "ep"]._flatten("dp")
+    def ranks(self, rank: int, *axes: str) -> tuple[int, ...]:
+        """The global ranks that differ from `rank` only along `axes` (axes of one factorization),
+        ascending: ("dp", "cp") the ranks holding its dense parameters, ("edp",) its experts."""
+        group = [rank - sum(rank // stride % size * stride for size, stride in (self.axes[a] for a in axes))]
+        for size, stride in (self.axes[a] for a in axes):
+            group = [r + i * stride for r in group for i in range(size)]
+        assert len(set(group)) == len(group), f"axes {axes} overlap"
+        return tuple(sorted(group))
 
-    def cp_ranks(self, rank: int) -> tuple[int, ...]:
-        """The global ranks that split `rank`'s sequences: cp consecutive ranks."""
-        first = rank // self.cp * self.cp
-        return tuple(range(first, first + self.cp))
 
-    def build_cp_group(self, rank: int) -> dist.ProcessGroup | None:
-        """This rank's context-parallel group (None at cp 1). Collective: every rank makes every
-        group, in the same order."""
-        if self.cp == 1:
-            return None
-        mine, _ = dist.new_subgroups_by_enumeration(
-            [list(self.cp_ranks(first)) for first in range(0, self.world_size, self.cp)]
-        )
-        return mine
+GROUPS = (("pp",), ("dp", "cp"), ("cp",), ("edp",), ("ep",))
+"""The axis sets whose process groups every rank makes, in this order (the world's is the default
+group, `("pp", "dp", "cp")`)."""
 
 
 @dataclasses.dataclass
 class ParallelState:
-    """The process groups one rank takes part in (None where the degree is 1)."""
+    """The process groups one rank takes part in, by axes (`group`), and its place in them (`index`)."""
 
     dims: ParallelDims
-    mesh: DeviceMesh | None = None
-    dp_mesh: DeviceMesh | None = None
     rank: int = 0
     rehearsed: bool = False
-    cp_group: dist.ProcessGroup | None = None
     """This process is the one real rank of a rehearsal (src/moetrain/parallel/rehearsal.py): its
     peers are stand-ins inside the process groups, so it also does rank 0's host-side work (the
     run directory, completing checkpoints) and writes, for every peer, the checkpoint entries it
     holds that the peer would write (`ShardRole`, src/moetrain/train/checkpoint_io.py)."""
+    groups: dict[frozenset[str], dist.ProcessGroup] = dataclasses.field(default_factory=dict)
+    """This rank's process group for each axis set of `GROUPS` with more than one rank, and the world."""
+    mesh: DeviceMesh | None = None
+    """The stage's dp·cp replicas as a 1-D device mesh (FSDP's `fully_shard` takes one); None at dp·cp 1."""
 
     @classmethod
     def create(cls, dims: ParallelDims, device_type: str, rank: int, rehearsed: bool = False) -> ParallelState:
+        """Collective: every rank makes every group, in the same order."""
+        state = cls(dims, rank, rehearsed)
         if dims.world_size == 1:
-            return cls(dims, rank=rank)
-        mesh, dp_mesh = dims.build_mesh(device_type)
-        return cls(dims, mesh, dp_mesh, rank, rehearsed, dims.build_cp_group(rank))
+            return state
+        state.groups[frozenset(("pp", "dp", "cp"))] = dist.group.WORLD
+        for axes in GROUPS:
+            if math.prod(dims.axes[a][0] for a in axes) > 1:
+                firsts = [r for r in range(dims.world_size) if dims.index(r, *axes) == 0]
+                mine, _ = dist.new_subgroups_by_enumeration([list(dims.ranks(r, *axes)) for r in firsts])
+                state.groups[frozenset(axes)] = mine
+        if dims.replicas > 1:
+            state.mesh = DeviceMesh.from_group(state.group("dp", "cp"), device_type, mesh_dim_names=("dp",))
+        return state
 
-    @property
-    def dp_group(self) -> dist.ProcessGroup | None:
-        """The stage's dp·cp replicas: gradients of dense parameters are averaged over them."""
-        return self.dp_mesh.get_group() if self.dp_mesh is not None and self.dims.replicas > 1 else None
+    def group(self, *axes: str) -> dist.ProcessGroup | None:
+        """The process group of this rank and those differing from it only along `axes`
+        (`ParallelDims.ranks`; None when that is this rank alone): ("dp", "cp") the stage's
+        replicas, over which dense gradients are averaged; ("edp",) the expert replicas;
+        ("pp", "dp", "cp") the world."""
+        if math.prod(self.dims.axes[a][0] for a in axes) == 1:
+            return None
+        return self.groups[frozenset(axes)]
 
-    @property
-    def ep_group(self) -> dist.ProcessGroup | None:
-        return self.mesh["ep"].get_group() if self.mesh is not None and self.dims.ep > 1 else None
-
-    @property
-    def edp_group(self) -> dist.ProcessGroup | None:
-        return self.mesh["edp"].get_group() if self.mesh is not None and self.dims.edp > 1 else None
-
-    @property
-    def dp_rank(self) -> int:
-        """Which of the dp slices of the batch this rank reads."""
-        return self.replica_rank // self.dims.cp
-
-    @property
-    def cp_rank(self) -> int:
-        """Which of the cp shards of its sequences this rank holds."""
-        return self.replica_rank % self.dims.cp
-
-    @property
-    def replica_rank(self) -> int:
-        """This rank's index among its stage's dp·cp replicas."""
-        return self.dp_mesh.get_local_rank() if self.dp_mesh is not None else 0
-
-    @property
-    def pp_group(self) -> dist.ProcessGroup | None:
-        return self.mesh["pp"].get_group() if self.mesh is not None and self.dims.pp > 1 else None
-
-    @property
-    def pp_rank(self) -> int:
-        return self.mesh["pp"].get_local_rank() if self.mesh is not None else 0
-
-    @property
-    def world_group(self) -> dist.ProcessGroup | None:
-        return dist.group.WORLD if self.dims.world_size > 1 else None
-
-    @property
-    def ep_rank(self) -> int:
-        return self.mesh["ep"].get_local_rank() if self.mesh is not None else 0
+    def index(self, *axes: str) -> int:
+        """This rank's place among `dims.ranks(rank, *axes)` (its rank in `group(*axes)`): ("dp",)
+        the batch slice it reads, ("cp",) the shard of its sequences it holds, ("pp",) its pipeline rank."""
+        return self.dims.index(self.rank, *axes)
 
     @property
     def is_main(self) -> bool:

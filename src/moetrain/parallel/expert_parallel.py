@@ -25,13 +25,13 @@ def _nosync(E: int, state: ParallelState, cfg: ParallelConfig) -> NoSyncDispatch
     floor = DEFAULT_CAPACITY_MIN_ROWS if cfg.capacity_min_rows is None else cfg.capacity_min_rows
     sizes = (cfg.capacity_factor, cfg.spill_factor, floor)
     if state.dims.overlap_chunks:  # auto resolved for the device (`RunConfig.build_dims`)
-        return OverlappedDispatcher(E, state.ep_group, state.dp_group, *sizes, state.dims.overlap_chunks)
-    return NoSyncDispatcher(E, state.ep_group, state.dp_group, *sizes)
+        return OverlappedDispatcher(E, state.group("ep"), state.group("dp", "cp"), *sizes, state.dims.overlap_chunks)
+    return NoSyncDispatcher(E, state.group("ep"), state.group("dp", "cp"), *sizes)
 
 
 DISPATCHERS = {
     DispatcherKind.nosync: _nosync,
-    DispatcherKind.alltoall: lambda E, state, cfg: AllToAllDispatcher(E, state.ep_group, state.dp_group),
+    DispatcherKind.alltoall: lambda E, state, cfg: AllToAllDispatcher(E, state.group("ep"), state.group("dp", "cp")),
 }
 """parallel.dispatcher → (experts in all, this rank's groups, the config) → its dispatcher. A new
 dispatcher is a class and an entry here (and its value in `DispatcherKind`)."""
@@ -50,7 +50,7 @@ def apply_expert_parallel(model: Transformer, state: ParallelState, cfg: Paralle
             L = E // dims.ep
             old = moe.experts
             with torch.device(old.w_down_EDF.device):
-                moe.experts = GroupedExperts(L, old.d_model, old.hidden, expert_offset=state.ep_rank * L)
+                moe.experts = GroupedExperts(L, old.d_model, old.hidden, expert_offset=state.index("ep") * L)
             moe.dispatcher = DISPATCHERS[cfg.dispatcher](E, state, cfg)
         elif dims.replicas > 1:
-            moe.dispatcher = DataParallelDispatcher(E, state.dp_group)
+            moe.dispatcher = DataParallelDispatcher(E, state.group("dp", "cp"))

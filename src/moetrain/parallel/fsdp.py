@@ -42,7 +42,7 @@ def apply_fsdp(
     param_dtype: torch.dtype | None = None,
     grad_dtype: torch.dtype = torch.float32,
 ) -> None:
-    """Shard each block, then the root (embedding, final norm, LM head), over the dp mesh. On the
+    """Shard each block, then the root (embedding, final norm, LM head), over the replicas' mesh. On the
     meta device: nothing is allocated until `to_empty()`, and then only the shards.
 
     `param_dtype` (bf16 compute: the autocast dtype): the blocks' parameters are all-gathered in
@@ -59,7 +59,7 @@ def apply_fsdp(
     reduced shard back to the parameters' fp32 for the optimizer, so the sharded gradient (4 B ÷ dp
     per element) stays fp32. On one rank (no mesh) nothing is sharded: `FSDPAdamW` keeps the bf16
     gradients itself."""
-    if state.dp_mesh is None:
+    if state.mesh is None:
         return  # one rank: nothing to shard
     policy = root_policy = MixedPrecisionPolicy()
     if param_dtype is not None and param_dtype != torch.float32:
@@ -69,8 +69,8 @@ def apply_fsdp(
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=grad_dtype, cast_forward_inputs=False)
         root_policy = MixedPrecisionPolicy(reduce_dtype=grad_dtype)
     for block in model.blocks.values():
-        fully_shard(block, mesh=state.dp_mesh, mp_policy=policy)
-    fully_shard(model, mesh=state.dp_mesh, mp_policy=root_policy)
+        fully_shard(block, mesh=state.mesh, mp_policy=policy)
+    fully_shard(model, mesh=state.mesh, mp_policy=root_policy)
 
 
 def reshard(model: nn.Module) -> None:

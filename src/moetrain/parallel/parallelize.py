@@ -72,9 +72,9 @@ def parallelize(
     stack all-gathers the blocks' parameters; `grad_dtype` (optim.grad_dtype): the dtype in which
     it accumulates and reduce-scatters their gradients."""
     if state.dims.num_stages > 1:
-        split_model(model, state.dims, state.pp_rank)
+        split_model(model, state.dims, state.index("pp"))
     if state.dims.cp > 1:
-        model.set_sequence_layout(ContextShard(state.dims.cp, state.cp_rank, state.cp_group))
+        model.set_sequence_layout(ContextShard(state.dims.cp, state.index("cp"), state.group("cp")))
     apply_expert_parallel(model, state, parallel)
     if fp8 != Fp8.none:
         apply_fp8(model, fp8, fp8_select, rows, fp8_lm_head, fp8_fast_backward)

@@ -191,12 +191,12 @@ class Pipeline:
         the (B, T, D) hidden state); the mean cross-entropy on the last stage's ranks, 0
         elsewhere. Evaluation is rare: no overlap is attempted."""
         dims = self.state.dims
-        group = self.state.pp_group
+        group = self.state.group("pp")
         B, T = inputs_BT.shape
         x = inputs_BT
         for s in range(dims.num_stages):
             owner = s % dims.pp
-            if owner != self.state.pp_rank:
+            if owner != self.state.index("pp"):
                 continue
             stage = self.stages[self.stage_ids.index(s)]
             if s > 0:
@@ -235,7 +235,7 @@ def build_pipeline(
     S = dims.num_stages
     cfg = model.cfg
     layout = stage_layers(cfg.n_layers, S)
-    stage_ids = stages_of_rank(state.pp_rank, dims)
+    stage_ids, group = stages_of_rank(state.index("pp"), dims), state.group("pp")
     B, T, V = micro_batch_rows, seq_len, cfg.vocab_size
     D = cfg.d_model * (1 + cfg.mtp_depth)  # the shifted embeddings travel beside the hidden state
     # requires_grad marks what carries a gradient back to the previous stage.
@@ -250,7 +250,7 @@ def build_pipeline(
             if last
             else hidden
         )
-        stages.append(PipelineStage(module, s, S, device, input_args=inputs, output_args=outputs, group=state.pp_group))
+        stages.append(PipelineStage(module, s, S, device, input_args=inputs, output_args=outputs, group=group))
         modules.append(module)
 
     # The schedule backpropagates loss_fn's value, scaled for the gradient reduction; the

@@ -5,9 +5,9 @@ a real launch would — its model shard, dispatcher, optimizer shard, gradient b
 stages and checkpoint files — and runs it on the one local device (GPU or CPU). Nothing in the
 model, the dispatchers or the optimizers knows: the whole difference is the process group. The
 default group is a `StandInGroup` (this module's torch.distributed backend) of N ranks with this
-process as rank R, and so is every group made from it (the device mesh's dp, ep, edp and pp
-groups). Each collective returns what symmetric peers would send — peers that hold what this rank
-holds and route as it routes:
+process as rank R, and so is every group made from it (`ParallelState.group(*axes)`). Each
+collective returns what symmetric peers would send — peers that hold what this rank holds and
+route as it routes:
 
     all_reduce          identical copies: SUM → the value × group size; AVG, MIN, MAX,
                         BAND, BOR → the value itself; PRODUCT → the value ** size

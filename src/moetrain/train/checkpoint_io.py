@@ -92,8 +92,8 @@ class ShardRole:
             rank=rank,
             world=dims.world_size,
             main=par.is_main,
-            dense_replicas=dims.replica_ranks(rank),
-            expert_replicas=dims.edp_ranks(rank),
+            dense_replicas=dims.ranks(rank, "dp", "cp"),
+            expert_replicas=dims.ranks(rank, "edp"),
             writes_for=tuple(range(dims.world_size)) if par.rehearsed else (rank,),
             rehearsal=Rehearsal(dims.world_size, rank) if par.rehearsed else None,
         )

@@ -364,18 +364,18 @@ class TrainEngine:
                     total[1] += rows
         self.model.train()
         reshard(self.model)  # FSDP: no gathered root parameters left between steps
-        if self.par.world_group is not None:
-            dist.all_reduce(total, group=self.par.world_group)
+        if (world := self.par.group("pp", "dp", "cp")) is not None:
+            dist.all_reduce(total, group=world)
         loss_sum, num_rows = total.tolist()
         return loss_sum / max(num_rows, 1)
 
     def global_mean(self, values: torch.Tensor) -> torch.Tensor:
         """Per-rank values held by one pipeline stage's dp·cp ranks (zeros elsewhere) -> their
         mean over them, on every rank: one all-reduce over all ranks, divided by dp·cp."""
-        if self.par.world_group is None:
+        if (world := self.par.group("pp", "dp", "cp")) is None:
             return values
         values = values.clone()
-        dist.all_reduce(values, group=self.par.world_group)
+        dist.all_reduce(values, group=world)
         return values / self.par.dims.replicas
 
     # ---- metrics -----------------------------------------------------------------------------------
@@ -513,7 +513,7 @@ class TrainEngine:
         # tensor each) no temporary of the parameter's size is made before a checkpoint save
         extremes = [torch.stack(torch.aminmax(p)).float() for p in params if p.numel()]
         bad = ~torch.isfinite(torch.cat(extremes)).all() if extremes else torch.tensor(False)
-        if self.par.world_group is not None:
+        if (world := self.par.group("pp", "dp", "cp")) is not None:
             bad = bad.to(torch.int32)
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.par.world_group)
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=world)
         return not bool(bad)

@@ -95,14 +95,14 @@ class Trainer:
             micro_batch_size=tc.micro_batch_size,
             seed=tc.seed,
             vocab_size=cfg.model.vocab_size,
-            dp_rank=self.par.dp_rank,
+            dp_rank=self.par.index("dp"),
             dp_size=self.par.dims.dp,
         )
         parallel, capacity_note = _resolved_capacity(cfg, self.par, self.device, self._capacity_floor)
         self.engine = TrainEngine(
             dataclasses.replace(cfg, parallel=parallel), self.par, self.device, self.loader.eos_id
         )
-        self.evaluator = Evaluator(cfg, self.par.dp_rank, self.par.dims.dp)
+        self.evaluator = Evaluator(cfg, self.par.index("dp"), self.par.dims.dp)
         self.checkpointing = Checkpointing()
         self.callbacks: list[Callback] = callbacks_from_config(cfg, self.run.path, self.evaluator, self.checkpointing)
         """What `fit` calls at its start, after each step (in this order) and at its end."""
