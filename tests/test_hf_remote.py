@@ -30,8 +30,9 @@ def load_remote(path, **kw):
 @pytest.fixture(scope="module")
 def trained(real_text_dir, tmp_path_factory):
     """`tiny` with what no native class has: a shared expert under softmax, weights × k,
-    peri-norm without the input norms, a normalized embedding, a moving aux-free bias and local
-    blocks (a window of 8 positions in every other block), a few steps on real text."""
+    peri-norm without the input norms, a normalized embedding, a moving aux-free bias, local
+    blocks (a window of 8 positions in every other block) and attention sinks, a few steps on
+    real text."""
     run = tmp_path_factory.mktemp("remote") / "run"
     extra = (
         "train.steps=4",
@@ -44,6 +45,7 @@ def trained(real_text_dir, tmp_path_factory):
         "model.moe.bias_update_rate=0.01",
         "model.sliding_window=8",
         "model.attention_pattern=LG",
+        "model.attention_sinks=true",
     )
     overrides = [o for o in tiny_overrides(real_text_dir, run, *extra) if not o.startswith("data.seq_len")]
     overrides = [
@@ -93,6 +95,12 @@ def test_a_model_without_a_native_class_loads_with_remote_code_and_generates_moe
     both = hf.generate(batch, do_sample=False, max_new_tokens=8, attention_mask=mask)
     alone = hf.generate(short, do_sample=False, max_new_tokens=8, attention_mask=torch.ones_like(short))
     assert both[0, batch.shape[1] :].tolist() == alone[0, short.shape[1] :].tolist()
+
+    with torch.no_grad():  # sinks far from their trained values near 0: the modeling file has them too
+        for ours, theirs in zip(model.blocks.values(), hf.blocks.values()):
+            theirs.attn.sinks.copy_(ours.attn.sinks.normal_(0, 2))
+        diff = (model(ids).float() - hf(ids).logits.float()).abs().max().item()
+    assert diff <= 1e-4, diff
 
 
 @pytest.mark.parametrize("name", [p for p in PRESETS if p.startswith("ref-")])

@@ -48,6 +48,8 @@ VARIANTS = {
         attention="mla", q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24
     ),
     "mla_direct_queries": dict(attention="mla", q_lora_rank=0, kv_lora_rank=32, v_head_dim=16, mtp_depth=1),
+    "attention_sinks": dict(attention_sinks=True, mtp_depth=1),
+    "mla_attention_sinks": dict(attention="mla", q_lora_rank=0, kv_lora_rank=32, attention_sinks=True),
 }
 
 

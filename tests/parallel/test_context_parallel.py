@@ -73,10 +73,11 @@ def cp_overrides(*extra):
     ]
 
 
-def sharded_attention_errors(cp, docs, window=0, v_dim=8):
+def sharded_attention_errors(cp, docs, window=0, v_dim=8, sinks=False):
     """Max |difference| of this rank's attention output and q/k/v gradients from the whole
     sequence's SDPA (float64); with `window`, local attention's; `v_dim` < 8: values narrower
-    than queries and keys (multi-head latent attention's)."""
+    than queries and keys (multi-head latent attention's); `sinks`: with attention sinks, whose
+    gradient (summed over the ranks) is compared too."""
     import torch.distributed as dist
 
     from moetrain.model.rope import RotaryEmbedding
@@ -93,16 +94,23 @@ def sharded_attention_errors(cp, docs, window=0, v_dim=8):
         torch.randn(B, H, T, v_dim, generator=g, dtype=torch.float64),
     )
     doc_ids_BT = (torch.rand(B, T, generator=g) < 0.2).long().cumsum(1) if docs else None
+    mask_BTT = None
+    if docs:
+        mask_BTT = (doc_ids_BT[:, :, None] == doc_ids_BT[:, None, :]) & torch.ones(T, T, dtype=torch.bool).tril()
     whole = [t.clone().requires_grad_() for t in (q, k, v)]
-    if window:
+    sink_H = torch.randn(H, generator=g, dtype=torch.float64) if sinks else None
+    whole_sink, local_sink = (
+        (sink_H.clone().requires_grad_(), sink_H.clone().requires_grad_()) if sinks else (None,) * 2
+    )
+    if sinks:
+        from moetrain.model.sequence_layout import WholeSequence
+
+        out = WholeSequence().attend(*whole, mask_BTT, window, whole_sink)
+    elif window:
         from moetrain.model.local_attention import local_attention
 
-        mask_BTT = None
-        if docs:
-            mask_BTT = (doc_ids_BT[:, :, None] == doc_ids_BT[:, None, :]) & torch.ones(T, T, dtype=torch.bool).tril()
         out = local_attention(*whole, window, mask_BTT)
     elif docs:
-        mask_BTT = (doc_ids_BT[:, :, None] == doc_ids_BT[:, None, :]) & torch.ones(T, T, dtype=torch.bool).tril()
         out = F.scaled_dot_product_attention(*whole, attn_mask=mask_BTT.unsqueeze(1), enable_gqa=True)
     else:
         out = F.scaled_dot_product_attention(*whole, is_causal=True, enable_gqa=True)
@@ -117,10 +125,14 @@ def sharded_attention_errors(cp, docs, window=0, v_dim=8):
     rope = RotaryEmbedding(D, 10_000.0)
     rope.init_weights()
     _, _, masks = shard.attention_inputs(rope, T // cp, doc_ids_BT, torch.device("cpu"))
-    out_local = shard.attend(*local, masks, window)
+    out_local = shard.attend(*local, masks, window, local_sink)
     (out_local * mine(w)).sum().backward()
     pairs = [(out_local, out)] + [(lo.grad, wh.grad) for lo, wh in zip(local, whole)]
-    return [(a - mine(b)).abs().max().item() for a, b in pairs]
+    errors = [(a - mine(b)).abs().max().item() for a, b in pairs]
+    if sinks:
+        dist.all_reduce(local_sink.grad)
+        errors.append((local_sink.grad - whole_sink.grad).abs().max().item())
+    return errors
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -130,6 +142,14 @@ def test_sharded_attention_equals_whole_sequence_attention(cp, docs, window):
     """Global, and within a window of 5 positions, which crosses the chunks of 4 (cp 2, 4)."""
     for errors in run_distributed(sharded_attention_errors, cp, cp, docs, window):
         assert max(errors) < 1e-13, errors
+
+
+@pytest.mark.parametrize("docs, window", [(False, 0), (True, 0), (True, 5)], ids=["causal", "documents", "window5"])
+def test_sharded_attention_with_sinks(docs, window):
+    """Attention sinks (model.attention_sinks): each query meets all its keys in one call, where
+    its sink joins the softmax."""
+    for errors in run_distributed(sharded_attention_errors, 2, 2, docs, window, 8, True):
+        assert len(errors) == 5 and max(errors) < 1e-13, errors
 
 
 @pytest.mark.parametrize("docs, window", [(False, 0), (True, 0), (True, 5)], ids=["causal", "documents", "window5"])

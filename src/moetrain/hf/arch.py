@@ -120,6 +120,8 @@ def unsupported_features(m: TransformerConfig, expert_bias_nonzero: bool) -> lis
         problems.append("model.pre_norm=false (both classes normalize each sublayer's input)")
     if m.sliding_window:
         problems.append(f"model.sliding_window={m.sliding_window} (local blocks are exported with moetrain's own file)")
+    if m.attention_sinks:
+        problems.append("model.attention_sinks=true (no class here has attention sinks; moetrain's own file has them)")
     if m.is_mla:
         problems += _mla_problems(m)
     if arch.dense:
@@ -178,6 +180,7 @@ def refusal(m: TransformerConfig, problems: list[str]) -> str:
         *["model.peri_norm=false"] * m.peri_norm,
         *["model.pre_norm=true"] * (not m.pre_norm),
         *["model.embedding_norm=false"] * m.embedding_norm,
+        *["model.attention_sinks=false"] * m.attention_sinks,
         *["model.moe.gating=sigmoid"] * softmax,
         *[f"model.norm_eps={LATENT_NORM_EPS}"] * (m.is_mla and m.norm_eps != LATENT_NORM_EPS),
     ]
@@ -415,6 +418,7 @@ def remote_config(m: TransformerConfig, eos_id: int | None, max_positions: int, 
         "embedding_norm": m.embedding_norm,
         "sliding_window": m.sliding_window,
         "attention_pattern": m.attention_pattern,
+        "attention_sinks": m.attention_sinks,
         "norm_eps": m.norm_eps,
         "rope_theta": m.rope_theta,
         "num_experts": moe.num_experts,

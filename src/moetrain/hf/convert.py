@@ -32,6 +32,7 @@ Which class, field by field (src/moetrain/hf/arch.py is the code; both checked a
 | norm_eps (every RMSNorm)       | rms_norm_eps                    | rms_norm_eps                              |
 | peri_norm                      | refused                         | refused                                   |
 | embedding_norm, pre_norm=false | refused                         | refused                                   |
+| attention_sinks                | refused                         | refused                                   |
 | untied LM head, no biases      | tie_word_embeddings = false     | the same, attention_bias = false          |
 | (multi-token prediction)       | —                               | num_nextn_predict_layers = 0              |
 | data.seq_len                   | max_position_embeddings (or --max-position-embeddings) | the same   |

@@ -6,9 +6,9 @@ transformers class represents exactly (softmax routing with a shared expert, per
 non-zero aux-loss-free bias under softmax, no QK-norm under softmax): it needs only torch and
 transformers, and computes what src/moetrain/model/ computes, parameter names included:
 
-    embed [→ × √d_model → RMSNorm] → blocks ([RMSNorm] → GQA attention with per-head QK-norm and
-    rotate-half RoPE → [RMSNorm] → residual; [RMSNorm] → SwiGLU or MoE → [RMSNorm] → residual) →
-    RMSNorm → LM head
+    embed [→ × √d_model → RMSNorm] → blocks ([RMSNorm] → GQA attention with per-head QK-norm,
+    rotate-half RoPE [and attention sinks] → [RMSNorm] → residual; [RMSNorm] → SwiGLU or MoE →
+    [RMSNorm] → residual) → RMSNorm → LM head
 
 MoE: fp32 router logits; softmax or sigmoid scores; the top-k of scores + the selection bias;
 the chosen scores as weights, normalized to sum to one and × k where the config says so; each
@@ -45,6 +45,7 @@ class MoetrainConfig(PretrainedConfig):
         embedding_norm: bool = False,
         sliding_window: int = 0,
         attention_pattern: str = "",
+        attention_sinks: bool = False,
         norm_eps: float = 1e-6,
         rope_theta: float = 500000.0,
         num_experts: int = 8,
@@ -63,6 +64,7 @@ class MoetrainConfig(PretrainedConfig):
         self.qk_norm, self.peri_norm, self.norm_eps, self.rope_theta = qk_norm, peri_norm, norm_eps, rope_theta
         self.embedding_norm, self.pre_norm = embedding_norm, pre_norm
         self.sliding_window, self.attention_pattern = sliding_window, attention_pattern
+        self.attention_sinks = attention_sinks
         self.num_experts, self.num_experts_per_tok, self.expert_hidden = num_experts, num_experts_per_tok, expert_hidden
         self.shared_hidden, self.gating = shared_hidden, gating
         self.normalize_weights, self.restore_weight_scale = normalize_weights, restore_weight_scale
@@ -124,6 +126,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(c.n_heads * c.head_dim, c.d_model, bias=False)
         self.q_norm = RMSNorm(c.head_dim, c.norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.norm_eps) if c.qk_norm else None
+        self.sinks = nn.Parameter(torch.zeros(c.n_heads)) if c.attention_sinks else None
 
     def forward(self, x_BTD: torch.Tensor, cos, sin, mask_B1TT: torch.Tensor | None) -> torch.Tensor:
         c, (B, T, _) = self.c, x_BTD.shape
@@ -139,7 +142,12 @@ class Attention(nn.Module):
             d_TT = torch.arange(T, device=x_BTD.device).unsqueeze(1) - torch.arange(T, device=x_BTD.device)
             local_TT = (d_TT >= 0) & (d_TT < self.window)
             mask_B1TT = local_TT if mask_B1TT is None else mask_B1TT & local_TT
-        if mask_B1TT is None:
+        if self.sinks is not None:  # gpt-oss's sinks: a logit per head joins the softmax and adds no value
+            keep = mask_B1TT if mask_B1TT is not None else torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+            scores = (q.float() @ k.float().transpose(-1, -2) * c.head_dim**-0.5).masked_fill(~keep, float("-inf"))
+            sink = self.sinks.float().view(1, -1, 1, 1).expand(B, -1, T, 1)
+            o = (torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1] @ v.float()).to(v.dtype)
+        elif mask_B1TT is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1TT)

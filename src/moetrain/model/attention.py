@@ -1,5 +1,6 @@
 """Grouped-query attention with per-head QK-norm and RoPE, through PyTorch SDPA, global or within a
-sliding window (src/moetrain/model/local_attention.py).
+sliding window (src/moetrain/model/local_attention.py), with attention sinks where the config
+asks (src/moetrain/model/sinks.py).
 
 Legend: B batch, T sequence, D model dim, H query heads, G key/value heads, Dh head dim.
 """
@@ -7,6 +8,7 @@ Legend: B batch, T sequence, D model dim, H query heads, G key/value heads, Dh h
 import torch
 from torch import nn
 
+from moetrain.model.config import TransformerConfig
 from moetrain.model.fp8 import fp8_shared_input
 from moetrain.model.kv_cache import LayerCache
 from moetrain.model.norm import RMSNorm
@@ -15,17 +17,9 @@ from moetrain.model.sequence_layout import SequenceLayout, WholeSequence
 
 
 class Attention(nn.Module):
-    def __init__(
-        self,
-        d_model: int,
-        n_heads: int,
-        n_kv_heads: int,
-        head_dim: int,
-        qk_norm: bool,
-        norm_eps: float,
-        window: int = 0,
-    ):
+    def __init__(self, cfg: TransformerConfig, window: int = 0):
         super().__init__()
+        d_model, n_heads, n_kv_heads, head_dim = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.window = window
         """Sliding window in positions (0: global attention; src/moetrain/model/local_attention.py)."""
@@ -34,8 +28,10 @@ class Attention(nn.Module):
         self.wv = nn.Linear(d_model, n_kv_heads * head_dim, bias=False)
         self.wo = nn.Linear(n_heads * head_dim, d_model, bias=False)
         # Per-head norm (one weight of size Dh shared by all heads), as Qwen3 does.
-        self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
+        self.q_norm = RMSNorm(head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.sinks = nn.Parameter(torch.zeros(n_heads)) if cfg.attention_sinks else None
+        """model.attention_sinks: one logit per query head (src/moetrain/model/sinks.py)."""
         self.sequence: SequenceLayout = WholeSequence()
         """Where the sequence's positions live: x holds this rank's, `attend` sees them all
         (src/moetrain/model/sequence_layout.py; context parallelism sets another)."""
@@ -62,7 +58,7 @@ class Attention(nn.Module):
         k_BGTD = apply_rope(k_BTGD.transpose(1, 2), cos_TD, sin_TD)
         v_BGTD = v_BTGD.transpose(1, 2)
         if cache is None:
-            o_BHTD = self.sequence.attend(q_BHTD, k_BGTD, v_BGTD, masks, self.window)
+            o_BHTD = self.sequence.attend(q_BHTD, k_BGTD, v_BGTD, masks, self.window, self.sinks)
         else:
-            o_BHTD = cache.attend(q_BHTD, k_BGTD, v_BGTD, self.window)
+            o_BHTD = cache.attend(q_BHTD, k_BGTD, v_BGTD, self.window, self.sinks)
         return self.wo(o_BHTD.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))

@@ -29,11 +29,7 @@ class Block(nn.Module):
         D = cfg.d_model
         self.attn_norm = RMSNorm(D, cfg.norm_eps) if cfg.pre_norm else nn.Identity()
         window = cfg.window_of(layer_id)
-        self.attn: Attention | LatentAttention = (
-            LatentAttention(cfg, window)
-            if cfg.is_mla
-            else Attention(D, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim, cfg.qk_norm, cfg.norm_eps, window)
-        )
+        self.attn: Attention | LatentAttention = (LatentAttention if cfg.is_mla else Attention)(cfg, window)
         self.ffn_norm = RMSNorm(D, cfg.norm_eps) if cfg.pre_norm else nn.Identity()
         self.is_moe = layer_id >= cfg.num_dense_layers and not dense
         self.ffn: nn.Module = MoE(D, cfg.moe) if self.is_moe else SwiGLU(D, cfg.resolved_dense_hidden)

@@ -193,6 +193,12 @@ class TransformerConfig(Config):
     """Which blocks attend locally (L: over model.sliding_window positions) and which globally
     (G), as a pattern repeated over the blocks from the first, e.g. "LLLG" (three local, then one
     global); "" = every block local when model.sliding_window is set."""
+    attention_sinks: bool = False
+    """gpt-oss's attention sinks: every attention layer (GQA or MLA, local or global) learns one
+    logit per query head, initialized to 0, that joins its softmax's denominator as e^sink and
+    adds nothing to the output, so a head can attend to little or nothing
+    (src/moetrain/model/sinks.py). The cost on a GPU: SDPA's memory-efficient (or math) kernel with a
+    dense (T, T) mask in place of FlashAttention. Hugging Face export: with `--remote-code` only."""
     pre_norm: bool = True
     """Normalize each sublayer's input. false (with peri_norm=true): x + norm(f(x)), OLMo 2's
     reordered norm, which Olmo-core's moe_8l shape (bench-8e) has."""

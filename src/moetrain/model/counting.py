@@ -48,15 +48,16 @@ def count_params(cfg: TransformerConfig) -> ParamCounts:
 
 def attention_params(cfg: TransformerConfig) -> int:
     """One block's attention: GQA's q, k, v, o (and QK-norm), or MLA's latents, their norms and
-    expansions (src/moetrain/model/mla.py)."""
+    expansions (src/moetrain/model/mla.py); and a sink per head (model.attention_sinks)."""
     D, H = cfg.d_model, cfg.n_heads
+    sinks = H * cfg.attention_sinks
     if not cfg.is_mla:
         hd = cfg.resolved_head_dim
-        return D * hd * (2 * H + 2 * cfg.n_kv_heads) + 2 * hd * cfg.qk_norm
+        return D * hd * (2 * H + 2 * cfg.n_kv_heads) + 2 * hd * cfg.qk_norm + sinks
     Q, C, K, V = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_head_dim, cfg.v_head_dim
     queries = D * Q + Q + Q * H * K if Q else D * H * K
     keys_values = D * (C + cfg.qk_rope_head_dim) + C + C * H * (cfg.qk_nope_head_dim + V)
-    return queries + keys_values + H * V * D
+    return queries + keys_values + H * V * D + sinks
 
 
 def flops_per_token(cfg: TransformerConfig, seq_len: int, causal_halved: bool = False, attention: bool = True) -> int:

@@ -15,10 +15,10 @@ a shorter window) is the caller's choice (src/moetrain/generation.py).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from moetrain.model.config import TransformerConfig
 from moetrain.model.local_attention import window_mask
+from moetrain.model.sinks import sdpa
 
 
 class LayerCache:
@@ -30,16 +30,24 @@ class LayerCache:
         self.length = 0
         """Positions held (the next new position's index)."""
 
-    def attend(self, q_BHTD: torch.Tensor, k_BGTD: torch.Tensor, v_BGTD: torch.Tensor, window: int = 0) -> torch.Tensor:
+    def attend(
+        self,
+        q_BHTD: torch.Tensor,
+        k_BGTD: torch.Tensor,
+        v_BGTD: torch.Tensor,
+        window: int = 0,
+        sink_H: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Append the T new positions' keys and values, then causal attention (B, H, T, Dh) of
-        their queries over every position held (with `window`, over the last `window` up to each)."""
+        their queries over every position held (with `window`, over the last `window` up to each;
+        `sink_H`: attention sinks, src/moetrain/model/sinks.py)."""
         start, T = self.length, q_BHTD.shape[2]
         end = start + T
         assert end <= self.k_BGSD.shape[2], "KVCache overflow: the caller must start a new cache"
         self.k_BGSD[:, :, start:end] = k_BGTD
         self.v_BGSD[:, :, start:end] = v_BGTD
         self.length = end
-        return attend_held(q_BHTD, self.k_BGSD[:, :, :end], self.v_BGSD[:, :, :end], start, window)
+        return attend_held(q_BHTD, self.k_BGSD[:, :, :end], self.v_BGSD[:, :, :end], start, window, sink_H=sink_H)
 
 
 class LatentCache:
@@ -53,7 +61,9 @@ class LatentCache:
         self.length = 0
         """Positions held (the next new position's index)."""
 
-    def attend(self, q_BHTX: torch.Tensor, kv_BTX: torch.Tensor, window: int, scale: float) -> torch.Tensor:
+    def attend(
+        self, q_BHTX: torch.Tensor, kv_BTX: torch.Tensor, window: int, scale: float, sink_H: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Append the T new positions' [c | kr], then causal attention (B, H, T, C) of the latent
         queries `q_BHTX` ([q_nope·W_uk | RoPE(q_rope)]) over every position held, scores × `scale`."""
         start, T = self.length, q_BHTX.shape[2]
@@ -62,7 +72,7 @@ class LatentCache:
         self.kv_BSX[:, start:end] = kv_BTX
         self.length = end
         k_B1SX = self.kv_BSX[:, None, :end]
-        return attend_held(q_BHTX, k_B1SX, k_B1SX[..., : self.kv_rank], start, window, scale)
+        return attend_held(q_BHTX, k_B1SX, k_B1SX[..., : self.kv_rank], start, window, scale, sink_H)
 
 
 def attend_held(
@@ -72,24 +82,25 @@ def attend_held(
     start: int,
     window: int = 0,
     scale: float | None = None,
+    sink_H: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the T queries at positions start … start + T − 1 over the keys and
     values of positions 0 … start + T − 1 (with `window`, the last `window` up to each);
-    `scale`: SDPA's (None: 1/√ of the queries' width)."""
+    `scale`: SDPA's (None: 1/√ of the queries' width); `sink_H`: attention sinks or None."""
     end, T = k_BGSD.shape[2], q_BHTD.shape[2]
     device = q_BHTD.device
     if window and end > window:
         mask_TS = window_mask(torch.arange(start, end, device=device), torch.arange(end, device=device), window)
-        return F.scaled_dot_product_attention(q_BHTD, k_BGSD, v_BGSD, attn_mask=mask_TS, scale=scale, enable_gqa=True)
+        return sdpa(q_BHTD, k_BGSD, v_BGSD, mask_TS, scale=scale, sink_H=sink_H)
     if T == 1:  # one new position sees every position held: no mask
-        return F.scaled_dot_product_attention(q_BHTD, k_BGSD, v_BGSD, scale=scale, enable_gqa=True)
+        return sdpa(q_BHTD, k_BGSD, v_BGSD, scale=scale, sink_H=sink_H)
     if start == 0:  # the prompt of an empty cache: plain causal attention
-        return F.scaled_dot_product_attention(q_BHTD, k_BGSD, v_BGSD, is_causal=True, scale=scale, enable_gqa=True)
+        return sdpa(q_BHTD, k_BGSD, v_BGSD, causal=True, scale=scale, sink_H=sink_H)
     # New position start + t sees positions 0 … start + t (SDPA's is_causal would align the
     # queries to the first keys, not to their own positions).
     pos_S = torch.arange(end, device=device)
     mask_TS = pos_S.unsqueeze(0) <= torch.arange(start, end, device=device).unsqueeze(1)
-    return F.scaled_dot_product_attention(q_BHTD, k_BGSD, v_BGSD, attn_mask=mask_TS, scale=scale, enable_gqa=True)
+    return sdpa(q_BHTD, k_BGSD, v_BGSD, mask_TS, scale=scale, sink_H=sink_H)
 
 
 class KVCache:

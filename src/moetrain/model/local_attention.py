@@ -8,14 +8,15 @@ Two paths, the same function up to the kernels' rounding:
   masks: FlashAttention-2's own window (`aten._flash_attention_forward` with window_size_left =
   w − 1, the sequences as one variable-length batch), which skips the key blocks wholly outside
   the window, so a local block's attention costs time in proportion to T·w, not T²/2;
-- `window_mask` everywhere else (CPU, fp32, document masks, context parallelism, generation): a
-  boolean mask for SDPA, which computes every score and discards the masked ones.
+- `window_mask` everywhere else (CPU, fp32, document masks, context parallelism, generation,
+  attention sinks): a boolean mask for SDPA, which computes every score and discards the masked ones.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from moetrain.model.sinks import sdpa
 
 
 def window_mask(q_pos_T: torch.Tensor, k_pos_S: torch.Tensor, window: int) -> torch.Tensor:
@@ -25,19 +26,24 @@ def window_mask(q_pos_T: torch.Tensor, k_pos_S: torch.Tensor, window: int) -> to
 
 
 def local_attention(
-    q_BHTD: torch.Tensor, k_BGTD: torch.Tensor, v_BGTD: torch.Tensor, window: int, mask_BTT: torch.Tensor | None
+    q_BHTD: torch.Tensor,
+    k_BGTD: torch.Tensor,
+    v_BGTD: torch.Tensor,
+    window: int,
+    mask_BTT: torch.Tensor | None,
+    sink_H: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention within `window` positions (B, H, T, Dh); `mask_BTT`: the document mask
-    (which contains causality), or None."""
+    (which contains causality), or None; `sink_H`: attention sinks (src/moetrain/model/sinks.py)."""
     Dh, T = q_BHTD.shape[-1], q_BHTD.shape[2]
     flash = q_BHTD.is_cuda and q_BHTD.dtype in (torch.bfloat16, torch.float16) and Dh % 8 == 0 and Dh <= 256
-    if mask_BTT is None and flash:
+    if mask_BTT is None and sink_H is None and flash:
         o_BTHD = _LocalFlash.apply(q_BHTD.transpose(1, 2), k_BGTD.transpose(1, 2), v_BGTD.transpose(1, 2), window)
         return o_BTHD.transpose(1, 2)
     pos_T = torch.arange(T, device=q_BHTD.device)
     local_TT = window_mask(pos_T, pos_T, window)
     mask = local_TT if mask_BTT is None else (mask_BTT & local_TT).unsqueeze(1)
-    return F.scaled_dot_product_attention(q_BHTD, k_BGTD, v_BGTD, attn_mask=mask, enable_gqa=True)
+    return sdpa(q_BHTD, k_BGTD, v_BGTD, mask, sink_H=sink_H)
 
 
 class _LocalFlash(torch.autograd.Function):

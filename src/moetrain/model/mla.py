@@ -64,6 +64,8 @@ class LatentAttention(nn.Module):
         self.kv_norm = RMSNorm(C, cfg.norm_eps)
         self.wkv_b = nn.Linear(C, H * (N + V), bias=False)
         self.wo = nn.Linear(H * V, D, bias=False)
+        self.sinks = nn.Parameter(torch.zeros(H)) if cfg.attention_sinks else None
+        """model.attention_sinks: one logit per head (src/moetrain/model/sinks.py)."""
         self.sequence: SequenceLayout = WholeSequence()
         """Where the sequence's positions live (src/moetrain/model/sequence_layout.py)."""
 
@@ -101,8 +103,8 @@ class LatentAttention(nn.Module):
         V = v_BHTV.shape[-1]
         if flash_pads_values(q_BHTK, v_BHTV):
             v_BHTK = F.pad(v_BHTV, (0, q_BHTK.shape[-1] - V))
-            return self.sequence.attend(q_BHTK, k_BHTK, v_BHTK, masks, self.window)[..., :V]
-        return self.sequence.attend(q_BHTK, k_BHTK, v_BHTV, masks, self.window)
+            return self.sequence.attend(q_BHTK, k_BHTK, v_BHTK, masks, self.window, self.sinks)[..., :V]
+        return self.sequence.attend(q_BHTK, k_BHTK, v_BHTV, masks, self.window, self.sinks)
 
     def _absorbed(self, q_nope_BHTN, q_rope_BHTR, c_BTC, k_rope_B1TR, cache: LatentCache) -> torch.Tensor:
         """Attention over the cached latents: q_nope·W_uk joins the query as a C-wide latent
@@ -114,7 +116,7 @@ class LatentAttention(nn.Module):
         q_lat_BHTC = torch.einsum("bhtn,hnc->bhtc", q_nope_BHTN, w_uk_HNC)
         kv_BTX = torch.cat([c_BTC, k_rope_B1TR.squeeze(1)], dim=-1)
         scale = (N + self.rope_dim) ** -0.5
-        o_lat_BHTC = cache.attend(torch.cat([q_lat_BHTC, q_rope_BHTR], dim=-1), kv_BTX, self.window, scale)
+        o_lat_BHTC = cache.attend(torch.cat([q_lat_BHTC, q_rope_BHTR], dim=-1), kv_BTX, self.window, scale, self.sinks)
         return torch.einsum("bhtc,hvc->bhtv", o_lat_BHTC, w_uv_HVC)
 
 

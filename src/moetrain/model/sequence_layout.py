@@ -18,10 +18,10 @@ from __future__ import annotations
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-import torch.nn.functional as F
 
 from moetrain.model.local_attention import local_attention
 from moetrain.model.rope import RotaryEmbedding
+from moetrain.model.sinks import sdpa
 
 
 @runtime_checkable
@@ -41,11 +41,18 @@ class SequenceLayout(Protocol):
         ...
 
     def attend(
-        self, q_BHTD: torch.Tensor, k_BGTD: torch.Tensor, v_BGTD: torch.Tensor, masks: Any, window: int = 0
+        self,
+        q_BHTD: torch.Tensor,
+        k_BGTD: torch.Tensor,
+        v_BGTD: torch.Tensor,
+        masks: Any,
+        window: int = 0,
+        sink_H: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal attention (B, H, T, Dh) of this rank's queries over every position of the
         sequence up to theirs (with `window`, the last `window` of them: src/moetrain/model/local_attention.py),
-        with this rank's keys and values; `masks` from `attention_inputs`."""
+        with this rank's keys and values; `masks` from `attention_inputs`; `sink_H`: the
+        attention sinks (src/moetrain/model/sinks.py), or None."""
         ...
 
 
@@ -74,10 +81,11 @@ class WholeSequence:
         v_BGTD: torch.Tensor,
         mask_BTT: torch.Tensor | None,
         window: int = 0,
+        sink_H: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if window:
-            return local_attention(q_BHTD, k_BGTD, v_BGTD, window, mask_BTT)
+            return local_attention(q_BHTD, k_BGTD, v_BGTD, window, mask_BTT, sink_H)
         if mask_BTT is None:
-            return F.scaled_dot_product_attention(q_BHTD, k_BGTD, v_BGTD, is_causal=True, enable_gqa=True)
+            return sdpa(q_BHTD, k_BGTD, v_BGTD, causal=True, sink_H=sink_H)
         # document masking: the mask already contains causality
-        return F.scaled_dot_product_attention(q_BHTD, k_BGTD, v_BGTD, attn_mask=mask_BTT.unsqueeze(1), enable_gqa=True)
+        return sdpa(q_BHTD, k_BGTD, v_BGTD, mask_BTT.unsqueeze(1), sink_H=sink_H)

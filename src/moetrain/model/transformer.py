@@ -131,7 +131,8 @@ class Transformer(nn.Module):
         """Initialize every parameter and buffer (also after building on the meta device and
         `to_empty()`). Truncated normal(0, init_std) for inputs, model.init_output_std (by default
         init_std / sqrt(2·layers), so the residual stream's variance does not grow with depth) for
-        output projections (attention out, MLP/expert down); norms at 1; aux-free biases at 0.
+        output projections (attention out, MLP/expert down); norms at 1; aux-free biases and
+        attention sinks at 0.
 
         Each tensor — each expert of a stacked expert tensor — draws from its own generator seeded
         by (seed, its name, expert index). So the values do not depend on which rank holds what:
@@ -147,6 +148,8 @@ class Transformer(nn.Module):
         out_std = self.cfg.init_output_std or std / math.sqrt(2 * self.cfg.n_layers)
         for name, module in self.named_modules():
             name = canonical_name(name)
+            if isinstance(getattr(module, "sinks", None), nn.Parameter):  # attention sinks start at 0
+                fill(module.sinks, nn.init.zeros_)
             if isinstance(module, RMSNorm):
                 fill(module.weight, nn.init.ones_)
             elif isinstance(module, RotaryEmbedding):

@@ -45,6 +45,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from moetrain.model.local_attention import window_mask
 from moetrain.model.rope import RotaryEmbedding
+from moetrain.model.sinks import sdpa
 
 _all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
 """The autograd-aware all-gather (its backward reduce-scatters, summing); torch ≥ 2.13 renamed it."""
@@ -114,10 +115,17 @@ class ContextShard:
         return k_BGTD.contiguous(), v_BGTD.contiguous()
 
     def attend(
-        self, q_BHtD: torch.Tensor, k_BGtD: torch.Tensor, v_BGtD: torch.Tensor, masks: Masks, window: int = 0
+        self,
+        q_BHtD: torch.Tensor,
+        k_BGtD: torch.Tensor,
+        v_BGtD: torch.Tensor,
+        masks: Masks,
+        window: int = 0,
+        sink_H: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of this rank's queries over the whole sequence (module docstring); with
-        `window`, each chunk's queries over the keys of their window alone."""
+        `window`, each chunk's queries over the keys of their window alone. Each query meets
+        all its keys in one call, so attention sinks (`sink_H`) apply there as on one device."""
         k_BGTD, v_BGTD = self.gather_kv(k_BGtD, v_BGtD)
         L = q_BHtD.shape[2] // 2
         outs = []
@@ -125,13 +133,13 @@ class ContextShard:
             S = (c + 1) * L
             q_BHLD = q_BHtD[:, :, j * L : (j + 1) * L]
             if window:
-                outs.append(_window_attention(q_BHLD, k_BGTD, v_BGTD, c * L, window, mask_BLS))
+                outs.append(_window_attention(q_BHLD, k_BGTD, v_BGTD, c * L, window, mask_BLS, sink_H))
             else:
-                outs.append(prefix_attention(q_BHLD, k_BGTD[:, :, :S], v_BGTD[:, :, :S], mask_BLS))
+                outs.append(prefix_attention(q_BHLD, k_BGTD[:, :, :S], v_BGTD[:, :, :S], mask_BLS, sink_H))
         return torch.cat(outs, dim=2)
 
 
-def _window_attention(q_BHLD, k_BGTD, v_BGTD, first: int, window: int, mask_BLS) -> torch.Tensor:
+def _window_attention(q_BHLD, k_BGTD, v_BGTD, first: int, window: int, mask_BLS, sink_H) -> torch.Tensor:
     """The L queries at positions first … first + L − 1 over the keys of their windows (positions
     first − window + 1 … first + L − 1), within `mask_BLS` (document masks, whose keys start at 0)."""
     L = q_BHLD.shape[2]
@@ -140,24 +148,29 @@ def _window_attention(q_BHLD, k_BGTD, v_BGTD, first: int, window: int, mask_BLS)
     mask = window_mask(torch.arange(first, hi, device=device), torch.arange(lo, hi, device=device), window)
     if mask_BLS is not None:
         mask = (mask_BLS[:, :, lo:] & mask).unsqueeze(1)
-    return F.scaled_dot_product_attention(
-        q_BHLD, k_BGTD[:, :, lo:hi], v_BGTD[:, :, lo:hi], attn_mask=mask, enable_gqa=True
-    )
+    return sdpa(q_BHLD, k_BGTD[:, :, lo:hi], v_BGTD[:, :, lo:hi], mask, sink_H=sink_H)
 
 
 def prefix_attention(
-    q_BHLD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor, mask_BLS: torch.Tensor | None
+    q_BHLD: torch.Tensor,
+    k_BGSD: torch.Tensor,
+    v_BGSD: torch.Tensor,
+    mask_BLS: torch.Tensor | None,
+    sink_H: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of L queries, the last L positions of an S-position prefix, over that prefix:
     causal aligned to the lower right of the (L, S) scores, or `mask_BLS` (document masking,
     which contains causality). bf16/fp16 on CUDA runs FlashAttention-2 directly, whose causal
     flag means the lower-right alignment for L < S, on contiguous keys and values; elsewhere
-    SDPA with `causal_lower_right`."""
+    SDPA with `causal_lower_right`. With attention sinks (`sink_H`), SDPA with the boolean mask
+    of the lower-right causality (src/moetrain/model/sinks.py)."""
+    L, S = q_BHLD.shape[2], k_BGSD.shape[2]
+    if mask_BLS is None and sink_H is not None:
+        mask_BLS = torch.ones(1, L, S, dtype=torch.bool, device=q_BHLD.device).tril(S - L)
     if mask_BLS is not None:
-        return F.scaled_dot_product_attention(q_BHLD, k_BGSD, v_BGSD, attn_mask=mask_BLS.unsqueeze(1), enable_gqa=True)
+        return sdpa(q_BHLD, k_BGSD, v_BGSD, mask_BLS.unsqueeze(1), sink_H=sink_H)
     Dh = q_BHLD.shape[-1]
     if q_BHLD.is_cuda and q_BHLD.dtype in (torch.bfloat16, torch.float16) and Dh % 8 == 0 and Dh <= 256:
         flash = torch.ops.aten._scaled_dot_product_flash_attention
         return flash(q_BHLD, k_BGSD.contiguous(), v_BGSD.contiguous(), 0.0, is_causal=True)[0]
-    L, S = q_BHLD.shape[2], k_BGSD.shape[2]
     return F.scaled_dot_product_attention(q_BHLD, k_BGSD, v_BGSD, attn_mask=causal_lower_right(L, S), enable_gqa=True)
