@@ -23,5 +23,5 @@ def test_the_probes_micro_batch_module_is_the_engines_micro_batch(tmp_path):
     engine.model.train()
     inputs_BT, targets_BT = trainer.next_batches()[0]
     probe = _one(engine, MicroBatchLoss(engine), inputs_BT, targets_BT)
-    plain = _one(engine, lambda x, y: engine.lm_loss(x, y) * engine.backward_scale, inputs_BT, targets_BT)
+    plain = _one(engine, lambda x, y: engine.lm_loss(x, y) * engine.model.runtime.backward_scale, inputs_BT, targets_BT)
     assert probe == plain and probe[1] > 0

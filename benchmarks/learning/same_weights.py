@@ -172,7 +172,7 @@ res_o = {"lm loss": out.ce_loss.item(), "lb loss": np.mean([m["load balancing lo
 res_o |= {"z loss": np.mean([m["router Z loss unscaled"] for m in metrics])}
 res_o |= grad_norms(olmo.named_parameters(), lambda n: olmo_group.get(n, "not mapped"))
 
-# moetrain: the trainer's one-micro-batch step (aux_loss_scale 1: the aux losses get gradient 1 × their weight).
+# moetrain: the trainer's one-micro-batch step (backward_scale 1: the aux losses get gradient 1 × their weight).
 loss = mt(x, targets_BT=y)
 loss.backward()
 stats = [moe.end_step() for moe in mt.moe_layers()]

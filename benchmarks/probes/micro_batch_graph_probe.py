@@ -52,7 +52,7 @@ class MicroBatchLoss(nn.Module):
             "cuda", dtype=e.amp_dtype or torch.bfloat16, enabled=e.amp_dtype is not None, cache_enabled=False
         ):
             loss = self.model(e._shard(inputs_BT), doc_ids_BT, e._shard(targets_BT), e.loss_chunk_tokens)
-        return loss * e.backward_scale
+        return loss * e.model.runtime.backward_scale
 
 
 def _one(engine, loss_fn, inputs_BT, targets_BT) -> tuple[float, float]:
@@ -64,7 +64,7 @@ def _one(engine, loss_fn, inputs_BT, targets_BT) -> tuple[float, float]:
     engine.optimizer.reduction.finish()
     norm = engine.optimizer.clip_grad_norm(math.inf)
     engine.optimizer.zero_grad()
-    return float(loss.detach()) / engine.backward_scale, float(norm)
+    return float(loss.detach()) / engine.model.runtime.backward_scale, float(norm)
 
 
 def _timings(engine, loss_fn, inputs_BT, targets_BT) -> dict[str, float]:

@@ -392,7 +392,7 @@ def _record(
         "compile": cfg.compute.compile,
         "loss_chunk_tokens": trainer.engine.loss_chunk_tokens,
         "recompute": str(cfg.compute.recompute),
-        "defer_expert_weight_grad": engine.expert_grads is not None,
+        "defer_expert_weight_grad": engine.model.runtime.expert_grads is not None,
         "cuda_graphs": str(engine.cuda_graphs),
         "cuda_graphs_why": engine.cuda_graphs_why,
         "cuda_graph_counts": engine.cuda_graph_counts(),

@@ -257,8 +257,8 @@ def test_deferred_expert_weight_gradients_on_cuda_match_the_per_micro_batch_ones
             p.normal_(0, 0.05)
     plain.to(torch.bfloat16)
     held = copy.deepcopy(plain)
-    held.deferred = DeferredExpertGrads()
-    held.deferred.begin(3)
+    held.runtime.expert_grads = DeferredExpertGrads()
+    held.runtime.expert_grads.begin(3)
     sums = [torch.zeros_like(p, dtype=torch.float32) for p in plain.parameters()]
     for i in range(3):
         offsets = torch.tensor([300 + i, 300 + i, 1000, 1900], dtype=torch.int32, device="cuda")
@@ -270,7 +270,7 @@ def test_deferred_expert_weight_gradients_on_cuda_match_the_per_micro_batch_ones
             s += p.grad.float()
             p.grad = None
         held(x, offsets).backward(dy)
-    held.deferred.finish()
+    held.runtime.expert_grads.finish()
     for s, p in zip(sums, held.parameters()):
         assert torch.isfinite(p.grad).all()
         assert ((p.grad.float() - s).norm() / s.norm()).item() < 1e-2

@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from moetrain.model.moe import MoE
 from moetrain.parallel.parallelize import apply_compile
 from moetrain.presets import resolve_config
 
@@ -15,9 +14,7 @@ def _grads(overrides: list[str], compile: bool, tokens: torch.Tensor) -> dict[st
     cfg = resolve_config("tiny", SMALL + overrides)
     model = cfg.model.build(device=tokens.device)
     model.init_weights(seed=0)
-    for module in model.modules():
-        if isinstance(module, MoE):
-            module.aux_loss_scale = 0.25  # as the trainer sets it for 4 micro-batches
+    model.runtime.backward_scale = 0.25  # as the trainer sets it for 4 micro-batches
     if compile:
         apply_compile(model)
     model(tokens, targets_BT=tokens, loss_chunk_tokens=0).backward()

@@ -103,7 +103,7 @@ def _experts(deferred: DeferredExpertGrads | None) -> GroupedExperts:
     with torch.no_grad():
         m.w_gate_up_E2FD.copy_(torch.randn(m.w_gate_up_E2FD.shape, generator=g))
         m.w_down_EDF.copy_(torch.randn(m.w_down_EDF.shape, generator=g))
-    m.deferred = deferred
+    m.runtime.expert_grads = deferred
     return m
 
 
@@ -136,7 +136,7 @@ def test_the_last_of_n_backwards_gives_the_sum_of_the_per_micro_batch_gradients(
     them runs) while the input gradients are the plain ones; the last gives the sum over the
     micro-batches, up to fp32 summation order; nothing stays held."""
     plain, held = _experts(None), _experts(DeferredExpertGrads())
-    held.deferred.begin(3)
+    held.runtime.expert_grads.begin(3)
     for i in range(3):
         x, offsets, dy = _micro_batch(10 + i)
         xs = [x.clone().requires_grad_() for _ in range(2)]
@@ -146,25 +146,25 @@ def test_the_last_of_n_backwards_gives_the_sum_of_the_per_micro_batch_gradients(
         assert torch.equal(xs[0].grad[:valid], xs[1].grad[:valid])
         if i < 2:
             assert held.w_gate_up_E2FD.grad is None and held.w_down_EDF.grad is None
-            assert held.deferred.held_bytes() > 0
-    held.deferred.finish()
-    assert held.deferred.held_bytes() == 0
+            assert held.runtime.expert_grads.held_bytes() > 0
+    held.runtime.expert_grads.finish()
+    assert held.runtime.expert_grads.held_bytes() == 0
     for a, b in zip(plain.parameters(), held.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-4)
 
 
 def test_a_step_whose_backwards_miss_a_layer_stops_naming_the_setting():
     m = _experts(DeferredExpertGrads())
-    m.deferred.begin(3)
+    m.runtime.expert_grads.begin(3)
     x, offsets, dy = _micro_batch(0)
     m(x, offsets).backward(dy)
     with pytest.raises(
         RuntimeError, match="compute.defer_expert_weight_grad: 2 expert products saw fewer than the step's 3"
     ):
-        m.deferred.finish()
-    m.deferred.begin(1)  # the next step starts clean
+        m.runtime.expert_grads.finish()
+    m.runtime.expert_grads.begin(1)  # the next step starts clean
     m(x, offsets).backward(dy)
-    m.deferred.finish()
+    m.runtime.expert_grads.finish()
 
 
 def _engine(tiny_cfg, run_dir, *extra):
@@ -197,7 +197,7 @@ def test_training_steps_match_the_per_micro_batch_gradients(tiny_cfg, tmp_path, 
     under Muon."""
     cfg, plain = _engine(tiny_cfg, tmp_path / "a", *extra)
     _, held = _engine(tiny_cfg, tmp_path / "b", "compute.defer_expert_weight_grad=true", *extra)
-    assert held.expert_grads is not None and plain.expert_grads is None
+    assert held.model.runtime.expert_grads is not None and plain.model.runtime.expert_grads is None
     for step in range(3):
         a = plain.train_step(synthetic_batches(cfg, step), step)
         b = held.train_step(synthetic_batches(cfg, step), step)
@@ -214,8 +214,8 @@ def test_mxfp8_is_refused_and_one_micro_batch_defers_nothing(tiny_cfg, tmp_path)
     with pytest.raises(ConfigError, match="precision.fp8=mxfp8"):
         tiny_cfg(tmp_path / "a", "precision.fp8=mxfp8", "compute.defer_expert_weight_grad=true")
     _, engine = _engine(tiny_cfg, tmp_path / "b", "train.global_batch_size=4", "compute.defer_expert_weight_grad=true")
-    assert engine.expert_grads is None
-    assert all(m.deferred is None for m in engine.model.modules() if isinstance(m, GroupedExperts))
+    assert engine.model.runtime.expert_grads is None
+    assert all(m.runtime.expert_grads is None for m in engine.model.modules() if isinstance(m, GroupedExperts))
 
 
 def test_compiled_blocks_run_the_deferred_products_eagerly_with_the_same_steps(tiny_cfg, tmp_path):
@@ -241,14 +241,16 @@ def test_a_step_that_fails_midway_frees_the_kept_operands(tiny_cfg, tmp_path, mo
     def failing(*args):
         calls.append(1)
         if len(calls) == 2:
-            assert engine.expert_grads.held_bytes() > 0  # the first micro-batch's operands
+            assert engine.model.runtime.expert_grads.held_bytes() > 0  # the first micro-batch's operands
             raise torch.OutOfMemoryError("injected")
         return real(*args)
 
     monkeypatch.setattr(engine, "lm_loss", failing)
     with pytest.raises(torch.OutOfMemoryError):
         engine.forward_backward(synthetic_batches(cfg, 0))
-    assert engine.expert_grads.held_bytes() == 0 and engine.expert_grads.backward_passes == 1
+    assert (
+        engine.model.runtime.expert_grads.held_bytes() == 0 and engine.model.runtime.expert_grads.backward_passes == 1
+    )
     engine.optimizer.zero_grad()
     out = engine.train_step(synthetic_batches(cfg, 1), 0)
     assert torch.isfinite(out.lm_loss) and torch.isfinite(out.grad_norm)
@@ -258,9 +260,9 @@ def test_frozen_experts_keep_nothing():
     """Experts whose weights take no gradient (frozen) keep no operands for one."""
     m = _experts(DeferredExpertGrads())
     m.requires_grad_(False)
-    m.deferred.begin(2)
+    m.runtime.expert_grads.begin(2)
     x, offsets, dy = _micro_batch(0)
     x.requires_grad_()
     m(x, offsets).backward(dy)
-    assert x.grad is not None and m.deferred.held_bytes() == 0
-    m.deferred.finish()
+    assert x.grad is not None and m.runtime.expert_grads.held_bytes() == 0
+    m.runtime.expert_grads.finish()

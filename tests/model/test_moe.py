@@ -7,7 +7,6 @@ import torch.nn.functional as F
 from moetrain.model.config import MoEConfig
 from moetrain.model.mlp import SwiGLU
 from moetrain.model.moe import MoE
-from moetrain.parallel.parallelize import inside_backward
 
 
 def make_moe(d=16, hidden=8, experts=6, top_k=3, shared=0, **kw) -> MoE:
@@ -95,7 +94,7 @@ def test_aux_loss_gradient_reaches_the_router():
     """The attached aux loss must give the router exactly the gradient of weight·(lb + z)."""
     torch.manual_seed(2)
     moe = make_moe(lb_loss_weight=0.3, z_loss_weight=0.1)
-    moe.aux_loss_scale = 0.5
+    moe.runtime.backward_scale = 0.5
     x = torch.randn(2, 7, 16)
     moe(x).sum().backward()
     attached = moe.router.weight.grad.clone()
@@ -121,8 +120,6 @@ def test_statistics_accumulate_per_step_and_reset():
 
 
 def test_recompute_counts_statistics_once_and_keeps_gradients():
-    from torch.utils.checkpoint import checkpoint
-
     torch.manual_seed(3)
     moe = make_moe(routing="random")
     x = torch.randn(2, 6, 16, requires_grad=True)
@@ -131,19 +128,19 @@ def test_recompute_counts_statistics_once_and_keeps_gradients():
     plain = {n: p.grad.clone() for n, p in moe.named_parameters()}
     plain_counts = moe.end_step()["tokens_per_expert"]
     moe.zero_grad()
-    moe.recomputing = inside_backward  # as apply_recompute marks the layers of the blocks it wraps
     torch.manual_seed(5)
-    checkpoint(moe, x, use_reentrant=False).square().sum().backward()
+    moe.runtime.checkpoint(moe, x).square().sum().backward()  # as apply_recompute's blocks run
+    assert not moe.runtime.recomputing
     recomputed_counts = moe.end_step()["tokens_per_expert"]
     assert torch.equal(plain_counts, recomputed_counts)
     for n, p in moe.named_parameters():
         torch.testing.assert_close(p.grad, plain[n], msg=n)
 
 
-def test_apply_recompute_marks_its_moe_layers_and_others_have_no_graph_break_for_it():
-    """Without recompute the layer does not ask autograd whether it runs inside backward (a
-    graph break under torch.compile, which splits each MoE block into two graphs); with it,
-    apply_recompute marks the layers so that the statistics are still counted once."""
+def test_apply_recompute_flags_the_reruns_of_its_blocks_and_the_layer_has_no_graph_break_for_it():
+    """The layer reads `runtime.recomputing`; it does not ask autograd whether it runs inside
+    backward (a graph break under torch.compile, which would split each MoE block into two
+    graphs): the checkpoints of the blocks apply_recompute wraps ask, around the block."""
     import torch._dynamo
 
     from moetrain.model.transformer import Transformer
@@ -152,18 +149,18 @@ def test_apply_recompute_marks_its_moe_layers_and_others_have_no_graph_break_for
 
     model = Transformer(PRESETS["tiny"]().model)
     apply_recompute(model, every=2)
-    marks = {
-        int(name): block.ffn.recomputing is inside_backward
-        for name, block in model.blocks.items()
-        if isinstance(block.ffn, MoE)
-    }
-    assert len(marks) >= 2 and all(marks[i] == (i % 2 == 0) for i in marks), marks
+    checkpoints = {int(name): getattr(block, "checkpoint_fn", None) for name, block in model.blocks.items()}
+    assert len(checkpoints) >= 2 and all((checkpoints[i] is not None) == (i % 2 == 0) for i in checkpoints)
+    assert all(f.func == model.runtime.checkpoint for f in checkpoints.values() if f is not None)
 
     moe = make_moe()
     moe.train()
     reasons = [r.reason for r in torch._dynamo.explain(moe)(torch.randn(1, 8, 16)).break_reasons]
     assert not any("non-Tensor" in r for r in reasons), reasons
-    moe.recomputing = inside_backward
-    torch._dynamo.reset()
-    reasons = [r.reason for r in torch._dynamo.explain(moe)(torch.randn(1, 8, 16)).break_reasons]
+
+    def asking(x):  # the question the checkpoint asks, in traced code
+        y = x + 1
+        return y * 2 if torch._C._current_graph_task_id() != -1 else y
+
+    reasons = [r.reason for r in torch._dynamo.explain(asking)(torch.randn(3)).break_reasons]
     assert any("non-Tensor" in r for r in reasons), reasons  # the check this test relies on

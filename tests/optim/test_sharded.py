@@ -53,8 +53,7 @@ def build_model(state):
     apply_expert_parallel(model, state, ParallelConfig(ep=state.dims.ep, capacity_factor=None))
     model.to_empty(device="cpu")
     model.init_weights(seed=0)
-    for moe in model.moe_layers():  # as the trainer sets it: the LM loss's factor
-        moe.aux_loss_scale = 1.0 / MICRO / state.dims.dp
+    model.runtime.backward_scale = 1.0 / MICRO / state.dims.dp  # as the trainer sets it
     return model
 
 

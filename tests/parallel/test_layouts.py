@@ -63,7 +63,7 @@ def train_and_report(data_dir, run_dir, extra, params_file=None):
     from moetrain.train.trainer import Trainer
 
     trainer = Trainer(layout_cfg(data_dir, run_dir, *extra), quiet=True)
-    deferred = _count_deferred(trainer.engine.expert_grads)
+    deferred = _count_deferred(trainer.engine.model.runtime.expert_grads)
     launched = _launched_before_finish(trainer.engine.optimizer.reduction)
     norms = group_norm_probe(trainer)
     trainer.fit()

@@ -18,12 +18,13 @@ from moetrain.model.mla import LatentAttention
 from moetrain.model.mlp import SwiGLU
 from moetrain.model.moe import MoE
 from moetrain.model.norm import RMSNorm
+from moetrain.model.runtime import ModelRuntime
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: TransformerConfig, layer_id: int, dense: bool = False):
-        """Block `layer_id`: MoE from model.num_dense_layers on, unless `dense` (the
-        multi-token prediction modules' blocks, src/moetrain/model/mtp.py)."""
+    def __init__(self, cfg: TransformerConfig, layer_id: int, dense: bool = False, runtime: ModelRuntime | None = None):
+        """Block `layer_id`: MoE (reading the model's `runtime`) from model.num_dense_layers on,
+        unless `dense` (the multi-token prediction modules' blocks, src/moetrain/model/mtp.py)."""
         super().__init__()
         self.layer_id = layer_id
         D = cfg.d_model
@@ -32,7 +33,7 @@ class Block(nn.Module):
         self.attn: Attention | LatentAttention = (LatentAttention if cfg.is_mla else Attention)(cfg, window)
         self.ffn_norm = RMSNorm(D, cfg.norm_eps) if cfg.pre_norm else nn.Identity()
         self.is_moe = layer_id >= cfg.num_dense_layers and not dense
-        self.ffn: nn.Module = MoE(D, cfg.moe) if self.is_moe else SwiGLU(D, cfg.resolved_dense_hidden)
+        self.ffn: nn.Module = MoE(D, cfg.moe, runtime) if self.is_moe else SwiGLU(D, cfg.resolved_dense_hidden)
         self.attn_out_norm = RMSNorm(D, cfg.norm_eps) if cfg.peri_norm else None
         self.ffn_out_norm = RMSNorm(D, cfg.norm_eps) if cfg.peri_norm else None
 

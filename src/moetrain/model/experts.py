@@ -7,9 +7,9 @@ expert's rows end. `torch._grouped_mm` multiplies each row block by its expert's
 kernel: no Python loop over experts, no host sync, dropless. The gate and up projections are one
 fused weight, so a layer is two grouped GEMMs forward.
 
-With `deferred` set (`compute.defer_expert_weight_grad`), the two products are autograd functions
-of their own whose weight gradients wait for the step's last backward (src/moetrain/model/expert_grads.py)
-and whose SwiGLU keeps only h for backward, as row-wise FP8's does; they run eagerly inside
+With `runtime.expert_grads` set (`compute.defer_expert_weight_grad`; src/moetrain/model/expert_grads.py),
+the two products are autograd functions of their own whose weight gradients wait for the step's last
+backward and whose SwiGLU keeps only h for backward, as row-wise FP8's does; they run eagerly inside
 compiled blocks (their backward keeps tensors across micro-batches, which a graph cannot).
 """
 
@@ -21,6 +21,7 @@ from torch import nn
 
 from moetrain.model.expert_grads import DeferredExpertGrads
 from moetrain.model.fp8 import fp8_grouped_mm, fp8_swiglu_grouped_mm, mxfp8_grouped_mm
+from moetrain.model.runtime import ModelRuntime
 from moetrain.model.swiglu import swiglu_backward, swiglu_forward
 
 Deferral = tuple[DeferredExpertGrads, Hashable]
@@ -28,8 +29,11 @@ Deferral = tuple[DeferredExpertGrads, Hashable]
 
 
 class GroupedExperts(nn.Module):
-    def __init__(self, num_experts: int, d_model: int, hidden: int, expert_offset: int = 0):
+    def __init__(
+        self, num_experts: int, d_model: int, hidden: int, expert_offset: int = 0, runtime: ModelRuntime | None = None
+    ):
         super().__init__()
+        self.runtime = runtime or ModelRuntime()
         self.num_experts, self.d_model, self.hidden = num_experts, d_model, hidden
         # Global index of the first expert held here (expert parallelism holds a slice).
         self.expert_offset = expert_offset
@@ -40,9 +44,6 @@ class GroupedExperts(nn.Module):
         """FP8 grouped GEMMs (src/moetrain/model/fp8.py): "rowwise" or "mxfp8", set by `precision.fp8`."""
         self.fp8_fast_accum_backward = False
         """Row-wise FP8's input-gradient products with fast accumulation (`precision.fp8_fast_accum_backward`)."""
-        self.deferred: DeferredExpertGrads | None = None
-        """The weight gradients computed once per step, in its last backward
-        (`compute.defer_expert_weight_grad`; src/moetrain/model/expert_grads.py)."""
 
     def forward(
         self, x_MD: torch.Tensor, offsets_E: torch.Tensor, weights: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -77,11 +78,11 @@ class GroupedExperts(nn.Module):
     def _deferral(self, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> tuple[Deferral | None, Deferral | None]:
         """Each weight's (deferral object, key) when its gradient is deferred, else None. A key
         names the weight and, for a group's slice, where the slice starts in it."""
-        if self.deferred is None:
+        if self.runtime.expert_grads is None:
             return None, None
         return (
-            (self.deferred, (id(self), "gate_up", w_gate_up.storage_offset())),
-            (self.deferred, (id(self), "down", w_down.storage_offset())),
+            (self.runtime.expert_grads, (id(self), "gate_up", w_gate_up.storage_offset())),
+            (self.runtime.expert_grads, (id(self), "down", w_down.storage_offset())),
         )
 
 

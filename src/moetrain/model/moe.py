@@ -4,17 +4,15 @@ Legend: B batch, T sequence, N = B·T tokens, K top-k, M = N·K assignments, D m
 E experts.
 
 Auxiliary losses (load balancing, z-loss) do not travel through return values: they are attached
-to the layer's output with `AttachAuxLoss`, whose backward feeds them gradient 1 × `aux_loss_scale`.
-So they work unchanged under gradient accumulation and pipeline parallelism, where a stage only
-returns activations. The trainer sets `aux_loss_scale` to the same factor as the LM loss (1 / the
-number of micro-batches). Detached copies are accumulated on the device for logging and for the
+to the layer's output with `AttachAuxLoss`, whose backward feeds them gradient 1 × the LM loss's
+factor (`ModelRuntime.backward_scale`, src/moetrain/model/runtime.py: 1 / the number of micro-batches),
+so they work unchanged under gradient accumulation and pipeline parallelism, where a stage only
+returns activations. Detached copies are accumulated on the device for logging and for the
 aux-free bias update: `update_bias()` (called by an optimizer step post-hook, so it moves at
 optimizer time) and `end_step()` (returns the step's statistics and resets them).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -23,22 +21,19 @@ from moetrain.model.config import MoEConfig
 from moetrain.model.experts import GroupedExperts
 from moetrain.model.mlp import SwiGLU
 from moetrain.model.router import Router
+from moetrain.model.runtime import ModelRuntime
 from moetrain.model.token_dispatcher import LocalTokenDispatcher, TokenDispatcher
 
 
 class MoE(nn.Module):
-    def __init__(self, d_model: int, cfg: MoEConfig):
+    def __init__(self, d_model: int, cfg: MoEConfig, runtime: ModelRuntime | None = None):
         super().__init__()
         self.cfg = cfg
+        self.runtime = runtime or ModelRuntime()
         self.router = Router(d_model, cfg)
-        self.experts = GroupedExperts(cfg.num_experts, d_model, cfg.expert_hidden)
+        self.experts = GroupedExperts(cfg.num_experts, d_model, cfg.expert_hidden, runtime=self.runtime)
         self.shared_expert = SwiGLU(d_model, cfg.shared_hidden) if cfg.shared_hidden > 0 else None
         self.dispatcher: TokenDispatcher = LocalTokenDispatcher(cfg.num_experts)
-        self.aux_loss_scale = 1.0
-        self.recomputing: Callable[[], bool] = _never
-        """Whether this forward is a recompute inside backward: set by `apply_recompute`
-        (src/moetrain/parallel/parallelize.py) when the block around this layer recomputes its
-        forward in backward, so that the statistics are counted once."""
         # Per-optimizer-step accumulators (not checkpointed: they are reset at every step end).
         E = cfg.num_experts
         self.register_buffer("step_tokens_per_expert_E", torch.zeros(E, dtype=torch.int64), persistent=False)
@@ -56,9 +51,8 @@ class MoE(nn.Module):
 
         aux_loss = self.cfg.lb_loss_weight * route.lb_loss + self.cfg.z_loss_weight * route.z_loss
         if self.training and aux_loss.requires_grad:
-            y_ND = AttachAuxLoss.apply(y_ND, aux_loss, self.aux_loss_scale)
-        # Activation recompute runs this forward again inside backward: count the statistics once.
-        if self.training and not self.recomputing():
+            y_ND = AttachAuxLoss.apply(y_ND, aux_loss, self.runtime.backward_scale)
+        if self.training and not self.runtime.recomputing:  # once: not again when recompute re-runs this
             self._accumulate(route, self.dispatcher.dropped_tokens())
         return y_ND.view(B, T, D)
 
@@ -102,10 +96,6 @@ class MoE(nn.Module):
         ):
             buf.zero_()
         return stats
-
-
-def _never() -> bool:
-    return False
 
 
 def update_expert_bias(bias_E: torch.Tensor, tokens_per_expert_E: torch.Tensor, rate: float | torch.Tensor) -> None:

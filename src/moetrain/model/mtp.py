@@ -20,9 +20,9 @@ statistics, dispatchers, expert parallelism, the planner's expert terms — stay
 
 The value `Transformer.forward` returns is L_main, bit for bit as without MTP; λ/K · Σₖ Lᵏ
 joins it in backward only (`AttachAuxLoss`, as the MoE layers' auxiliary losses do), with the
-same scale as the LM loss's (`loss_scale`, set by the trainer). `last_losses` keeps each depth's
-Lᵏ (detached) for the metrics (`end_step`). Training only: evaluation and generation run the
-main model alone, and a Hugging Face export leaves these modules out.
+same scale as the LM loss's (`ModelRuntime.backward_scale`, src/moetrain/model/runtime.py). `last_losses`
+keeps each depth's Lᵏ (detached) for the metrics (`end_step`). Training only: evaluation and
+generation run the main model alone, and a Hugging Face export leaves these modules out.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from moetrain.model.config import TransformerConfig
 from moetrain.model.loss import lm_loss
 from moetrain.model.moe import AttachAuxLoss
 from moetrain.model.norm import RMSNorm
+from moetrain.model.runtime import ModelRuntime
 
 
 class MTPModule(nn.Module):
@@ -59,13 +60,11 @@ class MTPModule(nn.Module):
 class MultiTokenPrediction(nn.Module):
     """The K modules and their loss (module docstring)."""
 
-    def __init__(self, cfg: TransformerConfig):
+    def __init__(self, cfg: TransformerConfig, runtime: ModelRuntime | None = None):
         super().__init__()
+        self.runtime = runtime or ModelRuntime()
         self.depths = nn.ModuleList([MTPModule(cfg, k) for k in range(1, cfg.mtp_depth + 1)])
         self.weight = cfg.mtp_loss_weight
-        self.loss_scale = 1.0
-        """The factor every backward's LM loss gets (1 / micro-batches × the gradient reduction's
-        scale): the MTP loss's gradient gets the same (set by the trainer)."""
         self._sums: torch.Tensor | None = None
         self._count = 0
 
@@ -98,8 +97,8 @@ class MultiTokenPrediction(nn.Module):
         return self.weight * stacked.mean()
 
     def attach(self, out: torch.Tensor, mtp_loss: torch.Tensor) -> torch.Tensor:
-        """`out` unchanged, with `mtp_loss` receiving gradient `loss_scale` in backward."""
-        return AttachAuxLoss.apply(out, mtp_loss, self.loss_scale)
+        """`out` unchanged, with `mtp_loss` receiving gradient `runtime.backward_scale` in backward."""
+        return AttachAuxLoss.apply(out, mtp_loss, self.runtime.backward_scale)
 
     def _record(self, losses_K: torch.Tensor) -> None:
         self._sums = losses_K.float() if self._sums is None else self._sums + losses_K.float()

@@ -22,6 +22,7 @@ from moetrain.model.moe import MoE
 from moetrain.model.mtp import MultiTokenPrediction
 from moetrain.model.norm import Embedding, RMSNorm
 from moetrain.model.rope import RotaryEmbedding
+from moetrain.model.runtime import ModelRuntime
 from moetrain.model.sequence_layout import SequenceLayout, WholeSequence
 
 
@@ -32,12 +33,13 @@ class Transformer(nn.Module):
         embed_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.embedding_norm else None
         self.embed = Embedding(cfg.vocab_size, cfg.d_model, embed_norm)
         self.rope = RotaryEmbedding(cfg.rope_dim, cfg.rope_theta)
+        self.runtime = ModelRuntime()  # what training tells the layers as they run, shared by them
         # A ModuleDict keyed by layer index keeps parameter names stable when a pipeline stage
         # holds only some of the blocks.
-        self.blocks = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, i, runtime=self.runtime) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.mtp = MultiTokenPrediction(cfg) if cfg.mtp_depth else None
+        self.mtp = MultiTokenPrediction(cfg, self.runtime) if cfg.mtp_depth else None
         """model.mtp_depth > 0: the multi-token prediction modules (src/moetrain/model/mtp.py), trained
         beside the main model and left out of its outputs."""
         self.sequence: SequenceLayout = WholeSequence()

@@ -50,7 +50,7 @@ def apply_expert_parallel(model: Transformer, state: ParallelState, cfg: Paralle
             L = E // dims.ep
             old = moe.experts
             with torch.device(old.w_down_EDF.device):
-                moe.experts = GroupedExperts(L, old.d_model, old.hidden, expert_offset=state.index("ep") * L)
+                moe.experts = GroupedExperts(L, old.d_model, old.hidden, state.index("ep") * L, moe.runtime)
             moe.dispatcher = DISPATCHERS[cfg.dispatcher](E, state, cfg)
         elif dims.replicas > 1:
             moe.dispatcher = DataParallelDispatcher(E, state.group("dp", "cp"))

@@ -37,7 +37,6 @@ from moetrain.model.config import Fp8
 from moetrain.model.experts import GroupedExperts
 from moetrain.model.fp8 import Fp8Linear, MxFp8Linear
 from moetrain.model.fp8_choice import Fp8Select, Product, choose
-from moetrain.model.moe import MoE
 from moetrain.model.transformer import Transformer, canonical_name
 from moetrain.parallel.config import ParallelConfig, Recompute, Stack
 from moetrain.parallel.context_parallel import ContextShard
@@ -137,18 +136,7 @@ def apply_recompute(model: Transformer, selective: bool = False, every: int = 1)
     kwargs = {"context_fn": partial(create_selective_checkpoint_contexts, _save_matmuls_and_comms)} if selective else {}
     for name, block in list(model.blocks.items()):
         if int(name) % every == 0:
-            for module in block.modules():
-                if isinstance(module, MoE):
-                    module.recomputing = inside_backward
-            model.blocks[name] = checkpoint_wrapper(block, preserve_rng_state=True, **kwargs)
-
-
-def inside_backward() -> bool:
-    """Whether autograd is running a backward pass on this thread: a recomputing checkpoint
-    re-runs its block's forward there. torch.utils.checkpoint asks the same private question (no
-    public API answers it); under torch.compile asking it is a graph break, so only the layers of
-    recomputed blocks ask."""
-    return torch._C._current_graph_task_id() != -1
+            model.blocks[name] = checkpoint_wrapper(block, checkpoint_fn=model.runtime.checkpoint, **kwargs)
 
 
 def _saved_ops() -> set:

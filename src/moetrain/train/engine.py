@@ -37,7 +37,6 @@ import torch.distributed as dist
 
 from moetrain.model.counting import flops_per_token, peak_flops
 from moetrain.model.expert_grads import DeferredExpertGrads
-from moetrain.model.experts import GroupedExperts
 from moetrain.model.transformer import Transformer, canonical_name
 from moetrain.optim.base import Optimizer
 from moetrain.optim.schedule import lr_at
@@ -129,20 +128,9 @@ class TrainEngine:
         self.optimizer.register_step_post_hook(self._update_router_biases)
         # Every backward's loss is scaled by 1/micro-batches × the gradient reduction's `loss_scale`
         # (1/dp where it sums): the reduced gradient is then the mean over the global batch with no
-        # pass over the gradients. Aux losses get the same factor.
-        self.backward_scale = self.optimizer.reduction.loss_scale / tc.grad_accum_steps
-        for moe in self.model.moe_layers():
-            moe.aux_loss_scale = self.backward_scale
-        if self.model.mtp is not None:
-            self.model.mtp.loss_scale = self.backward_scale
-        self.expert_grads: DeferredExpertGrads | None = None
-        """compute.defer_expert_weight_grad (with several micro-batches): what every expert layer
-        shares to compute its weight gradients once per step (src/moetrain/model/expert_grads.py)."""
-        if cfg.defers_expert_weight_grads:
-            self.expert_grads = DeferredExpertGrads()
-            for module in model.modules():
-                if isinstance(module, GroupedExperts):
-                    module.deferred = self.expert_grads
+        # pass over the gradients. The losses attached to activations get the same factor.
+        model.runtime.backward_scale = self.optimizer.reduction.loss_scale / tc.grad_accum_steps
+        model.runtime.expert_grads = DeferredExpertGrads() if cfg.defers_expert_weight_grads else None
         self.pipeline: Pipeline | None = None
         if par.dims.num_stages > 1:
             self.pipeline = build_pipeline(
@@ -224,8 +212,8 @@ class TrainEngine:
         this rank's rows of each); afterwards the gradients are reduced over the data-parallel
         ranks. Returns the mean LM loss over the micro-batches (device scalar)."""
         self.model.train()
-        deferred = self.expert_grads.step(len(batches)) if self.expert_grads is not None else contextlib.nullcontext()
-        with deferred:
+        expert_grads = self.model.runtime.expert_grads
+        with expert_grads.step(len(batches)) if expert_grads is not None else contextlib.nullcontext():
             lm_loss = (
                 self._pipeline_forward_backward(batches) if self.pipeline is not None else self._micro_batches(batches)
             )
@@ -288,7 +276,7 @@ class TrainEngine:
             self.optimizer.reduction.prepare(sync=micro == n - 1)
             inputs_BT, targets_BT = to_device(inputs_BT, self.device), to_device(targets_BT, self.device)
             loss = self.lm_loss(inputs_BT, targets_BT)
-            (loss * self.backward_scale).backward()
+            (loss * self.model.runtime.backward_scale).backward()
             lm_loss += loss.detach() / n
         return lm_loss
 
