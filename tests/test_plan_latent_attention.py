@@ -33,7 +33,8 @@ class _FlashLike(torch.autograd.Function):
 
 
 class _FlashLayout:
-    def attend(self, q_BHTK, k_BHTK, v_BHTV, masks, window):
+    def attend(self, q_BHTK, k_BHTK, v_BHTV, masks, window, sink_H=None):
+        assert sink_H is None
         return _FlashLike.apply(q_BHTK, k_BHTK, v_BHTV)
 
 
