@@ -53,6 +53,8 @@ ACCEPTED: dict[str, tuple[str, ...]] = {
     # them, and a run they blow up stops on its non-finite updates (guard.max_consecutive_skips).
     "model.norm_eps": HUGE,
     "model.rope_theta": HUGE,
+    "model.rope_scaling.factor": HUGE,
+    "model.rope_scaling.high_freq_factor": HUGE,
     "model.init_std": HUGE,
     "model.init_output_std": HUGE,
     "optim.lr": HUGE,

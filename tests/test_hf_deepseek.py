@@ -14,6 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from conftest import tiny_overrides  # noqa: E402
+from test_hf_dense import LLAMA3  # noqa: E402
 from test_hf_glm import cli, greedy, hf_model, max_diff, write_checkpoint  # noqa: E402
 
 from moetrain.cli import main  # noqa: E402
@@ -183,8 +184,8 @@ def random_deepseek_v3(path, real_text_dir, **fields):
 
 @pytest.mark.parametrize(
     "fields",
-    [{}, {"rope_interleave": False}, {"q_lora_rank": None}, GROUPED],
-    ids=["interleaved", "rotate-half", "no-q-latent", "grouped"],
+    [{}, {"rope_interleave": False}, {"q_lora_rank": None}, GROUPED, {"rope_parameters": LLAMA3}],
+    ids=["interleaved", "rotate-half", "no-q-latent", "grouped", "llama3-rope"],
 )
 @torch.no_grad()
 def test_a_deepseek_v3_saved_by_transformers_imports_with_its_logits(fields, real_text_dir, tmp_path, capsys):
@@ -194,6 +195,7 @@ def test_a_deepseek_v3_saved_by_transformers_imports_with_its_logits(fields, rea
     moe = cfg.model.moe
     assert cfg.model.is_mla and moe.gating == Gating.sigmoid and cfg.model.num_dense_layers == 1
     assert (moe.n_groups, moe.topk_groups, moe.routed_scale) == ((4, 2, 2.5) if fields == GROUPED else (1, 1, 1.0))
+    assert cfg.model.rope_scaling.type == ("llama3" if "rope_parameters" in fields else "none")
     assert max_diff(model, hf, 512) <= 1e-5
     ids = torch.randint(0, 512, (1, 8), generator=torch.Generator().manual_seed(3))
     assert greedy(model, ids, 8) == hf_greedy(hf, ids, 8)

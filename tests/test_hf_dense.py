@@ -12,9 +12,14 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from test_hf_glm import greedy  # noqa: E402
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
 from moetrain.cli import main  # noqa: E402
+from moetrain.generation import generate_ids  # noqa: E402
+from moetrain.hf.arch import model_config_from_hf  # noqa: E402
 from moetrain.inference import load_for_inference  # noqa: E402
+from moetrain.model.config import RopeScaling, RopeScalingConfig  # noqa: E402
+from moetrain.model.rope import RotaryEmbedding  # noqa: E402
 
 SMALL = dict(
     vocab_size=512,
@@ -40,12 +45,12 @@ def cli(capsys, *argv) -> dict:
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
-def random_dense(kind: str, path, real_text_dir):
+def random_dense(kind: str, path, real_text_dir, **fields):
     """A small dense model as transformers initializes it, every weight perturbed (the norms'
     too, so that a misplaced one shows), saved by transformers with the test tokenizer beside it."""
     config_cls, model_cls = CLASSES[kind]
     torch.manual_seed(0)
-    hf = model_cls(config_cls(**SMALL, tie_word_embeddings=kind.endswith("tied"))).eval()
+    hf = model_cls(config_cls(**SMALL | fields, tie_word_embeddings=kind.endswith("tied"))).eval()
     with torch.no_grad():
         for p in hf.parameters():
             p.add_(0.1 * torch.randn(p.shape))
@@ -54,8 +59,8 @@ def random_dense(kind: str, path, real_text_dir):
     return hf
 
 
-def max_diff(model, hf) -> float:
-    ids = torch.randint(0, 512, (2, 48), generator=torch.Generator().manual_seed(0))
+def max_diff(model, hf, T: int = 48) -> float:
+    ids = torch.randint(0, 512, (2, T), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         return (model(ids) - hf(ids).logits).abs().max().item()
 
@@ -131,7 +136,7 @@ def test_a_dense_moetrain_model_exports_as_the_same_class(kind, real_text_dir, t
         ("qwen3", {"use_sliding_window": True, "sliding_window": 16}, ["use_sliding_window=true"]),
         ("qwen3", {"attention_bias": True}, ["attention_bias=true"]),
         ("llama", {"mlp_bias": True}, ["mlp_bias=true"]),
-        ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}, ["rope_type=llama3"]),
+        ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0}}, ["rope_type=yarn"]),
         ("llama", {"hidden_act": "gelu"}, ["hidden_act=gelu"]),
         ("llama", {"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}}, ["rope_type=linear"]),
         ("qwen3", {"layer_types": ["full_attention", "sliding_attention"] * 2}, ["layer_types with sliding_attention"]),
@@ -145,3 +150,99 @@ def test_what_moetrain_cannot_express_is_refused_naming_the_field(kind, change, 
     err = capsys.readouterr().err
     assert "cannot be reproduced exactly" in err and "Traceback" not in err, err
     assert all(w in err for w in words), err
+
+
+LLAMA3 = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+"""Llama 3.1's RoPE scaling at test size: of the 16 pairs of a 32-wide head (wavelengths 2π·10^(i/4))
+pair 0 (under 32 / 4) is kept, pairs 1–2 blended, the others (over 32 / 1) turn 4 times slower."""
+
+
+@pytest.mark.parametrize(
+    "head_dim, theta, factor, low, high, original",
+    [
+        (32, 1e4, 4.0, 1.0, 4.0, 32),
+        (128, 5e5, 8.0, 1.0, 4.0, 8192),
+        (64, 5e5, 32.0, 1.0, 4.0, 8192),
+        (16, 1e4, 2, 2, 3, 16),
+    ],
+    ids=["test", "llama-3.1", "llama-3.2", "narrow-band"],
+)
+def test_llama3_frequencies_are_transformers_bit_for_bit(head_dim, theta, factor, low, high, original):
+    fields = dict(factor=factor, low_freq_factor=low, high_freq_factor=high, original_max_position_embeddings=original)
+    config = transformers.LlamaConfig(
+        hidden_size=4 * head_dim,
+        num_attention_heads=4,
+        head_dim=head_dim,
+        max_position_embeddings=2 * original,
+        rope_parameters={"rope_type": "llama3", "rope_theta": theta, **fields},
+    )
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    rope = RotaryEmbedding(head_dim, theta, RopeScalingConfig(type=RopeScaling.llama3, **fields))
+    rope.init_weights()
+    assert torch.equal(rope.inv_freq, want)
+
+
+def test_a_llama_with_llama3_rope_scaling_imports_and_exports_with_its_logits(real_text_dir, tmp_path, capsys):
+    """Positions to 120 (past 32 / 1, where every band is scaled its own way): transformers' logits
+    and greedy tokens (recomputed and through the KV cache); without the scaling they are far off.
+    Exported back: the same class, the same RoPE fields, the same logits."""
+    hf = random_dense("llama", tmp_path / "hf", real_text_dir, rope_parameters=LLAMA3)
+    cli(capsys, "import-hf", tmp_path / "hf", tmp_path / "imported")
+    model, cfg, _ = load_for_inference(tmp_path / "imported")
+    scaling = {k: v for k, v in LLAMA3.items() if not k.startswith("rope_")}
+    assert cfg.model.rope_scaling.to_dict() == {"type": "llama3", **scaling}
+    assert max_diff(model, hf, 120) <= 1e-5
+    ids = torch.randint(0, 512, (1, 100), generator=torch.Generator().manual_seed(3))
+    want = hf.generate(ids, do_sample=False, max_new_tokens=16, attention_mask=torch.ones_like(ids))
+    assert greedy(model, ids, 16) == generate_ids(model, ids[0].tolist(), 16) == want[0, 100:].tolist()  # KV cache
+    summary = cli(capsys, "export-hf", tmp_path / "imported", tmp_path / "back", "--dtype", "float32")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", local_files_only=True).eval()
+    assert summary["architecture"] == "LlamaForCausalLM" and back.config.rope_parameters == hf.config.rope_parameters
+    ids = torch.randint(0, 512, (2, 120), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, hf(ids).logits)
+    model.rope.scaling = None  # plain RoPE
+    model.rope.init_weights()
+    assert max_diff(model, hf, 120) > 0.1
+
+
+def test_the_4x_rope_scaling_field_imports_as_the_5x_rope_parameters():
+    """transformers 4.x's config.json: rope_theta beside rope_scaling (its type under "type" in older
+    files); original_max_position_embeddings, when absent, is max_position_embeddings."""
+    five = transformers.LlamaConfig(**SMALL, rope_parameters=LLAMA3).to_dict()
+    scaling = {k: v for k, v in LLAMA3.items() if k != "rope_theta"}
+    four = five | {"rope_parameters": None, "rope_scaling": scaling}
+    older = four | {"rope_scaling": {"type" if k == "rope_type" else k: v for k, v in scaling.items()}}
+    configs = [model_config_from_hf(c, "config.json") for c in (five, four, older)]
+    assert configs[0] == configs[1] == configs[2] and configs[0].rope_scaling.type == RopeScaling.llama3
+    del four["rope_scaling"]["original_max_position_embeddings"]
+    assert model_config_from_hf(four, "config.json").rope_scaling.original_max_position_embeddings == 128
+
+
+@pytest.mark.parametrize(
+    "flag, words",
+    [
+        ("--model.rope_scaling.type=yarn", ["model.rope_scaling.type", "llama3"]),
+        ("--model.rope_scaling.factor=0", ["model.rope_scaling.factor", "positive"]),
+        ("--model.rope_scaling.low_freq_factor=4", ["model.rope_scaling.high_freq_factor=4.0", "low_freq_factor=4.0"]),
+    ],
+)
+def test_rope_scaling_keys_are_checked_naming_the_key(flag, words, capsys):
+    assert main(["config", "tiny", flag]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and all(w in err for w in words), err
+
+
+def test_remote_code_refuses_llama3_rope_scaling(real_text_dir, tmp_path, capsys):
+    random_dense("llama", tmp_path / "hf", real_text_dir, rope_parameters=LLAMA3)
+    cli(capsys, "import-hf", tmp_path / "hf", tmp_path / "imported")
+    assert main(["export-hf", str(tmp_path / "imported"), str(tmp_path / "out"), "--remote-code"]) == 2
+    err = capsys.readouterr().err
+    assert "model.rope_scaling.type=llama3" in err and "without --remote-code" in err and "Traceback" not in err, err

@@ -64,6 +64,41 @@ class Fp8(enum.StrEnum):
         return 32 if self == Fp8.mxfp8 else 16
 
 
+class RopeScaling(enum.StrEnum):
+    none = "none"
+    """Plain RoPE: pair i turns by model.rope_theta^(-2i/d) per position."""
+    llama3 = "llama3"
+    """Llama 3.1's (transformers' rope_type "llama3"): pairs of wavelength over
+    original_max_position_embeddings / low_freq_factor turn `factor` times slower, those under
+    original_max_position_embeddings / high_freq_factor as before, those between by a blend of the
+    two, linear in original_max_position_embeddings / wavelength (src/moetrain/model/rope.py)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class RopeScalingConfig(Config):
+    """How RoPE's frequencies are rescaled for contexts past the pretraining length (the defaults
+    beside `type` are Llama 3.1's)."""
+
+    type: RopeScaling = RopeScaling.none
+    """none: plain RoPE; llama3: Llama 3.1's scaling (transformers' rope_type llama3), by the fields below."""
+    factor: float = positive(8.0)
+    """How many times slower the low frequencies turn."""
+    low_freq_factor: float = positive(1.0)
+    """Wavelengths over original_max_position_embeddings / low_freq_factor are scaled by factor."""
+    high_freq_factor: float = positive(4.0)
+    """Wavelengths under original_max_position_embeddings / high_freq_factor are kept."""
+    original_max_position_embeddings: int = positive(8192, at_most=2**31)
+    """The context length the model was pretrained with."""
+
+    def validate(self) -> None:
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ConfigError(
+                f"model.rope_scaling.high_freq_factor={self.high_freq_factor} must be larger than "
+                f"model.rope_scaling.low_freq_factor={self.low_freq_factor} (the blended band lies between "
+                "them): raise high_freq_factor or lower low_freq_factor."
+            )
+
+
 @dataclasses.dataclass(kw_only=True)
 class MoEConfig(Config):
     num_experts: int = positive(8, at_most=2**20)
@@ -208,6 +243,7 @@ class TransformerConfig(Config):
     """Epsilon of every RMSNorm."""
     rope_theta: float = positive(500_000.0)
     """RoPE base: the rotation of pair i advances by theta^(-2i/head_dim) per position."""
+    rope_scaling: RopeScalingConfig = dataclasses.field(default_factory=RopeScalingConfig)
     init_std: float = positive(0.02)
     """Std of the (truncated) normal initialization; output projections use `init_output_std`."""
     init_output_std: float | None = positive(None)

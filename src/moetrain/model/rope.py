@@ -3,22 +3,30 @@
 Legend: B batch, T sequence, H heads, Dh head dim.
 """
 
+import math
+
 import torch
 from torch import nn
 
+from moetrain.model.config import RopeScaling, RopeScalingConfig
+
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, theta: float):
+    def __init__(self, head_dim: int, theta: float, scaling: RopeScalingConfig | None = None):
         super().__init__()
         self.head_dim = head_dim
         self.theta = theta
+        self.scaling = scaling
         # Not persistent: derived from the config, rebuilt by init_weights (works after meta init).
         self.register_buffer("inv_freq", torch.empty(head_dim // 2), persistent=False)
 
     def init_weights(self) -> None:
         with torch.no_grad():
             exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=self.inv_freq.device)
-            self.inv_freq.copy_(1.0 / (self.theta ** (exponents / self.head_dim)))
+            inv_freq = 1.0 / (self.theta ** (exponents / self.head_dim))
+            if self.scaling is not None and self.scaling.type == RopeScaling.llama3:
+                inv_freq = llama3_inv_freq(inv_freq, self.scaling)
+            self.inv_freq.copy_(inv_freq)
 
     def cos_sin(self, seq_len: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin tables of shape (T, Dh), fp32, for positions start … start + seq_len − 1
@@ -27,6 +35,19 @@ class RotaryEmbedding(nn.Module):
         angles_TF = torch.outer(pos_T, self.inv_freq)
         angles_TD = torch.cat([angles_TF, angles_TF], dim=-1)
         return angles_TD.cos(), angles_TD.sin()
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScalingConfig) -> torch.Tensor:
+    """Llama 3.1's scaled frequencies, by the operations of transformers' `_compute_llama3_parameters`
+    (bit for bit): a wavelength over original / low_freq_factor is stretched by `factor`, one under
+    original / high_freq_factor kept, one between blended, linear in original / wavelength."""
+    original = s.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original / s.low_freq_factor, inv_freq / s.factor, inv_freq)
+    smooth = (original / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    blended = (1 - smooth) * scaled / s.factor + smooth * scaled
+    between = ~(wavelen < original / s.high_freq_factor) & ~(wavelen > original / s.low_freq_factor)
+    return torch.where(between, blended, scaled)
 
 
 def apply_rope(x_BHTD: torch.Tensor, cos_TD: torch.Tensor, sin_TD: torch.Tensor) -> torch.Tensor:
