@@ -136,7 +136,16 @@ def test_a_dense_moetrain_model_exports_as_the_same_class(kind, real_text_dir, t
         ("qwen3", {"use_sliding_window": True, "sliding_window": 16}, ["use_sliding_window=true"]),
         ("qwen3", {"attention_bias": True}, ["attention_bias=true"]),
         ("llama", {"mlp_bias": True}, ["mlp_bias=true"]),
-        ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0}}, ["rope_type=yarn"]),
+        (
+            "llama",
+            {"rope_parameters": {"rope_type": "longrope", "rope_theta": 5e5, "factor": 8.0}},
+            ["rope_type=longrope"],
+        ),
+        (
+            "llama",
+            {"rope_parameters": None, "rope_scaling": {"type": "yarn", "factor": 4.0, "truncate": False}},
+            ["yarn with attention_factor"],
+        ),
         ("llama", {"hidden_act": "gelu"}, ["hidden_act=gelu"]),
         ("llama", {"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}}, ["rope_type=linear"]),
         ("qwen3", {"layer_types": ["full_attention", "sliding_attention"] * 2}, ["layer_types with sliding_attention"]),
@@ -164,40 +173,60 @@ LLAMA3 = {
 pair 0 (under 32 / 4) is kept, pairs 1–2 blended, the others (over 32 / 1) turn 4 times slower."""
 
 
-@pytest.mark.parametrize(
-    "head_dim, theta, factor, low, high, original",
-    [
-        (32, 1e4, 4.0, 1.0, 4.0, 32),
-        (128, 5e5, 8.0, 1.0, 4.0, 8192),
-        (64, 5e5, 32.0, 1.0, 4.0, 8192),
-        (16, 1e4, 2, 2, 3, 16),
-    ],
-    ids=["test", "llama-3.1", "llama-3.2", "narrow-band"],
-)
-def test_llama3_frequencies_are_transformers_bit_for_bit(head_dim, theta, factor, low, high, original):
-    fields = dict(factor=factor, low_freq_factor=low, high_freq_factor=high, original_max_position_embeddings=original)
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 32,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 0.707,
+    "mscale_all_dim": 1.0,
+}
+"""YaRN at test size: pairs 0–2 of a 32-wide head ramp from kept to 4 times slower, the rest are
+slowed; cos and sin × (0.1·0.707·ln 4 + 1) / (0.1·ln 4 + 1) ≈ 0.96 (and, in DeepSeek-V3's latent
+attention, the softmax scale × (0.1·ln 4 + 1)²)."""
+SCALINGS = {
+    "llama3-test": (32, LLAMA3),
+    "llama-3.1": (128, LLAMA3 | {"rope_theta": 5e5, "factor": 8.0, "original_max_position_embeddings": 8192}),
+    "llama-3.2": (64, LLAMA3 | {"rope_theta": 5e5, "factor": 32.0, "original_max_position_embeddings": 8192}),
+    "llama3-narrow": (16, LLAMA3 | {"factor": 2.0, "low_freq_factor": 2.0, "high_freq_factor": 3.0}),
+    "yarn-test": (32, YARN),
+    "yarn-deepseek-v3": (64, YARN | {"factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0}),
+    "yarn-qwen3": (
+        128,
+        {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 32768},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(SCALINGS))
+def test_scaled_frequencies_and_attention_factor_are_transformers_bit_for_bit(name):
+    """Each scaling as import-hf reads it from the config.json of a Llama with it."""
+    head_dim, rope = SCALINGS[name]
     config = transformers.LlamaConfig(
         hidden_size=4 * head_dim,
         num_attention_heads=4,
         head_dim=head_dim,
-        max_position_embeddings=2 * original,
-        rope_parameters={"rope_type": "llama3", "rope_theta": theta, **fields},
+        max_position_embeddings=int(rope["factor"] * rope["original_max_position_embeddings"]),
+        rope_parameters=dict(rope),
     )
-    want, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
-    rope = RotaryEmbedding(head_dim, theta, RopeScalingConfig(type=RopeScaling.llama3, **fields))
-    rope.init_weights()
-    assert torch.equal(rope.inv_freq, want)
+    want, attention_factor = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, "cpu")
+    ours = RotaryEmbedding(head_dim, rope["rope_theta"], model_config_from_hf(config.to_dict(), "x").rope_scaling)
+    ours.init_weights()
+    assert torch.equal(ours.inv_freq, want) and ours.attention_factor == attention_factor
 
 
-def test_a_llama_with_llama3_rope_scaling_imports_and_exports_with_its_logits(real_text_dir, tmp_path, capsys):
-    """Positions to 120 (past 32 / 1, where every band is scaled its own way): transformers' logits
+@pytest.mark.parametrize("rope", [LLAMA3, YARN], ids=["llama3", "yarn"])
+def test_a_llama_with_scaled_rope_imports_and_exports_with_its_logits(rope, real_text_dir, tmp_path, capsys):
+    """Positions to 120 (past 32, where every band is scaled its own way): transformers' logits
     and greedy tokens (recomputed and through the KV cache); without the scaling they are far off.
     Exported back: the same class, the same RoPE fields, the same logits."""
-    hf = random_dense("llama", tmp_path / "hf", real_text_dir, rope_parameters=LLAMA3)
+    hf = random_dense("llama", tmp_path / "hf", real_text_dir, rope_parameters=dict(rope))
     cli(capsys, "import-hf", tmp_path / "hf", tmp_path / "imported")
     model, cfg, _ = load_for_inference(tmp_path / "imported")
-    scaling = {k: v for k, v in LLAMA3.items() if not k.startswith("rope_")}
-    assert cfg.model.rope_scaling.to_dict() == {"type": "llama3", **scaling}
+    scaling = cfg.model.rope_scaling.to_dict()
+    assert scaling["type"] == rope["rope_type"] and all(scaling[k] == v for k, v in rope.items() if k[:5] != "rope_")
     assert max_diff(model, hf, 120) <= 1e-5
     ids = torch.randint(0, 512, (1, 100), generator=torch.Generator().manual_seed(3))
     want = hf.generate(ids, do_sample=False, max_new_tokens=16, attention_mask=torch.ones_like(ids))
@@ -208,7 +237,7 @@ def test_a_llama_with_llama3_rope_scaling_imports_and_exports_with_its_logits(re
     ids = torch.randint(0, 512, (2, 120), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(back(ids).logits, hf(ids).logits)
-    model.rope.scaling = None  # plain RoPE
+    model.rope.scaling, model.rope.attention_factor = RopeScalingConfig(), 1.0  # plain RoPE
     model.rope.init_weights()
     assert max_diff(model, hf, 120) > 0.1
 
@@ -229,7 +258,7 @@ def test_the_4x_rope_scaling_field_imports_as_the_5x_rope_parameters():
 @pytest.mark.parametrize(
     "flag, words",
     [
-        ("--model.rope_scaling.type=yarn", ["model.rope_scaling.type", "llama3"]),
+        ("--model.rope_scaling.type=ntk", ["model.rope_scaling.type", "llama3", "yarn"]),
         ("--model.rope_scaling.factor=0", ["model.rope_scaling.factor", "positive"]),
         ("--model.rope_scaling.low_freq_factor=4", ["model.rope_scaling.high_freq_factor=4.0", "low_freq_factor=4.0"]),
     ],
@@ -240,7 +269,7 @@ def test_rope_scaling_keys_are_checked_naming_the_key(flag, words, capsys):
     assert "Traceback" not in err and all(w in err for w in words), err
 
 
-def test_remote_code_refuses_llama3_rope_scaling(real_text_dir, tmp_path, capsys):
+def test_remote_code_refuses_rope_scaling(real_text_dir, tmp_path, capsys):
     random_dense("llama", tmp_path / "hf", real_text_dir, rope_parameters=LLAMA3)
     cli(capsys, "import-hf", tmp_path / "hf", tmp_path / "imported")
     assert main(["export-hf", str(tmp_path / "imported"), str(tmp_path / "out"), "--remote-code"]) == 2

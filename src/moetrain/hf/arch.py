@@ -296,7 +296,8 @@ def _latent_attention_config(m: TransformerConfig) -> dict:
 def _rope(m: TransformerConfig, **extra: float) -> dict:
     """RoPE's fields: rope_theta and, when scaled, rope_scaling (transformers 4.x); rope_parameters (5.x)."""
     s = m.rope_scaling
-    scaling = {} if s.type == RopeScaling.none else {"rope_type": s.type.value, **{n: getattr(s, n) for n in _LLAMA3}}
+    names = ("factor", "original_max_position_embeddings", *_SCALING.get(s.type, ()))
+    scaling = {"rope_type": s.type.value, **{n: getattr(s, n) for n in names}} if s.type != RopeScaling.none else {}
     return {
         "rope_theta": m.rope_theta,
         **({"rope_scaling": scaling} if scaling else {}),
@@ -304,8 +305,12 @@ def _rope(m: TransformerConfig, **extra: float) -> dict:
     }
 
 
-_LLAMA3 = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-"""The llama3 rope scaling's fields: the same names in model.rope_scaling and in transformers."""
+_SCALING = {
+    RopeScaling.llama3: ("low_freq_factor", "high_freq_factor"),
+    RopeScaling.yarn: ("beta_fast", "beta_slow", "mscale", "mscale_all_dim"),
+}
+"""Each RoPE scaling's own fields beside factor and original_max_position_embeddings: the same names
+in model.rope_scaling and in transformers."""
 
 
 def tensor_plan(m: TransformerConfig) -> list[HfTensor]:
@@ -390,7 +395,7 @@ def remote_problems(m: TransformerConfig) -> list[str]:
     if m.rope_scaling.type != RopeScaling.none:
         return [
             f"model.rope_scaling.type={m.rope_scaling.type} (moetrain's modeling file has plain RoPE; Llama, Qwen3, "
-            "Qwen3-MoE, GLM-4-MoE and DeepSeek-V3 have llama3's scaling: export without --remote-code)"
+            "Qwen3-MoE, GLM-4-MoE and DeepSeek-V3 have llama3's and yarn's scaling: export without --remote-code)"
         ]
     if m.moe.n_groups > 1 or m.moe.routed_scale != 1:
         return [
@@ -503,8 +508,10 @@ def _model_config(hf: dict, source: str, arch: Architecture) -> TransformerConfi
         problems.append("attention_bias=true")
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={hf['hidden_act']}")
-    if rope_type not in ("default", "llama3"):
-        problems.append(f"rope_type={rope_type} (moetrain has plain RoPE and llama3's scaling)")
+    if rope_type not in ("default", "llama3", "yarn"):
+        problems.append(f"rope_type={rope_type} (moetrain has plain RoPE, llama3's and yarn's scaling)")
+    if rope_type == "yarn" and (rope.get("attention_factor") is not None or rope.get("truncate") is False):
+        problems.append("yarn with attention_factor or truncate=false (moetrain's follows mscale and truncates)")
     latent = _latent_attention(hf, heads, problems) if arch == Architecture.deepseek_v3 else None
     if arch.dense:
         dense, moe = layers, _dense_problems(hf, problems)
@@ -538,9 +545,12 @@ def _rope_scaling(rope: dict, rope_type: str, hf: dict) -> RopeScalingConfig:
     """model.rope_scaling of a config.json's RoPE fields (`rope`: its 5.x rope_parameters)."""
     if rope_type == "default":
         return RopeScalingConfig()
+    kind = RopeScaling(rope_type)
     original = rope.get("original_max_position_embeddings", hf["max_position_embeddings"])  # transformers' default
-    fields = {name: float(rope[name]) for name in _LLAMA3[:3]}
-    return RopeScalingConfig(type=RopeScaling.llama3, **fields, original_max_position_embeddings=int(original))
+    # llama3's fields are required; yarn's, absent or null, are transformers' defaults (moetrain's too)
+    fields = {n: float(rope[n]) for n in _SCALING[kind] if kind == RopeScaling.llama3 or rope.get(n) is not None}
+    factor = float(rope["factor"])
+    return RopeScalingConfig(type=kind, factor=factor, original_max_position_embeddings=int(original), **fields)
 
 
 def _moe_config(hf: dict, arch: Architecture, moe: dict) -> MoEConfig:

@@ -72,6 +72,11 @@ class RopeScaling(enum.StrEnum):
     original_max_position_embeddings / low_freq_factor turn `factor` times slower, those under
     original_max_position_embeddings / high_freq_factor as before, those between by a blend of the
     two, linear in original_max_position_embeddings / wavelength (src/moetrain/model/rope.py)."""
+    yarn = "yarn"
+    """YaRN (transformers' rope_type "yarn"; DeepSeek-V3's and Kimi-K2's): pairs that turn more than
+    beta_fast times in original_max_position_embeddings keep their frequency, those under beta_slow
+    turn `factor` times slower, those between blend the two, linear in the pair's index; cos and sin
+    are multiplied by the attention factor (0.1·ln factor + 1, or the mscale / mscale_all_dim ratio)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -80,15 +85,25 @@ class RopeScalingConfig(Config):
     beside `type` are Llama 3.1's)."""
 
     type: RopeScaling = RopeScaling.none
-    """none: plain RoPE; llama3: Llama 3.1's scaling (transformers' rope_type llama3), by the fields below."""
+    """none: plain RoPE; llama3 or yarn (transformers' rope_type of that name), by the fields below."""
     factor: float = positive(8.0)
     """How many times slower the low frequencies turn."""
-    low_freq_factor: float = positive(1.0)
-    """Wavelengths over original_max_position_embeddings / low_freq_factor are scaled by factor."""
-    high_freq_factor: float = positive(4.0)
-    """Wavelengths under original_max_position_embeddings / high_freq_factor are kept."""
     original_max_position_embeddings: int = positive(8192, at_most=2**31)
     """The context length the model was pretrained with."""
+    low_freq_factor: float = positive(1.0)
+    """llama3: wavelengths over original_max_position_embeddings / low_freq_factor are scaled by factor."""
+    high_freq_factor: float = positive(4.0)
+    """llama3: wavelengths under original_max_position_embeddings / high_freq_factor are kept."""
+    beta_fast: float = positive(32.0)
+    """yarn: pairs that turn more than this many times in original_max_position_embeddings are kept."""
+    beta_slow: float = positive(1.0)
+    """yarn: pairs that turn fewer times are scaled by factor."""
+    mscale: float = non_negative(0.0)
+    """yarn, with mscale_all_dim: the attention factor is (0.1·mscale·ln factor + 1) / (0.1·mscale_all_dim·ln
+    factor + 1). 0: unset, as transformers' null."""
+    mscale_all_dim: float = non_negative(0.0)
+    """yarn with multi-head latent attention: the softmax scale × (0.1·mscale_all_dim·ln factor + 1)², as
+    DeepSeek-V3's. 0: unset."""
 
     def validate(self) -> None:
         if self.high_freq_factor <= self.low_freq_factor:
