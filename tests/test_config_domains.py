@@ -47,12 +47,18 @@ ACCEPTED: dict[str, tuple[str, ...]] = {
     "parallel.overlap_chunks": ("0",),  # off: the plain exchange
     "model.sliding_window": ("0",),  # no window: every block global
     "model.q_lora_rank": ("0",),  # MLA's queries projected directly (no query latent)
+    "model.rope_scaling.mscale": ("0", *HUGE),  # unset, as transformers' null
+    "model.rope_scaling.mscale_all_dim": ("0", *HUGE),
     "guard.skip_spike_sigma": ("0", *HUGE),
     "train.seed": ("0", str(10**18)),
     # Huge but finite coefficients are numerically absurd, not dangerous: nothing is sized by
     # them, and a run they blow up stops on its non-finite updates (guard.max_consecutive_skips).
     "model.norm_eps": HUGE,
     "model.rope_theta": HUGE,
+    "model.rope_scaling.factor": HUGE,
+    "model.rope_scaling.high_freq_factor": HUGE,
+    "model.rope_scaling.beta_fast": HUGE,
+    "model.rope_scaling.beta_slow": HUGE,
     "model.init_std": HUGE,
     "model.init_output_std": HUGE,
     "optim.lr": HUGE,

@@ -14,9 +14,11 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from conftest import tiny_overrides  # noqa: E402
+from test_hf_dense import LLAMA3, YARN  # noqa: E402
 from test_hf_glm import cli, greedy, hf_model, max_diff, write_checkpoint  # noqa: E402
 
 from moetrain.cli import main  # noqa: E402
+from moetrain.generation import generate_ids  # noqa: E402
 from moetrain.hf.arch import refusal, unsupported_features  # noqa: E402
 from moetrain.inference import load_for_inference  # noqa: E402
 from moetrain.model.config import Gating  # noqa: E402
@@ -183,8 +185,15 @@ def random_deepseek_v3(path, real_text_dir, **fields):
 
 @pytest.mark.parametrize(
     "fields",
-    [{}, {"rope_interleave": False}, {"q_lora_rank": None}, GROUPED],
-    ids=["interleaved", "rotate-half", "no-q-latent", "grouped"],
+    [
+        {},
+        {"rope_interleave": False},
+        {"q_lora_rank": None},
+        GROUPED,
+        {"rope_parameters": LLAMA3},
+        {"rope_parameters": YARN},
+    ],
+    ids=["interleaved", "rotate-half", "no-q-latent", "grouped", "llama3-rope", "yarn-rope"],
 )
 @torch.no_grad()
 def test_a_deepseek_v3_saved_by_transformers_imports_with_its_logits(fields, real_text_dir, tmp_path, capsys):
@@ -194,9 +203,13 @@ def test_a_deepseek_v3_saved_by_transformers_imports_with_its_logits(fields, rea
     moe = cfg.model.moe
     assert cfg.model.is_mla and moe.gating == Gating.sigmoid and cfg.model.num_dense_layers == 1
     assert (moe.n_groups, moe.topk_groups, moe.routed_scale) == ((4, 2, 2.5) if fields == GROUPED else (1, 1, 1.0))
+    assert cfg.model.rope_scaling.type == fields.get("rope_parameters", {}).get("rope_type", "none")
     assert max_diff(model, hf, 512) <= 1e-5
     ids = torch.randint(0, 512, (1, 8), generator=torch.Generator().manual_seed(3))
-    assert greedy(model, ids, 8) == hf_greedy(hf, ids, 8)
+    assert greedy(model, ids, 8) == hf_greedy(hf, ids, 8) == generate_ids(model, ids[0].tolist(), 8)  # KV cache
+    if "rope_parameters" in fields:  # exported back with the same RoPE fields
+        cli(capsys, "export-hf", tmp_path / "imported", tmp_path / "back", "--dtype", "float32")
+        assert transformers.AutoConfig.from_pretrained(tmp_path / "back").rope_parameters == hf.config.rope_parameters
 
 
 def test_what_deepseek_v3_cannot_express_is_refused_naming_the_key():
@@ -233,7 +246,8 @@ def test_import_refuses_what_moetrain_cannot_reproduce(tmp_path, capsys):
         ({}, []),  # the base is importable as far as its config goes: only its weights are missing
         ({"rms_norm_eps": 1e-5}, ["rms_norm_eps=1e-05"]),
         ({"num_key_value_heads": 8}, ["num_key_value_heads=8"]),
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, ["rope_type=yarn"]),
+        ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}}, ["rope_type=dynamic"]),
+        ({"rope_parameters": YARN | {"attention_factor": 1.5}}, ["yarn with attention_factor"]),
     ):
         (tmp_path / "hf" / "config.json").write_text(json.dumps(base | change))
         assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "out")]) == 2

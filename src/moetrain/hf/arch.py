@@ -18,7 +18,15 @@ import re
 import torch
 
 from moetrain.errors import ConfigError
-from moetrain.model.config import AttentionKind, Gating, MoEConfig, Routing, TransformerConfig
+from moetrain.model.config import (
+    AttentionKind,
+    Gating,
+    MoEConfig,
+    RopeScaling,
+    RopeScalingConfig,
+    Routing,
+    TransformerConfig,
+)
 
 
 class Architecture(enum.StrEnum):
@@ -232,8 +240,7 @@ def hf_config(m: TransformerConfig, eos_id: int | None, max_positions: int, dtyp
     if arch.dense:
         return common | {
             **({"use_sliding_window": False} if arch == Architecture.qwen3 else {"mlp_bias": False}),
-            "rope_theta": m.rope_theta,  # 4.x
-            "rope_parameters": {"rope_theta": m.rope_theta, "rope_type": "default"},  # 5.x
+            **_rope(m),
         }
     common |= {
         "moe_intermediate_size": moe.expert_hidden,
@@ -249,8 +256,7 @@ def hf_config(m: TransformerConfig, eos_id: int | None, max_positions: int, dtyp
             "num_experts": moe.num_experts,
             "num_local_experts": moe.num_experts,
             "use_sliding_window": False,
-            "rope_theta": m.rope_theta,  # 4.x
-            "rope_parameters": {"rope_theta": m.rope_theta, "rope_type": "default"},  # 5.x
+            **_rope(m),
         }
     common |= {
         "first_k_dense_replace": m.num_dense_layers,
@@ -267,8 +273,7 @@ def hf_config(m: TransformerConfig, eos_id: int | None, max_positions: int, dtyp
         "use_qk_norm": m.qk_norm,
         # GLM-4-MoE rotates half of each head by default: ours rotates all of it.
         "partial_rotary_factor": 1.0,  # 4.x
-        "rope_theta": m.rope_theta,  # 4.x
-        "rope_parameters": {"rope_theta": m.rope_theta, "rope_type": "default", "partial_rotary_factor": 1.0},
+        **_rope(m, partial_rotary_factor=1.0),
     }
 
 
@@ -284,9 +289,28 @@ def _latent_attention_config(m: TransformerConfig) -> dict:
         "qk_rope_head_dim": m.qk_rope_head_dim,
         "v_head_dim": m.v_head_dim,
         "rope_interleave": False,
-        "rope_theta": m.rope_theta,  # 4.x
-        "rope_parameters": {"rope_theta": m.rope_theta, "rope_type": "default"},  # 5.x
+        **_rope(m),
     }
+
+
+def _rope(m: TransformerConfig, **extra: float) -> dict:
+    """RoPE's fields: rope_theta and, when scaled, rope_scaling (transformers 4.x); rope_parameters (5.x)."""
+    s = m.rope_scaling
+    names = ("factor", "original_max_position_embeddings", *_SCALING.get(s.type, ()))
+    scaling = {"rope_type": s.type.value, **{n: getattr(s, n) for n in names}} if s.type != RopeScaling.none else {}
+    return {
+        "rope_theta": m.rope_theta,
+        **({"rope_scaling": scaling} if scaling else {}),
+        "rope_parameters": {"rope_theta": m.rope_theta, "rope_type": "default", **extra, **scaling},
+    }
+
+
+_SCALING = {
+    RopeScaling.llama3: ("low_freq_factor", "high_freq_factor"),
+    RopeScaling.yarn: ("beta_fast", "beta_slow", "mscale", "mscale_all_dim"),
+}
+"""Each RoPE scaling's own fields beside factor and original_max_position_embeddings: the same names
+in model.rope_scaling and in transformers."""
 
 
 def tensor_plan(m: TransformerConfig) -> list[HfTensor]:
@@ -368,6 +392,11 @@ def remote_problems(m: TransformerConfig) -> list[str]:
         return [f"model.moe.routing={m.moe.routing} (a benchmark mode; only the learned router is a model)"]
     if m.is_mla:
         return [f"model.attention=mla ({MLA_REMOTE})"]
+    if m.rope_scaling.type != RopeScaling.none:
+        return [
+            f"model.rope_scaling.type={m.rope_scaling.type} (moetrain's modeling file has plain RoPE; Llama, Qwen3, "
+            "Qwen3-MoE, GLM-4-MoE and DeepSeek-V3 have llama3's and yarn's scaling: export without --remote-code)"
+        ]
     if m.moe.n_groups > 1 or m.moe.routed_scale != 1:
         return [
             f"model.moe.n_groups={m.moe.n_groups}, routed_scale={m.moe.routed_scale} (moetrain's modeling file has "
@@ -471,18 +500,18 @@ def model_config_from_hf(hf: dict, source: str) -> TransformerConfig:
 
 def _model_config(hf: dict, source: str, arch: Architecture) -> TransformerConfig:
     layers, heads = hf["num_hidden_layers"], hf["num_attention_heads"]
-    scaling = hf.get("rope_scaling") or {}  # transformers 4.x; older files name its type "type"
-    rope = hf.get("rope_parameters") or {
-        "rope_theta": hf.get("rope_theta", 10000.0),
-        "rope_type": scaling.get("rope_type", scaling.get("type", "default")),
-    }
+    # transformers 5.x: rope_parameters; 4.x: rope_theta and rope_scaling, whose type older files name "type"
+    rope = hf.get("rope_parameters") or {"rope_theta": hf.get("rope_theta", 10000.0), **(hf.get("rope_scaling") or {})}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
     problems = []
     if hf.get("attention_bias"):
         problems.append("attention_bias=true")
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={hf['hidden_act']}")
-    if rope.get("rope_type", "default") != "default":
-        problems.append(f"rope_type={rope.get('rope_type')} (only plain RoPE)")
+    if rope_type not in ("default", "llama3", "yarn"):
+        problems.append(f"rope_type={rope_type} (moetrain has plain RoPE, llama3's and yarn's scaling)")
+    if rope_type == "yarn" and (rope.get("attention_factor") is not None or rope.get("truncate") is False):
+        problems.append("yarn with attention_factor or truncate=false (moetrain's follows mscale and truncates)")
     latent = _latent_attention(hf, heads, problems) if arch == Architecture.deepseek_v3 else None
     if arch.dense:
         dense, moe = layers, _dense_problems(hf, problems)
@@ -507,8 +536,21 @@ def _model_config(hf: dict, source: str, arch: Architecture) -> TransformerConfi
         peri_norm=False,
         norm_eps=hf["rms_norm_eps"],
         rope_theta=float(rope["rope_theta"]),
+        rope_scaling=_rope_scaling(rope, rope_type, hf),
         moe=_moe_config(hf, arch, moe),
     )
+
+
+def _rope_scaling(rope: dict, rope_type: str, hf: dict) -> RopeScalingConfig:
+    """model.rope_scaling of a config.json's RoPE fields (`rope`: its 5.x rope_parameters)."""
+    if rope_type == "default":
+        return RopeScalingConfig()
+    kind = RopeScaling(rope_type)
+    original = rope.get("original_max_position_embeddings", hf["max_position_embeddings"])  # transformers' default
+    # llama3's fields are required; yarn's, absent or null, are transformers' defaults (moetrain's too)
+    fields = {n: float(rope[n]) for n in _SCALING[kind] if kind == RopeScaling.llama3 or rope.get(n) is not None}
+    factor = float(rope["factor"])
+    return RopeScalingConfig(type=kind, factor=factor, original_max_position_embeddings=int(original), **fields)
 
 
 def _moe_config(hf: dict, arch: Architecture, moe: dict) -> MoEConfig:

@@ -29,6 +29,7 @@ Which class, field by field (src/moetrain/hf/arch.py is the code; both checked a
 | qk_norm (per head, before RoPE)| must be true                    | use_qk_norm                               |
 | n_heads, n_kv_heads, head_dim  | the same names (GQA)            | the same names (GQA)                      |
 | RoPE (rotate-half, whole head) | rope_theta, rope_type default   | the same, partial_rotary_factor = 1.0     |
+| rope_scaling (llama3, yarn)    | rope_type, the same keys        | the same (--remote-code: refused)         |
 | norm_eps (every RMSNorm)       | rms_norm_eps                    | rms_norm_eps                              |
 | peri_norm                      | refused                         | refused                                   |
 | embedding_norm, pre_norm=false | refused                         | refused                                   |
@@ -41,7 +42,10 @@ A dense model (model.num_dense_layers = n_layers: no MoE block) exports as Qwen3
 qk_norm, LlamaForCausalLM without: the attention, RoPE, norm, dense MLP and head rows above, no
 MoE field (Llama: mlp_bias = false). Import reads both (what `moetrain upcycle` then turns into an
 MoE), and a tied head (tie_word_embeddings = true, of any class) as a copy of the embedding,
-which training then moves apart from it.
+which training then moves apart from it. RoPE scaling: Llama 3.1's llama3 and YaRN (DeepSeek-V3's;
+with latent attention its mscale_all_dim scales the softmax), in any class (5.x rope_parameters or
+4.x rope_scaling), as model.rope_scaling; any other rope_type, or yarn's attention_factor or
+truncate = false, is refused.
 
 Multi-head latent attention (model.attention=mla) exports as DeepseekV3ForCausalLM, whose routing,
 experts, dense blocks, norms and head are GLM-4-MoE's column above; its attention:

@@ -64,6 +64,56 @@ class Fp8(enum.StrEnum):
         return 32 if self == Fp8.mxfp8 else 16
 
 
+class RopeScaling(enum.StrEnum):
+    none = "none"
+    """Plain RoPE: pair i turns by model.rope_theta^(-2i/d) per position."""
+    llama3 = "llama3"
+    """Llama 3.1's (transformers' rope_type "llama3"): pairs of wavelength over
+    original_max_position_embeddings / low_freq_factor turn `factor` times slower, those under
+    original_max_position_embeddings / high_freq_factor as before, those between by a blend of the
+    two, linear in original_max_position_embeddings / wavelength (src/moetrain/model/rope.py)."""
+    yarn = "yarn"
+    """YaRN (transformers' rope_type "yarn"; DeepSeek-V3's and Kimi-K2's): pairs that turn more than
+    beta_fast times in original_max_position_embeddings keep their frequency, those under beta_slow
+    turn `factor` times slower, those between blend the two, linear in the pair's index; cos and sin
+    are multiplied by the attention factor (0.1·ln factor + 1, or the mscale / mscale_all_dim ratio)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class RopeScalingConfig(Config):
+    """How RoPE's frequencies are rescaled for contexts past the pretraining length (the defaults
+    beside `type` are Llama 3.1's)."""
+
+    type: RopeScaling = RopeScaling.none
+    """none: plain RoPE; llama3 or yarn (transformers' rope_type of that name), by the fields below."""
+    factor: float = positive(8.0)
+    """How many times slower the low frequencies turn."""
+    original_max_position_embeddings: int = positive(8192, at_most=2**31)
+    """The context length the model was pretrained with."""
+    low_freq_factor: float = positive(1.0)
+    """llama3: wavelengths over original_max_position_embeddings / low_freq_factor are scaled by factor."""
+    high_freq_factor: float = positive(4.0)
+    """llama3: wavelengths under original_max_position_embeddings / high_freq_factor are kept."""
+    beta_fast: float = positive(32.0)
+    """yarn: pairs that turn more than this many times in original_max_position_embeddings are kept."""
+    beta_slow: float = positive(1.0)
+    """yarn: pairs that turn fewer times are scaled by factor."""
+    mscale: float = non_negative(0.0)
+    """yarn, with mscale_all_dim: the attention factor is (0.1·mscale·ln factor + 1) / (0.1·mscale_all_dim·ln
+    factor + 1). 0: unset, as transformers' null."""
+    mscale_all_dim: float = non_negative(0.0)
+    """yarn with multi-head latent attention: the softmax scale × (0.1·mscale_all_dim·ln factor + 1)², as
+    DeepSeek-V3's. 0: unset."""
+
+    def validate(self) -> None:
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ConfigError(
+                f"model.rope_scaling.high_freq_factor={self.high_freq_factor} must be larger than "
+                f"model.rope_scaling.low_freq_factor={self.low_freq_factor} (the blended band lies between "
+                "them): raise high_freq_factor or lower low_freq_factor."
+            )
+
+
 @dataclasses.dataclass(kw_only=True)
 class MoEConfig(Config):
     num_experts: int = positive(8, at_most=2**20)
@@ -208,6 +258,7 @@ class TransformerConfig(Config):
     """Epsilon of every RMSNorm."""
     rope_theta: float = positive(500_000.0)
     """RoPE base: the rotation of pair i advances by theta^(-2i/head_dim) per position."""
+    rope_scaling: RopeScalingConfig = dataclasses.field(default_factory=RopeScalingConfig)
     init_std: float = positive(0.02)
     """Std of the (truncated) normal initialization; output projections use `init_output_std`."""
     init_output_std: float | None = positive(None)

@@ -41,7 +41,7 @@ from torch import nn
 from moetrain.model.config import TransformerConfig
 from moetrain.model.kv_cache import LatentCache
 from moetrain.model.norm import RMSNorm
-from moetrain.model.rope import apply_rope
+from moetrain.model.rope import apply_rope, softmax_factor
 from moetrain.model.sequence_layout import SequenceLayout, WholeSequence
 
 
@@ -66,6 +66,8 @@ class LatentAttention(nn.Module):
         self.wo = nn.Linear(H * V, D, bias=False)
         self.sinks = nn.Parameter(torch.zeros(H)) if cfg.attention_sinks else None
         """model.attention_sinks: one logit per head (src/moetrain/model/sinks.py)."""
+        self.q_scale = softmax_factor(cfg.rope_scaling)
+        """YaRN's factor of the softmax scale (DeepSeek-V3's mscale_all_dim), taken into the query."""
         self.sequence: SequenceLayout = WholeSequence()
         """Where the sequence's positions live (src/moetrain/model/sequence_layout.py)."""
 
@@ -82,6 +84,7 @@ class LatentAttention(nn.Module):
         B, T, _ = x_BTD.shape
         H, N, R, V, C = self.n_heads, self.nope_dim, self.rope_dim, self.v_dim, self.kv_rank
         q_BTHK = self.wq(x_BTD) if self.wq is not None else self.wq_b(self.q_norm(self.wq_a(x_BTD)))
+        q_BTHK = q_BTHK * self.q_scale if self.q_scale != 1 else q_BTHK
         q_nope_BHTN, q_rope_BHTR = q_BTHK.view(B, T, H, N + R).transpose(1, 2).split([N, R], dim=-1)
         q_rope_BHTR = apply_rope(q_rope_BHTR, cos_TR, sin_TR)
         c_BTC, k_rope_BTR = self.wkv_a(x_BTD).split([C, R], dim=-1)

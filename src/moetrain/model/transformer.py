@@ -32,7 +32,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         embed_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.embedding_norm else None
         self.embed = Embedding(cfg.vocab_size, cfg.d_model, embed_norm)
-        self.rope = RotaryEmbedding(cfg.rope_dim, cfg.rope_theta)
+        self.rope = RotaryEmbedding(cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling)
         self.runtime = ModelRuntime()  # what training tells the layers as they run, shared by them
         # A ModuleDict keyed by layer index keeps parameter names stable when a pipeline stage
         # holds only some of the blocks.
