@@ -164,14 +164,6 @@ def _domain_field(default: Any, domain: Domain, field: dict[str, Any]) -> Any:
     return dataclasses.field(default=default, metadata={"domain": domain}, **field)
 
 
-def field_domain(cls: type[Config], dotted: str) -> Domain | None:
-    """The declared domain of the leaf key `dotted` of `cls` (None: none declared)."""
-    *sections, name = dotted.split(".")
-    for section in sections:
-        cls = typing.get_type_hints(cls)[section]
-    return {f.name: f for f in dataclasses.fields(cls)}[name].metadata.get("domain")
-
-
 def _num(x: float) -> str:
     if isinstance(x, int) or float(x).is_integer():
         x = int(x)
@@ -257,12 +249,9 @@ def walk_fields(cls: type[Config], prefix: str = "") -> Iterator[FieldInfo]:
         if isinstance(tp, type) and issubclass(tp, Config):
             yield from walk_fields(tp, f"{prefix}{f.name}.")
             continue
-        if f.default is not dataclasses.MISSING:
-            default = f.default
-        elif f.default_factory is not dataclasses.MISSING:
+        default = f.default
+        if f.default_factory is not dataclasses.MISSING:
             default = f.default_factory()
-        else:
-            default = dataclasses.MISSING
         yield FieldInfo(f"{prefix}{f.name}", tp, default, docs.get(f.name, ""), f.metadata.get("domain"))
 
 
@@ -434,9 +423,8 @@ def _refuse_both(old: tuple[str, Any], new: tuple[str, Any]) -> None:
 
 def _override_value(raw: str, tp: Any) -> Any:
     """What a command-line value means for a key of annotation `tp`. A name or path (a `str`
-    key) is the text as given, whatever YAML would make of it: 'run #1', '0123', a day written
-    as year-month-day,
-    'a: b' (null or ~ unset an optional one); a list of names reads its items as text. A number
+    key) is the text as given, whatever YAML would make of it: 'run #1', '0123', a date, 'a: b'
+    (null or ~ unset an optional one); a list of names reads its items as text. A number
     is read as Python reads one ('0123' is 123, where YAML 1.1 reads octal 83; '1e3' is 1000.0).
     Anything else is YAML: true, [1, 2], null."""
     text = _text_kind(tp)
@@ -488,14 +476,10 @@ YAML_MAX_NODES = 100_000
 
 def load_yaml(path: str | Path, schema: type[Config] | None = None) -> dict[str, Any]:
     """Read a config file: a regular file of UTF-8 text holding one YAML mapping whose keys are
-    names, at every level, each key once. Anything else is a `ConfigError` naming the file and
-    the line (or the dotted key) and the fix: not a regular file, not UTF-8, a YAML syntax
-    error, empty, a top level that is not a mapping, a key that is not a name (`1:`, `null:`, a
-    list), a key given twice (both lines), a value YAML cannot build (a timestamp whose month is 13),
-    nesting too deep or too many values. With the config class `schema`, an unquoted value of a
-    name or path key is its text as written (`run_dir: 0123` is '0123', not YAML's octal 83;
-    a run_dir written as year-month-day stays text, not a date), and its earlier key names are
-    read as the new ones (`Config.renamed`)."""
+    names, at every level, each key once; anything else is a `ConfigError` naming the file, the
+    line (or the dotted key) and the fix. With the config class `schema`, an unquoted value of a
+    name or path key is its text as written (`run_dir: 0123` is '0123', not YAML's octal 83, and
+    a date stays text), and its earlier key names are read as the new ones (`Config.renamed`)."""
     path = Path(path)
     if not path.exists():
         where = "" if path.is_absolute() else f" (a relative path is read from the current directory, {Path.cwd()})"
@@ -672,13 +656,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 return _coerce(value, arg, key)
             except ConfigError as e:
                 errors.append(e)
-        raise (
-            errors[0]
-            if len(errors) == 1
-            else ConfigError(
-                f"Config key '{key}' got {_short(value)}, expected {' or '.join(_type_name(a) for a in args)}."
-            )
-        )
+        if len(errors) == 1:
+            raise errors[0]
+        raise ConfigError(f"Config key '{key}' got {_short(value)}, expected {' or '.join(map(_type_name, args))}.")
     if origin in (list, tuple):
         if isinstance(value, tuple):
             value = list(value)

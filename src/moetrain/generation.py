@@ -3,14 +3,11 @@ filtering, one token at a time, with a KV cache by default.
 
 Legend: V vocabulary.
 
-With the cache the prompt runs through the model once (prefill) and every new token after it
-runs alone, attending over the cached keys and values (src/moetrain/model/kv_cache.py), instead of
-the whole context again. `max_context` (the run's data.seq_len, from the command line and the
-Python API) bounds what a token is predicted from: the last `max_context` tokens, as in training.
-Until the context reaches it the cache serves every step; past it each step runs the last
-`max_context` tokens afresh, as without the cache (cached keys were computed with earlier
-tokens in view, so they cannot be kept when those leave the window). Greedy decoding gives the
-same tokens with and without the cache; the logits agree up to fp32 rounding.
+With the cache the prompt runs once and every new token after it alone, attending over the
+cached keys and values (src/moetrain/model/kv_cache.py). A token is predicted from the last
+`max_context` tokens (the run's data.seq_len), as in training; past that each step runs them
+afresh, as without the cache: cached keys were computed with earlier tokens in view, so they
+cannot be kept when those leave the window. Greedy decoding gives the same tokens either way.
 """
 
 from __future__ import annotations

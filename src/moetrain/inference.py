@@ -23,23 +23,31 @@ from moetrain.train.run_dir import resolve_checkpoint
 
 def load_for_inference(checkpoint: str | Path, device: str = "cpu") -> tuple[Transformer, RunConfig, object]:
     """(model in eval mode, its run config, its HF tokenizer) from a run or step-N directory."""
-    from tokenizers import Tokenizer
-
     device = _device(device)
     path = resolve_checkpoint(checkpoint)
-    config_file = path / "config.yaml"
-    if not config_file.is_file():
-        raise CheckpointError(f"Checkpoint '{path}' has no config.yaml; it was not written by moetrain train.")
-    cfg = RunConfig.from_dict(load_yaml(config_file, RunConfig))
+    cfg = checkpoint_config(path)
     model = cfg.model.build(device="meta")
     model.to_empty(device=device)
     model.init_weights()  # buffers that are not saved (RoPE tables) need their values
     load_model(path, model)
     model.eval()
-    tokenizer_file = path / "tokenizer.json"
-    if not tokenizer_file.is_file():
-        raise CheckpointError(f"Checkpoint '{path}' has no tokenizer.json to encode text with.")
-    return model, cfg, Tokenizer.from_file(str(tokenizer_file))
+    return model, cfg, checkpoint_tokenizer(path, "to encode text with")
+
+
+def checkpoint_config(path: Path) -> RunConfig:
+    """The run config of the checkpoint directory `path` (its config.yaml)."""
+    if not (path / "config.yaml").is_file():
+        raise CheckpointError(f"Checkpoint '{path}' has no config.yaml; it was not written by moetrain train.")
+    return RunConfig.from_dict(load_yaml(path / "config.yaml", RunConfig))
+
+
+def checkpoint_tokenizer(path: Path, purpose: str):
+    """The tokenizer of the checkpoint directory `path`; `purpose` says in the error what it was for."""
+    from tokenizers import Tokenizer
+
+    if not (path / "tokenizer.json").is_file():
+        raise CheckpointError(f"Checkpoint '{path}' has no tokenizer.json {purpose}.")
+    return Tokenizer.from_file(str(path / "tokenizer.json"))
 
 
 def _device(name: str) -> str:

@@ -1,19 +1,8 @@
 """Named configurations shipped with the package, and resolution of PRESET_OR_YAML + overrides.
 
-`tiny` trains on a laptop CPU in minutes. `ref-*` reproduce Olmo-core 3's reference
-shapes, `sweep-8l-*` its capacity sweep (see shared/REFERENCE.md for the published figures).
-`bench-*` are the one-GPU benchmark shapes measured side by side with Olmo-core 3.0.0
-(docs/benchmarks.md): `bench-8e`, `bench-tiny64e-l6`, `bench-small32e` are its runner's shapes
-exactly; `bench-sweep-{8,16,32,64}` scale bench-8e's layout to d_model 2048 for an expert-count
-sweep at constant active parameters. `long-small32e-64k` is a long-context stage: bench-small32e's
-model on 65,536-token sequences split over 4 GPUs each (context parallelism, dp2 · cp4 on 8 GPUs);
-`long-small32e-64k-local` the same with three of every four blocks local (a 4,096-token sliding
-window: measured 1.68× the tokens/s of full attention at 65,536 tokens on one GPU, docs/benchmarks.md).
-`dsv3-671b` is DeepSeek-V3's shape (multi-head latent attention, 256 fine-grained experts, sigmoid
-top-8 with the aux-loss-free bias, a shared expert, 3 dense blocks); `dsv3-tiny` the same
-architecture at `tiny`'s size.
-A YAML run file may start from a preset with a top-level `preset: NAME` key and override any
-section below it.
+What each preset is for: `PURPOSES` (`moetrain presets`); the figures they reproduce:
+docs/benchmarks.md and shared/REFERENCE.md. A YAML run file may start from a preset with a
+top-level `preset: NAME` key and override any section below it.
 """
 
 from __future__ import annotations
@@ -63,23 +52,7 @@ def tiny() -> RunConfig:
 
 
 def _deepseek_v3_model(
-    *,
-    vocab: int,
-    d_model: int,
-    layers: int,
-    dense: int,
-    heads: int,
-    q_rank: int,
-    kv_rank: int,
-    nope: int,
-    rope: int,
-    v: int,
-    experts: int,
-    top_k: int,
-    hidden: int,
-    groups: int,
-    kept_groups: int,
-    init_std: float,
+    *, experts: int, top_k: int, hidden: int, groups: int, kept_groups: int, init_std: float, **shape: int
 ) -> TransformerConfig:
     """DeepSeek-V3's architecture: multi-head latent attention, the first `dense` blocks dense (as
     wide as the k routed experts and the shared one together), then fine-grained routed experts
@@ -88,22 +61,13 @@ def _deepseek_v3_model(
     DeepSeek's is per sequence and moetrain's over the micro-batch), no z-loss,
     untied embeddings, RoPE θ = 10,000, every matrix at one init std; each token's experts come from
     its best `kept_groups` of `groups` expert groups (node-limited routing) and their weights are
-    × 2.5 (the routed scaling factor)."""
+    × 2.5 (the routed scaling factor). `shape`: the model's sizes (TransformerConfig's names)."""
     return TransformerConfig(
-        vocab_size=vocab,
-        d_model=d_model,
-        n_layers=layers,
-        n_heads=heads,
-        n_kv_heads=heads,  # MLA's unabsorbed form: every head its own keys and values
-        num_dense_layers=dense,
+        **shape,
+        n_kv_heads=shape["n_heads"],  # MLA's unabsorbed form: every head its own keys and values
         dense_hidden=(top_k + 1) * hidden,
         qk_norm=False,
         attention=AttentionKind.mla,
-        q_lora_rank=q_rank,
-        kv_lora_rank=kv_rank,
-        qk_nope_head_dim=nope,
-        qk_rope_head_dim=rope,
-        v_head_dim=v,
         rope_theta=10_000.0,
         init_std=init_std,
         init_output_std=init_std,
@@ -130,7 +94,8 @@ def dsv3_tiny() -> RunConfig:
     one, sigmoid routing with the aux-loss-free bias, from the best 2 of 4 groups of 4 experts."""
     cfg = tiny()
     cfg.model = _deepseek_v3_model(
-        vocab=8192, d_model=128, layers=4, dense=1, heads=4, q_rank=64, kv_rank=32, nope=32, rope=16, v=32,
+        vocab_size=8192, d_model=128, n_layers=4, num_dense_layers=1, n_heads=4, q_lora_rank=64, kv_lora_rank=32,
+        qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
         experts=16, top_k=4, hidden=64, groups=4, kept_groups=2, init_std=0.02,
     )  # fmt: skip
     return cfg
@@ -143,8 +108,9 @@ def dsv3_671b() -> RunConfig:
     128, 256 routed experts of 2048 top-8 from the best 4 of 8 groups, and one shared; its pre-training batch (15,360
     sequences of 4,096 tokens, micro-batches of 1,024) and peak learning rate 2.2e-4."""
     model = _deepseek_v3_model(
-        vocab=129_280, d_model=7168, layers=61, dense=3, heads=128, q_rank=1536, kv_rank=512, nope=128, rope=64,
-        v=128, experts=256, top_k=8, hidden=2048, groups=8, kept_groups=4, init_std=0.006,
+        vocab_size=129_280, d_model=7168, n_layers=61, num_dense_layers=3, n_heads=128, q_lora_rank=1536,
+        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        experts=256, top_k=8, hidden=2048, groups=8, kept_groups=4, init_std=0.006,
     )  # fmt: skip
     return _big_run(model, seq_len=4096, gpus=1024, global_batch=15_360, lr=2.2e-4)
 
@@ -325,16 +291,10 @@ PRESETS: dict[str, Callable[[], RunConfig]] = {
 
 PURPOSES: dict[str, str] = {
     "tiny": "CPU-sized: trains on a laptop CPU in minutes (make train); exports as Qwen3-MoE",
-    **{
-        name: f"Olmo-core 3's reference shape, batch sized for {gpus} GPUs"
-        for name, gpus in (
-            ("ref-tiny-64e", 16),
-            ("ref-small-64e", 128),
-            ("ref-medium-128e", 128),
-            ("ref-large-128e", 512),
-            ("ref-ultra-128e", 512),
-            ("ref-ultra-256e", 512),
-        )
+    **{  # one sequence per GPU and micro-batch (`_big_run`)
+        name: f"Olmo-core 3's reference shape, batch sized for {make().train.micro_batch_size} GPUs"
+        for name, make in PRESETS.items()
+        if name.startswith("ref-")
     },
     **{
         f"sweep-8l-{e}": f"Olmo-core 3's capacity sweep on 8 GPUs: {e} experts, 3.17B active"

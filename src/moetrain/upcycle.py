@@ -1,22 +1,15 @@
 """`moetrain upcycle`: a dense checkpoint as a mixture-of-experts one (sparse upcycling) whose
 first step computes the dense model's function.
 
-The target is the dense run's config with the caller's overrides (the MoE blocks:
-`model.num_dense_layers`, `model.moe.*`). Every tensor the two models share (embedding,
-attention, norms, the blocks that stay dense, the LM head, the multi-token prediction modules)
-is copied. Each new MoE block takes its dense MLP, a SwiGLU whose hidden size must be
-`model.moe.expert_hidden`:
-- every routed expert is a copy of it (gate and up stacked as `GroupedExperts` stores them), and
-  so is the shared expert where the shape has one (`model.moe.shared_hidden` = that hidden size);
-- the down projections are scaled so that the block's output is the MLP's: a token's routed
-  weights sum to 1 (`model.moe.normalize_weights`, required; × k with `restore_weight_scale` or
-  × `routed_scale`, so the experts' are ÷ that), and with a shared expert each half takes ½;
-- the router is a fresh model's (normal, `model.init_std`) and the aux-loss-free biases are 0:
-  with identical experts any routing gives the same output, and training pulls them apart.
-So the upcycled model's logits, and its first step's loss, are the dense model's up to rounding
-(tests/test_upcycle.py). The result is a weights-only checkpoint (`checkpoints/step-0`, beside
-config.yaml and the tokenizer) that `train --checkpoint.init_from=OUT_DIR` starts from, in any
-layout. It is built in one process on the CPU: both models' fp32 weights in memory.
+The target is the dense run's config with the caller's overrides of the MoE keys (`MOE_KEYS`);
+every tensor the two models share is copied. Each new MoE block takes its dense MLP: every
+routed expert (and the shared one, where the shape has one) is a copy of it, with the down
+projections scaled so that the block's output is the MLP's: a token's routed weights sum to 1
+(× k or × routed_scale, so the experts' are ÷ that), and with a shared expert each half takes ½.
+The router is a fresh model's and the aux-loss-free biases are 0: with identical experts any
+routing gives the same output, and training pulls them apart. The result is a weights-only
+checkpoint that `train --checkpoint.init_from=OUT_DIR` starts from, in any layout; it is built
+in one process on the CPU (both models' fp32 weights in memory).
 """
 
 from __future__ import annotations

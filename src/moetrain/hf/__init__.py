@@ -1,7 +1,7 @@
 """Hugging Face interoperability (`moetrain export-hf`, `moetrain import-hf`).
 
-- convert.py: checkpoint ⇄ transformers directory, and the field-by-field mapping table;
-- arch.py: what Qwen3-MoE and GLM-4-MoE represent, their config.json and tensor names;
+- convert.py: checkpoint ⇄ transformers directory;
+- arch.py: which native class represents which model, its config.json and tensor names;
 - shards.py: sharded safetensors written a tensor at a time.
 """
 

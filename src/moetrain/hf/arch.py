@@ -1,7 +1,7 @@
 """The native transformers classes moetrain models leave (and enter) as: which of our
 configurations each one represents exactly, its config.json, and its tensor names.
 
-src/moetrain/hf/convert.py's docstring holds the mapping table; this file is its code. Five classes:
+README.md, "Export details", holds the mapping table; this file is its code. Five classes:
 `Qwen3MoeForCausalLM` for softmax gating and `Glm4MoeForCausalLM` for sigmoid gating under
 grouped-query attention, `DeepseekV3ForCausalLM` for multi-head latent attention, and for a
 dense model (every block a SwiGLU MLP, what `moetrain upcycle` starts from) `Qwen3ForCausalLM`
@@ -284,13 +284,14 @@ def _latent_attention_config(m: TransformerConfig) -> dict:
         "num_key_value_heads": m.n_heads,
         "head_dim": m.qk_rope_head_dim,  # what transformers sets: its RoPE's width
         "q_lora_rank": m.q_lora_rank or None,  # None: one projection from x
-        "kv_lora_rank": m.kv_lora_rank,
-        "qk_nope_head_dim": m.qk_nope_head_dim,
-        "qk_rope_head_dim": m.qk_rope_head_dim,
-        "v_head_dim": m.v_head_dim,
+        **{name: getattr(m, name) for name in _LATENT_WIDTHS},
         "rope_interleave": False,
         **_rope(m),
     }
+
+
+_LATENT_WIDTHS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+"""DeepSeek-V3's latent attention widths beside q_lora_rank: the same names in moetrain and transformers."""
 
 
 def _rope(m: TransformerConfig, **extra: float) -> dict:
@@ -343,7 +344,8 @@ def tensor_plan(m: TransformerConfig) -> list[HfTensor]:
             )
         F = moe.expert_hidden
         # × k (or routed_scale) after the normalized weights is a constant factor of every routed
-        # expert's output: Qwen3-MoE has no routed scale, so it goes into the experts' down projections (linear)
+        # expert's output: Qwen3-MoE has no routed scale, so it goes into the experts' down projections
+        # (linear): one rounding of each product (none for a power-of-two k); import reads it back unscaled.
         fold = moe.weight_scale if not glm else 1.0
         for e in range(moe.num_experts):
             x, gate_up = f"{p}.mlp.experts.{e}", f"{b}.ffn.experts.w_gate_up_E2FD/{e}"
@@ -514,7 +516,8 @@ def _model_config(hf: dict, source: str, arch: Architecture) -> TransformerConfi
         problems.append("yarn with attention_factor or truncate=false (moetrain's follows mscale and truncates)")
     latent = _latent_attention(hf, heads, problems) if arch == Architecture.deepseek_v3 else None
     if arch.dense:
-        dense, moe = layers, _dense_problems(hf, problems)
+        dense, moe = layers, {}
+        _dense_problems(hf, problems)
     elif arch == Architecture.qwen3_moe:
         dense, moe = _qwen3_routing(hf, problems)
     else:
@@ -553,40 +556,35 @@ def _rope_scaling(rope: dict, rope_type: str, hf: dict) -> RopeScalingConfig:
     return RopeScalingConfig(type=kind, factor=factor, original_max_position_embeddings=int(original), **fields)
 
 
-def _moe_config(hf: dict, arch: Architecture, moe: dict) -> MoEConfig:
-    """The routing and experts of an MoE class (`moe`: the fields its routing function read). A
-    dense model's, which no block uses: moetrain's defaults with experts as wide as its MLP, so
-    that `moetrain upcycle` copies the MLP into them as they are."""
+def _moe_config(hf: dict, arch: Architecture, routing: dict) -> MoEConfig:
+    """The routing and experts of an MoE class (`routing`: the MoEConfig fields, and
+    n_shared_experts, its routing function read). A dense model's, which no block uses: moetrain's
+    defaults with experts as wide as its MLP, so that `moetrain upcycle` copies the MLP into them
+    as they are."""
     if arch.dense:
         return MoEConfig(expert_hidden=hf["intermediate_size"])
     return MoEConfig(
-        num_experts=moe["num_experts"],
         top_k=hf["num_experts_per_tok"],
         expert_hidden=hf["moe_intermediate_size"],
-        shared_hidden=moe["num_shared"] * hf["moe_intermediate_size"],
-        gating=Gating.softmax if arch == Architecture.qwen3_moe else Gating.sigmoid,
         normalize_weights=bool(hf.get("norm_topk_prob", arch != Architecture.qwen3_moe)),  # transformers' defaults
-        restore_weight_scale=moe["restore"],
-        routed_scale=moe["scale"],
-        n_groups=moe["groups"],
-        topk_groups=moe["kept_groups"],
         lb_loss_weight=hf.get("router_aux_loss_coef", 0.001),
+        shared_hidden=routing.pop("n_shared_experts", 0) * hf["moe_intermediate_size"],
+        **routing,
     )
 
 
-def _dense_problems(hf: dict, problems: list[str]) -> dict:
-    """A dense model's own refusals; no MoE fields."""
+def _dense_problems(hf: dict, problems: list[str]) -> None:
+    """A dense model's own refusals."""
     local = sorted(set(hf.get("layer_types") or []) - {"full_attention"})
     if hf.get("use_sliding_window") or local:
         field = "use_sliding_window=true" if hf.get("use_sliding_window") else f"layer_types with {', '.join(local)}"
         problems.append(f"{field} (sliding-window layers; moetrain imports full attention only)")
     if hf.get("mlp_bias"):
         problems.append("mlp_bias=true")
-    return {}
 
 
 def _qwen3_routing(hf: dict, problems: list[str]) -> tuple[int, dict]:
-    """Qwen3-MoE's dense blocks and experts: (dense blocks, MoE fields)."""
+    """Qwen3-MoE's dense blocks and experts: (dense blocks, MoEConfig fields)."""
     mlp_only = sorted(hf.get("mlp_only_layers") or [])
     if mlp_only != list(range(len(mlp_only))):
         problems.append(f"mlp_only_layers={mlp_only} (moetrain's dense blocks come first)")
@@ -595,19 +593,13 @@ def _qwen3_routing(hf: dict, problems: list[str]) -> tuple[int, dict]:
     if hf.get("use_sliding_window"):
         problems.append("use_sliding_window=true")
     experts = hf.get("num_experts") or hf.get("num_local_experts")
-    return len(mlp_only), {
-        "num_experts": experts,
-        "num_shared": 0,
-        "restore": False,
-        "scale": 1.0,
-        "groups": 1,
-        "kept_groups": 1,
-    }
+    # no shared expert, × k, routed scale or expert groups: MoEConfig's defaults
+    return len(mlp_only), {"num_experts": experts, "gating": Gating.softmax}
 
 
 def _sigmoid_routing(hf: dict, layers: int, dense_default: int) -> tuple[int, dict]:
     """GLM-4-MoE's and DeepSeek-V3's dense blocks and experts (`dense_default`: transformers'
-    first_k_dense_replace where config.json has none): (dense blocks, MoE fields)."""
+    first_k_dense_replace where config.json has none): (dense blocks, MoEConfig fields)."""
     top_k, scale = hf["num_experts_per_tok"], float(hf.get("routed_scaling_factor", 1.0))
     groups, kept = hf.get("n_group", 1), hf.get("topk_group", 1)
     restore = scale == float(top_k) and top_k != 1
@@ -615,11 +607,12 @@ def _sigmoid_routing(hf: dict, layers: int, dense_default: int) -> tuple[int, di
         groups = kept = 1
     return min(hf.get("first_k_dense_replace", dense_default), layers), {
         "num_experts": hf.get("n_routed_experts") or hf.get("num_local_experts"),
-        "num_shared": hf.get("n_shared_experts", 1),
-        "restore": restore,
-        "scale": 1.0 if restore else scale,
-        "groups": groups,
-        "kept_groups": kept,
+        "n_shared_experts": hf.get("n_shared_experts", 1),
+        "gating": Gating.sigmoid,
+        "restore_weight_scale": restore,
+        "routed_scale": 1.0 if restore else scale,
+        "n_groups": groups,
+        "topk_groups": kept,
     }
 
 
@@ -648,8 +641,5 @@ def _latent_attention(hf: dict, heads: int, problems: list[str]) -> dict:
         "qk_norm": False,
         "attention": AttentionKind.mla,
         "q_lora_rank": hf["q_lora_rank"] or 0,
-        "kv_lora_rank": hf["kv_lora_rank"],
-        "qk_nope_head_dim": hf["qk_nope_head_dim"],
-        "qk_rope_head_dim": hf["qk_rope_head_dim"],
-        "v_head_dim": hf["v_head_dim"],
+        **{name: hf[name] for name in _LATENT_WIDTHS},
     }

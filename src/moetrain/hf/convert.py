@@ -1,93 +1,19 @@
 """Hugging Face interoperability: `moetrain export-hf CHECKPOINT OUT_DIR` and `import-hf`.
 
-A moetrain checkpoint becomes a directory that `transformers` loads offline with a *native*
-architecture (no remote code): safetensors weights, `config.json`, `generation_config.json`,
-`tokenizer.json`, `tokenizer_config.json` and a model card (README.md). Only models that a native
-class represents exactly are exported so; any other feature is refused with a message naming it,
-the variant that exports natively, and `--remote-code`: that writes moetrain's own modeling file
-(src/moetrain/hf/modeling_moetrain.py, torch and transformers only) beside weights under moetrain's
-parameter names, with an `auto_map` in config.json, so that transformers loads any learned-routing
-model with grouped-query attention with `trust_remote_code=True` (the reference shapes included;
-tests/test_hf_remote.py checks logits, greedy text and a left-padded batch against moetrain).
-
-Which class, field by field (src/moetrain/hf/arch.py is the code; both checked against transformers
-5.x's modeling files, and tested to equal logits):
-
-| moetrain                       | Qwen3MoeForCausalLM (softmax)   | Glm4MoeForCausalLM (sigmoid)              |
-|--------------------------------|---------------------------------|-------------------------------------------|
-| moe.gating                     | softmax                         | sigmoid                                   |
-| aux-free bias (expert_bias_E)  | must be 0                       | e_score_correction_bias (kept fp32)       |
-| moe.normalize_weights          | norm_topk_prob                  | norm_topk_prob                            |
-| moe.restore_weight_scale (× k) | folded: experts' down_proj × k  | routed_scaling_factor = k                 |
-| moe.routed_scale (× s)         | folded: experts' down_proj × s  | routed_scaling_factor = s                 |
-| moe.shared_hidden              | must be 0                       | n_shared_experts = shared / expert_hidden |
-| moe.num_experts                | num_experts                     | n_routed_experts (≥ 2)                    |
-| moe.top_k, moe.expert_hidden   | num_experts_per_tok, moe_intermediate_size | the same                       |
-| moe.n_groups, moe.topk_groups  | — (sigmoid only)                | n_group, topk_group                       |
-| num_dense_layers (first d)     | mlp_only_layers = [0 … d-1]     | first_k_dense_replace = d                 |
-| dense MLP hidden               | intermediate_size               | intermediate_size                         |
-| qk_norm (per head, before RoPE)| must be true                    | use_qk_norm                               |
-| n_heads, n_kv_heads, head_dim  | the same names (GQA)            | the same names (GQA)                      |
-| RoPE (rotate-half, whole head) | rope_theta, rope_type default   | the same, partial_rotary_factor = 1.0     |
-| rope_scaling (llama3, yarn)    | rope_type, the same keys        | the same (--remote-code: refused)         |
-| norm_eps (every RMSNorm)       | rms_norm_eps                    | rms_norm_eps                              |
-| peri_norm                      | refused                         | refused                                   |
-| embedding_norm, pre_norm=false | refused                         | refused                                   |
-| attention_sinks                | refused                         | refused                                   |
-| untied LM head, no biases      | tie_word_embeddings = false     | the same, attention_bias = false          |
-| (multi-token prediction)       | —                               | num_nextn_predict_layers = 0              |
-| data.seq_len                   | max_position_embeddings (or --max-position-embeddings) | the same   |
-
-A dense model (model.num_dense_layers = n_layers: no MoE block) exports as Qwen3ForCausalLM with
-qk_norm, LlamaForCausalLM without: the attention, RoPE, norm, dense MLP and head rows above, no
-MoE field (Llama: mlp_bias = false). Import reads both (what `moetrain upcycle` then turns into an
-MoE), and a tied head (tie_word_embeddings = true, of any class) as a copy of the embedding,
-which training then moves apart from it. RoPE scaling: Llama 3.1's llama3 and YaRN (DeepSeek-V3's;
-with latent attention its mscale_all_dim scales the softmax), in any class (5.x rope_parameters or
-4.x rope_scaling), as model.rope_scaling; any other rope_type, or yarn's attention_factor or
-truncate = false, is refused.
-
-Multi-head latent attention (model.attention=mla) exports as DeepseekV3ForCausalLM, whose routing,
-experts, dense blocks, norms and head are GLM-4-MoE's column above; its attention:
-
-| moetrain (model.attention=mla)              | DeepseekV3ForCausalLM                                  |
-|---------------------------------------------|--------------------------------------------------------|
-| q_lora_rank (0: none)                       | q_lora_rank (null: one q_proj)                         |
-| kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim | the same names                        |
-| attn.wq_a, q_norm, wq_b (or wq)             | self_attn.q_a_proj, q_a_layernorm, q_b_proj (or q_proj) |
-| attn.wkv_a, kv_norm, wkv_b, wo              | kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj  |
-| n_heads                                     | num_attention_heads = num_key_value_heads              |
-| RoPE (rotate-half, the rotary part)         | rope_interleave = false (an imported true: its rotary rows reordered) |
-| norm_eps                                    | rms_norm_eps, 1e-6 only: its latent norms' fixed ε     |
-| moe.gating                                  | sigmoid only                                           |
-
-The selection rule is bit-level the same in both: top-k of (scores + bias) (for sigmoid gating
-within the best topk_group of n_group groups), weights the chosen scores, normalized, then × k
-(or × routed_scale). Qwen3-MoE has no routed scale, but × k multiplies every routed
-expert's output by the constant k, and an expert is linear in its down projection: the export
-writes each expert's `down_proj` × k (in fp32, then cast). That is exact in fp32 up to one
-rounding of each product (none when k is a power of two, as for top-4 and top-8), and in bf16 the
-scaled weight is rounded once where the model rounds the unscaled one: the exported logits agree
-within bf16 rounding, and exactly for power-of-two k. An import reads such a model back as
-restore_weight_scale=false with the scaled experts: the same function. Softmax gating with a
-shared expert or a non-zero aux-free bias — the `ref-*`, `sweep-*` and `bench-*` presets — has no
-exact native class (Qwen2-MoE and
-Qwen3-Next gate the shared expert with a sigmoid, Hunyuan-MoE normalizes QK after RoPE, Ernie-4.5-MoE
-has no QK-norm, DeepSeek-V2 uses latent attention): it is refused, naming `model.moe.gating=sigmoid`,
-with which the same architecture exports as GLM-4-MoE. Peri-norm has no exact native class (AFMoE
-gates its attention output, Kolibri1 has no dense first blocks or routed scale): refused too.
-
-Weights are written in the Hub's per-expert layout (`mlp.experts.{e}.gate_proj.weight`, …), which
-transformers 5.x converts into its fused expert tensors on load (tested with 5.24); in
-`--dtype` (bfloat16 by default) except GLM-4-MoE's router weight and selection bias, kept fp32 as
-transformers keeps them. Past `--max-shard-size` (5GB) the weights are sharded with an index.
+A moetrain checkpoint becomes a directory that `transformers` loads offline with a *native* class
+(safetensors weights, config.json, generation_config.json, the tokenizer files and a model card).
+Which class represents which model exactly, its config.json and its tensor names are
+src/moetrain/hf/arch.py; the table field by field is README.md, "Export details". Anything else
+is refused, naming the feature and the variant that exports; `--remote-code` exports any
+learned-routing model with grouped-query attention under moetrain's own names, with its modeling
+file (src/moetrain/hf/modeling_moetrain.py) and an `auto_map` (`trust_remote_code=True`).
 
 Memory: the export never builds the model. It reads the checkpoint's config and DCP index, plans
 the files, and fills each shard from the DCP files a group of entries at a time (at most
-min(shard size, 1 GiB) of fp32 entries), appending each converted tensor to the file as it
-comes: peak ≈ one read group plus one tensor, whatever the model's size. Under torchrun each
-rank writes every N-th shard (rank 0 also the index, config and tokenizer files): the directory is
-complete when every rank has finished.
+min(shard size, `READ_BYTES`)), appending each converted tensor to the file as it comes: peak ≈
+one read group plus one tensor, whatever the model's size. Under torchrun each rank writes every
+N-th shard (rank 0 also the index, config and tokenizer files): the directory is complete when
+every rank has finished.
 """
 
 from __future__ import annotations
@@ -133,11 +59,13 @@ from moetrain.hf.shards import (
     SHARD_NAME,
     ShardWriter,
     index_json,
+    nbytes,
     parse_size,
     remove_stale,
     shard_names,
     split_into_shards,
 )
+from moetrain.inference import checkpoint_config, checkpoint_tokenizer
 from moetrain.model.counting import count_params
 from moetrain.train.checkpoint_index import SafeFileSystemReader
 from moetrain.train.checkpoint_io import model_state_dict, save_weights
@@ -149,6 +77,9 @@ EXPORTED_BY = "moetrain export-hf"
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 READ_BYTES = 1 << 30
 """At most this many bytes of checkpoint entries are read at once (and at most one shard's)."""
+TRAINING_CONFIG = "moetrain_config.yaml"
+"""The run's whole config, written beside an export: what `import-hf` takes the training set-up
+(sequence length, batch, optimizer, schedule) from when the model comes back."""
 EXPORT_FILES = (
     "config.json",
     "generation_config.json",
@@ -157,11 +88,8 @@ EXPORT_FILES = (
     "README.md",
     INDEX,
     f"{REMOTE_MODULE}.py",
-    "moetrain_config.yaml",
+    TRAINING_CONFIG,
 )
-TRAINING_CONFIG = "moetrain_config.yaml"
-"""The run's whole config, written beside an export: what `import-hf` takes the training set-up
-(sequence length, batch, optimizer, schedule) from when the model comes back."""
 """What an export writes besides its safetensors files (`export_replaces`)."""
 IMPORT_FILES = ("config.yaml", "tokenizer.json")
 """What an import writes besides its checkpoint."""
@@ -215,7 +143,7 @@ def export_hf(
         )
     max_bytes = parse_size(max_shard_size)
     path = resolve_checkpoint(checkpoint)
-    cfg, tokenizer = _run_config(path), _tokenizer(path)
+    cfg, tokenizer = checkpoint_config(path), checkpoint_tokenizer(path, "to export with the model")
     positions = max_position_embeddings if max_position_embeddings is not None else cfg.data.seq_len
     if positions <= 0:
         raise ConfigError(f"--max-position-embeddings={positions} must be positive (default: data.seq_len).")
@@ -230,7 +158,7 @@ def export_hf(
     by_name = {t.name: t for t in plan}
 
     out = Path(out_dir)
-    shard_bytes = [sum(s[1].itemsize * math.prod(s[2]) for s in shard) for shard in shards]
+    shard_bytes = [sum(map(nbytes, shard)) for shard in shards]
     check_free_space(
         out,
         sum(shard_bytes[rank::world_size]),  # this rank's shards
@@ -262,7 +190,7 @@ def export_hf(
         "files": names,
         "tensors": len(plan),
         "parameters": parameters,
-        "bytes": sum(s[1].itemsize * math.prod(s[2]) for s in specs),
+        "bytes": sum(shard_bytes),
         "max_position_embeddings": positions,
     }
 
@@ -332,8 +260,8 @@ class CheckpointEntries:
         except Exception as e:  # noqa: BLE001 (any unreadable index is the same user error)
             raise CheckpointError(f"Checkpoint '{path}' has no readable DCP index (.metadata): {e}.") from None
         self.meta: dict[str, TensorStorageMetadata] = {}
-        for name, want in _entry_shapes(m).items():
-            md = stored.get(f"model.{name}")
+        for name, t in model_state_dict(m.build(device="meta")).items():  # the entries m has, no memory
+            md, want = stored.get(f"model.{name}"), tuple(t.shape)
             if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != want:
                 found = f"shape {tuple(md.size)}" if isinstance(md, TensorStorageMetadata) else "nothing"
                 raise CheckpointError(
@@ -379,29 +307,6 @@ class _CachedReader(SafeFileSystemReader):
         return self._metadata
 
 
-def _entry_shapes(m) -> dict[str, tuple[int, ...]]:
-    """The checkpoint entries this model config has, with their shapes (built on the meta device:
-    no memory)."""
-    model = m.build(device="meta")
-    return {name: tuple(t.shape) for name, t in model_state_dict(model).items()}
-
-
-def _run_config(path: Path) -> RunConfig:
-    config_file = path / "config.yaml"
-    if not config_file.is_file():
-        raise CheckpointError(f"Checkpoint '{path}' has no config.yaml; it was not written by moetrain train.")
-    return RunConfig.from_dict(load_yaml(config_file, RunConfig))
-
-
-def _tokenizer(path: Path):
-    from tokenizers import Tokenizer
-
-    tokenizer_file = path / "tokenizer.json"
-    if not tokenizer_file.is_file():
-        raise CheckpointError(f"Checkpoint '{path}' has no tokenizer.json to export with the model.")
-    return Tokenizer.from_file(str(tokenizer_file))
-
-
 def _write_config(out: Path, cfg: RunConfig, tokenizer, positions: int, dtype: str, remote: bool) -> None:
     """config.json, the export's last file, written whole or not at all (renamed from a temporary
     name): a directory with it holds every other file of the export."""
@@ -429,8 +334,7 @@ def _wait_for_shards(out: Path, names: list[str], world_size: int, timeout_s: fl
 def _write_metadata(out: Path, cfg: RunConfig, tokenizer, positions: int, dtype: str, remote: bool) -> None:
     """generation_config.json and the tokenizer files (and, with `remote`, the modeling file
     transformers runs); config.json comes last (`_write_config`)."""
-    eos_token = "<|endoftext|>" if tokenizer.token_to_id("<|endoftext|>") is not None else None
-    eos_id = tokenizer.token_to_id(eos_token) if eos_token else None
+    eos_id = tokenizer.token_to_id("<|endoftext|>")
     generation = {"bos_token_id": eos_id, "eos_token_id": eos_id, "do_sample": False}
     (out / "generation_config.json").write_text(
         json.dumps(generation | ({"use_cache": False} if remote else {}), indent=2) + "\n"
@@ -444,8 +348,8 @@ def _write_metadata(out: Path, cfg: RunConfig, tokenizer, positions: int, dtype:
         "model_max_length": positions,
         "clean_up_tokenization_spaces": False,
     }
-    if eos_token:
-        tok_cfg.update(eos_token=eos_token, bos_token=eos_token, pad_token=eos_token)
+    if eos_id is not None:
+        tok_cfg.update(eos_token="<|endoftext|>", bos_token="<|endoftext|>", pad_token="<|endoftext|>")
     (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
 
 
@@ -457,13 +361,12 @@ def _write_readme(
     active, the tokens and data it was trained on, its validation loss, the moetrain version and
     commit that exported it), how to load it, and what the export leaves out."""
     m = cfg.model
-    arch, model_type = ("MoetrainForCausalLM", "moetrain") if remote else (architecture_for(m).value, None)
-    model_type = model_type or architecture_for(m).model_type
+    arch = "MoetrainForCausalLM" if remote else architecture_for(m).value
+    model_type = "moetrain" if remote else architecture_for(m).model_type
     counts = count_params(m)
     run_dir = checkpoint.parent.parent
     step, tokens = _trained(checkpoint, cfg)
     val = _validation_loss(run_dir, step)
-    name = run_dir.name
     unset = (
         " (none chosen at export: `moetrain export-hf --license ID` sets the Hub's id)" if license_id == "other" else ""
     )
@@ -479,7 +382,7 @@ def _write_readme(
         *(["- custom_code"] if remote else []),
         "---",
         "",
-        f"# {name} ({checkpoint.name})",
+        f"# {run_dir.name} ({checkpoint.name})",
         "",
         f"A {'mixture-of-experts' if m.num_moe_layers else 'dense'} language model trained with moetrain and "
         f"exported as {arch} ({model_type}), {dtype} weights"
@@ -703,10 +606,8 @@ def _training_setup(cfg: RunConfig, hf_dir: Path, hf: dict) -> dict:
     if trained.is_file():
         run = RunConfig.from_dict(load_yaml(trained, RunConfig))
         cfg.data.seq_len = run.data.seq_len
-        cfg.train.global_batch_size, cfg.train.micro_batch_size = (
-            run.train.global_batch_size,
-            run.train.micro_batch_size,
-        )
+        cfg.train.global_batch_size = run.train.global_batch_size
+        cfg.train.micro_batch_size = run.train.micro_batch_size
         cfg.optim, cfg.schedule = run.optim, run.schedule
         source = str(trained)
     else:

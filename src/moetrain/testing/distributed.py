@@ -36,12 +36,6 @@ PRELOAD = ["torch", "moetrain.train.trainer"]
 """What the fork server imports before it forks any rank."""
 
 
-def _context():
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    return ctx
-
-
 def _worker(
     rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue, backend: str | None, env: dict
 ) -> None:
@@ -74,7 +68,8 @@ def run_distributed(
 ) -> list[Any]:
     """Results of `fn(*args)` per rank; raises with the failing rank's traceback. `backend="nccl"`
     puts rank r on GPU r; `backend=None` starts the processes without a process group."""
-    ctx = _context()
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
     queue = ctx.Queue()
     port = free_port()
     env = dict(os.environ)

@@ -138,10 +138,8 @@ class EmulatedGraph:
         return out
 
     def _poison_allocated(self) -> None:
-        """Fill what the capture allocated as unwritten memory (`_poison`): after the capture,
-        and again before each replay, since on the GPU a block the capture allocated may also
-        hold a temporary the captured step wrote earlier: what such a tensor held after one
-        replay is gone when the next one reaches it."""
+        """Fill what the capture allocated as unwritten memory (`_poison`), after the capture and
+        again before each replay (module docstring)."""
         for op in self.ops:
             if not any(r.alias_info is not None for r in op.func._schema.returns):
                 tree_map(_poison, op.out)

@@ -68,9 +68,7 @@ def _to_without_device(original):
 
 @contextlib.contextmanager
 def forbid_host_sync():
-    """Raise HostSyncError on anything that would stall the host on a device: on CPU the calls
-    are harmless, so catch them by name (Python methods) and by op (the dispatcher, which also
-    sees backward)."""
+    """Raise HostSyncError on anything that would stall the host on a device (module docstring)."""
     names = ["item", "tolist", "cpu", "cuda", "numpy", "__bool__", "__int__", "__float__", "__index__"]
     with contextlib.ExitStack() as stack:
         for name in names:
