@@ -29,8 +29,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cuda_timing import timed  # noqa: E402
 
-from moetrain.model.experts import GroupedExperts  # noqa: E402
-from moetrain.model.fp8 import Fp8Linear, fp8_linear  # noqa: E402
+from moetrain.model.experts import GroupedExperts, expert_mlp  # noqa: E402
+from moetrain.model.fp8 import Fp8Linear, fp8_expert_mlp, fp8_linear  # noqa: E402
 from moetrain.presets import PRESETS  # noqa: E402
 
 BF16 = torch.bfloat16
@@ -89,8 +89,8 @@ def _time_experts(M: int, K: int, N: int, E: int) -> tuple[float, float]:
     offsets = counts.cumsum(0).to(torch.int32).cuda()
     dy = torch.randn(M, K, device="cuda", dtype=BF16)
 
-    def run(recipe):
-        experts.fp8 = recipe
+    def run(mlp):
+        experts.mlp = mlp
 
         def step():
             x.grad = None
@@ -99,7 +99,7 @@ def _time_experts(M: int, K: int, N: int, E: int) -> tuple[float, float]:
 
         return timed(step)
 
-    return run(None), run("rowwise")
+    return run(expert_mlp), run(fp8_expert_mlp)
 
 
 def products(presets: list[str]) -> None:
@@ -120,11 +120,12 @@ def products(presets: list[str]) -> None:
 
 def _apply(model: nn.Module, variant: str) -> None:
     """FP8 on the variant's products (the package's `apply_fp8` applies "all")."""
-    for name, module in model.named_modules():
-        if isinstance(module, GroupedExperts):
-            module.fp8 = "rowwise" if variant in ("experts", "all") else None
-        elif type(module) is nn.Linear and ".blocks." in f".{name}" and variant in ("linears", "all"):
-            module.__class__ = Fp8Linear
+    for name, module in list(model.named_modules()):
+        if isinstance(module, GroupedExperts) and variant in ("experts", "all"):
+            module.mlp = fp8_expert_mlp
+        for child_name, child in list(module.named_children()):
+            if type(child) is nn.Linear and ".blocks." in f".{name}." and variant in ("linears", "all"):
+                module.register_module(child_name, Fp8Linear(child))
 
 
 def _time_model(preset: str, variant: str, steps: int) -> dict:

@@ -56,7 +56,7 @@ from torch import nn
 
 from moetrain.bench import BENCH_OVERRIDES
 from moetrain.model.config import Fp8
-from moetrain.model.experts import GroupedExperts
+from moetrain.model.experts import GroupedExperts, expert_mlp
 from moetrain.model.fp8 import Fp8Linear
 from moetrain.model.fp8_choice import Product, choose
 from moetrain.presets import resolve_config
@@ -173,7 +173,8 @@ def dry_checks(presets: list[str]) -> None:
         for select in ("all", "auto"):
             ours = cfg.model.build("meta")
             apply_fp8(ours, Fp8.rowwise, select, cfg.rows_per_micro_batch)
-            mine = {n for n, m in ours.named_modules() if isinstance(m, Fp8Linear) or getattr(m, "fp8", None)}
+            fp8 = lambda m: isinstance(m, Fp8Linear) or getattr(m, "mlp", expert_mlp) is not expert_mlp  # noqa: E731
+            mine = {n for n, m in ours.named_modules() if fp8(m)}
             theirs = set(torchao_convert(cfg.model.build("meta"), cfg.rows_per_micro_batch, select, select))
             _say(check="products", preset=preset, select=select, same=mine == theirs, kinds=_kinds(theirs))
     calls = []

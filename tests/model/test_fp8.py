@@ -11,6 +11,7 @@ from moetrain.model.fp8 import (
     E4M3_MAX,
     MX_BLOCK,
     dequantize_mxfp8,
+    fp8_expert_mlp,
     fp8_grouped_mm,
     fp8_linear,
     fp8_swiglu_grouped_mm,
@@ -140,7 +141,7 @@ def test_fp8_products_keep_only_what_backward_needs():
 
     E, D, F, M = 4, 64, 96, 80
     experts = GroupedExperts(E, D, F)
-    experts.fp8 = "rowwise"
+    experts.mlp = fp8_expert_mlp
     torch.nn.init.normal_(experts.w_gate_up_E2FD, std=0.1)
     torch.nn.init.normal_(experts.w_down_EDF, std=0.1)
     offsets = torch.tensor([20, 40, 60, 80], dtype=torch.int32)

@@ -2,8 +2,8 @@
 
 import pytest
 
-from moetrain.model.experts import GroupedExperts
-from moetrain.model.fp8 import Fp8Linear, MxFp8Linear
+from moetrain.model.experts import GroupedExperts, expert_mlp
+from moetrain.model.fp8 import Fp8Linear, MxFp8Linear, fp8_expert_mlp, mxfp8_expert_mlp
 from moetrain.model.fp8_choice import MIN_ROWS_PER_EXPERT, MIN_TFLOP, Product, block_products, choose
 from moetrain.parallel.parallelize import apply_fp8
 from moetrain.presets import resolve_config
@@ -42,7 +42,8 @@ def test_the_shipped_presets_take_fp8_where_the_probe_measured_it_pays(preset, c
 
 def _fp8_modules(model):
     linears = {type(m) for m in model.modules() if isinstance(m, Fp8Linear | MxFp8Linear)}
-    experts = {m.fp8 for m in model.modules() if isinstance(m, GroupedExperts)}
+    recipes = {expert_mlp: None, fp8_expert_mlp: "rowwise", mxfp8_expert_mlp: "mxfp8"}
+    experts = {recipes[getattr(m.mlp, "func", m.mlp)] for m in model.modules() if isinstance(m, GroupedExperts)}
     return sum(isinstance(m, Fp8Linear | MxFp8Linear) for m in model.modules()), linears, experts
 
 

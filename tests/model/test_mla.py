@@ -2,7 +2,7 @@
 float64 (causal, within documents, within a window, with and without the query latent); values
 padded for FlashAttention give the same attention; generation's cache of latents (absorbed form)
 gives the full forward's logits and greedy tokens; every parameter gets a gradient, also under
-selective recompute; the config's refusals; the FLOPs' attention term."""
+selective recompute; the config's refusals; row-wise FP8 training; the FLOPs' attention term."""
 
 import dataclasses
 
@@ -217,8 +217,44 @@ def test_the_config_refuses_what_mla_cannot_take():
     with pytest.raises(ConfigError, match=r"model.qk_rope_head_dim=5 must be even"):
         small(qk_rope_head_dim=5).validate()
     small(n_kv_heads=3, head_dim=7).validate()  # GQA's keys: not read by MLA
-    with pytest.raises(ConfigError, match=r"precision.fp8=rowwise .*\(model.attention=mla\)"):
-        resolve_config("dsv3-tiny", ["precision.fp8=rowwise"])
+    with pytest.raises(ConfigError, match=r"precision.fp8=mxfp8 .* by 32; model.kv_lora_rank \+ qk_rope_head_dim=48"):
+        resolve_config("dsv3-tiny", ["precision.fp8=mxfp8"]).validate()
+
+
+def test_mla_trains_in_rowwise_fp8_close_to_full_precision(real_text_dir, tmp_path):
+    """precision.fp8=rowwise on dsv3-tiny's MLA (CPU emulation, every product): each attention
+    linear is an `Fp8Linear` of the shape `block_products` names, whose products run (bf16 out of
+    an fp32 run), and the losses stay within FP8's error of the full-precision run's."""
+    from conftest import tiny_overrides
+
+    from moetrain.model.fp8 import Fp8Linear
+    from moetrain.model.fp8_choice import block_products
+    from moetrain.train.metrics import read_metrics
+    from moetrain.train.trainer import Trainer
+
+    def trainer(name: str, *extra: str) -> Trainer:
+        overrides = tiny_overrides(real_text_dir, tmp_path / name, "train.steps=4", *extra)
+        return Trainer(resolve_config("dsv3-tiny", overrides), quiet=True)
+
+    plain, fp8 = trainer("a"), trainer("b", "precision.fp8=rowwise", "precision.fp8_select=all")
+    linears = {
+        name: m for name, m in fp8.engine.model.named_modules() if canonical_name(name).startswith("blocks.0.attn.w")
+    }
+    assert sorted(n.rsplit(".", 1)[1] for n in linears) == ["wkv_a", "wkv_b", "wo", "wq_a", "wq_b"]
+    assert all(type(m) is Fp8Linear for m in linears.values())
+    products = block_products(fp8.cfg.model, fp8.cfg.rows_per_micro_batch)  # what the planner and start-up line count
+    attention = {name.split()[1]: (p.K, p.N) for name, p in products.items() if name.startswith("attention")}
+    assert attention == {n.rsplit(".", 1)[1]: (m.in_features, m.out_features) for n, m in linears.items()}
+    outputs = []
+    for m in linears.values():
+        m.register_forward_hook(lambda module, args, out: outputs.append(out.dtype))
+    fp8.fit()
+    plain.fit()
+    assert len(outputs) >= 5 and set(outputs) == {torch.bfloat16}  # the FP8 products' output
+    a, b = read_metrics(tmp_path / "a" / "metrics.jsonl"), read_metrics(tmp_path / "b" / "metrics.jsonl")
+    assert len(a) == len(b) == 4
+    for x, y in zip(a, b):
+        assert y["lm_loss"] == pytest.approx(x["lm_loss"], rel=0.01), (x["step"], x["lm_loss"], y["lm_loss"])
 
 
 def test_the_flops_count_query_key_heads_for_scores_and_value_heads_for_values():

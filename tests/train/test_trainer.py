@@ -234,7 +234,7 @@ def test_fp8_trains_close_to_full_precision(tiny_cfg, tmp_path, recipe):
     and the LM head; MXFP8: emulated products): the same parameters
     (names, initial values), losses within FP8's error of the fp32 run, and its checkpoint loads
     into a model without FP8."""
-    from moetrain.model.fp8 import Fp8Linear, MxFp8Linear
+    from moetrain.model.fp8 import Fp8Linear, MxFp8Linear, fp8_expert_mlp, mxfp8_expert_mlp
 
     dims = ["model.d_model=64", "model.moe.expert_hidden=32"]
     plain = Trainer(tiny_cfg(tmp_path / "a", "train.steps=4", *dims), quiet=True)
@@ -255,7 +255,8 @@ def test_fp8_trains_close_to_full_precision(tiny_cfg, tmp_path, recipe):
     assert len(linears) == 3 * 4 + 3 + head  # 3 blocks × (q, k, v, o) + the dense block's MLP (+ the head)
     assert (fp8.engine.model.lm_head.__class__ is Fp8Linear) == head
     experts = [m for m in fp8.engine.model.modules() if hasattr(m, "w_down_EDF")]
-    assert all(m.fp8 == recipe for m in experts)
+    expert_layer = fp8_expert_mlp if recipe == "rowwise" else mxfp8_expert_mlp
+    assert experts and all(getattr(m.mlp, "func", m.mlp) is expert_layer for m in experts)
     for (n, p), (m, q) in zip(plain.engine.model.named_parameters(), fp8.engine.model.named_parameters()):
         assert n == m and torch.equal(p, q)
     fp8.fit()

@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from moetrain.model.config import TransformerConfig
-from moetrain.model.fp8 import fp8_shared_input
 from moetrain.model.kv_cache import LayerCache
 from moetrain.model.norm import RMSNorm
 from moetrain.model.rope import apply_rope
@@ -48,7 +47,6 @@ class Attention(nn.Module):
         and values join it and the queries attend over all of them; `cos_TD`/`sin_TD` are then
         the new positions' and `masks` is unused."""
         B, T, _ = x_BTD.shape
-        x_BTD = fp8_shared_input(x_BTD, self.wq)
         q_BTHD = self.wq(x_BTD).view(B, T, self.n_heads, self.head_dim)
         k_BTGD = self.wk(x_BTD).view(B, T, self.n_kv_heads, self.head_dim)
         v_BTGD = self.wv(x_BTD).view(B, T, self.n_kv_heads, self.head_dim)

@@ -7,20 +7,22 @@ expert's rows end. `torch._grouped_mm` multiplies each row block by its expert's
 kernel: no Python loop over experts, no host sync, dropless. The gate and up projections are one
 fused weight, so a layer is two grouped GEMMs forward.
 
-With `runtime.expert_grads` set (`compute.defer_expert_weight_grad`; src/moetrain/model/expert_grads.py),
-the two products are autograd functions of their own whose weight gradients wait for the step's last
-backward and whose SwiGLU keeps only h for backward, as row-wise FP8's does; they run eagerly inside
-compiled blocks (their backward keeps tensors across micro-batches, which a graph cannot).
+The layer's one seam is `GroupedExperts.mlp`: `expert_mlp` unless a precision converter gives
+another. With `runtime.expert_grads` set (`compute.defer_expert_weight_grad`;
+src/moetrain/model/expert_grads.py), the two products are `GroupedMM` and `SwiGLUGroupedMM`,
+autograd functions whose weight gradients wait for the step's last backward and whose SwiGLU keeps
+only h for backward; they run eagerly inside compiled blocks (their backward keeps tensors across
+micro-batches, which a graph cannot). Row-wise FP8 runs the same two functions with its own
+`GroupedProducts` (src/moetrain/model/fp8.py).
 """
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moetrain.model.expert_grads import DeferredExpertGrads
-from moetrain.model.fp8 import fp8_grouped_mm, fp8_swiglu_grouped_mm, mxfp8_grouped_mm
 from moetrain.model.runtime import ModelRuntime
 from moetrain.model.swiglu import swiglu_backward, swiglu_forward
 
@@ -40,10 +42,9 @@ class GroupedExperts(nn.Module):
         # nn.Linear layout per expert (out, in): [gate; up] stacked on the out dim.
         self.w_gate_up_E2FD = nn.Parameter(torch.empty(num_experts, 2 * hidden, d_model))
         self.w_down_EDF = nn.Parameter(torch.empty(num_experts, d_model, hidden))
-        self.fp8: str | None = None
-        """FP8 grouped GEMMs (src/moetrain/model/fp8.py): "rowwise" or "mxfp8", set by `precision.fp8`."""
-        self.fp8_fast_accum_backward = False
-        """Row-wise FP8's input-gradient products with fast accumulation (`precision.fp8_fast_accum_backward`)."""
+        self.mlp: Callable[..., torch.Tensor] = expert_mlp
+        """The layer's products, `expert_mlp`'s arguments in, y out: `expert_mlp` in the matmul dtype
+        unless a precision converter gives another (`apply_fp8`, src/moetrain/model/fp8.py)."""
 
     def forward(
         self, x_MD: torch.Tensor, offsets_E: torch.Tensor, weights: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -53,27 +54,9 @@ class GroupedExperts(nn.Module):
         at a time: src/moetrain/parallel/overlapped_dispatcher.py); by default all of them."""
         w_gate_up, w_down = weights if weights is not None else (self.w_gate_up_E2FD, self.w_down_EDF)
         deferral = self._deferral(w_gate_up, w_down) if torch.is_grad_enabled() else (None, None)
-        autocast = torch.is_autocast_enabled(x_MD.device.type)
-        if autocast:  # autocast does not know _grouped_mm: cast the rows explicitly
+        if torch.is_autocast_enabled(x_MD.device.type):  # autocast does not know _grouped_mm: cast the rows explicitly
             x_MD = x_MD.to(torch.get_autocast_dtype(x_MD.device.type))
-        if self.fp8:
-            # Weights are quantized from their stored values (bf16 or fp32); the outputs are bf16.
-            if self.fp8 == "mxfp8":
-                h_M2F = mxfp8_grouped_mm(x_MD, w_gate_up, offsets_E)
-                gate_MF, up_MF = h_M2F.chunk(2, dim=-1)
-                return mxfp8_grouped_mm(F.silu(gate_MF) * up_MF, w_down, offsets_E)
-            # SwiGLU and the down projection as one function: only h is kept for backward.
-            fast = self.fp8_fast_accum_backward
-            h_M2F = fp8_grouped_mm(x_MD, w_gate_up, offsets_E, fast, deferral[0])
-            return fp8_swiglu_grouped_mm(h_M2F, w_down, offsets_E, fast, deferral[1])
-        if autocast:  # the CUDA fast path wants bf16 weights too
-            dtype = torch.get_autocast_dtype(x_MD.device.type)
-            w_gate_up, w_down = w_gate_up.to(dtype), w_down.to(dtype)
-        if deferral[0] is not None:
-            return deferred_expert_mlp(x_MD, w_gate_up, w_down, offsets_E, *deferral)
-        h_M2F = grouped_mm(x_MD, w_gate_up.transpose(-2, -1), offsets_E)
-        gate_MF, up_MF = h_M2F.chunk(2, dim=-1)
-        return grouped_mm(F.silu(gate_MF) * up_MF, w_down.transpose(-2, -1), offsets_E)
+        return self.mlp(x_MD, w_gate_up, w_down, offsets_E, deferral)
 
     def _deferral(self, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> tuple[Deferral | None, Deferral | None]:
         """Each weight's (deferral object, key) when its gradient is deferred, else None. A key
@@ -84,6 +67,18 @@ class GroupedExperts(nn.Module):
             (self.runtime.expert_grads, (id(self), "gate_up", w_gate_up.storage_offset())),
             (self.runtime.expert_grads, (id(self), "down", w_down.storage_offset())),
         )
+
+
+def expert_mlp(x_MD, w_gate_up, w_down, offsets_E, deferral: tuple[Deferral | None, Deferral | None]) -> torch.Tensor:
+    """The expert layer (grouped gate/up, SwiGLU, grouped down) in x's dtype, the weights' gradients
+    deferred where `deferral` names them (`GroupedExperts._deferral`)."""
+    if torch.is_autocast_enabled(x_MD.device.type):  # the CUDA fast path wants bf16 weights too
+        w_gate_up, w_down = w_gate_up.to(x_MD.dtype), w_down.to(x_MD.dtype)
+    if deferral[0] is not None:
+        return deferred_expert_mlp(x_MD, w_gate_up, w_down, offsets_E, deferral)
+    h_M2F = grouped_mm(x_MD, w_gate_up.transpose(-2, -1), offsets_E)
+    gate_MF, up_MF = h_M2F.chunk(2, dim=-1)
+    return grouped_mm(F.silu(gate_MF) * up_MF, w_down.transpose(-2, -1), offsets_E)
 
 
 def grouped_mm(a_MK: torch.Tensor, b_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
@@ -117,67 +112,82 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-def _weight_grad(dy_RN: torch.Tensor, x_RK: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-    """dW (E, N, K): expert e's rows of dyᵀ times its rows of x (autograd's own formula for a
-    grouped GEMM whose weight operand is wᵀ)."""
-    return torch._grouped_mm(dy_RN.t(), x_RK, offs=offsets_E)
+class GroupedProducts:
+    """An expert layer's grouped GEMMs, forward and backward, in the operands' dtype: what
+    `GroupedMM` and `SwiGLUGroupedMM` run. A precision converter brings its own (`Fp8Products`,
+    `MxFp8Products`: src/moetrain/model/fp8.py)."""
+
+    def forward(self, x_MK: torch.Tensor, w_ENK: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+        """Row block e of x (M, K) times w[e]ᵀ."""
+        return torch._grouped_mm(x_MK, w_ENK.transpose(-2, -1), offs=offsets_E)
+
+    def swiglu_forward(self, h_M2F: torch.Tensor, w_ENF: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+        """`forward` of a = silu(gate) · up, from h = [gate | up]."""
+        return self.forward(swiglu_forward(h_M2F), w_ENF, offsets_E)
+
+    def input_grad(self, dy_MN: torch.Tensor, w_ENK: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+        """dx: row block e of dy times w[e]."""
+        return torch._grouped_mm(dy_MN, w_ENK, offs=offsets_E)
+
+    def weight_grad(self, dy_RN: torch.Tensor, x_RK: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+        """dW (E, N, K): expert e's rows of dyᵀ times its rows of x (autograd's own formula for a
+        grouped GEMM whose weight operand is wᵀ)."""
+        return torch._grouped_mm(dy_RN.t(), x_RK, offs=offsets_E)
 
 
-def _deferred_weight_grad(ctx, dy_MN, x_MK, offsets_E) -> torch.Tensor | None:
-    """The weight's gradient through `DeferredExpertGrads.weight_grad` (None before the step's
-    last backward, and for a weight that takes none)."""
+def _weight_grad(ctx, dy_MN, x_MK, offsets_E, dtype: torch.dtype) -> torch.Tensor | None:
+    """The weight's gradient in `dtype` through `ctx.products`: None for a weight that takes none,
+    and, deferred (`ctx.deferral`), before the step's last backward (`DeferredExpertGrads.weight_grad`)."""
     if not ctx.needs_input_grad[1]:
         return None
-    deferred, key = ctx.deferral
-    return deferred.weight_grad(key, dy_MN, x_MK, offsets_E, _weight_grad)
+    if ctx.deferral is None:
+        dw = ctx.products.weight_grad(dy_MN, x_MK, offsets_E)
+    else:
+        deferred, key = ctx.deferral
+        dw = deferred.weight_grad(key, dy_MN, x_MK, offsets_E, ctx.products.weight_grad)
+    return None if dw is None else dw.to(dtype)
 
 
-class _DeferredGroupedMM(torch.autograd.Function):
-    """y (M, N): row block e of x (M, K) times w[e] (N, K)ᵀ; the weight gradient through
-    `DeferredExpertGrads.weight_grad` (None before the step's last backward)."""
+class GroupedMM(torch.autograd.Function):
+    """y (M, N): row block e of x (M, K) times w[e] (N, K)ᵀ, forward and gradients by `products`,
+    the weight gradient deferred where `deferral` (a `Deferral` or None) says."""
 
     @staticmethod
-    def forward(ctx, x_MK, w_ENK, offsets_E, deferral: Deferral):
+    def forward(ctx, x_MK, w_ENK, offsets_E, products: GroupedProducts, deferral: Deferral | None):
         ctx.save_for_backward(x_MK, w_ENK, offsets_E)
-        ctx.deferral = deferral
-        return torch._grouped_mm(x_MK, w_ENK.transpose(-2, -1), offs=offsets_E)
+        ctx.products, ctx.deferral = products, deferral
+        return products.forward(x_MK, w_ENK, offsets_E)
 
     @staticmethod
     def backward(ctx, dy_MN: torch.Tensor):
         x_MK, w_ENK, offsets_E = ctx.saved_tensors
         dy_MN = dy_MN.contiguous()
-        dx = torch._grouped_mm(dy_MN, w_ENK, offs=offsets_E) if ctx.needs_input_grad[0] else None
-        return dx, _deferred_weight_grad(ctx, dy_MN, x_MK, offsets_E), None, None
+        dx = ctx.products.input_grad(dy_MN, w_ENK, offsets_E)
+        return dx.to(x_MK.dtype), _weight_grad(ctx, dy_MN, x_MK, offsets_E, w_ENK.dtype), None, None, None
 
 
-class _DeferredSwiGLUGroupedMM(torch.autograd.Function):
+class SwiGLUGroupedMM(torch.autograd.Function):
     """y (M, N): row block e of a = silu(gate) · up times w[e] (N, F)ᵀ, from h = [gate | up]
-    (M, 2F), keeping only h (a is recomputed in backward, in the pass that gives h's gradient);
-    the weight gradient as `_DeferredGroupedMM`'s."""
+    (M, 2F), keeping only h (a is recomputed in backward, in the pass that gives h's gradient:
+    src/moetrain/model/swiglu.py); products and deferral as `GroupedMM`'s."""
 
     @staticmethod
-    def forward(ctx, h_M2F, w_ENF, offsets_E, deferral: Deferral):
+    def forward(ctx, h_M2F, w_ENF, offsets_E, products: GroupedProducts, deferral: Deferral | None):
         ctx.save_for_backward(h_M2F, w_ENF, offsets_E)
-        ctx.deferral = deferral
-        return torch._grouped_mm(swiglu_forward(h_M2F), w_ENF.transpose(-2, -1), offs=offsets_E)
+        ctx.products, ctx.deferral = products, deferral
+        return products.swiglu_forward(h_M2F, w_ENF, offsets_E)
 
     @staticmethod
     def backward(ctx, dy_MN: torch.Tensor):
         h_M2F, w_ENF, offsets_E = ctx.saved_tensors
         dy_MN = dy_MN.contiguous()
-        dh_M2F, a_MF = swiglu_backward(torch._grouped_mm(dy_MN, w_ENF, offs=offsets_E), h_M2F)
-        return dh_M2F, _deferred_weight_grad(ctx, dy_MN, a_MF, offsets_E), None, None
+        da_MF = ctx.products.input_grad(dy_MN, w_ENF, offsets_E)
+        dh_M2F, a_MF = swiglu_backward(da_MF.to(h_M2F.dtype), h_M2F)
+        return dh_M2F, _weight_grad(ctx, dy_MN, a_MF, offsets_E, w_ENF.dtype), None, None, None
 
 
 @torch.compiler.disable  # the backward keeps tensors across micro-batches: no graph can hold that
-def deferred_expert_mlp(
-    x_MD: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    offsets_E: torch.Tensor,
-    gate_up: Deferral,
-    down: Deferral,
-) -> torch.Tensor:
+def deferred_expert_mlp(x_MD, w_gate_up, w_down, offsets_E, deferral: tuple[Deferral, Deferral]) -> torch.Tensor:
     """The expert layer (grouped gate/up, SwiGLU, grouped down) with deferred weight gradients."""
-    h_M2F = _DeferredGroupedMM.apply(x_MD, w_gate_up, offsets_E, gate_up)
-    return _DeferredSwiGLUGroupedMM.apply(h_M2F, w_down, offsets_E, down)
+    h_M2F = GroupedMM.apply(x_MD, w_gate_up, offsets_E, GroupedProducts(), deferral[0])
+    return SwiGLUGroupedMM.apply(h_M2F, w_down, offsets_E, GroupedProducts(), deferral[1])

@@ -43,10 +43,15 @@ gives MXFP8's numerics (loss curves, stability) but not its speed.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
-from moetrain.model.swiglu import swiglu, swiglu_backward
+from moetrain.model.config import Fp8
+from moetrain.model.experts import GroupedExperts, GroupedMM, GroupedProducts, SwiGLUGroupedMM
+from moetrain.model.fp8_choice import Fp8Select, Product, choose
+from moetrain.model.swiglu import swiglu
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448
@@ -214,49 +219,6 @@ def _grouped_product(xq_MK, xs_M1, w_ENK, offsets_E) -> torch.Tensor:
     )
 
 
-def _grouped_input_grad(dy_MN, w_ENK, offsets_E, fast: bool) -> torch.Tensor:
-    """dx = dy · w[e] per row block: dy per token, w per expert and input feature, over N; bf16."""
-    dyq, dys = _quantize(dy_MN, -1)
-    wq, ws = _quantize(w_ENK, -2, "col")
-    return _scaled_grouped_mm(dyq, wq, dys.squeeze(-1), ws.squeeze(-2), offsets_E, fast)
-
-
-def _weight_grad(dy_MN, x_MK, offsets_E, ctx) -> torch.Tensor | None:
-    """The expert layer's weight gradient (E, N, K): a bf16 grouped GEMM (fp32 on CPU); None for a
-    weight that takes no gradient. With `ctx.deferral`, through `DeferredExpertGrads.weight_grad`
-    (None before the step's last backward)."""
-
-    def compute(dy_RN, x_RK, offsets_E):
-        dt = torch.bfloat16 if dy_RN.is_cuda else torch.float32
-        return _grouped(dy_RN.t().to(dt), x_RK.to(dt), offsets_E)
-
-    if not ctx.needs_input_grad[1]:  # a frozen weight
-        return None
-    if ctx.deferral is None:
-        return compute(dy_MN, x_MK, offsets_E)
-    deferred, key = ctx.deferral
-    return deferred.weight_grad(key, dy_MN, x_MK, offsets_E, compute)
-
-
-class _Fp8GroupedMM(torch.autograd.Function):
-    """y (M, N): row block e of x (M, K) times w[e] (N, K)ᵀ; forward and input gradient in
-    row-wise FP8, weight gradient a bf16 grouped GEMM (see the module docstring)."""
-
-    @staticmethod
-    def forward(ctx, x_MK, w_ENK, offsets_E, fast_backward: bool, deferral):
-        ctx.save_for_backward(x_MK, w_ENK, offsets_E)
-        ctx.fast_backward, ctx.deferral = fast_backward, deferral
-        return _grouped_product(*_quantize(x_MK, -1), w_ENK, offsets_E)
-
-    @staticmethod
-    def backward(ctx, dy_MN: torch.Tensor):
-        x_MK, w_ENK, offsets_E = ctx.saved_tensors
-        dy_MN = dy_MN.contiguous()
-        dx = _grouped_input_grad(dy_MN, w_ENK, offsets_E, ctx.fast_backward)
-        dw = _weight_grad(dy_MN, x_MK, offsets_E, ctx)
-        return dx.to(x_MK.dtype), None if dw is None else dw.to(w_ENK.dtype), None, None, None
-
-
 def _swiglu_quantize(h_M2F: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`_quantize(silu(gate) · up, -1)`; on CUDA one kernel that reads h and writes only q."""
     if h_M2F.is_cuda:
@@ -266,26 +228,29 @@ def _swiglu_quantize(h_M2F: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _quantize(swiglu(h_M2F), -1)
 
 
-class _Fp8SwiGLUGroupedMM(torch.autograd.Function):
-    """y (M, N): row block e of a = silu(gate) · up times w[e] (N, F)ᵀ, from h = [gate | up]
-    (M, 2F) — an expert layer's second half as one function, so that only h is kept for backward
-    (a is recomputed there, in the kernel that computes h's gradient) and a's FP8 operand comes
-    straight from h (`_swiglu_quantize`). Products as `_Fp8GroupedMM`'s."""
+class Fp8Products(GroupedProducts):
+    """The expert layer's grouped GEMMs in row-wise FP8: forward (from x, or straight from h =
+    [gate | up] for SwiGLU's: `_swiglu_quantize`) and input gradient; the weight gradient a bf16
+    grouped GEMM (fp32 on CPU). `fast_backward`: the input gradient with fast accumulation."""
 
-    @staticmethod
-    def forward(ctx, h_M2F, w_ENF, offsets_E, fast_backward: bool, deferral):
-        ctx.save_for_backward(h_M2F, w_ENF, offsets_E)
-        ctx.fast_backward, ctx.deferral = fast_backward, deferral
+    def __init__(self, fast_backward: bool = False):
+        self.fast_backward = fast_backward
+
+    def forward(self, x_MK, w_ENK, offsets_E) -> torch.Tensor:
+        return _grouped_product(*_quantize(x_MK, -1), w_ENK, offsets_E)
+
+    def swiglu_forward(self, h_M2F, w_ENF, offsets_E) -> torch.Tensor:
         return _grouped_product(*_swiglu_quantize(h_M2F), w_ENF, offsets_E)
 
-    @staticmethod
-    def backward(ctx, dy_MN: torch.Tensor):
-        h_M2F, w_ENF, offsets_E = ctx.saved_tensors
-        dy_MN = dy_MN.contiguous()
-        da = _grouped_input_grad(dy_MN, w_ENF, offsets_E, ctx.fast_backward)
-        dh_M2F, a_MF = swiglu_backward(da.to(h_M2F.dtype), h_M2F)
-        dw = _weight_grad(dy_MN, a_MF, offsets_E, ctx)
-        return dh_M2F, None if dw is None else dw.to(w_ENF.dtype), None, None, None
+    def input_grad(self, dy_MN, w_ENK, offsets_E) -> torch.Tensor:
+        """dx = dy · w[e] per row block: dy per token, w per expert and input feature, over N; bf16."""
+        dyq, dys = _quantize(dy_MN, -1)
+        wq, ws = _quantize(w_ENK, -2, "col")
+        return _scaled_grouped_mm(dyq, wq, dys.squeeze(-1), ws.squeeze(-2), offsets_E, self.fast_backward)
+
+    def weight_grad(self, dy_RN, x_RK, offsets_E) -> torch.Tensor:
+        dt = torch.bfloat16 if dy_RN.is_cuda else torch.float32
+        return _grouped(dy_RN.t().to(dt), x_RK.to(dt), offsets_E)
 
 
 @torch.compiler.disable  # see the module docstring
@@ -301,13 +266,13 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, fast_backward: bool = Fals
 def fp8_grouped_mm(x_MK, w_ENK, offsets_E, fast_backward: bool = False, deferral=None):
     """Row block e of x times w[e]ᵀ in row-wise FP8. `deferral`: (a `DeferredExpertGrads`, this
     weight's key), the weight gradient computed once per step (src/moetrain/model/expert_grads.py)."""
-    return _Fp8GroupedMM.apply(x_MK, w_ENK, offsets_E, fast_backward, deferral)
+    return GroupedMM.apply(x_MK, w_ENK, offsets_E, Fp8Products(fast_backward), deferral)
 
 
 @torch.compiler.disable  # see the module docstring
 def fp8_swiglu_grouped_mm(h_M2F, w_ENF, offsets_E, fast_backward: bool = False, deferral=None):
     """`fp8_grouped_mm(silu(gate) · up, w, offsets)` for h = [gate | up], keeping only h."""
-    return _Fp8SwiGLUGroupedMM.apply(h_M2F, w_ENF, offsets_E, fast_backward, deferral)
+    return SwiGLUGroupedMM.apply(h_M2F, w_ENF, offsets_E, Fp8Products(fast_backward), deferral)
 
 
 def _mx(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -333,22 +298,17 @@ class _MxLinear(torch.autograd.Function):
         return dx.to(x_MK.dtype), dw.to(w_NK.dtype)
 
 
-class _MxGroupedMM(torch.autograd.Function):
-    """Row block e of x times w[e]ᵀ and its input gradient from MXFP8 operands (blocks along each
-    row's reduction dim, so padding rows stay to themselves); the weight gradient in bf16."""
+class MxFp8Products(GroupedProducts):
+    """The expert layer's forward and input-gradient products from MXFP8 operands (blocks along
+    each row's reduction dim, so padding rows stay to themselves); the weight gradient in bf16."""
 
-    @staticmethod
-    def forward(ctx, x_MK: torch.Tensor, w_ENK: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x_MK, w_ENK, offsets_E)
+    def forward(self, x_MK, w_ENK, offsets_E) -> torch.Tensor:
         return _grouped(_mx(x_MK, -1), _mx(w_ENK, -1).transpose(-2, -1), offsets_E).to(torch.bfloat16)
 
-    @staticmethod
-    def backward(ctx, dy_MN: torch.Tensor):
-        x_MK, w_ENK, offsets_E = ctx.saved_tensors
-        dx = _grouped(_mx(dy_MN, -1), _mx(w_ENK, -2), offsets_E)
-        dt = torch.bfloat16 if dy_MN.is_cuda else torch.float32
-        dw = _grouped(dy_MN.t().to(dt), x_MK.to(dt), offsets_E)
-        return dx.to(x_MK.dtype), dw.to(w_ENK.dtype), None
+    def input_grad(self, dy_MN, w_ENK, offsets_E) -> torch.Tensor:
+        return _grouped(_mx(dy_MN, -1), _mx(w_ENK, -2), offsets_E)
+
+    weight_grad = Fp8Products.weight_grad
 
 
 def _grouped(a, b, offsets_E) -> torch.Tensor:
@@ -363,7 +323,7 @@ def mxfp8_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @torch.compiler.disable
 def mxfp8_grouped_mm(x_MK: torch.Tensor, w_ENK: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-    return _MxGroupedMM.apply(x_MK, w_ENK, offsets_E)
+    return GroupedMM.apply(x_MK, w_ENK, offsets_E, MxFp8Products(), None)
 
 
 def _autocast(x: torch.Tensor) -> torch.Tensor:
@@ -375,28 +335,87 @@ def _autocast(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def fp8_shared_input(x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
-    """x cast to autocast's dtype once where FP8 linears (`linear` one of them) all read it (the
-    attention's q, k and v; a SwiGLU's gate and up). Each FP8 island is a graph break: cast inside
-    each linear, the second and third casts are compiled graphs of their own, a read of fp32 x
-    each (measured ~6.5 ms a step on bench-8e). Other linears get x as it is (autocast casts it)."""
-    return _autocast(x) if isinstance(linear, Fp8Linear | MxFp8Linear) else x
-
-
 class Fp8Linear(nn.Linear):
-    """nn.Linear (no bias) whose products run in row-wise FP8. The parameter is the same
-    fp32 `weight`: checkpoints and optimizers do not see a difference."""
+    """nn.Linear (no bias) whose products run in row-wise FP8, on the `weight` Parameter of the
+    nn.Linear it replaces (`apply_fp8`): names, initialization, checkpoints and optimizers see no
+    difference. `fast_accum_backward`: the gradients' products with fast accumulation
+    (`precision.fp8_fast_accum_backward`)."""
 
-    fast_accum_backward = False
-    """The gradients' products with fast accumulation (`precision.fp8_fast_accum_backward`; set
-    per module by `apply_fp8`)."""
+    def __init__(self, linear: nn.Linear, fast_accum_backward: bool = False):
+        super().__init__(linear.in_features, linear.out_features, bias=False, device="meta")
+        self.weight, self.fast_accum_backward = linear.weight, fast_accum_backward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_linear(_autocast(x), self.weight, self.fast_accum_backward)
 
 
-class MxFp8Linear(nn.Linear):
-    """nn.Linear (no bias) with MXFP8 operands (`precision.fp8=mxfp8`); the same fp32 `weight`."""
+class MxFp8Linear(Fp8Linear):
+    """`Fp8Linear`'s replacement with MXFP8 operands instead (`precision.fp8=mxfp8`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return mxfp8_linear(_autocast(x), self.weight)
+
+
+def fp8_expert_mlp(x_MD, w_gate_up, w_down, offsets_E, deferral, fast_backward: bool = False) -> torch.Tensor:
+    """`GroupedExperts.mlp` in row-wise FP8 (src/moetrain/model/experts.py): SwiGLU and the down
+    projection as one function, so that only h is kept for backward. Weights are quantized from
+    their stored values (bf16 or fp32); the outputs are bf16."""
+    h_M2F = fp8_grouped_mm(x_MD, w_gate_up, offsets_E, fast_backward, deferral[0])
+    return fp8_swiglu_grouped_mm(h_M2F, w_down, offsets_E, fast_backward, deferral[1])
+
+
+def mxfp8_expert_mlp(x_MD, w_gate_up, w_down, offsets_E, deferral) -> torch.Tensor:
+    """`GroupedExperts.mlp` with MXFP8 operands (no deferred weight gradients: the config refuses them)."""
+    return mxfp8_grouped_mm(swiglu(mxfp8_grouped_mm(x_MD, w_gate_up, offsets_E)), w_down, offsets_E)
+
+
+def _autocast_input(module: nn.Module, args: tuple) -> tuple:
+    """A module's input cast to autocast's dtype once where its FP8 linears read it (the
+    attention's q, k and v; a SwiGLU's gate and up): a forward pre-hook. Each FP8 island is a graph
+    break: cast inside each linear, the second and third casts are compiled graphs of their own, a
+    read of the fp32 input each (measured ~6.5 ms a step on bench-8e)."""
+    return (_autocast(args[0]), *args[1:])
+
+
+def apply_fp8(
+    model: nn.Module,
+    recipe: Fp8 = Fp8.rowwise,
+    select: Fp8Select = Fp8Select.all,
+    rows: int = 0,
+    lm_head: bool = False,
+    fast_backward: bool = False,
+) -> None:
+    """Convert a model (`Transformer`) to FP8 (`recipe`: rowwise or mxfp8) from outside: the expert
+    grouped GEMMs and the linear layers inside the blocks except the router (a tiny product whose
+    fp32 logits decide routing), all of them (`select` all, and always for mxfp8, whose products are
+    emulated), or those whose shape at `rows` tokens per micro-batch repays it (`select` auto:
+    src/moetrain/model/fp8_choice.py). A chosen `nn.Linear` is replaced by an `Fp8Linear` /
+    `MxFp8Linear` holding its Parameter, and the module that holds it casts its input once for them
+    all (`_autocast_input`); chosen experts get the FP8 expert layer as their `mlp`. Every GEMM dim
+    must be a multiple of `recipe.align` (`RunConfig.validate` checks it from the config).
+    `lm_head` (row-wise only): the LM head becomes an `Fp8Linear` too, which the chunked loss runs
+    in FP8 (src/moetrain/model/loss.py). `fast_backward` (row-wise only): the backward products
+    of every FP8 module with Hopper's fast accumulation, as forward's."""
+    recipe = Fp8(recipe)
+    select = Fp8Select.all if recipe == Fp8.mxfp8 else Fp8Select(select)
+    linear_class = MxFp8Linear if recipe == Fp8.mxfp8 else Fp8Linear
+    experts_mlp = mxfp8_expert_mlp if recipe == Fp8.mxfp8 else partial(fp8_expert_mlp, fast_backward=fast_backward)
+    assignments = rows * model.cfg.moe.top_k
+    for name, module in list(model.named_modules()):
+        if isinstance(module, GroupedExperts):
+            assert module.d_model % recipe.align == 0 and module.hidden % recipe.align == 0, name
+            if choose(Product("experts", assignments, module.d_model, module.hidden, module.num_experts), select):
+                module.mlp = experts_mlp
+        chosen = [
+            (child_name, child)
+            for child_name, child in module.named_children()
+            if type(child) is nn.Linear and ".blocks." in f".{name}.{child_name}"
+            and choose(Product("linear", rows, child.in_features, child.out_features), select)
+        ]  # fmt: skip
+        for child_name, child in chosen:
+            assert child.in_features % recipe.align == 0 and child.out_features % recipe.align == 0, name
+            module.register_module(child_name, linear_class(child, fast_backward))
+        if chosen:
+            module.register_forward_pre_hook(_autocast_input)
+    if lm_head and recipe == Fp8.rowwise and model.lm_head is not None:
+        model.lm_head = Fp8Linear(model.lm_head, fast_backward)

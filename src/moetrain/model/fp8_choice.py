@@ -85,10 +85,16 @@ def block_products(cfg, rows: int) -> dict[str, Product]:
     micro-batch on a rank (experts: their mean rows over all experts, as balanced routing and any
     expert-parallel layout give each)."""
     D, hd, moe = cfg.d_model, cfg.resolved_head_dim, cfg.moe
-    out = {
-        "attention q/o": Product("linear", rows, D, cfg.n_heads * hd),
-        "attention k/v": Product("linear", rows, D, cfg.n_kv_heads * hd),
-    }
+    if cfg.is_mla:  # each linear of src/moetrain/model/mla.py: (input, output) features
+        H, Q, C, R, V = cfg.n_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.v_head_dim
+        shapes = {"wq_a": (D, Q), "wq_b": (Q, H * cfg.qk_head_dim)} if Q else {"wq": (D, H * cfg.qk_head_dim)}
+        shapes |= {"wkv_a": (D, C + R), "wkv_b": (C, H * (cfg.qk_nope_head_dim + V)), "wo": (H * V, D)}
+        out = {f"attention {name}": Product("linear", rows, *kn) for name, kn in shapes.items()}
+    else:
+        out = {
+            "attention q/o": Product("linear", rows, D, cfg.n_heads * hd),
+            "attention k/v": Product("linear", rows, D, cfg.n_kv_heads * hd),
+        }
     if cfg.num_dense_layers:
         out["dense MLP"] = Product("linear", rows, D, cfg.resolved_dense_hidden)
     if cfg.num_dense_layers < cfg.n_layers:
@@ -145,7 +151,7 @@ def fp8_flops_per_token(cfg, rows: int, select: Fp8Select | str, head: bool = Fa
     }
     chosen = every = 0.0
     for name, product in block_products(cfg, rows).items():
-        flops = per_model[name] * product.tflop * 1e12 / rows
+        flops = per_model.get(name, cfg.n_layers) * product.tflop * 1e12 / rows  # MLA's linears: one a block
         every += flops
         chosen += flops if choose(product, select) else 0.0
     every += 6 * cfg.d_model * cfg.vocab_size

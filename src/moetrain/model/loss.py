@@ -185,7 +185,7 @@ def lm_loss(head: nn.Linear, h_BTD: torch.Tensor, targets_BT: torch.Tensor, chun
     """The LM loss of final hidden states (after the last norm) through `head`: chunked when
     `chunk_tokens` > 0, else the plain `cross_entropy(head(h).float())`."""
     if chunk_tokens > 0:
-        fp8 = isinstance(head, Fp8Linear)  # precision.fp8_lm_head
+        fp8 = type(head) is Fp8Linear  # precision.fp8_lm_head
         h_ND, targets_N = h_BTD.flatten(0, 1), targets_BT.flatten()
         fast = fp8 and head.fast_accum_backward
         return linear_cross_entropy(h_ND, head.weight, targets_N, chunk_tokens, fp8, fast)

@@ -4,8 +4,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetrain.model.fp8 import fp8_shared_input
-
 
 class SwiGLU(nn.Module):
     def __init__(self, d_model: int, hidden: int):
@@ -15,5 +13,4 @@ class SwiGLU(nn.Module):
         self.w_down = nn.Linear(hidden, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = fp8_shared_input(x, self.w_gate)
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))

@@ -8,8 +8,8 @@
     1. expert parallel: each MoE layer keeps its rank's experts and gets an all-to-all dispatcher
        (`parallel.dispatcher`: nosync, fixed buffers, or alltoall, exact splits)
        (or, with ep = 1 and dp > 1, a dispatcher that only sums routing counts over dp)
-    1b. FP8 (`precision.fp8=rowwise|mxfp8`): the experts' grouped GEMMs and the attention / shared-expert /
-        dense-MLP linears switch to row-wise FP8 products (same parameters)
+    1b. FP8 (`precision.fp8=rowwise|mxfp8`): the converter `apply_fp8` (src/moetrain/model/fp8.py) gives
+        the experts FP8 grouped GEMMs and replaces the chosen block linears with FP8 ones (same parameters)
     2. activation recompute (per block, every `compute.recompute_every`-th; full or selective)
     3. torch.compile (per block)
     4. data parallel:
@@ -29,15 +29,13 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from moetrain.model.config import Fp8
-from moetrain.model.experts import GroupedExperts
-from moetrain.model.fp8 import Fp8Linear, MxFp8Linear
-from moetrain.model.fp8_choice import Fp8Select, Product, choose
-from moetrain.model.transformer import Transformer, canonical_name
+from moetrain.model.fp8 import apply_fp8
+from moetrain.model.fp8_choice import Fp8Select
+from moetrain.model.transformer import Transformer
 from moetrain.parallel.config import ParallelConfig, Recompute, Stack
 from moetrain.parallel.context_parallel import ContextShard
 from moetrain.parallel.dims import ParallelState
@@ -84,47 +82,6 @@ def parallelize(
     if parallel.stack == Stack.fsdp:
         apply_fsdp(model, state, param_dtype, grad_dtype)
     return model
-
-
-def apply_fp8(
-    model: Transformer,
-    recipe: Fp8 = Fp8.rowwise,
-    select: Fp8Select = Fp8Select.all,
-    rows: int = 0,
-    lm_head: bool = False,
-    fast_backward: bool = False,
-) -> None:
-    """FP8 (`recipe`: rowwise or mxfp8) for the expert grouped GEMMs and the linear layers inside
-    the blocks except the router (a tiny product whose fp32 logits decide routing): all of them
-    (`select` all, and always for mxfp8, whose products are emulated), or those whose shape at
-    `rows` tokens per micro-batch repays it (`select` auto: src/moetrain/model/fp8_choice.py). Linear
-    layers become `Fp8Linear` / `MxFp8Linear` in place (the class changes, the fp32 parameter
-    stays), so names, initialization and checkpoints are unchanged. Every GEMM dim must be a
-    multiple of `recipe.align` (`RunConfig.validate` checks it from the config). `lm_head`
-    (row-wise only): the LM head becomes an `Fp8Linear` too, which the chunked loss runs in FP8
-    (src/moetrain/model/loss.py). `fast_backward` (row-wise only): the backward products of every
-    FP8 module with Hopper's fast accumulation, as forward's (src/moetrain/model/fp8.py)."""
-    recipe = Fp8(recipe)
-    select = Fp8Select.all if recipe == Fp8.mxfp8 else Fp8Select(select)
-    linear_class = MxFp8Linear if recipe == Fp8.mxfp8 else Fp8Linear
-    top_k = model.cfg.moe.top_k
-    for name, module in model.named_modules():
-        if isinstance(module, GroupedExperts):
-            assert module.d_model % recipe.align == 0 and module.hidden % recipe.align == 0, canonical_name(name)
-            product = Product("experts", rows * top_k, module.d_model, module.hidden, module.num_experts)
-            if choose(product, select):
-                module.fp8 = recipe.value
-                module.fp8_fast_accum_backward = fast_backward
-        elif isinstance(module, nn.Linear) and ".blocks." in f".{name}" and type(module) is nn.Linear:
-            assert module.in_features % recipe.align == 0 and module.out_features % recipe.align == 0, canonical_name(
-                name
-            )
-            if choose(Product("linear", rows, module.in_features, module.out_features), select):
-                module.__class__ = linear_class
-                module.fast_accum_backward = fast_backward
-    if lm_head and recipe == Fp8.rowwise and model.lm_head is not None:
-        model.lm_head.__class__ = Fp8Linear
-        model.lm_head.fast_accum_backward = fast_backward
 
 
 def apply_recompute(model: Transformer, selective: bool = False, every: int = 1) -> None:

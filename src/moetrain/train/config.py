@@ -577,11 +577,6 @@ def _check_fp8(pc: PrecisionConfig, compute: ComputeConfig, m: TransformerConfig
             "compute.defer_expert_weight_grad=true works with bf16 and row-wise FP8 experts, but "
             "precision.fp8=mxfp8: set precision.fp8=rowwise or none, or compute.defer_expert_weight_grad=false."
         )
-    if pc.fp8 != Fp8.none and m.is_mla:
-        raise ConfigError(
-            f"precision.fp8={pc.fp8} does not take multi-head latent attention's products yet "
-            "(model.attention=mla): use precision.fp8=none, or model.attention=gqa."
-        )
     if pc.fp8 != Fp8.none:
         for key, dim in _gemm_dims(m, lm_head=pc.fp8_lm_head is True):
             if dim % pc.fp8.align:
@@ -595,12 +590,19 @@ def _gemm_dims(m: TransformerConfig, lm_head: bool = False) -> list[tuple[str, i
     """The config fields that set a dimension of a matrix product inside the blocks (what FP8
     quantizes: attention, dense MLP, shared and routed experts; not the router), and the LM
     head's vocabulary with `lm_head`."""
-    hd = m.resolved_head_dim
-    dims = [
-        ("model.d_model", m.d_model),
-        ("model.n_heads × head_dim", m.n_heads * hd),
-        ("model.n_kv_heads × head_dim", m.n_kv_heads * hd),
-    ]
+    hd, H, R, V = m.resolved_head_dim, m.n_heads, m.qk_rope_head_dim, m.v_head_dim
+    dims = [("model.d_model", m.d_model)]
+    if m.is_mla:  # the linears of src/moetrain/model/mla.py
+        dims += [("model.q_lora_rank", m.q_lora_rank)] if m.q_lora_rank else []
+        dims += [
+            ("model.n_heads × (qk_nope_head_dim + qk_rope_head_dim)", H * m.qk_head_dim),
+            ("model.kv_lora_rank + qk_rope_head_dim", m.kv_lora_rank + R),
+            ("model.kv_lora_rank", m.kv_lora_rank),
+            ("model.n_heads × (qk_nope_head_dim + v_head_dim)", H * (m.qk_nope_head_dim + V)),
+            ("model.n_heads × v_head_dim", H * V),
+        ]
+    else:
+        dims += [("model.n_heads × head_dim", H * hd), ("model.n_kv_heads × head_dim", m.n_kv_heads * hd)]
     if m.num_moe_layers > 0:
         dims.append(("model.moe.expert_hidden", m.moe.expert_hidden))
         if m.moe.shared_hidden > 0:
