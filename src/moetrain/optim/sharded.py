@@ -6,47 +6,32 @@ group (dp for dense parameters, edp for expert parameters), S = N / G elements o
 shard of the bucket.
 
 One optimizer step:
- 1. backward: gradients accumulate into flat fp32 buckets, as in `GradReducer`; during the last
-    micro-batch's backward, each finished bucket is reduce-scattered over its group (async,
-    overlapped with the rest of the backward), so this rank receives the summed gradient of its
-    shard only;
- 2. `reduction.finish()`: wait for the reduce-scatters; the losses were scaled by `loss_scale` =
-    1/dp, so the summed shards are the means over the global batch (as with `GradReducer`);
- 3. `clip_grad_norm()`: the global norm from the shards (one all-reduce), then scale the shards
+ 1. backward: gradients accumulate into flat buckets, as in `GradReducer`; during the last
+    micro-batch's backward each finished bucket is reduce-scattered over its group (async), so
+    this rank receives the summed gradient of its shard only (the means: `loss_scale` = 1/dp);
+ 2. `clip_grad_norm()`: the global norm from the shards (one all-reduce), then scale the shards
     (or hand the factor to the update);
- 4. `step()`: the update rule (AdamW, or Lion: src/moetrain/optim/rule.py) on this rank's shards —
-    fp32 master weights and the rule's state exist for the shard only — then all-gather the updated shards
-    into the flat parameter buffers. Every parameter is a view into its bucket's buffer, so the
-    all-gather writes the parameters in place and every rank holds the full (replicated)
-    parameters again.
+ 3. `step()`: the update rule on this rank's shards — fp32 master weights and the rule's state
+    exist for the shard only — then all-gather the updated shards into the flat parameter
+    buffers, of which every parameter is a view: every rank holds the full parameters again.
 
-Memory: the optimizer state (AdamW: 12 bytes per element, master + two moments) is 1/dp of the dense
-parameters' and 1/edp of the local experts'. The local experts are 1/ep of all experts, so a rank
-holds 1/dp of the single-device optimizer state (plus at most G - 1 padding elements per bucket).
-What stays full size: the gradient buckets (they accumulate over micro-batches; a full ZeRO-2
-would reduce-scatter every micro-batch and keep only the shard) and the parameters (sharding
-those as well is ZeRO-3 / FSDP).
-
-With optim.grad_dtype=bf16 the buckets and shards are bf16 (half the gradient bytes): each
-micro-batch's gradient is added into the bucket in fp32 and rounded once by a hook
-(src/moetrain/optim/grad_store.py), the reduce-scatter sums in bf16 (with dp = 2 one rounded sum,
-round(a + b), as `GradReducer`'s all-reduce gives the replicated optimizer), the norm is computed
-in fp32 and the clipping factor multiplies the gradient inside the update, in fp32, as the
-replicated optimizer's does: with clipping off the two step bit for bit alike.
-
+Memory: the optimizer state is 1/dp of the dense parameters' and 1/edp of the local experts' (a
+rank holds 1/dp of the single-device state, plus at most G − 1 padding elements per bucket). The
+gradient buckets stay full size (they accumulate over micro-batches), and so do the parameters.
 After `finish()` the reduced gradient lives only in the shards: `p.grad` still holds this rank's
-local, unreduced sum (the bucket is the reduce-scatter's input), until `zero_grad()`.
+local, unreduced sum until `zero_grad()`.
+
+With optim.grad_dtype=bf16 the buckets and shards are bf16, the reduce-scatter sums in bf16 and
+the clipping factor multiplies the gradient inside the update, in fp32, as the replicated
+optimizer's does: with clipping off the two step bit for bit alike.
 
 With optim.name=muon the blocks' matrices are bucketed apart (`muon` buckets) and step by `Muon`
-(src/moetrain/optim/muon.py) over the pieces of them this rank's shards hold (`_muon_parts`): the
-momentum of the shard only (in `state_S`), the update's direction U of each such bucket
-all-gathered (in the iteration's dtype, bf16 on CUDA), Newton–Schulz on whole matrices shared out
-over the bucket's group, the master shard updated; the parameters are all-gathered as for AdamW.
+(src/moetrain/optim/muon.py) over the pieces of them this rank's shards hold (`_muon_parts`), the
+direction of each such bucket all-gathered (`_whole_directions`).
 
 Checkpoints: each rank saves and loads only its shards (`checkpoint_tensors`,
-`checkpoint_masters`): a parameter's piece [a, b) of a bucket shard is a `FlatShard` of its
-entry, which DCP stores as the few rectangular blocks that flat range is made of; no moment and
-no master is ever gathered.
+`checkpoint_masters`), a parameter's piece of a bucket shard a `FlatShard` of its entry: no
+moment and no master is ever gathered.
 """
 
 from __future__ import annotations

@@ -3,15 +3,10 @@
 Legend: N tokens on this rank, K top-k, M = N·K assignments, D model dim, E experts in all,
 L = E / ep experts on this rank, R = ep ranks of the expert-parallel group.
 
-Every dispatcher here implements `TokenDispatcher` (src/moetrain/model/token_dispatcher.py, the
-interface): the MoE layer asks for its expert step (dispatch → experts → combine) and never
-communicates itself.
-- `DataParallelDispatcher`: ep = 1, dp > 1; every rank holds every expert, only the routing
-  counts are summed over dp;
-- `ExpertParallelDispatcher`: the base of the dispatchers that split experts over ep ranks;
-- `AllToAllDispatcher`: exact split sizes read on the host (`parallel.dispatcher=alltoall`);
-- `NoSyncDispatcher` (nosync_dispatcher.py) and `OverlappedDispatcher` (overlapped_dispatcher.py)
-  build on the base here.
+Every dispatcher implements `TokenDispatcher` (src/moetrain/model/token_dispatcher.py): the MoE
+layer asks for its expert step (dispatch → experts → combine) and never communicates itself.
+`ExpertParallelDispatcher` is the base of those that split experts over ep ranks (this module's
+`AllToAllDispatcher`, nosync_dispatcher.py, overlapped_dispatcher.py).
 """
 
 from __future__ import annotations
