@@ -23,12 +23,9 @@ DEFAULT_CAPACITY_FACTOR: float | None = 1.25
 of 0.25, the capacity factor of Olmo-core's reference MoE runs), whatever ep, with counted drops
 beyond it; None is the padded mode (dropless whatever the routing, ep × the exact exchange)."""
 DEFAULT_CAPACITY_MIN_ROWS = 1024
-"""parallel.capacity_min_rows where every row does not fit (auto): each rank's experts get
-at least 1024 rows per MoE layer (R·C ≥ 1024). Few tokens route unevenly: a rank's balanced load
-of M assignments fluctuates by about √M under random routing (the 0.25 slack covers 4√M only
-from M = 256 on), and a young model's learned routing skews further (up to 1.4 × the mean on the
-numerics fingerprint's 2-rank runs, M = 512). So below M ≈ 820 (1.25 M < 1024) the floor gives
-room, and every row where 1024 / R ≥ M."""
+"""parallel.capacity_min_rows where every row does not fit (auto): each rank's experts get at
+least 1024 rows per MoE layer (R·C ≥ 1024), room for the uneven routing of few tokens
+(docs/architecture.md, "Dispatcher memory")."""
 EVERY_ROW = 2**40
 """parallel.capacity_min_rows as "every row": C = M, the padded mode's layout and numerics
 (dropless whatever the routing) with capacity_factor kept for what a chunked exchange needs."""
@@ -38,9 +35,7 @@ MAX_ROW_FACTOR = 1024
 """The largest parallel.capacity_factor / spill_factor: past ep (the padded mode's rows) more
 rows buy nothing, and no expert-parallel group is this large."""
 AUTO_OVERLAP_CHUNKS = 2
-"""parallel.overlap_chunks auto on GPUs: rehearsed on one H100/H200 (docs/measurements.md, "The
-projected 8-GPU sweep"), 2 chunks project the bare dp8·ep8 sweep at 91.6% of one GPU against 85.6%
-without overlap at 8 experts, and 82.2% against 80.4% at 128."""
+"""parallel.overlap_chunks auto on GPUs: docs/measurements.md, "The projected 8-GPU sweep"."""
 MAX_DEGREE = 2**20
 """The largest parallel degree (dp, ep, pp, stages per rank) a config may ask for."""
 
@@ -78,10 +73,8 @@ class PipelineSchedule(enum.StrEnum):
 
 class DispatcherKind(enum.StrEnum):
     nosync = "nosync"
-    """Fixed-size buffers: no device-to-host sync. Each rank's experts get
-    parallel.capacity_factor (1.25) × the balanced load, shared by all sources, and what finds no
-    room is dropped and counted; capacity_factor=null pads for the worst case (dropless, ep × the
-    exact exchange's rows) (src/moetrain/parallel/nosync_dispatcher.py)."""
+    """Fixed-size buffers, no device-to-host sync; what finds no room is dropped and counted
+    (parallel.capacity_factor; src/moetrain/parallel/nosync_dispatcher.py)."""
     alltoall = "alltoall"
     """Exact split sizes, read on the host once per layer: dropless, least memory."""
 
@@ -203,17 +196,7 @@ class ParallelConfig(Config):
                         f"{self.dispatcher} dispatcher is always dropless: drop the setting or use "
                         "parallel.dispatcher=nosync."
                     )
-        if self.dp is not None and self.dp <= 0:
-            raise ConfigError(f"parallel.dp={self.dp} must be a positive integer (or null for all ranks).")
-        if self.ep <= 0:
-            raise ConfigError(f"parallel.ep={self.ep} must be a positive integer.")
-        if self.cp <= 0:
-            raise ConfigError(f"parallel.cp={self.cp} must be a positive integer.")
-        if self.pp <= 0:
-            raise ConfigError(f"parallel.pp={self.pp} must be a positive integer.")
-        v = self.stages_per_rank
-        if v <= 0:
-            raise ConfigError(f"parallel.pp_stages_per_rank={v} must be a positive integer.")
+        v = self.stages_per_rank  # the degrees are positive: their domains, checked first (`validate_tree`)
         if self.pp_schedule == PipelineSchedule.interleaved_1f1b and v < 2:
             raise ConfigError(
                 f"parallel.pp_schedule=interleaved-1f1b interleaves several stages per rank: set "
