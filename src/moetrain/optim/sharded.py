@@ -141,14 +141,10 @@ class _ShardedGradReducer(GradReducer):
 
 
 class ShardedAdamW(StepHooks):
-    """The update rule (`OptimConfig.rule`: AdamW, torch.optim.AdamW's update; or Lion), weight
-    decay per `param_groups`, with the state sharded over the data-parallel ranks.
-
-    Build it after the model is materialized and initialized: it moves every parameter into a flat
-    buffer (values kept) and attaches the gradient hooks. Per step: `reduction.prepare(sync)`
-    before each micro-batch's backward, `reduction.finish()`, `clip_grad_norm()`, `set_lr()`,
-    `step()`, `zero_grad()`.
-    """
+    """The update rule (`OptimConfig.rule`), weight decay per `param_groups`, with the state
+    sharded over the data-parallel ranks. Build it after the model is materialized and
+    initialized: it moves every parameter into a flat buffer (values kept) and attaches the
+    gradient hooks."""
 
     def __init__(
         self,
@@ -247,13 +243,10 @@ class ShardedAdamW(StepHooks):
         self._grads.zero_grad()
 
     def grad_norm(self) -> torch.Tensor:
-        """Global L2 norm of the (reduced) gradient, as a device tensor (no host sync).
-
-        One all-reduce over all ranks counts every element once: a dense element sits in exactly
-        one dp rank's shard; an expert element in exactly one shard of its edp group, and the dp
-        group is the edp groups of all ep ranks, which hold different experts; pipeline stages
-        hold different parameters.
-        """
+        """Global L2 norm of the (reduced) gradient, as a device tensor (no host sync). One
+        all-reduce over all ranks counts every element once: each lies in exactly one shard of
+        its group (dp, or edp for the experts, whose ep ranks hold different ones), and pipeline
+        stages hold different parameters."""
         grads = [b.grad_S for b in self.buckets]
         if self._low_grads:  # the norms of bf16 shards computed in fp32
             sq = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
@@ -447,15 +440,9 @@ class ShardedAdamW(StepHooks):
                 _all_gather(b.params_N, b.params_N[b.lo : b.hi].clone(), group=b.group)
 
     def state_dict_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Per-parameter FULL state keyed by canonical parameter name, in the layout of
-        torch.optim.AdamW's (the rule's `state` shaped like the parameter — for experts, like this
-        rank's slice — and a 0-d float32 "step" on the CPU): the in-memory
-        view of the whole state, for tests and tools (checkpoints use `checkpoint_tensors`).
-
-        Collective (every rank of the dp group must call it). Cost: each bucket's state is
-        all-gathered over its group, so this briefly holds the unsharded state (AdamW: 8 bytes per
-        parameter element) — the memory that sharding saves during training.
-        """
+        """Per-parameter FULL state keyed by canonical parameter name (`Optimizer.state_dict_tensors`;
+        "step" a 0-d float32 on the CPU). Collective: each bucket's state is all-gathered over its
+        group, so this briefly holds the unsharded state that sharding saves during training."""
         out: dict[str, dict[str, torch.Tensor]] = {}
         step = self._step_t.detach().to("cpu", copy=True)  # one read for all parameters
         for b, state_S in zip(self.buckets, self.state_S):

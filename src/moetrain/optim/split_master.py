@@ -157,12 +157,9 @@ class SplitMaster:
 
     # ---- gradients --------------------------------------------------------------------------------
     def _accumulate(self, p: nn.Parameter) -> None:
-        """Post-accumulate-grad hook: take the bf16 gradient. The first backward of a step keeps
-        it as it is (its fp32 value is exact: no cast pass, half the bytes); a second one sums
-        both in fp32, and later ones add to that (on CUDA one Triton pass each,
-        `accumulate_grad`). Into a kept buffer it is copied. bf16 `grad_dtype`: later ones are
-        added into the bf16 gradient in place (in fp32, rounded once). A backward that gave `p`
-        no gradient (None: the experts' before the step's last backward, with
+        """Post-accumulate-grad hook: take the bf16 gradient (module docstring; on CUDA later ones
+        are added by one Triton pass each, `accumulate_grad`). A backward that gave `p` no
+        gradient (the experts' before the step's last backward, with
         compute.defer_expert_weight_grad) adds nothing."""
         if p.grad is None:
             return
