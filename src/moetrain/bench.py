@@ -78,7 +78,7 @@ def run_bench(
     )
     rehearsal = None if rehearse is None else rehearse_mod.resolve(cfg, rehearse, rank)
     trainer = Trainer(cfg, quiet=True, rehearsal=rehearsal, capacity_floor=device_capacity_floor)
-    say = _say if progress and trainer.par.is_main else _say_nothing
+    say = _say if progress and trainer.par.is_main else lambda msg: None
     if rehearsal is not None:
         say(f"bench {spec}: REHEARSAL: {rehearsal_notice(trainer.par.dims, rehearsal.rank)}")
         LEDGER.timing = True
@@ -146,10 +146,6 @@ def _check_routings(routings: list[str] | None) -> list[str]:
 
 def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def _say_nothing(msg: str) -> None:
-    pass
 
 
 def _windows(

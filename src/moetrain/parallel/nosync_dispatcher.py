@@ -51,8 +51,7 @@ from moetrain.parallel.config import DEFAULT_CAPACITY_FACTOR, DEFAULT_SPILL_FACT
 from moetrain.parallel.exact_dispatchers import ExpertParallelDispatcher, wire_dtype_of
 
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-"""all_gather_single where torch has it (2.13 deprecates all_gather_tensor), all_gather_tensor on
-older ones (torch 2.11, the GPU machine's, has no all_gather_single)."""
+"""all_gather_single where torch has it (2.13 deprecates all_gather_tensor), else all_gather_tensor."""
 
 
 def capacity_rows(assignments: int, ep: int, capacity_factor: float | None, min_rows: int = 0) -> int:
