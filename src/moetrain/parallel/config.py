@@ -129,12 +129,10 @@ class ParallelConfig(Config):
     memory and bytes of the exact exchange (docs/architecture.md, "Dispatcher memory")."""
     capacity_min_rows: int | None = non_negative(None, at_most=EVERY_ROW)
     """nosync only: the fewest rows a rank's experts get per MoE layer (C ≥ min_rows / ep per
-    source, never more than all M of a source's assignments), whatever capacity_factor gives; 0 =
-    no floor. null (auto, the default): on CPUs every row, so nothing is ever dropped, where the
-    planner's peak with those buffers fits the machine's memory (one exchange per layer:
-    parallel.overlap_chunks ≤ 1); else, and on GPUs (where every row puts ep × the exact
-    exchange's rows on the wire), 1024 (`moetrain.plan.capacity_floor`; the run says which at
-    start)."""
+    source, never more than all of a source's assignments), whatever capacity_factor gives; 0 =
+    no floor. null (auto, the default): on CPUs every row (nothing dropped) where the planner's
+    peak with those buffers fits the machine's memory and parallel.overlap_chunks ≤ 1; else, and
+    on GPUs, 1024 (`moetrain.plan.capacity_floor`; the run says which at start)."""
     spill_factor: float = non_negative(DEFAULT_SPILL_FACTOR, at_most=MAX_ROW_FACTOR)
     """nosync only: spill rows per (source, destination) pair beyond C, as a multiple of the
     balanced share (ceil(s · assignments / ep)); they carry a pair's overflow into the rows other
@@ -142,14 +140,13 @@ class ParallelConfig(Config):
     exact exchange's. 0 = no spill: each pair's block holds C rows."""
 
     overlap_chunks: int | None = non_negative(None, at_most=64)
-    """nosync only: 0 = each MoE layer's all-to-alls wait for their data and are waited for (the
-    step pays them in full); n ≥ 1 = they run asynchronously beside compute, the layer's exchange
-    split into n (src/moetrain/parallel/overlapped_dispatcher.py): chunk i + 1 travels while chunk
-    i's experts compute, and chunk 1 while the shared expert does; backward mirrors it. The
-    chunks split each rank's experts (model.moe.num_experts / ep) where n divides them, else its
-    tokens; n > 1 needs a bounded capacity and 1/n of it goes to each chunk, so under skew a
-    chunk may drop what the whole would keep. null (auto, the default): `AUTO_OVERLAP_CHUNKS` on
-    GPUs where the exchange is bounded (`RunConfig.overlap_chunks`), 0 elsewhere."""
+    """nosync only: 0 = each MoE layer's all-to-alls are waited for (the step pays them in full);
+    n ≥ 1 = they run asynchronously beside compute, the layer's exchange split into n
+    (src/moetrain/parallel/overlapped_dispatcher.py): chunk i + 1 travels while chunk i's experts
+    compute. The chunks split each rank's experts where n divides them, else its tokens; n > 1
+    needs a bounded capacity and 1/n of it goes to each chunk, so under skew a chunk may drop what
+    the whole would keep. null (auto, the default): `AUTO_OVERLAP_CHUNKS` on GPUs where the
+    exchange is bounded (`RunConfig.overlap_chunks`), 0 elsewhere."""
 
     def overlap_problem(self, num_experts: int, defer_expert_weight_grad: bool = False) -> str | None:
         """Why overlap_chunks cannot split the exchange of `num_experts` experts over ep ranks

@@ -66,7 +66,7 @@ class ExpertParallelDispatcher(TokenDispatcher):
         """This rank's assignments ordered by global expert (so rows for rank r's experts are
         contiguous, expert by expert), in the wire dtype; and the order, for `unsort`."""
         sort_idx_M, inv_NK = sort_by_expert(topk_ids_NK)
-        return DispatchState(sort_idx_M, inv_NK), permute(wire_dtype(x_ND), sort_idx_M, inv_NK)
+        return DispatchState(sort_idx_M, inv_NK), permute(x_ND.to(wire_dtype_of(x_ND)), sort_idx_M, inv_NK)
 
     @staticmethod
     def unsort(y_MD: torch.Tensor, order: DispatchState, topk_weights_NK: torch.Tensor) -> torch.Tensor:
@@ -115,16 +115,11 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         return self.unsort(y_MD, state.order, topk_weights_NK)
 
 
-def wire_dtype(x: torch.Tensor) -> torch.Tensor:
-    """Rows as they cross the all-to-all: in the autocast dtype (bf16) when autocast is on. The
+def wire_dtype_of(x: torch.Tensor) -> torch.dtype:
+    """The dtype rows cross the all-to-all in: the autocast dtype (bf16) when autocast is on. The
     experts cast their input to that dtype anyway, so the values are the same, at half the bytes
     of the fp32 residual stream; the backward casts the gradient rows back to fp32 before they
     are summed per token (the gather's backward), so no precision is lost there either."""
-    return x.to(wire_dtype_of(x))
-
-
-def wire_dtype_of(x: torch.Tensor) -> torch.dtype:
-    """The dtype `wire_dtype` gives `x`."""
     device_type = x.device.type
     if torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)

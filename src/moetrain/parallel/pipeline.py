@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import inspect
 from dataclasses import dataclass
 
 import torch
@@ -169,9 +168,7 @@ class Pipeline:
         self.losses.clear()
         args = (inputs_BT,) if self.has_first else ()
         kwargs = {"target": targets_BT} if self.has_last else {}
-        if _STEP_TAKES_RETURN_OUTPUTS:
-            kwargs["return_outputs"] = False  # the loss is all we need; don't keep the logits
-        self.schedule.step(*args, **kwargs)
+        self.schedule.step(*args, **kwargs, return_outputs=False)  # the loss is all we need: no logits kept
         if not self.losses:
             return torch.zeros((), device=inputs_BT.device)
         return torch.stack(self.losses).sum()
@@ -202,10 +199,6 @@ class Pipeline:
         if not self.has_last:
             return torch.zeros((), device=inputs_BT.device)
         return F.cross_entropy(x.float().flatten(0, 1), targets_BT.flatten())
-
-
-# torch ≥ 2.8 can skip keeping the last stage's outputs (the logits) after a step.
-_STEP_TAKES_RETURN_OUTPUTS = "return_outputs" in inspect.signature(Schedule1F1B.step).parameters
 
 
 def build_pipeline(
