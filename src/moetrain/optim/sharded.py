@@ -46,7 +46,6 @@ from torch import nn
 
 from moetrain.model.transformer import canonical_name
 from moetrain.optim.base import FlatShard, StepHooks, param_groups, use_fused
-from moetrain.optim.clip import clip_coefficient
 from moetrain.optim.grad_reducer import Bucket, GradReducer
 from moetrain.optim.muon import LocalMatrices, MatrixShape, Muon, MuonConfig, muon_matrices
 from moetrain.optim.rule import UpdateGroup
@@ -177,17 +176,13 @@ class ShardedAdamW(StepHooks):
             None if b.split else b.params_N[b.lo : b.hi].to(torch.float32, copy=True) for b in self.buckets
         ]
         moments = cfg.moments_dtype.dtype
-        self._low_grads = grad_dtype != torch.float32
-        """bf16 gradient shards (optim.grad_dtype): the clipping factor goes into the update
-        (`_grad_coef`) instead of scaling them in place, which would round them a second time."""
+        self.low_grads = grad_dtype != torch.float32
         self.state_S = [
             {k: torch.zeros_like(b.grad_S, dtype=moments) for k in (("momentum",) if b.muon else self.rule.state)}
             for b in self.buckets
         ]
         """Each bucket's shard of the optimizer state by key: the rule's `state`; Muon's buckets, the
         "momentum"."""
-        self._grad_coef: torch.Tensor | None = None
-        """The clipping factor `clip_grad_norm` left for the update (fused, or bf16 gradients)."""
         self._groups = self._rule_groups(param_groups(model, cfg.weight_decay)[0]["params"], cfg.weight_decay)
         parts, self._muon_grads = self._muon_parts()
         self.muon = Muon(MuonConfig.of(cfg), parts, gather=self._whole_directions)
@@ -248,7 +243,7 @@ class ShardedAdamW(StepHooks):
         its group (dp, or edp for the experts, whose ep ranks hold different ones), and pipeline
         stages hold different parameters."""
         grads = [b.grad_S for b in self.buckets]
-        if self._low_grads:  # the norms of bf16 shards computed in fp32
+        if self.low_grads:  # the norms of bf16 shards computed in fp32
             sq = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
         else:
             sq = torch.stack(torch._foreach_norm(grads)).square().sum()
@@ -269,16 +264,9 @@ class ShardedAdamW(StepHooks):
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Bring the gradient shards to a global norm of at most `max_norm` (math.inf: no
-        clipping); return the norm before clipping (device tensor, no host sync). Fused, or bf16
-        shards: the factor goes into the update (one pass over the gradients less, or no second
-        rounding); else the shards are scaled in place."""
+        clipping; `_clip`); return the norm before clipping (device tensor, no host sync)."""
         total = self.grad_norm()
-        if max_norm != math.inf:
-            coef = clip_coefficient(total, max_norm)
-            if self._low_grads or self.fused:
-                self._grad_coef = coef
-            else:
-                torch._foreach_mul_([b.grad_S for b in self.buckets], coef)
+        self._clip([b.grad_S for b in self.buckets], total, max_norm)
         return total
 
     # ---- the update ------------------------------------------------------------------------------
@@ -291,7 +279,7 @@ class ShardedAdamW(StepHooks):
         (a device bool, equal on all ranks): no update, and the all-gather writes the parameters
         with their unchanged values. Fused, it is decided on the device; otherwise read on the
         host (one sync per step)."""
-        coef, self._grad_coef = self._grad_coef, None
+        coef, self._clip_coef = self._clip_coef, None
         self.rule.update(self._groups, self._step_t, lr=self.lr, grad_coef=coef, skip=skip, fused=self.fused)
         self.muon.step(self._muon_grads, self.lr, coef, skip)
         self._all_gather_params()
