@@ -1,35 +1,17 @@
 """`moetrain bench`: how fast a preset trains, how much memory it takes, and whether its step
-waits on the host — one JSON line per configuration (routing mode).
+waits on the host — one JSON line per configuration (routing mode) and timed window.
 
-Per configuration: `warmup` training steps (compilation, allocator growth), then `steps` timed
-steps (device synchronized at both ends of the window; tokens/s = tokens per step × steps /
-seconds), then one more step with CUDA's sync debug mode on ("warn"), which counts every
-device-to-host synchronization the step makes. The steps are the trainer's own `train_step`
-(forward and backward of every micro-batch, gradient clipping, AdamW) on random token ids
-(`data.synthetic=true`), so nothing needs preparing. With `--logging.profile=true`,
-`logging.profile_steps` more steps per configuration are recorded by torch.profiler (and a CUDA
-memory snapshot) into RUN_DIR/profile-ROUTING, named in the JSON line as `profile_dir`.
-`--forward-backward-only` times the micro-batches' forward and backward passes without clipping
-and the optimizer step; `--also-forward-backward` times both windows, one JSON line each (the
-line's `timed` says which). `--also-optimizer-step` adds a window of the optimizer's part alone
-(`TrainEngine.update`: clipping, the step guard, the update, the router bias) repeated over the
-gradients of one forward and backward; its line has no token rates, and `share_of_training_step`
-its step time over the training step's. With `--compute.cuda_graphs=step` the line's
-`cuda_graph_counts` says how many steps so far were captured, replayed and run eagerly
-(src/moetrain/train/cuda_graphs.py), and `cuda_graphs` the mode the run resolved (auto: step
-or off); with the step graph the training step's warm-up is at least 4 steps (3 eager, then the
-capture), whatever `--warmup` says, so the timed steps are replays, and so is the
-forward+backward window's (its passes replayed from the same graph, captured anew for them).
-Every line names the optimizer and the bytes of state it holds per parameter this rank holds
-(`optimizer`). Each line also carries the last timed step's routing balance:
-expert_load_max_over_mean, ep_load_max_over_mean and dropped_token_frac (as in metrics.jsonl).
-The routing mode is switched in place between configurations (`TrainEngine.set_routing`: the
-model, its optimizer state and compiled code are kept; a warm-up follows each switch).
-Everything here goes through the trainer's and the engine's public methods.
+Per configuration: warm-up steps (compilation, allocator growth, a step graph's capture), then
+`steps` timed steps between two device synchronizations, then one more step under CUDA's sync
+debug mode ("warn"), which counts every device-to-host synchronization it makes. The steps are
+the trainer's own `train_step` on random token ids (`data.synthetic=true`); the windows besides
+it (`--forward-backward-only`, `--also-forward-backward`, `--also-optimizer-step`) time parts of
+it, the line's `timed` saying which. The routing mode is switched in place between
+configurations (`TrainEngine.set_routing`: the model, its optimizer state and compiled code are
+kept). Everything here goes through the trainer's and the engine's public methods.
 
-FLOPs and MFU follow Olmo-core's formula (src/moetrain/model/counting.py): 6 × active
-non-embedding parameters + 12 × layers × heads × head_dim × sequence length per token, over the
-device's dense BF16 peak.
+FLOPs and MFU follow Olmo-core's formula (src/moetrain/model/counting.py), over the device's dense
+BF16 peak.
 """
 
 from __future__ import annotations
@@ -96,7 +78,7 @@ def run_bench(
     )
     rehearsal = None if rehearse is None else rehearse_mod.resolve(cfg, rehearse, rank)
     trainer = Trainer(cfg, quiet=True, rehearsal=rehearsal, capacity_floor=device_capacity_floor)
-    say = _say if progress and trainer.par.is_main else _say_nothing
+    say = _say if progress and trainer.par.is_main else lambda msg: None
     if rehearsal is not None:
         say(f"bench {spec}: REHEARSAL: {rehearsal_notice(trainer.par.dims, rehearsal.rank)}")
         LEDGER.timing = True
@@ -164,10 +146,6 @@ def _check_routings(routings: list[str] | None) -> list[str]:
 
 def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def _say_nothing(msg: str) -> None:
-    pass
 
 
 def _windows(

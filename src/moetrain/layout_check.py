@@ -1,29 +1,21 @@
 """`moetrain check-layout`: the first steps of a parallel layout against one process training the
-same run, compared step by step: what to run on one's own cluster before the expensive job.
+same run, compared step by step: what to run on one's own cluster before the expensive job
+(docs/reliability.md, "check-layout": what it guarantees and how the tolerances were set).
 
 Both runs train the same config (seed, global batch, hence the same batches) for `steps` steps,
 with evaluation, checkpoints, plots and CUDA graphs off. The layout runs on every rank of the
 launch (torchrun, srun or mpirun). Then the reference (`reference_kind`; `--reference`):
-- `one`: rank 0 starts a child process training the same config with the default layout (every
-  `parallel.*` key reset: no dp, cp, ep, pp, optimizer sharding or FSDP), alone on rank 0's
-  device;
+- `one`: rank 0 starts a child process training the same config with every `parallel.*` key at
+  its default, alone on rank 0's device;
 - `fsdp`, for a model one device cannot hold: every rank of the launch trains it with the FSDP
-  stack and nothing else (dp = the launch's ranks; no cp, ep, pp), the simplest layout that
-  holds it: each rank keeps 1/dp of the parameters, gradients and optimizer state, and computes
-  every expert for its tokens.
+  stack and nothing else, the simplest layout that holds it.
 `auto` (the default) takes `one` where the planner's modelled peak of one process fits the
-device (the machine's memory on CPUs), else `fsdp`. A model too large for either can be checked
-as a shallower copy (e.g. `--model.n_layers=2`: the layout's machinery is the same per layer).
+device (the machine's memory on CPUs), else `fsdp`.
 
-Per step it compares (`compare`):
-- the LM loss and the optimizer's global gradient norm, as metrics.jsonl logs them;
-- the norm of each parameter group's reduced gradient before clipping (`GROUPS`), read from the
-  optimizer between the reduction and the clipping (`Optimizer.grad_parts`), every element
-  counted once over the ranks;
-- the fraction of expert assignments dropped (the reference drops none: a layout that drops
-  differs from it by more than rounding, and the report says so).
-Each quantity's largest relative difference over the steps is held against a tolerance set by the
-compute precision (`TOLERANCES`, measured: docs/reliability.md, "check-layout"); past it the check
+Per step it compares (`compare`) the LM loss, the optimizer's global gradient norm, the norm of
+each parameter group's reduced gradient before clipping (`GROUPS`, `Optimizer.grad_parts`), and
+the fraction of expert assignments dropped. Each quantity's largest relative difference over the
+steps is held against a tolerance set by the compute precision (`TOLERANCES`); past it the check
 fails, naming the quantity and the first step past it.
 """
 

@@ -2,14 +2,12 @@
 of one rank of an N-GPU run, and how it says so.
 
 The rank runs alone with its real shard, kernels, buffers and checkpoint files; its peers are
-stand-ins (src/moetrain/parallel/rehearsal.py). Measured, on this device: the step's time without
-the stand-ins' own copies (`compute_s`), its device time by kernel kind with them taken out
-(a short profile), the peak memory while training, while saving this rank's checkpoint shard
-and while loading it back, and what each collective would move (the stand-ins' ledger). Not
-measured: any transfer, any wait for a peer, the pipeline's bubble. Those come from the
-planner's model (src/moetrain/plan/time.py: `PEER_PARTS`, at its named constants), and the projected
-tokens/s per GPU = measured compute + that model, labelled so. A rehearsed figure is never a
-multi-GPU measurement.
+stand-ins (src/moetrain/parallel/rehearsal.py). Measured on this device: the step without the
+stand-ins' own work (`compute_s`), device time by kernel kind, the peak memory while training,
+saving and loading, what each collective would move. Not measured: any transfer, any wait for
+a peer, the pipeline's bubble: those come from the planner's model (`PEER_PARTS`), and the
+projected tokens/s per GPU = measured compute + that model, labelled so
+(docs/architecture.md, "Rehearsal").
 """
 
 from __future__ import annotations

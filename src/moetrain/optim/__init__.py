@@ -6,11 +6,7 @@
   weights sharded over the data-parallel ranks; gradients reduce-scattered
 - `FSDPAdamW` (fsdp.py, `parallel.stack=fsdp`): torch AdamW over FSDP's sharded parameters
 
-Each steps its parameters by an element-wise update rule (rule.py: AdamW, adamw.py; with
-optim.name=lion, Lion, lion.py) over the tensors it holds, and the blocks' matrices by Muon instead
-with optim.name=muon (muon.py).
-
-`OptimConfig.build` (config.py) picks the one the layout needs. Clipping (clip.py), the
-learning-rate schedule (schedule.py) and the store of bf16 gradients (grad_store.py,
-optim.grad_dtype=bf16) are shared.
+Each steps its parameters by an element-wise update rule (rule.py: adamw.py, lion.py), and the
+blocks' matrices by Muon with optim.name=muon (muon.py). `OptimConfig.build` (config.py) picks the
+one the layout needs.
 """

@@ -6,15 +6,13 @@ half and the int16 remainder, src/moetrain/optim/split_master.py); gradients fp3
 fp32 or bf16 (optim.moments_dtype: 4 bytes per parameter instead of 8, rounded to nearest after
 each fp32 update, as DeepSeek-V3 trains its AdamW moments). Its two backends:
 
-- torch (`adamw_reference`): torch.optim.AdamW's single-tensor update, its operations in its order
-  with its Python-float scalars, as foreach ops over the group, in fp32 on every dtype above. The
-  step count and the skip decision are read on the host. Off CUDA (or with optim.fused=false).
+- torch (`adamw_reference`): torch.optim.AdamW's single-tensor update as foreach ops, in fp32 on
+  every dtype above; the step count and the skip decision are read on the host. Off CUDA (or
+  with optim.fused=false).
 - device (`fused`): nothing read on the host. Groups of fp32 parameters, gradients and moments go
-  to torch's fused AdamW kernel (`torch._fused_adamw_`, the kernel of torch.optim.AdamW(fused=True),
-  so the bits of the optimizers that run torch's AdamW); the others to our Triton kernel
-  (src/moetrain/optim/triton_kernels.py, `adamw_triton`, or `adamw_triton_flat` for a group with
-  `flat` buffers), which reads the bias corrections, the
-  clipping factor and the skip decision from device memory.
+  to torch's fused AdamW kernel (`torch._fused_adamw_`: the bits of torch.optim.AdamW(fused=True));
+  the others to our Triton kernels (src/moetrain/optim/triton_kernels.py), which read the bias
+  corrections, the clipping factor and the skip decision from device memory.
 """
 
 from __future__ import annotations

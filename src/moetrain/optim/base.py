@@ -14,12 +14,10 @@ Per optimizer step the engine (src/moetrain/train/engine.py) calls, in this orde
 `reduction` is the optimizer's gradient reduction (`GradReduction`, src/moetrain/optim/grad_reducer.py),
 which scales the losses (`loss_scale`) and reduces the gradients the optimizer then reads. Nothing
 in that sequence reads a device value on the host where the fused kernels run (CUDA).
-Checkpoints see every optimizer through `checkpoint_tensors` / `checkpoint_masters` (the update
-rule's state and the fp32 masters per parameter, keyed by canonical parameter name, as the part this
-rank holds: DCP saves from and loads into them in place) and `checkpoint_loaded`;
-`state_dict_tensors` / `load_state_dict_tensors` give and take the same state whole, in memory.
-Each optimizer also has `memory_bytes()` and `grad_bytes()`, the bytes of the optimizer state
-and of the gradients this rank holds: measurements for tests, which the loop does not use.
+Checkpoints see every optimizer through `checkpoint_tensors` / `checkpoint_masters` (the part of
+each parameter's state and fp32 master this rank holds, which DCP saves from and loads into in
+place) and `checkpoint_loaded`. `memory_bytes()` and `grad_bytes()` (the bytes of the optimizer
+state and of the gradients this rank holds) are measurements for tests, which the loop does not use.
 """
 
 from __future__ import annotations
@@ -37,10 +35,12 @@ import moetrain.cpu_math  # noqa: F401  (the CPU's vector math set up before the
 from moetrain.optim.adamw import AdamW
 from moetrain.optim.clip import clip_coefficient
 from moetrain.optim.grad_reducer import GradReduction
-from moetrain.optim.rule import RuleOptimizer
+from moetrain.optim.rule import RuleOptimizer, local_tensor
 
 if TYPE_CHECKING:
     from moetrain.optim.config import OptimConfig
+    from moetrain.optim.grad_store import GradStore
+    from moetrain.optim.muon import Muon
 
 StepHook = Callable[[torch.Tensor | None], None]
 """Called after every `step(skip)` with the same `skip`."""
@@ -167,6 +167,30 @@ class StepHooks(abc.ABC):
     followed by the hooks (each optimizer implements `_update`); no fp32 masters apart from the
     parameters unless an optimizer says otherwise."""
 
+    fused: bool = False
+    """The update runs on the device (torch's fused AdamW kernel, or our rules' kernels): the
+    clipping factor and the skip decision go into it as device tensors."""
+    low_grads: bool = False
+    """Gradients stored in bf16 (optim.grad_dtype): the clipping factor goes into the update,
+    multiplied in fp32, not into the stored gradients, which scaling in place would round a
+    second time."""
+    _clip_coef: torch.Tensor | None = None
+    """The clipping factor `_clip` left for this step's update (fused, or bf16 gradients)."""
+
+    def _clip(self, grads: list[torch.Tensor], total: torch.Tensor, max_norm: float) -> torch.Tensor | None:
+        """Bring the gradients to a norm of at most `max_norm`; return the factor (None: no
+        clipping). Fused, or bf16 gradients (`low_grads`): not applied to the gradients but
+        handed to the update (saving one read and write of every gradient, or a rounding);
+        otherwise the gradients are scaled in place."""
+        if max_norm == math.inf:
+            return None
+        coef = clip_coefficient(total, max_norm)
+        if self.fused or self.low_grads:
+            self._clip_coef = coef
+        else:
+            torch._foreach_mul_(grads, coef)
+        return coef
+
     def master_weights(self) -> dict[str, torch.Tensor]:
         return {}
 
@@ -240,18 +264,13 @@ def build_torch_style(
 
 class TorchAdamW(StepHooks):
     """What the optimizers built on `build_torch_style` (`self.adamw`: torch's AdamW, or a
-    `RuleOptimizer`) share."""
+    `RuleOptimizer`) share, with `muon` stepping the matrices `muon_named` (optim.name=muon)."""
 
     adamw: torch.optim.AdamW | RuleOptimizer
-    fused: bool = False
-    """The update runs on the device (torch's fused AdamW kernel, or `RuleOptimizer`'s rule):
-    the clipping factor and the skip decision go into it as device tensors."""
-    low_grads: bool = False
-    """Gradients stored in bf16 (optim.grad_dtype; `adamw` is a `RuleOptimizer`): the clipping
-    factor goes into the update, multiplied in fp32, not into the stored gradients, which scaling
-    in place would round a second time."""
-    _clip_coef: torch.Tensor | None = None
-    """The clipping factor `_clip` left for this step's update (fused, or bf16 gradients)."""
+    muon: Muon
+    muon_named: list[tuple[str, nn.Parameter]]
+    grads: GradStore | None = None
+    """Where the bf16 gradients are kept off `.grad` (optim.grad_dtype); None: `.grad`."""
 
     def checkpoint_loaded(self) -> None:
         """Nothing to do: the checkpoint was loaded into the live parameters and AdamW state,
@@ -281,23 +300,27 @@ class TorchAdamW(StepHooks):
             if isinstance(self.adamw, torch.optim.AdamW) and device.type == "cuda":
                 group["capturable"] = True
 
-    def _clip(self, grads: list[torch.Tensor], total: torch.Tensor, max_norm: float) -> torch.Tensor | None:
-        """Bring the gradients to a norm of at most `max_norm`; return the factor (None: no
-        clipping). Fused, or bf16 gradients (`low_grads`): not applied to the gradients but
-        handed to the update (saving one read and write of every gradient, or a rounding);
-        otherwise the gradients are scaled in place."""
-        if max_norm == math.inf:
-            return None
-        coef = clip_coefficient(total, max_norm)
-        if self.fused or self.low_grads:
-            self._clip_coef = coef
-        else:
-            torch._foreach_mul_(grads, coef)
-        return coef
+    def _grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
+        """`p`'s gradient: its bf16 one in `grads`, else `.grad`."""
+        grad = self.grads.grad(p) if self.grads is not None else None
+        return grad if grad is not None else p.grad
+
+    def zero_grad(self) -> None:
+        self.adamw.zero_grad(set_to_none=True)
+        if self.grads is not None:
+            self.grads.zero_grad()
+        for _, p in self.muon_named:
+            p.grad = None
+
+    def memory_bytes(self) -> int:
+        """Bytes of the update rule's and Muon's state this rank holds (its shards)."""
+        state = [local_tensor(t) for s in self.adamw.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        return self.muon.memory_bytes() + sum(t.numel() * t.element_size() for t in state)
 
     def _update(self, skip: torch.Tensor | None) -> None:
         """Fused: `skip` and the clipping factor go into the kernels on the device (no host
-        sync); the other paths (CPU) read `skip` on the host."""
+        sync); the other paths (CPU) read `skip` on the host. Then Muon's matrices, with the
+        clipping factor where the gradients were not scaled in place."""
         coef, self._clip_coef = self._clip_coef, None
         if isinstance(self.adamw, RuleOptimizer):
             self.adamw.step(grad_coef=coef, skip=skip)
@@ -313,6 +336,9 @@ class TorchAdamW(StepHooks):
             del self.adamw.grad_scale, self.adamw.found_inf
         elif skip is None or not bool(skip):
             self.adamw.step()
+        grads = [self._grad_of(p) for _, p in self.muon_named]
+        lr = self.adamw.param_groups[0]["lr"]
+        self.muon.step([None if g is None else local_tensor(g) for g in grads], lr, coef, skip)
 
     def _live_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         """AdamW's state of `p`, created as zeros for a fresh optimizer (so a checkpoint can be

@@ -12,12 +12,9 @@ def global_grad_norm(
     grads: list[torch.Tensor], expert_grads: list[torch.Tensor], ep_group=None, pp_group=None
 ) -> torch.Tensor:
     """The L2 norm of all gradients of the model (`grads` of dense parameters, `expert_grads` of
-    expert ones: this rank's gradient tensors), as a device tensor (no host sync).
-
-    With expert parallelism each rank holds only its experts' gradients: their squared norms are
-    summed over the expert-parallel group; with pipeline parallelism, the stage totals over the
-    pipeline group; so that every rank sees the norm of the whole model.
-    """
+    expert ones: this rank's gradient tensors), as a device tensor (no host sync): the experts'
+    squared norms summed over the expert-parallel group (each rank holds its own experts), the
+    stage totals over the pipeline group, so that every rank sees the norm of the whole model."""
     device = (grads or expert_grads)[0].device
     dense_sq, expert_sq = _sum_sq(grads, device), _sum_sq(expert_grads, device)
     if ep_group is not None:

@@ -108,13 +108,10 @@ class OptimConfig(Config):
     instead of torch's)."""
     grad_dtype: GradDtype = GradDtype.fp32
     """The gradients kept between micro-batches and reduced over the data-parallel ranks in this
-    dtype, for every optimizer. bf16: 2 bytes per element instead of 4 (the ddp stack's buckets,
-    the sharded optimizer's and their shards, or at dp = 1 the step's gradients; on the fsdp stack
-    its unsharded gradients between micro-batches and its reduce-scatter, while the reduced shards
-    it hands AdamW stay fp32). Each micro-batch's gradient is added in fp32 and rounded to nearest
-    once, the reduction sums in bf16, and the clipping norm and the AdamW update (our
-    `RuleOptimizer` on the ddp stack) compute in fp32 from the bf16 values. Any compute precision:
-    under fp32 compute each fp32 gradient is rounded as it is stored."""
+    dtype, for every optimizer. bf16: 2 bytes per element instead of 4 (on the fsdp stack its
+    unsharded gradients and its reduce-scatter; the reduced shards stay fp32). Each micro-batch's
+    gradient is added in fp32 and rounded to nearest once, the reduction sums in bf16, and the
+    clipping norm and the update compute in fp32 from the bf16 values."""
     lion_betas: list[float] = in_range(lo=0, hi=1, hi_open=True, default_factory=lambda: [0.9, 0.99])
     """optim.name=lion: β1, the momentum's weight in the update's sign, and β2, its decay rate."""
     muon_momentum: float = in_range(0.95, lo=0, hi=1, hi_open=True)
@@ -128,9 +125,8 @@ class OptimConfig(Config):
     cast copies kept for backward, at the same 16 bytes per parameter. Needs bf16 precision and
     the ddp stack; with parallel.shard_optimizer the remainders are sharded with the moments (the
     bf16 weights stay whole). None = on for bf16 compute on CUDA with the replicated optimizer and AdamW
-    (`resolved_bf16_weights`). With the sharded optimizer it is measured by rehearsal only (one
-    rank of the reference pipeline layouts on one H200: 6.6 and 12.3 GiB less, 1–2% more step
-    compute; docs/benchmarks.md), so it stays opt-in there; the launch layouts turn it on."""
+    (`resolved_bf16_weights`); with the sharded optimizer, measured by rehearsal only
+    (docs/benchmarks.md), it stays opt-in."""
 
     def validate(self) -> None:
         for key in ("betas", "lion_betas"):

@@ -1,17 +1,13 @@
 """`FSDPAdamW`: torch AdamW (or a `RuleOptimizer` of the update rule: src/moetrain/optim/rule.py)
 over the FSDP stack's sharded (DTensor) parameters.
 
-optim.grad_dtype=bf16 is FSDP's reduce dtype (src/moetrain/parallel/fsdp.py, `apply_fsdp`): the
-unsharded gradients it accumulates between micro-batches and its reduce-scatter are bf16, the
-reduced shards it hands over are fp32, so torch AdamW updates them as it does without the switch.
-On one rank FSDP shards nothing and reduces nothing: the bf16 gradients are then kept here, in a
-`GradStore` (src/moetrain/optim/grad_store.py), as the replicated optimizer keeps them at dp = 1.
+optim.grad_dtype=bf16 is FSDP's reduce dtype (src/moetrain/parallel/fsdp.py, `apply_fsdp`), whose
+reduced shards stay fp32; on one rank FSDP shards and reduces nothing, and the bf16 gradients are
+kept here, in a `GradStore`, as the replicated optimizer keeps them at dp = 1.
 
-With optim.name=muon the blocks' matrices step by `Muon` (src/moetrain/optim/muon.py) over each
-rank's shards (`_muon_part`), the momentum kept for the shard (dim-0 rows). The experts' stacked
-tensors are sharded along the experts, so a rank orthogonalizes the whole experts it holds where
-they are; the other matrices are sharded by rows, so their direction is all-gathered, the dp
-ranks share out the iteration on the whole matrices and keep their rows."""
+With optim.name=muon the blocks' matrices step by `Muon` over each rank's dim-0 shards
+(`_muon_part`): a rank orthogonalizes the whole experts it holds where they are; the other
+matrices' directions are all-gathered, the dp ranks sharing out the iteration."""
 
 from __future__ import annotations
 
@@ -28,6 +24,7 @@ from moetrain.optim.base import TorchAdamW, build_torch_style
 from moetrain.optim.clip import global_grad_norm
 from moetrain.optim.grad_store import GradStore
 from moetrain.optim.muon import LocalMatrices, MatrixShape, Muon, MuonConfig, check_matrices, muon_matrices
+from moetrain.optim.rule import local_tensor
 from moetrain.parallel.dims import ParallelState
 from moetrain.parallel.fsdp import copy_shard, full_tensor, is_sharded, local_flat_range, reshard
 
@@ -81,14 +78,6 @@ class FSDPAdamW(TorchAdamW):
         self.adamw = build_torch_style(model, cfg, exclude=set(shapes), grad_of=grad_of)
         self.fused = any(g.get("fused") for g in self.adamw.param_groups)
 
-    def _update(self, skip: torch.Tensor | None) -> None:
-        muon_coef = self._clip_coef  # where the gradients were not scaled in place
-        super()._update(skip)
-        grads = [self.grads.grad(p) if self.grads is not None else p.grad for _, p in self.muon_named]
-        self.muon.step(
-            [None if g is None else _local(g) for g in grads], self.adamw.param_groups[0]["lr"], muon_coef, skip
-        )
-
     def _whole_directions(self, directions: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """`Muon`'s gather: the rows of a row-sharded matrix's direction all-gathered; whole
         experts' (and an unsharded tensor's) stay as they are."""
@@ -102,9 +91,9 @@ class FSDPAdamW(TorchAdamW):
         parameter over the dp ranks, so every rank counts its parts)."""
         parts = []
         for name, p in self.model.named_parameters():
-            grad = self.grads.grad(p) if self.grads is not None else p.grad
+            grad = self._grad_of(p)
             if grad is not None:
-                parts.append((canonical_name(name), _local(grad), True))
+                parts.append((canonical_name(name), local_tensor(grad), True))
         return parts
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
@@ -124,13 +113,6 @@ class FSDPAdamW(TorchAdamW):
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
         return total
 
-    def zero_grad(self) -> None:
-        self.adamw.zero_grad(set_to_none=True)
-        if self.grads is not None:
-            self.grads.zero_grad()
-        for _, p in self.muon_named:
-            p.grad = None
-
     def grad_bytes(self) -> int:
         """This rank's gradient shards (fp32: FSDP casts the reduced bf16 shards back), or one
         rank's bf16 gradients. FSDP's unsharded gradients exist only inside backward and between
@@ -138,18 +120,8 @@ class FSDPAdamW(TorchAdamW):
         if self.grads is not None:
             return self.grads.nbytes()
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        local = [g.to_local() if is_sharded(g) else g for g in grads]
+        local = [local_tensor(g) for g in grads]
         return sum(g.numel() * g.element_size() for g in local)
-
-    def memory_bytes(self) -> int:
-        """Bytes of AdamW and Muon state this rank holds (its shards)."""
-        tensors = self.muon.momentum + [
-            t.to_local() if is_sharded(t) else t
-            for s in self.adamw.state.values()
-            for t in s.values()
-            if isinstance(t, torch.Tensor)
-        ]
-        return sum(t.numel() * t.element_size() for t in tensors)
 
     def checkpoint_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
         """The live optimizer state per parameter: DTensors sharded like the parameters (a
@@ -196,15 +168,11 @@ class FSDPAdamW(TorchAdamW):
 def _muon_part(p: nn.Parameter, shape: MatrixShape, moments_dtype: torch.dtype) -> LocalMatrices:
     """This rank's shard of `p` as `Muon`'s part: rows of a matrix (gathered whole, the iteration
     shared out over the dp ranks), or whole experts along dim 0 (orthogonalized here)."""
-    local = _local(p)
+    local = local_tensor(p)
     momentum = torch.zeros_like(local, dtype=moments_dtype)
     if is_sharded(p) and p.ndim != 3:
         return LocalMatrices(shape, local, momentum, local_flat_range(p)[0], p.device_mesh.get_group())
     return LocalMatrices(dataclasses.replace(shape, count=local.numel() // shape.numel), local, momentum)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if is_sharded(t) else t
 
 
 def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

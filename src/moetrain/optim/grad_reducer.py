@@ -2,41 +2,27 @@
 `GradReducer`, the reduction of the resident-expert layout (the `ddp` stack), used by the
 replicated and (as reduce-scatter) the sharded optimizer; `NoReduction` for one data-parallel rank.
 
-Each optimizer builds the reduction its gradients need and holds it as its `reduction` (the
-reduction and the optimizer share the gradients' storage: buckets, shards, `GradStore`s). Per
-optimizer step the engine calls `prepare(sync)` before each micro-batch's backward (sync=True for
-the last one), or once with backward_passes=n before a pipeline step's n backward passes, and
-`finish()` after the last backward: the gradients are then complete, and reduced.
+Each optimizer holds the reduction its gradients need as its `reduction` (they share the
+gradients' storage: buckets, shards, `GradStore`s); the engine calls `prepare(sync)` before each
+backward and `finish()` after the last (src/moetrain/optim/base.py).
 
-Dense parameters are replicated on every data-parallel rank: their gradients are summed over the
-dp group. Expert parameters live on the ranks of their expert-replica group (edp): their
-gradients already hold the contributions of every token of their expert-parallel group (the
-all-to-all's backward brought them), so they are summed over edp only. The 1/dp that turns these
-sums into the gradient of the mean loss over the global batch is not a pass over the gradients:
-the caller scales each backward's loss by `loss_scale` = 1/dp (the engine folds it into the LM
-and aux losses' 1/micro-batches factor), so the sums are the means: a division pass would read
-and write every gradient once more.
+Dense gradients are summed over the dp group, experts' over edp only (the all-to-all's backward
+already brought them every token of their expert-parallel group). The 1/dp that turns the sums
+into the mean over the global batch is folded into each backward's loss (`loss_scale`): a
+division pass would read and write every gradient once more. Only gradients that have something
+to be summed with are bucketed: at edp = 1 (dp = ep) the experts' stay where autograd puts them
+(`unreduced`), with no bucket to zero or copy into (at dp8·ep8 most of a rank's parameters).
 
-Only gradients that have something to be summed with are bucketed. With edp = 1 (dp = ep: each
-expert lives on one rank of its data-parallel group) the experts' gradients are final as backward
-makes them: they stay where autograd puts them, as at dp = 1 (`unreduced`) — no bucket to zero,
-no copy into it, no accumulation pass at the step's first backward (at dp8·ep8 that is most of a
-rank's parameters).
+Each bucketed gradient is a view into a flat bucket (like DDP's gradient_as_bucket_view), so
+accumulation happens in place and a finished bucket is reduced as one message, as soon as every
+parameter's post-accumulate-grad hook has fired once per micro-batch of the step: overlapped with
+the rest of the backward. Counting hooks (rather than being told which backward is the last) also
+serves the pipeline schedules, which run all of a step's backward passes inside one call.
 
-Each bucketed gradient is a view into a flat fp32 bucket (like DDP's gradient_as_bucket_view), so
-accumulation over micro-batches happens in place and a finished bucket is reduced as one
-message. A bucket's all-reduce starts as soon as all its gradients are final — every parameter's
-post-accumulate-grad hook has fired once per micro-batch of the step — overlapping communication
-with the rest of the backward pass; `finish()` waits for them before the optimizer step. Counting
-hooks (rather than being told which backward is the last) also serves the pipeline schedules,
-which run all of a step's backward passes inside one call.
-
-With optim.grad_dtype=bf16 the buckets are bf16. An fp32 parameter's `.grad` cannot be a bf16
-view, so `store` (src/moetrain/optim/grad_store.py) takes each micro-batch's gradient off `.grad` and
-adds it into the bucket in fp32, rounding once. The all-reduce then sums in bf16: each of the
-collective's dp − 1 additions of an element (gloo's and NCCL's alike) is computed in fp32 and
-rounded to bf16, in an order the collective's algorithm chooses; with dp = 2 that is the one
-rounded sum round(a + b), the same on both ranks.
+With optim.grad_dtype=bf16 the buckets are bf16: an fp32 parameter's `.grad` cannot be a bf16
+view, so `store` (src/moetrain/optim/grad_store.py) adds each micro-batch's gradient into the bucket
+in fp32, rounding once. The all-reduce then sums in bf16 (with dp = 2 one rounded sum
+round(a + b), the same on both ranks).
 """
 
 from __future__ import annotations

@@ -10,16 +10,11 @@ parameters backward is working on hold an fp32 gradient) and folds it into the s
     every later one:              acc = round(fp32(acc) + g)     (`acc.add_(g)`, in place)
 
 `round` is to nearest bf16, ties to even: torch's in-place add into a bf16 tensor computes in
-fp32 and rounds the result once, on CPU (its vectorized bf16 kernels convert to fp32) as on CUDA
-(opmath), whether `g` is fp32 (fp32 compute) or bf16 (a bf16 weight's gradient);
-tests/optim/test_grad_dtype.py checks it bit for bit against that formula. With fp32 storage the
-same hook is `SplitMaster`'s and the sharded optimizer's copy-then-add into fp32 buckets.
+fp32 and rounds once, on CPU as on CUDA (tests/optim/test_grad_dtype.py checks it bit for bit).
 
 Two kinds of storage: a view given per parameter (a `GradReducer` bucket's stretch, kept across
-steps; `finish` zeroes the views no backward reached), or none (dp = 1: each gradient is
-allocated by the step's first backward that reaches it and dropped by `zero_grad`, as torch does
-for `.grad`, so none exists during the first forward; a parameter no backward reached has no
-gradient and is not updated, as with torch's `.grad`).
+steps), or none (dp = 1: each gradient is allocated by the step's first backward that reaches it
+and dropped by `zero_grad`, as torch does for `.grad`).
 """
 
 from __future__ import annotations

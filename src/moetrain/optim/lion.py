@@ -11,15 +11,13 @@ Per element and step:
     M ← β2·M + (1 − β2)·G
 
 Every update element is ±lr, so the update's RMS is lr where AdamW's is nearer 0.2·lr: Lion
-usually takes a learning rate 3–10× smaller than AdamW's and a weight decay 3–10× larger (which
-keeps lr·wd, the decay per step, about the same). One moment per element instead of AdamW's two
-(optim.moments_dtype applies to it), and no step count in the update.
+usually takes a learning rate 3–10× smaller than AdamW's and a weight decay 3–10× larger. One
+moment per element instead of AdamW's two, and no step count in the update.
 
-`Lion` is an `UpdateRule` (src/moetrain/optim/rule.py): every layout runs it on its local shards
-where it runs AdamW. The update is computed in fp32 from any dtype of parameter (split masters
-joined: src/moetrain/optim/split_master.py), gradient and momentum, and written back rounded to
-nearest; the clipping factor multiplies the gradient; a skipped step (`skip`, a device bool) keeps
-every tensor bit for bit through `torch.where`, so nothing is read on the host on any path.
+`Lion` is an `UpdateRule` (src/moetrain/optim/rule.py), computed in fp32 from any dtype of
+parameter (split masters joined), gradient and momentum, written back rounded to nearest; a
+skipped step keeps every tensor bit for bit through `torch.where`, so nothing is read on the
+host on any path.
 """
 
 from __future__ import annotations

@@ -17,24 +17,18 @@ has RMS ≈ 0.2, the RMS of a typical AdamW update. The matrices then take the r
 learning rate and weight decay (the rule Moonlight's "Muon is Scalable for LLM Training"
 gives): `optim.lr` and `optim.weight_decay` serve both.
 
-Which matrices (`muon_matrices`): every `nn.Linear` weight inside the blocks (attention q, k, v,
-o; the dense and shared MLPs' gate, up, down) and each routed expert's matrices, one expert at a
-time — its gate and up halves of `w_gate_up_E2FD` apart, as the two maps they are, and
-`w_down_EDF`. AdamW keeps the embedding, the norms, the routers (their few rows decide routing
-and are fp32 logits' weights) and the LM head.
+Which matrices (`muon_matrices`): every `nn.Linear` weight inside the blocks and each routed
+expert's matrices, one expert at a time, its gate and up halves apart. AdamW keeps the embedding,
+the norms, the routers (their few rows decide routing) and the LM head.
 
 Newton–Schulz (`newton_schulz`): X = U / ‖U‖_F, then k times X ← a·X + (b·A + c·A²)·X with
-A = X·Xᵀ (a tall X: A = Xᵀ·X and X ← a·X + X·(b·A + c·A²), the same on Xᵀ), (a, b, c) =
-(3.4445, −4.7750, 2.0315), the quintic of Keller Jordan's Muon, which drives singular values in
-(0, 1] to [0.7, 1.2] in 5 steps. It runs in bf16 on CUDA (its matmuls) and in fp32 elsewhere.
+A = X·Xᵀ (a tall X: the same on Xᵀ), (a, b, c) = (3.4445, −4.7750, 2.0315), the quintic of
+Keller Jordan's Muon, which drives singular values in (0, 1] to [0.7, 1.2] in 5 steps. It runs in
+bf16 on CUDA and in fp32 elsewhere.
 
-Where a matrix is sharded, the iteration needs it whole. One `Muon` steps every layout: each
-optimizer hands it the parts it holds (`LocalMatrices`) and how to gather a part's direction
-whole. The replicated optimizer holds every matrix whole (experts: the rank's whole experts); the
-sharded one holds pieces of its buckets' shards and all-gathers U per bucket; FSDP's dim-0 shards
-hold whole experts (orthogonalized where they are) and rows of the other matrices (U gathered).
-Across the ranks holding U alike, each matrix is orthogonalized once and the results gathered.
-The momentum is kept where the gradient is: whole, or as the rank's shard.
+Where a matrix is sharded, the iteration needs it whole: one `Muon` steps every layout, each
+optimizer handing it the parts it holds (`LocalMatrices`) and how to gather a part's direction
+whole. The momentum is kept where the gradient is: whole, or as the rank's shard.
 """
 
 from __future__ import annotations

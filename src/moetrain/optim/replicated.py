@@ -2,13 +2,10 @@
 state on every rank, the ddp stack's data-parallel gradient reduction (`GradReducer` when dp > 1,
 else `NoReduction`) and global-norm clipping. With optim.bf16_weights the matrices are bf16 and
 their fp32 masters, gradients and rule state live in a `SplitMaster`
-(src/moetrain/optim/split_master.py), updated by the rule (src/moetrain/optim/rule.py); torch AdamW
-keeps the rest (norms, embedding, routers). With optim.grad_dtype=bf16 the gradients are bf16 off
-the parameters' `.grad`: in the reducer's bf16 buckets (dp > 1) or, at dp = 1, in a `GradStore`
-(src/moetrain/optim/grad_store.py) that allocates them as backward reaches each parameter;
-`RuleOptimizer` reads them in fp32 in torch AdamW's place. With optim.name=muon the blocks' matrices are Muon's
-(`Muon.whole`, src/moetrain/optim/muon.py: every rank holds them whole, experts its own, and
-orthogonalizes its share of them, the results all-gathered) and torch AdamW keeps the rest."""
+(src/moetrain/optim/split_master.py); torch AdamW keeps the rest (norms, embedding, routers). With
+optim.grad_dtype=bf16 the gradients are bf16 off the parameters' `.grad` (the reducer's buckets,
+or at dp = 1 a `GradStore`). With optim.name=muon the blocks' matrices are Muon's (`Muon.whole`:
+every rank holds them whole and orthogonalizes its share of them)."""
 
 from __future__ import annotations
 
@@ -102,11 +99,6 @@ class ReplicatedAdamW(TorchAdamW):
         self._split_coef = self._clip(self._grads(self.dense_params + self.expert_params), total, max_norm)
         return total
 
-    def _grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
-        """`p`'s gradient: its bf16 one in `grads`, else `.grad`."""
-        grad = self.grads.grad(p) if self.grads is not None else None
-        return grad if grad is not None else p.grad
-
     def grad_parts(self) -> list[tuple[str, torch.Tensor, bool]]:
         """Every parameter's whole reduced gradient (`Optimizer.grad_parts`), counted on the
         first of the ranks that hold it alike."""
@@ -123,12 +115,7 @@ class ReplicatedAdamW(TorchAdamW):
         return [g for g in map(self._grad_of, params) if g is not None]
 
     def _update(self, skip: torch.Tensor | None) -> None:
-        # the clipping factor where the gradients were not scaled in place (fused, or bf16 ones)
-        muon_coef = self._clip_coef
         super()._update(skip)
-        self.muon.step(
-            [self._grad_of(p) for _, p in self.muon_named], self.adamw.param_groups[0]["lr"], muon_coef, skip
-        )
         coef, self._split_coef = self._split_coef, None
         if self.split is not None:
             s = self.split
@@ -146,11 +133,7 @@ class ReplicatedAdamW(TorchAdamW):
         if self.reducer is not None:
             self.reducer.zero_grad()  # the reducer's buckets must stay the gradients' storage
         else:
-            self.adamw.zero_grad(set_to_none=True)
-            if self.grads is not None:
-                self.grads.zero_grad()
-            for _, p in self.muon_named:
-                p.grad = None
+            super().zero_grad()
 
     def master_weights(self) -> dict[str, torch.Tensor]:
         """The bf16 parameters' fp32 masters by canonical name (temporaries); {} without
@@ -197,16 +180,7 @@ class ReplicatedAdamW(TorchAdamW):
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def memory_bytes(self) -> int:
-        return (
-            self.muon.memory_bytes()
-            + (self.split.memory_bytes() if self.split is not None else 0)
-            + sum(
-                t.numel() * t.element_size()
-                for s in self.adamw.state.values()
-                for t in s.values()
-                if isinstance(t, torch.Tensor)
-            )
-        )
+        return super().memory_bytes() + (self.split.memory_bytes() if self.split is not None else 0)
 
     def state_dict_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
         """The live optimizer state per parameter (created as zeros for a fresh optimizer, so a

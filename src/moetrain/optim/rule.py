@@ -6,10 +6,9 @@ The layouts (replicated.py, sharded.py, fsdp.py) own where those tensors live, t
 reduction, clipping and the checkpoint entries, named by the rule's `state` and a 0-d "step".
 
 `RuleOptimizer` runs a rule in torch.optim.AdamW's place where the replicated and the FSDP
-optimizer need what torch's AdamW does not do: bf16 moments, bf16 gradients kept off `.grad`
-(`grad_of`), or another rule. It has torch's `param_groups` (with "lr", "weight_decay") and `state`
-per parameter; its `step` takes the clipping factor and the skip decision as arguments. Sharded
-(DTensor) parameters of the fsdp stack are updated through their local shards.
+optimizer need what torch's AdamW does not do (bf16 moments, bf16 gradients kept off `.grad`,
+another rule), with torch's `param_groups` and `state`; its `step` takes the clipping factor and
+the skip decision as arguments. DTensor parameters are updated through their local shards.
 """
 
 from __future__ import annotations

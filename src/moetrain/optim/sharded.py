@@ -6,47 +6,32 @@ group (dp for dense parameters, edp for expert parameters), S = N / G elements o
 shard of the bucket.
 
 One optimizer step:
- 1. backward: gradients accumulate into flat fp32 buckets, as in `GradReducer`; during the last
-    micro-batch's backward, each finished bucket is reduce-scattered over its group (async,
-    overlapped with the rest of the backward), so this rank receives the summed gradient of its
-    shard only;
- 2. `reduction.finish()`: wait for the reduce-scatters; the losses were scaled by `loss_scale` =
-    1/dp, so the summed shards are the means over the global batch (as with `GradReducer`);
- 3. `clip_grad_norm()`: the global norm from the shards (one all-reduce), then scale the shards
+ 1. backward: gradients accumulate into flat buckets, as in `GradReducer`; during the last
+    micro-batch's backward each finished bucket is reduce-scattered over its group (async), so
+    this rank receives the summed gradient of its shard only (the means: `loss_scale` = 1/dp);
+ 2. `clip_grad_norm()`: the global norm from the shards (one all-reduce), then scale the shards
     (or hand the factor to the update);
- 4. `step()`: the update rule (AdamW, or Lion: src/moetrain/optim/rule.py) on this rank's shards —
-    fp32 master weights and the rule's state exist for the shard only — then all-gather the updated shards
-    into the flat parameter buffers. Every parameter is a view into its bucket's buffer, so the
-    all-gather writes the parameters in place and every rank holds the full (replicated)
-    parameters again.
+ 3. `step()`: the update rule on this rank's shards — fp32 master weights and the rule's state
+    exist for the shard only — then all-gather the updated shards into the flat parameter
+    buffers, of which every parameter is a view: every rank holds the full parameters again.
 
-Memory: the optimizer state (AdamW: 12 bytes per element, master + two moments) is 1/dp of the dense
-parameters' and 1/edp of the local experts'. The local experts are 1/ep of all experts, so a rank
-holds 1/dp of the single-device optimizer state (plus at most G - 1 padding elements per bucket).
-What stays full size: the gradient buckets (they accumulate over micro-batches; a full ZeRO-2
-would reduce-scatter every micro-batch and keep only the shard) and the parameters (sharding
-those as well is ZeRO-3 / FSDP).
-
-With optim.grad_dtype=bf16 the buckets and shards are bf16 (half the gradient bytes): each
-micro-batch's gradient is added into the bucket in fp32 and rounded once by a hook
-(src/moetrain/optim/grad_store.py), the reduce-scatter sums in bf16 (with dp = 2 one rounded sum,
-round(a + b), as `GradReducer`'s all-reduce gives the replicated optimizer), the norm is computed
-in fp32 and the clipping factor multiplies the gradient inside the update, in fp32, as the
-replicated optimizer's does: with clipping off the two step bit for bit alike.
-
+Memory: the optimizer state is 1/dp of the dense parameters' and 1/edp of the local experts' (a
+rank holds 1/dp of the single-device state, plus at most G − 1 padding elements per bucket). The
+gradient buckets stay full size (they accumulate over micro-batches), and so do the parameters.
 After `finish()` the reduced gradient lives only in the shards: `p.grad` still holds this rank's
-local, unreduced sum (the bucket is the reduce-scatter's input), until `zero_grad()`.
+local, unreduced sum until `zero_grad()`.
+
+With optim.grad_dtype=bf16 the buckets and shards are bf16, the reduce-scatter sums in bf16 and
+the clipping factor multiplies the gradient inside the update, in fp32, as the replicated
+optimizer's does: with clipping off the two step bit for bit alike.
 
 With optim.name=muon the blocks' matrices are bucketed apart (`muon` buckets) and step by `Muon`
-(src/moetrain/optim/muon.py) over the pieces of them this rank's shards hold (`_muon_parts`): the
-momentum of the shard only (in `state_S`), the update's direction U of each such bucket
-all-gathered (in the iteration's dtype, bf16 on CUDA), Newton–Schulz on whole matrices shared out
-over the bucket's group, the master shard updated; the parameters are all-gathered as for AdamW.
+(src/moetrain/optim/muon.py) over the pieces of them this rank's shards hold (`_muon_parts`), the
+direction of each such bucket all-gathered (`_whole_directions`).
 
 Checkpoints: each rank saves and loads only its shards (`checkpoint_tensors`,
-`checkpoint_masters`): a parameter's piece [a, b) of a bucket shard is a `FlatShard` of its
-entry, which DCP stores as the few rectangular blocks that flat range is made of; no moment and
-no master is ever gathered.
+`checkpoint_masters`), a parameter's piece of a bucket shard a `FlatShard` of its entry: no
+moment and no master is ever gathered.
 """
 
 from __future__ import annotations
@@ -61,7 +46,6 @@ from torch import nn
 
 from moetrain.model.transformer import canonical_name
 from moetrain.optim.base import FlatShard, StepHooks, param_groups, use_fused
-from moetrain.optim.clip import clip_coefficient
 from moetrain.optim.grad_reducer import Bucket, GradReducer
 from moetrain.optim.muon import LocalMatrices, MatrixShape, Muon, MuonConfig, muon_matrices
 from moetrain.optim.rule import UpdateGroup
@@ -156,14 +140,10 @@ class _ShardedGradReducer(GradReducer):
 
 
 class ShardedAdamW(StepHooks):
-    """The update rule (`OptimConfig.rule`: AdamW, torch.optim.AdamW's update; or Lion), weight
-    decay per `param_groups`, with the state sharded over the data-parallel ranks.
-
-    Build it after the model is materialized and initialized: it moves every parameter into a flat
-    buffer (values kept) and attaches the gradient hooks. Per step: `reduction.prepare(sync)`
-    before each micro-batch's backward, `reduction.finish()`, `clip_grad_norm()`, `set_lr()`,
-    `step()`, `zero_grad()`.
-    """
+    """The update rule (`OptimConfig.rule`), weight decay per `param_groups`, with the state
+    sharded over the data-parallel ranks. Build it after the model is materialized and
+    initialized: it moves every parameter into a flat buffer (values kept) and attaches the
+    gradient hooks."""
 
     def __init__(
         self,
@@ -196,17 +176,13 @@ class ShardedAdamW(StepHooks):
             None if b.split else b.params_N[b.lo : b.hi].to(torch.float32, copy=True) for b in self.buckets
         ]
         moments = cfg.moments_dtype.dtype
-        self._low_grads = grad_dtype != torch.float32
-        """bf16 gradient shards (optim.grad_dtype): the clipping factor goes into the update
-        (`_grad_coef`) instead of scaling them in place, which would round them a second time."""
+        self.low_grads = grad_dtype != torch.float32
         self.state_S = [
             {k: torch.zeros_like(b.grad_S, dtype=moments) for k in (("momentum",) if b.muon else self.rule.state)}
             for b in self.buckets
         ]
         """Each bucket's shard of the optimizer state by key: the rule's `state`; Muon's buckets, the
         "momentum"."""
-        self._grad_coef: torch.Tensor | None = None
-        """The clipping factor `clip_grad_norm` left for the update (fused, or bf16 gradients)."""
         self._groups = self._rule_groups(param_groups(model, cfg.weight_decay)[0]["params"], cfg.weight_decay)
         parts, self._muon_grads = self._muon_parts()
         self.muon = Muon(MuonConfig.of(cfg), parts, gather=self._whole_directions)
@@ -262,15 +238,12 @@ class ShardedAdamW(StepHooks):
         self._grads.zero_grad()
 
     def grad_norm(self) -> torch.Tensor:
-        """Global L2 norm of the (reduced) gradient, as a device tensor (no host sync).
-
-        One all-reduce over all ranks counts every element once: a dense element sits in exactly
-        one dp rank's shard; an expert element in exactly one shard of its edp group, and the dp
-        group is the edp groups of all ep ranks, which hold different experts; pipeline stages
-        hold different parameters.
-        """
+        """Global L2 norm of the (reduced) gradient, as a device tensor (no host sync). One
+        all-reduce over all ranks counts every element once: each lies in exactly one shard of
+        its group (dp, or edp for the experts, whose ep ranks hold different ones), and pipeline
+        stages hold different parameters."""
         grads = [b.grad_S for b in self.buckets]
-        if self._low_grads:  # the norms of bf16 shards computed in fp32
+        if self.low_grads:  # the norms of bf16 shards computed in fp32
             sq = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
         else:
             sq = torch.stack(torch._foreach_norm(grads)).square().sum()
@@ -291,16 +264,9 @@ class ShardedAdamW(StepHooks):
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Bring the gradient shards to a global norm of at most `max_norm` (math.inf: no
-        clipping); return the norm before clipping (device tensor, no host sync). Fused, or bf16
-        shards: the factor goes into the update (one pass over the gradients less, or no second
-        rounding); else the shards are scaled in place."""
+        clipping; `_clip`); return the norm before clipping (device tensor, no host sync)."""
         total = self.grad_norm()
-        if max_norm != math.inf:
-            coef = clip_coefficient(total, max_norm)
-            if self._low_grads or self.fused:
-                self._grad_coef = coef
-            else:
-                torch._foreach_mul_([b.grad_S for b in self.buckets], coef)
+        self._clip([b.grad_S for b in self.buckets], total, max_norm)
         return total
 
     # ---- the update ------------------------------------------------------------------------------
@@ -313,7 +279,7 @@ class ShardedAdamW(StepHooks):
         (a device bool, equal on all ranks): no update, and the all-gather writes the parameters
         with their unchanged values. Fused, it is decided on the device; otherwise read on the
         host (one sync per step)."""
-        coef, self._grad_coef = self._grad_coef, None
+        coef, self._clip_coef = self._clip_coef, None
         self.rule.update(self._groups, self._step_t, lr=self.lr, grad_coef=coef, skip=skip, fused=self.fused)
         self.muon.step(self._muon_grads, self.lr, coef, skip)
         self._all_gather_params()
@@ -462,15 +428,9 @@ class ShardedAdamW(StepHooks):
                 _all_gather(b.params_N, b.params_N[b.lo : b.hi].clone(), group=b.group)
 
     def state_dict_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Per-parameter FULL state keyed by canonical parameter name, in the layout of
-        torch.optim.AdamW's (the rule's `state` shaped like the parameter — for experts, like this
-        rank's slice — and a 0-d float32 "step" on the CPU): the in-memory
-        view of the whole state, for tests and tools (checkpoints use `checkpoint_tensors`).
-
-        Collective (every rank of the dp group must call it). Cost: each bucket's state is
-        all-gathered over its group, so this briefly holds the unsharded state (AdamW: 8 bytes per
-        parameter element) — the memory that sharding saves during training.
-        """
+        """Per-parameter FULL state keyed by canonical parameter name (`Optimizer.state_dict_tensors`;
+        "step" a 0-d float32 on the CPU). Collective: each bucket's state is all-gathered over its
+        group, so this briefly holds the unsharded state that sharding saves during training."""
         out: dict[str, dict[str, torch.Tensor]] = {}
         step = self._step_t.detach().to("cpu", copy=True)  # one read for all parameters
         for b, state_S in zip(self.buckets, self.state_S):

@@ -16,22 +16,14 @@ the two differ only when the low 16 bits are exactly 0x8000) and lo = x âˆ’ hi Â
 fp32 gradient 4 + AdamW's two fp32 moments 8 = 16 bytes, as with fp32 weights, and without the
 2 bytes per element of bf16 copies that autocast makes of every weight and keeps for backward.
 
-The AdamW update (`adamw_update`, src/moetrain/optim/adamw.py, handed these tensors by the optimizer)
-runs on (hi, lo) directly: on CUDA one Triton kernel per parameter (src/moetrain/optim/triton_kernels.py)
-reads hi, lo, gradient and moments and writes them back (the bytes of torch's fused fp32 AdamW),
-with the clipping factor and the step guard's skip decision as device tensors (no host sync);
-elsewhere `adamw_reference`, the same arithmetic in torch ops on the joined fp32 values. Lion's
-update (src/moetrain/optim/lion.py) joins, steps and splits them in torch ops everywhere.
+The update rules run on (hi, lo) directly (src/moetrain/optim/adamw.py: on CUDA one Triton kernel
+that moves the bytes of torch's fused fp32 AdamW; src/moetrain/optim/lion.py).
 
-Gradients: autograd gives a bf16 parameter a bf16 gradient (the weight-gradient GEMM's output,
-which autocast would cast to fp32). A post-accumulate-grad hook takes it off the parameter: after
-the step's first backward the bf16 gradient itself is kept (its fp32 value is exact, so there is
-no cast pass, and it takes 2 bytes per element instead of 4); a second backward sums the two in
-fp32 and later ones add to that (gradient accumulation in fp32); the update reads either dtype.
-Where a `GradReducer` buckets the gradients (dp > 1; not the experts' at edp = 1, which need no
-sum) they are copied into its fp32 buffer. With
-optim.grad_dtype=bf16 they stay bf16 throughout: later backwards add into the bf16 gradient in
-place (computed in fp32, rounded once: src/moetrain/optim/grad_store.py), and the kept buffer is bf16.
+Gradients: autograd gives a bf16 parameter a bf16 gradient. A post-accumulate-grad hook takes it
+off the parameter: after the step's first backward the bf16 gradient itself is kept (its fp32
+value is exact: no cast pass, 2 bytes per element instead of 4); later backwards accumulate in
+fp32, or, where a `GradReducer` buckets them, in its fp32 buffer. With optim.grad_dtype=bf16 they
+stay bf16 throughout (src/moetrain/optim/grad_store.py).
 """
 
 from __future__ import annotations
@@ -165,12 +157,9 @@ class SplitMaster:
 
     # ---- gradients --------------------------------------------------------------------------------
     def _accumulate(self, p: nn.Parameter) -> None:
-        """Post-accumulate-grad hook: take the bf16 gradient. The first backward of a step keeps
-        it as it is (its fp32 value is exact: no cast pass, half the bytes); a second one sums
-        both in fp32, and later ones add to that (on CUDA one Triton pass each,
-        `accumulate_grad`). Into a kept buffer it is copied. bf16 `grad_dtype`: later ones are
-        added into the bf16 gradient in place (in fp32, rounded once). A backward that gave `p`
-        no gradient (None: the experts' before the step's last backward, with
+        """Post-accumulate-grad hook: take the bf16 gradient (module docstring; on CUDA later ones
+        are added by one Triton pass each, `accumulate_grad`). A backward that gave `p` no
+        gradient (the experts' before the step's last backward, with
         compute.defer_expert_weight_grad) adds nothing."""
         if p.grad is None:
             return

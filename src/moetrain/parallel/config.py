@@ -23,12 +23,9 @@ DEFAULT_CAPACITY_FACTOR: float | None = 1.25
 of 0.25, the capacity factor of Olmo-core's reference MoE runs), whatever ep, with counted drops
 beyond it; None is the padded mode (dropless whatever the routing, ep × the exact exchange)."""
 DEFAULT_CAPACITY_MIN_ROWS = 1024
-"""parallel.capacity_min_rows where every row does not fit (auto): each rank's experts get
-at least 1024 rows per MoE layer (R·C ≥ 1024). Few tokens route unevenly: a rank's balanced load
-of M assignments fluctuates by about √M under random routing (the 0.25 slack covers 4√M only
-from M = 256 on), and a young model's learned routing skews further (up to 1.4 × the mean on the
-numerics fingerprint's 2-rank runs, M = 512). So below M ≈ 820 (1.25 M < 1024) the floor gives
-room, and every row where 1024 / R ≥ M."""
+"""parallel.capacity_min_rows where every row does not fit (auto): each rank's experts get at
+least 1024 rows per MoE layer (R·C ≥ 1024), room for the uneven routing of few tokens
+(docs/architecture.md, "Dispatcher memory")."""
 EVERY_ROW = 2**40
 """parallel.capacity_min_rows as "every row": C = M, the padded mode's layout and numerics
 (dropless whatever the routing) with capacity_factor kept for what a chunked exchange needs."""
@@ -38,9 +35,7 @@ MAX_ROW_FACTOR = 1024
 """The largest parallel.capacity_factor / spill_factor: past ep (the padded mode's rows) more
 rows buy nothing, and no expert-parallel group is this large."""
 AUTO_OVERLAP_CHUNKS = 2
-"""parallel.overlap_chunks auto on GPUs: rehearsed on one H100/H200 (docs/measurements.md, "The
-projected 8-GPU sweep"), 2 chunks project the bare dp8·ep8 sweep at 91.6% of one GPU against 85.6%
-without overlap at 8 experts, and 82.2% against 80.4% at 128."""
+"""parallel.overlap_chunks auto on GPUs: docs/measurements.md, "The projected 8-GPU sweep"."""
 MAX_DEGREE = 2**20
 """The largest parallel degree (dp, ep, pp, stages per rank) a config may ask for."""
 
@@ -78,10 +73,8 @@ class PipelineSchedule(enum.StrEnum):
 
 class DispatcherKind(enum.StrEnum):
     nosync = "nosync"
-    """Fixed-size buffers: no device-to-host sync. Each rank's experts get
-    parallel.capacity_factor (1.25) × the balanced load, shared by all sources, and what finds no
-    room is dropped and counted; capacity_factor=null pads for the worst case (dropless, ep × the
-    exact exchange's rows) (src/moetrain/parallel/nosync_dispatcher.py)."""
+    """Fixed-size buffers, no device-to-host sync; what finds no room is dropped and counted
+    (parallel.capacity_factor; src/moetrain/parallel/nosync_dispatcher.py)."""
     alltoall = "alltoall"
     """Exact split sizes, read on the host once per layer: dropless, least memory."""
 
@@ -136,12 +129,10 @@ class ParallelConfig(Config):
     memory and bytes of the exact exchange (docs/architecture.md, "Dispatcher memory")."""
     capacity_min_rows: int | None = non_negative(None, at_most=EVERY_ROW)
     """nosync only: the fewest rows a rank's experts get per MoE layer (C ≥ min_rows / ep per
-    source, never more than all M of a source's assignments), whatever capacity_factor gives; 0 =
-    no floor. null (auto, the default): on CPUs every row, so nothing is ever dropped, where the
-    planner's peak with those buffers fits the machine's memory (one exchange per layer:
-    parallel.overlap_chunks ≤ 1); else, and on GPUs (where every row puts ep × the exact
-    exchange's rows on the wire), 1024 (`moetrain.plan.capacity_floor`; the run says which at
-    start)."""
+    source, never more than all of a source's assignments), whatever capacity_factor gives; 0 =
+    no floor. null (auto, the default): on CPUs every row (nothing dropped) where the planner's
+    peak with those buffers fits the machine's memory and parallel.overlap_chunks ≤ 1; else, and
+    on GPUs, 1024 (`moetrain.plan.capacity_floor`; the run says which at start)."""
     spill_factor: float = non_negative(DEFAULT_SPILL_FACTOR, at_most=MAX_ROW_FACTOR)
     """nosync only: spill rows per (source, destination) pair beyond C, as a multiple of the
     balanced share (ceil(s · assignments / ep)); they carry a pair's overflow into the rows other
@@ -149,14 +140,13 @@ class ParallelConfig(Config):
     exact exchange's. 0 = no spill: each pair's block holds C rows."""
 
     overlap_chunks: int | None = non_negative(None, at_most=64)
-    """nosync only: 0 = each MoE layer's all-to-alls wait for their data and are waited for (the
-    step pays them in full); n ≥ 1 = they run asynchronously beside compute, the layer's exchange
-    split into n (src/moetrain/parallel/overlapped_dispatcher.py): chunk i + 1 travels while chunk
-    i's experts compute, and chunk 1 while the shared expert does; backward mirrors it. The
-    chunks split each rank's experts (model.moe.num_experts / ep) where n divides them, else its
-    tokens; n > 1 needs a bounded capacity and 1/n of it goes to each chunk, so under skew a
-    chunk may drop what the whole would keep. null (auto, the default): `AUTO_OVERLAP_CHUNKS` on
-    GPUs where the exchange is bounded (`RunConfig.overlap_chunks`), 0 elsewhere."""
+    """nosync only: 0 = each MoE layer's all-to-alls are waited for (the step pays them in full);
+    n ≥ 1 = they run asynchronously beside compute, the layer's exchange split into n
+    (src/moetrain/parallel/overlapped_dispatcher.py): chunk i + 1 travels while chunk i's experts
+    compute. The chunks split each rank's experts where n divides them, else its tokens; n > 1
+    needs a bounded capacity and 1/n of it goes to each chunk, so under skew a chunk may drop what
+    the whole would keep. null (auto, the default): `AUTO_OVERLAP_CHUNKS` on GPUs where the
+    exchange is bounded (`RunConfig.overlap_chunks`), 0 elsewhere."""
 
     def overlap_problem(self, num_experts: int, defer_expert_weight_grad: bool = False) -> str | None:
         """Why overlap_chunks cannot split the exchange of `num_experts` experts over ep ranks
@@ -203,17 +193,7 @@ class ParallelConfig(Config):
                         f"{self.dispatcher} dispatcher is always dropless: drop the setting or use "
                         "parallel.dispatcher=nosync."
                     )
-        if self.dp is not None and self.dp <= 0:
-            raise ConfigError(f"parallel.dp={self.dp} must be a positive integer (or null for all ranks).")
-        if self.ep <= 0:
-            raise ConfigError(f"parallel.ep={self.ep} must be a positive integer.")
-        if self.cp <= 0:
-            raise ConfigError(f"parallel.cp={self.cp} must be a positive integer.")
-        if self.pp <= 0:
-            raise ConfigError(f"parallel.pp={self.pp} must be a positive integer.")
-        v = self.stages_per_rank
-        if v <= 0:
-            raise ConfigError(f"parallel.pp_stages_per_rank={v} must be a positive integer.")
+        v = self.stages_per_rank  # the degrees are positive: their domains, checked first (`validate_tree`)
         if self.pp_schedule == PipelineSchedule.interleaved_1f1b and v < 2:
             raise ConfigError(
                 f"parallel.pp_schedule=interleaved-1f1b interleaves several stages per rank: set "

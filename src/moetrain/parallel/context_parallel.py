@@ -1,5 +1,6 @@
 """Context parallelism (`parallel.cp`): each sequence split over cp ranks, attention over the
-whole sequence through an all-gather of its keys and values.
+whole sequence through an all-gather of its keys and values (docs/architecture.md, "Context
+parallelism").
 
 Legend: B sequences, T sequence length, t = T / cp this rank's positions, L = T / (2·cp) one
 chunk, H query heads, G key/value heads, Dh head dim (Dk keys, Dv values where they differ), X = Dk + Dv.
@@ -8,31 +9,21 @@ Sharding. A sequence is cut into 2·cp chunks of L positions; cp rank i holds ch
 2·cp − 1 − i, in that order (`ContextShard.shard`). Under causal attention the queries of chunk
 c see the c + 1 chunks up to their own, so rank i's two chunks see (i + 1) + (2·cp − i) =
 2·cp + 1 chunks of keys: every rank does the same attention work. Everything else in the model
-(norms, projections, the MoE layer and its routing, the loss) treats each position by itself and
-runs unchanged on the t local positions; RoPE takes each position's own angles.
+treats each position by itself and runs unchanged on the t local positions.
 
-Exchange. Each attention layer all-gathers its keys and values (after QK-norm and RoPE, side by
-side: one collective) over the cp group in forward; autograd's backward of the gather reduce-scatters
-their gradients (a sum: every rank's queries contributed to every owner's keys). Each rank then
-attends each of its two query chunks to the key prefix that chunk can see (`prefix_attention`):
-causality aligned to the lower right of the (L, (c + 1)·L) score block — FlashAttention-2 on
-CUDA in bf16, SDPA with `causal_lower_right` elsewhere — or, with document masking, SDPA with the
-boolean mask of those rows (a dense (L, (c + 1)·L) mask per chunk: long document-masked
-sequences pay its memory and the masked kernel's speed). A local block (`model.sliding_window`)
-attends each chunk's queries to the keys of their window alone, with a window mask (every rank
-still gathers every key: the exchange is the global blocks').
+Exchange. Each attention layer all-gathers its keys and values (side by side: one collective)
+over the cp group; autograd's backward of the gather reduce-scatters their gradients. Each rank
+then attends each of its two query chunks to the key prefix that chunk can see
+(`prefix_attention`), causality aligned to the lower right, or with each chunk's document mask;
+a local block (`model.sliding_window`) attends each chunk's queries to the keys of their window.
 
-Why not torch's `context_parallel` (torch.distributed.tensor.experimental): its SDPA path (ring
-attention) takes no attention mask, so no document masking; it runs only the CUDA flash,
-efficient and cuDNN kernels, so it cannot be proven on gloo CPU ranks; and it replaces SDPA for
-the whole program inside a context manager. Its flex-attention path all-gathers keys and values
-as this module does, but needs flex_attention's compiled kernels. With grouped-query attention
-the keys and values are G/H of the queries' size, so gathering them is cheap beside the queries'
-work, and any mask applies unchanged (the scheme Llama 3 trained its long-context stage with,
-for those two reasons). Multi-head latent attention (src/moetrain/model/mla.py) gathers its
-expanded keys and values, every head its own: more than its queries; gathering its latents
-(kv_lora_rank + qk_rope_head_dim numbers a position) and expanding them on every rank would send
-1/71 of that at DeepSeek-V3's shape, at the price of the expansion's products repeated on each rank.
+Why not torch's `context_parallel` (ring attention): its SDPA path takes no attention mask (no
+document masking), runs only CUDA kernels (no proof on gloo CPU ranks) and replaces SDPA for the
+whole program. With grouped-query attention the keys and values are G/H of the queries' size, so
+gathering them is cheap beside the queries' work, and any mask applies unchanged (the scheme
+Llama 3 trained its long-context stage with). Multi-head latent attention gathers its expanded
+keys and values; gathering its latents instead would send 1/71 of that at DeepSeek-V3's shape,
+at the price of the expansion's products repeated on each rank.
 """
 
 from __future__ import annotations

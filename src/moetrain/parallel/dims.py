@@ -9,15 +9,11 @@ stage also as (edp, ep), ep fastest:
     rank = pp_index · dp·cp + dp_index · cp + cp_index
          = pp_index · dp·cp + edp_index · ep + ep_index
 
-- pp groups of dp·cp ranks each hold a different part of the layers (pipeline parallel); with
-  `pp_stages_per_rank` = v > 1 a rank holds v non-adjacent stages (stage s on pp rank s mod pp);
-- the dp·cp ranks of one stage ("replicas", axes dp and cp) hold the same dense parameters, whose
-  gradients are averaged over them; they split the batch over dp (data parallel) and each
-  sequence over cp consecutive ranks (context parallel: src/moetrain/parallel/context_parallel.py),
-  so the key/value all-gathers stay within a node;
-- within a stage, groups of ep consecutive ranks split the experts (expert parallel): tokens
-  travel between them with all-to-all; the tokens of a sequence's cp shards route like any other
-  tokens;
+- pp groups of dp·cp ranks each hold a different part of the layers (pipeline parallel);
+- the dp·cp ranks of one stage ("replicas") hold the same dense parameters, whose gradients are
+  averaged over them; they split the batch over dp and each sequence over cp consecutive ranks
+  (so the key/value all-gathers stay within a node);
+- within a stage, groups of ep consecutive ranks split the experts (expert parallel);
 - ranks with the same ep_index across those groups hold the same experts: the expert-replica
   axis "edp" (size dp·cp / ep), over which expert gradients are reduced.
 

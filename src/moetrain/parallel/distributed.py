@@ -3,16 +3,13 @@ MASTER_PORT, LOCAL_RANK): NCCL on GPUs, gloo on CPU. A plain `python -m moetrain
 torchrun) runs as a world of one without any process group.
 
 Every rank also keeps a heartbeat in the rendezvous store (a counter it increments once a second
-from a background thread). Two uses:
-- when a collective fails because a peer is gone (gloo reports it at once), the survivors name
-  it: `unresponsive_ranks()` watches the counters for a few seconds and returns the ranks whose
-  counter stood still;
-- a dead or hung peer that makes no collective fail (NCCL may just wait; a rank stuck in a
-  kernel or a deadlock): each rank's thread also watches its successor in a ring (rank r watches
-  r + 1 mod world, so the store sees O(world) reads a second) and, when that counter has stood
-  still for `peer_timeout_s`, prints an error naming it and ends the process (exit code 1); the
-  launcher then stops the others. A rank that finishes normally marks itself done first.
-Under torchrun the store is the launcher's, which outlives the workers.
+from a background thread). When a collective fails because a peer is gone, the survivors name it
+(`unresponsive_ranks()`: the ranks whose counter stood still). A dead or hung peer that makes no
+collective fail (NCCL may just wait): each rank's thread also watches its successor in a ring (so
+the store sees O(world) reads a second) and, when that counter has stood still for
+`peer_timeout_s`, prints an error naming it and ends the process; the launcher then stops the
+others. A rank that finishes normally marks itself done first. Under torchrun the store is the
+launcher's, which outlives the workers.
 """
 
 from __future__ import annotations

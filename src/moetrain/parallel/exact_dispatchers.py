@@ -3,15 +3,10 @@
 Legend: N tokens on this rank, K top-k, M = N·K assignments, D model dim, E experts in all,
 L = E / ep experts on this rank, R = ep ranks of the expert-parallel group.
 
-Every dispatcher here implements `TokenDispatcher` (src/moetrain/model/token_dispatcher.py, the
-interface): the MoE layer asks for its expert step (dispatch → experts → combine) and never
-communicates itself.
-- `DataParallelDispatcher`: ep = 1, dp > 1; every rank holds every expert, only the routing
-  counts are summed over dp;
-- `ExpertParallelDispatcher`: the base of the dispatchers that split experts over ep ranks;
-- `AllToAllDispatcher`: exact split sizes read on the host (`parallel.dispatcher=alltoall`);
-- `NoSyncDispatcher` (nosync_dispatcher.py) and `OverlappedDispatcher` (overlapped_dispatcher.py)
-  build on the base here.
+Every dispatcher implements `TokenDispatcher` (src/moetrain/model/token_dispatcher.py): the MoE
+layer asks for its expert step (dispatch → experts → combine) and never communicates itself.
+`ExpertParallelDispatcher` is the base of those that split experts over ep ranks (this module's
+`AllToAllDispatcher`, nosync_dispatcher.py, overlapped_dispatcher.py).
 """
 
 from __future__ import annotations
@@ -71,7 +66,7 @@ class ExpertParallelDispatcher(TokenDispatcher):
         """This rank's assignments ordered by global expert (so rows for rank r's experts are
         contiguous, expert by expert), in the wire dtype; and the order, for `unsort`."""
         sort_idx_M, inv_NK = sort_by_expert(topk_ids_NK)
-        return DispatchState(sort_idx_M, inv_NK), permute(wire_dtype(x_ND), sort_idx_M, inv_NK)
+        return DispatchState(sort_idx_M, inv_NK), permute(x_ND.to(wire_dtype_of(x_ND)), sort_idx_M, inv_NK)
 
     @staticmethod
     def unsort(y_MD: torch.Tensor, order: DispatchState, topk_weights_NK: torch.Tensor) -> torch.Tensor:
@@ -120,16 +115,11 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         return self.unsort(y_MD, state.order, topk_weights_NK)
 
 
-def wire_dtype(x: torch.Tensor) -> torch.Tensor:
-    """Rows as they cross the all-to-all: in the autocast dtype (bf16) when autocast is on. The
+def wire_dtype_of(x: torch.Tensor) -> torch.dtype:
+    """The dtype rows cross the all-to-all in: the autocast dtype (bf16) when autocast is on. The
     experts cast their input to that dtype anyway, so the values are the same, at half the bytes
     of the fp32 residual stream; the backward casts the gradient rows back to fp32 before they
     are summed per token (the gather's backward), so no precision is lost there either."""
-    return x.to(wire_dtype_of(x))
-
-
-def wire_dtype_of(x: torch.Tensor) -> torch.dtype:
-    """The dtype `wire_dtype` gives `x`."""
     device_type = x.device.type
     if torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)

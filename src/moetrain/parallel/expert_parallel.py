@@ -3,9 +3,8 @@
 Legend: E experts in all, L = E / ep experts on this rank.
 
 `apply_expert_parallel` gives every MoE layer of a (meta-device) model the slice of experts its
-rank holds and a dispatcher that moves tokens with all-to-all (src/moetrain/parallel/exact_dispatchers.py,
-nosync_dispatcher.py, overlapped_dispatcher.py). The model code is unchanged:
-the MoE layer still asks its dispatcher for the expert step.
+rank holds and a dispatcher that moves tokens with all-to-all (`DISPATCHERS`). The model code is
+unchanged: the MoE layer still asks its dispatcher for the expert step.
 """
 
 from __future__ import annotations

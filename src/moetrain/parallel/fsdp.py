@@ -1,19 +1,12 @@
-"""The FSDP2 baseline stack (`parallel.stack=fsdp`): `fully_shard` per block, then the root.
+"""The FSDP2 baseline stack (`parallel.stack=fsdp`): `fully_shard` per block, then the root
+(docs/architecture.md, "FSDP2 baseline": the step, mixed precision).
 
 Every parameter — experts included, stacked (E, …) tensors sharded on the expert dim like any
-weight — becomes a DTensor sharded (dim 0) over the data-parallel mesh. Per step:
-
-  forward:  each block all-gathers its parameters (in bf16 under bf16 compute), runs, frees them
-            again (reshard after forward);
-            every rank computes all experts for its own tokens: no expert parallelism, no
-            all-to-all; only the routing counts cross ranks (`DataParallelDispatcher`)
-  backward: each block all-gathers again, computes its gradients, reduce-scatters them; FSDP
-            divides by dp, so the shards hold the gradient of the mean loss over the global batch
-            (what `GradReducer` gives the ddp stack)
-  step:     AdamW on this rank's shards: parameters, gradients and moments ÷ dp per rank
-
-This is the design Olmo-core 3 replaced with resident experts; it is here so benchmarks compare
-the two stacks on the same model, data and batch.
+weight — becomes a DTensor sharded (dim 0) over the data-parallel mesh. Each block all-gathers its
+parameters in forward and again in backward and reduce-scatters its gradients, which FSDP divides
+by dp (what `GradReducer` gives the ddp stack); every rank computes all experts for its own tokens:
+no expert parallelism, no all-to-all. This is the design Olmo-core 3 replaced with resident
+experts; it is here so benchmarks compare the two stacks on the same model, data and batch.
 
 The model stays plain: `init_weights(fill=init_full_then_shard)` initializes each parameter on a
 full temporary and keeps this rank's shard, so values match every other layout. Checkpoints save
@@ -51,14 +44,11 @@ def apply_fsdp(
     inputs are not cast (the residual stream stays fp32) and the root keeps fp32 (embedding and
     head as on the ddp stack).
 
-    `grad_dtype` bf16 (optim.grad_dtype, any compute dtype, the root too): FSDP's reduce dtype.
-    Between micro-batches (no gradient sync) it keeps each parameter's unsharded gradient in bf16,
-    the first backward's rounded and every later fp32 (or bf16) gradient added in fp32 and
-    rounded once (`FSDPParam.accumulate_unsharded_grad_if_needed`: `bf16 += g`); it reduce-scatters
-    in bf16 (ReduceOp.AVG: a sum in bf16, each addition rounded, divided by dp); and it casts the
-    reduced shard back to the parameters' fp32 for the optimizer, so the sharded gradient (4 B ÷ dp
-    per element) stays fp32. On one rank (no mesh) nothing is sharded: `FSDPAdamW` keeps the bf16
-    gradients itself."""
+    `grad_dtype` bf16 (optim.grad_dtype, the root too): FSDP's reduce dtype. It keeps each
+    parameter's unsharded gradient between micro-batches in bf16 (every later gradient added in
+    fp32 and rounded once: `FSDPParam.accumulate_unsharded_grad_if_needed`), reduce-scatters in
+    bf16, and casts the reduced shard back to the parameters' fp32 for the optimizer. On one rank
+    (no mesh) nothing is sharded: `FSDPAdamW` keeps the bf16 gradients itself."""
     if state.mesh is None:
         return  # one rank: nothing to shard
     policy = root_policy = MixedPrecisionPolicy()

@@ -1,5 +1,5 @@
 """A sync-free expert-parallel dispatcher: fixed-size all-to-all buffers near the exact exchange's
-size, no host round trip.
+size, no host round trip (docs/architecture.md, "Dispatcher memory": the sizes, drops and floor).
 
 Legend: N tokens on this rank, K top-k, M = N·K assignments (row n·K + k: token order), D model
 dim, E experts in all, R = ep ranks of the expert-parallel group, L = E / R experts on this rank,
@@ -7,64 +7,34 @@ C = ceil(capacity_factor · M / R) and P = ceil(spill_factor · M / R) rows, W =
 (source, destination) pair of the exchange, X the R × R routing counts (X[s, d]: assignments of
 rank s to rank d's experts).
 
-`AllToAllDispatcher` (exact_dispatchers.py) sends each peer exactly the rows routed to it, so its split
-sizes are data and are read on the host once per layer: the CPU waits for the router, and the
-step cannot be captured in a CUDA graph. Here the all-to-all has equal splits, fixed by N, K, R
-and two factors, so nothing waits on the host. One MoE layer:
+`AllToAllDispatcher` reads its split sizes on the host once per layer: the CPU waits for the
+router and the step cannot be captured in a CUDA graph. Here the splits are equal, fixed by N,
+K, R and two factors. One MoE layer:
 
 1. counts: an all-gather of R integers gives every rank all of X, on the device.
 2. rank s fills its block for each destination d with its first assignments to d (token order):
-   the first C always, up to P more ("spill" rows) where d has room for them. Room is pooled at
-   the destination: d's experts take R·C rows, the C of every source's block plus the spill
-   rows of the sources in rank order, as long as the rows other sources leave unused
-   (Σ_r max(0, C − X[r, d])) last. Every rank computes the same answer from X, so the sender
-   knows which of its rows will be kept and sends zeros in place of the others.
+   the first C always, up to P more ("spill" rows) while d has room. Room is pooled at d: its
+   experts take R·C rows, the C of every source's block plus spill rows in source order while
+   the rows other sources leave unused (Σ_r max(0, C − X[r, d])) last. Every rank computes the
+   same answer from X, so the sender sends zeros in place of the rows that will not be kept.
 3. beside each row travels an int64 key (local expert, source rank, rank among that source's
-   assignments to d), or padding. d sorts its R·W received keys and keeps the first R·C rows: the
-   kept rows, grouped by local expert, source-major, token order within (the exact dispatcher's
-   order), then padding, past the last offset, where the grouped GEMM skips it: not computed,
-   its output rows (and input-gradient rows in backward) may hold anything (uninitialized memory
-   on CPU; zeros or leftovers with CUDA's kernels), never read.
+   assignments to d), or padding. d sorts its R·W keys and keeps the first R·C rows: grouped by
+   local expert, source-major, token order within (the exact dispatcher's order), then padding,
+   past the last offset, where the grouped GEMM skips it: its output rows (and input-gradient
+   rows) may hold anything, never read.
 4. combine undoes 3, sends the buffers back, and weights and sums each token's kept copies.
 
-A second spill exchange of P rows per pair would move the same bytes as one exchange of C + P
-rows per pair, one latency later; the pooling at the destination is what keeps the experts' rows
-at R·C.
-
-Dropping. An assignment is dropped when its pair's block is full (X[s, d] > W) or its
-destination is (the rows beyond C that reach d exceed the rows other sources leave unused). Its
-output is zero: the token keeps its other experts' outputs and the shared expert's, and the
-top-k weights are not renormalized (the Switch Transformer's convention). `dropped_tokens()`
-counts them on the device; the trainer logs `dropped_token_frac`. Everything routed to one rank
-d is the extreme: X[s, d] = M for every s and every other block is empty, so d gets R·C rows
-(≈ capacity_factor · M: C from each source) and the other R·(M − C) assignments are dropped, a
-fraction 1 − capacity_factor / R of them (84% at ep 8 with capacity_factor 1.25); the other ranks'
-experts compute nothing. `capacity_factor=None` is the padded mode, dropless whatever the
-routing: C = M (one destination may receive all of a rank's assignments), at R × the memory and
-bytes of the exact dispatcher. R·C is at least `min_rows` (parallel.capacity_min_rows: by
-default on a CPU every row where the planner finds those buffers fit, else 1024): few
-tokens route more unevenly than the slack allows (a rank's load of M fluctuates
-by about √M under random routing; early learned routing skews further), so small micro-batches
-get room, up to every row (C = M: the padded mode's layout and numerics); at GPU scale (M in the
-tens of thousands) the floor is inactive.
-
-Memory per MoE layer and rank under balanced routing (every X[s, d] = M / R), in rows of D: the
-exact dispatcher's experts get M rows and its all-to-alls move M each way; here the experts get
-R·C ≈ capacity_factor · M rows and the all-to-alls move R·W ≈ (capacity_factor + spill_factor)
-· M. The exchange's buffers are transient (one layer's at a time); what is kept for backward is
-the experts' R·C rows and, as in the exact dispatcher, the M output rows combine weights.
-With capacity_factor 1.25 and the default spill 0.125: 1.25 × the exact dispatcher's
-activations, 1.375 × its bytes; measured on CPU (tests/parallel/test_nosync_capacity.py) the
-whole dispatch allocates 1.02 × the exact dispatcher's peak bytes and keeps 1.14 × its bytes
-for backward, at ep 2, 4 and 8.
+A dropped assignment (its pair's block full, or its destination's R·C rows) outputs zero, the
+top-k weights not renormalized (the Switch Transformer's convention); `dropped_tokens()` counts
+them on the device. `capacity_factor=None` is the padded mode, C = M: dropless whatever the
+routing, at R × the exact dispatcher's bytes.
 
 The garbage of padding rows never reaches a result: combine gathers only kept assignments' rows
 and zero-fills dropped ones by mask (not a product, which would turn NaN garbage into NaN), and
 in backward the mask that zero-fills unsent rows in dispatch also drops their gradient before it
-reaches `x` (such a row copied from some token would hand that token the garbage). Numerics: the
-buffer is destination-major, token order within, in every mode, so each token's copies reach
-its gradient in the same order and, whenever nothing is dropped, the results are the padded
-mode's bit for bit (on CPU).
+reaches `x`. Numerics: the buffer is destination-major, token order within, in every mode, so
+each token's copies reach its gradient in the same order and, whenever nothing is dropped, the
+results are the padded mode's bit for bit (on CPU).
 """
 
 from __future__ import annotations
@@ -81,8 +51,7 @@ from moetrain.parallel.config import DEFAULT_CAPACITY_FACTOR, DEFAULT_SPILL_FACT
 from moetrain.parallel.exact_dispatchers import ExpertParallelDispatcher, wire_dtype_of
 
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-"""all_gather_single where torch has it (2.13 deprecates all_gather_tensor), all_gather_tensor on
-older ones (torch 2.11, the GPU machine's, has no all_gather_single)."""
+"""all_gather_single where torch has it (2.13 deprecates all_gather_tensor), else all_gather_tensor."""
 
 
 def capacity_rows(assignments: int, ep: int, capacity_factor: float | None, min_rows: int = 0) -> int:

@@ -1,49 +1,25 @@
 """The overlapped expert exchange (parallel.overlap_chunks = n): the sync-free dispatcher's
-all-to-alls run beside compute instead of before and after it.
+all-to-alls run beside compute instead of before and after it (docs/architecture.md, "The
+overlapped exchange": the schedule, forward and backward, and what it costs).
 
 Legend as src/moetrain/parallel/nosync_dispatcher.py: N tokens on this rank, K top-k, M = N·K
 assignments, D model dim, R ep ranks, L experts on this rank, G = L / n experts per chunk (by experts),
 C and W a chunk's capacity and block rows.
 
 `OverlappedDispatcher` is a `NoSyncDispatcher` whose `expert_step` (dispatch → experts → combine
-+ the shared expert, which the MoE layer asks every dispatcher for) is split into n exchanges,
-all routed before any row moves, each with 1/n of the capacity and spill rows (bounded capacity
-only, RunConfig.validate: the padded mode's chunks would need n × its buffers). With n = 1 the
-one exchange overlaps the shared expert. Capacity is per chunk, so under skew a chunk may drop
-what the whole would keep. The chunks split
-
-- by experts where n divides L: chunk i carries every token's copies for each rank's local
-  experts [i·G, (i+1)·G), so each expert runs once, on all its rows: its weight gradient is one
-  GEMM (`GroupGrads` puts the groups' slices together), every row and every sum is computed as
-  in the unsplit exchange, and the results are its results bit for bit on CPU (within 5e-8 on an
-  H200, from the atomics-free kernels' different tiling);
-- else by tokens (a rank with one expert, say): chunk i carries the copies of tokens
-  [i·N/n, (i+1)·N/n) for every local expert, so each expert runs n times on 1/n of its rows and
-  autograd sums its n weight gradients: the unsplit exchange's results within rounding (products
-  over fewer rows, a weight gradient summed from n).
-
-Forward, on the communication stream: the counts (one all-gather), the keys (one all-to-all),
-chunk 1's rows … chunk n's, then each chunk's way back as soon as its experts are done. The
-compute stream meanwhile runs the shared expert (while chunk 1 travels), then chunk i's experts
-while chunk i + 1 travels (and chunk i − 1 goes back). Exposed: chunk 1's dispatch beyond the
-shared expert, the last chunk's return. Backward mirrors it (autograd runs a layer's nodes
-latest-created first): the last chunk's gradient goes back first; chunk i's expert backward
-overlaps chunk i − 1's return and chunk i + 1's dispatch gradient; the shared expert's backward
-overlaps the first chunk's. Exposed: the first return of the gradient, what the shared expert
-does not cover of the last.
++ the shared expert) is split into n exchanges, all routed before any row moves, each with 1/n
+of the capacity and spill rows (bounded capacity only: the padded mode's chunks would need n ×
+its buffers). The chunks split by experts where n divides L (each expert runs once, on all its
+rows: the unsplit exchange's results bit for bit on CPU), else by tokens (each expert runs n
+times on 1/n of its rows: its results within rounding).
 
 `Exchange` is one equal-split all-to-all that runs while other work does: `out =
-exchange.start(x)`, … other work …, `out = exchange.finish(out)`. Forward: `start` enqueues
-`dist.all_to_all_single(async_op=True)` and returns the receive buffer (not yet valid); `finish`
-waits for it (on CUDA: the compute stream waits on NCCL's, the host does not). Backward runs the
-mirror image: `finish`'s backward starts the reverse all-to-all of the gradient, `start`'s
-backward waits for it, and whatever autograd runs between the two overlaps it. Not
-`funcol.all_to_all_single_autograd`: its forward waits lazily (at the first use of the result),
-but its backward waits at once, so the reverse exchange would never overlap anything. A `Work`
-handle cannot be traced, so `expert_step` runs eagerly under torch.compile (`apply_compile`
-compiles the experts and the shared expert it calls on their own). The bytes an exchange holds:
-the send buffer until it completes (the process group keeps it), the receive buffer until its
-consumer lets go; nothing is kept for backward.
+exchange.start(x)`, … other work …, `out = exchange.finish(out)`. Backward runs the mirror
+image: `finish`'s backward starts the reverse all-to-all of the gradient, `start`'s backward
+waits for it. Not `funcol.all_to_all_single_autograd`: its backward waits at once, so the
+reverse exchange would never overlap anything. A `Work` handle cannot be traced, so
+`expert_step` runs eagerly under torch.compile (`apply_compile` compiles the experts and the
+shared expert on their own).
 """
 
 from __future__ import annotations

@@ -1,42 +1,34 @@
-"""Pipeline parallelism with torch.distributed.pipelining.
+"""Pipeline parallelism with torch.distributed.pipelining (docs/architecture.md, "Pipeline
+parallelism").
 
 Legend: S = pp × v pipeline stages, v stages per rank, n micro-batches per optimizer step,
 B sequences per micro-batch on this rank, T sequence length, D model dim, V vocabulary.
 
-The layers are cut into S stages of equal numbers of blocks (the first stages one more when S
-does not divide the layers); stage s runs on pipeline rank
-s mod pp (with v = 1, stage s on rank s; with v > 1 "looped": rank r holds stages r, r + pp, …,
-which is what the interleaved schedule expects). Stage 0 also holds the embedding, stage S-1 the
-final norm and LM head.
+The layers are cut into S stages of equal numbers of blocks (`stage_layers`); stage s runs on
+pipeline rank s mod pp ("looped" for v > 1: rank r holds stages r, r + pp, …, which is what the
+interleaved schedule expects). Stage 0 also holds the embedding, stage S-1 the final norm and LM
+head. The model stays one `Transformer` per rank: `split_model` deletes the blocks this rank does
+not hold (the others keep their layer-index names, so parameter names, initial values and
+checkpoint entries are those of the whole model), and the stages are `StageModule` views over it,
+so the optimizer, the gradient reducer and checkpoints keep working on the one `Transformer`.
 
-The model stays one `Transformer` per rank: `split_model` deletes the blocks this rank does not
-hold (the others keep their layer-index names, so parameter names, initial values and checkpoint
-entries are those of the whole model) and the embedding/head where this rank holds neither end.
-The stages are `StageModule` views over it: each registers the shared submodules it runs, so the
-optimizer, the gradient reducer and checkpoints keep working on the one `Transformer`.
-
-One optimizer step = one `schedule.step()` over the step's n micro-batches (the trainer's
-gradient-accumulation micro-batches: train.global_batch_size / train.micro_batch_size). The loss
-of each is the micro-batch's mean cross-entropy / n (× the gradient reduction's `loss_scale`, 1/dp, for
-the backward only) and gradients are not rescaled (scale_grads=False): the same sum as the plain
-loop. Load-balancing / z losses ride on each MoE
-layer's output (`AttachAuxLoss`), so a stage's backward applies them; their routing statistics
-are accumulated per micro-batch as usual. So the loss and every gradient are those of the
-single-process run.
+One optimizer step = one `schedule.step()` over the step's n micro-batches. The loss of each is
+the micro-batch's mean cross-entropy / n (× the gradient reduction's `loss_scale` for the
+backward only) and gradients are not rescaled (scale_grads=False): the same sum as the plain
+loop. Load-balancing / z losses ride on each MoE layer's output (`AttachAuxLoss`), so a stage's
+backward applies them. So the loss and every gradient are those of the single-process run.
 
 Multi-token prediction (model.mtp_depth = K, src/moetrain/model/mtp.py) runs on the last stage, which
 holds the LM head; the embedding is the first stage's. So the first stage embeds the K rolled
 token sequences and sends them along with the hidden state (B, T, (1 + K)·D); middle stages pass
-them on untouched; the last stage's MTP loss sends their gradient back to the embedding the same
-way. The last stage takes each micro-batch's targets from a queue (`queue_targets`) and attaches
-the MTP loss to its logits (`AttachAuxLoss`, with the backward's scale).
+them on untouched; the last stage takes each micro-batch's targets from a queue
+(`queue_targets`) and attaches the MTP loss to its logits.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import inspect
 from dataclasses import dataclass
 
 import torch
@@ -176,9 +168,7 @@ class Pipeline:
         self.losses.clear()
         args = (inputs_BT,) if self.has_first else ()
         kwargs = {"target": targets_BT} if self.has_last else {}
-        if _STEP_TAKES_RETURN_OUTPUTS:
-            kwargs["return_outputs"] = False  # the loss is all we need; don't keep the logits
-        self.schedule.step(*args, **kwargs)
+        self.schedule.step(*args, **kwargs, return_outputs=False)  # the loss is all we need: no logits kept
         if not self.losses:
             return torch.zeros((), device=inputs_BT.device)
         return torch.stack(self.losses).sum()
@@ -209,10 +199,6 @@ class Pipeline:
         if not self.has_last:
             return torch.zeros((), device=inputs_BT.device)
         return F.cross_entropy(x.float().flatten(0, 1), targets_BT.flatten())
-
-
-# torch ≥ 2.8 can skip keeping the last stage's outputs (the logits) after a step.
-_STEP_TAKES_RETURN_OUTPUTS = "return_outputs" in inspect.signature(Schedule1F1B.step).parameters
 
 
 def build_pipeline(

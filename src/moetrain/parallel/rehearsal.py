@@ -1,45 +1,22 @@
-"""Rehearsal: one rank of an N-rank layout, run alone on this device, its peers stood in for.
+"""Rehearsal: one rank of an N-rank layout, run alone on this device, its peers stood in for
+(docs/architecture.md, "Rehearsal": what each collective returns, what is measured and what not).
 
 `moetrain train|bench PRESET --rehearse N [--rank R]` builds rank R of the N-rank run exactly as
-a real launch would — its model shard, dispatcher, optimizer shard, gradient buckets, pipeline
-stages and checkpoint files — and runs it on the one local device (GPU or CPU). Nothing in the
-model, the dispatchers or the optimizers knows: the whole difference is the process group. The
-default group is a `StandInGroup` (this module's torch.distributed backend) of N ranks with this
-process as rank R, and so is every group made from it (`ParallelState.group(*axes)`). Each
-collective returns what symmetric peers would send — peers that hold what this rank holds and
-route as it routes:
-
-    all_reduce          identical copies: SUM → the value × group size; AVG, MIN, MAX,
-                        BAND, BOR → the value itself; PRODUCT → the value ** size
-    reduce_scatter      this rank's chunk of the input, reduced as all_reduce reduces
-    all_gather          this rank's input in every slot of the output
-    all_to_all          the chunk this rank sends to peer j comes back as peer j's chunk (the
-                        output is the input); received split sizes equal the sent ones, so the
-                        received counts, offsets and local-expert groups are those of this
-                        rank's routing (balanced or configured). Unequal splits are refused
-    broadcast           the root holds what this rank holds: nothing changes
-    barrier             returns at once
-    send                nothing leaves (the ledger counts the bytes)
-    recv                a tensor of the real shape and dtype: floating point filled from a
-                        normal distribution of this module's own generator (not the training
-                        RNG), integers with ones (the pipeline schedule's warm-up vote, a
-                        product of the stages' votes for static shapes: peers vote as this
-                        rank does)
-    gather, reduce      at the root as all_gather / all_reduce; elsewhere nothing
-    scatter             at the root its own slot; from another root refused (no symmetric
-                        answer exists; moetrain's checkpoints do not coordinate: ShardRole)
+a real launch would and runs it on the one local device. Nothing in the model, the dispatchers or
+the optimizers knows: the whole difference is the process group. The default group is a
+`StandInGroup` (this module's torch.distributed backend) of N ranks with this process as rank R,
+and so is every group made from it. Each collective returns what symmetric peers would send —
+peers that hold what this rank holds and route as it routes: an all-reduce's SUM is the value ×
+the group size, an all-gather puts this rank's input in every slot, an all-to-all's output is
+its input, a receive is random floats (this module's own generator) or ones; what has no
+symmetric answer (a scatter from another root, unequal all-to-all splits) is refused.
 
 So a rehearsed rank runs the real rank's kernels on the real shapes with the real allocations;
 only the transfers are missing. The stand-ins write through `.data`, as a real group writes
 memory behind autograd's back: no version counter moves (an asynchronous exchange's buffer is a
-view autograd watches). Their device work (a copy, a scale) runs on the current stream
-inside a `rehearsal:OP` profiler range, and the `Ledger` counts each collective's calls and the
-bytes it would send, per group size. Communication time is not measured by a rehearsal: what a
-report projects from it uses the planner's model (src/moetrain/plan/), labelled so.
-
-Host-side duties of rank 0 (the run directory, completing a checkpoint) fall to the rehearsed
-process (`ParallelState.rehearsed`), and a checkpoint's peer files are written by it with the
-entries it holds that each peer would write (`ShardRole.writes_for`), so the checkpoint loads.
+view autograd watches). Their device work runs on the current stream inside a `rehearsal:OP`
+profiler range, and the `Ledger` counts each collective's calls and the bytes it would send, per
+group size.
 """
 
 from __future__ import annotations
@@ -161,8 +138,8 @@ def _stand_in(op: str, size: int, tensors):
 
 
 class StandInGroup(dist.ProcessGroup):
-    """A process group of `size` ranks in which only this process (rank `rank`) exists; see the
-    module docstring for what each collective returns. Both torch's current method names and
+    """A process group of `size` ranks in which only this process (rank `rank`) exists (module
+    docstring). Both torch's current method names and
     the older ones (torch 2.10–2.12: `_allgather_base`, `alltoall_base`, …) are provided."""
 
     def __init__(self, rank: int, size: int):
@@ -179,28 +156,17 @@ class StandInGroup(dist.ProcessGroup):
     def getGroupName(self) -> str:  # noqa: N802
         return self._name
 
-    def setGroupName(self, name: str) -> None:  # noqa: N802
-        self._name = name
-
     def _set_group_name(self, name: str) -> None:
         self._name = name
-
-    @property
-    def group_name(self) -> str:
-        return self._name
 
     def getGroupDesc(self) -> str:  # noqa: N802
         return self._desc
 
-    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
-        self._desc = desc
-
     def _set_group_desc(self, desc: str) -> None:
         self._desc = desc
 
-    @property
-    def group_desc(self) -> str:
-        return self._desc
+    setGroupName, group_name = _set_group_name, property(getGroupName)  # noqa: N815
+    setGroupDesc, group_desc = _set_group_desc, property(getGroupDesc)  # noqa: N815
 
     # ---- reductions ------------------------------------------------------------------------------
     def _reduce_identical(self, t: torch.Tensor, op) -> None:

@@ -24,16 +24,12 @@ class Assumptions:
     eager_ew_factor: float = 2.4
     """How many times longer the element-wise kernels of eager blocks take than the compiled passes
     (unfused, fp32 intermediates): train.compile=false, or the exact all-to-all's graph break.
-    Measured: bench-8e eager and the reference layouts' rehearsals on one H200 (2.43–2.46, on
-    trees before the dispatchers' fused gathers), sweep-8l-8:4 and -128:4 bare on one H100 with
-    them (1.9–2.0): a value between, every row within 10%."""
+    Measured: bench-8e eager on one H200, sweep-8l-8:4 and -128:4 bare on one H100."""
     nosync_passes: float = 9.0
-    """The sync-free dispatcher's index and mask kernels at ep > 1 (the gathers into and out of the
-    wire buffers, masking of the rows no token filled, the regroup by local expert, forward and
-    backward) as passes over the routed rows it moves per MoE layer and micro-batch (wire rows ×
-    d_model × 2 B) at `hbm_eff`, where they run outside a compiled block: in eager blocks and with
-    the overlapped exchange (compiled blocks without it fuse them; not counted). Measured: the
-    profiled rehearsals of sweep-8l-8:4 and -128:4 at dp8·ep8 against one GPU on one H100."""
+    """The sync-free dispatcher's index and mask kernels at ep > 1, forward and backward, as passes
+    over the routed rows it moves per MoE layer and micro-batch (wire rows × d_model × 2 B) at
+    `hbm_eff`, where they run outside a compiled block (eager blocks, the overlapped exchange).
+    Measured: profiled rehearsals of sweep-8l-8:4 and -128:4 at dp8·ep8 on one H100."""
     link_eff: float = 0.33
     """Achieved fraction of a link's one-way bandwidth by NCCL's collectives. Measured: two H200s
     over NVLink."""
@@ -42,23 +38,17 @@ class Assumptions:
     stack's all-to-alls count as exposed unless overlapped, its data-parallel reductions by
     `dp_tail`). Measured: bench-tiny64e-l6's FSDP step on two H200s."""
     cp_attention_eff: float = 0.275
-    """Under context parallelism: each chunk's attention over its key prefix (FlashAttention-2,
-    lower-right causal, src/moetrain/parallel/context_parallel.py), forward and backward, as a
-    fraction of the dense BF16 peak for its causal FLOPs (half the MFU formula's attention term).
-    Measured: the profiled rehearsals of long-small32e-64k's cp ranks at 65,536 and 131,072
-    tokens on one H200."""
+    """Under context parallelism: each chunk's attention over its key prefix, forward and backward,
+    as a fraction of the dense BF16 peak for its causal FLOPs (half the MFU formula's attention
+    term). Measured: profiled rehearsals of long-small32e-64k's cp ranks on one H200."""
     ns_eff: float = 0.558
-    """optim.name=muon: Newton–Schulz's batched bf16 GEMMs (their epilogues in baddbmm) and the
-    Frobenius norm before them, as a fraction of the dense BF16 peak for the iterations' FLOPs.
-    Measured: benchmarks/probes/muon_step_probe.py over bench-tiny64e-l6's matrices on one H200
-    (552 TFLOP/s)."""
+    """optim.name=muon: Newton–Schulz's batched bf16 GEMMs and the Frobenius norm before them, as a
+    fraction of the dense BF16 peak for the iterations' FLOPs. Measured:
+    benchmarks/probes/muon_step_probe.py on one H200."""
     muon_bytes: float = 32.0
     """optim.name=muon: HBM traffic per element Muon updates besides its Newton–Schulz iterations,
-    as bytes at `param_pass_eff`: src/moetrain/optim/muon.py's two compiled kernels move 24 B (the
-    momentum kernel reads M and G and writes M and the bf16 direction, 14 B; the update kernel
-    reads W and the bf16 O and writes W, 10 B) and took 32.6 ms over bench-tiny64e-l6's 4.2 G
-    elements, which is 32 B at that rate. Measured: benchmarks/probes/muon_step_probe.py on one
-    H200."""
+    as bytes at `param_pass_eff` (its two compiled kernels move 24 B; the time taken is 32 B's).
+    Measured: benchmarks/probes/muon_step_probe.py on one H200."""
     recompute_cost: tuple[float, float] = (0.28, 0.47)
     """Extra step time of selective recompute of compiled blocks and of full recompute, as a
     fraction of the recomputed blocks' compute (selective recompute of eager blocks is counted
@@ -71,14 +61,12 @@ class Assumptions:
     and weights, scaled by the share of FLOPs FP8 takes. Measured: bench-8e's FP8 profile on one
     H200."""
     mxfp8_quant_passes: float = 10.0
-    """The same for train.fp8=mxfp8, whose blocks of 32 are quantized and dequantized by plain
-    torch operations in eager islands. Not measured: the figure row-wise FP8 had with quantizers of
-    plain torch operations (compiled), taken as a floor."""
+    """The same for train.fp8=mxfp8 (plain torch operations in eager islands). Not measured: the
+    figure row-wise FP8 had with plain torch quantizers, taken as a floor."""
     overlap_slowdown: float = 0.23
     """With parallel.overlap_chunks: how much an all-to-all running under compute slows that
-    compute, as a fraction of its duration (NCCL's kernels hold SMs and HBM bandwidth). Not
-    measured on two or more GPUs; the value is a one-GPU proxy: an MoE layer's compute beside
-    NCCL all-to-alls of a 1-rank group, benchmarks/overlap_probe.py."""
+    compute, as a fraction of its duration (NCCL's kernels hold SMs and HBM bandwidth). A one-GPU
+    proxy, not measured on two or more: benchmarks/overlap_probe.py."""
     chunk_bytes: float = 4.1
     """With parallel.overlap_chunks > 1: the device time the chunks add, as bytes of HBM traffic
     per local expert parameter and micro-batch; the host's launches are not modelled. Measured:
@@ -95,8 +83,7 @@ class Assumptions:
     the same probe."""
     group_tile_rows: float = 64.0
     """Rows of work each expert's group adds to its grouped GEMMs beyond its own: the last, partial
-    tile of its rows, half a 128-row tile (smaller experts lose more than this counts).
-    Measured: benchmarks/step_bytes_probe.py at sweep-8l's per-rank shape on one H200."""
+    tile of its rows, half a 128-row tile. Measured: benchmarks/step_bytes_probe.py on one H200."""
     dp_tail: bool = True
     """The ddp stack's data-parallel reductions run under the rest of the last backward; only the
     buckets backward finishes last (the embedding's, on the first pipeline rank) and what the

@@ -95,9 +95,8 @@ def capacity_floor(
     planner's kind `gpu` (None: CPUs), and why (None where nothing was chosen): as set; unset where
     no sync-free exchange uses it; else, where it exchanges once per layer under a capacity factor,
     on CPUs every row (`EVERY_ROW`: dropless) if the busiest rank's modelled peak with those
-    buffers fits, and 1024 (`DEFAULT_CAPACITY_MIN_ROWS`) otherwise and on GPUs: there every row
-    puts ep × the exact exchange's rows on the wire, which the planner models at +11%
-    (bench-tiny64e-l6 at ep 2) to +136% (sweep-8l-8 at ep 8) of the step."""
+    buffers fits, and 1024 (`DEFAULT_CAPACITY_MIN_ROWS`) otherwise and on GPUs, where every row
+    puts ep × the exact exchange's rows on the wire (docs/architecture.md, "Dispatcher memory")."""
     p = cfg.parallel
     if p.capacity_min_rows is not None or p.ep == 1 or p.dispatcher != DispatcherKind.nosync:
         return p.capacity_min_rows, None

@@ -128,7 +128,7 @@ class RankMemory:
     the first and one output-gradient buffer for each stage that is not the last, and keeps them
     between steps (they persist when checkpoints are saved)."""
     logits_bytes: float
-    """The loss's logits and what it holds for backward (module docstring)."""
+    """The loss's logits and what it holds for backward (`_loss_bytes`)."""
     loss_traffic: float
     """Bytes the loss's element-wise kernels read and write per micro-batch."""
     act_none: float

@@ -82,16 +82,12 @@ def _context_degrees(cfg: RunConfig, gpus: int, gpu: str) -> list[int]:
 
 def suggest(cfg: RunConfig, gpus: int, gpu: str, limit: int = 5, round_batch: bool = False) -> list[Plan]:
     """Layouts of the ddp stack that fit the GPU: those with headroom (not `Plan.tight`) first,
-    fastest first within each: pp (dividing the GPUs, at most
-    one block per stage), cp for long sequences (`_context_degrees`; one sequence per
-    data-parallel rank and micro-batch), ep (dividing dp · cp and the experts, at most one
-    node's worth unless the experts need more), recompute none/selective/full, the sharded
-    optimizer, and 1 or 2 sequences per GPU per micro-batch; the configured dispatcher and, for
-    ep > 2, the exact all-to-all one when the configured one is nosync's padded mode (its
-    buffers grow with ep); with nosync at ep > 1 the configured parallel.overlap_chunks (auto:
-    `AUTO_OVERLAP_CHUNKS` on GPUs) and 1
-    (the shared expert under the dispatch: no chunks, no cost of theirs). `round_batch`: each
-    candidate may round the global batch up to a multiple of its micro-batch (`with_layout`)."""
+    fastest first within each: pp (dividing the GPUs, at most one block per stage), cp for long
+    sequences (`_context_degrees`), ep (dividing dp · cp and the experts), recompute
+    none/selective/full, the sharded optimizer, 1 or 2 sequences per GPU per micro-batch; the
+    configured dispatcher, and for ep > 2 the exact one where the configured one is nosync's
+    padded mode (its buffers grow with ep); with nosync at ep > 1 the configured
+    parallel.overlap_chunks and 1. `round_batch`: as `with_layout`'s."""
     out = _candidates(cfg, gpus, gpu, lean=False, round_batch=round_batch)
     out.sort(key=lambda p: (p.tight, -p.tokens_per_sec_per_device))
     return out[:limit]
