@@ -55,10 +55,7 @@ class Router(nn.Module):
         # run the linear in bf16 whatever its inputs, so it is switched off here.
         with torch.autocast(x_ND.device.type, enabled=False):
             logits_NE = F.linear(x_ND.float(), self.weight.float())
-        if cfg.gating == Gating.softmax:
-            scores_NE = logits_NE.softmax(dim=-1)
-        else:
-            scores_NE = logits_NE.sigmoid()
+        scores_NE = logits_NE.softmax(dim=-1) if cfg.gating == Gating.softmax else logits_NE.sigmoid()
 
         with torch.no_grad():
             if self.routing == Routing.random:
