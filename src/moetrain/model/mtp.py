@@ -83,17 +83,15 @@ class MultiTokenPrediction(nn.Module):
             k = module.depth
             h_BTD = module(h_BTD, e_BTD, *attention)
             losses.append(lm_loss(head, norm(h_BTD[:, : T - k]), targets_BT[:, k:], chunk_tokens))
-        stacked = torch.stack(losses)
-        self._record(stacked.detach())
-        return self.weight * stacked.mean()
+        losses_K = torch.stack(losses)
+        detached_K = losses_K.detach().float()
+        self._sums = detached_K if self._sums is None else self._sums + detached_K
+        self._count += 1
+        return self.weight * losses_K.mean()
 
     def attach(self, out: torch.Tensor, mtp_loss: torch.Tensor) -> torch.Tensor:
         """`out` unchanged, with `mtp_loss` receiving gradient `runtime.backward_scale` in backward."""
         return AttachAuxLoss.apply(out, mtp_loss, self.runtime.backward_scale)
-
-    def _record(self, losses_K: torch.Tensor) -> None:
-        self._sums = losses_K.float() if self._sums is None else self._sums + losses_K.float()
-        self._count += 1
 
     def end_step(self) -> torch.Tensor | None:
         """Each depth's Lᵏ averaged over the forwards since the last call (device tensor (K,)),
