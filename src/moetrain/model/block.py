@@ -34,8 +34,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(D, cfg.norm_eps) if cfg.pre_norm else nn.Identity()
         self.is_moe = layer_id >= cfg.num_dense_layers and not dense
         self.ffn: nn.Module = MoE(D, cfg.moe, runtime) if self.is_moe else SwiGLU(D, cfg.resolved_dense_hidden)
-        self.attn_out_norm = RMSNorm(D, cfg.norm_eps) if cfg.peri_norm else None
-        self.ffn_out_norm = RMSNorm(D, cfg.norm_eps) if cfg.peri_norm else None
+        self.attn_out_norm = RMSNorm(D, cfg.norm_eps) if cfg.peri_norm else nn.Identity()
+        self.ffn_out_norm = RMSNorm(D, cfg.norm_eps) if cfg.peri_norm else nn.Identity()
 
     def forward(
         self,
@@ -48,11 +48,5 @@ class Block(nn.Module):
         """`masks`: the document masks of the model's `SequenceLayout.attention_inputs` (None:
         plain causal attention). `cache`: this layer's keys and values of earlier positions
         (generation; `Transformer.decode`)."""
-        h_BTD = self.attn(self.attn_norm(x_BTD), cos_TD, sin_TD, masks, cache)
-        if self.attn_out_norm is not None:
-            h_BTD = self.attn_out_norm(h_BTD)
-        x_BTD = x_BTD + h_BTD
-        h_BTD = self.ffn(self.ffn_norm(x_BTD))
-        if self.ffn_out_norm is not None:
-            h_BTD = self.ffn_out_norm(h_BTD)
-        return x_BTD + h_BTD
+        x_BTD = x_BTD + self.attn_out_norm(self.attn(self.attn_norm(x_BTD), cos_TD, sin_TD, masks, cache))
+        return x_BTD + self.ffn_out_norm(self.ffn(self.ffn_norm(x_BTD)))

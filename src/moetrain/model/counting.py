@@ -1,18 +1,11 @@
 """Parameter and FLOP counts of a config, from the shapes of the modules its model builds (the
 multi-token-prediction modules included), without torch: `moetrain presets` and `params` answer
-at once. tests/model/test_counting.py holds every preset's count, and every structural option's,
-equal to the parameters of its built model.
+at once; tests/model/test_counting.py holds them equal to the built models.
 
-FLOPs follow Olmo-core's formula so figures compare directly:
+FLOPs follow Olmo-core's formula, so that figures and MFU compare directly (docs/architecture.md,
+"Counting and FLOPs"; `causal_halved` halves the attention term):
     flops_per_token = 6 × active non-embedding parameters      (LM head included)
                     + 12 × layers × heads × head_dim × seq_len  (attention scores and values)
-With multi-head latent attention the scores run over the query/key head (qk_nope + qk_rope dims)
-and the values over v_head_dim: 6 × layers × heads × (qk + v head dims) × seq_len, which is the
-same formula where the two are equal.
-The attention term counts the full T×T score matrix; a causal-aware count halves it
-(`causal_halved=True`). MFU is always reported with the full (Olmo-core's) count. With
-model.mtp_depth = K, each token also runs K more blocks and K more passes of the shared LM head
-(src/moetrain/model/mtp.py): they count as layers and as active parameters K times more.
 """
 
 from __future__ import annotations
@@ -82,16 +75,11 @@ def attended_keys(cfg: TransformerConfig, layer: int, seq_len: int) -> int:
 # Dense BF16 tensor-core peaks (FLOP/s, no sparsity) for MFU. Matched by substring of the CUDA
 # device name, first match wins.
 PEAK_BF16_FLOPS = {
-    "H200": 989.4e12,
-    "H100": 989.4e12,
-    "GH200": 989.4e12,
-    "H800": 989.4e12,
+    **dict.fromkeys(["H200", "H100", "GH200", "H800"], 989.4e12),
     "H20": 148e12,
-    "B300": 2250e12,
-    "B200": 2250e12,
+    **dict.fromkeys(["B300", "B200"], 2250e12),
     "GB200": 2500e12,
-    "A100": 312e12,
-    "A800": 312e12,
+    **dict.fromkeys(["A100", "A800"], 312e12),
     "L40S": 362.05e12,
     "L4": 121e12,
     "A10G": 70e12,

@@ -1,33 +1,18 @@
-"""`DeferredExpertGrads`: the experts' weight gradients computed once per optimizer step.
+"""`DeferredExpertGrads`: the experts' weight gradients computed once per optimizer step
+(`compute.defer_expert_weight_grad`; docs/architecture.md, "Memory and speed switches").
 
 Legend: M rows of one micro-batch (expert assignments sorted by expert), R rows of all the
 step's micro-batches, K and N the weight gradient's two dims (K the product's reduction dim
 forward), E experts.
 
-With gradient accumulation an expert weight's gradient is, per micro-batch, one grouped GEMM
-`dyᵀ · x` over each expert's rows, added into the step's fp32 gradient. When experts are many and
-small (bench-sweep-64: 512 rows per expert and micro-batch), that addition — the whole fp32
-gradient read and written once per micro-batch — costs more than the GEMM, and the GEMM itself
-runs on short row blocks. Deferred (`compute.defer_expert_weight_grad`), each expert layer keeps
-its two operands (x and dy, bf16) of every micro-batch but the last, and the step's last backward
-lays all micro-batches' rows out expert by expert (`expert_major`: one row copy) and runs one
-grouped GEMM over them: the sum over micro-batches happens in the GEMM's fp32 accumulator, the
-gradient is written once, and each expert's row block is as long as the whole step's.
-
-The cost is memory: the kept operands of micro-batches 1 … n−1, 2 bytes × (K + N) per row and
-weight (`held_bytes`; the planner counts them: src/moetrain/plan/memory.py).
-
-The gradient that autograd accumulates is then one GEMM's output instead of a sum of n, so the
-numbers differ from the per-micro-batch sum by rounding only (summation order; in bf16 one
-rounding instead of n). The earlier micro-batches give the weight no gradient at all (their
-backward returns None for it): autograd still runs the weight's post-accumulate-grad hooks, with
-`.grad` None, so the split masters and gradient stores add nothing then, and a gradient reducer
-that counts hooks per backward pass (a pipeline step's) reduces the bucket after the last.
-
-`step(n)` brackets a step of n backward passes: every expert product counts its backward calls by
-key (one key per weight and expert group) and the n-th computes the gradient; at the end it checks
-that no product kept operands it never used (a mismatch would lose gradient), and a step that
-raises drops what was kept.
+Why: with gradient accumulation each micro-batch's expert weight gradient is one grouped GEMM
+added into the step's fp32 gradient, and with many small experts that addition (the whole fp32
+gradient read and written per micro-batch) costs more than the GEMM. Deferred, each expert
+product keeps its two operands (x and dy) of every micro-batch but the last, and the step's last
+backward lays all their rows out expert by expert (`expert_major`) for one grouped GEMM whose fp32
+accumulator sums the micro-batches: the numbers differ by summation order only. The cost is
+memory (`held_bytes`; src/moetrain/plan/memory.py counts it). Earlier backward passes give the
+weight no gradient at all: its post-accumulate-grad hooks still run, with `.grad` None.
 """
 
 from __future__ import annotations
@@ -79,11 +64,10 @@ class DeferredExpertGrads:
         """In an expert product's backward: None (the operands kept) before the step's last pass,
         then `compute(dy, x, offsets)` over every pass's rows, expert by expert."""
         held = self._held.setdefault(key, [])
-        if len(held) + 1 < self.backward_passes:
-            held.append((dy_MN, x_MK, offsets_E))
+        held.append((dy_MN, x_MK, offsets_E))
+        if len(held) < self.backward_passes:
             return None
         del self._held[key]
-        held.append((dy_MN, x_MK, offsets_E))
         return compute(*expert_major(held))
 
     def held_bytes(self) -> int:

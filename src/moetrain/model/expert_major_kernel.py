@@ -4,18 +4,11 @@ dy (M, N) and x (M, K), each sent to its place in the step's expert-major layout
 Legend: M rows of the micro-batch (sorted by expert), R rows of the step, N and K the operands'
 widths, E experts, G = E + 1 groups (the experts, then the padding rows past the last offset).
 
-A row m of expert group g goes to row m + shift[g] of the destination (`expert_major` computes
-`shift` once for all micro-batches). Each program takes a block of rows: it finds their groups
-by counting the expert ends at or below each row, then copies the rows column block by column
-block. The widths and the expert count are compile-time constants, so a row's destination, a
-multiple of the width, is known to be aligned and the stores go out as 16-byte vectors.
-
-Why a kernel: `Tensor.index_copy_` (the CPU path) moves these rows at about 1.5 TB/s on one H200
-(40 ms of bench-sweep-64's deferred step: docs/measurements.md) and needs every row's
-destination as an index tensor of its own, a handful of launches per micro-batch; this kernel
-computes the destination where it copies. tests/model/test_expert_grads.py runs it in Triton's
-interpreter against the torch formulation and compiles it for Hopper; tests/gpu/test_cuda.py runs
-it on the GPU.
+Row m of expert group g goes to row m + shift[g] (`expert_major` computes `shift`); each program
+finds its rows' groups by counting the expert ends at or below them. The widths are compile-time
+constants, so the stores go out as aligned 16-byte vectors. Why a kernel: `index_copy_` (the CPU
+path) moved these rows at about 1.5 TB/s on one H200 (docs/measurements.md) and needs each row's
+destination as an index tensor of its own; this kernel computes it where it copies.
 """
 
 from __future__ import annotations

@@ -3,13 +3,11 @@ positions it has seen, so that a new token costs one position's work instead of 
 context's.
 
 Legend: B batch, T new positions, S positions the cache can hold, H query heads, G key/value
-heads, Dh head dim, L layers; multi-head latent attention's: C key/value latent, X = C + R its
-latent and rotary key.
+heads, Dh head dim; multi-head latent attention's: C key/value latent, X = C + R its latent and
+rotary key.
 
-Inference only. Training never builds one: `Attention` without a cache attends through its
-`SequenceLayout` exactly as before, so the training numerics do not depend on this file. The
-cache holds absolute positions 0 … S − 1; what to do when a context outgrows it (start again from
-a shorter window) is the caller's choice (src/moetrain/generation.py).
+Inference only: training attends through its `SequenceLayout`, so its numerics do not depend on
+this file. A context that outgrows the cache is the caller's to handle (src/moetrain/generation.py).
 """
 
 from __future__ import annotations
@@ -88,19 +86,16 @@ def attend_held(
     values of positions 0 … start + T − 1 (with `window`, the last `window` up to each);
     `scale`: SDPA's (None: 1/√ of the queries' width); `sink_H`: attention sinks or None."""
     end, T = k_BGSD.shape[2], q_BHTD.shape[2]
-    device = q_BHTD.device
-    if window and end > window:
-        mask_TS = window_mask(torch.arange(start, end, device=device), torch.arange(end, device=device), window)
-        return sdpa(q_BHTD, k_BGSD, v_BGSD, mask_TS, scale=scale, sink_H=sink_H)
-    if T == 1:  # one new position sees every position held: no mask
-        return sdpa(q_BHTD, k_BGSD, v_BGSD, scale=scale, sink_H=sink_H)
-    if start == 0:  # the prompt of an empty cache: plain causal attention
-        return sdpa(q_BHTD, k_BGSD, v_BGSD, causal=True, scale=scale, sink_H=sink_H)
-    # New position start + t sees positions 0 … start + t (SDPA's is_causal would align the
-    # queries to the first keys, not to their own positions).
-    pos_S = torch.arange(end, device=device)
-    mask_TS = pos_S.unsqueeze(0) <= torch.arange(start, end, device=device).unsqueeze(1)
-    return sdpa(q_BHTD, k_BGSD, v_BGSD, mask_TS, scale=scale, sink_H=sink_H)
+    if not (window and end > window):  # the window reaches every position held
+        if T == 1:  # one new position sees every position held: no mask
+            return sdpa(q_BHTD, k_BGSD, v_BGSD, scale=scale, sink_H=sink_H)
+        if start == 0:  # the prompt of an empty cache: plain causal attention
+            return sdpa(q_BHTD, k_BGSD, v_BGSD, causal=True, scale=scale, sink_H=sink_H)
+        window = end
+    # New position start + t sees positions 0 … start + t within the window (SDPA's is_causal
+    # would align the queries to the first keys, not to their own positions).
+    pos_S = torch.arange(end, device=q_BHTD.device)
+    return sdpa(q_BHTD, k_BGSD, v_BGSD, window_mask(pos_S[start:], pos_S, window), scale=scale, sink_H=sink_H)
 
 
 class KVCache:

@@ -3,13 +3,10 @@ at position i attends to the keys at positions i − w + 1 … i (w = `model.sli
 
 Legend: B batch, T query positions, S key positions, H query heads, G key/value heads, Dh head dim.
 
-Two paths, the same function up to the kernels' rounding:
-- `_LocalFlash`, on CUDA in bf16/fp16 (head dim a multiple of 8, at most 256) without document
-  masks: FlashAttention-2's own window (`aten._flash_attention_forward` with window_size_left =
-  w − 1, the sequences as one variable-length batch), which skips the key blocks wholly outside
-  the window, so a local block's attention costs time in proportion to T·w, not T²/2;
-- `window_mask` everywhere else (CPU, fp32, document masks, context parallelism, generation,
-  attention sinks): a boolean mask for SDPA, which computes every score and discards the masked ones.
+Two paths, the same function up to the kernels' rounding: `_LocalFlash` (CUDA, bf16/fp16, head
+dim a multiple of 8 up to 256, no document mask or sinks), FlashAttention-2's own window, which
+skips the key blocks wholly outside it, so a local block costs time in proportion to T·w, not
+T²/2; everywhere else `window_mask`, a boolean mask for SDPA, which computes every score.
 """
 
 from __future__ import annotations

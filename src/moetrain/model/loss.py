@@ -2,26 +2,22 @@
 
 Legend: N tokens, D model dim, V vocabulary, C tokens per chunk.
 
-Computed the plain way (`lm_head(h)` then `cross_entropy(logits.float())`), a step holds the
-logits of all N tokens several times over: the bf16 product, its fp32 copy, the fp32
-log-softmax autograd saves, and in backward the fp32 gradient and its bf16 cast — about 10 bytes
-per token and vocabulary entry (N·V·10 B: 7.7 GiB at 8192 tokens and a 100k vocabulary). Here the
-tokens go through in chunks of C: per chunk the logits (C × V, in the matmul dtype), their
-log-sum-exp, the loss, and at once the gradient of the mean loss with respect to the chunk's
-logits, which is multiplied back into the gradients of the hidden states and of the head's
-weight. Only one chunk's logits exist at a time; the gradients (N × D and V × D) are computed in
-the forward pass and held until backward, which just scales them by the incoming gradient (the
-loss is the graph's last node, so that gradient is the loss scale). The matrix products are the
-plain path's, one chunk at a time; on CUDA the element-wise work of a chunk (upcast, log-sum-exp,
-softmax minus the one-hot target, scale, downcast) is one compiled function, two kernels.
+Why chunks: computed the plain way (`lm_head(h)` then `cross_entropy(logits.float())`), a step
+holds the logits of all N tokens several times over (the bf16 product, its fp32 copy, the saved
+log-softmax, in backward the fp32 gradient and its bf16 cast: N·V·10 B, 7.7 GiB at 8192 tokens
+and a 100k vocabulary). Here each chunk of C tokens gets its logits, its loss and at once the
+gradient of the mean loss with respect to its logits, which is multiplied back into the gradients
+of the hidden states and of the head's weight: one chunk's logits exist at a time, and backward
+only scales those gradients by the incoming one (the loss is the graph's last node). On CUDA a
+chunk's element-wise work is one compiled function, two kernels.
 
-The numbers are the plain path's up to summation order: the logits in the matmul dtype, the
-softmax and the loss in fp32, the gradients of the logits cast to the matmul dtype before their
-products; the head's weight gradient is summed over chunks in fp32 (on CUDA by the GEMM itself,
-which accumulates into the fp32 buffer: `_accumulate_fp32`).
+The numbers are the plain path's up to summation order: logits in the matmul dtype, softmax and
+loss in fp32, the head's weight gradient summed over chunks in fp32 (on CUDA by the GEMM itself).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -47,8 +43,9 @@ def linear_cross_entropy(
     # Inside an autograd Function's forward grad mode is off: decide here what needs a gradient.
     grads = (torch.is_grad_enabled() and h_ND.requires_grad, torch.is_grad_enabled() and weight_VD.requires_grad)
     with torch.autocast(device_type, enabled=False):
-        fp8_head = (fp8, fast_backward)
-        return _ChunkedLinearCrossEntropy.apply(h_ND, weight_VD, targets_N, chunk_tokens, dtype, grads, fp8_head)
+        return _ChunkedLinearCrossEntropy.apply(
+            h_ND, weight_VD, targets_N, chunk_tokens, dtype, grads, fp8, fast_backward
+        )
 
 
 def _chunk_loss_and_grad(logits_CV: torch.Tensor, targets_C: torch.Tensor, scale: float):
@@ -65,38 +62,23 @@ def _chunk_loss_and_grad(logits_CV: torch.Tensor, targets_C: torch.Tensor, scale
     return loss, (p_CV * scale).to(logits_CV.dtype)
 
 
-_compiled_chunk_loss_and_grad = None
-
-
-def _chunk_fn(device_type: str):
-    """The compiled element-wise part on CUDA (fused passes); plain eager elsewhere."""
-    global _compiled_chunk_loss_and_grad
-    if device_type != "cuda":
-        return _chunk_loss_and_grad
-    if _compiled_chunk_loss_and_grad is None:
-        _compiled_chunk_loss_and_grad = torch.compile(_chunk_loss_and_grad, dynamic=False)
-    return _compiled_chunk_loss_and_grad
+@functools.cache
+def _compiled_chunk_loss_and_grad():
+    """The element-wise part compiled (fused passes), for CUDA; compiled at its first use."""
+    return torch.compile(_chunk_loss_and_grad, dynamic=False)
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx,
-        h_ND,
-        weight_VD,
-        targets_N,
-        chunk_tokens: int,
-        dtype: torch.dtype,
-        grads: tuple[bool, bool],
-        fp8_head: tuple[bool, bool],  # (FP8 products, fast accumulation in the input gradient's)
-    ):
+    def forward(ctx, h_ND, weight_VD, targets_N, chunk_tokens, dtype, grads, fp8, fast_backward):
+        """`grads`: whether h and the weight want gradients; the rest as `linear_cross_entropy`'s."""
         N = h_ND.shape[0]
         w_VD = weight_VD.to(dtype)
-        head = _Fp8Head(w_VD, dtype, input_grad=grads[0], fast_backward=fp8_head[1]) if fp8_head[0] else _Head(w_VD)
+        head = _Fp8Head(w_VD, dtype, input_grad=grads[0], fast_backward=fast_backward) if fp8 else _Head(w_VD)
         grad_h_ND = torch.empty_like(h_ND) if grads[0] else None
         grad_w_VD = None  # fp32, made by the first chunk
         chunk = chunk_tokens if chunk_tokens > 0 else N
-        fn = _chunk_fn(h_ND.device.type)
+        fn = _compiled_chunk_loss_and_grad() if h_ND.is_cuda else _chunk_loss_and_grad
         loss = torch.zeros((), dtype=torch.float32, device=h_ND.device)
         for start in range(0, N, chunk):
             h_CD = h_ND[start : start + chunk].to(dtype)
@@ -124,7 +106,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_w = None
         if grad_w_VD is not None:  # one pass: scaled and written in the weight's dtype
             grad_w = torch.mul(grad_w_VD, grad_out, out=torch.empty_like(grad_w_VD, dtype=ctx.weight_dtype))
-        return grad_h, grad_w, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None
 
 
 class _Head:
@@ -161,17 +143,12 @@ class _Fp8Head:
         return _scaled_mm(gq, wq, gs, ws, self.fast_backward).to(self.dtype)
 
 
-def _fp32_out(h_ND: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether the products can write fp32 straight from `dtype` inputs (CUDA's mm/addmm with
-    out_dtype; torch has no CPU kernel for them)."""
-    return h_ND.is_cuda and dtype != torch.float32
-
-
 def _accumulate_fp32(grad_w_VD: torch.Tensor | None, a_VC: torch.Tensor, b_CD: torch.Tensor) -> torch.Tensor:
     """grad_w + a @ b in fp32 (a @ b for the first chunk: `grad_w` None), in place after the
     first. On CUDA with low-precision inputs the GEMM writes and accumulates fp32 itself (no
-    product in the input dtype, no separate add pass); elsewhere the product plus an fp32 add."""
-    if _fp32_out(a_VC, a_VC.dtype):
+    product in the input dtype, no separate add pass); elsewhere (torch has no CPU kernel for
+    `out_dtype`) the product plus an fp32 add."""
+    if a_VC.is_cuda and a_VC.dtype != torch.float32:
         if grad_w_VD is None:
             return torch.mm(a_VC, b_CD, out_dtype=torch.float32)
         return torch.addmm(grad_w_VD, a_VC, b_CD, out_dtype=torch.float32, out=grad_w_VD)

@@ -1,15 +1,12 @@
 """The mixture-of-experts layer: route → dispatch → grouped experts → combine (+ shared expert).
 
-Legend: B batch, T sequence, N = B·T tokens, K top-k, M = N·K assignments, D model dim,
-E experts.
+Legend: B batch, T sequence, N = B·T tokens, D model dim, E experts.
 
-Auxiliary losses (load balancing, z-loss) do not travel through return values: they are attached
-to the layer's output with `AttachAuxLoss`, whose backward feeds them gradient 1 × the LM loss's
-factor (`ModelRuntime.backward_scale`, src/moetrain/model/runtime.py: 1 / the number of micro-batches),
-so they work unchanged under gradient accumulation and pipeline parallelism, where a stage only
-returns activations. Detached copies are accumulated on the device for logging and for the
-aux-free bias update: `update_bias()` (called by an optimizer step post-hook, so it moves at
-optimizer time) and `end_step()` (returns the step's statistics and resets them).
+Auxiliary losses (load balancing, z-loss) are not returned: `AttachAuxLoss` attaches them to the
+layer's output with the LM loss's gradient factor (`ModelRuntime.backward_scale`), so they work
+unchanged under gradient accumulation and pipeline parallelism, where a stage only returns
+activations. Detached copies accumulate on the device, for the logs and the aux-free bias
+(`update_bias`, called by an optimizer step post-hook; `end_step`).
 """
 
 from __future__ import annotations
@@ -34,7 +31,8 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(cfg.num_experts, d_model, cfg.expert_hidden, runtime=self.runtime)
         self.shared_expert = SwiGLU(d_model, cfg.shared_hidden) if cfg.shared_hidden > 0 else None
         self.dispatcher: TokenDispatcher = LocalTokenDispatcher(cfg.num_experts)
-        # Per-optimizer-step accumulators (not checkpointed: they are reset at every step end).
+        # Per-optimizer-step accumulators, this module's only own buffers (`end_step` resets them
+        # all; not checkpointed).
         E = cfg.num_experts
         self.register_buffer("step_tokens_per_expert_E", torch.zeros(E, dtype=torch.int64), persistent=False)
         self.register_buffer("step_lb_loss", torch.zeros((), dtype=torch.float32), persistent=False)
@@ -79,21 +77,14 @@ class MoE(nn.Module):
         """Close an optimizer step: return this step's routing statistics (device tensors; token
         counts over the global batch, losses averaged over micro-batches) and reset the
         accumulators."""
-        counts_E = self.step_tokens_per_expert_E.clone()
         calls = self.step_calls.clamp(min=1)
         stats = {
-            "tokens_per_expert": counts_E,
+            "tokens_per_expert": self.step_tokens_per_expert_E.clone(),
             "lb_loss": self.step_lb_loss / calls,
             "z_loss": self.step_z_loss / calls,
             "dropped": self.step_dropped.clone(),
         }
-        for buf in (
-            self.step_tokens_per_expert_E,
-            self.step_lb_loss,
-            self.step_z_loss,
-            self.step_dropped,
-            self.step_calls,
-        ):
+        for buf in self.buffers(recurse=False):
             buf.zero_()
         return stats
 

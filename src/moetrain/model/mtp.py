@@ -1,28 +1,19 @@
 """Multi-token prediction (`model.mtp_depth`): DeepSeek-V3's sequential modules, each predicting
-one token further ahead than the one before, sharing the model's embedding and LM head.
+one token further ahead than the one before, sharing the model's embedding and LM head
+(docs/architecture.md, "Multi-token prediction").
 
 Legend: B batch, T sequence, D model dim, K = model.mtp_depth, λ = model.mtp_loss_weight.
 
-Module k (1 … K) at position i combines the previous depth's hidden state at i (depth 0: the
-main model's last block's output, before the final norm) with the embedding of token i + k and
-runs one transformer block; the shared final norm and LM head then predict token i + k + 1:
-
-    h⁰ = the main blocks' output
+    h⁰ = the main blocks' output (before the final norm)
     hᵏ_i = Blockₖ(Projₖ([RMSNorm(hᵏ⁻¹_i); RMSNorm(Embed(t_{i+k}))]))      Projₖ: 2D → D
     Lᵏ = mean over i < T − k of CE(LMHead(Norm(hᵏ_i)), t_{i+k+1})
     loss = L_main + λ/K · Σₖ Lᵏ
 
-Every depth runs over all T positions (static shapes: compiled blocks, pipeline buffers): the
-token ids are rolled by k, so the last k positions see wrapped ids — causal attention keeps
-those from every earlier position, and their predictions are left out of Lᵏ. Each module's block
-is dense (a SwiGLU of model.dense_hidden; DeepSeek-V3's are MoE): the expert machinery — routing
-statistics, dispatchers, expert parallelism, the planner's expert terms — stays the main blocks'.
-
-The value `Transformer.forward` returns is L_main, bit for bit as without MTP; λ/K · Σₖ Lᵏ
-joins it in backward only (`AttachAuxLoss`, as the MoE layers' auxiliary losses do), with the
-same scale as the LM loss's (`ModelRuntime.backward_scale`, src/moetrain/model/runtime.py). `last_losses`
-keeps each depth's Lᵏ (detached) for the metrics (`end_step`). Training only: evaluation and
-generation run the main model alone, and a Hugging Face export leaves these modules out.
+Every depth runs over all T positions, the token ids rolled by k (static shapes: compiled blocks,
+pipeline buffers); the last k positions' predictions are left out of Lᵏ. Each module's block is
+dense, so the expert machinery stays the main blocks'. `Transformer.forward` returns L_main, bit
+for bit as without MTP: λ/K · Σₖ Lᵏ joins it in backward only (`AttachAuxLoss`, as the MoE
+layers' auxiliary losses do).
 """
 
 from __future__ import annotations
@@ -92,17 +83,15 @@ class MultiTokenPrediction(nn.Module):
             k = module.depth
             h_BTD = module(h_BTD, e_BTD, *attention)
             losses.append(lm_loss(head, norm(h_BTD[:, : T - k]), targets_BT[:, k:], chunk_tokens))
-        stacked = torch.stack(losses)
-        self._record(stacked.detach())
-        return self.weight * stacked.mean()
+        losses_K = torch.stack(losses)
+        detached_K = losses_K.detach().float()
+        self._sums = detached_K if self._sums is None else self._sums + detached_K
+        self._count += 1
+        return self.weight * losses_K.mean()
 
     def attach(self, out: torch.Tensor, mtp_loss: torch.Tensor) -> torch.Tensor:
         """`out` unchanged, with `mtp_loss` receiving gradient `runtime.backward_scale` in backward."""
         return AttachAuxLoss.apply(out, mtp_loss, self.runtime.backward_scale)
-
-    def _record(self, losses_K: torch.Tensor) -> None:
-        self._sums = losses_K.float() if self._sums is None else self._sums + losses_K.float()
-        self._count += 1
 
     def end_step(self) -> torch.Tensor | None:
         """Each depth's Lᵏ averaged over the forwards since the last call (device tensor (K,)),

@@ -3,9 +3,8 @@
 Legend: N tokens, K top-k, M = N·K assignments (token copies), D model dim.
 
 `sort_idx_M` (a stable argsort of the flat expert ids) orders the copies by expert: copy m is
-flat assignment sort_idx[m], of token sort_idx[m] // K. Its inverse `inv_M` (inv[sort_idx[m]]
-= m) says where assignment n·K + k sits. Both directions are gathers, forward and backward:
-every output row is read from its sources by index and written once.
+flat assignment sort_idx[m], of token sort_idx[m] // K; its inverse `inv_M` (inv[sort_idx[m]] = m)
+says where assignment n·K + k sits. Both directions are gathers, forward and backward:
 
 - `permute`:            x_MD[m] = x_ND[sort_idx[m] // K];
   backward              grad_x[n] = Σ_k grad_MD[inv[n, k]], the k in expert order;
@@ -13,18 +12,12 @@ every output row is read from its sources by index and written once.
   backward              grad_y_MD[m] = w_flat[sort_idx[m]] · grad_y[sort_idx[m] // K],
                         grad_w[n, k] = ⟨y_MD[inv[n, k]], grad_y[n]⟩.
 
-Autograd's own backward of a row gather is a scatter-add (`index_add`, atomic on CUDA, in the
-rows' dtype) into a zero-filled buffer, and the combine written as un-permute, multiply and sum
-writes an (N, K, D) copy of the experts' output and keeps it for backward. Here, inside a
-compiled block, Inductor fuses each gather with the sum or product beside it into one kernel:
-no (N, K, D) tensor is written in forward, no zero fill and no atomics in backward (so the
-result does not depend on the order atomics land), and the saved tensor is the experts' output
-itself. The sums over k run in the order `index_add` adds in on the CPU (ascending m), so the
-fp32 CPU numerics are those of the plain autograd formulation, bit for bit.
-
-Outside a compiled block (compute.compile=false, or an exchange that runs eagerly) the same fusion
-comes from `fused`: on a CUDA device each gather-and-sum body below is a small compiled function
-of its own, so an eager step moves each row once where it would take three or four passes.
+Why: autograd's backward of a row gather is a scatter-add (atomic on CUDA) into a zero-filled
+buffer, and a plain combine writes and keeps an (N, K, D) copy of the experts' output. Here each
+gather fuses with the sum or product beside it (Inductor's, inside a compiled block; `fused`'s
+outside one): no (N, K, D) tensor, no zero fill, no atomics, and the saved tensor is the experts'
+output itself. The sums over k run in the order `index_add` adds on the CPU (ascending m), so the
+fp32 CPU numerics are the plain autograd formulation's, bit for bit.
 """
 
 from __future__ import annotations

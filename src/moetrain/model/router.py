@@ -1,12 +1,12 @@
-"""The router: scores every token against every expert and picks k of them.
+"""The router: scores every token against every expert and picks k of them (docs/architecture.md,
+"Routing and the losses").
 
 Legend: N tokens (batch × sequence), D model dim, E experts, K top-k; with group-limited routing
 L expert groups of G experts each.
 
-Routing statistics are taken over the *global micro-batch*: the tokens per expert are summed over
-data-parallel ranks by `reduce_counts` (given by the dispatcher; the identity on one device), so
-the load-balancing loss and the aux-free bias do not depend on the parallel layout. Everything
-stays on the device: no `.item()`, `.tolist()` or `.cpu()`.
+Routing statistics are the *global micro-batch's* (`reduce_counts` sums the tokens per expert
+over data-parallel ranks), so the load-balancing loss and the aux-free bias do not depend on the
+parallel layout. Everything stays on the device: no `.item()`, `.tolist()` or `.cpu()`.
 """
 
 from __future__ import annotations
@@ -55,10 +55,7 @@ class Router(nn.Module):
         # run the linear in bf16 whatever its inputs, so it is switched off here.
         with torch.autocast(x_ND.device.type, enabled=False):
             logits_NE = F.linear(x_ND.float(), self.weight.float())
-        if cfg.gating == Gating.softmax:
-            scores_NE = logits_NE.softmax(dim=-1)
-        else:
-            scores_NE = logits_NE.sigmoid()
+        scores_NE = logits_NE.softmax(dim=-1) if cfg.gating == Gating.softmax else logits_NE.sigmoid()
 
         with torch.no_grad():
             if self.routing == Routing.random:
@@ -86,11 +83,10 @@ class Router(nn.Module):
 
 
 def limit_to_groups(choice_NE: torch.Tensor, num_groups: int, kept_groups: int) -> torch.Tensor:
-    """DeepSeek-V3's group-limited routing: `choice_NE` with every expert outside each token's best
-    `kept_groups` groups set to -inf, so that the top-k picks only inside them. The E experts form
-    `num_groups` groups of G consecutive ones (with parallel.ep dividing `num_groups` each lies on
-    one rank, so a token's dispatch reaches at most `kept_groups` ranks); a group ranks by the sum
-    of its two best scores. The computation of transformers' DeepseekV3TopkRouter."""
+    """DeepSeek-V3's group-limited routing (transformers' DeepseekV3TopkRouter): `choice_NE` with
+    every expert outside each token's best `kept_groups` groups of G consecutive experts set to
+    -inf, a group ranked by the sum of its two best scores. With parallel.ep dividing `num_groups`
+    a group lies on one rank, so a token's dispatch reaches at most `kept_groups` ranks."""
     num_tokens, num_experts = choice_NE.shape
     choice_NLG = choice_NE.view(num_tokens, num_groups, num_experts // num_groups)
     group_scores_NL = choice_NLG.topk(2, dim=-1).values.sum(dim=-1)
@@ -100,13 +96,10 @@ def limit_to_groups(choice_NE: torch.Tensor, num_groups: int, kept_groups: int) 
 
 
 def load_balancing_loss(scores_NE: torch.Tensor, tokens_per_expert_E: torch.Tensor, gating: Gating) -> torch.Tensor:
-    """Switch-Transformer loss for top-k: E · Σ_e f_e · P_e.
-
-    f_e = share of all assignments (N·K, over the global micro-batch) that went to expert e (no
-    gradient); P_e = mean router probability of expert e over this rank's N tokens (the gradient
-    path). Averaged over data-parallel ranks, as gradients are, this is the global-batch loss.
-    Sigmoid scores are first normalized per token so that P sums to 1, as for softmax.
-    """
+    """Switch-Transformer loss for top-k, E · Σ_e f_e · P_e: f_e the share of the global
+    micro-batch's assignments expert e got (no gradient), P_e its mean probability over this rank's
+    tokens (sigmoid scores normalized per token first). Averaged over data-parallel ranks, as
+    gradients are, this is the global micro-batch's loss."""
     num_experts = scores_NE.shape[-1]
     if gating == Gating.sigmoid:
         scores_NE = scores_NE / scores_NE.sum(dim=-1, keepdim=True)

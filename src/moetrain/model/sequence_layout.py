@@ -3,14 +3,10 @@
 Legend: B sequences, T positions this rank holds, D head dim (RoPE tables), H query heads,
 G key/value heads, Dh head dim.
 
-The model asks its layout three things and never communicates itself: which of a whole
-sequence's positions this rank holds (`shard`), what every attention layer takes besides its
-hidden state (`attention_inputs`: RoPE's cos/sin at those positions, and the masks), and the
-attention of the local queries over the whole sequence's keys (`attend`). This file declares
-the interface (`SequenceLayout`) and holds the one-device implementation (`WholeSequence`:
-every position is local). Context parallelism swaps in `ContextShard`
-(src/moetrain/parallel/context_parallel.py), which holds two chunks of each sequence and gathers
-the keys and values of the rest, behind the same methods.
+The model asks its layout which positions this rank holds (`shard`), what every attention layer
+takes besides its hidden state (`attention_inputs`) and the attention of the local queries over
+the whole sequence (`attend`), and never communicates itself. `WholeSequence` is the one-device
+layout; context parallelism swaps in `ContextShard` (src/moetrain/parallel/context_parallel.py).
 """
 
 from __future__ import annotations

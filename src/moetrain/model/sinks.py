@@ -8,20 +8,13 @@ term e^{sink_h} in its denominator that adds nothing to the output,
     out = Σ_j e^{s_j} v_j / (Σ_j e^{s_j} + e^{sink_h}) = out_sdpa · sigmoid(lse − sink_h),
 
 s_j the scaled scores, lse = log Σ_j e^{s_j}. SDPA computes it exactly, with its own kernels and
-autograd, as one virtual key in front of the real ones that every query sees: the heads widen by
-a column (then zeros to a multiple of 8, for the fused kernels) that holds sink_h / scale in the
-queries, 0 in the real keys and 1 in the virtual key, whose value is 0. Its score is then sink_h,
-the real keys' are unchanged, and q, k, v and the sinks get their gradients. Any mask, window,
-cache offset and context parallelism's chunks work as they are (the mask gains a first column of
-True), on any device, with no code of its own for the backward.
-
-The cost, on a GPU: no FlashAttention (it takes no mask), so neither local_attention.py's windowed
-FlashAttention nor context_parallel.py's; SDPA runs its memory-efficient kernel where it takes the
-widened heads and the mask (else its math one, which keeps every score), up to 8 more dims per
-head, and a dense (T, S + 1) mask even for plain causal attention (SDPA turns it into a bias of
-the queries' dtype: T² elements, e.g. 8 GiB in bf16 at 65,536 positions). Not measured on a GPU
-yet. The FlashAttention path would scale its output by sigmoid(lse − sink) and take
-logaddexp(lse, sink) as the backward's lse; it is not written.
+autograd, as one virtual key in front of the real ones: the heads widen by a column (then zeros to
+a multiple of 8, for the fused kernels) holding sink_h / scale in the queries, 0 in the real keys
+and 1 in the virtual key, whose value is 0. Any mask, window, cache offset and context-parallel
+chunk works as it is (the mask gains a first column of True), on any device, with no backward of
+its own. The cost on a GPU: no FlashAttention (it takes no mask), up to 8 more dims per head, and
+a dense (T, S + 1) mask even for plain causal attention (a T² bias: 8 GiB in bf16 at 65,536
+positions).
 """
 
 from __future__ import annotations

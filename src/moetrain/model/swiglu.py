@@ -2,11 +2,10 @@
 
 Legend: M rows, F expert hidden.
 
-The expert products that keep only h for backward (row-wise FP8's, src/moetrain/model/fp8.py, and
-the deferred weight gradients', src/moetrain/model/experts.py) compute a from h in forward and
-again in backward, where the same pass gives h's gradient. On CUDA each is one Triton kernel
-(src/moetrain/model/fp8_kernels.py) computing in fp32 from the loaded values and rounding once;
-elsewhere torch's ops (autograd's own formulas for the gradient).
+For the expert products that keep only h for backward (row-wise FP8's, the deferred weight
+gradients'): a is computed in forward and again in backward, where the same pass gives h's
+gradient. On CUDA each is one Triton kernel (src/moetrain/model/fp8_kernels.py), rounding once;
+elsewhere torch's ops.
 """
 
 import torch

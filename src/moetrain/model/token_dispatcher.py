@@ -2,13 +2,10 @@
 
 Legend: N tokens, K top-k, M = N·K assignments, D model dim, E experts (local to this rank).
 
-The MoE layer asks its dispatcher for the expert step (`expert_step`: dispatch → experts →
-combine, plus the shared expert) and never communicates itself. This file declares what a
-dispatcher is (`TokenDispatcher`, the interface) and holds the local (single-device) one; the
-parallel layouts swap in implementations (src/moetrain/parallel/exact_dispatchers.py,
-nosync_dispatcher.py) that move the sorted rows to the ranks holding their
-experts with all-to-all and back, behind the same methods, and one that overrides the step
-itself to overlap its all-to-alls with compute (src/moetrain/parallel/overlapped_dispatcher.py).
+The MoE layer asks its dispatcher for the expert step (dispatch → experts → combine, plus the
+shared expert) and never communicates itself. This file holds the interface (`TokenDispatcher`)
+and the one-device implementation; the expert-parallel ones swap in behind the same methods
+(src/moetrain/parallel/exact_dispatchers.py, nosync_dispatcher.py, overlapped_dispatcher.py).
 """
 
 from __future__ import annotations
@@ -82,30 +79,23 @@ class LocalTokenDispatcher(TokenDispatcher):
     """The `TokenDispatcher` of one device: permute token copies into expert order; dropless,
     sync-free."""
 
-    num_local_experts: int
-
     def __init__(self, num_experts: int):
         self.num_local_experts = num_experts
 
     def reduce_counts(self, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-        """Tokens per expert over the global micro-batch: this device's tokens are all of it."""
-        return tokens_per_expert_E
+        return tokens_per_expert_E  # this device's tokens are the whole micro-batch
 
     def dispatch(
         self, x_ND: torch.Tensor, topk_ids_NK: torch.Tensor, tokens_per_expert_E: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, DispatchState]:
-        """Returns the rows sorted by expert (M, D), the int32 end offset of each expert's rows
-        (E,), and the state for `combine`."""
         sort_idx_M, inv_NK = sort_by_expert(topk_ids_NK)
         offsets_E = tokens_per_expert_E.cumsum(0).to(torch.int32)
         return permute(x_ND, sort_idx_M, inv_NK), offsets_E, DispatchState(sort_idx_M, inv_NK)
 
     def combine(self, y_MD: torch.Tensor, state: DispatchState, topk_weights_NK: torch.Tensor) -> torch.Tensor:
-        """Undo the permutation and weight the copies: (M, D) in expert order -> (N, D)."""
         return unpermute_combine(y_MD, topk_weights_NK, state.sort_idx_M, state.inv_NK)
 
     def dropped_tokens(self) -> torch.Tensor | None:
-        """Assignments dropped in the last dispatch; None for dropless dispatchers."""
         return None
 
 
