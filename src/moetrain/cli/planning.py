@@ -11,7 +11,7 @@ import sys
 import textwrap
 from typing import TYPE_CHECKING
 
-from moetrain.cli.args import split_overrides
+from moetrain.cli.args import command_parser, split_overrides
 from moetrain.errors import ConfigError
 from moetrain.parallel.config import layout_legend
 from moetrain.presets import resolve_config
@@ -46,11 +46,9 @@ def _plan_parser() -> argparse.ArgumentParser:
     legend = "\n".join(
         textwrap.fill(m, width=100, initial_indent="  ", subsequent_indent="      ") for m in layout_legend()
     )
-    parser = argparse.ArgumentParser(
-        allow_abbrev=False,
-        prog="moetrain plan",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=fill(
+    parser = command_parser(
+        "plan",
+        fill(
             "Per-GPU parameters, gradients, optimizer state, activations (with and without recompute), "
             "communication per step, step time (communication only where compute does not hide it: its exposed "
             "part), MFU, tokens/s and the time to train a token budget (--tokens) of a preset on N GPUs, from the "
@@ -65,6 +63,7 @@ def _plan_parser() -> argparse.ArgumentParser:
             "--parallel.shard_optimizer=true …"
         )
         + f"\n\nLayout abbreviations:\n{legend}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("spec", metavar="PRESET_OR_YAML")
     parser.add_argument(

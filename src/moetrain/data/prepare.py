@@ -117,20 +117,8 @@ def main(argv: list[str]) -> int:
         check_overwrite(args.out, existing_entries(args.out, OUTPUT_FILES), "--out", "prepare-data")
 
     start = time.perf_counter()
-    meta = prepare_data(
-        args.inputs,
-        args.out,
-        tokenizer=args.tokenizer,
-        vocab_size=args.vocab_size,
-        val_frac=args.val_frac,
-        text_key=args.text_key,
-        seed=args.seed,
-        default_corpus=args.default_corpus,
-        eos_token=args.eos_token,
-        eos_id=args.eos_id,
-        workers=args.workers,
-        skip_bad=args.skip_bad,
-    )
+    options = {k: v for k, v in vars(args).items() if k not in ("inputs", "out", "force")}  # named as the flags
+    meta = prepare_data(args.inputs, args.out, **options)
     splits = meta["splits"]
     summary = {
         "out": str(args.out),

@@ -165,9 +165,7 @@ class TrainEngine:
 
     def settle_cuda_graphs(self, keep: bool, why: str) -> None:
         """compute.cuda_graphs=auto's measured choice (`StepGraph.judge`): keep the step graph, or
-        drop it (its memory already released), after which every step runs eagerly
-        (compute.cuda_graphs off; the learning rate stays on the device, where the graph's update
-        read it). `cuda_graphs_why` becomes the measurement; the run says it either way."""
+        drop it (its memory already released) and run every step eagerly; said either way."""
         self.cuda_graphs_why = why
         if not keep:
             self.step_graph = None
@@ -439,10 +437,9 @@ class TrainEngine:
 
     # ---- state -------------------------------------------------------------------------------------
     def checkpoint_state(self) -> dict[str, dict]:
-        """{"model": …, "optim": …}: the checkpoint's entries (src/moetrain/train/checkpoint_io.py) as
-        the part of each this rank holds — views of live tensors and `FlatShard`s of its shards
-        and of the split fp32 masters. What DCP saves, and what it loads into in place (then
-        `checkpoint_loaded`). No copy, no communication."""
+        """{"model": …, "optim": …}: the checkpoint's entries as the part of each this rank holds
+        (`checkpoint_io.checkpoint_entries`): what DCP saves, and loads into in place (then
+        `checkpoint_loaded`)."""
         return checkpoint_io.checkpoint_entries(
             self.model, self.optimizer.checkpoint_masters(), self.optimizer.checkpoint_tensors()
         )
@@ -455,11 +452,8 @@ class TrainEngine:
         self._weights_replaced()
 
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
-        """{"model": …, "optim": …}: the same entries as `checkpoint_state`, whole, in memory
-        (for tests and tools): views of the live tensors where this rank holds them whole, full
-        temporaries for FSDP's and the sharded optimizer's shards and the split masters.
-        Collective under FSDP and the sharded optimizer (gathers)."""
-        # With optim.bf16_weights the matrices' entries are their fp32 masters (temporaries).
+        """{"model": …, "optim": …}: the same entries as `checkpoint_state`, whole, in memory (for
+        tests and tools); collective under FSDP and the sharded optimizer (gathers)."""
         return {
             "model": checkpoint_io.model_state_dict(self.model, self.optimizer.master_weights()),
             "optim": checkpoint_io.optimizer_state_dict(self.model, self.optimizer.state_dict_tensors()),
