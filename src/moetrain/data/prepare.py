@@ -1,8 +1,4 @@
-"""`moetrain prepare-data`: tokenize raw text into a directory of token files.
-
-    moetrain prepare-data INPUT... --out DIR [--tokenizer tokenizer.json] [--vocab-size 8192]
-                          [--val-frac 0.02] [--text-key text] [--seed 0] [--default-corpus]
-                          [--eos-id N] [--workers N] [--force]
+"""`moetrain prepare-data INPUT... --out DIR`: tokenize raw text into a directory of token files.
 
 Inputs are .txt/.rst/.md files and UTF-8 text files without an extension (one document each),
 .jsonl files (one document per line, in field --text-key), .parquet files (one document per

@@ -82,11 +82,12 @@ def step_fields(record: dict[str, Any], ms_per_step: float | None, eta_s: float 
     return "  ".join(fields)
 
 
-class Progress:
-    """A tqdm bar on a terminal; a plain line per logged step otherwise (CI logs, pipes). Both
-    show `step_fields` (the bar leaves out tqdm's own estimate, which counts evaluation in)."""
+class ConsoleSink(MetricsSink):
+    """The logged records on the console (rank 0, not under --quiet), after step `start` of
+    `total`: a tqdm bar on a terminal; a plain line per logged step otherwise (CI logs, pipes).
+    Both show `step_fields` (the bar leaves out tqdm's own estimate, which counts evaluation in)."""
 
-    def __init__(self, start: int, total: int, quiet: bool, device_type: str = "cpu"):
+    def __init__(self, start: int, total: int, quiet: bool = False, device_type: str = "cpu"):
         self.quiet, self.total = quiet, total
         self.mem_label = "mem" if device_type == "cuda" else "rss"
         self.timer = StepTimer()
@@ -126,26 +127,15 @@ class Progress:
             )
         self.last = step
 
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-class ConsoleSink(MetricsSink):
-    """The logged records on the console (rank 0, not under --quiet): a `Progress` that starts
-    after step `start` of `total`."""
-
-    def __init__(self, start: int, total: int, device_type: str = "cpu"):
-        self.progress = Progress(start=start, total=total, quiet=False, device_type=device_type)
-
     def step_done(self, step: int) -> None:
-        self.progress.update(step, None)
+        self.update(step, None)
 
     def write(self, record: dict[str, Any], window: tuple[float, int]) -> None:
-        self.progress.update(record["step"], record, window)
+        self.update(record["step"], record, window)
 
     def close(self, failed: bool = False) -> None:
-        self.progress.close()
+        if self.bar is not None:
+            self.bar.close()
 
 
 def describe_layout(dims: ParallelDims) -> str:

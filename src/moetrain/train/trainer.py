@@ -62,11 +62,9 @@ class Trainer:
     ):
         """Build the run on this rank (every rank of a torchrun launch does the same); with
         `resume`, continue from the run directory's newest complete checkpoint. Without
-        train.run_dir the run directory is `default_run_dir(name, resume)` (`moetrain train`
-        passes the preset's or YAML file's name); `self.cfg` holds the one chosen. With
-        `rehearsal`, this process is that one rank of that world (src/moetrain/parallel/rehearsal.py).
-        `capacity_floor` resolves parallel.capacity_min_rows auto (`moetrain train` and `bench`
-        pass the planner's; without one, auto is 1024 rows)."""
+        train.run_dir the run directory is `default_run_dir(name, resume)`; `self.cfg` holds the
+        one chosen. With `rehearsal`, this process is that one rank of that world
+        (src/moetrain/parallel/rehearsal.py). `capacity_floor`: see `CapacityFloor`."""
         if cfg.logging.wandb:
             require_wandb()
         runtime = setup_runtime(cfg, rehearsal)
@@ -201,9 +199,9 @@ class Trainer:
             self._notes.append(f"initialized the model from {path} (checkpoint.init_from)")
 
     def _resume(self) -> None:
-        """From the newest intact complete checkpoint: damaged ones (`diagnose`) are
-        skipped, said and moved aside (so that retention never keeps them over good ones); with
-        none complete, a fresh start; with all damaged, a refusal."""
+        """From the newest intact complete checkpoint: damaged ones are skipped, said and moved
+        aside (so that retention never keeps them over good ones); with none complete, a fresh
+        start; with all damaged, a refusal."""
         found = self.run.checkpoints()
         partial = self.run.partial_checkpoints()
         if partial:
@@ -270,10 +268,9 @@ class Trainer:
             )
 
     def _resume_schedule(self, path: Path, trainer_state: dict) -> None:
-        """The schedule a resumed run follows: the one it planned (trainer_state's
-        schedule_steps; a checkpoint written before that key: its config.yaml's train.steps)
-        unless train.steps changed and train.extend=replan. A changed count is said, with the
-        rate the step resumes at either way."""
+        """The schedule a resumed run follows: the one it planned (trainer_state's schedule_steps,
+        else its config.yaml's train.steps) unless train.steps changed and train.extend=replan; a
+        changed count is said, with the rate the step resumes at either way."""
         planned = trainer_state.get("schedule_steps")
         if planned is None:
             planned = load_yaml(path / "config.yaml").get("train", {}).get("steps", self.cfg.train.steps)
@@ -309,8 +306,8 @@ class Trainer:
         self._notes.append(f"--resume: train.steps {planned} -> {tc.steps}: {what}")
 
     def _already_finished(self) -> dict[str, Any]:
-        """The summary of a run whose checkpoint is at train.steps already, as it was (written
-        only when the run was stopped before it could write one)."""
+        """The summary of a run whose checkpoint is at train.steps already (written only when the
+        run stopped before it could)."""
         self.summary, changed = self.run.read_summary(), "nothing changed"
         if not self.summary:
             self.step = self.finished_at
@@ -343,9 +340,8 @@ class Trainer:
 
     # ---- the rest ------------------------------------------------------------------------------
     def _take_run_dir(self, cfg: RunConfig, name: str, resume: bool) -> tuple[str, str, RunDir]:
-        """Rank 0 chooses the run directory (train.run_dir, else `default_run_dir(name, resume)`
-        with a note for the header), checks it and takes it (`RunDir`); the other ranks take its
-        answer or its refusal, so that none waits on a peer that stopped."""
+        """Rank 0 chooses the run directory (with a note for the header), checks it and takes it;
+        the other ranks take its answer or its refusal, so that none waits on a peer that stopped."""
         run, answer = None, None
         if self.par.is_main:
             try:
@@ -363,8 +359,7 @@ class Trainer:
 
     def profiler(self, out_dir: Path, wait: int | None = None, kinds_only: bool = False) -> StepProfiler:
         """A profiler over `logging.profile_steps` steps after `wait` (default logging.profile_wait);
-        with several ranks each writes its own rank-R subdirectory. `kinds_only`: kinds.json
-        alone (`StepProfiler`)."""
+        with several ranks each writes its own rank-R subdirectory."""
         lc = self.cfg.logging
         if self.par.dims.world_size > 1:
             out_dir = out_dir / f"rank{self.par.rank}"
@@ -408,7 +403,7 @@ def _resolved_capacity(
 ) -> tuple[ParallelConfig, str | None]:
     """cfg.parallel with capacity_min_rows auto resolved by `floor` (rank 0's answer on every
     rank, so every rank sizes the exchange alike), and a line saying what it chose and why (None
-    where nothing was chosen). Without `floor`, auto stays for `apply_expert_parallel`: 1024 rows."""
+    where nothing was chosen). Without `floor`, auto stays: 1024 rows."""
     p = cfg.parallel
     if p.capacity_min_rows is not None or floor is None:
         return p, None
