@@ -294,10 +294,8 @@ def _utf8_problem(file: tuple[Path, str]) -> tuple[Path, str | None]:
 
 def collect_files(inputs: Iterable[str | os.PathLike], skipped: list[str] | None = None) -> list[tuple[Path, str]]:
     """Expand the inputs into `(file, document-name prefix)`; directories are walked in sorted
-    order (hidden entries skipped). Read: .txt .rst .md files and UTF-8 text files without an
-    extension (one document each), .jsonl files (one per line). Files of a directory that are
-    not read are appended to `skipped` as "path (why)". Raises `DataError` for a missing path or
-    a named file that cannot be read."""
+    order (hidden entries skipped), and what they hold that is not read is appended to `skipped`
+    as "path (why)". Raises `DataError` for a missing path or a named file that cannot be read."""
     files: list[tuple[Path, str]] = []
     for item in inputs:
         path = Path(item)

@@ -1,20 +1,12 @@
 """What a checkpoint holds, written and read with torch.distributed.checkpoint (DCP).
 
-RUN_DIR/checkpoints/step-N/ (named, listed and kept by src/moetrain/train/run_dir.py) holds
-  - the DCP files: model parameters and buffers (the aux-free router biases among them; fp32
-    masters in place of bf16 weights) and the AdamW moments, tensors only (loading executes no
-    pickled code), experts one entry each so that any expert-parallel layout can load them. Each
-    entry has its global shape whatever the layout; each rank writes and reads only the part it
-    holds (`checkpoint_entries`: views of live tensors, `FlatShard` ranges of sharded state,
-    stored as rectangular blocks by src/moetrain/train/dcp_shards.py), so nothing is gathered;
-  - trainer_state.json: step and data-loader position (rank 0); rng-rankR.json: each rank's RNG;
-  - config.yaml (the run's resolved config) and tokenizer.json, so `eval`/`generate` need
-    nothing else;
-  - COMPLETE, written last.
-Each rank writes its own files (`save_checkpoint`, `ShardRole`); the main process completes them.
-Before a load (`load_checkpoint`; weights alone: `load_model`, written by `save_weights`), the
-index and files are checked (src/moetrain/train/checkpoint_index.py): a damaged checkpoint is
-named as such, with the file, and a model of another shape with the first tensor that differs.
+RUN_DIR/checkpoints/step-N/ (named, listed and kept by src/moetrain/train/run_dir.py) holds the
+DCP files (model parameters and buffers, fp32 masters in place of bf16 weights, the optimizer's
+moments: tensors only, experts one entry each, every entry in its global shape, each rank writing
+and reading only its part: `checkpoint_entries`), trainer_state.json, rng-rankR.json, config.yaml
+and tokenizer.json, and COMPLETE, written last (docs/architecture.md, "Checkpoints"). Before a
+load the index and files are checked (src/moetrain/train/checkpoint_index.py), so a damaged
+checkpoint or a model of another shape is named as such.
 """
 
 from __future__ import annotations

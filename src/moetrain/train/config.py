@@ -65,9 +65,8 @@ class CudaGraphs(enum.StrEnum):
     gradients, the routing statistics) captured once after a few eager steps and replayed: one
     launch a step. One GPU, the ddp stack's replicated AdamW."""
     auto = "auto"
-    """`step` where the run's device and layout allow it, else `off`
-    (`RunConfig.cuda_graphs_choice`; the start-up header says which, and why); the step graph is
-    then kept only where its first replays are measured faster than the eager steps (`StepGraph`)."""
+    """`step` where the run's device and layout allow it, else `off` (`RunConfig.cuda_graphs_choice`),
+    the step graph then kept only where its first replays are measured faster (`StepGraph`)."""
 
 
 MAX_STEPS = 10**9

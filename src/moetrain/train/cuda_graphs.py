@@ -86,13 +86,10 @@ class GraphBackend(Protocol):
 
 
 class CudaGraph:
-    """`GraphBackend` over `torch.cuda.CUDAGraph`: captured on its own side stream into one
-    private memory pool (a new capture first frees the last graph and its pool), replayed on the
-    current stream.
-    The side stream is the same for every capture and for the eager work before one
-    (`on_capture_stream`), as torch requires of a captured backward: an autograd leaf's gradient
-    accumulation runs on the stream where the leaf's accumulator was made, and one made on the
-    default stream would run there, outside the capture, during it."""
+    """`GraphBackend` over `torch.cuda.CUDAGraph`: captured into one private memory pool (a new
+    capture first frees the last graph and its pool), replayed on the current stream. Captures
+    and the eager work before them (`on_capture_stream`) run on one side stream, as torch requires
+    of a captured backward: a leaf's gradient accumulation runs where its accumulator was made."""
 
     def __init__(self, device: torch.device, what: str = "the training step"):
         self.device, self.what = device, what

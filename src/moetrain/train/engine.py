@@ -3,24 +3,13 @@
 Legend: B micro-batch sequences (this rank), T sequence length, V vocabulary.
 
 Built once per run (by `Trainer`, or by anything that wants to step a model: `bench`, tests) on a
-rank whose process groups exist (`ParallelState`):
-
-    meta-device model → parallelize (layout, FP8, recompute, compile) → materialize → init_weights
-    → optimizer (`OptimConfig.build`: the one the layout needs) → pipeline stages (pp > 1)
-
-One step, given the step's micro-batches (this rank's rows of each):
-
-    forward_backward(batches)  every micro-batch's forward and backward (or the pipeline
-                               schedule over all of them); the gradients end reduced over dp
-    optim_step(lm_loss, step)  learning rate, clip, the step guard's skip decision, update (the
-                               router biases move in the optimizer's step post-hook), zero
-                               grad, the step's routing statistics
-
-With compute.cuda_graphs=step both are one CUDA graph after the first steps (`StepGraph`, through
-`train_step`; its captured work is `step_tensors`).
-
-Nothing here copies from the device to the host: the results are device tensors (`StepOutput`),
-read by `metrics()` only when the caller logs.
+rank whose process groups exist (`ParallelState`). One step is `forward_backward(batches)` (every
+micro-batch's forward and backward, or the pipeline schedule; the gradients end reduced over dp)
+then `optim_step(lm_loss, step)` (learning rate, clip, the step guard, update, zero grad, the
+routing statistics); with compute.cuda_graphs=step both are one CUDA graph after the first steps
+(`StepGraph`, through `train_step`). Nothing here copies from the device to the host: the results
+are device tensors (`StepOutput`), read by `metrics()` only when the caller logs
+(docs/architecture.md, "One training step").
 """
 
 from __future__ import annotations

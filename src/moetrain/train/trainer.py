@@ -1,20 +1,10 @@
 """The training loop.
 
-`Trainer(cfg)` builds a run — runtime (device, process group, layout), data loader, `TrainEngine`
-(model, optimizer, pipeline), run directory, the loop's callbacks (`self.callbacks`, the list
-`callbacks_from_config` builds from the config: src/moetrain/train/callbacks.py) — and starts it fresh
-or resumes it. `fit()` is the loop, and nothing else:
-
-    while step < train.steps:
-        batches = the step's micro-batches from the loader
-        out = engine.train_step(batches, step)        forward/backward, clip, update
-        step += 1
-        every callback's on_step_end(out)              profile, skip limit, log + evaluate,
-                                                       checkpoint, graceful stop
-
-Nothing in a step copies from the device to the host: losses, gradient norms and routing
-statistics stay device tensors, read only on logging steps (every `train.log_every`). A step that
-runs out of device memory ends the run with one paragraph (src/moetrain/train/oom.py).
+`Trainer(cfg)` builds a run (runtime, data loader, `TrainEngine`, run directory, the loop's
+callbacks) and starts it fresh or resumes it; `fit()` is the loop and nothing else: the step's
+micro-batches → `engine.train_step` → every callback's `on_step_end` (docs/architecture.md, "Who
+owns what"). Nothing in a step copies from the device to the host; a step that runs out of device
+memory ends the run with one paragraph (src/moetrain/train/oom.py).
 """
 
 from __future__ import annotations
