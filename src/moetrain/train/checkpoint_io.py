@@ -363,10 +363,8 @@ def checkpoint_entries(
         )
         _put(out["model"], name, masters[name] if name in masters else _local(tensor.detach()), offsets.get(name))
     if optim_tensors is not None:
-        out["optim"] = {}
-        for name, entry in optim_tensors.items():
-            for key, value in entry.items():
-                _put(out["optim"], f"{name}.{key}", _local(value), offsets.get(name))
+        local = {name: {key: _local(v) for key, v in entry.items()} for name, entry in optim_tensors.items()}
+        out["optim"] = optimizer_state_dict(model, local)
     return out
 
 
