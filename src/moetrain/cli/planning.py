@@ -262,8 +262,7 @@ def _planner_gpu(text: str, custom: tuple[str, dict] | None) -> str:
 
 def _plan_one(args: argparse.Namespace, gpus: int, cfg: RunConfig, given: list[str], gpu: str, budget: Budget) -> int:
     """The report of one GPU count: the layout as given, the layouts that fit (or the fewest GPUs
-    on which one would), each with its speed and time to the budget, the recommended one's launch
-    line, and the JSON line."""
+    on which one would) with their speed and time to the budget, launch lines, the JSON line."""
     import moetrain.plan as planner
     from moetrain import rehearse
     from moetrain.plan.report import budget_line, launch_command, speed_text
@@ -322,8 +321,7 @@ def _plan_counts(
     spec: str, counts: list[int], configs: list[tuple[RunConfig, list[str]]], gpu: str, budget: Budget
 ) -> int:
     """One row per GPU count (each count's config from `_plan_config`): the fastest layout that
-    fits (`suggest`'s first), its peak, step time, tokens/s, time to the budget and MFU; then each
-    count's launch line, the legend and one JSON line."""
+    fits, its speed and time to the budget; then the launch lines, the legend and one JSON line."""
     from moetrain.plan import legend_lines, suggest
     from moetrain.plan.report import CountPlan, counts_json, counts_text, launch_command
 

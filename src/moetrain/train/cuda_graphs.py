@@ -59,30 +59,24 @@ class GraphBackend(Protocol):
     def capture(self, fn: Callable[[], tuple]) -> tuple:
         """Record `fn` (its device work is not run) and return its result, which each replay
         rewrites."""
-        ...
 
     def replay(self) -> None:
         """Run the recorded work again."""
-        ...
 
     def release(self) -> None:
         """Drop the recorded work and what it holds; the next capture starts afresh."""
-        ...
 
     def on_capture_stream(self) -> contextlib.AbstractContextManager:
         """Around eager work that must run where the capture will (`StepGraph`'s warm-up steps):
         autograd ties each parameter's gradient accumulation to the stream it first ran on."""
-        ...
 
     def stream_capturing(self) -> bool:
         """Whether work launched now, on this thread, is recorded by the capture underway."""
-        ...
 
     def timed(self) -> contextlib.AbstractContextManager[Callable[[], float]]:
         """Around work on the current stream: a function that gives the seconds the device took
         to run it, from its first kernel's start to its last one's end, the gaps between them
         included (it waits for that end)."""
-        ...
 
 
 class CudaGraph:

@@ -195,9 +195,8 @@ class TrainEngine:
         return self.step_graph.counts() if self.step_graph is not None else None
 
     def forward_backward(self, batches: list[Batch]) -> torch.Tensor:
-        """Forward and backward of the step's micro-batches (train.grad_accum_steps of them,
-        this rank's rows of each); afterwards the gradients are reduced over the data-parallel
-        ranks. Returns the mean LM loss over the micro-batches (device scalar)."""
+        """Forward and backward of the step's micro-batches (this rank's rows of each), the
+        gradients then reduced over dp. Returns the mean LM loss over them (device scalar)."""
         self.model.train()
         expert_grads = self.model.runtime.expert_grads
         with expert_grads.step(len(batches)) if expert_grads is not None else contextlib.nullcontext():
@@ -215,9 +214,8 @@ class TrainEngine:
         return StepOutput(lm_loss, grad_norm, self._end_routing_step(), lr, self._end_mtp_step())
 
     def update(self, lm_loss: torch.Tensor, step: int) -> tuple[torch.Tensor, float]:
-        """The optimizer's part of step `step` (0-based), gradients left in place: set the
-        schedule's learning rate, then `update_tensors`. Returns the norm before clipping (device)
-        and the lr."""
+        """The optimizer's part of step `step` (0-based), gradients left in place: `set_step_lr`,
+        then `update_tensors`. Returns the norm before clipping (device) and the lr."""
         lr = self.set_step_lr(step)
         return self.update_tensors(lm_loss), lr
 
@@ -426,17 +424,15 @@ class TrainEngine:
 
     # ---- state -------------------------------------------------------------------------------------
     def checkpoint_state(self) -> dict[str, dict]:
-        """{"model": …, "optim": …}: the checkpoint's entries as the part of each this rank holds
-        (`checkpoint_io.checkpoint_entries`): what DCP saves, and loads into in place (then
-        `checkpoint_loaded`)."""
+        """{"model": …, "optim": …}: this rank's part of the checkpoint's entries
+        (`checkpoint_io.checkpoint_entries`), which DCP saves and loads into in place."""
         return checkpoint_io.checkpoint_entries(
             self.model, self.optimizer.checkpoint_masters(), self.optimizer.checkpoint_tensors()
         )
 
     def checkpoint_loaded(self) -> None:
-        """A checkpoint was loaded into `checkpoint_state()`'s entries: the optimizer takes its
-        step count and refreshes what derives from the weights (collective under the sharded
-        optimizer)."""
+        """After a load into `checkpoint_state()`'s entries: the optimizer takes its step count and
+        refreshes what derives from the weights (collective under the sharded optimizer)."""
         self.optimizer.checkpoint_loaded()
         self._weights_replaced()
 

@@ -40,8 +40,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def setup_runtime(cfg: RunConfig, rehearsal: Rehearsal | None = None) -> Runtime:
-    """Validate `cfg` for this device and world size and join the process group (see the
-    module docstring). Each rank calls it; under torchrun each takes GPU LOCAL_RANK. With
+    """The module docstring's steps, on each rank (under torchrun each takes GPU LOCAL_RANK); with
     `rehearsal` this process is that one rank of that world (src/moetrain/parallel/rehearsal.py)."""
     device = resolve_device(cfg.train.device)
     rank, world = init_distributed(device.type, cfg.parallel.timeout_s, cfg.parallel.peer_timeout_s, rehearsal)
