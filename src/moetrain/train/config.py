@@ -107,9 +107,8 @@ class TrainerConfig(Config):
     """Validation loss every N steps (and at the end); 0 = never."""
     eval_tokens: int = positive(65_536, at_most=10**12)
     """Validation tokens per evaluation: the first eval_tokens // data.seq_len sequences of the
-    validation data (at least one; all of it when it holds fewer), the loss averaged per token.
-    The same set whatever train.micro_batch_size and the layout, so validation curves compare
-    across runs."""
+    validation data (at least one; all of it when it holds fewer), the loss averaged per token:
+    the same set whatever the micro-batch and the layout, so validation curves compare."""
 
     def eval_sequences(self, seq_len: int) -> int:
         """Validation sequences per evaluation (train.eval_tokens in whole sequences, ≥ 1)."""

@@ -8,13 +8,10 @@ numbers at their values. So what a step reads and writes that outlives it lives 
 for the whole run:
 
 - the parameters, AdamW's moments and step counts, the split masters' buffers, the step guard's
-  history and the router biases are allocated once and written in place (the guard and the
-  optimizers are written so; tests/train/test_cuda_graphs.py checks it on the CPU through
-  `moetrain.testing.graph_emulator`);
-- the learning rate is a 0-d device tensor the optimizer reads (`put_lr_on_device`), filled before
-  each step;
-- what the captured step allocates (activations, gradients, the loss) comes from the graph's own
-  memory, at the same addresses in every replay.
+  history and the router biases are allocated once and written in place (checked on the CPU
+  through `moetrain.testing.graph_emulator` by tests/train/test_cuda_graphs.py);
+- the learning rate is a 0-d device tensor the optimizer reads (`put_lr_on_device`);
+- what the captured step allocates comes from the graph's own memory, the same in every replay.
 
 A graph of the update alone would never replay in training: the caching allocator puts every
 gradient at a new address each step. No host sync is added: a replay is one launch.

@@ -237,14 +237,9 @@ class Trainer:
         self._resume_schedule(path, trainer_state)
         self.resumed_from = path
         self.run.keep_records_up_to(self.step)
-        self._notes.append(
-            f"resumed from {path} (step {self.step})"
-            + (
-                f"; checkpoint.init_from={self.cfg.checkpoint.init_from} is for a fresh start, not read"
-                if self.cfg.checkpoint.init_from
-                else ""
-            )
-        )
+        init = self.cfg.checkpoint.init_from
+        unread = f"; checkpoint.init_from={init} is for a fresh start, not read" if init else ""
+        self._notes.append(f"resumed from {path} (step {self.step}){unread}")
 
     def _note_warmup(self) -> None:
         """A schedule that ends inside its warm-up never decays: said at start-up."""
@@ -276,16 +271,12 @@ class Trainer:
         before = lr_at(self.step - 1, planned, cfg.optim.lr, cfg.schedule) if self.step else kept
         final = lr_at(planned - 1, planned, cfg.optim.lr, cfg.schedule)
         if keep:
+            longer = tc.steps > planned and self.step < planned
+            then = f", and every step from {planned + 1} on at its last rate, {final:.3g}" if longer else ""
             what = (
                 f"the schedule stays the one planned over {planned} steps (train.extend=keep): step {self.step + 1} "
-                f"runs at {kept:.3g}"
-                + (
-                    f", and every step from {planned + 1} on at its last rate, {final:.3g}"
-                    if tc.steps > planned and self.step < planned
-                    else ""
-                )
-                + f"; --train.extend=replan would plan it over {tc.steps} steps (step {self.step + 1} at "
-                f"{replanned:.3g})"
+                f"runs at {kept:.3g}{then}; --train.extend=replan would plan it over {tc.steps} steps (step "
+                f"{self.step + 1} at {replanned:.3g})"
             )
         else:
             what = (
