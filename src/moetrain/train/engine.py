@@ -365,34 +365,27 @@ class TrainEngine:
         # by dp·cp, that is the mean over a stage's ranks (drops × dp·cp is then the global count;
         # counts, equal on a stage's ranks, come back unchanged). float64 keeps large counts exact.
         L, E, K = self.cfg.model.num_moe_layers, self.cfg.model.moe.num_experts, self.cfg.model.mtp_depth
-        packed = torch.zeros(1 + L * (3 + E) + K, dtype=torch.float64, device=self.device)
+        packed = torch.zeros(1 + K + L * (3 + E), dtype=torch.float64, device=self.device)
+        layers_LC = packed[1 + K :].view(L, 3 + E)  # each MoE layer's lb, z, dropped, tokens per expert
         packed[0] = out.lm_loss
         if out.mtp is not None:  # on the rank holding the LM head (the last pipeline stage)
-            packed[1 + L * (3 + E) :] = out.mtp
+            packed[1 : 1 + K] = out.mtp
         for i, s in zip(self.model.moe_layer_indices(), out.routing):
-            packed[1 + i], packed[1 + L + i], packed[1 + 2 * L + i] = s["lb_loss"], s["z_loss"], s["dropped"]
-            packed[1 + 3 * L + i * E : 1 + 3 * L + (i + 1) * E] = s["tokens_per_expert"]
+            layers_LC[i, 0], layers_LC[i, 1], layers_LC[i, 2] = s["lb_loss"], s["z_loss"], s["dropped"]
+            layers_LC[i, 3:] = s["tokens_per_expert"]
         mean = self.global_mean(packed)
-        counts_LE = mean[1 + 3 * L : 1 + L * (3 + E)].view(L, E).round().long()
         dp = self.par.dims.replicas
-        routing = routing_metrics(
-            [
-                {
-                    "lb_loss": mean[1 + i],
-                    "z_loss": mean[1 + L + i],
-                    "dropped": mean[1 + 2 * L + i] * dp,
-                    "tokens_per_expert": counts_LE[i],
-                }
-                for i in range(L)
-            ],
-            ep=self.par.dims.ep,
-        )
+        layers = [
+            {"lb_loss": r[0], "z_loss": r[1], "dropped": r[2] * dp, "tokens_per_expert": r[3:].round().long()}
+            for r in mean[1 + K :].view(L, 3 + E)
+        ]
+        routing = routing_metrics(layers, ep=self.par.dims.ep)
         lm_loss, grad_norm, skipped, mtp_loss = torch.stack(
             [
                 mean[0],
                 out.grad_norm.double(),
                 self.guard.skipped_total.double(),
-                mean[1 + L * (3 + E) :].mean() if K else mean[0] * 0,
+                mean[1 : 1 + K].mean() if K else mean[0] * 0,
             ]
         ).tolist()
         moe = self.cfg.model.moe
