@@ -103,11 +103,10 @@ class LoadedModel:
         kv_cache: bool = True,
     ) -> str:
         """The continuation of `prompt` (without it), up to `max_new_tokens` tokens or the
-        end-of-text token. temperature 0 (default) is greedy; above 0 each token is drawn from
-        softmax(logits / temperature), among the `top_k` most likely and the smallest set whose
-        probabilities reach `top_p` when given. Each token is predicted from the last
-        `max_context` tokens; `kv_cache=False` recomputes them all for every token (slower, the
-        same tokens: src/moetrain/generation.py). The same `seed` gives the same text."""
+        end-of-text token, as `moetrain generate` samples it (src/moetrain/generation.py): greedy
+        at temperature 0, else drawn among the `top_k` most likely and the fewest whose
+        probabilities reach `top_p`, each from the last `max_context` tokens (`kv_cache=False`
+        recomputes them for every token: slower, the same text). The same `seed`, the same text."""
         text, _ = generate(
             self.model,
             self.tokenizer,

@@ -1,19 +1,9 @@
 """Where a command writes, checked before it writes anything.
 
-Every command that writes — train's run directory, prepare-data's --out, export-hf's and
-import-hf's OUT_DIR, plot's --out — checks its destination first, so that one it cannot use is
-one paragraph naming the path and the fix instead of a traceback half-way through the work:
-
-    check_directory    a file where the directory (or one above it) belongs; no permission to
-                       create it or write in it
-    check_overwrite    a directory that already holds files the command would replace
-                       (the command's --force replaces them)
-    check_free_space   less free disk than the command is about to write, where that is known
-                       beforehand (a checkpoint: its parameter count × bytes per parameter)
-    check_file         the same for a single output file (plot --out)
-    storage_reason     what a write that failed all the same means (disk full, quota, size limit,
-                       read-only, permission), for the one paragraph a command ends with
-
+Every command that writes (train's run directory, prepare-data's --out, export-hf's and
+import-hf's OUT_DIR, plot's --out) checks its destination first with the `check_*` functions, so
+that one it cannot use is one paragraph naming the path and the fix instead of a traceback
+half-way through the work; `storage_reason` says what a write that failed all the same means.
 Nothing here creates anything: a command refused here leaves no directory behind.
 """
 

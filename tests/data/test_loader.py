@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moetrain.data.config import DataConfig
-from moetrain.data.loader import TokenLoader, resolve_val_path, val_batches
+from moetrain.data.loader import TokenLoader, val_batches
 from moetrain.data.tokens import write_token_dir
 from moetrain.errors import ConfigError, DataError
 
@@ -186,12 +186,12 @@ def test_val_batches_use_what_there_is(tmp_path):
     assert _windows(val_batches(small, seq_len=T, num_sequences=5, micro_batch_size=4)) == ([0, 1, 2], [3])
 
 
-def test_resolve_val_path(tmp_path):
+def test_val_path(tmp_path):
     with_val = _source(tmp_path, "a", 0, 5, val_windows=2)
     without = _source(tmp_path, "b", 0, 5)
-    assert resolve_val_path(DataConfig(sources=[with_val])) == with_val
-    assert resolve_val_path(DataConfig(sources=[without])) is None
-    assert resolve_val_path(DataConfig(sources=[without], val=with_val)) == with_val
+    assert DataConfig(sources=[with_val]).val_path() == with_val
+    assert DataConfig(sources=[without]).val_path() is None
+    assert DataConfig(sources=[without], val=with_val).val_path() == with_val
 
 
 def test_synthetic_tokens_are_layout_free_and_resume_exactly():

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from moetrain.presets import resolve_config
-from moetrain.train.console import Progress, StepTimer, describe_layout, describe_precision, format_duration
+from moetrain.train.console import ConsoleSink, StepTimer, describe_layout, describe_precision, format_duration
 from moetrain.train.trainer import Trainer
 
 RECORD = {"loss": 5.4321, "lr": 3e-4, "tokens_per_sec": 12345.6, "mfu": None, "peak_mem_gib": 0.456}
@@ -35,7 +35,7 @@ def _lines(capsys) -> list[str]:
 
 
 def test_cpu_line_has_step_loss_rate_ms_rss_and_eta_but_no_mfu(capsys):
-    progress = Progress(start=0, total=300, quiet=False, device_type="cpu")
+    progress = ConsoleSink(start=0, total=300, quiet=False, device_type="cpu")
     progress.update(1, RECORD, (5.0, 1))
     progress.update(5, None)  # not a logged step: nothing printed
     progress.update(10, {**RECORD, "val_loss": 5.6789}, (9.0, 9))
@@ -49,14 +49,14 @@ def test_cpu_line_has_step_loss_rate_ms_rss_and_eta_but_no_mfu(capsys):
 
 
 def test_gpu_line_has_mfu_and_allocator_peak(capsys):
-    progress = Progress(start=100, total=4010, quiet=False, device_type="cuda")
+    progress = ConsoleSink(start=100, total=4010, quiet=False, device_type="cuda")
     progress.update(110, {**RECORD, "mfu": 0.4123, "peak_mem_gib": 61.27}, (0.5, 10))
     (line,) = _lines(capsys)
     assert "50.0 ms/step  MFU 41.2%  mem 61.27 GiB  ETA 3m15s" in line
 
 
 def test_a_step_that_dropped_assignments_says_so(capsys):
-    progress = Progress(start=0, total=10, quiet=False)
+    progress = ConsoleSink(start=0, total=10, quiet=False)
     progress.update(1, {**RECORD, "dropped_token_frac": 0.0}, (1.0, 1))
     progress.update(2, {**RECORD, "dropped_token_frac": 0.0123}, (1.0, 1))
     first, second = _lines(capsys)
@@ -64,7 +64,7 @@ def test_a_step_that_dropped_assignments_says_so(capsys):
 
 
 def test_quiet_prints_nothing(capsys):
-    Progress(start=0, total=10, quiet=True).update(1, RECORD, (1.0, 1))
+    ConsoleSink(start=0, total=10, quiet=True).update(1, RECORD, (1.0, 1))
     assert capsys.readouterr().err == ""
 
 

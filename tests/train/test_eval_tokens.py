@@ -13,7 +13,6 @@ import pytest
 import torch
 from conftest import tiny_overrides
 
-from moetrain.data.loader import resolve_val_path
 from moetrain.presets import resolve_config
 from moetrain.testing.distributed import run_distributed
 from moetrain.train.callbacks import Evaluator
@@ -46,7 +45,7 @@ def test_same_weights_same_validation_loss_whatever_the_micro_batch(real_text_di
     # one-sequence losses.
     from moetrain.data.tokens import open_source
 
-    val = open_source(resolve_val_path(trainer.cfg.data), "val", seq_len=SEQ)
+    val = open_source(trainer.cfg.data.val_path(), "val", seq_len=SEQ)
     per_sequence = []
     with torch.no_grad():
         trainer.engine.model.eval()

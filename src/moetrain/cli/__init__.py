@@ -40,20 +40,10 @@ SUBCOMMANDS: dict[str, str] = {
 }
 
 MODULES = {
-    "train": "training",
-    "bench": "training",
-    "check-layout": "training",
+    **dict.fromkeys(("train", "bench", "check-layout"), "training"),
     "plan": "planning",
-    "config": "configs",
-    "params": "configs",
-    "presets": "configs",
-    "prepare-data": "configs",
-    "eval": "models",
-    "generate": "models",
-    "export-hf": "models",
-    "import-hf": "models",
-    "plot": "models",
-    "upcycle": "models",
+    **dict.fromkeys(("config", "params", "presets", "prepare-data"), "configs"),
+    **dict.fromkeys(("eval", "generate", "export-hf", "import-hf", "plot", "upcycle"), "models"),
 }
 """Each subcommand's module in this package, whose `cmd_NAME` (argv in, exit code out) runs it."""
 

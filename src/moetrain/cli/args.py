@@ -51,9 +51,14 @@ def split_overrides(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[a
     return args, overrides
 
 
+def command_parser(prog: str, description: str, **kwargs) -> argparse.ArgumentParser:
+    """The parser of `moetrain PROG`: no abbreviated flags (a prefix could later name a new one)."""
+    return argparse.ArgumentParser(allow_abbrev=False, prog=f"moetrain {prog}", description=description, **kwargs)
+
+
 def config_parser(prog: str, description: str, train_flags: bool) -> argparse.ArgumentParser:
     """PRESET_OR_YAML, and with `train_flags` the everyday flags that set config keys (`TRAIN_FLAGS`)."""
-    parser = argparse.ArgumentParser(allow_abbrev=False, prog=f"moetrain {prog}", description=description)
+    parser = command_parser(prog, description)
     parser.add_argument("spec", metavar="PRESET_OR_YAML", help="a preset name (moetrain presets) or a YAML run file")
     if train_flags:
         for flag, (key, tp) in TRAIN_FLAGS.items():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from moetrain.cli.args import config_parser, resolve_args, split_overrides
+from moetrain.cli.args import command_parser, config_parser, resolve_args, split_overrides
 from moetrain.config import keys_reference
 from moetrain.model.counting import count_params, flops_per_token
 from moetrain.presets import PRESETS, PURPOSES
@@ -46,13 +46,9 @@ def cmd_params(argv: list[str]) -> int:
 
 
 def cmd_presets(argv: list[str]) -> int:
-
-    parser = argparse.ArgumentParser(
-        allow_abbrev=False,
-        prog="moetrain presets",
-        description="The shipped presets: parameters total and active, sequence length, what each is for.",
-    )
-    parser.parse_args(argv)
+    command_parser(
+        "presets", "The shipped presets: parameters total and active, sequence length, what each is for."
+    ).parse_args(argv)
     print(f"{'preset':<18} {'total':>9} {'active':>9} {'seq_len':>8}  purpose")
     for name, make in PRESETS.items():
         cfg = make()

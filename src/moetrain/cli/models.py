@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from moetrain.cli.args import split_overrides
+from moetrain.cli.args import command_parser, split_overrides
 from moetrain.data.tokens import open_source
 from moetrain.destinations import check_file, check_overwrite
 from moetrain.errors import ConfigError, DataError
@@ -22,9 +22,7 @@ from moetrain.train.plot import is_image_name, plot_compare
 
 
 def cmd_eval(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        allow_abbrev=False, prog="moetrain eval", description="Loss of a checkpoint on text or prepared tokens."
-    )
+    parser = command_parser("eval", "Loss of a checkpoint on text or prepared tokens.")
     parser.add_argument("checkpoint", help="a run directory (newest checkpoint) or a step-N directory")
     parser.add_argument(
         "--text", nargs="+", metavar="FILE", help="text files (each one document) and .jsonl files (one per line)"
@@ -56,16 +54,13 @@ def cmd_eval(argv: list[str]) -> int:
     if args.data is not None:
         tokens = cfg.train.eval_tokens if args.tokens is None else None if args.tokens == "all" else int(args.tokens)
         result = token_loss(model, cfg, tokenizer, args.data, args.split, tokens)
-        print(
-            f"eval: {result['tokens']:,} of the {open_source(args.data, args.split).num_tokens - 1:,} tokens of "
-            f"{args.split}"
-            + (
-                " (train.eval_tokens, what the run's val_loss read; --tokens all for every one)"
-                if args.tokens is None
-                else ""
-            ),
-            file=sys.stderr,
+        total = open_source(args.data, args.split).num_tokens - 1
+        why = (
+            " (train.eval_tokens, what the run's val_loss read; --tokens all for every one)"
+            if args.tokens is None
+            else ""
         )
+        print(f"eval: {result['tokens']:,} of the {total:,} tokens of {args.split}{why}", file=sys.stderr)
     else:
         result = text_loss(model, cfg, tokenizer, args.text, args.text_key)
     if not math.isfinite(result["loss"]):
@@ -78,9 +73,7 @@ def cmd_eval(argv: list[str]) -> int:
 
 
 def cmd_generate(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        allow_abbrev=False, prog="moetrain generate", description="Sample text from a checkpoint."
-    )
+    parser = command_parser("generate", "Sample text from a checkpoint.")
     parser.add_argument("checkpoint", help="a run directory (newest checkpoint) or a step-N directory")
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -155,7 +148,7 @@ def _convert(
     """`moetrain export-hf` / `import-hf`: SOURCE OUT_DIR (and `add_options`' flags, passed to
     `convert` by name) in, one JSON line out. Files of OUT_DIR that `replaces` names are
     replaced only with --force."""
-    parser = argparse.ArgumentParser(allow_abbrev=False, prog=prog, description=description)
+    parser = command_parser(prog, description)
     parser.add_argument(source, help=source_help)
     parser.add_argument("out_dir")
     parser.add_argument("--force", action="store_true", help="replace what an earlier run wrote into OUT_DIR")
@@ -164,7 +157,7 @@ def _convert(
     args = parser.parse_args(argv)
     # Under torchrun only rank 0 looks: the other ranks would see its files appear.
     if not args.force and os.environ.get("RANK", "0") == "0":
-        check_overwrite(args.out_dir, replaces(args.out_dir), "OUT_DIR", prog)
+        check_overwrite(args.out_dir, replaces(args.out_dir), "OUT_DIR", f"moetrain {prog}")
     options = {k: v for k, v in vars(args).items() if k not in (source, "out_dir", "force")}
     print(json.dumps(convert(getattr(args, source), args.out_dir, **options)))
     return 0
@@ -196,13 +189,13 @@ def cmd_export_hf(argv: list[str]) -> int:
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     return _convert(
         argv,
-        "moetrain export-hf",
+        "export-hf",
         "Write a checkpoint as a directory that transformers loads offline with a native architecture "
-        "(Qwen3-MoE for softmax gating, GLM-4-MoE for sigmoid gating, DeepSeek-V3 for multi-head latent "
-        "attention): safetensors weights (sharded with an "
-        "index past --max-shard-size), config.json, tokenizer files, and a model card (README.md: the Hub's metadata, "
-        "the model's shape, parameters, tokens, data and validation loss). Models that no native class represents "
-        "exactly are refused, naming the feature and the variant that exports.",
+        "(Qwen3-MoE for softmax gating, GLM-4-MoE for sigmoid gating, DeepSeek-V3 for multi-head latent attention): "
+        "safetensors weights (sharded with an index past --max-shard-size), config.json, tokenizer files, and a "
+        "model card (README.md: the Hub's metadata, the model's shape, parameters, tokens, data and validation "
+        "loss). Models that no native class represents exactly are refused, naming the feature and the variant "
+        "that exports.",
         "checkpoint",
         "a run directory (newest checkpoint) or a step-N directory",
         lambda checkpoint, out_dir, **kw: export_hf(checkpoint, out_dir, rank=rank, world_size=world, **kw),
@@ -212,15 +205,12 @@ def cmd_export_hf(argv: list[str]) -> int:
 
 
 def cmd_import_hf(argv: list[str]) -> int:
-
     return _convert(
         argv,
-        "moetrain import-hf",
+        "import-hf",
         "Read a Hugging Face Qwen3-MoE, GLM-4-MoE or DeepSeek-V3 directory (config.json, safetensors, "
-        "tokenizer.json) into "
-        "OUT_DIR: "
-        "config.yaml, tokenizer.json and a weights-only checkpoint. Continue training it with `moetrain "
-        "train OUT_DIR/config.yaml --checkpoint.init_from=OUT_DIR --data.sources=… --run-dir NEW`.",
+        "tokenizer.json) into OUT_DIR: config.yaml, tokenizer.json and a weights-only checkpoint. Continue training "
+        "it with `moetrain train OUT_DIR/config.yaml --checkpoint.init_from=OUT_DIR --data.sources=… --run-dir NEW`.",
         "hf_dir",
         "a Hugging Face model directory",
         import_hf,
@@ -231,10 +221,9 @@ def cmd_import_hf(argv: list[str]) -> int:
 def cmd_upcycle(argv: list[str]) -> int:
     from moetrain.upcycle import upcycle
 
-    parser = argparse.ArgumentParser(
-        allow_abbrev=False,
-        prog="moetrain upcycle",
-        description="Turn a dense checkpoint into a mixture-of-experts one whose first step computes the dense "
+    parser = command_parser(
+        "upcycle",
+        "Turn a dense checkpoint into a mixture-of-experts one whose first step computes the dense "
         "model's function: every expert (and the shared expert) a copy of its block's MLP, the down projections "
         "scaled so the block's output is the MLP's, a fresh router. The MoE blocks are given as overrides of the "
         "dense run's config, e.g. --model.num_dense_layers=1 --model.moe.num_experts=8 --model.moe.top_k=2 "
@@ -250,9 +239,7 @@ def cmd_upcycle(argv: list[str]) -> int:
 
 
 def cmd_plot(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        allow_abbrev=False, prog="moetrain plot", description="Compare the loss curves of runs."
-    )
+    parser = command_parser("plot", "Compare the loss curves of runs.")
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     parser.add_argument("--out", default=None, help="the PNG to write (default: FIRST_RUN_DIR/loss-compare.png)")
     parser.add_argument("--force", action="store_true", help="replace --out even when it is not an image")

@@ -11,7 +11,7 @@ import sys
 import textwrap
 from typing import TYPE_CHECKING
 
-from moetrain.cli.args import split_overrides
+from moetrain.cli.args import command_parser, split_overrides
 from moetrain.errors import ConfigError
 from moetrain.parallel.config import layout_legend
 from moetrain.presets import resolve_config
@@ -46,11 +46,9 @@ def _plan_parser() -> argparse.ArgumentParser:
     legend = "\n".join(
         textwrap.fill(m, width=100, initial_indent="  ", subsequent_indent="      ") for m in layout_legend()
     )
-    parser = argparse.ArgumentParser(
-        allow_abbrev=False,
-        prog="moetrain plan",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=fill(
+    parser = command_parser(
+        "plan",
+        fill(
             "Per-GPU parameters, gradients, optimizer state, activations (with and without recompute), "
             "communication per step, step time (communication only where compute does not hide it: its exposed "
             "part), MFU, tokens/s and the time to train a token budget (--tokens) of a preset on N GPUs, from the "
@@ -65,6 +63,7 @@ def _plan_parser() -> argparse.ArgumentParser:
             "--parallel.shard_optimizer=true …"
         )
         + f"\n\nLayout abbreviations:\n{legend}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("spec", metavar="PRESET_OR_YAML")
     parser.add_argument(
@@ -263,25 +262,13 @@ def _planner_gpu(text: str, custom: tuple[str, dict] | None) -> str:
 
 def _plan_one(args: argparse.Namespace, gpus: int, cfg: RunConfig, given: list[str], gpu: str, budget: Budget) -> int:
     """The report of one GPU count: the layout as given, the layouts that fit (or the fewest GPUs
-    on which one would), each with its speed and time to the budget, the recommended one's launch
-    line, and the JSON line."""
+    on which one would) with their speed and time to the budget, launch lines, the JSON line."""
+    import moetrain.plan as planner
     from moetrain import rehearse
-    from moetrain.plan import (
-        PEAK_ERROR,
-        fewest_gpus,
-        layouts_text,
-        legend_lines,
-        more_gpus_json,
-        more_gpus_text,
-        plan,
-        report,
-        suggest,
-        to_json,
-    )
     from moetrain.plan.report import budget_line, launch_command, speed_text
 
-    result = plan(cfg, gpus, gpu)
-    suggestions = [] if args.no_suggest else suggest(cfg, gpus, gpu)
+    result = planner.plan(cfg, gpus, gpu)
+    suggestions = [] if args.no_suggest else planner.suggest(cfg, gpus, gpu)
     pasted = [_suggestion_flags(cfg, s, given) for s in suggestions]
     commands = [rehearse.command(args.spec, gpus, s.busiest_rank, f) for s, f in zip(suggestions, pasted)]
     launches = [launch_command(args.spec, gpus, result.gpu, f) for f in pasted]
@@ -289,10 +276,10 @@ def _plan_one(args: argparse.Namespace, gpus: int, cfg: RunConfig, given: list[s
     best = roomy[0] if roomy else 0
     shown, more, more_flags = [result] + suggestions, None, ([], "", "")
     if not suggestions and not args.no_suggest:  # nothing fits: the answer is a GPU count, said first
-        more = fewest_gpus(cfg, gpus, gpu, round_batch=True)
+        more = planner.fewest_gpus(cfg, gpus, gpu, round_batch=True)
         more_flags = _more_gpus_flags(args.spec, cfg, more, given)
         shown += [more.plan] if more.plan else []
-        print("\n".join(more_gpus_text(more, gpus, gpu, *more_flags, budget)) + "\n\nthe layout as given:")
+        print("\n".join(planner.more_gpus_text(more, gpus, gpu, *more_flags, budget)) + "\n\nthe layout as given:")
     elif roomy and (not result.fits or result.tight):  # lead with what to run instead
         s = suggestions[best]
         print(
@@ -301,13 +288,15 @@ def _plan_one(args: argparse.Namespace, gpus: int, cfg: RunConfig, given: list[s
             f"\n  launch: {launches[best]}\n"
         )
         print("the layout as given:")
-    print(report(result))
+    print(planner.report(result))
     print(budget_line(result, gpus, budget))
     if result.tight:
-        print(f"  -> TIGHT: within the memory model's {PEAK_ERROR:.0%} error of the {result.gpu.memory_gib:g} GiB")
+        print(
+            f"  -> TIGHT: within the memory model's {planner.PEAK_ERROR:.0%} error of the {result.gpu.memory_gib:g} GiB"
+        )
     if suggestions:
-        print("\n".join(layouts_text(suggestions, pasted, commands, gpus, budget)))
-    out = to_json(result, args.spec, gpus, gpu, suggestions, budget)
+        print("\n".join(planner.layouts_text(suggestions, pasted, commands, gpus, budget)))
+    out = planner.to_json(result, args.spec, gpus, gpu, suggestions, budget)
     out["busiest_rank"] = result.busiest_rank
     out["rehearse_command"] = rehearse.command(args.spec, gpus, result.busiest_rank, given)
     out["launch"] = launch_command(args.spec, gpus, result.gpu, given)
@@ -320,10 +309,10 @@ def _plan_one(args: argparse.Namespace, gpus: int, cfg: RunConfig, given: list[s
         print(f"launch the recommended layout:\n  {launches[best]}")
     elif result.fits:
         print(f"launch this layout:\n  {out['launch']}")
-    print("\n".join(legend_lines([p.layout.describe() for p in shown])))
+    print("\n".join(planner.legend_lines([p.layout.describe() for p in shown])))
     for entry, flags, cmd, launch in zip(out["suggested"], pasted, commands, launches):
         entry["flags"], entry["rehearse_command"], entry["launch"] = flags, cmd, launch
-    out["fewest_gpus"] = None if more is None else more_gpus_json(more, *more_flags, budget)
+    out["fewest_gpus"] = None if more is None else planner.more_gpus_json(more, *more_flags, budget)
     print(json.dumps(out))
     return 0
 
@@ -332,8 +321,7 @@ def _plan_counts(
     spec: str, counts: list[int], configs: list[tuple[RunConfig, list[str]]], gpu: str, budget: Budget
 ) -> int:
     """One row per GPU count (each count's config from `_plan_config`): the fastest layout that
-    fits (`suggest`'s first), its peak, step time, tokens/s, time to the budget and MFU; then each
-    count's launch line, the legend and one JSON line."""
+    fits, its speed and time to the budget; then the launch lines, the legend and one JSON line."""
     from moetrain.plan import legend_lines, suggest
     from moetrain.plan.report import CountPlan, counts_json, counts_text, launch_command
 

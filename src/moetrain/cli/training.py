@@ -13,7 +13,14 @@ import torch.distributed as dist
 
 from moetrain import layout_check, rehearse
 from moetrain.bench import run_bench
-from moetrain.cli.args import check_rehearsal_flags, config_parser, rehearsal_flags, resolve_args, split_overrides
+from moetrain.cli.args import (
+    check_rehearsal_flags,
+    command_parser,
+    config_parser,
+    rehearsal_flags,
+    resolve_args,
+    split_overrides,
+)
 from moetrain.errors import ConfigError
 from moetrain.memory_advice import advice
 from moetrain.parallel.distributed import shutdown
@@ -96,10 +103,9 @@ def _fit_cpu_threads(cfg, quiet: bool) -> None:
 
 
 def cmd_bench(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        allow_abbrev=False,
-        prog="moetrain bench",
-        description="Warm up, then time training steps of a preset on random token ids; one JSON line "
+    parser = command_parser(
+        "bench",
+        "Warm up, then time training steps of a preset on random token ids; one JSON line "
         "per routing mode with tokens_per_sec_per_device, tflops_per_device, mfu, peak_mem_gib, "
         "sync_free and the exact shape, batch, routing and precision.",
         epilog="Any config key can be set with --section.key=value, e.g. --compute.compile=true "
@@ -171,10 +177,9 @@ def cmd_bench(argv: list[str]) -> int:
 
 
 def cmd_check_layout(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        allow_abbrev=False,
-        prog="moetrain check-layout",
-        description="Train the first steps of a run in its parallel layout and in a reference (one process, or "
+    parser = command_parser(
+        "check-layout",
+        "Train the first steps of a run in its parallel layout and in a reference (one process, or "
         "the FSDP stack for a model one device cannot hold), and compare them "
         "step by step: the loss, the gradient norm, each parameter group's gradient norm (embeddings, attention, "
         "norms, dense MLP, router, routed experts, shared experts, head, MTP) and the drops. Exits 1 naming what "

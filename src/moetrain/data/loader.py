@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from moetrain.config import validate_tree
-from moetrain.data.tokens import META_FILE, TokenFile, check_vocab, open_source, read_meta
+from moetrain.data.tokens import TokenFile, check_vocab, open_source
 from moetrain.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
@@ -45,10 +45,8 @@ STATE_FORMAT = "moetrain-loader-v1"
 
 
 class TokenLoader:
-    """Yields this rank's share of each global micro-batch of `micro_batch_size` sequences.
-
-    `seed` fixes the order; `vocab_size` (the model's) enables the out-of-vocabulary checks.
-    """
+    """Yields this rank's share of each global micro-batch of `micro_batch_size` sequences; `seed`
+    fixes the order, `vocab_size` (the model's) enables the out-of-vocabulary checks."""
 
     def __init__(
         self,
@@ -221,18 +219,6 @@ def val_batches(
     return batches()
 
 
-def resolve_val_path(cfg: DataConfig) -> str | None:
-    """`data.val`, else the first source when it is a prepared directory with a non-empty val
-    split, else None (no validation)."""
-    if cfg.val is not None:
-        return cfg.val
-    first = cfg.sources[0] if cfg.sources else None
-    if first is None or not os.path.isfile(os.path.join(first, META_FILE)):
-        return None
-    val = read_meta(first)["splits"].get("val")
-    return first if val and val["num_tokens"] > 0 else None
-
-
 # ---- internals ---------------------------------------------------------------------------
 
 
@@ -287,11 +273,9 @@ SYNTHETIC_FORMAT = "moetrain-synthetic-v1"
 
 
 class SyntheticLoader:
-    """Uniformly random token ids (`data.synthetic=true`), with `TokenLoader`'s interface.
-
-    Global micro-batch i is drawn from a generator seeded by (seed, i) and each dp rank takes its
-    rows, so the stream does not depend on the layout and resumes exactly.
-    """
+    """Uniformly random token ids (`data.synthetic=true`), with `TokenLoader`'s interface: each
+    global micro-batch drawn from a generator seeded by (seed, its first sample), each dp rank
+    taking its rows, so the stream does not depend on the layout and resumes exactly."""
 
     eos_id = None
     tokenizer_path = None

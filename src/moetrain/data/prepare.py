@@ -1,8 +1,4 @@
-"""`moetrain prepare-data`: tokenize raw text into a directory of token files.
-
-    moetrain prepare-data INPUT... --out DIR [--tokenizer tokenizer.json] [--vocab-size 8192]
-                          [--val-frac 0.02] [--text-key text] [--seed 0] [--default-corpus]
-                          [--eos-id N] [--workers N] [--force]
+"""`moetrain prepare-data INPUT... --out DIR`: tokenize raw text into a directory of token files.
 
 Inputs are .txt/.rst/.md files and UTF-8 text files without an extension (one document each),
 .jsonl files (one document per line, in field --text-key), .parquet files (one document per
@@ -117,20 +113,8 @@ def main(argv: list[str]) -> int:
         check_overwrite(args.out, existing_entries(args.out, OUTPUT_FILES), "--out", "prepare-data")
 
     start = time.perf_counter()
-    meta = prepare_data(
-        args.inputs,
-        args.out,
-        tokenizer=args.tokenizer,
-        vocab_size=args.vocab_size,
-        val_frac=args.val_frac,
-        text_key=args.text_key,
-        seed=args.seed,
-        default_corpus=args.default_corpus,
-        eos_token=args.eos_token,
-        eos_id=args.eos_id,
-        workers=args.workers,
-        skip_bad=args.skip_bad,
-    )
+    options = {k: v for k, v in vars(args).items() if k not in ("inputs", "out", "force")}  # named as the flags
+    meta = prepare_data(args.inputs, args.out, **options)
     splits = meta["splits"]
     summary = {
         "out": str(args.out),
@@ -310,10 +294,8 @@ def _utf8_problem(file: tuple[Path, str]) -> tuple[Path, str | None]:
 
 def collect_files(inputs: Iterable[str | os.PathLike], skipped: list[str] | None = None) -> list[tuple[Path, str]]:
     """Expand the inputs into `(file, document-name prefix)`; directories are walked in sorted
-    order (hidden entries skipped). Read: .txt .rst .md files and UTF-8 text files without an
-    extension (one document each), .jsonl files (one per line). Files of a directory that are
-    not read are appended to `skipped` as "path (why)". Raises `DataError` for a missing path or
-    a named file that cannot be read."""
+    order (hidden entries skipped), and what they hold that is not read is appended to `skipped`
+    as "path (why)". Raises `DataError` for a missing path or a named file that cannot be read."""
     files: list[tuple[Path, str]] = []
     for item in inputs:
         path = Path(item)

@@ -1,17 +1,8 @@
 """What hangs off the training loop: each a `Callback` the `Trainer` calls at the start of `fit`,
-after every step, and at the end (also when the run fails). `callbacks_from_config` builds the
-list the `Trainer` runs (`Trainer.callbacks`):
-
-    StepProfiling    torch.profiler over logging.profile_steps steps (logging.profile)
-    SkipLimit        stop the run after guard.max_consecutive_skips skipped updates in a row
-    MetricsLogger    the records and the validation loss, handed to each sink of
-                     `metrics_sinks`: metrics.jsonl, TensorBoard, W&B, the console line
-                     (src/moetrain/train/metrics.py, wandb_sink.py, console.py)
-    Checkpointing    a checkpoint every checkpoint.save_every steps and at the end
-    GracefulStop     SIGTERM or Ctrl-C: finish the step, save, stop
-
-They run in that order after each step. Each reads the trainer's public state (`step`, `engine`,
-`cfg`, `run`) and nothing else.
+after every step, and at the end (also when the run fails), in the order `callbacks_from_config`
+lists them: StepProfiling, SkipLimit, MetricsLogger (the records handed to each sink of
+`metrics_sinks`), Checkpointing, GracefulStop. Each reads the trainer's public state (`step`,
+`engine`, `cfg`, `run`) and nothing else.
 """
 
 from __future__ import annotations
@@ -344,9 +335,8 @@ class GracefulStop(Callback):
 def callbacks_from_config(
     cfg: RunConfig, run_dir: Path, evaluator: Evaluator, checkpointing: Checkpointing
 ) -> list[Callback]:
-    """The loop's callbacks for `cfg`, in the order they run (module docstring): profiling with
-    logging.profile (into `run_dir`/profile), then the skip limit, the metrics logger (validation
-    by `evaluator`), `checkpointing` and the graceful stop (which saves through it)."""
+    """The loop's callbacks for `cfg`, in the order they run; the profiler (logging.profile)
+    writes into `run_dir`/profile, the graceful stop saves through `checkpointing`."""
     return [
         *([StepProfiling(run_dir / "profile")] if cfg.logging.profile else []),
         SkipLimit(),

@@ -1,11 +1,6 @@
-"""A checkpoint's DCP index (`.metadata`): merged from the ranks' own when written, read without
-running code, and checked against the files and the model before anything is loaded.
-
-    SafeFileSystemReader   DCP's reader with an allow-list unpickler for the index (a pickle)
-    diagnose(step_dir)     None when the checkpoint is intact, else the damage, naming the file
-    first_mismatch(…)      the first entry of a model/optimizer state the checkpoint does not
-                           hold with the same shape
-    merge_rank_indexes(…)  the ranks' own indexes merged into `.metadata` when a checkpoint is written
+"""A checkpoint's DCP index (`.metadata`): merged from the ranks' own when written
+(`merge_rank_indexes`), read without running code (`SafeFileSystemReader`), and checked against
+the files (`diagnose`) and the model (`first_mismatch`) before anything is loaded.
 
 A checkpoint marked COMPLETE can still be damaged later (a file deleted or cut short by a full
 disk, an interrupted copy, a bad block). DCP would then fail half-way through a load with a

@@ -1,20 +1,12 @@
 """What a checkpoint holds, written and read with torch.distributed.checkpoint (DCP).
 
-RUN_DIR/checkpoints/step-N/ (named, listed and kept by src/moetrain/train/run_dir.py) holds
-  - the DCP files: model parameters and buffers (the aux-free router biases among them; fp32
-    masters in place of bf16 weights) and the AdamW moments, tensors only (loading executes no
-    pickled code), experts one entry each so that any expert-parallel layout can load them. Each
-    entry has its global shape whatever the layout; each rank writes and reads only the part it
-    holds (`checkpoint_entries`: views of live tensors, `FlatShard` ranges of sharded state,
-    stored as rectangular blocks by src/moetrain/train/dcp_shards.py), so nothing is gathered;
-  - trainer_state.json: step and data-loader position (rank 0); rng-rankR.json: each rank's RNG;
-  - config.yaml (the run's resolved config) and tokenizer.json, so `eval`/`generate` need
-    nothing else;
-  - COMPLETE, written last.
-Each rank writes its own files (`save_checkpoint`, `ShardRole`); the main process completes them.
-Before a load (`load_checkpoint`; weights alone: `load_model`, written by `save_weights`), the
-index and files are checked (src/moetrain/train/checkpoint_index.py): a damaged checkpoint is
-named as such, with the file, and a model of another shape with the first tensor that differs.
+RUN_DIR/checkpoints/step-N/ (named, listed and kept by src/moetrain/train/run_dir.py) holds the
+DCP files (model parameters and buffers, fp32 masters in place of bf16 weights, the optimizer's
+moments: tensors only, experts one entry each, every entry in its global shape, each rank writing
+and reading only its part: `checkpoint_entries`), trainer_state.json, rng-rankR.json, config.yaml
+and tokenizer.json, and COMPLETE, written last (docs/architecture.md, "Checkpoints"). Before a
+load the index and files are checked (src/moetrain/train/checkpoint_index.py), so a damaged
+checkpoint or a model of another shape is named as such.
 """
 
 from __future__ import annotations
@@ -56,17 +48,12 @@ warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 class ShardRole:
     """What one process writes of a checkpoint, and whether it completes it.
 
-    A checkpoint is written without DCP's coordination: each rank writes the entries it holds
-    and owns into its own file and index (`__R_0.distcp`, `__R.metadata`), then the main process
-    merges the indexes into the checkpoint's `.metadata`. No rank sends its plan to another, so
-    nothing about the write depends on what the other ranks hold.
-
-    Ownership: an entry only this rank holds (a sharded range) is its own; an entry held whole by
-    several ranks — dense ones by the ranks of a pipeline stage (`dense_replicas`), experts by
-    their expert-replica group (`expert_replicas`) — is written by one of them, the same one
-    whichever of them decides: the entries of each group are dealt out largest first to the
-    member with the fewest bytes so far (`owners`). Every member holds the same such entries, so
-    each computes the same answer alone."""
+    Each rank writes the entries it holds and owns into its own file and index (`__R_0.distcp`,
+    `__R.metadata`), and the main process merges the indexes: no plan crosses ranks. An entry
+    only this rank holds (a sharded range) is its own; one held whole by several ranks (dense
+    ones by a pipeline stage's ranks, experts by their expert-replica group) is dealt, largest
+    first, to the member with the fewest bytes so far (`owners`), which every member computes
+    alike from the same entries."""
 
     rank: int = 0
     world: int = 1
@@ -147,17 +134,12 @@ def save_checkpoint(
     """Write step-N atomically (every rank calls this); then keep the newest `keep_last`.
     `state` is what DCP writes (`TrainEngine.checkpoint_state()`, or `{"model":
     model_state_dict(m)}` for weights only): tensors and `FlatShard`s, each rank's own part;
-    `trainer_state` goes to trainer_state.json (the main process). `role` says which entries this
-    process writes (`ShardRole`; default `ShardRole.alone()`).
-
-    Each rank writes its files with DCP alone (no plan crosses ranks); then the ranks agree over
-    `process_group` (a CPU-capable group; None: the default one, if any) that every write
-    succeeded — one all-reduce of a flag — and the main process merges the ranks' indexes. With
-    `async_write` the tensors are staged (copied to host memory) now and written by a background
-    thread (`dcp.async_save`); the returned `PendingCheckpoint` completes the checkpoint — the
-    agreement, the merged index, COMPLETE marker, rename, retention — when `finish()` is called,
-    so it becomes visible only once every file is written, exactly as a synchronous save.
-    Training may continue meanwhile."""
+    `trainer_state` goes to trainer_state.json. `role`: which entries this process writes
+    (default `ShardRole.alone()`). After the writes the ranks agree over `process_group` (a
+    CPU-capable group; None: the default one) that every one succeeded, and the main process
+    merges the indexes. With `async_write` the tensors are copied to host memory now and written
+    in the background; the returned `PendingCheckpoint` completes the checkpoint at `finish()`,
+    so it becomes visible only once every file is written, as a synchronous save."""
     role = role or ShardRole.alone()
     recorded_state = dict(trainer_state)
     if role.rehearsal is not None:
@@ -302,13 +284,11 @@ class PendingCheckpoint:
 def load_checkpoint(
     path: Path, state: dict[str, Any], rank: int = 0, restore_rng: bool = False, rehearsal: Rehearsal | None = None
 ) -> dict[str, Any]:
-    """Fill `state` (entries as `TrainEngine.checkpoint_state()` gives them: this rank's part,
-    filled in place; or a template of whole tensors) from the checkpoint at `path`, whatever
-    layout saved it; with `restore_rng`, this rank's RNG state as saved (when the checkpoint has
-    one for it); return the trainer state. Each rank plans and reads its own part from the index
-    alone (DCP without coordination: no communication). A rehearsal's checkpoint loads only into
-    the same `rehearsal`. The caller finishes the load (`TrainEngine.checkpoint_loaded`,
-    `load_model_state_dict`)."""
+    """Fill `state` (entries as `TrainEngine.checkpoint_state()` gives them, in place; or a
+    template of whole tensors) from the checkpoint at `path`, whatever layout saved it, each rank
+    reading its part from the index alone (no communication); with `restore_rng`, this rank's
+    RNG state as saved. Returns the trainer state; the caller finishes the load
+    (`TrainEngine.checkpoint_loaded`, `load_model_state_dict`)."""
     check_loadable(path, state, rehearsal)
     try:
         with warnings.catch_warnings():
@@ -371,10 +351,8 @@ def checkpoint_entries(
 ) -> dict[str, dict[str, torch.Tensor | FlatShard]]:
     """{"model": …} (and {"optim": …} given an optimizer's `checkpoint_tensors()`): the entries of
     `model_state_dict` / `optimizer_state_dict`, names and global shapes alike, as the part of
-    each this rank holds — views of the live tensors it holds whole, `FlatShard`s of FSDP's
-    shards (the local rows), of the sharded optimizer's ranges and of the split fp32 masters
-    (`masters`, `Optimizer.checkpoint_masters`, standing in for the bf16 parameters). DCP saves
-    from them and loads into them in place. No copy, no communication."""
+    each this rank holds: views of live tensors, `FlatShard`s of shards and of the split fp32
+    `masters` (`Optimizer.checkpoint_masters`). No copy, no communication."""
     reshard(model)  # FSDP's root keeps its parameters gathered after a no-grad forward (eval)
     offsets = _expert_offsets(model)
     out: dict[str, dict[str, torch.Tensor | FlatShard]] = {"model": {}}
@@ -385,10 +363,8 @@ def checkpoint_entries(
         )
         _put(out["model"], name, masters[name] if name in masters else _local(tensor.detach()), offsets.get(name))
     if optim_tensors is not None:
-        out["optim"] = {}
-        for name, entry in optim_tensors.items():
-            for key, value in entry.items():
-                _put(out["optim"], f"{name}.{key}", _local(value), offsets.get(name))
+        local = {name: {key: _local(v) for key, v in entry.items()} for name, entry in optim_tensors.items()}
+        out["optim"] = optimizer_state_dict(model, local)
     return out
 
 
@@ -414,11 +390,9 @@ def save_weights(out: Path, cfg, model: nn.Module, tokenizer: Path, origin: dict
 
 def model_state_dict(model: nn.Module, masters: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The model's parameters and persistent buffers by canonical name, experts split per global
-    index, whole: views of the live tensors, or full temporaries for FSDP's sharded ones.
-    Collective under FSDP (the shards are gathered): for one process (inference, HF import) and
-    the in-memory `TrainEngine.state_dict()`; training checkpoints use `checkpoint_entries`.
-    `masters` (canonical name → fp32 tensor) stand in for the live bf16 parameters of
-    optim.bf16_weights, so that checkpoints always hold fp32 weights; DCP loads into them in place."""
+    index, whole: views of the live tensors, or full temporaries for FSDP's shards (collective:
+    they are gathered; training checkpoints use `checkpoint_entries`). `masters` (canonical name
+    → fp32 tensor) stand in for the bf16 parameters of optim.bf16_weights."""
     reshard(model)  # FSDP's root keeps its parameters gathered after a no-grad forward (eval)
     offsets = _expert_offsets(model)
     masters = masters or {}

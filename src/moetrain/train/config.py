@@ -65,9 +65,8 @@ class CudaGraphs(enum.StrEnum):
     gradients, the routing statistics) captured once after a few eager steps and replayed: one
     launch a step. One GPU, the ddp stack's replicated AdamW."""
     auto = "auto"
-    """`step` where the run's device and layout allow it, else `off`
-    (`RunConfig.cuda_graphs_choice`; the start-up header says which, and why); the step graph is
-    then kept only where its first replays are measured faster than the eager steps (`StepGraph`)."""
+    """`step` where the run's device and layout allow it, else `off` (`RunConfig.cuda_graphs_choice`),
+    the step graph then kept only where its first replays are measured faster (`StepGraph`)."""
 
 
 MAX_STEPS = 10**9
@@ -99,20 +98,17 @@ class TrainerConfig(Config):
     device: str = "auto"
     """cpu, cuda, cuda:N or auto (cuda when available)."""
     run_dir: str | None = None
-    """Where config.yaml, metrics.jsonl, checkpoints/ and the plots go (--run-dir). None: runs/NAME,
-    NAME being the preset's or the YAML file's (of a config.yaml, its directory's); when that
-    holds a run already, the next number (runs/NAME-2, runs/NAME-3, …: one past the newest), and
-    with --resume the newest of them (src/moetrain/train/run_dir.py). The start-up header prints the
-    one chosen; the run's config.yaml records it."""
+    """Where config.yaml, metrics.jsonl, checkpoints/ and the plots go (--run-dir). None: runs/NAME
+    after the preset or YAML file, or one past the newest runs/NAME-N that holds a run (with
+    --resume, that newest; src/moetrain/train/run_dir.py). The start-up header prints the one chosen."""
     log_every: int = positive(10, at_most=MAX_STEPS)
     """Write metrics.jsonl (and sync the device) every N steps; the first and last steps always."""
     eval_every: int = non_negative(100, at_most=MAX_STEPS)
     """Validation loss every N steps (and at the end); 0 = never."""
     eval_tokens: int = positive(65_536, at_most=10**12)
     """Validation tokens per evaluation: the first eval_tokens // data.seq_len sequences of the
-    validation data (at least one; all of it when it holds fewer), the loss averaged per token.
-    The same set whatever train.micro_batch_size and the layout, so validation curves compare
-    across runs. (Replaces train.eval_batches, a count of micro-batches.)"""
+    validation data (at least one; all of it when it holds fewer), the loss averaged per token:
+    the same set whatever the micro-batch and the layout, so validation curves compare."""
 
     def eval_sequences(self, seq_len: int) -> int:
         """Validation sequences per evaluation (train.eval_tokens in whole sequences, ≥ 1)."""
@@ -156,11 +152,11 @@ class PrecisionConfig(Config):
     products too (its weight gradient stays bf16, summed in fp32; src/moetrain/model/loss.py).
     None: where precision.fp8_select takes it, as it would a block's product of that shape (auto: at
     least 0.8 TFLOP a call, as every bench preset's head is; all: always) and the vocabulary is a
-    multiple of 16 (`RunConfig.fp8_lm_head`). Its loss curve and speed: docs/benchmarks.md, "FP8"."""
+    multiple of 16 (`RunConfig.fp8_lm_head`); docs/benchmarks.md, "FP8"."""
     fp8_fast_accum_backward: bool | None = None
     """With precision.fp8=rowwise, the backward FP8 products (input and weight gradients) with
     Hopper's fast accumulation too, as the forward ones always are (src/moetrain/model/fp8.py).
-    None: on. docs/benchmarks.md, "FP8", has its speed and 250-step loss curve."""
+    None: on (docs/benchmarks.md, "FP8")."""
 
     def validate(self) -> None:
         for key in ("fp8_lm_head", "fp8_fast_accum_backward"):
@@ -179,28 +175,15 @@ class ComputeConfig(Config):
     compile: bool = False
     """torch.compile each block."""
     cuda_graphs: CudaGraphs = CudaGraphs.auto
-    """auto (the default), off or step. step needs one CUDA device, the ddp stack without
-    parallel.shard_optimizer, optim.name=adamw, optim.fused not false and compute.recompute=none
-    (src/moetrain/train/cuda_graphs.py). auto: step where all of that
-    holds (and logging.profile is off: a profile shows the eager step's kernels and operations),
-    else off, never refused; on a GPU the start-up header names the choice. An auto step
-    graph times the device's work on the eager steps before its capture and on its first 2
-    replays, and stays only where the replays took at least 3% less (the GPU had waited on
-    Python's launches); elsewhere its memory goes back, the run says so with the times, and
-    every step runs eagerly. Measured on an H200 and an H100 (docs/benchmarks.md, "CUDA graphs"),
-    it keeps the graph on tiny and drops it on all seven bench presets, whose steps then run as
-    with off.
-
-    step: the whole training step replayed from one CUDA graph, captured after 3 eager steps; the
-    step's gradients and activations live in the graph's own memory, so every replay finds them
-    where the capture put them, and the batches are copied into the graph's input buffers. A
-    routing switch or a loaded checkpoint makes the next steps eager and the graph is captured
-    again. A step that cannot be captured (an operation a graph cannot hold) is the fallback:
-    the run says why, once, and every step runs eagerly. peak_mem_gib counts the graph's memory
-    (src/moetrain/train/metrics.py). Measured on one H100 (docs/benchmarks.md, "CUDA graphs"):
-    tiny's step goes from 22.5 to 3.5 ms, the bench shapes' by 0.1 to 0.9%, at up to 0.8 GiB
-    more. A graph of the optimizer's part alone is not offered: in training every gradient lies
-    at a new address each step, so it would never replay (measured on one H200)."""
+    """auto (the default), off or step. step: the whole training step replayed from one CUDA graph,
+    captured after 3 eager steps (src/moetrain/train/cuda_graphs.py); it needs one CUDA device, the
+    ddp stack without parallel.shard_optimizer, optim.name=adamw, optim.fused not false and
+    compute.recompute=none. A routing switch or a loaded checkpoint makes the next steps eager and
+    the graph is captured again; a step that cannot be captured runs eagerly, said once.
+    peak_mem_gib counts the graph's memory. auto: step where all of that holds and logging.profile
+    is off (a profile names the eager step's kernels), else off, never refused; the graph then
+    stays only where its first 2 replays take the device at least 3% less time than the eager
+    steps (docs/benchmarks.md, "CUDA graphs"). The start-up header says which, and why."""
     recompute: Recompute = Recompute.none
     """Activation recompute: none, full (keep only each block's input) or selective (also keep
     the matrix products' and collectives' outputs)."""
@@ -214,13 +197,11 @@ class ComputeConfig(Config):
     defer_expert_weight_grad: bool = False
     """With gradient accumulation, each expert layer's weight gradients computed once per step, in
     its last backward, over every micro-batch's rows (one grouped GEMM whose fp32 accumulator sums
-    the micro-batches) instead of once per micro-batch and added into the fp32 gradient. Costs
-    memory: each MoE layer keeps its experts' inputs and output gradients (bf16) of every
-    micro-batch but the last, which `moetrain plan` counts (src/moetrain/model/expert_grads.py).
-    Measured (docs/benchmarks.md, "The expert sweep"): 4.4% (H200) to 4.9% (H100) more tokens/s
-    on bench-sweep-64's step (64 small experts) at 10.5 GiB more; 4.5% fewer on bench-sweep-8's
-    at 19.7 GiB more. Row-wise FP8 and bf16 experts; not mxfp8. Does nothing with one
-    micro-batch per step."""
+    the micro-batches) instead of once per micro-batch. Costs memory: each MoE layer keeps its
+    experts' inputs and output gradients (bf16) of every micro-batch but the last, which `moetrain
+    plan` counts (src/moetrain/model/expert_grads.py). Pays with many small experts, not few large
+    ones (docs/benchmarks.md, "The expert sweep"). Row-wise FP8 and bf16 experts; not mxfp8. Does
+    nothing with one micro-batch per step."""
 
     def resolved_loss_chunk_tokens(self, device_type: str) -> int:
         """compute.loss_chunk_tokens on this device (its default when None)."""
@@ -393,7 +374,8 @@ class RunConfig(Config):
                     "optim.bf16_weights=true computes in bf16, but precision.dtype=fp32: set precision.dtype=bf16 "
                     "(or auto on CUDA), or optim.bf16_weights=false."
                 )
-        _check_cuda_graphs(self, world_size)
+        if self.compute.cuda_graphs == CudaGraphs.step and (problem := _step_graph_problem(self, world_size)):
+            raise ConfigError(": ".join(problem))
         if world_size is not None:
             dims = p.build(world_size)
             if tc.micro_batch_size % dims.dp:
@@ -411,8 +393,7 @@ class RunConfig(Config):
                 f"optim.bf16_weights=true computes in bf16, but precision.dtype=auto means fp32 on {device.type}: "
                 "set precision.dtype=bf16, or optim.bf16_weights=false."
             )
-        problem = _cuda_graphs_device_problem(self.compute.cuda_graphs, device)
-        if problem:
+        if self.compute.cuda_graphs == CudaGraphs.step and (problem := _step_graph_problem(self, None, device)):
             raise ConfigError(": ".join(problem))
         import torch
 
@@ -453,10 +434,8 @@ class RunConfig(Config):
         mode = self.compute.cuda_graphs
         if mode != CudaGraphs.auto:
             return mode, None
-        problem = _cuda_graphs_layout_problem(self, CudaGraphs.step, world_size)
-        problem = problem or _cuda_graphs_device_problem(CudaGraphs.step, device)
-        if problem:  # said as why auto did not take the step graph
-            return CudaGraphs.off, problem[0].replace(f"compute.cuda_graphs={CudaGraphs.step}", "the step graph", 1)
+        if problem := _step_graph_problem(self, world_size, device):  # said as why auto did not take it
+            return CudaGraphs.off, problem[0].replace("compute.cuda_graphs=step", "the step graph", 1)
         if self.logging.profile:
             return CudaGraphs.off, (
                 "logging.profile: the profiled steps run eagerly, so that the profile names each kernel and the "
@@ -490,32 +469,11 @@ class RunConfig(Config):
         return AUTO_OVERLAP_CHUNKS if divides or not self.compute.defer_expert_weight_grad else 0
 
 
-def _check_cuda_graphs(cfg: RunConfig, world_size: int | None) -> None:
-    """compute.cuda_graphs=step captures the replicated AdamW's update on one rank
-    (auto chooses, at start-up: `RunConfig.cuda_graphs_choice`)."""
-    if cfg.compute.cuda_graphs in (CudaGraphs.off, CudaGraphs.auto):
-        return
-    problem = _cuda_graphs_layout_problem(cfg, cfg.compute.cuda_graphs, world_size)
-    if problem:
-        raise ConfigError(": ".join(problem))
-
-
-def _cuda_graphs_device_problem(mode: CudaGraphs, device: torch.device) -> tuple[str, str] | None:
-    """(why compute.cuda_graphs=`mode` cannot run on `device`, the fix), or None: it can (auto
-    always can)."""
-    if mode in (CudaGraphs.off, CudaGraphs.auto):
-        return None
-    if device.type != "cuda":
-        return (
-            f"compute.cuda_graphs={mode} replays CUDA kernels, but the run is on {device.type}",
-            "set compute.cuda_graphs=off, or train.device=cuda.",
-        )
-    return None
-
-
-def _cuda_graphs_layout_problem(cfg: RunConfig, mode: CudaGraphs, world_size: int | None) -> tuple[str, str] | None:
-    """(why compute.cuda_graphs=`mode` (step) cannot capture this layout, the fix), or
-    None: it can."""
+def _step_graph_problem(
+    cfg: RunConfig, world_size: int | None, device: torch.device | None = None
+) -> tuple[str, str] | None:
+    """(why compute.cuda_graphs=step cannot capture this run's step, the fix), or None: it can
+    (auto chooses by it at start-up: `RunConfig.cuda_graphs_choice`)."""
     p, o = cfg.parallel, cfg.optim
     problem = None
     if p.stack != Stack.ddp or p.shard_optimizer:
@@ -526,18 +484,23 @@ def _cuda_graphs_layout_problem(cfg: RunConfig, mode: CudaGraphs, world_size: in
         problem = "optim.fused=false (its update reads the skip decision on the host)"
     elif world_size is not None and world_size > 1:
         problem = f"{world_size} ranks (the all-reduces are not captured)"
-    if problem is None and mode == CudaGraphs.step and cfg.compute.recompute != Recompute.none:
+    if problem:
+        return (
+            "compute.cuda_graphs=step captures the training step of the ddp stack's replicated AdamW "
+            f"on one GPU, not with {problem}",
+            "set compute.cuda_graphs=off.",
+        )
+    if cfg.compute.recompute != Recompute.none:
         return (
             f"compute.cuda_graphs=step cannot capture a step with compute.recompute={cfg.compute.recompute}: torch's "
             "checkpoint reads the CUDA generator's state in every recomputed block, which a graph capture "
             "forbids",
             "set compute.recompute=none, or compute.cuda_graphs=off.",
         )
-    if problem:
+    if device is not None and device.type != "cuda":
         return (
-            f"compute.cuda_graphs={mode} captures the training step of the ddp stack's replicated AdamW "
-            f"on one GPU, not with {problem}",
-            "set compute.cuda_graphs=off.",
+            f"compute.cuda_graphs=step replays CUDA kernels, but the run is on {device.type}",
+            "set compute.cuda_graphs=off, or train.device=cuda.",
         )
     return None
 

@@ -1,18 +1,11 @@
 """What a run prints on stderr (rank 0, not under --quiet): the start-up header (once the run is
 built and nothing can refuse it any more, so a user mistake stays one paragraph), then one line
-per logged step, or a progress bar on a terminal.
+per logged step, or a progress bar on a terminal (docs/architecture.md, "Counting and FLOPs"):
 
     run dir   : runs/tiny-2 (runs/tiny holds an earlier run)
     layout    : 4 ranks: dp2·ep2·pp2 ddp nosync(cf 1.25 + spill 0.125)
     device    : cpu; precision fp32
     step  10/300  loss 8.2803  lr 3.00e-04  2,612 tok/s  1176 ms/step  rss 0.61 GiB  ETA 5m41s
-
-The step line: the record's loss, lr and tokens/s (metrics.jsonl), the window's milliseconds per
-step, MFU where the record has one (known GPUs), peak memory (`peak_mem_gib`: the CUDA
-allocator's peak on GPU, "mem"; the process's peak RSS on CPU, "rss"; rank 0's own), and the
-time left for the remaining steps at the recent step time (`StepTimer`; evaluation and
-checkpoints not included), then val_loss on evaluation steps, and the share of expert
-assignments the sync-free dispatcher dropped (`dropped_token_frac`) on any step that dropped some.
 """
 
 from __future__ import annotations
@@ -65,7 +58,7 @@ class StepTimer:
 
 
 def step_fields(record: dict[str, Any], ms_per_step: float | None, eta_s: float | None, mem_label: str) -> str:
-    """The step line after its step counter (module docstring)."""
+    """The step line after its step counter (docs/architecture.md, "Counting and FLOPs")."""
     fields = [f"loss {record['loss']:.4f}", f"lr {record['lr']:.2e}", f"{record['tokens_per_sec']:,.0f} tok/s"]
     if ms_per_step is not None:
         fields.append(f"{ms_per_step:.0f} ms/step" if ms_per_step >= 100 else f"{ms_per_step:.1f} ms/step")
@@ -82,11 +75,12 @@ def step_fields(record: dict[str, Any], ms_per_step: float | None, eta_s: float 
     return "  ".join(fields)
 
 
-class Progress:
-    """A tqdm bar on a terminal; a plain line per logged step otherwise (CI logs, pipes). Both
-    show `step_fields` (the bar leaves out tqdm's own estimate, which counts evaluation in)."""
+class ConsoleSink(MetricsSink):
+    """The logged records on the console (rank 0, not under --quiet), after step `start` of
+    `total`: a tqdm bar on a terminal; a plain line per logged step otherwise (CI logs, pipes).
+    Both show `step_fields` (the bar leaves out tqdm's own estimate, which counts evaluation in)."""
 
-    def __init__(self, start: int, total: int, quiet: bool, device_type: str = "cpu"):
+    def __init__(self, start: int, total: int, quiet: bool = False, device_type: str = "cpu"):
         self.quiet, self.total = quiet, total
         self.mem_label = "mem" if device_type == "cuda" else "rss"
         self.timer = StepTimer()
@@ -126,26 +120,15 @@ class Progress:
             )
         self.last = step
 
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-class ConsoleSink(MetricsSink):
-    """The logged records on the console (rank 0, not under --quiet): a `Progress` that starts
-    after step `start` of `total`."""
-
-    def __init__(self, start: int, total: int, device_type: str = "cpu"):
-        self.progress = Progress(start=start, total=total, quiet=False, device_type=device_type)
-
     def step_done(self, step: int) -> None:
-        self.progress.update(step, None)
+        self.update(step, None)
 
     def write(self, record: dict[str, Any], window: tuple[float, int]) -> None:
-        self.progress.update(record["step"], record, window)
+        self.update(record["step"], record, window)
 
     def close(self, failed: bool = False) -> None:
-        self.progress.close()
+        if self.bar is not None:
+            self.bar.close()
 
 
 def describe_layout(dims: ParallelDims) -> str:

@@ -8,18 +8,13 @@ numbers at their values. So what a step reads and writes that outlives it lives 
 for the whole run:
 
 - the parameters, AdamW's moments and step counts, the split masters' buffers, the step guard's
-  history and the router biases are allocated once and written in place (the guard and the
-  optimizers are written so; tests/train/test_cuda_graphs.py checks it on the CPU through
-  `moetrain.testing.graph_emulator`);
-- the learning rate is a 0-d device tensor the optimizer reads (`put_lr_on_device`), filled before
-  each step;
-- what the captured step allocates (activations, gradients, the loss) comes from the graph's own
-  memory, at the same addresses in every replay.
+  history and the router biases are allocated once and written in place (checked on the CPU
+  through `moetrain.testing.graph_emulator` by tests/train/test_cuda_graphs.py);
+- the learning rate is a 0-d device tensor the optimizer reads (`put_lr_on_device`);
+- what the captured step allocates comes from the graph's own memory, the same in every replay.
 
-A graph of the update alone, over gradients the eager backward allocates, would never replay in
-training: measured on one H200 (docs/benchmarks.md, "CUDA graphs") the caching allocator puts
-every gradient at a new address in every step. No host sync is added: a replay is one launch; a
-capture is once or a few times a run.
+A graph of the update alone would never replay in training: the caching allocator puts every
+gradient at a new address each step. No host sync is added: a replay is one launch.
 """
 
 from __future__ import annotations
@@ -61,40 +56,31 @@ class GraphBackend(Protocol):
     def capture(self, fn: Callable[[], tuple]) -> tuple:
         """Record `fn` (its device work is not run) and return its result, which each replay
         rewrites."""
-        ...
 
     def replay(self) -> None:
         """Run the recorded work again."""
-        ...
 
     def release(self) -> None:
         """Drop the recorded work and what it holds; the next capture starts afresh."""
-        ...
 
     def on_capture_stream(self) -> contextlib.AbstractContextManager:
         """Around eager work that must run where the capture will (`StepGraph`'s warm-up steps):
         autograd ties each parameter's gradient accumulation to the stream it first ran on."""
-        ...
 
     def stream_capturing(self) -> bool:
         """Whether work launched now, on this thread, is recorded by the capture underway."""
-        ...
 
     def timed(self) -> contextlib.AbstractContextManager[Callable[[], float]]:
         """Around work on the current stream: a function that gives the seconds the device took
         to run it, from its first kernel's start to its last one's end, the gaps between them
         included (it waits for that end)."""
-        ...
 
 
 class CudaGraph:
-    """`GraphBackend` over `torch.cuda.CUDAGraph`: captured on its own side stream into one
-    private memory pool (a new capture first frees the last graph and its pool), replayed on the
-    current stream.
-    The side stream is the same for every capture and for the eager work before one
-    (`on_capture_stream`), as torch requires of a captured backward: an autograd leaf's gradient
-    accumulation runs on the stream where the leaf's accumulator was made, and one made on the
-    default stream would run there, outside the capture, during it."""
+    """`GraphBackend` over `torch.cuda.CUDAGraph`: captured into one private memory pool (a new
+    capture first frees the last graph and its pool), replayed on the current stream. Captures
+    and the eager work before them (`on_capture_stream`) run on one side stream, as torch requires
+    of a captured backward: a leaf's gradient accumulation runs where its accumulator was made."""
 
     def __init__(self, device: torch.device, what: str = "the training step"):
         self.device, self.what = device, what
@@ -180,9 +166,7 @@ class CudaGraph:
 
 AUTO_MIN_GAIN = 0.03
 """compute.cuda_graphs=auto keeps the step graph where its replays take at least this share less
-device time than the eager steps before its capture (each measured from its first kernel to its
-last, the gaps between included). Below it the graph's memory buys too little: on an H100 the
-bench shapes' replays gained 0.1 to 0.9% at up to 0.8 GiB more, tiny's 6.5×
+device time than the eager steps before its capture; below it the graph's memory buys too little
 (docs/benchmarks.md, "CUDA graphs")."""
 
 JUDGED_REPLAYS = 2
@@ -197,53 +181,34 @@ has seen a whole step."""
 class StepGraph:
     """`TrainEngine.train_step` replayed from one graph (compute.cuda_graphs=step).
 
-    The first `WARMUP_STEPS` steps run eagerly. The next one allocates the graph's input buffers
-    (each micro-batch's inputs and targets, on the device), copies its batches into them and
-    captures `TrainEngine.step_tensors` over them: every micro-batch's forward and backward, the
-    update, the zeroed gradients, the routing statistics. What that step allocates (activations,
-    gradients, the loss) comes from the graph's own memory, at the same addresses in every
-    replay, so nothing has to be compared before a replay. Each later step copies its batches into
-    the input buffers, fills the learning rate and replays. The capture runs nothing: the step
-    that captures replays at once.
+    The first `WARMUP_STEPS` steps run eagerly, on the capture's stream
+    (`GraphBackend.on_capture_stream`), so that autograd's per-parameter gradient accumulation
+    runs there too (a hook on every trainable parameter fails a capture where one did not:
+    `GradientOffCaptureStream`). The next step allocates the graph's input buffers (each
+    micro-batch's inputs and targets), copies its batches into them and captures
+    `TrainEngine.step_tensors` over them; what it allocates comes from the graph's own memory, at
+    the same addresses in every replay. The capture runs nothing: the step that captures replays
+    at once. Each later step copies its batches into the buffers, fills the learning rate and
+    replays; its `StepOutput` holds copies of the graph's outputs.
 
-    What the step writes that outlives it (parameters, optimizer state, the step guard, the
-    router biases and routing accumulators) is written in place (the module docstring). A
-    step's outputs are copies of the graph's, so a `StepOutput` keeps its own values after the
-    next replay. `reset` drops the graph after anything changes what a step launches (a routing
-    switch, loaded weights, batches of another shape or number): `WARMUP_STEPS` eager steps,
-    then a new capture.
-
-    Shapes: the graph fixes every tensor's shape, and a dropless MoE step keeps them fixed as long
-    as the batches do. Each micro-batch routes its T tokens to k experts each, so the grouped
-    GEMMs always take T·k rows; only how those rows split among the experts changes from step to
-    step, and that split (the group offsets) is device data the kernels read, never the host. The
-    loader's batches all have one shape; a step whose batches have another (a caller's own)
-    resets the graph, with a note, rather than being copied into buffers of the captured shape.
-
-    The eager steps before a capture run on the capture's stream (`GraphBackend.on_capture_stream`),
-    so that autograd's per-parameter gradient accumulation runs there too. A parameter whose
-    accumulation still ran off that stream during the capture (outside the graph, on memory the
-    graph does not own) fails the capture (`GradientOffCaptureStream`), checked by a hook on
-    every trainable parameter.
+    A dropless MoE step keeps every shape fixed as long as the batches do: each micro-batch routes
+    its T tokens to k experts each, so the grouped GEMMs always take T·k rows and only their split
+    among the experts (device data) changes. `reset` drops the graph after anything changes what
+    a step launches (a routing switch, loaded weights, batches of another shape or number, said
+    in a note): `WARMUP_STEPS` eager steps, then a new capture.
 
     A capture that fails (`CaptureFailed`: an operation a graph cannot hold, such as a host read)
-    is the fallback's cue: the run says why, once, and every later step runs eagerly, as with
-    compute.cuda_graphs=off. Nothing of the aborted capture ran on the device; what it left in
-    Python (gradients, the routing and multi-token accumulators' bookkeeping) is cleared as at
-    the end of a step, and the step that tried runs eagerly.
+    is said once; what it left in Python is cleared as at the end of a step, and every step runs
+    eagerly, as with compute.cuda_graphs=off.
 
-    Built for compute.cuda_graphs=auto (`judge`), it times the device's work on the eager steps
-    before its first capture (all but the first, which compiles) and on the first
-    `JUDGED_REPLAYS` replays. Where a replay took at least `AUTO_MIN_GAIN` less device time
-    than an eager step (the GPU had waited on Python's launches), the graph stays; elsewhere its
-    memory goes back and the engine drops it, so every later step runs eagerly
-    (`TrainEngine.settle_cuda_graphs`, which keeps the times). The choice costs one wait for
-    the last timed replay's end.
+    With `judge` (compute.cuda_graphs=auto) it times the eager steps before its first capture
+    (all but the first, which compiles) and its first `JUDGED_REPLAYS` replays, and keeps the
+    graph only where a replay took at least `AUTO_MIN_GAIN` less device time
+    (`TrainEngine.settle_cuda_graphs`).
 
-    `run(..., update=False)` does the same for the forward and backward alone, closed by
-    `TrainEngine.drop_step` (`moetrain bench --also-forward-backward`, so that its window runs as
-    the training step does): switching between the two resets the graph, which then holds one
-    or the other, on the same stream, so autograd's accumulation stays on it.
+    `run(..., update=False)` does the same for forward and backward alone, closed by
+    `TrainEngine.drop_step` (`moetrain bench --also-forward-backward`); switching between the two
+    resets the graph.
     """
 
     def __init__(self, engine: TrainEngine, backend: GraphBackend, judge: bool = False):
@@ -263,10 +228,8 @@ class StepGraph:
         self.failed: str | None = None
         """Why the capture failed (then every step runs eagerly)."""
         self.uncounted_bytes = 0
-        """The graph's memory the caching allocator does not count as allocated: what its capture
-        allocated and freed again (the step's temporaries), which the graph keeps for its replays.
-        Measured at capture as the allocator's peak less what it left allocated: the temporaries
-        at their peak, as an eager step's peak counts them (not the pool's rounding)."""
+        """The graph's memory the caching allocator does not count as allocated: the step's
+        temporaries, which the graph keeps for its replays (the capture's peak less what it left)."""
         self._warm = 0
         self._capturing = False
         self.update = True

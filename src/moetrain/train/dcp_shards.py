@@ -1,22 +1,17 @@
 """DCP planners for checkpoint entries a rank holds only part of (`FlatShard`, src/moetrain/optim/base.py).
 
-An entry keeps its name, global shape and dtype whatever the layout; a rank that holds elements
-[start, stop) of it in row-major order (a sharded optimizer's bucket shard reaches into a
-parameter that way; FSDP's dim-0 shards are such ranges too) writes them as the few rectangular
-blocks that range is made of (`flat_blocks`), and reads into the same blocks. DCP's own planning
-then reshards: a block is read from every stored chunk it overlaps, whichever layout wrote them.
+A rank that holds elements [start, stop) of an entry in row-major order (a sharded optimizer's
+bucket shard, FSDP's dim-0 shard) writes them as the few rectangular blocks that range is made of
+(`flat_blocks`), at their offsets in the entry's global shape, and reads into the same blocks;
+DCP's own planning then reshards (docs/architecture.md, "Checkpoints"):
 
     elements [5, 23) of a 4 × 8 tensor:   row 0: . . . . . # # #    block at (0, 5), size (1, 3)
                                            row 1: # # # # # # # #    block at (1, 0), size (1, 8)
                                            row 2: # # # # # # # .    block at (2, 0), size (1, 7)
                                            row 3: . . . . . . . .
 
-Memory: nothing is gathered. Saving writes each block from a view of the live state (from the
-device, DCP copies one item at a time to the host; on the CPU the view is written as it is); a
-split fp32 master (optim.bf16_weights) is joined from its halves one block at a time. Loading
-copies each stored chunk into views of the live state; for a split master into a temporary of
-that read's size, split into the halves at once. Joins and splits run over at most `PIECE`
-elements at a time, so their intermediates stay small.
+Nothing is gathered: blocks are written from and read into views of the live state; a split fp32
+master (optim.bf16_weights) is joined or split `PIECE` elements at a time.
 """
 
 from __future__ import annotations

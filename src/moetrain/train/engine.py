@@ -3,24 +3,13 @@
 Legend: B micro-batch sequences (this rank), T sequence length, V vocabulary.
 
 Built once per run (by `Trainer`, or by anything that wants to step a model: `bench`, tests) on a
-rank whose process groups exist (`ParallelState`):
-
-    meta-device model → parallelize (layout, FP8, recompute, compile) → materialize → init_weights
-    → optimizer (`OptimConfig.build`: the one the layout needs) → pipeline stages (pp > 1)
-
-One step, given the step's micro-batches (this rank's rows of each):
-
-    forward_backward(batches)  every micro-batch's forward and backward (or the pipeline
-                               schedule over all of them); the gradients end reduced over dp
-    optim_step(lm_loss, step)  learning rate, clip, the step guard's skip decision, update (the
-                               router biases move in the optimizer's step post-hook), zero
-                               grad, the step's routing statistics
-
-With compute.cuda_graphs=step both are one CUDA graph after the first steps (`StepGraph`, through
-`train_step`; its captured work is `step_tensors`).
-
-Nothing here copies from the device to the host: the results are device tensors (`StepOutput`),
-read by `metrics()` only when the caller logs.
+rank whose process groups exist (`ParallelState`). One step is `forward_backward(batches)` (every
+micro-batch's forward and backward, or the pipeline schedule; the gradients end reduced over dp)
+then `optim_step(lm_loss, step)` (learning rate, clip, the step guard, update, zero grad, the
+routing statistics); with compute.cuda_graphs=step both are one CUDA graph after the first steps
+(`StepGraph`, through `train_step`). Nothing here copies from the device to the host: the results
+are device tensors (`StepOutput`), read by `metrics()` only when the caller logs
+(docs/architecture.md, "One training step").
 """
 
 from __future__ import annotations
@@ -165,9 +154,7 @@ class TrainEngine:
 
     def settle_cuda_graphs(self, keep: bool, why: str) -> None:
         """compute.cuda_graphs=auto's measured choice (`StepGraph.judge`): keep the step graph, or
-        drop it (its memory already released), after which every step runs eagerly
-        (compute.cuda_graphs off; the learning rate stays on the device, where the graph's update
-        read it). `cuda_graphs_why` becomes the measurement; the run says it either way."""
+        drop it (its memory already released) and run every step eagerly; said either way."""
         self.cuda_graphs_why = why
         if not keep:
             self.step_graph = None
@@ -208,9 +195,8 @@ class TrainEngine:
         return self.step_graph.counts() if self.step_graph is not None else None
 
     def forward_backward(self, batches: list[Batch]) -> torch.Tensor:
-        """Forward and backward of the step's micro-batches (train.grad_accum_steps of them,
-        this rank's rows of each); afterwards the gradients are reduced over the data-parallel
-        ranks. Returns the mean LM loss over the micro-batches (device scalar)."""
+        """Forward and backward of the step's micro-batches (this rank's rows of each), the
+        gradients then reduced over dp. Returns the mean LM loss over them (device scalar)."""
         self.model.train()
         expert_grads = self.model.runtime.expert_grads
         with expert_grads.step(len(batches)) if expert_grads is not None else contextlib.nullcontext():
@@ -228,9 +214,8 @@ class TrainEngine:
         return StepOutput(lm_loss, grad_norm, self._end_routing_step(), lr, self._end_mtp_step())
 
     def update(self, lm_loss: torch.Tensor, step: int) -> tuple[torch.Tensor, float]:
-        """The optimizer's part of step `step` (0-based), gradients left in place: set the
-        schedule's learning rate, then `update_tensors`. Returns the norm before clipping (device)
-        and the lr."""
+        """The optimizer's part of step `step` (0-based), gradients left in place: `set_step_lr`,
+        then `update_tensors`. Returns the norm before clipping (device) and the lr."""
         lr = self.set_step_lr(step)
         return self.update_tensors(lm_loss), lr
 
@@ -380,34 +365,27 @@ class TrainEngine:
         # by dp·cp, that is the mean over a stage's ranks (drops × dp·cp is then the global count;
         # counts, equal on a stage's ranks, come back unchanged). float64 keeps large counts exact.
         L, E, K = self.cfg.model.num_moe_layers, self.cfg.model.moe.num_experts, self.cfg.model.mtp_depth
-        packed = torch.zeros(1 + L * (3 + E) + K, dtype=torch.float64, device=self.device)
+        packed = torch.zeros(1 + K + L * (3 + E), dtype=torch.float64, device=self.device)
+        layers_LC = packed[1 + K :].view(L, 3 + E)  # each MoE layer's lb, z, dropped, tokens per expert
         packed[0] = out.lm_loss
         if out.mtp is not None:  # on the rank holding the LM head (the last pipeline stage)
-            packed[1 + L * (3 + E) :] = out.mtp
+            packed[1 : 1 + K] = out.mtp
         for i, s in zip(self.model.moe_layer_indices(), out.routing):
-            packed[1 + i], packed[1 + L + i], packed[1 + 2 * L + i] = s["lb_loss"], s["z_loss"], s["dropped"]
-            packed[1 + 3 * L + i * E : 1 + 3 * L + (i + 1) * E] = s["tokens_per_expert"]
+            layers_LC[i, 0], layers_LC[i, 1], layers_LC[i, 2] = s["lb_loss"], s["z_loss"], s["dropped"]
+            layers_LC[i, 3:] = s["tokens_per_expert"]
         mean = self.global_mean(packed)
-        counts_LE = mean[1 + 3 * L : 1 + L * (3 + E)].view(L, E).round().long()
         dp = self.par.dims.replicas
-        routing = routing_metrics(
-            [
-                {
-                    "lb_loss": mean[1 + i],
-                    "z_loss": mean[1 + L + i],
-                    "dropped": mean[1 + 2 * L + i] * dp,
-                    "tokens_per_expert": counts_LE[i],
-                }
-                for i in range(L)
-            ],
-            ep=self.par.dims.ep,
-        )
+        layers = [
+            {"lb_loss": r[0], "z_loss": r[1], "dropped": r[2] * dp, "tokens_per_expert": r[3:].round().long()}
+            for r in mean[1 + K :].view(L, 3 + E)
+        ]
+        routing = routing_metrics(layers, ep=self.par.dims.ep)
         lm_loss, grad_norm, skipped, mtp_loss = torch.stack(
             [
                 mean[0],
                 out.grad_norm.double(),
                 self.guard.skipped_total.double(),
-                mean[1 + L * (3 + E) :].mean() if K else mean[0] * 0,
+                mean[1 : 1 + K].mean() if K else mean[0] * 0,
             ]
         ).tolist()
         moe = self.cfg.model.moe
@@ -439,27 +417,21 @@ class TrainEngine:
 
     # ---- state -------------------------------------------------------------------------------------
     def checkpoint_state(self) -> dict[str, dict]:
-        """{"model": …, "optim": …}: the checkpoint's entries (src/moetrain/train/checkpoint_io.py) as
-        the part of each this rank holds — views of live tensors and `FlatShard`s of its shards
-        and of the split fp32 masters. What DCP saves, and what it loads into in place (then
-        `checkpoint_loaded`). No copy, no communication."""
+        """{"model": …, "optim": …}: this rank's part of the checkpoint's entries
+        (`checkpoint_io.checkpoint_entries`), which DCP saves and loads into in place."""
         return checkpoint_io.checkpoint_entries(
             self.model, self.optimizer.checkpoint_masters(), self.optimizer.checkpoint_tensors()
         )
 
     def checkpoint_loaded(self) -> None:
-        """A checkpoint was loaded into `checkpoint_state()`'s entries: the optimizer takes its
-        step count and refreshes what derives from the weights (collective under the sharded
-        optimizer)."""
+        """After a load into `checkpoint_state()`'s entries: the optimizer takes its step count and
+        refreshes what derives from the weights (collective under the sharded optimizer)."""
         self.optimizer.checkpoint_loaded()
         self._weights_replaced()
 
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
-        """{"model": …, "optim": …}: the same entries as `checkpoint_state`, whole, in memory
-        (for tests and tools): views of the live tensors where this rank holds them whole, full
-        temporaries for FSDP's and the sharded optimizer's shards and the split masters.
-        Collective under FSDP and the sharded optimizer (gathers)."""
-        # With optim.bf16_weights the matrices' entries are their fp32 masters (temporaries).
+        """{"model": …, "optim": …}: the same entries as `checkpoint_state`, whole, in memory (for
+        tests and tools); collective under FSDP and the sharded optimizer (gathers)."""
         return {
             "model": checkpoint_io.model_state_dict(self.model, self.optimizer.master_weights()),
             "optim": checkpoint_io.optimizer_state_dict(self.model, self.optimizer.state_dict_tensors()),

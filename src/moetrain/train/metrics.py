@@ -11,10 +11,8 @@ The metrics.jsonl contract (one JSON object per logged step; keys never renamed)
 - tokens_per_sec: tokens of all ranks per second of wall time, averaged since the last log.
 - tflops_per_device: flops_per_token × tokens_per_sec_per_device (Olmo-core's formula);
   mfu: that over the device's dense BF16 peak; null on CPU and unknown GPUs.
-- peak_mem_gib: torch.cuda.max_memory_allocated on GPU, the process's peak RSS on CPU. With
-  compute.cuda_graphs=step, from the capture on: the allocator's peak since the capture plus the
-  graph's memory it does not count (what the captured step freed again; its replays allocate
-  nothing through the allocator).
+- peak_mem_gib: torch.cuda.max_memory_allocated on GPU, the process's peak RSS on CPU; with
+  compute.cuda_graphs=step, plus the graph's memory the allocator does not count.
 - expert_load_max_over_mean: worst MoE layer's max/mean tokens per expert over the step.
 - expert_load_by_layer (extra): that ratio of each MoE layer, in layer order.
 - ep_load_max_over_mean (extra): the same per expert-parallel rank (the experts a rank holds

@@ -1,12 +1,8 @@
 """Out of memory on the GPU: one paragraph instead of a CUDA traceback.
 
-`Trainer.fit` catches `torch.OutOfMemoryError` from a training step and raises `OutOfMemory`
-instead, whose message names the step, what torch tried to allocate, the peak of allocated
-memory and the device's capacity. `moetrain train` adds what `moetrain plan` predicts for the
-config and the fastest layout it finds that fits, as flags (`advice`, src/moetrain/memory_advice.py:
-the planner is an application above this package). A step writes no checkpoint, so the last
-complete one is as it was; one being written in the background holds an earlier step's state
-and is completed first (`Trainer`).
+`Trainer.fit` raises `OutOfMemory` for a step's `torch.OutOfMemoryError`: the step, what torch
+tried to allocate, the peak and the device's capacity, and (`moetrain train`, from the planner
+above this package: src/moetrain/memory_advice.py) the fastest layout that fits, as flags.
 """
 
 from __future__ import annotations

@@ -9,13 +9,8 @@ where its checkpoints are, which of them count, and how many are kept.
     RUN_DIR/run.lock          held by the live run's rank 0 (src/moetrain/train/run_lock.py)
 
 Only rank 0 writes here, except checkpoints (every rank writes its shards). Rank 0 checks the
-directory when the run is built (`RunDir(...)`: a file in its place, permissions, free disk for a
-checkpoint), then creates it and takes it (`run_lock.acquire`) before anything reads or changes
-what is in it; a run refused later in start-up (a missing data directory, say) gives it back
-(`abandon`), removing what it created, so it leaves no empty directory behind.
-
-Without train.run_dir (--run-dir), `default_run_dir` names one after the run: runs/NAME, NAME
-being the preset's or the YAML file's, so that a new run never lands in an earlier one's records.
+directory, creates it and takes it (`RunDir(...)`) before anything reads or changes what is in
+it; a run refused later in start-up gives it back (`abandon`), leaving no empty directory behind.
 
 A checkpoint step-N counts once it holds COMPLETE, written last before .step-N.tmp is renamed
 (`publish`, which keeps the newest keep_last). A CHECKPOINT argument is a run or step-N directory
@@ -49,7 +44,7 @@ class RunDir:
     def __init__(self, path: str | Path, main: bool, checkpoint_bytes: int = 0, checkpoint_detail: str = ""):
         """Check (rank 0) that the run can write at `path` and, when it saves checkpoints, that
         one of `checkpoint_bytes` fits (`checkpoint_detail` says why that many); then create the
-        directory and take it for this run, or refuse with the live run that holds it."""
+        directory and take it for this run (src/moetrain/train/run_lock.py)."""
         self.path = Path(path)
         self.main = main
         """Rank 0: the one rank that writes records."""
@@ -188,12 +183,10 @@ def holds_run(path: Path) -> bool:
 
 
 def default_run_dir(name: str, resume: bool, root: str | Path = "runs") -> tuple[Path, str]:
-    """train.run_dir when it is not set, and why (a note for the start-up header).
-
-    root/NAME, root/NAME-2, root/NAME-3, … are the runs of NAME, newest last. A fresh run takes
-    root/NAME while none of them holds a run (`holds_run`), else the number after the newest
-    (an earlier run is never written into); with `resume`, the newest that holds a run (root/NAME
-    when none does)."""
+    """train.run_dir when it is not set, and why (a note for the start-up header): root/NAME,
+    root/NAME-2, … are the runs of NAME. A fresh run takes root/NAME while none of them holds a
+    run, else the number after the newest (an earlier run is never written into); with `resume`,
+    the newest that holds a run (root/NAME when none does)."""
     root = Path(root)
     pattern = re.compile(rf"{re.escape(name)}-(\d+)")
     numbered = {1: root / name}

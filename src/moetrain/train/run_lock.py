@@ -2,11 +2,9 @@
 
 A run's rank 0 takes the directory before it reads or changes anything in it, and holds it for
 as long as its process lives: an exclusive flock(2) on run.lock, which the kernel drops when the
-process ends, however it ends (kill -9 included), so a dead run never keeps its directory and a
-requeued or resumed run takes it over at once. A second run (a second `--resume`, a scheduler's
-requeue while the first still runs) is refused with the owner the file names: host, pid, start
-time and command. The file stays after the run; removing it could let two runs each lock a
-different file of the same name.
+process ends, however it ends (kill -9 included), so a dead run never keeps its directory. A
+second run is refused with the owner the file names (host, pid, start time, command). The file
+stays after the run; removing it could let two runs each lock a different file of that name.
 
 On a file system without flock (Lustre mounted noflock, some NFS set-ups) nothing can be held:
 the run says so once and goes on unguarded. A process takes a directory it holds already

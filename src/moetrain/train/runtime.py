@@ -40,8 +40,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def setup_runtime(cfg: RunConfig, rehearsal: Rehearsal | None = None) -> Runtime:
-    """Validate `cfg` for this device and world size and join the process group (see the
-    module docstring). Each rank calls it; under torchrun each takes GPU LOCAL_RANK. With
+    """The module docstring's steps, on each rank (under torchrun each takes GPU LOCAL_RANK); with
     `rehearsal` this process is that one rank of that world (src/moetrain/parallel/rehearsal.py)."""
     device = resolve_device(cfg.train.device)
     rank, world = init_distributed(device.type, cfg.parallel.timeout_s, cfg.parallel.peer_timeout_s, rehearsal)
@@ -54,11 +53,8 @@ def setup_runtime(cfg: RunConfig, rehearsal: Rehearsal | None = None) -> Runtime
 def cpu_threads(sample_s: float = 0.3) -> tuple[int, int, float]:
     """(intra-op threads for a one-process CPU run, the cores this process may use, how many of
     those other processes kept busy over `sample_s`). The cores it may use: its CPU affinity,
-    capped by a cgroup CPU quota; the threads: those left idle, at least one, at most torch's own
-    choice. Intra-op threads beyond the idle cores wait on each other: on the 2-core machine,
-    `tiny` trained at 4,882 tokens/s with 2 threads alone, 1,709 with 2 threads beside a process
-    that kept one core busy, 3,007 with 1 thread beside it (benchmarks/probes/threads_probe.py;
-    docs/benchmarks.md, "On the CPU")."""
+    capped by a cgroup CPU quota; the threads: those left idle (threads beyond them wait on each
+    other: docs/benchmarks.md, "On the CPU"), at least one, at most torch's own choice."""
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     may_use = min(len(cores), _cgroup_cores()) if cores else torch.get_num_threads()
     before = _idle_and_total(cores)

@@ -1,20 +1,10 @@
 """The training loop.
 
-`Trainer(cfg)` builds a run — runtime (device, process group, layout), data loader, `TrainEngine`
-(model, optimizer, pipeline), run directory, the loop's callbacks (`self.callbacks`, the list
-`callbacks_from_config` builds from the config: src/moetrain/train/callbacks.py) — and starts it fresh
-or resumes it. `fit()` is the loop, and nothing else:
-
-    while step < train.steps:
-        batches = the step's micro-batches from the loader
-        out = engine.train_step(batches, step)        forward/backward, clip, update
-        step += 1
-        every callback's on_step_end(out)              profile, skip limit, log + evaluate,
-                                                       checkpoint, graceful stop
-
-Nothing in a step copies from the device to the host: losses, gradient norms and routing
-statistics stay device tensors, read only on logging steps (every `train.log_every`). A step that
-runs out of device memory ends the run with one paragraph (src/moetrain/train/oom.py).
+`Trainer(cfg)` builds a run (runtime, data loader, `TrainEngine`, run directory, the loop's
+callbacks) and starts it fresh or resumes it; `fit()` is the loop and nothing else: the step's
+micro-batches → `engine.train_step` → every callback's `on_step_end` (docs/architecture.md, "Who
+owns what"). Nothing in a step copies from the device to the host; a step that runs out of device
+memory ends the run with one paragraph (src/moetrain/train/oom.py).
 """
 
 from __future__ import annotations
@@ -62,11 +52,9 @@ class Trainer:
     ):
         """Build the run on this rank (every rank of a torchrun launch does the same); with
         `resume`, continue from the run directory's newest complete checkpoint. Without
-        train.run_dir the run directory is `default_run_dir(name, resume)` (`moetrain train`
-        passes the preset's or YAML file's name); `self.cfg` holds the one chosen. With
-        `rehearsal`, this process is that one rank of that world (src/moetrain/parallel/rehearsal.py).
-        `capacity_floor` resolves parallel.capacity_min_rows auto (`moetrain train` and `bench`
-        pass the planner's; without one, auto is 1024 rows)."""
+        train.run_dir the run directory is `default_run_dir(name, resume)`; `self.cfg` holds the
+        one chosen. With `rehearsal`, this process is that one rank of that world
+        (src/moetrain/parallel/rehearsal.py). `capacity_floor`: see `CapacityFloor`."""
         if cfg.logging.wandb:
             require_wandb()
         runtime = setup_runtime(cfg, rehearsal)
@@ -201,9 +189,9 @@ class Trainer:
             self._notes.append(f"initialized the model from {path} (checkpoint.init_from)")
 
     def _resume(self) -> None:
-        """From the newest intact complete checkpoint: damaged ones (`diagnose`) are
-        skipped, said and moved aside (so that retention never keeps them over good ones); with
-        none complete, a fresh start; with all damaged, a refusal."""
+        """From the newest intact complete checkpoint: damaged ones are skipped, said and moved
+        aside (so that retention never keeps them over good ones); with none complete, a fresh
+        start; with all damaged, a refusal."""
         found = self.run.checkpoints()
         partial = self.run.partial_checkpoints()
         if partial:
@@ -249,14 +237,9 @@ class Trainer:
         self._resume_schedule(path, trainer_state)
         self.resumed_from = path
         self.run.keep_records_up_to(self.step)
-        self._notes.append(
-            f"resumed from {path} (step {self.step})"
-            + (
-                f"; checkpoint.init_from={self.cfg.checkpoint.init_from} is for a fresh start, not read"
-                if self.cfg.checkpoint.init_from
-                else ""
-            )
-        )
+        init = self.cfg.checkpoint.init_from
+        unread = f"; checkpoint.init_from={init} is for a fresh start, not read" if init else ""
+        self._notes.append(f"resumed from {path} (step {self.step}){unread}")
 
     def _note_warmup(self) -> None:
         """A schedule that ends inside its warm-up never decays: said at start-up."""
@@ -270,10 +253,9 @@ class Trainer:
             )
 
     def _resume_schedule(self, path: Path, trainer_state: dict) -> None:
-        """The schedule a resumed run follows: the one it planned (trainer_state's
-        schedule_steps; a checkpoint written before that key: its config.yaml's train.steps)
-        unless train.steps changed and train.extend=replan. A changed count is said, with the
-        rate the step resumes at either way."""
+        """The schedule a resumed run follows: the one it planned (trainer_state's schedule_steps,
+        else its config.yaml's train.steps) unless train.steps changed and train.extend=replan; a
+        changed count is said, with the rate the step resumes at either way."""
         planned = trainer_state.get("schedule_steps")
         if planned is None:
             planned = load_yaml(path / "config.yaml").get("train", {}).get("steps", self.cfg.train.steps)
@@ -289,16 +271,12 @@ class Trainer:
         before = lr_at(self.step - 1, planned, cfg.optim.lr, cfg.schedule) if self.step else kept
         final = lr_at(planned - 1, planned, cfg.optim.lr, cfg.schedule)
         if keep:
+            longer = tc.steps > planned and self.step < planned
+            then = f", and every step from {planned + 1} on at its last rate, {final:.3g}" if longer else ""
             what = (
                 f"the schedule stays the one planned over {planned} steps (train.extend=keep): step {self.step + 1} "
-                f"runs at {kept:.3g}"
-                + (
-                    f", and every step from {planned + 1} on at its last rate, {final:.3g}"
-                    if tc.steps > planned and self.step < planned
-                    else ""
-                )
-                + f"; --train.extend=replan would plan it over {tc.steps} steps (step {self.step + 1} at "
-                f"{replanned:.3g})"
+                f"runs at {kept:.3g}{then}; --train.extend=replan would plan it over {tc.steps} steps (step "
+                f"{self.step + 1} at {replanned:.3g})"
             )
         else:
             what = (
@@ -309,8 +287,8 @@ class Trainer:
         self._notes.append(f"--resume: train.steps {planned} -> {tc.steps}: {what}")
 
     def _already_finished(self) -> dict[str, Any]:
-        """The summary of a run whose checkpoint is at train.steps already, as it was (written
-        only when the run was stopped before it could write one)."""
+        """The summary of a run whose checkpoint is at train.steps already (written only when the
+        run stopped before it could)."""
         self.summary, changed = self.run.read_summary(), "nothing changed"
         if not self.summary:
             self.step = self.finished_at
@@ -343,9 +321,8 @@ class Trainer:
 
     # ---- the rest ------------------------------------------------------------------------------
     def _take_run_dir(self, cfg: RunConfig, name: str, resume: bool) -> tuple[str, str, RunDir]:
-        """Rank 0 chooses the run directory (train.run_dir, else `default_run_dir(name, resume)`
-        with a note for the header), checks it and takes it (`RunDir`); the other ranks take its
-        answer or its refusal, so that none waits on a peer that stopped."""
+        """Rank 0 chooses the run directory (with a note for the header), checks it and takes it;
+        the other ranks take its answer or its refusal, so that none waits on a peer that stopped."""
         run, answer = None, None
         if self.par.is_main:
             try:
@@ -363,8 +340,7 @@ class Trainer:
 
     def profiler(self, out_dir: Path, wait: int | None = None, kinds_only: bool = False) -> StepProfiler:
         """A profiler over `logging.profile_steps` steps after `wait` (default logging.profile_wait);
-        with several ranks each writes its own rank-R subdirectory. `kinds_only`: kinds.json
-        alone (`StepProfiler`)."""
+        with several ranks each writes its own rank-R subdirectory."""
         lc = self.cfg.logging
         if self.par.dims.world_size > 1:
             out_dir = out_dir / f"rank{self.par.rank}"
@@ -408,7 +384,7 @@ def _resolved_capacity(
 ) -> tuple[ParallelConfig, str | None]:
     """cfg.parallel with capacity_min_rows auto resolved by `floor` (rank 0's answer on every
     rank, so every rank sizes the exchange alike), and a line saying what it chose and why (None
-    where nothing was chosen). Without `floor`, auto stays for `apply_expert_parallel`: 1024 rows."""
+    where nothing was chosen). Without `floor`, auto stays: 1024 rows."""
     p = cfg.parallel
     if p.capacity_min_rows is not None or floor is None:
         return p, None

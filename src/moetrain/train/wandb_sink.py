@@ -1,12 +1,9 @@
 """Weights & Biases as an optional metrics sink: logging.wandb=true (`pip install 'moetrain[wandb]'`).
 
 Rank 0's `WandbSink` logs every numeric scalar of each metrics.jsonl record at the record's step,
-with the resolved run configuration as the W&B run config. wandb reads its own environment as usual:
-WANDB_MODE (offline, disabled), WANDB_API_KEY, WANDB_ENTITY, WANDB_DIR (default here: RUN_DIR, so
-the wandb/ folder sits beside metrics.jsonl). The W&B run id is kept in RUN_DIR/wandb_id.txt: a
-run continued with --resume continues the same W&B run. The steps between the checkpoint it
-resumes from and the interruption are logged again; W&B ignores a step below one it has seen,
-so those keep their first values.
+with the resolved run configuration as the W&B run config. The W&B run id is kept in
+RUN_DIR/wandb_id.txt, so a run continued with --resume continues the same W&B run (the steps it
+logs again keep their first values: W&B ignores a step below one it has seen).
 """
 
 from __future__ import annotations
