@@ -14,4 +14,4 @@ done
 python -c "
 import json
 for r in map(json.loads, open('$OUT/mla_fp8.jsonl')):
-    print(r['variant'], r.get('params_active'), r.get('tokens_per_sec_per_device'), r.get('mfu'), r.get('peak_mem_gib'))"
+    print(r['variant'], r['shape']['active_params'], r['precision'], r.get('tokens_per_sec_per_device'), r.get('mfu'), r.get('peak_mem_gib'))"
