@@ -93,7 +93,7 @@ class _Plan(NamedTuple):
     """One exchange's routing, before any row moves."""
 
     state: NoSyncState
-    """regroup_idx_C is filled in on arrival (`_receive`)."""
+    """regroup_idx_C is filled in on arrival (`_arrivals`)."""
     key_S: torch.Tensor
     """The key beside each send-buffer row (module docstring, 3)."""
     dropped: torch.Tensor | None
@@ -144,20 +144,19 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
     ) -> tuple[torch.Tensor, torch.Tensor, NoSyncState]:
         """Returns the received rows sorted by local expert, padding last (R·C, D), the int32 end
         offset of each local expert's rows (L,), and the state for `combine`."""
-        R, L = self.ep, self.num_local_experts
         num_tokens, top_k = topk_ids_NK.shape
         C, W = self.capacity(num_tokens, top_k), self.block_rows(num_tokens, top_k)
-        send_counts_R = tokens_per_expert_E.view(R, L).sum(1)
-        X_RR = self._all_counts(send_counts_R.unsqueeze(0))[:, 0] if W > C else None
-        plan = self._plan(topk_ids_NK, send_counts_R, X_RR, C, W)
+        plan = self._plan(topk_ids_NK, C, W)
         if self.capacity_factor is not None:
             self._dropped = plan.dropped
 
         # 2. Equal splits: every shape is known without looking at the routing.
-        splits = [W] * R
+        splits = [W] * self.ep
         key_recv_S = funcol.all_to_all_single(plan.key_S, splits, splits, group=self.ep_group)
         x_recv_SD = funcol.all_to_all_single_autograd(self._send_rows(x_ND, plan), splits, splits, group=self.ep_group)
-        return self._receive(x_recv_SD, key_recv_S, plan, C, num_tokens * top_k)
+        ((regroup_idx_C, inv_S, offsets_L),) = self._arrivals(key_recv_S.unsqueeze(0), C, num_tokens * top_k)
+        x_local_CD = _Regroup.apply(x_recv_SD, regroup_idx_C, inv_S)
+        return x_local_CD, offsets_L, plan.state._replace(regroup_idx_C=regroup_idx_C, inv_S=inv_S)
 
     def _all_counts(self, send_counts_nR: torch.Tensor) -> torch.Tensor:
         """X of each of n exchanges, (R, n, R): X[s, i, d] is source s's count for destination d
@@ -167,49 +166,40 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
         return _all_gather(counts, 0, group=self.ep_group).view(R, n, R)
 
     def _plan(
-        self,
-        topk_ids_NK: torch.Tensor,
-        send_counts_R: torch.Tensor,
-        X_RR: torch.Tensor | None,
-        C: int,
-        W: int,
-        group: tuple[torch.Tensor, int, int] | None = None,
+        self, topk_ids_NK: torch.Tensor, C: int, W: int, chunk_M: torch.Tensor | None = None, n: int = 1
     ) -> _Plan:
         """1. Each assignment's rank among this rank's assignments to its destination (token
-        order), how many of them its destination keeps, and the send buffer's map. `group`:
-        (member_M, first, count): only the assignments to each rank's local experts
-        [first, first + count) take part (member_M marks them; the rest are not sent)."""
+        order), how many of them its destination keeps, and the send buffer's map. `chunk_M`: the
+        exchange (of n, each of C and W rows) each assignment takes part in, whose experts are a
+        1/n of each rank's (by experts) or all of them (by tokens); the buffer is exchange-major
+        (n, R, W), and the state's slot_NK indexes the whole."""
         R, L = self.ep, self.num_local_experts
         num_tokens, top_k = topk_ids_NK.shape
         M = num_tokens * top_k
         device = topk_ids_NK.device
         expert_M = topk_ids_NK.flatten()
-        dest_M = expert_M // L
-        start_R = send_counts_R.cumsum(0) - send_counts_R
-        kept_R = send_counts_R.clamp(max=C) + self._spill_kept(X_RR, C, W)
-        first, count = 0, L
-        if group is not None:  # the others go to destination R, which keeps nothing, after all real ones
-            member_M, first, count = group
-            dest_M = torch.where(member_M, dest_M, R)
-            start_R = torch.cat([start_R, send_counts_R.sum().unsqueeze(0)])
-            kept_R = torch.cat([kept_R, kept_R.new_zeros(1)])
-        order_M = dest_M.argsort(stable=True)  # destination-major, token order within each
-        rank_in_dest_M = torch.arange(M, device=device) - start_R[dest_M[order_M]]
-        pos_M = torch.empty_like(rank_in_dest_M).index_copy_(0, order_M, rank_in_dest_M)
-        keep_NK = (pos_M < kept_R[dest_M]).view(num_tokens, top_k)
-        slot_NK = torch.where(keep_NK, (dest_M * W + pos_M).view(num_tokens, top_k), 0)
+        pair_M = expert_M // L if chunk_M is None else chunk_M * R + expert_M // L  # (exchange, destination)
+        counts_P = torch.zeros(n * R, dtype=torch.int64, device=device).scatter_add_(0, pair_M, torch.ones_like(pair_M))
+        X = self._all_counts(counts_P.view(n, R)) if W > C else None
+        kept_P = (counts_P.view(n, R).clamp(max=C) + self._spill_kept(X, C, W)).flatten()
+        start_P = counts_P.cumsum(0) - counts_P
+        order_M = pair_M.argsort(stable=True)  # exchange-major, destination-major, token order within
+        rank_in_pair_M = torch.arange(M, device=device) - start_P[pair_M[order_M]]
+        pos_M = torch.empty_like(rank_in_pair_M).index_copy_(0, order_M, rank_in_pair_M)
+        keep_NK = (pos_M < kept_P[pair_M]).view(num_tokens, top_k)
+        slot_NK = torch.where(keep_NK, (pair_M * W + pos_M).view(num_tokens, top_k), 0)
 
         # The same map read from the buffer's side, as a gather (no duplicate writes): row (d, c)
-        # holds the c-th assignment to d, if d keeps it; beside it travels its key.
+        # holds the c-th assignment to d, if d keeps it; beside it travels its key, whose expert
+        # is the exchange's (the remainder by its G = L / n or L experts: they divide L).
+        G = self._experts_of(n)
         c_W = torch.arange(W, device=device)
-        filled_RW = c_W < kept_R[:R].unsqueeze(1)
-        src_RW = order_M[(start_R[:R].unsqueeze(1) + c_W).clamp_(max=M - 1)]
-        key_RW = expert_M[src_RW].remainder_(L).sub_(first).mul_(R * M).add_(self.ep_rank * M + c_W)
-        key_S = key_RW.masked_fill_(~filled_RW, count * R * M).flatten()  # padding: count·R·M
-        dropped = None
-        if self.capacity_factor is not None:
-            dropped = (M if group is None else send_counts_R.sum()) - keep_NK.sum()
-        return _Plan(NoSyncState(slot_NK, keep_NK, src_RW.flatten(), filled_RW.flatten(), None), key_S, dropped)
+        filled_PW = c_W < kept_P.unsqueeze(1)
+        src_PW = order_M[(start_P.unsqueeze(1) + c_W).clamp_(max=M - 1)]
+        key_PW = expert_M[src_PW].remainder_(G).mul_(R * M).add_(self.ep_rank * M + c_W)
+        key_S = key_PW.masked_fill_(~filled_PW, G * R * M).flatten()  # padding: G·R·M
+        dropped = None if self.capacity_factor is None else M - keep_NK.sum()
+        return _Plan(NoSyncState(slot_NK, keep_NK, src_PW.flatten(), filled_PW.flatten(), None), key_S, dropped)
 
     @staticmethod
     def _send_rows(x_ND: torch.Tensor, plan: _Plan) -> torch.Tensor:
@@ -222,35 +212,43 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
             x_ND, st.src_S // top_k, st.filled_S, by_slot_NK, st.keep_NK.gather(1, sort_NK), wire_dtype_of(x_ND)
         )
 
-    def _receive(
-        self, x_recv_SD: torch.Tensor, key_recv_S: torch.Tensor, plan: _Plan, C: int, M: int, experts: int | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, NoSyncState]:
-        """3. The received rows the experts get, by local expert, their offsets, and the state.
-        `experts`: how many local experts the keys name (all L, or a group's)."""
-        R, L = self.ep, experts or self.num_local_experts
-        # Keys are unique but for padding, which sorts last: the first R·C are every kept row
-        # (the senders keep at most that many), by local expert, then source, then token.
-        order_S = key_recv_S.argsort(stable=True)
-        regroup_idx_C, inv_S = order_S[: R * C], inverse_permutation(order_S)
-        x_local_CD = _Regroup.apply(x_recv_SD, regroup_idx_C, inv_S)
-        # A scatter, not bincount: bincount's output size is data (a sync). Padding counts as L.
-        expert_S = key_recv_S // (R * M)
-        rows_per_expert = torch.zeros(L + 1, dtype=torch.int64, device=x_recv_SD.device)
-        rows_per_expert.scatter_add_(0, expert_S, torch.ones_like(expert_S))
-        offsets_L = rows_per_expert[:L].cumsum(0).to(torch.int32)
-        return x_local_CD, offsets_L, plan.state._replace(regroup_idx_C=regroup_idx_C, inv_S=inv_S)
+    def _experts_of(self, n: int) -> int:
+        """G: the local experts of each of n exchanges (L / n where n divides L, else all L)."""
+        L = self.num_local_experts
+        return L // n if L % n == 0 else L
 
-    def _spill_kept(self, X_RR: torch.Tensor | None, C: int, W: int) -> torch.Tensor:
-        """How many of this rank's rows beyond C each destination keeps: its rows in [C, W),
-        after those of lower ranks, while the rows other sources leave unused last. `X_RR`: the
-        group's counts (None when there are no spill rows, W = C)."""
-        if X_RR is None:
+    def _arrivals(self, key_recv_nS: torch.Tensor, C: int, M: int) -> list[tuple[torch.Tensor, ...]]:
+        """3. For each of n exchanges' received keys (n, R·W): the R·C rows its experts get
+        (received rows in local-expert-major order, padding last), each received row's place in
+        that order (≥ R·C: padding the experts do not get), and the int32 end offset of each of
+        its G experts' rows; one sort for all n."""
+        n, S = key_recv_nS.shape
+        R, G = self.ep, self._experts_of(n)
+        # Keys are unique but for padding (G·R·M), which sorts last: the first R·C of an exchange
+        # are every kept row (the senders keep at most that many), by local expert, then source,
+        # then token. Exchange i's keys are shifted past exchange i−1's.
+        shift_n1 = torch.arange(n, device=key_recv_nS.device).unsqueeze(1)
+        order_nS = (key_recv_nS + shift_n1 * (G * R * M + 1)).flatten().argsort(stable=True)
+        inv_nS = inverse_permutation(order_nS).view(n, S) - shift_n1 * S
+        order_nS = order_nS.view(n, S) - shift_n1 * S
+        # A scatter, not bincount: bincount's output size is data (a sync). Padding counts as G.
+        expert_nS = key_recv_nS // (R * M) + shift_n1 * (G + 1)
+        rows_nG = torch.zeros(n * (G + 1), dtype=torch.int64, device=key_recv_nS.device)
+        rows_nG = rows_nG.scatter_add_(0, expert_nS.flatten(), torch.ones_like(expert_nS.flatten())).view(n, G + 1)
+        offsets_nG = rows_nG[:, :G].cumsum(1).to(torch.int32)
+        return [(order_nS[i, : R * C], inv_nS[i], offsets_nG[i]) for i in range(n)]
+
+    def _spill_kept(self, X_RnR: torch.Tensor | None, C: int, W: int) -> torch.Tensor:
+        """How many of this rank's rows beyond C each destination keeps in each exchange (n, R):
+        its rows in [C, W), after those of lower ranks, while the rows other sources leave unused
+        last. `X_RnR`: the counts (None when there are no spill rows, W = C)."""
+        if X_RnR is None:
             return 0
         R = self.ep
-        unused_D = R * C - X_RR.clamp(max=C).sum(0)
-        extra_RR = X_RR.clamp(max=W) - X_RR.clamp(max=C)
-        before_D = (extra_RR.cumsum(0) - extra_RR)[self.ep_rank]
-        return torch.minimum(extra_RR[self.ep_rank], (unused_D - before_D).clamp(min=0))
+        unused_nD = R * C - X_RnR.clamp(max=C).sum(0)
+        extra_RnR = X_RnR.clamp(max=W) - X_RnR.clamp(max=C)
+        before_nD = (extra_RnR.cumsum(0) - extra_RnR)[self.ep_rank]
+        return torch.minimum(extra_RnR[self.ep_rank], (unused_nD - before_nD).clamp(min=0))
 
     def combine(self, y_local_CD: torch.Tensor, state: NoSyncState, topk_weights_NK: torch.Tensor) -> torch.Tensor:
         """(R·C, D) in local-expert order -> each token's weighted sum over its copies (N, D);

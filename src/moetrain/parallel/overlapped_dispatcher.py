@@ -34,10 +34,10 @@ import torch.distributed as dist
 from moetrain.parallel.config import DEFAULT_CAPACITY_FACTOR, DEFAULT_SPILL_FACTOR
 from moetrain.parallel.nosync_dispatcher import (
     NoSyncDispatcher,
-    NoSyncState,
     _CombineRows,
     _Plan,
-    _returned_rows,
+    _Regroup,
+    _Ungroup,
     block_rows,
     capacity_rows,
 )
@@ -76,93 +76,71 @@ class OverlappedDispatcher(NoSyncDispatcher):
         shared: Callable[[torch.Tensor], torch.Tensor] | None,
     ) -> torch.Tensor:
         """dispatch → experts → combine (+ the shared expert), the exchanges beside compute."""
-        R = self.ep
-        plans, Cs, Ws, groups = self._route(route.topk_ids_NK)
-        # One exchange of every chunk's keys (destination-major: (R, ΣW)), then the rows.
-        keys_RW = torch.cat([p.key_S.view(R, -1) for p in plans], 1)
-        keys_recv_RW = torch.empty_like(keys_RW)
-        keys_work = dist.all_to_all_single(keys_recv_RW, keys_RW, group=self.ep_group, async_op=True)
-        combine_state = plans[0].state[:4] if self.chunks == 1 else _joined([p.state for p in plans], Ws, R)
-        there, sent = self._start_rows(x_ND, combine_state, Ws)
+        R, n = self.ep, self.chunks
+        num_tokens, top_k = route.topk_ids_NK.shape
+        M = num_tokens * top_k
+        factor = self.capacity_factor and self.capacity_factor / n  # (None: one chunk, padded)
+        C = capacity_rows(M, R, factor, self.min_rows / n)
+        W = block_rows(M, R, factor, self.spill_factor / n, self.min_rows / n)
+        plan = self._plan(route.topk_ids_NK, C, W, self._chunk_of(route.topk_ids_NK), n)
+        if self.capacity_factor is not None:
+            self._dropped = plan.dropped
+        # One exchange of every chunk's keys (destination-major: (R, n·W)), then the rows.
+        keys_RnW = plan.key_S.view(n, R, W).transpose(0, 1).contiguous()
+        keys_recv_RnW = torch.empty_like(keys_RnW)
+        keys_work = dist.all_to_all_single(keys_recv_RnW, keys_RnW, group=self.ep_group, async_op=True)
+        there, sent = self._start_rows(x_ND, plan, n * [R * W])
         shared_ND = shared(x_ND) if shared is not None else None
         keys_work.wait()
-        keys_recv = [k.flatten() for k in keys_recv_RW.split(Ws, 1)]
-        y_SD = self._experts_and_back(there, sent, keys_recv, plans, Cs, Ws, groups, experts)
-        return _CombineRows.apply(y_SD, route.topk_weights_NK, *combine_state, shared_ND)
+        arrivals = self._arrivals(keys_recv_RnW.transpose(0, 1).reshape(n, R * W), C, M)
+        y_SD = self._experts_and_back(there, sent, arrivals, experts)
+        return _CombineRows.apply(y_SD, route.topk_weights_NK, *plan.state[:4], shared_ND)
 
-    def _route(self, topk_ids_NK: torch.Tensor):
-        """Every chunk's plan (one all-gather of the counts for all of them), capacity C, block
-        rows W and expert group ((member_M, first, count), None for one chunk)."""
-        R, L, n = self.ep, self.num_local_experts, self.chunks
-        num_tokens, top_k = topk_ids_NK.shape
-        dest_M = topk_ids_NK.flatten() // L
+    def _chunk_of(self, topk_ids_NK: torch.Tensor) -> torch.Tensor | None:
+        """Each assignment's chunk: by its local expert where n divides L (chunk i: local experts
+        [i·L/n, (i+1)·L/n)), else by its token (chunk i: tokens [i·N/n, (i+1)·N/n)); None for one."""
+        n, L = self.chunks, self.num_local_experts
         if n == 1:
-            dests, groups = [dest_M], [None]
-            Cs, Ws = [self.capacity(num_tokens, top_k)], [self.block_rows(num_tokens, top_k)]
-        else:
-            M = num_tokens * top_k
-            if L % n == 0:  # by experts: chunk i, local experts [i·G, (i+1)·G)
-                G = L // n
-                chunk_M = topk_ids_NK.flatten().remainder(L) // G
-                groups = [(chunk_M == i, i * G, G) for i in range(n)]
-            else:  # by tokens: chunk i, tokens [i·N/n, (i+1)·N/n), every local expert
-                chunk_M = torch.arange(M, device=dest_M.device) // top_k * n // num_tokens
-                groups = [(chunk_M == i, 0, L) for i in range(n)]
-            dests = [torch.where(g[0], dest_M, R) for g in groups]  # R: not in this chunk
-            Cs = [capacity_rows(M, R, self.capacity_factor / n, self.min_rows / n)] * n
-            Ws = [block_rows(M, R, self.capacity_factor / n, self.spill_factor / n, self.min_rows / n)] * n
-        counts_nR = torch.stack(
-            [
-                torch.zeros(R + 1, dtype=torch.int64, device=dest_M.device).scatter_add_(0, d, torch.ones_like(d))
-                for d in dests
-            ]
-        )[:, :R]
-        X = self._all_counts(counts_nR) if any(W > C for C, W in zip(Cs, Ws)) else None
-        plans = [
-            self._plan(topk_ids_NK, counts_nR[i], None if X is None else X[:, i], Cs[i], Ws[i], groups[i])
-            for i in range(n)
-        ]
-        if self.capacity_factor is not None:
-            self._dropped = sum(p.dropped for p in plans)
-        return plans, Cs, Ws, groups
+            return None
+        if L % n == 0:
+            return topk_ids_NK.flatten().remainder(L) // (L // n)
+        num_tokens, top_k = topk_ids_NK.shape
+        return torch.arange(num_tokens * top_k, device=topk_ids_NK.device) // top_k * n // num_tokens
 
-    def _start_rows(self, x_ND: torch.Tensor, combine_state: tuple, Ws: list[int]):
+    def _start_rows(self, x_ND: torch.Tensor, plan: _Plan, sizes: list[int]):
         """One send buffer for all chunks, sent in slices (the chunks' rows are every token's
         copies: one gather, and in backward one sum per token, not one per chunk); the slices'
         gradients arrive in one buffer, which is the whole's gradient."""
-        R = self.ep
-        send_SD = self._send_rows(x_ND, _Plan(NoSyncState(*combine_state, None), None, None))
-        send_grads = _JoinedGrad(send_SD, [R * W for W in Ws])
-        there = [Exchange(self.ep_group, functools.partial(send_grads.part, i)) for i in range(len(Ws))]
+        send_SD = self._send_rows(x_ND, plan)
+        send_grads = _JoinedGrad(send_SD, sizes)
+        there = [Exchange(self.ep_group, functools.partial(send_grads.part, i)) for i in range(len(sizes))]
         sent = [there[i].start(part) for i, part in enumerate(_Split.apply(send_SD, send_grads))]
         return there, sent
 
-    def _experts_and_back(self, there, sent, keys_recv, plans, Cs, Ws, groups, experts) -> torch.Tensor:
+    def _experts_and_back(self, there, sent, arrivals, experts) -> torch.Tensor:
         """Each chunk's rows to its experts as they arrive, and back as soon as they are done, into
-        one buffer (R·ΣW, D) in the experts' output dtype (FP8 experts give bf16 whatever the
+        one buffer (R·n·W, D) in the experts' output dtype (FP8 experts give bf16 whatever the
         input's), which one combine reads: it keeps one (N, K, D) gather for backward, as
         `combine` does, not one per chunk."""
-        R, n = self.ep, self.chunks
-        M = plans[0].state.slot_NK.numel()
-        weight_grads = GroupGrads(n) if n > 1 and self.num_local_experts % n == 0 else None
+        n, L = self.chunks, self.num_local_experts
+        by_experts = n > 1 and L % n == 0
+        weight_grads = GroupGrads(n) if by_experts else None
         back = [Exchange(self.ep_group) for _ in range(n)]
         returned, joined, row = [], None, 0
-        for i in range(n):
-            group = groups[i]
-            x_local_CD, offsets, state = self._receive(
-                there[i].finish(sent[i]), keys_recv[i], plans[i], Cs[i], M, None if group is None else group[2]
-            )
-            if group is None or group[2] == self.num_local_experts:  # every local expert: autograd sums
+        for i, (regroup_idx_C, inv_S, offsets) in enumerate(arrivals):
+            x_local_CD = _Regroup.apply(there[i].finish(sent[i]), regroup_idx_C, inv_S)
+            if not by_experts:  # every local expert: autograd sums
                 y_local_CD = experts(x_local_CD, offsets)
             else:
-                lo, hi = group[1], group[1] + group[2]
+                lo, hi = i * L // n, (i + 1) * L // n
                 weights = _GroupWeights.apply(experts.w_gate_up_E2FD, experts.w_down_EDF, lo, hi, weight_grads)
                 y_local_CD = experts(x_local_CD, offsets, weights)
+            size = inv_S.shape[0]
             if n > 1 and joined is None:
-                joined = y_local_CD.new_empty(R * sum(Ws), y_local_CD.shape[1])
-            into = None if joined is None else joined[row : row + R * Ws[i]]
-            returned.append(back[i].start(_returned_rows(y_local_CD, state), into))
-            row += R * Ws[i]
+                joined = y_local_CD.new_empty(n * size, y_local_CD.shape[1])
+            into = None if joined is None else joined[row : row + size]
+            returned.append(back[i].start(_Ungroup.apply(y_local_CD, regroup_idx_C, inv_S), into))
+            row += size
         y_back = [back[i].finish(returned[i]) for i in range(n)]
         return y_back[0] if n == 1 else _Join.apply(joined, *y_back)
 
@@ -264,20 +242,6 @@ class _Join(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_SD):
         return None, *grad_SD.split(ctx.sizes)
-
-
-def _joined(states: list[NoSyncState], Ws: list[int], R: int) -> tuple[torch.Tensor, ...]:
-    """Chunks by experts, their returned buffers concatenated: each assignment's row in the
-    whole (it is kept by one chunk at most), whether it is kept, and each row's assignment and
-    whether it is filled (slot_NK, keep_NK, src_S, filled_S of `_CombineRows`)."""
-    slot_NK = torch.zeros_like(states[0].slot_NK)
-    keep_NK = torch.zeros_like(states[0].keep_NK)
-    offset = 0
-    for st, W in zip(states, Ws):
-        slot_NK = torch.where(st.keep_NK, st.slot_NK + offset, slot_NK)
-        keep_NK = keep_NK | st.keep_NK
-        offset += R * W
-    return slot_NK, keep_NK, torch.cat([st.src_S for st in states]), torch.cat([st.filled_S for st in states])
 
 
 # --- one all-to-all beside compute, forward and backward ---------------------------------------
