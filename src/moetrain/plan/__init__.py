@@ -52,7 +52,6 @@ from moetrain.plan.layout import (
     uses_bf16_weights,
 )
 from moetrain.plan.memory import (
-    EntrySizes,
     RankMemory,
     checkpoint_state_bytes,
     load_temporaries,
@@ -83,7 +82,6 @@ __all__ = [
     "MoreGpus",
     "PEAK_ERROR",
     "Communication",
-    "EntrySizes",
     "GIB",
     "GPU",
     "GPUS",
