@@ -1,10 +1,8 @@
-"""What each model component costs, declared here once for the modules src/moetrain/model/ builds
-(transformer.py, block.py, attention.py or mla.py, mlp.py, moe.py, router.py, experts.py, mtp.py,
-norm.py), without torch: `moetrain presets` and `params` answer at once, and the planner
-(src/moetrain/plan/) sums what a block's components declare instead of reading their code:
-parameters (tests/model/test_counting.py holds each equal to its built module's), bytes saved
-for backward per token (tests/test_plan_latent_attention.py measures attention's), the keys and
-values context parallelism exchanges, and FLOPs per token.
+"""What each component src/moetrain/model/ builds costs, declared once here, without torch (so
+`moetrain presets` and `params` answer at once): parameters (tests/model/test_counting.py holds
+each equal to its built module's), bytes saved for backward per token
+(tests/test_plan_latent_attention.py measures attention's), FLOPs per token. The planner
+(src/moetrain/plan/) sums what a block's components declare instead of reading their code.
 
 FLOPs follow Olmo-core's formula, so that figures and MFU compare directly (docs/architecture.md,
 "Counting and FLOPs"; `causal_halved` halves the attention term):
@@ -14,12 +12,12 @@ FLOPs follow Olmo-core's formula, so that figures and MFU compare directly (docs
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
 
 from moetrain.model.config import MoEConfig, TransformerConfig
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class ParamCounts:
     total: int
     active: int
@@ -117,11 +115,10 @@ def attention_saved_bytes(cfg: TransformerConfig, a: int, kv_copies: int, select
 
 
 def kv_elements(cfg: TransformerConfig) -> int:
-    """The keys and values of one token in one attention layer as attention takes them: GQA's
-    2 · hkv · hd, MLA's expanded ones, H · (qk + v head dims)."""
-    if cfg.is_mla:
-        return cfg.n_heads * (cfg.qk_head_dim + cfg.v_head_dim)
-    return 2 * cfg.n_kv_heads * cfg.resolved_head_dim
+    """One token's keys and values in one attention layer: GQA's, or MLA's expanded per head."""
+    return (
+        cfg.n_heads * (cfg.qk_head_dim + cfg.v_head_dim) if cfg.is_mla else 2 * cfg.n_kv_heads * cfg.resolved_head_dim
+    )
 
 
 def swiglu_saved_bytes(d_model: int, hidden: int, a: int, selective: bool) -> int:
@@ -131,65 +128,51 @@ def swiglu_saved_bytes(d_model: int, hidden: int, a: int, selective: bool) -> in
 
 
 def moe_saved_bytes(moe: MoEConfig, D: int, a: int, selective: bool, expert_rows: float, exchanged: float) -> float:
-    """What `MoE` keeps per token for backward, `expert_rows` rows through its experts and
-    `exchanged` rows each direction of an all-to-all: selective recompute its fp32 router logits,
-    the shared expert's and the experts' matmul outputs, and the rows both all-to-alls return;
-    else the router's and shared expert's input, the router's fp32 probabilities, the experts'
-    permuted input, gate/up, activation and output, and the shared expert's hidden tensors."""
+    """What `MoE` keeps per token for backward (`block_saved_bytes`): selective recompute its fp32
+    router logits, the shared expert's and experts' matmul outputs, the rows both all-to-alls
+    return; else the router's and shared expert's input, the router's fp32 probabilities, the
+    experts' permuted input, gate/up, activation and output, the shared expert's hidden tensors."""
     F, S = moe.expert_hidden, moe.shared_hidden
     if selective:
-        ffn = 4 * moe.num_experts + a * (2 * S + D * (S > 0))
-        return ffn + (expert_rows * a * (2 * F + D) + 2 * exchanged * a * D)
+        return 4 * moe.num_experts + a * (2 * S + D * (S > 0)) + (expert_rows * a * (2 * F + D) + 2 * exchanged * a * D)
     return a * D + 4 * moe.num_experts + expert_rows * a * (D + 2 * F + F + D) + a * 3 * S
 
 
 def block_saved_bytes(
-    cfg: TransformerConfig,
-    moe_block: bool,
-    recompute: str,
-    expert_rows: float,
-    compiled: bool,
-    fp32: bool,
-    exchanged_rows: float = 0.0,
-    cp: int = 1,
+    cfg: TransformerConfig, moe: bool, mode: str, rows: float, compiled: bool, a: int, a2a: float = 0.0, cp: int = 1
 ) -> float:
-    """Bytes autograd keeps per token for one `Block`'s backward, its components' sum (expert_rows:
-    rows through the experts per token: K, or more with the sync-free dispatcher's fixed buffers;
-    exchanged_rows: rows per token each direction of the expert all-to-all returns, which
-    selective recompute keeps as collective outputs; cp: context parallelism, whose attention
-    keeps, instead of its own keys and values, each of its two chunks' contiguous key prefix:
-    (cp + 1) × this rank's)."""
-    a = 4 if fp32 else 2  # matmul inputs/outputs (autocast bf16)
+    """Bytes autograd keeps per token for one `Block`'s backward under recompute `mode`, the sum of
+    its components' (a: bytes per matmul element, 2 under autocast bf16; rows: rows per token
+    through the experts: K, or more with the sync-free dispatcher's fixed buffers; a2a: rows per
+    token each direction of the expert all-to-all returns, which selective recompute keeps as
+    collective outputs; cp: context parallelism, whose attention keeps, instead of its own keys
+    and values, each of its two chunks' contiguous key prefix: (cp + 1) × this rank's)."""
     r, D = 4, cfg.d_model  # the residual stream is fp32
-    if recompute == "full":
+    if mode == "full":
         return r * D  # the block's input
-    selective = recompute == "selective"
+    selective = mode == "selective"
     kept, kept_eager = attention_saved_bytes(cfg, a, cp + 1 if cp > 1 else 1, selective)
-    if moe_block:
-        ffn = moe_saved_bytes(cfg.moe, D, a, selective, expert_rows, exchanged_rows)
-        hidden_for_eager = expert_rows * cfg.moe.expert_hidden + cfg.moe.shared_hidden
-    else:
-        ffn = swiglu_saved_bytes(D, cfg.resolved_dense_hidden, a, selective)
-        hidden_for_eager = cfg.resolved_dense_hidden
+    Hd, moe_cfg = cfg.resolved_dense_hidden, cfg.moe
+    ffn = moe_saved_bytes(moe_cfg, D, a, selective, rows, a2a) if moe else swiglu_saved_bytes(D, Hd, a, selective)
     if selective:  # block input + every matmul / attention output
         return r * D + kept + a * D + ffn
     # the two norms' inputs, the projections' input; uncompiled: the fp32 norm outputs (the block's,
     # the attention's), silu(gate)
+    hidden_for_eager = rows * moe_cfg.expert_hidden + moe_cfg.shared_hidden if moe else Hd
     eager = 0 if compiled else 4 * 2 * D + kept_eager + a * hidden_for_eager
     return r * D + a * D + kept + r * D + ffn + eager
 
 
-def mtp_saved_bytes(cfg: TransformerConfig, recompute: str, compiled: bool, fp32: bool, cp: int = 1) -> float:
+def mtp_saved_bytes(cfg: TransformerConfig, mode: str, compiled: bool, a: int, cp: int = 1) -> float:
     """What the `MTPModule`s keep per token for backward: each one's dense block's, its
     projection's input (2D) and its two input norms' outputs."""
-    a = 4 if fp32 else 2
-    block = block_saved_bytes(cfg, False, recompute, 0, compiled, fp32, cp=cp)
+    block = block_saved_bytes(cfg, False, mode, 0, compiled, a, cp=cp)
     return cfg.mtp_depth * (block + 4 * 2 * cfg.d_model + a * 2 * cfg.d_model)
 
 
 def expert_operand_elements(moe: MoEConfig, d_model: int) -> int:
-    """What `GroupedExperts` with deferred weight gradients keep per row: the input and output
-    gradient of both products, (D + 2F) + (F + D) elements (src/moetrain/model/expert_grads.py)."""
+    """What `GroupedExperts` keep per row for deferred weight gradients (src/moetrain/model/expert_grads.py):
+    both products' input and output gradient, (D + 2F) + (F + D) elements."""
     return 2 * d_model + 3 * moe.expert_hidden
 
 
@@ -211,13 +194,10 @@ def flops_per_token(cfg: TransformerConfig, seq_len: int, causal_halved: bool = 
 
 
 def mtp_flops_per_token(cfg: TransformerConfig, seq_len: int) -> int:
-    """Training FLOPs per token of the `MTPModule`s, by the formula's rules: 6 × their parameters
-    and, per depth, the LM head's and one block's attention; their norms left out."""
-    d = cfg.d_model
-    per_depth = 2 * d * d + attention_params(cfg) + 3 * d * cfg.resolved_dense_hidden
-    per_depth += d * cfg.vocab_size  # the LM head, once more per depth
-    keys = sum(attended_keys(cfg, cfg.n_layers + i, seq_len) for i in range(cfg.mtp_depth))
-    return cfg.mtp_depth * 6 * per_depth + 6 * cfg.n_heads * (cfg.qk_head_dim + cfg.value_head_dim) * keys
+    """Training FLOPs per token of the `MTPModule`s: what they add to `flops_per_token` but their norms'."""
+    norms = 2 * cfg.d_model * (1 + cfg.pre_norm + cfg.peri_norm)  # the two input norms, the block's
+    without = flops_per_token(dataclasses.replace(cfg, mtp_depth=0), seq_len)
+    return flops_per_token(cfg, seq_len) - without - 6 * cfg.mtp_depth * norms
 
 
 def attended_keys(cfg: TransformerConfig, layer: int, seq_len: int) -> int:

@@ -123,23 +123,17 @@ def _param_groups(model_json: str) -> ParamGroups:
         """(Muon's parameters, one Newton–Schulz iteration's FLOPs: of non-expert and of expert
         matrices: the stacked experts are the 3-D parameters) of `module`: per (m, n) matrix, m ≤ n,
         X·Xᵀ and the update's product 2m²n each, A² 2m³."""
-        params, dense_flops, expert_flops = 0, 0.0, 0.0
+        params, flops = 0, [0.0, 0.0]  # non-expert, expert
         for p in module.parameters() if module is not None else ():
             if id(p) in shapes:
                 s = shapes[id(p)]
                 lo, hi = sorted((s.rows, s.cols))
-                flops = s.count * (4 * lo * lo * hi + 2 * lo**3)
+                flops[p.ndim == 3] += s.count * (4 * lo * lo * hi + 2 * lo**3)
                 params += p.numel()
-                if p.ndim == 3:
-                    expert_flops += flops
-                else:
-                    dense_flops += flops
-        return params, dense_flops, expert_flops
+        return params, *flops
 
-    def first(moe_block: bool):
-        return next((b for b in model.blocks.values() if b.is_moe == moe_block), None)
-
-    (muon_dense, ns_dense, _), (muon_moe, ns_moe, ns_experts) = muon(first(False)), muon(first(True))
+    by_kind = {block.is_moe: block for block in model.blocks.values()}  # the dense and the MoE block
+    (muon_dense, ns_dense, _), (muon_moe, ns_moe, ns_experts) = muon(by_kind.get(False)), muon(by_kind.get(True))
     experts = experts_params(m.moe, m.d_model) if m.num_moe_layers else 0
     mtp_muon, ns_mtp, _ = muon(model.mtp)
     split = is_split_candidate(model)

@@ -132,7 +132,6 @@ class _Blocks:
 class _Model:
     """The per-run facts every pipeline rank's memory reads."""
 
-    fp32: bool
     compiled: bool
     fsdp: bool
     ep_eff: int
@@ -140,6 +139,8 @@ class _Model:
     wire_rows: float
     exchanged: float
     bf16_weights: bool
+    a: int
+    """Bytes per matmul element: 2 under autocast bf16, 4 in fp32."""
     cp: int
 
     @classmethod
@@ -152,7 +153,6 @@ class _Model:
         functional_exchange = L.dispatcher in (DispatcherKind.alltoall.value, DispatcherKind.nosync.value)
         exchanged = wire_rows if ep_eff > 1 and functional_exchange and not L.overlap_chunks else 0.0
         return cls(
-            fp32=cfg.precision.dtype.value == "fp32",
             compiled=compiled_blocks(cfg),
             fsdp=fsdp,
             ep_eff=ep_eff,
@@ -160,6 +160,7 @@ class _Model:
             wire_rows=wire_rows,
             exchanged=exchanged,
             bf16_weights=uses_bf16_weights(cfg),
+            a=4 if cfg.precision.dtype.value == "fp32" else 2,
             cp=L.cp,
         )
 
@@ -177,15 +178,15 @@ def _rank_blocks(m: TransformerConfig, L: Layout, groups: ParamGroups, x: _Model
         b.ns_experts += groups.ns_experts / x.ep_eff if is_moe else 0.0
         recomputes = L.recompute != "none" and i % L.recompute_every == 0
         mode = L.recompute if recomputes else "none"
-        b.act_per_token += block_saved_bytes(m, is_moe, mode, x.expert_rows, x.compiled, x.fp32, x.exchanged, x.cp)
-        b.act_none += block_saved_bytes(m, is_moe, "none", x.expert_rows, x.compiled, x.fp32, cp=x.cp)
-        b.act_full += block_saved_bytes(m, is_moe, "full", x.expert_rows, x.compiled, x.fp32, cp=x.cp)
+        b.act_per_token += block_saved_bytes(m, is_moe, mode, x.expert_rows, x.compiled, x.a, x.exchanged, x.cp)
+        b.act_none += block_saved_bytes(m, is_moe, "none", x.expert_rows, x.compiled, x.a, cp=x.cp)
+        b.act_full += block_saved_bytes(m, is_moe, "full", x.expert_rows, x.compiled, x.a, cp=x.cp)
         if is_moe:
             b.moe_layers += 1
-            with_rows = block_saved_bytes(m, True, "none", x.expert_rows, x.compiled, x.fp32)
-            b.experts_none += with_rows - block_saved_bytes(m, True, "none", 0, x.compiled, x.fp32)
+            with_rows = block_saved_bytes(m, True, "none", x.expert_rows, x.compiled, x.a)
+            b.experts_none += with_rows - block_saved_bytes(m, True, "none", 0, x.compiled, x.a)
         # no copies: bf16 weights, or FSDP's bf16 all-gather (freed after forward, gathered again)
-        if not recomputes and not x.fp32 and not x.bf16_weights and not x.fsdp:
+        if not recomputes and x.a == 2 and not x.bf16_weights and not x.fsdp:
             b.cast_bytes += 2 * (dense + experts)
     return b
 
@@ -215,7 +216,7 @@ def _saved_activations(
     activations += in_flight * feeding * t * m.d_model * 4 if L.pp > 1 else 0.0
     if L.overlap_chunks and L.ep > 1 and any(i >= m.num_dense_layers for i in b.layer_ids):
         # the buffer an exchange in flight writes while compute runs (the overlapped exchange)
-        activations += t * x.wire_rows * m.d_model * (4 if x.fp32 else 2)
+        activations += t * x.wire_rows * m.d_model * x.a
     if L.recompute != "none" and b.layer_ids:
         activations += t * b.act_none / len(b.layer_ids)
     return activations
@@ -256,9 +257,9 @@ def _add_mtp(m: TransformerConfig, L: Layout, groups: ParamGroups, x: _Model, b:
     b.dense_local += groups.mtp
     b.muon_dense += groups.muon_mtp
     b.ns_dense += groups.ns_mtp
-    b.act_per_token += mtp_saved_bytes(m, L.recompute, x.compiled, x.fp32, x.cp)
-    b.act_none += mtp_saved_bytes(m, "none", x.compiled, x.fp32, x.cp)
-    b.act_full += mtp_saved_bytes(m, "full", x.compiled, x.fp32)
+    b.act_per_token += mtp_saved_bytes(m, L.recompute, x.compiled, x.a, x.cp)
+    b.act_none += mtp_saved_bytes(m, "none", x.compiled, x.a, x.cp)
+    b.act_full += mtp_saved_bytes(m, "full", x.compiled, x.a)
 
 
 def _state(
@@ -276,7 +277,7 @@ def _state(
     expert_local = b.expert_local
     if x.fsdp:
         shard = L.replicas
-        gathered = 4 if x.fp32 else 2  # two blocks' parameters gathered at once, in the compute dtype
+        gathered = x.a  # two blocks' parameters gathered at once, in the compute dtype
         weights = 4 * local / shard + 2 * gathered * max(groups.moe_dense + groups.moe_experts, groups.dense_block)
         # FSDP casts the reduced shards back to the parameters' fp32; one rank: FSDPAdamW's own
         grads = 4 * local / shard if shard > 1 else grad_elem * local

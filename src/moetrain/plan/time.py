@@ -179,8 +179,9 @@ def _fp8_flops_per_token(cfg: RunConfig, L: Layout) -> tuple[float, float]:
     `fp8_choice.fp8_flops_per_token` at the layout's rows per micro-batch; (0, 1) without it."""
     if cfg.precision.fp8 != Fp8.rowwise:
         return 0.0, 1.0
-    p = cfg.precision
-    return fp8_flops_per_token(cfg.model, L.tokens(cfg.data.seq_len), p.fp8_select, p.fp8_lm_head)
+    return fp8_flops_per_token(
+        cfg.model, L.tokens(cfg.data.seq_len), cfg.precision.fp8_select, cfg.precision.fp8_lm_head
+    )
 
 
 def _muon_time(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume: Assumptions) -> tuple[float, float]:
