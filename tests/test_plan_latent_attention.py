@@ -10,10 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from moetrain.model import mla
-from moetrain.model.counting import flops_per_token
+from moetrain.model.counting import attention_saved_bytes, flops_per_token, mtp_flops_per_token
 from moetrain.model.rope import RotaryEmbedding
-from moetrain.plan.memory import _attention_bytes
-from moetrain.plan.time import _mtp_flops_per_token
 from moetrain.presets import preset, resolve_config
 
 T = 64
@@ -74,7 +72,7 @@ def test_the_planners_latent_attention_activations_are_what_autograd_keeps(dtype
     the latent itself, and each norm's row statistics."""
     monkeypatch.setattr(mla, "flash_pads_values", lambda q, v: q.dtype == torch.bfloat16)
     m = dataclasses.replace(preset("dsv3-tiny").model, d_model=64, q_lora_rank=q_lora_rank)
-    planned = sum(_attention_bytes(m, 2 if dtype == torch.bfloat16 else 4, kv_copies=1, selective=False))
+    planned = sum(attention_saved_bytes(m, 2 if dtype == torch.bfloat16 else 4, kv_copies=1, selective=False))
     measured = kept_bytes_per_token(m, dtype)
     assert abs(measured - planned) <= 0.07 * measured, (planned, measured)
 
@@ -88,4 +86,4 @@ def test_the_multi_token_modules_cost_the_mfu_formulas_flops(name):
     added = flops_per_token(m, cfg.data.seq_len) - flops_per_token(
         dataclasses.replace(m, mtp_depth=0), cfg.data.seq_len
     )
-    assert added - _mtp_flops_per_token(cfg) == 6 * 4 * m.d_model
+    assert added - mtp_flops_per_token(m, cfg.data.seq_len) == 6 * 4 * m.d_model

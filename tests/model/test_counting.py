@@ -8,7 +8,18 @@ import sys
 
 import pytest
 
+from moetrain.model import counting
+from moetrain.model.attention import Attention
+from moetrain.model.block import Block
 from moetrain.model.counting import count_params, peak_flops
+from moetrain.model.experts import GroupedExperts
+from moetrain.model.mla import LatentAttention
+from moetrain.model.mlp import SwiGLU
+from moetrain.model.moe import MoE
+from moetrain.model.mtp import MTPModule, MultiTokenPrediction
+from moetrain.model.norm import Embedding, RMSNorm
+from moetrain.model.router import Router
+from moetrain.model.transformer import Transformer
 from moetrain.presets import PRESETS, preset
 
 # (total, active) from Olmo-core's reference table (shared/REFERENCE.md) and its capacity sweep.
@@ -51,6 +62,40 @@ VARIANTS = {
     "attention_sinks": dict(attention_sinks=True, mtp_depth=1),
     "mla_attention_sinks": dict(attention="mla", q_lora_rank=0, kv_lora_rank=32, attention_sinks=True),
 }
+
+
+DECLARED = {
+    Transformer: lambda m, _: count_params(m).total,
+    Embedding: lambda m, _: counting.embedding_params(m),
+    Block: lambda m, block: counting.block_params(m, block.is_moe),
+    Attention: lambda m, _: counting.attention_params(m),
+    LatentAttention: lambda m, _: counting.attention_params(m),
+    SwiGLU: lambda m, mlp: counting.swiglu_params(m.d_model, mlp.w_gate.out_features),  # dense MLP, shared expert
+    MoE: lambda m, _: counting.moe_params(m.moe, m.d_model),
+    GroupedExperts: lambda m, _: counting.experts_params(m.moe, m.d_model),
+    MultiTokenPrediction: lambda m, _: m.mtp_depth * counting.mtp_module_params(m),
+    MTPModule: lambda m, _: counting.mtp_module_params(m),
+}
+"""Each component's declared parameters (src/moetrain/model/counting.py), from the config and the
+module's kind."""
+
+UNDECLARED = (RMSNorm, Router)
+"""One weight each, declared in its owner's count."""
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_component_declares_the_parameters_it_builds(name):
+    """The planner sums what the components declare: each one's declaration equals the parameters
+    of the module it builds (meta device), and every module of the package that holds parameters
+    has one."""
+    m = dataclasses.replace(preset(name).model, mtp_depth=1)
+    for module in m.build(device="meta").modules():
+        params = sum(p.numel() for p in module.parameters())
+        if type(module) in DECLARED:
+            assert DECLARED[type(module)](m, module) == params, (name, type(module).__name__)
+        else:
+            ours = type(module).__module__.startswith("moetrain.")
+            assert not (ours and params) or isinstance(module, UNDECLARED), f"{type(module).__name__} declares no cost"
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

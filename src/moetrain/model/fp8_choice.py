@@ -136,11 +136,11 @@ def describe(cfg, rows: int, select: Fp8Select | str) -> str:
     return f"{', '.join(chosen)} ({len(chosen)} of {len(products)} kinds of product; {rest})"
 
 
-def fp8_flops_per_token(cfg, rows: int, select: Fp8Select | str, head: bool = False) -> tuple[float, float]:
+def fp8_flops_per_token(cfg, rows: int, select: Fp8Select | str, lm_head: bool | None = None) -> tuple[float, float]:
     """(training FLOPs per token of the products that run in FP8, of all the blocks' products and
     the LM head's) at `rows` tokens per micro-batch: what the planner runs at the FP8 rate
-    (src/moetrain/plan/time.py). `head`: the LM head runs in FP8 (its two FP8 products; the
-    weight gradient stays bf16)."""
+    (src/moetrain/plan/time.py). `lm_head`: precision.fp8_lm_head, as `choose_head` takes it (an
+    FP8 LM head runs its two FP8 products; the weight gradient stays bf16)."""
     moe_layers = cfg.n_layers - cfg.num_dense_layers
     per_model = {
         "attention q/o": 2 * cfg.n_layers,
@@ -155,5 +155,5 @@ def fp8_flops_per_token(cfg, rows: int, select: Fp8Select | str, head: bool = Fa
         every += flops
         chosen += flops if choose(product, select) else 0.0
     every += 6 * cfg.d_model * cfg.vocab_size
-    chosen += 4 * cfg.d_model * cfg.vocab_size if head else 0.0
+    chosen += 4 * cfg.d_model * cfg.vocab_size if choose_head(cfg, rows, select, lm_head) else 0.0
     return chosen, every

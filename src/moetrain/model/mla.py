@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetrain.model.config import TransformerConfig
+from moetrain.model.counting import flash_pads_widths
 from moetrain.model.kv_cache import LatentCache
 from moetrain.model.norm import RMSNorm
 from moetrain.model.rope import apply_rope, softmax_factor
@@ -129,9 +130,3 @@ def flash_pads_values(q_BHTK: torch.Tensor, v_BHTV: torch.Tensor) -> bool:
     narrower values (its kernels read one head dim for q, k and v)."""
     half = q_BHTK.dtype in (torch.bfloat16, torch.float16)
     return q_BHTK.is_cuda and half and flash_pads_widths(q_BHTK.shape[-1], v_BHTV.shape[-1])
-
-
-def flash_pads_widths(qk_head_dim: int, v_head_dim: int) -> bool:
-    """Whether heads of these widths have their values padded in bf16/fp16 on CUDA
-    (`flash_pads_values`; the planner's activation count asks it of a config)."""
-    return v_head_dim < qk_head_dim <= 256 and qk_head_dim % 8 == 0

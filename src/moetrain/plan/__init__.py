@@ -1,8 +1,8 @@
 """`moetrain plan`: per-GPU memory, communication and step time of a run on N GPUs, without a GPU.
 
-The run is checked and laid out by the trainer's own code (`RunConfig.build_dims`), and its
-parameter groups are counted on a meta-device build of the model (nothing is allocated, so the
-trillion-parameter presets plan instantly). Then three typed steps, each a function:
+The run is checked and laid out by the trainer's own code (`RunConfig.build_dims`); its costs sum what
+the model's components declare (src/moetrain/model/counting.py; Muon's matrices from a meta-device
+build: the trillion-parameter presets plan instantly). Then three typed steps, each a function:
 
     memory_per_rank   → [RankMemory]      parameters, gradients, optimizer state, activations, peak
     communication     → Communication     bytes sent per step and their time, by collective
@@ -16,7 +16,7 @@ hidden, V vocabulary, hq/hkv query/key-value heads of hd dims, ep/dp/pp/v the la
 Memory per GPU is the peak of torch's allocated bytes (what `moetrain bench` reports) on the
 pipeline rank that needs most: weights, gradients and optimizer state as the stack and the
 optimizer lay them out (memory.py `_state`), the activations autograd keeps for the
-micro-batches a rank holds at once (`_block_bytes` per block and token, the loss's logits,
+micro-batches a rank holds at once (`block_saved_bytes` per block and token, the loss's logits,
 autocast's bf16 weight copies, an overlapped exchange's buffer), the pipeline's receive buffers
 and work space. The peak is the larger of "weights + optimizer + everything saved at the start
 of backward" and "weights + optimizer + gradients"; while a checkpoint is saved or loaded,
@@ -52,7 +52,6 @@ from moetrain.plan.layout import (
     uses_bf16_weights,
 )
 from moetrain.plan.memory import (
-    EntrySizes,
     RankMemory,
     checkpoint_state_bytes,
     load_temporaries,
@@ -83,7 +82,6 @@ __all__ = [
     "MoreGpus",
     "PEAK_ERROR",
     "Communication",
-    "EntrySizes",
     "GIB",
     "GPU",
     "GPUS",

@@ -11,8 +11,9 @@ import json
 import torch
 
 from moetrain.model.config import TransformerConfig
-from moetrain.model.experts import GroupedExperts
+from moetrain.model.counting import block_params, embedding_params, experts_params, mtp_module_params
 from moetrain.optim.muon import muon_matrices
+from moetrain.optim.split_master import is_split_candidate
 from moetrain.parallel.config import DEFAULT_CAPACITY_MIN_ROWS, DispatcherKind, Stack
 from moetrain.parallel.dims import ParallelDims
 from moetrain.parallel.nosync_dispatcher import block_rows, capacity_rows
@@ -68,7 +69,8 @@ class Layout(ParallelDims):
 
 @dataclasses.dataclass(frozen=True)
 class ParamGroups:
-    """Parameters per kind of module, counted on a meta-device build of the model."""
+    """Parameters per kind of module: the sums of their components' declared counts
+    (src/moetrain/model/counting.py), Muon's matrices read off a meta-device build of the model."""
 
     embedding: int
     head: int
@@ -95,66 +97,65 @@ class ParamGroups:
     """The same over one MoE block's routed experts, all of them."""
     ns_mtp: float = 0.0
     """The same over the multi-token prediction modules' matrices."""
+    split_block_entry: int = 0
+    """The largest entry optim.bf16_weights splits in a block (one expert's matrix for stacked
+    experts; elements): with `split_head`, what bounds a checkpoint's temporaries."""
+    split_head: int = 0
+    """The same of the LM head."""
 
     @classmethod
     def of(cls, m: TransformerConfig) -> ParamGroups:
         return _param_groups(json.dumps(m.to_dict(), sort_keys=True))
 
+    def largest_split_entry(self, last: bool) -> int:
+        """The largest entry split on a pipeline rank, the `last` one holding the LM head."""
+        return max(self.split_block_entry, self.split_head if last else 0)
+
 
 @functools.lru_cache(maxsize=64)
 def _param_groups(model_json: str) -> ParamGroups:
     """Cached per model config: `suggest` plans hundreds of layouts of one model."""
-    model = TransformerConfig.from_dict(json.loads(model_json)).build(device="meta")
-
-    def numel(module) -> int:
-        return sum(p.numel() for p in module.parameters())
-
+    m = TransformerConfig.from_dict(json.loads(model_json))
+    model = m.build(device="meta")
     shapes = muon_matrices(model)
 
     def muon(module) -> tuple[int, float, float]:
         """(Muon's parameters, one Newton–Schulz iteration's FLOPs: of non-expert and of expert
-        matrices) of `module`: per (m, n) matrix, m ≤ n, X·Xᵀ and the update's product 2m²n each,
-        A² 2m³."""
-        params, dense_flops, expert_flops = 0, 0.0, 0.0
-        experts = {id(p) for m in module.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
-        for p in module.parameters():
+        matrices: the stacked experts are the 3-D parameters) of `module`: per (m, n) matrix, m ≤ n,
+        X·Xᵀ and the update's product 2m²n each, A² 2m³."""
+        params, flops = 0, [0.0, 0.0]  # non-expert, expert
+        for p in module.parameters() if module is not None else ():
             if id(p) in shapes:
                 s = shapes[id(p)]
                 lo, hi = sorted((s.rows, s.cols))
-                flops = s.count * (4 * lo * lo * hi + 2 * lo**3)
+                flops[p.ndim == 3] += s.count * (4 * lo * lo * hi + 2 * lo**3)
                 params += p.numel()
-                if id(p) in experts:
-                    expert_flops += flops
-                else:
-                    dense_flops += flops
-        return params, dense_flops, expert_flops
+        return params, *flops
 
-    dense_block = moe_dense = moe_experts = 0
-    muon_dense = muon_moe = 0
-    ns_dense = ns_moe = ns_experts = 0.0
-    for block in model.blocks.values():
-        experts = sum(numel(m) for m in block.modules() if isinstance(m, GroupedExperts))
-        params, flops, expert_flops = muon(block)
-        if experts:
-            moe_dense, moe_experts = numel(block) - experts, experts
-            muon_moe, ns_moe, ns_experts = params - experts, flops, expert_flops
-        else:
-            dense_block, muon_dense, ns_dense = numel(block), params, flops
-    mtp_muon, ns_mtp, _ = muon(model.mtp) if model.mtp is not None else (0, 0.0, 0.0)
+    by_kind = {block.is_moe: block for block in model.blocks.values()}  # the dense and the MoE block
+    (muon_dense, ns_dense, _), (muon_moe, ns_moe, ns_experts) = muon(by_kind.get(False)), muon(by_kind.get(True))
+    experts = experts_params(m.moe, m.d_model) if m.num_moe_layers else 0
+    mtp_muon, ns_mtp, _ = muon(model.mtp)
+    split = is_split_candidate(model)
+    blocks = [
+        p.numel() // p.shape[0] if p.ndim == 3 else p.numel() for p in model.blocks.parameters() if id(p) in split
+    ]
     return ParamGroups(
-        embedding=numel(model.embed),
-        head=numel(model.norm) + numel(model.lm_head),
-        dense_block=dense_block,
-        moe_dense=moe_dense,
-        moe_experts=moe_experts,
-        mtp=numel(model.mtp) if model.mtp is not None else 0,
+        embedding=embedding_params(m),
+        head=m.d_model + m.vocab_size * m.d_model,
+        dense_block=block_params(m, False) if m.num_dense_layers else 0,
+        moe_dense=block_params(m, True) - experts if m.num_moe_layers else 0,
+        moe_experts=experts,
+        mtp=m.mtp_depth * mtp_module_params(m),
         muon_dense_block=muon_dense,
-        muon_moe_dense=muon_moe,
+        muon_moe_dense=muon_moe - experts,
         muon_mtp=mtp_muon,
         ns_dense_block=ns_dense,
         ns_moe_dense=ns_moe,
         ns_experts=ns_experts,
         ns_mtp=ns_mtp,
+        split_block_entry=max(blocks, default=0),
+        split_head=max((p.numel() for p in model.lm_head.parameters() if id(p) in split), default=0),
     )
 
 

@@ -4,13 +4,9 @@ activations, pipeline buffers; and while a checkpoint is saved or loaded."""
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
 
 from moetrain.model.config import TransformerConfig
-from moetrain.model.experts import GroupedExperts
-from moetrain.model.mla import flash_pads_widths
-from moetrain.optim.split_master import is_split_candidate
+from moetrain.model.counting import block_saved_bytes, expert_operand_elements, mtp_saved_bytes
 from moetrain.parallel.config import DispatcherKind, PipelineSchedule, Stack
 from moetrain.parallel.pipeline import stage_layers
 from moetrain.plan.calibration import Assumptions
@@ -18,82 +14,6 @@ from moetrain.plan.hardware import GIB
 from moetrain.plan.layout import BUCKET_BYTES, Layout, ParamGroups, compiled_blocks, rows_per_token, uses_bf16_weights
 from moetrain.train.config import RunConfig
 from moetrain.train.dcp_shards import PIECE
-
-
-def _block_bytes(
-    m: TransformerConfig,
-    moe_block: bool,
-    recompute: str,
-    expert_rows: float,
-    compiled: bool,
-    fp32: bool,
-    exchanged_rows: float = 0.0,
-    cp: int = 1,
-) -> float:
-    """Bytes autograd keeps per token for one block's backward (expert_rows: rows through the
-    experts per token: K, or more with the sync-free dispatcher's fixed buffers: `rows_per_token`;
-    exchanged_rows: rows per token each direction of the expert all-to-all returns, which
-    selective recompute keeps as collective outputs; cp: context parallelism, whose attention
-    keeps, instead of its own keys and values, each of its two chunks' contiguous key prefix:
-    (cp + 1) × this rank's)."""
-    a = 4 if fp32 else 2  # matmul inputs/outputs (autocast bf16)
-    r = 4  # the residual stream is fp32
-    D = m.d_model
-    if recompute == "full":
-        return r * D  # the block's input
-    kept, kept_eager = _attention_bytes(m, a, cp + 1 if cp > 1 else 1, recompute == "selective")
-    if recompute == "selective":  # block input + every matmul / attention output
-        attn = r * D + kept + a * D
-        if moe_block:
-            moe = m.moe
-            # fp32 router logits, the shared expert's and the experts' matmul outputs, and the
-            # rows both all-to-alls return
-            ffn = 4 * m.moe.num_experts + a * (2 * moe.shared_hidden + D * (moe.shared_hidden > 0))
-            ffn += expert_rows * a * (2 * moe.expert_hidden + D) + 2 * exchanged_rows * a * D
-        else:
-            ffn = a * (2 * m.resolved_dense_hidden + D)
-        return attn + ffn
-    attn = r * D + a * D + kept  # norm in, the projections' input, the attention's own
-    if moe_block:
-        moe = m.moe
-        ffn = r * D + a * D + 4 * moe.num_experts  # norm input, router/shared input, router probs
-        ffn += (
-            expert_rows * a * (D + 2 * moe.expert_hidden + moe.expert_hidden + D)
-        )  # permuted in, gate/up, act, down out
-        ffn += a * 3 * moe.shared_hidden
-        hidden_for_eager = expert_rows * moe.expert_hidden + moe.shared_hidden
-    else:
-        Hd = m.resolved_dense_hidden
-        ffn = r * D + a * D + a * 3 * Hd
-        hidden_for_eager = Hd
-    # fp32 norm outputs (the block's, the attention's), silu(gate)
-    eager = 0 if compiled else 4 * 2 * D + kept_eager + a * hidden_for_eager
-    return attn + ffn + eager
-
-
-def _attention_bytes(m: TransformerConfig, a: int, kv_copies: int, selective: bool) -> tuple[int, int]:
-    """(Bytes a token's attention keeps for backward besides its input, the fp32 norm inputs an
-    uncompiled one keeps too). `kv_copies`: the keys and values held, cp + 1 under context
-    parallelism (each chunk's key prefix). GQA: q, k, v and the SDPA output and log-sum-exp, and
-    without selective recompute q and k before QK-norm. MLA (src/moetrain/model/mla.py): the
-    latents (wq_a's and wkv_a's outputs), q, k and v as FlashAttention keeps them with its output
-    and log-sum-exp (for selective recompute they stand for wq_b's and wkv_b's outputs), and
-    without selective recompute the latent norms' outputs; tests/test_plan.py measures them."""
-    H, hd = m.n_heads, m.resolved_head_dim
-    if not m.is_mla:
-        q_k_v = a * (H + 2 * kv_copies * m.n_kv_heads) * hd
-        attn_out = a * H * hd + 4 * H  # SDPA output + log-sum-exp
-        q_k = (H + m.n_kv_heads) * hd  # before QK-norm
-        return q_k_v + attn_out + (0 if selective else a * q_k), 4 * q_k
-    Q, C, K, N, V = m.q_lora_rank, m.kv_lora_rank, m.qk_head_dim, m.qk_nope_head_dim, m.v_head_dim
-    if a == 2 and flash_pads_widths(K, V):  # bf16: q, k, v padded to K, the padded output, wo's V-wide copy
-        heads = H * K * (2 + 2 * kv_copies) + H * V
-    elif kv_copies > 1:  # the gathered keys and values, the output (wo's input is a view of it)
-        heads = H * K + kv_copies * H * (K + V) + H * V
-    else:  # v, a view of wkv_b's output, keeps all of it: k_nope's part too
-        heads = 2 * H * K + H * (N + V) + H * V
-    kept = a * (Q + C + m.qk_rope_head_dim) + a * heads + 4 * H
-    return kept + (0 if selective else a * (Q + C)), 4 * (Q + C)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,7 +89,7 @@ def save_temporaries(cfg: RunConfig, L: Layout, rank: RankMemory) -> float:
     16 B each)."""
     if not uses_bf16_weights(cfg):
         return 0.0
-    return 4.0 * EntrySizes.of(cfg.model).largest_split_entry(rank) + 16.0 * PIECE
+    return 4.0 * ParamGroups.of(cfg.model).largest_split_entry(rank.last) + 16.0 * PIECE
 
 
 def load_temporaries(cfg: RunConfig, L: Layout, rank: RankMemory) -> float:
@@ -180,42 +100,12 @@ def load_temporaries(cfg: RunConfig, L: Layout, rank: RankMemory) -> float:
     optimizer, one bucket shard's bf16 weights copied for their all-gather (2 B per element)."""
     if not uses_bf16_weights(cfg):
         return 0.0
-    split = 4.0 * EntrySizes.of(cfg.model).largest_split_entry(rank) + 20.0 * PIECE
+    split = 4.0 * ParamGroups.of(cfg.model).largest_split_entry(rank.last) + 20.0 * PIECE
     # a bucket holds at most BUCKET_BYTES of gradients (fp32, or bf16: optim.grad_dtype); its shard
     # is 1/edp of it or less
     grad_elem = 2 if cfg.optim.grad_dtype.value == "bf16" else 4
     shard = 2.0 * min(BUCKET_BYTES / grad_elem, rank.local) / L.edp if L.shard_optimizer else 0.0
     return max(split, shard)
-
-
-@dataclasses.dataclass(frozen=True)
-class EntrySizes:
-    """The largest checkpoint entries optim.bf16_weights splits (elements), counted on a
-    meta-device model: what bounds a checkpoint's temporaries."""
-
-    split_block_entry: int
-    """In a block (one expert's matrix for stacked experts)."""
-    split_head: int
-    """The LM head's."""
-
-    @classmethod
-    def of(cls, m: TransformerConfig) -> EntrySizes:
-        return _entry_sizes(json.dumps(m.to_dict(), sort_keys=True))
-
-    def largest_split_entry(self, rank: RankMemory) -> int:
-        return max(self.split_block_entry, self.split_head if rank.last else 0)
-
-
-@functools.lru_cache(maxsize=64)
-def _entry_sizes(model_json: str) -> EntrySizes:
-    model = TransformerConfig.from_dict(json.loads(model_json)).build(device="meta")
-    experts = {id(p) for mod in model.modules() if isinstance(mod, GroupedExperts) for p in mod.parameters()}
-    split = is_split_candidate(model)
-    blocks = [
-        p.numel() // p.shape[0] if id(p) in experts else p.numel() for p in model.blocks.parameters() if id(p) in split
-    ]
-    head = [p.numel() for p in model.lm_head.parameters() if id(p) in split]
-    return EntrySizes(split_block_entry=max(blocks, default=0), split_head=max(head, default=0))
 
 
 @dataclasses.dataclass
@@ -242,7 +132,6 @@ class _Blocks:
 class _Model:
     """The per-run facts every pipeline rank's memory reads."""
 
-    fp32: bool
     compiled: bool
     fsdp: bool
     ep_eff: int
@@ -250,6 +139,8 @@ class _Model:
     wire_rows: float
     exchanged: float
     bf16_weights: bool
+    a: int
+    """Bytes per matmul element: 2 under autocast bf16, 4 in fp32."""
     cp: int
 
     @classmethod
@@ -262,7 +153,6 @@ class _Model:
         functional_exchange = L.dispatcher in (DispatcherKind.alltoall.value, DispatcherKind.nosync.value)
         exchanged = wire_rows if ep_eff > 1 and functional_exchange and not L.overlap_chunks else 0.0
         return cls(
-            fp32=cfg.precision.dtype.value == "fp32",
             compiled=compiled_blocks(cfg),
             fsdp=fsdp,
             ep_eff=ep_eff,
@@ -270,6 +160,7 @@ class _Model:
             wire_rows=wire_rows,
             exchanged=exchanged,
             bf16_weights=uses_bf16_weights(cfg),
+            a=4 if cfg.precision.dtype.value == "fp32" else 2,
             cp=L.cp,
         )
 
@@ -287,16 +178,15 @@ def _rank_blocks(m: TransformerConfig, L: Layout, groups: ParamGroups, x: _Model
         b.ns_experts += groups.ns_experts / x.ep_eff if is_moe else 0.0
         recomputes = L.recompute != "none" and i % L.recompute_every == 0
         mode = L.recompute if recomputes else "none"
-        b.act_per_token += _block_bytes(m, is_moe, mode, x.expert_rows, x.compiled, x.fp32, x.exchanged, x.cp)
-        b.act_none += _block_bytes(m, is_moe, "none", x.expert_rows, x.compiled, x.fp32, cp=x.cp)
-        b.act_full += _block_bytes(m, is_moe, "full", x.expert_rows, x.compiled, x.fp32, cp=x.cp)
+        b.act_per_token += block_saved_bytes(m, is_moe, mode, x.expert_rows, x.compiled, x.a, x.exchanged, x.cp)
+        b.act_none += block_saved_bytes(m, is_moe, "none", x.expert_rows, x.compiled, x.a, cp=x.cp)
+        b.act_full += block_saved_bytes(m, is_moe, "full", x.expert_rows, x.compiled, x.a, cp=x.cp)
         if is_moe:
             b.moe_layers += 1
-            b.experts_none += _block_bytes(m, True, "none", x.expert_rows, x.compiled, x.fp32) - _block_bytes(
-                m, True, "none", 0, x.compiled, x.fp32
-            )
+            with_rows = block_saved_bytes(m, True, "none", x.expert_rows, x.compiled, x.a)
+            b.experts_none += with_rows - block_saved_bytes(m, True, "none", 0, x.compiled, x.a)
         # no copies: bf16 weights, or FSDP's bf16 all-gather (freed after forward, gathered again)
-        if not recomputes and not x.fp32 and not x.bf16_weights and not x.fsdp:
+        if not recomputes and x.a == 2 and not x.bf16_weights and not x.fsdp:
             b.cast_bytes += 2 * (dense + experts)
     return b
 
@@ -326,7 +216,7 @@ def _saved_activations(
     activations += in_flight * feeding * t * m.d_model * 4 if L.pp > 1 else 0.0
     if L.overlap_chunks and L.ep > 1 and any(i >= m.num_dense_layers for i in b.layer_ids):
         # the buffer an exchange in flight writes while compute runs (the overlapped exchange)
-        activations += t * x.wire_rows * m.d_model * (4 if x.fp32 else 2)
+        activations += t * x.wire_rows * m.d_model * x.a
     if L.recompute != "none" and b.layer_ids:
         activations += t * b.act_none / len(b.layer_ids)
     return activations
@@ -340,11 +230,10 @@ def deferred_expert_grads(cfg: RunConfig, L: Layout) -> bool:
 
 def expert_operand_bytes(cfg: RunConfig, L: Layout, moe_layers: int, micro_batches: float) -> float:
     """What the deferred expert weight gradients keep of `micro_batches` micro-batches on a rank
-    with `moe_layers` MoE layers: each expert row's input and output gradient of both products,
-    (D + 2F) + (F + D) elements (src/moetrain/model/expert_grads.py)."""
+    with `moe_layers` MoE layers: each expert row's `expert_operand_elements`."""
     t = L.tokens(cfg.data.seq_len)
     expert_rows, _ = rows_per_token(cfg, L)
-    per_row = 2 * cfg.model.d_model + 3 * cfg.model.moe.expert_hidden
+    per_row = expert_operand_elements(cfg.model.moe, cfg.model.d_model)
     element = 4 if cfg.precision.dtype.value == "fp32" else 2
     return micro_batches * t * expert_rows * moe_layers * per_row * element
 
@@ -361,21 +250,16 @@ def _loss_bytes(m: TransformerConfig, t: int, chunk: int) -> tuple[float, float]
 
 
 def _add_mtp(m: TransformerConfig, L: Layout, groups: ParamGroups, x: _Model, b: _Blocks) -> None:
-    """The multi-token prediction modules (on the last stage): their parameters and Muon's part of
-    them, and per token and depth a dense block's saved tensors plus the projection's input (2D)
-    and the two input norms' outputs."""
+    """The multi-token prediction modules (on the last stage): their parameters, Muon's part of
+    them, and what they save per token (`mtp_saved_bytes`)."""
     if not groups.mtp:
         return
-    a = 4 if x.fp32 else 2
     b.dense_local += groups.mtp
     b.muon_dense += groups.muon_mtp
     b.ns_dense += groups.ns_mtp
-    recomputes = L.recompute != "none"
-    extra = m.mtp_depth * (4 * 2 * m.d_model + a * 2 * m.d_model)
-    for total, mode in (("act_per_token", L.recompute if recomputes else "none"), ("act_none", "none")):
-        block = _block_bytes(m, False, mode, x.expert_rows, x.compiled, x.fp32, x.exchanged, x.cp)
-        setattr(b, total, getattr(b, total) + m.mtp_depth * block + extra)
-    b.act_full += m.mtp_depth * _block_bytes(m, False, "full", x.expert_rows, x.compiled, x.fp32) + extra
+    b.act_per_token += mtp_saved_bytes(m, L.recompute, x.compiled, x.a, x.cp)
+    b.act_none += mtp_saved_bytes(m, "none", x.compiled, x.a, x.cp)
+    b.act_full += mtp_saved_bytes(m, "full", x.compiled, x.a)
 
 
 def _state(
@@ -393,7 +277,7 @@ def _state(
     expert_local = b.expert_local
     if x.fsdp:
         shard = L.replicas
-        gathered = 4 if x.fp32 else 2  # two blocks' parameters gathered at once, in the compute dtype
+        gathered = x.a  # two blocks' parameters gathered at once, in the compute dtype
         weights = 4 * local / shard + 2 * gathered * max(groups.moe_dense + groups.moe_experts, groups.dense_block)
         # FSDP casts the reduced shards back to the parameters' fp32; one rank: FSDPAdamW's own
         grads = 4 * local / shard if shard > 1 else grad_elem * local

@@ -6,8 +6,8 @@ import dataclasses
 import math
 
 from moetrain.model.config import Fp8, TransformerConfig
-from moetrain.model.counting import attended_keys, attention_params, flops_per_token
-from moetrain.model.fp8_choice import choose_head, fp8_flops_per_token
+from moetrain.model.counting import flops_per_token, kv_elements, moe_forward_flops, mtp_flops_per_token
+from moetrain.model.fp8_choice import fp8_flops_per_token
 from moetrain.parallel.config import DispatcherKind, Recompute, Stack
 from moetrain.plan.calibration import Assumptions
 from moetrain.plan.hardware import GPU
@@ -130,14 +130,12 @@ def communication(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume
 
 def _context_bytes(cfg: RunConfig, L: Layout, rank: RankMemory, t: int) -> float:
     """Context parallelism's key/value exchange (src/moetrain/parallel/context_parallel.py): per
-    attention layer and micro-batch, forward all-gathers this rank's keys and values (2 · hkv ·
-    hd elements per token; MLA's expanded ones, H · (qk + v head dims)) and backward
-    reduce-scatters their gradients — (cp − 1) shards sent each — and a fully recomputed layer
-    gathers again."""
+    attention layer and micro-batch, forward all-gathers this rank's keys and values
+    (`kv_elements` per token) and backward reduce-scatters their gradients — (cp − 1) shards sent
+    each — and a fully recomputed layer gathers again."""
     m = cfg.model
     a = 4 if cfg.precision.dtype.value == "fp32" else 2
-    kv = m.n_heads * (m.qk_head_dim + m.v_head_dim) if m.is_mla else 2 * m.n_kv_heads * m.resolved_head_dim
-    shard = t * kv * a
+    shard = t * kv_elements(m) * a
     passes = 2.0
     if L.recompute == Recompute.full.value:
         passes += math.ceil(m.n_layers / L.recompute_every) / m.n_layers
@@ -166,10 +164,10 @@ def _gemm_time(
     else:
         t_gemm = fpt * tokens / gemm_rate - fp8_saved
     if rank.last and m.mtp_depth:  # the multi-token prediction modules and their losses
-        t_gemm += _mtp_flops_per_token(cfg) * t * L.micro_batches / gemm_rate
+        t_gemm += mtp_flops_per_token(m, cfg.data.seq_len) * t * L.micro_batches / gemm_rate
     # each local expert's rows end in a partial tile of its grouped GEMMs (`group_tile_rows`)
     local_experts = m.moe.num_experts / (1 if L.stack == Stack.fsdp.value else L.ep)
-    expert_flops = 18 * m.moe.top_k * m.d_model * m.moe.expert_hidden * t * _moe_layers(m, rank) * L.micro_batches
+    expert_flops = 3 * moe_forward_flops(m.moe, m.d_model)[0] * t * _moe_layers(m, rank) * L.micro_batches
     t_tiles = expert_flops * local_experts * assume.group_tile_rows / (t * m.moe.top_k) / gemm_rate if t else 0.0
     if deferred_expert_grads(cfg, L):  # the weight gradients' third: one GEMM per step, not per micro-batch
         t_tiles *= (2 + 1 / L.micro_batches) / 3
@@ -181,20 +179,9 @@ def _fp8_flops_per_token(cfg: RunConfig, L: Layout) -> tuple[float, float]:
     `fp8_choice.fp8_flops_per_token` at the layout's rows per micro-batch; (0, 1) without it."""
     if cfg.precision.fp8 != Fp8.rowwise:
         return 0.0, 1.0
-    rows, select = L.tokens(cfg.data.seq_len), cfg.precision.fp8_select
-    head = choose_head(cfg.model, rows, select, cfg.precision.fp8_lm_head)
-    return fp8_flops_per_token(cfg.model, rows, select, head=head)
-
-
-def _mtp_flops_per_token(cfg: RunConfig) -> float:
-    """Training FLOPs per token of the multi-token prediction modules, by the MFU formula's
-    rules: 6 × their parameters and, per depth, the LM head's and one block's attention."""
-    m = cfg.model
-    d = m.d_model
-    per_depth = 2 * d * d + attention_params(m) + 3 * d * m.resolved_dense_hidden
-    per_depth += d * m.vocab_size  # the LM head, once more per depth
-    keys = sum(attended_keys(m, m.n_layers + i, cfg.data.seq_len) for i in range(m.mtp_depth))
-    return m.mtp_depth * 6 * per_depth + 6 * m.n_heads * (m.qk_head_dim + m.value_head_dim) * keys
+    return fp8_flops_per_token(
+        cfg.model, L.tokens(cfg.data.seq_len), cfg.precision.fp8_select, cfg.precision.fp8_lm_head
+    )
 
 
 def _muon_time(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume: Assumptions) -> tuple[float, float]:
@@ -428,11 +415,10 @@ def _overlapped_exchange_time(
     the compute: max(a + max(0, a − s), 2A − s − e). The rest runs under compute, which it slows
     by `overlap_slowdown` of its duration."""
     m = cfg.model
-    moe = m.moe
     A = t_a2a / (4 * L.micro_batches * _moe_layers(m, rank))
     a = A / L.overlap_chunks
-    s_f = 6 * m.d_model * moe.shared_hidden * t / gemm_rate
-    e_f = 6 * m.d_model * moe.expert_hidden * moe.top_k * t / gemm_rate
+    experts, shared = moe_forward_flops(m.moe, m.d_model)
+    s_f, e_f = shared * t / gemm_rate, experts * t / gemm_rate
     exposed = sum(max(a + max(0.0, a - s), 2 * A - s - e) for s, e in ((s_f, e_f), (2 * s_f, 2 * e_f)))
     exposed = min(exposed, 4 * A)
     per_layer = exposed + assume.overlap_slowdown * (4 * A - exposed)
