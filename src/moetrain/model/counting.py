@@ -79,11 +79,6 @@ class Matrix:
     def params(self) -> int:
         return self.matrices * self.d_in * self.d_out
 
-    @property
-    def largest_entry(self) -> int:
-        """Elements of its largest parameter, per expert for an expert layer (its stacked gate and up)."""
-        return self.d_in * self.d_out * (2 if self.experts else 1)
-
 
 def attention_matrices(cfg: TransformerConfig) -> list[Matrix]:
     """The linears of `Attention` (q and o, k and v) or of `LatentAttention` (each one apart)."""
@@ -125,8 +120,8 @@ def block_matrices(cfg: TransformerConfig, moe_block: bool) -> list[Matrix]:
 
 def mtp_matrices(cfg: TransformerConfig) -> list[Matrix]:
     """The matrices of an `MTPModule`: its 2D → D projection and its dense block's."""
-    D = cfg.d_model
-    return [Matrix("MTP projection", 1, 2 * D, D, ("2 × model.d_model", "model.d_model"))] + block_matrices(cfg, False)
+    D, fields = cfg.d_model, ("2 × model.d_model", "model.d_model")
+    return [Matrix("MTP projection", 1, 2 * D, D, fields), *block_matrices(cfg, False)]
 
 
 def swiglu_params(d_model: int, hidden: int) -> int:

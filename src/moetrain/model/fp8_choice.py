@@ -101,19 +101,14 @@ def _products(cfg, rows: int) -> dict[str, tuple[Product, int]]:
     return out
 
 
-def head_product(cfg, rows: int) -> Product:
-    """The LM head's product at `rows` tokens per micro-batch: hidden states (M, D) times the
-    vocabulary's rows (V, D)ᵀ."""
-    return Product("linear", rows, cfg.d_model, cfg.vocab_size)
-
-
 def choose_head(cfg, rows: int, select: Fp8Select | str, asked: bool | None = None) -> bool:
     """Whether the LM head runs in FP8: `asked` (precision.fp8_lm_head) when set; else where `select`
     would take a block product of its shape and the vocabulary is a multiple of 16 (what the FP8
     kernels take)."""
     if asked is not None:
         return asked
-    return cfg.vocab_size % 16 == 0 and choose(head_product(cfg, rows), select)
+    head = Product("linear", rows, cfg.d_model, cfg.vocab_size)  # hidden states (M, D) · the vocabulary's (V, D)ᵀ
+    return cfg.vocab_size % 16 == 0 and choose(head, select)
 
 
 def chosen_products(cfg, rows: int, select: Fp8Select | str) -> list[str]:

@@ -105,8 +105,7 @@ class ParamGroups:
         D, experts = m.d_model, counting.experts_params(m.moe, m.d_model) if m.num_moe_layers else 0
         dense = block_matrices(m, False) if m.num_dense_layers else []
         moe = block_matrices(m, True) if m.num_moe_layers else []
-        proj = Matrix("MTP projection", 1, 2 * D, D, ("2 × model.d_model", "model.d_model"))
-        mtp = m.mtp_depth * [proj, *block_matrices(m, False)]
+        mtp = m.mtp_depth * counting.mtp_matrices(m)
         (muon_dense, ns_dense), (muon_moe, ns_moe), (muon_mtp, ns_mtp) = _muon(dense), _muon(moe), _muon(mtp)
         return ParamGroups(
             embedding=counting.embedding_params(m),
