@@ -541,21 +541,15 @@ def _check_fp8(pc: PrecisionConfig, compute: ComputeConfig, m: TransformerConfig
             "compute.defer_expert_weight_grad=true works with bf16 and row-wise FP8 experts, but "
             "precision.fp8=mxfp8: set precision.fp8=rowwise or none, or compute.defer_expert_weight_grad=false."
         )
-    if pc.fp8 != Fp8.none:
-        for key, dim in _gemm_dims(m, lm_head=pc.fp8_lm_head is True):
-            if dim % pc.fp8.align:
-                raise ConfigError(
-                    f"precision.fp8={pc.fp8} needs every matrix-product dimension divisible by "
-                    f"{pc.fp8.align}; {key}={dim} is not: change it, or use precision.fp8=none."
-                )
-
-
-def _gemm_dims(m: TransformerConfig, lm_head: bool = False) -> list[tuple[str, int]]:
-    """The config fields that set a dimension of a matrix product inside the blocks (what FP8
-    quantizes: `counting.block_matrices`, the router's excepted), and the LM head's vocabulary with
-    `lm_head`."""
-    dims = {}
+    if pc.fp8 == Fp8.none:
+        return
+    dims = {}  # the config fields that set a dimension of a block's matrix product (FP8 takes all but the router's)
     for moe_block, layers in ((True, m.num_moe_layers), (False, m.num_dense_layers)):
         for x in block_matrices(m, moe_block) if layers else ():
             dims |= dict(zip(x.fields, (x.d_in, x.d_out)))
-    return list(dims.items()) + [("model.vocab_size", m.vocab_size)] * lm_head
+    for key, dim in (dims | ({"model.vocab_size": m.vocab_size} if pc.fp8_lm_head is True else {})).items():
+        if dim % pc.fp8.align:
+            raise ConfigError(
+                f"precision.fp8={pc.fp8} needs every matrix-product dimension divisible by "
+                f"{pc.fp8.align}; {key}={dim} is not: change it, or use precision.fp8=none."
+            )
