@@ -91,16 +91,11 @@ def attention_matrices(cfg: TransformerConfig) -> list[Matrix]:
         ]
     Q, C, R, N, V = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
     q, k = "model.q_lora_rank", "model.n_heads × (qk_nope_head_dim + qk_rope_head_dim)"
+    c, nv = "model.kv_lora_rank", "model.n_heads × (qk_nope_head_dim + v_head_dim)"
     queries = [Matrix("attention wq_a", 1, D, Q, (d, q)), Matrix("attention wq_b", 1, Q, H * (N + R), (q, k))]
     return (queries if Q else [Matrix("attention wq", 1, D, H * (N + R), (d, k))]) + [
-        Matrix("attention wkv_a", 1, D, C + R, (d, "model.kv_lora_rank + qk_rope_head_dim")),
-        Matrix(
-            "attention wkv_b",
-            1,
-            C,
-            H * (N + V),
-            ("model.kv_lora_rank", "model.n_heads × (qk_nope_head_dim + v_head_dim)"),
-        ),
+        Matrix("attention wkv_a", 1, D, C + R, (d, f"{c} + qk_rope_head_dim")),
+        Matrix("attention wkv_b", 1, C, H * (N + V), (c, nv)),
         Matrix("attention wo", 1, H * V, D, ("model.n_heads × v_head_dim", d)),
     ]
 
@@ -108,14 +103,11 @@ def attention_matrices(cfg: TransformerConfig) -> list[Matrix]:
 def block_matrices(cfg: TransformerConfig, moe_block: bool) -> list[Matrix]:
     """The matrices of a `Block`: its attention's, and its dense MLP's (gate, up, down) or its MoE's
     routed and shared experts' (the router stays fp32 and out of Muon: not one of them)."""
-    D, moe, d = cfg.d_model, cfg.moe, "model.d_model"
-    if not moe_block:
-        return attention_matrices(cfg) + [
-            Matrix("dense MLP", 3, D, cfg.resolved_dense_hidden, (d, "model.dense_hidden"))
-        ]
+    D, moe, d, S = cfg.d_model, cfg.moe, "model.d_model", cfg.moe.shared_hidden
+    mlp = Matrix("dense MLP", 3, D, cfg.resolved_dense_hidden, (d, "model.dense_hidden"))
     experts = Matrix("experts", 1, D, moe.expert_hidden, (d, "model.moe.expert_hidden"), moe.num_experts)
-    shared = [Matrix("shared expert", 3, D, moe.shared_hidden, (d, "model.moe.shared_hidden"))]
-    return attention_matrices(cfg) + [experts] + shared * (moe.shared_hidden > 0)
+    shared = [Matrix("shared expert", 3, D, S, (d, "model.moe.shared_hidden"))] * (S > 0)
+    return attention_matrices(cfg) + ([experts, *shared] if moe_block else [mlp])
 
 
 def mtp_matrices(cfg: TransformerConfig) -> list[Matrix]:
