@@ -65,16 +65,13 @@ class Product:
 
     @property
     def tflop(self) -> float:
-        if self.kind == "experts":
-            return 6 * self.M * self.K * 3 * self.N / 1e12
-        return 6 * self.M * self.K * self.N / 1e12
+        return 6 * self.M * self.K * self.N * (3 if self.kind == "experts" else 1) / 1e12
 
     @property
     def pays(self) -> bool:
         """Whether row-wise FP8 is measured to make this product faster (module docstring)."""
-        if self.tflop < MIN_TFLOP[self.kind]:
-            return False
-        return self.kind != "experts" or self.M / self.E >= MIN_ROWS_PER_EXPERT
+        rows_pay = self.kind != "experts" or self.M / self.E >= MIN_ROWS_PER_EXPERT
+        return self.tflop >= MIN_TFLOP[self.kind] and rows_pay
 
 
 def choose(product: Product, select: Fp8Select | str) -> bool:
