@@ -10,7 +10,6 @@ import torch
 
 from moetrain.model import counting
 from moetrain.model.config import TransformerConfig
-from moetrain.model.counting import Matrix, block_matrices, block_params
 from moetrain.parallel.config import DEFAULT_CAPACITY_MIN_ROWS, DispatcherKind, Stack
 from moetrain.parallel.dims import ParallelDims
 from moetrain.parallel.nosync_dispatcher import block_rows, capacity_rows
@@ -103,15 +102,15 @@ class ParamGroups:
     @classmethod
     def of(cls, m: TransformerConfig) -> ParamGroups:
         D, experts = m.d_model, counting.experts_params(m.moe, m.d_model) if m.num_moe_layers else 0
-        dense = block_matrices(m, False) if m.num_dense_layers else []
-        moe = block_matrices(m, True) if m.num_moe_layers else []
+        dense = counting.block_matrices(m, False) if m.num_dense_layers else []
+        moe = counting.block_matrices(m, True) if m.num_moe_layers else []
         mtp = m.mtp_depth * counting.mtp_matrices(m)
         (muon_dense, ns_dense), (muon_moe, ns_moe), (muon_mtp, ns_mtp) = _muon(dense), _muon(moe), _muon(mtp)
         return ParamGroups(
             embedding=counting.embedding_params(m),
             head=D + m.vocab_size * D,
-            dense_block=block_params(m, False) if m.num_dense_layers else 0,
-            moe_dense=block_params(m, True) - experts if m.num_moe_layers else 0,
+            dense_block=counting.block_params(m, False) if m.num_dense_layers else 0,
+            moe_dense=counting.block_params(m, True) - experts if m.num_moe_layers else 0,
             moe_experts=experts,
             mtp=m.mtp_depth * counting.mtp_module_params(m),
             muon_dense_block=muon_dense,
@@ -130,7 +129,7 @@ class ParamGroups:
         return max(self.split_block_entry, self.split_head if last else 0)
 
 
-def _muon(matrices: list[Matrix], experts: bool = False) -> tuple[int, float]:
+def _muon(matrices: list[counting.Matrix], experts: bool = False) -> tuple[int, float]:
     """(Muon's parameters, one Newton–Schulz iteration's FLOPs) of those of `matrices` that are
     (`experts`) or are not expert layers: per (m, n) matrix, m ≤ n, X·Xᵀ and the update's product
     2m²n each, A² 2m³."""
