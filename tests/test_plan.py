@@ -280,9 +280,9 @@ def test_step_time_of_the_two_gpu_expert_parallel_run():
 
 
 @pytest.mark.parametrize("preset_name", sorted(__import__("moetrain.presets", fromlist=["PRESETS"]).PRESETS))
-def test_parameter_groups_come_from_the_meta_model_and_add_up(preset_name):
-    """The planner counts parameters on a meta-device build of the model (nothing allocated),
-    and its groups add up to the model's parameter count."""
+def test_parameter_groups_add_up_to_the_built_models_count(preset_name):
+    """The planner's parameter groups (its components' declarations) add up to the parameters of
+    the model a meta-device build holds."""
     from moetrain.model.counting import count_params
     from moetrain.plan import ParamGroups
 

@@ -5,6 +5,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 
@@ -96,6 +97,29 @@ def test_every_component_declares_the_parameters_it_builds(name):
         else:
             ours = type(module).__module__.startswith("moetrain.")
             assert not (ours and params) or isinstance(module, UNDECLARED), f"{type(module).__name__} declares no cost"
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS) + ["tiny"])
+def test_every_blocks_declared_matrices_are_its_built_ones(variant):
+    """`block_matrices` (what FP8's choice, its dims check and the planner's Muon and split-entry
+    sums read) holds each matrix Muon updates in a built block, and its largest entry optim.bf16_weights
+    splits (one expert's for the stacked experts)."""
+    from moetrain.optim.muon import muon_matrices
+    from moetrain.optim.split_master import is_split_candidate
+
+    m = dataclasses.replace(preset("tiny").model, **VARIANTS.get(variant, {}))
+    model = m.build(device="meta")
+    shapes, split = muon_matrices(model), is_split_candidate(model)
+    for block in model.blocks.values():
+        ids, declared = {id(p) for p in block.parameters()}, counting.block_matrices(m, block.is_moe)
+        built, wanted = Counter(), Counter()
+        for s in (shapes[i] for i in ids if i in shapes):
+            built[min(s.rows, s.cols), max(s.rows, s.cols)] += s.count
+        for x in declared:
+            wanted[min(x.d_in, x.d_out), max(x.d_in, x.d_out)] += x.matrices
+        assert built == wanted, variant
+        largest = max(p.numel() // (p.shape[0] if p.ndim == 3 else 1) for p in block.parameters() if id(p) in split)
+        assert largest == max(x.d_in * x.d_out * (2 if x.experts else 1) for x in declared), variant
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

@@ -51,15 +51,69 @@ def block_params(cfg: TransformerConfig, moe_block: bool) -> int:
 def attention_params(cfg: TransformerConfig) -> int:
     """`Attention`: GQA's q, k, v, o (and QK-norm), or `LatentAttention`: MLA's latents, their norms
     and expansions; and a sink per head (model.attention_sinks)."""
-    D, H = cfg.d_model, cfg.n_heads
-    sinks = H * cfg.attention_sinks
+    norms = cfg.q_lora_rank + cfg.kv_lora_rank if cfg.is_mla else 2 * cfg.resolved_head_dim * cfg.qk_norm
+    return sum(x.params for x in attention_matrices(cfg)) + norms + cfg.n_heads * cfg.attention_sinks
+
+
+@dataclasses.dataclass(frozen=True)
+class Matrix:
+    """A kind of weight matrix in a block and the product a token's row makes with it,
+    x (rows, d_in) · W (d_out, d_in)ᵀ: `copies` of that shape (either way round) in each block
+    holding it. With `experts` > 0 an expert layer: each of E experts' gate and up (d_in → d_out,
+    stacked as one (2·d_out, d_in) parameter) and down (d_out → d_in), grouped GEMMs over the
+    token-expert assignments' rows. `fields`: the config fields that set d_in and d_out."""
+
+    name: str
+    copies: int
+    d_in: int
+    d_out: int
+    fields: tuple[str, str]
+    experts: int = 0
+
+    @property
+    def matrices(self) -> int:
+        """The (d_in, d_out) matrices in a block: each expert's gate, up and down for an expert layer."""
+        return self.copies * (3 * self.experts if self.experts else 1)
+
+    @property
+    def params(self) -> int:
+        return self.matrices * self.d_in * self.d_out
+
+
+def attention_matrices(cfg: TransformerConfig) -> list[Matrix]:
+    """The linears of `Attention` (q and o, k and v) or of `LatentAttention` (each one apart)."""
+    D, H, d = cfg.d_model, cfg.n_heads, "model.d_model"
     if not cfg.is_mla:
         hd = cfg.resolved_head_dim
-        return D * hd * (2 * H + 2 * cfg.n_kv_heads) + 2 * hd * cfg.qk_norm + sinks
-    Q, C, K, V = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_head_dim, cfg.v_head_dim
-    queries = D * Q + Q + Q * H * K if Q else D * H * K
-    keys_values = D * (C + cfg.qk_rope_head_dim) + C + C * H * (cfg.qk_nope_head_dim + V)
-    return queries + keys_values + H * V * D + sinks
+        return [
+            Matrix("attention q/o", 2, D, H * hd, (d, "model.n_heads × head_dim")),
+            Matrix("attention k/v", 2, D, cfg.n_kv_heads * hd, (d, "model.n_kv_heads × head_dim")),
+        ]
+    Q, C, R, N, V = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
+    q, k = "model.q_lora_rank", "model.n_heads × (qk_nope_head_dim + qk_rope_head_dim)"
+    c, nv = "model.kv_lora_rank", "model.n_heads × (qk_nope_head_dim + v_head_dim)"
+    queries = [Matrix("attention wq_a", 1, D, Q, (d, q)), Matrix("attention wq_b", 1, Q, H * (N + R), (q, k))]
+    return (queries if Q else [Matrix("attention wq", 1, D, H * (N + R), (d, k))]) + [
+        Matrix("attention wkv_a", 1, D, C + R, (d, f"{c} + qk_rope_head_dim")),
+        Matrix("attention wkv_b", 1, C, H * (N + V), (c, nv)),
+        Matrix("attention wo", 1, H * V, D, ("model.n_heads × v_head_dim", d)),
+    ]
+
+
+def block_matrices(cfg: TransformerConfig, moe_block: bool) -> list[Matrix]:
+    """The matrices of a `Block`: its attention's, and its dense MLP's (gate, up, down) or its MoE's
+    routed and shared experts' (the router stays fp32 and out of Muon: not one of them)."""
+    D, moe, d, S = cfg.d_model, cfg.moe, "model.d_model", cfg.moe.shared_hidden
+    mlp = Matrix("dense MLP", 3, D, cfg.resolved_dense_hidden, (d, "model.dense_hidden"))
+    experts = Matrix("experts", 1, D, moe.expert_hidden, (d, "model.moe.expert_hidden"), moe.num_experts)
+    shared = [Matrix("shared expert", 3, D, S, (d, "model.moe.shared_hidden"))] * (S > 0)
+    return attention_matrices(cfg) + ([experts, *shared] if moe_block else [mlp])
+
+
+def mtp_matrices(cfg: TransformerConfig) -> list[Matrix]:
+    """The matrices of an `MTPModule`: its 2D → D projection and its dense block's."""
+    D, fields = cfg.d_model, ("2 × model.d_model", "model.d_model")
+    return [Matrix("MTP projection", 1, 2 * D, D, fields), *block_matrices(cfg, False)]
 
 
 def swiglu_params(d_model: int, hidden: int) -> int:

@@ -21,6 +21,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from moetrain.model.counting import block_matrices
+
 MIN_TFLOP = {"linear": 0.8, "experts": 2.0}
 """Forward-and-backward TFLOP of one call below which an FP8 product loses time, by kind.
 Linears: alone, one pays from about 2 (the probe: the dense MLP's at 2.1-4.1 ran 1.25-1.52×, the
@@ -63,16 +65,13 @@ class Product:
 
     @property
     def tflop(self) -> float:
-        if self.kind == "experts":
-            return 6 * self.M * self.K * 3 * self.N / 1e12
-        return 6 * self.M * self.K * self.N / 1e12
+        return 6 * self.M * self.K * self.N * (3 if self.kind == "experts" else 1) / 1e12
 
     @property
     def pays(self) -> bool:
         """Whether row-wise FP8 is measured to make this product faster (module docstring)."""
-        if self.tflop < MIN_TFLOP[self.kind]:
-            return False
-        return self.kind != "experts" or self.M / self.E >= MIN_ROWS_PER_EXPERT
+        rows_pay = self.kind != "experts" or self.M / self.E >= MIN_ROWS_PER_EXPERT
+        return self.tflop >= MIN_TFLOP[self.kind] and rows_pay
 
 
 def choose(product: Product, select: Fp8Select | str) -> bool:
@@ -84,30 +83,19 @@ def block_products(cfg, rows: int) -> dict[str, Product]:
     """The kinds of product in the blocks of a `TransformerConfig`, by name, at `rows` tokens per
     micro-batch on a rank (experts: their mean rows over all experts, as balanced routing and any
     expert-parallel layout give each)."""
-    D, hd, moe = cfg.d_model, cfg.resolved_head_dim, cfg.moe
-    if cfg.is_mla:  # each linear of src/moetrain/model/mla.py: (input, output) features
-        H, Q, C, R, V = cfg.n_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.v_head_dim
-        shapes = {"wq_a": (D, Q), "wq_b": (Q, H * cfg.qk_head_dim)} if Q else {"wq": (D, H * cfg.qk_head_dim)}
-        shapes |= {"wkv_a": (D, C + R), "wkv_b": (C, H * (cfg.qk_nope_head_dim + V)), "wo": (H * V, D)}
-        out = {f"attention {name}": Product("linear", rows, *kn) for name, kn in shapes.items()}
-    else:
-        out = {
-            "attention q/o": Product("linear", rows, D, cfg.n_heads * hd),
-            "attention k/v": Product("linear", rows, D, cfg.n_kv_heads * hd),
-        }
-    if cfg.num_dense_layers:
-        out["dense MLP"] = Product("linear", rows, D, cfg.resolved_dense_hidden)
-    if cfg.num_dense_layers < cfg.n_layers:
-        out["experts"] = Product("experts", rows * moe.top_k, D, moe.expert_hidden, moe.num_experts)
-        if moe.shared_hidden:
-            out["shared expert"] = Product("linear", rows, D, moe.shared_hidden)
+    return {name: product for name, (product, _) in _products(cfg, rows).items()}
+
+
+def _products(cfg, rows: int) -> dict[str, tuple[Product, int]]:
+    """`block_products` with each one's calls in the model's blocks: the blocks' declared matrices
+    (`counting.block_matrices`), an expert layer one call of its three grouped GEMMs."""
+    out = {}
+    for moe_block, layers in ((False, cfg.num_dense_layers), (True, cfg.num_moe_layers)):
+        for x in block_matrices(cfg, moe_block) if layers else ():
+            k = cfg.moe.top_k if x.experts else 1
+            product = Product("experts" if x.experts else "linear", rows * k, x.d_in, x.d_out, x.experts or 1)
+            out[x.name] = (product, out.get(x.name, (product, 0))[1] + layers * x.copies)
     return out
-
-
-def head_product(cfg, rows: int) -> Product:
-    """The LM head's product at `rows` tokens per micro-batch: hidden states (M, D) times the
-    vocabulary's rows (V, D)ᵀ."""
-    return Product("linear", rows, cfg.d_model, cfg.vocab_size)
 
 
 def choose_head(cfg, rows: int, select: Fp8Select | str, asked: bool | None = None) -> bool:
@@ -116,7 +104,8 @@ def choose_head(cfg, rows: int, select: Fp8Select | str, asked: bool | None = No
     kernels take)."""
     if asked is not None:
         return asked
-    return cfg.vocab_size % 16 == 0 and choose(head_product(cfg, rows), select)
+    head = Product("linear", rows, cfg.d_model, cfg.vocab_size)  # hidden states (M, D) · the vocabulary's (V, D)ᵀ
+    return cfg.vocab_size % 16 == 0 and choose(head, select)
 
 
 def chosen_products(cfg, rows: int, select: Fp8Select | str) -> list[str]:
@@ -141,17 +130,9 @@ def fp8_flops_per_token(cfg, rows: int, select: Fp8Select | str, lm_head: bool |
     the LM head's) at `rows` tokens per micro-batch: what the planner runs at the FP8 rate
     (src/moetrain/plan/time.py). `lm_head`: precision.fp8_lm_head, as `choose_head` takes it (an
     FP8 LM head runs its two FP8 products; the weight gradient stays bf16)."""
-    moe_layers = cfg.n_layers - cfg.num_dense_layers
-    per_model = {
-        "attention q/o": 2 * cfg.n_layers,
-        "attention k/v": 2 * cfg.n_layers,
-        "dense MLP": 3 * cfg.num_dense_layers,
-        "experts": moe_layers,
-        "shared expert": 3 * moe_layers,
-    }
     chosen = every = 0.0
-    for name, product in block_products(cfg, rows).items():
-        flops = per_model.get(name, cfg.n_layers) * product.tflop * 1e12 / rows  # MLA's linears: one a block
+    for product, calls in _products(cfg, rows).values():
+        flops = calls * product.tflop * 1e12 / rows
         every += flops
         chosen += flops if choose(product, select) else 0.0
     every += 6 * cfg.d_model * cfg.vocab_size

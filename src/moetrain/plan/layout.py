@@ -5,15 +5,11 @@ bf16 weights."""
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
 
 import torch
 
+from moetrain.model import counting
 from moetrain.model.config import TransformerConfig
-from moetrain.model.counting import block_params, embedding_params, experts_params, mtp_module_params
-from moetrain.optim.muon import muon_matrices
-from moetrain.optim.split_master import is_split_candidate
 from moetrain.parallel.config import DEFAULT_CAPACITY_MIN_ROWS, DispatcherKind, Stack
 from moetrain.parallel.dims import ParallelDims
 from moetrain.parallel.nosync_dispatcher import block_rows, capacity_rows
@@ -69,8 +65,8 @@ class Layout(ParallelDims):
 
 @dataclasses.dataclass(frozen=True)
 class ParamGroups:
-    """Parameters per kind of module: the sums of their components' declared counts
-    (src/moetrain/model/counting.py), Muon's matrices read off a meta-device build of the model."""
+    """Parameters per kind of module, Muon's matrices and the largest split entries: sums over their
+    components' declared counts and matrices (src/moetrain/model/counting.py)."""
 
     embedding: int
     head: int
@@ -105,58 +101,41 @@ class ParamGroups:
 
     @classmethod
     def of(cls, m: TransformerConfig) -> ParamGroups:
-        return _param_groups(json.dumps(m.to_dict(), sort_keys=True))
+        D, experts = m.d_model, counting.experts_params(m.moe, m.d_model) if m.num_moe_layers else 0
+        dense = counting.block_matrices(m, False) if m.num_dense_layers else []
+        moe = counting.block_matrices(m, True) if m.num_moe_layers else []
+        mtp = m.mtp_depth * counting.mtp_matrices(m)
+        (muon_dense, ns_dense), (muon_moe, ns_moe), (muon_mtp, ns_mtp) = _muon(dense), _muon(moe), _muon(mtp)
+        return ParamGroups(
+            embedding=counting.embedding_params(m),
+            head=D + m.vocab_size * D,
+            dense_block=counting.block_params(m, False) if m.num_dense_layers else 0,
+            moe_dense=counting.block_params(m, True) - experts if m.num_moe_layers else 0,
+            moe_experts=experts,
+            mtp=m.mtp_depth * counting.mtp_module_params(m),
+            muon_dense_block=muon_dense,
+            muon_moe_dense=muon_moe,
+            muon_mtp=muon_mtp,
+            ns_dense_block=ns_dense,
+            ns_moe_dense=ns_moe,
+            ns_experts=_muon(moe, experts=True)[1],
+            ns_mtp=ns_mtp,
+            split_block_entry=max((x.d_in * x.d_out * (2 if x.experts else 1) for x in dense + moe), default=0),
+            split_head=m.vocab_size * D,
+        )
 
     def largest_split_entry(self, last: bool) -> int:
         """The largest entry split on a pipeline rank, the `last` one holding the LM head."""
         return max(self.split_block_entry, self.split_head if last else 0)
 
 
-@functools.lru_cache(maxsize=64)
-def _param_groups(model_json: str) -> ParamGroups:
-    """Cached per model config: `suggest` plans hundreds of layouts of one model."""
-    m = TransformerConfig.from_dict(json.loads(model_json))
-    model = m.build(device="meta")
-    shapes = muon_matrices(model)
-
-    def muon(module) -> tuple[int, float, float]:
-        """(Muon's parameters, one Newton–Schulz iteration's FLOPs: of non-expert and of expert
-        matrices: the stacked experts are the 3-D parameters) of `module`: per (m, n) matrix, m ≤ n,
-        X·Xᵀ and the update's product 2m²n each, A² 2m³."""
-        params, flops = 0, [0.0, 0.0]  # non-expert, expert
-        for p in module.parameters() if module is not None else ():
-            if id(p) in shapes:
-                s = shapes[id(p)]
-                lo, hi = sorted((s.rows, s.cols))
-                flops[p.ndim == 3] += s.count * (4 * lo * lo * hi + 2 * lo**3)
-                params += p.numel()
-        return params, *flops
-
-    by_kind = {block.is_moe: block for block in model.blocks.values()}  # the dense and the MoE block
-    (muon_dense, ns_dense, _), (muon_moe, ns_moe, ns_experts) = muon(by_kind.get(False)), muon(by_kind.get(True))
-    experts = experts_params(m.moe, m.d_model) if m.num_moe_layers else 0
-    mtp_muon, ns_mtp, _ = muon(model.mtp)
-    split = is_split_candidate(model)
-    blocks = [
-        p.numel() // p.shape[0] if p.ndim == 3 else p.numel() for p in model.blocks.parameters() if id(p) in split
-    ]
-    return ParamGroups(
-        embedding=embedding_params(m),
-        head=m.d_model + m.vocab_size * m.d_model,
-        dense_block=block_params(m, False) if m.num_dense_layers else 0,
-        moe_dense=block_params(m, True) - experts if m.num_moe_layers else 0,
-        moe_experts=experts,
-        mtp=m.mtp_depth * mtp_module_params(m),
-        muon_dense_block=muon_dense,
-        muon_moe_dense=muon_moe - experts,
-        muon_mtp=mtp_muon,
-        ns_dense_block=ns_dense,
-        ns_moe_dense=ns_moe,
-        ns_experts=ns_experts,
-        ns_mtp=ns_mtp,
-        split_block_entry=max(blocks, default=0),
-        split_head=max((p.numel() for p in model.lm_head.parameters() if id(p) in split), default=0),
-    )
+def _muon(matrices: list[counting.Matrix], experts: bool = False) -> tuple[int, float]:
+    """(Muon's parameters, one Newton–Schulz iteration's FLOPs) of those of `matrices` that are
+    (`experts`) or are not expert layers: per (m, n) matrix, m ≤ n, X·Xᵀ and the update's product
+    2m²n each, A² 2m³."""
+    kept = [(x, *sorted((x.d_in, x.d_out))) for x in matrices if bool(x.experts) == experts]
+    flops = sum(x.matrices * (4 * lo * lo * hi + 2 * lo**3) for x, lo, hi in kept)
+    return sum(x.params for x, _, _ in kept), float(flops)
 
 
 def layout_of(cfg: RunConfig, gpus: int) -> Layout:

@@ -18,6 +18,7 @@ from moetrain.config import Config, non_negative, positive, validate_tree
 from moetrain.data.config import DataConfig
 from moetrain.errors import ConfigError
 from moetrain.model.config import MAX_LAYERS, Fp8, TransformerConfig
+from moetrain.model.counting import block_matrices
 from moetrain.model.fp8_choice import Fp8Select, choose_head
 from moetrain.optim.config import OptimConfig, OptimizerName, ScheduleConfig
 from moetrain.parallel.config import (
@@ -540,38 +541,15 @@ def _check_fp8(pc: PrecisionConfig, compute: ComputeConfig, m: TransformerConfig
             "compute.defer_expert_weight_grad=true works with bf16 and row-wise FP8 experts, but "
             "precision.fp8=mxfp8: set precision.fp8=rowwise or none, or compute.defer_expert_weight_grad=false."
         )
-    if pc.fp8 != Fp8.none:
-        for key, dim in _gemm_dims(m, lm_head=pc.fp8_lm_head is True):
-            if dim % pc.fp8.align:
-                raise ConfigError(
-                    f"precision.fp8={pc.fp8} needs every matrix-product dimension divisible by "
-                    f"{pc.fp8.align}; {key}={dim} is not: change it, or use precision.fp8=none."
-                )
-
-
-def _gemm_dims(m: TransformerConfig, lm_head: bool = False) -> list[tuple[str, int]]:
-    """The config fields that set a dimension of a matrix product inside the blocks (what FP8
-    quantizes: attention, dense MLP, shared and routed experts; not the router), and the LM
-    head's vocabulary with `lm_head`."""
-    hd, H, R, V = m.resolved_head_dim, m.n_heads, m.qk_rope_head_dim, m.v_head_dim
-    dims = [("model.d_model", m.d_model)]
-    if m.is_mla:  # the linears of src/moetrain/model/mla.py
-        dims += [("model.q_lora_rank", m.q_lora_rank)] if m.q_lora_rank else []
-        dims += [
-            ("model.n_heads × (qk_nope_head_dim + qk_rope_head_dim)", H * m.qk_head_dim),
-            ("model.kv_lora_rank + qk_rope_head_dim", m.kv_lora_rank + R),
-            ("model.kv_lora_rank", m.kv_lora_rank),
-            ("model.n_heads × (qk_nope_head_dim + v_head_dim)", H * (m.qk_nope_head_dim + V)),
-            ("model.n_heads × v_head_dim", H * V),
-        ]
-    else:
-        dims += [("model.n_heads × head_dim", H * hd), ("model.n_kv_heads × head_dim", m.n_kv_heads * hd)]
-    if m.num_moe_layers > 0:
-        dims.append(("model.moe.expert_hidden", m.moe.expert_hidden))
-        if m.moe.shared_hidden > 0:
-            dims.append(("model.moe.shared_hidden", m.moe.shared_hidden))
-    if m.num_dense_layers > 0:
-        dims.append(("model.dense_hidden", m.resolved_dense_hidden))
-    if lm_head:
-        dims.append(("model.vocab_size", m.vocab_size))
-    return dims
+    if pc.fp8 == Fp8.none:
+        return
+    dims = {}  # the config fields that set a dimension of a block's matrix product (FP8 takes all but the router's)
+    for moe_block, layers in ((True, m.num_moe_layers), (False, m.num_dense_layers)):
+        for x in block_matrices(m, moe_block) if layers else ():
+            dims |= dict(zip(x.fields, (x.d_in, x.d_out)))
+    for key, dim in (dims | ({"model.vocab_size": m.vocab_size} if pc.fp8_lm_head is True else {})).items():
+        if dim % pc.fp8.align:
+            raise ConfigError(
+                f"precision.fp8={pc.fp8} needs every matrix-product dimension divisible by "
+                f"{pc.fp8.align}; {key}={dim} is not: change it, or use precision.fp8=none."
+            )
