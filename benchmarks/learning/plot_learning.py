@@ -3,7 +3,7 @@
 (benchmarks/learning/README.md).
 
     python benchmarks/learning/plot_learning.py --out docs/img/X.png --records R.jsonl \
-        "LABEL=OUT/olmocore.jsonl" "LABEL=OUT/moetrain-run" ...
+        "LABEL=OUT/olmocore.jsonl" "LABEL=OUT/moetrain-run" "LABEL=RECORDS.jsonl#N" ...
 
 A run is olmocore_learn.py's JSON lines or a moetrain run directory (metrics.jsonl, and
 summary.json's initial_val_loss for step 0). --records writes one line per run: its label, its
@@ -20,7 +20,12 @@ from compare_learning import read_jsonl
 
 
 def curves(path: Path) -> tuple[dict[int, float], list[float]]:
-    """(step → validation loss, the training losses in step order) of one run."""
+    """(step → validation loss, the training losses in step order) of one run. PATH#N: line N of
+    a --records file (its training losses: their last-100-step mean alone)."""
+    if "#" in path.name:
+        name, line = path.name.rsplit("#", 1)
+        record = read_jsonl(path.with_name(name))[int(line)]
+        return {int(s): v for s, v in record["val_loss"].items()}, [record["train_loss_last100"]]
     if path.is_dir():  # a moetrain run directory
         records = read_jsonl(path / "metrics.jsonl")
         val = {r["step"]: r["val_loss"] for r in records if r.get("val_loss") is not None}
