@@ -973,6 +973,27 @@ def test_muon_compiled_element_wise_steps_match_the_eager_ops_on_cuda():
             assert torch.equal(m_fused, m0) and torch.equal(w_fused, w0)
 
 
+def test_newton_schulz_one_triangle_at_a_time_is_the_full_products_iteration_on_cuda():
+    """From 1,024 rows (not longer than the columns), Newton–Schulz's symmetric products run one
+    triangle at a time (`symmetric_product`); its result is the iteration with torch's full
+    products to bf16's rounding (measured bit for bit on an H100), on square and wide batches, one
+    not a multiple of the tile."""
+    from moetrain.optim.muon import NS_COEFFICIENTS, TRIANGLE_MIN_ROWS, newton_schulz
+
+    a, b, c = NS_COEFFICIENTS
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for k, S, L in [(3, 1024, 1024), (2, 1024, 2048), (1, 1100, 1300)]:
+        assert S >= TRIANGLE_MIN_ROWS
+        u = torch.randn(k, S, L, device="cuda", generator=g)
+        x = u.bfloat16() / (torch.linalg.matrix_norm(u, keepdim=True) + 1e-7).bfloat16()
+        for _ in range(5):
+            a_kSS = x @ x.mT
+            x = torch.baddbmm(x, torch.baddbmm(a_kSS, a_kSS, a_kSS, beta=b, alpha=c), x, beta=a)
+        got = newton_schulz(u, 5, torch.bfloat16)
+        assert got.dtype == torch.bfloat16 and got.shape == u.shape
+        assert ((got.float() - x.float()).abs().max() / x.float().abs().max()).item() < 2e-2, (k, S, L)
+
+
 def test_the_fused_row_gathers_on_cuda_compute_the_eager_ones():
     """Every `fused` body of the dispatchers (src/moetrain/model/permute.py, nosync_dispatcher.py)
     compiled on the GPU gives what the same body gives run eagerly there, on random bf16 rows

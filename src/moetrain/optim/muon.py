@@ -24,7 +24,8 @@ the norms, the routers (their few rows decide routing) and the LM head.
 Newton–Schulz (`newton_schulz`): X = U / ‖U‖_F, then k times X ← a·X + (b·A + c·A²)·X with
 A = X·Xᵀ (a tall X: the same on Xᵀ), (a, b, c) = (3.4445, −4.7750, 2.0315), the quintic of
 Keller Jordan's Muon, which drives singular values in (0, 1] to [0.7, 1.2] in 5 steps. It runs in
-bf16 on CUDA and in fp32 elsewhere.
+bf16 on CUDA and in fp32 elsewhere; on CUDA a wide matrix of 1,024 rows or more computes A and
+b·A + c·A² one triangle each (`symmetric_product`, src/moetrain/optim/triton_kernels.py).
 
 Where a matrix is sharded, the iteration needs it whole: one `Muon` steps every layout, each
 optimizer handing it the parts it holds (`LocalMatrices`) and how to gather a part's direction
@@ -51,6 +52,9 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
+TRIANGLE_MIN_ROWS = 1024
+"""The fewest rows of a wide matrix whose Newton–Schulz products run one triangle at a time on CUDA."""
+
 RMS_MATCH = 0.2
 """The RMS of a Muon update before the learning rate (see the module docstring)."""
 
@@ -65,9 +69,18 @@ def newton_schulz(u_kMN: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.
     # A on the short side: X·Xᵀ (M ≤ N) or Xᵀ·X (tall); b·A + c·A² and a·X + B·X (X·B) as the
     # GEMMs' epilogues (baddbmm), so no element-wise pass and no transposed copy
     tall = x.shape[-2] > x.shape[-1]
+    # A and B one triangle each where it was measured faster (bf16 on an H100, S ≥ 1,024 rows not
+    # longer than the columns: 1.18-1.36x the iteration, the same bits; docs/measurements.md)
+    triangle = x.is_cuda and dtype == torch.bfloat16 and TRIANGLE_MIN_ROWS <= x.shape[-2] <= x.shape[-1]
     for _ in range(steps):
-        a_kSS = x.mT @ x if tall else x @ x.mT
-        b_kSS = torch.baddbmm(a_kSS, a_kSS, a_kSS, beta=b, alpha=c)
+        if triangle:
+            from moetrain.optim.triton_kernels import symmetric_product
+
+            a_kSS = symmetric_product(x.contiguous(), 1.0, None, 0.0)
+            b_kSS = symmetric_product(a_kSS, c, a_kSS, b)
+        else:
+            a_kSS = x.mT @ x if tall else x @ x.mT
+            b_kSS = torch.baddbmm(a_kSS, a_kSS, a_kSS, beta=b, alpha=c)
         x = torch.baddbmm(x, x, b_kSS, beta=a) if tall else torch.baddbmm(x, b_kSS, x, beta=a)
     return x.reshape(u_kMN.shape)
 

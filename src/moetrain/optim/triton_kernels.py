@@ -1,6 +1,7 @@
 """The optimizer's Triton kernels (CUDA): the AdamW update (`adamw_triton`, the Triton backend of
 `adamw_update` in src/moetrain/optim/adamw.py), the accumulation of gradients over micro-batches
-(`accumulate_grad`, `SplitMaster`'s) and the sum of squares of the clipping norm (`sum_squares`).
+(`accumulate_grad`, `SplitMaster`'s), the sum of squares of the clipping norm (`sum_squares`) and
+Muon's symmetric products, one triangle of each (`symmetric_product`).
 
 The AdamW kernel: per element it reads the parameter (fp32, or the bf16 half `hi` and the 16-bit
 remainder `lo` of a split master, src/moetrain/optim/split_master.py), the gradient (fp32 or bf16) and
@@ -463,3 +464,60 @@ def sum_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
             DTYPE=_TL_DTYPES[dtype], ALIGNED=_aligned(group, numels), STEPS=steps, BLOCK=SQ_BLOCK, num_warps=8,
         )  # fmt: skip
     return partials.sum()
+
+
+SYMMETRIC_LAUNCH = (128, 64, 8, 3)
+"""`symmetric_product`'s (tile, tile along L, warps, stages): within 4% of the best of four tried on
+every shape of benchmarks/probes/ns_symmetric_probe.py (docs/measurements.md, "Muon's floor on an
+expert-parallel rank")."""
+
+
+@triton.jit
+def _symmetric_kernel(
+    y_ptr, z_ptr, out_ptr, stride_yk, stride_ys, stride_zk, stride_ok, alpha, beta,
+    S: tl.constexpr, L: tl.constexpr, HAS_Z: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Tile (i, j), i ≤ j, of alpha·Y·Yᵀ + beta·Z for matrix pid 2 of the batch, written at (i, j)
+    and mirrored to (j, i); fp32 accumulation. S and L are compile-time (the interpreter cannot
+    loop to a runtime bound): one compilation per shape."""
+    i, j, k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if i > j:
+        return
+    rows, cols = i * BLOCK + tl.arange(0, BLOCK), j * BLOCK + tl.arange(0, BLOCK)
+    y = y_ptr + k.to(tl.int64) * stride_yk
+    acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+    for l0 in range(0, L, BLOCK_K):
+        ls = l0 + tl.arange(0, BLOCK_K)
+        along = (ls < L)[None, :]
+        a = tl.load(y + rows[:, None] * stride_ys + ls[None, :], mask=(rows < S)[:, None] & along, other=0.0)
+        b = tl.load(y + cols[:, None] * stride_ys + ls[None, :], mask=(cols < S)[:, None] & along, other=0.0)
+        acc += tl.dot(a, tl.trans(b))
+    acc = acc * alpha
+    inside = (rows < S)[:, None] & (cols < S)[None, :]
+    if HAS_Z:
+        z = tl.load(z_ptr + k.to(tl.int64) * stride_zk + rows[:, None] * S + cols[None, :], mask=inside, other=0.0)
+        acc += beta * z.to(tl.float32)
+    out = out_ptr + k.to(tl.int64) * stride_ok
+    value = acc.to(out_ptr.dtype.element_ty)
+    tl.store(out + rows[:, None] * S + cols[None, :], value, mask=inside)
+    if i != j:
+        tl.store(out + cols[None, :] * S + rows[:, None], value, mask=inside)
+
+
+def symmetric_product(
+    y_kSL: torch.Tensor, alpha: float, z_kSS: torch.Tensor | None, beta: float, launch=SYMMETRIC_LAUNCH
+) -> torch.Tensor:
+    """alpha·Y·Yᵀ + beta·Z for each matrix of the batch (Y's rows contiguous; Z symmetric and
+    contiguous, or None), computing only the tiles on and above the diagonal: half the FLOPs of
+    the full product. Newton–Schulz's A = X·Xᵀ and b·A + c·A² (A·A = A·Aᵀ: A is symmetric)."""
+    block, block_k, warps, stages = launch
+    k, S, L = y_kSL.shape
+    assert y_kSL.stride(2) == 1 and (z_kSS is None or z_kSS.is_contiguous()), "rows must be contiguous"
+    out = torch.empty(k, S, S, dtype=y_kSL.dtype, device=y_kSL.device)
+    z = out if z_kSS is None else z_kSS
+    tiles = triton.cdiv(S, block)
+    _symmetric_kernel[(tiles, tiles, k)](
+        y_kSL, z, out, y_kSL.stride(0), y_kSL.stride(1), z.stride(0), out.stride(0), alpha, beta, S=S, L=L,
+        HAS_Z=z_kSS is not None, BLOCK=block, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
