@@ -267,7 +267,7 @@ def _bench_on_rank(run_dir: str):
 def test_bench_under_two_ranks_reports_every_ranks_peak(tmp_path):
     """dp2·ep2 on two gloo ranks: both ranks' records list both peaks, and peak_mem_gib is the
     largest (the one that must fit)."""
-    from moetrain.testing.distributed import run_distributed
+    from support.distributed import run_distributed
 
     results = run_distributed(_bench_on_rank, 2, str(tmp_path))
     (a,), (b,) = results

@@ -19,13 +19,13 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from conftest import tiny_overrides  # noqa: E402
+from support.distributed import run_distributed  # noqa: E402
 
 from moetrain.cli import main  # noqa: E402
 from moetrain.hf.arch import refusal, remote_problems, unsupported_features  # noqa: E402
 from moetrain.inference import load_for_inference  # noqa: E402
 from moetrain.model.config import Gating  # noqa: E402
 from moetrain.presets import PRESETS, preset, resolve_config  # noqa: E402
-from moetrain.testing.distributed import run_distributed  # noqa: E402
 from moetrain.train.checkpoint_index import SafeFileSystemReader  # noqa: E402
 from moetrain.train.checkpoint_io import model_state_dict, save_checkpoint  # noqa: E402
 from moetrain.train.config import RunConfig  # noqa: E402

@@ -439,6 +439,8 @@ def test_checkpoint_save_and_load_allocate_one_entry_not_the_model(tmp_path):
     of one bucket's all-gather (NCCL writes in place) and the ranks' plans. That is a small
     fraction of what the in-memory gather of the same state allocates (the unsharded moments, or
     the fp32 masters); and the load restores every tensor exactly."""
+    from support.distributed import run_distributed
+
     from moetrain.plan import (
         Assumptions,
         ParamGroups,
@@ -447,7 +449,6 @@ def test_checkpoint_save_and_load_allocate_one_entry_not_the_model(tmp_path):
         memory_per_rank,
         save_temporaries,
     )
-    from moetrain.testing.distributed import run_distributed
 
     def overrides(name):
         return [

@@ -21,7 +21,7 @@ LAYERS = {
     "moetrain.parallel": 3,
     "moetrain.optim": 4,
     "moetrain.train": 5,
-    "moetrain.testing": 6,
+    "support": 6,
 }
 """Each package (or top-level module) may import only from lower layers, and from its own
 package. Top-level modules not listed (cli, bench, plan, hf, inference, presets) are

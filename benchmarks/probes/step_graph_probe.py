@@ -33,6 +33,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 VARIANTS = ("eager", "full", "pool_tables", "no_update", "torch_norm", "no_split_adamw", "host_tables")
 
@@ -94,7 +95,10 @@ def run_variant(variant: str) -> dict:
 
     from moetrain.parallel.dims import ParallelDims, ParallelState
     from moetrain.presets import resolve_config
-    from moetrain.testing.steps import synthetic_batches
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # tests/support
+    from support.steps import synthetic_batches
+
     from moetrain.train.cuda_graphs import CudaGraph, StepGraph
     from moetrain.train.engine import TrainEngine
 

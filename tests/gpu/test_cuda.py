@@ -332,7 +332,8 @@ def test_training_with_the_step_graph_follows_the_eager_run_on_cuda(tmp_path, ov
     FP8's quantizers) and replayed on new batches; losses and gradient norms bit for bit the
     eager run's at every step, the eager run's learning rate on the device as the graph's is
     (torch's capturable AdamW rounds its bias corrections differently from the host's)."""
-    from moetrain.testing.steps import synthetic_batches
+    from support.steps import synthetic_batches
+
     from moetrain.train.cuda_graphs import WARMUP_STEPS
 
     if "fp8" in overrides and torch.cuda.get_device_capability() < (8, 9):
@@ -359,7 +360,8 @@ def test_forward_and_backward_alone_from_the_step_graph_follow_the_eager_passes_
     worth of warm-up, then forward and backward passes alone (`StepGraph.run(..., update=False)`)
     captured after their own eager passes and replayed; compiled blocks; the losses within 0.1% of
     eager passes' and the parameters unchanged by them."""
-    from moetrain.testing.steps import synthetic_batches
+    from support.steps import synthetic_batches
+
     from moetrain.train.cuda_graphs import WARMUP_STEPS
 
     runs = {}
@@ -395,7 +397,8 @@ def test_auto_keeps_the_step_graph_of_tiny_whose_launches_bound_it(tmp_path):
     """compute.cuda_graphs=auto on tiny, whose step the GPU runs in less time than the host takes
     to launch it (22.5 ms eager, 3.5 ms replayed on an H100; docs/benchmarks.md, "CUDA graphs"):
     its timed replays are far faster than its timed eager steps, so the graph stays."""
-    from moetrain.testing.steps import synthetic_batches
+    from support.steps import synthetic_batches
+
     from moetrain.train.config import CudaGraphs
     from moetrain.train.cuda_graphs import JUDGED_REPLAYS, WARMUP_STEPS
 
@@ -412,7 +415,8 @@ def test_a_dropped_step_graph_leaves_the_eager_steps_memory_as_without_it(tmp_pa
     """compute.cuda_graphs=auto where the graph does not pay (here: a gain no replay can reach):
     once it is dropped, the eager steps hold what compute.cuda_graphs=off's hold, within 1 MiB.
     The capture stream's cuBLAS workspace (32 MiB and more on Hopper) would stay otherwise."""
-    from moetrain.testing.steps import synthetic_batches
+    from support.steps import synthetic_batches
+
     from moetrain.train import cuda_graphs
     from moetrain.train.config import CudaGraphs
 
@@ -721,7 +725,7 @@ def test_fused_permutation_compiled_on_cuda_is_within_bf16_rounding_of_float64()
     formulation instead, the products differ by a bf16 rounding: Inductor keeps them in fp32.)
     Measured on the H200 (2026-12-01): determinism, output and token gradient passed; the
     weight gradient first failed with a bare cast as the experts (see `experts`)."""
-    from moetrain.testing.steps import fused_permute_combine, routed_case
+    from support.steps import fused_permute_combine, routed_case
 
     ids, x, w, grad = (t.cuda() for t in routed_case(4, skew=True))
     K, D = ids.shape[1], x.shape[1]
@@ -798,11 +802,11 @@ def test_nosync_exchanges_run_through_nccl():
     import os
 
     import torch.distributed as dist
+    from support.distributed import free_port
 
     from moetrain.model.experts import GroupedExperts
     from moetrain.parallel.nosync_dispatcher import NoSyncDispatcher
     from moetrain.parallel.overlapped_dispatcher import OverlappedDispatcher
-    from moetrain.testing.distributed import free_port
 
     # NCCL allocates with cudaMallocAsync, outside torch's cache: after the tests before this one
     # (the out-of-memory one fills the device) the cache must give its memory back, or NCCL's
@@ -887,7 +891,7 @@ def test_a_rehearsed_rank_runs_on_one_gpu_with_its_stand_ins_measured_apart(tmp_
     optimizer, FSDP, context parallelism compiled and eager): its step has no host
     sync, its stand-ins' own kernels are timed and taken
     out of the kinds, and its checkpoint shard is saved and loaded back with their peaks."""
-    from moetrain.testing.distributed import run_alone
+    from support.distributed import run_alone
 
     record = run_alone(_rehearse_on_cuda, tmp_path, overrides, rank)
     r = record["rehearsal"]

@@ -5,8 +5,7 @@ capacity by design). Two MoE layers run back to back."""
 
 import pytest
 import torch
-
-from moetrain.testing.distributed import run_distributed
+from support.distributed import run_distributed
 
 pytestmark = [
     pytest.mark.gpu,

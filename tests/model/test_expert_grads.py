@@ -6,12 +6,12 @@ import re
 
 import pytest
 import torch
+from support.steps import run_in_triton_interpreter, synthetic_batches
 
 from moetrain.errors import ConfigError
 from moetrain.model.expert_grads import DeferredExpertGrads, expert_major
 from moetrain.model.experts import GroupedExperts
 from moetrain.parallel.dims import ParallelDims, ParallelState
-from moetrain.testing.steps import run_in_triton_interpreter, synthetic_batches
 from moetrain.train.engine import TrainEngine
 
 E, D, F = 4, 16, 8

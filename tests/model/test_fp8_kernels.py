@@ -4,9 +4,9 @@ power of two); they compile for Hopper ahead of time. tests/gpu/test_cuda.py che
 
 import pytest
 import torch
+from support.steps import run_in_triton_interpreter
 
 from moetrain.model.fp8 import _pow2_scale
-from moetrain.testing.steps import run_in_triton_interpreter
 
 triton = pytest.importorskip("triton")
 

@@ -4,9 +4,9 @@ over k."""
 
 import pytest
 import torch
+from support.steps import fused_permute_combine, plain_permute_combine, routed_case
 
 from moetrain.model.permute import inverse_permutation
-from moetrain.testing.steps import fused_permute_combine, plain_permute_combine, routed_case
 
 N, K, D = 96, 4, 24
 plain, fused = plain_permute_combine, fused_permute_combine

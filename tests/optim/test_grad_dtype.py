@@ -6,11 +6,11 @@ in fp32."""
 import pytest
 import torch
 from conftest import tiny_overrides
+from support.distributed import call_each, run_distributed
+from support.steps import synthetic_batches
 from torch import nn
 
 from moetrain.optim.grad_store import GradStore
-from moetrain.testing.distributed import call_each, run_distributed
-from moetrain.testing.steps import synthetic_batches
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -4,8 +4,7 @@ graph's own pool, where a later allocation of the captured step could share thei
 
 import pytest
 import torch
-
-from moetrain.testing.steps import run_in_triton_interpreter
+from support.steps import run_in_triton_interpreter
 
 
 def test_tables_cut_from_the_arena_are_aligned_apart_and_filled_after_the_capture():

@@ -51,7 +51,7 @@ def test_one_update_is_the_formula(fused, coef):
 
 
 def test_a_skipped_step_changes_nothing_and_nothing_is_read_on_the_host():
-    from moetrain.testing.host_sync import forbid_host_sync
+    from support.host_sync import forbid_host_sync
 
     w, g, m = _tensors()
     hi, lo = split_fp32(w)

@@ -4,10 +4,10 @@ the sharded and the FSDP optimizer; fp32 arithmetic in each step, moments rounde
 import pytest
 import torch
 from conftest import tiny_overrides
+from support.distributed import call_each, run_distributed
+from support.steps import ADAMW_HYPER, adamw_inputs, run_in_triton_interpreter, synthetic_batches
 
 from moetrain.optim.adamw import adamw_reference
-from moetrain.testing.distributed import call_each, run_distributed
-from moetrain.testing.steps import ADAMW_HYPER, adamw_inputs, run_in_triton_interpreter, synthetic_batches
 
 HYPER = ADAMW_HYPER
 
@@ -25,7 +25,7 @@ KERNEL_CHECK = r"""
 import torch
 from moetrain.optim.adamw import adamw_reference
 from moetrain.optim.triton_kernels import adamw_triton, bias_corrections
-from moetrain.testing.steps import ADAMW_HYPER as hyper, KERNEL_HYPER, adamw_inputs
+from support.steps import ADAMW_HYPER as hyper, KERNEL_HYPER, adamw_inputs
 p, grad, m, v = adamw_inputs(5000, seed=0, moments_dtype=torch.bfloat16)
 ref = [p.clone(), grad, m.clone(), v.clone()]
 adamw_reference(*([t] for t in ref), step=4.0, grad_coef=torch.tensor(0.5), **hyper)

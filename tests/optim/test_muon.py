@@ -183,7 +183,7 @@ def test_muon_divides_newton_schulz_over_the_ranks_that_hold_the_matrices(world)
     orthogonalizes each matrix once between them: 1 + 10 + 5 + 1 matrices the first step,
     1 + 10 + 1 the second (the experts' down matrices got no gradient), and no rank does them
     all."""
-    from moetrain.testing.distributed import run_distributed
+    from support.distributed import run_distributed
 
     results = run_distributed(_divided_muon, world, 7)
     assert all(same for same, _ in results)

@@ -261,7 +261,7 @@ def test_single_process_matches_torch_adamw(single_process):
 
 @pytest.mark.parametrize("world, eps", [(2, [1, 2]), (4, [2])], ids=["dp2+dp2ep2", "dp4ep2"])
 def test_sharded_adamw_matches_reference_layouts(single_process, world, eps):
-    from moetrain.testing.distributed import run_distributed
+    from support.distributed import run_distributed
 
     ref_params, ref_norms = single_process
     results = run_distributed(rank_fn, world, world, eps)
@@ -355,7 +355,7 @@ def test_fused_sharded_adamw_matches_the_foreach_path_and_skips_on_the_device(na
     update to rounding, folds clipping into the kernel, and skips a non-finite step with the
     decision left on the device: parameters, master shards, moments and step count unchanged.
     Lion's one path reads nothing on the host either way."""
-    from moetrain.testing.distributed import run_distributed
+    from support.distributed import run_distributed
 
     for r in run_distributed(_fused_vs_foreach, 2, 2, 2, name):
         assert r["norm_rel"] <= 1e-6 and r["param_err"] <= 2e-6, r

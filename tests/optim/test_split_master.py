@@ -6,13 +6,13 @@ one process, on dp2·ep2 ranks and across a checkpoint."""
 import pytest
 import torch
 from conftest import tiny_overrides
+from support.distributed import call_each, run_distributed
+from support.steps import ADAMW_HYPER, adamw_inputs, run_in_triton_interpreter, synthetic_batches
 
 from moetrain.errors import ConfigError
 from moetrain.optim.adamw import adamw_reference
 from moetrain.optim.split_master import join, split_fp32
 from moetrain.parallel.dims import ParallelDims, ParallelState
-from moetrain.testing.distributed import call_each, run_distributed
-from moetrain.testing.steps import ADAMW_HYPER, adamw_inputs, run_in_triton_interpreter, synthetic_batches
 from moetrain.train.engine import TrainEngine
 
 batches = synthetic_batches
@@ -69,7 +69,7 @@ import torch
 from moetrain.optim.adamw import adamw_reference
 from moetrain.optim.split_master import join, split_fp32
 from moetrain.optim.triton_kernels import adamw_triton, bias_corrections
-from moetrain.testing.steps import ADAMW_HYPER as HYPER, KERNEL_HYPER, adamw_inputs
+from support.steps import ADAMW_HYPER as HYPER, KERNEL_HYPER, adamw_inputs
 p, grad, m, v = adamw_inputs(n=5000)  # not a multiple of the block: the tail is masked
 cases = ((torch.tensor(0.5), torch.tensor(False), torch.float32), (None, None, torch.float32),
          (None, torch.tensor(True), torch.float32), (torch.tensor(0.5), None, torch.bfloat16))
@@ -102,7 +102,7 @@ FLAT_CHECK = r"""
 import torch
 from moetrain.optim.split_master import split_fp32
 from moetrain.optim.triton_kernels import BLOCK, adamw_triton, adamw_triton_flat, bias_corrections
-from moetrain.testing.steps import KERNEL_HYPER
+from support.steps import KERNEL_HYPER
 g = torch.Generator().manual_seed(0)
 corr = bias_corrections(torch.tensor(3.0), 1e-3, 0.9, 0.95)
 many = [int(n) for n in torch.randint(0, 3 * BLOCK, (37,), generator=g)] + [0, 1, BLOCK, 0]  # the bisection

@@ -5,11 +5,11 @@ with edp > 1 they are bucketed and summed as before. Four gloo ranks: dp4·ep4 a
 
 import torch
 from conftest import tiny_overrides
+from support.distributed import call_each, run_distributed
+from support.steps import synthetic_batches
 from torch.profiler import ProfilerActivity, profile
 
 from moetrain.model.experts import GroupedExperts
-from moetrain.testing.distributed import call_each, run_distributed
-from moetrain.testing.steps import synthetic_batches
 from moetrain.train.engine import TrainEngine
 
 WRITES = {"aten::copy_", "aten::add_", "aten::zero_", "aten::fill_", "aten::mul_"}

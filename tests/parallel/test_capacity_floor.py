@@ -8,10 +8,10 @@ gets every row either way. The planner and the dispatcher use one formula."""
 import math
 
 import pytest
+from support.distributed import run_distributed
 
 from moetrain.parallel.config import DEFAULT_CAPACITY_FACTOR, DEFAULT_CAPACITY_MIN_ROWS, EVERY_ROW, ParallelConfig
 from moetrain.parallel.nosync_dispatcher import block_rows, capacity_rows
-from moetrain.testing.distributed import run_distributed
 
 
 def test_the_default_is_bounded_with_an_automatic_floor():

@@ -11,8 +11,7 @@ import io
 import json
 
 import pytest
-
-from moetrain.testing.distributed import run_distributed
+from support.distributed import run_distributed
 
 SMALL = [
     "--device=cpu",

@@ -11,9 +11,8 @@ import shutil
 import pytest
 import torch
 from conftest import tiny_overrides
+from support.distributed import run_distributed
 from test_layouts import layout_cfg
-
-from moetrain.testing.distributed import run_distributed
 
 
 def train(data_dir, run_dir, steps, extra, resume=False):
@@ -212,9 +211,9 @@ def _bits(t: torch.Tensor) -> tuple[str, tuple[int, ...], bytes]:
 
 def _save_sharded_then_load_everywhere(data_dir, run_dir):
     import torch.distributed as dist
+    from support.steps import synthetic_batches
 
     from moetrain.presets import resolve_config
-    from moetrain.testing.steps import synthetic_batches
     from moetrain.train.checkpoint_io import load_checkpoint, save_checkpoint
     from moetrain.train.engine import TrainEngine
     from moetrain.train.runtime import setup_runtime

@@ -16,11 +16,11 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
+from support.distributed import run_distributed
 from test_layouts import train_and_report
 
 from moetrain.errors import ConfigError
 from moetrain.presets import resolve_config
-from moetrain.testing.distributed import run_distributed
 
 STEPS = 20
 DOCS = "data.document_masking=true"

@@ -4,9 +4,8 @@ trains as the ddp stack does (two gloo ranks, CPU)."""
 
 import torch
 from conftest import tiny_overrides
-
-from moetrain.testing.distributed import call_each, run_distributed
-from moetrain.testing.steps import synthetic_batches
+from support.distributed import call_each, run_distributed
+from support.steps import synthetic_batches
 
 
 def _run(args):

@@ -2,9 +2,9 @@
 whose counter stands still."""
 
 import torch.distributed as dist
+from support.distributed import run_distributed
 
 from moetrain.parallel import distributed as md
-from moetrain.testing.distributed import run_distributed
 
 
 def _watch():

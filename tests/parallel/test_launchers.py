@@ -8,10 +8,10 @@ import subprocess
 import sys
 
 import pytest
+from support.distributed import free_port
 
 from moetrain.errors import ConfigError
 from moetrain.parallel.distributed import adopt_launcher_env, first_slurm_host
-from moetrain.testing.distributed import free_port
 
 
 @pytest.mark.parametrize(

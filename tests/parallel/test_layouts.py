@@ -4,11 +4,11 @@ within 1e-5 relative, parameters after the steps within 1e-5 (relative or absolu
 
 import pytest
 import torch
+from support.distributed import run_distributed
 
 from moetrain.errors import ConfigError
 from moetrain.layout_check import GROUPS, group_norm_probe
 from moetrain.presets import resolve_config
-from moetrain.testing.distributed import run_distributed
 
 STEPS = 5
 

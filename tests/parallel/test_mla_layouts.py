@@ -6,9 +6,8 @@ final parameters, with the tolerances of tests/parallel/test_layouts.py; so does
 DeepSeek-V3's group-limited routing and routed scale."""
 
 import pytest
+from support.distributed import run_distributed
 from test_layouts import check, rank_layouts, single_run
-
-from moetrain.testing.distributed import run_distributed
 
 MLA = [
     "model.attention=mla",

@@ -6,9 +6,8 @@ over 5 steps — losses (the logged multi-token one too), gradient norms and fin
 with the tolerances of tests/parallel/test_layouts.py."""
 
 import pytest
+from support.distributed import run_distributed
 from test_layouts import check, rank_layouts, single_run
-
-from moetrain.testing.distributed import run_distributed
 
 MTP = ["model.mtp_depth=2", "model.mtp_loss_weight=0.5", "model.embedding_norm=true"]
 LAYOUTS = {

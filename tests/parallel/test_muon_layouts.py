@@ -11,8 +11,7 @@
 import shutil
 
 import pytest
-
-from moetrain.testing.distributed import run_distributed
+from support.distributed import run_distributed
 
 SHARD = "parallel.shard_optimizer=true"
 FSDP = "parallel.stack=fsdp"

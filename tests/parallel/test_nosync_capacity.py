@@ -16,10 +16,9 @@ import weakref
 
 import pytest
 import torch
+from support.distributed import NaNGradOnPadding, run_distributed
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-
-from moetrain.testing.distributed import NaNGradOnPadding, run_distributed
 
 E, K, F = 16, 2, 16
 N = 64
@@ -246,8 +245,9 @@ def layer_counts_drops(rank, R, group):
 
 
 def check_no_host_sync(rank, R, group):
+    from support.host_sync import forbid_host_sync
+
     from moetrain.parallel.nosync_dispatcher import NoSyncDispatcher
-    from moetrain.testing.host_sync import forbid_host_sync
 
     C, W = (
         NoSyncDispatcher(E, group, group, BOUNDED).capacity(N, K),

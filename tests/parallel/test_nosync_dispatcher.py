@@ -12,17 +12,16 @@ from unittest import mock
 
 import pytest
 import torch
+from support.distributed import NaNGradOnPadding, run_distributed
+from support.host_sync import HostSyncError, forbid_host_sync
 from torch import nn
-
-from moetrain.testing.distributed import NaNGradOnPadding, run_distributed
-from moetrain.testing.host_sync import HostSyncError, forbid_host_sync
 
 D, E, K, F = 32, 8, 2, 16
 B, T = 2, 16
 TOL = 1e-6
 
 
-# --- the host-sync detector (src/moetrain/testing/host_sync.py) -----------------------------------
+# --- the host-sync detector (tests/support/host_sync.py) -----------------------------------
 
 
 class _ItemInBackward(torch.autograd.Function):

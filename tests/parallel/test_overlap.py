@@ -20,6 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from support.distributed import run_distributed
 from test_nosync_capacity import (
     BOUNDED,
     TOL,
@@ -34,8 +35,6 @@ from test_nosync_capacity import (
     relative_diff,
     routing_ids,
 )
-
-from moetrain.testing.distributed import run_distributed
 
 DEFER = "compute.defer_expert_weight_grad=true"
 
@@ -220,8 +219,9 @@ def schedule(rank, R, group):
 
 
 def no_sync_and_memory(rank, R, group):
+    from support.host_sync import forbid_host_sync
+
     from moetrain.model.experts import GroupedExperts
-    from moetrain.testing.host_sync import forbid_host_sync
 
     disp = dispatcher(group, 2, BOUNDED)
     ids_NK, x0, w0, g = inputs("skewed", rank, R, disp.capacity(N, K), disp.block_rows(N, K))

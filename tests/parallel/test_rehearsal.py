@@ -12,9 +12,8 @@ import json
 
 import pytest
 import torch
+from support.distributed import run_alone, run_distributed
 from test_layouts import layout_cfg
-
-from moetrain.testing.distributed import run_alone, run_distributed
 
 LAYOUTS = {
     "dp2·ep2": (["parallel.ep=2"], 3),
@@ -31,10 +30,10 @@ def rank_fingerprint(data_dir, run_dir, extra, rehearse_rank=None):
     """What this rank ran and holds (see the module docstring); `rehearse_rank`: rehearse that
     rank of 4 alone."""
     import torch.distributed as dist
+    from support.op_trace import RankTrace
 
     from moetrain.parallel.fsdp import is_sharded
     from moetrain.parallel.rehearsal import Rehearsal
-    from moetrain.testing.op_trace import RankTrace
     from moetrain.train.checkpoint_index import SafeFileSystemReader
     from moetrain.train.trainer import Trainer
 

@@ -2,9 +2,8 @@
 data, expert, pipeline and context parallelism, on gloo CPU ranks: dp2·ep2, pp2 and cp2 reproduce
 the single process over 5 steps, with the tolerances of tests/parallel/test_layouts.py."""
 
+from support.distributed import run_distributed
 from test_layouts import check, rank_layouts, single_run
-
-from moetrain.testing.distributed import run_distributed
 
 SINKS = [
     "model.attention_sinks=true",

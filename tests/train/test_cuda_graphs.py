@@ -10,11 +10,11 @@ import math
 
 import pytest
 import torch
+from support.graph_emulator import EmulatedGraph, FreedBeforeReplay, HostReadInCapture
+from support.steps import synthetic_batches
 
 from moetrain.errors import ConfigError
 from moetrain.parallel.dims import ParallelDims, ParallelState
-from moetrain.testing.graph_emulator import EmulatedGraph, FreedBeforeReplay, HostReadInCapture
-from moetrain.testing.steps import synthetic_batches
 from moetrain.train.cuda_graphs import AUTO_MIN_GAIN, WARMUP_STEPS, StepGraph
 from moetrain.train.engine import TrainEngine
 

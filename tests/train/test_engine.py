@@ -3,10 +3,10 @@ round-trips bit for bit, routing switches by a method, and a step can close with
 
 import pytest
 import torch
+from support.steps import synthetic_batches
 
 from moetrain.model.config import Routing
 from moetrain.parallel.dims import ParallelDims, ParallelState
-from moetrain.testing.steps import synthetic_batches
 from moetrain.train.engine import TrainEngine
 
 

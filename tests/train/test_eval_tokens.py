@@ -12,9 +12,9 @@ tolerance tells them apart with room on both sides.
 import pytest
 import torch
 from conftest import tiny_overrides
+from support.distributed import run_distributed
 
 from moetrain.presets import resolve_config
-from moetrain.testing.distributed import run_distributed
 from moetrain.train.callbacks import Evaluator
 from moetrain.train.trainer import Trainer
 

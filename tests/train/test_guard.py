@@ -172,7 +172,7 @@ def _fsdp_fused(data_dir, run_dir):
 
 
 def test_fsdp_with_fused_adamw_clips_in_the_kernel_and_skips_on_the_device(real_text_dir, tmp_path):
-    from moetrain.testing.distributed import run_distributed
+    from support.distributed import run_distributed
 
     for r in run_distributed(_fsdp_fused, 2, str(real_text_dir), str(tmp_path / "run")):
         assert min(r["norms_False"]) > 0.05  # clipping was active

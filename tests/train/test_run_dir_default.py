@@ -4,10 +4,10 @@ import json
 
 import pytest
 from conftest import tiny_overrides
+from support.distributed import run_distributed
 
 from moetrain.cli import main
 from moetrain.presets import resolve_config, run_name
-from moetrain.testing.distributed import run_distributed
 from moetrain.train.metrics import read_metrics
 from moetrain.train.run_dir import default_run_dir
 from moetrain.train.trainer import Trainer

@@ -9,7 +9,7 @@ for the whole run:
 
 - the parameters, AdamW's moments and step counts, the split masters' buffers, the step guard's
   history and the router biases are allocated once and written in place (checked on the CPU
-  through `moetrain.testing.graph_emulator` by tests/train/test_cuda_graphs.py);
+  through `tests/support/graph_emulator.py` by tests/train/test_cuda_graphs.py);
 - the learning rate is a 0-d device tensor the optimizer reads (`put_lr_on_device`);
 - what the captured step allocates comes from the graph's own memory, the same in every replay.
 
@@ -51,7 +51,7 @@ class GradientOffCaptureStream(CaptureFailed):
 
 class GraphBackend(Protocol):
     """What `StepGraph` needs of a graph: `CudaGraph` on the GPU, `EmulatedGraph`
-    (src/moetrain/testing/graph_emulator.py) in tests on the CPU."""
+    (tests/support/graph_emulator.py) in tests on the CPU."""
 
     def capture(self, fn: Callable[[], tuple]) -> tuple:
         """Record `fn` (its device work is not run) and return its result, which each replay
