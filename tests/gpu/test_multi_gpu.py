@@ -83,3 +83,29 @@ def test_nosync_matches_the_exact_dispatcher_on_two_gpus():
     for r in run_distributed(compare_on_gpus, 2, backend="nccl", timeout_s=300):
         for name, v in r.items():
             assert v["finite"] and v["max_rel"] < 1e-2, (name, v)
+
+
+def _check_layout_on_gpus(data_dir):
+    """`moetrain check-layout tiny --parallel.ep=2` on this rank's GPU, its one-process reference
+    on the first: (exit code, stdout)."""
+    import contextlib
+    import io
+
+    from moetrain.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        argv = ["check-layout", "tiny", f"--data.sources=[{data_dir}]", "--device=cuda", "--steps=3"]
+        code = main([*argv, "--parallel.ep=2", "--json"])
+    return code, out.getvalue()
+
+
+def test_check_layout_passes_an_expert_parallel_layout_over_nccl(real_text_dir):
+    """The command users run before a large job, on two GPUs: dp2·ep2 against one process, each
+    quantity within the bf16 tolerance."""
+    import json
+
+    (code, out), (code1, out1) = run_distributed(_check_layout_on_gpus, 2, real_text_dir, backend="nccl", timeout_s=600)
+    assert (code, code1, out1) == (0, 0, ""), out
+    result = json.loads(out)
+    assert result["ok"] and result["failed"] == [] and result["world_size"] == 2, result
