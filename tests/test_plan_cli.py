@@ -227,3 +227,12 @@ def test_with_a_rounded_batch_the_search_finds_counts_that_are_not_powers_of_two
     assert "--train.global_batch_size=288" in flags
     again = plan(resolve_config("ref-tiny-64e", [f.removeprefix("--") for f in flags]), 48, gpu)
     assert again.layout == more.plan.layout and again.fits
+
+
+def test_attention_sinks_are_said_to_be_priced_as_flash_attention(capsys):
+    """The planner prices attention as FlashAttention's; with sinks SDPA's masked kernels run it on
+    a GPU, and the plan says so."""
+    _, _, err = run_plan(capsys, "tiny", "--gpus", "1", "--no-suggest", "--model.attention_sinks=true")
+    assert "note: model.attention_sinks" in err and "not measured" in err
+    _, _, err = run_plan(capsys, "tiny", "--gpus", "1", "--no-suggest")
+    assert "attention_sinks" not in err

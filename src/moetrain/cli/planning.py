@@ -237,6 +237,12 @@ def cmd_plan(argv: list[str]) -> int:
     configs = [_plan_config(args, overrides, n) for n in counts]
     run = resolve_config(args.spec, overrides, validate=False)  # the run's length as given, before any batch note
     run_tokens = run.train.steps * run.train.global_batch_size * run.data.seq_len
+    if run.model.attention_sinks:
+        print(
+            "note: model.attention_sinks: attention is priced as FlashAttention's, but on a GPU SDPA's masked kernels "
+            "run it (src/moetrain/model/sinks.py), slower by an amount not measured, with a (T, T + 1) mask a layer.",
+            file=sys.stderr,
+        )
     from moetrain.plan.report import Budget
 
     gpu = _planner_gpu(args.gpu, custom)
