@@ -72,8 +72,7 @@ class TokenLoader:
             for tf in self.files:
                 check_vocab(tf, vocab_size)
         self.num_windows_K = np.array([tf.num_windows(self.seq_len) for tf in self.files])
-        weights = cfg.weights if cfg.weights is not None else self.num_windows_K
-        weights_K = np.asarray(weights, dtype=np.float64)
+        weights_K = np.asarray(self.num_windows_K if cfg.weights is None else cfg.weights, dtype=np.float64)
         self.probs_K = weights_K / weights_K.sum()
         self._fingerprint = {
             "seed": seed,
@@ -95,11 +94,6 @@ class TokenLoader:
     def tokenizer_path(self) -> Path | None:
         """The tokenizer.json the data was made with (the first source's; all share it)."""
         return self.files[0].tokenizer_path
-
-    @property
-    def sample_index(self) -> int:
-        """Number of global samples consumed so far (over all ranks)."""
-        return self._sample_index
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's `(inputs_BT, targets_BT)`, int64 CPU tensors, targets shifted by one."""
@@ -235,13 +229,12 @@ def _check_batch(micro_batch_size: int, dp_rank: int, dp_size: int) -> None:
 
 def _check_same_tokenizer(files: list[TokenFile]) -> None:
     """Mixing ids of two tokenizers trains on garbage without any error: refuse it."""
-    digests = {}
-    for tf in files:
-        path = tf.tokenizer_path
-        if path is not None and path.is_file():
-            digests[tf.path] = hashlib.blake2b(path.read_bytes(), digest_size=8).hexdigest()
-    eos_ids = {tf.path: tf.eos_id for tf in files}
-    for what, values in (("tokenizer.json", digests), ("eos_id", eos_ids)):
+    digests = {
+        tf.path: hashlib.blake2b(tf.tokenizer_path.read_bytes(), digest_size=8).hexdigest()
+        for tf in files
+        if tf.tokenizer_path is not None and tf.tokenizer_path.is_file()
+    }
+    for what, values in (("tokenizer.json", digests), ("eos_id", {tf.path: tf.eos_id for tf in files})):
         if len(set(values.values())) > 1:
             first = next(iter(values))
             other = next(p for p, v in values.items() if v != values[first])

@@ -46,12 +46,8 @@ from moetrain.destinations import check_directory, check_overwrite, existing_ent
 from moetrain.errors import ConfigError, DataError, MoetrainError, file_kind, require
 
 TEXT_SUFFIXES = (".txt", ".rst", ".md")
-JSONL_SUFFIX = ".jsonl"
-PARQUET_SUFFIX = ".parquet"
-NPY_SUFFIX = ".npy"
-ARROW_SUFFIX = ".arrow"
-"""The record-batch stream files of a `datasets.save_to_disk` directory."""
-READ_SUFFIXES = (*TEXT_SUFFIXES, JSONL_SUFFIX, PARQUET_SUFFIX, NPY_SUFFIX, ARROW_SUFFIX)
+READ_SUFFIXES = (*TEXT_SUFFIXES, ".jsonl", ".parquet", ".npy", ".arrow")
+"""What prepare-data reads; .arrow: the record-batch stream files of a `datasets.save_to_disk` directory."""
 SNIFF_BYTES = 8192
 """Bytes read from a file without an extension to decide whether it is UTF-8 text."""
 BATCH_DOCS = 256
@@ -115,17 +111,10 @@ def main(argv: list[str]) -> int:
     start = time.perf_counter()
     options = {k: v for k, v in vars(args).items() if k not in ("inputs", "out", "force")}  # named as the flags
     meta = prepare_data(args.inputs, args.out, **options)
-    splits = meta["splits"]
-    summary = {
-        "out": str(args.out),
-        "vocab_size": meta["vocab_size"],
-        "train_tokens": splits["train"]["num_tokens"],
-        "train_documents": splits["train"]["num_documents"],
-        "val_tokens": splits["val"]["num_tokens"],
-        "val_documents": splits["val"]["num_documents"],
-        "seconds": round(time.perf_counter() - start, 2),
-    }
-    print(json.dumps(summary))
+    summary = {"out": str(args.out), "vocab_size": meta["vocab_size"]}
+    for s, counts in meta["splits"].items():  # train, then val
+        summary |= {f"{s}_tokens": counts["num_tokens"], f"{s}_documents": counts["num_documents"]}
+    print(json.dumps(summary | {"seconds": round(time.perf_counter() - start, 2)}))
     return 0
 
 
@@ -152,14 +141,14 @@ def prepare_data(
     out instead (meta.json's `skipped` lists them with what a directory held that is not read)."""
     _check_arguments(out, val_frac=val_frac, workers=workers, tokenizer=tokenizer, vocab_size=vocab_size, eos_id=eos_id)
     files, skipped = _input_files(inputs, default_corpus=default_corpus, progress=progress, skip_bad=skip_bad)
-    if tokenizer is None and any(path.suffix == NPY_SUFFIX for path, _ in files):
+    if tokenizer is None and any(path.suffix == ".npy" for path, _ in files):
         raise ConfigError(
             "The .npy inputs are already tokenized: pass --tokenizer FILE, the tokenizer.json that "
             "made them (its vocabulary sizes the model; its EOS id, or --eos-id, separates documents)."
         )
-    tok = _load_external_tokenizer(Path(tokenizer)) if tokenizer is not None else None
-    if tok is not None:
-        eos_id = _resolve_eos(tok, tokenizer, eos_token, eos_id)
+    tok = None
+    if tokenizer is not None:
+        tok, eos_id = _external_tokenizer(tokenizer, eos_token, eos_id)
 
     def documents() -> Iterator[Document]:
         return iter_documents(files, text_key=text_key, default_corpus=default_corpus, eos_id=eos_id)
@@ -184,16 +173,8 @@ def prepare_data(
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    counts = _write_splits(
-        tok,
-        _batches(documents(), batch_docs, batch_bytes),
-        split,
-        out,
-        dtype=dtype,
-        eos_id=eos_id,
-        progress=progress,
-        workers=workers,
-    )
+    batches = _batches(documents(), batch_docs, batch_bytes)
+    counts = _write_splits(tok, batches, split, out, dtype=dtype, eos_id=eos_id, progress=progress, workers=workers)
     meta = {
         "format": FORMAT,
         "dtype": dtype.name,
@@ -210,15 +191,7 @@ def prepare_data(
     return meta
 
 
-def _check_arguments(
-    out: str | os.PathLike,
-    *,
-    val_frac: float,
-    workers: int,
-    tokenizer: str | os.PathLike | None,
-    vocab_size: int,
-    eos_id: int | None,
-) -> None:
+def _check_arguments(out, *, val_frac: float, workers: int, tokenizer, vocab_size: int, eos_id: int | None) -> None:
     """`prepare_data`'s arguments, before any work."""
     check_directory(out, "Output directory", "Pass --out a directory you can write")
     if not 0.0 <= val_frac < 1.0:
@@ -245,7 +218,7 @@ def _input_files(
     or with `skip_bad` skipped."""
     skipped: list[str] = []
     files = collect_files(inputs, skipped)
-    bad = {path: why for path, why in map(_utf8_problem, files) if why}
+    bad = {path: why for path, _ in files if (why := _utf8_problem(path))}
     if bad and not skip_bad:
         raise DataError(
             f"{len(bad)} input file(s) are not UTF-8: {_listed([f'{p} ({why})' for p, why in bad.items()])}. "
@@ -271,25 +244,24 @@ def _listed(items: list[str], at_most: int = 10) -> str:
     return "; ".join(items[:at_most]) + (f"; and {len(items) - at_most} more" if len(items) > at_most else "")
 
 
-def _utf8_problem(file: tuple[Path, str]) -> tuple[Path, str | None]:
-    """(path, why it is not UTF-8 text, or None) for a text or .jsonl input (others: None), read
-    in 1 MiB pieces."""
-    path = file[0]
-    if path.suffix in (PARQUET_SUFFIX, ARROW_SUFFIX, NPY_SUFFIX):
-        return path, None
+def _utf8_problem(path: Path) -> str | None:
+    """Why a text or .jsonl input is not UTF-8 text, or None (and for other inputs), read in 1 MiB
+    pieces."""
+    if path.suffix in (".parquet", ".arrow", ".npy"):
+        return None
     decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
     with open(path, "rb") as f:
         while piece := f.read(1 << 20):
             try:
                 decoder.decode(piece)
             except UnicodeDecodeError as e:
-                return path, f"not UTF-8: {e.reason} at byte {offset + e.start}"
+                return f"not UTF-8: {e.reason} at byte {offset + e.start}"
             offset += len(piece)
     try:
         decoder.decode(b"", final=True)
     except UnicodeDecodeError as e:
-        return path, f"not UTF-8: {e.reason} at its end"
-    return path, None
+        return f"not UTF-8: {e.reason} at its end"
+    return None
 
 
 def collect_files(inputs: Iterable[str | os.PathLike], skipped: list[str] | None = None) -> list[tuple[Path, str]]:
@@ -297,6 +269,7 @@ def collect_files(inputs: Iterable[str | os.PathLike], skipped: list[str] | None
     order (hidden entries skipped), and what they hold that is not read is appended to `skipped`
     as "path (why)". Raises `DataError` for a missing path or a named file that cannot be read."""
     files: list[tuple[Path, str]] = []
+    skipped = [] if skipped is None else skipped
     for item in inputs:
         path = Path(item)
         if path.is_dir():
@@ -314,21 +287,17 @@ def collect_files(inputs: Iterable[str | os.PathLike], skipped: list[str] | None
                     if name.startswith("."):
                         continue
                     if not file.is_file():  # reading a FIFO would wait forever
-                        if skipped is not None:
-                            skipped.append(f"{file} ({file_kind(file)}, not a regular file)")
-                        continue
-                    why = _unreadable(file)
-                    if why is None:
-                        files.append((file, f"{root_name}/{file.relative_to(path).as_posix()}"))
-                    elif skipped is not None:
+                        skipped.append(f"{file} ({file_kind(file)}, not a regular file)")
+                    elif why := _unreadable(file):
                         skipped.append(f"{file} ({why})")
+                    else:
+                        files.append((file, f"{root_name}/{file.relative_to(path).as_posix()}"))
         elif path.is_file():
-            why = _unreadable(path)
-            if why is not None:
+            if why := _unreadable(path):
                 raise DataError(
                     f"Input '{path}' is not read: {why}. prepare-data reads {', '.join(TEXT_SUFFIXES)} "
-                    f"files and UTF-8 text files without an extension (one document each) and "
-                    f"{JSONL_SUFFIX} files (one document per line). Rename or convert it."
+                    "files and UTF-8 text files without an extension (one document each) and "
+                    ".jsonl files (one document per line). Rename or convert it."
                 )
             files.append((path, path.name))
         elif path.exists() or path.is_symlink():
@@ -356,11 +325,11 @@ def iter_documents(
     line, a .parquet file or a datasets .arrow file batch by batch; empty text documents are
     skipped (an empty token document is kept: its EOS is an input token)."""
     for path, name in files:
-        if path.suffix == JSONL_SUFFIX:
+        if path.suffix == ".jsonl":
             yield from _jsonl_documents(path, name, text_key)
-        elif path.suffix in (PARQUET_SUFFIX, ARROW_SUFFIX):
+        elif path.suffix in (".parquet", ".arrow"):
             yield from _table_documents(path, name, text_key)
-        elif path.suffix == NPY_SUFFIX:
+        elif path.suffix == ".npy":
             assert eos_id is not None, "prepare_data resolves the EOS id before reading .npy inputs"
             yield from _token_documents(path, name, eos_id)
         else:
@@ -582,12 +551,11 @@ def _encode(tok, docs: list) -> list:
 def _encode_batch(tok, batch: list[tuple[int, str, Any]]):
     """A batch of (position, name, document) → ([(position, name, is_text, bytes)], ids per
     document): what the writer needs, without the texts (which a worker need not send back)."""
-    docs = [d for _, _, d in batch]
     info = [
         (pos, name, isinstance(d, str), len(d.encode("utf-8")) if isinstance(d, str) else d.nbytes)
         for pos, name, d in batch
     ]
-    return info, _encode(tok, docs)
+    return info, _encode(tok, [d for _, _, d in batch])
 
 
 def _in_order(pool, batches, depth: int):
@@ -655,7 +623,7 @@ def _table_documents(path: Path, name: str, text_key: str) -> Iterator[Document]
     at a time; documents named file:row (from 1)."""
     pa = require("pyarrow", f"prepare-data reading '{path}'")
     try:
-        if path.suffix == PARQUET_SUFFIX:
+        if path.suffix == ".parquet":
             pq = require("pyarrow.parquet", f"prepare-data reading '{path}'")
             table = pq.ParquetFile(path)
             columns = table.schema_arrow.names
@@ -709,13 +677,26 @@ def _token_documents(path: Path, name: str, eos_id: int) -> Iterator[Document]:
         yield f"{name}:{len(ends) + 1}", ids[start:]
 
 
-def _resolve_eos(tok, tokenizer, eos_token: str | None, eos_id: int | None) -> int:
-    """The id that ends documents: --eos-id, else the id of --eos-token (default <|endoftext|>)."""
+def _external_tokenizer(tokenizer: str | os.PathLike, eos_token: str | None, eos_id: int | None):
+    """(the --tokenizer file's tokenizer, the id that ends documents: --eos-id, else the id of
+    --eos-token (default <|endoftext|>))."""
+    from tokenizers import Tokenizer
+
+    path = Path(tokenizer)
+    if not path.is_file():
+        raise DataError(f"--tokenizer '{path}' does not exist. Give a tokenizer.json file.")
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:  # the Rust library raises a plain Exception
+        raise DataError(
+            f"--tokenizer '{path}' is not a Hugging Face tokenizers file ({e}). Give the "
+            "tokenizer.json of a `tokenizers` tokenizer, or leave --tokenizer out to train one."
+        ) from None
     vocab = tok.get_vocab_size()
     if eos_id is not None:
         if not 0 <= eos_id < vocab:
             raise ConfigError(f"--eos-id={eos_id} is not an id of '{tokenizer}' (its vocabulary: 0..{vocab - 1}).")
-        return eos_id
+        return tok, eos_id
     eos_token = eos_token or EOS_TOKEN
     found = tok.token_to_id(eos_token)
     if found is None:
@@ -723,21 +704,7 @@ def _resolve_eos(tok, tokenizer, eos_token: str | None, eos_id: int | None) -> i
             f"Tokenizer '{tokenizer}' has no token {eos_token!r} to end documents with. Name its "
             "end-of-document token with --eos-token NAME (for example --eos-token '</s>'), or its id with --eos-id."
         )
-    return found
-
-
-def _load_external_tokenizer(path: Path):
-    from tokenizers import Tokenizer
-
-    if not path.is_file():
-        raise DataError(f"--tokenizer '{path}' does not exist. Give a tokenizer.json file.")
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as e:  # the Rust library raises a plain Exception
-        raise DataError(
-            f"--tokenizer '{path}' is not a Hugging Face tokenizers file ({e}). Give the "
-            "tokenizer.json of a `tokenizers` tokenizer, or leave --tokenizer out to train one."
-        ) from None
+    return tok, found
 
 
 if __name__ == "__main__":

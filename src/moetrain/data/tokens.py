@@ -200,7 +200,6 @@ def write_token_dir(
     *,
     vocab_size: int,
     eos_id: int,
-    num_documents: dict[str, int] | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
     """Write in-memory ids as a prepared directory (`splits`: name -> 1-D ids); for tests and
@@ -208,23 +207,13 @@ def write_token_dir(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     dtype = dtype_for_vocab(vocab_size)
-    meta: dict[str, Any] = {
-        "format": FORMAT,
-        "dtype": dtype.name,
-        "vocab_size": vocab_size,
-        "eos_id": eos_id,
-        "tokenizer": None,
-        "splits": {},
-    }
+    counts = {}
     for name, ids in splits.items():
         ids_N = np.asarray(ids).astype(dtype)
         ids_N.tofile(directory / f"{name}.bin")
-        meta["splits"][name] = {
-            "file": f"{name}.bin",
-            "num_tokens": int(ids_N.shape[0]),
-            "num_documents": (num_documents or {}).get(name, int((ids_N == eos_id).sum())),
-        }
-    meta.update(extra)
+        counts[name] = {"file": f"{name}.bin", "num_tokens": len(ids_N), "num_documents": int((ids_N == eos_id).sum())}
+    meta = {"format": FORMAT, "dtype": dtype.name, "vocab_size": vocab_size, "eos_id": eos_id, "tokenizer": None}
+    meta |= {"splits": counts, **extra}
     write_meta(directory, meta)
     return meta
 
