@@ -189,28 +189,18 @@ def val_batches(
     if vocab_size is not None:
         check_vocab(tf, vocab_size)
     num_sequences = min(num_sequences, tf.num_windows(seq_len))
-    rows = micro_batch_size // dp_size
-    full, left = divmod(num_sequences, micro_batch_size)
-    # (first window of rank 0, rows per rank) of each batch.
-    plan = [(b * micro_batch_size, rows) for b in range(full)]
+    rows, (full, left) = micro_batch_size // dp_size, divmod(num_sequences, micro_batch_size)
+    # (first window of this rank, its rows, the rows that count) of each batch.
+    plan = [(b * micro_batch_size + dp_rank * rows, rows, rows) for b in range(full)]
     if left >= dp_size:
-        plan.append((full * micro_batch_size, left // dp_size))
-    stragglers = left % dp_size
-
-    def batch(first: int, num_rows: int, counted: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        windows = [tf.window(j, seq_len) for j in range(first, first + num_rows)]
-        return (*_to_batch(windows, [tf] * num_rows, vocab_size), counted)
-
-    def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
-        for first, num_rows in plan:
-            yield batch(first + dp_rank * num_rows, num_rows, num_rows)
-        if stragglers:
-            if dp_rank < stragglers:
-                yield batch(num_sequences - stragglers + dp_rank, 1, 1)
-            else:
-                yield batch(0, 1, 0)
-
-    return batches()
+        rows = left // dp_size
+        plan.append((full * micro_batch_size + dp_rank * rows, rows, rows))
+    if stragglers := left % dp_size:
+        plan.append((num_sequences - stragglers + dp_rank, 1, 1) if dp_rank < stragglers else (0, 1, 0))
+    return (
+        (*_to_batch([tf.window(j, seq_len) for j in range(first, first + n)], [tf] * n, vocab_size), counted)
+        for first, n, counted in plan
+    )
 
 
 # ---- internals ---------------------------------------------------------------------------

@@ -70,35 +70,26 @@ def main(argv: list[str]) -> int:
         prog="moetrain prepare-data",
         description="Tokenize text files into train.bin / val.bin / meta.json / tokenizer.json.",
     )
-    parser.add_argument(
+    add = parser.add_argument
+    add(
         "inputs",
         nargs="*",
         metavar="INPUT",
         help="text files (.txt .rst .md or no extension), .jsonl, .parquet, datasets directories "
         "(save_to_disk), tokenized .npy files, or directories holding them",
     )
-    parser.add_argument("--out", required=True, metavar="DIR", help="output directory")
-    parser.add_argument(
-        "--tokenizer", metavar="FILE", help="an existing Hugging Face tokenizers file (default: train a BPE)"
-    )
-    parser.add_argument(
-        "--vocab-size", type=int, default=8192, help="vocabulary size of the trained BPE (default 8192)"
-    )
-    parser.add_argument(
-        "--val-frac", type=float, default=0.02, help="fraction of documents held out for validation (default 0.02)"
-    )
-    parser.add_argument("--text-key", default="text", help="text field of .jsonl records, column of .parquet/datasets")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the train/val split")
-    parser.add_argument("--default-corpus", action="store_true", help=f"add the embedded corpus: {CORPUS_SUMMARY}")
-    parser.add_argument(
-        "--eos-token", metavar="NAME", help=f"end-of-document token of --tokenizer (default {EOS_TOKEN})"
-    )
-    parser.add_argument(
-        "--eos-id", type=int, metavar="N", help="the id that ends documents in .npy inputs (default: the tokenizer's)"
-    )
-    parser.add_argument("--workers", type=int, default=1, metavar="N", help="tokenizer processes (default 1)")
-    parser.add_argument("--force", action="store_true", help="replace the token files already in --out")
-    parser.add_argument(
+    add("--out", required=True, metavar="DIR", help="output directory")
+    add("--tokenizer", metavar="FILE", help="an existing Hugging Face tokenizers file (default: train a BPE)")
+    add("--vocab-size", type=int, default=8192, help="vocabulary size of the trained BPE (default 8192)")
+    add("--val-frac", type=float, default=0.02, help="fraction of documents held out for validation (default 0.02)")
+    add("--text-key", default="text", help="text field of .jsonl records, column of .parquet/datasets")
+    add("--seed", type=int, default=0, help="seed of the train/val split")
+    add("--default-corpus", action="store_true", help=f"add the embedded corpus: {CORPUS_SUMMARY}")
+    add("--eos-token", metavar="NAME", help=f"end-of-document token of --tokenizer (default {EOS_TOKEN})")
+    add("--eos-id", type=int, metavar="N", help="the id that ends documents in .npy inputs (default: the tokenizer's)")
+    add("--workers", type=int, default=1, metavar="N", help="tokenizer processes (default 1)")
+    add("--force", action="store_true", help="replace the token files already in --out")
+    add(
         "--skip-bad",
         action="store_true",
         help="leave out input files that are not UTF-8 (named on stderr and in meta.json's skipped) instead of "
@@ -210,9 +201,7 @@ def _check_arguments(out, *, val_frac: float, workers: int, tokenizer, vocab_siz
         )
 
 
-def _input_files(
-    inputs: Sequence[str | os.PathLike], *, default_corpus: bool, progress: bool, skip_bad: bool
-) -> tuple[list, list[str]]:
+def _input_files(inputs, *, default_corpus: bool, progress: bool, skip_bad: bool) -> tuple[list, list[str]]:
     """(the files of `inputs` prepare-data reads (`collect_files`), what it skips as "path
     (why)"); what it skips is said once. Text files that are not UTF-8 are refused all at once,
     or with `skip_bad` skipped."""
