@@ -62,15 +62,12 @@ class TokenLoader:
         _check_batch(micro_batch_size, dp_rank, dp_size)
         if seed < 0:
             raise ConfigError(f"The data seed must be a non-negative integer, got {seed}.")
-        self.seq_len = cfg.seq_len
-        self.micro_batch_size = micro_batch_size
+        self.seq_len, self.micro_batch_size, self.vocab_size = cfg.seq_len, micro_batch_size, vocab_size
         self.seed, self.dp_rank, self.dp_size = seed, dp_rank, dp_size
-        self.vocab_size = vocab_size
         self.files: list[TokenFile] = [open_source(p, "train", seq_len=cfg.seq_len) for p in cfg.sources]
         _check_same_tokenizer(self.files)
-        if vocab_size is not None:
-            for tf in self.files:
-                check_vocab(tf, vocab_size)
+        for tf in self.files:
+            check_vocab(tf, vocab_size)
         self.num_windows_K = np.array([tf.num_windows(self.seq_len) for tf in self.files])
         weights_K = np.asarray(self.num_windows_K if cfg.weights is None else cfg.weights, dtype=np.float64)
         self.probs_K = weights_K / weights_K.sum()
@@ -186,8 +183,7 @@ def val_batches(
     if num_sequences < 1:
         raise ConfigError(f"The number of validation sequences must be >= 1, got {num_sequences}.")
     tf = open_source(path, "val", seq_len=seq_len)
-    if vocab_size is not None:
-        check_vocab(tf, vocab_size)
+    check_vocab(tf, vocab_size)
     num_sequences = min(num_sequences, tf.num_windows(seq_len))
     rows, (full, left) = micro_batch_size // dp_size, divmod(num_sequences, micro_batch_size)
     # (first window of this rank, its rows, the rows that count) of each batch.

@@ -271,10 +271,8 @@ def collect_files(inputs: Iterable[str | os.PathLike], skipped: list[str] | None
                     files += [(file, f"{prefix}/{file.name}") for file in arrow]
                     dirnames[:] = [] if (Path(dirpath) / "state.json").is_file() else dirnames
                     continue
-                for name in sorted(filenames):
+                for name in sorted(n for n in filenames if not n.startswith(".")):
                     file = Path(dirpath) / name
-                    if name.startswith("."):
-                        continue
                     if not file.is_file():  # reading a FIFO would wait forever
                         skipped.append(f"{file} ({file_kind(file)}, not a regular file)")
                     elif why := _unreadable(file):
@@ -628,19 +626,15 @@ def _table_documents(path: Path, name: str, text_key: str) -> Iterator[Document]
             f"Input '{path}' has no column {text_key!r} (columns: {', '.join(columns)}). Name the "
             "column holding the text with --text-key."
         )
-    row = 0
-    for batch in batches:
-        for text in batch.column(text_key).to_pylist():
-            row += 1
-            if text is None:
-                continue
-            if not isinstance(text, str):
-                raise DataError(
-                    f"{path}, row {row}: column {text_key!r} holds {type(text).__name__}, not text. "
-                    "Name the text column with --text-key."
-                )
-            if text:
-                yield f"{name}:{row}", text
+    texts = (text for batch in batches for text in batch.column(text_key).to_pylist())
+    for row, text in enumerate(texts, start=1):
+        if text is not None and not isinstance(text, str):
+            raise DataError(
+                f"{path}, row {row}: column {text_key!r} holds {type(text).__name__}, not text. "
+                "Name the text column with --text-key."
+            )
+        if text:
+            yield f"{name}:{row}", text
 
 
 def _token_documents(path: Path, name: str, eos_id: int) -> Iterator[Document]:

@@ -103,37 +103,35 @@ def open_source(path: str | os.PathLike, split: str = "train", *, seq_len: int |
         where = "" if path.is_absolute() else f" (relative paths are read from the current directory, {Path.cwd()})"
         raise DataError(f"Token data '{path}' does not exist{where}. {PREPARE_HINT}.")
     if path.is_dir():
-        directory = path
-        meta = read_meta(directory)
+        directory, meta = path, read_meta(path)
         if split not in meta["splits"]:
             raise DataError(
                 f"'{directory / META_FILE}' has no split '{split}' (it has: "
                 f"{', '.join(sorted(meta['splits']))}). Re-run `moetrain prepare-data` into "
                 "this directory, or name one of the existing splits."
             )
-        file_name = meta["splits"][split]["file"]
     else:
         if path.suffix != ".bin":
             raise DataError(
                 f"'{path}' is neither a prepared directory nor a .bin token file. Tokenize text "
                 f"first: `moetrain prepare-data {path} --out DIR`, then use DIR as the source."
             )
-        directory, file_name = path.parent, path.name
-        meta = read_meta(directory)
-        matches = [name for name, s in meta["splits"].items() if s["file"] == file_name]
+        directory, meta = path.parent, read_meta(path.parent)
+        matches = [name for name, s in meta["splits"].items() if s["file"] == path.name]
         if not matches:
             raise DataError(
-                f"'{directory / META_FILE}' describes no split stored in '{file_name}' (files: "
+                f"'{directory / META_FILE}' describes no split stored in '{path.name}' (files: "
                 f"{', '.join(s['file'] for s in meta['splits'].values())}). Use the prepared "
                 "directory itself as the source, or re-run prepare-data."
             )
         split = matches[0]
-    return _open_split(directory / file_name, split, meta, seq_len)
+    return _open_split(directory / meta["splits"][split]["file"], split, meta, seq_len)
 
 
-def check_vocab(tf: TokenFile, model_vocab_size: int) -> None:
-    """Raise `DataError` if the data's vocabulary is bigger than the model's embedding."""
-    if tf.vocab_size > model_vocab_size:
+def check_vocab(tf: TokenFile, model_vocab_size: int | None) -> None:
+    """Raise `DataError` if the data's vocabulary is bigger than the model's embedding (None: no
+    model to check against)."""
+    if model_vocab_size is not None and tf.vocab_size > model_vocab_size:
         raise DataError(
             f"'{tf.path}' was tokenized with vocab_size {tf.vocab_size} (see its meta.json) but "
             f"model.vocab_size is {model_vocab_size}: ids up to {tf.vocab_size - 1} would index "
