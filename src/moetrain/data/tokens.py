@@ -193,12 +193,7 @@ def write_meta(directory: str | os.PathLike, meta: dict[str, Any]) -> None:
 
 
 def write_token_dir(
-    directory: str | os.PathLike,
-    splits: dict[str, Any],
-    *,
-    vocab_size: int,
-    eos_id: int,
-    **extra: Any,
+    directory: str | os.PathLike, splits: dict[str, Any], *, vocab_size: int, eos_id: int, **extra: Any
 ) -> dict[str, Any]:
     """Write in-memory ids as a prepared directory (`splits`: name -> 1-D ids); for tests and
     small tools. `prepare_data` streams instead. Returns the metadata."""
