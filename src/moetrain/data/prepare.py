@@ -383,8 +383,7 @@ class _Split:
     overrides: dict[int, bool]  # position in the document stream -> is_val
 
     def is_val(self, pos: int, name: str) -> bool:
-        forced = self.overrides.get(pos)
-        return forced if forced is not None else val_score(name, self.seed) < self.val_frac
+        return self.overrides.get(pos, val_score(name, self.seed) < self.val_frac)
 
 
 def _plan_split(documents: Iterator[Document], *, seed: int, val_frac: float) -> _Split:
@@ -413,8 +412,7 @@ def _plan_split(documents: Iterator[Document], *, seed: int, val_frac: float) ->
 
 def _batches(documents: Iterator[Document], max_docs: int, max_bytes: int):
     """Group `(position, name, text)` into lists of at most `max_docs` docs / ~`max_bytes`."""
-    batch: list[tuple[int, str, str]] = []
-    size = 0
+    batch, size = [], 0
     for pos, (name, text) in enumerate(documents):
         batch.append((pos, name, text))
         size += len(text)

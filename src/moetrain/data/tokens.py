@@ -149,10 +149,8 @@ def load_tokenizer(path: str | os.PathLike):
 
     path = Path(path)
     if path.is_dir():
-        name = "tokenizer.json"
-        if (path / META_FILE).is_file():
-            name = read_meta(path).get("tokenizer") or name
-        path = path / name
+        name = read_meta(path).get("tokenizer") if (path / META_FILE).is_file() else None
+        path = path / (name or "tokenizer.json")
     if not path.is_file():
         raise DataError(
             f"Tokenizer file '{path}' does not exist. `moetrain prepare-data` writes it next to "
