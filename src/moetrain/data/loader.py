@@ -95,14 +95,10 @@ class TokenLoader:
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's `(inputs_BT, targets_BT)`, int64 CPU tensors, targets shifted by one."""
         rows = self.micro_batch_size // self.dp_size
-        first = self.dp_rank * rows
-        windows, files = [], []
-        for j in range(self.micro_batch_size):
-            source, window = self._next_sample()  # every rank advances through all M samples
-            if first <= j < first + rows:
-                windows.append(self.files[source].window(window, self.seq_len))
-                files.append(self.files[source])
-        return _to_batch(windows, files, self.vocab_size)
+        samples = [self._next_sample() for _ in range(self.micro_batch_size)]  # every rank advances through all M
+        mine = samples[self.dp_rank * rows : (self.dp_rank + 1) * rows]
+        windows = [self.files[source].window(window, self.seq_len) for source, window in mine]
+        return _to_batch(windows, [self.files[source] for source, _ in mine], self.vocab_size)
 
     def state_dict(self) -> dict[str, Any]:
         """The position in the sample stream, as plain JSON types."""
@@ -133,8 +129,7 @@ class TokenLoader:
             )
         counters = [int(c) for c in state["counters"]]
         assert len(counters) == len(self.files) and sum(counters) == state["sample_index"]
-        self._sample_index = int(state["sample_index"])
-        self._counters_K = counters
+        self._sample_index, self._counters_K = int(state["sample_index"]), counters
         self._block, self._perms = None, {}
 
     # ---- the sample stream ---------------------------------------------------------------
@@ -150,8 +145,7 @@ class TokenLoader:
         epoch = c // n
         cached = self._perms.get(source)
         if cached is None or cached[0] != epoch:
-            cached = (epoch, np.random.default_rng([self.seed, source, epoch]).permutation(n))
-            self._perms[source] = cached
+            cached = self._perms[source] = (epoch, np.random.default_rng([self.seed, source, epoch]).permutation(n))
         self._counters_K[source] = c + 1
         self._sample_index = g + 1
         return source, int(cached[1][c % n])
