@@ -60,18 +60,8 @@ class DataConfig(Config):
         micro-batch of `micro_batch_size` sequences, this rank's rows of it."""
         from moetrain.data.loader import SyntheticLoader, TokenLoader
 
-        if self.synthetic:
-            return SyntheticLoader(
-                seq_len=self.seq_len,
-                micro_batch_size=micro_batch_size,
-                seed=seed,
-                vocab_size=vocab_size,
-                dp_rank=dp_rank,
-                dp_size=dp_size,
-            )
-        return TokenLoader(
-            self, micro_batch_size=micro_batch_size, seed=seed, vocab_size=vocab_size, dp_rank=dp_rank, dp_size=dp_size
-        )
+        kw = dict(micro_batch_size=micro_batch_size, seed=seed, vocab_size=vocab_size, dp_rank=dp_rank, dp_size=dp_size)
+        return SyntheticLoader(seq_len=self.seq_len, **kw) if self.synthetic else TokenLoader(self, **kw)
 
     def val_path(self) -> str | None:
         """Where validation tokens come from (None: no validation): `val`, else the first source
@@ -80,8 +70,7 @@ class DataConfig(Config):
 
         if self.synthetic or self.val is not None:
             return None if self.synthetic else self.val
-        first = self.sources[0] if self.sources else None
-        if first is None or not os.path.isfile(os.path.join(first, META_FILE)):
+        if not self.sources or not os.path.isfile(os.path.join(first := self.sources[0], META_FILE)):
             return None
         val = read_meta(first)["splits"].get("val")
         return first if val and val["num_tokens"] > 0 else None

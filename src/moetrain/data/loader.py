@@ -62,18 +62,14 @@ class TokenLoader:
         _check_batch(micro_batch_size, dp_rank, dp_size)
         if seed < 0:
             raise ConfigError(f"The data seed must be a non-negative integer, got {seed}.")
-        self.seq_len = cfg.seq_len
-        self.micro_batch_size = micro_batch_size
+        self.seq_len, self.micro_batch_size, self.vocab_size = cfg.seq_len, micro_batch_size, vocab_size
         self.seed, self.dp_rank, self.dp_size = seed, dp_rank, dp_size
-        self.vocab_size = vocab_size
         self.files: list[TokenFile] = [open_source(p, "train", seq_len=cfg.seq_len) for p in cfg.sources]
         _check_same_tokenizer(self.files)
-        if vocab_size is not None:
-            for tf in self.files:
-                check_vocab(tf, vocab_size)
+        for tf in self.files:
+            check_vocab(tf, vocab_size)
         self.num_windows_K = np.array([tf.num_windows(self.seq_len) for tf in self.files])
-        weights = cfg.weights if cfg.weights is not None else self.num_windows_K
-        weights_K = np.asarray(weights, dtype=np.float64)
+        weights_K = np.asarray(self.num_windows_K if cfg.weights is None else cfg.weights, dtype=np.float64)
         self.probs_K = weights_K / weights_K.sum()
         self._fingerprint = {
             "seed": seed,
@@ -96,22 +92,13 @@ class TokenLoader:
         """The tokenizer.json the data was made with (the first source's; all share it)."""
         return self.files[0].tokenizer_path
 
-    @property
-    def sample_index(self) -> int:
-        """Number of global samples consumed so far (over all ranks)."""
-        return self._sample_index
-
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's `(inputs_BT, targets_BT)`, int64 CPU tensors, targets shifted by one."""
         rows = self.micro_batch_size // self.dp_size
-        first = self.dp_rank * rows
-        windows, files = [], []
-        for j in range(self.micro_batch_size):
-            source, window = self._next_sample()  # every rank advances through all M samples
-            if first <= j < first + rows:
-                windows.append(self.files[source].window(window, self.seq_len))
-                files.append(self.files[source])
-        return _to_batch(windows, files, self.vocab_size)
+        samples = [self._next_sample() for _ in range(self.micro_batch_size)]  # every rank advances through all M
+        mine = samples[self.dp_rank * rows : (self.dp_rank + 1) * rows]
+        windows = [self.files[source].window(window, self.seq_len) for source, window in mine]
+        return _to_batch(windows, [self.files[source] for source, _ in mine], self.vocab_size)
 
     def state_dict(self) -> dict[str, Any]:
         """The position in the sample stream, as plain JSON types."""
@@ -142,8 +129,7 @@ class TokenLoader:
             )
         counters = [int(c) for c in state["counters"]]
         assert len(counters) == len(self.files) and sum(counters) == state["sample_index"]
-        self._sample_index = int(state["sample_index"])
-        self._counters_K = counters
+        self._sample_index, self._counters_K = int(state["sample_index"]), counters
         self._block, self._perms = None, {}
 
     # ---- the sample stream ---------------------------------------------------------------
@@ -159,8 +145,7 @@ class TokenLoader:
         epoch = c // n
         cached = self._perms.get(source)
         if cached is None or cached[0] != epoch:
-            cached = (epoch, np.random.default_rng([self.seed, source, epoch]).permutation(n))
-            self._perms[source] = cached
+            cached = self._perms[source] = (epoch, np.random.default_rng([self.seed, source, epoch]).permutation(n))
         self._counters_K[source] = c + 1
         self._sample_index = g + 1
         return source, int(cached[1][c % n])
@@ -192,31 +177,20 @@ def val_batches(
     if num_sequences < 1:
         raise ConfigError(f"The number of validation sequences must be >= 1, got {num_sequences}.")
     tf = open_source(path, "val", seq_len=seq_len)
-    if vocab_size is not None:
-        check_vocab(tf, vocab_size)
+    check_vocab(tf, vocab_size)
     num_sequences = min(num_sequences, tf.num_windows(seq_len))
-    rows = micro_batch_size // dp_size
-    full, left = divmod(num_sequences, micro_batch_size)
-    # (first window of rank 0, rows per rank) of each batch.
-    plan = [(b * micro_batch_size, rows) for b in range(full)]
+    rows, (full, left) = micro_batch_size // dp_size, divmod(num_sequences, micro_batch_size)
+    # (first window of this rank, its rows, the rows that count) of each batch.
+    plan = [(b * micro_batch_size + dp_rank * rows, rows, rows) for b in range(full)]
     if left >= dp_size:
-        plan.append((full * micro_batch_size, left // dp_size))
-    stragglers = left % dp_size
-
-    def batch(first: int, num_rows: int, counted: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        windows = [tf.window(j, seq_len) for j in range(first, first + num_rows)]
-        return (*_to_batch(windows, [tf] * num_rows, vocab_size), counted)
-
-    def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
-        for first, num_rows in plan:
-            yield batch(first + dp_rank * num_rows, num_rows, num_rows)
-        if stragglers:
-            if dp_rank < stragglers:
-                yield batch(num_sequences - stragglers + dp_rank, 1, 1)
-            else:
-                yield batch(0, 1, 0)
-
-    return batches()
+        rows = left // dp_size
+        plan.append((full * micro_batch_size + dp_rank * rows, rows, rows))
+    if stragglers := left % dp_size:
+        plan.append((num_sequences - stragglers + dp_rank, 1, 1) if dp_rank < stragglers else (0, 1, 0))
+    return (
+        (*_to_batch([tf.window(j, seq_len) for j in range(first, first + n)], [tf] * n, vocab_size), counted)
+        for first, n, counted in plan
+    )
 
 
 # ---- internals ---------------------------------------------------------------------------
@@ -235,13 +209,12 @@ def _check_batch(micro_batch_size: int, dp_rank: int, dp_size: int) -> None:
 
 def _check_same_tokenizer(files: list[TokenFile]) -> None:
     """Mixing ids of two tokenizers trains on garbage without any error: refuse it."""
-    digests = {}
-    for tf in files:
-        path = tf.tokenizer_path
-        if path is not None and path.is_file():
-            digests[tf.path] = hashlib.blake2b(path.read_bytes(), digest_size=8).hexdigest()
-    eos_ids = {tf.path: tf.eos_id for tf in files}
-    for what, values in (("tokenizer.json", digests), ("eos_id", eos_ids)):
+    digests = {
+        tf.path: hashlib.blake2b(tf.tokenizer_path.read_bytes(), digest_size=8).hexdigest()
+        for tf in files
+        if tf.tokenizer_path is not None and tf.tokenizer_path.is_file()
+    }
+    for what, values in (("tokenizer.json", digests), ("eos_id", {tf.path: tf.eos_id for tf in files})):
         if len(set(values.values())) > 1:
             first = next(iter(values))
             other = next(p for p, v in values.items() if v != values[first])

@@ -103,37 +103,35 @@ def open_source(path: str | os.PathLike, split: str = "train", *, seq_len: int |
         where = "" if path.is_absolute() else f" (relative paths are read from the current directory, {Path.cwd()})"
         raise DataError(f"Token data '{path}' does not exist{where}. {PREPARE_HINT}.")
     if path.is_dir():
-        directory = path
-        meta = read_meta(directory)
+        directory, meta = path, read_meta(path)
         if split not in meta["splits"]:
             raise DataError(
                 f"'{directory / META_FILE}' has no split '{split}' (it has: "
                 f"{', '.join(sorted(meta['splits']))}). Re-run `moetrain prepare-data` into "
                 "this directory, or name one of the existing splits."
             )
-        file_name = meta["splits"][split]["file"]
     else:
         if path.suffix != ".bin":
             raise DataError(
                 f"'{path}' is neither a prepared directory nor a .bin token file. Tokenize text "
                 f"first: `moetrain prepare-data {path} --out DIR`, then use DIR as the source."
             )
-        directory, file_name = path.parent, path.name
-        meta = read_meta(directory)
-        matches = [name for name, s in meta["splits"].items() if s["file"] == file_name]
+        directory, meta = path.parent, read_meta(path.parent)
+        matches = [name for name, s in meta["splits"].items() if s["file"] == path.name]
         if not matches:
             raise DataError(
-                f"'{directory / META_FILE}' describes no split stored in '{file_name}' (files: "
+                f"'{directory / META_FILE}' describes no split stored in '{path.name}' (files: "
                 f"{', '.join(s['file'] for s in meta['splits'].values())}). Use the prepared "
                 "directory itself as the source, or re-run prepare-data."
             )
         split = matches[0]
-    return _open_split(directory / file_name, split, meta, seq_len)
+    return _open_split(directory / meta["splits"][split]["file"], split, meta, seq_len)
 
 
-def check_vocab(tf: TokenFile, model_vocab_size: int) -> None:
-    """Raise `DataError` if the data's vocabulary is bigger than the model's embedding."""
-    if tf.vocab_size > model_vocab_size:
+def check_vocab(tf: TokenFile, model_vocab_size: int | None) -> None:
+    """Raise `DataError` if the data's vocabulary is bigger than the model's embedding (None: no
+    model to check against)."""
+    if model_vocab_size is not None and tf.vocab_size > model_vocab_size:
         raise DataError(
             f"'{tf.path}' was tokenized with vocab_size {tf.vocab_size} (see its meta.json) but "
             f"model.vocab_size is {model_vocab_size}: ids up to {tf.vocab_size - 1} would index "
@@ -151,10 +149,8 @@ def load_tokenizer(path: str | os.PathLike):
 
     path = Path(path)
     if path.is_dir():
-        name = "tokenizer.json"
-        if (path / META_FILE).is_file():
-            name = read_meta(path).get("tokenizer") or name
-        path = path / name
+        name = read_meta(path).get("tokenizer") if (path / META_FILE).is_file() else None
+        path = path / (name or "tokenizer.json")
     if not path.is_file():
         raise DataError(
             f"Tokenizer file '{path}' does not exist. `moetrain prepare-data` writes it next to "
@@ -195,36 +191,20 @@ def write_meta(directory: str | os.PathLike, meta: dict[str, Any]) -> None:
 
 
 def write_token_dir(
-    directory: str | os.PathLike,
-    splits: dict[str, Any],
-    *,
-    vocab_size: int,
-    eos_id: int,
-    num_documents: dict[str, int] | None = None,
-    **extra: Any,
+    directory: str | os.PathLike, splits: dict[str, Any], *, vocab_size: int, eos_id: int, **extra: Any
 ) -> dict[str, Any]:
     """Write in-memory ids as a prepared directory (`splits`: name -> 1-D ids); for tests and
     small tools. `prepare_data` streams instead. Returns the metadata."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     dtype = dtype_for_vocab(vocab_size)
-    meta: dict[str, Any] = {
-        "format": FORMAT,
-        "dtype": dtype.name,
-        "vocab_size": vocab_size,
-        "eos_id": eos_id,
-        "tokenizer": None,
-        "splits": {},
-    }
+    counts = {}
     for name, ids in splits.items():
         ids_N = np.asarray(ids).astype(dtype)
         ids_N.tofile(directory / f"{name}.bin")
-        meta["splits"][name] = {
-            "file": f"{name}.bin",
-            "num_tokens": int(ids_N.shape[0]),
-            "num_documents": (num_documents or {}).get(name, int((ids_N == eos_id).sum())),
-        }
-    meta.update(extra)
+        counts[name] = {"file": f"{name}.bin", "num_tokens": len(ids_N), "num_documents": int((ids_N == eos_id).sum())}
+    meta = {"format": FORMAT, "dtype": dtype.name, "vocab_size": vocab_size, "eos_id": eos_id, "tokenizer": None}
+    meta |= {"splits": counts, **extra}
     write_meta(directory, meta)
     return meta
 
