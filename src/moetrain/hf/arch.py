@@ -485,7 +485,12 @@ def _model_config(hf: dict, source: str, arch: Architecture) -> TransformerConfi
     latent = _latent_attention(hf, heads, problems) if arch == Architecture.deepseek_v3 else None
     if arch.dense:
         dense, moe = layers, {}
-        _dense_problems(hf, problems)
+        sliding, local = hf.get("use_sliding_window"), sorted(set(hf.get("layer_types") or []) - {"full_attention"})
+        if sliding or local:
+            field = "use_sliding_window=true" if sliding else f"layer_types with {', '.join(local)}"
+            problems.append(f"{field} (sliding-window layers; moetrain imports full attention only)")
+        if hf.get("mlp_bias"):
+            problems.append("mlp_bias=true")
     elif arch == Architecture.qwen3_moe:
         dense, moe = _qwen3_routing(hf, problems)
     else:
@@ -539,16 +544,6 @@ def _moe_config(hf: dict, arch: Architecture, routing: dict) -> MoEConfig:
         shared_hidden=routing.pop("n_shared_experts", 0) * hf["moe_intermediate_size"],
         **routing,
     )
-
-
-def _dense_problems(hf: dict, problems: list[str]) -> None:
-    """A dense model's own refusals."""
-    local = sorted(set(hf.get("layer_types") or []) - {"full_attention"})
-    if hf.get("use_sliding_window") or local:
-        field = "use_sliding_window=true" if hf.get("use_sliding_window") else f"layer_types with {', '.join(local)}"
-        problems.append(f"{field} (sliding-window layers; moetrain imports full attention only)")
-    if hf.get("mlp_bias"):
-        problems.append("mlp_bias=true")
 
 
 def _qwen3_routing(hf: dict, problems: list[str]) -> tuple[int, dict]:

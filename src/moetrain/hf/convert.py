@@ -179,9 +179,8 @@ def export_hf(
         _wait_for_shards(out, names, world_size)
         if len(shards) > 1:
             (out / INDEX).write_text(json.dumps(index_json(shards, names, parameters), indent=2) + "\n")
-        _write_metadata(out, cfg, tokenizer, positions, dtype, remote_code)
         _write_readme(out, path, cfg, dtype, parameters, license_id, remote_code)
-        _write_config(out, cfg, tokenizer, positions, dtype, remote_code)
+        _write_metadata(out, cfg, tokenizer, positions, dtype, remote_code)
     return {
         "architecture": "MoetrainForCausalLM" if remote_code else architecture_for(m).value,
         "remote_code": remote_code,
@@ -307,16 +306,6 @@ class _CachedReader(SafeFileSystemReader):
         return self._metadata
 
 
-def _write_config(out: Path, cfg: RunConfig, tokenizer, positions: int, dtype: str, remote: bool) -> None:
-    """config.json, the export's last file, written whole or not at all (renamed from a temporary
-    name): a directory with it holds every other file of the export."""
-    eos_id = tokenizer.token_to_id("<|endoftext|>")
-    config = (remote_config if remote else hf_config)(cfg.model, eos_id, positions, dtype)
-    partial = out / "config.json.tmp"
-    partial.write_text(json.dumps(config, indent=2) + "\n")
-    os.replace(partial, out / "config.json")
-
-
 def _wait_for_shards(out: Path, names: list[str], world_size: int, timeout_s: float = 3600.0) -> None:
     """Under torchrun the other ranks write their shards (each appears whole, renamed from a
     temporary name): wait until all are there before the files that name them, or stop, saying
@@ -332,15 +321,15 @@ def _wait_for_shards(out: Path, names: list[str], world_size: int, timeout_s: fl
 
 
 def _write_metadata(out: Path, cfg: RunConfig, tokenizer, positions: int, dtype: str, remote: bool) -> None:
-    """generation_config.json and the tokenizer files (and, with `remote`, the modeling file
-    transformers runs); config.json comes last (`_write_config`)."""
+    """generation_config.json, the tokenizer files (and, with `remote`, the modeling file
+    transformers runs), then config.json, the export's last file, written whole or not at all
+    (renamed from a temporary name): a directory with it holds every other file of the export."""
     eos_id = tokenizer.token_to_id("<|endoftext|>")
     generation = {"bos_token_id": eos_id, "eos_token_id": eos_id, "do_sample": False}
-    (out / "generation_config.json").write_text(
-        json.dumps(generation | ({"use_cache": False} if remote else {}), indent=2) + "\n"
-    )
     if remote:
+        generation["use_cache"] = False
         shutil.copyfile(Path(__file__).with_name(f"{REMOTE_MODULE}.py"), out / f"{REMOTE_MODULE}.py")
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     (out / TRAINING_CONFIG).write_text(cfg.to_yaml())
     tokenizer.save(str(out / "tokenizer.json"))
     tok_cfg = {
@@ -351,6 +340,10 @@ def _write_metadata(out: Path, cfg: RunConfig, tokenizer, positions: int, dtype:
     if eos_id is not None:
         tok_cfg.update(eos_token="<|endoftext|>", bos_token="<|endoftext|>", pad_token="<|endoftext|>")
     (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+    config = (remote_config if remote else hf_config)(cfg.model, eos_id, positions, dtype)
+    partial = out / "config.json.tmp"
+    partial.write_text(json.dumps(config, indent=2) + "\n")
+    os.replace(partial, out / "config.json")
 
 
 def _write_readme(
