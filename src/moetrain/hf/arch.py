@@ -101,12 +101,6 @@ PERI_NORM = (
     "first blocks and no routed scale and picks experts by logit, Gemma-4 runs a dense MLP beside "
     "its experts"
 )
-
-
-MLA_REMOTE = (
-    "moetrain's modeling file has no latent attention; DeepseekV3ForCausalLM has it: export without "
-    "--remote-code, with sigmoid gating (model.moe.gating=sigmoid)"
-)
 LATENT_NORM_EPS = 1e-6
 """The epsilon of DeepSeek-V3's query and key/value latent norms in transformers, whatever its
 rms_norm_eps (moetrain's one model.norm_eps serves every norm)."""
@@ -230,10 +224,8 @@ def hf_config(m: TransformerConfig, eos_id: int | None, max_positions: int, dtyp
         "use_cache": True,
     }
     if arch.dense:
-        return common | {
-            **({"use_sliding_window": False} if arch == Architecture.qwen3 else {"mlp_bias": False}),
-            **_rope(m),
-        }
+        extra = {"use_sliding_window": False} if arch == Architecture.qwen3 else {"mlp_bias": False}
+        return common | extra | _rope(m)
     common |= {
         "moe_intermediate_size": moe.expert_hidden,
         "num_experts_per_tok": moe.top_k,
@@ -371,7 +363,10 @@ def remote_problems(m: TransformerConfig) -> list[str]:
     if m.moe.routing != Routing.learned:
         return [f"model.moe.routing={m.moe.routing} (a benchmark mode; only the learned router is a model)"]
     if m.is_mla:
-        return [f"model.attention=mla ({MLA_REMOTE})"]
+        return [
+            "model.attention=mla (moetrain's modeling file has no latent attention; DeepseekV3ForCausalLM has it: "
+            "export without --remote-code, with sigmoid gating (model.moe.gating=sigmoid))"
+        ]
     if m.rope_scaling.type != RopeScaling.none:
         return [
             f"model.rope_scaling.type={m.rope_scaling.type} (moetrain's modeling file has plain RoPE; Llama, Qwen3, "

@@ -56,7 +56,6 @@ from moetrain.hf.arch import (
 )
 from moetrain.hf.shards import (
     INDEX,
-    SHARD_NAME,
     ShardWriter,
     index_json,
     nbytes,
@@ -73,7 +72,6 @@ from moetrain.train.config import RunConfig
 from moetrain.train.run_dir import check_weights_destination, resolve_checkpoint
 from moetrain.version import code_version
 
-EXPORTED_BY = "moetrain export-hf"
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 READ_BYTES = 1 << 30
 """At most this many bytes of checkpoint entries are read at once (and at most one shard's)."""
@@ -110,7 +108,7 @@ SAFETENSORS_ONLY = (
 
 def export_replaces(out_dir: str | Path) -> list[str]:
     """The files of `out_dir` an export would replace or remove (an earlier export's)."""
-    return existing_entries(out_dir, EXPORT_FILES, lambda n: n.endswith(".safetensors") or bool(SHARD_NAME.match(n)))
+    return existing_entries(out_dir, EXPORT_FILES, lambda n: n.endswith(".safetensors"))
 
 
 def import_replaces(out_dir: str | Path) -> list[str]:
@@ -214,7 +212,7 @@ def _plan(m, source: CheckpointEntries, remote_code: bool) -> list[HfTensor]:
 def _write_shard(path: Path, tensors: list[HfTensor], specs, source: CheckpointEntries, max_bytes: int) -> None:
     """One file: its entries read in groups of at most min(max_bytes, READ_BYTES), each tensor
     converted and appended as soon as its group is in memory."""
-    writer = ShardWriter(path, specs, {"format": "pt", "exported_by": EXPORTED_BY})
+    writer = ShardWriter(path, specs, {"format": "pt", "exported_by": "moetrain export-hf"})
     budget = min(max_bytes, READ_BYTES)
     group: list[int] = []  # indices into `tensors` whose entries are read together
 
