@@ -30,6 +30,8 @@ from moetrain.model.config import (
 
 
 class Architecture(enum.StrEnum):
+    """A native transformers class: each named by its config.json model_type, valued by its class name."""
+
     qwen3_moe = "Qwen3MoeForCausalLM"
     """Softmax top-k, no shared expert, no selection bias, no routed scale; QK-norm always."""
     glm4_moe = "Glm4MoeForCausalLM"
@@ -40,10 +42,6 @@ class Architecture(enum.StrEnum):
     """Dense: every block a SwiGLU MLP; QK-norm always."""
     llama = "LlamaForCausalLM"
     """Dense: every block a SwiGLU MLP; no QK-norm."""
-
-    @property
-    def model_type(self) -> str:
-        return self.name
 
     @property
     def title(self) -> str:
@@ -203,7 +201,7 @@ def hf_config(m: TransformerConfig, eos_id: int | None, max_positions: int, dtyp
     moe, arch = m.moe, architecture_for(m)
     common = {
         "architectures": [arch.value],
-        "model_type": arch.model_type,
+        "model_type": arch.name,
         "vocab_size": m.vocab_size,
         "hidden_size": m.d_model,
         "num_hidden_layers": m.n_layers,
@@ -451,7 +449,7 @@ def model_config_from_hf(hf: dict, source: str) -> TransformerConfig:
     """The moetrain model a Qwen3-MoE, GLM-4-MoE, DeepSeek-V3, Qwen3 or Llama config.json
     describes; refuses what moetrain cannot run exactly, naming the field."""
     model_type = hf.get("model_type")
-    known = {a.model_type: a for a in Architecture}
+    known = {a.name: a for a in Architecture}
     if model_type not in known:
         raise ConfigError(
             f"{source}: model_type '{model_type}' is not supported; import-hf reads qwen3_moe (Qwen3-MoE), "

@@ -237,10 +237,8 @@ def _write_shard(path: Path, tensors: list[HfTensor], specs, source: CheckpointE
             flush()
             size = 0
         group.append(j)
-        size += n
-        last_entry = t.entry
-    if group:
-        flush()
+        size, last_entry = size + n, t.entry
+    flush()
     writer.close()
 
 
@@ -353,7 +351,7 @@ def _write_readme(
     commit that exported it), how to load it, and what the export leaves out."""
     m = cfg.model
     arch = "MoetrainForCausalLM" if remote else architecture_for(m).value
-    model_type = "moetrain" if remote else architecture_for(m).model_type
+    model_type = "moetrain" if remote else architecture_for(m).name
     counts = count_params(m)
     run_dir = checkpoint.parent.parent
     step, tokens = _trained(checkpoint, cfg)
@@ -523,8 +521,7 @@ class HfTensors:
 
     def layers(self) -> int:
         """How many decoder layers the tensors hold (model.layers.N.…: the largest N + 1)."""
-        found = [int(m.group(1)) for m in map(_LAYER.match, self.where) if m]
-        return max(found) + 1 if found else 0
+        return max((int(m.group(1)) + 1 for m in map(_LAYER.match, self.where) if m), default=0)
 
 
 @torch.no_grad()
