@@ -98,8 +98,6 @@ UNTIED = (
 )
 PICKLED_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 """Weight files that are pickles, which import-hf never opens (loading a pickle can run code)."""
-
-
 SAFETENSORS_ONLY = (
     "Convert them where you trust them, e.g. `AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(NEW_DIR)` "
     "with transformers (which writes safetensors), then import NEW_DIR."
