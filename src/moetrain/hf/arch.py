@@ -30,6 +30,8 @@ from moetrain.model.config import (
 
 
 class Architecture(enum.StrEnum):
+    """A native transformers class: each named by its config.json model_type, valued by its class name."""
+
     qwen3_moe = "Qwen3MoeForCausalLM"
     """Softmax top-k, no shared expert, no selection bias, no routed scale; QK-norm always."""
     glm4_moe = "Glm4MoeForCausalLM"
@@ -40,10 +42,6 @@ class Architecture(enum.StrEnum):
     """Dense: every block a SwiGLU MLP; QK-norm always."""
     llama = "LlamaForCausalLM"
     """Dense: every block a SwiGLU MLP; no QK-norm."""
-
-    @property
-    def model_type(self) -> str:
-        return self.name
 
     @property
     def title(self) -> str:
@@ -101,12 +99,6 @@ PERI_NORM = (
     "first blocks and no routed scale and picks experts by logit, Gemma-4 runs a dense MLP beside "
     "its experts"
 )
-
-
-MLA_REMOTE = (
-    "moetrain's modeling file has no latent attention; DeepseekV3ForCausalLM has it: export without "
-    "--remote-code, with sigmoid gating (model.moe.gating=sigmoid)"
-)
 LATENT_NORM_EPS = 1e-6
 """The epsilon of DeepSeek-V3's query and key/value latent norms in transformers, whatever its
 rms_norm_eps (moetrain's one model.norm_eps serves every norm)."""
@@ -130,8 +122,16 @@ def unsupported_features(m: TransformerConfig, expert_bias_nonzero: bool) -> lis
         problems.append(f"model.sliding_window={m.sliding_window} (local blocks are exported with moetrain's own file)")
     if m.attention_sinks:
         problems.append("model.attention_sinks=true (no class here has attention sinks; moetrain's own file has them)")
-    if m.is_mla:
-        problems += _mla_problems(m)
+    if m.is_mla and moe.gating == Gating.softmax:
+        problems.append(
+            "softmax gating with model.attention=mla (DeepSeek-V3, the native class with latent attention, "
+            "scores experts with a sigmoid; DeepSeek-V2's softmax class is not in transformers)"
+        )
+    if m.is_mla and m.norm_eps != LATENT_NORM_EPS:
+        problems.append(
+            f"model.norm_eps={m.norm_eps} with model.attention=mla (DeepSeek-V3 normalizes its latents with "
+            f"ε = {LATENT_NORM_EPS} whatever its rms_norm_eps)"
+        )
     if arch.dense:
         return problems
     if arch == Architecture.qwen3_moe:
@@ -147,35 +147,19 @@ def unsupported_features(m: TransformerConfig, expert_bias_nonzero: bool) -> lis
         if not m.qk_norm:
             problems.append("softmax gating with model.qk_norm=false (Qwen3-MoE always normalizes queries and keys)")
     else:
-        name = "DeepSeek-V3" if m.is_mla else "GLM-4-MoE"
         if moe.shared_hidden % moe.expert_hidden:
             problems.append(
                 f"model.moe.shared_hidden={moe.shared_hidden} is not a multiple of model.moe.expert_hidden="
-                f"{moe.expert_hidden} ({name}'s shared expert is n_shared_experts × moe_intermediate_size wide)"
+                f"{moe.expert_hidden} ({arch.title}'s shared expert is n_shared_experts × moe_intermediate_size wide)"
             )
         if moe.num_experts < 2:
-            problems.append(f"model.moe.num_experts=1 ({name}'s group routing needs at least 2 experts)")
-    return problems
-
-
-def _mla_problems(m: TransformerConfig) -> list[str]:
-    """What DeepSeek-V3 cannot represent of a latent-attention model's own choices."""
-    problems = []
-    if m.moe.gating == Gating.softmax:
-        problems.append(
-            "softmax gating with model.attention=mla (DeepSeek-V3, the native class with latent attention, "
-            "scores experts with a sigmoid; DeepSeek-V2's softmax class is not in transformers)"
-        )
-    if m.norm_eps != LATENT_NORM_EPS:
-        problems.append(
-            f"model.norm_eps={m.norm_eps} with model.attention=mla (DeepSeek-V3 normalizes its latents with "
-            f"ε = {LATENT_NORM_EPS} whatever its rms_norm_eps)"
-        )
+            problems.append(f"model.moe.num_experts=1 ({arch.title}'s group routing needs at least 2 experts)")
     return problems
 
 
 def refusal(m: TransformerConfig, problems: list[str]) -> str:
     """One paragraph: why the model is not exported and which variant of it would be."""
+    arch = architecture_for(m)
     text = "This model has no exact native transformers architecture, so it is not exported natively: "
     text += "; ".join(problems) + "."
     if not remote_problems(m):
@@ -199,13 +183,13 @@ def refusal(m: TransformerConfig, problems: list[str]) -> str:
             "as DeepSeek-V3 (DeepseekV3ForCausalLM: multi-head latent attention, sigmoid scores with the aux-free "
             "selection bias, normalized weights × k, shared experts, dense first blocks)"
         )
-    elif softmax or architecture_for(m) == Architecture.glm4_moe:
+    elif softmax or arch == Architecture.glm4_moe:
         target = (
             "as GLM-4-MoE (Glm4MoeForCausalLM: sigmoid scores with the aux-free selection bias, normalized "
             "weights × k, shared experts, QK-norm, GQA, dense first blocks)"
         )
     else:
-        target = f"as {architecture_for(m).title} ({architecture_for(m).value})"
+        target = f"as {arch.title} ({arch.value})"
     text += f" What exports: the same architecture trained with {' and '.join(changes)}, {target}"
     if softmax and not m.is_mla:
         text += "; softmax top-k exports as Qwen3-MoE only without a shared expert, × k or aux-free bias (`tiny`)"
@@ -217,7 +201,7 @@ def hf_config(m: TransformerConfig, eos_id: int | None, max_positions: int, dtyp
     moe, arch = m.moe, architecture_for(m)
     common = {
         "architectures": [arch.value],
-        "model_type": arch.model_type,
+        "model_type": arch.name,
         "vocab_size": m.vocab_size,
         "hidden_size": m.d_model,
         "num_hidden_layers": m.n_layers,
@@ -238,10 +222,8 @@ def hf_config(m: TransformerConfig, eos_id: int | None, max_positions: int, dtyp
         "use_cache": True,
     }
     if arch.dense:
-        return common | {
-            **({"use_sliding_window": False} if arch == Architecture.qwen3 else {"mlp_bias": False}),
-            **_rope(m),
-        }
+        extra = {"use_sliding_window": False} if arch == Architecture.qwen3 else {"mlp_bias": False}
+        return common | extra | _rope(m)
     common |= {
         "moe_intermediate_size": moe.expert_hidden,
         "num_experts_per_tok": moe.top_k,
@@ -267,26 +249,20 @@ def hf_config(m: TransformerConfig, eos_id: int | None, max_positions: int, dtyp
         "topk_group": moe.topk_groups,
         "num_nextn_predict_layers": 0,  # no multi-token-prediction layers
     }
-    if arch == Architecture.deepseek_v3:
-        return common | _latent_attention_config(m)
+    if arch == Architecture.deepseek_v3:  # every head its own keys and values; RoPE rotate-half, as moetrain's
+        return common | {
+            "num_key_value_heads": m.n_heads,
+            "head_dim": m.qk_rope_head_dim,  # what transformers sets: its RoPE's width
+            "q_lora_rank": m.q_lora_rank or None,  # None: one projection from x
+            **{name: getattr(m, name) for name in _LATENT_WIDTHS},
+            "rope_interleave": False,
+            **_rope(m),
+        }
     return common | {
         "use_qk_norm": m.qk_norm,
         # GLM-4-MoE rotates half of each head by default: ours rotates all of it.
         "partial_rotary_factor": 1.0,  # 4.x
         **_rope(m, partial_rotary_factor=1.0),
-    }
-
-
-def _latent_attention_config(m: TransformerConfig) -> dict:
-    """DeepSeek-V3's attention fields: the latents' and heads' widths, every head its own keys and
-    values, and RoPE rotate-half (rope_interleave false) over the rotary part, as moetrain's."""
-    return {
-        "num_key_value_heads": m.n_heads,
-        "head_dim": m.qk_rope_head_dim,  # what transformers sets: its RoPE's width
-        "q_lora_rank": m.q_lora_rank or None,  # None: one projection from x
-        **{name: getattr(m, name) for name in _LATENT_WIDTHS},
-        "rope_interleave": False,
-        **_rope(m),
     }
 
 
@@ -317,16 +293,13 @@ in model.rope_scaling and in transformers."""
 def tensor_plan(m: TransformerConfig) -> list[HfTensor]:
     """Every tensor of the export, in file order (embedding, layers, final norm, head)."""
     arch, moe = architecture_for(m), m.moe
+    pairs = (_LATENT_Q if m.q_lora_rank else _DIRECT_Q) + _LATENT_KV if m.is_mla else _ATTENTION + _QK_NORM * m.qk_norm
     plan = [HfTensor("model.embed_tokens.weight", "embed.weight")]
     for i in range(m.n_layers):
         p, b = f"model.layers.{i}", f"blocks.{i}"
         plan.append(HfTensor(f"{p}.input_layernorm.weight", f"{b}.attn_norm.weight"))
-        pairs = (_LATENT_Q if m.q_lora_rank else _DIRECT_Q) + _LATENT_KV if m.is_mla else _ATTENTION
         for ours, theirs in pairs:
             plan.append(HfTensor(f"{p}.self_attn.{theirs}.weight", f"{b}.attn.{ours}.weight"))
-        if m.qk_norm and not m.is_mla:
-            plan.append(HfTensor(f"{p}.self_attn.q_norm.weight", f"{b}.attn.q_norm.weight"))
-            plan.append(HfTensor(f"{p}.self_attn.k_norm.weight", f"{b}.attn.k_norm.weight"))
         plan.append(HfTensor(f"{p}.post_attention_layernorm.weight", f"{b}.ffn_norm.weight"))
         if i < m.num_dense_layers:
             plan += _swiglu(f"{p}.mlp", f"{b}.ffn")
@@ -334,14 +307,8 @@ def tensor_plan(m: TransformerConfig) -> list[HfTensor]:
         glm = arch != Architecture.qwen3_moe  # GLM-4-MoE's routing, DeepSeek-V3's too
         plan.append(HfTensor(f"{p}.mlp.gate.weight", f"{b}.ffn.router.weight", keep_fp32=glm))
         if glm:
-            plan.append(
-                HfTensor(
-                    f"{p}.mlp.gate.e_score_correction_bias",
-                    f"{b}.ffn.router.expert_bias_E",
-                    keep_fp32=True,
-                    parameter=False,
-                )
-            )
+            bias = f"{b}.ffn.router.expert_bias_E"
+            plan.append(HfTensor(f"{p}.mlp.gate.e_score_correction_bias", bias, keep_fp32=True, parameter=False))
         F = moe.expert_hidden
         # × k (or routed_scale) after the normalized weights is a constant factor of every routed
         # expert's output: Qwen3-MoE has no routed scale, so it goes into the experts' down projections
@@ -361,6 +328,7 @@ def tensor_plan(m: TransformerConfig) -> list[HfTensor]:
 
 
 _ATTENTION = (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj"))
+_QK_NORM = (("q_norm", "q_norm"), ("k_norm", "k_norm"))
 _DIRECT_Q = (("wq", "q_proj"),)
 _LATENT_Q = (("wq_a", "q_a_proj"), ("q_norm", "q_a_layernorm"), ("wq_b", "q_b_proj"))
 _LATENT_KV = (("wkv_a", "kv_a_proj_with_mqa"), ("kv_norm", "kv_a_layernorm"), ("wkv_b", "kv_b_proj"), ("wo", "o_proj"))
@@ -393,7 +361,10 @@ def remote_problems(m: TransformerConfig) -> list[str]:
     if m.moe.routing != Routing.learned:
         return [f"model.moe.routing={m.moe.routing} (a benchmark mode; only the learned router is a model)"]
     if m.is_mla:
-        return [f"model.attention=mla ({MLA_REMOTE})"]
+        return [
+            "model.attention=mla (moetrain's modeling file has no latent attention; DeepseekV3ForCausalLM has it: "
+            "export without --remote-code, with sigmoid gating (model.moe.gating=sigmoid))"
+        ]
     if m.rope_scaling.type != RopeScaling.none:
         return [
             f"model.rope_scaling.type={m.rope_scaling.type} (moetrain's modeling file has plain RoPE; Llama, Qwen3, "
@@ -435,23 +406,13 @@ def remote_config(m: TransformerConfig, eos_id: int | None, max_positions: int, 
             "AutoConfig": f"{REMOTE_MODULE}.MoetrainConfig",
             "AutoModelForCausalLM": f"{REMOTE_MODULE}.MoetrainForCausalLM",
         },
-        "vocab_size": m.vocab_size,
-        "d_model": m.d_model,
-        "n_layers": m.n_layers,
-        "n_heads": m.n_heads,
-        "n_kv_heads": m.n_kv_heads,
+        # model.* fields under their own names, but for the resolved widths
+        **{name: getattr(m, name) for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads")},
         "head_dim": m.resolved_head_dim,
         "num_dense_layers": m.num_dense_layers,
         "dense_hidden": m.resolved_dense_hidden,
-        "qk_norm": m.qk_norm,
-        "pre_norm": m.pre_norm,
-        "peri_norm": m.peri_norm,
-        "embedding_norm": m.embedding_norm,
-        "sliding_window": m.sliding_window,
-        "attention_pattern": m.attention_pattern,
-        "attention_sinks": m.attention_sinks,
-        "norm_eps": m.norm_eps,
-        "rope_theta": m.rope_theta,
+        **{name: getattr(m, name) for name in ("qk_norm", "pre_norm", "peri_norm", "embedding_norm", "sliding_window")},
+        **{name: getattr(m, name) for name in ("attention_pattern", "attention_sinks", "norm_eps", "rope_theta")},
         "num_experts": moe.num_experts,
         "num_experts_per_tok": moe.top_k,
         "expert_hidden": moe.expert_hidden,
@@ -488,7 +449,7 @@ def model_config_from_hf(hf: dict, source: str) -> TransformerConfig:
     """The moetrain model a Qwen3-MoE, GLM-4-MoE, DeepSeek-V3, Qwen3 or Llama config.json
     describes; refuses what moetrain cannot run exactly, naming the field."""
     model_type = hf.get("model_type")
-    known = {a.model_type: a for a in Architecture}
+    known = {a.name: a for a in Architecture}
     if model_type not in known:
         raise ConfigError(
             f"{source}: model_type '{model_type}' is not supported; import-hf reads qwen3_moe (Qwen3-MoE), "
@@ -517,7 +478,12 @@ def _model_config(hf: dict, source: str, arch: Architecture) -> TransformerConfi
     latent = _latent_attention(hf, heads, problems) if arch == Architecture.deepseek_v3 else None
     if arch.dense:
         dense, moe = layers, {}
-        _dense_problems(hf, problems)
+        sliding, local = hf.get("use_sliding_window"), sorted(set(hf.get("layer_types") or []) - {"full_attention"})
+        if sliding or local:
+            field = "use_sliding_window=true" if sliding else f"layer_types with {', '.join(local)}"
+            problems.append(f"{field} (sliding-window layers; moetrain imports full attention only)")
+        if hf.get("mlp_bias"):
+            problems.append("mlp_bias=true")
     elif arch == Architecture.qwen3_moe:
         dense, moe = _qwen3_routing(hf, problems)
     else:
@@ -571,16 +537,6 @@ def _moe_config(hf: dict, arch: Architecture, routing: dict) -> MoEConfig:
         shared_hidden=routing.pop("n_shared_experts", 0) * hf["moe_intermediate_size"],
         **routing,
     )
-
-
-def _dense_problems(hf: dict, problems: list[str]) -> None:
-    """A dense model's own refusals."""
-    local = sorted(set(hf.get("layer_types") or []) - {"full_attention"})
-    if hf.get("use_sliding_window") or local:
-        field = "use_sliding_window=true" if hf.get("use_sliding_window") else f"layer_types with {', '.join(local)}"
-        problems.append(f"{field} (sliding-window layers; moetrain imports full attention only)")
-    if hf.get("mlp_bias"):
-        problems.append("mlp_bias=true")
 
 
 def _qwen3_routing(hf: dict, problems: list[str]) -> tuple[int, dict]:

@@ -56,7 +56,6 @@ from moetrain.hf.arch import (
 )
 from moetrain.hf.shards import (
     INDEX,
-    SHARD_NAME,
     ShardWriter,
     index_json,
     nbytes,
@@ -73,7 +72,6 @@ from moetrain.train.config import RunConfig
 from moetrain.train.run_dir import check_weights_destination, resolve_checkpoint
 from moetrain.version import code_version
 
-EXPORTED_BY = "moetrain export-hf"
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 READ_BYTES = 1 << 30
 """At most this many bytes of checkpoint entries are read at once (and at most one shard's)."""
@@ -100,8 +98,6 @@ UNTIED = (
 )
 PICKLED_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 """Weight files that are pickles, which import-hf never opens (loading a pickle can run code)."""
-
-
 SAFETENSORS_ONLY = (
     "Convert them where you trust them, e.g. `AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(NEW_DIR)` "
     "with transformers (which writes safetensors), then import NEW_DIR."
@@ -110,7 +106,7 @@ SAFETENSORS_ONLY = (
 
 def export_replaces(out_dir: str | Path) -> list[str]:
     """The files of `out_dir` an export would replace or remove (an earlier export's)."""
-    return existing_entries(out_dir, EXPORT_FILES, lambda n: n.endswith(".safetensors") or bool(SHARD_NAME.match(n)))
+    return existing_entries(out_dir, EXPORT_FILES, lambda n: n.endswith(".safetensors"))
 
 
 def import_replaces(out_dir: str | Path) -> list[str]:
@@ -179,9 +175,8 @@ def export_hf(
         _wait_for_shards(out, names, world_size)
         if len(shards) > 1:
             (out / INDEX).write_text(json.dumps(index_json(shards, names, parameters), indent=2) + "\n")
-        _write_metadata(out, cfg, tokenizer, positions, dtype, remote_code)
         _write_readme(out, path, cfg, dtype, parameters, license_id, remote_code)
-        _write_config(out, cfg, tokenizer, positions, dtype, remote_code)
+        _write_metadata(out, cfg, tokenizer, positions, dtype, remote_code)
     return {
         "architecture": "MoetrainForCausalLM" if remote_code else architecture_for(m).value,
         "remote_code": remote_code,
@@ -215,7 +210,7 @@ def _plan(m, source: CheckpointEntries, remote_code: bool) -> list[HfTensor]:
 def _write_shard(path: Path, tensors: list[HfTensor], specs, source: CheckpointEntries, max_bytes: int) -> None:
     """One file: its entries read in groups of at most min(max_bytes, READ_BYTES), each tensor
     converted and appended as soon as its group is in memory."""
-    writer = ShardWriter(path, specs, {"format": "pt", "exported_by": EXPORTED_BY})
+    writer = ShardWriter(path, specs, {"format": "pt", "exported_by": "moetrain export-hf"})
     budget = min(max_bytes, READ_BYTES)
     group: list[int] = []  # indices into `tensors` whose entries are read together
 
@@ -240,10 +235,8 @@ def _write_shard(path: Path, tensors: list[HfTensor], specs, source: CheckpointE
             flush()
             size = 0
         group.append(j)
-        size += n
-        last_entry = t.entry
-    if group:
-        flush()
+        size, last_entry = size + n, t.entry
+    flush()
     writer.close()
 
 
@@ -307,16 +300,6 @@ class _CachedReader(SafeFileSystemReader):
         return self._metadata
 
 
-def _write_config(out: Path, cfg: RunConfig, tokenizer, positions: int, dtype: str, remote: bool) -> None:
-    """config.json, the export's last file, written whole or not at all (renamed from a temporary
-    name): a directory with it holds every other file of the export."""
-    eos_id = tokenizer.token_to_id("<|endoftext|>")
-    config = (remote_config if remote else hf_config)(cfg.model, eos_id, positions, dtype)
-    partial = out / "config.json.tmp"
-    partial.write_text(json.dumps(config, indent=2) + "\n")
-    os.replace(partial, out / "config.json")
-
-
 def _wait_for_shards(out: Path, names: list[str], world_size: int, timeout_s: float = 3600.0) -> None:
     """Under torchrun the other ranks write their shards (each appears whole, renamed from a
     temporary name): wait until all are there before the files that name them, or stop, saying
@@ -332,15 +315,15 @@ def _wait_for_shards(out: Path, names: list[str], world_size: int, timeout_s: fl
 
 
 def _write_metadata(out: Path, cfg: RunConfig, tokenizer, positions: int, dtype: str, remote: bool) -> None:
-    """generation_config.json and the tokenizer files (and, with `remote`, the modeling file
-    transformers runs); config.json comes last (`_write_config`)."""
+    """generation_config.json, the tokenizer files (and, with `remote`, the modeling file
+    transformers runs), then config.json, the export's last file, written whole or not at all
+    (renamed from a temporary name): a directory with it holds every other file of the export."""
     eos_id = tokenizer.token_to_id("<|endoftext|>")
     generation = {"bos_token_id": eos_id, "eos_token_id": eos_id, "do_sample": False}
-    (out / "generation_config.json").write_text(
-        json.dumps(generation | ({"use_cache": False} if remote else {}), indent=2) + "\n"
-    )
     if remote:
+        generation["use_cache"] = False
         shutil.copyfile(Path(__file__).with_name(f"{REMOTE_MODULE}.py"), out / f"{REMOTE_MODULE}.py")
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     (out / TRAINING_CONFIG).write_text(cfg.to_yaml())
     tokenizer.save(str(out / "tokenizer.json"))
     tok_cfg = {
@@ -351,6 +334,10 @@ def _write_metadata(out: Path, cfg: RunConfig, tokenizer, positions: int, dtype:
     if eos_id is not None:
         tok_cfg.update(eos_token="<|endoftext|>", bos_token="<|endoftext|>", pad_token="<|endoftext|>")
     (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+    config = (remote_config if remote else hf_config)(cfg.model, eos_id, positions, dtype)
+    partial = out / "config.json.tmp"
+    partial.write_text(json.dumps(config, indent=2) + "\n")
+    os.replace(partial, out / "config.json")
 
 
 def _write_readme(
@@ -362,7 +349,7 @@ def _write_readme(
     commit that exported it), how to load it, and what the export leaves out."""
     m = cfg.model
     arch = "MoetrainForCausalLM" if remote else architecture_for(m).value
-    model_type = "moetrain" if remote else architecture_for(m).model_type
+    model_type = "moetrain" if remote else architecture_for(m).name
     counts = count_params(m)
     run_dir = checkpoint.parent.parent
     step, tokens = _trained(checkpoint, cfg)
@@ -532,8 +519,7 @@ class HfTensors:
 
     def layers(self) -> int:
         """How many decoder layers the tensors hold (model.layers.N.…: the largest N + 1)."""
-        found = [int(m.group(1)) for m in map(_LAYER.match, self.where) if m]
-        return max(found) + 1 if found else 0
+        return max((int(m.group(1)) + 1 for m in map(_LAYER.match, self.where) if m), default=0)
 
 
 @torch.no_grad()
