@@ -234,10 +234,7 @@ def first_mismatch(metadata: Metadata, state: dict[str, dict[str, Any]]) -> str 
                         "it holds model weights only, no optimizer state (an import-hf or weights-only "
                         "checkpoint): start from it with --checkpoint.init_from instead of --resume"
                     )
-                other = _other_optimizer([f"optim.{n}" for n in state.get("optim", {})], stored)
-                if other is not None:
-                    return other
-                return (
+                return _other_optimizer([f"optim.{n}" for n in state.get("optim", {})], stored) or (
                     f"it has no tensor {key} (a missing key), which this model has: it was saved from a different model"
                 )
             if not isinstance(md, TensorStorageMetadata):

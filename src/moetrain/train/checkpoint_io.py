@@ -366,9 +366,7 @@ def save_weights(out: Path, cfg, model: nn.Module, tokenizer: Path, origin: dict
     read. `origin` joins the step's metadata."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(cfg.to_yaml())
-    extra = {"config.yaml": out / "config.yaml"}
-    if tokenizer.is_file():
-        extra["tokenizer.json"] = tokenizer
+    extra = {"config.yaml": out / "config.yaml", "tokenizer.json": tokenizer}  # copied where it is a file
     return save_checkpoint(out, 0, {"model": model_state_dict(model)}, {"step": 0, **origin}, extra_files=extra)
 
 

@@ -83,6 +83,9 @@ class _Entry:
         blocks = flat_blocks(shard.shape, shard.start, shard.start + shard.numel)
         return cls(shard, {o: (f - shard.start, f - shard.start + math.prod(s), s) for f, o, s in blocks})
 
+    def chunks(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, (_, _, s) in self.blocks.items()]
+
     def read(self, offsets) -> torch.Tensor:
         """The block at `offsets`: a view of the live values, or the split master joined."""
         a, b, sizes = self.blocks[tuple(offsets)]
@@ -138,16 +141,14 @@ class ShardSavePlanner(DefaultSavePlanner):
         plan = super().create_local_plan()
         items = [
             WriteItem(
-                index=MetadataIndex(fqn, torch.Size(offsets)),
+                index=MetadataIndex(fqn, torch.Size(chunk.offsets)),
                 type=WriteItemType.SHARD,
                 tensor_data=TensorWriteData(
-                    chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
-                    properties=TensorProperties(dtype=entry.shard.dtype),
-                    size=torch.Size(entry.shard.shape),
+                    chunk, TensorProperties(dtype=entry.shard.dtype), torch.Size(entry.shard.shape)
                 ),
             )
             for fqn, entry in self.shards.items()
-            for offsets, (_, _, sizes) in entry.blocks.items()
+            for chunk in entry.chunks()
         ]
         self.plan = dataclasses.replace(plan, items=[*plan.items, *items], planner_data=self.mappings)
         return self.plan
@@ -257,11 +258,7 @@ class ShardLoadPlanner(DefaultLoadPlanner):
             if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != entry.shard.shape:
                 saved = tuple(md.size) if isinstance(md, TensorStorageMetadata) else "no tensor"
                 raise ValueError(f"Size mismatch between saved {saved} and current: {entry.shard.shape} for {fqn}")
-            chunks = [
-                ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s))
-                for o, (_, _, s) in entry.blocks.items()
-            ]
-            items += create_read_items_for_chunk_list(fqn, md, chunks)
+            items += create_read_items_for_chunk_list(fqn, md, entry.chunks())
         return dataclasses.replace(plan, items=[*plan.items, *items])
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
