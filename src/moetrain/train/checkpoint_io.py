@@ -186,17 +186,11 @@ class _CheckpointWrite:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
                 for rank in role.writes_for:
-                    writer = ShardWriter(str(self.tmp), rank=rank)
+                    how = dict(storage_writer=ShardWriter(str(self.tmp), rank=rank), planner=ShardSavePlanner())
                     if async_write and rank == role.rank:
-                        future = dcp.async_save(
-                            part(rank),
-                            storage_writer=writer,
-                            planner=ShardSavePlanner(),
-                            async_stager=CpuStager(),
-                            no_dist=True,
-                        )
+                        future = dcp.async_save(part(rank), async_stager=CpuStager(), no_dist=True, **how)
                     else:
-                        dcp.save(part(rank), storage_writer=writer, planner=ShardSavePlanner(), no_dist=True)
+                        dcp.save(part(rank), no_dist=True, **how)
             (self.tmp / f"rng-rank{role.rank}.json").write_text(json.dumps(rng_state()))  # the state at save time
         except (OSError, CheckpointException, KeyboardInterrupt) as e:
             return future, e

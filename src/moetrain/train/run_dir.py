@@ -69,9 +69,8 @@ class RunDir:
             self._take()
 
     def _take(self) -> None:
-        self._made = [p for p in (*reversed(self.path.parents), self.path) if not p.exists()]
-        if not (self.path / run_lock.LOCK_FILE).exists():
-            self._made.append(self.path / run_lock.LOCK_FILE)
+        lock = self.path / run_lock.LOCK_FILE
+        self._made = [p for p in (*reversed(self.path.parents), self.path, lock) if not p.exists()]
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             run_lock.acquire(self.path)
