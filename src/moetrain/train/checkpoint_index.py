@@ -51,23 +51,16 @@ class _MetadataUnpickler(pickle.Unpickler):
         ("torch", "Size"),
         ("torch.serialization", "_get_layout"),
         ("collections", "OrderedDict"),
-        ("pathlib", "PosixPath"),
-        ("pathlib", "PurePosixPath"),
-        ("pathlib", "Path"),
-        ("pathlib", "WindowsPath"),
-        ("pathlib", "PureWindowsPath"),
-        ("builtins", "set"),
-        ("builtins", "frozenset"),
-        ("builtins", "slice"),
+        *(("pathlib", p) for p in ("PosixPath", "PurePosixPath", "Path", "WindowsPath", "PureWindowsPath")),
+        *(("builtins", b) for b in ("set", "frozenset", "slice")),
     }
 
     def find_class(self, module: str, name: str):
-        if module in self._MODULES and not name.startswith("__"):
-            return super().find_class(module, name)
-        if (module, name) in self._NAMES:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(
-            getattr(torch, name, None), (torch.dtype, torch.memory_format, torch.layout)
+        value = getattr(torch, name, None) if module == "torch" else None
+        if (
+            (module in self._MODULES and not name.startswith("__"))
+            or (module, name) in self._NAMES
+            or isinstance(value, torch.dtype | torch.memory_format | torch.layout)
         ):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"checkpoint metadata names {module}.{name}, which a checkpoint index never holds")
@@ -93,7 +86,7 @@ def merge_rank_indexes(step_dir: Path, world: int, whole: bool = True) -> None:
     storage: dict = {}
     planner_data: dict = {}
     first = None
-    seen: dict[str, set] = {}
+    seen: set[tuple] = set()  # (name, offsets, sizes) of the chunks kept
     for rank in range(world):
         path = step_dir / f"__{rank}{INDEX}"
         if not path.is_file():
@@ -105,13 +98,10 @@ def merge_rank_indexes(step_dir: Path, world: int, whole: bool = True) -> None:
             if not isinstance(meta, TensorStorageMetadata):
                 entries.setdefault(fqn, meta)
                 continue
-            if fqn not in entries:
-                entries[fqn] = TensorStorageMetadata(properties=meta.properties, size=meta.size, chunks=[])
-                seen[fqn] = set()
+            entries.setdefault(fqn, TensorStorageMetadata(properties=meta.properties, size=meta.size, chunks=[]))
             for chunk in meta.chunks:
-                key = (tuple(chunk.offsets), tuple(chunk.sizes))
-                if key not in seen[fqn]:
-                    seen[fqn].add(key)
+                if (key := (fqn, tuple(chunk.offsets), tuple(chunk.sizes))) not in seen:
+                    seen.add(key)
                     entries[fqn].chunks.append(chunk)
         for index, info in md.storage_data.items():
             storage.setdefault(index, info)
@@ -125,14 +115,19 @@ def merge_rank_indexes(step_dir: Path, world: int, whole: bool = True) -> None:
                     "the rest"
                 )
     merged = dataclasses.replace(first, state_dict_metadata=entries, storage_data=storage, planner_data=planner_data)
-    tmp = step_dir / f"{INDEX}.tmp"
-    with tmp.open("wb") as f:
-        pickle.dump(merged, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, step_dir / INDEX)
+    write_index(step_dir / INDEX, merged)
     for rank in range(world):
         (step_dir / f"__{rank}{INDEX}").unlink()
+
+
+def write_index(path: Path, metadata: Metadata) -> None:
+    """`metadata` pickled to `path` through a temporary file, synced, then renamed into place."""
+    tmp = path.with_name(f"{path.name}.tmp")
+    with tmp.open("wb") as f:
+        pickle.dump(metadata, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):
@@ -239,10 +234,7 @@ def first_mismatch(metadata: Metadata, state: dict[str, dict[str, Any]]) -> str 
                         "it holds model weights only, no optimizer state (an import-hf or weights-only "
                         "checkpoint): start from it with --checkpoint.init_from instead of --resume"
                     )
-                other = _other_optimizer([f"optim.{n}" for n in state.get("optim", {})], stored)
-                if other is not None:
-                    return other
-                return (
+                return _other_optimizer([f"optim.{n}" for n in state.get("optim", {})], stored) or (
                     f"it has no tensor {key} (a missing key), which this model has: it was saved from a different model"
                 )
             if not isinstance(md, TensorStorageMetadata):

@@ -104,7 +104,8 @@ class ShardRole:
                     out[(section, name)] = self.rank  # a sharded range: this rank's alone
                     continue
                 group = self.expert_replicas if "/" in name else self.dense_replicas
-                by_group.setdefault(group, []).append((_nbytes(value), f"{section}.{name}", (section, name)))
+                nbytes = value.numel * value.dtype.itemsize if isinstance(value, FlatShard) else value.nbytes
+                by_group.setdefault(group, []).append((nbytes, f"{section}.{name}", (section, name)))
         for group, items in by_group.items():
             loads = [(0, i) for i in range(len(group))]  # a heap of (bytes dealt, member)
             for nbytes, _, key in sorted(items, key=lambda item: (-item[0], item[1])):
@@ -112,12 +113,6 @@ class ShardRole:
                 out[key] = group[member]
                 heapq.heappush(loads, (dealt + max(nbytes, 1), member))
         return out
-
-
-def _nbytes(value: torch.Tensor | FlatShard) -> int:
-    if isinstance(value, FlatShard):
-        return value.numel * value.dtype.itemsize
-    return value.numel() * value.element_size()
 
 
 def save_checkpoint(
@@ -145,7 +140,10 @@ def save_checkpoint(
     if role.rehearsal is not None:
         recorded_state["rehearsal"] = dataclasses.asdict(role.rehearsal)
     write = _CheckpointWrite(run_dir, step, role, process_group, recorded_state, extra_files or {}, keep_last)
-    write.start()
+    if role.main:  # a fresh, empty temporary directory; every rank waits for it
+        shutil.rmtree(write.tmp, ignore_errors=True)
+        write.tmp.mkdir(parents=True, exist_ok=True)
+    _barrier(process_group)
     future, error = write.write_tensors(state, async_write)
     if future is not None and error is None:
         return PendingCheckpoint(step, future, write.complete)
@@ -155,8 +153,7 @@ def save_checkpoint(
 @dataclasses.dataclass
 class _CheckpointWrite:
     """One `save_checkpoint` on this rank: everything is written into the temporary directory
-    `tmp` (`write_tensors`, then `complete`: the merged index, trainer_state.json, the extra
-    files, COMPLETE), which then replaces `final` in one rename."""
+    `tmp` (`write_tensors`, then `complete`), which then replaces `final` in one rename."""
 
     run_dir: str | Path
     step: int
@@ -170,13 +167,6 @@ class _CheckpointWrite:
     def __post_init__(self) -> None:
         self.final = checkpoints_dir(self.run_dir) / f"step-{self.step}"
         self.tmp = self.final.with_name(f".step-{self.step}.tmp")
-
-    def start(self) -> None:
-        """A fresh, empty temporary directory (the main process makes it; every rank waits)."""
-        if self.role.main:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            self.tmp.mkdir(parents=True, exist_ok=True)
-        _barrier(self.process_group)
 
     def write_tensors(self, state: dict[str, Any], async_write: bool) -> tuple[Any, BaseException | None]:
         """The DCP files of every rank this process writes for (`ShardRole.writes_for`), each
@@ -196,17 +186,11 @@ class _CheckpointWrite:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
                 for rank in role.writes_for:
-                    writer = ShardWriter(str(self.tmp), rank=rank)
+                    how = dict(storage_writer=ShardWriter(str(self.tmp), rank=rank), planner=ShardSavePlanner())
                     if async_write and rank == role.rank:
-                        future = dcp.async_save(
-                            part(rank),
-                            storage_writer=writer,
-                            planner=ShardSavePlanner(),
-                            async_stager=CpuStager(),
-                            no_dist=True,
-                        )
+                        future = dcp.async_save(part(rank), async_stager=CpuStager(), no_dist=True, **how)
                     else:
-                        dcp.save(part(rank), storage_writer=writer, planner=ShardSavePlanner(), no_dist=True)
+                        dcp.save(part(rank), no_dist=True, **how)
             (self.tmp / f"rng-rank{role.rank}.json").write_text(json.dumps(rng_state()))  # the state at save time
         except (OSError, CheckpointException, KeyboardInterrupt) as e:
             return future, e
@@ -218,27 +202,21 @@ class _CheckpointWrite:
         step-N, then keeps the newest checkpoint.keep_last. Every rank calls it."""
         if _any_rank(error is not None, self.process_group):
             raise self.failed(error)
-        try:
-            if self.role.main:
-                self._write_small_files()
-        except (OSError, CheckpointException) as e:
-            raise self.failed(e) from None
         if self.role.main:
-            publish(self.tmp, self.final, self.keep_last)
+            tmp = self.tmp
+            try:  # the merged index, trainer_state.json, the extra files, then COMPLETE; synced to disk
+                merge_rank_indexes(tmp, self.role.world, whole=self.role.rehearsal is None)
+                (tmp / "trainer_state.json").write_text(json.dumps(self.recorded_state))
+                for name, src in self.extra_files.items():
+                    if Path(src).is_file():
+                        shutil.copyfile(src, tmp / name)
+                (tmp / COMPLETE).write_text(f"step {self.step}\n")
+                fsync_dir(tmp)
+            except (OSError, CheckpointException) as e:
+                raise self.failed(e) from None
+            publish(tmp, self.final, self.keep_last)
         _barrier(self.process_group)
         return self.final
-
-    def _write_small_files(self) -> None:
-        """The merged index, trainer_state.json, the extra files, then COMPLETE; synced to disk."""
-        tmp = self.tmp
-        merge_rank_indexes(tmp, self.role.world, whole=self.role.rehearsal is None)
-        (tmp / "trainer_state.json").write_text(json.dumps(self.recorded_state))
-        for name, src in self.extra_files.items():
-            src = Path(src)
-            if src.is_file():
-                shutil.copyfile(src, tmp / name)
-        (tmp / COMPLETE).write_text(f"step {self.step}\n")
-        fsync_dir(tmp)
 
     def failed(self, e: BaseException | None) -> CheckpointError | KeyboardInterrupt:
         """The error for a failed write (`e`: this rank's; None: another rank's), once the
@@ -382,9 +360,7 @@ def save_weights(out: Path, cfg, model: nn.Module, tokenizer: Path, origin: dict
     read. `origin` joins the step's metadata."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(cfg.to_yaml())
-    extra = {"config.yaml": out / "config.yaml"}
-    if tokenizer.is_file():
-        extra["tokenizer.json"] = tokenizer
+    extra = {"config.yaml": out / "config.yaml", "tokenizer.json": tokenizer}  # copied where it is a file
     return save_checkpoint(out, 0, {"model": model_state_dict(model)}, {"step": 0, **origin}, extra_files=extra)
 
 
@@ -457,20 +433,19 @@ def optimizer_tensors(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[
 
 
 def _put(out: dict, key: str, tensor: torch.Tensor | FlatShard, expert_offset: int | None) -> None:
-    if isinstance(tensor, FlatShard):  # one range of the (stacked) tensor: the experts it reaches
-        if expert_offset is not None and len(tensor.shape) == 3:
-            shape, per = tensor.shape[1:], math.prod(tensor.shape[1:])
-            for i in range(tensor.shape[0]):
-                part = tensor.window(i * per, (i + 1) * per, shape)
-                if part.numel:
-                    out[f"{key}/{expert_offset + i}"] = part
-        elif tensor.numel:
-            out[key] = tensor
-    elif expert_offset is not None and tensor.ndim == 3:
-        for i in range(tensor.shape[0]):
-            out[f"{key}/{expert_offset + i}"] = tensor[i]
+    """`tensor` as `out[key]`, or a stacked expert tensor as one entry per expert ("key/E"); of a
+    `FlatShard` (one range of the tensor) only the parts its range reaches."""
+    if expert_offset is None or len(tensor.shape) != 3:
+        parts = {key: tensor}
     else:
-        out[key] = tensor
+        per = math.prod(tensor.shape[1:])
+        parts = {
+            f"{key}/{expert_offset + i}": (
+                tensor.window(i * per, (i + 1) * per, tensor.shape[1:]) if isinstance(tensor, FlatShard) else tensor[i]
+            )
+            for i in range(tensor.shape[0])
+        }
+    out.update({k: v for k, v in parts.items() if not isinstance(v, FlatShard) or v.numel})
 
 
 def _join(state: dict, key: str, expert_offset: int | None, num_local: int) -> torch.Tensor:
@@ -491,13 +466,8 @@ def _take(state: dict, key: str, live: torch.Tensor, expert_offset: int | None) 
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (
-        a.device == b.device
-        and a.data_ptr() == b.data_ptr()
-        and a.shape == b.shape
-        and a.stride() == b.stride()
-        and a.dtype == b.dtype
-    )
+    x, y = ((t.device, t.data_ptr(), t.shape, t.stride(), t.dtype) for t in (a, b))
+    return x == y
 
 
 def _expert_offsets(model: nn.Module) -> dict[str, int]:

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import pickle
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,6 +38,7 @@ from torch.futures import Future
 
 from moetrain.optim.base import FlatShard
 from moetrain.optim.split_master import join, split_fp32
+from moetrain.train.checkpoint_index import INDEX, write_index
 
 PIECE = 1 << 16
 """Elements per join or split pass (their int32 intermediates: 256 KiB each)."""
@@ -81,17 +81,14 @@ class _Entry:
     @classmethod
     def of(cls, shard: FlatShard) -> _Entry:
         blocks = flat_blocks(shard.shape, shard.start, shard.start + shard.numel)
-        return cls(
-            shard,
-            {o: (f - shard.start, f - shard.start + math.prod(s), s) for f, o, s in blocks},
-        )
+        return cls(shard, {o: (f - shard.start, f - shard.start + math.prod(s), s) for f, o, s in blocks})
 
-    def block(self, offsets) -> tuple[int, int, tuple[int, ...]]:
-        return self.blocks[tuple(offsets)]
+    def chunks(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, (_, _, s) in self.blocks.items()]
 
     def read(self, offsets) -> torch.Tensor:
         """The block at `offsets`: a view of the live values, or the split master joined."""
-        a, b, sizes = self.block(offsets)
+        a, b, sizes = self.blocks[tuple(offsets)]
         s = self.shard
         if s.values is not None:
             return s.values[a:b].view(sizes)
@@ -144,16 +141,14 @@ class ShardSavePlanner(DefaultSavePlanner):
         plan = super().create_local_plan()
         items = [
             WriteItem(
-                index=MetadataIndex(fqn, torch.Size(offsets)),
+                index=MetadataIndex(fqn, torch.Size(chunk.offsets)),
                 type=WriteItemType.SHARD,
                 tensor_data=TensorWriteData(
-                    chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
-                    properties=TensorProperties(dtype=entry.shard.dtype),
-                    size=torch.Size(entry.shard.shape),
+                    chunk, TensorProperties(dtype=entry.shard.dtype), torch.Size(entry.shard.shape)
                 ),
             )
             for fqn, entry in self.shards.items()
-            for offsets, (_, _, sizes) in entry.blocks.items()
+            for chunk in entry.chunks()
         ]
         self.plan = dataclasses.replace(plan, items=[*plan.items, *items], planner_data=self.mappings)
         return self.plan
@@ -167,19 +162,14 @@ class ShardSavePlanner(DefaultSavePlanner):
         return _own_storage(data) if isinstance(data, torch.Tensor) else data
 
 
-def _item_bytes(item: WriteItem) -> int:
-    if item.tensor_data is None:
-        return 0
-    return math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
-
-
 def _by_size(items: list[WriteItem], limit: int) -> list[list[WriteItem]]:
     """`items` in order, cut into runs of at most `limit` tensor bytes (an item larger than that
     alone); always at least one run, so a rank's first file exists even when it owns nothing."""
     groups: list[list[WriteItem]] = [[]]
     size = 0
     for item in items:
-        nbytes = _item_bytes(item)
+        data = item.tensor_data
+        nbytes = 0 if data is None else math.prod(data.chunk.sizes) * data.properties.dtype.itemsize
         if groups[-1] and size + nbytes > limit:
             groups.append([])
             size = 0
@@ -244,16 +234,9 @@ class ShardWriter(FileSystemWriter):
 
     def finish(self, metadata, results) -> None:
         """This rank's index: the plan's metadata and where each item went."""
-        storage = {}
-        for rank_results in results:
-            storage.update({r.index: r.storage_data for r in rank_results})
+        storage = {r.index: r.storage_data for rank_results in results for r in rank_results}
         metadata = dataclasses.replace(metadata, storage_data=storage, storage_meta=self.storage_meta())
-        path = os.path.join(str(self.path), f"__{self.shard_rank}.metadata")
-        with open(path + ".tmp", "wb") as f:
-            pickle.dump(metadata, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(path + ".tmp", path)
+        write_index(Path(self.path) / f"__{self.shard_rank}{INDEX}", metadata)
 
 
 class ShardLoadPlanner(DefaultLoadPlanner):
@@ -275,11 +258,7 @@ class ShardLoadPlanner(DefaultLoadPlanner):
             if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != entry.shard.shape:
                 saved = tuple(md.size) if isinstance(md, TensorStorageMetadata) else "no tensor"
                 raise ValueError(f"Size mismatch between saved {saved} and current: {entry.shard.shape} for {fqn}")
-            chunks = [
-                ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s))
-                for o, (_, _, s) in entry.blocks.items()
-            ]
-            items += create_read_items_for_chunk_list(fqn, md, chunks)
+            items += create_read_items_for_chunk_list(fqn, md, entry.chunks())
         return dataclasses.replace(plan, items=[*plan.items, *items])
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
@@ -294,7 +273,7 @@ class ShardLoadPlanner(DefaultLoadPlanner):
         entry = self.shards.get(read_item.dest_index.fqn)
         if entry is None or entry.shard.values is not None:
             return super().commit_tensor(read_item, tensor)
-        a, b, sizes = entry.block(read_item.dest_index.offset)
+        a, b, sizes = entry.blocks[tuple(read_item.dest_index.offset)]
         hi, lo = (
             _narrow(half[a:b].view(sizes), read_item.dest_offsets, read_item.lengths)
             for half in (entry.shard.hi, entry.shard.lo)
@@ -311,9 +290,6 @@ class CpuStager(AsyncStager):
 
     def stage(self, state_dict):
         return _to_cpu(state_dict)
-
-    def close(self) -> None:
-        pass
 
 
 def _to_cpu(value):

@@ -46,6 +46,8 @@ class RunDir:
         one of `checkpoint_bytes` fits (`checkpoint_detail` says why that many); then create the
         directory and take it for this run (src/moetrain/train/run_lock.py)."""
         self.path = Path(path)
+        self.metrics_file = self.path / "metrics.jsonl"
+        self.config_file = self.path / "config.yaml"
         self.main = main
         """Rank 0: the one rank that writes records."""
         self._made: list[Path] = []
@@ -67,9 +69,8 @@ class RunDir:
             self._take()
 
     def _take(self) -> None:
-        self._made = [p for p in (*reversed(self.path.parents), self.path) if not p.exists()]
-        if not (self.path / run_lock.LOCK_FILE).exists():
-            self._made.append(self.path / run_lock.LOCK_FILE)
+        lock = self.path / run_lock.LOCK_FILE
+        self._made = [p for p in (*reversed(self.path.parents), self.path, lock) if not p.exists()]
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             run_lock.acquire(self.path)
@@ -97,14 +98,6 @@ class RunDir:
         """Give the directory up, the run over (run.lock stays, naming nobody)."""
         if self._release is not None:
             self._release()
-
-    @property
-    def metrics_file(self) -> Path:
-        return self.path / "metrics.jsonl"
-
-    @property
-    def config_file(self) -> Path:
-        return self.path / "config.yaml"
 
     def checkpoints(self) -> list[tuple[int, Path]]:
         """Complete checkpoints, oldest first."""
@@ -175,11 +168,7 @@ class RunDir:
 
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints", run_lock.LOCK_FILE)
-"""What makes a directory hold a run (`holds_run`): each appears when a run starts or logs."""
-
-
-def holds_run(path: Path) -> bool:
-    return any((path / name).exists() for name in RUN_FILES)
+"""What makes a directory hold a run (`default_run_dir`): each appears when a run starts or logs."""
 
 
 def default_run_dir(name: str, resume: bool, root: str | Path = "runs") -> tuple[Path, str]:
@@ -195,7 +184,7 @@ def default_run_dir(name: str, resume: bool, root: str | Path = "runs") -> tuple
             match = pattern.fullmatch(path.name)
             if match and int(match.group(1)) >= 2:
                 numbered[int(match.group(1))] = path
-    held = sorted(n for n, path in numbered.items() if holds_run(path))
+    held = sorted(n for n, path in numbered.items() if any((path / f).exists() for f in RUN_FILES))
     if not held:
         return root / name, f"named after {name}"
     newest = numbered[held[-1]]

@@ -46,9 +46,9 @@ def acquire(run_dir: Path) -> None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        owner = _read_owner(fd)
+        message = _in_use(run_dir, fd)
         os.close(fd)
-        raise ConfigError(_in_use(run_dir, owner)) from None
+        raise ConfigError(message) from None
     except OSError as e:
         if e.errno not in _NO_FLOCK:
             os.close(fd)
@@ -66,13 +66,12 @@ def release(run_dir: Path) -> None:
     """One holder gives `run_dir` up; with the last, the lock goes (its file stays, emptied:
     nobody is named as its owner)."""
     key = run_dir.resolve()
-    if key not in _held:
-        return
-    _held[key][1] -= 1
-    if _held[key][1] == 0:
-        fd = _held.pop(key)[0]
-        os.ftruncate(fd, 0)
-        os.close(fd)
+    if key in _held:
+        _held[key][1] -= 1
+        if _held[key][1] == 0:
+            fd = _held.pop(key)[0]
+            os.ftruncate(fd, 0)
+            os.close(fd)
 
 
 def _me() -> dict[str, Any]:
@@ -85,15 +84,13 @@ def _me() -> dict[str, Any]:
     }
 
 
-def _read_owner(fd: int) -> dict[str, Any]:
+def _in_use(run_dir: Path, fd: int) -> str:
+    """The refusal, naming the owner that the held lock file `fd` names."""
     try:
         owner = json.loads(os.pread(fd, 4096, 0) or b"{}")
     except ValueError:  # being written, or not ours
-        return {}
-    return owner if isinstance(owner, dict) else {}
-
-
-def _in_use(run_dir: Path, owner: dict[str, Any]) -> str:
+        owner = {}
+    owner = owner if isinstance(owner, dict) else {}
     pid, host = owner.get("pid"), owner.get("host")
     who = (
         f"pid {pid} on host {host}, since {owner.get('started', '?')} ({owner.get('command', '?')})"
