@@ -50,8 +50,7 @@ def cmd_train(argv: list[str]) -> int:
     check_rehearsal_flags(args)
     rehearsal = None
     if args.rehearse is not None:
-        if args.steps is None:
-            args.steps = 4
+        args.steps = 4 if args.steps is None else args.steps
         overrides.append("checkpoint.save_final=false")  # the rehearsal saves and loads back itself
         rehearsal = rehearse.resolve(resolve_args(args, overrides), args.rehearse, args.rank)
     cfg = resolve_args(args, overrides)
