@@ -42,9 +42,7 @@ TOKEN_SCALES = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
 
 def _plan_parser() -> argparse.ArgumentParser:
     fill = functools.partial(textwrap.fill, width=100)
-    legend = "\n".join(
-        textwrap.fill(m, width=100, initial_indent="  ", subsequent_indent="      ") for m in layout_legend()
-    )
+    legend = "\n".join(fill(m, initial_indent="  ", subsequent_indent="      ") for m in layout_legend())
     parser = command_parser(
         "plan",
         fill(
