@@ -71,14 +71,22 @@ def run_bench(
     """`rehearse`: run rank `rank` (default: the one the planner says needs most memory) of a
     `rehearse`-rank layout alone (src/moetrain/rehearse.py); each line then has a `rehearsal` entry,
     and with `checkpoint` this rank's checkpoint shard is saved and loaded back once at the end."""
-    routings = _check_routings(routings)
+    routings = routings or [Routing.learned.value, Routing.random.value]
+    known = [r.value for r in Routing]
+    for r in routings:  # refused before any work
+        if r not in known:
+            raise ConfigError(f"--routing: unknown routing mode '{r}'; choose from {', '.join(known)}.")
     run_dir = run_dir or tempfile.mkdtemp(prefix="moetrain-bench-")
     cfg = resolve_config(
         spec, overrides + BENCH_OVERRIDES + [f"train.run_dir={run_dir}", f"model.moe.routing={routings[0]}"]
     )
     rehearsal = None if rehearse is None else rehearse_mod.resolve(cfg, rehearse, rank)
     trainer = Trainer(cfg, quiet=True, rehearsal=rehearsal, capacity_floor=device_capacity_floor)
-    say = _say if progress and trainer.par.is_main else lambda msg: None
+
+    def say(msg: str) -> None:
+        if progress and trainer.par.is_main:
+            print(msg, file=sys.stderr, flush=True)
+
     if rehearsal is not None:
         say(f"bench {spec}: REHEARSAL: {rehearsal_notice(trainer.par.dims, rehearsal.rank)}")
         LEDGER.timing = True
@@ -103,16 +111,16 @@ def run_bench(
                 record["profile_dir"], kinds = _profile(trainer, f"bench {spec} ({routing} routing)", routing, say)
             if rehearsal is not None and not isinstance(step, _OptimizerStep):  # no tokens: no projection
                 LEDGER.reset()  # the ledger's counts are the timed window's
-                record["rehearsal"] = dict(
-                    step_s=timing["step_s"],
-                    stand_in_s=timing["stand_in_s"],
-                    training_gib=record["peak_mem_gib"],
-                    kinds=kinds,
-                    collectives=timing["collectives"],
-                )
+                record["rehearsal"] = timing | {"training_gib": record["peak_mem_gib"], "kinds": kinds}
             records.append(record)
-    if rehearsal is not None:
-        _finish_rehearsal(trainer, spec, records, checkpoint, say)
+    if rehearsal is not None:  # with `checkpoint`, this rank's shard saved and loaded back once
+        saved = None
+        if checkpoint:
+            say(f"bench {spec}: REHEARSAL: saving this rank's checkpoint shard and loading it back")
+            saved = rehearse_mod.checkpoint_peaks(trainer)
+        for record in (r for r in records if "rehearsal" in r):
+            record["rehearsal"] = rehearse_mod.record(trainer, **record["rehearsal"], checkpoint=saved)
+        LEDGER.timing = False
     return records
 
 
@@ -131,21 +139,6 @@ def warm_up_steps(engine, window: int, timed: str, step, warmup: int) -> int:
         judged = JUDGED_REPLAYS if engine.step_graph.judge else 0
         n = max(n, STEP_GRAPH_WARMUP + 1 + judged)
     return n
-
-
-def _check_routings(routings: list[str] | None) -> list[str]:
-    """The routing modes to bench (default: learned, then random); an unknown one is refused
-    before any work."""
-    routings = routings or [Routing.learned.value, Routing.random.value]
-    known = [r.value for r in Routing]
-    for r in routings:
-        if r not in known:
-            raise ConfigError(f"--routing: unknown routing mode '{r}'; choose from {', '.join(known)}.")
-    return routings
-
-
-def _say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def _windows(
@@ -196,9 +189,7 @@ def _time_window(
     else:  # one collective: loss and routing balance over all ranks
         balance = trainer.engine.metrics(out, step=trainer.step, steps=steps, seconds=elapsed)
     syncs = _count_host_syncs(step) if sync_check and trainer.device.type == "cuda" else None
-    record = _record(trainer, spec, routing, steps, elapsed, balance, syncs)
-    record["timed"] = timed
-    return record, timing
+    return _record(trainer, spec, routing, steps, elapsed, balance, syncs) | {"timed": timed}, timing
 
 
 def _profile(trainer: Trainer, label: str, routing: str, say) -> tuple[str, dict[str, Any] | None]:
@@ -217,27 +208,6 @@ def _profile(trainer: Trainer, label: str, routing: str, say) -> tuple[str, dict
         "everything else, top kernels": profiler.kinds["everything_else_top_ms"],
     }
     return str(profile_dir), kinds
-
-
-def _finish_rehearsal(trainer: Trainer, spec: str, records: list[dict[str, Any]], checkpoint: bool, say) -> None:
-    """With `checkpoint`, save this rank's checkpoint shard and load it back once; then each
-    line's `rehearsal` entry becomes the rank's record (`rehearse.record`)."""
-    saved = None
-    if checkpoint:
-        say(f"bench {spec}: REHEARSAL: saving this rank's checkpoint shard and loading it back")
-        saved = rehearse_mod.checkpoint_peaks(trainer)
-    for record in (r for r in records if "rehearsal" in r):
-        r = record["rehearsal"]
-        record["rehearsal"] = rehearse_mod.record(
-            trainer,
-            step_s=r["step_s"],
-            stand_in_s=r["stand_in_s"],
-            training_gib=r["training_gib"],
-            kinds=r["kinds"],
-            checkpoint=saved,
-            collectives=r["collectives"],
-        )
-    LEDGER.timing = False
 
 
 def _peak_mem_per_rank(device: torch.device, graph_bytes: int = 0) -> list[float]:
@@ -323,10 +293,9 @@ def _record(
     trainer: Trainer, spec: str, routing: str, steps: int, elapsed: float, balance: dict[str, Any], syncs: int | None
 ) -> dict[str, Any]:
     """`balance` is `TrainEngine.metrics` of the timed window: its rates are the line's."""
-    cfg, world, engine = trainer.cfg, trainer.par.dims.world_size, trainer.engine
-    m, tc = cfg.model, cfg.train
-    peaks = _peak_mem_per_rank(trainer.device, trainer.engine.graph_memory_bytes())
-    counts = count_params(m)
+    cfg, dims, engine = trainer.cfg, trainer.par.dims, trainer.engine
+    m, tc, counts = cfg.model, cfg.train, count_params(cfg.model)
+    peaks = _peak_mem_per_rank(trainer.device, engine.graph_memory_bytes())
     return {
         "preset": spec,
         "routing": routing,
@@ -338,20 +307,11 @@ def _record(
         "step_time_s": elapsed / steps,
         "timed_steps": steps,
         "loss": balance["lm_loss"],
-        "expert_load_max_over_mean": balance["expert_load_max_over_mean"],
-        "ep_load_max_over_mean": balance["ep_load_max_over_mean"],
-        "dropped_token_frac": balance["dropped_token_frac"],
+        **{k: balance[k] for k in ("expert_load_max_over_mean", "ep_load_max_over_mean", "dropped_token_frac")},
         "shape": {
-            "d_model": m.d_model,
-            "n_layers": m.n_layers,
-            "num_dense_layers": m.num_dense_layers,
-            "n_heads": m.n_heads,
-            "n_kv_heads": m.n_kv_heads,
+            **{k: getattr(m, k) for k in ("d_model", "n_layers", "num_dense_layers", "n_heads", "n_kv_heads")},
             "head_dim": m.resolved_head_dim,
-            "num_experts": m.moe.num_experts,
-            "top_k": m.moe.top_k,
-            "expert_hidden": m.moe.expert_hidden,
-            "shared_hidden": m.moe.shared_hidden,
+            **{k: getattr(m.moe, k) for k in ("num_experts", "top_k", "expert_hidden", "shared_hidden")},
             "dense_hidden": m.resolved_dense_hidden,
             "vocab_size": m.vocab_size,
             "peri_norm": m.peri_norm,
@@ -368,18 +328,15 @@ def _record(
         "optimizer": _optimizer_record(trainer),
         "flops_per_token": engine.flops_per_token,
         "compile": cfg.compute.compile,
-        "loss_chunk_tokens": trainer.engine.loss_chunk_tokens,
+        "loss_chunk_tokens": engine.loss_chunk_tokens,
         "recompute": str(cfg.compute.recompute),
         "defer_expert_weight_grad": engine.model.runtime.expert_grads is not None,
         "cuda_graphs": str(engine.cuda_graphs),
         "cuda_graphs_why": engine.cuda_graphs_why,
         "cuda_graph_counts": engine.cuda_graph_counts(),
         "layout": {
-            "world": world,
-            "dp": trainer.par.dims.dp,
-            "cp": trainer.par.dims.cp,
-            "ep": trainer.par.dims.ep,
-            "pp": trainer.par.dims.pp,
+            "world": dims.world_size,
+            **{k: getattr(dims, k) for k in ("dp", "cp", "ep", "pp")},
             "stack": str(cfg.parallel.stack),
         },
         "device": torch.cuda.get_device_name(trainer.device) if trainer.device.type == "cuda" else "cpu",

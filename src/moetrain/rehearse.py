@@ -61,6 +61,7 @@ def checkpoint_peaks(trainer: Trainer) -> dict[str, Any]:
         if cuda:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
+        host_reset()
         return time.perf_counter()
 
     def peak() -> float | None:
@@ -70,14 +71,12 @@ def checkpoint_peaks(trainer: Trainer) -> dict[str, Any]:
         return round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
 
     t0 = start()
-    host_reset()
     path = trainer.save()
     trainer.finish_checkpoint()
     save_s, saving, host_saving = time.perf_counter() - t0, peak(), host_peak()
     written = sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
     own = sum(f.stat().st_size for f in Path(path).glob(f"__{trainer.par.rank}_*.distcp"))
     t0 = start()
-    host_reset()
     role = ShardRole.of(trainer.par)
     load_checkpoint(path, trainer.engine.checkpoint_state(), rank=trainer.par.rank, rehearsal=role.rehearsal)
     trainer.engine.checkpoint_loaded()
@@ -116,13 +115,6 @@ def host_peak() -> float | None:
     return None
 
 
-def planner_gpu(device: torch.device) -> str | None:
-    """The planner's GPU for this device (None on CPU: nothing to compare with)."""
-    if device.type != "cuda":
-        return None
-    return plan_gpu(torch.cuda.get_device_name(device), torch.cuda.get_device_properties(device).total_memory)
-
-
 def record(
     trainer: Trainer,
     *,
@@ -153,10 +145,11 @@ def record(
         "checkpoint": checkpoint,
         "collectives_per_step": collectives,
     }
-    gpu = planner_gpu(trainer.device)
-    if gpu is None:
+    device = trainer.device
+    if device.type != "cuda":  # no planner's GPU to compare with
         out["planner"] = out["projected"] = None
         return out
+    gpu = plan_gpu(torch.cuda.get_device_name(device), torch.cuda.get_device_properties(device).total_memory)
     p = plan(cfg, dims.world_size, gpu)
     pp_rank = trainer.par.index("pp")  # memory: this rank's pipeline rank; time: the busiest one's
     tokens = trainer.engine.tokens_per_step / dims.world_size  # this GPU's share of a step

@@ -112,15 +112,11 @@ def main(argv: list[str] | None = None) -> int:
             gone = unresponsive_ranks()
         finally:
             signal.signal(signal.SIGTERM, previous)
-        who = (
-            f"rank {gone[0]} is gone"
-            if gone and len(gone) == 1
-            else f"ranks {', '.join(map(str, gone))} are gone"
-            if gone
-            else "another rank is gone"
-        )
+        who = f"ranks {', '.join(map(str, gone))} are gone" if gone else "another rank is gone"
+        who = f"rank {gone[0]} is gone" if gone and len(gone) == 1 else who
+        first = (str(e).strip() or type(e).__name__).splitlines()[0][:300]
         print(
-            f"error: rank {rank}: a collective failed because {who} ({_first_line(e)}). "
+            f"error: rank {rank}: a collective failed because {who} ({first}). "
             + ("" if gone else "The launcher's log names the rank that failed first. ")
             + "Completed checkpoints are intact: continue with --resume (under torchrun, "
             "--max-restarts=N with --resume restarts and resumes by itself).",
@@ -129,14 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-_LOST_PEER = (
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "Broken pipe",
-    "remote process exited",
-    "NCCL communicator was aborted",
-    "Socket Timeout",
-)
+_LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited",
+              "NCCL communicator was aborted", "Socket Timeout")  # fmt: skip
 
 
 _KEPT = {
@@ -167,8 +157,7 @@ def _lost_a_peer(e: BaseException) -> bool:
     """A communication error that means another rank died (gloo/NCCL wording)."""
     import torch.distributed as dist
 
-    text = str(e)
-    return isinstance(e, dist.DistNetworkError) or any(s in text for s in _LOST_PEER)
+    return isinstance(e, dist.DistNetworkError) or any(s in str(e) for s in _LOST_PEER)
 
 
 def _stdout_closed() -> bool:
@@ -183,11 +172,6 @@ def _stdout_closed() -> bool:
     if closed:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return closed
-
-
-def _first_line(e: BaseException) -> str:
-    line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return line[:300]
 
 
 def _usage() -> str:

@@ -39,13 +39,13 @@ def split_overrides(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[a
             close = difflib.get_close_matches(item.split("=", 1)[0], flags, n=1)
             hint = f" Did you mean {close[0]}?" if close else ""
             raise ConfigError(
-                f"Unknown option '{item}' for 'moetrain {parser.prog.split()[-1]}'.{hint} Config keys are set as "
+                f"Unknown option '{item}' for '{parser.prog}'.{hint} Config keys are set as "
                 "--section.key=value or --section.key value (for example --optim.lr=1e-3); see --help."
             )
         else:
             raise ConfigError(
-                f"Unexpected argument '{item}' for 'moetrain {parser.prog.split()[-1]}'. Config keys "
-                "are set as --section.key=value or --section.key value (for example --optim.lr 1e-3); see --help."
+                f"Unexpected argument '{item}' for '{parser.prog}'. Config keys are set as --section.key=value "
+                "or --section.key value (for example --optim.lr 1e-3); see --help."
             )
         i += 1
     return args, overrides
@@ -58,14 +58,14 @@ def command_parser(prog: str, description: str, **kwargs) -> argparse.ArgumentPa
 
 def config_parser(prog: str, description: str, train_flags: bool) -> argparse.ArgumentParser:
     """PRESET_OR_YAML, and with `train_flags` the everyday flags that set config keys (`TRAIN_FLAGS`)."""
-    parser = command_parser(prog, description)
-    parser.add_argument("spec", metavar="PRESET_OR_YAML", help="a preset name (moetrain presets) or a YAML run file")
-    if train_flags:
-        for flag, (key, tp) in TRAIN_FLAGS.items():
-            parser.add_argument(flag, type=tp, help=TRAIN_FLAG_HELP.get(flag, f"sets {key}"))
-    parser.epilog = (
-        "Any config key can be set with --section.key=value, e.g. --optim.lr=1e-3 --model.moe.routing=random."
+    parser = command_parser(
+        prog,
+        description,
+        epilog="Any config key can be set with --section.key=value, e.g. --optim.lr=1e-3 --model.moe.routing=random.",
     )
+    parser.add_argument("spec", metavar="PRESET_OR_YAML", help="a preset name (moetrain presets) or a YAML run file")
+    for flag, (key, tp) in TRAIN_FLAGS.items() if train_flags else ():
+        parser.add_argument(flag, type=tp, help=TRAIN_FLAG_HELP.get(flag, f"sets {key}"))
     return parser
 
 
@@ -74,14 +74,12 @@ def rehearsal_flags(parser: argparse.ArgumentParser, what: str) -> None:
         "--rehearse",
         type=int,
         metavar="N",
-        default=None,
         help=f"rehearse one rank of an N-rank run alone on this device, its peers stood in for: {what}; "
         "communication is not measured (docs/architecture.md, 'Rehearsal')",
     )
     parser.add_argument(
         "--rank",
         type=int,
-        default=None,
         help="with --rehearse: the rank to run (default: the one `moetrain plan` says needs most memory)",
     )
 
@@ -95,9 +93,5 @@ def resolve_args(args: argparse.Namespace, overrides: list[str]):
     """The run config of `spec` with the overrides and the everyday flags set."""
     from moetrain.presets import resolve_config
 
-    flag_overrides = []
-    for flag, (key, _) in TRAIN_FLAGS.items():
-        value = getattr(args, flag[2:].replace("-", "_"), None)
-        if value is not None:
-            flag_overrides.append(f"{key}={value}")
-    return resolve_config(args.spec, overrides + flag_overrides)
+    values = {key: getattr(args, flag[2:].replace("-", "_"), None) for flag, (key, _) in TRAIN_FLAGS.items()}
+    return resolve_config(args.spec, overrides + [f"{key}={v}" for key, v in values.items() if v is not None])

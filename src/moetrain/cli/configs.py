@@ -29,19 +29,12 @@ def cmd_params(argv: list[str]) -> int:
     parser = config_parser("params", "Parameter and FLOP counts.", train_flags=False)
     args, overrides = split_overrides(parser, argv)
     cfg = resolve_args(args, overrides)
-
-    counts = count_params(cfg.model)
-    print(
-        json.dumps(
-            {
-                "preset": args.spec,
-                "total_params": counts.total,
-                "active_params": counts.active,
-                "flops_per_token": flops_per_token(cfg.model, cfg.data.seq_len),
-                "seq_len": cfg.data.seq_len,
-            }
-        )
+    counts, seq_len = count_params(cfg.model), cfg.data.seq_len
+    flops = flops_per_token(cfg.model, seq_len)
+    record = dict(
+        preset=args.spec, total_params=counts.total, active_params=counts.active, flops_per_token=flops, seq_len=seq_len
     )
+    print(json.dumps(record))
     return 0
 
 
@@ -53,14 +46,10 @@ def cmd_presets(argv: list[str]) -> int:
     for name, make in PRESETS.items():
         cfg = make()
         counts = count_params(cfg.model)
-        total, active = _count(counts.total), _count(counts.active)
+        # 12.912B, 1.587B, 3.70M: billions from a billion up, else millions
+        total, active = (f"{n / 1e9:.3f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" for n in (counts.total, counts.active))
         print(f"{name:<18} {total:>9} {active:>9} {cfg.data.seq_len:>8}  {PURPOSES[name]}")
     return 0
-
-
-def _count(n: int) -> str:
-    """12.912B, 1.587B, 3.70M: billions from a billion up, else millions."""
-    return f"{n / 1e9:.3f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
 def cmd_prepare_data(argv: list[str]) -> int:

@@ -8,7 +8,6 @@ import json
 import math
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 from moetrain.cli.args import command_parser, split_overrides
@@ -116,17 +115,9 @@ def cmd_generate(argv: list[str]) -> int:
 
     model, cfg, tokenizer = load_for_inference(args.checkpoint, args.device)
     # Each token is predicted from at most the training sequence length of context.
+    options = dict(top_k=args.top_k, top_p=args.top_p, kv_cache=not args.no_kv_cache)
     text, ids = generate(
-        model,
-        tokenizer,
-        args.prompt,
-        args.max_new_tokens,
-        args.temperature,
-        args.seed,
-        cfg.data.seq_len,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        kv_cache=not args.no_kv_cache,
+        model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.seed, cfg.data.seq_len, **options
     )
     if args.json:
         print(json.dumps({"prompt": args.prompt, "completion": text, "token_ids": ids}))
@@ -135,60 +126,29 @@ def cmd_generate(argv: list[str]) -> int:
     return 0
 
 
-def _convert(
-    argv: list[str],
-    prog: str,
-    description: str,
-    source: str,
-    source_help: str,
-    convert,
-    replaces: Callable[[str], list[str]],
-    add_options=None,
-) -> int:
-    """`moetrain export-hf` / `import-hf`: SOURCE OUT_DIR (and `add_options`' flags, passed to
-    `convert` by name) in, one JSON line out. Files of OUT_DIR that `replaces` names are
-    replaced only with --force."""
+def _convert_parser(prog: str, description: str, source: str, source_help: str) -> argparse.ArgumentParser:
+    """The parser of `moetrain export-hf` / `import-hf`: SOURCE OUT_DIR [--force]."""
     parser = command_parser(prog, description)
     parser.add_argument(source, help=source_help)
     parser.add_argument("out_dir")
     parser.add_argument("--force", action="store_true", help="replace what an earlier run wrote into OUT_DIR")
-    if add_options is not None:
-        add_options(parser)
+    return parser
+
+
+def _convert(parser: argparse.ArgumentParser, argv: list[str], source: str, convert, replaces) -> int:
+    """`_convert_parser`'s command (and its flags beyond those, passed to `convert` by name): one
+    JSON line out. Files of OUT_DIR that `replaces` names are replaced only with --force."""
     args = parser.parse_args(argv)
     # Under torchrun only rank 0 looks: the other ranks would see its files appear.
     if not args.force and os.environ.get("RANK", "0") == "0":
-        check_overwrite(args.out_dir, replaces(args.out_dir), "OUT_DIR", f"moetrain {prog}")
+        check_overwrite(args.out_dir, replaces(args.out_dir), "OUT_DIR", parser.prog)
     options = {k: v for k, v in vars(args).items() if k not in (source, "out_dir", "force")}
     print(json.dumps(convert(getattr(args, source), args.out_dir, **options)))
     return 0
 
 
 def cmd_export_hf(argv: list[str]) -> int:
-    def options(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--dtype", default="bfloat16", help="weight dtype: bfloat16 (default) or float32")
-        parser.add_argument(
-            "--max-shard-size", default="5GB", help="shard the weights past this size (5GB, 500MiB, bytes)"
-        )
-        parser.add_argument(
-            "--max-position-embeddings", type=int, default=None, help="default: the trained data.seq_len"
-        )
-        parser.add_argument(
-            "--remote-code",
-            action="store_true",
-            help="write moetrain's own modeling file beside the weights (any grouped-query-attention model: load "
-            "it with trust_remote_code=True) instead of a native transformers class",
-        )
-        parser.add_argument(
-            "--license",
-            dest="license_id",
-            default="other",
-            help="the model card's Hub license id (apache-2.0, mit, cc-by-4.0, …; default other: none chosen)",
-        )
-
-    # Under torchrun each rank writes every WORLD_SIZE-th shard (no process group is needed).
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    return _convert(
-        argv,
+    parser = _convert_parser(
         "export-hf",
         "Write a checkpoint as a directory that transformers loads offline with a native architecture "
         "(Qwen3-MoE for softmax gating, GLM-4-MoE for sigmoid gating, DeepSeek-V3 for multi-head latent attention): "
@@ -198,24 +158,43 @@ def cmd_export_hf(argv: list[str]) -> int:
         "that exports.",
         "checkpoint",
         "a run directory (newest checkpoint) or a step-N directory",
+    )
+    parser.add_argument("--dtype", default="bfloat16", help="weight dtype: bfloat16 (default) or float32")
+    parser.add_argument("--max-shard-size", default="5GB", help="shard the weights past this size (5GB, 500MiB, bytes)")
+    parser.add_argument("--max-position-embeddings", type=int, default=None, help="default: the trained data.seq_len")
+    parser.add_argument(
+        "--remote-code",
+        action="store_true",
+        help="write moetrain's own modeling file beside the weights (any grouped-query-attention model: load "
+        "it with trust_remote_code=True) instead of a native transformers class",
+    )
+    parser.add_argument(
+        "--license",
+        dest="license_id",
+        default="other",
+        help="the model card's Hub license id (apache-2.0, mit, cc-by-4.0, …; default other: none chosen)",
+    )
+    # Under torchrun each rank writes every WORLD_SIZE-th shard (no process group is needed).
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    return _convert(
+        parser,
+        argv,
+        "checkpoint",
         lambda checkpoint, out_dir, **kw: export_hf(checkpoint, out_dir, rank=rank, world_size=world, **kw),
         export_replaces,
-        options,
     )
 
 
 def cmd_import_hf(argv: list[str]) -> int:
-    return _convert(
-        argv,
+    parser = _convert_parser(
         "import-hf",
         "Read a Hugging Face Qwen3-MoE, GLM-4-MoE or DeepSeek-V3 directory (config.json, safetensors, "
         "tokenizer.json) into OUT_DIR: config.yaml, tokenizer.json and a weights-only checkpoint. Continue training "
         "it with `moetrain train OUT_DIR/config.yaml --checkpoint.init_from=OUT_DIR --data.sources=… --run-dir NEW`.",
         "hf_dir",
         "a Hugging Face model directory",
-        import_hf,
-        import_replaces,
     )
+    return _convert(parser, argv, "hf_dir", import_hf, import_replaces)
 
 
 def cmd_upcycle(argv: list[str]) -> int:

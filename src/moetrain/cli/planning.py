@@ -5,6 +5,7 @@ answer without it."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -40,12 +41,8 @@ TOKEN_SCALES = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
 
 
 def _plan_parser() -> argparse.ArgumentParser:
-    def fill(text: str) -> str:
-        return textwrap.fill(text, width=100)
-
-    legend = "\n".join(
-        textwrap.fill(m, width=100, initial_indent="  ", subsequent_indent="      ") for m in layout_legend()
-    )
+    fill = functools.partial(textwrap.fill, width=100)
+    legend = "\n".join(fill(m, initial_indent="  ", subsequent_indent="      ") for m in layout_legend())
     parser = command_parser(
         "plan",
         fill(
@@ -84,16 +81,12 @@ def _plan_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--tokens",
-        default=None,
         metavar="N",
         help="the token budget each layout is timed on: 250B, 1.5T, 500M, 2e12 or a whole number (default: the "
         "run's length, train.steps × train.global_batch_size × data.seq_len)",
     )
     parser.add_argument(
-        "--micro-batch",
-        type=int,
-        default=None,
-        help="sequences per GPU per micro-batch (sets train.micro_batch_size = this × dp)",
+        "--micro-batch", type=int, help="sequences per GPU per micro-batch (sets train.micro_batch_size = this × dp)"
     )
     parser.add_argument(
         "--no-suggest", action="store_true", help="skip the search for layouts that fit (and for more GPUs)"
@@ -275,15 +268,14 @@ def _plan_one(args: argparse.Namespace, gpus: int, cfg: RunConfig, given: list[s
 
     result = planner.plan(cfg, gpus, gpu)
     suggestions = [] if args.no_suggest else planner.suggest(cfg, gpus, gpu)
-    pasted = [_suggestion_flags(cfg, s, given) for s in suggestions]
-    commands = [rehearse.command(args.spec, gpus, s.busiest_rank, f) for s, f in zip(suggestions, pasted)]
-    launches = [launch_command(args.spec, gpus, result.gpu, f) for f in pasted]
+    lines = [_command_lines(args.spec, cfg, gpus, s, given) for s in suggestions]
+    pasted, commands, launches = ([line[i] for line in lines] for i in range(3))
     roomy = [i for i, s in enumerate(suggestions) if not s.tight]
     best = roomy[0] if roomy else 0
     shown, more, more_flags = [result] + suggestions, None, ([], "", "")
     if not suggestions and not args.no_suggest:  # nothing fits: the answer is a GPU count, said first
         more = planner.fewest_gpus(cfg, gpus, gpu, round_batch=True)
-        more_flags = _more_gpus_flags(args.spec, cfg, more, given)
+        more_flags = _command_lines(args.spec, cfg, more.gpus, more.plan, given) if more.plan else more_flags
         shown += [more.plan] if more.plan else []
         print("\n".join(planner.more_gpus_text(more, gpus, gpu, *more_flags, budget)) + "\n\nthe layout as given:")
     elif roomy and (not result.fits or result.tight):  # lead with what to run instead
@@ -329,36 +321,27 @@ def _plan_counts(
     """One row per GPU count (each count's config from `_plan_config`): the fastest layout that
     fits, its speed and time to the budget; then the launch lines, the legend and one JSON line."""
     from moetrain.plan import legend_lines, suggest
-    from moetrain.plan.report import CountPlan, counts_json, counts_text, launch_command
+    from moetrain.plan.report import CountPlan, counts_json, counts_text
 
     rows = []
     for n, (cfg, given) in zip(counts, configs):
-        found = suggest(cfg, n, gpu, limit=1)
-        if not found:
-            rows.append(CountPlan(n, None, None, None))
-            continue
-        flags = _suggestion_flags(cfg, found[0], given)
-        rows.append(CountPlan(n, found[0], flags, launch_command(spec, n, found[0].gpu, flags)))
-    print(
-        "\n".join(
-            counts_text(rows, spec, gpu, budget) + legend_lines([r.plan.layout.describe() for r in rows if r.plan])
-        )
-    )
+        found = (suggest(cfg, n, gpu, limit=1) or [None])[0]
+        flags, _, launch = (None, None, None) if found is None else _command_lines(spec, cfg, n, found, given)
+        rows.append(CountPlan(n, found, flags, launch))
+    legend = legend_lines([r.plan.layout.describe() for r in rows if r.plan])
+    print("\n".join(counts_text(rows, spec, gpu, budget) + legend))
     print(json.dumps(counts_json(rows, spec, gpu, budget)))
     return 0
 
 
-def _more_gpus_flags(spec: str, cfg: RunConfig, more, given: list[str]) -> tuple[list[str], str, str]:
-    """The flags of `fewest_gpus`'s layout, the command that rehearses it and the line that
-    launches it (none found: empty)."""
+def _command_lines(spec: str, cfg: RunConfig, gpus: int, p, given: list[str]) -> tuple[list[str], str, str]:
+    """The flags of the planned layout `p` on `gpus` GPUs (`_suggestion_flags`), the command that
+    rehearses it and the line that launches it."""
     from moetrain import rehearse
     from moetrain.plan.report import launch_command
 
-    if more.plan is None:
-        return [], "", ""
-    flags = _suggestion_flags(cfg, more.plan, given)
-    launch = launch_command(spec, more.gpus, more.plan.gpu, flags)
-    return flags, rehearse.command(spec, more.gpus, more.plan.busiest_rank, flags), launch
+    flags = _suggestion_flags(cfg, p, given)
+    return flags, rehearse.command(spec, gpus, p.busiest_rank, flags), launch_command(spec, gpus, p.gpu, flags)
 
 
 def _suggestion_flags(cfg: RunConfig, suggestion, given: list[str]) -> list[str]:

@@ -26,7 +26,7 @@ from moetrain.memory_advice import advice
 from moetrain.parallel.distributed import shutdown
 from moetrain.parallel.rehearsal import is_rehearsal
 from moetrain.plan import device_capacity_floor, plan_gpu
-from moetrain.presets import run_name
+from moetrain.presets import resolve_config, run_name
 from moetrain.train.oom import OutOfMemory
 from moetrain.train.runtime import cpu_threads, resolve_device
 from moetrain.train.trainer import Trainer
@@ -50,8 +50,7 @@ def cmd_train(argv: list[str]) -> int:
     check_rehearsal_flags(args)
     rehearsal = None
     if args.rehearse is not None:
-        if args.steps is None:
-            args.steps = 4
+        args.steps = 4 if args.steps is None else args.steps
         overrides.append("checkpoint.save_final=false")  # the rehearsal saves and loads back itself
         rehearsal = rehearse.resolve(resolve_args(args, overrides), args.rehearse, args.rank)
     cfg = resolve_args(args, overrides)
@@ -219,7 +218,7 @@ def cmd_check_layout(argv: list[str]) -> int:
     if args.rtol is not None and not all(r > 0 for r in args.rtol):
         raise ConfigError(f"--rtol {args.rtol[0]} {args.rtol[1]}: tolerances must be positive.")
     overrides += [f"train.{k}={v}" for k, v in (("seed", args.seed), ("device", args.device)) if v is not None]
-    cfg = resolve_args(argparse.Namespace(spec=args.spec), overrides)
+    cfg = resolve_config(args.spec, overrides)
     if args.reference_out is not None:
         Path(args.reference_out).write_text(json.dumps(layout_check.run_steps(cfg)))  # `run_reference`'s child
         return 0
