@@ -43,8 +43,11 @@ def adamw_inputs(n: int = 4096, seed: int = 1, moments_dtype: torch.dtype = torc
 
 
 def run_in_triton_interpreter(code: str) -> subprocess.CompletedProcess:
-    """Run `code` in a fresh Python with TRITON_INTERPRET=1 (Triton kernels executed on the CPU)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    """Run `code` in a fresh Python with TRITON_INTERPRET=1 (Triton kernels executed on the CPU),
+    tests/ on its path (`support` importable)."""
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
 
 
