@@ -72,10 +72,10 @@ def newton_schulz(u_kMN: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.
     # A and B one triangle each where it was measured faster (bf16 on an H100, S ≥ 1,024 rows not
     # longer than the columns: 1.18-1.36x the iteration, the same bits; docs/measurements.md)
     triangle = x.is_cuda and dtype == torch.bfloat16 and TRIANGLE_MIN_ROWS <= x.shape[-2] <= x.shape[-1]
+    if triangle:
+        from moetrain.optim.triton_kernels import symmetric_product
     for _ in range(steps):
         if triangle:
-            from moetrain.optim.triton_kernels import symmetric_product
-
             a_kSS = symmetric_product(x.contiguous(), 1.0, None, 0.0)
             b_kSS = symmetric_product(a_kSS, c, a_kSS, b)
         else:

@@ -146,7 +146,7 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
         offset of each local expert's rows (L,), and the state for `combine`."""
         num_tokens, top_k = topk_ids_NK.shape
         C, W = self.capacity(num_tokens, top_k), self.block_rows(num_tokens, top_k)
-        plan = self._plan(topk_ids_NK, C, W)
+        plan = self._plan(topk_ids_NK, tokens_per_expert_E, C, W)
         if self.capacity_factor is not None:
             self._dropped = plan.dropped
 
@@ -166,7 +166,13 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
         return _all_gather(counts, 0, group=self.ep_group).view(R, n, R)
 
     def _plan(
-        self, topk_ids_NK: torch.Tensor, C: int, W: int, chunk_M: torch.Tensor | None = None, n: int = 1
+        self,
+        topk_ids_NK: torch.Tensor,
+        tokens_per_expert_E: torch.Tensor,
+        C: int,
+        W: int,
+        chunk_M: torch.Tensor | None = None,
+        n: int = 1,
     ) -> _Plan:
         """1. Each assignment's rank among this rank's assignments to its destination (token
         order), how many of them its destination keeps, and the send buffer's map. `chunk_M`: the
@@ -179,7 +185,11 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
         device = topk_ids_NK.device
         expert_M = topk_ids_NK.flatten()
         pair_M = expert_M // L if chunk_M is None else chunk_M * R + expert_M // L  # (exchange, destination)
-        counts_P = torch.zeros(n * R, dtype=torch.int64, device=device).scatter_add_(0, pair_M, torch.ones_like(pair_M))
+        if chunk_M is None:  # one exchange: the router's counts, summed by destination
+            counts_P = tokens_per_expert_E.view(R, L).sum(1)
+        else:
+            counts_P = torch.zeros(n * R, dtype=torch.int64, device=device)
+            counts_P.scatter_add_(0, pair_M, torch.ones_like(pair_M))
         X = self._all_counts(counts_P.view(n, R)) if W > C else None
         kept_P = (counts_P.view(n, R).clamp(max=C) + self._spill_kept(X, C, W)).flatten()
         start_P = counts_P.cumsum(0) - counts_P

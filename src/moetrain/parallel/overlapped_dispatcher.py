@@ -82,7 +82,7 @@ class OverlappedDispatcher(NoSyncDispatcher):
         factor = self.capacity_factor and self.capacity_factor / n  # (None: one chunk, padded)
         C = capacity_rows(M, R, factor, self.min_rows / n)
         W = block_rows(M, R, factor, self.spill_factor / n, self.min_rows / n)
-        plan = self._plan(route.topk_ids_NK, C, W, self._chunk_of(route.topk_ids_NK), n)
+        plan = self._plan(route.topk_ids_NK, route.tokens_per_expert_E, C, W, self._chunk_of(route.topk_ids_NK), n)
         if self.capacity_factor is not None:
             self._dropped = plan.dropped
         # One exchange of every chunk's keys (destination-major: (R, n·W)), then the rows.
