@@ -62,6 +62,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", default="bench-tiny64e-l6")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--ns-only", action="store_true", help="Newton–Schulz alone (no fp32 state: fits 80 GB)")
     parser.add_argument("--dry-run", action="store_true", help="tiny, on CPU, untimed: checks the script runs")
     args = parser.parse_args()
     dev = "cpu" if args.dry_run else "cuda"
@@ -69,25 +70,31 @@ def main() -> None:
     with torch.device("meta"):
         model = Transformer(preset(args.preset).model)
     shapes = list(muon_matrices(model).values())
-    mats = [(s, torch.randn(s.count, s.rows, s.cols, device=dev) * 0.02) for s in shapes]
-    grads = [torch.randn_like(w) * 1e-3 for _, w in mats]
-    moms = [torch.zeros_like(w) for _, w in mats]
     coef, skip = torch.ones((), device=dev), torch.zeros((), dtype=torch.bool, device=dev)
-    us = [momentum_direction(m, g, 0.95, coef, skip, torch.bfloat16) for m, g in zip(moms, grads)]
-    os_ = [newton_schulz(u, 5, torch.bfloat16) for u in us]
-    os32 = [o.float() for o in os_]
+    bf16, fp32 = torch.bfloat16, torch.float32
+    if args.ns_only:
+        us = [torch.randn(s.count, s.rows, s.cols, device=dev, dtype=bf16) for s in shapes]
+        parts = {}
+    else:
+        mats = [(s, torch.randn(s.count, s.rows, s.cols, device=dev) * 0.02) for s in shapes]
+        grads = [torch.randn_like(w) * 1e-3 for _, w in mats]
+        moms = [torch.zeros_like(w) for _, w in mats]
+        us = [momentum_direction(m, g, 0.95, coef, skip, bf16) for m, g in zip(moms, grads)]
+        os_ = [newton_schulz(u, 5, bf16) for u in us]
+        os32 = [o.float() for o in os_]
+        pairs = list(zip(moms, grads))
+        parts = {
+            "momentum_direction": lambda: [momentum_direction(m, g, 0.95, coef, skip, bf16) for m, g in pairs],
+            "momentum_direction_eager": lambda: [_momentum_direction(m, g, 0.95, coef, skip, fp32) for m, g in pairs],
+            "apply_update": lambda: [apply_update(w, o, s.scale, 1e-3, 0.1, skip) for (s, w), o in zip(mats, os_)],
+            "apply_update_eager": lambda: [
+                _apply_update(w, o, s.scale, 1e-3, 0.1, skip) for (s, w), o in zip(mats, os32)
+            ],
+        }
     flops = 0
     for s in shapes:
         short, long = min(s.rows, s.cols), max(s.rows, s.cols)
         flops += s.count * 5 * (4 * short * short * long + 2 * short**3)
-    bf16, fp32 = torch.bfloat16, torch.float32
-    pairs = list(zip(moms, grads))
-    parts = {
-        "momentum_direction": lambda: [momentum_direction(m, g, 0.95, coef, skip, bf16) for m, g in pairs],
-        "momentum_direction_eager": lambda: [_momentum_direction(m, g, 0.95, coef, skip, fp32) for m, g in pairs],
-        "apply_update": lambda: [apply_update(w, o, s.scale, 1e-3, 0.1, skip) for (s, w), o in zip(mats, os_)],
-        "apply_update_eager": lambda: [_apply_update(w, o, s.scale, 1e-3, 0.1, skip) for (s, w), o in zip(mats, os32)],
-    }  # fmt: skip
     ms = {name: timer(fn, args.reps, 2) for name, fn in parts.items()}
     ms["newton_schulz"] = timer(lambda: [newton_schulz(u, 5, torch.bfloat16) for u in us], args.reps, 2)
     ms["newton_schulz_plain"] = timer(lambda: [plain_newton_schulz(u, 5) for u in us], args.reps, 2)
@@ -97,7 +104,7 @@ def main() -> None:
             {
                 "preset": args.preset,
                 "matrices": sum(s.count for s in shapes),
-                "elements": sum(w.numel() for _, w in mats),
+                "elements": sum(u.numel() for u in us),
                 "ns_tflop": flops / 1e12,
                 "ms": {k: round(v, 2) for k, v in ms.items()},
                 "ns_tflops_per_s": round(flops / ms["newton_schulz"] / 1e9, 1),
