@@ -41,10 +41,11 @@ class Assumptions:
     """Under context parallelism: each chunk's attention over its key prefix, forward and backward,
     as a fraction of the dense BF16 peak for its causal FLOPs (half the MFU formula's attention
     term). Measured: profiled rehearsals of long-small32e-64k's cp ranks on one H200."""
-    ns_eff: float = 0.558
-    """optim.name=muon: Newton–Schulz's batched bf16 GEMMs and the Frobenius norm before them, as a
-    fraction of the dense BF16 peak for the iterations' FLOPs. Measured:
-    benchmarks/probes/muon_step_probe.py on one H200."""
+    ns_eff: float = 0.679
+    """optim.name=muon: Newton–Schulz's batched bf16 GEMMs (one triangle of the symmetric products
+    from 1,024 rows) and the Frobenius norm before them, as a fraction of the dense BF16 peak for
+    the iterations' full FLOPs. Measured: benchmarks/probes/muon_step_probe.py --ns-only over
+    bench-tiny64e-l6's matrices on one H100 (bench-8e's larger ones: 0.79)."""
     muon_bytes: float = 32.0
     """optim.name=muon: HBM traffic per element Muon updates besides its Newton–Schulz iterations,
     as bytes at `param_pass_eff` (its two compiled kernels move 24 B; the time taken is 32 B's).
