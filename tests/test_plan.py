@@ -814,7 +814,7 @@ def test_rehearsed_cp_ranks_are_within_10_percent(overrides, compute_s, peak_gib
 # Muon's optimizer step and the training step (the rehearsed rank's compute), measured:
 # (preset, gpus, overrides, gpu, optimizer s, step or compute s). The rehearsed row orthogonalizes
 # its share of the replicated matrices, Newton–Schulz one triangle at a time from 1,024 rows (one
-# H100, a9b1d17). docs/benchmarks.md, tables muon-step and muon-rehearsed.
+# H100, tree of a9b1d17). docs/benchmarks.md, tables muon-step and muon-rehearsed.
 EP8 = ["parallel.ep=8", "train.micro_batch_size=8", "train.global_batch_size=8"]
 MEASURED_MUON = [
     ("bench-tiny64e-l6", 1, [], "h100", 0.4794, 0.6466),
