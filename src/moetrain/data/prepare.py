@@ -40,7 +40,7 @@ import numpy as np
 
 from moetrain.data.corpus import SUMMARY as CORPUS_SUMMARY
 from moetrain.data.corpus import default_corpus_documents
-from moetrain.data.progress import DocumentProgress, interactive
+from moetrain.data.progress import DocumentProgress
 from moetrain.data.tokens import EOS_TOKEN, FORMAT, META_FILE, dtype_for_vocab, write_meta
 from moetrain.destinations import check_directory, check_overwrite, existing_entries
 from moetrain.errors import ConfigError, DataError, MoetrainError, file_kind, require
@@ -349,9 +349,9 @@ def train_bpe(texts: Iterable[str | list[str]], *, vocab_size: int, progress: bo
         vocab_size=vocab_size,
         special_tokens=[EOS_TOKEN],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=progress and interactive(),
+        show_progress=progress and sys.stderr.isatty(),
     )
-    logged = progress and not interactive()
+    logged = progress and not sys.stderr.isatty()
     if logged:
         print(f"training a byte-level BPE of {vocab_size:,} tokens on the training documents", file=sys.stderr)
     start = time.perf_counter()

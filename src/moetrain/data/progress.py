@@ -14,11 +14,6 @@ LOG_EVERY_S = 30.0
 """Seconds between two progress lines when stderr is not a terminal."""
 
 
-def interactive() -> bool:
-    """Whether stderr is a terminal (a bar may redraw there)."""
-    return sys.stderr.isatty()
-
-
 class DocumentProgress:
     """Documents tokenized so far, of `total`, and the megabytes of text they held."""
 
@@ -27,7 +22,7 @@ class DocumentProgress:
         self.done = self.num_bytes = 0
         self.start = self.last = time.perf_counter()
         self.bar = None
-        if enabled and interactive():
+        if enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, unit="doc", desc="tokenizing", file=sys.stderr, dynamic_ncols=True)

@@ -1,12 +1,7 @@
 """The native transformers classes moetrain models leave (and enter) as: which of our
-configurations each one represents exactly, its config.json, and its tensor names.
-
-README.md, "Export details", holds the mapping table; this file is its code. Five classes:
-`Qwen3MoeForCausalLM` for softmax gating and `Glm4MoeForCausalLM` for sigmoid gating under
-grouped-query attention, `DeepseekV3ForCausalLM` for multi-head latent attention, and for a
-dense model (every block a SwiGLU MLP, what `moetrain upcycle` starts from) `Qwen3ForCausalLM`
-with QK-norm, `LlamaForCausalLM` without. Every feature outside the table is refused by
-`unsupported_features`, naming it and what exports.
+configurations each one represents exactly (`architecture_for`), its config.json, and its tensor
+names. README.md, "Export details", holds the mapping table; this file is its code. Every feature
+outside the table is refused by `unsupported_features`, naming it and what exports.
 """
 
 from __future__ import annotations
@@ -79,8 +74,7 @@ class HfTensor:
 
 
 def architecture_for(m: TransformerConfig) -> Architecture:
-    """The class a model would export to: latent attention → DeepSeek-V3; else no MoE block →
-    Qwen3 with QK-norm, Llama without; else softmax gating → Qwen3-MoE, sigmoid → GLM-4-MoE."""
+    """The native class a model exports to."""
     if m.is_mla:
         return Architecture.deepseek_v3
     if m.num_moe_layers == 0:

@@ -1,12 +1,10 @@
 """Hugging Face interoperability: `moetrain export-hf CHECKPOINT OUT_DIR` and `import-hf`.
 
 A moetrain checkpoint becomes a directory that `transformers` loads offline with a *native* class
-(safetensors weights, config.json, generation_config.json, the tokenizer files and a model card).
-Which class represents which model exactly, its config.json and its tensor names are
-src/moetrain/hf/arch.py; the table field by field is README.md, "Export details". Anything else
-is refused, naming the feature and the variant that exports; `--remote-code` exports any
-learned-routing model with grouped-query attention under moetrain's own names, with its modeling
-file (src/moetrain/hf/modeling_moetrain.py) and an `auto_map` (`trust_remote_code=True`).
+(src/moetrain/hf/arch.py): safetensors weights, config.json, generation_config.json, the tokenizer
+files and a model card. `--remote-code` exports any learned-routing model with grouped-query
+attention under moetrain's own names, with its modeling file (src/moetrain/hf/modeling_moetrain.py)
+and an `auto_map` (`trust_remote_code=True`).
 
 Memory: the export never builds the model. It reads the checkpoint's config and DCP index, plans
 the files, and fills each shard from the DCP files a group of entries at a time (at most
@@ -343,10 +341,8 @@ def _write_metadata(out: Path, cfg: RunConfig, tokenizer, positions: int, dtype:
 def _write_readme(
     out: Path, checkpoint: Path, cfg: RunConfig, dtype: str, parameters: int, license_id: str, remote: bool
 ) -> None:
-    """README.md, a Hugging Face model card: the Hub's metadata block (library, license, pipeline,
-    tags naming the architecture), then what the model is (its shape, parameters total and
-    active, the tokens and data it was trained on, its validation loss, the moetrain version and
-    commit that exported it), how to load it, and what the export leaves out."""
+    """README.md, a Hugging Face model card: the Hub's metadata block, what the model is and how it
+    was trained, how to load it, and what the export leaves out."""
     m = cfg.model
     arch = "MoetrainForCausalLM" if remote else architecture_for(m).value
     model_type = "moetrain" if remote else architecture_for(m).name

@@ -25,54 +25,46 @@ from torch import nn
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+CONFIG_DEFAULTS = {
+    "vocab_size": 8192,
+    "d_model": 128,
+    "n_layers": 2,
+    "n_heads": 4,
+    "n_kv_heads": 2,
+    "head_dim": 32,
+    "num_dense_layers": 0,
+    "dense_hidden": 512,
+    "qk_norm": True,
+    "pre_norm": True,
+    "peri_norm": False,
+    "embedding_norm": False,
+    "sliding_window": 0,
+    "attention_pattern": "",
+    "attention_sinks": False,
+    "norm_eps": 1e-6,
+    "rope_theta": 500000.0,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "expert_hidden": 128,
+    "shared_hidden": 0,
+    "gating": "softmax",
+    "normalize_weights": True,
+    "restore_weight_scale": False,
+    "max_position_embeddings": 4096,
+}
+"""MoetrainConfig's fields and their defaults: the names of model.* (config.json's keys)."""
+
 
 class MoetrainConfig(PretrainedConfig):
     model_type = "moetrain"
 
-    def __init__(
-        self,
-        vocab_size: int = 8192,
-        d_model: int = 128,
-        n_layers: int = 2,
-        n_heads: int = 4,
-        n_kv_heads: int = 2,
-        head_dim: int = 32,
-        num_dense_layers: int = 0,
-        dense_hidden: int = 512,
-        qk_norm: bool = True,
-        pre_norm: bool = True,
-        peri_norm: bool = False,
-        embedding_norm: bool = False,
-        sliding_window: int = 0,
-        attention_pattern: str = "",
-        attention_sinks: bool = False,
-        norm_eps: float = 1e-6,
-        rope_theta: float = 500000.0,
-        num_experts: int = 8,
-        num_experts_per_tok: int = 2,
-        expert_hidden: int = 128,
-        shared_hidden: int = 0,
-        gating: str = "softmax",
-        normalize_weights: bool = True,
-        restore_weight_scale: bool = False,
-        max_position_embeddings: int = 4096,
-        **kwargs,
-    ):
-        self.vocab_size, self.d_model, self.n_layers = vocab_size, d_model, n_layers
-        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
-        self.num_dense_layers, self.dense_hidden = num_dense_layers, dense_hidden
-        self.qk_norm, self.peri_norm, self.norm_eps, self.rope_theta = qk_norm, peri_norm, norm_eps, rope_theta
-        self.embedding_norm, self.pre_norm = embedding_norm, pre_norm
-        self.sliding_window, self.attention_pattern = sliding_window, attention_pattern
-        self.attention_sinks = attention_sinks
-        self.num_experts, self.num_experts_per_tok, self.expert_hidden = num_experts, num_experts_per_tok, expert_hidden
-        self.shared_hidden, self.gating = shared_hidden, gating
-        self.normalize_weights, self.restore_weight_scale = normalize_weights, restore_weight_scale
-        self.max_position_embeddings = max_position_embeddings
+    def __init__(self, **kwargs):
+        for name, default in CONFIG_DEFAULTS.items():
+            setattr(self, name, kwargs.pop(name, default))
         # the names transformers' generic code reads (k is num_experts_per_tok: `top_k` is a
         # generation setting there)
-        self.hidden_size, self.num_hidden_layers, self.num_attention_heads = d_model, n_layers, n_heads
-        self.num_key_value_heads = n_kv_heads
+        self.hidden_size, self.num_hidden_layers, self.num_attention_heads = self.d_model, self.n_layers, self.n_heads
+        self.num_key_value_heads = self.n_kv_heads
         kwargs.setdefault("use_cache", False)
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
