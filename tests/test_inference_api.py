@@ -68,6 +68,8 @@ def test_load_takes_a_run_directory_or_a_step_directory(run, lm):
     assert lm.checkpoint == step and moetrain.load(step).checkpoint == step
     assert not lm.model.training and lm.config.data.seq_len == SEQ == lm.max_context
     assert lm.tokenizer.decode(lm.encode("To be")) == "To be"
+    # A literal "<|endoftext|>" in a prompt is text, as prepare-data encoded the training text.
+    assert lm.tokenizer.decode(lm.encode("To<|endoftext|>be")) == "To<|endoftext|>be"
     # Generation routes token by token through the plain one-device dispatcher.
     assert all(type(m.dispatcher) is LocalTokenDispatcher for m in lm.model.moe_layers())
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from moetrain.config import load_yaml
+from moetrain.data.tokens import load_tokenizer
 from moetrain.errors import CheckpointError, ConfigError, DataError, file_kind
 from moetrain.model.transformer import Transformer
 from moetrain.train.checkpoint_io import load_model
@@ -42,12 +43,11 @@ def checkpoint_config(path: Path) -> RunConfig:
 
 
 def checkpoint_tokenizer(path: Path, purpose: str):
-    """The tokenizer of the checkpoint directory `path`; `purpose` says in the error what it was for."""
-    from tokenizers import Tokenizer
-
+    """The tokenizer of the checkpoint directory `path`, encoding text as training read it
+    (`load_tokenizer`); `purpose` says in the error what it was for."""
     if not (path / "tokenizer.json").is_file():
         raise CheckpointError(f"Checkpoint '{path}' has no tokenizer.json {purpose}.")
-    return Tokenizer.from_file(str(path / "tokenizer.json"))
+    return load_tokenizer(path / "tokenizer.json")
 
 
 def _device(name: str) -> str:
