@@ -192,9 +192,8 @@ def metrics_sinks(trainer: Trainer) -> list[MetricsSink]:
 
 
 class Checkpointing(Callback):
-    """Checkpoints every checkpoint.save_every steps and after the last (checkpoint.save_final); with
-    checkpoint.async_save written in the background, completed at the next save or at the end
-    of `fit`. Never writes parameters holding NaN or inf."""
+    """Checkpoints every checkpoint.save_every steps and after the last (checkpoint.save_final);
+    an async save completes at the next save or the end of `fit`. Never saves NaN or inf."""
 
     def __init__(self) -> None:
         self._pending: PendingCheckpoint | None = None

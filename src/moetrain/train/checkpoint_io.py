@@ -234,9 +234,8 @@ class _CheckpointWrite:
 
 
 class PendingCheckpoint:
-    """A checkpoint whose tensors are being written in the background (`save_checkpoint` with
-    `async_write`). `finish()` waits for the write and completes it; until then it is invisible
-    to `--resume` (a crash leaves only the ignored temporary directory)."""
+    """A checkpoint being written in the background: `finish()` waits for the write and completes
+    it; until then `--resume` cannot see it (a crash leaves only the ignored temporary directory)."""
 
     def __init__(self, step: int, future, complete):
         self.step, self._future, self._complete = step, future, complete
@@ -277,9 +276,8 @@ def load_checkpoint(
 
 
 def check_loadable(path: Path, state: dict[str, Any], rehearsal: Rehearsal | None = None) -> None:
-    """Refuse, before reading any tensor, a damaged checkpoint (`diagnose`), a rehearsal's
-    checkpoint for anything but the same rehearsal, or one that lacks an entry of `state` or
-    holds it with another shape (the first such entry, both shapes)."""
+    """Refuse, before reading any tensor, a damaged checkpoint, another rehearsal's, or one that
+    lacks an entry of `state` or holds it with another shape."""
     metadata, damage = read_index(path)
     check_intact(path, damage)
     written_by = json.loads((path / "trainer_state.json").read_text()).get("rehearsal")

@@ -35,9 +35,8 @@ class Extend(enum.StrEnum):
     """What the learning-rate schedule does when a run resumes with another `train.steps`."""
 
     keep = "keep"
-    """The schedule stays the one the run planned over its first train.steps; steps past its end
-    run at the rate of its last step (a longer run continues at the decayed rate, or at the
-    warm-up's last rate if it ended inside its warm-up; no jump)."""
+    """The schedule stays the one planned over the first train.steps; steps past its end run at
+    the rate of its last step (decayed, or the warm-up's last if it ended inside it; no jump)."""
     replan = "replan"
     """The schedule is planned again over the new train.steps, as if the run had asked for them
     from the start: the rate at the resumed step can jump (re-warming a decayed run)."""
@@ -57,12 +56,10 @@ class CudaGraphs(enum.StrEnum):
     off = "off"
     """Every kernel launched from Python, one by one."""
     step = "step"
-    """The whole training step (every micro-batch's forward and backward, the update, the zeroed
-    gradients, the routing statistics) captured once after a few eager steps and replayed: one
-    launch a step. One GPU, the ddp stack's replicated AdamW."""
+    """The whole training step captured once after a few eager steps and replayed: one launch a
+    step. One GPU, the ddp stack's replicated AdamW."""
     auto = "auto"
-    """`step` where the run's device and layout allow it, else `off` (`RunConfig.cuda_graphs_choice`),
-    the step graph then kept only where its first replays are measured faster (`StepGraph`)."""
+    """`step` where the device and layout allow it and its first replays measure faster, else `off`."""
 
 
 MAX_STEPS = 10**9
@@ -408,10 +405,8 @@ class RunConfig(Config):
     @property
     def fp8_lm_head(self) -> bool:
         """Whether the LM head runs its products in row-wise FP8 (precision.fp8_lm_head, resolved)."""
-        if self.precision.fp8 != Fp8.rowwise:
-            return False
-        precision = self.precision
-        return choose_head(self.model, self.rows_per_micro_batch, precision.fp8_select, precision.fp8_lm_head)
+        p = self.precision
+        return p.fp8 == Fp8.rowwise and choose_head(self.model, self.rows_per_micro_batch, p.fp8_select, p.fp8_lm_head)
 
     @property
     def defers_expert_weight_grads(self) -> bool:

@@ -256,9 +256,8 @@ class TrainEngine:
         return lm_loss
 
     def _pipeline_forward_backward(self, batches: list[Batch]) -> torch.Tensor:
-        """The step's micro-batches through the pipeline schedule (one call runs every forward
-        and backward); the summed LM loss on the last stage's ranks, 0 on the others. Every rank
-        reads the same micro-batches (its dp rank's), so the loader state stays layout-free."""
+        """The step's micro-batches through the pipeline schedule: the summed LM loss on the last
+        stage's ranks, 0 on the others. Every rank reads its dp rank's micro-batches."""
         inputs_BT = to_device(torch.cat([b[0] for b in batches]), self.device)
         targets_BT = to_device(torch.cat([b[1] for b in batches]), self.device)
         self.optimizer.reduction.prepare(sync=True, backward_passes=len(batches))

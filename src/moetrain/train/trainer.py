@@ -298,15 +298,8 @@ class Trainer:
     def _out_of_memory(self, error: torch.OutOfMemoryError, first: bool) -> oom.OutOfMemory:
         """The run's end after a step ran out of device memory (see src/moetrain/train/oom.py)."""
         self.checkpointing.finish()  # a background write holds an earlier step: complete it
-        peak, capacity, name = oom.device_memory(self.device)
         return oom.OutOfMemory(
-            step=self.step + 1,
-            first=first,
-            peak=peak,
-            capacity=capacity,
-            device_name=name,
-            last_checkpoint=self.run.last_checkpoint(),
-            error=error,
+            step=self.step + 1, first=first, device=self.device, last_checkpoint=self.run.last_checkpoint(), error=error
         )
 
     # ---- the rest ------------------------------------------------------------------------------
