@@ -60,18 +60,16 @@ def is_eval_step(cfg: RunConfig, step: int) -> bool:
 
 
 class Evaluator:
-    """The validation loss: the first train.eval_tokens tokens of the validation data (data.val,
-    or the first source's val split) as whole sequences of data.seq_len, per token. The same
-    sequences whatever train.micro_batch_size and the dp, ep or pp layout, so curves compare
-    across runs; batched by the training micro-batch (`val_batches`)."""
+    """The validation loss per token over the first train.eval_tokens tokens of the validation data
+    (data.val, or the first source's val split): the same sequences whatever the micro-batch and
+    the layout, so curves compare across runs."""
 
     def __init__(self, cfg: RunConfig, dp_rank: int, dp_size: int):
         self.cfg, self.dp_rank, self.dp_size = cfg, dp_rank, dp_size
         self.path = cfg.data.val_path()
 
     def __call__(self, engine: TrainEngine) -> float | None:
-        """Mean validation loss per token over all ranks (a collective); None without
-        validation data."""
+        """Mean validation loss over all ranks (a collective); None without validation data."""
         if self.path is None:
             return None
         tc = self.cfg.train
@@ -87,8 +85,7 @@ class Evaluator:
         return engine.eval_loss(batches)
 
     def tokens(self) -> int | None:
-        """The tokens each evaluation predicts: train.eval_tokens in whole sequences, at most the
-        validation split's (None without validation data)."""
+        """The tokens each evaluation predicts (at most the validation split's; None without one)."""
         if self.path is None:
             return None
         seq = self.cfg.data.seq_len
@@ -131,9 +128,8 @@ class SkipLimit(Callback):
 
 
 class MetricsLogger(Callback):
-    """On logging steps (`is_log_step`): one record of the steps since the last one (rates over
-    that window of wall time), with the validation loss on evaluation steps, handed to each sink
-    of `metrics_sinks` in order."""
+    """On logging steps: one record of the steps since the last one (rates over that window), with
+    the validation loss on evaluation steps, handed to each sink of `metrics_sinks` in order."""
 
     def __init__(self, evaluator: Evaluator):
         self.evaluator = evaluator
@@ -196,9 +192,8 @@ def metrics_sinks(trainer: Trainer) -> list[MetricsSink]:
 
 
 class Checkpointing(Callback):
-    """Checkpoints every checkpoint.save_every steps and after the last (checkpoint.save_final); with
-    checkpoint.async_save written in the background, completed at the next save or at the end
-    of `fit`. Never writes parameters holding NaN or inf."""
+    """Checkpoints every checkpoint.save_every steps and after the last (checkpoint.save_final);
+    an async save completes at the next save or the end of `fit`. Never saves NaN or inf."""
 
     def __init__(self) -> None:
         self._pending: PendingCheckpoint | None = None
@@ -221,8 +216,7 @@ class Checkpointing(Callback):
                 )
 
     def save(self, trainer: Trainer) -> Path:
-        """Checkpoint `trainer.step` (every rank); returns where it is (or, written in the
-        background, will be)."""
+        """Checkpoint `trainer.step` (every rank); returns where it is (or will be)."""
         self.finish()  # one write at a time
         if not trainer.engine.parameters_finite():
             raise CheckpointError(
@@ -266,10 +260,8 @@ class Checkpointing(Callback):
 
 class GracefulStop(Callback):
     """SIGTERM (what schedulers and torchrun send) or Ctrl-C: finish the current step, save a
-    checkpoint, return normally. A second Ctrl-C interrupts at once.
-
-    Ranks must stop after the same step: each step they agree through a MAX all-reduce of a CPU
-    flag over a gloo group (a few microseconds; no device involved, so no host sync on GPU)."""
+    checkpoint, return normally; a second Ctrl-C interrupts at once. The ranks agree to stop after
+    the same step through a MAX all-reduce of a CPU flag over a gloo group (no host sync on GPU)."""
 
     def __init__(self, checkpointing: Checkpointing):
         self.checkpointing = checkpointing
@@ -335,8 +327,7 @@ class GracefulStop(Callback):
 def callbacks_from_config(
     cfg: RunConfig, run_dir: Path, evaluator: Evaluator, checkpointing: Checkpointing
 ) -> list[Callback]:
-    """The loop's callbacks for `cfg`, in the order they run; the profiler (logging.profile)
-    writes into `run_dir`/profile, the graceful stop saves through `checkpointing`."""
+    """The loop's callbacks for `cfg`, in the order they run."""
     return [
         *([StepProfiling(run_dir / "profile")] if cfg.logging.profile else []),
         SkipLimit(),

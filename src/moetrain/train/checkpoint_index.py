@@ -2,11 +2,9 @@
 (`merge_rank_indexes`), read without running code (`SafeFileSystemReader`), and checked against
 the files (`diagnose`) and the model (`first_mismatch`) before anything is loaded.
 
-A checkpoint marked COMPLETE can still be damaged later (a file deleted or cut short by a full
-disk, an interrupted copy, a bad block). DCP would then fail half-way through a load with a
-FileNotFoundError or a torch.load error from deep inside. `diagnose` checks what the index itself
-promises instead: it reads the index and the files' sizes only, milliseconds whatever the
-model's size:
+A checkpoint marked COMPLETE can still be damaged later (a file deleted or cut short, an
+interrupted copy), and DCP would then fail half-way through a load from deep inside. `diagnose`
+checks what the index promises, reading only the index and the files' sizes:
 
     .metadata              exists and parses (with the allow-list: nothing it names runs)
     every storage file     the index references exists and is at least as long as the largest
@@ -37,10 +35,9 @@ INDEX = ".metadata"
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """DCP writes its index (`.metadata`) with pickle, and loading a pickle can run any code it
-    names. This unpickler resolves only the classes such an index holds — DCP's metadata
-    records, torch.Size, dtypes, memory-format/layout helpers, paths — and refuses the rest, so a
-    tampered checkpoint cannot execute code when it is loaded."""
+    """DCP pickles its index, and loading a pickle can run any code it names: this unpickler
+    resolves only the classes an index holds (DCP's metadata records, torch.Size, dtypes, layout
+    helpers, paths), so a tampered checkpoint cannot execute code when it is loaded."""
 
     _MODULES = {
         "torch.distributed.checkpoint.metadata",
@@ -78,10 +75,8 @@ class _SafePickle:
 
 
 def merge_rank_indexes(step_dir: Path, world: int, whole: bool = True) -> None:
-    """Merge the ranks' indexes (`__R.metadata`, R < `world`) into the checkpoint's `.metadata`
-    and remove them. Identical chunks (entries written by more than one rank) are kept once;
-    with `whole` every tensor must then be covered exactly by its chunks, or the write is refused
-    as incomplete (an entry nobody wrote)."""
+    """Merge the ranks' indexes (`__R.metadata`, R < `world`) into `.metadata` and remove them.
+    Identical chunks are kept once; with `whole` every tensor must be covered by its chunks."""
     entries: dict[str, Any] = {}
     storage: dict = {}
     planner_data: dict = {}
@@ -131,8 +126,8 @@ def write_index(path: Path, metadata: Metadata) -> None:
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):
-    """`dcp.FileSystemReader` whose metadata is read with `_MetadataUnpickler` (tensor data is
-    read by DCP with torch.load(weights_only=True) already)."""
+    """`dcp.FileSystemReader` reading its metadata with `_MetadataUnpickler` (the tensor data
+    with torch.load(weights_only=True) already)."""
 
     def read_metadata(self, *args, **kwargs):
         import torch.distributed.checkpoint.filesystem as fs_module
@@ -168,8 +163,7 @@ def read_index(path: str | Path) -> tuple[Metadata | None, str | None]:
 
 
 def diagnose(path: str | Path) -> str | None:
-    """None when the checkpoint directory `path` is intact as far as its index tells, else what
-    is damaged, naming the file (see the module docstring for what is checked)."""
+    """None when the checkpoint `path` is intact as far as its index tells, else what is damaged."""
     path = Path(path)
     metadata, damage = read_index(path)
     if damage is not None:
@@ -205,8 +199,7 @@ def _rule_of(keys: Iterable[str]) -> OptimizerName | None:
 
 
 def _other_optimizer(wanted: Iterable[str], stored: dict[str, Any]) -> str | None:
-    """When the checkpoint lacks an optimizer entry of this run (`wanted`: its entries) because it
-    holds another update rule's state, the sentence that says so."""
+    """The sentence saying the checkpoint holds another update rule's state than `wanted`'s."""
     mine, theirs = _rule_of(wanted), _rule_of(stored)
     if mine is None or theirs is None or mine == theirs:
         return None
@@ -218,8 +211,8 @@ def _other_optimizer(wanted: Iterable[str], stored: dict[str, Any]) -> str | Non
 
 
 def first_mismatch(metadata: Metadata, state: dict[str, dict[str, Any]]) -> str | None:
-    """The first entry of `state` ({"model": …, "optim": …}: tensors, `FlatShard`s) that the
-    checkpoint does not hold with the same global shape, said as a sentence; None when all fit."""
+    """The first entry of `state` that the checkpoint does not hold with the same global shape,
+    as a sentence; None when all fit."""
     stored = metadata.state_dict_metadata
     for section, entries in state.items():
         for name, value in entries.items():

@@ -19,6 +19,7 @@ import math
 import re
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,12 +49,10 @@ warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 class ShardRole:
     """What one process writes of a checkpoint, and whether it completes it.
 
-    Each rank writes the entries it holds and owns into its own file and index (`__R_0.distcp`,
-    `__R.metadata`), and the main process merges the indexes: no plan crosses ranks. An entry
-    only this rank holds (a sharded range) is its own; one held whole by several ranks (dense
-    ones by a pipeline stage's ranks, experts by their expert-replica group) is dealt, largest
-    first, to the member with the fewest bytes so far (`owners`), which every member computes
-    alike from the same entries."""
+    Each rank writes the entries it owns into its own file and index (`__R_0.distcp`,
+    `__R.metadata`), and the main process merges the indexes: no plan crosses ranks. A sharded
+    range is its holder's; an entry held whole by several ranks is dealt, largest first, to the
+    member with the fewest bytes so far (`owners`), which every member computes alike."""
 
     rank: int = 0
     world: int = 1
@@ -68,9 +67,8 @@ class ShardRole:
     """The ranks whose files this process writes: its own; in a rehearsal every rank's, each with
     the entries this process holds that the rank owns (what a peer would write of them)."""
     rehearsal: Rehearsal | None = None
-    """A rehearsal's checkpoint holds only the entries its one rank holds: the merge does not ask
-    for every tensor whole, and trainer_state.json records the rehearsal, so that only the same
-    rehearsal loads it (`load_checkpoint`)."""
+    """A rehearsal's checkpoint holds only its one rank's entries: the merge asks for no tensor
+    whole, and trainer_state.json records the rehearsal, so that only the same one loads it."""
 
     @classmethod
     def of(cls, par: ParallelState) -> ShardRole:
@@ -87,9 +85,8 @@ class ShardRole:
 
     @classmethod
     def alone(cls) -> ShardRole:
-        """For callers that know no layout (tools, tests): this rank (of torch.distributed's
-        default group, if any) writes everything it holds; replicas are then stored once by the
-        merge, which keeps the first copy of identical chunks."""
+        """For callers that know no layout (tools, tests): this rank writes everything it holds
+        (the merge keeps one copy of identical chunks)."""
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         return cls(rank, world, rank == 0, (rank,), (rank,), (rank,))
@@ -128,13 +125,11 @@ def save_checkpoint(
 ) -> Path | PendingCheckpoint:
     """Write step-N atomically (every rank calls this); then keep the newest `keep_last`.
     `state` is what DCP writes (`TrainEngine.checkpoint_state()`, or `{"model":
-    model_state_dict(m)}` for weights only): tensors and `FlatShard`s, each rank's own part;
-    `trainer_state` goes to trainer_state.json. `role`: which entries this process writes
-    (default `ShardRole.alone()`). After the writes the ranks agree over `process_group` (a
-    CPU-capable group; None: the default one) that every one succeeded, and the main process
-    merges the indexes. With `async_write` the tensors are copied to host memory now and written
-    in the background; the returned `PendingCheckpoint` completes the checkpoint at `finish()`,
-    so it becomes visible only once every file is written, as a synchronous save."""
+    model_state_dict(m)}`), `trainer_state` goes to trainer_state.json, `role` says which entries
+    this process writes (default `ShardRole.alone()`). The ranks then agree over `process_group`
+    (CPU-capable; None: the default) that every write succeeded. With `async_write` the tensors
+    are copied to host memory and written in the background; the returned `PendingCheckpoint`
+    completes (and only then publishes) the checkpoint at `finish()`."""
     role = role or ShardRole.alone()
     recorded_state = dict(trainer_state)
     if role.rehearsal is not None:
@@ -169,9 +164,8 @@ class _CheckpointWrite:
         self.tmp = self.final.with_name(f".step-{self.step}.tmp")
 
     def write_tensors(self, state: dict[str, Any], async_write: bool) -> tuple[Any, BaseException | None]:
-        """The DCP files of every rank this process writes for (`ShardRole.writes_for`), each
-        with the entries that rank owns, and this rank's RNG state. With `async_write` this rank's
-        own files are written in the background: their future. The write's error, if any."""
+        """The DCP files of every rank this process writes for (`ShardRole.writes_for`) and this
+        rank's RNG state: (the future of this rank's files with `async_write`, the error if any)."""
         role = self.role
         owners = role.owners(state)
 
@@ -197,9 +191,8 @@ class _CheckpointWrite:
         return future, None
 
     def complete(self, error: BaseException | None) -> Path:
-        """After the tensors are written (`error`: this rank's write failed): the ranks agree that
-        every write succeeded, the main process completes the directory and renames it to
-        step-N, then keeps the newest checkpoint.keep_last. Every rank calls it."""
+        """After the tensors are written (`error`: this rank's failed), on every rank: once all
+        succeeded, the main process completes the directory, renames it to step-N and prunes."""
         if _any_rank(error is not None, self.process_group):
             raise self.failed(error)
         if self.role.main:
@@ -219,11 +212,9 @@ class _CheckpointWrite:
         return self.final
 
     def failed(self, e: BaseException | None) -> CheckpointError | KeyboardInterrupt:
-        """The error for a failed write (`e`: this rank's; None: another rank's), once the
-        partial write is dropped: the user's interrupt (a second Ctrl-C, which DCP hands back
-        wrapped) stays one, saying what was kept."""
-        # Disk full, quota, a vanished mount: drop the partial write; earlier checkpoints are
-        # untouched (nothing is replaced before the write is complete).
+        """The error for a failed write (`e`: this rank's; None: another rank's), the partial
+        write dropped (earlier checkpoints are untouched); a second Ctrl-C, which DCP hands back
+        wrapped, stays a KeyboardInterrupt."""
         if self.role.main:
             shutil.rmtree(self.tmp, ignore_errors=True)
         previous = list_checkpoints(self.run_dir)
@@ -243,9 +234,8 @@ class _CheckpointWrite:
 
 
 class PendingCheckpoint:
-    """A checkpoint whose tensors are being written in the background (`save_checkpoint` with
-    `async_write`). `finish()` waits for the write and completes it; until then it is invisible
-    to `--resume` (a crash leaves only the ignored temporary directory)."""
+    """A checkpoint being written in the background: `finish()` waits for the write and completes
+    it; until then `--resume` cannot see it (a crash leaves only the ignored temporary directory)."""
 
     def __init__(self, step: int, future, complete):
         self.step, self._future, self._complete = step, future, complete
@@ -262,10 +252,9 @@ class PendingCheckpoint:
 def load_checkpoint(
     path: Path, state: dict[str, Any], rank: int = 0, restore_rng: bool = False, rehearsal: Rehearsal | None = None
 ) -> dict[str, Any]:
-    """Fill `state` (entries as `TrainEngine.checkpoint_state()` gives them, in place; or a
-    template of whole tensors) from the checkpoint at `path`, whatever layout saved it, each rank
-    reading its part from the index alone (no communication); with `restore_rng`, this rank's
-    RNG state as saved. Returns the trainer state; the caller finishes the load
+    """Fill `state` (as `TrainEngine.checkpoint_state()` gives it, or whole tensors) in place from
+    the checkpoint at `path`, whatever layout saved it, with no communication; with `restore_rng`,
+    this rank's RNG state too. Returns the trainer state; the caller finishes the load
     (`TrainEngine.checkpoint_loaded`, `load_model_state_dict`)."""
     check_loadable(path, state, rehearsal)
     try:
@@ -287,9 +276,8 @@ def load_checkpoint(
 
 
 def check_loadable(path: Path, state: dict[str, Any], rehearsal: Rehearsal | None = None) -> None:
-    """Refuse, before reading any tensor, a damaged checkpoint (`diagnose`), a rehearsal's
-    checkpoint for anything but the same rehearsal, or one that lacks an entry of `state` or
-    holds it with another shape (the first such entry, both shapes)."""
+    """Refuse, before reading any tensor, a damaged checkpoint, another rehearsal's, or one that
+    lacks an entry of `state` or holds it with another shape."""
     metadata, damage = read_index(path)
     check_intact(path, damage)
     written_by = json.loads((path / "trainer_state.json").read_text()).get("rehearsal")
@@ -328,18 +316,16 @@ def checkpoint_entries(
     optim_tensors: dict[str, dict[str, torch.Tensor | FlatShard]] | None = None,
 ) -> dict[str, dict[str, torch.Tensor | FlatShard]]:
     """{"model": …} (and {"optim": …} given an optimizer's `checkpoint_tensors()`): the entries of
-    `model_state_dict` / `optimizer_state_dict`, names and global shapes alike, as the part of
-    each this rank holds: views of live tensors, `FlatShard`s of shards and of the split fp32
-    `masters` (`Optimizer.checkpoint_masters`). No copy, no communication."""
-    reshard(model)  # FSDP's root keeps its parameters gathered after a no-grad forward (eval)
-    offsets = _expert_offsets(model)
-    out: dict[str, dict[str, torch.Tensor | FlatShard]] = {"model": {}}
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        name = canonical_name(name)
+    `model_state_dict` / `optimizer_state_dict` as the part of each this rank holds: views of live
+    tensors, `FlatShard`s of shards and of the split fp32 `masters`. No copy, no communication."""
+
+    def entry(name: str, tensor: torch.Tensor) -> torch.Tensor | FlatShard:
         assert name in masters or tensor.dtype == torch.float32 or not tensor.is_floating_point(), (
             f"{name} is {tensor.dtype}: its fp32 master must come from the optimizer"
         )
-        _put(out["model"], name, masters[name] if name in masters else _local(tensor.detach()), offsets.get(name))
+        return masters[name] if name in masters else _local(tensor)
+
+    out: dict[str, dict[str, torch.Tensor | FlatShard]] = {"model": _model_entries(model, entry)}
     if optim_tensors is not None:
         local = {name: {key: _local(v) for key, v in entry.items()} for name, entry in optim_tensors.items()}
         out["optim"] = optimizer_state_dict(model, local)
@@ -355,9 +341,8 @@ def _local(t: torch.Tensor | FlatShard) -> torch.Tensor | FlatShard:
 
 
 def save_weights(out: Path, cfg, model: nn.Module, tokenizer: Path, origin: dict[str, str]) -> Path:
-    """`model` as a weights-only checkpoint `out`/checkpoints/step-0, beside its config.yaml and,
-    where `tokenizer` is a file, tokenizer.json: what `--checkpoint.init_from`, generate and eval
-    read. `origin` joins the step's metadata."""
+    """`model` as a weights-only checkpoint `out`/checkpoints/step-0 with its config.yaml and
+    tokenizer.json (where `tokenizer` is a file); `origin` joins the step's metadata."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(cfg.to_yaml())
     extra = {"config.yaml": out / "config.yaml", "tokenizer.json": tokenizer}  # copied where it is a file
@@ -366,24 +351,27 @@ def save_weights(out: Path, cfg, model: nn.Module, tokenizer: Path, origin: dict
 
 def model_state_dict(model: nn.Module, masters: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The model's parameters and persistent buffers by canonical name, experts split per global
-    index, whole: views of the live tensors, or full temporaries for FSDP's shards (collective:
-    they are gathered; training checkpoints use `checkpoint_entries`). `masters` (canonical name
-    → fp32 tensor) stand in for the bf16 parameters of optim.bf16_weights."""
+    index, whole: views of the live tensors, or gathered temporaries of FSDP's shards (collective).
+    `masters` (canonical name → fp32 tensor) stand in for optim.bf16_weights' bf16 parameters."""
+    masters = masters or {}
+    return _model_entries(model, lambda name, tensor: masters[name] if name in masters else full_tensor(tensor))
+
+
+def _model_entries(model: nn.Module, value: Callable[[str, torch.Tensor], Any]) -> dict[str, Any]:
+    """`value(canonical name, detached tensor)` of each state-dict entry, experts split (`_put`)."""
     reshard(model)  # FSDP's root keeps its parameters gathered after a no-grad forward (eval)
     offsets = _expert_offsets(model)
-    masters = masters or {}
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, Any] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
         name = canonical_name(name)
-        tensor = masters[name] if name in masters else full_tensor(tensor.detach())
-        _put(out, name, tensor, offsets.get(name))
+        _put(out, name, value(name, tensor.detach()), offsets.get(name))
     return out
 
 
 @torch.no_grad()
 def load_model_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Write entries as `model_state_dict` gives them into the model (this rank's shard of each
-    sharded parameter; nothing for entries that are the live tensors already). No communication."""
+    """Write entries as `model_state_dict` gives them into the model (this rank's shards; entries
+    that are the live tensors already are skipped). No communication."""
     reshard(model)
     offsets = _expert_offsets(model)
     for name, live in model.state_dict(keep_vars=True).items():

@@ -1,11 +1,6 @@
-"""The run configuration: model + data + optimizer + schedule + trainer + parallel settings, and
-`RunConfig.validate`, the one place for every rule that relates two sections (or a section and
-the world size or the device).
-
-Each section's own rules are its `validate()` (next to its fields); `RunConfig.validate` runs
-them all first. The trainer, `bench` and the planner call `RunConfig.validate` and then the
-sections' builders (`ParallelConfig.build`, `OptimConfig.build`, `DataConfig.build`,
-`TransformerConfig.build`): nothing else checks a run.
+"""The run configuration, and `RunConfig.validate`: the one place for every rule that relates two
+sections (or a section and the world size or the device), after each section's own `validate()`.
+The trainer, `bench` and the planner call it, then the sections' builders: nothing else checks a run.
 """
 
 from __future__ import annotations
@@ -40,9 +35,8 @@ class Extend(enum.StrEnum):
     """What the learning-rate schedule does when a run resumes with another `train.steps`."""
 
     keep = "keep"
-    """The schedule stays the one the run planned over its first train.steps; steps past its end
-    run at the rate of its last step (a longer run continues at the decayed rate, or at the
-    warm-up's last rate if it ended inside its warm-up; no jump)."""
+    """The schedule stays the one planned over the first train.steps; steps past its end run at
+    the rate of its last step (decayed, or the warm-up's last if it ended inside it; no jump)."""
     replan = "replan"
     """The schedule is planned again over the new train.steps, as if the run had asked for them
     from the start: the rate at the resumed step can jump (re-warming a decayed run)."""
@@ -62,12 +56,10 @@ class CudaGraphs(enum.StrEnum):
     off = "off"
     """Every kernel launched from Python, one by one."""
     step = "step"
-    """The whole training step (every micro-batch's forward and backward, the update, the zeroed
-    gradients, the routing statistics) captured once after a few eager steps and replayed: one
-    launch a step. One GPU, the ddp stack's replicated AdamW."""
+    """The whole training step captured once after a few eager steps and replayed: one launch a
+    step. One GPU, the ddp stack's replicated AdamW."""
     auto = "auto"
-    """`step` where the run's device and layout allow it, else `off` (`RunConfig.cuda_graphs_choice`),
-    the step graph then kept only where its first replays are measured faster (`StepGraph`)."""
+    """`step` where the device and layout allow it and its first replays measure faster, else `off`."""
 
 
 MAX_STEPS = 10**9
@@ -320,9 +312,8 @@ class RunConfig(Config):
     }
 
     def validate(self, world_size: int | None = None, device: torch.device | None = None) -> None:
-        """Every section's rules, then the rules across sections; with `world_size`, those of
-        the layout on that many ranks; with `device`, what the device must support. Raises
-        `ConfigError` naming the fields."""
+        """Every section's rules, then those across sections, of the layout on `world_size` ranks
+        and of `device`. Raises `ConfigError` naming the fields."""
         for f in dataclasses.fields(self):
             validate_tree(getattr(self, f.name), f"{f.name}.")
         m, tc, p = self.model, self.train, self.parallel
@@ -414,10 +405,8 @@ class RunConfig(Config):
     @property
     def fp8_lm_head(self) -> bool:
         """Whether the LM head runs its products in row-wise FP8 (precision.fp8_lm_head, resolved)."""
-        if self.precision.fp8 != Fp8.rowwise:
-            return False
-        precision = self.precision
-        return choose_head(self.model, self.rows_per_micro_batch, precision.fp8_select, precision.fp8_lm_head)
+        p = self.precision
+        return p.fp8 == Fp8.rowwise and choose_head(self.model, self.rows_per_micro_batch, p.fp8_select, p.fp8_lm_head)
 
     @property
     def defers_expert_weight_grads(self) -> bool:
@@ -430,8 +419,7 @@ class RunConfig(Config):
         return self.precision.fp8 == Fp8.rowwise and self.precision.fp8_fast_accum_backward is not False
 
     def cuda_graphs_choice(self, world_size: int, device: torch.device) -> tuple[CudaGraphs, str | None]:
-        """compute.cuda_graphs for this run: (the mode, and for auto why it is that one). auto is
-        `step` where neither the layout nor the device is one `step` refuses, else `off`."""
+        """compute.cuda_graphs for this run: (the mode, and for auto why it is that one)."""
         mode = self.compute.cuda_graphs
         if mode != CudaGraphs.auto:
             return mode, None
@@ -448,8 +436,7 @@ class RunConfig(Config):
         )
 
     def build_dims(self, world_size: int, device: torch.device | None = None) -> ParallelDims:
-        """`validate(world_size, device)`, then the layout, parallel.overlap_chunks auto resolved
-        for `device`: what the trainer and the planner start from."""
+        """`validate(world_size, device)`, then the layout, parallel.overlap_chunks resolved."""
         self.validate(world_size, device)
         dims = self.parallel.build(world_size)
         return dataclasses.replace(dims, overlap_chunks=self.overlap_chunks(device))
@@ -473,8 +460,7 @@ class RunConfig(Config):
 def _step_graph_problem(
     cfg: RunConfig, world_size: int | None, device: torch.device | None = None
 ) -> tuple[str, str] | None:
-    """(why compute.cuda_graphs=step cannot capture this run's step, the fix), or None: it can
-    (auto chooses by it at start-up: `RunConfig.cuda_graphs_choice`)."""
+    """(why compute.cuda_graphs=step cannot capture this run's step, the fix), or None: it can."""
     p, o = cfg.parallel, cfg.optim
     problem = None
     if p.stack != Stack.ddp or p.shard_optimizer:

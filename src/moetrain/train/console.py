@@ -76,9 +76,8 @@ def step_fields(record: dict[str, Any], ms_per_step: float | None, eta_s: float 
 
 
 class ConsoleSink(MetricsSink):
-    """The logged records on the console (rank 0, not under --quiet), after step `start` of
-    `total`: a tqdm bar on a terminal; a plain line per logged step otherwise (CI logs, pipes).
-    Both show `step_fields` (the bar leaves out tqdm's own estimate, which counts evaluation in)."""
+    """The logged records' `step_fields` after step `start` of `total`: a tqdm bar (without tqdm's
+    own estimate, which counts evaluation in) on a terminal, else a line per logged step."""
 
     def __init__(self, start: int, total: int, quiet: bool = False, device_type: str = "cpu"):
         self.quiet, self.total = quiet, total

@@ -181,42 +181,29 @@ has seen a whole step."""
 class StepGraph:
     """`TrainEngine.train_step` replayed from one graph (compute.cuda_graphs=step).
 
-    The first `WARMUP_STEPS` steps run eagerly, on the capture's stream
-    (`GraphBackend.on_capture_stream`), so that autograd's per-parameter gradient accumulation
-    runs there too (a hook on every trainable parameter fails a capture where one did not:
-    `GradientOffCaptureStream`). The next step allocates the graph's input buffers (each
-    micro-batch's inputs and targets), copies its batches into them and captures
-    `TrainEngine.step_tensors` over them; what it allocates comes from the graph's own memory, at
-    the same addresses in every replay. The capture runs nothing: the step that captures replays
-    at once. Each later step copies its batches into the buffers, fills the learning rate and
-    replays; its `StepOutput` holds copies of the graph's outputs.
+    The first `WARMUP_STEPS` steps run eagerly on the capture's stream, so that autograd's
+    per-parameter gradient accumulation runs there too (a hook fails a capture where one did not:
+    `GradientOffCaptureStream`). The next step copies its batches into the graph's input buffers
+    and captures `TrainEngine.step_tensors` over them, then replays at once (a capture runs
+    nothing); later steps copy their batches in, set the learning rate and replay.
 
-    A dropless MoE step keeps every shape fixed as long as the batches do: each micro-batch routes
-    its T tokens to k experts each, so the grouped GEMMs always take T·k rows and only their split
-    among the experts (device data) changes. `reset` drops the graph after anything changes what
-    a step launches (a routing switch, loaded weights, batches of another shape or number, said
-    in a note): `WARMUP_STEPS` eager steps, then a new capture.
+    A dropless MoE step keeps every shape fixed as long as the batches do: the grouped GEMMs
+    always take T·k rows, only their split among the experts (device data) changes. `reset`
+    drops the graph after anything changes what a step launches (a routing switch, loaded
+    weights, batches of another shape). A capture that fails (`CaptureFailed`, e.g. a host read)
+    is said once, and every step then runs eagerly.
 
-    A capture that fails (`CaptureFailed`: an operation a graph cannot hold, such as a host read)
-    is said once; what it left in Python is cleared as at the end of a step, and every step runs
-    eagerly, as with compute.cuda_graphs=off.
-
-    With `judge` (compute.cuda_graphs=auto) it times the eager steps before its first capture
-    (all but the first, which compiles) and its first `JUDGED_REPLAYS` replays, and keeps the
-    graph only where a replay took at least `AUTO_MIN_GAIN` less device time
-    (`TrainEngine.settle_cuda_graphs`).
-
-    `run(..., update=False)` does the same for forward and backward alone, closed by
-    `TrainEngine.drop_step` (`moetrain bench --also-forward-backward`); switching between the two
-    resets the graph.
+    With `judge` (compute.cuda_graphs=auto) it times the eager steps before its first capture (but
+    the first, which compiles) and its first `JUDGED_REPLAYS` replays, and keeps the graph only
+    where a replay took at least `AUTO_MIN_GAIN` less device time. `run(..., update=False)` does
+    the same for forward and backward alone (`moetrain bench --also-forward-backward`).
     """
 
     def __init__(self, engine: TrainEngine, backend: GraphBackend, judge: bool = False):
         self.engine, self.backend = engine, backend
         engine.optimizer.put_lr_on_device()
         self.judge = judge
-        """compute.cuda_graphs=auto: time eager steps and replays, then keep the graph only if the
-        replays are `AUTO_MIN_GAIN` faster (the class docstring)."""
+        """compute.cuda_graphs=auto: time eager steps and replays (the class docstring)."""
         self.eager_timings: list[Callable[[], float]] = []
         self.replay_timings: list[Callable[[], float]] = []
         self.inputs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -244,10 +231,8 @@ class StepGraph:
             raise GradientOffCaptureStream(f"{reason} during the capture", reason)
 
     def reset(self, update: bool = True) -> None:
-        """Run the next `WARMUP_STEPS` steps eagerly, then capture again: training steps, or
-        (`update` False) forward and backward passes. The graph's memory goes back to the
-        device first, once the last replay has finished, so the eager steps do not run on top
-        of it."""
+        """Run the next `WARMUP_STEPS` steps eagerly, then capture again (`update` False: forward
+        and backward alone); the graph's memory goes back first, so the eager steps don't add to it."""
         self.update = update
         self.inputs = self.outputs = None
         self._warm = 0
@@ -270,7 +255,12 @@ class StepGraph:
         if update != self.update:
             self.reset(update)
         elif self.inputs is not None and _shapes(batches) != _shapes(self.inputs):
-            self._note_new_shapes(batches)
+            print(
+                f"note: compute.cuda_graphs={CudaGraphs.step}: the step's batches changed shape "
+                f"({_shapes(self.inputs)} → {_shapes(batches)}), so the graph is captured again after "
+                f"{WARMUP_STEPS} eager steps.",
+                file=sys.stderr,
+            )
             self.reset(update)
         if self.outputs is None and self._warm < WARMUP_STEPS:
             return self._warm_up(batches, step)
@@ -315,14 +305,6 @@ class StepGraph:
             return True, f"{measured}: the step graph replays the step"
         return False, f"{measured}: its memory goes back and the steps run eagerly, as with compute.cuda_graphs=off"
 
-    def _note_new_shapes(self, batches: list) -> None:
-        print(
-            f"note: compute.cuda_graphs={CudaGraphs.step}: the step's batches changed shape "
-            f"({_shapes(self.inputs)} → {_shapes(batches)}), so the graph is captured again after "
-            f"{WARMUP_STEPS} eager steps.",
-            file=sys.stderr,
-        )
-
     def _eager(self, batches: list, step: int):
         engine = self.engine
         if self.update:
@@ -338,14 +320,11 @@ class StepGraph:
         from moetrain.train.engine import StepOutput
 
         lr = self.engine.set_step_lr(step) if self.update else 0.0
-        if self.judge:
-            with self.backend.timed() as device_s:
-                self._load(batches)
-                self.backend.replay()
-            self.replay_timings.append(device_s)
-        else:
+        with self.backend.timed() if self.judge else contextlib.nullcontext() as device_s:
             self._load(batches)
             self.backend.replay()
+        if self.judge:
+            self.replay_timings.append(device_s)
         self.replays += 1
         lm_loss, grad_norm, routing, mtp = self.outputs
         return StepOutput(
@@ -406,7 +385,7 @@ class StepGraph:
 
     def _load(self, batches: list) -> None:
         """Copy the step's batches into the input buffers (shapes checked in `run`: a copy would
-        broadcast a smaller batch silently)."""
+        broadcast silently)."""
         for buffers, batch in zip(self.inputs, batches, strict=True):
             for buffer, t in zip(buffers, batch, strict=True):
                 buffer.copy_(pinned_for(t, buffer.device), non_blocking=True)

@@ -163,8 +163,8 @@ class ShardSavePlanner(DefaultSavePlanner):
 
 
 def _by_size(items: list[WriteItem], limit: int) -> list[list[WriteItem]]:
-    """`items` in order, cut into runs of at most `limit` tensor bytes (an item larger than that
-    alone); always at least one run, so a rank's first file exists even when it owns nothing."""
+    """`items` in runs of at most `limit` tensor bytes (a larger item alone); at least one run, so
+    a rank's first file exists even when it owns nothing."""
     groups: list[list[WriteItem]] = [[]]
     size = 0
     for item in items:
@@ -179,9 +179,8 @@ def _by_size(items: list[WriteItem], limit: int) -> list[list[WriteItem]]:
 
 
 def _own_storage(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous CPU view into a larger storage (a block of a bucket) as a tensor over just its
-    own bytes, aliasing them: DCP's writer would clone it instead, and keeps what it writes until
-    the rank's file is complete, so the copies would add up to the rank's share of the state."""
+    """A contiguous CPU view into a larger storage as a tensor over just its own bytes: DCP's
+    writer would clone it, and keep the clones until the rank's file is complete."""
     if t.device.type != "cpu" or not t.is_contiguous() or t.ndim == 0 or t.untyped_storage().nbytes() == t.nbytes:
         return t
     alias = torch.from_numpy(t.detach().reshape(-1).view(torch.uint8).numpy())  # keeps `t` alive
@@ -189,17 +188,14 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
 
 
 FILE_BYTES = 1 << 30
-"""The most tensor bytes in one data file of a rank (an entry larger than this has a file of its
-own). DCP's writer keeps the host copy of every tensor it writes until that tensor's file is
-complete, so a rank's host memory while saving is about one file's worth, not its whole shard."""
+"""The most tensor bytes in one data file of a rank (a larger entry has a file of its own): DCP's
+writer keeps its host copies until the file is complete, so saving takes one file's worth."""
 
 
 class ShardWriter(FileSystemWriter):
-    """DCP's file writer for the files of one rank, `rank`, written without coordination: its
-    data files `__R_0.distcp`, `__R_pN_0.distcp`, … (at most `FILE_BYTES` of tensors each; a
-    split master joined on the CPU, `__R_mN_0.distcp`, one per entry) and its own index
-    `__R.metadata` (what DCP's coordinator would have merged; `merge_rank_indexes` in
-    src/moetrain/train/checkpoint_index.py does)."""
+    """DCP's file writer for the files of one rank, written without coordination: data files
+    `__R_0.distcp`, `__R_pN_0.distcp`, … (at most `FILE_BYTES` each; a split master joined on the
+    CPU, `__R_mN_0.distcp`, one per entry) and its own index `__R.metadata` (`merge_rank_indexes`)."""
 
     def __init__(self, path: str, rank: int):
         super().__init__(path)
@@ -240,9 +236,8 @@ class ShardWriter(FileSystemWriter):
 
 
 class ShardLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, and each `FlatShard` read block by block from whichever
-    stored chunks overlap it: into the live values in place, or for a split master through a
-    temporary of one read's size, split into the halves as soon as it is read."""
+    """DCP's default load planner, and each `FlatShard` read block by block: into the live values
+    in place, or for a split master through a temporary of one read's size, split at once."""
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
         plain, self.shards, _ = _take_shards(state_dict)
@@ -282,9 +277,8 @@ class ShardLoadPlanner(DefaultLoadPlanner):
 
 
 class CpuStager(AsyncStager):
-    """Staging for `dcp.async_save`: a host copy of every entry (split masters joined into fp32
-    as they are copied, `PIECE` elements at a time), so training may change the live state while
-    the copy is written."""
+    """Staging for `dcp.async_save`: a host copy of every entry (split masters joined), so
+    training may change the live state while the copy is written."""
 
     _synchronize_after_execute = False
 

@@ -2,13 +2,10 @@
 
 Legend: B micro-batch sequences (this rank), T sequence length, V vocabulary.
 
-Built once per run (by `Trainer`, or by anything that wants to step a model: `bench`, tests) on a
-rank whose process groups exist (`ParallelState`). One step is `forward_backward(batches)` (every
-micro-batch's forward and backward, or the pipeline schedule; the gradients end reduced over dp)
-then `optim_step(lm_loss, step)` (learning rate, clip, the step guard, update, zero grad, the
-routing statistics); with compute.cuda_graphs=step both are one CUDA graph after the first steps
-(`StepGraph`, through `train_step`). Nothing here copies from the device to the host: the results
-are device tensors (`StepOutput`), read by `metrics()` only when the caller logs
+Built once per run (by `Trainer`, `bench`, tests). One step is `forward_backward(batches)` (the
+gradients end reduced over dp) then `optim_step(lm_loss, step)`; with compute.cuda_graphs=step
+both replay from one CUDA graph (`StepGraph`, through `train_step`). Nothing here copies from the
+device to the host: `metrics()` reads the `StepOutput` only when the caller logs
 (docs/architecture.md, "One training step").
 """
 
@@ -170,19 +167,16 @@ class TrainEngine:
         return self.optim_step(self.forward_backward(batches), step)
 
     def step_tensors(self, batches: list[Batch]) -> tuple:
-        """The device work of `train_step` at the optimizer's learning rate, what
-        compute.cuda_graphs=step captures: forward and backward, `update_tensors`, zeroed
-        gradients, the routing statistics. Returns (mean LM loss, gradient norm, routing
-        statistics, multi-token losses or None)."""
+        """The device work of `train_step` (what compute.cuda_graphs=step captures): (mean LM
+        loss, gradient norm, routing statistics, multi-token losses or None)."""
         lm_loss = self.forward_backward(batches)
         grad_norm = self.update_tensors(lm_loss)
         self.optimizer.zero_grad()
         return lm_loss, grad_norm, self._end_routing_step(), self._end_mtp_step()
 
     def pass_tensors(self, batches: list[Batch]) -> tuple:
-        """The device work of forward and backward alone (`drop_step` after `forward_backward`),
-        what `StepGraph` captures for `moetrain bench`'s forward+backward window; the tuple of
-        `step_tensors`, the gradient norm zero."""
+        """`step_tensors` of forward and backward alone (`drop_step`; `moetrain bench`'s
+        forward+backward window), the gradient norm zero."""
         out = self.drop_step(self.forward_backward(batches))
         return out.lm_loss, out.grad_norm, out.routing, out.mtp
 
@@ -207,15 +201,13 @@ class TrainEngine:
         return lm_loss
 
     def optim_step(self, lm_loss: torch.Tensor, step: int) -> StepOutput:
-        """Close the step after `forward_backward`: `update`, then zero the gradients and read
-        the step's routing statistics."""
+        """Close the step after `forward_backward`: `update`, zero grad, the routing statistics."""
         grad_norm, lr = self.update(lm_loss, step)
         self.optimizer.zero_grad()
         return StepOutput(lm_loss, grad_norm, self._end_routing_step(), lr, self._end_mtp_step())
 
     def update(self, lm_loss: torch.Tensor, step: int) -> tuple[torch.Tensor, float]:
-        """The optimizer's part of step `step` (0-based), gradients left in place: `set_step_lr`,
-        then `update_tensors`. Returns the norm before clipping (device) and the lr."""
+        """`set_step_lr`, then `update_tensors`: the norm before clipping (device) and the lr."""
         lr = self.set_step_lr(step)
         return self.update_tensors(lm_loss), lr
 
@@ -226,10 +218,9 @@ class TrainEngine:
         return lr
 
     def update_tensors(self, lm_loss: torch.Tensor) -> torch.Tensor:
-        """The update's device work at the optimizer's learning rate: clip, decide whether to
-        skip (the same on every rank: the norm is global already, the loss is made global by one
-        all-reduce), update (and the step hooks: the router bias). Everything it writes is
-        written in place, so that a CUDA graph can replay it. Returns the norm before clipping."""
+        """Clip, decide whether to skip (alike on every rank: the norm is global, the loss made
+        global by one all-reduce), update (and the router-bias hook), all in place so that a CUDA
+        graph can replay it. Returns the norm before clipping."""
         max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else math.inf
         if self.grad_probe is not None:
             self.grad_probe(self.optimizer)
@@ -239,9 +230,8 @@ class TrainEngine:
         return grad_norm
 
     def drop_step(self, lm_loss: torch.Tensor) -> StepOutput:
-        """Close the step after `forward_backward` without an update (benchmarks of forward and
-        backward alone): the gradients are dropped and the routing statistics read and reset;
-        parameters, optimizer state and router biases stay as they are."""
+        """Close the step after `forward_backward` without an update (benchmarks): gradients
+        dropped, routing statistics read and reset, nothing else changed."""
         self.optimizer.zero_grad()
         return StepOutput(
             lm_loss, torch.zeros((), device=self.device), self._end_routing_step(), 0.0, self._end_mtp_step()
@@ -266,9 +256,8 @@ class TrainEngine:
         return lm_loss
 
     def _pipeline_forward_backward(self, batches: list[Batch]) -> torch.Tensor:
-        """The step's micro-batches through the pipeline schedule (one call runs every forward
-        and backward); the summed LM loss on the last stage's ranks, 0 on the others. Every rank
-        reads the same micro-batches (its dp rank's), so the loader state stays layout-free."""
+        """The step's micro-batches through the pipeline schedule: the summed LM loss on the last
+        stage's ranks, 0 on the others. Every rank reads its dp rank's micro-batches."""
         inputs_BT = to_device(torch.cat([b[0] for b in batches]), self.device)
         targets_BT = to_device(torch.cat([b[1] for b in batches]), self.device)
         self.optimizer.reduction.prepare(sync=True, backward_passes=len(batches))
@@ -276,10 +265,8 @@ class TrainEngine:
         return self.pipeline.train_step(self._shard(inputs_BT), self._shard(targets_BT), doc_ids_BT)
 
     def lm_loss(self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy of one micro-batch (no pipeline), fp32; over chunks of
-        compute.loss_chunk_tokens tokens (src/moetrain/model/loss.py). Under context parallelism,
-        of this rank's positions of the whole sequences given (every cp rank holds the same
-        number, so the mean over the stage's ranks is the batch's)."""
+        """Mean next-token cross-entropy (fp32) of one micro-batch (no pipeline), over this cp
+        rank's positions (each holds as many, so the mean over the stage's ranks is the batch's)."""
         doc_ids_BT = self._document_ids(inputs_BT)
         with self._autocast():
             return self.model(self._shard(inputs_BT), doc_ids_BT, self._shard(targets_BT), self.loss_chunk_tokens)
@@ -315,10 +302,8 @@ class TrainEngine:
     # ---- evaluation --------------------------------------------------------------------------------
     @torch.no_grad()
     def eval_loss(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor, int]]) -> float:
-        """Mean LM loss per token over `batches` (`val_batches`: this rank's rows of each
-        validation batch, and how many of them count) on all ranks; every sequence has
-        data.seq_len tokens (each cp rank the same share), so a batch's mean counts by its rows.
-        One all-reduce, one host read. The training RNG stream is left untouched."""
+        """Mean LM loss per token over `batches` (`val_batches`: this rank's rows and how many
+        count) on all ranks: one all-reduce, one host read, the training RNG stream untouched."""
         self.model.eval()
         # float64 sums: the result then barely depends on how the sequences were batched.
         total = torch.zeros(2, dtype=torch.float64, device=self.device)  # (Σ rows × mean loss, Σ rows)
@@ -353,17 +338,14 @@ class TrainEngine:
 
     # ---- metrics -----------------------------------------------------------------------------------
     def metrics(self, out: StepOutput, *, step: int, steps: int, seconds: float) -> dict[str, Any]:
-        """The metrics.jsonl record (src/moetrain/train/metrics.py) of step `step`, whose last
-        `steps` steps took `seconds` of wall time; `out` is the last step's output. Collective
-        (one all-reduce) and one host read: call it on every rank, on logging steps only."""
+        """The metrics.jsonl record of step `step`, whose last `steps` steps took `seconds`; one
+        all-reduce and one host read: call it on every rank, on logging steps only."""
         tokens_per_sec = self.tokens_per_step * steps / max(seconds, 1e-9)
         per_device = tokens_per_sec / self.par.dims.world_size
         tflops = self.flops_per_token * per_device / 1e12
-        # One collective for every logged value. The LM loss (on the last pipeline stage) and each
-        # MoE layer's lb/z losses, drops and global expert counts (on the stage holding it) are
-        # placed at the layer's global index, zeros elsewhere; summed over all ranks and divided
-        # by dp·cp, that is the mean over a stage's ranks (drops × dp·cp is then the global count;
-        # counts, equal on a stage's ranks, come back unchanged). float64 keeps large counts exact.
+        # One collective for every logged value, each at its layer's global index (zeros on other
+        # stages): `global_mean` is then the mean over a stage's ranks (drops × dp·cp the global
+        # count; counts, equal on a stage's ranks, unchanged). float64 keeps large counts exact.
         L, E, K = self.cfg.model.num_moe_layers, self.cfg.model.moe.num_experts, self.cfg.model.mtp_depth
         packed = torch.zeros(1 + K + L * (3 + E), dtype=torch.float64, device=self.device)
         layers_LC = packed[1 + K :].view(L, 3 + E)  # each MoE layer's lb, z, dropped, tokens per expert
@@ -379,7 +361,8 @@ class TrainEngine:
             {"lb_loss": r[0], "z_loss": r[1], "dropped": r[2] * dp, "tokens_per_expert": r[3:].round().long()}
             for r in mean[1 + K :].view(L, 3 + E)
         ]
-        routing = routing_metrics(layers, ep=self.par.dims.ep)
+        routing = routing_metrics(layers, ep=self.par.dims.ep)  # in the record's order
+        lb_loss, z_loss = routing.pop("lb_loss"), routing.pop("z_loss")
         lm_loss, grad_norm, skipped, mtp_loss = torch.stack(
             [
                 mean[0],
@@ -389,14 +372,14 @@ class TrainEngine:
             ]
         ).tolist()
         moe = self.cfg.model.moe
-        aux = L * (moe.lb_loss_weight * routing["lb_loss"] + moe.z_loss_weight * routing["z_loss"])
+        aux = L * (moe.lb_loss_weight * lb_loss + moe.z_loss_weight * z_loss)
         aux += self.cfg.model.mtp_loss_weight * mtp_loss if K else 0.0
         record = {
             "step": step,
             "loss": lm_loss + aux,
             "lm_loss": lm_loss,
-            "lb_loss": routing["lb_loss"],
-            "z_loss": routing["z_loss"],
+            "lb_loss": lb_loss,
+            "z_loss": z_loss,
             "lr": out.lr,
             "grad_norm": grad_norm,
             "tokens_per_sec": tokens_per_sec,
@@ -404,11 +387,7 @@ class TrainEngine:
             "tflops_per_device": tflops,
             "mfu": tflops * 1e12 / self.peak_flops if self.peak_flops else None,
             "peak_mem_gib": peak_mem_gib(self.device, self.graph_memory_bytes()),
-            "expert_load_max_over_mean": routing["expert_load_max_over_mean"],
-            "expert_load_by_layer": routing["expert_load_by_layer"],
-            "ep_load_max_over_mean": routing["ep_load_max_over_mean"],
-            "dropped_token_frac": routing["dropped_token_frac"],
-            "unused_experts": routing["unused_experts"],
+            **routing,
             "skipped_steps": int(skipped),
         }
         if K:
@@ -417,8 +396,7 @@ class TrainEngine:
 
     # ---- state -------------------------------------------------------------------------------------
     def checkpoint_state(self) -> dict[str, dict]:
-        """{"model": …, "optim": …}: this rank's part of the checkpoint's entries
-        (`checkpoint_io.checkpoint_entries`), which DCP saves and loads into in place."""
+        """This rank's part of the checkpoint's entries, which DCP saves and loads into in place."""
         return checkpoint_io.checkpoint_entries(
             self.model, self.optimizer.checkpoint_masters(), self.optimizer.checkpoint_tensors()
         )
@@ -430,16 +408,14 @@ class TrainEngine:
         self._weights_replaced()
 
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
-        """{"model": …, "optim": …}: the same entries as `checkpoint_state`, whole, in memory (for
-        tests and tools); collective under FSDP and the sharded optimizer (gathers)."""
+        """`checkpoint_state`'s entries whole, in memory (tests, tools); collective when sharded."""
         return {
             "model": checkpoint_io.model_state_dict(self.model, self.optimizer.master_weights()),
             "optim": checkpoint_io.optimizer_state_dict(self.model, self.optimizer.state_dict_tensors()),
         }
 
     def load_state_dict(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
-        """Write `state` (as `state_dict()` gives it, e.g. filled by DCP) into the model, then
-        the optimizer. No communication."""
+        """Write `state` (as `state_dict()` gives it) into the model and optimizer; no communication."""
         checkpoint_io.load_model_state_dict(self.model, state["model"])
         self._load_masters(state["model"])
         self.optimizer.load_state_dict_tensors(checkpoint_io.optimizer_tensors(self.model, state["optim"]))
@@ -459,8 +435,7 @@ class TrainEngine:
             self.step_graph.reset()
 
     def _load_masters(self, model_state: dict[str, torch.Tensor]) -> None:
-        """optim.bf16_weights: the fp32 masters of the bf16 parameters (which got the entries
-        rounded) from the model entries."""
+        """optim.bf16_weights: the bf16 parameters' fp32 masters from the model entries."""
         names = [canonical_name(n) for n, p in self.model.named_parameters() if p.dtype != torch.float32]
         if names:
             self.optimizer.load_master_weights(checkpoint_io.model_entries(self.model, model_state, names))
@@ -469,8 +444,7 @@ class TrainEngine:
         """Whether every parameter of every rank is finite (a collective and one host read)."""
         # This rank's values (its shards under FSDP); the all-reduce covers the rest.
         params = [p.detach().to_local() if is_sharded(p) else p.detach() for p in self.model.parameters()]
-        # min and max of each: NaN and ±inf reach them, and unlike isfinite (abs, ==, !=, a bool
-        # tensor each) no temporary of the parameter's size is made before a checkpoint save
+        # min and max reach NaN and ±inf with no parameter-sized temporary (unlike isfinite)
         extremes = [torch.stack(torch.aminmax(p)).float() for p in params if p.numel()]
         bad = ~torch.isfinite(torch.cat(extremes)).all() if extremes else torch.tensor(False)
         if (world := self.par.group("pp", "dp", "cp")) is not None:

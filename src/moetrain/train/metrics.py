@@ -39,16 +39,16 @@ from moetrain.errors import install_hint
 
 
 def routing_metrics(layer_stats: list[dict[str, torch.Tensor]], ep: int = 1) -> dict[str, float]:
-    """Reduce per-MoE-layer step statistics to the logged scalars (one host sync)."""
+    """Reduce per-MoE-layer step statistics to the logged scalars, in the record's order (one host sync)."""
     if not layer_stats:
         return {
             "lb_loss": 0.0,
             "z_loss": 0.0,
             "expert_load_max_over_mean": 1.0,
+            "expert_load_by_layer": [],
             "ep_load_max_over_mean": 1.0,
             "dropped_token_frac": 0.0,
             "unused_experts": 0,
-            "expert_load_by_layer": [],
         }
     counts_LE = torch.stack([s["tokens_per_expert"] for s in layer_stats]).float()
     lb = torch.stack([s["lb_loss"] for s in layer_stats]).mean()
@@ -60,16 +60,16 @@ def routing_metrics(layer_stats: list[dict[str, torch.Tensor]], ep: int = 1) -> 
     rank_ratio = (per_rank_LR.max(dim=1).values / per_rank_LR.mean(dim=1).clamp(min=1e-9)).max()
     unused = (counts_LE == 0).sum()
     routed = counts_LE.sum()  # every assignment the routers made, dropped ones included
-    values = torch.stack([lb, z, load_L.max(), dropped / routed.clamp(min=1), unused.float(), rank_ratio])
-    values = torch.cat([values, load_L]).tolist()
+    values = torch.stack([lb, z, load_L.max(), rank_ratio, dropped / routed.clamp(min=1), unused.float()])
+    lb, z, load_max, rank_max, dropped_frac, unused, *by_layer = torch.cat([values, load_L]).tolist()
     return {
-        "lb_loss": values[0],
-        "z_loss": values[1],
-        "expert_load_max_over_mean": values[2],
-        "ep_load_max_over_mean": values[5],
-        "dropped_token_frac": values[3],
-        "unused_experts": int(values[4]),
-        "expert_load_by_layer": [round(v, 4) for v in values[6:]],
+        "lb_loss": lb,
+        "z_loss": z,
+        "expert_load_max_over_mean": load_max,
+        "expert_load_by_layer": [round(v, 4) for v in by_layer],
+        "ep_load_max_over_mean": rank_max,
+        "dropped_token_frac": dropped_frac,
+        "unused_experts": int(unused),
     }
 
 

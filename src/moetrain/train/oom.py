@@ -23,14 +23,12 @@ class OutOfMemory(MoetrainError):
         *,
         step: int,
         first: bool,
-        peak: int | None,
-        capacity: int | None,
-        device_name: str,
+        device: torch.device,
         last_checkpoint: str | None,
         error: BaseException,
     ):
-        self.step, self.first, self.peak, self.capacity = step, first, peak, capacity
-        self.device_name, self.last_checkpoint, self.torch_message = device_name, last_checkpoint, str(error)
+        self.step, self.first, self.last_checkpoint, self.torch_message = step, first, last_checkpoint, str(error)
+        self.peak, self.capacity, self.device_name = device_memory(device)
         self.advice: str | None = None
         """What fits instead (one or more sentences), when the caller knows: `moetrain train` asks
         the planner."""

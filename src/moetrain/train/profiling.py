@@ -147,13 +147,20 @@ def stand_in_kernels(events) -> dict[str, float]:
     return out
 
 
+def _kernels(averages):
+    """The kernels among the profiler's averaged device events, not the operators that launched
+    them, nor the GPU timeline's ranges (ProfilerStep#N, Inductor's "## Call CompiledFxGraph …")."""
+    for event in averages:
+        is_range = getattr(event, "is_user_annotation", False) or event.key.startswith(("## ", "ProfilerStep"))
+        if event.device_type == torch.autograd.DeviceType.CUDA and not is_range:
+            yield event
+
+
 def top_kernels(averages, steps: int, kind: str, stand_ins: dict[str, float] | None = None, n: int = 30):
     """The `n` kernels of `kind` that take most device time: {name (120 characters): ms per step}."""
     times: dict[str, float] = {}
-    for event in averages:
-        if event.device_type != torch.autograd.DeviceType.CUDA or getattr(event, "is_user_annotation", False):
-            continue
-        if event.key.startswith(("## ", "ProfilerStep")) or kind_of(event.key) != kind:
+    for event in _kernels(averages):
+        if kind_of(event.key) != kind:
             continue
         us = event.self_device_time_total - (stand_ins or {}).get(event.key, 0.0)
         times[event.key[:120]] = times.get(event.key[:120], 0.0) + us / 1000 / steps
@@ -163,18 +170,10 @@ def top_kernels(averages, steps: int, kind: str, stand_ins: dict[str, float] | N
 
 def kernel_kinds(averages, steps: int, stand_ins: dict[str, float] | None = None) -> dict[str, float]:
     """Device milliseconds per step of every kernel kind in `KERNEL_KINDS`, "everything else"
-    and "total", from the profiler's averaged device events (the kernels themselves, not the
-    operators that launched them, so nothing is counted twice). `stand_ins` (kernel name →
-    microseconds, `stand_in_kernels`) are taken out of their kinds and of the total and given as
-    `STAND_INS`."""
+    and "total" (`_kernels`). `stand_ins` (kernel name → microseconds, `stand_in_kernels`) are
+    taken out of their kinds and of the total and given as `STAND_INS`."""
     out = dict.fromkeys([kind for kind, _ in KERNEL_KINDS] + ["everything else"], 0.0)
-    for event in averages:
-        if event.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        # Ranges on the GPU timeline (ProfilerStep#N, Inductor's "## Call CompiledFxGraph …"),
-        # not kernels: their time is the kernels' inside them (torch's own totals skip them too).
-        if getattr(event, "is_user_annotation", False) or event.key.startswith(("## ", "ProfilerStep")):
-            continue
+    for event in _kernels(averages):
         out[kind_of(event.key)] += event.self_device_time_total / 1000 / steps
     excluded = 0.0
     for name, us in (stand_ins or {}).items():

@@ -8,13 +8,10 @@ where its checkpoints are, which of them count, and how many are kept.
     RUN_DIR/checkpoints/      step-N checkpoints (their contents: src/moetrain/train/checkpoint_io.py)
     RUN_DIR/run.lock          held by the live run's rank 0 (src/moetrain/train/run_lock.py)
 
-Only rank 0 writes here, except checkpoints (every rank writes its shards). Rank 0 checks the
-directory, creates it and takes it (`RunDir(...)`) before anything reads or changes what is in
-it; a run refused later in start-up gives it back (`abandon`), leaving no empty directory behind.
-
-A checkpoint step-N counts once it holds COMPLETE, written last before .step-N.tmp is renamed
-(`publish`, which keeps the newest keep_last). A CHECKPOINT argument is a run or step-N directory
-(`resolve_checkpoint`); a damaged one is refused (`check_intact`) or, by `--resume`, moved aside.
+Only rank 0 writes here, except checkpoints (every rank writes its shards). Rank 0 takes the
+directory (`RunDir(...)`) before anything reads or changes it; a run refused later in start-up
+gives it back (`abandon`), leaving no empty directory behind. A checkpoint step-N counts once it
+holds COMPLETE, written last before .step-N.tmp is renamed (`publish`).
 """
 
 from __future__ import annotations
@@ -42,9 +39,8 @@ FIX = "Pass --run-dir a directory you can write"
 
 class RunDir:
     def __init__(self, path: str | Path, main: bool, checkpoint_bytes: int = 0, checkpoint_detail: str = ""):
-        """Check (rank 0) that the run can write at `path` and, when it saves checkpoints, that
-        one of `checkpoint_bytes` fits (`checkpoint_detail` says why that many); then create the
-        directory and take it for this run (src/moetrain/train/run_lock.py)."""
+        """Check (rank 0) that the run can write at `path` and that a checkpoint of
+        `checkpoint_bytes` fits (`checkpoint_detail`: why that many), then take the directory."""
         self.path = Path(path)
         self.metrics_file = self.path / "metrics.jsonl"
         self.config_file = self.path / "config.yaml"
@@ -83,8 +79,7 @@ class RunDir:
             raise
 
     def abandon(self) -> None:
-        """Give the directory back after the run was refused at start-up (rank 0), removing what
-        taking it created."""
+        """Give the directory back after a refusal at start-up, removing what taking it created."""
         self.release()
         if self.main:
             for made in reversed(self._made):
@@ -114,8 +109,7 @@ class RunDir:
 
     def move_aside(self, checkpoint: Path) -> Path | None:
         """Rename a damaged checkpoint step-N to step-N.damaged (rank 0), out of `--resume`'s and
-        retention's sight, its files kept for a look; returns the new path (None on other ranks,
-        or when another rank or process moved it already)."""
+        retention's sight; the new path, or None (other ranks, or moved already)."""
         if not self.main:
             return None
         for i in range(1, 100):
@@ -146,8 +140,7 @@ class RunDir:
                 (self.path / stale).unlink(missing_ok=True)
 
     def keep_records_up_to(self, step: int) -> None:
-        """After resuming from step `step`: the records past it will be produced again, so they
-        go (metrics.jsonl stays a log of one run)."""
+        """After resuming from step `step`: the records past it go (they will be logged again)."""
         if self.main:
             kept = [r for r in read_metrics(self.metrics_file) if r["step"] <= step]
             self.metrics_file.write_text("".join(json.dumps(r) + "\n" for r in kept))
@@ -172,10 +165,9 @@ RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints", run_lock.LOCK_FILE)
 
 
 def default_run_dir(name: str, resume: bool, root: str | Path = "runs") -> tuple[Path, str]:
-    """train.run_dir when it is not set, and why (a note for the start-up header): root/NAME,
-    root/NAME-2, … are the runs of NAME. A fresh run takes root/NAME while none of them holds a
-    run, else the number after the newest (an earlier run is never written into); with `resume`,
-    the newest that holds a run (root/NAME when none does)."""
+    """train.run_dir when it is not set, and why: of root/NAME, root/NAME-2, …, a fresh run takes
+    the one after the newest that holds a run (an earlier run is never written into); with
+    `resume`, that newest (root/NAME when none does)."""
     root = Path(root)
     pattern = re.compile(rf"{re.escape(name)}-(\d+)")
     numbered = {1: root / name}
@@ -217,9 +209,7 @@ def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A step-N directory, or a run directory (-> its newest complete checkpoint), checked
-    intact (`check_intact`): a damaged one is refused naming the damage (and the newest intact
-    checkpoint before it, if any)."""
+    """A step-N directory, or a run directory (-> its newest complete checkpoint), checked intact."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(
@@ -265,9 +255,8 @@ def check_intact(path: Path, damage: str | None = None) -> None:
 
 
 def estimated_bytes(num_params: int, optimizer_bytes_per_param: int = 0) -> int:
-    """About what a checkpoint of `num_params` parameters takes on disk: fp32 weights (4 B per
-    parameter) and the optimizer state saved with them (AdamW's two moments: 8 B, or 4 B in
-    bf16), plus 1% and 1 MiB for DCP's per-entry headers, the index and the small files."""
+    """About what a checkpoint of `num_params` parameters takes on disk: fp32 weights and the
+    optimizer's bytes per parameter, plus 1% and 1 MiB for DCP's headers and the small files."""
     return int(num_params * (4 + optimizer_bytes_per_param) * 1.01) + (1 << 20)
 
 
@@ -293,8 +282,8 @@ def fsync_dir(path: Path) -> None:
 
 
 def check_weights_destination(out: Path, params: int, what: str) -> None:
-    """Refuse `out` for a new weights-only checkpoint of `params` parameters (`what`: "the
-    imported checkpoint", …): not writable, holding checkpoints already, or without room for them."""
+    """Refuse `out` for a new weights-only checkpoint (`what`) of `params` parameters: not
+    writable, holding checkpoints already, or without room."""
     check_directory(out, "Output directory", "Pass an OUT_DIR you can write")
     if list_checkpoints(out):
         raise ConfigError(f"'{out}' already holds checkpoints: choose an empty directory for {what}.")

@@ -1,15 +1,12 @@
 """One live run owns a run directory: RUN_DIR/run.lock.
 
-A run's rank 0 takes the directory before it reads or changes anything in it, and holds it for
-as long as its process lives: an exclusive flock(2) on run.lock, which the kernel drops when the
-process ends, however it ends (kill -9 included), so a dead run never keeps its directory. A
-second run is refused with the owner the file names (host, pid, start time, command). The file
-stays after the run; removing it could let two runs each lock a different file of that name.
-
-On a file system without flock (Lustre mounted noflock, some NFS set-ups) nothing can be held:
-the run says so once and goes on unguarded. A process takes a directory it holds already
-without a second lock (a notebook or a test that builds a `Trainer` again on its run): the lock
-is counted, and goes when its last holder releases it.
+A run's rank 0 holds an exclusive flock(2) on run.lock for as long as its process lives; the
+kernel drops it however the process ends (kill -9 included), so a dead run never keeps its
+directory. A second run is refused with the owner the file names (host, pid, start time,
+command). The file stays after the run: removing it could let two runs each lock a different
+file of that name. Without flock (Lustre noflock, some NFS) the run says so and goes on
+unguarded. A process that holds the directory already (a test building a `Trainer` again) only
+counts one more holder.
 """
 
 from __future__ import annotations
@@ -36,8 +33,8 @@ _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
 
 def acquire(run_dir: Path) -> None:
-    """Take `run_dir` (an existing directory) for this process, or raise `ConfigError` naming
-    the live run that holds it and the ways out. Each `acquire` is matched by one `release`."""
+    """Take `run_dir` for this process, or raise `ConfigError` naming the live run that holds it.
+    Each `acquire` is matched by one `release`."""
     key = run_dir.resolve()
     if key in _held:
         _held[key][1] += 1
@@ -63,8 +60,7 @@ def acquire(run_dir: Path) -> None:
 
 
 def release(run_dir: Path) -> None:
-    """One holder gives `run_dir` up; with the last, the lock goes (its file stays, emptied:
-    nobody is named as its owner)."""
+    """One holder gives `run_dir` up; with the last, the lock goes (its file stays, emptied)."""
     key = run_dir.resolve()
     if key in _held:
         _held[key][1] -= 1

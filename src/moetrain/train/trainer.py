@@ -1,10 +1,8 @@
 """The training loop.
 
-`Trainer(cfg)` builds a run (runtime, data loader, `TrainEngine`, run directory, the loop's
-callbacks) and starts it fresh or resumes it; `fit()` is the loop and nothing else: the step's
-micro-batches → `engine.train_step` → every callback's `on_step_end` (docs/architecture.md, "Who
-owns what"). Nothing in a step copies from the device to the host; a step that runs out of device
-memory ends the run with one paragraph (src/moetrain/train/oom.py).
+`Trainer(cfg)` builds a run (runtime, data loader, `TrainEngine`, run directory, callbacks) and
+starts it fresh or resumes it; `fit()` is the loop and nothing else: the step's micro-batches →
+`engine.train_step` → every callback's `on_step_end` (docs/architecture.md, "Who owns what").
 """
 
 from __future__ import annotations
@@ -50,11 +48,9 @@ class Trainer:
         rehearsal: Rehearsal | None = None,
         capacity_floor: CapacityFloor | None = None,
     ):
-        """Build the run on this rank (every rank of a torchrun launch does the same); with
-        `resume`, continue from the run directory's newest complete checkpoint. Without
-        train.run_dir the run directory is `default_run_dir(name, resume)`; `self.cfg` holds the
-        one chosen. With `rehearsal`, this process is that one rank of that world
-        (src/moetrain/parallel/rehearsal.py). `capacity_floor`: see `CapacityFloor`."""
+        """Build the run on this rank; with `resume`, from the run directory's newest complete
+        checkpoint (without train.run_dir: `default_run_dir(name, resume)`, kept in `self.cfg`).
+        With `rehearsal`, this process is that one rank of that world. See `CapacityFloor`."""
         if cfg.logging.wandb:
             require_wandb()
         runtime = setup_runtime(cfg, rehearsal)
@@ -75,8 +71,7 @@ class Trainer:
             print("\n".join(lines), file=sys.stderr, flush=True)
 
     def _build(self, resume: bool) -> None:
-        """Loader, engine and callbacks, then the fresh start or the resume (the run directory is
-        taken already)."""
+        """Loader, engine and callbacks, then the fresh start or the resume."""
         cfg, tc = self.cfg, self.cfg.train
         torch.manual_seed(tc.seed)
         self.loader = cfg.data.build(
@@ -127,8 +122,7 @@ class Trainer:
         return out
 
     def fit(self) -> dict[str, Any]:
-        """Train to train.steps (or until stopped); write and return the run's summary. A
-        resumed run that had finished already changes nothing and returns its summary."""
+        """Train to train.steps (or until stopped); write and return the run's summary."""
         tc = self.cfg.train
         if self.finished_at is not None:
             return self._already_finished()
@@ -166,8 +160,7 @@ class Trainer:
         return self.summary
 
     def stop(self, **summary: Any) -> None:
-        """End `fit` after the current step's callbacks; `summary` (e.g. stopped_at_step=N)
-        goes into the run's summary."""
+        """End `fit` after the current step's callbacks; `summary` joins the run's summary."""
         self._stopping = True
         self.summary.update(summary)
 
@@ -189,9 +182,8 @@ class Trainer:
             self._notes.append(f"initialized the model from {path} (checkpoint.init_from)")
 
     def _resume(self) -> None:
-        """From the newest intact complete checkpoint: damaged ones are skipped, said and moved
-        aside (so that retention never keeps them over good ones); with none complete, a fresh
-        start; with all damaged, a refusal."""
+        """From the newest intact complete checkpoint: damaged ones are skipped and moved aside
+        (so that retention never keeps them over good ones); none complete: a fresh start."""
         found = self.run.checkpoints()
         partial = self.run.partial_checkpoints()
         if partial:
@@ -254,8 +246,7 @@ class Trainer:
 
     def _resume_schedule(self, path: Path, trainer_state: dict) -> None:
         """The schedule a resumed run follows: the one it planned (trainer_state's schedule_steps,
-        else its config.yaml's train.steps) unless train.steps changed and train.extend=replan; a
-        changed count is said, with the rate the step resumes at either way."""
+        else its config.yaml's train.steps) unless train.extend=replan; a changed count is said."""
         planned = trainer_state.get("schedule_steps")
         if planned is None:
             planned = load_yaml(path / "config.yaml").get("train", {}).get("steps", self.cfg.train.steps)
@@ -287,8 +278,7 @@ class Trainer:
         self._notes.append(f"--resume: train.steps {planned} -> {tc.steps}: {what}")
 
     def _already_finished(self) -> dict[str, Any]:
-        """The summary of a run whose checkpoint is at train.steps already (written only when the
-        run stopped before it could)."""
+        """The summary of a run whose checkpoint is at train.steps already (written if missing)."""
         self.summary, changed = self.run.read_summary(), "nothing changed"
         if not self.summary:
             self.step = self.finished_at
@@ -308,21 +298,14 @@ class Trainer:
     def _out_of_memory(self, error: torch.OutOfMemoryError, first: bool) -> oom.OutOfMemory:
         """The run's end after a step ran out of device memory (see src/moetrain/train/oom.py)."""
         self.checkpointing.finish()  # a background write holds an earlier step: complete it
-        peak, capacity, name = oom.device_memory(self.device)
         return oom.OutOfMemory(
-            step=self.step + 1,
-            first=first,
-            peak=peak,
-            capacity=capacity,
-            device_name=name,
-            last_checkpoint=self.run.last_checkpoint(),
-            error=error,
+            step=self.step + 1, first=first, device=self.device, last_checkpoint=self.run.last_checkpoint(), error=error
         )
 
     # ---- the rest ------------------------------------------------------------------------------
     def _take_run_dir(self, cfg: RunConfig, name: str, resume: bool) -> tuple[str, str, RunDir]:
-        """Rank 0 chooses the run directory (with a note for the header), checks it and takes it;
-        the other ranks take its answer or its refusal, so that none waits on a peer that stopped."""
+        """Rank 0 chooses, checks and takes the run directory; the other ranks take its answer or
+        its refusal, so that none waits on a peer that stopped."""
         run, answer = None, None
         if self.par.is_main:
             try:
@@ -339,8 +322,8 @@ class Trainer:
         return path, note, run or RunDir(path, main=False)
 
     def profiler(self, out_dir: Path, wait: int | None = None, kinds_only: bool = False) -> StepProfiler:
-        """A profiler over `logging.profile_steps` steps after `wait` (default logging.profile_wait);
-        with several ranks each writes its own rank-R subdirectory."""
+        """A profiler over logging.profile_steps steps after `wait` (default logging.profile_wait),
+        in a rank-R subdirectory with several ranks."""
         lc = self.cfg.logging
         if self.par.dims.world_size > 1:
             out_dir = out_dir / f"rank{self.par.rank}"
@@ -382,9 +365,8 @@ CapacityFloor = Callable[[RunConfig, int, torch.device], tuple[int | None, str |
 def _resolved_capacity(
     cfg: RunConfig, par: ParallelState, device: torch.device, floor: CapacityFloor | None
 ) -> tuple[ParallelConfig, str | None]:
-    """cfg.parallel with capacity_min_rows auto resolved by `floor` (rank 0's answer on every
-    rank, so every rank sizes the exchange alike), and a line saying what it chose and why (None
-    where nothing was chosen). Without `floor`, auto stays: 1024 rows."""
+    """cfg.parallel with capacity_min_rows auto resolved by `floor` (rank 0's answer, so every
+    rank sizes the exchange alike), and a line saying why (None: nothing chosen; no `floor`: 1024)."""
     p = cfg.parallel
     if p.capacity_min_rows is not None or floor is None:
         return p, None
