@@ -57,9 +57,6 @@ class ExpertParallelDispatcher(TokenDispatcher):
     def reduce_counts(self, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         return all_reduce_counts(tokens_per_expert_E, self.dp_group)
 
-    def dropped_tokens(self) -> torch.Tensor | None:
-        return None
-
 
 class AllToAllDispatcher(ExpertParallelDispatcher):
     """Exact all-to-all with host-synchronized split sizes (the reference dispatcher): dropless,
