@@ -19,12 +19,11 @@ micro-batches, which a graph cannot). Row-wise FP8 runs the same two functions w
 from collections.abc import Callable, Hashable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moetrain.model.expert_grads import DeferredExpertGrads
 from moetrain.model.runtime import ModelRuntime
-from moetrain.model.swiglu import swiglu_backward, swiglu_forward
+from moetrain.model.swiglu import swiglu, swiglu_backward, swiglu_forward
 
 Deferral = tuple[DeferredExpertGrads, Hashable]
 """The shared deferral object and the key of one expert weight (or one group's slice of it)."""
@@ -77,22 +76,21 @@ def expert_mlp(x_MD, w_gate_up, w_down, offsets_E, deferral: tuple[Deferral | No
     if deferral[0] is not None:
         return deferred_expert_mlp(x_MD, w_gate_up, w_down, offsets_E, deferral)
     h_M2F = grouped_mm(x_MD, w_gate_up.transpose(-2, -1), offsets_E)
-    gate_MF, up_MF = h_M2F.chunk(2, dim=-1)
-    return grouped_mm(F.silu(gate_MF) * up_MF, w_down.transpose(-2, -1), offsets_E)
+    return grouped_mm(swiglu(h_M2F), w_down.transpose(-2, -1), offsets_E)
 
 
 def grouped_mm(a_MK: torch.Tensor, b_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
     """Row-block-wise matmul: rows [offsets[e-1], offsets[e]) of `a` times `b[e]`."""
     if a_MK.device.type == "cpu" or a_MK.dtype != torch.bfloat16:
-        return _ContiguousGrad.apply(_grouped_mm_eager(a_MK, b_EKN, offsets_E))
+        return _ContiguousGrad.apply(eager_grouped_mm(a_MK, b_EKN, offsets_E))
     return _ContiguousGrad.apply(torch._grouped_mm(a_MK, b_EKN, offs=offsets_E))
 
 
 @torch.compiler.disable
-def _grouped_mm_eager(a_MK: torch.Tensor, b_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+def eager_grouped_mm(a_MK: torch.Tensor, b_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
     # torch.compile's shape propagation for _grouped_mm accepts only bf16 (the CUDA fast path's
     # rule), while eager _grouped_mm takes fp32 too (CPU, and CUDA's fallback): compiled blocks
-    # call it eagerly on CPU and for any other dtype.
+    # (and the FP8 products' CPU emulation) call it eagerly on CPU and for any other dtype.
     return torch._grouped_mm(a_MK, b_EKN, offs=offsets_E)
 
 

@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from moetrain.model.config import Fp8
-from moetrain.model.experts import GroupedExperts, GroupedMM, GroupedProducts, SwiGLUGroupedMM
+from moetrain.model.experts import GroupedExperts, GroupedMM, GroupedProducts, SwiGLUGroupedMM, eager_grouped_mm
 from moetrain.model.fp8_choice import Fp8Select, Product, choose
 from moetrain.model.swiglu import swiglu
 
@@ -76,40 +76,14 @@ def quantize_rowwise(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Ten
     return q, scale
 
 
-def _quantize_last(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return quantize_rowwise(x, -1)
-
-
-def _quantize_last_contiguous(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    q, scale = quantize_rowwise(x, -1)  # x a transposed view: q row-major again
-    return q.contiguous(), scale
-
-
-def _quantize_first_column_major(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    q, scale = quantize_rowwise(x, 0)
-    return _column_major(q), scale
-
-
-def _quantize_middle_column_major(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    q, scale = quantize_rowwise(x, -2)
-    return _column_major(q), scale
-
-
-# (dim, layout of q) -> quantizer off CUDA; layouts: None as computed, "row" row-major, "col"
-# column-major (what the FP8 kernels take as second operand).
-_EAGER = {
-    (-1, None): _quantize_last,
-    (-1, "row"): _quantize_last_contiguous,
-    (0, "col"): _quantize_first_column_major,
-    (-2, "col"): _quantize_middle_column_major,
-}
-
-
 def _quantize(x: torch.Tensor, dim: int, layout: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_rowwise` for the GEMMs, q in the given layout. On CUDA the Triton kernels of
     src/moetrain/model/fp8_kernels.py (the same bits), elsewhere the plain formulation above."""
     if not x.is_cuda:
-        return _EAGER[(dim, layout)](x)
+        q, scale = quantize_rowwise(x, dim)
+        if layout == "col":  # the last two dims stored column-major (the FP8 GEMMs' second operand)
+            return q.transpose(-2, -1).contiguous().transpose(-2, -1), scale
+        return (q.contiguous() if layout == "row" else q), scale  # "row": x a transposed view
     from moetrain.model.fp8_kernels import quantize_cols_transposed, quantize_rows
 
     if (dim, layout) == (-1, None):
@@ -135,12 +109,6 @@ def quantize_mxfp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_mxfp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (q.float().unflatten(-1, (-1, MX_BLOCK)) * scale.float().unsqueeze(-1)).flatten(-2)
-
-
-def _column_major(t: torch.Tensor) -> torch.Tensor:
-    """The same values with the last two dims stored column-major (what the FP8 kernels want
-    for their second operand)."""
-    return t.transpose(-2, -1).contiguous().transpose(-2, -1)
 
 
 FAST_ACCUM_FORWARD = True
@@ -172,11 +140,6 @@ def _emulated_scaled_grouped_mm(a_MK, b_EKN, scale_M, scale_EN, offsets_E) -> to
     a = a_MK.float() * scale_M.unsqueeze(-1)
     b = b_EKN.float() * scale_EN.unsqueeze(-2)
     return torch._grouped_mm(a, b, offs=offsets_E).to(torch.bfloat16)
-
-
-@torch.compiler.disable
-def _cpu_grouped_mm(a, b, offsets_E) -> torch.Tensor:
-    return torch._grouped_mm(a, b, offs=offsets_E)
 
 
 class _Fp8Linear(torch.autograd.Function):
@@ -219,18 +182,9 @@ def _grouped_product(xq_MK, xs_M1, w_ENK, offsets_E) -> torch.Tensor:
     )
 
 
-def _swiglu_quantize(h_M2F: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_quantize(silu(gate) · up, -1)`; on CUDA one kernel that reads h and writes only q."""
-    if h_M2F.is_cuda:
-        from moetrain.model.fp8_kernels import swiglu_quantize_rows
-
-        return swiglu_quantize_rows(h_M2F)
-    return _quantize(swiglu(h_M2F), -1)
-
-
 class Fp8Products(GroupedProducts):
     """The expert layer's grouped GEMMs in row-wise FP8: forward (from x, or straight from h =
-    [gate | up] for SwiGLU's: `_swiglu_quantize`) and input gradient; the weight gradient a bf16
+    [gate | up] for SwiGLU's: `swiglu_forward`) and input gradient; the weight gradient a bf16
     grouped GEMM (fp32 on CPU). `fast_backward`: the input gradient with fast accumulation."""
 
     def __init__(self, fast_backward: bool = False):
@@ -240,7 +194,12 @@ class Fp8Products(GroupedProducts):
         return _grouped_product(*_quantize(x_MK, -1), w_ENK, offsets_E)
 
     def swiglu_forward(self, h_M2F, w_ENF, offsets_E) -> torch.Tensor:
-        return _grouped_product(*_swiglu_quantize(h_M2F), w_ENF, offsets_E)
+        """a = silu(gate) · up quantized per row; on CUDA one kernel that reads h and writes only a's q."""
+        if h_M2F.is_cuda:
+            from moetrain.model.fp8_kernels import swiglu_quantize_rows
+
+            return _grouped_product(*swiglu_quantize_rows(h_M2F), w_ENF, offsets_E)
+        return _grouped_product(*_quantize(swiglu(h_M2F), -1), w_ENF, offsets_E)
 
     def input_grad(self, dy_MN, w_ENK, offsets_E) -> torch.Tensor:
         """dx = dy · w[e] per row block: dy per token, w per expert and input feature, over N; bf16."""
@@ -312,7 +271,7 @@ class MxFp8Products(GroupedProducts):
 
 
 def _grouped(a, b, offsets_E) -> torch.Tensor:
-    return torch._grouped_mm(a, b, offs=offsets_E) if a.is_cuda else _cpu_grouped_mm(a, b, offsets_E)
+    return torch._grouped_mm(a, b, offs=offsets_E) if a.is_cuda else eager_grouped_mm(a, b, offsets_E)
 
 
 @torch.compiler.disable  # eager islands, as the row-wise recipe

@@ -50,8 +50,8 @@ class TokenDispatcher(Protocol):
         ...
 
     def dropped_tokens(self) -> torch.Tensor | None:
-        """Assignments dropped in the last dispatch (device scalar); None for dropless ones."""
-        ...
+        """Assignments dropped in the last dispatch (device scalar); None for dropless ones (the default)."""
+        return None
 
     def expert_step(
         self,
@@ -94,9 +94,6 @@ class LocalTokenDispatcher(TokenDispatcher):
 
     def combine(self, y_MD: torch.Tensor, state: DispatchState, topk_weights_NK: torch.Tensor) -> torch.Tensor:
         return unpermute_combine(y_MD, topk_weights_NK, state.sort_idx_M, state.inv_NK)
-
-    def dropped_tokens(self) -> torch.Tensor | None:
-        return None
 
 
 def sort_by_expert(topk_ids_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -145,7 +145,7 @@ class Transformer(nn.Module):
         one that runs `init` on a full temporary and keeps its shard
         (src/moetrain/parallel/fsdp.py).
         """
-        fill = fill or _fill_in_place
+        fill = fill or (lambda param, init: init(param))
         std = self.cfg.init_std
         out_std = self.cfg.init_output_std or std / math.sqrt(2 * self.cfg.n_layers)
         for name, module in self.named_modules():
@@ -173,10 +173,6 @@ class Transformer(nn.Module):
 
 Fill = Callable[[torch.Tensor, Callable[[torch.Tensor], None]], None]
 """How `init_weights` applies an initializer to a parameter (see there)."""
-
-
-def _fill_in_place(param: torch.Tensor, init: Callable[[torch.Tensor], None]) -> None:
-    init(param)
 
 
 def _normal_init(std: float, seed: int, key: str) -> Callable[[torch.Tensor], None]:

@@ -119,8 +119,7 @@ class FSDPAdamW(TorchAdamW):
         micro-batches (bf16 with optim.grad_dtype=bf16) and are not counted."""
         if self.grads is not None:
             return self.grads.nbytes()
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        local = [local_tensor(g) for g in grads]
+        local = [local_tensor(p.grad) for p in self.model.parameters() if p.grad is not None]
         return sum(g.numel() * g.element_size() for g in local)
 
     def checkpoint_tensors(self) -> dict[str, dict[str, torch.Tensor]]:

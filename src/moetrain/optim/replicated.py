@@ -70,8 +70,7 @@ class ReplicatedAdamW(TorchAdamW):
         # the first of the replicas holding a parameter alike: its stage's dp·cp ranks for dense
         # parameters, its edp group (replica ranks e·ep + this ep index) for experts
         self._first = (state.index("dp", "cp") == 0, state.index("edp") == 0)
-        expert_ids = expert_param_ids(model)
-        self._expert_ids = expert_ids
+        self._expert_ids = expert_ids = expert_param_ids(model)
         rest = [p for p in model.parameters() if id(p) not in split_ids]
         self.expert_params = [p for p in rest if id(p) in expert_ids]
         self.dense_params = [p for p in rest if id(p) not in expert_ids]

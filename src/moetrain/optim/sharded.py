@@ -80,6 +80,11 @@ class _ShardedBucket(Bucket):
     def hi(self) -> int:
         return self.lo + self.grad_S.numel()
 
+    def pieces(self):
+        """(parameter, its offset, [start, end) of it in this rank's shard: empty where start ≥ end)."""
+        for p, off in zip(self.params, self.offsets):
+            yield p, off, max(off, self.lo), min(off + p.numel(), self.hi)
+
 
 class _ShardedGradReducer(GradReducer):
     """`GradReducer`'s bucketing and overlap, with reduce-scatter in place of all-reduce, padded
@@ -162,12 +167,11 @@ class ShardedAdamW(StepHooks):
         grad_dtype = cfg.grad_dtype.dtype
         self.shapes: dict[int, MatrixShape] = muon_matrices(model) if cfg.name == "muon" else {}
         """optim.name=muon: the matrices Muon steps (id → their shape as a batch of matrices)."""
-        self._grads = _ShardedGradReducer(
+        self.reduction = _ShardedGradReducer(
             model, state, bucket_bytes, split_ids=split_ids, grad_dtype=grad_dtype, apart=set(self.shapes)
         )
-        self.reduction = self._grads
         """The reduce-scatter into the shards; its `loss_scale` (1/dp) makes the reduced shards the means."""
-        self.buckets = self._grads.buckets
+        self.buckets = self.reduction.buckets
         for b in self.buckets:
             b.muon = bool(self.shapes) and id(b.params[0]) in self.shapes
         self.names = {id(p): canonical_name(n) for n, p in model.named_parameters()}
@@ -204,8 +208,7 @@ class ShardedAdamW(StepHooks):
         for i, b in enumerate(self.buckets):
             if b.split or b.muon:
                 continue
-            for p, off in zip(b.params, b.offsets):
-                start, end = max(off, b.lo), min(off + p.numel(), b.hi)
+            for p, _, start, end in b.pieces():
                 if start < end:
                     pieces[id(p) in decay_ids].append((i, slice(start - b.lo, end - b.lo)))
 
@@ -235,7 +238,7 @@ class ShardedAdamW(StepHooks):
 
     # ---- gradients -------------------------------------------------------------------------------
     def zero_grad(self) -> None:
-        self._grads.zero_grad()
+        self.reduction.zero_grad()
 
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the (reduced) gradient, as a device tensor (no host sync). One
@@ -243,10 +246,9 @@ class ShardedAdamW(StepHooks):
         its group (dp, or edp for the experts, whose ep ranks hold different ones), and pipeline
         stages hold different parameters."""
         grads = [b.grad_S for b in self.buckets]
-        if self.low_grads:  # the norms of bf16 shards computed in fp32
-            sq = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
-        else:
-            sq = torch.stack(torch._foreach_norm(grads)).square().sum()
+        # the norms of bf16 shards computed in fp32
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32) if self.low_grads else torch._foreach_norm(grads)
+        sq = torch.stack(norms).square().sum()
         if self.norm_group is not None:
             dist.all_reduce(sq, group=self.norm_group)
         return sq.sqrt()
@@ -256,8 +258,7 @@ class ShardedAdamW(StepHooks):
         lies in one shard of its group, so every rank counts its parts."""
         parts = []
         for b in self.buckets:
-            for p, off in zip(b.params, b.offsets):
-                start, end = max(off, b.lo), min(off + p.numel(), b.hi)
+            for p, _, start, end in b.pieces():
                 if start < end:
                     parts.append((self.names[id(p)], b.grad_S[start - b.lo : end - b.lo], True))
         return parts
@@ -289,9 +290,8 @@ class ShardedAdamW(StepHooks):
         shard (master and momentum; empty where the shard holds none of it), and its gradient."""
         parts, grads = [], []
         for b, master_S, state_S in zip(self.buckets, self.master_S, self.state_S):
-            for p, off in zip(b.params if b.muon else (), b.offsets):
-                start = max(off, b.lo)
-                cut = slice(start - b.lo, max(start, min(off + p.numel(), b.hi)) - b.lo)
+            for p, off, start, end in b.pieces() if b.muon else ():
+                cut = slice(start - b.lo, max(start, end) - b.lo)
                 momentum = state_S["momentum"][cut]
                 parts.append(LocalMatrices(self.shapes[id(p)], master_S[cut], momentum, start - off, b.group))
                 grads.append(b.grad_S[cut])
@@ -354,9 +354,7 @@ class ShardedAdamW(StepHooks):
         """The split parameters' fp32 masters by canonical name (full temporaries). Collective:
         each split bucket's remainders are all-gathered over its group (2 bytes per element)."""
         out = {}
-        for b in self.buckets:
-            if not b.split:
-                continue
+        for b in (b for b in self.buckets if b.split):
             # int16 travels as bf16 (the same bits; gloo has no int16)
             lo_N = self._gather(b, b.lo_S.view(torch.bfloat16)).view(torch.int16)
             for p, off in zip(b.params, b.offsets):
@@ -368,17 +366,13 @@ class ShardedAdamW(StepHooks):
     def load_master_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Set the split parameters' fp32 masters (full tensors): the bf16 parameters whole, the
         remainders of this rank's shard. No communication."""
-        for b in self.buckets:
-            if not b.split:
-                continue
-            for p, off in zip(b.params, b.offsets):
+        for b in (b for b in self.buckets if b.split):
+            for p, off, start, end in b.pieces():
                 name = self.names[id(p)]
                 if name not in weights:
                     continue
-                n = p.numel()
                 hi_part, lo_part = split_fp32(weights[name].to(device=b.params_N.device, dtype=torch.float32).flatten())
-                b.params_N[off : off + n].copy_(hi_part)
-                start, end = max(off, b.lo), min(off + n, b.hi)
+                b.params_N[off : off + p.numel()].copy_(hi_part)
                 if start < end:
                     b.lo_S[start - b.lo : end - b.lo].copy_(lo_part[start - off : end - off])
 
@@ -388,9 +382,8 @@ class ShardedAdamW(StepHooks):
         "step" (one 0-d tensor shared by all; none for Muon's). No copy, no communication."""
         out: dict[str, dict[str, torch.Tensor | FlatShard]] = {}
         for b, state_S in zip(self.buckets, self.state_S):
-            for p, off in zip(b.params, b.offsets):
+            for p, off, start, end in b.pieces():
                 entry: dict[str, torch.Tensor | FlatShard] = {} if b.muon else {"step": self._step_t}
-                start, end = max(off, b.lo), min(off + p.numel(), b.hi)
                 if start < end:
                     for key, shard_S in state_S.items():
                         entry[key] = FlatShard(tuple(p.shape), start - off, values=shard_S[start - b.lo : end - b.lo])
@@ -402,11 +395,8 @@ class ShardedAdamW(StepHooks):
         weights (`params_N`, whole on every rank) and the remainders (`lo_S`) of that range.
         Parameters the shard does not reach get an empty shard."""
         out = {}
-        for b in self.buckets:
-            if not b.split:
-                continue
-            for p, off in zip(b.params, b.offsets):
-                start, end = max(off, b.lo), min(off + p.numel(), b.hi)
+        for b in (b for b in self.buckets if b.split):
+            for p, off, start, end in b.pieces():
                 if start < end:
                     shard = FlatShard(
                         tuple(p.shape), start - off, hi=b.params_N[start:end], lo=b.lo_S[start - b.lo : end - b.lo]
@@ -456,14 +446,13 @@ class ShardedAdamW(StepHooks):
         parameters first. Needs no communication."""
         steps = set()
         for b, state_S in zip(self.buckets, self.state_S):
-            for p, off in zip(b.params, b.offsets):
+            for p, off, start, end in b.pieces():
                 name = self.names[id(p)]
                 if name not in state:
                     raise ValueError(
                         f"Optimizer state has no entry for parameter '{name}': was it saved from this model?"
                     )
                 entry = state[name]
-                start, end = max(off, b.lo), min(off + p.numel(), b.hi)
                 for key, shard_S in state_S.items():
                     full = entry[key]
                     if full.shape != p.shape:

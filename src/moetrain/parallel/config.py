@@ -180,16 +180,18 @@ class ParallelConfig(Config):
                 ("overlap_chunks", None),
             )
             for name, default in defaults:
+                value = getattr(self, name)
                 # null capacity (the old default, in configs saved before 1.25 was) means exact too
-                if getattr(self, name) != default and not (name == "capacity_factor" and self.capacity_factor is None):
+                if value != default and not (name == "capacity_factor" and value is None):
                     if name == "overlap_chunks":
                         raise ConfigError(
                             f"parallel.overlap_chunks={self.overlap_chunks} pipelines the nosync dispatcher's "
                             f"all-to-alls; the {self.dispatcher} dispatcher does not overlap them: drop the "
                             "setting or use parallel.dispatcher=nosync."
                         )
+                    shown = "null" if value is None else f"{value:g}"  # as written on the command line
                     raise ConfigError(
-                        f"parallel.{name}={_text(getattr(self, name))} applies to parallel.dispatcher=nosync only; the "
+                        f"parallel.{name}={shown} applies to parallel.dispatcher=nosync only; the "
                         f"{self.dispatcher} dispatcher is always dropless: drop the setting or use "
                         "parallel.dispatcher=nosync."
                     )
@@ -277,11 +279,6 @@ class ParallelConfig(Config):
         if self.pp_stages_per_rank is not None:
             return self.pp_stages_per_rank
         return 2 if self.pp_schedule == PipelineSchedule.interleaved_1f1b else 1
-
-
-def _text(value: float | None) -> str:
-    """A setting as it is written on the command line."""
-    return "null" if value is None else f"{value:g}"
 
 
 LAYOUT_WORDS = (

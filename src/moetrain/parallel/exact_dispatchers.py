@@ -44,8 +44,7 @@ class AllToAllState(NamedTuple):
 
 class ExpertParallelDispatcher(TokenDispatcher):
     """What the dispatchers that split experts over an expert-parallel group share: the group,
-    the local expert count, the routing counts' reduction over dp, and (for the exact ones)
-    sorting assignments by global expert and undoing it."""
+    the local expert count and the routing counts' reduction over dp."""
 
     def __init__(self, num_experts: int, ep_group: dist.ProcessGroup, dp_group: dist.ProcessGroup | None):
         self.num_experts = num_experts
@@ -57,21 +56,6 @@ class ExpertParallelDispatcher(TokenDispatcher):
 
     def reduce_counts(self, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         return all_reduce_counts(tokens_per_expert_E, self.dp_group)
-
-    def dropped_tokens(self) -> torch.Tensor | None:
-        return None
-
-    @staticmethod
-    def sort_by_expert(x_ND: torch.Tensor, topk_ids_NK: torch.Tensor) -> tuple[DispatchState, torch.Tensor]:
-        """This rank's assignments ordered by global expert (so rows for rank r's experts are
-        contiguous, expert by expert), in the wire dtype; and the order, for `unsort`."""
-        sort_idx_M, inv_NK = sort_by_expert(topk_ids_NK)
-        return DispatchState(sort_idx_M, inv_NK), permute(x_ND.to(wire_dtype_of(x_ND)), sort_idx_M, inv_NK)
-
-    @staticmethod
-    def unsort(y_MD: torch.Tensor, order: DispatchState, topk_weights_NK: torch.Tensor) -> torch.Tensor:
-        """Rows in expert order → each token's weighted sum over its copies (N, D)."""
-        return unpermute_combine(y_MD, topk_weights_NK, order.sort_idx_M, order.inv_NK)
 
 
 class AllToAllDispatcher(ExpertParallelDispatcher):
@@ -88,7 +72,8 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         self, x_ND: torch.Tensor, topk_ids_NK: torch.Tensor, tokens_per_expert_E: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, AllToAllState]:
         R, L = self.ep, self.num_local_experts
-        order, x_MD = self.sort_by_expert(x_ND, topk_ids_NK)
+        order = DispatchState(*sort_by_expert(topk_ids_NK))
+        x_MD = permute(x_ND.to(wire_dtype_of(x_ND)), order.sort_idx_M, order.inv_NK)  # 1., in the wire dtype
 
         send_counts_RL = tokens_per_expert_E.view(R, L).contiguous()
         recv_counts_RL = torch.empty_like(send_counts_RL)
@@ -112,7 +97,7 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
     def combine(self, y_local_MD: torch.Tensor, state: AllToAllState, topk_weights_NK: torch.Tensor) -> torch.Tensor:
         y_recv_MD = torch.empty_like(y_local_MD).index_copy(0, state.regroup_idx, y_local_MD)
         y_MD = funcol.all_to_all_single_autograd(y_recv_MD, state.send_splits, state.recv_splits, group=self.ep_group)
-        return self.unsort(y_MD, state.order, topk_weights_NK)
+        return unpermute_combine(y_MD, topk_weights_NK, state.order.sort_idx_M, state.order.inv_NK)
 
 
 def wire_dtype_of(x: torch.Tensor) -> torch.dtype:

@@ -36,12 +36,11 @@ DISPATCHERS = {
 dispatcher is a class and an entry here (and its value in `DispatcherKind`)."""
 
 
-def apply_expert_parallel(model: Transformer, state: ParallelState, cfg: ParallelConfig | None = None) -> None:
+def apply_expert_parallel(model: Transformer, state: ParallelState, cfg: ParallelConfig) -> None:
     """Give each MoE layer its rank's experts and a dispatcher that reaches the others. Run on the
     meta device, before materializing: only the local experts are ever allocated.
     parallel.capacity_min_rows auto (None) is the trainer's to resolve for its device
     (src/moetrain/train/trainer.py); unresolved, it is the floor of 1024 rows."""
-    cfg = cfg or ParallelConfig()
     dims = state.dims
     for moe in model.moe_layers():
         E = moe.cfg.num_experts

@@ -158,13 +158,6 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
         x_local_CD = _Regroup.apply(x_recv_SD, regroup_idx_C, inv_S)
         return x_local_CD, offsets_L, plan.state._replace(regroup_idx_C=regroup_idx_C, inv_S=inv_S)
 
-    def _all_counts(self, send_counts_nR: torch.Tensor) -> torch.Tensor:
-        """X of each of n exchanges, (R, n, R): X[s, i, d] is source s's count for destination d
-        in exchange i (one all-gather for all of them)."""
-        n, R = send_counts_nR.shape
-        counts = send_counts_nR.flatten().contiguous()  # (torch 2.11's all_gather_tensor asserts it)
-        return _all_gather(counts, 0, group=self.ep_group).view(R, n, R)
-
     def _plan(
         self,
         topk_ids_NK: torch.Tensor,
@@ -190,7 +183,9 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
         else:
             counts_P = torch.zeros(n * R, dtype=torch.int64, device=device)
             counts_P.scatter_add_(0, pair_M, torch.ones_like(pair_M))
-        X = self._all_counts(counts_P.view(n, R)) if W > C else None
+        # X of every exchange, (R, n, R): X[s, i, d] source s's count for destination d in exchange i
+        # (one all-gather; contiguous: torch 2.11's all_gather_tensor asserts it)
+        X = _all_gather(counts_P.contiguous(), 0, group=self.ep_group).view(R, n, R) if W > C else None
         kept_P = (counts_P.view(n, R).clamp(max=C) + self._spill_kept(X, C, W)).flatten()
         start_P = counts_P.cumsum(0) - counts_P
         order_M = pair_M.argsort(stable=True)  # exchange-major, destination-major, token order within
@@ -264,9 +259,9 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
         """(R·C, D) in local-expert order -> each token's weighted sum over its copies (N, D);
         dropped assignments add nothing. Padding rows of `y_local_CD` may hold anything."""
         splits = [state.src_S.numel() // self.ep] * self.ep
-        y_back_SD = funcol.all_to_all_single_autograd(
-            _returned_rows(y_local_CD, state), splits, splits, group=self.ep_group
-        )
+        # the experts' rows back in the received buffer's places (R·W, D), as a gather
+        y_back_SD = _Ungroup.apply(y_local_CD, state.regroup_idx_C, state.inv_S)
+        y_back_SD = funcol.all_to_all_single_autograd(y_back_SD, splits, splits, group=self.ep_group)
         return _CombineRows.apply(
             y_back_SD, topk_weights_NK, state.slot_NK, state.keep_NK, state.src_S, state.filled_S, None
         )
@@ -275,13 +270,6 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
         """Assignments dropped in the last dispatch (device int64 scalar); None in the padded
         mode, which never drops."""
         return self._dropped
-
-
-def _returned_rows(y_local_CD: torch.Tensor, state: NoSyncState) -> torch.Tensor:
-    """The experts' rows back in the received buffer's places (R·W, D), for the return trip: a
-    gather (a scatter's kernel is the slower). Rows not kept (padding) hold a copy of some row:
-    they are never read."""
-    return _Ungroup.apply(y_local_CD, state.regroup_idx_C, state.inv_S)
 
 
 # --- the gathers, both ways (as src/moetrain/model/permute.py: no scatter-add, no zero fill; `fused`
@@ -367,8 +355,9 @@ class _Regroup(torch.autograd.Function):
 
 
 class _Ungroup(torch.autograd.Function):
-    """`_Regroup` undone: y_SD[j] = y_CD[inv_S[j]] (clamped: a padding row takes some row).
-    Backward: the kept rows' gradients, gathered back into the experts' order."""
+    """`_Regroup` undone, as a gather (a scatter's kernel is the slower): y_SD[j] = y_CD[inv_S[j]]
+    (clamped: a padding row takes a copy of some row, never read). Backward: the kept rows'
+    gradients, gathered back into the experts' order."""
 
     @staticmethod
     def forward(ctx, y_CD, idx_C, inv_S):

@@ -149,10 +149,6 @@ class Pipeline:
     """The step's micro-batch losses (mean cross-entropy / n), filled by the schedule's loss_fn."""
 
     @property
-    def has_first(self) -> bool:
-        return 0 in self.stage_ids
-
-    @property
     def has_last(self) -> bool:
         return self.state.dims.num_stages - 1 in self.stage_ids
 
@@ -166,7 +162,7 @@ class Pipeline:
             stage.queue_doc_ids(list(doc_ids_BT.chunk(n)) if doc_ids_BT is not None else None)
             stage.queue_targets(list(targets_BT.chunk(n)) if stage.last and stage.mtp is not None else None)
         self.losses.clear()
-        args = (inputs_BT,) if self.has_first else ()
+        args = (inputs_BT,) if 0 in self.stage_ids else ()  # the first stage takes the tokens
         kwargs = {"target": targets_BT} if self.has_last else {}
         self.schedule.step(*args, **kwargs, return_outputs=False)  # the loss is all we need: no logits kept
         if not self.losses:

@@ -191,8 +191,7 @@ class StandInGroup(dist.ProcessGroup):
                 self._reduce_identical(t.data, opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         return _done(tensors)
 
-    def allreduce_coalesced(self, tensors, opts=None):
-        return self.allreduce(tensors, opts)
+    allreduce_coalesced = allreduce
 
     def reduce(self, tensors, opts=None):
         if opts is not None and opts.rootRank != self._rank:
@@ -258,8 +257,7 @@ class StandInGroup(dist.ProcessGroup):
                     out.data.copy_(inp.data)
         return _done(output_lists)
 
-    def allgather_coalesced(self, output_lists, inputs, opts=None):
-        return self.allgather(output_lists, inputs, opts)
+    allgather_coalesced = allgather
 
     def gather(self, output_lists, inputs, opts=None):
         if opts is not None and opts.rootRank != self._rank:
