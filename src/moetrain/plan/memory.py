@@ -38,8 +38,6 @@ class RankMemory:
     peak: float
     blocks_none: float
     """Saved block activations of one micro-batch without recompute."""
-    experts_none: float
-    """The experts' share of `blocks_none` (their routed rows' tensors)."""
     moe_layers: int
     """MoE blocks this rank holds."""
     recv_buffers: float
@@ -47,8 +45,6 @@ class RankMemory:
     each micro-batch, one fp32 (rows, seq, d_model) activation buffer for each stage that is not
     the first and one output-gradient buffer for each stage that is not the last, and keeps them
     between steps (they persist when checkpoints are saved)."""
-    logits_bytes: float
-    """The loss's logits and what it holds for backward (`_loss_bytes`)."""
     loss_traffic: float
     """Bytes the loss's element-wise kernels read and write per micro-batch."""
     act_none: float
@@ -110,9 +106,9 @@ def load_temporaries(cfg: RunConfig, L: Layout, rank: RankMemory) -> float:
 
 @dataclasses.dataclass
 class _Blocks:
-    """What one pipeline rank's blocks hold and save (`_rank_blocks`): parameters, and saved
-    bytes per token of one micro-batch (this layout's, without recompute, with full recompute, and
-    the experts' share), the bf16 weight copies of one micro-batch."""
+    """What one pipeline rank's blocks hold and save (`_rank_blocks`): parameters, saved bytes
+    per token of one micro-batch (this layout's, without recompute, with full recompute), the bf16
+    weight copies of one micro-batch."""
 
     layer_ids: list[int]
     dense_local: float = 0.0
@@ -120,7 +116,6 @@ class _Blocks:
     act_per_token: float = 0.0
     act_none: float = 0.0
     act_full: float = 0.0
-    experts_none: float = 0.0
     moe_layers: int = 0
     cast_bytes: float = 0.0
     muon_dense: float = 0.0
@@ -181,10 +176,7 @@ def _rank_blocks(m: TransformerConfig, L: Layout, groups: ParamGroups, x: _Model
         b.act_per_token += block_saved_bytes(m, is_moe, mode, x.expert_rows, x.compiled, x.a, x.exchanged, x.cp)
         b.act_none += block_saved_bytes(m, is_moe, "none", x.expert_rows, x.compiled, x.a, cp=x.cp)
         b.act_full += block_saved_bytes(m, is_moe, "full", x.expert_rows, x.compiled, x.a, cp=x.cp)
-        if is_moe:
-            b.moe_layers += 1
-            with_rows = block_saved_bytes(m, True, "none", x.expert_rows, x.compiled, x.a)
-            b.experts_none += with_rows - block_saved_bytes(m, True, "none", 0, x.compiled, x.a)
+        b.moe_layers += is_moe
         # no copies: bf16 weights, or FSDP's bf16 all-gather (freed after forward, gathered again)
         if not recomputes and x.a == 2 and not x.bf16_weights and not x.fsdp:
             b.cast_bytes += 2 * (dense + experts)
@@ -362,10 +354,8 @@ def memory_per_rank(cfg: RunConfig, L: Layout, groups: ParamGroups, assume: Assu
                 activations=activations + logits + casts,
                 peak=peak,
                 blocks_none=t * b.act_none,
-                experts_none=t * b.experts_none,
                 moe_layers=b.moe_layers,
                 recv_buffers=recv_buffers,
-                logits_bytes=logits,
                 loss_traffic=loss_traffic,
                 act_none=in_flight * t * b.act_none + logits,
                 act_full=in_flight * t * b.act_full + logits,
