@@ -249,9 +249,7 @@ def walk_fields(cls: type[Config], prefix: str = "") -> Iterator[FieldInfo]:
         if isinstance(tp, type) and issubclass(tp, Config):
             yield from walk_fields(tp, f"{prefix}{f.name}.")
             continue
-        default = f.default
-        if f.default_factory is not dataclasses.MISSING:
-            default = f.default_factory()
+        default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
         yield FieldInfo(f"{prefix}{f.name}", tp, default, docs.get(f.name, ""), f.metadata.get("domain"))
 
 
@@ -513,10 +511,8 @@ def load_yaml(path: str | Path, schema: type[Config] | None = None) -> dict[str,
         _check_nodes(node, path, loader, schema)
         data = rename_keys(loader.construct_document(node), schema.renamed if schema else {})
     except yaml.YAMLError as e:
-        where = ""
         mark = getattr(e, "problem_mark", None)
-        if mark is not None:
-            where = f" at line {mark.line + 1}, column {mark.column + 1}"
+        where = "" if mark is None else f" at line {mark.line + 1}, column {mark.column + 1}"
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise ConfigError(
             f"YAML syntax error in '{path}'{where}: {problem}. Fix the file (indentation, a "
