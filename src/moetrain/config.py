@@ -102,15 +102,13 @@ class Domain:
     hi: float | None = None
     lo_open: bool = False
     hi_open: bool = False
-    finite: bool = True
-    """Refuse nan and ±inf (a float field without a declared domain refuses them too)."""
     unit: str = ""
     """What the number counts, for the message: "seconds", "steps"…"""
     interval: bool = False
     """Describe the domain as an interval ("in [0, 1)") rather than a bound."""
 
     def admits(self, value: float) -> bool:
-        if isinstance(value, float) and (math.isnan(value) or (self.finite and math.isinf(value))):
+        if isinstance(value, float) and not math.isfinite(value):
             return False
         if self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo):
             return False
@@ -120,7 +118,7 @@ class Domain:
         """The domain as the messages and the --help show it: "a positive integer, at most 10^9"."""
         kind = "integer" if integer else "number"
         kind += f" of {self.unit}" if self.unit else ""
-        finite = "" if integer or not self.finite else "finite "
+        finite = "" if integer else "finite "
         if self.lo is not None and self.hi is not None and self.interval:
             left, right = "(" if self.lo_open else "[", ")" if self.hi_open else "]"
             text = f"{finite}{kind} in {left}{_num(self.lo)}, {_num(self.hi)}{right}"
@@ -605,11 +603,7 @@ def _set_dotted(data: dict, dotted: str, value: Any, cls: type) -> None:
     node, node_cls = data, cls
     for i, part in enumerate(parts):
         prefix = ".".join(parts[: i + 1])
-        valid = (
-            [f.name for f in dataclasses.fields(node_cls)]
-            if node_cls is not None and dataclasses.is_dataclass(node_cls)
-            else list(node)
-        )
+        valid = [f.name for f in dataclasses.fields(node_cls)] if node_cls is not None else list(node)
         if part not in valid:
             raise ConfigError(_unknown_key_message(prefix, part, valid))
         if i == len(parts) - 1:
@@ -645,9 +639,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if value is None and type(None) in args:
             return None
         errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
+        for arg in [a for a in args if a is not type(None)]:
             try:
                 return _coerce(value, arg, key)
             except ConfigError as e:
@@ -656,11 +648,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise errors[0]
         raise ConfigError(f"Config key '{key}' got {_short(value)}, expected {' or '.join(map(_type_name, args))}.")
     if origin in (list, tuple):
-        if isinstance(value, tuple):
-            value = list(value)
         if origin is list and args == (str,) and isinstance(value, str):  # --data.sources=/path: one source
             value = [value]
-        if not isinstance(value, list):
+        if not isinstance(value, (list, tuple)):
             raise ConfigError(f"Config key '{key}' must be a list, got {_short(value)}. Write it as [a, b].")
         item_tp = args[0] if args else Any
         items = [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
