@@ -12,6 +12,7 @@ then calls each config's `validate()` (the cross-field rules), depth first.
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import difflib
 import enum
@@ -299,8 +300,7 @@ def keys_reference(cls: type[Config], width: int = 100) -> str:
         if info.domain is not None and kind is not None:
             domain = f"; {'each ' if is_list else ''}{info.domain.describe(kind is int)}"
         lines.append(f"  {info.dotted}  ({type_name(info.type)}){default}{domain}")
-        for line in textwrap.wrap(" ".join(info.doc.split()) or "(undocumented)", width - 6):
-            lines.append(f"      {line}")
+        lines += [f"      {line}" for line in textwrap.wrap(" ".join(info.doc.split()) or "(undocumented)", width - 6)]
     return "\n".join(lines)
 
 
@@ -433,10 +433,8 @@ def _override_value(raw: str, tp: Any) -> Any:
         return None if raw in ("null", "~") and type(None) in typing.get_args(tp) else raw
     if numeric_type(tp)[0] is not None and not numeric_type(tp)[2]:
         for parse in (int, float):
-            try:
+            with contextlib.suppress(ValueError):
                 return parse(raw)
-            except ValueError:
-                pass
     try:
         return yaml.safe_load(raw) if raw != "" else ""
     except (yaml.YAMLError, ValueError):  # ValueError: an integer too long for int()
@@ -691,10 +689,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                     f"Config key '{key}' got an integer too large for a number: {_shown(value)}."
                 ) from None
         if isinstance(value, str):  # YAML reads "1e-3" (no dot) as a string
-            try:
+            with contextlib.suppress(ValueError):
                 return float(value)
-            except ValueError:
-                pass
         raise ConfigError(f"Config key '{key}' must be a number, got {_short(value)}.")
     if tp is str:
         if isinstance(value, str):

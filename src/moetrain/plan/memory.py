@@ -183,10 +183,9 @@ def _in_flight(L: Layout, r: int) -> float:
         return 1.0
     if L.schedule == PipelineSchedule.gpipe.value:
         return L.micro_batches
-    in_flight = min(L.micro_batches, L.pp - r)
     if L.stages_per_rank > 1:
-        in_flight = min(L.micro_batches * L.stages_per_rank, L.pp * (1 + (L.pp - 1) / (L.pp * L.stages_per_rank)))
-    return in_flight
+        return min(L.micro_batches * L.stages_per_rank, L.pp * (1 + (L.pp - 1) / (L.pp * L.stages_per_rank)))
+    return min(L.micro_batches, L.pp - r)
 
 
 def _saved_activations(

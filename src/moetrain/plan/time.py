@@ -26,19 +26,6 @@ COMPUTE_PARTS = (
     "optimizer",
 )
 
-
-PEER_PARTS = (
-    "pipeline_bubble",
-    "expert_all_to_all",
-    "dp_reductions",
-    "fsdp_exposed",
-    "pipeline_sends",
-    "context_exchange",
-)
-"""`StepTime.parts` split into what a rank computes alone and what its peers add: communication
-as exposed (after the overlap the model grants; `Assumptions.link_eff`, `overlap_slowdown`,
-`dp_tail`, `fsdp_overlap`) and the pipeline's bubble."""
-
 EXPOSED_PARTS = {
     "expert_all_to_all": ("expert_all_to_all",),
     "dp_reductions": ("dp_reduction", "optimizer_all_gather", "muon_all_gather"),
@@ -48,6 +35,10 @@ EXPOSED_PARTS = {
 }
 """The parts of `PEER_PARTS` that are communication — the exposed part of a transfer, what
 compute does not hide — and the transfers (`Communication.seconds`) each is part of."""
+PEER_PARTS = ("pipeline_bubble", *EXPOSED_PARTS)
+"""`StepTime.parts` split into what a rank computes alone (`COMPUTE_PARTS`) and what its peers
+add: communication as exposed (after the overlap the model grants; `Assumptions.link_eff`,
+`overlap_slowdown`, `dp_tail`, `fsdp_overlap`) and the pipeline's bubble."""
 
 
 @dataclasses.dataclass(frozen=True)
