@@ -254,9 +254,7 @@ def counts_json(rows: list[CountPlan], spec: str, gpu: str, budget: Budget) -> d
             {
                 "gpus": r.gpus,
                 "layout": p.layout.describe(),
-                "fits": p.fits,
-                "tight": p.tight,
-                "peak_mem_gib_per_device": p.peak_mem_gib_per_device,
+                **{k: getattr(p, k) for k in ("fits", "tight", "peak_mem_gib_per_device")},
                 "step_time_s": round(p.step_time_s, 4),
                 "tokens_per_sec_per_device": round(p.tokens_per_sec_per_device, 1),
                 **speed_json(p, r.gpus, budget),
