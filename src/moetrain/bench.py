@@ -267,14 +267,6 @@ class _OptimizerStep:
         self.lm_loss = None
 
 
-def _optimizer_record(trainer: Trainer) -> dict[str, Any]:
-    """The optimizer's name and the bytes of state it holds on this rank (moments, Muon momentum,
-    fp32 masters or their split remainders) per parameter element this rank holds."""
-    held = sum(local_tensor(p).numel() for p in trainer.engine.model.parameters())
-    state = trainer.engine.optimizer.memory_bytes()
-    return {"name": str(trainer.cfg.optim.name), "state_bytes": state, "state_bytes_per_param": state / held}
-
-
 def _count_host_syncs(step) -> int:
     """Run one training step with CUDA's sync debug mode on "warn" and count its warnings
     (every stream/device synchronization, `.item()`, blocking device-to-host copy)."""
@@ -296,6 +288,10 @@ def _record(
     cfg, dims, engine = trainer.cfg, trainer.par.dims, trainer.engine
     m, tc, counts = cfg.model, cfg.train, count_params(cfg.model)
     peaks = _peak_mem_per_rank(trainer.device, engine.graph_memory_bytes())
+    # the optimizer's state on this rank (moments, Muon momentum, fp32 masters or their split
+    # remainders), also per parameter element this rank holds
+    held = sum(local_tensor(p).numel() for p in engine.model.parameters())
+    state = engine.optimizer.memory_bytes()
     return {
         "preset": spec,
         "routing": routing,
@@ -325,7 +321,7 @@ def _record(
             "tokens_per_step": engine.tokens_per_step,
         },
         "precision": _precision(trainer),
-        "optimizer": _optimizer_record(trainer),
+        "optimizer": {"name": str(cfg.optim.name), "state_bytes": state, "state_bytes_per_param": state / held},
         "flops_per_token": engine.flops_per_token,
         "compile": cfg.compute.compile,
         "loss_chunk_tokens": engine.loss_chunk_tokens,

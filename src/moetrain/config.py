@@ -12,6 +12,7 @@ then calls each config's `validate()` (the cross-field rules), depth first.
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import difflib
 import enum
@@ -102,15 +103,13 @@ class Domain:
     hi: float | None = None
     lo_open: bool = False
     hi_open: bool = False
-    finite: bool = True
-    """Refuse nan and ±inf (a float field without a declared domain refuses them too)."""
     unit: str = ""
     """What the number counts, for the message: "seconds", "steps"…"""
     interval: bool = False
     """Describe the domain as an interval ("in [0, 1)") rather than a bound."""
 
     def admits(self, value: float) -> bool:
-        if isinstance(value, float) and (math.isnan(value) or (self.finite and math.isinf(value))):
+        if isinstance(value, float) and not math.isfinite(value):
             return False
         if self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo):
             return False
@@ -120,7 +119,7 @@ class Domain:
         """The domain as the messages and the --help show it: "a positive integer, at most 10^9"."""
         kind = "integer" if integer else "number"
         kind += f" of {self.unit}" if self.unit else ""
-        finite = "" if integer or not self.finite else "finite "
+        finite = "" if integer else "finite "
         if self.lo is not None and self.hi is not None and self.interval:
             left, right = "(" if self.lo_open else "[", ")" if self.hi_open else "]"
             text = f"{finite}{kind} in {left}{_num(self.lo)}, {_num(self.hi)}{right}"
@@ -249,9 +248,7 @@ def walk_fields(cls: type[Config], prefix: str = "") -> Iterator[FieldInfo]:
         if isinstance(tp, type) and issubclass(tp, Config):
             yield from walk_fields(tp, f"{prefix}{f.name}.")
             continue
-        default = f.default
-        if f.default_factory is not dataclasses.MISSING:
-            default = f.default_factory()
+        default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
         yield FieldInfo(f"{prefix}{f.name}", tp, default, docs.get(f.name, ""), f.metadata.get("domain"))
 
 
@@ -303,8 +300,7 @@ def keys_reference(cls: type[Config], width: int = 100) -> str:
         if info.domain is not None and kind is not None:
             domain = f"; {'each ' if is_list else ''}{info.domain.describe(kind is int)}"
         lines.append(f"  {info.dotted}  ({type_name(info.type)}){default}{domain}")
-        for line in textwrap.wrap(" ".join(info.doc.split()) or "(undocumented)", width - 6):
-            lines.append(f"      {line}")
+        lines += [f"      {line}" for line in textwrap.wrap(" ".join(info.doc.split()) or "(undocumented)", width - 6)]
     return "\n".join(lines)
 
 
@@ -437,10 +433,8 @@ def _override_value(raw: str, tp: Any) -> Any:
         return None if raw in ("null", "~") and type(None) in typing.get_args(tp) else raw
     if numeric_type(tp)[0] is not None and not numeric_type(tp)[2]:
         for parse in (int, float):
-            try:
+            with contextlib.suppress(ValueError):
                 return parse(raw)
-            except ValueError:
-                pass
     try:
         return yaml.safe_load(raw) if raw != "" else ""
     except (yaml.YAMLError, ValueError):  # ValueError: an integer too long for int()
@@ -513,10 +507,8 @@ def load_yaml(path: str | Path, schema: type[Config] | None = None) -> dict[str,
         _check_nodes(node, path, loader, schema)
         data = rename_keys(loader.construct_document(node), schema.renamed if schema else {})
     except yaml.YAMLError as e:
-        where = ""
         mark = getattr(e, "problem_mark", None)
-        if mark is not None:
-            where = f" at line {mark.line + 1}, column {mark.column + 1}"
+        where = "" if mark is None else f" at line {mark.line + 1}, column {mark.column + 1}"
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise ConfigError(
             f"YAML syntax error in '{path}'{where}: {problem}. Fix the file (indentation, a "
@@ -609,11 +601,7 @@ def _set_dotted(data: dict, dotted: str, value: Any, cls: type) -> None:
     node, node_cls = data, cls
     for i, part in enumerate(parts):
         prefix = ".".join(parts[: i + 1])
-        valid = (
-            [f.name for f in dataclasses.fields(node_cls)]
-            if node_cls is not None and dataclasses.is_dataclass(node_cls)
-            else list(node)
-        )
+        valid = [f.name for f in dataclasses.fields(node_cls)] if node_cls is not None else list(node)
         if part not in valid:
             raise ConfigError(_unknown_key_message(prefix, part, valid))
         if i == len(parts) - 1:
@@ -649,9 +637,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if value is None and type(None) in args:
             return None
         errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
+        for arg in [a for a in args if a is not type(None)]:
             try:
                 return _coerce(value, arg, key)
             except ConfigError as e:
@@ -660,11 +646,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise errors[0]
         raise ConfigError(f"Config key '{key}' got {_short(value)}, expected {' or '.join(map(_type_name, args))}.")
     if origin in (list, tuple):
-        if isinstance(value, tuple):
-            value = list(value)
         if origin is list and args == (str,) and isinstance(value, str):  # --data.sources=/path: one source
             value = [value]
-        if not isinstance(value, list):
+        if not isinstance(value, (list, tuple)):
             raise ConfigError(f"Config key '{key}' must be a list, got {_short(value)}. Write it as [a, b].")
         item_tp = args[0] if args else Any
         items = [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
@@ -705,10 +689,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                     f"Config key '{key}' got an integer too large for a number: {_shown(value)}."
                 ) from None
         if isinstance(value, str):  # YAML reads "1e-3" (no dot) as a string
-            try:
+            with contextlib.suppress(ValueError):
                 return float(value)
-            except ValueError:
-                pass
         raise ConfigError(f"Config key '{key}' must be a number, got {_short(value)}.")
     if tp is str:
         if isinstance(value, str):

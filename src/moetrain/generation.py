@@ -13,7 +13,7 @@ cannot be kept when those leave the window. Greedy decoding gives the same token
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -89,27 +89,19 @@ def generate_ids(
     if kv_cache:
         longest = len(prompt_ids) + max_new_tokens
         next_logits = CachedContext(model, min(longest, max_context or longest))
-    else:
-        next_logits = recomputed_context(model, max_context)
-    ids, new_ids = list(prompt_ids), []
+    else:  # the whole forward of the last `max_context` tokens, every token
+
+        def next_logits(ids: list[int]) -> torch.Tensor:
+            context = ids[-max_context:] if max_context is not None else ids
+            return model(torch.tensor([context], device=device))[0, -1].float()
+
+    ids = list(prompt_ids)
     for _ in range(max_new_tokens):
         next_id = sampling.pick(next_logits(ids), generator)
         if next_id == eos_id:
             break
         ids.append(next_id)
-        new_ids.append(next_id)
-    return new_ids
-
-
-def recomputed_context(model: Transformer, max_context: int | None) -> Callable[[list[int]], torch.Tensor]:
-    """Next-token logits (V,) after `ids`, from the whole forward of their last `max_context`."""
-    device = next(model.parameters()).device
-
-    def next_logits(ids: list[int]) -> torch.Tensor:
-        context = ids[-max_context:] if max_context is not None else ids
-        return model(torch.tensor([context], device=device))[0, -1].float()
-
-    return next_logits
+    return ids[len(prompt_ids) :]
 
 
 class CachedContext:

@@ -165,8 +165,9 @@ def run_reference(cfg: RunConfig, workdir: Path) -> list[dict[str, Any]]:
     config.write_text(dataclasses.replace(cfg, parallel=ParallelConfig(), train=train).to_yaml())
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "SLURM_", "OMPI_", "PMI_"))}
     env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    if torch.cuda.is_available() and cfg.train.device != "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = str(_visible_device(torch.cuda.current_device()))
+    if torch.cuda.is_available() and cfg.train.device != "cpu":  # this process's device, in its own list if set
+        index, visible = torch.cuda.current_device(), os.environ.get("CUDA_VISIBLE_DEVICES")
+        env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[index] if visible else str(index)
     command = [sys.executable, "-m", "moetrain", "check-layout", str(config), "--reference-out", str(out)]
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode != 0 or not out.exists():
@@ -177,12 +178,6 @@ def run_reference(cfg: RunConfig, workdir: Path) -> list[dict[str, Any]]:
             "shallower copy of it (e.g. --model.n_layers=2)."
         )
     return json.loads(out.read_text())
-
-
-def _visible_device(index: int) -> str:
-    """The CUDA_VISIBLE_DEVICES entry of this process's device `index` (its own list, if set)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return visible.split(",")[index] if visible else str(index)
 
 
 def compare(layout: list[dict], reference: list[dict], tol: Tolerance) -> dict[str, Any]:
@@ -248,15 +243,6 @@ def reference_kind(cfg: RunConfig, device: torch.device, world: int, choice: str
     )
 
 
-def fsdp_reference(cfg: RunConfig) -> RunConfig:
-    """`cfg` with the FSDP stack over every rank and no other parallelism (the collective timeouts
-    kept)."""
-    p = cfg.parallel
-    return dataclasses.replace(
-        cfg, parallel=ParallelConfig(stack=Stack.fsdp, timeout_s=p.timeout_s, peer_timeout_s=p.peer_timeout_s)
-    )
-
-
 def check_layout(
     cfg: RunConfig, steps: int, rtol: tuple[float, float] | None = None, reference: str = "auto"
 ) -> dict[str, Any] | None:
@@ -268,8 +254,11 @@ def check_layout(
     runtime = setup_runtime(cfg)  # joins the launch's process group (the trainer then finds it)
     main, world = runtime.par.rank == 0, runtime.par.dims.world_size
     kind, why = reference_kind(cfg, runtime.device, world, reference)
-    if kind == "fsdp":
-        cfg_ref = fsdp_reference(cfg)
+    if kind == "fsdp":  # the FSDP stack over every rank and no other parallelism, the collective timeouts kept
+        p = cfg.parallel
+        cfg_ref = dataclasses.replace(
+            cfg, parallel=ParallelConfig(stack=Stack.fsdp, timeout_s=p.timeout_s, peer_timeout_s=p.peer_timeout_s)
+        )
         try:
             cfg_ref.validate(world, runtime.device)
         except ConfigError as e:

@@ -198,21 +198,14 @@ def _sweep(experts: int) -> Callable[[], RunConfig]:
 def _bench(model: TransformerConfig, *, micro_batch: int, accum: int = 1, lr: float) -> Callable[[], RunConfig]:
     """One GPU, sequences of 8192 tokens, `micro_batch` sequences per micro-batch (Olmo-core's
     benchmark runner's), `accum` micro-batches per optimizer step; bf16 with fp32 master weights; blocks
-    compiled (measured +18% tokens/s on bench-8e, +24% on bench-tiny64e-l6: docs/benchmarks.md)."""
+    compiled (measured +18% tokens/s on bench-8e, +24% on bench-tiny64e-l6: docs/benchmarks.md);
+    evaluation (of 8 micro-batches) and checkpoints off."""
 
     def make() -> RunConfig:
-        cfg = RunConfig(model=model)
-        cfg.data.seq_len = 8192
-        cfg.optim.lr = lr
+        cfg = _big_run(model, seq_len=8192, gpus=micro_batch, global_batch=micro_batch * accum, lr=lr)
         cfg.schedule.warmup_steps = 10
-        cfg.train = TrainerConfig(
-            steps=1000,
-            global_batch_size=micro_batch * accum,
-            micro_batch_size=micro_batch,
-            log_every=10,
-            eval_every=0,
-            eval_tokens=8 * micro_batch * cfg.data.seq_len,  # 8 micro-batches, when evaluation is turned on
-        )
+        cfg.train.steps = 1000
+        cfg.train.eval_every = 0
         cfg.checkpoint.save_every = 0
         cfg.compute.compile = True
         return cfg

@@ -12,6 +12,7 @@ projected tokens/s per GPU = measured compute + that model, labelled so
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -98,20 +99,16 @@ def checkpoint_peaks(trainer: Trainer) -> dict[str, Any]:
 def host_reset() -> None:
     """Restart the process's peak resident memory count (Linux: /proc/self/clear_refs; elsewhere
     nothing, and `host_peak` is None)."""
-    try:
+    with contextlib.suppress(OSError):
         Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
 
 
 def host_peak() -> float | None:
     """The process's peak resident host memory since `host_reset` (GiB; None where unknown)."""
-    try:
+    with contextlib.suppress(OSError):
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
                 return round(int(line.split()[1]) / 2**20, 3)
-    except OSError:
-        pass
     return None
 
 

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import sys
+from functools import partial
 from pathlib import Path
 
 from moetrain.cli.args import command_parser, split_overrides
@@ -176,13 +177,7 @@ def cmd_export_hf(argv: list[str]) -> int:
     )
     # Under torchrun each rank writes every WORLD_SIZE-th shard (no process group is needed).
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    return _convert(
-        parser,
-        argv,
-        "checkpoint",
-        lambda checkpoint, out_dir, **kw: export_hf(checkpoint, out_dir, rank=rank, world_size=world, **kw),
-        export_replaces,
-    )
+    return _convert(parser, argv, "checkpoint", partial(export_hf, rank=rank, world_size=world), export_replaces)
 
 
 def cmd_import_hf(argv: list[str]) -> int:

@@ -30,7 +30,7 @@ GPU_KEYS: dict[str, tuple[str, float, str]] = {
     "gpus_per_node": ("gpus_per_node", 1, "GPUs per node, a whole number"),
     "fp8": ("fp8", 1, "FP8 tensor cores, true or false"),
 }
-"""The keys of --gpu NAME:key=value,…: the field of `moetrain.plan.GPU` each sets, the scale from
+"""The keys of --gpu NAME:key=value,…: the field of `moetrain.plan.hardware.GPU` each sets, the scale from
 the key's unit to the field's, and what it is."""
 REQUIRED_GPU_KEYS = ("memory_gib", "bf16_tflops", "hbm_tb_s")
 CUSTOM_GPU_FORM = (

@@ -38,80 +38,43 @@ across nodes, at `link_eff` of their one-way bandwidth. The constants are assump
 and MFU as ±25% (docs/measurements.md, "The planner against measured peaks" and "One-GPU
 tokens/s", compares them with measured runs)."""
 
-from moetrain.parallel.config import LAYOUT_WORDS, layout_legend
+from moetrain.parallel.config import layout_legend
 from moetrain.plan.calibration import Assumptions
-from moetrain.plan.estimate import PEAK_ERROR, Plan, capacity_floor, device_capacity_floor, plan
-from moetrain.plan.hardware import GIB, GPU, GPUS, plan_gpu
-from moetrain.plan.layout import (
-    BUCKET_BYTES,
-    Layout,
-    ParamGroups,
-    compiled_blocks,
-    layout_of,
-    rows_per_token,
-    uses_bf16_weights,
-)
-from moetrain.plan.memory import (
-    RankMemory,
-    checkpoint_state_bytes,
-    load_temporaries,
-    memory_per_rank,
-    save_temporaries,
-)
+from moetrain.plan.estimate import PEAK_ERROR, capacity_floor, device_capacity_floor, plan
+from moetrain.plan.hardware import GIB, GPUS, plan_gpu
+from moetrain.plan.layout import ParamGroups, layout_of, rows_per_token
+from moetrain.plan.memory import load_temporaries, memory_per_rank, save_temporaries
 from moetrain.plan.report import layouts_text, legend_lines, more_gpus_json, more_gpus_text, report, to_json
 from moetrain.plan.search import MAX_GPUS, MoreGpus, fewest_gpus, larger_counts, suggest, with_layout
-from moetrain.plan.time import (
-    COMPUTE_PARTS,
-    EXPOSED_PARTS,
-    PEER_PARTS,
-    Communication,
-    StepTime,
-    communication,
-    step_time,
-)
+from moetrain.plan.time import EXPOSED_PARTS
 
 __all__ = [
     "Assumptions",
-    "capacity_floor",
-    "device_capacity_floor",
-    "BUCKET_BYTES",
-    "COMPUTE_PARTS",
     "EXPOSED_PARTS",
-    "LAYOUT_WORDS",
+    "GIB",
+    "GPUS",
     "MAX_GPUS",
     "MoreGpus",
     "PEAK_ERROR",
-    "Communication",
-    "GIB",
-    "GPU",
-    "GPUS",
-    "Layout",
-    "PEER_PARTS",
     "ParamGroups",
-    "Plan",
-    "RankMemory",
-    "StepTime",
-    "checkpoint_state_bytes",
-    "communication",
-    "compiled_blocks",
+    "capacity_floor",
+    "device_capacity_floor",
     "fewest_gpus",
     "larger_counts",
     "layout_legend",
+    "layout_of",
     "layouts_text",
     "legend_lines",
-    "more_gpus_json",
-    "more_gpus_text",
-    "layout_of",
     "load_temporaries",
     "memory_per_rank",
+    "more_gpus_json",
+    "more_gpus_text",
     "plan",
     "plan_gpu",
     "report",
     "rows_per_token",
     "save_temporaries",
-    "step_time",
     "suggest",
     "to_json",
-    "uses_bf16_weights",
     "with_layout",
 ]

@@ -7,7 +7,7 @@ import dataclasses
 import torch
 
 from moetrain.errors import ConfigError
-from moetrain.parallel.config import DEFAULT_CAPACITY_MIN_ROWS, EVERY_ROW, DispatcherKind, Stack
+from moetrain.parallel.config import DEFAULT_CAPACITY_MIN_ROWS, EVERY_ROW, DispatcherKind
 from moetrain.plan.calibration import Assumptions
 from moetrain.plan.hardware import GIB, GPU, GPUS, device_memory
 from moetrain.plan.layout import Layout, ParamGroups, layout_of
@@ -137,18 +137,16 @@ def plan(cfg: RunConfig, gpus: int, gpu: str, assume: Assumptions = Assumptions(
     busiest = max(ranks, key=lambda r: r.peak)  # the first of equal peaks
     comm = communication(cfg, L, busiest, spec, assume)
     time = step_time(cfg, L, busiest, comm, spec, assume)
-    fsdp = L.stack == Stack.fsdp.value
     peak_gib = busiest.peak / GIB
     memory = {k: round(getattr(busiest, k) / GIB, 2) for k in ("weights", "grads", "optimizer", "activations")}
-    memory["workspace"] = assume.workspace_gib
-    ws = assume.workspace_gib
+    memory["workspace"] = ws = assume.workspace_gib
     saves = [(checkpoint_state_bytes(L, r) + save_temporaries(cfg, L, r)) / GIB + ws for r in ranks]
     loads = [(checkpoint_state_bytes(L, r) + load_temporaries(cfg, L, r)) / GIB + ws for r in ranks]
     save_gib, load_gib = max(saves), max(loads)
     return Plan(
         layout=L,
         gpu=spec,
-        params_per_device=int(busiest.local / (L.replicas if fsdp else 1)),
+        params_per_device=int(busiest.local / (L.replicas if L.fsdp else 1)),
         memory_gib=memory,
         peak_mem_gib_per_device=round(peak_gib, 2),
         fits=peak_gib <= spec.memory_gib,
@@ -162,7 +160,7 @@ def plan(cfg: RunConfig, gpus: int, gpu: str, assume: Assumptions = Assumptions(
         peak_gib_per_pipeline_rank=[round(r.peak / GIB, 2) for r in ranks],
         save_peak_gib_per_pipeline_rank=[round(x, 2) for x in saves],
         load_peak_gib_per_pipeline_rank=[round(x, 2) for x in loads],
-        params_per_pipeline_rank=[int(r.local / (L.replicas if fsdp else 1)) for r in ranks],
+        params_per_pipeline_rank=[int(r.local / (L.replicas if L.fsdp else 1)) for r in ranks],
         save_peak_gib_per_device=round(save_gib, 2),
         fits_while_saving=save_gib <= spec.memory_gib,
         load_peak_gib_per_device=round(load_gib, 2),

@@ -36,12 +36,16 @@ class Layout(ParallelDims):
         """Tokens per rank per micro-batch (t): its rows' positions, 1/cp of each sequence."""
         return self.rows_per_micro_batch * seq_len // self.cp
 
+    @property
+    def fsdp(self) -> bool:
+        return self.stack == Stack.fsdp.value
+
     def bucketed(self, dense: float, experts: float) -> float:
         """Of `dense` and `experts` parameters, those whose gradients the ddp stack keeps in
         buckets (src/moetrain/optim/grad_reducer.py): none at dp·cp = 1; the dense ones at dp·cp > 1,
         the experts' too unless each lives alone in its group (edp = 1) — the sharded optimizer
         buckets every parameter."""
-        if self.stack == Stack.fsdp.value or self.replicas == 1:
+        if self.fsdp or self.replicas == 1:
             return 0.0
         return dense + (experts if self.edp > 1 or self.shard_optimizer else 0.0)
 

@@ -7,7 +7,7 @@ import dataclasses
 
 from moetrain.model.config import TransformerConfig
 from moetrain.model.counting import block_saved_bytes, expert_operand_elements, mtp_saved_bytes
-from moetrain.parallel.config import DispatcherKind, PipelineSchedule, Stack
+from moetrain.parallel.config import DispatcherKind, PipelineSchedule
 from moetrain.parallel.pipeline import stage_layers
 from moetrain.plan.calibration import Assumptions
 from moetrain.plan.hardware import GIB
@@ -38,8 +38,6 @@ class RankMemory:
     peak: float
     blocks_none: float
     """Saved block activations of one micro-batch without recompute."""
-    experts_none: float
-    """The experts' share of `blocks_none` (their routed rows' tensors)."""
     moe_layers: int
     """MoE blocks this rank holds."""
     recv_buffers: float
@@ -47,8 +45,6 @@ class RankMemory:
     each micro-batch, one fp32 (rows, seq, d_model) activation buffer for each stage that is not
     the first and one output-gradient buffer for each stage that is not the last, and keeps them
     between steps (they persist when checkpoints are saved)."""
-    logits_bytes: float
-    """The loss's logits and what it holds for backward (`_loss_bytes`)."""
     loss_traffic: float
     """Bytes the loss's element-wise kernels read and write per micro-batch."""
     act_none: float
@@ -69,9 +65,8 @@ def checkpoint_state_bytes(L: Layout, rank: RankMemory) -> float:
     (the ddp stack's reducer's — dense gradients at dp > 1, the experts' at edp > 1 — and the
     sharded optimizer's; other gradients are freed by `zero_grad` and not yet allocated at a
     load). Activations are freed."""
-    fsdp = L.stack == Stack.fsdp.value
-    weights = 4 * rank.local / L.replicas if fsdp else rank.weights
-    if fsdp or not rank.local:
+    weights = 4 * rank.local / L.replicas if L.fsdp else rank.weights
+    if L.fsdp or not rank.local:
         return weights + rank.optimizer + rank.recv_buffers
     # the buckets hold the dense gradients at dp > 1 and the experts' at edp > 1 (`bucketed`);
     # the sharded optimizer buckets every gradient, even at dp = 1
@@ -110,9 +105,9 @@ def load_temporaries(cfg: RunConfig, L: Layout, rank: RankMemory) -> float:
 
 @dataclasses.dataclass
 class _Blocks:
-    """What one pipeline rank's blocks hold and save (`_rank_blocks`): parameters, and saved
-    bytes per token of one micro-batch (this layout's, without recompute, with full recompute, and
-    the experts' share), the bf16 weight copies of one micro-batch."""
+    """What one pipeline rank's blocks hold and save (`_rank_blocks`): parameters, saved bytes
+    per token of one micro-batch (this layout's, without recompute, with full recompute), the bf16
+    weight copies of one micro-batch."""
 
     layer_ids: list[int]
     dense_local: float = 0.0
@@ -120,7 +115,6 @@ class _Blocks:
     act_per_token: float = 0.0
     act_none: float = 0.0
     act_full: float = 0.0
-    experts_none: float = 0.0
     moe_layers: int = 0
     cast_bytes: float = 0.0
     muon_dense: float = 0.0
@@ -133,7 +127,6 @@ class _Model:
     """The per-run facts every pipeline rank's memory reads."""
 
     compiled: bool
-    fsdp: bool
     ep_eff: int
     expert_rows: float
     wire_rows: float
@@ -141,12 +134,10 @@ class _Model:
     bf16_weights: bool
     a: int
     """Bytes per matmul element: 2 under autocast bf16, 4 in fp32."""
-    cp: int
 
     @classmethod
     def of(cls, cfg: RunConfig, L: Layout) -> _Model:
-        fsdp = L.stack == Stack.fsdp.value
-        ep_eff = 1 if fsdp else L.ep
+        ep_eff = 1 if L.fsdp else L.ep
         expert_rows, wire_rows = rows_per_token(cfg, L)
         # selective recompute keeps what the functional all-to-alls return (alltoall, nosync
         # without the overlapped exchange, whose transfers are not functional collectives)
@@ -154,14 +145,12 @@ class _Model:
         exchanged = wire_rows if ep_eff > 1 and functional_exchange and not L.overlap_chunks else 0.0
         return cls(
             compiled=compiled_blocks(cfg),
-            fsdp=fsdp,
             ep_eff=ep_eff,
             expert_rows=expert_rows,
             wire_rows=wire_rows,
             exchanged=exchanged,
             bf16_weights=uses_bf16_weights(cfg),
             a=4 if cfg.precision.dtype.value == "fp32" else 2,
-            cp=L.cp,
         )
 
 
@@ -178,15 +167,12 @@ def _rank_blocks(m: TransformerConfig, L: Layout, groups: ParamGroups, x: _Model
         b.ns_experts += groups.ns_experts / x.ep_eff if is_moe else 0.0
         recomputes = L.recompute != "none" and i % L.recompute_every == 0
         mode = L.recompute if recomputes else "none"
-        b.act_per_token += block_saved_bytes(m, is_moe, mode, x.expert_rows, x.compiled, x.a, x.exchanged, x.cp)
-        b.act_none += block_saved_bytes(m, is_moe, "none", x.expert_rows, x.compiled, x.a, cp=x.cp)
-        b.act_full += block_saved_bytes(m, is_moe, "full", x.expert_rows, x.compiled, x.a, cp=x.cp)
-        if is_moe:
-            b.moe_layers += 1
-            with_rows = block_saved_bytes(m, True, "none", x.expert_rows, x.compiled, x.a)
-            b.experts_none += with_rows - block_saved_bytes(m, True, "none", 0, x.compiled, x.a)
+        b.act_per_token += block_saved_bytes(m, is_moe, mode, x.expert_rows, x.compiled, x.a, x.exchanged, L.cp)
+        b.act_none += block_saved_bytes(m, is_moe, "none", x.expert_rows, x.compiled, x.a, cp=L.cp)
+        b.act_full += block_saved_bytes(m, is_moe, "full", x.expert_rows, x.compiled, x.a, cp=L.cp)
+        b.moe_layers += is_moe
         # no copies: bf16 weights, or FSDP's bf16 all-gather (freed after forward, gathered again)
-        if not recomputes and x.a == 2 and not x.bf16_weights and not x.fsdp:
+        if not recomputes and x.a == 2 and not x.bf16_weights and not L.fsdp:
             b.cast_bytes += 2 * (dense + experts)
     return b
 
@@ -197,10 +183,9 @@ def _in_flight(L: Layout, r: int) -> float:
         return 1.0
     if L.schedule == PipelineSchedule.gpipe.value:
         return L.micro_batches
-    in_flight = min(L.micro_batches, L.pp - r)
     if L.stages_per_rank > 1:
-        in_flight = min(L.micro_batches * L.stages_per_rank, L.pp * (1 + (L.pp - 1) / (L.pp * L.stages_per_rank)))
-    return in_flight
+        return min(L.micro_batches * L.stages_per_rank, L.pp * (1 + (L.pp - 1) / (L.pp * L.stages_per_rank)))
+    return min(L.micro_batches, L.pp - r)
 
 
 def _saved_activations(
@@ -208,11 +193,10 @@ def _saved_activations(
 ) -> float:
     """Saved tensors of the micro-batches in flight; with recompute, backward rebuilds one
     block's full activations at a time."""
-    S = L.pp * L.stages_per_rank
     activations = in_flight * t * b.act_per_token
     # the schedule keeps each stage's fp32 output until its backward (the last stage's output
     # is the logits, counted apart)
-    feeding = sum(1 for s in stages if s < S - 1) / len(stages)
+    feeding = sum(1 for s in stages if s < L.num_stages - 1) / len(stages)
     activations += in_flight * feeding * t * m.d_model * 4 if L.pp > 1 else 0.0
     if L.overlap_chunks and L.ep > 1 and any(i >= m.num_dense_layers for i in b.layer_ids):
         # the buffer an exchange in flight writes while compute runs (the overlapped exchange)
@@ -257,8 +241,8 @@ def _add_mtp(m: TransformerConfig, L: Layout, groups: ParamGroups, x: _Model, b:
     b.dense_local += groups.mtp
     b.muon_dense += groups.muon_mtp
     b.ns_dense += groups.ns_mtp
-    b.act_per_token += mtp_saved_bytes(m, L.recompute, x.compiled, x.a, x.cp)
-    b.act_none += mtp_saved_bytes(m, "none", x.compiled, x.a, x.cp)
+    b.act_per_token += mtp_saved_bytes(m, L.recompute, x.compiled, x.a, L.cp)
+    b.act_none += mtp_saved_bytes(m, "none", x.compiled, x.a, L.cp)
     b.act_full += mtp_saved_bytes(m, "full", x.compiled, x.a)
 
 
@@ -275,7 +259,7 @@ def _state(
     muon_experts = b.expert_local if muon else 0.0
     grad_elem = 2 if cfg.optim.grad_dtype.value == "bf16" else 4  # optim.grad_dtype
     expert_local = b.expert_local
-    if x.fsdp:
+    if L.fsdp:
         shard = L.replicas
         gathered = x.a  # two blocks' parameters gathered at once, in the compute dtype
         weights = 4 * local / shard + 2 * gathered * max(groups.moe_dense + groups.moe_experts, groups.dense_block)
@@ -306,15 +290,14 @@ def _recv_buffers(L: Layout, stages: list[int], t: int, d_model: int) -> float:
     output gradients for each stage that feeds a next one."""
     if L.pp == 1:
         return 0.0
-    S = L.pp * L.stages_per_rank
-    links = sum(1 for s in stages if s > 0) + sum(1 for s in stages if s < S - 1)
+    links = sum(1 for s in stages if s > 0) + sum(1 for s in stages if s < L.num_stages - 1)
     return links * L.micro_batches * t * d_model * 4
 
 
 def memory_per_rank(cfg: RunConfig, L: Layout, groups: ParamGroups, assume: Assumptions) -> list[RankMemory]:
     """Parameters and memory of each pipeline rank (one entry without a pipeline)."""
     m, x = cfg.model, _Model.of(cfg, L)
-    S = L.pp * L.stages_per_rank
+    S = L.num_stages
     layers_per_stage = [len(s) for s in stage_layers(m.n_layers, S)]
     t = L.tokens(cfg.data.seq_len)  # tokens per rank per micro-batch
     chunk = cfg.compute.resolved_loss_chunk_tokens("cuda") if L.pp == 1 else 0  # pipelines: the plain path
@@ -334,7 +317,7 @@ def memory_per_rank(cfg: RunConfig, L: Layout, groups: ParamGroups, assume: Assu
             activations += expert_operand_bytes(cfg, L, b.moe_layers, L.micro_batches - 1)
         logits, loss_traffic = _loss_bytes(m, t, chunk) if last else (0.0, 0.0)
         # the head's fp32 weight gradient, one per loss (multi-token prediction: 1 + depth)
-        head_grad = (1 + m.mtp_depth) * 4 * groups.head / (L.replicas if x.fsdp else 1) if last else 0
+        head_grad = (1 + m.mtp_depth) * 4 * groups.head / (L.replicas if L.fsdp else 1) if last else 0
         # one bf16 copy of each weight per micro-batch in flight: each micro-batch's forward casts
         # its own, and its saved tensors keep it until that micro-batch's backward
         casts = b.cast_bytes * in_flight
@@ -362,10 +345,8 @@ def memory_per_rank(cfg: RunConfig, L: Layout, groups: ParamGroups, assume: Assu
                 activations=activations + logits + casts,
                 peak=peak,
                 blocks_none=t * b.act_none,
-                experts_none=t * b.experts_none,
                 moe_layers=b.moe_layers,
                 recv_buffers=recv_buffers,
-                logits_bytes=logits,
                 loss_traffic=loss_traffic,
                 act_none=in_flight * t * b.act_none + logits,
                 act_full=in_flight * t * b.act_full + logits,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 from moetrain.errors import ConfigError
 from moetrain.parallel.config import DispatcherKind, PipelineSchedule, Recompute, Stack
@@ -153,15 +154,13 @@ def _fitting(cfg: RunConfig, gpus: int, gpu: str, pp: int, cp: int, lean: bool, 
     eps = [e for e in (1, 2, 4, 8, 16, 32, 64) if replicas % e == 0 and m.moe.num_experts % e == 0]
     out = []
     recomputes = ("full",) if lean else ("none", "selective", "full")
-    for ep, recompute in [(e, r) for e in eps for r in recomputes]:
+    for ep, recompute in itertools.product(eps, recomputes):
         dispatchers = {cfg.parallel.dispatcher.value}
         if ep > 2 and cfg.parallel.capacity_factor is None:
             dispatchers.add(DispatcherKind.alltoall.value)
         overlaps = list(dict.fromkeys([cfg.parallel.overlap_chunks, 1])) if ep > 1 else [None]
         rows_options = (1, 2) if cp == 1 and not lean else (1,)
-        for rows, dispatcher, overlap in [
-            (r, d, o) for r in rows_options for d in sorted(dispatchers) for o in overlaps
-        ]:
+        for rows, dispatcher, overlap in itertools.product(rows_options, sorted(dispatchers), overlaps):
             if overlap and dispatcher != DispatcherKind.nosync.value:
                 continue
             candidate = with_layout(

@@ -8,7 +8,7 @@ import math
 from moetrain.model.config import Fp8, TransformerConfig
 from moetrain.model.counting import flops_per_token, kv_elements, moe_forward_flops, mtp_flops_per_token
 from moetrain.model.fp8_choice import fp8_flops_per_token
-from moetrain.parallel.config import DispatcherKind, Recompute, Stack
+from moetrain.parallel.config import DispatcherKind, Recompute
 from moetrain.plan.calibration import Assumptions
 from moetrain.plan.hardware import GPU
 from moetrain.plan.layout import BUCKET_BYTES, Layout, compiled_blocks, rows_per_token, uses_bf16_weights
@@ -26,19 +26,6 @@ COMPUTE_PARTS = (
     "optimizer",
 )
 
-
-PEER_PARTS = (
-    "pipeline_bubble",
-    "expert_all_to_all",
-    "dp_reductions",
-    "fsdp_exposed",
-    "pipeline_sends",
-    "context_exchange",
-)
-"""`StepTime.parts` split into what a rank computes alone and what its peers add: communication
-as exposed (after the overlap the model grants; `Assumptions.link_eff`, `overlap_slowdown`,
-`dp_tail`, `fsdp_overlap`) and the pipeline's bubble."""
-
 EXPOSED_PARTS = {
     "expert_all_to_all": ("expert_all_to_all",),
     "dp_reductions": ("dp_reduction", "optimizer_all_gather", "muon_all_gather"),
@@ -48,6 +35,10 @@ EXPOSED_PARTS = {
 }
 """The parts of `PEER_PARTS` that are communication — the exposed part of a transfer, what
 compute does not hide — and the transfers (`Communication.seconds`) each is part of."""
+PEER_PARTS = ("pipeline_bubble", *EXPOSED_PARTS)
+"""`StepTime.parts` split into what a rank computes alone (`COMPUTE_PARTS`) and what its peers
+add: communication as exposed (after the overlap the model grants; `Assumptions.link_eff`,
+`overlap_slowdown`, `dp_tail`, `fsdp_overlap`) and the pipeline's bubble."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +68,6 @@ def communication(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume
     """Bytes each collective of a step sends from `rank`, and their time."""
     m = cfg.model
     t = L.tokens(cfg.data.seq_len)
-    fsdp = L.stack == Stack.fsdp.value
     _, wire_rows = rows_per_token(cfg, L)
 
     def net(span: int) -> float:
@@ -85,13 +75,13 @@ def communication(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume
 
     moe_layers = _moe_layers(m, rank)
     comm, comm_t = {}, {}
-    if not fsdp and L.ep > 1:
+    if not L.fsdp and L.ep > 1:
         a2a = 4 * L.micro_batches * moe_layers * t * wire_rows * m.d_model * 2 * _ring(L.ep)
         comm["expert_all_to_all"] = a2a
         comm_t["expert_all_to_all"] = a2a / (net(L.ep) * assume.link_eff)
     dense_b, expert_b = 4 * rank.dense_local, 4 * rank.expert_local
     grad_elem = 2 if cfg.optim.grad_dtype.value == "bf16" else 4  # the reductions' dtype (optim.grad_dtype)
-    if fsdp:
+    if L.fsdp:
         gathered = 4 if cfg.precision.dtype.value == "fp32" else 2  # bf16 all-gathers under bf16 compute
         ag = 2 * L.micro_batches * gathered * rank.local * _ring(L.replicas)  # forward and backward all-gathers
         rs = grad_elem * rank.local * _ring(L.replicas)
@@ -117,8 +107,8 @@ def communication(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume
         # in bf16 over the ranks that share them: the orthogonalized matrices (each rank computed
         # its share), and before that the update directions of the sharded optimizer's Muon
         # buckets and of FSDP's non-expert matrices (its experts stay whole where they are)
-        experts = 0.0 if fsdp else rank.expert_local * _ring(L.edp)
-        gathers = 2 if fsdp or L.shard_optimizer else 1
+        experts = 0.0 if L.fsdp else rank.expert_local * _ring(L.edp)
+        gathers = 2 if L.fsdp or L.shard_optimizer else 1
         comm["muon_all_gather"] = 2 * gathers * (rank.muon_dense_local * _ring(L.replicas) + experts)
         comm_t["muon_all_gather"] = comm["muon_all_gather"] / (net(L.replicas) * assume.link_eff)
     if L.pp > 1:
@@ -166,7 +156,7 @@ def _gemm_time(
     if rank.last and m.mtp_depth:  # the multi-token prediction modules and their losses
         t_gemm += mtp_flops_per_token(m, cfg.data.seq_len) * t * L.micro_batches / gemm_rate
     # each local expert's rows end in a partial tile of its grouped GEMMs (`group_tile_rows`)
-    local_experts = m.moe.num_experts / (1 if L.stack == Stack.fsdp.value else L.ep)
+    local_experts = m.moe.num_experts / (1 if L.fsdp else L.ep)
     expert_flops = 3 * moe_forward_flops(m.moe, m.d_model)[0] * t * _moe_layers(m, rank) * L.micro_batches
     t_tiles = expert_flops * local_experts * assume.group_tile_rows / (t * m.moe.top_k) / gemm_rate if t else 0.0
     if deferred_expert_grads(cfg, L):  # the weight gradients' third: one GEMM per step, not per micro-batch
@@ -192,8 +182,7 @@ def _muon_time(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume: A
     of src/moetrain/optim/muon.py over each element it updates (`Assumptions.muon_bytes`)."""
     if cfg.optim.name.value != "muon":
         return 0.0, 0.0
-    fsdp = L.stack == Stack.fsdp.value
-    if fsdp:
+    if L.fsdp:
         flops = (rank.ns_dense + rank.ns_experts) / L.replicas
         updated = (rank.muon_dense_local + rank.expert_local) / L.replicas
     else:
@@ -211,14 +200,15 @@ def _optimizer_time(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assu
     torch's fused AdamW, each at its measured rate (with optim.name=muon, Muon's matrices
     instead: `_muon_time`; optim.name=lion: one moment's read and write less, none by torch's
     fused kernel); then the clipping norm reads each gradient."""
-    fsdp = L.stack == Stack.fsdp.value
     bf16_weights = uses_bf16_weights(cfg)
     low_moments = cfg.optim.moments_dtype.value == "bf16"
     low_grads = cfg.optim.grad_dtype.value == "bf16"
     passes = spec.hbm_bytes_s * assume.param_pass_eff
     lion = cfg.optim.name.value == "lion"
-    adamw_bytes = (20 if low_moments else 28) - (2 if low_grads and not fsdp else 0) - lion * (4 if low_moments else 8)
-    if fsdp:
+    adamw_bytes = (
+        (20 if low_moments else 28) - (2 if low_grads and not L.fsdp else 0) - lion * (4 if low_moments else 8)
+    )
+    if L.fsdp:
         updated, embedding = rank.local / L.replicas, rank.embedding_local / L.replicas
     elif L.shard_optimizer:
         updated = rank.dense_local / L.replicas + rank.expert_local / L.edp
@@ -230,8 +220,8 @@ def _optimizer_time(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assu
     by_torch = 0.0 if low_moments or lion else (embedding if bf16_weights else adamw_updated)  # fp32 AdamW and moments
     torch_rate = spec.hbm_bytes_s * assume.torch_adamw_eff
     t_optimizer = adamw_bytes * ((adamw_updated - by_torch) / passes + by_torch / torch_rate) + t_muon
-    one_kept = bf16_weights and L.micro_batches == 1 and not fsdp  # one backward's bf16 gradient, as it is
-    norm_elem = 2 if (low_grads and not fsdp) or one_kept else 4
+    one_kept = bf16_weights and L.micro_batches == 1 and not L.fsdp  # one backward's bf16 gradient, as it is
+    norm_elem = 2 if (low_grads and not L.fsdp) or one_kept else 4
     return t_optimizer + norm_elem * updated / (spec.hbm_bytes_s * assume.norm_eff)
 
 
@@ -241,7 +231,6 @@ def _cast_time(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume: A
     and every micro-batch's expert operands are copied once into expert order
     (src/moetrain/model/expert_grads.py; the update's 2 bytes less per bf16 expert gradient are not
     counted)."""
-    fsdp = L.stack == Stack.fsdp.value
     fp32 = cfg.precision.dtype.value == "fp32"
     low_grads = cfg.optim.grad_dtype.value == "bf16"
     hbm = spec.hbm_bytes_s * assume.hbm_eff
@@ -249,7 +238,7 @@ def _cast_time(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume: A
     n, later = L.micro_batches, L.micro_batches - 1
     expert_later = 0 if deferred else later  # backwards after the first that reach an expert weight
     t_copy = 2 * expert_operand_bytes(cfg, L, rank.moe_layers, n) / hbm if deferred else 0.0
-    divisor = L.replicas if fsdp else 1
+    divisor = L.replicas if L.fsdp else 1
     dense, experts = (rank.local - rank.expert_local) / divisor, rank.expert_local / divisor
 
     def autocast_bytes(later: int) -> float:
@@ -277,7 +266,7 @@ def _cast_time(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume: A
         t_bytes = grad_bytes(dense_bucketed, rank.local - rank.expert_local - dense_bucketed, later)
         t_bytes += grad_bytes(expert_bucketed, rank.expert_local - expert_bucketed, expert_later)
         t_casts = t_bytes / (spec.hbm_bytes_s * assume.param_pass_eff)
-    elif low_grads and not fsdp:  # the fp32 gradient rounded into the store (6 B), then bf16 += fp32 (8 B)
+    elif low_grads and not L.fsdp:  # the fp32 gradient rounded into the store (6 B), then bf16 += fp32 (8 B)
         weight_casts = 0 if fp32 else 12 * n
         t_casts = (dense * (weight_casts + 6 + 8 * later) + experts * (weight_casts + 6 + 8 * expert_later)) / hbm
     return t_casts + t_copy
@@ -339,7 +328,7 @@ def step_time(
     if cfg.precision.fp8 != Fp8.none:
         rowwise = cfg.precision.fp8 == Fp8.rowwise
         chosen, every = _fp8_flops_per_token(cfg, L) if rowwise else (1.0, 1.0)
-        local_params = rank.local / (L.replicas if L.stack == Stack.fsdp.value else 1)
+        local_params = rank.local / (L.replicas if L.fsdp else 1)
         t_fp8 = (
             chosen
             / every
@@ -393,7 +382,7 @@ def _exposed_dp_reduction(
     starts as soon as the last backward has finished its gradients, so only the buckets finished
     last are exposed — the embedding's on the first pipeline rank, else one bucket — and whatever
     of the rest the last backward (two-thirds of a micro-batch's compute) cannot cover."""
-    if not assume.dp_tail or not t_red or L.stack == Stack.fsdp.value:
+    if not assume.dp_tail or not t_red or L.fsdp:
         return t_red
     grad_elem = 2 if cfg.optim.grad_dtype.value == "bf16" else 4
     tail_params = rank.embedding_local if rank.first else min(BUCKET_BYTES / grad_elem, rank.dense_local)
