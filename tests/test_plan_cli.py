@@ -89,6 +89,14 @@ def test_the_default_budget_is_the_runs_length_as_configured(capsys):
     assert any(line.startswith(named) for line in lines), lines
 
 
+def test_micro_batch_is_sequences_per_data_parallel_rank_under_context_parallelism(capsys):
+    """--micro-batch B sets train.micro_batch_size = B × dp, dp = GPUs / (pp · cp): a cp2 group
+    shares its sequences, so each GPU plans B of them, not B · cp."""
+    _, record, _ = run_plan(capsys, "tiny", "--gpus", "8", "--parallel.cp=2", "--micro-batch", "1", "--no-suggest")
+    assert (record["dp"], record["cp"], record["sequences_per_micro_batch_per_gpu"]) == (4, 2, 1)
+    assert record["launch"].endswith("--train.micro_batch_size=4")
+
+
 def test_the_table_across_gpu_counts_has_a_row_and_a_launch_line_per_count(capsys):
     """--gpus 8,16: one row per count with suggest's first layout there (16 GPUs: on the batch
     that divides, said on stderr), its peak, step time, tokens/s, time to the budget and MFU;

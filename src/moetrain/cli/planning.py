@@ -181,10 +181,10 @@ def _plan_config(args: argparse.Namespace, overrides: list[str], gpus: int) -> t
         return _dividing_batch(cfg, args, overrides, gpus)
     if args.micro_batch <= 0:
         raise ConfigError(f"--micro-batch={args.micro_batch} must be a positive number of sequences.")
-    pp = cfg.parallel.pp
-    if gpus % pp:
-        raise ConfigError(f"parallel.pp={pp} does not divide --gpus={gpus}.")
-    dp = cfg.parallel.dp or gpus // pp
+    pp, cp = cfg.parallel.pp, cfg.parallel.cp
+    if gpus % (pp * cp):
+        raise ConfigError(f"parallel.pp={pp} × parallel.cp={cp} does not divide --gpus={gpus}.")
+    dp = cfg.parallel.dp or gpus // (pp * cp)
     cfg = resolve_config(args.spec, overrides + [f"train.micro_batch_size={args.micro_batch * dp}"])
     return cfg, [f"--{o}" for o in overrides] + [f"--train.micro_batch_size={cfg.train.micro_batch_size}"]
 
