@@ -183,7 +183,8 @@ def _plan_config(args: argparse.Namespace, overrides: list[str], gpus: int) -> t
         raise ConfigError(f"--micro-batch={args.micro_batch} must be a positive number of sequences.")
     pp, cp = cfg.parallel.pp, cfg.parallel.cp
     if gpus % (pp * cp):
-        raise ConfigError(f"parallel.pp={pp} × parallel.cp={cp} does not divide --gpus={gpus}.")
+        ranks = f"parallel.pp={pp}" + (f" × parallel.cp={cp}" if cp > 1 else "")
+        raise ConfigError(f"{ranks} does not divide --gpus={gpus}: plan a multiple of {pp * cp} GPUs.")
     dp = cfg.parallel.dp or gpus // (pp * cp)
     cfg = resolve_config(args.spec, overrides + [f"train.micro_batch_size={args.micro_batch * dp}"])
     return cfg, [f"--{o}" for o in overrides] + [f"--train.micro_batch_size={cfg.train.micro_batch_size}"]
