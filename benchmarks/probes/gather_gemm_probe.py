@@ -161,12 +161,11 @@ def rows_of(chunks: int) -> dict:
     return {"S": 8 * W, "M": 8 * C, "filled": M_all // chunks, "G": 16 // chunks}
 
 
-def fused_ms(name: str, config, x, x_M, idx, w, ends, shape: dict, reps: int) -> float | str:
-    """The fused kernel's ms at one launch (its result checked against torch's), or why it failed."""
+def fused_ms(name: str, config, x, x_M, idx, w, ends, shape: dict, want, reps: int) -> float:
+    """The fused kernel's ms at one launch, its result checked against torch's (`want`, the filled rows)."""
     from cuda_timing import timed
 
     S, M, filled = shape["S"], shape["M"], shape["filled"]
-    want = torch._grouped_mm(x_M, w.transpose(-2, -1), offs=ends)[:filled].float()
     if name == "gate_up":
         fn = lambda: grouped_mm(x, w, ends, M, a_idx_M=idx, config=config)  # noqa: E731
         got = fn()[:filled].float()
@@ -192,11 +191,12 @@ def time_product(name: str, K: int, N: int, chunks: int, reps: int) -> dict:
     else:  # the ungroup after it: rows back into the received order
         inv_S = torch.zeros(S, dtype=torch.int64, device="cuda").index_copy_(0, idx, torch.arange(M, device="cuda"))
         ms["gather + torch"] = timed(lambda: torch._grouped_mm(x_M, wt, offs=ends)[inv_S], reps, 3)
+    want = torch._grouped_mm(x_M, wt, offs=ends)[: shape["filled"]].float()
     fused = {}
     for config in CONFIGS:
         try:
             ms[f"triton {config}"] = timed(lambda: grouped_mm(x_M, w, ends, M, config=config), reps, 3)  # noqa: B023
-            fused[str(config)] = fused_ms(name, config, x, x_M, idx, w, ends, shape, reps)
+            fused[str(config)] = fused_ms(name, config, x, x_M, idx, w, ends, shape, want, reps)
         except Exception as e:  # noqa: BLE001 — a launch that does not fit reports, the rest run
             fused[str(config)] = f"{type(e).__name__}: {str(e)[:120]}"
     best = min((v for v in fused.values() if isinstance(v, float)), default=None)
