@@ -29,10 +29,12 @@ import collections
 import dataclasses
 import hashlib
 import json
+import multiprocessing
 import os
 import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures.process import BrokenProcessPool, ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -137,24 +139,17 @@ def prepare_data(
             "The .npy inputs are already tokenized: pass --tokenizer FILE, the tokenizer.json that "
             "made them (its vocabulary sizes the model; its EOS id, or --eos-id, separates documents)."
         )
-    tok = None
-    if tokenizer is not None:
-        tok, eos_id = _external_tokenizer(tokenizer, eos_token, eos_id)
+    tok, eos_id = _external_tokenizer(tokenizer, eos_token, eos_id) if tokenizer is not None else (None, eos_id)
 
     def documents() -> Iterator[Document]:
         return iter_documents(files, text_key=text_key, default_corpus=default_corpus, eos_id=eos_id)
 
     split = _plan_split(documents(), seed=seed, val_frac=val_frac)
 
-    if tok is None:
-
-        def train_texts() -> Iterator[list[str]]:
-            for batch in _batches(documents(), batch_docs, batch_bytes):
-                texts = [text for pos, name, text in batch if not split.is_val(pos, name)]
-                if texts:
-                    yield texts
-
-        tok = train_bpe(train_texts(), vocab_size=vocab_size, progress=progress)
+    if tok is None:  # trained on the training documents' texts, a batch at a time
+        batches = _batches(documents(), batch_docs, batch_bytes)
+        texts = ([text for pos, name, text in batch if not split.is_val(pos, name)] for batch in batches)
+        tok = train_bpe((batch for batch in texts if batch), vocab_size=vocab_size, progress=progress)
         eos_id = tok.token_to_id(EOS_TOKEN)
     # A document that contains the text "<|endoftext|>" must not produce a real EOS id; the
     # flag lives on this in-memory tokenizer only (tokenizer.json does not store it).
@@ -424,10 +419,8 @@ def _batches(documents: Iterator[Document], max_docs: int, max_bytes: int):
 
 
 def _write_splits(tok, batches, split: _Split, out: Path, *, dtype, eos_id: int, progress: bool, workers: int = 1):
-    """Encode each batch (in `workers` processes, results in input order) and append its
-    documents' ids + EOS to train.bin / val.bin, written under temporary names and renamed (with
-    tokenizer.json) only once all went well. Token documents (.npy) are copied as they are,
-    after a check that every id is in the vocabulary. Returns the `splits` entry of meta.json."""
+    """The module docstring's third pass; token documents (.npy) are copied as they are, after a check
+    that every id is in the vocabulary. Returns the `splits` entry of meta.json."""
     names = {"train": "train.bin", "val": "val.bin", "tokenizer": "tokenizer.json"}
     partial = {s: out / f".{f}.partial" for s, f in names.items()}
     counts = {s: {"file": names[s], "num_tokens": 0, "num_documents": 0} for s in ("train", "val")}
@@ -437,9 +430,6 @@ def _write_splits(tok, batches, split: _Split, out: Path, *, dtype, eos_id: int,
     try:
         tok.save(str(partial["tokenizer"]))
         if workers > 1:
-            import multiprocessing
-            from concurrent.futures import ProcessPoolExecutor
-
             # spawn: a forked child would inherit the tokenizers library's thread pool state. An
             # executor, not a Pool: a worker that dies raises BrokenProcessPool here, not a hang.
             pool = ProcessPoolExecutor(
@@ -546,8 +536,6 @@ def _encode_batch(tok, batch: list[tuple[int, str, Any]]):
 def _in_order(pool, batches, depth: int):
     """The workers' results in input order, at most `depth` batches in flight (mapping over the
     whole input would read it all ahead into the task queue)."""
-    from concurrent.futures.process import BrokenProcessPool
-
     pending: collections.deque = collections.deque()
     try:
         for batch in batches:

@@ -126,8 +126,6 @@ def unsupported_features(m: TransformerConfig, expert_bias_nonzero: bool) -> lis
             f"model.norm_eps={m.norm_eps} with model.attention=mla (DeepSeek-V3 normalizes its latents with "
             f"ε = {LATENT_NORM_EPS} whatever its rms_norm_eps)"
         )
-    if arch.dense:
-        return problems
     if arch == Architecture.qwen3_moe:
         if moe.shared_hidden > 0:
             problems.append(
@@ -140,7 +138,7 @@ def unsupported_features(m: TransformerConfig, expert_bias_nonzero: bool) -> lis
             )
         if not m.qk_norm:
             problems.append("softmax gating with model.qk_norm=false (Qwen3-MoE always normalizes queries and keys)")
-    else:
+    elif not arch.dense:  # GLM-4-MoE's routing, DeepSeek-V3's too
         if moe.shared_hidden % moe.expert_hidden:
             problems.append(
                 f"model.moe.shared_hidden={moe.shared_hidden} is not a multiple of model.moe.expert_hidden="
@@ -196,10 +194,7 @@ def hf_config(m: TransformerConfig, eos_id: int | None, max_positions: int, dtyp
     common = {
         "architectures": [arch.value],
         "model_type": arch.name,
-        "vocab_size": m.vocab_size,
-        "hidden_size": m.d_model,
-        "num_hidden_layers": m.n_layers,
-        "num_attention_heads": m.n_heads,
+        **{theirs: getattr(m, ours) for theirs, ours in _SHAPE.items()},
         "num_key_value_heads": m.n_kv_heads,
         "head_dim": m.resolved_head_dim,
         "hidden_act": "silu",
@@ -260,6 +255,10 @@ def hf_config(m: TransformerConfig, eos_id: int | None, max_positions: int, dtyp
     }
 
 
+_SHAPE = dict(
+    vocab_size="vocab_size", hidden_size="d_model", num_hidden_layers="n_layers", num_attention_heads="n_heads"
+)
+"""config.json's names of the model.* fields every class has under one name (export and import)."""
 _LATENT_WIDTHS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 """DeepSeek-V3's latent attention widths beside q_lora_rank: the same names in moetrain and transformers."""
 
@@ -375,9 +374,8 @@ def remote_problems(m: TransformerConfig) -> list[str]:
 
 def remote_tensor_plan(entries: list[str]) -> list[HfTensor]:
     """Every checkpoint entry but the multi-token prediction modules', in checkpoint order, under
-    the names of src/moetrain/hf/modeling_moetrain.py: moetrain's own, each expert's stacked gate/up
-    and down weights as `experts.{e}.w_gate_up` / `.w_down`. The router's weight and selection
-    bias stay fp32, as the modeling file keeps them."""
+    modeling_moetrain.py's names: moetrain's own, each expert's as `experts.{e}.w_gate_up` / `.w_down`;
+    the router's weight and selection bias in fp32, as that file keeps them."""
     plan = []
     for entry in entries:
         if entry.startswith("mtp."):
@@ -409,11 +407,9 @@ def remote_config(m: TransformerConfig, eos_id: int | None, max_positions: int, 
         **{name: getattr(m, name) for name in ("attention_pattern", "attention_sinks", "norm_eps", "rope_theta")},
         "num_experts": moe.num_experts,
         "num_experts_per_tok": moe.top_k,
-        "expert_hidden": moe.expert_hidden,
-        "shared_hidden": moe.shared_hidden,
+        **{name: getattr(moe, name) for name in ("expert_hidden", "shared_hidden")},
         "gating": moe.gating.value,
-        "normalize_weights": moe.normalize_weights,
-        "restore_weight_scale": moe.restore_weight_scale,
+        **{name: getattr(moe, name) for name in ("normalize_weights", "restore_weight_scale")},
         "max_position_embeddings": max_positions,
         "bos_token_id": eos_id,
         "eos_token_id": eos_id,
@@ -489,10 +485,7 @@ def _model_config(hf: dict, source: str, arch: Architecture) -> TransformerConfi
     if problems:
         raise ConfigError(f"{source}: this {arch.title} variant cannot be reproduced exactly: {'; '.join(problems)}.")
     return TransformerConfig(
-        vocab_size=hf["vocab_size"],
-        d_model=hf["hidden_size"],
-        n_layers=layers,
-        n_heads=heads,
+        **{ours: hf[theirs] for theirs, ours in _SHAPE.items()},
         **(latent or _grouped_query_attention(hf, heads, arch)),
         num_dense_layers=dense,
         dense_hidden=hf["intermediate_size"],
@@ -517,10 +510,8 @@ def _rope_scaling(rope: dict, rope_type: str, hf: dict) -> RopeScalingConfig:
 
 
 def _moe_config(hf: dict, arch: Architecture, routing: dict) -> MoEConfig:
-    """The routing and experts of an MoE class (`routing`: the MoEConfig fields, and
-    n_shared_experts, its routing function read). A dense model's, which no block uses: moetrain's
-    defaults with experts as wide as its MLP, so that `moetrain upcycle` copies the MLP into them
-    as they are."""
+    """The routing and experts (`routing`: MoEConfig fields and n_shared_experts). A dense model's: the
+    defaults with experts as wide as its MLP, so that `moetrain upcycle` copies the MLP into them as they are."""
     if arch.dense:
         return MoEConfig(expert_hidden=hf["intermediate_size"])
     return MoEConfig(

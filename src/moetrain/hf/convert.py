@@ -459,8 +459,7 @@ class HfTensors:
         index = hf_dir / INDEX
         if index.is_file():
             try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-                files = sorted(set(weight_map.values()))
+                files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
             except (ValueError, KeyError, TypeError, AttributeError) as e:
                 raise ConfigError(f"'{index}' is not a safetensors index ({type(e).__name__}: {e}).") from None
             others = [f for f in files if not str(f).endswith(".safetensors")]
@@ -520,11 +519,9 @@ class HfTensors:
 
 @torch.no_grad()
 def import_hf(hf_dir: str | Path, out_dir: str | Path) -> dict:
-    """A Qwen3-MoE, GLM-4-MoE, DeepSeek-V3, dense Qwen3 or Llama directory (config.json +
-    safetensors, one file or sharded, per-expert or fused expert tensors) → a moetrain run
-    directory holding config.yaml, tokenizer.json and a weights-only checkpoint
-    `checkpoints/step-0`, which `generate`, `eval`, `export-hf`, `upcycle` and
-    `train --checkpoint.init_from=…` read."""
+    """A Hugging Face directory (config.json + safetensors, one file or sharded, per-expert or fused
+    expert tensors) → a moetrain run directory: config.yaml, tokenizer.json and a weights-only
+    checkpoint `checkpoints/step-0` (for `generate`, `eval`, `export-hf`, `upcycle`, `train`)."""
     require("safetensors.torch", "import-hf (it reads safetensors)")  # before any work
     hf_dir, out = Path(hf_dir), Path(out_dir)
     config_file = hf_dir / "config.json"

@@ -243,13 +243,10 @@ class MoetrainForCausalLM(PreTrainedModel, GenerationMixin):
 
     def _init_weights(self, module: nn.Module) -> None:
         """Only for weights a checkpoint lacks (every export has them all)."""
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            module.weight.data.normal_(0.0, 0.02)
-        elif isinstance(module, Expert):
-            module.w_gate_up.data.normal_(0.0, 0.02)
-            module.w_down.data.normal_(0.0, 0.02)
-        elif isinstance(module, Router):
-            module.weight.data.normal_(0.0, 0.02)
+        if isinstance(module, (nn.Linear, nn.Embedding, Expert, Router)):
+            for weight in module.parameters(recurse=False):
+                weight.data.normal_(0.0, 0.02)
+        if isinstance(module, Router):
             module.expert_bias_E.data.zero_()
         elif isinstance(module, RMSNorm):
             module.weight.data.fill_(1.0)
@@ -279,8 +276,7 @@ class MoetrainForCausalLM(PreTrainedModel, GenerationMixin):
         if attention_mask is not None and not bool(attention_mask.all()):
             keep = attention_mask.bool()
             causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()
-            mask = (causal & keep[:, None, :]) | torch.eye(T, dtype=torch.bool, device=input_ids.device)
-            mask = mask.unsqueeze(1)
+            mask = ((causal & keep[:, None, :]) | torch.eye(T, dtype=torch.bool, device=input_ids.device)).unsqueeze(1)
             if position_ids is None:
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         if position_ids is None:
