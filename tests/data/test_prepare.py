@@ -275,6 +275,9 @@ def test_extensionless_utf8_text_is_read_and_skipped_files_are_named(tmp_path, c
     (only_skipped / "table.csv").write_text("x\n")
     with pytest.raises(DataError, match=r"no input documents.*Skipped 1 file\(s\): .*table.csv \(extension .csv"):
         prepare_data([only_skipped], tmp_path / "out2", vocab_size=300)
+    # A refused file is told every input kind prepare-data reads, .parquet and .npy among them.
+    with pytest.raises(DataError, match=r"table.csv' is not read.*\.jsonl.*\.parquet.*\.npy.*`datasets`"):
+        prepare_data([only_skipped / "table.csv"], tmp_path / "out3", vocab_size=300)
 
 
 def test_every_file_that_is_not_utf8_is_named_at_once_and_skip_bad_leaves_them_out(tmp_path, capsys):

@@ -50,6 +50,11 @@ from moetrain.errors import ConfigError, DataError, MoetrainError, file_kind, re
 TEXT_SUFFIXES = (".txt", ".rst", ".md")
 READ_SUFFIXES = (*TEXT_SUFFIXES, ".jsonl", ".parquet", ".npy", ".arrow")
 """What prepare-data reads; .arrow: the record-batch stream files of a `datasets.save_to_disk` directory."""
+READS = (
+    "text files (.txt .rst .md, or UTF-8 text without an extension; one document each), .jsonl files (one "
+    "document per line), .parquet files, token .npy files, `datasets` directories and directories of these"
+)
+"""What prepare-data reads, as its error messages say it."""
 SNIFF_BYTES = 8192
 """Bytes read from a file without an extension to decide whether it is UTF-8 text."""
 BATCH_DOCS = 256
@@ -214,10 +219,8 @@ def _input_files(inputs, *, default_corpus: bool, progress: bool, skip_bad: bool
     shown = _listed(skipped)
     if not files and not default_corpus:
         raise DataError(
-            "prepare-data got no input documents: name text files (.txt .rst .md, or UTF-8 text "
-            "without an extension), .jsonl files or directories holding them, or pass "
-            "--default-corpus for the embedded corpus."
-            + (f" Skipped {len(skipped)} file(s): {shown}." if skipped else "")
+            f"prepare-data got no input documents: name {READS}, or pass --default-corpus for the embedded "
+            "corpus." + (f" Skipped {len(skipped)} file(s): {shown}." if skipped else "")
         )
     if skipped and progress:
         print(f"prepare-data: skipped {len(skipped)} file(s) it does not read: {shown}", file=sys.stderr)
@@ -276,16 +279,12 @@ def collect_files(inputs: Iterable[str | os.PathLike], skipped: list[str] | None
                         files.append((file, f"{root_name}/{file.relative_to(path).as_posix()}"))
         elif path.is_file():
             if why := _unreadable(path):
-                raise DataError(
-                    f"Input '{path}' is not read: {why}. prepare-data reads {', '.join(TEXT_SUFFIXES)} "
-                    "files and UTF-8 text files without an extension (one document each) and "
-                    ".jsonl files (one document per line). Rename or convert it."
-                )
+                raise DataError(f"Input '{path}' is not read: {why}. prepare-data reads {READS}. Rename or convert it.")
             files.append((path, path.name))
         elif path.exists() or path.is_symlink():
             raise DataError(
-                f"Input '{path}' is {file_kind(path)}, not a regular file: prepare-data reads text and "
-                f".jsonl files and directories of them. Name the file itself (write a stream to a file first)."
+                f"Input '{path}' is {file_kind(path)}, not a regular file: prepare-data reads {READS}. Name the "
+                "file itself (write a stream to a file first)."
             )
         else:
             raise DataError(
