@@ -354,10 +354,9 @@ class TransformerConfig(Config):
                 f"model.n_heads={self.n_heads} does not divide model.d_model={self.d_model}: "
                 "choose heads that divide the width, or set model.head_dim explicitly."
             )
-        if self.head_dim is not None and self.head_dim % 2:
-            raise ConfigError(f"model.head_dim={self.head_dim} must be even (RoPE rotates pairs).")
         if self.resolved_head_dim % 2:
-            raise ConfigError(f"head dim d_model/n_heads={self.resolved_head_dim} must be even (RoPE rotates pairs).")
+            name = "head dim d_model/n_heads" if self.head_dim is None else "model.head_dim"
+            raise ConfigError(f"{name}={self.resolved_head_dim} must be even (RoPE rotates pairs).")
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(
                 f"model.n_kv_heads={self.n_kv_heads} does not divide model.n_heads={self.n_heads}: "

@@ -17,12 +17,10 @@ then attends each of its two query chunks to the key prefix that chunk can see
 (`prefix_attention`), causality aligned to the lower right, or with each chunk's document mask;
 a local block (`model.sliding_window`) attends each chunk's queries to the keys of their window.
 
-Why not torch's `context_parallel` (ring attention): its SDPA path takes no attention mask (no
-document masking), runs only CUDA kernels (no proof on gloo CPU ranks) and replaces SDPA for the
-whole program. With grouped-query attention the keys and values are G/H of the queries' size, so
-gathering them is cheap beside the queries' work, and any mask applies unchanged (the scheme
-Llama 3 trained its long-context stage with). Multi-head latent attention gathers its expanded
-keys and values; gathering its latents instead would send 1/71 of that at DeepSeek-V3's shape,
+Not torch's `context_parallel` (ring attention): its SDPA path takes no mask and runs only CUDA
+kernels, while gathering keys and values is cheap beside the queries' work under grouped-query
+attention and any mask applies unchanged (docs/architecture.md, "Context parallelism"). MLA
+gathers its expanded keys and values: its latents would be 1/71 of them at DeepSeek-V3's shape,
 at the price of the expansion's products repeated on each rank.
 """
 

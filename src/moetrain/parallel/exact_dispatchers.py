@@ -78,8 +78,7 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         send_counts_RL = tokens_per_expert_E.view(R, L).contiguous()
         recv_counts_RL = torch.empty_like(send_counts_RL)
         dist.all_to_all_single(recv_counts_RL, send_counts_RL, group=self.ep_group)
-        splits = torch.stack([send_counts_RL.sum(1), recv_counts_RL.sum(1)]).tolist()  # the host sync
-        send_splits, recv_splits = splits
+        send_splits, recv_splits = torch.stack([send_counts_RL.sum(1), recv_counts_RL.sum(1)]).tolist()  # host sync
         num_recv = sum(recv_splits)
 
         x_recv_MD = funcol.all_to_all_single_autograd(x_MD, recv_splits, send_splits, group=self.ep_group)

@@ -1,12 +1,10 @@
 """The FSDP2 baseline stack (`parallel.stack=fsdp`): `fully_shard` per block, then the root
 (docs/architecture.md, "FSDP2 baseline": the step, mixed precision).
 
-Every parameter — experts included, stacked (E, …) tensors sharded on the expert dim like any
-weight — becomes a DTensor sharded (dim 0) over the data-parallel mesh. Each block all-gathers its
-parameters in forward and again in backward and reduce-scatters its gradients, which FSDP divides
-by dp (what `GradReducer` gives the ddp stack); every rank computes all experts for its own tokens:
-no expert parallelism, no all-to-all. This is the design Olmo-core 3 replaced with resident
-experts; it is here so benchmarks compare the two stacks on the same model, data and batch.
+Every parameter, the stacked (E, …) experts included, becomes a DTensor sharded (dim 0) over the
+data-parallel mesh, and every rank computes all experts for its own tokens (no expert
+parallelism): the design Olmo-core 3 replaced with resident experts, here so benchmarks compare
+the two stacks on the same model, data and batch.
 
 The model stays plain: `init_weights(fill=init_full_then_shard)` initializes each parameter on a
 full temporary and keeps this rank's shard, so values match every other layout. Checkpoints save

@@ -38,8 +38,6 @@ from moetrain.parallel.nosync_dispatcher import (
     _Plan,
     _Regroup,
     _Ungroup,
-    block_rows,
-    capacity_rows,
 )
 
 if TYPE_CHECKING:
@@ -77,14 +75,9 @@ class OverlappedDispatcher(NoSyncDispatcher):
     ) -> torch.Tensor:
         """dispatch → experts → combine (+ the shared expert), the exchanges beside compute."""
         R, n = self.ep, self.chunks
-        num_tokens, top_k = route.topk_ids_NK.shape
-        M = num_tokens * top_k
-        factor = self.capacity_factor and self.capacity_factor / n  # (None: one chunk, padded)
-        C = capacity_rows(M, R, factor, self.min_rows / n)
-        W = block_rows(M, R, factor, self.spill_factor / n, self.min_rows / n)
+        M = route.topk_ids_NK.numel()
+        C, W = self._rows(M, n)
         plan = self._plan(route.topk_ids_NK, route.tokens_per_expert_E, C, W, self._chunk_of(route.topk_ids_NK), n)
-        if self.capacity_factor is not None:
-            self._dropped = plan.dropped
         # One exchange of every chunk's keys (destination-major: (R, n·W)), then the rows.
         keys_RnW = plan.key_S.view(n, R, W).transpose(0, 1).contiguous()
         keys_recv_RnW = torch.empty_like(keys_RnW)

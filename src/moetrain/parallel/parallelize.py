@@ -62,12 +62,9 @@ def parallelize(
     grad_dtype: torch.dtype = torch.float32,
 ) -> Transformer:
     """Apply the layout `parallel` (on `state`'s process groups) and the execution settings
-    (`precision.fp8`, `precision.fp8_select`, `precision.fp8_lm_head`, `precision.fp8_fast_accum_backward`,
-    `compute.recompute`, `compute.recompute_every`, `compute.compile`) to a meta-device model, in the
-    order of the module docstring; `rows`: tokens per micro-batch on this rank (what `precision.fp8_select=auto` sizes
-    the products by). `param_dtype`: the compute dtype (bf16 under autocast), in which the fsdp
-    stack all-gathers the blocks' parameters; `grad_dtype` (optim.grad_dtype): the dtype in which
-    it accumulates and reduce-scatters their gradients."""
+    (precision.fp8*, compute.recompute*, compute.compile) to a meta-device model, in the order of the
+    module docstring. `rows`: tokens per micro-batch on this rank (what `precision.fp8_select=auto`
+    sizes the products by); `param_dtype` and `grad_dtype`: `apply_fsdp`'s."""
     if state.dims.num_stages > 1:
         split_model(model, state.dims, state.index("pp"))
     if state.dims.cp > 1:

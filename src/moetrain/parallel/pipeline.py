@@ -5,12 +5,9 @@ Legend: S = pp × v pipeline stages, v stages per rank, n micro-batches per opti
 B sequences per micro-batch on this rank, T sequence length, D model dim, V vocabulary.
 
 The layers are cut into S stages of equal numbers of blocks (`stage_layers`); stage s runs on
-pipeline rank s mod pp ("looped" for v > 1: rank r holds stages r, r + pp, …, which is what the
-interleaved schedule expects). Stage 0 also holds the embedding, stage S-1 the final norm and LM
-head. The model stays one `Transformer` per rank: `split_model` deletes the blocks this rank does
-not hold (the others keep their layer-index names, so parameter names, initial values and
-checkpoint entries are those of the whole model), and the stages are `StageModule` views over it,
-so the optimizer, the gradient reducer and checkpoints keep working on the one `Transformer`.
+pipeline rank s mod pp ("looped" for v > 1, as the interleaved schedule expects). The model stays
+one `Transformer` per rank (`split_model`), and the stages are `StageModule` views over it, so
+the optimizer, the gradient reducer and checkpoints keep working on the one `Transformer`.
 
 One optimizer step = one `schedule.step()` over the step's n micro-batches. The loss of each is
 the micro-batch's mean cross-entropy / n (× the gradient reduction's `loss_scale` for the
@@ -48,9 +45,8 @@ def stage_layers(n_layers: int, num_stages: int) -> list[list[str]]:
     when they do not divide, the first n_layers mod S stages take one block more (the last
     stage, which also runs the LM head and the loss, is never the longer one)."""
     per, extra = divmod(n_layers, num_stages)
-    sizes = [per + (s < extra) for s in range(num_stages)]
-    starts = [sum(sizes[:s]) for s in range(num_stages)]
-    return [[str(i) for i in range(starts[s], starts[s] + sizes[s])] for s in range(num_stages)]
+    start = [s * per + min(s, extra) for s in range(num_stages + 1)]
+    return [[str(i) for i in range(start[s], start[s + 1])] for s in range(num_stages)]
 
 
 def stages_of_rank(pp_rank: int, dims: ParallelDims) -> list[int]:
