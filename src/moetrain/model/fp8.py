@@ -93,10 +93,8 @@ def quantize_mxfp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     (…, K / 32)); x ≈ q.float() · scale repeated over each block."""
     if x.shape[-1] % MX_BLOCK:
         raise ValueError(f"MXFP8 needs the last dim to be a multiple of {MX_BLOCK}, got {x.shape[-1]}")
-    blocks = x.float().unflatten(-1, (-1, MX_BLOCK))
-    scale = _pow2_scale(blocks.abs().amax(dim=-1, keepdim=True))
-    q = (blocks / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).flatten(-2)
-    return q, scale.squeeze(-1).to(torch.float8_e8m0fnu)
+    q, scale = quantize_rowwise(x.float().unflatten(-1, (-1, MX_BLOCK)), -1)  # each block a row
+    return q.flatten(-2), scale.squeeze(-1).to(torch.float8_e8m0fnu)
 
 
 def dequantize_mxfp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -140,13 +138,10 @@ class _Fp8Linear(torch.autograd.Function):
         xq, xs = _quantize(x_MK, -1)
         wq, ws = _quantize(w_NK, -1)
         y = _scaled_mm(xq, wq.t(), xs, ws.t(), FAST_ACCUM_FORWARD)
-        if weight_grad:
-            # The weight gradient's operand, kept quantized (1 byte an element instead of x's 2):
-            # per input feature over the tokens, as the backward's dW = dyᵀ·x takes it.
-            xtq, xts = _quantize(x_MK, 0, "col")
-            ctx.save_for_backward(xtq, xts, w_NK)
-        else:
-            ctx.save_for_backward(None, None, w_NK)
+        # The weight gradient's operand, kept quantized (1 byte an element instead of x's 2):
+        # per input feature over the tokens, as the backward's dW = dyᵀ·x takes it.
+        xtq, xts = _quantize(x_MK, 0, "col") if weight_grad else (None, None)
+        ctx.save_for_backward(xtq, xts, w_NK)
         ctx.x_dtype, ctx.fast_backward = x_MK.dtype, fast_backward
         return y
 

@@ -56,16 +56,12 @@ class ContextShard:
     def shard(self, x_BT: torch.Tensor) -> torch.Tensor:
         """This rank's positions of `x_BT` (B, T, …): its two chunks along dim 1, concatenated."""
         L = x_BT.shape[1] // (2 * self.cp)
-        a, b = self.chunks
-        return torch.cat([x_BT[:, a * L : (a + 1) * L], x_BT[:, b * L : (b + 1) * L]], dim=1)
+        return torch.cat([x_BT[:, c * L : (c + 1) * L] for c in self.chunks], dim=1)
 
     def positions(self, t: int, device: torch.device) -> torch.Tensor:
         """The global positions (t,) of this rank's t local positions."""
         L = t // 2
-        a, b = self.chunks
-        return torch.cat(
-            [torch.arange(a * L, (a + 1) * L, device=device), torch.arange(b * L, (b + 1) * L, device=device)]
-        )
+        return torch.cat([torch.arange(c * L, (c + 1) * L, device=device) for c in self.chunks])
 
     def attention_inputs(
         self, rope: RotaryEmbedding, t: int, doc_ids_BT: torch.Tensor | None, device: torch.device

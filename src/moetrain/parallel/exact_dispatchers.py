@@ -100,10 +100,9 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
 
 
 def wire_dtype_of(x: torch.Tensor) -> torch.dtype:
-    """The dtype rows cross the all-to-all in: the autocast dtype (bf16) when autocast is on. The
-    experts cast their input to that dtype anyway, so the values are the same, at half the bytes
-    of the fp32 residual stream; the backward casts the gradient rows back to fp32 before they
-    are summed per token (the gather's backward), so no precision is lost there either."""
+    """The dtype rows cross the all-to-all in: the autocast dtype (bf16) when autocast is on, which
+    the experts cast their input to anyway (the same values at half the bytes); the backward casts
+    the gradient rows back to fp32 before the per-token sum, so no precision is lost there."""
     device_type = x.device.type
     if torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)

@@ -37,10 +37,8 @@ def apply_fsdp(
     meta device: nothing is allocated until `to_empty()`, and then only the shards.
 
     `param_dtype` (bf16 compute: the autocast dtype): the blocks' parameters are all-gathered in
-    that dtype — half the bytes of fp32, and autocast then finds them cast already — and their
-    gradients reduce-scattered in fp32 into the fp32 shards (`MixedPrecisionPolicy`). The blocks'
-    inputs are not cast (the residual stream stays fp32) and the root keeps fp32 (embedding and
-    head as on the ddp stack).
+    that dtype and their gradients reduce-scattered in fp32 into the fp32 shards; their inputs
+    stay fp32, and so does the root (docs/architecture.md, "FSDP2 baseline").
 
     `grad_dtype` bf16 (optim.grad_dtype, the root too): FSDP's reduce dtype. It keeps each
     parameter's unsharded gradient between micro-batches in bf16 (every later gradient added in

@@ -254,9 +254,7 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
         # the experts' rows back in the received buffer's places (R·W, D), as a gather
         y_back_SD = _Ungroup.apply(y_local_CD, state.regroup_idx_C, state.inv_S)
         y_back_SD = funcol.all_to_all_single_autograd(y_back_SD, splits, splits, group=self.ep_group)
-        return _CombineRows.apply(
-            y_back_SD, topk_weights_NK, state.slot_NK, state.keep_NK, state.src_S, state.filled_S, None
-        )
+        return _CombineRows.apply(y_back_SD, topk_weights_NK, *state[:4], None)  # slot, keep, src, filled
 
     def dropped_tokens(self) -> torch.Tensor | None:
         """Assignments dropped in the last dispatch (device int64 scalar); None in the padded

@@ -94,7 +94,7 @@ def apply_recompute(model: Transformer, selective: bool = False, every: int = 1)
 
 
 def _saved_ops() -> set:
-    aten, ops = torch.ops.aten, set()
+    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
     names = [
         "mm",
         "addmm",
@@ -108,13 +108,9 @@ def _saved_ops() -> set:
         "_scaled_dot_product_flash_attention_for_cpu",
         "_flash_attention_forward",  # local blocks' windowed FlashAttention (model/local_attention.py)
     ]
-    for name in names:
-        if hasattr(aten, name):  # some exist only in newer torch versions
-            ops.add(getattr(aten, name).default)
-    c10d = torch.ops._c10d_functional
-    for name in ("all_to_all_single", "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "wait_tensor"):
-        ops.add(getattr(c10d, name).default)
-    return ops
+    comms = ("all_to_all_single", "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "wait_tensor")
+    # some aten ops exist only in newer torch versions
+    return {getattr(aten, n).default for n in names if hasattr(aten, n)} | {getattr(c10d, n).default for n in comms}
 
 
 SAVED_OPS = _saved_ops()

@@ -137,8 +137,7 @@ def _stand_in(op: str, size: int, tensors):
 
 class StandInGroup(dist.ProcessGroup):
     """A process group of `size` ranks in which only this process (rank `rank`) exists (module
-    docstring). Both torch's current method names and
-    the older ones (torch 2.10–2.12: `_allgather_base`, `alltoall_base`, …) are provided."""
+    docstring), with torch's current method names and the older ones (torch 2.10–2.12)."""
 
     def __init__(self, rank: int, size: int):
         super().__init__(rank, size)
@@ -327,14 +326,12 @@ class StandInGroup(dist.ProcessGroup):
         return f"StandInGroup(rank {self._rank} of {self._size})"
 
 
-def _create(store, rank: int, size: int, timeout) -> StandInGroup:
-    return StandInGroup(rank, size)
-
-
 def register() -> None:
     """Make `BACKEND` a torch.distributed backend (once per process)."""
     if not hasattr(dist.Backend, BACKEND.upper()):
-        dist.Backend.register_backend(BACKEND, _create, devices=["cpu", "cuda"])
+        dist.Backend.register_backend(
+            BACKEND, lambda store, rank, size, timeout: StandInGroup(rank, size), devices=["cpu", "cuda"]
+        )
 
 
 def init(rehearsal: Rehearsal) -> None:
