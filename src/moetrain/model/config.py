@@ -162,37 +162,32 @@ class MoEConfig(Config):
                 f"model.moe.routed_scale={self.routed_scale} with model.moe.restore_weight_scale=true: both scale "
                 "the routed weights. Keep restore_weight_scale (× k) or routed_scale (a constant), not both."
             )
-        self._validate_groups()
-        if self.expert_hidden % GROUPED_MM_ALIGN:
-            raise ConfigError(
-                f"model.moe.expert_hidden={self.expert_hidden} must be a multiple of "
-                f"{GROUPED_MM_ALIGN} (the grouped GEMM needs 16-byte aligned rows)."
-            )
-
-    def _validate_groups(self) -> None:
         groups, kept = self.n_groups, self.topk_groups
         if kept > groups:
             raise ConfigError(
                 f"model.moe.topk_groups={kept} is larger than model.moe.n_groups={groups}: a token cannot use more "
                 "groups than exist. Lower topk_groups."
             )
-        if groups == 1:
-            return
-        if self.gating != Gating.sigmoid:
+        if groups > 1 and self.gating != Gating.sigmoid:
             raise ConfigError(
                 f"model.moe.n_groups={groups} needs model.moe.gating=sigmoid: group-limited routing is "
                 "DeepSeek-V3's, over sigmoid scores (softmax's max-of-group, DeepSeek-V2's, is not supported). "
                 "Set model.moe.gating=sigmoid or model.moe.n_groups=1."
             )
-        if self.num_experts % groups or self.num_experts // groups < 2:
+        if groups > 1 and (self.num_experts % groups or self.num_experts // groups < 2):
             raise ConfigError(
                 f"model.moe.n_groups={groups} must divide model.moe.num_experts={self.num_experts} into groups "
                 "of at least 2 experts (a group's score is the sum of its top 2): choose a divisor."
             )
-        if self.top_k > kept * (self.num_experts // groups):
+        if groups > 1 and self.top_k > kept * (self.num_experts // groups):
             raise ConfigError(
                 f"model.moe.top_k={self.top_k} is more than the {kept * (self.num_experts // groups)} experts "
                 f"of model.moe.topk_groups={kept} groups of {self.num_experts // groups}: raise topk_groups."
+            )
+        if self.expert_hidden % GROUPED_MM_ALIGN:
+            raise ConfigError(
+                f"model.moe.expert_hidden={self.expert_hidden} must be a multiple of "
+                f"{GROUPED_MM_ALIGN} (the grouped GEMM needs 16-byte aligned rows)."
             )
 
     @property
@@ -319,10 +314,24 @@ class TransformerConfig(Config):
         return self.sliding_window if pattern[layer % len(pattern)] == "L" else 0
 
     def validate(self) -> None:
-        if self.is_mla:
-            self._validate_mla()
-        else:
-            self._validate_gqa()
+        gqa = not self.is_mla  # n_heads, n_kv_heads and head_dim shape GQA's heads; MLA has its own widths
+        if gqa and self.head_dim is None and self.d_model % self.n_heads:
+            raise ConfigError(
+                f"model.n_heads={self.n_heads} does not divide model.d_model={self.d_model}: "
+                "choose heads that divide the width, or set model.head_dim explicitly."
+            )
+        if gqa and self.resolved_head_dim % 2:
+            name = "head dim d_model/n_heads" if self.head_dim is None else "model.head_dim"
+            raise ConfigError(f"{name}={self.resolved_head_dim} must be even (RoPE rotates pairs).")
+        if gqa and self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                f"model.n_kv_heads={self.n_kv_heads} does not divide model.n_heads={self.n_heads}: "
+                "each key/value head serves a whole group of query heads."
+            )
+        if self.is_mla and self.qk_rope_head_dim % 2:
+            raise ConfigError(
+                f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE rotates pairs): change it by one."
+            )
         if not (self.pre_norm or self.peri_norm):
             raise ConfigError(
                 "model.pre_norm=false with model.peri_norm=false leaves the blocks without a norm: set either "
@@ -346,28 +355,6 @@ class TransformerConfig(Config):
             raise ConfigError(
                 f"model.d_model={self.d_model} must be a multiple of {GROUPED_MM_ALIGN} (the grouped "
                 "GEMM needs 16-byte aligned rows)."
-            )
-
-    def _validate_gqa(self) -> None:
-        if self.head_dim is None and self.d_model % self.n_heads:
-            raise ConfigError(
-                f"model.n_heads={self.n_heads} does not divide model.d_model={self.d_model}: "
-                "choose heads that divide the width, or set model.head_dim explicitly."
-            )
-        if self.head_dim is not None and self.head_dim % 2:
-            raise ConfigError(f"model.head_dim={self.head_dim} must be even (RoPE rotates pairs).")
-        if self.resolved_head_dim % 2:
-            raise ConfigError(f"head dim d_model/n_heads={self.resolved_head_dim} must be even (RoPE rotates pairs).")
-        if self.n_heads % self.n_kv_heads:
-            raise ConfigError(
-                f"model.n_kv_heads={self.n_kv_heads} does not divide model.n_heads={self.n_heads}: "
-                "each key/value head serves a whole group of query heads."
-            )
-
-    def _validate_mla(self) -> None:
-        if self.qk_rope_head_dim % 2:
-            raise ConfigError(
-                f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE rotates pairs): change it by one."
             )
 
     def build(self, device: str | None = None):

@@ -21,24 +21,16 @@ On CUDA the products are `torch._scaled_mm` / `torch._scaled_grouped_mm`; on CPU
 emulated exactly (dequantize, fp32 GEMM, round to bf16; torch 2.11's CPU `_scaled_mm` takes
 per-tensor scales only), so the recipe's numerics are testable without a GPU.
 
-Under `torch.compile` the FP8 products run as eager islands (`torch.compiler.disable`): compiled
-into a block's graph, the backward's grouped GEMM fails with a device-side assert on torch 2.11
-while the same functions run correctly eager (docs/benchmarks.md, "FP8").
-Inside the islands the quantizers are two Triton kernels (src/moetrain/model/fp8_kernels.py: along
-the contiguous dim, and along the other one with a transposed write), each reading its operand
-once, with `quantize_rowwise`'s bits.
+Under `torch.compile` the FP8 products run as eager islands (`torch.compiler.disable`): compiled,
+the backward's grouped GEMM hit a device-side assert on torch 2.11 (docs/benchmarks.md, "FP8").
+Inside the islands the quantizers are Triton kernels with `quantize_rowwise`'s bits, each reading
+its operand once (src/moetrain/model/fp8_kernels.py).
 
-**MXFP8** (the OCP microscaling format Blackwell's tensor cores take): blocks of 32 consecutive
-elements along the reduction dim share one power-of-two scale stored as float8_e8m0fnu, chosen
-like the row-wise one (2^ceil(log2(amax / 448)), so no element saturates). `quantize_mxfp8` is
-the quantizer; its numerics are tested against an independent float64 reference.
-`precision.fp8=mxfp8` trains with it: the forward and input-gradient products of the same GEMMs as
-the row-wise recipe take MXFP8 operands (blocks along each product's reduction dim), the weight
-gradients stay bf16. The products are computed from the dequantized operands — exact in bf16,
-since e4m3 × a power of two needs 4 significant bits — with fp32 accumulation: the arithmetic of
-Blackwell's MX tensor-core GEMMs up to summation order, on any device. Blackwell's MX kernels
-themselves are not called (no Blackwell GPU was available to validate them), so this recipe
-gives MXFP8's numerics (loss curves, stability) but not its speed.
+**MXFP8** (`precision.fp8=mxfp8`, the OCP microscaling format of Blackwell's tensor cores): blocks
+of 32 elements along the reduction dim share a power-of-two e8m0 scale, chosen as above
+(`quantize_mxfp8`). The forward and input-gradient products of the same GEMMs take MXFP8
+operands, computed from the dequantized values (exact in bf16) with fp32 accumulation on any
+device: MXFP8's numerics, not its speed (no Blackwell kernel is called); weight gradients stay bf16.
 """
 
 from __future__ import annotations
@@ -101,10 +93,8 @@ def quantize_mxfp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     (…, K / 32)); x ≈ q.float() · scale repeated over each block."""
     if x.shape[-1] % MX_BLOCK:
         raise ValueError(f"MXFP8 needs the last dim to be a multiple of {MX_BLOCK}, got {x.shape[-1]}")
-    blocks = x.float().unflatten(-1, (-1, MX_BLOCK))
-    scale = _pow2_scale(blocks.abs().amax(dim=-1, keepdim=True))
-    q = (blocks / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).flatten(-2)
-    return q, scale.squeeze(-1).to(torch.float8_e8m0fnu)
+    q, scale = quantize_rowwise(x.float().unflatten(-1, (-1, MX_BLOCK)), -1)  # each block a row
+    return q.flatten(-2), scale.squeeze(-1).to(torch.float8_e8m0fnu)
 
 
 def dequantize_mxfp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -112,11 +102,9 @@ def dequantize_mxfp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 FAST_ACCUM_FORWARD = True
-"""Hopper's fast FP8 accumulation (the tensor cores' partial sums not promoted to fp32 along the
-reduction) in the CUDA products of forward, as torchao's float8 training does. The backward
-products (input and weight gradients, whose reductions run over the output features and over
-8k+ tokens) take it only with `precision.fp8_fast_accum_backward` (the `fast_backward` arguments
-below); docs/benchmarks.md, "FP8", has its throughput and 250-step loss curve."""
+"""Hopper's fast FP8 accumulation (partial sums not promoted to fp32) in forward's CUDA products,
+as torchao's float8 training; backward's (`fast_backward`) with `precision.fp8_fast_accum_backward`
+(docs/benchmarks.md, "FP8": throughput and 250-step loss curve)."""
 
 
 def _scaled_mm(a_MK, b_KN, scale_M1, scale_1N, fast: bool = False) -> torch.Tensor:
@@ -150,13 +138,10 @@ class _Fp8Linear(torch.autograd.Function):
         xq, xs = _quantize(x_MK, -1)
         wq, ws = _quantize(w_NK, -1)
         y = _scaled_mm(xq, wq.t(), xs, ws.t(), FAST_ACCUM_FORWARD)
-        if weight_grad:
-            # The weight gradient's operand, kept quantized (1 byte an element instead of x's 2):
-            # per input feature over the tokens, as the backward's dW = dyᵀ·x takes it.
-            xtq, xts = _quantize(x_MK, 0, "col")
-            ctx.save_for_backward(xtq, xts, w_NK)
-        else:
-            ctx.save_for_backward(None, None, w_NK)
+        # The weight gradient's operand, kept quantized (1 byte an element instead of x's 2):
+        # per input feature over the tokens, as the backward's dW = dyᵀ·x takes it.
+        xtq, xts = _quantize(x_MK, 0, "col") if weight_grad else (None, None)
+        ctx.save_for_backward(xtq, xts, w_NK)
         ctx.x_dtype, ctx.fast_backward = x_MK.dtype, fast_backward
         return y
 

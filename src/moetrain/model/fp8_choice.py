@@ -24,15 +24,9 @@ import enum
 from moetrain.model.counting import block_matrices
 
 MIN_TFLOP = {"linear": 0.8, "experts": 2.0}
-"""Forward-and-backward TFLOP of one call below which an FP8 product loses time, by kind.
-Linears: alone, one pays from about 2 (the probe: the dense MLP's at 2.1-4.1 ran 1.25-1.52×, the
-attention's at 0.8 0.78×: the island's host time shows); inside a model whose step keeps the GPU
-queue full, the 0.8-TFLOP ones pay too (bench-8e: FP8 on its attention q/o and shared expert, at
-0.82, took its step from 29,629 to 30,499 tokens/s), while at 0.4 they cost time
-(bench-tiny64e-l6's model was slower with them). Expert layers carry more fixed cost per call
-(all E experts' weights quantized twice, six quantizer passes, and by default the weight
-gradient, a third of the FLOPs, stays bf16): at 1.2 TFLOP bench-small32e's model was slower with them (164.7
-against 147.9 ms), at 9.9 bench-8e's faster (docs/measurements.md, "FP8, product by product")."""
+"""Forward-and-backward TFLOP of one call below which an FP8 product loses time, by kind: a
+linear's 0.8 pays inside bench-8e's model though not alone, while an expert layer, with more fixed
+cost per call, needs 2 (docs/measurements.md, "FP8, product by product")."""
 
 MIN_ROWS_PER_EXPERT = 2048
 """Mean rows per expert below which the FP8 expert layer does not pay (the probe: 4096 rows gave

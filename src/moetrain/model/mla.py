@@ -14,22 +14,15 @@ head, V a value head (model.v_head_dim).
     out      = wo(softmax(q·kᵀ / √K) v)            causal, through the model's SequenceLayout
 
 Training runs this unabsorbed form: the latents are expanded to per-head keys and values and
-attention is ordinary multi-head SDPA (FlashAttention where the head dims allow, below).
-Absorbing W_uk into the queries and W_uv into the output would make every score a dot product
-over C + R dims instead of K, and every value sum run over C instead of V (576 and 512 against
-192 and 128 at DeepSeek-V3's shape), while the absorption's own products (q_nope·W_uk, the
-output's W_uv) cost what the expansion saves: about 3× the attention's FLOPs at 4,096 tokens,
-for the smaller activations of one shared latent head. Absorption pays in generation, where
-each new query meets S cached positions that would otherwise be expanded again at every step:
-the cache holds only the normalized latent and the rotary key (C + R numbers per position and
-layer, `LatentCache` in src/moetrain/model/kv_cache.py) and `decode` attends over them absorbed.
+attention is ordinary multi-head SDPA, since absorbing W_uk and W_uv would cost about 3× the
+attention's FLOPs (docs/architecture.md, "Multi-head latent attention"). Absorption pays in
+generation, where each new query meets S cached positions: the cache holds only [c | kr] (C + R
+numbers per position and layer, `LatentCache` in src/moetrain/model/kv_cache.py) and `decode`
+attends over them absorbed.
 
-FlashAttention needs one head dim for q, k and v; MLA's values are narrower (V < K). Where SDPA
-would otherwise leave flash for the memory-efficient kernel (CUDA, bf16/fp16, K ≤ 256, a
-multiple of 8), the values are zero-padded to K and the output's extra columns sliced off: the
-same attention, as `flash_pads_values` and tests/model/test_mla.py check on the CPU. Every layout
-then sees equal head dims (context parallelism's FlashAttention call too); elsewhere SDPA takes V
-≠ K as it is.
+FlashAttention reads one head dim for q, k and v; MLA's values are narrower (V < K). Where SDPA
+would otherwise leave flash for the memory-efficient kernel, the values are zero-padded to K and
+the output's extra columns sliced off (`flash_pads_values`): the same attention.
 """
 
 from __future__ import annotations

@@ -99,11 +99,9 @@ def update_expert_bias(bias_E: torch.Tensor, tokens_per_expert_E: torch.Tensor, 
 class AttachAuxLoss(torch.autograd.Function):
     """Identity on `x` that makes `aux_loss` receive gradient `scale` during backward.
 
-    The output is a copy, not a view of `x`: inside a compiled block, AOTAutograd rebuilds an
-    output that aliases an intermediate as a view of it outside the graph, and that view's
-    gradient skips this function's backward — the auxiliary losses would get no gradient (tested:
-    tests/model/test_aux_loss_compiled.py). The copy costs one pass over the layer's output,
-    which Inductor fuses into the kernel that produces it."""
+    The output is a copy, not a view of `x`: in a compiled block, a view's gradient would skip
+    this backward (AOTAutograd rebuilds an output aliasing an intermediate outside the graph;
+    tests/model/test_aux_loss_compiled.py). Inductor fuses the copy into the producing kernel."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, aux_loss: torch.Tensor, scale: float) -> torch.Tensor:

@@ -84,9 +84,7 @@ class Transformer(nn.Module):
         """Logits (B, T, V) of `tokens_BT` as the continuation of the positions `cache` holds (an
         empty cache: a prompt); their keys and values join the cache. Generation only
         (src/moetrain/generation.py): the whole sequence on this device, no document masks. The
-        logits equal `forward`'s on the whole sequence up to fp32 rounding (the same operations,
-        attention over cached keys instead of recomputed ones). Each token is routed by itself,
-        as in `forward`: the router picks experts per token and the local dispatcher drops none."""
+        logits equal `forward`'s up to fp32 rounding (each token routed by itself, none dropped)."""
         T = tokens_BT.shape[1]
         if T > cache.max_len - cache.length:
             raise ValueError(f"{T} new positions do not fit a KV cache holding {cache.length} of {cache.max_len}.")
@@ -131,20 +129,16 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int = 0, fill: Fill | None = None) -> None:
         """Initialize every parameter and buffer (also after building on the meta device and
-        `to_empty()`). Truncated normal(0, init_std) for inputs, model.init_output_std (by default
-        init_std / sqrt(2·layers), so the residual stream's variance does not grow with depth) for
-        output projections (attention out, MLP/expert down); norms at 1; aux-free biases and
-        attention sinks at 0.
+        `to_empty()`): truncated normal(0, init_std) for inputs, model.init_output_std for output
+        projections (attention out, MLP/expert down); norms at 1; aux-free biases and sinks at 0.
 
         Each tensor — each expert of a stacked expert tensor — draws from its own generator seeded
         by (seed, its name, expert index). So the values do not depend on which rank holds what:
         a model split over experts, stages or shards starts exactly like the single-device one.
 
         `fill(param, init)` applies `init` (which fills a full, plain tensor in place) to a
-        parameter; the default calls `init(param)`. A layout whose parameters are shards passes
-        one that runs `init` on a full temporary and keeps its shard
-        (src/moetrain/parallel/fsdp.py).
-        """
+        parameter; the default calls `init(param)`, a sharded layout runs it on a full temporary
+        and keeps its shard (src/moetrain/parallel/fsdp.py)."""
         fill = fill or (lambda param, init: init(param))
         std = self.cfg.init_std
         out_std = self.cfg.init_output_std or std / math.sqrt(2 * self.cfg.n_layers)

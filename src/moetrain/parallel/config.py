@@ -173,28 +173,26 @@ class ParallelConfig(Config):
 
     def validate(self) -> None:
         if self.dispatcher != DispatcherKind.nosync:
-            defaults = (
+            for name, default in (
                 ("capacity_factor", DEFAULT_CAPACITY_FACTOR),
                 ("spill_factor", DEFAULT_SPILL_FACTOR),
                 ("capacity_min_rows", None),
-                ("overlap_chunks", None),
-            )
-            for name, default in defaults:
+            ):
                 value = getattr(self, name)
                 # null capacity (the old default, in configs saved before 1.25 was) means exact too
                 if value != default and not (name == "capacity_factor" and value is None):
-                    if name == "overlap_chunks":
-                        raise ConfigError(
-                            f"parallel.overlap_chunks={self.overlap_chunks} pipelines the nosync dispatcher's "
-                            f"all-to-alls; the {self.dispatcher} dispatcher does not overlap them: drop the "
-                            "setting or use parallel.dispatcher=nosync."
-                        )
                     shown = "null" if value is None else f"{value:g}"  # as written on the command line
                     raise ConfigError(
                         f"parallel.{name}={shown} applies to parallel.dispatcher=nosync only; the "
                         f"{self.dispatcher} dispatcher is always dropless: drop the setting or use "
                         "parallel.dispatcher=nosync."
                     )
+            if self.overlap_chunks is not None:
+                raise ConfigError(
+                    f"parallel.overlap_chunks={self.overlap_chunks} pipelines the nosync dispatcher's "
+                    f"all-to-alls; the {self.dispatcher} dispatcher does not overlap them: drop the "
+                    "setting or use parallel.dispatcher=nosync."
+                )
         v = self.stages_per_rank  # the degrees are positive: their domains, checked first (`validate_tree`)
         if self.pp_schedule == PipelineSchedule.interleaved_1f1b and v < 2:
             raise ConfigError(

@@ -17,12 +17,10 @@ then attends each of its two query chunks to the key prefix that chunk can see
 (`prefix_attention`), causality aligned to the lower right, or with each chunk's document mask;
 a local block (`model.sliding_window`) attends each chunk's queries to the keys of their window.
 
-Why not torch's `context_parallel` (ring attention): its SDPA path takes no attention mask (no
-document masking), runs only CUDA kernels (no proof on gloo CPU ranks) and replaces SDPA for the
-whole program. With grouped-query attention the keys and values are G/H of the queries' size, so
-gathering them is cheap beside the queries' work, and any mask applies unchanged (the scheme
-Llama 3 trained its long-context stage with). Multi-head latent attention gathers its expanded
-keys and values; gathering its latents instead would send 1/71 of that at DeepSeek-V3's shape,
+Not torch's `context_parallel` (ring attention): its SDPA path takes no mask and runs only CUDA
+kernels, while gathering keys and values is cheap beside the queries' work under grouped-query
+attention and any mask applies unchanged (docs/architecture.md, "Context parallelism"). MLA
+gathers its expanded keys and values: its latents would be 1/71 of them at DeepSeek-V3's shape,
 at the price of the expansion's products repeated on each rank.
 """
 
@@ -58,16 +56,12 @@ class ContextShard:
     def shard(self, x_BT: torch.Tensor) -> torch.Tensor:
         """This rank's positions of `x_BT` (B, T, …): its two chunks along dim 1, concatenated."""
         L = x_BT.shape[1] // (2 * self.cp)
-        a, b = self.chunks
-        return torch.cat([x_BT[:, a * L : (a + 1) * L], x_BT[:, b * L : (b + 1) * L]], dim=1)
+        return torch.cat([x_BT[:, c * L : (c + 1) * L] for c in self.chunks], dim=1)
 
     def positions(self, t: int, device: torch.device) -> torch.Tensor:
         """The global positions (t,) of this rank's t local positions."""
         L = t // 2
-        a, b = self.chunks
-        return torch.cat(
-            [torch.arange(a * L, (a + 1) * L, device=device), torch.arange(b * L, (b + 1) * L, device=device)]
-        )
+        return torch.cat([torch.arange(c * L, (c + 1) * L, device=device) for c in self.chunks])
 
     def attention_inputs(
         self, rope: RotaryEmbedding, t: int, doc_ids_BT: torch.Tensor | None, device: torch.device

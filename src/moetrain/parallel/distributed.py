@@ -14,6 +14,7 @@ launcher's, which outlives the workers.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 import os
@@ -280,10 +281,8 @@ def stop_heartbeat(done: bool = False) -> None:
         stop.set()
         _HEARTBEAT = None
         if done:
-            try:
+            with contextlib.suppress(Exception):  # the store may be gone already
                 store.add(_done_key(dist.get_rank()), 1)
-            except Exception:
-                pass
 
 
 def shutdown() -> None:

@@ -78,8 +78,7 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         send_counts_RL = tokens_per_expert_E.view(R, L).contiguous()
         recv_counts_RL = torch.empty_like(send_counts_RL)
         dist.all_to_all_single(recv_counts_RL, send_counts_RL, group=self.ep_group)
-        splits = torch.stack([send_counts_RL.sum(1), recv_counts_RL.sum(1)]).tolist()  # the host sync
-        send_splits, recv_splits = splits
+        send_splits, recv_splits = torch.stack([send_counts_RL.sum(1), recv_counts_RL.sum(1)]).tolist()  # host sync
         num_recv = sum(recv_splits)
 
         x_recv_MD = funcol.all_to_all_single_autograd(x_MD, recv_splits, send_splits, group=self.ep_group)
@@ -101,10 +100,9 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
 
 
 def wire_dtype_of(x: torch.Tensor) -> torch.dtype:
-    """The dtype rows cross the all-to-all in: the autocast dtype (bf16) when autocast is on. The
-    experts cast their input to that dtype anyway, so the values are the same, at half the bytes
-    of the fp32 residual stream; the backward casts the gradient rows back to fp32 before they
-    are summed per token (the gather's backward), so no precision is lost there either."""
+    """The dtype rows cross the all-to-all in: the autocast dtype (bf16) when autocast is on, which
+    the experts cast their input to anyway (the same values at half the bytes); the backward casts
+    the gradient rows back to fp32 before the per-token sum, so no precision is lost there."""
     device_type = x.device.type
     if torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)

@@ -22,10 +22,10 @@ from moetrain.parallel.overlapped_dispatcher import OverlappedDispatcher
 
 def _nosync(E: int, state: ParallelState, cfg: ParallelConfig) -> NoSyncDispatcher:
     floor = DEFAULT_CAPACITY_MIN_ROWS if cfg.capacity_min_rows is None else cfg.capacity_min_rows
-    sizes = (cfg.capacity_factor, cfg.spill_factor, floor)
+    args = (E, state.group("ep"), state.group("dp", "cp"), cfg.capacity_factor, cfg.spill_factor, floor)
     if state.dims.overlap_chunks:  # auto resolved for the device (`RunConfig.build_dims`)
-        return OverlappedDispatcher(E, state.group("ep"), state.group("dp", "cp"), *sizes, state.dims.overlap_chunks)
-    return NoSyncDispatcher(E, state.group("ep"), state.group("dp", "cp"), *sizes)
+        return OverlappedDispatcher(*args, chunks=state.dims.overlap_chunks)
+    return NoSyncDispatcher(*args)
 
 
 DISPATCHERS = {

@@ -1,12 +1,10 @@
 """The FSDP2 baseline stack (`parallel.stack=fsdp`): `fully_shard` per block, then the root
 (docs/architecture.md, "FSDP2 baseline": the step, mixed precision).
 
-Every parameter — experts included, stacked (E, …) tensors sharded on the expert dim like any
-weight — becomes a DTensor sharded (dim 0) over the data-parallel mesh. Each block all-gathers its
-parameters in forward and again in backward and reduce-scatters its gradients, which FSDP divides
-by dp (what `GradReducer` gives the ddp stack); every rank computes all experts for its own tokens:
-no expert parallelism, no all-to-all. This is the design Olmo-core 3 replaced with resident
-experts; it is here so benchmarks compare the two stacks on the same model, data and batch.
+Every parameter, the stacked (E, …) experts included, becomes a DTensor sharded (dim 0) over the
+data-parallel mesh, and every rank computes all experts for its own tokens (no expert
+parallelism): the design Olmo-core 3 replaced with resident experts, here so benchmarks compare
+the two stacks on the same model, data and batch.
 
 The model stays plain: `init_weights(fill=init_full_then_shard)` initializes each parameter on a
 full temporary and keeps this rank's shard, so values match every other layout. Checkpoints save
@@ -39,10 +37,8 @@ def apply_fsdp(
     meta device: nothing is allocated until `to_empty()`, and then only the shards.
 
     `param_dtype` (bf16 compute: the autocast dtype): the blocks' parameters are all-gathered in
-    that dtype — half the bytes of fp32, and autocast then finds them cast already — and their
-    gradients reduce-scattered in fp32 into the fp32 shards (`MixedPrecisionPolicy`). The blocks'
-    inputs are not cast (the residual stream stays fp32) and the root keeps fp32 (embedding and
-    head as on the ddp stack).
+    that dtype and their gradients reduce-scattered in fp32 into the fp32 shards; their inputs
+    stay fp32, and so does the root (docs/architecture.md, "FSDP2 baseline").
 
     `grad_dtype` bf16 (optim.grad_dtype, the root too): FSDP's reduce dtype. It keeps each
     parameter's unsharded gradient between micro-batches in bf16 (every later gradient added in

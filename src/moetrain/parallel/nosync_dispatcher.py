@@ -56,10 +56,8 @@ _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_te
 
 def capacity_rows(assignments: int, ep: int, capacity_factor: float | None, min_rows: int = 0) -> int:
     """C for a source with M = `assignments`: ceil(capacity_factor · M / ep), at least
-    ceil(min_rows / ep) (so a rank's experts get ep·C ≥ min_rows rows), at most M (more than all
-    of a rank's assignments can never be needed); M in the padded mode (capacity_factor None:
-    all of them may go to one peer). C = M is the padded mode's layout, whatever the factor:
-    nothing is ever dropped."""
+    ceil(min_rows / ep) (ep·C ≥ min_rows), at most M, which never drops (the padded mode's layout,
+    and its C: capacity_factor None lets all M go to one peer)."""
     if capacity_factor is None:
         return assignments
     return min(max(_ceil(capacity_factor * assignments / ep), _ceil(min_rows / ep)), assignments)
@@ -96,15 +94,11 @@ class _Plan(NamedTuple):
     """regroup_idx_C is filled in on arrival (`_arrivals`)."""
     key_S: torch.Tensor
     """The key beside each send-buffer row (module docstring, 3)."""
-    dropped: torch.Tensor | None
 
 
 class NoSyncDispatcher(ExpertParallelDispatcher):
-    """Expert-parallel dispatch with fixed-size buffers and equal all-to-all splits: no
-    device-to-host synchronization. Each rank's experts get about `capacity_factor` × the
-    balanced load, shared by all sources; each pair's block holds `spill_factor` × the balanced
-    share more; what finds no room is dropped and counted. `capacity_factor=None`: padded for
-    the worst case, dropless (see the module docstring)."""
+    """Expert-parallel dispatch with fixed-size buffers and equal all-to-all splits, no
+    device-to-host synchronization (the module docstring)."""
 
     def __init__(
         self,
@@ -128,33 +122,33 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
 
     def capacity(self, num_tokens: int, top_k: int) -> int:
         """C: each source's guaranteed rows at a destination; R·C rows reach the experts."""
-        return capacity_rows(num_tokens * top_k, self.ep, self.capacity_factor, self.min_rows)
+        return self._rows(num_tokens * top_k)[0]
 
     def block_rows(self, num_tokens: int, top_k: int) -> int:
         """W = C + P: rows of each (source, destination) block of the exchange."""
-        return block_rows(num_tokens * top_k, self.ep, self.capacity_factor, self.spill_factor, self.min_rows)
+        return self._rows(num_tokens * top_k)[1]
 
-    def buffer_rows(self, num_tokens: int, top_k: int) -> int:
-        """R·C: the rows the grouped experts get. R·N·K in the padded mode, against N·K for the
-        exact dispatcher."""
-        return self.ep * self.capacity(num_tokens, top_k)
+    def _rows(self, M: int, n: int = 1) -> tuple[int, int]:
+        """(C, W) of each of n exchanges of M assignments in all: 1/n of the capacity, spill and
+        floor each (the padded mode has one)."""
+        factor = self.capacity_factor and self.capacity_factor / n
+        C = capacity_rows(M, self.ep, factor, self.min_rows / n)
+        return C, block_rows(M, self.ep, factor, self.spill_factor / n, self.min_rows / n)
 
     def dispatch(
         self, x_ND: torch.Tensor, topk_ids_NK: torch.Tensor, tokens_per_expert_E: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, NoSyncState]:
         """Returns the received rows sorted by local expert, padding last (R·C, D), the int32 end
         offset of each local expert's rows (L,), and the state for `combine`."""
-        num_tokens, top_k = topk_ids_NK.shape
-        C, W = self.capacity(num_tokens, top_k), self.block_rows(num_tokens, top_k)
+        M = topk_ids_NK.numel()
+        C, W = self._rows(M)
         plan = self._plan(topk_ids_NK, tokens_per_expert_E, C, W)
-        if self.capacity_factor is not None:
-            self._dropped = plan.dropped
 
         # 2. Equal splits: every shape is known without looking at the routing.
         splits = [W] * self.ep
         key_recv_S = funcol.all_to_all_single(plan.key_S, splits, splits, group=self.ep_group)
         x_recv_SD = funcol.all_to_all_single_autograd(self._send_rows(x_ND, plan), splits, splits, group=self.ep_group)
-        ((regroup_idx_C, inv_S, offsets_L),) = self._arrivals(key_recv_S.unsqueeze(0), C, num_tokens * top_k)
+        ((regroup_idx_C, inv_S, offsets_L),) = self._arrivals(key_recv_S.unsqueeze(0), C, M)
         x_local_CD = _Regroup.apply(x_recv_SD, regroup_idx_C, inv_S)
         return x_local_CD, offsets_L, plan.state._replace(regroup_idx_C=regroup_idx_C, inv_S=inv_S)
 
@@ -171,11 +165,9 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
         order), how many of them its destination keeps, and the send buffer's map. `chunk_M`: the
         exchange (of n, each of C and W rows) each assignment takes part in, whose experts are a
         1/n of each rank's (by experts) or all of them (by tokens); the buffer is exchange-major
-        (n, R, W), and the state's slot_NK indexes the whole."""
+        (n, R, W), and the state's slot_NK indexes the whole. Counts the drops (`dropped_tokens`)."""
         R, L = self.ep, self.num_local_experts
-        num_tokens, top_k = topk_ids_NK.shape
-        M = num_tokens * top_k
-        device = topk_ids_NK.device
+        M, device = topk_ids_NK.numel(), topk_ids_NK.device
         expert_M = topk_ids_NK.flatten()
         pair_M = expert_M // L if chunk_M is None else chunk_M * R + expert_M // L  # (exchange, destination)
         if chunk_M is None:  # one exchange: the router's counts, summed by destination
@@ -191,8 +183,8 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
         order_M = pair_M.argsort(stable=True)  # exchange-major, destination-major, token order within
         rank_in_pair_M = torch.arange(M, device=device) - start_P[pair_M[order_M]]
         pos_M = torch.empty_like(rank_in_pair_M).index_copy_(0, order_M, rank_in_pair_M)
-        keep_NK = (pos_M < kept_P[pair_M]).view(num_tokens, top_k)
-        slot_NK = torch.where(keep_NK, (pair_M * W + pos_M).view(num_tokens, top_k), 0)
+        keep_NK = (pos_M < kept_P[pair_M]).view_as(topk_ids_NK)
+        slot_NK = torch.where(keep_NK, (pair_M * W + pos_M).view_as(topk_ids_NK), 0)
 
         # The same map read from the buffer's side, as a gather (no duplicate writes): row (d, c)
         # holds the c-th assignment to d, if d keeps it; beside it travels its key, whose expert
@@ -203,8 +195,8 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
         src_PW = order_M[(start_P.unsqueeze(1) + c_W).clamp_(max=M - 1)]
         key_PW = expert_M[src_PW].remainder_(G).mul_(R * M).add_(self.ep_rank * M + c_W)
         key_S = key_PW.masked_fill_(~filled_PW, G * R * M).flatten()  # padding: G·R·M
-        dropped = None if self.capacity_factor is None else M - keep_NK.sum()
-        return _Plan(NoSyncState(slot_NK, keep_NK, src_PW.flatten(), filled_PW.flatten(), None), key_S, dropped)
+        self._dropped = None if self.capacity_factor is None else M - keep_NK.sum()
+        return _Plan(NoSyncState(slot_NK, keep_NK, src_PW.flatten(), filled_PW.flatten(), None), key_S)
 
     @staticmethod
     def _send_rows(x_ND: torch.Tensor, plan: _Plan) -> torch.Tensor:
@@ -262,9 +254,7 @@ class NoSyncDispatcher(ExpertParallelDispatcher):
         # the experts' rows back in the received buffer's places (R·W, D), as a gather
         y_back_SD = _Ungroup.apply(y_local_CD, state.regroup_idx_C, state.inv_S)
         y_back_SD = funcol.all_to_all_single_autograd(y_back_SD, splits, splits, group=self.ep_group)
-        return _CombineRows.apply(
-            y_back_SD, topk_weights_NK, state.slot_NK, state.keep_NK, state.src_S, state.filled_S, None
-        )
+        return _CombineRows.apply(y_back_SD, topk_weights_NK, *state[:4], None)  # slot, keep, src, filled
 
     def dropped_tokens(self) -> torch.Tensor | None:
         """Assignments dropped in the last dispatch (device int64 scalar); None in the padded
@@ -324,9 +314,8 @@ _weight_grad = fused(weight_grad)
 
 
 class _SendRows(torch.autograd.Function):
-    """Send-buffer rows: x_SD[j] = x_ND[token_S[j]] in the wire dtype, zero where not filled.
-    Backward: each token's gradient is the sum of its kept copies' rows (`slot_NK`, in buffer
-    order), cast to x's dtype before the sum."""
+    """Send-buffer rows (`_gather_filled`); backward: each token's kept copies summed in buffer
+    order (`_sum_kept`), in x's dtype."""
 
     @staticmethod
     def forward(ctx, x_ND, token_S, filled_S, slot_NK, keep_NK, dtype):
@@ -340,8 +329,7 @@ class _SendRows(torch.autograd.Function):
 
 
 class _Regroup(torch.autograd.Function):
-    """The experts' rows: received rows `idx_C` (a prefix of the permutation whose inverse is
-    `inv_S`). Backward: the rows' gradients back in place, zero on the rows left out."""
+    """The experts' rows: received rows `idx_C`; backward `_gather_prefix_grad`."""
 
     @staticmethod
     def forward(ctx, x_SD, idx_C, inv_S):
@@ -371,10 +359,9 @@ class _Ungroup(torch.autograd.Function):
 
 
 class _CombineRows(torch.autograd.Function):
-    """y_ND[n] = Σ_k w[n, k] · y_SD[slot[n, k]] (+ add_ND[n], where given), dropped copies adding
-    nothing. Backward: grad_y_SD[j] = w · grad_y at the assignment row j holds (zero for empty
-    rows), grad_w = ⟨y_SD[slot], grad_y⟩ in fp32 (the router's gradient is not rounded to bf16),
-    and add_ND's gradient is grad_y."""
+    """y_ND[n] = Σ_k w[n, k] · y_SD[slot[n, k]] (+ add_ND[n]) over kept copies (`_combine_kept`).
+    Backward: `_spread_grad`, grad_w in fp32 (`weight_grad`: the router's gradient is not rounded
+    to bf16), and grad_y for add_ND."""
 
     @staticmethod
     def forward(ctx, y_SD, w_NK, slot_NK, keep_NK, src_S, filled_S, add_ND):

@@ -31,16 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from moetrain.parallel.config import DEFAULT_CAPACITY_FACTOR, DEFAULT_SPILL_FACTOR
-from moetrain.parallel.nosync_dispatcher import (
-    NoSyncDispatcher,
-    _CombineRows,
-    _Plan,
-    _Regroup,
-    _Ungroup,
-    block_rows,
-    capacity_rows,
-)
+from moetrain.parallel.nosync_dispatcher import NoSyncDispatcher, _CombineRows, _Plan, _Regroup, _Ungroup
 
 if TYPE_CHECKING:
     from moetrain.model.experts import GroupedExperts
@@ -51,19 +42,11 @@ class OverlappedDispatcher(NoSyncDispatcher):
     """The sync-free dispatcher with its expert step split into `chunks` exchanges that overlap
     compute (the module docstring); dispatch and combine alone are NoSyncDispatcher's."""
 
-    def __init__(
-        self,
-        num_experts: int,
-        ep_group: dist.ProcessGroup,
-        dp_group: dist.ProcessGroup | None,
-        capacity_factor: float | None = DEFAULT_CAPACITY_FACTOR,
-        spill_factor: float = DEFAULT_SPILL_FACTOR,
-        min_rows: int = 0,
-        chunks: int = 1,
-    ):
-        super().__init__(num_experts, ep_group, dp_group, capacity_factor, spill_factor, min_rows)
+    def __init__(self, *args, chunks: int = 1, **kwargs):
+        """`NoSyncDispatcher`'s arguments, and `chunks`."""
+        super().__init__(*args, **kwargs)
         # RunConfig.validate
-        assert chunks == 1 or capacity_factor is not None, chunks
+        assert chunks == 1 or self.capacity_factor is not None, chunks
         self.chunks = chunks
         """parallel.overlap_chunks."""
 
@@ -77,14 +60,9 @@ class OverlappedDispatcher(NoSyncDispatcher):
     ) -> torch.Tensor:
         """dispatch → experts → combine (+ the shared expert), the exchanges beside compute."""
         R, n = self.ep, self.chunks
-        num_tokens, top_k = route.topk_ids_NK.shape
-        M = num_tokens * top_k
-        factor = self.capacity_factor and self.capacity_factor / n  # (None: one chunk, padded)
-        C = capacity_rows(M, R, factor, self.min_rows / n)
-        W = block_rows(M, R, factor, self.spill_factor / n, self.min_rows / n)
+        M = route.topk_ids_NK.numel()
+        C, W = self._rows(M, n)
         plan = self._plan(route.topk_ids_NK, route.tokens_per_expert_E, C, W, self._chunk_of(route.topk_ids_NK), n)
-        if self.capacity_factor is not None:
-            self._dropped = plan.dropped
         # One exchange of every chunk's keys (destination-major: (R, n·W)), then the rows.
         keys_RnW = plan.key_S.view(n, R, W).transpose(0, 1).contiguous()
         keys_recv_RnW = torch.empty_like(keys_RnW)
@@ -119,9 +97,8 @@ class OverlappedDispatcher(NoSyncDispatcher):
 
     def _experts_and_back(self, there, sent, arrivals, experts) -> torch.Tensor:
         """Each chunk's rows to its experts as they arrive, and back as soon as they are done, into
-        one buffer (R·n·W, D) in the experts' output dtype (FP8 experts give bf16 whatever the
-        input's), which one combine reads: it keeps one (N, K, D) gather for backward, as
-        `combine` does, not one per chunk."""
+        one buffer (R·n·W, D) in the experts' output dtype (FP8 experts give bf16), which one combine
+        reads: one (N, K, D) gather kept for backward, as `combine` keeps, not one per chunk."""
         n, L = self.chunks, self.num_local_experts
         by_experts = n > 1 and L % n == 0
         weight_grads = GroupGrads(n) if by_experts else None

@@ -62,12 +62,9 @@ def parallelize(
     grad_dtype: torch.dtype = torch.float32,
 ) -> Transformer:
     """Apply the layout `parallel` (on `state`'s process groups) and the execution settings
-    (`precision.fp8`, `precision.fp8_select`, `precision.fp8_lm_head`, `precision.fp8_fast_accum_backward`,
-    `compute.recompute`, `compute.recompute_every`, `compute.compile`) to a meta-device model, in the
-    order of the module docstring; `rows`: tokens per micro-batch on this rank (what `precision.fp8_select=auto` sizes
-    the products by). `param_dtype`: the compute dtype (bf16 under autocast), in which the fsdp
-    stack all-gathers the blocks' parameters; `grad_dtype` (optim.grad_dtype): the dtype in which
-    it accumulates and reduce-scatters their gradients."""
+    (precision.fp8*, compute.recompute*, compute.compile) to a meta-device model, in the order of the
+    module docstring. `rows`: tokens per micro-batch on this rank (what `precision.fp8_select=auto`
+    sizes the products by); `param_dtype` and `grad_dtype`: `apply_fsdp`'s."""
     if state.dims.num_stages > 1:
         split_model(model, state.dims, state.index("pp"))
     if state.dims.cp > 1:
@@ -97,7 +94,7 @@ def apply_recompute(model: Transformer, selective: bool = False, every: int = 1)
 
 
 def _saved_ops() -> set:
-    aten, ops = torch.ops.aten, set()
+    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
     names = [
         "mm",
         "addmm",
@@ -111,13 +108,9 @@ def _saved_ops() -> set:
         "_scaled_dot_product_flash_attention_for_cpu",
         "_flash_attention_forward",  # local blocks' windowed FlashAttention (model/local_attention.py)
     ]
-    for name in names:
-        if hasattr(aten, name):  # some exist only in newer torch versions
-            ops.add(getattr(aten, name).default)
-    c10d = torch.ops._c10d_functional
-    for name in ("all_to_all_single", "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "wait_tensor"):
-        ops.add(getattr(c10d, name).default)
-    return ops
+    comms = ("all_to_all_single", "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "wait_tensor")
+    # some aten ops exist only in newer torch versions
+    return {getattr(aten, n).default for n in names if hasattr(aten, n)} | {getattr(c10d, n).default for n in comms}
 
 
 SAVED_OPS = _saved_ops()

@@ -5,12 +5,9 @@ Legend: S = pp × v pipeline stages, v stages per rank, n micro-batches per opti
 B sequences per micro-batch on this rank, T sequence length, D model dim, V vocabulary.
 
 The layers are cut into S stages of equal numbers of blocks (`stage_layers`); stage s runs on
-pipeline rank s mod pp ("looped" for v > 1: rank r holds stages r, r + pp, …, which is what the
-interleaved schedule expects). Stage 0 also holds the embedding, stage S-1 the final norm and LM
-head. The model stays one `Transformer` per rank: `split_model` deletes the blocks this rank does
-not hold (the others keep their layer-index names, so parameter names, initial values and
-checkpoint entries are those of the whole model), and the stages are `StageModule` views over it,
-so the optimizer, the gradient reducer and checkpoints keep working on the one `Transformer`.
+pipeline rank s mod pp ("looped" for v > 1, as the interleaved schedule expects). The model stays
+one `Transformer` per rank (`split_model`), and the stages are `StageModule` views over it, so
+the optimizer, the gradient reducer and checkpoints keep working on the one `Transformer`.
 
 One optimizer step = one `schedule.step()` over the step's n micro-batches. The loss of each is
 the micro-batch's mean cross-entropy / n (× the gradient reduction's `loss_scale` for the
@@ -48,9 +45,8 @@ def stage_layers(n_layers: int, num_stages: int) -> list[list[str]]:
     when they do not divide, the first n_layers mod S stages take one block more (the last
     stage, which also runs the LM head and the loss, is never the longer one)."""
     per, extra = divmod(n_layers, num_stages)
-    sizes = [per + (s < extra) for s in range(num_stages)]
-    starts = [sum(sizes[:s]) for s in range(num_stages)]
-    return [[str(i) for i in range(starts[s], starts[s] + sizes[s])] for s in range(num_stages)]
+    start = [s * per + min(s, extra) for s in range(num_stages + 1)]
+    return [[str(i) for i in range(start[s], start[s + 1])] for s in range(num_stages)]
 
 
 def stages_of_rank(pp_rank: int, dims: ParallelDims) -> list[int]:
@@ -75,15 +71,13 @@ def split_model(model: Transformer, dims: ParallelDims, pp_rank: int) -> None:
 
 
 class StageModule(nn.Module):
-    """One pipeline stage: a view over the blocks (and embedding / head) of a split model.
-
-    First stage: tokens (B, T) -> hidden (B, T, D); middle: hidden -> hidden; last: hidden ->
-    logits (B, T, V). Hidden states travel between stages in fp32 (the residual stream's dtype).
+    """One pipeline stage: a view over the blocks (and embedding / head) of a split model. First
+    stage: tokens (B, T) -> hidden (B, T, D); middle: hidden -> hidden; last: hidden -> logits
+    (B, T, V). Hidden states travel between stages in fp32 (the residual stream's dtype).
 
     Document masking: only tokens travel into the first stage, so every stage gets the
-    micro-batches' document ids beforehand (`queue_doc_ids`, in micro-batch order; every
-    schedule runs a stage's forwards in micro-batch order) and takes one per forward.
-    """
+    micro-batches' document ids beforehand (`queue_doc_ids`, in micro-batch order, as every
+    schedule runs a stage's forwards) and takes one per forward."""
 
     def __init__(self, model: Transformer, keys: list[str], first: bool, last: bool, amp_dtype: torch.dtype | None):
         super().__init__()
@@ -208,11 +202,9 @@ def build_pipeline(
     amp_dtype: torch.dtype | None,
     loss_scale: float = 1.0,
 ) -> Pipeline:
-    """Stages over the (split, materialized, initialized) model and their schedule.
-
-    Stage input/output shapes are given to `PipelineStage` up front (the micro-batch shape is
-    fixed by the config): no shape-inference pass, which would run the MoE layers' collectives.
-    """
+    """Stages over the (split, materialized, initialized) model and their schedule. Stage shapes are
+    given to `PipelineStage` up front (fixed by the config): no shape-inference pass, which would
+    run the MoE layers' collectives."""
     dims = state.dims
     S = dims.num_stages
     cfg = model.cfg
@@ -222,16 +214,13 @@ def build_pipeline(
     D = cfg.d_model * (1 + cfg.mtp_depth)  # the shifted embeddings travel beside the hidden state
     # requires_grad marks what carries a gradient back to the previous stage.
     hidden = torch.empty(B, T, D, dtype=torch.float32, device="meta", requires_grad=True)
+    logits = torch.empty(B, T, V, dtype=amp_dtype or torch.float32, device="meta", requires_grad=True)
     modules, stages = [], []
     for s in stage_ids:
         first, last = s == 0, s == S - 1
         module = StageModule(model, layout[s], first, last, amp_dtype)
         inputs = torch.empty(B, T, dtype=torch.long, device="meta") if first else hidden
-        outputs = (
-            torch.empty(B, T, V, dtype=amp_dtype or torch.float32, device="meta", requires_grad=True)
-            if last
-            else hidden
-        )
+        outputs = logits if last else hidden
         stages.append(PipelineStage(module, s, S, device, input_args=inputs, output_args=outputs, group=group))
         modules.append(module)
 

@@ -1,18 +1,16 @@
 """Rehearsal: one rank of an N-rank layout, run alone on this device, its peers stood in for
 (docs/architecture.md, "Rehearsal": what each collective returns, what is measured and what not).
 
-`moetrain train|bench PRESET --rehearse N [--rank R]` builds rank R of the N-rank run exactly as
-a real launch would and runs it on the one local device. Nothing in the model, the dispatchers or
-the optimizers knows: the whole difference is the process group. The default group is a
-`StandInGroup` (this module's torch.distributed backend) of N ranks with this process as rank R,
-and so is every group made from it. Each collective returns what symmetric peers would send —
+`moetrain train|bench PRESET --rehearse N [--rank R]` builds rank R of the N-rank run as a real
+launch would; the whole difference is the process group. The default group is a `StandInGroup`
+(this module's torch.distributed backend) of N ranks with this process as rank R, and so is
+every group made from it. Each collective returns what symmetric peers would send —
 peers that hold what this rank holds and route as it routes: an all-reduce's SUM is the value ×
 the group size, an all-gather puts this rank's input in every slot, an all-to-all's output is
 its input, a receive is random floats (this module's own generator) or ones; what has no
 symmetric answer (a scatter from another root, unequal all-to-all splits) is refused.
 
-So a rehearsed rank runs the real rank's kernels on the real shapes with the real allocations;
-only the transfers are missing. The stand-ins write through `.data`, as a real group writes
+The stand-ins write through `.data`, as a real group writes
 memory behind autograd's back: no version counter moves (an asynchronous exchange's buffer is a
 view autograd watches). Their device work runs on the current stream inside a `rehearsal:OP`
 profiler range, and the `Ledger` counts each collective's calls and the bytes it would send, per
@@ -139,8 +137,7 @@ def _stand_in(op: str, size: int, tensors):
 
 class StandInGroup(dist.ProcessGroup):
     """A process group of `size` ranks in which only this process (rank `rank`) exists (module
-    docstring). Both torch's current method names and
-    the older ones (torch 2.10–2.12: `_allgather_base`, `alltoall_base`, …) are provided."""
+    docstring), with torch's current method names and the older ones (torch 2.10–2.12)."""
 
     def __init__(self, rank: int, size: int):
         super().__init__(rank, size)
@@ -329,14 +326,12 @@ class StandInGroup(dist.ProcessGroup):
         return f"StandInGroup(rank {self._rank} of {self._size})"
 
 
-def _create(store, rank: int, size: int, timeout) -> StandInGroup:
-    return StandInGroup(rank, size)
-
-
 def register() -> None:
     """Make `BACKEND` a torch.distributed backend (once per process)."""
     if not hasattr(dist.Backend, BACKEND.upper()):
-        dist.Backend.register_backend(BACKEND, _create, devices=["cpu", "cuda"])
+        dist.Backend.register_backend(
+            BACKEND, lambda store, rank, size, timeout: StandInGroup(rank, size), devices=["cpu", "cuda"]
+        )
 
 
 def init(rehearsal: Rehearsal) -> None:
