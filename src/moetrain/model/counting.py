@@ -262,7 +262,7 @@ def attended_keys(cfg: TransformerConfig, layer: int, seq_len: int) -> int:
 
 
 # Dense BF16 tensor-core peaks (FLOP/s, no sparsity) for MFU. Matched by substring of the CUDA
-# device name, first match wins.
+# device name, the longest matching key wins.
 PEAK_BF16_FLOPS = {
     **dict.fromkeys(["H200", "H100", "GH200", "H800"], 989.4e12),
     "H20": 148e12,
