@@ -1,18 +1,20 @@
-"""`ShardedAdamW` (sharded AdamW state) reproduces GradReducer + torch AdamW + clip_grad_norm
+"""`ShardedAdamW` (sharded AdamW state) reproduces GradReducer + torch AdamW + torch's clipping
 in the same layout (within 1e-6 absolute) and the single-process run (within 1e-5, relative or
 absolute, as in test_layouts.py); it holds 1/dp of the optimizer state; its full-moment state
-dict matches torch AdamW's and round-trips exactly. (fp32, gloo, CPU ranks.)
+dict matches torch AdamW's, and a checkpoint of it resumes exactly. (fp32, gloo, CPU ranks.)
 
 One spawn per world size; each rank runs its layouts' checks and returns plain numbers/arrays.
 """
 
 import contextlib
 import dataclasses
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from support.steps import carry_checkpoint
 
 from moetrain.model.config import MoEConfig, TransformerConfig
 from moetrain.optim.config import OptimConfig
@@ -73,9 +75,17 @@ class ReferenceOptimizer:
         self.ep_group = state.group("ep")
 
     def clip_grad_norm(self, max_norm):
-        from moetrain.optim.clip import clip_grad_norm
+        """torch's clipping to the norm of the whole model: the experts' squared norm summed
+        over the expert-parallel group (each rank holds its own experts)."""
+        import torch.distributed as dist
 
-        return clip_grad_norm(self.dense, self.expert, max_norm, self.ep_group)
+        dense = torch.nn.utils.get_total_norm([p.grad for p in self.dense if p.grad is not None])
+        expert_sq = torch.nn.utils.get_total_norm([p.grad for p in self.expert if p.grad is not None]).square()
+        if self.ep_group is not None:
+            dist.all_reduce(expert_sq, group=self.ep_group)
+        total = (dense.square() + expert_sq).sqrt()
+        torch.nn.utils.clip_grads_with_norm_(self.dense + self.expert, max_norm, total)
+        return total
 
     def set_lr(self, lr):
         for group in self.optimizer.param_groups:
@@ -144,7 +154,18 @@ def max_abs_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-def check_layout(ep: int, world: int) -> dict:
+def held(model, opt) -> SimpleNamespace:
+    """`model` and `opt` as a checkpoint sees them (`TrainEngine.checkpoint_state` and
+    `checkpoint_loaded`)."""
+    from moetrain.train.checkpoint_io import checkpoint_entries
+
+    return SimpleNamespace(
+        checkpoint_state=lambda: checkpoint_entries(model, opt.checkpoint_masters(), opt.checkpoint_tensors()),
+        checkpoint_loaded=opt.checkpoint_loaded,
+    )
+
+
+def check_layout(ep: int, world: int, run_dir) -> dict:
     """Everything one layout checks on one rank; plain Python and numpy results."""
     from moetrain.model.transformer import canonical_name
     from moetrain.optim.sharded import ShardedAdamW
@@ -172,12 +193,11 @@ def check_layout(ep: int, world: int) -> dict:
     )
     assert all(int(moments[n]["step"]) == int(ref_moments[n]["step"]) for n in ref_moments)
 
-    # Round trip: a fresh model + optimizer loading the parameters, then the moments, continues
-    # bit-for-bit like the original.
+    # Round trip: a fresh model + optimizer loading a checkpoint of them continues bit-for-bit
+    # like the original.
     model2 = build_model(state)
     opt2 = ShardedAdamW(model2, state, OPTIM)
-    model2.load_state_dict(model.state_dict())
-    opt2.load_state_dict_tensors(moments)
+    carry_checkpoint(held(model, opt), run_dir, held(model2, opt2))
     moments2 = opt2.state_dict_tensors()
     roundtrip_moment_err = max(
         float((moments2[n][k] - moments[n][k]).abs().max()) for n in moments for k in ("exp_avg", "exp_avg_sq", "step")
@@ -202,12 +222,12 @@ def check_layout(ep: int, world: int) -> dict:
     }
 
 
-def rank_fn(world: int, eps: list[int]) -> dict:
+def rank_fn(world: int, eps: list[int], run_dir) -> dict:
     import torch.distributed as dist
 
     out = {}
     for ep in eps:
-        out[ep] = check_layout(ep, world)
+        out[ep] = check_layout(ep, world, run_dir / f"ep{ep}")
         dist.barrier()
     return out
 
@@ -238,9 +258,12 @@ def total_numel() -> int:
     return sum(p.numel() for p in MODEL.build(device="meta").parameters())
 
 
-def test_single_process_matches_torch_adamw(single_process):
-    """dp = 1: no collectives, every shard is a whole bucket."""
+def test_single_process_matches_torch_adamw(single_process, tmp_path):
+    """dp = 1: no collectives, every shard is a whole bucket; a checkpoint that lacks a
+    parameter's moments is refused by name."""
+    from moetrain.errors import CheckpointError
     from moetrain.optim.sharded import ShardedAdamW
+    from moetrain.train.checkpoint_io import load_checkpoint, save_checkpoint
 
     ref_params, ref_norms = single_process
     with one_thread():
@@ -253,18 +276,19 @@ def test_single_process_matches_torch_adamw(single_process):
     for name, (got, _) in named_params(model).items():
         np.testing.assert_allclose(got, ref_params[name], rtol=0, atol=1e-6, err_msg=name)
     assert opt.memory_bytes() == 12 * total_numel()
-    moments = opt.state_dict_tensors()
-    del moments["lm_head.weight"]
-    with pytest.raises(ValueError, match="lm_head.weight"):
-        opt.load_state_dict_tensors(moments)
+    entries = held(model, opt).checkpoint_state()
+    entries["optim"] = {k: v for k, v in entries["optim"].items() if not k.startswith("lm_head.weight.")}
+    path = save_checkpoint(tmp_path, 0, entries, {"step": 0})
+    with pytest.raises(CheckpointError, match="lm_head.weight"):
+        load_checkpoint(path, held(model, opt).checkpoint_state())
 
 
 @pytest.mark.parametrize("world, eps", [(2, [1, 2]), (4, [2])], ids=["dp2+dp2ep2", "dp4ep2"])
-def test_sharded_adamw_matches_reference_layouts(single_process, world, eps):
+def test_sharded_adamw_matches_reference_layouts(single_process, world, eps, tmp_path):
     from support.distributed import run_distributed
 
     ref_params, ref_norms = single_process
-    results = run_distributed(rank_fn, world, world, eps)
+    results = run_distributed(rank_fn, world, world, eps, tmp_path)
     full_state_bytes = 12 * total_numel()
     for ep in eps:
         for rank, per_rank in enumerate(results):

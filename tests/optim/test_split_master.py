@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import tiny_overrides
 from support.distributed import call_each, run_distributed
-from support.steps import ADAMW_HYPER, adamw_inputs, run_in_triton_interpreter, synthetic_batches
+from support.steps import ADAMW_HYPER, adamw_inputs, carry_checkpoint, run_in_triton_interpreter, synthetic_batches
 
 from moetrain.errors import ConfigError
 from moetrain.optim.adamw import adamw_reference
@@ -221,7 +221,7 @@ def test_a_run_with_bf16_weights_computes_what_autocast_computes(bf16_cfg, micro
     assert split.optimizer.memory_bytes() == numel * 10 + sum(rest) * 8 + len(rest) * 4  # + torch's "step"s
 
 
-def test_checkpoint_state_is_fp32_and_resumes_bit_for_bit(bf16_cfg):
+def test_checkpoint_state_is_fp32_and_resumes_bit_for_bit(bf16_cfg, tmp_path):
     cfg = bf16_cfg(True)
     torch.manual_seed(0)
     a = TrainEngine(cfg, one_process(), torch.device("cpu"))
@@ -230,15 +230,13 @@ def test_checkpoint_state_is_fp32_and_resumes_bit_for_bit(bf16_cfg):
     assert all(v.dtype == torch.float32 for k, v in state["model"].items()), "checkpoints hold fp32 weights"
     assert torch.equal(state["model"]["lm_head.weight"], a.optimizer.master_weights()["lm_head.weight"])
     b = TrainEngine(cfg, one_process(), torch.device("cpu"))
-    b.load_state_dict(state)
+    # The same checkpoint into a run without bf16 weights: its fp32 weights are the masters.
+    c = TrainEngine(bf16_cfg(False), one_process(), torch.device("cpu"))
+    carry_checkpoint(a, tmp_path / "saved", b, c)
+    assert torch.equal(c.model.lm_head.weight.detach(), state["model"]["lm_head.weight"])
     assert run_steps(a, cfg, 3, start=3) == run_steps(b, cfg, 3, start=3)
     for (n, p), q in zip(a.model.named_parameters(), b.model.parameters()):
         assert torch.equal(p, q), n
-    # The same checkpoint into a run without bf16 weights: its fp32 weights are the masters.
-    c_cfg = bf16_cfg(False)
-    c = TrainEngine(c_cfg, one_process(), torch.device("cpu"))
-    c.load_state_dict({section: {k: v.clone() for k, v in t.items()} for section, t in state.items()})
-    assert torch.equal(c.model.lm_head.weight.detach(), state["model"]["lm_head.weight"])
 
 
 def _dp2_ep2_grads(cfg_args):
@@ -373,9 +371,8 @@ def _sharded_beside_replicated(args):
     ref = replicated.optimizer.master_weights()
     worst = max(((masters[k] - ref[k]).abs().max() / (ref[k].abs().max() + 1e-12)).item() for k in ref)
     assert all(p.dtype == torch.bfloat16 for n, p in sharded.model.named_parameters() if "attn.wq" in n)
-    state = {section: {k: v.clone() for k, v in t.items()} for section, t in sharded.state_dict().items()}
     _, fresh = engine(False)
-    fresh.load_state_dict(state)
+    carry_checkpoint(sharded, run_dir / "saved", fresh)
     loaded = fresh.optimizer.master_weights()
     exact = all(torch.equal(loaded[k], masters[k]) for k in masters)
     memory = (sharded.optimizer.memory_bytes(), replicated.optimizer.memory_bytes())

@@ -34,6 +34,18 @@ def synthetic_batches(
     return [(x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows]) for x, y in batches]
 
 
+def carry_checkpoint(source, run_dir, *targets) -> None:
+    """A real resume: `source`'s `checkpoint_state()` saved with DCP under `run_dir`, loaded into
+    each target's `checkpoint_state()`, then the target's `checkpoint_loaded()` (every rank calls
+    this; `run_dir` is the same on all)."""
+    from moetrain.train.checkpoint_io import load_checkpoint, save_checkpoint
+
+    path = save_checkpoint(run_dir, 0, source.checkpoint_state(), {"step": 0})
+    for target in targets:
+        load_checkpoint(path, target.checkpoint_state())
+        target.checkpoint_loaded()
+
+
 def adamw_inputs(n: int = 4096, seed: int = 1, moments_dtype: torch.dtype = torch.float32):
     """(param, grad, exp_avg, exp_avg_sq) of `n` elements, seeded."""
     g = torch.Generator().manual_seed(seed)

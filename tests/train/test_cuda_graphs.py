@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 from support.graph_emulator import EmulatedGraph, FreedBeforeReplay, HostReadInCapture
-from support.steps import synthetic_batches
+from support.steps import carry_checkpoint, synthetic_batches
 
 from moetrain.errors import ConfigError
 from moetrain.parallel.dims import ParallelDims, ParallelState
@@ -343,7 +343,7 @@ def test_auto_drops_the_step_graph_whose_replays_save_too_little(cfg, monkeypatc
     assert capsys.readouterr().err.count("note: compute.cuda_graphs=auto") == 1
 
 
-def test_a_routing_switch_or_a_load_runs_eager_steps_then_captures_again(cfg):
+def test_a_routing_switch_or_a_load_runs_eager_steps_then_captures_again(cfg, tmp_path):
     """What changes what a step launches drops the graph: the next WARMUP_STEPS steps are eager,
     then it is captured again; the run stays the eager run's."""
     eager, graphed = step_engines(cfg)
@@ -352,8 +352,7 @@ def test_a_routing_switch_or_a_load_runs_eager_steps_then_captures_again(cfg):
             for engine in (eager, graphed):
                 engine.set_routing("random")
         if n == 2 * WARMUP_STEPS + 5:
-            for engine in (eager, graphed):
-                engine.load_state_dict(eager.state_dict())
+            carry_checkpoint(eager, tmp_path / "saved", eager, graphed)
         assert_same_output(same_step(eager, cfg, n), same_step(graphed, cfg, n), n)
     assert_same(state(eager), state(graphed))
     # eager 0-2, captured at 3, replays 3-4; switch at 5: eager 5-7, captured at 8, replays 8-10;

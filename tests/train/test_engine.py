@@ -3,7 +3,7 @@ round-trips bit for bit, routing switches by a method, and a step can close with
 
 import pytest
 import torch
-from support.steps import synthetic_batches
+from support.steps import carry_checkpoint, synthetic_batches
 
 from moetrain.model.config import Routing
 from moetrain.parallel.dims import ParallelDims, ParallelState
@@ -40,14 +40,13 @@ def test_train_step_is_forward_backward_then_optim_step(cfg):
         assert torch.equal(p, q), n
 
 
-def test_state_dict_round_trip_continues_bit_for_bit(cfg):
+def test_a_checkpoint_round_trip_continues_bit_for_bit(cfg, tmp_path):
     torch.manual_seed(0)
     a = TrainEngine(cfg, one_process(), torch.device("cpu"))
     for step in range(3):
         a.train_step(batches(cfg, step), step)
     b = TrainEngine(cfg, one_process(), torch.device("cpu"))
-    copied = {section: {k: v.clone() for k, v in tensors.items()} for section, tensors in a.state_dict().items()}
-    b.load_state_dict(copied)
+    carry_checkpoint(a, tmp_path / "saved", b)
     biases = [m.router.expert_bias_E for m in a.model.moe_layers()]
     assert any(bool(x.abs().max() > 0) for x in biases), "the aux-free bias should have moved"
     for moe_a, moe_b in zip(a.model.moe_layers(), b.model.moe_layers()):

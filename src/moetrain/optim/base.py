@@ -121,10 +121,6 @@ class Optimizer(Protocol):
         checkpoints."""
         ...
 
-    def load_state_dict_tensors(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
-        """Take state as `state_dict_tensors` gives it (load the model's parameters first)."""
-        ...
-
     def checkpoint_tensors(self) -> dict[str, dict[str, torch.Tensor | FlatShard]]:
         """`state_dict_tensors`' entries as the part of them this rank holds, with no copy and
         no communication: the live tensors where it holds a parameter's state whole, `FlatShard`s
@@ -155,10 +151,6 @@ class Optimizer(Protocol):
     def master_weights(self) -> dict[str, torch.Tensor]:
         """Canonical name → fp32 master of each parameter the model holds in lower precision
         (optim.bf16_weights), as temporaries; what a checkpoint saves for them. {} otherwise."""
-        ...
-
-    def load_master_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Set the fp32 masters `master_weights` names (and so the parameters computed from them)."""
         ...
 
 
@@ -193,9 +185,6 @@ class StepHooks(abc.ABC):
 
     def master_weights(self) -> dict[str, torch.Tensor]:
         return {}
-
-    def load_master_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        assert not weights, "this optimizer keeps no master weights"
 
     def checkpoint_masters(self) -> dict[str, FlatShard]:
         return {}

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 
@@ -46,20 +44,3 @@ def _sum_sq(grads: list[torch.Tensor], device) -> torch.Tensor:
 def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     """The factor that brings a gradient of norm `total_norm` to at most `max_norm` (≤ 1)."""
     return (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
-
-
-def clip_grad_norm(
-    params: list[torch.Tensor], expert_params: list[torch.Tensor], max_norm: float, ep_group=None, pp_group=None
-) -> torch.Tensor:
-    """Clip all gradients to a global L2 norm of `max_norm` (no clipping for inf); return the
-    norm before clipping, as a device tensor (no host sync)."""
-    total = global_grad_norm(
-        [p.grad for p in params if p.grad is not None],
-        [p.grad for p in expert_params if p.grad is not None],
-        ep_group,
-        pp_group,
-    )
-    if max_norm != math.inf:
-        grads = [p.grad for p in params + expert_params if p.grad is not None]
-        torch._foreach_mul_(grads, clip_coefficient(total, max_norm))
-    return total

@@ -26,7 +26,7 @@ from moetrain.optim.grad_store import GradStore
 from moetrain.optim.muon import LocalMatrices, MatrixShape, Muon, MuonConfig, check_matrices, muon_matrices
 from moetrain.optim.rule import local_tensor
 from moetrain.parallel.dims import ParallelState
-from moetrain.parallel.fsdp import copy_shard, full_tensor, is_sharded, local_flat_range, reshard
+from moetrain.parallel.fsdp import full_tensor, is_sharded, local_flat_range, reshard
 
 if TYPE_CHECKING:
     from moetrain.optim.config import OptimConfig
@@ -145,23 +145,6 @@ class FSDPAdamW(TorchAdamW):
             live = self._live_state(p)
             out[canonical_name(name)] = {k: v if k == "step" else full_tensor(v) for k, v in live.items()}
         return out
-
-    @torch.no_grad()
-    def load_state_dict_tensors(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
-        """Take full per-parameter moments (as `state_dict_tensors` gives them) and keep this
-        rank's shards. No communication."""
-        reshard(self.model)
-        for (n, p), m in zip(self.muon_named, self.muon.momentum):
-            copy_shard(_like(p, m), state[n]["momentum"])
-        muon = {n for n, _ in self.muon_named}
-        for name, p in self.model.named_parameters():
-            if canonical_name(name) in muon:
-                continue
-            entry = state[canonical_name(name)]
-            live = self._live_state(p)
-            for key, value in entry.items():
-                if live[key] is not value:
-                    copy_shard(live[key], value)
 
 
 def _muon_part(p: nn.Parameter, shape: MatrixShape, moments_dtype: torch.dtype) -> LocalMatrices:

@@ -160,11 +160,6 @@ class ReplicatedAdamW(TorchAdamW):
         """The live optimizer state per parameter (`state_dict_tensors`: views, nothing gathered)."""
         return self.state_dict_tensors()
 
-    def load_master_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        if self.split is not None:
-            by_canonical = {canonical_name(n): n for n in self.split.names}
-            self.split.load_master_weights({by_canonical[k]: v for k, v in weights.items()})
-
     def grad_bytes(self) -> int:
         """The reducer's buckets (split ones are `SplitMaster`'s gradients), or the gradients
         allocated this step, and the split parameters' gradients."""
@@ -190,10 +185,3 @@ class ReplicatedAdamW(TorchAdamW):
             canonical_name(name): own[name] if name in own else self._live_state(p)
             for name, p in self.model.named_parameters()
         }
-
-    def load_state_dict_tensors(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
-        live = self.state_dict_tensors()
-        for name, tensors in state.items():
-            for key, value in tensors.items():
-                if live[name][key] is not value:
-                    live[name][key].copy_(value)

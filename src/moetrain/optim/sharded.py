@@ -326,14 +326,6 @@ class ShardedAdamW(StepHooks):
         for w in works:
             w.wait()
 
-    @torch.no_grad()
-    def _params_loaded(self) -> None:
-        """Copy the parameters into the fp32 master shards: needed after the parameters were
-        written from outside (a checkpoint load: `checkpoint_loaded`, `load_state_dict_tensors`)."""
-        for b, master in zip(self.buckets, self.master_S):
-            if not b.split:  # split masters are written by `load_master_weights`
-                master.copy_(b.params_N[b.lo : b.hi])
-
     # ---- state -----------------------------------------------------------------------------------
     def grad_bytes(self) -> int:
         """Bytes of gradient storage this rank holds: the buckets and the reduce-scatter's
@@ -361,20 +353,6 @@ class ShardedAdamW(StepHooks):
                 n = p.numel()
                 out[self.names[id(p)]] = join(b.params_N[off : off + n], lo_N[off : off + n]).view(p.shape)
         return out
-
-    @torch.no_grad()
-    def load_master_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Set the split parameters' fp32 masters (full tensors): the bf16 parameters whole, the
-        remainders of this rank's shard. No communication."""
-        for b in (b for b in self.buckets if b.split):
-            for p, off, start, end in b.pieces():
-                name = self.names[id(p)]
-                if name not in weights:
-                    continue
-                hi_part, lo_part = split_fp32(weights[name].to(device=b.params_N.device, dtype=torch.float32).flatten())
-                b.params_N[off : off + p.numel()].copy_(hi_part)
-                if start < end:
-                    b.lo_S[start - b.lo : end - b.lo].copy_(lo_part[start - off : end - off])
 
     def checkpoint_tensors(self) -> dict[str, dict[str, torch.Tensor | FlatShard]]:
         """Per parameter, the pieces of its state in this rank's bucket shards (`FlatShard`s over
@@ -412,9 +390,10 @@ class ShardedAdamW(StepHooks):
         alone): the step count from the loaded "step", the fp32 master shards from the loaded
         weights, and each split bucket's bf16 weights all-gathered from the ranks that loaded
         their ranges (collective over the bucket's group; one bucket shard in flight at a time)."""
-        self._params_loaded()
-        for b in self.buckets:
-            if b.split and b.group is not None:
+        for b, master in zip(self.buckets, self.master_S):
+            if not b.split:  # split masters are loaded in place (`checkpoint_masters`)
+                master.copy_(b.params_N[b.lo : b.hi])
+            elif b.group is not None:
                 _all_gather(b.params_N, b.params_N[b.lo : b.hi].clone(), group=b.group)
 
     def state_dict_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -438,33 +417,3 @@ class ShardedAdamW(StepHooks):
         full_N = shard_S.new_empty(b.flat.numel())
         _all_gather(full_N, shard_S, group=b.group)
         return full_N
-
-    @torch.no_grad()
-    def load_state_dict_tensors(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
-        """Take per-parameter full moments (as `state_dict_tensors` gives them) and keep this
-        rank's shards; then refresh the master shards from the parameters, so load the model's
-        parameters first. Needs no communication."""
-        steps = set()
-        for b, state_S in zip(self.buckets, self.state_S):
-            for p, off, start, end in b.pieces():
-                name = self.names[id(p)]
-                if name not in state:
-                    raise ValueError(
-                        f"Optimizer state has no entry for parameter '{name}': was it saved from this model?"
-                    )
-                entry = state[name]
-                for key, shard_S in state_S.items():
-                    full = entry[key]
-                    if full.shape != p.shape:
-                        raise ValueError(
-                            f"Optimizer state '{name}.{key}' has shape {tuple(full.shape)} but the parameter "
-                            f"has {tuple(p.shape)}: the checkpoint was saved from a different model shape."
-                        )
-                    if start < end:
-                        shard_S[start - b.lo : end - b.lo].copy_(full.reshape(-1)[start - off : end - off])
-                if "step" in entry:
-                    steps.add(int(entry["step"]))
-        if len(steps) > 1:
-            raise ValueError(f"Optimizer state holds different step counts {sorted(steps)}; expected one.")
-        self._step_t.fill_(steps.pop() if steps else 0)
-        self._params_loaded()

@@ -210,15 +210,6 @@ class SplitMaster:
         """Parameter name → its fp32 master (a temporary: `join` of hi and lo)."""
         return {name: join(self.view(self.hi, i), self.view(self.lo, i)) for i, name in enumerate(self.names)}
 
-    def load_master_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Set the fp32 masters (and so the bf16 parameters) of the parameters named in `weights`."""
-        index = {name: i for i, name in enumerate(self.names)}
-        for name, value in weights.items():
-            i = index[name]
-            hi, lo = split_fp32(value.to(device=self.hi.device, dtype=torch.float32))
-            self.view(self.hi, i).copy_(hi)
-            self.view(self.lo, i).copy_(lo)
-
     def memory_bytes(self) -> int:
         """lo and the rule's state (hi is the parameter, `grad` the gradient)."""
         return sum(t.numel() * t.element_size() for t in (self.lo, *self.state.values()))

@@ -35,7 +35,7 @@ from moetrain.model.experts import GroupedExperts
 from moetrain.model.transformer import canonical_name
 from moetrain.optim.base import FlatShard
 from moetrain.parallel.dims import ParallelState
-from moetrain.parallel.fsdp import copy_shard, full_tensor, is_sharded, local_flat_range, reshard
+from moetrain.parallel.fsdp import full_tensor, is_sharded, local_flat_range, reshard
 from moetrain.parallel.rehearsal import Rehearsal
 from moetrain.train.checkpoint_index import SafeFileSystemReader, first_mismatch, merge_rank_indexes, read_index
 from moetrain.train.dcp_shards import CpuStager, ShardLoadPlanner, ShardSavePlanner, ShardWriter
@@ -255,7 +255,7 @@ def load_checkpoint(
     """Fill `state` (as `TrainEngine.checkpoint_state()` gives it, or whole tensors) in place from
     the checkpoint at `path`, whatever layout saved it, with no communication; with `restore_rng`,
     this rank's RNG state too. Returns the trainer state; the caller finishes the load
-    (`TrainEngine.checkpoint_loaded`, `load_model_state_dict`)."""
+    (`TrainEngine.checkpoint_loaded`)."""
     check_loadable(path, state, rehearsal)
     try:
         with warnings.catch_warnings():
@@ -297,9 +297,7 @@ def check_loadable(path: Path, state: dict[str, Any], rehearsal: Rehearsal | Non
 
 def load_model(path: Path, model: nn.Module) -> None:
     """Load only the model's weights (and persistent buffers) from a checkpoint, in place."""
-    state = {"model": model_state_dict(model)}
-    load_checkpoint(path, state)
-    load_model_state_dict(model, state["model"])
+    load_checkpoint(path, {"model": _model_entries(model, lambda _, tensor: _local(tensor))})
 
 
 # ---- the layout-free entries ------------------------------------------------------------------
@@ -368,29 +366,6 @@ def _model_entries(model: nn.Module, value: Callable[[str, torch.Tensor], Any]) 
     return out
 
 
-@torch.no_grad()
-def load_model_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Write entries as `model_state_dict` gives them into the model (this rank's shards; entries
-    that are the live tensors already are skipped). No communication."""
-    reshard(model)
-    offsets = _expert_offsets(model)
-    for name, live in model.state_dict(keep_vars=True).items():
-        name = canonical_name(name)
-        value = _take(state, name, live, offsets.get(name))
-        if value is not None:
-            copy_shard(live.detach(), value)
-
-
-def model_entries(model: nn.Module, state: dict[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
-    """The model entries `names` (canonical parameter names) of `state`, experts joined back into
-    this rank's stacked tensors."""
-    offsets = _expert_offsets(model)
-    live = {canonical_name(n): p for n, p in model.named_parameters()}
-    return {
-        name: _join(state, name, offsets.get(name), live[name].shape[0] if name in offsets else 0) for name in names
-    }
-
-
 def optimizer_state_dict(model: nn.Module, tensors: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """An optimizer's `state_dict_tensors()` as flat entries "NAME.KEY", experts split per
     global index like the model's."""
@@ -399,24 +374,6 @@ def optimizer_state_dict(model: nn.Module, tensors: dict[str, dict[str, torch.Te
     for name, entry in tensors.items():
         for key, value in entry.items():
             _put(out, f"{name}.{key}", value, offsets.get(name))
-    return out
-
-
-def optimizer_tensors(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
-    """The inverse of `optimizer_state_dict`: per parameter name, its tensors as the optimizers'
-    `load_state_dict_tensors` take them (split experts stacked again)."""
-    offsets = _expert_offsets(model)
-    keys_of: dict[str, set[str]] = {}
-    for flat in state:
-        name, key = flat.split("/")[0].rsplit(".", 1)
-        keys_of.setdefault(name, set()).add(key)
-    out: dict[str, dict[str, torch.Tensor]] = {}
-    for name, p in model.named_parameters():
-        name = canonical_name(name)
-        num_local = p.shape[0] if name in offsets else 1
-        out[name] = {
-            key: _join(state, f"{name}.{key}", offsets.get(name), num_local) for key in sorted(keys_of.get(name, ()))
-        }
     return out
 
 
@@ -434,28 +391,6 @@ def _put(out: dict, key: str, tensor: torch.Tensor | FlatShard, expert_offset: i
             for i in range(tensor.shape[0])
         }
     out.update({k: v for k, v in parts.items() if not isinstance(v, FlatShard) or v.numel})
-
-
-def _join(state: dict, key: str, expert_offset: int | None, num_local: int) -> torch.Tensor:
-    if key in state:
-        return state[key]
-    return torch.stack([state[f"{key}/{expert_offset + i}"] for i in range(num_local)])
-
-
-def _take(state: dict, key: str, live: torch.Tensor, expert_offset: int | None) -> torch.Tensor | None:
-    """The value for `live` from `state`, or None when the entries are `live`'s own memory."""
-    if key in state:
-        value = state[key]
-        return None if value is live or (not is_sharded(live) and _same_memory(value, live)) else value
-    parts = [state[f"{key}/{expert_offset + i}"] for i in range(live.shape[0])]
-    if not is_sharded(live) and all(_same_memory(part, live[i]) for i, part in enumerate(parts)):
-        return None
-    return torch.stack(parts)
-
-
-def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    x, y = ((t.device, t.data_ptr(), t.shape, t.stride(), t.dtype) for t in (a, b))
-    return x == y
 
 
 def _expert_offsets(model: nn.Module) -> dict[str, int]:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from moetrain.model.counting import flops_per_token, peak_flops
 from moetrain.model.expert_grads import DeferredExpertGrads
-from moetrain.model.transformer import Transformer, canonical_name
+from moetrain.model.transformer import Transformer
 from moetrain.optim.base import Optimizer
 from moetrain.optim.schedule import lr_at
 from moetrain.parallel.config import Stack
@@ -403,9 +403,11 @@ class TrainEngine:
 
     def checkpoint_loaded(self) -> None:
         """After a load into `checkpoint_state()`'s entries: the optimizer takes its step count and
-        refreshes what derives from the weights (collective under the sharded optimizer)."""
+        refreshes what derives from the weights (collective under the sharded optimizer); the step
+        graph is captured again (the optimizer may hold new tensors)."""
         self.optimizer.checkpoint_loaded()
-        self._weights_replaced()
+        if self.step_graph is not None:
+            self.step_graph.reset()
 
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         """`checkpoint_state`'s entries whole, in memory (tests, tools); collective when sharded."""
@@ -414,31 +416,12 @@ class TrainEngine:
             "optim": checkpoint_io.optimizer_state_dict(self.model, self.optimizer.state_dict_tensors()),
         }
 
-    def load_state_dict(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
-        """Write `state` (as `state_dict()` gives it) into the model and optimizer; no communication."""
-        checkpoint_io.load_model_state_dict(self.model, state["model"])
-        self._load_masters(state["model"])
-        self.optimizer.load_state_dict_tensors(checkpoint_io.optimizer_tensors(self.model, state["optim"]))
-        self._weights_replaced()
-
     def load_model_weights(self, path) -> None:
         """Only the model's weights from the checkpoint at `path` (checkpoint.init_from), each rank
         reading its part; the optimizer refreshes its copies of them (moments stay fresh)."""
         entries = checkpoint_io.checkpoint_entries(self.model, self.optimizer.checkpoint_masters())
         checkpoint_io.load_checkpoint(path, entries)
-        self.optimizer.checkpoint_loaded()
-        self._weights_replaced()
-
-    def _weights_replaced(self) -> None:
-        """After a load: the step graph is captured again (the optimizer may hold new tensors)."""
-        if self.step_graph is not None:
-            self.step_graph.reset()
-
-    def _load_masters(self, model_state: dict[str, torch.Tensor]) -> None:
-        """optim.bf16_weights: the bf16 parameters' fp32 masters from the model entries."""
-        names = [canonical_name(n) for n, p in self.model.named_parameters() if p.dtype != torch.float32]
-        if names:
-            self.optimizer.load_master_weights(checkpoint_io.model_entries(self.model, model_state, names))
+        self.checkpoint_loaded()
 
     def parameters_finite(self) -> bool:
         """Whether every parameter of every rank is finite (a collective and one host read)."""
