@@ -306,20 +306,17 @@ def describe(result: dict[str, Any]) -> str:
             for name, v in q.items()
         ),
     ]
-    steps, ref = len(result["steps"]), result["reference"]
+    steps, ref, precision = len(result["steps"]), result["reference"], result["precision"]
     seconds = result["layout_seconds"], result["world_size"], ref, result["reference_seconds"]
     cost = "layout {} s on {} ranks, {} {} s".format(*seconds)
     lines.insert(0, f"reference: {ref} ({result['reference_why']})")
     if result["ok"]:
         lines.append(
-            f"OK: {steps} steps of the layout equal the reference's within the {result['precision']} "
-            f"tolerances ({cost})."
+            f"OK: {steps} steps of the layout equal the reference's within the {precision} tolerances ({cost})."
         )
     else:
-        lines.append(
-            f"FAILED: {', '.join(result['failed'])} differ from the reference's beyond the {result['precision']} "
-            f"tolerance ({cost})."
-        )
+        failed = ", ".join(result["failed"])
+        lines.append(f"FAILED: {failed} differ from the reference's beyond the {precision} tolerance ({cost}).")
     if result["max_dropped_token_frac"] > 0:
         lines.append(
             f"The layout dropped up to {result['max_dropped_token_frac']:.2%} of expert assignments (the reference "

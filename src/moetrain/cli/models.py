@@ -55,11 +55,7 @@ def cmd_eval(argv: list[str]) -> int:
         tokens = cfg.train.eval_tokens if args.tokens is None else None if args.tokens == "all" else int(args.tokens)
         result = token_loss(model, cfg, tokenizer, args.data, args.split, tokens)
         total = open_source(args.data, args.split).num_tokens - 1
-        why = (
-            " (train.eval_tokens, what the run's val_loss read; --tokens all for every one)"
-            if args.tokens is None
-            else ""
-        )
+        why = "" if args.tokens else " (train.eval_tokens, what the run's val_loss read; --tokens all for every one)"
         print(f"eval: {result['tokens']:,} of the {total:,} tokens of {args.split}{why}", file=sys.stderr)
     else:
         result = text_loss(model, cfg, tokenizer, args.text, args.text_key)

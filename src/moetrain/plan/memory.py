@@ -68,7 +68,6 @@ def checkpoint_state_bytes(L: Layout, rank: RankMemory) -> float:
     weights = 4 * rank.local / L.replicas if L.fsdp else rank.weights
     if L.fsdp or not rank.local:
         return weights + rank.optimizer + rank.recv_buffers
-    # the buckets hold the dense gradients at dp > 1 and the experts' at edp > 1 (`bucketed`);
     # the sharded optimizer buckets every gradient, even at dp = 1
     bucketed = rank.local if L.shard_optimizer else L.bucketed(rank.dense_local, rank.expert_local)
     return weights + rank.optimizer + rank.recv_buffers + rank.grads * bucketed / rank.local
