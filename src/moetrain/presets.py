@@ -148,14 +148,8 @@ def _big_run(model: TransformerConfig, *, seq_len: int, gpus: int, global_batch:
     cfg.data.seq_len = seq_len
     cfg.optim.lr = lr
     cfg.schedule.warmup_steps = 2000
-    cfg.train = TrainerConfig(
-        steps=100_000,
-        global_batch_size=global_batch,
-        micro_batch_size=gpus,
-        log_every=10,
-        eval_every=1000,
-        eval_tokens=8 * gpus * seq_len,  # 8 sequences per GPU at the reference GPU count
-    )
+    cfg.train = TrainerConfig(steps=100_000, global_batch_size=global_batch, micro_batch_size=gpus, eval_every=1000)
+    cfg.train.eval_tokens = 8 * gpus * seq_len  # 8 sequences per GPU at the reference GPU count
     cfg.checkpoint.save_every = 1000
     return cfg
 

@@ -276,9 +276,8 @@ def _plan_one(args: argparse.Namespace, gpus: int, cfg: RunConfig, given: list[s
         print(
             f"recommended: {s.layout.describe()}, {_fit_words(s)}; {speed_text(s, gpus, budget)}; the layout as "
             f"given {_fit_words(result)}\n  flags: {' '.join(pasted[best])}\n  rehearse one rank: {commands[best]}"
-            f"\n  launch: {launches[best]}\n"
+            f"\n  launch: {launches[best]}\n\nthe layout as given:"
         )
-        print("the layout as given:")
     print(planner.report(result))
     print(budget_line(result, gpus, budget))
     if result.tight:

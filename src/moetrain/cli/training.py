@@ -153,20 +153,14 @@ def cmd_bench(argv: list[str]) -> int:
     if args.device is not None:
         overrides.append(f"train.device={args.device}")
 
+    as_given = ("warmup", "steps", "run_dir", "forward_backward_only", "also_forward_backward", "also_optimizer_step")
     records = run_bench(
         args.spec,
         overrides,
-        warmup=args.warmup,
-        steps=args.steps,
         routings=[r.strip() for r in args.routing.split(",") if r.strip()],
         sync_check=not args.no_sync_check,
-        run_dir=args.run_dir,
-        forward_backward_only=args.forward_backward_only,
-        also_forward_backward=args.also_forward_backward,
-        also_optimizer_step=args.also_optimizer_step,
-        rehearse=args.rehearse,
-        rank=args.rank,
         checkpoint=not args.no_checkpoint,
+        **{key: getattr(args, key) for key in (*as_given, "rehearse", "rank")},
     )
     if not dist.is_initialized() or dist.get_rank() == 0 or is_rehearsal():  # a rehearsal's one process reports
         for record in records:
