@@ -31,13 +31,12 @@ def with_layout(
     cp: int = 1,
     round_batch: bool = False,
 ) -> RunConfig | None:
-    """A copy of `cfg` with another layout of the ddp stack, its optimizer sharded where it has
-    several data-parallel ranks (rows = sequences per data-parallel rank per micro-batch, each split
-    over `cp` GPUs; `overlap`: parallel.overlap_chunks, the configured one if None (auto where
-    unset), auto for other dispatchers than nosync), or None when the batch or the sequence
-    cannot be split that way or the chunks cannot split the experts. With `round_batch`, a global
-    batch that is not a multiple of the micro-batch (rows · dp sequences) but holds one becomes
-    the next multiple above it (less than one micro-batch more)."""
+    """A copy of `cfg` with another layout of the ddp stack, its optimizer sharded over dp·cp > 1 ranks
+    (rows = sequences per data-parallel rank per micro-batch, each split over `cp` GPUs; `overlap`:
+    parallel.overlap_chunks, the configured one if None (auto where unset), auto for other dispatchers
+    than nosync), or None when the batch or the sequence cannot be split that way or the chunks cannot
+    split the experts. With `round_batch`, a global batch that is not a multiple of the micro-batch
+    (rows · dp sequences) but holds one becomes the next multiple above it (less than one micro-batch more)."""
     if gpus % (pp * cp) or cfg.data.seq_len % (2 * cp):
         return None
     dp = gpus // (pp * cp)
@@ -149,9 +148,8 @@ def _fitting(cfg: RunConfig, gpus: int, gpu: str, pp: int, cp: int, lean: bool, 
     """The plans of `suggest`'s candidates at pipeline degree `pp` and context degree `cp` that
     fit (with `lean`, only full recompute and one sequence per micro-batch; `round_batch`:
     `with_layout`'s)."""
-    m = cfg.model
     replicas = gpus // pp
-    eps = [e for e in (1, 2, 4, 8, 16, 32, 64) if replicas % e == 0 and m.moe.num_experts % e == 0]
+    eps = [e for e in (1, 2, 4, 8, 16, 32, 64) if replicas % e == 0 and cfg.model.moe.num_experts % e == 0]
     out, fixed = [], dict(pp=pp, cp=cp, round_batch=round_batch)
     recomputes = ("full",) if lean else ("none", "selective", "full")
     for ep, recompute in itertools.product(eps, recomputes):

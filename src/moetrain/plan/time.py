@@ -88,14 +88,13 @@ def communication(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume
         comm["fsdp_all_gather"], comm["fsdp_reduce_scatter"] = ag, rs
         comm_t["fsdp"] = (ag + rs) / (net(L.replicas) * assume.link_eff)
     elif L.replicas > 1:
-        edp = L.edp
         dense_g, expert_g = grad_elem * rank.dense_local, grad_elem * rank.expert_local
         if L.shard_optimizer:
-            red = dense_g * _ring(L.replicas) + expert_g * _ring(edp)  # reduce-scatter
-            gather = dense_b * _ring(L.replicas) + expert_b * _ring(edp)  # all-gather of updated parameters
+            red = dense_g * _ring(L.replicas) + expert_g * _ring(L.edp)  # reduce-scatter
+            gather = dense_b * _ring(L.replicas) + expert_b * _ring(L.edp)  # all-gather of updated parameters
             comm["dp_reduce_scatter"], comm["optimizer_all_gather"] = red, gather
         else:
-            red = 2 * (dense_g * _ring(L.replicas) + expert_g * _ring(edp))
+            red = 2 * (dense_g * _ring(L.replicas) + expert_g * _ring(L.edp))
             gather = 0.0
             comm["dp_all_reduce"] = red
         comm_t["dp_reduction"] = red / (net(L.replicas) * assume.link_eff)
@@ -332,11 +331,10 @@ def step_time(
         passes = assume.fp8_quant_passes if rowwise else assume.mxfp8_quant_passes
         hbm = spec.hbm_bytes_s * assume.hbm_eff
         t_fp8 = chosen / every * passes * L.micro_batches * (rank.blocks_none + 4 * local_params) / hbm
-    t_recompute = _recompute_time(
-        cfg, L, assume, t_casts, t_elementwise, t_gemm + t_tiles + t_casts + t_elementwise + t_fp8
-    )
+    t_blocks = t_gemm + t_tiles + t_casts + t_elementwise + t_fp8  # what recompute repeats a share of
+    t_recompute = _recompute_time(cfg, L, assume, t_casts, t_elementwise, t_blocks)
     t_chunks = _chunk_time(cfg, L, rank, spec, assume)
-    compute = t_gemm + t_tiles + t_casts + t_elementwise + t_fp8 + t_recompute + t_chunks
+    compute = t_blocks + t_recompute + t_chunks
     per_mb = compute / L.micro_batches
     t_bubble = (L.pp - 1) / L.stages_per_rank * per_mb if L.pp > 1 else 0.0
     seconds = comm.seconds
