@@ -225,10 +225,10 @@ def test_with_a_rounded_batch_the_search_finds_counts_that_are_not_powers_of_two
 
     cfg = resolve_config("ref-tiny-64e", ["model.moe.num_experts=8"])
     gpu = custom_gpu("small", memory_gib=16)
-    rounded = with_layout(cfg, 24, pp=1, ep=8, recompute="full", shard_optimizer=True, rows=1, round_batch=True)
+    rounded = with_layout(cfg, 24, pp=1, ep=8, recompute="full", rows=1, round_batch=True)
     assert rounded.train.global_batch_size == 264 and rounded.train.micro_batch_size == 24
-    assert with_layout(cfg, 24, pp=1, ep=8, recompute="full", shard_optimizer=True, rows=1) is None
-    assert with_layout(cfg, 512, pp=1, ep=8, recompute="full", shard_optimizer=True, rows=1, round_batch=True) is None
+    assert with_layout(cfg, 24, pp=1, ep=8, recompute="full", rows=1) is None
+    assert with_layout(cfg, 512, pp=1, ep=8, recompute="full", rows=1, round_batch=True) is None
     more = fewest_gpus(cfg, 1, gpu, round_batch=True)
     assert more.gpus == 48 and fewest_gpus(cfg, 1, gpu).gpus == 64
     flags = _suggestion_flags(cfg, more.plan, ["--model.moe.num_experts=8"])

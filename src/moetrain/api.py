@@ -107,16 +107,7 @@ class LoadedModel:
         at temperature 0, else drawn among the `top_k` most likely and the fewest whose
         probabilities reach `top_p`, each from the last `max_context` tokens (`kv_cache=False`
         recomputes them for every token: slower, the same text). The same `seed`, the same text."""
-        text, _ = generate(
-            self.model,
-            self.tokenizer,
-            prompt,
-            max_new_tokens,
-            temperature,
-            seed,
-            self.max_context,
-            top_k=top_k,
-            top_p=top_p,
-            kv_cache=kv_cache,
-        )
-        return text
+        options = dict(top_k=top_k, top_p=top_p, kv_cache=kv_cache)
+        return generate(
+            self.model, self.tokenizer, prompt, max_new_tokens, temperature, seed, self.max_context, **options
+        )[0]

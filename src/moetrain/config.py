@@ -64,7 +64,6 @@ class Config:
                 continue
             _check_value(getattr(self, f.name), tp, f.metadata.get("domain"), f"{prefix}{f.name}")
 
-    # ---- reading -------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, data: dict[str, Any], prefix: str = "") -> Self:
         if not isinstance(data, dict):
@@ -82,7 +81,6 @@ class Config:
             kwargs[key] = _coerce(value, hints[key], dotted)
         return cls(**kwargs)
 
-    # ---- writing -------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
@@ -263,14 +261,9 @@ def field_docs(cls: type) -> dict[str, str]:
         except (OSError, TypeError, SyntaxError):  # no source (e.g. a frozen install)
             continue
         for stmt, after in zip(body, body[1:]):
-            if (
-                isinstance(stmt, ast.AnnAssign)
-                and isinstance(stmt.target, ast.Name)
-                and isinstance(after, ast.Expr)
-                and isinstance(after.value, ast.Constant)
-                and isinstance(after.value.value, str)
-            ):
-                out[stmt.target.id] = inspect.cleandoc(after.value.value)
+            match stmt, after:
+                case ast.AnnAssign(target=ast.Name(id=name)), ast.Expr(value=ast.Constant(value=str(doc))):
+                    out[name] = inspect.cleandoc(doc)
     return out
 
 

@@ -76,9 +76,7 @@ def check_free_space(path: str | Path, need_bytes: int, what: str, detail: str, 
         )
 
 
-def check_file(
-    path: str | Path, what: str, fix: str, *, replaceable=lambda path: True, kind: str = "", force: bool = False
-) -> None:
+def check_file(path: str | Path, what: str, fix: str, *, replaceable, kind: str, force: bool) -> None:
     """An output file: not a directory, its directory writable (`check_directory`), and an
     existing file replaced only when `replaceable(path)` (it is `kind`, the command's kind of
     output) or with --force."""
@@ -88,8 +86,7 @@ def check_file(
     check_directory(path.parent, f"The directory of {what[0].lower()}{what[1:]}", fix)
     if path.is_file() and not force and not replaceable(path):
         raise ConfigError(
-            f"{what} '{path}' exists and is not {kind or 'what this command writes'}: pass --force to replace it, "
-            "or choose another file name."
+            f"{what} '{path}' exists and is not {kind}: pass --force to replace it, or choose another file name."
         )
 
 

@@ -145,16 +145,8 @@ def step_records(trainer, norms: list[list[float]]) -> list[dict[str, Any]] | No
     if not trainer.par.is_main:
         return None
     records = read_metrics(Path(trainer.cfg.train.run_dir) / "metrics.jsonl")
-    return [
-        {
-            "step": r["step"],
-            "lm_loss": r["lm_loss"],
-            "grad_norm": r["grad_norm"],
-            "dropped_token_frac": r["dropped_token_frac"],
-            "groups": dict(zip(GROUPS, norm)),
-        }
-        for r, norm in zip(records, norms)
-    ]
+    keys = ("step", "lm_loss", "grad_norm", "dropped_token_frac")
+    return [{**{k: r[k] for k in keys}, "groups": dict(zip(GROUPS, norm))} for r, norm in zip(records, norms)]
 
 
 def run_reference(cfg: RunConfig, workdir: Path) -> list[dict[str, Any]]:
@@ -297,8 +289,9 @@ def check_layout(
 
 def describe(result: dict[str, Any]) -> str:
     """The check's result as lines for a person: each quantity's largest differences, the verdict."""
-    q = result["quantities"]
+    q, steps, ref, precision = result["quantities"], len(result["steps"]), result["reference"], result["precision"]
     lines = [
+        f"reference: {ref} ({result['reference_why']})",
         f"{'quantity':<16}{'step 1':>10}{'later':>10}  {'tolerances':<15}first step past",
         *(
             f"{name:<16}{_e(v['first_step_rel_diff']):>10}{_e(v['later_max_rel_diff']):>10}  "
@@ -306,20 +299,14 @@ def describe(result: dict[str, Any]) -> str:
             for name, v in q.items()
         ),
     ]
-    steps, ref = len(result["steps"]), result["reference"]
     seconds = result["layout_seconds"], result["world_size"], ref, result["reference_seconds"]
     cost = "layout {} s on {} ranks, {} {} s".format(*seconds)
-    lines.insert(0, f"reference: {ref} ({result['reference_why']})")
     if result["ok"]:
-        lines.append(
-            f"OK: {steps} steps of the layout equal the reference's within the {result['precision']} "
-            f"tolerances ({cost})."
-        )
+        verdict = f"OK: {steps} steps of the layout equal the reference's within the {precision} tolerances ({cost})."
     else:
-        lines.append(
-            f"FAILED: {', '.join(result['failed'])} differ from the reference's beyond the {result['precision']} "
-            f"tolerance ({cost})."
-        )
+        failed = ", ".join(result["failed"])
+        verdict = f"FAILED: {failed} differ from the reference's beyond the {precision} tolerance ({cost})."
+    lines.append(verdict)
     if result["max_dropped_token_frac"] > 0:
         lines.append(
             f"The layout dropped up to {result['max_dropped_token_frac']:.2%} of expert assignments (the reference "

@@ -24,27 +24,10 @@ OLMO_CORE_VOCAB = 100_352  # Olmo-core's tokenizer: 100,278 tokens padded to a m
 def tiny() -> RunConfig:
     """≈3.7M parameters, 8k vocabulary: softmax top-4 of 8 experts with normalized weights, no
     shared expert, per-head QK-norm, pre-norm (maps onto HF Qwen3-MoE). Sized so that 300 steps
-    of 24 × 128 tokens take about 6 minutes on 2 CPU cores (docs/benchmarks.md)."""
-    cfg = RunConfig(
-        model=TransformerConfig(
-            vocab_size=8192,
-            d_model=128,
-            n_layers=4,
-            n_heads=4,
-            n_kv_heads=2,
-            num_dense_layers=1,
-            moe=MoEConfig(
-                num_experts=8,
-                top_k=4,
-                expert_hidden=128,
-                shared_hidden=0,
-                normalize_weights=True,
-                restore_weight_scale=False,
-                lb_loss_weight=0.01,
-                z_loss_weight=1e-3,
-            ),
-        ),
-    )
+    of 24 × 128 tokens take about 6 minutes on 2 CPU cores (docs/benchmarks.md). Its model is the
+    config classes' default one, with a stronger z-loss."""
+    cfg = RunConfig()
+    cfg.model.moe.z_loss_weight = 1e-3
     cfg.data.seq_len = 128
     cfg.train.global_batch_size = cfg.train.micro_batch_size = 24
     cfg.train.eval_tokens = 96 * 128  # 96 sequences: 4 micro-batches of 24, the set it evaluated before
@@ -165,14 +148,8 @@ def _big_run(model: TransformerConfig, *, seq_len: int, gpus: int, global_batch:
     cfg.data.seq_len = seq_len
     cfg.optim.lr = lr
     cfg.schedule.warmup_steps = 2000
-    cfg.train = TrainerConfig(
-        steps=100_000,
-        global_batch_size=global_batch,
-        micro_batch_size=gpus,
-        log_every=10,
-        eval_every=1000,
-        eval_tokens=8 * gpus * seq_len,  # 8 sequences per GPU at the reference GPU count
-    )
+    cfg.train = TrainerConfig(steps=100_000, global_batch_size=global_batch, micro_batch_size=gpus, eval_every=1000)
+    cfg.train.eval_tokens = 8 * gpus * seq_len  # 8 sequences per GPU at the reference GPU count
     cfg.checkpoint.save_every = 1000
     return cfg
 

@@ -1,7 +1,5 @@
-"""The `moetrain` command line: one module per group of subcommands (args.py: the flags they
-share; training.py: train, bench, check-layout; planning.py: plan; configs.py: config, params, presets,
-prepare-data; models.py: eval, generate, export-hf, import-hf, upcycle, plot), imported when its command
-runs, so `moetrain --help` and `--version` load no torch.
+"""The `moetrain` command line: one module per group of subcommands (`MODULES`; args.py: the flags
+they share), imported when its command runs, so `moetrain --help` and `--version` load no torch.
 
 Every subcommand that ends with a result prints it as one JSON line on stdout; progress and notes
 go to stderr. User mistakes (`MoetrainError`) print one paragraph and exit 2 without a traceback,

@@ -36,7 +36,6 @@ def cmd_eval(argv: list[str]) -> int:
     parser.add_argument("--split", default="val", help="with --data: the split to evaluate (default val)")
     parser.add_argument(
         "--tokens",
-        default=None,
         metavar="N|all",
         help="with --data: evaluate the first N tokens in whole windows of data.seq_len (default: the checkpoint's "
         "train.eval_tokens, what the run's val_loss read), or all of the split",
@@ -55,11 +54,7 @@ def cmd_eval(argv: list[str]) -> int:
         tokens = cfg.train.eval_tokens if args.tokens is None else None if args.tokens == "all" else int(args.tokens)
         result = token_loss(model, cfg, tokenizer, args.data, args.split, tokens)
         total = open_source(args.data, args.split).num_tokens - 1
-        why = (
-            " (train.eval_tokens, what the run's val_loss read; --tokens all for every one)"
-            if args.tokens is None
-            else ""
-        )
+        why = "" if args.tokens else " (train.eval_tokens, what the run's val_loss read; --tokens all for every one)"
         print(f"eval: {result['tokens']:,} of the {total:,} tokens of {args.split}{why}", file=sys.stderr)
     else:
         result = text_loss(model, cfg, tokenizer, args.text, args.text_key)
@@ -162,7 +157,7 @@ def cmd_export_hf(argv: list[str]) -> int:
     )
     parser.add_argument("--dtype", default="bfloat16", help="weight dtype: bfloat16 (default) or float32")
     parser.add_argument("--max-shard-size", default="5GB", help="shard the weights past this size (5GB, 500MiB, bytes)")
-    parser.add_argument("--max-position-embeddings", type=int, default=None, help="default: the trained data.seq_len")
+    parser.add_argument("--max-position-embeddings", type=int, help="default: the trained data.seq_len")
     parser.add_argument(
         "--remote-code",
         action="store_true",
@@ -215,7 +210,7 @@ def cmd_upcycle(argv: list[str]) -> int:
 def cmd_plot(argv: list[str]) -> int:
     parser = command_parser("plot", "Compare the loss curves of runs.")
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
-    parser.add_argument("--out", default=None, help="the PNG to write (default: FIRST_RUN_DIR/loss-compare.png)")
+    parser.add_argument("--out", help="the PNG to write (default: FIRST_RUN_DIR/loss-compare.png)")
     parser.add_argument("--force", action="store_true", help="replace --out even when it is not an image")
     args = parser.parse_args(argv)
 

@@ -174,48 +174,40 @@ def _gpu_value(name: str, key: str, value: str) -> float | int | bool:
 
 
 def _plan_config(args: argparse.Namespace, overrides: list[str], gpus: int) -> tuple[RunConfig, list[str]]:
-    """The config `plan` plans on `gpus` GPUs, and the overrides it was given (--micro-batch as the
-    key it sets)."""
+    """The config `plan` plans on `gpus` GPUs, and the flags it was given: --micro-batch as the key
+    it sets; else, where the micro-batch does not divide over the data-parallel ranks and the
+    command line did not set the batch, the smallest batch that does (the micro-batch a multiple
+    of dp sequences, the global batch the smallest multiple of that not below the preset's), said
+    on stderr and added to the flags."""
     cfg = resolve_config(args.spec, overrides, validate=args.micro_batch is None)
-    if args.micro_batch is None:
-        return _dividing_batch(cfg, args, overrides, gpus)
-    if args.micro_batch <= 0:
-        raise ConfigError(f"--micro-batch={args.micro_batch} must be a positive number of sequences.")
-    pp, cp = cfg.parallel.pp, cfg.parallel.cp
-    if gpus % (pp * cp):
-        ranks = f"parallel.pp={pp}" + (f" × parallel.cp={cp}" if cp > 1 else "")
-        raise ConfigError(f"{ranks} does not divide --gpus={gpus}: plan a multiple of {pp * cp} GPUs.")
-    dp = cfg.parallel.dp or gpus // (pp * cp)
-    cfg = resolve_config(args.spec, overrides + [f"train.micro_batch_size={args.micro_batch * dp}"])
-    return cfg, [f"--{o}" for o in overrides] + [f"--train.micro_batch_size={cfg.train.micro_batch_size}"]
-
-
-def _dividing_batch(
-    cfg: RunConfig, args: argparse.Namespace, overrides: list[str], gpus: int
-) -> tuple[RunConfig, list[str]]:
-    """`cfg` and the flags given, where its micro-batch divides over the data-parallel ranks of
-    `gpus` GPUs; else, unless the command line set the batch, the smallest batch that does (the
-    micro-batch a multiple of dp sequences, the global batch the smallest multiple of that not
-    below the preset's), said on stderr and added to the flags."""
     p, tc, given = cfg.parallel, cfg.train, [f"--{o}" for o in overrides]
+    if args.micro_batch is not None and args.micro_batch <= 0:
+        raise ConfigError(f"--micro-batch={args.micro_batch} must be a positive number of sequences.")
     if gpus % (p.pp * p.cp):
-        return cfg, given  # the plan names what does not divide
+        if args.micro_batch is None:
+            return cfg, given  # the plan names what does not divide
+        ranks = f"parallel.pp={p.pp}" + (f" × parallel.cp={p.cp}" if p.cp > 1 else "")
+        raise ConfigError(f"{ranks} does not divide --gpus={gpus}: plan a multiple of {p.pp * p.cp} GPUs.")
     dp = p.dp or gpus // (p.pp * p.cp)
-    if tc.micro_batch_size % dp == 0:
+    if args.micro_batch is not None:
+        flags = [f"train.micro_batch_size={args.micro_batch * dp}"]
+    elif tc.micro_batch_size % dp == 0:
         return cfg, given
-    if any(o.startswith(("train.micro_batch_size=", "train.global_batch_size=")) for o in overrides):
+    elif any(o.startswith(("train.micro_batch_size=", "train.global_batch_size=")) for o in overrides):
         raise ConfigError(
             f"train.micro_batch_size={tc.micro_batch_size} does not divide over the {dp} data-parallel ranks of "
             f"--gpus={gpus}: pass --micro-batch N (sequences per GPU per micro-batch) or a multiple of {dp}."
         )
-    micro = -(-tc.micro_batch_size // dp) * dp
-    flags = [f"train.micro_batch_size={micro}", f"train.global_batch_size={-(-tc.global_batch_size // micro) * micro}"]
-    print(
-        f"note: {args.spec}'s micro-batch of {tc.micro_batch_size} sequences does not divide over {dp} data-parallel "
-        f"ranks of {gpus} GPUs: planned with --{flags[0]} --{flags[1]} ({micro // dp} per GPU per micro-batch; "
-        "--micro-batch N sets another).",
-        file=sys.stderr,
-    )
+    else:
+        micro = -(-tc.micro_batch_size // dp) * dp
+        batch = -(-tc.global_batch_size // micro) * micro
+        flags = [f"train.micro_batch_size={micro}", f"train.global_batch_size={batch}"]
+        print(
+            f"note: {args.spec}'s micro-batch of {tc.micro_batch_size} sequences does not divide over {dp} "
+            f"data-parallel ranks of {gpus} GPUs: planned with --{flags[0]} --{flags[1]} ({micro // dp} per GPU per "
+            "micro-batch; --micro-batch N sets another).",
+            file=sys.stderr,
+        )
     return resolve_config(args.spec, overrides + flags), given + [f"--{f}" for f in flags]
 
 
@@ -284,9 +276,8 @@ def _plan_one(args: argparse.Namespace, gpus: int, cfg: RunConfig, given: list[s
         print(
             f"recommended: {s.layout.describe()}, {_fit_words(s)}; {speed_text(s, gpus, budget)}; the layout as "
             f"given {_fit_words(result)}\n  flags: {' '.join(pasted[best])}\n  rehearse one rank: {commands[best]}"
-            f"\n  launch: {launches[best]}\n"
+            f"\n  launch: {launches[best]}\n\nthe layout as given:"
         )
-        print("the layout as given:")
     print(planner.report(result))
     print(budget_line(result, gpus, budget))
     if result.tight:

@@ -132,8 +132,8 @@ def cmd_bench(argv: list[str]) -> int:
         "update, the router bias; gradients of one forward+backward kept): one more JSON line, with its share of "
         "the training step",
     )
-    parser.add_argument("--device", default=None, help="sets train.device (default: auto)")
-    parser.add_argument("--run-dir", default=None, help="where the trainer may write (default: a temporary directory)")
+    parser.add_argument("--device", help="sets train.device (default: auto)")
+    parser.add_argument("--run-dir", help="where the trainer may write (default: a temporary directory)")
     rehearsal_flags(
         parser,
         "its step time without the stand-ins, device time by kernel kind, peak memory while training, saving and "
@@ -153,20 +153,14 @@ def cmd_bench(argv: list[str]) -> int:
     if args.device is not None:
         overrides.append(f"train.device={args.device}")
 
+    as_given = ("warmup", "steps", "run_dir", "forward_backward_only", "also_forward_backward", "also_optimizer_step")
     records = run_bench(
         args.spec,
         overrides,
-        warmup=args.warmup,
-        steps=args.steps,
         routings=[r.strip() for r in args.routing.split(",") if r.strip()],
         sync_check=not args.no_sync_check,
-        run_dir=args.run_dir,
-        forward_backward_only=args.forward_backward_only,
-        also_forward_backward=args.also_forward_backward,
-        also_optimizer_step=args.also_optimizer_step,
-        rehearse=args.rehearse,
-        rank=args.rank,
         checkpoint=not args.no_checkpoint,
+        **{key: getattr(args, key) for key in (*as_given, "rehearse", "rank")},
     )
     if not dist.is_initialized() or dist.get_rank() == 0 or is_rehearsal():  # a rehearsal's one process reports
         for record in records:
@@ -190,14 +184,13 @@ def cmd_check_layout(argv: list[str]) -> int:
     )
     parser.add_argument("spec", metavar="PRESET_OR_YAML", help="a preset name (moetrain presets) or a YAML run file")
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps to compare (default 5)")
-    parser.add_argument("--seed", type=int, default=None, help="sets train.seed")
-    parser.add_argument("--device", default=None, help="sets train.device")
+    parser.add_argument("--seed", type=int, help="sets train.seed")
+    parser.add_argument("--device", help="sets train.device")
     parser.add_argument(
         "--rtol",
         type=float,
         nargs=2,
         metavar=("LOSS", "GRAD"),
-        default=None,
         help="the largest relative differences allowed for the loss and for the gradient norms at every step "
         "(default by precision, tighter at the first step, whose parameters both runs share: fp32 1e-6 1e-4, "
         "then 1e-4 1e-1; bf16 1e-3 1e-2, then 1e-2 1e-1; fp8 2e-3 2e-2, then 2e-2 2e-1)",
@@ -211,7 +204,7 @@ def cmd_check_layout(argv: list[str]) -> int:
         "planner's modelled peak of one process fits the device, else fsdp (auto, the default)",
     )
     parser.add_argument("--json", action="store_true", help="print the result as one JSON line instead of a table")
-    parser.add_argument("--reference-out", default=None, help=argparse.SUPPRESS)  # the reference's child process
+    parser.add_argument("--reference-out", help=argparse.SUPPRESS)  # the reference's child process
     args, overrides = split_overrides(parser, argv)
     if not 1 <= args.steps <= 1000:
         raise ConfigError(f"--steps={args.steps}: compare between 1 and 1000 steps (a few are the point).")

@@ -132,8 +132,7 @@ def plan(cfg: RunConfig, gpus: int, gpu: str, assume: Assumptions = Assumptions(
         raise ConfigError(f"precision.fp8={cfg.precision.fp8} needs FP8 tensor cores, which {GPUS[gpu].name} "
                           "lacks: plan it with precision.fp8=none.")  # fmt: skip
     spec, L = GPUS[gpu], layout_of(cfg, gpus)  # auto capacity_min_rows is 1024 on a GPU: `capacity_floor`
-    groups = ParamGroups.of(cfg.model)
-    ranks = memory_per_rank(cfg, L, groups, assume)
+    ranks = memory_per_rank(cfg, L, ParamGroups.of(cfg.model), assume)
     busiest = max(ranks, key=lambda r: r.peak)  # the first of equal peaks
     comm = communication(cfg, L, busiest, spec, assume)
     time = step_time(cfg, L, busiest, comm, spec, assume)

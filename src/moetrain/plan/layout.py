@@ -50,11 +50,9 @@ class Layout(ParallelDims):
         return dense + (experts if self.edp > 1 or self.shard_optimizer else 0.0)
 
     def describe(self) -> str:
-        text = super().describe()
+        text, every = super().describe(), f"/every {self.recompute_every}" if self.recompute_every > 1 else ""
         if self.recompute != "none":
-            text += f" recompute={self.recompute}" + (
-                f"/every {self.recompute_every}" if self.recompute_every > 1 else ""
-            )
+            text += f" recompute={self.recompute}{every}"
         return text + f", {self.rows_per_micro_batch} seq × {self.micro_batches} micro-batches per rank"
 
     def to_flags(self, cfg: RunConfig) -> list[str]:

@@ -68,7 +68,6 @@ def checkpoint_state_bytes(L: Layout, rank: RankMemory) -> float:
     weights = 4 * rank.local / L.replicas if L.fsdp else rank.weights
     if L.fsdp or not rank.local:
         return weights + rank.optimizer + rank.recv_buffers
-    # the buckets hold the dense gradients at dp > 1 and the experts' at edp > 1 (`bucketed`);
     # the sharded optimizer buckets every gradient, even at dp = 1
     bucketed = rank.local if L.shard_optimizer else L.bucketed(rank.dense_local, rank.expert_local)
     return weights + rank.optimizer + rank.recv_buffers + rank.grads * bucketed / rank.local
@@ -258,7 +257,6 @@ def _state(
     muon_dense = b.muon_dense if muon else 0.0
     muon_experts = b.expert_local if muon else 0.0
     grad_elem = 2 if cfg.optim.grad_dtype.value == "bf16" else 4  # optim.grad_dtype
-    expert_local = b.expert_local
     if L.fsdp:
         shard = L.replicas
         gathered = x.a  # two blocks' parameters gathered at once, in the compute dtype
@@ -273,7 +271,7 @@ def _state(
     grads = 2 * local if bf16_kept or grad_elem == 2 else 4 * local
     if not L.shard_optimizer:
         return weights, grads, moments * (local - (muon_dense + muon_experts) / 2), 0.0
-    shard = dense_local / L.replicas + expert_local / L.edp
+    shard = dense_local / L.replicas + b.expert_local / L.edp
     muon_shard = muon_dense / L.replicas + muon_experts / L.edp
     if x.bf16_weights:  # bf16 weights whole; remainders (2 B) and moments sharded
         weights, optimizer = 2 * local, 2 * shard + moments * (shard - muon_shard / 2)
@@ -281,13 +279,12 @@ def _state(
         optimizer = 4 * shard + moments * (shard - muon_shard / 2)
     # the reduce-scatters' output shards, in the gradient dtype (a view of the bucket where the
     # group has one rank)
-    reduced = (dense_local / L.replicas if L.replicas > 1 else 0) + (expert_local / L.edp if L.edp > 1 else 0)
+    reduced = (dense_local / L.replicas if L.replicas > 1 else 0) + (b.expert_local / L.edp if L.edp > 1 else 0)
     return weights, grads + grad_elem * reduced, optimizer, 0.0
 
 
 def _recv_buffers(L: Layout, stages: list[int], t: int, d_model: int) -> float:
-    """fp32 (t, D) buffers, one per micro-batch: activations for each stage fed by a previous one,
-    output gradients for each stage that feeds a next one."""
+    """`RankMemory.recv_buffers` of the pipeline rank holding `stages`: fp32 (t, d_model) buffers."""
     if L.pp == 1:
         return 0.0
     links = sum(1 for s in stages if s > 0) + sum(1 for s in stages if s < L.num_stages - 1)

@@ -103,10 +103,8 @@ def report(p: Plan) -> str:
     ]
     if len(p.peak_gib_per_pipeline_rank) > 1:
         lines.append("  peak per pipeline rank: " + ", ".join(f"{x:.1f}" for x in p.peak_gib_per_pipeline_rank))
-    lines.append("communication per GPU per step (GB sent):")
-    lines += [f"  {k:22s} {v:10.3f}" for k, v in p.comm_gb_per_step.items()] or ["  none (one GPU)"]
-    lines.append("step time (s), by part:")
-    lines += _time_lines(p)
+    comm = [f"  {k:22s} {v:10.3f}" for k, v in p.comm_gb_per_step.items()] or ["  none (one GPU)"]
+    lines += ["communication per GPU per step (GB sent):", *comm, "step time (s), by part:", *_time_lines(p)]
     lines.append(
         f"  step                   {p.step_time_s:10.4f}   tokens/s per GPU {p.tokens_per_sec_per_device:,.0f}, "
         f"MFU {100 * p.mfu:.1f}%"
@@ -284,8 +282,7 @@ def to_json(p: Plan, preset: str, gpus: int, gpu: str, suggestions: list[Plan], 
             k: getattr(L, k) for k in ("dp", "cp", "ep", "pp", "stages_per_rank", "stack", "recompute", "micro_batches")
         },
         "sequences_per_micro_batch_per_gpu": L.rows_per_micro_batch,
-        "params_per_device": p.params_per_device,
-        "memory_gib": p.memory_gib,
+        **{k: getattr(p, k) for k in ("params_per_device", "memory_gib")},
         **{k: round(getattr(p, k), 2) for k in ("activations_without_recompute_gib", "activations_full_recompute_gib")},
         "peak_mem_gib_per_device": p.peak_mem_gib_per_device,
         "capacity_gib": p.gpu.memory_gib,

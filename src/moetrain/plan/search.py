@@ -25,19 +25,18 @@ def with_layout(
     pp: int,
     ep: int,
     recompute: str,
-    shard_optimizer: bool,
     rows: int,
     dispatcher: str | None = None,
     overlap: int | None = None,
     cp: int = 1,
     round_batch: bool = False,
 ) -> RunConfig | None:
-    """A copy of `cfg` with another layout (rows = sequences per data-parallel rank per
-    micro-batch, each split over `cp` GPUs; `overlap`: parallel.overlap_chunks, the configured
-    one if None (auto where unset), auto for other dispatchers than nosync), or None when the batch or the sequence
-    cannot be split that way or the chunks cannot split the experts. With `round_batch`, a global
-    batch that is not a multiple of the micro-batch (rows · dp sequences) but holds one becomes
-    the next multiple above it (less than one micro-batch more)."""
+    """A copy of `cfg` with another layout of the ddp stack, its optimizer sharded over dp·cp > 1 ranks
+    (rows = sequences per data-parallel rank per micro-batch, each split over `cp` GPUs; `overlap`:
+    parallel.overlap_chunks, the configured one if None (auto where unset), auto for other dispatchers
+    than nosync), or None when the batch or the sequence cannot be split that way or the chunks cannot
+    split the experts. With `round_batch`, a global batch that is not a multiple of the micro-batch
+    (rows · dp sequences) but holds one becomes the next multiple above it (less than one micro-batch more)."""
     if gpus % (pp * cp) or cfg.data.seq_len % (2 * cp):
         return None
     dp = gpus // (pp * cp)
@@ -56,7 +55,7 @@ def with_layout(
             ep=ep,
             cp=cp,
             dp=None,
-            shard_optimizer=shard_optimizer and dp * cp > 1,
+            shard_optimizer=dp * cp > 1,
             dispatcher=kind,
             overlap_chunks=overlap if kind == DispatcherKind.nosync and ep > 1 else None,
             pp_schedule=PipelineSchedule.onef1b,
@@ -149,10 +148,9 @@ def _fitting(cfg: RunConfig, gpus: int, gpu: str, pp: int, cp: int, lean: bool, 
     """The plans of `suggest`'s candidates at pipeline degree `pp` and context degree `cp` that
     fit (with `lean`, only full recompute and one sequence per micro-batch; `round_batch`:
     `with_layout`'s)."""
-    m = cfg.model
     replicas = gpus // pp
-    eps = [e for e in (1, 2, 4, 8, 16, 32, 64) if replicas % e == 0 and m.moe.num_experts % e == 0]
-    out = []
+    eps = [e for e in (1, 2, 4, 8, 16, 32, 64) if replicas % e == 0 and cfg.model.moe.num_experts % e == 0]
+    out, fixed = [], dict(pp=pp, cp=cp, round_batch=round_batch)
     recomputes = ("full",) if lean else ("none", "selective", "full")
     for ep, recompute in itertools.product(eps, recomputes):
         dispatchers = {cfg.parallel.dispatcher.value}
@@ -164,17 +162,7 @@ def _fitting(cfg: RunConfig, gpus: int, gpu: str, pp: int, cp: int, lean: bool, 
             if overlap and dispatcher != DispatcherKind.nosync.value:
                 continue
             candidate = with_layout(
-                cfg,
-                gpus,
-                pp=pp,
-                ep=ep,
-                recompute=recompute,
-                shard_optimizer=True,
-                rows=rows,
-                dispatcher=dispatcher,
-                overlap=overlap,
-                cp=cp,
-                round_batch=round_batch,
+                cfg, gpus, ep=ep, recompute=recompute, rows=rows, dispatcher=dispatcher, overlap=overlap, **fixed
             )
             if candidate is None:
                 continue

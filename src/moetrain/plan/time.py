@@ -88,14 +88,13 @@ def communication(cfg: RunConfig, L: Layout, rank: RankMemory, spec: GPU, assume
         comm["fsdp_all_gather"], comm["fsdp_reduce_scatter"] = ag, rs
         comm_t["fsdp"] = (ag + rs) / (net(L.replicas) * assume.link_eff)
     elif L.replicas > 1:
-        edp = L.edp
         dense_g, expert_g = grad_elem * rank.dense_local, grad_elem * rank.expert_local
         if L.shard_optimizer:
-            red = dense_g * _ring(L.replicas) + expert_g * _ring(edp)  # reduce-scatter
-            gather = dense_b * _ring(L.replicas) + expert_b * _ring(edp)  # all-gather of updated parameters
+            red = dense_g * _ring(L.replicas) + expert_g * _ring(L.edp)  # reduce-scatter
+            gather = dense_b * _ring(L.replicas) + expert_b * _ring(L.edp)  # all-gather of updated parameters
             comm["dp_reduce_scatter"], comm["optimizer_all_gather"] = red, gather
         else:
-            red = 2 * (dense_g * _ring(L.replicas) + expert_g * _ring(edp))
+            red = 2 * (dense_g * _ring(L.replicas) + expert_g * _ring(L.edp))
             gather = 0.0
             comm["dp_all_reduce"] = red
         comm_t["dp_reduction"] = red / (net(L.replicas) * assume.link_eff)
@@ -329,19 +328,13 @@ def step_time(
         rowwise = cfg.precision.fp8 == Fp8.rowwise
         chosen, every = _fp8_flops_per_token(cfg, L) if rowwise else (1.0, 1.0)
         local_params = rank.local / (L.replicas if L.fsdp else 1)
-        t_fp8 = (
-            chosen
-            / every
-            * (assume.fp8_quant_passes if rowwise else assume.mxfp8_quant_passes)
-            * L.micro_batches
-            * (rank.blocks_none + 4 * local_params)
-            / (spec.hbm_bytes_s * assume.hbm_eff)
-        )
-    t_recompute = _recompute_time(
-        cfg, L, assume, t_casts, t_elementwise, t_gemm + t_tiles + t_casts + t_elementwise + t_fp8
-    )
+        passes = assume.fp8_quant_passes if rowwise else assume.mxfp8_quant_passes
+        hbm = spec.hbm_bytes_s * assume.hbm_eff
+        t_fp8 = chosen / every * passes * L.micro_batches * (rank.blocks_none + 4 * local_params) / hbm
+    t_blocks = t_gemm + t_tiles + t_casts + t_elementwise + t_fp8  # what recompute repeats a share of
+    t_recompute = _recompute_time(cfg, L, assume, t_casts, t_elementwise, t_blocks)
     t_chunks = _chunk_time(cfg, L, rank, spec, assume)
-    compute = t_gemm + t_tiles + t_casts + t_elementwise + t_fp8 + t_recompute + t_chunks
+    compute = t_blocks + t_recompute + t_chunks
     per_mb = compute / L.micro_batches
     t_bubble = (L.pp - 1) / L.stages_per_rank * per_mb if L.pp > 1 else 0.0
     seconds = comm.seconds
@@ -355,22 +348,8 @@ def step_time(
     t_cp = seconds.get("context_exchange", 0.0)  # not overlapped: each layer waits for its keys
     step = compute + t_optimizer + t_bubble + t_dp + t_fsdp + t_a2a + t_pp + t_cp
     tokens_per_device = t * L.micro_batches * (1.0 if L.pp == 1 else 1.0 / L.pp)
-    parts = {
-        "gemm_and_attention": t_gemm,
-        "expert_gemm_tiles": t_tiles,
-        "weight_casts": t_casts,
-        "element_wise": t_elementwise,
-        "fp8_quantization": t_fp8,
-        "recompute": t_recompute,
-        "overlap_chunk_grads": t_chunks,
-        "optimizer": t_optimizer,
-        "pipeline_bubble": t_bubble,
-        "expert_all_to_all": t_a2a,
-        "dp_reductions": t_dp,
-        "fsdp_exposed": t_fsdp,
-        "pipeline_sends": t_pp,
-        "context_exchange": t_cp,
-    }
+    compute_parts = (t_gemm, t_tiles, t_casts, t_elementwise, t_fp8, t_recompute, t_chunks, t_optimizer)
+    parts = dict(zip(COMPUTE_PARTS + PEER_PARTS, (*compute_parts, t_bubble, t_a2a, t_dp, t_fsdp, t_pp, t_cp)))
     return StepTime(parts, step, fpt * tokens_per_device / step / spec.bf16_flops, tokens_per_device)
 
 
