@@ -5,7 +5,7 @@ import pytest
 from moetrain.config import apply_overrides, load_yaml
 from moetrain.errors import ConfigError
 from moetrain.model.config import Routing
-from moetrain.presets import PRESETS, resolve_config
+from moetrain.presets import PRESETS, preset, resolve_config
 from moetrain.train.config import RunConfig
 
 
@@ -87,6 +87,15 @@ def test_unknown_key_in_yaml_names_file_and_key(tmp_path):
     with pytest.raises(ConfigError) as e:
         resolve_config(str(path))
     assert "run.yaml" in str(e.value) and "model.d_modle" in str(e.value) and "d_model" in str(e.value)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_each_call_of_a_preset_gets_a_config_of_its_own(name):
+    first = preset(name)
+    pristine = first.to_yaml()
+    first.model.n_layers += 1
+    first.model.moe.num_experts += 1
+    assert preset(name).to_yaml() == pristine
 
 
 def test_unknown_preset():

@@ -7,6 +7,7 @@ top-level `preset: NAME` key and override any section below it.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 from collections.abc import Callable
@@ -143,8 +144,9 @@ def _olmo_core_model(
 
 
 def _big_run(model: TransformerConfig, *, seq_len: int, gpus: int, global_batch: int, lr: float) -> RunConfig:
-    """Batch sizes are global: one sequence per GPU per micro-batch at the reference GPU count."""
-    cfg = RunConfig(model=model)
+    """Batch sizes are global: one sequence per GPU per micro-batch at the reference GPU count.
+    `model` is copied: a preset's maker hands each call a config of its own."""
+    cfg = RunConfig(model=copy.deepcopy(model))
     cfg.data.seq_len = seq_len
     cfg.optim.lr = lr
     cfg.schedule.warmup_steps = 2000
