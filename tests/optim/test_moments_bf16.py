@@ -138,9 +138,9 @@ def test_a_bf16_moment_checkpoint_resumes_with_fp32_moments(tiny_cfg, tmp_path):
     for _ in range(3):
         first.train_step()
     first.save()
-    saved = {n: s["exp_avg_sq"].clone() for n, s in first.engine.optimizer.state_dict_tensors().items()}
+    saved = {n: s["exp_avg_sq"].clone() for n, s in first.engine.optimizer.checkpoint_tensors().items()}
     resumed = Trainer(tiny_cfg(run, "optim.moments_dtype=fp32", "train.eval_every=0"), resume=True, quiet=True)
-    loaded = resumed.engine.optimizer.state_dict_tensors()
+    loaded = resumed.engine.optimizer.checkpoint_tensors()
     assert resumed.step == 3
     for name, value in saved.items():
         assert loaded[name]["exp_avg_sq"].dtype == torch.float32

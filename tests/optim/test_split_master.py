@@ -7,7 +7,14 @@ import pytest
 import torch
 from conftest import tiny_overrides
 from support.distributed import call_each, run_distributed
-from support.steps import ADAMW_HYPER, adamw_inputs, carry_checkpoint, run_in_triton_interpreter, synthetic_batches
+from support.steps import (
+    ADAMW_HYPER,
+    adamw_inputs,
+    carry_checkpoint,
+    run_in_triton_interpreter,
+    saved_state,
+    synthetic_batches,
+)
 
 from moetrain.errors import ConfigError
 from moetrain.optim.adamw import adamw_reference
@@ -195,7 +202,7 @@ def run_steps(engine, cfg, steps, start=0):
 
 
 @pytest.mark.parametrize("micro_batch", [8, 4])
-def test_a_run_with_bf16_weights_computes_what_autocast_computes(bf16_cfg, micro_batch):
+def test_a_run_with_bf16_weights_computes_what_autocast_computes(bf16_cfg, micro_batch, tmp_path):
     """Same steps, same losses and norms up to bf16 tie rounding and summation order, with one
     backward per step (the bf16 gradients are kept) and two (summed in fp32); the matrices are
     bf16 parameters with no gradient left on them, the rest stays fp32."""
@@ -213,7 +220,7 @@ def test_a_run_with_bf16_weights_computes_what_autocast_computes(bf16_cfg, micro
     assert dtypes["embed.weight"] == dtypes["norm.weight"] == dtypes["blocks.1.ffn.router.weight"] == torch.float32
     assert all(p.grad is None for p in split.model.parameters() if p.dtype == torch.bfloat16)
     # The masters moved away from their bf16 values (updates smaller than a bf16 ulp are kept).
-    master = split.optimizer.master_weights()["lm_head.weight"]
+    master = saved_state(split, tmp_path / "saved")["model"]["lm_head.weight"]
     assert not torch.equal(master, split.model.lm_head.weight.float())
     # Optimizer state: the remainder (2 B) and two moments (8 B) per split element, as fp32 AdamW's 8 B + 4 B weights.
     numel = sum(p.numel() for p in split.model.parameters() if p.dtype == torch.bfloat16)
@@ -226,9 +233,9 @@ def test_checkpoint_state_is_fp32_and_resumes_bit_for_bit(bf16_cfg, tmp_path):
     torch.manual_seed(0)
     a = TrainEngine(cfg, one_process(), torch.device("cpu"))
     run_steps(a, cfg, 3)
-    state = {section: {k: v.clone() for k, v in t.items()} for section, t in a.state_dict().items()}
+    state = saved_state(a, tmp_path / "whole")
     assert all(v.dtype == torch.float32 for k, v in state["model"].items()), "checkpoints hold fp32 weights"
-    assert torch.equal(state["model"]["lm_head.weight"], a.optimizer.master_weights()["lm_head.weight"])
+    assert not torch.equal(state["model"]["lm_head.weight"], a.model.lm_head.weight.float()), "the masters, not bf16"
     b = TrainEngine(cfg, one_process(), torch.device("cpu"))
     # The same checkpoint into a run without bf16 weights: its fp32 weights are the masters.
     c = TrainEngine(bf16_cfg(False), one_process(), torch.device("cpu"))
@@ -367,13 +374,13 @@ def _sharded_beside_replicated(args):
     for step in range(4):
         losses["sharded"].append(sharded.train_step(rows(step), step).lm_loss.item())
         losses["replicated"].append(replicated.train_step(rows(step), step).lm_loss.item())
-    masters = {k: v.clone() for k, v in sharded.optimizer.master_weights().items()}
-    ref = replicated.optimizer.master_weights()
+    masters = saved_state(sharded, run_dir / "sharded")["model"]
+    ref = saved_state(replicated, run_dir / "replicated")["model"]
     worst = max(((masters[k] - ref[k]).abs().max() / (ref[k].abs().max() + 1e-12)).item() for k in ref)
     assert all(p.dtype == torch.bfloat16 for n, p in sharded.model.named_parameters() if "attn.wq" in n)
     _, fresh = engine(False)
     carry_checkpoint(sharded, run_dir / "saved", fresh)
-    loaded = fresh.optimizer.master_weights()
+    loaded = saved_state(fresh, run_dir / "fresh")["model"]
     exact = all(torch.equal(loaded[k], masters[k]) for k in masters)
     memory = (sharded.optimizer.memory_bytes(), replicated.optimizer.memory_bytes())
     return losses, worst, exact, memory, len(masters)

@@ -199,10 +199,12 @@ RESHARD_TARGETS = {
 }
 
 
-def _whole_state(engine) -> dict:
-    """Every entry this rank holds, whole (the in-memory `state_dict`, which gathers), as
-    (dtype, shape, bytes)."""
-    return {f"{s}/{k}": _bits(v) for s, entries in engine.state_dict().items() for k, v in entries.items()}
+def _whole_state(engine, run_dir) -> dict:
+    """Every entry of `engine`'s state, whole, as its checkpoint under `run_dir` holds it (all
+    ranks save and read it back: `saved_state`), as (dtype, shape, bytes)."""
+    from support.steps import saved_state
+
+    return {f"{s}/{k}": _bits(v) for s, entries in saved_state(engine, run_dir).items() for k, v in entries.items()}
 
 
 def _bits(t: torch.Tensor) -> tuple[str, tuple[int, ...], bytes]:
@@ -227,20 +229,21 @@ def _save_sharded_then_load_everywhere(data_dir, run_dir):
     for step in range(2):
         source.train_step(synthetic_batches(cfg, step, rank, rows=1), step)
     path = save_checkpoint(run_dir, 2, source.checkpoint_state(), {"step": 2})
-    out = {"source": _whole_state(source)}
+    out = {"source": _whole_state(source, run_dir / "whole" / "source")}
     for name, extra in RESHARD_TARGETS.items():
         _, target = engine(*extra)
         load_checkpoint(path, target.checkpoint_state())
         target.checkpoint_loaded()
-        out[name] = _whole_state(target)
+        out[name] = _whole_state(target, run_dir / "whole" / name)
     return out
 
 
 def test_a_sharded_bf16_weights_checkpoint_loads_bit_for_bit_into_every_layout(real_text_dir, tmp_path):
     """dp4·ep2, sharded optimizer, bf16 weights: each rank saves its ranges of the fp32 masters
-    (joined from the bf16 weights and its remainders) and of the moments. The stored entries are
-    what the run holds, gathered; and dp4 with fp32 weights, dp4·ep4 sharded, fsdp4, pp2·dp2·ep2
-    with bf16 weights and one process with bf16 weights each load exactly those values."""
+    (joined from the bf16 weights and its remainders) and of the moments. A second save of the
+    run stores the same entries; and dp4 with fp32 weights, dp4·ep4 sharded, fsdp4, pp2·dp2·ep2
+    with bf16 weights and one process with bf16 weights each load exactly those values (what each
+    saves in turn is the stored checkpoint, bit for bit)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     from moetrain.parallel.dims import ParallelDims, ParallelState
@@ -262,7 +265,7 @@ def test_a_sharded_bf16_weights_checkpoint_loads_bit_for_bit_into_every_layout(r
     load_checkpoint(path, one.checkpoint_state())
     one.checkpoint_loaded()
     layouts = {name: [by_rank[name] for by_rank in results] for name in ["source", *RESHARD_TARGETS]}
-    layouts["one process, bf16 weights"] = [_whole_state(one)]
+    layouts["one process, bf16 weights"] = [_whole_state(one, tmp_path / "one" / "whole")]
     for name, ranks in layouts.items():
         held = {}
         for entries in ranks:

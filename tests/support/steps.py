@@ -46,6 +46,22 @@ def carry_checkpoint(source, run_dir, *targets) -> None:
         target.checkpoint_loaded()
 
 
+def saved_state(engine, run_dir) -> dict[str, dict[str, torch.Tensor]]:
+    """What `engine`'s `checkpoint_state()` saves (with DCP under `run_dir`; every rank calls
+    this, `run_dir` the same on all), read back whole on every rank: {"model": {entry: tensor},
+    "optim": {"NAME.KEY": tensor}}, experts split per global index ("…/E")."""
+    from moetrain.train.checkpoint_index import read_index
+    from moetrain.train.checkpoint_io import load_checkpoint, save_checkpoint
+
+    path = save_checkpoint(run_dir, 0, engine.checkpoint_state(), {"step": 0})
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for key, entry in read_index(path)[0].state_dict_metadata.items():
+        section, name = key.split(".", 1)
+        out.setdefault(section, {})[name] = torch.empty(entry.size, dtype=entry.properties.dtype)
+    load_checkpoint(path, out)
+    return out
+
+
 def adamw_inputs(n: int = 4096, seed: int = 1, moments_dtype: torch.dtype = torch.float32):
     """(param, grad, exp_avg, exp_avg_sq) of `n` elements, seeded."""
     g = torch.Generator().manual_seed(seed)

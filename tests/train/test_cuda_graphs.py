@@ -45,7 +45,7 @@ def cfg(tiny_cfg, tmp_path):
 
 def state(engine) -> dict[str, torch.Tensor]:
     out = {f"param {n}": p.detach().clone() for n, p in engine.model.named_parameters()}
-    for name, tensors in engine.optimizer.state_dict_tensors().items():
+    for name, tensors in engine.optimizer.checkpoint_tensors().items():
         out.update({f"{k} {name}": v.detach().clone() for k, v in tensors.items()})
     for i, moe in enumerate(engine.model.moe_layers()):
         out[f"bias {i}"] = moe.router.expert_bias_E.clone()

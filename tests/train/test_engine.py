@@ -59,13 +59,13 @@ def test_a_checkpoint_round_trip_continues_bit_for_bit(cfg, tmp_path):
     for (n, p), q in zip(params(a).items(), params(b).values()):
         assert torch.equal(p, q), n
     # the experts are split per global index in the layout-free format
-    assert any(k.endswith("w_down_EDF/0") for k in a.state_dict()["model"])
+    assert any(k.endswith("w_down_EDF/0") for k in a.checkpoint_state()["model"])
 
 
 def test_drop_step_changes_no_state_and_set_routing_switches_the_routers(cfg):
     engine = TrainEngine(cfg, one_process(), torch.device("cpu"))
     before = params(engine)
-    moments = {n: {k: v.clone() for k, v in s.items()} for n, s in engine.optimizer.state_dict_tensors().items()}
+    moments = {n: {k: v.clone() for k, v in s.items()} for n, s in engine.optimizer.checkpoint_tensors().items()}
     biases = [m.router.expert_bias_E.clone() for m in engine.model.moe_layers()]
     out = engine.drop_step(engine.forward_backward(batches(cfg, 0)))
     assert float(out.grad_norm) == 0.0 and out.lr == 0.0
@@ -73,7 +73,7 @@ def test_drop_step_changes_no_state_and_set_routing_switches_the_routers(cfg):
     assert all(int(m.step_calls) == 0 for m in engine.model.moe_layers())  # and reset
     for (n, p), q in zip(before.items(), params(engine).values()):
         assert torch.equal(p, q), n
-    for n, s in engine.optimizer.state_dict_tensors().items():
+    for n, s in engine.optimizer.checkpoint_tensors().items():
         assert all(torch.equal(s[k], moments[n][k]) for k in s), n
     assert all(torch.equal(a, m.router.expert_bias_E) for a, m in zip(biases, engine.model.moe_layers()))
     assert all(p.grad is None or not p.grad.any() for p in engine.model.parameters())

@@ -52,7 +52,7 @@ def poison(trainer, calls):
 def snapshot(trainer):
     params = {n: p.detach().clone() for n, p in trainer.engine.model.named_parameters()}
     moments = {
-        n: {k: v.clone() for k, v in s.items()} for n, s in trainer.engine.optimizer.state_dict_tensors().items()
+        n: {k: v.clone() for k, v in s.items()} for n, s in trainer.engine.optimizer.checkpoint_tensors().items()
     }
     biases = [m.router.expert_bias_E.clone() for m in trainer.engine.model.moe_layers()]
     return params, moments, biases

@@ -113,19 +113,13 @@ class Optimizer(Protocol):
         """Run `hook(skip)` after every step (state updated at optimizer time: the router bias)."""
         ...
 
-    def state_dict_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Per parameter (canonical name): the update rule's state (AdamW's "exp_avg",
-        "exp_avg_sq"; Lion's "lion_momentum") shaped like the parameter this rank holds, and a 0-d
-        float32 "step" (a Muon matrix: its "momentum" alone) — whole: the sharded optimizers
-        gather them (collective; a model-sized temporary), so this is for tests and tools, not
-        checkpoints."""
-        ...
-
     def checkpoint_tensors(self) -> dict[str, dict[str, torch.Tensor | FlatShard]]:
-        """`state_dict_tensors`' entries as the part of them this rank holds, with no copy and
-        no communication: the live tensors where it holds a parameter's state whole, `FlatShard`s
-        of the ranges it holds (the sharded optimizer), the live 0-d "step". A checkpoint saves
-        from them and loads into them in place; then `checkpoint_loaded`."""
+        """Per parameter (canonical name): the update rule's state (AdamW's "exp_avg",
+        "exp_avg_sq"; Lion's "lion_momentum") and a 0-d float32 "step" (a Muon matrix: its
+        "momentum" alone), as the part of it this rank holds, with no copy and no communication:
+        the live tensors where it holds a parameter's state whole, `FlatShard`s of the ranges it
+        holds (the sharded optimizer). A checkpoint saves from them and loads into them in place;
+        then `checkpoint_loaded`."""
         ...
 
     def checkpoint_masters(self) -> dict[str, FlatShard]:
@@ -146,11 +140,6 @@ class Optimizer(Protocol):
         parameter's reduced gradient, whether this rank counts it) for every parameter with a
         gradient. Summed over the ranks that count, Σ‖part‖² gives every element once: a part held
         alike by several ranks (replicas) counts on one of them (`moetrain check-layout`)."""
-        ...
-
-    def master_weights(self) -> dict[str, torch.Tensor]:
-        """Canonical name → fp32 master of each parameter the model holds in lower precision
-        (optim.bf16_weights), as temporaries; what a checkpoint saves for them. {} otherwise."""
         ...
 
 
@@ -182,9 +171,6 @@ class StepHooks(abc.ABC):
         else:
             torch._foreach_mul_(grads, coef)
         return coef
-
-    def master_weights(self) -> dict[str, torch.Tensor]:
-        return {}
 
     def checkpoint_masters(self) -> dict[str, FlatShard]:
         return {}

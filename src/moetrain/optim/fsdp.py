@@ -132,20 +132,6 @@ class FSDPAdamW(TorchAdamW):
             for name, p in self.model.named_parameters()
         }
 
-    def state_dict_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Per-parameter FULL state keyed by canonical name (the layout of the other
-        optimizers), in memory, for tests and tools (checkpoints use `checkpoint_tensors`).
-        Collective: the shards are all-gathered (briefly the unsharded state, AdamW's 8 bytes per
-        parameter element)."""
-        reshard(self.model)  # the parameters must be the sharded ones AdamW holds state for
-        out = {n: {"momentum": full_tensor(_like(p, m))} for (n, p), m in zip(self.muon_named, self.muon.momentum)}
-        for name, p in self.model.named_parameters():
-            if canonical_name(name) in out:
-                continue
-            live = self._live_state(p)
-            out[canonical_name(name)] = {k: v if k == "step" else full_tensor(v) for k, v in live.items()}
-        return out
-
 
 def _muon_part(p: nn.Parameter, shape: MatrixShape, moments_dtype: torch.dtype) -> LocalMatrices:
     """This rank's shard of `p` as `Muon`'s part: rows of a matrix (gathered whole, the iteration

@@ -134,13 +134,6 @@ class ReplicatedAdamW(TorchAdamW):
         else:
             super().zero_grad()
 
-    def master_weights(self) -> dict[str, torch.Tensor]:
-        """The bf16 parameters' fp32 masters by canonical name (temporaries); {} without
-        optim.bf16_weights."""
-        if self.split is None:
-            return {}
-        return {canonical_name(n): t for n, t in self.split.master_weights().items()}
-
     def checkpoint_masters(self) -> dict[str, FlatShard]:
         """The bf16 parameters' fp32 masters as split shards over the whole of their live
         halves (every rank holds them whole): a checkpoint joins them block by block as it writes
@@ -155,10 +148,6 @@ class ReplicatedAdamW(TorchAdamW):
                 tuple(p.shape), 0, hi=s.hi[off : off + n], lo=s.lo[off : off + n], replicated=True
             )
         return out
-
-    def checkpoint_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
-        """The live optimizer state per parameter (`state_dict_tensors`: views, nothing gathered)."""
-        return self.state_dict_tensors()
 
     def grad_bytes(self) -> int:
         """The reducer's buckets (split ones are `SplitMaster`'s gradients), or the gradients
@@ -176,9 +165,9 @@ class ReplicatedAdamW(TorchAdamW):
     def memory_bytes(self) -> int:
         return super().memory_bytes() + (self.split.memory_bytes() if self.split is not None else 0)
 
-    def state_dict_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
-        """The live optimizer state per parameter (created as zeros for a fresh optimizer, so a
-        checkpoint can be loaded into it in place)."""
+    def checkpoint_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The live optimizer state per parameter, views (created as zeros for a fresh optimizer,
+        so a checkpoint can be loaded into it in place)."""
         own = self.split.state_tensors() if self.split is not None else {}
         own.update({name: {"momentum": m} for (name, _), m in zip(self.muon_named, self.muon.momentum)})
         return {

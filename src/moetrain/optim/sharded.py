@@ -49,7 +49,7 @@ from moetrain.optim.base import FlatShard, StepHooks, param_groups, use_fused
 from moetrain.optim.grad_reducer import Bucket, GradReducer
 from moetrain.optim.muon import LocalMatrices, MatrixShape, Muon, MuonConfig, muon_matrices
 from moetrain.optim.rule import UpdateGroup
-from moetrain.optim.split_master import is_split_candidate, join, split_fp32
+from moetrain.optim.split_master import is_split_candidate, split_fp32
 from moetrain.parallel.dims import ParallelState
 
 if TYPE_CHECKING:
@@ -342,18 +342,6 @@ class ShardedAdamW(StepHooks):
         tensors += [b.lo_S for b in self.buckets if b.split]
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def master_weights(self) -> dict[str, torch.Tensor]:
-        """The split parameters' fp32 masters by canonical name (full temporaries). Collective:
-        each split bucket's remainders are all-gathered over its group (2 bytes per element)."""
-        out = {}
-        for b in (b for b in self.buckets if b.split):
-            # int16 travels as bf16 (the same bits; gloo has no int16)
-            lo_N = self._gather(b, b.lo_S.view(torch.bfloat16)).view(torch.int16)
-            for p, off in zip(b.params, b.offsets):
-                n = p.numel()
-                out[self.names[id(p)]] = join(b.params_N[off : off + n], lo_N[off : off + n]).view(p.shape)
-        return out
-
     def checkpoint_tensors(self) -> dict[str, dict[str, torch.Tensor | FlatShard]]:
         """Per parameter, the pieces of its state in this rank's bucket shards (`FlatShard`s over
         `state_S`, absent where the shard holds none of the parameter) and the live step count
@@ -395,21 +383,6 @@ class ShardedAdamW(StepHooks):
                 master.copy_(b.params_N[b.lo : b.hi])
             elif b.group is not None:
                 _all_gather(b.params_N, b.params_N[b.lo : b.hi].clone(), group=b.group)
-
-    def state_dict_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Per-parameter FULL state keyed by canonical parameter name (`Optimizer.state_dict_tensors`;
-        "step" a 0-d float32 on the CPU). Collective: each bucket's state is all-gathered over its
-        group, so this briefly holds the unsharded state that sharding saves during training."""
-        out: dict[str, dict[str, torch.Tensor]] = {}
-        step = self._step_t.detach().to("cpu", copy=True)  # one read for all parameters
-        for b, state_S in zip(self.buckets, self.state_S):
-            full = {key: self._gather(b, shard_S) for key, shard_S in state_S.items()}
-            for p, off in zip(b.params, b.offsets):
-                entry = {key: full_N[off : off + p.numel()].view_as(p) for key, full_N in full.items()}
-                if not b.muon:
-                    entry["step"] = step.clone()
-                out[self.names[id(p)]] = entry
-        return out
 
     def _gather(self, b: _ShardedBucket, shard_S: torch.Tensor) -> torch.Tensor:
         if b.group is None:

@@ -206,10 +206,6 @@ class SplitMaster:
             for i, name in enumerate(self.names)
         }
 
-    def master_weights(self) -> dict[str, torch.Tensor]:
-        """Parameter name → its fp32 master (a temporary: `join` of hi and lo)."""
-        return {name: join(self.view(self.hi, i), self.view(self.lo, i)) for i, name in enumerate(self.names)}
-
     def memory_bytes(self) -> int:
         """lo and the rule's state (hi is the parameter, `grad` the gradient)."""
         return sum(t.numel() * t.element_size() for t in (self.lo, *self.state.values()))

@@ -10,7 +10,7 @@ The model stays plain: `init_weights(fill=init_full_then_shard)` initializes eac
 full temporary and keeps this rank's shard, so values match every other layout. Checkpoints save
 and load each rank's rows of every parameter and moment (`local_flat_range`: a dim-0 shard is one
 flat range of the whole tensor) under the ddp stack's entry names and shapes, so any layout loads
-them; the in-memory `TrainEngine.state_dict()` gathers full tensors (`full_tensor`) instead.
+them; nothing is gathered.
 """
 
 from __future__ import annotations

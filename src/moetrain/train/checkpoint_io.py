@@ -347,12 +347,10 @@ def save_weights(out: Path, cfg, model: nn.Module, tokenizer: Path, origin: dict
     return save_checkpoint(out, 0, {"model": model_state_dict(model)}, {"step": 0, **origin}, extra_files=extra)
 
 
-def model_state_dict(model: nn.Module, masters: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+def model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's parameters and persistent buffers by canonical name, experts split per global
-    index, whole: views of the live tensors, or gathered temporaries of FSDP's shards (collective).
-    `masters` (canonical name → fp32 tensor) stand in for optim.bf16_weights' bf16 parameters."""
-    masters = masters or {}
-    return _model_entries(model, lambda name, tensor: masters[name] if name in masters else full_tensor(tensor))
+    index, whole: views of the live tensors, or gathered temporaries of FSDP's shards (collective)."""
+    return _model_entries(model, lambda _, tensor: full_tensor(tensor))
 
 
 def _model_entries(model: nn.Module, value: Callable[[str, torch.Tensor], Any]) -> dict[str, Any]:
@@ -367,7 +365,7 @@ def _model_entries(model: nn.Module, value: Callable[[str, torch.Tensor], Any]) 
 
 
 def optimizer_state_dict(model: nn.Module, tensors: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """An optimizer's `state_dict_tensors()` as flat entries "NAME.KEY", experts split per
+    """An optimizer's `checkpoint_tensors()` as flat entries "NAME.KEY", experts split per
     global index like the model's."""
     offsets = _expert_offsets(model)
     out: dict[str, torch.Tensor] = {}

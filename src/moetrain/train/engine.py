@@ -409,13 +409,6 @@ class TrainEngine:
         if self.step_graph is not None:
             self.step_graph.reset()
 
-    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
-        """`checkpoint_state`'s entries whole, in memory (tests, tools); collective when sharded."""
-        return {
-            "model": checkpoint_io.model_state_dict(self.model, self.optimizer.master_weights()),
-            "optim": checkpoint_io.optimizer_state_dict(self.model, self.optimizer.state_dict_tensors()),
-        }
-
     def load_model_weights(self, path) -> None:
         """Only the model's weights from the checkpoint at `path` (checkpoint.init_from), each rank
         reading its part; the optimizer refreshes its copies of them (moments stay fresh)."""
