@@ -321,10 +321,8 @@ class _Share:
         _all_gather(out.view(-1), out[self.rank].clone(), group=self.group)
         parts: dict[int, list[tuple[int, torch.Tensor]]] = {}
         for r, (rank_runs, rank_lengths) in enumerate(zip(runs, lengths)):
-            at = 0
-            for (i, f, _), length in zip(rank_runs, rank_lengths):
-                parts.setdefault(i, []).append((f, out[r, at : at + length]))
-                at += length
+            for (i, f, _), o in zip(rank_runs, out[r, : sum(rank_lengths)].split(rank_lengths)):
+                parts.setdefault(i, []).append((f, o))
         for i in sorted(parts):
             yield i, torch.cat([o for _, o in sorted(parts[i], key=lambda part: part[0])])
 

@@ -28,6 +28,8 @@ stay bf16 throughout (src/moetrain/optim/grad_store.py).
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
@@ -92,16 +94,12 @@ class SplitMaster:
         # one parameter, not a second copy of the model.
         self.hi = torch.empty(numel, dtype=torch.bfloat16, device=device)
         self.lo = torch.empty(numel, dtype=torch.int16, device=device)
-        self.offsets: list[int] = []
-        offset = 0
-        for p in self.params:
-            n = p.numel()
+        self.offsets = [0, *itertools.accumulate(p.numel() for p in self.params)][:-1]
+        for i, p in enumerate(self.params):
             hi, lo = split_fp32(p.data)
-            self.hi[offset : offset + n].copy_(hi.flatten())
-            self.lo[offset : offset + n].copy_(lo.flatten())
-            p.data = self.hi[offset : offset + n].view(p.shape)
-            self.offsets.append(offset)
-            offset += n
+            self.view(self.hi, i).copy_(hi)
+            self.view(self.lo, i).copy_(lo)
+            p.data = self.view(self.hi, i)
         self.state = {k: torch.zeros(numel, dtype=moments_dtype, device=device) for k in state}
         """The update rule's state (`UpdateRule.state`), flat."""
         self.step = torch.zeros((), dtype=torch.float32, device=device)

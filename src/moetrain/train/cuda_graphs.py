@@ -264,15 +264,13 @@ class StepGraph:
             self.reset(update)
         if self.outputs is None and self._warm < WARMUP_STEPS:
             return self._warm_up(batches, step)
+        keep = True
         if self.judge and len(self.replay_timings) == JUDGED_REPLAYS:
             keep, why = self._judged()
             if not keep:
                 self.reset(self.update)  # the graph's memory goes back before the engine drops it
-                self.engine.settle_cuda_graphs(False, why)
-                self.eager += 1
-                return self._eager(batches, step)
-            self.engine.settle_cuda_graphs(True, why)
-        if self.outputs is not None or (self.failed is None and self._capture(step, batches)):
+            self.engine.settle_cuda_graphs(keep, why)
+        if keep and (self.outputs is not None or (self.failed is None and self._capture(step, batches))):
             return self._replay(batches, step)
         self.eager += 1
         return self._eager(batches, step)
@@ -281,13 +279,12 @@ class StepGraph:
         """One of the eager steps before a capture, on the capture's stream (timed while judging)."""
         self._warm += 1
         self.eager += 1
-        with self.backend.on_capture_stream():
-            if not self.judge or self._warm == 1:
-                return self._eager(batches, step)
-            with self.backend.timed() as device_s:
-                out = self._eager(batches, step)
+        timed = self.judge and self._warm > 1
+        with self.backend.on_capture_stream(), self.backend.timed() if timed else contextlib.nullcontext() as device_s:
+            out = self._eager(batches, step)
+        if timed:
             self.eager_timings.append(device_s)
-            return out
+        return out
 
     def _judged(self) -> tuple[bool, str]:
         """compute.cuda_graphs=auto's choice, made once from the timed steps (the fastest of each
