@@ -248,11 +248,10 @@ class Trainer:
         if planned is None:
             planned = load_yaml(path / "config.yaml").get("train", {}).get("steps", self.cfg.train.steps)
         tc, cfg = self.cfg.train, self.cfg
-        if planned == tc.steps:
-            self.engine.schedule_steps = planned
-            return
         keep = tc.extend == Extend.keep
         self.engine.schedule_steps = planned if keep else tc.steps
+        if planned == tc.steps:
+            return
         # the steps as the logs number them (from 1): the next one is self.step + 1
         kept = lr_at(self.step, planned, cfg.optim.lr, cfg.schedule)
         replanned = lr_at(self.step, tc.steps, cfg.optim.lr, cfg.schedule)
