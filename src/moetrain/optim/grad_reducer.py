@@ -202,8 +202,7 @@ class GradReducer:
         return p.grad if id(p) not in self.store.views else self.store.grad(p)
 
     def prepare(self, sync: bool, backward_passes: int = 1) -> None:
-        """Call before each micro-batch's backward, `sync=True` for the last one of the step; or
-        once before `backward_passes` backward passes that end the step (a pipeline step)."""
+        """`GradReduction.prepare`: with `sync`, expect every parameter's hook `backward_passes` times."""
         self.sync = sync
         if sync:
             for b in self.buckets:

@@ -203,7 +203,6 @@ class StepGraph:
         self.engine, self.backend = engine, backend
         engine.optimizer.put_lr_on_device()
         self.judge = judge
-        """compute.cuda_graphs=auto: time eager steps and replays (the class docstring)."""
         self.eager_timings: list[Callable[[], float]] = []
         self.replay_timings: list[Callable[[], float]] = []
         self.inputs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
