@@ -221,8 +221,7 @@ class GradReducer:
             bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
 
     def finish(self) -> None:
-        """Wait for every reduction (starting those whose parameters got no gradient). With the
-        losses scaled by `loss_scale`, the reduced gradients are the means over the global batch."""
+        """Wait for every reduction (starting those whose parameters got no gradient)."""
         # Zero the gradients no backward reached, before they are sent: the split parameters'
         # (`SplitMaster.finish`), then the hooked ones.
         if self.split is not None:

@@ -105,10 +105,9 @@ class MatrixShape:
 
 
 def muon_matrices(model: nn.Module) -> dict[int, MatrixShape]:
-    """id → `MatrixShape` of each parameter Muon updates (module docstring): `nn.Linear` weights
-    inside the blocks (the multi-token prediction modules' included), and each expert's gate, up
-    and down matrices. A model without `blocks` (a test's plain module) gives every `nn.Linear`
-    weight."""
+    """id → `MatrixShape` of each parameter Muon updates (module docstring; the multi-token
+    prediction modules' included). A model without `blocks` (a test's plain module) gives every
+    `nn.Linear` weight."""
     roots = [getattr(model, "blocks", model)] + ([model.mtp] if getattr(model, "mtp", None) is not None else [])
     out: dict[int, MatrixShape] = {}
     for module in (m for root in roots for m in root.modules()):

@@ -108,15 +108,13 @@ class SplitMaster:
         """Of the accumulated and the kept gradients (optim.grad_dtype)."""
         self.persistent = [id(p) in persistent for p in self.params]
         """Per parameter: whether its gradient is kept, a view of one flat buffer (in this order)."""
-        kept = sum(p.numel() for p, keep in zip(self.params, self.persistent) if keep)
-        flat_grad = torch.zeros(kept, dtype=grad_dtype, device=device) if kept else None
-        self.grads: list[torch.Tensor | None] = []
+        kept = [p.numel() for p, keep in zip(self.params, self.persistent) if keep]
+        kept_grads = iter(torch.zeros(sum(kept), dtype=grad_dtype, device=device).split(kept) if kept else ())
+        self.grads: list[torch.Tensor | None] = [
+            next(kept_grads).view(p.shape) if keep else None for p, keep in zip(self.params, self.persistent)
+        ]
         """Per parameter: its gradient (None before the step's first backward reaches it; bf16
         after one backward, `grad_dtype` after more; a view of the flat buffer if `persistent`)."""
-        offset = 0
-        for p, keep in zip(self.params, self.persistent):
-            self.grads.append(flat_grad[offset : offset + p.numel()].view(p.shape) if keep else None)
-            offset += p.numel() if keep else 0
         self._views: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self._written: set[int] = set()
         self._index = {id(p): i for i, p in enumerate(self.params)}

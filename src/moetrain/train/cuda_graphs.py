@@ -108,10 +108,8 @@ class CudaGraph:
             try:
                 out = fn()
             except Exception as error:
-                try:
+                with contextlib.suppress(RuntimeError):  # the capture was invalidated by the error itself
                     graph.capture_end()
-                except RuntimeError:
-                    pass  # the capture was invalidated by the error itself
                 raise self._failed(error) from error
             try:
                 graph.capture_end()  # fails if another thread (autograd's) invalidated the capture
@@ -302,15 +300,8 @@ class StepGraph:
         return False, f"{measured}: its memory goes back and the steps run eagerly, as with compute.cuda_graphs=off"
 
     def _eager(self, batches: list, step: int):
-        engine = self.engine
-        if self.update:
-            return engine.optim_step(engine.forward_backward(batches), step)
-        return engine.drop_step(engine.forward_backward(batches))
-
-    def _tensors(self) -> tuple:
-        """What the capture records: `TrainEngine.step_tensors` or `pass_tensors` over the inputs."""
-        engine = self.engine
-        return engine.step_tensors(self.inputs) if self.update else engine.pass_tensors(self.inputs)
+        lm_loss = self.engine.forward_backward(batches)
+        return self.engine.optim_step(lm_loss, step) if self.update else self.engine.drop_step(lm_loss)
 
     def _replay(self, batches: list, step: int):
         from moetrain.train.engine import StepOutput
@@ -349,9 +340,10 @@ class StepGraph:
             torch.cuda.reset_peak_memory_stats(device)
         if self.update:
             self.engine.set_step_lr(step)
+        tensors = self.engine.step_tensors if self.update else self.engine.pass_tensors
         self._capturing = True
         try:
-            self.outputs = self.backend.capture(self._tensors)
+            self.outputs = self.backend.capture(lambda: tensors(self.inputs))
         except CaptureFailed as error:
             self._give_up(error)
             return False
@@ -369,9 +361,8 @@ class StepGraph:
         self.failed = error.reason
         self.inputs = self.outputs = None
         self.backend.release()
-        engine = self.engine
-        engine.optimizer.zero_grad()
-        engine.discard_step_statistics()
+        self.engine.optimizer.zero_grad()
+        self.engine.discard_step_statistics()
         what = "the training step" if self.update else "the forward and backward passes"
         print(
             f"note: compute.cuda_graphs={CudaGraphs.step}: {what} could not be captured as a CUDA graph "

@@ -115,9 +115,7 @@ def split_into(hi: torch.Tensor, lo: torch.Tensor, x: torch.Tensor) -> None:
 
 
 def _narrow(t: torch.Tensor, offsets, lengths) -> torch.Tensor:
-    for dim, (o, n) in enumerate(zip(offsets, lengths)):
-        t = t.narrow(dim, o, n)
-    return t
+    return t[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))]
 
 
 def _take_shards(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[str, _Entry], dict]:

@@ -107,7 +107,6 @@ class JsonlSink(MetricsSink):
     def write(self, record: dict[str, Any], window: tuple[float, int]) -> None:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
-            f.flush()
 
 
 class TensorBoardSink(MetricsSink):
