@@ -52,12 +52,10 @@ def adamw_reference(
     weight_decay: float,
     grad_coef: torch.Tensor | None,
 ) -> None:
-    """One AdamW step of the tensors in place, in torch ops: torch.optim.AdamW's single-tensor
-    update (its formula, its operations in its order, its Python-float scalars), as foreach ops.
-    With `los` the parameters are split masters: the step runs on their fp32 values
-    (`join(param, lo)`) and is written back into both halves. `step` counts this update (1 =
-    first); `grad_coef` multiplies the gradients (the clipping factor). Gradients and moments of a
-    lower precision are computed with in fp32; the moments are rounded back to nearest."""
+    """One AdamW step of the tensors in place: torch.optim.AdamW's single-tensor update (its
+    formula, its operations in its order, its Python-float scalars) as foreach ops, in fp32 on the
+    split masters' joined values (`los`) and on lower-precision gradients and moments, written back
+    rounded to nearest. `step` counts this update (1 = first); `grad_coef`: the clipping factor."""
     masters = [join(p, lo) for p, lo in zip(params, los)] if los is not None else params
     grads = [g.float() for g in grads]  # the gradients themselves when they are fp32
     if grad_coef is not None:

@@ -25,23 +25,14 @@ if TYPE_CHECKING:
 
 class ScheduleKind(enum.StrEnum):
     cosine = "cosine"
-    """Linear warmup, then cosine decay to min_lr_ratio × lr at the last step."""
     wsd = "wsd"
-    """Warmup-stable-decay: linear warmup, constant, then linear decay over the last
-    decay_fraction of the steps to min_lr_ratio × lr."""
     constant = "constant"
-    """Linear warmup, then constant."""
 
 
 class OptimizerName(enum.StrEnum):
     adamw = "adamw"
-    """AdamW for every parameter."""
     muon = "muon"
-    """Muon for the matrices inside the blocks (attention, MLPs, each expert's), AdamW for the
-    embedding, norms, routers and LM head (src/moetrain/optim/muon.py)."""
     lion = "lion"
-    """Lion for every parameter: the sign of an interpolation of momentum and gradient, one moment
-    (src/moetrain/optim/lion.py)."""
 
     @property
     def state(self) -> tuple[str, ...]:
@@ -53,31 +44,17 @@ class OptimizerName(enum.StrEnum):
         }[self.value]
 
 
-class MomentsDtype(enum.StrEnum):
+class StateDtype(enum.StrEnum):
+    """The dtype of AdamW's moments (optim.moments_dtype) or of the kept gradients (optim.grad_dtype)."""
+
     fp32 = "fp32"
     bf16 = "bf16"
-    """AdamW's moments in bf16: 4 bytes per parameter instead of 8 (src/moetrain/optim/adamw.py)."""
 
     @property
     def dtype(self) -> torch.dtype:
         import torch
 
-        return torch.bfloat16 if self == MomentsDtype.bf16 else torch.float32
-
-
-class GradDtype(enum.StrEnum):
-    fp32 = "fp32"
-    bf16 = "bf16"
-    """The gradients the optimizer keeps between micro-batches and reduces across data-parallel
-    ranks in bf16: 2 bytes per element instead of 4. Each micro-batch's gradient is added in fp32
-    and rounded to nearest bf16 once (src/moetrain/optim/grad_store.py), the reduction sums in bf16,
-    and the AdamW update and the clipping norm read the bf16 values in fp32."""
-
-    @property
-    def dtype(self) -> torch.dtype:
-        import torch
-
-        return torch.bfloat16 if self == GradDtype.bf16 else torch.float32
+        return torch.bfloat16 if self == StateDtype.bf16 else torch.float32
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -102,11 +79,11 @@ class OptimConfig(Config):
     fused: bool | None = None
     """torch's fused AdamW kernel: the clipping factor and the skip decision go into the kernel as
     device tensors (no extra pass, no host sync). None = on CUDA (the foreach kernels on CPU)."""
-    moments_dtype: MomentsDtype = MomentsDtype.fp32
+    moments_dtype: StateDtype = StateDtype.fp32
     """AdamW's two moments in this dtype. bf16: half the optimizer state, updated in fp32 and
     rounded to nearest each step, for every optimizer (our AdamW kernel, src/moetrain/optim/adamw.py,
     instead of torch's)."""
-    grad_dtype: GradDtype = GradDtype.fp32
+    grad_dtype: StateDtype = StateDtype.fp32
     """The gradients kept between micro-batches and reduced over the data-parallel ranks in this
     dtype, for every optimizer. bf16: 2 bytes per element instead of 4 (on the fsdp stack its
     unsharded gradients and its reduce-scatter; the reduced shards stay fp32). Each micro-batch's
@@ -163,10 +140,9 @@ class OptimConfig(Config):
     def build(
         self, model: nn.Module, state: ParallelState, parallel: ParallelConfig, *, bf16_weights: bool = False
     ) -> Optimizer:
-        """The optimizer of this layout, over `model` (materialized and initialized): FSDP's
-        sharded AdamW on the fsdp stack, the sharded optimizer with parallel.shard_optimizer,
-        else AdamW with replicated state (with `bf16_weights`: over bf16 matrices whose fp32
-        masters it keeps). Each owns the data-parallel gradient reduction."""
+        """The optimizer of this layout over `model` (materialized and initialized; with
+        `bf16_weights`, over bf16 matrices whose fp32 masters it keeps); each owns the
+        data-parallel gradient reduction."""
         from moetrain.optim.fsdp import FSDPAdamW
         from moetrain.optim.replicated import ReplicatedAdamW
         from moetrain.optim.sharded import ShardedAdamW
@@ -181,8 +157,9 @@ class OptimConfig(Config):
 @dataclasses.dataclass(kw_only=True)
 class ScheduleConfig(Config):
     kind: ScheduleKind = ScheduleKind.cosine
-    """Shape of the learning rate after warm-up: cosine decay to min_lr_ratio, wsd (constant,
-    then a linear decay over decay_fraction of the steps), or constant."""
+    """Shape of the learning rate after the linear warm-up: cosine decay to min_lr_ratio × lr at the
+    last step, wsd (warmup-stable-decay: constant, then a linear decay to min_lr_ratio × lr over the
+    last decay_fraction of the steps), or constant."""
     warmup_steps: int = non_negative(30, at_most=10**9)
     """Steps of linear warm-up from 0 to the peak learning rate."""
     min_lr_ratio: float = in_range(0.1, lo=0, hi=1)

@@ -140,10 +140,7 @@ class GradReducer:
         split_ids = set(split_ids) | set(self._split_grads)
         # Reverse registration order approximates the order in which backward finishes them.
         params = [p for p in model.parameters() if p.requires_grad][::-1]
-        if self.bucket_every_parameter:
-            reduced = {id(p) for p in params}
-        else:
-            reduced = reduced_param_ids(model, state)
+        reduced = {id(p) for p in params} if self.bucket_every_parameter else reduced_param_ids(model, state)
         self.unreduced = [p for p in params if id(p) not in reduced]
         """Parameters whose gradients need no sum (experts at edp = 1): left where backward puts
         them — `.grad`, `split`'s own, or (another dtype) allocated by `store` — as at dp = 1."""
@@ -176,8 +173,8 @@ class GradReducer:
         """A bucket over `params`; split ones (bf16: their gradients adjacent in `SplitMaster`'s
         buffer) make the bucket that stretch of the buffer, else a new flat buffer becomes the
         parameters' `.grad` storage (or, in another dtype than theirs, `store`'s)."""
-        split_views = [self._split_grads[id(p)] for p in params] if is_split else None
-        if split_views is not None:
+        if is_split:
+            split_views = [self._split_grads[id(p)] for p in params]
             first, last = split_views[0], split_views[-1]
             base = first.view(-1)
             numel, elem = sum(v.numel() for v in split_views), base.element_size()
@@ -186,10 +183,10 @@ class GradReducer:
             flat = torch.as_strided(base, (numel,), (1,))
         else:
             flat = torch.zeros(sum(p.numel() for p in params), dtype=self.grad_dtype, device=params[0].device)
-        bucket = Bucket(flat, params, group)
+        bucket = Bucket(flat, params, group, split=is_split)
         offset = 0
         for p in params:
-            if split_views is None:
+            if not is_split:
                 view = flat[offset : offset + p.numel()].view_as(p)
                 if p.dtype == flat.dtype:
                     p.grad = view
@@ -198,7 +195,6 @@ class GradReducer:
                     bucket.hooked = True
             offset += p.numel()
             p.register_post_accumulate_grad_hook(lambda _p, b=bucket: self._on_grad_ready(b))
-        bucket.split = split_views is not None
         return bucket
 
     def grad(self, p: nn.Parameter) -> torch.Tensor | None:
@@ -206,8 +202,7 @@ class GradReducer:
         return p.grad if id(p) not in self.store.views else self.store.grad(p)
 
     def prepare(self, sync: bool, backward_passes: int = 1) -> None:
-        """Call before each micro-batch's backward, `sync=True` for the last one of the step; or
-        once before `backward_passes` backward passes that end the step (a pipeline step)."""
+        """`GradReduction.prepare`: with `sync`, expect every parameter's hook `backward_passes` times."""
         self.sync = sync
         if sync:
             for b in self.buckets:
@@ -226,8 +221,7 @@ class GradReducer:
             bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
 
     def finish(self) -> None:
-        """Wait for every reduction (starting those whose parameters got no gradient). With the
-        losses scaled by `loss_scale`, the reduced gradients are the means over the global batch."""
+        """Wait for every reduction (starting those whose parameters got no gradient)."""
         # Zero the gradients no backward reached, before they are sent: the split parameters'
         # (`SplitMaster.finish`), then the hooked ones.
         if self.split is not None:

@@ -28,7 +28,6 @@ class GradStore:
         self.dtype = dtype
         self.views: dict[int, torch.Tensor] = {}
         """id(parameter) → its gradient: the given view, or the tensor the first backward made."""
-        self.params: list[nn.Parameter] = []
         self._kept: set[int] = set()
         """Parameters with a given (persistent) view."""
         self._written: set[int] = set()
@@ -38,7 +37,6 @@ class GradStore:
         given. Add `p` before anything else hooks it that must see the stored gradient (a
         `GradReducer`'s counting hook): hooks run in the order they were registered."""
         assert view is None or (view.shape == p.shape and view.dtype == self.dtype), (view.shape, p.shape)
-        self.params.append(p)
         if view is not None:
             self.views[id(p)] = view
             self._kept.add(id(p))
@@ -64,16 +62,14 @@ class GradStore:
     def finish(self) -> None:
         """After the step's last backward: zero the kept views no backward reached (they still
         hold an earlier step's gradient)."""
-        for p in self.params:
-            if id(p) in self._kept and id(p) not in self._written:
-                self.views[id(p)].zero_()
+        for key in self._kept - self._written:
+            self.views[key].zero_()
 
     def zero_grad(self) -> None:
         """Start a new step: kept views are not zeroed (the next backward copies into them);
         the others are dropped."""
         self._written.clear()
-        for key in [k for k in self.views if k not in self._kept]:
-            del self.views[key]
+        self.views = {key: view for key, view in self.views.items() if key in self._kept}
 
     def nbytes(self) -> int:
         """Bytes of the gradients this store holds now."""

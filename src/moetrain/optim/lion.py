@@ -48,41 +48,26 @@ class Lion:
         skip: torch.Tensor | None,
         fused: bool,
     ) -> None:
-        """`UpdateRule.update`: one path, fused or not, that reads nothing on the host."""
+        """`UpdateRule.update`: one path, fused or not, that reads nothing on the host; each
+        parameter (with `lo`: the split master (p, lo)) and its momentum in place, in fp32."""
         step.add_((~skip).float() if skip is not None else 1.0)
+        beta1, beta2 = self.betas
         for g in groups:
             (momenta,) = g.state
             for i, (p, grad, m) in enumerate(zip(g.params, g.grads, momenta)):
                 lo = g.los[i] if g.los is not None else None
-                lion_tensor(p, lo, grad, m, lr, g.weight_decay, self.betas, grad_coef, skip)
-
-
-def lion_tensor(
-    p: torch.Tensor,
-    lo: torch.Tensor | None,
-    grad: torch.Tensor,
-    m: torch.Tensor,
-    lr: float | torch.Tensor,
-    weight_decay: float,
-    betas: tuple[float, float],
-    grad_coef: torch.Tensor | None,
-    skip: torch.Tensor | None,
-) -> None:
-    """One Lion step of parameter `p` (with `lo`: the split master (p, lo)) and its momentum `m`
-    in place, in fp32."""
-    beta1, beta2 = betas
-    w = join(p, lo) if lo is not None else p.float()
-    g = grad.float() if grad_coef is None else grad.float() * grad_coef
-    m32 = m.float()
-    c = m32 * beta1 + g * (1 - beta1)
-    new_w = w * (1 - lr * weight_decay) - lr * torch.sign(c)
-    new_m = m32 * beta2 + g * (1 - beta2)
-    if skip is not None:
-        new_w, new_m = torch.where(skip, w, new_w), torch.where(skip, m32, new_m)
-    m.copy_(new_m)
-    if lo is None:
-        p.copy_(new_w)
-    else:
-        hi, new_lo = split_fp32(new_w)
-        p.copy_(hi)
-        lo.copy_(new_lo)
+                w = join(p, lo) if lo is not None else p.float()
+                g32 = grad.float() if grad_coef is None else grad.float() * grad_coef
+                m32 = m.float()
+                c = m32 * beta1 + g32 * (1 - beta1)
+                new_w = w * (1 - lr * g.weight_decay) - lr * torch.sign(c)
+                new_m = m32 * beta2 + g32 * (1 - beta2)
+                if skip is not None:
+                    new_w, new_m = torch.where(skip, w, new_w), torch.where(skip, m32, new_m)
+                m.copy_(new_m)
+                if lo is None:
+                    p.copy_(new_w)
+                else:
+                    hi, new_lo = split_fp32(new_w)
+                    p.copy_(hi)
+                    lo.copy_(new_lo)

@@ -105,10 +105,9 @@ class MatrixShape:
 
 
 def muon_matrices(model: nn.Module) -> dict[int, MatrixShape]:
-    """id → `MatrixShape` of each parameter Muon updates (module docstring): `nn.Linear` weights
-    inside the blocks (the multi-token prediction modules' included), and each expert's gate, up
-    and down matrices. A model without `blocks` (a test's plain module) gives every `nn.Linear`
-    weight."""
+    """id → `MatrixShape` of each parameter Muon updates (module docstring; the multi-token
+    prediction modules' included). A model without `blocks` (a test's plain module) gives every
+    `nn.Linear` weight."""
     roots = [getattr(model, "blocks", model)] + ([model.mtp] if getattr(model, "mtp", None) is not None else [])
     out: dict[int, MatrixShape] = {}
     for module in (m for root in roots for m in root.modules()):
@@ -321,10 +320,8 @@ class _Share:
         _all_gather(out.view(-1), out[self.rank].clone(), group=self.group)
         parts: dict[int, list[tuple[int, torch.Tensor]]] = {}
         for r, (rank_runs, rank_lengths) in enumerate(zip(runs, lengths)):
-            at = 0
-            for (i, f, _), length in zip(rank_runs, rank_lengths):
-                parts.setdefault(i, []).append((f, out[r, at : at + length]))
-                at += length
+            for (i, f, _), o in zip(rank_runs, out[r, : sum(rank_lengths)].split(rank_lengths)):
+                parts.setdefault(i, []).append((f, o))
         for i in sorted(parts):
             yield i, torch.cat([o for _, o in sorted(parts[i], key=lambda part: part[0])])
 

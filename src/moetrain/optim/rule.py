@@ -99,9 +99,7 @@ class RuleOptimizer:
 
     @torch.no_grad()
     def step(self, grad_coef: torch.Tensor | None = None, skip: torch.Tensor | None = None) -> None:
-        """The rule's update of every parameter that has a gradient (on the device when `fused`):
-        `grad_coef` multiplies the gradients (the clipping factor), `skip` (a device bool) leaves
-        everything as it is."""
+        """The rule's `UpdateRule.update` of every parameter that has a gradient."""
         (lr,) = {g["lr"] for g in self.param_groups}  # one learning rate: `set_lr` sets every group's
         groups = []
         for group in self.param_groups:

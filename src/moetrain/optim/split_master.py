@@ -28,6 +28,8 @@ stay bf16 throughout (src/moetrain/optim/grad_store.py).
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
@@ -92,16 +94,12 @@ class SplitMaster:
         # one parameter, not a second copy of the model.
         self.hi = torch.empty(numel, dtype=torch.bfloat16, device=device)
         self.lo = torch.empty(numel, dtype=torch.int16, device=device)
-        self.offsets: list[int] = []
-        offset = 0
-        for p in self.params:
-            n = p.numel()
+        self.offsets = [0, *itertools.accumulate(p.numel() for p in self.params)][:-1]
+        for i, p in enumerate(self.params):
             hi, lo = split_fp32(p.data)
-            self.hi[offset : offset + n].copy_(hi.flatten())
-            self.lo[offset : offset + n].copy_(lo.flatten())
-            p.data = self.hi[offset : offset + n].view(p.shape)
-            self.offsets.append(offset)
-            offset += n
+            self.view(self.hi, i).copy_(hi)
+            self.view(self.lo, i).copy_(lo)
+            p.data = self.view(self.hi, i)
         self.state = {k: torch.zeros(numel, dtype=moments_dtype, device=device) for k in state}
         """The update rule's state (`UpdateRule.state`), flat."""
         self.step = torch.zeros((), dtype=torch.float32, device=device)
@@ -110,15 +108,13 @@ class SplitMaster:
         """Of the accumulated and the kept gradients (optim.grad_dtype)."""
         self.persistent = [id(p) in persistent for p in self.params]
         """Per parameter: whether its gradient is kept, a view of one flat buffer (in this order)."""
-        kept = sum(p.numel() for p, keep in zip(self.params, self.persistent) if keep)
-        flat_grad = torch.zeros(kept, dtype=grad_dtype, device=device) if kept else None
-        self.grads: list[torch.Tensor | None] = []
+        kept = [p.numel() for p, keep in zip(self.params, self.persistent) if keep]
+        kept_grads = iter(torch.zeros(sum(kept), dtype=grad_dtype, device=device).split(kept) if kept else ())
+        self.grads: list[torch.Tensor | None] = [
+            next(kept_grads).view(p.shape) if keep else None for p, keep in zip(self.params, self.persistent)
+        ]
         """Per parameter: its gradient (None before the step's first backward reaches it; bf16
         after one backward, `grad_dtype` after more; a view of the flat buffer if `persistent`)."""
-        offset = 0
-        for p, keep in zip(self.params, self.persistent):
-            self.grads.append(flat_grad[offset : offset + p.numel()].view(p.shape) if keep else None)
-            offset += p.numel() if keep else 0
         self._views: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self._written: set[int] = set()
         self._index = {id(p): i for i, p in enumerate(self.params)}

@@ -98,8 +98,7 @@ def merge_rank_indexes(step_dir: Path, world: int, whole: bool = True) -> None:
                 if (key := (fqn, tuple(chunk.offsets), tuple(chunk.sizes))) not in seen:
                     seen.add(key)
                     entries[fqn].chunks.append(chunk)
-        for index, info in md.storage_data.items():
-            storage.setdefault(index, info)
+        storage.update({index: info for index, info in md.storage_data.items() if index not in storage})
         planner_data.update(md.planner_data or {})
     for fqn, meta in entries.items():
         if whole and isinstance(meta, TensorStorageMetadata):

@@ -103,9 +103,8 @@ class ConsoleSink(MetricsSink):
         if window is not None and window[1] > 0:
             self.timer.add(*window)
             ms_per_step = 1000 * window[0] / window[1]
-            per_step = self.timer.seconds_per_step()
-            if per_step is not None and step < self.total:
-                eta_s = per_step * (self.total - step)
+            if step < self.total:  # the timer holds a window now
+                eta_s = self.timer.seconds_per_step() * (self.total - step)
         if self.bar is not None:
             self.bar.update(step - self.last)
             if record is not None:

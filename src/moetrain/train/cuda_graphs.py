@@ -108,10 +108,8 @@ class CudaGraph:
             try:
                 out = fn()
             except Exception as error:
-                try:
+                with contextlib.suppress(RuntimeError):  # the capture was invalidated by the error itself
                     graph.capture_end()
-                except RuntimeError:
-                    pass  # the capture was invalidated by the error itself
                 raise self._failed(error) from error
             try:
                 graph.capture_end()  # fails if another thread (autograd's) invalidated the capture
@@ -203,7 +201,6 @@ class StepGraph:
         self.engine, self.backend = engine, backend
         engine.optimizer.put_lr_on_device()
         self.judge = judge
-        """compute.cuda_graphs=auto: time eager steps and replays (the class docstring)."""
         self.eager_timings: list[Callable[[], float]] = []
         self.replay_timings: list[Callable[[], float]] = []
         self.inputs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -264,15 +261,13 @@ class StepGraph:
             self.reset(update)
         if self.outputs is None and self._warm < WARMUP_STEPS:
             return self._warm_up(batches, step)
+        keep = True
         if self.judge and len(self.replay_timings) == JUDGED_REPLAYS:
             keep, why = self._judged()
             if not keep:
                 self.reset(self.update)  # the graph's memory goes back before the engine drops it
-                self.engine.settle_cuda_graphs(False, why)
-                self.eager += 1
-                return self._eager(batches, step)
-            self.engine.settle_cuda_graphs(True, why)
-        if self.outputs is not None or (self.failed is None and self._capture(step, batches)):
+            self.engine.settle_cuda_graphs(keep, why)
+        if keep and (self.outputs is not None or (self.failed is None and self._capture(step, batches))):
             return self._replay(batches, step)
         self.eager += 1
         return self._eager(batches, step)
@@ -281,13 +276,12 @@ class StepGraph:
         """One of the eager steps before a capture, on the capture's stream (timed while judging)."""
         self._warm += 1
         self.eager += 1
-        with self.backend.on_capture_stream():
-            if not self.judge or self._warm == 1:
-                return self._eager(batches, step)
-            with self.backend.timed() as device_s:
-                out = self._eager(batches, step)
+        timed = self.judge and self._warm > 1
+        with self.backend.on_capture_stream(), self.backend.timed() if timed else contextlib.nullcontext() as device_s:
+            out = self._eager(batches, step)
+        if timed:
             self.eager_timings.append(device_s)
-            return out
+        return out
 
     def _judged(self) -> tuple[bool, str]:
         """compute.cuda_graphs=auto's choice, made once from the timed steps (the fastest of each
@@ -306,15 +300,8 @@ class StepGraph:
         return False, f"{measured}: its memory goes back and the steps run eagerly, as with compute.cuda_graphs=off"
 
     def _eager(self, batches: list, step: int):
-        engine = self.engine
-        if self.update:
-            return engine.optim_step(engine.forward_backward(batches), step)
-        return engine.drop_step(engine.forward_backward(batches))
-
-    def _tensors(self) -> tuple:
-        """What the capture records: `TrainEngine.step_tensors` or `pass_tensors` over the inputs."""
-        engine = self.engine
-        return engine.step_tensors(self.inputs) if self.update else engine.pass_tensors(self.inputs)
+        lm_loss = self.engine.forward_backward(batches)
+        return self.engine.optim_step(lm_loss, step) if self.update else self.engine.drop_step(lm_loss)
 
     def _replay(self, batches: list, step: int):
         from moetrain.train.engine import StepOutput
@@ -353,9 +340,10 @@ class StepGraph:
             torch.cuda.reset_peak_memory_stats(device)
         if self.update:
             self.engine.set_step_lr(step)
+        tensors = self.engine.step_tensors if self.update else self.engine.pass_tensors
         self._capturing = True
         try:
-            self.outputs = self.backend.capture(self._tensors)
+            self.outputs = self.backend.capture(lambda: tensors(self.inputs))
         except CaptureFailed as error:
             self._give_up(error)
             return False
@@ -373,9 +361,8 @@ class StepGraph:
         self.failed = error.reason
         self.inputs = self.outputs = None
         self.backend.release()
-        engine = self.engine
-        engine.optimizer.zero_grad()
-        engine.discard_step_statistics()
+        self.engine.optimizer.zero_grad()
+        self.engine.discard_step_statistics()
         what = "the training step" if self.update else "the forward and backward passes"
         print(
             f"note: compute.cuda_graphs={CudaGraphs.step}: {what} could not be captured as a CUDA graph "

@@ -92,15 +92,16 @@ class _Entry:
         s = self.shard
         if s.values is not None:
             return s.values[a:b].view(sizes)
-        out = torch.empty(b - a, dtype=torch.float32, device=s.hi.device)
-        join_into(out, s.hi[a:b], s.lo[a:b])
-        return out.view(sizes)
+        return joined(s.hi[a:b], s.lo[a:b], s.hi.device).view(sizes)
 
 
-def join_into(out_N: torch.Tensor, hi_N: torch.Tensor, lo_N: torch.Tensor) -> None:
-    """`out_N` (fp32, any device) = the split masters (hi, lo), `PIECE` elements at a time."""
+def joined(hi_N: torch.Tensor, lo_N: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """The fp32 values of the split masters (hi, lo) in a new tensor on `device`, joined `PIECE`
+    elements at a time."""
+    out_N = torch.empty(hi_N.numel(), dtype=torch.float32, device=device)
     for a in range(0, out_N.numel(), PIECE):
         out_N[a : a + PIECE].copy_(join(hi_N[a : a + PIECE], lo_N[a : a + PIECE]))
+    return out_N
 
 
 def split_into(hi: torch.Tensor, lo: torch.Tensor, x: torch.Tensor) -> None:
@@ -114,9 +115,7 @@ def split_into(hi: torch.Tensor, lo: torch.Tensor, x: torch.Tensor) -> None:
 
 
 def _narrow(t: torch.Tensor, offsets, lengths) -> torch.Tensor:
-    for dim, (o, n) in enumerate(zip(offsets, lengths)):
-        t = t.narrow(dim, o, n)
-    return t
+    return t[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))]
 
 
 def _take_shards(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[str, _Entry], dict]:
@@ -292,8 +291,7 @@ def _to_cpu(value):
     if isinstance(value, FlatShard):
         if value.values is not None:
             return dataclasses.replace(value, values=value.values.to("cpu", copy=True))
-        out = torch.empty(value.numel, dtype=torch.float32)
-        join_into(out, value.hi, value.lo)
+        out = joined(value.hi, value.lo, "cpu")
         return FlatShard(value.shape, value.start, values=out, replicated=value.replicated)
     if isinstance(value, torch.Tensor):
         return value.detach().to("cpu", copy=True)

@@ -22,6 +22,9 @@ import torch
 
 from moetrain.errors import MoetrainError
 
+COUNTERS = ("count", "skipped_total", "consecutive")
+"""The guard's device counters, saved after its history (trainer_state.json's "guard")."""
+
 
 class TooManySkippedSteps(MoetrainError):
     """Raised when `guard.max_consecutive_skips` updates in a row were skipped."""
@@ -76,14 +79,9 @@ class StepGuard:
 
     def state_dict(self) -> dict:
         """Plain JSON types (read on the host: at checkpoint time only)."""
-        return {
-            "history": self.history_W2.tolist(),
-            "count": int(self.count),
-            "skipped_total": int(self.skipped_total),
-            "consecutive": int(self.consecutive),
-        }
+        return {"history": self.history_W2.tolist()} | {name: int(getattr(self, name)) for name in COUNTERS}
 
     def load_state_dict(self, state: dict) -> None:
         self.history_W2.copy_(torch.tensor(state["history"], dtype=torch.float32))
-        for name in ("count", "skipped_total", "consecutive"):
+        for name in COUNTERS:
             getattr(self, name).fill_(state[name])

@@ -40,28 +40,20 @@ from moetrain.errors import install_hint
 
 def routing_metrics(layer_stats: list[dict[str, torch.Tensor]], ep: int = 1) -> dict[str, float]:
     """Reduce per-MoE-layer step statistics to the logged scalars, in the record's order (one host sync)."""
-    if not layer_stats:
-        return {
-            "lb_loss": 0.0,
-            "z_loss": 0.0,
-            "expert_load_max_over_mean": 1.0,
-            "expert_load_by_layer": [],
-            "ep_load_max_over_mean": 1.0,
-            "dropped_token_frac": 0.0,
-            "unused_experts": 0,
-        }
-    counts_LE = torch.stack([s["tokens_per_expert"] for s in layer_stats]).float()
-    lb = torch.stack([s["lb_loss"] for s in layer_stats]).mean()
-    z = torch.stack([s["z_loss"] for s in layer_stats]).mean()
-    dropped = torch.stack([s["dropped"] for s in layer_stats]).sum().float()
-    load_L = counts_LE.max(dim=1).values / counts_LE.mean(dim=1).clamp(min=1e-9)
-    # Experts are laid out contiguously over expert-parallel ranks: E/ep per rank.
-    per_rank_LR = counts_LE.view(counts_LE.shape[0], ep, -1).sum(dim=2)
-    rank_ratio = (per_rank_LR.max(dim=1).values / per_rank_LR.mean(dim=1).clamp(min=1e-9)).max()
-    unused = (counts_LE == 0).sum()
-    routed = counts_LE.sum()  # every assignment the routers made, dropped ones included
-    values = torch.stack([lb, z, load_L.max(), rank_ratio, dropped / routed.clamp(min=1), unused.float()])
-    lb, z, load_max, rank_max, dropped_frac, unused, *by_layer = torch.cat([values, load_L]).tolist()
+    lb, z, load_max, rank_max, dropped_frac, unused, *by_layer = 0.0, 0.0, 1.0, 1.0, 0.0, 0  # no MoE layer
+    if layer_stats:
+        counts_LE = torch.stack([s["tokens_per_expert"] for s in layer_stats]).float()
+        lb = torch.stack([s["lb_loss"] for s in layer_stats]).mean()
+        z = torch.stack([s["z_loss"] for s in layer_stats]).mean()
+        dropped = torch.stack([s["dropped"] for s in layer_stats]).sum().float()
+        load_L = counts_LE.max(dim=1).values / counts_LE.mean(dim=1).clamp(min=1e-9)
+        # Experts are laid out contiguously over expert-parallel ranks: E/ep per rank.
+        per_rank_LR = counts_LE.view(counts_LE.shape[0], ep, -1).sum(dim=2)
+        rank_ratio = (per_rank_LR.max(dim=1).values / per_rank_LR.mean(dim=1).clamp(min=1e-9)).max()
+        unused = (counts_LE == 0).sum()
+        routed = counts_LE.sum()  # every assignment the routers made, dropped ones included
+        values = torch.stack([lb, z, load_L.max(), rank_ratio, dropped / routed.clamp(min=1), unused.float()])
+        lb, z, load_max, rank_max, dropped_frac, unused, *by_layer = torch.cat([values, load_L]).tolist()
     return {
         "lb_loss": lb,
         "z_loss": z,
@@ -115,7 +107,6 @@ class JsonlSink(MetricsSink):
     def write(self, record: dict[str, Any], window: tuple[float, int]) -> None:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
-            f.flush()
 
 
 class TensorBoardSink(MetricsSink):

@@ -39,15 +39,11 @@ def plot_run(run_dir: str | Path) -> Path | None:
     val = _val_points(run_dir, records)
     if val:
         ax_loss.plot(*zip(*val), "o-", label="val loss")
-    ax_loss.set_xlabel("step")
-    ax_loss.set_ylabel("loss (nats/token)")
-    ax_loss.set_title(run_dir.name)
+    ax_loss.set(xlabel="step", ylabel="loss (nats/token)", title=run_dir.name)
     ax_loss.grid(alpha=0.3)
     ax_loss.legend()
     ax_tput.plot(steps, [r["tokens_per_sec"] for r in records])
-    ax_tput.set_xlabel("step")
-    ax_tput.set_ylabel("tokens/s (all devices)")
-    ax_tput.set_ylim(bottom=0)
+    ax_tput.set(xlabel="step", ylabel="tokens/s (all devices)", ylim=(0, None))
     ax_tput.grid(alpha=0.3)
     fig.tight_layout()
     out = run_dir / "loss.png"
@@ -83,8 +79,7 @@ def plot_compare(run_dirs: list[str | Path], out: str | Path) -> Path:
         val = _val_points(run_dir, records)
         if val:
             ax.plot(*zip(*val), "o--", color=line.get_color(), label=f"{run_dir.name} val")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)")
+    ax.set(xlabel="step", ylabel="loss (nats/token)")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -200,12 +200,8 @@ def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     root = checkpoints_dir(run_dir)
     if not root.is_dir():
         return []
-    found = []
-    for child in root.iterdir():
-        m = STEP_DIR.match(child.name)
-        if m and (child / COMPLETE).is_file():
-            found.append((int(m.group(1)), child))
-    return sorted(found)
+    steps = ((STEP_DIR.match(child.name), child) for child in root.iterdir())
+    return sorted((int(m.group(1)), child) for m, child in steps if m and (child / COMPLETE).is_file())
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

@@ -57,10 +57,9 @@ class Trainer:
         self.device, self.par = runtime.device, runtime.par
         self.quiet = quiet or not self.par.is_main
         run_dir, note, self.run = self._take_run_dir(cfg, name, resume)
-        self._capacity_floor = capacity_floor
         self.cfg = cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, run_dir=run_dir))
         try:
-            self._build(resume)
+            self._build(resume, capacity_floor)
         except BaseException:
             self.run.abandon()
             raise
@@ -70,7 +69,7 @@ class Trainer:
             lines = [console.header(cfg, self.par.dims, self.device, self.run.path, note, rehearsed), *self._notes]
             print("\n".join(lines), file=sys.stderr, flush=True)
 
-    def _build(self, resume: bool) -> None:
+    def _build(self, resume: bool, capacity_floor: CapacityFloor | None) -> None:
         """Loader, engine and callbacks, then the fresh start or the resume."""
         cfg, tc = self.cfg, self.cfg.train
         torch.manual_seed(tc.seed)
@@ -81,7 +80,7 @@ class Trainer:
             dp_rank=self.par.index("dp"),
             dp_size=self.par.dims.dp,
         )
-        parallel, capacity_note = _resolved_capacity(cfg, self.par, self.device, self._capacity_floor)
+        parallel, capacity_note = _resolved_capacity(cfg, self.par, self.device, capacity_floor)
         self.engine = TrainEngine(
             dataclasses.replace(cfg, parallel=parallel), self.par, self.device, self.loader.eos_id
         )
@@ -195,14 +194,12 @@ class Trainer:
             self._notes.append(f"--resume: no complete checkpoint in {self.run.path}; starting from step 0")
             self._start_fresh()  # the records of the lost steps go too
             return
-        path, damaged = None, []
-        for _, candidate in reversed(found):
-            damage = diagnose(candidate)
-            if damage is None:
-                path = candidate
+        damaged = []
+        for _, path in reversed(found):
+            if (damage := diagnose(path)) is None:
                 break
-            damaged.append((candidate, damage))
-        if path is None:
+            damaged.append((path, damage))
+        else:
             raise CheckpointError(
                 f"--resume: every checkpoint in {checkpoints_dir(self.run.path)} is damaged: "
                 + "; ".join(f"{p.name}: {d}" for p, d in damaged)
@@ -251,11 +248,10 @@ class Trainer:
         if planned is None:
             planned = load_yaml(path / "config.yaml").get("train", {}).get("steps", self.cfg.train.steps)
         tc, cfg = self.cfg.train, self.cfg
-        if planned == tc.steps:
-            self.engine.schedule_steps = planned
-            return
         keep = tc.extend == Extend.keep
         self.engine.schedule_steps = planned if keep else tc.steps
+        if planned == tc.steps:
+            return
         # the steps as the logs number them (from 1): the next one is self.step + 1
         kept = lr_at(self.step, planned, cfg.optim.lr, cfg.schedule)
         replanned = lr_at(self.step, tc.steps, cfg.optim.lr, cfg.schedule)
