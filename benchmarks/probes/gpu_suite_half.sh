@@ -1,4 +1,4 @@
-# The GPU suite in two device calls (it runs longer than one call's 10 minutes on one GPU):
+# The GPU suite in two halves, each under its own time limit (a hung test costs one half, not the call):
 # HALF=1 or HALF=2 runs that half of tests/gpu's collected tests, in collection order, each
 # test's outcome in $OUT/gpu-half$HALF.txt (test ids may hold spaces: they go to pytest whole).
 #   HALF=1 bash benchmarks/probes/gpu_suite_half.sh; HALF=2 bash benchmarks/probes/gpu_suite_half.sh
