@@ -324,7 +324,7 @@ def test_layouts_match_single_process(reference, layout_results, world, layouts)
     [
         (["parallel.dp=3"], 4, ["pp=1 × dp=3", "world size 4"]),
         (["parallel.ep=3"], 6, ["parallel.ep=3", "num_experts=8"]),
-        (["parallel.ep=4"], 2, ["parallel.ep=4", "parallel.dp=2"]),
+        (["parallel.ep=4"], 2, ["parallel.ep=4", "parallel.dp=2", "--nproc-per-node=4"]),
         (["parallel.pp=3", "train.micro_batch_size=2"], 4, ["parallel.pp=3", "world size 4"]),
         (["parallel.pp=2", "parallel.dp=1"], 4, ["pp=2 × dp=1", "parallel.dp=2"]),
         (

@@ -254,7 +254,9 @@ class ParallelConfig(Config):
             where = f"parallel.dp={dp}" if cp == 1 else f"parallel.dp={dp} × parallel.cp={cp} = {dp * cp}"
             raise ConfigError(
                 f"parallel.ep={self.ep} does not divide {where}: expert-parallel groups are "
-                "made of the ranks of one pipeline stage."
+                f"made of the ranks of one pipeline stage. Launch {pp * cp * self.ep}·k ranks "
+                f"(torchrun --nproc-per-node={pp * cp * self.ep} -m moetrain …, or --rehearse "
+                f"{pp * cp * self.ep} to measure one of them) or lower parallel.ep."
             )
         return ParallelDims(
             world_size=world_size,
