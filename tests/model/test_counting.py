@@ -84,12 +84,13 @@ UNDECLARED = (RMSNorm, Router)
 """One weight each, declared in its owner's count."""
 
 
-@pytest.mark.parametrize("name", sorted(PRESETS))
+@pytest.mark.parametrize("name", sorted(PRESETS) + sorted(VARIANTS))
 def test_every_component_declares_the_parameters_it_builds(name):
     """The planner sums what the components declare: each one's declaration equals the parameters
     of the module it builds (meta device), and every module of the package that holds parameters
-    has one."""
-    m = dataclasses.replace(preset(name).model, mtp_depth=1)
+    has one, in every preset and every structural option (on tiny)."""
+    m = preset(name).model if name in PRESETS else dataclasses.replace(preset("tiny").model, **VARIANTS[name])
+    m = dataclasses.replace(m, mtp_depth=max(m.mtp_depth, 1))
     for module in m.build(device="meta").modules():
         params = sum(p.numel() for p in module.parameters())
         if type(module) in DECLARED:
