@@ -226,10 +226,11 @@ def test_export_writes_a_model_card_with_the_hubs_metadata(trained, tmp_path, ca
 
 
 def test_moetrain_import_hf_keeps_the_training_set_up_or_says_what_it_assumed(trained, tmp_path):
-    """`moetrain import-hf HF OUT` of an export takes the run's context, batch, optimizer and
-    schedule from the moetrain_config.yaml the export wrote (continuing training does not
-    silently change the context); without it (a model from elsewhere) it assumes the defaults,
-    no longer than the model's max_position_embeddings, and says so on stderr."""
+    """`moetrain import-hf HF OUT` of an export takes the run's context, document masking, batch,
+    validation tokens, optimizer, schedule, MoE loss weights and aux-free bias rate from the
+    moetrain_config.yaml the export wrote (continuing training does not silently change the
+    objective); without it (a model from elsewhere) it assumes the defaults, no longer than the
+    model's max_position_embeddings, and says so on stderr."""
     import subprocess
     import sys
 
@@ -237,7 +238,9 @@ def test_moetrain_import_hf_keeps_the_training_set_up_or_says_what_it_assumed(tr
 
     hf = tmp_path / "hf"
     assert main(["export-hf", str(trained), str(hf)]) == 0
-    run = yaml.safe_load((trained / "config.yaml").read_text())
+    run = yaml.safe_load((hf / "moetrain_config.yaml").read_text())
+    run["data"]["document_masking"], run["model"]["moe"]["bias_update_rate"] = True, 1e-3  # not the defaults
+    (hf / "moetrain_config.yaml").write_text(yaml.safe_dump(run))
 
     def import_hf(src, out):
         done = subprocess.run(
@@ -251,6 +254,8 @@ def test_moetrain_import_hf_keeps_the_training_set_up_or_says_what_it_assumed(tr
     assert cfg["data"]["seq_len"] == run["data"]["seq_len"]
     assert cfg["train"]["global_batch_size"] == run["train"]["global_batch_size"]
     assert cfg["optim"] == run["optim"] and cfg["schedule"] == run["schedule"]
+    assert cfg["model"]["moe"] == run["model"]["moe"] and cfg["data"]["document_masking"]
+    assert cfg["train"]["eval_tokens"] == run["train"]["eval_tokens"]
 
     (hf / "moetrain_config.yaml").unlink()
     summary, cfg, done = import_hf(hf, tmp_path / "elsewhere")
