@@ -256,12 +256,15 @@ def test_moetrain_import_hf_keeps_the_training_set_up_or_says_what_it_assumed(tr
     assert cfg["optim"] == run["optim"] and cfg["schedule"] == run["schedule"]
     assert cfg["model"]["moe"] == run["model"]["moe"] and cfg["data"]["document_masking"]
     assert cfg["train"]["eval_tokens"] == run["train"]["eval_tokens"]
+    # OUT_DIR is laid out as a run directory: what prepare-data --tokenizer OUT_DIR/tokenizer.json reads
+    assert (tmp_path / "back" / "tokenizer.json").read_bytes() == (hf / "tokenizer.json").read_bytes()
 
     (hf / "moetrain_config.yaml").unlink()
     summary, cfg, done = import_hf(hf, tmp_path / "elsewhere")
     assert summary["training_setup"]["from"].startswith("assumed")
     assert cfg["data"]["seq_len"] <= json.loads((hf / "config.json").read_text())["max_position_embeddings"]
     assert "says nothing of how the model was trained; assumed data.seq_len=" in done.stderr
+    assert main(["import-hf", str(hf), str(hf), "--force"]) == 0  # into its own directory: its tokenizer stays
 
 
 def test_import_refuses_a_config_or_weights_it_cannot_trust(trained, tmp_path, capsys):
