@@ -30,6 +30,8 @@ def test_presets_shows_each_purpose_and_sequence_length(capsys):
     assert main(["presets"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["preset", "total", "active", "seq_len", "purpose"]
+    total_ends = {line.index(f[1], len(f[0])) + len(f[1]) for line in lines for f in [line.split()]}
+    assert len(total_ends) == 1, lines  # the columns line up under the longest name
     rows = {line.split()[0]: line for line in lines[1:]}
     assert list(rows) == list(PRESETS)
     for name, make in PRESETS.items():

@@ -226,10 +226,11 @@ def test_export_writes_a_model_card_with_the_hubs_metadata(trained, tmp_path, ca
 
 
 def test_moetrain_import_hf_keeps_the_training_set_up_or_says_what_it_assumed(trained, tmp_path):
-    """`moetrain import-hf HF OUT` of an export takes the run's context, batch, optimizer and
-    schedule from the moetrain_config.yaml the export wrote (continuing training does not
-    silently change the context); without it (a model from elsewhere) it assumes the defaults,
-    no longer than the model's max_position_embeddings, and says so on stderr."""
+    """`moetrain import-hf HF OUT` of an export takes the run's context, document masking, batch,
+    validation tokens, optimizer, schedule, MoE loss weights and aux-free bias rate from the
+    moetrain_config.yaml the export wrote (continuing training does not silently change the
+    objective); without it (a model from elsewhere) it assumes the defaults, no longer than the
+    model's max_position_embeddings, and says so on stderr."""
     import subprocess
     import sys
 
@@ -237,7 +238,9 @@ def test_moetrain_import_hf_keeps_the_training_set_up_or_says_what_it_assumed(tr
 
     hf = tmp_path / "hf"
     assert main(["export-hf", str(trained), str(hf)]) == 0
-    run = yaml.safe_load((trained / "config.yaml").read_text())
+    run = yaml.safe_load((hf / "moetrain_config.yaml").read_text())
+    run["data"]["document_masking"], run["model"]["moe"]["bias_update_rate"] = True, 1e-3  # not the defaults
+    (hf / "moetrain_config.yaml").write_text(yaml.safe_dump(run))
 
     def import_hf(src, out):
         done = subprocess.run(
@@ -251,12 +254,17 @@ def test_moetrain_import_hf_keeps_the_training_set_up_or_says_what_it_assumed(tr
     assert cfg["data"]["seq_len"] == run["data"]["seq_len"]
     assert cfg["train"]["global_batch_size"] == run["train"]["global_batch_size"]
     assert cfg["optim"] == run["optim"] and cfg["schedule"] == run["schedule"]
+    assert cfg["model"]["moe"] == run["model"]["moe"] and cfg["data"]["document_masking"]
+    assert cfg["train"]["eval_tokens"] == run["train"]["eval_tokens"]
+    # OUT_DIR is laid out as a run directory: what prepare-data --tokenizer OUT_DIR/tokenizer.json reads
+    assert (tmp_path / "back" / "tokenizer.json").read_bytes() == (hf / "tokenizer.json").read_bytes()
 
     (hf / "moetrain_config.yaml").unlink()
     summary, cfg, done = import_hf(hf, tmp_path / "elsewhere")
     assert summary["training_setup"]["from"].startswith("assumed")
     assert cfg["data"]["seq_len"] <= json.loads((hf / "config.json").read_text())["max_position_embeddings"]
     assert "says nothing of how the model was trained; assumed data.seq_len=" in done.stderr
+    assert main(["import-hf", str(hf), str(hf), "--force"]) == 0  # into its own directory: its tokenizer stays
 
 
 def test_import_refuses_a_config_or_weights_it_cannot_trust(trained, tmp_path, capsys):

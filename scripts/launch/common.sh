@@ -26,7 +26,7 @@ DP=$((GPUS / PP))
 # them every micro-batch in flight in the pipeline keeps its own bf16 copy of the stage's weights
 # until its backward (src/moetrain/plan/memory.py counts them; the rehearsals measured them).
 LAYOUT=(--parallel.pp="$PP" --parallel.ep="$EP" --parallel.dispatcher="$DISPATCHER"
-        --parallel.shard_optimizer=true --optim.bf16_weights=true --train.recompute="$RECOMPUTE"
+        --parallel.shard_optimizer=true --optim.bf16_weights=true --compute.recompute="$RECOMPUTE"
         --train.micro_batch_size=$((DP * ROWS)))
 if [ "${1:-}" = plan ]; then
   shift

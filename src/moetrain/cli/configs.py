@@ -42,13 +42,14 @@ def cmd_presets(argv: list[str]) -> int:
     command_parser(
         "presets", "The shipped presets: parameters total and active, sequence length, what each is for."
     ).parse_args(argv)
-    print(f"{'preset':<18} {'total':>9} {'active':>9} {'seq_len':>8}  purpose")
+    width = max(map(len, PRESETS))
+    print(f"{'preset':<{width}} {'total':>9} {'active':>9} {'seq_len':>8}  purpose")
     for name, make in PRESETS.items():
         cfg = make()
         counts = count_params(cfg.model)
         # 12.912B, 1.587B, 3.70M: billions from a billion up, else millions
         total, active = (f"{n / 1e9:.3f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" for n in (counts.total, counts.active))
-        print(f"{name:<18} {total:>9} {active:>9} {cfg.data.seq_len:>8}  {PURPOSES[name]}")
+        print(f"{name:<{width}} {total:>9} {active:>9} {cfg.data.seq_len:>8}  {PURPOSES[name]}")
     return 0
 
 

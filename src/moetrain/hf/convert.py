@@ -578,16 +578,21 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> dict:
 
 def _training_setup(cfg: RunConfig, hf_dir: Path, hf: dict) -> dict:
     """Set `cfg`'s training set-up for a model coming back: from the moetrain config an export
-    wrote beside it (sequence length, batch sizes, optimizer, schedule: the run goes on as it
-    trained), else the defaults, no longer than its config.json's max_position_embeddings.
+    wrote beside it (sequence length, document masking, batch sizes, validation tokens, optimizer,
+    schedule, the MoE losses' weights and the aux-free bias rate: the run goes on as it trained),
+    else the defaults, no longer than its config.json's max_position_embeddings.
     Returns where it came from, the values and, for assumed ones, the note to print."""
     trained, note = hf_dir / TRAINING_CONFIG, None
     if trained.is_file():
         run = RunConfig.from_dict(load_yaml(trained, RunConfig))
-        cfg.data.seq_len = run.data.seq_len
+        cfg.data.seq_len, cfg.data.document_masking = run.data.seq_len, run.data.document_masking
         cfg.train.global_batch_size = run.train.global_batch_size
         cfg.train.micro_batch_size = run.train.micro_batch_size
+        cfg.train.eval_tokens = run.train.eval_tokens
         cfg.optim, cfg.schedule = run.optim, run.schedule
+        moe, trained_moe = cfg.model.moe, run.model.moe
+        moe.lb_loss_weight, moe.z_loss_weight = trained_moe.lb_loss_weight, trained_moe.z_loss_weight
+        moe.bias_update_rate = trained_moe.bias_update_rate
         source = str(trained)
     else:
         positions = hf.get("max_position_embeddings")

@@ -339,10 +339,14 @@ def _local(t: torch.Tensor | FlatShard) -> torch.Tensor | FlatShard:
 
 
 def save_weights(out: Path, cfg, model: nn.Module, tokenizer: Path, origin: dict[str, str]) -> Path:
-    """`model` as a weights-only checkpoint `out`/checkpoints/step-0 with its config.yaml and
-    tokenizer.json (where `tokenizer` is a file); `origin` joins the step's metadata."""
+    """`model` as a weights-only checkpoint `out`/checkpoints/step-0, both it and `out` with its
+    config.yaml and tokenizer.json (where `tokenizer` is a file), as a run directory has them;
+    `origin` joins the step's metadata."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(cfg.to_yaml())
+    beside = out / "tokenizer.json"
+    if tokenizer.is_file() and not (beside.exists() and beside.samefile(tokenizer)):  # an import into its source
+        shutil.copyfile(tokenizer, beside)
     extra = {"config.yaml": out / "config.yaml", "tokenizer.json": tokenizer}  # copied where it is a file
     return save_checkpoint(out, 0, {"model": model_state_dict(model)}, {"step": 0, **origin}, extra_files=extra)
 
