@@ -41,9 +41,8 @@ def test_moetrain_train_resume_with_more_steps_follows_the_schedule_it_says(real
     assert sorted(got) == list(range(1, 21))
     for step in range(13, 21):  # metrics.jsonl's step s used the rate of optimizer step s - 1
         assert got[step] == pytest.approx(lr_at(step - 1, planned, peak, schedule), rel=1e-9), step
-    assert f"--resume: train.steps 12 -> 20: the schedule {'stays' if extend == 'keep' else 'is planned again'}" in (
-        out.stderr
-    )
+    verb = "stays" if extend == "keep" else "is planned again"
+    assert f"--resume from step 12: train.steps=20, the run planned 12: the schedule {verb}" in out.stderr
     if extend == "keep":  # past the plan's end: its final rate; a second extension keeps the first plan
         assert got[20] == pytest.approx(lr_at(11, 12, peak, schedule))
         train(real_text_dir, run, 24)
@@ -77,6 +76,7 @@ def test_a_run_that_ends_inside_its_warm_up_says_so_and_keeps_its_last_rate_when
     got = lrs(run)
     assert got[4] == got[5] == got[6] == pytest.approx(last, rel=1e-9)
     assert (
-        "train.steps 4 -> 6: the schedule stays the one planned over 4 steps (train.extend=keep): "
+        "--resume from step 4: train.steps=6, the run planned 4: "
+        "the schedule stays the one planned over 4 steps (train.extend=keep): "
         f"step 5 runs at {last:.3g}" in out.stderr
     )

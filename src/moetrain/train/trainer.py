@@ -271,7 +271,7 @@ class Trainer:
                 f"{before:.3g} at step {self.step} to {replanned:.3g} at step {self.step + 1}; train.extend=keep "
                 f"would keep the plan over {planned} steps ({kept:.3g})"
             )
-        self._notes.append(f"--resume: train.steps {planned} -> {tc.steps}: {what}")
+        self._notes.append(f"--resume from step {self.step}: train.steps={tc.steps}, the run planned {planned}: {what}")
 
     def _already_finished(self) -> dict[str, Any]:
         """The summary of a run whose checkpoint is at train.steps already (written if missing)."""
