@@ -166,13 +166,12 @@ def test_import_round_trips_exactly_and_training_continues_from_it(trained, real
     model2, _, _ = load_for_inference(tmp_path / "imported-fused")
     assert all(torch.equal(t, want[n]) for n, t in model2.state_dict().items())
 
-    # Continue training the import: a fresh run whose model starts as the imported one.
+    # Continue training the import: its config.yaml alone starts a fresh run from its weights.
     cfg = resolve_config(
         str(imported / "config.yaml"),
         [
             f"data.sources=[{real_text_dir}]",
             f"train.run_dir={tmp_path / 'continued'}",
-            f"checkpoint.init_from={imported}",
             "train.steps=2",
             "train.eval_every=0",
             "logging.tensorboard=false",

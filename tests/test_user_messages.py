@@ -53,6 +53,10 @@ def test_a_fresh_runs_note_names_the_directory_resume_would_need(tmp_path):
     path, why = default_run_dir("tiny", resume=False, root=tmp_path)
     assert path == tmp_path / "tiny-2"
     assert why == f"{tmp_path / 'tiny'} holds an earlier run: continue it with --resume --run-dir {tmp_path / 'tiny'}"
+    (tmp_path / "imported" / "checkpoints").mkdir(parents=True)  # import-hf's: weights, no run to resume
+    (tmp_path / "imported" / "config.yaml").write_text("")
+    path, why = default_run_dir("imported", resume=False, root=tmp_path)
+    assert (path, why) == (tmp_path / "imported-2", f"{tmp_path / 'imported'} is taken (config.yaml, checkpoints)")
 
 
 @pytest.mark.parametrize(

@@ -180,7 +180,8 @@ def cmd_import_hf(argv: list[str]) -> int:
         "import-hf",
         "Read a Hugging Face Qwen3-MoE, GLM-4-MoE or DeepSeek-V3 directory (config.json, safetensors, "
         "tokenizer.json) into OUT_DIR: config.yaml, tokenizer.json and a weights-only checkpoint. Continue training "
-        "it with `moetrain train OUT_DIR/config.yaml --checkpoint.init_from=OUT_DIR --data.sources=… --run-dir NEW`.",
+        "it with `moetrain train OUT_DIR/config.yaml --data.sources=… --run-dir NEW` (the config's "
+        "checkpoint.init_from is OUT_DIR).",
         "hf_dir",
         "a Hugging Face model directory",
     )
@@ -197,8 +198,8 @@ def cmd_upcycle(argv: list[str]) -> int:
         "scaled so the block's output is the MLP's, a fresh router. The MoE blocks are given as overrides of the "
         "dense run's config, e.g. --model.num_dense_layers=1 --model.moe.num_experts=8 --model.moe.top_k=2 "
         "--model.moe.expert_hidden=H (H: the dense MLP's hidden size). OUT_DIR gets config.yaml, the tokenizer and "
-        "checkpoints/step-0: train it with `moetrain train OUT_DIR/config.yaml --checkpoint.init_from=OUT_DIR "
-        "--run-dir NEW`.",
+        "checkpoints/step-0: train it with `moetrain train OUT_DIR/config.yaml --run-dir NEW` (the config's "
+        "checkpoint.init_from is OUT_DIR).",
     )
     parser.add_argument("dense", help="a dense run directory (newest checkpoint) or a step-N directory")
     parser.add_argument("out_dir")

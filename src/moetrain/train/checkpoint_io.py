@@ -341,8 +341,10 @@ def _local(t: torch.Tensor | FlatShard) -> torch.Tensor | FlatShard:
 def save_weights(out: Path, cfg, model: nn.Module, tokenizer: Path, origin: dict[str, str]) -> Path:
     """`model` as a weights-only checkpoint `out`/checkpoints/step-0, both it and `out` with its
     config.yaml and tokenizer.json (where `tokenizer` is a file), as a run directory has them;
-    `origin` joins the step's metadata."""
+    `origin` joins the step's metadata. The config's checkpoint.init_from is `out`, so
+    `moetrain train out/config.yaml` starts from these weights."""
     out.mkdir(parents=True, exist_ok=True)
+    cfg.checkpoint.init_from = str(out)
     (out / "config.yaml").write_text(cfg.to_yaml())
     beside = out / "tokenizer.json"
     if tokenizer.is_file() and not (beside.exists() and beside.samefile(tokenizer)):  # an import into its source

@@ -183,6 +183,8 @@ def default_run_dir(name: str, resume: bool, root: str | Path = "runs") -> tuple
     if resume:
         return newest, f"the newest run of {name}"
     why = f"{newest} holds an earlier run: continue it with --resume --run-dir {newest}"
+    if not (newest / "metrics.jsonl").exists():  # a weights-only checkpoint (import-hf, upcycle): no run to resume
+        why = f"{newest} is taken ({', '.join(f for f in RUN_FILES if (newest / f).exists())})"
     return root / f"{name}-{held[-1] + 1}", why
 
 
