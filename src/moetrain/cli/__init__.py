@@ -24,7 +24,7 @@ SUBCOMMANDS: dict[str, str] = {
     "config": "print the resolved config of a preset or YAML file as YAML",
     "params": "print total/active parameters and FLOPs per token of a preset as JSON",
     "prepare-data": "tokenize text/JSONL files (or the embedded corpus) into a token directory",
-    "eval": "loss and perplexity of a checkpoint on raw text files",
+    "eval": "loss and perplexity of a checkpoint on text files or prepared token data",
     "generate": "sample text from a checkpoint",
     "presets": "list the shipped presets: parameters, sequence length and what each is for",
     "plot": "draw the loss curves of one or more run directories into one PNG",
