@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from moetrain.config import load_yaml
-from moetrain.errors import CheckpointError, MoetrainError
+from moetrain.data.tokens import same_tokenizer
+from moetrain.errors import CheckpointError, ConfigError, MoetrainError
 from moetrain.model.counting import count_params
 from moetrain.optim.schedule import lr_at
 from moetrain.parallel.config import EVERY_ROW, ParallelConfig
@@ -177,6 +178,13 @@ class Trainer:
         self.run.start_fresh()
         if self.cfg.checkpoint.init_from:
             path = resolve_checkpoint(self.cfg.checkpoint.init_from)
+            ours, theirs = path / "tokenizer.json", self.loader.tokenizer_path
+            if ours.is_file() and theirs is not None and theirs.is_file() and not same_tokenizer(ours, theirs):
+                raise ConfigError(
+                    f"checkpoint.init_from: {path} was trained on the ids of another tokenizer ({ours}) than "
+                    f"data.sources' ({theirs}): the same ids mean other text. Prepare the data with the checkpoint's "
+                    f"tokenizer: `moetrain prepare-data … --tokenizer {ours}`."
+                )
             self.engine.load_model_weights(path)
             self._notes.append(f"initialized the model from {path} (checkpoint.init_from)")
 
