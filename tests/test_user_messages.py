@@ -90,3 +90,32 @@ def test_a_text_file_that_is_a_directory_is_named_as_one(tmp_path):
 
     with pytest.raises(DataError, match="is a directory: pass text or .jsonl files"):
         text_loss(None, None, Tokenizer(), [str(tmp_path)])
+
+
+def test_eval_reads_a_text_file_as_prepare_data_does(tmp_path, monkeypatch):
+    """`eval --text`: bytes that are not UTF-8 (a gzip file, say) are refused naming the file, not
+    evaluated as replacement characters; "\\r\\n" stays as prepare-data keeps it, so the text of a
+    file and its prepared tokens are the same ids."""
+    import gzip
+    from types import SimpleNamespace
+
+    import moetrain.inference as inference
+    from moetrain.errors import DataError
+
+    encoded = []
+
+    class Tokenizer:
+        def token_to_id(self, token):
+            return 0
+
+        def encode(self, text):
+            encoded.append(text)
+            return SimpleNamespace(ids=[1, 2])
+
+    monkeypatch.setattr(inference, "windows_loss", lambda model, cfg, ids_N: {"tokens": len(ids_N)})
+    (tmp_path / "crlf.txt").write_bytes(b"one\r\ntwo\r\n")
+    inference.text_loss(None, None, Tokenizer(), [str(tmp_path / "crlf.txt")])
+    assert encoded == ["one\r\ntwo\r\n"]
+    (tmp_path / "a.txt.gz").write_bytes(gzip.compress(b"hello"))
+    with pytest.raises(DataError, match="a.txt.gz' is not UTF-8"):
+        inference.text_loss(None, None, Tokenizer(), [str(tmp_path / "a.txt.gz")])

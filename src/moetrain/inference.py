@@ -68,7 +68,7 @@ def text_loss(model: Transformer, cfg: RunConfig, tokenizer, files: list[str], t
     """Mean next-token loss over the files (a text file is one document, a .jsonl file one per
     line in field `text_key`; each followed by EOS), read in non-overlapping windows of the
     training sequence length."""
-    from moetrain.data.prepare import iter_documents
+    from moetrain.data.prepare import iter_documents, read_text
 
     eos_id = tokenizer.token_to_id("<|endoftext|>")
     ids: list[int] = []
@@ -79,7 +79,7 @@ def text_loss(model: Transformer, cfg: RunConfig, tokenizer, files: list[str], t
         if p.suffix == ".jsonl":
             texts = [text for _, text in iter_documents([(p, p.name)], text_key=text_key)]
         else:
-            texts = [p.read_text(encoding="utf-8", errors="replace")]
+            texts = [read_text(p)]  # as prepare-data reads it: the ids of `eval --data` of its tokens
         for text in texts:
             ids.extend(tokenizer.encode(text).ids)
             if eos_id is not None:

@@ -313,20 +313,23 @@ def iter_documents(
         elif path.suffix == ".npy":
             assert eos_id is not None, "prepare_data resolves the EOS id before reading .npy inputs"
             yield from _token_documents(path, name, eos_id)
-        else:
-            try:
-                # newline="" keeps "\r\n" as it is: the tokens reproduce the file exactly.
-                with open(path, encoding="utf-8", newline="") as f:
-                    text = f.read()
-            except UnicodeDecodeError as e:
-                raise DataError(
-                    f"Input '{path}' is not UTF-8 ({e.reason} at byte {e.start}). Convert it, "
-                    f"e.g. `iconv -f latin1 -t utf-8 {path} > fixed.txt`."
-                ) from None
-            if text:
-                yield name, text
+        elif text := read_text(path):
+            yield name, text
     if default_corpus:
         yield from default_corpus_documents()
+
+
+def read_text(path: Path) -> str:
+    """A text file as it is: newline="" keeps "\r\n", so the tokens reproduce the file exactly;
+    `DataError` where it is not UTF-8."""
+    try:
+        with open(path, encoding="utf-8", newline="") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise DataError(
+            f"Input '{path}' is not UTF-8 ({e.reason} at byte {e.start}). Convert it, "
+            f"e.g. `iconv -f latin1 -t utf-8 {path} > fixed.txt`."
+        ) from None
 
 
 def train_bpe(texts: Iterable[str | list[str]], *, vocab_size: int, progress: bool = True):
