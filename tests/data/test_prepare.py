@@ -488,3 +488,16 @@ def test_a_fifo_inside_a_directory_is_skipped_and_named(tmp_path):
     files = collect_files([d], skipped)
     assert [f.name for f, _ in files] == ["doc000.txt", "doc001.txt"]
     assert skipped == [f"{d / 'pipe.txt'} (a FIFO (named pipe), not a regular file)"]
+
+
+def test_a_link_to_a_directory_is_walked_and_a_loop_read_once(tmp_path):
+    """A directory input whose subdirectory is a link (shards kept elsewhere): the documents behind
+    it are read, not silently left out; a link back up (a loop) reads nothing twice and is named."""
+    shards = _write_docs(tmp_path, ["one two three\n", "four five six\n"], name="shards")
+    d = _write_docs(tmp_path, ["seven eight\n"])
+    (d / "linked").symlink_to(shards)
+    (d / "loop").symlink_to(d)
+    skipped: list[str] = []
+    files = collect_files([d], skipped)
+    assert [name for _, name in files] == ["docs/doc000.txt", "docs/linked/doc000.txt", "docs/linked/doc001.txt"]
+    assert skipped == [f"{d / 'loop'} (a link to a directory read already)"]

@@ -253,16 +253,22 @@ def _utf8_problem(path: Path) -> str | None:
 
 def collect_files(inputs: Iterable[str | os.PathLike], skipped: list[str] | None = None) -> list[tuple[Path, str]]:
     """Expand the inputs into `(file, document-name prefix)`; directories are walked in sorted
-    order (hidden entries skipped), and what they hold that is not read is appended to `skipped`
-    as "path (why)". Raises `DataError` for a missing path or a named file that cannot be read."""
+    order (hidden entries skipped; links to directories followed, each directory read once), and
+    what they hold that is not read is appended to `skipped` as "path (why)". Raises `DataError`
+    for a missing path or a named file that cannot be read."""
     files: list[tuple[Path, str]] = []
     skipped = [] if skipped is None else skipped
     for item in inputs:
         path = Path(item)
         if path.is_dir():
-            root_name = path.resolve().name
-            for dirpath, dirnames, filenames in os.walk(path):
+            root_name, walked = path.resolve().name, set()
+            for dirpath, dirnames, filenames in os.walk(path, followlinks=True):
                 dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+                if os.path.realpath(dirpath) in walked:  # a link to a directory read already (a loop)
+                    skipped.append(f"{dirpath} (a link to a directory read already)")
+                    dirnames[:] = []
+                    continue
+                walked.add(os.path.realpath(dirpath))
                 arrow = _dataset_files(Path(dirpath))
                 if arrow is not None:  # a save_to_disk directory: its files in the dataset's order
                     prefix = f"{root_name}/{Path(dirpath).relative_to(path).as_posix()}".removesuffix("/.")
