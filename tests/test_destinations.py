@@ -268,6 +268,19 @@ def test_import_hf_never_replaces_checkpoints_even_with_force(capsys, exported, 
     fails(capsys, ["import-hf", exported, run, "--force"], "already holds checkpoints")
 
 
+# ---- upcycle ----------------------------------------------------------------------------------
+
+
+def test_upcycle_replaces_a_config_yaml_in_its_out_dir_only_with_force(capsys, trained, tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.yaml").write_text("my own\n")
+    fails(capsys, ["upcycle", trained, mine, "--model.num_dense_layers=1"], "config.yaml", "--force")
+    assert (mine / "config.yaml").read_text() == "my own\n"
+    # with --force the checks go on: this source (an MoE run) is no dense model to upcycle
+    fails(capsys, ["upcycle", trained, mine, "--force", "--model.num_dense_layers=1"], "upcycle a dense model")
+
+
 # ---- plot -------------------------------------------------------------------------------------
 
 
