@@ -45,6 +45,15 @@ def test_every_plot_starts_at_the_step_0_validation_loss(tmp_path):
     assert _val_points(tmp_path, records) == [(5, 6.0), (15, 5.0)]
 
 
+def test_a_run_that_has_logged_no_step_is_not_plotted_as_an_empty_figure(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    (tmp_path / "metrics.jsonl").write_text("")
+    assert main(["plot", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "metrics.jsonl' holds no step yet" in err and "Traceback" not in err, err
+    assert not (tmp_path / "loss-compare.png").exists()
+
+
 def test_a_fresh_runs_note_names_the_directory_resume_would_need(tmp_path):
     from moetrain.train.run_dir import default_run_dir
 

@@ -18,6 +18,7 @@ from moetrain.errors import ConfigError, DataError
 from moetrain.generation import generate
 from moetrain.hf import export_hf, export_replaces, import_hf, import_replaces
 from moetrain.inference import load_for_inference, text_loss, token_loss
+from moetrain.train.metrics import read_metrics
 from moetrain.train.plot import is_image_name, plot_compare
 
 
@@ -221,6 +222,8 @@ def cmd_plot(argv: list[str]) -> int:
     for run_dir in args.run_dirs:
         if not (Path(run_dir) / "metrics.jsonl").is_file():
             raise ConfigError(f"'{run_dir}' has no metrics.jsonl: pass run directories written by moetrain train.")
+        if not read_metrics(Path(run_dir) / "metrics.jsonl"):
+            raise ConfigError(f"'{run_dir}/metrics.jsonl' holds no step yet: plot the run once it has logged one.")
     out = args.out or Path(args.run_dirs[0]) / "loss-compare.png"
     check_file(
         out,

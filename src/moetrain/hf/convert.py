@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from moetrain import __version__
 from moetrain.config import load_yaml
 from moetrain.destinations import check_directory, check_free_space, existing_entries
-from moetrain.errors import CheckpointError, ConfigError, require
+from moetrain.errors import CheckpointError, ConfigError, DataError, require
 from moetrain.hf.arch import (
     REMOTE_MODULE,
     Architecture,
@@ -67,6 +67,7 @@ from moetrain.model.counting import count_params
 from moetrain.train.checkpoint_index import SafeFileSystemReader
 from moetrain.train.checkpoint_io import model_state_dict, save_weights
 from moetrain.train.config import RunConfig
+from moetrain.train.metrics import read_metrics
 from moetrain.train.run_dir import check_weights_destination, resolve_checkpoint
 from moetrain.version import code_version
 
@@ -421,8 +422,8 @@ def _trained(checkpoint: Path, cfg: RunConfig) -> tuple[int, int]:
 def _validation_loss(run_dir: Path, step: int) -> tuple[int, float] | None:
     """The run's last validation loss at or before `step` (metrics.jsonl), or None."""
     try:
-        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    except (OSError, ValueError):
+        records = read_metrics(run_dir / "metrics.jsonl")
+    except (OSError, DataError):
         return None
     val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None and r.get("step", 0) <= step]
     return val[-1] if val else None
