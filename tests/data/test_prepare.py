@@ -113,6 +113,12 @@ def test_jsonl_documents_and_text_key(tmp_path):
         _prepare([f], tmp_path / "out2", text_key="text")
 
 
+def test_jsonl_with_a_byte_order_mark_reads_its_first_line(tmp_path):
+    f = tmp_path / "windows.jsonl"
+    f.write_bytes(b'\xef\xbb\xbf{"text": "first"}\r\n{"text": "second"}\r\n')
+    assert [text for _, text in iter_documents([(f, f.name)])] == ["first", "second"]
+
+
 def test_jsonl_bad_line_names_file_and_line(tmp_path):
     f = tmp_path / "bad.jsonl"
     f.write_text('{"text": "fine"}\n{"text": "also fine"}\n{"text": oops}\n')

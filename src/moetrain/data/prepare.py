@@ -577,7 +577,7 @@ def _worker_encode(batch):
 
 
 def _jsonl_documents(path: Path, name: str, text_key: str) -> Iterator[Document]:
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:  # -sig: a byte-order mark (Windows tools write one) is no text
         for line_number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
