@@ -112,6 +112,19 @@ def test_checkpoint_of_another_shape_and_no_complete_checkpoint(capsys, real_tex
     fails(capsys, ["eval", str(partial), "--text", "x.txt"], "incomplete checkpoint")
 
 
+def test_a_hugging_face_or_a_checkpoints_directory_given_as_a_checkpoint_is_named_with_the_fix(capsys, tmp_path):
+    """What users pass instead of a run or step-N directory: a Hugging Face model (import-hf it
+    first) or the run's checkpoints/ directory (its parent is the run)."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    fails(capsys, ["eval", str(hf), "--text", "x.txt"], "Hugging Face model", f"moetrain import-hf {hf} OUT_DIR")
+    step = tmp_path / "run" / "checkpoints" / "step-2"
+    step.mkdir(parents=True)
+    (step / "COMPLETE").write_text("step 2\n")
+    fails(capsys, ["generate", str(step.parent), "--prompt", "x"], f"Pass the run directory, {tmp_path / 'run'}")
+
+
 def test_init_from_a_checkpoint_of_another_tokenizer_of_the_same_size(capsys, real_text_dir, tmp_path):
     """Data tokenized by another tokenizer of the checkpoint's vocabulary size would be read as
     other text: refused, leaving no run directory; the checkpoint's tokenizer written out again in

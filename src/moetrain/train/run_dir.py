@@ -223,9 +223,13 @@ def resolve_checkpoint(path: str | Path) -> Path:
     else:
         complete = list_checkpoints(path)
         if not complete:
+            fix = "Train with --save-every N, or point at a step-N directory."
+            if (path / "config.json").is_file():
+                fix = f"It is a Hugging Face model: make it a checkpoint with `moetrain import-hf {path} OUT_DIR`."
+            elif path.name == "checkpoints" and list_checkpoints(path.parent):
+                fix = f"Pass the run directory, {path.parent}, or one of its step-N."
             raise CheckpointError(
-                f"'{path}' holds no complete checkpoint (looked for {checkpoints_dir(path)}/step-N/"
-                f"{COMPLETE}). Train with --save-every N, or point at a step-N directory."
+                f"'{path}' holds no complete checkpoint (looked for {checkpoints_dir(path)}/step-N/{COMPLETE}). {fix}"
             )
         found = complete[-1][1]
     check_intact(found)
