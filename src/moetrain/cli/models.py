@@ -204,7 +204,9 @@ def cmd_upcycle(argv: list[str]) -> int:
     )
     parser.add_argument("dense", help="a dense run directory (newest checkpoint) or a step-N directory")
     parser.add_argument("out_dir")
-    parser.add_argument("--force", action="store_true", help="replace the config.yaml already in OUT_DIR")
+    parser.add_argument(
+        "--force", action="store_true", help="replace the config.yaml and tokenizer.json already in OUT_DIR"
+    )
     args, overrides = split_overrides(parser, argv)
     if not args.force:
         check_overwrite(args.out_dir, import_replaces(args.out_dir), "OUT_DIR", parser.prog)
