@@ -54,9 +54,12 @@ def cmd_eval(argv: list[str]) -> int:
     if args.data is not None:
         tokens = cfg.train.eval_tokens if args.tokens is None else None if args.tokens == "all" else int(args.tokens)
         result = token_loss(model, cfg, tokenizer, args.data, args.split, tokens)
-        total = open_source(args.data, args.split).num_tokens - 1
+        source = open_source(args.data, args.split)  # a .bin file names its split itself
         why = "" if args.tokens else " (train.eval_tokens, what the run's val_loss read; --tokens all for every one)"
-        print(f"eval: {result['tokens']:,} of the {total:,} tokens of {args.split}{why}", file=sys.stderr)
+        print(
+            f"eval: {result['tokens']:,} of the {source.num_tokens - 1:,} tokens of {source.split}{why}",
+            file=sys.stderr,
+        )
     else:
         result = text_loss(model, cfg, tokenizer, args.text, args.text_key)
     if not math.isfinite(result["loss"]):
