@@ -26,13 +26,19 @@ def load_for_inference(checkpoint: str | Path, device: str = "cpu") -> tuple[Tra
     """(model in eval mode, its run config, its HF tokenizer) from a run or step-N directory."""
     device = _device(device)
     path = resolve_checkpoint(checkpoint)
-    cfg = checkpoint_config(path)
+    cfg, tokenizer = checkpoint_config(path), checkpoint_tokenizer(path, "to encode text with")
+    if tokenizer.get_vocab_size() > cfg.model.vocab_size:
+        raise CheckpointError(
+            f"Checkpoint '{path}': its tokenizer.json has {tokenizer.get_vocab_size():,} tokens, more than the "
+            f"model's vocabulary (model.vocab_size={cfg.model.vocab_size:,}): ids past it have no embedding. Put the "
+            "tokenizer the model was trained with in its place."
+        )
     model = cfg.model.build(device="meta")
     model.to_empty(device=device)
     model.init_weights()  # buffers that are not saved (RoPE tables) need their values
     load_model(path, model)
     model.eval()
-    return model, cfg, checkpoint_tokenizer(path, "to encode text with")
+    return model, cfg, tokenizer
 
 
 def checkpoint_config(path: Path) -> RunConfig:
