@@ -214,6 +214,8 @@ def test_external_tokenizer_and_eos_token(tmp_path):
         _prepare([d], tmp_path / "third", tokenizer=tmp_path / "no_eos.json")
     meta = _prepare([d], tmp_path / "third", tokenizer=tmp_path / "no_eos.json", eos_token="</s>")
     assert meta["eos_id"] == 2 and meta["vocab_size"] == 3
+    with pytest.raises(DataError, match=f"--tokenizer '{first}' is a directory. .*its {first / 'tokenizer.json'}"):
+        _prepare([d], tmp_path / "fourth", tokenizer=first)  # the prepared directory, not its file
 
 
 def test_cli_prints_a_json_summary(tmp_path, capsys):

@@ -661,7 +661,8 @@ def _external_tokenizer(tokenizer: str | os.PathLike, eos_token: str | None, eos
 
     path = Path(tokenizer)
     if not path.is_file():
-        raise DataError(f"--tokenizer '{path}' does not exist. Give a tokenizer.json file.")
+        inside = f" (its {path / 'tokenizer.json'}?)" if (path / "tokenizer.json").is_file() else ""
+        raise DataError(f"--tokenizer '{path}' is {file_kind(path)}. Give a tokenizer.json file{inside}.")
     try:
         tok = Tokenizer.from_file(str(path))
     except Exception as e:  # the Rust library raises a plain Exception
