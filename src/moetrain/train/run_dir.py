@@ -52,6 +52,12 @@ class RunDir:
         """Gives this object's hold on the lock back, once: at `release`, or when it is collected."""
         if main:
             check_directory(self.path, "Run directory", FIX)
+            if (self.path / COMPLETE).is_file():  # a run would write its records over the checkpoint's
+                raise ConfigError(
+                    f"Run directory '{self.path}' is a checkpoint, not a run: continue its run with --resume "
+                    f"--run-dir {self.path.parent.parent}, or start a new one from its weights with "
+                    f"--checkpoint.init_from={self.path} --run-dir NEW."
+                )
             if checkpoint_bytes:
                 check_directory(self.path / "checkpoints", "The run's checkpoint directory", FIX)
                 check_free_space(
