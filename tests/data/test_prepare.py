@@ -119,6 +119,17 @@ def test_jsonl_with_a_byte_order_mark_reads_its_first_line(tmp_path):
     assert [text for _, text in iter_documents([(f, f.name)])] == ["first", "second"]
 
 
+def test_jsonl_text_that_is_null_is_no_document_and_a_number_is_named_as_one(tmp_path):
+    """A null text (a dataset's missing value) is skipped as in a .parquet; a number stops it
+    saying what the field holds, not that there is no such field."""
+    f = tmp_path / "mixed.jsonl"
+    f.write_text('{"text": "one"}\n{"text": null}\n{"text": "two"}\n')
+    assert [text for _, text in iter_documents([(f, f.name)])] == ["one", "two"]
+    f.write_text('{"text": "one"}\n{"text": 5}\n')
+    with pytest.raises(DataError, match=r"mixed\.jsonl, line 2: field 'text' holds int, not text"):
+        list(iter_documents([(f, f.name)]))
+
+
 def test_jsonl_bad_line_names_file_and_line(tmp_path):
     f = tmp_path / "bad.jsonl"
     f.write_text('{"text": "fine"}\n{"text": "also fine"}\n{"text": oops}\n')

@@ -588,11 +588,16 @@ def _jsonl_documents(path: Path, name: str, text_key: str) -> Iterator[Document]
                     f"{path}, line {line_number}: invalid JSON ({e.msg} at column {e.colno}). "
                     "Each line of a .jsonl input must be one JSON object; fix or delete the line."
                 ) from None
-            text = record.get(text_key) if isinstance(record, dict) else None
-            if not isinstance(text, str):
+            if not isinstance(record, dict) or text_key not in record:
                 keys = ", ".join(sorted(record)) if isinstance(record, dict) else "none"
                 raise DataError(
-                    f"{path}, line {line_number}: no string field {text_key!r} (keys: {keys}). "
+                    f"{path}, line {line_number}: no field {text_key!r} (keys: {keys}). "
+                    "Name the field holding the text with --text-key."
+                )
+            text = record[text_key]
+            if text is not None and not isinstance(text, str):  # null: no text, as in a .parquet
+                raise DataError(
+                    f"{path}, line {line_number}: field {text_key!r} holds {type(text).__name__}, not text. "
                     "Name the field holding the text with --text-key."
                 )
             if text:
