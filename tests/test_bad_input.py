@@ -114,7 +114,7 @@ def test_checkpoint_of_another_shape_and_no_complete_checkpoint(capsys, real_tex
 
 def test_a_hugging_face_or_a_checkpoints_directory_given_as_a_checkpoint_is_named_with_the_fix(capsys, tmp_path):
     """What users pass instead of a run or step-N directory: a Hugging Face model (import-hf it
-    first) or the run's checkpoints/ directory (its parent is the run)."""
+    first), its weights file, or the run's checkpoints/ directory (its parent is the run)."""
     hf = tmp_path / "hf"
     hf.mkdir()
     (hf / "config.json").write_text("{}")
@@ -123,6 +123,9 @@ def test_a_hugging_face_or_a_checkpoints_directory_given_as_a_checkpoint_is_name
     step.mkdir(parents=True)
     (step / "COMPLETE").write_text("step 2\n")
     fails(capsys, ["generate", str(step.parent), "--prompt", "x"], f"Pass the run directory, {tmp_path / 'run'}")
+    weights = hf / "model.safetensors"
+    weights.write_bytes(b"")
+    fails(capsys, ["export-hf", str(weights), str(tmp_path / "out")], f"'{weights}' is a file", "import-hf")
 
 
 def test_init_from_a_checkpoint_of_another_tokenizer_of_the_same_size(capsys, real_text_dir, tmp_path):

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from moetrain.destinations import check_directory, check_free_space
-from moetrain.errors import CheckpointError, ConfigError
+from moetrain.errors import CheckpointError, ConfigError, file_kind
 from moetrain.train import run_lock
 from moetrain.train.checkpoint_index import diagnose
 from moetrain.train.metrics import read_metrics
@@ -218,6 +218,11 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if not path.exists():
         raise CheckpointError(
             f"Checkpoint path '{path}' does not exist: pass a run directory or its checkpoints/step-N."
+        )
+    if not path.is_dir():
+        raise CheckpointError(
+            f"Checkpoint path '{path}' is {'a file' if path.is_file() else file_kind(path)}: pass a run directory or "
+            "its checkpoints/step-N (Hugging Face weights: their directory, made a checkpoint by `moetrain import-hf`)."
         )
     if (path / COMPLETE).is_file():
         found = path
