@@ -52,7 +52,9 @@ def checkpoint_tokenizer(path: Path, purpose: str):
     """The tokenizer of the checkpoint directory `path`, encoding text as training read it
     (`load_tokenizer`); `purpose` says in the error what it was for."""
     if not (path / "tokenizer.json").is_file():
-        raise CheckpointError(f"Checkpoint '{path}' has no tokenizer.json {purpose}.")
+        raise CheckpointError(
+            f"Checkpoint '{path}' has no tokenizer.json {purpose}: copy the model's own tokenizer.json into it."
+        )
     return load_tokenizer(path / "tokenizer.json")
 
 

@@ -95,6 +95,12 @@ UNTIED = (
     "import-hf: tie_word_embeddings=true, but moetrain's LM head is its own matrix: it starts as a copy of the "
     "embedding (the same logits) and trains apart from it."
 )
+NO_TOKENIZER = (
+    "import-hf: {} has no tokenizer.json, so neither has the checkpoint: eval and generate need one, and data for "
+    "it must be prepared with the model's own (prepare-data --tokenizer). Save it with transformers' "
+    "AutoTokenizer.from_pretrained(HF_DIR).save_pretrained(DIR) and copy DIR/tokenizer.json into OUT_DIR and its "
+    "checkpoints/step-0."
+)
 PICKLED_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 """Weight files that are pickles, which import-hf never opens (loading a pickle can run code)."""
 SAFETENSORS_ONLY = (
@@ -564,7 +570,8 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> dict:
             )
         target.copy_(value)
     path = save_weights(out, cfg, model, hf_dir / "tokenizer.json", {"imported_from": str(hf_dir)})
-    for note in (setup["note"], UNTIED * tied):
+    untokenized = NO_TOKENIZER.format(hf_dir) * (not (hf_dir / "tokenizer.json").is_file())
+    for note in (setup["note"], UNTIED * tied, untokenized):
         if note:
             print(note, file=sys.stderr)
     return {
