@@ -45,3 +45,19 @@ def test_a_finished_run_killed_before_its_summary_gets_one(real_text_dir, tmp_pa
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["steps"] == 2 and summary["final_val_loss"] == finished["final_val_loss"] is not None
     assert json.loads((run / "summary.json").read_text()) == summary
+
+
+def test_a_torn_summary_stops_neither_a_resume_nor_a_plot(real_text_dir, tmp_path, capsys):
+    """summary.json cut short (a disk that filled while it was written) reads as none: `--resume`
+    and `plot` go on instead of ending in json's traceback; it is written whole again (a temporary
+    file renamed into place)."""
+    run = tmp_path / "run"
+    assert train(real_text_dir, run) == 0
+    whole = (run / "summary.json").read_bytes()
+    (run / "summary.json").write_bytes(whole[: len(whole) // 2])
+    capsys.readouterr()
+    assert main(["plot", str(run), "--out", str(tmp_path / "loss.png")]) == 0, capsys.readouterr().err
+    args = ["train", "tiny", *[f"--{o}" for o in tiny_overrides(real_text_dir, run, "train.steps=4")], "--quiet"]
+    assert main([*args, "--resume"]) == 0, capsys.readouterr().err
+    assert json.loads((run / "summary.json").read_text())["steps"] == 4
+    assert [p.name for p in run.iterdir() if "summary" in p.name] == ["summary.json"]

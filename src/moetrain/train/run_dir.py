@@ -158,12 +158,23 @@ class RunDir:
                 shutil.copyfile(tokenizer_file, self.path / "tokenizer.json")
 
     def read_summary(self) -> dict[str, Any]:
-        path = self.path / "summary.json"
-        return json.loads(path.read_text()) if path.is_file() else {}
+        return read_summary(self.path)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
+        """summary.json, whole or not at all (a temporary file renamed into place)."""
         if self.main:
-            (self.path / "summary.json").write_text(json.dumps(summary, indent=1))
+            tmp = self.path / ".summary.json.tmp"
+            tmp.write_text(json.dumps(summary, indent=1))
+            os.replace(tmp, self.path / "summary.json")
+
+
+def read_summary(run_dir: Path) -> dict[str, Any]:
+    """RUN_DIR/summary.json; {} where there is none or it is not a JSON object (damaged)."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text(errors="replace"))
+    except (OSError, ValueError):
+        return {}
+    return summary if isinstance(summary, dict) else {}
 
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints", run_lock.LOCK_FILE)
