@@ -10,8 +10,8 @@ from moetrain.train.run_dir import read_summary
 
 def report(run_dir: Path) -> str:
     s = read_summary(run_dir)
-    if not s:
-        return f"{run_dir}: no summary.json (the run has not finished)."
+    if "steps" not in s:
+        return f"{run_dir}: the run has not finished (summary.json holds no final summary)."
     lines = [
         f"run directory : {run_dir}",
         f"checkpoint    : {s.get('checkpoint')}",

@@ -4,7 +4,7 @@ where its checkpoints are, which of them count, and how many are kept.
     RUN_DIR/config.yaml       the resolved config (rank 0, at start)
     RUN_DIR/tokenizer.json    the data's tokenizer, for eval / generate / export
     RUN_DIR/metrics.jsonl     one record per logged step (src/moetrain/train/metrics.py)
-    RUN_DIR/summary.json      the run's summary, rewritten at the end of every `fit`
+    RUN_DIR/summary.json      step 0's validation loss once evaluated; the run's summary at the end of every `fit`
     RUN_DIR/checkpoints/      step-N checkpoints (their contents: src/moetrain/train/checkpoint_io.py)
     RUN_DIR/run.lock          held by the live run's rank 0 (src/moetrain/train/run_lock.py)
 
