@@ -105,15 +105,20 @@ def test_train_refuses_a_checkpoints_path_that_is_a_file_before_training(capsys,
     assert (run / "checkpoints").read_text() == "notes" and not (run / "metrics.jsonl").exists()
 
 
-def test_train_refuses_a_run_dir_that_is_a_checkpoint(capsys, real_text_dir, trained, tmp_path):
-    """`--run-dir RUN/checkpoints/step-N` (eval and generate take one): a fresh start, or a resume
-    that found no checkpoint inside it, trained into it over its config.yaml and tokenizer.json."""
+def test_train_refuses_a_run_dir_that_is_a_checkpoint(capsys, real_text_dir, trained, exported, tmp_path):
+    """`--run-dir RUN/checkpoints/step-N` (eval and generate take one), or an export-hf directory: a
+    fresh start, or a resume that found no checkpoint inside, trained into it over its
+    config.yaml and tokenizer.json."""
     step = shutil.copytree(trained, tmp_path / "run") / "checkpoints" / "step-2"
-    before = {p.name: p.read_bytes() for p in step.iterdir() if p.is_file()}
-    for resume in ([], ["--resume"]):
-        args = [*train_args(real_text_dir, step), *resume]
-        fails(capsys, args, "is a checkpoint, not a run", f"--run-dir {step.parent.parent}", f"init_from={step}")
-    assert {p.name: p.read_bytes() for p in step.iterdir()} == before
+    hf = shutil.copytree(exported, tmp_path / "hf")
+    for where, words in (
+        (step, ["is a checkpoint, not a run", f"--run-dir {step.parent.parent}", f"init_from={step}"]),
+        (hf, ["is a Hugging Face model, not a run", f"moetrain import-hf {hf} OUT_DIR"]),
+    ):
+        before = {p.name: p.read_bytes() for p in where.iterdir() if p.is_file()}
+        for resume in ([], ["--resume"]):
+            fails(capsys, [*train_args(real_text_dir, where), *resume], *words)
+        assert {p.name: p.read_bytes() for p in where.iterdir()} == before
 
 
 def test_a_name_too_long_for_the_file_system_is_refused_by_name(capsys, real_text_dir, tmp_path):

@@ -58,6 +58,11 @@ class RunDir:
                     f"--run-dir {self.path.parent.parent}, or start a new one from its weights with "
                     f"--checkpoint.init_from={self.path} --run-dir NEW."
                 )
+            if (self.path / "config.json").is_file() and not self.config_file.is_file():  # over its tokenizer.json
+                raise ConfigError(
+                    f"Run directory '{self.path}' is a Hugging Face model, not a run: train from it with `moetrain "
+                    f"import-hf {self.path} OUT_DIR`, then --checkpoint.init_from=OUT_DIR --run-dir NEW."
+                )
             if checkpoint_bytes:
                 check_directory(self.path / "checkpoints", "The run's checkpoint directory", FIX)
                 check_free_space(
