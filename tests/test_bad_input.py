@@ -112,6 +112,43 @@ def test_checkpoint_of_another_shape_and_no_complete_checkpoint(capsys, real_tex
     fails(capsys, ["eval", str(partial), "--text", "x.txt"], "incomplete checkpoint")
 
 
+def test_a_hugging_face_or_a_checkpoints_directory_given_as_a_checkpoint_is_named_with_the_fix(capsys, tmp_path):
+    """What users pass instead of a run or step-N directory: a Hugging Face model (import-hf it
+    first), its weights file, or the run's checkpoints/ directory (its parent is the run)."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    fails(capsys, ["eval", str(hf), "--text", "x.txt"], "Hugging Face model", f"moetrain import-hf {hf} OUT_DIR")
+    step = tmp_path / "run" / "checkpoints" / "step-2"
+    step.mkdir(parents=True)
+    (step / "COMPLETE").write_text("step 2\n")
+    fails(capsys, ["generate", str(step.parent), "--prompt", "x"], f"Pass the run directory, {tmp_path / 'run'}")
+    weights = hf / "model.safetensors"
+    weights.write_bytes(b"")
+    fails(capsys, ["export-hf", str(weights), str(tmp_path / "out")], f"'{weights}' is a file", "import-hf")
+
+
+def test_init_from_a_checkpoint_of_another_tokenizer_of_the_same_size(capsys, real_text_dir, tmp_path):
+    """Data tokenized by another tokenizer of the checkpoint's vocabulary size would be read as
+    other text: refused, leaving no run directory; the checkpoint's tokenizer written out again in
+    another layout is the same tokenizer."""
+    run = tmp_path / "run"
+    assert main(train_args(real_text_dir, run)) == 0
+    tok = json.loads((real_text_dir / "tokenizer.json").read_text())
+    same = copy_data(real_text_dir, tmp_path / "same")
+    (same / "tokenizer.json").write_text(json.dumps(tok))  # one line instead of indented
+    assert main(train_args(same, tmp_path / "on-same", f"checkpoint.init_from={run}")) == 0
+    capsys.readouterr()
+    vocab = tok["model"]["vocab"]
+    a, b = (token for token, id_ in vocab.items() if id_ in (300, 301))
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two ids swapped: another tokenizer of the same size
+    other = copy_data(real_text_dir, tmp_path / "other")
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    on = tmp_path / "on-other"
+    fails(capsys, train_args(other, on, f"checkpoint.init_from={run}"), "another tokenizer", "--tokenizer")
+    assert not on.exists()
+
+
 def test_unwritable_run_directory(capsys, real_text_dir, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")

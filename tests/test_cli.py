@@ -337,6 +337,9 @@ def test_moetrain_eval_reads_jsonl_and_the_prepared_tokens_a_run_trained_on(real
     assert f"eval: 4,096 of the {available:,} tokens of val (train.eval_tokens" in out.err
     assert main(["eval", str(run_dir), "--data", str(real_text_dir), "--tokens", "all"]) == 0
     assert json.loads(capsys.readouterr().out)["tokens"] == available
+    assert main(["eval", str(run_dir), "--data", str(real_text_dir / "train.bin")]) == 0  # names its split
+    train = open_source(real_text_dir, "train").num_tokens - 1
+    assert f"eval: 4,096 of the {train:,} tokens of train (" in capsys.readouterr().err
     assert main(["eval", str(run_dir), "--data", str(real_text_dir), "--tokens", "100"]) == 0
     assert json.loads(capsys.readouterr().out)["tokens"] == 64  # whole windows, at least one
     for bad in (["--data", str(real_text_dir), "--tokens", "0"], ["--text", str(files[0]), "--tokens", "64"]):

@@ -105,6 +105,22 @@ def test_train_refuses_a_checkpoints_path_that_is_a_file_before_training(capsys,
     assert (run / "checkpoints").read_text() == "notes" and not (run / "metrics.jsonl").exists()
 
 
+def test_train_refuses_a_run_dir_that_is_a_checkpoint(capsys, real_text_dir, trained, exported, tmp_path):
+    """`--run-dir RUN/checkpoints/step-N` (eval and generate take one), or an export-hf directory: a
+    fresh start, or a resume that found no checkpoint inside, trained into it over its
+    config.yaml and tokenizer.json."""
+    step = shutil.copytree(trained, tmp_path / "run") / "checkpoints" / "step-2"
+    hf = shutil.copytree(exported, tmp_path / "hf")
+    for where, words in (
+        (step, ["is a checkpoint, not a run", f"--run-dir {step.parent.parent}", f"init_from={step}"]),
+        (hf, ["is a Hugging Face model, not a run", f"moetrain import-hf {hf} OUT_DIR"]),
+    ):
+        before = {p.name: p.read_bytes() for p in where.iterdir() if p.is_file()}
+        for resume in ([], ["--resume"]):
+            fails(capsys, [*train_args(real_text_dir, where), *resume], *words)
+        assert {p.name: p.read_bytes() for p in where.iterdir()} == before
+
+
 def test_a_name_too_long_for_the_file_system_is_refused_by_name(capsys, real_text_dir, tmp_path):
     fails(capsys, train_args(real_text_dir, tmp_path / ("x" * 300)), "too long a name", "255 bytes", "--run-dir")
 
@@ -266,6 +282,19 @@ def test_import_hf_checks_its_out_dir(capsys, exported, tmp_path, read_only, sma
 def test_import_hf_never_replaces_checkpoints_even_with_force(capsys, exported, trained, tmp_path):
     run = shutil.copytree(trained, tmp_path / "run")
     fails(capsys, ["import-hf", exported, run, "--force"], "already holds checkpoints")
+
+
+# ---- upcycle ----------------------------------------------------------------------------------
+
+
+def test_upcycle_replaces_a_config_yaml_in_its_out_dir_only_with_force(capsys, trained, tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.yaml").write_text("my own\n")
+    fails(capsys, ["upcycle", trained, mine, "--model.num_dense_layers=1"], "config.yaml", "--force")
+    assert (mine / "config.yaml").read_text() == "my own\n"
+    # with --force the checks go on: this source (an MoE run) is no dense model to upcycle
+    fails(capsys, ["upcycle", trained, mine, "--force", "--model.num_dense_layers=1"], "upcycle a dense model")
 
 
 # ---- plot -------------------------------------------------------------------------------------

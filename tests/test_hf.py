@@ -224,6 +224,27 @@ def test_export_writes_a_model_card_with_the_hubs_metadata(trained, tmp_path, ca
     assert "--license='Apache 2.0'" in err and "Traceback" not in err
 
 
+def test_an_import_without_a_tokenizer_says_so_and_what_to_copy(trained, tmp_path, capsys):
+    """Many Hub directories hold tokenizer.model but no tokenizer.json: the import says at once
+    that the checkpoint has none and how to write one, and eval names the file to copy."""
+    hf, out = tmp_path / "hf", tmp_path / "imported"
+    assert main(["export-hf", str(trained), str(hf)]) == 0
+    (hf / "tokenizer.json").unlink()
+    capsys.readouterr()
+    assert main(["import-hf", str(hf), str(out)]) == 0
+    assert f"import-hf: {hf} has no tokenizer.json" in capsys.readouterr().err
+    assert main(["eval", str(out), "--text", str(hf / "README.md")]) == 2
+    assert "has no tokenizer.json to encode text with: copy the model's own" in capsys.readouterr().err
+
+
+def test_the_model_cards_validation_loss_is_read_past_a_torn_last_line(tmp_path):
+    """A run killed while appending to metrics.jsonl still has its validation losses."""
+    from moetrain.hf.convert import _validation_loss
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 2, "val_loss": 3.5}\n{"step": 4, "lo')
+    assert _validation_loss(tmp_path, 4) == (2, 3.5)
+
+
 def test_moetrain_import_hf_keeps_the_training_set_up_or_says_what_it_assumed(trained, tmp_path):
     """`moetrain import-hf HF OUT` of an export takes the run's context, document masking, batch,
     validation tokens, optimizer, schedule, MoE loss weights and aux-free bias rate from the

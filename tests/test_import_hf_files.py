@@ -63,3 +63,21 @@ def test_an_index_cannot_point_outside_the_directory(capsys, hf_dir, tmp_path):
     index = {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "../elsewhere.safetensors"}}
     (hf_dir / "model.safetensors.index.json").write_text(json.dumps(index))
     refused(capsys, hf_dir, tmp_path, "../elsewhere.safetensors", "outside the directory")
+
+
+@pytest.mark.parametrize(
+    "field, value, words",
+    [
+        ("num_experts_per_tok", 100, ["top_k=100", "num_experts=8"]),
+        ("rms_norm_eps", -1, ["norm_eps=-1", "positive"]),
+        ("head_dim", 7, ["head_dim=7", "even"]),
+        ("hidden_size", "64", ["d_model='64'", "integer"]),
+        ("mlp_only_layers", 5, ["wrong type", "not iterable"]),
+    ],
+)
+def test_a_config_json_of_a_model_moetrain_cannot_build_is_refused(capsys, hf_dir, tmp_path, field, value, words):
+    """Values of the wrong type or outside a key's domain, checked as `moetrain train` checks its
+    config, before any weight is read: no traceback, and no checkpoint that fails later."""
+    config = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**config, field: value}))
+    refused(capsys, hf_dir, tmp_path, "config.json", *words)

@@ -81,6 +81,25 @@ def test_a_bad_path_is_named_with_the_fix(tmp_path):
         moetrain.load(tmp_path)
 
 
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(run, tmp_path, capsys):
+    """Ids past model.vocab_size have no embedding (eval ended in torch's IndexError): the
+    checkpoint is refused naming both sizes, before its weights are read."""
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    copy = shutil.copytree(run, tmp_path / "run")
+    step = copy / "checkpoints" / "step-0"
+    tokenizer = Tokenizer.from_file(str(step / "tokenizer.json"))
+    extra = [f"extra-{i}" for i in range(321 - tokenizer.get_vocab_size())]
+    tokenizer.add_tokens(extra)
+    tokenizer.save(str(step / "tokenizer.json"))
+    (tmp_path / "a.txt").write_text(f"{extra[-1]} " * 3)  # id 320
+    assert main(["eval", str(copy), "--text", str(tmp_path / "a.txt")]) == 2
+    err = capsys.readouterr().err
+    assert "has 321 tokens, more than the model's vocabulary (model.vocab_size=320)" in err and "Traceback" not in err
+
+
 def test_logits_are_the_models_and_the_loss_their_cross_entropy(lm):
     ids = lm.encode(TEXT)[:SEQ]
     logits_TV = lm.logits(ids)

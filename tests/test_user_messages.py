@@ -45,6 +45,15 @@ def test_every_plot_starts_at_the_step_0_validation_loss(tmp_path):
     assert _val_points(tmp_path, records) == [(5, 6.0), (15, 5.0)]
 
 
+def test_a_run_that_has_logged_no_step_is_not_plotted_as_an_empty_figure(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    (tmp_path / "metrics.jsonl").write_text("")
+    assert main(["plot", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "metrics.jsonl' holds no step yet" in err and "Traceback" not in err, err
+    assert not (tmp_path / "loss-compare.png").exists()
+
+
 def test_a_fresh_runs_note_names_the_directory_resume_would_need(tmp_path):
     from moetrain.train.run_dir import default_run_dir
 
@@ -90,3 +99,32 @@ def test_a_text_file_that_is_a_directory_is_named_as_one(tmp_path):
 
     with pytest.raises(DataError, match="is a directory: pass text or .jsonl files"):
         text_loss(None, None, Tokenizer(), [str(tmp_path)])
+
+
+def test_eval_reads_a_text_file_as_prepare_data_does(tmp_path, monkeypatch):
+    """`eval --text`: bytes that are not UTF-8 (a gzip file, say) are refused naming the file, not
+    evaluated as replacement characters; "\\r\\n" stays as prepare-data keeps it, so the text of a
+    file and its prepared tokens are the same ids."""
+    import gzip
+    from types import SimpleNamespace
+
+    import moetrain.inference as inference
+    from moetrain.errors import DataError
+
+    encoded = []
+
+    class Tokenizer:
+        def token_to_id(self, token):
+            return 0
+
+        def encode(self, text):
+            encoded.append(text)
+            return SimpleNamespace(ids=[1, 2])
+
+    monkeypatch.setattr(inference, "windows_loss", lambda model, cfg, ids_N: {"tokens": len(ids_N)})
+    (tmp_path / "crlf.txt").write_bytes(b"one\r\ntwo\r\n")
+    inference.text_loss(None, None, Tokenizer(), [str(tmp_path / "crlf.txt")])
+    assert encoded == ["one\r\ntwo\r\n"]
+    (tmp_path / "a.txt.gz").write_bytes(gzip.compress(b"hello"))
+    with pytest.raises(DataError, match="a.txt.gz' is not UTF-8"):
+        inference.text_loss(None, None, Tokenizer(), [str(tmp_path / "a.txt.gz")])

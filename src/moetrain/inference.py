@@ -26,13 +26,19 @@ def load_for_inference(checkpoint: str | Path, device: str = "cpu") -> tuple[Tra
     """(model in eval mode, its run config, its HF tokenizer) from a run or step-N directory."""
     device = _device(device)
     path = resolve_checkpoint(checkpoint)
-    cfg = checkpoint_config(path)
+    cfg, tokenizer = checkpoint_config(path), checkpoint_tokenizer(path, "to encode text with")
+    if tokenizer.get_vocab_size() > cfg.model.vocab_size:
+        raise CheckpointError(
+            f"Checkpoint '{path}': its tokenizer.json has {tokenizer.get_vocab_size():,} tokens, more than the "
+            f"model's vocabulary (model.vocab_size={cfg.model.vocab_size:,}): ids past it have no embedding. Put the "
+            "tokenizer the model was trained with in its place."
+        )
     model = cfg.model.build(device="meta")
     model.to_empty(device=device)
     model.init_weights()  # buffers that are not saved (RoPE tables) need their values
     load_model(path, model)
     model.eval()
-    return model, cfg, checkpoint_tokenizer(path, "to encode text with")
+    return model, cfg, tokenizer
 
 
 def checkpoint_config(path: Path) -> RunConfig:
@@ -46,7 +52,9 @@ def checkpoint_tokenizer(path: Path, purpose: str):
     """The tokenizer of the checkpoint directory `path`, encoding text as training read it
     (`load_tokenizer`); `purpose` says in the error what it was for."""
     if not (path / "tokenizer.json").is_file():
-        raise CheckpointError(f"Checkpoint '{path}' has no tokenizer.json {purpose}.")
+        raise CheckpointError(
+            f"Checkpoint '{path}' has no tokenizer.json {purpose}: copy the model's own tokenizer.json into it."
+        )
     return load_tokenizer(path / "tokenizer.json")
 
 
@@ -68,7 +76,7 @@ def text_loss(model: Transformer, cfg: RunConfig, tokenizer, files: list[str], t
     """Mean next-token loss over the files (a text file is one document, a .jsonl file one per
     line in field `text_key`; each followed by EOS), read in non-overlapping windows of the
     training sequence length."""
-    from moetrain.data.prepare import iter_documents
+    from moetrain.data.prepare import iter_documents, read_text
 
     eos_id = tokenizer.token_to_id("<|endoftext|>")
     ids: list[int] = []
@@ -79,7 +87,7 @@ def text_loss(model: Transformer, cfg: RunConfig, tokenizer, files: list[str], t
         if p.suffix == ".jsonl":
             texts = [text for _, text in iter_documents([(p, p.name)], text_key=text_key)]
         else:
-            texts = [p.read_text(encoding="utf-8", errors="replace")]
+            texts = [read_text(p)]  # as prepare-data reads it: the ids of `eval --data` of its tokens
         for text in texts:
             ids.extend(tokenizer.encode(text).ids)
             if eos_id is not None:

@@ -113,6 +113,23 @@ def test_jsonl_documents_and_text_key(tmp_path):
         _prepare([f], tmp_path / "out2", text_key="text")
 
 
+def test_jsonl_with_a_byte_order_mark_reads_its_first_line(tmp_path):
+    f = tmp_path / "windows.jsonl"
+    f.write_bytes(b'\xef\xbb\xbf{"text": "first"}\r\n{"text": "second"}\r\n')
+    assert [text for _, text in iter_documents([(f, f.name)])] == ["first", "second"]
+
+
+def test_jsonl_text_that_is_null_is_no_document_and_a_number_is_named_as_one(tmp_path):
+    """A null text (a dataset's missing value) is skipped as in a .parquet; a number stops it
+    saying what the field holds, not that there is no such field."""
+    f = tmp_path / "mixed.jsonl"
+    f.write_text('{"text": "one"}\n{"text": null}\n{"text": "two"}\n')
+    assert [text for _, text in iter_documents([(f, f.name)])] == ["one", "two"]
+    f.write_text('{"text": "one"}\n{"text": 5}\n')
+    with pytest.raises(DataError, match=r"mixed\.jsonl, line 2: field 'text' holds int, not text"):
+        list(iter_documents([(f, f.name)]))
+
+
 def test_jsonl_bad_line_names_file_and_line(tmp_path):
     f = tmp_path / "bad.jsonl"
     f.write_text('{"text": "fine"}\n{"text": "also fine"}\n{"text": oops}\n')
@@ -208,6 +225,8 @@ def test_external_tokenizer_and_eos_token(tmp_path):
         _prepare([d], tmp_path / "third", tokenizer=tmp_path / "no_eos.json")
     meta = _prepare([d], tmp_path / "third", tokenizer=tmp_path / "no_eos.json", eos_token="</s>")
     assert meta["eos_id"] == 2 and meta["vocab_size"] == 3
+    with pytest.raises(DataError, match=f"--tokenizer '{first}' is a directory. .*its {first / 'tokenizer.json'}"):
+        _prepare([d], tmp_path / "fourth", tokenizer=first)  # the prepared directory, not its file
 
 
 def test_cli_prints_a_json_summary(tmp_path, capsys):
@@ -488,3 +507,16 @@ def test_a_fifo_inside_a_directory_is_skipped_and_named(tmp_path):
     files = collect_files([d], skipped)
     assert [f.name for f, _ in files] == ["doc000.txt", "doc001.txt"]
     assert skipped == [f"{d / 'pipe.txt'} (a FIFO (named pipe), not a regular file)"]
+
+
+def test_a_link_to_a_directory_is_walked_and_a_loop_read_once(tmp_path):
+    """A directory input whose subdirectory is a link (shards kept elsewhere): the documents behind
+    it are read, not silently left out; a link back up (a loop) reads nothing twice and is named."""
+    shards = _write_docs(tmp_path, ["one two three\n", "four five six\n"], name="shards")
+    d = _write_docs(tmp_path, ["seven eight\n"])
+    (d / "linked").symlink_to(shards)
+    (d / "loop").symlink_to(d)
+    skipped: list[str] = []
+    files = collect_files([d], skipped)
+    assert [name for _, name in files] == ["docs/doc000.txt", "docs/linked/doc000.txt", "docs/linked/doc001.txt"]
+    assert skipped == [f"{d / 'loop'} (a link to a directory read already)"]

@@ -18,6 +18,7 @@ from moetrain.errors import ConfigError, DataError
 from moetrain.generation import generate
 from moetrain.hf import export_hf, export_replaces, import_hf, import_replaces
 from moetrain.inference import load_for_inference, text_loss, token_loss
+from moetrain.train.metrics import read_metrics
 from moetrain.train.plot import is_image_name, plot_compare
 
 
@@ -53,9 +54,12 @@ def cmd_eval(argv: list[str]) -> int:
     if args.data is not None:
         tokens = cfg.train.eval_tokens if args.tokens is None else None if args.tokens == "all" else int(args.tokens)
         result = token_loss(model, cfg, tokenizer, args.data, args.split, tokens)
-        total = open_source(args.data, args.split).num_tokens - 1
+        source = open_source(args.data, args.split)  # a .bin file names its split itself
         why = "" if args.tokens else " (train.eval_tokens, what the run's val_loss read; --tokens all for every one)"
-        print(f"eval: {result['tokens']:,} of the {total:,} tokens of {args.split}{why}", file=sys.stderr)
+        print(
+            f"eval: {result['tokens']:,} of the {source.num_tokens - 1:,} tokens of {source.split}{why}",
+            file=sys.stderr,
+        )
     else:
         result = text_loss(model, cfg, tokenizer, args.text, args.text_key)
     if not math.isfinite(result["loss"]):
@@ -203,7 +207,12 @@ def cmd_upcycle(argv: list[str]) -> int:
     )
     parser.add_argument("dense", help="a dense run directory (newest checkpoint) or a step-N directory")
     parser.add_argument("out_dir")
+    parser.add_argument(
+        "--force", action="store_true", help="replace the config.yaml and tokenizer.json already in OUT_DIR"
+    )
     args, overrides = split_overrides(parser, argv)
+    if not args.force:
+        check_overwrite(args.out_dir, import_replaces(args.out_dir), "OUT_DIR", parser.prog)
     print(json.dumps(upcycle(args.dense, args.out_dir, overrides)))
     return 0
 
@@ -218,6 +227,8 @@ def cmd_plot(argv: list[str]) -> int:
     for run_dir in args.run_dirs:
         if not (Path(run_dir) / "metrics.jsonl").is_file():
             raise ConfigError(f"'{run_dir}' has no metrics.jsonl: pass run directories written by moetrain train.")
+        if not read_metrics(Path(run_dir) / "metrics.jsonl"):
+            raise ConfigError(f"'{run_dir}/metrics.jsonl' holds no step yet: plot the run once it has logged one.")
     out = args.out or Path(args.run_dirs[0]) / "loss-compare.png"
     check_file(
         out,

@@ -253,16 +253,22 @@ def _utf8_problem(path: Path) -> str | None:
 
 def collect_files(inputs: Iterable[str | os.PathLike], skipped: list[str] | None = None) -> list[tuple[Path, str]]:
     """Expand the inputs into `(file, document-name prefix)`; directories are walked in sorted
-    order (hidden entries skipped), and what they hold that is not read is appended to `skipped`
-    as "path (why)". Raises `DataError` for a missing path or a named file that cannot be read."""
+    order (hidden entries skipped; links to directories followed, each directory read once), and
+    what they hold that is not read is appended to `skipped` as "path (why)". Raises `DataError`
+    for a missing path or a named file that cannot be read."""
     files: list[tuple[Path, str]] = []
     skipped = [] if skipped is None else skipped
     for item in inputs:
         path = Path(item)
         if path.is_dir():
-            root_name = path.resolve().name
-            for dirpath, dirnames, filenames in os.walk(path):
+            root_name, walked = path.resolve().name, set()
+            for dirpath, dirnames, filenames in os.walk(path, followlinks=True):
                 dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+                if os.path.realpath(dirpath) in walked:  # a link to a directory read already (a loop)
+                    skipped.append(f"{dirpath} (a link to a directory read already)")
+                    dirnames[:] = []
+                    continue
+                walked.add(os.path.realpath(dirpath))
                 arrow = _dataset_files(Path(dirpath))
                 if arrow is not None:  # a save_to_disk directory: its files in the dataset's order
                     prefix = f"{root_name}/{Path(dirpath).relative_to(path).as_posix()}".removesuffix("/.")
@@ -313,20 +319,23 @@ def iter_documents(
         elif path.suffix == ".npy":
             assert eos_id is not None, "prepare_data resolves the EOS id before reading .npy inputs"
             yield from _token_documents(path, name, eos_id)
-        else:
-            try:
-                # newline="" keeps "\r\n" as it is: the tokens reproduce the file exactly.
-                with open(path, encoding="utf-8", newline="") as f:
-                    text = f.read()
-            except UnicodeDecodeError as e:
-                raise DataError(
-                    f"Input '{path}' is not UTF-8 ({e.reason} at byte {e.start}). Convert it, "
-                    f"e.g. `iconv -f latin1 -t utf-8 {path} > fixed.txt`."
-                ) from None
-            if text:
-                yield name, text
+        elif text := read_text(path):
+            yield name, text
     if default_corpus:
         yield from default_corpus_documents()
+
+
+def read_text(path: Path) -> str:
+    """A text file as it is: newline="" keeps "\r\n", so the tokens reproduce the file exactly;
+    `DataError` where it is not UTF-8."""
+    try:
+        with open(path, encoding="utf-8", newline="") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise DataError(
+            f"Input '{path}' is not UTF-8 ({e.reason} at byte {e.start}). Convert it, "
+            f"e.g. `iconv -f latin1 -t utf-8 {path} > fixed.txt`."
+        ) from None
 
 
 def train_bpe(texts: Iterable[str | list[str]], *, vocab_size: int, progress: bool = True):
@@ -568,7 +577,7 @@ def _worker_encode(batch):
 
 
 def _jsonl_documents(path: Path, name: str, text_key: str) -> Iterator[Document]:
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:  # -sig: a byte-order mark (Windows tools write one) is no text
         for line_number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -579,11 +588,16 @@ def _jsonl_documents(path: Path, name: str, text_key: str) -> Iterator[Document]
                     f"{path}, line {line_number}: invalid JSON ({e.msg} at column {e.colno}). "
                     "Each line of a .jsonl input must be one JSON object; fix or delete the line."
                 ) from None
-            text = record.get(text_key) if isinstance(record, dict) else None
-            if not isinstance(text, str):
+            if not isinstance(record, dict) or text_key not in record:
                 keys = ", ".join(sorted(record)) if isinstance(record, dict) else "none"
                 raise DataError(
-                    f"{path}, line {line_number}: no string field {text_key!r} (keys: {keys}). "
+                    f"{path}, line {line_number}: no field {text_key!r} (keys: {keys}). "
+                    "Name the field holding the text with --text-key."
+                )
+            text = record[text_key]
+            if text is not None and not isinstance(text, str):  # null: no text, as in a .parquet
+                raise DataError(
+                    f"{path}, line {line_number}: field {text_key!r} holds {type(text).__name__}, not text. "
                     "Name the field holding the text with --text-key."
                 )
             if text:
@@ -652,7 +666,8 @@ def _external_tokenizer(tokenizer: str | os.PathLike, eos_token: str | None, eos
 
     path = Path(tokenizer)
     if not path.is_file():
-        raise DataError(f"--tokenizer '{path}' does not exist. Give a tokenizer.json file.")
+        inside = f" (its {path / 'tokenizer.json'}?)" if (path / "tokenizer.json").is_file() else ""
+        raise DataError(f"--tokenizer '{path}' is {file_kind(path)}. Give a tokenizer.json file{inside}.")
     try:
         tok = Tokenizer.from_file(str(path))
     except Exception as e:  # the Rust library raises a plain Exception

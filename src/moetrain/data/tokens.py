@@ -164,6 +164,15 @@ def load_tokenizer(path: str | os.PathLike):
     return tok
 
 
+def same_tokenizer(a: Path, b: Path) -> bool:
+    """Whether two tokenizer.json files hold the same tokenizer, however each file is formatted."""
+    from tokenizers import Tokenizer
+
+    return (
+        a.read_bytes() == b.read_bytes() or Tokenizer.from_file(str(a)).to_str() == Tokenizer.from_file(str(b)).to_str()
+    )
+
+
 def read_meta(directory: str | os.PathLike) -> dict[str, Any]:
     """Read and validate `directory/meta.json`."""
     file = Path(directory) / META_FILE

@@ -12,6 +12,7 @@ import re
 
 import torch
 
+from moetrain.config import validate_tree
 from moetrain.errors import ConfigError
 from moetrain.model.config import (
     AttentionKind,
@@ -446,9 +447,18 @@ def model_config_from_hf(hf: dict, source: str) -> TransformerConfig:
             "glm4_moe (GLM-4-MoE), deepseek_v3 (DeepSeek-V3) and the dense qwen3 (Qwen3) and llama (Llama) models."
         )
     try:
-        return _model_config(hf, source, known[model_type])
+        model = _model_config(hf, source, known[model_type])
     except KeyError as e:
         raise ConfigError(f"{source} has no '{e.args[0]}': it is not a complete {model_type} config.json.") from None
+    except (TypeError, ValueError) as e:  # a field of another type: "64" or null where a number goes
+        raise ConfigError(
+            f"{source} holds a value of the wrong type ({e}): compare it with a {model_type} config.json."
+        ) from None
+    try:
+        validate_tree(model, "model.")
+    except ConfigError as e:
+        raise ConfigError(f"{source} describes a model moetrain cannot build: {e}") from None
+    return model
 
 
 def _model_config(hf: dict, source: str, arch: Architecture) -> TransformerConfig:

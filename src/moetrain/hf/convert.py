@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from moetrain import __version__
 from moetrain.config import load_yaml
 from moetrain.destinations import check_directory, check_free_space, existing_entries
-from moetrain.errors import CheckpointError, ConfigError, require
+from moetrain.errors import CheckpointError, ConfigError, DataError, require
 from moetrain.hf.arch import (
     REMOTE_MODULE,
     Architecture,
@@ -67,6 +67,7 @@ from moetrain.model.counting import count_params
 from moetrain.train.checkpoint_index import SafeFileSystemReader
 from moetrain.train.checkpoint_io import model_state_dict, save_weights
 from moetrain.train.config import RunConfig
+from moetrain.train.metrics import read_metrics
 from moetrain.train.run_dir import check_weights_destination, resolve_checkpoint
 from moetrain.version import code_version
 
@@ -93,6 +94,12 @@ EMBEDDING = "model.embed_tokens.weight"
 UNTIED = (
     "import-hf: tie_word_embeddings=true, but moetrain's LM head is its own matrix: it starts as a copy of the "
     "embedding (the same logits) and trains apart from it."
+)
+NO_TOKENIZER = (
+    "import-hf: {} has no tokenizer.json, so neither has the checkpoint: eval and generate need one, and data for "
+    "it must be prepared with the model's own (prepare-data --tokenizer). Save it with transformers' "
+    "AutoTokenizer.from_pretrained(HF_DIR).save_pretrained(DIR) and copy DIR/tokenizer.json into OUT_DIR and its "
+    "checkpoints/step-0."
 )
 PICKLED_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 """Weight files that are pickles, which import-hf never opens (loading a pickle can run code)."""
@@ -421,8 +428,8 @@ def _trained(checkpoint: Path, cfg: RunConfig) -> tuple[int, int]:
 def _validation_loss(run_dir: Path, step: int) -> tuple[int, float] | None:
     """The run's last validation loss at or before `step` (metrics.jsonl), or None."""
     try:
-        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    except (OSError, ValueError):
+        records = read_metrics(run_dir / "metrics.jsonl")
+    except (OSError, DataError):
         return None
     val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None and r.get("step", 0) <= step]
     return val[-1] if val else None
@@ -563,7 +570,8 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> dict:
             )
         target.copy_(value)
     path = save_weights(out, cfg, model, hf_dir / "tokenizer.json", {"imported_from": str(hf_dir)})
-    for note in (setup["note"], UNTIED * tied):
+    untokenized = NO_TOKENIZER.format(hf_dir) * (not (hf_dir / "tokenizer.json").is_file())
+    for note in (setup["note"], UNTIED * tied, untokenized):
         if note:
             print(note, file=sys.stderr)
     return {

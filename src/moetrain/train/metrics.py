@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from moetrain.errors import install_hint
+from moetrain.errors import DataError, install_hint
 
 
 def routing_metrics(layer_stats: list[dict[str, torch.Tensor]], ep: int = 1) -> dict[str, float]:
@@ -140,15 +140,22 @@ class TensorBoardSink(MetricsSink):
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """The records of a metrics.jsonl. A process killed while appending can leave a truncated
-    last line: it is skipped (the step is logged again after a resume)."""
+    last line: it is skipped (the step is logged again after a resume). Any other line that is
+    not a step's record is a `DataError` naming it."""
     if not path.is_file():
         return []
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    lines = [(n, line) for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1) if line.strip()]
     records = []
-    for i, line in enumerate(lines):
+    for n, line in lines:
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
-            if i < len(lines) - 1:
-                raise
+            record = None
+        if isinstance(record, dict) and "step" in record:
+            records.append(record)
+        elif n < lines[-1][0]:
+            raise DataError(
+                f"{path}, line {n}: not a step's record (a JSON object with a step): delete the line, or move the "
+                "file away to start the records anew."
+            )
     return records

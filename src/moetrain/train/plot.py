@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 from moetrain.errors import install_hint, require
 from moetrain.train.metrics import read_metrics
+from moetrain.train.run_dir import read_summary
 
 IMAGE_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg", ".webp", ".eps", ".tif", ".tiff")
 """What `plot_compare` writes in the format its name says (any other name gets a PNG)."""
@@ -56,8 +56,7 @@ def _val_points(run_dir: Path, records: list[dict]) -> list[tuple[int, float]]:
     """(step, validation loss) of a run: step 0's from summary.json (evaluated before training),
     then the logged ones."""
     val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
-    summary = run_dir / "summary.json"
-    initial = json.loads(summary.read_text()).get("initial_val_loss") if summary.is_file() else None
+    initial = read_summary(run_dir).get("initial_val_loss")
     return ([(0, initial)] if initial is not None else []) + val
 
 

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
+from moetrain.train.run_dir import read_summary
+
 
 def report(run_dir: Path) -> str:
-    summary_file = run_dir / "summary.json"
-    if not summary_file.is_file():
-        return f"{run_dir}: no summary.json (the run has not finished)."
-    s = json.loads(summary_file.read_text())
+    s = read_summary(run_dir)
+    if "steps" not in s:
+        return f"{run_dir}: the run has not finished (summary.json holds no final summary)."
     lines = [
         f"run directory : {run_dir}",
         f"checkpoint    : {s.get('checkpoint')}",

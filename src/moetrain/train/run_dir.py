@@ -4,7 +4,7 @@ where its checkpoints are, which of them count, and how many are kept.
     RUN_DIR/config.yaml       the resolved config (rank 0, at start)
     RUN_DIR/tokenizer.json    the data's tokenizer, for eval / generate / export
     RUN_DIR/metrics.jsonl     one record per logged step (src/moetrain/train/metrics.py)
-    RUN_DIR/summary.json      the run's summary, rewritten at the end of every `fit`
+    RUN_DIR/summary.json      step 0's validation loss once evaluated; the run's summary at the end of every `fit`
     RUN_DIR/checkpoints/      step-N checkpoints (their contents: src/moetrain/train/checkpoint_io.py)
     RUN_DIR/run.lock          held by the live run's rank 0 (src/moetrain/train/run_lock.py)
 
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from moetrain.destinations import check_directory, check_free_space
-from moetrain.errors import CheckpointError, ConfigError
+from moetrain.errors import CheckpointError, ConfigError, file_kind
 from moetrain.train import run_lock
 from moetrain.train.checkpoint_index import diagnose
 from moetrain.train.metrics import read_metrics
@@ -52,6 +52,17 @@ class RunDir:
         """Gives this object's hold on the lock back, once: at `release`, or when it is collected."""
         if main:
             check_directory(self.path, "Run directory", FIX)
+            if (self.path / COMPLETE).is_file():  # a run would write its records over the checkpoint's
+                raise ConfigError(
+                    f"Run directory '{self.path}' is a checkpoint, not a run: continue its run with --resume "
+                    f"--run-dir {self.path.parent.parent}, or start a new one from its weights with "
+                    f"--checkpoint.init_from={self.path} --run-dir NEW."
+                )
+            if (self.path / "config.json").is_file() and not self.config_file.is_file():  # over its tokenizer.json
+                raise ConfigError(
+                    f"Run directory '{self.path}' is a Hugging Face model, not a run: train from it with `moetrain "
+                    f"import-hf {self.path} OUT_DIR`, then --checkpoint.init_from=OUT_DIR --run-dir NEW."
+                )
             if checkpoint_bytes:
                 check_directory(self.path / "checkpoints", "The run's checkpoint directory", FIX)
                 check_free_space(
@@ -152,12 +163,23 @@ class RunDir:
                 shutil.copyfile(tokenizer_file, self.path / "tokenizer.json")
 
     def read_summary(self) -> dict[str, Any]:
-        path = self.path / "summary.json"
-        return json.loads(path.read_text()) if path.is_file() else {}
+        return read_summary(self.path)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
+        """summary.json, whole or not at all (a temporary file renamed into place)."""
         if self.main:
-            (self.path / "summary.json").write_text(json.dumps(summary, indent=1))
+            tmp = self.path / ".summary.json.tmp"
+            tmp.write_text(json.dumps(summary, indent=1))
+            os.replace(tmp, self.path / "summary.json")
+
+
+def read_summary(run_dir: Path) -> dict[str, Any]:
+    """RUN_DIR/summary.json; {} where there is none or it is not a JSON object (damaged)."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text(errors="replace"))
+    except (OSError, ValueError):
+        return {}
+    return summary if isinstance(summary, dict) else {}
 
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints", run_lock.LOCK_FILE)
@@ -213,6 +235,11 @@ def resolve_checkpoint(path: str | Path) -> Path:
         raise CheckpointError(
             f"Checkpoint path '{path}' does not exist: pass a run directory or its checkpoints/step-N."
         )
+    if not path.is_dir():
+        raise CheckpointError(
+            f"Checkpoint path '{path}' is {'a file' if path.is_file() else file_kind(path)}: pass a run directory or "
+            "its checkpoints/step-N (Hugging Face weights: their directory, made a checkpoint by `moetrain import-hf`)."
+        )
     if (path / COMPLETE).is_file():
         found = path
     elif STEP_DIR.match(path.name):
@@ -223,9 +250,13 @@ def resolve_checkpoint(path: str | Path) -> Path:
     else:
         complete = list_checkpoints(path)
         if not complete:
+            fix = "Train with --save-every N, or point at a step-N directory."
+            if (path / "config.json").is_file():
+                fix = f"It is a Hugging Face model: make it a checkpoint with `moetrain import-hf {path} OUT_DIR`."
+            elif path.name == "checkpoints" and list_checkpoints(path.parent):
+                fix = f"Pass the run directory, {path.parent}, or one of its step-N."
             raise CheckpointError(
-                f"'{path}' holds no complete checkpoint (looked for {checkpoints_dir(path)}/step-N/"
-                f"{COMPLETE}). Train with --save-every N, or point at a step-N directory."
+                f"'{path}' holds no complete checkpoint (looked for {checkpoints_dir(path)}/step-N/{COMPLETE}). {fix}"
             )
         found = complete[-1][1]
     check_intact(found)

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from moetrain.config import load_yaml
-from moetrain.errors import CheckpointError, MoetrainError
+from moetrain.data.tokens import same_tokenizer
+from moetrain.errors import CheckpointError, ConfigError, MoetrainError
 from moetrain.model.counting import count_params
 from moetrain.optim.schedule import lr_at
 from moetrain.parallel.config import EVERY_ROW, ParallelConfig
@@ -127,8 +128,11 @@ class Trainer:
             return self._already_finished()
         self.summary = self.run.read_summary() if self.resumed_from is not None else {}
         self.summary.pop("stopped_at_step", None)  # an earlier stop's: this fit says its own
-        if "initial_val_loss" not in self.summary and tc.eval_every > 0:
+        # Step 0's loss, kept at once should the run stop before its end; a resumed run that lost it
+        # cannot measure it again (its weights are no longer step 0's).
+        if "initial_val_loss" not in self.summary and tc.eval_every > 0 and self.step == 0:
             self.summary["initial_val_loss"] = self.evaluator(self.engine)
+            self.run.write_summary(self.summary)
         callbacks = list(self.callbacks)
         self._stopping = False
         completed = False
@@ -177,6 +181,13 @@ class Trainer:
         self.run.start_fresh()
         if self.cfg.checkpoint.init_from:
             path = resolve_checkpoint(self.cfg.checkpoint.init_from)
+            ours, theirs = path / "tokenizer.json", self.loader.tokenizer_path
+            if ours.is_file() and theirs is not None and theirs.is_file() and not same_tokenizer(ours, theirs):
+                raise ConfigError(
+                    f"checkpoint.init_from: {path} was trained on the ids of another tokenizer ({ours}) than "
+                    f"data.sources' ({theirs}): the same ids mean other text. Prepare the data with the checkpoint's "
+                    f"tokenizer: `moetrain prepare-data … --tokenizer {ours}`."
+                )
             self.engine.load_model_weights(path)
             self._notes.append(f"initialized the model from {path} (checkpoint.init_from)")
 
@@ -276,9 +287,9 @@ class Trainer:
     def _already_finished(self) -> dict[str, Any]:
         """The summary of a run whose checkpoint is at train.steps already (written if missing)."""
         self.summary, changed = self.run.read_summary(), "nothing changed"
-        if not self.summary:
+        if "steps" not in self.summary:  # none, or only step 0's loss: killed before the end
             self.step = self.finished_at
-            self.summary = self._final_summary(self.run.last_val_loss(self.finished_at))
+            self.summary |= self._final_summary(self.run.last_val_loss(self.finished_at))
             self.run.write_summary(self.summary)
             changed = "wrote its missing summary.json"
         if self.par.is_main:
