@@ -284,6 +284,12 @@ def test_moetrain_import_hf_keeps_the_training_set_up_or_says_what_it_assumed(tr
     assert summary["training_setup"]["from"].startswith("assumed")
     assert cfg["data"]["seq_len"] <= json.loads((hf / "config.json").read_text())["max_position_embeddings"]
     assert "says nothing of how the model was trained; assumed data.seq_len=" in done.stderr
+    assert f"(at most its config.json's max_position_embeddings={cfg['data']['seq_len']})" in done.stderr
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 0}))  # no bound to name
+    summary, cfg, done = import_hf(hf, tmp_path / "unbounded")
+    assert "max_position_embeddings" not in done.stderr and cfg["data"]["seq_len"] > 0
+    (hf / "config.json").write_text(json.dumps(config))
     assert main(["import-hf", str(hf), str(hf), "--force"]) == 0  # into its own directory: its tokenizer stays
 
 

@@ -604,13 +604,14 @@ def _training_setup(cfg: RunConfig, hf_dir: Path, hf: dict) -> dict:
         source = str(trained)
     else:
         positions = hf.get("max_position_embeddings")
-        if isinstance(positions, int) and 0 < positions < cfg.data.seq_len:
+        bound = isinstance(positions, int) and positions > 0
+        if bound and positions < cfg.data.seq_len:
             cfg.data.seq_len = positions  # no longer than the model was made for
+        limit = f" (at most its config.json's max_position_embeddings={positions})" if bound else ""
         source = "assumed (moetrain's defaults: the directory has no moetrain_config.yaml)"
         note = (
             f"import-hf: {hf_dir} says nothing of how the model was trained; assumed data.seq_len="
-            f"{cfg.data.seq_len} (at most its config.json's max_position_embeddings="
-            f"{hf.get('max_position_embeddings', '?')}), train.global_batch_size={cfg.train.global_batch_size}, "
+            f"{cfg.data.seq_len}{limit}, train.global_batch_size={cfg.train.global_batch_size}, "
             f"train.micro_batch_size={cfg.train.micro_batch_size} and the default optimizer and schedule: set them "
             "with --data.seq_len=… --train.global_batch_size=… when you train."
         )
