@@ -165,7 +165,12 @@ def test_top_k_and_top_p_draw_only_from_their_sets():
 
 @pytest.mark.parametrize(
     "sampling, name",
-    [(Sampling(top_k=0), "top_k=0"), (Sampling(top_p=0.0), "top_p=0.0"), (Sampling(top_p=1.5), "top_p=1.5")],
+    [
+        (Sampling(top_k=0), "top_k=0"),
+        (Sampling(top_p=0.0), "top_p=0.0"),
+        (Sampling(top_p=1.5), "top_p=1.5"),
+        (Sampling(temperature=1e-40), "temperature=1e-40"),  # logits / it overflow: NaN probabilities
+    ],
 )
 def test_meaningless_sampling_values_are_refused_by_name(lm, sampling, name):
     with pytest.raises(ConfigError, match=name):
