@@ -115,6 +115,9 @@ def test_logits_are_the_models_and_the_loss_their_cross_entropy(lm):
         lm.logits(lm.encode(TEXT * 2))
     with pytest.raises(DataError, match="empty input"):
         lm.logits("")
+    for bad in (320, -1):  # ids of another tokenizer: not an IndexError from the embedding
+        with pytest.raises(DataError, match=f"token id {bad} is not in the model's vocabulary: ids run from 0 to 319"):
+            lm.logits([5, bad])
 
 
 def test_the_cache_gives_the_logits_of_the_full_forward(lm):
