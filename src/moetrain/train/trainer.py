@@ -126,7 +126,10 @@ class Trainer:
         tc = self.cfg.train
         if self.finished_at is not None:
             return self._already_finished()
-        self.summary = self.run.read_summary() if self.resumed_from is not None else {}
+        if self.step >= tc.steps:  # an earlier fit of this Trainer finished the run
+            return self.summary
+        # A resumed run, or a second fit in this process, goes on with the summary written so far.
+        self.summary = self.run.read_summary() if self.resumed_from is not None or self.step > 0 else {}
         self.summary.pop("stopped_at_step", None)  # an earlier stop's: this fit says its own
         # Step 0's loss, kept at once should the run stop before its end; a resumed run that lost it
         # cannot measure it again (its weights are no longer step 0's).
