@@ -81,6 +81,12 @@ def test_a_bad_path_is_named_with_the_fix(tmp_path):
         moetrain.load(tmp_path)
 
 
+@pytest.mark.parametrize("device", ["nope", None])
+def test_a_bad_device_is_named(run, device):
+    with pytest.raises(ConfigError, match=f"--device {device!r} is not a device: use cpu, or cuda"):
+        moetrain.load(run, device=device)
+
+
 def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(run, tmp_path, capsys):
     """Ids past model.vocab_size have no embedding (eval ended in torch's IndexError): the
     checkpoint is refused naming both sizes, before its weights are read."""
