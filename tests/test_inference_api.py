@@ -186,6 +186,12 @@ def test_meaningless_sampling_values_are_refused_by_name(lm, sampling, name):
         generate_ids(lm.model, [1, 2], 4, sampling)
 
 
+def test_a_prompt_that_is_not_one_string_is_refused(lm):
+    for prompt in (["To be", "or not"], lm.encode("To be")):
+        with pytest.raises(DataError, match="The prompt is a list: give one string"):
+            lm.generate(prompt, max_new_tokens=2)
+
+
 def test_moetrain_generate_takes_top_k_top_p_and_no_kv_cache(run, capsys):
     args = ["generate", str(run), "--prompt", "To be", "--max-new-tokens", "12", "--json"]
     outputs = []

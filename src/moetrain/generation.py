@@ -146,6 +146,8 @@ def generate(
 ) -> tuple[str, list[int]]:
     """Sample a continuation of the text `prompt` (`generate_ids`; temperature 0 = greedy),
     stopping at the tokenizer's <|endoftext|>. Returns (text, new token ids)."""
+    if not isinstance(prompt, str):
+        raise DataError(f"The prompt is a {type(prompt).__name__}: give one string (a batch is one call each).")
     sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
     eos_id = tokenizer.token_to_id("<|endoftext|>")
     ids = tokenizer.encode(prompt).ids
