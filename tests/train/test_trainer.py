@@ -187,6 +187,15 @@ def test_summary_records_initial_and_final_val_loss(tiny_cfg, tmp_path):
     assert saved["final_val_loss"] is not None
 
 
+def test_a_config_changed_after_the_trainer_is_built_leaves_its_run_alone(tiny_cfg, tmp_path):
+    cfg = tiny_cfg(tmp_path / "a", "train.steps=2", "train.eval_every=0")
+    lr, trainer = cfg.optim.lr, Trainer(cfg, quiet=True)
+    cfg.optim.lr = 1e-9  # the next run of a sweep
+    trainer.fit()
+    assert trainer.cfg.optim.lr == lr  # the rate config.yaml records, and the one that trains
+    assert all(r["lr"] > 1e-9 for r in read_metrics(tmp_path / "a" / "metrics.jsonl"))
+
+
 def test_fit_again_after_an_error_keeps_the_summary(tiny_cfg, tmp_path):
     class FailOnce(Callback):
         def on_step_end(self, trainer, out):

@@ -7,6 +7,7 @@ starts it fresh or resumes it; `fit()` is the loop and nothing else: the step's 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import sys
@@ -52,6 +53,7 @@ class Trainer:
         """Build the run on this rank; with `resume`, from the run directory's newest complete
         checkpoint (without train.run_dir: `default_run_dir(name, resume)`, kept in `self.cfg`).
         With `rehearsal`, this process is that one rank of that world. See `CapacityFloor`."""
+        cfg = copy.deepcopy(cfg)  # the run's own: the caller may change `cfg` for another run
         if cfg.logging.wandb:
             require_wandb()
         runtime = setup_runtime(cfg, rehearsal)
