@@ -171,3 +171,23 @@ def test_a_number_on_the_command_line_is_read_as_written():
 def test_an_empty_name_is_refused_naming_the_key(key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         resolve_config("tiny", [f"{key}="])
+
+
+def test_python_values_of_the_wrong_shape_are_refused_naming_the_key(tmp_path):
+    cfg = resolve_config("tiny")
+    for key, value, words in [
+        ("train.run_dir", tmp_path / "run", r"train\.run_dir=PosixPath\(.*\) must be a string \(a path as str"),
+        ("data.val", tmp_path, r"data\.val=PosixPath"),
+        ("data.sources", "data/default", r"data\.sources='data/default' must be a list of strings"),
+        ("data.sources", [tmp_path], r"data\.sources=\[PosixPath"),
+    ]:
+        section, name = key.split(".")
+        wrong = resolve_config("tiny")
+        setattr(getattr(wrong, section), name, value)
+        with pytest.raises(ConfigError, match=words):
+            wrong.validate()
+    with pytest.raises(ConfigError, match=r"pass \['train.steps=3'\], not the string alone"):
+        resolve_config("tiny", "train.steps=3")  # not read as overrides 't', 'r', …
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text(cfg.to_yaml())
+    assert resolve_config(yaml_file).to_yaml() == cfg.to_yaml()  # a Path to a YAML file

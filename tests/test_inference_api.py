@@ -81,6 +81,12 @@ def test_a_bad_path_is_named_with_the_fix(tmp_path):
         moetrain.load(tmp_path)
 
 
+@pytest.mark.parametrize("device", ["nope", None])
+def test_a_bad_device_is_named(run, device):
+    with pytest.raises(ConfigError, match=f"--device {device!r} is not a device: use cpu, or cuda"):
+        moetrain.load(run, device=device)
+
+
 def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(run, tmp_path, capsys):
     """Ids past model.vocab_size have no embedding (eval ended in torch's IndexError): the
     checkpoint is refused naming both sizes, before its weights are read."""
@@ -115,6 +121,9 @@ def test_logits_are_the_models_and_the_loss_their_cross_entropy(lm):
         lm.logits(lm.encode(TEXT * 2))
     with pytest.raises(DataError, match="empty input"):
         lm.logits("")
+    for bad in (320, -1):  # ids of another tokenizer: not an IndexError from the embedding
+        with pytest.raises(DataError, match=f"token id {bad} is not in the model's vocabulary: ids run from 0 to 319"):
+            lm.logits([5, bad])
 
 
 def test_the_cache_gives_the_logits_of_the_full_forward(lm):
@@ -165,11 +174,22 @@ def test_top_k_and_top_p_draw_only_from_their_sets():
 
 @pytest.mark.parametrize(
     "sampling, name",
-    [(Sampling(top_k=0), "top_k=0"), (Sampling(top_p=0.0), "top_p=0.0"), (Sampling(top_p=1.5), "top_p=1.5")],
+    [
+        (Sampling(top_k=0), "top_k=0"),
+        (Sampling(top_p=0.0), "top_p=0.0"),
+        (Sampling(top_p=1.5), "top_p=1.5"),
+        (Sampling(temperature=1e-40), "temperature=1e-40"),  # logits / it overflow: NaN probabilities
+    ],
 )
 def test_meaningless_sampling_values_are_refused_by_name(lm, sampling, name):
     with pytest.raises(ConfigError, match=name):
         generate_ids(lm.model, [1, 2], 4, sampling)
+
+
+def test_a_prompt_that_is_not_one_string_is_refused(lm):
+    for prompt in (["To be", "or not"], lm.encode("To be")):
+        with pytest.raises(DataError, match="The prompt is a list: give one string"):
+            lm.generate(prompt, max_new_tokens=2)
 
 
 def test_moetrain_generate_takes_top_k_top_p_and_no_kv_cache(run, capsys):

@@ -77,6 +77,10 @@ class LoadedModel:
         ids = self.encode(text_or_ids) if isinstance(text_or_ids, str) else [int(i) for i in text_or_ids]
         if not ids:
             raise DataError("logits of an empty input: give at least one token.")
+        vocab = self.config.model.vocab_size
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise DataError(f"token id {bad[0]} is not in the model's vocabulary: ids run from 0 to {vocab - 1}.")
         if len(ids) > self.max_context:
             raise DataError(
                 f"{len(ids)} tokens are more than the {self.max_context} the model was trained on "

@@ -190,7 +190,9 @@ def numeric_type(tp: Any) -> tuple[type | None, bool, bool]:
 
 def _check_value(value: Any, tp: Any, domain: Domain | None, key: str) -> None:
     kind, nullable, is_list = numeric_type(tp)
-    if kind is None or (value is None and nullable):
+    if kind is None:
+        return _check_text(value, tp, key)
+    if value is None and nullable:
         return
     items = list(value) if is_list and isinstance(value, (list, tuple)) else [value]
     if is_list and not isinstance(value, (list, tuple)):
@@ -205,6 +207,20 @@ def _check_value(value: Any, tp: Any, domain: Domain | None, key: str) -> None:
                 raise ConfigError(f"{key}={_shown(value)} must hold only values that are each {what}.")
             null = " (or null)" if nullable else ""
             raise ConfigError(f"{key}={_shown(value)} must be {what}{null}.")
+
+
+def _check_text(value: Any, tp: Any, key: str) -> None:
+    """A text field (str, or a list of str) set in Python holds text: not a Path (nothing else
+    reads one), nor one string where a list goes (it would be read letter by letter)."""
+    if value is None or tp not in (str, str | None, list[str]):
+        return
+    if tp == list[str]:
+        if not (isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)):
+            raise ConfigError(
+                f"{key}={_short(value)} must be a list of strings: write it as ['a', 'b'] (a path as str(path))."
+            )
+    elif not isinstance(value, str):
+        raise ConfigError(f"{key}={_short(value)} must be a string (a path as str(path)).")
 
 
 def _short(value: Any, limit: int = 100) -> str:
@@ -311,6 +327,8 @@ def validate_tree(cfg: Config, prefix: str = "") -> None:
 
 def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
     """Apply `key.sub=value` strings (values parsed as YAML scalars/lists) and return a new tree."""
+    if isinstance(overrides, str):  # else read letter by letter
+        raise ConfigError(f"Overrides are a list of key=value strings: pass [{overrides!r}], not the string alone.")
     data, given = cfg.to_dict(), {}
     for item in overrides:
         item = item.removeprefix("--")

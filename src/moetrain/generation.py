@@ -22,14 +22,17 @@ from moetrain.errors import ConfigError, DataError
 from moetrain.model.kv_cache import KVCache
 from moetrain.model.transformer import Transformer
 
+MIN_TEMPERATURE = 1e-3
+"""The lowest temperature above 0: logits divided by a much smaller one overflow to inf."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class Sampling:
     """How the next token is picked from the model's logits."""
 
     temperature: float = 0.0
-    """0: greedy, the most likely token (top_k and top_p then change nothing); > 0: a draw from
-    softmax(logits / temperature)."""
+    """0: greedy, the most likely token (top_k and top_p then change nothing); ≥ MIN_TEMPERATURE:
+    a draw from softmax(logits / temperature)."""
     top_k: int | None = None
     """Draw among the `top_k` most likely tokens only (None: all)."""
     top_p: float | None = None
@@ -40,6 +43,8 @@ class Sampling:
         """Refuse values that mean nothing, naming the argument."""
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             raise ConfigError(f"temperature={self.temperature} must be ≥ 0 (0 = greedy).")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ConfigError(f"temperature={self.temperature}: give 0 (greedy) or at least {MIN_TEMPERATURE}.")
         integer = isinstance(self.top_k, int) and not isinstance(self.top_k, bool)
         if self.top_k is not None and not (integer and self.top_k >= 1):
             raise ConfigError(f"top_k={self.top_k!r} must be an integer ≥ 1 (or None: every token).")
@@ -141,6 +146,8 @@ def generate(
 ) -> tuple[str, list[int]]:
     """Sample a continuation of the text `prompt` (`generate_ids`; temperature 0 = greedy),
     stopping at the tokenizer's <|endoftext|>. Returns (text, new token ids)."""
+    if not isinstance(prompt, str):
+        raise DataError(f"The prompt is a {type(prompt).__name__}: give one string (a batch is one call each).")
     sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
     eos_id = tokenizer.token_to_id("<|endoftext|>")
     ids = tokenizer.encode(prompt).ids

@@ -62,7 +62,7 @@ def _device(name: str) -> str:
     """`name` if torch knows the device and this machine has it, else a `ConfigError` saying so."""
     try:
         device = torch.device(name)
-    except RuntimeError:
+    except (RuntimeError, TypeError):  # TypeError: not a string (None, say)
         raise ConfigError(f"--device {name!r} is not a device: use cpu, or cuda (cuda:N) on a GPU machine.") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"--device {name}: this machine has no CUDA device; use --device cpu.")

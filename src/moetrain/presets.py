@@ -295,9 +295,10 @@ def preset(name: str) -> RunConfig:
     return PRESETS[name]()
 
 
-def resolve_config(spec: str, overrides: list[str] | None = None, *, validate: bool = True) -> RunConfig:
+def resolve_config(spec: str | Path, overrides: list[str] | None = None, *, validate: bool = True) -> RunConfig:
     """PRESET_OR_YAML plus `key.sub=value` overrides -> a RunConfig, validated (`RunConfig.validate`)
     unless `validate` is false (for a caller that changes it further first)."""
+    spec = str(spec)
     if spec in PRESETS:
         cfg = preset(spec)
     elif spec.endswith((".yaml", ".yml")) or Path(spec).exists():

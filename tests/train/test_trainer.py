@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from moetrain.errors import CheckpointError, ConfigError
+from moetrain.train.callbacks import Callback
 from moetrain.train.engine import document_ids
 from moetrain.train.metrics import read_metrics
 from moetrain.train.run_dir import COMPLETE, list_checkpoints, resolve_checkpoint
@@ -184,6 +185,35 @@ def test_summary_records_initial_and_final_val_loss(tiny_cfg, tmp_path):
     saved = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert saved["initial_val_loss"] == summary["initial_val_loss"] > 0
     assert saved["final_val_loss"] is not None
+
+
+def test_a_config_changed_after_the_trainer_is_built_leaves_its_run_alone(tiny_cfg, tmp_path):
+    cfg = tiny_cfg(tmp_path / "a", "train.steps=2", "train.eval_every=0")
+    lr, trainer = cfg.optim.lr, Trainer(cfg, quiet=True)
+    cfg.optim.lr = 1e-9  # the next run of a sweep
+    trainer.fit()
+    assert trainer.cfg.optim.lr == lr  # the rate config.yaml records, and the one that trains
+    assert all(r["lr"] > 1e-9 for r in read_metrics(tmp_path / "a" / "metrics.jsonl"))
+
+
+def test_fit_again_after_an_error_keeps_the_summary(tiny_cfg, tmp_path):
+    class FailOnce(Callback):
+        def on_step_end(self, trainer, out):
+            if trainer.step == 1 and not hasattr(self, "failed"):
+                self.failed = True
+                raise RuntimeError("a user callback fails")
+
+    trainer = Trainer(tiny_cfg(tmp_path / "run", "train.steps=2"), quiet=True)
+    trainer.callbacks.append(FailOnce())
+    with pytest.raises(RuntimeError, match="a user callback fails"):
+        trainer.fit()
+    initial = json.loads((tmp_path / "run" / "summary.json").read_text())["initial_val_loss"]
+    summary = trainer.fit()  # goes on from step 1: step 0's loss cannot be measured again
+    saved = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert saved["initial_val_loss"] == summary["initial_val_loss"] == initial
+    assert saved["steps"] == 2 and saved["final_val_loss"] is not None
+    assert trainer.fit() == saved  # nothing left to train: the summary stays as it is
+    assert json.loads((tmp_path / "run" / "summary.json").read_text()) == saved
 
 
 def test_compiled_blocks_train_like_eager(tiny_cfg, tmp_path):

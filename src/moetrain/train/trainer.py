@@ -7,6 +7,7 @@ starts it fresh or resumes it; `fit()` is the loop and nothing else: the step's 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import sys
@@ -52,6 +53,7 @@ class Trainer:
         """Build the run on this rank; with `resume`, from the run directory's newest complete
         checkpoint (without train.run_dir: `default_run_dir(name, resume)`, kept in `self.cfg`).
         With `rehearsal`, this process is that one rank of that world. See `CapacityFloor`."""
+        cfg = copy.deepcopy(cfg)  # the run's own: the caller may change `cfg` for another run
         if cfg.logging.wandb:
             require_wandb()
         runtime = setup_runtime(cfg, rehearsal)
@@ -126,7 +128,10 @@ class Trainer:
         tc = self.cfg.train
         if self.finished_at is not None:
             return self._already_finished()
-        self.summary = self.run.read_summary() if self.resumed_from is not None else {}
+        if self.step >= tc.steps:  # an earlier fit of this Trainer finished the run
+            return self.summary
+        # A resumed run, or a second fit in this process, goes on with the summary written so far.
+        self.summary = self.run.read_summary() if self.resumed_from is not None or self.step > 0 else {}
         self.summary.pop("stopped_at_step", None)  # an earlier stop's: this fit says its own
         # Step 0's loss, kept at once should the run stop before its end; a resumed run that lost it
         # cannot measure it again (its weights are no longer step 0's).
