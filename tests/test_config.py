@@ -180,6 +180,7 @@ def test_python_values_of_the_wrong_shape_are_refused_naming_the_key(tmp_path):
         ("data.val", tmp_path, r"data\.val=PosixPath"),
         ("data.sources", "data/default", r"data\.sources='data/default' must be a list of strings"),
         ("data.sources", [tmp_path], r"data\.sources=\[PosixPath"),
+        ("data.synthetic", "false", r"data\.synthetic='false' must be true or false"),  # "false" is truthy
     ]:
         section, name = key.split(".")
         wrong = resolve_config("tiny")

@@ -211,7 +211,10 @@ def _check_value(value: Any, tp: Any, domain: Domain | None, key: str) -> None:
 
 def _check_text(value: Any, tp: Any, key: str) -> None:
     """A text field (str, or a list of str) set in Python holds text: not a Path (nothing else
-    reads one), nor one string where a list goes (it would be read letter by letter)."""
+    reads one), nor one string where a list goes (it would be read letter by letter); a switch
+    holds a bool, not "false" (which is true)."""
+    if tp in (bool, bool | None) and value is not None and not isinstance(value, bool):
+        raise ConfigError(f"{key}={_short(value)} must be true or false (a bool).")
     if value is None or tp not in (str, str | None, list[str]):
         return
     if tp == list[str]:
