@@ -108,3 +108,29 @@ def test_a_port_in_use_is_named_not_blamed_on_a_dead_rank(tmp_path):
         done = _alone(env, "--run-dir", str(tmp_path / "run"))
     assert done.returncode == 2 and f"MASTER_PORT={port} on 127.0.0.1 is in use" in done.stderr, done.stderr[-2000:]
     assert "gone" not in done.stderr and "Traceback" not in done.stderr
+
+
+def _setup_with_steps(steps_by_rank):
+    import torch.distributed as dist
+
+    from moetrain.presets import resolve_config
+    from moetrain.train.runtime import setup_runtime
+
+    cfg = resolve_config("tiny", [f"train.steps={steps_by_rank[dist.get_rank()]}", "train.device=cpu"])
+    try:
+        setup_runtime(cfg)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_ranks_started_with_other_configs_all_stop_naming_the_key():
+    """A rank given other overrides (or another config file) than rank 0 would meet its peers in
+    mismatched collectives, failing as a dead peer or hanging: every rank refuses at start-up."""
+    from support.distributed import run_distributed
+
+    messages = run_distributed(_setup_with_steps, 3, [2, 2, 3], timeout_s=60)
+    assert messages[0] == messages[1] == messages[2], messages
+    assert "rank 2 was started with another config than rank 0" in messages[0]
+    assert "train.steps=3 there, 2 on rank 0" in messages[0]
+    assert run_distributed(_setup_with_steps, 2, [2, 2], timeout_s=60) == [None, None]

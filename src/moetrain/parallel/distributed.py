@@ -310,6 +310,39 @@ def from_rank_0(value: Any) -> Any:
     return pickle.loads(store.get(key))
 
 
+_ALIKE = itertools.count()
+
+
+def refuse_unless_alike(settings: dict[str, Any]) -> None:
+    """Stop every rank with one message naming the first rank and keys that differ when some
+    rank's `settings` (dotted key → value) are not rank 0's: ranks launched with other overrides
+    or config files would meet in mismatched collectives and fail as a dead peer, or hang.
+    Through the store, as `from_rank_0`; every rank calls it in the same order."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    store, rank = dist.distributed_c10d._get_default_store(), dist.get_rank()
+    key, verdict = f"moetrain/alike/{next(_ALIKE)}", None
+    if rank != 0:
+        store.set(f"{key}/{rank}", pickle.dumps(settings))
+    else:
+        others = {r: pickle.loads(store.get(f"{key}/{r}")) for r in range(1, dist.get_world_size())}
+        differ = [r for r, theirs in others.items() if theirs != settings]
+        if differ:
+            theirs = others[differ[0]]
+            keys = [k for k in sorted(settings.keys() | theirs.keys()) if settings.get(k) != theirs.get(k)]
+            shown = ", ".join(f"{k}={theirs.get(k)!r} there, {settings.get(k)!r} on rank 0" for k in keys[:3])
+            shown += f" and {len(keys) - 3} more keys" if len(keys) > 3 else ""
+            verdict = (
+                f"rank {differ[0]} was started with another config than rank 0 ({len(differ)} of "
+                f"{len(others)} other ranks differ): {shown}"
+                ". Every rank of a run must get the same config file and overrides: check the launch line, and a "
+                "config file or variable that differs from rank to rank or node to node."
+            )
+    verdict = from_rank_0(verdict)
+    if verdict:
+        raise ConfigError(verdict)
+
+
 _CPU_GROUP = None
 
 
