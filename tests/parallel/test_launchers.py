@@ -134,3 +134,25 @@ def test_ranks_started_with_other_configs_all_stop_naming_the_key():
     assert "rank 2 was started with another config than rank 0" in messages[0]
     assert "train.steps=3 there, 2 on rank 0" in messages[0]
     assert run_distributed(_setup_with_steps, 2, [2, 2], timeout_s=60) == [None, None]
+
+
+@pytest.mark.parametrize(
+    "env, words",
+    [
+        ({"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' is not an integer ≥ 1"),
+        ({"WORLD_SIZE": "0", "RANK": "0"}, "WORLD_SIZE='0' is not an integer ≥ 1"),
+        ({"RANK": "2"}, "RANK='2' is not an integer from 0 to 1"),
+        ({"RANK": "-1"}, "RANK='-1' is not an integer from 0 to 1"),
+        ({"MASTER_PORT": "abc"}, "MASTER_PORT='abc' is not an integer from 1 to 65535"),
+        ({"MASTER_PORT": "99999"}, "MASTER_PORT='99999' is not an integer from 1 to 65535"),
+    ],
+)
+def test_launch_variables_set_wrong_by_hand_are_named(monkeypatch, env, words):
+    """A rank outside the world waited for a rank 0 without a word; a word where a number belongs
+    (or a port past 65535) ended in a traceback."""
+    from moetrain.parallel.distributed import init_distributed
+
+    for k, v in ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555"} | env).items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ConfigError, match=words):
+        init_distributed("cpu", timeout_s=3)

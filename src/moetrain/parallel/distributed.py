@@ -33,7 +33,22 @@ from moetrain.parallel.rehearsal import Rehearsal
 
 
 def world_size_from_env() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return launch_int("WORLD_SIZE", "1", 1)
+
+
+def launch_int(name: str, default: str, low: int, high: int | None = None) -> int:
+    """The launch variable `name` (default `default`) as an integer in [low, high), else one
+    paragraph naming it: set by hand or by a wrapper, a wrong one would hang or crash the start."""
+    text = os.environ.get(name, default)
+    value = int(text) if text.strip().isdigit() else None
+    if value is None or value < low or (high is not None and value >= high):
+        within = f"from {low} to {high - 1}" if high is not None else f"≥ {low}"
+        raise ConfigError(
+            f"{name}={text!r} is not an integer {within}"
+            f"{' (RANK counts the WORLD_SIZE ranks from 0)' if name == 'RANK' else ''}: start the ranks with "
+            "torchrun, which sets RANK, WORLD_SIZE, LOCAL_RANK and MASTER_PORT, or unset them for one process."
+        )
+    return value
 
 
 DEFAULT_PORT = 29500
@@ -106,13 +121,13 @@ def init_distributed(
     if world == 1:
         return 0, 1
     if device_type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(launch_int("LOCAL_RANK", "0", 0))
     timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(
         backend="nccl" if device_type == "cuda" else "gloo",
         timeout=timeout,
         store=_rendezvous_store(world, timeout),
-        rank=int(os.environ["RANK"]),
+        rank=launch_int("RANK", "", 0, world),
         world_size=world,
     )
     _start_heartbeat(peer_timeout_s)
@@ -134,10 +149,11 @@ def _rendezvous_store(world: int, timeout: datetime.timedelta) -> dist.Store:
             "start several ranks with torchrun (it sets RANK, MASTER_ADDR and MASTER_PORT), or unset WORLD_SIZE."
         )
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    rank, addr, port = int(os.environ["RANK"]), os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ["MASTER_PORT"]
+    rank, port = launch_int("RANK", "", 0, world), launch_int("MASTER_PORT", "", 1, 65536)
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
     try:
         base = dist.TCPStore(
-            addr, int(port), world, is_master=rank == 0 and not agent_store, timeout=timeout, wait_for_workers=False
+            addr, port, world, is_master=rank == 0 and not agent_store, timeout=timeout, wait_for_workers=False
         )
     except (RuntimeError, dist.DistError) as e:
         if "EADDRINUSE" in str(e) or "address already in use" in str(e).lower():
