@@ -331,8 +331,9 @@ _ALIKE = itertools.count()
 
 def refuse_unless_alike(settings: dict[str, Any]) -> None:
     """Stop every rank with one message naming the first rank and keys that differ when some
-    rank's `settings` (dotted key → value) are not rank 0's: ranks launched with other overrides
-    or config files would meet in mismatched collectives and fail as a dead peer, or hang.
+    rank's `settings` (a config's dotted keys, or a command's flags → value) are not rank 0's: ranks
+    launched with other flags or config files would meet in mismatched collectives and fail as a dead
+    peer, or hang.
     Through the store, as `from_rank_0`; every rank calls it in the same order."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
@@ -349,10 +350,10 @@ def refuse_unless_alike(settings: dict[str, Any]) -> None:
             shown = ", ".join(f"{k}={theirs.get(k)!r} there, {settings.get(k)!r} on rank 0" for k in keys[:3])
             shown += f" and {len(keys) - 3} more keys" if len(keys) > 3 else ""
             verdict = (
-                f"rank {differ[0]} was started with another config than rank 0 ({len(differ)} of "
+                f"rank {differ[0]} was started with other settings than rank 0 ({len(differ)} of "
                 f"{len(others)} other ranks differ): {shown}"
-                ". Every rank of a run must get the same config file and overrides: check the launch line, and a "
-                "config file or variable that differs from rank to rank or node to node."
+                ". Every rank of a run must get the same flags, config file and overrides: check the launch line, "
+                "and a config file or variable that differs from rank to rank or node to node."
             )
     verdict = from_rank_0(verdict)
     if verdict:

@@ -44,8 +44,8 @@ def setup_runtime(cfg: RunConfig, rehearsal: Rehearsal | None = None) -> Runtime
     `rehearsal` this process is that one rank of that world (src/moetrain/parallel/rehearsal.py)."""
     device = resolve_device(cfg.train.device)
     rank, world = init_distributed(device.type, cfg.parallel.timeout_s, cfg.parallel.peer_timeout_s, rehearsal)
-    if rehearsal is None:  # train.device may name each rank's own GPU: compared as its type
-        refuse_unless_alike(_dotted(cfg.to_dict()) | {"train.device": device.type})
+    if rehearsal is None:  # train.device may name each rank's GPU; rank 0's train.run_dir is the run's
+        refuse_unless_alike(_dotted(cfg.to_dict()) | {"train.device": device.type, "train.run_dir": None})
     if device.type == "cuda" and world > 1:
         device = torch.device("cuda", torch.cuda.current_device())
     dims = cfg.build_dims(world, device)
