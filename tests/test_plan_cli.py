@@ -97,6 +97,14 @@ def test_micro_batch_is_sequences_per_data_parallel_rank_under_context_paralleli
     assert record["launch"].endswith("--train.micro_batch_size=4")
 
 
+def test_a_micro_batch_that_does_not_fit_the_batch_names_the_flag(capsys):
+    """--micro-batch 5 on 4 GPUs is train.micro_batch_size=20, which 24 sequences do not hold a
+    whole number of: the refusal names --micro-batch, not only a key the user never typed."""
+    err = refused(capsys, "tiny", "--gpus", "4", "--micro-batch", "5")
+    assert "--micro-batch=5 on 4 data-parallel ranks sets train.micro_batch_size=20" in err, err
+    assert "train.global_batch_size=24 is not a multiple" in err
+
+
 def test_the_table_across_gpu_counts_has_a_row_and_a_launch_line_per_count(capsys):
     """--gpus 8,16: one row per count with suggest's first layout there (16 GPUs: on the batch
     that divides, said on stderr), its peak, step time, tokens/s, time to the budget and MFU;

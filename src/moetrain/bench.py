@@ -30,6 +30,7 @@ from moetrain.errors import ConfigError
 from moetrain.model.config import Routing
 from moetrain.model.counting import count_params
 from moetrain.optim.rule import local_tensor
+from moetrain.parallel.distributed import refuse_unless_alike
 from moetrain.parallel.rehearsal import LEDGER, is_rehearsal
 from moetrain.plan import device_capacity_floor
 from moetrain.presets import resolve_config
@@ -82,6 +83,10 @@ def run_bench(
     )
     rehearsal = None if rehearse is None else rehearse_mod.resolve(cfg, rehearse, rank)
     trainer = Trainer(cfg, quiet=True, rehearsal=rehearsal, capacity_floor=device_capacity_floor)
+    if rehearsal is None:  # every rank must step as often, or the ranks hang in their collectives
+        flags = "warmup steps routing no-sync-check forward-backward-only also-forward-backward also-optimizer-step"
+        given = (warmup, steps, routings, not sync_check, forward_backward_only, also_forward_backward)
+        refuse_unless_alike({f"--{f}": v for f, v in zip(flags.split(), (*given, also_optimizer_step))})
 
     def say(msg: str) -> None:
         if progress and trainer.par.is_main:

@@ -108,3 +108,73 @@ def test_a_port_in_use_is_named_not_blamed_on_a_dead_rank(tmp_path):
         done = _alone(env, "--run-dir", str(tmp_path / "run"))
     assert done.returncode == 2 and f"MASTER_PORT={port} on 127.0.0.1 is in use" in done.stderr, done.stderr[-2000:]
     assert "gone" not in done.stderr and "Traceback" not in done.stderr
+
+
+def _setup_with_steps(steps_by_rank):
+    import torch.distributed as dist
+
+    from moetrain.presets import resolve_config
+    from moetrain.train.runtime import setup_runtime
+
+    cfg = resolve_config("tiny", [f"train.steps={steps_by_rank[dist.get_rank()]}", "train.device=cpu"])
+    try:
+        setup_runtime(cfg)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_ranks_started_with_other_configs_all_stop_naming_the_key():
+    """A rank given other overrides (or another config file) than rank 0 would meet its peers in
+    mismatched collectives, failing as a dead peer or hanging: every rank refuses at start-up."""
+    from support.distributed import run_distributed
+
+    messages = run_distributed(_setup_with_steps, 3, [2, 2, 3], timeout_s=60)
+    assert messages[0] == messages[1] == messages[2], messages
+    assert "rank 2 was started with other settings than rank 0" in messages[0]
+    assert "train.steps=3 there, 2 on rank 0" in messages[0]
+    assert run_distributed(_setup_with_steps, 2, [2, 2], timeout_s=60) == [None, None]
+
+
+@pytest.mark.parametrize(
+    "env, words",
+    [
+        ({"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' is not an integer ≥ 1"),
+        ({"WORLD_SIZE": "0", "RANK": "0"}, "WORLD_SIZE='0' is not an integer ≥ 1"),
+        ({"RANK": "2"}, "RANK='2' is not an integer from 0 to 1"),
+        ({"RANK": "-1"}, "RANK='-1' is not an integer from 0 to 1"),
+        ({"MASTER_PORT": "abc"}, "MASTER_PORT='abc' is not an integer from 1 to 65535"),
+        ({"MASTER_PORT": "99999"}, "MASTER_PORT='99999' is not an integer from 1 to 65535"),
+    ],
+)
+def test_launch_variables_set_wrong_by_hand_are_named(monkeypatch, env, words):
+    """A rank outside the world waited for a rank 0 without a word; a word where a number belongs
+    (or a port past 65535) ended in a traceback."""
+    from moetrain.parallel.distributed import init_distributed
+
+    for k, v in ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555"} | env).items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ConfigError, match=words):
+        init_distributed("cpu", timeout_s=3)
+
+
+def _bench_with_steps(steps_by_rank):
+    import torch.distributed as dist
+
+    from moetrain.bench import run_bench
+
+    try:
+        run_bench("tiny", ["train.device=cpu"], warmup=0, steps=steps_by_rank[dist.get_rank()], progress=False)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_bench_ranks_given_other_steps_stop_instead_of_hanging():
+    """bench's --warmup/--steps/--routing are not config keys: ranks timing another number of steps
+    hung in their collectives. Each rank's own temporary run directory is no difference."""
+    from support.distributed import run_distributed
+
+    messages = run_distributed(_bench_with_steps, 2, [1, 2], timeout_s=60)
+    assert messages[0] == messages[1] and "--steps=2 there, 1 on rank 0" in messages[0], messages
+    assert "run_dir" not in messages[0]

@@ -18,6 +18,7 @@ from moetrain.errors import ConfigError, DataError
 from moetrain.generation import generate
 from moetrain.hf import export_hf, export_replaces, import_hf, import_replaces
 from moetrain.inference import load_for_inference, text_loss, token_loss
+from moetrain.parallel.distributed import launch_int, world_size_from_env
 from moetrain.train.metrics import read_metrics
 from moetrain.train.plot import is_image_name, plot_compare
 
@@ -175,7 +176,8 @@ def cmd_export_hf(argv: list[str]) -> int:
         help="the model card's Hub license id (apache-2.0, mit, cc-by-4.0, …; default other: none chosen)",
     )
     # Under torchrun each rank writes every WORLD_SIZE-th shard (no process group is needed).
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    world = world_size_from_env()
+    rank = launch_int("RANK", "0", 0, world)
     return _convert(parser, argv, "checkpoint", partial(export_hf, rank=rank, world_size=world), export_replaces)
 
 

@@ -208,7 +208,14 @@ def _plan_config(args: argparse.Namespace, overrides: list[str], gpus: int) -> t
             "micro-batch; --micro-batch N sets another).",
             file=sys.stderr,
         )
-    return resolve_config(args.spec, overrides + flags), given + [f"--{f}" for f in flags]
+    try:
+        return resolve_config(args.spec, overrides + flags), given + [f"--{f}" for f in flags]
+    except ConfigError as e:
+        if args.micro_batch is None:
+            raise
+        raise ConfigError(
+            f"--micro-batch={args.micro_batch} on {dp} data-parallel ranks sets {flags[0]}: {e}"
+        ) from None
 
 
 def cmd_plan(argv: list[str]) -> int:

@@ -33,7 +33,22 @@ from moetrain.parallel.rehearsal import Rehearsal
 
 
 def world_size_from_env() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return launch_int("WORLD_SIZE", "1", 1)
+
+
+def launch_int(name: str, default: str, low: int, high: int | None = None) -> int:
+    """The launch variable `name` (default `default`) as an integer in [low, high), else one
+    paragraph naming it: set by hand or by a wrapper, a wrong one would hang or crash the start."""
+    text = os.environ.get(name, default)
+    value = int(text) if text.strip().isdigit() else None
+    if value is None or value < low or (high is not None and value >= high):
+        within = f"from {low} to {high - 1}" if high is not None else f"≥ {low}"
+        raise ConfigError(
+            f"{name}={text!r} is not an integer {within}"
+            f"{' (RANK counts the WORLD_SIZE ranks from 0)' if name == 'RANK' else ''}: start the ranks with "
+            "torchrun, which sets RANK, WORLD_SIZE, LOCAL_RANK and MASTER_PORT, or unset them for one process."
+        )
+    return value
 
 
 DEFAULT_PORT = 29500
@@ -106,13 +121,13 @@ def init_distributed(
     if world == 1:
         return 0, 1
     if device_type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(launch_int("LOCAL_RANK", "0", 0))
     timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(
         backend="nccl" if device_type == "cuda" else "gloo",
         timeout=timeout,
         store=_rendezvous_store(world, timeout),
-        rank=int(os.environ["RANK"]),
+        rank=launch_int("RANK", "", 0, world),
         world_size=world,
     )
     _start_heartbeat(peer_timeout_s)
@@ -134,10 +149,11 @@ def _rendezvous_store(world: int, timeout: datetime.timedelta) -> dist.Store:
             "start several ranks with torchrun (it sets RANK, MASTER_ADDR and MASTER_PORT), or unset WORLD_SIZE."
         )
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    rank, addr, port = int(os.environ["RANK"]), os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ["MASTER_PORT"]
+    rank, port = launch_int("RANK", "", 0, world), launch_int("MASTER_PORT", "", 1, 65536)
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
     try:
         base = dist.TCPStore(
-            addr, int(port), world, is_master=rank == 0 and not agent_store, timeout=timeout, wait_for_workers=False
+            addr, port, world, is_master=rank == 0 and not agent_store, timeout=timeout, wait_for_workers=False
         )
     except (RuntimeError, dist.DistError) as e:
         if "EADDRINUSE" in str(e) or "address already in use" in str(e).lower():
@@ -308,6 +324,40 @@ def from_rank_0(value: Any) -> Any:
         store.set(key, pickle.dumps(value))
         return value
     return pickle.loads(store.get(key))
+
+
+_ALIKE = itertools.count()
+
+
+def refuse_unless_alike(settings: dict[str, Any]) -> None:
+    """Stop every rank with one message naming the first rank and keys that differ when some
+    rank's `settings` (a config's dotted keys, or a command's flags → value) are not rank 0's: ranks
+    launched with other flags or config files would meet in mismatched collectives and fail as a dead
+    peer, or hang.
+    Through the store, as `from_rank_0`; every rank calls it in the same order."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    store, rank = dist.distributed_c10d._get_default_store(), dist.get_rank()
+    key, verdict = f"moetrain/alike/{next(_ALIKE)}", None
+    if rank != 0:
+        store.set(f"{key}/{rank}", pickle.dumps(settings))
+    else:
+        others = {r: pickle.loads(store.get(f"{key}/{r}")) for r in range(1, dist.get_world_size())}
+        differ = [r for r, theirs in others.items() if theirs != settings]
+        if differ:
+            theirs = others[differ[0]]
+            keys = [k for k in sorted(settings.keys() | theirs.keys()) if settings.get(k) != theirs.get(k)]
+            shown = ", ".join(f"{k}={theirs.get(k)!r} there, {settings.get(k)!r} on rank 0" for k in keys[:3])
+            shown += f" and {len(keys) - 3} more keys" if len(keys) > 3 else ""
+            verdict = (
+                f"rank {differ[0]} was started with other settings than rank 0 ({len(differ)} of "
+                f"{len(others)} other ranks differ): {shown}"
+                ". Every rank of a run must get the same flags, config file and overrides: check the launch line, "
+                "and a config file or variable that differs from rank to rank or node to node."
+            )
+    verdict = from_rank_0(verdict)
+    if verdict:
+        raise ConfigError(verdict)
 
 
 _CPU_GROUP = None

@@ -19,7 +19,7 @@ import torch
 
 from moetrain.errors import ConfigError
 from moetrain.parallel.dims import ParallelState
-from moetrain.parallel.distributed import init_distributed
+from moetrain.parallel.distributed import init_distributed, refuse_unless_alike
 from moetrain.parallel.rehearsal import Rehearsal
 from moetrain.train.config import RunConfig
 
@@ -44,10 +44,20 @@ def setup_runtime(cfg: RunConfig, rehearsal: Rehearsal | None = None) -> Runtime
     `rehearsal` this process is that one rank of that world (src/moetrain/parallel/rehearsal.py)."""
     device = resolve_device(cfg.train.device)
     rank, world = init_distributed(device.type, cfg.parallel.timeout_s, cfg.parallel.peer_timeout_s, rehearsal)
+    if rehearsal is None:  # train.device may name each rank's GPU; rank 0's train.run_dir is the run's
+        refuse_unless_alike(_dotted(cfg.to_dict()) | {"train.device": device.type, "train.run_dir": None})
     if device.type == "cuda" and world > 1:
         device = torch.device("cuda", torch.cuda.current_device())
     dims = cfg.build_dims(world, device)
     return Runtime(device, ParallelState.create(dims, device.type, rank, rehearsed=rehearsal is not None))
+
+
+def _dotted(tree: dict, prefix: str = "") -> dict:
+    """A nested config dict as dotted key → value."""
+    flat = {}
+    for k, v in tree.items():
+        flat |= _dotted(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}
+    return flat
 
 
 def cpu_threads(sample_s: float = 0.3) -> tuple[int, int, float]:
