@@ -84,17 +84,9 @@ def run_bench(
     rehearsal = None if rehearse is None else rehearse_mod.resolve(cfg, rehearse, rank)
     trainer = Trainer(cfg, quiet=True, rehearsal=rehearsal, capacity_floor=device_capacity_floor)
     if rehearsal is None:  # every rank must step as often, or the ranks hang in their collectives
-        refuse_unless_alike(
-            {
-                "--warmup": warmup,
-                "--steps": steps,
-                "--routing": routings,
-                "--no-sync-check": not sync_check,
-                "--forward-backward-only": forward_backward_only,
-                "--also-forward-backward": also_forward_backward,
-                "--also-optimizer-step": also_optimizer_step,
-            }
-        )
+        flags = "warmup steps routing no-sync-check forward-backward-only also-forward-backward also-optimizer-step"
+        given = (warmup, steps, routings, not sync_check, forward_backward_only, also_forward_backward)
+        refuse_unless_alike({f"--{f}": v for f, v in zip(flags.split(), (*given, also_optimizer_step))})
 
     def say(msg: str) -> None:
         if progress and trainer.par.is_main:
