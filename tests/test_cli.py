@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import warnings
 
 import pytest
 import yaml
@@ -129,6 +130,10 @@ def test_train_eval_generate_end_to_end(real_text_dir, tmp_path, capsys):
     assert main(["generate", str(run_dir), *greedy]) == 0
     g2 = json.loads(capsys.readouterr().out)  # in process: greedy output equal across processes too
     assert g1 == g2 and len(g1["token_ids"]) <= 8
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the CLI's note alone, not the API's warning besides
+        assert main(["generate", str(run_dir), *greedy, "--top-p", "0.5"]) == 0
+    assert json.loads(capsys.readouterr().out) == g1
 
     resumed = run("train", "tiny", "--steps", "6", "--run-dir", str(run_dir), "--resume", "--eval-every", "2", *common)
     assert json.loads(resumed.stdout.strip().splitlines()[-1])["steps"] == 6

@@ -181,10 +181,11 @@ def test_python_values_of_the_wrong_shape_are_refused_naming_the_key(tmp_path):
         ("data.sources", "data/default", r"data\.sources='data/default' must be a list of strings"),
         ("data.sources", [tmp_path], r"data\.sources=\[PosixPath"),
         ("data.synthetic", "false", r"data\.synthetic='false' must be true or false"),  # "false" is truthy
+        ("optim", None, r"optim=None is no OptimConfig: set its fields"),
     ]:
-        section, name = key.split(".")
+        *section, name = key.split(".")
         wrong = resolve_config("tiny")
-        setattr(getattr(wrong, section), name, value)
+        setattr(getattr(wrong, section[0]) if section else wrong, name, value)
         with pytest.raises(ConfigError, match=words):
             wrong.validate()
     with pytest.raises(ConfigError, match=r"pass \['train.steps=3'\], not the string alone"):

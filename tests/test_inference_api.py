@@ -186,6 +186,18 @@ def test_meaningless_sampling_values_are_refused_by_name(lm, sampling, name):
         generate_ids(lm.model, [1, 2], 4, sampling)
 
 
+@pytest.mark.parametrize("seed", [2**64, -1, 1.5])
+def test_a_seed_a_generator_cannot_take_is_refused_by_name(lm, seed):
+    with pytest.raises(ConfigError, match=rf"seed={seed!r} must be an integer from 0 to 2\*\*63 - 1"):
+        lm.generate("To be", max_new_tokens=2, temperature=1.0, seed=seed)
+
+
+def test_top_p_at_temperature_0_warns_that_it_does_nothing(lm):
+    with pytest.warns(UserWarning, match=r"at temperature 0 \(greedy\) they do nothing") as caught:
+        assert lm.generate("To be", max_new_tokens=4, top_p=0.5) == lm.generate("To be", max_new_tokens=4)
+    assert caught[0].filename == __file__  # the line that asked for it
+
+
 def test_a_prompt_that_is_not_one_string_is_refused(lm):
     for prompt in (["To be", "or not"], lm.encode("To be")):
         with pytest.raises(DataError, match="The prompt is a list: give one string"):

@@ -61,6 +61,11 @@ class Config:
         for f in dataclasses.fields(self):
             tp = hints[f.name]
             if isinstance(tp, type) and issubclass(tp, Config):
+                if not isinstance(getattr(self, f.name), tp):
+                    raise ConfigError(
+                        f"{prefix}{f.name}={_short(getattr(self, f.name))} is no {tp.__name__}: "
+                        f"set its fields (cfg.{prefix}{f.name}.KEY = …), not the section."
+                    )
                 continue
             _check_value(getattr(self, f.name), tp, f.metadata.get("domain"), f"{prefix}{f.name}")
 

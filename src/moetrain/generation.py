@@ -13,6 +13,7 @@ cannot be kept when those leave the window. Greedy decoding gives the same token
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -89,6 +90,8 @@ def generate_ids(
     if max_context is not None and max_context < 1:
         raise ConfigError(f"max_context={max_context} must be ≥ 1 (or None: no limit).")
     sampling.check()
+    if not (isinstance(seed, int) and 0 <= seed < 2**63):
+        raise ConfigError(f"seed={seed!r} must be an integer from 0 to 2**63 - 1.")
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     if kv_cache:
@@ -149,6 +152,9 @@ def generate(
     if not isinstance(prompt, str):
         raise DataError(f"The prompt is a {type(prompt).__name__}: give one string (a batch is one call each).")
     sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+    if temperature == 0 and (top_k is not None or top_p is not None):
+        message = "top_k and top_p choose among tokens drawn at random: at temperature 0 (greedy) they do nothing"
+        warnings.warn(message + "; give temperature=0.8, say.", stacklevel=3)  # the caller of LM.generate
     eos_id = tokenizer.token_to_id("<|endoftext|>")
     ids = tokenizer.encode(prompt).ids
     new_ids = generate_ids(model, ids, max_new_tokens, sampling, seed, max_context, eos_id, kv_cache)

@@ -113,6 +113,7 @@ def cmd_generate(argv: list[str]) -> int:
             "generation is greedy and they do nothing; add --temperature 0.8, say.",
             file=sys.stderr,
         )
+        args.top_k = args.top_p = None
 
     model, cfg, tokenizer = load_for_inference(args.checkpoint, args.device)
     # Each token is predicted from at most the training sequence length of context.

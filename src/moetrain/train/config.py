@@ -314,6 +314,7 @@ class RunConfig(Config):
     def validate(self, world_size: int | None = None, device: torch.device | None = None) -> None:
         """Every section's rules, then those across sections, of the layout on `world_size` ranks
         and of `device`. Raises `ConfigError` naming the fields."""
+        self.check_domains()
         for f in dataclasses.fields(self):
             validate_tree(getattr(self, f.name), f"{f.name}.")
         m, tc, p = self.model, self.train, self.parallel
