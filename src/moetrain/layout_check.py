@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from moetrain.errors import ConfigError, MoetrainError
 from moetrain.parallel.config import ParallelConfig, Stack
-from moetrain.parallel.distributed import from_rank_0, shutdown
+from moetrain.parallel.distributed import from_rank_0, refuse_unless_alike, shutdown
 from moetrain.train.config import CudaGraphs, Fp8, RunConfig
 from moetrain.train.metrics import read_metrics
 
@@ -244,6 +244,7 @@ def check_layout(
     from moetrain.train.runtime import setup_runtime
 
     runtime = setup_runtime(cfg)  # joins the launch's process group (the trainer then finds it)
+    refuse_unless_alike({"--steps": steps, "--rtol": rtol, "--reference": reference})
     main, world = runtime.par.rank == 0, runtime.par.dims.world_size
     kind, why = reference_kind(cfg, runtime.device, world, reference)
     if kind == "fsdp":  # the FSDP stack over every rank and no other parallelism, the collective timeouts kept

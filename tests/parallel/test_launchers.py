@@ -170,6 +170,28 @@ def _bench_with_steps(steps_by_rank):
     return None
 
 
+def _check_with_reference(reference_by_rank):
+    import torch.distributed as dist
+
+    from moetrain.layout_check import check_layout
+    from moetrain.presets import resolve_config
+
+    try:
+        check_layout(resolve_config("tiny", ["train.device=cpu"]), 1, reference=reference_by_rank[dist.get_rank()])
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_check_layout_ranks_given_other_references_stop_instead_of_waiting():
+    """check-layout's --reference, --steps and --rtol are not config keys: rank 0 comparing against
+    one process while rank 1 joins an FSDP reference waited out the collective timeout."""
+    from support.distributed import run_distributed
+
+    messages = run_distributed(_check_with_reference, 2, ["one", "fsdp"], timeout_s=60)
+    assert messages[0] == messages[1] and "--reference='fsdp' there, 'one' on rank 0" in messages[0], messages
+
+
 def test_bench_ranks_given_other_steps_stop_instead_of_hanging():
     """bench's --warmup/--steps/--routing are not config keys: ranks timing another number of steps
     hung in their collectives. Each rank's own temporary run directory is no difference."""
