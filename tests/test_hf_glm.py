@@ -238,6 +238,37 @@ def test_export_of_a_distributed_checkpoint_by_two_ranks(real_text_dir, tmp_path
     assert max_diff(model, hf_model(out), cfg.model.vocab_size) <= 1e-4
 
 
+def export_by_rank(run, outs, *flags):
+    """Every rank: `moetrain export-hf RUN OUTS[rank] FLAGS` (as torchrun starts it); the exit code
+    and what it printed on stderr."""
+    import contextlib
+    import io
+
+    import torch.distributed as dist
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["export-hf", str(run), str(outs[dist.get_rank()]), *flags])
+    return code, err.getvalue()
+
+
+def test_export_ranks_agree_on_their_flags_and_on_rank_0s_overwrite_check(trained, tmp_path):
+    """Ranks given other OUT_DIRs left rank 0 waiting an hour for shards written elsewhere; without
+    --force, rank 0 refused an OUT_DIR holding an export while the other ranks wrote their shards
+    into it."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    (code0, err0), (code1, err1) = run_distributed(export_by_rank, 2, trained, [a, b], timeout_s=120)
+    assert code0 == code1 == 2 and err0 == err1, (err0, err1)
+    assert f"out_dir={str(b)!r} there, {str(a)!r} on rank 0" in err0
+    flags = ["--dtype", "float32", "--max-shard-size", "150KB"]
+    assert [c for c, _ in run_distributed(export_by_rank, 2, trained, [a, a], *flags, timeout_s=120)] == [0, 0]
+    before = {p.name: p.read_bytes() for p in a.iterdir()}
+    assert len([n for n in before if n.endswith(".safetensors")]) > 2
+    for code, err in run_distributed(export_by_rank, 2, trained, [a, a], "--max-shard-size", "150KB", timeout_s=120):
+        assert code == 2 and "holds " in err and "Pass --force" in err, err
+    assert {p.name: p.read_bytes() for p in a.iterdir()} == before  # not a shard replaced
+
+
 RSS_PROBE = """
 import json, re, sys, torch
 from moetrain.hf import export_hf

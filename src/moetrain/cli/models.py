@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from functools import partial
 from pathlib import Path
@@ -18,7 +17,7 @@ from moetrain.errors import ConfigError, DataError
 from moetrain.generation import generate
 from moetrain.hf import export_hf, export_replaces, import_hf, import_replaces
 from moetrain.inference import load_for_inference, text_loss, token_loss
-from moetrain.parallel.distributed import launch_int, world_size_from_env
+from moetrain.parallel.distributed import from_rank_0, init_distributed, refuse_unless_alike, shutdown
 from moetrain.train.metrics import read_metrics
 from moetrain.train.plot import is_image_name, plot_compare
 
@@ -141,9 +140,10 @@ def _convert(parser: argparse.ArgumentParser, argv: list[str], source: str, conv
     """`_convert_parser`'s command (and its flags beyond those, passed to `convert` by name): one
     JSON line out. Files of OUT_DIR that `replaces` names are replaced only with --force."""
     args = parser.parse_args(argv)
-    # Under torchrun only rank 0 looks: the other ranks would see its files appear.
-    if not args.force and os.environ.get("RANK", "0") == "0":
-        check_overwrite(args.out_dir, replaces(args.out_dir), "OUT_DIR", parser.prog)
+    refuse_unless_alike(vars(args))  # ranks of an export-hf under torchrun (each writes part of OUT_DIR)
+    # Rank 0's view of OUT_DIR decides for every rank (another could already see its new files).
+    if replaced := from_rank_0(None if args.force else replaces(args.out_dir)):
+        check_overwrite(args.out_dir, replaced, "OUT_DIR", parser.prog)
     options = {k: v for k, v in vars(args).items() if k not in (source, "out_dir", "force")}
     print(json.dumps(convert(getattr(args, source), args.out_dir, **options)))
     return 0
@@ -176,10 +176,12 @@ def cmd_export_hf(argv: list[str]) -> int:
         default="other",
         help="the model card's Hub license id (apache-2.0, mit, cc-by-4.0, …; default other: none chosen)",
     )
-    # Under torchrun each rank writes every WORLD_SIZE-th shard (no process group is needed).
-    world = world_size_from_env()
-    rank = launch_int("RANK", "0", 0, world)
-    return _convert(parser, argv, "checkpoint", partial(export_hf, rank=rank, world_size=world), export_replaces)
+    # Under torchrun each rank writes every WORLD_SIZE-th shard; the ranks meet on a CPU group.
+    rank, world = init_distributed("cpu")
+    try:
+        return _convert(parser, argv, "checkpoint", partial(export_hf, rank=rank, world_size=world), export_replaces)
+    finally:
+        shutdown()
 
 
 def cmd_import_hf(argv: list[str]) -> int:

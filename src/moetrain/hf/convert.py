@@ -64,6 +64,7 @@ from moetrain.hf.shards import (
 )
 from moetrain.inference import checkpoint_config, checkpoint_tokenizer
 from moetrain.model.counting import count_params
+from moetrain.parallel.distributed import from_rank_0
 from moetrain.train.checkpoint_index import SafeFileSystemReader
 from moetrain.train.checkpoint_io import model_state_dict, save_weights
 from moetrain.train.config import RunConfig
@@ -172,6 +173,7 @@ def export_hf(
     if rank == 0:  # an earlier export's config.json goes first: until the new one is written last,
         (out / "config.json").unlink(missing_ok=True)  # the directory is no model to transformers or import-hf
         remove_stale(out, names)
+    from_rank_0(None)  # under a process group the other ranks write once those are gone
     for i in range(rank, len(shards), world_size):
         _write_shard(out / names[i], [by_name[s[0]] for s in shards[i]], shards[i], source, max_bytes)
         with safe_open(str(out / names[i]), framework="pt") as f:  # the library reads back what we wrote
