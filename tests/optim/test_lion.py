@@ -5,6 +5,8 @@ masters, bf16 gradients and bf16 moments), the config and the planner.
 Every layout against one process, resuming across layouts and the other rules' checkpoints
 refused: tests/parallel/test_muon_layouts.py; resuming bit for bit: tests/train/test_trainer.py."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -93,6 +95,14 @@ def test_the_config_takes_lion_and_builds_its_rule():
     assert OptimizerName.lion.state == ("step", *Lion.state)
     # bf16 weights stay opt-in for Lion (they default on for AdamW only)
     assert not cfg.optim.resolved_bf16_weights(cfg.parallel, torch.bfloat16, "cuda")
+    # a name without a rule (a contributor's new member of OptimizerName) is not trained as AdamW
+    assert [type(dataclasses.replace(cfg.optim, name=n).rule()).__name__ for n in OptimizerName] == [
+        "AdamW",
+        "AdamW",
+        "Lion",
+    ]
+    with pytest.raises(NotImplementedError, match="optim.name=sgd: OptimConfig.rule"):
+        dataclasses.replace(cfg.optim, name="sgd").rule()
 
 
 @pytest.mark.parametrize(

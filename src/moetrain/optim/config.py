@@ -135,7 +135,9 @@ class OptimConfig(Config):
 
         if self.name == OptimizerName.lion:
             return Lion(tuple(self.lion_betas))
-        return AdamW(tuple(self.betas), self.eps)
+        if self.name in (OptimizerName.adamw, OptimizerName.muon):
+            return AdamW(tuple(self.betas), self.eps)
+        raise NotImplementedError(f"optim.name={self.name}: OptimConfig.rule() has no element-wise update for it.")
 
     def build(
         self, model: nn.Module, state: ParallelState, parallel: ParallelConfig, *, bf16_weights: bool = False
