@@ -401,6 +401,26 @@ def test_every_preset_exports_or_names_the_variant_that_does():
     assert [n for n, ok in verdicts.items() if ok] == ["tiny", "dsv3-tiny", "dsv3-671b"]
 
 
+@pytest.mark.parametrize("change", ["drop", "add"])
+def test_a_plan_that_misses_or_invents_an_entry_is_refused_before_any_file(
+    trained, tmp_path, capsys, monkeypatch, change
+):
+    """A model option that `unsupported_features` does not refuse and `tensor_plan` does not map
+    (a contributor's new tensor) exported without it, or stopped with a KeyError."""
+    from moetrain.hf import arch, convert
+
+    def plan(m):
+        whole = arch.tensor_plan(m)
+        return whole[:-1] if change == "drop" else [*whole, arch.HfTensor("model.new.weight", "blocks.0.new.weight")]
+
+    monkeypatch.setattr(convert, "tensor_plan", plan)
+    assert main(["export-hf", str(trained), str(tmp_path / "hf")]) == 2
+    entry = arch.tensor_plan(load_for_inference(trained)[1].model)[-1].entry if change == "drop" else "blocks.0.new"
+    err = capsys.readouterr().err
+    assert "plan does not map the checkpoint's entries " + entry in err and "--remote-code" in err, err
+    assert not (tmp_path / "hf").exists()
+
+
 @pytest.mark.parametrize(
     "flags, words",
     [

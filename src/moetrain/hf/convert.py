@@ -204,14 +204,24 @@ def _plan(m, source: CheckpointEntries, remote_code: bool) -> list[HfTensor]:
         if remote_problems(m):
             raise ConfigError("This model is not exported: " + "; ".join(remote_problems(m)) + ".")
         return remote_tensor_plan(list(source.meta))
-    bias_nonzero = False
-    if architecture_for(m) == Architecture.qwen3_moe:
+    bias_nonzero, qwen = False, architecture_for(m) == Architecture.qwen3_moe
+    if qwen:
         biases = source.read([f"blocks.{i}.ffn.router.expert_bias_E" for i in range(m.num_dense_layers, m.n_layers)])
         bias_nonzero = any(bool(b.abs().max() > 0) for b in biases.values())
     problems = unsupported_features(m, bias_nonzero)
     if problems:
         raise ConfigError(refusal(m, problems))
-    return tensor_plan(m)
+    plan = tensor_plan(m)
+    read = {t.entry for t in plan if t.entry}
+    # Left out by design: the MTP modules, and Qwen3-MoE's selection biases (all zero, checked above).
+    left = [e for e in source.meta if not (e.startswith("mtp.") or (qwen and e.endswith("expert_bias_E")))]
+    if lost := [e for e in left if e not in read] + [e for e in read if e not in source.meta]:
+        raise ConfigError(
+            f"export-hf's {architecture_for(m).value} plan does not map the checkpoint's entries {', '.join(lost[:3])}"
+            f"{' …' if len(lost) > 3 else ''}: a model option unsupported_features (src/moetrain/hf/arch.py) "
+            "neither refuses nor tensor_plan exports. Export with --remote-code, or see docs/extending.md."
+        )
+    return plan
 
 
 def _write_shard(path: Path, tensors: list[HfTensor], specs, source: CheckpointEntries, max_bytes: int) -> None:
