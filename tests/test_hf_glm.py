@@ -122,9 +122,17 @@ def test_bf16_is_the_default_and_only_rounds_the_weights(trained, tmp_path, caps
     assert native.model.layers[1].mlp.gate.weight.dtype == torch.float32
 
 
-def test_a_sharded_export_has_an_index_and_loads_in_transformers(trained, tmp_path, capsys):
+def test_a_sharded_export_has_an_index_and_loads_in_transformers(trained, tmp_path, capsys, monkeypatch):
     whole = cli(capsys, "export-hf", trained, tmp_path / "whole", "--dtype", "float32")
-    sharded = cli(capsys, "export-hf", trained, tmp_path / "sharded", "--dtype", "float32", "--max-shard-size", "200KB")
+    monkeypatch.setattr("moetrain.data.progress.LOG_EVERY_S", 0.0)  # a line a shard, as one every 30 s of a long one
+    assert (
+        main(["export-hf", str(trained), str(tmp_path / "sharded"), "--dtype", "float32", "--max-shard-size", "200KB"])
+        == 0
+    )
+    out, err = capsys.readouterr()
+    sharded, n = json.loads(out), len(json.loads(out)["files"])
+    progress = [line.split(",")[0] for line in err.splitlines()]
+    assert progress == [f"exporting: {k}/{n} shards" for k in (*range(1, n + 1), n)], err
     assert len(sharded["files"]) > 3 and not (tmp_path / "sharded" / "model.safetensors").exists()
     index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
     assert sorted(set(index["weight_map"].values())) == sharded["files"]

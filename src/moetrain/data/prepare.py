@@ -42,7 +42,7 @@ import numpy as np
 
 from moetrain.data.corpus import SUMMARY as CORPUS_SUMMARY
 from moetrain.data.corpus import default_corpus_documents
-from moetrain.data.progress import DocumentProgress
+from moetrain.data.progress import Progress
 from moetrain.data.tokens import EOS_TOKEN, FORMAT, META_FILE, dtype_for_vocab, write_meta
 from moetrain.destinations import check_directory, check_overwrite, existing_entries
 from moetrain.errors import ConfigError, DataError, MoetrainError, file_kind, require
@@ -432,7 +432,7 @@ def _write_splits(tok, batches, split: _Split, out: Path, *, dtype, eos_id: int,
     names = {"train": "train.bin", "val": "val.bin", "tokenizer": "tokenizer.json"}
     partial = {s: out / f".{f}.partial" for s, f in names.items()}
     counts = {s: {"file": names[s], "num_tokens": 0, "num_documents": 0} for s in ("train", "val")}
-    bar = DocumentProgress(split.num_documents, progress)
+    bar = Progress(split.num_documents, progress)
     vocab_size = tok.get_vocab_size()
     pool = None
     try:

@@ -1,4 +1,5 @@
-"""prepare-data's progress on stderr: a tqdm bar on a terminal, plain lines in a log.
+"""Progress of long work on stderr (prepare-data's tokenizing, export-hf's shards): a tqdm bar on a
+terminal, plain lines in a log.
 
 A bar redraws itself with carriage returns, which a log file or a CI page keeps as one long line of
 every redraw; so when stderr is not a terminal each report is a line of its own, at most one every
@@ -14,18 +15,21 @@ LOG_EVERY_S = 30.0
 """Seconds between two progress lines when stderr is not a terminal."""
 
 
-class DocumentProgress:
-    """Documents tokenized so far, of `total`, and the megabytes of text they held."""
+class Progress:
+    """Items done so far (`units`: "documents" tokenized, "shards" written), of `total`, and the
+    megabytes they held; `what` names the work."""
 
-    def __init__(self, total: int, enabled: bool):
-        self.total, self.enabled = total, enabled
+    def __init__(
+        self, total: int, enabled: bool, what: str = "tokenizing", unit: str = "doc", units: str = "documents"
+    ):
+        self.total, self.enabled, self.what, self.units = total, enabled, what, units
         self.done = self.num_bytes = 0
         self.start = self.last = time.perf_counter()
         self.bar = None
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, unit="doc", desc="tokenizing", file=sys.stderr, dynamic_ncols=True)
+            self.bar = tqdm(total=total, unit=unit, desc=what, file=sys.stderr, dynamic_ncols=True)
 
     def update(self, docs: int, num_bytes: int) -> None:
         self.done += docs
@@ -45,7 +49,7 @@ class DocumentProgress:
     def _line(self) -> None:
         self.last = time.perf_counter()
         print(
-            f"tokenizing: {self.done:,}/{self.total:,} documents, {self.num_bytes / 1e6:.1f} MB, "
+            f"{self.what}: {self.done:,}/{self.total:,} {self.units}, {self.num_bytes / 1e6:.1f} MB, "
             f"{self.last - self.start:.1f} s",
             file=sys.stderr,
             flush=True,

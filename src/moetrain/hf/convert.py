@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from moetrain import __version__
 from moetrain.config import load_yaml
+from moetrain.data.progress import Progress
 from moetrain.destinations import check_directory, check_free_space, existing_entries
 from moetrain.errors import CheckpointError, ConfigError, DataError, require
 from moetrain.hf.arch import (
@@ -174,10 +175,14 @@ def export_hf(
         (out / "config.json").unlink(missing_ok=True)  # the directory is no model to transformers or import-hf
         remove_stale(out, names)
     from_rank_0(None)  # under a process group the other ranks write once those are gone
-    for i in range(rank, len(shards), world_size):
+    mine = range(rank, len(shards), world_size)
+    bar = Progress(len(mine), True, "exporting" + f" (rank {rank})" * (world_size > 1), "shard", "shards")
+    for i in mine:
         _write_shard(out / names[i], [by_name[s[0]] for s in shards[i]], shards[i], source, max_bytes)
         with safe_open(str(out / names[i]), framework="pt") as f:  # the library reads back what we wrote
             assert len(f.keys()) == len(shards[i]), names[i]
+        bar.update(1, shard_bytes[i])
+    bar.close()
     if rank == 0:
         _wait_for_shards(out, names, world_size)
         if len(shards) > 1:
