@@ -340,6 +340,7 @@ def test_moetrain_eval_reads_jsonl_and_the_prepared_tokens_a_run_trained_on(real
     assert ev["tokens"] == summary["val_loss_tokens"] == 4096 and available > 4096
     assert ev["loss"] == pytest.approx(summary["final_val_loss"], rel=1e-5)
     assert f"eval: 4,096 of the {available:,} tokens of val (train.eval_tokens" in out.err
+    assert out.err.splitlines()[0].startswith("evaluating: 64/64 windows, ")  # a line every 30 s, and at the end
     assert main(["eval", str(run_dir), "--data", str(real_text_dir), "--tokens", "all"]) == 0
     assert json.loads(capsys.readouterr().out)["tokens"] == available
     assert main(["eval", str(run_dir), "--data", str(real_text_dir / "train.bin")]) == 0  # names its split

@@ -121,7 +121,7 @@ def test_eval_reads_a_text_file_as_prepare_data_does(tmp_path, monkeypatch):
             encoded.append(text)
             return SimpleNamespace(ids=[1, 2])
 
-    monkeypatch.setattr(inference, "windows_loss", lambda model, cfg, ids_N: {"tokens": len(ids_N)})
+    monkeypatch.setattr(inference, "windows_loss", lambda model, cfg, ids_N, **_: {"tokens": len(ids_N)})
     (tmp_path / "crlf.txt").write_bytes(b"one\r\ntwo\r\n")
     inference.text_loss(None, None, Tokenizer(), [str(tmp_path / "crlf.txt")])
     assert encoded == ["one\r\ntwo\r\n"]

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from moetrain.config import load_yaml
+from moetrain.data.progress import Progress
 from moetrain.data.tokens import load_tokenizer
 from moetrain.errors import CheckpointError, ConfigError, DataError, file_kind
 from moetrain.model.transformer import Transformer
@@ -94,7 +95,7 @@ def text_loss(model: Transformer, cfg: RunConfig, tokenizer, files: list[str], t
                 ids.append(eos_id)
     if len(ids) < 2:
         raise DataError(f"The text files {files} hold fewer than 2 tokens: nothing to evaluate.")
-    return windows_loss(model, cfg, np.asarray(ids, dtype=np.int64))
+    return windows_loss(model, cfg, np.asarray(ids, dtype=np.int64), progress=True)
 
 
 def token_loss(
@@ -123,23 +124,30 @@ def token_loss(
             f"'{data_dir}' holds ids up to {tf.vocab_size - 1}, beyond the model's vocabulary ({cfg.model.vocab_size})."
         )
     windows = None if tokens is None else max(1, tokens // cfg.data.seq_len)
-    return windows_loss(model, cfg, tf.tokens_N, windows)
+    return windows_loss(model, cfg, tf.tokens_N, windows, progress=True)
 
 
 @torch.no_grad()
-def windows_loss(model: Transformer, cfg: RunConfig, tokens_N: np.ndarray, windows: int | None = None) -> dict:
+def windows_loss(
+    model: Transformer, cfg: RunConfig, tokens_N: np.ndarray, windows: int | None = None, progress: bool = False
+) -> dict:
     """Mean next-token loss, perplexity and token count over non-overlapping windows of the
     training sequence length (the last may be shorter), all of them or the first `windows`;
-    `tokens_N`: ids (N,), may be a memory map: each window is read as it is evaluated."""
+    `tokens_N`: ids (N,), may be a memory map: each window is read as it is evaluated. With
+    `progress`, the windows done on stderr (`Progress`)."""
     device = next(model.parameters()).device
     seq = cfg.data.seq_len
     total_loss, total_tokens = 0.0, 0
-    for start in range(0, len(tokens_N) - 1, seq)[:windows]:
+    starts = range(0, len(tokens_N) - 1, seq)[:windows]
+    bar = Progress(len(starts), progress, "evaluating", "window", "windows")
+    for start in starts:
         window = torch.from_numpy(np.asarray(tokens_N[start : start + seq + 1], dtype=np.int64))
         inputs_BT, targets_BT = window[:-1].unsqueeze(0).to(device), window[1:].unsqueeze(0).to(device)
         logits_BTV = model(inputs_BT)
         loss = F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten(), reduction="sum")
         total_loss += loss.item()
         total_tokens += targets_BT.numel()
+        bar.update(1)
+    bar.close()
     mean = total_loss / total_tokens
     return {"loss": mean, "perplexity": math.exp(mean), "tokens": total_tokens}

@@ -17,7 +17,7 @@ LOG_EVERY_S = 30.0
 
 class Progress:
     """Items done so far (`units`: "documents" tokenized, "shards" written), of `total`, and the
-    megabytes they held; `what` names the work."""
+    megabytes they held (where counted); `what` names the work."""
 
     def __init__(
         self, total: int, enabled: bool, what: str = "tokenizing", unit: str = "doc", units: str = "documents"
@@ -31,11 +31,12 @@ class Progress:
 
             self.bar = tqdm(total=total, unit=unit, desc=what, file=sys.stderr, dynamic_ncols=True)
 
-    def update(self, docs: int, num_bytes: int) -> None:
+    def update(self, docs: int, num_bytes: int = 0) -> None:
         self.done += docs
         self.num_bytes += num_bytes
         if self.bar is not None:
-            self.bar.set_postfix_str(f"{self.num_bytes / 1e6:.1f} MB", refresh=False)
+            if self.num_bytes:
+                self.bar.set_postfix_str(f"{self.num_bytes / 1e6:.1f} MB", refresh=False)
             self.bar.update(docs)
         elif self.enabled and time.perf_counter() - self.last >= LOG_EVERY_S:
             self._line()
@@ -49,8 +50,9 @@ class Progress:
     def _line(self) -> None:
         self.last = time.perf_counter()
         print(
-            f"{self.what}: {self.done:,}/{self.total:,} {self.units}, {self.num_bytes / 1e6:.1f} MB, "
-            f"{self.last - self.start:.1f} s",
+            f"{self.what}: {self.done:,}/{self.total:,} {self.units}, "
+            + f"{self.num_bytes / 1e6:.1f} MB, " * bool(self.num_bytes)
+            + f"{self.last - self.start:.1f} s",
             file=sys.stderr,
             flush=True,
         )
