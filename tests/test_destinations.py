@@ -16,6 +16,7 @@ from conftest import tiny_overrides
 
 from moetrain import destinations
 from moetrain.cli import main
+from moetrain.train import run_dir
 
 
 def fails(capsys, args, *words):
@@ -277,6 +278,16 @@ def test_import_hf_checks_its_out_dir(capsys, exported, tmp_path, read_only, sma
     small_disk(1 << 20)
     fails(capsys, ["import-hf", exported, tmp_path / "new"], "1.0 MiB free", "imported checkpoint", "× 4 bytes")
     assert not (tmp_path / "new").exists()
+
+
+def test_import_hf_refuses_a_model_larger_than_the_machines_memory(capsys, exported, tmp_path, monkeypatch):
+    """It builds the whole model in fp32 host memory: past it the kernel killed it without a word
+    (upcycle: tests/test_upcycle.py)."""
+    pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 16}  # 64 KiB, less than the test model in fp32
+    monkeypatch.setattr(run_dir.os, "sysconf", pages.__getitem__)
+    words = "is built whole in this machine's memory, in fp32", "more than its 64.0 KiB", "more memory"
+    fails(capsys, ["import-hf", exported, tmp_path / "imported"], "The imported checkpoint", *words)
+    assert not (tmp_path / "imported").exists()
 
 
 def test_import_hf_never_replaces_checkpoints_even_with_force(capsys, exported, trained, tmp_path):
