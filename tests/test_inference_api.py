@@ -87,6 +87,19 @@ def test_a_bad_device_is_named(run, device):
         moetrain.load(run, device=device)
 
 
+def test_a_model_larger_than_the_machines_memory_is_refused(run, monkeypatch, capsys):
+    """eval, generate and load build the whole model in fp32: past the memory the kernel killed them."""
+    import os
+
+    monkeypatch.setattr(os, "sysconf", {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 16}.__getitem__)  # 64 KiB
+    with pytest.raises(
+        ConfigError, match=r"is built whole in this machine's memory, in fp32: .* more than its 64.0 KiB"
+    ):
+        moetrain.load(run)
+    assert main(["generate", str(run), "--prompt", "To be"]) == 2
+    assert "more than its 64.0 KiB. Use a machine with more memory." in capsys.readouterr().err
+
+
 def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(run, tmp_path, capsys):
     """Ids past model.vocab_size have no embedding (eval ended in torch's IndexError): the
     checkpoint is refused naming both sizes, before its weights are read."""

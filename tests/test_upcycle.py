@@ -106,8 +106,9 @@ def test_a_model_larger_than_the_machines_memory_is_refused(dense, tmp_path, cap
     """upcycle builds the whole MoE model in fp32 host memory: past it the kernel killed it without a word."""
     from moetrain.train import run_dir
 
-    monkeypatch.setattr(run_dir.os, "sysconf", {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 16}.__getitem__)
+    memory = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 128}  # 512 KiB: the dense model fits, the MoE one does not
+    monkeypatch.setattr(run_dir.os, "sysconf", memory.__getitem__)
     assert main(["upcycle", str(dense), str(tmp_path / "moe"), "--model.num_dense_layers=1"]) == 2
     err = capsys.readouterr().err
-    assert "The upcycled checkpoint is built whole in this machine's memory" in err and "64.0 KiB" in err, err
+    assert "The upcycled checkpoint is built whole in this machine's memory" in err and "512.0 KiB" in err, err
     assert not (tmp_path / "moe").exists()

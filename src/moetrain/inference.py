@@ -17,7 +17,9 @@ from moetrain.config import load_yaml
 from moetrain.data.progress import Progress
 from moetrain.data.tokens import load_tokenizer
 from moetrain.errors import CheckpointError, ConfigError, DataError, file_kind
+from moetrain.model.counting import count_params
 from moetrain.model.transformer import Transformer
+from moetrain.plan.hardware import refuse_unless_it_fits
 from moetrain.train.checkpoint_io import load_model
 from moetrain.train.config import RunConfig
 from moetrain.train.run_dir import resolve_checkpoint
@@ -34,6 +36,12 @@ def load_for_inference(checkpoint: str | Path, device: str = "cpu") -> tuple[Tra
             f"model's vocabulary (model.vocab_size={cfg.model.vocab_size:,}): ids past it have no embedding. Put the "
             "tokenizer the model was trained with in its place."
         )
+    fix = (
+        "Load it on the CPU (--device cpu) of a machine with more memory."
+        if device != "cpu"
+        else "Use a machine with more memory."
+    )
+    refuse_unless_it_fits(count_params(cfg.model).total, device, f"The model of '{path}'", fix)
     model = cfg.model.build(device="meta")
     model.to_empty(device=device)
     model.init_weights()  # buffers that are not saved (RoPE tables) need their values

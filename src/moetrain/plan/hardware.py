@@ -80,3 +80,19 @@ def device_memory(device: torch.device) -> tuple[float, str | None]:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), None
     total = torch.cuda.get_device_properties(device).total_memory
     return total - 1.5 * GIB, plan_gpu(torch.cuda.get_device_name(device), total)
+
+
+def refuse_unless_it_fits(params: int, device: torch.device | str, what: str, fix: str) -> None:
+    """Refuse to build `what`, a model of `params` fp32 parameters, whole on `device` when they
+    alone exceed what it can hold (`device_memory`): the kernel would kill the process without a
+    word, or the load would fail deep inside."""
+    from moetrain.destinations import format_bytes
+
+    device = torch.device(device)
+    memory = device_memory(device)[0]
+    if 4 * params > memory:
+        where = "this machine's memory" if device.type == "cpu" else f"the memory of {device}"
+        raise ConfigError(
+            f"{what} is built whole in {where}, in fp32: {params / 1e6:,.1f}M parameters × 4 bytes = "
+            f"{format_bytes(4 * params)}, more than its {format_bytes(memory)}. {fix}"
+        )

@@ -24,7 +24,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from moetrain.destinations import check_directory, check_free_space, format_bytes
+from moetrain.destinations import check_directory, check_free_space
 from moetrain.errors import CheckpointError, ConfigError, file_kind
 from moetrain.train import run_lock
 from moetrain.train.checkpoint_index import diagnose
@@ -314,13 +314,9 @@ def check_weights_destination(out: Path, params: int, what: str) -> None:
     """Refuse `out` for a new weights-only checkpoint (`what`) of `params` parameters: not
     writable, holding checkpoints already, or without room; or a model larger in fp32 than this
     machine's memory, where the caller builds it whole (the kernel would kill it without a word)."""
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if 4 * params > ram:
-        raise ConfigError(
-            f"{what[0].upper()}{what[1:]} is built whole in this machine's memory, in fp32: {params / 1e6:,.1f}M "
-            f"parameters × 4 bytes = {format_bytes(4 * params)}, more than its {format_bytes(ram)}. Run it on a "
-            "machine with more memory."
-        )
+    from moetrain.plan.hardware import refuse_unless_it_fits
+
+    refuse_unless_it_fits(params, "cpu", what[0].upper() + what[1:], "Run it on a machine with more memory.")
     check_directory(out, "Output directory", "Pass an OUT_DIR you can write")
     if list_checkpoints(out):
         raise ConfigError(f"'{out}' already holds checkpoints: choose an empty directory for {what}.")
