@@ -24,6 +24,7 @@ from moetrain.errors import ConfigError
 from moetrain.inference import load_for_inference
 from moetrain.model.config import Routing, TransformerConfig
 from moetrain.model.counting import count_params
+from moetrain.plan.hardware import refuse_unless_it_fits
 from moetrain.train.checkpoint_io import save_weights
 from moetrain.train.run_dir import check_weights_destination, resolve_checkpoint
 
@@ -40,7 +41,9 @@ def upcycle(dense: str | Path, out_dir: str | Path, overrides: list[str]) -> dic
     cfg.validate()
     moe_blocks = check_upcycle(cfg_d.model, cfg.model)
     out = Path(out_dir)
-    check_weights_destination(out, count_params(cfg.model).total, "the upcycled checkpoint")
+    params = count_params(cfg.model).total
+    check_weights_destination(out, params, "the upcycled checkpoint")
+    refuse_unless_it_fits(params, "cpu", "The upcycled checkpoint", "Run it on a machine with more memory.")
     model = cfg.model.build(device="cpu")
     model.init_weights()  # the routers, and the buffers no checkpoint holds
     with torch.no_grad():

@@ -66,6 +66,7 @@ from moetrain.hf.shards import (
 from moetrain.inference import checkpoint_config, checkpoint_tokenizer
 from moetrain.model.counting import count_params
 from moetrain.parallel.distributed import from_rank_0
+from moetrain.plan.hardware import refuse_unless_it_fits
 from moetrain.train.checkpoint_index import SafeFileSystemReader
 from moetrain.train.checkpoint_io import model_state_dict, save_weights
 from moetrain.train.config import RunConfig
@@ -559,7 +560,9 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> dict:
         raise ConfigError(f"'{config_file}' holds a JSON {type(hf).__name__}, not the object of a model's config.")
     cfg = RunConfig(model=model_config_from_hf(hf, str(config_file)))
     setup = _training_setup(cfg, hf_dir, hf)
-    check_weights_destination(out, count_params(cfg.model).total, "the imported checkpoint")
+    params = count_params(cfg.model).total
+    check_weights_destination(out, params, "the imported checkpoint")
+    refuse_unless_it_fits(params, "cpu", "The imported checkpoint", "Run it on a machine with more memory.")
     tensors = HfTensors(hf_dir)
     nextn = hf.get("num_nextn_predict_layers") or 0  # GLM's prediction layers follow the decoder's
     if tensors.layers() > cfg.model.n_layers + nextn:
