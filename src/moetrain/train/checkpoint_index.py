@@ -237,3 +237,18 @@ def first_mismatch(metadata: Metadata, state: dict[str, dict[str, Any]]) -> str 
                     "(a shape mismatch): it was saved from a different model shape"
                 )
     return None
+
+
+def first_unexpected(metadata: Metadata, names: Iterable[str]) -> str | None:
+    """The checkpoint's model entries outside `names` (a whole model's), as a sentence; None
+    when it holds none."""
+    names = set(names)
+    extra = [k for k in metadata.state_dict_metadata if k.startswith("model.") and k[len("model.") :] not in names]
+    if not extra:
+        return None
+    more = f" and {len(extra) - 1} more" if len(extra) > 1 else ""
+    return (
+        f"it holds tensor {extra[0]}{more}, which this model lacks (an unexpected key): it was saved from a different "
+        "model (more layers, or a part this config leaves out), and resuming would drop them. To train this model "
+        "from the weights both hold, start a new run with --checkpoint.init_from"
+    )

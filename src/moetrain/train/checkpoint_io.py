@@ -19,7 +19,7 @@ import math
 import re
 import shutil
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,13 @@ from moetrain.optim.base import FlatShard
 from moetrain.parallel.dims import ParallelState
 from moetrain.parallel.fsdp import full_tensor, is_sharded, local_flat_range, reshard
 from moetrain.parallel.rehearsal import Rehearsal
-from moetrain.train.checkpoint_index import SafeFileSystemReader, first_mismatch, merge_rank_indexes, read_index
+from moetrain.train.checkpoint_index import (
+    SafeFileSystemReader,
+    first_mismatch,
+    first_unexpected,
+    merge_rank_indexes,
+    read_index,
+)
 from moetrain.train.dcp_shards import CpuStager, ShardLoadPlanner, ShardSavePlanner, ShardWriter
 from moetrain.train.run_dir import COMPLETE, check_intact, checkpoints_dir, fsync_dir, list_checkpoints, publish
 
@@ -275,9 +281,12 @@ def load_checkpoint(
     return json.loads(trainer_state_file.read_text()) if trainer_state_file.is_file() else {}
 
 
-def check_loadable(path: Path, state: dict[str, Any], rehearsal: Rehearsal | None = None) -> None:
+def check_loadable(
+    path: Path, state: dict[str, Any], rehearsal: Rehearsal | None = None, whole_model: Iterable[str] | None = None
+) -> None:
     """Refuse, before reading any tensor, a damaged checkpoint, another rehearsal's, or one that
-    lacks an entry of `state` or holds it with another shape."""
+    lacks an entry of `state` or holds it with another shape; given `whole_model` (the names of
+    `model_state_dict` of the whole model: a resume), one holding a model entry outside them."""
     metadata, damage = read_index(path)
     check_intact(path, damage)
     written_by = json.loads((path / "trainer_state.json").read_text()).get("rehearsal")
@@ -288,6 +297,8 @@ def check_loadable(path: Path, state: dict[str, Any], rehearsal: Rehearsal | Non
             f"{written_by['world']} --rank {written_by['rank']}) can load it."
         )
     mismatch = first_mismatch(metadata, state)
+    if mismatch is None and whole_model is not None:
+        mismatch = first_unexpected(metadata, whole_model)
     if mismatch is not None:
         raise CheckpointError(
             f"Checkpoint '{path}' does not fit this model: {mismatch}; check its config.yaml against the current "

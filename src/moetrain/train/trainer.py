@@ -29,7 +29,7 @@ from moetrain.parallel.rehearsal import Rehearsal
 from moetrain.train import console, oom
 from moetrain.train.callbacks import Callback, Checkpointing, Evaluator, MetricsLogger, callbacks_from_config
 from moetrain.train.checkpoint_index import diagnose
-from moetrain.train.checkpoint_io import ShardRole, check_loadable, load_checkpoint
+from moetrain.train.checkpoint_io import ShardRole, check_loadable, load_checkpoint, model_state_dict
 from moetrain.train.config import Extend, RunConfig
 from moetrain.train.engine import Batch, StepOutput, TrainEngine
 from moetrain.train.plot import plot_run
@@ -228,9 +228,9 @@ class Trainer:
                 + (f"; moved to {aside.name}" if aside else "")
             )
         state, rehearsal = self.engine.checkpoint_state(), ShardRole.of(self.par).rehearsal
+        check_loadable(path, state, rehearsal, model_state_dict(self.cfg.model.build(device="meta")))
         saved_step = json.loads((path / "trainer_state.json").read_text())["step"]
         if saved_step >= self.cfg.train.steps:
-            check_loadable(path, state, rehearsal)  # refused as any resume is
             self.finished_at, self.resumed_from = saved_step, path
             return
         trainer_state = load_checkpoint(path, state, rank=self.par.rank, restore_rng=True, rehearsal=rehearsal)
