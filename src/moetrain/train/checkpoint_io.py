@@ -19,7 +19,7 @@ import math
 import re
 import shutil
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -282,11 +282,15 @@ def load_checkpoint(
 
 
 def check_loadable(
-    path: Path, state: dict[str, Any], rehearsal: Rehearsal | None = None, whole_model: Iterable[str] | None = None
+    path: Path,
+    state: dict[str, Any],
+    rehearsal: Rehearsal | None = None,
+    whole_model: dict[str, torch.Tensor] | None = None,
 ) -> None:
     """Refuse, before reading any tensor, a damaged checkpoint, another rehearsal's, or one that
-    lacks an entry of `state` or holds it with another shape; given `whole_model` (the names of
-    `model_state_dict` of the whole model: a resume), one holding a model entry outside them."""
+    lacks an entry of `state` or holds it with another shape. Given `whole_model` (a resume: the
+    whole model's `model_state_dict`, on the meta device), first one that does not hold exactly
+    its entries: a verdict every rank reaches alike, whatever part of the model it holds."""
     metadata, damage = read_index(path)
     check_intact(path, damage)
     written_by = json.loads((path / "trainer_state.json").read_text()).get("rehearsal")
@@ -296,9 +300,10 @@ def check_loadable(
             "(--rehearse): it holds only that rank's entries, so only the same rehearsal (--rehearse "
             f"{written_by['world']} --rank {written_by['rank']}) can load it."
         )
-    mismatch = first_mismatch(metadata, state)
-    if mismatch is None and whole_model is not None:
-        mismatch = first_unexpected(metadata, whole_model)
+    mismatch = None
+    if whole_model is not None and written_by is None:  # a rehearsal's holds one rank's entries
+        mismatch = first_mismatch(metadata, {"model": whole_model}) or first_unexpected(metadata, whole_model)
+    mismatch = mismatch or first_mismatch(metadata, state)
     if mismatch is not None:
         raise CheckpointError(
             f"Checkpoint '{path}' does not fit this model: {mismatch}; check its config.yaml against the current "
