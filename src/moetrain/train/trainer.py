@@ -193,6 +193,7 @@ class Trainer:
                     f"data.sources' ({theirs}): the same ids mean other text. Prepare the data with the checkpoint's "
                     f"tokenizer: `moetrain prepare-data … --tokenizer {ours}`."
                 )
+            check_loadable(path, {"model": _whole_model(self.cfg)})  # every rank alike, whatever stage it holds
             self.engine.load_model_weights(path)
             self._notes.append(f"initialized the model from {path} (checkpoint.init_from)")
 
@@ -228,7 +229,7 @@ class Trainer:
                 + (f"; moved to {aside.name}" if aside else "")
             )
         state, rehearsal = self.engine.checkpoint_state(), ShardRole.of(self.par).rehearsal
-        check_loadable(path, state, rehearsal, model_state_dict(self.cfg.model.build(device="meta")))
+        check_loadable(path, state, rehearsal, _whole_model(self.cfg))
         saved_step = json.loads((path / "trainer_state.json").read_text())["step"]
         if saved_step >= self.cfg.train.steps:
             self.finished_at, self.resumed_from = saved_step, path
@@ -354,6 +355,12 @@ class Trainer:
             "checkpoint": self.run.last_checkpoint(),
             "metrics": str(self.run.metrics_file),
         }
+
+
+def _whole_model(cfg: RunConfig) -> dict[str, torch.Tensor]:
+    """The whole model's checkpoint entries on the meta device: what every rank checks a
+    checkpoint against before it loads its own part, so that all refuse it alike."""
+    return model_state_dict(cfg.model.build(device="meta"))
 
 
 def _checkpoint_need(cfg: RunConfig) -> dict[str, Any]:
