@@ -162,6 +162,12 @@ def test_a_model_with_fewer_tensors_is_not_resumed_dropping_the_rest(real_text_d
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before  # step-4 kept as it was
 
 
+def test_init_from_a_checkpoint_with_more_tensors_says_which_it_did_not_read(real_text_dir, run, tmp_path, capsys):
+    Trainer(config(real_text_dir, tmp_path / "new", f"checkpoint.init_from={run}", "model.n_layers=2"))
+    err = capsys.readouterr().err
+    assert "(checkpoint.init_from); not read: " in err and "of its tensors this model lacks (model.blocks.2." in err
+
+
 def test_a_weights_only_checkpoint_is_not_resumed_as_a_run(real_text_dir, run, tmp_path):
     """An import-hf-style checkpoint (model only) named as such, with the flag that uses it."""
     weights = tmp_path / "weights"

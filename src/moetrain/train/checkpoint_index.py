@@ -239,11 +239,15 @@ def first_mismatch(metadata: Metadata, state: dict[str, dict[str, Any]]) -> str 
     return None
 
 
-def first_unexpected(metadata: Metadata, names: Iterable[str]) -> str | None:
-    """The checkpoint's model entries outside `names` (a whole model's), as a sentence; None
-    when it holds none."""
+def unexpected(metadata: Metadata, names: Iterable[str]) -> list[str]:
+    """The checkpoint's model entries outside `names` (a whole model's)."""
     names = set(names)
-    extra = [k for k in metadata.state_dict_metadata if k.startswith("model.") and k[len("model.") :] not in names]
+    return [k for k in metadata.state_dict_metadata if k.startswith("model.") and k[len("model.") :] not in names]
+
+
+def first_unexpected(metadata: Metadata, names: Iterable[str]) -> str | None:
+    """`unexpected` as a resume's refusal; None when the checkpoint holds none."""
+    extra = unexpected(metadata, names)
     if not extra:
         return None
     more = f" and {len(extra) - 1} more" if len(extra) > 1 else ""

@@ -28,7 +28,7 @@ from moetrain.parallel.distributed import from_rank_0
 from moetrain.parallel.rehearsal import Rehearsal
 from moetrain.train import console, oom
 from moetrain.train.callbacks import Callback, Checkpointing, Evaluator, MetricsLogger, callbacks_from_config
-from moetrain.train.checkpoint_index import diagnose
+from moetrain.train.checkpoint_index import diagnose, read_index, unexpected
 from moetrain.train.checkpoint_io import ShardRole, check_loadable, load_checkpoint, model_state_dict
 from moetrain.train.config import Extend, RunConfig
 from moetrain.train.engine import Batch, StepOutput, TrainEngine
@@ -193,9 +193,12 @@ class Trainer:
                     f"data.sources' ({theirs}): the same ids mean other text. Prepare the data with the checkpoint's "
                     f"tokenizer: `moetrain prepare-data … --tokenizer {ours}`."
                 )
-            check_loadable(path, {"model": _whole_model(self.cfg)})  # every rank alike, whatever stage it holds
+            whole = _whole_model(self.cfg)
+            check_loadable(path, {"model": whole})  # every rank alike, whatever stage it holds
             self.engine.load_model_weights(path)
-            self._notes.append(f"initialized the model from {path} (checkpoint.init_from)")
+            extra = unexpected(read_index(path)[0], whole)
+            left = f"; not read: {len(extra)} of its tensors this model lacks ({extra[0]}, …)" if extra else ""
+            self._notes.append(f"initialized the model from {path} (checkpoint.init_from){left}")
 
     def _resume(self) -> None:
         """From the newest intact complete checkpoint: damaged ones are skipped and moved aside
