@@ -35,7 +35,7 @@ from moetrain.train.engine import Batch, StepOutput, TrainEngine
 from moetrain.train.plot import plot_run
 from moetrain.train.profiling import StepProfiler
 from moetrain.train.run_dir import RunDir, checkpoints_dir, default_run_dir, estimated_bytes, resolve_checkpoint
-from moetrain.train.runtime import setup_runtime
+from moetrain.train.runtime import dotted, setup_runtime
 from moetrain.train.wandb_sink import require_wandb
 
 
@@ -248,7 +248,7 @@ class Trainer:
         self.run.keep_records_up_to(self.step)
         init = self.cfg.checkpoint.init_from
         unread = f"; checkpoint.init_from={init} is for a fresh start, not read" if init else ""
-        self._notes.append(f"resumed from {path} (step {self.step}){unread}")
+        self._notes.append(f"resumed from {path} (step {self.step}){unread}{_model_changes(path, self.cfg)}")
 
     def _note_warmup(self) -> None:
         """A schedule that ends inside its warm-up never decays: said at start-up."""
@@ -358,6 +358,17 @@ class Trainer:
             "checkpoint": self.run.last_checkpoint(),
             "metrics": str(self.run.metrics_file),
         }
+
+
+def _model_changes(path: Path, cfg: RunConfig) -> str:
+    """The model keys `cfg` sets otherwise than the checkpoint `path`'s config.yaml, which its
+    tensors' shapes do not tell (model.moe.gating, say), as the resume's note says them."""
+    if not (path / "config.yaml").is_file():
+        return ""
+    saved = dotted(RunConfig.from_dict(load_yaml(path / "config.yaml", RunConfig)).model.to_dict(), "model.")
+    now = dotted(cfg.model.to_dict(), "model.")
+    changed = [f"{k}={now[k]} (was {saved[k]})" for k in now if saved.get(k) != now[k]]
+    return f"; the model differs from the checkpoint's config.yaml: {', '.join(changed)}" if changed else ""
 
 
 def _whole_model(cfg: RunConfig) -> dict[str, torch.Tensor]:
