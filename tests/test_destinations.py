@@ -107,19 +107,21 @@ def test_train_refuses_a_checkpoints_path_that_is_a_file_before_training(capsys,
 
 
 def test_train_refuses_a_run_dir_that_is_a_checkpoint(capsys, real_text_dir, trained, exported, tmp_path):
-    """`--run-dir RUN/checkpoints/step-N` (eval and generate take one), or an export-hf directory: a
-    fresh start, or a resume that found no checkpoint inside, trained into it over its
-    config.yaml and tokenizer.json."""
+    """`--run-dir RUN/checkpoints/step-N` (eval and generate take one), `RUN/checkpoints`, or an
+    export-hf directory: a fresh start, or a resume that found no checkpoint inside, trained into
+    it over its config.yaml and tokenizer.json (or among the run's checkpoints)."""
     step = shutil.copytree(trained, tmp_path / "run") / "checkpoints" / "step-2"
     hf = shutil.copytree(exported, tmp_path / "hf")
+    run = step.parent.parent
     for where, words in (
-        (step, ["is a checkpoint, not a run", f"--run-dir {step.parent.parent}", f"init_from={step}"]),
+        (step, ["is a checkpoint, not a run", f"--run-dir {run}", f"init_from={step}"]),
+        (step.parent, ["is a run's checkpoints directory, not a run", f"--run-dir {run}", f"init_from={run} "]),
         (hf, ["is a Hugging Face model, not a run", f"moetrain import-hf {hf} OUT_DIR"]),
     ):
-        before = {p.name: p.read_bytes() for p in where.iterdir() if p.is_file()}
+        before = {p.name: p.read_bytes() if p.is_file() else None for p in where.iterdir()}
         for resume in ([], ["--resume"]):
             fails(capsys, [*train_args(real_text_dir, where), *resume], *words)
-        assert {p.name: p.read_bytes() for p in where.iterdir()} == before
+        assert {p.name: p.read_bytes() if p.is_file() else None for p in where.iterdir()} == before
 
 
 def test_a_name_too_long_for_the_file_system_is_refused_by_name(capsys, real_text_dir, tmp_path):

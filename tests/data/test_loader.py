@@ -219,6 +219,14 @@ def test_synthetic_tokens_are_layout_free_and_resume_exactly():
     assert not torch.equal(loader(seed=4).next_batch()[0], first[0])
 
 
+def test_a_synthetic_runs_position_is_named_when_resumed_on_token_data(tmp_path):
+    from moetrain.data.loader import SyntheticLoader
+
+    state = SyntheticLoader(seq_len=T, micro_batch_size=4, seed=0, vocab_size=100).state_dict()
+    with pytest.raises(DataError, match=r"a data.synthetic=true run: resume it with --data.synthetic=true"):
+        _loader([_source(tmp_path, "a", 0, 20)]).load_state_dict(state)
+
+
 def test_synthetic_data_refuses_document_masking():
     with pytest.raises(ConfigError, match="document_masking"):
         DataConfig(synthetic=True, document_masking=True).validate()

@@ -189,6 +189,34 @@ def test_checkpoints_cross_pipeline_layouts(real_text_dir, tmp_path):
     assert_continues(source, [(pp_dir, 3), (interleaved, 5), (single, 5)])
 
 
+def _pipeline_then_deeper(data_dir, run_dir, new_dir):
+    """pp2 for 2 steps, then a resume and a checkpoint.init_from of 6 layers: what each rank
+    says of each (both stages hold 3)."""
+    from moetrain.errors import CheckpointError
+    from moetrain.train.trainer import Trainer
+
+    train(data_dir, run_dir, 2, [PP, "checkpoint.save_final=true"])
+    said = []
+    for where, resume, extra in ((run_dir, True, []), (new_dir, False, [f"checkpoint.init_from={run_dir}"])):
+        try:
+            Trainer(
+                layout_cfg(data_dir, where, PP, "train.steps=4", "model.n_layers=6", *extra), resume=resume, quiet=True
+            )
+            said.append("loaded")
+        except CheckpointError as e:
+            said.append(str(e))
+    return said
+
+
+def test_a_pipeline_load_into_more_layers_is_refused_on_every_rank(real_text_dir, tmp_path):
+    """Stage 0 holds blocks the checkpoint has: it must refuse as stage 1 does, not go on
+    alone (it would then write the run's config.yaml and wait on its stopped peer)."""
+    said = run_distributed(_pipeline_then_deeper, 2, real_text_dir, tmp_path / "pp2", tmp_path / "new")
+    assert all("has no tensor model.blocks.4." in message for rank in said for message in rank), said
+    assert "n_layers: 4" in (tmp_path / "pp2" / "config.yaml").read_text()
+    assert not (tmp_path / "new").exists()
+
+
 BF16_SHARDED = ["parallel.shard_optimizer=true", "precision.dtype=bf16", "optim.bf16_weights=true"]
 # Loaded from a dp4·ep2 sharded run with bf16 weights, on the same four ranks.
 RESHARD_TARGETS = {

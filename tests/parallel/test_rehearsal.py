@@ -104,3 +104,18 @@ def test_a_rehearsed_rank_is_the_real_rank(real_text_dir, tmp_path, layout):
     assert real["shard_file"][0] and alone["shard_file"] == real["shard_file"]
     assert alone["trainer_state"].pop("rehearsal") == {"world": 4, "rank": r}
     assert "rehearsal" not in real["trainer_state"]
+
+
+def _rehearse_then_resume(data_dir, run_dir):
+    from moetrain.parallel.rehearsal import Rehearsal
+    from moetrain.train.trainer import Trainer
+
+    cfg = layout_cfg(data_dir, run_dir, "train.steps=2", "parallel.ep=2", "checkpoint.save_final=true")
+    Trainer(cfg, quiet=True, rehearsal=Rehearsal(world=4, rank=1)).fit()
+    cfg = layout_cfg(data_dir, run_dir, "train.steps=3", "parallel.ep=2")
+    return Trainer(cfg, resume=True, quiet=True, rehearsal=Rehearsal(world=4, rank=1)).step
+
+
+def test_a_rehearsal_resumes_from_its_own_checkpoint(real_text_dir, tmp_path):
+    """It holds one rank's entries: not the whole model a plain resume must find."""
+    assert run_alone(_rehearse_then_resume, real_text_dir, tmp_path / "run") == 2

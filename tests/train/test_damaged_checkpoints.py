@@ -143,6 +143,37 @@ def test_a_model_with_more_layers_names_the_missing_tensor(real_text_dir, run):
     assert "has no tensor model.blocks.3." in message and "shape" not in message, message
 
 
+@pytest.mark.parametrize("change", ["model.n_layers=2", "model.qk_norm=false"])
+def test_a_model_with_fewer_tensors_is_not_resumed_dropping_the_rest(real_text_dir, run, capsys, change):
+    """--resume into a model without some of the checkpoint's tensors would train on without them."""
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    args = [
+        "train",
+        "tiny",
+        "--resume",
+        "--steps",
+        "6",
+        "--quiet",
+        *(f"--{o}" for o in tiny_overrides(real_text_dir, run)),
+    ]
+    assert main([*args, f"--{change}"]) == 2
+    err = capsys.readouterr().err
+    assert "lacks (an unexpected key)" in err and "--checkpoint.init_from" in err and "Traceback" not in err, err
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before  # step-4 kept as it was
+
+
+def test_a_resume_with_another_model_of_the_same_tensors_says_what_differs(real_text_dir, run, capsys):
+    Trainer(config(real_text_dir, run, "train.steps=6", "model.moe.gating=sigmoid"), resume=True)
+    err = capsys.readouterr().err
+    assert "the model differs from the checkpoint's config.yaml: model.moe.gating=sigmoid (was softmax)" in err, err
+
+
+def test_init_from_a_checkpoint_with_more_tensors_says_which_it_did_not_read(real_text_dir, run, tmp_path, capsys):
+    Trainer(config(real_text_dir, tmp_path / "new", f"checkpoint.init_from={run}", "model.n_layers=2"))
+    err = capsys.readouterr().err
+    assert "(checkpoint.init_from); not read: " in err and "of its tensors this model lacks (model.blocks.2." in err
+
+
 def test_a_weights_only_checkpoint_is_not_resumed_as_a_run(real_text_dir, run, tmp_path):
     """An import-hf-style checkpoint (model only) named as such, with the flag that uses it."""
     weights = tmp_path / "weights"

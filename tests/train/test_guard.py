@@ -37,6 +37,23 @@ def test_guard_skips_non_finite_and_spikes_and_keeps_its_window_clean():
     assert torch.equal(other.history_W2, guard.history_W2) and int(other.count) == 6
 
 
+@pytest.mark.parametrize("window", [4, 16])
+def test_a_resume_with_another_skip_window_keeps_the_newest_values(window):
+    """--resume --guard.skip_window=W: the saved window's newest accepted values, oldest first."""
+    saved = StepGuard(window=8, sigma=3.0, max_consecutive=3, device=torch.device("cpu"))
+    values = [(2.0 + 0.01 * i, 1.0 + 0.01 * (i % 3)) for i in range(11)]  # wraps the ring of 8
+    for loss, norm in values:
+        assert not saved.check(torch.tensor(loss), torch.tensor(norm))
+    resumed = StepGuard(window=window, sigma=3.0, max_consecutive=3, device=torch.device("cpu"))
+    resumed.load_state_dict(saved.state_dict())
+    kept = values[-min(8, window) :]
+    assert int(resumed.count) == len(kept) and int(resumed.skipped_total) == 0
+    assert torch.equal(resumed.history_W2[: len(kept)], torch.tensor(kept, dtype=torch.float32))
+    assert resumed.check(torch.tensor(50.0), torch.tensor(1.0))  # a spike over the kept values
+    assert not resumed.check(torch.tensor(2.05), torch.tensor(1.01))
+    assert int(resumed.count) == len(kept) + 1
+
+
 def poison(trainer, calls):
     """Make the LM loss NaN on the given micro-batch calls (0-based)."""
     real, seen = trainer.engine.lm_loss, [0]

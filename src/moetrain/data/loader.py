@@ -112,11 +112,16 @@ class TokenLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue exactly where the loader that wrote `state` stopped. Refuses a state saved
         over different data, weights, seq_len or seed, which would silently change the order."""
+        if isinstance(state, dict) and state.get("format") == SYNTHETIC_FORMAT:
+            raise DataError(
+                "This checkpoint's data position is that of a data.synthetic=true run: resume it with "
+                "--data.synthetic=true, or start a new run on this data from its weights with --checkpoint.init_from."
+            )
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             raise DataError(
                 f"The data loader state in this checkpoint is not a {STATE_FORMAT} state "
                 f"(got keys {sorted(state) if isinstance(state, dict) else type(state).__name__}). "
-                "It was written by another version; resume without the loader state."
+                "It was written by another version; start a new run from its weights with --checkpoint.init_from."
             )
         saved = state["fingerprint"]
         if saved != self._fingerprint:

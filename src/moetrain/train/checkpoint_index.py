@@ -237,3 +237,22 @@ def first_mismatch(metadata: Metadata, state: dict[str, dict[str, Any]]) -> str 
                     "(a shape mismatch): it was saved from a different model shape"
                 )
     return None
+
+
+def unexpected(metadata: Metadata, names: Iterable[str]) -> list[str]:
+    """The checkpoint's model entries outside `names` (a whole model's)."""
+    names = set(names)
+    return [k for k in metadata.state_dict_metadata if k.startswith("model.") and k[len("model.") :] not in names]
+
+
+def first_unexpected(metadata: Metadata, names: Iterable[str]) -> str | None:
+    """`unexpected` as a resume's refusal; None when the checkpoint holds none."""
+    extra = unexpected(metadata, names)
+    if not extra:
+        return None
+    more = f" and {len(extra) - 1} more" if len(extra) > 1 else ""
+    return (
+        f"it holds tensor {extra[0]}{more}, which this model lacks (an unexpected key): it was saved from a different "
+        "model (more layers, or a part this config leaves out), and resuming would drop them. To train this model "
+        "from the weights both hold, start a new run with --checkpoint.init_from"
+    )

@@ -37,7 +37,13 @@ from moetrain.optim.base import FlatShard
 from moetrain.parallel.dims import ParallelState
 from moetrain.parallel.fsdp import full_tensor, is_sharded, local_flat_range, reshard
 from moetrain.parallel.rehearsal import Rehearsal
-from moetrain.train.checkpoint_index import SafeFileSystemReader, first_mismatch, merge_rank_indexes, read_index
+from moetrain.train.checkpoint_index import (
+    SafeFileSystemReader,
+    first_mismatch,
+    first_unexpected,
+    merge_rank_indexes,
+    read_index,
+)
 from moetrain.train.dcp_shards import CpuStager, ShardLoadPlanner, ShardSavePlanner, ShardWriter
 from moetrain.train.run_dir import COMPLETE, check_intact, checkpoints_dir, fsync_dir, list_checkpoints, publish
 
@@ -275,9 +281,16 @@ def load_checkpoint(
     return json.loads(trainer_state_file.read_text()) if trainer_state_file.is_file() else {}
 
 
-def check_loadable(path: Path, state: dict[str, Any], rehearsal: Rehearsal | None = None) -> None:
+def check_loadable(
+    path: Path,
+    state: dict[str, Any],
+    rehearsal: Rehearsal | None = None,
+    whole_model: dict[str, torch.Tensor] | None = None,
+) -> None:
     """Refuse, before reading any tensor, a damaged checkpoint, another rehearsal's, or one that
-    lacks an entry of `state` or holds it with another shape."""
+    lacks an entry of `state` or holds it with another shape. Given `whole_model` (a resume: the
+    whole model's `model_state_dict`, on the meta device), first one that does not hold exactly
+    its entries: a verdict every rank reaches alike, whatever part of the model it holds."""
     metadata, damage = read_index(path)
     check_intact(path, damage)
     written_by = json.loads((path / "trainer_state.json").read_text()).get("rehearsal")
@@ -287,7 +300,10 @@ def check_loadable(path: Path, state: dict[str, Any], rehearsal: Rehearsal | Non
             "(--rehearse): it holds only that rank's entries, so only the same rehearsal (--rehearse "
             f"{written_by['world']} --rank {written_by['rank']}) can load it."
         )
-    mismatch = first_mismatch(metadata, state)
+    mismatch = None
+    if whole_model is not None and written_by is None:  # a rehearsal's holds one rank's entries
+        mismatch = first_mismatch(metadata, {"model": whole_model}) or first_unexpected(metadata, whole_model)
+    mismatch = mismatch or first_mismatch(metadata, state)
     if mismatch is not None:
         raise CheckpointError(
             f"Checkpoint '{path}' does not fit this model: {mismatch}; check its config.yaml against the current "

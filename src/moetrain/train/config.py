@@ -219,8 +219,9 @@ class CheckpointConfig(Config):
     """Checkpoints to keep; older ones are deleted. 0 keeps all."""
     init_from: str | None = None
     """Start from the model weights of this checkpoint (a run directory, a step-N directory, or
-    what `moetrain import-hf` wrote), with a fresh optimizer at step 0. Not used when --resume
-    finds a checkpoint of this run (that continues the run itself)."""
+    what `moetrain import-hf` wrote), with a fresh optimizer at step 0; its tensors this model
+    lacks are left unread, and the start-up says how many. Not used when --resume finds a
+    checkpoint of this run (that continues the run itself)."""
 
     def validate(self) -> None:
         if self.init_from is not None and not self.init_from.strip():

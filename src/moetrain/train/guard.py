@@ -82,6 +82,13 @@ class StepGuard:
         return {"history": self.history_W2.tolist()} | {name: int(getattr(self, name)) for name in COUNTERS}
 
     def load_state_dict(self, state: dict) -> None:
-        self.history_W2.copy_(torch.tensor(state["history"], dtype=torch.float32))
+        """A state saved with another window (guard.skip_window changed on resume) keeps its
+        newest accepted values, oldest first, as many as both windows hold."""
+        history_W2, count = torch.tensor(state["history"], dtype=torch.float32).reshape(-1, 2), state["count"]
+        if len(history_W2) != self.window:
+            kept = min(count, len(history_W2), self.window)
+            newest = history_W2[torch.arange(count - kept, count) % len(history_W2)]
+            history_W2, count = torch.cat([newest, torch.zeros(self.window - kept, 2)]), kept
+        self.history_W2.copy_(history_W2)
         for name in COUNTERS:
-            getattr(self, name).fill_(state[name])
+            getattr(self, name).fill_(count if name == "count" else state[name])

@@ -52,11 +52,17 @@ class RunDir:
         """Gives this object's hold on the lock back, once: at `release`, or when it is collected."""
         if main:
             check_directory(self.path, "Run directory", FIX)
-            if (self.path / COMPLETE).is_file():  # a run would write its records over the checkpoint's
+            # A run would write its records over a checkpoint's, or among a run's checkpoints.
+            step = (self.path / COMPLETE).is_file()
+            if step or (self.path.name == "checkpoints" and list_checkpoints(self.path.parent)):
+                what, run, weights = (
+                    ("a checkpoint", self.path.parent.parent, self.path)
+                    if step
+                    else ("a run's checkpoints directory", self.path.parent, self.path.parent)
+                )
                 raise ConfigError(
-                    f"Run directory '{self.path}' is a checkpoint, not a run: continue its run with --resume "
-                    f"--run-dir {self.path.parent.parent}, or start a new one from its weights with "
-                    f"--checkpoint.init_from={self.path} --run-dir NEW."
+                    f"Run directory '{self.path}' is {what}, not a run: continue its run with --resume --run-dir "
+                    f"{run}, or start a new one from its weights with --checkpoint.init_from={weights} --run-dir NEW."
                 )
             if (self.path / "config.json").is_file() and not self.config_file.is_file():  # over its tokenizer.json
                 raise ConfigError(

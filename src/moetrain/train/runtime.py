@@ -45,18 +45,18 @@ def setup_runtime(cfg: RunConfig, rehearsal: Rehearsal | None = None) -> Runtime
     device = resolve_device(cfg.train.device)
     rank, world = init_distributed(device.type, cfg.parallel.timeout_s, cfg.parallel.peer_timeout_s, rehearsal)
     if rehearsal is None:  # train.device may name each rank's GPU; rank 0's train.run_dir is the run's
-        refuse_unless_alike(_dotted(cfg.to_dict()) | {"train.device": device.type, "train.run_dir": None})
+        refuse_unless_alike(dotted(cfg.to_dict()) | {"train.device": device.type, "train.run_dir": None})
     if device.type == "cuda" and world > 1:
         device = torch.device("cuda", torch.cuda.current_device())
     dims = cfg.build_dims(world, device)
     return Runtime(device, ParallelState.create(dims, device.type, rank, rehearsed=rehearsal is not None))
 
 
-def _dotted(tree: dict, prefix: str = "") -> dict:
+def dotted(tree: dict, prefix: str = "") -> dict:
     """A nested config dict as dotted key → value."""
     flat = {}
     for k, v in tree.items():
-        flat |= _dotted(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}
+        flat |= dotted(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}
     return flat
 
 

@@ -28,14 +28,14 @@ from moetrain.parallel.distributed import from_rank_0
 from moetrain.parallel.rehearsal import Rehearsal
 from moetrain.train import console, oom
 from moetrain.train.callbacks import Callback, Checkpointing, Evaluator, MetricsLogger, callbacks_from_config
-from moetrain.train.checkpoint_index import diagnose
-from moetrain.train.checkpoint_io import ShardRole, check_loadable, load_checkpoint
+from moetrain.train.checkpoint_index import diagnose, read_index, unexpected
+from moetrain.train.checkpoint_io import ShardRole, check_loadable, load_checkpoint, model_state_dict
 from moetrain.train.config import Extend, RunConfig
 from moetrain.train.engine import Batch, StepOutput, TrainEngine
 from moetrain.train.plot import plot_run
 from moetrain.train.profiling import StepProfiler
 from moetrain.train.run_dir import RunDir, checkpoints_dir, default_run_dir, estimated_bytes, resolve_checkpoint
-from moetrain.train.runtime import setup_runtime
+from moetrain.train.runtime import dotted, setup_runtime
 from moetrain.train.wandb_sink import require_wandb
 
 
@@ -193,8 +193,12 @@ class Trainer:
                     f"data.sources' ({theirs}): the same ids mean other text. Prepare the data with the checkpoint's "
                     f"tokenizer: `moetrain prepare-data … --tokenizer {ours}`."
                 )
+            whole = _whole_model(self.cfg)
+            check_loadable(path, {"model": whole})  # every rank alike, whatever stage it holds
             self.engine.load_model_weights(path)
-            self._notes.append(f"initialized the model from {path} (checkpoint.init_from)")
+            extra = unexpected(read_index(path)[0], whole)
+            left = f"; not read: {len(extra)} of its tensors this model lacks ({extra[0]}, …)" if extra else ""
+            self._notes.append(f"initialized the model from {path} (checkpoint.init_from){left}")
 
     def _resume(self) -> None:
         """From the newest intact complete checkpoint: damaged ones are skipped and moved aside
@@ -228,9 +232,9 @@ class Trainer:
                 + (f"; moved to {aside.name}" if aside else "")
             )
         state, rehearsal = self.engine.checkpoint_state(), ShardRole.of(self.par).rehearsal
+        check_loadable(path, state, rehearsal, _whole_model(self.cfg))
         saved_step = json.loads((path / "trainer_state.json").read_text())["step"]
         if saved_step >= self.cfg.train.steps:
-            check_loadable(path, state, rehearsal)  # refused as any resume is
             self.finished_at, self.resumed_from = saved_step, path
             return
         trainer_state = load_checkpoint(path, state, rank=self.par.rank, restore_rng=True, rehearsal=rehearsal)
@@ -244,7 +248,7 @@ class Trainer:
         self.run.keep_records_up_to(self.step)
         init = self.cfg.checkpoint.init_from
         unread = f"; checkpoint.init_from={init} is for a fresh start, not read" if init else ""
-        self._notes.append(f"resumed from {path} (step {self.step}){unread}")
+        self._notes.append(f"resumed from {path} (step {self.step}){unread}{_model_changes(path, self.cfg)}")
 
     def _note_warmup(self) -> None:
         """A schedule that ends inside its warm-up never decays: said at start-up."""
@@ -354,6 +358,23 @@ class Trainer:
             "checkpoint": self.run.last_checkpoint(),
             "metrics": str(self.run.metrics_file),
         }
+
+
+def _model_changes(path: Path, cfg: RunConfig) -> str:
+    """The model keys `cfg` sets otherwise than the checkpoint `path`'s config.yaml, which its
+    tensors' shapes do not tell (model.moe.gating, say), as the resume's note says them."""
+    if not (path / "config.yaml").is_file():
+        return ""
+    saved = dotted(RunConfig.from_dict(load_yaml(path / "config.yaml", RunConfig)).model.to_dict(), "model.")
+    now = dotted(cfg.model.to_dict(), "model.")
+    changed = [f"{k}={now[k]} (was {saved[k]})" for k in now if saved.get(k) != now[k]]
+    return f"; the model differs from the checkpoint's config.yaml: {', '.join(changed)}" if changed else ""
+
+
+def _whole_model(cfg: RunConfig) -> dict[str, torch.Tensor]:
+    """The whole model's checkpoint entries on the meta device: what every rank checks a
+    checkpoint against before it loads its own part, so that all refuse it alike."""
+    return model_state_dict(cfg.model.build(device="meta"))
 
 
 def _checkpoint_need(cfg: RunConfig) -> dict[str, Any]:
