@@ -148,3 +148,21 @@ def test_the_metrics_sinks_follow_the_config_and_get_every_record_in_order(tiny_
         ("a", "close", True),
     ]
     assert logger.sinks == [] and not read_metrics(trainer.run.metrics_file)
+
+
+def test_a_resumed_runs_tensorboard_events_hold_each_step_trained_again_once(tiny_cfg, tmp_path):
+    """Steps trained again after a resume were in RUN_DIR/tb twice (TensorBoard's Python loader drew
+    both), while metrics.jsonl holds them once."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    flags = ["train.log_every=1", "checkpoint.save_every=2", "checkpoint.save_final=false"]
+    flags += ["logging.tensorboard=true", "train.eval_every=0"]
+    Trainer(tiny_cfg(tmp_path / "run", "train.steps=3", *flags), quiet=True).fit()  # events of steps 1-3, saved at 2
+    resumed = Trainer(tiny_cfg(tmp_path / "run", "train.steps=4", *flags), resume=True, quiet=True)
+    assert resumed.step == 2
+    resumed.fit()
+    events = EventAccumulator(str(tmp_path / "run" / "tb")).Reload().Scalars("loss")
+    logged = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")}
+    assert [e.step for e in events] == [1, 2, 3, 4]
+    assert [e.value for e in events] == pytest.approx([logged[s] for s in (1, 2, 3, 4)], rel=1e-6)

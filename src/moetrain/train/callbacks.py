@@ -184,7 +184,8 @@ def metrics_sinks(trainer: Trainer) -> list[MetricsSink]:
                 resumed=trainer.resumed_from is not None,
             )
         sinks.append(JsonlSink(trainer.run.metrics_file))
-        tensorboard = TensorBoardSink.open(trainer.run.path) if lc.tensorboard else None
+        resumed_at = trainer.step if trainer.resumed_from is not None else None
+        tensorboard = TensorBoardSink.open(trainer.run.path, resumed_at) if lc.tensorboard else None
         sinks += [sink for sink in (tensorboard, wandb) if sink is not None]
     if not trainer.quiet:
         sinks.append(ConsoleSink(start=trainer.step, total=trainer.cfg.train.steps, device_type=trainer.device.type))

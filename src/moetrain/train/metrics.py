@@ -116,9 +116,10 @@ class TensorBoardSink(MetricsSink):
         self.tb = writer
 
     @classmethod
-    def open(cls, run_dir: Path) -> TensorBoardSink | None:
+    def open(cls, run_dir: Path, resumed_at: int | None = None) -> TensorBoardSink | None:
         """The sink writing to `run_dir`/tb; None, with a note, without the tensorboard package
-        (an optional dependency)."""
+        (an optional dependency). A run resumed at step `resumed_at` drops the earlier events of the
+        steps it trains again, as metrics.jsonl drops their records."""
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
@@ -128,7 +129,8 @@ class TensorBoardSink(MetricsSink):
                 file=sys.stderr,
             )
             return None
-        return cls(SummaryWriter(log_dir=str(run_dir / "tb")))
+        purge = None if resumed_at is None else resumed_at + 1
+        return cls(SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=purge))
 
     def write(self, record: dict[str, Any], window: tuple[float, int]) -> None:
         for key, value in scalars(record).items():
