@@ -128,3 +128,19 @@ def test_eval_reads_a_text_file_as_prepare_data_does(tmp_path, monkeypatch):
     (tmp_path / "a.txt.gz").write_bytes(gzip.compress(b"hello"))
     with pytest.raises(DataError, match="a.txt.gz' is not UTF-8"):
         inference.text_loss(None, None, Tokenizer(), [str(tmp_path / "a.txt.gz")])
+
+
+def test_a_synthetic_runs_checkpoint_is_named_as_one_not_told_to_get_a_tokenizer(tmp_path, capsys):
+    """eval, generate and export-hf of a data.synthetic=true run said "copy the model's own
+    tokenizer.json into it", which such a run never had."""
+    small = ["--model.d_model=64", "--model.vocab_size=512", "--data.seq_len=32", "--train.global_batch_size=2"]
+    small += ["--train.micro_batch_size=2", "--train.eval_every=0", "--logging.plot=false", "--device", "cpu"]
+    run = tmp_path / "run"
+    assert (
+        main(["train", "tiny", "--steps", "1", "--data.synthetic=true", "--run-dir", str(run), "--quiet", *small]) == 0
+    )
+    capsys.readouterr()
+    for command in (["generate", str(run), "--prompt", "x"], ["export-hf", str(run), str(tmp_path / "hf")]):
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert "is of a run on synthetic tokens (data.synthetic=true)" in err and "copy" not in err, err

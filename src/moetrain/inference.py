@@ -61,6 +61,11 @@ def checkpoint_tokenizer(path: Path, purpose: str):
     """The tokenizer of the checkpoint directory `path`, encoding text as training read it
     (`load_tokenizer`); `purpose` says in the error what it was for."""
     if not (path / "tokenizer.json").is_file():
+        if checkpoint_config(path).data.synthetic:
+            raise CheckpointError(
+                f"Checkpoint '{path}' is of a run on synthetic tokens (data.synthetic=true): its ids stand for no "
+                f"text, so it has no tokenizer.json {purpose}. A model trained on text (moetrain prepare-data) has one."
+            )
         raise CheckpointError(
             f"Checkpoint '{path}' has no tokenizer.json {purpose}: copy the model's own tokenizer.json into it."
         )
