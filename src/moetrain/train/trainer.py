@@ -361,14 +361,15 @@ class Trainer:
 
 
 def _model_changes(path: Path, cfg: RunConfig) -> str:
-    """The model keys `cfg` sets otherwise than the checkpoint `path`'s config.yaml, which its
-    tensors' shapes do not tell (model.moe.gating, say), as the resume's note says them."""
+    """The keys of what is trained and how (model, optim, schedule) that `cfg` sets otherwise than
+    the checkpoint `path`'s config.yaml, which no tensor's shape tells (model.moe.gating, optim.lr),
+    as the resume's note says them."""
     if not (path / "config.yaml").is_file():
         return ""
-    saved = dotted(RunConfig.from_dict(load_yaml(path / "config.yaml", RunConfig)).model.to_dict(), "model.")
-    now = dotted(cfg.model.to_dict(), "model.")
+    saved = dotted(RunConfig.from_dict(load_yaml(path / "config.yaml", RunConfig)).to_dict())
+    now = {k: v for k, v in dotted(cfg.to_dict()).items() if k.split(".")[0] in ("model", "optim", "schedule")}
     changed = [f"{k}={now[k]} (was {saved[k]})" for k in now if saved.get(k) != now[k]]
-    return f"; the model differs from the checkpoint's config.yaml: {', '.join(changed)}" if changed else ""
+    return f"; changed from the checkpoint's config.yaml: {', '.join(changed)}" if changed else ""
 
 
 def _whole_model(cfg: RunConfig) -> dict[str, torch.Tensor]:
