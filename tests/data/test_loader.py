@@ -214,8 +214,10 @@ def test_synthetic_tokens_are_layout_free_and_resume_exactly():
     resumed = loader()
     resumed.load_state_dict({**loader().state_dict(), "sample_index": 4})
     assert torch.equal(resumed.next_batch()[0], second[0])
-    with pytest.raises(DataError, match="data.synthetic"):
+    with pytest.raises(DataError, match=r"drawn with train.seed=3, not 4: resume it with --train.seed=3"):
         loader(seed=4).load_state_dict(whole.state_dict())
+    with pytest.raises(DataError, match=r"that of a run on token data, not of a data.synthetic=true run"):
+        loader().load_state_dict({"format": "moetrain-loader-v1"})
     assert not torch.equal(loader(seed=4).next_batch()[0], first[0])
 
 

@@ -278,9 +278,15 @@ class SyntheticLoader:
         return {"format": SYNTHETIC_FORMAT, "sample_index": self._sample_index, "seed": self.seed}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if not isinstance(state, dict) or state.get("format") != SYNTHETIC_FORMAT or state.get("seed") != self.seed:
+        if not isinstance(state, dict) or state.get("format") != SYNTHETIC_FORMAT:
             raise DataError(
-                "This checkpoint's data position is not that of a data.synthetic=true run with the same "
-                "seed: resume it with the data settings it was trained with."
+                "This checkpoint's data position is that of a run on token data, not of a data.synthetic=true "
+                "run: resume it with its data.sources, or start a synthetic run from its weights with "
+                "--checkpoint.init_from."
+            )
+        if state.get("seed") != self.seed:
+            raise DataError(
+                f"This checkpoint's synthetic tokens were drawn with train.seed={state.get('seed')}, not {self.seed}: "
+                f"resume it with --train.seed={state.get('seed')}."
             )
         self._sample_index = state["sample_index"]
