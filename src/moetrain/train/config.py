@@ -319,6 +319,12 @@ class RunConfig(Config):
             validate_tree(getattr(self, f.name), f"{f.name}.")
         m, tc, p = self.model, self.train, self.parallel
         has_moe = m.num_moe_layers > 0
+        if p.ep > 1 and not has_moe:
+            raise ConfigError(
+                f"parallel.ep={p.ep} splits the experts over ranks, but model.num_dense_layers={m.num_dense_layers} = "
+                "model.n_layers makes every block dense: set parallel.ep=1 (the ranks train data-parallel), or lower "
+                "model.num_dense_layers."
+            )
         if has_moe and m.moe.num_experts % p.ep:
             raise ConfigError(
                 f"parallel.ep={p.ep} does not divide model.moe.num_experts={m.moe.num_experts}: every "
