@@ -37,6 +37,7 @@ def train_args(data_dir, run_dir, *extra):
         (["--parallel.pp=2"], ["parallel.pp=2", "micro-batches"]),
         (["--parallel.pp=2", "--train.micro_batch_size=2"], ["parallel.pp=2", "world size 1"]),
         (["--parallel.ep=3"], ["parallel.ep=3"]),
+        (["--parallel.ep=2", "--model.num_dense_layers=4"], ["parallel.ep=2", "model.num_dense_layers=4"]),
         (["--parallel.peer_timeout_s=0"], ["parallel.peer_timeout_s=0", "seconds"]),
     ],
 )

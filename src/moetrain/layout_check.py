@@ -15,8 +15,8 @@ device (the machine's memory on CPUs), else `fsdp`.
 Per step it compares (`compare`) the LM loss, the optimizer's global gradient norm, the norm of
 each parameter group's reduced gradient before clipping (`GROUPS`, `Optimizer.grad_parts`), and
 the fraction of expert assignments dropped. Each quantity's largest relative difference over the
-steps is held against a tolerance set by the compute precision (`TOLERANCES`); past it the check
-fails, naming the quantity and the first step past it.
+steps is held against a tolerance set by the precision (`TOLERANCES`, `precision_of`); past it the
+check fails, naming the quantity and the first step past it.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ import torch
 import torch.distributed as dist
 
 from moetrain.errors import ConfigError, MoetrainError
+from moetrain.model.config import Routing
+from moetrain.optim.config import StateDtype
 from moetrain.parallel.config import ParallelConfig, Stack
 from moetrain.parallel.distributed import from_rank_0, refuse_unless_alike, shutdown
 from moetrain.train.config import CudaGraphs, Fp8, RunConfig
@@ -207,12 +209,14 @@ def _finite(values: list[float]) -> float | None:
 
 
 def precision_of(cfg: RunConfig, device: torch.device) -> str:
-    """fp32, bf16 or fp8: the compute precision the tolerances are chosen by."""
+    """fp32, bf16 or fp8: the precision the tolerances are chosen by, the compute's, or bf16's
+    where optim.grad_dtype=bf16 rounds the gradients that a layout sums in another order."""
     if cfg.precision.fp8 != Fp8.none:
         return "fp8"
     from moetrain.train.engine import autocast_dtype
 
-    return "bf16" if autocast_dtype(cfg.precision.dtype, device) == torch.bfloat16 else "fp32"
+    bf16 = autocast_dtype(cfg.precision.dtype, device) == torch.bfloat16 or cfg.optim.grad_dtype == StateDtype.bf16
+    return "bf16" if bf16 else "fp32"
 
 
 def reference_kind(cfg: RunConfig, device: torch.device, world: int, choice: str = "auto") -> tuple[str, str]:
@@ -246,6 +250,13 @@ def check_layout(
     runtime = setup_runtime(cfg)  # joins the launch's process group (the trainer then finds it)
     refuse_unless_alike({"--steps": steps, "--rtol": rtol, "--reference": reference})
     main, world = runtime.par.rank == 0, runtime.par.dims.world_size
+    if world > 1 and cfg.model.moe.routing == Routing.random:
+        raise ConfigError(
+            f"check-layout: model.moe.routing=random draws each token's experts from the random generator of "
+            f"the rank that holds it, so on {world} ranks the layout and its reference send the tokens to other "
+            "experts and their gradients cannot compare: check the layout with model.moe.routing=learned (the "
+            "same graph and FLOPs)."
+        )
     kind, why = reference_kind(cfg, runtime.device, world, reference)
     if kind == "fsdp":  # the FSDP stack over every rank and no other parallelism, the collective timeouts kept
         p = cfg.parallel

@@ -218,6 +218,28 @@ def test_mxfp8_is_refused_and_one_micro_batch_defers_nothing(tiny_cfg, tmp_path)
     assert all(m.runtime.expert_grads is None for m in engine.model.modules() if isinstance(m, GroupedExperts))
 
 
+def test_fsdp_is_refused_where_its_kept_gradients_and_the_deferred_ones_differ_in_dtype():
+    """FSDP keeps the earlier micro-batches' gradients in optim.grad_dtype; a deferred expert
+    gradient comes in the compute dtype; its reduce-scatter cannot mix them (an AssertionError
+    from torch on every rank after the first step's backward)."""
+    from moetrain.presets import resolve_config
+
+    fsdp = ["parallel.stack=fsdp", "compute.defer_expert_weight_grad=true"]
+    fsdp += ["train.global_batch_size=8", "train.micro_batch_size=4"]
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    for extra, device, want in (
+        (["precision.dtype=bf16"], cpu, "optim.grad_dtype=bf16"),
+        (["optim.grad_dtype=bf16"], cpu, "optim.grad_dtype=fp32"),
+        ([], cuda, "optim.grad_dtype=bf16"),  # auto: bf16 on CUDA
+    ):
+        cfg = resolve_config("tiny", fsdp + extra)
+        with pytest.raises(ConfigError, match=re.escape(f"needs {want}")):
+            cfg.validate(2, device)
+    for extra in ([], ["precision.dtype=bf16", "optim.grad_dtype=bf16"]):
+        resolve_config("tiny", fsdp + extra).validate(2, cpu)
+    resolve_config("tiny", [*fsdp, "precision.dtype=bf16"]).validate(1, cpu)  # one rank: nothing is sharded
+
+
 def test_compiled_blocks_run_the_deferred_products_eagerly_with_the_same_steps(tiny_cfg, tmp_path):
     """The deferred products are eager islands in compiled blocks (their backward keeps tensors
     across micro-batches): compiled and eager engines give the same steps up to fp32 rounding."""

@@ -115,6 +115,21 @@ def test_a_sound_layout_passes_and_says_so(real_text_dir):
     assert all(s["layout"]["groups"]["routed_experts"] > 0 for s in result["steps"])
 
 
+def test_bf16_gradients_are_held_to_the_bf16_tolerances(real_text_dir):
+    """optim.grad_dtype=bf16 rounds the gradients a layout sums in another order than one process:
+    fp32 compute, but a sound dp2 layout differs by bf16's rounding, which fp32's tolerances fail."""
+    code, out = run_distributed(_check, 2, real_text_dir, ["--optim.grad_dtype=bf16", "--json"], None)[0]
+    result = json.loads(out)
+    assert code == 0 and result["ok"] and result["precision"] == "bf16", result
+
+
+def test_random_routing_on_several_ranks_is_refused(real_text_dir):
+    """Each rank draws its tokens' experts from its own generator: the layout and the reference
+    route differently, so the check would fail a sound layout; it is refused, naming the key."""
+    code, err = run_distributed(_check_err, 2, real_text_dir, ["--model.moe.routing=random"])[0]
+    assert code == 2 and "model.moe.routing=random" in err and "Traceback" not in err, err
+
+
 @pytest.mark.parametrize(
     "fault, world, layout, named",
     [

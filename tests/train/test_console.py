@@ -120,10 +120,14 @@ def test_precision_names_autocast_bf16_weights_and_fp8():
     assert describe_precision(plain, cpu).endswith("every product in the blocks (precision.fp8_select=all)")
     auto = resolve_config("tiny", ["precision.dtype=bf16", "precision.fp8=rowwise"])
     assert describe_precision(auto, cpu).endswith("fp8 rowwise on no product: all are too small to repay it "
-                                                  "(precision.fp8_select=auto), so the step is bf16's")  # fmt: skip
+                                                  "(precision.fp8_select=auto)")  # fmt: skip
+    fp32 = resolve_config("tiny", ["precision.fp8=rowwise"])  # the step stays fp32's, not bf16's
+    assert describe_precision(fp32, cpu) == (
+        "fp32, fp8 rowwise on no product: all are too small to repay it (precision.fp8_select=auto)"
+    )
     head = resolve_config("tiny", ["precision.dtype=bf16", "precision.fp8=rowwise", "precision.fp8_lm_head=true"])
     assert describe_precision(head, cpu).endswith(
-        "so the step is bf16's; and the LM head (precision.fp8_lm_head); fast accumulation in backward too"
+        "(precision.fp8_select=auto); and the LM head (precision.fp8_lm_head); fast accumulation in backward too"
     )
     mx = resolve_config("tiny", ["precision.dtype=bf16", "precision.fp8=mxfp8"])
     assert describe_precision(mx, cpu) == "bf16 autocast (fp32 weights), fp8 mxfp8 matrix products"

@@ -114,7 +114,7 @@ def describe(cfg, rows: int, select: Fp8Select | str) -> str:
     if Fp8Select(select) == Fp8Select.all:
         return "every product in the blocks (precision.fp8_select=all)"
     if not chosen:
-        return "no product: all are too small to repay it (precision.fp8_select=auto), so the step is bf16's"
+        return "no product: all are too small to repay it (precision.fp8_select=auto)"
     rest = "the others are too small to repay it"
     return f"{', '.join(chosen)} ({len(chosen)} of {len(products)} kinds of product; {rest})"
 

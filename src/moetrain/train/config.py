@@ -193,8 +193,9 @@ class ComputeConfig(Config):
     the micro-batches) instead of once per micro-batch. Costs memory: each MoE layer keeps its
     experts' inputs and output gradients (bf16) of every micro-batch but the last, which `moetrain
     plan` counts (src/moetrain/model/expert_grads.py). Pays with many small experts, not few large
-    ones (docs/benchmarks.md, "The expert sweep"). Row-wise FP8 and bf16 experts; not mxfp8. Does
-    nothing with one micro-batch per step."""
+    ones (docs/benchmarks.md, "The expert sweep"). Row-wise FP8 and bf16 experts; not mxfp8. On the
+    fsdp stack over several ranks, with optim.grad_dtype the compute's dtype. Does nothing with one
+    micro-batch per step."""
 
     def resolved_loss_chunk_tokens(self, device_type: str) -> int:
         """compute.loss_chunk_tokens on this device (its default when None)."""
@@ -320,6 +321,12 @@ class RunConfig(Config):
             validate_tree(getattr(self, f.name), f"{f.name}.")
         m, tc, p = self.model, self.train, self.parallel
         has_moe = m.num_moe_layers > 0
+        if p.ep > 1 and not has_moe:
+            raise ConfigError(
+                f"parallel.ep={p.ep} splits the experts over ranks, but model.num_dense_layers={m.num_dense_layers} = "
+                "model.n_layers makes every block dense: set parallel.ep=1 (the ranks train data-parallel), or lower "
+                "model.num_dense_layers."
+            )
         if has_moe and m.moe.num_experts % p.ep:
             raise ConfigError(
                 f"parallel.ep={p.ep} does not divide model.moe.num_experts={m.moe.num_experts}: every "
@@ -356,6 +363,8 @@ class RunConfig(Config):
                 "it needs compute.compile=true."
             )
         _check_fp8(self.precision, self.compute, m)
+        if p.stack == Stack.fsdp and self.defers_expert_weight_grads and (world_size or 1) > 1:
+            _check_fsdp_deferral(self, device)
         if self.optim.bf16_weights:
             if p.stack != Stack.ddp:
                 raise ConfigError(
@@ -519,6 +528,27 @@ def _check_multi_token(depth: int, seq_len: int, cp: int) -> None:
         raise ConfigError(
             f"model.mtp_depth={depth} predicts {depth + 1} tokens ahead, but data.seq_len={seq_len} leaves no "
             f"position to predict from: lower model.mtp_depth below {seq_len}."
+        )
+
+
+def _check_fsdp_deferral(cfg: RunConfig, device: torch.device | None) -> None:
+    """FSDP keeps the gradients of a step's earlier micro-batches in optim.grad_dtype; a deferred
+    expert gradient (first of its step in the last backward) comes in the compute dtype, and
+    FSDP's reduce-scatter refuses the two mixed. precision.dtype=auto is checked once the device is
+    known."""
+    dtype = cfg.precision.dtype
+    if dtype == Precision.auto and device is None:
+        return
+    bf16 = dtype == Precision.bf16 or (dtype == Precision.auto and device.type == "cuda")
+    compute, grads = ("bf16" if bf16 else "fp32"), cfg.optim.grad_dtype
+    here = f": {compute} here" if dtype == Precision.auto else ""
+    if compute != grads:
+        raise ConfigError(
+            f"compute.defer_expert_weight_grad=true on parallel.stack=fsdp needs optim.grad_dtype={compute}, the "
+            f"compute's dtype (precision.dtype={dtype}{here}): FSDP keeps the other gradients between micro-batches "
+            f"in optim.grad_dtype={grads} and the deferred expert gradients come in {compute}, which its "
+            f"reduce-scatter cannot mix. Set optim.grad_dtype={compute}, or compute.defer_expert_weight_grad=false, "
+            "or parallel.stack=ddp."
         )
 
 
