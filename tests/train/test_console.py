@@ -138,6 +138,8 @@ def test_precision_names_autocast_bf16_weights_and_fp8():
         "fp32; expert weight gradients once per step (compute.defer_expert_weight_grad)"
     )
     assert describe_precision(resolve_config("tiny", [*defer, "train.micro_batch_size=8"]), cpu) == "fp32"
+    dense = [*defer, "train.micro_batch_size=4", "model.num_dense_layers=4"]  # no experts: nothing deferred
+    assert describe_precision(resolve_config("tiny", dense), cpu) == "fp32"
     graphs = resolve_config("tiny", ["compute.cuda_graphs=step"])
     assert describe_precision(graphs, cpu) == (
         "fp32; the training step replayed from a CUDA graph after 3 eager steps (compute.cuda_graphs)"

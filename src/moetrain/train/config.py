@@ -421,8 +421,11 @@ class RunConfig(Config):
 
     @property
     def defers_expert_weight_grads(self) -> bool:
-        """compute.defer_expert_weight_grad takes effect: it is set and a step has several micro-batches."""
-        return self.compute.defer_expert_weight_grad and self.train.grad_accum_steps > 1
+        """compute.defer_expert_weight_grad takes effect: it is set, the model has experts and a step
+        has several micro-batches."""
+        return (
+            self.compute.defer_expert_weight_grad and self.train.grad_accum_steps > 1 and self.model.num_moe_layers > 0
+        )
 
     @property
     def fp8_fast_backward(self) -> bool:
