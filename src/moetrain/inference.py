@@ -36,11 +36,7 @@ def load_for_inference(checkpoint: str | Path, device: str = "cpu") -> tuple[Tra
             f"model's vocabulary (model.vocab_size={cfg.model.vocab_size:,}): ids past it have no embedding. Put the "
             "tokenizer the model was trained with in its place."
         )
-    fix = (
-        "Load it on the CPU (--device cpu) of a machine with more memory."
-        if device != "cpu"
-        else "Use a machine with more memory."
-    )
+    fix = "Use a machine with more memory" + " (--device cpu: its RAM)" * (device != "cpu") + "."
     refuse_unless_it_fits(count_params(cfg.model).total, device, f"The model of '{path}'", fix)
     model = cfg.model.build(device="meta")
     model.to_empty(device=device)
@@ -152,7 +148,7 @@ def windows_loss(
     seq = cfg.data.seq_len
     total_loss, total_tokens = 0.0, 0
     starts = range(0, len(tokens_N) - 1, seq)[:windows]
-    bar = Progress(len(starts), progress, "evaluating", "window", "windows")
+    bar = Progress(len(starts), progress, "evaluating", "windows")
     for start in starts:
         window = torch.from_numpy(np.asarray(tokens_N[start : start + seq + 1], dtype=np.int64))
         inputs_BT, targets_BT = window[:-1].unsqueeze(0).to(device), window[1:].unsqueeze(0).to(device)

@@ -19,9 +19,7 @@ class Progress:
     """Items done so far (`units`: "documents" tokenized, "shards" written), of `total`, and the
     megabytes they held (where counted); `what` names the work."""
 
-    def __init__(
-        self, total: int, enabled: bool, what: str = "tokenizing", unit: str = "doc", units: str = "documents"
-    ):
+    def __init__(self, total: int, enabled: bool, what: str = "tokenizing", units: str = "documents"):
         self.total, self.enabled, self.what, self.units = total, enabled, what, units
         self.done = self.num_bytes = 0
         self.start = self.last = time.perf_counter()
@@ -29,7 +27,7 @@ class Progress:
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, unit=unit, desc=what, file=sys.stderr, dynamic_ncols=True)
+            self.bar = tqdm(total=total, unit=f" {units}", desc=what, file=sys.stderr, dynamic_ncols=True)
 
     def update(self, docs: int, num_bytes: int = 0) -> None:
         self.done += docs

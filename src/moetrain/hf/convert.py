@@ -177,7 +177,7 @@ def export_hf(
         remove_stale(out, names)
     from_rank_0(None)  # under a process group the other ranks write once those are gone
     mine = range(rank, len(shards), world_size)
-    bar = Progress(len(mine), True, "exporting" + f" (rank {rank})" * (world_size > 1), "shard", "shards")
+    bar = Progress(len(mine), True, "exporting" + f" (rank {rank})" * (world_size > 1), "shards")
     for i in mine:
         _write_shard(out / names[i], [by_name[s[0]] for s in shards[i]], shards[i], source, max_bytes)
         with safe_open(str(out / names[i]), framework="pt") as f:  # the library reads back what we wrote

@@ -137,7 +137,7 @@ class OptimConfig(Config):
             return Lion(tuple(self.lion_betas))
         if self.name in (OptimizerName.adamw, OptimizerName.muon):
             return AdamW(tuple(self.betas), self.eps)
-        raise NotImplementedError(f"optim.name={self.name}: OptimConfig.rule() has no element-wise update for it.")
+        raise ConfigError(f"optim.name={self.name!r} is not one of {', '.join(OptimizerName)}.")
 
     def build(
         self, model: nn.Module, state: ParallelState, parallel: ParallelConfig, *, bf16_weights: bool = False

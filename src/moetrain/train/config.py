@@ -539,11 +539,12 @@ def _check_fsdp_deferral(cfg: RunConfig, device: torch.device | None) -> None:
     expert gradient (first of its step in the last backward) comes in the compute dtype, and
     FSDP's reduce-scatter refuses the two mixed. precision.dtype=auto is checked once the device is
     known."""
+    from moetrain.train.engine import autocast_dtype
+
     dtype = cfg.precision.dtype
     if dtype == Precision.auto and device is None:
         return
-    bf16 = dtype == Precision.bf16 or (dtype == Precision.auto and device.type == "cuda")
-    compute, grads = ("bf16" if bf16 else "fp32"), cfg.optim.grad_dtype
+    compute, grads = ("bf16" if autocast_dtype(dtype, device) else "fp32"), cfg.optim.grad_dtype
     here = f": {compute} here" if dtype == Precision.auto else ""
     if compute != grads:
         raise ConfigError(
